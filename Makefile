@@ -1,0 +1,30 @@
+# duplexpipe: `make demo`, `make test`, `make bench`. Each creates .venv when it is missing.
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.duplexpipe-installed
+
+.PHONY: demo test bench lint clean
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --disable-pip-version-check "$(TORCH)"
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[viz,dev]"
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python examples/demo.py
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/run_all.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check duplexpipe tests
+	$(BIN)/mypy duplexpipe
+
+clean:
+	rm -rf $(VENV) demo-output bench-output

@@ -1,0 +1,1 @@
+"""Model to stages, the training API and launch helpers."""

@@ -1,0 +1,1 @@
+"""The runtime: executes one rank's instruction list over torch.distributed."""

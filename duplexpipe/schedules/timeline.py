@@ -1,0 +1,117 @@
+"""Timeline: timed compute actions per rank, produced by the simulator and by the runtime trace."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from duplexpipe.schedules.ir import Action, Op, ScheduleError, format_action, parse_action
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One compute action that ran on `rank` from `start` to `end` (seconds or cost units)."""
+
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        """end - start."""
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """What ran where and when; `source` is "simulated" or "measured"."""
+
+    schedule_name: str
+    num_ranks: int
+    num_microbatches: int
+    events: tuple[Event, ...]
+    source: str = "simulated"
+    unit: str = "cost units"
+
+    def rank_events(self, rank: int) -> list[Event]:
+        """The events of one rank ordered by start."""
+        return sorted((e for e in self.events if e.rank == rank), key=lambda e: (e.start, e.end))
+
+    @property
+    def start(self) -> float:
+        """The earliest start over all events (0 for simulated timelines)."""
+        return min((e.start for e in self.events), default=0.0)
+
+    @property
+    def makespan(self) -> float:
+        """Time from the first start to the last end."""
+        return max((e.end for e in self.events), default=0.0) - self.start
+
+    def busy(self, rank: int) -> float:
+        """Total compute time of `rank` (overlapping events are not double counted)."""
+        total, cursor = 0.0, float("-inf")
+        for e in self.rank_events(rank):
+            lo = max(e.start, cursor)
+            if e.end > lo:
+                total += e.end - lo
+            cursor = max(cursor, e.end)
+        return total
+
+    def idle(self, rank: int) -> float:
+        """makespan - busy(rank)."""
+        return self.makespan - self.busy(rank)
+
+    @property
+    def bubble_ratio(self) -> float:
+        """Total idle time over (ranks x makespan)."""
+        span = self.makespan
+        if span <= 0:
+            return 0.0
+        return sum(self.idle(r) for r in range(self.num_ranks)) / (self.num_ranks * span)
+
+    def activation_curve(self, rank: int) -> list[tuple[float, int]]:
+        """(time, live activations) steps for `rank`.
+
+        A (stage, microbatch) activation is live from the start of its F until the end
+        of its B, or of its W when the backward is split. Releases at a time come
+        before allocations at the same time.
+        """
+        deltas: list[tuple[float, int]] = []
+        for e in self.rank_events(rank):
+            for part in e.action.compute_parts():
+                if part.op is Op.F:
+                    deltas.append((e.start, +1))
+                elif part.op in (Op.B, Op.W):
+                    deltas.append((e.end, -1))
+        deltas.sort()
+        curve, live = [], 0
+        for t, d in deltas:
+            live += d
+            curve.append((t, live))
+        return curve
+
+    def peak_activations(self, rank: int) -> int:
+        """The most activations live at once on `rank`."""
+        return max((live for _, live in self.activation_curve(rank)), default=0)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready form."""
+        return {
+            "schedule": self.schedule_name,
+            "ranks": self.num_ranks,
+            "microbatches": self.num_microbatches,
+            "source": self.source,
+            "unit": self.unit,
+            "events": [[e.rank, format_action(e.action), e.start, e.end] for e in self.events],
+        }
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> Timeline:
+        """Inverse of `to_dict`."""
+        try:
+            events = tuple(Event(int(r), parse_action(a), float(s), float(t)) for r, a, s, t in data["events"])
+            return Timeline(data["schedule"], int(data["ranks"]), int(data["microbatches"]),
+                            events, data.get("source", "simulated"), data.get("unit", "cost units"))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ScheduleError(f"malformed timeline: {exc}") from None
