@@ -263,6 +263,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("duplexpipe: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # e.g. `duplexpipe show ... | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ COMPUTE_OPS = frozenset({Op.F, Op.B, Op.I, Op.W, Op.OVERLAP_F_B})
 COMM_OPS = frozenset({Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B})
 _SIMPLE_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
 _OVERLAP_RE = re.compile(r"^\(([^;()]+);([^;()]+)\)OVERLAP_F_B$")
+_TORCH_FSDP_RE = re.compile(r"^\d+(UNSHARD|RESHARD|REDUCE_GRAD)\d*$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,7 +326,9 @@ def load_torch_csv(path: str, name: str | None = None, num_microbatches: int | N
     """Read a torch `_dump_csv` file (compute-only or with comms); infer the stage table.
 
     Stage ranks come from where each stage's actions appear; the stages form one chain.
-    Empty cells (torch writes None as an empty cell) are skipped.
+    Empty cells (torch writes None as an empty cell) are skipped, and so are the FSDP
+    bookkeeping actions torch's lowering adds to compute_comms dumps (`0UNSHARD`,
+    `0RESHARD`, `0REDUCE_GRAD`), which move no pipeline data.
     """
     import csv
 
@@ -338,7 +341,7 @@ def load_torch_csv(path: str, name: str | None = None, num_microbatches: int | N
         raise ScheduleError(f"{path}: not a text file ({exc})") from None
     rows = [
         tuple(_parse_in(cell, f"{path}: line {line + 1} (rank {line}), column {col + 1}")
-              for col, cell in enumerate(row) if cell.strip())
+              for col, cell in enumerate(row) if cell.strip() and not _TORCH_FSDP_RE.match(cell.strip()))
         for line, row in enumerate(table)
     ]
     if not rows:

@@ -1,0 +1,110 @@
+"""Schedule registry: name -> generator, with argument checks and one-line descriptions."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from duplexpipe.schedules.dualpipe import check_dualpipe, check_dualpipev, dualpipe, dualpipev
+from duplexpipe.schedules.gpipe import check_gpipe, gpipe
+from duplexpipe.schedules.interleaved import check_interleaved_1f1b, interleaved_1f1b
+from duplexpipe.schedules.ir import Schedule
+from duplexpipe.schedules.one_f_one_b import check_one_f_one_b, one_f_one_b
+from duplexpipe.schedules.zero_bubble import check_zb_h1, check_zbv, zb_h1, zbv
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One registered schedule family."""
+
+    generator: Callable[..., Schedule]
+    """Builds the compute-only schedule from (num_ranks, num_microbatches, **options)."""
+    checker: Callable[..., None]
+    """Takes the same arguments and raises ValueError naming a violated constraint."""
+    description: str
+    """One line for `duplexpipe list` and the compare table."""
+    options: tuple[str, ...] = ()
+    """Keyword options the generator accepts beyond the two counts."""
+
+
+REGISTRY: Mapping[str, Entry] = MappingProxyType({
+    "gpipe": Entry(gpipe, check_gpipe, "GPipe: every forward, then every backward; M activations per rank"),
+    "1f1b": Entry(one_f_one_b, check_one_f_one_b,
+                  "1F1B (PipeDream-flush): alternate one forward and one backward; bubble (P-1)(F+B)"),
+    "interleaved-1f1b": Entry(
+        interleaved_1f1b, check_interleaved_1f1b,
+        "Megatron interleaved 1F1B: `chunks` stages per rank (default 2), stage s on rank s mod P; "
+        "needs M % P == 0", ("chunks",)),
+    "zb-h1": Entry(zb_h1, check_zb_h1,
+                   "ZB-H1 zero bubble: 1F1B with B split into I and W, W fills the cool-down; "
+                   "bubble (P-1)(F+B-2W), 1F1B's memory"),
+    "zbv": Entry(zbv, check_zbv, "ZB-V zero bubble: 2P stages in a V shape, B split into I and W"),
+    "dualpipe": Entry(dualpipe, check_dualpipe,
+                      "DualPipe (DeepSeek-V3): two model copies fed from both ends, overlapped F&B; "
+                      "needs P even, M even, M >= 2P"),
+    "dualpipev": Entry(dualpipev, check_dualpipev,
+                       "DualPipeV: DualPipe's order on one model copy of 2P stages in a V; needs M >= 2P"),
+})
+
+
+def names() -> tuple[str, ...]:
+    """The registered schedule names, simplest first."""
+    return tuple(REGISTRY)
+
+
+def entry(name: str) -> Entry:
+    """The registry entry for `name`; raises ValueError listing the known names."""
+    try:
+        return REGISTRY[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown schedule {name!r}; known schedules: {', '.join(names())}") from None
+
+
+def _check_options(name: str, options: Mapping[str, Any]) -> Entry:
+    found = entry(name)
+    unknown = sorted(set(options) - set(found.options))
+    if unknown:
+        accepted = ", ".join(found.options) or "none"
+        raise ValueError(f"schedule {name!r} does not take option(s) {', '.join(unknown)}; it accepts: {accepted}")
+    return found
+
+
+def build(name: str, num_ranks: int, num_microbatches: int, **options: Any) -> Schedule:
+    """Build the compute-only schedule `name` for P ranks and M microbatches.
+
+    Raises ValueError for an unknown name, an unknown option or arguments the schedule
+    does not accept (the message names the constraint and the values given).
+    """
+    return _check_options(name, options).generator(num_ranks, num_microbatches, **options)
+
+
+def check(name: str, num_ranks: int, num_microbatches: int, **options: Any) -> str | None:
+    """None when `build` would accept these arguments, else its error message.
+
+    An unknown name still raises ValueError: it is a caller's mistake, not a mismatch.
+    """
+    found = entry(name)
+    try:
+        _check_options(name, options)
+        found.checker(num_ranks, num_microbatches, **options)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def describe(name: str) -> str:
+    """One line describing schedule `name`."""
+    return entry(name).description
+
+
+def params_per_rank(schedule: Schedule) -> float:
+    """Parameters held per rank in units of one model / P: 2.0 for DualPipe, 1.0 for the others.
+
+    Computed as (stages on the rank) * num_ranks / num_groups, the maximum over ranks.
+    """
+    return max(
+        len(schedule.stages_of_rank(r)) * schedule.num_ranks / schedule.num_groups
+        for r in range(schedule.num_ranks)
+    )

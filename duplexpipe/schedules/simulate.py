@@ -1,0 +1,177 @@
+"""Event-driven simulation of a schedule under a cost model, producing a Timeline."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from duplexpipe.schedules.ir import Schedule, ScheduleError
+from duplexpipe.schedules.lower import Layout, gc_paused, lower
+from duplexpipe.schedules.timeline import Event, Timeline
+from duplexpipe.schedules.verify import Durations, analyze, explain_stuck, run_program
+
+_KEYS = {"f": "f", "b": "b", "w": "w", "fb": "fb", "f&b": "fb", "latency": "latency",
+         "bandwidth": "bandwidth", "bytes": "activation_bytes", "activation_bytes": "activation_bytes",
+         "stage_scale": "stage_scale"}
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """How long each action takes; all times in one arbitrary unit (the Timeline's)."""
+
+    f: float = 1.0
+    """Forward of one stage for one microbatch."""
+    b: float = 2.0
+    """Full backward (input and weight gradient) of one stage for one microbatch."""
+    w: float = 1.0
+    """The weight-gradient part of `b` (a W action); an input-gradient I costs b - w."""
+    fb: float | None = None
+    """An OVERLAP_F_B pair with a full B part (F&B); None: f + b of its two parts. A pair
+    whose backward part is an I costs fb - w."""
+    stage_costs: Mapping[int, tuple[float, float, float]] = field(default_factory=dict)
+    """Per-stage (f, b, w) overriding f, b and w for the stages named."""
+    latency: float = 0.0
+    """Fixed time of one message between ranks."""
+    bandwidth: float = math.inf
+    """Bytes per unit time between two ranks (inf: transfers take only `latency`)."""
+    activation_bytes: float = 0.0
+    """Size in bytes of one message (an activation or its gradient)."""
+    stage_scale: bool = False
+    """When True, f/b/w/fb are the costs of a 1/P share of the model (P = num_ranks) and each
+    stage's costs are multiplied by num_ranks / num_groups, so schedules that cut the
+    model into different numbers of parts compare fairly."""
+
+    def __post_init__(self) -> None:
+        for name in ("f", "b", "w", "latency", "activation_bytes"):
+            _check_time(name, getattr(self, name))
+        if self.fb is not None:
+            _check_time("fb", self.fb)
+        if not self.bandwidth > 0 or math.isnan(self.bandwidth):
+            raise ValueError(f"cost bandwidth must be > 0 (bytes per unit time), got {self.bandwidth!r}")
+        if self.w > self.b:
+            raise ValueError(f"cost w={self.w} exceeds b={self.b}: W is a part of the full backward B")
+        table = {}
+        for stage, costs in dict(self.stage_costs).items():
+            if not isinstance(stage, int) or isinstance(stage, bool) or stage < 0:
+                raise ValueError(f"stage_costs needs stage numbers >= 0 as keys, got {stage!r}")
+            if len(costs) != 3:
+                raise ValueError(f"stage_costs[{stage}] must be (f, b, w), got {costs!r}")
+            for name, value in zip("fbw", costs):
+                _check_time(f"stage_costs[{stage}].{name}", value)
+            if costs[2] > costs[1]:
+                raise ValueError(f"stage_costs[{stage}]: w={costs[2]} exceeds b={costs[1]}")
+            table[stage] = (float(costs[0]), float(costs[1]), float(costs[2]))
+        object.__setattr__(self, "stage_costs", MappingProxyType(table))
+
+    def __hash__(self) -> int:
+        values = tuple(getattr(self, f.name) for f in fields(self) if f.name != "stage_costs")
+        return hash(values + tuple(sorted(self.stage_costs.items())))
+
+    @property
+    def comm_time(self) -> float:
+        """The time one message takes: latency + activation_bytes / bandwidth."""
+        return self.latency + (self.activation_bytes / self.bandwidth if self.activation_bytes else 0.0)
+
+    def durations(self, schedule: Schedule) -> Durations:
+        """Per-stage compute times for `schedule` (applying stage_costs and stage_scale)."""
+        count = schedule.num_stages
+        unknown = sorted(s for s in self.stage_costs if s >= count)
+        if unknown:
+            raise ValueError(f"stage_costs names stages {unknown}, but {schedule.name!r} has stages 0..{count - 1}")
+        scale = schedule.num_ranks / schedule.num_groups if self.stage_scale else 1.0
+        table = [self.stage_costs.get(s, (self.f, self.b, self.w)) for s in range(count)]
+        f, b, w = ([c[k] * scale for c in table] for k in range(3))
+        fb = None if self.fb is None else [self.fb * scale] * count
+        return Durations(f, b, [bb - ww for bb, ww in zip(b, w)], w, fb)
+
+    @staticmethod
+    def parse(text: str) -> CostModel:
+        """Build from "F=1,B=2,W=1,FB=3,latency=0,bandwidth=1e9,bytes=4e6,stage_scale=true".
+
+        Keys are case-insensitive (F&B is accepted for FB); unset keys keep their defaults.
+        Raises ValueError naming the bad key or value.
+        """
+        values: dict[str, Any] = {}
+        for item in (p.strip() for p in text.split(",")):
+            if not item:
+                continue
+            key, sep, raw = (s.strip() for s in item.partition("="))
+            if not sep or not key:
+                raise ValueError(f"bad cost item {item!r} in {text!r}: expected KEY=VALUE")
+            name = _KEYS.get(key.lower())
+            if name is None:
+                raise ValueError(f"unknown cost key {key!r}; known keys: F, B, W, FB, latency, bandwidth, "
+                                 "bytes, stage_scale")
+            if name in values:
+                raise ValueError(f"cost key {key!r} is given twice in {text!r}")
+            values[name] = _parse_value(key, name, raw)
+        return CostModel(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready form (stage_costs as {"stage": [f, b, w]})."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "stage_costs"}
+        out["stage_costs"] = {str(s): list(c) for s, c in self.stage_costs.items()}
+        return out
+
+
+def _check_time(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise ValueError(f"cost {name} must be a finite number >= 0, got {value!r}")
+
+
+def _parse_value(key: str, name: str, raw: str) -> Any:
+    if name == "stage_scale":
+        if raw.lower() in _TRUE + _FALSE:
+            return raw.lower() in _TRUE
+        raise ValueError(f"cost key {key!r} needs true or false, got {raw!r}")
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"cost key {key!r} needs a number, got {raw!r}") from None
+    if math.isnan(value):
+        raise ValueError(f"cost key {key!r} needs a number, got {raw!r}")
+    return value
+
+
+def simulate(schedule: Schedule, cost: CostModel | None = None) -> Timeline:
+    """Time `schedule` under `cost` (default CostModel()); a compute-only schedule is lowered first.
+
+    Event-driven under DESIGN.md's execution contract: each rank runs its list in order;
+    RECV and SEND take no rank time; a transfer starts once both the SEND and the matching
+    RECV are posted and takes `cost.comm_time` (no link contention); a compute starts when
+    its rank is free and its inputs have arrived; an OVERLAP_F_B pair is one unit. The
+    Timeline holds compute actions only. The schedule's structure is checked on the way
+    (ScheduleError as from `verify`); a schedule that cannot finish raises ScheduleError
+    showing where each rank is stuck.
+    """
+    cost = cost if cost is not None else CostModel()
+    lowered = lower(schedule)
+    layout = Layout.of(lowered)
+    program = analyze(lowered, layout, cost.durations(lowered))
+    with gc_paused():
+        run = run_program(program, layout.num_tokens, cost.comm_time, record=True)
+        if not run.finished:
+            raise ScheduleError("simulation stuck: " + explain_stuck(lowered, layout, program, run).message)
+        events = tuple(Event(rank, action, start, end)
+                       for rank, row in enumerate(run.events) for action, start, end in row)
+    return Timeline(schedule.name, schedule.num_ranks, schedule.num_microbatches, events)
+
+
+def summary(timeline: Timeline) -> dict[str, Any]:
+    """makespan, bubble_ratio and per_rank [{rank, busy, idle, peak_activations}] of `timeline`."""
+    by_rank: list[list[Event]] = [[] for _ in range(timeline.num_ranks)]
+    for event in timeline.events:
+        by_rank[event.rank].append(event)
+    span = timeline.makespan
+    rows = []
+    for rank, events in enumerate(by_rank):
+        alone = Timeline(timeline.schedule_name, timeline.num_ranks, timeline.num_microbatches, tuple(events))
+        busy = alone.busy(rank)
+        rows.append({"rank": rank, "busy": busy, "idle": span - busy,
+                     "peak_activations": alone.peak_activations(rank)})
+    idle = sum(row["idle"] for row in rows)
+    ratio = idle / (timeline.num_ranks * span) if span > 0 else 0.0
+    return {"makespan": span, "bubble_ratio": ratio, "per_rank": rows}

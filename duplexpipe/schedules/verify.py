@@ -1,0 +1,542 @@
+"""Static checks and the cross-rank deadlock search for any schedule, compute-only or lowered."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import networkx as nx
+
+from duplexpipe.schedules.ir import Action, Op, Schedule, ScheduleError
+from duplexpipe.schedules.lower import Layout, gc_paused, lower
+
+RECV, SEND, COMPUTE = 0, 1, 2
+Instruction = tuple
+"""(RECV, token) | (SEND, token) | (COMPUTE, action, inputs, outputs, duration).
+
+`inputs` are the tokens a compute waits for, a message (cross-rank input of a lowered
+schedule, needing its SEND and the local RECV) written as -1-token; `outputs` are the
+tokens the compute makes available itself (local handoffs, or every output when the
+schedule is not lowered). Tokens are defined by `Layout`.
+"""
+Program = list[list[Instruction]]
+
+
+def verify(schedule: Schedule) -> None:
+    """Raise ScheduleError unless `schedule` is complete, ordered, matched and deadlock-free.
+
+    Checks, each error naming the actions involved: (1) completeness and placement: every
+    (stage, microbatch) has one F and either one B or one I and one W, on the stage's rank,
+    with F before B and F before I before W (OVERLAP_F_B pairs count as their parts);
+    (2) data dependencies across stages are satisfiable; (3) for lowered schedules, sends
+    and receives match one to one, with the right peer, in the same order per ordered pair
+    of ranks, and each cross-rank input is received before its consumer; (4) no deadlock
+    under DESIGN.md's execution contract. A compute-only schedule is checked as it is, then
+    lowered and the lowering checked too.
+    """
+    _verify_as_is(schedule)
+    if not schedule.has_comms:
+        try:
+            _verify_as_is(lower(schedule))
+        except ScheduleError as exc:
+            raise ScheduleError(f"after lowering: {exc}") from None
+
+
+def _verify_as_is(schedule: Schedule) -> None:
+    layout = Layout.of(schedule)
+    program = analyze(schedule, layout)
+    run = run_program(program, layout.num_tokens)
+    if run.finished:
+        return
+    raise ScheduleError(explain_stuck(schedule, layout, program, run).message)
+
+
+def check_structure(schedule: Schedule) -> None:
+    """Checks (1) and (3) of `verify` only: completeness, placement, order, send/receive matching."""
+    analyze(schedule, Layout.of(schedule))
+
+
+@dataclass(frozen=True)
+class Durations:
+    """Per-stage compute times for `analyze` (all zero when only checking)."""
+
+    f: list[float]
+    """f[s]: forward of stage s."""
+    b: list[float]
+    """b[s]: full backward of stage s."""
+    i: list[float]
+    """i[s]: input-gradient backward of stage s."""
+    w: list[float]
+    """w[s]: weight-gradient backward of stage s."""
+    fb: list[float] | None = None
+    """fb[s]: an F&B pair whose forward part is on stage s (with a full B; minus w for an I part);
+    None: the sum of the parts."""
+
+    @staticmethod
+    def zero(num_stages: int) -> Durations:
+        """All times zero."""
+        zeros = [0.0] * num_stages
+        return Durations(zeros, zeros, zeros, zeros)
+
+
+def analyze(schedule: Schedule, layout: Layout, durations: Durations | None = None) -> Program:
+    """Checks (1) and (3) of `verify` in one pass; returns the program that `run_program` executes."""
+    state = _State(schedule, layout, durations or Durations.zero(layout.num_stages))
+    with gc_paused():
+        program = [_analyze_rank(state, rank, row) for rank, row in enumerate(schedule.actions)]
+    _check_complete(state)
+    _check_matching(state)
+    return program
+
+
+class _State:
+    """Positions per (stage, microbatch) and per token, gathered while walking the lists once."""
+
+    def __init__(self, schedule: Schedule, layout: Layout, durations: Durations) -> None:
+        size, lowered = layout.num_stages * layout.num_microbatches, schedule.has_comms
+        self.schedule, self.layout, self.lowered, self.durations = schedule, layout, lowered, durations
+        self.f_at, self.bi_at, self.w_at = [-1] * size, [-1] * size, [-1] * size
+        self.is_i = bytearray(size)
+        self.send_at, self.recv_at = [-1] * (2 * size), [-1] * (2 * size)
+        self.sends: list[dict[int, list[int]]] = [{} for _ in schedule.actions]
+        self.recvs: list[dict[int, list[int]]] = [{} for _ in schedule.actions]
+        self.counts = [0, 0, 0, 0]  # F, B or I, I, W
+        rank, nmb = layout.rank, layout.num_microbatches
+
+        def crosses(s: int, peer: int) -> bool:
+            return peer >= 0 and lowered and rank[peer] != rank[s]
+        # per stage: 0 no input, 1 local input, 2 message; output token base or -1 (sent by a SEND)
+        stages = range(layout.num_stages)
+        self.f_in = [0 if layout.prv[s] < 0 else 2 if crosses(s, layout.prv[s]) else 1 for s in stages]
+        self.b_in = [0 if layout.nxt[s] < 0 else 2 if crosses(s, layout.nxt[s]) else 1 for s in stages]
+        self.f_out = [-1 if layout.nxt[s] < 0 or crosses(s, layout.nxt[s]) else layout.nxt[s] * nmb
+                      for s in stages]
+        self.b_out = [-1 if layout.prv[s] < 0 or crosses(s, layout.prv[s]) else size + layout.prv[s] * nmb
+                      for s in stages]
+
+    def fail(self, rank: int, pos: int, action: Action, why: str) -> ScheduleError:
+        """An error naming `action` and where it sits."""
+        return ScheduleError(f"{self.schedule.name!r}: {action} at rank {rank}, position {pos}: {why}")
+
+    def misplaced(self, rank: int, pos: int, action: Action) -> ScheduleError:
+        """The error for an action whose stage, rank or microbatch is wrong."""
+        lay, stage, mb = self.layout, action.stage, action.microbatch
+        if stage >= lay.num_stages:
+            return self.fail(rank, pos, action, f"unknown stage {stage} (stages are 0..{lay.num_stages - 1})")
+        if lay.rank[stage] != rank:
+            return self.fail(rank, pos, action, f"stage {stage} runs on rank {lay.rank[stage]}, not {rank}")
+        return self.fail(rank, pos, action, f"microbatch {mb} is outside {lay.lo[stage]}..{lay.hi[stage] - 1}"
+                         f" (the microbatches of stage {stage})")
+
+    def compute(self, rank: int, pos: int, part: Action, inputs: list[int], outputs: list[int]) -> float:
+        """Check one plain compute action (or pair part); add its tokens; return its duration."""
+        lay, op, stage, mb = self.layout, part.op, part.stage, part.microbatch
+        if stage >= lay.num_stages or lay.rank[stage] != rank or not lay.lo[stage] <= mb < lay.hi[stage]:
+            raise self.misplaced(rank, pos, part)
+        key, dur = stage * lay.num_microbatches + mb, self.durations
+        if op is Op.W:
+            self._weight(rank, pos, part, key)
+            return dur.w[stage]
+        forward = op is Op.F
+        done = self.f_at if forward else self.bi_at
+        if done[key] >= 0:
+            raise self.fail(rank, pos, part, f"duplicate {'forward' if forward else 'backward'} "
+                            f"(first at position {done[key]})")
+        if not forward and not 0 <= self.f_at[key] < pos:
+            raise self.fail(rank, pos, part, f"backward before its forward {stage}F{mb}"
+                            " (the forward must come earlier on the same rank)")
+        done[key] = pos
+        self.counts[0 if forward else 1] += 1
+        if op is Op.I:
+            self.is_i[key] = 1
+            self.counts[2] += 1
+        kind = (self.f_in if forward else self.b_in)[stage]
+        token = key if forward else lay.num_stages * lay.num_microbatches + key
+        if kind == 2:
+            if self.recv_at[token] < 0:
+                raise self._unreceived(rank, pos, part, token)
+            inputs.append(-1 - token)
+        elif kind == 1:
+            inputs.append(token)
+        base = (self.f_out if forward else self.b_out)[stage]
+        if base >= 0:
+            outputs.append(base + mb)
+        return dur.f[stage] if forward else dur.b[stage] if op is Op.B else dur.i[stage]
+
+    def _weight(self, rank: int, pos: int, part: Action, key: int) -> None:
+        if self.w_at[key] >= 0:
+            raise self.fail(rank, pos, part, f"duplicate weight gradient (first at position {self.w_at[key]})")
+        if self.bi_at[key] < 0 or not self.is_i[key]:
+            why = "after a full backward B (W only follows an I)" if self.bi_at[key] >= 0 else "before"
+            raise self.fail(rank, pos, part, f"weight gradient {why} its input gradient "
+                            f"{part.stage}I{part.microbatch}")
+        self.w_at[key] = pos
+        self.counts[3] += 1
+
+    def _unreceived(self, rank: int, pos: int, part: Action, token: int) -> ScheduleError:
+        recv, _ = self.layout.token_text(token, "recv")
+        sender = self.layout.token_text(token, "send")[1]
+        later = [i for i, a in enumerate(self.schedule.actions[rank]) if str(a) == recv]
+        where = f"it is posted later, at position {later[0]}" if later else f"rank {rank} never posts it"
+        return self.fail(rank, pos, part, f"consumes a tensor from rank {sender} without an earlier {recv} "
+                         f"({where})")
+
+    def pair(self, rank: int, pos: int, action: Action) -> Instruction:
+        """Check an OVERLAP_F_B pair (its B part may not consume the pair's own F)."""
+        inputs: list[int] = []
+        outputs: list[int] = []
+        back, fwd = action.parts[1], action.parts[0]
+        cost = self.compute(rank, pos, back, inputs, outputs) + self.compute(rank, pos, fwd, inputs, outputs)
+        fb = self.durations.fb
+        if fb is not None:
+            cost = fb[fwd.stage] - (self.durations.w[back.stage] if back.op is Op.I else 0.0)
+        return (COMPUTE, action, tuple(inputs), tuple(outputs), cost)
+
+    def comm_error(self, rank: int, pos: int, action: Action) -> ScheduleError:
+        """The error for a SEND/RECV that `_analyze_rank` rejected."""
+        lay, op, stage, mb = self.layout, action.op, action.stage, action.microbatch
+        if stage >= lay.num_stages or lay.rank[stage] != rank or not lay.lo[stage] <= mb < lay.hi[stage]:
+            return self.misplaced(rank, pos, action)
+        forward, sending = op in (Op.SEND_F, Op.RECV_F), op in (Op.SEND_F, Op.SEND_B)
+        peer = lay.nxt[stage] if forward == sending else lay.prv[stage]
+        if peer < 0:
+            return self.fail(rank, pos, action, f"stage {stage} is the {'last' if forward == sending else 'first'}"
+                             " stage of its chain: there is no peer stage")
+        if lay.rank[peer] == rank:
+            return self.fail(rank, pos, action, f"stages {stage} and {peer} both run on rank {rank}: "
+                             "they hand over locally, without SEND/RECV")
+        key = stage * lay.num_microbatches + mb
+        if sending and (self.f_at if forward else self.bi_at)[key] < 0:
+            return self.fail(rank, pos, action, f"sent before its producer {stage}{'F' if forward else 'B'}{mb}"
+                             f"{'' if forward else f' (or {stage}I{mb})'} (it must come earlier on rank {rank})")
+        half = lay.num_stages * lay.num_microbatches
+        token = (0 if forward else half) + (peer if sending else stage) * lay.num_microbatches + mb
+        first = (self.send_at if sending else self.recv_at)[token]
+        return self.fail(rank, pos, action, f"duplicate (first at position {first})")
+
+
+def _analyze_rank(state: _State, rank: int, row: tuple[Action, ...]) -> list[Instruction]:
+    """Check one rank's list and compile it.
+
+    SEND/RECV (most actions of a lowered schedule) and plain F and B take an inline fast
+    path; anything else, and anything the fast path does not accept, goes through
+    `_State.compute`/`pair`/`comm_error`, which hold the rules and raise the precise error.
+    """
+    lay, dur = state.layout, state.durations
+    nmb, nstages, rank_of, lo, hi = lay.num_microbatches, lay.num_stages, lay.rank, lay.lo, lay.hi
+    half = nstages * nmb
+    f_at, bi_at, recv_at, f_in, b_in, f_out, b_out = (state.f_at, state.bi_at, state.recv_at, state.f_in,
+                                                       state.b_in, state.f_out, state.b_out)
+    specs = ((lay.nxt, 0, f_at, state.sends[rank], state.send_at, SEND),
+             (lay.prv, half, bi_at, state.sends[rank], state.send_at, SEND),
+             (lay.prv, 0, None, state.recvs[rank], recv_at, RECV),
+             (lay.nxt, half, None, state.recvs[rank], recv_at, RECV))
+    send_f, send_b, recv_f, recv_b, f_op, b_op = Op.SEND_F, Op.SEND_B, Op.RECV_F, Op.RECV_B, Op.F, Op.B
+    out: list[Instruction] = []
+    counted = [0, 0]
+    for pos, action in enumerate(row):
+        op, stage, mb = action.op, action.stage, action.microbatch
+        if op is f_op or op is b_op:
+            forward = op is f_op
+            if stage < nstages and rank_of[stage] == rank and lo[stage] <= mb < hi[stage]:
+                key = stage * nmb + mb
+                if forward and f_at[key] < 0 or not forward and bi_at[key] < 0 and 0 <= f_at[key] < pos:
+                    kind, token = (f_in[stage], key) if forward else (b_in[stage], half + key)
+                    if kind != 2 or recv_at[token] >= 0:
+                        (f_at if forward else bi_at)[key] = pos
+                        counted[not forward] += 1
+                        base = (f_out if forward else b_out)[stage]
+                        out.append((COMPUTE, action, () if kind == 0 else (token,) if kind == 1 else (-1 - token,),
+                                    () if base < 0 else (base + mb,), (dur.f if forward else dur.b)[stage]))
+                        continue
+        if op is send_f:
+            peers, base, made, queues, seen, kind = specs[0]
+        elif op is send_b:
+            peers, base, made, queues, seen, kind = specs[1]
+        elif op is recv_f:
+            peers, base, made, queues, seen, kind = specs[2]
+        elif op is recv_b:
+            peers, base, made, queues, seen, kind = specs[3]
+        elif op is Op.OVERLAP_F_B:
+            out.append(state.pair(rank, pos, action))
+            continue
+        else:
+            inputs: list[int] = []
+            outputs: list[int] = []
+            cost = state.compute(rank, pos, action, inputs, outputs)
+            out.append((COMPUTE, action, tuple(inputs), tuple(outputs), cost))
+            continue
+        if stage >= nstages or rank_of[stage] != rank or not lo[stage] <= mb < hi[stage]:
+            raise state.comm_error(rank, pos, action)
+        peer = peers[stage]
+        if peer < 0 or rank_of[peer] == rank or (made is not None and made[stage * nmb + mb] < 0):
+            raise state.comm_error(rank, pos, action)
+        token = base + (peer if made is not None else stage) * nmb + mb
+        if seen[token] >= 0:
+            raise state.comm_error(rank, pos, action)
+        seen[token] = pos
+        queue = queues.get(rank_of[peer])
+        if queue is None:
+            queue = queues[rank_of[peer]] = []
+        queue.append(token)
+        out.append((kind, token))
+    state.counts[0] += counted[0]
+    state.counts[1] += counted[1]
+    return out
+
+
+def _check_complete(state: _State) -> None:
+    lay, name = state.layout, state.schedule.name
+    expected = sum(lay.hi[s] - lay.lo[s] for s in range(lay.num_stages))
+    f, bi, i, w = state.counts
+    if f == expected and bi == expected and w == i:
+        return
+    missing: list[str] = []
+    for s in range(lay.num_stages):
+        for m in range(lay.lo[s], lay.hi[s]):
+            key, on = s * lay.num_microbatches + m, f" on rank {lay.rank[s]}"
+            if state.f_at[key] < 0:
+                missing.append(f"{s}F{m}{on}")
+            if state.bi_at[key] < 0:
+                missing.append(f"{s}B{m} (or {s}I{m} and {s}W{m}){on}")
+            elif state.is_i[key] and state.w_at[key] < 0:
+                missing.append(f"{s}W{m}{on}")
+    shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+    raise ScheduleError(f"{name!r} is incomplete: missing {shown}")
+
+
+def _check_matching(state: _State) -> None:
+    lay, name = state.layout, state.schedule.name
+    pairs = {(src, dst) for src, row in enumerate(state.sends) for dst in row}
+    pairs |= {(src, dst) for dst, row in enumerate(state.recvs) for src in row}
+    for src, dst in sorted(pairs):
+        sent, received = state.sends[src].get(dst, []), state.recvs[dst].get(src, [])
+        if sent == received:
+            continue
+        in_recv, in_sent = set(received), set(sent)
+        for k in range(max(len(sent), len(received))):
+            s = sent[k] if k < len(sent) else None
+            r = received[k] if k < len(received) else None
+            if s == r:
+                continue
+            if s is not None and s not in in_recv:
+                raise ScheduleError(f"{name!r}: {lay.token_text(s, 'send')[0]} on rank {src} has no matching "
+                                    f"{lay.token_text(s, 'recv')[0]} on rank {dst} (missing receive)")
+            if r is not None and r not in in_sent:
+                raise ScheduleError(f"{name!r}: {lay.token_text(r, 'recv')[0]} on rank {dst} has no matching "
+                                    f"{lay.token_text(r, 'send')[0]} on rank {src} (missing send)")
+            assert s is not None and r is not None
+            raise ScheduleError(
+                f"{name!r}: rank {dst} receives from rank {src} out of order: message {k} is "
+                f"{lay.token_text(s, 'send')[0]} (the sender's order) but rank {dst} posts "
+                f"{lay.token_text(r, 'recv')[0]} there; receives must follow the sender's posting order")
+
+
+@dataclass
+class Run:
+    """The result of executing a program: times, and where each rank stopped."""
+
+    events: list[list[tuple[Action, float, float]]]
+    """events[r]: rank r's (compute action, start, end) in list order (empty unless recorded)."""
+    position: list[int]
+    """position[r]: how many of rank r's actions ran (all of them unless stuck)."""
+    blocked_on: list[int | None]
+    """blocked_on[r]: what rank r waits for: a token (its data), or -1-token (its local RECV)."""
+    finished: bool
+    """True when every rank ran its whole list."""
+
+
+def run_program(program: Program, num_tokens: int, comm: float = 0.0, record: bool = False) -> Run:
+    """Execute `program` under the execution contract; stops (never loops) when no rank can move.
+
+    Each rank runs in order; RECV/SEND take no rank time; a message arrives `comm` after
+    both its SEND and its RECV are posted; a compute starts once the rank is free and its
+    inputs have arrived. A stuck rank is woken only by what it waits for, so this takes
+    time linear in the number of actions.
+    """
+    num_ranks = len(program)
+    ready: list[float | None] = [None] * num_tokens
+    posted: list[float | None] = [None] * num_tokens
+    waiting: dict[int, list[int]] = {}
+    position, clock = [0] * num_ranks, [0.0] * num_ranks
+    blocked_on: list[int | None] = [None] * num_ranks
+    events: list[list[tuple[Action, float, float]]] = [[] for _ in range(num_ranks)]
+    todo = list(range(num_ranks - 1, -1, -1))
+    while todo:
+        rank = todo.pop()
+        row, i, now, wait = program[rank], position[rank], clock[rank], None
+        end, log = len(row), events[rank]
+        while i < end:
+            ins = row[i]
+            kind = ins[0]
+            if kind == COMPUTE:
+                start = now
+                for token in ins[2]:
+                    if token >= 0:
+                        at = ready[token]
+                        if at is None:
+                            wait = token
+                            break
+                    else:
+                        at, post = ready[-1 - token], posted[-1 - token]
+                        if at is None or post is None:
+                            wait = -1 - token if at is None else token
+                            break
+                        at = (at if at > post else post) + comm
+                    if at > start:
+                        start = at
+                if wait is not None:
+                    break
+                now = start + ins[4]
+                if record:
+                    log.append((ins[1], start, now))
+                for token in ins[3]:
+                    ready[token] = now
+                    if token in waiting:
+                        todo.extend(waiting.pop(token))
+            else:
+                token = ins[1]
+                if kind == SEND:
+                    ready[token] = now
+                else:
+                    posted[token] = now
+                    token = -1 - token
+                if token in waiting:
+                    todo.extend(waiting.pop(token))
+            i += 1
+        position[rank], clock[rank], blocked_on[rank] = i, now, wait
+        if wait is not None:
+            waiting.setdefault(wait, []).append(rank)
+    finished = all(position[r] == len(row) for r, row in enumerate(program))
+    return Run(events, position, blocked_on, finished)
+
+
+@dataclass(frozen=True)
+class Deadlock:
+    """Where each stuck rank stopped, and one cycle of waits among them."""
+
+    blocked: tuple[tuple[int, Action, str, int], ...]
+    """(rank, the action it is blocked at, the action it waits for, that action's rank), by rank."""
+    cycle: tuple[tuple[int, tuple[Action, ...]], ...]
+    """The cycle in happens-before order: (rank, its actions from where it is blocked to the one awaited)."""
+    message: str
+    """A human-readable report: the blocked actions, the cycle rank by rank and the rank x step grid."""
+
+
+def find_deadlock(schedule: Schedule) -> Deadlock | None:
+    """Execute `schedule` symbolically (compute-only or lowered, as it is); None if every rank finishes.
+
+    Runs the structural checks first (they raise ScheduleError). The happens-before graph (program order on each rank,
+    SEND -> consumer of the matching RECV, RECV -> its consumer, local stage handoffs) is
+    acyclic exactly when this execution finishes; otherwise the stuck ranks' waits form a
+    cycle, found with networkx on the graph of the blocked actions and reported as actions.
+    """
+    layout = Layout.of(schedule)
+    program = analyze(schedule, layout)
+    run = run_program(program, layout.num_tokens)
+    return None if run.finished else explain_stuck(schedule, layout, program, run)
+
+
+def _setters(program: Program) -> dict[int, tuple[int, int]]:
+    """Wait key -> (rank, position) of the action that satisfies it."""
+    found: dict[int, tuple[int, int]] = {}
+    for rank, row in enumerate(program):
+        for pos, ins in enumerate(row):
+            if ins[0] == COMPUTE:
+                for token in ins[3]:
+                    found[token] = (rank, pos)
+            else:
+                found[ins[1] if ins[0] == SEND else -1 - ins[1]] = (rank, pos)
+    return found
+
+
+def explain_stuck(schedule: Schedule, layout: Layout, program: Program, run: Run) -> Deadlock:
+    """Describe a stopped `run`: each stuck rank's blocked action and awaited action, and one cycle."""
+    setters, rows, lowered = _setters(program), schedule.actions, schedule.has_comms
+    graph: nx.DiGraph = nx.DiGraph()
+    blocked, awaited = [], {}
+    for rank, row in enumerate(program):
+        if run.position[rank] == len(row):
+            continue
+        key = run.blocked_on[rank]
+        assert key is not None
+        head = rows[rank][run.position[rank]]
+        if key in setters:
+            peer, pos = setters[key]
+            awaited[rank] = (peer, pos)
+            graph.add_edge(rank, peer)
+            blocked.append((rank, head, str(rows[peer][pos]), peer))
+        else:
+            token, role = (key, "send" if lowered else "produce") if key >= 0 else (-1 - key, "recv")
+            text, peer = layout.token_text(token, role)
+            blocked.append((rank, head, f"{text}, which no rank posts", peer))
+    try:
+        edges = nx.find_cycle(graph)
+    except nx.NetworkXNoCycle:
+        edges = []
+    cycle = _cycle_segments(rows, run.position, awaited, [e[0] for e in edges])
+    return Deadlock(tuple(blocked), cycle, _report(schedule, run.position, tuple(blocked), cycle))
+
+
+def _cycle_segments(rows: tuple[tuple[Action, ...], ...], position: list[int],
+                    awaited: dict[int, tuple[int, int]], ranks: list[int]) -> tuple:
+    """Walk the wait cycle backwards so each segment ends at the action the next rank waits for."""
+    if not ranks:
+        return ()
+    waiter_of = {awaited[r][0]: r for r in ranks}
+    segments, rank = [], min(ranks)
+    for _ in ranks:
+        waiter = waiter_of[rank]
+        stop = awaited[waiter][1]
+        segments.append((rank, rows[rank][position[rank]:stop + 1]))
+        rank = waiter
+    return tuple(segments)
+
+
+def _short(actions: tuple[Action, ...]) -> str:
+    texts = [str(a) for a in actions]
+    if len(texts) > 6:
+        texts = texts[:2] + [f"... ({len(texts) - 4} more) ..."] + texts[-2:]
+    return " -> ".join(texts)
+
+
+def _report(schedule: Schedule, position: list[int], blocked: tuple[tuple[int, Action, str, int], ...],
+            cycle: tuple[tuple[int, tuple[Action, ...]], ...]) -> str:
+    parts = [f"rank {r} blocked at {head} waiting for {what} on rank {peer}" for r, head, what, peer in blocked]
+    lines = [f"deadlock in {schedule.name!r}: " + "; ".join(parts)]
+    if cycle:
+        chain = " => ".join(f"rank {r}: {_short(seg)}" for r, seg in cycle)
+        lines.append(f"cycle: {chain} => rank {cycle[0][0]}: {cycle[0][1][0]}")
+    lines.append("where each stuck rank stopped ([blocked action]):")
+    for r, *_ in blocked[:16]:
+        row, at = schedule.actions[r], position[r]
+        window = [str(a) for a in row[max(0, at - 3):at]] + [f"[{row[at]}]"] + [str(a) for a in row[at + 1:at + 4]]
+        lead, tail = ("... " if at > 3 else ""), (" ..." if at + 4 < len(row) else "")
+        lines.append(f"  rank {r:>3} step {at:>4}: {lead}{' '.join(window)}{tail}")
+    if len(blocked) > 16:
+        lines.append(f"  ... and {len(blocked) - 16} more stuck ranks")
+    return "\n".join(lines)
+
+
+def happens_before_graph(schedule: Schedule) -> nx.DiGraph:
+    """The full happens-before graph as networkx: nodes (rank, position) with an `action` attribute.
+
+    Edges: program order on each rank; the action that makes a tensor available (SEND, or
+    the producer for a local handoff or a compute-only schedule) -> its consumer; a RECV ->
+    its consumer. `find_deadlock` finds a cycle here without building it (this is the slow,
+    explicit form, for tests and tools).
+    """
+    layout = Layout.of(schedule)
+    program = analyze(schedule, layout)
+    setters = _setters(program)
+    graph: nx.DiGraph = nx.DiGraph()
+    for rank, row in enumerate(program):
+        graph.add_nodes_from(((rank, pos), {"action": schedule.actions[rank][pos]}) for pos in range(len(row)))
+        graph.add_edges_from(((rank, pos), (rank, pos + 1)) for pos in range(len(row) - 1))
+        for pos, ins in enumerate(row):
+            if ins[0] != COMPUTE:
+                continue
+            for token in ins[2]:
+                for key in (token,) if token >= 0 else (-1 - token, token):
+                    if key in setters:
+                        graph.add_edge(setters[key], (rank, pos))
+    return graph

@@ -1,0 +1,15 @@
+"""Drawing schedules and timelines: Gantt charts, comparison figures, Chrome traces, text grids."""
+
+from duplexpipe.viz.compare import plot_comparison, plot_measured_vs_simulated
+from duplexpipe.viz.gantt import plot_timeline
+from duplexpipe.viz.text import render_text
+from duplexpipe.viz.trace import chrome_trace, to_chrome_trace
+
+__all__ = [
+    "chrome_trace",
+    "plot_comparison",
+    "plot_measured_vs_simulated",
+    "plot_timeline",
+    "render_text",
+    "to_chrome_trace",
+]

@@ -1,0 +1,202 @@
+"""Tests of the Gantt chart: every schedule renders headless, one box per compute action, labels and panels."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _viz_cases import M, P, as_measured, hand_timeline, schedule_names, simulated
+
+from duplexpipe.schedules.ir import Op
+from duplexpipe.schedules.timeline import Timeline
+from duplexpipe.viz import _style as st
+from duplexpipe.viz.gantt import DPI, plot_timeline, transfer_pairs
+
+NAMES = schedule_names()
+
+imread = pytest.importorskip("matplotlib.image").imread
+
+
+def boxes(fig: Any) -> list[Any]:
+    """The action boxes of a figure (patches whose gid marks them)."""
+    return [p for ax in fig.axes for p in ax.patches if (p.get_gid() or "").startswith(st.BOX_GID)]
+
+
+def arrows(fig: Any) -> list[Any]:
+    return [p for ax in fig.axes for p in ax.patches if (p.get_gid() or "").startswith(st.ARROW_GID)]
+
+
+def strict(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Call `fn` with every warning raised as an error."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        return fn(*args, **kwargs)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_schedule_renders_png_and_svg(name: str, tmp_path: Path) -> None:
+    schedule, timeline = simulated(name)
+    compute = sum(1 for _, _, a in schedule.iter_actions() if a.op.is_compute)
+    png = tmp_path / f"{name}.png"
+    fig = strict(plot_timeline, timeline, png, activations=True, transfers=True)
+    assert len(boxes(fig)) == compute == len(timeline.events)
+    pixels = imread(png)
+    width, height = fig.get_size_inches() * DPI
+    assert pixels.shape[:2] == (round(height), round(width))
+    rgb = pixels[..., :3]
+    inked = (rgb.min(axis=2) < 0.9).mean()
+    assert 0.05 < inked < 0.9, f"{name}: {inked:.1%} of the pixels are not white"
+    assert len({tuple(px) for px in (rgb[::7, ::7].reshape(-1, 3) * 255).astype(int)}) > 10
+    svg = tmp_path / f"{name}.svg"
+    fig = strict(plot_timeline, timeline, svg)
+    text = svg.read_text()
+    assert text.count(f'id="{st.BOX_GID}-') == compute, "one SVG element per compute action"
+    assert st.display_name(name) in text or st.display_name(name) in fig.texts[0].get_text()
+
+
+def test_pdf_and_unsaved_figure(tmp_path: Path) -> None:
+    _, timeline = simulated("1f1b")
+    path = tmp_path / "g.pdf"
+    strict(plot_timeline, timeline, path)
+    assert path.read_bytes().startswith(b"%PDF")
+    fig = strict(plot_timeline, timeline, None)
+    assert len(boxes(fig)) == len(timeline.events)
+
+
+def test_box_geometry_colour_and_labels_follow_the_events() -> None:
+    _, timeline = simulated("1f1b")
+    fig = plot_timeline(timeline, None)
+    ax = fig.axes[0]
+    by_gid = {b.get_gid(): b for b in boxes(fig)}
+    for e in timeline.events:
+        box = by_gid[f"{st.BOX_GID}-0-r{e.rank}-s{e.action.stage}{e.action.op.value}m{e.action.microbatch}"]
+        assert box.get_x() == pytest.approx(e.start - timeline.start)
+        assert box.get_width() == pytest.approx(e.duration)
+        assert e.rank - 0.5 < box.get_y() < e.rank
+        expected = st.KIND_COLORS[e.action.op.value][0]
+        assert box.get_facecolor()[:3] == pytest.approx(_rgb(expected))
+    labels = Counter(t.get_text() for t in ax.texts if t.get_text().isdigit())
+    assert labels == Counter(str(e.action.microbatch) for e in timeline.events), "every box shows its microbatch"
+
+
+def _rgb(hex_color: str) -> tuple[float, ...]:
+    return tuple(int(hex_color[i:i + 2], 16) / 255 for i in (1, 3, 5))
+
+
+def test_dualpipe_pairs_are_split_and_directions_shaded() -> None:
+    _, timeline = simulated("dualpipe")
+    fig = plot_timeline(timeline, None)
+    ax = fig.axes[0]
+    halves = [p for p in ax.patches if p.get_gid() is None and p.get_zorder() == 2]
+    pairs = [e for e in timeline.events if e.action.op is Op.OVERLAP_F_B]
+    assert pairs and len(halves) == 2 * len(pairs)
+    fills = {tuple(round(c, 3) for c in p.get_facecolor()[:3]) for p in boxes(fig) + halves if p.get_fill()}
+    for kind in ("F", "B"):
+        light, dark = (tuple(round(c, 3) for c in _rgb(c)) for c in st.KIND_COLORS[kind])
+        assert light in fills and dark in fills, f"both directions of {kind} are drawn"
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert "F&B overlapped pair" in legend
+    assert any("down" in t for t in legend) and any("up" in t for t in legend)
+
+
+def test_title_and_idle_shares() -> None:
+    _, timeline = simulated("zb-h1")
+    fig = plot_timeline(timeline, None)
+    title = fig.texts[0].get_text()
+    assert all(part in title for part in ("ZB-H1", f"{P} ranks", f"{M} microbatches",
+                                           f"bubble {timeline.bubble_ratio:.1%}"))
+    shares = [t.get_text() for t in fig.axes[0].texts if t.get_text().endswith("%")]
+    assert shares == [f"{timeline.idle(r) / timeline.makespan:.1%}" for r in range(P)]
+
+
+def test_activation_panel_reports_each_peak() -> None:
+    _, timeline = simulated("1f1b")
+    fig = plot_timeline(timeline, None, activations=True)
+    assert len(fig.axes) == 2
+    peaks = [t.get_text() for t in fig.axes[1].texts if t.get_text().startswith("peak")]
+    assert peaks == [f"peak {timeline.peak_activations(r)}" for r in range(P)] == [f"peak {P - r}" for r in range(P)]
+    assert fig.axes[1].get_xlim() == fig.axes[0].get_xlim()
+
+
+def test_transfer_arrows_one_per_cross_rank_tensor() -> None:
+    schedule, timeline = simulated("1f1b")
+    assert len(transfer_pairs(timeline)) == 2 * (P - 1) * M
+    fig = plot_timeline(timeline, None, transfers=schedule)
+    assert len(arrows(fig)) == 2 * (P - 1) * M
+    assert not arrows(plot_timeline(timeline, None))
+    _, vshape = simulated("zbv")
+    pairs = transfer_pairs(vshape)
+    assert pairs and all(src.rank != dst.rank for src, dst, _ in pairs)
+    assert len(pairs) == 2 * 2 * (P - 1) * M, "the turn of the V (stage P-1 -> P) stays on one rank"
+
+
+def test_draws_into_given_axes() -> None:
+    from matplotlib.figure import Figure
+
+    timeline = hand_timeline([[("0F0", 0, 1), ("0B0", 3, 5)], [("1F0", 1, 2), ("1B0", 2, 3)]])
+    fig = Figure()
+    ax = fig.add_subplot()
+    assert plot_timeline(timeline, ax) is None
+    assert len(boxes(fig)) == 2 * 2
+    with pytest.raises(ValueError, match="2 Axes"):
+        plot_timeline(timeline, ax, activations=True)
+    fig2 = Figure()
+    pair = fig2.subplots(2, 1)
+    assert plot_timeline(timeline, list(pair), activations=True) is None
+    assert len(boxes(fig2)) == 4
+
+
+def test_measured_timeline_in_seconds_starts_at_zero() -> None:
+    _, sim = simulated("1f1b")
+    measured = as_measured(sim, 0.002, origin=1234.5)
+    fig = strict(plot_timeline, measured, None)
+    assert fig.axes[0].get_xlabel() == "time (ms)"
+    first = min(b.get_x() for b in boxes(fig))
+    assert first == pytest.approx(0.0)
+    assert max(b.get_x() + b.get_width() for b in boxes(fig)) == pytest.approx(sim.makespan * 2.0)
+    assert "measured" in fig.texts[1].get_text()
+
+
+def test_bad_input_raises_value_error(tmp_path: Path) -> None:
+    _, timeline = simulated("1f1b")
+    with pytest.raises(ValueError, match=r"'\.jpg'"):
+        plot_timeline(timeline, tmp_path / "g.jpg")
+    with pytest.raises(ValueError, match="no events"):
+        plot_timeline(Timeline("empty", 2, 1, ()), tmp_path / "g.png")
+    with pytest.raises(ValueError, match="Timeline"):
+        plot_timeline("1f1b", tmp_path / "g.png")  # type: ignore[arg-type]
+
+
+def test_headless_and_lazy_matplotlib(tmp_path: Path) -> None:
+    code = (
+        "import sys\n"
+        "import duplexpipe.viz as v\n"
+        "assert 'matplotlib' not in sys.modules, 'imported eagerly'\n"
+        "from duplexpipe.schedules.ir import parse_action\n"
+        "from duplexpipe.schedules.timeline import Event, Timeline\n"
+        "t = Timeline('x', 1, 1, (Event(0, parse_action('0F0'), 0, 1),))\n"
+        f"v.plot_timeline(t, {str(tmp_path / 'h.png')!r})\n"
+        "assert 'matplotlib.pyplot' not in sys.modules\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY", "MPLBACKEND")}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "h.png").stat().st_size > 0
+
+
+def test_labels_skip_boxes_hidden_by_the_next_and_stray_ranks_fail() -> None:
+    # measured runs can overlap: 0F0's visible part (0..0.05 of 10) is too narrow for a label
+    timeline = hand_timeline([[("0F0", 0, 6), ("0F1", 0.05, 6), ("0B0", 6, 10)]])
+    fig = plot_timeline(timeline, None)
+    assert sorted(t.get_text() for t in fig.axes[0].texts if t.get_text().isdigit()) == ["0", "1"]
+    assert len(boxes(fig)) == 3
+    stray = Timeline("x", 1, 1, hand_timeline([[], [("1F0", 0, 1)]]).events)
+    with pytest.raises(ValueError, match=r"ranks \[1\], outside 0..0"):
+        plot_timeline(stray, None)

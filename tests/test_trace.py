@@ -1,0 +1,70 @@
+"""Tests of the Chrome trace: it loads, names one process per rank, one complete event per compute action."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _viz_cases import as_measured, hand_timeline, schedule_names, simulated
+
+from duplexpipe.schedules.ir import Op
+from duplexpipe.schedules.timeline import Timeline
+from duplexpipe.viz.trace import COST_UNIT_US, chrome_trace, to_chrome_trace
+
+
+def load(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())
+
+
+def check_events(data: dict[str, Any], timeline: Timeline, us_per_unit: float) -> None:
+    complete = [e for e in data["traceEvents"] if e["ph"] == "X"]
+    assert len(complete) == len(timeline.events)
+    expected = sorted(
+        (e.rank, round((e.start - timeline.start) * us_per_unit, 3), round(e.duration * us_per_unit, 3),
+         e.action.stage, e.action.microbatch)
+        for e in timeline.events
+    )
+    got = sorted((e["pid"], e["ts"], e["dur"], e["args"]["stage"], e["args"]["microbatch"]) for e in complete)
+    assert got == expected
+    names = {e["pid"]: e["args"]["name"] for e in data["traceEvents"]
+             if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {r: f"rank {r}" for r in range(timeline.num_ranks)}
+
+
+@pytest.mark.parametrize("name", schedule_names())
+def test_every_schedule_traces(name: str, tmp_path: Path) -> None:
+    schedule, timeline = simulated(name)
+    path = tmp_path / "t.json"
+    to_chrome_trace(timeline, path)
+    data = load(path)
+    check_events(data, timeline, COST_UNIT_US)
+    compute = sum(1 for _, _, a in schedule.iter_actions() if a.op.is_compute)
+    assert sum(e["ph"] == "X" for e in data["traceEvents"]) == compute
+    assert data["otherData"]["schedule"] == name and data["otherData"]["us_per_unit"] == COST_UNIT_US
+
+
+def test_measured_seconds_become_microseconds(tmp_path: Path) -> None:
+    _, sim = simulated("zb-h1")
+    measured = as_measured(sim, 0.0025, origin=812.25)
+    path = tmp_path / "m.json"
+    to_chrome_trace(measured, path)
+    data = load(path)
+    check_events(data, measured, 1e6)
+    first = min(e["ts"] for e in data["traceEvents"] if e["ph"] == "X")
+    assert first == 0 and data["otherData"]["origin"] == pytest.approx(812.25)
+
+
+def test_pair_args_name_both_parts_and_override_scale() -> None:
+    timeline = hand_timeline([[("0F0", 0, 1), ("(0F1;1B0)OVERLAP_F_B", 1, 4), ("0W0", 4, 5)]])
+    data = chrome_trace(timeline, us_per_unit=10)
+    pair = next(e for e in data["traceEvents"] if e.get("cat") == "F&B")
+    assert pair["name"] == "0F1&1B0" and pair["ts"] == 10 and pair["dur"] == 30
+    assert pair["args"]["op"] == Op.OVERLAP_F_B.value
+    assert (pair["args"]["stage"], pair["args"]["microbatch"]) == (0, 1)
+    assert (pair["args"]["backward_stage"], pair["args"]["backward_microbatch"]) == (1, 0)
+    with pytest.raises(ValueError, match="us_per_unit"):
+        chrome_trace(timeline, us_per_unit=0)
+    with pytest.raises(ValueError, match="Timeline"):
+        chrome_trace({"events": []})  # type: ignore[arg-type]
