@@ -1,0 +1,206 @@
+"""Split a stage's backward into input gradients now (I) and weight gradients later (W).
+
+Works on any autograd graph (plain nn.Linear, LayerNorm, attention; no custom autograd
+functions). The idea, learned from torch.distributed.pipelining's stage_backward_input /
+stage_backward_weight, implemented here independently:
+
+* the *input path* is every graph node from which the stage input is reachable;
+* a parameter's *meeting points* are the input-path nodes (or graph roots off that path)
+  where its gradient branch leaves the input path (a Linear's addmm node, a LayerNorm node);
+* I computes d(input) only, with pre-hooks on the meeting points recording the gradient
+  each receives; autograd then skips every weight branch, so no weight gradient is formed;
+* W restarts autograd at the meeting points with the recorded gradients and asks only for
+  the parameters: the engine runs each meeting node once more for its weight outputs and the
+  weight-only branches below it. It never re-runs the input path (except where one weight
+  group meets it at several points, e.g. a weight tied across layers of one stage; there the
+  recorded gradients are pinned so nothing is counted twice).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+Edge = GradientEdge
+
+
+@dataclass
+class _Group:
+    """Parameters whose gradient branches leave the input path at the same meeting points."""
+
+    params: list[Tensor] = field(default_factory=list)
+    nodes: set[Node] = field(default_factory=set)
+
+
+def _parents(roots: Sequence[Node]) -> dict[Node, list[Node]]:
+    """Every node reachable from `roots`, mapped to the nodes that feed gradient into it."""
+    parents: dict[Node, list[Node]] = {root: [] for root in roots}
+    stack = list(parents)
+    while stack:
+        node = stack.pop()
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            if child not in parents:
+                parents[child] = []
+                stack.append(child)
+            parents[child].append(node)
+    return parents
+
+
+def _ancestors(starts: Sequence[Node], parents: dict[Node, list[Node]]) -> set[Node]:
+    """The nodes from which some node of `starts` is reachable (including those nodes)."""
+    seen = {node for node in starts if node in parents}
+    stack = list(seen)
+    while stack:
+        for parent in parents[stack.pop()]:
+            if parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return seen
+
+
+def _meeting_points(start: Node, parents: dict[Node, list[Node]], input_path: set[Node],
+                    roots: set[Node]) -> set[Node]:
+    """Where the gradient branch that ends in `start` (a parameter) leaves the input path."""
+    found: set[Node] = set()
+    seen, stack = {start}, [start]
+    while stack:
+        node = stack.pop()
+        if node in roots and node not in input_path:
+            found.add(node)
+        for parent in parents.get(node, ()):
+            if parent in input_path:
+                found.add(parent)
+            elif parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return found
+
+
+def _group_params(params: Sequence[Tensor], parents: dict[Node, list[Node]], input_path: set[Node],
+                  roots: set[Node]) -> list[_Group]:
+    """Partition the used parameters into groups with disjoint meeting points."""
+    groups: list[_Group | None] = []
+    owner: dict[Node, int] = {}
+    for param in params:
+        points = _meeting_points(get_gradient_edge(param).node, parents, input_path, roots)
+        if not points:
+            continue  # not used by this stage's graph
+        merged = _Group([param], set(points))
+        for index in sorted({owner[n] for n in points if n in owner}):
+            old = groups[index]
+            if old is not None:
+                merged.params = old.params + merged.params
+                merged.nodes |= old.nodes
+                groups[index] = None
+        groups.append(merged)
+        for node in merged.nodes:
+            owner[node] = len(groups) - 1
+    return [g for g in groups if g is not None]
+
+
+class WeightWork:
+    """The deferred W of one stage backward; `run()` accumulates the weight gradients once."""
+
+    def __init__(self, groups: list[_Group], captured: dict[Node, tuple[Tensor | None, ...]],
+                 root_grads: dict[Node, list[tuple[Edge, Tensor]]]) -> None:
+        self._groups = groups
+        self._captured = captured
+        self._root_grads = root_grads
+        self.done = False
+
+    def _edges(self, group: _Group) -> tuple[list[Edge], list[Tensor]]:
+        edges: list[Edge] = []
+        grads: list[Tensor] = []
+        for node in group.nodes:
+            if node in self._root_grads:
+                for edge, root_grad in self._root_grads[node]:
+                    edges.append(edge)
+                    grads.append(root_grad)
+            for nr, grad in enumerate(self._captured.get(node, ())):
+                if grad is not None:
+                    edges.append(GradientEdge(node, nr))
+                    grads.append(grad)
+        return edges, grads
+
+    def run(self) -> None:
+        """Compute and accumulate (into .grad) the gradients of every parameter reached."""
+        if self.done:
+            raise RuntimeError("this weight-gradient work has already run")
+        self.done = True
+        for group in self._groups:
+            edges, grads = self._edges(group)
+            if not edges:
+                continue
+            handles = []
+            if len(group.nodes) > 1:  # pin recorded gradients: no double counting
+                for node in group.nodes:
+                    if node in self._captured:
+                        saved = self._captured[node]
+                        handles.append(node.register_prehook(lambda _grads, saved=saved: saved))
+            try:
+                weight_grads = torch.autograd.grad(edges, group.params, grads, retain_graph=True,
+                                                   allow_unused=True)
+            finally:
+                for handle in handles:
+                    handle.remove()
+            _accumulate(group.params, weight_grads)
+        self._groups, self._captured, self._root_grads = [], {}, {}
+
+
+def _accumulate(params: Sequence[Tensor], grads: Sequence[Tensor | None]) -> None:
+    with torch.no_grad():
+        for param, grad in zip(params, grads, strict=True):
+            if grad is None:
+                continue
+            if param.grad is None:
+                param.grad = grad.detach()
+            else:
+                param.grad += grad
+
+
+def backward_input(roots: Sequence[Edge], grads: Sequence[Tensor], inputs: Sequence[Tensor],
+                   params: Sequence[Tensor]) -> tuple[list[Tensor | None], WeightWork]:
+    """I: gradients of `inputs` only, plus the WeightWork that later forms the weight gradients.
+
+    `roots` are the gradient edges of the stage outputs (or of the loss), `grads` the
+    gradients flowing into them; `inputs` are the stage's input leaves (those that do not
+    require grad get None); `params` the parameters that should receive gradients.
+    """
+    root_nodes = list(dict.fromkeys(edge.node for edge in roots))
+    parents = _parents(root_nodes)
+    wanted = [t for t in inputs if t.requires_grad]
+    input_path = _ancestors([get_gradient_edge(t).node for t in wanted], parents)
+    root_set = set(root_nodes)
+    groups = _group_params([p for p in params if p.requires_grad], parents, input_path, root_set)
+    root_grads: dict[Node, list[tuple[Edge, Tensor]]] = {}
+    for edge, grad in zip(roots, grads, strict=True):
+        if edge.node not in input_path:
+            root_grads.setdefault(edge.node, []).append((edge, grad))
+    captured: dict[Node, tuple[Tensor | None, ...]] = {}
+
+    def recorder(node: Node) -> Any:
+        def hook(grad_outputs: tuple[Tensor | None, ...]) -> None:
+            captured[node] = tuple(grad_outputs)
+        return hook
+
+    hooks = [node.register_prehook(recorder(node))
+             for group in groups for node in group.nodes if node in input_path]
+    try:
+        found: Sequence[Tensor | None] = ()
+        on_path = [t for t in wanted if get_gradient_edge(t).node in input_path]
+        if on_path:
+            found = torch.autograd.grad(list(roots), on_path, list(grads), retain_graph=True,
+                                        allow_unused=True)
+    finally:
+        for handle in hooks:
+            handle.remove()
+    by_id = {id(t): g for t, g in zip(on_path, found, strict=True)} if on_path else {}
+    dinputs = [by_id.get(id(t)) if t.requires_grad else None for t in inputs]
+    return dinputs, WeightWork(groups, captured, root_grads)

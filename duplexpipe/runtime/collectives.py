@@ -1,0 +1,192 @@
+"""Step-level group communication: step-start agreement, loss sum, mirrored gradients, outputs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from duplexpipe.runtime.watchdog import Watchdog
+from duplexpipe.schedules.ir import Schedule
+
+NONE = -(2**62)
+"""Placeholder a rank contributes to the agreement for a value it does not know."""
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool)
+_HEADER = 10
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What the ranks agreed on at the start of a step (-1: nobody knew the value)."""
+
+    batch: int
+    """Rows of the batch on the ranks holding first stages."""
+    signature: int
+    """Hash of the microbatch input shapes and dtype."""
+    target_rows: int
+    """Rows of the targets on the ranks holding last stages; -1 when none were given."""
+    error_rank: int
+    """A rank that rejected its inputs, or -1."""
+    consistent: bool
+    """False when ranks holding first (or last) stages were given different batches (or targets)."""
+
+
+def agree(batch: int | None, signature: int | None, target_rows: int | None, error: bool,
+          group: Any, device: torch.device, watchdog: Watchdog) -> Agreement:
+    """One all-reduce (MAX) telling every rank the batch, its signature and the target rows.
+
+    Ranks pass None for what they do not hold; target_rows is -1 on a last-stage rank
+    without targets. `error` marks a rank whose inputs are invalid.
+    """
+    def pair(value: int | None) -> list[int]:
+        return [NONE, NONE] if value is None else [value, -value]
+
+    rank = dist.get_rank(group)
+    vec = pair(batch) + pair(signature) + pair(target_rows) + [rank if error else -1]
+    data = torch.tensor(vec, dtype=torch.int64, device=device)
+    work = dist.all_reduce(data, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    watchdog.wait_work(work, "the step-start agreement (every rank must call step()/evaluate())",
+                       "all ranks of the group")
+    got = data.tolist()
+    consistent = all(got[i] == NONE or got[i] == -got[i + 1] for i in (0, 2, 4))
+    known = [v if v != NONE else -1 for v in got[0:6:2]]
+    return Agreement(known[0], known[1], known[2], int(got[6]), consistent)
+
+
+def sum_over_group(value: float, group: Any, device: torch.device, watchdog: Watchdog, what: str) -> float:
+    """The sum of `value` over the group (float64), bounded and error-flag aware."""
+    data = torch.tensor([value], dtype=torch.float64, device=device)
+    work = dist.all_reduce(data, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    watchdog.wait_work(work, what, "all ranks of the group")
+    return float(data.item())
+
+
+def _flat_grads(params: list[Tensor]) -> list[Tensor]:
+    """One flat tensor per dtype (in order of first appearance), zeros where grad is None."""
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for p in params:
+        grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        by_dtype.setdefault(p.dtype, []).append(grad.reshape(-1))
+    return [torch.cat(parts) for parts in by_dtype.values()]
+
+
+def _scatter(params: list[Tensor], flats: list[Tensor]) -> None:
+    offsets: dict[torch.dtype, int] = {}
+    index = {dtype: i for i, dtype in enumerate(dict.fromkeys(p.dtype for p in params))}
+    for p in params:
+        start = offsets.get(p.dtype, 0)
+        p.grad = flats[index[p.dtype]][start:start + p.numel()].view_as(p).clone()
+        offsets[p.dtype] = start + p.numel()
+
+
+class MirrorSum:
+    """DualPipe: sum the gradients of the stages that share a weight group, across ranks.
+
+    Only this step's contribution is summed: gradients already in .grad when the step
+    starts are set aside by `begin` and added back by `finish`.
+    """
+
+    def __init__(self, schedule: Schedule, rank: int, modules: dict[int, nn.Module], group: Any,
+                 global_ranks: list[int], watchdog: Watchdog) -> None:
+        self.modules = modules
+        self.group = group
+        self.global_ranks = global_ranks
+        self.watchdog = watchdog
+        self.pairs: list[tuple[int, int, int]] = []
+        for stage in sorted(modules, key=lambda s: (schedule.stages[s].group, s)):
+            for other, info in enumerate(schedule.stages):
+                if other != stage and info.group == schedule.stages[stage].group and info.rank != rank:
+                    self.pairs.append((stage, other, info.rank))
+        self._stash: dict[int, list[Tensor | None]] = {}
+
+    def _params(self, stage: int) -> list[Tensor]:
+        return [p for p in self.modules[stage].parameters() if p.requires_grad]
+
+    def begin(self) -> None:
+        """Set existing gradients of mirrored stages aside."""
+        self._stash = {}
+        for stage, _, _ in self.pairs:
+            params = self._params(stage)
+            self._stash[stage] = [p.grad for p in params]
+            for p in params:
+                p.grad = None
+
+    def finish(self) -> None:
+        """Exchange this step's gradients with each mirror and sum; restore the set-aside ones."""
+        for stage, other, peer in self.pairs:
+            params = self._params(stage)
+            if params:
+                self._exchange(stage, other, peer, params)
+            stash = self._stash.get(stage) or [None] * len(params)
+            for p, old in zip(params, stash, strict=True):
+                if old is not None and p.grad is not None:
+                    p.grad = old.add_(p.grad)
+                elif old is not None:
+                    p.grad = old
+        self._stash = {}
+
+    def _exchange(self, stage: int, other: int, peer: int, params: list[Tensor]) -> None:
+        what = f"the gradients of stage {other} (mirror of stage {stage}; both must hold the same parameters)"
+        summed = []
+        for flat in _flat_grads(params):
+            buf = torch.empty_like(flat)
+            swap([flat], [buf], peer, self.global_ranks, self.group, self.watchdog, what)
+            summed.append(flat + buf)
+        _scatter(params, summed)
+
+
+def swap(outgoing: list[Tensor], incoming: list[Tensor | Callable[[], Tensor]], peer: int,
+         global_ranks: list[int], group: Any, watchdog: Watchdog, what: str) -> list[Tensor]:
+    """Exchange tensors with group rank `peer`: the lower rank sends first, the higher receives first
+    (so NCCL, which serializes one pair's transfers, cannot deadlock). An incoming entry may be a
+    callable building its buffer once the previous ones arrived (e.g. from a received header)."""
+    address = global_ranks[peer]
+
+    def send_all() -> list[Any]:
+        return [watchdog.track_send(dist.isend(t.contiguous(), dst=address, group=group)) for t in outgoing]
+
+    def receive_all() -> list[Tensor]:
+        got = []
+        for entry in incoming:
+            buf = entry() if callable(entry) else entry
+            watchdog.wait_p2p(dist.irecv(buf, src=address, group=group), what, f"rank {peer}")
+            got.append(buf)
+        return got
+
+    if watchdog.rank < peer:
+        sends = send_all()
+        received = receive_all()
+    else:
+        received = receive_all()
+        sends = send_all()
+    for work in sends:
+        watchdog.wait_work(work, f"completion of sending {what}", f"rank {peer}")
+    return received
+
+
+def _header(tensor: Tensor, device: torch.device) -> Tensor:
+    if tensor.dim() > _HEADER - 2 or tensor.dtype not in _DTYPES:
+        raise ValueError(f"cannot share an output of shape {tuple(tensor.shape)} and dtype {tensor.dtype}")
+    vals = [tensor.dim(), *tensor.shape] + [0] * (_HEADER - 2 - tensor.dim()) + [_DTYPES.index(tensor.dtype)]
+    return torch.tensor(vals, dtype=torch.int64, device=device)
+
+
+def share_blocks(block: Tensor, peers: list[int], global_ranks: list[int], group: Any,
+                 device: torch.device, watchdog: Watchdog) -> dict[int, Tensor]:
+    """Send `block` to every peer (group ranks) and receive each peer's block (any shape)."""
+    out: dict[int, Tensor] = {}
+    for peer in peers:
+        head = torch.empty(_HEADER, dtype=torch.int64, device=device)
+
+        def body(head: Tensor = head) -> Tensor:
+            vals = head.tolist()
+            return torch.empty(vals[1:1 + vals[0]], dtype=_DTYPES[vals[-1]], device=device)
+
+        _, out[peer] = swap([_header(block, device), block], [head, body], peer, global_ranks, group,
+                            watchdog, "a peer's evaluation outputs")
+    return out

@@ -1,0 +1,115 @@
+"""Per-step state of the interpreter: inputs, kept activations, local handoffs, losses."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from duplexpipe.runtime.stage_compute import Activation, TensorMeta
+from duplexpipe.runtime.transport import Key
+from duplexpipe.schedules.ir import Action, Op
+
+Slot = tuple[int, int]
+"""(stage, microbatch)."""
+
+
+@dataclass
+class StepContext:
+    """Everything one step (or evaluation) of one rank keeps; dropped when the step ends."""
+
+    train: bool
+    """True for step(), False for evaluate() (no autograd, F actions only)."""
+    step: int
+    """The step number (equal on every rank; names this step's shape announcements)."""
+    learning: bool
+    """True when activation shapes are announced through the store (new input shapes)."""
+    shapes: dict[Slot, TensorMeta]
+    """(receiving stage, microbatch) -> activation shape: cached, or filled while learning."""
+    weights: list[float]
+    """Microbatch m's share of the batch (rows_m / rows); its loss is scaled by it."""
+    signature: int = 0
+    """Hash of the microbatch input shapes (keys the activation-shape cache)."""
+    has_targets: bool = False
+    """True when the ranks holding last stages were given targets (a loss is computed)."""
+    loss_scale: float = 1.0
+    """Extra factor on the loss before backward (gradients scale with it, the loss does not)."""
+    inputs: dict[int, Tensor] = field(default_factory=dict)
+    """microbatch -> input rows (ranks holding a first stage)."""
+    targets: dict[int, Tensor] = field(default_factory=dict)
+    """microbatch -> target rows (ranks holding a last stage)."""
+    acts: dict[Slot, Activation] = field(default_factory=dict)
+    """What backward needs, from F until B or W."""
+    out_meta: dict[Slot, TensorMeta] = field(default_factory=dict)
+    """Shape of each output this rank produced (the gradient it will receive)."""
+    local_fwd: dict[Slot, Tensor] = field(default_factory=dict)
+    """Activations handed to the next stage on this rank: (consumer stage, microbatch)."""
+    local_grad: dict[Slot, Tensor] = field(default_factory=dict)
+    """Output gradients handed to the previous stage on this rank: (consumer stage, microbatch)."""
+    outbox: dict[Key, Tensor] = field(default_factory=dict)
+    """Tensors produced for a SEND action that has not run yet."""
+    losses: list[Tensor] = field(default_factory=list)
+    """Each local microbatch's loss times its weight (detached)."""
+    outputs: dict[int, Tensor] = field(default_factory=dict)
+    """evaluate(): microbatch -> last-stage output."""
+    live: int = 0
+    """Activations alive now on this rank."""
+    peak: int = 0
+    """The most activations alive at once so far."""
+
+    def activation_born(self) -> None:
+        """One more live activation."""
+        self.live += 1
+        self.peak = max(self.peak, self.live)
+
+    def leftovers(self) -> list[str]:
+        """Descriptions of state the schedule left unconsumed (empty after a complete step)."""
+        found = []
+        if self.train and self.acts:
+            found.append("backward (B, or W after I) never ran for " +
+                         ", ".join(f"stage {s} microbatch {m}" for s, m in sorted(self.acts)))
+        if self.outbox:
+            found.append("produced but never sent: " + ", ".join(
+                f"{s}{op.value}{m}" for op, s, m in sorted(self.outbox, key=lambda k: (k[1], k[2]))))
+        for name, table in (("activations", self.local_fwd), ("gradients", self.local_grad)):
+            if table:
+                found.append(f"local {name} never consumed: " +
+                             ", ".join(f"stage {s} microbatch {m}" for s, m in sorted(table)))
+        return found
+
+
+def microbatch_rows(batch: int, num_microbatches: int) -> list[int]:
+    """Rows per microbatch as torch.tensor_split deals them (the first batch % M get one more)."""
+    base, extra = divmod(batch, num_microbatches)
+    return [base + (1 if m < extra else 0) for m in range(num_microbatches)]
+
+
+def split_batch(tensor: Tensor, num_microbatches: int, what: str) -> list[Tensor]:
+    """Split along dim 0 into M microbatches (sizes differ by at most one); ValueError if impossible."""
+    if not isinstance(tensor, Tensor) or tensor.dim() == 0:
+        kind = "a 0-d tensor" if isinstance(tensor, Tensor) else type(tensor).__name__
+        raise ValueError(f"{what} must be a tensor with the batch along dim 0, got {kind}")
+    if tensor.shape[0] < num_microbatches:
+        raise ValueError(f"{what} have {tensor.shape[0]} rows, fewer than the {num_microbatches} "
+                         "microbatches of the schedule (every microbatch needs at least one row)")
+    return list(torch.tensor_split(tensor, num_microbatches, dim=0))
+
+
+def signature(chunks: list[Tensor]) -> int:
+    """A 60-bit hash of the microbatch input shapes and dtype (equal on every rank)."""
+    text = repr([(tuple(c.shape), str(c.dtype)) for c in chunks])
+    return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
+
+
+def forward_only(row: tuple[Action, ...]) -> tuple[Action, ...]:
+    """One rank's list for evaluate(): its F actions (pairs give their F part) and F transfers."""
+    keep = (Op.F, Op.RECV_F, Op.SEND_F)
+    out: list[Action] = []
+    for action in row:
+        if action.op is Op.OVERLAP_F_B:
+            out.extend(p for p in action.parts if p.op is Op.F)
+        elif action.op in keep:
+            out.append(action)
+    return tuple(out)

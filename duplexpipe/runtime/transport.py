@@ -1,0 +1,210 @@
+"""Point-to-point transport: receives posted in schedule order, lazy sends, shape announcements.
+
+Handles are keyed by (op, stage, microbatch). Receives from one peer are posted strictly in
+the order the schedule lists them (the sender posts in the same order; NCCL matches by order
+alone), even when a receive's shape is not known yet: it then waits in a per-peer queue
+until its shape is announced. Sends are posted at once and awaited lazily; a sent tensor is
+dropped as soon as its send completes. On CUDA every transfer is issued on a dedicated
+stream ordered against the compute stream with events; nothing synchronizes the device.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from duplexpipe.runtime.stage_compute import TensorMeta
+from duplexpipe.runtime.watchdog import PipelineError, Watchdog
+from duplexpipe.schedules.ir import Op
+
+Key = tuple[Op, int, int]
+"""(op, stage, microbatch) of a SEND or RECV action."""
+Resolver = Callable[[bool], "TensorMeta | None"]
+"""resolve(block): the shape of a receive, or None while unknown (block=True waits for it)."""
+
+
+def key_text(key: Key) -> str:
+    """The action text of a handle key, e.g. `1RECV_F3`."""
+    op, stage, microbatch = key
+    return f"{stage}{op.value}{microbatch}"
+
+
+@dataclass
+class _Recv:
+    key: Key
+    peer: int
+    resolve: Resolver
+    buffer: Tensor | None = None
+    work: Any = None
+
+
+class MetaBoard:
+    """Announces activation shapes through the c10d store, for steps with new input shapes."""
+
+    def __init__(self, store: Any, prefix: str, watchdog: Watchdog) -> None:
+        self.store = store
+        self.prefix = prefix
+        self.watchdog = watchdog
+
+    def _key(self, step: int, stage: int, microbatch: int) -> str:
+        return f"{self.prefix}/meta/{step}/{stage}/{microbatch}"
+
+    def announce(self, step: int, stage: int, microbatch: int, meta: TensorMeta) -> None:
+        """Publish the shape of the activation stage `stage` receives for `microbatch`."""
+        blob = json.dumps({"shape": list(meta.shape), "dtype": str(meta.dtype).replace("torch.", "")})
+        self.store.set(self._key(step, stage, microbatch), blob)
+
+    def lookup(self, step: int, stage: int, microbatch: int, block: bool, peer: int) -> TensorMeta | None:
+        """The announced shape, None if not announced yet (unless block: then wait, bounded)."""
+        key = self._key(step, stage, microbatch)
+        if not self.store.check([key]):
+            if not block:
+                return None
+            self.watchdog.wait(lambda: bool(self.store.check([key])),
+                               f"the shape announcement of {stage}RECV_F{microbatch} (the input of "
+                               f"{stage}F{microbatch})", f"rank {peer}")
+        data = json.loads(self.store.get(key).decode())
+        self.store.delete_key(key)
+        dtype = getattr(torch, data["dtype"], None)
+        if not isinstance(dtype, torch.dtype):
+            raise PipelineError(f"unknown dtype {data['dtype']!r} announced for {stage}RECV_F{microbatch}")
+        return TensorMeta(tuple(int(d) for d in data["shape"]), dtype)
+
+
+class Transport:
+    """Non-blocking sends and receives of one rank within `group` (ranks are group ranks)."""
+
+    def __init__(self, group: Any, device: torch.device, watchdog: Watchdog) -> None:
+        self.group = group
+        self.device = device
+        self.watchdog = watchdog
+        size = dist.get_world_size(group)
+        self._global = [dist.get_global_rank(group, r) if group is not None else r for r in range(size)]
+        self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        self._queues: dict[int, deque[_Recv]] = {}
+        self._posted: dict[Key, _Recv] = {}
+        self._sends: dict[Key, tuple[Any, Tensor, int]] = {}
+
+    def _post(self, recv: _Recv, meta: TensorMeta) -> None:
+        src = self._global[recv.peer]
+        if self.stream is None:
+            recv.buffer = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+            recv.work = dist.irecv(recv.buffer, src=src, group=self.group)
+        else:
+            with torch.cuda.stream(self.stream):
+                recv.buffer = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+                recv.work = dist.irecv(recv.buffer, src=src, group=self.group)
+        self._posted[recv.key] = recv
+
+    def _drain(self, peer: int, until: Key | None = None) -> None:
+        """Post queued receives from `peer` in order while their shapes are known.
+
+        With `until`, keep going (waiting for shapes) until that receive is posted.
+        """
+        queue = self._queues.get(peer)
+        while queue:
+            head = queue[0]
+            meta = head.resolve(until is not None)
+            if meta is None:
+                return
+            queue.popleft()
+            self._post(head, meta)
+            if head.key == until:
+                return
+
+    def _check_peer(self, key: Key, peer: int) -> None:
+        me = self.watchdog.rank
+        if peer == me:
+            raise PipelineError(f"rank {me}: {key_text(key)} names rank {me} itself as its peer")
+        if not 0 <= peer < len(self._global):
+            raise PipelineError(f"rank {me}: {key_text(key)} names rank {peer}, outside the group of "
+                                f"{len(self._global)}")
+
+    def expect(self, key: Key, peer: int, resolve: Resolver) -> None:
+        """RECV: queue a receive from group rank `peer`; post it as soon as order and shape allow."""
+        self._check_peer(key, peer)
+        if key in self._posted or any(r.key == key for r in self._queues.get(peer, ())):
+            raise PipelineError(f"rank {self.watchdog.rank}: {key_text(key)} is posted twice")
+        self._queues.setdefault(peer, deque()).append(_Recv(key, peer, resolve))
+        self._drain(peer)
+
+    def take(self, key: Key, consumer: str) -> Tensor:
+        """Wait (bounded) for the receive `key` and return its tensor; `consumer` names the action."""
+        if key not in self._posted:
+            queued = next((r for q in self._queues.values() for r in q if r.key == key), None)
+            if queued is None:
+                raise PipelineError(
+                    f"rank {self.watchdog.rank}: {consumer} needs {key_text(key)}, which the schedule "
+                    f"did not post before it (is the schedule lowered?)")
+            self._drain(queued.peer, until=key)
+        recv = self._posted.pop(key)
+        self.watchdog.wait_p2p(recv.work, f"{key_text(key)} (the input of {consumer})", f"rank {recv.peer}")
+        buffer = recv.buffer
+        assert buffer is not None
+        if self.stream is not None:
+            done = torch.cuda.Event()
+            with torch.cuda.stream(self.stream):
+                recv.work.wait()
+                done.record(self.stream)
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(done)
+            buffer.record_stream(compute)
+        return buffer
+
+    def send(self, key: Key, tensor: Tensor, peer: int) -> None:
+        """SEND: post a non-blocking send to group rank `peer`; completion is awaited lazily."""
+        self._check_peer(key, peer)
+        if key in self._sends:
+            raise PipelineError(f"rank {self.watchdog.rank}: {key_text(key)} is posted twice")
+        payload = tensor.detach()
+        if not payload.is_contiguous():
+            payload = payload.contiguous()
+        dst = self._global[peer]
+        if self.stream is None:
+            work = dist.isend(payload, dst=dst, group=self.group)
+        else:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                work = dist.isend(payload, dst=dst, group=self.group)
+            payload.record_stream(self.stream)
+        self._sends[key] = (self.watchdog.track_send(work), payload, peer)
+
+    def wait_send(self, key: Key) -> None:
+        """Wait (bounded) for the send `key` to complete now and release its tensor."""
+        if key not in self._sends:
+            raise PipelineError(f"rank {self.watchdog.rank}: no pending send {key_text(key)}")
+        work, _, peer = self._sends.pop(key)
+        self.watchdog.wait_work(work, f"completion of {key_text(key)}", f"rank {peer}")
+
+    def reap(self) -> None:
+        """Drop (free) the tensors of sends that have completed."""
+        for key in [k for k, (work, _, _) in self._sends.items() if work.is_completed()]:
+            work, _, peer = self._sends.pop(key)
+            self.watchdog.wait_work(work, f"completion of {key_text(key)}", f"rank {peer}")
+
+    def finish(self) -> None:
+        """End of step: wait for every send (bounded); fail on receives nobody consumed."""
+        for key, (work, _, peer) in list(self._sends.items()):
+            self.watchdog.wait_work(work, f"completion of {key_text(key)} (the peer must post the "
+                                    "matching receive)", f"rank {peer}")
+            del self._sends[key]
+        left = sorted(key_text(k) for k in self._posted) + sorted(
+            key_text(r.key) for q in self._queues.values() for r in q)
+        if left:
+            raise PipelineError(f"rank {self.watchdog.rank}: receives posted but never consumed: {left}")
+
+    @property
+    def pending_sends(self) -> int:
+        """Sends posted whose completion has not been seen yet (their tensors are still held)."""
+        return len(self._sends)
+
+    def global_rank(self, peer: int) -> int:
+        """The global rank of group rank `peer`."""
+        return self._global[peer]

@@ -1,0 +1,164 @@
+"""Runtime errors, the shared error flag and bounded waits that poll it."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+ERROR_KEY = "error"
+_MIN_SLEEP_S = 1e-5
+_MAX_SLEEP_S = 2e-3
+
+
+class PipelineError(RuntimeError):
+    """The pipeline runtime could not run a step (the message names the rank and action)."""
+
+
+class PipelineTimeoutError(PipelineError, TimeoutError):
+    """A bounded wait ran out: the message names the rank, the action and the peer."""
+
+
+class PeerFailedError(PipelineError):
+    """Another rank failed; this rank stopped. `failed_rank` is the rank that failed first."""
+
+    def __init__(self, message: str, failed_rank: int) -> None:
+        super().__init__(message)
+        self.failed_rank = failed_rank
+
+
+class HandshakeError(PipelineError):
+    """The ranks of a group do not run the same schedule (or a rank's stages are wrong)."""
+
+
+class ActivationShapeError(PipelineError, ValueError):
+    """A stage produced an activation whose shape or dtype differs from the announced one."""
+
+
+class Ticket:
+    """Completion of a Work that a lane thread waits for (`is_completed` without blocking)."""
+
+    def __init__(self, work: Any) -> None:
+        self.work = work
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def is_completed(self) -> bool:
+        """True once the lane's wait() on the work returned (or raised)."""
+        return self.done.is_set()
+
+    def wait(self) -> None:
+        """Re-raise the work's error, if it failed (call after is_completed())."""
+        if self.error is not None:
+            raise self.error
+
+
+class Lane:
+    """A daemon thread that calls wait() on submitted Works in submission order.
+
+    gloo's point-to-point Works only complete inside wait() (is_completed stays False),
+    so a rank that must keep polling the error flag waits for them on a lane.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._queue: queue.SimpleQueue[Ticket] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, work: Any) -> Ticket:
+        """Queue `work`; its ticket completes when the lane's wait() on it returns."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+            self._thread.start()
+        ticket = Ticket(work)
+        self._queue.put(ticket)
+        return ticket
+
+    def _loop(self) -> None:
+        while True:
+            ticket = self._queue.get()
+            try:
+                ticket.work.wait()
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting rank
+                ticket.error = exc
+            ticket.done.set()
+
+
+class Watchdog:
+    """Bounded waits for one runtime instance, polling an error flag in the c10d store.
+
+    A rank that fails writes `<prefix>/error` (its rank and message); every other rank
+    checks that key about every `poll_s` seconds while it waits and raises PeerFailedError.
+    With `threaded_p2p` (gloo), point-to-point Works are waited for on lane threads.
+    """
+
+    def __init__(self, store: Any, prefix: str, rank: int, timeout_s: float, poll_s: float,
+                 threaded_p2p: bool = False) -> None:
+        self.store = store
+        self.key = f"{prefix}/{ERROR_KEY}"
+        self.rank = rank
+        self.timeout_s = timeout_s
+        self.poll_s = poll_s
+        self.threaded_p2p = threaded_p2p
+        self._recv_lane = Lane(f"duplexpipe-recv-{rank}")
+        self._send_lane = Lane(f"duplexpipe-send-{rank}")
+
+    def check(self) -> None:
+        """Raise PeerFailedError when some rank has reported a failure."""
+        if self.store is None or not self.store.check([self.key]):
+            return
+        raw = self.store.get(self.key).decode("utf-8", "replace")
+        who, _, message = raw.partition("\n")
+        failed = int(who) if who.lstrip("-").isdigit() else -1
+        raise PeerFailedError(f"rank {self.rank}: stopping because rank {failed} failed: {message}", failed)
+
+    def report(self, message: str) -> None:
+        """Publish this rank's failure so the other ranks stop (first report wins; never raises)."""
+        if self.store is None:
+            return
+        try:
+            if not self.store.check([self.key]):
+                self.store.set(self.key, f"{self.rank}\n{message}")
+        except Exception:  # noqa: BLE001, S110 - reporting must not mask the original error
+            pass
+
+    def wait(self, done: Callable[[], bool], what: str, peer: str, timeout_s: float | None = None) -> None:
+        """Poll `done()` until true; check the error flag meanwhile; raise on timeout.
+
+        `what` says what is awaited (naming the action), `peer` whom it is awaited from.
+        """
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        start = time.monotonic()
+        deadline, next_check, sleep = start + limit, start + self.poll_s, _MIN_SLEEP_S
+        while not done():
+            now = time.monotonic()
+            if now >= next_check:
+                self.check()
+                next_check = now + self.poll_s
+            if now >= deadline:
+                raise PipelineTimeoutError(
+                    f"rank {self.rank}: timed out after {limit:g} s waiting for {what} (peer: {peer})")
+            time.sleep(sleep)
+            sleep = min(sleep * 2, _MAX_SLEEP_S)
+
+    def wait_work(self, work: Any, what: str, peer: str) -> None:
+        """Wait for a c10d Work or Ticket (bounded, flag-aware), then surface its error if it failed."""
+        if work is None:
+            return
+        self.wait(work.is_completed, what, peer)
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            if isinstance(exc, PipelineError):
+                raise
+            raise PipelineError(f"rank {self.rank}: {what} failed (peer: {peer}): {exc}") from exc
+
+    def wait_p2p(self, work: Any, what: str, peer: str) -> None:
+        """Wait for a point-to-point Work right now (on the receive lane when threaded)."""
+        self.wait_work(self._recv_lane.submit(work) if self.threaded_p2p else work, what, peer)
+
+    def track_send(self, work: Any) -> Any:
+        """Something whose is_completed() turns true once the send completed (never blocks)."""
+        return self._send_lane.submit(work) if self.threaded_p2p else work

@@ -1,0 +1,145 @@
+"""I/W split: exact gradients on plain modules, and an honest W that never redoes the input path."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from models import Block
+from torch import nn
+from torch.autograd.graph import get_gradient_edge
+from torch.utils.flop_counter import FlopCounterMode
+
+from duplexpipe.runtime.autograd_split import backward_input
+
+DIM = 8
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.attn = nn.MultiheadAttention(DIM, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        return x + self.attn(h, h, h, need_weights=False)[0]
+
+
+class Tied(nn.Module):
+    """One Linear applied twice: its weight meets the input path at two places."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(torch.relu(self.lin(x)))
+
+
+class PartlyUsed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.unused = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def _models() -> dict[str, tuple[nn.Module, tuple[int, ...]]]:
+    torch.manual_seed(0)
+    return {
+        "mlp blocks": (nn.Sequential(Block(DIM), Block(DIM)), (4, DIM)),
+        "attention": (nn.Sequential(Attention(), Block(DIM)), (2, 5, DIM)),
+        "tied weight": (Tied(), (3, DIM)),
+        "unused parameter": (PartlyUsed(), (3, DIM)),
+    }
+
+
+def _full(model: nn.Module, x: torch.Tensor, grad: torch.Tensor, needs_input: bool
+          ) -> tuple[list[torch.Tensor | None], torch.Tensor | None]:
+    leaf = x.clone().requires_grad_(needs_input)
+    model(leaf).backward(grad)
+    return [None if p.grad is None else p.grad.clone() for p in model.parameters()], leaf.grad
+
+
+@pytest.mark.parametrize("needs_input", [True, False], ids=["middle stage", "first stage"])
+@pytest.mark.parametrize("name", list(_models()))
+def test_input_then_weight_equals_full_backward(name: str, needs_input: bool) -> None:
+    model, shape = _models()[name]
+    model = model.double()
+    x = torch.randn(shape, dtype=torch.float64)
+    grad = torch.randn_like(model(x))
+    want, want_dx = _full(copy.deepcopy(model), x, grad, needs_input)
+    leaf = x.clone().requires_grad_(needs_input)
+    out = model(leaf)
+    dinputs, work = backward_input([get_gradient_edge(out)], [grad], [leaf], list(model.parameters()))
+    assert all(p.grad is None for p in model.parameters()), "I must not form weight gradients"
+    if needs_input:
+        assert dinputs[0] is not None and want_dx is not None
+        torch.testing.assert_close(dinputs[0], want_dx, rtol=1e-12, atol=1e-12)
+    else:
+        assert dinputs == [None]
+    work.run()
+    for p, w in zip(model.parameters(), want, strict=True):
+        if w is None:
+            assert p.grad is None
+        else:
+            torch.testing.assert_close(p.grad, w, rtol=1e-12, atol=1e-12)
+    with pytest.raises(RuntimeError, match="already run"):
+        work.run()
+
+
+def test_weight_gradients_accumulate_into_existing_grad() -> None:
+    model = nn.Linear(DIM, DIM).double()
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    x = torch.randn(3, DIM, dtype=torch.float64, requires_grad=True)
+    out = model(x)
+    _, work = backward_input([get_gradient_edge(out)], [torch.ones_like(out)], [x], list(model.parameters()))
+    work.run()
+    torch.testing.assert_close(model.bias.grad, 1 + torch.full((DIM,), 3.0, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("name", ["mlp blocks", "attention"])
+def test_w_costs_only_the_weight_matmuls(name: str) -> None:
+    """FLOPs: I + W == B, and W is well below B (it does not redo the whole backward)."""
+    model, shape = _models()[name]
+    x = torch.randn(shape)
+    grad = torch.randn_like(model(x))
+    leaf = x.clone().requires_grad_(True)
+    out = model(leaf)
+    with FlopCounterMode(display=False) as full:
+        out.backward(grad)
+    out = model(leaf)
+    with FlopCounterMode(display=False) as flops_i:
+        _, work = backward_input([get_gradient_edge(out)], [grad], [leaf], list(model.parameters()))
+    with FlopCounterMode(display=False) as flops_w:
+        work.run()
+    total = full.get_total_flops()
+    assert flops_i.get_total_flops() + flops_w.get_total_flops() == total
+    assert 0 < flops_w.get_total_flops() < total
+
+
+def test_w_never_runs_input_path_nodes_again() -> None:
+    """The GELU and LayerNorm-input nodes run once (in I); W only revisits weight meeting points."""
+    model = nn.Sequential(Block(DIM), Block(DIM))
+    leaf = torch.randn(4, DIM, requires_grad=True)
+    out = model(leaf)
+    counts: dict[str, int] = {}
+    stack, seen = [out.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        name = node.name()
+        if "Gelu" in name:
+            node.register_prehook(lambda g, n=name: counts.__setitem__(n, counts.get(n, 0) + 1))
+        stack.extend(child for child, _ in node.next_functions)
+    _, work = backward_input([get_gradient_edge(out)], [torch.ones_like(out)], [leaf],
+                             list(model.parameters()))
+    after_i = dict(counts)
+    work.run()
+    assert after_i and counts == after_i, (after_i, counts)

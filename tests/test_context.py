@@ -1,0 +1,73 @@
+"""Step context helpers: microbatch splitting, shape signatures, forward-only lists, leftovers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from duplexpipe.runtime.context import (
+    StepContext,
+    forward_only,
+    microbatch_rows,
+    signature,
+    split_batch,
+)
+from duplexpipe.schedules.ir import Op
+from duplexpipe.schedules.lower import lower
+from duplexpipe.schedules.registry import build
+
+
+@pytest.mark.parametrize("batch, m", [(10, 4), (8, 4), (4, 4), (13, 5)])
+def test_rows_match_tensor_split(batch: int, m: int) -> None:
+    chunks = split_batch(torch.arange(batch), m, "inputs")
+    assert [len(c) for c in chunks] == microbatch_rows(batch, m)
+    assert sum(microbatch_rows(batch, m)) == batch
+    assert torch.equal(torch.cat(chunks), torch.arange(batch))
+
+
+def test_split_rejects_too_few_rows_and_non_batches() -> None:
+    with pytest.raises(ValueError, match="inputs have 3 rows, fewer than the 4 microbatches"):
+        split_batch(torch.zeros(3, 2), 4, "inputs")
+    with pytest.raises(ValueError, match="targets must be a tensor with the batch along dim 0, got a 0-d"):
+        split_batch(torch.tensor(1.0), 4, "targets")
+    with pytest.raises(ValueError, match="got list"):
+        split_batch([1, 2], 1, "inputs")  # type: ignore[arg-type]
+
+
+def test_signature_depends_on_shapes_and_dtype_only() -> None:
+    a = split_batch(torch.zeros(10, 3), 4, "x")
+    assert signature(a) == signature(split_batch(torch.ones(10, 3), 4, "x"))
+    assert signature(a) != signature(split_batch(torch.zeros(11, 3), 4, "x"))
+    assert signature(a) != signature(split_batch(torch.zeros(10, 3, dtype=torch.int64), 4, "x"))
+    assert 0 <= signature(a) < 2**60
+
+
+def test_forward_only_keeps_forwards_in_order_and_splits_pairs() -> None:
+    schedule = lower(build("dualpipe", 2, 4))
+    for row in schedule.actions:
+        got = forward_only(row)
+        assert all(a.op in (Op.F, Op.RECV_F, Op.SEND_F) for a in got)
+        want = [p for a in row for p in a.compute_parts() if p.op is Op.F]
+        assert [a for a in got if a.op is Op.F] == want
+    assert any(a.op is Op.OVERLAP_F_B for row in schedule.actions for a in row)
+
+
+def test_leftovers_name_what_the_schedule_left_undone() -> None:
+    ctx = StepContext(train=True, step=1, learning=False, shapes={}, weights=[0.5, 0.5])
+    assert ctx.leftovers() == []
+    ctx.acts[(1, 0)] = None  # type: ignore[assignment]
+    ctx.outbox[(Op.SEND_F, 0, 1)] = torch.zeros(1)
+    ctx.local_grad[(2, 1)] = torch.zeros(1)
+    text = "; ".join(ctx.leftovers())
+    assert "never ran for stage 1 microbatch 0" in text
+    assert "produced but never sent: 0SEND_F1" in text
+    assert "local gradients never consumed: stage 2 microbatch 1" in text
+
+
+def test_activation_counting_tracks_the_peak() -> None:
+    ctx = StepContext(train=True, step=1, learning=False, shapes={}, weights=[1.0])
+    for _ in range(3):
+        ctx.activation_born()
+    ctx.live -= 2
+    ctx.activation_born()
+    assert (ctx.live, ctx.peak) == (2, 3)

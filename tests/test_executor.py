@@ -1,0 +1,330 @@
+"""PipelineRuntime on gloo: every schedule against a single-process reference, in one spawn of 4 ranks.
+
+The 4 processes run each schedule with P=4 on the world group and, at the same time, with
+P=2 on two subgroups ({0,1} and {2,3}). Workers compute metrics; the tests below assert them.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from models import loss_fn, make_batch, make_parts, reference, rel_err, run_workers, stage_modules
+
+from duplexpipe.runtime import PipelineRuntime, RuntimeConfig, gather_timeline
+from duplexpipe.schedules.ir import Action, Op, Schedule, format_action
+from duplexpipe.schedules.lower import lower
+from duplexpipe.schedules.registry import build, names
+
+NAMES = names()
+MICROBATCHES = {2: 4, 4: 8}
+TIGHT = 1e-12
+"""float64 pipeline vs float64 reference: only summation order differs."""
+SPAWN_TIMEOUT_S = 240
+
+
+def expected_peak(schedule: Schedule, rank: int) -> int:
+    """Live activations counted along the rank's list: +1 at F, -1 at B or W."""
+    live = peak = 0
+    for action in schedule.actions[rank]:
+        for part in action.compute_parts():
+            if part.op is Op.F:
+                live += 1
+                peak = max(peak, live)
+            elif part.op in (Op.B, Op.W):
+                live -= 1
+    return peak
+
+
+def compute_order(schedule: Schedule, rank: int) -> list[str]:
+    return [format_action(a) for a in schedule.actions[rank] if a.op.is_compute]
+
+
+def _grad_errors(schedule: Schedule, modules: dict[int, torch.nn.Module],
+                 want: list[list[torch.Tensor]], scale: float = 1.0) -> float:
+    errs = [rel_err(p.grad, scale * w) for s, m in modules.items()
+            for p, w in zip(m.parameters(), want[schedule.stages[s].group], strict=True)]
+    return max(errs)
+
+
+def _inputs(schedule: Schedule, rank: int, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[Any, Any]:
+    stages = schedule.stages_of_rank(rank)
+    first = any(schedule.is_first(s) for s in stages)
+    last = any(schedule.is_last(s) for s in stages)
+    return (batch[0] if first else None), (batch[1] if last else None)
+
+
+def _timeline_record(schedule: Schedule, rank: int, result: Any, group: Any) -> dict[str, Any]:
+    merged = gather_timeline(result.timeline, group)
+    seen = Counter((e.rank, format_action(e.action)) for e in merged.events)
+    want = Counter((r, format_action(a)) for r, _, a in schedule.iter_actions() if a.op.is_compute)
+    mine = [format_action(e.action) for e in merged.rank_events(rank)]
+    return {
+        "every_action_once": seen == want,
+        "in_list_order": mine == compute_order(schedule, rank),
+        "measured": (merged.source, merged.unit) == ("measured", "s"),
+        "ordered_spans": all(e.start <= e.end for e in merged.events),
+        "peak": result.peak_activations,
+        "peak_expected": expected_peak(schedule, rank),
+        "peak_timeline": merged.peak_activations(rank),
+    }
+
+
+def _run_case(name: str, P: int, group: Any, dtype: torch.dtype) -> dict[str, Any]:
+    rank, M = dist.get_rank(group), MICROBATCHES[P]
+    schedule = lower(build(name, P, M))
+    parts = make_parts(schedule.num_groups, seed=7, dtype=dtype)
+    modules = stage_modules(schedule, rank, parts)
+    runtime = PipelineRuntime(schedule, modules, loss_fn, group=group)
+    # uneven rows (new shapes), same shapes again (cached shapes), then new even shapes
+    batches = [make_batch(2 * M + 1, 1), make_batch(2 * M + 1, 2), make_batch(2 * M, 3)]
+    results = [runtime.step(*_inputs(schedule, rank, b)) for b in batches]
+    ref_losses, ref_grads, ref_logits = reference(parts, batches)
+    record = {
+        "loss_err": max(abs(r.loss - want) / abs(want) for r, want in zip(results, ref_losses, strict=True)),
+        "grad_err": _grad_errors(schedule, modules, ref_grads),
+        **_timeline_record(schedule, rank, results[0], group),
+    }
+    if dtype == torch.float32:  # how far plain fp32 autograd is from float64 on this model
+        _, fp32_grads, _ = reference(parts, batches, dtype=torch.float32)
+        record["fp32_baseline"] = max(rel_err(g, w) for gs, ws in zip(fp32_grads, ref_grads, strict=True)
+                                      for g, w in zip(gs, ws, strict=True))
+    evaluated = runtime.evaluate(*_inputs(schedule, rank, batches[2]))
+    bare = runtime.evaluate(_inputs(schedule, rank, batches[2])[0])
+    holds_last = any(schedule.is_last(s) for s in modules)
+    record.update({
+        "eval_loss_err": abs(evaluated.loss - ref_losses[2]) / ref_losses[2],
+        "eval_out_err": rel_err(evaluated.outputs, ref_logits) if holds_last else None,
+        "eval_none_elsewhere": holds_last or evaluated.outputs is None,
+        "eval_bare_loss": bare.loss,
+        "eval_bare_out_err": rel_err(bare.outputs, ref_logits) if holds_last else None,
+        "eval_events": len(evaluated.timeline.events),
+        "eval_events_expected": sum(1 for a in schedule.actions[rank] for p in a.compute_parts()
+                                    if p.op is Op.F),
+    })
+    return record
+
+
+def _hook_case(group: Any) -> dict[str, Any]:
+    """DualPipe with an overlap hook that runs the backward part first."""
+    rank, M = dist.get_rank(group), MICROBATCHES[2]
+    schedule = lower(build("dualpipe", 2, M))
+    parts = make_parts(schedule.num_groups, seed=3, dtype=torch.float64)
+    modules = stage_modules(schedule, rank, parts)
+    calls: list[str] = []
+
+    def backward_first(pair: Action, run_forward: Any, run_backward: Any) -> None:
+        calls.append(format_action(pair))
+        run_backward()
+        run_forward()
+
+    runtime = PipelineRuntime(schedule, modules, loss_fn, group=group,
+                              config=RuntimeConfig(overlap_hook=backward_first))
+    batch = make_batch(2 * M, 4)
+    runtime.step(*_inputs(schedule, rank, batch))
+    _, ref_grads, _ = reference(parts, [batch])
+    pairs = [format_action(a) for a in schedule.actions[rank] if a.op is Op.OVERLAP_F_B]
+    return {"hook_calls_ok": calls == pairs and bool(pairs),
+            "hook_grad_err": _grad_errors(schedule, modules, ref_grads)}
+
+
+def _validation_case(group: Any) -> dict[str, Any]:
+    """Bad batches raise ValueError on every rank, the runtime stays usable; loss_scale scales grads."""
+    rank, M = dist.get_rank(group), MICROBATCHES[2]
+    schedule = lower(build("1f1b", 2, M))
+    parts = make_parts(schedule.num_groups, seed=5, dtype=torch.float64)
+    modules = stage_modules(schedule, rank, parts)
+    runtime = PipelineRuntime(schedule, modules, loss_fn, group=group)
+    errors = []
+    small = make_batch(M - 1, 6)
+    long_targets = (make_batch(2 * M, 7)[0], make_batch(2 * M + 1, 7)[1])
+    for bad in (small, long_targets):
+        try:
+            runtime.step(*_inputs(schedule, rank, bad))
+            errors.append("no error")
+        except ValueError as exc:
+            errors.append(str(exc))
+    batch = make_batch(3 * M + 2, 8)
+    result = runtime.step(*_inputs(schedule, rank, batch), loss_scale=4.0)
+    losses, ref_grads, _ = reference(parts, [batch])
+    return {"validation_errors": errors, "scaled_loss_err": abs(result.loss - losses[0]) / losses[0],
+            "scaled_grad_err": _grad_errors(schedule, modules, ref_grads, scale=4.0)}
+
+
+def _middle_rank_case() -> dict[str, Any]:
+    """P=4: ranks without first or last stages learn that another rank rejected its inputs."""
+    rank, M = dist.get_rank(), MICROBATCHES[4]
+    schedule = lower(build("1f1b", 4, M))
+    runtime = PipelineRuntime(schedule, stage_modules(schedule, rank, make_parts(4)), loss_fn)
+    try:
+        runtime.step(*_inputs(schedule, rank, make_batch(M - 1, 11)))
+        return {"middle_error": "no error"}
+    except ValueError as exc:
+        return {"middle_error": str(exc)}
+
+
+def _autocast_case(group: Any) -> dict[str, Any]:
+    rank, M = dist.get_rank(group), MICROBATCHES[2]
+    schedule = lower(build("zb-h1", 2, M))
+    parts = make_parts(schedule.num_groups, seed=9)
+    modules = stage_modules(schedule, rank, parts)
+    runtime = PipelineRuntime(schedule, modules, loss_fn, group=group,
+                              config=RuntimeConfig(autocast_dtype=torch.bfloat16))
+    batch = make_batch(2 * M, 10)
+    result = runtime.step(*_inputs(schedule, rank, batch))
+    losses, ref_grads, _ = reference(parts, [batch])
+    return {"bf16_loss_err": abs(result.loss - losses[0]) / losses[0],
+            "bf16_grad_err": _grad_errors(schedule, modules, ref_grads),
+            "bf16_grad_dtype": str(next(next(iter(modules.values())).parameters()).grad.dtype)}
+
+
+def _worker(rank: int, world: int) -> dict[str, Any]:
+    subgroups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pair = subgroups[rank // 2]
+    out: dict[str, Any] = {}
+    for P, group in ((4, None), (2, pair)):
+        for name in NAMES:
+            for dtype in (torch.float64, torch.float32):
+                out[f"{name}/{P}/{dtype}"] = _run_case(name, P, group, dtype)
+    out.update(_hook_case(pair))
+    out.update(_validation_case(pair))
+    out.update(_autocast_case(pair))
+    out.update(_middle_rank_case())
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, Any]]:
+    return run_workers(_worker, 4, timeout_s=SPAWN_TIMEOUT_S)
+
+
+def _case(results: list[dict[str, Any]], name: str, P: int, dtype: torch.dtype) -> list[dict[str, Any]]:
+    return [r[f"{name}/{P}/{dtype}"] for r in results]
+
+
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
+@pytest.mark.parametrize("P", [2, 4])
+@pytest.mark.parametrize("name", NAMES)
+def test_float64_loss_and_every_gradient_match_reference(results: Any, name: str, P: int) -> None:
+    for rank, rec in enumerate(_case(results, name, P, torch.float64)):
+        assert rec["loss_err"] <= TIGHT, (rank, rec["loss_err"])
+        assert rec["grad_err"] <= TIGHT, (rank, rec["grad_err"])
+
+
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
+@pytest.mark.parametrize("P", [2, 4])
+@pytest.mark.parametrize("name", NAMES)
+def test_float32_matches_float64_reference_to_fp32_rounding(results: Any, name: str, P: int) -> None:
+    for rank, rec in enumerate(_case(results, name, P, torch.float32)):
+        assert rec["loss_err"] <= 1e-6, (rank, rec["loss_err"])
+        # the pipeline adds no error beyond what fp32 autograd itself makes on this model
+        bound = max(1e-6, 4 * rec["fp32_baseline"])
+        assert rec["grad_err"] <= bound, (rank, rec["grad_err"], rec["fp32_baseline"])
+
+
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
+@pytest.mark.parametrize("P", [2, 4])
+@pytest.mark.parametrize("name", NAMES)
+def test_measured_timeline_has_every_compute_action_once(results: Any, name: str, P: int) -> None:
+    for rank, rec in enumerate(_case(results, name, P, torch.float64)):
+        assert rec["every_action_once"], rank
+        assert rec["in_list_order"], rank
+        assert rec["measured"] and rec["ordered_spans"], rank
+        assert rec["peak"] == rec["peak_expected"] == rec["peak_timeline"], (rank, rec)
+
+
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
+@pytest.mark.parametrize("P", [2, 4])
+@pytest.mark.parametrize("name", NAMES)
+def test_evaluate_returns_outputs_in_batch_order_and_loss(results: Any, name: str, P: int) -> None:
+    for rank, rec in enumerate(_case(results, name, P, torch.float64)):
+        assert rec["eval_loss_err"] <= TIGHT, rank
+        assert rec["eval_bare_loss"] is None, rank
+        assert rec["eval_none_elsewhere"], rank
+        if rec["eval_out_err"] is not None:
+            assert rec["eval_out_err"] <= TIGHT and rec["eval_bare_out_err"] <= TIGHT, rank
+        assert rec["eval_events"] == rec["eval_events_expected"], rank
+    assert sum(rec["eval_out_err"] is not None for rec in _case(results, name, P, torch.float64)) >= 1
+
+
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
+def test_uneven_batches_are_weighted_by_rows(results: Any) -> None:
+    # every case above steps with 2M+1 rows (uneven microbatches) first; here: 3M+2 rows, loss_scale 4
+    for rank, rec in enumerate(results):
+        assert rec["scaled_loss_err"] <= TIGHT, rank
+        assert rec["scaled_grad_err"] <= TIGHT, rank
+
+
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
+def test_bad_batches_raise_value_error_on_every_rank(results: Any) -> None:
+    for rank, rec in enumerate(results):
+        too_small, wrong_targets = rec["validation_errors"]
+        assert "rows, fewer than the 4 microbatches" in too_small, (rank, too_small)
+        assert "targets have 9 rows but inputs have 8" in wrong_targets, (rank, wrong_targets)
+
+
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
+def test_ranks_in_the_middle_learn_which_rank_rejected_its_inputs(results: Any) -> None:
+    assert "inputs have 7 rows, fewer than the 8 microbatches" in results[0]["middle_error"]
+    assert "targets have 7 rows, fewer than the 8 microbatches" in results[3]["middle_error"]
+    for rank in (1, 2):
+        assert "rank 3 rejected its step inputs" in results[rank]["middle_error"], results[rank]
+
+
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
+def test_overlap_hook_runs_every_pair(results: Any) -> None:
+    for rank, rec in enumerate(results):
+        assert rec["hook_calls_ok"], rank
+        assert rec["hook_grad_err"] <= TIGHT, rank
+
+
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
+def test_autocast_bfloat16_runs_close_to_reference(results: Any) -> None:
+    for rank, rec in enumerate(results):
+        assert rec["bf16_loss_err"] <= 2e-2, rank
+        assert 0 < rec["bf16_grad_err"] <= 0.2, rank  # bf16 compute differs, but not wildly
+        assert rec["bf16_grad_dtype"] == "torch.float32", rank
+
+
+# ---------------------------------------------------------------- CUDA (skipped without GPUs)
+def _cuda_worker(rank: int, world: int, names: tuple[str, ...]) -> dict[str, Any]:
+    device = torch.device("cuda", torch.cuda.current_device())
+    out: dict[str, Any] = {}
+    for name in names:
+        schedule = lower(build(name, world, 2 * max(world, 2)))
+        parts = make_parts(schedule.num_groups, seed=2, dtype=torch.float64)
+        modules = {s: m.to(device) for s, m in stage_modules(schedule, rank, parts).items()}
+        runtime = PipelineRuntime(schedule, modules, loss_fn, device=device)
+        batch = make_batch(2 * schedule.num_microbatches + 1, 12)
+        results = [runtime.step(*_inputs(schedule, rank, batch)) for _ in range(2)]
+        losses, ref_grads, _ = reference(parts, [batch, batch])
+        record = _timeline_record(schedule, rank, results[0], None)
+        record.update(loss_err=abs(results[1].loss - losses[1]) / losses[1],
+                      grad_err=_grad_errors(schedule, modules, ref_grads),
+                      positive_spans=all(e.duration > 0 for e in results[0].timeline.events))
+        out[name] = record
+    return out
+
+
+def _check_cuda(results: list[dict[str, Any]]) -> None:
+    for rank, per_name in enumerate(results):
+        for name, rec in per_name.items():
+            assert rec["loss_err"] <= TIGHT and rec["grad_err"] <= TIGHT, (rank, name, rec)
+            assert rec["every_action_once"] and rec["in_list_order"] and rec["positive_spans"], (rank, name)
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(SPAWN_TIMEOUT_S)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_single_rank_schedules_on_cuda() -> None:
+    _check_cuda(run_workers(_cuda_worker, 1, (("gpipe", "1f1b", "zb-h1"),), backend="nccl"))
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(SPAWN_TIMEOUT_S)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_every_schedule_on_two_gpus_with_nccl() -> None:
+    _check_cuda(run_workers(_cuda_worker, 2, (tuple(NAMES),), backend="nccl"))

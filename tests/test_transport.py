@@ -1,0 +1,142 @@
+"""Transport on 2 gloo ranks: in-order posting with late shapes, known shapes, freeing, misuse."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from models import run_workers
+
+from duplexpipe.runtime.handshake import group_store
+from duplexpipe.runtime.stage_compute import TensorMeta
+from duplexpipe.runtime.transport import MetaBoard, Transport, key_text
+from duplexpipe.runtime.watchdog import PipelineError, Watchdog
+from duplexpipe.schedules.ir import Op
+
+SPAWN_TIMEOUT_S = 120
+CPU = torch.device("cpu")
+
+
+def test_key_text_is_the_action_text() -> None:
+    assert key_text((Op.RECV_F, 3, 7)) == "3RECV_F7"
+    assert key_text((Op.SEND_B, 0, 2)) == "0SEND_B2"
+
+
+def _setup(rank: int, prefix: str) -> tuple[Any, Transport, MetaBoard]:
+    group = dist.new_group([0, 1])
+    dist.barrier(group=group)  # a first collective on the new group, as the runtime's handshake
+    dog = Watchdog(group_store(group), prefix, rank, timeout_s=20.0, poll_s=0.05, threaded_p2p=True)
+    return group, Transport(group, CPU, dog), MetaBoard(group_store(group), prefix, dog)
+
+
+def _payload(mb: int) -> torch.Tensor:
+    return torch.arange((2 + mb) * 3, dtype=torch.float32).reshape(2 + mb, 3) + 100 * mb
+
+
+def _late_shapes(rank: int) -> dict[str, Any]:
+    """Receives are queued before their shapes exist and consumed out of order."""
+    _, transport, board = _setup(rank, "late")
+    if rank == 0:
+        time.sleep(0.3)  # rank 1 queues both receives before anything is announced
+        for mb in (0, 1):
+            board.announce(step=1, stage=1, microbatch=mb, meta=TensorMeta.of(_payload(mb)))
+            transport.send((Op.SEND_F, 0, mb), _payload(mb), peer=1)
+        transport.finish()
+        return {}
+    for mb in (0, 1):
+        transport.expect((Op.RECV_F, 1, mb), 0, lambda block, mb=mb: board.lookup(1, 1, mb, block, 0))
+    second = transport.take((Op.RECV_F, 1, 1), "1F1")  # forces 1RECV_F0 to be posted first
+    first = transport.take((Op.RECV_F, 1, 0), "1F0")
+    transport.finish()
+    return {"late_ok": torch.equal(first, _payload(0)) and torch.equal(second, _payload(1))}
+
+
+def _known_shapes(rank: int) -> dict[str, Any]:
+    """Known shapes post at once; integer and bfloat16 tensors travel too; sends are freed."""
+    _, transport, _ = _setup(rank, "known")
+    tensors = [torch.arange(6).reshape(2, 3), torch.randn(4, 2, generator=torch.Generator().manual_seed(0))
+               .to(torch.bfloat16)]
+    if rank == 0:
+        for mb, t in enumerate(tensors):
+            transport.send((Op.SEND_B, 1, mb), t, peer=1)
+        held = transport.pending_sends
+        deadline = time.monotonic() + 10
+        while transport.pending_sends and time.monotonic() < deadline:
+            transport.reap()
+            time.sleep(0.01)
+        transport.finish()
+        return {"held": held, "after_reap": transport.pending_sends}
+    for mb, t in enumerate(tensors):
+        transport.expect((Op.RECV_B, 0, mb), 0, lambda block, t=t: TensorMeta.of(t))
+    got = [transport.take((Op.RECV_B, 0, mb), f"0B{mb}") for mb in range(2)]
+    transport.finish()
+    same = [torch.equal(g, t) and g.dtype == t.dtype for g, t in zip(got, tensors, strict=True)]
+    return {"known_ok": all(same)}
+
+
+def _misuse(rank: int) -> dict[str, Any]:
+    _, transport, _ = _setup(rank, "misuse")
+    meta = TensorMeta((2,), torch.float32)
+    if rank == 0:
+        transport.send((Op.SEND_F, 0, 0), torch.ones(2), peer=1)
+        transport.wait_send((Op.SEND_F, 0, 0))
+        try:
+            transport.wait_send((Op.SEND_F, 0, 0))
+            return {"waited_twice": "no error"}
+        except PipelineError as exc:
+            return {"waited_twice": str(exc)}
+    errors = []
+    for attempt in (lambda: transport.expect((Op.RECV_F, 1, 9), 1, lambda block: meta),
+                    lambda: transport.take((Op.RECV_F, 1, 5), "1F5"),
+                    lambda: transport.expect((Op.RECV_F, 1, 0), 0, lambda block: meta),
+                    lambda: transport.finish()):
+        if len(errors) == 2:
+            transport.expect((Op.RECV_F, 1, 0), 0, lambda block: meta)
+        try:
+            attempt()
+            errors.append("no error")
+        except PipelineError as exc:
+            errors.append(str(exc))
+    return {"misuse": errors}
+
+
+def _worker(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for scenario in (_late_shapes, _known_shapes, _misuse):
+        dist.barrier()
+        out.update(scenario(rank))
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, Any]]:
+    return run_workers(_worker, 2, timeout_s=SPAWN_TIMEOUT_S)
+
+
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
+def test_receives_post_in_schedule_order_once_shapes_are_announced(results: Any) -> None:
+    assert results[1]["late_ok"]
+
+
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
+def test_known_shapes_and_dtypes_arrive_intact(results: Any) -> None:
+    assert results[1]["known_ok"]
+
+
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
+def test_sent_tensors_are_released_once_sends_complete(results: Any) -> None:
+    assert results[0]["held"] == 2
+    assert results[0]["after_reap"] == 0
+
+
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
+def test_misuse_is_reported_with_the_action(results: Any) -> None:
+    to_self, not_posted, twice, unconsumed = results[1]["misuse"]
+    assert "rank 1: 1RECV_F9 names rank 1 itself as its peer" in to_self
+    assert "rank 1: 1F5 needs 1RECV_F5, which the schedule did not post before it" in not_posted
+    assert "rank 1: 1RECV_F0 is posted twice" in twice
+    assert "rank 1: receives posted but never consumed: ['1RECV_F0']" in unconsumed
+    assert "rank 0: no pending send 0SEND_F0" in results[0]["waited_twice"]
