@@ -1,1 +1,26 @@
 """Model to stages, the training API and launch helpers."""
+
+from duplexpipe.pipeline.launch import LaunchError, init_from_env, launch, launched_by_torchrun, run
+from duplexpipe.pipeline.mesh import ParallelGroups, make_mesh
+from duplexpipe.pipeline.precision import DynamicLossScaler, LossScaleConfig
+from duplexpipe.pipeline.split import PartInfo, Partition, plan_partition, split_model
+from duplexpipe.pipeline.trainer import Pipeline, PipelineConfig, StepInfo
+
+__all__ = [
+    "DynamicLossScaler",
+    "LaunchError",
+    "LossScaleConfig",
+    "ParallelGroups",
+    "PartInfo",
+    "Partition",
+    "Pipeline",
+    "PipelineConfig",
+    "StepInfo",
+    "init_from_env",
+    "launch",
+    "launched_by_torchrun",
+    "make_mesh",
+    "plan_partition",
+    "run",
+    "split_model",
+]

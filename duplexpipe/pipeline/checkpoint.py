@@ -1,0 +1,93 @@
+"""Checkpoint and resume a Pipeline with torch.distributed.checkpoint (model parts and optimizer per rank)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+if TYPE_CHECKING:
+    from duplexpipe.pipeline.trainer import Pipeline
+
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def stage_dict(pipe: Pipeline) -> nn.ModuleDict:
+    """This rank's stage modules keyed `stage<s>` (unwrapped), so every key names its stage.
+
+    Keys are unique across pipeline ranks and equal across data-parallel replicas, which
+    torch.distributed.checkpoint then stores once.
+    """
+    return nn.ModuleDict({f"stage{s}": m for s, m in sorted(pipe.stage_state_modules.items())})
+
+
+def trainer_state(pipe: Pipeline, fresh_optimizer: bool) -> dict[str, Any]:
+    """The trainer's own counters (equal on every rank)."""
+    return {
+        "schedule": pipe.schedule.name,
+        "num_stages": pipe.schedule.num_stages,
+        "calls": pipe.calls,
+        "optimizer_steps": pipe.optimizer_steps,
+        "fresh_optimizer": fresh_optimizer,
+        "scaler": pipe.scaler.state_dict(),
+    }
+
+
+def _check_between_windows(pipe: Pipeline, verb: str) -> None:
+    if pipe.window_calls:
+        raise ValueError(
+            f"cannot {verb} a checkpoint inside an accumulation window ({pipe.window_calls} of "
+            f"{pipe.config.accumulation_steps} calls done); {verb} after the optimizer step"
+        )
+
+
+def save_checkpoint(pipe: Pipeline, path: str) -> None:
+    """Write model parts, optimizer state and trainer counters to directory `path` (all ranks call)."""
+    _check_between_windows(pipe, "save")
+    fresh = not pipe.optimizer.state
+    modules = stage_dict(pipe)
+    model_sd, optim_sd = get_state_dict(modules, pipe.optimizer, options=_OPTIONS)
+    if fresh:
+        # get_state_dict initialised the state with a zero-lr step; a fresh optimizer must stay fresh.
+        pipe.optimizer.state.clear()
+    state = {"model": model_sd, "optim": optim_sd, "trainer": trainer_state(pipe, fresh)}
+    dcp.save(state, checkpoint_id=path)
+
+
+def load_checkpoint(pipe: Pipeline, path: str) -> None:
+    """Restore what `save_checkpoint` wrote into an identically configured Pipeline (all ranks call)."""
+    _check_between_windows(pipe, "load")
+    modules = stage_dict(pipe)
+    _check_keys(path, [f"model.{k}" for k in modules.state_dict()], pipe._comm_device())
+    model_sd, optim_sd = get_state_dict(modules, pipe.optimizer, options=_OPTIONS)
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd, "trainer": trainer_state(pipe, False)}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(modules, pipe.optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"], options=_OPTIONS)
+    meta = state["trainer"]
+    if meta["fresh_optimizer"]:
+        pipe.optimizer.state.clear()
+    pipe.calls = int(meta["calls"])
+    pipe.optimizer_steps = int(meta["optimizer_steps"])
+    pipe.scaler.load_state_dict(meta["scaler"])
+
+
+def _check_keys(path: str, keys: list[str], device: torch.device) -> None:
+    """Raise ValueError naming this rank's model keys that the checkpoint lacks."""
+    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    missing = [k for k in keys if k not in stored]
+    anywhere = torch.tensor([len(missing)], dtype=torch.int64, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(anywhere, op=dist.ReduceOp.MAX)  # every rank raises, none waits in dcp.load
+    if anywhere.item() and not missing:
+        raise ValueError(f"checkpoint {path} does not match the pipeline on another rank")
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise ValueError(
+            f"checkpoint {path} lacks {len(missing)} of this rank's {len(keys)} model tensors ({shown}); "
+            "was it saved with another schedule, split or model?"
+        )

@@ -1,0 +1,328 @@
+"""The training API: `Pipeline` runs a schedule's steps, then syncs, clips, scales and applies gradients."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from duplexpipe.pipeline import grads
+from duplexpipe.pipeline.mesh import ParallelGroups
+from duplexpipe.pipeline.precision import DynamicLossScaler, LossScaleConfig, autocast_dtype
+from duplexpipe.pipeline.split import (
+    Balance,
+    Partition,
+    as_layers,
+    build_parts,
+    check_parts_fit,
+    plan_partition,
+)
+from duplexpipe.pipeline.stages import (
+    build_stage_modules,
+    find_mismatched_copies,
+    fingerprint,
+    inner_module,
+    resolve_checkpointing,
+)
+from duplexpipe.runtime import EvalResult, PipelineRuntime, RuntimeConfig
+from duplexpipe.schedules.ir import Schedule
+from duplexpipe.schedules.registry import build as build_schedule
+from duplexpipe.schedules.timeline import Timeline
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+"""Builds the optimizer from this rank's parameters, e.g. `lambda ps: torch.optim.AdamW(ps, lr=1e-3)`."""
+LossFn = Callable[[Any, Any], torch.Tensor]
+"""loss_fn(last stage output, targets) -> scalar mean loss over the microbatch."""
+
+
+@dataclass
+class PipelineConfig:
+    """How to pipeline and train; every field has a usable default."""
+
+    schedule: str | Schedule = "1f1b"
+    """A registry name (`duplexpipe.schedules.registry.names()`) or a ready Schedule for the pp ranks."""
+    num_microbatches: int = 4
+    """Microbatches per step (ignored when `schedule` is a Schedule); the batch must divide evenly."""
+    schedule_options: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword options for the schedule generator, e.g. {"chunks": 2}."""
+    precision: str = "fp32"
+    """"fp32"; "bf16" (bfloat16 autocast); or "fp16" (float16 autocast with dynamic loss scaling)."""
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    """Dynamic loss scaling settings, used with precision "fp16"."""
+    grad_clip_norm: float | None = None
+    """Clip to this global L2 norm over all ranks (each weight group counted once); None: no clipping."""
+    accumulation_steps: int = 1
+    """Calls to `step` per optimizer step. Their gradients are summed, each call weighted by its share
+    of the window's samples, so the applied gradient is that of the mean loss over every sample of the
+    window (a sum of microbatch gradients of that mean, not an average of per-call averages)."""
+    activation_checkpointing: bool | Collection[int] = False
+    """Recompute activations in backward: True for every stage, or a collection of stage indices."""
+    timeout_s: float = 180.0
+    """Seconds a blocked receive or send may wait before the runtime raises."""
+    record_timeline: bool = True
+    """Record the measured timeline of every step (StepInfo.timeline)."""
+    check_replicas: bool = True
+    """At construction, check that every copy of a model part (DualPipe mirrors, data-parallel
+    replicas) starts with identical weights; raise ValueError otherwise."""
+
+    def __post_init__(self) -> None:
+        autocast_dtype(self.precision)
+        if self.accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps must be >= 1, got {self.accumulation_steps}")
+        if self.grad_clip_norm is not None and self.grad_clip_norm <= 0:
+            raise ValueError(f"grad_clip_norm must be > 0 or None, got {self.grad_clip_norm}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What the last `Pipeline.step` call did."""
+
+    loss: float
+    """Mean loss of the batch (averaged over data-parallel replicas); unscaled."""
+    applied: bool
+    """True when this call ended an accumulation window and the optimizer stepped."""
+    skipped: bool
+    """True when the window's gradients overflowed in fp16 and the step was skipped everywhere."""
+    grad_norm: float | None
+    """Global gradient norm before clipping (None when not computed: no clipping, no fp16, mid-window)."""
+    loss_scale: float
+    """The loss scale this call used (1.0 unless fp16)."""
+    timeline: Timeline | None
+    """This rank's measured timeline of the call (None when not recorded)."""
+
+
+def _batch_size(inputs: Any, targets: Any) -> int | None:
+    for value in (inputs, targets):
+        if isinstance(value, torch.Tensor):
+            return value.shape[0]
+        if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
+            return value[0].shape[0]
+    return None
+
+
+class Pipeline:
+    """Trains model parts with a pipeline schedule on this process's pipeline rank.
+
+    Every rank passes the same model parts (built from the same seed or state_dict); the
+    pipeline deep-copies the parts its stages need. With a DeviceMesh ("pp", "dp") each
+    data-parallel replica passes its own batch and gradients are averaged over replicas
+    after the schedule's own DualPipe mirror sum.
+    """
+
+    def __init__(
+        self,
+        parts: Sequence[nn.Module],
+        loss_fn: LossFn,
+        optimizer: OptimizerFactory,
+        config: PipelineConfig | None = None,
+        *,
+        mesh: DeviceMesh | None = None,
+        device: torch.device | str | None = None,
+        partition: Partition | None = None,
+    ) -> None:
+        self.config = cfg = config or PipelineConfig()
+        self.groups = groups = ParallelGroups.from_mesh(mesh)
+        self.schedule = _resolve_schedule(cfg, groups.pp_size)
+        check_parts_fit(len(parts), self.schedule)
+        self.partition = partition.placed(self.schedule) if partition is not None else None
+        self.device = torch.device(device) if device is not None else default_device()
+        ckpt = resolve_checkpointing(cfg.activation_checkpointing, self.schedule)
+        self.stage_modules = build_stage_modules(self.schedule, groups.pp_rank, parts,
+                                                 checkpoint_stages=ckpt, device=self.device)
+        if cfg.check_replicas:
+            self._check_replicas()
+        self.params = [p for s in sorted(self.stage_modules) for p in self.stage_modules[s].parameters()]
+        self._counted = [p for s in sorted(self.stage_modules) if self.schedule.copy_of_stage(s) == 0
+                         for p in self.stage_modules[s].parameters()]
+        self.optimizer = optimizer(self.params)
+        self.scaler = DynamicLossScaler(cfg.loss_scale, enabled=cfg.precision == "fp16")
+        runtime_cfg = RuntimeConfig(timeout_s=cfg.timeout_s, record_timeline=cfg.record_timeline,
+                                    autocast_dtype=autocast_dtype(cfg.precision))
+        self.runtime = PipelineRuntime(self.schedule, self.stage_modules, loss_fn, group=groups.pp_group,
+                                       device=self.device, config=runtime_cfg)
+        self.optimizer_steps = 0
+        """Optimizer steps taken (skipped fp16 steps not counted)."""
+        self.calls = 0
+        """Calls to `step` so far."""
+        self.last: StepInfo | None = None
+        self._window_calls = 0
+        self._window_weight = 0.0
+        self._window_unit: int | None = None
+
+    @classmethod
+    def from_layers(
+        cls,
+        layers: nn.Sequential | Sequence[nn.Module],
+        loss_fn: LossFn,
+        optimizer: OptimizerFactory,
+        config: PipelineConfig | None = None,
+        *,
+        embedding: nn.Module | None = None,
+        head: nn.Module | None = None,
+        balance: Balance = "uniform",
+        sample_input: Any = None,
+        mesh: DeviceMesh | None = None,
+        device: torch.device | str | None = None,
+    ) -> Pipeline:
+        """Split `layers` (plus optional embedding/head) into the schedule's model parts and build.
+
+        `balance` and `sample_input` are as in `split.plan_partition`; rank 0's partition is used
+        on every rank (profiled times differ between processes).
+        """
+        config = config or PipelineConfig()
+        schedule = _resolve_schedule(config, ParallelGroups.from_mesh(mesh).pp_size)
+        blocks = as_layers(layers)
+        partition = plan_partition(blocks, schedule.num_groups, balance, embedding=embedding, head=head,
+                                   sample_input=sample_input)
+        if dist.is_available() and dist.is_initialized():
+            shared: list[Any] = [partition]
+            dist.broadcast_object_list(shared, src=0)  # profiled times differ per rank: rank 0 decides
+            partition = shared[0]
+        parts = build_parts(blocks, partition, embedding=embedding, head=head)
+        return cls(parts, loss_fn, optimizer, config, mesh=mesh, device=device, partition=partition)
+
+    def _check_replicas(self) -> None:
+        mine = {s: fingerprint(m) for s, m in self.stage_modules.items()}
+        if dist.is_available() and dist.is_initialized():
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, mine)
+        else:
+            gathered = [mine]
+        bad = find_mismatched_copies(self.schedule, gathered)
+        if bad:
+            desc = "; ".join(f"part {g}: " + ", ".join(f"stage {s}={fp[:8]}" for s, fp in copies)
+                             for g, copies in bad)
+            raise ValueError(
+                f"copies of a model part start with different weights ({desc}); build the model from "
+                "the same seed or state_dict on every rank"
+            )
+
+    @property
+    def window_calls(self) -> int:
+        """Calls made in the current accumulation window (0 right after an optimizer step)."""
+        return self._window_calls
+
+    @property
+    def stage_state_modules(self) -> dict[int, nn.Module]:
+        """This rank's stage modules without activation-checkpointing wrappers."""
+        return {s: inner_module(m) for s, m in self.stage_modules.items()}
+
+    def step(self, inputs: Any, targets: Any) -> float:
+        """Run one pipelined forward+backward over the batch; step the optimizer at window ends.
+
+        Returns the batch's mean loss (the same on every rank). Details are in `self.last`.
+        """
+        cfg = self.config
+        if self._window_calls == 0:
+            self.optimizer.zero_grad(set_to_none=True)
+        weight = self._call_weight(inputs, targets)
+        scale = self.scaler.scale
+        result = self.runtime.step(inputs, targets, loss_scale=scale * weight)
+        self.calls += 1
+        self._window_calls += 1
+        self._window_weight += weight
+        loss = self._dp_mean(result.loss)
+        applied, skipped, norm = False, False, None
+        if self._window_calls == cfg.accumulation_steps:
+            skipped, norm = self._apply()
+            applied = not skipped
+        self.last = StepInfo(loss, applied, skipped, norm, scale, result.timeline)
+        return loss
+
+    def _call_weight(self, inputs: Any, targets: Any) -> float:
+        """This call's weight in the window: its batch size over the window's first batch size."""
+        if self.config.accumulation_steps == 1:
+            return 1.0
+        size = _batch_size(inputs, targets)
+        if size is None:
+            raise ValueError("with accumulation_steps > 1 pass inputs or targets on every rank "
+                             "(their batch size weights the accumulated gradient)")
+        if self._window_unit is None or self._window_calls == 0:
+            self._window_unit = size
+        return size / self._window_unit
+
+    def _dp_mean(self, loss: float) -> float:
+        g = self.groups
+        if g.dp_size == 1:
+            return loss
+        t = torch.tensor([loss], dtype=torch.float64, device=self._comm_device())
+        dist.all_reduce(t, group=g.dp_group)
+        return float(t.item()) / g.dp_size
+
+    def _comm_device(self) -> torch.device:
+        return self.device
+
+    def _apply(self) -> tuple[bool, float | None]:
+        """End the window: DP average, norm + overflow check, unscale + clip, optimizer step."""
+        cfg, g = self.config, self.groups
+        grads.all_reduce_mean(self.params, g.dp_group, g.dp_size)
+        divisor = self.scaler.scale * self._window_weight
+        self._window_calls, self._window_weight = 0, 0.0
+        norm = None
+        if cfg.grad_clip_norm is not None or self.scaler.enabled:
+            raw, overflow = grads.global_norm_and_overflow(
+                [p.grad for p in self._counted if p.grad is not None],
+                [p.grad for p in self.params if p.grad is not None],
+                None, self._comm_device(), count_here=g.dp_rank == 0)
+            norm = raw / divisor
+            if overflow and self.scaler.enabled:
+                self.scaler.update(overflow=True)
+                self.optimizer.zero_grad(set_to_none=True)
+                return True, norm
+        grads.scale_grads(self.params, grads.clip_factor(norm or 0.0, cfg.grad_clip_norm) / divisor)
+        self.optimizer.step()
+        self.scaler.update(overflow=False)
+        self.optimizer_steps += 1
+        return False, norm
+
+    def evaluate(self, inputs: Any, targets: Any = None) -> EvalResult:
+        """Forward only, in eval mode (dropout off, no autograd).
+
+        Returns the runtime's EvalResult: the whole batch's outputs in batch order on ranks
+        holding a last stage (None elsewhere), and the mean loss on every rank when targets are given.
+        """
+        modes = {s: m.training for s, m in self.stage_modules.items()}
+        for m in self.stage_modules.values():
+            m.eval()
+        try:
+            with torch.no_grad():
+                return self.runtime.evaluate(inputs, targets)
+        finally:
+            for s, m in self.stage_modules.items():
+                m.train(modes[s])
+
+    def save(self, path: str) -> None:
+        """Save model parts, optimizer and trainer state with torch.distributed.checkpoint (collective)."""
+        from duplexpipe.pipeline.checkpoint import save_checkpoint
+
+        save_checkpoint(self, path)
+
+    def load(self, path: str) -> None:
+        """Load what `save` wrote (collective); training continues exactly where it stopped."""
+        from duplexpipe.pipeline.checkpoint import load_checkpoint
+
+        load_checkpoint(self, path)
+
+
+def default_device() -> torch.device:
+    """The current CUDA device under NCCL, else the CPU."""
+    if dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _resolve_schedule(config: PipelineConfig, pp_size: int) -> Schedule:
+    if isinstance(config.schedule, Schedule):
+        schedule = config.schedule
+        if schedule.num_ranks != pp_size:
+            raise ValueError(f"schedule {schedule.name!r} is for {schedule.num_ranks} ranks, "
+                             f"but the pipeline group has {pp_size}")
+        return schedule
+    return build_schedule(config.schedule, pp_size, config.num_microbatches, **config.schedule_options)

@@ -1,0 +1,87 @@
+"""Tests for duplexpipe.pipeline.checkpoint: resumed training repeats the uninterrupted run exactly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+from _train_helpers import adam, batch, make_parts, mse
+
+from duplexpipe.pipeline.launch import launch
+from duplexpipe.pipeline.mesh import make_mesh
+from duplexpipe.pipeline.trainer import Pipeline, PipelineConfig
+
+TOTAL, SAVE_AT = 8, 5
+
+
+def _build(schedule: str, microbatches: int, seed: int, dp: int = 1, blocks: int = 8) -> Pipeline:
+    pp = dist.get_world_size() // dp
+    cfg = PipelineConfig(schedule, microbatches, grad_clip_norm=0.2)
+    num_parts = blocks if schedule == "dualpipev" else pp
+    mesh = make_mesh(pp, dp) if dp > 1 else None
+    return Pipeline(make_parts(num_parts, blocks, seed), mse, adam, cfg, mesh=mesh)
+
+
+def _local(pipe: Pipeline, step: int) -> tuple[Any, Any]:
+    x, y = batch(step)
+    half = 16 // pipe.groups.dp_size
+    lo = pipe.groups.dp_rank * half
+    return x[lo:lo + half], y[lo:lo + half]
+
+
+def _resume_case(root: str, name: str, schedule: str, microbatches: int, save_at: int,
+                 dp: int = 1) -> dict[str, Any]:
+    path = str(Path(root) / name)
+    first = _build(schedule, microbatches, seed=0, dp=dp)
+    straight = []
+    for step in range(TOTAL):
+        if step == save_at:
+            first.save(path)
+        straight.append(first.step(*_local(first, step)))
+    resumed = _build(schedule, microbatches, seed=1, dp=dp)  # different weights until loaded
+    resumed.load(path)
+    tail = [resumed.step(*_local(resumed, step)) for step in range(save_at, TOTAL)]
+    return {"straight": straight[save_at:], "resumed": tail, "calls": resumed.calls}
+
+
+def _wrong_layout(root: str) -> str:
+    pipe = _build("1f1b", 4, seed=0)
+    try:
+        pipe.load(str(Path(root) / "dualpipev"))
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+def _all_cases(root: str) -> dict[str, Any]:
+    return {
+        "dualpipe": _resume_case(root, "dualpipe", "dualpipe", 8, SAVE_AT),
+        "dualpipev": _resume_case(root, "dualpipev", "dualpipev", 8, SAVE_AT),
+        "fresh": _resume_case(root, "fresh", "1f1b", 4, 0),
+        "pp2xdp2": _resume_case(root, "pp2xdp2", "1f1b", 4, SAVE_AT, dp=2),
+        "wrong": _wrong_layout(root),
+    }
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return launch(_all_cases, 4, (str(tmp_path_factory.mktemp("ckpt")),), timeout_s=240)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", ["dualpipe", "dualpipev", "fresh", "pp2xdp2"])
+def test_resume_continues_with_exactly_the_same_losses(results: list[dict[str, Any]], case: str) -> None:
+    for res in results:
+        got = res[case]
+        assert got["resumed"] == got["straight"], got
+        assert got["calls"] == TOTAL
+    assert len(results[0][case]["resumed"]) == TOTAL - (0 if case == "fresh" else SAVE_AT)
+
+
+@pytest.mark.timeout(300)
+def test_loading_another_layout_fails_on_every_rank(results: list[dict[str, Any]]) -> None:
+    messages = [res["wrong"] for res in results]
+    assert all(messages), messages
+    assert "lacks" in messages[0] and "model.stage0.layer1" in messages[0]

@@ -1,0 +1,168 @@
+"""Tests for duplexpipe.pipeline.trainer: pipelined training equals single-process training.
+
+All multi-rank cases run in one launch of 4 gloo processes (module-scoped fixture); each rank
+trains the single-process reference itself and reports its differences.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from _train_helpers import Reference, adam, batch, make_parts, max_param_diff, max_rel_diff, mse
+
+from duplexpipe.pipeline.launch import launch
+from duplexpipe.pipeline.mesh import make_mesh
+from duplexpipe.pipeline.trainer import Pipeline, PipelineConfig
+
+STEPS = 20
+CLIP = 0.15
+
+
+def _groups(pipe: Pipeline) -> dict[int, int]:
+    return {s: pipe.schedule.stages[s].group for s in pipe.stage_modules}
+
+
+def _equivalence(schedule: str, microbatches: int, clip: float | None = None, dp: int = 1,
+                 checkpointing: bool = False) -> dict[str, Any]:
+    pp = dist.get_world_size() // dp
+    mesh = make_mesh(pp, dp) if dp > 1 else None
+    cfg = PipelineConfig(schedule=schedule, num_microbatches=microbatches, grad_clip_norm=clip,
+                         activation_checkpointing=checkpointing)
+    parts = make_parts(8 if schedule == "dualpipev" else pp)
+    pipe = Pipeline(parts, mse, adam, cfg, mesh=mesh)
+    ref = Reference(parts, clip)
+    losses, ref_losses, norms = [], [], []
+    for step in range(STEPS):
+        x, y = batch(step)
+        ref_losses += ref.step([(x, y)])
+        lo = pipe.groups.dp_rank * (16 // dp)
+        losses.append(pipe.step(x[lo:lo + 16 // dp], y[lo:lo + 16 // dp]))
+        norms.append(pipe.last.grad_norm)
+    return {"loss_rel": max_rel_diff(losses, ref_losses), "param": max_param_diff(pipe.stage_modules,
+            _groups(pipe), ref), "decreased": losses[-1] < losses[0], "norms": norms,
+            "coords": (pipe.groups.pp_rank, pipe.groups.dp_rank, pipe.groups.pp_size, pipe.groups.dp_size)}
+
+
+def _accumulation() -> dict[str, Any]:
+    parts = make_parts(4)
+    pipe = Pipeline(parts, mse, adam, PipelineConfig("1f1b", 4, accumulation_steps=2, grad_clip_norm=0.3))
+    ref = Reference(parts, 0.3)
+    losses, ref_losses, applied = [], [], []
+    for step in range(6):
+        window = [batch(2 * step, 16), batch(2 * step + 1, 8)]  # unequal sizes: weights 2/3 and 1/3
+        ref_losses += ref.step(window)
+        for x, y in window:
+            losses.append(pipe.step(x, y))
+            applied.append(pipe.last.applied)
+    return {"loss_rel": max_rel_diff(losses, ref_losses), "applied": applied,
+            "param": max_param_diff(pipe.stage_modules, _groups(pipe), ref)}
+
+
+def _evaluate_and_bf16() -> dict[str, Any]:
+    parts = make_parts(4)
+    pipe = Pipeline(parts, mse, adam, PipelineConfig("dualpipe", 8))
+    x, y = batch(0)
+    result = pipe.evaluate(x, y)
+    ref = torch.nn.Sequential(*parts)(x)
+    out: dict[str, Any] = {"has_outputs": result.outputs is not None, "loss": result.loss,
+                           "ref_loss": mse(ref, y).item()}
+    if result.outputs is not None:
+        out["out_diff"] = (result.outputs - ref).abs().max().item()
+    bf16 = Pipeline(parts, mse, adam, PipelineConfig("1f1b", 4, precision="bf16"))
+    losses = [bf16.step(*batch(s)) for s in range(5)]
+    bf_eval = bf16.evaluate(x)
+    out["bf16_dtype"] = str(bf_eval.outputs.dtype) if bf_eval.outputs is not None else None
+    out["bf16_finite"] = all(torch.isfinite(torch.tensor(losses)).tolist())
+    out["bf16_first"] = losses[0]
+    return out
+
+
+def _mismatched_mirrors() -> str:
+    try:
+        Pipeline(make_parts(4, seed=dist.get_rank()), mse, adam, PipelineConfig("dualpipe", 8))
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+def _all_cases() -> dict[str, Any]:
+    torch.manual_seed(0)
+    return {
+        "1f1b": _equivalence("1f1b", 4, clip=CLIP),
+        "dualpipe": _equivalence("dualpipe", 8, clip=CLIP),
+        "dualpipev": _equivalence("dualpipev", 8),
+        "pp2xdp2": _equivalence("dualpipe", 4, clip=CLIP, dp=2),
+        "checkpointed": _equivalence("dualpipe", 8, checkpointing=True),
+        "accumulation": _accumulation(),
+        "evaluate": _evaluate_and_bf16(),
+        "mirrors": _mismatched_mirrors(),
+    }
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, Any]]:
+    return launch(_all_cases, 4, timeout_s=240)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", ["1f1b", "dualpipe", "dualpipev", "pp2xdp2", "checkpointed"])
+def test_pipelined_training_matches_single_process(results: list[dict[str, Any]], case: str) -> None:
+    for rank, res in enumerate(results):
+        got = res[case]
+        assert got["loss_rel"] < 1e-5, (rank, got)
+        assert got["param"] < 1e-4, (rank, got)
+        assert got["decreased"]
+    norms = results[0][case]["norms"]
+    if case in ("dualpipev", "checkpointed"):
+        assert norms == [None] * STEPS  # no clipping, no fp16: the norm is not computed
+    else:  # clipping was active on some steps and every rank saw the same global norm
+        assert sum(n > CLIP for n in norms) >= 3 and sum(n < CLIP for n in norms) >= 1, norms
+        assert all(r[case]["norms"] == norms for r in results)
+
+
+@pytest.mark.timeout(300)
+def test_mesh_places_rank_at_pp_times_dp_plus_dp(results: list[dict[str, Any]]) -> None:
+    assert [tuple(res["pp2xdp2"]["coords"]) for res in results] == [(0, 0, 2, 2), (0, 1, 2, 2),
+                                                                     (1, 0, 2, 2), (1, 1, 2, 2)]
+    assert [tuple(res["1f1b"]["coords"]) for res in results] == [(r, 0, 4, 1) for r in range(4)]
+
+
+@pytest.mark.timeout(300)
+def test_accumulation_is_the_mean_over_the_window(results: list[dict[str, Any]]) -> None:
+    for res in results:
+        got = res["accumulation"]
+        assert got["applied"] == [False, True] * 6
+        assert got["loss_rel"] < 1e-5 and got["param"] < 1e-4, got
+
+
+@pytest.mark.timeout(300)
+def test_evaluate_returns_batch_order_outputs_and_bf16_autocasts(results: list[dict[str, Any]]) -> None:
+    holders = [r for r, res in enumerate(results) if res["evaluate"]["has_outputs"]]
+    assert holders == [0, 3]  # DualPipe's last stages: stage 3 on rank 3 and stage 7 on rank 0
+    for r in holders:
+        assert results[r]["evaluate"]["out_diff"] < 1e-6
+    for res in results:
+        ev = res["evaluate"]
+        assert abs(ev["loss"] - ev["ref_loss"]) < 1e-6 * ev["ref_loss"]
+        assert ev["bf16_finite"]
+        assert abs(ev["bf16_first"] - ev["ref_loss"]) < 0.05 * ev["ref_loss"]
+    assert results[3]["evaluate"]["bf16_dtype"] == "torch.bfloat16"
+
+
+@pytest.mark.timeout(300)
+def test_mismatched_mirror_copies_are_rejected_on_every_rank(results: list[dict[str, Any]]) -> None:
+    for res in results:
+        assert "copies of a model part start with different weights" in res["mirrors"]
+        assert "stage 0=" in res["mirrors"] and "stage 4=" in res["mirrors"]
+
+
+def test_config_rejects_bad_values() -> None:
+    with pytest.raises(ValueError, match="accumulation_steps must be >= 1, got 0"):
+        PipelineConfig(accumulation_steps=0)
+    with pytest.raises(ValueError, match="grad_clip_norm must be > 0 or None, got -1"):
+        PipelineConfig(grad_clip_norm=-1)
+    with pytest.raises(ValueError, match="unknown precision 'fp64'"):
+        PipelineConfig(precision="fp64")
