@@ -46,7 +46,7 @@ def _add_cost(p: argparse.ArgumentParser) -> None:
                    help="cost model, e.g. F=1,B=2,W=1,FB=3,latency=0,bandwidth=1e9,bytes=4e6 (defaults F=1,B=2,W=1)")
 
 
-def _build_parser() -> _Parser:
+def _build_parser(with_train: bool = False) -> _Parser:
     parser = _Parser(prog="duplexpipe", description="Pipeline schedules as data: generate, verify, "
                      "simulate, compare, draw, export and train.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -77,17 +77,17 @@ def _build_parser() -> _Parser:
     exp.add_argument("--format", choices=("json", "torch-csv"), required=True)
     exp.add_argument("-o", "--output", required=True, metavar="FILE")
     exp.add_argument("--comms", action="store_true", help="export the lowered schedule (with SEND/RECV)")
-    _add_train_parser(sub)
+    _add_train_parser(sub, with_train)
     return parser
 
 
-def _add_train_parser(sub: Any) -> None:
-    train = sub.add_parser("train", help="train the bundled GPT example on CPU processes")
-    train.add_argument("--schedule", default="dualpipe", metavar="NAME")
-    train.add_argument("--ranks", type=_positive("ranks"), default=4)
-    train.add_argument("--microbatches", type=_positive("microbatches"), default=8)
-    train.add_argument("--steps", type=_positive("steps"), default=30)
-    train.add_argument("--out", default="demo-output", metavar="DIR", help="where figures and traces go")
+def _add_train_parser(sub: Any, full: bool) -> None:
+    train = sub.add_parser("train", help="train a model (default: the bundled GPT example) on local CPU "
+                           "processes, or under torchrun")
+    if full:  # its options come from the training module, which imports torch: only when needed
+        from duplexpipe.pipeline.train import add_train_arguments
+
+        add_train_arguments(train)
 
 
 def load_schedule(spec: str, ranks: int | None, microbatches: int | None) -> Schedule:
@@ -196,9 +196,11 @@ def compare_rows(ranks: int, microbatches: int, cost: Any) -> tuple[list[dict[st
         schedule = registry.build(name, ranks, microbatches)
         timeline = simulate(schedule, replace(cost, stage_scale=True))
         timelines.append(timeline)
+        peak = max(timeline.peak_activations(r) for r in range(ranks))
         rows.append({
             "schedule": name, "makespan": timeline.makespan, "bubble_ratio": timeline.bubble_ratio,
-            "peak_activations": max(timeline.peak_activations(r) for r in range(ranks)),
+            "peak_activations": peak,
+            "peak_activation_memory": peak * ranks / schedule.num_groups,
             "params_per_rank": registry.params_per_rank(schedule),
         })
     return rows, timelines
@@ -213,14 +215,15 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"ranks": args.ranks, "microbatches": args.microbatches, "schedules": rows}, indent=2))
         return 0
-    print(f"P={args.ranks} M={args.microbatches} (costs per 1/P of the model; activations in stage-microbatches)")
-    print(f"{'schedule':<17} {'makespan':>9} {'bubble':>7} {'peak_act':>8} {'params':>7}")
+    print(f"P={args.ranks} M={args.microbatches}; costs per 1/P of the model; peak_act in stage-microbatches, "
+          "act_mem in 1F1B-stage activations")
+    print(f"{'schedule':<17} {'makespan':>9} {'bubble':>7} {'peak_act':>8} {'act_mem':>7} {'params':>7}")
     for row in rows:
         if "skipped" in row:
             print(f"{row['schedule']:<17} skipped: {row['skipped']}")
             continue
         print(f"{row['schedule']:<17} {row['makespan']:>9.2f} {row['bubble_ratio']:>7.1%} "
-              f"{row['peak_activations']:>8} {row['params_per_rank']:>6.1f}x")
+              f"{row['peak_activations']:>8} {row['peak_activation_memory']:>7.1f} {row['params_per_rank']:>6.1f}x")
     if args.plot:
         print(f"figure written to {args.plot}")
     return 0
@@ -241,7 +244,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from duplexpipe.pipeline.demo import train_main
+    from duplexpipe.pipeline.train import train_main
 
     return train_main(args)
 
@@ -255,7 +258,8 @@ _COMMANDS = {
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `duplexpipe` console script; returns the exit code."""
     try:
-        args = _build_parser().parse_args(argv)
+        argv = list(sys.argv[1:] if argv is None else argv)
+        args = _build_parser(with_train="train" in argv).parse_args(argv)
         return _COMMANDS[args.command](args)
     except (CliError, ScheduleError, ValueError) as exc:
         print(f"duplexpipe: error: {exc}".splitlines()[0], file=sys.stderr)

@@ -165,8 +165,9 @@ def _routes(layout: Layout) -> tuple[list[_Route | None], list[_Route | None]]:
     bwd: list[_Route | None] = []
     for s in range(layout.num_stages):
         n, p = layout.nxt[s], layout.prv[s]
-        fwd.append((n, rank[n], n * nmb, Op.SEND_F, Op.RECV_F) if n >= 0 and rank[n] != rank[s] else None)
-        bwd.append((p, rank[p], half + p * nmb, Op.SEND_B, Op.RECV_B) if p >= 0 and rank[p] != rank[s] else None)
+        crosses_next, crosses_prev = n >= 0 and rank[n] != rank[s], p >= 0 and rank[p] != rank[s]
+        fwd.append((n, rank[n], n * nmb, Op.SEND_F, Op.RECV_F) if crosses_next else None)
+        bwd.append((p, rank[p], half + p * nmb, Op.SEND_B, Op.RECV_B) if crosses_prev else None)
     return fwd, bwd
 
 
@@ -186,7 +187,10 @@ def _with_sends(schedule: Schedule, layout: Layout, consumer: list[int]
             flat.append(action)
             for part in (action.parts if action.op is overlap else (action,)):
                 op = part.op
-                route = fwd[part.stage] if op is f_op else bwd[part.stage] if op is b_op or op is i_op else None
+                if op is f_op:
+                    route = fwd[part.stage]
+                else:
+                    route = bwd[part.stage] if op is b_op or op is i_op else None
                 if route is None:
                     continue
                 peer, peer_rank, base, send_op, recv_op = route
@@ -204,7 +208,8 @@ def _with_sends(schedule: Schedule, layout: Layout, consumer: list[int]
     return flats, pairs
 
 
-def _place_receives(pairs: dict[tuple[int, int], list[_Message]], num_ranks: int) -> list[dict[int, list[Action]]]:
+def _place_receives(pairs: dict[tuple[int, int], list[_Message]],
+                    num_ranks: int) -> list[dict[int, list[Action]]]:
     """Per receiving rank: position -> the RECVs posted right before the action there.
 
     A receive's slot is one compute ahead of its consumer; walking each pair's messages

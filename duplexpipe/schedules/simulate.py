@@ -59,7 +59,7 @@ class CostModel:
                 raise ValueError(f"stage_costs needs stage numbers >= 0 as keys, got {stage!r}")
             if len(costs) != 3:
                 raise ValueError(f"stage_costs[{stage}] must be (f, b, w), got {costs!r}")
-            for name, value in zip("fbw", costs):
+            for name, value in zip("fbw", costs, strict=True):
                 _check_time(f"stage_costs[{stage}].{name}", value)
             if costs[2] > costs[1]:
                 raise ValueError(f"stage_costs[{stage}]: w={costs[2]} exceeds b={costs[1]}")
@@ -80,12 +80,13 @@ class CostModel:
         count = schedule.num_stages
         unknown = sorted(s for s in self.stage_costs if s >= count)
         if unknown:
-            raise ValueError(f"stage_costs names stages {unknown}, but {schedule.name!r} has stages 0..{count - 1}")
+            raise ValueError(f"stage_costs names stages {unknown}, but {schedule.name!r} has stages "
+                             f"0..{count - 1}")
         scale = schedule.num_ranks / schedule.num_groups if self.stage_scale else 1.0
         table = [self.stage_costs.get(s, (self.f, self.b, self.w)) for s in range(count)]
         f, b, w = ([c[k] * scale for c in table] for k in range(3))
         fb = None if self.fb is None else [self.fb * scale] * count
-        return Durations(f, b, [bb - ww for bb, ww in zip(b, w)], w, fb)
+        return Durations(f, b, [bb - ww for bb, ww in zip(b, w, strict=True)], w, fb)
 
     @staticmethod
     def parse(text: str) -> CostModel:

@@ -80,8 +80,8 @@ class Durations:
 
 def analyze(schedule: Schedule, layout: Layout, durations: Durations | None = None) -> Program:
     """Checks (1) and (3) of `verify` in one pass; returns the program that `run_program` executes."""
-    state = _State(schedule, layout, durations or Durations.zero(layout.num_stages))
     with gc_paused():
+        state = _State(schedule, layout, durations or Durations.zero(layout.num_stages))
         program = [_analyze_rank(state, rank, row) for rank, row in enumerate(schedule.actions)]
     _check_complete(state)
     _check_matching(state)
@@ -97,8 +97,11 @@ class _State:
         self.f_at, self.bi_at, self.w_at = [-1] * size, [-1] * size, [-1] * size
         self.is_i = bytearray(size)
         self.send_at, self.recv_at = [-1] * (2 * size), [-1] * (2 * size)
-        self.sends: list[dict[int, list[int]]] = [{} for _ in schedule.actions]
-        self.recvs: list[dict[int, list[int]]] = [{} for _ in schedule.actions]
+        ranks = range(schedule.num_ranks)
+        self.sends: list[list[list[int]]] = [[[] for _ in ranks] for _ in ranks]
+        """sends[a][b]: the tokens rank a sends to rank b, in posting order."""
+        self.recvs: list[list[list[int]]] = [[[] for _ in ranks] for _ in ranks]
+        """recvs[b][a]: the tokens rank b receives from rank a, in posting order."""
         self.counts = [0, 0, 0, 0]  # F, B or I, I, W
         rank, nmb = layout.rank, layout.num_microbatches
 
@@ -112,6 +115,15 @@ class _State:
                       for s in stages]
         self.b_out = [-1 if layout.prv[s] < 0 or crosses(s, layout.prv[s]) else size + layout.prv[s] * nmb
                       for s in stages]
+        # per stage: the peer rank of a SEND/RECV of each kind (-1: no such comm), and its token base
+        to_next = [rank[layout.nxt[s]] if crosses(s, layout.nxt[s]) else -1 for s in stages]
+        to_prev = [rank[layout.prv[s]] if crosses(s, layout.prv[s]) else -1 for s in stages]
+        self.comm_tables = {
+            Op.SEND_F: (to_next, [layout.nxt[s] * nmb for s in stages]),
+            Op.SEND_B: (to_prev, [size + layout.prv[s] * nmb for s in stages]),
+            Op.RECV_F: (to_prev, [s * nmb for s in stages]),
+            Op.RECV_B: (to_next, [size + s * nmb for s in stages]),
+        }
 
     def fail(self, rank: int, pos: int, action: Action, why: str) -> ScheduleError:
         """An error naming `action` and where it sits."""
@@ -164,7 +176,7 @@ class _State:
 
     def _weight(self, rank: int, pos: int, part: Action, key: int) -> None:
         if self.w_at[key] >= 0:
-            raise self.fail(rank, pos, part, f"duplicate weight gradient (first at position {self.w_at[key]})")
+            raise self.fail(rank, pos, part, f"duplicate weight gradient (first at {self.w_at[key]})")
         if self.bi_at[key] < 0 or not self.is_i[key]:
             why = "after a full backward B (W only follows an I)" if self.bi_at[key] >= 0 else "before"
             raise self.fail(rank, pos, part, f"weight gradient {why} its input gradient "
@@ -179,6 +191,13 @@ class _State:
         where = f"it is posted later, at position {later[0]}" if later else f"rank {rank} never posts it"
         return self.fail(rank, pos, part, f"consumes a tensor from rank {sender} without an earlier {recv} "
                          f"({where})")
+
+    def plain(self, rank: int, pos: int, action: Action) -> Instruction:
+        """Check a plain compute action (F, B, I or W)."""
+        inputs: list[int] = []
+        outputs: list[int] = []
+        cost = self.compute(rank, pos, action, inputs, outputs)
+        return (COMPUTE, action, tuple(inputs), tuple(outputs), cost)
 
     def pair(self, rank: int, pos: int, action: Action) -> Instruction:
         """Check an OVERLAP_F_B pair (its B part may not consume the pair's own F)."""
@@ -199,15 +218,17 @@ class _State:
         forward, sending = op in (Op.SEND_F, Op.RECV_F), op in (Op.SEND_F, Op.SEND_B)
         peer = lay.nxt[stage] if forward == sending else lay.prv[stage]
         if peer < 0:
-            return self.fail(rank, pos, action, f"stage {stage} is the {'last' if forward == sending else 'first'}"
-                             " stage of its chain: there is no peer stage")
+            end = "last" if forward == sending else "first"
+            return self.fail(rank, pos, action, f"stage {stage} is the {end} stage of its chain: there is no "
+                             "peer stage")
         if lay.rank[peer] == rank:
             return self.fail(rank, pos, action, f"stages {stage} and {peer} both run on rank {rank}: "
                              "they hand over locally, without SEND/RECV")
         key = stage * lay.num_microbatches + mb
         if sending and (self.f_at if forward else self.bi_at)[key] < 0:
-            return self.fail(rank, pos, action, f"sent before its producer {stage}{'F' if forward else 'B'}{mb}"
-                             f"{'' if forward else f' (or {stage}I{mb})'} (it must come earlier on rank {rank})")
+            producer = f"{stage}F{mb}" if forward else f"{stage}B{mb} (or {stage}I{mb})"
+            return self.fail(rank, pos, action, f"sent before its producer {producer} (it must come earlier "
+                             f"on rank {rank})")
         half = lay.num_stages * lay.num_microbatches
         token = (0 if forward else half) + (peer if sending else stage) * lay.num_microbatches + mb
         first = (self.send_at if sending else self.recv_at)[token]
@@ -217,71 +238,103 @@ class _State:
 def _analyze_rank(state: _State, rank: int, row: tuple[Action, ...]) -> list[Instruction]:
     """Check one rank's list and compile it.
 
-    SEND/RECV (most actions of a lowered schedule) and plain F and B take an inline fast
-    path; anything else, and anything the fast path does not accept, goes through
-    `_State.compute`/`pair`/`comm_error`, which hold the rules and raise the precise error.
+    SEND/RECV (most actions of a lowered schedule) are checked inline, plain F and B and
+    F&B pairs by `_fast_plain`/`_fast_pair`; anything else, and anything those do not
+    accept, goes through `_State.plain`/`pair`/`comm_error`, which hold the rules and
+    raise the precise error.
     """
-    lay, dur = state.layout, state.durations
+    lay = state.layout
     nmb, nstages, rank_of, lo, hi = lay.num_microbatches, lay.num_stages, lay.rank, lay.lo, lay.hi
-    half = nstages * nmb
-    f_at, bi_at, recv_at, f_in, b_in, f_out, b_out = (state.f_at, state.bi_at, state.recv_at, state.f_in,
-                                                       state.b_in, state.f_out, state.b_out)
-    specs = ((lay.nxt, 0, f_at, state.sends[rank], state.send_at, SEND),
-             (lay.prv, half, bi_at, state.sends[rank], state.send_at, SEND),
-             (lay.prv, 0, None, state.recvs[rank], recv_at, RECV),
-             (lay.nxt, half, None, state.recvs[rank], recv_at, RECV))
-    send_f, send_b, recv_f, recv_b, f_op, b_op = Op.SEND_F, Op.SEND_B, Op.RECV_F, Op.RECV_B, Op.F, Op.B
+    f_at, bi_at, recv_at = state.f_at, state.bi_at, state.recv_at
+    Spec = tuple[list[int], list[int], "list[int] | None", list[list[int]], list[int], int]
+    tables = state.comm_tables
+    specs: tuple[Spec, ...] = (
+        (*tables[Op.SEND_F], f_at, state.sends[rank], state.send_at, SEND),
+        (*tables[Op.SEND_B], bi_at, state.sends[rank], state.send_at, SEND),
+        (*tables[Op.RECV_F], None, state.recvs[rank], recv_at, RECV),
+        (*tables[Op.RECV_B], None, state.recvs[rank], recv_at, RECV))
+    send_f, send_b, recv_f, recv_b, overlap = Op.SEND_F, Op.SEND_B, Op.RECV_F, Op.RECV_B, Op.OVERLAP_F_B
     out: list[Instruction] = []
     counted = [0, 0]
+    fast = (nmb, nstages, rank_of, lo, hi, f_at, bi_at, recv_at, state.f_in, state.b_in, state.f_out,
+            state.b_out, state.durations, counted)
     for pos, action in enumerate(row):
         op, stage, mb = action.op, action.stage, action.microbatch
-        if op is f_op or op is b_op:
-            forward = op is f_op
-            if stage < nstages and rank_of[stage] == rank and lo[stage] <= mb < hi[stage]:
-                key = stage * nmb + mb
-                if forward and f_at[key] < 0 or not forward and bi_at[key] < 0 and 0 <= f_at[key] < pos:
-                    kind, token = (f_in[stage], key) if forward else (b_in[stage], half + key)
-                    if kind != 2 or recv_at[token] >= 0:
-                        (f_at if forward else bi_at)[key] = pos
-                        counted[not forward] += 1
-                        base = (f_out if forward else b_out)[stage]
-                        out.append((COMPUTE, action, () if kind == 0 else (token,) if kind == 1 else (-1 - token,),
-                                    () if base < 0 else (base + mb,), (dur.f if forward else dur.b)[stage]))
-                        continue
         if op is send_f:
-            peers, base, made, queues, seen, kind = specs[0]
+            peers, bases, made, queues, seen, kind = specs[0]
         elif op is send_b:
-            peers, base, made, queues, seen, kind = specs[1]
+            peers, bases, made, queues, seen, kind = specs[1]
         elif op is recv_f:
-            peers, base, made, queues, seen, kind = specs[2]
+            peers, bases, made, queues, seen, kind = specs[2]
         elif op is recv_b:
-            peers, base, made, queues, seen, kind = specs[3]
-        elif op is Op.OVERLAP_F_B:
-            out.append(state.pair(rank, pos, action))
+            peers, bases, made, queues, seen, kind = specs[3]
+        elif op is overlap:
+            out.append(_fast_pair(fast, rank, pos, action) or state.pair(rank, pos, action))
             continue
         else:
-            inputs: list[int] = []
-            outputs: list[int] = []
-            cost = state.compute(rank, pos, action, inputs, outputs)
-            out.append((COMPUTE, action, tuple(inputs), tuple(outputs), cost))
+            out.append(_fast_plain(fast, rank, pos, action) or state.plain(rank, pos, action))
             continue
         if stage >= nstages or rank_of[stage] != rank or not lo[stage] <= mb < hi[stage]:
             raise state.comm_error(rank, pos, action)
         peer = peers[stage]
-        if peer < 0 or rank_of[peer] == rank or (made is not None and made[stage * nmb + mb] < 0):
+        if peer < 0 or (made is not None and made[stage * nmb + mb] < 0):
             raise state.comm_error(rank, pos, action)
-        token = base + (peer if made is not None else stage) * nmb + mb
+        token = bases[stage] + mb
         if seen[token] >= 0:
             raise state.comm_error(rank, pos, action)
         seen[token] = pos
-        queue = queues.get(rank_of[peer])
-        if queue is None:
-            queue = queues[rank_of[peer]] = []
-        queue.append(token)
+        queues[peer].append(token)
         out.append((kind, token))
     state.counts[0] += counted[0]
     state.counts[1] += counted[1]
     return out
+
+
+def _fast_plain(fast: tuple, rank: int, pos: int, action: Action) -> Instruction | None:
+    """A plain F or B that passes every check, compiled; else None (use `_State.plain`)."""
+    nmb, nstages, rank_of, lo, hi, f_at, bi_at, recv_at, f_in, b_in, f_out, b_out, dur, counted = fast
+    op, stage, mb = action.op, action.stage, action.microbatch
+    forward = op is Op.F
+    if (not (forward or op is Op.B) or stage >= nstages or rank_of[stage] != rank
+            or not lo[stage] <= mb < hi[stage]):
+        return None
+    key = stage * nmb + mb
+    if (f_at[key] >= 0) if forward else (bi_at[key] >= 0 or not 0 <= f_at[key] < pos):
+        return None
+    kind, token = (f_in[stage], key) if forward else (b_in[stage], nstages * nmb + key)
+    if kind == 2 and recv_at[token] < 0:
+        return None
+    (f_at if forward else bi_at)[key] = pos
+    counted[not forward] += 1
+    base = (f_out if forward else b_out)[stage]
+    inputs = () if kind == 0 else (token,) if kind == 1 else (-1 - token,)
+    return (COMPUTE, action, inputs, () if base < 0 else (base + mb,), (dur.f if forward else dur.b)[stage])
+
+
+def _fast_pair(fast: tuple, rank: int, pos: int, action: Action) -> Instruction | None:
+    """An F&B pair with a full B whose parts pass every check, compiled; else None (use `_State.pair`)."""
+    nmb, nstages, rank_of, lo, hi, f_at, bi_at, recv_at, f_in, b_in, f_out, b_out, dur, counted = fast
+    fwd, back = action.parts
+    fs, fm, bs, bm = fwd.stage, fwd.microbatch, back.stage, back.microbatch
+    if (back.op is not Op.B or fs >= nstages or bs >= nstages or rank_of[fs] != rank or rank_of[bs] != rank
+            or not lo[fs] <= fm < hi[fs] or not lo[bs] <= bm < hi[bs]):
+        return None
+    fkey, bkey, half = fs * nmb + fm, bs * nmb + bm, nstages * nmb
+    fkind, bkind = f_in[fs], b_in[bs]
+    if (f_at[fkey] >= 0 or bi_at[bkey] >= 0 or not 0 <= f_at[bkey] < pos
+            or fkind == 2 and recv_at[fkey] < 0 or bkind == 2 and recv_at[half + bkey] < 0):
+        return None
+    f_at[fkey], bi_at[bkey] = pos, pos
+    counted[0] += 1
+    counted[1] += 1
+    inputs = [bkey + half if bkind == 1 else -1 - half - bkey] if bkind else []
+    if fkind:
+        inputs.append(fkey if fkind == 1 else -1 - fkey)
+    outputs = [b_out[bs] + bm] if b_out[bs] >= 0 else []
+    if f_out[fs] >= 0:
+        outputs.append(f_out[fs] + fm)
+    cost = dur.f[fs] + dur.b[bs] if dur.fb is None else dur.fb[fs]
+    return (COMPUTE, action, tuple(inputs), tuple(outputs), cost)
 
 
 def _check_complete(state: _State) -> None:
@@ -306,10 +359,9 @@ def _check_complete(state: _State) -> None:
 
 def _check_matching(state: _State) -> None:
     lay, name = state.layout, state.schedule.name
-    pairs = {(src, dst) for src, row in enumerate(state.sends) for dst in row}
-    pairs |= {(src, dst) for dst, row in enumerate(state.recvs) for src in row}
-    for src, dst in sorted(pairs):
-        sent, received = state.sends[src].get(dst, []), state.recvs[dst].get(src, [])
+    ranks = range(len(state.sends))
+    for src, dst in ((a, b) for a in ranks for b in ranks):
+        sent, received = state.sends[src][dst], state.recvs[dst][src]
         if sent == received:
             continue
         in_recv, in_sent = set(received), set(sent)
@@ -425,10 +477,11 @@ class Deadlock:
 def find_deadlock(schedule: Schedule) -> Deadlock | None:
     """Execute `schedule` symbolically (compute-only or lowered, as it is); None if every rank finishes.
 
-    Runs the structural checks first (they raise ScheduleError). The happens-before graph (program order on each rank,
-    SEND -> consumer of the matching RECV, RECV -> its consumer, local stage handoffs) is
-    acyclic exactly when this execution finishes; otherwise the stuck ranks' waits form a
-    cycle, found with networkx on the graph of the blocked actions and reported as actions.
+    Runs the structural checks first (they raise ScheduleError). The happens-before graph
+    (program order on each rank, SEND -> consumer of the matching RECV, RECV -> its
+    consumer, local stage handoffs) is acyclic exactly when this execution finishes;
+    otherwise the stuck ranks' waits form a cycle, found with networkx on the graph of the
+    blocked actions and reported as actions.
     """
     layout = Layout.of(schedule)
     program = analyze(schedule, layout)
@@ -501,7 +554,8 @@ def _short(actions: tuple[Action, ...]) -> str:
 
 def _report(schedule: Schedule, position: list[int], blocked: tuple[tuple[int, Action, str, int], ...],
             cycle: tuple[tuple[int, tuple[Action, ...]], ...]) -> str:
-    parts = [f"rank {r} blocked at {head} waiting for {what} on rank {peer}" for r, head, what, peer in blocked]
+    parts = [f"rank {r} blocked at {head} waiting for {what} on rank {peer}"
+             for r, head, what, peer in blocked]
     lines = [f"deadlock in {schedule.name!r}: " + "; ".join(parts)]
     if cycle:
         chain = " => ".join(f"rank {r}: {_short(seg)}" for r, seg in cycle)
@@ -509,7 +563,8 @@ def _report(schedule: Schedule, position: list[int], blocked: tuple[tuple[int, A
     lines.append("where each stuck rank stopped ([blocked action]):")
     for r, *_ in blocked[:16]:
         row, at = schedule.actions[r], position[r]
-        window = [str(a) for a in row[max(0, at - 3):at]] + [f"[{row[at]}]"] + [str(a) for a in row[at + 1:at + 4]]
+        window = ([str(a) for a in row[max(0, at - 3):at]] + [f"[{row[at]}]"]
+                  + [str(a) for a in row[at + 1:at + 4]])
         lead, tail = ("... " if at > 3 else ""), (" ..." if at + 4 < len(row) else "")
         lines.append(f"  rank {r:>3} step {at:>4}: {lead}{' '.join(window)}{tail}")
     if len(blocked) > 16:
@@ -530,7 +585,8 @@ def happens_before_graph(schedule: Schedule) -> nx.DiGraph:
     setters = _setters(program)
     graph: nx.DiGraph = nx.DiGraph()
     for rank, row in enumerate(program):
-        graph.add_nodes_from(((rank, pos), {"action": schedule.actions[rank][pos]}) for pos in range(len(row)))
+        actions = schedule.actions[rank]
+        graph.add_nodes_from(((rank, pos), {"action": actions[pos]}) for pos in range(len(row)))
         graph.add_edges_from(((rank, pos), (rank, pos + 1)) for pos in range(len(row) - 1))
         for pos, ins in enumerate(row):
             if ins[0] != COMPUTE:

@@ -1,0 +1,202 @@
+"""Tests of the simulator: DESIGN.md's bubble table, hand-timed comm cases, the cost model and summary."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from duplexpipe.schedules import registry
+from duplexpipe.schedules.ir import Op, Schedule, ScheduleError, StageInfo, parse_action
+from duplexpipe.schedules.simulate import CostModel, simulate, summary
+from duplexpipe.schedules.timeline import Timeline
+
+TABLE = CostModel(f=1.0, b=2.0, w=1.0, fb=3.0)  # DESIGN.md: zero comm cost, F=1 B=2 W=1 F&B=3
+
+
+def make(rows: list[str], stages: list[int], microbatches: int) -> Schedule:
+    table = tuple(StageInfo(rank, s) for s, rank in enumerate(stages))
+    acts = tuple(tuple(parse_action(t) for t in row.split()) for row in rows)
+    return Schedule("hand", len(rows), microbatches, table, acts)
+
+
+def spans(timeline: Timeline) -> dict[str, tuple[float, float]]:
+    return {str(e.action): (e.start, e.end) for e in timeline.events}
+
+
+# DESIGN.md's per-rank bubble (idle time) with F=1, B=2, W=1, F&B=3
+IDLE = {
+    "1f1b": lambda p: (p - 1) * (1 + 2),
+    "zb-h1": lambda p: (p - 1) * (1 + 2 - 2 * 1),
+    "dualpipe": lambda p: (p // 2 - 1) * (3 + 2 - 3 * 1),
+    "dualpipev": lambda p: (p - 1) * (3 + 2 - 3 * 1),  # DualPipeV on p ranks = DualPipe's P/2
+}
+CASES = [(name, p, m) for name in IDLE for p, m in [(2, 4), (4, 8), (4, 20), (6, 12), (6, 18), (8, 16),
+                                                     (8, 40)]
+         if registry.check(name, p, m) is None]
+
+
+@pytest.mark.parametrize("name,ranks,microbatches", CASES)
+def test_idle_per_rank_matches_design_table(name: str, ranks: int, microbatches: int) -> None:
+    tl = simulate(registry.build(name, ranks, microbatches), TABLE)
+    expected = IDLE[name](ranks)
+    assert [tl.idle(r) for r in range(ranks)] == pytest.approx([expected] * ranks)
+    work = sum(e.duration for e in tl.events)
+    assert tl.makespan == pytest.approx((work + ranks * expected) / ranks)
+
+
+@pytest.mark.parametrize("ranks,microbatches", [(2, 4), (4, 8), (8, 16), (8, 3)])
+def test_1f1b_holds_p_minus_r_activations(ranks: int, microbatches: int) -> None:
+    tl = simulate(registry.build("1f1b", ranks, microbatches), TABLE)
+    assert [tl.peak_activations(r) for r in range(ranks)] == [min(ranks - r, microbatches)
+                                                            for r in range(ranks)]
+
+
+@pytest.mark.parametrize("ranks,microbatches", [(2, 4), (4, 8), (4, 20), (6, 12), (8, 16), (8, 24)])
+def test_dualpipe_holds_at_most_p_plus_1_activations(ranks: int, microbatches: int) -> None:
+    tl = simulate(registry.build("dualpipe", ranks, microbatches), TABLE)
+    assert max(tl.peak_activations(r) for r in range(ranks)) <= ranks + 1
+
+
+def test_events_cover_each_compute_action_once() -> None:
+    s = registry.build("dualpipe", 4, 8)
+    tl = simulate(s, TABLE)
+    assert sorted(str(e.action) for e in tl.events) == sorted(str(a) for row in s.actions for a in row)
+    assert all(not e.action.op.is_comm for e in tl.events)
+    for r in range(4):
+        ev = tl.rank_events(r)
+        assert [e.action for e in ev] == list(s.actions[r])  # in list order, never overlapping
+        assert all(a.end <= b.start for a, b in zip(ev, ev[1:], strict=False))
+    pairs = [e for e in tl.events if e.action.op is Op.OVERLAP_F_B]
+    assert pairs and all(e.duration == (3.0 if e.action.parts[1].op is Op.B else 2.0) for e in pairs)
+
+
+def test_one_message_by_hand() -> None:
+    # message time = latency + bytes / bandwidth = 0.5 + 100 / 200 = 1
+    cost = CostModel(latency=0.5, activation_bytes=100.0, bandwidth=200.0)
+    tl = simulate(make(["0F0 0B0", "1F0 1B0"], [0, 1], 1), cost)
+    assert spans(tl) == {"0F0": (0, 1), "1F0": (2, 3), "1B0": (3, 5), "0B0": (6, 8)}
+    assert tl.makespan == 8
+
+
+RANK0 = "0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1"
+
+
+def test_a_transfer_waits_for_the_receive_to_be_posted() -> None:
+    # latency 1; rank 1 posts both receives at time 0
+    early = make([RANK0, "1RECV_F0 1RECV_F1 1F0 1B0 1SEND_B0 1F1 1B1 1SEND_B1"], [0, 1], 2)
+    assert spans(simulate(early, CostModel(latency=1.0))) == {
+        "0F0": (0, 1), "0F1": (1, 2), "1F0": (2, 3), "1B0": (3, 5), "1F1": (5, 6), "1B1": (6, 8),
+        "0B0": (6, 8), "0B1": (9, 11)}  # 0RECV_B1 is posted at 8, after 0B0: 8 + 1
+    # posting 1RECV_F1 only after 1B0 (at 5) delays microbatch 1's input to 5 + 1
+    late = make([RANK0, "1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1"], [0, 1], 2)
+    got = spans(simulate(late, CostModel(latency=1.0)))
+    assert got["1F1"] == (6, 7) and got["1B1"] == (7, 9) and got["0B1"] == (10, 12)
+
+
+def test_lowered_1f1b_with_latency_by_hand() -> None:
+    # 1F1B, 2 ranks, 4 microbatches, messages take 0.5. Rank 1 posts 1RECV_F1 before 1B0 (at 2.5),
+    # so 0F1's output (sent at 2) lands at 3, before rank 1 is free at 4.5; the steady state then
+    # pays one message per direction per microbatch on the critical path.
+    tl = simulate(registry.build("1f1b", 2, 4), CostModel(latency=0.5))
+    got = {(e.rank, str(e.action)): (e.start, e.end) for e in tl.events}
+    assert got[(1, "1F0")] == (1.5, 2.5) and got[(1, "1B0")] == (2.5, 4.5)
+    assert got[(0, "0B0")] == (5, 7) and got[(1, "1F1")] == (4.5, 5.5)
+    assert got[(0, "0B1")] == (8, 10) and got[(1, "1F2")] == (8.5, 9.5)
+    assert got[(0, "0B3")] == (15, 17) and tl.makespan == 17
+
+
+def test_overlap_pair_is_one_unit() -> None:
+    # one rank, two stages: (0F1;1B0) runs as one event
+    s = make(["0F0 1F0 (0F1;1B0)OVERLAP_F_B 1F1 1B1 0B0 0B1"], [0, 0], 2)
+    assert spans(simulate(s, CostModel()))["(0F1;1B0)OVERLAP_F_B"] == (2, 5)
+    assert spans(simulate(s, CostModel(fb=2.5)))["(0F1;1B0)OVERLAP_F_B"] == (2, 4.5)
+    split = make(["0F0 1F0 (0F1;1I0)OVERLAP_F_B 1W0 1F1 1B1 0B0 0B1"], [0, 0], 2)
+    assert spans(simulate(split, CostModel(fb=2.5)))["(0F1;1I0)OVERLAP_F_B"] == (2, 3.5)  # fb - w
+    assert spans(simulate(split, CostModel()))["(0F1;1I0)OVERLAP_F_B"] == (2, 4)  # f + (b - w)
+
+
+def test_pair_waits_for_both_inputs() -> None:
+    # rank 1's pair needs 0F1 (arrives at 2 + 1) and 2B0's gradient (sent at 7, arrives at 8)
+    s = make(["0F0 0F1 0B0 0B1", "1F0 (1F1;1B0)OVERLAP_F_B 1B1", "2F0 2B0 2F1 2B1"], [0, 1, 2], 2)
+    tl = simulate(s, CostModel(latency=1.0))
+    got = spans(tl)
+    assert got["1F0"] == (2, 3) and got["2F0"] == (4, 5) and got["2B0"] == (5, 7)
+    assert got["(1F1;1B0)OVERLAP_F_B"] == (8, 11) and got["2F1"] == (12, 13)
+
+
+def test_stage_costs_and_stage_scale() -> None:
+    s = make(["0F0 0B0", "1F0 1B0"], [0, 1], 1)
+    got = spans(simulate(s, CostModel(stage_costs={1: (4.0, 6.0, 1.0)})))
+    assert got == {"0F0": (0, 1), "1F0": (1, 5), "1B0": (5, 11), "0B0": (11, 13)}
+    # DualPipeV cuts the model into 2P parts: with stage_scale each part costs half
+    tl = simulate(registry.build("dualpipev", 2, 4), CostModel(stage_scale=True))
+    assert {e.duration for e in tl.events if e.action.op is Op.F} == {0.5}
+    one = simulate(registry.build("1f1b", 4, 8), CostModel(stage_scale=True))
+    assert one.makespan == simulate(registry.build("1f1b", 4, 8)).makespan
+    with pytest.raises(ValueError, match="stage_costs names stages \\[5\\]"):
+        simulate(s, CostModel(stage_costs={5: (1.0, 2.0, 1.0)}))
+
+
+@pytest.mark.parametrize("name", ["1f1b", "dualpipe", "zbv"])
+def test_makespan_grows_with_message_cost(name: str) -> None:
+    s = registry.build(name, 4, 8)
+    spans_ = [simulate(s, CostModel(latency=lat)).makespan for lat in (0.0, 0.25, 1.0, 4.0)]
+    assert spans_ == sorted(spans_) and spans_[-1] > spans_[0]
+
+
+def test_stuck_schedule_raises() -> None:
+    s = make(["0F0 0RECV_B0 0B0 0SEND_F0", "1RECV_F0 1F0 1B0 1SEND_B0"], [0, 1], 1)
+    with pytest.raises(ScheduleError, match="rank 0 blocked at 0B0 waiting for 1SEND_B0"):
+        simulate(s)
+    with pytest.raises(ScheduleError, match="0B0"):
+        simulate(make(["0B0 0F0"], [0], 1))
+
+
+def test_summary_matches_the_timeline() -> None:
+    tl = simulate(registry.build("1f1b", 4, 8), TABLE)
+    out = summary(tl)
+    assert set(out) == {"makespan", "bubble_ratio", "per_rank"}
+    assert out["makespan"] == tl.makespan == 33
+    assert out["bubble_ratio"] == pytest.approx(tl.bubble_ratio) == pytest.approx(36 / (4 * 33))
+    assert [row["rank"] for row in out["per_rank"]] == [0, 1, 2, 3]
+    for row in out["per_rank"]:
+        r = row["rank"]
+        assert (row["busy"], row["idle"], row["peak_activations"]) == (tl.busy(r), tl.idle(r),
+                                                                       tl.peak_activations(r))
+
+
+def test_parse_cost_model() -> None:
+    c = CostModel.parse("F=1.5, b=3,W=0.5,F&B=4,latency=0.1,bandwidth=1e9,bytes=2e6,stage_scale=yes")
+    assert (c.f, c.b, c.w, c.fb, c.latency, c.bandwidth, c.activation_bytes, c.stage_scale) == (
+        1.5, 3.0, 0.5, 4.0, 0.1, 1e9, 2e6, True)
+    assert c.comm_time == pytest.approx(0.1 + 2e6 / 1e9)
+    assert CostModel.parse("") == CostModel()
+    assert CostModel.parse("FB=3") == CostModel(fb=3.0)
+    assert hash(CostModel.parse("")) == hash(CostModel())  # usable as a dict key
+    assert {CostModel(stage_costs={1: (1, 2, 1)}): "x"}[CostModel(stage_costs={1: (1.0, 2.0, 1.0)})] == "x"
+    assert CostModel().comm_time == 0.0 and CostModel(bandwidth=math.inf, activation_bytes=5).comm_time == 0
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("Q=1", "'Q'"), ("F=abc", "'abc'"), ("F", "'F'"), ("=3", "'=3'"), ("F=1,F=2", "twice"),
+    ("F=nan", "'nan'"), ("F=-1", "-1"), ("W=3", "exceeds b"), ("bandwidth=0", "bandwidth"),
+    ("latency=inf", "latency"), ("stage_scale=maybe", "'maybe'"),
+])
+def test_bad_cost_text_names_the_key_or_value(text: str, needle: str) -> None:
+    with pytest.raises(ValueError) as err:
+        CostModel.parse(text)
+    assert needle in str(err.value)
+
+
+def test_cost_model_rejects_bad_stage_costs() -> None:
+    with pytest.raises(ValueError, match="stage_costs\\[1\\]"):
+        CostModel(stage_costs={1: (1.0, 2.0)})  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match="stage_costs\\[0\\]: w=3"):
+        CostModel(stage_costs={0: (1.0, 2.0, 3.0)})
+    with pytest.raises(ValueError, match="-2"):
+        CostModel(stage_costs={-2: (1.0, 2.0, 1.0)})
+    frozen = CostModel(stage_costs={0: (1, 2, 1)})
+    with pytest.raises(TypeError):
+        frozen.stage_costs[1] = (1.0, 1.0, 1.0)  # type: ignore[index]
+    assert frozen.to_dict()["stage_costs"] == {"0": [1.0, 2.0, 1.0]}
