@@ -244,9 +244,15 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from duplexpipe.pipeline.launch import LaunchError
     from duplexpipe.pipeline.train import train_main
 
-    return train_main(args)
+    try:
+        return train_main(args)
+    except LaunchError as exc:
+        last = [line for line in str(exc).splitlines() if line.strip()][-1]
+        print(f"duplexpipe: error: rank {exc.rank} failed: {last}", file=sys.stderr)
+        return 1
 
 
 _COMMANDS = {

@@ -88,3 +88,15 @@ def test_measured_vs_simulated_rejects_mismatch(tmp_path: Path) -> None:
     other = hand_timeline([[("0F0", 0, 1)]], num_microbatches=1)
     with pytest.raises(ValueError, match=f"1 ranks but simulated has {P}"):
         plot_measured_vs_simulated(other, sim, tmp_path / "x.png")
+
+
+def test_measured_vs_simulated_in_one_unit_is_not_rescaled(tmp_path: Path) -> None:
+    _, sim = simulated("dualpipe")
+    measured = as_measured(sim, 0.004, origin=0.0)
+    sim_seconds = as_measured(sim, 0.002, origin=0.0)  # same unit, half the durations
+    fig = plot_measured_vs_simulated(measured, sim_seconds, tmp_path / "same.png")
+    top, bottom = fig.axes
+    widths_top = sum(b.get_width() for b in boxes(top))
+    widths_bottom = sum(b.get_width() for b in boxes(bottom))
+    assert widths_bottom == pytest.approx(widths_top / 2)
+    assert "unscaled" in " ".join(t.get_text() for t in fig.texts)

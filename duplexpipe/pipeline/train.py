@@ -294,6 +294,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def train_main(args: argparse.Namespace, stream: IO[str] | None = None) -> int:
     """`duplexpipe train`: run training and write a summary to `stream` (stdout); returns the exit code."""
     config = config_from_args(args)
+    for name in ("ranks", "dp", "microbatches", "steps"):
+        if getattr(config, name) < 1:
+            raise ValueError(f"--{name} must be >= 1, got {getattr(config, name)}")
+    config.parts_needed()  # builds the schedule: a bad name, P or M fails here, before any process starts
     result = run_training(config)
     out = stream or sys.stdout
     if result.losses:

@@ -65,9 +65,10 @@ def plot_measured_vs_simulated(measured: Timeline, simulated: Timeline,
                                path: str | os.PathLike[str] | None) -> Figure:
     """Draw a measured run above its simulation on one time axis.
 
-    The simulated cost units are scaled to the measured unit by one factor chosen so that the
+    Simulated cost units are scaled to the measured unit by one factor chosen so that the
     total compute time (busy time summed over ranks) of both is equal; the figure says so and
-    gives the factor. The remaining differences are waits, communication and uneven costs.
+    gives the factor. A simulated timeline already in the measured unit (e.g. simulated with
+    costs fitted to the run) is drawn unscaled.
     """
     st.check_timeline(measured, "measured")
     st.check_timeline(simulated, "simulated")
@@ -78,7 +79,8 @@ def plot_measured_vs_simulated(measured: Timeline, simulated: Timeline,
     busy_s = sum(simulated.busy(r) for r in range(simulated.num_ranks))
     if busy_m <= 0 or busy_s <= 0:
         raise ValueError(f"both timelines need compute time, got measured {busy_m} and simulated {busy_s}")
-    factor = busy_m / busy_s
+    same_unit = measured.unit == simulated.unit  # e.g. simulated with costs fitted to the run
+    factor = 1.0 if same_unit else busy_m / busy_s
     scale, shown = st.time_scale(measured)
     xmax = max(measured.makespan, simulated.makespan * factor) * scale
     unit = measured.unit
@@ -94,6 +96,8 @@ def plot_measured_vs_simulated(measured: Timeline, simulated: Timeline,
              f"{measured.num_ranks} ranks \u00b7 {measured.num_microbatches} microbatches")
     note = (f"simulated times scaled by 1 {simulated.unit.rstrip('s')} = {factor * scale:.4g} {shown} "
             "(equal total compute time), so both panels share the time axis")
+    if same_unit:
+        note = f"both in {unit} on one time axis; the simulation uses the costs it was given, unscaled"
     fig = stacked_figure(panels, title, note, f"time ({shown})")
     if target is not None:
         fig.savefig(target, dpi=DPI)
