@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 from collections import Counter
@@ -120,6 +121,32 @@ def test_check_is_none_exactly_when_build_succeeds() -> None:
                 else:
                     with pytest.raises(ValueError):
                         registry.build(name, ranks, mbs)
+
+
+def test_build_pauses_the_garbage_collector_and_restores_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[bool] = []
+    gpipe = registry.entry("gpipe").generator
+
+    def probe(num_ranks: int, num_microbatches: int) -> Schedule:
+        seen.append(gc.isenabled())
+        if num_microbatches == 0:
+            raise ValueError("probe: no microbatches")
+        return gpipe(num_ranks, num_microbatches)
+
+    table = MappingProxyType({"probe": registry.Entry(probe, lambda p, m: None, "a probe")})
+    monkeypatch.setattr(registry, "REGISTRY", table)
+    was_enabled = gc.isenabled()
+    try:
+        gc.enable()
+        assert registry.build("probe", 2, 2).num_stages == 2
+        with pytest.raises(ValueError, match="probe: no microbatches"):
+            registry.build("probe", 2, 0)
+        assert seen == [False, False] and gc.isenabled()
+        gc.disable()
+        registry.build("probe", 2, 2)
+        assert not gc.isenabled()  # a caller's disabled collector stays disabled
+    finally:
+        (gc.enable if was_enabled else gc.disable)()
 
 
 def test_params_per_rank() -> None:

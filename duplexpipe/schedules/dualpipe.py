@@ -69,7 +69,7 @@ def dual_row(spec: DualRank) -> tuple[Action, ...]:
 
 
 def check_dualpipe(num_ranks: int, num_microbatches: int) -> None:
-    """Raise ValueError unless num_ranks is even, num_microbatches is even and num_microbatches >= 2*num_ranks."""
+    """Raise ValueError unless num_ranks and num_microbatches are even and num_microbatches >= 2*num_ranks."""
     require_counts(DUALPIPE, num_ranks, num_microbatches, min_ranks=2)
     if num_ranks % 2:
         raise ValueError(f"{DUALPIPE} needs an even number of ranks, got num_ranks={num_ranks}")

@@ -273,7 +273,8 @@ def _schedule_from_dict(data: Any, source: str) -> Schedule:
     for rank, row in enumerate(_require(data, "actions", list, source)):
         if not isinstance(row, list):
             raise ScheduleError(f"{source}: actions of rank {rank} must be a list, got {row!r}")
-        rows.append(tuple(_parse_in(tok, f"{source}: rank {rank}, position {pos}") for pos, tok in enumerate(row)))
+        rows.append(tuple(_parse_in(tok, f"{source}: rank {rank}, position {pos}")
+                          for pos, tok in enumerate(row)))
     return Schedule(
         name=_require(data, "name", str, source),
         num_ranks=_require(data, "num_ranks", int, source),
@@ -362,7 +363,8 @@ def schedule_from_rows(rows: Sequence[Sequence[Action]], name: str,
                     known = stage_rank.setdefault(part.stage, rank)
                     if known != rank:
                         raise ScheduleError(
-                            f"{source}: stage {part.stage} appears on rank {known} and on rank {rank} ({part})"
+                            f"{source}: stage {part.stage} appears on rank {known} and on rank {rank} "
+                            f"({part})"
                         )
     if not stage_rank:
         raise ScheduleError(f"{source}: no actions found")

@@ -11,6 +11,7 @@ from duplexpipe.schedules.dualpipe import check_dualpipe, check_dualpipev, dualp
 from duplexpipe.schedules.gpipe import check_gpipe, gpipe
 from duplexpipe.schedules.interleaved import check_interleaved_1f1b, interleaved_1f1b
 from duplexpipe.schedules.ir import Schedule
+from duplexpipe.schedules.lower import gc_paused
 from duplexpipe.schedules.one_f_one_b import check_one_f_one_b, one_f_one_b
 from duplexpipe.schedules.zero_bubble import check_zb_h1, check_zbv, zb_h1, zbv
 
@@ -67,7 +68,8 @@ def _check_options(name: str, options: Mapping[str, Any]) -> Entry:
     unknown = sorted(set(options) - set(found.options))
     if unknown:
         accepted = ", ".join(found.options) or "none"
-        raise ValueError(f"schedule {name!r} does not take option(s) {', '.join(unknown)}; it accepts: {accepted}")
+        raise ValueError(f"schedule {name!r} does not take option(s) {', '.join(unknown)}; "
+                         f"it accepts: {accepted}")
     return found
 
 
@@ -75,9 +77,12 @@ def build(name: str, num_ranks: int, num_microbatches: int, **options: Any) -> S
     """Build the compute-only schedule `name` for P ranks and M microbatches.
 
     Raises ValueError for an unknown name, an unknown option or arguments the schedule
-    does not accept (the message names the constraint and the values given).
+    does not accept (the message names the constraint and the values given). The cyclic
+    garbage collector is paused while the generator runs (see `lower.gc_paused`).
     """
-    return _check_options(name, options).generator(num_ranks, num_microbatches, **options)
+    generator = _check_options(name, options).generator
+    with gc_paused():
+        return generator(num_ranks, num_microbatches, **options)
 
 
 def check(name: str, num_ranks: int, num_microbatches: int, **options: Any) -> str | None:

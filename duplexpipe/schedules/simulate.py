@@ -9,8 +9,9 @@ from typing import Any, Mapping
 
 from duplexpipe.schedules.ir import Schedule, ScheduleError
 from duplexpipe.schedules.lower import Layout, gc_paused, lower
+from duplexpipe.schedules.program import Durations, analyze, run_program
 from duplexpipe.schedules.timeline import Event, Timeline
-from duplexpipe.schedules.verify import Durations, analyze, explain_stuck, run_program
+from duplexpipe.schedules.verify import explain_stuck
 
 _KEYS = {"f": "f", "b": "b", "w": "w", "fb": "fb", "f&b": "fb", "latency": "latency",
          "bandwidth": "bandwidth", "bytes": "activation_bytes", "activation_bytes": "activation_bytes",

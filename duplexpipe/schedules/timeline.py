@@ -110,7 +110,8 @@ class Timeline:
     def from_dict(data: dict[str, Any]) -> Timeline:
         """Inverse of `to_dict`."""
         try:
-            events = tuple(Event(int(r), parse_action(a), float(s), float(t)) for r, a, s, t in data["events"])
+            events = tuple(Event(int(r), parse_action(a), float(s), float(t))
+                           for r, a, s, t in data["events"])
             return Timeline(data["schedule"], int(data["ranks"]), int(data["microbatches"]),
                             events, data.get("source", "simulated"), data.get("unit", "cost units"))
         except (KeyError, TypeError, ValueError) as exc:

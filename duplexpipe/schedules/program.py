@@ -1,0 +1,426 @@
+"""Compile a schedule into per-rank instruction programs (checking its structure) and execute them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from duplexpipe.schedules.ir import Action, Op, Schedule, ScheduleError
+from duplexpipe.schedules.lower import Layout, gc_paused
+
+RECV, SEND, COMPUTE = 0, 1, 2
+Instruction = tuple
+"""(RECV, token) | (SEND, token) | (COMPUTE, action, inputs, outputs, duration).
+
+`inputs` are the tokens a compute waits for, a message (cross-rank input of a lowered
+schedule, needing its SEND and the local RECV) written as -1-token; `outputs` are the
+tokens the compute makes available itself (local handoffs, or every output when the
+schedule is not lowered). Tokens are defined by `Layout`.
+"""
+Program = list[list[Instruction]]
+
+
+@dataclass(frozen=True)
+class Durations:
+    """Per-stage compute times for `analyze` (all zero when only checking)."""
+
+    f: list[float]
+    """f[s]: forward of stage s."""
+    b: list[float]
+    """b[s]: full backward of stage s."""
+    i: list[float]
+    """i[s]: input-gradient backward of stage s."""
+    w: list[float]
+    """w[s]: weight-gradient backward of stage s."""
+    fb: list[float] | None = None
+    """fb[s]: an F&B pair whose forward part is on stage s (with a full B; minus w for an I part);
+    None: the sum of the parts."""
+
+    @staticmethod
+    def zero(num_stages: int) -> Durations:
+        """All times zero."""
+        zeros = [0.0] * num_stages
+        return Durations(zeros, zeros, zeros, zeros)
+
+
+def analyze(schedule: Schedule, layout: Layout, durations: Durations | None = None) -> Program:
+    """Checks (1) and (3) of `verify.verify` in one pass; returns the program that `run_program` executes."""
+    with gc_paused():
+        state = _State(schedule, layout, durations or Durations.zero(layout.num_stages))
+        program = [_analyze_rank(state, rank, row) for rank, row in enumerate(schedule.actions)]
+    _check_complete(state)
+    _check_matching(state)
+    return program
+
+
+class _State:
+    """Positions per (stage, microbatch) and per token, gathered while walking the lists once."""
+
+    def __init__(self, schedule: Schedule, layout: Layout, durations: Durations) -> None:
+        size, lowered = layout.num_stages * layout.num_microbatches, schedule.has_comms
+        self.schedule, self.layout, self.lowered, self.durations = schedule, layout, lowered, durations
+        self.f_at, self.bi_at, self.w_at = [-1] * size, [-1] * size, [-1] * size
+        self.is_i = bytearray(size)
+        self.send_at, self.recv_at = [-1] * (2 * size), [-1] * (2 * size)
+        ranks = range(schedule.num_ranks)
+        self.sends: list[list[list[int]]] = [[[] for _ in ranks] for _ in ranks]
+        """sends[a][b]: the tokens rank a sends to rank b, in posting order."""
+        self.recvs: list[list[list[int]]] = [[[] for _ in ranks] for _ in ranks]
+        """recvs[b][a]: the tokens rank b receives from rank a, in posting order."""
+        self.counts = [0, 0, 0, 0]  # F, B or I, I, W
+        rank, nmb = layout.rank, layout.num_microbatches
+
+        def crosses(s: int, peer: int) -> bool:
+            return peer >= 0 and lowered and rank[peer] != rank[s]
+        # per stage: 0 no input, 1 local input, 2 message; output token base or -1 (sent by a SEND)
+        stages = range(layout.num_stages)
+        self.f_in = [0 if layout.prv[s] < 0 else 2 if crosses(s, layout.prv[s]) else 1 for s in stages]
+        self.b_in = [0 if layout.nxt[s] < 0 else 2 if crosses(s, layout.nxt[s]) else 1 for s in stages]
+        self.f_out = [-1 if layout.nxt[s] < 0 or crosses(s, layout.nxt[s]) else layout.nxt[s] * nmb
+                      for s in stages]
+        self.b_out = [-1 if layout.prv[s] < 0 or crosses(s, layout.prv[s]) else size + layout.prv[s] * nmb
+                      for s in stages]
+        # per stage: the peer rank of a SEND/RECV of each kind (-1: no such comm), and its token base
+        to_next = [rank[layout.nxt[s]] if crosses(s, layout.nxt[s]) else -1 for s in stages]
+        to_prev = [rank[layout.prv[s]] if crosses(s, layout.prv[s]) else -1 for s in stages]
+        self.comm_tables = {
+            Op.SEND_F: (to_next, [layout.nxt[s] * nmb for s in stages]),
+            Op.SEND_B: (to_prev, [size + layout.prv[s] * nmb for s in stages]),
+            Op.RECV_F: (to_prev, [s * nmb for s in stages]),
+            Op.RECV_B: (to_next, [size + s * nmb for s in stages]),
+        }
+
+    def fail(self, rank: int, pos: int, action: Action, why: str) -> ScheduleError:
+        """An error naming `action` and where it sits."""
+        return ScheduleError(f"{self.schedule.name!r}: {action} at rank {rank}, position {pos}: {why}")
+
+    def misplaced(self, rank: int, pos: int, action: Action) -> ScheduleError:
+        """The error for an action whose stage, rank or microbatch is wrong."""
+        lay, stage, mb = self.layout, action.stage, action.microbatch
+        if stage >= lay.num_stages:
+            return self.fail(rank, pos, action, f"unknown stage {stage} (stages are 0..{lay.num_stages - 1})")
+        if lay.rank[stage] != rank:
+            return self.fail(rank, pos, action, f"stage {stage} runs on rank {lay.rank[stage]}, not {rank}")
+        return self.fail(rank, pos, action, f"microbatch {mb} is outside {lay.lo[stage]}..{lay.hi[stage] - 1}"
+                         f" (the microbatches of stage {stage})")
+
+    def compute(self, rank: int, pos: int, part: Action, inputs: list[int], outputs: list[int]) -> float:
+        """Check one plain compute action (or pair part); add its tokens; return its duration."""
+        lay, op, stage, mb = self.layout, part.op, part.stage, part.microbatch
+        if stage >= lay.num_stages or lay.rank[stage] != rank or not lay.lo[stage] <= mb < lay.hi[stage]:
+            raise self.misplaced(rank, pos, part)
+        key, dur = stage * lay.num_microbatches + mb, self.durations
+        if op is Op.W:
+            self._weight(rank, pos, part, key)
+            return dur.w[stage]
+        forward = op is Op.F
+        done = self.f_at if forward else self.bi_at
+        if done[key] >= 0:
+            raise self.fail(rank, pos, part, f"duplicate {'forward' if forward else 'backward'} "
+                            f"(first at position {done[key]})")
+        if not forward and not 0 <= self.f_at[key] < pos:
+            raise self.fail(rank, pos, part, f"backward before its forward {stage}F{mb}"
+                            " (the forward must come earlier on the same rank)")
+        done[key] = pos
+        self.counts[0 if forward else 1] += 1
+        if op is Op.I:
+            self.is_i[key] = 1
+            self.counts[2] += 1
+        kind = (self.f_in if forward else self.b_in)[stage]
+        token = key if forward else lay.num_stages * lay.num_microbatches + key
+        if kind == 2:
+            if self.recv_at[token] < 0:
+                raise self._unreceived(rank, pos, part, token)
+            inputs.append(-1 - token)
+        elif kind == 1:
+            inputs.append(token)
+        base = (self.f_out if forward else self.b_out)[stage]
+        if base >= 0:
+            outputs.append(base + mb)
+        return dur.f[stage] if forward else dur.b[stage] if op is Op.B else dur.i[stage]
+
+    def _weight(self, rank: int, pos: int, part: Action, key: int) -> None:
+        if self.w_at[key] >= 0:
+            raise self.fail(rank, pos, part, f"duplicate weight gradient (first at {self.w_at[key]})")
+        if self.bi_at[key] < 0 or not self.is_i[key]:
+            why = "after a full backward B (W only follows an I)" if self.bi_at[key] >= 0 else "before"
+            raise self.fail(rank, pos, part, f"weight gradient {why} its input gradient "
+                            f"{part.stage}I{part.microbatch}")
+        self.w_at[key] = pos
+        self.counts[3] += 1
+
+    def _unreceived(self, rank: int, pos: int, part: Action, token: int) -> ScheduleError:
+        recv, _ = self.layout.token_text(token, "recv")
+        sender = self.layout.token_text(token, "send")[1]
+        later = [i for i, a in enumerate(self.schedule.actions[rank]) if str(a) == recv]
+        where = f"it is posted later, at position {later[0]}" if later else f"rank {rank} never posts it"
+        return self.fail(rank, pos, part, f"consumes a tensor from rank {sender} without an earlier {recv} "
+                         f"({where})")
+
+    def plain(self, rank: int, pos: int, action: Action) -> Instruction:
+        """Check a plain compute action (F, B, I or W)."""
+        inputs: list[int] = []
+        outputs: list[int] = []
+        cost = self.compute(rank, pos, action, inputs, outputs)
+        return (COMPUTE, action, tuple(inputs), tuple(outputs), cost)
+
+    def pair(self, rank: int, pos: int, action: Action) -> Instruction:
+        """Check an OVERLAP_F_B pair (its B part may not consume the pair's own F)."""
+        inputs: list[int] = []
+        outputs: list[int] = []
+        back, fwd = action.parts[1], action.parts[0]
+        cost = self.compute(rank, pos, back, inputs, outputs) + self.compute(rank, pos, fwd, inputs, outputs)
+        fb = self.durations.fb
+        if fb is not None:
+            cost = fb[fwd.stage] - (self.durations.w[back.stage] if back.op is Op.I else 0.0)
+        return (COMPUTE, action, tuple(inputs), tuple(outputs), cost)
+
+    def comm_error(self, rank: int, pos: int, action: Action) -> ScheduleError:
+        """The error for a SEND/RECV that `_analyze_rank` rejected."""
+        lay, op, stage, mb = self.layout, action.op, action.stage, action.microbatch
+        if stage >= lay.num_stages or lay.rank[stage] != rank or not lay.lo[stage] <= mb < lay.hi[stage]:
+            return self.misplaced(rank, pos, action)
+        forward, sending = op in (Op.SEND_F, Op.RECV_F), op in (Op.SEND_F, Op.SEND_B)
+        peer = lay.nxt[stage] if forward == sending else lay.prv[stage]
+        if peer < 0:
+            end = "last" if forward == sending else "first"
+            return self.fail(rank, pos, action, f"stage {stage} is the {end} stage of its chain: there is no "
+                             "peer stage")
+        if lay.rank[peer] == rank:
+            return self.fail(rank, pos, action, f"stages {stage} and {peer} both run on rank {rank}: "
+                             "they hand over locally, without SEND/RECV")
+        key = stage * lay.num_microbatches + mb
+        if sending and (self.f_at if forward else self.bi_at)[key] < 0:
+            producer = f"{stage}F{mb}" if forward else f"{stage}B{mb} (or {stage}I{mb})"
+            return self.fail(rank, pos, action, f"sent before its producer {producer} (it must come earlier "
+                             f"on rank {rank})")
+        half = lay.num_stages * lay.num_microbatches
+        token = (0 if forward else half) + (peer if sending else stage) * lay.num_microbatches + mb
+        first = (self.send_at if sending else self.recv_at)[token]
+        return self.fail(rank, pos, action, f"duplicate (first at position {first})")
+
+
+def _analyze_rank(state: _State, rank: int, row: tuple[Action, ...]) -> list[Instruction]:
+    """Check one rank's list and compile it.
+
+    SEND/RECV (most actions of a lowered schedule) are checked inline, plain F and B and
+    F&B pairs by `_fast_plain`/`_fast_pair`; anything else, and anything those do not
+    accept, goes through `_State.plain`/`pair`/`comm_error`, which hold the rules and
+    raise the precise error.
+    """
+    lay = state.layout
+    nmb, nstages, rank_of, lo, hi = lay.num_microbatches, lay.num_stages, lay.rank, lay.lo, lay.hi
+    f_at, bi_at, recv_at = state.f_at, state.bi_at, state.recv_at
+    Spec = tuple[list[int], list[int], "list[int] | None", list[list[int]], list[int], int]
+    tables = state.comm_tables
+    specs: tuple[Spec, ...] = (
+        (*tables[Op.SEND_F], f_at, state.sends[rank], state.send_at, SEND),
+        (*tables[Op.SEND_B], bi_at, state.sends[rank], state.send_at, SEND),
+        (*tables[Op.RECV_F], None, state.recvs[rank], recv_at, RECV),
+        (*tables[Op.RECV_B], None, state.recvs[rank], recv_at, RECV))
+    send_f, send_b, recv_f, recv_b, overlap = Op.SEND_F, Op.SEND_B, Op.RECV_F, Op.RECV_B, Op.OVERLAP_F_B
+    out: list[Instruction] = []
+    counted = [0, 0]
+    fast = (nmb, nstages, rank_of, lo, hi, f_at, bi_at, recv_at, state.f_in, state.b_in, state.f_out,
+            state.b_out, state.durations, counted)
+    for pos, action in enumerate(row):
+        op, stage, mb = action.op, action.stage, action.microbatch
+        if op is send_f:
+            peers, bases, made, queues, seen, kind = specs[0]
+        elif op is send_b:
+            peers, bases, made, queues, seen, kind = specs[1]
+        elif op is recv_f:
+            peers, bases, made, queues, seen, kind = specs[2]
+        elif op is recv_b:
+            peers, bases, made, queues, seen, kind = specs[3]
+        elif op is overlap:
+            out.append(_fast_pair(fast, rank, pos, action) or state.pair(rank, pos, action))
+            continue
+        else:
+            out.append(_fast_plain(fast, rank, pos, action) or state.plain(rank, pos, action))
+            continue
+        if stage >= nstages or rank_of[stage] != rank or not lo[stage] <= mb < hi[stage]:
+            raise state.comm_error(rank, pos, action)
+        peer = peers[stage]
+        if peer < 0 or (made is not None and made[stage * nmb + mb] < 0):
+            raise state.comm_error(rank, pos, action)
+        token = bases[stage] + mb
+        if seen[token] >= 0:
+            raise state.comm_error(rank, pos, action)
+        seen[token] = pos
+        queues[peer].append(token)
+        out.append((kind, token))
+    state.counts[0] += counted[0]
+    state.counts[1] += counted[1]
+    return out
+
+
+def _fast_plain(fast: tuple, rank: int, pos: int, action: Action) -> Instruction | None:
+    """A plain F or B that passes every check, compiled; else None (use `_State.plain`)."""
+    nmb, nstages, rank_of, lo, hi, f_at, bi_at, recv_at, f_in, b_in, f_out, b_out, dur, counted = fast
+    op, stage, mb = action.op, action.stage, action.microbatch
+    forward = op is Op.F
+    if (not (forward or op is Op.B) or stage >= nstages or rank_of[stage] != rank
+            or not lo[stage] <= mb < hi[stage]):
+        return None
+    key = stage * nmb + mb
+    if (f_at[key] >= 0) if forward else (bi_at[key] >= 0 or not 0 <= f_at[key] < pos):
+        return None
+    kind, token = (f_in[stage], key) if forward else (b_in[stage], nstages * nmb + key)
+    if kind == 2 and recv_at[token] < 0:
+        return None
+    (f_at if forward else bi_at)[key] = pos
+    counted[not forward] += 1
+    base = (f_out if forward else b_out)[stage]
+    inputs = () if kind == 0 else (token,) if kind == 1 else (-1 - token,)
+    return (COMPUTE, action, inputs, () if base < 0 else (base + mb,), (dur.f if forward else dur.b)[stage])
+
+
+def _fast_pair(fast: tuple, rank: int, pos: int, action: Action) -> Instruction | None:
+    """An F&B pair with a full B whose parts pass every check, compiled; else None (use `_State.pair`)."""
+    nmb, nstages, rank_of, lo, hi, f_at, bi_at, recv_at, f_in, b_in, f_out, b_out, dur, counted = fast
+    fwd, back = action.parts
+    fs, fm, bs, bm = fwd.stage, fwd.microbatch, back.stage, back.microbatch
+    if (back.op is not Op.B or fs >= nstages or bs >= nstages or rank_of[fs] != rank or rank_of[bs] != rank
+            or not lo[fs] <= fm < hi[fs] or not lo[bs] <= bm < hi[bs]):
+        return None
+    fkey, bkey, half = fs * nmb + fm, bs * nmb + bm, nstages * nmb
+    fkind, bkind = f_in[fs], b_in[bs]
+    if (f_at[fkey] >= 0 or bi_at[bkey] >= 0 or not 0 <= f_at[bkey] < pos
+            or fkind == 2 and recv_at[fkey] < 0 or bkind == 2 and recv_at[half + bkey] < 0):
+        return None
+    f_at[fkey], bi_at[bkey] = pos, pos
+    counted[0] += 1
+    counted[1] += 1
+    inputs = [bkey + half if bkind == 1 else -1 - half - bkey] if bkind else []
+    if fkind:
+        inputs.append(fkey if fkind == 1 else -1 - fkey)
+    outputs = [b_out[bs] + bm] if b_out[bs] >= 0 else []
+    if f_out[fs] >= 0:
+        outputs.append(f_out[fs] + fm)
+    cost = dur.f[fs] + dur.b[bs] if dur.fb is None else dur.fb[fs]
+    return (COMPUTE, action, tuple(inputs), tuple(outputs), cost)
+
+
+def _check_complete(state: _State) -> None:
+    lay, name = state.layout, state.schedule.name
+    expected = sum(lay.hi[s] - lay.lo[s] for s in range(lay.num_stages))
+    f, bi, i, w = state.counts
+    if f == expected and bi == expected and w == i:
+        return
+    missing: list[str] = []
+    for s in range(lay.num_stages):
+        for m in range(lay.lo[s], lay.hi[s]):
+            key, on = s * lay.num_microbatches + m, f" on rank {lay.rank[s]}"
+            if state.f_at[key] < 0:
+                missing.append(f"{s}F{m}{on}")
+            if state.bi_at[key] < 0:
+                missing.append(f"{s}B{m} (or {s}I{m} and {s}W{m}){on}")
+            elif state.is_i[key] and state.w_at[key] < 0:
+                missing.append(f"{s}W{m}{on}")
+    shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+    raise ScheduleError(f"{name!r} is incomplete: missing {shown}")
+
+
+def _check_matching(state: _State) -> None:
+    lay, name = state.layout, state.schedule.name
+    ranks = range(len(state.sends))
+    for src, dst in ((a, b) for a in ranks for b in ranks):
+        sent, received = state.sends[src][dst], state.recvs[dst][src]
+        if sent == received:
+            continue
+        in_recv, in_sent = set(received), set(sent)
+        for k in range(max(len(sent), len(received))):
+            s = sent[k] if k < len(sent) else None
+            r = received[k] if k < len(received) else None
+            if s == r:
+                continue
+            if s is not None and s not in in_recv:
+                raise ScheduleError(f"{name!r}: {lay.token_text(s, 'send')[0]} on rank {src} has no matching "
+                                    f"{lay.token_text(s, 'recv')[0]} on rank {dst} (missing receive)")
+            if r is not None and r not in in_sent:
+                raise ScheduleError(f"{name!r}: {lay.token_text(r, 'recv')[0]} on rank {dst} has no matching "
+                                    f"{lay.token_text(r, 'send')[0]} on rank {src} (missing send)")
+            assert s is not None and r is not None
+            raise ScheduleError(
+                f"{name!r}: rank {dst} receives from rank {src} out of order: message {k} is "
+                f"{lay.token_text(s, 'send')[0]} (the sender's order) but rank {dst} posts "
+                f"{lay.token_text(r, 'recv')[0]} there; receives must follow the sender's posting order")
+
+
+@dataclass
+class Run:
+    """The result of executing a program: times, and where each rank stopped."""
+
+    events: list[list[tuple[Action, float, float]]]
+    """events[r]: rank r's (compute action, start, end) in list order (empty unless recorded)."""
+    position: list[int]
+    """position[r]: how many of rank r's actions ran (all of them unless stuck)."""
+    blocked_on: list[int | None]
+    """blocked_on[r]: what rank r waits for: a token (its data), or -1-token (its local RECV)."""
+    finished: bool
+    """True when every rank ran its whole list."""
+
+
+def run_program(program: Program, num_tokens: int, comm: float = 0.0, record: bool = False) -> Run:
+    """Execute `program` under the execution contract; stops (never loops) when no rank can move.
+
+    Each rank runs in order; RECV/SEND take no rank time; a message arrives `comm` after
+    both its SEND and its RECV are posted; a compute starts once the rank is free and its
+    inputs have arrived. A stuck rank is woken only by what it waits for, so this takes
+    time linear in the number of actions.
+    """
+    num_ranks = len(program)
+    ready: list[float | None] = [None] * num_tokens
+    posted: list[float | None] = [None] * num_tokens
+    waiting: dict[int, list[int]] = {}
+    position, clock = [0] * num_ranks, [0.0] * num_ranks
+    blocked_on: list[int | None] = [None] * num_ranks
+    events: list[list[tuple[Action, float, float]]] = [[] for _ in range(num_ranks)]
+    todo = list(range(num_ranks - 1, -1, -1))
+    while todo:
+        rank = todo.pop()
+        row, i, now, wait = program[rank], position[rank], clock[rank], None
+        end, log = len(row), events[rank]
+        while i < end:
+            ins = row[i]
+            kind = ins[0]
+            if kind == COMPUTE:
+                start = now
+                for token in ins[2]:
+                    if token >= 0:
+                        at = ready[token]
+                        if at is None:
+                            wait = token
+                            break
+                    else:
+                        at, post = ready[-1 - token], posted[-1 - token]
+                        if at is None or post is None:
+                            wait = -1 - token if at is None else token
+                            break
+                        at = (at if at > post else post) + comm
+                    if at > start:
+                        start = at
+                if wait is not None:
+                    break
+                now = start + ins[4]
+                if record:
+                    log.append((ins[1], start, now))
+                for token in ins[3]:
+                    ready[token] = now
+                    if token in waiting:
+                        todo.extend(waiting.pop(token))
+            else:
+                token = ins[1]
+                if kind == SEND:
+                    ready[token] = now
+                else:
+                    posted[token] = now
+                    token = -1 - token
+                if token in waiting:
+                    todo.extend(waiting.pop(token))
+            i += 1
+        position[rank], clock[rank], blocked_on[rank] = i, now, wait
+        if wait is not None:
+            waiting.setdefault(wait, []).append(rank)
+    finished = all(position[r] == len(row) for r, row in enumerate(program))
+    return Run(events, position, blocked_on, finished)
