@@ -33,7 +33,7 @@ def test_comparison_stacks_every_schedule_on_one_axis(tmp_path: Path) -> None:
         fig = plot_comparison(timelines, path)
     assert len(fig.axes) == len(names)
     xmax = max(t.makespan for t in timelines)
-    for ax, name, tl in zip(fig.axes, names, timelines):
+    for ax, name, tl in zip(fig.axes, names, timelines, strict=True):
         assert ax.get_xlim() == pytest.approx((0, xmax))
         assert len(boxes(ax)) == len(tl.events)
         peak = max(tl.peak_activations(r) for r in range(tl.num_ranks))

@@ -35,7 +35,7 @@ def torch_rows(cls_name: str, ranks: int, mbs: int, **attrs: Any) -> list[list[s
 @pytest.mark.parametrize(("ranks", "mbs"), [(4, 8), (3, 3), (5, 11), (4, 2)])
 def test_zb_h1_is_1f1b_with_split_backward(ranks: int, mbs: int) -> None:
     s, base = zb_h1(ranks, mbs), one_f_one_b(ranks, mbs)
-    for row, base_row in zip(s.actions, base.actions):
+    for row, base_row in zip(s.actions, base.actions, strict=True):
         assert not any(a.op is Op.B for a in row)
         as_1f1b = [Action(a.stage, Op.B, a.microbatch) if a.op is Op.I else a for a in row if a.op is not Op.W]
         assert as_1f1b == list(base_row)

@@ -123,7 +123,7 @@ def stacked_figure(panels: Sequence[Panel], title: str, note: str, xlabel: str) 
     cursor = height - top
     axes: list[Axes] = []
     dirs: list[st.Directions] = []
-    for i, (panel, h) in enumerate(zip(panels, heights)):
+    for i, (panel, h) in enumerate(zip(panels, heights, strict=True)):
         cursor -= head + h
         ax = st.new_axes(fig, (LEFT_IN, cursor, width, h))
         if axes:

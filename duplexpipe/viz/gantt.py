@@ -169,7 +169,7 @@ def draw_gantt(ax: Axes, timeline: Timeline, frame: Frame, dirs: st.Directions, 
     fit = _LabelFit.of(ax, frame.xmax, ranks)
     for r in range(ranks):
         row = timeline.rank_events(r)
-        for e, after in zip(row, row[1:] + [None]):
+        for e, after in zip(row, row[1:] + [None], strict=True):
             visible = e.end if after is None else max(e.start, min(e.end, after.start))
             _draw_event(ax, e, frame, ranks, fit, panel, frame.x(visible))
     if idle_labels:
