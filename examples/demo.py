@@ -12,10 +12,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpt import run_demo  # noqa: E402  (examples/ is not a package)
 
+from duplexpipe.cli import compare_rows  # noqa: E402
 from duplexpipe.schedules import registry  # noqa: E402
 from duplexpipe.schedules.calibrate import fit_cost_model  # noqa: E402
-from duplexpipe.schedules.simulate import simulate  # noqa: E402
-from duplexpipe.viz import plot_measured_vs_simulated, plot_timeline, to_chrome_trace  # noqa: E402
+from duplexpipe.schedules.simulate import CostModel, simulate  # noqa: E402
+from duplexpipe.viz import plot_comparison, plot_measured_vs_simulated, plot_timeline, to_chrome_trace  # noqa: E402
 
 
 def plot_losses(losses: list[float], path: Path, title: str) -> None:
@@ -61,11 +62,14 @@ def main(argv: list[str] | None = None) -> int:
         "measured Gantt chart": out / "measured_gantt.png",
         "measured vs simulated": out / "measured_vs_simulated.png",
         "Chrome/Perfetto trace": out / "trace.json",
+        "all schedules, simulated": out / "compare.png",
     }
     plot_losses(losses, files["loss curve"], f"GPT, {args.schedule}, {args.ranks} ranks")
     plot_timeline(measured, str(files["measured Gantt chart"]), activations=True)
     plot_measured_vs_simulated(measured, simulated, str(files["measured vs simulated"]))
     to_chrome_trace(measured, str(files["Chrome/Perfetto trace"]))
+    _, timelines = compare_rows(args.ranks, args.microbatches, CostModel())
+    plot_comparison(timelines, str(files["all schedules, simulated"]))
     print(f"last step, measured: makespan {measured.makespan * 1e3:.1f} ms, bubble ratio {measured.bubble_ratio:.1%}")
     print(f"simulated with the measured per-stage costs: makespan {simulated.makespan * 1e3:.1f} ms, "
           f"bubble ratio {simulated.bubble_ratio:.1%}")
