@@ -187,7 +187,8 @@ def compare_rows(ranks: int, microbatches: int, cost: Any) -> tuple[list[dict[st
     from duplexpipe.schedules import registry
     from duplexpipe.schedules.simulate import simulate
 
-    rows, timelines = [], []
+    rows: list[dict[str, Any]] = []
+    timelines: list[Any] = []
     for name in registry.names():
         reason = registry.check(name, ranks, microbatches)
         if reason is not None:

@@ -147,6 +147,18 @@ def _timeline_figure(timeline: Timeline, activations: bool, transfers: bool | Sc
     return fig
 
 
+def _rank_axes(ax: Axes, ranks: int, fontsize: float) -> None:
+    """One row per rank, top to bottom, with a light vertical time grid and no frame but the time axis."""
+    ax.set_ylim(ranks - 0.5, -0.5)
+    ax.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)], fontsize=fontsize)
+    ax.tick_params(axis="y", length=0)
+    ax.tick_params(axis="x", labelsize=8)
+    for side in ("top", "right", "left"):
+        ax.spines[side].set_visible(False)
+    ax.grid(axis="x", color="#D0D0D0", linewidth=0.5, linestyle=":", zorder=0)
+    ax.set_axisbelow(True)
+
+
 def draw_gantt(ax: Axes, timeline: Timeline, frame: Frame, dirs: st.Directions, *, panel: int = 0,
                transfers: bool | Schedule | None = None, idle_labels: bool = True) -> int:
     """Draw every event of `timeline` into `ax`; returns how many action boxes were drawn."""
@@ -154,14 +166,7 @@ def draw_gantt(ax: Axes, timeline: Timeline, frame: Frame, dirs: st.Directions, 
 
     ranks = timeline.num_ranks
     ax.set_xlim(0, frame.xmax)
-    ax.set_ylim(ranks - 0.5, -0.5)
-    ax.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)], fontsize=8)
-    ax.tick_params(axis="y", length=0)
-    ax.tick_params(axis="x", labelsize=8)
-    for side in ("top", "right", "left"):
-        ax.spines[side].set_visible(False)
-    ax.grid(axis="x", color="#D0D0D0", linewidth=0.5, linestyle=":", zorder=0)
-    ax.set_axisbelow(True)
+    _rank_axes(ax, ranks, fontsize=8)
     end = frame.x(timeline.start + timeline.makespan)
     for r in range(ranks):
         ax.add_patch(Rectangle((frame.x(timeline.start), r - BOX_H / 2), end - frame.x(timeline.start), BOX_H,
@@ -293,14 +298,7 @@ def draw_activations(ax: Axes, timeline: Timeline, frame: Frame) -> None:
     """Live activations per rank as one filled step strip per rank, on a common scale."""
     ranks = timeline.num_ranks
     peak = max(max_peak(timeline), 1)
-    ax.set_ylim(ranks - 0.5, -0.5)
-    ax.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)], fontsize=7.5)
-    ax.tick_params(axis="y", length=0)
-    ax.tick_params(axis="x", labelsize=8)
-    for side in ("top", "right", "left"):
-        ax.spines[side].set_visible(False)
-    ax.grid(axis="x", color="#D0D0D0", linewidth=0.5, linestyle=":", zorder=0)
-    ax.set_axisbelow(True)
+    _rank_axes(ax, ranks, fontsize=7.5)
     end = frame.x(timeline.start + timeline.makespan)
     for r in range(ranks):
         xs, ys = _steps(timeline.activation_curve(r), frame, end)
