@@ -59,6 +59,8 @@ def _build_parser(with_train: bool = False) -> _Parser:
     ver = sub.add_parser("verify", help="check completeness, ordering and deadlock freedom (exit 1 if unsound)")
     ver.add_argument("schedule", metavar="NAME|FILE")
     _add_shape(ver, required=False)
+    ver.add_argument("--nccl", action="store_true", help="also check that every two ranks post the messages "
+                     "between them in one order (NCCL runs both directions on one stream)")
     sim = sub.add_parser("simulate", help="time a schedule under a cost model")
     sim.add_argument("schedule", metavar="NAME|FILE")
     _add_shape(sim, required=False)
@@ -142,12 +144,12 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
     schedule = load_schedule(args.schedule, args.ranks, args.microbatches)
     try:
-        verify(schedule)
+        verify(schedule, nccl=args.nccl)
     except ScheduleError as exc:
         print(f"UNSOUND {schedule.name}: {exc}")
         return 1
     print(f"OK {schedule.name}: {schedule.num_ranks} ranks, {schedule.num_microbatches} microbatches, "
-          f"{schedule.num_stages} stages: complete, ordered, deadlock-free")
+          f"{schedule.num_stages} stages: complete, ordered, deadlock-free{', NCCL pair order' if args.nccl else ''}")
     return 0
 
 

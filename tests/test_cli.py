@@ -11,7 +11,7 @@ import pytest
 
 from duplexpipe.cli import main
 from duplexpipe.schedules import registry
-from duplexpipe.schedules.ir import Action, Op, Schedule, StageInfo, save_json
+from duplexpipe.schedules.ir import Action, Op, Schedule, StageInfo, parse_action, save_json
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -92,6 +92,24 @@ def test_verify_reports_a_deadlock_with_exit_1(tmp_path: Path, capsys: pytest.Ca
     code, out, _ = run(capsys, "verify", str(_deadlocked(tmp_path)))
     assert code == 1
     assert "0B0" in out and "1F0" in out
+
+
+def test_verify_nccl_checks_the_pair_order(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # a lowered 1F1B, sound under the contract, but rank 0 posts RECV_B0 before SEND_F1
+    # while rank 1 posts RECV_F1 before SEND_B0: on NCCL's one stream per pair, a hang
+    rows = ("0F0 0SEND_F0 0RECV_B0 0F1 0SEND_F1 0RECV_B1 0B0 0B1",
+            "1RECV_F0 1F0 1RECV_F1 1B0 1SEND_B0 1F1 1B1 1SEND_B1")
+    sched = Schedule("crossed", 2, 2, (StageInfo(0, 0), StageInfo(1, 1)),
+                     tuple(tuple(parse_action(t) for t in row.split()) for row in rows))
+    path = tmp_path / "crossed.json"
+    save_json(sched, str(path))
+    code, out, _ = run(capsys, "verify", str(path))
+    assert code == 0 and out.startswith("OK") and "NCCL" not in out
+    code, out, _ = run(capsys, "verify", str(path), "--nccl")
+    assert code == 1 and out.startswith("UNSOUND crossed")
+    assert "ranks 0 and 1 disagree" in out and "0RECV_B0" in out and "1RECV_F1" in out
+    code, out, _ = run(capsys, "verify", "gpipe", "-p", "4", "-m", "8", "--nccl")  # lowered by us: safe
+    assert code == 0 and out.startswith("OK") and "NCCL pair order" in out
 
 
 BAD_INPUTS = [

@@ -105,3 +105,16 @@ def test_a_stuck_run_stops_where_each_rank_waits() -> None:
     assert not run.finished
     assert run.position == [2, 1]  # at 0B0 and at 1F0
     assert run.blocked_on == [half + 0, 1 * 2 + 0]  # the data of 0B0's and 1F0's messages (no SEND yet)
+
+
+def test_all_posted_runs_messages_without_receives() -> None:
+    # the lowered 1F1B without its RECVs: stuck at the first consumer, unless every RECV counts as posted
+    layout = Layout.of(LOWERED)
+    program = analyze(LOWERED, layout, Durations(f=[1.0, 1.0], b=[2.0, 2.0], i=[2.0, 2.0], w=[0.0, 0.0]))
+    no_recvs = [[ins for ins in row if ins[0] != RECV] for row in program]
+    stuck = run_program(no_recvs, layout.num_tokens, comm=0.5)
+    assert not stuck.finished and stuck.position == [4, 0]  # at 0B0 and at 1F0
+    run = run_program(no_recvs, layout.num_tokens, comm=0.5, record=True, all_posted=True)
+    assert run.finished
+    # the same times as with the RECVs posted (each one was posted before its message was sent)
+    assert run.events == run_program(program, layout.num_tokens, comm=0.5, record=True).events

@@ -13,7 +13,13 @@ from duplexpipe.schedules import registry
 from duplexpipe.schedules.ir import Action, Op, Schedule, ScheduleError, StageInfo, parse_action
 from duplexpipe.schedules.lower import lower
 from duplexpipe.schedules.simulate import simulate
-from duplexpipe.schedules.verify import check_structure, find_deadlock, happens_before_graph, verify
+from duplexpipe.schedules.verify import (
+    check_nccl_order,
+    check_structure,
+    find_deadlock,
+    happens_before_graph,
+    verify,
+)
 
 
 def make(rows: list[str], stages: list[int], microbatches: int) -> Schedule:
@@ -47,6 +53,54 @@ def test_every_generator_verifies(name: str, ranks: int, microbatches: int) -> N
     s = registry.build(name, ranks, microbatches)
     verify(s)
     verify(lower(s))
+
+
+# the same, with both ranks posting their messages to each other in one order (what NCCL needs)
+NCCL0 = "0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0RECV_B1 0B0 0B1"
+
+
+def test_nccl_pair_order_is_checked_only_when_asked() -> None:
+    crossed = make([RANK0, RANK1], [0, 1], 2)  # rank 0 receives B0 before sending F1, rank 1 the reverse
+    verify(crossed)  # sound under the contract (and on gloo)
+    with pytest.raises(ScheduleError) as err:
+        verify(crossed, nccl=True)
+    assert ("ranks 0 and 1 disagree on the order of their messages: rank 0's 2nd op with rank 1 is "
+            "0RECV_B0 (list position 2), rank 1's is 1RECV_F1 (list position 2)") in str(err.value)
+    with pytest.raises(ScheduleError, match="rank 0's 2nd op with rank 1 is 0RECV_B0"):
+        check_nccl_order(crossed)
+    fixed = make([NCCL0, RANK1], [0, 1], 2)
+    verify(fixed, nccl=True)
+    check_nccl_order(fixed)
+
+
+def test_nccl_order_names_the_first_difference_on_any_pair() -> None:
+    # three ranks: 0-1 agree, 1-2 cross at their 3rd op
+    rows = ["0F0 0SEND_F0 0RECV_B0 0B0",
+            "1RECV_F0 1F0 1SEND_F0 1RECV_B0 1B0 1SEND_B0",
+            "2RECV_F0 2F0 2B0 2SEND_B0"]
+    verify(make(rows, [0, 1, 2], 1), nccl=True)
+    rows[1] = "1RECV_F0 1RECV_B0 1F0 1SEND_F0 1B0 1SEND_B0"  # posts the gradient receive before sending F0
+    with pytest.raises(ScheduleError) as err:
+        verify(make(rows, [0, 1, 2], 1), nccl=True)
+    msg = str(err.value)
+    assert "ranks 1 and 2 disagree" in msg and "rank 1's 1st op with rank 2 is 1RECV_B0 (list position 1)" in msg
+    assert "rank 2's is 2RECV_F0 (list position 0)" in msg
+
+
+def test_nccl_order_reports_a_missing_message_and_a_bad_action() -> None:
+    short = make([RANK0, "1RECV_F0 1F0 1B0 1SEND_B0"], [0, 1], 2)  # structurally broken: no 1F1 ...
+    with pytest.raises(ScheduleError) as err:
+        check_nccl_order(short)
+    assert ("rank 0's 3rd op with rank 1 is 0SEND_F1 (list position 4), rank 1's is missing (rank 1 has only 2 "
+            "ops with rank 0)") in str(err.value)
+    with pytest.raises(ScheduleError, match="0SEND_B0 at rank 0, position 1 is not a message between two ranks"):
+        check_nccl_order(make(["0F0 0SEND_B0 0B0"], [0], 1))
+
+
+@pytest.mark.parametrize("name", registry.names())
+def test_compute_only_schedules_verify_for_nccl(name: str) -> None:
+    ranks, microbatches = (4, 8) if registry.check(name, 4, 8) is None else (2, 4)
+    verify(registry.build(name, ranks, microbatches), nccl=True)  # checks the lowering's pair order
 
 
 def test_swapped_receive_and_consumer() -> None:
@@ -176,7 +230,7 @@ def test_torch_deferred_receives_break_the_pair_order() -> None:
         stages = tuple(StageInfo(s if s < 4 else 7 - s, s) for s in range(8))
         return Schedule("torch-dualpipev", 4, 8, stages, rows)
 
-    verify(schedule(False))
+    verify(schedule(False), nccl=True)  # torch's NCCL-proven order passes the pair-order check too
     with pytest.raises(ScheduleError, match="out of order"):
         verify(schedule(True))
 

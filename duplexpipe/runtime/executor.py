@@ -82,6 +82,9 @@ class PipelineRuntime:
         bad = {s: type(m).__name__ for s, m in self.modules.items() if not isinstance(m, nn.Module)}
         nonce = handshake(schedule, self.modules, group, self.device, self.config.timeout_s,
                           f"rank {self.rank}: modules must be nn.Module, got {bad}" if bad else "")
+        if "nccl" in str(dist.get_backend(group)):  # one stream per rank pair: ScheduleError, not a hang
+            from duplexpipe.schedules.verify import check_nccl_order
+            check_nccl_order(schedule)
         prefix = f"duplexpipe/{nonce}"
         store = group_store(group)
         if store is None:

@@ -361,17 +361,19 @@ class Run:
     """True when every rank ran its whole list."""
 
 
-def run_program(program: Program, num_tokens: int, comm: float = 0.0, record: bool = False) -> Run:
+def run_program(program: Program, num_tokens: int, comm: float = 0.0, record: bool = False,
+                all_posted: bool = False) -> Run:
     """Execute `program` under the execution contract; stops (never loops) when no rank can move.
 
     Each rank runs in order; RECV/SEND take no rank time; a message arrives `comm` after
     both its SEND and its RECV are posted; a compute starts once the rank is free and its
     inputs have arrived. A stuck rank is woken only by what it waits for, so this takes
-    time linear in the number of actions.
+    time linear in the number of actions. `all_posted`: every RECV counts as posted at
+    time 0, so a program may name messages without RECV instructions.
     """
     num_ranks = len(program)
     ready: list[float | None] = [None] * num_tokens
-    posted: list[float | None] = [None] * num_tokens
+    posted: list[float | None] = [0.0 if all_posted else None] * num_tokens
     waiting: dict[int, list[int]] = {}
     position, clock = [0] * num_ranks, [0.0] * num_ranks
     blocked_on: list[int | None] = [None] * num_ranks

@@ -6,12 +6,12 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from duplexpipe.schedules.ir import Action, Schedule, ScheduleError
+from duplexpipe.schedules.ir import Action, Op, Schedule, ScheduleError
 from duplexpipe.schedules.lower import Layout, lower
 from duplexpipe.schedules.program import COMPUTE, SEND, Program, Run, analyze, run_program
 
 
-def verify(schedule: Schedule) -> None:
+def verify(schedule: Schedule, *, nccl: bool = False) -> None:
     """Raise ScheduleError unless `schedule` is complete, ordered, matched and deadlock-free.
 
     Checks, each error naming the actions involved: (1) completeness and placement: every
@@ -22,13 +22,24 @@ def verify(schedule: Schedule) -> None:
     of ranks, and each cross-rank input is received before its consumer; (4) no deadlock
     under DESIGN.md's execution contract. A compute-only schedule is checked as it is, then
     lowered and the lowering checked too.
+
+    With `nccl=True` also (5): every two ranks post the messages between them (both
+    directions) in one order, as NCCL needs (`check_nccl_order`; on the lowering of a
+    compute-only schedule). Off by default: the contract and gloo need only (3), and a
+    schedule lowered elsewhere (an imported torch CSV) need not follow (5).
     """
     _verify_as_is(schedule)
-    if not schedule.has_comms:
-        try:
-            _verify_as_is(lower(schedule))
-        except ScheduleError as exc:
-            raise ScheduleError(f"after lowering: {exc}") from None
+    if schedule.has_comms:
+        if nccl:
+            check_nccl_order(schedule)
+        return
+    try:
+        lowered = lower(schedule)
+        _verify_as_is(lowered)
+        if nccl:
+            check_nccl_order(lowered)
+    except ScheduleError as exc:
+        raise ScheduleError(f"after lowering: {exc}") from None
 
 
 def _verify_as_is(schedule: Schedule) -> None:
@@ -43,6 +54,65 @@ def _verify_as_is(schedule: Schedule) -> None:
 def check_structure(schedule: Schedule) -> None:
     """Checks (1) and (3) of `verify` only: completeness, placement, order, send/receive matching."""
     analyze(schedule, Layout.of(schedule))
+
+
+def check_nccl_order(schedule: Schedule) -> None:
+    """Raise ScheduleError unless every two ranks post the messages between them in one order.
+
+    On NCCL, torch runs every point-to-point op between two ranks, both directions, on one
+    stream in posting order: a RECV holds that stream until its SEND runs. So rank a's
+    SENDs to b and RECVs from b, in a's list order, must be the same messages in the same
+    order as b's RECVs from a and SENDs to a, or the step can hang (gloo does not need
+    this). Only this rule is checked, on a lowered schedule (a compute-only one has no
+    messages); `verify` checks everything else. The error names both ranks, the position
+    in their sequences and the two actions found there.
+    """
+    layout = Layout.of(schedule)
+    with_peer = _messages_by_peer(schedule, layout)
+    for a, b in sorted({(min(key), max(key)) for key in with_peer}):
+        mine, theirs = with_peer.get((a, b), []), with_peer.get((b, a), [])
+        for k in range(max(len(mine), len(theirs))):
+            if k < len(mine) and k < len(theirs) and mine[k][0] == theirs[k][0]:
+                continue
+            rows = schedule.actions
+            ops = [f"{rows[r][seq[k][1]]} (list position {seq[k][1]})" if k < len(seq)
+                   else f"missing (rank {r} has only {len(seq)} ops with rank {peer})"
+                   for r, peer, seq in ((a, b, mine), (b, a, theirs))]
+            raise ScheduleError(
+                f"{schedule.name!r}: ranks {a} and {b} disagree on the order of their messages: rank {a}'s "
+                f"{_ordinal(k + 1)} op with rank {b} is {ops[0]}, rank {b}'s is {ops[1]}; on NCCL both "
+                "directions between two ranks share one stream, so both must post their messages in one order")
+
+
+def _messages_by_peer(schedule: Schedule, layout: Layout) -> dict[tuple[int, int], list[tuple[int, int]]]:
+    """(rank, peer rank) -> (message token, position) of each SEND to / RECV from the peer, in list order."""
+    nmb, count, rank_of = layout.num_microbatches, layout.num_stages, layout.rank
+    half = count * nmb
+    send_f, send_b, recv_f, recv_b = Op.SEND_F, Op.SEND_B, Op.RECV_F, Op.RECV_B
+    found: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for rank, row in enumerate(schedule.actions):
+        for pos, action in enumerate(row):
+            op, stage, mb = action.op, action.stage, action.microbatch
+            # a message's token names its receiving stage: the peer for sends, this stage for receives
+            if op is send_f or op is recv_b:
+                peers, offset = layout.nxt, 0 if op is send_f else half
+            elif op is send_b or op is recv_f:
+                peers, offset = layout.prv, half if op is send_b else 0
+            else:
+                continue
+            peer = peers[stage] if stage < count else -1
+            if peer < 0 or rank_of[peer] == rank or not 0 <= mb < nmb:
+                raise ScheduleError(f"{schedule.name!r}: {action} at rank {rank}, position {pos} is not a "
+                                    "message between two ranks (run verify for the full diagnosis)")
+            token = offset + (peer if op is send_f or op is send_b else stage) * nmb + mb
+            found.setdefault((rank, rank_of[peer]), []).append((token, pos))
+    return found
+
+
+def _ordinal(n: int) -> str:
+    """1st, 2nd, 3rd, 4th, ..., 11th, 12th, 13th, ..., 21st."""
+    suffix = "th" if n % 100 in (11, 12, 13) else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
 
 
 @dataclass(frozen=True)
