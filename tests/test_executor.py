@@ -328,3 +328,38 @@ def test_single_rank_schedules_on_cuda() -> None:
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_every_schedule_on_two_gpus_with_nccl() -> None:
     _check_cuda(run_workers(_cuda_worker, 2, (tuple(NAMES),), backend="nccl"))
+
+
+CROSSING = ("0F0 0SEND_F0 0RECV_B0 0F1 0SEND_F1 0RECV_B1 0B0 0B1",
+            "1RECV_F0 1F0 1RECV_F1 1B0 1SEND_B0 1F1 1B1 1SEND_B1")
+"""A lowered 2-rank 1F1B that runs on gloo but whose two directions cross (would hang on NCCL)."""
+
+
+def _nccl_order_worker(rank: int, world: int) -> dict[str, str]:
+    from duplexpipe.schedules.ir import ScheduleError, StageInfo, parse_action
+
+    crossing = Schedule("crossing", 2, 2, (StageInfo(0, 0), StageInfo(1, 1)),
+                        tuple(tuple(parse_action(t) for t in row.split()) for row in CROSSING))
+    parts = make_parts(2)
+    outcome: dict[str, str] = {}
+    real_get_backend = dist.get_backend
+    dist.get_backend = lambda group=None: "nccl"  # type: ignore[assignment]  # gloo underneath, NCCL's rules on top
+    try:
+        for label, schedule in (("crossing", crossing), ("ours", lower(build("1f1b", 2, 2)))):
+            try:
+                PipelineRuntime(schedule, stage_modules(schedule, rank, parts), loss_fn,
+                                device=torch.device("cpu"), config=RuntimeConfig(timeout_s=20))
+                outcome[label] = "built"
+            except ScheduleError as exc:
+                outcome[label] = str(exc)
+    finally:
+        dist.get_backend = real_get_backend  # type: ignore[assignment]
+    return outcome
+
+
+@pytest.mark.timeout(120)
+def test_on_nccl_a_crossing_schedule_is_rejected_up_front_on_every_rank() -> None:
+    outcomes = run_workers(_nccl_order_worker, 2, timeout_s=90)
+    for rank, outcome in enumerate(outcomes):
+        assert "ranks 0 and 1 disagree on the order of their messages" in outcome["crossing"], (rank, outcome)
+        assert outcome["ours"] == "built", (rank, outcome)
