@@ -11,6 +11,20 @@ from typing import Any, NoReturn, Sequence
 from duplexpipe.schedules.ir import Schedule, ScheduleError, load_json, load_torch_csv, save_json, save_torch_csv
 
 
+_SCHEDULE_HELP = ("a built-in schedule (see 'duplexpipe schedules'; needs -p and -m) or a schedule file: "
+                  ".json (duplexpipe) or .csv (torch.distributed.pipelining's _dump_csv)")
+_EPILOG = """examples:
+  duplexpipe schedules
+  duplexpipe show dualpipe -p 4 -m 8
+  duplexpipe verify dualpipe -p 8 -m 32 --nccl
+  duplexpipe simulate zb-h1 -p 8 -m 32 --cost F=1,B=2,W=1,latency=0.1 --plot zb.png --trace zb.json
+  duplexpipe compare -p 4 -m 8 --plot compare.png
+  duplexpipe export dualpipev -p 4 -m 8 --format torch-csv -o dualpipev.csv
+  duplexpipe train --schedule dualpipe --ranks 4 --steps 50 --out-dir run/
+
+exit codes: 0 ok, 1 unsound schedule (verify) or a failed training rank, 2 bad input"""
+
+
 class CliError(Exception):
     """Bad input from the command line: printed as one line, exit code 2."""
 
@@ -48,21 +62,22 @@ def _add_cost(p: argparse.ArgumentParser) -> None:
 
 def _build_parser(with_train: bool = False) -> _Parser:
     parser = _Parser(prog="duplexpipe", description="Pipeline schedules as data: generate, verify, "
-                     "simulate, compare, draw, export and train.")
+                     "simulate, compare, draw, export and train.", epilog=_EPILOG,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     sub.add_parser("schedules", help="list the built-in schedules, one line each")
     show = sub.add_parser("show", help="print a schedule's rank x step grid")
-    show.add_argument("schedule", metavar="NAME|FILE")
+    show.add_argument("schedule", metavar="NAME|FILE", help=_SCHEDULE_HELP)
     _add_shape(show, required=False)
     show.add_argument("--comms", action="store_true", help="show the lowered schedule with SEND/RECV")
     ver = sub.add_parser("verify", help="check completeness, ordering and deadlock freedom (exit 1 if unsound)")
-    ver.add_argument("schedule", metavar="NAME|FILE")
+    ver.add_argument("schedule", metavar="NAME|FILE", help=_SCHEDULE_HELP)
     _add_shape(ver, required=False)
     ver.add_argument("--nccl", action="store_true", help="also check that every two ranks post the messages "
                      "between them in one order (NCCL runs both directions on one stream)")
     sim = sub.add_parser("simulate", help="time a schedule under a cost model")
-    sim.add_argument("schedule", metavar="NAME|FILE")
+    sim.add_argument("schedule", metavar="NAME|FILE", help=_SCHEDULE_HELP)
     _add_shape(sim, required=False)
     _add_cost(sim)
     sim.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -74,8 +89,8 @@ def _build_parser(with_train: bool = False) -> _Parser:
     cmp_.add_argument("--json", action="store_true", help="print the table as JSON")
     cmp_.add_argument("--plot", metavar="FILE", help="write the comparison figure (.png, .svg or .pdf)")
     exp = sub.add_parser("export", help="write a schedule as JSON or torch CSV")
-    exp.add_argument("schedule", metavar="NAME")
-    _add_shape(exp)
+    exp.add_argument("schedule", metavar="NAME|FILE", help=_SCHEDULE_HELP)
+    _add_shape(exp, required=False)
     exp.add_argument("--format", choices=("json", "torch-csv"), required=True)
     exp.add_argument("-o", "--output", required=True, metavar="FILE")
     exp.add_argument("--comms", action="store_true", help="export the lowered schedule (with SEND/RECV)")

@@ -163,3 +163,13 @@ def test_console_script_help_runs() -> None:
     assert proc.returncode == 0
     for command in ("schedules", "show", "verify", "simulate", "compare", "export", "train"):
         assert command in proc.stdout
+
+
+def test_export_converts_a_file_between_formats(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src, dst = tmp_path / "s.json", tmp_path / "s.csv"
+    assert run(capsys, "export", "dualpipe", "-p", "4", "-m", "8", "--format", "json", "-o", str(src))[0] == 0
+    assert run(capsys, "export", str(src), "--format", "torch-csv", "-o", str(dst))[0] == 0
+    rows = dst.read_text().splitlines()
+    assert len(rows) == 4 and rows[0].split(",")[0] == "0F0"
+    code, _, err = run(capsys, "export", "1f1b", "--format", "json", "-o", str(dst))
+    assert code == 2 and "--ranks" in err
