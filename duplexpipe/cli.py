@@ -258,6 +258,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise CliError(f"cannot write {args.output}: {exc.strerror}") from None
     print(f"wrote {schedule.name} ({args.format}) to {args.output}")
+    if args.format == "torch-csv" and schedule.num_copies > 1:
+        print(f"note: torch's CSV holds no stage table; this schedule runs {schedule.num_copies} model copies, "
+              "which a CSV reader sees as one chain of stages. Use --format json to keep the table.")
     return 0
 
 
