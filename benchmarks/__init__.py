@@ -1,0 +1,1 @@
+"""duplexpipe benchmarks: runtime vs torch.distributed.pipelining, simulator fidelity, overlap, tooling."""

@@ -1,0 +1,114 @@
+"""The duplexpipe side of the A/B comparison: a schedule, this rank's stage modules, one step."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from duplexpipe.runtime import PipelineRuntime, RuntimeConfig, StepResult
+from duplexpipe.schedules.ir import Schedule
+from duplexpipe.schedules.registry import build
+
+
+@dataclass
+class OursPipe:
+    """One rank's duplexpipe pipeline."""
+
+    schedule: Schedule
+    """The compute-only schedule the runtime executes."""
+    modules: dict[int, nn.Module]
+    """stage index -> this rank's copy of that stage's model part."""
+    runtime: PipelineRuntime
+    """The interpreter for this rank's list."""
+    has_first: bool
+    """True when this rank feeds the model input."""
+    has_last: bool
+    """True when this rank computes the loss."""
+    last: StepResult | None = field(default=None)
+    """The result of the latest step."""
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> StepResult:
+        """One training step over the whole batch (the runtime splits it into microbatches)."""
+        self.last = self.runtime.step(inputs if self.has_first else None,
+                                      targets if self.has_last else None)
+        return self.last
+
+    def zero_grad(self) -> None:
+        """Drop the accumulated gradients."""
+        for module in self.modules.values():
+            module.zero_grad(set_to_none=True)
+
+    def group_grads(self) -> dict[int, list[torch.Tensor]]:
+        """This rank's gradients by weight group (model part); mirrored copies are not summed here."""
+        out: dict[int, list[torch.Tensor]] = {}
+        for stage, module in self.modules.items():
+            grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+                     for p in module.parameters()]
+            group = self.schedule.stages[stage].group
+            if group in out:
+                out[group] = [a + b for a, b in zip(out[group], grads, strict=True)]
+            else:
+                out[group] = grads
+        return out
+
+
+def build_ours(name: str, parts: list[nn.Module], rank: int, num_ranks: int, num_microbatches: int,
+               loss: Callable[..., torch.Tensor], config: RuntimeConfig | None = None,
+               schedule: Schedule | None = None) -> OursPipe:
+    """Build schedule `name` (or use `schedule`) and a runtime over this rank's copies of `parts`.
+
+    `parts[k]` is model part k (weight group k); every stage of that group gets its own copy.
+    """
+    sched = schedule if schedule is not None else build(name, num_ranks, num_microbatches)
+    if sched.num_groups != len(parts):
+        raise ValueError(f"{name} has {sched.num_groups} model parts, got {len(parts)} parts")
+    modules = {s: copy.deepcopy(parts[sched.stages[s].group]) for s in sched.stages_of_rank(rank)}
+    cfg = config if config is not None else RuntimeConfig()
+    runtime = PipelineRuntime(sched, modules, loss, config=cfg)
+    return OursPipe(sched, modules, runtime, any(sched.is_first(s) for s in modules),
+                    any(sched.is_last(s) for s in modules))
+
+
+def runtime_config(**overrides: Any) -> RuntimeConfig:
+    """RuntimeConfig with the benchmark defaults, ignoring fields this runtime does not have."""
+    fields = getattr(RuntimeConfig, "__dataclass_fields__", {})
+    known = {k: v for k, v in overrides.items() if k in fields}
+    return RuntimeConfig(**known)
+
+
+def make_waited(pipe: OursPipe) -> None:
+    """Turn off receive prefetching on `pipe`: every receive is posted right before its consumer
+    and waited for at once, so no transfer into this rank overlaps compute.
+
+    Sends stay lazy: waiting for each send as soon as it is posted deadlocks (gloo completes a
+    send only once the peer posted the receive, and with receives posted at their consumers two
+    neighbours end up each waiting for the other's send). The runtime has no switch for this, so
+    the benchmark wraps the instance's Transport (`expect`, `take`); receives from one peer are
+    still posted in schedule order.
+    """
+    transport = pipe.runtime.transport
+    expect, take = transport.expect, transport.take
+    deferred: dict[int, list[tuple[Any, Any]]] = {}
+    peer_of: dict[Any, int] = {}
+
+    def lazy_expect(key: Any, peer: int, resolve: Any) -> None:
+        deferred.setdefault(peer, []).append((key, resolve))
+        peer_of[key] = peer
+
+    def waited_take(key: Any, consumer: str) -> torch.Tensor:
+        peer = peer_of.pop(key, None)
+        if peer is not None:
+            queue = deferred[peer]
+            while queue:
+                k, resolve = queue.pop(0)
+                expect(k, peer, resolve)
+                if k == key:
+                    break
+        return take(key, consumer)
+
+    transport.expect = lazy_expect  # type: ignore[method-assign]
+    transport.take = waited_take  # type: ignore[method-assign]

@@ -1,0 +1,217 @@
+"""Profile one side of the A/B run under py-spy and say where a rank's step time goes."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from benchmarks import harness, models  # noqa: E402
+
+BUCKETS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
+    "ours": (
+        ("wait for a receive (Transport.take: lane thread + sleep-poll)", ("Transport.take (",)),
+        ("step-start agreement (all_reduce)", ("agree (",)),
+        ("loss all_reduce", ("sum_over_group (",)),
+        ("DualPipe mirrored-gradient exchange", ("MirrorSum.",)),
+        ("end-of-step send completion", ("Transport.finish (",)),
+        ("post receives (irecv)", ("Transport.expect (",)),
+        ("post sends (isend + send lane)", ("Transport.send (",)),
+        ("reap completed sends", ("Transport.reap (",)),
+        ("I: autograd-graph analysis (autograd_split)", ("_parents (", "_ancestors (", "_group_params (",
+                                                         "_meeting_points (")),
+        ("forward compute (module + loss)", ("_do_forward (",)),
+        ("backward compute (B, I, W)", ("_do_backward (", "_weight (")),
+    ),
+    "torch": (
+        ("wait for P2P (_wait_batch_p2p)", ("_wait_batch_p2p (",)),
+        ("post P2P (batch_isend_irecv)", ("_batch_p2p (",)),
+        ("I: autograd-graph analysis (_backward.py)", ("get_param_groups (", "reverse_closure (",
+                                                      "construct_reverse_graph (")),
+        ("forward compute (module + loss)", ("forward_one_chunk (", "_maybe_compute_loss (")),
+        ("backward compute (B, I, W)", ("backward_one_chunk (", "backward_weight_one_chunk (")),
+        ("gradient scaling", ("perform_reduce_grad (", "scale_grads (")),
+    ),
+}
+"""Per side, (label, frame texts): a sample goes to the first bucket with a frame text in its stack."""
+
+
+@dataclass(frozen=True)
+class ProfileArgs:
+    """What the profiled workers run."""
+
+    side: str
+    """"ours" or "torch"."""
+    schedule: str
+    """Schedule key present in both frameworks."""
+    steps: int
+    """Steps to run (after two warm-up steps)."""
+    workload: str
+    """"mlp", "transformer" or "sleep" (F/I/W = 20 ms per stage)."""
+
+
+def _spec(workload: str) -> models.ModelSpec:
+    if workload == "mlp":
+        return models.ModelSpec("mlp", num_layers=8, width=256, batch=64)
+    if workload == "sleep":
+        return models.ModelSpec("sleep", width=64, batch=16, sleep_ms=(20.0, 20.0, 20.0))
+    return models.ModelSpec("transformer", num_layers=8, width=128, batch=32, seq=32)
+
+
+def worker(rank: int, world: int, args: ProfileArgs) -> None:
+    """Run `args.steps` steps of one side only."""
+    from benchmarks.ours_side import build_ours, runtime_config
+    from benchmarks.torch_side import TORCH_SCHEDULES, build_torch_pipe, num_stages
+
+    spec = _spec(args.workload)
+    parts = models.build_parts(spec, num_stages(TORCH_SCHEDULES[args.schedule][1], world))
+    x, y = models.make_batch(spec)
+    pipe: Any
+    if args.side == "ours":
+        pipe = build_ours(args.schedule, parts, rank, world, 8, models.loss_fn,
+                          config=runtime_config(record_timeline=False))
+    else:
+        pipe = build_torch_pipe(args.schedule, parts, rank, world, 8, models.loss_fn)
+    for _ in range(args.steps + 2):
+        pipe.zero_grad()
+        harness.timed(lambda: pipe.step(x, y))
+
+
+WHATIF_VARIANTS = ("as shipped", "no per-step collectives", "blocking receive wait", "both",
+                   "poll backoff capped at 0.05 ms")
+"""Runtime variants timed step by step on one runtime (diagnostics: they patch runtime modules)."""
+
+
+def _patch(variant: str, saved: dict[str, Any], cache: dict[str, Any]) -> None:
+    """Apply `variant` to the runtime modules (restore with variant "as shipped")."""
+    import duplexpipe.runtime.executor as ex
+    import duplexpipe.runtime.watchdog as wd
+
+    ex.agree, ex.sum_over_group = saved["agree"], saved["sum_over_group"]
+    wd.Watchdog.wait_p2p = saved["wait_p2p"]  # type: ignore[method-assign]
+    wd._MAX_SLEEP_S = saved["max_sleep"]
+    if variant in ("no per-step collectives", "both"):
+        def agree(*args: Any) -> Any:  # the inputs are the same every step: reuse the first answer
+            if "agreement" not in cache:
+                cache["agreement"] = saved["agree"](*args)
+            return cache["agreement"]
+        ex.agree = agree  # type: ignore[assignment]
+        ex.sum_over_group = lambda value, *rest: value
+    if variant in ("blocking receive wait", "both"):
+        wd.Watchdog.wait_p2p = lambda self, work, what, peer: work.wait()  # type: ignore[method-assign]
+    if variant == "poll backoff capped at 0.05 ms":
+        wd._MAX_SLEEP_S = 5e-5
+
+
+def whatif_worker(rank: int, world: int, args: ProfileArgs) -> dict[str, list[float]]:
+    """A/B/C/D per step on one runtime: WHATIF_VARIANTS in rotating order each round."""
+    import duplexpipe.runtime.executor as ex
+    import duplexpipe.runtime.watchdog as wd
+    from benchmarks.ours_side import build_ours, runtime_config
+    from benchmarks.torch_side import TORCH_SCHEDULES, num_stages
+
+    spec = _spec(args.workload)
+    parts = models.build_parts(spec, num_stages(TORCH_SCHEDULES[args.schedule][1], world))
+    x, y = models.make_batch(spec)
+    pipe = build_ours(args.schedule, parts, rank, world, 8, models.loss_fn,
+                      config=runtime_config(record_timeline=False))
+    saved = {"agree": ex.agree, "sum_over_group": ex.sum_over_group, "wait_p2p": wd.Watchdog.wait_p2p,
+             "max_sleep": wd._MAX_SLEEP_S}
+    cache: dict[str, Any] = {}
+    out: dict[str, list[float]] = {k: [] for k in WHATIF_VARIANTS}
+    try:
+        for i in range(args.steps + 2):
+            shift = i % len(WHATIF_VARIANTS)
+            for variant in WHATIF_VARIANTS[shift:] + WHATIF_VARIANTS[:shift]:
+                _patch(variant, saved, cache)
+                pipe.zero_grad()
+                elapsed = harness.timed(functools.partial(pipe.step, x, y))[0]
+                if i >= 2:
+                    out[variant].append(elapsed)
+    finally:
+        _patch("as shipped", saved, cache)
+    return out
+
+
+def whatif(schedule: str = "1f1b", steps: int = 20, workload: str = "mlp") -> dict[str, Any]:
+    """Median step time of each runtime variant; shows what the per-step collectives and the
+    receive-wait path cost."""
+    raw = harness.spawn(whatif_worker, ProfileArgs("ours", schedule, steps, workload), 4, 600)[0]
+    med = {k: harness.summarize(v).median for k, v in raw.items()}
+    return {"schedule": schedule, "workload": workload, "median_s": med,
+            "speedup": {k: med["as shipped"] / v for k, v in med.items()}}
+
+
+def summarize_raw(path: str, side: str, steps: int, ranks: int, rate: int) -> dict[str, Any]:
+    """Bucket py-spy's collapsed stacks inside the pipe's step(); ms per step and rank, and shares."""
+    buckets: Counter[str] = Counter()
+    total = 0
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            stack, _, count = line.rstrip("\n").rpartition(" ")
+            if not count.isdigit() or "Pipe.step (" not in stack:
+                continue
+            n = int(count)
+            total += n
+            label = next((name for name, frames in BUCKETS[side] if any(f in stack for f in frames)), "other")
+            buckets[label] += n
+    per = 1e3 / (rate * steps * ranks)
+    return {"samples": total, "ms_per_step_rank": {k: v * per for k, v in buckets.most_common()},
+            "share": {k: v / total for k, v in buckets.most_common()} if total else {},
+            "step_ms_under_profiler": total * per}
+
+
+def py_spy() -> str | None:
+    """The py-spy executable next to this interpreter or on PATH, if installed."""
+    return shutil.which("py-spy", path=os.path.dirname(sys.executable)) or shutil.which("py-spy")
+
+
+def profile(side: str, schedule: str, steps: int, workload: str, rate: int = 250) -> dict[str, Any]:
+    """Run py-spy over a fresh 4-rank run of one side; return the bucketed profile."""
+    spy = py_spy()
+    if spy is None:
+        raise RuntimeError("py-spy is not installed; `.venv/bin/pip install py-spy`")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "raw.txt")
+        cmd = [spy, "record", "--idle", "--subprocesses", "-r", str(rate), "--format", "raw", "-o", out,
+               "--", sys.executable, os.path.abspath(__file__), "--run", side, schedule, str(steps), workload]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
+        if proc.returncode != 0 or not os.path.exists(out):
+            raise RuntimeError(f"py-spy failed ({proc.returncode}): {proc.stderr[-3000:]}")
+        return summarize_raw(out, side, steps + 2, 4, rate)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`--run SIDE SCHEDULE STEPS WORKLOAD` runs the workers; otherwise profile both sides and print."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--run", nargs=4, metavar=("SIDE", "SCHEDULE", "STEPS", "WORKLOAD"))
+    parser.add_argument("--schedule", default="1f1b")
+    parser.add_argument("--workload", default="mlp", choices=("mlp", "transformer", "sleep"))
+    parser.add_argument("--steps", type=int, default=60)
+    args = parser.parse_args(argv)
+    if args.run:
+        side, schedule, steps, workload = args.run
+        harness.spawn(worker, ProfileArgs(side, schedule, int(steps), workload), 4, 900)
+        return 0
+    for side in ("ours", "torch"):
+        found = profile(side, args.schedule, args.steps, args.workload)
+        print(f"{side}: {found['step_ms_under_profiler']:.1f} ms per step under the profiler")
+        for label, ms in found["ms_per_step_rank"].items():
+            print(f"  {ms:7.2f} ms  {found['share'][label]:6.1%}  {label}")
+    print(whatif(args.schedule, 20, args.workload))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

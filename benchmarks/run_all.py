@@ -1,0 +1,208 @@
+"""`make bench`: every duplexpipe benchmark in one run, with a table, results.json, docs and figures."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from benchmarks import figures, harness, report  # noqa: E402
+from benchmarks.measured_vs_sim import SimConfig  # noqa: E402
+from benchmarks.models import ModelSpec  # noqa: E402
+from benchmarks.overlap import OverlapConfig  # noqa: E402
+from benchmarks.vs_torch import VsTorchConfig  # noqa: E402
+
+PARTS = ("vs_torch", "measured_vs_simulated", "overlap", "tooling", "profile")
+QUICK_PARTS = PARTS[:4]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything one invocation runs."""
+
+    world: int
+    """Pipeline ranks (gloo processes)."""
+    vs_torch: tuple[VsTorchConfig, ...]
+    """Part 1 workloads."""
+    sim: SimConfig
+    """Part 2."""
+    overlap: OverlapConfig
+    """Part 3."""
+    quick_tooling: bool
+    """Run schedule_tooling.py's small grid (part 4)."""
+    profile: tuple[tuple[str, str, int], ...] = (("1f1b", "mlp", 60), ("zbv", "transformer", 10))
+    """Part 5: (schedule, workload, steps) cases profiled under py-spy on both sides."""
+
+
+def full_plan() -> Plan:
+    """The configuration `make bench` measures (about 10 minutes on 2 shared cores)."""
+    return Plan(
+        world=4,
+        vs_torch=(
+            VsTorchConfig("overhead-bound", ModelSpec("mlp", num_layers=8, width=256, batch=64), reps=30),
+            VsTorchConfig("compute-bound",
+                          ModelSpec("transformer", num_layers=8, width=128, batch=32, seq=32), reps=12),
+        ),
+        sim=SimConfig(),
+        overlap=OverlapConfig(),
+        quick_tooling=False,
+    )
+
+
+def quick_plan() -> Plan:
+    """A tiny smoke configuration: 2 ranks, 2 timed steps, milliseconds of sleep."""
+    tiny = ModelSpec("mlp", num_layers=4, width=16, batch=8)
+    return Plan(
+        world=2,
+        vs_torch=(VsTorchConfig("overhead-bound", tiny, schedules=("1f1b", "zbv"), num_microbatches=4,
+                                warmup=1, reps=2),),
+        sim=SimConfig(f_ms=2.0, i_ms=2.0, w_ms=2.0, num_microbatches=4, width=8,
+                      schedules=("1f1b", "dualpipe"), warmup=1, reps=2),
+        overlap=OverlapConfig(width=1024, num_microbatches=4, compute_ms=1.0, schedules=("1f1b",),
+                              warmup=1, reps=2),
+        quick_tooling=True,
+    )
+
+
+def _runners(plan: Plan) -> dict[str, Callable[[], Any]]:
+    from benchmarks import measured_vs_sim, overlap, tooling, vs_torch
+
+    return {
+        "vs_torch": lambda: [row for cfg in plan.vs_torch for row in vs_torch.run(cfg, plan.world)],
+        "measured_vs_simulated": lambda: measured_vs_sim.run(plan.sim, plan.world),
+        "overlap": lambda: overlap.run(plan.overlap, plan.world),
+        "tooling": lambda: tooling.run(plan.quick_tooling),
+        "profile": lambda: _run_profile(plan),
+    }
+
+
+def _run_profile(plan: Plan) -> dict[str, Any]:
+    from benchmarks import profile_runtime
+
+    cases = [{"schedule": schedule, "workload": workload, "steps": steps,
+              "ours": profile_runtime.profile("ours", schedule, steps, workload),
+              "torch": profile_runtime.profile("torch", schedule, steps, workload)}
+             for schedule, workload, steps in plan.profile] if profile_runtime.py_spy() else []
+    return {
+        "cases": cases,
+        "skipped": "" if cases else "py-spy is not installed (.venv/bin/pip install py-spy)",
+        "whatif": profile_runtime.whatif("1f1b", 20, "mlp"),
+        "whatif_sleep": profile_runtime.whatif("1f1b", 4, "sleep"),
+    }
+
+
+def write_figures(results: dict[str, Any], img_dir: str, link_prefix: str) -> list[tuple[str, str]]:
+    """Draw every figure the results allow; return (markdown link, caption) pairs."""
+    os.makedirs(img_dir, exist_ok=True)
+    made = []
+    if any(results.get(k) for k in ("vs_torch", "measured_vs_simulated", "overlap")):
+        figures.ratio_bars(results, os.path.join(img_dir, "bench_ratios.png"))
+        made.append((f"{link_prefix}bench_ratios.png", "Benchmark ratios against their targets"))
+    sim_rows = results.get("measured_vs_simulated") or []
+    pick = next((r for r in sim_rows if r["schedule"] == "dualpipe"), sim_rows[0] if sim_rows else None)
+    if pick is not None:
+        figures.measured_vs_simulated(pick, os.path.join(img_dir, "bench_measured_vs_sim.png"))
+        made.append((f"{link_prefix}bench_measured_vs_sim.png",
+                     f"Measured vs simulated {pick['schedule']} on the sleep model"))
+    if results.get("tooling"):
+        figures.tooling_plot(results["tooling"], os.path.join(img_dir, "bench_tooling.png"))
+        made.append((f"{link_prefix}bench_tooling.png", "Schedule tooling time against P"))
+    return made
+
+
+def _measure(plan: Plan, chosen: list[str]) -> tuple[dict[str, Any], dict[str, str], dict[str, list[float]],
+                                                    dict[str, float]]:
+    """Run the chosen parts in order; a failing part is recorded and the others still run."""
+    results: dict[str, Any] = {}
+    failures: dict[str, str] = {}
+    loads: dict[str, list[float]] = {}
+    walls: dict[str, float] = {}
+    runners = _runners(plan)
+    for part in chosen:
+        t0 = time.monotonic()
+        loads[part] = [round(x, 2) for x in os.getloadavg()]
+        try:
+            results[part] = runners[part]()
+        except Exception:  # noqa: BLE001 - one broken part must not lose the others' figures
+            failures[part] = traceback.format_exc()
+            print(f"[{part} FAILED]\n{failures[part]}", file=sys.stderr, flush=True)
+        walls[part] = time.monotonic() - t0
+        print(f"[{part}: {walls[part]:.0f} s]", file=sys.stderr, flush=True)
+    return results, failures, loads, walls
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the selected parts, print the tables, write results.json, figures and docs."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="tiny smoke configuration (2 ranks, 2 steps)")
+    parser.add_argument("--parts", default="",
+                        help=f"comma list out of {','.join(PARTS)} (default: all; --quick: no profile)")
+    parser.add_argument("--out", default=os.path.join(ROOT, "bench-output"), help="results directory")
+    parser.add_argument("--docs", default=os.path.join(ROOT, "docs"),
+                        help="docs directory to update (benchmarks.md, img/); 'none' to skip")
+    parser.add_argument("--load-note", default="", help="how loaded the machine was, for the docs")
+    parser.add_argument("--replot", action="store_true",
+                        help="measure nothing: redraw figures, tables and docs from OUT/results.json")
+    args = parser.parse_args(argv)
+    if args.replot:
+        with open(os.path.join(args.out, "results.json"), encoding="utf-8") as fh:
+            old = json.load(fh)
+        _publish(old, args.out, args.docs)
+        return 0
+    chosen = [p.strip() for p in args.parts.split(",") if p.strip()] or list(
+        QUICK_PARTS if args.quick else PARTS)
+    unknown = sorted(set(chosen) - set(PARTS))
+    if unknown:
+        parser.error(f"unknown part(s) {unknown}; choose from {list(PARTS)}")
+    plan = quick_plan() if args.quick else full_plan()
+    machine = harness.machine_info()
+    started = time.monotonic()
+    results, failures, loads, walls = _measure(plan, chosen)
+    results["meta"] = {
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+        "command": _command(list(argv if argv is not None else sys.argv[1:])),
+        "wall_s": time.monotonic() - started,
+        "machine": machine,
+        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+        "load_note": args.load_note or "No note on other load was given.",
+        "quick": args.quick,
+        "world": plan.world,
+        "failed_parts": failures,
+        "loadavg_at_part_start": loads,
+        "part_wall_s": walls,
+    }
+    report.write_json(results, os.path.join(args.out, "results.json"))
+    _publish(results, args.out, args.docs)
+    return 1 if failures else 0
+
+
+def _command(given: list[str]) -> str:
+    """The command line as run (the load note itself is recorded on its own)."""
+    if "--load-note" in given:
+        at = given.index("--load-note")
+        given[at:at + 2] = ["--load-note", "NOTE"]
+    return "make bench (= .venv/bin/python benchmarks/run_all.py" + "".join(f" {shlex.quote(a)}" for a in given) + ")"
+
+
+def _publish(results: dict[str, Any], out: str, docs: str) -> None:
+    """Print the tables, draw the figures and (unless docs is 'none') rewrite docs/benchmarks.md."""
+    print(report.stdout_report(results))
+    if docs != "none":
+        made = write_figures(results, os.path.join(docs, "img"), "img/")
+        report.update_doc(os.path.join(docs, "benchmarks.md"), report.results_markdown(results, made))
+    else:
+        write_figures(results, out, "")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
