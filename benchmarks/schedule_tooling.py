@@ -9,6 +9,8 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -20,15 +22,26 @@ from duplexpipe.schedules.lower import lower  # noqa: E402
 from duplexpipe.schedules.simulate import CostModel, simulate  # noqa: E402
 from duplexpipe.schedules.verify import verify  # noqa: E402
 
-HEADLINE = ("dualpipe", 64, 512)
-"""The case DESIGN.md budgets: build + lower + verify + simulate under 1 s."""
-TORCH_CASES = (("dualpipev", "DualPipeV", 16, 256), ("dualpipev", "DualPipeV", 8, 64))
-"""(our name, torch's name, P, M) for the side-by-side plan construction."""
-SCHEDULES = ("1f1b", "zbv", "dualpipe", "dualpipev")
-RANKS = (8, 16, 32, 64, 128)
-MICROBATCHES = (256, 1024)
-QUICK = {"schedules": ("1f1b", "dualpipe"), "ranks": (4, 8), "microbatches": (16, 64), "repeats": 1,
-         "headline": ("dualpipe", 8, 64), "torch": (("dualpipev", "DualPipeV", 4, 16),)}
+
+@dataclass(frozen=True)
+class Grid:
+    """What one run measures."""
+
+    headline: tuple[str, int, int]
+    """(schedule, P, M) timed first; the full grid's is the case DESIGN.md budgets under 1 s."""
+    torch: tuple[tuple[str, str, int, int], ...]
+    """(our name, torch's name, P, M) for the side-by-side plan construction."""
+    schedules: tuple[str, ...]
+    """Schedules of the scaling table."""
+    ranks: tuple[int, ...]
+    """P values of the scaling table."""
+    microbatches: tuple[int, ...]
+    """M values of the scaling table."""
+
+
+FULL = Grid(("dualpipe", 64, 512), (("dualpipev", "DualPipeV", 16, 256), ("dualpipev", "DualPipeV", 8, 64)),
+            ("1f1b", "zbv", "dualpipe", "dualpipev"), (8, 16, 32, 64, 128), (256, 1024))
+QUICK = Grid(("dualpipe", 8, 64), (("dualpipev", "DualPipeV", 4, 16),), ("1f1b", "dualpipe"), (4, 8), (16, 64))
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
@@ -43,10 +56,10 @@ def time_passes(name: str, ranks: int, microbatches: int, repeats: int) -> dict[
                                        "total_s": []}
     size = 0
     for _ in range(repeats):
-        schedule, t_build = _timed(lambda: registry.build(name, ranks, microbatches))
-        lowered, t_lower = _timed(lambda s=schedule: lower(s))
-        _, t_verify = _timed(lambda s=lowered: verify(s))
-        _, t_sim = _timed(lambda s=lowered: simulate(s, CostModel(fb=3.0)))
+        schedule, t_build = _timed(partial(registry.build, name, ranks, microbatches))
+        lowered, t_lower = _timed(partial(lower, schedule))
+        _, t_verify = _timed(partial(verify, lowered))
+        _, t_sim = _timed(partial(simulate, lowered, CostModel(fb=3.0)))
         times = (t_build, t_lower, t_verify, t_sim, t_build + t_lower + t_verify + t_sim)
         for key, value in zip(samples, times, strict=True):
             samples[key].append(value)
@@ -112,20 +125,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     quick = args.quick
-    repeats = QUICK["repeats"] if quick else args.repeats
-    name, p, m = QUICK["headline"] if quick else HEADLINE
-    headline = time_passes(name, p, m, max(repeats, 1 if quick else 5))
+    grid = QUICK if quick else FULL
+    repeats = 1 if quick else args.repeats
+    name, p, m = grid.headline
+    headline = time_passes(name, p, m, repeats if quick else max(repeats, 5))
     verdict = "" if quick else f" ({'under' if headline['total_s'] < 1.0 else 'OVER'} the 1 s budget)"
     print(f"{name} P={p} M={m} ({headline['actions']} actions lowered): build+lower+verify+simulate "
           f"{_ms(headline['total_s'])} ms median{verdict}\n")
-    vs_torch = [] if args.no_torch else [time_torch(*case, repeats)
-                                         for case in (QUICK["torch"] if quick else TORCH_CASES)]
+    vs_torch = [] if args.no_torch else [time_torch(*case, repeats) for case in grid.torch]
     for r in vs_torch:
         print(f"{r['schedule']} P={r['P']} M={r['M']}: ours build+lower {_ms(r['ours_build_lower_s'])} ms, "
               f"torch get_schedule_ops({r['torch_schedule']!r}, with_comms=True) "
               f"{_ms(r['torch_get_schedule_ops_s'])} ms ({r['speedup']:.1f}x)")
-    rows = scaling(QUICK["schedules"] if quick else SCHEDULES, QUICK["ranks"] if quick else RANKS,
-                   QUICK["microbatches"] if quick else MICROBATCHES, repeats)
+    rows = scaling(grid.schedules, grid.ranks, grid.microbatches, repeats)
     print("\n" + table(rows))
     if args.json:
         result = {"machine": {"python": platform.python_version(), "platform": platform.platform(),
