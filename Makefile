@@ -23,8 +23,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py
 
 lint: $(STAMP)
-	$(BIN)/ruff check duplexpipe tests
-	$(BIN)/mypy duplexpipe
+	$(BIN)/ruff check duplexpipe tests examples benchmarks
+	$(BIN)/mypy duplexpipe benchmarks
 
 clean:
 	rm -rf $(VENV) demo-output bench-output
