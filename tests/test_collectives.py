@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -10,7 +11,15 @@ import torch.distributed as dist
 from models import run_workers
 from torch import nn
 
-from duplexpipe.runtime.collectives import MirrorSum, agree, share_blocks, sum_over_group
+from duplexpipe.runtime.collectives import (
+    Agreement,
+    BatchAgreement,
+    MirrorSum,
+    PendingSum,
+    agree,
+    share_blocks,
+    sum_over_group,
+)
 from duplexpipe.runtime.handshake import group_store
 from duplexpipe.runtime.watchdog import Watchdog
 from duplexpipe.schedules.lower import lower
@@ -48,11 +57,24 @@ def _mirror(rank: int, dog: Watchdog) -> dict[str, Any]:
             "grads": {s: (m.weight.grad[0, 0].item(), m.bias.grad[0].item()) for s, m in modules.items()}}
 
 
+def _pending(rank: int, dog: Watchdog) -> dict[str, Any]:
+    """Rank 1 joins the sum a second late: posting returns at once, value() waits for it."""
+    dist.barrier()
+    if rank == 1:
+        time.sleep(1.0)
+    start = time.monotonic()
+    pending = PendingSum(torch.tensor(0.25 * (rank + 1), dtype=torch.float64), None, CPU, dog, "a late sum")
+    posted_s = time.monotonic() - start
+    value = pending.value()
+    return {"pending": (value, pending.value()), "posted_s": posted_s, "waited_s": time.monotonic() - start}
+
+
 def _worker(rank: int, world: int) -> dict[str, Any]:
     dist.barrier()
     dog = Watchdog(group_store(None), "collectives", rank, timeout_s=20.0, poll_s=0.05, threaded_p2p=True)
     out = _agreements(rank, dog)
     out["sum"] = sum_over_group(1.5 + rank, None, CPU, dog, "a test sum")
+    out.update(_pending(rank, dog))
     out.update(_mirror(rank, dog))
     block = torch.arange(6.0).reshape(2, 3) if rank == 0 else torch.arange(12).reshape(4, 3)
     got = share_blocks(block, [1 - rank], [0, 1], None, CPU, dog)[1 - rank]
@@ -103,3 +125,56 @@ def test_mirrored_stages_sum_only_this_steps_gradients(results: Any) -> None:
 def test_share_blocks_exchanges_tensors_of_any_shape_and_dtype(results: Any) -> None:
     assert results[1]["shared"] == ("torch.float32", torch.arange(6.0).reshape(2, 3).tolist())
     assert results[0]["shared"] == ("torch.int64", torch.arange(12).reshape(4, 3).tolist())
+
+
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
+def test_pending_sum_is_posted_without_waiting_and_equal_on_every_rank(results: Any) -> None:
+    assert [rec["pending"] for rec in results] == [(0.75, 0.75), (0.75, 0.75)]
+    assert results[0]["posted_s"] < 0.5  # rank 1 joins 1 s later
+    assert results[0]["waited_s"] >= 0.5
+
+
+def _agreement(batch: int, target_rows: int, error_rank: int = -1, consistent: bool = True) -> Agreement:
+    return Agreement(batch, 123, target_rows, error_rank, consistent)
+
+
+@pytest.mark.parametrize("found, error, train, needle", [
+    (_agreement(8, 8), "rank 0: inputs are bad", True, "rank 0: inputs are bad"),
+    (_agreement(8, 8, error_rank=2), "", True, "rank 2 rejected its step inputs"),
+    (_agreement(8, 8, consistent=False), "", True, "batches (or targets) of different sizes"),
+    (_agreement(8, 9), "", False, "targets have 9 rows but inputs have 8"),
+    (_agreement(8, -1), "", True, "step() needs targets on the ranks holding last stages"),
+])
+def test_accept_rejects_bad_agreements(found: Agreement, error: str, train: bool, needle: str) -> None:
+    batches = BatchAgreement(False, 0, True)
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        batches.accept(found, error, train, torch.zeros(8, 3))
+    assert batches.reuse(torch.zeros(8, 3), torch.zeros(8), "") is None  # nothing kept after a failure
+
+
+def test_every_step_keeps_nothing_and_evaluate_forgets_the_kept_batch() -> None:
+    every = BatchAgreement(True, 0, True)
+    every.accept(_agreement(8, 8), "", True, torch.zeros(8, 3))
+    assert every.reuse(torch.zeros(8, 3), torch.zeros(8), "") is None
+    kept = BatchAgreement(False, 0, True)
+    kept.accept(_agreement(8, 8), "", True, torch.zeros(8, 3))
+    assert kept.reuse(torch.zeros(8, 3), torch.zeros(8), "") == _agreement(8, 8)
+    kept.accept(_agreement(4, -1), "", False, torch.zeros(4, 3))  # an evaluate() without targets
+    assert kept.reuse(torch.zeros(8, 3), torch.zeros(8), "") is None
+
+
+def test_reuse_names_expected_and_got() -> None:
+    first = BatchAgreement(False, 0, False)  # holds a first stage only
+    first.accept(_agreement(8, 8), "", True, torch.zeros(8, 3, dtype=torch.int64))
+    assert first.reuse(torch.ones(8, 3, dtype=torch.int64), None, "") == _agreement(8, 8)
+    with pytest.raises(ValueError, match=r"rank 0: expected inputs of shape \(8, 3\) and dtype torch.int64, "
+                                         r"got shape \(8, 4\) and dtype torch.int64 \(with RuntimeConfig"):
+        first.reuse(torch.zeros(8, 4, dtype=torch.int64), None, "")
+    with pytest.raises(ValueError, match="expected inputs of shape .* got shape \\(8, 3\\) and dtype torch.int32"):
+        first.reuse(torch.zeros(8, 3, dtype=torch.int32), None, "")
+    last = BatchAgreement(False, 1, True)  # holds a last stage only
+    last.accept(_agreement(8, 8), "", True, None)
+    with pytest.raises(ValueError, match="rank 1: expected targets with 8 rows, got 9"):
+        last.reuse(None, torch.zeros(9), "")
+    with pytest.raises(ValueError, match="rank 1: targets are required"):
+        last.reuse(None, None, "rank 1: targets are required")

@@ -6,6 +6,7 @@ P=2 on two subgroups ({0,1} and {2,3}). Workers compute metrics; the tests below
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from typing import Any
 
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 from models import loss_fn, make_batch, make_parts, reference, rel_err, run_workers, stage_modules
 
-from duplexpipe.runtime import PipelineRuntime, RuntimeConfig, gather_timeline
+from duplexpipe.runtime import PipelineError, PipelineRuntime, RuntimeConfig, executor, gather_timeline
 from duplexpipe.schedules.ir import Action, Op, Schedule, format_action
 from duplexpipe.schedules.lower import lower
 from duplexpipe.schedules.registry import build, names
@@ -84,6 +85,7 @@ def _run_case(name: str, P: int, group: Any, dtype: torch.dtype) -> dict[str, An
     results = [runtime.step(*_inputs(schedule, rank, b)) for b in batches]
     ref_losses, ref_grads, ref_logits = reference(parts, batches)
     record = {
+        "losses": [r.loss for r in results],
         "loss_err": max(abs(r.loss - want) / abs(want) for r, want in zip(results, ref_losses, strict=True)),
         "grad_err": _grad_errors(schedule, modules, ref_grads),
         **_timeline_record(schedule, rank, results[0], group),
@@ -166,6 +168,78 @@ def _middle_rank_case() -> dict[str, Any]:
         return {"middle_error": str(exc)}
 
 
+def _kept_agreement_case(group: Any) -> dict[str, Any]:
+    """check_inputs_every_step=False: one agreement per run of same-shaped steps; evaluate() and the
+    step after it agree anew (here with new shapes). DualPipe P=2: both ranks hold inputs and targets."""
+    rank, M = dist.get_rank(group), MICROBATCHES[2]
+    schedule = lower(build("dualpipe", 2, M))
+    parts = make_parts(schedule.num_groups, seed=13, dtype=torch.float64)
+    modules = stage_modules(schedule, rank, parts)
+    runtime = PipelineRuntime(schedule, modules, loss_fn, group=group,
+                              config=RuntimeConfig(check_inputs_every_step=False))
+    calls: list[int] = []
+    real = executor.agree
+
+    def counted(*args: Any) -> Any:
+        calls.append(1)
+        return real(*args)
+
+    executor.agree = counted  # type: ignore[assignment]
+    try:
+        same = [make_batch(2 * M + 1, seed) for seed in (21, 22, 23)]
+        results = [runtime.step(*_inputs(schedule, rank, b)) for b in same]
+        counts = [len(calls)]
+        runtime.evaluate(_inputs(schedule, rank, make_batch(M, 24))[0])
+        counts.append(len(calls))
+        new = [make_batch(3 * M, seed) for seed in (25, 26)]
+        results += [runtime.step(*_inputs(schedule, rank, b)) for b in new]
+        counts.append(len(calls))
+    finally:
+        executor.agree = real  # type: ignore[assignment]
+    losses, ref_grads, _ = reference(parts, same + new)  # losses read only now: after later steps
+    return {"kept_calls": counts, "kept_losses": [r.loss for r in results],
+            "kept_loss_err": max(abs(r.loss - w) / w for r, w in zip(results, losses, strict=True)),
+            "kept_grad_err": _grad_errors(schedule, modules, ref_grads)}
+
+
+def _waited_case(group: Any) -> dict[str, Any]:
+    """prefetch=False (each receive posted at its consumer) computes the same step."""
+    rank, M = dist.get_rank(group), MICROBATCHES[2]
+    schedule = lower(build("zbv", 2, M))
+    parts = make_parts(schedule.num_groups, seed=17, dtype=torch.float64)
+    modules = stage_modules(schedule, rank, parts)
+    runtime = PipelineRuntime(schedule, modules, loss_fn, group=group, config=RuntimeConfig(prefetch=False))
+    batches = [make_batch(2 * M + 1, 27), make_batch(2 * M + 1, 28)]
+    results = [runtime.step(*_inputs(schedule, rank, b)) for b in batches]
+    losses, ref_grads, _ = reference(parts, batches)
+    return {"waited_loss_err": max(abs(r.loss - w) / w for r, w in zip(results, losses, strict=True)),
+            "waited_grad_err": _grad_errors(schedule, modules, ref_grads)}
+
+
+def _attempt(run: Any) -> dict[str, Any]:
+    """Run `run()`; describe how it ended and how long it took."""
+    start = time.monotonic()
+    try:
+        run()
+        out: dict[str, Any] = {"type": "ran"}
+    except Exception as exc:  # noqa: BLE001 - inspected by the tests
+        out = {"type": type(exc).__name__, "text": str(exc), "failed_rank": getattr(exc, "failed_rank", None)}
+    out["seconds"] = time.monotonic() - start
+    return out
+
+
+def _kept_mismatch_in_the_middle(group: Any) -> dict[str, Any]:
+    """P=4, check_inputs_every_step=False: rank 0 gets int32 tokens after an int64 step; the ranks
+    without inputs stop instead of running with the kept shapes."""
+    rank, M = dist.get_rank(group), MICROBATCHES[4]
+    schedule = lower(build("1f1b", 4, M))
+    runtime = PipelineRuntime(schedule, stage_modules(schedule, rank, make_parts(4)), loss_fn, group=group,
+                              config=RuntimeConfig(check_inputs_every_step=False, timeout_s=60.0))
+    tokens, targets = make_batch(M, 29)
+    runtime.step(*_inputs(schedule, rank, (tokens, targets)))
+    return _attempt(lambda: runtime.step(*_inputs(schedule, rank, (tokens.int(), targets))))
+
+
 def _autocast_case(group: Any) -> dict[str, Any]:
     rank, M = dist.get_rank(group), MICROBATCHES[2]
     schedule = lower(build("zb-h1", 2, M))
@@ -184,6 +258,7 @@ def _autocast_case(group: Any) -> dict[str, Any]:
 def _worker(rank: int, world: int) -> dict[str, Any]:
     subgroups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     pair = subgroups[rank // 2]
+    fresh_world = dist.new_group([0, 1, 2, 3])  # left with stale receives by the failure case
     out: dict[str, Any] = {}
     for P, group in ((4, None), (2, pair)):
         for name in NAMES:
@@ -193,6 +268,9 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     out.update(_validation_case(pair))
     out.update(_autocast_case(pair))
     out.update(_middle_rank_case())
+    out.update(_kept_agreement_case(pair))
+    out.update(_waited_case(pair))
+    out["kept_middle"] = _kept_mismatch_in_the_middle(fresh_world)
     return out
 
 
@@ -248,6 +326,44 @@ def test_evaluate_returns_outputs_in_batch_order_and_loss(results: Any, name: st
             assert rec["eval_out_err"] <= TIGHT and rec["eval_bare_out_err"] <= TIGHT, rank
         assert rec["eval_events"] == rec["eval_events_expected"], rank
     assert sum(rec["eval_out_err"] is not None for rec in _case(results, name, P, torch.float64)) >= 1
+
+
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
+@pytest.mark.parametrize("P", [2, 4])
+@pytest.mark.parametrize("name", NAMES)
+def test_loss_is_identical_on_every_rank(results: Any, name: str, P: int) -> None:
+    teams = [[0, 1, 2, 3]] if P == 4 else [[0, 1], [2, 3]]  # P=2: two pipelines side by side
+    for dtype in (torch.float64, torch.float32):
+        recs = _case(results, name, P, dtype)
+        for team in teams:
+            assert len({tuple(recs[r]["losses"]) for r in team}) == 1, (name, P, dtype, team)
+
+
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
+def test_kept_agreement_runs_one_collective_per_shape_and_matches_reference(results: Any) -> None:
+    for rank, rec in enumerate(results):
+        assert rec["kept_calls"] == [1, 2, 3], (rank, rec["kept_calls"])
+        assert rec["kept_loss_err"] <= TIGHT and rec["kept_grad_err"] <= TIGHT, rank
+    assert results[0]["kept_losses"] == results[1]["kept_losses"]
+    assert results[2]["kept_losses"] == results[3]["kept_losses"]
+
+
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
+def test_kept_agreement_mismatch_stops_the_ranks_without_inputs(results: Any) -> None:
+    bad = results[0]["kept_middle"]
+    assert bad["type"] == "ValueError", bad
+    assert ("rank 0: expected inputs of shape (8, 3) and dtype torch.int64, got shape (8, 3) and dtype "
+            "torch.int32") in bad["text"]
+    for rank in (1, 2, 3):
+        other = results[rank]["kept_middle"]
+        assert other["type"] == "PeerFailedError" and other["failed_rank"] == 0, (rank, other)
+        assert other["seconds"] < 30.0, (rank, other)
+
+
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
+def test_without_prefetch_the_step_is_the_same(results: Any) -> None:
+    for rank, rec in enumerate(results):
+        assert rec["waited_loss_err"] <= TIGHT and rec["waited_grad_err"] <= TIGHT, rank
 
 
 @pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
@@ -335,7 +451,7 @@ CROSSING = ("0F0 0SEND_F0 0RECV_B0 0F1 0SEND_F1 0RECV_B1 0B0 0B1",
 """A lowered 2-rank 1F1B that runs on gloo but whose two directions cross (would hang on NCCL)."""
 
 
-def _nccl_order_worker(rank: int, world: int) -> dict[str, str]:
+def _nccl_order(rank: int) -> dict[str, str]:
     from duplexpipe.schedules.ir import ScheduleError, StageInfo, parse_action
 
     crossing = Schedule("crossing", 2, 2, (StageInfo(0, 0), StageInfo(1, 1)),
@@ -345,21 +461,72 @@ def _nccl_order_worker(rank: int, world: int) -> dict[str, str]:
     real_get_backend = dist.get_backend
     dist.get_backend = lambda group=None: "nccl"  # type: ignore[assignment]  # gloo underneath, NCCL's rules on top
     try:
-        for label, schedule in (("crossing", crossing), ("ours", lower(build("1f1b", 2, 2)))):
+        for label, schedule, prefetch in (("crossing", crossing, True), ("ours", lower(build("1f1b", 2, 2)), True),
+                                          ("no_prefetch", lower(build("1f1b", 2, 2)), False)):
             try:
                 PipelineRuntime(schedule, stage_modules(schedule, rank, parts), loss_fn,
-                                device=torch.device("cpu"), config=RuntimeConfig(timeout_s=20))
+                                device=torch.device("cpu"), config=RuntimeConfig(timeout_s=20, prefetch=prefetch))
                 outcome[label] = "built"
-            except ScheduleError as exc:
+            except (ScheduleError, ValueError) as exc:
                 outcome[label] = str(exc)
     finally:
         dist.get_backend = real_get_backend  # type: ignore[assignment]
     return outcome
 
 
+def _kept_mismatch(rank: int, bad_rank: int) -> dict[str, Any]:
+    """1F1B P=2, check_inputs_every_step=False: after two steps, rank `bad_rank` gets one more row
+    (rank 0 holds the inputs, rank 1 the targets)."""
+    group = dist.new_group([0, 1])  # a fresh group: the failed step leaves receives posted on it
+    schedule = lower(build("1f1b", 2, 4))
+    runtime = PipelineRuntime(schedule, stage_modules(schedule, rank, make_parts(2)), loss_fn, group=group,
+                              config=RuntimeConfig(check_inputs_every_step=False, timeout_s=60.0))
+    tokens, targets = make_batch(9, 30)
+    bigger = make_batch(10, 31)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        runtime.step(x if rank == 0 else None, y if rank == 1 else None)
+
+    step(tokens, targets)
+    step(tokens, targets)
+    out = _attempt(lambda: step(bigger[0], targets) if bad_rank == 0 else step(tokens, bigger[1]))
+    try:
+        step(tokens, targets)
+        out["after"] = "ran"
+    except PipelineError as exc:
+        out["after"] = str(exc)
+    return out
+
+
+def _two_rank_worker(rank: int, world: int) -> dict[str, Any]:
+    return {"nccl": _nccl_order(rank), "bad_inputs": _kept_mismatch(rank, 0), "bad_targets": _kept_mismatch(rank, 1)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict[str, Any]]:
+    return run_workers(_two_rank_worker, 2, timeout_s=90)
+
+
 @pytest.mark.timeout(120)
-def test_on_nccl_a_crossing_schedule_is_rejected_up_front_on_every_rank() -> None:
-    outcomes = run_workers(_nccl_order_worker, 2, timeout_s=90)
-    for rank, outcome in enumerate(outcomes):
+def test_on_nccl_a_crossing_schedule_is_rejected_up_front_on_every_rank(two_ranks: Any) -> None:
+    for rank, rec in enumerate(two_ranks):
+        outcome = rec["nccl"]
         assert "ranks 0 and 1 disagree on the order of their messages" in outcome["crossing"], (rank, outcome)
         assert outcome["ours"] == "built", (rank, outcome)
+        assert "RuntimeConfig.prefetch=False is for gloo only" in outcome["no_prefetch"], (rank, outcome)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case, bad_rank, needle", [
+    ("bad_inputs", 0, "rank 0: expected inputs of shape (9, 3) and dtype torch.int64, got shape (10, 3)"),
+    ("bad_targets", 1, "rank 1: expected targets with 9 rows, got 10"),
+])
+def test_kept_agreement_mismatch_fails_every_rank_promptly(two_ranks: Any, case: str, bad_rank: int,
+                                                            needle: str) -> None:
+    bad, other = two_ranks[bad_rank][case], two_ranks[1 - bad_rank][case]
+    assert bad["type"] == "ValueError" and needle in bad["text"], bad
+    assert "check_inputs_every_step=False" in bad["text"]
+    assert other["type"] == "PeerFailedError" and other["failed_rank"] == bad_rank, other
+    assert needle in other["text"] and other["seconds"] < 30.0, other
+    for rec in (bad, other):
+        assert "this PipelineRuntime stopped after an error" in rec["after"], rec

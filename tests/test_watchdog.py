@@ -90,6 +90,46 @@ def test_lane_completes_tickets_in_order_and_keeps_errors() -> None:
         dog.wait_work(second, "second", "rank 9")
 
 
+def test_ticket_wait_wakes_when_the_work_completes_not_at_the_next_poll() -> None:
+    dog = Watchdog(dist.HashStore(), "test", 0, timeout_s=30.0, poll_s=5.0, threaded_p2p=True)
+    ticket = dog.track(_SlowWork(0.05), "lane")
+    start = time.monotonic()
+    dog.wait_work(ticket, "slow work", "nobody")
+    assert ticket.is_completed()
+    assert time.monotonic() - start < 2.0  # a poll interval is 5 s
+
+
+def test_ticket_wait_stops_when_a_peer_reports_and_times_out() -> None:
+    store = dist.HashStore()
+    dog = Watchdog(store, "test", 1, timeout_s=30.0, poll_s=0.05, threaded_p2p=True)
+    timer = threading.Timer(0.1, lambda: _dog(store, 0).report("boom"))
+    timer.start()
+    start = time.monotonic()
+    with pytest.raises(PeerFailedError, match="rank 0 failed: boom"):
+        dog.wait_work(dog.track(_SlowWork(60.0), "stuck"), "something", "rank 0")
+    assert time.monotonic() - start < 2.0
+    timer.join()
+    quiet = Watchdog(dist.HashStore(), "test", 2, timeout_s=0.2, poll_s=0.05, threaded_p2p=True)
+    start = time.monotonic()
+    with pytest.raises(PipelineTimeoutError, match=r"rank 2: timed out after 0.2 s waiting for 1RECV_B3 "
+                                                   r"\(peer: rank 3\)"):
+        quiet.wait_work(quiet.track(_SlowWork(60.0), "stuck"), "1RECV_B3", "rank 3")
+    assert 0.2 <= time.monotonic() - start < 2.0
+
+
+def test_track_uses_one_lane_per_name_and_plain_works_without_threads() -> None:
+    dog = Watchdog(dist.HashStore(), "test", 0, timeout_s=10.0, poll_s=0.05, threaded_p2p=True)
+    slow = dog.track(_SlowWork(1.0), "a")
+    behind = dog.track(_SlowWork(0.0), "a")
+    other = dog.track(_SlowWork(0.0), "b")
+    dog.wait_work(other, "other", "nobody")  # lane "b" does not wait behind lane "a"
+    assert not slow.is_completed() and not behind.is_completed()
+    dog.wait_work(behind, "behind", "nobody")
+    assert slow.is_completed()  # one lane waits in submission order
+    work = _SlowWork(0.0)
+    assert Watchdog(None, "", 0, 1.0, 0.05).track(work, "a") is work
+
+
 # ---------------------------------------------------------------- failures across ranks
 class _Sleepy(nn.Module):
     """Sleeps on one forward call (to make the peer time out), otherwise behaves."""

@@ -49,7 +49,7 @@ def agree(batch: int | None, signature: int | None, target_rows: int | None, err
     rank = dist.get_rank(group)
     vec = pair(batch) + pair(signature) + pair(target_rows) + [rank if error else -1]
     data = torch.tensor(vec, dtype=torch.int64, device=device)
-    work = dist.all_reduce(data, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    work = watchdog.track(dist.all_reduce(data, op=dist.ReduceOp.MAX, group=group, async_op=True), "collective")
     watchdog.wait_work(work, "the step-start agreement (every rank must call step()/evaluate())",
                        "all ranks of the group")
     got = data.tolist()
@@ -58,12 +58,96 @@ def agree(batch: int | None, signature: int | None, target_rows: int | None, err
     return Agreement(known[0], known[1], known[2], int(got[6]), consistent)
 
 
+_SAME_SHAPES = (" (with RuntimeConfig.check_inputs_every_step=False every step() needs a batch shaped like the "
+                "one the ranks agreed on, at the first step or the first step after evaluate(); the other "
+                "ranks were told to stop)")
+
+
+class BatchAgreement:
+    """Checks each call's agreement and, unless `every_step`, keeps a step's to reuse (no collective)
+    while this rank's batch matches it."""
+
+    def __init__(self, every_step: bool, rank: int, holds_last: bool) -> None:
+        self.every_step = every_step
+        self.rank = rank
+        self.holds_last = holds_last
+        self._kept: Agreement | None = None
+        self._kept_inputs: tuple[tuple[int, ...], torch.dtype] | None = None
+
+    def accept(self, found: Agreement, error: str, train: bool, inputs: Tensor | None) -> None:
+        """Raise ValueError (on every rank alike) unless the agreed batch can run; keep it when
+        it may be reused. `error` is this rank's own complaint, `inputs` its batch (if it holds one)."""
+        self._kept = self._kept_inputs = None
+        if error:
+            raise ValueError(error)
+        if found.error_rank >= 0:
+            raise ValueError(f"rank {found.error_rank} rejected its step inputs (see its error); "
+                             "nothing was run")
+        if not found.consistent:
+            raise ValueError("the ranks holding first stages (or last stages) were given batches (or "
+                             "targets) of different sizes or shapes; nothing was run")
+        if found.target_rows >= 0 and found.target_rows != found.batch:
+            raise ValueError(f"targets have {found.target_rows} rows but inputs have {found.batch}")
+        if train and found.target_rows < 0:
+            raise ValueError("step() needs targets on the ranks holding last stages")
+        if train and not self.every_step:
+            self._kept = found
+            self._kept_inputs = (tuple(inputs.shape), inputs.dtype) if inputs is not None else None
+
+    def reuse(self, inputs: Any, targets: Any, error: str) -> Agreement | None:
+        """The kept agreement when this rank's batch matches it; None when nothing is kept.
+
+        Raises ValueError (expected vs got) on a mismatch: the caller must stop every rank,
+        since the ranks without inputs cannot see it and would run with stale shapes.
+        """
+        found = self._kept
+        if found is None:
+            return None
+        if error:
+            raise ValueError(error + _SAME_SHAPES)
+        if self._kept_inputs is not None and (tuple(inputs.shape), inputs.dtype) != self._kept_inputs:
+            shape, dtype = self._kept_inputs
+            raise ValueError(f"rank {self.rank}: expected inputs of shape {shape} and dtype {dtype}, got "
+                             f"shape {tuple(inputs.shape)} and dtype {inputs.dtype}" + _SAME_SHAPES)
+        if self.holds_last and targets.shape[0] != found.target_rows:
+            raise ValueError(f"rank {self.rank}: expected targets with {found.target_rows} rows, got "
+                             f"{targets.shape[0]}" + _SAME_SHAPES)
+        return found
+
+
+class PendingSum:
+    """A float64 sum over the group, posted at construction; `value()` waits for it (bounded,
+    error-flag aware) the first time and remembers the result, or the error."""
+
+    def __init__(self, value: float | Tensor, group: Any, device: torch.device, watchdog: Watchdog,
+                 what: str) -> None:
+        data = value if isinstance(value, Tensor) else torch.tensor([value], dtype=torch.float64)
+        self._data = data.detach().reshape(1).to(device=device, dtype=torch.float64)
+        self._work = dist.all_reduce(self._data, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        self._watchdog = watchdog
+        self._what = what
+        self._result: float | None = None
+        self._error: BaseException | None = None
+
+    def value(self) -> float:
+        """The sum (the same on every rank); waits for it unless done. Re-raises a failed wait."""
+        if self._error is not None:
+            raise self._error
+        if self._result is None:
+            try:  # a gloo collective completes by itself: no lane thread unless it must be waited for
+                work = self._work if self._work.is_completed() else self._watchdog.track(self._work, "collective")
+                self._watchdog.wait_work(work, self._what, "all ranks of the group")
+            except BaseException as exc:
+                self._error = exc
+                raise
+            self._result = float(self._data.item())
+            self._work = None
+        return self._result
+
+
 def sum_over_group(value: float, group: Any, device: torch.device, watchdog: Watchdog, what: str) -> float:
     """The sum of `value` over the group (float64), bounded and error-flag aware."""
-    data = torch.tensor([value], dtype=torch.float64, device=device)
-    work = dist.all_reduce(data, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    watchdog.wait_work(work, what, "all ranks of the group")
-    return float(data.item())
+    return PendingSum(value, group, device, watchdog, what).value()
 
 
 def _flat_grads(params: list[Tensor]) -> list[Tensor]:

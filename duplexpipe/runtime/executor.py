@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from duplexpipe.runtime.collectives import Agreement, MirrorSum, agree, share_blocks, sum_over_group
+from duplexpipe.runtime.collectives import BatchAgreement, MirrorSum, PendingSum, agree, share_blocks
 from duplexpipe.runtime.context import (
     Slot,
     StepContext,
@@ -85,6 +85,9 @@ class PipelineRuntime:
         if "nccl" in str(dist.get_backend(group)):  # one stream per rank pair: ScheduleError, not a hang
             from duplexpipe.schedules.verify import check_nccl_order
             check_nccl_order(schedule)
+            if not self.config.prefetch:
+                raise ValueError("RuntimeConfig.prefetch=False is for gloo only: on NCCL a receive posted at "
+                                 "its consumer can deadlock against the sends posted before it")
         prefix = f"duplexpipe/{nonce}"
         store = group_store(group)
         if store is None:
@@ -92,7 +95,7 @@ class PipelineRuntime:
                                 "for shape announcements and the shared error flag")
         self.watchdog = Watchdog(store, prefix, self.rank, self.config.timeout_s,
                                  self.config.poll_interval_s, threaded_p2p=self.device.type == "cpu")
-        self.transport = Transport(group, self.device, self.watchdog)
+        self.transport = Transport(group, self.device, self.watchdog, prefetch=self.config.prefetch)
         self.board = MetaBoard(store, prefix, self.watchdog)
         self.tracer = Tracer(self.rank, self.device, self.config.record_timeline)
         self.stages = {s: StageCompute(s, m, self.config.autocast_dtype) for s, m in self.modules.items()}
@@ -107,6 +110,9 @@ class PipelineRuntime:
         self._shapes: OrderedDict[int, dict[Slot, TensorMeta]] = OrderedDict()
         self._step_no = 0
         self._broken: str | None = None
+        self.batches = BatchAgreement(self.config.check_inputs_every_step, self.rank, bool(self._lasts))
+        self._pending: PendingSum | None = None
+        """The latest step's loss all-reduce until something waited for it."""
         self._handlers: dict[Op, Handler] = {
             Op.F: self._forward, Op.B: self._backward, Op.I: self._backward, Op.W: self._weight,
             Op.OVERLAP_F_B: self._overlap, Op.SEND_F: self._send, Op.SEND_B: self._send,
@@ -118,14 +124,16 @@ class PipelineRuntime:
         """One training step over the whole batch (split into the schedule's microbatches).
 
         Gradients accumulate into .grad (never zeroed here) and equal those of
-        loss_scale * (mean loss over the batch). Returns the mean loss on every rank.
+        loss_scale * (mean loss over the batch). Returns the mean loss on every rank; its
+        all-reduce completes in the background (reading StepResult.loss, or the next call,
+        waits for it).
         """
         ctx = self._begin(inputs, targets, train=True, loss_scale=loss_scale)
-        loss = self._run(ctx, self._rows)
+        pending = self._pending = self._run(ctx, self._rows)
         timeline = self.tracer.timeline(self.schedule.name, self.schedule.num_ranks,
                                         self.schedule.num_microbatches)
-        return StepResult(loss=float(loss if loss is not None else 0.0), timeline=timeline,
-                          peak_activations=ctx.peak)
+        loss = (lambda: self._read(pending)) if pending is not None else 0.0
+        return StepResult(loss=loss, timeline=timeline, peak_activations=ctx.peak)
 
     def evaluate(self, inputs: Tensor | None, targets: Tensor | None = None) -> EvalResult:
         """Forward only (the schedule's F actions in order, no autograd).
@@ -135,7 +143,8 @@ class PipelineRuntime:
         """
         ctx = self._begin(inputs, targets, train=False, loss_scale=1.0)
         with torch.no_grad():
-            loss = self._run(ctx, self._eval_rows)
+            pending = self._run(ctx, self._eval_rows)
+            loss = self._read(pending) if pending is not None else None
             try:
                 outputs = self._gather_outputs(ctx) if self._lasts else None
             except BaseException as exc:
@@ -168,15 +177,20 @@ class PipelineRuntime:
         if self._broken is not None:
             raise PipelineError(f"rank {self.rank}: this PipelineRuntime stopped after an error "
                                 f"({self._broken}); build a new one")
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._read(pending)
         chunks, target_chunks, error = self._check_inputs(inputs, targets, train)
         rows = targets.shape[0] if target_chunks else (-1 if self._lasts else None)
-        try:
-            found = agree(inputs.shape[0] if chunks else None, signature(chunks) if chunks else None,
-                          rows, bool(error), self.group, self.device, self.watchdog)
+        try:  # a mismatch with a kept agreement stops every rank: the others cannot see it
+            kept = self.batches.reuse(inputs, targets, error) if train else None
+            found = kept or agree(inputs.shape[0] if chunks else None, signature(chunks) if chunks else None,
+                                  rows, bool(error), self.group, self.device, self.watchdog)
         except BaseException as exc:
             self._fail(exc, None)
             raise
-        self._check_agreement(found, error, train)
+        if kept is None:  # bad batches raise ValueError on every rank alike; the runtime stays usable
+            self.batches.accept(found, error, train, inputs if chunks else None)
         self._step_no += 1
         cached = self._shapes.get(found.signature)
         num_mb = self.schedule.num_microbatches
@@ -192,21 +206,16 @@ class PipelineRuntime:
         self.tracer.start()
         return ctx
 
-    def _check_agreement(self, found: Agreement, error: str, train: bool) -> None:
-        if error:
-            raise ValueError(error)
-        if found.error_rank >= 0:
-            raise ValueError(f"rank {found.error_rank} rejected its step inputs (see its error); "
-                             "nothing was run")
-        if not found.consistent:
-            raise ValueError("the ranks holding first stages (or last stages) were given batches (or "
-                             "targets) of different sizes or shapes; nothing was run")
-        if found.target_rows >= 0 and found.target_rows != found.batch:
-            raise ValueError(f"targets have {found.target_rows} rows but inputs have {found.batch}")
-        if train and found.target_rows < 0:
-            raise ValueError("step() needs targets on the ranks holding last stages")
+    def _read(self, pending: PendingSum) -> float:
+        """Wait for a loss all-reduce; a failure stops the runtime like a failed step."""
+        try:
+            return pending.value()
+        except BaseException as exc:
+            if self._broken is None:
+                self._fail(exc, None)
+            raise
 
-    def _run(self, ctx: StepContext, rows: tuple[Action, ...]) -> float | None:
+    def _run(self, ctx: StepContext, rows: tuple[Action, ...]) -> PendingSum | None:
         action: Action | None = None
         try:
             for action in rows:
@@ -220,9 +229,10 @@ class PipelineRuntime:
             if ctx.train and self.mirror is not None:
                 self.mirror.finish()
             loss = None
-            if ctx.train or ctx.has_targets:
-                local = float(torch.stack(ctx.losses).sum().item()) if ctx.losses else 0.0
-                loss = sum_over_group(local, self.group, self.device, self.watchdog, "the loss all-reduce")
+            if ctx.train or ctx.has_targets:  # posted now, waited for when read (every rank posts it)
+                local = (torch.stack(ctx.losses).sum() if ctx.losses
+                         else torch.zeros((), dtype=torch.float64, device=self.device))
+                loss = PendingSum(local, self.group, self.device, self.watchdog, "the loss all-reduce")
         except BaseException as exc:
             self._fail(exc, action)
             raise

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -37,6 +38,20 @@ class RuntimeConfig:
     with the receives of both parts already waited for and their sends posted after the pair."""
     poll_interval_s: float = 0.05
     """How often a waiting rank checks the shared error flag (one store round trip per check)."""
+    check_inputs_every_step: bool = True
+    """True: every step() and evaluate() starts with an all-reduce in which the ranks agree on
+    the batch (size, shapes, dtype, target rows), so bad or mismatched inputs raise ValueError on
+    every rank before anything runs and the runtime stays usable. False: step() agrees only on
+    the first step and on the first step after an evaluate() (evaluate always agrees); the other
+    steps skip the collective, and each rank holding inputs (targets) checks locally that they
+    have the agreed shape and dtype (row count). A mismatch raises ValueError (expected vs got)
+    on that rank, the other ranks stop with PeerFailedError, and the runtime must be rebuilt.
+    Use False when every training batch has the same shapes."""
+    prefetch: bool = True
+    """True: each receive is posted as soon as the schedule lists it (and its shape is known), so
+    transfers overlap compute. False: a receive is posted right before the action consuming it and
+    waited for at once (no transfer into this rank overlaps its compute; a baseline for measuring
+    overlap). gloo only: PipelineRuntime rejects False on NCCL, where it could deadlock."""
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -48,18 +63,53 @@ class RuntimeConfig:
                              f"got {self.autocast_dtype!r}")
         if self.overlap_hook is not None and not callable(self.overlap_hook):
             raise ValueError(f"RuntimeConfig.overlap_hook must be callable, got {self.overlap_hook!r}")
+        for name in ("check_inputs_every_step", "prefetch"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"RuntimeConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
 
-@dataclass
 class StepResult:
-    """What one training step returns (on every rank)."""
+    """What one training step returns (on every rank).
 
-    loss: float
-    """Mean loss over the whole batch (before loss_scale), identical on every rank."""
-    timeline: Timeline | None
-    """This rank's measured compute events (source "measured", unit "s"); None when disabled."""
-    peak_activations: int
-    """The most (stage, microbatch) activations alive at once on this rank during the step."""
+    `loss` is a property: the step posts the loss all-reduce without waiting for it, and the
+    first read of `loss` waits (bounded by RuntimeConfig.timeout_s) unless the next step() or
+    evaluate() on the runtime has already completed it.
+    """
+
+    __slots__ = ("_loss", "timeline", "peak_activations")
+
+    def __init__(self, loss: float | Callable[[], float], timeline: Timeline | None,
+                 peak_activations: int) -> None:
+        self._loss = loss
+        self.timeline = timeline
+        """This rank's measured compute events (source "measured", unit "s"); None when disabled."""
+        self.peak_activations = peak_activations
+        """The most (stage, microbatch) activations alive at once on this rank during the step."""
+
+    @property
+    def loss(self) -> float:
+        """Mean loss over the whole batch (before loss_scale), identical on every rank.
+
+        Raises like a step would (PeerFailedError, PipelineTimeoutError) when the all-reduce fails.
+        """
+        if callable(self._loss):
+            self._loss = float(self._loss())
+        return self._loss
+
+    def __repr__(self) -> str:
+        loss = "<pending>" if callable(self._loss) else repr(self._loss)
+        return f"StepResult(loss={loss}, timeline={self.timeline!r}, peak_activations={self.peak_activations})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, StepResult):
+            return NotImplemented
+        return (self.loss, self.timeline, self.peak_activations) == (other.loss, other.timeline,
+                                                                      other.peak_activations)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, like the dataclass it replaces
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (StepResult, (self.loss, self.timeline, self.peak_activations))
 
 
 @dataclass

@@ -3,9 +3,10 @@
 Handles are keyed by (op, stage, microbatch). Receives from one peer are posted strictly in
 the order the schedule lists them (the sender posts in the same order; NCCL matches by order
 alone), even when a receive's shape is not known yet: it then waits in a per-peer queue
-until its shape is announced. Sends are posted at once and awaited lazily; a sent tensor is
-dropped as soon as its send completes. On CUDA every transfer is issued on a dedicated
-stream ordered against the compute stream with events; nothing synchronizes the device.
+until its shape is announced (with prefetch off, until its consumer takes it). Sends are
+posted at once and awaited lazily; a sent tensor is dropped as soon as its send completes.
+On CUDA every transfer is issued on a dedicated stream ordered against the compute stream
+with events; nothing synchronizes the device.
 """
 
 from __future__ import annotations
@@ -81,10 +82,11 @@ class MetaBoard:
 class Transport:
     """Non-blocking sends and receives of one rank within `group` (ranks are group ranks)."""
 
-    def __init__(self, group: Any, device: torch.device, watchdog: Watchdog) -> None:
+    def __init__(self, group: Any, device: torch.device, watchdog: Watchdog, prefetch: bool = True) -> None:
         self.group = group
         self.device = device
         self.watchdog = watchdog
+        self.prefetch = prefetch
         size = dist.get_world_size(group)
         self._global = [dist.get_global_rank(group, r) if group is not None else r for r in range(size)]
         self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
@@ -128,12 +130,14 @@ class Transport:
                                 f"{len(self._global)}")
 
     def expect(self, key: Key, peer: int, resolve: Resolver) -> None:
-        """RECV: queue a receive from group rank `peer`; post it as soon as order and shape allow."""
+        """RECV: queue a receive from group rank `peer`; post it as soon as order and shape allow
+        (with prefetch off: when its consumer takes it)."""
         self._check_peer(key, peer)
         if key in self._posted or any(r.key == key for r in self._queues.get(peer, ())):
             raise PipelineError(f"rank {self.watchdog.rank}: {key_text(key)} is posted twice")
         self._queues.setdefault(peer, deque()).append(_Recv(key, peer, resolve))
-        self._drain(peer)
+        if self.prefetch:
+            self._drain(peer)
 
     def take(self, key: Key, consumer: str) -> Tensor:
         """Wait (bounded) for the receive `key` and return its tensor; `consumer` names the action."""
@@ -174,7 +178,7 @@ class Transport:
             with torch.cuda.stream(self.stream):
                 work = dist.isend(payload, dst=dst, group=self.group)
             payload.record_stream(self.stream)
-        self._sends[key] = (self.watchdog.track_send(work), payload, peer)
+        self._sends[key] = (self.watchdog.track(work, f"send{peer}"), payload, peer)
 
     def wait_send(self, key: Key) -> None:
         """Wait (bounded) for the send `key` to complete now and release its tensor."""

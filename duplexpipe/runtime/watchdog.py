@@ -59,7 +59,8 @@ class Lane:
     """A daemon thread that calls wait() on submitted Works in submission order.
 
     gloo's point-to-point Works only complete inside wait() (is_completed stays False),
-    so a rank that must keep polling the error flag waits for them on a lane.
+    so a rank that must keep checking the error flag waits for them on a lane and blocks
+    on the ticket's event (woken the moment the work completes).
     """
 
     def __init__(self, name: str) -> None:
@@ -83,7 +84,11 @@ class Lane:
                 ticket.work.wait()
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting rank
                 ticket.error = exc
+            # hold no Work while idle: one kept past destroy_process_group keeps gloo's context
+            # (and its threads) alive into interpreter exit
+            ticket.work = None
             ticket.done.set()
+            del ticket
 
 
 class Watchdog:
@@ -91,7 +96,8 @@ class Watchdog:
 
     A rank that fails writes `<prefix>/error` (its rank and message); every other rank
     checks that key about every `poll_s` seconds while it waits and raises PeerFailedError.
-    With `threaded_p2p` (gloo), point-to-point Works are waited for on lane threads.
+    With `threaded_p2p` (gloo), Works are waited for on named lane threads (`track`), and a
+    wait blocks on the ticket's event, one poll interval at a time.
     """
 
     def __init__(self, store: Any, prefix: str, rank: int, timeout_s: float, poll_s: float,
@@ -102,8 +108,7 @@ class Watchdog:
         self.timeout_s = timeout_s
         self.poll_s = poll_s
         self.threaded_p2p = threaded_p2p
-        self._recv_lane = Lane(f"duplexpipe-recv-{rank}")
-        self._send_lane = Lane(f"duplexpipe-send-{rank}")
+        self._lanes: dict[str, Lane] = {}
 
     def check(self) -> None:
         """Raise PeerFailedError when some rank has reported a failure."""
@@ -143,11 +148,24 @@ class Watchdog:
             time.sleep(sleep)
             sleep = min(sleep * 2, _MAX_SLEEP_S)
 
+    def wait_event(self, event: threading.Event, what: str, peer: str) -> None:
+        """Block on `event` one poll interval at a time, checking the error flag in between;
+        raise PipelineTimeoutError after timeout_s."""
+        deadline = time.monotonic() + self.timeout_s
+        while not event.wait(max(0.0, min(self.poll_s, deadline - time.monotonic()))):
+            self.check()
+            if time.monotonic() >= deadline:
+                raise PipelineTimeoutError(f"rank {self.rank}: timed out after {self.timeout_s:g} s "
+                                           f"waiting for {what} (peer: {peer})")
+
     def wait_work(self, work: Any, what: str, peer: str) -> None:
         """Wait for a c10d Work or Ticket (bounded, flag-aware), then surface its error if it failed."""
         if work is None:
             return
-        self.wait(work.is_completed, what, peer)
+        if isinstance(work, Ticket):
+            self.wait_event(work.done, what, peer)
+        else:
+            self.wait(work.is_completed, what, peer)
         try:
             work.wait()
         except RuntimeError as exc:
@@ -155,10 +173,20 @@ class Watchdog:
                 raise
             raise PipelineError(f"rank {self.rank}: {what} failed (peer: {peer}): {exc}") from exc
 
+    def track(self, work: Any, lane: str) -> Any:
+        """Something whose is_completed() turns true once `work` completed (never blocks): with
+        threaded_p2p a Ticket of the lane named `lane` (Works on one lane are waited in order),
+        else the work itself."""
+        if not self.threaded_p2p:
+            return work
+        if lane not in self._lanes:
+            self._lanes[lane] = Lane(f"duplexpipe-{lane}-{self.rank}")
+        return self._lanes[lane].submit(work)
+
     def wait_p2p(self, work: Any, what: str, peer: str) -> None:
-        """Wait for a point-to-point Work right now (on the receive lane when threaded)."""
-        self.wait_work(self._recv_lane.submit(work) if self.threaded_p2p else work, what, peer)
+        """Wait for a point-to-point Work right now (on the "recv" lane when threaded)."""
+        self.wait_work(self.track(work, "recv"), what, peer)
 
     def track_send(self, work: Any) -> Any:
-        """Something whose is_completed() turns true once the send completed (never blocks)."""
-        return self._send_lane.submit(work) if self.threaded_p2p else work
+        """track() on the "send" lane."""
+        return self.track(work, "send")
