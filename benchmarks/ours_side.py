@@ -78,37 +78,3 @@ def runtime_config(**overrides: Any) -> RuntimeConfig:
     fields = getattr(RuntimeConfig, "__dataclass_fields__", {})
     known = {k: v for k, v in overrides.items() if k in fields}
     return RuntimeConfig(**known)
-
-
-def make_waited(pipe: OursPipe) -> None:
-    """Turn off receive prefetching on `pipe`: every receive is posted right before its consumer
-    and waited for at once, so no transfer into this rank overlaps compute.
-
-    Sends stay lazy: waiting for each send as soon as it is posted deadlocks (gloo completes a
-    send only once the peer posted the receive, and with receives posted at their consumers two
-    neighbours end up each waiting for the other's send). The runtime has no switch for this, so
-    the benchmark wraps the instance's Transport (`expect`, `take`); receives from one peer are
-    still posted in schedule order.
-    """
-    transport = pipe.runtime.transport
-    expect, take = transport.expect, transport.take
-    deferred: dict[int, list[tuple[Any, Any]]] = {}
-    peer_of: dict[Any, int] = {}
-
-    def lazy_expect(key: Any, peer: int, resolve: Any) -> None:
-        deferred.setdefault(peer, []).append((key, resolve))
-        peer_of[key] = peer
-
-    def waited_take(key: Any, consumer: str) -> torch.Tensor:
-        peer = peer_of.pop(key, None)
-        if peer is not None:
-            queue = deferred[peer]
-            while queue:
-                k, resolve = queue.pop(0)
-                expect(k, peer, resolve)
-                if k == key:
-                    break
-        return take(key, consumer)
-
-    transport.expect = lazy_expect  # type: ignore[method-assign]
-    transport.take = waited_take  # type: ignore[method-assign]

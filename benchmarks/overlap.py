@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from benchmarks import harness, models
-from benchmarks.ours_side import build_ours, make_waited, runtime_config
+from benchmarks.ours_side import build_ours, runtime_config
 from duplexpipe.schedules.registry import build
 
 
@@ -51,9 +51,8 @@ def _run_schedule(name: str, cfg: OverlapConfig, rank: int, world: int, batch: A
         "async": build_ours(name, parts, rank, world, cfg.num_microbatches, models.loss_fn,
                             config=runtime_config(record_timeline=False), schedule=sched),
         "waited": build_ours(name, parts, rank, world, cfg.num_microbatches, models.loss_fn,
-                             config=runtime_config(record_timeline=False), schedule=sched),
+                             config=runtime_config(record_timeline=False, prefetch=False), schedule=sched),
     }
-    make_waited(pipes["waited"])
     for _ in range(cfg.warmup):
         for pipe in pipes.values():
             pipe.zero_grad()

@@ -21,9 +21,9 @@ from benchmarks import harness, models  # noqa: E402
 
 BUCKETS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
     "ours": (
-        ("wait for a receive (Transport.take: lane thread + sleep-poll)", ("Transport.take (",)),
+        ("wait for a receive (Transport.take: lane thread + event wait)", ("Transport.take (",)),
         ("step-start agreement (all_reduce)", ("agree (",)),
-        ("loss all_reduce", ("sum_over_group (",)),
+        ("loss all_reduce (lazy)", ("PendingSum.value (",)),
         ("DualPipe mirrored-gradient exchange", ("MirrorSum.",)),
         ("end-of-step send completion", ("Transport.finish (",)),
         ("post receives (irecv)", ("Transport.expect (",)),
@@ -88,59 +88,34 @@ def worker(rank: int, world: int, args: ProfileArgs) -> None:
         harness.timed(lambda: pipe.step(x, y))
 
 
-WHATIF_VARIANTS = ("as shipped", "no per-step collectives", "blocking receive wait", "both",
-                   "poll backoff capped at 0.05 ms")
-"""Runtime variants timed step by step on one runtime (diagnostics: they patch runtime modules)."""
+WHATIF_VARIANTS = ("as shipped (inputs agreed every step)", "check_inputs_every_step=False")
+"""Runtime configurations timed step by step, in rotating order, in the same processes."""
 
 
-def _patch(variant: str, saved: dict[str, Any], cache: dict[str, Any]) -> None:
-    """Apply `variant` to the runtime modules (restore with variant "as shipped")."""
-    import duplexpipe.runtime.executor as ex
-    import duplexpipe.runtime.watchdog as wd
-
-    ex.agree, ex.sum_over_group = saved["agree"], saved["sum_over_group"]
-    wd.Watchdog.wait_p2p = saved["wait_p2p"]  # type: ignore[method-assign]
-    wd._MAX_SLEEP_S = saved["max_sleep"]
-    if variant in ("no per-step collectives", "both"):
-        def agree(*args: Any) -> Any:  # the inputs are the same every step: reuse the first answer
-            if "agreement" not in cache:
-                cache["agreement"] = saved["agree"](*args)
-            return cache["agreement"]
-        ex.agree = agree  # type: ignore[assignment]
-        ex.sum_over_group = lambda value, *rest: value
-    if variant in ("blocking receive wait", "both"):
-        wd.Watchdog.wait_p2p = lambda self, work, what, peer: work.wait()  # type: ignore[method-assign]
-    if variant == "poll backoff capped at 0.05 ms":
-        wd._MAX_SLEEP_S = 5e-5
+def _step_loss(pipe: Any, x: Any, y: Any) -> float:
+    return float(pipe.step(x, y).loss)
 
 
 def whatif_worker(rank: int, world: int, args: ProfileArgs) -> dict[str, list[float]]:
-    """A/B/C/D per step on one runtime: WHATIF_VARIANTS in rotating order each round."""
-    import duplexpipe.runtime.executor as ex
-    import duplexpipe.runtime.watchdog as wd
+    """One runtime per WHATIF_VARIANTS entry; each round times one step of each, order rotating."""
     from benchmarks.ours_side import build_ours, runtime_config
     from benchmarks.torch_side import TORCH_SCHEDULES, num_stages
 
     spec = _spec(args.workload)
     parts = models.build_parts(spec, num_stages(TORCH_SCHEDULES[args.schedule][1], world))
     x, y = models.make_batch(spec)
-    pipe = build_ours(args.schedule, parts, rank, world, 8, models.loss_fn,
-                      config=runtime_config(record_timeline=False))
-    saved = {"agree": ex.agree, "sum_over_group": ex.sum_over_group, "wait_p2p": wd.Watchdog.wait_p2p,
-             "max_sleep": wd._MAX_SLEEP_S}
-    cache: dict[str, Any] = {}
+    pipes = {variant: build_ours(args.schedule, parts, rank, world, 8, models.loss_fn,
+                                 config=runtime_config(record_timeline=False, check_inputs_every_step=(i == 0)))
+             for i, variant in enumerate(WHATIF_VARIANTS)}
     out: dict[str, list[float]] = {k: [] for k in WHATIF_VARIANTS}
-    try:
-        for i in range(args.steps + 2):
-            shift = i % len(WHATIF_VARIANTS)
-            for variant in WHATIF_VARIANTS[shift:] + WHATIF_VARIANTS[:shift]:
-                _patch(variant, saved, cache)
-                pipe.zero_grad()
-                elapsed = harness.timed(functools.partial(pipe.step, x, y))[0]
-                if i >= 2:
-                    out[variant].append(elapsed)
-    finally:
-        _patch("as shipped", saved, cache)
+    for i in range(args.steps + 2):
+        shift = i % len(WHATIF_VARIANTS)
+        for variant in WHATIF_VARIANTS[shift:] + WHATIF_VARIANTS[:shift]:
+            pipe = pipes[variant]
+            pipe.zero_grad()
+            elapsed = harness.timed(functools.partial(_step_loss, pipe, x, y))[0]
+            if i >= 2:
+                out[variant].append(elapsed)
     return out
 
 
@@ -150,7 +125,7 @@ def whatif(schedule: str = "1f1b", steps: int = 20, workload: str = "mlp") -> di
     raw = harness.spawn(whatif_worker, ProfileArgs("ours", schedule, steps, workload), 4, 600)[0]
     med = {k: harness.summarize(v).median for k, v in raw.items()}
     return {"schedule": schedule, "workload": workload, "median_s": med,
-            "speedup": {k: med["as shipped"] / v for k, v in med.items()}}
+            "speedup": {k: med[WHATIF_VARIANTS[0]] / v for k, v in med.items()}}
 
 
 def summarize_raw(path: str, side: str, steps: int, ranks: int, rate: int) -> dict[str, Any]:

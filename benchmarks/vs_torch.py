@@ -35,11 +35,16 @@ class VsTorchConfig:
     """Timed steps per side; the sides alternate which goes first."""
 
 
+OURS_CHECK_EVERY_STEP = False
+"""The batch shape is the same every step, as in torch's runs, so ours skips the per-step input
+agreement (RuntimeConfig.check_inputs_every_step=False); the profile's what-if shows the default's cost."""
+
+
 def _sides(key: str, cfg: VsTorchConfig, rank: int, world: int) -> dict[str, Any]:
     parts = models.build_parts(cfg.spec, num_stages(TORCH_SCHEDULES[key][1], world))
     return {
         "ours": build_ours(key, parts, rank, world, cfg.num_microbatches, models.loss_fn,
-                           config=runtime_config(record_timeline=False)),
+                           config=runtime_config(record_timeline=False, check_inputs_every_step=OURS_CHECK_EVERY_STEP)),
         "torch": build_torch_pipe(key, parts, rank, world, cfg.num_microbatches, models.loss_fn),
     }
 
