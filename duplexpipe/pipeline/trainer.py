@@ -64,6 +64,9 @@ class PipelineConfig:
     """Recompute activations in backward: True for every stage, or a collection of stage indices."""
     timeout_s: float = 180.0
     """Seconds a blocked receive or send may wait before the runtime raises."""
+    check_inputs_every_step: bool = True
+    """False: the ranks agree on the batch shape on the first step only (faster when every batch has
+    the same shape; a differently shaped batch then stops every rank with an error). See RuntimeConfig."""
     record_timeline: bool = True
     """Record the measured timeline of every step (StepInfo.timeline)."""
     check_replicas: bool = True
@@ -144,7 +147,8 @@ class Pipeline:
         self.optimizer = optimizer(self.params)
         self.scaler = DynamicLossScaler(cfg.loss_scale, enabled=cfg.precision == "fp16")
         runtime_cfg = RuntimeConfig(timeout_s=cfg.timeout_s, record_timeline=cfg.record_timeline,
-                                    autocast_dtype=autocast_dtype(cfg.precision))
+                                    autocast_dtype=autocast_dtype(cfg.precision),
+                                    check_inputs_every_step=cfg.check_inputs_every_step)
         self.runtime = PipelineRuntime(self.schedule, self.stage_modules, loss_fn, group=groups.pp_group,
                                        device=self.device, config=runtime_cfg)
         self.optimizer_steps = 0
