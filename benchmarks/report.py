@@ -216,7 +216,8 @@ def results_markdown(results: dict[str, Any], figures: Sequence[tuple[str, str]]
             if fn is tooling_table:
                 lines += [headline_verdict(rows), ""]
             if fn is profile_table and rows.get("whatif"):
-                lines += ["What-if runs (two runtimes in the same processes, one step of each per round, order rotating):", "",
+                lines += ["What-if runs (two runtimes in the same processes, one step of each per round, "
+                          "order rotating):", "",
                           markdown_table(whatif_table(rows)), ""]
             if fn is overlap_table:
                 lines += [probe_verdict(rows), ""]

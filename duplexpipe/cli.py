@@ -10,7 +10,6 @@ from typing import Any, NoReturn, Sequence
 
 from duplexpipe.schedules.ir import Schedule, ScheduleError, load_json, load_torch_csv, save_json, save_torch_csv
 
-
 _SCHEDULE_HELP = ("a built-in schedule (see 'duplexpipe schedules'; needs -p and -m) or a schedule file: "
                   ".json (duplexpipe) or .csv (torch.distributed.pipelining's _dump_csv)")
 _EPILOG = """examples:
