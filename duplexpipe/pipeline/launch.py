@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import multiprocessing as mp
 import os
 import queue
@@ -75,8 +76,23 @@ def _worker(fn: Callable[..., Any], args: Sequence[Any], rank: int, world: int, 
         results.close()
         results.join_thread()
         os._exit(1)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    shutdown(clean=True)
+
+
+def shutdown(clean: bool) -> None:
+    """Tear the process group down after `fn` returned (clean) or raised.
+
+    Objects that still hold the group (runtimes, their pending Works) are collected first: one
+    left for interpreter exit can destroy gloo's context after the group is gone, which aborts
+    the process ("terminate called without an active exception"). After a clean run the ranks
+    also meet at a barrier, so no rank tears down while a peer's last messages are in flight.
+    """
+    if not dist.is_initialized():
+        return
+    gc.collect()
+    if clean:
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 def _stop(procs: Sequence[Any]) -> None:
@@ -216,7 +232,10 @@ def run(
     if launched_by_torchrun():
         init_from_env(backend)
         try:
-            return [fn(*args)]
-        finally:
-            dist.destroy_process_group()
+            result = [fn(*args)]
+        except BaseException:
+            shutdown(clean=False)
+            raise
+        shutdown(clean=True)
+        return result
     return launch(fn, nprocs, args, backend=backend or "gloo", timeout_s=timeout_s)
