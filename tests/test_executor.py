@@ -6,16 +6,15 @@ P=2 on two subgroups ({0,1} and {2,3}). Workers compute metrics; the tests below
 
 from __future__ import annotations
 
-import time
-from collections import Counter
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from _executor_cases import _attempt, _grad_errors, _inputs, _timeline_record
 from models import loss_fn, make_batch, make_parts, reference, rel_err, run_workers, stage_modules
 
-from duplexpipe.runtime import PipelineError, PipelineRuntime, RuntimeConfig, executor, gather_timeline
+from duplexpipe.runtime import PipelineError, PipelineRuntime, RuntimeConfig, executor
 from duplexpipe.schedules.ir import Action, Op, Schedule, format_action
 from duplexpipe.schedules.lower import lower
 from duplexpipe.schedules.registry import build, names
@@ -25,53 +24,6 @@ MICROBATCHES = {2: 4, 4: 8}
 TIGHT = 1e-12
 """float64 pipeline vs float64 reference: only summation order differs."""
 SPAWN_TIMEOUT_S = 240
-
-
-def expected_peak(schedule: Schedule, rank: int) -> int:
-    """Live activations counted along the rank's list: +1 at F, -1 at B or W."""
-    live = peak = 0
-    for action in schedule.actions[rank]:
-        for part in action.compute_parts():
-            if part.op is Op.F:
-                live += 1
-                peak = max(peak, live)
-            elif part.op in (Op.B, Op.W):
-                live -= 1
-    return peak
-
-
-def compute_order(schedule: Schedule, rank: int) -> list[str]:
-    return [format_action(a) for a in schedule.actions[rank] if a.op.is_compute]
-
-
-def _grad_errors(schedule: Schedule, modules: dict[int, torch.nn.Module],
-                 want: list[list[torch.Tensor]], scale: float = 1.0) -> float:
-    errs = [rel_err(p.grad, scale * w) for s, m in modules.items()
-            for p, w in zip(m.parameters(), want[schedule.stages[s].group], strict=True)]
-    return max(errs)
-
-
-def _inputs(schedule: Schedule, rank: int, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[Any, Any]:
-    stages = schedule.stages_of_rank(rank)
-    first = any(schedule.is_first(s) for s in stages)
-    last = any(schedule.is_last(s) for s in stages)
-    return (batch[0] if first else None), (batch[1] if last else None)
-
-
-def _timeline_record(schedule: Schedule, rank: int, result: Any, group: Any) -> dict[str, Any]:
-    merged = gather_timeline(result.timeline, group)
-    seen = Counter((e.rank, format_action(e.action)) for e in merged.events)
-    want = Counter((r, format_action(a)) for r, _, a in schedule.iter_actions() if a.op.is_compute)
-    mine = [format_action(e.action) for e in merged.rank_events(rank)]
-    return {
-        "every_action_once": seen == want,
-        "in_list_order": mine == compute_order(schedule, rank),
-        "measured": (merged.source, merged.unit) == ("measured", "s"),
-        "ordered_spans": all(e.start <= e.end for e in merged.events),
-        "peak": result.peak_activations,
-        "peak_expected": expected_peak(schedule, rank),
-        "peak_timeline": merged.peak_activations(rank),
-    }
 
 
 def _run_case(name: str, P: int, group: Any, dtype: torch.dtype) -> dict[str, Any]:
@@ -214,18 +166,6 @@ def _waited_case(group: Any) -> dict[str, Any]:
     losses, ref_grads, _ = reference(parts, batches)
     return {"waited_loss_err": max(abs(r.loss - w) / w for r, w in zip(results, losses, strict=True)),
             "waited_grad_err": _grad_errors(schedule, modules, ref_grads)}
-
-
-def _attempt(run: Any) -> dict[str, Any]:
-    """Run `run()`; describe how it ended and how long it took."""
-    start = time.monotonic()
-    try:
-        run()
-        out: dict[str, Any] = {"type": "ran"}
-    except Exception as exc:  # noqa: BLE001 - inspected by the tests
-        out = {"type": type(exc).__name__, "text": str(exc), "failed_rank": getattr(exc, "failed_rank", None)}
-    out["seconds"] = time.monotonic() - start
-    return out
 
 
 def _kept_mismatch_in_the_middle(group: Any) -> dict[str, Any]:
