@@ -7,10 +7,12 @@ from collections import Counter
 from typing import Any
 
 import torch
-from models import rel_err
+from models import make_parts, rel_err, stage_modules
 
 from duplexpipe.runtime import gather_timeline
 from duplexpipe.schedules.ir import Op, Schedule, format_action
+from duplexpipe.schedules.lower import lower
+from duplexpipe.schedules.registry import build
 
 
 def expected_peak(schedule: Schedule, rank: int) -> int:
@@ -70,3 +72,14 @@ def _attempt(run: Any) -> dict[str, Any]:
         out = {"type": type(exc).__name__, "text": str(exc), "failed_rank": getattr(exc, "failed_rank", None)}
     out["seconds"] = time.monotonic() - start
     return out
+
+
+Stages = tuple[Schedule, list[torch.nn.Module], dict[int, torch.nn.Module]]
+
+
+def stage_setup(name: str, num_ranks: int, num_microbatches: int, rank: int, *, seed: int,
+                dtype: torch.dtype = torch.float32) -> Stages:
+    """The lowered schedule, the model parts (from `seed`) and this rank's stage modules."""
+    schedule = lower(build(name, num_ranks, num_microbatches))
+    parts = make_parts(schedule.num_groups, seed=seed, dtype=dtype)
+    return schedule, parts, stage_modules(schedule, rank, parts)

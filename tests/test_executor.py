@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from _executor_cases import _attempt, _grad_errors, _inputs, _timeline_record
+from _executor_cases import _attempt, _grad_errors, _inputs, _timeline_record, stage_setup
 from models import loss_fn, make_batch, make_parts, reference, rel_err, run_workers, stage_modules
 
 from duplexpipe.runtime import PipelineError, PipelineRuntime, RuntimeConfig, executor
@@ -28,9 +28,7 @@ SPAWN_TIMEOUT_S = 240
 
 def _run_case(name: str, P: int, group: Any, dtype: torch.dtype) -> dict[str, Any]:
     rank, M = dist.get_rank(group), MICROBATCHES[P]
-    schedule = lower(build(name, P, M))
-    parts = make_parts(schedule.num_groups, seed=7, dtype=dtype)
-    modules = stage_modules(schedule, rank, parts)
+    schedule, parts, modules = stage_setup(name, P, M, rank, seed=7, dtype=dtype)
     runtime = PipelineRuntime(schedule, modules, loss_fn, group=group)
     # uneven rows (new shapes), same shapes again (cached shapes), then new even shapes
     batches = [make_batch(2 * M + 1, 1), make_batch(2 * M + 1, 2), make_batch(2 * M, 3)]
@@ -65,9 +63,7 @@ def _run_case(name: str, P: int, group: Any, dtype: torch.dtype) -> dict[str, An
 def _hook_case(group: Any) -> dict[str, Any]:
     """DualPipe with an overlap hook that runs the backward part first."""
     rank, M = dist.get_rank(group), MICROBATCHES[2]
-    schedule = lower(build("dualpipe", 2, M))
-    parts = make_parts(schedule.num_groups, seed=3, dtype=torch.float64)
-    modules = stage_modules(schedule, rank, parts)
+    schedule, parts, modules = stage_setup("dualpipe", 2, M, rank, seed=3, dtype=torch.float64)
     calls: list[str] = []
 
     def backward_first(pair: Action, run_forward: Any, run_backward: Any) -> None:
@@ -88,9 +84,7 @@ def _hook_case(group: Any) -> dict[str, Any]:
 def _validation_case(group: Any) -> dict[str, Any]:
     """Bad batches raise ValueError on every rank, the runtime stays usable; loss_scale scales grads."""
     rank, M = dist.get_rank(group), MICROBATCHES[2]
-    schedule = lower(build("1f1b", 2, M))
-    parts = make_parts(schedule.num_groups, seed=5, dtype=torch.float64)
-    modules = stage_modules(schedule, rank, parts)
+    schedule, parts, modules = stage_setup("1f1b", 2, M, rank, seed=5, dtype=torch.float64)
     runtime = PipelineRuntime(schedule, modules, loss_fn, group=group)
     errors = []
     small = make_batch(M - 1, 6)
@@ -124,9 +118,7 @@ def _kept_agreement_case(group: Any) -> dict[str, Any]:
     """check_inputs_every_step=False: one agreement per run of same-shaped steps; evaluate() and the
     step after it agree anew (here with new shapes). DualPipe P=2: both ranks hold inputs and targets."""
     rank, M = dist.get_rank(group), MICROBATCHES[2]
-    schedule = lower(build("dualpipe", 2, M))
-    parts = make_parts(schedule.num_groups, seed=13, dtype=torch.float64)
-    modules = stage_modules(schedule, rank, parts)
+    schedule, parts, modules = stage_setup("dualpipe", 2, M, rank, seed=13, dtype=torch.float64)
     runtime = PipelineRuntime(schedule, modules, loss_fn, group=group,
                               config=RuntimeConfig(check_inputs_every_step=False))
     calls: list[int] = []
@@ -157,9 +149,7 @@ def _kept_agreement_case(group: Any) -> dict[str, Any]:
 def _waited_case(group: Any) -> dict[str, Any]:
     """prefetch=False (each receive posted at its consumer) computes the same step."""
     rank, M = dist.get_rank(group), MICROBATCHES[2]
-    schedule = lower(build("zbv", 2, M))
-    parts = make_parts(schedule.num_groups, seed=17, dtype=torch.float64)
-    modules = stage_modules(schedule, rank, parts)
+    schedule, parts, modules = stage_setup("zbv", 2, M, rank, seed=17, dtype=torch.float64)
     runtime = PipelineRuntime(schedule, modules, loss_fn, group=group, config=RuntimeConfig(prefetch=False))
     batches = [make_batch(2 * M + 1, 27), make_batch(2 * M + 1, 28)]
     results = [runtime.step(*_inputs(schedule, rank, b)) for b in batches]
@@ -182,9 +172,7 @@ def _kept_mismatch_in_the_middle(group: Any) -> dict[str, Any]:
 
 def _autocast_case(group: Any) -> dict[str, Any]:
     rank, M = dist.get_rank(group), MICROBATCHES[2]
-    schedule = lower(build("zb-h1", 2, M))
-    parts = make_parts(schedule.num_groups, seed=9)
-    modules = stage_modules(schedule, rank, parts)
+    schedule, parts, modules = stage_setup("zb-h1", 2, M, rank, seed=9)
     runtime = PipelineRuntime(schedule, modules, loss_fn, group=group,
                               config=RuntimeConfig(autocast_dtype=torch.bfloat16))
     batch = make_batch(2 * M, 10)
