@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from duplexpipe.comm.codec import codec_name
 from duplexpipe.runtime import structure
 from duplexpipe.runtime.collectives import BatchAgreement, MirrorSum, PendingSum, agree, share_blocks
 from duplexpipe.runtime.context import Slot, StepContext, microbatch_rows, signature, split_batch
@@ -92,7 +93,8 @@ class PipelineRuntime:
                        if self.config.sum_mirrored_grads and schedule.num_copies > 1 else None)
         self.plan = RankPlan.of(schedule, self.rank, {s for s, _, _ in self.mirror.pairs} if self.mirror else ())
         self.mail = Mailroom(self.plan.layout, self.rank, self.transport,
-                             MetaBoard(self._store, self._prefix, self.watchdog))
+                             MetaBoard(self._store, self._prefix, self.watchdog),
+                             self.config.activation_codec, self.config.gradient_codec)
         self.compute = Dispatcher(self.plan.layout, self.rank, self.stages, self.mail, loss_fn, self.tracer,
                                   self.config.overlap_hook)
         self._loss_group = loss_group if loss_group is not None else group
@@ -117,8 +119,9 @@ class PipelineRuntime:
     def _start(self, group: Any) -> Watchdog:
         """The start-up handshake and checks; returns the watchdog of this runtime's waits."""
         bad = {s: type(m).__name__ for s, m in self.modules.items() if not isinstance(m, nn.Module)}
+        codecs = f"{codec_name(self.config.activation_codec)}/{codec_name(self.config.gradient_codec)}"
         nonce = handshake(self.schedule, self.modules, group, self.device, self.config.timeout_s,
-                          f"rank {self.rank}: modules must be nn.Module, got {bad}" if bad else "")
+                          f"rank {self.rank}: modules must be nn.Module, got {bad}" if bad else "", codecs)
         if "nccl" in str(dist.get_backend(group)):  # one stream per rank pair: ScheduleError, not a hang
             from duplexpipe.schedules.verify import check_nccl_order
             check_nccl_order(self.schedule)
