@@ -1,4 +1,4 @@
-"""The duplexpipe side of the A/B comparison: a schedule, this rank's stage modules, one step."""
+"""The duplexpipe side of the A/B comparison: a training Pipeline (or a bare runtime), one step."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from duplexpipe.pipeline.trainer import Pipeline, PipelineConfig
 from duplexpipe.runtime import PipelineRuntime, RuntimeConfig, StepResult
 from duplexpipe.schedules.ir import Schedule
 from duplexpipe.schedules.registry import build
@@ -78,3 +79,48 @@ def runtime_config(**overrides: Any) -> RuntimeConfig:
     fields = getattr(RuntimeConfig, "__dataclass_fields__", {})
     known = {k: v for k, v in overrides.items() if k in fields}
     return RuntimeConfig(**known)
+
+
+def frozen_sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """SGD with learning rate 0: the optimizer step runs (on both sides of the A/B), the weights stay
+    put, so every step's gradients can be checked against the single-process reference."""
+    return torch.optim.SGD(params, lr=0.0)
+
+
+@dataclass
+class OursTrainer:
+    """One rank's duplexpipe training Pipeline: its step is Pipeline.step (zero_grad, the schedule, the
+    loss on every rank, the optimizer step)."""
+
+    pipe: Pipeline
+    """The Pipeline."""
+    has_first: bool
+    """True when this rank feeds the model input."""
+    has_last: bool
+    """True when this rank computes the loss."""
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """One training step over the whole batch."""
+        return self.pipe.step(inputs if self.has_first else None, targets if self.has_last else None)
+
+    def zero_grad(self) -> None:
+        """Nothing: Pipeline.step zeroes the gradients itself, inside the timed step."""
+
+    def group_grads(self) -> dict[int, list[torch.Tensor]]:
+        """This rank's gradients by weight group (model part)."""
+        out: dict[int, list[torch.Tensor]] = {}
+        for stage, module in self.pipe.stage_modules.items():
+            grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+                     for p in module.parameters()]
+            group = self.pipe.schedule.stages[stage].group
+            out[group] = [a + b for a, b in zip(out[group], grads, strict=True)] if group in out else grads
+        return out
+
+
+def build_pipeline(name: str, parts: list[nn.Module], num_microbatches: int,
+                   loss: Callable[..., torch.Tensor], **config: Any) -> OursTrainer:
+    """A Pipeline over `parts` with the default PipelineConfig (plus `config` overrides) and `frozen_sgd`."""
+    pipe = Pipeline(parts, loss, frozen_sgd, PipelineConfig(schedule=name, num_microbatches=num_microbatches,
+                                                          **config))
+    mine = pipe.stage_modules
+    return OursTrainer(pipe, any(pipe.schedule.is_first(s) for s in mine), any(pipe.schedule.is_last(s) for s in mine))

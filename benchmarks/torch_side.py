@@ -48,13 +48,19 @@ class TorchPipe:
     """True when this rank feeds the model input."""
     has_last: bool
     """True when this rank computes the loss."""
+    optimizer: torch.optim.Optimizer | None = None
+    """Stepped after the schedule (and its gradients zeroed before it) when given: a training step."""
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
         """One training step over the whole batch; returns the per-microbatch losses held here."""
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         self.schedule.step(*args, target=targets if self.has_last else None, losses=losses,
                            return_outputs=False)
+        if self.optimizer is not None:
+            self.optimizer.step()
         return losses
 
     def zero_grad(self) -> None:
@@ -64,8 +70,10 @@ class TorchPipe:
 
 
 def build_torch_pipe(key: str, parts: list[nn.Module], rank: int, num_ranks: int,
-                     num_microbatches: int, loss: Callable[..., torch.Tensor]) -> TorchPipe:
-    """Wrap this rank's parts in PipelineStage objects and build torch's schedule `key`."""
+                     num_microbatches: int, loss: Callable[..., torch.Tensor],
+                     optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None) -> TorchPipe:
+    """Wrap this rank's parts in PipelineStage objects and build torch's schedule `key` (with `optimizer`
+    over this rank's parameters, a training step)."""
     if key not in TORCH_SCHEDULES:
         raise ValueError(f"no torch schedule for {key!r}; known: {sorted(TORCH_SCHEDULES)}")
     cls_name, placement = TORCH_SCHEDULES[key]
@@ -78,4 +86,6 @@ def build_torch_pipe(key: str, parts: list[nn.Module], rank: int, num_ranks: int
     cls = getattr(pp, cls_name)
     stage_arg: Any = stages[0] if placement == "linear" else stages
     schedule = cls(stage_arg, num_microbatches, loss_fn=loss, scale_grads=True)
-    return TorchPipe(modules, schedule, 0 in local, total - 1 in local)
+    params = [p for s in local for p in modules[s].parameters()]
+    return TorchPipe(modules, schedule, 0 in local, total - 1 in local,
+                     optimizer(params) if optimizer is not None else None)

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks import harness, models
-from benchmarks.ours_side import build_ours, runtime_config
+from benchmarks.ours_side import build_pipeline, frozen_sgd
 from benchmarks.torch_side import TORCH_SCHEDULES, build_torch_pipe, num_stages
 
 GRAD_TOLERANCE = 1e-4
@@ -34,16 +34,15 @@ class VsTorchConfig:
     reps: int = 10
     """Timed steps per side; the sides alternate which goes first."""
     check_inputs_every_step: bool = True
-    """Ours: RuntimeConfig.check_inputs_every_step (True is the default configuration)."""
+    """Ours: PipelineConfig.check_inputs_every_step (True is the default configuration)."""
 
 
 def _sides(key: str, cfg: VsTorchConfig, rank: int, world: int) -> dict[str, Any]:
     parts = models.build_parts(cfg.spec, num_stages(TORCH_SCHEDULES[key][1], world))
-    return {
-        "ours": build_ours(key, parts, rank, world, cfg.num_microbatches, models.loss_fn,
-                           config=runtime_config(record_timeline=False,
-                                                 check_inputs_every_step=cfg.check_inputs_every_step)),
-        "torch": build_torch_pipe(key, parts, rank, world, cfg.num_microbatches, models.loss_fn),
+    return {  # both sides train: zero_grad, the schedule, the optimizer step (SGD at lr 0)
+        "ours": build_pipeline(key, parts, cfg.num_microbatches, models.loss_fn,
+                               check_inputs_every_step=cfg.check_inputs_every_step),
+        "torch": build_torch_pipe(key, parts, rank, world, cfg.num_microbatches, models.loss_fn, frozen_sgd),
     }
 
 

@@ -15,6 +15,7 @@ from duplexpipe.runtime.collectives import (
     BatchAgreement,
     MirrorSum,
     PendingSum,
+    SharedSum,
     agree,
     share_blocks,
     sum_over_group,
@@ -67,12 +68,24 @@ def _pending(rank: int, dog: Watchdog) -> dict[str, Any]:
     return {"pending": (value, pending.value()), "posted_s": posted_s, "waited_s": time.monotonic() - start}
 
 
+def _shared(rank: int, dog: Watchdog) -> dict[str, Any]:
+    """SharedSum: one source (rank 1, sharing late) and two sources; the same float on both ranks."""
+    one = SharedSum((1,), None, CPU, dog, "a shared sum")
+    if rank == 1:
+        time.sleep(0.3)
+        one.share(torch.tensor(2.5, dtype=torch.float64))
+    two = SharedSum((0, 1), None, CPU, dog, "a shared sum")
+    two.share(torch.tensor([0.1, 0.2][rank], dtype=torch.float64))
+    return {"shared_one": one.value(), "shared_two": (two.value(), two.value())}
+
+
 def _worker(rank: int, world: int) -> dict[str, Any]:
     dist.barrier()
-    dog = Watchdog(group_store(None), "collectives", rank, timeout_s=20.0, poll_s=0.05, threaded_p2p=True)
+    dog = Watchdog(group_store(None), "collectives", rank, timeout_s=20.0, poll_s=0.05, gloo=True)
     out = _agreements(rank, dog)
     out["sum"] = sum_over_group(1.5 + rank, None, CPU, dog, "a test sum")
     out.update(_pending(rank, dog))
+    out.update(_shared(rank, dog))
     out.update(_mirror(rank, dog))
     block = torch.arange(6.0).reshape(2, 3) if rank == 0 else torch.arange(12).reshape(4, 3)
     got = share_blocks(block, [1 - rank], [0, 1], None, CPU, dog)[1 - rank]
@@ -113,6 +126,11 @@ def test_mirrored_stages_sum_only_this_steps_gradients(results: Any) -> None:
 def test_share_blocks_exchanges_tensors_of_any_shape_and_dtype(results: Any) -> None:
     assert results[1]["shared"] == ("torch.float32", torch.arange(6.0).reshape(2, 3).tolist())
     assert results[0]["shared"] == ("torch.int64", torch.arange(12).reshape(4, 3).tolist())
+
+
+def test_shared_sum_adds_the_sources_values_identically_on_every_rank(results: Any) -> None:
+    assert [rec["shared_one"] for rec in results] == [2.5, 2.5]
+    assert [rec["shared_two"] for rec in results] == [(0.1 + 0.2, 0.1 + 0.2)] * 2
 
 
 def test_pending_sum_is_posted_without_waiting_and_equal_on_every_rank(results: Any) -> None:

@@ -45,15 +45,15 @@ def test_structures_split_leaf_by_leaf() -> None:
         assert torch.equal(leaves[0], x[3:]) and torch.equal(leaves[1], mask[3:])
 
 
-def test_signature_depends_on_shapes_and_dtype_only() -> None:
-    a = split_batch(torch.zeros(10, 3), 4, "x")
-    assert signature(a) == signature(split_batch(torch.ones(10, 3), 4, "x"))
-    assert signature(a) != signature(split_batch(torch.zeros(11, 3), 4, "x"))
-    assert signature(a) != signature(split_batch(torch.zeros(10, 3, dtype=torch.int64), 4, "x"))
-    assert 0 <= signature(a) < 2**60
-    pair = split_batch((torch.zeros(10, 3), torch.zeros(10)), 4, "x")
-    assert signature(pair) != signature(split_batch([torch.zeros(10, 3), torch.zeros(10)], 4, "x"))
-    assert signature(pair) != signature(split_batch({"a": torch.zeros(10, 3), "b": torch.zeros(10)}, 4, "x"))
+def test_signature_depends_on_form_shapes_dtypes_and_microbatches_only() -> None:
+    a = signature(torch.zeros(10, 3), 4)
+    assert a == signature(torch.ones(10, 3), 4)
+    assert a != signature(torch.zeros(11, 3), 4) and a != signature(torch.zeros(10, 3), 5)
+    assert a != signature(torch.zeros(10, 3, dtype=torch.int64), 4)
+    assert 0 <= a < 2**60
+    pair = signature((torch.zeros(10, 3), torch.zeros(10)), 4)
+    assert pair != signature([torch.zeros(10, 3), torch.zeros(10)], 4)
+    assert pair != signature({"a": torch.zeros(10, 3), "b": torch.zeros(10)}, 4)
 
 
 def test_forward_only_keeps_forwards_in_order_and_splits_pairs() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -20,7 +21,7 @@ from duplexpipe.runtime import (
     PipelineTimeoutError,
     RuntimeConfig,
 )
-from duplexpipe.runtime.watchdog import Lane, Watchdog
+from duplexpipe.runtime.watchdog import Watchdog
 from duplexpipe.schedules.lower import lower
 from duplexpipe.schedules.registry import build
 
@@ -69,64 +70,96 @@ def test_wait_returns_once_done() -> None:
     assert flag.is_set()
 
 
-class _SlowWork:
-    def __init__(self, seconds: float, fail: bool = False) -> None:
-        self.seconds, self.fail = seconds, fail
+class _Work:
+    """A fake c10d Work finishing `seconds` after creation; wait(timeout) behaves like gloo's: a timed-out
+    collective stays pending ("Operation timed out!"), a timed-out p2p wait fails ("Timed out waiting")."""
 
-    def wait(self) -> None:
-        time.sleep(self.seconds)
-        if self.fail:
-            raise RuntimeError("transport broke")
+    def __init__(self, seconds: float, error: str = "", p2p: bool = False) -> None:
+        self.at, self.error, self.p2p = time.monotonic() + seconds, error, p2p
+
+    def is_completed(self) -> bool:
+        return time.monotonic() >= self.at
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        left = self.at - time.monotonic()
+        if timeout is not None and left > timeout.total_seconds():
+            time.sleep(timeout.total_seconds())
+            raise RuntimeError("Timed out waiting 1ms for recv" if self.p2p else "Operation timed out!")
+        time.sleep(max(0.0, left))
+        if self.error:
+            raise RuntimeError(self.error)
+        return True
 
 
-def test_lane_completes_tickets_in_order_and_keeps_errors() -> None:
-    lane = Lane("test-lane")
-    first, second = lane.submit([_SlowWork(0.05)]), lane.submit([_SlowWork(0.0, fail=True)])
-    assert not first.is_completed()
-    dog = _dog(dist.HashStore(), 0)
-    dog.wait_work(first, "first", "nobody")
-    with pytest.raises(PipelineError, match="rank 0: second failed \\(peer: rank 9\\): transport broke"):
-        dog.wait_work(second, "second", "rank 9")
+def _gloo_dog(store: Any, rank: int, timeout_s: float = 30.0, poll_s: float = 0.05) -> Watchdog:
+    return Watchdog(store, "test", rank, timeout_s, poll_s, gloo=True)
 
 
-def test_ticket_wait_wakes_when_the_work_completes_not_at_the_next_poll() -> None:
-    dog = Watchdog(dist.HashStore(), "test", 0, timeout_s=30.0, poll_s=5.0, threaded_p2p=True)
-    ticket = dog.track(_SlowWork(0.05), "lane")
+def test_collective_wait_wakes_when_the_work_completes_not_at_the_next_poll() -> None:
     start = time.monotonic()
-    dog.wait_work(ticket, "slow work", "nobody")
-    assert ticket.is_completed()
+    _gloo_dog(dist.HashStore(), 0, poll_s=5.0).wait_collective(_Work(0.05), "a sum", "all ranks")
     assert time.monotonic() - start < 2.0  # a poll interval is 5 s
 
 
-def test_ticket_wait_stops_when_a_peer_reports_and_times_out() -> None:
+def test_collective_wait_stops_when_a_peer_reports_and_times_out() -> None:
     store = dist.HashStore()
-    dog = Watchdog(store, "test", 1, timeout_s=30.0, poll_s=0.05, threaded_p2p=True)
     timer = threading.Timer(0.1, lambda: _dog(store, 0).report("boom"))
     timer.start()
     start = time.monotonic()
     with pytest.raises(PeerFailedError, match="rank 0 failed: boom"):
-        dog.wait_work(dog.track(_SlowWork(60.0), "stuck"), "something", "rank 0")
+        _gloo_dog(store, 1).wait_collective(_Work(60.0), "something", "rank 0")
     assert time.monotonic() - start < 2.0
     timer.join()
-    quiet = Watchdog(dist.HashStore(), "test", 2, timeout_s=0.2, poll_s=0.05, threaded_p2p=True)
     start = time.monotonic()
-    with pytest.raises(PipelineTimeoutError, match=r"rank 2: timed out after 0.2 s waiting for 1RECV_B3 "
-                                                   r"\(peer: rank 3\)"):
-        quiet.wait_work(quiet.track(_SlowWork(60.0), "stuck"), "1RECV_B3", "rank 3")
+    with pytest.raises(PipelineTimeoutError, match=r"rank 2: timed out after 0.2 s waiting for the loss sum "
+                                                   r"\(peer: all ranks\)"):
+        _gloo_dog(dist.HashStore(), 2, timeout_s=0.2).wait_collective(_Work(60.0), "the loss sum", "all ranks")
     assert 0.2 <= time.monotonic() - start < 2.0
+    with pytest.raises(PipelineError, match=r"rank 0: the loss sum failed \(peer: rank 9\): transport broke"):
+        _gloo_dog(dist.HashStore(), 0).wait_collective(_Work(0.0, "transport broke"), "the loss sum", "rank 9")
 
 
-def test_track_uses_one_lane_per_name_and_plain_works_without_threads() -> None:
-    dog = Watchdog(dist.HashStore(), "test", 0, timeout_s=10.0, poll_s=0.05, threaded_p2p=True)
-    slow = dog.track(_SlowWork(1.0), "a")
-    behind = dog.track(_SlowWork(0.0), "a")
-    other = dog.track(_SlowWork(0.0), "b")
-    dog.wait_work(other, "other", "nobody")  # lane "b" does not wait behind lane "a"
-    assert not slow.is_completed() and not behind.is_completed()
-    dog.wait_work(behind, "behind", "nobody")
-    assert slow.is_completed()  # one lane waits in submission order
-    work = _SlowWork(0.0)
-    assert Watchdog(None, "", 0, 1.0, 0.05).track(work, "a") is work
+class _DoneAtTimeout(_Work):
+    """Completes exactly when the first timed wait gives up (the race between a poll interval and completion)."""
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if timeout is not None and not self.is_completed():
+            self.at = time.monotonic()
+            raise RuntimeError("Operation timed out!")
+        if self.error:
+            raise RuntimeError(self.error)
+        return True
+
+
+def test_collective_completing_as_the_poll_interval_ends_is_a_success_and_its_error_is_kept() -> None:
+    _gloo_dog(dist.HashStore(), 0).wait_collective(_DoneAtTimeout(60.0), "a sum", "all ranks")
+    with pytest.raises(PipelineError, match="a sum failed .*: broken"):
+        _gloo_dog(dist.HashStore(), 0).wait_collective(_DoneAtTimeout(60.0, "broken"), "a sum", "all ranks")
+
+
+def test_p2p_wait_blocks_in_the_work_and_names_timeouts_and_peer_failures() -> None:
+    start = time.monotonic()
+    _gloo_dog(dist.HashStore(), 0).wait_p2p([_Work(0.05, p2p=True), _Work(0.1, p2p=True)], "1RECV_F0", "rank 0")
+    assert time.monotonic() - start < 2.0
+    with pytest.raises(PipelineTimeoutError, match=r"rank 1: timed out after 0.2 s waiting for 1RECV_B3 "
+                                                   r"\(peer: rank 3\)"):
+        _gloo_dog(dist.HashStore(), 1, timeout_s=0.2).wait_p2p(_Work(60.0, p2p=True), "1RECV_B3", "rank 3")
+    store = dist.HashStore()
+    _dog(store, 3).report("ValueError: bad while running 3F1")  # a failing rank reports, then breaks the group
+    with pytest.raises(PeerFailedError, match="stopping because rank 3 failed: ValueError: bad") as info:
+        _gloo_dog(store, 1).wait_p2p(_Work(0.0, "Connection closed by peer", p2p=True), "1RECV_F2", "rank 0")
+    assert info.value.failed_rank == 3
+    with pytest.raises(PipelineError, match=r"rank 1: 1RECV_F2 failed \(peer: rank 0\): Connection closed"):
+        _gloo_dog(dist.HashStore(), 1, poll_s=0.01).wait_p2p(_Work(0.0, "Connection closed by peer", p2p=True),
+                                                            "1RECV_F2", "rank 0")
+
+
+def test_without_gloo_waits_poll_the_work() -> None:
+    dog = Watchdog(dist.HashStore(), "test", 0, timeout_s=0.2, poll_s=0.05)
+    dog.wait_p2p(_Work(0.05), "a send", "rank 1")
+    dog.wait_collective(_Work(0.05), "a sum", "all ranks")
+    with pytest.raises(PipelineTimeoutError, match="timed out after 0.2 s waiting for a send"):
+        dog.wait_p2p(_Work(60.0), "a send", "rank 1")
 
 
 # ---------------------------------------------------------------- failures across ranks

@@ -37,26 +37,53 @@ class Agreement:
     """False when ranks holding first (or last) stages were given different batches (or targets)."""
 
 
+AGREE_TAG = 0xA9EE
+"""The tag of the step-start agreement's messages (apart from the pipeline's own)."""
+_AGREE_WHAT = "the step-start agreement (every rank must call step()/evaluate())"
+
+
 def agree(batch: int | None, signature: int | None, target_rows: int | None, error: bool,
           group: Any, device: torch.device, watchdog: Watchdog) -> Agreement:
-    """One all-reduce (MAX) telling every rank the batch, its signature and the target rows.
+    """Tell every rank the batch, its signature and the target rows (an element-wise MAX).
 
     Ranks pass None for what they do not hold; target_rows is -1 on a last-stage rank
-    without targets. `error` marks a rank whose inputs are invalid.
+    without targets. `error` marks a rank whose inputs are invalid. Every rank sends its
+    vector to group rank 0, which reduces and sends the result back: two message latencies
+    (a ring all-reduce takes 2(P-1)), and rank 0, usually the last to finish the previous
+    step, continues as soon as it has sent.
     """
     def pair(value: int | None) -> list[int]:
         return [NONE, NONE] if value is None else [value, -value]
 
-    rank = dist.get_rank(group)
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
     vec = pair(batch) + pair(signature) + pair(target_rows) + [rank if error else -1]
     data = torch.tensor(vec, dtype=torch.int64, device=device)
-    work = watchdog.track(dist.all_reduce(data, op=dist.ReduceOp.MAX, group=group, async_op=True), "collective")
-    watchdog.wait_work(work, "the step-start agreement (every rank must call step()/evaluate())",
-                       "all ranks of the group")
+    if size > 1:
+        data = _star_max(data, rank, size, group, watchdog)
     got = data.tolist()
     consistent = all(got[i] == NONE or got[i] == -got[i + 1] for i in (0, 2, 4))
     known = [v if v != NONE else -1 for v in got[0:6:2]]
     return Agreement(known[0], known[1], known[2], int(got[6]), consistent)
+
+
+def _star_max(data: Tensor, rank: int, size: int, group: Any, watchdog: Watchdog) -> Tensor:
+    """The element-wise MAX of every rank's `data`: gathered at group rank 0, sent back from there."""
+    pg: Any = group if group is not None else dist.group.WORLD  # its send/recv take group ranks
+    if rank != 0:
+        sent = pg.send([data], 0, AGREE_TAG)
+        result = torch.empty_like(data)
+        watchdog.wait_p2p(pg.recv([result], 0, AGREE_TAG), _AGREE_WHAT, "rank 0")
+        watchdog.wait_p2p(sent, _AGREE_WHAT, "rank 0")
+        return result
+    parts = [torch.empty_like(data) for _ in range(1, size)]
+    works = [pg.recv([t], r, AGREE_TAG) for r, t in enumerate(parts, start=1)]
+    for r, work in enumerate(works, start=1):
+        watchdog.wait_p2p(work, _AGREE_WHAT, f"rank {r}")
+    result = torch.stack([data, *parts]).amax(dim=0)
+    sends = [pg.send([result], r, AGREE_TAG) for r in range(1, size)]
+    for r, work in enumerate(sends, start=1):
+        watchdog.wait_p2p(work, _AGREE_WHAT, f"rank {r}")
+    return result
 
 
 _SAME_SHAPES = (" (with RuntimeConfig.check_inputs_every_step=False every step() needs a batch shaped like the "
@@ -143,14 +170,63 @@ class PendingSum:
         if self._error is not None:
             raise self._error
         if self._result is None:
-            try:  # a gloo collective completes by itself: no lane thread unless it must be waited for
-                work = self._work if self._work.is_completed() else self._watchdog.track(self._work, "collective")
-                self._watchdog.wait_work(work, self._what, "all ranks of the group")
+            try:
+                self._watchdog.wait_collective(self._work, self._what, "all ranks of the group")
             except BaseException as exc:
                 self._error = exc
                 raise
             self._result = float(self._data.item())
             self._work = None
+        return self._result
+
+
+LOSS_TAG = 0x1055
+"""The tag of SharedSum's messages (apart from the pipeline's own)."""
+
+
+class SharedSum:
+    """A float64 sum of the values of a few `sources` ranks of the group, each sending its value straight to
+    every other rank: with one source (the last stage of 1F1B) P-1 small messages instead of a ring
+    all-reduce's 2P(P-1). Every rank posts its receives when this is created; a source calls `share` once
+    its value is final; `value()` waits (bounded) and adds the values in source order (the same float
+    sum on every rank). gloo only: the tag keeps these messages apart from the pipeline's, which NCCL,
+    matching by order alone, would not."""
+
+    def __init__(self, sources: tuple[int, ...], group: Any, device: torch.device, watchdog: Watchdog,
+                 what: str) -> None:
+        pg: Any = group if group is not None else dist.group.WORLD
+        self._pg = pg
+        self._rank, self._size = dist.get_rank(group), dist.get_world_size(group)
+        self._sources, self._watchdog, self._what = sources, watchdog, what
+        self._got = {s: torch.empty(1, dtype=torch.float64, device=device) for s in sources if s != self._rank}
+        self._recvs = {s: pg.recv([buf], s, LOSS_TAG) for s, buf in self._got.items()}
+        self._sends: list[Any] = []
+        self._result: float | None = None
+        self._error: BaseException | None = None
+
+    def share(self, value: Tensor) -> None:
+        """This source's value: sent to every other rank now."""
+        self._got[self._rank] = value.detach().reshape(1).to(torch.float64)
+        self._sends = [self._pg.send([self._got[self._rank]], r, LOSS_TAG) for r in range(self._size)
+                       if r != self._rank]
+
+    def value(self) -> float:
+        """The sum (the same on every rank); waits for it unless done. Re-raises a failed wait."""
+        if self._error is not None:
+            raise self._error
+        if self._result is None:
+            try:
+                for source, work in self._recvs.items():
+                    self._watchdog.wait_p2p(work, self._what, f"rank {source}")
+                self._watchdog.wait_p2p(self._sends, self._what, "all ranks of the group")
+            except BaseException as exc:
+                self._error = exc
+                raise
+            total = torch.zeros(1, dtype=torch.float64, device=next(iter(self._got.values())).device)
+            for source in self._sources:
+                total += self._got[source]
+            self._result = float(total.item())
+            self._recvs, self._sends = {}, []
         return self._result
 
 
@@ -241,7 +317,7 @@ def swap(outgoing: list[Tensor], incoming: list[Tensor | Callable[[], Tensor]], 
     address = global_ranks[peer]
 
     def send_all() -> list[Any]:
-        return [watchdog.track_send(dist.isend(t.contiguous(), dst=address, group=group)) for t in outgoing]
+        return [dist.isend(t.contiguous(), dst=address, group=group) for t in outgoing]
 
     def receive_all() -> list[Tensor]:
         got = []
@@ -258,7 +334,7 @@ def swap(outgoing: list[Tensor], incoming: list[Tensor | Callable[[], Tensor]], 
         received = receive_all()
         sends = send_all()
     for work in sends:
-        watchdog.wait_work(work, f"completion of sending {what}", f"rank {peer}")
+        watchdog.wait_p2p(work, f"completion of sending {what}", f"rank {peer}")
     return received
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -56,7 +55,9 @@ class StepContext:
     outbox: dict[Key, list[Tensor]] = field(default_factory=dict)
     """Payloads produced for a SEND action that has not run yet."""
     losses: list[Tensor] = field(default_factory=list)
-    """Each local microbatch's loss times its weight (detached)."""
+    """Each local microbatch's loss (detached)."""
+    loss_weights: list[float] = field(default_factory=list)
+    """The weight of each of `losses` (its microbatch's share of the batch)."""
     outputs: dict[int, Any] = field(default_factory=dict)
     """evaluate(): microbatch -> last-stage output (detached)."""
     live: int = 0
@@ -97,9 +98,10 @@ def split_batch(value: Any, num_microbatches: int, what: str) -> list[Any]:
     return structure.split(value, num_microbatches, what)
 
 
-def signature(chunks: Sequence[Any]) -> int:
-    """A 60-bit hash of the microbatch input structures' forms, shapes and dtypes (equal on every rank)."""
-    text = repr([structure.signature(c) for c in chunks])
+def signature(inputs: Any, num_microbatches: int) -> int:
+    """A 60-bit hash naming the microbatch inputs' forms, shapes and dtypes (equal on every rank): computed
+    from the batch, since its form, shapes and dtypes and the number of microbatches determine them."""
+    text = repr([structure.signature(inputs), num_microbatches])
     return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
 
 

@@ -61,10 +61,10 @@ class Dispatcher:
             if mb not in ctx.targets:
                 return
             loss = compute.loss(out, ctx.targets[mb], self.loss_fn, mb)
-            ctx.losses.append(loss.detach().double() * ctx.weights[mb])
-            if ctx.train:
-                scaled = loss * (ctx.weights[mb] * ctx.loss_scale)
-                ctx.acts[(stage, mb)] = compute.keep(inputs, [scaled], mb)
+            ctx.losses.append(loss.detach())
+            ctx.loss_weights.append(ctx.weights[mb])
+            if ctx.train:  # backward starts from d(weight * scale * loss)/d(loss) = weight * scale
+                ctx.acts[(stage, mb)] = compute.keep(inputs, [loss], mb, ctx.weights[mb] * ctx.loss_scale)
                 ctx.activation_born()
 
     def run_backward(self, ctx: StepContext, action: Action, grads: list[Tensor] | None) -> None:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -12,7 +13,14 @@ from torch import Tensor, nn
 
 from duplexpipe.comm.codec import codec_name
 from duplexpipe.runtime import structure
-from duplexpipe.runtime.collectives import BatchAgreement, MirrorSum, PendingSum, agree, share_blocks
+from duplexpipe.runtime.collectives import (
+    BatchAgreement,
+    MirrorSum,
+    PendingSum,
+    SharedSum,
+    agree,
+    share_blocks,
+)
 from duplexpipe.runtime.context import Slot, StepContext, microbatch_rows, signature, split_batch
 from duplexpipe.runtime.dispatch import Dispatcher, default_overlap
 from duplexpipe.runtime.handshake import group_store, handshake, shared_nonce
@@ -113,7 +121,7 @@ class PipelineRuntime:
         self._step_no = 0
         self._broken: str | None = None
         self.batches = BatchAgreement(self.config.check_inputs_every_step, self.rank, bool(self.plan.lasts))
-        self._pending: PendingSum | None = None
+        self._pending: PendingSum | SharedSum | None = None
         """The latest step's loss all-reduce until something waited for it."""
         self._handlers: dict[Op, Handler] = {
             Op.F: self.compute.forward, Op.B: self.compute.backward, Op.I: self.compute.backward,
@@ -157,7 +165,7 @@ class PipelineRuntime:
                                                           "the start-up handshake of the job group")
             flag_rank, flag_label = dist.get_rank(), "global rank"
         return Watchdog(job_store, job_prefix, self.rank, self.config.timeout_s, self.config.poll_interval_s,
-                        threaded_p2p=self.device.type == "cpu", flag_rank=flag_rank, flag_label=flag_label)
+                        gloo=self.device.type == "cpu", flag_rank=flag_rank, flag_label=flag_label)
 
     # ---------------------------------------------------------------- public API
     def step(self, inputs: Any, targets: Any, *, loss_scale: float = 1.0) -> StepResult:
@@ -186,11 +194,8 @@ class PipelineRuntime:
         with torch.no_grad():
             pending = self._run(ctx, self.plan.eval_rows)
             loss = self._read(pending) if pending is not None else None
-            try:
+            with self._stopping():
                 outputs = self._gather_outputs(ctx) if self.plan.lasts else None
-            except BaseException as exc:
-                self._fail(exc, None)
-                raise
         timeline = self.tracer.timeline(self.schedule.name, self.schedule.num_ranks,
                                         self.schedule.num_microbatches)
         return EvalResult(outputs=outputs, loss=loss, timeline=timeline)
@@ -205,12 +210,8 @@ class PipelineRuntime:
         """Wait for a collective posted with async_op=True (e.g. a data-parallel all-reduce) like the
         runtime's own waits: bounded by timeout_s and stopped when any rank of the job reported a
         failure. A failure here stops this runtime and tells the other ranks."""
-        try:
-            self.watchdog.wait_work(self.watchdog.track(work, "collective"), what, peers)
-        except BaseException as exc:
-            if self._broken is None:
-                self._fail(exc, None)
-            raise
+        with self._stopping():
+            self.watchdog.wait_collective(work, what, peers)
 
     # ---------------------------------------------------------------- step frame
     def _check_inputs(self, inputs: Any, targets: Any, train: bool) -> tuple[list[Any], list[Any], str]:
@@ -241,14 +242,11 @@ class PipelineRuntime:
             self._read(pending)
         chunks, target_chunks, error = self._check_inputs(inputs, targets, train)
         rows = structure.rows(targets) if target_chunks else (-1 if self.plan.lasts else None)
-        try:  # a mismatch with a kept agreement stops every rank: the others cannot see it
+        with self._stopping():  # a mismatch with a kept agreement stops every rank: the others cannot see it
             kept = self.batches.reuse(inputs, targets, error) if train else None
             found = kept or agree(structure.rows(inputs) if chunks else None,
-                                  signature(chunks) if chunks else None,
+                                  signature(inputs, len(chunks)) if chunks else None,
                                   rows, bool(error), self.group, self.device, self.watchdog)
-        except BaseException as exc:
-            self._fail(exc, None)
-            raise
         if kept is None:  # bad batches raise ValueError on every rank alike; the runtime stays usable
             self.batches.accept(found, error, train, inputs if chunks else None)
         self._step_no += 1
@@ -272,14 +270,10 @@ class PipelineRuntime:
     def _to_device(self, tensor: Tensor) -> Tensor:
         return tensor.to(self.device)
 
-    def _read(self, pending: PendingSum) -> float:
+    def _read(self, pending: PendingSum | SharedSum) -> float:
         """Wait for a loss all-reduce; a failure stops the runtime like a failed step."""
-        try:
+        with self._stopping():
             return pending.value()
-        except BaseException as exc:
-            if self._broken is None:
-                self._fail(exc, None)
-            raise
 
     def _grads_final(self, stages: tuple[int, ...]) -> None:
         hook = self.config.on_grads_ready
@@ -287,17 +281,53 @@ class PipelineRuntime:
             for stage in stages:
                 hook(stage)
 
-    def _run(self, ctx: StepContext, rows: tuple[Action, ...]) -> PendingSum | None:
-        action: Action | None = None
+    def _local_loss(self, ctx: StepContext) -> Tensor:
+        """This rank's share of the loss sum: its microbatches' weighted losses, or 0."""
+        if not ctx.losses:
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        weights = torch.tensor(ctx.loss_weights, dtype=torch.float64, device=self.device)
+        return torch.stack(ctx.losses).double().mul_(weights).sum()
+
+    def _loss_sum(self, ctx: StepContext, posted_at: int) -> Any:
+        """Start the step's loss sum (posted at the start of `_run`). One pipeline on gloo: a SharedSum (the
+        ranks holding last stages send their share to every rank); else an all-reduce, posted right away
+        on ranks without a last stage (posted_at -1) and by the others once their losses are final."""
+        what = "the loss sum"
+        if self.watchdog.gloo and (self._pipelines == 1 or not ctx.train):
+            return SharedSum(self.plan.output_ranks, self.group, self.device, self.watchdog, what)
+        if posted_at >= 0:
+            return None
+        return PendingSum(self._local_loss(ctx), self.job_group if ctx.train else self.group, self.device,
+                          self.watchdog, what)
+
+    def _losses_done(self, ctx: StepContext, loss: Any) -> Any:
+        """This rank computed its last loss of the step: share it (SharedSum) or post the all-reduce."""
+        if isinstance(loss, SharedSum):
+            loss.share(self._local_loss(ctx))
+            return loss
+        return PendingSum(self._local_loss(ctx), self.job_group if ctx.train else self.group, self.device,
+                          self.watchdog, "the loss sum")
+
+    def _run(self, ctx: StepContext, rows: tuple[Action, ...]) -> Any:
+        """Interpret `rows`; returns the pending loss sum (None without one). The sum is started before the
+        list and this rank's share is posted as soon as its losses are final, so it completes while the
+        step runs; every rank takes part."""
+        at: list[Action | None] = [None]
         final = self.plan.grads_final if ctx.train else {}
-        handlers = self._handlers
-        try:
+        handlers, reap = self._handlers, self.transport.reap
+        wants_loss = ctx.train or ctx.has_targets
+        loss_at = (self.plan.losses_final if ctx.train else self.plan.eval_losses_final) if wants_loss else -2
+        with self._stopping(at):
+            loss = self._loss_sum(ctx, loss_at) if wants_loss else None
             for pos, action in enumerate(rows):
+                at[0] = action
                 handlers[action.op](ctx, action)
-                self.transport.reap()
+                reap()
                 if pos in final:
                     self._grads_final(final[pos])
-            action = None
+                if pos == loss_at:
+                    loss = self._losses_done(ctx, loss)
+            at[0] = None
             self.transport.finish()
             left = ctx.leftovers()
             if left:
@@ -305,20 +335,32 @@ class PipelineRuntime:
             if ctx.train and self.mirror is not None:
                 self.mirror.finish()
                 self._grads_final(self.plan.mirrored)
-            loss = None
-            if ctx.train or ctx.has_targets:  # posted now, waited for when read (every rank posts it)
-                local = (torch.stack(ctx.losses).sum() if ctx.losses
-                         else torch.zeros((), dtype=torch.float64, device=self.device))
-                loss = PendingSum(local, self.job_group if ctx.train else self.group, self.device,
-                                  self.watchdog, "the loss all-reduce")
-        except BaseException as exc:
-            self._fail(exc, action)
-            raise
         if ctx.learning:
             self._shapes[(ctx.signature, ctx.train)] = ctx.shapes
             while len(self._shapes) > SHAPE_CACHE_SIZE:
                 self._shapes.popitem(last=False)
         return loss
+
+    @contextlib.contextmanager
+    def _stopping(self, at: list[Action | None] | None = None) -> Iterator[None]:
+        """Stop this runtime when the body raises (`at[0]`: the action running then). A RuntimeError
+        from torch.distributed after another rank reported a failure (and broke the connections)
+        becomes that rank's PeerFailedError. Once stopped, errors pass through unchanged."""
+        try:
+            yield
+        except BaseException as exc:
+            if self._broken is not None:
+                raise
+            failure: BaseException = exc
+            if isinstance(exc, RuntimeError) and not isinstance(exc, PipelineError):
+                try:
+                    self.watchdog.check()
+                except PeerFailedError as peer_failed:
+                    failure = peer_failed
+            self._fail(failure, at[0] if at else None)
+            if failure is exc:
+                raise
+            raise failure from exc
 
     def _fail(self, exc: BaseException, action: Action | None) -> None:
         where = f" while running {action}" if action is not None else ""
@@ -328,6 +370,7 @@ class PipelineRuntime:
             self.watchdog.report(f"{message}")
             if hasattr(exc, "add_note"):
                 exc.add_note(f"duplexpipe: rank {self.rank} failed{where}; the other ranks were told to stop")
+        self.transport.poison()  # ends every pending transfer of the group: the waiting ranks read the flag
 
     # ---------------------------------------------------------------- evaluate outputs
     def _gather_outputs(self, ctx: StepContext) -> Any:

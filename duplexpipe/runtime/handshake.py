@@ -107,8 +107,8 @@ def handshake(schedule: Schedule, local_stages: Collection[int], group: Any, dev
     mine = encode(summarize(schedule, rank, local_stages, local_error, codecs, fingerprint)).to(device)
     gathered = [torch.empty_like(mine) for _ in range(size)]
     work = dist.all_gather(gathered, mine, group=group, async_op=True)
-    waiter = Watchdog(None, "", rank, timeout_s, timeout_s)
-    waiter.wait_work(work, "the start-up handshake (every rank of the group must construct "
+    waiter = Watchdog(None, "", rank, timeout_s, timeout_s, gloo="gloo" in str(dist.get_backend(group)))
+    waiter.wait_collective(work, "the start-up handshake (every rank of the group must construct "
                      "PipelineRuntime with the same schedule)", "all ranks of the group")
     summaries = [decode(t) for t in gathered]
     compare(summaries, size)
@@ -121,5 +121,6 @@ def shared_nonce(group: Any, device: torch.device, timeout_s: float, what: str) 
     mine = torch.frombuffer(bytearray(os.urandom(8)), dtype=torch.uint8).to(device)
     gathered = [torch.empty_like(mine) for _ in range(size)]
     work = dist.all_gather(gathered, mine, group=group, async_op=True)
-    Watchdog(None, "", rank, timeout_s, timeout_s).wait_work(work, what, "all ranks of the group")
+    waiter = Watchdog(None, "", rank, timeout_s, timeout_s, gloo="gloo" in str(dist.get_backend(group)))
+    waiter.wait_collective(work, what, "all ranks of the group")
     return bytes(gathered[0].cpu().tolist()).hex()

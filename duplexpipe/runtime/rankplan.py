@@ -33,6 +33,11 @@ class RankPlan:
     (their last B or W on this rank); stages in `mirrored` are not listed."""
     mirrored: tuple[int, ...]
     """This rank's stages whose gradients are final only after the end-of-step mirror sum (DualPipe)."""
+    losses_final: int
+    """Position in `rows` after which this rank has computed all its losses (its last F of a last stage);
+    -1 when it computes none (the loss sum can be posted at the start of the step)."""
+    eval_losses_final: int
+    """The same in `eval_rows`."""
 
     @staticmethod
     def of(schedule: Schedule, rank: int, mirrored: Collection[int] = ()) -> RankPlan:
@@ -58,4 +63,14 @@ class RankPlan:
             firsts=tuple(s for s in mine if layout.prv[s] < 0), lasts=tuple(s for s in mine if layout.nxt[s] < 0),
             output_ranks=tuple(sorted(first_mb, key=lambda r: first_mb[r])),
             grads_final={pos: tuple(stages) for pos, stages in final.items()},
-            mirrored=tuple(s for s in mine if s in mirrored))
+            mirrored=tuple(s for s in mine if s in mirrored),
+            losses_final=_last_loss(rows, layout), eval_losses_final=_last_loss(forward_only(rows), layout))
+
+
+def _last_loss(rows: tuple[Action, ...], layout: Layout) -> int:
+    """The position of the last F of a last stage in `rows`, or -1."""
+    found = -1
+    for pos, action in enumerate(rows):
+        if any(p.op is Op.F and layout.nxt[p.stage] < 0 for p in action.compute_parts()):
+            found = pos
+    return found

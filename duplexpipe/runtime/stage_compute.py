@@ -54,7 +54,9 @@ class Activation:
     root_metas: list[TensorMeta]
     """Shape and dtype of each root (the gradients to receive), or of the loss."""
     device: torch.device
-    """The device of the outputs (for the loss's unit gradient)."""
+    """The device of the outputs (for the loss's gradient)."""
+    scale: float = 1.0
+    """The gradient backward starts the loss with (its microbatch weight times the loss scale)."""
     weight_work: WeightWork | None = None
     """Set by I: the deferred W."""
 
@@ -111,20 +113,20 @@ class StageCompute:
                              f"tensor (the mean over the microbatch), got {shape}")
         return value
 
-    def keep(self, inputs: list[Tensor], roots: list[Tensor], microbatch: int) -> Activation:
-        """What backward will need from this forward (roots: the gradient-carrying outputs, or the
-        scaled loss)."""
+    def keep(self, inputs: list[Tensor], roots: list[Tensor], microbatch: int, scale: float = 1.0) -> Activation:
+        """What backward will need from this forward (roots: the gradient-carrying outputs, or the loss,
+        whose gradient backward starts from `scale`: the same as a loss multiplied by it)."""
         if not roots:
             raise PipelineError(
                 f"stage {self.stage} microbatch {microbatch}: the output does not require grad, so "
                 "no backward can run (is the module's output detached, or are all parameters frozen?)")
         return Activation(list(inputs), [get_gradient_edge(r) for r in roots],
-                          [TensorMeta.of(r) for r in roots], roots[0].device)
+                          [TensorMeta.of(r) for r in roots], roots[0].device, scale)
 
     def _root_grads(self, act: Activation, grads: list[Tensor] | None) -> list[Tensor]:
         if grads is not None:
             return grads
-        return [torch.ones(m.shape, dtype=m.dtype, device=act.device) for m in act.root_metas]
+        return [torch.full(m.shape, act.scale, dtype=m.dtype, device=act.device) for m in act.root_metas]
 
     def backward(self, act: Activation, grads: list[Tensor] | None) -> list[Tensor]:
         """B: full backward; accumulates weight gradients, returns d(input) per kept input leaf

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from duplexpipe.schedules.ir import Action, ScheduleError
 from duplexpipe.schedules.timeline import Event, Timeline
 
+_NOTHING = contextlib.nullcontext()
 MEASURED = "measured"
 UNIT = "s"
 
@@ -48,12 +49,12 @@ class Tracer:
         event.record(torch.cuda.current_stream(self.device))
         return event
 
+    def span(self, action: Action) -> contextlib.AbstractContextManager[None]:
+        """Time the compute of `action` (a shared no-op context when disabled)."""
+        return self._timed(action) if self.enabled else _NOTHING
+
     @contextlib.contextmanager
-    def span(self, action: Action) -> Iterator[None]:
-        """Time the compute of `action` (a no-op when disabled)."""
-        if not self.enabled:
-            yield
-            return
+    def _timed(self, action: Action) -> Iterator[None]:
         begin = self._mark()
         yield
         self._spans.append((action, begin, self._mark()))

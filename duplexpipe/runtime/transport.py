@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -25,6 +26,8 @@ from duplexpipe.runtime.stage_compute import TensorMeta
 from duplexpipe.runtime.watchdog import PipelineError, Watchdog
 from duplexpipe.schedules.ir import Op
 
+POISON_TAG = 0x5EED
+"""The tag of the receive `Transport.poison` times out on (no rank ever sends with it)."""
 Key = tuple[Op, int, int]
 """(op, stage, microbatch) of a SEND or RECV action."""
 Resolver = Callable[[bool], "tuple[TensorMeta, ...] | None"]
@@ -56,15 +59,20 @@ class Transport:
         self.prefetch = prefetch
         size = dist.get_world_size(group)
         self._global = [dist.get_global_rank(group, r) if group is not None else r for r in range(size)]
+        self._pg: Any = group if group is not None else dist.group.WORLD
+        """The process group itself: its send/recv take group ranks and skip torch.distributed's Python
+        wrappers (a third of the cost of posting a small message)."""
         self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self._queues: dict[int, deque[_Recv]] = {}
         self._posted: dict[Key, _Recv] = {}
         self._sends: dict[Key, tuple[Any, list[Tensor], int]] = {}
 
     def _irecv(self, recv: _Recv, metas: tuple[TensorMeta, ...]) -> None:
-        src = self._global[recv.peer]
         recv.buffers = [torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in metas]
-        recv.works = [dist.irecv(b, src=src, group=self.group) for b in recv.buffers]
+        try:
+            recv.works = [self._pg.recv([b], recv.peer, 0) for b in recv.buffers]
+        except RuntimeError as exc:  # the group's connections are broken: a peer failed (or died)
+            raise self.watchdog.failure(exc, f"posting {key_text(recv.key)}", f"rank {recv.peer}") from exc
 
     def _post(self, recv: _Recv, metas: tuple[TensorMeta, ...]) -> None:
         if self.stream is None:
@@ -119,8 +127,7 @@ class Transport:
             self._drain(queued.peer, until=key)
         recv = self._posted.pop(key)
         assert recv.buffers is not None and recv.works is not None
-        works = recv.works if len(recv.works) > 1 else recv.works[0]
-        self.watchdog.wait_p2p(works, f"{key_text(key)} (the input of {consumer})", f"rank {recv.peer}")
+        self.watchdog.wait_p2p(recv.works, f"{key_text(key)} (the input of {consumer})", f"rank {recv.peer}")
         if self.stream is not None:
             done = torch.cuda.Event()
             with torch.cuda.stream(self.stream):
@@ -143,41 +150,63 @@ class Transport:
         for tensor in tensors:
             payload = tensor.detach()
             payloads.append(payload if payload.is_contiguous() else payload.contiguous())
-        dst = self._global[peer]
-        if self.stream is None:
-            works = [dist.isend(p, dst=dst, group=self.group) for p in payloads]
-        else:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.stream):
-                works = [dist.isend(p, dst=dst, group=self.group) for p in payloads]
-            for p in payloads:
-                p.record_stream(self.stream)
-        tracked = self.watchdog.track(works if len(works) > 1 else works[0], f"send{peer}")
-        self._sends[key] = (tracked, payloads, peer)
+        try:
+            if self.stream is None:
+                works = [self._pg.send([p], peer, 0) for p in payloads]
+            else:
+                self.stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self.stream):
+                    works = [self._pg.send([p], peer, 0) for p in payloads]
+                for p in payloads:
+                    p.record_stream(self.stream)
+        except RuntimeError as exc:  # the group's connections are broken: a peer failed (or died)
+            raise self.watchdog.failure(exc, f"posting {key_text(key)}", f"rank {peer}") from exc
+        self._sends[key] = (works, payloads, peer)
 
     def wait_send(self, key: Key) -> None:
-        """Wait (bounded) for the send `key` to complete now and release its tensor."""
+        """Wait (bounded) for the send `key` to complete now and release its tensors."""
         if key not in self._sends:
             raise PipelineError(f"rank {self.watchdog.rank}: no pending send {key_text(key)}")
-        work, _, peer = self._sends.pop(key)
-        self.watchdog.wait_work(work, f"completion of {key_text(key)}", f"rank {peer}")
+        works, _, peer = self._sends.pop(key)
+        self.watchdog.wait_p2p(works, f"completion of {key_text(key)}", f"rank {peer}")
 
     def reap(self) -> None:
-        """Drop (free) the tensors of sends that have completed."""
-        for key in [k for k, (work, _, _) in self._sends.items() if work.is_completed()]:
-            work, _, peer = self._sends.pop(key)
-            self.watchdog.wait_work(work, f"completion of {key_text(key)}", f"rank {peer}")
+        """Drop (free) the tensors of sends seen complete. gloo marks a send complete only once it was
+        waited for, so there this is a no-op and sends are released by `finish` (the contract's
+        latest point: the end of the step)."""
+        if self.watchdog.gloo or not self._sends:
+            return
+        for key in [k for k, (works, _, _) in self._sends.items() if all(w.is_completed() for w in works)]:
+            works, _, peer = self._sends.pop(key)
+            self.watchdog.wait_p2p(works, f"completion of {key_text(key)}", f"rank {peer}")
 
     def finish(self) -> None:
         """End of step: wait for every send (bounded); fail on receives nobody consumed."""
-        for key, (work, _, peer) in list(self._sends.items()):
-            self.watchdog.wait_work(work, f"completion of {key_text(key)} (the peer must post the "
-                                    "matching receive)", f"rank {peer}")
+        for key, (works, _, peer) in list(self._sends.items()):
+            self.watchdog.wait_p2p(works, f"completion of {key_text(key)} (the peer must post the "
+                                   "matching receive)", f"rank {peer}")
             del self._sends[key]
         left = sorted(key_text(k) for k in self._posted) + sorted(
             key_text(r.key) for q in self._queues.values() for r in q)
         if left:
             raise PipelineError(f"rank {self.watchdog.rank}: receives posted but never consumed: {left}")
+
+    def poison(self) -> None:
+        """After a failure on this rank: break the group's gloo connections, so every pending transfer of
+        every rank in the group ends at once (they then read the error flag). A gloo receive that times
+        out closes all of its group's connections on this rank; this times one out on purpose, on a tag
+        nobody sends, trying the peers in turn (a connection a failed peer already closed fails at once
+        instead of timing out). A no-op on other backends (their waits poll the flag) and on a group of one."""
+        if not self.watchdog.gloo:
+            return
+        for peer in range(len(self._global)):
+            if peer == self.watchdog.rank:
+                continue
+            try:
+                self._pg.recv([torch.empty(1, device=self.device)], peer, POISON_TAG).wait(timedelta(milliseconds=1))
+            except Exception as exc:  # noqa: BLE001 - expected: the timeout that broke the group, or a closed pair
+                if "timed out" in str(exc).lower():
+                    return
 
     @property
     def pending_sends(self) -> int:

@@ -1,11 +1,10 @@
-"""Runtime errors, the shared error flag and bounded waits that poll it."""
+"""Runtime errors, the shared error flag and bounded waits that check it."""
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 ERROR_KEY = "error"
@@ -37,99 +36,33 @@ class ActivationShapeError(PipelineError, ValueError):
     """A stage produced an activation whose shape or dtype differs from the announced one."""
 
 
-class Ticket:
-    """Completion of Works that a lane thread waits for, in order (`is_completed` without blocking)."""
-
-    def __init__(self, works: list[Any]) -> None:
-        self.works: list[Any] | None = works
-        self.done = threading.Event()
-        self.error: BaseException | None = None
-
-    def is_completed(self) -> bool:
-        """True once the lane's wait() on every work returned (or one raised)."""
-        return self.done.is_set()
-
-    def wait(self) -> None:
-        """Re-raise the work's error, if it failed (call after is_completed())."""
-        if self.error is not None:
-            raise self.error
-
-
-class WorkGroup:
-    """Several Works seen as one: completed when all are; wait() waits for each in order."""
-
-    def __init__(self, works: list[Any]) -> None:
-        self.works = works
-
-    def is_completed(self) -> bool:
-        """True when every work has completed."""
-        return all(w.is_completed() for w in self.works)
-
-    def wait(self) -> None:
-        """Wait for every work (re-raising the first failure)."""
-        for work in self.works:
-            work.wait()
-
-
-class Lane:
-    """A daemon thread that calls wait() on submitted Works in submission order.
-
-    gloo's point-to-point Works only complete inside wait() (is_completed stays False),
-    so a rank that must keep checking the error flag waits for them on a lane and blocks
-    on the ticket's event (woken the moment the work completes).
-    """
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._queue: queue.SimpleQueue[Ticket] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-
-    def submit(self, works: list[Any]) -> Ticket:
-        """Queue `works`; their ticket completes when the lane's wait() on each has returned."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
-            self._thread.start()
-        ticket = Ticket(works)
-        self._queue.put(ticket)
-        return ticket
-
-    def _loop(self) -> None:
-        while True:
-            ticket = self._queue.get()
-            try:
-                for work in ticket.works or ():
-                    work.wait()
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting rank
-                ticket.error = exc
-            # hold no Work while idle: one kept past destroy_process_group keeps gloo's context
-            # (and its threads) alive into interpreter exit
-            ticket.works = None
-            ticket.done.set()
-            del ticket
-
-
 class Watchdog:
-    """Bounded waits for one runtime instance, polling an error flag in the c10d store.
+    """Bounded waits for one runtime instance, checking an error flag in the c10d store.
 
-    A rank that fails writes `<prefix>/error` (its rank and message); every other rank
-    checks that key about every `poll_s` seconds while it waits and raises PeerFailedError.
-    With `threaded_p2p` (gloo), Works are waited for on named lane threads (`track`), and a
-    wait blocks on the ticket's event, one poll interval at a time.
+    A rank that fails writes `<prefix>/error` (its rank and message); every other rank checks
+    that key at least every `poll_s` seconds while it waits and raises PeerFailedError.
+
+    With `gloo`, waits block in the Work itself, in the calling thread (no hand-off to another
+    thread, so a message wakes its consumer directly). A collective is waited for `poll_s` at a
+    time, with the flag checked in between. A point-to-point wait cannot be interrupted (a
+    timed-out gloo receive closes the group's connections), so it waits for its whole budget at
+    once; a failing rank therefore breaks the group's connections after reporting
+    (`Transport.poison`), which ends every pending transfer of the group at once, and the
+    woken ranks read the flag. Without `gloo` (NCCL), waits poll `is_completed()`.
     """
 
     def __init__(self, store: Any, prefix: str, rank: int, timeout_s: float, poll_s: float,
-                 threaded_p2p: bool = False, flag_rank: int | None = None, flag_label: str = "rank") -> None:
+                 gloo: bool = False, flag_rank: int | None = None, flag_label: str = "rank") -> None:
         self.store = store
         self.key = f"{prefix}/{ERROR_KEY}"
         self.rank = rank
+        self.timeout_s = timeout_s
+        self.poll_s = poll_s
+        self.gloo = gloo
         self.flag_rank = rank if flag_rank is None else flag_rank
         """The rank this watchdog's reports name (the global rank when the flag spans several groups)."""
         self.flag_label = flag_label
         """How reports name ranks: "rank", or "global rank" when the flag spans several groups."""
-        self.timeout_s = timeout_s
-        self.poll_s = poll_s
-        self.threaded_p2p = threaded_p2p
-        self._lanes: dict[str, Lane] = {}
 
     def check(self) -> None:
         """Raise PeerFailedError when some rank has reported a failure."""
@@ -151,6 +84,10 @@ class Watchdog:
         except Exception:  # noqa: BLE001, S110 - reporting must not mask the original error
             pass
 
+    def _timeout(self, what: str, peer: str, limit: float | None = None) -> PipelineTimeoutError:
+        limit = self.timeout_s if limit is None else limit
+        return PipelineTimeoutError(f"rank {self.rank}: timed out after {limit:g} s waiting for {what} (peer: {peer})")
+
     def wait(self, done: Callable[[], bool], what: str, peer: str, timeout_s: float | None = None) -> None:
         """Poll `done()` until true; check the error flag meanwhile; raise on timeout.
 
@@ -165,51 +102,62 @@ class Watchdog:
                 self.check()
                 next_check = now + self.poll_s
             if now >= deadline:
-                raise PipelineTimeoutError(
-                    f"rank {self.rank}: timed out after {limit:g} s waiting for {what} (peer: {peer})")
+                raise self._timeout(what, peer, limit)
             time.sleep(sleep)
             sleep = min(sleep * 2, _MAX_SLEEP_S)
 
-    def wait_event(self, event: threading.Event, what: str, peer: str) -> None:
-        """Block on `event` one poll interval at a time, checking the error flag in between;
-        raise PipelineTimeoutError after timeout_s."""
-        deadline = time.monotonic() + self.timeout_s
-        while not event.wait(max(0.0, min(self.poll_s, deadline - time.monotonic()))):
-            self.check()
-            if time.monotonic() >= deadline:
-                raise PipelineTimeoutError(f"rank {self.rank}: timed out after {self.timeout_s:g} s "
-                                           f"waiting for {what} (peer: {peer})")
+    def failure(self, exc: RuntimeError, what: str, peer: str) -> PipelineError:
+        """The error for a Work that failed: a peer's reported failure if there is one (a failing rank
+        reports before it breaks the connections), else the failure itself."""
+        if isinstance(exc, PipelineError):
+            return exc
+        deadline = time.monotonic() + min(2.0, 40 * self.poll_s)
+        while True:
+            try:
+                self.check()
+            except PeerFailedError as peer_failed:
+                return peer_failed
+            if time.monotonic() >= deadline or self.store is None:
+                break
+            time.sleep(0.01)
+        return PipelineError(f"rank {self.rank}: {what} failed (peer: {peer}): {exc}")
 
-    def wait_work(self, work: Any, what: str, peer: str) -> None:
-        """Wait for a c10d Work or Ticket (bounded, flag-aware), then surface its error if it failed."""
+    def wait_p2p(self, works: Any, what: str, peer: str) -> None:
+        """Wait for point-to-point Works (one or a list), each bounded by timeout_s."""
+        for work in works if isinstance(works, list) else [works]:
+            if not self.gloo:
+                self.wait(work.is_completed, what, peer)
+            try:
+                work.wait(timedelta(seconds=self.timeout_s)) if self.gloo else work.wait()
+            except RuntimeError as exc:
+                if self.gloo and not isinstance(exc, PipelineError) and "Timed out" in str(exc):
+                    self.check()
+                    raise self._timeout(what, peer) from None
+                raise self.failure(exc, what, peer) from exc
+
+    def wait_collective(self, work: Any, what: str, peer: str) -> None:
+        """Wait for a collective Work: bounded by timeout_s, the error flag checked every poll_s."""
         if work is None:
             return
-        if isinstance(work, Ticket):
-            self.wait_event(work.done, what, peer)
-        else:
+        if not self.gloo:
             self.wait(work.is_completed, what, peer)
-        try:
-            work.wait()
-        except RuntimeError as exc:
-            if isinstance(exc, PipelineError):
-                raise
-            raise PipelineError(f"rank {self.rank}: {what} failed (peer: {peer}): {exc}") from exc
-
-    def track(self, work: Any, lane: str) -> Any:
-        """Something whose is_completed() turns true once `work` (a Work or a list of Works)
-        completed (never blocks): with threaded_p2p a Ticket of the lane named `lane` (Works on
-        one lane are waited in order), else the work itself (a WorkGroup for a list)."""
-        works = work if isinstance(work, list) else [work]
-        if not self.threaded_p2p:
-            return work if len(works) == 1 else WorkGroup(works)
-        if lane not in self._lanes:
-            self._lanes[lane] = Lane(f"duplexpipe-{lane}-{self.rank}")
-        return self._lanes[lane].submit(works)
-
-    def wait_p2p(self, work: Any, what: str, peer: str) -> None:
-        """Wait for a point-to-point Work right now (on the "recv" lane when threaded)."""
-        self.wait_work(self.track(work, "recv"), what, peer)
-
-    def track_send(self, work: Any) -> Any:
-        """track() on the "send" lane."""
-        return self.track(work, "send")
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                if not self.gloo:
+                    work.wait()
+                    return
+                work.wait(timedelta(seconds=max(1e-3, min(self.poll_s, deadline - time.monotonic()))))
+                return
+            except RuntimeError as exc:
+                if not self.gloo or "timed out" not in str(exc).lower():
+                    raise self.failure(exc, what, peer) from exc
+            if work.is_completed():  # completed right after the poll interval ended (or failed)
+                try:
+                    work.wait()
+                except RuntimeError as exc:
+                    raise self.failure(exc, what, peer) from exc
+                return
+            self.check()
+            if time.monotonic() >= deadline:
+                raise self._timeout(what, peer)
