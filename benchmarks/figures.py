@@ -50,9 +50,9 @@ def ratio_bars(results: dict[str, Any], path: str) -> None:
             series[f"{workload} (target <= {TARGETS[workload]:g})"] = [by.get(s, 0.0) for s in labels]
         _bars(axes[row], labels, series, 1.0, "parity", "median step time, ours / torch",
               "1. duplexpipe runtime vs torch.distributed.pipelining (lower is better)")
-        low = TARGETS["overhead-bound"]
+        low = TARGETS["overhead-bound, fixed shapes"]
         axes[row].axhline(low, color="#7f8c8d", linestyle=":", linewidth=1,
-                          label=f"overhead-bound target {low:g}")
+                          label=f"fixed-shape 1F1B target {low:g}")
         axes[row].legend(fontsize=7.5, loc="upper center", ncols=3)
         row += 1
     if results.get("measured_vs_simulated"):

@@ -21,14 +21,14 @@ from benchmarks import harness, models  # noqa: E402
 
 BUCKETS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
     "ours": (
-        ("wait for a receive (Transport.take: lane thread + event wait)", ("Transport.take (",)),
-        ("step-start agreement (all_reduce)", ("agree (",)),
-        ("loss all_reduce (lazy)", ("PendingSum.value (",)),
+        ("wait for a receive (Transport.take)", ("Transport.take (",)),
+        ("step-start agreement (star of messages)", ("agree (",)),
+        ("loss sum (SharedSum / PendingSum)", ("PendingSum.value (", "SharedSum.value (")),
         ("DualPipe mirrored-gradient exchange", ("MirrorSum.",)),
         ("end-of-step send completion", ("Transport.finish (",)),
         ("post receives (irecv)", ("Transport.expect (",)),
-        ("post sends (isend + send lane)", ("Transport.send (",)),
-        ("reap completed sends", ("Transport.reap (",)),
+        ("post sends (ProcessGroup.send)", ("Transport.send (",)),
+        ("reap completed sends (NCCL only)", ("Transport.reap (",)),
         ("I: autograd-graph analysis (autograd_split)", ("_parents (", "_ancestors (", "_group_params (",
                                                          "_meeting_points (")),
         ("forward compute (module + loss)", ("_do_forward (",)),

@@ -52,6 +52,8 @@ def full_plan() -> Plan:
             VsTorchConfig("overhead-bound", ModelSpec("mlp", num_layers=8, width=256, batch=64), reps=30),
             VsTorchConfig("compute-bound",
                           ModelSpec("transformer", num_layers=8, width=128, batch=32, seq=32), reps=12),
+            VsTorchConfig("overhead-bound, fixed shapes", ModelSpec("mlp", num_layers=8, width=256, batch=64),
+                          schedules=("1f1b",), reps=30, check_inputs_every_step=False),
         ),
         sim=SimConfig(),
         overlap=OverlapConfig(),

@@ -96,6 +96,8 @@ def summarize(cfg: VsTorchConfig, raw: dict[str, Any]) -> list[dict[str, Any]]:
     for key, res in raw.items():
         ours = harness.summarize(res["samples"]["ours"])
         theirs = harness.summarize(res["samples"]["torch"])
+        paired = harness.summarize([a / b for a, b in zip(res["samples"]["ours"], res["samples"]["torch"],
+                                                          strict=True)])
         rows.append({
             "workload": cfg.name,
             "model": cfg.spec.describe(),
@@ -105,6 +107,7 @@ def summarize(cfg: VsTorchConfig, raw: dict[str, Any]) -> list[dict[str, Any]]:
             "ours": ours.to_dict(),
             "torch": theirs.to_dict(),
             "ratio": ours.median / theirs.median,
+            "paired_ratio": paired.to_dict(),
             "grad_error": res["grad_error"],
             "grads_match": {side: err <= GRAD_TOLERANCE for side, err in res["grad_error"].items()},
             "samples": res["samples"],

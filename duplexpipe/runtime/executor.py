@@ -122,7 +122,7 @@ class PipelineRuntime:
         self._broken: str | None = None
         self.batches = BatchAgreement(self.config.check_inputs_every_step, self.rank, bool(self.plan.lasts))
         self._pending: PendingSum | SharedSum | None = None
-        """The latest step's loss all-reduce until something waited for it."""
+        """The latest step's loss sum until something waited for it."""
         self._handlers: dict[Op, Handler] = {
             Op.F: self.compute.forward, Op.B: self.compute.backward, Op.I: self.compute.backward,
             Op.W: self.compute.weight, Op.OVERLAP_F_B: self.compute.overlap,
@@ -172,8 +172,8 @@ class PipelineRuntime:
         """One training step over the whole batch (split into the schedule's microbatches).
 
         Gradients accumulate into .grad (never zeroed here) and equal those of
-        loss_scale * (mean loss over the batch). Returns the mean loss on every rank; its
-        all-reduce completes in the background (reading StepResult.loss, or the next call,
+        loss_scale * (mean loss over the batch). Returns the mean loss on every rank; its sum
+        over the ranks completes in the background (reading StepResult.loss, or the next call,
         waits for it).
         """
         ctx = self._begin(inputs, targets, train=True, loss_scale=loss_scale)
