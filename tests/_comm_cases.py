@@ -26,7 +26,15 @@ from duplexpipe.comm import (
     ring_bytes,
 )
 from duplexpipe.comm.dgc import dgc_density
-from duplexpipe.comm.quantize import INT8_MAX, dequantize_int8, quantize_int8
+from duplexpipe.comm.quantize import (
+    INT8_MAX,
+    dequantize_fp8,
+    dequantize_int8,
+    fp8_from_wire,
+    fp8_to_wire,
+    quantize_fp8,
+    quantize_int8,
+)
 from duplexpipe.comm.sparsify import keep_count
 
 SHAPES = {0: [(8, 6), (6,), (5, 4)], 5: [(10, 3), (3,)]}
@@ -276,8 +284,31 @@ def _powersgd_wrapped(reducer: Reducer, rank: int) -> dict[str, Any]:
     return {"reducer": reducer.meter.snapshot(), "wrapped": seen.snapshot()}
 
 
+def _reverse_finish_equal(group: Any) -> bool:
+    """Finishing a step's reductions last-started first gives the same means (int8: two phases each, with
+    nearest rounding, since stochastic rounding's draws follow the order phases run in; PowerSGD: the
+    second bucket's hook waits for the first's chain)."""
+    rank = dist.get_rank(group)
+    same = True
+    for spec in (Int8Options(block=16, stochastic=False), PowerSGDOptions(rank=1, start_step=2)):
+        means = []
+        for reverse in (False, True):
+            reducer = build_reducer(spec, _own_group(group))
+            for s in range(4):
+                started = []
+                for i in SHAPES:
+                    bucket = Bucket(i, SHAPES[i])
+                    bucket.buffer().copy_(grad(80 + i, rank, s, NUMEL[i], torch.float32))
+                    started.append(reducer.start(bucket))
+                got = [r.finish().clone() for r in (reversed(started) if reverse else started)]
+                reducer.end_step(True)
+            means.append(got[::-1] if reverse else got)
+        same &= all(torch.equal(a, b) for a, b in zip(*means, strict=True))
+    return same
+
+
 def api_errors_case(group: Any) -> dict[str, str]:
-    """The reducer's misuse errors, as text."""
+    """The reducer's misuse errors, the wait callable's descriptions, finish order, as text."""
     out: dict[str, str] = {}
     reducer = build_reducer("int8", group)
     bucket = Bucket(2, [(4,)])
@@ -290,8 +321,17 @@ def api_errors_case(group: Any) -> dict[str, str]:
             out[name] = "no error"
         except (RuntimeError, ValueError) as exc:
             out[name] = f"{type(exc).__name__}: {exc}"
-    pending.finish()
+    waited: list[str] = []
+
+    def recording_wait(work: Any, what: str) -> None:
+        waited.append(what)
+        work.wait()
+
+    pending.finish(recording_wait)
     reducer.end_step(True)
+    out["waited"] = " / ".join(waited)
+    out["compute_s_positive"] = str(pending.compute_s > 0)
+    out["reverse_finish_equal"] = str(_reverse_finish_equal(group))
     bad = Bucket(3, [(4,)])
     bad.set_buffer(torch.zeros(8)[::2])  # strided: not a flat contiguous buffer
     try:
@@ -410,6 +450,25 @@ def ratio_case(group: Any, numel: int = 1 << 16) -> dict[str, float]:
     return out
 
 
+def fp8_wire_case(group: Any) -> dict[str, bool]:
+    """fp8 payloads moved by all_gather as their uint8 view (gloo rejects float8): every rank rebuilds
+    every rank's dequantized tensor bit for bit."""
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    out = {}
+    for fmt in ("e4m3", "e5m2"):
+        inputs = [grad(90, r, 0, 60, torch.float32).view(6, 10) for r in range(n)]
+        payload, scales = quantize_fp8(inputs[rank], fmt)
+        wire = fp8_to_wire(payload)
+        wires, all_scales = torch.empty((n * 6, 10), dtype=torch.uint8), torch.empty(n * 6)
+        dist.all_gather_into_tensor(wires, wire, group=group)
+        dist.all_gather_into_tensor(all_scales, scales, group=group)
+        got = [dequantize_fp8(fp8_from_wire(w, fmt), sc) for w, sc in zip(wires.split(6), all_scales.split(6),
+                                                                          strict=True)]
+        want = [dequantize_fp8(*quantize_fp8(x, fmt)) for x in inputs]
+        out[fmt] = all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    return out
+
+
 def all_cases(group: Any, pairs: bool) -> dict[str, Any]:
     """Every case on `group` (the 2-rank-only ones when `pairs`)."""
     out: dict[str, Any] = {
@@ -419,6 +478,7 @@ def all_cases(group: Any, pairs: bool) -> dict[str, Any]:
         "meter": meter_case(group),
         "dgc_warmup": dgc_warmup_case(group),
         "ratio": ratio_case(group),
+        "fp8_wire": fp8_wire_case(group),
     }
     if pairs:
         out["int8_magnitude"] = int8_magnitude_case(group)

@@ -30,8 +30,12 @@ def test_transmitted_plus_residual_is_the_gradient_sum(method: str) -> None:
             out = dequantize_int8(codes, scales, 16, torch.float64)
             fb.keep_difference(0, acc, out)
         else:
-            sel = {"topk": lambda: top_k(acc, 15), "randomk": lambda: random_k(acc, 15, gen),
-                   "threshold": lambda: threshold(acc, 15, 0.3)}[method]()
+            if method == "topk":
+                sel = top_k(acc, 15)
+            elif method == "randomk":
+                sel = random_k(acc, 15, gen)
+            else:
+                sel = threshold(acc, 15, 0.3)
             out = torch.zeros_like(acc).index_add_(0, sel.indices, sel.values)
             fb.keep_rest(0, acc, sel.chosen)
             assert torch.equal(out + fb.staged(0), before)  # bit for bit

@@ -93,6 +93,12 @@ def test_bytes_on_the_wire_per_method(results: list[dict[int, dict[str, Any]]]) 
 
 
 @pytest.mark.timeout(60)
+def test_fp8_payloads_travel_as_uint8(results: list[dict[int, dict[str, Any]]]) -> None:
+    for rank, n, m in _each(results, "fp8_wire"):
+        assert m == {"e4m3": True, "e5m2": True}, (rank, n)
+
+
+@pytest.mark.timeout(60)
 def test_dgc_warmup_follows_the_sparsity_schedule(results: list[dict[int, dict[str, Any]]]) -> None:
     for rank, n, m in _each(results, "dgc_warmup"):
         assert m["got"] == m["want"], (rank, n, m)
@@ -115,10 +121,12 @@ def test_powersgd_state_is_keyed_by_bucket_index(results: list[dict[int, dict[st
 
 
 @pytest.mark.timeout(60)
-def test_misuse_gives_clear_errors(results: list[dict[int, dict[str, Any]]]) -> None:
+def test_misuse_errors_waits_and_finish_order(results: list[dict[int, dict[str, Any]]]) -> None:
     for rank, _, m in _each(results, "api_errors", (2,)):
         assert m["twice"] == ("RuntimeError: int8: bucket 2 was already started in this step "
                               "(call end_step() after each step)"), rank
         assert m["unfinished"] == "RuntimeError: int8: finish the reductions of buckets [2] before end_step()"
         assert m["method"] == "ValueError: state is for method 'topk', this reducer is 'int8'"
         assert "expected a non-empty flat contiguous floating buffer" in m["buffer"], m
+        assert m["waited"] == "the int8 all_to_all of gradient bucket 2 / the int8 all_gather of gradient bucket 2"
+        assert m["compute_s_positive"] == "True" and m["reverse_finish_equal"] == "True", m

@@ -98,8 +98,9 @@ class Reducer(ABC):
 
     Collective order: reducers post collectives only inside start() and finish(), on the calling thread, so
     every rank posts them in its program order (call start/finish at the same program points on every
-    rank). PowerSGD is the exception (torch's hook chains its all-reduces in future callbacks): its group
-    must be used by nothing else while reductions are in flight (see PowerSGDReducer).
+    rank; random draws such as stochastic rounding's also follow that order). PowerSGD is the exception
+    (torch's hook chains its all-reduces in future callbacks): its group must be used by nothing else while
+    reductions are in flight (see PowerSGDReducer).
     """
 
     method = "abstract"
