@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any, cast
 
-import numpy as np
 import torch
 from torch import Tensor
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -119,7 +118,7 @@ class PowerSGDReducer(Reducer):
                 "error": {i: t.clone() for i, t in st.error_dict.items()},
                 "p": {i: t.clone() for i, t in st.p_memory_dict.items()},
                 "q": {i: t.clone() for i, t in st.q_memory_dict.items()},
-                "rng": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss))}
+                "rng": (name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(gauss))}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore state_dict()'s iteration, tables and random state."""
@@ -130,4 +129,4 @@ class PowerSGDReducer(Reducer):
             table.clear()
             table.update({int(i): t.clone() for i, t in state[key].items()})
         name, keys, pos, has_gauss, gauss = state["rng"]
-        st.rng.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+        st.rng.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, gauss))
