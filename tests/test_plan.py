@@ -39,6 +39,8 @@ def test_feasible_rows_come_first_by_step_time_and_fit_the_cap() -> None:
             "interleaved-1f1b(chunks=2)", "interleaved-1f1b(chunks=4)"} <= names
     assert {r.microbatches for r in result.rows} == {2, 4, 8, 16}
     assert all(len(r.memory) == 2 for r in fits)
+    assert result.schedule is not None and result.schedule.num_microbatches == result.best.microbatches
+    assert result.best.schedule.startswith(result.schedule.name)
 
 
 def test_rejections_say_why() -> None:

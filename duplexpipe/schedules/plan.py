@@ -122,6 +122,8 @@ class PlanResult:
     """Feasible rows by step time, then rejected ones."""
     advice: str
     """One line on the data-parallel reduction of the best plan (empty when D = 1)."""
+    schedule: Schedule | None = field(default=None, repr=False, compare=False)
+    """The best plan's schedule, ready to run (`Pipeline` / `PipelineRuntime` take a Schedule)."""
 
     @property
     def best(self) -> PlanRow:
@@ -171,7 +173,7 @@ def plan(profile: Profile, config: PlanConfig) -> PlanResult:
     best, context = fits[0]
     assert context is not None
     out = [row for row, _ in fits] + [r for r in rows if not r.feasible]
-    return PlanResult(config, tuple(out), _advice(config, best, context))
+    return PlanResult(config, tuple(out), _advice(config, best, context), context.schedule)
 
 
 def _check(profile: Profile, config: PlanConfig) -> None:
