@@ -60,9 +60,13 @@ def add_parsers(sub: Any) -> None:
                     help="model parts to measure (the most any considered schedule needs, e.g. 2P for ZB-V)")
     pr.add_argument("--microbatch", type=_integer("microbatch"), default=None,
                     help="samples in the profiled microbatch (default: the task's whole first batch)")
-    pr.add_argument("--repeats", type=_integer("repeats"), default=3, help="measured runs per part (median)")
+    pr.add_argument("--repeats", type=_integer("repeats"), default=3,
+                    help="measured runs per part (the fastest counts)")
     pr.add_argument("--balance", choices=("uniform", "params", "time"), default="uniform",
                     help="how to split the layers into parts (default uniform)")
+    pr.add_argument("--threads", type=_integer("threads"), default=1,
+                    help="torch CPU threads while measuring (default 1: what each rank of a local run gets "
+                    "when the ranks fill the cores; more threads on a shared machine make timings erratic)")
     pr.add_argument("-o", "--output", required=True, metavar="FILE", help="where to write the profile (JSON)")
     pr.add_argument("--json", action="store_true", help="print the profile as JSON")
 
@@ -152,10 +156,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     """`duplexpipe profile` (imports torch)."""
+    import torch
+
     from duplexpipe.pipeline.profile import profile_parts
     from duplexpipe.pipeline.split import split_model
     from duplexpipe.pipeline.train import DEFAULT_TASK, load_task, parse_task_options
 
+    torch.set_num_threads(args.threads)
     spec = args.task or DEFAULT_TASK
     task = load_task(spec)(**parse_task_options(args.task_option))
     parts, _ = split_model(task.layers, args.parts, args.balance, embedding=task.embedding, head=task.head)
@@ -164,7 +171,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if rows > len(inputs):
         raise ValueError(f"--microbatch {rows} exceeds the task's batch of {len(inputs)} samples")
     profile = profile_parts(parts, inputs[:rows], target=targets[:rows], loss_fn=task.loss_fn,
-                            repeats=args.repeats, meta={"task": spec, "parts": args.parts, "balance": args.balance})
+                            repeats=args.repeats, meta={"task": spec, "parts": args.parts, "balance": args.balance,
+                                                        "threads": args.threads})
     try:
         save_profile(profile, args.output)
     except OSError as exc:

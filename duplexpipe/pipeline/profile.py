@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -104,9 +103,9 @@ class _PartRun:
         return _detached(out)
 
     def result(self, output: Any) -> PartProfile:
-        """Medians of the kept runs, with the bytes of `output` (the message this part sends)."""
+        """The fastest of the kept runs (contention only ever adds time), with the bytes of `output`."""
         leaves = tensor_leaves(output)
-        f, i, w = (statistics.median(ts) for ts in self.times)
+        f, i, w = (min(ts) for ts in self.times)
         grad_leaves = [t for t in leaves if t.is_floating_point()]
         return PartProfile(f, i, w, self.saved, nbytes(list(self.part.parameters())), nbytes(leaves),
                            nbytes(grad_leaves))
@@ -118,8 +117,8 @@ def profile_parts(parts: Sequence[nn.Module], sample_input: Any, *, target: Any 
                   meta: dict[str, Any] | None = None) -> Profile:
     """Measure each part on one microbatch, the parts run in order so each sees its real input.
 
-    Per part: the median over `repeats` runs (after `warmup` unmeasured ones) of its
-    forward, its input-gradient backward (I) and its weight-gradient backward (W), split as
+    Per part: the fastest of `repeats` runs (after `warmup` unmeasured ones), separately for
+    its forward, its input-gradient backward (I) and its weight-gradient backward (W), split as
     the runtime splits them; the bytes its forward saves for backward (counted with
     `saved_tensors_hooks`, parameters excluded, each storage once); its parameter bytes; and
     the bytes of every tensor of its output (the forward message) and of the floating ones
