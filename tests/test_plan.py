@@ -134,3 +134,15 @@ def test_microbatch_counts() -> None:
     assert microbatch_counts(config(ranks=4, batch=96, dp=2)) == [4, 6, 8, 12, 16, 24]
     assert microbatch_counts(config(ranks=8, batch=6)) == [1, 2, 3, 6]
     assert microbatch_counts(config(microbatches=(5,))) == [5]
+
+
+def test_when_nothing_hides_a_heavier_compression_must_buy_real_time() -> None:
+    everything = ("none", "bf16", "int8", "powersgd-r4", "powersgd-r1", "dgc")
+    slow = Link(bandwidth=16 * MIB / 40e-3)  # all-reduce 40 ms; dgc (20x) 2 ms against a 1 ms last W
+    row = plan(profile(), config(dp=2, schedules=("zb-h1",), microbatches=(4,), dp_link=slow,
+                                 compressions=everything)).best
+    assert row.compression == "dgc" and row.dp_exposed_s == pytest.approx(1e-3)
+    mirrored = plan(profile(), config(dp=2, schedules=("dualpipe",), microbatches=(4,), dp_link=Link(1e12),
+                                      compressions=everything))
+    # DualPipe reduces after its mirror sum: nothing hides, and 20x less of a tiny reduction is not worth it
+    assert mirrored.best.compression == "none" and "after its mirror sum" in mirrored.advice

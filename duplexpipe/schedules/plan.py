@@ -26,6 +26,9 @@ from duplexpipe.schedules.timeline import Timeline
 
 HIDDEN = 1e-9
 """Exposed data-parallel time (s) at or below which a reduction counts as hidden."""
+WORTH_IT = 0.01
+"""When no compression hides the reduction, a heavier method must shorten the step by more than this
+fraction to be chosen over a lighter one."""
 
 
 class PlanError(ValueError):
@@ -334,18 +337,17 @@ def _cost_model(schedule: Schedule, groups: Sequence[PartProfile], link: Link) -
 
 def _choose_compression(schedule: Schedule, timeline: Timeline, groups: Sequence[PartProfile],
                         config: PlanConfig, zero: int, allowed: Sequence[str]) -> tuple[Compression, float]:
-    """The lightest allowed method that hides the reduction, else the fastest; and the step time with it."""
-    best: tuple[float, Compression] | None = None
+    """The lightest allowed method that hides the reduction; if none does, the lightest within
+    `WORTH_IT` of the fastest step (a heavier method must buy real time). Returns it and its step time."""
     floor = step_time(schedule, timeline, groups, replace(config, dp=1), zero, COMPRESSIONS["none"])
-    for name in allowed:
-        method = compression(name)
-        step = step_time(schedule, timeline, groups, config, zero, method)
+    steps = [(compression(name), step_time(schedule, timeline, groups, config, zero, compression(name)))
+             for name in allowed]
+    steps.sort(key=lambda item: list(COMPRESSIONS).index(item[0].name))
+    for method, step in steps:
         if step - floor <= HIDDEN:
             return method, step
-        if best is None or step < best[0] - HIDDEN:
-            best = (step, method)
-    assert best is not None, "at least one compression method is allowed"
-    return best[1], best[0]
+    fastest = min(step for _, step in steps)
+    return next((m, step) for m, step in steps if step <= fastest * (1 + WORTH_IT))
 
 
 def step_time(schedule: Schedule, timeline: Timeline, groups: Sequence[PartProfile], config: PlanConfig,
@@ -399,6 +401,9 @@ def _advice(config: PlanConfig, best: PlanRow, context: _Context) -> str:
     if config.dp <= 1:
         return ""
     sched, timeline, groups = context.schedule, context.timeline, context.groups
+    if sched.num_copies > 1:
+        return (f"{sched.name} reduces its gradients over the data-parallel replicas after its mirror sum, when "
+                f"no compute is left to hide behind: {best.dp_exposed_s * 1e3:.3g} ms with {best.compression}")
     floor = step_time(sched, timeline, groups, replace(config, dp=1), best.zero, COMPRESSIONS["none"])
     for method in COMPRESSIONS.values():
         if step_time(sched, timeline, groups, config, best.zero, method) - floor <= HIDDEN:

@@ -50,14 +50,15 @@ def plot_pareto(result: PlanResult, path: str | os.PathLike[str] | None) -> Figu
         gone = [r for r in over if r.schedule == name]
         ax.scatter([r.peak_bytes / scale for r in gone], [r.step_s * 1e3 for r in gone], s=22,
                    facecolors="none", edgecolors=colors[name], linewidths=0.8, zorder=2,
-                   label=None if mine or not gone else f"{st.display_name(name)} (over cap)")
+                   label=None if mine or not gone else st.display_name(name))
+    if over:
+        ax.scatter([], [], s=22, facecolors="none", edgecolors="#666666", label="hollow: over the cap")
     front = pareto_front(fits)
     ax.plot([r.peak_bytes / scale for r in front], [r.step_s * 1e3 for r in front], color="#444444",
             linewidth=1.0, zorder=1, label="Pareto front")
-    for r in front:
+    for k, r in enumerate(front):  # labels alternate above and below the front so neighbours do not collide
         ax.annotate(f"{st.display_name(r.schedule)} M={r.microbatches}", (r.peak_bytes / scale, r.step_s * 1e3),
-                    fontsize=7,
-                    xytext=(4, 4), textcoords="offset points")
+                    fontsize=7, xytext=(5, 6 if k % 2 == 0 else -11), textcoords="offset points")
     best = result.best
     ax.scatter([best.peak_bytes / scale], [best.step_s * 1e3], marker="*", s=180, color="gold",
                edgecolors="black", zorder=4, label=f"best: {st.display_name(best.schedule)} M={best.microbatches}")
