@@ -85,11 +85,13 @@ def search(num_ranks: int, num_microbatches: int, *, cost: Any = None, memory_li
     1/2 for "v": the limit counts stage-microbatches of a P-part split, so the default P is
     1F1B's peak on rank 0 under either placement). An activation is held from its F's start
     to its W's end, as `Timeline.peak_activations` counts. Raises ValueError for bad
-    arguments or a limit below the smallest feasible one (named in the message).
+    arguments or a limit below the smallest feasible one (named in the message). The result
+    passes `verify`.
     """
     started = time.perf_counter()
     cost, table, problem = _setup(num_ranks, num_microbatches, cost, memory_limit, placement, stage_memory)
     from duplexpipe.schedules.simulate import simulate  # lazy: keeps `import registry` free of networkx
+    from duplexpipe.schedules.verify import verify
 
     timed: list[tuple[Candidate, Schedule]] = []
 
@@ -118,6 +120,7 @@ def search(num_ranks: int, num_microbatches: int, *, cost: Any = None, memory_li
     index = min(range(len(timed)), key=lambda k: (round(timed[k][0].makespan, 9), round(timed[k][0].peak, 9), k))
     winner = timed[index][1]
     schedule = Schedule(AUTO, num_ranks, num_microbatches, winner.stages, winner.actions)
+    verify(schedule)  # the simulator ran it to the end already; this also proves it deadlock-free
     return SearchResult(schedule, timed[index][0], tuple(c for c, _ in timed), len(policies),
                         time.perf_counter() - started)
 
