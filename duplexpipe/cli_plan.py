@@ -197,15 +197,23 @@ def profile_memory(schedule: Schedule, timeline: Timeline, path: str) -> list[di
 
 
 def add_peak_bytes(rows: list[dict[str, Any]], timelines: Sequence[Timeline], path: str) -> None:
-    """Add "peak_bytes" (the largest per-rank peak, or "peak_bytes_error") to compare's rows, in place."""
+    """Add "peak_bytes" (the largest per-rank peak, or "peak_bytes_error") to compare's rows, in place.
+
+    The byte model needs only each schedule's stage table beside its timeline, so nothing is
+    searched again (auto is built with its default placement, one stage per rank).
+    """
     from duplexpipe.schedules import registry
+    from duplexpipe.schedules._common import linear_stages
 
     done = iter(timelines)
     for row in rows:
         if "skipped" in row:
             continue
         timeline = next(done)
-        schedule = registry.build(row["schedule"], timeline.num_ranks, timeline.num_microbatches)
+        ranks, mbs = timeline.num_ranks, timeline.num_microbatches
+        table = linear_stages(ranks) if row["schedule"] == "auto" else \
+            registry.build(row["schedule"], ranks, mbs).stages
+        schedule = Schedule(row["schedule"], ranks, mbs, table, tuple(() for _ in range(ranks)))
         try:
             row["peak_bytes"] = max(r["peak"] for r in profile_memory(schedule, timeline, path))
         except ProfileError as exc:

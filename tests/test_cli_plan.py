@@ -104,7 +104,7 @@ def test_simulate_and_compare_show_bytes_with_a_profile(capsys: pytest.CaptureFi
     code, out, err = run(capsys, "compare", "-p", "2", "-m", "4", "--profile", profile_file, "--json")
     assert code == 0, err
     rows = {r["schedule"]: r for r in json.loads(out)["schedules"]}
-    assert rows["1f1b"]["peak_bytes"] > 0 and rows["zbv"]["peak_bytes"] > 0
+    assert rows["1f1b"]["peak_bytes"] > 0 and rows["zbv"]["peak_bytes"] > 0 and rows["auto"]["peak_bytes"] > 0
     code, out, err = run(capsys, "compare", "-p", "4", "-m", "8", "--profile", profile_file, "--json")
     rows = {r["schedule"]: r for r in json.loads(out)["schedules"]}
     assert "at least 8" in rows["zbv"]["peak_bytes_error"] and rows["zb-h1"]["peak_bytes"] > 0
