@@ -22,7 +22,7 @@ from benchmarks.models import ModelSpec  # noqa: E402
 from benchmarks.overlap import OverlapConfig  # noqa: E402
 from benchmarks.vs_torch import VsTorchConfig  # noqa: E402
 
-PARTS = ("vs_torch", "measured_vs_simulated", "overlap", "tooling", "profile")
+PARTS = ("vs_torch", "measured_vs_simulated", "overlap", "tooling", "profile", "auto_search")
 QUICK_PARTS = PARTS[:4]
 
 
@@ -75,7 +75,7 @@ def quick_plan() -> Plan:
 
 
 def _runners(plan: Plan) -> dict[str, Callable[[], Any]]:
-    from benchmarks import measured_vs_sim, overlap, tooling, vs_torch
+    from benchmarks import auto_search, measured_vs_sim, overlap, tooling, vs_torch
 
     return {
         "vs_torch": lambda: [row for cfg in plan.vs_torch for row in vs_torch.run(cfg, plan.world)],
@@ -83,6 +83,7 @@ def _runners(plan: Plan) -> dict[str, Callable[[], Any]]:
         "overlap": lambda: overlap.run(plan.overlap, plan.world),
         "tooling": lambda: tooling.run(plan.quick_tooling),
         "profile": lambda: _run_profile(plan),
+        "auto_search": lambda: auto_search.run(plan.quick_tooling),
     }
 
 
@@ -202,6 +203,12 @@ def _publish(results: dict[str, Any], out: str, docs: str) -> None:
         report.update_doc(os.path.join(docs, "benchmarks.md"), report.results_markdown(results, made))
     else:
         write_figures(results, out, "")
+    if results.get("auto_search"):
+        from benchmarks import auto_search
+
+        print(auto_search.text_report(results["auto_search"]))
+        if docs != "none":
+            auto_search.update_doc(os.path.join(docs, "benchmarks.md"), results["auto_search"])
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import os
 import sys
 from typing import Any, NoReturn, Sequence
 
+from duplexpipe import cli_plan
 from duplexpipe.schedules.ir import Schedule, ScheduleError, load_json, load_torch_csv, save_json, save_torch_csv
 
 _SCHEDULE_HELP = ("a built-in schedule (see 'duplexpipe schedules'; needs -p and -m) or a schedule file: "
@@ -82,11 +83,13 @@ def _build_parser(with_train: bool = False) -> _Parser:
     sim.add_argument("--json", action="store_true", help="print the result as JSON")
     sim.add_argument("--plot", metavar="FILE", help="write a Gantt chart (.png, .svg or .pdf)")
     sim.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace (.json)")
+    cli_plan.add_profile_option(sim)
     cmp_ = sub.add_parser("compare", help="compare every schedule that accepts P and M")
     _add_shape(cmp_)
     _add_cost(cmp_)
     cmp_.add_argument("--json", action="store_true", help="print the table as JSON")
     cmp_.add_argument("--plot", metavar="FILE", help="write the comparison figure (.png, .svg or .pdf)")
+    cli_plan.add_profile_option(cmp_)
     exp = sub.add_parser("export", help="write a schedule as JSON or torch CSV")
     exp.add_argument("schedule", metavar="NAME|FILE", help=_SCHEDULE_HELP)
     _add_shape(exp, required=False)
@@ -94,6 +97,7 @@ def _build_parser(with_train: bool = False) -> _Parser:
     exp.add_argument("-o", "--output", required=True, metavar="FILE")
     exp.add_argument("--comms", action="store_true", help="export the lowered schedule (with SEND/RECV)")
     _add_train_parser(sub, with_train)
+    cli_plan.add_parsers(sub)
     return parser
 
 
@@ -182,6 +186,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         from duplexpipe.viz import to_chrome_trace
 
         to_chrome_trace(timeline, args.trace)
+    if args.profile:
+        result["memory"] = cli_plan.profile_memory(schedule, timeline, args.profile)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -190,6 +196,9 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     print(f"{'rank':>4} {'busy':>10} {'idle':>10} {'peak_act':>8}")
     for row in result["per_rank"]:
         print(f"{row['rank']:>4} {row['busy']:>10g} {row['idle']:>10g} {row['peak_activations']:>8}")
+    if args.profile:
+        print("\n".join(["memory per rank (bytes, at the profile's microbatch):",
+                         *cli_plan.memory_lines(result["memory"])]))
     for label, path in (("plot", args.plot), ("trace", args.trace)):
         if path:
             print(f"{label} written to {path}")
@@ -225,6 +234,8 @@ def compare_rows(ranks: int, microbatches: int, cost: Any) -> tuple[list[dict[st
 
 def _cmd_compare(args: argparse.Namespace) -> int:
     rows, timelines = compare_rows(args.ranks, args.microbatches, _cost(args.cost))
+    if args.profile:
+        cli_plan.add_peak_bytes(rows, timelines, args.profile)
     if args.plot:
         from duplexpipe.viz import plot_comparison
 
@@ -240,7 +251,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             print(f"{row['schedule']:<17} skipped: {row['skipped']}")
             continue
         print(f"{row['schedule']:<17} {row['makespan']:>9.2f} {row['bubble_ratio']:>7.1%} "
-              f"{row['peak_activations']:>8} {row['peak_activation_memory']:>7.1f} {row['params_per_rank']:>6.1f}x")
+              f"{row['peak_activations']:>8} {row['peak_activation_memory']:>7.1f} {row['params_per_rank']:>6.1f}x"
+              + (f"  peak {cli_plan.format_bytes(row['peak_bytes'])}/rank" if "peak_bytes" in row else ""))
     if args.plot:
         print(f"figure written to {args.plot}")
     return 0
@@ -278,6 +290,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 _COMMANDS = {
     "schedules": _cmd_schedules, "show": _cmd_show, "verify": _cmd_verify, "simulate": _cmd_simulate,
     "compare": _cmd_compare, "export": _cmd_export, "train": _cmd_train,
+    "plan": cli_plan.cmd_plan, "profile": cli_plan.cmd_profile,
 }
 
 

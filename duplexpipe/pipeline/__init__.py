@@ -3,6 +3,7 @@
 from duplexpipe.pipeline.launch import LaunchError, init_from_env, launch, launched_by_torchrun, run
 from duplexpipe.pipeline.mesh import ParallelGroups, make_mesh
 from duplexpipe.pipeline.precision import DynamicLossScaler, LossScaleConfig
+from duplexpipe.pipeline.profile import profile_parts
 from duplexpipe.pipeline.split import PartInfo, Partition, plan_partition, split_model
 from duplexpipe.pipeline.trainer import Pipeline, PipelineConfig, StepInfo
 
@@ -21,6 +22,7 @@ __all__ = [
     "launched_by_torchrun",
     "make_mesh",
     "plan_partition",
+    "profile_parts",
     "run",
     "split_model",
 ]
