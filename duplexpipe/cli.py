@@ -11,6 +11,7 @@ from typing import Any, NoReturn, Sequence
 from duplexpipe import cli_help as docs
 from duplexpipe.cli_args import (
     COSTS_PER,
+    MAX_PLOT_RANKS,
     CliError,
     check_output,
     cost_model,
@@ -190,9 +191,12 @@ def cost_note(cost: Any, schedule: Schedule | None = None) -> str:
 def _check_view_args(args: argparse.Namespace, schedule: Schedule | None, drawing: bool) -> None:
     if not drawing and (args.ranks_shown is not None or args.window is not None):
         raise CliError("--ranks-shown and --window shape the plot: they need --plot")
-    if schedule is not None and args.ranks_shown and max(args.ranks_shown) >= schedule.num_ranks:
-        raise CliError(f"--ranks-shown names rank {max(args.ranks_shown)}, but {schedule.name!r} has ranks "
-                       f"0..{schedule.num_ranks - 1}")
+    ranks = schedule.num_ranks if schedule is not None else args.ranks or 0
+    if drawing and args.ranks_shown is None and ranks > MAX_PLOT_RANKS:
+        raise CliError(f"--plot draws at most {MAX_PLOT_RANKS:,} ranks, the schedule has {ranks:,}: pick some "
+                       "with --ranks-shown")
+    if ranks and args.ranks_shown and max(args.ranks_shown) >= ranks:
+        raise CliError(f"--ranks-shown names rank {max(args.ranks_shown)}, but the schedule has ranks 0..{ranks - 1}")
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:

@@ -20,6 +20,9 @@ MAX_WORK = 500_000
 and memory grow linearly with it (measured: ZB-V at P=500 M=1000 took 41 s of CPU and 2.1 GB), so
 P=10000 M=8 takes seconds, and a plan hundreds of times larger is refused at once instead of running
 out of memory."""
+MAX_PLOT_RANKS = 100_000
+"""Most ranks a plot draws (time and memory grow with the rows even when they are empty: 100,000 ranks of
+1F1B took 22 s of CPU); --ranks-shown picks fewer."""
 COSTS_PER = ("model-part", "stage")
 """The two cost conventions: F/B/W per 1/P of the model (stages scaled, CostModel.stage_scale) or per stage."""
 VIZ_HINT = "pip install 'duplexpipe[viz]'"
@@ -274,9 +277,15 @@ def load_timeline(path: str) -> Timeline:
         timeline = Timeline.from_dict(data)
     except ScheduleError as exc:
         raise CliError(f"{path}: {exc}") from None
+    if not 1 <= timeline.num_ranks <= MAX_PLOT_RANKS:
+        raise CliError(f"{path}: 'ranks' must be 1..{MAX_PLOT_RANKS:,}, got {timeline.num_ranks}")
     if not timeline.events:
         raise CliError(f"{path}: the timeline has no events to draw")
     stray = sorted({e.rank for e in timeline.events if not 0 <= e.rank < timeline.num_ranks})
     if stray:
         raise CliError(f"{path}: events on ranks {stray}, outside 0..{timeline.num_ranks - 1}")
+    bad = next((e for e in timeline.events if not (math.isfinite(e.start) and e.start <= e.end)), None)
+    if bad is not None or not math.isfinite(timeline.makespan):
+        what = f"{bad.action} on rank {bad.rank} runs from {bad.start} to {bad.end}" if bad else "the times overflow"
+        raise CliError(f"{path}: {what}; expected finite times, each event ending at or after its start")
     return timeline

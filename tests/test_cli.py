@@ -298,6 +298,10 @@ BAD_TIMELINES = [
     ('{"schedule": "x", "ranks": 2, "microbatches": 1, "events": []}', "no events"),
     ('{"schedule": "x", "ranks": 1, "microbatches": 1, "events": [[3, "0F0", 0, 1]]}', "ranks [3]"),
     ('{"format": "duplexpipe-schedule"}', "is a schedule, not a timeline"),
+    ('{"schedule": "x", "ranks": 1, "microbatches": 1, "events": [[0, "0F0", NaN, 1]]}', "from nan to 1.0"),
+    ('{"schedule": "x", "ranks": 1, "microbatches": 1, "events": [[0, "0F0", 2, 1]]}', "from 2.0 to 1.0"),
+    ('{"schedule": "x", "ranks": 1, "microbatches": 1, "events": [[0, "0F0", -1e308, 1e308]]}', "overflow"),
+    ('{"schedule": "x", "ranks": 100000000, "microbatches": 1, "events": [[0, "0F0", 0, 1]]}', "1..100,000"),
 ]
 
 
@@ -349,6 +353,7 @@ BAD_INPUTS = [
      "rank 5"),
     ("bad rank list", ["simulate", "1f1b", "-p", "2", "-m", "2", "--plot", "x.png", "--ranks-shown", "3-1"], "3-1"),
     ("bad window", ["simulate", "1f1b", "-p", "2", "-m", "2", "--plot", "x.png", "--window", "5"], "START:END"),
+    ("too many ranks to draw", ["simulate", "1f1b", "-p", "200000", "-m", "1", "--plot", "x.png"], "--ranks-shown"),
 ]
 
 
