@@ -103,8 +103,10 @@ def _build_parser(with_train: bool = False) -> _Parser:
     cmp_.add_argument("--plot", metavar="FILE", help="write the comparison figure (.png, .svg or .pdf)")
     exp = _command(sub, "export", "write a schedule as JSON or torch CSV")
     _add_schedule(exp)
-    exp.add_argument("--format", choices=("json", "torch-csv"), required=True)
-    exp.add_argument("-o", "--output", required=True, metavar="FILE")
+    exp.add_argument("--format", choices=("json", "torch-csv"), required=True,
+                     help="json: duplexpipe's, with the stage table; torch-csv: one row of actions per rank, "
+                          "as torch.distributed.pipelining's _dump_csv writes and _load_csv reads")
+    exp.add_argument("-o", "--output", required=True, metavar="FILE", help="the file to write")
     exp.add_argument("--comms", action="store_true", help="export the lowered schedule (with SEND/RECV)")
     _add_cost(exp, planning_only=True)
     plot = _command(sub, "plot", "draw a timeline file (e.g. timeline.json from 'duplexpipe train --out-dir')")
