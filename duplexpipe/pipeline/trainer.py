@@ -29,6 +29,7 @@ from duplexpipe.pipeline.stages import (
     inner_module,
     resolve_checkpointing,
 )
+from duplexpipe.pipeline.tied import TiedGrads, find_tied
 from duplexpipe.runtime import EvalResult, PipelineRuntime, RuntimeConfig
 from duplexpipe.schedules.ir import Schedule
 from duplexpipe.schedules.registry import build as build_schedule
@@ -144,6 +145,9 @@ class Pipeline:
         self.params = [p for s in sorted(self.stage_modules) for p in self.stage_modules[s].parameters()]
         self._counted = [p for s in sorted(self.stage_modules) if self.schedule.copy_of_stage(s) == 0
                          for p in self.stage_modules[s].parameters()]
+        self.tied = TiedGrads(find_tied(parts), self.schedule, groups.pp_rank, self.stage_modules,
+                              groups.pp_group, cfg.timeout_s)
+        self._counted = self.tied.counted(self._counted)  # a tied weight counts once in the norm
         self.optimizer = optimizer(self.params)
         self.scaler = DynamicLossScaler(cfg.loss_scale, enabled=cfg.precision == "fp16")
         runtime_cfg = RuntimeConfig(timeout_s=cfg.timeout_s, record_timeline=cfg.record_timeline,
@@ -266,6 +270,7 @@ class Pipeline:
     def _apply(self) -> tuple[bool, float | None]:
         """End the window: DP average, norm + overflow check, unscale + clip, optimizer step."""
         cfg, g = self.config, self.groups
+        self.tied.sum_grads()  # weights shared by several parts (tied embeddings): one gradient
         grads.all_reduce_mean(self.params, g.dp_group, g.dp_size)
         divisor = self.scaler.scale * self._window_weight
         self._window_calls, self._window_weight = 0, 0.0
