@@ -34,6 +34,7 @@ from duplexpipe.pipeline.hf import (  # noqa: E402
     causal_lm_targets,
 )
 from duplexpipe.pipeline.mesh import make_mesh  # noqa: E402
+from duplexpipe.pipeline.stages import CheckpointedStage  # noqa: E402
 from duplexpipe.pipeline.tied import TiedGrads  # noqa: E402
 from duplexpipe.pipeline.trainer import Pipeline, PipelineConfig  # noqa: E402
 from duplexpipe.schedules.registry import build as build_schedule  # noqa: E402
@@ -324,3 +325,19 @@ def test_pipelined_training_equals_the_model_in_one_process(four: list[dict[str,
 @pytest.mark.parametrize("case", list(TWO))
 def test_two_ranks(two: list[dict[str, Any]], case: str) -> None:
     _check(two, case)
+
+
+def test_checkpointed_parts_take_dict_messages() -> None:
+    """Activation checkpointing wraps a part; a dict message reaches it as keywords."""
+    model = tiny_llama(layers=2)
+    ids, labels = token_batch(6, rows=4)
+    mask = padding_mask(4)
+    parts = causal_lm_parts(model, 2)
+    message = parts[0](ids, attention_mask=mask)
+    hidden = message["hidden_states"].detach().requires_grad_(True)
+    plain = parts[1](hidden_states=hidden, attention_mask=mask)
+    (grad,) = torch.autograd.grad(causal_lm_loss(plain, labels), hidden)
+    hidden2 = hidden.detach().requires_grad_(True)
+    wrapped = CheckpointedStage(parts[1])(hidden_states=hidden2, attention_mask=mask)
+    (grad2,) = torch.autograd.grad(causal_lm_loss(wrapped, labels), hidden2)
+    assert torch.equal(plain, wrapped) and torch.equal(grad, grad2)
