@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from duplexpipe.pipeline.grads import Waiter
 from duplexpipe.pipeline.stages import inner_module
 from duplexpipe.schedules.ir import Schedule
 
@@ -82,8 +82,7 @@ class TiedGrads:
     """
 
     def __init__(self, ties: Sequence[TiedParam], schedule: Schedule, rank: int,
-                 modules: Mapping[int, nn.Module], pp_group: Any = None, timeout_s: float = 180.0) -> None:
-        self.timeout = timedelta(seconds=timeout_s)
+                 modules: Mapping[int, nn.Module], pp_group: Any = None) -> None:
         self.plans = [plan_tie(t, schedule, rank) for t in ties]
         params = {s: dict(inner_module(m).named_parameters()) for s, m in modules.items()}
         self._copies = [[params[s][n] for s, n in plan.copies] for plan in self.plans]
@@ -94,8 +93,12 @@ class TiedGrads:
         self.uncounted = frozenset(id(params[s][n]) for s, n in later)
         """ids of the copies a global gradient norm must skip (each tied weight counts once)."""
 
-    def sum_grads(self) -> None:
-        """Give every local copy of each tied parameter the sum of all copies' gradients."""
+    def sum_grads(self, wait: Waiter | None = None) -> None:
+        """Give every local copy of each tied parameter the sum of all copies' gradients.
+
+        `wait(work, what)` waits for the all-reduce (e.g. the trainer's bounded, failure-aware wait);
+        None waits unbounded.
+        """
         for plan, copies, mine, group in zip(self.plans, self._copies, self._mine, self._groups, strict=True):
             if not copies:
                 continue
@@ -105,11 +108,11 @@ class TiedGrads:
                     total.add_(p.grad)
             if group is not None:
                 work = dist.all_reduce(total, group=group, async_op=True)
-                try:
-                    work.wait(timeout=self.timeout)
-                except RuntimeError as exc:
-                    raise RuntimeError(f"summing tied gradients with pipeline ranks {list(plan.holders)} "
-                                       f"failed: {exc}") from exc
+                what = f"the tied-weight gradient all-reduce with pipeline ranks {list(plan.holders)}"
+                if wait is None:
+                    work.wait()
+                else:
+                    wait(work, what)
             for p in copies:
                 p.grad = total.clone()
 

@@ -111,3 +111,13 @@ def handshake(schedule: Schedule, local_stages: Collection[int], group: Any, dev
     summaries = [decode(t) for t in gathered]
     compare(summaries, size)
     return str(summaries[0]["nonce"])
+
+
+def shared_nonce(group: Any, device: torch.device, timeout_s: float, what: str) -> str:
+    """A random nonce equal on every rank of `group` (rank 0's), agreed with one bounded all_gather."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    mine = torch.frombuffer(bytearray(os.urandom(8)), dtype=torch.uint8).to(device)
+    gathered = [torch.empty_like(mine) for _ in range(size)]
+    work = dist.all_gather(gathered, mine, group=group, async_op=True)
+    Watchdog(None, "", rank, timeout_s, timeout_s).wait_work(work, what, "all ranks of the group")
+    return bytes(gathered[0].cpu().tolist()).hex()
