@@ -27,7 +27,9 @@ from duplexpipe.pipeline.hf import causal_lm_loss, causal_lm_parts  # noqa: E402
 from duplexpipe.pipeline.launch import run  # noqa: E402
 from duplexpipe.pipeline.trainer import Pipeline, PipelineConfig  # noqa: E402
 from duplexpipe.runtime import gather_timeline  # noqa: E402
+from duplexpipe.schedules.calibrate import fit_cost_model  # noqa: E402
 from duplexpipe.schedules.registry import build as build_schedule  # noqa: E402
+from duplexpipe.schedules.simulate import simulate  # noqa: E402
 
 
 def build_llama(vocab_size: int, layers: int, hidden: int = 64, seed: int = 0) -> LlamaForCausalLM:
@@ -61,7 +63,9 @@ def train(schedule: str, microbatches: int, steps: int, layers: int, batch_size:
     timeline = gather_timeline(last, group=pipe.groups.pp_group) if last is not None else None
     if dist.get_rank() != 0:
         return None
+    simulated = simulate(pipe.schedule, fit_cost_model(timeline)) if timeline is not None else None
     return {"losses": losses, "bubble": timeline.bubble_ratio if timeline is not None else None,
+            "simulated_bubble": simulated.bubble_ratio if simulated is not None else None,
             "seconds": seconds, "params": sum(p.numel() for p in model.parameters()),
             "layers": [list(p.layer_ids) for p in parts]}
 
@@ -89,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
           f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {len(losses)} steps "
           f"({tokens / result['seconds']:,.0f} tokens/s overall)")
     if result["bubble"] is not None:
-        print(f"measured bubble ratio of the last step: {result['bubble']:.1%}")
+        print(f"measured bubble ratio of the last step: {result['bubble']:.1%} (simulated with its measured "
+              f"per-stage costs: {result['simulated_bubble']:.1%})")
     return 0
 
 

@@ -26,5 +26,7 @@ def test_example_trains_and_reports_loss_and_bubble(tmp_path: Path) -> None:
     found = re.search(r"dualpipe on 2 ranks, 4 microbatches: loss ([\d.]+) -> ([\d.]+) in 3 steps", proc.stdout)
     assert found is not None, proc.stdout
     assert 3.5 < float(found.group(1)) < 5.0  # about ln(73) at random init
-    bubble = re.search(r"measured bubble ratio of the last step: ([\d.]+)%", proc.stdout)
-    assert bubble is not None and 0.0 < float(bubble.group(1)) < 100.0, proc.stdout
+    bubble = re.search(r"measured bubble ratio of the last step: ([\d.]+)% \(simulated with its measured "
+                       r"per-stage costs: ([\d.]+)%\)", proc.stdout)
+    assert bubble is not None, proc.stdout
+    assert 0.0 < float(bubble.group(1)) < 100.0 and 0.0 < float(bubble.group(2)) < 100.0, proc.stdout
