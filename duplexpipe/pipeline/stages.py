@@ -22,10 +22,10 @@ class CheckpointedStage(nn.Module):
         super().__init__()
         self.module = module
 
-    def forward(self, *args: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
-            return self.module(*args)
-        return checkpoint(self.module, *args, use_reentrant=False)
+            return self.module(*args, **kwargs)
+        return checkpoint(self.module, *args, use_reentrant=False, **kwargs)
 
 
 def inner_module(module: nn.Module) -> nn.Module:
