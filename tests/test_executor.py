@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _executor_cases import _attempt, _grad_errors, _inputs, _timeline_record, stage_setup
+from _message_models import KINDS, make_message_parts, message_batch, message_loss, message_reference
 from models import loss_fn, make_batch, make_parts, reference, rel_err, run_workers, stage_modules
 
 from duplexpipe.runtime import PipelineError, PipelineRuntime, RuntimeConfig, executor
@@ -58,6 +59,39 @@ def _run_case(name: str, P: int, group: Any, dtype: torch.dtype) -> dict[str, An
                                     if p.op is Op.F),
     })
     return record
+
+
+def _leaf_errors(got: Any, want: Any) -> float:
+    """Largest relative error over the leaves of two equal structures (integer leaves: 0 or inf)."""
+    if isinstance(want, dict):
+        pairs = [(got[k], want[k]) for k in want] if isinstance(got, dict) and got.keys() == want.keys() else []
+    elif isinstance(want, (tuple, list)):
+        pairs = list(zip(got, want, strict=True)) if type(got) is type(want) else []
+    else:
+        pairs = [(got, want)]
+    if not pairs:
+        return float("inf")
+    return max(rel_err(g, w) if w.is_floating_point() else (0.0 if torch.equal(g, w) else float("inf"))
+               for g, w in pairs)
+
+
+def _message_case(name: str, P: int, group: Any, kind: str) -> dict[str, Any]:
+    """Stages pass (hidden, int mask) tuples or dicts of several floats; float64 against the reference."""
+    rank, M = dist.get_rank(group), MICROBATCHES[P]
+    schedule = lower(build(name, P, M))
+    parts = make_message_parts(kind, schedule.num_groups, seed=19)
+    modules = stage_modules(schedule, rank, parts)
+    runtime = PipelineRuntime(schedule, modules, message_loss(kind), group=group)
+    batches = [message_batch(kind, 2 * M + 1, 40), message_batch(kind, 2 * M + 1, 41)]
+    results = [runtime.step(*_inputs(schedule, rank, b)) for b in batches]
+    ref_losses, ref_grads, ref_out = message_reference(kind, parts, batches)
+    grads = [rel_err(p.grad if p.grad is not None else torch.zeros_like(p), w) for s, m in modules.items()
+             for p, w in zip(m.parameters(), ref_grads[schedule.stages[s].group], strict=True)]
+    evaluated = runtime.evaluate(*_inputs(schedule, rank, batches[1]))
+    holds_last = any(schedule.is_last(s) for s in modules)
+    return {"loss_err": max(abs(r.loss - w) / w for r, w in zip(results, ref_losses, strict=True)),
+            "grad_err": max(grads), "eval_loss_err": abs(evaluated.loss - ref_losses[1]) / ref_losses[1],
+            "eval_out_err": _leaf_errors(evaluated.outputs, ref_out) if holds_last else None}
 
 
 def _hook_case(group: Any) -> dict[str, Any]:
@@ -192,6 +226,8 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
         for name in NAMES:
             for dtype in (torch.float64, torch.float32):
                 out[f"{name}/{P}/{dtype}"] = _run_case(name, P, group, dtype)
+            for kind in KINDS:
+                out[f"{name}/{P}/{kind}"] = _message_case(name, P, group, kind)
     out.update(_hook_case(pair))
     out.update(_validation_case(pair))
     out.update(_autocast_case(pair))
@@ -218,6 +254,21 @@ def test_float64_loss_and_every_gradient_match_reference(results: Any, name: str
     for rank, rec in enumerate(_case(results, name, P, torch.float64)):
         assert rec["loss_err"] <= TIGHT, (rank, rec["loss_err"])
         assert rec["grad_err"] <= TIGHT, (rank, rec["grad_err"])
+
+
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("P", [2, 4])
+@pytest.mark.parametrize("name", NAMES)
+def test_several_tensors_per_message_match_reference(results: Any, name: str, P: int, kind: str) -> None:
+    """(hidden, int mask) tuples and dicts of several gradient-carrying floats, float64, rel <= 1e-10."""
+    recs = [r[f"{name}/{P}/{kind}"] for r in results]
+    for rank, rec in enumerate(recs):
+        assert rec["loss_err"] <= 1e-10, (rank, rec)
+        assert rec["grad_err"] <= 1e-10, (rank, rec)
+        assert rec["eval_loss_err"] <= 1e-10, (rank, rec)
+        assert rec["eval_out_err"] is None or rec["eval_out_err"] <= 1e-10, (rank, rec)
+    assert any(rec["eval_out_err"] is not None for rec in recs)
 
 
 @pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)

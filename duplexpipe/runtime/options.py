@@ -18,6 +18,15 @@ OverlapHook = Callable[..., None]
 interleaving it likes (e.g. the forward's communication-heavy half while the backward computes).
 """
 
+GradsReadyHook = Callable[[int], None]
+"""`hook(stage)`: this rank's gradients of `stage`'s parameters are final for the step.
+
+Called once per stage of this rank per training step, as early as that is true: right after the
+stage's last B or W on this rank, or, for DualPipe's mirrored stages, right after the end-of-step
+mirror sum. A data-parallel strategy can start reducing that stage's gradients while the rest of
+the step runs. An exception raised by the hook fails the step like any other.
+"""
+
 
 @dataclass
 class RuntimeConfig:
@@ -36,6 +45,9 @@ class RuntimeConfig:
     overlap_hook: OverlapHook | None = None
     """Runs an OVERLAP_F_B pair (see OverlapHook); None: the forward part, then the backward part,
     with the receives of both parts already waited for and their sends posted after the pair."""
+    on_grads_ready: GradsReadyHook | None = None
+    """Called with a stage index once this rank's gradients of that stage are final for the step
+    (see GradsReadyHook); None: no call."""
     poll_interval_s: float = 0.05
     """How often a waiting rank checks the shared error flag (one store round trip per check)."""
     check_inputs_every_step: bool = True
@@ -61,8 +73,9 @@ class RuntimeConfig:
         if self.autocast_dtype is not None and not isinstance(self.autocast_dtype, torch.dtype):
             raise ValueError(f"RuntimeConfig.autocast_dtype must be a torch.dtype or None, "
                              f"got {self.autocast_dtype!r}")
-        if self.overlap_hook is not None and not callable(self.overlap_hook):
-            raise ValueError(f"RuntimeConfig.overlap_hook must be callable, got {self.overlap_hook!r}")
+        for name in ("overlap_hook", "on_grads_ready"):
+            if getattr(self, name) is not None and not callable(getattr(self, name)):
+                raise ValueError(f"RuntimeConfig.{name} must be callable, got {getattr(self, name)!r}")
         for name in ("check_inputs_every_step", "prefetch"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"RuntimeConfig.{name} must be a bool, got {getattr(self, name)!r}")
@@ -116,9 +129,9 @@ class StepResult:
 class EvalResult:
     """What one forward-only evaluation returns."""
 
-    outputs: torch.Tensor | None
-    """The last stage's outputs for the whole batch in batch order, on ranks holding a last stage;
-    None elsewhere."""
+    outputs: Any
+    """The last stage's outputs for the whole batch in batch order, on ranks holding a last stage
+    (a tensor, or the structure the last stage returns, each leaf concatenated); None elsewhere."""
     loss: float | None
     """Mean loss over the batch when targets were given (identical on every rank), else None."""
     timeline: Timeline | None
