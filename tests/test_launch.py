@@ -209,3 +209,13 @@ def test_torchrun_names_the_originating_rank_as_root_cause(tmp_path: Path) -> No
     assert "rank      : 0 (local_rank: 0)" in root[1] and OWN_ERROR in root[1], root[1]
     # the consequence names its cause, in its own failure entry and its log line
     assert "rank 1 stopped because rank 0 failed" in root[0], proc.stderr[-3000:]
+
+
+def _tensor_result() -> dict[str, torch.Tensor]:
+    return {"rank": torch.full((3,), float(dist.get_rank()))}
+
+
+@pytest.mark.timeout(60)
+def test_tensor_results_outlive_their_process() -> None:
+    results = launch(_tensor_result, 2)
+    assert [r["rank"].tolist() for r in results] == [[0.0] * 3, [1.0] * 3]

@@ -8,6 +8,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import re
 import socket
@@ -124,7 +125,9 @@ def _worker(fn: Callable[..., Any], args: Sequence[Any], rank: int, world: int, 
     try:
         init_from_env(backend)
         value = fn(*args)
-        results.put((rank, True, value))
+        # plain pickle copies tensors into the message: torch's queue pickler would share them
+        # through this process, which exits before the parent reads them
+        results.put((rank, True, pickle.dumps(value)))
     except BaseException as exc:  # noqa: BLE001 - every failure goes back to the parent
         results.put((rank, False, Failure(traceback.format_exc(), blamed_rank(exc, rank))))
         results.close()
@@ -221,7 +224,7 @@ def _receive(results: Any, done: dict[int, Any], errors: dict[int, Failure], wai
     except queue.Empty:
         return False
     if ok:
-        done[rank] = value
+        done[rank] = pickle.loads(value)
     else:
         errors[rank] = value if isinstance(value, Failure) else Failure(str(value), None)
     return True

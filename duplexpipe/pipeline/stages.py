@@ -6,6 +6,7 @@ import contextlib
 import copy
 import hashlib
 import itertools
+import warnings
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any, cast
 
@@ -110,6 +111,13 @@ def on_meta(module: nn.Module) -> bool:
     return any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
 
 
+def copy_module(module: nn.Module) -> nn.Module:
+    """A deep copy of `module` (without torch's pytree deprecation noise when copying traced graphs)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
+        return copy.deepcopy(module)
+
+
 def materialize_part(
     source: PartSource, k: int, device: torch.device | str | None, init: PartInit | None
 ) -> nn.Module:
@@ -133,12 +141,12 @@ def materialize_part(
         return module
     part = cast(Sequence[nn.Module], source)[k]
     if not on_meta(part):
-        module = copy.deepcopy(part)
+        module = copy_module(part)
         return module.to(device) if device is not None else module
     if init is None:
         raise ValueError(f"model part {k} is on the meta device; pass init= (e.g. seeded_init(seed)) "
                          "to fill this rank's parts")
-    module = copy.deepcopy(part).to_empty(device=device or "cpu")
+    module = copy_module(part).to_empty(device=device or "cpu")
     init(module, k)
     return module
 
@@ -169,7 +177,7 @@ def build_stage_modules(
     for stage in schedule.stages_of_rank(rank):
         group = schedule.stages[stage].group
         if group in built:
-            module = copy.deepcopy(built[group])
+            module = copy_module(built[group])
         else:
             module = built[group] = materialize_part(parts, group, device, init)
         modules[stage] = CheckpointedStage(module) if stage in checkpoint_stages else module
