@@ -31,10 +31,10 @@ ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 
 
-def _sum_ranks(offset: int) -> tuple[int, int, int]:
+def _sum_ranks(offset: int) -> tuple[int, int, int, torch.Tensor]:
     t = torch.tensor([dist.get_rank() + offset])
-    dist.all_reduce(t)
-    return dist.get_rank(), dist.get_world_size(), int(t.item())
+    dist.all_reduce(t)  # the tensor itself is returned too: results must outlive the worker process
+    return dist.get_rank(), dist.get_world_size(), int(t.item()), t
 
 
 def _crash_on_rank_one() -> None:
@@ -71,7 +71,9 @@ def _children() -> list[int]:
 @pytest.mark.timeout(60)
 def test_run_returns_every_rank_result_and_logs_the_backend(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="duplexpipe.launch"):
-        assert run(_sum_ranks, 2, (10,)) == [(0, 2, 21), (1, 2, 21)]
+        results = run(_sum_ranks, 2, (10,))
+    assert [r[:3] for r in results] == [(0, 2, 21), (1, 2, 21)]
+    assert [r[3].tolist() for r in results] == [[21], [21]]
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     want = "nccl" if gpus >= 2 else "gloo"
     assert f"2 processes on this machine on {want}" in caplog.text
@@ -209,13 +211,3 @@ def test_torchrun_names_the_originating_rank_as_root_cause(tmp_path: Path) -> No
     assert "rank      : 0 (local_rank: 0)" in root[1] and OWN_ERROR in root[1], root[1]
     # the consequence names its cause, in its own failure entry and its log line
     assert "rank 1 stopped because rank 0 failed" in root[0], proc.stderr[-3000:]
-
-
-def _tensor_result() -> dict[str, torch.Tensor]:
-    return {"rank": torch.full((3,), float(dist.get_rank()))}
-
-
-@pytest.mark.timeout(60)
-def test_tensor_results_outlive_their_process() -> None:
-    results = launch(_tensor_result, 2)
-    assert [r["rank"].tolist() for r in results] == [[0.0] * 3, [1.0] * 3]

@@ -41,9 +41,13 @@ class GraphPart(nn.Module):
         self.body = body
         """torch's traced stage module (a GraphModule holding this part's parameters)."""
         self.inputs = inputs
+        """Names of the values this part takes, in order (part 0: the forward's parameters)."""
         self.steps = steps
+        """("call", name, inputs, 0) runs `body`; ("item", name, (tuple_name,), i) takes element i."""
         self.outputs = outputs
+        """Names of the values this part returns, in order."""
         self.out_spec = out_spec
+        """The model output's structure (last part only; None elsewhere)."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         env = self._bind(args, kwargs)
