@@ -8,11 +8,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from duplexpipe.comm.codec import CastCodec
 from duplexpipe.runtime.context import StepContext
 from duplexpipe.runtime.messages import Mailroom, MessageMeta, MetaBoard
 from duplexpipe.runtime.stage_compute import Message, TensorMeta
 from duplexpipe.runtime.structure import Form
-from duplexpipe.runtime.watchdog import ActivationShapeError, PipelineTimeoutError, Watchdog
+from duplexpipe.runtime.watchdog import ActivationShapeError, PipelineError, PipelineTimeoutError, Watchdog
 from duplexpipe.schedules.ir import Op
 from duplexpipe.schedules.layout import Layout
 from duplexpipe.schedules.lower import lower
@@ -30,6 +31,15 @@ def test_meta_round_trips_through_json_and_lists_gradient_metas() -> None:
     meta = MessageMeta.of(_message())
     assert MessageMeta.from_json(meta.to_json(), "1RECV_F0") == meta
     assert meta.grad_metas == (TensorMeta((2, 4), torch.float32),)
+
+
+def test_wire_format_is_announced_per_leaf_and_integers_are_never_encoded() -> None:
+    meta = MessageMeta.of(_message(), CastCodec(torch.bfloat16))
+    assert meta.wire == ((TensorMeta((2, 4), torch.bfloat16),), (TensorMeta((2,), torch.int64),))
+    assert meta.payloads == (TensorMeta((2, 4), torch.bfloat16), TensorMeta((2,), torch.int64))
+    back = MessageMeta.from_json(meta.to_json(), "1RECV_F0")
+    assert back == meta and back.wire == meta.wire
+    assert MessageMeta.of(_message()).payloads == meta.leaves  # no codec: each leaf as it is
 
 
 def test_difference_names_the_leaf_path() -> None:
@@ -65,6 +75,31 @@ def test_learning_step_announces_then_later_steps_check_every_leaf() -> None:
         sender.hand_on(later, 0, 0, _message(rows=3))
     with pytest.raises(PipelineTimeoutError, match="shape announcement of 1RECV_F1"):
         receiver.board.lookup(1, 1, 1, block=True, peer=0)
+
+
+class _Flattening:
+    """Breaks its own wire format (sends a flattened tensor)."""
+
+    name = "flattening"
+
+    def wire_format(self, spec: TensorMeta) -> tuple[TensorMeta, ...]:
+        return (spec,)
+
+    def encode(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        return [tensor.reshape(-1)]
+
+    def decode(self, payloads: Any, spec: TensorMeta) -> torch.Tensor:
+        return payloads[0].view(spec.shape)
+
+
+def test_a_codec_that_breaks_its_wire_format_is_named_before_sending() -> None:
+    store = dist.HashStore()
+    layout = Layout.of(lower(build("1f1b", 2, 4)))
+    dog = Watchdog(store, "test", 0, timeout_s=0.3, poll_s=0.05)
+    mail = Mailroom(layout, 0, None, MetaBoard(store, "test", dog), _Flattening())  # type: ignore[arg-type]
+    with pytest.raises(PipelineError, match=r"stage 0 microbatch 0: codec 'flattening' encoded \(2, 4\) "
+                                            r"float32 into \['\(8,\) float32'\], not its wire format"):
+        mail.hand_on(_ctx(learning=True), 0, 0, _message())
 
 
 def test_same_rank_handoff_keeps_the_structure_and_gradient_flags() -> None:

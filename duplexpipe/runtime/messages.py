@@ -2,11 +2,13 @@
 
 A forward message is the structure one stage hands the next (a tensor, a tuple/list or a
 flat dict); a backward message is the list of gradients of the leaves that carry one back
-(floating tensors that required grad), in leaf order. Between ranks every leaf travels as
-its own tensor, keyed by the SEND/RECV action; between stages on one rank the structure is
-handed over as it is. The meta of a forward message (form, per-leaf shape and dtype, which
-leaves carry gradients) is announced through the c10d store the first time an input shape
-is seen and checked against that announcement afterwards.
+(floating tensors that required grad), in leaf order. Between ranks every leaf travels as its
+payload tensors, keyed by the SEND/RECV action: a floating leaf as its codec's payloads
+(RuntimeConfig.activation_codec / gradient_codec; itself without a codec), any other leaf as
+itself. Between stages on one rank the structure is handed over as it is (no codec). The meta
+of a forward message (form, per-leaf shape and dtype, which leaves carry gradients, and each
+leaf's wire format) is announced through the c10d store the first time an input shape is seen
+and checked against that announcement afterwards.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from duplexpipe.comm.codec import Codec, IdentityCodec
 from duplexpipe.runtime.context import StepContext
 from duplexpipe.runtime.stage_compute import Message, TensorMeta
 from duplexpipe.runtime.structure import Form
@@ -40,10 +43,17 @@ def parse_dtype(name: str, where: str) -> torch.dtype:
     return dtype
 
 
+def wire_of(codec: Codec | None, meta: TensorMeta) -> tuple[TensorMeta, ...]:
+    """The payload specs of one leaf: the codec's wire format for a floating leaf, else the leaf itself."""
+    if codec is None or not meta.dtype.is_floating_point:
+        return (meta,)
+    return tuple(codec.wire_format(meta))
+
+
 @dataclass(frozen=True)
 class MessageMeta:
-    """What a forward message looks like: its form, each leaf's shape and dtype, and which leaves
-    carry a gradient back."""
+    """What a forward message looks like: its form, each leaf's shape and dtype, which leaves carry a
+    gradient back, and the payloads each leaf travels as."""
 
     form: Form
     """How the leaves rebuild the structure."""
@@ -51,11 +61,19 @@ class MessageMeta:
     """Shape and dtype of each leaf."""
     grads: tuple[bool, ...]
     """grads[i]: leaf i carries a gradient back."""
+    wire: tuple[tuple[TensorMeta, ...], ...] = ()
+    """wire[i]: the payload specs leaf i travels as (empty for a message that stays on its rank)."""
 
     @staticmethod
-    def of(message: Message) -> MessageMeta:
-        """The meta of a message."""
-        return MessageMeta(message.form, tuple(TensorMeta.of(t) for t in message.leaves), message.grads)
+    def of(message: Message, codec: Codec | None = None) -> MessageMeta:
+        """The meta of a message sent with `codec` (None: each leaf as it is)."""
+        leaves = tuple(TensorMeta.of(t) for t in message.leaves)
+        return MessageMeta(message.form, leaves, message.grads, tuple(wire_of(codec, m) for m in leaves))
+
+    @property
+    def payloads(self) -> tuple[TensorMeta, ...]:
+        """Every payload's spec, in order (what the receiver allocates)."""
+        return tuple(p for wire in self.wire for p in wire)
 
     @property
     def grad_metas(self) -> tuple[TensorMeta, ...]:
@@ -64,20 +82,26 @@ class MessageMeta:
 
     def to_json(self) -> str:
         """A compact JSON text."""
-        return json.dumps([self.form.to_json(), [[list(m.shape), dtype_name(m.dtype), g]
-                                                 for m, g in zip(self.leaves, self.grads, strict=True)]])
+        def spec(m: TensorMeta) -> list[Any]:
+            return [list(m.shape), dtype_name(m.dtype)]
+
+        return json.dumps([self.form.to_json(), [[*spec(m), g, [spec(p) for p in w]] for m, g, w
+                                                 in zip(self.leaves, self.grads, self.wire, strict=True)]])
 
     @staticmethod
     def from_json(text: str, where: str) -> MessageMeta:
         """Inverse of `to_json`; `where` names the receive in errors."""
+        def spec(shape: list[int], dtype: str) -> TensorMeta:
+            return TensorMeta(tuple(int(d) for d in shape), parse_dtype(dtype, where))
+
         form, leaves = json.loads(text)
-        metas = tuple(TensorMeta(tuple(int(d) for d in shape), parse_dtype(dtype, where))
-                      for shape, dtype, _ in leaves)
-        return MessageMeta(Form.from_json(form), metas, tuple(bool(g) for _, _, g in leaves))
+        return MessageMeta(Form.from_json(form), tuple(spec(shape, dtype) for shape, dtype, _, _ in leaves),
+                           tuple(bool(g) for _, _, g, _ in leaves),
+                           tuple(tuple(spec(*p) for p in wire) for _, _, _, wire in leaves))
 
     def difference(self, other: MessageMeta, root: str) -> str:
         """'' when equal, else what differs first, naming the leaf's path below `root`."""
-        if self.form != other.form:
+        if self.form != other.form or len(self.leaves) != len(other.leaves):
             return (f"the output {root} has the form {other.form.to_json()} but {self.form.to_json()} "
                     "was expected")
         for i, (want, got) in enumerate(zip(self.leaves, other.leaves, strict=True)):
@@ -122,11 +146,44 @@ class MetaBoard:
 class Mailroom:
     """Moves messages between stages: local handoffs, or announce + send / receive over the transport."""
 
-    def __init__(self, layout: Layout, rank: int, transport: Transport, board: MetaBoard) -> None:
+    def __init__(self, layout: Layout, rank: int, transport: Transport, board: MetaBoard,
+                 activation_codec: Codec | None = None, gradient_codec: Codec | None = None) -> None:
         self.layout = layout
         self.rank = rank
         self.transport = transport
         self.board = board
+        self.activation_codec = None if isinstance(activation_codec, IdentityCodec) else activation_codec
+        self.gradient_codec = None if isinstance(gradient_codec, IdentityCodec) else gradient_codec
+
+    def _encode(self, codec: Codec | None, leaves: list[Tensor], wire: tuple[tuple[TensorMeta, ...], ...],
+                where: str) -> list[Tensor]:
+        """The payloads of `leaves` (detached), checked against their wire format."""
+        if codec is None:
+            return leaves
+        out: list[Tensor] = []
+        for leaf, want in zip(leaves, wire, strict=True):
+            if not leaf.is_floating_point():
+                out.append(leaf)
+                continue
+            payloads = codec.encode(leaf)
+            if tuple(TensorMeta.of(p) for p in payloads) != want:
+                got = [str(TensorMeta.of(p)) for p in payloads]
+                raise PipelineError(f"{where}: codec {codec.name!r} encoded {TensorMeta.of(leaf)} into {got}, "
+                                    f"not its wire format {[str(w) for w in want]}")
+            out.extend(payloads)
+        return out
+
+    def _decode(self, codec: Codec | None, payloads: list[Tensor], metas: tuple[TensorMeta, ...],
+                wire: tuple[tuple[TensorMeta, ...], ...]) -> list[Tensor]:
+        """The leaves rebuilt from their received payloads."""
+        if codec is None:
+            return payloads
+        leaves, at = [], 0
+        for meta, specs in zip(metas, wire, strict=True):
+            mine = payloads[at:at + len(specs)]
+            at += len(specs)
+            leaves.append(codec.decode(mine, meta) if meta.dtype.is_floating_point else mine[0])
+        return leaves
 
     # ---------------------------------------------------------------- forward messages
     def hand_on(self, ctx: StepContext, stage: int, mb: int, message: Message) -> None:
@@ -136,7 +193,7 @@ class Mailroom:
         if self.layout.peer(stage, backward=False) < 0:
             ctx.local_fwd[(nxt, mb)] = Message(message.form, detached, message.grads)
             return
-        meta = MessageMeta.of(message)
+        meta = MessageMeta.of(message, self.activation_codec)
         if ctx.learning:
             ctx.shapes[(nxt, mb)] = meta
             self.board.announce(ctx.step, nxt, mb, meta)
@@ -149,7 +206,8 @@ class Mailroom:
                     "were seen; a stage's output shapes must depend only on its input shapes)")
         if ctx.train:
             ctx.out_meta[(stage, mb)] = meta
-        ctx.outbox[(Op.SEND_F, stage, mb)] = detached
+        where = f"stage {stage} microbatch {mb}"
+        ctx.outbox[(Op.SEND_F, stage, mb)] = self._encode(self.activation_codec, detached, meta.wire, where)
 
     def expect_input(self, ctx: StepContext, action: Action) -> None:
         """RECV_F: queue the receive; its payloads' shapes come from the cache or the announcement."""
@@ -161,12 +219,12 @@ class Mailroom:
                 meta = ctx.shapes.get((stage, mb))
                 if meta is None:
                     raise PipelineError(f"rank {self.rank}: no shape is known for {action}")
-                return meta.leaves
+                return meta.payloads
             found = self.board.lookup(ctx.step, stage, mb, block, peer)
             if found is None:
                 return None
             ctx.shapes[(stage, mb)] = found
-            return found.leaves
+            return found.payloads
 
         self.transport.expect((Op.RECV_F, stage, mb), peer, resolve)
 
@@ -181,9 +239,10 @@ class Mailroom:
             if (stage, mb) not in ctx.local_fwd:
                 raise PipelineError(f"rank {self.rank}: {consumer} runs before {prev}F{mb} produced its input")
             return ctx.local_fwd.pop((stage, mb))
-        leaves = self.transport.take((Op.RECV_F, stage, mb), str(consumer))
+        payloads = self.transport.take((Op.RECV_F, stage, mb), str(consumer))
         meta = ctx.shapes[(stage, mb)]
-        return Message(meta.form, leaves, meta.grads)
+        return Message(meta.form, self._decode(self.activation_codec, payloads, meta.leaves, meta.wire),
+                       meta.grads)
 
     # ---------------------------------------------------------------- backward messages
     def hand_back(self, ctx: StepContext, stage: int, mb: int, grads: list[Tensor]) -> None:
@@ -193,8 +252,12 @@ class Mailroom:
             return
         if self.layout.peer(stage, backward=True) < 0:
             ctx.local_grad[(prev, mb)] = grads
-        else:
+        elif self.gradient_codec is None:
             ctx.outbox[(Op.SEND_B, stage, mb)] = grads
+        else:
+            wire = tuple(wire_of(self.gradient_codec, TensorMeta.of(g)) for g in grads)
+            ctx.outbox[(Op.SEND_B, stage, mb)] = self._encode(self.gradient_codec, grads, wire,
+                                                              f"stage {stage} microbatch {mb} (gradients)")
 
     def expect_grads(self, ctx: StepContext, action: Action) -> None:
         """RECV_B: queue the receive of the gradients of what this stage sent for the microbatch."""
@@ -204,7 +267,9 @@ class Mailroom:
             meta = ctx.out_meta.get((stage, mb))
             if meta is None and block:
                 raise PipelineError(f"rank {self.rank}: {action} is consumed before {stage}F{mb} ran")
-            return None if meta is None else meta.grad_metas
+            if meta is None:
+                return None
+            return tuple(p for m in meta.grad_metas for p in wire_of(self.gradient_codec, m))
 
         self.transport.expect((Op.RECV_B, stage, mb), self.layout.rank[self.layout.nxt[stage]], resolve)
 
@@ -214,9 +279,12 @@ class Mailroom:
         if nxt < 0:
             return None
         if self.layout.rank[nxt] != self.rank:
-            grads = self.transport.take((Op.RECV_B, stage, mb), str(consumer))
-            del ctx.out_meta[(stage, mb)]
-            return grads
+            payloads = self.transport.take((Op.RECV_B, stage, mb), str(consumer))
+            metas = ctx.out_meta.pop((stage, mb)).grad_metas
+            if self.gradient_codec is None:
+                return payloads
+            wire = tuple(wire_of(self.gradient_codec, m) for m in metas)
+            return self._decode(self.gradient_codec, payloads, metas, wire)
         if (stage, mb) not in ctx.local_grad:
             raise PipelineError(f"rank {self.rank}: {consumer} runs before stage {nxt}'s backward of "
                                 f"microbatch {mb} produced its gradient")

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from duplexpipe.comm.codec import Codec, check_codec
 from duplexpipe.schedules.timeline import Timeline
 
 OverlapHook = Callable[..., None]
@@ -48,6 +49,12 @@ class RuntimeConfig:
     on_grads_ready: GradsReadyHook | None = None
     """Called with a stage index once this rank's gradients of that stage are final for the step
     (see GradsReadyHook); None: no call."""
+    activation_codec: Codec | None = None
+    """Encodes every floating activation sent to another rank into its wire payloads and decodes it on
+    arrival (duplexpipe.comm.codec; e.g. CastCodec(torch.bfloat16)); None: sent as it is. Integer
+    tensors are never encoded. Every rank must use the same codecs (checked at start-up)."""
+    gradient_codec: Codec | None = None
+    """The same for the gradients sent back to the previous stage's rank."""
     poll_interval_s: float = 0.05
     """How often a waiting rank checks the shared error flag (one store round trip per check)."""
     check_inputs_every_step: bool = True
@@ -76,6 +83,8 @@ class RuntimeConfig:
         for name in ("overlap_hook", "on_grads_ready"):
             if getattr(self, name) is not None and not callable(getattr(self, name)):
                 raise ValueError(f"RuntimeConfig.{name} must be callable, got {getattr(self, name)!r}")
+        check_codec(self.activation_codec, "RuntimeConfig.activation_codec")
+        check_codec(self.gradient_codec, "RuntimeConfig.gradient_codec")
         for name in ("check_inputs_every_step", "prefetch"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"RuntimeConfig.{name} must be a bool, got {getattr(self, name)!r}")

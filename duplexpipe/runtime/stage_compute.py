@@ -11,27 +11,13 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from duplexpipe.comm.codec import TensorSpec
 from duplexpipe.runtime.autograd_split import WeightWork, backward_input
 from duplexpipe.runtime.structure import TENSOR, Form, StructureError, call, flatten
 from duplexpipe.runtime.watchdog import PipelineError
 
-
-@dataclass(frozen=True)
-class TensorMeta:
-    """Shape and dtype of one tensor that flows between two stages."""
-
-    shape: tuple[int, ...]
-    """The tensor's full shape (microbatch rows first)."""
-    dtype: torch.dtype
-    """Its dtype."""
-
-    @staticmethod
-    def of(tensor: Tensor) -> TensorMeta:
-        """The meta of `tensor`."""
-        return TensorMeta(tuple(tensor.shape), tensor.dtype)
-
-    def __str__(self) -> str:
-        return f"{self.shape} {str(self.dtype).replace('torch.', '')}"
+TensorMeta = TensorSpec
+"""Shape and dtype of one tensor that flows between two stages (the comm package's TensorSpec)."""
 
 
 @dataclass
