@@ -1,4 +1,4 @@
-"""Checkpoint and resume a Pipeline with torch.distributed.checkpoint (model parts, optimizer, RNG per rank)."""
+"""Checkpoint and resume a Pipeline with torch.distributed.checkpoint (parts, optimizer, LR scheduler, RNG)."""
 
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ def stage_dict(pipe: Pipeline) -> nn.ModuleDict:
 
 
 def trainer_state(pipe: Pipeline, fresh_optimizer: bool) -> dict[str, Any]:
-    """The trainer's own counters (equal on every rank)."""
-    return {
+    """The trainer's own counters (equal on every rank), and the LR scheduler's state when there is one."""
+    state = {
         "schedule": pipe.schedule.name,
         "num_stages": pipe.schedule.num_stages,
         "calls": pipe.calls,
@@ -35,6 +35,20 @@ def trainer_state(pipe: Pipeline, fresh_optimizer: bool) -> dict[str, Any]:
         "fresh_optimizer": fresh_optimizer,
         "scaler": pipe.scaler.state_dict(),
     }
+    if pipe.scheduler is not None:
+        state["scheduler"] = pipe.scheduler.state_dict()
+    return state
+
+
+def _check_scheduler(path: str, pipe: Pipeline) -> None:
+    """Raise ValueError (on every rank alike) when the checkpoint and the Pipeline disagree on having
+    an LR scheduler."""
+    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    saved = any(k.startswith("trainer.scheduler.") for k in stored)
+    if saved != (pipe.scheduler is not None):
+        has, lacks = ("the checkpoint", "this Pipeline") if saved else ("this Pipeline", "the checkpoint")
+        raise ValueError(f"{has} has an LR scheduler but {lacks} has none ({path}); build the Pipeline with "
+                         "the same scheduler= as the run that saved it")
 
 
 def _rank() -> int:
@@ -89,6 +103,7 @@ def load_checkpoint(pipe: Pipeline, path: str) -> None:
     modules = stage_dict(pipe)
     rng = rng_state()
     _check_keys(pipe, path, [f"model.{k}" for k in modules.state_dict()] + [f"rng.{k}" for k in rng])
+    _check_scheduler(path, pipe)
     model_sd, optim_sd = get_state_dict(modules, pipe.optimizer, options=_OPTIONS)
     state: dict[str, Any] = {"model": model_sd, "optim": optim_sd, "trainer": trainer_state(pipe, False),
                              "rng": rng}
@@ -102,6 +117,8 @@ def load_checkpoint(pipe: Pipeline, path: str) -> None:
     pipe.calls = int(meta["calls"])
     pipe.optimizer_steps = int(meta["optimizer_steps"])
     pipe.scaler.load_state_dict(meta["scaler"])
+    if pipe.scheduler is not None:
+        pipe.scheduler.load_state_dict(meta["scheduler"])
 
 
 def _check_keys(pipe: Pipeline, path: str, keys: list[str]) -> None:

@@ -19,10 +19,11 @@ from duplexpipe.pipeline.split import (
     Partition,
     as_layers,
     build_parts,
-    check_parts_fit,
     plan_partition,
 )
 from duplexpipe.pipeline.stages import (
+    PartInit,
+    PartSource,
     build_stage_modules,
     find_mismatched_copies,
     fingerprint,
@@ -37,6 +38,8 @@ from duplexpipe.schedules.timeline import Timeline
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 """Builds the optimizer from this rank's parameters, e.g. `lambda ps: torch.optim.AdamW(ps, lr=1e-3)`."""
+SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+"""Builds an LR scheduler on the optimizer, e.g. `lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, f)`."""
 LossFn = Callable[[Any, Any], torch.Tensor]
 """loss_fn(last stage output, targets) -> scalar mean loss over the microbatch."""
 
@@ -116,15 +119,18 @@ def _batch_size(inputs: Any, targets: Any) -> int | None:
 class Pipeline:
     """Trains model parts with a pipeline schedule on this process's pipeline rank.
 
-    Every rank passes the same model parts (built from the same seed or state_dict); the
-    pipeline deep-copies the parts its stages need. With a DeviceMesh ("pp", "dp") each
+    `parts` are the model parts, built the same way on every rank (same seed or state_dict): the
+    pipeline deep-copies the parts its stages need. To build only this rank's parts, pass parts
+    on the meta device with `init(part, k)`, or a factory `parts(k) -> nn.Module` (see
+    `stages.build_stage_modules`). `scheduler(optimizer)` builds an LR scheduler stepped after
+    every applied optimizer step (not after skipped fp16 steps). With a DeviceMesh ("pp", "dp") each
     data-parallel replica passes its own batch and gradients are averaged over replicas
     after the schedule's own DualPipe mirror sum.
     """
 
     def __init__(
         self,
-        parts: Sequence[nn.Module],
+        parts: PartSource,
         loss_fn: LossFn,
         optimizer: OptimizerFactory,
         config: PipelineConfig | None = None,
@@ -132,15 +138,16 @@ class Pipeline:
         mesh: DeviceMesh | None = None,
         device: torch.device | str | None = None,
         partition: Partition | None = None,
+        init: PartInit | None = None,
+        scheduler: SchedulerFactory | None = None,
     ) -> None:
         self.config = cfg = config or PipelineConfig()
         self.groups = groups = ParallelGroups.from_mesh(mesh)
         self.schedule = _resolve_schedule(cfg, groups.pp_size)
-        check_parts_fit(len(parts), self.schedule)
         self.partition = partition.placed(self.schedule) if partition is not None else None
         self.device = torch.device(device) if device is not None else default_device()
         ckpt = resolve_checkpointing(cfg.activation_checkpointing, self.schedule)
-        self.stage_modules = build_stage_modules(self.schedule, groups.pp_rank, parts,
+        self.stage_modules = build_stage_modules(self.schedule, groups.pp_rank, parts, init=init,
                                                  checkpoint_stages=ckpt, device=self.device)
         self.params = [p for s in sorted(self.stage_modules) for p in self.stage_modules[s].parameters()]
         self._counted = [p for s in sorted(self.stage_modules) if self.schedule.copy_of_stage(s) == 0
@@ -149,6 +156,8 @@ class Pipeline:
                               groups.pp_group)
         self._counted = self.tied.counted(self._counted)  # a tied weight counts once in the norm
         self.optimizer = optimizer(self.params)
+        self.scheduler = scheduler(self.optimizer) if scheduler is not None else None
+        """The LR scheduler (None without one); stepped after every applied optimizer step."""
         self.scaler = DynamicLossScaler(cfg.loss_scale, enabled=cfg.precision == "fp16")
         runtime_cfg = RuntimeConfig(timeout_s=cfg.timeout_s, record_timeline=cfg.record_timeline,
                                     autocast_dtype=autocast_dtype(cfg.precision),
@@ -181,11 +190,14 @@ class Pipeline:
         sample_input: Any = None,
         mesh: DeviceMesh | None = None,
         device: torch.device | str | None = None,
+        init: PartInit | None = None,
+        scheduler: SchedulerFactory | None = None,
     ) -> Pipeline:
         """Split `layers` (plus optional embedding/head) into the schedule's model parts and build.
 
         `balance` and `sample_input` are as in `split.plan_partition`; rank 0's partition is used
-        on every rank (profiled times differ between processes).
+        on every rank (profiled times differ between processes). Layers on the meta device need
+        `init` (this rank's parts are allocated and filled, no other part is).
         """
         config = config or PipelineConfig()
         schedule = _resolve_schedule(config, ParallelGroups.from_mesh(mesh).pp_size)
@@ -197,7 +209,8 @@ class Pipeline:
             dist.broadcast_object_list(shared, src=0)  # profiled times differ per rank: rank 0 decides
             partition = shared[0]
         parts = build_parts(blocks, partition, embedding=embedding, head=head)
-        return cls(parts, loss_fn, optimizer, config, mesh=mesh, device=device, partition=partition)
+        return cls(parts, loss_fn, optimizer, config, mesh=mesh, device=device, partition=partition,
+                   init=init, scheduler=scheduler)
 
     def bounded(self, work: Any, what: str) -> None:
         """Wait for a collective posted with async_op=True, bounded by the timeout and stopped (with an
@@ -292,6 +305,8 @@ class Pipeline:
                 return True, norm
         grads.scale_grads(self.params, grads.clip_factor(norm or 0.0, cfg.grad_clip_norm) / divisor)
         self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
         self.scaler.update(overflow=False)
         self.optimizer_steps += 1
         return False, norm

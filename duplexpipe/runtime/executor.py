@@ -18,12 +18,13 @@ from duplexpipe.runtime.dispatch import Dispatcher, default_overlap
 from duplexpipe.runtime.handshake import group_store, handshake, shared_nonce
 from duplexpipe.runtime.messages import Mailroom, MessageMeta, MetaBoard
 from duplexpipe.runtime.options import EvalResult, RuntimeConfig, StepResult
+from duplexpipe.runtime.preflight import verdict
 from duplexpipe.runtime.rankplan import RankPlan
 from duplexpipe.runtime.stage_compute import Message, StageCompute
 from duplexpipe.runtime.timing import Tracer
 from duplexpipe.runtime.transport import Transport
-from duplexpipe.runtime.watchdog import PeerFailedError, PipelineError, Watchdog
-from duplexpipe.schedules.ir import Action, Op, Schedule
+from duplexpipe.runtime.watchdog import HandshakeError, PeerFailedError, PipelineError, Watchdog
+from duplexpipe.schedules.ir import Action, Op, Schedule, ScheduleError
 
 __all__ = ["PipelineRuntime", "default_overlap"]
 
@@ -60,8 +61,11 @@ class PipelineRuntime:
     `modules` maps each stage this rank runs (schedule.stages_of_rank) to its module, already
     on `device`. Inputs are needed on ranks holding a first stage, targets on ranks holding a
     last stage (DualPipe: ranks 0 and P-1 hold both; V schedules: rank 0 holds both).
-    A compute-only schedule is lowered first. Construction is collective: every rank of
-    `group` checks that all run the same schedule (HandshakeError otherwise).
+    A compute-only schedule is lowered first, and every schedule must pass the verifier before
+    anything runs (on NCCL also its pair-order rule): an unsound one raises ScheduleError with the
+    verifier's report (the deadlock cycle) on every rank, within seconds. Construction is
+    collective: every rank of `group` checks that all run the same schedule (HandshakeError
+    otherwise).
 
     `job_group` (default `group`): every rank of the training job, a group made of whole
     pipelines (e.g. the pp x dp world, each data-parallel replica training on its own batch).
@@ -119,30 +123,41 @@ class PipelineRuntime:
         }
 
     def _start(self, group: Any) -> Watchdog:
-        """The start-up handshake and checks; returns the watchdog of this runtime's waits."""
+        """The start-up checks and handshake; returns the watchdog of this runtime's waits.
+
+        The schedule must pass the verifier (and, on NCCL, its pair-order rule) before anything is
+        sent: an unsound one raises ScheduleError with the verifier's report on every rank.
+        """
         bad = {s: type(m).__name__ for s, m in self.modules.items() if not isinstance(m, nn.Module)}
+        nccl = "nccl" in str(dist.get_backend(group))
+        fingerprint = self.schedule.fingerprint()
+        problem = verdict(self.schedule, fingerprint, nccl)
+        local = (f"rank {self.rank}: modules must be nn.Module, got {bad}" if bad else
+                 f"rank {self.rank}: the schedule fails verification: {problem}" if problem else "")
         codecs = f"{codec_name(self.config.activation_codec)}/{codec_name(self.config.gradient_codec)}"
-        nonce = handshake(self.schedule, self.modules, group, self.device, self.config.timeout_s,
-                          f"rank {self.rank}: modules must be nn.Module, got {bad}" if bad else "", codecs)
-        if "nccl" in str(dist.get_backend(group)):  # one stream per rank pair: ScheduleError, not a hang
-            from duplexpipe.schedules.verify import check_nccl_order
-            check_nccl_order(self.schedule)
-            if not self.config.prefetch:
-                raise ValueError("RuntimeConfig.prefetch=False is for gloo only: on NCCL a receive posted at "
-                                 "its consumer can deadlock against the sends posted before it")
+        try:
+            nonce = handshake(self.schedule, self.modules, group, self.device, self.config.timeout_s, local,
+                              codecs, fingerprint)
+        except HandshakeError:
+            if problem:  # every rank holding this schedule: the verifier's own report, cycle included
+                raise ScheduleError(f"schedule {self.schedule.name!r} cannot run: {problem}") from None
+            raise
+        if nccl and not self.config.prefetch:
+            raise ValueError("RuntimeConfig.prefetch=False is for gloo only: on NCCL a receive posted at "
+                             "its consumer can deadlock against the sends posted before it")
         self._prefix = f"duplexpipe/{nonce}"
         self._store = group_store(group)
         job_store = group_store(self.job_group)
         if self._store is None or job_store is None:
             raise PipelineError("no c10d store is reachable for the process group: the runtime needs it "
                                 "for shape announcements and the shared error flag")
-        job_prefix, flag = self._prefix, {}
+        job_prefix, flag_rank, flag_label = self._prefix, self.rank, "rank"
         if self._pipelines > 1:  # one error flag for the whole job, naming global ranks
             job_prefix = "duplexpipe-job/" + shared_nonce(self.job_group, self.device, self.config.timeout_s,
                                                           "the start-up handshake of the job group")
-            flag = {"flag_rank": dist.get_rank(), "flag_label": "global rank"}
-        return Watchdog(job_store, job_prefix, self.rank, self.config.timeout_s,
-                        self.config.poll_interval_s, threaded_p2p=self.device.type == "cpu", **flag)
+            flag_rank, flag_label = dist.get_rank(), "global rank"
+        return Watchdog(job_store, job_prefix, self.rank, self.config.timeout_s, self.config.poll_interval_s,
+                        threaded_p2p=self.device.type == "cpu", flag_rank=flag_rank, flag_label=flag_label)
 
     # ---------------------------------------------------------------- public API
     def step(self, inputs: Any, targets: Any, *, loss_scale: float = 1.0) -> StepResult:
