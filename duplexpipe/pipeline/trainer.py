@@ -102,11 +102,13 @@ class StepInfo:
 
 
 def _batch_size(inputs: Any, targets: Any) -> int | None:
+    """Rows of the inputs (or targets): dim 0 of the first leaf of a tensor, tuple/list or dict."""
     for value in (inputs, targets):
-        if isinstance(value, torch.Tensor):
-            return value.shape[0]
-        if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
-            return value[0].shape[0]
+        leaves = list(value.values()) if isinstance(value, dict) else value
+        if isinstance(leaves, (tuple, list)):
+            leaves = leaves[0] if leaves else None
+        if isinstance(leaves, torch.Tensor) and leaves.dim() > 0:
+            return int(leaves.shape[0])
     return None
 
 
