@@ -27,6 +27,8 @@ MICROBATCHES = {2: 4, 4: 8}
 TIGHT = 1e-12
 """float64 pipeline vs float64 reference: only summation order differs."""
 SPAWN_TIMEOUT_S = 240
+WORLD = 4
+"""The shared spawn (tests/conftest.py): 4 ranks running `_worker`."""
 
 
 def _run_case(name: str, P: int, group: Any, dtype: torch.dtype) -> dict[str, Any]:
@@ -144,6 +146,40 @@ def _codec_case(group: Any) -> dict[str, Any]:
     out["codec_two_payloads"] = (abs(result.loss - losses[0]) / losses[0], max(grads),
                                  [c.decoded for c in hilo])
     return out
+
+
+def _grads_ready_case(name: str, group: Any) -> dict[str, Any]:
+    """on_grads_ready: once per stage per step, right after the stage's last B or W on this rank (DualPipe:
+    after the mirror sum), with the step's final gradients already in place."""
+    rank, M = dist.get_rank(group), MICROBATCHES[2]
+    schedule, parts, modules = stage_setup(name, 2, M, rank, seed=31, dtype=torch.float64)
+    calls: list[tuple[int, int, list[torch.Tensor]]] = []
+    holder: dict[str, Any] = {}
+
+    def ready(stage: int) -> None:
+        grads = [p.grad.clone() for p in modules[stage].parameters()]
+        calls.append((stage, holder["runtime"].tracer.recorded, grads))
+
+    runtime = holder["runtime"] = PipelineRuntime(schedule, modules, loss_fn, group=group,
+                                                  config=RuntimeConfig(on_grads_ready=ready))
+    rows, expected = schedule.actions[rank], {}
+    for pos, action in enumerate(rows):  # compute actions done when each stage's last B or W ended
+        for part in action.compute_parts():
+            if part.op in (Op.B, Op.W):
+                expected[part.stage] = sum(a.op.is_compute for a in rows[:pos + 1])
+    if schedule.num_copies > 1:  # mirrored stages: after the mirror sum, at the end of the step
+        expected = {s: sum(a.op.is_compute for a in rows) for s in expected}
+    record: dict[str, Any] = {"ready_ok": True, "ready_calls": []}
+    for step in range(2):
+        calls.clear()
+        runtime.step(*_inputs(schedule, rank, make_batch(2 * M, 50 + step)))
+        final = {s: [p.grad for p in m.parameters()] for s, m in modules.items()}
+        record["ready_calls"].append(sorted(stage for stage, _, _ in calls))
+        for stage, done, grads in calls:
+            same = all(torch.equal(a, b) for a, b in zip(grads, final[stage], strict=True))
+            record["ready_ok"] &= same and done == expected[stage]
+    record["ready_stages"] = sorted(modules)
+    return record
 
 
 def _hook_case(group: Any) -> dict[str, Any]:
@@ -280,6 +316,8 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
                 out[f"{name}/{P}/{dtype}"] = _run_case(name, P, group, dtype)
             for kind in KINDS:
                 out[f"{name}/{P}/{kind}"] = _message_case(name, P, group, kind)
+    for name in NAMES:
+        out[f"ready/{name}"] = _grads_ready_case(name, pair)
     out.update(_hook_case(pair))
     out.update(_codec_case(pair))
     out.update(_validation_case(pair))
@@ -291,16 +329,10 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-@pytest.fixture(scope="module")
-def results() -> list[dict[str, Any]]:
-    return run_workers(_worker, 4, timeout_s=SPAWN_TIMEOUT_S)
-
-
 def _case(results: list[dict[str, Any]], name: str, P: int, dtype: torch.dtype) -> list[dict[str, Any]]:
     return [r[f"{name}/{P}/{dtype}"] for r in results]
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 @pytest.mark.parametrize("P", [2, 4])
 @pytest.mark.parametrize("name", NAMES)
 def test_float64_loss_and_every_gradient_match_reference(results: Any, name: str, P: int) -> None:
@@ -309,7 +341,6 @@ def test_float64_loss_and_every_gradient_match_reference(results: Any, name: str
         assert rec["grad_err"] <= TIGHT, (rank, rec["grad_err"])
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("P", [2, 4])
 @pytest.mark.parametrize("name", NAMES)
@@ -324,7 +355,6 @@ def test_several_tensors_per_message_match_reference(results: Any, name: str, P:
     assert any(rec["eval_out_err"] is not None for rec in recs)
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 @pytest.mark.parametrize("P", [2, 4])
 @pytest.mark.parametrize("name", NAMES)
 def test_float32_matches_float64_reference_to_fp32_rounding(results: Any, name: str, P: int) -> None:
@@ -335,7 +365,6 @@ def test_float32_matches_float64_reference_to_fp32_rounding(results: Any, name: 
         assert rec["grad_err"] <= bound, (rank, rec["grad_err"], rec["fp32_baseline"])
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 @pytest.mark.parametrize("P", [2, 4])
 @pytest.mark.parametrize("name", NAMES)
 def test_measured_timeline_has_every_compute_action_once(results: Any, name: str, P: int) -> None:
@@ -346,7 +375,6 @@ def test_measured_timeline_has_every_compute_action_once(results: Any, name: str
         assert rec["peak"] == rec["peak_expected"] == rec["peak_timeline"], (rank, rec)
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 @pytest.mark.parametrize("P", [2, 4])
 @pytest.mark.parametrize("name", NAMES)
 def test_evaluate_returns_outputs_in_batch_order_and_loss(results: Any, name: str, P: int) -> None:
@@ -360,7 +388,6 @@ def test_evaluate_returns_outputs_in_batch_order_and_loss(results: Any, name: st
     assert sum(rec["eval_out_err"] is not None for rec in _case(results, name, P, torch.float64)) >= 1
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 @pytest.mark.parametrize("P", [2, 4])
 @pytest.mark.parametrize("name", NAMES)
 def test_loss_is_identical_on_every_rank(results: Any, name: str, P: int) -> None:
@@ -371,7 +398,6 @@ def test_loss_is_identical_on_every_rank(results: Any, name: str, P: int) -> Non
             assert len({tuple(recs[r]["losses"]) for r in team}) == 1, (name, P, dtype, team)
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_kept_agreement_runs_one_collective_per_shape_and_matches_reference(results: Any) -> None:
     for rank, rec in enumerate(results):
         assert rec["kept_calls"] == [1, 2, 3], (rank, rec["kept_calls"])
@@ -380,7 +406,6 @@ def test_kept_agreement_runs_one_collective_per_shape_and_matches_reference(resu
     assert results[2]["kept_losses"] == results[3]["kept_losses"]
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_kept_agreement_mismatch_stops_the_ranks_without_inputs(results: Any) -> None:
     bad = results[0]["kept_middle"]
     assert bad["type"] == "ValueError", bad
@@ -392,13 +417,11 @@ def test_kept_agreement_mismatch_stops_the_ranks_without_inputs(results: Any) ->
         assert other["seconds"] < 30.0, (rank, other)
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_without_prefetch_the_step_is_the_same(results: Any) -> None:
     for rank, rec in enumerate(results):
         assert rec["waited_loss_err"] <= TIGHT and rec["waited_grad_err"] <= TIGHT, rank
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_uneven_batches_are_weighted_by_rows(results: Any) -> None:
     # every case above steps with 2M+1 rows (uneven microbatches) first; here: 3M+2 rows, loss_scale 4
     for rank, rec in enumerate(results):
@@ -406,7 +429,6 @@ def test_uneven_batches_are_weighted_by_rows(results: Any) -> None:
         assert rec["scaled_grad_err"] <= TIGHT, rank
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_bad_batches_raise_value_error_on_every_rank(results: Any) -> None:
     for rank, rec in enumerate(results):
         too_small, wrong_targets = rec["validation_errors"]
@@ -414,7 +436,6 @@ def test_bad_batches_raise_value_error_on_every_rank(results: Any) -> None:
         assert "targets have 9 rows but inputs have 8" in wrong_targets, (rank, wrong_targets)
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_ranks_in_the_middle_learn_which_rank_rejected_its_inputs(results: Any) -> None:
     assert "inputs have 7 rows, fewer than the 8 microbatches" in results[0]["middle_error"]
     assert "targets have 7 rows, fewer than the 8 microbatches" in results[3]["middle_error"]
@@ -422,14 +443,20 @@ def test_ranks_in_the_middle_learn_which_rank_rejected_its_inputs(results: Any) 
         assert "rank 3 rejected its step inputs" in results[rank]["middle_error"], results[rank]
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_overlap_hook_runs_every_pair(results: Any) -> None:
     for rank, rec in enumerate(results):
         assert rec["hook_calls_ok"], rank
         assert rec["hook_grad_err"] <= TIGHT, rank
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
+@pytest.mark.parametrize("name", NAMES)
+def test_grads_ready_fires_once_per_stage_per_step_when_the_gradients_are_final(results: Any, name: str) -> None:
+    for rank, rec in enumerate(results):
+        got = rec[f"ready/{name}"]
+        assert got["ready_calls"] == [got["ready_stages"]] * 2, (rank, got["ready_calls"])
+        assert got["ready_ok"], rank
+
+
 def test_bf16_codec_stays_within_its_bound_of_fp32(results: Any) -> None:
     """Activations and gradients cast to bf16 on the wire (ZBV, P=2, an fp32 model): the loss stays
     within 1e-3 and every gradient within 2e-2 (relative, against float64), where fp32 alone is
@@ -442,7 +469,6 @@ def test_bf16_codec_stays_within_its_bound_of_fp32(results: Any) -> None:
         assert grad16 > 10 * grad32, (rank, grad16, grad32)  # the codec really rounded
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_a_codec_may_send_several_payloads_per_tensor(results: Any) -> None:
     for rank, rec in enumerate(results):
         loss_err, grad_err, decoded = rec["codec_two_payloads"]
@@ -450,7 +476,6 @@ def test_a_codec_may_send_several_payloads_per_tensor(results: Any) -> None:
         assert min(decoded) > 0, (rank, decoded)  # both directions went through the codec
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_autocast_bfloat16_runs_close_to_reference(results: Any) -> None:
     for rank, rec in enumerate(results):
         assert rec["bf16_loss_err"] <= 2e-2, rank

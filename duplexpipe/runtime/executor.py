@@ -16,15 +16,16 @@ from duplexpipe.runtime import structure
 from duplexpipe.runtime.collectives import BatchAgreement, MirrorSum, PendingSum, agree, share_blocks
 from duplexpipe.runtime.context import Slot, StepContext, microbatch_rows, signature, split_batch
 from duplexpipe.runtime.dispatch import Dispatcher, default_overlap
-from duplexpipe.runtime.handshake import group_store, handshake
+from duplexpipe.runtime.handshake import group_store, handshake, shared_nonce
 from duplexpipe.runtime.messages import Mailroom, MessageMeta, MetaBoard
 from duplexpipe.runtime.options import EvalResult, RuntimeConfig, StepResult
+from duplexpipe.runtime.preflight import verdict
 from duplexpipe.runtime.rankplan import RankPlan
 from duplexpipe.runtime.stage_compute import Message, StageCompute
 from duplexpipe.runtime.timing import Tracer
 from duplexpipe.runtime.transport import Transport
-from duplexpipe.runtime.watchdog import PeerFailedError, PipelineError, Watchdog
-from duplexpipe.schedules.ir import Action, Op, Schedule
+from duplexpipe.runtime.watchdog import HandshakeError, PeerFailedError, PipelineError, Watchdog
+from duplexpipe.schedules.ir import Action, Op, Schedule, ScheduleError
 
 __all__ = ["PipelineRuntime", "default_overlap"]
 
@@ -61,18 +62,23 @@ class PipelineRuntime:
     `modules` maps each stage this rank runs (schedule.stages_of_rank) to its module, already
     on `device`. Inputs are needed on ranks holding a first stage, targets on ranks holding a
     last stage (DualPipe: ranks 0 and P-1 hold both; V schedules: rank 0 holds both).
-    A compute-only schedule is lowered first. Construction is collective: every rank of
-    `group` checks that all run the same schedule (HandshakeError otherwise).
+    A compute-only schedule is lowered first, and every schedule must pass the verifier before
+    anything runs (on NCCL also its pair-order rule): an unsound one raises ScheduleError with the
+    verifier's report (the deadlock cycle) on every rank, within seconds. Construction is
+    collective: every rank of `group` checks that all run the same schedule (HandshakeError
+    otherwise).
 
-    `loss_group` (default `group`): the group StepResult.loss is summed over, once per step. A
-    group holding several pipelines (e.g. the whole pp x dp world, each data-parallel replica
-    training on its own batch) makes the loss the mean over those pipelines.
+    `job_group` (default `group`): every rank of the training job, a group made of whole
+    pipelines (e.g. the pp x dp world, each data-parallel replica training on its own batch).
+    StepResult.loss is summed over it once per step (the mean over its pipelines), and a failure
+    on any of its ranks stops all of them; `bounded` waits for the job's own collectives the same
+    way.
     """
 
     def __init__(self, schedule: Schedule, modules: Mapping[int, nn.Module],
                  loss_fn: Callable[[Any, Any], Tensor], *, group: Any = None,
                  device: torch.device | None = None, config: RuntimeConfig | None = None,
-                 loss_group: Any = None) -> None:
+                 job_group: Any = None) -> None:
         if not isinstance(schedule, Schedule):
             raise TypeError(f"schedule must be a duplexpipe Schedule, got {type(schedule).__name__}")
         if not schedule.has_comms and schedule.num_ranks > 1:
@@ -85,6 +91,11 @@ class PipelineRuntime:
         self.device = torch.device(device) if device is not None else _default_device(group)
         self.loss_fn = loss_fn
         self.modules = dict(modules)
+        self.job_group = job_group if job_group is not None else group
+        self._pipelines, extra = divmod(dist.get_world_size(self.job_group), dist.get_world_size(group))
+        if extra or not self._pipelines:
+            raise ValueError(f"job_group has {dist.get_world_size(self.job_group)} ranks, not a multiple of "
+                             f"the pipeline group's {dist.get_world_size(group)}")
         self.watchdog = self._start(group)
         self.transport = Transport(group, self.device, self.watchdog, prefetch=self.config.prefetch,
                                    meter=self.config.p2p_meter)
@@ -101,11 +112,6 @@ class PipelineRuntime:
                              self.config.activation_codec, self.config.gradient_codec, self.nonfinite)
         self.compute = Dispatcher(self.plan.layout, self.rank, self.stages, self.mail, loss_fn, self.tracer,
                                   self.config.overlap_hook)
-        self._loss_group = loss_group if loss_group is not None else group
-        self._pipelines, extra = divmod(dist.get_world_size(self._loss_group), dist.get_world_size(group))
-        if extra or not self._pipelines:
-            raise ValueError(f"loss_group has {dist.get_world_size(self._loss_group)} ranks, not a multiple of "
-                             f"the pipeline group's {dist.get_world_size(group)}")
         self._shapes: OrderedDict[tuple[int, bool], dict[Slot, MessageMeta]] = OrderedDict()
         """(input signature, training) -> the learned message metas (evaluate's carry no gradients)."""
         self._step_no = 0
@@ -121,24 +127,41 @@ class PipelineRuntime:
         }
 
     def _start(self, group: Any) -> Watchdog:
-        """The start-up handshake and checks; returns the watchdog of this runtime's waits."""
+        """The start-up checks and handshake; returns the watchdog of this runtime's waits.
+
+        The schedule must pass the verifier (and, on NCCL, its pair-order rule) before anything is
+        sent: an unsound one raises ScheduleError with the verifier's report on every rank.
+        """
         bad = {s: type(m).__name__ for s, m in self.modules.items() if not isinstance(m, nn.Module)}
+        nccl = "nccl" in str(dist.get_backend(group))
+        fingerprint = self.schedule.fingerprint()
+        problem = verdict(self.schedule, fingerprint, nccl)
+        local = (f"rank {self.rank}: modules must be nn.Module, got {bad}" if bad else
+                 f"rank {self.rank}: the schedule fails verification: {problem}" if problem else "")
         codecs = f"{codec_name(self.config.activation_codec)}/{codec_name(self.config.gradient_codec)}"
-        nonce = handshake(self.schedule, self.modules, group, self.device, self.config.timeout_s,
-                          f"rank {self.rank}: modules must be nn.Module, got {bad}" if bad else "", codecs)
-        if "nccl" in str(dist.get_backend(group)):  # one stream per rank pair: ScheduleError, not a hang
-            from duplexpipe.schedules.verify import check_nccl_order
-            check_nccl_order(self.schedule)
-            if not self.config.prefetch:
-                raise ValueError("RuntimeConfig.prefetch=False is for gloo only: on NCCL a receive posted at "
-                                 "its consumer can deadlock against the sends posted before it")
+        try:
+            nonce = handshake(self.schedule, self.modules, group, self.device, self.config.timeout_s, local,
+                              codecs, fingerprint)
+        except HandshakeError:
+            if problem:  # every rank holding this schedule: the verifier's own report, cycle included
+                raise ScheduleError(f"schedule {self.schedule.name!r} cannot run: {problem}") from None
+            raise
+        if nccl and not self.config.prefetch:
+            raise ValueError("RuntimeConfig.prefetch=False is for gloo only: on NCCL a receive posted at "
+                             "its consumer can deadlock against the sends posted before it")
         self._prefix = f"duplexpipe/{nonce}"
         self._store = group_store(group)
-        if self._store is None:
+        job_store = group_store(self.job_group)
+        if self._store is None or job_store is None:
             raise PipelineError("no c10d store is reachable for the process group: the runtime needs it "
                                 "for shape announcements and the shared error flag")
-        return Watchdog(self._store, self._prefix, self.rank, self.config.timeout_s,
-                        self.config.poll_interval_s, threaded_p2p=self.device.type == "cpu")
+        job_prefix, flag_rank, flag_label = self._prefix, self.rank, "rank"
+        if self._pipelines > 1:  # one error flag for the whole job, naming global ranks
+            job_prefix = "duplexpipe-job/" + shared_nonce(self.job_group, self.device, self.config.timeout_s,
+                                                          "the start-up handshake of the job group")
+            flag_rank, flag_label = dist.get_rank(), "global rank"
+        return Watchdog(job_store, job_prefix, self.rank, self.config.timeout_s, self.config.poll_interval_s,
+                        threaded_p2p=self.device.type == "cpu", flag_rank=flag_rank, flag_label=flag_label)
 
     # ---------------------------------------------------------------- public API
     def step(self, inputs: Any, targets: Any, *, loss_scale: float = 1.0) -> StepResult:
@@ -175,6 +198,23 @@ class PipelineRuntime:
         timeline = self.tracer.timeline(self.schedule.name, self.schedule.num_ranks,
                                         self.schedule.num_microbatches)
         return EvalResult(outputs=outputs, loss=loss, timeline=timeline)
+
+    def report_failure(self, exc: BaseException) -> None:
+        """Stop this runtime because of `exc` (raised by code around it, e.g. the optimizer step) and
+        tell every rank of the job, whose waits then raise PeerFailedError naming this rank."""
+        if self._broken is None:
+            self._fail(exc, None)
+
+    def bounded(self, work: Any, what: str, peers: str = "all ranks of the group") -> None:
+        """Wait for a collective posted with async_op=True (e.g. a data-parallel all-reduce) like the
+        runtime's own waits: bounded by timeout_s and stopped when any rank of the job reported a
+        failure. A failure here stops this runtime and tells the other ranks."""
+        try:
+            self.watchdog.wait_work(self.watchdog.track(work, "collective"), what, peers)
+        except BaseException as exc:
+            if self._broken is None:
+                self._fail(exc, None)
+            raise
 
     # ---------------------------------------------------------------- step frame
     def _check_inputs(self, inputs: Any, targets: Any, train: bool) -> tuple[list[Any], list[Any], str]:
@@ -274,7 +314,7 @@ class PipelineRuntime:
             if ctx.train or ctx.has_targets:  # posted now, waited for when read (every rank posts it)
                 local = (torch.stack(ctx.losses).sum() if ctx.losses
                          else torch.zeros((), dtype=torch.float64, device=self.device))
-                loss = PendingSum(local, self._loss_group if ctx.train else self.group, self.device,
+                loss = PendingSum(local, self.job_group if ctx.train else self.group, self.device,
                                   self.watchdog, "the loss all-reduce")
         except BaseException as exc:
             self._fail(exc, action)

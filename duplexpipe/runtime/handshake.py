@@ -41,7 +41,8 @@ def _stage_table(schedule: Schedule) -> str:
 
 
 def summarize(schedule: Schedule, rank: int, local_stages: Collection[int],
-              local_error: str = "", codecs: str = "identity/identity") -> dict[str, Any]:
+              local_error: str = "", codecs: str = "identity/identity",
+              fingerprint: str | None = None) -> dict[str, Any]:
     """This rank's view: the schedule's identity, its codecs (activation/gradient names), a fresh
     nonce and any local setup error."""
     expected = sorted(schedule.stages_of_rank(rank)) if rank < schedule.num_ranks else []
@@ -54,7 +55,7 @@ def summarize(schedule: Schedule, rank: int, local_stages: Collection[int],
         "num_ranks": schedule.num_ranks,
         "num_microbatches": schedule.num_microbatches,
         "stages": _stage_table(schedule),
-        "fingerprint": schedule.fingerprint(),
+        "fingerprint": fingerprint if fingerprint is not None else schedule.fingerprint(),
         "codecs": codecs[:128],
         "nonce": os.urandom(8).hex(),
         "error": error[:400],
@@ -94,7 +95,8 @@ def compare(summaries: list[dict[str, Any]], group_size: int) -> None:
 
 
 def handshake(schedule: Schedule, local_stages: Collection[int], group: Any, device: torch.device,
-              timeout_s: float, local_error: str = "", codecs: str = "identity/identity") -> str:
+              timeout_s: float, local_error: str = "", codecs: str = "identity/identity",
+              fingerprint: str | None = None) -> str:
     """Exchange summaries with every rank of `group`, compare them, return the shared nonce.
 
     Raises HandshakeError on every rank when any rank runs a different schedule (name, rank
@@ -102,7 +104,7 @@ def handshake(schedule: Schedule, local_stages: Collection[int], group: Any, dev
     stages; raises PipelineTimeoutError when some rank does not join within `timeout_s`.
     """
     rank, size = dist.get_rank(group), dist.get_world_size(group)
-    mine = encode(summarize(schedule, rank, local_stages, local_error, codecs)).to(device)
+    mine = encode(summarize(schedule, rank, local_stages, local_error, codecs, fingerprint)).to(device)
     gathered = [torch.empty_like(mine) for _ in range(size)]
     work = dist.all_gather(gathered, mine, group=group, async_op=True)
     waiter = Watchdog(None, "", rank, timeout_s, timeout_s)
@@ -111,3 +113,13 @@ def handshake(schedule: Schedule, local_stages: Collection[int], group: Any, dev
     summaries = [decode(t) for t in gathered]
     compare(summaries, size)
     return str(summaries[0]["nonce"])
+
+
+def shared_nonce(group: Any, device: torch.device, timeout_s: float, what: str) -> str:
+    """A random nonce equal on every rank of `group` (rank 0's), agreed with one bounded all_gather."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    mine = torch.frombuffer(bytearray(os.urandom(8)), dtype=torch.uint8).to(device)
+    gathered = [torch.empty_like(mine) for _ in range(size)]
+    work = dist.all_gather(gathered, mine, group=group, async_op=True)
+    Watchdog(None, "", rank, timeout_s, timeout_s).wait_work(work, what, "all ranks of the group")
+    return bytes(gathered[0].cpu().tolist()).hex()

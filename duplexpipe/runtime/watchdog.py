@@ -118,10 +118,14 @@ class Watchdog:
     """
 
     def __init__(self, store: Any, prefix: str, rank: int, timeout_s: float, poll_s: float,
-                 threaded_p2p: bool = False) -> None:
+                 threaded_p2p: bool = False, flag_rank: int | None = None, flag_label: str = "rank") -> None:
         self.store = store
         self.key = f"{prefix}/{ERROR_KEY}"
         self.rank = rank
+        self.flag_rank = rank if flag_rank is None else flag_rank
+        """The rank this watchdog's reports name (the global rank when the flag spans several groups)."""
+        self.flag_label = flag_label
+        """How reports name ranks: "rank", or "global rank" when the flag spans several groups."""
         self.timeout_s = timeout_s
         self.poll_s = poll_s
         self.threaded_p2p = threaded_p2p
@@ -134,7 +138,8 @@ class Watchdog:
         raw = self.store.get(self.key).decode("utf-8", "replace")
         who, _, message = raw.partition("\n")
         failed = int(who) if who.lstrip("-").isdigit() else -1
-        raise PeerFailedError(f"rank {self.rank}: stopping because rank {failed} failed: {message}", failed)
+        me = f"rank {self.rank}" if self.flag_label == "rank" else f"rank {self.rank} (global rank {self.flag_rank})"
+        raise PeerFailedError(f"{me}: stopping because {self.flag_label} {failed} failed: {message}", failed)
 
     def report(self, message: str) -> None:
         """Publish this rank's failure so the other ranks stop (first report wins; never raises)."""
@@ -142,7 +147,7 @@ class Watchdog:
             return
         try:
             if not self.store.check([self.key]):
-                self.store.set(self.key, f"{self.rank}\n{message}")
+                self.store.set(self.key, f"{self.flag_rank}\n{message}")
         except Exception:  # noqa: BLE001, S110 - reporting must not mask the original error
             pass
 
