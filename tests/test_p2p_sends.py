@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _executor_cases import _attempt, _inputs, stage_setup
-from models import DIM, SEQ, loss_fn, make_batch, make_parts, rel_err, run_workers
+from models import DIM, SEQ, loss_fn, make_batch, make_parts, rel_err
 from torch import Tensor, nn
 
 from duplexpipe.comm.codec import Codec, TensorSpec
@@ -41,7 +41,9 @@ CROSSINGS = 3
 """Rank boundaries a microbatch crosses each way on 4 ranks."""
 EMULATED = 1e-6
 """Pipeline vs the single-process run with the same round trips: only fp32 summation order differs (a few ulps)."""
+WORLD = 4
 SPAWN_TIMEOUT_S = 240
+"""conftest.py's `results` fixture runs `_worker` once on WORLD gloo ranks within this bound."""
 
 
 class _Wire(torch.autograd.Function):
@@ -189,12 +191,6 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-@pytest.fixture(scope="module")
-def results() -> list[dict[str, Any]]:
-    return run_workers(_worker, 4, timeout_s=SPAWN_TIMEOUT_S)
-
-
-@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 @pytest.mark.parametrize("name", SCHEDULES)
 @pytest.mark.parametrize("label", LABELS[1:])
 def test_each_codec_stays_within_its_bound_of_fp32_sends(results: Any, name: str, label: str) -> None:
@@ -205,7 +201,6 @@ def test_each_codec_stays_within_its_bound_of_fp32_sends(results: Any, name: str
         assert got["grad_vs_fp32"] > 1e-6, (rank, got)  # the codec really rounded
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 @pytest.mark.parametrize("name", SCHEDULES)
 @pytest.mark.parametrize("label", LABELS)
 def test_the_pipeline_equals_a_single_process_run_with_the_same_round_trips(results: Any, name: str,
@@ -217,7 +212,6 @@ def test_the_pipeline_equals_a_single_process_run_with_the_same_round_trips(resu
             assert got["grad_vs_emulated"] < got["grad_vs_fp32"] / 10, (rank, got)
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 @pytest.mark.parametrize("name", SCHEDULES)
 @pytest.mark.parametrize("label", LABELS)
 def test_bytes_per_send_match_the_wire_format(results: Any, name: str, label: str | None) -> None:
@@ -229,7 +223,6 @@ def test_bytes_per_send_match_the_wire_format(results: Any, name: str, label: st
         assert measured == expected, (rank, got)
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_the_meter_agrees_with_the_c10d_send_ops(results: Any) -> None:
     for rank, rec in enumerate(results):
         meter = rec["counter"]["meter"]
@@ -238,7 +231,6 @@ def test_the_meter_agrees_with_the_c10d_send_ops(results: Any) -> None:
         assert meter["calls"]["send"] > 0
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 @pytest.mark.parametrize("label", ["bf16", "fp8", "int8"])
 def test_an_overflowed_gradient_reaches_the_first_stage_non_finite_and_is_reported(results: Any,
                                                                                     label: str) -> None:
@@ -250,7 +242,6 @@ def test_an_overflowed_gradient_reaches_the_first_stage_non_finite_and_is_report
     assert "rank 1: stage 1 microbatch" in last["warnings"][0] and "(gradients)" in last["warnings"][0]
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_the_strict_policy_stops_every_rank_naming_the_send(results: Any) -> None:
     sender, receiver = results[0]["strict"], results[1]["strict"]
     assert sender["type"] == "NonFiniteSendError", sender
@@ -259,7 +250,6 @@ def test_the_strict_policy_stops_every_rank_naming_the_send(results: Any) -> Non
     assert receiver["seconds"] < 20, receiver
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_an_fp16_overflow_with_fp8_sends_is_skipped_everywhere_then_training_goes_on(results: Any) -> None:
     for rank, rec in enumerate(results):
         assert rec["skip"]["skip_steps"] == [(True, False, True), (False, True, True)], (rank, rec["skip"])
