@@ -69,3 +69,16 @@ def test_policies_are_checked() -> None:
         check_policy("ignore", "RuntimeConfig.nonfinite_sends")
     with pytest.raises(ValueError, match="the non-finite policy must be one of"):
         NonFiniteWatch("strict")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_the_warn_policy_keeps_counts_until_flush() -> None:
+    watch = NonFiniteWatch()
+    codec = Fp8RowCodec()
+    x = _bad().cuda()
+    watch.note(codec, x, codec.encode(x), "on the gpu")
+    assert watch.events == 0 and len(watch._pending) == 1  # no sync at the send
+    with pytest.warns(RuntimeWarning, match="on the gpu: a tensor sent with codec 'fp8-e4m3-row'"):
+        watch.flush()
+    assert watch.events == 1

@@ -173,3 +173,21 @@ def test_bad_codec_parameters_are_named() -> None:
             Int8BlockCodec(block)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="stochastic_seed must be an int or None, got 'x'"):
         Int8BlockCodec(256, stochastic_seed="x")  # type: ignore[arg-type]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("codec", [Fp8RowCodec("e4m3"), Fp8RowCodec("e5m2"), Int8BlockCodec(256),
+                                   Int8BlockCodec(256, stochastic_seed=1)], ids=repr)
+def test_codecs_run_on_cuda_like_on_the_cpu(codec: Codec) -> None:
+    x = _data((4, 64, 64))
+    x[1, 3, 7] = float("inf")
+    on_gpu = check_round_trip(codec, x.cuda())
+    assert on_gpu.device.type == "cuda" and all(p.device.type == "cuda" for p in codec.encode(x.cuda()))
+    assert bool(on_gpu[1, 3].isnan().any()) and int(codec.nonfinite(codec.encode(x.cuda()))) == 1  # type: ignore[attr-defined]
+    keep = torch.ones(4, 64, dtype=torch.bool)
+    keep[1, 3] = False  # the row holding inf (an int8 block of 256 is 4 rows of 64 here)
+    if isinstance(codec, Int8BlockCodec):
+        keep[1] = False
+    err = (on_gpu.cpu() - x).abs()[keep]
+    assert bool((err <= 2.0**-7 * x.abs()[keep].amax()).all())  # every codec's bound, against the largest value
