@@ -11,13 +11,16 @@ every variant sees the same machine load. Reported per variant:
 - encode + decode time of one message in one process, and sends whose tensor held NaN/inf.
 
 Usage: python benchmarks/p2p_compression.py [--steps N] [--quick] [--out DIR] [--docs DIR|none] [--load-note TEXT]
+       python benchmarks/p2p_compression.py --replot   (tables, figure and docs again from OUT/p2p.json)
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -244,7 +247,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(ROOT / "bench-output"), help="results directory")
     parser.add_argument("--docs", default=str(ROOT / "docs"), help="docs directory to update; 'none' to skip")
     parser.add_argument("--load-note", default="", help="how loaded the machine was, for the docs")
+    parser.add_argument("--replot", action="store_true", help="measure nothing: redraw from OUT/p2p.json")
     args = parser.parse_args(argv)
+    if args.replot:
+        with open(os.path.join(args.out, "p2p.json"), encoding="utf-8") as fh:
+            return _show(json.load(fh), args.docs)
     cfg = quick_config() if args.quick else P2PConfig(steps=args.steps)
     if cfg.steps < cfg.last:
         print(f"p2p_compression.py: --steps must be >= {cfg.last}, got {args.steps}", file=sys.stderr)
@@ -252,15 +259,21 @@ def main(argv: list[str] | None = None) -> int:
     load_before = [round(x, 2) for x in os.getloadavg()]
     started = time.monotonic()
     part = run(cfg)
+    given = list(sys.argv[1:] if argv is None else argv)
+    if "--load-note" in given:  # the note is shown on its own
+        given[given.index("--load-note") + 1] = "NOTE"
     part["meta"] = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "wall_s": time.monotonic() - started,
-                    "command": "python benchmarks/p2p_compression.py" + "".join(
-                        f" {a}" for a in (sys.argv[1:] if argv is None else argv)),
+                    "command": shlex.join(["python", "benchmarks/p2p_compression.py", *given]),
                     "load_before": load_before, "load_after": [round(x, 2) for x in os.getloadavg()],
                     "load_note": args.load_note, "machine": harness.machine_info()}
-    print(report.text_table(table(part)))
     report.write_json(part, os.path.join(args.out, "p2p.json"))
-    if args.docs != "none":
-        publish(part, args.docs)
+    return _show(part, args.docs)
+
+
+def _show(part: dict[str, Any], docs: str) -> int:
+    print(report.text_table(table(part)))
+    if docs != "none":
+        publish(part, docs)
     return 0
 
 

@@ -42,6 +42,9 @@ def test_quick_run_measures_bytes_losses_and_writes_its_docs_section(tmp_path: P
     assert text.startswith("# Benchmarks\n\nprose kept\n") and p2p_compression.BEGIN in text
     assert "| dualpipe, int8 |" in text and (docs / "img" / "p2p_loss.png").stat().st_size > 0
     assert "dualpipe, fp8" in capsys.readouterr().out
+    (docs / "img" / "p2p_loss.png").unlink()
+    assert p2p_compression.main(["--replot", "--out", str(tmp_path), "--docs", str(docs)]) == 0  # no measuring
+    assert (docs / "img" / "p2p_loss.png").exists() and (docs / "benchmarks.md").read_text() == text
 
 
 def test_too_few_steps_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
