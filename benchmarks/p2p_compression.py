@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -79,10 +78,6 @@ def quick_config() -> P2PConfig:
     return P2PConfig(schedules=("dualpipe",), ranks=2, microbatches=4, steps=3, last=2, d_model=32, batch_size=8)
 
 
-def _label(compression: str | None) -> str:
-    return compression or "fp32"
-
-
 def _worker(rank: int, world: int, arg: tuple[str, P2PConfig]) -> dict[str, Any]:
     name, cfg = arg
     torch.manual_seed(0)
@@ -104,7 +99,7 @@ def _worker(rank: int, world: int, arg: tuple[str, P2PConfig]) -> dict[str, Any]
             took, loss = harness.timed(functools.partial(pipes[label].step, x, y))
             losses[label].append(loss)
             seconds[label].append(took)
-    return {"losses": losses, "seconds": seconds, "world": dist.get_world_size(),
+    return {"losses": losses, "seconds": seconds,
             "meters": {label: p.p2p_meter.snapshot() for label, p in pipes.items()},
             "nonfinite": {label: p.runtime.nonfinite.events for label, p in pipes.items()}}
 
