@@ -20,9 +20,10 @@ from benchmarks import figures, harness, report  # noqa: E402
 from benchmarks.measured_vs_sim import SimConfig  # noqa: E402
 from benchmarks.models import ModelSpec  # noqa: E402
 from benchmarks.overlap import OverlapConfig  # noqa: E402
+from benchmarks.p2p_compression import P2PConfig, quick_config  # noqa: E402
 from benchmarks.vs_torch import VsTorchConfig  # noqa: E402
 
-PARTS = ("vs_torch", "measured_vs_simulated", "overlap", "tooling", "profile", "auto_search")
+PARTS = ("vs_torch", "measured_vs_simulated", "overlap", "tooling", "profile", "auto_search", "p2p")
 QUICK_PARTS = PARTS[:4]
 
 
@@ -42,10 +43,12 @@ class Plan:
     """Run schedule_tooling.py's small grid (part 4)."""
     profile: tuple[tuple[str, str, int], ...] = (("1f1b", "mlp", 60), ("zbv", "transformer", 10))
     """Part 5: (schedule, workload, steps) cases profiled under py-spy on both sides."""
+    p2p: P2PConfig = P2PConfig()
+    """Part 6: low-precision stage-to-stage sends on the GPT example (benchmarks/p2p_compression.py)."""
 
 
 def full_plan() -> Plan:
-    """The configuration `make bench` measures (about 10 minutes on 2 shared cores)."""
+    """The configuration `make bench` measures (about 10 minutes on 2 shared cores, and part 6 another 5-11)."""
     return Plan(
         world=4,
         vs_torch=(
@@ -71,11 +74,12 @@ def quick_plan() -> Plan:
         overlap=OverlapConfig(width=1024, num_microbatches=4, compute_ms=1.0, schedules=("1f1b",),
                               warmup=1, reps=2),
         quick_tooling=True,
+        p2p=quick_config(),
     )
 
 
 def _runners(plan: Plan) -> dict[str, Callable[[], Any]]:
-    from benchmarks import auto_search, measured_vs_sim, overlap, tooling, vs_torch
+    from benchmarks import auto_search, measured_vs_sim, overlap, p2p_compression, tooling, vs_torch
 
     return {
         "vs_torch": lambda: [row for cfg in plan.vs_torch for row in vs_torch.run(cfg, plan.world)],
@@ -84,6 +88,7 @@ def _runners(plan: Plan) -> dict[str, Callable[[], Any]]:
         "tooling": lambda: tooling.run(plan.quick_tooling),
         "profile": lambda: _run_profile(plan),
         "auto_search": lambda: auto_search.run(plan.quick_tooling),
+        "p2p": lambda: p2p_compression.run(plan.p2p),
     }
 
 
@@ -209,6 +214,24 @@ def _publish(results: dict[str, Any], out: str, docs: str) -> None:
         print(auto_search.text_report(results["auto_search"]))
         if docs != "none":
             auto_search.update_doc(os.path.join(docs, "benchmarks.md"), results["auto_search"])
+    if results.get("p2p"):
+        _publish_p2p(results, out, docs)
+
+
+def _publish_p2p(results: dict[str, Any], out: str, docs: str) -> None:
+    """Part 6 keeps its own section of docs/benchmarks.md and its loss figure."""
+    from benchmarks import p2p_compression
+
+    meta = results["meta"]
+    part = {**results["p2p"], "meta": {
+        "date": meta["date"], "command": meta["command"], "wall_s": meta["part_wall_s"].get("p2p", 0.0),
+        "load_before": meta["loadavg_at_part_start"].get("p2p"), "load_after": meta["loadavg_after"],
+        "load_note": meta["load_note"]}}
+    print("\n6. Low-precision stage-to-stage sends\n" + report.text_table(p2p_compression.table(part)))
+    if docs != "none":
+        p2p_compression.publish(part, docs)
+    else:
+        p2p_compression.loss_figure(part, os.path.join(out, "p2p_loss.png"))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from duplexpipe.comm.meter import WireMeter
+from duplexpipe.comm.nonfinite import check_policy
+from duplexpipe.comm.p2p_codecs import p2p_codec_pair
 from duplexpipe.pipeline import grads
 from duplexpipe.pipeline.mesh import ParallelGroups
 from duplexpipe.pipeline.precision import DynamicLossScaler, LossScaleConfig, autocast_dtype
@@ -76,9 +79,23 @@ class PipelineConfig:
     check_replicas: bool = True
     """At construction, check that every copy of a model part (DualPipe mirrors, data-parallel
     replicas) starts with identical weights; raise ValueError otherwise."""
+    p2p_compression: Any = None
+    """Low-precision stage-to-stage sends: None (as computed), "bf16" (bf16 both ways), "fp8" (e4m3
+    activations, e5m2 gradients, an fp32 scale per row) or "int8" (blocks of 256, fp32 scale per block);
+    or a duplexpipe.comm.codec.Codec for both directions, or an (activation, gradient) pair of names,
+    codecs or None. See duplexpipe.comm.p2p_codecs."""
+    nonfinite_sends: str = "warn"
+    """A compressed send holding NaN or inf (it always arrives non-finite): "warn" (count it, warn once) or
+    "raise" (stop every rank; not with precision "fp16", whose overflow steps are routine)."""
 
     def __post_init__(self) -> None:
         autocast_dtype(self.precision)
+        p2p_codec_pair(self.p2p_compression, "PipelineConfig.p2p_compression")
+        check_policy(self.nonfinite_sends, "PipelineConfig.nonfinite_sends")
+        if self.nonfinite_sends == "raise" and self.precision == "fp16":
+            raise ValueError("PipelineConfig.nonfinite_sends='raise' with precision='fp16': dynamic loss scaling "
+                             "overflows routinely and relies on inf/NaN gradients reaching its overflow check; "
+                             "use nonfinite_sends='warn' with fp16")
         if self.accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be >= 1, got {self.accumulation_steps}")
         if self.grad_clip_norm is not None and self.grad_clip_norm <= 0:
@@ -159,9 +176,14 @@ class Pipeline:
         self.scheduler = scheduler(self.optimizer) if scheduler is not None else None
         """The LR scheduler (None without one); stepped after every applied optimizer step."""
         self.scaler = DynamicLossScaler(cfg.loss_scale, enabled=cfg.precision == "fp16")
+        self.p2p_meter = WireMeter()
+        """Every stage-to-stage SEND of this rank: kind "send", its payload bytes on the wire."""
+        act_codec, grad_codec = p2p_codec_pair(cfg.p2p_compression, "PipelineConfig.p2p_compression")
         runtime_cfg = RuntimeConfig(timeout_s=cfg.timeout_s, record_timeline=cfg.record_timeline,
                                     autocast_dtype=autocast_dtype(cfg.precision),
-                                    check_inputs_every_step=cfg.check_inputs_every_step)
+                                    check_inputs_every_step=cfg.check_inputs_every_step,
+                                    activation_codec=act_codec, gradient_codec=grad_codec,
+                                    nonfinite_sends=cfg.nonfinite_sends, p2p_meter=self.p2p_meter)
         self.runtime = PipelineRuntime(self.schedule, self.stage_modules, loss_fn, group=groups.pp_group,
                                        device=self.device, config=runtime_cfg,
                                        job_group=dist.group.WORLD if groups.dp_size > 1 else None)
