@@ -8,8 +8,8 @@ import os
 import sys
 from typing import Any, NoReturn, Sequence
 
-from duplexpipe import cli_plan
 from duplexpipe import cli_help as docs
+from duplexpipe import cli_plan
 from duplexpipe.cli_args import (
     COSTS_PER,
     MAX_PLOT_RANKS,

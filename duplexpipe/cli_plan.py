@@ -59,7 +59,8 @@ def add_parsers(sub: Any) -> None:
     pr.add_argument("--parts", type=_integer("parts"), required=True,
                     help="model parts to measure (the most any considered schedule needs, e.g. 2P for ZB-V)")
     pr.add_argument("--microbatch", type=_integer("microbatch"), default=None,
-                    help="samples in the profiled microbatch (default: the task's whole first batch)")
+                    help="samples in the profiled microbatch (default: the training default, batch 32 over 8 "
+                    "microbatches = 4)")
     pr.add_argument("--repeats", type=_integer("repeats"), default=3,
                     help="measured runs per part (the fastest counts)")
     pr.add_argument("--balance", choices=("uniform", "params", "time"), default="uniform",
@@ -161,15 +162,17 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from duplexpipe.pipeline.profile import profile_parts
     from duplexpipe.pipeline.split import split_model
     from duplexpipe.pipeline.train import DEFAULT_TASK, load_task, parse_task_options
+    from duplexpipe.pipeline.train_config import TrainConfig
 
     torch.set_num_threads(args.threads)
     spec = args.task or DEFAULT_TASK
     task = load_task(spec)(**parse_task_options(args.task_option))
     parts, _ = split_model(task.layers, args.parts, args.balance, embedding=task.embedding, head=task.head)
-    inputs, targets = task.batch(0)
-    rows = args.microbatch or len(inputs)
-    if rows > len(inputs):
-        raise ValueError(f"--microbatch {rows} exceeds the task's batch of {len(inputs)} samples")
+    defaults = TrainConfig()
+    rows = args.microbatch or max(1, defaults.batch_size // defaults.microbatches)
+    inputs, targets = task.batch(0, rows)
+    if len(inputs) < rows:
+        raise ValueError(f"--microbatch {rows}: the task's batch(0, {rows}) gave only {len(inputs)} samples")
     profile = profile_parts(parts, inputs[:rows], target=targets[:rows], loss_fn=task.loss_fn,
                             repeats=args.repeats, meta={"task": spec, "parts": args.parts, "balance": args.balance,
                                                         "threads": args.threads})

@@ -20,8 +20,8 @@ def task(width=8):
     torch.manual_seed(0)
     layers = [nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(4)]
     data = torch.randn(6, width)
-    return TrainTask(layers=layers, loss_fn=nn.functional.mse_loss, batch=lambda step: (data, data),
-                     optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    return TrainTask(layers=layers, loss_fn=nn.functional.mse_loss,
+                     batch=lambda step, size: (data[:size], data[:size]))
 '''
 
 
@@ -126,4 +126,4 @@ def test_profile_command_writes_a_profile(capsys: pytest.CaptureFixture[str], tm
     assert code == 2 and "cannot split 4 layers into 5 model parts" in err
     code, _, err = run(capsys, "profile", "--task", f"{task}:task", "--parts", "2", "--microbatch", "9",
                        "-o", str(out_file))
-    assert code == 2 and "--microbatch 9 exceeds the task's batch of 6 samples" in err
+    assert code == 2 and "--microbatch 9: the task's batch(0, 9) gave only 6 samples" in err

@@ -29,7 +29,11 @@ class TiedParam:
 
 
 def find_tied(parts: Sequence[nn.Module]) -> list[TiedParam]:
-    """The trainable Parameters that appear in more than one of `parts` (the same object)."""
+    """The trainable Parameters that appear in more than one of `parts` (the same object).
+
+    Parts built by a factory (`Pipeline(part_factory, ...)`) cannot share a Parameter object: pass
+    no parts for them (a factory that needs tied weights must tie them inside one part).
+    """
     where: dict[int, list[tuple[int, str]]] = {}
     for k, part in enumerate(parts):
         for name, param in part.named_parameters():

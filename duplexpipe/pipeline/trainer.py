@@ -169,8 +169,8 @@ class Pipeline:
         self.params = [p for s in sorted(self.stage_modules) for p in self.stage_modules[s].parameters()]
         self._counted = [p for s in sorted(self.stage_modules) if self.schedule.copy_of_stage(s) == 0
                          for p in self.stage_modules[s].parameters()]
-        self.tied = TiedGrads(find_tied(parts), self.schedule, groups.pp_rank, self.stage_modules,
-                              groups.pp_group)
+        tied = find_tied([] if callable(parts) else parts)  # factory parts cannot share a Parameter
+        self.tied = TiedGrads(tied, self.schedule, groups.pp_rank, self.stage_modules, groups.pp_group)
         self._counted = self.tied.counted(self._counted)  # a tied weight counts once in the norm
         self.optimizer = optimizer(self.params)
         self.scheduler = scheduler(self.optimizer) if scheduler is not None else None
