@@ -38,10 +38,9 @@ from benchmarks import harness, report  # noqa: E402
 from duplexpipe.comm.codec import TensorSpec  # noqa: E402
 from duplexpipe.comm.p2p_codecs import p2p_codec_pair  # noqa: E402
 from duplexpipe.pipeline import Pipeline, PipelineConfig  # noqa: E402
-from duplexpipe.pipeline.train import load_task  # noqa: E402
 from duplexpipe.schedules.registry import build as build_schedule  # noqa: E402
+from duplexpipe.tasks.gpt import gpt_task  # noqa: E402
 
-TASK = f"{ROOT / 'examples' / 'gpt.py'}:gpt_task"
 LABELS = ("fp32", "bf16", "fp8", "int8")
 """Variants: fp32 sends (p2p_compression=None) and the three compressions."""
 TARGET_RATIO = {"bf16": 0.5, "fp8": 0.27, "int8": 0.27}
@@ -82,18 +81,21 @@ def _worker(rank: int, world: int, arg: tuple[str, P2PConfig]) -> dict[str, Any]
     name, cfg = arg
     torch.manual_seed(0)
     n_layer = build_schedule(name, world, cfg.microbatches).num_groups  # one block per model part
-    task = load_task(TASK)(n_layer=n_layer, d_model=cfg.d_model, batch_size=cfg.batch_size, lr=cfg.lr)
+    task = gpt_task(n_layer=n_layer, d_model=cfg.d_model)
+
+    def adamw(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01)
     pipes = {}
     for label in LABELS:
         config = PipelineConfig(schedule=name, num_microbatches=cfg.microbatches, grad_clip_norm=1.0,
                                 record_timeline=False, check_inputs_every_step=False,
                                 p2p_compression=None if label == "fp32" else label)
-        pipes[label] = Pipeline.from_layers(task.layers, task.loss_fn, task.optimizer, config,
+        pipes[label] = Pipeline.from_layers(task.layers, task.loss_fn, adamw, config,
                                             embedding=task.embedding, head=task.head)
     losses: dict[str, list[float]] = {label: [] for label in LABELS}
     seconds: dict[str, list[float]] = {label: [] for label in LABELS}
     for step in range(cfg.steps):
-        x, y = task.batch(step)
+        x, y = task.batch(step, cfg.batch_size)
         for k in range(len(LABELS)):
             label = LABELS[(step + k) % len(LABELS)]
             took, loss = harness.timed(functools.partial(pipes[label].step, x, y))
