@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 BUCKET_BYTES = 32 * 2**20
+Waiter = Callable[[Any, str], None]
+"""wait(work, what): waits for a collective posted with async_op=True (bounded and failure-aware,
+e.g. PipelineRuntime.bounded); `what` names it in errors."""
+
+
+def _wait_unbounded(work: Any, what: str) -> None:
+    work.wait()
 
 
 def ensure_grads(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
@@ -41,18 +49,21 @@ def _buckets(tensors: Sequence[torch.Tensor], limit: int) -> list[list[torch.Ten
 
 def all_reduce_mean(
     params: Iterable[nn.Parameter], group: dist.ProcessGroup | None, group_size: int,
-    bucket_bytes: int = BUCKET_BYTES,
+    bucket_bytes: int = BUCKET_BYTES, wait: Waiter = _wait_unbounded,
 ) -> None:
     """Average the grads of `params` over `group` (data-parallel replicas), in flat buckets.
 
     Every member must pass the same parameters in the same order (a missing grad counts as 0).
+    Each bucket's all-reduce is waited for with `wait` (pass a bounded one, e.g. PipelineRuntime.bounded).
     """
     if group_size <= 1:
         return
     grads = ensure_grads(params)
-    for bucket in _buckets(grads, bucket_bytes):
+    buckets = _buckets(grads, bucket_bytes)
+    for index, bucket in enumerate(buckets):
         flat = torch.cat([g.reshape(-1) for g in bucket])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        wait(work, f"the data-parallel gradient all-reduce (bucket {index + 1} of {len(buckets)})")
         flat.div_(group_size)
         offset = 0
         for g in bucket:
@@ -73,6 +84,7 @@ def global_norm_and_overflow(
     group: dist.ProcessGroup | None,
     device: torch.device,
     count_here: bool = True,
+    wait: Waiter = _wait_unbounded,
 ) -> tuple[float, bool]:
     """(L2 norm of the `counted` grads over all ranks of `group`, any non-finite grad anywhere).
 
@@ -87,7 +99,8 @@ def global_norm_and_overflow(
     bad = (~torch.isfinite(all_sq)).to(torch.float64)
     stats = torch.stack([counted_sq.nan_to_num(0.0, 0.0, 0.0), bad])
     if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
+        work = dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        wait(work, "the gradient-norm and overflow all-reduce")
     norm_sq, overflow = stats.tolist()
     return float(norm_sq) ** 0.5, overflow > 0
 

@@ -102,11 +102,13 @@ class StepInfo:
 
 
 def _batch_size(inputs: Any, targets: Any) -> int | None:
+    """Rows of the inputs (or targets): dim 0 of the first leaf of a tensor, tuple/list or dict."""
     for value in (inputs, targets):
-        if isinstance(value, torch.Tensor):
-            return value.shape[0]
-        if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
-            return value[0].shape[0]
+        leaves = list(value.values()) if isinstance(value, dict) else value
+        if isinstance(leaves, (tuple, list)):
+            leaves = leaves[0] if leaves else None
+        if isinstance(leaves, torch.Tensor) and leaves.dim() > 0:
+            return int(leaves.shape[0])
     return None
 
 
@@ -139,8 +141,6 @@ class Pipeline:
         ckpt = resolve_checkpointing(cfg.activation_checkpointing, self.schedule)
         self.stage_modules = build_stage_modules(self.schedule, groups.pp_rank, parts,
                                                  checkpoint_stages=ckpt, device=self.device)
-        if cfg.check_replicas:
-            self._check_replicas()
         self.params = [p for s in sorted(self.stage_modules) for p in self.stage_modules[s].parameters()]
         self._counted = [p for s in sorted(self.stage_modules) if self.schedule.copy_of_stage(s) == 0
                          for p in self.stage_modules[s].parameters()]
@@ -150,7 +150,10 @@ class Pipeline:
                                     autocast_dtype=autocast_dtype(cfg.precision),
                                     check_inputs_every_step=cfg.check_inputs_every_step)
         self.runtime = PipelineRuntime(self.schedule, self.stage_modules, loss_fn, group=groups.pp_group,
-                                       device=self.device, config=runtime_cfg)
+                                       device=self.device, config=runtime_cfg,
+                                       job_group=dist.group.WORLD if groups.dp_size > 1 else None)
+        if cfg.check_replicas:
+            self._check_replicas()
         self.optimizer_steps = 0
         """Optimizer steps taken (skipped fp16 steps not counted)."""
         self.calls = 0
@@ -192,13 +195,22 @@ class Pipeline:
         parts = build_parts(blocks, partition, embedding=embedding, head=head)
         return cls(parts, loss_fn, optimizer, config, mesh=mesh, device=device, partition=partition)
 
+    def bounded(self, work: Any, what: str) -> None:
+        """Wait for a collective posted with async_op=True, bounded by the timeout and stopped (with an
+        error naming the failed rank) when any rank of the job failed; see PipelineRuntime.bounded."""
+        self.runtime.bounded(work, what, "all ranks of the job")
+
     def _check_replicas(self) -> None:
         mine = {s: fingerprint(m) for s, m in self.stage_modules.items()}
+        gathered = [mine]
         if dist.is_available() and dist.is_initialized():
-            gathered: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, mine)
-        else:
-            gathered = [mine]
+            table = torch.full((self.schedule.num_stages,), -1, dtype=torch.int64)
+            for stage, fp in mine.items():
+                table[stage] = int(fp[:15], 16)
+            table = table.to(self.device)
+            everyone = [torch.empty_like(table) for _ in range(dist.get_world_size())]
+            self.bounded(dist.all_gather(everyone, table, async_op=True), "the model-replica check")
+            gathered = [{s: f"{v:015x}" for s, v in enumerate(t.tolist()) if v >= 0} for t in everyone]
         bad = find_mismatched_copies(self.schedule, gathered)
         if bad:
             desc = "; ".join(f"part {g}: " + ", ".join(f"stage {s}={fp[:8]}" for s, fp in copies)
@@ -232,11 +244,15 @@ class Pipeline:
         self.calls += 1
         self._window_calls += 1
         self._window_weight += weight
-        loss = self._dp_mean(result.loss)
         applied, skipped, norm = False, False, None
-        if self._window_calls == cfg.accumulation_steps:
-            skipped, norm = self._apply()
-            applied = not skipped
+        try:
+            loss = result.loss  # one all-reduce over the job: the mean over data-parallel replicas
+            if self._window_calls == cfg.accumulation_steps:
+                skipped, norm = self._apply()
+                applied = not skipped
+        except BaseException as exc:  # the other ranks wait in collectives: tell them
+            self.runtime.report_failure(exc)
+            raise
         self.last = StepInfo(loss, applied, skipped, norm, scale, result.timeline)
         return loss
 
@@ -252,21 +268,10 @@ class Pipeline:
             self._window_unit = size
         return size / self._window_unit
 
-    def _dp_mean(self, loss: float) -> float:
-        g = self.groups
-        if g.dp_size == 1:
-            return loss
-        t = torch.tensor([loss], dtype=torch.float64, device=self._comm_device())
-        dist.all_reduce(t, group=g.dp_group)
-        return float(t.item()) / g.dp_size
-
-    def _comm_device(self) -> torch.device:
-        return self.device
-
     def _apply(self) -> tuple[bool, float | None]:
         """End the window: DP average, norm + overflow check, unscale + clip, optimizer step."""
         cfg, g = self.config, self.groups
-        grads.all_reduce_mean(self.params, g.dp_group, g.dp_size)
+        grads.all_reduce_mean(self.params, g.dp_group, g.dp_size, wait=self.bounded)
         divisor = self.scaler.scale * self._window_weight
         self._window_calls, self._window_weight = 0, 0.0
         norm = None
@@ -274,7 +279,7 @@ class Pipeline:
             raw, overflow = grads.global_norm_and_overflow(
                 [p.grad for p in self._counted if p.grad is not None],
                 [p.grad for p in self.params if p.grad is not None],
-                None, self._comm_device(), count_here=g.dp_rank == 0)
+                None, self.device, count_here=g.dp_rank == 0, wait=self.bounded)
             norm = raw / divisor
             if overflow and self.scaler.enabled:
                 self.scaler.update(overflow=True)

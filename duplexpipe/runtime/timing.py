@@ -58,6 +58,11 @@ class Tracer:
         yield
         self._spans.append((action, begin, self._mark()))
 
+    @property
+    def recorded(self) -> int:
+        """How many compute actions this step has recorded so far (0 when disabled)."""
+        return len(self._spans)
+
     def _seconds(self, mark: Any) -> float:
         if not self.cuda:
             return float(mark - self._origin)
