@@ -90,7 +90,7 @@ class CompressedStrategy(DPStrategy):
         """Finish each reduction in start order; store the averaged gradients into .grad."""
         inflight, self._inflight = self._inflight, []
         for spec, reduction in inflight:
-            reduction.finish(self.ctx.wait)
+            reduction.finish(self.wait)
             self.comm_buckets[spec.index].store(grads.ensure_grads(spec.params))
 
     @property
