@@ -84,8 +84,9 @@ class PipelineConfig:
     """Data-parallel gradient compression: a method name from duplexpipe.comm.METHOD_NAMES ("bf16", "fp16",
     "powersgd", "int8", "topk", "randomk", "threshold", "dgc") with its defaults, or an options object
     (e.g. comm.Int8Options(block=128), comm.DGCOptions(ratio=0.001, warmup_steps=20)); None or "none":
-    exact fp32 all-reduce. Sparsifiers assume SGD (DGC: SGD with momentum=0, the momentum goes in
-    DGCOptions). No effect (a warning) without data parallelism."""
+    exact fp32 all-reduce. Sparsifiers assume SGD (DGC: SGD with momentum=0, the momentum and the
+    gradient clipping go in DGCOptions, grad_clip_norm must be None). No effect (a warning) without data
+    parallelism."""
     dp_strategy: str | None = None
     """Data-parallel strategy name (duplexpipe.pipeline.dp.STRATEGY_NAMES); None: "compressed" when
     grad_compression compresses, else "replicated"."""
@@ -103,7 +104,13 @@ class PipelineConfig:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
         if not isinstance(self.grad_bucket_bytes, int) or self.grad_bucket_bytes < 1:
             raise ValueError(f"grad_bucket_bytes must be an int >= 1, got {self.grad_bucket_bytes!r}")
-        check_strategy_name(self.dp_strategy, compression_options(self.grad_compression).method != "none")
+        compression = compression_options(self.grad_compression)
+        check_strategy_name(self.dp_strategy, compression.method != "none")
+        if compression.method == "dgc" and self.grad_clip_norm is not None:
+            raise ValueError(
+                f"grad_clip_norm={self.grad_clip_norm} would clip DGC's averaged momentum-corrected velocity, "
+                "not a gradient; DGC clips each rank's gradient before its momentum: set "
+                "DGCOptions(clip_norm=...) and grad_clip_norm=None")
 
 
 @dataclass(frozen=True)
