@@ -1,7 +1,9 @@
-"""Checkpoint and resume a Pipeline with torch.distributed.checkpoint (model parts, optimizer, RNG per rank)."""
+"""Checkpoint and resume a Pipeline with torch.distributed.checkpoint (parts, optimizer, LR scheduler, RNG and
+data-parallel strategy state per rank)."""
 
 from __future__ import annotations
 
+import io
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,8 +28,8 @@ def stage_dict(pipe: Pipeline) -> nn.ModuleDict:
 
 
 def trainer_state(pipe: Pipeline, fresh_optimizer: bool) -> dict[str, Any]:
-    """The trainer's own counters (equal on every rank)."""
-    return {
+    """The trainer's own counters (equal on every rank), and the LR scheduler's state when there is one."""
+    state = {
         "schedule": pipe.schedule.name,
         "num_stages": pipe.schedule.num_stages,
         "calls": pipe.calls,
@@ -35,6 +37,20 @@ def trainer_state(pipe: Pipeline, fresh_optimizer: bool) -> dict[str, Any]:
         "fresh_optimizer": fresh_optimizer,
         "scaler": pipe.scaler.state_dict(),
     }
+    if pipe.scheduler is not None:
+        state["scheduler"] = pipe.scheduler.state_dict()
+    return state
+
+
+def _check_scheduler(path: str, pipe: Pipeline) -> None:
+    """Raise ValueError (on every rank alike) when the checkpoint and the Pipeline disagree on having
+    an LR scheduler."""
+    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    saved = any(k.startswith("trainer.scheduler.") for k in stored)
+    if saved != (pipe.scheduler is not None):
+        has, lacks = ("the checkpoint", "this Pipeline") if saved else ("this Pipeline", "the checkpoint")
+        raise ValueError(f"{has} has an LR scheduler but {lacks} has none ({path}); build the Pipeline with "
+                         "the same scheduler= as the run that saved it")
 
 
 def _rank() -> int:
@@ -62,6 +78,23 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
         torch.cuda.set_rng_state_all(cuda)
 
 
+def dp_state(pipe: Pipeline) -> dict[str, bytes]:
+    """The data-parallel strategy's state (compression residuals, ...) keyed by this process's global rank
+    (every rank's differs), serialized with torch.save; {} when the strategy keeps none."""
+    state = pipe.dp.state_dict()
+    if not state:
+        return {}
+    raw = io.BytesIO()
+    torch.save(state, raw)
+    return {f"rank{_rank()}": raw.getvalue()}
+
+
+def set_dp_state(pipe: Pipeline, stored: dict[str, Any]) -> None:
+    """Restore what `dp_state` returned (after loading it from a checkpoint)."""
+    for raw in stored.values():
+        pipe.dp.load_state_dict(torch.load(io.BytesIO(raw), weights_only=False))
+
+
 def _check_between_windows(pipe: Pipeline, verb: str) -> None:
     if pipe.window_calls:
         raise ValueError(
@@ -80,6 +113,9 @@ def save_checkpoint(pipe: Pipeline, path: str) -> None:
         # get_state_dict initialised the state with a zero-lr step; a fresh optimizer must stay fresh.
         pipe.optimizer.state.clear()
     state = {"model": model_sd, "optim": optim_sd, "trainer": trainer_state(pipe, fresh), "rng": rng_state()}
+    extra = dp_state(pipe)
+    if extra:
+        state["dp"] = extra
     dcp.save(state, checkpoint_id=path)
 
 
@@ -88,12 +124,19 @@ def load_checkpoint(pipe: Pipeline, path: str) -> None:
     _check_between_windows(pipe, "load")
     modules = stage_dict(pipe)
     rng = rng_state()
-    _check_keys(pipe, path, [f"model.{k}" for k in modules.state_dict()] + [f"rng.{k}" for k in rng])
+    extra = {k: b"" for k in dp_state(pipe)}
+    _check_keys(pipe, path, [f"model.{k}" for k in modules.state_dict()] + [f"rng.{k}" for k in rng]
+                + [f"dp.{k}" for k in extra])
+    _check_scheduler(path, pipe)
     model_sd, optim_sd = get_state_dict(modules, pipe.optimizer, options=_OPTIONS)
     state: dict[str, Any] = {"model": model_sd, "optim": optim_sd, "trainer": trainer_state(pipe, False),
                              "rng": rng}
+    if extra:
+        state["dp"] = extra
     dcp.load(state, checkpoint_id=path)
     set_rng_state(state["rng"])
+    if extra:
+        set_dp_state(pipe, state["dp"])
     set_state_dict(modules, pipe.optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"], options=_OPTIONS)
     meta = state["trainer"]
@@ -102,6 +145,8 @@ def load_checkpoint(pipe: Pipeline, path: str) -> None:
     pipe.calls = int(meta["calls"])
     pipe.optimizer_steps = int(meta["optimizer_steps"])
     pipe.scaler.load_state_dict(meta["scaler"])
+    if pipe.scheduler is not None:
+        pipe.scheduler.load_state_dict(meta["scheduler"])
 
 
 def _check_keys(pipe: Pipeline, path: str, keys: list[str]) -> None:

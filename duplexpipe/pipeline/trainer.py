@@ -1,9 +1,9 @@
-"""The training API: `Pipeline` runs a schedule's steps, then syncs, clips, scales and applies gradients."""
+"""The training API: `Pipeline` runs a schedule's steps; its data-parallel strategy reduces, clips and applies."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -11,7 +11,20 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from duplexpipe.comm import Options, compression_options
+from duplexpipe.comm.meter import WireMeter
+from duplexpipe.comm.nonfinite import check_policy
+from duplexpipe.comm.p2p_codecs import p2p_codec_pair
 from duplexpipe.pipeline import grads
+from duplexpipe.pipeline.dp import (
+    DEFAULT_BUCKET_BYTES,
+    DPStrategy,
+    OptimizerFactory,
+    StrategyContext,
+    check_strategy_name,
+    final_order,
+    make_strategy,
+)
 from duplexpipe.pipeline.mesh import ParallelGroups
 from duplexpipe.pipeline.precision import DynamicLossScaler, LossScaleConfig, autocast_dtype
 from duplexpipe.pipeline.split import (
@@ -19,23 +32,25 @@ from duplexpipe.pipeline.split import (
     Partition,
     as_layers,
     build_parts,
-    check_parts_fit,
     plan_partition,
 )
 from duplexpipe.pipeline.stages import (
+    PartInit,
+    PartSource,
     build_stage_modules,
     find_mismatched_copies,
     fingerprint,
     inner_module,
     resolve_checkpointing,
 )
+from duplexpipe.pipeline.tied import TiedGrads, find_tied
 from duplexpipe.runtime import EvalResult, PipelineRuntime, RuntimeConfig
 from duplexpipe.schedules.ir import Schedule
 from duplexpipe.schedules.registry import build as build_schedule
 from duplexpipe.schedules.timeline import Timeline
 
-OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
-"""Builds the optimizer from this rank's parameters, e.g. `lambda ps: torch.optim.AdamW(ps, lr=1e-3)`."""
+SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+"""Builds an LR scheduler on the optimizer, e.g. `lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, f)`."""
 LossFn = Callable[[Any, Any], torch.Tensor]
 """loss_fn(last stage output, targets) -> scalar mean loss over the microbatch."""
 
@@ -72,15 +87,51 @@ class PipelineConfig:
     check_replicas: bool = True
     """At construction, check that every copy of a model part (DualPipe mirrors, data-parallel
     replicas) starts with identical weights; raise ValueError otherwise."""
+    p2p_compression: Any = None
+    """Low-precision stage-to-stage sends: None (as computed), "bf16" (bf16 both ways), "fp8" (e4m3
+    activations, e5m2 gradients, an fp32 scale per row) or "int8" (blocks of 256, fp32 scale per block);
+    or a duplexpipe.comm.codec.Codec for both directions, or an (activation, gradient) pair of names,
+    codecs or None. See duplexpipe.comm.p2p_codecs."""
+    nonfinite_sends: str = "warn"
+    """A compressed send holding NaN or inf (it always arrives non-finite): "warn" (count it, warn once) or
+    "raise" (stop every rank; not with precision "fp16", whose overflow steps are routine)."""
+    grad_compression: str | Options | None = None
+    """Data-parallel gradient compression: a method name from duplexpipe.comm.METHOD_NAMES ("bf16", "fp16",
+    "powersgd", "int8", "topk", "randomk", "threshold", "dgc") with its defaults, or an options object
+    (e.g. comm.Int8Options(block=128), comm.DGCOptions(ratio=0.001, warmup_steps=20)); None or "none":
+    exact fp32 all-reduce. Sparsifiers assume SGD (DGC: SGD with momentum=0, the momentum and the
+    gradient clipping go in DGCOptions, grad_clip_norm must be None). No effect (a warning) without data
+    parallelism."""
+    dp_strategy: str | None = None
+    """Data-parallel strategy name (duplexpipe.pipeline.dp.STRATEGY_NAMES); None: "compressed" when
+    grad_compression compresses, else "replicated"."""
+    grad_bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    """Gradients are reduced in fixed buckets of at most this many bytes, each started as soon as its
+    gradients are final (in the order they become final)."""
 
     def __post_init__(self) -> None:
         autocast_dtype(self.precision)
+        p2p_codec_pair(self.p2p_compression, "PipelineConfig.p2p_compression")
+        check_policy(self.nonfinite_sends, "PipelineConfig.nonfinite_sends")
+        if self.nonfinite_sends == "raise" and self.precision == "fp16":
+            raise ValueError("PipelineConfig.nonfinite_sends='raise' with precision='fp16': dynamic loss scaling "
+                             "overflows routinely and relies on inf/NaN gradients reaching its overflow check; "
+                             "use nonfinite_sends='warn' with fp16")
         if self.accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be >= 1, got {self.accumulation_steps}")
         if self.grad_clip_norm is not None and self.grad_clip_norm <= 0:
             raise ValueError(f"grad_clip_norm must be > 0 or None, got {self.grad_clip_norm}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if not isinstance(self.grad_bucket_bytes, int) or self.grad_bucket_bytes < 1:
+            raise ValueError(f"grad_bucket_bytes must be an int >= 1, got {self.grad_bucket_bytes!r}")
+        compression = compression_options(self.grad_compression)
+        check_strategy_name(self.dp_strategy, compression.method != "none")
+        if compression.method == "dgc" and self.grad_clip_norm is not None:
+            raise ValueError(
+                f"grad_clip_norm={self.grad_clip_norm} would clip DGC's averaged momentum-corrected velocity, "
+                "not a gradient; DGC clips each rank's gradient before its momentum: set "
+                "DGCOptions(clip_norm=...) and grad_clip_norm=None")
 
 
 @dataclass(frozen=True)
@@ -98,7 +149,10 @@ class StepInfo:
     loss_scale: float
     """The loss scale this call used (1.0 unless fp16)."""
     timeline: Timeline | None
-    """This rank's measured timeline of the call (None when not recorded)."""
+    """This rank's measured timeline of the call (None when not recorded); on window ends its spans show
+    the data-parallel bucket reductions on lane "dp"."""
+    wire_bytes: float = 0.0
+    """Ring-model bytes this rank sent for data-parallel gradient reduction in this call (comm.WireMeter)."""
 
 
 def _batch_size(inputs: Any, targets: Any) -> int | None:
@@ -115,15 +169,20 @@ def _batch_size(inputs: Any, targets: Any) -> int | None:
 class Pipeline:
     """Trains model parts with a pipeline schedule on this process's pipeline rank.
 
-    Every rank passes the same model parts (built from the same seed or state_dict); the
-    pipeline deep-copies the parts its stages need. With a DeviceMesh ("pp", "dp") each
+    `parts` are the model parts, built the same way on every rank (same seed or state_dict): the
+    pipeline deep-copies the parts its stages need. To build only this rank's parts, pass parts
+    on the meta device with `init(part, k)`, or a factory `parts(k) -> nn.Module` (see
+    `stages.build_stage_modules`). `scheduler(optimizer)` builds an LR scheduler stepped after
+    every applied optimizer step (not after skipped fp16 steps). With a DeviceMesh ("pp", "dp") each
     data-parallel replica passes its own batch and gradients are averaged over replicas
-    after the schedule's own DualPipe mirror sum.
+    after the schedule's own DualPipe mirror sum, by the data-parallel strategy `self.dp`
+    (bucket by bucket, each started as soon as its gradients are final; compressed when
+    `config.grad_compression` says so).
     """
 
     def __init__(
         self,
-        parts: Sequence[nn.Module],
+        parts: PartSource,
         loss_fn: LossFn,
         optimizer: OptimizerFactory,
         config: PipelineConfig | None = None,
@@ -131,27 +190,42 @@ class Pipeline:
         mesh: DeviceMesh | None = None,
         device: torch.device | str | None = None,
         partition: Partition | None = None,
+        init: PartInit | None = None,
+        scheduler: SchedulerFactory | None = None,
     ) -> None:
         self.config = cfg = config or PipelineConfig()
         self.groups = groups = ParallelGroups.from_mesh(mesh)
         self.schedule = _resolve_schedule(cfg, groups.pp_size)
-        check_parts_fit(len(parts), self.schedule)
         self.partition = partition.placed(self.schedule) if partition is not None else None
         self.device = torch.device(device) if device is not None else default_device()
         ckpt = resolve_checkpointing(cfg.activation_checkpointing, self.schedule)
-        self.stage_modules = build_stage_modules(self.schedule, groups.pp_rank, parts,
+        self.stage_modules = build_stage_modules(self.schedule, groups.pp_rank, parts, init=init,
                                                  checkpoint_stages=ckpt, device=self.device)
         self.params = [p for s in sorted(self.stage_modules) for p in self.stage_modules[s].parameters()]
-        self._counted = [p for s in sorted(self.stage_modules) if self.schedule.copy_of_stage(s) == 0
-                         for p in self.stage_modules[s].parameters()]
-        self.optimizer = optimizer(self.params)
+        tied = find_tied([] if callable(parts) else parts)  # factory parts cannot share a Parameter
+        self.tied = TiedGrads(tied, self.schedule, groups.pp_rank, self.stage_modules, groups.pp_group)
         self.scaler = DynamicLossScaler(cfg.loss_scale, enabled=cfg.precision == "fp16")
+        self.p2p_meter = WireMeter()
+        """Every stage-to-stage SEND of this rank: kind "send", its payload bytes on the wire."""
+        act_codec, grad_codec = p2p_codec_pair(cfg.p2p_compression, "PipelineConfig.p2p_compression")
         runtime_cfg = RuntimeConfig(timeout_s=cfg.timeout_s, record_timeline=cfg.record_timeline,
                                     autocast_dtype=autocast_dtype(cfg.precision),
-                                    check_inputs_every_step=cfg.check_inputs_every_step)
+                                    check_inputs_every_step=cfg.check_inputs_every_step,
+                                    activation_codec=act_codec, gradient_codec=grad_codec,
+                                    nonfinite_sends=cfg.nonfinite_sends, p2p_meter=self.p2p_meter,
+                                    on_grads_ready=self._grads_ready)
         self.runtime = PipelineRuntime(self.schedule, self.stage_modules, loss_fn, group=groups.pp_group,
                                        device=self.device, config=runtime_cfg,
                                        job_group=dist.group.WORLD if groups.dp_size > 1 else None)
+        plan = self.runtime.plan
+        self.dp: DPStrategy = make_strategy(StrategyContext(
+            self.stage_modules, self.schedule, tuple(final_order(plan.grads_final, plan.mirrored)), groups,
+            optimizer, self.device, self.bounded, compression_options(cfg.grad_compression),
+            cfg.grad_bucket_bytes), cfg.dp_strategy)
+        """The data-parallel strategy: reduce -> overflow check -> clip -> optimizer step."""
+        self.dp.counted = self.tied.counted(self.dp.counted)  # a tied weight counts once in the norm
+        self.scheduler = scheduler(self.optimizer) if scheduler is not None else None
+        """The LR scheduler (None without one); stepped after every applied optimizer step."""
         if cfg.check_replicas:
             self._check_replicas()
         self.optimizer_steps = 0
@@ -177,11 +251,14 @@ class Pipeline:
         sample_input: Any = None,
         mesh: DeviceMesh | None = None,
         device: torch.device | str | None = None,
+        init: PartInit | None = None,
+        scheduler: SchedulerFactory | None = None,
     ) -> Pipeline:
         """Split `layers` (plus optional embedding/head) into the schedule's model parts and build.
 
         `balance` and `sample_input` are as in `split.plan_partition`; rank 0's partition is used
-        on every rank (profiled times differ between processes).
+        on every rank (profiled times differ between processes). Layers on the meta device need
+        `init` (this rank's parts are allocated and filled, no other part is).
         """
         config = config or PipelineConfig()
         schedule = _resolve_schedule(config, ParallelGroups.from_mesh(mesh).pp_size)
@@ -193,7 +270,16 @@ class Pipeline:
             dist.broadcast_object_list(shared, src=0)  # profiled times differ per rank: rank 0 decides
             partition = shared[0]
         parts = build_parts(blocks, partition, embedding=embedding, head=head)
-        return cls(parts, loss_fn, optimizer, config, mesh=mesh, device=device, partition=partition)
+        return cls(parts, loss_fn, optimizer, config, mesh=mesh, device=device, partition=partition,
+                   init=init, scheduler=scheduler)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer the data-parallel strategy steps (built from the `optimizer` factory)."""
+        return self.dp.optimizer
+
+    def _grads_ready(self, stage: int) -> None:
+        self.dp.grads_ready(stage)
 
     def bounded(self, work: Any, what: str) -> None:
         """Wait for a collective posted with async_op=True, bounded by the timeout and stopped (with an
@@ -237,9 +323,12 @@ class Pipeline:
         """
         cfg = self.config
         if self._window_calls == 0:
-            self.optimizer.zero_grad(set_to_none=True)
+            self.dp.zero_grad()
         weight = self._call_weight(inputs, targets)
         scale = self.scaler.scale
+        final = self._window_calls + 1 == cfg.accumulation_steps
+        self.dp.begin_call(final, scale * (self._window_weight + weight))
+        wire = self.dp.meter.total_bytes
         result = self.runtime.step(inputs, targets, loss_scale=scale * weight)
         self.calls += 1
         self._window_calls += 1
@@ -253,7 +342,10 @@ class Pipeline:
         except BaseException as exc:  # the other ranks wait in collectives: tell them
             self.runtime.report_failure(exc)
             raise
-        self.last = StepInfo(loss, applied, skipped, norm, scale, result.timeline)
+        timeline = result.timeline
+        if final and timeline is not None:
+            timeline = replace(timeline, spans=tuple(self.dp.spans(self.runtime.tracer.origin, self.runtime.rank)))
+        self.last = StepInfo(loss, applied, skipped, norm, scale, timeline, self.dp.meter.total_bytes - wire)
         return loss
 
     def _call_weight(self, inputs: Any, targets: Any) -> float:
@@ -269,24 +361,20 @@ class Pipeline:
         return size / self._window_unit
 
     def _apply(self) -> tuple[bool, float | None]:
-        """End the window: DP average, norm + overflow check, unscale + clip, optimizer step."""
-        cfg, g = self.config, self.groups
-        grads.all_reduce_mean(self.params, g.dp_group, g.dp_size, wait=self.bounded)
-        divisor = self.scaler.scale * self._window_weight
+        """End the window through the strategy: wait for the reductions, sum tied weights, norm + overflow
+        check, then skip (fp16 overflow) or unscale + clip + optimizer step (+ LR scheduler step)."""
+        cfg = self.config
         self._window_calls, self._window_weight = 0, 0.0
-        norm = None
-        if cfg.grad_clip_norm is not None or self.scaler.enabled:
-            raw, overflow = grads.global_norm_and_overflow(
-                [p.grad for p in self._counted if p.grad is not None],
-                [p.grad for p in self.params if p.grad is not None],
-                None, self.device, count_here=g.dp_rank == 0, wait=self.bounded)
-            norm = raw / divisor
-            if overflow and self.scaler.enabled:
-                self.scaler.update(overflow=True)
-                self.optimizer.zero_grad(set_to_none=True)
-                return True, norm
-        grads.scale_grads(self.params, grads.clip_factor(norm or 0.0, cfg.grad_clip_norm) / divisor)
-        self.optimizer.step()
+        self.dp.finish()
+        self.tied.sum_grads(wait=self.bounded)  # weights shared by several parts (tied embeddings)
+        norm, overflow = self.dp.norm_and_overflow(cfg.grad_clip_norm is not None or self.scaler.enabled)
+        if overflow and self.scaler.enabled:
+            self.scaler.update(overflow=True)
+            self.dp.skip()
+            return True, norm
+        self.dp.step(grads.clip_factor(norm or 0.0, cfg.grad_clip_norm))
+        if self.scheduler is not None:
+            self.scheduler.step()
         self.scaler.update(overflow=False)
         self.optimizer_steps += 1
         return False, norm

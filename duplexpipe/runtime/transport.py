@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from duplexpipe.comm.meter import WireMeter
 from duplexpipe.runtime.stage_compute import TensorMeta
 from duplexpipe.runtime.watchdog import PipelineError, Watchdog
 from duplexpipe.schedules.ir import Op
@@ -52,8 +53,10 @@ class _Recv:
 class Transport:
     """Non-blocking sends and receives of one rank within `group` (ranks are group ranks)."""
 
-    def __init__(self, group: Any, device: torch.device, watchdog: Watchdog, prefetch: bool = True) -> None:
+    def __init__(self, group: Any, device: torch.device, watchdog: Watchdog, prefetch: bool = True,
+                 meter: WireMeter | None = None) -> None:
         self.group = group
+        self.meter = meter
         self.device = device
         self.watchdog = watchdog
         self.prefetch = prefetch
@@ -150,6 +153,8 @@ class Transport:
         for tensor in tensors:
             payload = tensor.detach()
             payloads.append(payload if payload.is_contiguous() else payload.contiguous())
+        if self.meter is not None:  # one "send" per SEND action: the bytes of all its payloads
+            self.meter.record("send", sum(p.numel() * p.element_size() for p in payloads), 2)
         try:
             if self.stream is None:
                 works = [self._pg.send([p], peer, 0) for p in payloads]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from duplexpipe.schedules.ir import Action, Op, ScheduleError, format_action, parse_action
@@ -23,6 +24,18 @@ class Event:
         return self.end - self.start
 
 
+@dataclass(frozen=True, slots=True)
+class Span:
+    """Work outside the schedule's compute that ran on `rank` beside it, on its own named lane (e.g. a
+    data-parallel bucket reduction in flight on lane "dp"); not counted in busy, idle or the makespan."""
+
+    rank: int
+    lane: str
+    name: str
+    start: float
+    end: float
+
+
 @dataclass(frozen=True)
 class Timeline:
     """What ran where and when; `source` is "simulated" or "measured"."""
@@ -33,17 +46,27 @@ class Timeline:
     events: tuple[Event, ...]
     source: str = "simulated"
     unit: str = "cost units"
+    spans: tuple[Span, ...] = ()
+    """Extra lanes (see Span); the schedule's events and every figure derived from them ignore these."""
 
     def rank_events(self, rank: int) -> list[Event]:
         """The events of one rank ordered by start."""
-        return sorted((e for e in self.events if e.rank == rank), key=lambda e: (e.start, e.end))
+        return list(self._by_rank.get(rank, ()))
 
-    @property
+    @cached_property
+    def _by_rank(self) -> dict[int, tuple[Event, ...]]:
+        """rank -> its events ordered by start, built once (per-rank queries stay linear in all)."""
+        grouped: dict[int, list[Event]] = {}
+        for e in self.events:
+            grouped.setdefault(e.rank, []).append(e)
+        return {r: tuple(sorted(row, key=lambda e: (e.start, e.end))) for r, row in grouped.items()}
+
+    @cached_property
     def start(self) -> float:
         """The earliest start over all events (0 for simulated timelines)."""
         return min((e.start for e in self.events), default=0.0)
 
-    @property
+    @cached_property
     def makespan(self) -> float:
         """Time from the first start to the last end."""
         return max((e.end for e in self.events), default=0.0) - self.start
@@ -95,9 +118,13 @@ class Timeline:
         """The most activations live at once on `rank`."""
         return max((live for _, live in self.activation_curve(rank)), default=0)
 
+    def lanes(self) -> list[str]:
+        """The names of the extra lanes, in order of first appearance."""
+        return list(dict.fromkeys(s.lane for s in self.spans))
+
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready form."""
-        return {
+        """A JSON-ready form ("spans" only when there are some)."""
+        out: dict[str, Any] = {
             "schedule": self.schedule_name,
             "ranks": self.num_ranks,
             "microbatches": self.num_microbatches,
@@ -105,6 +132,9 @@ class Timeline:
             "unit": self.unit,
             "events": [[e.rank, format_action(e.action), e.start, e.end] for e in self.events],
         }
+        if self.spans:
+            out["spans"] = [[s.rank, s.lane, s.name, s.start, s.end] for s in self.spans]
+        return out
 
     @staticmethod
     def from_dict(data: dict[str, Any]) -> Timeline:
@@ -112,7 +142,9 @@ class Timeline:
         try:
             events = tuple(Event(int(r), parse_action(a), float(s), float(t))
                            for r, a, s, t in data["events"])
+            spans = tuple(Span(int(r), str(lane), str(name), float(s), float(t))
+                          for r, lane, name, s, t in data.get("spans", ()))
             return Timeline(data["schedule"], int(data["ranks"]), int(data["microbatches"]),
-                            events, data.get("source", "simulated"), data.get("unit", "cost units"))
+                            events, data.get("source", "simulated"), data.get("unit", "cost units"), spans)
         except (KeyError, TypeError, ValueError) as exc:
             raise ScheduleError(f"malformed timeline: {exc}") from None
