@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
+
+import torch.distributed as dist
 
 ERROR_KEY = "error"
 _MIN_SLEEP_S = 1e-5
@@ -139,18 +142,19 @@ class Watchdog:
         """Wait for a collective Work: bounded by timeout_s, the error flag checked every poll_s."""
         if work is None:
             return
-        if not self.gloo:
+        timed = self.gloo and _takes_timeout(work)
+        if not timed:
             self.wait(work.is_completed, what, peer)
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
-                if not self.gloo:
+                if not timed:
                     work.wait()
                     return
                 work.wait(timedelta(seconds=max(1e-3, min(self.poll_s, deadline - time.monotonic()))))
                 return
             except RuntimeError as exc:
-                if not self.gloo or "timed out" not in str(exc).lower():
+                if not timed or "timed out" not in str(exc).lower():
                     raise self.failure(exc, what, peer) from exc
             if work.is_completed():  # completed right after the poll interval ended (or failed)
                 try:
@@ -161,3 +165,14 @@ class Watchdog:
             self.check()
             if time.monotonic() >= deadline:
                 raise self._timeout(what, peer)
+
+
+def _takes_timeout(work: Any) -> bool:
+    """Whether `work.wait` accepts a timeout (a c10d Work does; a Waitable such as a wrapped Future may
+    not, and is then polled through is_completed())."""
+    if isinstance(work, dist.Work):
+        return True
+    try:
+        return len(inspect.signature(work.wait).parameters) >= 1
+    except (TypeError, ValueError):
+        return False
