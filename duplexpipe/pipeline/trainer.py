@@ -120,6 +120,9 @@ class StepInfo:
     """The loss scale this call used (1.0 unless fp16)."""
     timeline: Timeline | None
     """This rank's measured timeline of the call (None when not recorded)."""
+    peak_saved_bytes: int = 0
+    """The most bytes this rank's live activations kept for backward at once during the call, counted
+    as `profile_parts` counts them (see StepResult.peak_saved_bytes)."""
 
 
 def _batch_size(inputs: Any, targets: Any) -> int | None:
@@ -292,7 +295,7 @@ class Pipeline:
         except BaseException as exc:  # the other ranks wait in collectives: tell them
             self.runtime.report_failure(exc)
             raise
-        self.last = StepInfo(loss, applied, skipped, norm, scale, result.timeline)
+        self.last = StepInfo(loss, applied, skipped, norm, scale, result.timeline, result.peak_saved_bytes)
         return loss
 
     def _call_weight(self, inputs: Any, targets: Any) -> float:
