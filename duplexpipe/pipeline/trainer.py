@@ -15,6 +15,7 @@ from duplexpipe.comm.meter import WireMeter
 from duplexpipe.comm.nonfinite import check_policy
 from duplexpipe.comm.p2p_codecs import p2p_codec_pair
 from duplexpipe.pipeline import grads
+from duplexpipe.pipeline.autoplan import AUTO, AutoChoice, check_options, choose, memory_bytes
 from duplexpipe.pipeline.mesh import ParallelGroups
 from duplexpipe.pipeline.precision import DynamicLossScaler, LossScaleConfig, autocast_dtype
 from duplexpipe.pipeline.split import (
@@ -52,11 +53,17 @@ class PipelineConfig:
     """How to pipeline and train; every field has a usable default."""
 
     schedule: str | Schedule = "1f1b"
-    """A registry name (`duplexpipe.schedules.registry.names()`) or a ready Schedule for the pp ranks."""
+    """A registry name (`duplexpipe.schedules.registry.names()`), a ready Schedule for the pp ranks, or
+    "auto": profile the parts on a sample, plan under `memory_limit` and run the winner (see
+    `duplexpipe.pipeline.autoplan`)."""
     num_microbatches: int = 4
     """Microbatches per step (ignored when `schedule` is a Schedule); the batch must divide evenly."""
     schedule_options: dict[str, Any] = field(default_factory=dict)
-    """Extra keyword options for the schedule generator, e.g. {"chunks": 2}."""
+    """Extra keyword options for the schedule generator, e.g. {"chunks": 2}. With "auto": the planner's
+    PlanConfig fields (`schedules`, `microbatches`, `chunks`, `optimizer_factor`, `p2p_link`, ...) and
+    profile_parts' `repeats`, `warmup` and `timer`."""
+    memory_limit: int | str | None = None
+    """schedule="auto" only: the bytes each rank may use (an int, or a size such as "40GiB"); None: no cap."""
     precision: str = "fp32"
     """"fp32"; "bf16" (bfloat16 autocast); or "fp16" (float16 autocast with dynamic loss scaling)."""
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
@@ -89,6 +96,12 @@ class PipelineConfig:
     "raise" (stop every rank; not with precision "fp16", whose overflow steps are routine)."""
 
     def __post_init__(self) -> None:
+        memory_bytes(self.memory_limit)
+        if self.schedule == AUTO:
+            check_options(self.schedule_options)
+        elif self.memory_limit is not None:
+            raise ValueError(f"PipelineConfig.memory_limit is for schedule='auto' (the planner's cap), but "
+                             f"schedule is {self.schedule!r}")
         autocast_dtype(self.precision)
         p2p_codec_pair(self.p2p_compression, "PipelineConfig.p2p_compression")
         check_policy(self.nonfinite_sends, "PipelineConfig.nonfinite_sends")
@@ -146,6 +159,14 @@ class Pipeline:
     every applied optimizer step (not after skipped fp16 steps). With a DeviceMesh ("pp", "dp") each
     data-parallel replica passes its own batch and gradients are averaged over replicas
     after the schedule's own DualPipe mirror sum.
+
+    With `PipelineConfig(schedule="auto", memory_limit=...)` the construction first profiles the
+    parts (rank 0, on the first of `num_microbatches` microbatches of `sample_input` /
+    `sample_targets`, a batch as given to `step`; every rank uses rank 0's profile), plans for
+    this P, D and batch size under the limit, merges neighbouring parts as the winner needs and
+    runs it; rank 0 logs the choice and the planner's table (logger "duplexpipe.plan"). `self.auto`
+    holds the plan. A limit no candidate fits raises ValueError on every rank, naming the smallest
+    feasible cap.
     """
 
     def __init__(
@@ -160,12 +181,23 @@ class Pipeline:
         partition: Partition | None = None,
         init: PartInit | None = None,
         scheduler: SchedulerFactory | None = None,
+        sample_input: Any = None,
+        sample_targets: Any = None,
     ) -> None:
         self.config = cfg = config or PipelineConfig()
         self.groups = groups = ParallelGroups.from_mesh(mesh)
-        self.schedule = _resolve_schedule(cfg, groups.pp_size)
-        self.partition = partition.placed(self.schedule) if partition is not None else None
         self.device = torch.device(device) if device is not None else default_device()
+        self.auto: AutoChoice | None = None
+        """schedule="auto": the plan that was chosen (its table: `auto.result.table()`); None otherwise."""
+        if cfg.schedule == AUTO:
+            self.auto = choose(parts, loss_fn, ranks=groups.pp_size, dp=groups.dp_size,
+                               sample=(sample_input, sample_targets), memory_limit=cfg.memory_limit,
+                               num_microbatches=cfg.num_microbatches, options=cfg.schedule_options,
+                               device=self.device, init=init, autocast=autocast_dtype(cfg.precision))
+            parts, init = self.auto.merged_parts(parts), self.auto.merged_init(init)  # type: ignore[arg-type]
+            partition = self.auto.merged_partition(partition)
+        self.schedule = self.auto.schedule if self.auto is not None else _resolve_schedule(cfg, groups.pp_size)
+        self.partition = partition.placed(self.schedule) if partition is not None else None
         ckpt = resolve_checkpointing(cfg.activation_checkpointing, self.schedule)
         self.stage_modules = build_stage_modules(self.schedule, groups.pp_rank, parts, init=init,
                                                  checkpoint_stages=ckpt, device=self.device)
@@ -217,17 +249,23 @@ class Pipeline:
         device: torch.device | str | None = None,
         init: PartInit | None = None,
         scheduler: SchedulerFactory | None = None,
+        sample_targets: Any = None,
     ) -> Pipeline:
         """Split `layers` (plus optional embedding/head) into the schedule's model parts and build.
 
         `balance` and `sample_input` are as in `split.plan_partition`; rank 0's partition is used
         on every rank (profiled times differ between processes). Layers on the meta device need
-        `init` (this rank's parts are allocated and filled, no other part is).
+        `init` (this rank's parts are allocated and filled, no other part is). With schedule="auto"
+        the layers are split into 2P parts (fewer when there are fewer layers), `sample_input` and
+        `sample_targets` are a batch as given to `step`, and the planner merges parts as its
+        winner needs.
         """
         config = config or PipelineConfig()
-        schedule = _resolve_schedule(config, ParallelGroups.from_mesh(mesh).pp_size)
+        pp = ParallelGroups.from_mesh(mesh).pp_size
         blocks = as_layers(layers)
-        partition = plan_partition(blocks, schedule.num_groups, balance, embedding=embedding, head=head,
+        num_parts = min(len(blocks), 2 * pp) if config.schedule == AUTO else \
+            _resolve_schedule(config, pp).num_groups
+        partition = plan_partition(blocks, num_parts, balance, embedding=embedding, head=head,
                                    sample_input=sample_input)
         if dist.is_available() and dist.is_initialized():
             shared: list[Any] = [partition]
@@ -235,7 +273,7 @@ class Pipeline:
             partition = shared[0]
         parts = build_parts(blocks, partition, embedding=embedding, head=head)
         return cls(parts, loss_fn, optimizer, config, mesh=mesh, device=device, partition=partition,
-                   init=init, scheduler=scheduler)
+                   init=init, scheduler=scheduler, sample_input=sample_input, sample_targets=sample_targets)
 
     def bounded(self, work: Any, what: str) -> None:
         """Wait for a collective posted with async_op=True, bounded by the timeout and stopped (with an
