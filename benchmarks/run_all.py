@@ -17,13 +17,15 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from benchmarks import figures, harness, report  # noqa: E402
+from benchmarks.dp_compression import DPBenchConfig  # noqa: E402
 from benchmarks.measured_vs_sim import SimConfig  # noqa: E402
 from benchmarks.models import ModelSpec  # noqa: E402
 from benchmarks.overlap import OverlapConfig  # noqa: E402
 from benchmarks.p2p_compression import P2PConfig, quick_config  # noqa: E402
 from benchmarks.vs_torch import VsTorchConfig  # noqa: E402
 
-PARTS = ("vs_torch", "measured_vs_simulated", "overlap", "tooling", "profile", "auto_search", "p2p")
+PARTS = ("vs_torch", "measured_vs_simulated", "overlap", "tooling", "profile", "auto_search", "p2p",
+         "grad_compression")
 QUICK_PARTS = PARTS[:4]
 
 
@@ -44,7 +46,9 @@ class Plan:
     profile: tuple[tuple[str, str, int], ...] = (("1f1b", "mlp", 60), ("zbv", "transformer", 10))
     """Part 5: (schedule, workload, steps) cases profiled under py-spy on both sides."""
     p2p: P2PConfig = P2PConfig()
-    """Part 6: low-precision stage-to-stage sends on the GPT example (benchmarks/p2p_compression.py)."""
+    """Part 7: low-precision stage-to-stage sends on the GPT example (benchmarks/p2p_compression.py)."""
+    dp_compression: DPBenchConfig = DPBenchConfig()
+    """Part 8: gradient compression in training (GPT example, PP=2 x DP=2, 200 steps per method)."""
 
 
 def full_plan() -> Plan:
@@ -79,7 +83,7 @@ def quick_plan() -> Plan:
 
 
 def _runners(plan: Plan) -> dict[str, Callable[[], Any]]:
-    from benchmarks import auto_search, measured_vs_sim, overlap, p2p_compression, tooling, vs_torch
+    from benchmarks import auto_search, dp_compression, measured_vs_sim, overlap, p2p_compression, tooling, vs_torch
 
     return {
         "vs_torch": lambda: [row for cfg in plan.vs_torch for row in vs_torch.run(cfg, plan.world)],
@@ -89,6 +93,7 @@ def _runners(plan: Plan) -> dict[str, Callable[[], Any]]:
         "profile": lambda: _run_profile(plan),
         "auto_search": lambda: auto_search.run(plan.quick_tooling),
         "p2p": lambda: p2p_compression.run(plan.p2p),
+        "grad_compression": lambda: dp_compression.run(plan.dp_compression),
     }
 
 
@@ -203,6 +208,16 @@ def _command(given: list[str]) -> str:
 def _publish(results: dict[str, Any], out: str, docs: str) -> None:
     """Print the tables, draw the figures and (unless docs is 'none') rewrite docs/benchmarks.md."""
     print(report.stdout_report(results))
+    part = results.get("grad_compression")
+    if part:
+        from benchmarks import dp_compression
+
+        cfg = plan_config(part)
+        print(f"8. Gradient compression in training\n{dp_compression.table(part['rows'], cfg)}")
+        if docs != "none":
+            part.setdefault("meta", {**results.get("meta", {}), "load_before": results.get("meta", {}).get(
+                "loadavg_at_part_start", {}).get("grad_compression", "?")})
+            dp_compression.publish(part, docs)
     if docs != "none":
         made = write_figures(results, os.path.join(docs, "img"), "img/")
         report.update_doc(os.path.join(docs, "benchmarks.md"), report.results_markdown(results, made))
@@ -219,7 +234,7 @@ def _publish(results: dict[str, Any], out: str, docs: str) -> None:
 
 
 def _publish_p2p(results: dict[str, Any], out: str, docs: str) -> None:
-    """Part 6 keeps its own section of docs/benchmarks.md and its loss figure."""
+    """Part 7 keeps its own section of docs/benchmarks.md and its loss figure."""
     from benchmarks import p2p_compression
 
     meta = results["meta"]
@@ -227,11 +242,16 @@ def _publish_p2p(results: dict[str, Any], out: str, docs: str) -> None:
         "date": meta["date"], "command": meta["command"], "wall_s": meta["part_wall_s"].get("p2p", 0.0),
         "load_before": meta["loadavg_at_part_start"].get("p2p"), "load_after": meta["loadavg_after"],
         "load_note": meta["load_note"]}}
-    print("\n6. Low-precision stage-to-stage sends\n" + report.text_table(p2p_compression.table(part)))
+    print("\n7. Low-precision stage-to-stage sends\n" + report.text_table(p2p_compression.table(part)))
     if docs != "none":
         p2p_compression.publish(part, docs)
     else:
         p2p_compression.loss_figure(part, os.path.join(out, "p2p_loss.png"))
+
+
+def plan_config(part: dict[str, Any]) -> DPBenchConfig:
+    """The DPBenchConfig a grad_compression result was measured with."""
+    return DPBenchConfig(**{**part["config"], "methods": tuple(part["config"]["methods"])})
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from _train_helpers import Reference, adam, batch, make_parts, max_param_diff, max_rel_diff, mse
 from models import run_workers
 
-from duplexpipe.pipeline import trainer
+from duplexpipe.pipeline.dp import replicated
 from duplexpipe.pipeline.launch import launch
 from duplexpipe.pipeline.mesh import make_mesh
 from duplexpipe.pipeline.trainer import Pipeline, PipelineConfig
@@ -203,8 +203,8 @@ def _stall_until_flagged(pipe: Pipeline) -> Any:
 
 
 def _collective_failure(rank: int, world: int, kind: str) -> dict[str, Any]:
-    """PP=2 x DP=2 with clipping; on the second step rank 3 either stalls before the data-parallel
-    all-reduce (a dead peer) or fails there (a failed peer)."""
+    """PP=2 x DP=2 with clipping; on the second step rank 3 either never joins the data-parallel
+    all-reduce (a dead peer) or fails when posting it (a failed peer)."""
     cfg = PipelineConfig("1f1b", 4, grad_clip_norm=1.0, timeout_s=5.0)
     pipe = Pipeline(make_parts(2), mse, adam, cfg, mesh=make_mesh(2, 2))
     x, y = batch(0)
@@ -212,7 +212,11 @@ def _collective_failure(rank: int, world: int, kind: str) -> dict[str, Any]:
     if rank == 3:
         def boom(*args: Any, **kwargs: Any) -> None:
             raise RuntimeError("boom in the gradient all-reduce")
-        trainer.grads.all_reduce_mean = _stall_until_flagged(pipe) if kind == "dead" else boom  # type: ignore
+        if kind == "dead":  # never joins the data-parallel all-reduce, never comes back from waiting for it
+            replicated.post_all_reduce = lambda *args: None  # type: ignore[assignment]
+            pipe.dp.finish = _stall_until_flagged(pipe)  # type: ignore[method-assign]
+        else:
+            replicated.post_all_reduce = boom  # type: ignore[assignment]
     start = time.monotonic()
     try:
         pipe.step(x[:8], y[:8])
@@ -240,7 +244,7 @@ def test_a_failed_peer_in_a_trainer_collective_is_named_on_every_rank(failures: 
 
 @pytest.mark.timeout(300)
 def test_a_dead_peer_in_a_trainer_collective_times_out_naming_the_collective(failures: Any) -> None:
-    """Rank 3 stalls before the data-parallel all-reduce: rank 2 waits for it there, ranks 0 and 1 in
+    """Rank 3 never joins the data-parallel all-reduce: rank 2 waits for it there, ranks 0 and 1 in
     the global-norm all-reduce. Every waiting rank stops within the 5 s timeout (plus slack): by its
     own timeout naming the collective, or told by a rank that timed out."""
     got = failures["dead"]

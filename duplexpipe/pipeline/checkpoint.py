@@ -1,7 +1,9 @@
-"""Checkpoint and resume a Pipeline with torch.distributed.checkpoint (parts, optimizer, LR scheduler, RNG)."""
+"""Checkpoint and resume a Pipeline with torch.distributed.checkpoint (parts, optimizer, LR scheduler, RNG and
+data-parallel strategy state per rank)."""
 
 from __future__ import annotations
 
+import io
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -76,6 +78,23 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
         torch.cuda.set_rng_state_all(cuda)
 
 
+def dp_state(pipe: Pipeline) -> dict[str, bytes]:
+    """The data-parallel strategy's state (compression residuals, ...) keyed by this process's global rank
+    (every rank's differs), serialized with torch.save; {} when the strategy keeps none."""
+    state = pipe.dp.state_dict()
+    if not state:
+        return {}
+    raw = io.BytesIO()
+    torch.save(state, raw)
+    return {f"rank{_rank()}": raw.getvalue()}
+
+
+def set_dp_state(pipe: Pipeline, stored: dict[str, Any]) -> None:
+    """Restore what `dp_state` returned (after loading it from a checkpoint)."""
+    for raw in stored.values():
+        pipe.dp.load_state_dict(torch.load(io.BytesIO(raw), weights_only=False))
+
+
 def _check_between_windows(pipe: Pipeline, verb: str) -> None:
     if pipe.window_calls:
         raise ValueError(
@@ -94,6 +113,9 @@ def save_checkpoint(pipe: Pipeline, path: str) -> None:
         # get_state_dict initialised the state with a zero-lr step; a fresh optimizer must stay fresh.
         pipe.optimizer.state.clear()
     state = {"model": model_sd, "optim": optim_sd, "trainer": trainer_state(pipe, fresh), "rng": rng_state()}
+    extra = dp_state(pipe)
+    if extra:
+        state["dp"] = extra
     dcp.save(state, checkpoint_id=path)
 
 
@@ -102,13 +124,19 @@ def load_checkpoint(pipe: Pipeline, path: str) -> None:
     _check_between_windows(pipe, "load")
     modules = stage_dict(pipe)
     rng = rng_state()
-    _check_keys(pipe, path, [f"model.{k}" for k in modules.state_dict()] + [f"rng.{k}" for k in rng])
+    extra = {k: b"" for k in dp_state(pipe)}
+    _check_keys(pipe, path, [f"model.{k}" for k in modules.state_dict()] + [f"rng.{k}" for k in rng]
+                + [f"dp.{k}" for k in extra])
     _check_scheduler(path, pipe)
     model_sd, optim_sd = get_state_dict(modules, pipe.optimizer, options=_OPTIONS)
     state: dict[str, Any] = {"model": model_sd, "optim": optim_sd, "trainer": trainer_state(pipe, False),
                              "rng": rng}
+    if extra:
+        state["dp"] = extra
     dcp.load(state, checkpoint_id=path)
     set_rng_state(state["rng"])
+    if extra:
+        set_dp_state(pipe, state["dp"])
     set_state_dict(modules, pipe.optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"], options=_OPTIONS)
     meta = state["trainer"]

@@ -1,9 +1,9 @@
-"""The training API: `Pipeline` runs a schedule's steps, then syncs, clips, scales and applies gradients."""
+"""The training API: `Pipeline` runs a schedule's steps; its data-parallel strategy reduces, clips and applies."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -11,11 +11,21 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from duplexpipe.comm import Options, compression_options
 from duplexpipe.comm.meter import WireMeter
 from duplexpipe.comm.nonfinite import check_policy
 from duplexpipe.comm.p2p_codecs import p2p_codec_pair
 from duplexpipe.pipeline import grads
 from duplexpipe.pipeline.autoplan import AUTO, AutoChoice, check_options, choose, memory_bytes
+from duplexpipe.pipeline.dp import (
+    DEFAULT_BUCKET_BYTES,
+    DPStrategy,
+    OptimizerFactory,
+    StrategyContext,
+    check_strategy_name,
+    final_order,
+    make_strategy,
+)
 from duplexpipe.pipeline.mesh import ParallelGroups
 from duplexpipe.pipeline.precision import DynamicLossScaler, LossScaleConfig, autocast_dtype
 from duplexpipe.pipeline.split import (
@@ -40,8 +50,6 @@ from duplexpipe.schedules.ir import Schedule
 from duplexpipe.schedules.registry import build as build_schedule
 from duplexpipe.schedules.timeline import Timeline
 
-OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
-"""Builds the optimizer from this rank's parameters, e.g. `lambda ps: torch.optim.AdamW(ps, lr=1e-3)`."""
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 """Builds an LR scheduler on the optimizer, e.g. `lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, f)`."""
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -94,6 +102,19 @@ class PipelineConfig:
     nonfinite_sends: str = "warn"
     """A compressed send holding NaN or inf (it always arrives non-finite): "warn" (count it, warn once) or
     "raise" (stop every rank; not with precision "fp16", whose overflow steps are routine)."""
+    grad_compression: str | Options | None = None
+    """Data-parallel gradient compression: a method name from duplexpipe.comm.METHOD_NAMES ("bf16", "fp16",
+    "powersgd", "int8", "topk", "randomk", "threshold", "dgc") with its defaults, or an options object
+    (e.g. comm.Int8Options(block=128), comm.DGCOptions(ratio=0.001, warmup_steps=20)); None or "none":
+    exact fp32 all-reduce. Sparsifiers assume SGD (DGC: SGD with momentum=0, the momentum and the
+    gradient clipping go in DGCOptions, grad_clip_norm must be None). No effect (a warning) without data
+    parallelism."""
+    dp_strategy: str | None = None
+    """Data-parallel strategy name (duplexpipe.pipeline.dp.STRATEGY_NAMES); None: "compressed" when
+    grad_compression compresses, else "replicated"."""
+    grad_bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    """Gradients are reduced in fixed buckets of at most this many bytes, each started as soon as its
+    gradients are final (in the order they become final)."""
 
     def __post_init__(self) -> None:
         memory_bytes(self.memory_limit)
@@ -115,6 +136,15 @@ class PipelineConfig:
             raise ValueError(f"grad_clip_norm must be > 0 or None, got {self.grad_clip_norm}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if not isinstance(self.grad_bucket_bytes, int) or self.grad_bucket_bytes < 1:
+            raise ValueError(f"grad_bucket_bytes must be an int >= 1, got {self.grad_bucket_bytes!r}")
+        compression = compression_options(self.grad_compression)
+        check_strategy_name(self.dp_strategy, compression.method != "none")
+        if compression.method == "dgc" and self.grad_clip_norm is not None:
+            raise ValueError(
+                f"grad_clip_norm={self.grad_clip_norm} would clip DGC's averaged momentum-corrected velocity, "
+                "not a gradient; DGC clips each rank's gradient before its momentum: set "
+                "DGCOptions(clip_norm=...) and grad_clip_norm=None")
 
 
 @dataclass(frozen=True)
@@ -132,7 +162,10 @@ class StepInfo:
     loss_scale: float
     """The loss scale this call used (1.0 unless fp16)."""
     timeline: Timeline | None
-    """This rank's measured timeline of the call (None when not recorded)."""
+    """This rank's measured timeline of the call (None when not recorded); on window ends its spans show
+    the data-parallel bucket reductions on lane "dp"."""
+    wire_bytes: float = 0.0
+    """Ring-model bytes this rank sent for data-parallel gradient reduction in this call (comm.WireMeter)."""
     peak_saved_bytes: int = 0
     """The most bytes this rank's live activations kept for backward at once during the call, counted
     as `profile_parts` counts them (see StepResult.peak_saved_bytes)."""
@@ -158,7 +191,9 @@ class Pipeline:
     `stages.build_stage_modules`). `scheduler(optimizer)` builds an LR scheduler stepped after
     every applied optimizer step (not after skipped fp16 steps). With a DeviceMesh ("pp", "dp") each
     data-parallel replica passes its own batch and gradients are averaged over replicas
-    after the schedule's own DualPipe mirror sum.
+    after the schedule's own DualPipe mirror sum, by the data-parallel strategy `self.dp`
+    (bucket by bucket, each started as soon as its gradients are final; compressed when
+    `config.grad_compression` says so).
 
     With `PipelineConfig(schedule="auto", memory_limit=...)` the construction first profiles the
     parts (rank 0, on the first of `num_microbatches` microbatches of `sample_input` /
@@ -202,14 +237,8 @@ class Pipeline:
         self.stage_modules = build_stage_modules(self.schedule, groups.pp_rank, parts, init=init,
                                                  checkpoint_stages=ckpt, device=self.device)
         self.params = [p for s in sorted(self.stage_modules) for p in self.stage_modules[s].parameters()]
-        self._counted = [p for s in sorted(self.stage_modules) if self.schedule.copy_of_stage(s) == 0
-                         for p in self.stage_modules[s].parameters()]
         tied = find_tied([] if callable(parts) else parts)  # factory parts cannot share a Parameter
         self.tied = TiedGrads(tied, self.schedule, groups.pp_rank, self.stage_modules, groups.pp_group)
-        self._counted = self.tied.counted(self._counted)  # a tied weight counts once in the norm
-        self.optimizer = optimizer(self.params)
-        self.scheduler = scheduler(self.optimizer) if scheduler is not None else None
-        """The LR scheduler (None without one); stepped after every applied optimizer step."""
         self.scaler = DynamicLossScaler(cfg.loss_scale, enabled=cfg.precision == "fp16")
         self.p2p_meter = WireMeter()
         """Every stage-to-stage SEND of this rank: kind "send", its payload bytes on the wire."""
@@ -218,10 +247,20 @@ class Pipeline:
                                     autocast_dtype=autocast_dtype(cfg.precision),
                                     check_inputs_every_step=cfg.check_inputs_every_step,
                                     activation_codec=act_codec, gradient_codec=grad_codec,
-                                    nonfinite_sends=cfg.nonfinite_sends, p2p_meter=self.p2p_meter)
+                                    nonfinite_sends=cfg.nonfinite_sends, p2p_meter=self.p2p_meter,
+                                    on_grads_ready=self._grads_ready)
         self.runtime = PipelineRuntime(self.schedule, self.stage_modules, loss_fn, group=groups.pp_group,
                                        device=self.device, config=runtime_cfg,
                                        job_group=dist.group.WORLD if groups.dp_size > 1 else None)
+        plan = self.runtime.plan
+        self.dp: DPStrategy = make_strategy(StrategyContext(
+            self.stage_modules, self.schedule, tuple(final_order(plan.grads_final, plan.mirrored)), groups,
+            optimizer, self.device, self.bounded, compression_options(cfg.grad_compression),
+            cfg.grad_bucket_bytes), cfg.dp_strategy)
+        """The data-parallel strategy: reduce -> overflow check -> clip -> optimizer step."""
+        self.dp.counted = self.tied.counted(self.dp.counted)  # a tied weight counts once in the norm
+        self.scheduler = scheduler(self.optimizer) if scheduler is not None else None
+        """The LR scheduler (None without one); stepped after every applied optimizer step."""
         if cfg.check_replicas:
             self._check_replicas()
         self.optimizer_steps = 0
@@ -275,6 +314,14 @@ class Pipeline:
         return cls(parts, loss_fn, optimizer, config, mesh=mesh, device=device, partition=partition,
                    init=init, scheduler=scheduler, sample_input=sample_input, sample_targets=sample_targets)
 
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer the data-parallel strategy steps (built from the `optimizer` factory)."""
+        return self.dp.optimizer
+
+    def _grads_ready(self, stage: int) -> None:
+        self.dp.grads_ready(stage)
+
     def bounded(self, work: Any, what: str) -> None:
         """Wait for a collective posted with async_op=True, bounded by the timeout and stopped (with an
         error naming the failed rank) when any rank of the job failed; see PipelineRuntime.bounded."""
@@ -317,9 +364,12 @@ class Pipeline:
         """
         cfg = self.config
         if self._window_calls == 0:
-            self.optimizer.zero_grad(set_to_none=True)
+            self.dp.zero_grad()
         weight = self._call_weight(inputs, targets)
         scale = self.scaler.scale
+        final = self._window_calls + 1 == cfg.accumulation_steps
+        self.dp.begin_call(final, scale * (self._window_weight + weight))
+        wire = self.dp.meter.total_bytes
         result = self.runtime.step(inputs, targets, loss_scale=scale * weight)
         self.calls += 1
         self._window_calls += 1
@@ -333,7 +383,11 @@ class Pipeline:
         except BaseException as exc:  # the other ranks wait in collectives: tell them
             self.runtime.report_failure(exc)
             raise
-        self.last = StepInfo(loss, applied, skipped, norm, scale, result.timeline, result.peak_saved_bytes)
+        timeline = result.timeline
+        if final and timeline is not None:
+            timeline = replace(timeline, spans=tuple(self.dp.spans(self.runtime.tracer.origin, self.runtime.rank)))
+        self.last = StepInfo(loss, applied, skipped, norm, scale, timeline, self.dp.meter.total_bytes - wire,
+                             result.peak_saved_bytes)
         return loss
 
     def _call_weight(self, inputs: Any, targets: Any) -> float:
@@ -349,25 +403,18 @@ class Pipeline:
         return size / self._window_unit
 
     def _apply(self) -> tuple[bool, float | None]:
-        """End the window: DP average, norm + overflow check, unscale + clip, optimizer step."""
-        cfg, g = self.config, self.groups
-        self.tied.sum_grads(wait=self.bounded)  # weights shared by several parts (tied embeddings)
-        grads.all_reduce_mean(self.params, g.dp_group, g.dp_size, wait=self.bounded)
-        divisor = self.scaler.scale * self._window_weight
+        """End the window through the strategy: wait for the reductions, sum tied weights, norm + overflow
+        check, then skip (fp16 overflow) or unscale + clip + optimizer step (+ LR scheduler step)."""
+        cfg = self.config
         self._window_calls, self._window_weight = 0, 0.0
-        norm = None
-        if cfg.grad_clip_norm is not None or self.scaler.enabled:
-            raw, overflow = grads.global_norm_and_overflow(
-                [p.grad for p in self._counted if p.grad is not None],
-                [p.grad for p in self.params if p.grad is not None],
-                None, self.device, count_here=g.dp_rank == 0, wait=self.bounded)
-            norm = raw / divisor
-            if overflow and self.scaler.enabled:
-                self.scaler.update(overflow=True)
-                self.optimizer.zero_grad(set_to_none=True)
-                return True, norm
-        grads.scale_grads(self.params, grads.clip_factor(norm or 0.0, cfg.grad_clip_norm) / divisor)
-        self.optimizer.step()
+        self.dp.finish()
+        self.tied.sum_grads(wait=self.bounded)  # weights shared by several parts (tied embeddings)
+        norm, overflow = self.dp.norm_and_overflow(cfg.grad_clip_norm is not None or self.scaler.enabled)
+        if overflow and self.scaler.enabled:
+            self.scaler.update(overflow=True)
+            self.dp.skip()
+            return True, norm
+        self.dp.step(grads.clip_factor(norm or 0.0, cfg.grad_clip_norm))
         if self.scheduler is not None:
             self.scheduler.step()
         self.scaler.update(overflow=False)
