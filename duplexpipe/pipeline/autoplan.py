@@ -200,7 +200,8 @@ def choose(parts: Sequence[nn.Module] | Callable[[int], nn.Module], loss_fn: Cal
     timer: Timer = options.get("timer", time.perf_counter)
     profile = _shared_profile(lambda: _profile(given, loss_fn, sample, num_microbatches,
                                                {**options, "timer": timer}, device, init, autocast))
-    plan_options: dict[str, Any] = {k: (tuple(v) if isinstance(v, list) else v) for k, v in options.items() if k in PLAN_KEYS}
+    plan_options: dict[str, Any] = {k: (tuple(v) if isinstance(v, list) else v)
+                                    for k, v in options.items() if k in PLAN_KEYS}
     config = PlanConfig(ranks=ranks, batch=rows * dp, memory=cap if cap is not None else NO_LIMIT, dp=dp,
                         **plan_options)
     result = plan(profile, config)
