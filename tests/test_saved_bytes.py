@@ -103,10 +103,7 @@ def _measure(schedule: str, count: bool) -> dict[str, Any]:
     parts = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU()) for _ in range(2)]
     x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
     pipe = Pipeline(parts, _product_loss, lambda ps: torch.optim.SGD(ps, lr=0.1),
-                    PipelineConfig(schedule=schedule, num_microbatches=M))
-    pipe.runtime.config.count_saved_bytes = count
-    for stage in pipe.runtime.stages.values():
-        stage.meter = stage.meter if count else None
+                    PipelineConfig(schedule=schedule, num_microbatches=M, count_saved_bytes=count))
     measured = []
     for _ in range(2):
         pipe.step(x, y)

@@ -89,6 +89,9 @@ class PipelineConfig:
     check_inputs_every_step: bool = True
     """False: the ranks agree on the batch shape on the first step only (faster when every batch has
     the same shape; a differently shaped batch then stops every rank with an error). See RuntimeConfig."""
+    count_saved_bytes: bool = True
+    """Measure each step's peak saved-activation bytes per rank (`StepInfo.peak_saved_bytes`, counted as
+    `profile_parts` counts them); False skips the counting (peak_saved_bytes stays 0)."""
     record_timeline: bool = True
     """Record the measured timeline of every step (StepInfo.timeline)."""
     check_replicas: bool = True
@@ -246,6 +249,7 @@ class Pipeline:
         runtime_cfg = RuntimeConfig(timeout_s=cfg.timeout_s, record_timeline=cfg.record_timeline,
                                     autocast_dtype=autocast_dtype(cfg.precision),
                                     check_inputs_every_step=cfg.check_inputs_every_step,
+                                    count_saved_bytes=cfg.count_saved_bytes,
                                     activation_codec=act_codec, gradient_codec=grad_codec,
                                     nonfinite_sends=cfg.nonfinite_sends, p2p_meter=self.p2p_meter,
                                     on_grads_ready=self._grads_ready)
