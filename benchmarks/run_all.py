@@ -22,10 +22,12 @@ from benchmarks.measured_vs_sim import SimConfig  # noqa: E402
 from benchmarks.models import ModelSpec  # noqa: E402
 from benchmarks.overlap import OverlapConfig  # noqa: E402
 from benchmarks.p2p_compression import P2PConfig, quick_config  # noqa: E402
+from benchmarks.plan_vs_measured import PvMConfig  # noqa: E402
+from benchmarks.plan_vs_measured import quick_config as pvm_quick_config  # noqa: E402
 from benchmarks.vs_torch import VsTorchConfig  # noqa: E402
 
 PARTS = ("vs_torch", "measured_vs_simulated", "overlap", "tooling", "profile", "auto_search", "p2p",
-         "grad_compression")
+         "grad_compression", "plan_vs_measured")
 QUICK_PARTS = PARTS[:4]
 
 
@@ -49,6 +51,8 @@ class Plan:
     """Part 7: low-precision stage-to-stage sends on the GPT example (benchmarks/p2p_compression.py)."""
     dp_compression: DPBenchConfig = DPBenchConfig()
     """Part 8: gradient compression in training (GPT example, PP=2 x DP=2, 200 steps per method)."""
+    plan_vs_measured: PvMConfig = PvMConfig()
+    """Part 9: the planner's predictions against runs of 5 candidates (benchmarks/plan_vs_measured.py)."""
 
 
 def full_plan() -> Plan:
@@ -79,11 +83,21 @@ def quick_plan() -> Plan:
                               warmup=1, reps=2),
         quick_tooling=True,
         p2p=quick_config(),
+        plan_vs_measured=pvm_quick_config(),
     )
 
 
 def _runners(plan: Plan) -> dict[str, Callable[[], Any]]:
-    from benchmarks import auto_search, dp_compression, measured_vs_sim, overlap, p2p_compression, tooling, vs_torch
+    from benchmarks import (
+        auto_search,
+        dp_compression,
+        measured_vs_sim,
+        overlap,
+        p2p_compression,
+        plan_vs_measured,
+        tooling,
+        vs_torch,
+    )
 
     return {
         "vs_torch": lambda: [row for cfg in plan.vs_torch for row in vs_torch.run(cfg, plan.world)],
@@ -94,6 +108,7 @@ def _runners(plan: Plan) -> dict[str, Callable[[], Any]]:
         "auto_search": lambda: auto_search.run(plan.quick_tooling),
         "p2p": lambda: p2p_compression.run(plan.p2p),
         "grad_compression": lambda: dp_compression.run(plan.dp_compression),
+        "plan_vs_measured": lambda: plan_vs_measured.run(plan.plan_vs_measured),
     }
 
 
@@ -231,6 +246,25 @@ def _publish(results: dict[str, Any], out: str, docs: str) -> None:
             auto_search.update_doc(os.path.join(docs, "benchmarks.md"), results["auto_search"])
     if results.get("p2p"):
         _publish_p2p(results, out, docs)
+    if results.get("plan_vs_measured"):
+        _publish_plan_vs_measured(results, out, docs)
+
+
+def _publish_plan_vs_measured(results: dict[str, Any], out: str, docs: str) -> None:
+    """Part 9 keeps its own section of docs/benchmarks.md and its figure."""
+    from benchmarks import plan_vs_measured
+
+    meta = results["meta"]
+    part = {**results["plan_vs_measured"], "meta": {
+        "date": meta["date"], "command": meta["command"],
+        "wall_s": meta["part_wall_s"].get("plan_vs_measured", 0.0),
+        "load_before": meta["loadavg_at_part_start"].get("plan_vs_measured"), "load_after": meta["loadavg_after"],
+        "load_note": meta["load_note"]}}
+    print("\n9. Planner predictions vs measurement\n" + plan_vs_measured.text_report(part))
+    if docs != "none":
+        plan_vs_measured.publish(part, docs)
+    else:
+        plan_vs_measured.figure(part, os.path.join(out, plan_vs_measured.FIGURE))
 
 
 def _publish_p2p(results: dict[str, Any], out: str, docs: str) -> None:
