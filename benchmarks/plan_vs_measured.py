@@ -47,6 +47,8 @@ from benchmarks import harness, models, report  # noqa: E402
 from duplexpipe.pipeline import Pipeline, PipelineConfig, profile_parts  # noqa: E402
 from duplexpipe.pipeline.autoplan import NO_LIMIT, AutoChoice  # noqa: E402
 from duplexpipe.pipeline.split import build_parts, plan_partition  # noqa: E402
+from duplexpipe.runtime.saved_bytes import SavedBytes  # noqa: E402
+from duplexpipe.schedules.dp_model import Link  # noqa: E402
 from duplexpipe.schedules.memory import format_bytes  # noqa: E402
 from duplexpipe.schedules.plan import PlanConfig, plan  # noqa: E402
 from duplexpipe.schedules.profiles import Profile, balanced_split  # noqa: E402
@@ -117,10 +119,38 @@ def _profiles(parts: list[nn.Module], sample: tuple[Any, Any], loss: Any, cfg: P
     return {"alone": alone_shared, "loaded": _shared(loaded if dist.get_rank() == 0 else None)}
 
 
-def _candidate(profile: Profile, cfg: PvMConfig, name: str, m: int) -> AutoChoice:
+def _round_trip(nbytes: int, reps: int) -> float:
+    """Median seconds of a send from rank 0 to rank 1 and back, of `nbytes` each way (other ranks wait)."""
+    buf = torch.zeros(max(1, nbytes // 4))
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        if dist.get_rank() == 0:
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+        elif dist.get_rank() == 1:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def _measure_link(nbytes: int, reps: int = 30) -> Link:
+    """The stage-to-stage link as the planner models it: latency per message and bandwidth, from
+    round trips of 4 bytes and of `nbytes` (rank 0's figures, shared)."""
+    dist.barrier()
+    small, big = _round_trip(4, reps), _round_trip(nbytes, reps)
+    latency = small / 2
+    per_byte = max((big - small) / 2 / max(1, nbytes - 4), 1e-15)
+    payload = [(latency, 1 / per_byte)]
+    dist.broadcast_object_list(payload, src=0)
+    return Link(bandwidth=payload[0][1], latency=payload[0][0])
+
+
+def _candidate(profile: Profile, cfg: PvMConfig, name: str, m: int, link: Link | None = None) -> AutoChoice:
     """The planner's row and schedule for one (schedule, M), with the parts grouped as it grouped them."""
     config = PlanConfig(ranks=cfg.ranks, batch=cfg.batch_size, memory=NO_LIMIT, schedules=(name,),
-                        microbatches=(m,), chunks=(2,), compressions=("none",))
+                        microbatches=(m,), chunks=(2,), compressions=("none",), p2p_link=link or Link())
     result = plan(profile, config)
     assert result.schedule is not None
     counts = balanced_split([p.forward_s + p.backward_s for p in profile.parts], result.schedule.num_groups)
@@ -162,6 +192,30 @@ def _overhead(cfg: PvMConfig, ranks: int) -> dict[str, list[float]]:
     return out
 
 
+def counting_cost(reps: int) -> dict[str, float]:
+    """One process: the overhead-bound MLP's forward + backward with and without SavedBytes counting,
+    interleaved; the fastest of `reps` each (contention only adds time)."""
+    spec = models.ModelSpec("mlp", num_layers=8, width=256, batch=8)  # one microbatch of batch 64, M=8
+    (model,) = models.build_parts(spec, 1)
+    x = torch.randn(spec.batch, spec.width)
+    meter = SavedBytes(model.parameters())
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for k in range(2 * reps + 4):
+        on = bool(k % 2)
+        start = time.perf_counter()
+        if on:
+            meter.start(data=[x])
+            with meter.counting():
+                out = model(x)
+        else:
+            out = model(x)
+        out.sum().backward()
+        if k >= 4:
+            times[on].append(time.perf_counter() - start)
+    return {"on_s": min(times[True]), "off_s": min(times[False]),
+            "ratio": min(times[True]) / min(times[False])}
+
+
 def _worker(rank: int, world: int, cfg: PvMConfig) -> dict[str, Any]:
     torch.manual_seed(0)
     task = gpt_task(n_layer=cfg.n_layer, d_model=cfg.d_model)
@@ -170,18 +224,26 @@ def _worker(rank: int, world: int, cfg: PvMConfig) -> dict[str, Any]:
     x, y = task.batch(0, cfg.batch_size)
     rows = cfg.batch_size // 8
     profiles = _profiles(parts, (x[:rows], y[:rows]), task.loss_fn, cfg)
-    choices = [_candidate(profiles["loaded"], cfg, name, m) for name, m in cfg.candidates]
-    alone = [_candidate(profiles["alone"], cfg, name, m) for name, m in cfg.candidates]
+    message = max(p.output_bytes for p in profiles["loaded"].at_microbatch(cfg.batch_size / 8).parts[:-1])
+    link = _measure_link(int(message))
+    choices = [_candidate(profiles["loaded"], cfg, name, m, link) for name, m in cfg.candidates]
+    no_link = [_candidate(profiles["loaded"], cfg, name, m) for name, m in cfg.candidates]
+    alone = [_candidate(profiles["alone"], cfg, name, m, link) for name, m in cfg.candidates]
     pipes = [Pipeline(c.merged_parts(copy.deepcopy(parts)), task.loss_fn, _adamw,
                       PipelineConfig(schedule=c.schedule, grad_clip_norm=1.0, record_timeline=False,
                                      check_inputs_every_step=False)) for c in choices]
     seconds, peaks = _train(pipes, task, cfg)
     out: dict[str, Any] = {"seconds": seconds, "peaks": peaks, "overhead": _overhead(cfg, world)}
+    dist.barrier()
     if rank == 0:
+        out["counting"] = counting_cost(max(3, cfg.overhead_steps))
         out["profiles"] = {k: p.to_dict() for k, p in profiles.items()}
+        out["link"] = {"latency_s": link.latency, "bandwidth": link.bandwidth, "message_bytes": message}
         out["plans"] = [{"row": c.result.best.to_dict(), "groups": list(c.groups),
-                         "alone_step_s": a.result.best.step_s, "alone_groups": list(a.groups)}
-                        for c, a in zip(choices, alone, strict=True)]
+                         "alone_step_s": a.result.best.step_s, "alone_groups": list(a.groups),
+                         "no_link_step_s": n.result.best.step_s}
+                        for c, a, n in zip(choices, alone, no_link, strict=True)]
+    dist.barrier()
     return out
 
 
@@ -204,9 +266,11 @@ def summarize(per_rank: list[dict[str, Any]], cfg: PvMConfig) -> list[dict[str, 
             "candidate": f"{row['schedule']}, M={row['microbatches']}", "groups": plan_row["groups"],
             "alone_groups": plan_row["alone_groups"],
             "predicted_s": row["step_s"], "predicted_alone_s": plan_row["alone_step_s"],
+            "predicted_no_link_s": plan_row["no_link_step_s"],
             "measured": step.to_dict(), "min_s": min(samples), "max_s": max(samples), "samples": samples,
             "time_err": _rel(step.median, row["step_s"]),
             "time_err_alone": _rel(step.median, plan_row["alone_step_s"]),
+            "time_err_no_link": _rel(step.median, plan_row["no_link_step_s"]),
             "predicted_acts": predicted_acts, "measured_acts": measured_acts, "peaks_stable": stable,
             "bytes_err": _rel(max(measured_acts), max(predicted_acts)),
             "bytes_err_per_rank": max(abs(_rel(m, p)) for m, p in zip(measured_acts, predicted_acts, strict=True)),
@@ -236,8 +300,8 @@ def run(cfg: PvMConfig) -> dict[str, Any]:
     on, off = per_rank[0]["overhead"]["on"], per_rank[0]["overhead"]["off"]
     overhead = {"on": harness.summarize(on).to_dict(), "off": harness.summarize(off).to_dict(),
                 "paired_ratio": statistics.median(a / b for a, b in zip(on, off, strict=True))}
-    return {"rows": rows, "order": order_pairs(rows), "overhead": overhead,
-            "profiles": per_rank[0]["profiles"], "config": asdict(cfg)}
+    return {"rows": rows, "order": order_pairs(rows), "overhead": overhead, "counting": per_rank[0]["counting"],
+            "link": per_rank[0]["link"], "profiles": per_rank[0]["profiles"], "config": asdict(cfg)}
 
 
 def _ms(seconds: float) -> str:
@@ -247,13 +311,14 @@ def _ms(seconds: float) -> str:
 def table(part: dict[str, Any]) -> list[list[str]]:
     """Header + one row per candidate."""
     out = [["candidate", "parts per stage", "predicted ms", "measured ms (median)", "min-max (IQR)", "error",
-            "met (25%)", "predicted (profiled alone) ms", "error", "predicted peak act. (max rank)",
+            "met (25%)", "without link ms", "error", "profiled alone ms", "error", "predicted peak act. (max rank)",
             "measured peak", "error", "worst rank error", "met (10%)"]]
     for r in part["rows"]:
         m = r["measured"]
         out.append([r["candidate"], "/".join(map(str, r["groups"])), _ms(r["predicted_s"]), _ms(m["median_s"]),
                     f"{_ms(r['min_s'])}-{_ms(r['max_s'])} ({_ms(m['q1_s'])}-{_ms(m['q3_s'])})",
                     f"{r['time_err']:+.1%}", report._mark(abs(r["time_err"]) <= TIME_TARGET),
+                    _ms(r["predicted_no_link_s"]), f"{r['time_err_no_link']:+.1%}",
                     _ms(r["predicted_alone_s"]), f"{r['time_err_alone']:+.1%}",
                     format_bytes(max(r["predicted_acts"])), format_bytes(max(r["measured_acts"])),
                     f"{r['bytes_err']:+.2%}", f"{r['bytes_err_per_rank']:.2%}",
@@ -305,20 +370,26 @@ def figure(part: dict[str, Any], path: str) -> None:
 
 def markdown(part: dict[str, Any], figure_link: str | None) -> str:
     """The generated block of docs/benchmarks.md's prediction-vs-measurement section."""
-    meta, cfg, ov = part.get("meta", {}), part["config"], part["overhead"]
+    meta, cfg, ov, link = part.get("meta", {}), part["config"], part["overhead"], part["link"]
     lines = [f"Run on {meta.get('date', '?')}: `{meta.get('command', '?')}` ({meta.get('wall_s', 0):.0f} s wall); "
              f"load average before / after: {meta.get('load_before', '?')} / {meta.get('load_after', '?')} "
              f"(`uptime` at the start: {meta.get('uptime', '?')}). {meta.get('load_note', '')}", "",
              f"GPT example (n_layer {cfg['n_layer']}, d_model {cfg['d_model']}, batch {cfg['batch_size']} x 64 "
              f"characters), {cfg['ranks']} gloo ranks, {cfg['warmup']} warm-up + {cfg['steps']} measured steps "
-             f"per candidate, round-robin. Predictions from rank 0's profile taken with every rank profiling at "
-             f"once; 'profiled alone' uses the profile rank 0 took while the others waited.", "",
+             f"per candidate, round-robin. Predictions: rank 0's profile taken with every rank profiling at "
+             f"once, and the measured stage-to-stage link (latency {link['latency_s'] * 1e6:.0f} us per message, "
+             f"{link['bandwidth'] / 1e6:,.0f} MB/s, from rank 0-1 round trips of 4 and {link['message_bytes']:,} "
+             f"bytes); 'without link' leaves the link out (the planner's default), 'profiled alone' uses the "
+             f"profile rank 0 took while the others waited (with the link). Parts per stage: how the planner "
+             f"merged the 8 profiled parts.", "",
              report.markdown_table(table(part)), "",
              f"Pairs predicted more than {ORDER_GAP:.0%} apart:", "", report.markdown_table(order_table(part)), "",
              f"Saved-bytes counting on the overhead-bound MLP (8 x Linear 256, batch 64, 1F1B, M=8, "
              f"{cfg['ranks']} ranks, {cfg['overhead_steps']} alternating steps each): median step "
              f"{_ms(ov['on']['median_s'])} ms counted vs {_ms(ov['off']['median_s'])} ms not; median paired "
-             f"ratio {ov['paired_ratio']:.3f}.", ""]
+             f"ratio {ov['paired_ratio']:.3f}. In one process (forward + backward of one microbatch of 8 "
+             f"rows, fastest of {cfg['overhead_steps']} each, interleaved): {part['counting']['on_s'] * 1e3:.3f} ms "
+             f"counted vs {part['counting']['off_s'] * 1e3:.3f} ms, ratio {part['counting']['ratio']:.3f}.", ""]
     if figure_link:
         lines += [f"![Predicted vs measured step time and peak activations]({figure_link})", ""]
     return "\n".join(lines)
@@ -334,7 +405,8 @@ def publish(part: dict[str, Any], docs: str) -> None:
 def text_report(part: dict[str, Any]) -> str:
     """The tables as text."""
     return "\n".join([report.text_table(table(part)), "", report.text_table(order_table(part)), "",
-                      f"counting overhead: paired ratio {part['overhead']['paired_ratio']:.3f}"])
+                      f"counting overhead: paired step ratio {part['overhead']['paired_ratio']:.3f}, one process "
+                      f"{part['counting']['ratio']:.3f}; link {part['link']}"])
 
 
 def _uptime() -> str:

@@ -60,7 +60,9 @@ class SavedBytes:
                 self._seen[address] = nbytes
 
     def _pack(self, tensor: Tensor) -> Tensor:
-        self.keep((tensor,))
+        address, nbytes = storage_key(tensor)  # keep() inlined: this runs for every tensor autograd saves
+        if address not in self._exclude and address not in self._skip:
+            self._seen[address] = nbytes
         return tensor.detach()  # holding `tensor` itself would make a reference cycle through its grad_fn
 
     @contextmanager
