@@ -225,13 +225,9 @@ class Pipeline:
         self.config = cfg = config or PipelineConfig()
         self.groups = groups = ParallelGroups.from_mesh(mesh)
         self.device = torch.device(device) if device is not None else default_device()
-        self.auto: AutoChoice | None = None
+        self.auto = self._plan(parts, loss_fn, (sample_input, sample_targets), init)
         """schedule="auto": the plan that was chosen (its table: `auto.result.table()`); None otherwise."""
-        if cfg.schedule == AUTO:
-            self.auto = choose(parts, loss_fn, ranks=groups.pp_size, dp=groups.dp_size,
-                               sample=(sample_input, sample_targets), memory_limit=cfg.memory_limit,
-                               num_microbatches=cfg.num_microbatches, options=cfg.schedule_options,
-                               device=self.device, init=init, autocast=autocast_dtype(cfg.precision))
+        if self.auto is not None:
             parts, init = self.auto.merged_parts(parts), self.auto.merged_init(init)  # type: ignore[arg-type]
             partition = self.auto.merged_partition(partition)
         self.schedule = self.auto.schedule if self.auto is not None else _resolve_schedule(cfg, groups.pp_size)
@@ -317,6 +313,17 @@ class Pipeline:
         parts = build_parts(blocks, partition, embedding=embedding, head=head)
         return cls(parts, loss_fn, optimizer, config, mesh=mesh, device=device, partition=partition,
                    init=init, scheduler=scheduler, sample_input=sample_input, sample_targets=sample_targets)
+
+    def _plan(self, parts: PartSource, loss_fn: LossFn, sample: tuple[Any, Any],
+              init: PartInit | None) -> AutoChoice | None:
+        """schedule="auto": profile, plan and log (see `autoplan.choose`); None for any other schedule."""
+        cfg, groups = self.config, self.groups
+        if cfg.schedule != AUTO:
+            return None
+        return choose(parts, loss_fn, ranks=groups.pp_size, dp=groups.dp_size, sample=sample,
+                      memory_limit=cfg.memory_limit, num_microbatches=cfg.num_microbatches,
+                      options=cfg.schedule_options, device=self.device, init=init,
+                      autocast=autocast_dtype(cfg.precision))
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
