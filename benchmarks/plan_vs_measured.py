@@ -342,7 +342,8 @@ def figure(part: dict[str, Any], path: str) -> None:
     fig = Figure(figsize=(11.5, 4.8), dpi=110, layout="constrained")
     ax_t, ax_b = fig.subplots(1, 2)
     rows = part["rows"]
-    top = max(max(r["max_s"] for r in rows), max(r["predicted_s"] for r in rows)) * 1.1e3
+    right = max(r["predicted_s"] for r in rows) * 1.4e3
+    top = max(max(r["max_s"] for r in rows) * 1.05e3, right)
     for c, r in enumerate(rows):
         pred = r["predicted_s"] * 1e3
         ax_t.scatter([pred] * len(r["samples"]), [s * 1e3 for s in r["samples"]], color=f"C{c}", s=10, alpha=0.4)
@@ -351,11 +352,11 @@ def figure(part: dict[str, Any], path: str) -> None:
         for rank, (p, m) in enumerate(zip(r["predicted_acts"], r["measured_acts"], strict=True)):
             ax_b.scatter([p / 2**20], [m / 2**20], color=f"C{c}", s=40, marker="os^v"[rank % 4],
                          label=r["candidate"] if rank == 0 else None)
-    line = [0, top]
+    line = [0, right]
     ax_t.plot(line, line, color="black", linewidth=0.8)
     ax_t.fill_between(line, [0.75 * v for v in line], [1.25 * v for v in line], color="grey", alpha=0.15,
                       label="within 25%")
-    ax_t.set(xlim=(0, top), ylim=(0, top), xlabel="predicted step time, ms", ylabel="measured step time, ms")
+    ax_t.set(xlim=(0, right), ylim=(0, top), xlabel="predicted step time, ms", ylabel="measured step time, ms")
     ax_t.set_title("Step time: every measured step (dots), median (diamond)", fontsize=9.5)
     ax_t.legend(fontsize=7)
     high = max(max(r["predicted_acts"] + r["measured_acts"]) for r in rows) / 2**20 * 1.1
