@@ -231,7 +231,7 @@ def _worker(rank: int, world: int, cfg: PvMConfig) -> dict[str, Any]:
     alone = [_candidate(profiles["alone"], cfg, name, m, link) for name, m in cfg.candidates]
     pipes = [Pipeline(c.merged_parts(copy.deepcopy(parts)), task.loss_fn, _adamw,
                       PipelineConfig(schedule=c.schedule, grad_clip_norm=1.0, record_timeline=False,
-                                     check_inputs_every_step=False)) for c in choices]
+                                     check_inputs_every_step=False, count_saved_bytes=True)) for c in choices]
     seconds, peaks = _train(pipes, task, cfg)
     out: dict[str, Any] = {"seconds": seconds, "peaks": peaks, "overhead": _overhead(cfg, world)}
     dist.barrier()

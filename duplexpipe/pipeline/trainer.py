@@ -89,9 +89,10 @@ class PipelineConfig:
     check_inputs_every_step: bool = True
     """False: the ranks agree on the batch shape on the first step only (faster when every batch has
     the same shape; a differently shaped batch then stops every rank with an error). See RuntimeConfig."""
-    count_saved_bytes: bool = True
+    count_saved_bytes: bool = False
     """Measure each step's peak saved-activation bytes per rank (`StepInfo.peak_saved_bytes`, counted as
-    `profile_parts` counts them); False skips the counting (peak_saved_bytes stays 0)."""
+    `profile_parts` counts them). Off by default (a hook per saved tensor, a few percent of an overhead-bound
+    step); False: peak_saved_bytes stays 0."""
     record_timeline: bool = True
     """Record the measured timeline of every step (StepInfo.timeline)."""
     check_replicas: bool = True

@@ -75,11 +75,12 @@ class RuntimeConfig:
     have the agreed shape and dtype (row count). A mismatch raises ValueError (expected vs got)
     on that rank, the other ranks stop with PeerFailedError, and the runtime must be rebuilt.
     Use False when every training batch has the same shapes."""
-    count_saved_bytes: bool = True
+    count_saved_bytes: bool = False
     """Count, per training forward, the bytes it keeps for backward (`duplexpipe.runtime.saved_bytes`:
     what autograd saves plus the input leaves kept for I, parameters and the step's inputs and targets
     excluded, the rule `profile_parts` uses) and report each step's peak over this rank in
-    StepResult.peak_saved_bytes. False: not counted (peak_saved_bytes stays 0)."""
+    StepResult.peak_saved_bytes. Off by default: a Python hook per saved tensor costs a few percent of an
+    overhead-bound step. False: not counted (peak_saved_bytes stays 0)."""
     prefetch: bool = True
     """True: each receive is posted as soon as the schedule lists it (and its shape is known), so
     transfers overlap compute. False: a receive is posted right before the action consuming it and
