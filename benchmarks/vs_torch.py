@@ -33,18 +33,16 @@ class VsTorchConfig:
     """Untimed steps per side before timing."""
     reps: int = 10
     """Timed steps per side; the sides alternate which goes first."""
-
-
-OURS_CHECK_EVERY_STEP = False
-"""The batch shape is the same every step, as in torch's runs, so ours skips the per-step input
-agreement (RuntimeConfig.check_inputs_every_step=False); the profile's what-if shows the default's cost."""
+    check_inputs_every_step: bool = True
+    """Ours: RuntimeConfig.check_inputs_every_step (True is the default configuration)."""
 
 
 def _sides(key: str, cfg: VsTorchConfig, rank: int, world: int) -> dict[str, Any]:
     parts = models.build_parts(cfg.spec, num_stages(TORCH_SCHEDULES[key][1], world))
     return {
         "ours": build_ours(key, parts, rank, world, cfg.num_microbatches, models.loss_fn,
-                           config=runtime_config(record_timeline=False, check_inputs_every_step=OURS_CHECK_EVERY_STEP)),
+                           config=runtime_config(record_timeline=False,
+                                                 check_inputs_every_step=cfg.check_inputs_every_step)),
         "torch": build_torch_pipe(key, parts, rank, world, cfg.num_microbatches, models.loss_fn),
     }
 

@@ -6,7 +6,6 @@ import copy
 import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -18,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from duplexpipe.pipeline.launch import free_port
 from duplexpipe.schedules.ir import Schedule
 
 VOCAB, DIM, SEQ = 11, 8, 3
@@ -104,11 +104,28 @@ def rel_err(got: Tensor, want: Tensor) -> float:
     return diff / scale if scale > 0 else diff
 
 
-def free_port() -> int:
-    """A TCP port that was free a moment ago."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def _wait_for_peers(rank: int, world: int, limit_s: float = 30.0) -> None:
+    """Stay alive until every rank has reported (an exited peer breaks pending transfers); rank 0,
+    which hosts the store, leaves last.
+
+    Counts through the c10d store, not a collective: a failure case may leave the group's
+    transfers pending on purpose, so a barrier there could not complete.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    store = c10d._get_default_store()
+    deadline = time.monotonic() + limit_s
+
+    def wait_for(key: str, count: int) -> None:
+        while store.add(key, 0) < count and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    store.add("run_workers/done", 1)
+    wait_for("run_workers/done", world)
+    if rank:
+        store.add("run_workers/left", 1)
+    else:
+        wait_for("run_workers/left", world - 1)
 
 
 def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple[Any, ...],
@@ -122,12 +139,9 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple
         out.put((rank, True, fn(rank, world, *args)))
     except BaseException:  # noqa: BLE001 - the parent reports it
         out.put((rank, False, traceback.format_exc()))
-    try:  # keep every rank alive until all are done: an exited peer breaks pending transfers
-        if backend == "gloo":
-            dist.monitored_barrier(timeout=timedelta(seconds=30))
-        else:
-            dist.barrier()
-    except Exception:  # noqa: BLE001, S110 - best effort
+    try:
+        _wait_for_peers(rank, world)
+    except Exception:  # noqa: BLE001, S110 - best effort (rank 0, hosting the store, may be gone)
         pass
     finally:
         out.close()

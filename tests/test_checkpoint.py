@@ -6,8 +6,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
-from _train_helpers import adam, batch, make_parts, mse
+from _train_helpers import WIDTH, adam, batch, make_parts, mse
+from torch import nn
 
 from duplexpipe.pipeline.launch import launch
 from duplexpipe.pipeline.mesh import make_mesh
@@ -65,12 +67,53 @@ def _all_cases(root: str) -> dict[str, Any]:
     }
 
 
+def _dropout_pipe() -> Pipeline:
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Dropout(0.3)) for _ in range(4)]
+    return Pipeline(blocks, mse, adam, PipelineConfig("dualpipe", 8))
+
+
+def _dropout_straight(root: str) -> list[float]:
+    """Dropout model: the uninterrupted run, saving at SAVE_AT."""
+    pipe = _dropout_pipe()
+    torch.manual_seed(100 + dist.get_rank())  # each rank its own dropout stream
+    losses = []
+    for step in range(TOTAL):
+        if step == SAVE_AT:
+            pipe.save(str(Path(root) / "dropout"))
+        losses.append(pipe.step(*batch(step)))
+    return losses[SAVE_AT:]
+
+
+def _dropout_resumed(root: str) -> list[float]:
+    """Fresh processes, a different RNG state until the checkpoint's is loaded."""
+    pipe = _dropout_pipe()
+    torch.manual_seed(999)
+    pipe.load(str(Path(root) / "dropout"))
+    return [pipe.step(*batch(step)) for step in range(SAVE_AT, TOTAL)]
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return launch(_all_cases, 4, (str(tmp_path_factory.mktemp("ckpt")),), timeout_s=240)
+    root = str(tmp_path_factory.mktemp("ckpt"))
+    out = launch(_all_cases, 4, (root,), timeout_s=240)
+    straight = launch(_dropout_straight, 4, (root,), timeout_s=120)
+    resumed = launch(_dropout_resumed, 4, (root,), timeout_s=120)
+    for rank, rec in enumerate(out):
+        rec["dropout"] = {"straight": straight[rank], "resumed": resumed[rank]}
+    return out
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(560)
+def test_dropout_model_resumes_exactly_in_fresh_processes(results: list[dict[str, Any]]) -> None:
+    """The RNG state of every rank is in the checkpoint: dropout masks after resuming are the same."""
+    for rank, rec in enumerate(results):
+        got = rec["dropout"]
+        assert len(got["resumed"]) == TOTAL - SAVE_AT
+        assert got["resumed"] == got["straight"], (rank, got)
+
+
+@pytest.mark.timeout(560)
 @pytest.mark.parametrize("case", ["dualpipe", "dualpipev", "fresh", "pp2xdp2"])
 def test_resume_continues_with_exactly_the_same_losses(results: list[dict[str, Any]], case: str) -> None:
     for res in results:
@@ -80,7 +123,7 @@ def test_resume_continues_with_exactly_the_same_losses(results: list[dict[str, A
     assert len(results[0][case]["resumed"]) == TOTAL - (0 if case == "fresh" else SAVE_AT)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(560)
 def test_loading_another_layout_fails_on_every_rank(results: list[dict[str, Any]]) -> None:
     messages = [res["wrong"] for res in results]
     assert all(messages), messages

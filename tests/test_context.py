@@ -30,8 +30,19 @@ def test_split_rejects_too_few_rows_and_non_batches() -> None:
         split_batch(torch.zeros(3, 2), 4, "inputs")
     with pytest.raises(ValueError, match="targets must be a tensor with the batch along dim 0, got a 0-d"):
         split_batch(torch.tensor(1.0), 4, "targets")
-    with pytest.raises(ValueError, match="got list"):
-        split_batch([1, 2], 1, "inputs")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"inputs\[0\] is int, not a tensor"):
+        split_batch([1, 2], 1, "inputs")
+    with pytest.raises(ValueError, match=r'inputs\["mask"\] has 3 rows but inputs\["x"\] has 4'):
+        split_batch({"x": torch.zeros(4, 2), "mask": torch.zeros(3)}, 2, "inputs")
+
+
+def test_structures_split_leaf_by_leaf() -> None:
+    x, mask = torch.arange(10.0).view(5, 2), torch.arange(5)
+    for value in ((x, mask), [x, mask], {"x": x, "mask": mask}):
+        chunks = split_batch(value, 2, "inputs")
+        assert type(chunks[0]) is type(value) and len(chunks) == 2
+        leaves = list(chunks[1].values()) if isinstance(value, dict) else list(chunks[1])
+        assert torch.equal(leaves[0], x[3:]) and torch.equal(leaves[1], mask[3:])
 
 
 def test_signature_depends_on_shapes_and_dtype_only() -> None:
@@ -40,6 +51,9 @@ def test_signature_depends_on_shapes_and_dtype_only() -> None:
     assert signature(a) != signature(split_batch(torch.zeros(11, 3), 4, "x"))
     assert signature(a) != signature(split_batch(torch.zeros(10, 3, dtype=torch.int64), 4, "x"))
     assert 0 <= signature(a) < 2**60
+    pair = split_batch((torch.zeros(10, 3), torch.zeros(10)), 4, "x")
+    assert signature(pair) != signature(split_batch([torch.zeros(10, 3), torch.zeros(10)], 4, "x"))
+    assert signature(pair) != signature(split_batch({"a": torch.zeros(10, 3), "b": torch.zeros(10)}, 4, "x"))
 
 
 def test_forward_only_keeps_forwards_in_order_and_splits_pairs() -> None:
@@ -56,8 +70,8 @@ def test_leftovers_name_what_the_schedule_left_undone() -> None:
     ctx = StepContext(train=True, step=1, learning=False, shapes={}, weights=[0.5, 0.5])
     assert ctx.leftovers() == []
     ctx.acts[(1, 0)] = None  # type: ignore[assignment]
-    ctx.outbox[(Op.SEND_F, 0, 1)] = torch.zeros(1)
-    ctx.local_grad[(2, 1)] = torch.zeros(1)
+    ctx.outbox[(Op.SEND_F, 0, 1)] = [torch.zeros(1)]
+    ctx.local_grad[(2, 1)] = [torch.zeros(1)]
     text = "; ".join(ctx.leftovers())
     assert "never ran for stage 1 microbatch 0" in text
     assert "produced but never sent: 0SEND_F1" in text

@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from duplexpipe.pipeline.grads import (
-    _buckets,
     clip_factor,
     ensure_grads,
     global_norm_and_overflow,
@@ -52,7 +51,9 @@ def test_ensure_and_scale_grads() -> None:
     assert torch.equal(layer.weight.grad, torch.full((2, 2), 0.5))
 
 
-def test_buckets_respect_limit_and_dtype() -> None:
-    ts = [torch.zeros(10), torch.zeros(10), torch.zeros(10, dtype=torch.float64), torch.zeros(30)]
-    out = _buckets(ts, limit=100)
-    assert [len(b) for b in out] == [2, 1, 1]
+def test_a_flag_raised_earlier_counts_as_overflow() -> None:
+    a = torch.tensor([3.0, 4.0])
+    norm, overflow = global_norm_and_overflow([a], [], None, torch.device("cpu"), flagged=True)
+    assert overflow and norm == 5.0
+    _, overflow = global_norm_and_overflow([a], [], None, torch.device("cpu"), flagged=torch.tensor(False))
+    assert not overflow

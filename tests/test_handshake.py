@@ -8,14 +8,14 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from models import loss_fn, make_parts, run_workers, stage_modules
+from models import loss_fn, make_parts, stage_modules
 
+from duplexpipe.comm.codec import CastCodec
 from duplexpipe.runtime import HandshakeError, PipelineRuntime, PipelineTimeoutError, RuntimeConfig
 from duplexpipe.runtime.handshake import compare, decode, encode, handshake, summarize
 from duplexpipe.schedules.lower import lower
 from duplexpipe.schedules.registry import build
 
-SPAWN_TIMEOUT_S = 120
 QUICK_S = 10.0
 """A mismatch must be reported well before the (60 s) wait timeout used in these cases."""
 
@@ -25,7 +25,7 @@ def test_summary_round_trips_through_a_tensor() -> None:
     summary = summarize(schedule, 1, schedule.stages_of_rank(1))
     assert decode(encode(summary)) == summary
     assert summary["fingerprint"] == schedule.fingerprint()
-    assert summary["error"] == ""
+    assert summary["error"] == "" and summary["codecs"] == "identity/identity"
 
 
 def test_summary_reports_wrong_local_stages() -> None:
@@ -64,17 +64,18 @@ def _attempt(make: Any) -> dict[str, Any]:
 
 
 def _runtime(name: str, P: int, M: int, rank: int, group: Any, stages: list[int] | None = None,
-             timeout_s: float = 60.0) -> PipelineRuntime:
+             timeout_s: float = 60.0, codec: Any = None) -> PipelineRuntime:
     schedule = lower(build(name, P, M))
     parts = make_parts(schedule.num_groups)
     modules = stage_modules(schedule, rank, parts)
     if stages is not None:
         modules = {s: parts[schedule.stages[s].group] for s in stages}
-    return PipelineRuntime(schedule, modules, loss_fn, group=group, config=RuntimeConfig(timeout_s=timeout_s))
+    return PipelineRuntime(schedule, modules, loss_fn, group=group,
+                           config=RuntimeConfig(timeout_s=timeout_s, gradient_codec=codec))
 
 
 def _worker(rank: int, world: int) -> dict[str, Any]:
-    groups = [dist.new_group([0, 1]) for _ in range(5)]
+    groups = [dist.new_group([0, 1]) for _ in range(6)]
     out = {
         "same": _attempt(lambda: handshake(lower(build("zbv", 2, 4)), [rank, 3 - rank], groups[0],
                                            torch.device("cpu"), 30.0)),
@@ -82,6 +83,8 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
         "name": _attempt(lambda: _runtime("gpipe" if rank == 0 else "1f1b", 2, 4, rank, groups[2])),
         "stages": _attempt(lambda: _runtime("1f1b", 2, 4, rank, groups[3],
                                             stages=[0] if rank == 1 else None)),
+        "codecs": _attempt(lambda: _runtime("1f1b", 2, 4, rank, groups[5],
+                                            codec=CastCodec(torch.bfloat16) if rank == 1 else None)),
     }
     if rank == 0:  # rank 1 never joins: rank 0 must time out naming the handshake
         out["absent"] = _attempt(lambda: _runtime("1f1b", 2, 4, rank, groups[4], timeout_s=1.0))
@@ -90,22 +93,16 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-@pytest.fixture(scope="module")
-def results() -> list[dict[str, Any]]:
-    return run_workers(_worker, 2, timeout_s=SPAWN_TIMEOUT_S)
-
-
-@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_same_schedule_agrees_on_one_nonce(results: Any) -> None:
     assert all(r["same"]["ok"] for r in results), results
     assert results[0]["same"]["value"] == results[1]["same"]["value"]
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 @pytest.mark.parametrize("case, needle", [
     ("microbatches", "num_microbatches (rank 0: 4, rank 1: 6)"),
     ("name", "name (rank 0: 'gpipe', rank 1: '1f1b')"),
     ("stages", "rank 1: modules were given for stages [0]"),
+    ("codecs", "codecs (rank 0: 'identity/identity', rank 1: 'identity/cast-bfloat16')"),
 ])
 def test_mismatch_fails_on_every_rank_within_seconds(results: Any, case: str, needle: str) -> None:
     for rank, rec in enumerate(results):
@@ -115,7 +112,6 @@ def test_mismatch_fails_on_every_rank_within_seconds(results: Any, case: str, ne
         assert got["seconds"] < QUICK_S, (rank, got["seconds"])
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_missing_rank_times_out_naming_the_handshake(results: Any) -> None:
     got = results[0]["absent"]
     assert not got["ok"] and got["type"] == PipelineTimeoutError.__name__, got

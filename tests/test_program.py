@@ -6,7 +6,7 @@ import pytest
 
 from duplexpipe.schedules import registry
 from duplexpipe.schedules.ir import Op, Schedule, StageInfo, parse_action
-from duplexpipe.schedules.lower import Layout
+from duplexpipe.schedules.layout import Layout
 from duplexpipe.schedules.program import COMPUTE, RECV, SEND, Durations, analyze, run_program
 from duplexpipe.schedules.verify import verify
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import time
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from duplexpipe.pipeline import split
 from duplexpipe.pipeline.split import (
     balance_by_cost,
     check_balance,
@@ -57,29 +57,42 @@ def test_params_balance_accounts_for_embedding_and_head() -> None:
     assert part.parts[0].has_embedding and part.parts[-1].has_head
 
 
-class _Slow(nn.Module):
-    """A Linear whose forward also sleeps: a layer with a known minimum cost, whatever the load."""
+class _Clock:
+    """A virtual perf_counter: time moves only when a _Costly layer says it spent some."""
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+class _Costly(nn.Module):
+    """A Linear that costs `seconds` of virtual time per forward (so the test never depends on speed)."""
+
+    def __init__(self, clock: _Clock, seconds: float) -> None:
         super().__init__()
-        self.seconds = seconds
+        self.clock, self.seconds = clock, seconds
         self.linear = nn.Linear(64, 64)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        time.sleep(self.seconds)
+        self.clock.now += self.seconds
         return self.linear(x)
 
 
-def test_time_balance_follows_profiled_cost() -> None:
+def test_time_balance_follows_profiled_cost(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = _Clock()
+    monkeypatch.setattr(split, "time", clock)  # the profiler reads the injected clock
     torch.manual_seed(0)
-    blocks = [nn.Linear(64, 64), nn.Linear(64, 64), _Slow(0.03)]
+    blocks = [_Costly(clock, 0.001), _Costly(clock, 0.001), _Costly(clock, 0.03)]
     part = plan_partition(blocks, 2, "time", sample_input=torch.randn(8, 64))
-    assert part.balance == (2, 1), part  # (1, 2) only if a plain Linear out-timed a 30 ms sleep 3 times
-    assert part.parts[1].est_time_s is not None and part.parts[1].est_time_s >= 0.03
-    assert all(p.est_time_s is not None and p.est_time_s > 0 for p in part.parts)
+    assert part.balance == (2, 1), part
+    assert [p.est_time_s for p in part.parts] == pytest.approx([0.002, 0.03])
     times, emb, head = profile_layers(blocks, torch.randn(4, 64))
-    assert len(times) == 3 and emb == head == 0.0
+    assert times == pytest.approx([0.001, 0.001, 0.03]) and emb == head == 0.0
     assert all(p.grad is None for b in blocks for p in b.parameters())
+    cheap_last = [_Costly(clock, 0.03), _Costly(clock, 0.001), _Costly(clock, 0.001)]
+    assert plan_partition(cheap_last, 2, "time", sample_input=torch.randn(8, 64)).balance == (1, 2)
 
 
 def test_split_errors_name_the_values() -> None:

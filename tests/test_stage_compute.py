@@ -1,16 +1,23 @@
-"""StageCompute: forward keeps only what backward needs; B equals I then W; loss and misuse checks."""
+"""StageCompute: forward keeps only what backward needs; B equals I then W; structures; loss and misuse checks."""
 
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
 from models import DIM, VOCAB, loss_fn, make_batch, make_parts
 from torch import nn
 
-from duplexpipe.runtime.stage_compute import StageCompute, TensorMeta
+from duplexpipe.runtime.stage_compute import Message, StageCompute, TensorMeta
+from duplexpipe.runtime.structure import Form
 from duplexpipe.runtime.watchdog import PipelineError
+
+
+def _grad(x: torch.Tensor) -> Message:
+    """A message of one tensor that carries a gradient back (a middle stage's input)."""
+    return Message(Form("tensor"), [x], (True,))
 
 
 def test_tensor_meta_describes_shape_and_dtype() -> None:
@@ -22,19 +29,25 @@ def test_tensor_meta_describes_shape_and_dtype() -> None:
 def test_first_stage_takes_token_ids_and_keeps_no_input_leaf() -> None:
     stage = StageCompute(0, make_parts(2)[0], None)
     tokens, _ = make_batch(4, 0)
-    leaf, out = stage.forward(tokens, 0, train=True)
-    assert not leaf.requires_grad and out.shape == (4, tokens.shape[1], DIM)
-    act = stage.keep(leaf, out, 0)
-    assert act.inp is None and act.root_meta == TensorMeta.of(out)
-    assert stage.backward(act, torch.ones_like(out)) is None
+    inputs, out = stage.forward(Message.single(tokens), 0, train=True)
+    assert inputs == [] and out.shape == (4, tokens.shape[1], DIM)
+    act = stage.keep(inputs, [out], 0)
+    assert act.inputs == [] and act.root_metas == [TensorMeta.of(out)]
+    assert stage.backward(act, [torch.ones_like(out)]) == []
     assert all(p.grad is not None for p in stage.params())
+
+
+def test_first_stage_float_input_takes_no_gradient() -> None:
+    stage = StageCompute(0, nn.Linear(DIM, DIM), None)
+    inputs, out = stage.forward(Message.single(torch.randn(2, DIM)), 0, train=True)
+    assert inputs == [] and out.requires_grad
 
 
 def test_middle_stage_input_requires_grad_only_when_training() -> None:
     stage = StageCompute(1, make_parts(3)[1], None)
     x = torch.randn(2, 3, DIM)
-    assert stage.forward(x, 0, train=True)[0].requires_grad
-    assert not stage.forward(x, 0, train=False)[0].requires_grad
+    assert stage.forward(_grad(x), 0, train=True)[0][0].requires_grad
+    assert stage.forward(_grad(x), 0, train=False)[0] == []
 
 
 @pytest.mark.parametrize("last", [False, True], ids=["middle stage", "last stage"])
@@ -45,10 +58,10 @@ def test_backward_equals_input_then_weight(last: bool) -> None:
     targets = torch.randint(0, VOCAB, (3, 2))
     grads = {}
     for name, stage in (("full", full), ("split", split)):
-        leaf, out = stage.forward(x, 0, train=True)
+        inputs, out = stage.forward(_grad(x), 0, train=True)
         root = stage.loss(out, targets, loss_fn, 0) * 0.5 if last else out
-        grad = None if last else torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view_as(out)
-        act = stage.keep(leaf, root, 0)
+        grad = None if last else [torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view_as(out)]
+        act = stage.keep(inputs, [root], 0)
         if name == "full":
             grads[name] = stage.backward(act, grad)
         else:
@@ -61,22 +74,55 @@ def test_backward_equals_input_then_weight(last: bool) -> None:
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-12, atol=1e-12)
 
 
+class _TwoInTwoOut(nn.Module):
+    """(h, mask, unused) -> {"h": ..., "g": ..., "mask": ...}: the third input reaches no output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM).double()
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor, unused: torch.Tensor) -> dict[str, torch.Tensor]:
+        y = self.lin(h) * mask.unsqueeze(-1)
+        return {"h": torch.tanh(y), "g": y * 2, "mask": mask}
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["B", "I+W"])
+def test_structures_flow_with_gradients_for_the_floats_that_require_grad(split: bool) -> None:
+    stage = StageCompute(1, _TwoInTwoOut(), None)
+    h, unused = torch.randn(3, DIM, dtype=torch.float64), torch.randn(3, DIM, dtype=torch.float64)
+    mask = torch.tensor([1, 0, 1])
+    message = Message(Form("tuple", ("", "", "")), [h, mask, unused], (True, False, True))
+    inputs, out = stage.forward(message, 0, train=True)
+    produced = stage.message(out, 0, train=True)
+    assert produced.form == Form("dict", ("h", "g", "mask")) and produced.grads == (True, True, False)
+    act = stage.keep(inputs, [t for t, g in zip(produced.leaves, produced.grads, strict=True) if g], 0)
+    grads = [torch.ones_like(produced.leaves[0]), torch.ones_like(produced.leaves[1])]
+    if split:
+        got = stage.backward_input(act, grads)
+        stage.backward_weight(act, 0)
+    else:
+        got = stage.backward(act, grads)
+    leaf = h.clone().requires_grad_(True)
+    y = stage.module.lin(leaf) * mask.unsqueeze(-1)
+    (torch.tanh(y).sum() + (2 * y).sum()).backward()
+    assert len(got) == 2
+    torch.testing.assert_close(got[0], leaf.grad, rtol=0, atol=0)
+    assert torch.equal(got[1], torch.zeros_like(unused))  # reached no output: zeros go back
+
+
+@pytest.mark.parametrize("out, path", [((torch.zeros(1), None), "out[1]"),
+                                       ({"h": torch.zeros(1), "mask": 3}, 'out["mask"]'),
+                                       ([], "out")])
+def test_a_non_tensor_output_names_stage_microbatch_and_path(out: object, path: str) -> None:
+    with pytest.raises(PipelineError, match=rf"stage 2 microbatch 1: the module's output {re.escape(path)} is"):
+        StageCompute(2, nn.Identity(), None).message(out, 1, train=True)
+
+
 def test_weight_before_input_is_refused() -> None:
     stage = StageCompute(1, nn.Linear(DIM, DIM), None)
-    leaf, out = stage.forward(torch.randn(2, DIM), 4, train=True)
+    inputs, out = stage.forward(_grad(torch.randn(2, DIM)), 4, train=True)
     with pytest.raises(PipelineError, match="stage 1 microbatch 4: W ran before its I"):
-        stage.backward_weight(stage.keep(leaf, out, 4), 4)
-
-
-class _Pair(nn.Module):
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return x, x
-
-
-def test_one_tensor_must_flow_between_stages() -> None:
-    with pytest.raises(PipelineError, match="stage 2 microbatch 1: the module returned tuple; exactly one "
-                                            "Tensor flows between stages"):
-        StageCompute(2, _Pair(), None).forward(torch.zeros(1), 1, train=False)
+        stage.backward_weight(stage.keep(inputs, [out], 4), 4)
 
 
 def test_loss_must_be_a_scalar() -> None:
@@ -87,14 +133,14 @@ def test_loss_must_be_a_scalar() -> None:
 
 def test_output_that_needs_no_gradient_is_refused() -> None:
     stage = StageCompute(1, nn.Identity(), None)
-    leaf, out = stage.forward(torch.randn(2, DIM), 0, train=True)
+    inputs, out = stage.forward(_grad(torch.randn(2, DIM)), 0, train=True)
     with pytest.raises(PipelineError, match="stage 1 microbatch 0: the output does not require grad"):
-        stage.keep(leaf, out.detach(), 0)
+        stage.keep(inputs, [], 0)
 
 
 def test_autocast_runs_the_forward_in_the_requested_dtype() -> None:
     stage = StageCompute(1, nn.Linear(DIM, DIM), torch.bfloat16)
-    _, out = stage.forward(torch.randn(2, DIM), 0, train=True)
+    _, out = stage.forward(_grad(torch.randn(2, DIM)), 0, train=True)
     assert out.dtype == torch.bfloat16
     assert next(stage.module.parameters()).dtype == torch.float32
 
@@ -107,12 +153,12 @@ def test_split_backward_on_cuda_matches_full_backward() -> None:
     full, split = StageCompute(1, part, None), StageCompute(1, copy.deepcopy(part), None)
     x = torch.randn(4, 2, DIM, device=device)
     for stage in (full, split):
-        leaf, out = stage.forward(x, 0, train=True)
-        act = stage.keep(leaf, out, 0)
+        inputs, out = stage.forward(_grad(x), 0, train=True)
+        act = stage.keep(inputs, [out], 0)
         if stage is full:
-            stage.backward(act, torch.ones_like(out))
+            stage.backward(act, [torch.ones_like(out)])
         else:
-            stage.backward_input(act, torch.ones_like(out))
+            stage.backward_input(act, [torch.ones_like(out)])
             stage.backward_weight(act, 0)
     for a, b in zip(full.params(), split.params(), strict=True):
         torch.testing.assert_close(b.grad, a.grad)

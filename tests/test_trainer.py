@@ -6,13 +6,16 @@ trains the single-process reference itself and reports its differences.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 from _train_helpers import Reference, adam, batch, make_parts, max_param_diff, max_rel_diff, mse
+from models import run_workers
 
+from duplexpipe.pipeline.dp import replicated
 from duplexpipe.pipeline.launch import launch
 from duplexpipe.pipeline.mesh import make_mesh
 from duplexpipe.pipeline.trainer import Pipeline, PipelineConfig
@@ -80,6 +83,28 @@ def _evaluate_and_bf16() -> dict[str, Any]:
     return out
 
 
+def _loss_reductions() -> dict[str, Any]:
+    """PP=2 x DP=2: the step's float64 scalar all-reduces (the loss): one per step, over the job."""
+    pipe = Pipeline(make_parts(2), mse, adam, PipelineConfig("1f1b", 4), mesh=make_mesh(2, 2))
+    real = dist.all_reduce
+    seen: list[int] = []
+
+    def counting(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if tensor.dtype == torch.float64 and tensor.numel() == 1:
+            seen.append(dist.get_world_size(kwargs.get("group")))
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting  # type: ignore[assignment]
+    try:
+        losses = []
+        for step in range(3):
+            x, y = batch(step)
+            losses.append(pipe.step(x[8 * pipe.groups.dp_rank:][:8], y[8 * pipe.groups.dp_rank:][:8]))
+    finally:
+        dist.all_reduce = real  # type: ignore[assignment]
+    return {"group_sizes": seen, "losses": losses}
+
+
 def _mismatched_mirrors() -> str:
     try:
         Pipeline(make_parts(4, seed=dist.get_rank()), mse, adam, PipelineConfig("dualpipe", 8))
@@ -99,6 +124,7 @@ def _all_cases() -> dict[str, Any]:
         "accumulation": _accumulation(),
         "evaluate": _evaluate_and_bf16(),
         "mirrors": _mismatched_mirrors(),
+        "loss_reductions": _loss_reductions(),
     }
 
 
@@ -157,6 +183,89 @@ def test_mismatched_mirror_copies_are_rejected_on_every_rank(results: list[dict[
     for res in results:
         assert "copies of a model part start with different weights" in res["mirrors"]
         assert "stage 0=" in res["mirrors"] and "stage 4=" in res["mirrors"]
+
+
+@pytest.mark.timeout(300)
+def test_the_loss_is_reduced_once_per_step_over_the_whole_job(results: list[dict[str, Any]]) -> None:
+    for res in results:
+        assert res["loss_reductions"]["group_sizes"] == [4, 4, 4]  # one per step, all 4 ranks
+    assert len({tuple(res["loss_reductions"]["losses"]) for res in results}) == 1
+
+
+def _stall_until_flagged(pipe: Pipeline) -> Any:
+    def stall(*args: Any, **kwargs: Any) -> None:
+        dog = pipe.runtime.watchdog
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not dog.store.check([dog.key]):
+            time.sleep(0.05)
+        raise RuntimeError("stalled rank released")
+    return stall
+
+
+class _NeverJoined:
+    """The data-parallel all-reduce of a rank that never joins it: never completes; its wait stalls until
+    the job's error flag is set."""
+
+    def __init__(self, pipe: Pipeline) -> None:
+        self.wait = _stall_until_flagged(pipe)
+
+    def is_completed(self) -> bool:
+        return False
+
+
+def _collective_failure(rank: int, world: int, kind: str) -> dict[str, Any]:
+    """PP=2 x DP=2 with clipping; on the second step rank 3 either never joins the data-parallel
+    all-reduce (a dead peer) or fails when posting it (a failed peer)."""
+    cfg = PipelineConfig("1f1b", 4, grad_clip_norm=1.0, timeout_s=5.0)
+    pipe = Pipeline(make_parts(2), mse, adam, cfg, mesh=make_mesh(2, 2))
+    x, y = batch(0)
+    pipe.step(x[:8], y[:8])
+    if rank == 3:
+        def boom(*args: Any, **kwargs: Any) -> None:
+            raise RuntimeError("boom in the gradient all-reduce")
+        replicated.post_all_reduce = (lambda *a: _NeverJoined(pipe)) if kind == "dead" else boom  # type: ignore
+    start = time.monotonic()
+    try:
+        pipe.step(x[:8], y[:8])
+        out: dict[str, Any] = {"type": "ran"}
+    except Exception as exc:  # noqa: BLE001 - inspected by the tests
+        out = {"type": type(exc).__name__, "text": str(exc), "failed_rank": getattr(exc, "failed_rank", None)}
+    out["seconds"] = time.monotonic() - start
+    return out
+
+
+@pytest.fixture(scope="module")
+def failures() -> dict[str, list[dict[str, Any]]]:
+    return {kind: run_workers(_collective_failure, 4, (kind,), timeout_s=120) for kind in ("dead", "failed")}
+
+
+@pytest.mark.timeout(300)
+def test_a_failed_peer_in_a_trainer_collective_is_named_on_every_rank(failures: Any) -> None:
+    got = failures["failed"]
+    assert got[3]["type"] == "RuntimeError" and "boom in the gradient all-reduce" in got[3]["text"], got[3]
+    for rank in (0, 1, 2):
+        assert got[rank]["type"] == "PeerFailedError" and got[rank]["failed_rank"] == 3, (rank, got[rank])
+        assert "stopping because global rank 3 failed: RuntimeError: boom" in got[rank]["text"], got[rank]
+        assert got[rank]["seconds"] < 5.0, (rank, got[rank])  # well inside the 5 s timeout
+
+
+@pytest.mark.timeout(300)
+def test_a_dead_peer_in_a_trainer_collective_times_out_naming_the_collective(failures: Any) -> None:
+    """Rank 3 never joins the data-parallel all-reduce: rank 2 waits for it there, ranks 0 and 1 in
+    the global-norm all-reduce. Every waiting rank stops within the 5 s timeout (plus slack): by its
+    own timeout naming the collective, or told by a rank that timed out."""
+    got = failures["dead"]
+    timed_out = [r for r in (0, 1, 2) if got[r]["type"] == "PipelineTimeoutError"]
+    assert timed_out, got
+    for rank in (0, 1, 2):
+        assert got[rank]["seconds"] < 30, (rank, got[rank])
+        if rank in timed_out:
+            assert "timed out after 5 s waiting for the" in got[rank]["text"], (rank, got[rank])
+            assert "all-reduce" in got[rank]["text"], (rank, got[rank])
+        else:
+            assert got[rank]["type"] == "PeerFailedError" and got[rank]["failed_rank"] in timed_out, got[rank]
+    if 2 in timed_out:
+        assert "the data-parallel gradient all-reduce" in got[2]["text"], got[2]
 
 
 def test_config_rejects_bad_values() -> None:

@@ -5,18 +5,16 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import pytest
 import torch
 import torch.distributed as dist
-from models import run_workers
 
 from duplexpipe.runtime.handshake import group_store
-from duplexpipe.runtime.stage_compute import TensorMeta
-from duplexpipe.runtime.transport import MetaBoard, Transport, key_text
+from duplexpipe.runtime.messages import MessageMeta, MetaBoard
+from duplexpipe.runtime.stage_compute import Message, TensorMeta
+from duplexpipe.runtime.transport import Transport, key_text
 from duplexpipe.runtime.watchdog import PipelineError, Watchdog
 from duplexpipe.schedules.ir import Op
 
-SPAWN_TIMEOUT_S = 120
 CPU = torch.device("cpu")
 
 
@@ -42,26 +40,35 @@ def _late_shapes(rank: int) -> dict[str, Any]:
     if rank == 0:
         time.sleep(0.3)  # rank 1 queues both receives before anything is announced
         for mb in (0, 1):
-            board.announce(step=1, stage=1, microbatch=mb, meta=TensorMeta.of(_payload(mb)))
-            transport.send((Op.SEND_F, 0, mb), _payload(mb), peer=1)
+            board.announce(step=1, stage=1, microbatch=mb, meta=MessageMeta.of(Message.single(_payload(mb))))
+            transport.send((Op.SEND_F, 0, mb), [_payload(mb)], peer=1)
         transport.finish()
         return {}
+
+    def resolve(mb: int) -> Any:
+        def lookup(block: bool) -> tuple[TensorMeta, ...] | None:
+            meta = board.lookup(1, 1, mb, block, 0)
+            return None if meta is None else meta.leaves
+        return lookup
+
     for mb in (0, 1):
-        transport.expect((Op.RECV_F, 1, mb), 0, lambda block, mb=mb: board.lookup(1, 1, mb, block, 0))
-    second = transport.take((Op.RECV_F, 1, 1), "1F1")  # forces 1RECV_F0 to be posted first
-    first = transport.take((Op.RECV_F, 1, 0), "1F0")
+        transport.expect((Op.RECV_F, 1, mb), 0, resolve(mb))
+    [second] = transport.take((Op.RECV_F, 1, 1), "1F1")  # forces 1RECV_F0 to be posted first
+    [first] = transport.take((Op.RECV_F, 1, 0), "1F0")
     transport.finish()
     return {"late_ok": torch.equal(first, _payload(0)) and torch.equal(second, _payload(1))}
 
 
 def _known_shapes(rank: int) -> dict[str, Any]:
-    """Known shapes post at once; integer and bfloat16 tensors travel too; sends are freed."""
+    """Known shapes post at once; integer and bfloat16 tensors travel too, one or several per message;
+    sends are freed."""
     _, transport, _ = _setup(rank, "known")
     tensors = [torch.arange(6).reshape(2, 3), torch.randn(4, 2, generator=torch.Generator().manual_seed(0))
                .to(torch.bfloat16)]
     if rank == 0:
         for mb, t in enumerate(tensors):
-            transport.send((Op.SEND_B, 1, mb), t, peer=1)
+            transport.send((Op.SEND_B, 1, mb), [t], peer=1)
+        transport.send((Op.SEND_B, 1, 2), tensors, peer=1)
         held = transport.pending_sends
         deadline = time.monotonic() + 10
         while transport.pending_sends and time.monotonic() < deadline:
@@ -70,11 +77,13 @@ def _known_shapes(rank: int) -> dict[str, Any]:
         transport.finish()
         return {"held": held, "after_reap": transport.pending_sends}
     for mb, t in enumerate(tensors):
-        transport.expect((Op.RECV_B, 0, mb), 0, lambda block, t=t: TensorMeta.of(t))
-    got = [transport.take((Op.RECV_B, 0, mb), f"0B{mb}") for mb in range(2)]
+        transport.expect((Op.RECV_B, 0, mb), 0, lambda block, t=t: (TensorMeta.of(t),))
+    transport.expect((Op.RECV_B, 0, 2), 0, lambda block: tuple(TensorMeta.of(t) for t in tensors))
+    got = [transport.take((Op.RECV_B, 0, mb), f"0B{mb}")[0] for mb in range(2)]
+    both = transport.take((Op.RECV_B, 0, 2), "0B2")
     transport.finish()
-    same = [torch.equal(g, t) and g.dtype == t.dtype for g, t in zip(got, tensors, strict=True)]
-    return {"known_ok": all(same)}
+    same = [torch.equal(g, t) and g.dtype == t.dtype for g, t in zip(got + both, tensors + tensors, strict=True)]
+    return {"known_ok": all(same) and len(both) == 2}
 
 
 def _no_prefetch(rank: int) -> dict[str, Any]:
@@ -82,23 +91,23 @@ def _no_prefetch(rank: int) -> dict[str, Any]:
     _, transport, _ = _setup(rank, "waited", prefetch=False)
     if rank == 0:
         for mb in range(3):
-            transport.send((Op.SEND_F, 0, mb), _payload(mb), peer=1)
+            transport.send((Op.SEND_F, 0, mb), [_payload(mb)], peer=1)
         transport.finish()
         return {}
     asked: list[int] = []
 
     def resolver(mb: int) -> Any:
-        def resolve(block: bool) -> TensorMeta:
+        def resolve(block: bool) -> tuple[TensorMeta, ...]:
             asked.append(mb)
-            return TensorMeta.of(_payload(mb))
+            return (TensorMeta.of(_payload(mb)),)
         return resolve
 
     for mb in range(3):
         transport.expect((Op.RECV_F, 1, mb), 0, resolver(mb))
     before = list(asked)
-    second = transport.take((Op.RECV_F, 1, 1), "1F1")  # posts 1RECV_F0 first: one peer's order holds
+    [second] = transport.take((Op.RECV_F, 1, 1), "1F1")  # posts 1RECV_F0 first: one peer's order holds
     after_second = list(asked)
-    first, third = transport.take((Op.RECV_F, 1, 0), "1F0"), transport.take((Op.RECV_F, 1, 2), "1F2")
+    [first], [third] = transport.take((Op.RECV_F, 1, 0), "1F0"), transport.take((Op.RECV_F, 1, 2), "1F2")
     transport.finish()
     intact = all(torch.equal(t, _payload(mb)) for mb, t in enumerate((first, second, third)))
     return {"asked": (before, after_second, asked), "waited_ok": intact}
@@ -106,9 +115,9 @@ def _no_prefetch(rank: int) -> dict[str, Any]:
 
 def _misuse(rank: int) -> dict[str, Any]:
     _, transport, _ = _setup(rank, "misuse")
-    meta = TensorMeta((2,), torch.float32)
+    meta = (TensorMeta((2,), torch.float32),)
     if rank == 0:
-        transport.send((Op.SEND_F, 0, 0), torch.ones(2), peer=1)
+        transport.send((Op.SEND_F, 0, 0), [torch.ones(2)], peer=1)
         transport.wait_send((Op.SEND_F, 0, 0))
         try:
             transport.wait_send((Op.SEND_F, 0, 0))
@@ -138,28 +147,19 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-@pytest.fixture(scope="module")
-def results() -> list[dict[str, Any]]:
-    return run_workers(_worker, 2, timeout_s=SPAWN_TIMEOUT_S)
-
-
-@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_receives_post_in_schedule_order_once_shapes_are_announced(results: Any) -> None:
     assert results[1]["late_ok"]
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_known_shapes_and_dtypes_arrive_intact(results: Any) -> None:
     assert results[1]["known_ok"]
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_sent_tensors_are_released_once_sends_complete(results: Any) -> None:
-    assert results[0]["held"] == 2
+    assert results[0]["held"] == 3
     assert results[0]["after_reap"] == 0
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_misuse_is_reported_with_the_action(results: Any) -> None:
     to_self, not_posted, twice, unconsumed = results[1]["misuse"]
     assert "rank 1: 1RECV_F9 names rank 1 itself as its peer" in to_self
@@ -169,7 +169,6 @@ def test_misuse_is_reported_with_the_action(results: Any) -> None:
     assert "rank 0: no pending send 0SEND_F0" in results[0]["waited_twice"]
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_without_prefetch_receives_are_posted_by_their_consumers_in_order(results: Any) -> None:
     assert results[1]["asked"] == ([], [0, 1], [0, 1, 2])
     assert results[1]["waited_ok"]

@@ -1,4 +1,4 @@
-"""What goes on the wire for data parallelism: quantizers, sparsifiers, error feedback, reducers, a byte meter."""
+"""What goes on the wire: transport codecs, quantizers, sparsifiers, error feedback, reducers, a byte meter."""
 
 from duplexpipe.comm.bucket import Bucket
 from duplexpipe.comm.build import build_reducer

@@ -71,6 +71,11 @@ class Reduction:
         """True once the mean is in the bucket's buffer."""
         return self._current is None
 
+    @property
+    def pending(self) -> Waitable | None:
+        """The collective the reduction waits for next (None once done): e.g. to time its completion."""
+        return None if self._current is None else self._current[0]
+
     def finish(self, wait: WaitFn = blocking_wait) -> Tensor:
         """Wait (with `wait`) for each remaining collective and run the phases after it (which may post
         the next collective); return the bucket's buffer holding the mean over the group."""

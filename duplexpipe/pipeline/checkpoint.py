@@ -1,7 +1,9 @@
-"""Checkpoint and resume a Pipeline with torch.distributed.checkpoint (model parts and optimizer per rank)."""
+"""Checkpoint and resume a Pipeline with torch.distributed.checkpoint (model parts, optimizer, RNG and
+data-parallel strategy state per rank)."""
 
 from __future__ import annotations
 
+import io
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,6 +39,48 @@ def trainer_state(pipe: Pipeline, fresh_optimizer: bool) -> dict[str, Any]:
     }
 
 
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    """This process's random-number generators, keyed by its global rank (unique across ranks, so each
+    rank saves and restores its own): the torch CPU generator and every CUDA device's generator."""
+    prefix = f"rank{_rank()}"
+    state = {f"{prefix}.cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for index, cuda_state in enumerate(torch.cuda.get_rng_state_all()):
+            state[f"{prefix}.cuda{index}"] = cuda_state
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    """Restore what `rng_state` returned (after loading it from a checkpoint)."""
+    prefix = f"rank{_rank()}"
+    torch.set_rng_state(state[f"{prefix}.cpu"])
+    devices = sorted(int(k.rsplit("cuda", 1)[1]) for k in state if k.startswith(f"{prefix}.cuda"))
+    cuda = [state[f"{prefix}.cuda{index}"] for index in devices]
+    if cuda:
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def dp_state(pipe: Pipeline) -> dict[str, bytes]:
+    """The data-parallel strategy's state (compression residuals, ...) keyed by this process's global rank
+    (every rank's differs), serialized with torch.save; {} when the strategy keeps none."""
+    state = pipe.dp.state_dict()
+    if not state:
+        return {}
+    raw = io.BytesIO()
+    torch.save(state, raw)
+    return {f"rank{_rank()}": raw.getvalue()}
+
+
+def set_dp_state(pipe: Pipeline, stored: dict[str, Any]) -> None:
+    """Restore what `dp_state` returned (after loading it from a checkpoint)."""
+    for raw in stored.values():
+        pipe.dp.load_state_dict(torch.load(io.BytesIO(raw), weights_only=False))
+
+
 def _check_between_windows(pipe: Pipeline, verb: str) -> None:
     if pipe.window_calls:
         raise ValueError(
@@ -54,7 +98,10 @@ def save_checkpoint(pipe: Pipeline, path: str) -> None:
     if fresh:
         # get_state_dict initialised the state with a zero-lr step; a fresh optimizer must stay fresh.
         pipe.optimizer.state.clear()
-    state = {"model": model_sd, "optim": optim_sd, "trainer": trainer_state(pipe, fresh)}
+    state = {"model": model_sd, "optim": optim_sd, "trainer": trainer_state(pipe, fresh), "rng": rng_state()}
+    extra = dp_state(pipe)
+    if extra:
+        state["dp"] = extra
     dcp.save(state, checkpoint_id=path)
 
 
@@ -62,10 +109,19 @@ def load_checkpoint(pipe: Pipeline, path: str) -> None:
     """Restore what `save_checkpoint` wrote into an identically configured Pipeline (all ranks call)."""
     _check_between_windows(pipe, "load")
     modules = stage_dict(pipe)
-    _check_keys(path, [f"model.{k}" for k in modules.state_dict()], pipe._comm_device())
+    rng = rng_state()
+    extra = {k: b"" for k in dp_state(pipe)}
+    _check_keys(pipe, path, [f"model.{k}" for k in modules.state_dict()] + [f"rng.{k}" for k in rng]
+                + [f"dp.{k}" for k in extra])
     model_sd, optim_sd = get_state_dict(modules, pipe.optimizer, options=_OPTIONS)
-    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd, "trainer": trainer_state(pipe, False)}
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd, "trainer": trainer_state(pipe, False),
+                             "rng": rng}
+    if extra:
+        state["dp"] = extra
     dcp.load(state, checkpoint_id=path)
+    set_rng_state(state["rng"])
+    if extra:
+        set_dp_state(pipe, state["dp"])
     set_state_dict(modules, pipe.optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"], options=_OPTIONS)
     meta = state["trainer"]
@@ -76,18 +132,18 @@ def load_checkpoint(pipe: Pipeline, path: str) -> None:
     pipe.scaler.load_state_dict(meta["scaler"])
 
 
-def _check_keys(path: str, keys: list[str], device: torch.device) -> None:
-    """Raise ValueError naming this rank's model keys that the checkpoint lacks."""
+def _check_keys(pipe: Pipeline, path: str, keys: list[str]) -> None:
+    """Raise ValueError naming this rank's model (and RNG) keys that the checkpoint lacks, on every rank."""
     stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     missing = [k for k in keys if k not in stored]
-    anywhere = torch.tensor([len(missing)], dtype=torch.int64, device=device)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(anywhere, op=dist.ReduceOp.MAX)  # every rank raises, none waits in dcp.load
+    anywhere = torch.tensor([len(missing)], dtype=torch.int64, device=pipe.device)
+    if dist.is_available() and dist.is_initialized():  # every rank raises, none waits in dcp.load
+        pipe.bounded(dist.all_reduce(anywhere, op=dist.ReduceOp.MAX, async_op=True), "the checkpoint key check")
     if anywhere.item() and not missing:
         raise ValueError(f"checkpoint {path} does not match the pipeline on another rank")
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ValueError(
-            f"checkpoint {path} lacks {len(missing)} of this rank's {len(keys)} model tensors ({shown}); "
-            "was it saved with another schedule, split or model?"
+            f"checkpoint {path} lacks {len(missing)} of this rank's {len(keys)} tensors ({shown}); was it "
+            "saved with another schedule, split, model or number of ranks?"
         )

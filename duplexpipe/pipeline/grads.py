@@ -1,14 +1,21 @@
-"""Gradients across ranks: data-parallel all-reduce, global norm with a shared overflow flag, scaling."""
+"""Gradients across ranks: the global norm with a shared overflow flag, clipping and scaling."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-BUCKET_BYTES = 32 * 2**20
+Waiter = Callable[[Any, str], None]
+"""wait(work, what): waits for a collective posted with async_op=True (bounded and failure-aware,
+e.g. PipelineRuntime.bounded); `what` names it in errors."""
+
+
+def _wait_unbounded(work: Any, what: str) -> None:
+    work.wait()
 
 
 def ensure_grads(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
@@ -21,43 +28,6 @@ def ensure_grads(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
             p.grad = torch.zeros_like(p)
         grads.append(p.grad)
     return grads
-
-
-def _buckets(tensors: Sequence[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
-    """Consecutive runs of same-dtype, same-device tensors of at most `limit` bytes (or one tensor)."""
-    out: list[list[torch.Tensor]] = []
-    size = 0
-    for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        last = out[-1] if out else None
-        if last is None or last[0].dtype != t.dtype or last[0].device != t.device or size + nbytes > limit:
-            out.append([t])
-            size = nbytes
-        else:
-            last.append(t)
-            size += nbytes
-    return out
-
-
-def all_reduce_mean(
-    params: Iterable[nn.Parameter], group: dist.ProcessGroup | None, group_size: int,
-    bucket_bytes: int = BUCKET_BYTES,
-) -> None:
-    """Average the grads of `params` over `group` (data-parallel replicas), in flat buckets.
-
-    Every member must pass the same parameters in the same order (a missing grad counts as 0).
-    """
-    if group_size <= 1:
-        return
-    grads = ensure_grads(params)
-    for bucket in _buckets(grads, bucket_bytes):
-        flat = torch.cat([g.reshape(-1) for g in bucket])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        flat.div_(group_size)
-        offset = 0
-        for g in bucket:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
 
 
 def _sum_squares(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -73,21 +43,25 @@ def global_norm_and_overflow(
     group: dist.ProcessGroup | None,
     device: torch.device,
     count_here: bool = True,
+    wait: Waiter = _wait_unbounded,
+    flagged: bool | torch.Tensor = False,
 ) -> tuple[float, bool]:
     """(L2 norm of the `counted` grads over all ranks of `group`, any non-finite grad anywhere).
 
     `counted` holds each weight group's gradient once over the whole group (a rank passes
     only the copies it owns); `checked` holds every local grad, scanned for inf/NaN. A rank with
     `count_here=False` (e.g. a data-parallel replica other than the first) adds no norm but still
-    reports overflow. One all-reduce carries both, so every rank gets the same verdict.
+    reports overflow. `flagged` adds an overflow this rank found earlier (e.g. in its gradients before
+    they were compressed). One all-reduce carries both, so every rank gets the same verdict.
     """
     counted_sq = _sum_squares(counted, device) if count_here else torch.zeros((), dtype=torch.float64,
                                                                                 device=device)
     all_sq = _sum_squares(checked, device)
-    bad = (~torch.isfinite(all_sq)).to(torch.float64)
+    bad = ((~torch.isfinite(all_sq)) | flagged).to(torch.float64)
     stats = torch.stack([counted_sq.nan_to_num(0.0, 0.0, 0.0), bad])
     if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
+        work = dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        wait(work, "the gradient-norm and overflow all-reduce")
     norm_sq, overflow = stats.tolist()
     return float(norm_sq) ** 0.5, overflow > 0
 

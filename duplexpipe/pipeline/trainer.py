@@ -1,9 +1,9 @@
-"""The training API: `Pipeline` runs a schedule's steps, then syncs, clips, scales and applies gradients."""
+"""The training API: `Pipeline` runs a schedule's steps; its data-parallel strategy reduces, clips and applies."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -11,7 +11,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from duplexpipe.comm import Options, compression_options
 from duplexpipe.pipeline import grads
+from duplexpipe.pipeline.dp import (
+    DEFAULT_BUCKET_BYTES,
+    DPStrategy,
+    OptimizerFactory,
+    StrategyContext,
+    check_strategy_name,
+    final_order,
+    make_strategy,
+)
 from duplexpipe.pipeline.mesh import ParallelGroups
 from duplexpipe.pipeline.precision import DynamicLossScaler, LossScaleConfig, autocast_dtype
 from duplexpipe.pipeline.split import (
@@ -34,8 +44,6 @@ from duplexpipe.schedules.ir import Schedule
 from duplexpipe.schedules.registry import build as build_schedule
 from duplexpipe.schedules.timeline import Timeline
 
-OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
-"""Builds the optimizer from this rank's parameters, e.g. `lambda ps: torch.optim.AdamW(ps, lr=1e-3)`."""
 LossFn = Callable[[Any, Any], torch.Tensor]
 """loss_fn(last stage output, targets) -> scalar mean loss over the microbatch."""
 
@@ -72,6 +80,18 @@ class PipelineConfig:
     check_replicas: bool = True
     """At construction, check that every copy of a model part (DualPipe mirrors, data-parallel
     replicas) starts with identical weights; raise ValueError otherwise."""
+    grad_compression: str | Options | None = None
+    """Data-parallel gradient compression: a method name from duplexpipe.comm.METHOD_NAMES ("bf16", "fp16",
+    "powersgd", "int8", "topk", "randomk", "threshold", "dgc") with its defaults, or an options object
+    (e.g. comm.Int8Options(block=128), comm.DGCOptions(ratio=0.001, warmup_steps=20)); None or "none":
+    exact fp32 all-reduce. Sparsifiers assume SGD (DGC: SGD with momentum=0, the momentum goes in
+    DGCOptions). No effect (a warning) without data parallelism."""
+    dp_strategy: str | None = None
+    """Data-parallel strategy name (duplexpipe.pipeline.dp.STRATEGY_NAMES); None: "compressed" when
+    grad_compression compresses, else "replicated"."""
+    grad_bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    """Gradients are reduced in fixed buckets of at most this many bytes, each started as soon as its
+    gradients are final (in the order they become final)."""
 
     def __post_init__(self) -> None:
         autocast_dtype(self.precision)
@@ -81,6 +101,9 @@ class PipelineConfig:
             raise ValueError(f"grad_clip_norm must be > 0 or None, got {self.grad_clip_norm}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if not isinstance(self.grad_bucket_bytes, int) or self.grad_bucket_bytes < 1:
+            raise ValueError(f"grad_bucket_bytes must be an int >= 1, got {self.grad_bucket_bytes!r}")
+        check_strategy_name(self.dp_strategy, compression_options(self.grad_compression).method != "none")
 
 
 @dataclass(frozen=True)
@@ -98,15 +121,20 @@ class StepInfo:
     loss_scale: float
     """The loss scale this call used (1.0 unless fp16)."""
     timeline: Timeline | None
-    """This rank's measured timeline of the call (None when not recorded)."""
+    """This rank's measured timeline of the call (None when not recorded); on window ends its spans show
+    the data-parallel bucket reductions on lane "dp"."""
+    wire_bytes: float = 0.0
+    """Ring-model bytes this rank sent for data-parallel gradient reduction in this call (comm.WireMeter)."""
 
 
 def _batch_size(inputs: Any, targets: Any) -> int | None:
+    """Rows of the inputs (or targets): dim 0 of the first leaf of a tensor, tuple/list or dict."""
     for value in (inputs, targets):
-        if isinstance(value, torch.Tensor):
-            return value.shape[0]
-        if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
-            return value[0].shape[0]
+        leaves = list(value.values()) if isinstance(value, dict) else value
+        if isinstance(leaves, (tuple, list)):
+            leaves = leaves[0] if leaves else None
+        if isinstance(leaves, torch.Tensor) and leaves.dim() > 0:
+            return int(leaves.shape[0])
     return None
 
 
@@ -116,7 +144,9 @@ class Pipeline:
     Every rank passes the same model parts (built from the same seed or state_dict); the
     pipeline deep-copies the parts its stages need. With a DeviceMesh ("pp", "dp") each
     data-parallel replica passes its own batch and gradients are averaged over replicas
-    after the schedule's own DualPipe mirror sum.
+    after the schedule's own DualPipe mirror sum, by the data-parallel strategy `self.dp`
+    (bucket by bucket, each started as soon as its gradients are final; compressed when
+    `config.grad_compression` says so).
     """
 
     def __init__(
@@ -139,18 +169,23 @@ class Pipeline:
         ckpt = resolve_checkpointing(cfg.activation_checkpointing, self.schedule)
         self.stage_modules = build_stage_modules(self.schedule, groups.pp_rank, parts,
                                                  checkpoint_stages=ckpt, device=self.device)
-        if cfg.check_replicas:
-            self._check_replicas()
         self.params = [p for s in sorted(self.stage_modules) for p in self.stage_modules[s].parameters()]
-        self._counted = [p for s in sorted(self.stage_modules) if self.schedule.copy_of_stage(s) == 0
-                         for p in self.stage_modules[s].parameters()]
-        self.optimizer = optimizer(self.params)
         self.scaler = DynamicLossScaler(cfg.loss_scale, enabled=cfg.precision == "fp16")
         runtime_cfg = RuntimeConfig(timeout_s=cfg.timeout_s, record_timeline=cfg.record_timeline,
                                     autocast_dtype=autocast_dtype(cfg.precision),
-                                    check_inputs_every_step=cfg.check_inputs_every_step)
+                                    check_inputs_every_step=cfg.check_inputs_every_step,
+                                    on_grads_ready=self._grads_ready)
         self.runtime = PipelineRuntime(self.schedule, self.stage_modules, loss_fn, group=groups.pp_group,
-                                       device=self.device, config=runtime_cfg)
+                                       device=self.device, config=runtime_cfg,
+                                       job_group=dist.group.WORLD if groups.dp_size > 1 else None)
+        plan = self.runtime.plan
+        self.dp: DPStrategy = make_strategy(StrategyContext(
+            self.stage_modules, self.schedule, tuple(final_order(plan.grads_final, plan.mirrored)), groups,
+            optimizer, self.device, self.bounded, compression_options(cfg.grad_compression),
+            cfg.grad_bucket_bytes), cfg.dp_strategy)
+        """The data-parallel strategy: reduce -> overflow check -> clip -> optimizer step."""
+        if cfg.check_replicas:
+            self._check_replicas()
         self.optimizer_steps = 0
         """Optimizer steps taken (skipped fp16 steps not counted)."""
         self.calls = 0
@@ -192,13 +227,30 @@ class Pipeline:
         parts = build_parts(blocks, partition, embedding=embedding, head=head)
         return cls(parts, loss_fn, optimizer, config, mesh=mesh, device=device, partition=partition)
 
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer the data-parallel strategy steps (built from the `optimizer` factory)."""
+        return self.dp.optimizer
+
+    def _grads_ready(self, stage: int) -> None:
+        self.dp.grads_ready(stage)
+
+    def bounded(self, work: Any, what: str) -> None:
+        """Wait for a collective posted with async_op=True, bounded by the timeout and stopped (with an
+        error naming the failed rank) when any rank of the job failed; see PipelineRuntime.bounded."""
+        self.runtime.bounded(work, what, "all ranks of the job")
+
     def _check_replicas(self) -> None:
         mine = {s: fingerprint(m) for s, m in self.stage_modules.items()}
+        gathered = [mine]
         if dist.is_available() and dist.is_initialized():
-            gathered: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, mine)
-        else:
-            gathered = [mine]
+            table = torch.full((self.schedule.num_stages,), -1, dtype=torch.int64)
+            for stage, fp in mine.items():
+                table[stage] = int(fp[:15], 16)
+            table = table.to(self.device)
+            everyone = [torch.empty_like(table) for _ in range(dist.get_world_size())]
+            self.bounded(dist.all_gather(everyone, table, async_op=True), "the model-replica check")
+            gathered = [{s: f"{v:015x}" for s, v in enumerate(t.tolist()) if v >= 0} for t in everyone]
         bad = find_mismatched_copies(self.schedule, gathered)
         if bad:
             desc = "; ".join(f"part {g}: " + ", ".join(f"stage {s}={fp[:8]}" for s, fp in copies)
@@ -225,19 +277,29 @@ class Pipeline:
         """
         cfg = self.config
         if self._window_calls == 0:
-            self.optimizer.zero_grad(set_to_none=True)
+            self.dp.zero_grad()
         weight = self._call_weight(inputs, targets)
         scale = self.scaler.scale
+        final = self._window_calls + 1 == cfg.accumulation_steps
+        self.dp.begin_call(final, scale * (self._window_weight + weight))
+        wire = self.dp.meter.total_bytes
         result = self.runtime.step(inputs, targets, loss_scale=scale * weight)
         self.calls += 1
         self._window_calls += 1
         self._window_weight += weight
-        loss = self._dp_mean(result.loss)
         applied, skipped, norm = False, False, None
-        if self._window_calls == cfg.accumulation_steps:
-            skipped, norm = self._apply()
-            applied = not skipped
-        self.last = StepInfo(loss, applied, skipped, norm, scale, result.timeline)
+        try:
+            loss = result.loss  # one all-reduce over the job: the mean over data-parallel replicas
+            if self._window_calls == cfg.accumulation_steps:
+                skipped, norm = self._apply()
+                applied = not skipped
+        except BaseException as exc:  # the other ranks wait in collectives: tell them
+            self.runtime.report_failure(exc)
+            raise
+        timeline = result.timeline
+        if final and timeline is not None:
+            timeline = replace(timeline, spans=tuple(self.dp.spans(self.runtime.tracer.origin, self.runtime.rank)))
+        self.last = StepInfo(loss, applied, skipped, norm, scale, timeline, self.dp.meter.total_bytes - wire)
         return loss
 
     def _call_weight(self, inputs: Any, targets: Any) -> float:
@@ -252,36 +314,18 @@ class Pipeline:
             self._window_unit = size
         return size / self._window_unit
 
-    def _dp_mean(self, loss: float) -> float:
-        g = self.groups
-        if g.dp_size == 1:
-            return loss
-        t = torch.tensor([loss], dtype=torch.float64, device=self._comm_device())
-        dist.all_reduce(t, group=g.dp_group)
-        return float(t.item()) / g.dp_size
-
-    def _comm_device(self) -> torch.device:
-        return self.device
-
     def _apply(self) -> tuple[bool, float | None]:
-        """End the window: DP average, norm + overflow check, unscale + clip, optimizer step."""
-        cfg, g = self.config, self.groups
-        grads.all_reduce_mean(self.params, g.dp_group, g.dp_size)
-        divisor = self.scaler.scale * self._window_weight
+        """End the window through the strategy: wait for the reductions, norm + overflow check, then skip
+        (fp16 overflow) or unscale + clip + optimizer step."""
+        cfg = self.config
         self._window_calls, self._window_weight = 0, 0.0
-        norm = None
-        if cfg.grad_clip_norm is not None or self.scaler.enabled:
-            raw, overflow = grads.global_norm_and_overflow(
-                [p.grad for p in self._counted if p.grad is not None],
-                [p.grad for p in self.params if p.grad is not None],
-                None, self._comm_device(), count_here=g.dp_rank == 0)
-            norm = raw / divisor
-            if overflow and self.scaler.enabled:
-                self.scaler.update(overflow=True)
-                self.optimizer.zero_grad(set_to_none=True)
-                return True, norm
-        grads.scale_grads(self.params, grads.clip_factor(norm or 0.0, cfg.grad_clip_norm) / divisor)
-        self.optimizer.step()
+        self.dp.finish()
+        norm, overflow = self.dp.norm_and_overflow(cfg.grad_clip_norm is not None or self.scaler.enabled)
+        if overflow and self.scaler.enabled:
+            self.scaler.update(overflow=True)
+            self.dp.skip()
+            return True, norm
+        self.dp.step(grads.clip_factor(norm or 0.0, cfg.grad_clip_norm))
         self.scaler.update(overflow=False)
         self.optimizer_steps += 1
         return False, norm

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from duplexpipe.runtime import structure
 from duplexpipe.runtime.watchdog import Watchdog
 from duplexpipe.schedules.ir import Schedule
 
@@ -72,9 +73,9 @@ class BatchAgreement:
         self.rank = rank
         self.holds_last = holds_last
         self._kept: Agreement | None = None
-        self._kept_inputs: tuple[tuple[int, ...], torch.dtype] | None = None
+        self._kept_inputs: list[Any] | None = None
 
-    def accept(self, found: Agreement, error: str, train: bool, inputs: Tensor | None) -> None:
+    def accept(self, found: Agreement, error: str, train: bool, inputs: Any) -> None:
         """Raise ValueError (on every rank alike) unless the agreed batch can run; keep it when
         it may be reused. `error` is this rank's own complaint, `inputs` its batch (if it holds one)."""
         self._kept = self._kept_inputs = None
@@ -92,7 +93,7 @@ class BatchAgreement:
             raise ValueError("step() needs targets on the ranks holding last stages")
         if train and not self.every_step:
             self._kept = found
-            self._kept_inputs = (tuple(inputs.shape), inputs.dtype) if inputs is not None else None
+            self._kept_inputs = structure.signature(inputs) if inputs is not None else None
 
     def reuse(self, inputs: Any, targets: Any, error: str) -> Agreement | None:
         """The kept agreement when this rank's batch matches it; None when nothing is kept.
@@ -105,14 +106,22 @@ class BatchAgreement:
             return None
         if error:
             raise ValueError(error + _SAME_SHAPES)
-        if self._kept_inputs is not None and (tuple(inputs.shape), inputs.dtype) != self._kept_inputs:
-            shape, dtype = self._kept_inputs
-            raise ValueError(f"rank {self.rank}: expected inputs of shape {shape} and dtype {dtype}, got "
-                             f"shape {tuple(inputs.shape)} and dtype {inputs.dtype}" + _SAME_SHAPES)
-        if self.holds_last and targets.shape[0] != found.target_rows:
+        if self._kept_inputs is not None and structure.signature(inputs) != self._kept_inputs:
+            raise ValueError(f"rank {self.rank}: expected inputs of {_describe(self._kept_inputs)}, got "
+                             f"{_describe(structure.signature(inputs))}" + _SAME_SHAPES)
+        if self.holds_last and structure.rows(targets) != found.target_rows:
             raise ValueError(f"rank {self.rank}: expected targets with {found.target_rows} rows, got "
-                             f"{targets.shape[0]}" + _SAME_SHAPES)
+                             f"{structure.rows(targets)}" + _SAME_SHAPES)
         return found
+
+
+def _describe(signature: list[Any]) -> str:
+    """`shape (8, 3) and dtype torch.int64` for a tensor; the form, shapes and dtypes of a structure."""
+    form, leaves = signature
+    if form[0] == "tensor":
+        shape, dtype = leaves[0]
+        return f"shape {shape} and dtype {dtype}"
+    return f"a {form[0]} {form[1] if form[0] == 'dict' else ''} of shapes and dtypes {leaves}".replace("  ", " ")
 
 
 class PendingSum:

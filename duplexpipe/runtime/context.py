@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import Tensor
 
-from duplexpipe.runtime.stage_compute import Activation, TensorMeta
-from duplexpipe.runtime.transport import Key
+from duplexpipe.runtime import structure
+from duplexpipe.runtime.stage_compute import Activation, Message
 from duplexpipe.schedules.ir import Action, Op
+
+if TYPE_CHECKING:
+    from duplexpipe.runtime.messages import MessageMeta
+    from duplexpipe.runtime.transport import Key
 
 Slot = tuple[int, int]
 """(stage, microbatch)."""
@@ -26,8 +31,8 @@ class StepContext:
     """The step number (equal on every rank; names this step's shape announcements)."""
     learning: bool
     """True when activation shapes are announced through the store (new input shapes)."""
-    shapes: dict[Slot, TensorMeta]
-    """(receiving stage, microbatch) -> activation shape: cached, or filled while learning."""
+    shapes: dict[Slot, MessageMeta]
+    """(receiving stage, microbatch) -> the activation message's meta: cached, or filled while learning."""
     weights: list[float]
     """Microbatch m's share of the batch (rows_m / rows); its loss is scaled by it."""
     signature: int = 0
@@ -36,24 +41,24 @@ class StepContext:
     """True when the ranks holding last stages were given targets (a loss is computed)."""
     loss_scale: float = 1.0
     """Extra factor on the loss before backward (gradients scale with it, the loss does not)."""
-    inputs: dict[int, Tensor] = field(default_factory=dict)
+    inputs: dict[int, Message] = field(default_factory=dict)
     """microbatch -> input rows (ranks holding a first stage)."""
-    targets: dict[int, Tensor] = field(default_factory=dict)
-    """microbatch -> target rows (ranks holding a last stage)."""
+    targets: dict[int, Any] = field(default_factory=dict)
+    """microbatch -> target rows (ranks holding a last stage), a tensor or a structure."""
     acts: dict[Slot, Activation] = field(default_factory=dict)
     """What backward needs, from F until B or W."""
-    out_meta: dict[Slot, TensorMeta] = field(default_factory=dict)
-    """Shape of each output this rank produced (the gradient it will receive)."""
-    local_fwd: dict[Slot, Tensor] = field(default_factory=dict)
+    out_meta: dict[Slot, MessageMeta] = field(default_factory=dict)
+    """The meta of each output this rank sent to another rank (the gradients it will receive)."""
+    local_fwd: dict[Slot, Message] = field(default_factory=dict)
     """Activations handed to the next stage on this rank: (consumer stage, microbatch)."""
-    local_grad: dict[Slot, Tensor] = field(default_factory=dict)
+    local_grad: dict[Slot, list[Tensor]] = field(default_factory=dict)
     """Output gradients handed to the previous stage on this rank: (consumer stage, microbatch)."""
-    outbox: dict[Key, Tensor] = field(default_factory=dict)
-    """Tensors produced for a SEND action that has not run yet."""
+    outbox: dict[Key, list[Tensor]] = field(default_factory=dict)
+    """Payloads produced for a SEND action that has not run yet."""
     losses: list[Tensor] = field(default_factory=list)
     """Each local microbatch's loss times its weight (detached)."""
-    outputs: dict[int, Tensor] = field(default_factory=dict)
-    """evaluate(): microbatch -> last-stage output."""
+    outputs: dict[int, Any] = field(default_factory=dict)
+    """evaluate(): microbatch -> last-stage output (detached)."""
     live: int = 0
     """Activations alive now on this rank."""
     peak: int = 0
@@ -86,20 +91,15 @@ def microbatch_rows(batch: int, num_microbatches: int) -> list[int]:
     return [base + (1 if m < extra else 0) for m in range(num_microbatches)]
 
 
-def split_batch(tensor: Tensor, num_microbatches: int, what: str) -> list[Tensor]:
-    """Split along dim 0 into M microbatches (sizes differ by at most one); ValueError if impossible."""
-    if not isinstance(tensor, Tensor) or tensor.dim() == 0:
-        kind = "a 0-d tensor" if isinstance(tensor, Tensor) else type(tensor).__name__
-        raise ValueError(f"{what} must be a tensor with the batch along dim 0, got {kind}")
-    if tensor.shape[0] < num_microbatches:
-        raise ValueError(f"{what} have {tensor.shape[0]} rows, fewer than the {num_microbatches} "
-                         "microbatches of the schedule (every microbatch needs at least one row)")
-    return list(torch.tensor_split(tensor, num_microbatches, dim=0))
+def split_batch(value: Any, num_microbatches: int, what: str) -> list[Any]:
+    """Split a tensor or structure along dim 0 into M microbatches (sizes differ by at most one);
+    ValueError naming the path when impossible."""
+    return structure.split(value, num_microbatches, what)
 
 
-def signature(chunks: list[Tensor]) -> int:
-    """A 60-bit hash of the microbatch input shapes and dtype (equal on every rank)."""
-    text = repr([(tuple(c.shape), str(c.dtype)) for c in chunks])
+def signature(chunks: Sequence[Any]) -> int:
+    """A 60-bit hash of the microbatch input structures' forms, shapes and dtypes (equal on every rank)."""
+    text = repr([structure.signature(c) for c in chunks])
     return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
 
 

@@ -16,7 +16,7 @@ from duplexpipe.schedules.ir import Schedule
 
 SUMMARY_BYTES = 1024
 """Fixed size of one rank's encoded summary (all_gather needs equal sizes)."""
-COMPARED = ("name", "num_ranks", "num_microbatches", "stages", "fingerprint")
+COMPARED = ("name", "num_ranks", "num_microbatches", "stages", "fingerprint", "codecs")
 """The summary fields that must be equal on every rank."""
 
 
@@ -41,8 +41,10 @@ def _stage_table(schedule: Schedule) -> str:
 
 
 def summarize(schedule: Schedule, rank: int, local_stages: Collection[int],
-              local_error: str = "") -> dict[str, Any]:
-    """This rank's view: the schedule's identity, a fresh nonce and any local setup error."""
+              local_error: str = "", codecs: str = "identity/identity",
+              fingerprint: str | None = None) -> dict[str, Any]:
+    """This rank's view: the schedule's identity, its codecs (activation/gradient names), a fresh
+    nonce and any local setup error."""
     expected = sorted(schedule.stages_of_rank(rank)) if rank < schedule.num_ranks else []
     error = local_error
     if not error and sorted(local_stages) != expected:
@@ -53,7 +55,8 @@ def summarize(schedule: Schedule, rank: int, local_stages: Collection[int],
         "num_ranks": schedule.num_ranks,
         "num_microbatches": schedule.num_microbatches,
         "stages": _stage_table(schedule),
-        "fingerprint": schedule.fingerprint(),
+        "fingerprint": fingerprint if fingerprint is not None else schedule.fingerprint(),
+        "codecs": codecs[:128],
         "nonce": os.urandom(8).hex(),
         "error": error[:400],
     }
@@ -92,15 +95,16 @@ def compare(summaries: list[dict[str, Any]], group_size: int) -> None:
 
 
 def handshake(schedule: Schedule, local_stages: Collection[int], group: Any, device: torch.device,
-              timeout_s: float, local_error: str = "") -> str:
+              timeout_s: float, local_error: str = "", codecs: str = "identity/identity",
+              fingerprint: str | None = None) -> str:
     """Exchange summaries with every rank of `group`, compare them, return the shared nonce.
 
     Raises HandshakeError on every rank when any rank runs a different schedule (name, rank
-    count, microbatches, stage table or fingerprint) or holds the wrong stages; raises
-    PipelineTimeoutError when some rank does not join within `timeout_s`.
+    count, microbatches, stage table or fingerprint), uses other codecs or holds the wrong
+    stages; raises PipelineTimeoutError when some rank does not join within `timeout_s`.
     """
     rank, size = dist.get_rank(group), dist.get_world_size(group)
-    mine = encode(summarize(schedule, rank, local_stages, local_error)).to(device)
+    mine = encode(summarize(schedule, rank, local_stages, local_error, codecs, fingerprint)).to(device)
     gathered = [torch.empty_like(mine) for _ in range(size)]
     work = dist.all_gather(gathered, mine, group=group, async_op=True)
     waiter = Watchdog(None, "", rank, timeout_s, timeout_s)
@@ -109,3 +113,13 @@ def handshake(schedule: Schedule, local_stages: Collection[int], group: Any, dev
     summaries = [decode(t) for t in gathered]
     compare(summaries, size)
     return str(summaries[0]["nonce"])
+
+
+def shared_nonce(group: Any, device: torch.device, timeout_s: float, what: str) -> str:
+    """A random nonce equal on every rank of `group` (rank 0's), agreed with one bounded all_gather."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    mine = torch.frombuffer(bytearray(os.urandom(8)), dtype=torch.uint8).to(device)
+    gathered = [torch.empty_like(mine) for _ in range(size)]
+    work = dist.all_gather(gathered, mine, group=group, async_op=True)
+    Watchdog(None, "", rank, timeout_s, timeout_s).wait_work(work, what, "all ranks of the group")
+    return bytes(gathered[0].cpu().tolist()).hex()

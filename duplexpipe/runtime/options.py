@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from duplexpipe.comm.codec import Codec, check_codec
 from duplexpipe.schedules.timeline import Timeline
 
 OverlapHook = Callable[..., None]
@@ -16,6 +17,15 @@ OverlapHook = Callable[..., None]
 `pair` is the OVERLAP_F_B Action; `run_forward()` and `run_backward()` run its two parts
 (their inputs have already arrived). The hook must call each exactly once, in any order or
 interleaving it likes (e.g. the forward's communication-heavy half while the backward computes).
+"""
+
+GradsReadyHook = Callable[[int], None]
+"""`hook(stage)`: this rank's gradients of `stage`'s parameters are final for the step.
+
+Called once per stage of this rank per training step, as early as that is true: right after the
+stage's last B or W on this rank, or, for DualPipe's mirrored stages, right after the end-of-step
+mirror sum. A data-parallel strategy can start reducing that stage's gradients while the rest of
+the step runs. An exception raised by the hook fails the step like any other.
 """
 
 
@@ -36,6 +46,15 @@ class RuntimeConfig:
     overlap_hook: OverlapHook | None = None
     """Runs an OVERLAP_F_B pair (see OverlapHook); None: the forward part, then the backward part,
     with the receives of both parts already waited for and their sends posted after the pair."""
+    on_grads_ready: GradsReadyHook | None = None
+    """Called with a stage index once this rank's gradients of that stage are final for the step
+    (see GradsReadyHook); None: no call."""
+    activation_codec: Codec | None = None
+    """Encodes every floating activation sent to another rank into its wire payloads and decodes it on
+    arrival (duplexpipe.comm.codec; e.g. CastCodec(torch.bfloat16)); None: sent as it is. Integer
+    tensors are never encoded. Every rank must use the same codecs (checked at start-up)."""
+    gradient_codec: Codec | None = None
+    """The same for the gradients sent back to the previous stage's rank."""
     poll_interval_s: float = 0.05
     """How often a waiting rank checks the shared error flag (one store round trip per check)."""
     check_inputs_every_step: bool = True
@@ -61,8 +80,11 @@ class RuntimeConfig:
         if self.autocast_dtype is not None and not isinstance(self.autocast_dtype, torch.dtype):
             raise ValueError(f"RuntimeConfig.autocast_dtype must be a torch.dtype or None, "
                              f"got {self.autocast_dtype!r}")
-        if self.overlap_hook is not None and not callable(self.overlap_hook):
-            raise ValueError(f"RuntimeConfig.overlap_hook must be callable, got {self.overlap_hook!r}")
+        for name in ("overlap_hook", "on_grads_ready"):
+            if getattr(self, name) is not None and not callable(getattr(self, name)):
+                raise ValueError(f"RuntimeConfig.{name} must be callable, got {getattr(self, name)!r}")
+        check_codec(self.activation_codec, "RuntimeConfig.activation_codec")
+        check_codec(self.gradient_codec, "RuntimeConfig.gradient_codec")
         for name in ("check_inputs_every_step", "prefetch"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"RuntimeConfig.{name} must be a bool, got {getattr(self, name)!r}")
@@ -116,9 +138,9 @@ class StepResult:
 class EvalResult:
     """What one forward-only evaluation returns."""
 
-    outputs: torch.Tensor | None
-    """The last stage's outputs for the whole batch in batch order, on ranks holding a last stage;
-    None elsewhere."""
+    outputs: Any
+    """The last stage's outputs for the whole batch in batch order, on ranks holding a last stage
+    (a tensor, or the structure the last stage returns, each leaf concatenated); None elsewhere."""
     loss: float | None
     """Mean loss over the batch when targets were given (identical on every rank), else None."""
     timeline: Timeline | None

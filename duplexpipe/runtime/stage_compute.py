@@ -1,54 +1,60 @@
-"""Stage compute: forward (saving what backward needs), loss, full backward, I and W."""
+"""Stage compute: forward (saving what backward needs), loss, full backward, I and W, on tensor structures."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from duplexpipe.comm.codec import TensorSpec
 from duplexpipe.runtime.autograd_split import WeightWork, backward_input
+from duplexpipe.runtime.structure import TENSOR, Form, StructureError, call, flatten
 from duplexpipe.runtime.watchdog import PipelineError
 
+TensorMeta = TensorSpec
+"""Shape and dtype of one tensor that flows between two stages (the comm package's TensorSpec)."""
 
-@dataclass(frozen=True)
-class TensorMeta:
-    """Shape and dtype of the one tensor that flows between two stages."""
 
-    shape: tuple[int, ...]
-    """The tensor's full shape (microbatch rows first)."""
-    dtype: torch.dtype
-    """Its dtype."""
+@dataclass
+class Message:
+    """A structure passed between two stages: its form, its leaves, and which leaves carry a
+    gradient back (floating tensors that required grad where they were produced)."""
+
+    form: Form
+    """How the leaves rebuild the structure."""
+    leaves: list[Tensor]
+    """The tensors, in leaf order."""
+    grads: tuple[bool, ...]
+    """grads[i]: leaf i gets a gradient message back."""
 
     @staticmethod
-    def of(tensor: Tensor) -> TensorMeta:
-        """The meta of `tensor`."""
-        return TensorMeta(tuple(tensor.shape), tensor.dtype)
-
-    def __str__(self) -> str:
-        return f"{self.shape} {str(self.dtype).replace('torch.', '')}"
+    def single(tensor: Tensor) -> Message:
+        """One tensor that carries no gradient (e.g. a first stage's input)."""
+        return Message(TENSOR, [tensor], (False,))
 
 
 @dataclass
 class Activation:
     """What one (stage, microbatch) keeps from its forward until its backward is done.
 
-    Only the input leaf (when its gradient is needed) and the gradient edge of the output
-    (or the loss) are kept; the output tensor itself is dropped once it has been handed on,
-    so sent outputs are freed when their send completes.
+    Only the input leaves whose gradients go back and the gradient edges of the outputs that
+    carry gradients (or of the loss) are kept; the outputs themselves are dropped once handed
+    on, so sent outputs are freed when their sends complete.
     """
 
-    inp: Tensor | None
-    """The stage input leaf when it requires grad (its gradient goes to the previous stage)."""
-    root: GradientEdge
-    """Where backward starts: the output's gradient edge, or the scaled loss's."""
-    root_meta: TensorMeta
-    """Shape and dtype of that output (the gradient to receive) or of the loss."""
+    inputs: list[Tensor]
+    """The input leaves that require grad (their gradients go to the previous stage), in leaf order."""
+    roots: list[GradientEdge]
+    """Where backward starts: the gradient-carrying outputs' edges, or the scaled loss's."""
+    root_metas: list[TensorMeta]
+    """Shape and dtype of each root (the gradients to receive), or of the loss."""
     device: torch.device
-    """The device of the output (for the loss's unit gradient)."""
+    """The device of the outputs (for the loss's unit gradient)."""
     weight_work: WeightWork | None = None
     """Set by I: the deferred W."""
 
@@ -73,23 +79,31 @@ class StageCompute:
         with torch.autocast(device_type=device.type, dtype=self.autocast_dtype):
             yield
 
-    def forward(self, inp: Tensor, microbatch: int, train: bool) -> tuple[Tensor, Tensor]:
-        """Run the module on `inp`; returns (input leaf, output). One Tensor must come out."""
-        leaf = inp.detach()
-        if train and leaf.is_floating_point():
-            leaf.requires_grad_(True)
-        with self._autocast(leaf.device):
-            out = self.module(leaf)
-        if not isinstance(out, Tensor):
-            raise PipelineError(
-                f"stage {self.stage} microbatch {microbatch}: the module returned {type(out).__name__}; "
-                "exactly one Tensor flows between stages (pack several into one tensor)")
-        return leaf, out
+    def forward(self, message: Message, microbatch: int, train: bool) -> tuple[list[Tensor], Any]:
+        """Run the module on the message (a tuple/list as positional arguments, a dict as keyword
+        arguments); returns (the input leaves that require grad, the module's output)."""
+        leaves = [t.detach() for t in message.leaves]
+        wanted = []
+        if train:
+            for leaf, grad in zip(leaves, message.grads, strict=True):
+                if grad:
+                    wanted.append(leaf.requires_grad_(True))
+        with self._autocast(leaves[0].device):
+            out = call(self.module, message.form, leaves)
+        return wanted, out
 
-    def loss(self, out: Tensor, target: Tensor, loss_fn: Callable[[Tensor, Tensor], Tensor],
-             microbatch: int) -> Tensor:
+    def message(self, out: Any, microbatch: int, train: bool) -> Message:
+        """The output as a Message; PipelineError naming the path of a leaf that is not a tensor."""
+        try:
+            form, leaves = flatten(out, "out")
+        except StructureError as exc:
+            raise PipelineError(f"stage {self.stage} microbatch {microbatch}: the module's output {exc}") from None
+        return Message(form, leaves, tuple(train and t.requires_grad for t in leaves))
+
+    def loss(self, out: Any, target: Any, loss_fn: Callable[[Any, Any], Tensor], microbatch: int) -> Tensor:
         """loss_fn(out, target): must be a scalar, the mean over the microbatch's samples."""
-        with self._autocast(out.device):
+        device = flatten(out, "out")[1][0].device
+        with self._autocast(device):
             value = loss_fn(out, target)
         if not isinstance(value, Tensor) or value.dim() != 0:
             shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
@@ -97,39 +111,36 @@ class StageCompute:
                              f"tensor (the mean over the microbatch), got {shape}")
         return value
 
-    def keep(self, leaf: Tensor, root: Tensor, microbatch: int) -> Activation:
-        """What backward will need from this forward (root: the output, or the scaled loss)."""
-        if not root.requires_grad:
+    def keep(self, inputs: list[Tensor], roots: list[Tensor], microbatch: int) -> Activation:
+        """What backward will need from this forward (roots: the gradient-carrying outputs, or the
+        scaled loss)."""
+        if not roots:
             raise PipelineError(
                 f"stage {self.stage} microbatch {microbatch}: the output does not require grad, so "
                 "no backward can run (is the module's output detached, or are all parameters frozen?)")
-        kept = leaf if leaf.requires_grad else None
-        return Activation(kept, get_gradient_edge(root), TensorMeta.of(root), root.device)
+        return Activation(list(inputs), [get_gradient_edge(r) for r in roots],
+                          [TensorMeta.of(r) for r in roots], roots[0].device)
 
-    def _root_grad(self, act: Activation, grad: Tensor | None) -> Tensor:
-        if grad is not None:
-            return grad
-        return torch.ones(act.root_meta.shape, dtype=act.root_meta.dtype, device=act.device)
+    def _root_grads(self, act: Activation, grads: list[Tensor] | None) -> list[Tensor]:
+        if grads is not None:
+            return grads
+        return [torch.ones(m.shape, dtype=m.dtype, device=act.device) for m in act.root_metas]
 
-    def backward(self, act: Activation, grad: Tensor | None) -> Tensor | None:
-        """B: full backward; accumulates weight gradients, returns d(input) (None on a first stage)."""
-        torch.autograd.backward([act.root], [self._root_grad(act, grad)])
-        if act.inp is None:
-            return None
-        dinput = act.inp.grad if act.inp.grad is not None else torch.zeros_like(act.inp)
-        act.inp = None
-        return dinput
+    def backward(self, act: Activation, grads: list[Tensor] | None) -> list[Tensor]:
+        """B: full backward; accumulates weight gradients, returns d(input) per kept input leaf
+        (zeros where an input did not reach the outputs)."""
+        torch.autograd.backward(act.roots, self._root_grads(act, grads))
+        out = [t.grad if t.grad is not None else torch.zeros_like(t) for t in act.inputs]
+        act.inputs = []
+        return out
 
-    def backward_input(self, act: Activation, grad: Tensor | None) -> Tensor | None:
+    def backward_input(self, act: Activation, grads: list[Tensor] | None) -> list[Tensor]:
         """I: d(input) only; the weight gradients wait in `act.weight_work` for W."""
-        inputs = [act.inp] if act.inp is not None else []
-        dinputs, act.weight_work = backward_input([act.root], [self._root_grad(act, grad)], inputs,
-                                                  self.params())
-        if act.inp is None:
-            return None
-        dinput = dinputs[0] if dinputs[0] is not None else torch.zeros_like(act.inp)
-        act.inp = None
-        return dinput
+        found, act.weight_work = backward_input(act.roots, self._root_grads(act, grads), act.inputs,
+                                                self.params())
+        out = [g if g is not None else torch.zeros_like(t) for g, t in zip(found, act.inputs, strict=True)]
+        act.inputs = []
+        return out
 
     def backward_weight(self, act: Activation, microbatch: int) -> None:
         """W: the weight gradients deferred by I."""

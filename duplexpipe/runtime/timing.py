@@ -58,6 +58,16 @@ class Tracer:
         yield
         self._spans.append((action, begin, self._mark()))
 
+    @property
+    def origin(self) -> float:
+        """time.perf_counter() at the current step's start (time zero of its timeline)."""
+        return self._origin
+
+    @property
+    def recorded(self) -> int:
+        """How many compute actions this step has recorded so far (0 when disabled)."""
+        return len(self._spans)
+
     def _seconds(self, mark: Any) -> float:
         if not self.cuda:
             return float(mark - self._origin)
@@ -84,8 +94,9 @@ def merge_timelines(parts: list[Timeline]) -> Timeline:
             raise ValueError(f"cannot merge timelines of different runs: {same} vs "
                              f"{(first.schedule_name, first.num_ranks, first.num_microbatches)}")
     events = sorted((e for t in parts for e in t.events), key=lambda e: (e.rank, e.start, e.end))
+    spans = sorted((s for t in parts for s in t.spans), key=lambda s: (s.rank, s.lane, s.start, s.end))
     return Timeline(first.schedule_name, first.num_ranks, first.num_microbatches, tuple(events),
-                    source=first.source, unit=first.unit)
+                    source=first.source, unit=first.unit, spans=tuple(spans))
 
 
 def gather_timeline(timeline: Timeline, group: Any = None) -> Timeline:

@@ -1,17 +1,17 @@
-"""Point-to-point transport: receives posted in schedule order, lazy sends, shape announcements.
+"""Point-to-point transport: receives posted in schedule order, lazy sends.
 
-Handles are keyed by (op, stage, microbatch). Receives from one peer are posted strictly in
+Handles are keyed by (op, stage, microbatch); one handle moves a list of tensors (a message's
+payloads), posted back to back in list order. Receives from one peer are posted strictly in
 the order the schedule lists them (the sender posts in the same order; NCCL matches by order
 alone), even when a receive's shape is not known yet: it then waits in a per-peer queue
-until its shape is announced (with prefetch off, until its consumer takes it). Sends are
-posted at once and awaited lazily; a sent tensor is dropped as soon as its send completes.
+until its shapes are known (with prefetch off, until its consumer takes it). Sends are
+posted at once and awaited lazily; sent tensors are dropped as soon as their sends complete.
 On CUDA every transfer is issued on a dedicated stream ordered against the compute stream
 with events; nothing synchronizes the device.
 """
 
 from __future__ import annotations
 
-import json
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,8 +27,8 @@ from duplexpipe.schedules.ir import Op
 
 Key = tuple[Op, int, int]
 """(op, stage, microbatch) of a SEND or RECV action."""
-Resolver = Callable[[bool], "TensorMeta | None"]
-"""resolve(block): the shape of a receive, or None while unknown (block=True waits for it)."""
+Resolver = Callable[[bool], "tuple[TensorMeta, ...] | None"]
+"""resolve(block): the shapes of a receive's tensors, or None while unknown (block=True waits for them)."""
 
 
 def key_text(key: Key) -> str:
@@ -42,41 +42,8 @@ class _Recv:
     key: Key
     peer: int
     resolve: Resolver
-    buffer: Tensor | None = None
-    work: Any = None
-
-
-class MetaBoard:
-    """Announces activation shapes through the c10d store, for steps with new input shapes."""
-
-    def __init__(self, store: Any, prefix: str, watchdog: Watchdog) -> None:
-        self.store = store
-        self.prefix = prefix
-        self.watchdog = watchdog
-
-    def _key(self, step: int, stage: int, microbatch: int) -> str:
-        return f"{self.prefix}/meta/{step}/{stage}/{microbatch}"
-
-    def announce(self, step: int, stage: int, microbatch: int, meta: TensorMeta) -> None:
-        """Publish the shape of the activation stage `stage` receives for `microbatch`."""
-        blob = json.dumps({"shape": list(meta.shape), "dtype": str(meta.dtype).replace("torch.", "")})
-        self.store.set(self._key(step, stage, microbatch), blob)
-
-    def lookup(self, step: int, stage: int, microbatch: int, block: bool, peer: int) -> TensorMeta | None:
-        """The announced shape, None if not announced yet (unless block: then wait, bounded)."""
-        key = self._key(step, stage, microbatch)
-        if not self.store.check([key]):
-            if not block:
-                return None
-            self.watchdog.wait(lambda: bool(self.store.check([key])),
-                               f"the shape announcement of {stage}RECV_F{microbatch} (the input of "
-                               f"{stage}F{microbatch})", f"rank {peer}")
-        data = json.loads(self.store.get(key).decode())
-        self.store.delete_key(key)
-        dtype = getattr(torch, data["dtype"], None)
-        if not isinstance(dtype, torch.dtype):
-            raise PipelineError(f"unknown dtype {data['dtype']!r} announced for {stage}RECV_F{microbatch}")
-        return TensorMeta(tuple(int(d) for d in data["shape"]), dtype)
+    buffers: list[Tensor] | None = None
+    works: list[Any] | None = None
 
 
 class Transport:
@@ -92,17 +59,19 @@ class Transport:
         self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self._queues: dict[int, deque[_Recv]] = {}
         self._posted: dict[Key, _Recv] = {}
-        self._sends: dict[Key, tuple[Any, Tensor, int]] = {}
+        self._sends: dict[Key, tuple[Any, list[Tensor], int]] = {}
 
-    def _post(self, recv: _Recv, meta: TensorMeta) -> None:
+    def _irecv(self, recv: _Recv, metas: tuple[TensorMeta, ...]) -> None:
         src = self._global[recv.peer]
+        recv.buffers = [torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in metas]
+        recv.works = [dist.irecv(b, src=src, group=self.group) for b in recv.buffers]
+
+    def _post(self, recv: _Recv, metas: tuple[TensorMeta, ...]) -> None:
         if self.stream is None:
-            recv.buffer = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
-            recv.work = dist.irecv(recv.buffer, src=src, group=self.group)
+            self._irecv(recv, metas)
         else:
             with torch.cuda.stream(self.stream):
-                recv.buffer = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
-                recv.work = dist.irecv(recv.buffer, src=src, group=self.group)
+                self._irecv(recv, metas)
         self._posted[recv.key] = recv
 
     def _drain(self, peer: int, until: Key | None = None) -> None:
@@ -139,8 +108,8 @@ class Transport:
         if self.prefetch:
             self._drain(peer)
 
-    def take(self, key: Key, consumer: str) -> Tensor:
-        """Wait (bounded) for the receive `key` and return its tensor; `consumer` names the action."""
+    def take(self, key: Key, consumer: str) -> list[Tensor]:
+        """Wait (bounded) for the receive `key` and return its tensors; `consumer` names the action."""
         if key not in self._posted:
             queued = next((r for q in self._queues.values() for r in q if r.key == key), None)
             if queued is None:
@@ -149,36 +118,42 @@ class Transport:
                     f"did not post before it (is the schedule lowered?)")
             self._drain(queued.peer, until=key)
         recv = self._posted.pop(key)
-        self.watchdog.wait_p2p(recv.work, f"{key_text(key)} (the input of {consumer})", f"rank {recv.peer}")
-        buffer = recv.buffer
-        assert buffer is not None
+        assert recv.buffers is not None and recv.works is not None
+        works = recv.works if len(recv.works) > 1 else recv.works[0]
+        self.watchdog.wait_p2p(works, f"{key_text(key)} (the input of {consumer})", f"rank {recv.peer}")
         if self.stream is not None:
             done = torch.cuda.Event()
             with torch.cuda.stream(self.stream):
-                recv.work.wait()
+                for work in recv.works:
+                    work.wait()
                 done.record(self.stream)
             compute = torch.cuda.current_stream(self.device)
             compute.wait_event(done)
-            buffer.record_stream(compute)
-        return buffer
+            for buffer in recv.buffers:
+                buffer.record_stream(compute)
+        return recv.buffers
 
-    def send(self, key: Key, tensor: Tensor, peer: int) -> None:
-        """SEND: post a non-blocking send to group rank `peer`; completion is awaited lazily."""
+    def send(self, key: Key, tensors: list[Tensor], peer: int) -> None:
+        """SEND: post non-blocking sends of `tensors` (in order) to group rank `peer`; completion is
+        awaited lazily."""
         self._check_peer(key, peer)
         if key in self._sends:
             raise PipelineError(f"rank {self.watchdog.rank}: {key_text(key)} is posted twice")
-        payload = tensor.detach()
-        if not payload.is_contiguous():
-            payload = payload.contiguous()
+        payloads = []
+        for tensor in tensors:
+            payload = tensor.detach()
+            payloads.append(payload if payload.is_contiguous() else payload.contiguous())
         dst = self._global[peer]
         if self.stream is None:
-            work = dist.isend(payload, dst=dst, group=self.group)
+            works = [dist.isend(p, dst=dst, group=self.group) for p in payloads]
         else:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
-                work = dist.isend(payload, dst=dst, group=self.group)
-            payload.record_stream(self.stream)
-        self._sends[key] = (self.watchdog.track(work, f"send{peer}"), payload, peer)
+                works = [dist.isend(p, dst=dst, group=self.group) for p in payloads]
+            for p in payloads:
+                p.record_stream(self.stream)
+        tracked = self.watchdog.track(works if len(works) > 1 else works[0], f"send{peer}")
+        self._sends[key] = (tracked, payloads, peer)
 
     def wait_send(self, key: Key) -> None:
         """Wait (bounded) for the send `key` to complete now and release its tensor."""

@@ -38,21 +38,37 @@ class ActivationShapeError(PipelineError, ValueError):
 
 
 class Ticket:
-    """Completion of a Work that a lane thread waits for (`is_completed` without blocking)."""
+    """Completion of Works that a lane thread waits for, in order (`is_completed` without blocking)."""
 
-    def __init__(self, work: Any) -> None:
-        self.work = work
+    def __init__(self, works: list[Any]) -> None:
+        self.works: list[Any] | None = works
         self.done = threading.Event()
         self.error: BaseException | None = None
 
     def is_completed(self) -> bool:
-        """True once the lane's wait() on the work returned (or raised)."""
+        """True once the lane's wait() on every work returned (or one raised)."""
         return self.done.is_set()
 
     def wait(self) -> None:
         """Re-raise the work's error, if it failed (call after is_completed())."""
         if self.error is not None:
             raise self.error
+
+
+class WorkGroup:
+    """Several Works seen as one: completed when all are; wait() waits for each in order."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def is_completed(self) -> bool:
+        """True when every work has completed."""
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self) -> None:
+        """Wait for every work (re-raising the first failure)."""
+        for work in self.works:
+            work.wait()
 
 
 class Lane:
@@ -68,12 +84,12 @@ class Lane:
         self._queue: queue.SimpleQueue[Ticket] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
-    def submit(self, work: Any) -> Ticket:
-        """Queue `work`; its ticket completes when the lane's wait() on it returns."""
+    def submit(self, works: list[Any]) -> Ticket:
+        """Queue `works`; their ticket completes when the lane's wait() on each has returned."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
             self._thread.start()
-        ticket = Ticket(work)
+        ticket = Ticket(works)
         self._queue.put(ticket)
         return ticket
 
@@ -81,12 +97,13 @@ class Lane:
         while True:
             ticket = self._queue.get()
             try:
-                ticket.work.wait()
+                for work in ticket.works or ():
+                    work.wait()
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting rank
                 ticket.error = exc
             # hold no Work while idle: one kept past destroy_process_group keeps gloo's context
             # (and its threads) alive into interpreter exit
-            ticket.work = None
+            ticket.works = None
             ticket.done.set()
             del ticket
 
@@ -101,10 +118,14 @@ class Watchdog:
     """
 
     def __init__(self, store: Any, prefix: str, rank: int, timeout_s: float, poll_s: float,
-                 threaded_p2p: bool = False) -> None:
+                 threaded_p2p: bool = False, flag_rank: int | None = None, flag_label: str = "rank") -> None:
         self.store = store
         self.key = f"{prefix}/{ERROR_KEY}"
         self.rank = rank
+        self.flag_rank = rank if flag_rank is None else flag_rank
+        """The rank this watchdog's reports name (the global rank when the flag spans several groups)."""
+        self.flag_label = flag_label
+        """How reports name ranks: "rank", or "global rank" when the flag spans several groups."""
         self.timeout_s = timeout_s
         self.poll_s = poll_s
         self.threaded_p2p = threaded_p2p
@@ -117,7 +138,8 @@ class Watchdog:
         raw = self.store.get(self.key).decode("utf-8", "replace")
         who, _, message = raw.partition("\n")
         failed = int(who) if who.lstrip("-").isdigit() else -1
-        raise PeerFailedError(f"rank {self.rank}: stopping because rank {failed} failed: {message}", failed)
+        me = f"rank {self.rank}" if self.flag_label == "rank" else f"rank {self.rank} (global rank {self.flag_rank})"
+        raise PeerFailedError(f"{me}: stopping because {self.flag_label} {failed} failed: {message}", failed)
 
     def report(self, message: str) -> None:
         """Publish this rank's failure so the other ranks stop (first report wins; never raises)."""
@@ -125,7 +147,7 @@ class Watchdog:
             return
         try:
             if not self.store.check([self.key]):
-                self.store.set(self.key, f"{self.rank}\n{message}")
+                self.store.set(self.key, f"{self.flag_rank}\n{message}")
         except Exception:  # noqa: BLE001, S110 - reporting must not mask the original error
             pass
 
@@ -174,14 +196,15 @@ class Watchdog:
             raise PipelineError(f"rank {self.rank}: {what} failed (peer: {peer}): {exc}") from exc
 
     def track(self, work: Any, lane: str) -> Any:
-        """Something whose is_completed() turns true once `work` completed (never blocks): with
-        threaded_p2p a Ticket of the lane named `lane` (Works on one lane are waited in order),
-        else the work itself."""
+        """Something whose is_completed() turns true once `work` (a Work or a list of Works)
+        completed (never blocks): with threaded_p2p a Ticket of the lane named `lane` (Works on
+        one lane are waited in order), else the work itself (a WorkGroup for a list)."""
+        works = work if isinstance(work, list) else [work]
         if not self.threaded_p2p:
-            return work
+            return work if len(works) == 1 else WorkGroup(works)
         if lane not in self._lanes:
             self._lanes[lane] = Lane(f"duplexpipe-{lane}-{self.rank}")
-        return self._lanes[lane].submit(work)
+        return self._lanes[lane].submit(works)
 
     def wait_p2p(self, work: Any, what: str, peer: str) -> None:
         """Wait for a point-to-point Work right now (on the "recv" lane when threaded)."""

@@ -2,83 +2,13 @@
 
 from __future__ import annotations
 
-import gc
 from bisect import bisect_left, bisect_right
-from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Iterator
 
 from duplexpipe.schedules.ir import Action, Op, Schedule, ScheduleError
+from duplexpipe.schedules.layout import Layout, gc_paused
+from duplexpipe.schedules.program import COMPUTE, run_program
 
-
-@dataclass(frozen=True)
-class Layout:
-    """Integer tables of one schedule's stage chains, and its tensor tokens.
-
-    Token `s*M + m` is the forward input of stage s for microbatch m; token
-    `S*M + s*M + m` the gradient of stage s's output (its backward input).
-    """
-
-    num_stages: int
-    """S: how many stages."""
-    num_microbatches: int
-    """M: how many microbatches."""
-    rank: tuple[int, ...]
-    """rank[s]: the rank of stage s."""
-    nxt: tuple[int, ...]
-    """nxt[s]: the next stage in s's chain, or -1."""
-    prv: tuple[int, ...]
-    """prv[s]: the previous stage in s's chain, or -1."""
-    lo: tuple[int, ...]
-    """lo[s]: the first microbatch through stage s."""
-    hi: tuple[int, ...]
-    """hi[s]: one past the last microbatch through stage s."""
-
-    @staticmethod
-    def of(schedule: Schedule) -> Layout:
-        """The layout of `schedule`'s stage table."""
-        count, groups = schedule.num_stages, schedule.num_groups
-        per_copy = schedule.num_microbatches // (count // groups)
-        return Layout(
-            count, schedule.num_microbatches, tuple(i.rank for i in schedule.stages),
-            tuple(s + 1 if (s + 1) % groups else -1 for s in range(count)),
-            tuple(s - 1 if s % groups else -1 for s in range(count)),
-            tuple(s // groups * per_copy for s in range(count)),
-            tuple((s // groups + 1) * per_copy for s in range(count)))
-
-    @property
-    def num_tokens(self) -> int:
-        """How many tensor tokens exist (forward inputs and output gradients of every stage)."""
-        return 2 * self.num_stages * self.num_microbatches
-
-    def token_text(self, token: int, role: str) -> tuple[str, int]:
-        """The action that `role` ("send", "recv" or "produce") does for `token`, and its rank."""
-        half = self.num_stages * self.num_microbatches
-        backward, rest = divmod(token, half)
-        stage, mb = divmod(rest, self.num_microbatches)
-        if role == "recv":
-            return f"{stage}{'RECV_B' if backward else 'RECV_F'}{mb}", self.rank[stage]
-        peer = self.nxt[stage] if backward else self.prv[stage]
-        if role == "send":
-            return f"{peer}{'SEND_B' if backward else 'SEND_F'}{mb}", self.rank[peer]
-        return (f"{peer}B{mb} (or {peer}I{mb})" if backward else f"{peer}F{mb}"), self.rank[peer]
-
-
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector while a pass allocates many acyclic objects.
-
-    The passes build hundreds of thousands of tuples and Actions for large schedules; the
-    collector's repeated scans of them cost more than the pass itself. The previous state
-    is restored on exit, also on error.
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
+__all__ = ["Layout", "gc_paused", "lower"]  # Layout and gc_paused live in layout.py; re-exported here
 
 
 def lower(schedule: Schedule) -> Schedule:
@@ -178,8 +108,6 @@ def _production_times(schedule: Schedule, layout: Layout) -> list[list[float]]:
     """Per rank, per position: when that compute ends when the compute-only schedule runs with
     `_COSTS`, every receive posted up front and each message taking `_TIE_BREAK` (inf from
     where a rank gets stuck, if it does)."""
-    from duplexpipe.schedules.program import COMPUTE, run_program  # program.py imports this module
-
     nmb, nxt, prv, rank = layout.num_microbatches, layout.nxt, layout.prv, layout.rank
     half, stages = layout.num_stages * nmb, range(layout.num_stages)
 
@@ -228,14 +156,14 @@ _Route = tuple[int, int, int, Op, Op]
 
 def _routes(layout: Layout) -> tuple[list[_Route | None], list[_Route | None]]:
     """Per stage: where its forward output and its input gradient go, None when it stays local."""
-    nmb, half, rank = layout.num_microbatches, layout.num_stages * layout.num_microbatches, layout.rank
+    nmb, half = layout.num_microbatches, layout.num_stages * layout.num_microbatches
     fwd: list[_Route | None] = []
     bwd: list[_Route | None] = []
     for s in range(layout.num_stages):
         n, p = layout.nxt[s], layout.prv[s]
-        crosses_next, crosses_prev = n >= 0 and rank[n] != rank[s], p >= 0 and rank[p] != rank[s]
-        fwd.append((n, rank[n], n * nmb, Op.SEND_F, Op.RECV_F) if crosses_next else None)
-        bwd.append((p, rank[p], half + p * nmb, Op.SEND_B, Op.RECV_B) if crosses_prev else None)
+        to_next, to_prev = layout.peer(s, backward=False), layout.peer(s, backward=True)
+        fwd.append((n, to_next, n * nmb, Op.SEND_F, Op.RECV_F) if to_next >= 0 else None)
+        bwd.append((p, to_prev, half + p * nmb, Op.SEND_B, Op.RECV_B) if to_prev >= 0 else None)
     return fwd, bwd
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from duplexpipe.schedules.ir import Action, Op, Schedule, ScheduleError
-from duplexpipe.schedules.lower import Layout, gc_paused
+from duplexpipe.schedules.layout import Layout, gc_paused
 
 RECV, SEND, COMPUTE = 0, 1, 2
 Instruction = tuple

@@ -11,7 +11,7 @@ from duplexpipe.schedules.dualpipe import check_dualpipe, check_dualpipev, dualp
 from duplexpipe.schedules.gpipe import check_gpipe, gpipe
 from duplexpipe.schedules.interleaved import check_interleaved_1f1b, interleaved_1f1b
 from duplexpipe.schedules.ir import Schedule
-from duplexpipe.schedules.lower import gc_paused
+from duplexpipe.schedules.layout import gc_paused
 from duplexpipe.schedules.one_f_one_b import check_one_f_one_b, one_f_one_b
 from duplexpipe.schedules.zero_bubble import check_zb_h1, check_zbv, zb_h1, zbv
 

@@ -8,7 +8,8 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from duplexpipe.schedules.ir import Schedule, ScheduleError
-from duplexpipe.schedules.lower import Layout, gc_paused, lower
+from duplexpipe.schedules.layout import Layout, gc_paused
+from duplexpipe.schedules.lower import lower
 from duplexpipe.schedules.program import Durations, analyze, run_program
 from duplexpipe.schedules.timeline import Event, Timeline
 from duplexpipe.schedules.verify import explain_stuck

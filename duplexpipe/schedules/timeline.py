@@ -23,6 +23,18 @@ class Event:
         return self.end - self.start
 
 
+@dataclass(frozen=True, slots=True)
+class Span:
+    """Work outside the schedule's compute that ran on `rank` beside it, on its own named lane (e.g. a
+    data-parallel bucket reduction in flight on lane "dp"); not counted in busy, idle or the makespan."""
+
+    rank: int
+    lane: str
+    name: str
+    start: float
+    end: float
+
+
 @dataclass(frozen=True)
 class Timeline:
     """What ran where and when; `source` is "simulated" or "measured"."""
@@ -33,6 +45,8 @@ class Timeline:
     events: tuple[Event, ...]
     source: str = "simulated"
     unit: str = "cost units"
+    spans: tuple[Span, ...] = ()
+    """Extra lanes (see Span); the schedule's events and every figure derived from them ignore these."""
 
     def rank_events(self, rank: int) -> list[Event]:
         """The events of one rank ordered by start."""
@@ -95,9 +109,13 @@ class Timeline:
         """The most activations live at once on `rank`."""
         return max((live for _, live in self.activation_curve(rank)), default=0)
 
+    def lanes(self) -> list[str]:
+        """The names of the extra lanes, in order of first appearance."""
+        return list(dict.fromkeys(s.lane for s in self.spans))
+
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready form."""
-        return {
+        """A JSON-ready form ("spans" only when there are some)."""
+        out: dict[str, Any] = {
             "schedule": self.schedule_name,
             "ranks": self.num_ranks,
             "microbatches": self.num_microbatches,
@@ -105,6 +123,9 @@ class Timeline:
             "unit": self.unit,
             "events": [[e.rank, format_action(e.action), e.start, e.end] for e in self.events],
         }
+        if self.spans:
+            out["spans"] = [[s.rank, s.lane, s.name, s.start, s.end] for s in self.spans]
+        return out
 
     @staticmethod
     def from_dict(data: dict[str, Any]) -> Timeline:
@@ -112,7 +133,9 @@ class Timeline:
         try:
             events = tuple(Event(int(r), parse_action(a), float(s), float(t))
                            for r, a, s, t in data["events"])
+            spans = tuple(Span(int(r), str(lane), str(name), float(s), float(t))
+                          for r, lane, name, s, t in data.get("spans", ()))
             return Timeline(data["schedule"], int(data["ranks"]), int(data["microbatches"]),
-                            events, data.get("source", "simulated"), data.get("unit", "cost units"))
+                            events, data.get("source", "simulated"), data.get("unit", "cost units"), spans)
         except (KeyError, TypeError, ValueError) as exc:
             raise ScheduleError(f"malformed timeline: {exc}") from None

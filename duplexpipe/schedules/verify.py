@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import networkx as nx
 
 from duplexpipe.schedules.ir import Action, Op, Schedule, ScheduleError
-from duplexpipe.schedules.lower import Layout, lower
+from duplexpipe.schedules.layout import Layout
+from duplexpipe.schedules.lower import lower
 from duplexpipe.schedules.program import COMPUTE, SEND, Program, Run, analyze, run_program
 
 

@@ -1,0 +1,131 @@
+"""Compute dispatch: what F, B, I, W and an OVERLAP_F_B pair do on one rank, given its messages."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from duplexpipe.runtime.context import StepContext
+from duplexpipe.runtime.messages import Mailroom
+from duplexpipe.runtime.options import OverlapHook
+from duplexpipe.runtime.stage_compute import Message, StageCompute
+from duplexpipe.runtime.structure import map_leaves
+from duplexpipe.runtime.timing import Tracer
+from duplexpipe.runtime.watchdog import PipelineError
+from duplexpipe.schedules.ir import Action, Op
+from duplexpipe.schedules.layout import Layout
+
+
+def default_overlap(pair: Action, run_forward: Callable[[], None], run_backward: Callable[[], None]) -> None:
+    """The default OVERLAP_F_B: the forward part, then the backward part."""
+    run_forward()
+    run_backward()
+
+
+class Dispatcher:
+    """The compute handlers of one rank: each takes its inputs from the Mailroom, runs the stage
+    and hands the results back to the Mailroom."""
+
+    def __init__(self, layout: Layout, rank: int, stages: dict[int, StageCompute], mail: Mailroom,
+                 loss_fn: Callable[[Any, Any], Tensor], tracer: Tracer, overlap_hook: OverlapHook | None) -> None:
+        self.layout = layout
+        self.rank = rank
+        self.stages = stages
+        self.mail = mail
+        self.loss_fn = loss_fn
+        self.tracer = tracer
+        self.overlap_hook = overlap_hook or default_overlap
+
+    # ---------------------------------------------------------------- the work itself
+    def run_forward(self, ctx: StepContext, action: Action, message: Message) -> None:
+        """F of (stage, microbatch) on `message`: keep what backward needs, hand the output on or
+        compute the loss."""
+        stage, mb = action.stage, action.microbatch
+        compute = self.stages[stage]
+        with torch.set_grad_enabled(ctx.train):
+            inputs, out = compute.forward(message, mb, ctx.train)
+            if self.layout.nxt[stage] >= 0:
+                produced = compute.message(out, mb, ctx.train)
+                if ctx.train:
+                    ctx.acts[(stage, mb)] = compute.keep(
+                        inputs, [t for t, g in zip(produced.leaves, produced.grads, strict=True) if g], mb)
+                    ctx.activation_born()
+                self.mail.hand_on(ctx, stage, mb, produced)
+                return
+            compute.message(out, mb, train=False)  # checks the structure
+            if not ctx.train:
+                ctx.outputs[mb] = map_leaves(Tensor.detach, out)
+            if mb not in ctx.targets:
+                return
+            loss = compute.loss(out, ctx.targets[mb], self.loss_fn, mb)
+            ctx.losses.append(loss.detach().double() * ctx.weights[mb])
+            if ctx.train:
+                scaled = loss * (ctx.weights[mb] * ctx.loss_scale)
+                ctx.acts[(stage, mb)] = compute.keep(inputs, [scaled], mb)
+                ctx.activation_born()
+
+    def run_backward(self, ctx: StepContext, action: Action, grads: list[Tensor] | None) -> None:
+        """B or I of (stage, microbatch) given its output gradients (None on a last stage)."""
+        stage, mb = action.stage, action.microbatch
+        act = ctx.acts.get((stage, mb))
+        if act is None or act.weight_work is not None:
+            raise PipelineError(f"rank {self.rank}: {action} runs without a pending forward {stage}F{mb}")
+        compute = self.stages[stage]
+        if action.op is Op.B:
+            dinputs = compute.backward(act, grads)
+            del ctx.acts[(stage, mb)]
+            ctx.live -= 1
+        else:
+            dinputs = compute.backward_input(act, grads)
+        self.mail.hand_back(ctx, stage, mb, dinputs)
+
+    # ---------------------------------------------------------------- handlers
+    def forward(self, ctx: StepContext, action: Action) -> None:
+        """F."""
+        message = self.mail.take_input(ctx, action.stage, action.microbatch, action)
+        with self.tracer.span(action):
+            self.run_forward(ctx, action, message)
+
+    def backward(self, ctx: StepContext, action: Action) -> None:
+        """B or I."""
+        grads = self.mail.take_grads(ctx, action.stage, action.microbatch, action)
+        with self.tracer.span(action):
+            self.run_backward(ctx, action, grads)
+
+    def weight(self, ctx: StepContext, action: Action) -> None:
+        """W: the weight gradients its I deferred."""
+        act = ctx.acts.get((action.stage, action.microbatch))
+        if act is None or act.weight_work is None:
+            raise PipelineError(f"rank {self.rank}: {action} runs without a pending "
+                                f"{action.stage}I{action.microbatch}")
+        with self.tracer.span(action):
+            self.stages[action.stage].backward_weight(act, action.microbatch)
+        del ctx.acts[(action.stage, action.microbatch)]
+        ctx.live -= 1
+
+    def overlap(self, ctx: StepContext, action: Action) -> None:
+        """OVERLAP_F_B: both parts' inputs first, then the overlap hook runs the two parts."""
+        fwd, bwd = action.parts
+        message = self.mail.take_input(ctx, fwd.stage, fwd.microbatch, action)
+        grads = self.mail.take_grads(ctx, bwd.stage, bwd.microbatch, action)
+        ran: list[str] = []
+
+        def run_forward() -> None:
+            if "F" in ran:
+                raise PipelineError(f"overlap_hook ran the forward part of {action} twice")
+            ran.append("F")
+            self.run_forward(ctx, fwd, message)
+
+        def run_backward() -> None:
+            if "B" in ran:
+                raise PipelineError(f"overlap_hook ran the backward part of {action} twice")
+            ran.append("B")
+            self.run_backward(ctx, bwd, grads)
+
+        with self.tracer.span(action):
+            self.overlap_hook(action, run_forward, run_backward)
+        if sorted(ran) != ["B", "F"]:
+            raise PipelineError(f"overlap_hook must run both parts of {action} once; it ran {ran or 'none'}")

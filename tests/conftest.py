@@ -1,0 +1,37 @@
+"""The shared multi-process fixture: a test module's `_worker` runs once on gloo ranks, its tests read the results.
+
+A module defines `_worker(rank, world) -> dict` (plain data), and optionally `WORLD` (ranks,
+default 2) and `SPAWN_TIMEOUT_S` (default 120); its tests take the `results` fixture (one dict
+per rank). Every test using it gets a hard timeout of SPAWN_TIMEOUT_S + 30 s unless it has its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from models import run_workers
+
+DEFAULT_WORLD = 2
+DEFAULT_SPAWN_TIMEOUT_S = 120
+
+
+def _spawn_timeout(module: Any) -> float:
+    return float(getattr(module, "SPAWN_TIMEOUT_S", DEFAULT_SPAWN_TIMEOUT_S))
+
+
+@pytest.fixture(scope="module")
+def results(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    """Each rank's result of the module's `_worker`, from one spawn shared by the module's tests."""
+    module = request.module
+    worker = getattr(module, "_worker", None)
+    if worker is None:
+        raise RuntimeError(f"{module.__name__} uses the `results` fixture but defines no _worker(rank, world)")
+    return run_workers(worker, int(getattr(module, "WORLD", DEFAULT_WORLD)), timeout_s=_spawn_timeout(module))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A hard timeout for every test that waits on the shared spawn."""
+    for item in items:
+        if "results" in getattr(item, "fixturenames", ()) and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(_spawn_timeout(getattr(item, "module", None)) + 30))
