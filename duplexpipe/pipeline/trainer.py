@@ -18,7 +18,9 @@ from duplexpipe.pipeline.dp import (
     DPStrategy,
     OptimizerFactory,
     StrategyContext,
+    ZeroOptions,
     check_strategy_name,
+    check_zero,
     final_order,
     make_strategy,
 )
@@ -92,6 +94,13 @@ class PipelineConfig:
     grad_bucket_bytes: int = DEFAULT_BUCKET_BYTES
     """Gradients are reduced in fixed buckets of at most this many bytes, each started as soon as its
     gradients are final (in the order they become final)."""
+    zero_stage: int = 0
+    """ZeRO over the data-parallel replicas: 0 none; 1 optimizer state sharded (reduce-scatter, step on the
+    shard, all-gather; an elementwise optimizer such as SGD/Adam/AdamW); 2 gradients sharded too (torch
+    FSDP2, reduced stage by stage as they become final). 3 is refused (see README). grad_compression may be
+    "bf16", "fp16" or "int8" (int8 = ZeRO++ qgZ) with ZeRO."""
+    zero: ZeroOptions = field(default_factory=ZeroOptions)
+    """ZeRO++ options for zero_stage 1 and 2: quantized_gradients (qgZ), quantized_weights (qwZ), hpz_ranks."""
 
     def __post_init__(self) -> None:
         autocast_dtype(self.precision)
@@ -103,7 +112,10 @@ class PipelineConfig:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
         if not isinstance(self.grad_bucket_bytes, int) or self.grad_bucket_bytes < 1:
             raise ValueError(f"grad_bucket_bytes must be an int >= 1, got {self.grad_bucket_bytes!r}")
-        check_strategy_name(self.dp_strategy, compression_options(self.grad_compression).method != "none")
+        compression = compression_options(self.grad_compression)
+        check_zero(self.zero_stage, self.zero, compression, self.dp_strategy)
+        if not self.zero_stage:
+            check_strategy_name(self.dp_strategy, compression.method != "none")
 
 
 @dataclass(frozen=True)
@@ -178,14 +190,15 @@ class Pipeline:
         self.runtime = PipelineRuntime(self.schedule, self.stage_modules, loss_fn, group=groups.pp_group,
                                        device=self.device, config=runtime_cfg,
                                        job_group=dist.group.WORLD if groups.dp_size > 1 else None)
+        if cfg.check_replicas:  # before the strategy: ZeRO-2 turns the parameters into shards
+            self._check_replicas()
         plan = self.runtime.plan
         self.dp: DPStrategy = make_strategy(StrategyContext(
             self.stage_modules, self.schedule, tuple(final_order(plan.grads_final, plan.mirrored)), groups,
             optimizer, self.device, self.bounded, compression_options(cfg.grad_compression),
-            cfg.grad_bucket_bytes), cfg.dp_strategy)
+            cfg.grad_bucket_bytes, cfg.zero_stage, cfg.zero), cfg.dp_strategy)
         """The data-parallel strategy: reduce -> overflow check -> clip -> optimizer step."""
-        if cfg.check_replicas:
-            self._check_replicas()
+        self.params = self.dp.params
         self.optimizer_steps = 0
         """Optimizer steps taken (skipped fp16 steps not counted)."""
         self.calls = 0
