@@ -48,6 +48,11 @@ class Pending:
         """True once the result is in place."""
         return self._current is None
 
+    @property
+    def work(self) -> Waitable | None:
+        """The collective it waits for next (None when done)."""
+        return None if self._current is None else self._current[0]
+
     def finish(self, wait: WaitFn = blocking_wait) -> None:
         """Wait (with `wait`) for each remaining collective and run what follows it."""
         while self._current is not None:
