@@ -132,11 +132,12 @@ class ShardComm:
             return Pending(self._cast_reduce_scatter(flat, out, what, method))
         return Pending(self._exact_reduce_scatter(flat, out, what))
 
-    def all_gather(self, out: Tensor, shard: Tensor, what: str = "parameters", draw: int = 0) -> Pending:
+    def all_gather(self, out: Tensor, shard: Tensor, what: str = "parameters", draw: int = 0,
+                   exact: bool = False) -> Pending:
         """Start filling every rank's chunk of `out` with that rank's `shard` (int8 blocks when `weights` is
-        set; `shard` may be this rank's own chunk of `out`)."""
+        set, unless `exact`; `shard` may be this rank's own chunk of `out`)."""
         self._check(out, shard, "all_gather")
-        if self.weights is not None:
+        if self.weights is not None and not exact:
             return Pending(self._int8_all_gather(out, shard, what, self.weights, draw))
         return Pending(self._exact_all_gather(out, shard, what))
 

@@ -23,7 +23,7 @@ from duplexpipe.comm.sharded import Pending, ShardComm
 from duplexpipe.pipeline import grads
 from duplexpipe.pipeline.dp.base import DPStrategy, StrategyContext
 from duplexpipe.pipeline.dp.buckets import BucketSpec, BucketTracker
-from duplexpipe.pipeline.dp.zero import counted_stages, stochastic
+from duplexpipe.pipeline.dp.zero import counted_stages, quantized
 from duplexpipe.pipeline.dp.zero_options import check_hpz, gradient_wire
 
 try:  # FSDP2's public entry point and its (not yet public) custom-collective interfaces
@@ -220,8 +220,8 @@ class Zero2Strategy(DPStrategy):
                 "params": nbytes(p for p in self.params)}
 
     def state_dict(self) -> dict[str, Any]:
-        """The draw counter when int8 rounding is stochastic (the optimizer state is saved per parameter)."""
-        return {"draws": self.draws} if stochastic(self.ctx) else {}
+        """The draw counter when anything goes on the wire as int8 (the state is saved per parameter)."""
+        return {"draws": self.draws} if quantized(self.ctx) else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore state_dict()'s draw counter."""

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from duplexpipe.comm import Waitable
 from duplexpipe.comm.options import Int8Options
@@ -18,7 +18,14 @@ from duplexpipe.pipeline.dp.base import DPStrategy, StrategyContext
 from duplexpipe.pipeline.dp.buckets import BucketSpec, BucketTracker
 from duplexpipe.pipeline.dp.zero_optim import ShardedOptimizer
 from duplexpipe.pipeline.dp.zero_options import gradient_wire
-from duplexpipe.pipeline.dp.zero_state import dp_global_ranks, init_state, load_state_dict, state_dict
+from duplexpipe.pipeline.dp.zero_state import (
+    dp_global_ranks,
+    init_state,
+    load_state_dict,
+    model_state_dict,
+    plain_entries,
+    state_dict,
+)
 from duplexpipe.pipeline.stages import inner_module
 
 
@@ -33,10 +40,11 @@ def counted_stages(ctx: StrategyContext) -> list[int]:
     return [s for s in sorted(ctx.modules) if ctx.schedule.copy_of_stage(s) == 0]
 
 
-def stochastic(ctx: StrategyContext) -> bool:
-    """Whether the wire formats draw random numbers (their draw counter is then strategy state)."""
+def quantized(ctx: StrategyContext) -> bool:
+    """Whether gradients or weights go on the wire as int8 (the draw counter, which keys stochastic rounding
+    and says whether the weights were ever quantized, is then strategy state)."""
     wires = (gradient_wire(ctx.zero_stage, ctx.zero, ctx.compression), ctx.zero.weight_wire)
-    return any(isinstance(w, Int8Options) and w.stochastic for w in wires)
+    return any(isinstance(w, Int8Options) for w in wires)
 
 
 class Zero1Strategy(DPStrategy):
@@ -105,18 +113,23 @@ class Zero1Strategy(DPStrategy):
         """The model's state dict and the optimizer state per parameter, each rank holding its pieces."""
         init_state(self.sharded)
         group = self.ctx.groups.dp_group
-        return get_model_state_dict(modules), state_dict(self.sharded, group, dp_global_ranks(group))
+        ranks = dp_global_ranks(group)
+        model = model_state_dict(self.sharded, get_model_state_dict(modules), group, ranks)
+        return model, state_dict(self.sharded, group, ranks)
 
     def load_checkpoint_dicts(self, modules: nn.Module, model: dict[str, Any], optim: dict[str, Any]) -> None:
         """Take over what the checkpoint read: the model, then the shards' replicated state and hyperparameters
         (the per-element state was read straight into the shards)."""
-        set_model_state_dict(modules, model)
+        strict = StateDictOptions(strict=not self.sharded.own_master)  # qwZ: the flattened weights are elsewhere
+        set_model_state_dict(modules, plain_entries(model), options=strict)
         load_state_dict(self.sharded, optim)
+        if self.sharded.own_master:  # qwZ: the weights were read into the masters; gather them as the step did
+            self.sharded.gather(self.ctx.wait, draw=self.draws - 1, exact=self.draws == 0)
 
     def state_dict(self) -> dict[str, Any]:
-        """The draw counter when int8 rounding is stochastic (else nothing: the optimizer state is saved with
-        the model, per parameter)."""
-        return {"draws": self.draws} if stochastic(self.ctx) else {}
+        """The draw counter when anything goes on the wire as int8 (else nothing: the optimizer state is saved
+        with the model, per parameter)."""
+        return {"draws": self.draws} if quantized(self.ctx) else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore state_dict()'s draw counter."""

@@ -137,6 +137,8 @@ class ShardedOptimizer:
                  comm: ShardComm | None, *, own_master: bool = False, trust_elementwise: bool = False) -> None:
         check_elementwise(optimizer, trust_elementwise)
         self.comm = comm
+        self.own_master = own_master
+        """Whether each master shard is a copy of its own (qwZ) rather than a view of the parameter buffer."""
         size, rank = (comm.size, comm.rank) if comm is not None else (1, 0)
         self.flats: list[FlatGroup] = []
         for stage, g, params, pnames in _buffers_of(optimizer, names):
@@ -187,12 +189,21 @@ class ShardedOptimizer:
     def step(self, wait: WaitFn = blocking_wait, draw: int = 0) -> None:
         """Step the shards, then all-gather every buffer's updated shards into the parameters."""
         self.optimizer.step()
-        if self.comm is None:
-            return
+        self.gather(wait, draw)
+
+    def gather(self, wait: WaitFn = blocking_wait, draw: int = 0, exact: bool = False) -> None:
+        """All-gather every buffer's master shards into the parameters (`exact`: unquantized even under qwZ;
+        with a master of its own, this rank's chunk is copied from it first)."""
         pending = []
-        for flat in self.flats:  # a master viewing its own chunk of `data` makes an in-place all-gather
+        for flat in self.flats:
+            if self.comm is None or exact:
+                flat.data[flat.shard_slice].copy_(flat.master)
+            if self.comm is None:
+                continue
             what = f"the parameters of stage {flat.stage} (param group {flat.group})"
-            pending.append(self.comm.all_gather(flat.data, flat.master, what, draw=draw * 4096 + flat.index))
+            # a master viewing its own chunk of `data` (no qwZ) makes an in-place all-gather
+            pending.append(self.comm.all_gather(flat.data, flat.data[flat.shard_slice] if exact else flat.master,
+                                                what, draw=draw * 4096 + flat.index, exact=exact))
         for p in pending:
             p.finish(wait)
 

@@ -95,6 +95,27 @@ def state_dict(opt: ShardedOptimizer, group: Any, global_ranks: list[int]) -> di
     return out
 
 
+def model_state_dict(opt: ShardedOptimizer, model: dict[str, Any], group: Any,
+                     global_ranks: list[int]) -> dict[str, Any]:
+    """`model` (the stage modules' state dict) with the flattened parameters replaced by their full-precision
+    master shards when the masters are copies of their own (qwZ: the parameters hold dequantized values)."""
+    if not opt.own_master:
+        return model
+    out = dict(model)
+    for flat in opt.flats:
+        for index, name in enumerate(flat.names):
+            if _piece(flat.layout, flat.rank, index) is None:
+                out.pop(name, None)
+            else:
+                out[name] = _sharded(flat.master, flat, index, group, global_ranks)
+    return out
+
+
+def plain_entries(model: dict[str, Any]) -> dict[str, Any]:
+    """The entries of a model state dict that are not ShardedTensors (those were read into the masters)."""
+    return {k: v for k, v in model.items() if not isinstance(v, ShardedTensor)}
+
+
 def load_state_dict(opt: ShardedOptimizer, loaded: dict[str, Any]) -> None:
     """Take over what torch.distributed.checkpoint loaded into a dict made by `state_dict`: the per-element
     entries were written in place; replicated entries (e.g. `step`) and hyperparameters are copied here."""
