@@ -81,8 +81,8 @@ def gradient_wire(stage: int, options: ZeroOptions, compression: Options) -> Gra
         return wire  # type: ignore[return-value]
     mine = qgz if isinstance(qgz, Int8Options) else Int8Options()
     if not isinstance(wire, NoCompression) and wire != mine:
-        raise ValueError(f"ZeroOptions.quantized_gradients={qgz!r} and grad_compression={compression!r} both say "
-                         "how gradients go on the wire; set one of them")
+        raise ValueError(f"ZeroOptions.quantized_gradients={qgz!r} and grad_compression={compression.method!r} "
+                         "both say how gradients go on the wire; set one of them")
     return mine
 
 
