@@ -83,6 +83,18 @@ def digests(pipe: Pipeline) -> dict[int, str]:
     return out
 
 
+def flat_params(pipe: Pipeline) -> list[float]:
+    """Every stage's parameters, whole, as one list (for comparisons within a tolerance)."""
+    return torch.cat([full(p).reshape(-1) for _, m in sorted(pipe.stage_state_modules.items())
+                      for p in m.parameters()]).tolist()
+
+
+def max_rel(a: list[float], b: list[float]) -> float:
+    """Largest |a - b| / max|b| over two lists of equal length."""
+    x, y = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
+    return float((x - y).abs().max() / y.abs().max())
+
+
 def _local(t: Tensor) -> Tensor:
     to_local = getattr(t, "to_local", None)
     return to_local() if to_local is not None else t  # type: ignore[no-any-return]
