@@ -226,15 +226,15 @@ def results_markdown(results: dict[str, Any], figures: Sequence[tuple[str, str]]
     return "\n".join(lines)
 
 
-def update_doc(doc_path: str, generated: str) -> None:
-    """Replace the text between the result markers of `doc_path` (append the block if absent)."""
+def update_doc(doc_path: str, generated: str, begin: str = BEGIN, end: str = END) -> None:
+    """Replace the text between the markers `begin` and `end` of `doc_path` (append the block if absent)."""
     try:
         with open(doc_path, encoding="utf-8") as fh:
             text = fh.read()
     except FileNotFoundError:
         text = "# Benchmarks\n\n"
-    block = f"{BEGIN}\n{generated.rstrip()}\n{END}"
-    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.S)
+    block = f"{begin}\n{generated.rstrip()}\n{end}"
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
     if pattern.search(text):
         text = pattern.sub(lambda _: block, text)
     else:

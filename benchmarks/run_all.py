@@ -17,12 +17,13 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from benchmarks import figures, harness, report  # noqa: E402
+from benchmarks.dp_compression import DPBenchConfig  # noqa: E402
 from benchmarks.measured_vs_sim import SimConfig  # noqa: E402
 from benchmarks.models import ModelSpec  # noqa: E402
 from benchmarks.overlap import OverlapConfig  # noqa: E402
 from benchmarks.vs_torch import VsTorchConfig  # noqa: E402
 
-PARTS = ("vs_torch", "measured_vs_simulated", "overlap", "tooling", "profile")
+PARTS = ("vs_torch", "measured_vs_simulated", "overlap", "tooling", "profile", "grad_compression")
 QUICK_PARTS = PARTS[:4]
 
 
@@ -42,6 +43,8 @@ class Plan:
     """Run schedule_tooling.py's small grid (part 4)."""
     profile: tuple[tuple[str, str, int], ...] = (("1f1b", "mlp", 60), ("zbv", "transformer", 10))
     """Part 5: (schedule, workload, steps) cases profiled under py-spy on both sides."""
+    dp_compression: DPBenchConfig = DPBenchConfig()
+    """Part 6: gradient compression in training (GPT example, PP=2 x DP=2, 200 steps per method)."""
 
 
 def full_plan() -> Plan:
@@ -75,7 +78,7 @@ def quick_plan() -> Plan:
 
 
 def _runners(plan: Plan) -> dict[str, Callable[[], Any]]:
-    from benchmarks import measured_vs_sim, overlap, tooling, vs_torch
+    from benchmarks import dp_compression, measured_vs_sim, overlap, tooling, vs_torch
 
     return {
         "vs_torch": lambda: [row for cfg in plan.vs_torch for row in vs_torch.run(cfg, plan.world)],
@@ -83,6 +86,7 @@ def _runners(plan: Plan) -> dict[str, Callable[[], Any]]:
         "overlap": lambda: overlap.run(plan.overlap, plan.world),
         "tooling": lambda: tooling.run(plan.quick_tooling),
         "profile": lambda: _run_profile(plan),
+        "grad_compression": lambda: dp_compression.run(plan.dp_compression),
     }
 
 
@@ -197,11 +201,26 @@ def _command(given: list[str]) -> str:
 def _publish(results: dict[str, Any], out: str, docs: str) -> None:
     """Print the tables, draw the figures and (unless docs is 'none') rewrite docs/benchmarks.md."""
     print(report.stdout_report(results))
+    part = results.get("grad_compression")
+    if part:
+        from benchmarks import dp_compression
+
+        cfg = plan_config(part)
+        print(f"6. Gradient compression in training\n{dp_compression.table(part['rows'], cfg)}")
+        if docs != "none":
+            part.setdefault("meta", {**results.get("meta", {}), "load_before": results.get("meta", {}).get(
+                "loadavg_at_part_start", {}).get("grad_compression", "?")})
+            dp_compression.publish(part, docs)
     if docs != "none":
         made = write_figures(results, os.path.join(docs, "img"), "img/")
         report.update_doc(os.path.join(docs, "benchmarks.md"), report.results_markdown(results, made))
     else:
         write_figures(results, out, "")
+
+
+def plan_config(part: dict[str, Any]) -> DPBenchConfig:
+    """The DPBenchConfig a grad_compression result was measured with."""
+    return DPBenchConfig(**{**part["config"], "methods": tuple(part["config"]["methods"])})
 
 
 if __name__ == "__main__":

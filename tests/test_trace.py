@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,7 @@ import pytest
 from _viz_cases import as_measured, hand_timeline, schedule_names, simulated
 
 from duplexpipe.schedules.ir import Op
-from duplexpipe.schedules.timeline import Timeline
+from duplexpipe.schedules.timeline import Span, Timeline
 from duplexpipe.viz.trace import COST_UNIT_US, chrome_trace, to_chrome_trace
 
 
@@ -68,3 +69,16 @@ def test_pair_args_name_both_parts_and_override_scale() -> None:
         chrome_trace(timeline, us_per_unit=0)
     with pytest.raises(ValueError, match="Timeline"):
         chrome_trace({"events": []})  # type: ignore[arg-type]
+
+
+def test_extra_lanes_become_threads_of_each_rank() -> None:
+    base = hand_timeline([[("0F0", 0.0, 1.0), ("0B0", 2.0, 4.0)], [("1F0", 1.0, 2.0), ("1B0", 2.0, 3.0)]])
+    spans = (Span(1, "dp", "bucket 0", 3.0, 5.0), Span(0, "dp", "bucket 1", 4.0, 4.5), Span(0, "dp", "wait", 4.2, 4.5))
+    data = chrome_trace(replace(base, spans=spans), us_per_unit=10.0)
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in data["traceEvents"]
+               if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert threads == {(0, 0): "compute", (1, 0): "compute", (0, 1): "dp", (1, 1): "dp"}
+    lane = sorted((e["pid"], e["name"], e["ts"], e["dur"]) for e in data["traceEvents"]
+                  if e["ph"] == "X" and e["tid"] == 1)
+    assert lane == [(0, "bucket 1", 40.0, 5.0), (0, "wait", 42.0, 3.0), (1, "bucket 0", 30.0, 20.0)]
+    assert sum(e["ph"] == "X" and e["tid"] == 0 for e in data["traceEvents"]) == len(base.events)

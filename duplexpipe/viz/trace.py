@@ -23,7 +23,8 @@ def us_per_unit_of(timeline: Timeline) -> float:
 
 
 def chrome_trace(timeline: Timeline, *, us_per_unit: float | None = None) -> dict[str, Any]:
-    """The trace as a dict: metadata naming each rank's process, then one "X" event per compute action.
+    """The trace as a dict: metadata naming each rank's process, then one "X" event per compute action
+    (thread "compute") and per span of an extra lane (one thread per lane, e.g. "dp").
 
     Times are relative to the timeline's first start. `us_per_unit` overrides the unit conversion.
     """
@@ -39,7 +40,15 @@ def chrome_trace(timeline: Timeline, *, us_per_unit: float | None = None) -> dic
             {"name": "process_sort_index", "ph": "M", "pid": r, "tid": 0, "args": {"sort_index": r}},
             {"name": "thread_name", "ph": "M", "pid": r, "tid": 0, "args": {"name": "compute"}},
         ]
+    lanes = timeline.lanes()
+    for r in range(timeline.num_ranks):  # extra lanes (e.g. "dp") as further threads of each rank
+        events += [{"name": "thread_name", "ph": "M", "pid": r, "tid": 1 + i, "args": {"name": lane}}
+                   for i, lane in enumerate(lanes)]
     origin = timeline.start
+    for s in sorted(timeline.spans, key=lambda s: (s.rank, s.start, s.end)):
+        events.append({"name": s.name, "cat": s.lane, "ph": "X", "pid": s.rank, "tid": 1 + lanes.index(s.lane),
+                       "ts": round((s.start - origin) * scale, 3), "dur": round((s.end - s.start) * scale, 3),
+                       "args": {"lane": s.lane}})
     for e in sorted(timeline.events, key=lambda e: (e.rank, e.start, e.end)):
         events.append({
             "name": st.short_token(e.action), "cat": st.kind_of(e.action), "ph": "X",

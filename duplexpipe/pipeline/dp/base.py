@@ -136,6 +136,10 @@ class DPStrategy(ABC):
         self.divisor = 1.0
         """loss scale x window weight of the current window: the gradients in .grad are this many times
         the gradient of the window's mean loss."""
+        self.compute_s = 0.0
+        """Seconds this thread spent on the last window's reductions outside waits (flattening, compressing,
+        decompressing, copying back): the compute a faster link could not save."""
+        self._waited = 0.0
         self.optimizer = self.build_optimizer()
 
     @property
@@ -157,6 +161,7 @@ class DPStrategy(ABC):
         if final:
             self.tracker.begin()
             self.lanes.reset()
+            self.compute_s = 0.0
 
     def grads_ready(self, stage: int) -> None:
         """The runtime's callback: start the buckets that `stage`'s final gradients complete."""
@@ -167,14 +172,25 @@ class DPStrategy(ABC):
     def _start(self, spec: BucketSpec) -> None:
         begin = time.perf_counter()
         self.lanes.start(spec.index, begin, self.start_bucket(spec))
+        self.compute_s += time.perf_counter() - begin
+
+    def wait(self, work: Any, what: str) -> None:
+        """ctx.wait, timed (the time is not compute_s)."""
+        begin = time.perf_counter()
+        try:
+            self.ctx.wait(work, what)
+        finally:
+            self._waited += time.perf_counter() - begin
 
     def finish(self) -> None:
         """Wait for every bucket's reduction (starting any whose stage never reported, in index order)."""
         for spec in self.tracker.pending():
             self._start(spec)
-        begin = time.perf_counter()
+        begin, waited = time.perf_counter(), self._waited
         self.finish_buckets()
-        self.lanes.wait = (begin, time.perf_counter())
+        end = time.perf_counter()
+        self.lanes.wait = (begin, end)
+        self.compute_s += (end - begin) - (self._waited - waited)
 
     @abstractmethod
     def start_bucket(self, spec: BucketSpec) -> Waitable | None:
@@ -182,7 +198,7 @@ class DPStrategy(ABC):
 
     @abstractmethod
     def finish_buckets(self) -> None:
-        """Wait for the started reductions (with ctx.wait) and leave the reduced gradients in .grad."""
+        """Wait for the started reductions (with self.wait) and leave the reduced gradients in .grad."""
 
     @property
     def post_divisor(self) -> float:

@@ -20,7 +20,8 @@ def own_dp_group(groups: ParallelGroups, device: torch.device, wait: WaitFn) -> 
     rank learns every data-parallel group and creates each, in the same order)."""
     mine = torch.tensor(dist.get_process_group_ranks(groups.dp_group), dtype=torch.int64, device=device)
     everyone = mine.new_empty(dist.get_world_size() * mine.numel())
-    wait(dist.all_gather_into_tensor(everyone, mine, async_op=True), "the data-parallel group exchange")
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    wait(gather(everyone, mine, async_op=True), "the data-parallel group exchange")
     found = None
     for ranks in sorted({tuple(row) for row in everyone.view(-1, mine.numel()).tolist()}):
         group = dist.new_group(list(ranks))
@@ -89,7 +90,7 @@ class CompressedStrategy(DPStrategy):
         """Finish each reduction in start order; store the averaged gradients into .grad."""
         inflight, self._inflight = self._inflight, []
         for spec, reduction in inflight:
-            reduction.finish(self.ctx.wait)
+            reduction.finish(self.wait)
             self.comm_buckets[spec.index].store(grads.ensure_grads(spec.params))
 
     @property

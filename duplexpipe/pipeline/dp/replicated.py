@@ -44,7 +44,7 @@ class ReplicatedStrategy(DPStrategy):
         inflight, self._inflight = self._inflight, []
         total = len(self.buckets)
         for spec, flat, work in inflight:
-            self.ctx.wait(work, f"the data-parallel gradient all-reduce (bucket {spec.index + 1} of {total})")
+            self.wait(work, f"the data-parallel gradient all-reduce (bucket {spec.index + 1} of {total})")
             flat.div_(self.dp_size)
             offset = 0
             for p in spec.params:
