@@ -107,7 +107,7 @@ def held_bytes(pipe: Pipeline) -> dict[str, int]:
     grads = [p.grad for p in pipe.params if p.grad is not None]
     sharded = getattr(pipe.dp, "sharded", None)
     if sharded is not None:
-        grads += [f.grads for f in sharded.flats] + [f.shard_grad for f in sharded.flats]
+        grads += [f.grads for f in sharded.flats]  # the shards are views into these
     return {name: sum(_local(t).numel() * _local(t).element_size() for t in ts)
             for name, ts in (("state", state), ("grads", grads), ("params", pipe.params))}
 

@@ -211,14 +211,6 @@ class Zero2Strategy(DPStrategy):
         self.reshard()
         return super().checkpoint_dicts(modules)
 
-    def sizes(self) -> dict[str, int]:
-        """Bytes this rank holds between steps: optimizer state, gradient shards, parameter shards."""
-        def nbytes(ts: Any) -> int:
-            return sum(_local(t).numel() * _local(t).element_size() for t in ts)
-        state = [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, Tensor) and t.dim()]
-        return {"optimizer_state": nbytes(state), "shard_grads": nbytes(self.local_grads()),
-                "params": nbytes(p for p in self.params)}
-
     def state_dict(self) -> dict[str, Any]:
         """The draw counter when anything goes on the wire as int8 (the state is saved per parameter)."""
         return {"draws": self.draws} if quantized(self.ctx) else {}
@@ -228,4 +220,3 @@ class Zero2Strategy(DPStrategy):
         if set(state) - {"draws"}:
             raise ValueError(f"the zero2 strategy keeps only 'draws', got keys {sorted(state)}")
         self.draws = int(state.get("draws", 0))
-

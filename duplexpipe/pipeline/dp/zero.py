@@ -105,10 +105,6 @@ class Zero1Strategy(DPStrategy):
         self.draws += 1
         self.end_step(applied=True)
 
-    def sizes(self) -> dict[str, int]:
-        """Bytes this rank holds: optimizer state, gradient shards, flat gradient and parameter buffers."""
-        return self.sharded.sizes()
-
     def checkpoint_dicts(self, modules: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
         """The model's state dict and the optimizer state per parameter, each rank holding its pieces."""
         init_state(self.sharded)

@@ -62,7 +62,7 @@ class FlatGroup:
     master: Tensor
     """This rank's shard the optimizer steps: a view into `data`, or its own fp32 copy under qwZ."""
     shard_grad: Tensor
-    """Where the reduce-scatter leaves this rank's mean gradient shard."""
+    """This rank's chunk of `grads`, where the (in-place) reduce-scatter leaves the mean gradient shard."""
     rank: int
     """This rank's index in the data-parallel group."""
     index: int
@@ -143,8 +143,10 @@ class ShardedOptimizer:
         self.flats: list[FlatGroup] = []
         for stage, g, params, pnames in _buffers_of(optimizer, names):
             layout, data, master = _flatten(params, size, rank, own_master)
-            self.flats.append(FlatGroup(stage, g, params, pnames, layout, data, torch.zeros_like(data), master,
-                                        torch.zeros_like(master), rank, len(self.flats)))
+            grads = torch.zeros_like(data)
+            lo, hi = layout.shard_range(rank)  # the reduce-scatter runs in place: the shard is the own chunk
+            self.flats.append(FlatGroup(stage, g, params, pnames, layout, data, grads, master, grads[lo:hi], rank,
+                                        len(self.flats)))
         shards: list[list[Tensor]] = [[] for _ in optimizer.param_groups]
         for flat in self.flats:
             shards[flat.group].append(flat.master)
@@ -160,7 +162,6 @@ class ShardedOptimizer:
                 view.copy_(p.grad.reshape(-1)) if p.grad is not None else view.zero_()
                 p.grad = None
         if self.comm is None:
-            flat.shard_grad.copy_(flat.grads[flat.shard_slice])
             return None
         what = f"the gradients of stage {flat.stage} (param group {flat.group})"
         pending = self.comm.reduce_scatter(flat.grads, flat.shard_grad, what, draw=draw * 4096 + flat.index)
@@ -211,13 +212,3 @@ class ShardedOptimizer:
         """Drop the shards' gradients (the flat gradient buffers are overwritten at the next reduce)."""
         for flat in self.flats:
             flat.master.grad = None
-
-    def sizes(self) -> dict[str, int]:
-        """Bytes per rank: optimizer state, gradient shards, flat gradient buffers, parameter buffers."""
-        state = sum(t.numel() * t.element_size() for s in self.optimizer.state.values() for t in s.values()
-                    if isinstance(t, Tensor) and t.dim() > 0)
-        return {"optimizer_state": state,
-                "shard_grads": sum(f.shard_grad.numel() * f.shard_grad.element_size() for f in self.flats),
-                "flat_grads": sum(f.grads.numel() * f.grads.element_size() for f in self.flats),
-                "params": sum(f.data.numel() * f.data.element_size() for f in self.flats)}
-
