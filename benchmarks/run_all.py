@@ -22,8 +22,9 @@ from benchmarks.measured_vs_sim import SimConfig  # noqa: E402
 from benchmarks.models import ModelSpec  # noqa: E402
 from benchmarks.overlap import OverlapConfig  # noqa: E402
 from benchmarks.vs_torch import VsTorchConfig  # noqa: E402
+from benchmarks.zero_bench import ZeroBenchConfig  # noqa: E402
 
-PARTS = ("vs_torch", "measured_vs_simulated", "overlap", "tooling", "profile", "grad_compression")
+PARTS = ("vs_torch", "measured_vs_simulated", "overlap", "tooling", "profile", "grad_compression", "zero")
 QUICK_PARTS = PARTS[:4]
 
 
@@ -45,6 +46,8 @@ class Plan:
     """Part 5: (schedule, workload, steps) cases profiled under py-spy on both sides."""
     dp_compression: DPBenchConfig = DPBenchConfig()
     """Part 6: gradient compression in training (GPT example, PP=2 x DP=2, 200 steps per method)."""
+    zero: ZeroBenchConfig = ZeroBenchConfig()
+    """Part 7: ZeRO memory per rank and ZeRO++ bytes / loss (GPT example, 200 steps per run)."""
 
 
 def full_plan() -> Plan:
@@ -78,7 +81,7 @@ def quick_plan() -> Plan:
 
 
 def _runners(plan: Plan) -> dict[str, Callable[[], Any]]:
-    from benchmarks import dp_compression, measured_vs_sim, overlap, tooling, vs_torch
+    from benchmarks import dp_compression, measured_vs_sim, overlap, tooling, vs_torch, zero_bench
 
     return {
         "vs_torch": lambda: [row for cfg in plan.vs_torch for row in vs_torch.run(cfg, plan.world)],
@@ -87,6 +90,7 @@ def _runners(plan: Plan) -> dict[str, Callable[[], Any]]:
         "tooling": lambda: tooling.run(plan.quick_tooling),
         "profile": lambda: _run_profile(plan),
         "grad_compression": lambda: dp_compression.run(plan.dp_compression),
+        "zero": lambda: zero_bench.run(plan.zero),
     }
 
 
@@ -211,11 +215,26 @@ def _publish(results: dict[str, Any], out: str, docs: str) -> None:
             part.setdefault("meta", {**results.get("meta", {}), "load_before": results.get("meta", {}).get(
                 "loadavg_at_part_start", {}).get("grad_compression", "?")})
             dp_compression.publish(part, docs)
+    _publish_zero(results, docs)
     if docs != "none":
         made = write_figures(results, os.path.join(docs, "img"), "img/")
         report.update_doc(os.path.join(docs, "benchmarks.md"), report.results_markdown(results, made))
     else:
         write_figures(results, out, "")
+
+
+def _publish_zero(results: dict[str, Any], docs: str) -> None:
+    """Print part 7 and (unless docs is 'none') write its section of docs/benchmarks.md."""
+    part = results.get("zero")
+    if not part:
+        return
+    from benchmarks import zero_bench
+
+    meta = results.get("meta", {})
+    part.setdefault("meta", {**meta, "load_before": meta.get("loadavg_at_part_start", {}).get("zero", "?")})
+    print(f"7. ZeRO\n{zero_bench.markdown(part)}")
+    if docs != "none":
+        zero_bench.publish(part, docs)
 
 
 def plan_config(part: dict[str, Any]) -> DPBenchConfig:

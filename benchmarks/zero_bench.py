@@ -265,7 +265,7 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [
         f"Run on {meta.get('date', '?')}: `{meta.get('command', '?')}` ({meta.get('wall_s', 0):.0f} s wall); load "
         f"average (1, 5, 15 min) before {meta.get('load_before', '?')}, after "
-        f"{[round(x, 2) for x in result['loadavg']]}; `uptime` before: {meta.get('uptime', '?')}.",
+        f"{[round(x, 2) for x in result['loadavg']]}; `uptime` before: {result.get('uptime_before', '?')}.",
         "",
         f"**Memory per rank** (GPT example {cfg.task_options}, AdamW, after {cfg.memory_steps} steps; largest "
         "rank; 'vs 0' = fraction of zero_stage=0 in the same layout). At DP=1 there is nothing to shard: "
@@ -297,10 +297,11 @@ def publish(result: dict[str, Any], docs: str) -> None:
 
 def run(cfg: ZeroBenchConfig) -> dict[str, Any]:
     """The memory table, then the ZeRO++ runs and their summary."""
+    before = uptime()
     mem = memory(cfg)
     runs = run_zero_pp(cfg)
     return {"config": asdict(cfg), "memory": mem, "runs": runs, "rows": summarize(runs, cfg),
-            "loadavg": list(os.getloadavg())}
+            "loadavg": list(os.getloadavg()), "uptime_before": before}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -320,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run(cfg)
     result["meta"] = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "wall_s": time.monotonic() - started,
                       "command": "python benchmarks/zero_bench.py " + " ".join(argv or sys.argv[1:]),
-                      "load_before": load_before, "uptime": uptime()}
+                      "load_before": load_before}
     print(markdown(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
