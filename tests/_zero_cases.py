@@ -34,13 +34,13 @@ def wide_parts(num_parts: int, width: int, seed: int) -> list[nn.Module]:
 
 
 def build(schedule: str, zero_stage: int, dp: int, *, precision: str = "fp32", zero: ZeroOptions | None = None,
-          compression: Any = None, seed: int = 0, width: int = WIDTH) -> Pipeline:
+          compression: Any = None, seed: int = 0, width: int = WIDTH, **extra: Any) -> Pipeline:
     """A pipeline over the world as pp x dp with the given ZeRO settings (fp16: a loss scale that overflows
     on the first step, so a skipped step is part of every fp16 case)."""
     pp = dist.get_world_size() // dp
     cfg = PipelineConfig(schedule=schedule, num_microbatches=4, zero_stage=zero_stage, zero=zero or ZeroOptions(),
                          grad_compression=compression, grad_clip_norm=CLIP, precision=precision,
-                         loss_scale=LossScaleConfig(init_scale=2.0**20))
+                         loss_scale=LossScaleConfig(init_scale=2.0**20), **extra)
     parts = make_parts(pp, 8, seed) if width == WIDTH else wide_parts(pp, width, seed)
     return Pipeline(parts, mse, adamw, cfg, mesh=make_mesh(pp, dp))
 
@@ -122,6 +122,16 @@ def equality_case(schedule: str, precision: str) -> dict[int, dict[str, Any]]:
                       "bytes": held_bytes(pipe), "wire": pipe.last.wire_bytes if pipe.last else 0.0,
                       "flats": [(f.layout.total, f.layout.padded) for f in pipe.dp.sharded.flats] if stage == 1
                       else []}
+    return out
+
+
+def accumulation_case(schedule: str) -> dict[int, dict[str, Any]]:
+    """zero_stage 0, 1, 2 with two calls per optimizer step and activation checkpointing on."""
+    out = {}
+    for stage in (0, 1, 2):
+        pipe = build(schedule, stage, 2, accumulation_steps=2, activation_checkpointing=True)
+        losses = [pipe.step(*local_batch(pipe, call)) for call in range(6)]
+        out[stage] = {"digests": digests(pipe), "losses": losses, "steps": pipe.optimizer_steps}
     return out
 
 

@@ -7,7 +7,14 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from _zero_cases import equality_case, quantized_case, quantized_options, reshard_case, resume_case
+from _zero_cases import (
+    accumulation_case,
+    equality_case,
+    quantized_case,
+    quantized_options,
+    reshard_case,
+    resume_case,
+)
 
 from duplexpipe.pipeline.launch import launch
 
@@ -18,6 +25,7 @@ ADAMW_STATES = 2  # exp_avg and exp_avg_sq per element
 
 def _worker(root: str) -> dict[str, Any]:
     out: dict[str, Any] = {"equal": {(s, p): equality_case(s, p) for s in SCHEDULES for p in ("fp32", "fp16")}}
+    out["accumulation"] = {s: accumulation_case(s) for s in ("1f1b", "dualpipe")}
     out["quantized"] = {stage: quantized_case(stage) for stage in (1, 2)}
     out["resume"] = {(s, z): resume_case(root, s, z) for s, z in (("1f1b", 0), ("1f1b", 1), ("1f1b", 2),
                                                                   ("dualpipe", 1), ("dualpipe", 2))}
@@ -47,6 +55,20 @@ def test_parameters_after_5_adamw_steps_are_bit_equal_to_zero_stage_0(results: l
             assert runs[stage]["losses"] == runs[0]["losses"], (rank, stage)
             assert runs[stage]["skipped"] == runs[0]["skipped"] == (1 if precision == "fp16" else 0)
             assert len(runs[stage]["losses"]) == 5 + runs[stage]["skipped"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("schedule", ["1f1b", "dualpipe"])
+def test_accumulation_windows_and_activation_checkpointing_stay_bit_equal(results: list[dict[str, Any]],
+                                                                         schedule: str) -> None:
+    """Two calls per optimizer step: the reduction waits for the window's last call (ZeRO-2 keeps FSDP's
+    gradients unsharded across the calls, and DualPipe's mirror sum sets the first call's aside)."""
+    for rank, res in enumerate(results):
+        runs = res["accumulation"][schedule]
+        for stage in (1, 2):
+            assert runs[stage]["steps"] == 3
+            assert runs[stage]["digests"] == runs[0]["digests"] and runs[stage]["losses"] == runs[0]["losses"], (
+                rank, stage)
 
 
 @pytest.mark.timeout(60)
