@@ -297,7 +297,7 @@ def publish(result: dict[str, Any], docs: str) -> None:
 
 def run(cfg: ZeroBenchConfig) -> dict[str, Any]:
     """The memory table, then the ZeRO++ runs and their summary."""
-    before = uptime()
+    before = harness.uptime()
     mem = memory(cfg)
     runs = run_zero_pp(cfg)
     return {"config": asdict(cfg), "memory": mem, "runs": runs, "rows": summarize(runs, cfg),
@@ -328,16 +328,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.docs:
         publish(result, args.docs)
     return 0
-
-
-def uptime() -> str:
-    """`uptime`'s line (or "?")."""
-    try:
-        import subprocess
-
-        return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
-    except OSError:
-        return "?"
 
 
 if __name__ == "__main__":

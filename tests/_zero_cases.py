@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,9 @@ from duplexpipe.comm import Int8Options
 from duplexpipe.pipeline import Pipeline, PipelineConfig, make_mesh
 from duplexpipe.pipeline.dp import ZeroOptions
 from duplexpipe.pipeline.precision import LossScaleConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.zero_bench import held_bytes  # noqa: E402  (one measure of held memory, for tests and benchmark)
 
 BATCH = 16
 CLIP = 0.05  # below the gradient norm: clipping scales every step
@@ -93,23 +97,6 @@ def max_rel(a: list[float], b: list[float]) -> float:
     """Largest |a - b| / max|b| over two lists of equal length."""
     x, y = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
     return float((x - y).abs().max() / y.abs().max())
-
-
-def _local(t: Tensor) -> Tensor:
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t  # type: ignore[no-any-return]
-
-
-def held_bytes(pipe: Pipeline) -> dict[str, int]:
-    """Bytes this rank holds, read from the tensors themselves: per-element optimizer state, gradients kept
-    after the step (parameters' .grad, plus ZeRO-1's flat buffers and shards), parameters (local shards)."""
-    state = [t for s in pipe.optimizer.state.values() for t in s.values() if isinstance(t, Tensor) and t.dim()]
-    grads = [p.grad for p in pipe.params if p.grad is not None]
-    sharded = getattr(pipe.dp, "sharded", None)
-    if sharded is not None:
-        grads += [f.grads for f in sharded.flats]  # the shards are views into these
-    return {name: sum(_local(t).numel() * _local(t).element_size() for t in ts)
-            for name, ts in (("state", state), ("grads", grads), ("params", pipe.params))}
 
 
 def equality_case(schedule: str, precision: str) -> dict[int, dict[str, Any]]:
