@@ -13,7 +13,7 @@ import pytest
 import torch
 from _dp_cases import LOSSY, SCHEDULES, all_cases
 
-from duplexpipe.comm import TopKOptions
+from duplexpipe.comm import DGCOptions, TopKOptions
 from duplexpipe.pipeline.dp import check_strategy_name
 from duplexpipe.pipeline.launch import launch
 from duplexpipe.pipeline.trainer import PipelineConfig
@@ -122,4 +122,7 @@ def test_config_rejects_bad_compression_options() -> None:
         PipelineConfig(dp_strategy="zero9")
     with pytest.raises(ValueError, match="'replicated' all-reduces exact gradients"):
         check_strategy_name("replicated", compressing=True)
+    with pytest.raises(ValueError, match=r"grad_clip_norm=1.0 would clip DGC's averaged momentum-corrected"):
+        PipelineConfig(grad_compression="dgc", grad_clip_norm=1.0)
+    assert PipelineConfig(grad_compression=DGCOptions(clip_norm=1.0)).grad_clip_norm is None
     assert PipelineConfig(grad_compression="none").grad_compression == "none"

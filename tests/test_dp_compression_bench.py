@@ -49,7 +49,8 @@ def test_table_verdict_and_markdown_say_what_was_measured() -> None:
     text = bench.table(rows, CFG)
     assert "| int8 | AdamW lr 0.003 |" in text and "**no**" in text and "| yes |" in text
     verdict = bench._verdict(rows)
-    assert "every compressed run was slower per step than its fp32 run" in verdict
+    assert "2 of 2 compressed runs were slower than their fp32 run" in verdict
+    assert "2 of 2 methods spend more CPU" in verdict
     assert "between 39 and 60 MB/s per rank" in verdict
     result = {"config": {**bench.asdict(CFG), "methods": []}, "rows": rows, "runs": RUNS, "loadavg": [1, 2, 3]}
     md = bench.markdown(result, [("img/x.png", "X")])

@@ -202,17 +202,6 @@ def _stall_until_flagged(pipe: Pipeline) -> Any:
     return stall
 
 
-class _NeverJoined:
-    """The data-parallel all-reduce of a rank that never joins it: never completes; its wait stalls until
-    the job's error flag is set."""
-
-    def __init__(self, pipe: Pipeline) -> None:
-        self.wait = _stall_until_flagged(pipe)
-
-    def is_completed(self) -> bool:
-        return False
-
-
 def _collective_failure(rank: int, world: int, kind: str) -> dict[str, Any]:
     """PP=2 x DP=2 with clipping; on the second step rank 3 either never joins the data-parallel
     all-reduce (a dead peer) or fails when posting it (a failed peer)."""
@@ -223,7 +212,11 @@ def _collective_failure(rank: int, world: int, kind: str) -> dict[str, Any]:
     if rank == 3:
         def boom(*args: Any, **kwargs: Any) -> None:
             raise RuntimeError("boom in the gradient all-reduce")
-        replicated.post_all_reduce = (lambda *a: _NeverJoined(pipe)) if kind == "dead" else boom  # type: ignore
+        if kind == "dead":  # never joins the data-parallel all-reduce, never comes back from waiting for it
+            replicated.post_all_reduce = lambda *args: None  # type: ignore[assignment]
+            pipe.dp.finish = _stall_until_flagged(pipe)  # type: ignore[method-assign]
+        else:
+            replicated.post_all_reduce = boom  # type: ignore[assignment]
     start = time.monotonic()
     try:
         pipe.step(x[:8], y[:8])

@@ -86,8 +86,9 @@ class PipelineConfig:
     """Data-parallel gradient compression: a method name from duplexpipe.comm.METHOD_NAMES ("bf16", "fp16",
     "powersgd", "int8", "topk", "randomk", "threshold", "dgc") with its defaults, or an options object
     (e.g. comm.Int8Options(block=128), comm.DGCOptions(ratio=0.001, warmup_steps=20)); None or "none":
-    exact fp32 all-reduce. Sparsifiers assume SGD (DGC: SGD with momentum=0, the momentum goes in
-    DGCOptions). No effect (a warning) without data parallelism."""
+    exact fp32 all-reduce. Sparsifiers assume SGD (DGC: SGD with momentum=0, the momentum and the
+    gradient clipping go in DGCOptions, grad_clip_norm must be None). No effect (a warning) without data
+    parallelism."""
     dp_strategy: str | None = None
     """Data-parallel strategy name (duplexpipe.pipeline.dp.STRATEGY_NAMES); None: "compressed" when
     grad_compression compresses, else "replicated"."""
@@ -116,6 +117,11 @@ class PipelineConfig:
         check_zero(self.zero_stage, self.zero, compression, self.dp_strategy)
         if not self.zero_stage:
             check_strategy_name(self.dp_strategy, compression.method != "none")
+        if compression.method == "dgc" and self.grad_clip_norm is not None:
+            raise ValueError(
+                f"grad_clip_norm={self.grad_clip_norm} would clip DGC's averaged momentum-corrected velocity, "
+                "not a gradient; DGC clips each rank's gradient before its momentum: set "
+                "DGCOptions(clip_norm=...) and grad_clip_norm=None")
 
 
 @dataclass(frozen=True)

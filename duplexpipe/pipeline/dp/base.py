@@ -189,7 +189,8 @@ class DPStrategy(ABC):
         begin, waited = time.perf_counter(), self._waited
         self.finish_buckets()
         end = time.perf_counter()
-        self.lanes.wait = (begin, end)
+        if self.lanes.started:  # nothing to show without data parallelism
+            self.lanes.wait = (begin, end)
         self.compute_s += (end - begin) - (self._waited - waited)
 
     @abstractmethod
