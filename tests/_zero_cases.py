@@ -135,7 +135,8 @@ def quantized_case(stage: int) -> dict[str, Any]:
         peer = [None] * dist.get_world_size()
         dist.all_gather_object(peer, mine)
         out[name] = {"losses": losses, "wire": pipe.last.wire_bytes if pipe.last else 0.0,
-                     "replicas_equal": peer[dist.get_rank() ^ 1] == mine}
+                     "replicas_equal": peer[dist.get_rank() ^ 1] == mine,
+                     "unsegmented": pipe.dp.comms.unsegmented if stage == 2 else 0}
     return out
 
 

@@ -105,6 +105,57 @@ def _qwz_case(group: Any) -> dict[str, Any]:
             * CHUNK], shard)}
 
 
+def _segments(n: int) -> list[list[int]]:
+    """Per rank, a short run near 1 (a LayerNorm weight), then runs near 0.01; the cuts differ by rank."""
+    return [[10 + 7 * r, 300, CHUNK - 310 - 7 * r] for r in range(n)]
+
+
+def _segmented_data(seed: int, rank: int, cuts: list[int]) -> Tensor:
+    parts = [_data(seed, rank * 10 + i, length, scale=1.0 if i == 0 else 0.01) for i, length in enumerate(cuts)]
+    parts[0] = parts[0].abs() + 0.5
+    return torch.cat(parts)
+
+
+def _segment_scales(x: Tensor, cuts: list[int]) -> Tensor:
+    """Per element, the scale of its block when each run is cut into blocks of 256 on its own."""
+    out = [quantize_int8(part, 256)[1].repeat_interleave(256)[:part.numel()] for part in x.split(cuts)]
+    return torch.cat(out)
+
+
+def _segment_case(group: Any) -> dict[str, Any]:
+    """int8 blocks inside segments: every element within its own run's half scale (qwZ) or mean scale (qgZ),
+    where blocks across the runs would not be; replicas identical; bytes as counted by the dispatcher."""
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    cuts = _segments(n)
+    comm = ShardComm(group, gradients=Int8Options(block=256), weights=Int8Options(block=256, stochastic=False))
+    seen = WireMeter()
+    with C10dCounter(seen):
+        out = torch.empty(n * CHUNK)
+        comm.all_gather(out, _segmented_data(6, rank, cuts[rank]), segments=cuts).finish()
+        grads = torch.cat([_segmented_data(7, rank + 100 * r, cuts[r]) for r in range(n)])
+        got = torch.empty(CHUNK)
+        comm.reduce_scatter(grads, got, draw=3, segments=cuts).finish()
+    fixed = torch.empty(n * CHUNK)
+    ShardComm(group, weights=Int8Options(block=256, stochastic=False)).all_gather(
+        fixed, _segmented_data(6, rank, cuts[rank])).finish()
+    qwz, fixed_qwz = 0.0, 0.0
+    for r in range(n):
+        theirs = _segmented_data(6, r, cuts[r])
+        half = _segment_scales(theirs, cuts[r]) / 2
+        qwz = max(qwz, float(((out[r * CHUNK:(r + 1) * CHUNK] - theirs).abs() / half).max()))
+        fixed_qwz = max(fixed_qwz, float(((fixed[r * CHUNK:(r + 1) * CHUNK] - theirs).abs() / half).max()))
+    exact = grads.double()
+    dist.all_reduce(exact, group=group)
+    want = exact.div_(n)[rank * CHUNK:(rank + 1) * CHUNK]
+    bound = sum(_segment_scales(_segmented_data(7, r + 100 * rank, cuts[rank]), cuts[rank]).double()
+                for r in range(n)) / n
+    with pytest.raises(ValueError, match="summing to the chunk of 1000 elements"):
+        comm.all_gather(out, torch.zeros(CHUNK), segments=[[CHUNK - 1]] * n)
+    return {"qwz": qwz, "fixed_qwz": fixed_qwz, "identical": _identical(out, group),
+            "qgz": float(((got.double() - want).abs() / bound).max()), "own": comm.meter.snapshot(),
+            "dispatch": seen.snapshot()}
+
+
 def _meter_case(group: Any) -> dict[str, Any]:
     """Each wire format's ring-model bytes, by its own meter and by the c10d dispatch counter."""
     n, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -124,7 +175,7 @@ def _meter_case(group: Any) -> dict[str, Any]:
 
 def _cases(group: Any) -> dict[str, Any]:
     return {"exact": _exact_cases(group), "cast": _cast_cases(group), "qgz": _qgz_case(group),
-            "qwz": _qwz_case(group), "meter": _meter_case(group)}
+            "qwz": _qwz_case(group), "meter": _meter_case(group), "segments": _segment_case(group)}
 
 
 def _worker(rank: int, world: int) -> dict[int, dict[str, Any]]:
@@ -181,6 +232,21 @@ def test_wire_bytes_match_the_dispatch_count_and_int8_saves_over_3_5x(results: A
         assert fp32["reduce_scatter"] / int8["all_to_all"] >= 3.5, (rank, n, fp32, int8)  # qgZ
         assert fp32["all_gather"] / int8["all_gather"] >= 3.5, (rank, n, fp32, int8)  # qwZ
         assert m["bf16"]["own"]["bytes"]["reduce_scatter"] * 2 == fp32["reduce_scatter"]
+
+
+@pytest.mark.timeout(60)
+def test_int8_blocks_inside_segments_keep_each_run_at_its_own_scale(results: Any) -> None:
+    """With segments (a parameter's pieces), small weights beside a run near 1 keep their own scale (blocks
+    across the runs miss that bound by far); the codes go unpadded, so the bytes stay over 3.5x below fp32."""
+    for rank, n, m in _each(results, "segments"):
+        assert m["qwz"] <= 1.0 + 1e-6 and m["fixed_qwz"] > 10.0 and m["identical"], (rank, n, m)
+        assert m["qgz"] <= 1.0, (rank, n, m)
+        assert m["own"] == m["dispatch"], (rank, n, m)
+        scales = max(sum(-(-length // 256) for length in cuts) for cuts in _segments(n))
+        row = CHUNK + 4 * scales
+        want = {"all_gather": (n - 1) * row, "all_to_all": (n - 1) * row}
+        assert m["own"]["bytes"] == pytest.approx(want), (rank, n, m)
+        assert 4 * CHUNK / row >= 3.5
 
 
 def test_methods_without_a_reduce_scatter_form_are_rejected_by_name() -> None:

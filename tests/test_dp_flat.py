@@ -33,6 +33,18 @@ def test_shards_are_ceil_n_over_dp_and_pieces_tile_every_tensor(numels: list[int
     assert all(count == 1 for counts in seen for count in counts)
 
 
+@settings(max_examples=200, deadline=None)
+@given(numels=st.lists(st.integers(0, 40), min_size=1, max_size=6), size=st.integers(1, 5))
+def test_segments_are_each_ranks_pieces_then_its_padding(numels: list[int], size: int) -> None:
+    layout = FlatLayout(numels, size)
+    segments = layout.segments()
+    assert len(segments) == size
+    for rank, lengths in enumerate(segments):
+        assert sum(lengths) == layout.shard and all(n > 0 for n in lengths), (rank, lengths)
+        pieces = [p.numel for p in layout.pieces(rank)]
+        assert lengths[:len(pieces)] == pieces and len(lengths) - len(pieces) <= 1
+
+
 @settings(max_examples=300, deadline=None)
 @given(shape=shapes, data=st.data())
 def test_boxes_tile_a_range_and_are_contiguous_runs(shape: tuple[int, ...], data: st.DataObject) -> None:

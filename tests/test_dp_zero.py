@@ -121,6 +121,7 @@ def test_quantized_and_bf16_collectives_train_and_cut_bytes(results: list[dict[s
         exact = runs["exact"]
         for name in ("int8", "int8_by_name", "bf16"):
             assert runs[name]["replicas_equal"], (rank, name)
+            assert runs[name]["unsegmented"] == 0, (rank, name)  # ZeRO-2: int8 blocks inside each parameter
             drift = max(abs(a - b) / b for a, b in zip(runs[name]["losses"], exact["losses"], strict=True))
             assert 0 < drift < 0.02, (rank, name, drift)
         assert exact["wire"] / runs["int8"]["wire"] >= 3.5, (rank, exact["wire"], runs["int8"]["wire"])

@@ -13,7 +13,7 @@ fp32 (float64 for float64 data). qwZ quantizes the owner's shard, all-gathers co
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,6 +99,51 @@ class _Int8Layout:
         return self.padded // self.block
 
 
+Segments = Sequence[Sequence[int]]
+"""Per rank of the group, the lengths of the runs its chunk is made of (e.g. the parameters' pieces in it)."""
+
+
+class _SegmentBlocks:
+    """int8 blocks that never cross a segment boundary: each segment of a rank's chunk is cut into blocks of
+    `block` elements, its last block shorter, so a tensor never shares a scale with its neighbour (a LayerNorm
+    weight near 1 beside weights near 0.02 would otherwise quantize those to a few levels). Codes go on the
+    wire unpadded; each rank's scales are padded to the largest count in the group."""
+
+    def __init__(self, segments: Segments, chunk: int, block: int, size: int) -> None:
+        if len(segments) != size or any(sum(s) != chunk or min(s, default=0) < 0 for s in segments):
+            raise ValueError(f"segments must give, for each of the {size} ranks, non-negative lengths summing to "
+                             f"the chunk of {chunk} elements, got {[list(s) for s in segments]}")
+        self.block = block
+        self.keeps: list[Tensor] = []
+        """Per rank: where its chunk's elements sit in the block-padded layout."""
+        self.padded: list[int] = []
+        for lengths in segments:
+            starts, pos = [], 0
+            for length in lengths:
+                starts.append(torch.arange(pos, pos + length))
+                pos += block * -(-length // block)
+            self.keeps.append(torch.cat(starts) if starts else torch.zeros(0, dtype=torch.long))
+            self.padded.append(pos)
+        self.scales = max(p // block for p in self.padded)
+        """Scales each rank sends (its own count, zero-padded to the group's largest)."""
+
+    def quantize(self, x: Tensor, rank: int, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+        """(codes of x, unpadded; its block scales padded to `scales`) under `rank`'s segments."""
+        keep = self.keeps[rank].to(x.device)
+        padded = x.new_zeros(self.padded[rank])
+        padded[keep] = x
+        codes, scales = quantize_int8(padded, self.block, generator)
+        return codes[keep], torch.cat([scales, scales.new_zeros(self.scales - scales.numel())])
+
+    def dequantize(self, codes: Tensor, scales: Tensor, rank: int, dtype: torch.dtype) -> Tensor:
+        """quantize()'s inverse for a chunk laid out by `rank`'s segments."""
+        keep = self.keeps[rank].to(codes.device)
+        padded = codes.new_zeros(self.padded[rank])
+        padded[keep] = codes
+        used = self.padded[rank] // self.block
+        return dequantize_int8(padded, scales[:used].contiguous(), self.block, dtype)[keep]
+
+
 class ShardComm:
     """Reduce-scatter and all-gather of flat shards over `group`, metered on `meter` (ring-model bytes).
 
@@ -122,22 +167,31 @@ class ShardComm:
         """Elements each rank owns of a flat buffer of `numel`: ceil(numel / n)."""
         return -(-numel // self.size)
 
-    def reduce_scatter(self, flat: Tensor, out: Tensor, what: str = "gradients", draw: int = 0) -> Pending:
-        """Start leaving the mean over the group of this rank's chunk of `flat` in `out`."""
+    def reduce_scatter(self, flat: Tensor, out: Tensor, what: str = "gradients", draw: int = 0,
+                       segments: Segments | None = None) -> Pending:
+        """Start leaving the mean over the group of this rank's chunk of `flat` in `out` (int8: blocks inside
+        each rank's `segments` when given, else fixed blocks across the chunk)."""
         self._check(flat, out, "reduce_scatter")
         method = self.gradients
         if isinstance(method, Int8Options):
+            if segments is not None:
+                blocks = _SegmentBlocks(segments, out.numel(), method.block, self.size)
+                return Pending(self._segmented_reduce_scatter(flat, out, what, method, draw, blocks))
             return Pending(self._int8_reduce_scatter(flat, out, what, method, draw))
         if isinstance(method, (Bf16Options, Fp16Options)):
             return Pending(self._cast_reduce_scatter(flat, out, what, method))
         return Pending(self._exact_reduce_scatter(flat, out, what))
 
     def all_gather(self, out: Tensor, shard: Tensor, what: str = "parameters", draw: int = 0,
-                   exact: bool = False) -> Pending:
+                   exact: bool = False, segments: Segments | None = None) -> Pending:
         """Start filling every rank's chunk of `out` with that rank's `shard` (int8 blocks when `weights` is
-        set, unless `exact`; `shard` may be this rank's own chunk of `out`)."""
+        set, unless `exact`, inside each rank's `segments` when given; `shard` may be this rank's own chunk of
+        `out`)."""
         self._check(out, shard, "all_gather")
         if self.weights is not None and not exact:
+            if segments is not None:
+                blocks = _SegmentBlocks(segments, shard.numel(), self.weights.block, self.size)
+                return Pending(self._segmented_all_gather(out, shard, what, self.weights, draw, blocks))
             return Pending(self._int8_all_gather(out, shard, what, self.weights, draw))
         return Pending(self._exact_all_gather(out, shard, what))
 
@@ -201,3 +255,31 @@ class ShardComm:
         all_codes, all_scales = _unpack(gathered.view(n, -1), (torch.int8, lay.padded), (torch.float32, lay.scales))
         values = dequantize_int8(all_codes.reshape(-1), all_scales.reshape(-1), opts.block, work_dtype(out.dtype))
         out.view(n, lay.chunk).copy_(values.view(n, lay.padded)[:, : lay.chunk])
+
+    def _segmented_reduce_scatter(self, flat: Tensor, out: Tensor, what: str, opts: Int8Options, draw: int,
+                                  blocks: _SegmentBlocks) -> Steps:
+        n, chunk = self.size, out.numel()
+        gen = self._generator(opts, draw, flat.device)
+        coded = [blocks.quantize(row, r, gen) for r, row in enumerate(flat.view(n, chunk))]
+        send = _pack(torch.stack([c for c, _ in coded]), torch.stack([s for _, s in coded]))
+        recv = torch.empty_like(send)
+        self.meter.record("all_to_all", send.numel(), n)
+        work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
+        yield work, f"the int8 all_to_all (qgZ) of {what}"
+        codes, scales = _unpack(recv, (torch.int8, chunk), (torch.float32, blocks.scales))
+        dtype = work_dtype(flat.dtype)
+        ranks = torch.stack([blocks.dequantize(codes[j], scales[j], self.rank, dtype) for j in range(n)])
+        out.copy_(ranks.sum(dim=0).div_(n))
+
+    def _segmented_all_gather(self, out: Tensor, shard: Tensor, what: str, opts: Int8Options, draw: int,
+                              blocks: _SegmentBlocks) -> Steps:
+        n, chunk = self.size, shard.numel()
+        codes, scales = blocks.quantize(shard, self.rank, self._generator(opts, draw, shard.device))
+        mine = _pack(codes.view(1, chunk), scales.view(1, blocks.scales)).view(-1)
+        gathered = mine.new_empty(n * mine.numel())
+        self.meter.record("all_gather", gathered.numel(), n)
+        yield _all_gather(gathered, mine, self.group), f"the int8 all-gather (qwZ) of {what}"
+        all_codes, all_scales = _unpack(gathered.view(n, -1), (torch.int8, chunk), (torch.float32, blocks.scales))
+        rows = out.view(n, chunk)
+        for j in range(n):
+            rows[j].copy_(blocks.dequantize(all_codes[j], all_scales[j], j, work_dtype(out.dtype)))

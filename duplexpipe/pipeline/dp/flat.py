@@ -85,6 +85,16 @@ class FlatLayout:
                 out.append(Piece(index, a - begin, b - begin, a - lo))
         return out
 
+    def segments(self) -> list[list[int]]:
+        """Per rank, the lengths of the tensors' pieces in its shard, then of its padding if any (int8 blocks
+        are cut inside these runs, so two tensors never share a scale)."""
+        out = []
+        for rank in range(self.size):
+            lengths = [p.numel for p in self.pieces(rank)]
+            pad = self.shard - sum(lengths)
+            out.append(lengths + ([pad] if pad else []))
+        return out
+
 
 def boxes(shape: Sequence[int], start: int, stop: int) -> list[Box]:
     """Split the flattened (row-major) elements [start, stop) of a tensor of `shape` into boxes.

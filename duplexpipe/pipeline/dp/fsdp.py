@@ -42,6 +42,14 @@ class _Comms:
         self.strategy = strategy
         self._by_group: dict[Any, ShardComm] = {}
         self.pending: list[Pending] = []
+        self.unsegmented = 0
+        """Collectives whose chunk did not match the parameters' shards (their int8 blocks run across)."""
+
+    def segments(self, module: Any, chunk: int, size: int, gathering: bool) -> list[list[int]] | None:
+        """segments() of `module`, counting the chunks it cannot cut."""
+        cut = segments(module, chunk, size, gathering)
+        self.unsegmented += cut is None
+        return cut
 
     def on(self, group: Any) -> ShardComm:
         comm = self._by_group.get(group)
@@ -53,12 +61,31 @@ class _Comms:
         return comm
 
 
+def _fsdp_params(module: Any) -> list[Any]:
+    """FSDP's per-parameter records of a fully_shard-ed module, in its flat all-gather / reduce-scatter order."""
+    state = fully_shard.state(module)  # type: ignore[attr-defined,union-attr]
+    return [p for group in state._fsdp_param_groups for p in group.fsdp_params]
+
+
+def segments(module: Any, chunk: int, size: int, gathering: bool) -> list[list[int]] | None:
+    """Per rank, the lengths of the parameters' pieces in FSDP's flat chunk of `chunk` elements (the same on
+    every rank: FSDP pads each parameter's dim 0 alike), so int8 blocks stay inside one parameter; None when
+    they do not add up to the chunk (then the blocks run across the chunk)."""
+    lengths = []
+    for p in _fsdp_params(module):
+        if gathering and p.sharded_state.name == "SHARDED_POST_FORWARD":  # hpZ: the node-local shard
+            lengths.append(p._sharded_post_forward_param_data.numel())
+        else:
+            lengths.append(p.padded_sharded_param_size.numel())
+    return [lengths] * size if sum(lengths) == chunk else None
+
+
 class _ReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
     """FSDP's reduce-scatter (op AVG: the mean): posted, and finished by the strategy (or at once when FSDP
     would accumulate into an existing sharded gradient right away)."""
 
-    def __init__(self, comms: _Comms, stage: int) -> None:
-        self.comms, self.stage = comms, stage
+    def __init__(self, comms: _Comms, stage: int, module: Any) -> None:
+        self.comms, self.stage, self.module = comms, stage, module
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -67,9 +94,10 @@ class _ReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
                  async_op: bool = False) -> Any:
         if op != dist.ReduceOp.AVG:
             raise ValueError(f"ZeRO-2 expects FSDP to ask for the mean (ReduceOp.AVG), got {op}")
-        strategy = self.comms.strategy
-        pending = self.comms.on(group).reduce_scatter(input_tensor, output_tensor, f"the gradients of stage "
-                                                      f"{self.stage}", draw=strategy.draws * 4096 + self.stage)
+        strategy, comm = self.comms.strategy, self.comms.on(group)
+        cut = self.comms.segments(self.module, output_tensor.numel(), comm.size, gathering=False)
+        pending = comm.reduce_scatter(input_tensor, output_tensor, f"the gradients of stage {self.stage}",
+                                      draw=strategy.draws * 4096 + self.stage, segments=cut)
         if strategy.defer:
             self.comms.pending.append(pending)
         else:
@@ -80,8 +108,8 @@ class _ReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
 class _AllGather(AllGather):  # type: ignore[misc,valid-type]
     """FSDP's parameter all-gather, finished before FSDP copies the parameters out."""
 
-    def __init__(self, comms: _Comms, stage: int) -> None:
-        self.comms, self.stage = comms, stage
+    def __init__(self, comms: _Comms, stage: int, module: Any) -> None:
+        self.comms, self.stage, self.module = comms, stage, module
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -90,8 +118,10 @@ class _AllGather(AllGather):  # type: ignore[misc,valid-type]
         strategy = self.comms.strategy
         if strategy.ctx.zero.weight_wire is not None and not input_tensor.is_floating_point():
             raise ValueError(f"qwZ needs floating-point parameters; stage {self.stage} gathers {input_tensor.dtype}")
-        self.comms.on(group).all_gather(output_tensor, input_tensor, f"the parameters of stage {self.stage}",
-                                        draw=strategy.draws * 4096 + self.stage).finish(strategy.ctx.wait)
+        comm = self.comms.on(group)
+        cut = self.comms.segments(self.module, input_tensor.numel(), comm.size, gathering=True)
+        comm.all_gather(output_tensor, input_tensor, f"the parameters of stage {self.stage}",
+                        draw=strategy.draws * 4096 + self.stage, segments=cut).finish(strategy.ctx.wait)
         return None
 
 
@@ -139,8 +169,8 @@ class Zero2Strategy(DPStrategy):
         mesh = DeviceMesh.from_group(ctx.groups.dp_group, ctx.device.type)
         for stage, module in sorted(ctx.modules.items()):
             fully_shard(module, mesh=mesh, reshard_after_forward=ctx.zero.hpz_ranks or False)
-            module.set_custom_reduce_scatter(_ReduceScatter(self.comms, stage))  # type: ignore[operator]
-            module.set_custom_all_gather(_AllGather(self.comms, stage))  # type: ignore[operator]
+            module.set_custom_reduce_scatter(_ReduceScatter(self.comms, stage, module))  # type: ignore[operator]
+            module.set_custom_all_gather(_AllGather(self.comms, stage, module))  # type: ignore[operator]
         super().__init__(ctx)  # the parameters are FSDP's sharded DTensors from here on
         order = [s for s in ctx.final_order if s in ctx.modules] + sorted(set(ctx.modules) - set(ctx.final_order))
         self.buckets = [BucketSpec(i, tuple(ctx.modules[s].parameters()), frozenset({s}))

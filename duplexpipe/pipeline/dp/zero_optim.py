@@ -164,7 +164,8 @@ class ShardedOptimizer:
         if self.comm is None:
             return None
         what = f"the gradients of stage {flat.stage} (param group {flat.group})"
-        pending = self.comm.reduce_scatter(flat.grads, flat.shard_grad, what, draw=draw * 4096 + flat.index)
+        pending = self.comm.reduce_scatter(flat.grads, flat.shard_grad, what, draw=draw * 4096 + flat.index,
+                                           segments=flat.layout.segments())
         self._pending.append(pending)
         return pending
 
@@ -204,7 +205,8 @@ class ShardedOptimizer:
             what = f"the parameters of stage {flat.stage} (param group {flat.group})"
             # a master viewing its own chunk of `data` (no qwZ) makes an in-place all-gather
             pending.append(self.comm.all_gather(flat.data, flat.data[flat.shard_slice] if exact else flat.master,
-                                                what, draw=draw * 4096 + flat.index, exact=exact))
+                                                what, draw=draw * 4096 + flat.index, exact=exact,
+                                                segments=flat.layout.segments()))
         for p in pending:
             p.finish(wait)
 
