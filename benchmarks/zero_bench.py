@@ -52,6 +52,8 @@ RUNS: tuple[tuple[str, int, ZeroOptions], ...] = (
     ("ZeRO-1 + qwZ", 1, ZeroOptions(quantized_weights=True)),
     ("ZeRO-1 + qgZ + qwZ", 1, BOTH),
     ("ZeRO-2", 2, ZeroOptions()),
+    ("ZeRO-2 + qgZ", 2, ZeroOptions(quantized_gradients=True)),
+    ("ZeRO-2 + qwZ", 2, ZeroOptions(quantized_weights=True)),
     ("ZeRO-2 + qgZ + qwZ", 2, BOTH),
 )
 """(label, zero_stage, options) of the ZeRO++ runs."""
