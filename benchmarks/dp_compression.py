@@ -82,7 +82,7 @@ def _methods(warmup: int) -> tuple[Method, ...]:
 
 @dataclass(frozen=True)
 class DPBenchConfig:
-    """The workload: examples/gpt.py's task, PP x DP processes."""
+    """The workload: the GPT example's task (duplexpipe.tasks.gpt), PP x DP processes."""
 
     steps: int = 200
     """Training steps per method."""
@@ -96,8 +96,10 @@ class DPBenchConfig:
     """Schedule."""
     microbatches: int = 4
     """Microbatches per step and replica."""
-    task_options: dict[str, Any] = field(default_factory=lambda: {"n_layer": 4, "d_model": 64, "batch_size": 32})
-    """gpt_task options (the example's model and global batch)."""
+    task_options: dict[str, Any] = field(default_factory=lambda: {"n_layer": 4, "d_model": 64})
+    """gpt_task options (the example's model)."""
+    batch_size: int = 32
+    """Sequences per step over all replicas (the example's global batch)."""
     adamw_lr: float = 3e-3
     """The example's AdamW learning rate (weight decay 0.01)."""
     sgd_lr: float = 0.1
@@ -130,7 +132,7 @@ def _worker(rank: int, world: int, job: tuple[DPBenchConfig, Method]) -> dict[st
     losses, wire, step_s, compute_s = [], [], [], []
     share = None
     for step in range(cfg.steps):
-        x, y = task.batch(step)
+        x, y = task.batch(step, cfg.batch_size)
         share = x.shape[0] // cfg.dp
         lo = pipe.groups.dp_rank * share
         begin = time.perf_counter()
@@ -155,7 +157,7 @@ def _lane_worker(rank: int, world: int, cfg: DPBenchConfig) -> dict[str, Any] | 
     pipe = Pipeline.from_layers(task.layers, task.loss_fn, _optimizer("adamw", cfg), pcfg,
                                 embedding=task.embedding, head=task.head, mesh=make_mesh(cfg.pp, cfg.dp))
     for step in range(cfg.lane_steps):
-        x, y = task.batch(step)
+        x, y = task.batch(step, cfg.batch_size)
         share = x.shape[0] // cfg.dp
         pipe.step(x[pipe.groups.dp_rank * share:][:share], y[pipe.groups.dp_rank * share:][:share])
     assert pipe.last is not None and pipe.last.timeline is not None

@@ -227,7 +227,7 @@ def results_markdown(results: dict[str, Any], figures: Sequence[tuple[str, str]]
 
 
 def update_doc(doc_path: str, generated: str, begin: str = BEGIN, end: str = END) -> None:
-    """Replace the text between the markers `begin` and `end` of `doc_path` (append the block if absent)."""
+    """Replace the text between the `begin` and `end` markers of `doc_path` (append the block if absent)."""
     try:
         with open(doc_path, encoding="utf-8") as fh:
             text = fh.read()

@@ -21,10 +21,12 @@ from benchmarks.dp_compression import DPBenchConfig  # noqa: E402
 from benchmarks.measured_vs_sim import SimConfig  # noqa: E402
 from benchmarks.models import ModelSpec  # noqa: E402
 from benchmarks.overlap import OverlapConfig  # noqa: E402
+from benchmarks.p2p_compression import P2PConfig, quick_config  # noqa: E402
 from benchmarks.vs_torch import VsTorchConfig  # noqa: E402
 from benchmarks.zero_bench import ZeroBenchConfig  # noqa: E402
 
-PARTS = ("vs_torch", "measured_vs_simulated", "overlap", "tooling", "profile", "grad_compression", "zero")
+PARTS = ("vs_torch", "measured_vs_simulated", "overlap", "tooling", "profile", "auto_search", "p2p",
+         "grad_compression", "zero")
 QUICK_PARTS = PARTS[:4]
 
 
@@ -44,14 +46,16 @@ class Plan:
     """Run schedule_tooling.py's small grid (part 4)."""
     profile: tuple[tuple[str, str, int], ...] = (("1f1b", "mlp", 60), ("zbv", "transformer", 10))
     """Part 5: (schedule, workload, steps) cases profiled under py-spy on both sides."""
+    p2p: P2PConfig = P2PConfig()
+    """Part 7: low-precision stage-to-stage sends on the GPT example (benchmarks/p2p_compression.py)."""
     dp_compression: DPBenchConfig = DPBenchConfig()
-    """Part 6: gradient compression in training (GPT example, PP=2 x DP=2, 200 steps per method)."""
+    """Part 8: gradient compression in training (GPT example, PP=2 x DP=2, 200 steps per method)."""
     zero: ZeroBenchConfig = ZeroBenchConfig()
-    """Part 7: ZeRO memory per rank and ZeRO++ bytes / loss (GPT example, 200 steps per run)."""
+    """Part 9: ZeRO memory per rank and ZeRO++ bytes / loss (GPT example, 200 steps per run)."""
 
 
 def full_plan() -> Plan:
-    """The configuration `make bench` measures (about 10 minutes on 2 shared cores)."""
+    """The configuration `make bench` measures (about 10 minutes on 2 shared cores, and part 6 another 5-11)."""
     return Plan(
         world=4,
         vs_torch=(
@@ -77,11 +81,21 @@ def quick_plan() -> Plan:
         overlap=OverlapConfig(width=1024, num_microbatches=4, compute_ms=1.0, schedules=("1f1b",),
                               warmup=1, reps=2),
         quick_tooling=True,
+        p2p=quick_config(),
     )
 
 
 def _runners(plan: Plan) -> dict[str, Callable[[], Any]]:
-    from benchmarks import dp_compression, measured_vs_sim, overlap, tooling, vs_torch, zero_bench
+    from benchmarks import (
+        auto_search,
+        dp_compression,
+        measured_vs_sim,
+        overlap,
+        p2p_compression,
+        tooling,
+        vs_torch,
+        zero_bench,
+    )
 
     return {
         "vs_torch": lambda: [row for cfg in plan.vs_torch for row in vs_torch.run(cfg, plan.world)],
@@ -89,6 +103,8 @@ def _runners(plan: Plan) -> dict[str, Callable[[], Any]]:
         "overlap": lambda: overlap.run(plan.overlap, plan.world),
         "tooling": lambda: tooling.run(plan.quick_tooling),
         "profile": lambda: _run_profile(plan),
+        "auto_search": lambda: auto_search.run(plan.quick_tooling),
+        "p2p": lambda: p2p_compression.run(plan.p2p),
         "grad_compression": lambda: dp_compression.run(plan.dp_compression),
         "zero": lambda: zero_bench.run(plan.zero),
     }
@@ -210,7 +226,7 @@ def _publish(results: dict[str, Any], out: str, docs: str) -> None:
         from benchmarks import dp_compression
 
         cfg = plan_config(part)
-        print(f"6. Gradient compression in training\n{dp_compression.table(part['rows'], cfg)}")
+        print(f"8. Gradient compression in training\n{dp_compression.table(part['rows'], cfg)}")
         if docs != "none":
             part.setdefault("meta", {**results.get("meta", {}), "load_before": results.get("meta", {}).get(
                 "loadavg_at_part_start", {}).get("grad_compression", "?")})
@@ -221,10 +237,34 @@ def _publish(results: dict[str, Any], out: str, docs: str) -> None:
         report.update_doc(os.path.join(docs, "benchmarks.md"), report.results_markdown(results, made))
     else:
         write_figures(results, out, "")
+    if results.get("auto_search"):
+        from benchmarks import auto_search
+
+        print(auto_search.text_report(results["auto_search"]))
+        if docs != "none":
+            auto_search.update_doc(os.path.join(docs, "benchmarks.md"), results["auto_search"])
+    if results.get("p2p"):
+        _publish_p2p(results, out, docs)
+
+
+def _publish_p2p(results: dict[str, Any], out: str, docs: str) -> None:
+    """Part 7 keeps its own section of docs/benchmarks.md and its loss figure."""
+    from benchmarks import p2p_compression
+
+    meta = results["meta"]
+    part = {**results["p2p"], "meta": {
+        "date": meta["date"], "command": meta["command"], "wall_s": meta["part_wall_s"].get("p2p", 0.0),
+        "load_before": meta["loadavg_at_part_start"].get("p2p"), "load_after": meta["loadavg_after"],
+        "load_note": meta["load_note"]}}
+    print("\n7. Low-precision stage-to-stage sends\n" + report.text_table(p2p_compression.table(part)))
+    if docs != "none":
+        p2p_compression.publish(part, docs)
+    else:
+        p2p_compression.loss_figure(part, os.path.join(out, "p2p_loss.png"))
 
 
 def _publish_zero(results: dict[str, Any], docs: str) -> None:
-    """Print part 7 and (unless docs is 'none') write its section of docs/benchmarks.md."""
+    """Print part 9 and (unless docs is 'none') write its section of docs/benchmarks.md."""
     part = results.get("zero")
     if not part:
         return
@@ -232,7 +272,7 @@ def _publish_zero(results: dict[str, Any], docs: str) -> None:
 
     meta = results.get("meta", {})
     part.setdefault("meta", {**meta, "load_before": meta.get("loadavg_at_part_start", {}).get("zero", "?")})
-    print(f"7. ZeRO\n{zero_bench.markdown(part)}")
+    print(f"9. ZeRO\n{zero_bench.markdown(part)}")
     if docs != "none":
         zero_bench.publish(part, docs)
 

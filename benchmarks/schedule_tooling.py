@@ -28,7 +28,7 @@ class Grid:
     """What one run measures."""
 
     headline: tuple[str, int, int]
-    """(schedule, P, M) timed first; the full grid's is the case DESIGN.md budgets under 1 s."""
+    """(schedule, P, M) timed first; the full grid's is the case docs/design.md budgets under 1 s."""
     torch: tuple[tuple[str, str, int, int], ...]
     """(our name, torch's name, P, M) for the side-by-side plan construction."""
     schedules: tuple[str, ...]

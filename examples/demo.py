@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     plot_timeline(measured, str(files["measured Gantt chart"]), activations=True)
     plot_measured_vs_simulated(measured, simulated, str(files["measured vs simulated"]))
     to_chrome_trace(measured, str(files["Chrome/Perfetto trace"]))
-    _, timelines = compare_rows(args.ranks, args.microbatches, CostModel())
+    _, timelines = compare_rows(args.ranks, args.microbatches, CostModel(stage_scale=True))  # per 1/P of the model
     plot_comparison(timelines, str(files["all schedules, simulated"]))
     print(f"last step, measured: makespan {measured.makespan * 1e3:.1f} ms, bubble ratio {measured.bubble_ratio:.1%}")
     print(f"simulated with the measured per-stage costs: makespan {simulated.makespan * 1e3:.1f} ms, "

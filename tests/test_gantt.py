@@ -16,7 +16,8 @@ from _viz_cases import M, P, as_measured, hand_timeline, schedule_names, simulat
 from duplexpipe.schedules.ir import Op
 from duplexpipe.schedules.timeline import Timeline
 from duplexpipe.viz import _style as st
-from duplexpipe.viz.gantt import DPI, plot_timeline, transfer_pairs
+from duplexpipe.viz._boxes import DETAIL_LIMIT
+from duplexpipe.viz.gantt import DPI, MAX_ACT_IN, MAX_ACT_ROWS, MAX_GANTT_IN, plot_timeline, transfer_pairs
 
 NAMES = schedule_names()
 
@@ -200,3 +201,75 @@ def test_labels_skip_boxes_hidden_by_the_next_and_stray_ranks_fail() -> None:
     stray = Timeline("x", 1, 1, hand_timeline([[], [("1F0", 0, 1)]]).events)
     with pytest.raises(ValueError, match=r"ranks \[1\], outside 0..0"):
         plot_timeline(stray, None)
+
+
+def batched(fig: Any) -> list[Any]:
+    """The batched box collections of a figure (large charts)."""
+    return [c for ax in fig.axes for c in ax.collections if (c.get_gid() or "").startswith(f"{st.BOX_GID}es-")]
+
+
+def test_large_timelines_are_batched_in_a_capped_figure() -> None:
+    _, timeline = simulated("dualpipe", 16, 96)
+    assert len(timeline.events) > DETAIL_LIMIT
+    fig = strict(plot_timeline, timeline, None, activations=True)
+    assert not boxes(fig), "no patch per box at this scale"
+    (coll,) = batched(fig)
+    parts = sum(len(e.action.compute_parts()) for e in timeline.events)
+    assert len(coll.get_paths()) == parts, "one rectangle per action (two per F&B pair)"
+    assert fig.get_size_inches()[1] <= 0.95 + MAX_GANTT_IN + 0.42 + MAX_ACT_IN + 0.5 + 0.01
+    drawn = sorted((round(v[:, 0].min(), 6), round(v[:, 0].max(), 6), round(v[:, 1].min() + 0.4, 6))
+                   for v in (p.vertices for p in coll.get_paths()))
+    expected = sorted((round(e.start + i * e.duration / n, 6), round(e.start + (i + 1) * e.duration / n, 6),
+                       float(e.rank))
+                      for e in timeline.events for n in [len(e.action.compute_parts())] for i in range(n))
+    assert drawn == expected, "every part at its time, in its rank's row"
+
+
+def test_many_ranks_thin_the_labels_and_drop_the_activations_panel() -> None:
+    _, timeline = simulated("1f1b", MAX_ACT_ROWS + 32, 2)
+    fig = strict(plot_timeline, timeline, None, activations=True)
+    assert len(fig.axes) == 1, "activations panel left out"
+    assert f"left out above {MAX_ACT_ROWS} ranks" in fig.texts[1].get_text()
+    labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    step = int(labels[1].split()[1])
+    assert step > 1 and labels == [f"rank {r}" for r in range(0, MAX_ACT_ROWS + 32, step)]
+    shares = [t for t in fig.axes[0].texts if t.get_text().endswith("%")]
+    assert len(shares) == len(labels), "one idle share per labelled row"
+
+
+def test_ranks_and_window_select_what_is_drawn() -> None:
+    _, timeline = simulated("1f1b")
+    fig = strict(plot_timeline, timeline, None, activations=True, ranks=[3, 0], window=(10, 20))
+    gantt, act = fig.axes
+    assert [t.get_text() for t in gantt.get_yticklabels()] == ["rank 3", "rank 0"]
+    assert gantt.get_xlim() == (10, 20) and act.get_xlim() == (10, 20)
+    drawn = {b.get_gid(): b for b in boxes(fig)}
+    expected = [e for e in timeline.events if e.rank in (3, 0) and e.end >= 10 and e.start <= 20]
+    assert len(drawn) == len(expected) > 0
+    for e in expected:
+        box = drawn[f"{st.BOX_GID}-0-r{e.rank}-s{e.action.stage}{e.action.op.value}m{e.action.microbatch}"]
+        assert box.get_y() == pytest.approx((0 if e.rank == 3 else 1) - 0.4)
+    assert any(line.get_linestyle() == "--" for line in gantt.lines), "a dashed line where ranks are skipped"
+    assert [t.get_text() for t in act.texts if t.get_text().startswith("peak")] == [
+        f"peak {timeline.peak_activations(3)}", f"peak {timeline.peak_activations(0)}"]
+    assert "2 of 4 ranks shown" in fig.texts[1].get_text() and "window 10:20" in fig.texts[1].get_text()
+
+
+def test_a_window_into_a_large_chart_labels_the_boxes_again() -> None:
+    _, timeline = simulated("dualpipe", 16, 96)
+    whole = plot_timeline(timeline, None)
+    assert not [t for t in whole.axes[0].texts if t.get_text().isdigit()], "boxes too small to label"
+    zoom = plot_timeline(timeline, None, ranks=range(4), window=(40, 60))
+    labels = [t for t in zoom.axes[0].texts if t.get_text().isdigit()]
+    assert labels and all(40 - 3 <= t.get_position()[0] <= 60 + 3 for t in labels)
+    assert len(boxes(zoom)) == sum(1 for e in timeline.events if e.rank < 4 and e.end >= 40 and e.start <= 60)
+
+
+@pytest.mark.parametrize("ranks,window,needle", [
+    ([4], None, r"rank\(s\) \[4\]"), ([], None, "empty"), ([1, 1], None, "repeat"), (None, (5, 5), "before"),
+    (None, (1000, None), "shows nothing"), (None, (None, -1), "shows nothing"), (None, (0, float("nan")), "finite"),
+])
+def test_bad_views_raise_value_error(ranks: Any, window: Any, needle: str) -> None:
+    _, timeline = simulated("1f1b")
+    with pytest.raises(ValueError, match=needle):
+        plot_timeline(timeline, None, ranks=ranks, window=window)

@@ -1,8 +1,9 @@
-"""Tests for duplexpipe.pipeline.launch: local launcher, crash reporting, torchrun (one and two nodes)."""
+"""Tests for duplexpipe.pipeline.launch: local launcher, root-cause reporting, backend choice, torchrun."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -12,17 +13,28 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from _failing_ranks import OWN_ERROR, blame_a_silent_rank, consequence_first
 
-from duplexpipe.pipeline.launch import LaunchError, free_port, launch, launched_by_torchrun
+from duplexpipe.pipeline.launch import (
+    LaunchError,
+    blamed_rank,
+    default_backend,
+    free_port,
+    launch,
+    launched_by_torchrun,
+    run,
+)
+from duplexpipe.pipeline.trainer import Pipeline, PipelineConfig
+from duplexpipe.runtime import PeerFailedError
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 
 
-def _sum_ranks(offset: int) -> tuple[int, int, int]:
+def _sum_ranks(offset: int) -> tuple[int, int, int, torch.Tensor]:
     t = torch.tensor([dist.get_rank() + offset])
-    dist.all_reduce(t)
-    return dist.get_rank(), dist.get_world_size(), int(t.item())
+    dist.all_reduce(t)  # the tensor itself is returned too: results must outlive the worker process
+    return dist.get_rank(), dist.get_world_size(), int(t.item()), t
 
 
 def _crash_on_rank_one() -> None:
@@ -57,8 +69,14 @@ def _children() -> list[int]:
 
 
 @pytest.mark.timeout(60)
-def test_launch_returns_every_rank_result() -> None:
-    assert launch(_sum_ranks, 2, (10,)) == [(0, 2, 21), (1, 2, 21)]
+def test_run_returns_every_rank_result_and_logs_the_backend(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="duplexpipe.launch"):
+        results = run(_sum_ranks, 2, (10,))
+    assert [r[:3] for r in results] == [(0, 2, 21), (1, 2, 21)]
+    assert [r[3].tolist() for r in results] == [[21], [21]]
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    want = "nccl" if gpus >= 2 else "gloo"
+    assert f"2 processes on this machine on {want}" in caplog.text
     assert _children() == []
 
 
@@ -116,3 +134,80 @@ def test_torchrun_single_node_and_two_nodes() -> None:
     two = _rank0_json([o for o, _ in outs])
     assert two["world"] == 2
     assert two["losses"] == result["losses"]
+
+
+def test_blamed_rank_tells_consequences_from_own_errors() -> None:
+    assert blamed_rank(PeerFailedError("rank 2: stopping because rank 3 failed: boom", 3), 2) == 3
+    assert blamed_rank(ValueError("rank 0 rejected its step inputs (see its error)"), 1) == 0
+    assert blamed_rank(ValueError("rank 1 holds first stage(s) [1]: inputs are required"), 1) is None
+    assert blamed_rank(RuntimeError("rank 1 failed to allocate"), 1) is None  # names itself
+    assert blamed_rank(RuntimeError("shape mismatch"), 0) is None
+    try:
+        try:
+            raise PeerFailedError("rank 1: stopping because rank 0 failed: x", 0)
+        except PeerFailedError as inner:
+            raise RuntimeError("step failed") from inner
+    except RuntimeError as outer:
+        assert blamed_rank(outer, 1) == 0
+
+
+@pytest.mark.timeout(90)
+def test_the_originating_error_comes_first_even_when_it_arrives_last() -> None:
+    # rank 1's consequence reaches the launcher first, every time (rank 0 waits for rank 1's exit)
+    with pytest.raises(LaunchError) as info:
+        launch(consequence_first, 2, ("rejected", "exit"))
+    err = info.value
+    assert err.rank == 0 and str(err).startswith("rank 0 failed (then ranks [1] stopped):\nTraceback")
+    assert str(err).rstrip().endswith(f"ValueError: {OWN_ERROR}") and OWN_ERROR in err.details
+    assert sorted(err.errors) == [0, 1]
+    assert "rank 0 rejected its step inputs" in err.errors[1]
+    assert _children() == []
+
+
+def _reject_on_rank_zero() -> None:
+    x = torch.randn(8, 4)
+    pipe = Pipeline([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)], torch.nn.functional.mse_loss,
+                    lambda ps: torch.optim.SGD(ps, lr=0.1), PipelineConfig("1f1b", 2))
+    pipe.step(None if dist.get_rank() == 0 else x, x)
+
+
+@pytest.mark.timeout(90)
+def test_a_rejected_batch_names_the_rank_that_rejected_it() -> None:
+    with pytest.raises(LaunchError) as info:
+        launch(_reject_on_rank_zero, 2)
+    assert info.value.rank == 0
+    assert str(info.value).rstrip().endswith("ValueError: rank 0 holds first stage(s) [0]: inputs are required")
+
+
+@pytest.mark.timeout(60)
+def test_a_blamed_rank_that_never_reports_is_waited_for_then_named() -> None:
+    with pytest.raises(LaunchError, match="rank 1 failed, blaming rank 0, which reported no error within 1s"):
+        launch(blame_a_silent_rank, 2, grace_s=1.0)
+    assert _children() == []
+
+
+def test_backend_is_nccl_only_with_a_gpu_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert default_backend(2) == "nccl" and default_backend(1) == "nccl"
+    assert default_backend(4) == "gloo"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    assert default_backend() == "gloo"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert default_backend(1) == "gloo"
+
+
+@pytest.mark.timeout(120)
+def test_torchrun_names_the_originating_rank_as_root_cause(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        env.pop(var, None)
+    cmd = [str(TORCHRUN), "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
+           str(free_port()), str(ROOT / "tests" / "_failing_ranks.py"), str(tmp_path / "flag")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=100)
+    assert proc.returncode != 0
+    root = proc.stderr.split("Root Cause (first observed failure):", 1)
+    assert len(root) == 2, proc.stderr[-3000:]
+    assert "rank      : 0 (local_rank: 0)" in root[1] and OWN_ERROR in root[1], root[1]
+    # the consequence names its cause, in its own failure entry and its log line
+    assert "rank 1 stopped because rank 0 failed" in root[0], proc.stderr[-3000:]

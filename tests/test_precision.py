@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -59,12 +60,13 @@ def _fp16_with_injected_inf() -> dict[str, Any]:
     parts = make_parts(2)
     cfg = PipelineConfig("1f1b", 4, precision="fp16", grad_clip_norm=1.0,
                          loss_scale=LossScaleConfig(init_scale=2.0**10, growth_interval=3))
-    pipe = Pipeline(parts, mse, adam, cfg)
+    pipe = Pipeline(parts, mse, adam, cfg,
+                    scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1)))
     state = {"step": -1}
     if dist.get_rank() == 1:
         weight = next(pipe.stage_modules[1].parameters())
         weight.register_hook(lambda g: torch.full_like(g, math.inf) if state["step"] == INF_STEP else g)
-    skipped, scales, changed, losses = [], [], [], []
+    skipped, scales, changed, losses, lrs = [], [], [], [], []
     for step in range(7):
         state["step"] = step
         before = [p.detach().clone() for p in pipe.params]
@@ -72,7 +74,8 @@ def _fp16_with_injected_inf() -> dict[str, Any]:
         skipped.append(pipe.last.skipped)
         scales.append(pipe.scaler.scale)
         changed.append(any(not torch.equal(a, p) for a, p in zip(before, pipe.params, strict=True)))
-    return {"skipped": skipped, "scales": scales, "changed": changed, "losses": losses}
+        lrs.append(pipe.optimizer.param_groups[0]["lr"])
+    return {"skipped": skipped, "scales": scales, "changed": changed, "losses": losses, "lrs": lrs}
 
 
 @pytest.fixture(scope="module")
@@ -89,4 +92,7 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(fp16_results: li
         # 1024, grows to 2048 after 3 clean steps, halves on the skip, then 3 clean steps grow it again
         assert res["scales"] == [1024.0, 1024.0, 2048.0, 1024.0, 1024.0, 1024.0, 2048.0]
         assert all(math.isfinite(v) for v in res["losses"])
+        # the LR scheduler steps after applied optimizer steps only: the skipped step leaves the lr alone
+        applied = list(itertools.accumulate(not s for s in expected_skips))
+        assert res["lrs"] == pytest.approx([1e-2 / (n + 1) for n in applied])
     assert fp16_results[0]["losses"] == fp16_results[1]["losses"]

@@ -118,3 +118,23 @@ def test_all_posted_runs_messages_without_receives() -> None:
     assert run.finished
     # the same times as with the RECVs posted (each one was posted before its message was sent)
     assert run.events == run_program(program, layout.num_tokens, comm=0.5, record=True).events
+
+
+def test_memory_grows_linearly_with_the_ranks() -> None:
+    """`analyze` keeps message queues only for pairs of ranks that talk, not a table of every pair (P^2)."""
+    import tracemalloc
+
+    from duplexpipe.schedules.lower import lower
+
+    def peak(ranks: int) -> int:
+        lowered = lower(registry.build("1f1b", ranks, 2))
+        layout = Layout.of(lowered)
+        tracemalloc.start()
+        try:
+            analyze(lowered, layout)
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    small, large = peak(250), peak(1000)
+    assert large < 8 * small, f"4x the ranks took {large / small:.1f}x the memory"  # was 15.6x with P^2 tables

@@ -1,4 +1,4 @@
-"""Tests of the simulator: DESIGN.md's bubble table, hand-timed comm cases, the cost model and summary."""
+"""Tests of the simulator: docs/design.md's bubble table, hand-timed comm cases, the cost model and summary."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from duplexpipe.schedules.ir import Op, Schedule, ScheduleError, StageInfo, pars
 from duplexpipe.schedules.simulate import CostModel, simulate, summary
 from duplexpipe.schedules.timeline import Timeline
 
-TABLE = CostModel(f=1.0, b=2.0, w=1.0, fb=3.0)  # DESIGN.md: zero comm cost, F=1 B=2 W=1 F&B=3
+TABLE = CostModel(f=1.0, b=2.0, w=1.0, fb=3.0)  # docs/design.md: zero comm cost, F=1 B=2 W=1 F&B=3
 
 
 def make(rows: list[str], stages: list[int], microbatches: int) -> Schedule:
@@ -24,7 +24,7 @@ def spans(timeline: Timeline) -> dict[str, tuple[float, float]]:
     return {str(e.action): (e.start, e.end) for e in timeline.events}
 
 
-# DESIGN.md's per-rank bubble (idle time) with F=1, B=2, W=1, F&B=3
+# docs/design.md's per-rank bubble (idle time) with F=1, B=2, W=1, F&B=3
 IDLE = {
     "1f1b": lambda p: (p - 1) * (1 + 2),
     "zb-h1": lambda p: (p - 1) * (1 + 2 - 2 * 1),

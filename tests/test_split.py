@@ -135,3 +135,12 @@ def test_partition_report_is_readable_and_placed() -> None:
     assert f"{placed.parts[0].num_params:,}" in text
     with pytest.raises(ValueError, match="needs 8 model parts, got 4"):
         partition.placed(build("dualpipev", 4, 8))
+
+
+def test_meta_layers_split_by_params_but_not_by_time() -> None:
+    with torch.device("meta"):
+        blocks = [nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 64), nn.Linear(64, 8)]
+    part = plan_partition(blocks, 2, "params", sample_input=torch.randn(2, 8))
+    assert part.balance == (3, 1) and all(p.est_time_s is None for p in part.parts)
+    with pytest.raises(ValueError, match="balance='time' profiles the layers, which are on the meta device"):
+        plan_partition(blocks, 2, "time", sample_input=torch.randn(2, 8))

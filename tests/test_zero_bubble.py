@@ -1,4 +1,4 @@
-"""Tests for the ZB-H1 and ZB-V generators."""
+"""Tests for the ZB-H1, ZB-H2 and ZB-V generators."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import pytest
 
 from duplexpipe.schedules.ir import Action, Op, format_action
 from duplexpipe.schedules.one_f_one_b import one_f_one_b
-from duplexpipe.schedules.zero_bubble import zb_h1, zbv
+from duplexpipe.schedules.simulate import CostModel, simulate
+from duplexpipe.schedules.verify import verify
+from duplexpipe.schedules.zero_bubble import zb_h1, zb_h2, zbv
 
 
 def live_peak(row: tuple[Action, ...]) -> int:
@@ -60,6 +62,33 @@ def test_zb_h1_matches_torch_zb1p_with_one_stage_per_rank() -> None:
         assert [[format_action(a) for a in row] for row in zb_h1(ranks, mbs).actions] == theirs
 
 
+@pytest.mark.parametrize(("ranks", "mbs"), [(4, 8), (3, 3), (5, 11), (4, 2), (1, 3)])
+def test_zb_h2_doubles_the_warmup_and_defers_w_by_twice_the_rank(ranks: int, mbs: int) -> None:
+    s = zb_h2(ranks, mbs)
+    verify(s)
+    for rank, row in enumerate(s.actions):
+        ops = [a.op for a in row]
+        warmup = min(2 * (ranks - 1 - rank) + 1, mbs)
+        assert ops[:warmup] == [Op.F] * warmup and (warmup == mbs or ops[warmup] is Op.I)
+        i_done = 0
+        for a in row:  # each W runs the oldest deferred microbatch, 2r inputs-gradients behind
+            if a.op is Op.I:
+                i_done += 1
+            elif a.op is Op.W and i_done < mbs:
+                assert a.microbatch == i_done - 1 - 2 * rank
+        assert live_peak(row) == min(2 * ranks - 1, mbs)
+
+
+@pytest.mark.parametrize("latency", [0.0, 0.5, 1.0])
+def test_zb_h2_reaches_the_lower_bound_where_zb_h1_does_not(latency: float) -> None:
+    cost = CostModel(f=1, b=2, w=1, latency=latency)
+    for ranks, mbs in ((4, 8), (4, 16), (8, 32)):
+        bound = (ranks - 1) * (1 + latency) + mbs * 3  # (P-1)(F + latency) + M(F + B)
+        assert simulate(zb_h2(ranks, mbs), cost).makespan == pytest.approx(bound)
+        h1 = simulate(zb_h1(ranks, mbs), cost).makespan
+        assert h1 == pytest.approx(bound) if latency == 0 else h1 > bound
+
+
 def test_zbv_v_shape_and_start() -> None:
     s = zbv(4, 8)
     assert [info.rank for info in s.stages] == [0, 1, 2, 3, 3, 2, 1, 0]
@@ -79,6 +108,8 @@ def test_zbv_matches_torch_zbv(ranks: int, mbs: int) -> None:
 @pytest.mark.parametrize(("fn", "ranks", "mbs", "needle"), [
     (zb_h1, 0, 4, "zb-h1 needs num_ranks >= 1, got num_ranks=0"),
     (zb_h1, 2, 0, "zb-h1 needs num_microbatches >= 1, got num_microbatches=0"),
+    (zb_h2, 0, 4, "zb-h2 needs num_ranks >= 1, got num_ranks=0"),
+    (zb_h2, 2, "3", "zb-h2 needs an integer num_microbatches, got num_microbatches='3'"),
     (zbv, 1, 4, "zbv needs num_ranks >= 2, got num_ranks=1"),
     (zbv, 2, 1.5, "zbv needs an integer num_microbatches, got num_microbatches=1.5"),
 ])

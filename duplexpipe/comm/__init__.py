@@ -3,6 +3,7 @@
 from duplexpipe.comm.bucket import Bucket
 from duplexpipe.comm.build import build_reducer
 from duplexpipe.comm.meter import C10dCounter, WireMeter, ring_bytes
+from duplexpipe.comm.nonfinite import NONFINITE_POLICIES, NonFiniteSendError, NonFiniteWatch
 from duplexpipe.comm.options import (
     METHOD_NAMES,
     Bf16Options,
@@ -18,11 +19,13 @@ from duplexpipe.comm.options import (
     check_optimizer,
     compression_options,
 )
+from duplexpipe.comm.p2p_codecs import P2P_COMPRESSION, Fp8RowCodec, Int8BlockCodec, p2p_codec_pair
 from duplexpipe.comm.reduction import FutureWork, Reducer, Reduction, Waitable, WaitFn, blocking_wait
 
 __all__ = [
-    "METHOD_NAMES", "Bf16Options", "Bucket", "C10dCounter", "DGCOptions", "Fp16Options", "FutureWork",
-    "Int8Options", "NoCompression", "Options", "PowerSGDOptions", "RandomKOptions", "Reducer", "Reduction",
-    "ThresholdOptions", "TopKOptions", "WaitFn", "Waitable", "WireMeter", "blocking_wait", "build_reducer",
-    "check_optimizer", "compression_options", "ring_bytes",
+    "METHOD_NAMES", "NONFINITE_POLICIES", "P2P_COMPRESSION", "Bf16Options", "Bucket", "C10dCounter", "DGCOptions",
+    "Fp16Options", "Fp8RowCodec", "FutureWork", "Int8BlockCodec", "Int8Options", "NoCompression",
+    "NonFiniteSendError", "NonFiniteWatch", "Options", "PowerSGDOptions", "RandomKOptions", "Reducer",
+    "Reduction", "ThresholdOptions", "TopKOptions", "WaitFn", "Waitable", "WireMeter", "blocking_wait",
+    "build_reducer", "check_optimizer", "compression_options", "p2p_codec_pair", "ring_bytes",
 ]

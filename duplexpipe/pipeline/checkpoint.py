@@ -1,4 +1,4 @@
-"""Checkpoint and resume a Pipeline with torch.distributed.checkpoint (model parts, optimizer, RNG and
+"""Checkpoint and resume a Pipeline with torch.distributed.checkpoint (parts, optimizer, LR scheduler, RNG and
 data-parallel strategy state per rank)."""
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ def stage_dict(pipe: Pipeline) -> nn.ModuleDict:
 
 
 def trainer_state(pipe: Pipeline, fresh_optimizer: bool) -> dict[str, Any]:
-    """The trainer's own counters (equal on every rank)."""
-    return {
+    """The trainer's own counters (equal on every rank), and the LR scheduler's state when there is one."""
+    state = {
         "schedule": pipe.schedule.name,
         "num_stages": pipe.schedule.num_stages,
         "calls": pipe.calls,
@@ -37,6 +37,20 @@ def trainer_state(pipe: Pipeline, fresh_optimizer: bool) -> dict[str, Any]:
         "fresh_optimizer": fresh_optimizer,
         "scaler": pipe.scaler.state_dict(),
     }
+    if pipe.scheduler is not None:
+        state["scheduler"] = pipe.scheduler.state_dict()
+    return state
+
+
+def _check_scheduler(path: str, pipe: Pipeline) -> None:
+    """Raise ValueError (on every rank alike) when the checkpoint and the Pipeline disagree on having
+    an LR scheduler."""
+    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    saved = any(k.startswith("trainer.scheduler.") for k in stored)
+    if saved != (pipe.scheduler is not None):
+        has, lacks = ("the checkpoint", "this Pipeline") if saved else ("this Pipeline", "the checkpoint")
+        raise ValueError(f"{has} has an LR scheduler but {lacks} has none ({path}); build the Pipeline with "
+                         "the same scheduler= as the run that saved it")
 
 
 def _rank() -> int:
@@ -123,6 +137,7 @@ def load_checkpoint(pipe: Pipeline, path: str) -> None:
     extra = {k: b"" for k in dp_state(pipe)}
     _check_keys(pipe, path, [f"model.{k}" for k in modules.state_dict()] + [f"rng.{k}" for k in rng]
                 + [f"dp.{k}" for k in extra])
+    _check_scheduler(path, pipe)
     model_sd, optim_sd = pipe.dp.checkpoint_dicts(modules)
     state: dict[str, Any] = {"model": model_sd, "optim": optim_sd, "trainer": trainer_state(pipe, False),
                              "rng": rng}
@@ -140,6 +155,8 @@ def load_checkpoint(pipe: Pipeline, path: str) -> None:
     pipe.calls = int(meta["calls"])
     pipe.optimizer_steps = int(meta["optimizer_steps"])
     pipe.scaler.load_state_dict(meta["scaler"])
+    if pipe.scheduler is not None:
+        pipe.scheduler.load_state_dict(meta["scheduler"])
 
 
 def _check_keys(pipe: Pipeline, path: str, keys: list[str]) -> None:

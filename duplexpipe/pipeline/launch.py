@@ -4,28 +4,71 @@ from __future__ import annotations
 
 import datetime
 import gc
+import json
+import logging
 import multiprocessing as mp
 import os
+import pickle
 import queue
+import re
 import socket
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+GRACE_S = 10.0
+"""After a rank fails, how long to wait for the rank it blames (or any rank) to report its own error."""
+_BLAME = re.compile(r"\brank (\d+) (?:rejected|failed)\b")
+_STORE_PREFIX = "duplexpipe/failures/"
+log = logging.getLogger("duplexpipe.launch")
 
 
 class LaunchError(RuntimeError):
-    """A launched rank failed (or the launch timed out); `rank` names it, `details` holds its traceback."""
+    """A launched rank failed (or the launch timed out): `rank` names the rank whose own error
+    caused it, `details` holds that rank's traceback, `errors` every failed rank's traceback."""
 
-    def __init__(self, message: str, rank: int | None = None, details: str = "") -> None:
+    def __init__(self, message: str, rank: int | None = None, details: str = "",
+                 errors: dict[int, str] | None = None) -> None:
         super().__init__(message)
         self.rank = rank
         self.details = details
+        self.errors = dict(errors or {})
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One rank's error as its process reported it."""
+
+    details: str
+    """The formatted traceback."""
+    blamed: int | None
+    """The rank this error says failed first (it stopped because of that rank), None for its own error."""
+
+
+def blamed_rank(exc: BaseException, own_rank: int) -> int | None:
+    """The rank that `exc` says failed first, or None when `exc` is this rank's own error.
+
+    A PeerFailedError-style exception carries `failed_rank`; the runtime's other consequences say
+    "rank N rejected ..." or "... because rank N failed". The cause chain is searched too.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        failed = getattr(current, "failed_rank", None)
+        if isinstance(failed, int) and failed >= 0 and failed != own_rank:
+            return failed
+        for match in _BLAME.finditer(str(current)):
+            if int(match.group(1)) != own_rank:
+                return int(match.group(1))
+        current = current.__cause__ or current.__context__
+    return None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -35,9 +78,21 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def default_backend() -> str:
-    """"nccl" when CUDA is available, else "gloo"."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
+def default_backend(local_procs: int | None = None) -> str:
+    """"nccl" when CUDA has a device for each of the `local_procs` processes on this machine (default:
+    LOCAL_WORLD_SIZE, else 1), else "gloo"."""
+    if local_procs is None:
+        local_procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if torch.cuda.is_available() and torch.cuda.device_count() >= local_procs:
+        return "nccl"
+    return "gloo"
+
+
+def _log_backend(backend: str, nprocs: int, where: str) -> None:
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    why = "one GPU per process" if backend == "nccl" else (
+        f"{gpus} GPUs for {nprocs} processes" if gpus else "no GPU") if backend == "gloo" else "as asked"
+    log.info("duplexpipe: %d processes %s on %s (%s)", nprocs, where, backend, why)
 
 
 def launched_by_torchrun() -> bool:
@@ -70,9 +125,11 @@ def _worker(fn: Callable[..., Any], args: Sequence[Any], rank: int, world: int, 
     try:
         init_from_env(backend)
         value = fn(*args)
-        results.put((rank, True, value))
-    except BaseException:  # noqa: BLE001 - every failure goes back to the parent
-        results.put((rank, False, traceback.format_exc()))
+        # plain pickle copies tensors into the message: torch's queue pickler would share them
+        # through this process, which exits before the parent reads them
+        results.put((rank, True, pickle.dumps(value)))
+    except BaseException as exc:  # noqa: BLE001 - every failure goes back to the parent
+        results.put((rank, False, Failure(traceback.format_exc(), blamed_rank(exc, rank))))
         results.close()
         results.join_thread()
         os._exit(1)
@@ -115,13 +172,16 @@ def launch(
     *,
     backend: str = "gloo",
     timeout_s: float | None = None,
+    grace_s: float = GRACE_S,
 ) -> list[Any]:
     """Run `fn(*args)` in `nprocs` fresh processes on this machine, one per rank, and return their results.
 
     Each process has the default group initialised (`backend`, 127.0.0.1, a free port) and
     RANK/WORLD_SIZE/LOCAL_RANK set. `fn` must be importable (module level) and its result
-    picklable. If a rank fails the others are killed and LaunchError names the first failing
-    rank with its traceback; after a timeout every rank is killed. No process outlives the call.
+    picklable. If a rank fails, LaunchError names the rank whose own error started it, with that
+    traceback: errors that only report another rank's failure ("rank N rejected ...", "stopping
+    because rank N failed") rank after it, waiting up to `grace_s` for the rank they blame. Then
+    the others are killed; after a timeout every rank is killed. No process outlives the call.
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
@@ -133,87 +193,101 @@ def launch(
     try:
         for p in procs:
             p.start()
-        return _collect(procs, results, timeout_s)
+        return _collect(procs, results, timeout_s, grace_s)
     finally:
         _stop(procs)
         results.close()
 
 
-def _collect(procs: Sequence[Any], results: Any, timeout_s: float | None) -> list[Any]:
-    """Wait for one result per rank; raise LaunchError at the first failure, dead rank or timeout."""
+def _collect(procs: Sequence[Any], results: Any, timeout_s: float | None, grace_s: float) -> list[Any]:
+    """Wait for one result per rank; raise LaunchError at a failure, a dead rank or the timeout."""
     done: dict[int, Any] = {}
+    errors: dict[int, Failure] = {}
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while len(done) < len(procs):
-        try:
-            rank, ok, value = results.get(timeout=0.2)
-        except queue.Empty:
-            for r, p in enumerate(procs):
-                if r not in done and p.exitcode is not None:
-                    _raise_dead(r, p.exitcode, results, done)
+        if errors or _silent(procs, done, errors):
+            raise _failure(procs, results, done, errors, grace_s)
+        if not _receive(results, done, errors, 0.2):
+            _expect_clean_results(procs, results, done, errors)
             if deadline is not None and time.monotonic() > deadline:
                 running = [r for r in range(len(procs)) if r not in done]
-                raise LaunchError(
-                    f"launch timed out after {timeout_s:.0f}s; ranks {running} still running") from None
-            continue
-        if not ok:
-            raise _first_failure(procs, results, done, rank, value)
-        done[rank] = value
+                raise LaunchError(f"launch timed out after {timeout_s:.0f}s; ranks {running} still running")
     for p in procs:
         p.join(30.0)
     return [done[r] for r in range(len(procs))]
 
 
-def _first_failure(procs: Sequence[Any], results: Any, done: dict[int, Any], rank: int,
-                   details: str) -> LaunchError:
-    """The error to raise when `rank` reported a failure.
+def _receive(results: Any, done: dict[int, Any], errors: dict[int, Failure], wait_s: float) -> bool:
+    """Move one report from the queue into `done` or `errors`; False when none came within `wait_s`."""
+    try:
+        rank, ok, value = results.get(timeout=wait_s) if wait_s > 0 else results.get_nowait()
+    except queue.Empty:
+        return False
+    if ok:
+        done[rank] = pickle.loads(value)
+    else:
+        errors[rank] = value if isinstance(value, Failure) else Failure(str(value), None)
+    return True
 
-    A rank that died silently (killed, os._exit) is the likelier cause, since the others
-    then fail on a closed connection: it is named first when there is one.
+
+def _expect_clean_results(procs: Sequence[Any], results: Any, done: dict[int, Any],
+                          errors: dict[int, Failure]) -> None:
+    """Read the results of ranks that exited cleanly (still in the pipe); raise for one that sent none."""
+    for r, p in enumerate(procs):
+        if p.exitcode != 0:
+            continue
+        while r not in done and r not in errors and _receive(results, done, errors, 1.0):
+            pass
+        if r not in done and r not in errors:
+            raise LaunchError(f"rank {r} exited with code 0 without reporting a result", r)
+
+
+def _silent(procs: Sequence[Any], done: dict[int, Any], errors: dict[int, Failure]) -> list[int]:
+    """Ranks that exited with a failure code without reporting anything."""
+    return [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in done and r not in errors]
+
+
+def _settled(procs: Sequence[Any], done: dict[int, Any], errors: dict[int, Failure]) -> bool:
+    """True once the cause is known: some rank's own error, or every blamed rank has exited or reported."""
+    if any(f.blamed is None for f in errors.values()):
+        return True
+    blamed = {f.blamed for f in errors.values() if f.blamed is not None}
+    return all(b in errors or not 0 <= b < len(procs) or procs[b].exitcode is not None for b in blamed)
+
+
+def _failure(procs: Sequence[Any], results: Any, done: dict[int, Any], errors: dict[int, Failure],
+             grace_s: float) -> LaunchError:
+    """The LaunchError for a failed launch, after waiting up to `grace_s` for the cause to be reported.
+
+    Order of blame: a rank that died without a report (the others then fail on a closed
+    connection); else a rank's own error (the first one to arrive); else the first error, noting
+    that the rank it blames did not report.
     """
-    reported = {rank}
-    while True:
-        try:
-            other, ok, value = results.get_nowait()
-        except queue.Empty:
-            break
-        if ok:
-            done[other] = value
-        else:
-            reported.add(other)
-    silent = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in reported
-              and r not in done]
-    if not silent:
-        return LaunchError(f"rank {rank} failed:\n{details}", rank, details)
-    dead, code = silent[0], procs[silent[0]].exitcode
-    how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-    return LaunchError(f"rank {dead} {how} without reporting a result; then rank {rank} failed:\n{details}",
-                       dead, details)
-
-
-def _raise_dead(rank: int, exitcode: int, results: Any, done: dict[int, Any]) -> None:
-    """A rank exited before its result was read: use its own report if one is in flight.
-
-    Returns when the rank exited cleanly and its result arrived; otherwise raises LaunchError
-    naming this rank (its traceback, or how it died).
-    """
-    errors: dict[int, str] = {}
-    while True:
-        try:
-            other, ok, value = results.get(timeout=1.0)
-        except queue.Empty:
-            break
-        if ok:
-            done[other] = value
-        else:
-            errors.setdefault(other, value)
-        if other == rank:
-            break
-    if rank in errors:
-        raise LaunchError(f"rank {rank} failed:\n{errors[rank]}", rank, errors[rank])
-    if rank in done and exitcode == 0:
-        return
-    how = f"was killed by signal {-exitcode}" if exitcode < 0 else f"exited with code {exitcode}"
-    raise LaunchError(f"rank {rank} {how} without reporting a result", rank)
+    end = time.monotonic() + grace_s
+    while not _settled(procs, done, errors) and time.monotonic() < end:
+        _receive(results, done, errors, 0.05)
+    while _receive(results, done, errors, 0.0):
+        pass
+    tracebacks = {r: f.details for r, f in errors.items()}
+    own = [r for r, f in errors.items() if f.blamed is None]
+    first = own[0] if own else next(iter(errors), None)
+    followers = [r for r in errors if r != first]
+    also = f" (then ranks {followers} stopped)" if followers else ""
+    silent = _silent(procs, done, errors)
+    if silent:
+        dead, code = silent[0], procs[silent[0]].exitcode
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        if first is None:
+            return LaunchError(f"rank {dead} {how} without reporting a result", dead, "", tracebacks)
+        return LaunchError(f"rank {dead} {how} without reporting a result; then rank {first} failed:\n"
+                           f"{errors[first].details}", dead, errors[first].details, tracebacks)
+    assert first is not None
+    if own:
+        return LaunchError(f"rank {first} failed{also}:\n{errors[first].details}", first, errors[first].details,
+                           tracebacks)
+    return LaunchError(f"rank {first} failed, blaming rank {errors[first].blamed}, which reported no error "
+                       f"within {grace_s:.0f}s{also}:\n{errors[first].details}", first, errors[first].details,
+                       tracebacks)
 
 
 def run(
@@ -227,15 +301,67 @@ def run(
     """Run `fn(*args)` on every rank: in place under torchrun, else in `nprocs` local processes.
 
     Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set) this process is one rank:
-    the group is initialised from the environment and the list holds only this rank's result.
+    the group is initialised from the environment and the list holds only this rank's result; a
+    failure is recorded for torchrun's summary (`record_failure`). The backend defaults to NCCL
+    when there is a GPU for every local process, else gloo; the choice is logged.
     """
     if launched_by_torchrun():
+        backend = backend or default_backend()
+        _log_backend(backend, int(os.environ["WORLD_SIZE"]), "under torchrun")
         init_from_env(backend)
         try:
             result = [fn(*args)]
-        except BaseException:
+        except BaseException as exc:
+            record_failure(exc, int(os.environ["RANK"]))
             shutdown(clean=False)
             raise
         shutdown(clean=True)
         return result
-    return launch(fn, nprocs, args, backend=backend or "gloo", timeout_s=timeout_s)
+    backend = backend or default_backend(nprocs)
+    _log_backend(backend, nprocs, "on this machine")
+    return launch(fn, nprocs, args, backend=backend, timeout_s=timeout_s)
+
+
+def _failure_store(timeout_s: float) -> Any:
+    """A client of the job's rendezvous store (MASTER_ADDR:MASTER_PORT) keyed under duplexpipe/failures/."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.PrefixStore(_STORE_PREFIX, store)
+
+
+def record_failure(exc: BaseException, rank: int, grace_s: float = GRACE_S) -> None:
+    """Under torchrun: make the originating rank's error the one torchrun reports as the root cause.
+
+    A rank's own error is written to torchrun's error file (TORCHELASTIC_ERROR_FILE; it then shows
+    in the summary with its traceback) and announced in the store. A rank whose error only reports
+    another rank's failure first waits up to `grace_s` for that rank's announcement, so the cause
+    exits first, then records its own error naming that rank, stamped no earlier than a second after
+    the cause (torchrun names the failure with the smallest timestamp). Best effort: never raises.
+    """
+    blamed = blamed_rank(exc, rank)
+    try:
+        store = _failure_store(min(grace_s, 5.0))
+        cause_time = 0
+        if blamed is None:
+            store.set(str(rank), str(int(time.time())))
+        else:
+            store.wait([str(blamed)], datetime.timedelta(seconds=grace_s))
+            cause_time = int(store.get(str(blamed)).decode())
+    except Exception:  # noqa: BLE001 - the store or the peer is gone: record what we know
+        cause_time = 0
+    note = "" if blamed is None else f" [rank {rank} stopped because rank {blamed} failed: see rank {blamed}'s error]"
+    log.error("rank %d failed%s: %s: %s", rank, note, type(exc).__name__, exc)
+    if blamed is not None and hasattr(exc, "add_note"):
+        exc.add_note(f"root cause: rank {blamed}'s error (rank {rank} only stopped because of it)")
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    stamp = max(int(time.time()), cause_time + 1 if blamed is not None else 0)
+    data = {"message": {"message": f"{type(exc).__name__}: {exc}{note}",
+                        "extraInfo": {"py_callstack": "".join(traceback.format_exception(exc)),
+                                      "timestamp": str(stamp)}}}
+    try:
+        with open(path, "w", encoding="utf-8") as fp:
+            json.dump(data, fp)
+    except OSError as err:
+        log.warning("could not write torchrun's error file %s: %s", path, err)

@@ -229,7 +229,11 @@ def plan_partition(
     """
     n = len(layers)
     times: tuple[list[float], float, float] | None = None
-    if sample_input is not None:
+    meta = any(p.is_meta for m in (*layers, embedding, head) if m is not None for p in m.parameters())
+    if meta and balance == "time":
+        raise ValueError("balance='time' profiles the layers, which are on the meta device; use 'params', "
+                         "'uniform' or a list of counts")
+    if sample_input is not None and not meta:  # meta layers have nothing to time
         times = profile_layers(layers, sample_input, embedding=embedding, head=head)
     if isinstance(balance, str):
         if balance not in BALANCE_METHODS:

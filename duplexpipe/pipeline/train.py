@@ -6,11 +6,12 @@ import argparse
 import ast
 import importlib
 import importlib.util
+import inspect
 import json
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -20,11 +21,28 @@ from torch import nn
 
 from duplexpipe.pipeline.launch import run
 from duplexpipe.pipeline.mesh import make_mesh
-from duplexpipe.pipeline.trainer import LossFn, OptimizerFactory, Pipeline, PipelineConfig
+from duplexpipe.pipeline.metrics import MetricsLog, ProgressLine, log_line, tensorboard_writer
+from duplexpipe.pipeline.stages import PartInit
+from duplexpipe.pipeline.train_config import (
+    BALANCES,
+    DEFAULT_TASK,
+    LR_SCHEDULES,
+    OPTIMIZERS,
+    PRECISIONS,
+    TrainConfig,
+    load_config_file,
+    lr_factor,
+    merge_config,
+)
+from duplexpipe.pipeline.trainer import LossFn, Pipeline, PipelineConfig
 from duplexpipe.schedules.registry import build as build_schedule
 from duplexpipe.schedules.timeline import Timeline
 
-DEFAULT_TASK = str(Path(__file__).resolve().parents[2] / "examples" / "gpt.py") + ":gpt_task"
+__all__ = ["DEFAULT_TASK", "TrainConfig", "TrainResult", "TrainTask", "add_train_arguments", "config_from_args",
+           "load_task", "parse_task_options", "run_training", "train_main"]
+
+LATEST = "latest"
+"""The file in a save directory that names its newest checkpoint."""
 
 
 @dataclass
@@ -32,61 +50,21 @@ class TrainTask:
     """A model and its data, built on every rank by the task function."""
 
     layers: Sequence[nn.Module]
-    """The blocks to split over the model parts (an nn.Sequential works too)."""
+    """The blocks to split over the model parts (an nn.Sequential works too; on the meta device with `init`)."""
     loss_fn: LossFn
     """loss_fn(output, targets) -> mean loss of a microbatch."""
-    batch: Callable[[int], tuple[Any, Any]]
-    """batch(step) -> (inputs, targets): the global batch of `step`, identical on every rank."""
-    optimizer: OptimizerFactory
-    """Builds the optimizer from a rank's parameters."""
+    batch: Callable[[int, int], tuple[Any, Any]]
+    """batch(step, batch_size) -> (inputs, targets): the global batch of `step`, identical on every rank."""
     embedding: nn.Module | None = None
     """Runs before the first block, in model part 0."""
     head: nn.Module | None = None
     """Runs after the last block, in the last model part."""
+    init: PartInit | None = None
+    """init(part, k) for layers built on the meta device: only this rank's parts are allocated and filled."""
     items_per_sample: int = 1
     """Items (e.g. tokens) per sample, for the throughput figure."""
     item_name: str = "samples"
-    """What an item is called in the progress line."""
-
-
-@dataclass
-class TrainConfig:
-    """One training run."""
-
-    task: str = DEFAULT_TASK
-    """"path/to/file.py:function" or "package.module:function" returning a TrainTask."""
-    task_options: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments for the task function."""
-    schedule: str = "dualpipe"
-    """Schedule name from the registry."""
-    ranks: int = 4
-    """Pipeline ranks (processes per data-parallel replica)."""
-    dp: int = 1
-    """Data-parallel replicas; ranks * dp processes in all."""
-    microbatches: int = 8
-    """Microbatches per step."""
-    steps: int = 60
-    """Training steps."""
-    precision: str = "fp32"
-    """"fp32", "bf16" or "fp16"."""
-    grad_clip_norm: float | None = 1.0
-    """Global gradient-norm clip (None: off)."""
-    activation_checkpointing: bool = False
-    """Recompute every stage's activations in backward."""
-    balance: str = "uniform"
-    """"uniform", "params" or "time" (profiled on the first microbatch of step 0's batch)."""
-    seed: int = 0
-    """Torch seed set on every rank before the task is built."""
-    progress: bool = False
-    """Rank 0 writes a one-line progress display (step, loss, items/s) to stdout."""
-    out_dir: str | None = None
-    """Write losses.json, timeline.json and partition.txt here (None: nothing is written)."""
-    timeout_s: float = 180.0
-    """Runtime timeout for blocked communication."""
-
-    def parts_needed(self) -> int:
-        """How many model parts the schedule needs (the model needs at least that many blocks)."""
-        return build_schedule(self.schedule, self.ranks, self.microbatches).num_groups
+    """What an item is called in the progress output."""
 
 
 @dataclass
@@ -94,9 +72,9 @@ class TrainResult:
     """What a training run produced (on rank 0 of the run)."""
 
     losses: list[float]
-    """Mean loss of every step."""
+    """Mean loss of every step this run took."""
     items_per_s: float
-    """Throughput after the first (warm-up) step, in the task's items (tokens for the GPT)."""
+    """Throughput after this run's first (warm-up) step, in the task's items (tokens for the GPT)."""
     timeline: Timeline | None
     """The last step's measured timeline, gathered from all pipeline ranks (dp replica 0)."""
     partition: str
@@ -105,6 +83,8 @@ class TrainResult:
     """Seconds the training loop took on rank 0."""
     config: TrainConfig
     """The configuration that ran."""
+    start_step: int = 0
+    """Steps already done when this run started (from `resume`)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -130,32 +110,41 @@ def load_task(spec: str) -> Callable[..., TrainTask]:
             sys.modules[module_name] = module
             loader_spec.loader.exec_module(module)
     else:
-        module = importlib.import_module(target)
+        try:
+            module = importlib.import_module(target)
+        except ImportError as exc:
+            raise ValueError(f"task {spec!r}: cannot import {target} ({exc})") from None
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise TypeError(f"task {spec!r}: {target} has no function {name!r}")
+        raise ValueError(f"task {spec!r}: {target} has no function {name!r}")
     return fn  # type: ignore[no-any-return]
 
 
-class ProgressLine:
-    """A carriage-return progress display: one line, rewritten each step."""
+def build_task(config: TrainConfig) -> TrainTask:
+    """Call the task function with task_options (plus `seed=config.seed` when it takes a seed)."""
+    fn = load_task(config.task)
+    options = dict(config.task_options)
+    if "seed" not in options and "seed" in inspect.signature(fn).parameters:
+        options["seed"] = config.seed
+    task = fn(**options)
+    if not isinstance(task, TrainTask):
+        raise TypeError(f"task {config.task!r} returned a {type(task).__name__}, not a TrainTask")
+    return task
 
-    def __init__(self, total: int, unit: str, stream: IO[str]) -> None:
-        self.total, self.unit, self.stream = total, unit, stream
 
-    def update(self, step: int, loss: float, rate: float) -> None:
-        """Show step (1-based), loss and throughput."""
-        width = 24
-        filled = int(width * step / self.total)
-        bar = "#" * filled + "." * (width - filled)
-        rate_text = f"{rate:,.0f} {self.unit}/s" if rate > 0 else "warming up"
-        self.stream.write(f"\r[{bar}] step {step}/{self.total}  loss {loss:.4f}  {rate_text}   ")
-        self.stream.flush()
+def make_optimizer(config: TrainConfig) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
+    """The optimizer factory of `config` (AdamW or SGD with momentum)."""
+    def factory(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        if config.optimizer == "sgd":
+            return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
+        return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+    return factory
 
-    def close(self) -> None:
-        """End the line."""
-        self.stream.write("\n")
-        self.stream.flush()
+
+def make_scheduler(config: TrainConfig) -> Callable[[torch.optim.Optimizer], Any]:
+    """The LR scheduler factory of `config` (warm-up, then constant / cosine / linear decay)."""
+    factor = lr_factor(config.lr_schedule, config.warmup, config.steps, config.min_lr_ratio)
+    return lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
 def _local_slice(value: Any, index: int, parts: int) -> Any:
@@ -165,6 +154,47 @@ def _local_slice(value: Any, index: int, parts: int) -> Any:
     return value[index * size:(index + 1) * size]
 
 
+def _build_pipeline(config: TrainConfig, task: TrainTask) -> Pipeline:
+    device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
+    mesh = make_mesh(config.ranks, config.dp, device_type) if config.dp > 1 else None
+    pcfg = PipelineConfig(schedule=config.schedule, num_microbatches=config.microbatches,
+                          precision=config.precision, grad_clip_norm=config.grad_clip_norm,
+                          activation_checkpointing=config.activation_checkpointing,
+                          timeout_s=config.timeout_s)
+    first_inputs = task.batch(0, config.batch_size)[0]  # one microbatch of it: the profiling sample
+    sample = first_inputs[: max(1, first_inputs.shape[0] // (config.microbatches * config.dp))]
+    return Pipeline.from_layers(task.layers, task.loss_fn, make_optimizer(config), pcfg, embedding=task.embedding,
+                                head=task.head, balance=config.balance, sample_input=sample, mesh=mesh,
+                                init=task.init, scheduler=make_scheduler(config))
+
+
+def checkpoint_to_load(path: str) -> str:
+    """The checkpoint directory `path` names: itself, or the one its `latest` file names."""
+    root = Path(path)
+    if (root / LATEST).is_file():
+        return str(root / (root / LATEST).read_text(encoding="utf-8").strip())
+    if (root / ".metadata").is_file():
+        return str(root)
+    raise ValueError(f"resume: {path} holds no checkpoint (no '{LATEST}' file and no .metadata)")
+
+
+def _save(pipe: Pipeline, config: TrainConfig, step: int) -> None:
+    assert config.save is not None
+    name = f"step-{step:06d}"
+    pipe.save(str(Path(config.save) / name))
+    if dist.get_rank() == 0:
+        (Path(config.save) / LATEST).write_text(name + "\n", encoding="utf-8")
+
+
+def _open_metrics(config: TrainConfig, lead: bool) -> MetricsLog | None:
+    if not lead or config.out_dir is None:
+        return None
+    out = Path(config.out_dir)
+    factory = tensorboard_writer() if config.tensorboard else None
+    return MetricsLog(out / "metrics.jsonl", tensorboard_dir=out / "tensorboard", writer_factory=factory,
+                      append=config.resume is not None)
+
+
 def _train_rank(config: TrainConfig) -> TrainResult | None:
     """One rank of `run_training` (the default process group is initialised)."""
     from duplexpipe.runtime import gather_timeline
@@ -172,52 +202,75 @@ def _train_rank(config: TrainConfig) -> TrainResult | None:
     if dist.get_world_size() != config.ranks * config.dp:
         raise ValueError(f"{dist.get_world_size()} processes, but ranks x dp = {config.ranks} x {config.dp}")
     torch.manual_seed(config.seed)
-    task = load_task(config.task)(**config.task_options)
-    device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
-    mesh = make_mesh(config.ranks, config.dp, device_type) if config.dp > 1 else None
-    pcfg = PipelineConfig(schedule=config.schedule, num_microbatches=config.microbatches,
-                          precision=config.precision, grad_clip_norm=config.grad_clip_norm,
-                          activation_checkpointing=config.activation_checkpointing,
-                          timeout_s=config.timeout_s)
-    first_inputs = task.batch(0)[0]  # one microbatch of it is the profiling sample for the report
-    sample = first_inputs[: max(1, first_inputs.shape[0] // (config.microbatches * config.dp))]
-    pipe = Pipeline.from_layers(task.layers, task.loss_fn, task.optimizer, pcfg, embedding=task.embedding,
-                                head=task.head, balance=config.balance, sample_input=sample, mesh=mesh)
+    task = build_task(config)
+    pipe = _build_pipeline(config, task)
+    if config.resume is not None:
+        pipe.load(checkpoint_to_load(config.resume))
+    start = pipe.calls
+    if start >= config.steps:
+        raise ValueError(f"the checkpoint is at step {start}; --steps {config.steps} leaves nothing to do")
     lead = dist.get_rank() == 0
+    metrics = _open_metrics(config, lead)
+    try:
+        losses, rate, wall = _loop(pipe, task, config, start, metrics, lead)
+    finally:
+        if metrics is not None:
+            metrics.close()
+    last = pipe.last.timeline if pipe.last is not None else None
+    timeline = gather_timeline(last, group=pipe.groups.pp_group) if last is not None else None
+    if not lead:
+        return None
+    partition = str(pipe.partition) if pipe.partition is not None else ""
+    return TrainResult(losses, rate, timeline, partition, wall, config, start)
+
+
+def _loop(pipe: Pipeline, task: TrainTask, config: TrainConfig, start: int, metrics: MetricsLog | None,
+          lead: bool) -> tuple[list[float], float, float]:
+    """Train steps start..config.steps-1; returns (losses, items/s, wall seconds).
+
+    items/s counts the steps after the first (warm-up) one, over the time spent fetching their batches
+    and stepping (not logging or saving checkpoints).
+    """
+    from duplexpipe.runtime import gather_timeline
+
     bar = ProgressLine(config.steps, task.item_name, sys.stdout) if config.progress and lead else None
     losses: list[float] = []
-    start = time.perf_counter()
-    warm = start
-    items = 0
-    for step in range(config.steps):
-        x, y = task.batch(step)
+    began = time.perf_counter()
+    items, busy = 0, 0.0  # after the first step: items trained and seconds spent fetching + stepping
+    for step in range(start, config.steps):
+        tick = time.perf_counter()
+        x, y = task.batch(step, config.batch_size)
         x, y = (_local_slice(v, pipe.groups.dp_rank, pipe.groups.dp_size) for v in (x, y))
+        lr = pipe.optimizer.param_groups[0]["lr"]
         losses.append(pipe.step(x, y))
-        if step == 0:
-            warm = time.perf_counter()
-        else:
-            items += int(x.shape[0]) * pipe.groups.dp_size * task.items_per_sample
-        rate = items / (time.perf_counter() - warm) if step else 0.0
+        now = time.perf_counter()
+        step_items = int(x.shape[0]) * pipe.groups.dp_size * task.items_per_sample
+        if step > start:
+            items, busy = items + step_items, busy + (now - tick)
+        timeline = pipe.last.timeline if pipe.last is not None else None
+        bubble = gather_timeline(timeline, group=pipe.groups.pp_group).bubble_ratio if timeline else None
+        values = {"loss": losses[-1], "lr": lr, "grad_norm": pipe.last.grad_norm if pipe.last else None,
+                  "items_per_s": step_items / (now - tick), "bubble": bubble}
+        if metrics is not None:
+            metrics.write(step + 1, values)
         if bar is not None:
-            bar.update(step + 1, losses[-1], rate)
+            bar.update(step + 1, losses[-1], items / busy if busy else 0.0)
+        elif lead and config.log_every and ((step + 1) % config.log_every == 0 or step + 1 == config.steps):
+            print(log_line(step + 1, config.steps, values, task.item_name), flush=True)
+        if config.save and ((config.save_every and (step + 1) % config.save_every == 0) or step + 1 == config.steps):
+            _save(pipe, config, step + 1)
     end = time.perf_counter()
     if bar is not None:
         bar.close()
-    last = pipe.last.timeline if pipe.last is not None else None
-    timeline = gather_timeline(last, group=pipe.groups.pp_group) if last is not None else None
-    rate = items / (end - warm) if items else 0.0
-    partition = str(pipe.partition) if pipe.partition is not None else ""
-    if not lead:
-        return None
-    return TrainResult(losses, rate, timeline, partition, end - start, config)
+    return losses, items / busy if busy else 0.0, end - began
 
 
 def write_outputs(result: TrainResult, out_dir: str) -> None:
     """losses.json, timeline.json and partition.txt in `out_dir`."""
     path = Path(out_dir)
     path.mkdir(parents=True, exist_ok=True)
-    summary = {"losses": result.losses, "items_per_s": result.items_per_s, "wall_s": result.wall_s,
-               "config": asdict(result.config)}
+    summary = {"losses": result.losses, "start_step": result.start_step, "items_per_s": result.items_per_s,
+               "wall_s": result.wall_s, "config": result.config.to_dict()}
     (path / "losses.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     if result.timeline is not None:
         (path / "timeline.json").write_text(json.dumps(result.timeline.to_dict()) + "\n", encoding="utf-8")
@@ -229,8 +282,6 @@ def run_training(config: TrainConfig) -> TrainResult:
 
     Under torchrun, non-zero ranks get a TrainResult with empty losses.
     """
-    if config.ranks < 1 or config.dp < 1 or config.steps < 1:
-        raise ValueError(f"ranks, dp and steps must be >= 1, got {config.ranks}, {config.dp}, {config.steps}")
     results = run(_train_rank, config.ranks * config.dp, (config,), timeout_s=None)
     result = results[0]
     if result is None:
@@ -241,29 +292,50 @@ def run_training(config: TrainConfig) -> TrainResult:
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of `duplexpipe train` (names match TrainConfig fields)."""
+    """The options of `duplexpipe train`. Flags left out keep the config file's value, else the default."""
     d = TrainConfig()
-    parser.add_argument("--task", default=d.task,
-                        help="'file.py:function' or 'module:function' returning a TrainTask "
-                        "(default: the GPT example)")
-    parser.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE",
-                        help="keyword argument for the task function (repeatable), e.g. n_layer=8")
-    parser.add_argument("--schedule", default=d.schedule, help="schedule name (default %(default)s)")
-    parser.add_argument("--ranks", type=int, default=d.ranks, help="pipeline ranks (default %(default)s)")
-    parser.add_argument("--dp", type=int, default=d.dp, help="data-parallel replicas (default %(default)s)")
-    parser.add_argument("--microbatches", type=int, default=d.microbatches,
-                        help="per step (default %(default)s)")
-    parser.add_argument("--steps", type=int, default=d.steps, help="training steps (default %(default)s)")
-    parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=d.precision)
-    parser.add_argument("--grad-clip-norm", type=float, default=d.grad_clip_norm,
-                        help="global gradient-norm clip, 0 for none (default %(default)s)")
-    parser.add_argument("--activation-checkpointing", action="store_true", help="recompute activations")
-    parser.add_argument("--balance", choices=("uniform", "params", "time"), default=d.balance)
-    parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument("--out-dir", default=None,
-                        help="write losses.json, timeline.json and partition.txt here")
-    parser.add_argument("--no-progress", action="store_true", help="no progress line")
-    parser.add_argument("--timeout", type=float, default=d.timeout_s, help="communication timeout in seconds")
+    add = parser.add_argument
+
+    def opt(flag: str, kind: Any, what: str, **extra: Any) -> None:
+        name = flag.lstrip("-").replace("-", "_")
+        add(flag, type=kind, default=argparse.SUPPRESS, dest=name, help=f"{what} (default {getattr(d, name)})",
+            **extra)
+
+    add("--config", default=None, metavar="FILE.toml",
+        help="TOML file of settings named like the flags with underscores (batch_size = 64, [task_options]); "
+             "flags given here override it")
+    add("--task", default=argparse.SUPPRESS, help="'file.py:function' or 'module:function' returning a "
+        f"TrainTask (default {d.task}: a small GPT on a bundled corpus)")
+    add("--task-option", action="append", default=argparse.SUPPRESS, metavar="KEY=VALUE", dest="task_options",
+        help="keyword argument for the task function (repeatable), e.g. n_layer=8")
+    opt("--schedule", str, "schedule name")
+    opt("--ranks", int, "pipeline ranks")
+    opt("--dp", int, "data-parallel replicas")
+    opt("--microbatches", int, "microbatches per step")
+    opt("--steps", int, "training steps in all")
+    opt("--batch-size", int, "samples per step over all replicas")
+    opt("--optimizer", str, "optimizer", choices=OPTIMIZERS)
+    opt("--lr", float, "peak learning rate")
+    opt("--weight-decay", float, "weight decay")
+    opt("--momentum", float, "SGD momentum")
+    opt("--lr-schedule", str, "learning-rate schedule after warm-up", choices=LR_SCHEDULES)
+    opt("--warmup", int, "linear warm-up steps")
+    opt("--min-lr-ratio", float, "final lr / lr for cosine and linear decay")
+    opt("--precision", str, "precision", choices=PRECISIONS)
+    opt("--grad-clip-norm", float, "global gradient-norm clip, 0 for none")
+    opt("--balance", str, "how to split the layers", choices=BALANCES)
+    opt("--seed", int, "torch seed")
+    opt("--log-every", int, "print a line every N steps, 0 for none")
+    opt("--out-dir", str, "write metrics.jsonl, losses.json, timeline.json, partition.txt (and TensorBoard) here")
+    opt("--save", str, "save checkpoints under this directory")
+    opt("--save-every", int, "also save every N steps")
+    opt("--resume", str, "continue from this checkpoint or save directory")
+    add("--timeout", type=float, default=argparse.SUPPRESS, metavar="SECONDS",
+        help=f"communication timeout in seconds (default {d.timeout_s:.0f})")
+    add("--activation-checkpointing", action="store_true", default=argparse.SUPPRESS, help="recompute activations")
+    add("--progress", action="store_true", default=argparse.SUPPRESS, help="a progress bar instead of log lines")
+    add("--no-tensorboard", action="store_false", dest="tensorboard", default=argparse.SUPPRESS,
+        help="no TensorBoard scalars even when tensorboard is installed")
 
 
 def parse_task_options(items: Sequence[str]) -> dict[str, Any]:
@@ -280,29 +352,33 @@ def parse_task_options(items: Sequence[str]) -> dict[str, Any]:
     return options
 
 
+_FLAG_FIELDS = {f for f in TrainConfig.__dataclass_fields__} | {"timeout"}
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """TrainConfig from the options of `add_train_arguments`."""
-    clip = args.grad_clip_norm if args.grad_clip_norm else None
-    return TrainConfig(task=args.task, task_options=parse_task_options(args.task_option),
-                       schedule=args.schedule, ranks=args.ranks, dp=args.dp,
-                       microbatches=args.microbatches, steps=args.steps, precision=args.precision,
-                       grad_clip_norm=clip, activation_checkpointing=args.activation_checkpointing,
-                       balance=args.balance, seed=args.seed, progress=not args.no_progress,
-                       out_dir=args.out_dir, timeout_s=args.timeout)
+    """TrainConfig from defaults < the --config file < the flags given on the command line."""
+    flags = {k: v for k, v in vars(args).items() if k in _FLAG_FIELDS}
+    if "timeout" in flags:
+        flags["timeout_s"] = flags.pop("timeout")
+    if "task_options" in flags:
+        flags["task_options"] = parse_task_options(flags["task_options"])
+    file_values = load_config_file(args.config) if getattr(args, "config", None) else {}
+    return merge_config(file_values, flags)
 
 
 def train_main(args: argparse.Namespace, stream: IO[str] | None = None) -> int:
     """`duplexpipe train`: run training and write a summary to `stream` (stdout); returns the exit code."""
     config = config_from_args(args)
-    for name in ("ranks", "dp", "microbatches", "steps"):
-        if getattr(config, name) < 1:
-            raise ValueError(f"--{name} must be >= 1, got {getattr(config, name)}")
-    config.parts_needed()  # builds the schedule: a bad name, P or M fails here, before any process starts
+    build_schedule(config.schedule, config.ranks, config.microbatches)  # bad name, P or M: fail before spawning
+    load_task(config.task)
+    if config.resume is not None:
+        checkpoint_to_load(config.resume)
     result = run_training(config)
     out = stream or sys.stdout
     if result.losses:
         out.write(f"{result.partition}\n")
-        out.write(f"{config.schedule} on {config.ranks} ranks x {config.dp} dp, {config.steps} steps: loss "
+        done = f"steps {result.start_step + 1}-{config.steps}" if result.start_step else f"{config.steps} steps"
+        out.write(f"{config.schedule} on {config.ranks} ranks x {config.dp} dp, {done}: loss "
                   f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f}, {result.items_per_s:,.0f} items/s, "
                   f"{result.wall_s:.1f}s\n")
         if result.timeline is not None:

@@ -12,6 +12,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from duplexpipe.comm import Options, compression_options
+from duplexpipe.comm.meter import WireMeter
+from duplexpipe.comm.nonfinite import check_policy
+from duplexpipe.comm.p2p_codecs import p2p_codec_pair
 from duplexpipe.pipeline import grads
 from duplexpipe.pipeline.dp import (
     DEFAULT_BUCKET_BYTES,
@@ -31,21 +34,25 @@ from duplexpipe.pipeline.split import (
     Partition,
     as_layers,
     build_parts,
-    check_parts_fit,
     plan_partition,
 )
 from duplexpipe.pipeline.stages import (
+    PartInit,
+    PartSource,
     build_stage_modules,
     find_mismatched_copies,
     fingerprint,
     inner_module,
     resolve_checkpointing,
 )
+from duplexpipe.pipeline.tied import TiedGrads, find_tied
 from duplexpipe.runtime import EvalResult, PipelineRuntime, RuntimeConfig
 from duplexpipe.schedules.ir import Schedule
 from duplexpipe.schedules.registry import build as build_schedule
 from duplexpipe.schedules.timeline import Timeline
 
+SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+"""Builds an LR scheduler on the optimizer, e.g. `lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, f)`."""
 LossFn = Callable[[Any, Any], torch.Tensor]
 """loss_fn(last stage output, targets) -> scalar mean loss over the microbatch."""
 
@@ -82,6 +89,14 @@ class PipelineConfig:
     check_replicas: bool = True
     """At construction, check that every copy of a model part (DualPipe mirrors, data-parallel
     replicas) starts with identical weights; raise ValueError otherwise."""
+    p2p_compression: Any = None
+    """Low-precision stage-to-stage sends: None (as computed), "bf16" (bf16 both ways), "fp8" (e4m3
+    activations, e5m2 gradients, an fp32 scale per row) or "int8" (blocks of 256, fp32 scale per block);
+    or a duplexpipe.comm.codec.Codec for both directions, or an (activation, gradient) pair of names,
+    codecs or None. See duplexpipe.comm.p2p_codecs."""
+    nonfinite_sends: str = "warn"
+    """A compressed send holding NaN or inf (it always arrives non-finite): "warn" (count it, warn once) or
+    "raise" (stop every rank; not with precision "fp16", whose overflow steps are routine)."""
     grad_compression: str | Options | None = None
     """Data-parallel gradient compression: a method name from duplexpipe.comm.METHOD_NAMES ("bf16", "fp16",
     "powersgd", "int8", "topk", "randomk", "threshold", "dgc") with its defaults, or an options object
@@ -105,6 +120,12 @@ class PipelineConfig:
 
     def __post_init__(self) -> None:
         autocast_dtype(self.precision)
+        p2p_codec_pair(self.p2p_compression, "PipelineConfig.p2p_compression")
+        check_policy(self.nonfinite_sends, "PipelineConfig.nonfinite_sends")
+        if self.nonfinite_sends == "raise" and self.precision == "fp16":
+            raise ValueError("PipelineConfig.nonfinite_sends='raise' with precision='fp16': dynamic loss scaling "
+                             "overflows routinely and relies on inf/NaN gradients reaching its overflow check; "
+                             "use nonfinite_sends='warn' with fp16")
         if self.accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be >= 1, got {self.accumulation_steps}")
         if self.grad_clip_norm is not None and self.grad_clip_norm <= 0:
@@ -159,8 +180,11 @@ def _batch_size(inputs: Any, targets: Any) -> int | None:
 class Pipeline:
     """Trains model parts with a pipeline schedule on this process's pipeline rank.
 
-    Every rank passes the same model parts (built from the same seed or state_dict); the
-    pipeline deep-copies the parts its stages need. With a DeviceMesh ("pp", "dp") each
+    `parts` are the model parts, built the same way on every rank (same seed or state_dict): the
+    pipeline deep-copies the parts its stages need. To build only this rank's parts, pass parts
+    on the meta device with `init(part, k)`, or a factory `parts(k) -> nn.Module` (see
+    `stages.build_stage_modules`). `scheduler(optimizer)` builds an LR scheduler stepped after
+    every applied optimizer step (not after skipped fp16 steps). With a DeviceMesh ("pp", "dp") each
     data-parallel replica passes its own batch and gradients are averaged over replicas
     after the schedule's own DualPipe mirror sum, by the data-parallel strategy `self.dp`
     (bucket by bucket, each started as soon as its gradients are final; compressed when
@@ -169,7 +193,7 @@ class Pipeline:
 
     def __init__(
         self,
-        parts: Sequence[nn.Module],
+        parts: PartSource,
         loss_fn: LossFn,
         optimizer: OptimizerFactory,
         config: PipelineConfig | None = None,
@@ -177,21 +201,29 @@ class Pipeline:
         mesh: DeviceMesh | None = None,
         device: torch.device | str | None = None,
         partition: Partition | None = None,
+        init: PartInit | None = None,
+        scheduler: SchedulerFactory | None = None,
     ) -> None:
         self.config = cfg = config or PipelineConfig()
         self.groups = groups = ParallelGroups.from_mesh(mesh)
         self.schedule = _resolve_schedule(cfg, groups.pp_size)
-        check_parts_fit(len(parts), self.schedule)
         self.partition = partition.placed(self.schedule) if partition is not None else None
         self.device = torch.device(device) if device is not None else default_device()
         ckpt = resolve_checkpointing(cfg.activation_checkpointing, self.schedule)
-        self.stage_modules = build_stage_modules(self.schedule, groups.pp_rank, parts,
+        self.stage_modules = build_stage_modules(self.schedule, groups.pp_rank, parts, init=init,
                                                  checkpoint_stages=ckpt, device=self.device)
         self.params = [p for s in sorted(self.stage_modules) for p in self.stage_modules[s].parameters()]
+        tied = find_tied([] if callable(parts) else parts)  # factory parts cannot share a Parameter
+        self.tied = TiedGrads(tied, self.schedule, groups.pp_rank, self.stage_modules, groups.pp_group)
         self.scaler = DynamicLossScaler(cfg.loss_scale, enabled=cfg.precision == "fp16")
+        self.p2p_meter = WireMeter()
+        """Every stage-to-stage SEND of this rank: kind "send", its payload bytes on the wire."""
+        act_codec, grad_codec = p2p_codec_pair(cfg.p2p_compression, "PipelineConfig.p2p_compression")
         runtime_cfg = RuntimeConfig(timeout_s=cfg.timeout_s, record_timeline=cfg.record_timeline,
                                     autocast_dtype=autocast_dtype(cfg.precision),
                                     check_inputs_every_step=cfg.check_inputs_every_step,
+                                    activation_codec=act_codec, gradient_codec=grad_codec,
+                                    nonfinite_sends=cfg.nonfinite_sends, p2p_meter=self.p2p_meter,
                                     on_grads_ready=self._grads_ready)
         self.runtime = PipelineRuntime(self.schedule, self.stage_modules, loss_fn, group=groups.pp_group,
                                        device=self.device, config=runtime_cfg,
@@ -205,6 +237,9 @@ class Pipeline:
             cfg.grad_bucket_bytes, cfg.zero_stage, cfg.zero), cfg.dp_strategy)
         """The data-parallel strategy: reduce -> overflow check -> clip -> optimizer step."""
         self.params = self.dp.params
+        self.dp.counted = self.tied.counted(self.dp.counted)  # a tied weight counts once in the norm
+        self.scheduler = scheduler(self.optimizer) if scheduler is not None else None
+        """The LR scheduler (None without one); stepped after every applied optimizer step."""
         self.optimizer_steps = 0
         """Optimizer steps taken (skipped fp16 steps not counted)."""
         self.calls = 0
@@ -228,11 +263,14 @@ class Pipeline:
         sample_input: Any = None,
         mesh: DeviceMesh | None = None,
         device: torch.device | str | None = None,
+        init: PartInit | None = None,
+        scheduler: SchedulerFactory | None = None,
     ) -> Pipeline:
         """Split `layers` (plus optional embedding/head) into the schedule's model parts and build.
 
         `balance` and `sample_input` are as in `split.plan_partition`; rank 0's partition is used
-        on every rank (profiled times differ between processes).
+        on every rank (profiled times differ between processes). Layers on the meta device need
+        `init` (this rank's parts are allocated and filled, no other part is).
         """
         config = config or PipelineConfig()
         schedule = _resolve_schedule(config, ParallelGroups.from_mesh(mesh).pp_size)
@@ -244,7 +282,8 @@ class Pipeline:
             dist.broadcast_object_list(shared, src=0)  # profiled times differ per rank: rank 0 decides
             partition = shared[0]
         parts = build_parts(blocks, partition, embedding=embedding, head=head)
-        return cls(parts, loss_fn, optimizer, config, mesh=mesh, device=device, partition=partition)
+        return cls(parts, loss_fn, optimizer, config, mesh=mesh, device=device, partition=partition,
+                   init=init, scheduler=scheduler)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -334,17 +373,20 @@ class Pipeline:
         return size / self._window_unit
 
     def _apply(self) -> tuple[bool, float | None]:
-        """End the window through the strategy: wait for the reductions, norm + overflow check, then skip
-        (fp16 overflow) or unscale + clip + optimizer step."""
+        """End the window through the strategy: wait for the reductions, sum tied weights, norm + overflow
+        check, then skip (fp16 overflow) or unscale + clip + optimizer step (+ LR scheduler step)."""
         cfg = self.config
         self._window_calls, self._window_weight = 0, 0.0
         self.dp.finish()
+        self.tied.sum_grads(wait=self.bounded)  # weights shared by several parts (tied embeddings)
         norm, overflow = self.dp.norm_and_overflow(cfg.grad_clip_norm is not None or self.scaler.enabled)
         if overflow and self.scaler.enabled:
             self.scaler.update(overflow=True)
             self.dp.skip()
             return True, norm
         self.dp.step(grads.clip_factor(norm or 0.0, cfg.grad_clip_norm))
+        if self.scheduler is not None:
+            self.scheduler.step()
         self.scaler.update(overflow=False)
         self.optimizer_steps += 1
         return False, norm

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from duplexpipe.comm.codec import codec_name
+from duplexpipe.comm.nonfinite import NonFiniteWatch
 from duplexpipe.runtime import structure
 from duplexpipe.runtime.collectives import BatchAgreement, MirrorSum, PendingSum, agree, share_blocks
 from duplexpipe.runtime.context import Slot, StepContext, microbatch_rows, signature, split_batch
@@ -96,7 +97,10 @@ class PipelineRuntime:
             raise ValueError(f"job_group has {dist.get_world_size(self.job_group)} ranks, not a multiple of "
                              f"the pipeline group's {dist.get_world_size(group)}")
         self.watchdog = self._start(group)
-        self.transport = Transport(group, self.device, self.watchdog, prefetch=self.config.prefetch)
+        self.transport = Transport(group, self.device, self.watchdog, prefetch=self.config.prefetch,
+                                   meter=self.config.p2p_meter)
+        self.nonfinite = NonFiniteWatch(self.config.nonfinite_sends)
+        """Counts (and reports) sends through a codec whose tensor held NaN or inf."""
         self.tracer = Tracer(self.rank, self.device, self.config.record_timeline)
         self.stages = {s: StageCompute(s, m, self.config.autocast_dtype) for s, m in self.modules.items()}
         self._global_ranks = [self.transport.global_rank(r) for r in range(schedule.num_ranks)]
@@ -105,7 +109,7 @@ class PipelineRuntime:
         self.plan = RankPlan.of(schedule, self.rank, {s for s, _, _ in self.mirror.pairs} if self.mirror else ())
         self.mail = Mailroom(self.plan.layout, self.rank, self.transport,
                              MetaBoard(self._store, self._prefix, self.watchdog),
-                             self.config.activation_codec, self.config.gradient_codec)
+                             self.config.activation_codec, self.config.gradient_codec, self.nonfinite)
         self.compute = Dispatcher(self.plan.layout, self.rank, self.stages, self.mail, loss_fn, self.tracer,
                                   self.config.overlap_hook)
         self._shapes: OrderedDict[tuple[int, bool], dict[Slot, MessageMeta]] = OrderedDict()
@@ -299,6 +303,7 @@ class PipelineRuntime:
                     self._grads_final(final[pos])
             action = None
             self.transport.finish()
+            self.nonfinite.flush()
             left = ctx.leftovers()
             if left:
                 raise PipelineError(f"rank {self.rank}: the schedule left work undone: " + "; ".join(left))

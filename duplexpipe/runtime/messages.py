@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from duplexpipe.comm.codec import Codec, IdentityCodec
+from duplexpipe.comm.nonfinite import NonFiniteWatch
 from duplexpipe.runtime.context import StepContext
 from duplexpipe.runtime.stage_compute import Message, TensorMeta
 from duplexpipe.runtime.structure import Form
@@ -147,8 +148,10 @@ class Mailroom:
     """Moves messages between stages: local handoffs, or announce + send / receive over the transport."""
 
     def __init__(self, layout: Layout, rank: int, transport: Transport, board: MetaBoard,
-                 activation_codec: Codec | None = None, gradient_codec: Codec | None = None) -> None:
+                 activation_codec: Codec | None = None, gradient_codec: Codec | None = None,
+                 watch: NonFiniteWatch | None = None) -> None:
         self.layout = layout
+        self.watch = watch
         self.rank = rank
         self.transport = transport
         self.board = board
@@ -170,6 +173,8 @@ class Mailroom:
                 got = [str(TensorMeta.of(p)) for p in payloads]
                 raise PipelineError(f"{where}: codec {codec.name!r} encoded {TensorMeta.of(leaf)} into {got}, "
                                     f"not its wire format {[str(w) for w in want]}")
+            if self.watch is not None:  # NaN/inf must be reported, and arrive non-finite
+                self.watch.note(codec, leaf, payloads, f"rank {self.rank}: {where}")
             out.extend(payloads)
         return out
 

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 
 from duplexpipe.comm.codec import Codec, check_codec
+from duplexpipe.comm.meter import WireMeter
+from duplexpipe.comm.nonfinite import check_policy
 from duplexpipe.schedules.timeline import Timeline
 
 OverlapHook = Callable[..., None]
@@ -55,6 +57,13 @@ class RuntimeConfig:
     tensors are never encoded. Every rank must use the same codecs (checked at start-up)."""
     gradient_codec: Codec | None = None
     """The same for the gradients sent back to the previous stage's rank."""
+    nonfinite_sends: str = "warn"
+    """A tensor sent through a codec that holds NaN or inf (it always arrives non-finite): "warn" counts
+    every such send (PipelineRuntime.nonfinite) and warns once naming rank, stage and microbatch; "raise"
+    fails the step with NonFiniteSendError (see duplexpipe.comm.nonfinite)."""
+    p2p_meter: WireMeter | None = None
+    """When set, every SEND this rank posts is recorded in it as one "send" of the bytes of all its
+    payloads (what goes on the wire, after the codec)."""
     poll_interval_s: float = 0.05
     """How often a waiting rank checks the shared error flag (one store round trip per check)."""
     check_inputs_every_step: bool = True
@@ -85,6 +94,10 @@ class RuntimeConfig:
                 raise ValueError(f"RuntimeConfig.{name} must be callable, got {getattr(self, name)!r}")
         check_codec(self.activation_codec, "RuntimeConfig.activation_codec")
         check_codec(self.gradient_codec, "RuntimeConfig.gradient_codec")
+        check_policy(self.nonfinite_sends, "RuntimeConfig.nonfinite_sends")
+        if self.p2p_meter is not None and not isinstance(self.p2p_meter, WireMeter):
+            raise ValueError(f"RuntimeConfig.p2p_meter must be a duplexpipe.comm.WireMeter or None, "
+                             f"got {self.p2p_meter!r}")
         for name in ("check_inputs_every_step", "prefetch"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"RuntimeConfig.{name} must be a bool, got {getattr(self, name)!r}")

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from duplexpipe.comm.meter import WireMeter
 from duplexpipe.runtime.stage_compute import TensorMeta
 from duplexpipe.runtime.watchdog import PipelineError, Watchdog
 from duplexpipe.schedules.ir import Op
@@ -49,8 +50,10 @@ class _Recv:
 class Transport:
     """Non-blocking sends and receives of one rank within `group` (ranks are group ranks)."""
 
-    def __init__(self, group: Any, device: torch.device, watchdog: Watchdog, prefetch: bool = True) -> None:
+    def __init__(self, group: Any, device: torch.device, watchdog: Watchdog, prefetch: bool = True,
+                 meter: WireMeter | None = None) -> None:
         self.group = group
+        self.meter = meter
         self.device = device
         self.watchdog = watchdog
         self.prefetch = prefetch
@@ -144,6 +147,8 @@ class Transport:
             payload = tensor.detach()
             payloads.append(payload if payload.is_contiguous() else payload.contiguous())
         dst = self._global[peer]
+        if self.meter is not None:  # one "send" per SEND action: the bytes of all its payloads
+            self.meter.record("send", sum(p.numel() * p.element_size() for p in payloads), 2)
         if self.stream is None:
             works = [dist.isend(p, dst=dst, group=self.group) for p in payloads]
         else:

@@ -32,7 +32,7 @@ class DualRank:
 
 
 def dual_row(spec: DualRank) -> tuple[Action, ...]:
-    """One rank's computation order, DeepSeek's steps 1 to 8 (see DESIGN.md)."""
+    """One rank's computation order, DeepSeek's steps 1 to 8 (see docs/design.md)."""
     n, h, s0, s1 = spec.n, spec.h, spec.stage0, spec.stage1
     b = RowBuilder({s0: spec.microbatches0, s1: spec.microbatches1})
     for _ in range(2 * (n - h - 1)):  # 1: F0

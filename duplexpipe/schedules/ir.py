@@ -307,7 +307,7 @@ def load_json(path: str) -> Schedule:
             data = json.load(fh)
     except OSError as exc:
         raise ScheduleError(f"cannot read {path}: {exc.strerror}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise ScheduleError(f"{path}: not valid JSON ({exc})") from None
     return Schedule.from_dict(data, source=path)
 

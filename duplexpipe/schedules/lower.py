@@ -17,7 +17,7 @@ def lower(schedule: Schedule) -> Schedule:
     A schedule that already holds comm actions is returned unchanged (lowering is
     idempotent; `verify` checks such a schedule's comms as they are).
 
-    Rules, following the execution contract in DESIGN.md:
+    Rules, following the execution contract in docs/design.md:
 
     - a SEND follows right after the compute that produced its tensor: SEND_F after
       the F, SEND_B after the B or I (also when that is a part of an OVERLAP_F_B pair,
@@ -97,7 +97,7 @@ def _consumer_positions(schedule: Schedule, layout: Layout) -> list[int]:
 
 
 _COSTS = (1.0, 2.0, 1.0, 1.0)
-"""Compute times F, B, I, W of the run that orders each pair's messages (DESIGN.md's reference costs)."""
+"""Compute times F, B, I, W of the run that orders each pair's messages (docs/design.md's reference costs)."""
 _TIE_BREAK = 2.0 ** -10
 """The message time of that run: small against a compute, so it mostly breaks ties (toward messages
 that crossed fewer links); exact in binary, so equal paths still tie. Any message time would keep

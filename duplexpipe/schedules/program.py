@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 
 from duplexpipe.schedules.ir import Action, Op, Schedule, ScheduleError
@@ -62,9 +63,10 @@ class _State:
         self.is_i = bytearray(size)
         self.send_at, self.recv_at = [-1] * (2 * size), [-1] * (2 * size)
         ranks = range(schedule.num_ranks)
-        self.sends: list[list[list[int]]] = [[[] for _ in ranks] for _ in ranks]
+        # one queue per pair of ranks that exchange messages (not per pair of ranks: that is quadratic in P)
+        self.sends: list[defaultdict[int, list[int]]] = [defaultdict(list) for _ in ranks]
         """sends[a][b]: the tokens rank a sends to rank b, in posting order."""
-        self.recvs: list[list[list[int]]] = [[[] for _ in ranks] for _ in ranks]
+        self.recvs: list[defaultdict[int, list[int]]] = [defaultdict(list) for _ in ranks]
         """recvs[b][a]: the tokens rank b receives from rank a, in posting order."""
         self.counts = [0, 0, 0, 0]  # F, B or I, I, W
         rank, nmb = layout.rank, layout.num_microbatches
@@ -210,7 +212,7 @@ def _analyze_rank(state: _State, rank: int, row: tuple[Action, ...]) -> list[Ins
     lay = state.layout
     nmb, nstages, rank_of, lo, hi = lay.num_microbatches, lay.num_stages, lay.rank, lay.lo, lay.hi
     f_at, bi_at, recv_at = state.f_at, state.bi_at, state.recv_at
-    Spec = tuple[list[int], list[int], "list[int] | None", list[list[int]], list[int], int]
+    Spec = tuple[list[int], list[int], "list[int] | None", defaultdict[int, list[int]], list[int], int]
     tables = state.comm_tables
     specs: tuple[Spec, ...] = (
         (*tables[Op.SEND_F], f_at, state.sends[rank], state.send_at, SEND),
@@ -323,9 +325,10 @@ def _check_complete(state: _State) -> None:
 
 def _check_matching(state: _State) -> None:
     lay, name = state.layout, state.schedule.name
-    ranks = range(len(state.sends))
-    for src, dst in ((a, b) for a in ranks for b in ranks):
-        sent, received = state.sends[src][dst], state.recvs[dst][src]
+    pairs = {(a, b) for a, peers in enumerate(state.sends) for b in peers}
+    pairs.update((a, b) for b, peers in enumerate(state.recvs) for a in peers)
+    for src, dst in sorted(pairs):
+        sent, received = state.sends[src].get(dst, []), state.recvs[dst].get(src, [])
         if sent == received:
             continue
         in_recv, in_sent = set(received), set(sent)

@@ -7,13 +7,14 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+from duplexpipe.schedules.auto import auto, check_auto
 from duplexpipe.schedules.dualpipe import check_dualpipe, check_dualpipev, dualpipe, dualpipev
 from duplexpipe.schedules.gpipe import check_gpipe, gpipe
 from duplexpipe.schedules.interleaved import check_interleaved_1f1b, interleaved_1f1b
 from duplexpipe.schedules.ir import Schedule
 from duplexpipe.schedules.layout import gc_paused
 from duplexpipe.schedules.one_f_one_b import check_one_f_one_b, one_f_one_b
-from duplexpipe.schedules.zero_bubble import check_zb_h1, check_zbv, zb_h1, zbv
+from duplexpipe.schedules.zero_bubble import check_zb_h1, check_zb_h2, check_zbv, zb_h1, zb_h2, zbv
 
 
 @dataclass(frozen=True)
@@ -41,12 +42,19 @@ REGISTRY: Mapping[str, Entry] = MappingProxyType({
     "zb-h1": Entry(zb_h1, check_zb_h1,
                    "ZB-H1 zero bubble: 1F1B with B split into I and W, W fills the cool-down; "
                    "bubble (P-1)(F+B-2W), 1F1B's memory"),
+    "zb-h2": Entry(zb_h2, check_zb_h2,
+                   "ZB-H2 zero bubble: ZB-H1 with 2(P-1-r)+1 warm-up forwards and W deferred by 2r; "
+                   "2P-1 activations per rank"),
     "zbv": Entry(zbv, check_zbv, "ZB-V zero bubble: 2P stages in a V shape, B split into I and W"),
     "dualpipe": Entry(dualpipe, check_dualpipe,
                       "DualPipe (DeepSeek-V3): two model copies fed from both ends, overlapped F&B; "
                       "needs P even, M even, M >= 2P"),
     "dualpipev": Entry(dualpipev, check_dualpipev,
                        "DualPipeV: DualPipe's order on one model copy of 2P stages in a V; needs M >= 2P"),
+    "auto": Entry(auto, check_auto,
+                  "automatic zero-bubble search for given costs (`cost`) under a per-rank activation limit "
+                  "(`memory_limit`, default P); `placement` linear or v", ("cost", "memory_limit", "placement",
+                                                                             "stage_memory")),
 })
 
 

@@ -42,9 +42,13 @@ class CostModel:
     activation_bytes: float = 0.0
     """Size in bytes of one message (an activation or its gradient)."""
     stage_scale: bool = False
-    """When True, f/b/w/fb are the costs of a 1/P share of the model (P = num_ranks) and each
-    stage's costs are multiplied by num_ranks / num_groups, so schedules that cut the
-    model into different numbers of parts compare fairly."""
+    """The cost convention. False: f/b/w/fb (and stage_costs) are the times of one stage, whatever
+    share of the model it holds. True: they are the times of 1/P of the model (P = num_ranks, what
+    one rank holds in 1F1B), and each stage's times are multiplied by num_ranks / num_groups (the
+    schedule's model parts): 1 for GPipe, 1F1B, ZB-H1 and DualPipe, 1/2 for ZB-V, DualPipeV and
+    interleaved 1F1B with 2 chunks. Schedules that cut one model into different numbers of parts
+    then compare on equal work; the `duplexpipe` command uses True by default (`--costs-per`).
+    Message times (latency, bandwidth) are never scaled."""
 
     def __post_init__(self) -> None:
         for name in ("f", "b", "w", "latency", "activation_bytes"):
@@ -142,7 +146,7 @@ def _parse_value(key: str, name: str, raw: str) -> Any:
 def simulate(schedule: Schedule, cost: CostModel | None = None) -> Timeline:
     """Time `schedule` under `cost` (default CostModel()); a compute-only schedule is lowered first.
 
-    Event-driven under DESIGN.md's execution contract: each rank runs its list in order;
+    Event-driven under docs/design.md's execution contract: each rank runs its list in order;
     RECV and SEND take no rank time; a transfer starts once both the SEND and the matching
     RECV are posted and takes `cost.comm_time` (no link contention); a compute starts when
     its rank is free and its inputs have arrived; an OVERLAP_F_B pair is one unit. The

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from duplexpipe.schedules.ir import Action, Op, ScheduleError, format_action, parse_action
@@ -50,14 +51,22 @@ class Timeline:
 
     def rank_events(self, rank: int) -> list[Event]:
         """The events of one rank ordered by start."""
-        return sorted((e for e in self.events if e.rank == rank), key=lambda e: (e.start, e.end))
+        return list(self._by_rank.get(rank, ()))
 
-    @property
+    @cached_property
+    def _by_rank(self) -> dict[int, tuple[Event, ...]]:
+        """rank -> its events ordered by start, built once (per-rank queries stay linear in all)."""
+        grouped: dict[int, list[Event]] = {}
+        for e in self.events:
+            grouped.setdefault(e.rank, []).append(e)
+        return {r: tuple(sorted(row, key=lambda e: (e.start, e.end))) for r, row in grouped.items()}
+
+    @cached_property
     def start(self) -> float:
         """The earliest start over all events (0 for simulated timelines)."""
         return min((e.start for e in self.events), default=0.0)
 
-    @property
+    @cached_property
     def makespan(self) -> float:
         """Time from the first start to the last end."""
         return max((e.end for e in self.events), default=0.0) - self.start

@@ -21,7 +21,7 @@ def verify(schedule: Schedule, *, nccl: bool = False) -> None:
     (2) data dependencies across stages are satisfiable; (3) for lowered schedules, sends
     and receives match one to one, with the right peer, in the same order per ordered pair
     of ranks, and each cross-rank input is received before its consumer; (4) no deadlock
-    under DESIGN.md's execution contract. A compute-only schedule is checked as it is, then
+    under docs/design.md's execution contract. A compute-only schedule is checked as it is, then
     lowered and the lowering checked too.
 
     With `nccl=True` also (5): every two ranks post the messages between them (both

@@ -1,4 +1,4 @@
-"""Zero-bubble schedules (Qi et al., "Zero Bubble Pipeline Parallelism"): ZB-H1 and ZB-V."""
+"""Zero-bubble schedules (Qi et al., "Zero Bubble Pipeline Parallelism"): ZB-H1, ZB-H2 and ZB-V."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from duplexpipe.schedules._common import RowBuilder, linear_stages, require_coun
 from duplexpipe.schedules.ir import Action, Schedule
 
 ZB_H1 = "zb-h1"
+ZB_H2 = "zb-h2"
 ZBV = "zbv"
 
 
@@ -39,6 +40,40 @@ def zb_h1(num_ranks: int, num_microbatches: int) -> Schedule:
     check_zb_h1(num_ranks, num_microbatches)
     rows = tuple(zb_h1_row(r, num_ranks, num_microbatches) for r in range(num_ranks))
     return Schedule(ZB_H1, num_ranks, num_microbatches, linear_stages(num_ranks), rows)
+
+
+def check_zb_h2(num_ranks: int, num_microbatches: int) -> None:
+    """Raise ValueError unless num_ranks >= 1 and num_microbatches >= 1 (both integers)."""
+    require_counts(ZB_H2, num_ranks, num_microbatches)
+
+
+def zb_h2_row(rank: int, num_ranks: int, num_microbatches: int) -> tuple[Action, ...]:
+    """2(P-1-r)+1 warm-up forwards, then I, its W deferred by 2r microbatches, F; leftover Ws last."""
+    b = RowBuilder({rank: range(num_microbatches)})
+    warmup = min(2 * (num_ranks - 1 - rank) + 1, num_microbatches)
+    for _ in range(warmup):
+        b.forward(rank)
+    for j in range(num_microbatches):
+        b.backward(rank, split=True)
+        if j >= 2 * rank:
+            b.weight()
+        if warmup + j < num_microbatches:
+            b.forward(rank)
+    b.flush_weights()
+    return b.finish()
+
+
+def zb_h2(num_ranks: int, num_microbatches: int) -> Schedule:
+    """ZB-H2: ZB-H1's order with twice the warm-up and each W deferred by 2r instead of r on rank r.
+
+    The extra forwards fill the bubble before the first backward and the deferred Ws the
+    tail, so the ranks' busy spans form a parallelogram: with F = I = W the makespan is
+    (P-1)F + M(F+B), and the longer warm-up hides message latency that ZB-H1 cannot. Every
+    rank holds at most 2P-1 activations (1F1B: P).
+    """
+    check_zb_h2(num_ranks, num_microbatches)
+    rows = tuple(zb_h2_row(r, num_ranks, num_microbatches) for r in range(num_ranks))
+    return Schedule(ZB_H2, num_ranks, num_microbatches, linear_stages(num_ranks), rows)
 
 
 def check_zbv(num_ranks: int, num_microbatches: int) -> None:

@@ -15,7 +15,9 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 PANEL_ROW_IN = 0.3
-"""Height of one rank's row in a stacked panel, inches."""
+"""Height of one rank's row in a stacked panel, inches (rows shrink once the panels reach MAX_STACK_IN)."""
+MAX_STACK_IN = 16.0
+"""Most height all panels of a stacked figure take together, inches (the figure stays under ~2800 px)."""
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,8 @@ def _check_path(path: str | os.PathLike[str] | None) -> str | None:
 def stacked_figure(panels: Sequence[Panel], title: str, note: str, xlabel: str) -> Figure:
     """A figure with one Gantt panel per entry, top to bottom, sharing the x axis and one legend."""
     top, bottom, head, gap = 0.95, 0.5, 0.26, 0.2
-    heights = [max(0.6, PANEL_ROW_IN * p.timeline.num_ranks) for p in panels]
+    share = MAX_STACK_IN / len(panels)
+    heights = [max(0.6, min(share, PANEL_ROW_IN * p.timeline.num_ranks)) for p in panels]
     height = top + bottom + sum(heights) + len(panels) * head + (len(panels) - 1) * gap
     fig = st.new_figure(FIG_WIDTH, height, DPI)
     height = fig.get_size_inches()[1]

@@ -1,28 +1,18 @@
-"""Tests for examples/gpt.py: the model's shapes and causality, the corpus and the demo task."""
+"""Tests for duplexpipe.tasks.gpt (the default training task) and examples/gpt.py, its thin user."""
 
 from __future__ import annotations
 
 import importlib.util
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
 
+from duplexpipe.pipeline.train import TrainTask
+from duplexpipe.tasks import gpt
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load_gpt() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("example_gpt", ROOT / "examples" / "gpt.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["example_gpt"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-gpt = _load_gpt()
 
 
 def test_model_shapes_and_causality() -> None:
@@ -55,10 +45,11 @@ def test_same_seed_same_weights() -> None:
         gpt.GPTConfig(d_model=10, n_head=4)
 
 
-def test_corpus_batches_are_deterministic_next_characters() -> None:
+def test_corpus_is_package_data_with_deterministic_batches() -> None:
     corpus = gpt.CharCorpus()
     assert corpus.vocab_size == 73 and 300_000 < len(corpus.text) < 500_000
     assert corpus.text.startswith("GENESIS\n\nChapter 1\n\n1:1 In the beginning God created")
+    assert gpt.corpus_text() == (ROOT / "duplexpipe" / "tasks" / "data" / gpt.CORPUS_NAME).read_text()
     x, y = corpus.batch(5, 4, 16)
     x2, y2 = corpus.batch(5, 4, 16)
     assert torch.equal(x, x2) and torch.equal(y, y2)
@@ -67,8 +58,20 @@ def test_corpus_batches_are_deterministic_next_characters() -> None:
     assert corpus.decode(x[0]) in corpus.text
 
 
-def test_gpt_task_has_enough_blocks_for_the_schedule() -> None:
-    task = gpt.gpt_task(n_layer=2, d_model=16, n_head=2, block_size=8, batch_size=4)
-    assert len(task.layers) == 2 and task.items_per_sample == 8
-    x, y = task.batch(0)
+def test_gpt_task_batches_take_the_step_and_the_batch_size() -> None:
+    task = gpt.gpt_task(n_layer=2, d_model=16, n_head=2, block_size=8)
+    assert isinstance(task, TrainTask)
+    assert len(task.layers) == 2 and task.items_per_sample == 8 and task.item_name == "tokens"
+    x, y = task.batch(0, 4)
     assert x.shape == y.shape == (4, 8)
+    assert task.batch(0, 6)[0].shape == (6, 8)
+
+
+def test_example_script_is_a_thin_user_of_the_task() -> None:
+    spec = importlib.util.spec_from_file_location("example_gpt", ROOT / "examples" / "gpt.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["example_gpt"] = module
+    spec.loader.exec_module(module)
+    assert module.gpt_task is gpt.gpt_task and module.build_gpt is gpt.build_gpt
+    assert callable(module.run_demo)

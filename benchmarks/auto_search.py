@@ -1,0 +1,315 @@
+"""The `auto` schedule search against the hand-made schedules and lower bounds, in simulation (issue 12 targets)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from duplexpipe.schedules import registry  # noqa: E402
+from duplexpipe.schedules.auto import search  # noqa: E402
+from duplexpipe.schedules.ir import Schedule  # noqa: E402
+from duplexpipe.schedules.simulate import CostModel, simulate  # noqa: E402
+
+BEGIN, END = "<!-- bench:auto:begin -->", "<!-- bench:auto:end -->"
+BUILT_INS = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zbv", "dualpipe", "dualpipev")
+EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Costs of each 1/P share of the model (F, B = I + W, W) and the message latency."""
+
+    name: str
+    """Label in the tables."""
+    f: float
+    """Forward of a share."""
+    b: float
+    """Full backward of a share."""
+    w: float
+    """Its weight-gradient part."""
+    latency: float = 0.0
+    """Time of one message between ranks."""
+    heavy_last: float = 1.0
+    """The last share's costs are this many times the others'."""
+
+    def shares(self, ranks: int) -> list[tuple[float, float, float]]:
+        """(F, B, W) of each of the P shares."""
+        out = [(self.f, self.b, self.w)] * ranks
+        k = self.heavy_last
+        out[-1] = (self.f * k, self.b * k, self.w * k)
+        return out
+
+
+UNIFORM = Profile("F=1 B=2 W=1", 1.0, 2.0, 1.0)
+LATENCY = Profile("F=1 B=2 W=1 latency 0.5", 1.0, 2.0, 1.0, 0.5)
+W_LIGHT = Profile("F=1 B=2.5 W=0.5", 1.0, 2.5, 0.5)
+GRID_PROFILES = (UNIFORM, LATENCY, W_LIGHT,
+                 *(Profile(p.name + ", last 1.5x", p.f, p.b, p.w, p.latency, 1.5) for p in (UNIFORM, LATENCY, W_LIGHT)))
+
+
+def cost_for(schedule_or_table: Schedule, profile: Profile) -> CostModel:
+    """Per-stage costs of `schedule`: its model part g of G covers the shares it overlaps (stage_scale built in)."""
+    s = schedule_or_table
+    ranks, groups = s.num_ranks, s.num_groups
+    shares = profile.shares(ranks)
+    table = {}
+    for stage, info in enumerate(s.stages):
+        lo, hi = info.group / groups, (info.group + 1) / groups
+        total = [0.0, 0.0, 0.0]
+        for k, share in enumerate(shares):
+            overlap = max(0.0, min(hi, (k + 1) / ranks) - max(lo, k / ranks)) * ranks
+            for j in range(3):
+                total[j] += overlap * share[j]
+        table[stage] = (total[0], total[1], total[2])
+    return CostModel(stage_costs=table, latency=profile.latency)
+
+
+def bounds(ranks: int, mbs: int, profile: Profile, limit: float) -> dict[str, float]:
+    """Lower bounds on the makespan of one-stage-per-rank schedules holding at most `limit` activations.
+
+    lb: (P-1)(F + latency) + M(F + B) (rank r cannot start before its input crosses r ranks).
+    memory_aware: also, rank r runs at most `limit` forwards before its first input-gradient
+    returns, a round trip RT_r after its first forward (the issue's bound; 110 at P=8, M=32,
+    latency 0.5). two_sided: also, after its last forward a rank holds at most limit-1 other
+    microbatches' I and W while that forward's gradient makes the same round trip.
+    """
+    shares = profile.shares(ranks)
+    f, b, w = ([s[j] for s in shares] for j in range(3))
+    i = [bb - ww for bb, ww in zip(b, w, strict=True)]
+    lat, n = profile.latency, limit
+    out = {"lb": 0.0, "memory_aware": 0.0, "two_sided": 0.0}
+    for r in range(ranks):
+        start = sum(f[q] + lat for q in range(r))
+        trip = sum(f[r:]) + sum(i[r + 1:]) + 2 * (ranks - 1 - r) * lat
+        work = mbs * (f[r] + b[r])
+        head = max(0.0, trip - min(n, mbs) * f[r])
+        tail = max(0.0, trip - f[r] - (n - 1) * (i[r] + w[r])) if mbs > n else 0.0
+        out["lb"] = max(out["lb"], start + work)
+        out["memory_aware"] = max(out["memory_aware"], start + work + head)
+        out["two_sided"] = max(out["two_sided"], start + work + head + tail)
+    return out
+
+
+def built_ins(ranks: int, mbs: int, profile: Profile, limit: float) -> dict[str, tuple[float, float]]:
+    """name -> (makespan, peak activation memory in 1F1B-stage units) for every built-in that fits `limit`."""
+    out = {}
+    for name in BUILT_INS:
+        if registry.check(name, ranks, mbs) is not None:
+            continue
+        schedule = registry.build(name, ranks, mbs)
+        timeline = simulate(schedule, cost_for(schedule, profile))
+        memory = max(timeline.peak_activations(r) for r in range(ranks)) * ranks / schedule.num_groups
+        if memory <= limit + EPS:
+            out[name] = (timeline.makespan, memory)
+    return out
+
+
+def run_auto(ranks: int, mbs: int, profile: Profile, limit: float) -> dict[str, Any]:
+    """Both placements; the better one is auto's answer."""
+    best: dict[str, Any] | None = None
+    spans = {}
+    for placement in ("linear", "v"):
+        table = registry.build("1f1b" if placement == "linear" else "zbv", ranks, mbs)
+        wall, cpu = time.perf_counter(), time.process_time()
+        result = search(ranks, mbs, cost=cost_for(table, profile), memory_limit=limit, placement=placement)
+        row = {"placement": placement, "makespan": result.winner.makespan, "winner": result.winner.label,
+               "peak": result.winner.peak, "wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu}
+        spans[placement] = row["makespan"]
+        if best is None or row["makespan"] < best["makespan"] - EPS:
+            best = row
+    assert best is not None
+    return {**best, "by_placement": spans}
+
+
+TWO_COPIES = ("dualpipe",)
+"""Built-ins that hold two copies of the parameters: not a same-memory rival (reported beside the others)."""
+
+
+def case(ranks: int, mbs: int, profile: Profile, limit: float) -> dict[str, Any]:
+    """One comparison: bounds, every fitting built-in (the best one with one parameter copy), and auto."""
+    rivals = built_ins(ranks, mbs, profile, limit)
+    name, (span, _) = min(((k, v) for k, v in rivals.items() if k not in TWO_COPIES), key=lambda kv: kv[1][0])
+    everything = {k: v[0] for k, v in rivals.items()}
+    for rival in ("zb-h1", "zb-h2"):
+        if rival not in everything:
+            schedule = registry.build(rival, ranks, mbs)
+            everything[rival + " (over limit)"] = simulate(schedule, cost_for(schedule, profile)).makespan
+    return {"P": ranks, "M": mbs, "profile": profile.name, "limit": limit, **bounds(ranks, mbs, profile, limit),
+            "built_ins": everything, "best_built_in": name, "best_built_in_makespan": span,
+            "auto": run_auto(ranks, mbs, profile, limit)}
+
+
+def targets(quick: bool) -> list[dict[str, Any]]:
+    """The issue's targets, each with its cases and its verdict."""
+    big = [(8, 32), (16, 64)] if not quick else [(4, 8)]
+    first = [(8, 24)] if not quick else [(4, 12)]
+    out = []
+    cases = [case(p, m, UNIFORM, p) for p, m in first]
+    out.append({"target": "uniform costs, no latency, limit P: auto = LB (one stage per rank; V may go below)",
+                "cases": cases, "met": all(abs(c["auto"]["by_placement"]["linear"] - c["lb"]) <= EPS
+                                           and c["auto"]["makespan"] <= c["lb"] + EPS for c in cases)})
+    cases = [case(p, m, LATENCY, p) for p, m in big]
+    out.append({"target": "latency 0.5, limit P: at least 3% shorter than zb-h1", "cases": cases,
+                "met": all(c["auto"]["makespan"] <= 0.97 * c["built_ins"]["zb-h1"] + EPS for c in cases)})
+    cases = [case(p, m, W_LIGHT, p) for p, m in big]
+    out.append({"target": "W-light (F=1 B=2.5 W=0.5), limit P: no worse than zb-h1", "cases": cases,
+                "met": all(c["auto"]["makespan"] <= c["built_ins"]["zb-h1"] + EPS for c in cases)})
+    cases = [case(p, m, prof, 2 * p) for prof, shapes in ((UNIFORM, first), (LATENCY, big), (W_LIGHT, big))
+             for p, m in shapes]
+    out.append({"target": "limit 2P: no worse than zb-h2 on every case above", "cases": cases,
+                "met": all(c["auto"]["makespan"] <= c["built_ins"]["zb-h2"] + EPS for c in cases)})
+    return out
+
+
+def grid(quick: bool) -> dict[str, Any]:
+    """P x M x cost profile x limit: auto never worse than the best built-in under the same limit."""
+    ranks = (4, 8, 16) if not quick else (2, 4)
+    rows = [case(p, k * p, prof, lim) for p in ranks for k in (2, 4, 8) for prof in GRID_PROFILES
+            for lim in (p, 2 * p)]
+    worse = [r for r in rows if r["auto"]["makespan"] > r["best_built_in_makespan"] + EPS]
+    better = [r for r in rows if r["auto"]["makespan"] < r["best_built_in_makespan"] - EPS]
+    dual = [r for r in rows if "dualpipe" in r["built_ins"]]
+    return {"rows": rows, "cases": len(rows), "worse": len(worse), "better": len(better), "met": not worse,
+            "greedy_wins": sum(r["auto"]["winner"].startswith("greedy") for r in better),
+            "dualpipe_cases": len(dual),
+            "dualpipe_shorter": sum(r["built_ins"]["dualpipe"] < r["auto"]["makespan"] - EPS for r in dual)}
+
+
+def search_time(quick: bool) -> dict[str, Any]:
+    """Wall and CPU seconds of the search for P=16, M=128 (both placements, two cost profiles)."""
+    ranks, mbs = (16, 128) if not quick else (4, 16)
+    rows: list[dict[str, Any]] = []
+    for profile in (UNIFORM, LATENCY):
+        for limit in (ranks, 2 * ranks):
+            for placement in ("linear", "v"):
+                table = registry.build("1f1b" if placement == "linear" else "zbv", ranks, mbs)
+                wall, cpu = time.perf_counter(), time.process_time()
+                search(ranks, mbs, cost=cost_for(table, profile), memory_limit=limit, placement=placement)
+                rows.append({"profile": profile.name, "limit": limit, "placement": placement,
+                             "wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu})
+    worst = max(r["wall_s"] for r in rows)
+    return {"P": ranks, "M": mbs, "rows": rows, "max_wall_s": worst, "met": worst < 10.0,
+            "loadavg": [round(x, 2) for x in os.getloadavg()]}
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    """Every part; JSON-ready."""
+    return {"targets": targets(quick), "grid": grid(quick), "search_time": search_time(quick), "quick": quick}
+
+
+def _f(x: float) -> str:
+    return f"{x:.4g}"
+
+
+def _mark(ok: bool) -> str:
+    return "met" if ok else "**missed**"
+
+
+def target_table(results: dict[str, Any]) -> list[list[str]]:
+    """Header + one row per (target, case)."""
+    out = [["target", "P", "M", "limit", "LB", "memory-aware bound", "two-sided bound", "zb-h1", "zb-h2",
+            "best built-in (1 copy)", "dualpipe (2 copies)", "auto linear / v", "auto (winner)", "met"]]
+    for t in results["targets"]:
+        for c in t["cases"]:
+            bi = c["built_ins"]
+            h1 = bi.get("zb-h1", bi.get("zb-h1 (over limit)"))
+            h2 = bi.get("zb-h2", bi.get("zb-h2 (over limit)"))
+            a = c["auto"]
+            out.append([t["target"], str(c["P"]), str(c["M"]), _f(c["limit"]), _f(c["lb"]), _f(c["memory_aware"]),
+                        _f(c["two_sided"]), _f(h1) + ("" if "zb-h1" in bi else " (over)"),
+                        _f(h2) + ("" if "zb-h2" in bi else " (over)"),
+                        f"{c['best_built_in']} {_f(c['best_built_in_makespan'])}",
+                        _f(bi["dualpipe"]) if "dualpipe" in bi else "-",
+                        " / ".join(_f(a["by_placement"][k]) for k in ("linear", "v")),
+                        f"**{_f(a['makespan'])}** ({a['placement']}: {a['winner']})", _mark(t["met"])])
+    return out
+
+
+def grid_table(results: dict[str, Any]) -> list[list[str]]:
+    """Header + the grid's cases where auto differs from the best built-in."""
+    out = [["P", "M", "costs", "limit", "best built-in (1 copy)", "dualpipe (2 copies)", "auto", "auto / best",
+            "auto's winner"]]
+    for r in results["grid"]["rows"]:
+        a = r["auto"]
+        if abs(a["makespan"] - r["best_built_in_makespan"]) > EPS:
+            dual = r["built_ins"].get("dualpipe")
+            out.append([str(r["P"]), str(r["M"]), r["profile"], _f(r["limit"]),
+                        f"{r['best_built_in']} {_f(r['best_built_in_makespan'])}", "-" if dual is None else _f(dual),
+                        _f(a["makespan"]), f"{a['makespan'] / r['best_built_in_makespan']:.3f}",
+                        f"{a['placement']}: {a['winner']}"])
+    return out
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """The generated block of docs/benchmarks.md."""
+    from benchmarks.report import markdown_table
+
+    g, st = results["grid"], results["search_time"]
+    lines = ["### Targets", "", markdown_table(target_table(results)), "",
+             f"### Grid: {g['cases']} cases, auto never worse than the best built-in under the same limit: "
+             f"{_mark(g['met'])}", "",
+             f"auto is shorter than every built-in that fits in {g['better']} cases (the greedy's own schedule in "
+             f"{g['greedy_wins']} of them), equal in {g['cases'] - g['better'] - g['worse']}, longer in "
+             f"{g['worse']}. DualPipe holds two copies of the parameters, so it is no same-memory rival: it fits "
+             f"the activation limit in {g['dualpipe_cases']} cases and is shorter than auto in "
+             f"{g['dualpipe_shorter']}. The cases where auto differs from the best one-copy built-in:", "",
+             markdown_table(grid_table(results)), "",
+             f"### Search time, P={st['P']}, M={st['M']}: slowest {st['max_wall_s']:.2f} s wall (< 10 s: "
+             f"{_mark(st['met'])}); load average after: {st['loadavg']}", "",
+             markdown_table([["costs", "limit", "placement", "wall s", "CPU s"]] +
+                            [[r["profile"], _f(r["limit"]), r["placement"], f"{r['wall_s']:.2f}", f"{r['cpu_s']:.2f}"]
+                             for r in st["rows"]]), ""]
+    return "\n".join(lines)
+
+
+def text_report(results: dict[str, Any]) -> str:
+    """The tables as fixed-width text."""
+    from benchmarks.report import text_table
+
+    return "\n\n".join(["auto search: targets\n" + text_table(target_table(results)),
+                        f"auto search: grid, {results['grid']['cases']} cases, differing from the best built-in\n"
+                        + text_table(grid_table(results)),
+                        f"auto search: slowest P={results['search_time']['P']}, M={results['search_time']['M']} "
+                        f"search {results['search_time']['max_wall_s']:.2f} s wall"])
+
+
+def update_doc(doc_path: str, results: dict[str, Any]) -> None:
+    """Replace the block between the bench:auto markers of `doc_path` (append it if absent)."""
+    with open(doc_path, encoding="utf-8") as fh:
+        text = fh.read()
+    block = f"{BEGIN}\n{markdown(results).rstrip()}\n{END}"
+    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.S)
+    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
+    with open(doc_path, "w", encoding="utf-8") as fh:
+        fh.write(text)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run, print, write JSON and (unless --docs none) the docs block."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="small P and M (a smoke run)")
+    parser.add_argument("--json", default=os.path.join(ROOT, "bench-output", "auto_search.json"))
+    parser.add_argument("--docs", default=os.path.join(ROOT, "docs", "benchmarks.md"), help="or 'none'")
+    args = parser.parse_args(argv)
+    results = run(args.quick)
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w", encoding="utf-8") as fh:
+        json.dump(results, fh, indent=1)
+    print(text_report(results))
+    if args.docs != "none":
+        update_doc(args.docs, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

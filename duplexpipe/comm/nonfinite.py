@@ -1,0 +1,86 @@
+"""Reports NaN/inf in tensors sent through a codec: counted always, warned once, or raised (strict).
+
+A lossy codec must never turn a non-finite tensor into finite garbage: fp16 training relies on inf/NaN
+gradients reaching the overflow check, which then skips the step on every rank. The codecs keep them
+non-finite (a scaled row or block holding one decodes to NaN); this module makes the event visible:
+- "warn" (default): every send holding a non-finite value is counted (`events`, `last`), and the first
+  one per watch raises a RuntimeWarning naming where it happened (rank, stage, microbatch, direction)
+  and the codec. Use it for fp16 training, where overflowing steps are routine.
+- "raise": the send fails with NonFiniteSendError naming the same; the runtime then stops every rank.
+  For debugging fp32/bf16 runs (not allowed with fp16 precision: its overflows would crash the run).
+
+Checks stay on the device: a codec's `nonfinite(payloads)` (the scaled codecs count their NaN scales),
+otherwise a count over the tensor. On a CPU tensor, or under "raise", the count is read at once; on an
+accelerator the counts are kept and read together by `flush()` (the runtime calls it at the end of a step),
+so a send never waits for the device.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+from torch import Tensor
+
+from duplexpipe.comm.codec import Codec
+
+NONFINITE_POLICIES = ("warn", "raise")
+"""What happens when a tensor sent through a codec holds NaN or inf."""
+
+
+class NonFiniteSendError(FloatingPointError):
+    """A tensor sent through a codec held NaN or inf under the "raise" policy."""
+
+
+def check_policy(policy: object, what: str) -> str:
+    """`policy` if it is one of NONFINITE_POLICIES; ValueError naming `what` otherwise."""
+    if policy not in NONFINITE_POLICIES:
+        raise ValueError(f"{what} must be one of {list(NONFINITE_POLICIES)}, got {policy!r}")
+    return str(policy)
+
+
+class NonFiniteWatch:
+    """Counts and reports sends whose tensor held NaN or inf (see the module doc for the policies)."""
+
+    def __init__(self, policy: str = "warn") -> None:
+        self.policy = check_policy(policy, "the non-finite policy")
+        self.events = 0
+        """Sends so far whose tensor held NaN or inf."""
+        self.last = ""
+        """A description of the latest such send ('' while there was none)."""
+        self._pending: list[tuple[str, str, Tensor, str]] = []
+        self._warned = False
+
+    def note(self, codec: Codec, tensor: Tensor, payloads: Sequence[Tensor], where: str) -> None:
+        """Check one tensor sent with `codec` as `payloads`; `where` names the send (rank, stage, microbatch)."""
+        counter = getattr(codec, "nonfinite", None)
+        if callable(counter):
+            count, unit = counter(payloads), "scaled rows/blocks"
+        else:
+            count, unit = (~tensor.isfinite()).sum(), "elements"
+        entry = (where, codec.name, count, unit)
+        if self.policy == "raise" or count.device.type == "cpu":
+            self._report(entry)
+        else:
+            self._pending.append(entry)
+
+    def flush(self) -> None:
+        """Read the counts kept for accelerator tensors (one sync for all) and report the non-zero ones."""
+        pending, self._pending = self._pending, []
+        for entry in pending:
+            self._report(entry)
+
+    def _report(self, entry: tuple[str, str, Tensor, str]) -> None:
+        where, name, counted, unit = entry
+        count = int(counted)
+        if not count:
+            return
+        self.events += 1
+        self.last = (f"{where}: a tensor sent with codec {name!r} held NaN or inf ({count} {unit}); it "
+                     "arrives with NaN there (never rescaled to finite values)")
+        if self.policy == "raise":
+            raise NonFiniteSendError(self.last)
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"{self.last}. Further events are only counted (fp16 overflow steps are skipped "
+                          "as usual); the 'raise' policy stops instead.", RuntimeWarning, stacklevel=2)

@@ -1,0 +1,104 @@
+"""Training metrics: a JSONL log (one line per step), optional TensorBoard scalars, progress output."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import IO, Any
+
+log = logging.getLogger("duplexpipe.metrics")
+
+WriterFactory = Callable[[str], Any]
+"""Builds a TensorBoard-style writer (`add_scalar(tag, value, step)`, `flush()`, `close()`) for a folder."""
+SCALARS = ("loss", "lr", "grad_norm", "items_per_s", "bubble")
+"""The per-step values that also go to TensorBoard."""
+
+
+def tensorboard_writer() -> WriterFactory | None:
+    """torch's SummaryWriter when the tensorboard package is installed, else None."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # tensorboard is optional: no scalars then
+        return None
+    return SummaryWriter  # type: ignore[no-any-return]
+
+
+class MetricsLog:
+    """Appends one JSON object per step to a file and mirrors the scalars to a TensorBoard writer.
+
+    `path` None: no file. `writer_factory` None: no TensorBoard. Non-finite numbers are written
+    as null (JSON has no NaN).
+    """
+
+    def __init__(self, path: str | Path | None, *, tensorboard_dir: str | Path | None = None,
+                 writer_factory: WriterFactory | None = None, append: bool = False) -> None:
+        self._file: IO[str] | None = None
+        if path is not None:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self._file = Path(path).open("a" if append else "w", encoding="utf-8")
+        self._writer = None
+        if writer_factory is not None and tensorboard_dir is not None:
+            self._writer = writer_factory(str(tensorboard_dir))
+            log.info("TensorBoard scalars go to %s", tensorboard_dir)
+
+    def write(self, step: int, values: Mapping[str, float | int | None]) -> None:
+        """Record `values` for `step` (1-based: steps completed)."""
+        row: dict[str, Any] = {"step": step}
+        for key, value in values.items():
+            row[key] = value if value is None or not isinstance(value, float) or math.isfinite(value) else None
+        if self._file is not None:
+            self._file.write(json.dumps(row) + "\n")
+            self._file.flush()
+        if self._writer is not None:
+            for key in SCALARS:
+                if row.get(key) is not None:
+                    self._writer.add_scalar(f"train/{key}", row[key], step)
+
+    def close(self) -> None:
+        """Flush and close the file and the writer."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._writer is not None:
+            self._writer.flush()
+            self._writer.close()
+            self._writer = None
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a metrics JSONL file."""
+    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+class ProgressLine:
+    """A carriage-return progress display: one line, rewritten each step."""
+
+    def __init__(self, total: int, unit: str, stream: IO[str]) -> None:
+        self.total, self.unit, self.stream = total, unit, stream
+
+    def update(self, step: int, loss: float, rate: float) -> None:
+        """Show step (1-based), loss and throughput."""
+        width = 24
+        filled = int(width * step / self.total)
+        bar = "#" * filled + "." * (width - filled)
+        rate_text = f"{rate:,.0f} {self.unit}/s" if rate > 0 else "warming up"
+        self.stream.write(f"\r[{bar}] step {step}/{self.total}  loss {loss:.4f}  {rate_text}   ")
+        self.stream.flush()
+
+    def close(self) -> None:
+        """End the line."""
+        self.stream.write("\n")
+        self.stream.flush()
+
+
+def log_line(step: int, total: int, values: Mapping[str, Any], unit: str) -> str:
+    """One progress line: `step 10/60  loss 2.3012  lr 3.00e-03  grad 0.81  12,345 tokens/s`."""
+    parts = [f"step {step}/{total}", f"loss {values['loss']:.4f}", f"lr {values['lr']:.2e}"]
+    if values.get("grad_norm") is not None:
+        parts.append(f"grad {values['grad_norm']:.3g}")
+    if values.get("items_per_s"):
+        parts.append(f"{values['items_per_s']:,.0f} {unit}/s")
+    return "  ".join(parts)

@@ -1,0 +1,156 @@
+"""Measure model parts: forward, input-gradient and weight-gradient time, saved activation bytes, message bytes."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.graph import get_gradient_edge
+
+from duplexpipe.runtime.autograd_split import backward_input
+from duplexpipe.runtime.saved_bytes import SavedBytes
+from duplexpipe.schedules.profiles import PartProfile, Profile
+
+Timer = Callable[[], float]
+"""Returns the current time in seconds (time.perf_counter by default; tests inject a scripted one)."""
+
+
+def tensor_leaves(value: Any) -> list[Tensor]:
+    """The tensors of a message: a tensor, or a tuple / list / dict of them (nested), in order."""
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in tensor_leaves(item)]
+    if isinstance(value, dict):
+        return [t for key in value for t in tensor_leaves(value[key])]
+    return []
+
+
+def nbytes(tensors: Sequence[Tensor]) -> int:
+    """Bytes of the tensors' elements."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _as_input(value: Any) -> Any:
+    """A fresh leaf copy of a message, floating tensors requiring grad (as the runtime receives one)."""
+    if isinstance(value, Tensor):
+        leaf = value.detach()
+        return leaf.requires_grad_(True) if leaf.is_floating_point() else leaf
+    if isinstance(value, tuple):
+        return tuple(_as_input(v) for v in value)
+    if isinstance(value, list):
+        return [_as_input(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _as_input(v) for k, v in value.items()}
+    return value
+
+
+def _detached(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_detached(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _detached(v) for k, v in value.items()}
+    return value
+
+
+def _sync(tensors: Sequence[Tensor]) -> None:
+    """Wait for the device, so the timer sees finished work (a no-op on CPU)."""
+    if any(t.is_cuda for t in tensors) and torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class _PartRun:
+    """One part's measured F, I and W (and what its forward saved) over repeated runs."""
+
+    def __init__(self, part: nn.Module, timer: Timer) -> None:
+        self.part, self.timer = part, timer
+        self.params = [p for p in part.parameters() if p.requires_grad]
+        self.meter = SavedBytes(part.parameters())
+        self.times: tuple[list[float], list[float], list[float]] = ([], [], [])
+        self.saved = 0
+
+    def once(self, message: Any, loss: Callable[[Any], Tensor] | None) -> Any:
+        """F, I and W on `message`; returns the (detached) output."""
+        inp = _as_input(message)
+        leaves = [t for t in tensor_leaves(inp) if t.requires_grad]
+        self.meter.reset()
+        _sync(tensor_leaves(inp))
+        start = self.timer()
+        with self.meter.counting():
+            out = self.part(inp)
+            root_values = [loss(out)] if loss is not None else [t for t in tensor_leaves(out) if t.requires_grad]
+        _sync(tensor_leaves(out))
+        mid = self.timer()
+        self.saved = self.meter.total
+        if not root_values:
+            raise ValueError(f"{type(self.part).__name__}: no output requires grad, so no backward can be "
+                             "profiled (are all parameters frozen?)")
+        grads = [torch.ones_like(r) for r in root_values]
+        _, work = backward_input([get_gradient_edge(r) for r in root_values], grads, leaves, self.params)
+        _sync(leaves or tensor_leaves(out))
+        after_i = self.timer()
+        work.run()
+        _sync(self.params)
+        end = self.timer()
+        for bucket, value in zip(self.times, (mid - start, after_i - mid, end - after_i), strict=True):
+            bucket.append(value)
+        self.part.zero_grad(set_to_none=True)
+        return _detached(out)
+
+    def result(self, output: Any) -> PartProfile:
+        """The fastest of the kept runs (contention only ever adds time), with the bytes of `output`."""
+        leaves = tensor_leaves(output)
+        f, i, w = (min(ts) for ts in self.times)
+        grad_leaves = [t for t in leaves if t.is_floating_point()]
+        return PartProfile(f, i, w, self.saved, nbytes(list(self.part.parameters())), nbytes(leaves),
+                           nbytes(grad_leaves))
+
+
+def profile_parts(parts: Sequence[nn.Module], sample_input: Any, *, target: Any = None,
+                  loss_fn: Callable[[Any, Any], Tensor] | None = None, repeats: int = 3, warmup: int = 1,
+                  microbatch_size: int | None = None, timer: Timer = time.perf_counter,
+                  meta: dict[str, Any] | None = None) -> Profile:
+    """Measure each part on one microbatch, the parts run in order so each sees its real input.
+
+    Per part: the fastest of `repeats` runs (after `warmup` unmeasured ones), separately for
+    its forward, its input-gradient backward (I) and its weight-gradient backward (W), split as
+    the runtime splits them; the bytes its forward saves for backward (counted with
+    `saved_tensors_hooks`, parameters excluded, each storage once); its parameter bytes; and
+    the bytes of every tensor of its output (the forward message) and of the floating ones
+    (the gradient message). The last part's backward starts from `loss_fn(output, target)`
+    when a loss is given, every other from a gradient of ones. `microbatch_size` (default:
+    the first dimension of the first tensor of `sample_input`) is recorded for scaling.
+    Gradients are cleared afterwards.
+    """
+    if not parts:
+        raise ValueError("profile_parts needs at least one part, got none")
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"profile_parts needs repeats >= 1 and warmup >= 0, got repeats={repeats}, "
+                         f"warmup={warmup}")
+    size = microbatch_size if microbatch_size is not None else _rows(sample_input)
+    message, measured = sample_input, []
+    for k, part in enumerate(parts):
+        last = k == len(parts) - 1
+        loss = (lambda out: loss_fn(out, target)) if last and loss_fn is not None else None  # noqa: E731
+        run = _PartRun(part, timer)
+        out = None
+        for attempt in range(warmup + repeats):
+            out = run.once(message, loss)
+            if attempt < warmup:
+                run.times = ([], [], [])
+        measured.append(run.result(out))
+        message = out
+    return Profile(tuple(measured), size, dict(meta or {}, repeats=repeats, warmup=warmup,
+                                               torch=torch.__version__))
+
+
+def _rows(sample: Any) -> int:
+    leaves = tensor_leaves(sample)
+    if not leaves or leaves[0].dim() == 0:
+        raise ValueError("profile_parts cannot tell the microbatch size from sample_input; pass microbatch_size=")
+    return int(leaves[0].shape[0])

@@ -1,0 +1,136 @@
+"""Data parallelism in the planner's model: ZeRO stages, gradient compression, and the reduction's time.
+
+The two tables below are the one place that holds these numbers: a new ZeRO stage or
+compression method is one more entry, and `available` turns True when the training side
+implements it (until then the planner only shows it as advice).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+
+
+@dataclass(frozen=True)
+class ZeroStage:
+    """How a ZeRO stage shards state over the D data-parallel replicas and what it moves per step."""
+
+    stage: int
+    """0, 1 or 2."""
+    description: str
+    """One line for tables."""
+    shard_optimizer: bool
+    """Optimizer states are split over the D replicas (1/D each)."""
+    shard_gradients: bool
+    """Gradients are kept only as this replica's 1/D shard once reduced."""
+    grad_traffic: float
+    """Gradient bytes each replica puts on the wire per step, as a multiple of (D-1)/D x gradient bytes:
+    2 for a ring all-reduce, 1 for a reduce-scatter."""
+    param_traffic: float
+    """Parameter bytes each replica puts on the wire per step, as a multiple of (D-1)/D x parameter bytes
+    (1: the all-gather of the updated shards)."""
+    available: bool
+    """The training side implements it (the planner enumerates it by default)."""
+
+
+ZERO_STAGES: Mapping[int, ZeroStage] = MappingProxyType({
+    0: ZeroStage(0, "replicated: all-reduce the gradients, every replica steps everything",
+                 False, False, 2.0, 0.0, True),
+    1: ZeroStage(1, "ZeRO-1: reduce-scatter gradients, step 1/D of the optimizer states, all-gather parameters",
+                 True, False, 1.0, 1.0, False),
+    2: ZeroStage(2, "ZeRO-2: as ZeRO-1, and keep only 1/D of the reduced gradients",
+                 True, True, 1.0, 1.0, False),
+})
+
+
+@dataclass(frozen=True)
+class Compression:
+    """A gradient-compression method for the data-parallel reduction."""
+
+    name: str
+    """Its name on the command line."""
+    wire_ratio: float
+    """Gradient bytes on the wire are divided by this (1: none)."""
+    note: str
+    """Where the ratio comes from and what it costs in accuracy."""
+    available: bool
+    """The training side implements it (the planner enumerates it by default)."""
+
+
+COMPRESSIONS: Mapping[str, Compression] = MappingProxyType({
+    c.name: c for c in (
+        Compression("none", 1.0, "fp32 gradients", True),
+        Compression("bf16", 2.0, "bf16 hook; +0.06% final loss on the GPT example (COMM-NOTES)", False),
+        Compression("int8", 3.9, "int8 blocks of 256, stochastic rounding, error feedback; -0.05% loss", False),
+        Compression("powersgd-r4", 6.9, "PowerSGD rank 4; +2.8% loss", False),
+        Compression("powersgd-r1", 11.8, "PowerSGD rank 1; +13.7% loss", False),
+        Compression("dgc", 20.0, "deep gradient compression, SGD momentum, averaged over warm-up; -0.6% loss",
+                    False),
+    )
+})
+"""Lightest (least lossy) first; wire ratios measured on the GPT example at PP=2 x DP=2 (COMM-NOTES.md)."""
+
+
+def zero_stage(stage: int) -> ZeroStage:
+    """The table entry of ZeRO `stage`; ValueError lists the known stages."""
+    if stage not in ZERO_STAGES:
+        raise ValueError(f"unknown ZeRO stage {stage!r}; known stages: {', '.join(map(str, ZERO_STAGES))}")
+    return ZERO_STAGES[stage]
+
+
+def compression(name: str) -> Compression:
+    """The table entry of compression method `name`; ValueError lists the known methods."""
+    if name not in COMPRESSIONS:
+        raise ValueError(f"unknown compression {name!r}; known methods: {', '.join(COMPRESSIONS)}")
+    return COMPRESSIONS[name]
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link between two data-parallel replicas (or two pipeline ranks)."""
+
+    bandwidth: float = math.inf
+    """Bytes per second each way (inf: transfers take only `latency`)."""
+    latency: float = 0.0
+    """Seconds per message."""
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth > 0 or math.isnan(self.bandwidth):
+            raise ValueError(f"link bandwidth must be > 0 bytes/s, got {self.bandwidth!r}")
+        if not 0 <= self.latency < math.inf:
+            raise ValueError(f"link latency must be a finite number >= 0 s, got {self.latency!r}")
+
+    def time(self, nbytes: float, messages: int = 1) -> float:
+        """Seconds to move `nbytes` in `messages` messages."""
+        return messages * self.latency + (nbytes / self.bandwidth if nbytes else 0.0)
+
+
+def reduction_time(grad_bytes: float, param_bytes: float, replicas: int, zero: ZeroStage,
+                   method: Compression, link: Link) -> float:
+    """Seconds one rank's data-parallel reduction (and ZeRO's all-gather) takes on `link`; 0 when D = 1.
+
+    Ring collectives: per pass (an all-reduce is two) each replica sends (D-1)/D of the bytes in
+    D-1 messages; compression divides the gradient bytes, never the parameter all-gather.
+    """
+    if replicas <= 1:
+        return 0.0
+    share = (replicas - 1) / replicas
+    volume = share * (zero.grad_traffic * grad_bytes / method.wire_ratio + zero.param_traffic * param_bytes)
+    passes = round(zero.grad_traffic + zero.param_traffic)
+    return link.time(volume, passes * (replicas - 1))
+
+
+def exposed_time(buckets: Sequence[tuple[float, float, float]], compute_end: float) -> float:
+    """How far a rank's reductions run past `compute_end`, one after another on its link.
+
+    `buckets`: per stage, (start, end, duration): its gradients become final layer by layer
+    during its last backward pass, from `start` to `end` (as DDP-style buckets would), and
+    reducing all of them takes `duration`. A reduction cannot start before its pass starts
+    nor finish before the pass ends, so it hides behind that pass when it is no longer.
+    """
+    clock = 0.0
+    for start, end, duration in sorted(buckets):
+        clock = max(max(clock, start) + duration, end)
+    return max(0.0, clock - compute_end)

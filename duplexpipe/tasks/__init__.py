@@ -1,0 +1,1 @@
+"""Ready-made training tasks (a model and its data) for `duplexpipe train`."""

@@ -1,0 +1,100 @@
+"""Tiny transformers causal LMs (random init from configs, no download) and data for the hf tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+VOCAB, SEQ = 96, 8
+_SMALL = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+              vocab_size=VOCAB, max_position_embeddings=64)
+
+
+def _seeded(build: Any, seed: int) -> nn.Module:
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model: nn.Module = build()
+    finally:
+        torch.random.set_rng_state(state)
+    return model
+
+
+def tiny_llama(layers: int = 8, seed: int = 0, attn: str = "sdpa", **overrides: Any) -> nn.Module:
+    """A LlamaForCausalLM with hidden size 32 (grouped-query attention: 4 heads, 2 KV heads)."""
+    cfg = transformers.LlamaConfig(**{**_SMALL, "num_hidden_layers": layers, **overrides},
+                                   attn_implementation=attn)
+    return _seeded(lambda: transformers.LlamaForCausalLM(cfg), seed)
+
+
+def tiny_mistral(layers: int = 4, seed: int = 0, window: int | None = 4) -> nn.Module:
+    """A MistralForCausalLM whose sliding window is shorter than the test sequences."""
+    cfg = transformers.MistralConfig(**_SMALL, num_hidden_layers=layers, sliding_window=window,
+                                     attn_implementation="sdpa")
+    return _seeded(lambda: transformers.MistralForCausalLM(cfg), seed)
+
+
+def tiny_qwen2(layers: int = 4, seed: int = 0) -> nn.Module:
+    """A Qwen2ForCausalLM with full-attention layers first and sliding-window layers after."""
+    cfg = transformers.Qwen2Config(**_SMALL, num_hidden_layers=layers, use_sliding_window=True, sliding_window=4,
+                                   max_window_layers=layers // 2, attn_implementation="eager")
+    return _seeded(lambda: transformers.Qwen2ForCausalLM(cfg), seed)
+
+
+def tiny_gpt2(layers: int = 8, seed: int = 0, **overrides: Any) -> nn.Module:
+    """A GPT2LMHeadModel (head tied to the token embedding unless overridden), dropout off."""
+    cfg = transformers.GPT2Config(**{"n_layer": layers, "n_embd": 32, "n_head": 4, "vocab_size": VOCAB,
+                                     "n_positions": 64, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+                                     "attn_pdrop": 0.0, "bos_token_id": 0, "eos_token_id": 0, **overrides})
+    return _seeded(lambda: transformers.GPT2LMHeadModel(cfg), seed)
+
+
+BUILDERS = {"llama": tiny_llama, "llama-eager": lambda **kw: tiny_llama(attn="eager", **kw),
+            "mistral": tiny_mistral, "qwen2": tiny_qwen2, "gpt2": tiny_gpt2}
+"""Every supported architecture, by test id."""
+
+
+def token_batch(step: int, rows: int = 8, seq: int = SEQ) -> tuple[Tensor, Tensor]:
+    """Random token ids (rows, seq) and the labels `model(ids, labels=labels)` takes (the ids)."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(0, VOCAB, (rows, seq), generator=gen)
+    return ids, ids.clone()
+
+
+def padding_mask(rows: int, seq: int = SEQ, left: bool = True) -> Tensor:
+    """A mask (1 real, 0 padding) with right padding, a hole inside a row and, if `left`, left padding."""
+    mask = torch.ones(rows, seq, dtype=torch.long)
+    for r in range(rows):
+        kind = r % 3
+        if kind == 1:
+            mask[r, seq - 1 - r % (seq // 2):] = 0  # right padding of varying length
+        elif kind == 2:
+            mask[r, 2:4] = 0  # a hole
+        elif left and r:
+            mask[r, :2] = 0  # left padding (fully masked query rows)
+    return mask
+
+
+def padded_labels(ids: Tensor, mask: Tensor) -> Tensor:
+    """Labels with -100 where the mask pads: rows then count different numbers of tokens."""
+    return ids.masked_fill(mask == 0, -100)
+
+
+def run_parts(parts: list[nn.Module], inputs: Any) -> Any:
+    """Compose the parts as the runtime calls them: a dict as keywords, a tuple as positions."""
+    x = inputs
+    for part in parts:
+        x = part(**x) if isinstance(x, dict) else part(*x) if isinstance(x, tuple) else part(x)
+    return x
+
+
+def rel(got: Tensor, want: Tensor) -> float:
+    """Norm-wise relative error in float64."""
+    got, want = got.detach().double(), want.detach().double()
+    return float((got - want).norm() / want.norm())

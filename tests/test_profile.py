@@ -1,0 +1,96 @@
+"""profile_parts: the I/W-split timing arithmetic (with a scripted timer), saved and message bytes, loss."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from duplexpipe.pipeline.profile import nbytes, profile_parts, tensor_leaves
+
+
+class ScriptedTimer:
+    """A clock that advances by scripted (F, I, W) durations: four reads per measured run of a part."""
+
+    def __init__(self, runs: list[tuple[float, float, float]]) -> None:
+        self.reads: list[float] = []
+        now = 0.0
+        for f, i, w in runs:
+            self.reads += [now, now + f, now + f + i, now + f + i + w]
+            now += f + i + w + 1.0
+        self.reads.reverse()
+
+    def __call__(self) -> float:
+        return self.reads.pop()
+
+
+def mlp(width: int = 8) -> nn.Module:
+    return nn.Sequential(nn.Linear(width, width), nn.ReLU())
+
+
+def test_the_fastest_measured_run_of_each_pass_after_warmup() -> None:
+    torch.manual_seed(0)
+    parts = [mlp(), mlp()]
+    # part 0: a warm-up run (discarded), then three runs; part 1 likewise
+    timer = ScriptedTimer([(50, 50, 50), (1, 4, 7), (3, 5, 9), (2, 6, 8),
+                           (60, 60, 60), (0.5, 0.1, 0.2), (0.4, 0.3, 0.1), (0.6, 0.2, 0.3)])
+    profile = profile_parts(parts, torch.randn(4, 8), repeats=3, warmup=1, timer=timer)
+    assert not timer.reads, "four timer reads per run"
+    p0, p1 = profile.parts
+    assert (p0.forward_s, p0.backward_input_s, p0.backward_weight_s) == (1, 4, 7)
+    assert (p1.forward_s, p1.backward_input_s, p1.backward_weight_s) == pytest.approx((0.4, 0.1, 0.1))
+    assert profile.microbatch_size == 4 and profile.meta["repeats"] == 3 and profile.meta["warmup"] == 1
+
+
+def test_bytes_of_activations_parameters_and_messages() -> None:
+    profile = profile_parts([mlp(), mlp()], torch.randn(4, 8), repeats=1, warmup=0)
+    for part in profile.parts:
+        assert part.activation_bytes == 2 * 4 * 8 * 4  # Linear's input and ReLU's output; no weights
+        assert part.param_bytes == (8 * 8 + 8) * 4
+        assert part.output_bytes == part.output_grad_bytes == 4 * 8 * 4
+        assert part.forward_s >= 0 and part.backward_input_s >= 0 and part.backward_weight_s >= 0
+
+
+class Split(nn.Module):
+    """Returns a dict message: a float tensor and an integer mask (which takes no gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> dict[str, Tensor]:
+        return {"h": self.layer(x), "mask": torch.ones(x.shape[0], 3, dtype=torch.int64)}
+
+
+class Join(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(8, 2)
+
+    def forward(self, msg: dict[str, Tensor]) -> Tensor:
+        return self.layer(msg["h"]) + msg["mask"].sum()
+
+
+def test_structured_messages_and_a_loss_on_the_last_part() -> None:
+    parts = [Split(), Join()]
+    target = torch.randn(4, 2)
+    profile = profile_parts(parts, torch.randn(4, 8), target=target, loss_fn=nn.functional.mse_loss,
+                            repeats=1, warmup=0)
+    first, last = profile.parts
+    assert first.output_bytes == 4 * 8 * 4 + 4 * 3 * 8 and first.output_grad_bytes == 4 * 8 * 4
+    assert last.activation_bytes > 4 * 8 * 4  # its input and what the loss saves
+    assert all(p.grad is None for part in parts for p in part.parameters()), "gradients are cleared"
+
+
+def test_leaves_and_bad_arguments() -> None:
+    a, b = torch.zeros(2), torch.zeros(3, dtype=torch.float16)
+    assert tensor_leaves({"x": [a, (b,)], "n": 3}) == [a, b] and nbytes([a, b]) == 8 + 6
+    with pytest.raises(ValueError, match="at least one part"):
+        profile_parts([], torch.zeros(2, 8))
+    with pytest.raises(ValueError, match="repeats >= 1 and warmup >= 0"):
+        profile_parts([mlp()], torch.zeros(2, 8), repeats=0)
+    frozen = nn.Embedding(10, 4).requires_grad_(False)
+    with pytest.raises(ValueError, match="no output requires grad"):
+        profile_parts([frozen], torch.zeros(2, 3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="cannot tell the microbatch size"):
+        profile_parts([mlp()], torch.tensor(1.0))
