@@ -8,7 +8,7 @@ import pytest
 from duplexpipe.comm import Int8Options, NoCompression, compression_options
 from duplexpipe.pipeline import PipelineConfig
 from duplexpipe.pipeline.dp import ZeroOptions
-from duplexpipe.pipeline.dp.zero_options import check_hpz, gradient_wire
+from duplexpipe.pipeline.dp.zero_options import check_hpz, check_tied, gradient_wire
 from duplexpipe.schedules.registry import build
 
 
@@ -69,3 +69,13 @@ def test_hpz_needs_whole_nodes_and_a_schedule_without_split_backward() -> None:
     for name in ("zb-h1", "dualpipe", "zbv"):
         with pytest.raises(ValueError, match=f"{name!r} runs \\['I', 'W'\\]"):
             check_hpz(hpz, build(name, 2, 4), 4)
+
+
+def test_tied_parameters_with_zero_and_data_parallelism_are_refused_by_name() -> None:
+    tied = [((0, "wte.weight"), (1, "lm_head.weight"))]
+    with pytest.raises(ValueError, match=r"zero_stage=1 does not support .*\['part 0 wte.weight\+part 1 "
+                                         r"lm_head.weight'\]"):
+        check_tied(1, tied, dp_size=2)
+    check_tied(0, tied, dp_size=2)  # the replicated strategy sums tied gradients
+    check_tied(2, tied, dp_size=1)  # DP=1 falls back to the replicated strategy
+    check_tied(2, [], dp_size=2)

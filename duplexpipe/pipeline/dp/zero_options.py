@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from duplexpipe.comm import Int8Options, NoCompression, Options
@@ -117,3 +118,12 @@ def check_hpz(options: ZeroOptions, schedule: Schedule, dp_size: int) -> None:
         raise ValueError(f"ZeroOptions.hpz_ranks needs a schedule without split backward, but "
                          f"{schedule.name!r} runs {split}: FSDP2 frees the parameters it resharded after "
                          "forward before the deferred weight gradients (W) run (measured: they come out missing)")
+
+
+def check_tied(stage: int, tied: Sequence[Sequence[tuple[int, str]]], dp_size: int) -> None:
+    """ZeRO with data parallelism cannot take a parameter shared by several model parts (`tied`: each one's
+    (part, name) places): its gradient leaves the parameter for a shard before the tied-gradient sum runs."""
+    if stage and dp_size > 1 and tied:
+        places = ["+".join(f"part {part} {name}" for part, name in group) for group in tied]
+        raise ValueError(f"zero_stage={stage} does not support parameters shared by several model parts (tied: "
+                         f"{places}); untie them (e.g. tie_word_embeddings=False) or use zero_stage=0")
