@@ -71,8 +71,10 @@ class ZeroBenchConfig:
     """Steps before the memory is read."""
     microbatches: int = 4
     """Microbatches per step and replica."""
-    task_options: dict[str, Any] = field(default_factory=lambda: {"n_layer": 4, "d_model": 64, "batch_size": 32})
-    """gpt_task options (the example's model and global batch)."""
+    task_options: dict[str, Any] = field(default_factory=lambda: {"n_layer": 4, "d_model": 64})
+    """gpt_task options (the example's model)."""
+    batch_size: int = 32
+    """Global batch (sequences per step, split over the data-parallel replicas)."""
     lr: float = 3e-3
     """AdamW learning rate (weight decay 0.01, the example's)."""
     clip: float = 1.0
@@ -94,8 +96,8 @@ def _pipeline(cfg: ZeroBenchConfig, pp: int, dp: int, stage: int, zero: ZeroOpti
     return pipe, task
 
 
-def _step(pipe: Pipeline, task: Any, step: int) -> float:
-    x, y = task.batch(step)
+def _step(pipe: Pipeline, task: Any, step: int, batch_size: int) -> float:
+    x, y = task.batch(step, batch_size)
     share = x.shape[0] // pipe.groups.dp_size
     lo = pipe.groups.dp_rank * share
     return pipe.step(x[lo:lo + share], y[lo:lo + share])
@@ -123,7 +125,7 @@ def _memory_worker(rank: int, world: int, job: tuple[ZeroBenchConfig, int, int])
     for stage in (0, 1, 2):
         pipe, task = _pipeline(cfg, pp, dp, stage, ZeroOptions())
         for step in range(cfg.memory_steps):
-            _step(pipe, task, step)
+            _step(pipe, task, step, cfg.batch_size)
         out[stage] = held_bytes(pipe)
     return out
 
@@ -161,7 +163,7 @@ def _train_worker(rank: int, world: int, job: tuple[ZeroBenchConfig, int, ZeroOp
         check = 1 <= step <= cfg.checked_steps and stage > 0
         begin = time.perf_counter()
         with _counted(seen, check):
-            losses.append(_step(pipe, task, step))
+            losses.append(_step(pipe, task, step, cfg.batch_size))
         step_s.append(time.perf_counter() - begin)
         kinds.append({k: meter.bytes[k] - before.get(k, 0.0) for k in meter.bytes})
         if check:
@@ -269,7 +271,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"average (1, 5, 15 min) before {meta.get('load_before', '?')}, after "
         f"{[round(x, 2) for x in result['loadavg']]}; `uptime` before: {result.get('uptime_before', '?')}.",
         "",
-        f"**Memory per rank** (GPT example {cfg.task_options}, AdamW, after {cfg.memory_steps} steps; largest "
+        f"**Memory per rank** (GPT example {cfg.task_options}, batch {cfg.batch_size}, AdamW, after {cfg.memory_steps} steps; largest "
         "rank; 'vs 0' = fraction of zero_stage=0 in the same layout). At DP=1 there is nothing to shard: "
         "zero_stage 1 and 2 fall back to the replicated strategy (with a warning).",
         "",
