@@ -271,8 +271,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"average (1, 5, 15 min) before {meta.get('load_before', '?')}, after "
         f"{[round(x, 2) for x in result['loadavg']]}; `uptime` before: {result.get('uptime_before', '?')}.",
         "",
-        f"**Memory per rank** (GPT example {cfg.task_options}, batch {cfg.batch_size}, AdamW, after {cfg.memory_steps} steps; largest "
-        "rank; 'vs 0' = fraction of zero_stage=0 in the same layout). At DP=1 there is nothing to shard: "
+        f"**Memory per rank** (GPT example {cfg.task_options}, batch {cfg.batch_size}, AdamW, after "
+        f"{cfg.memory_steps} steps; largest rank; 'vs 0' = fraction of zero_stage=0 in the same layout). At DP=1 "
+        "there is nothing to shard: "
         "zero_stage 1 and 2 fall back to the replicated strategy (with a warning).",
         "",
         memory_table(result["memory"]),
