@@ -25,9 +25,10 @@ from benchmarks.p2p_compression import P2PConfig, quick_config  # noqa: E402
 from benchmarks.plan_vs_measured import PvMConfig  # noqa: E402
 from benchmarks.plan_vs_measured import quick_config as pvm_quick_config  # noqa: E402
 from benchmarks.vs_torch import VsTorchConfig  # noqa: E402
+from benchmarks.zero_bench import ZeroBenchConfig  # noqa: E402
 
 PARTS = ("vs_torch", "measured_vs_simulated", "overlap", "tooling", "profile", "auto_search", "p2p",
-         "grad_compression", "plan_vs_measured")
+         "grad_compression", "plan_vs_measured", "zero")
 QUICK_PARTS = PARTS[:4]
 
 
@@ -53,6 +54,8 @@ class Plan:
     """Part 8: gradient compression in training (GPT example, PP=2 x DP=2, 200 steps per method)."""
     plan_vs_measured: PvMConfig = PvMConfig()
     """Part 9: the planner's predictions against runs of 5 candidates (benchmarks/plan_vs_measured.py)."""
+    zero: ZeroBenchConfig = ZeroBenchConfig()
+    """Part 10: ZeRO memory per rank and ZeRO++ bytes / loss (GPT example, 200 steps per run)."""
 
 
 def full_plan() -> Plan:
@@ -97,6 +100,7 @@ def _runners(plan: Plan) -> dict[str, Callable[[], Any]]:
         plan_vs_measured,
         tooling,
         vs_torch,
+        zero_bench,
     )
 
     return {
@@ -109,6 +113,7 @@ def _runners(plan: Plan) -> dict[str, Callable[[], Any]]:
         "p2p": lambda: p2p_compression.run(plan.p2p),
         "grad_compression": lambda: dp_compression.run(plan.dp_compression),
         "plan_vs_measured": lambda: plan_vs_measured.run(plan.plan_vs_measured),
+        "zero": lambda: zero_bench.run(plan.zero),
     }
 
 
@@ -233,6 +238,7 @@ def _publish(results: dict[str, Any], out: str, docs: str) -> None:
             part.setdefault("meta", {**results.get("meta", {}), "load_before": results.get("meta", {}).get(
                 "loadavg_at_part_start", {}).get("grad_compression", "?")})
             dp_compression.publish(part, docs)
+    _publish_zero(results, docs)
     if docs != "none":
         made = write_figures(results, os.path.join(docs, "img"), "img/")
         report.update_doc(os.path.join(docs, "benchmarks.md"), report.results_markdown(results, made))
@@ -281,6 +287,20 @@ def _publish_p2p(results: dict[str, Any], out: str, docs: str) -> None:
         p2p_compression.publish(part, docs)
     else:
         p2p_compression.loss_figure(part, os.path.join(out, "p2p_loss.png"))
+
+
+def _publish_zero(results: dict[str, Any], docs: str) -> None:
+    """Print part 10 and (unless docs is 'none') write its section of docs/benchmarks.md."""
+    part = results.get("zero")
+    if not part:
+        return
+    from benchmarks import zero_bench
+
+    meta = results.get("meta", {})
+    part.setdefault("meta", {**meta, "load_before": meta.get("loadavg_at_part_start", {}).get("zero", "?")})
+    print(f"\n10. ZeRO\n{zero_bench.markdown(part)}")
+    if docs != "none":
+        zero_bench.publish(part, docs)
 
 
 def plan_config(part: dict[str, Any]) -> DPBenchConfig:

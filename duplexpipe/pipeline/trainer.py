@@ -22,10 +22,13 @@ from duplexpipe.pipeline.dp import (
     DPStrategy,
     OptimizerFactory,
     StrategyContext,
+    ZeroOptions,
     check_strategy_name,
+    check_zero,
     final_order,
     make_strategy,
 )
+from duplexpipe.pipeline.dp.zero_options import check_tied
 from duplexpipe.pipeline.mesh import ParallelGroups
 from duplexpipe.pipeline.precision import DynamicLossScaler, LossScaleConfig, autocast_dtype
 from duplexpipe.pipeline.split import (
@@ -119,6 +122,13 @@ class PipelineConfig:
     grad_bucket_bytes: int = DEFAULT_BUCKET_BYTES
     """Gradients are reduced in fixed buckets of at most this many bytes, each started as soon as its
     gradients are final (in the order they become final)."""
+    zero_stage: int = 0
+    """ZeRO over the data-parallel replicas: 0 none; 1 optimizer state sharded (reduce-scatter, step on the
+    shard, all-gather; an elementwise optimizer such as SGD/Adam/AdamW); 2 gradients sharded too (torch
+    FSDP2, reduced stage by stage as they become final). 3 is refused (see README). grad_compression may be
+    "bf16", "fp16" or "int8" (int8 = ZeRO++ qgZ) with ZeRO."""
+    zero: ZeroOptions = field(default_factory=ZeroOptions)
+    """ZeRO++ options for zero_stage 1 and 2: quantized_gradients (qgZ), quantized_weights (qwZ), hpz_ranks."""
 
     def __post_init__(self) -> None:
         memory_bytes(self.memory_limit)
@@ -143,7 +153,9 @@ class PipelineConfig:
         if not isinstance(self.grad_bucket_bytes, int) or self.grad_bucket_bytes < 1:
             raise ValueError(f"grad_bucket_bytes must be an int >= 1, got {self.grad_bucket_bytes!r}")
         compression = compression_options(self.grad_compression)
-        check_strategy_name(self.dp_strategy, compression.method != "none")
+        check_zero(self.zero_stage, self.zero, compression, self.dp_strategy)
+        if not self.zero_stage:
+            check_strategy_name(self.dp_strategy, compression.method != "none")
         if compression.method == "dgc" and self.grad_clip_norm is not None:
             raise ValueError(
                 f"grad_clip_norm={self.grad_clip_norm} would clip DGC's averaged momentum-corrected velocity, "
@@ -238,6 +250,7 @@ class Pipeline:
                                                  checkpoint_stages=ckpt, device=self.device)
         self.params = [p for s in sorted(self.stage_modules) for p in self.stage_modules[s].parameters()]
         tied = find_tied([] if callable(parts) else parts)  # factory parts cannot share a Parameter
+        check_tied(cfg.zero_stage, [t.places for t in tied], groups.dp_size)
         self.tied = TiedGrads(tied, self.schedule, groups.pp_rank, self.stage_modules, groups.pp_group)
         self.scaler = DynamicLossScaler(cfg.loss_scale, enabled=cfg.precision == "fp16")
         self.p2p_meter = WireMeter()
@@ -253,17 +266,18 @@ class Pipeline:
         self.runtime = PipelineRuntime(self.schedule, self.stage_modules, loss_fn, group=groups.pp_group,
                                        device=self.device, config=runtime_cfg,
                                        job_group=dist.group.WORLD if groups.dp_size > 1 else None)
+        if cfg.check_replicas:  # before the strategy: ZeRO-2 turns the parameters into shards
+            self._check_replicas()
         plan = self.runtime.plan
         self.dp: DPStrategy = make_strategy(StrategyContext(
             self.stage_modules, self.schedule, tuple(final_order(plan.grads_final, plan.mirrored)), groups,
             optimizer, self.device, self.bounded, compression_options(cfg.grad_compression),
-            cfg.grad_bucket_bytes), cfg.dp_strategy)
+            cfg.grad_bucket_bytes, cfg.zero_stage, cfg.zero), cfg.dp_strategy)
         """The data-parallel strategy: reduce -> overflow check -> clip -> optimizer step."""
+        self.params = self.dp.params
         self.dp.counted = self.tied.counted(self.dp.counted)  # a tied weight counts once in the norm
         self.scheduler = scheduler(self.optimizer) if scheduler is not None else None
         """The LR scheduler (None without one); stepped after every applied optimizer step."""
-        if cfg.check_replicas:
-            self._check_replicas()
         self.optimizer_steps = 0
         """Optimizer steps taken (skipped fp16 steps not counted)."""
         self.calls = 0
