@@ -15,7 +15,8 @@ import torch.distributed as dist
 from _train_helpers import Reference, adam, batch, make_parts, max_rel_diff, mse
 from torch import nn
 
-from duplexpipe.pipeline.autoplan import AUTO, PartChain, check_options, memory_bytes
+from duplexpipe.comm import Bf16Options, DGCOptions, Fp16Options, NoCompression, PowerSGDOptions
+from duplexpipe.pipeline.autoplan import AUTO, PartChain, check_options, memory_bytes, planned_compression
 from duplexpipe.pipeline.trainer import Pipeline, PipelineConfig
 from duplexpipe.schedules.plan import PlanConfig, plan
 
@@ -142,7 +143,8 @@ def test_the_choice_is_the_planners_best_for_that_profile(results: list[dict[str
     lead = results[0]["agree"]
     expected = plan(Profile.from_dict(lead["profile"]), PlanConfig(ranks=2, batch=16, memory=2**62,
                                                                    schedules=("1f1b", "zb-h1", "zbv"),
-                                                                   microbatches=(4,)))
+                                                                   microbatches=(4,), zero_stages=(0,),
+                                                                   compressions=("none",)))
     assert expected.best.schedule == lead["schedule"]
     assert expected.table() == lead["table"]
 
@@ -215,3 +217,14 @@ def test_a_chain_calls_each_part_as_the_runtime_calls_a_stage() -> None:
 
     x = torch.arange(3.0)
     assert torch.equal(PartChain([Pair(), Add(), Take()])(x), 3 * x + 1)
+
+
+def test_the_plan_models_the_pipelines_own_gradient_compression(caplog: pytest.LogCaptureFixture) -> None:
+    assert planned_compression(NoCompression()) == "none"
+    assert planned_compression(Bf16Options()) == "bf16"
+    assert planned_compression(PowerSGDOptions(rank=1)) == "powersgd-r1"
+    assert planned_compression(DGCOptions(ratio=0.01)) == "dgc"
+    with caplog.at_level(logging.WARNING, logger="duplexpipe.plan"):
+        assert planned_compression(Fp16Options()) == "none", "no measured ratio: modelled uncompressed"
+        assert planned_compression(DGCOptions(ratio=0.001)) == "none"
+    assert "no measured wire ratio" in caplog.text

@@ -13,10 +13,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from duplexpipe.comm import Options
 from duplexpipe.pipeline.profile import Timer, profile_parts
 from duplexpipe.pipeline.split import PartInfo, Partition
 from duplexpipe.pipeline.stages import PartInit, as_factory, materialize_part
 from duplexpipe.runtime.structure import call, flatten, map_leaves, split
+from duplexpipe.schedules.dp_model import COMPRESSIONS
 from duplexpipe.schedules.ir import Schedule
 from duplexpipe.schedules.memory import format_bytes, parse_bytes
 from duplexpipe.schedules.plan import PlanConfig, PlanResult, plan
@@ -47,6 +49,22 @@ def memory_bytes(limit: int | str | None, what: str = "PipelineConfig.memory_lim
         return parse_bytes(limit)
     except ValueError as exc:
         raise ValueError(f"{what}: {exc}") from None
+
+
+def planned_compression(options: Options) -> str:
+    """The planner's name (dp_model.COMPRESSIONS) for the gradient compression a Pipeline runs with; "none"
+    (the reduction modelled uncompressed, said in the log) where the table has no measured ratio for it."""
+    name = {"none": "none", "bf16": "bf16", "int8": "int8"}.get(options.method)
+    rank, ratio = getattr(options, "rank", None), getattr(options, "ratio", None)
+    if options.method == "powersgd" and rank in (1, 4):
+        name = f"powersgd-r{rank}"
+    if options.method == "dgc" and ratio == 0.01:
+        name = "dgc"
+    if name is None or name not in COMPRESSIONS:
+        LOGGER.warning("schedule='auto': no measured wire ratio for grad_compression %r; the plan models the "
+                       "data-parallel reduction uncompressed", options)
+        return "none"
+    return name
 
 
 def check_options(options: dict[str, Any]) -> None:
@@ -179,13 +197,14 @@ def _shared_profile(make: Callable[[], Profile]) -> Profile:
 def choose(parts: Sequence[nn.Module] | Callable[[int], nn.Module], loss_fn: Callable[[Any, Any], torch.Tensor],
            *, ranks: int, dp: int, sample: tuple[Any, Any] | None, memory_limit: int | str | None,
            num_microbatches: int, options: dict[str, Any], device: torch.device, init: PartInit | None = None,
-           autocast: torch.dtype | None = None) -> AutoChoice:
+           autocast: torch.dtype | None = None, zero_stage: int = 0, compression: str = "none") -> AutoChoice:
     """Profile (rank 0, shared), plan for `ranks` x `dp` and the sample's batch size, log the choice once.
 
     `sample` is (inputs, targets) of one step's batch on this replica; the profiled microbatch
-    is its first of `num_microbatches`. Raises ValueError on every rank, before any training,
-    when the parts or the sample are unusable or no candidate fits the limit (naming the
-    smallest feasible cap).
+    is its first of `num_microbatches`. The plan keeps the Pipeline's own data-parallel settings
+    (`zero_stage`, `compression`: a dp_model name) unless schedule_options sets zero_stages or
+    compressions. Raises ValueError on every rank, before any training, when the parts or the
+    sample are unusable or no candidate fits the limit (naming the smallest feasible cap).
     """
     check_options(options)
     cap = memory_bytes(memory_limit)
@@ -202,6 +221,7 @@ def choose(parts: Sequence[nn.Module] | Callable[[int], nn.Module], loss_fn: Cal
                                                {**options, "timer": timer}, device, init, autocast))
     plan_options: dict[str, Any] = {k: (tuple(v) if isinstance(v, list) else v)
                                     for k, v in options.items() if k in PLAN_KEYS}
+    plan_options = {"zero_stages": (zero_stage,), "compressions": (compression,), **plan_options}
     config = PlanConfig(ranks=ranks, batch=rows * dp, memory=cap if cap is not None else NO_LIMIT, dp=dp,
                         **plan_options)
     result = plan(profile, config)

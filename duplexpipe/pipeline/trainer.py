@@ -16,7 +16,7 @@ from duplexpipe.comm.meter import WireMeter
 from duplexpipe.comm.nonfinite import check_policy
 from duplexpipe.comm.p2p_codecs import p2p_codec_pair
 from duplexpipe.pipeline import grads
-from duplexpipe.pipeline.autoplan import AUTO, AutoChoice, check_options, choose, memory_bytes
+from duplexpipe.pipeline.autoplan import AUTO, AutoChoice, check_options, choose, memory_bytes, planned_compression
 from duplexpipe.pipeline.dp import (
     DEFAULT_BUCKET_BYTES,
     DPStrategy,
@@ -338,7 +338,8 @@ class Pipeline:
         return choose(parts, loss_fn, ranks=groups.pp_size, dp=groups.dp_size, sample=sample,
                       memory_limit=cfg.memory_limit, num_microbatches=cfg.num_microbatches,
                       options=cfg.schedule_options, device=self.device, init=init,
-                      autocast=autocast_dtype(cfg.precision))
+                      autocast=autocast_dtype(cfg.precision), zero_stage=cfg.zero_stage,
+                      compression=planned_compression(compression_options(cfg.grad_compression)))
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:

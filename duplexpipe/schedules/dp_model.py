@@ -39,9 +39,9 @@ ZERO_STAGES: Mapping[int, ZeroStage] = MappingProxyType({
     0: ZeroStage(0, "replicated: all-reduce the gradients, every replica steps everything",
                  False, False, 2.0, 0.0, True),
     1: ZeroStage(1, "ZeRO-1: reduce-scatter gradients, step 1/D of the optimizer states, all-gather parameters",
-                 True, False, 1.0, 1.0, False),
+                 True, False, 1.0, 1.0, True),
     2: ZeroStage(2, "ZeRO-2: as ZeRO-1, and keep only 1/D of the reduced gradients",
-                 True, True, 1.0, 1.0, False),
+                 True, True, 1.0, 1.0, True),
 })
 
 
