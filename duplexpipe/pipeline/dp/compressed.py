@@ -105,7 +105,8 @@ class CompressedStrategy(DPStrategy):
             self._bad = torch.zeros((), dtype=torch.bool, device=self.ctx.device)
 
     def start_bucket(self, spec: BucketSpec) -> Waitable | None:
-        """Load the unscaled gradients into the bucket, note inf/NaN, start the reducer."""
+        """Load the unscaled gradients into the bucket, note inf/NaN, start the reducer (DGC with local
+        clipping: hold the bucket until finish_buckets() knows the replica's norm; None is returned)."""
         bucket = self.comm_buckets[spec.index]
         bucket.load(grads.ensure_grads(spec.params))
         buf = bucket.buffer()
