@@ -70,12 +70,12 @@ COMPRESSIONS: Mapping[str, Compression] = MappingProxyType({
         Compression("powersgd-r1", 11.8, "PowerSGDOptions(rank=1); ratio and +13.7% loss from COMM-NOTES (not "
                     "in the training benchmark)", True),
         Compression("dgc", 50.0, "grad_compression='dgc' (99%, SGD momentum in the compressor); 20.1x over 200 "
-                    "steps with its warm-up; +1.48% loss", True),
+                    "steps with its warm-up; +1.15% loss", True),
     )
 })
 """Lightest (least compression) first. Wire ratios are steady-state bytes per step, measured in training on
 the GPT example at PP=2 x DP=2 (docs/benchmarks.md, "Gradient compression in training", run of 2026-11-22
-16:46 UTC), except powersgd-r1's (COMM-NOTES.md); losses are the last 20 steps' mean against fp32."""
+18:21 UTC), except powersgd-r1's (COMM-NOTES.md); losses are the last 20 steps' mean against fp32."""
 
 
 def zero_stage(stage: int) -> ZeroStage:
