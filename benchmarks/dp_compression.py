@@ -105,7 +105,8 @@ class DPBenchConfig:
     sgd_lr: float = 0.1
     """SGD learning rate (momentum 0.9; DGC: its compressor's momentum 0.9, SGD without momentum)."""
     clip: float = 1.0
-    """Global gradient-norm clip (the example's); DGC also clips locally (clip / sqrt(DP) per bucket)."""
+    """Global gradient-norm clip (the example's); DGC clips locally instead: each replica's mean gradient,
+    over its whole model, to clip * sqrt(DP) before the momentum (comm.dgc.local_clip_threshold)."""
     dgc_warmup_steps: int = 10
     """DGC: steps at each warm-up sparsity (75%, 93.75%, 98.4375%, 99.6%) below its target."""
     methods: tuple[str, ...] = ()
@@ -348,8 +349,9 @@ def markdown(result: dict[str, Any], figure_links: list[tuple[str, str]]) -> str
         "",
         f"GPT example (examples/gpt.py: {cfg.task_options}), PP={cfg.pp} x DP={cfg.dp}, {cfg.schedule}, "
         f"{cfg.microbatches} microbatches per replica, {cfg.steps} steps, one seed; global gradient clip "
-        f"{cfg.clip:g} (the example's) except for DGC, which clips each rank's gradient to {cfg.clip:g} / "
-        "sqrt(DP) before its momentum instead (local clipping, as in the paper). "
+        f"{cfg.clip:g} (the example's) except for DGC, which clips each replica's mean gradient (over its whole "
+        f"model, both pipeline stages) to {cfg.clip:g} x sqrt(DP) before its momentum instead (local clipping, "
+        "as in the paper: N^-1/2 of the threshold for a node's 1/N share of the summed gradient). "
         "Bytes are ring-model bytes per rank and step counted by the strategy's WireMeter (averaged over the 4 "
         f"ranks); 'steady' is the mean of the last {cfg.tail} steps (after DGC's warm-up of "
         f"{cfg.dgc_warmup_steps} steps per sparsity stage and PowerSGD's 10 exact steps); loss is the mean of "

@@ -141,3 +141,13 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "loadavg_1_5_15": [round(x, 2) for x in load],
     }
+
+
+def uptime() -> str:
+    """The `uptime` command's line (how loaded the machine is), or "?" where it cannot run."""
+    import subprocess
+
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip() or "?"
+    except OSError:
+        return "?"

@@ -22,10 +22,13 @@ from benchmarks.measured_vs_sim import SimConfig  # noqa: E402
 from benchmarks.models import ModelSpec  # noqa: E402
 from benchmarks.overlap import OverlapConfig  # noqa: E402
 from benchmarks.p2p_compression import P2PConfig, quick_config  # noqa: E402
+from benchmarks.plan_vs_measured import PvMConfig  # noqa: E402
+from benchmarks.plan_vs_measured import quick_config as pvm_quick_config  # noqa: E402
 from benchmarks.vs_torch import VsTorchConfig  # noqa: E402
+from benchmarks.zero_bench import ZeroBenchConfig  # noqa: E402
 
 PARTS = ("vs_torch", "measured_vs_simulated", "overlap", "tooling", "profile", "auto_search", "p2p",
-         "grad_compression")
+         "grad_compression", "plan_vs_measured", "zero")
 QUICK_PARTS = PARTS[:4]
 
 
@@ -49,6 +52,10 @@ class Plan:
     """Part 7: low-precision stage-to-stage sends on the GPT example (benchmarks/p2p_compression.py)."""
     dp_compression: DPBenchConfig = DPBenchConfig()
     """Part 8: gradient compression in training (GPT example, PP=2 x DP=2, 200 steps per method)."""
+    plan_vs_measured: PvMConfig = PvMConfig()
+    """Part 9: the planner's predictions against runs of 5 candidates (benchmarks/plan_vs_measured.py)."""
+    zero: ZeroBenchConfig = ZeroBenchConfig()
+    """Part 10: ZeRO memory per rank and ZeRO++ bytes / loss (GPT example, 200 steps per run)."""
 
 
 def full_plan() -> Plan:
@@ -81,11 +88,22 @@ def quick_plan() -> Plan:
                               warmup=1, reps=2),
         quick_tooling=True,
         p2p=quick_config(),
+        plan_vs_measured=pvm_quick_config(),
     )
 
 
 def _runners(plan: Plan) -> dict[str, Callable[[], Any]]:
-    from benchmarks import auto_search, dp_compression, measured_vs_sim, overlap, p2p_compression, tooling, vs_torch
+    from benchmarks import (
+        auto_search,
+        dp_compression,
+        measured_vs_sim,
+        overlap,
+        p2p_compression,
+        plan_vs_measured,
+        tooling,
+        vs_torch,
+        zero_bench,
+    )
 
     return {
         "vs_torch": lambda: [row for cfg in plan.vs_torch for row in vs_torch.run(cfg, plan.world)],
@@ -96,6 +114,8 @@ def _runners(plan: Plan) -> dict[str, Callable[[], Any]]:
         "auto_search": lambda: auto_search.run(plan.quick_tooling),
         "p2p": lambda: p2p_compression.run(plan.p2p),
         "grad_compression": lambda: dp_compression.run(plan.dp_compression),
+        "plan_vs_measured": lambda: plan_vs_measured.run(plan.plan_vs_measured),
+        "zero": lambda: zero_bench.run(plan.zero),
     }
 
 
@@ -220,6 +240,7 @@ def _publish(results: dict[str, Any], out: str, docs: str) -> None:
             part.setdefault("meta", {**results.get("meta", {}), "load_before": results.get("meta", {}).get(
                 "loadavg_at_part_start", {}).get("grad_compression", "?")})
             dp_compression.publish(part, docs)
+    _publish_zero(results, docs)
     if docs != "none":
         made = write_figures(results, os.path.join(docs, "img"), "img/")
         report.update_doc(os.path.join(docs, "benchmarks.md"), report.results_markdown(results, made))
@@ -233,6 +254,25 @@ def _publish(results: dict[str, Any], out: str, docs: str) -> None:
             auto_search.update_doc(os.path.join(docs, "benchmarks.md"), results["auto_search"])
     if results.get("p2p"):
         _publish_p2p(results, out, docs)
+    if results.get("plan_vs_measured"):
+        _publish_plan_vs_measured(results, out, docs)
+
+
+def _publish_plan_vs_measured(results: dict[str, Any], out: str, docs: str) -> None:
+    """Part 9 keeps its own section of docs/benchmarks.md and its figure."""
+    from benchmarks import plan_vs_measured
+
+    meta = results["meta"]
+    part = {**results["plan_vs_measured"], "meta": {
+        "date": meta["date"], "command": meta["command"],
+        "wall_s": meta["part_wall_s"].get("plan_vs_measured", 0.0),
+        "load_before": meta["loadavg_at_part_start"].get("plan_vs_measured"), "load_after": meta["loadavg_after"],
+        "load_note": meta["load_note"]}}
+    print("\n9. Planner predictions vs measurement\n" + plan_vs_measured.text_report(part))
+    if docs != "none":
+        plan_vs_measured.publish(part, docs)
+    else:
+        plan_vs_measured.figure(part, os.path.join(out, plan_vs_measured.FIGURE))
 
 
 def _publish_p2p(results: dict[str, Any], out: str, docs: str) -> None:
@@ -249,6 +289,20 @@ def _publish_p2p(results: dict[str, Any], out: str, docs: str) -> None:
         p2p_compression.publish(part, docs)
     else:
         p2p_compression.loss_figure(part, os.path.join(out, "p2p_loss.png"))
+
+
+def _publish_zero(results: dict[str, Any], docs: str) -> None:
+    """Print part 10 and (unless docs is 'none') write its section of docs/benchmarks.md."""
+    part = results.get("zero")
+    if not part:
+        return
+    from benchmarks import zero_bench
+
+    meta = results.get("meta", {})
+    part.setdefault("meta", {**meta, "load_before": meta.get("loadavg_at_part_start", {}).get("zero", "?")})
+    print(f"\n10. ZeRO\n{zero_bench.markdown(part)}")
+    if docs != "none":
+        zero_bench.publish(part, docs)
 
 
 def plan_config(part: dict[str, Any]) -> DPBenchConfig:

@@ -35,7 +35,7 @@ from duplexpipe.comm.quantize import (
     quantize_fp8,
     quantize_int8,
 )
-from duplexpipe.comm.sparsify import keep_count
+from duplexpipe.comm.sparsify import keep_count, segment_keep_counts
 
 SHAPES = {0: [(8, 6), (6,), (5, 4)], 5: [(10, 3), (3,)]}
 """Two buckets (indices 0 and 5) with matrices for PowerSGD and vectors it leaves uncompressed."""
@@ -245,6 +245,39 @@ def dgc_warmup_case(group: Any) -> dict[str, Any]:
         k = keep_count(numel, dgc_density(s, 0.01, 2))
         want.append(ring_bytes("all_gather", n * k * 8, n))
     return {"got": got, "want": want}
+
+
+def dgc_per_tensor_case(group: Any) -> dict[str, Any]:
+    """A DGC bucket of a matrix, a vector whose gradients are 1000x smaller and a scalar: slots per tensor
+    (from the velocity's zeroed positions, the meter and the mean), two steps with momentum."""
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    shapes, ratio = [(40, 25), (200,), ()], 0.01
+    numels = [1000, 200, 1]
+    reducer = build_reducer(DGCOptions(ratio=ratio, momentum=0.9, selection="tensor"), group)
+    zeroed, nonzero, wire = [], [], []
+    for s in range(2):
+        g = torch.cat([grad(60, rank, s, 1000), grad(61, rank, s, 200) * 1e-3, grad(62, rank, s, 1)])
+        bucket = Bucket(0, shapes, dtype=torch.float64)
+        bucket.buffer().copy_(g)
+        before = reducer.meter.total_bytes
+        mean = reducer.start(bucket).finish()
+        reducer.end_step(True)
+        wire.append(reducer.meter.total_bytes - before)
+        v = reducer.memory.v.get(0)
+        parts = [v[:1000], v[1000:1200], v[1200:]]
+        zeroed.append([int((p == 0).sum()) for p in parts])
+        nonzero.append([int((p != 0).sum()) for p in (mean[:1000], mean[1000:1200], mean[1200:])])
+    ks = segment_keep_counts(numels, ratio)
+    whole = build_reducer(DGCOptions(ratio=ratio, momentum=0.9), group)  # selection "bucket"
+    bucket = Bucket(0, shapes, dtype=torch.float64)
+    bucket.buffer().copy_(torch.cat([grad(60, rank, 0, 1000), grad(61, rank, 0, 200) * 1e-3, grad(62, rank, 0, 1)]))
+    whole.start(bucket).finish()
+    whole.end_step(True)
+    v = whole.memory.v.get(0)
+    return {"ks": ks, "zeroed": zeroed, "nonzero": nonzero, "wire": wire,
+            "want_wire": ring_bytes("all_gather", n * sum(ks) * 12, n),
+            "bucket_zeroed": [int((p == 0).sum()) for p in (v[:1000], v[1000:1200], v[1200:])],
+            "bucket_k": keep_count(1201, ratio)}
 
 
 def meter_case(group: Any) -> dict[str, dict[str, Any]]:
@@ -477,6 +510,7 @@ def all_cases(group: Any, pairs: bool) -> dict[str, Any]:
         "rollback": rollback_resume_case(group),
         "meter": meter_case(group),
         "dgc_warmup": dgc_warmup_case(group),
+        "dgc_per_tensor": dgc_per_tensor_case(group),
         "ratio": ratio_case(group),
         "fp8_wire": fp8_wire_case(group),
     }

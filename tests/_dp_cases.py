@@ -36,7 +36,7 @@ LOSSLESS = TopKOptions(ratio=1.0)
 LOSSY: dict[str, Options | str] = {
     "bf16": "bf16", "int8": Int8Options(block=16), "powersgd": PowerSGDOptions(rank=1, start_step=2),
     "topk": TopKOptions(ratio=0.25), "randomk": RandomKOptions(ratio=0.25),
-    "threshold": ThresholdOptions(ratio=0.25, theta=0.1), "dgc": DGCOptions(ratio=0.25, warmup_steps=1),
+    "threshold": ThresholdOptions(ratio=0.25, theta=0.1), "dgc": DGCOptions(ratio=0.25, warmup_steps=1, clip_norm=1.0),
 }
 """Lossy methods trained for a few steps (DGC with SGD without momentum, the others with SGD + momentum)."""
 ROWS = 16
@@ -198,6 +198,42 @@ def accumulation() -> dict[str, Any]:
             "param": max_param_diff(pipe.stage_modules, _groups(pipe), ref)}
 
 
+def _replica_grads(model: nn.Module, step: int) -> list[torch.Tensor]:
+    """Each data-parallel replica's flat gradient of its half of the batch (the whole model's)."""
+    x, y = batch(step, ROWS)
+    out = []
+    for half in (slice(0, ROWS // 2), slice(ROWS // 2, ROWS)):
+        model.zero_grad()
+        mse(model(x[half]), y[half]).backward()
+        out.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    return out
+
+
+def dgc_local_clip(steps: int = 4, clip: float = 0.05) -> dict[str, Any]:
+    """DGC keeping every entry without momentum, with local clipping: each replica's mean gradient, over the
+    whole model (both pipeline stages), is clipped to clip * sqrt(2) (2 replicas) before averaging; against a
+    single-process reference doing that, and against one clipping each stage by its own norm (which the test
+    must tell apart)."""
+    pipe = _pipe("1f1b", DGCOptions(ratio=1.0, momentum=0.0, clip_norm=clip), plain_sgd)
+    ref = {kind: Reference(_parts_for("1f1b", {}), optimizer=plain_sgd) for kind in ("replica", "stage")}
+    sizes = [sum(p.numel() for p in part.parameters()) for part in ref["replica"].parts]
+    norms = []
+    for step in range(steps):
+        pipe.step(*_local(pipe, step))
+        for kind, r in ref.items():
+            parts = _replica_grads(r.model, step)
+            norms += [float(g.norm()) for g in parts]
+            pieces = [[g] if kind == "replica" else list(g.split(sizes)) for g in parts]
+            clipped = [torch.cat([q * min(1.0, clip * math.sqrt(2) / (float(q.norm()) + 1e-12)) for q in qs])
+                       for qs in pieces]
+            mean = (clipped[0] + clipped[1]) / 2
+            torch.nn.utils.vector_to_parameters(mean, [p.grad for p in r.model.parameters()])
+            r.optimizer.step()
+    return {"replica": max_param_diff(pipe.stage_modules, _groups(pipe), ref["replica"]),
+            "stage": max_param_diff(pipe.stage_modules, _groups(pipe), ref["stage"]),
+            "min_norm": min(norms), "clip": clip * math.sqrt(2)}
+
+
 def bad_optimizers() -> dict[str, str]:
     """Sparsifiers under Adam, DGC under SGD with momentum: ValueError on every rank, naming the value."""
     out = {}
@@ -219,6 +255,7 @@ def all_cases(path: str) -> dict[str, Any]:
         out[f"lossless/{schedule}"] = equivalence(schedule, LOSSLESS)
     out["overlap"] = overlap()
     out["accumulation"] = accumulation()
+    out["dgc_local_clip"] = dgc_local_clip()
     for name in LOSSY:
         out[f"lossy/{name}"] = lossy(name)
     for name in ("int8", "dgc"):

@@ -1,8 +1,10 @@
-"""The shared multi-process fixture: a test module's `_worker` runs once on gloo ranks, its tests read the results.
+"""The shared multi-process fixture and the suite-wide hypothesis profile (no per-example deadline).
 
 A module defines `_worker(rank, world) -> dict` (plain data), and optionally `WORLD` (ranks,
 default 2) and `SPAWN_TIMEOUT_S` (default 120); its tests take the `results` fixture (one dict
 per rank). Every test using it gets a hard timeout of SPAWN_TIMEOUT_S + 30 s unless it has its own.
+Property tests run without hypothesis' 200 ms per-example deadline and its too-slow health check:
+both fail on a loaded machine, and no test may depend on wall-clock speed.
 """
 
 from __future__ import annotations
@@ -10,7 +12,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, settings
 from models import run_workers
+
+settings.register_profile("duplexpipe", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("duplexpipe")
 
 DEFAULT_WORLD = 2
 DEFAULT_SPAWN_TIMEOUT_S = 120

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from duplexpipe.comm.dgc import DGCMemory, dgc_density
+from duplexpipe.comm.dgc import DGCMemory, dgc_density, local_clip_threshold
 from duplexpipe.comm.sparsify import keep_count, top_k
 
 
@@ -20,29 +20,33 @@ def test_warmup_sparsity_follows_the_paper_then_the_target() -> None:
     assert dgc_density(1, 0.5, 1) == 0.5  # every warm-up stage is sparser than the target: skipped
 
 
-def _reference(grads: list[torch.Tensor], k: int, momentum: float, clip: float | None) -> list[torch.Tensor]:
-    """Dense masks, written from the paper: u = m u + g; v = v + u; send top-k of v; mask u and v."""
+def _reference(grads: list[torch.Tensor], k: int, momentum: float, clip: float | None,
+               world: int) -> list[torch.Tensor]:
+    """Dense masks, written from the paper in its units: node k adds G^k = g / N (Algorithm 1: grad / (N b)),
+    clipped to N^(-1/2) of the global threshold (Appendix C); u = m u + G^k; v = v + u; send top-k of v
+    (the sum over nodes is the update); mask u and v. Returned times N: the rank's share of the mean."""
     u = torch.zeros_like(grads[0])
     v = torch.zeros_like(grads[0])
     sent = []
     for g in grads:
-        if clip is not None and g.norm() > clip:
-            g = g * (clip / g.norm())
-        u = momentum * u + g
+        share = g / world
+        if clip is not None and share.norm() > clip / math.sqrt(world):
+            share = share * (clip / math.sqrt(world) / share.norm())
+        u = momentum * u + share
         v = v + u
         thr = v.abs().topk(k).values.min()
         mask = v.abs() >= thr
-        sent.append(torch.where(mask, v, torch.zeros_like(v)))
+        sent.append(torch.where(mask, v, torch.zeros_like(v)) * world)
         v = torch.where(mask, torch.zeros_like(v), v)
         u = torch.where(mask, torch.zeros_like(u), u)
     return sent
 
 
-@pytest.mark.parametrize("clip_norm", [None, 2.0])
+@pytest.mark.parametrize("clip_norm", [None, 2.0, 30.0])
 def test_memory_matches_the_paper(clip_norm: float | None) -> None:
     world = 4
     gen = torch.Generator().manual_seed(0)
-    grads = [torch.randn(200, generator=gen, dtype=torch.float64) for _ in range(12)]
+    grads = [torch.randn(200, generator=gen, dtype=torch.float64) * (1 + s) for s in range(12)]  # norms 14-170
     k = keep_count(200, 0.05)
     mem = DGCMemory(0.9, clip_norm, world)
     got = []
@@ -52,11 +56,14 @@ def test_memory_matches_the_paper(clip_norm: float | None) -> None:
         got.append(torch.zeros_like(acc).index_add_(0, sel.indices, sel.values))
         mem.keep_rest(7, acc, sel.chosen)
         mem.commit()
-    clip = None if clip_norm is None else clip_norm / math.sqrt(world)  # local clipping: N^-1/2
-    want = _reference(grads, k, 0.9, clip)
+    want = _reference(grads, k, 0.9, clip_norm, world)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     assert sum(int((s != 0).sum()) for s in got) == 12 * k
+    if clip_norm is not None:  # the mean gradient is clipped to clip_norm * sqrt(N)
+        assert local_clip_threshold(clip_norm, world) == pytest.approx(clip_norm * 2)
+        clipped = sum(float(g.norm()) > clip_norm * 2 for g in grads)
+        assert 0 < clipped < len(grads) if clip_norm == 30.0 else clipped == len(grads)
 
 
 def test_rollback_and_state_dict() -> None:

@@ -47,6 +47,7 @@ def test_unknown_method_names_the_value(spec: object) -> None:
     (lambda: DGCOptions(momentum=1.0), "dgc momentum must be in \\[0, 1\\), got 1.0"),
     (lambda: DGCOptions(clip_norm=0.0), "dgc clip_norm must be > 0 or None, got 0.0"),
     (lambda: DGCOptions(warmup_steps=-2), "warmup_steps must be an int >= 0, got -2"),
+    (lambda: DGCOptions(selection="layer"), "dgc selection must be 'bucket' or 'tensor', got 'layer'"),
     (lambda: PowerSGDOptions(rank=0), "powersgd rank must be an int >= 1, got 0"),
     (lambda: PowerSGDOptions(start_step=1), "start_step must be an int >= 2 .*, got 1"),
     (lambda: Int8Options(block=0), "int8 block must be an int >= 1, got 0"),

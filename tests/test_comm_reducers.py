@@ -106,6 +106,20 @@ def test_dgc_warmup_follows_the_sparsity_schedule(results: list[dict[int, dict[s
 
 
 @pytest.mark.timeout(60)
+def test_dgc_selects_per_tensor(results: list[dict[int, dict[str, Any]]]) -> None:
+    """selection="tensor": each tensor of a bucket gets its own k_i, even one 1000x smaller than its
+    neighbour (top-k over the bucket, the default, gives it none): every rank zeroes exactly k_i velocity
+    entries per tensor."""
+    for rank, n, m in _each(results, "dgc_per_tensor"):
+        assert m["bucket_zeroed"] == [m["bucket_k"], 0, 0], (rank, n, m)
+        assert m["ks"] == [10, 2, 1], (rank, n, m)
+        assert m["zeroed"] == [m["ks"], m["ks"]], (rank, n, m)  # masked: v is 0 where it was sent
+        for counts in m["nonzero"]:  # the mean holds every rank's slots (k_i to n k_i entries per tensor)
+            assert all(k <= c <= n * k for c, k in zip(counts, m["ks"], strict=True)), (rank, n, m)
+        assert m["wire"] == [m["want_wire"]] * 2, (rank, n, m)  # float64 values + int32 indices
+
+
+@pytest.mark.timeout(60)
 def test_torch_hooks_on_bucket_stand_ins_equal_ddp(results: list[dict[int, dict[str, Any]]]) -> None:
     """The GradBucket contract: same inputs through real DDP buckets and through Bucket give bit-equal means."""
     for rank, _, m in _each(results, "ddp", (2,)):

@@ -1,11 +1,20 @@
-"""Tests for duplexpipe.comm.sparsify: fixed slot counts, top-k, random-k and the threshold rule."""
+"""Tests for duplexpipe.comm.sparsify: fixed slot counts, top-k (per bucket and per tensor), random-k and the
+threshold rule."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from duplexpipe.comm.sparsify import keep_count, largest, random_k, threshold, top_k
+from duplexpipe.comm.sparsify import (
+    keep_count,
+    largest,
+    random_k,
+    segment_keep_counts,
+    threshold,
+    top_k,
+    top_k_segments,
+)
 
 
 def test_keep_count_is_fixed_and_clamped() -> None:
@@ -71,3 +80,46 @@ def test_threshold_is_theta_times_max_capped_at_k_slots() -> None:
     assert sorted(capped.chosen.tolist()) == [1, 2]
     with pytest.raises(ValueError, match="theta must be in \\[0, 1\\], got 1.5"):
         threshold(x, 2, 1.5)
+
+
+def test_segment_keep_counts_give_every_tensor_its_own_slots() -> None:
+    assert segment_keep_counts([4672, 64, 16384, 0, 1], 0.001) == [5, 1, 16, 0, 1]
+    assert segment_keep_counts([100, 7], 1.0) == [100, 7]
+    with pytest.raises(ValueError, match="ratio must be in"):
+        segment_keep_counts([10], 0.0)
+
+
+def test_top_k_segments_selects_within_each_tensor() -> None:
+    gen = torch.Generator().manual_seed(0)
+    numels = [3000, 200, 64, 1]
+    scales = [1.0, 1e-3, 1e-4, 1e-5]  # tensors 1000x (and more) smaller than the first
+    x = torch.cat([torch.randn(n, generator=gen) * s for n, s in zip(numels, scales, strict=True)])
+    ks = segment_keep_counts(numels, 0.01)
+    assert ks == [30, 2, 1, 1]
+    sel = top_k_segments(x, numels, ks)
+    assert torch.equal(sel.values, x[sel.indices]) and torch.equal(sel.chosen, sel.indices)
+    offset = 0
+    for numel, k in zip(numels, ks, strict=True):
+        mine = sel.indices[(sel.indices >= offset) & (sel.indices < offset + numel)]
+        want = torch.topk(x[offset:offset + numel].abs(), k).indices + offset
+        assert sorted(mine.tolist()) == sorted(want.tolist()), (numel, k)  # the segment's own top k
+        offset += numel
+    # over the whole bucket, the same 34 slots all go to the first tensor: the small ones starve
+    whole = top_k(x, sum(ks))
+    assert int((whole.indices >= 3000).sum()) == 0
+
+
+def test_top_k_segments_rejects_bad_segments() -> None:
+    x = torch.arange(10.0)
+    with pytest.raises(ValueError, match="do not cover 10 entries"):
+        top_k_segments(x, [4, 5], [1, 1])
+    with pytest.raises(ValueError, match="do not cover 10 entries"):
+        top_k_segments(x, [4, 6], [1])
+    with pytest.raises(ValueError, match="k must be in \\[0, 4\\] for a segment of 4 entries, got 5"):
+        top_k_segments(x, [4, 6], [5, 1])
+    with pytest.raises(ValueError, match="0 slots"):
+        top_k_segments(x, [4, 6], [0, 0])
+    with pytest.raises(ValueError, match="flat"):
+        top_k_segments(x.view(2, 5), [10], [1])
+    sel = top_k_segments(x, [4, 0, 6], [0, 0, 2])  # empty tensors and tensors without slots are allowed
+    assert sorted(sel.indices.tolist()) == [8, 9]

@@ -61,6 +61,16 @@ def test_accumulated_windows_are_unscaled_before_compression(results: Results) -
 
 
 @pytest.mark.timeout(700)
+def test_dgc_clips_each_replica_over_its_whole_model(results: Results) -> None:
+    for rank, res in enumerate(results):
+        got = res["dgc_local_clip"]
+        assert got["min_norm"] > got["clip"], (rank, got)  # the clipping acted on every replica and step
+        assert got["replica"] < 1e-6, (rank, got)  # the paper's rule: the replica's whole gradient
+        # and not each stage (or bucket) by its own norm: that reference is 100x (and float32 noise) further
+        assert got["stage"] > 100 * max(got["replica"], 1e-8), (rank, got)
+
+
+@pytest.mark.timeout(700)
 @pytest.mark.parametrize("name", list(LOSSY))
 def test_lossy_methods_train_with_identical_replicas(results: Results, name: str) -> None:
     for pp in (0, 1):

@@ -44,8 +44,10 @@ def test_the_fastest_measured_run_of_each_pass_after_warmup() -> None:
 
 def test_bytes_of_activations_parameters_and_messages() -> None:
     profile = profile_parts([mlp(), mlp()], torch.randn(4, 8), repeats=1, warmup=0)
+    first, second = profile.parts
+    assert first.activation_bytes == 4 * 8 * 4  # ReLU's output; the sample (Linear's input) is the caller's
+    assert second.activation_bytes == 2 * 4 * 8 * 4  # its input leaf (kept for I, saved by Linear) and ReLU's
     for part in profile.parts:
-        assert part.activation_bytes == 2 * 4 * 8 * 4  # Linear's input and ReLU's output; no weights
         assert part.param_bytes == (8 * 8 + 8) * 4
         assert part.output_bytes == part.output_grad_bytes == 4 * 8 * 4
         assert part.forward_s >= 0 and part.backward_input_s >= 0 and part.backward_weight_s >= 0
@@ -63,12 +65,44 @@ class Split(nn.Module):
 
 
 class Join(nn.Module):
+    """Called as the runtime calls a stage on a dict message: with keyword arguments."""
+
     def __init__(self) -> None:
         super().__init__()
         self.layer = nn.Linear(8, 2)
 
-    def forward(self, msg: dict[str, Tensor]) -> Tensor:
-        return self.layer(msg["h"]) + msg["mask"].sum()
+    def forward(self, h: Tensor, mask: Tensor) -> Tensor:
+        return self.layer(h) + mask.sum()
+
+
+class Scale(nn.Module):
+    """Multiplies by a weight: saves its input, nothing else (the input of a later part is kept anyway)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(8))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.w
+
+
+class Shift(nn.Module):
+    """Adds a weight: autograd saves nothing; the input leaf is still kept until its I."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.b = nn.Parameter(torch.zeros(8))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.b
+
+
+def test_kept_input_leaves_count_once_and_the_sample_never() -> None:
+    profile = profile_parts([Scale(), Shift(), Scale()], torch.randn(4, 8), repeats=1, warmup=0)
+    first, shift, last = (p.activation_bytes for p in profile.parts)
+    assert first == 0  # it saves only the sample, which is the caller's
+    assert shift == 4 * 8 * 4  # nothing saved by autograd, but the input leaf is kept for I
+    assert last == 4 * 8 * 4  # the kept input leaf is the tensor it saves: counted once
 
 
 def test_structured_messages_and_a_loss_on_the_last_part() -> None:
@@ -78,7 +112,9 @@ def test_structured_messages_and_a_loss_on_the_last_part() -> None:
                             repeats=1, warmup=0)
     first, last = profile.parts
     assert first.output_bytes == 4 * 8 * 4 + 4 * 3 * 8 and first.output_grad_bytes == 4 * 8 * 4
-    assert last.activation_bytes > 4 * 8 * 4  # its input and what the loss saves
+    assert first.activation_bytes == 0  # Linear saves only the sample
+    # its input h (kept, saved by Linear) and what mse saves of the output; the target is the caller's
+    assert last.activation_bytes == 4 * 8 * 4 + 4 * 2 * 4
     assert all(p.grad is None for part in parts for p in part.parameters()), "gradients are cleared"
 
 

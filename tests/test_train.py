@@ -24,6 +24,7 @@ from duplexpipe.pipeline.train import (
     config_from_args,
     load_task,
     parse_task_options,
+    pipeline_config,
     train_main,
 )
 from duplexpipe.pipeline.train_config import lr_factor
@@ -75,6 +76,14 @@ def test_flags_override_the_config_file(tmp_path: Path) -> None:
     assert config_from_args(_parse([])) == TrainConfig()
 
 
+def test_p2p_compression_flag_reaches_the_pipeline_config() -> None:
+    config = config_from_args(_parse(["--p2p-compression", "int8"]))
+    assert config.p2p_compression == "int8" and pipeline_config(config).p2p_compression == "int8"
+    assert pipeline_config(TrainConfig()).p2p_compression is None, '"none" sends as computed'
+    with pytest.raises(SystemExit):
+        _parse(["--p2p-compression", "fp4"])
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--config", "missing.toml"], "config file missing.toml: cannot read it"),
     (["--batch-size", "0"], "batch_size must be >= 1, got 0"),
@@ -95,7 +104,7 @@ def straight_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("train")
     (root / "run.toml").write_text('schedule = "1f1b"\nranks = 2\ndp = 2\nmicrobatches = 2\nsteps = 4\n'
                                    'batch_size = 8\nbalance = "time"\nwarmup = 1\nlr_schedule = "cosine"\n'
-                                   'save_every = 2\nlog_every = 0\n' + SMALL)
+                                   'save_every = 2\nlog_every = 0\np2p_compression = "bf16"\n' + SMALL)
     args = _parse(["--config", str(root / "run.toml"), "--out-dir", str(root / "a"), "--save", str(root / "ckpt")])
     out = io.StringIO()
     assert train_main(args, out) == 0
@@ -108,6 +117,8 @@ def test_train_writes_metrics_outputs_and_checkpoints(straight_run: Path) -> Non
     root = straight_run
     text = (root / "summary.txt").read_text()
     assert "1f1b on 2 ranks x 2 dp, 4 steps" in text and "partition (time" in text
+    # rank 0 sends activations of 2 rows x 16 tokens x d_model 16 per microbatch, as bf16 (2 bytes)
+    assert "stage-to-stage sends (bf16): 1,024 bytes each on rank 0" in text
     rows = read_metrics(root / "a" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert set(rows[0]) == {"step", "loss", "lr", "grad_norm", "items_per_s", "bubble"}

@@ -30,6 +30,8 @@ def test_config_validates_values_and_names_them() -> None:
         TrainConfig(optimizer="lion")
     with pytest.raises(ValueError, match="lr=0"):
         TrainConfig(lr=0)
+    with pytest.raises(ValueError, match="p2p_compression must be one of none, bf16, fp8, int8, got 'fp4'"):
+        TrainConfig(p2p_compression="fp4")
     with pytest.raises(ValueError, match="min_lr_ratio must be in"):
         TrainConfig(min_lr_ratio=2)
 

@@ -23,10 +23,22 @@ def dgc_density(step: int, ratio: float, warmup_steps: int) -> float:
     return stages[stage] if stage < len(stages) else ratio
 
 
+def local_clip_threshold(clip_norm: float, world: int) -> float:
+    """The norm a rank's mean gradient g is clipped to: clip_norm * sqrt(N) for N ranks.
+
+    The paper (Sec. 3.2, Appendix C) clips each node's contribution G^k to the summed gradient G = sum_k G^k
+    at N^(-1/2) of G's threshold (for N i.i.d. contributions, |G| ~ sqrt(N) |G^k|); its G^k carries the
+    1/N of the average (Algorithm 1 adds grad / (N b)). Here a rank holds g = N G^k and the reducer
+    averages, so |G^k| <= clip_norm / sqrt(N) reads |g| <= clip_norm * sqrt(N).
+    """
+    return clip_norm * math.sqrt(world)
+
+
 class DGCMemory:
     """Per-bucket momentum u and accumulated velocity v (the error feedback of DGC).
 
-    compensate(): g' = g clipped to norm clip_norm / sqrt(N) (local clipping, per bucket; off when None);
+    compensate(): g' = g clipped to norm local_clip_threshold(clip_norm, N) (local clipping by the bucket's
+    norm; off when None: a Pipeline clips over the replica's whole model before and passes None);
     u = momentum * u + g' (momentum correction); v = v + u; the caller selects from v.
     update(): v and u are zeroed where v was transmitted (momentum factor masking). The optimizer must then
     apply the averaged transmitted v without momentum of its own: the momentum is folded in here.
@@ -34,7 +46,7 @@ class DGCMemory:
 
     def __init__(self, momentum: float, clip_norm: float | None, world: int) -> None:
         self.momentum = momentum
-        self.clip = None if clip_norm is None else clip_norm / math.sqrt(world)
+        self.clip = None if clip_norm is None else local_clip_threshold(clip_norm, world)
         self.u = StagedState("dgc momentum")
         self.v = StagedState("dgc velocity")
 

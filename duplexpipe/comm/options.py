@@ -135,15 +135,25 @@ class ThresholdOptions(TopKOptions):
 
 @dataclass(frozen=True)
 class DGCOptions:
-    """Deep Gradient Compression: top-k of the momentum-corrected velocity, local clipping, momentum
-    factor masking, warm-up sparsity. Use SGD without momentum of its own: DGC applies `momentum`."""
+    """Deep Gradient Compression: top-k of the momentum-corrected velocity (over the bucket, or per tensor),
+    local clipping, momentum factor masking, warm-up sparsity. Use SGD without momentum of its own: DGC
+    applies `momentum`."""
 
     ratio: float = 0.01
     """Fraction transmitted after warm-up (0.01 = 99% sparsity; 0.001 = 99.9%), in (0, 1]."""
     momentum: float = 0.9
     """Momentum of the momentum correction, in [0, 1)."""
     clip_norm: float | None = None
-    """Local gradient clipping: each bucket's gradient norm is clipped to clip_norm / sqrt(DP size)."""
+    """Local gradient clipping, clip_norm being the threshold of the averaged gradient's norm: each rank's
+    mean gradient is scaled to norm at most clip_norm * sqrt(DP size) before the momentum (the paper's
+    N^(-1/2) of the threshold for a node's 1/N share of the sum; comm.dgc.local_clip_threshold). In a
+    Pipeline the norm is over the replica's whole model (all pipeline stages); a reducer used on its own
+    clips each bucket by that bucket's norm."""
+    selection: str = "bucket"
+    """"bucket": the k = round(ratio * numel) largest entries of the whole bucket (one threshold over its
+    tensors: the best k-sparse approximation of the velocity). "tensor": each tensor of the bucket keeps
+    its own k_i = round(ratio * numel_i), at least 1 (the paper's Algorithm 1 selects layer by layer);
+    measured on the GPT example it starves the embeddings and head (docs/benchmarks.md)."""
     warmup_steps: int = 0
     """Steps at each warm-up sparsity (75%, 93.75%, 98.4375%, 99.6%, 99.9%, those below the target); 0: off."""
     allow_adaptive_optimizer: bool = False
@@ -159,6 +169,8 @@ class DGCOptions:
             raise ValueError(f"dgc clip_norm must be > 0 or None, got {self.clip_norm!r}")
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ValueError(f"dgc warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
+        if self.selection not in ("bucket", "tensor"):
+            raise ValueError(f"dgc selection must be 'bucket' or 'tensor', got {self.selection!r}")
 
 
 Options = Union[NoCompression, Bf16Options, Fp16Options, PowerSGDOptions, Int8Options, TopKOptions, RandomKOptions,

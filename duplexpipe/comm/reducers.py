@@ -14,7 +14,15 @@ from duplexpipe.comm.meter import WireMeter
 from duplexpipe.comm.options import DGCOptions, Int8Options, RandomKOptions, ThresholdOptions, TopKOptions
 from duplexpipe.comm.quantize import dequantize_int8, quantize_int8, work_dtype
 from duplexpipe.comm.reduction import Phases, Reducer
-from duplexpipe.comm.sparsify import Selection, keep_count, random_k, threshold, top_k
+from duplexpipe.comm.sparsify import (
+    Selection,
+    keep_count,
+    random_k,
+    segment_keep_counts,
+    threshold,
+    top_k,
+    top_k_segments,
+)
 
 
 class _RankGenerator:
@@ -144,7 +152,8 @@ SparseOptionsT = TopKOptions | DGCOptions
 
 
 class SparseReducer(Reducer):
-    """Top-k, random-k, threshold or DGC: k (value, int32 index) slots per rank and bucket, one all_gather,
+    """Top-k, random-k, threshold or DGC: k (value, int32 index) slots per rank and bucket (DGC with
+    selection "tensor": k_i per tensor of the bucket, k = sum k_i; fixed per bucket and step), one all_gather,
     every rank adds all ranks' slots (in rank order) and divides by n. What a rank does not send stays in its
     error feedback (DGC: its velocity, with momentum correction and factor masking)."""
 
@@ -166,8 +175,12 @@ class SparseReducer(Reducer):
             return dgc_density(self.steps, opts.ratio, opts.warmup_steps)
         return opts.ratio
 
-    def _select(self, acc: Tensor, k: int) -> Selection:
-        opts = self.options
+    def _select(self, acc: Tensor, bucket: Bucket) -> Selection:
+        """Over the bucket, or (DGC with selection "tensor") k_i per tensor of the bucket."""
+        opts, density = self.options, self.density()
+        if isinstance(opts, DGCOptions) and opts.selection == "tensor":
+            return top_k_segments(acc, bucket.numels, segment_keep_counts(bucket.numels, density))
+        k = keep_count(acc.numel(), density)
         if isinstance(opts, RandomKOptions):
             return random_k(acc, k, self.rng.get(acc.device))
         if isinstance(opts, ThresholdOptions):
@@ -180,8 +193,8 @@ class SparseReducer(Reducer):
             raise ValueError(f"bucket {index} has {buf.numel()} elements; int32 indices need fewer than 2**31")
         dtype = work_dtype(buf.dtype)
         acc = self.memory.compensate(index, buf, dtype)
-        k = keep_count(acc.numel(), self.density())
-        chosen = self._select(acc, k)
+        chosen = self._select(acc, bucket)
+        k = chosen.values.numel()
         mine = _pack(chosen.values.view(1, k), chosen.indices.to(torch.int32).view(1, k)).view(-1)
         self.memory.keep_rest(index, acc, chosen.chosen)
         gathered = mine.new_empty(n * mine.numel())

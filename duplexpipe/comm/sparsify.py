@@ -1,7 +1,9 @@
-"""Sparsifiers with a fixed number of slots k per bucket (static shapes): top-k, random-k and threshold."""
+"""Sparsifiers with a fixed number of slots k per bucket (static shapes): top-k (over the bucket or per
+tensor), random-k and threshold."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +62,33 @@ def top_k(x: Tensor, k: int) -> Selection:
     """The k entries of largest magnitude."""
     _check(x, k)
     indices = largest(x.abs(), k)
+    return Selection(x[indices], indices, indices)
+
+
+def segment_keep_counts(numels: Sequence[int], ratio: float) -> list[int]:
+    """Slots per segment (tensor) of a bucket: keep_count(numel_i, ratio) each, so every tensor, however
+    small, gets at least one; 0 for an empty tensor. Every rank computes the same counts for the same bucket."""
+    return [keep_count(n, ratio) if n > 0 else 0 for n in numels]
+
+
+def top_k_segments(x: Tensor, numels: Sequence[int], ks: Sequence[int]) -> Selection:
+    """The ks[i] entries of largest magnitude within each consecutive segment i of x (numels[i] entries):
+    each tensor against its own threshold, as DGC selects per layer, so a tensor whose gradients are 1000x
+    smaller than its neighbours' still gets its slots. sum(ks) slots; indices point into the flat x."""
+    if x.dim() != 1:
+        raise ValueError(f"expected a flat (1-D) tensor, got shape {tuple(x.shape)}")
+    if len(numels) != len(ks) or sum(numels) != x.numel():
+        raise ValueError(f"segments {list(numels)} with slot counts {list(ks)} do not cover {x.numel()} entries")
+    magnitude, parts, offset = x.abs(), [], 0
+    for numel, k in zip(numels, ks, strict=True):
+        if not 0 <= k <= numel:
+            raise ValueError(f"k must be in [0, {numel}] for a segment of {numel} entries, got {k}")
+        if k > 0:
+            parts.append(largest(magnitude[offset:offset + numel], k) + offset)
+        offset += numel
+    if not parts:
+        raise ValueError("every segment has 0 slots: nothing to transmit")
+    indices = torch.cat(parts)
     return Selection(x[indices], indices, indices)
 
 

@@ -1,5 +1,6 @@
 """Model to stages, the training API and launch helpers."""
 
+from duplexpipe.pipeline.dp.zero_options import ZeroOptions
 from duplexpipe.pipeline.graph_split import GraphPart, split_module
 from duplexpipe.pipeline.launch import LaunchError, init_from_env, launch, launched_by_torchrun, run
 from duplexpipe.pipeline.mesh import ParallelGroups, make_mesh
@@ -20,6 +21,7 @@ __all__ = [
     "Pipeline",
     "PipelineConfig",
     "StepInfo",
+    "ZeroOptions",
     "init_from_env",
     "launch",
     "launched_by_torchrun",

@@ -3,19 +3,19 @@ data-parallel strategy state per rank)."""
 
 from __future__ import annotations
 
+import contextlib
 import io
+import warnings
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 if TYPE_CHECKING:
     from duplexpipe.pipeline.trainer import Pipeline
-
-_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def stage_dict(pipe: Pipeline) -> nn.ModuleDict:
@@ -95,6 +95,15 @@ def set_dp_state(pipe: Pipeline, stored: dict[str, Any]) -> None:
         pipe.dp.load_state_dict(torch.load(io.BytesIO(raw), weights_only=False))
 
 
+@contextlib.contextmanager
+def _quiet_sharded_tensor() -> Iterator[None]:
+    """Hide torch's FutureWarning about ShardedTensor: ZeRO-1 stores its flat shards' pieces as ShardedTensor
+    boxes (a DTensor cannot describe them), which torch.distributed.checkpoint still reads and writes."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor", category=FutureWarning)
+        yield
+
+
 def _check_between_windows(pipe: Pipeline, verb: str) -> None:
     if pipe.window_calls:
         raise ValueError(
@@ -108,15 +117,16 @@ def save_checkpoint(pipe: Pipeline, path: str) -> None:
     _check_between_windows(pipe, "save")
     fresh = not pipe.optimizer.state
     modules = stage_dict(pipe)
-    model_sd, optim_sd = get_state_dict(modules, pipe.optimizer, options=_OPTIONS)
+    model_sd, optim_sd = pipe.dp.checkpoint_dicts(modules)
     if fresh:
-        # get_state_dict initialised the state with a zero-lr step; a fresh optimizer must stay fresh.
+        # checkpoint_dicts initialised the state with a zero-lr step; a fresh optimizer must stay fresh.
         pipe.optimizer.state.clear()
     state = {"model": model_sd, "optim": optim_sd, "trainer": trainer_state(pipe, fresh), "rng": rng_state()}
     extra = dp_state(pipe)
     if extra:
         state["dp"] = extra
-    dcp.save(state, checkpoint_id=path)
+    with _quiet_sharded_tensor():
+        dcp.save(state, checkpoint_id=path)
 
 
 def load_checkpoint(pipe: Pipeline, path: str) -> None:
@@ -128,17 +138,17 @@ def load_checkpoint(pipe: Pipeline, path: str) -> None:
     _check_keys(pipe, path, [f"model.{k}" for k in modules.state_dict()] + [f"rng.{k}" for k in rng]
                 + [f"dp.{k}" for k in extra])
     _check_scheduler(path, pipe)
-    model_sd, optim_sd = get_state_dict(modules, pipe.optimizer, options=_OPTIONS)
+    model_sd, optim_sd = pipe.dp.checkpoint_dicts(modules)
     state: dict[str, Any] = {"model": model_sd, "optim": optim_sd, "trainer": trainer_state(pipe, False),
                              "rng": rng}
     if extra:
         state["dp"] = extra
-    dcp.load(state, checkpoint_id=path)
+    with _quiet_sharded_tensor():
+        dcp.load(state, checkpoint_id=path)
     set_rng_state(state["rng"])
     if extra:
         set_dp_state(pipe, state["dp"])
-    set_state_dict(modules, pipe.optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"], options=_OPTIONS)
+    pipe.dp.load_checkpoint_dicts(modules, state["model"], state["optim"])
     meta = state["trainer"]
     if meta["fresh_optimizer"]:
         pipe.optimizer.state.clear()

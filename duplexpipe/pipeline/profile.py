@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -12,6 +13,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from duplexpipe.runtime.autograd_split import backward_input
 from duplexpipe.runtime.saved_bytes import SavedBytes
+from duplexpipe.runtime.structure import Form, call, flatten
 from duplexpipe.schedules.profiles import PartProfile, Profile
 
 Timer = Callable[[], float]
@@ -34,34 +36,25 @@ def nbytes(tensors: Sequence[Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _as_input(value: Any) -> Any:
-    """A fresh leaf copy of a message, floating tensors requiring grad (as the runtime receives one)."""
-    if isinstance(value, Tensor):
-        leaf = value.detach()
-        return leaf.requires_grad_(True) if leaf.is_floating_point() else leaf
-    if isinstance(value, tuple):
-        return tuple(_as_input(v) for v in value)
-    if isinstance(value, list):
-        return [_as_input(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _as_input(v) for k, v in value.items()}
-    return value
-
-
-def _detached(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return value.detach()
-    if isinstance(value, (tuple, list)):
-        return type(value)(_detached(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _detached(v) for k, v in value.items()}
-    return value
-
-
 def _sync(tensors: Sequence[Tensor]) -> None:
     """Wait for the device, so the timer sees finished work (a no-op on CPU)."""
     if any(t.is_cuda for t in tensors) and torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+@dataclass
+class _Message:
+    """What flows into a part, as the runtime hands it over: the structure's form, its leaves, and
+    which leaves carry a gradient back (floating tensors that required grad where produced)."""
+
+    form: Form
+    leaves: list[Tensor]
+    grads: list[bool]
+
+    @staticmethod
+    def of(value: Any, what: str, grads: bool) -> _Message:
+        form, leaves = flatten(value, what)
+        return _Message(form, leaves, [grads and t.requires_grad for t in leaves])
 
 
 class _PartRun:
@@ -74,15 +67,15 @@ class _PartRun:
         self.times: tuple[list[float], list[float], list[float]] = ([], [], [])
         self.saved = 0
 
-    def once(self, message: Any, loss: Callable[[Any], Tensor] | None) -> Any:
-        """F, I and W on `message`; returns the (detached) output."""
-        inp = _as_input(message)
-        leaves = [t for t in tensor_leaves(inp) if t.requires_grad]
-        self.meter.reset()
-        _sync(tensor_leaves(inp))
+    def once(self, message: _Message, loss: Callable[[Any], Tensor] | None, data: list[Tensor]) -> Any:
+        """F, I and W on `message` (called as the runtime calls a stage); returns the output."""
+        inputs = [t.detach().requires_grad_(g) for t, g in zip(message.leaves, message.grads, strict=True)]
+        leaves = [t for t in inputs if t.requires_grad]
+        self.meter.start(kept=leaves, data=data)
+        _sync(inputs)
         start = self.timer()
         with self.meter.counting():
-            out = self.part(inp)
+            out = call(self.part, message.form, inputs)
             root_values = [loss(out)] if loss is not None else [t for t in tensor_leaves(out) if t.requires_grad]
         _sync(tensor_leaves(out))
         mid = self.timer()
@@ -100,13 +93,13 @@ class _PartRun:
         for bucket, value in zip(self.times, (mid - start, after_i - mid, end - after_i), strict=True):
             bucket.append(value)
         self.part.zero_grad(set_to_none=True)
-        return _detached(out)
+        return out
 
     def result(self, output: Any) -> PartProfile:
         """The fastest of the kept runs (contention only ever adds time), with the bytes of `output`."""
         leaves = tensor_leaves(output)
         f, i, w = (min(ts) for ts in self.times)
-        grad_leaves = [t for t in leaves if t.is_floating_point()]
+        grad_leaves = [t for t in leaves if t.requires_grad]
         return PartProfile(f, i, w, self.saved, nbytes(list(self.part.parameters())), nbytes(leaves),
                            nbytes(grad_leaves))
 
@@ -119,11 +112,14 @@ def profile_parts(parts: Sequence[nn.Module], sample_input: Any, *, target: Any 
 
     Per part: the fastest of `repeats` runs (after `warmup` unmeasured ones), separately for
     its forward, its input-gradient backward (I) and its weight-gradient backward (W), split as
-    the runtime splits them; the bytes its forward saves for backward (counted with
-    `saved_tensors_hooks`, parameters excluded, each storage once); its parameter bytes; and
-    the bytes of every tensor of its output (the forward message) and of the floating ones
-    (the gradient message). The last part's backward starts from `loss_fn(output, target)`
-    when a loss is given, every other from a gradient of ones. `microbatch_size` (default:
+    the runtime splits them; the bytes its forward keeps for backward (`SavedBytes`: what
+    autograd saves plus the input leaves kept for I, each storage once, parameters and the
+    sample's own tensors excluded, the rule the runtime's `StepResult.peak_saved_bytes` uses);
+    its parameter bytes; and the bytes of every tensor of its output (the forward message) and
+    of those that take gradients (the gradient message). Parts are called as the runtime calls
+    stages (a tuple/list message as positional arguments, a dict as keyword arguments), the
+    first one on inputs that take no gradient. The last part's backward starts from
+    `loss_fn(output, target)` when a loss is given, every other from a gradient of ones. `microbatch_size` (default:
     the first dimension of the first tensor of `sample_input`) is recorded for scaling.
     Gradients are cleared afterwards.
     """
@@ -133,18 +129,21 @@ def profile_parts(parts: Sequence[nn.Module], sample_input: Any, *, target: Any 
         raise ValueError(f"profile_parts needs repeats >= 1 and warmup >= 0, got repeats={repeats}, "
                          f"warmup={warmup}")
     size = microbatch_size if microbatch_size is not None else _rows(sample_input)
-    message, measured = sample_input, []
+    message = _Message.of(sample_input, "sample_input", grads=False)  # a first stage's input takes no gradient
+    data = list(message.leaves) + tensor_leaves(target)  # the caller's batch: never counted
+    measured = []
     for k, part in enumerate(parts):
         last = k == len(parts) - 1
         loss = (lambda out: loss_fn(out, target)) if last and loss_fn is not None else None  # noqa: E731
         run = _PartRun(part, timer)
         out = None
         for attempt in range(warmup + repeats):
-            out = run.once(message, loss)
+            out = run.once(message, loss, data)
             if attempt < warmup:
                 run.times = ([], [], [])
         measured.append(run.result(out))
-        message = out
+        message = _Message.of(out, f"the output of part {k}", grads=True)
+        message.leaves = [t.detach() for t in message.leaves]  # keep the values, free the graph
     return Profile(tuple(measured), size, dict(meta or {}, repeats=repeats, warmup=warmup,
                                                torch=torch.__version__))
 

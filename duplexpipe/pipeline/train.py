@@ -28,6 +28,7 @@ from duplexpipe.pipeline.train_config import (
     DEFAULT_TASK,
     LR_SCHEDULES,
     OPTIMIZERS,
+    P2P_COMPRESSIONS,
     PRECISIONS,
     TrainConfig,
     load_config_file,
@@ -85,6 +86,8 @@ class TrainResult:
     """The configuration that ran."""
     start_step: int = 0
     """Steps already done when this run started (from `resume`)."""
+    send_bytes: float = 0.0
+    """Rank 0's mean payload bytes per stage-to-stage SEND on the wire (`Pipeline.p2p_meter`; 0: it sent none)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -154,13 +157,18 @@ def _local_slice(value: Any, index: int, parts: int) -> Any:
     return value[index * size:(index + 1) * size]
 
 
+def pipeline_config(config: TrainConfig) -> PipelineConfig:
+    """The PipelineConfig a run trains with."""
+    return PipelineConfig(schedule=config.schedule, num_microbatches=config.microbatches,
+                          precision=config.precision, grad_clip_norm=config.grad_clip_norm,
+                          activation_checkpointing=config.activation_checkpointing, timeout_s=config.timeout_s,
+                          p2p_compression=None if config.p2p_compression == "none" else config.p2p_compression)
+
+
 def _build_pipeline(config: TrainConfig, task: TrainTask) -> Pipeline:
     device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
     mesh = make_mesh(config.ranks, config.dp, device_type) if config.dp > 1 else None
-    pcfg = PipelineConfig(schedule=config.schedule, num_microbatches=config.microbatches,
-                          precision=config.precision, grad_clip_norm=config.grad_clip_norm,
-                          activation_checkpointing=config.activation_checkpointing,
-                          timeout_s=config.timeout_s)
+    pcfg = pipeline_config(config)
     first_inputs = task.batch(0, config.batch_size)[0]  # one microbatch of it: the profiling sample
     sample = first_inputs[: max(1, first_inputs.shape[0] // (config.microbatches * config.dp))]
     return Pipeline.from_layers(task.layers, task.loss_fn, make_optimizer(config), pcfg, embedding=task.embedding,
@@ -221,7 +229,9 @@ def _train_rank(config: TrainConfig) -> TrainResult | None:
     if not lead:
         return None
     partition = str(pipe.partition) if pipe.partition is not None else ""
-    return TrainResult(losses, rate, timeline, partition, wall, config, start)
+    sends = pipe.p2p_meter.calls.get("send", 0)
+    send_bytes = pipe.p2p_meter.bytes.get("send", 0.0) / sends if sends else 0.0
+    return TrainResult(losses, rate, timeline, partition, wall, config, start, send_bytes)
 
 
 def _loop(pipe: Pipeline, task: TrainTask, config: TrainConfig, start: int, metrics: MetricsLog | None,
@@ -322,6 +332,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     opt("--warmup", int, "linear warm-up steps")
     opt("--min-lr-ratio", float, "final lr / lr for cosine and linear decay")
     opt("--precision", str, "precision", choices=PRECISIONS)
+    opt("--p2p-compression", str, "stage-to-stage send format", choices=P2P_COMPRESSIONS)
     opt("--grad-clip-norm", float, "global gradient-norm clip, 0 for none")
     opt("--balance", str, "how to split the layers", choices=BALANCES)
     opt("--seed", int, "torch seed")
@@ -381,6 +392,9 @@ def train_main(args: argparse.Namespace, stream: IO[str] | None = None) -> int:
         out.write(f"{config.schedule} on {config.ranks} ranks x {config.dp} dp, {done}: loss "
                   f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f}, {result.items_per_s:,.0f} items/s, "
                   f"{result.wall_s:.1f}s\n")
+        if result.send_bytes:
+            out.write(f"stage-to-stage sends ({config.p2p_compression}): {result.send_bytes:,.0f} bytes each "
+                      f"on rank 0\n")
         if result.timeline is not None:
             out.write(f"last step: makespan {result.timeline.makespan * 1e3:.1f} ms, "
                       f"bubble ratio {result.timeline.bubble_ratio:.1%}\n")

@@ -22,6 +22,8 @@ OPTIMIZERS = ("adamw", "sgd")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 PRECISIONS = ("fp32", "bf16", "fp16")
 BALANCES = ("uniform", "params", "time")
+P2P_COMPRESSIONS = ("none", "bf16", "fp8", "int8")
+"""Stage-to-stage send formats: "none" (as computed) or a `duplexpipe.comm.P2P_COMPRESSION` name."""
 
 
 @dataclass
@@ -60,6 +62,9 @@ class TrainConfig:
     """Final learning rate over lr for the cosine and linear schedules."""
     precision: str = "fp32"
     """"fp32", "bf16" or "fp16"."""
+    p2p_compression: str = "none"
+    """Stage-to-stage sends: "none" (as computed), "bf16", "fp8" (per-row scales) or "int8" (blockwise);
+    see PipelineConfig.p2p_compression."""
     grad_clip_norm: float | None = 1.0
     """Global gradient-norm clip (None, or 0 in the config file or on the command line: off)."""
     activation_checkpointing: bool = False
@@ -93,7 +98,8 @@ class TrainConfig:
         for name in ("warmup", "log_every", "save_every"):
             _at_least(name, getattr(self, name), 0)
         for name, choices in (("optimizer", OPTIMIZERS), ("lr_schedule", LR_SCHEDULES),
-                              ("precision", PRECISIONS), ("balance", BALANCES)):
+                              ("precision", PRECISIONS), ("balance", BALANCES),
+                              ("p2p_compression", P2P_COMPRESSIONS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
         if not self.lr > 0 or self.weight_decay < 0 or not 0 <= self.momentum < 1:

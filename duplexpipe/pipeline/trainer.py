@@ -16,15 +16,19 @@ from duplexpipe.comm.meter import WireMeter
 from duplexpipe.comm.nonfinite import check_policy
 from duplexpipe.comm.p2p_codecs import p2p_codec_pair
 from duplexpipe.pipeline import grads
+from duplexpipe.pipeline.autoplan import AUTO, AutoChoice, check_options, choose, memory_bytes, planned_compression
 from duplexpipe.pipeline.dp import (
     DEFAULT_BUCKET_BYTES,
     DPStrategy,
     OptimizerFactory,
     StrategyContext,
+    ZeroOptions,
     check_strategy_name,
+    check_zero,
     final_order,
     make_strategy,
 )
+from duplexpipe.pipeline.dp.zero_options import check_tied
 from duplexpipe.pipeline.mesh import ParallelGroups
 from duplexpipe.pipeline.precision import DynamicLossScaler, LossScaleConfig, autocast_dtype
 from duplexpipe.pipeline.split import (
@@ -60,11 +64,17 @@ class PipelineConfig:
     """How to pipeline and train; every field has a usable default."""
 
     schedule: str | Schedule = "1f1b"
-    """A registry name (`duplexpipe.schedules.registry.names()`) or a ready Schedule for the pp ranks."""
+    """A registry name (`duplexpipe.schedules.registry.names()`), a ready Schedule for the pp ranks, or
+    "auto": profile the parts on a sample, plan under `memory_limit` and run the winner (see
+    `duplexpipe.pipeline.autoplan`)."""
     num_microbatches: int = 4
     """Microbatches per step (ignored when `schedule` is a Schedule); the batch must divide evenly."""
     schedule_options: dict[str, Any] = field(default_factory=dict)
-    """Extra keyword options for the schedule generator, e.g. {"chunks": 2}."""
+    """Extra keyword options for the schedule generator, e.g. {"chunks": 2}. With "auto": the planner's
+    PlanConfig fields (`schedules`, `microbatches`, `chunks`, `optimizer_factor`, `p2p_link`, ...) and
+    profile_parts' `repeats`, `warmup` and `timer`."""
+    memory_limit: int | str | None = None
+    """schedule="auto" only: the bytes each rank may use (an int, or a size such as "40GiB"); None: no cap."""
     precision: str = "fp32"
     """"fp32"; "bf16" (bfloat16 autocast); or "fp16" (float16 autocast with dynamic loss scaling)."""
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
@@ -82,6 +92,10 @@ class PipelineConfig:
     check_inputs_every_step: bool = True
     """False: the ranks agree on the batch shape on the first step only (faster when every batch has
     the same shape; a differently shaped batch then stops every rank with an error). See RuntimeConfig."""
+    count_saved_bytes: bool = False
+    """Measure each step's peak saved-activation bytes per rank (`StepInfo.peak_saved_bytes`, counted as
+    `profile_parts` counts them). Off by default (a hook per saved tensor, a few percent of an overhead-bound
+    step); False: peak_saved_bytes stays 0."""
     record_timeline: bool = True
     """Record the measured timeline of every step (StepInfo.timeline)."""
     check_replicas: bool = True
@@ -108,8 +122,21 @@ class PipelineConfig:
     grad_bucket_bytes: int = DEFAULT_BUCKET_BYTES
     """Gradients are reduced in fixed buckets of at most this many bytes, each started as soon as its
     gradients are final (in the order they become final)."""
+    zero_stage: int = 0
+    """ZeRO over the data-parallel replicas: 0 none; 1 optimizer state sharded (reduce-scatter, step on the
+    shard, all-gather; an elementwise optimizer such as SGD/Adam/AdamW); 2 gradients sharded too (torch
+    FSDP2, reduced stage by stage as they become final). 3 is refused (see README). grad_compression may be
+    "bf16", "fp16" or "int8" (int8 = ZeRO++ qgZ) with ZeRO."""
+    zero: ZeroOptions = field(default_factory=ZeroOptions)
+    """ZeRO++ options for zero_stage 1 and 2: quantized_gradients (qgZ), quantized_weights (qwZ), hpz_ranks."""
 
     def __post_init__(self) -> None:
+        memory_bytes(self.memory_limit)
+        if self.schedule == AUTO:
+            check_options(self.schedule_options)
+        elif self.memory_limit is not None:
+            raise ValueError(f"PipelineConfig.memory_limit is for schedule='auto' (the planner's cap), but "
+                             f"schedule is {self.schedule!r}")
         autocast_dtype(self.precision)
         p2p_codec_pair(self.p2p_compression, "PipelineConfig.p2p_compression")
         check_policy(self.nonfinite_sends, "PipelineConfig.nonfinite_sends")
@@ -126,7 +153,9 @@ class PipelineConfig:
         if not isinstance(self.grad_bucket_bytes, int) or self.grad_bucket_bytes < 1:
             raise ValueError(f"grad_bucket_bytes must be an int >= 1, got {self.grad_bucket_bytes!r}")
         compression = compression_options(self.grad_compression)
-        check_strategy_name(self.dp_strategy, compression.method != "none")
+        check_zero(self.zero_stage, self.zero, compression, self.dp_strategy)
+        if not self.zero_stage:
+            check_strategy_name(self.dp_strategy, compression.method != "none")
         if compression.method == "dgc" and self.grad_clip_norm is not None:
             raise ValueError(
                 f"grad_clip_norm={self.grad_clip_norm} would clip DGC's averaged momentum-corrected velocity, "
@@ -153,6 +182,9 @@ class StepInfo:
     the data-parallel bucket reductions on lane "dp"."""
     wire_bytes: float = 0.0
     """Ring-model bytes this rank sent for data-parallel gradient reduction in this call (comm.WireMeter)."""
+    peak_saved_bytes: int = 0
+    """The most bytes this rank's live activations kept for backward at once during the call, counted
+    as `profile_parts` counts them (see StepResult.peak_saved_bytes)."""
 
 
 def _batch_size(inputs: Any, targets: Any) -> int | None:
@@ -178,6 +210,14 @@ class Pipeline:
     after the schedule's own DualPipe mirror sum, by the data-parallel strategy `self.dp`
     (bucket by bucket, each started as soon as its gradients are final; compressed when
     `config.grad_compression` says so).
+
+    With `PipelineConfig(schedule="auto", memory_limit=...)` the construction first profiles the
+    parts (rank 0, on the first of `num_microbatches` microbatches of `sample_input` /
+    `sample_targets`, a batch as given to `step`; every rank uses rank 0's profile), plans for
+    this P, D and batch size under the limit, merges neighbouring parts as the winner needs and
+    runs it; rank 0 logs the choice and the planner's table (logger "duplexpipe.plan"). `self.auto`
+    holds the plan. A limit no candidate fits raises ValueError on every rank, naming the smallest
+    feasible cap.
     """
 
     def __init__(
@@ -192,17 +232,25 @@ class Pipeline:
         partition: Partition | None = None,
         init: PartInit | None = None,
         scheduler: SchedulerFactory | None = None,
+        sample_input: Any = None,
+        sample_targets: Any = None,
     ) -> None:
         self.config = cfg = config or PipelineConfig()
         self.groups = groups = ParallelGroups.from_mesh(mesh)
-        self.schedule = _resolve_schedule(cfg, groups.pp_size)
-        self.partition = partition.placed(self.schedule) if partition is not None else None
         self.device = torch.device(device) if device is not None else default_device()
+        self.auto = self._plan(parts, loss_fn, (sample_input, sample_targets), init)
+        """schedule="auto": the plan that was chosen (its table: `auto.result.table()`); None otherwise."""
+        if self.auto is not None:
+            parts, init = self.auto.merged_parts(parts), self.auto.merged_init(init)  # type: ignore[arg-type]
+            partition = self.auto.merged_partition(partition)
+        self.schedule = self.auto.schedule if self.auto is not None else _resolve_schedule(cfg, groups.pp_size)
+        self.partition = partition.placed(self.schedule) if partition is not None else None
         ckpt = resolve_checkpointing(cfg.activation_checkpointing, self.schedule)
         self.stage_modules = build_stage_modules(self.schedule, groups.pp_rank, parts, init=init,
                                                  checkpoint_stages=ckpt, device=self.device)
         self.params = [p for s in sorted(self.stage_modules) for p in self.stage_modules[s].parameters()]
         tied = find_tied([] if callable(parts) else parts)  # factory parts cannot share a Parameter
+        check_tied(cfg.zero_stage, [t.places for t in tied], groups.dp_size)
         self.tied = TiedGrads(tied, self.schedule, groups.pp_rank, self.stage_modules, groups.pp_group)
         self.scaler = DynamicLossScaler(cfg.loss_scale, enabled=cfg.precision == "fp16")
         self.p2p_meter = WireMeter()
@@ -211,23 +259,25 @@ class Pipeline:
         runtime_cfg = RuntimeConfig(timeout_s=cfg.timeout_s, record_timeline=cfg.record_timeline,
                                     autocast_dtype=autocast_dtype(cfg.precision),
                                     check_inputs_every_step=cfg.check_inputs_every_step,
+                                    count_saved_bytes=cfg.count_saved_bytes,
                                     activation_codec=act_codec, gradient_codec=grad_codec,
                                     nonfinite_sends=cfg.nonfinite_sends, p2p_meter=self.p2p_meter,
                                     on_grads_ready=self._grads_ready)
         self.runtime = PipelineRuntime(self.schedule, self.stage_modules, loss_fn, group=groups.pp_group,
                                        device=self.device, config=runtime_cfg,
                                        job_group=dist.group.WORLD if groups.dp_size > 1 else None)
+        if cfg.check_replicas:  # before the strategy: ZeRO-2 turns the parameters into shards
+            self._check_replicas()
         plan = self.runtime.plan
         self.dp: DPStrategy = make_strategy(StrategyContext(
             self.stage_modules, self.schedule, tuple(final_order(plan.grads_final, plan.mirrored)), groups,
             optimizer, self.device, self.bounded, compression_options(cfg.grad_compression),
-            cfg.grad_bucket_bytes), cfg.dp_strategy)
+            cfg.grad_bucket_bytes, cfg.zero_stage, cfg.zero), cfg.dp_strategy)
         """The data-parallel strategy: reduce -> overflow check -> clip -> optimizer step."""
+        self.params = self.dp.params
         self.dp.counted = self.tied.counted(self.dp.counted)  # a tied weight counts once in the norm
         self.scheduler = scheduler(self.optimizer) if scheduler is not None else None
         """The LR scheduler (None without one); stepped after every applied optimizer step."""
-        if cfg.check_replicas:
-            self._check_replicas()
         self.optimizer_steps = 0
         """Optimizer steps taken (skipped fp16 steps not counted)."""
         self.calls = 0
@@ -253,17 +303,23 @@ class Pipeline:
         device: torch.device | str | None = None,
         init: PartInit | None = None,
         scheduler: SchedulerFactory | None = None,
+        sample_targets: Any = None,
     ) -> Pipeline:
         """Split `layers` (plus optional embedding/head) into the schedule's model parts and build.
 
         `balance` and `sample_input` are as in `split.plan_partition`; rank 0's partition is used
         on every rank (profiled times differ between processes). Layers on the meta device need
-        `init` (this rank's parts are allocated and filled, no other part is).
+        `init` (this rank's parts are allocated and filled, no other part is). With schedule="auto"
+        the layers are split into 2P parts (fewer when there are fewer layers), `sample_input` and
+        `sample_targets` are a batch as given to `step`, and the planner merges parts as its
+        winner needs.
         """
         config = config or PipelineConfig()
-        schedule = _resolve_schedule(config, ParallelGroups.from_mesh(mesh).pp_size)
+        pp = ParallelGroups.from_mesh(mesh).pp_size
         blocks = as_layers(layers)
-        partition = plan_partition(blocks, schedule.num_groups, balance, embedding=embedding, head=head,
+        num_parts = min(len(blocks), 2 * pp) if config.schedule == AUTO else \
+            _resolve_schedule(config, pp).num_groups
+        partition = plan_partition(blocks, num_parts, balance, embedding=embedding, head=head,
                                    sample_input=sample_input)
         if dist.is_available() and dist.is_initialized():
             shared: list[Any] = [partition]
@@ -271,7 +327,19 @@ class Pipeline:
             partition = shared[0]
         parts = build_parts(blocks, partition, embedding=embedding, head=head)
         return cls(parts, loss_fn, optimizer, config, mesh=mesh, device=device, partition=partition,
-                   init=init, scheduler=scheduler)
+                   init=init, scheduler=scheduler, sample_input=sample_input, sample_targets=sample_targets)
+
+    def _plan(self, parts: PartSource, loss_fn: LossFn, sample: tuple[Any, Any],
+              init: PartInit | None) -> AutoChoice | None:
+        """schedule="auto": profile, plan and log (see `autoplan.choose`); None for any other schedule."""
+        cfg, groups = self.config, self.groups
+        if cfg.schedule != AUTO:
+            return None
+        return choose(parts, loss_fn, ranks=groups.pp_size, dp=groups.dp_size, sample=sample,
+                      memory_limit=cfg.memory_limit, num_microbatches=cfg.num_microbatches,
+                      options=cfg.schedule_options, device=self.device, init=init,
+                      autocast=autocast_dtype(cfg.precision), zero_stage=cfg.zero_stage,
+                      compression=planned_compression(compression_options(cfg.grad_compression)))
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -345,7 +413,8 @@ class Pipeline:
         timeline = result.timeline
         if final and timeline is not None:
             timeline = replace(timeline, spans=tuple(self.dp.spans(self.runtime.tracer.origin, self.runtime.rank)))
-        self.last = StepInfo(loss, applied, skipped, norm, scale, timeline, self.dp.meter.total_bytes - wire)
+        self.last = StepInfo(loss, applied, skipped, norm, scale, timeline, self.dp.meter.total_bytes - wire,
+                             result.peak_saved_bytes)
         return loss
 
     def _call_weight(self, inputs: Any, targets: Any) -> float:

@@ -64,11 +64,22 @@ class StepContext:
     """Activations alive now on this rank."""
     peak: int = 0
     """The most activations alive at once so far."""
+    live_bytes: int = 0
+    """Bytes the live activations keep for backward (their `Activation.saved_bytes`)."""
+    peak_bytes: int = 0
+    """The most such bytes alive at once so far."""
 
-    def activation_born(self) -> None:
-        """One more live activation."""
+    def activation_born(self, nbytes: int = 0) -> None:
+        """One more live activation, keeping `nbytes` for backward."""
         self.live += 1
         self.peak = max(self.peak, self.live)
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def activation_freed(self, nbytes: int = 0) -> None:
+        """One live activation fewer (its backward is done), releasing `nbytes`."""
+        self.live -= 1
+        self.live_bytes -= nbytes
 
     def leftovers(self) -> list[str]:
         """Descriptions of state the schedule left unconsumed (empty after a complete step)."""

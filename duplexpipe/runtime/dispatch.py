@@ -11,8 +11,8 @@ from torch import Tensor
 from duplexpipe.runtime.context import StepContext
 from duplexpipe.runtime.messages import Mailroom
 from duplexpipe.runtime.options import OverlapHook
-from duplexpipe.runtime.stage_compute import Message, StageCompute
-from duplexpipe.runtime.structure import map_leaves
+from duplexpipe.runtime.stage_compute import Activation, Message, StageCompute
+from duplexpipe.runtime.structure import flatten, map_leaves
 from duplexpipe.runtime.timing import Tracer
 from duplexpipe.runtime.watchdog import PipelineError
 from duplexpipe.schedules.ir import Action, Op
@@ -41,31 +41,58 @@ class Dispatcher:
 
     # ---------------------------------------------------------------- the work itself
     def run_forward(self, ctx: StepContext, action: Action, message: Message) -> None:
-        """F of (stage, microbatch) on `message`: keep what backward needs, hand the output on or
-        compute the loss."""
+        """F of (stage, microbatch) on `message`: keep what backward needs (counting its bytes when
+        the stage has a meter), hand the output on or compute the loss."""
         stage, mb = action.stage, action.microbatch
-        compute = self.stages[stage]
+        meter = self.stages[stage].meter if ctx.train else None
         with torch.set_grad_enabled(ctx.train):
-            inputs, out = compute.forward(message, mb, ctx.train)
-            if self.layout.nxt[stage] >= 0:
-                produced = compute.message(out, mb, ctx.train)
-                if ctx.train:
-                    ctx.acts[(stage, mb)] = compute.keep(
-                        inputs, [t for t, g in zip(produced.leaves, produced.grads, strict=True) if g], mb)
-                    ctx.activation_born()
+            if meter is None:
+                act, produced = self._forward(ctx, stage, mb, message)
+            else:
+                meter.start(data=self._data(ctx, stage, mb, message))
+                with meter.counting():
+                    act, produced = self._forward(ctx, stage, mb, message)
+                if act is not None:
+                    meter.keep(act.inputs)
+                    act.saved_bytes = meter.total
+            if act is not None:
+                ctx.acts[(stage, mb)] = act
+                ctx.activation_born(act.saved_bytes)
+            if produced is not None:
                 self.mail.hand_on(ctx, stage, mb, produced)
-                return
-            compute.message(out, mb, train=False)  # checks the structure
+
+    def _data(self, ctx: StepContext, stage: int, mb: int, message: Message) -> list[Tensor]:
+        """The caller's tensors a forward sees (a first stage's inputs, a last stage's targets): never
+        counted as activations."""
+        data = list(message.leaves) if self.layout.prv[stage] < 0 else []
+        if self.layout.nxt[stage] < 0 and mb in ctx.targets:
+            data += flatten(ctx.targets[mb], "targets")[1]
+        return data
+
+    def _forward(self, ctx: StepContext, stage: int, mb: int, message: Message
+                 ) -> tuple[Activation | None, Message | None]:
+        """The module (and the loss on a last stage): what to keep for backward (None outside
+        training or without a loss) and the message to hand on (None on a last stage)."""
+        compute = self.stages[stage]
+        inputs, out = compute.forward(message, mb, ctx.train)
+        if self.layout.nxt[stage] >= 0:
+            produced = compute.message(out, mb, ctx.train)
             if not ctx.train:
-                ctx.outputs[mb] = map_leaves(Tensor.detach, out)
-            if mb not in ctx.targets:
-                return
-            loss = compute.loss(out, ctx.targets[mb], self.loss_fn, mb)
-            ctx.losses.append(loss.detach())
-            ctx.loss_weights.append(ctx.weights[mb])
-            if ctx.train:  # backward starts from d(weight * scale * loss)/d(loss) = weight * scale
-                ctx.acts[(stage, mb)] = compute.keep(inputs, [loss], mb, ctx.weights[mb] * ctx.loss_scale)
-                ctx.activation_born()
+                return None, produced
+            roots = [t for t, g in zip(produced.leaves, produced.grads, strict=True) if g]
+            return compute.keep(inputs, roots, mb), produced
+        compute.message(out, mb, train=False)  # checks the structure
+        if not ctx.train:
+            ctx.outputs[mb] = map_leaves(Tensor.detach, out)
+        if mb not in ctx.targets:
+            return None, None
+        loss = compute.loss(out, ctx.targets[mb], self.loss_fn, mb)
+        ctx.losses.append(loss.detach())
+        ctx.loss_weights.append(ctx.weights[mb])
+        if not ctx.train:
+            return None, None
+        # backward starts from d(weight * scale * loss)/d(loss) = weight * scale (no extra multiply)
+        return compute.keep(inputs, [loss], mb, ctx.weights[mb] * ctx.loss_scale), None
 
     def run_backward(self, ctx: StepContext, action: Action, grads: list[Tensor] | None) -> None:
         """B or I of (stage, microbatch) given its output gradients (None on a last stage)."""
@@ -77,7 +104,7 @@ class Dispatcher:
         if action.op is Op.B:
             dinputs = compute.backward(act, grads)
             del ctx.acts[(stage, mb)]
-            ctx.live -= 1
+            ctx.activation_freed(act.saved_bytes)
         else:
             dinputs = compute.backward_input(act, grads)
         self.mail.hand_back(ctx, stage, mb, dinputs)
@@ -104,7 +131,7 @@ class Dispatcher:
         with self.tracer.span(action):
             self.stages[action.stage].backward_weight(act, action.microbatch)
         del ctx.acts[(action.stage, action.microbatch)]
-        ctx.live -= 1
+        ctx.activation_freed(act.saved_bytes)
 
     def overlap(self, ctx: StepContext, action: Action) -> None:
         """OVERLAP_F_B: both parts' inputs first, then the overlap hook runs the two parts."""

@@ -110,7 +110,8 @@ class PipelineRuntime:
         self.nonfinite = NonFiniteWatch(self.config.nonfinite_sends)
         """Counts (and reports) sends through a codec whose tensor held NaN or inf."""
         self.tracer = Tracer(self.rank, self.device, self.config.record_timeline)
-        self.stages = {s: StageCompute(s, m, self.config.autocast_dtype) for s, m in self.modules.items()}
+        self.stages = {s: StageCompute(s, m, self.config.autocast_dtype, self.config.count_saved_bytes)
+                       for s, m in self.modules.items()}
         self._global_ranks = [self.transport.global_rank(r) for r in range(schedule.num_ranks)]
         self.mirror = (MirrorSum(schedule, self.rank, self.modules, group, self._global_ranks, self.watchdog)
                        if self.config.sum_mirrored_grads and schedule.num_copies > 1 else None)
@@ -185,7 +186,7 @@ class PipelineRuntime:
         timeline = self.tracer.timeline(self.schedule.name, self.schedule.num_ranks,
                                         self.schedule.num_microbatches)
         loss = (lambda: self._read(pending) / self._pipelines) if pending is not None else 0.0
-        return StepResult(loss=loss, timeline=timeline, peak_activations=ctx.peak)
+        return StepResult(loss=loss, timeline=timeline, peak_activations=ctx.peak, peak_saved_bytes=ctx.peak_bytes)
 
     def evaluate(self, inputs: Any, targets: Any = None) -> EvalResult:
         """Forward only (the schedule's F actions in order, no autograd).

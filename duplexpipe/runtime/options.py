@@ -75,6 +75,12 @@ class RuntimeConfig:
     have the agreed shape and dtype (row count). A mismatch raises ValueError (expected vs got)
     on that rank, the other ranks stop with PeerFailedError, and the runtime must be rebuilt.
     Use False when every training batch has the same shapes."""
+    count_saved_bytes: bool = False
+    """Count, per training forward, the bytes it keeps for backward (`duplexpipe.runtime.saved_bytes`:
+    what autograd saves plus the input leaves kept for I, parameters and the step's inputs and targets
+    excluded, the rule `profile_parts` uses) and report each step's peak over this rank in
+    StepResult.peak_saved_bytes. Off by default: a Python hook per saved tensor costs a few percent of an
+    overhead-bound step. False: not counted (peak_saved_bytes stays 0)."""
     prefetch: bool = True
     """True: each receive is posted as soon as the schedule lists it (and its shape is known), so
     transfers overlap compute. False: a receive is posted right before the action consuming it and
@@ -98,7 +104,7 @@ class RuntimeConfig:
         if self.p2p_meter is not None and not isinstance(self.p2p_meter, WireMeter):
             raise ValueError(f"RuntimeConfig.p2p_meter must be a duplexpipe.comm.WireMeter or None, "
                              f"got {self.p2p_meter!r}")
-        for name in ("check_inputs_every_step", "prefetch"):
+        for name in ("check_inputs_every_step", "prefetch", "count_saved_bytes"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"RuntimeConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -111,15 +117,18 @@ class StepResult:
     evaluate() on the runtime has already completed it.
     """
 
-    __slots__ = ("_loss", "timeline", "peak_activations")
+    __slots__ = ("_loss", "timeline", "peak_activations", "peak_saved_bytes")
 
     def __init__(self, loss: float | Callable[[], float], timeline: Timeline | None,
-                 peak_activations: int) -> None:
+                 peak_activations: int, peak_saved_bytes: int = 0) -> None:
         self._loss = loss
         self.timeline = timeline
         """This rank's measured compute events (source "measured", unit "s"); None when disabled."""
         self.peak_activations = peak_activations
         """The most (stage, microbatch) activations alive at once on this rank during the step."""
+        self.peak_saved_bytes = peak_saved_bytes
+        """The most bytes those activations kept for backward at once on this rank during the step, each
+        counted from the end of its F to the end of its B or W (RuntimeConfig.count_saved_bytes; 0 when off)."""
 
     @property
     def loss(self) -> float:
@@ -133,18 +142,19 @@ class StepResult:
 
     def __repr__(self) -> str:
         loss = "<pending>" if callable(self._loss) else repr(self._loss)
-        return f"StepResult(loss={loss}, timeline={self.timeline!r}, peak_activations={self.peak_activations})"
+        return (f"StepResult(loss={loss}, timeline={self.timeline!r}, peak_activations={self.peak_activations}, "
+                f"peak_saved_bytes={self.peak_saved_bytes})")
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, StepResult):
             return NotImplemented
-        return (self.loss, self.timeline, self.peak_activations) == (other.loss, other.timeline,
-                                                                      other.peak_activations)
+        return ((self.loss, self.timeline, self.peak_activations, self.peak_saved_bytes)
+                == (other.loss, other.timeline, other.peak_activations, other.peak_saved_bytes))
 
     __hash__ = None  # type: ignore[assignment]  # mutable, like the dataclass it replaces
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (StepResult, (self.loss, self.timeline, self.peak_activations))
+        return (StepResult, (self.loss, self.timeline, self.peak_activations, self.peak_saved_bytes))
 
 
 @dataclass

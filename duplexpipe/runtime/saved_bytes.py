@@ -1,4 +1,4 @@
-"""Count the bytes autograd saves for backward (activations), the yardstick of profiles and memory plans."""
+"""Count the bytes autograd saves for backward (activations), the yardstick of profiles, plans and steps."""
 
 from __future__ import annotations
 
@@ -19,30 +19,51 @@ def storage_key(tensor: Tensor) -> tuple[int, int]:
 
 
 class SavedBytes:
-    """Sums the distinct storages autograd saves while `counting()` is active, parameters excluded.
+    """The activation bytes of one forward: what it keeps alive until its backward is done.
 
-    A storage saved by several operations (or viewed several ways) counts once, whole: a
-    saved view keeps its entire storage alive. `reset()` starts a new count.
+    The one counting rule shared by `profile_parts` and the runtime's measured peak:
+    - every distinct storage autograd saves while `counting()` is active, whole (a saved
+      view keeps its entire storage alive), each storage once however often it is saved;
+    - plus the input leaves kept for the input-gradient backward (`start(kept=...)`), which
+      count once too when autograd also saves them;
+    - never parameters (`exclude`, fixed) nor the caller's data (`start(data=...)`: the
+      step's inputs and targets, alive anyway).
     """
 
     def __init__(self, exclude: Iterable[Tensor] = ()) -> None:
         self._exclude = {storage_key(t)[0] for t in exclude}
+        self._skip: set[int] = set()
         self._seen: dict[int, int] = {}
 
     @property
     def total(self) -> int:
-        """Bytes counted since the last reset."""
+        """Bytes counted since the last reset or start."""
         return sum(self._seen.values())
 
     def reset(self) -> None:
         """Forget what was counted."""
         self._seen = {}
+        self._skip = set()
+
+    def start(self, kept: Iterable[Tensor] = (), data: Iterable[Tensor] = ()) -> None:
+        """Begin counting one forward: the input leaves it keeps for backward (`kept`) count,
+        storages of the caller's `data` never do."""
+        self._seen = {}
+        self._skip = {storage_key(t)[0] for t in data}
+        self.keep(kept)
+
+    def keep(self, tensors: Iterable[Tensor]) -> None:
+        """Count `tensors` as kept for backward (input leaves), unless already counted or excluded."""
+        for tensor in tensors:
+            address, nbytes = storage_key(tensor)
+            if address not in self._exclude and address not in self._skip:
+                self._seen[address] = nbytes
 
     def _pack(self, tensor: Tensor) -> Tensor:
-        address, nbytes = storage_key(tensor)
-        if address not in self._exclude:
+        address, nbytes = storage_key(tensor)  # keep() inlined: this runs for every tensor autograd saves
+        if address not in self._exclude and address not in self._skip:
             self._seen[address] = nbytes
-        return tensor
+        return tensor.detach()  # holding `tensor` itself would make a reference cycle through its grad_fn
 
     @contextmanager
     def counting(self) -> Iterator[SavedBytes]:
@@ -52,5 +73,9 @@ class SavedBytes:
         own hooks apply, so what it recomputes instead of saving is (rightly) not counted; an
         outer hook does not see what is saved inside this block.
         """
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor):
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
             yield self
+
+
+def _unpack(tensor: Tensor) -> Tensor:
+    return tensor

@@ -13,6 +13,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from duplexpipe.comm.codec import TensorSpec
 from duplexpipe.runtime.autograd_split import WeightWork, backward_input
+from duplexpipe.runtime.saved_bytes import SavedBytes
 from duplexpipe.runtime.structure import TENSOR, Form, StructureError, call, flatten
 from duplexpipe.runtime.watchdog import PipelineError
 
@@ -59,15 +60,20 @@ class Activation:
     """The gradient backward starts the loss with (its microbatch weight times the loss scale)."""
     weight_work: WeightWork | None = None
     """Set by I: the deferred W."""
+    saved_bytes: int = 0
+    """What its forward keeps for backward (`SavedBytes`); 0 when not counted."""
 
 
 class StageCompute:
     """Runs one stage's module: forward, loss, backward (full or split into I and W)."""
 
-    def __init__(self, stage: int, module: nn.Module, autocast_dtype: torch.dtype | None) -> None:
+    def __init__(self, stage: int, module: nn.Module, autocast_dtype: torch.dtype | None,
+                 count_saved: bool = False) -> None:
         self.stage = stage
         self.module = module
         self.autocast_dtype = autocast_dtype
+        self.meter = SavedBytes(module.parameters()) if count_saved else None
+        """Counts what each training forward keeps for backward (None: not counted)."""
 
     def params(self) -> list[Tensor]:
         """The module's parameters that take gradients."""

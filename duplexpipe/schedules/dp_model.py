@@ -39,9 +39,9 @@ ZERO_STAGES: Mapping[int, ZeroStage] = MappingProxyType({
     0: ZeroStage(0, "replicated: all-reduce the gradients, every replica steps everything",
                  False, False, 2.0, 0.0, True),
     1: ZeroStage(1, "ZeRO-1: reduce-scatter gradients, step 1/D of the optimizer states, all-gather parameters",
-                 True, False, 1.0, 1.0, False),
+                 True, False, 1.0, 1.0, True),
     2: ZeroStage(2, "ZeRO-2: as ZeRO-1, and keep only 1/D of the reduced gradients",
-                 True, True, 1.0, 1.0, False),
+                 True, True, 1.0, 1.0, True),
 })
 
 
@@ -62,15 +62,20 @@ class Compression:
 COMPRESSIONS: Mapping[str, Compression] = MappingProxyType({
     c.name: c for c in (
         Compression("none", 1.0, "fp32 gradients", True),
-        Compression("bf16", 2.0, "bf16 hook; +0.06% final loss on the GPT example (COMM-NOTES)", False),
-        Compression("int8", 3.9, "int8 blocks of 256, stochastic rounding, error feedback; -0.05% loss", False),
-        Compression("powersgd-r4", 6.9, "PowerSGD rank 4; +2.8% loss", False),
-        Compression("powersgd-r1", 11.8, "PowerSGD rank 1; +13.7% loss", False),
-        Compression("dgc", 20.0, "deep gradient compression, SGD momentum, averaged over warm-up; -0.6% loss",
-                    False),
+        Compression("bf16", 2.0, "grad_compression='bf16' (torch hook); +0.06% loss", True),
+        Compression("int8", 3.9, "grad_compression='int8': blocks of 256, stochastic rounding, error feedback; "
+                    "-0.29% loss", True),
+        Compression("powersgd-r4", 9.9, "grad_compression='powersgd' (rank 4); 6.9x over 200 steps with its 10 "
+                    "exact ones; +2.93% loss", True),
+        Compression("powersgd-r1", 11.8, "PowerSGDOptions(rank=1); ratio and +13.7% loss from COMM-NOTES (not "
+                    "in the training benchmark)", True),
+        Compression("dgc", 50.0, "grad_compression='dgc' (99%, SGD momentum in the compressor); 20.1x over 200 "
+                    "steps with its warm-up; +1.15% loss", True),
     )
 })
-"""Lightest (least lossy) first; wire ratios measured on the GPT example at PP=2 x DP=2 (COMM-NOTES.md)."""
+"""Lightest (least compression) first. Wire ratios are steady-state bytes per step, measured in training on
+the GPT example at PP=2 x DP=2 (docs/benchmarks.md, "Gradient compression in training", run of 2026-11-22
+18:21 UTC), except powersgd-r1's (COMM-NOTES.md); losses are the last 20 steps' mean against fp32."""
 
 
 def zero_stage(stage: int) -> ZeroStage:

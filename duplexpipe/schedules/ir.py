@@ -7,6 +7,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from enum import Enum
+from functools import cached_property
 from typing import Any, Iterable, Iterator, Sequence
 
 JSON_FORMAT = "duplexpipe-schedule"
@@ -137,9 +138,9 @@ class Schedule:
         """How many stages the stage table holds."""
         return len(self.stages)
 
-    @property
+    @cached_property
     def num_groups(self) -> int:
-        """How many distinct model parts (weight groups) there are."""
+        """How many distinct model parts (weight groups) there are (computed once: passes ask per action)."""
         return max(s.group for s in self.stages) + 1
 
     @property

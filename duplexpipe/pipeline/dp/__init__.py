@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 from duplexpipe.comm import NoCompression
 from duplexpipe.pipeline.dp.base import DP_LANE, DPStrategy, LaneRecorder, OptimizerFactory, StrategyContext, WaitFn
 from duplexpipe.pipeline.dp.buckets import DEFAULT_BUCKET_BYTES, BucketSpec, BucketTracker, final_order, plan_buckets
 from duplexpipe.pipeline.dp.compressed import CompressedStrategy
+from duplexpipe.pipeline.dp.fsdp import Zero2Strategy
 from duplexpipe.pipeline.dp.replicated import ReplicatedStrategy
+from duplexpipe.pipeline.dp.zero import Zero1Strategy
+from duplexpipe.pipeline.dp.zero_options import ZERO_STAGES, ZeroOptions, check_zero
 
 STRATEGY_NAMES = ("replicated", "compressed")
 """The names PipelineConfig.dp_strategy accepts (None picks one from grad_compression)."""
@@ -16,7 +20,8 @@ STRATEGY_NAMES = ("replicated", "compressed")
 __all__ = [
     "DEFAULT_BUCKET_BYTES", "DP_LANE", "STRATEGY_NAMES", "BucketSpec", "BucketTracker", "CompressedStrategy",
     "DPStrategy", "LaneRecorder", "OptimizerFactory", "ReplicatedStrategy", "StrategyContext", "WaitFn",
-    "check_strategy_name", "final_order", "make_strategy", "plan_buckets",
+    "ZERO_STAGES", "Zero1Strategy", "Zero2Strategy", "ZeroOptions", "check_strategy_name", "check_zero",
+    "final_order", "make_strategy", "plan_buckets",
 ]
 
 
@@ -36,6 +41,8 @@ def make_strategy(ctx: StrategyContext, name: str | None = None) -> DPStrategy:
     warning, and the replicated strategy is used.
     """
     compressing = not isinstance(ctx.compression, NoCompression)
+    if ctx.zero_stage:
+        return _zero_strategy(ctx, name)
     check_strategy_name(name, compressing)
     name = name or ("compressed" if compressing else "replicated")
     if name == "compressed" and ctx.groups.dp_size == 1:
@@ -45,3 +52,13 @@ def make_strategy(ctx: StrategyContext, name: str | None = None) -> DPStrategy:
     if name == "compressed":
         return CompressedStrategy(ctx)
     return ReplicatedStrategy(ctx)
+
+
+def _zero_strategy(ctx: StrategyContext, name: str | None) -> DPStrategy:
+    """ZeRO-1 or ZeRO-2 (with one replica there is nothing to shard: the replicated strategy, with a warning)."""
+    check_zero(ctx.zero_stage, ctx.zero, ctx.compression, name)
+    if ctx.groups.dp_size == 1:
+        warnings.warn(f"zero_stage={ctx.zero_stage} (and its gradient compression) has no effect with one "
+                      "data-parallel replica (nothing to shard); training with the replicated strategy", stacklevel=3)
+        return ReplicatedStrategy(replace(ctx, zero_stage=0, zero=ZeroOptions(), compression=NoCompression()))
+    return Zero1Strategy(ctx) if ctx.zero_stage == 1 else Zero2Strategy(ctx)

@@ -10,10 +10,12 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from duplexpipe.comm import FutureWork, NoCompression, Options, Waitable, WireMeter
 from duplexpipe.pipeline import grads
 from duplexpipe.pipeline.dp.buckets import DEFAULT_BUCKET_BYTES, BucketSpec, BucketTracker, plan_buckets
+from duplexpipe.pipeline.dp.zero_options import ZeroOptions
 from duplexpipe.pipeline.mesh import ParallelGroups
 from duplexpipe.schedules.ir import Schedule
 from duplexpipe.schedules.timeline import Span
@@ -23,6 +25,8 @@ OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 WaitFn = Callable[[Any, str], None]
 """wait(work, what): waits for a collective posted with async_op=True, bounded and failure-aware
 (PipelineRuntime.bounded); `what` names it in errors."""
+STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+"""How checkpoints hold the optimizer state: per parameter, keys `state.<param>.<name>`."""
 DP_LANE = "dp"
 """The timeline lane of the data-parallel reductions (see Span)."""
 
@@ -49,6 +53,10 @@ class StrategyContext:
     """Gradient compression (duplexpipe.comm options; NoCompression: exact)."""
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     """Bucket capacity in bytes."""
+    zero_stage: int = 0
+    """ZeRO stage (0: replicated or compressed; 1: optimizer state sharded; 2: gradients too)."""
+    zero: ZeroOptions = field(default_factory=ZeroOptions)
+    """ZeRO++ options (quantized gradients / weights, hpZ)."""
 
 
 class LaneRecorder:
@@ -231,6 +239,16 @@ class DPStrategy(ABC):
     def end_step(self, applied: bool) -> None:
         """Commit (applied) or roll back this step's state beyond the optimizer's (default: none)."""
         return None
+
+    def checkpoint_dicts(self, modules: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(model, optimizer) state dicts of `modules` (this rank's stages keyed `stage<s>`) for a checkpoint,
+        in torch's flattened form (creating the optimizer state if there is none yet). Loading fills them in."""
+        return get_state_dict(modules, self.optimizer, options=STATE_DICT_OPTIONS)
+
+    def load_checkpoint_dicts(self, modules: nn.Module, model: dict[str, Any], optim: dict[str, Any]) -> None:
+        """Take over the dicts checkpoint_dicts() made once the checkpoint has been read into them."""
+        set_state_dict(modules, self.optimizer, model_state_dict=model, optim_state_dict=optim,
+                       options=STATE_DICT_OPTIONS)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's strategy state beyond the model and optimizer ({} when none); checkpoints keep every

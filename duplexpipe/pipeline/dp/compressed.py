@@ -3,31 +3,44 @@ top-k, DGC, ...) on a data-parallel group of its own, with error feedback commit
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from duplexpipe.comm import Bucket, DGCOptions, Reduction, Waitable, build_reducer, check_optimizer
+from duplexpipe.comm.dgc import local_clip_threshold
 from duplexpipe.pipeline import grads
 from duplexpipe.pipeline.dp.base import DPStrategy, StrategyContext, WaitFn
 from duplexpipe.pipeline.dp.buckets import BucketSpec
 from duplexpipe.pipeline.mesh import ParallelGroups
 
 
-def own_dp_group(groups: ParallelGroups, device: torch.device, wait: WaitFn) -> Any:
-    """A new process group over this rank's data-parallel replicas (collective over the whole job: every
-    rank learns every data-parallel group and creates each, in the same order)."""
-    mine = torch.tensor(dist.get_process_group_ranks(groups.dp_group), dtype=torch.int64, device=device)
-    everyone = mine.new_empty(dist.get_world_size() * mine.numel())
+def own_group(mine: Any, device: torch.device, wait: WaitFn) -> Any:
+    """A new process group over the ranks of `mine` (a group; None: the world), made collectively over the
+    whole job: every rank learns every rank's group (all the same size) and creates each, in the same order."""
+    ranks = torch.tensor(dist.get_process_group_ranks(mine) if mine is not None else range(dist.get_world_size()),
+                         dtype=torch.int64, device=device)
+    everyone = ranks.new_empty(dist.get_world_size() * ranks.numel())
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    wait(gather(everyone, mine, async_op=True), "the data-parallel group exchange")
+    wait(gather(everyone, ranks, async_op=True), "the process group exchange")
     found = None
-    for ranks in sorted({tuple(row) for row in everyone.view(-1, mine.numel()).tolist()}):
-        group = dist.new_group(list(ranks))
-        if dist.get_rank() in ranks:
+    for row in sorted({tuple(row) for row in everyone.view(-1, ranks.numel()).tolist()}):
+        group = dist.new_group(list(row))
+        if dist.get_rank() in row:
             found = group
     return found
+
+
+def own_dp_group(groups: ParallelGroups, device: torch.device, wait: WaitFn) -> Any:
+    """A new process group over this rank's data-parallel replicas (collective over the whole job)."""
+    return own_group(groups.dp_group, device, wait)
+
+
+def local_clip_norm(options: Any) -> float | None:
+    """DGC's local clipping threshold (clip_norm), applied by the strategy over the replica's whole model."""
+    return options.clip_norm if isinstance(options, DGCOptions) else None
 
 
 def check_dgc_momentum(options: Any, optimizer: torch.optim.Optimizer) -> None:
@@ -47,6 +60,14 @@ class CompressedStrategy(DPStrategy):
     final; the optimizer waits for all of them. The overflow flag (from the local gradients, before
     compression) and the norm of the reduced gradients are shared in one all-reduce; a skipped step rolls
     the reducer's residuals and state back (end_step(applied=False)).
+
+    DGC with clip_norm (local gradient clipping, Lin et al. 2018, Sec. 3.2): the paper clips each worker's
+    whole gradient before the momentum (to clip_norm * sqrt(N) in mean-gradient units, see
+    comm.dgc.local_clip_threshold). Here a worker is a replica spread over the pipeline ranks, so the buckets
+    wait until finish(): the squared norm of this rank's gradients (each weight group counted once) is
+    summed over the replica's pipeline ranks, every bucket is scaled by min(1, threshold / norm), and only
+    then do the reductions start (they no longer overlap the backward). The reducer itself is built without
+    clip_norm (it would clip each bucket by its own norm).
     """
 
     name = "compressed"
@@ -57,10 +78,19 @@ class CompressedStrategy(DPStrategy):
         check_dgc_momentum(ctx.compression, self.optimizer)
         self.group = own_dp_group(ctx.groups, ctx.device, ctx.wait)
         """This strategy's own data-parallel group (PowerSGD's chained all-reduces need one to themselves)."""
-        self.reducer = build_reducer(ctx.compression, self.group, self.meter)
+        self.clip_norm = local_clip_norm(ctx.compression) if self.buckets else None
+        """DGC's local clipping threshold over the replica's whole gradient (None: no local clipping)."""
+        self.replica_group = (own_group(ctx.groups.pp_group, ctx.device, ctx.wait)
+                              if self.clip_norm is not None and ctx.groups.pp_size > 1 else None)
+        """A group of this replica's pipeline ranks for the local norm (None: no clipping or one rank)."""
+        options = ctx.compression
+        if isinstance(options, DGCOptions) and options.clip_norm is not None:
+            options = replace(options, clip_norm=None)  # clipped here, over the whole replica
+        self.reducer = build_reducer(options, self.group, self.meter)
         self.comm_buckets = {spec.index: Bucket(spec.index, [tuple(p.shape) for p in spec.params],
                                                 dtype=spec.dtype, device=ctx.device) for spec in self.buckets}
         self._inflight: list[tuple[BucketSpec, Reduction]] = []
+        self._held: list[BucketSpec] = []
         self._bad = torch.zeros((), dtype=torch.bool, device=ctx.device)
 
     @property
@@ -75,19 +105,44 @@ class CompressedStrategy(DPStrategy):
             self._bad = torch.zeros((), dtype=torch.bool, device=self.ctx.device)
 
     def start_bucket(self, spec: BucketSpec) -> Waitable | None:
-        """Load the unscaled gradients into the bucket, note inf/NaN, start the reducer."""
+        """Load the unscaled gradients into the bucket, note inf/NaN, start the reducer (DGC with local
+        clipping: hold the bucket until finish_buckets() knows the replica's norm; None is returned)."""
         bucket = self.comm_buckets[spec.index]
         bucket.load(grads.ensure_grads(spec.params))
         buf = bucket.buffer()
         if self.divisor != 1.0:
             buf.div_(self.divisor)
         self._bad |= ~torch.isfinite(buf).all()
+        if self.clip_norm is not None:  # reduced in finish_buckets(), once the replica's norm is known
+            self._held.append(spec)
+            return None
         reduction = self.reducer.start(bucket)
         self._inflight.append((spec, reduction))
         return reduction.pending
 
+    def _clip_and_start_held(self) -> None:
+        """DGC's local clipping over the replica's whole gradient, then start the held buckets."""
+        held, self._held = self._held, []
+        if not held or self.clip_norm is None:
+            return
+        counted = {id(p) for p in self.counted}
+        squares = [view.double().square().sum() for spec in held
+                   for p, view in zip(spec.params, self.comm_buckets[spec.index].gradients(), strict=True)
+                   if id(p) in counted]
+        sq = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+        if self.replica_group is not None:
+            self.wait(dist.all_reduce(sq, group=self.replica_group, async_op=True),
+                      "the local gradient-norm all-reduce of DGC's clipping")
+        threshold = local_clip_threshold(self.clip_norm, self.dp_size)
+        coef = torch.clamp(threshold / (sq.sqrt() + 1e-12), max=1.0)
+        for spec in held:
+            buf = self.comm_buckets[spec.index].buffer()
+            buf.mul_(coef.to(buf.dtype))
+            self._inflight.append((spec, self.reducer.start(self.comm_buckets[spec.index])))
+
     def finish_buckets(self) -> None:
         """Finish each reduction in start order; store the averaged gradients into .grad."""
+        self._clip_and_start_held()
         inflight, self._inflight = self._inflight, []
         for spec, reduction in inflight:
             reduction.finish(self.wait)

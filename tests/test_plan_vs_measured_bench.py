@@ -1,0 +1,50 @@
+"""benchmarks/plan_vs_measured.py: a quick run on 2 gloo ranks (no timing asserts) and the order check."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import plan_vs_measured  # noqa: E402
+
+
+@pytest.mark.timeout(300)
+def test_quick_run_predicts_the_measured_activation_peaks_and_writes_its_section(tmp_path: Path) -> None:
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "benchmarks.md").write_text("# Benchmarks\n\nprose kept\n", encoding="utf-8")
+    assert plan_vs_measured.main(["--quick", "--out", str(tmp_path), "--docs", str(docs)]) == 0
+    part = json.loads((tmp_path / "plan_vs_measured.json").read_text())
+    cfg = plan_vs_measured.quick_config()
+    assert [r["candidate"] for r in part["rows"]] == [f"{name}, M={m}" for name, m in cfg.candidates]
+    for row in part["rows"]:
+        assert len(row["samples"]) == cfg.steps and len(row["measured_acts"]) == cfg.ranks
+        # the profile and the runtime count with one rule; only the non-scaling position ids differ
+        assert row["bytes_err_per_rank"] < 0.01, row
+        assert row["peaks_stable"] and row["predicted_s"] > 0
+    assert part["link"]["latency_s"] > 0 and part["counting"]["on_s"] > 0
+    text = (docs / "benchmarks.md").read_text()
+    assert "prose kept" in text and plan_vs_measured.BEGIN in text and plan_vs_measured.END in text
+    assert (docs / "img" / plan_vs_measured.FIGURE).stat().st_size > 0
+
+
+def _row(name: str, predicted: float, measured: float) -> dict[str, Any]:
+    return {"candidate": name, "predicted_s": predicted, "measured": {"median_s": measured}}
+
+
+def test_only_pairs_predicted_far_apart_are_checked_for_order() -> None:
+    rows = [_row("a", 1.0, 2.0), _row("b", 1.1, 1.0), _row("c", 1.5, 3.0)]
+    pairs = {(p["faster"], p["slower"]): p for p in plan_vs_measured.order_pairs(rows)}
+    assert set(pairs) == {("a", "c"), ("b", "c")}, "a and b are predicted 10% apart: not checked"
+    assert pairs[("a", "c")]["same_order"] and pairs[("b", "c")]["same_order"]
+    assert pairs[("a", "c")]["predicted_gap"] == pytest.approx(0.5)
+    swapped = plan_vs_measured.order_pairs([_row("a", 1.0, 2.0), _row("c", 1.5, 1.9)])
+    assert [p["same_order"] for p in swapped] == [False]
