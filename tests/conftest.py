@@ -3,20 +3,26 @@
 A module defines `_worker(rank, world) -> dict` (plain data), and optionally `WORLD` (ranks,
 default 2) and `SPAWN_TIMEOUT_S` (default 120); its tests take the `results` fixture (one dict
 per rank). Every test using it gets a hard timeout of SPAWN_TIMEOUT_S + 30 s unless it has its own.
-Property tests run without hypothesis' 200 ms per-example deadline and its too-slow health check:
-both fail on a loaded machine, and no test may depend on wall-clock speed.
+`launch()` starts ranks from a fork server (DUPLEXPIPE_START_METHOD=forkserver) unless a test says
+otherwise (test_launch checks the default, spawn). Property tests run without hypothesis' 200 ms
+per-example deadline and its too-slow health check: both fail on a loaded machine, and no test may
+depend on wall-clock speed.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
 from models import run_workers
 
+from duplexpipe.pipeline.launch import START_METHOD_ENV
+
 settings.register_profile("duplexpipe", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("duplexpipe")
+os.environ.setdefault(START_METHOD_ENV, "forkserver")  # launch() forks ranks from one server: seconds per spawn
 
 DEFAULT_WORLD = 2
 DEFAULT_SPAWN_TIMEOUT_S = 120

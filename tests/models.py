@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import multiprocessing as mp
 import os
 import queue
 import time
@@ -17,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from duplexpipe.pipeline.launch import free_port
+from duplexpipe.pipeline.launch import free_port, start_context
 from duplexpipe.schedules.ir import Schedule
 
 VOCAB, DIM, SEQ = 11, 8, 3
@@ -151,13 +150,13 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple
 
 def run_workers(fn: Callable[..., Any], world: int, args: tuple[Any, ...] = (),
                 timeout_s: float = 120.0, backend: str = "gloo") -> list[Any]:
-    """Run fn(rank, world, *args) in `world` spawned processes (gloo on 127.0.0.1, or nccl with
+    """Run fn(rank, world, *args) in `world` fresh processes (gloo on 127.0.0.1, or nccl with
     one GPU per rank); return each rank's result (plain data: tensors do not outlive workers).
 
     Raises AssertionError with the worker tracebacks when one fails, or when they do not all
     finish within timeout_s (the processes are then killed).
     """
-    ctx = mp.get_context("spawn")
+    ctx = start_context("forkserver")  # a worker starts in under a second: torch is imported once
     out = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, out, backend), daemon=True)

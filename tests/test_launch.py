@@ -16,6 +16,7 @@ import torch.distributed as dist
 from _failing_ranks import OWN_ERROR, blame_a_silent_rank, consequence_first
 
 from duplexpipe.pipeline.launch import (
+    START_METHOD_ENV,
     LaunchError,
     blamed_rank,
     default_backend,
@@ -29,6 +30,12 @@ from duplexpipe.runtime import PeerFailedError
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
+
+
+@pytest.fixture(autouse=True)
+def _spawned_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests check the default start method (spawn): its ranks are this process's children."""
+    monkeypatch.delenv(START_METHOD_ENV, raising=False)
 
 
 def _sum_ranks(offset: int) -> tuple[int, int, int, torch.Tensor]:
@@ -54,7 +61,8 @@ def _hard_exit_on_rank_one() -> None:
 def _children() -> list[int]:
     """Pids of live (non-zombie) processes whose parent is this process.
 
-    multiprocessing's own resource tracker (one per parent, exits with it) is not counted.
+    multiprocessing's own resource tracker and fork server (one per parent, exiting with it; other
+    test modules start ranks from the fork server) are not counted.
     """
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -63,9 +71,17 @@ def _children() -> list[int]:
             cmdline = (stat.parent / "cmdline").read_bytes()
         except OSError:
             continue
-        if int(fields[1]) == os.getpid() and fields[0] != "Z" and b"resource_tracker" not in cmdline:
+        if int(fields[1]) == os.getpid() and fields[0] != "Z" and b"resource_tracker" not in cmdline \
+                and b"forkserver" not in cmdline:
             found.append(int(stat.parent.name))
     return found
+
+
+@pytest.mark.timeout(60)
+def test_forkserver_ranks_give_the_same_results_and_a_bad_method_is_named() -> None:
+    assert [r[:3] for r in launch(_sum_ranks, 2, (10,), start_method="forkserver")] == [(0, 2, 21), (1, 2, 21)]
+    with pytest.raises(ValueError, match="start_method 'fork' is not one of"):
+        launch(_sum_ranks, 2, (10,), start_method="fork")
 
 
 @pytest.mark.timeout(60)

@@ -165,6 +165,28 @@ def _stop(procs: Sequence[Any]) -> None:
             p.join(5.0)
 
 
+START_METHODS = ("spawn", "forkserver")
+"""How `launch` starts its processes: "spawn" (each imports torch itself, a few seconds per rank) or
+"forkserver" (forked from one server process that imported FORKSERVER_PRELOAD once: well under a second;
+the server keeps the environment it started with)."""
+START_METHOD_ENV = "DUPLEXPIPE_START_METHOD"
+"""The environment variable `launch` reads when no start_method is given (default "spawn")."""
+FORKSERVER_PRELOAD = ("torch", "torch.distributed", "duplexpipe.pipeline")
+"""What the fork server imports before forking ranks."""
+
+
+def start_context(method: str | None = None) -> Any:
+    """The multiprocessing context for `method` (None: $DUPLEXPIPE_START_METHOD, else "spawn")."""
+    method = method or os.environ.get(START_METHOD_ENV) or "spawn"
+    if method not in START_METHODS:
+        raise ValueError(f"start_method {method!r} is not one of {START_METHODS} (from the argument or "
+                         f"${START_METHOD_ENV})")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+    return ctx
+
+
 def launch(
     fn: Callable[..., Any],
     nprocs: int,
@@ -173,6 +195,7 @@ def launch(
     backend: str = "gloo",
     timeout_s: float | None = None,
     grace_s: float = GRACE_S,
+    start_method: str | None = None,
 ) -> list[Any]:
     """Run `fn(*args)` in `nprocs` fresh processes on this machine, one per rank, and return their results.
 
@@ -182,10 +205,11 @@ def launch(
     traceback: errors that only report another rank's failure ("rank N rejected ...", "stopping
     because rank N failed") rank after it, waiting up to `grace_s` for the rank they blame. Then
     the others are killed; after a timeout every rank is killed. No process outlives the call.
+    `start_method`: see START_METHODS (None: $DUPLEXPIPE_START_METHOD, else "spawn").
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
-    ctx = mp.get_context("spawn")
+    ctx = start_context(start_method)
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(fn, tuple(args), r, nprocs, port, backend, results),
@@ -297,8 +321,10 @@ def run(
     *,
     backend: str | None = None,
     timeout_s: float | None = None,
+    start_method: str | None = None,
 ) -> list[Any]:
-    """Run `fn(*args)` on every rank: in place under torchrun, else in `nprocs` local processes.
+    """Run `fn(*args)` on every rank: in place under torchrun, else in `nprocs` local processes
+    (started with `start_method`, see `launch`).
 
     Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set) this process is one rank:
     the group is initialised from the environment and the list holds only this rank's result; a
@@ -319,7 +345,7 @@ def run(
         return result
     backend = backend or default_backend(nprocs)
     _log_backend(backend, nprocs, "on this machine")
-    return launch(fn, nprocs, args, backend=backend, timeout_s=timeout_s)
+    return launch(fn, nprocs, args, backend=backend, timeout_s=timeout_s, start_method=start_method)
 
 
 def _failure_store(timeout_s: float) -> Any:
