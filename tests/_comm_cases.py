@@ -1,4 +1,5 @@
-"""Worker-side cases for test_comm_reducers.py: each returns plain metrics that the tests assert."""
+"""Worker-side cases for test_comm_reducers.py (reducers, error feedback, meter, wire formats): each returns
+plain metrics that the tests assert."""
 
 from __future__ import annotations
 
@@ -7,9 +8,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
+from torch import Tensor
 
 from duplexpipe.comm import (
     Bucket,
@@ -83,7 +82,7 @@ def _identical(t: Tensor, group: Any) -> bool:
     return bool(torch.equal(lo, t) and torch.equal(hi, t))
 
 
-def _own_group(group: Any) -> Any:
+def own_group(group: Any) -> Any:
     """A process group over the same ranks as `group`, made by those ranks only (PowerSGD needs its own)."""
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     return dist.new_group(ranks, use_local_synchronization=True)
@@ -123,7 +122,7 @@ def lossless_case(group: Any) -> dict[str, float]:
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     errors: dict[str, float] = {}
     for kind, make in LOSSLESS.items():
-        pg = _own_group(group) if kind == "powersgd" else group
+        pg = own_group(group) if kind == "powersgd" else group
         reducer = build_reducer(make(0), pg)
         worst = 0.0
         for s in range(3):
@@ -157,7 +156,7 @@ def ef_identity_case(group: Any, steps: int = 6) -> dict[str, dict[str, Any]]:
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     out: dict[str, dict[str, Any]] = {}
     for kind, make in LOSSY.items():
-        reducer = build_reducer(make(), _own_group(group) if kind == "powersgd" else group)
+        reducer = build_reducer(make(), own_group(group) if kind == "powersgd" else group)
         sent = {i: torch.zeros(NUMEL[i], dtype=torch.float64) for i in SHAPES}
         lossy, same = False, True
         for s in range(steps):
@@ -207,7 +206,7 @@ def rollback_resume_case(group: Any) -> dict[str, dict[str, bool]]:
     out: dict[str, dict[str, bool]] = {}
     for kind, make in STATEFUL.items():
         def fresh() -> Reducer:
-            return build_reducer(make(), _own_group(group) if kind == "powersgd" else group)  # noqa: B023
+            return build_reducer(make(), own_group(group) if kind == "powersgd" else group)  # noqa: B023
 
         def g(s: int) -> dict[int, Tensor]:
             return {i: grad(40 + i, rank, s, NUMEL[i], torch.float32) for i in SHAPES}
@@ -287,7 +286,7 @@ def meter_case(group: Any) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for kind in ("none", "bf16", "fp16", "int8", "topk", "randomk", "threshold", "dgc", "powersgd"):
         reducer = build_reducer(kind if kind != "powersgd" else PowerSGDOptions(start_step=2, rank=2),
-                                _own_group(group) if kind == "powersgd" else group)
+                                own_group(group) if kind == "powersgd" else group)
         seen = WireMeter()
         for s in range(2):
             with C10dCounter(seen):
@@ -326,7 +325,7 @@ def _reverse_finish_equal(group: Any) -> bool:
     for spec in (Int8Options(block=16, stochastic=False), PowerSGDOptions(rank=1, start_step=2)):
         means = []
         for reverse in (False, True):
-            reducer = build_reducer(spec, _own_group(group))
+            reducer = build_reducer(spec, own_group(group))
             for s in range(4):
                 started = []
                 for i in SHAPES:
@@ -375,99 +374,6 @@ def api_errors_case(group: Any) -> dict[str, str]:
     return out
 
 
-def _recording(hook: Any, records: list[dict[str, Any]]) -> Any:
-    """A DDP hook that runs `hook` and records each bucket's index, shapes, input and output."""
-    def run(state, bucket):  # type: ignore[no-untyped-def]  # DDP rejects annotations other than its own
-        record = {"index": bucket.index(), "shapes": [tuple(g.shape) for g in bucket.gradients()],
-                  "input": bucket.buffer().clone()}
-        records.append(record)
-
-        def keep(fut: Any) -> Any:
-            record["output"] = fut.value().clone()
-            return fut.value()
-        return hook(state, bucket).then(keep)
-    return run
-
-
-def _ddp_records(group: Any, hook: Any, state: Any, steps: int) -> list[dict[str, Any]]:
-    """Run a small model under DDP with `hook` for `steps` backward passes (weights fixed, data per rank)."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 5)).double()
-    ddp = nn.parallel.DistributedDataParallel(model, process_group=group)
-    records: list[dict[str, Any]] = []
-    ddp.register_comm_hook(state, _recording(hook, records))
-    for s in range(steps):
-        gen = torch.Generator().manual_seed(100 * dist.get_rank(group) + s)
-        ddp(torch.randn(7, 6, generator=gen, dtype=torch.float64)).square().sum().backward()
-        model.zero_grad(set_to_none=True)
-    return records
-
-
-def ddp_contract_case(group: Any) -> dict[str, Any]:
-    """The GradBucket contract pin: torch's bf16 and PowerSGD hooks through real DDP buckets against our
-    reducers on Bucket stand-ins fed the same inputs (bit for bit), and bf16 against a hand computation."""
-    n = dist.get_world_size(group)
-    out: dict[str, Any] = {}
-    records = _ddp_records(group, default_hooks.bf16_compress_hook, group, 3)
-    reducer = build_reducer("bf16", group)
-    same, hand = True, True
-    for r in records:
-        got = step_one(reducer, r)
-        same &= torch.equal(got, r["output"])
-        inputs = [torch.empty_like(r["input"]) for _ in range(n)]
-        dist.all_gather(inputs, r["input"], group=group)
-        want = inputs[0].to(torch.bfloat16).div(n)
-        for other in inputs[1:]:
-            want = want + other.to(torch.bfloat16).div(n)
-        hand &= torch.equal(got, want.to(got.dtype))
-    out["bf16"] = {"calls": len(records), "equal_ddp": same, "equal_hand": hand}
-
-    state = PowerSGDState(process_group=group, matrix_approximation_rank=1, start_powerSGD_iter=2,
-                          min_compression_rate=0.5, random_seed=0)
-    records = _ddp_records(group, powerSGD_hook, state, 5)
-    reducer = build_reducer(PowerSGDOptions(rank=1, start_step=2, min_compression_rate=0.5), _own_group(group))
-    same = all(torch.equal(step_one(reducer, r), r["output"]) for r in records)
-    out["powersgd"] = {"calls": len(records), "equal_ddp": same, "compressed": state.iter - 2,
-                       "indices": sorted({r["index"] for r in records})}
-    return out
-
-
-def step_one(reducer: Reducer, record: dict[str, Any]) -> Tensor:
-    """One step of one recorded DDP bucket through `reducer` on a Bucket stand-in."""
-    bucket = Bucket(record["index"], record["shapes"], dtype=record["input"].dtype)
-    bucket.buffer().copy_(record["input"])
-    result = reducer.start(bucket).finish().clone()
-    reducer.end_step(True)
-    return result
-
-
-def powersgd_index_case(group: Any) -> dict[str, Any]:
-    """PowerSGD's error and warm-start state follow index(): persistent Bucket objects in a fixed order
-    give the same means as fresh objects whose start order flips once Q is warm."""
-    rank = dist.get_rank(group)
-
-    def run(fresh: bool) -> tuple[list[dict[int, Tensor]], list[int]]:
-        reducer = build_reducer(PowerSGDOptions(rank=2, start_step=2), _own_group(group))
-        kept = {i: Bucket(i, SHAPES[i]) for i in SHAPES}
-        means = []
-        for s in range(7):
-            order = sorted(SHAPES, reverse=fresh and s >= 4)
-            reductions = {}
-            for i in order:
-                bucket = Bucket(i, SHAPES[i]) if fresh else kept[i]
-                bucket.buffer().copy_(grad(70 + i, rank, s, NUMEL[i], torch.float32))
-                reductions[i] = reducer.start(bucket)
-            means.append({i: reductions[i].finish().clone() for i in order})
-            reducer.end_step(True)
-        return means, sorted(reducer.state.error_dict)  # type: ignore[attr-defined]
-
-    kept_means, kept_keys = run(False)
-    fresh_means, fresh_keys = run(True)
-    return {"equal": all(torch.equal(a[i], b[i]) for a, b in zip(kept_means, fresh_means, strict=True)
-                         for i in SHAPES),
-            "keys": fresh_keys, "kept_keys": kept_keys}
-
-
 def ratio_case(group: Any, numel: int = 1 << 16) -> dict[str, float]:
     """fp32 all-reduce bytes over each method's bytes, from the reducers' meters, on one realistic bucket."""
     rank, n = dist.get_rank(group), dist.get_world_size(group)
@@ -499,24 +405,4 @@ def fp8_wire_case(group: Any) -> dict[str, bool]:
                                                                           strict=True)]
         want = [dequantize_fp8(*quantize_fp8(x, fmt)) for x in inputs]
         out[fmt] = all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-    return out
-
-
-def all_cases(group: Any, pairs: bool) -> dict[str, Any]:
-    """Every case on `group` (the 2-rank-only ones when `pairs`)."""
-    out: dict[str, Any] = {
-        "lossless": lossless_case(group),
-        "ef": ef_identity_case(group),
-        "rollback": rollback_resume_case(group),
-        "meter": meter_case(group),
-        "dgc_warmup": dgc_warmup_case(group),
-        "dgc_per_tensor": dgc_per_tensor_case(group),
-        "ratio": ratio_case(group),
-        "fp8_wire": fp8_wire_case(group),
-    }
-    if pairs:
-        out["int8_magnitude"] = int8_magnitude_case(group)
-        out["ddp"] = ddp_contract_case(group)
-        out["powersgd_index"] = powersgd_index_case(group)
-        out["api_errors"] = api_errors_case(group)
     return out

@@ -7,13 +7,44 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
-from _comm_cases import all_cases
+from _comm_cases import (
+    api_errors_case,
+    dgc_per_tensor_case,
+    dgc_warmup_case,
+    ef_identity_case,
+    fp8_wire_case,
+    int8_magnitude_case,
+    lossless_case,
+    meter_case,
+    ratio_case,
+    rollback_resume_case,
+)
+from _ddp_hook_cases import ddp_contract_case, powersgd_index_case
 from models import run_workers
 
 from duplexpipe.comm.sparsify import keep_count
 
 SPAWN_TIMEOUT_S = 240
 
+
+def all_cases(group: Any, pairs: bool) -> dict[str, Any]:
+    """Every case on `group` (the 2-rank-only ones when `pairs`)."""
+    out: dict[str, Any] = {
+        "lossless": lossless_case(group),
+        "ef": ef_identity_case(group),
+        "rollback": rollback_resume_case(group),
+        "meter": meter_case(group),
+        "dgc_warmup": dgc_warmup_case(group),
+        "dgc_per_tensor": dgc_per_tensor_case(group),
+        "ratio": ratio_case(group),
+        "fp8_wire": fp8_wire_case(group),
+    }
+    if pairs:
+        out["int8_magnitude"] = int8_magnitude_case(group)
+        out["ddp"] = ddp_contract_case(group)
+        out["powersgd_index"] = powersgd_index_case(group)
+        out["api_errors"] = api_errors_case(group)
+    return out
 
 def _worker(rank: int, world: int) -> dict[str, Any]:
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
