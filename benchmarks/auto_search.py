@@ -16,7 +16,8 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from duplexpipe.schedules import registry  # noqa: E402
-from duplexpipe.schedules.auto import search  # noqa: E402
+from duplexpipe.schedules.auto import search, search_problem  # noqa: E402
+from duplexpipe.schedules.bounds import makespan_bound  # noqa: E402
 from duplexpipe.schedules.ir import Schedule  # noqa: E402
 from duplexpipe.schedules.simulate import CostModel, simulate  # noqa: E402
 
@@ -100,6 +101,13 @@ def bounds(ranks: int, mbs: int, profile: Profile, limit: float) -> dict[str, fl
     return out
 
 
+def v_bound(ranks: int, mbs: int, profile: Profile, limit: float) -> float:
+    """The same two-sided bound for the V placement (2P half-size stages, `bounds.makespan_bound`)."""
+    table = registry.build("zbv", ranks, mbs)
+    return makespan_bound(search_problem(ranks, mbs, cost=cost_for(table, profile), memory_limit=limit,
+                                         placement="v"))
+
+
 def built_ins(ranks: int, mbs: int, profile: Profile, limit: float) -> dict[str, tuple[float, float]]:
     """name -> (makespan, peak activation memory in 1F1B-stage units) for every built-in that fits `limit`."""
     out = {}
@@ -144,7 +152,10 @@ def case(ranks: int, mbs: int, profile: Profile, limit: float) -> dict[str, Any]
         if rival not in everything:
             schedule = registry.build(rival, ranks, mbs)
             everything[rival + " (over limit)"] = simulate(schedule, cost_for(schedule, profile)).makespan
-    return {"P": ranks, "M": mbs, "profile": profile.name, "limit": limit, **bounds(ranks, mbs, profile, limit),
+    linear = bounds(ranks, mbs, profile, limit)
+    v = v_bound(ranks, mbs, profile, limit) if ranks >= 2 else linear["two_sided"]
+    return {"P": ranks, "M": mbs, "profile": profile.name, "limit": limit, **linear, "v_bound": v,
+            "bound": min(linear["two_sided"], v),
             "built_ins": everything, "best_built_in": name, "best_built_in_makespan": span,
             "auto": run_auto(ranks, mbs, profile, limit)}
 
@@ -160,7 +171,8 @@ def targets(quick: bool) -> list[dict[str, Any]]:
                                            and c["auto"]["makespan"] <= c["lb"] + EPS for c in cases)})
     cases = [case(p, m, LATENCY, p) for p, m in big]
     out.append({"target": "latency 0.5, limit P: at least 3% shorter than zb-h1", "cases": cases,
-                "met": all(c["auto"]["makespan"] <= 0.97 * c["built_ins"]["zb-h1"] + EPS for c in cases)})
+                "met": all(c["auto"]["makespan"] <= 0.97 * c["built_ins"]["zb-h1"] + EPS for c in cases),
+                "reachable": all(c["bound"] <= 0.97 * c["built_ins"]["zb-h1"] + EPS for c in cases)})
     cases = [case(p, m, W_LIGHT, p) for p, m in big]
     out.append({"target": "W-light (F=1 B=2.5 W=0.5), limit P: no worse than zb-h1", "cases": cases,
                 "met": all(c["auto"]["makespan"] <= c["built_ins"]["zb-h1"] + EPS for c in cases)})
@@ -181,6 +193,7 @@ def grid(quick: bool) -> dict[str, Any]:
     dual = [r for r in rows if "dualpipe" in r["built_ins"]]
     return {"rows": rows, "cases": len(rows), "worse": len(worse), "better": len(better), "met": not worse,
             "greedy_wins": sum(r["auto"]["winner"].startswith("greedy") for r in better),
+            "at_bound": sum(r["auto"]["makespan"] <= r["bound"] + EPS for r in rows),
             "dualpipe_cases": len(dual),
             "dualpipe_shorter": sum(r["built_ins"]["dualpipe"] < r["auto"]["makespan"] - EPS for r in dual)}
 
@@ -202,9 +215,39 @@ def search_time(quick: bool) -> dict[str, Any]:
             "loadavg": [round(x, 2) for x in os.getloadavg()]}
 
 
-def run(quick: bool = False) -> dict[str, Any]:
-    """Every part; JSON-ready."""
-    return {"targets": targets(quick), "grid": grid(quick), "search_time": search_time(quick), "quick": quick}
+def limit_sweep(quick: bool) -> dict[str, Any]:
+    """The latency target's case under growing limits: both placements' bounds and auto's result for each.
+
+    The bounds prove "3% below zb-h1" out of reach at limit P; this shows how much memory it takes.
+    """
+    ranks, mbs = (8, 32) if not quick else (4, 8)
+    h1 = simulate(registry.build("zb-h1", ranks, mbs), cost_for(registry.build("zb-h1", ranks, mbs), LATENCY))
+    rows = []
+    for factor in (1.0, 1.125, 1.25, 1.375, 1.5, 2.0):
+        limit = factor * ranks
+        row: dict[str, Any] = {"limit": limit, "linear_bound": bounds(ranks, mbs, LATENCY, limit)["two_sided"],
+                               "v_bound": v_bound(ranks, mbs, LATENCY, limit)}
+        for placement in ("linear", "v"):
+            table = registry.build("1f1b" if placement == "linear" else "zbv", ranks, mbs)
+            result = search(ranks, mbs, cost=cost_for(table, LATENCY), memory_limit=limit, placement=placement)
+            row[placement] = result.winner.makespan
+        rows.append(row)
+    return {"P": ranks, "M": mbs, "zb_h1": h1.makespan, "rows": rows}
+
+
+PARTS = {"targets": targets, "grid": grid, "sweep": limit_sweep, "search_time": search_time}
+"""The benchmark's parts: targets and grid are exact simulations, search_time is a wall-clock measurement."""
+
+
+def run(quick: bool = False, parts: Sequence[str] = tuple(PARTS), earlier: dict[str, Any] | None = None
+        ) -> dict[str, Any]:
+    """The parts named (JSON-ready); the others are kept from `earlier` (a previous run's results, same `quick`)."""
+    out: dict[str, Any] = {"quick": quick}
+    if earlier is not None and earlier.get("quick") == quick:
+        out.update({k: v for k, v in earlier.items() if k in PARTS})
+    for name in parts:
+        out[name] = PARTS[name](quick)
+    return out
 
 
 def _f(x: float) -> str:
@@ -215,9 +258,16 @@ def _mark(ok: bool) -> str:
     return "met" if ok else "**missed**"
 
 
+def _verdict(target: dict[str, Any]) -> str:
+    """"met", or "missed", saying so when the bounds prove the target out of reach."""
+    if not target["met"] and target.get("reachable") is False:
+        return "**missed**: unreachable (bound > target)"
+    return _mark(target["met"])
+
+
 def target_table(results: dict[str, Any]) -> list[list[str]]:
     """Header + one row per (target, case)."""
-    out = [["target", "P", "M", "limit", "LB", "memory-aware bound", "two-sided bound", "zb-h1", "zb-h2",
+    out = [["target", "P", "M", "limit", "LB", "memory-aware bound", "two-sided bound", "V bound", "zb-h1", "zb-h2",
             "best built-in (1 copy)", "dualpipe (2 copies)", "auto linear / v", "auto (winner)", "met"]]
     for t in results["targets"]:
         for c in t["cases"]:
@@ -226,28 +276,50 @@ def target_table(results: dict[str, Any]) -> list[list[str]]:
             h2 = bi.get("zb-h2", bi.get("zb-h2 (over limit)"))
             a = c["auto"]
             out.append([t["target"], str(c["P"]), str(c["M"]), _f(c["limit"]), _f(c["lb"]), _f(c["memory_aware"]),
-                        _f(c["two_sided"]), _f(h1) + ("" if "zb-h1" in bi else " (over)"),
+                        _f(c["two_sided"]), _f(c["v_bound"]), _f(h1) + ("" if "zb-h1" in bi else " (over)"),
                         _f(h2) + ("" if "zb-h2" in bi else " (over)"),
                         f"{c['best_built_in']} {_f(c['best_built_in_makespan'])}",
                         _f(bi["dualpipe"]) if "dualpipe" in bi else "-",
                         " / ".join(_f(a["by_placement"][k]) for k in ("linear", "v")),
-                        f"**{_f(a['makespan'])}** ({a['placement']}: {a['winner']})", _mark(t["met"])])
+                        f"**{_f(a['makespan'])}** ({a['placement']}: {a['winner']})", _verdict(t)])
     return out
 
 
 def grid_table(results: dict[str, Any]) -> list[list[str]]:
     """Header + the grid's cases where auto differs from the best built-in."""
-    out = [["P", "M", "costs", "limit", "best built-in (1 copy)", "dualpipe (2 copies)", "auto", "auto / best",
-            "auto's winner"]]
+    out = [["P", "M", "costs", "limit", "bound", "best built-in (1 copy)", "dualpipe (2 copies)", "auto",
+            "auto / best", "auto's winner"]]
     for r in results["grid"]["rows"]:
         a = r["auto"]
         if abs(a["makespan"] - r["best_built_in_makespan"]) > EPS:
             dual = r["built_ins"].get("dualpipe")
-            out.append([str(r["P"]), str(r["M"]), r["profile"], _f(r["limit"]),
+            out.append([str(r["P"]), str(r["M"]), r["profile"], _f(r["limit"]), _f(r["bound"]),
                         f"{r['best_built_in']} {_f(r['best_built_in_makespan'])}", "-" if dual is None else _f(dual),
                         _f(a["makespan"]), f"{a['makespan'] / r['best_built_in_makespan']:.3f}",
                         f"{a['placement']}: {a['winner']}"])
     return out
+
+
+def sweep_table(sweep: dict[str, Any]) -> list[list[str]]:
+    """Header + one row per limit of the limit sweep."""
+    target = 0.97 * sweep["zb_h1"]
+    out = [["limit", "bound: one stage per rank", "bound: V", "auto linear", "auto v", "auto / zb-h1",
+            f"<= 0.97 zb-h1 ({_f(target)})"]]
+    for r in sweep["rows"]:
+        best = min(r["linear"], r["v"])
+        out.append([_f(r["limit"]), _f(r["linear_bound"]), _f(r["v_bound"]), _f(r["linear"]), _f(r["v"]),
+                    f"{best / sweep['zb_h1']:.3f}",
+                    "yes" if best <= target + EPS else
+                    ("no (unreachable)" if min(r["linear_bound"], r["v_bound"]) > target + EPS else "no")])
+    return out
+
+
+def sweep_lines(sweep: dict[str, Any]) -> list[str]:
+    """The limit sweep's heading and table (markdown lines)."""
+    from benchmarks.report import markdown_table
+
+    return [f"### Latency 0.5 at P={sweep['P']}, M={sweep['M']} under growing limits (zb-h1: {_f(sweep['zb_h1'])})",
+            "", markdown_table(sweep_table(sweep)), ""]
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -262,8 +334,11 @@ def markdown(results: dict[str, Any]) -> str:
              f"{g['greedy_wins']} of them), equal in {g['cases'] - g['better'] - g['worse']}, longer in "
              f"{g['worse']}. DualPipe holds two copies of the parameters, so it is no same-memory rival: it fits "
              f"the activation limit in {g['dualpipe_cases']} cases and is shorter than auto in "
-             f"{g['dualpipe_shorter']}. The cases where auto differs from the best one-copy built-in:", "",
+             f"{g['dualpipe_shorter']}. auto reaches the lower bound (the smaller of the two placements' "
+             f"two-sided bounds: no schedule of either placement is shorter) in {g.get('at_bound', '?')} cases. "
+             "The cases where auto differs from the best one-copy built-in:", "",
              markdown_table(grid_table(results)), "",
+             *sweep_lines(results["sweep"]),
              f"### Search time, P={st['P']}, M={st['M']}: slowest {st['max_wall_s']:.2f} s wall (< 10 s: "
              f"{_mark(st['met'])}); load average after: {st['loadavg']}", "",
              markdown_table([["costs", "limit", "placement", "wall s", "CPU s"]] +
@@ -277,6 +352,7 @@ def text_report(results: dict[str, Any]) -> str:
     from benchmarks.report import text_table
 
     return "\n\n".join(["auto search: targets\n" + text_table(target_table(results)),
+                        "auto search: latency 0.5 under growing limits\n" + text_table(sweep_table(results["sweep"])),
                         f"auto search: grid, {results['grid']['cases']} cases, differing from the best built-in\n"
                         + text_table(grid_table(results)),
                         f"auto search: slowest P={results['search_time']['P']}, M={results['search_time']['M']} "
@@ -300,11 +376,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small P and M (a smoke run)")
     parser.add_argument("--json", default=os.path.join(ROOT, "bench-output", "auto_search.json"))
     parser.add_argument("--docs", default=os.path.join(ROOT, "docs", "benchmarks.md"), help="or 'none'")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"comma-separated parts to run, of {', '.join(PARTS)}; the others are read from "
+                             "--json (a previous run): time the search alone, on a quiet machine")
     args = parser.parse_args(argv)
-    results = run(args.quick)
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown or not parts:
+        print(f"auto_search: --parts needs names from {', '.join(PARTS)}, got {args.parts!r}", file=sys.stderr)
+        return 2
+    earlier = None
+    if len(set(parts)) < len(PARTS) and os.path.exists(args.json):
+        try:
+            with open(args.json, encoding="utf-8") as fh:
+                earlier = json.load(fh)
+        except (OSError, ValueError) as exc:
+            print(f"auto_search: cannot read the earlier results {args.json}: {exc}", file=sys.stderr)
+            return 2
+    results = run(args.quick, parts, earlier)
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w", encoding="utf-8") as fh:
         json.dump(results, fh, indent=1)
+    missing = [name for name in PARTS if name not in results]
+    if missing:
+        print(f"auto_search: wrote {', '.join(parts)} to {args.json}; run --parts {','.join(missing)} for the "
+              "rest of the report")
+        return 0
     print(text_report(results))
     if args.docs != "none":
         update_doc(args.docs, results)

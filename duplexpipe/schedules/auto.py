@@ -7,7 +7,8 @@ and when memory runs out. It runs under a small grid of policies; the hand-made 
 of the same stage placement (1F1B, ZB-H1, ZB-H2 for one stage per rank; ZB-V and DualPipeV
 for the V) join as candidates when they fit the limit. The best few are timed by `simulate` (the
 project's exact simulator) and the shortest wins, so `auto` is never worse than those
-hand-made schedules under the same limit.
+hand-made schedules under the same limit. When a hand-made seed already reaches the lower
+bound of `bounds.makespan_bound` (no schedule can be shorter), the greedy is not run.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from duplexpipe.schedules._common import linear_stages, require_counts, v_stages
+from duplexpipe.schedules.bounds import makespan_bound
 from duplexpipe.schedules.ir import Action, Op, Schedule, StageInfo
 from duplexpipe.schedules.list_scheduler import Policy, Problem, list_schedule
 
@@ -55,7 +57,10 @@ class SearchResult:
     candidates: tuple[Candidate, ...]
     """Every candidate that was simulated (the re-timed greedy results and the fitting seeds)."""
     greedy_runs: int
-    """How many greedy runs were made (each policy once)."""
+    """How many greedy runs were made (each policy once; none when a seed reaches `bound`)."""
+    bound: float
+    """A lower bound on the makespan of every schedule for these arguments (`bounds.makespan_bound`):
+    the winner is optimal when it reaches it."""
     seconds: float
     """Wall time of the search."""
 
@@ -101,7 +106,9 @@ def search(num_ranks: int, num_microbatches: int, *, cost: Any = None, memory_li
 
     for label, seed in _seeds(problem, placement):
         time_it(label, seed)
-    policies = _policies(placement)
+    bound = makespan_bound(problem)
+    optimal = any(c.makespan <= bound + 1e-9 for c, _ in timed)
+    policies = [] if optimal else _policies(placement)
     found: list[tuple[float, str, Schedule]] = []
     for policy in policies:
         # The simulator can only add message waits to the greedy's own timing, so a run that
@@ -121,7 +128,7 @@ def search(num_ranks: int, num_microbatches: int, *, cost: Any = None, memory_li
     winner = timed[index][1]
     schedule = Schedule(AUTO, num_ranks, num_microbatches, winner.stages, winner.actions)
     verify(schedule)  # the simulator ran it to the end already; this also proves it deadlock-free
-    return SearchResult(schedule, timed[index][0], tuple(c for c, _ in timed), len(policies),
+    return SearchResult(schedule, timed[index][0], tuple(c for c, _ in timed), len(policies), bound,
                         time.perf_counter() - started)
 
 
