@@ -139,6 +139,9 @@ def run_auto(ranks: int, mbs: int, profile: Profile, limit: float) -> dict[str, 
     return {**best, "by_placement": spans}
 
 
+PLACEMENT = {"gpipe": "linear", "1f1b": "linear", "zb-h1": "linear", "zb-h2": "linear", "zbv": "v",
+             "dualpipev": "v"}
+"""The built-ins whose placement a bound covers (one stage per rank, or the V)."""
 TWO_COPIES = ("dualpipe",)
 """Built-ins that hold two copies of the parameters: not a same-memory rival (reported beside the others)."""
 
@@ -154,10 +157,16 @@ def case(ranks: int, mbs: int, profile: Profile, limit: float) -> dict[str, Any]
             everything[rival + " (over limit)"] = simulate(schedule, cost_for(schedule, profile)).makespan
     linear = bounds(ranks, mbs, profile, limit)
     v = v_bound(ranks, mbs, profile, limit) if ranks >= 2 else linear["two_sided"]
+    auto = run_auto(ranks, mbs, profile, limit)
+    own = {"linear": linear["two_sided"], "v": v}
+    checked = [(k, span, own[PLACEMENT[k]]) for k, (span, _) in rivals.items() if k in PLACEMENT]
+    checked += [(f"auto {k}", span, own[k]) for k, span in auto["by_placement"].items()]
     return {"P": ranks, "M": mbs, "profile": profile.name, "limit": limit, **linear, "v_bound": v,
             "bound": min(linear["two_sided"], v),
             "built_ins": everything, "best_built_in": name, "best_built_in_makespan": span,
-            "auto": run_auto(ranks, mbs, profile, limit)}
+            "auto": auto, "bound_checked": len(checked),
+            "bound_reached": sum(abs(span - bound) <= EPS for _, span, bound in checked),
+            "bound_violated": [k for k, span, bound in checked if span < bound - EPS]}
 
 
 def targets(quick: bool) -> list[dict[str, Any]]:
@@ -194,6 +203,10 @@ def grid(quick: bool) -> dict[str, Any]:
     return {"rows": rows, "cases": len(rows), "worse": len(worse), "better": len(better), "met": not worse,
             "greedy_wins": sum(r["auto"]["winner"].startswith("greedy") for r in better),
             "at_bound": sum(r["auto"]["makespan"] <= r["bound"] + EPS for r in rows),
+            "bound_checked": sum(r["bound_checked"] for r in rows),
+            "bound_reached": sum(r["bound_reached"] for r in rows),
+            "bound_violated": [f"P={r['P']} M={r['M']} {r['profile']} limit {r['limit']:g}: {k}"
+                               for r in rows for k in r["bound_violated"]],
             "dualpipe_cases": len(dual),
             "dualpipe_shorter": sum(r["built_ins"]["dualpipe"] < r["auto"]["makespan"] - EPS for r in dual)}
 
@@ -336,6 +349,11 @@ def markdown(results: dict[str, Any]) -> str:
              f"the activation limit in {g['dualpipe_cases']} cases and is shorter than auto in "
              f"{g['dualpipe_shorter']}. auto reaches the lower bound (the smaller of the two placements' "
              f"two-sided bounds: no schedule of either placement is shorter) in {g.get('at_bound', '?')} cases. "
+             f"Bound check: of {g.get('bound_checked', '?')} simulated schedules of the two placements that fit "
+             f"their case's limit (the hand-made ones and auto's result for each placement), "
+             f"{len(g.get('bound_violated', []))} are shorter than their placement's bound"
+             f"{' (' + '; '.join(g['bound_violated']) + ')' if g.get('bound_violated') else ''} and "
+             f"{g.get('bound_reached', '?')} reach it. "
              "The cases where auto differs from the best one-copy built-in:", "",
              markdown_table(grid_table(results)), "",
              *sweep_lines(results["sweep"]),

@@ -4,7 +4,8 @@ The bound of rank r (`rank_bound`) adds up what every schedule must spend on r:
 
 - head: until the first gradient can reach r (`first_i`), r can only run forwards, and
   each of them holds its activation until its W ends, so r runs at most what its memory
-  holds (`_fill`); the rest of that window it idles;
+  holds (`_fill`); the rest of that window it idles. Likewise, until the first input of its
+  chain-last stage can arrive, r runs only the forwards of its earlier stages;
 - tail: after the start t of r's last forward (a forward of r's chain-last stage), r can only
   run the I and W of the activations it holds at t (its memory again), while that
   microbatch still has to cross the rest of the chain and come back to stage 0's W
@@ -77,10 +78,15 @@ def rank_bound(problem: Problem, rank: int, ef: list[float], ei: list[float]) ->
     start, first_i = min(ef[s] for s in stages), min(ei[s] for s in stages)
     last = stages[-1]
     limit = pb.limit[rank]
-    # If every activation fits at once, the last forward may come before any gradient: no head term.
-    fits_all = m * sum(pb.memory[s] for s in stages) <= limit + EPS
-    busy = min(first_i - start, _fill(pb, stages, list(pb.f), limit))
-    head_idle = start if fits_all else first_i - busy
+    # Until its chain-last stage's first input can arrive, the rank runs only its earlier stages'
+    # forwards; until its first gradient can arrive, only forwards, a limit's worth (all of them
+    # live at once). The first window always ends before t; the second does unless every
+    # activation fits at once (then the last forward may come before any gradient).
+    earlier = stages[:-1]
+    busy_early = min(ef[last] - start, m * sum(pb.f[s] for s in earlier), _fill(pb, earlier, list(pb.f), limit))
+    head_idle = max(start, ef[last] - busy_early)
+    if m * sum(pb.memory[s] for s in stages) > limit + EPS:
+        head_idle = max(head_idle, first_i - min(first_i - start, _fill(pb, stages, list(pb.f), limit)))
     backward = [pb.i[s] + pb.w[s] for s in range(pb.num_stages)]
     after = pb.f[last] + backward[last] + _fill(pb, stages, backward, limit - pb.memory[last])
     after = min(after, work)
