@@ -317,7 +317,7 @@ def sweep_table(sweep: dict[str, Any]) -> list[list[str]]:
     """Header + one row per limit of the limit sweep."""
     target = 0.97 * sweep["zb_h1"]
     out = [["limit", "bound: one stage per rank", "bound: V", "auto linear", "auto v", "auto / zb-h1",
-            f"<= 0.97 zb-h1 ({_f(target)})"]]
+            f"<= 0.97 zb-h1 ({target:.2f})"]]
     for r in sweep["rows"]:
         best = min(r["linear"], r["v"])
         out.append([_f(r["limit"]), _f(r["linear_bound"]), _f(r["v_bound"]), _f(r["linear"]), _f(r["v"]),
@@ -377,6 +377,39 @@ def text_report(results: dict[str, Any]) -> str:
                         f"search {results['search_time']['max_wall_s']:.2f} s wall"])
 
 
+def sweep_plot(sweep: dict[str, Any], path: str) -> None:
+    """Makespan against the limit: both placements' bounds and auto's results, and the 0.97 x zb-h1 target."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.4, 3.6), dpi=110, layout="constrained")
+    ax = fig.add_subplot()
+    limits = [r["limit"] for r in sweep["rows"]]
+    for key, label, style in (("linear_bound", "bound, one stage per rank", "--"), ("v_bound", "bound, V", ":"),
+                              ("linear", "auto, one stage per rank", "-o"), ("v", "auto, V", "-s")):
+        ax.plot(limits, [r[key] for r in sweep["rows"]], style, label=label, markersize=4)
+    ax.axhline(0.97 * sweep["zb_h1"], color="#c0392b", linewidth=1)
+    ax.annotate(f"0.97 x zb-h1 = {0.97 * sweep['zb_h1']:.2f}", (limits[-1], 0.97 * sweep["zb_h1"]),
+                xytext=(0, 3), textcoords="offset points", ha="right", fontsize=8, color="#c0392b")
+    ax.set_xlabel(f"memory limit per rank (stage-microbatches of a {sweep['P']}-part split)", fontsize=8.5)
+    ax.set_ylabel("makespan (simulated)", fontsize=8.5)
+    ax.set_title(f"latency 0.5, P={sweep['P']}, M={sweep['M']}: the bounds and auto against the limit",
+                 fontsize=9.5)
+    ax.legend(fontsize=7.5)
+    fig.savefig(path)
+
+
+def v_gantt(quick: bool, path: str) -> None:
+    """auto's V schedule at the latency target (zbv, at the bound), with its live activations."""
+    from duplexpipe.viz.gantt import plot_timeline
+
+    ranks, mbs = (8, 32) if not quick else (4, 8)
+    cost = cost_for(registry.build("zbv", ranks, mbs), LATENCY)
+    result = search(ranks, mbs, cost=cost, memory_limit=ranks, placement="v")
+    title = (f"auto (V, {result.winner.label}) at P={ranks}, M={mbs}, latency 0.5, limit {ranks}: "
+             f"{result.winner.makespan:g} = the bound {result.bound:g}")
+    plot_timeline(simulate(result.schedule, cost), path, activations=True, title=title)
+
+
 def update_doc(doc_path: str, results: dict[str, Any]) -> None:
     """Replace the block between the bench:auto markers of `doc_path` (append it if absent)."""
     with open(doc_path, encoding="utf-8") as fh:
@@ -423,6 +456,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(text_report(results))
     if args.docs != "none":
         update_doc(args.docs, results)
+        img = os.path.join(os.path.dirname(os.path.abspath(args.docs)), "img")
+        os.makedirs(img, exist_ok=True)
+        sweep_plot(results["sweep"], os.path.join(img, "auto_limit_sweep.png"))
+        v_gantt(args.quick, os.path.join(img, "auto_v_bound.png"))
     return 0
 
 

@@ -92,3 +92,13 @@ def test_one_case_and_its_report() -> None:
     assert "| t | 2 | 4 | 2 |" in text and "### Grid: 1 cases" in text
     assert "| 2 | 10 | 9.5 | 10 | 9.5 | 0.950 | yes |" in text
     assert "auto search: targets" in auto_search.text_report(results)
+
+
+def test_figures_are_written(tmp_path: Path) -> None:
+    sweep = {"P": 2, "M": 4, "zb_h1": 10.0, "rows": [
+        {"limit": 2, "linear_bound": 10.0, "v_bound": 9.5, "linear": 10.0, "v": 9.5},
+        {"limit": 4, "linear_bound": 9.0, "v_bound": 8.5, "linear": 9.0, "v": 9.0}]}
+    auto_search.sweep_plot(sweep, str(tmp_path / "sweep.png"))
+    auto_search.v_gantt(True, str(tmp_path / "gantt.png"))
+    for name in ("sweep.png", "gantt.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
