@@ -319,7 +319,8 @@ class PipelineRuntime:
         step runs; every rank takes part."""
         at: list[Action | None] = [None]
         final = self.plan.grads_final if ctx.train else {}
-        handlers, reap = self._handlers, self.transport.reap
+        handlers = self._handlers
+        reap = None if self.watchdog.gloo else self.transport.reap  # gloo: sends are released by finish()
         wants_loss = ctx.train or ctx.has_targets
         loss_at = (self.plan.losses_final if ctx.train else self.plan.eval_losses_final) if wants_loss else -2
         with self._stopping(at):
@@ -327,7 +328,8 @@ class PipelineRuntime:
             for pos, action in enumerate(rows):
                 at[0] = action
                 handlers[action.op](ctx, action)
-                reap()
+                if reap is not None:
+                    reap()
                 if pos in final:
                     self._grads_final(final[pos])
                 if pos == loss_at:
