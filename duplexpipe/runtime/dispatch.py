@@ -19,7 +19,6 @@ from duplexpipe.runtime.watchdog import PipelineError
 from duplexpipe.schedules.ir import Action, Op
 from duplexpipe.schedules.layout import Layout
 
-
 _KEEP_GRAD_MODE = contextlib.nullcontext()
 
 

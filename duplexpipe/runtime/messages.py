@@ -96,7 +96,7 @@ class MessageMeta:
         leaves = message.leaves
         if message.grads != self.grads or message.form != self.form or len(leaves) != len(self.leaves):
             return False
-        for tensor, meta in zip(leaves, self.leaves):
+        for tensor, meta in zip(leaves, self.leaves, strict=True):
             if tensor.dtype != meta.dtype or tensor.shape != meta.shape:
                 return False
         return True
