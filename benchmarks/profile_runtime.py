@@ -132,6 +132,65 @@ def whatif(schedule: str = "1f1b", steps: int = 20, workload: str = "mlp") -> di
             "speedup": {k: med[WHATIF_VARIANTS[0]] / v for k, v in med.items()}}
 
 
+@dataclass(frozen=True)
+class LookaheadArgs:
+    """What the look-ahead comparison runs."""
+
+    schedule: str
+    """Schedule key present in both frameworks."""
+    steps: int
+    """Timed rounds (after two warm-up rounds); each round times one step of every variant."""
+    workload: str
+    """"mlp" or "transformer"."""
+    depths: tuple[int, ...]
+    """RuntimeConfig.recv_lookahead values to compare."""
+    fixed_shapes: bool = False
+    """Ours: PipelineConfig.check_inputs_every_step=False."""
+
+
+def lookahead_worker(rank: int, world: int, args: LookaheadArgs) -> dict[str, dict[str, list[float]]]:
+    """One Pipeline and one torch pipe; each round times a step of the Pipeline at every look-ahead depth
+    and one of torch, order rotating. Returns per variant the wall seconds (slowest rank) and the CPU
+    seconds summed over the ranks."""
+    from benchmarks.ours_side import build_pipeline, frozen_sgd
+    from benchmarks.torch_side import TORCH_SCHEDULES, build_torch_pipe, num_stages
+
+    spec = _spec(args.workload)
+    parts = models.build_parts(spec, num_stages(TORCH_SCHEDULES[args.schedule][1], world))
+    x, y = models.make_batch(spec)
+    ours = build_pipeline(args.schedule, parts, 8, models.loss_fn, check_inputs_every_step=not args.fixed_shapes)
+    theirs = build_torch_pipe(args.schedule, parts, rank, world, 8, models.loss_fn, frozen_sgd)
+    names = [f"lookahead {d}" for d in args.depths] + ["torch"]
+    out: dict[str, dict[str, list[float]]] = {n: {"wall": [], "cpu": []} for n in names}
+    for i in range(args.steps + 2):
+        shift = i % len(names)
+        for name in names[shift:] + names[:shift]:
+            pipe: Any = theirs
+            if name != "torch":
+                pipe = ours
+                ours.pipe.runtime.config.recv_lookahead = args.depths[names.index(name)]
+            wall, cpu, _ = harness.timed_cpu(functools.partial(pipe.step, x, y))
+            if i >= 2:
+                out[name]["wall"].append(wall)
+                out[name]["cpu"].append(cpu)
+    return out
+
+
+def lookahead(args: LookaheadArgs) -> dict[str, dict[str, float]]:
+    """Per variant: median wall ms, median CPU ms (summed over ranks), and the wall ratio to torch (ratio
+    of medians, and median of the per-round ratios)."""
+    raw = harness.spawn(lookahead_worker, args, 4, 900)[0]
+    torch_wall = raw["torch"]["wall"]
+    found = {}
+    for name, got in raw.items():
+        paired = [a / b for a, b in zip(got["wall"], torch_wall, strict=True)]
+        found[name] = {"wall_ms": 1e3 * harness.summarize(got["wall"]).median,
+                       "cpu_ms": 1e3 * harness.summarize(got["cpu"]).median,
+                       "ratio": harness.summarize(got["wall"]).median / harness.summarize(torch_wall).median,
+                       "paired": harness.summarize(paired).median}
+    return found
+
+
 STEP_FRAMES = ("Pipe.step (", "OursTrainer.step (")
 """A sample counts when one of these frames (a side's timed step) is in its stack."""
 
@@ -204,7 +263,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu", action="store_true", help="on-CPU samples only (CPU time, waits left out)")
     parser.add_argument("--top", action="store_true", help="also list the top functions (inclusive, self)")
     parser.add_argument("--no-whatif", action="store_true", help="skip the runtime-variant timing")
+    parser.add_argument("--lookahead", metavar="DEPTHS", help="only compare recv_lookahead depths (e.g. 0,2,4) "
+                        "against torch, in the same processes, steps alternating; no profile")
     args = parser.parse_args(argv)
+    if args.lookahead:
+        depths = tuple(int(d) for d in args.lookahead.split(","))
+        table = lookahead(LookaheadArgs(args.schedule, args.steps, args.workload, depths, args.fixed_shapes))
+        for name, row in table.items():
+            print(f"{args.schedule} {name:12s} wall {row['wall_ms']:7.1f} ms  cpu {row['cpu_ms']:7.1f} ms  "
+                  f"ours/torch {row['ratio']:.3f}  paired {row['paired']:.3f}")
+        return 0
     if args.run:
         side, schedule, steps, workload = args.run
         harness.spawn(worker, ProfileArgs(side, schedule, int(steps), workload, args.fixed_shapes), 4, 900)
