@@ -91,6 +91,20 @@ def timed(step: Callable[[], Any], group: Any = None) -> tuple[float, Any]:
     return float(elapsed.item()), out
 
 
+def timed_cpu(step: Callable[[], Any], group: Any = None) -> tuple[float, float, Any]:
+    """Like `timed`, plus the CPU seconds the step took summed over the ranks (each process's CPU time,
+    its communication threads included): what the ranks cost together when they share cores."""
+    dist.barrier(group=group)
+    start, cpu = time.perf_counter(), time.process_time()
+    out = step()
+    spent = torch.tensor([time.perf_counter() - start, time.process_time() - cpu], dtype=torch.float64)
+    wall = spent[:1].clone()
+    dist.all_reduce(wall, op=dist.ReduceOp.MAX, group=group)
+    total = spent[1:].clone()
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    return float(wall.item()), float(total.item()), out
+
+
 @dataclass(frozen=True)
 class Stats:
     """Summary of repeated timings in seconds."""

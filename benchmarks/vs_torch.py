@@ -62,19 +62,21 @@ def _run_schedule(key: str, cfg: VsTorchConfig, rank: int, world: int,
             pipe.zero_grad()
             pipe.step(x, y)
     samples: dict[str, list[float]] = {side: [] for side in sides}
+    cpu: dict[str, list[float]] = {side: [] for side in sides}
     errors: dict[str, float] = {}
     for rep in range(cfg.reps):
         order = ("ours", "torch") if rep % 2 == 0 else ("torch", "ours")
         for side in order:
             pipe = sides[side]
             pipe.zero_grad()
-            elapsed, _ = harness.timed(functools.partial(pipe.step, x, y))
+            elapsed, spent, _ = harness.timed_cpu(functools.partial(pipe.step, x, y))
             samples[side].append(elapsed)
+            cpu[side].append(spent)
             if rep == cfg.reps - 1 or rep == cfg.reps - 2:
                 errors[side] = _errors(side, pipe, ref)
     worst = torch.tensor([errors["ours"], errors["torch"]], dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return {"samples": samples, "grad_error": {"ours": float(worst[0]), "torch": float(worst[1])}}
+    return {"samples": samples, "cpu": cpu, "grad_error": {"ours": float(worst[0]), "torch": float(worst[1])}}
 
 
 def worker(rank: int, world: int, cfg: VsTorchConfig) -> dict[str, Any]:
@@ -107,6 +109,7 @@ def summarize(cfg: VsTorchConfig, raw: dict[str, Any]) -> list[dict[str, Any]]:
             "ours": ours.to_dict(),
             "torch": theirs.to_dict(),
             "ratio": ours.median / theirs.median,
+            "cpu_ms": {side: 1e3 * harness.summarize(v).median for side, v in res.get("cpu", {}).items()},
             "paired_ratio": paired.to_dict(),
             "grad_error": res["grad_error"],
             "grads_match": {side: err <= GRAD_TOLERANCE for side, err in res["grad_error"].items()},

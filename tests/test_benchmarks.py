@@ -39,6 +39,7 @@ def test_vs_torch_rows_have_every_field_and_matching_grads(quick_run: tuple[dict
         assert r["ratio"] == pytest.approx(r["ours"]["median_s"] / r["torch"]["median_s"])
         assert r["grads_match"] == {"ours": True, "torch": True}, r["grad_error"]
         assert len(r["samples"]["ours"]) == len(r["samples"]["torch"]) == 2
+        assert set(r["cpu_ms"]) == {"ours", "torch"} and all(v > 0 for v in r["cpu_ms"].values())
 
 
 @pytest.mark.timeout(300)

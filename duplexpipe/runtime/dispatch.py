@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +18,13 @@ from duplexpipe.runtime.timing import Tracer
 from duplexpipe.runtime.watchdog import PipelineError
 from duplexpipe.schedules.ir import Action, Op
 from duplexpipe.schedules.layout import Layout
+
+_KEEP_GRAD_MODE = contextlib.nullcontext()
+
+
+def _grad_mode(enabled: bool) -> contextlib.AbstractContextManager[Any]:
+    """torch.set_grad_enabled(enabled), or a shared no-op when autograd is already in that mode."""
+    return _KEEP_GRAD_MODE if torch.is_grad_enabled() == enabled else torch.set_grad_enabled(enabled)
 
 
 def default_overlap(pair: Action, run_forward: Callable[[], None], run_backward: Callable[[], None]) -> None:
@@ -45,7 +53,7 @@ class Dispatcher:
         the stage has a meter), hand the output on or compute the loss."""
         stage, mb = action.stage, action.microbatch
         meter = self.stages[stage].meter if ctx.train else None
-        with torch.set_grad_enabled(ctx.train):
+        with _grad_mode(ctx.train):
             if meter is None:
                 act, produced = self._forward(ctx, stage, mb, message)
             else:
@@ -113,14 +121,16 @@ class Dispatcher:
     def forward(self, ctx: StepContext, action: Action) -> None:
         """F."""
         message = self.mail.take_input(ctx, action.stage, action.microbatch, action)
-        with self.tracer.span(action):
-            self.run_forward(ctx, action, message)
+        begin = self.tracer.begin()
+        self.run_forward(ctx, action, message)
+        self.tracer.end(action, begin)
 
     def backward(self, ctx: StepContext, action: Action) -> None:
         """B or I."""
         grads = self.mail.take_grads(ctx, action.stage, action.microbatch, action)
-        with self.tracer.span(action):
-            self.run_backward(ctx, action, grads)
+        begin = self.tracer.begin()
+        self.run_backward(ctx, action, grads)
+        self.tracer.end(action, begin)
 
     def weight(self, ctx: StepContext, action: Action) -> None:
         """W: the weight gradients its I deferred."""
@@ -128,8 +138,9 @@ class Dispatcher:
         if act is None or act.weight_work is None:
             raise PipelineError(f"rank {self.rank}: {action} runs without a pending "
                                 f"{action.stage}I{action.microbatch}")
-        with self.tracer.span(action):
-            self.stages[action.stage].backward_weight(act, action.microbatch)
+        begin = self.tracer.begin()
+        self.stages[action.stage].backward_weight(act, action.microbatch)
+        self.tracer.end(action, begin)
         del ctx.acts[(action.stage, action.microbatch)]
         ctx.activation_freed(act.saved_bytes)
 

@@ -126,6 +126,8 @@ class PipelineRuntime:
         self._step_no = 0
         self._broken: str | None = None
         self.batches = BatchAgreement(self.config.check_inputs_every_step, self.rank, bool(self.plan.lasts))
+        self._hoisted: dict[int, RankPlan] = {}
+        """recv_lookahead -> this rank's plan with its receives posted that far ahead."""
         self._pending: PendingSum | SharedSum | None = None
         """The latest step's loss sum until something waited for it."""
         self._handlers: dict[Op, Handler] = {
@@ -182,7 +184,7 @@ class PipelineRuntime:
         waits for it).
         """
         ctx = self._begin(inputs, targets, train=True, loss_scale=loss_scale)
-        pending = self._pending = self._run(ctx, self.plan.rows)
+        pending = self._pending = self._run(ctx)
         timeline = self.tracer.timeline(self.schedule.name, self.schedule.num_ranks,
                                         self.schedule.num_microbatches)
         loss = (lambda: self._read(pending) / self._pipelines) if pending is not None else 0.0
@@ -197,7 +199,7 @@ class PipelineRuntime:
         """
         ctx = self._begin(inputs, targets, train=False, loss_scale=1.0)
         with torch.no_grad():
-            pending = self._run(ctx, self.plan.eval_rows)
+            pending = self._run(ctx)
             loss = self._read(pending) if pending is not None else None
             with self._stopping():
                 outputs = self._gather_outputs(ctx) if self.plan.lasts else None
@@ -313,21 +315,36 @@ class PipelineRuntime:
         return PendingSum(self._local_loss(ctx), self.job_group if ctx.train else self.group, self.device,
                           self.watchdog, "the loss sum")
 
-    def _run(self, ctx: StepContext, rows: tuple[Action, ...]) -> Any:
-        """Interpret `rows`; returns the pending loss sum (None without one). The sum is started before the
-        list and this rank's share is posted as soon as its losses are final, so it completes while the
-        step runs; every rank takes part."""
+    def _plan_of(self, ctx: StepContext) -> RankPlan:
+        """The plan a step runs: the schedule's, or (message shapes known, gloo, prefetch on) the one whose
+        receives are posted `recv_lookahead` receives ahead (built once per depth)."""
+        depth = self.config.recv_lookahead
+        if ctx.learning or depth == 0 or not self.watchdog.gloo or not self.config.prefetch:
+            return self.plan
+        plan = self._hoisted.get(depth)
+        if plan is None:
+            plan = self._hoisted[depth] = self.plan.hoisted(depth)
+        return plan
+
+    def _run(self, ctx: StepContext) -> Any:
+        """Interpret this rank's list; returns the pending loss sum (None without one). The sum is started
+        before the list and this rank's share is posted as soon as its losses are final, so it completes
+        while the step runs; every rank takes part."""
         at: list[Action | None] = [None]
-        final = self.plan.grads_final if ctx.train else {}
-        handlers, reap = self._handlers, self.transport.reap
+        plan = self._plan_of(ctx)
+        rows = plan.rows if ctx.train else plan.eval_rows
+        final = plan.grads_final if ctx.train else {}
+        handlers = self._handlers
+        reap = None if self.watchdog.gloo else self.transport.reap  # gloo: sends are released by finish()
         wants_loss = ctx.train or ctx.has_targets
-        loss_at = (self.plan.losses_final if ctx.train else self.plan.eval_losses_final) if wants_loss else -2
+        loss_at = (plan.losses_final if ctx.train else plan.eval_losses_final) if wants_loss else -2
         with self._stopping(at):
             loss = self._loss_sum(ctx, loss_at) if wants_loss else None
             for pos, action in enumerate(rows):
                 at[0] = action
                 handlers[action.op](ctx, action)
-                reap()
+                if reap is not None:
+                    reap()
                 if pos in final:
                     self._grads_final(final[pos])
                 if pos == loss_at:

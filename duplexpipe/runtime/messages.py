@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -71,15 +72,34 @@ class MessageMeta:
         leaves = tuple(TensorMeta.of(t) for t in message.leaves)
         return MessageMeta(message.form, leaves, message.grads, tuple(wire_of(codec, m) for m in leaves))
 
-    @property
+    @cached_property
     def payloads(self) -> tuple[TensorMeta, ...]:
-        """Every payload's spec, in order (what the receiver allocates)."""
+        """Every payload's spec, in order (what the receiver allocates); computed once per meta."""
         return tuple(p for wire in self.wire for p in wire)
 
-    @property
+    @cached_property
     def grad_metas(self) -> tuple[TensorMeta, ...]:
-        """Shape and dtype of each gradient of the backward message, in leaf order."""
+        """Shape and dtype of each gradient of the backward message, in leaf order; computed once per meta."""
         return tuple(m for m, g in zip(self.leaves, self.grads, strict=True) if g)
+
+    def grad_payloads(self, codec: Codec | None) -> tuple[TensorMeta, ...]:
+        """The payload specs of the backward message sent with `codec` (computed once per meta and codec)."""
+        cached = self.__dict__.get("_grad_payloads")
+        if cached is None or cached[0] is not codec:
+            cached = (codec, tuple(p for m in self.grad_metas for p in wire_of(codec, m)))
+            self.__dict__["_grad_payloads"] = cached
+        return cached[1]
+
+    def matches(self, message: Message) -> bool:
+        """Whether `message` has exactly this form, these leaf shapes and dtypes and these gradient leaves
+        (a cheap check for steps whose shapes were learned; `difference` says what differs)."""
+        leaves = message.leaves
+        if message.grads != self.grads or message.form != self.form or len(leaves) != len(self.leaves):
+            return False
+        for tensor, meta in zip(leaves, self.leaves, strict=True):
+            if tensor.dtype != meta.dtype or tensor.shape != meta.shape:
+                return False
+        return True
 
     def to_json(self) -> str:
         """A compact JSON text."""
@@ -198,21 +218,25 @@ class Mailroom:
         if self.layout.peer(stage, backward=False) < 0:
             ctx.local_fwd[(nxt, mb)] = Message(message.form, detached, message.grads)
             return
-        meta = MessageMeta.of(message, self.activation_codec)
-        if ctx.learning:
-            ctx.shapes[(nxt, mb)] = meta
-            self.board.announce(ctx.step, nxt, mb, meta)
+        expected = None if ctx.learning else ctx.shapes.get((nxt, mb))
+        if expected is not None and expected.matches(message):
+            meta = expected  # shapes learned: nothing to build or announce
         else:
-            expected = ctx.shapes.get((nxt, mb))
-            problem = "no message was announced" if expected is None else expected.difference(meta, "out")
-            if problem:
+            meta = MessageMeta.of(message, self.activation_codec)
+            if ctx.learning:
+                ctx.shapes[(nxt, mb)] = meta
+                self.board.announce(ctx.step, nxt, mb, meta)
+            else:
+                problem = "no message was announced" if expected is None else expected.difference(meta, "out")
                 raise ActivationShapeError(
-                    f"stage {stage} microbatch {mb}: {problem} (announced the first time these input shapes "
-                    "were seen; a stage's output shapes must depend only on its input shapes)")
+                    f"stage {stage} microbatch {mb}: {problem or 'the message changed'} (announced the first "
+                    "time these input shapes were seen; a stage's output shapes must depend only on its input "
+                    "shapes)")
         if ctx.train:
             ctx.out_meta[(stage, mb)] = meta
-        where = f"stage {stage} microbatch {mb}"
-        ctx.outbox[(Op.SEND_F, stage, mb)] = self._encode(self.activation_codec, detached, meta.wire, where)
+        ctx.outbox[(Op.SEND_F, stage, mb)] = (
+            detached if self.activation_codec is None else
+            self._encode(self.activation_codec, detached, meta.wire, f"stage {stage} microbatch {mb}"))
 
     def expect_input(self, ctx: StepContext, action: Action) -> None:
         """RECV_F: queue the receive; its payloads' shapes come from the cache or the announcement."""
@@ -244,7 +268,7 @@ class Mailroom:
             if (stage, mb) not in ctx.local_fwd:
                 raise PipelineError(f"rank {self.rank}: {consumer} runs before {prev}F{mb} produced its input")
             return ctx.local_fwd.pop((stage, mb))
-        payloads = self.transport.take((Op.RECV_F, stage, mb), str(consumer))
+        payloads = self.transport.take((Op.RECV_F, stage, mb), consumer)
         meta = ctx.shapes[(stage, mb)]
         return Message(meta.form, self._decode(self.activation_codec, payloads, meta.leaves, meta.wire),
                        meta.grads)
@@ -270,11 +294,13 @@ class Mailroom:
 
         def resolve(block: bool) -> tuple[TensorMeta, ...] | None:
             meta = ctx.out_meta.get((stage, mb))
+            if meta is None and not ctx.learning:  # the learned output (hand_on checks the output against it)
+                meta = ctx.shapes.get((self.layout.nxt[stage], mb))
             if meta is None and block:
                 raise PipelineError(f"rank {self.rank}: {action} is consumed before {stage}F{mb} ran")
             if meta is None:
                 return None
-            return tuple(p for m in meta.grad_metas for p in wire_of(self.gradient_codec, m))
+            return meta.grad_payloads(self.gradient_codec)
 
         self.transport.expect((Op.RECV_B, stage, mb), self.layout.rank[self.layout.nxt[stage]], resolve)
 
@@ -284,7 +310,7 @@ class Mailroom:
         if nxt < 0:
             return None
         if self.layout.rank[nxt] != self.rank:
-            payloads = self.transport.take((Op.RECV_B, stage, mb), str(consumer))
+            payloads = self.transport.take((Op.RECV_B, stage, mb), consumer)
             metas = ctx.out_meta.pop((stage, mb)).grad_metas
             if self.gradient_codec is None:
                 return payloads

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from duplexpipe.runtime.context import forward_only
 from duplexpipe.schedules.ir import Action, Op, Schedule
@@ -45,15 +45,6 @@ class RankPlan:
         layout = Layout.of(schedule)
         rows = schedule.actions[rank]
         mine = schedule.stages_of_rank(rank)
-        last_at: dict[int, int] = {}
-        for pos, action in enumerate(rows):
-            for part in action.compute_parts():
-                if part.op in (Op.B, Op.W):
-                    last_at[part.stage] = pos
-        final: dict[int, list[int]] = {}
-        for stage, pos in sorted(last_at.items()):
-            if stage not in mirrored:
-                final.setdefault(pos, []).append(stage)
         lasts = [s for s in range(schedule.num_stages) if layout.nxt[s] < 0]
         first_mb: dict[int, int] = {}
         for s in lasts:
@@ -62,9 +53,58 @@ class RankPlan:
             layout=layout, rank=rank, rows=rows, eval_rows=forward_only(rows),
             firsts=tuple(s for s in mine if layout.prv[s] < 0), lasts=tuple(s for s in mine if layout.nxt[s] < 0),
             output_ranks=tuple(sorted(first_mb, key=lambda r: first_mb[r])),
-            grads_final={pos: tuple(stages) for pos, stages in final.items()},
-            mirrored=tuple(s for s in mine if s in mirrored),
+            grads_final=_grads_final(rows, mirrored), mirrored=tuple(s for s in mine if s in mirrored),
             losses_final=_last_loss(rows, layout), eval_losses_final=_last_loss(forward_only(rows), layout))
+
+    def hoisted(self, depth: int) -> RankPlan:
+        """This plan with every receive moved up to when the receive `depth` places before it from the same
+        peer is listed (the first `depth` receives from each peer: to the start of the list; depth <= 0:
+        every receive at the start). Receives from one peer keep their order, and posting a receive earlier
+        blocks nothing, so the lists stay deadlock-free where receives do not block a stream (gloo)."""
+        rows, eval_rows = hoist_receives(self.rows, self.layout, depth), hoist_receives(self.eval_rows,
+                                                                                        self.layout, depth)
+        return replace(self, rows=rows, eval_rows=eval_rows, grads_final=_grads_final(rows, self.mirrored),
+                       losses_final=_last_loss(rows, self.layout),
+                       eval_losses_final=_last_loss(eval_rows, self.layout))
+
+
+RECEIVES = (Op.RECV_F, Op.RECV_B)
+"""The receive operations."""
+
+
+def hoist_receives(rows: tuple[Action, ...], layout: Layout, depth: int) -> tuple[Action, ...]:
+    """`rows` with each receive listed where the receive `depth` places earlier from the same peer was (see
+    RankPlan.hoisted); the other actions keep their order."""
+    seen: dict[int, list[int]] = {}
+    before: dict[int, list[Action]] = {}
+    for pos, action in enumerate(rows):
+        if action.op not in RECEIVES:
+            continue
+        feeder = layout.prv[action.stage] if action.op is Op.RECV_F else layout.nxt[action.stage]
+        earlier = seen.setdefault(layout.rank[feeder], [])
+        at = 0 if depth <= 0 or len(earlier) < depth else earlier[len(earlier) - depth]
+        before.setdefault(at, []).append(action)
+        earlier.append(pos)
+    out: list[Action] = []
+    for pos, action in enumerate(rows):
+        out.extend(before.get(pos, ()))
+        if action.op not in RECEIVES:
+            out.append(action)
+    return tuple(out)
+
+
+def _grads_final(rows: tuple[Action, ...], mirrored: Collection[int]) -> dict[int, tuple[int, ...]]:
+    """Position in `rows` -> the stages (not in `mirrored`) whose last B or W on this rank it is."""
+    last_at: dict[int, int] = {}
+    for pos, action in enumerate(rows):
+        for part in action.compute_parts():
+            if part.op in (Op.B, Op.W):
+                last_at[part.stage] = pos
+    final: dict[int, list[int]] = {}
+    for stage, pos in sorted(last_at.items()):
+        if stage not in mirrored:
+            final.setdefault(pos, []).append(stage)
+    return {pos: tuple(stages) for pos, stages in final.items()}
 
 
 def _last_loss(rows: tuple[Action, ...], layout: Layout) -> int:

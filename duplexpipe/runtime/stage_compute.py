@@ -96,6 +96,8 @@ class StageCompute:
             for leaf, grad in zip(leaves, message.grads, strict=True):
                 if grad:
                     wanted.append(leaf.requires_grad_(True))
+        if self.autocast_dtype is None:
+            return wanted, call(self.module, message.form, leaves)
         with self._autocast(leaves[0].device):
             out = call(self.module, message.form, leaves)
         return wanted, out
@@ -110,9 +112,11 @@ class StageCompute:
 
     def loss(self, out: Any, target: Any, loss_fn: Callable[[Any, Any], Tensor], microbatch: int) -> Tensor:
         """loss_fn(out, target): must be a scalar, the mean over the microbatch's samples."""
-        device = flatten(out, "out")[1][0].device
-        with self._autocast(device):
+        if self.autocast_dtype is None:
             value = loss_fn(out, target)
+        else:
+            with self._autocast(flatten(out, "out")[1][0].device):
+                value = loss_fn(out, target)
         if not isinstance(value, Tensor) or value.dim() != 0:
             shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
             raise ValueError(f"stage {self.stage} microbatch {microbatch}: loss_fn must return a scalar "

@@ -12,6 +12,7 @@ with events; nothing synchronizes the device.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,6 +42,14 @@ def key_text(key: Key) -> str:
     return f"{stage}{op.value}{microbatch}"
 
 
+def _completion(key: Key) -> str:
+    return f"completion of {key_text(key)} (the peer must post the matching receive)"
+
+
+def _rank(peer: int) -> str:
+    return f"rank {peer}"
+
+
 @dataclass
 class _Recv:
     key: Key
@@ -67,6 +76,7 @@ class Transport:
         wrappers (a third of the cost of posting a small message)."""
         self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self._queues: dict[int, deque[_Recv]] = {}
+        self._queued: set[Key] = set()
         self._posted: dict[Key, _Recv] = {}
         self._sends: dict[Key, tuple[Any, list[Tensor], int]] = {}
 
@@ -97,6 +107,7 @@ class Transport:
             if meta is None:
                 return
             queue.popleft()
+            self._queued.discard(head.key)
             self._post(head, meta)
             if head.key == until:
                 return
@@ -113,14 +124,15 @@ class Transport:
         """RECV: queue a receive from group rank `peer`; post it as soon as order and shape allow
         (with prefetch off: when its consumer takes it)."""
         self._check_peer(key, peer)
-        if key in self._posted or any(r.key == key for r in self._queues.get(peer, ())):
+        if key in self._posted or key in self._queued:
             raise PipelineError(f"rank {self.watchdog.rank}: {key_text(key)} is posted twice")
+        self._queued.add(key)
         self._queues.setdefault(peer, deque()).append(_Recv(key, peer, resolve))
         if self.prefetch:
             self._drain(peer)
 
-    def take(self, key: Key, consumer: str) -> list[Tensor]:
-        """Wait (bounded) for the receive `key` and return its tensors; `consumer` names the action."""
+    def take(self, key: Key, consumer: object) -> list[Tensor]:
+        """Wait (bounded) for the receive `key` and return its tensors; `consumer` (its str) names the action."""
         if key not in self._posted:
             queued = next((r for q in self._queues.values() for r in q if r.key == key), None)
             if queued is None:
@@ -130,7 +142,8 @@ class Transport:
             self._drain(queued.peer, until=key)
         recv = self._posted.pop(key)
         assert recv.buffers is not None and recv.works is not None
-        self.watchdog.wait_p2p(recv.works, f"{key_text(key)} (the input of {consumer})", f"rank {recv.peer}")
+        self.watchdog.wait_p2p(recv.works, lambda: f"{key_text(key)} (the input of {consumer})",
+                               lambda: f"rank {recv.peer}")
         if self.stream is not None:
             done = torch.cuda.Event()
             with torch.cuda.stream(self.stream):
@@ -173,7 +186,7 @@ class Transport:
         if key not in self._sends:
             raise PipelineError(f"rank {self.watchdog.rank}: no pending send {key_text(key)}")
         works, _, peer = self._sends.pop(key)
-        self.watchdog.wait_p2p(works, f"completion of {key_text(key)}", f"rank {peer}")
+        self.watchdog.wait_p2p(works, lambda: f"completion of {key_text(key)}", lambda: f"rank {peer}")
 
     def reap(self) -> None:
         """Drop (free) the tensors of sends seen complete. gloo marks a send complete only once it was
@@ -188,8 +201,7 @@ class Transport:
     def finish(self) -> None:
         """End of step: wait for every send (bounded); fail on receives nobody consumed."""
         for key, (works, _, peer) in list(self._sends.items()):
-            self.watchdog.wait_p2p(works, f"completion of {key_text(key)} (the peer must post the "
-                                   "matching receive)", f"rank {peer}")
+            self.watchdog.wait_p2p(works, functools.partial(_completion, key), functools.partial(_rank, peer))
             del self._sends[key]
         left = sorted(key_text(k) for k in self._posted) + sorted(
             key_text(r.key) for q in self._queues.values() for r in q)

@@ -11,6 +11,8 @@ from typing import Any
 import torch.distributed as dist
 
 ERROR_KEY = "error"
+Text = str | Callable[[], str]
+"""A description for error messages, or a function building it (only called when an error needs it)."""
 _MIN_SLEEP_S = 1e-5
 _MAX_SLEEP_S = 2e-3
 
@@ -67,6 +69,16 @@ class Watchdog:
         self.flag_label = flag_label
         """How reports name ranks: "rank", or "global rank" when the flag spans several groups."""
 
+    @property
+    def timeout_s(self) -> float:
+        """The bound of every wait, in seconds."""
+        return self._timeout_s
+
+    @timeout_s.setter
+    def timeout_s(self, value: float) -> None:
+        self._timeout_s = value
+        self._p2p_limit = timedelta(seconds=value)
+
     def check(self) -> None:
         """Raise PeerFailedError when some rank has reported a failure."""
         if self.store is None or not self.store.check([self.key]):
@@ -87,9 +99,10 @@ class Watchdog:
         except Exception:  # noqa: BLE001, S110 - reporting must not mask the original error
             pass
 
-    def _timeout(self, what: str, peer: str, limit: float | None = None) -> PipelineTimeoutError:
+    def _timeout(self, what: Text, peer: Text, limit: float | None = None) -> PipelineTimeoutError:
         limit = self.timeout_s if limit is None else limit
-        return PipelineTimeoutError(f"rank {self.rank}: timed out after {limit:g} s waiting for {what} (peer: {peer})")
+        return PipelineTimeoutError(f"rank {self.rank}: timed out after {limit:g} s waiting for {_text(what)} "
+                                    f"(peer: {_text(peer)})")
 
     def wait(self, done: Callable[[], bool], what: str, peer: str, timeout_s: float | None = None) -> None:
         """Poll `done()` until true; check the error flag meanwhile; raise on timeout.
@@ -109,7 +122,7 @@ class Watchdog:
             time.sleep(sleep)
             sleep = min(sleep * 2, _MAX_SLEEP_S)
 
-    def failure(self, exc: RuntimeError, what: str, peer: str) -> PipelineError:
+    def failure(self, exc: RuntimeError, what: Text, peer: Text) -> PipelineError:
         """The error for a Work that failed: a peer's reported failure if there is one (a failing rank
         reports before it breaks the connections), else the failure itself."""
         if isinstance(exc, PipelineError):
@@ -123,15 +136,16 @@ class Watchdog:
             if time.monotonic() >= deadline or self.store is None:
                 break
             time.sleep(0.01)
-        return PipelineError(f"rank {self.rank}: {what} failed (peer: {peer}): {exc}")
+        return PipelineError(f"rank {self.rank}: {_text(what)} failed (peer: {_text(peer)}): {exc}")
 
-    def wait_p2p(self, works: Any, what: str, peer: str) -> None:
-        """Wait for point-to-point Works (one or a list), each bounded by timeout_s."""
-        for work in works if isinstance(works, list) else [works]:
+    def wait_p2p(self, works: Any, what: Text, peer: Text) -> None:
+        """Wait for point-to-point Works (one or a list), each bounded by timeout_s. `what` and `peer` may be
+        functions building the text: a message's wait then formats nothing unless it fails."""
+        for work in works if isinstance(works, list) else (works,):
             if not self.gloo:
-                self.wait(work.is_completed, what, peer)
+                self.wait(work.is_completed, _text(what), _text(peer))
             try:
-                work.wait(timedelta(seconds=self.timeout_s)) if self.gloo else work.wait()
+                work.wait(self._p2p_limit) if self.gloo else work.wait()
             except RuntimeError as exc:
                 if self.gloo and not isinstance(exc, PipelineError) and "Timed out" in str(exc):
                     self.check()
@@ -165,6 +179,10 @@ class Watchdog:
             self.check()
             if time.monotonic() >= deadline:
                 raise self._timeout(what, peer)
+
+
+def _text(value: Text) -> str:
+    return value if isinstance(value, str) else value()
 
 
 def _takes_timeout(work: Any) -> bool:
