@@ -34,12 +34,32 @@ def test_the_fastest_measured_run_of_each_pass_after_warmup() -> None:
     # part 0: a warm-up run (discarded), then three runs; part 1 likewise
     timer = ScriptedTimer([(50, 50, 50), (1, 4, 7), (3, 5, 9), (2, 6, 8),
                            (60, 60, 60), (0.5, 0.1, 0.2), (0.4, 0.3, 0.1), (0.6, 0.2, 0.3)])
-    profile = profile_parts(parts, torch.randn(4, 8), repeats=3, warmup=1, timer=timer)
+    profile = profile_parts(parts, torch.randn(4, 8), repeats=3, warmup=1, fit_rows=0, timer=timer)
     assert not timer.reads, "four timer reads per run"
     p0, p1 = profile.parts
     assert (p0.forward_s, p0.backward_input_s, p0.backward_weight_s) == (1, 4, 7)
     assert (p1.forward_s, p1.backward_input_s, p1.backward_weight_s) == pytest.approx((0.4, 0.1, 0.1))
     assert profile.microbatch_size == 4 and profile.meta["repeats"] == 3 and profile.meta["warmup"] == 1
+
+
+def test_the_affine_fit_splits_each_pass_into_fixed_and_per_row_time() -> None:
+    torch.manual_seed(0)
+    # 4 rows, then the first 1 row; times t = fixed + rows x per_row with known parts
+    fixed, per_row = (0.4, 0.2, 0.1), (0.5, 1.0, 0.25)
+    full = tuple(c + 4 * r for c, r in zip(fixed, per_row))
+    one = tuple(c + 1 * r for c, r in zip(fixed, per_row))
+    timer = ScriptedTimer([full, full, one, one])  # warm-up + run on 4 rows, then on 1 row
+    profile = profile_parts([mlp()], torch.randn(4, 8), repeats=1, warmup=1, fit_rows=1, timer=timer)
+    (p,) = profile.parts
+    assert p.fixed == pytest.approx(fixed) and profile.meta["fit_rows"] == 1
+    assert p.scaled(2.0).times == pytest.approx(tuple(c + 8 * r for c, r in zip(fixed, per_row)))
+    # one part slower on fewer rows (noise): its fixed part is clamped to the whole time
+    timer = ScriptedTimer([(1.0, 1.0, 1.0)] * 2 + [(2.0, 0.1, 1.0)] * 2)
+    (q,) = profile_parts([mlp()], torch.randn(4, 8), repeats=1, warmup=1, fit_rows=2, timer=timer).parts
+    assert q.fixed == pytest.approx((1.0, 0.0, 1.0))
+    for bad in (4, 5, -1):
+        with pytest.raises(ValueError, match="fit_rows"):
+            profile_parts([mlp()], torch.randn(4, 8), fit_rows=bad)
 
 
 def test_bytes_of_activations_parameters_and_messages() -> None:

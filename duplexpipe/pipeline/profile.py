@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -106,8 +106,8 @@ class _PartRun:
 
 def profile_parts(parts: Sequence[nn.Module], sample_input: Any, *, target: Any = None,
                   loss_fn: Callable[[Any, Any], Tensor] | None = None, repeats: int = 3, warmup: int = 1,
-                  microbatch_size: int | None = None, timer: Timer = time.perf_counter,
-                  meta: dict[str, Any] | None = None) -> Profile:
+                  microbatch_size: int | None = None, fit_rows: int | None = None,
+                  timer: Timer = time.perf_counter, meta: dict[str, Any] | None = None) -> Profile:
     """Measure each part on one microbatch, the parts run in order so each sees its real input.
 
     Per part: the fastest of `repeats` runs (after `warmup` unmeasured ones), separately for
@@ -121,14 +121,36 @@ def profile_parts(parts: Sequence[nn.Module], sample_input: Any, *, target: Any 
     first one on inputs that take no gradient. The last part's backward starts from
     `loss_fn(output, target)` when a loss is given, every other from a gradient of ones. `microbatch_size` (default:
     the first dimension of the first tensor of `sample_input`) is recorded for scaling.
-    Gradients are cleared afterwards.
+
+    Affine fit: the parts are timed again on the first `fit_rows` rows of the sample (and
+    target; default half of them, 0 for no fit), and each pass's time is split into a fixed
+    part and a part proportional to the rows (`PartProfile.forward_fixed_s` etc.), the fixed
+    part clamped to [0, time]. Gradients are cleared afterwards.
     """
     if not parts:
         raise ValueError("profile_parts needs at least one part, got none")
     if repeats < 1 or warmup < 0:
         raise ValueError(f"profile_parts needs repeats >= 1 and warmup >= 0, got repeats={repeats}, "
                          f"warmup={warmup}")
-    size = microbatch_size if microbatch_size is not None else _rows(sample_input)
+    rows = _rows(sample_input) if fit_rows != 0 or microbatch_size is None else 0
+    size = microbatch_size if microbatch_size is not None else rows
+    small = rows // 2 if fit_rows is None else fit_rows
+    if fit_rows is not None and fit_rows != 0 and not 1 <= fit_rows < rows:
+        raise ValueError(f"profile_parts needs 1 <= fit_rows < the sample's {rows} rows (or 0: no fit), "
+                         f"got fit_rows={fit_rows}")
+    measured = _measure(parts, sample_input, target, loss_fn, repeats, warmup, timer)
+    if small >= 1:
+        fewer = _measure(parts, _head(sample_input, small, rows), _head(target, small, rows), loss_fn, repeats,
+                         warmup, timer)
+        measured = [_affine(full, part, rows, small) for full, part in zip(measured, fewer, strict=True)]
+    return Profile(tuple(measured), size, dict(meta or {}, repeats=repeats, warmup=warmup,
+                                               fit_rows=max(small, 0), torch=torch.__version__))
+
+
+def _measure(parts: Sequence[nn.Module], sample_input: Any, target: Any,
+             loss_fn: Callable[[Any, Any], Tensor] | None, repeats: int, warmup: int,
+             timer: Timer) -> list[PartProfile]:
+    """Each part's fastest F, I and W and its bytes, the parts run in order on `sample_input`."""
     message = _Message.of(sample_input, "sample_input", grads=False)  # a first stage's input takes no gradient
     data = list(message.leaves) + tensor_leaves(target)  # the caller's batch: never counted
     measured = []
@@ -144,8 +166,30 @@ def profile_parts(parts: Sequence[nn.Module], sample_input: Any, *, target: Any 
         measured.append(run.result(out))
         message = _Message.of(out, f"the output of part {k}", grads=True)
         message.leaves = [t.detach() for t in message.leaves]  # keep the values, free the graph
-    return Profile(tuple(measured), size, dict(meta or {}, repeats=repeats, warmup=warmup,
-                                               torch=torch.__version__))
+    return measured
+
+
+def _affine(full: PartProfile, fewer: PartProfile, rows: int, small: int) -> PartProfile:
+    """`full` with each pass's fixed part from its times on `rows` and on `small` rows."""
+    fixed = []
+    for big, little in zip(full.times, fewer.times, strict=True):
+        value = (rows * little - small * big) / (rows - small)
+        fixed.append(min(max(value, 0.0), big))
+    return replace(full, forward_fixed_s=fixed[0], backward_input_fixed_s=fixed[1],
+                   backward_weight_fixed_s=fixed[2])
+
+
+def _head(value: Any, count: int, rows: int) -> Any:
+    """`value` with every tensor of `rows` rows cut to its first `count` (others, and non-tensors, kept)."""
+    if isinstance(value, Tensor):
+        return value[:count] if value.dim() >= 1 and value.shape[0] == rows else value
+    if isinstance(value, tuple):
+        return tuple(_head(v, count, rows) for v in value)
+    if isinstance(value, list):
+        return [_head(v, count, rows) for v in value]
+    if isinstance(value, dict):
+        return {k: _head(v, count, rows) for k, v in value.items()}
+    return value
 
 
 def _rows(sample: Any) -> int:

@@ -34,18 +34,81 @@ class PartProfile:
     """Bytes of the message it sends forward (every tensor of its output)."""
     output_grad_bytes: int
     """Bytes of the gradient message it receives back (its output tensors that take gradients)."""
+    forward_fixed_s: float | None = None
+    """The part of `forward_s` that does not grow with the microbatch (per-operation dispatch), from
+    timings at two microbatch sizes; None: unknown, times scale linearly with the microbatch."""
+    backward_input_fixed_s: float | None = None
+    """The same for `backward_input_s`."""
+    backward_weight_fixed_s: float | None = None
+    """The same for `backward_weight_s`."""
 
     @property
     def backward_s(self) -> float:
         """I + W: a full backward."""
         return self.backward_input_s + self.backward_weight_s
 
+    @property
+    def fixed(self) -> tuple[float, float, float] | None:
+        """(F, I, W) fixed parts, or None when the profile has no affine fit."""
+        values = (self.forward_fixed_s, self.backward_input_fixed_s, self.backward_weight_fixed_s)
+        return None if any(v is None for v in values) else (float(values[0] or 0.0), float(values[1] or 0.0),
+                                                             float(values[2] or 0.0))
+
     def scaled(self, factor: float) -> PartProfile:
-        """Times and per-microbatch bytes times `factor` (a microbatch `factor` times as large); params kept."""
-        return PartProfile(self.forward_s * factor, self.backward_input_s * factor,
-                           self.backward_weight_s * factor, round(self.activation_bytes * factor),
-                           self.param_bytes, round(self.output_bytes * factor),
-                           round(self.output_grad_bytes * factor))
+        """For a microbatch `factor` times as large: bytes times `factor`, params kept; each time is
+        fixed + (time - fixed) x factor (affine in the microbatch), or time x factor without a fit."""
+        fixed = self.fixed or (0.0, 0.0, 0.0)
+        times = [c + (t - c) * factor for t, c in zip(self.times, fixed, strict=True)]
+        return PartProfile(*times, round(self.activation_bytes * factor), self.param_bytes,
+                           round(self.output_bytes * factor), round(self.output_grad_bytes * factor),
+                           *(fixed if self.fixed is not None else (None, None, None)))
+
+    @property
+    def times(self) -> tuple[float, float, float]:
+        """(F, I, W) seconds."""
+        return self.forward_s, self.backward_input_s, self.backward_weight_s
+
+    def linear(self) -> PartProfile:
+        """This part without its affine fit (times scale linearly, as profiles without one do)."""
+        return replace(self, forward_fixed_s=None, backward_input_fixed_s=None, backward_weight_fixed_s=None)
+
+
+@dataclass(frozen=True)
+class RuntimeOverhead:
+    """Work the runtime adds to the parts' compute, per rank, measured by a calibration run (seconds of CPU)."""
+
+    action_s: float
+    """Per compute action (F, B, I, W or an F&B pair): dispatch and bookkeeping beyond the part's own time."""
+    message_s: float
+    """Per SEND or RECV: posting it, waiting on it and handing the tensor over."""
+    step_s: float
+    """Per step: what a rank does once (loss and norm collectives, optimizer bookkeeping)."""
+    method: str = ""
+    """How it was measured (for reports)."""
+
+    def __post_init__(self) -> None:
+        for name in ("action_s", "message_s", "step_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ProfileError(f"runtime overhead {name} must be a finite number >= 0, got {value!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form."""
+        return {"action_s": self.action_s, "message_s": self.message_s, "step_s": self.step_s,
+                "method": self.method}
+
+    @staticmethod
+    def from_dict(data: Any, where: str) -> RuntimeOverhead:
+        """Inverse of `to_dict`; ProfileError names the bad field."""
+        if not isinstance(data, dict):
+            raise ProfileError(f"{where}: expected an object, got {type(data).__name__}")
+        for name in ("action_s", "message_s", "step_s"):
+            if name not in data:
+                raise ProfileError(f"{where}: missing field {name!r}")
+        try:
+            return RuntimeOverhead(data["action_s"], data["message_s"], data["step_s"], str(data.get("method", "")))
+        except ProfileError as exc:
+            raise ProfileError(f"{where}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -58,6 +121,8 @@ class Profile:
     """Samples in the microbatch the parts were measured on."""
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
     """Free-form facts about the run (task, repeats, torch version, device)."""
+    overhead: RuntimeOverhead | None = None
+    """The runtime's own work per action, message and step (None: not measured, taken as zero)."""
 
     def __post_init__(self) -> None:
         if not self.parts:
@@ -84,6 +149,10 @@ class Profile:
         factor = size / self.microbatch_size
         return replace(self, parts=tuple(p.scaled(factor) for p in self.parts))
 
+    def basic(self) -> Profile:
+        """This profile as the planner saw it before affine fits and overheads (linear times, no overhead)."""
+        return replace(self, parts=tuple(p.linear() for p in self.parts), overhead=None)
+
     def grouped(self, num_groups: int) -> tuple[PartProfile, ...]:
         """The parts merged into `num_groups` contiguous groups of near-equal F+B time.
 
@@ -97,18 +166,24 @@ class Profile:
         out, start = [], 0
         for count in counts:
             run = self.parts[start:start + count]
+            fits = [p.fixed for p in run]
+            fixed = tuple(sum(f[k] for f in fits if f) for k in range(3)) if all(fits) else (None, None, None)
             out.append(PartProfile(sum(p.forward_s for p in run), sum(p.backward_input_s for p in run),
                                    sum(p.backward_weight_s for p in run), sum(p.activation_bytes for p in run),
                                    sum(p.param_bytes for p in run), run[-1].output_bytes,
-                                   run[-1].output_grad_bytes))
+                                   run[-1].output_grad_bytes, *fixed))
             start += count
         return tuple(out)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form (format "duplexpipe-profile", version 1)."""
-        return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "microbatch_size": self.microbatch_size,
-                "parts": [{f.name: getattr(p, f.name) for f in fields(PartProfile)} for p in self.parts],
-                "meta": dict(self.meta)}
+        out = {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "microbatch_size": self.microbatch_size,
+               "parts": [{f.name: getattr(p, f.name) for f in fields(PartProfile)
+                          if getattr(p, f.name) is not None} for p in self.parts],
+               "meta": dict(self.meta)}
+        if self.overhead is not None:
+            out["overhead"] = self.overhead.to_dict()
+        return out
 
     @staticmethod
     def from_dict(data: Any, source: str = "profile") -> Profile:
@@ -128,8 +203,10 @@ class Profile:
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ProfileError(f"{source}: field 'microbatch_size' must be an integer >= 1, got {size!r}")
         meta = data.get("meta", {})
+        overhead = data.get("overhead")
         return Profile(tuple(_part(p, f"{source}: parts[{i}]") for i, p in enumerate(parts)), size,
-                       meta if isinstance(meta, dict) else {})
+                       meta if isinstance(meta, dict) else {},
+                       None if overhead is None else RuntimeOverhead.from_dict(overhead, f"{source}: overhead"))
 
 
 def _part(data: Any, where: str) -> PartProfile:
@@ -137,14 +214,22 @@ def _part(data: Any, where: str) -> PartProfile:
         raise ProfileError(f"{where}: expected an object, got {type(data).__name__}")
     values: dict[str, Any] = {}
     for f in fields(PartProfile):
-        if f.name not in data:
+        optional = f.name.endswith("_fixed_s")  # absent in profiles without an affine fit
+        if f.name not in data and not optional:
             raise ProfileError(f"{where}: missing field {f.name!r}")
-        value = data[f.name]
+        value = data.get(f.name)
+        if optional and value is None:
+            continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise ProfileError(f"{where}: field {f.name!r} must be a finite number >= 0, got {value!r}")
         if f.name.endswith("_bytes") and value != int(value):
             raise ProfileError(f"{where}: field {f.name!r} must be a whole number of bytes, got {value!r}")
         values[f.name] = int(value) if f.name.endswith("_bytes") else float(value)
+    for name in ("forward", "backward_input", "backward_weight"):
+        fixed = values.get(f"{name}_fixed_s")
+        if fixed is not None and fixed > values[f"{name}_s"]:
+            raise ProfileError(f"{where}: field '{name}_fixed_s' ({fixed!r}) exceeds '{name}_s' "
+                               f"({values[f'{name}_s']!r}): the fixed part is a part of the time")
     return PartProfile(**values)
 
 
