@@ -47,6 +47,8 @@ def add_parsers(sub: Any) -> None:
                     help="gradient compressions allowed (default: those implemented: none)")
     pl.add_argument("--optimizer-factor", type=float, default=2.0,
                     help="optimizer-state bytes per parameter byte (default 2: AdamW)")
+    pl.add_argument("--cores", type=_integer("cores"), default=None,
+                    help="cores shared by the P ranks (processor sharing; default: a device per rank)")
     pl.add_argument("--top", type=_integer("top"), default=None, help="print only the first N rows")
     pl.add_argument("--json", action="store_true", help="print the result as JSON")
     pl.add_argument("--plot", metavar="FILE", help="write the step-time vs peak-memory Pareto figure")
@@ -133,7 +135,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                         compressions=compressions,
                         dp_link=Link(float(args.bandwidth or math.inf), args.latency),
                         p2p_link=Link(float(p2p_bw or math.inf), args.latency),
-                        optimizer_factor=args.optimizer_factor)
+                        optimizer_factor=args.optimizer_factor, cores=args.cores)
     result = plan(profile, config)
     if args.plot:
         from duplexpipe.viz.pareto import plot_pareto

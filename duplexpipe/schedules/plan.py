@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from duplexpipe.schedules import registry
+from duplexpipe.schedules.contention import Machine, simulate_shared
 from duplexpipe.schedules.dp_model import (
     COMPRESSIONS,
     ZERO_STAGES,
@@ -70,6 +71,9 @@ class PlanConfig:
     """Optimizer-state bytes per parameter byte (AdamW: 2)."""
     gradient_factor: float = 1.0
     """Gradient bytes per parameter byte."""
+    cores: int | None = None
+    """Cores shared by the P ranks of one replica (None: a device per rank). Set, the step is simulated
+    with processor sharing (`contention.simulate_shared`): k ranks with work each run at min(1, C / k)."""
 
 
 @dataclass(frozen=True)
@@ -184,6 +188,9 @@ def _check(profile: Profile, config: PlanConfig) -> None:
         value = getattr(config, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise PlanError(f"plan needs {name} as an integer >= 1, got {value!r}")
+    if config.cores is not None and (not isinstance(config.cores, int) or isinstance(config.cores, bool)
+                                     or config.cores < 1):
+        raise PlanError(f"plan needs cores as an integer >= 1 (or None: a device per rank), got {config.cores!r}")
     if config.batch % config.dp:
         raise PlanError(f"batch {config.batch} does not split over dp={config.dp} replicas")
     if profile.num_parts < config.ranks:
@@ -271,19 +278,35 @@ def _evaluate(profile: Profile, config: PlanConfig, name: str, options: dict[str
             schedule, groups = _build(scaled, config, name, options, m, mem_config, excess)
         except (ProfileError, ScheduleError, ValueError) as exc:
             return _why(reject, str(exc).splitlines()[0]), None
-        timeline = simulate(schedule, _cost_model(schedule, groups, config.p2p_link))
+        timeline, tail = _simulate(schedule, _cost_model(schedule, groups, config.p2p_link), profile, config)
         memory = rank_memory(schedule, timeline, StageBytes.of(schedule, groups), mem_config)
         excess = [e + max(0.0, r.peak - config.memory) for e, r in zip(excess, memory, strict=True)]
         if max(r.peak for r in memory) <= config.memory:
             break
     peak = max(r.peak for r in memory)
     method, step = _choose_compression(schedule, timeline, groups, config, zero, _compressions(config))
+    step += tail
     row = PlanRow(label, m, zero, method.name, step, timeline.makespan, timeline.bubble_ratio,
                   step - timeline.makespan, peak, tuple(memory))
     context = _Context(schedule, timeline, groups)
     if peak > config.memory:
         return _why(row, f"peak {format_bytes(peak)} > cap {format_bytes(config.memory)}"), context
     return row, context
+
+
+def _simulate(schedule: Schedule, cost: CostModel, profile: Profile, config: PlanConfig) -> tuple[Timeline, float]:
+    """The timeline, and the time the ranks' per-step runtime work adds after it.
+
+    Without shared cores and without a measured runtime overhead: `simulate` (the plain model).
+    Otherwise `contention.simulate_shared` on `config.cores` with the profile's overheads.
+    """
+    if config.cores is None and profile.overhead is None:
+        return simulate(schedule, cost), 0.0
+    over = profile.overhead
+    machine = Machine(config.cores,
+                      *((over.action_s, over.message_s, over.step_s) if over is not None else (0.0, 0.0, 0.0)))
+    run = simulate_shared(schedule, cost, machine)
+    return run.timeline, max(0.0, run.step - run.timeline.makespan)
 
 
 def _why(row: PlanRow, reason: str) -> PlanRow:

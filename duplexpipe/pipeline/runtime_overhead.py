@@ -1,0 +1,110 @@
+"""Measure the runtime's own work per action, message and step: real schedules on every rank with near-zero compute."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from duplexpipe.pipeline.profile import profile_parts
+from duplexpipe.pipeline.trainer import Pipeline, PipelineConfig
+from duplexpipe.schedules import registry
+from duplexpipe.schedules.overhead import OverheadSample, rank_counts, solve_overhead
+from duplexpipe.schedules.profiles import RuntimeOverhead
+
+CpuTimer = Callable[[], float]
+"""This process's CPU seconds (all its threads: gloo's included); time.process_time by default."""
+
+
+class TinyPart(nn.Module):
+    """A part with near-zero compute: the message times one scalar weight (so it has F, I and W)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x * scale."""
+        return x * self.scale
+
+
+def _loss(output: Tensor, target: Tensor) -> Tensor:
+    return output.pow(2).mean()
+
+
+@dataclass(frozen=True)
+class OverheadCalibration:
+    """What `measure_overhead` measured and solved."""
+
+    overhead: RuntimeOverhead
+    """The solved per-action, per-message and per-step work."""
+    samples: tuple[OverheadSample, ...]
+    """Every rank's sample at every M (median CPU seconds per step minus its tiny parts' compute)."""
+    wall_s: dict[tuple[str, int], float]
+    """(schedule, M) -> median wall seconds of the slowest rank's step (to check a prediction against)."""
+    tiny_s: float
+    """F + I + W of one tiny part on one message, measured alone on this rank (each rank's own is
+    subtracted per microbatch from its samples)."""
+
+
+def measure_overhead(message: Tensor, *, runs: Sequence[tuple[str, int]] | None = None, steps: int = 10,
+                     warmup: int = 2, config: PipelineConfig | None = None,
+                     cpu_timer: CpuTimer = time.process_time) -> OverheadCalibration:
+    """Run schedules over the P ranks of the default group with `TinyPart`s on messages like `message`
+    (one microbatch's activation), measure each rank's CPU seconds per step and solve for the runtime's
+    work per compute action, per SEND/RECV and per step (`schedules.overhead.solve_overhead`).
+
+    Call on every rank. `runs`: (schedule, M) pairs (default 1F1B at M = P and 2P, and ZB-H1 at 2P:
+    actions and messages per rank then vary independently, also at P = 2); their steps alternate,
+    each timed between barriers, the median kept. A rank's sample is its CPU seconds minus M
+    times the F + I + W of one tiny part (measured alone, in CPU time). `config` is the template
+    for each `Pipeline` (its flags, e.g. `count_saved_bytes`, change what the runtime does;
+    schedule and M are set here). Waiting in gloo takes no CPU time, so a rank's CPU time is its
+    own work whatever the other ranks do.
+    """
+    if not dist.is_initialized():
+        raise ValueError("measure_overhead runs on every rank of an initialized process group")
+    ranks, rank = dist.get_world_size(), dist.get_rank()
+    plan = list(runs) if runs is not None else [("1f1b", ranks), ("1f1b", 2 * ranks), ("zb-h1", 2 * ranks)]
+    if steps < 1 or warmup < 0 or not plan or min(m for _, m in plan) < 1:
+        raise ValueError(f"measure_overhead needs steps >= 1, warmup >= 0 and runs of M >= 1, got "
+                         f"steps={steps}, warmup={warmup}, runs={plan}")
+    tiny = profile_parts([TinyPart()], message, repeats=5, warmup=2, fit_rows=0, timer=cpu_timer).parts[0]
+    tiny_s = tiny.forward_s + tiny.backward_s
+    base = config or PipelineConfig()
+    pipes = [Pipeline([TinyPart() for _ in range(registry.build(name, ranks, m).num_groups)], _loss,
+                      lambda p: torch.optim.SGD(p, lr=0.0), replace(base, schedule=name, num_microbatches=m))
+             for name, m in plan]
+    cpu: list[list[float]] = [[] for _ in plan]
+    wall: list[list[float]] = [[] for _ in plan]
+    for step in range(warmup + steps):
+        for k in range(len(plan)):
+            c = (step + k) % len(plan)
+            x = torch.cat([message.detach()] * plan[c][1])
+            dist.barrier()
+            start_cpu, start = cpu_timer(), time.perf_counter()
+            pipes[c].step(x, torch.zeros(len(x)))
+            used, took = cpu_timer() - start_cpu, torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the slowest rank's wall time
+            if step >= warmup:
+                cpu[c].append(used)
+                wall[c].append(float(took.item()))
+    mine = ([statistics.median(times) for times in cpu], tiny_s)
+    gathered: list[tuple[list[float], float] | None] = [None] * ranks
+    dist.all_gather_object(gathered, mine)
+    samples = []
+    for r, got in enumerate(gathered):
+        assert got is not None
+        for (name, m), seconds in zip(plan, got[0], strict=True):
+            actions, messages = rank_counts(registry.build(name, ranks, m))[r]
+            samples.append(OverheadSample(actions, messages, seconds - m * got[1]))
+    method = (f"{', '.join(f'{n} M={m}' for n, m in plan)} on {ranks} ranks with 1-weight parts on "
+              f"{tuple(message.shape)} messages: median CPU time per rank of {steps} steps each, minus the "
+              f"parts' own compute, least squares over {len(samples)} rank-runs")
+    return OverheadCalibration(solve_overhead(samples, method), tuple(samples),
+                               {run: statistics.median(w) for run, w in zip(plan, wall, strict=True)}, tiny_s)

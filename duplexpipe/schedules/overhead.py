@@ -1,0 +1,91 @@
+"""Solve for the runtime's per-action, per-message and per-step work from measured per-rank CPU time."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from duplexpipe.schedules.ir import Op, Schedule
+from duplexpipe.schedules.lower import lower
+from duplexpipe.schedules.profiles import RuntimeOverhead
+
+_MESSAGES = (Op.SEND_F, Op.SEND_B, Op.RECV_F, Op.RECV_B)
+
+
+@dataclass(frozen=True)
+class OverheadSample:
+    """One rank's measured runtime work in one step of a calibration schedule."""
+
+    actions: int
+    """Compute actions in the rank's list (an F&B pair counts once)."""
+    messages: int
+    """SEND and RECV actions in the rank's (lowered) list."""
+    seconds: float
+    """Its CPU seconds for the step, minus the compute of its parts (what the runtime itself spent)."""
+
+
+def rank_counts(schedule: Schedule) -> list[tuple[int, int]]:
+    """Per rank of `schedule` (lowered first): (compute actions, SEND + RECV actions)."""
+    out = []
+    for row in lower(schedule).actions:
+        messages = sum(a.op in _MESSAGES for a in row)
+        out.append((len(row) - messages, messages))
+    return out
+
+
+def solve_overhead(samples: Sequence[OverheadSample], method: str = "") -> RuntimeOverhead:
+    """The non-negative (step_s, action_s, message_s) whose seconds = step_s + actions x action_s +
+    messages x message_s fits `samples` best in least squares.
+
+    Needs samples with at least three different (actions, messages) combinations that are not on
+    one line (e.g. the ranks of 1F1B, whose inner ranks exchange twice the messages, at two M);
+    raises ValueError otherwise, or when a sample is malformed.
+    """
+    for s in samples:
+        if s.actions < 0 or s.messages < 0 or not math.isfinite(s.seconds):
+            raise ValueError(f"bad overhead sample {s}: counts must be >= 0 and seconds finite")
+    rows = [[1.0, float(s.actions), float(s.messages)] for s in samples]
+    y = [s.seconds for s in samples]
+    if not rows or _least_squares(rows, y) is None:
+        raise ValueError(f"cannot separate per-step, per-action and per-message work from {len(samples)} samples: "
+                         "they need three (actions, messages) combinations not on one line (measure the ranks "
+                         "of 1F1B at two microbatch counts)")
+    best: tuple[float, list[float]] | None = None
+    for free in itertools.chain.from_iterable(itertools.combinations(range(3), k) for k in (3, 2, 1)):
+        coef = _least_squares([[r[j] for j in free] for r in rows], y)
+        if coef is None or min(coef) < 0:
+            continue
+        full = [0.0, 0.0, 0.0]
+        for j, c in zip(free, coef, strict=True):
+            full[j] = c
+        error = sum((sum(a * b for a, b in zip(r, full, strict=True)) - t) ** 2 for r, t in zip(rows, y, strict=True))
+        if best is None or error < best[0]:
+            best = (error, full)
+    step, action, message = best[1] if best is not None else (0.0, 0.0, 0.0)
+    return RuntimeOverhead(action, message, step, method)
+
+
+def _least_squares(rows: list[list[float]], y: list[float]) -> list[float] | None:
+    """Solve the normal equations (None when singular)."""
+    n = len(rows[0])
+    a = [[sum(r[i] * r[j] for r in rows) for j in range(n)] + [sum(r[i] * t for r, t in zip(rows, y, strict=True))]
+         for i in range(n)]
+    return _eliminate(a)
+
+
+def _eliminate(a: list[list[float]]) -> list[float] | None:
+    """Gauss-Jordan with partial pivoting on the augmented matrix `a` (changed in place)."""
+    n = len(a)
+    scale = max((abs(v) for row in a for v in row[:n]), default=0.0) or 1.0
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+        if abs(a[pivot][col]) <= 1e-12 * scale:
+            return None
+        a[col], a[pivot] = a[pivot], a[col]
+        for r in range(n):
+            if r != col:
+                factor = a[r][col] / a[col][col]
+                a[r] = [x - factor * p for x, p in zip(a[r], a[col], strict=True)]
+    return [a[i][n] / a[i][i] for i in range(n)]

@@ -1,0 +1,52 @@
+"""overhead: per-rank action/message counts and the least-squares solver for the runtime's per-action,
+per-message and per-step work (on synthetic timings), and a real calibration run on 2 gloo ranks."""
+
+from __future__ import annotations
+
+import pytest
+
+from duplexpipe.schedules import registry
+from duplexpipe.schedules.overhead import OverheadSample, rank_counts, solve_overhead
+
+
+def synthetic(step: float, action: float, message: float, noise: tuple[float, ...] = ()) -> list[OverheadSample]:
+    counts = [c for m in (4, 8) for c in rank_counts(registry.build("1f1b", 4, m))]
+    out = []
+    for k, (a, n) in enumerate(counts):
+        jitter = noise[k % len(noise)] if noise else 0.0
+        out.append(OverheadSample(a, n, step + a * action + n * message + jitter))
+    return out
+
+
+def test_counts_per_rank_of_the_lowered_schedule() -> None:
+    # 1F1B: every rank runs M forwards and M backwards; the outer ranks send and receive M messages
+    # each way once, the inner ranks twice
+    assert rank_counts(registry.build("1f1b", 4, 4)) == [(8, 8), (8, 16), (8, 16), (8, 8)]
+    assert rank_counts(registry.build("zb-h1", 4, 4)) == [(12, 8), (12, 16), (12, 16), (12, 8)]
+
+
+def test_the_solver_recovers_known_costs() -> None:
+    got = solve_overhead(synthetic(2e-3, 1e-4, 3e-5), "synthetic")
+    assert (got.step_s, got.action_s, got.message_s) == pytest.approx((2e-3, 1e-4, 3e-5))
+    assert got.method == "synthetic"
+
+
+def test_the_solver_is_least_squares_under_noise() -> None:
+    noise = (1e-5, -1e-5, 2e-5, -2e-5)
+    got = solve_overhead(synthetic(2e-3, 1e-4, 3e-5, noise))
+    assert got.action_s == pytest.approx(1e-4, rel=0.05) and got.message_s == pytest.approx(3e-5, rel=0.1)
+
+
+def test_a_negative_term_is_held_at_zero_and_the_rest_refit() -> None:
+    got = solve_overhead(synthetic(5e-3, 1e-4, -2e-5))  # no real runtime does this: the fit clamps it
+    assert got.message_s == 0.0 and got.action_s > 0 and got.step_s >= 0
+
+
+def test_samples_that_cannot_separate_the_terms() -> None:
+    one_m = [OverheadSample(a, n, 1e-3) for a, n in rank_counts(registry.build("1f1b", 4, 4))]
+    with pytest.raises(ValueError, match="cannot separate"):
+        solve_overhead(one_m)  # every rank runs 2M actions: per-step and per-action work are one column
+    with pytest.raises(ValueError, match="cannot separate"):
+        solve_overhead([])
+    with pytest.raises(ValueError, match="bad overhead sample"):
+        solve_overhead([OverheadSample(-1, 2, 1.0)] * 3)
