@@ -190,7 +190,7 @@ def _check(profile: Profile, config: PlanConfig) -> None:
             raise PlanError(f"plan needs {name} as an integer >= 1, got {value!r}")
     if config.cores is not None and (not isinstance(config.cores, int) or isinstance(config.cores, bool)
                                      or config.cores < 1):
-        raise PlanError(f"plan needs cores as an integer >= 1 (or None: a device per rank), got {config.cores!r}")
+        raise PlanError(f"plan needs cores as an integer >= 1 or None (a device per rank), got {config.cores!r}")
     if config.batch % config.dp:
         raise PlanError(f"batch {config.batch} does not split over dp={config.dp} replicas")
     if profile.num_parts < config.ranks:
