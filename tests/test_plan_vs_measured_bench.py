@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import plan_vs_measured  # noqa: E402
+from benchmarks import plan_vs_measured, plan_vs_measured_report  # noqa: E402
 
 
 @pytest.mark.timeout(300)
@@ -31,9 +31,14 @@ def test_quick_run_predicts_the_measured_activation_peaks_and_writes_its_section
         assert row["bytes_err_per_rank"] < 0.01, row
         assert row["peaks_stable"] and row["predicted_s"] > 0
     assert part["link"]["latency_s"] > 0 and part["counting"]["on_s"] > 0
+    assert set(part["rows"][0]["variants"]) == set(plan_vs_measured.VARIANTS)
+    calibration = part["calibration"]
+    assert min(calibration["overhead"][k] for k in ("action_s", "message_s", "step_s")) >= 0
+    assert len(calibration["check"]) == 3 and all(c["predicted_s"] > 0 for c in calibration["check"])
+    assert len(calibration["samples"]) == 3 * cfg.ranks  # every rank on every calibration run
     text = (docs / "benchmarks.md").read_text()
-    assert "prose kept" in text and plan_vs_measured.BEGIN in text and plan_vs_measured.END in text
-    assert (docs / "img" / plan_vs_measured.FIGURE).stat().st_size > 0
+    assert "prose kept" in text and plan_vs_measured_report.BEGIN in text and plan_vs_measured_report.END in text
+    assert (docs / "img" / plan_vs_measured_report.FIGURE).stat().st_size > 0
 
 
 def _row(name: str, predicted: float, measured: float) -> dict[str, Any]:

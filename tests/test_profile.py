@@ -46,13 +46,13 @@ def test_the_affine_fit_splits_each_pass_into_fixed_and_per_row_time() -> None:
     torch.manual_seed(0)
     # 4 rows, then the first 1 row; times t = fixed + rows x per_row with known parts
     fixed, per_row = (0.4, 0.2, 0.1), (0.5, 1.0, 0.25)
-    full = tuple(c + 4 * r for c, r in zip(fixed, per_row))
-    one = tuple(c + 1 * r for c, r in zip(fixed, per_row))
+    full = tuple(c + 4 * r for c, r in zip(fixed, per_row, strict=True))
+    one = tuple(c + 1 * r for c, r in zip(fixed, per_row, strict=True))
     timer = ScriptedTimer([full, full, one, one])  # warm-up + run on 4 rows, then on 1 row
     profile = profile_parts([mlp()], torch.randn(4, 8), repeats=1, warmup=1, fit_rows=1, timer=timer)
     (p,) = profile.parts
     assert p.fixed == pytest.approx(fixed) and profile.meta["fit_rows"] == 1
-    assert p.scaled(2.0).times == pytest.approx(tuple(c + 8 * r for c, r in zip(fixed, per_row)))
+    assert p.scaled(2.0).times == pytest.approx(tuple(c + 8 * r for c, r in zip(fixed, per_row, strict=True)))
     # one part slower on fewer rows (noise): its fixed part is clamped to the whole time
     timer = ScriptedTimer([(1.0, 1.0, 1.0)] * 2 + [(2.0, 0.1, 1.0)] * 2)
     (q,) = profile_parts([mlp()], torch.randn(4, 8), repeats=1, warmup=1, fit_rows=2, timer=timer).parts

@@ -15,7 +15,7 @@ from duplexpipe.pipeline.profile import profile_parts
 from duplexpipe.pipeline.trainer import Pipeline, PipelineConfig
 from duplexpipe.schedules import registry
 from duplexpipe.schedules.overhead import OverheadSample, rank_counts, solve_overhead
-from duplexpipe.schedules.profiles import RuntimeOverhead
+from duplexpipe.schedules.profiles import PartProfile, RuntimeOverhead
 
 CpuTimer = Callable[[], float]
 """This process's CPU seconds (all its threads: gloo's included); time.process_time by default."""
@@ -47,9 +47,14 @@ class OverheadCalibration:
     """Every rank's sample at every M (median CPU seconds per step minus its tiny parts' compute)."""
     wall_s: dict[tuple[str, int], float]
     """(schedule, M) -> median wall seconds of the slowest rank's step (to check a prediction against)."""
-    tiny_s: float
-    """F + I + W of one tiny part on one message, measured alone on this rank (each rank's own is
-    subtracted per microbatch from its samples)."""
+    tiny: PartProfile
+    """One tiny part on one message, measured alone on this rank in CPU time (each rank's own F + I + W
+    is subtracted per microbatch from its samples)."""
+
+    @property
+    def tiny_s(self) -> float:
+        """F + I + W of the tiny part."""
+        return self.tiny.forward_s + self.tiny.backward_s
 
 
 def measure_overhead(message: Tensor, *, runs: Sequence[tuple[str, int]] | None = None, steps: int = 10,
@@ -69,7 +74,7 @@ def measure_overhead(message: Tensor, *, runs: Sequence[tuple[str, int]] | None 
     """
     if not dist.is_initialized():
         raise ValueError("measure_overhead runs on every rank of an initialized process group")
-    ranks, rank = dist.get_world_size(), dist.get_rank()
+    ranks = dist.get_world_size()
     plan = list(runs) if runs is not None else [("1f1b", ranks), ("1f1b", 2 * ranks), ("zb-h1", 2 * ranks)]
     if steps < 1 or warmup < 0 or not plan or min(m for _, m in plan) < 1:
         raise ValueError(f"measure_overhead needs steps >= 1, warmup >= 0 and runs of M >= 1, got "
@@ -107,4 +112,4 @@ def measure_overhead(message: Tensor, *, runs: Sequence[tuple[str, int]] | None 
               f"{tuple(message.shape)} messages: median CPU time per rank of {steps} steps each, minus the "
               f"parts' own compute, least squares over {len(samples)} rank-runs")
     return OverheadCalibration(solve_overhead(samples, method), tuple(samples),
-                               {run: statistics.median(w) for run, w in zip(plan, wall, strict=True)}, tiny_s)
+                               {run: statistics.median(w) for run, w in zip(plan, wall, strict=True)}, tiny)

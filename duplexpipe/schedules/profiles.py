@@ -57,11 +57,13 @@ class PartProfile:
     def scaled(self, factor: float) -> PartProfile:
         """For a microbatch `factor` times as large: bytes times `factor`, params kept; each time is
         fixed + (time - fixed) x factor (affine in the microbatch), or time x factor without a fit."""
-        fixed = self.fixed or (0.0, 0.0, 0.0)
-        times = [c + (t - c) * factor for t, c in zip(self.times, fixed, strict=True)]
-        return PartProfile(*times, round(self.activation_bytes * factor), self.param_bytes,
-                           round(self.output_bytes * factor), round(self.output_grad_bytes * factor),
-                           *(fixed if self.fixed is not None else (None, None, None)))
+        c = self.fixed or (0.0, 0.0, 0.0)
+        return replace(self, forward_s=c[0] + (self.forward_s - c[0]) * factor,
+                       backward_input_s=c[1] + (self.backward_input_s - c[1]) * factor,
+                       backward_weight_s=c[2] + (self.backward_weight_s - c[2]) * factor,
+                       activation_bytes=round(self.activation_bytes * factor),
+                       output_bytes=round(self.output_bytes * factor),
+                       output_grad_bytes=round(self.output_grad_bytes * factor))
 
     @property
     def times(self) -> tuple[float, float, float]:
