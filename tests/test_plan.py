@@ -180,3 +180,17 @@ def test_measured_runtime_overhead_and_affine_times_enter_the_prediction() -> No
     half = {"batch": 8}
     assert one(fixed, **half) > one(base, **half)
     assert one(fixed.basic(), **half) == pytest.approx(one(base, **half))
+
+
+def test_parts_are_grouped_as_profiled_whatever_the_candidate_microbatch() -> None:
+    # at the profiled 4 rows the F+B times are 1, 1, 1, 1.5 (x3): two groups of two parts. At 1 row the
+    # last part's time is all fixed and the others shrink 4x, so balancing there would give 3 + 1; the
+    # planner keeps the profiled grouping, the one `pipeline.autoplan` rebuilds from the profile's times.
+    def part(t: float, fixed: float, params: int) -> PartProfile:
+        return PartProfile(t, t, t, MIB, params, 1024, 1024, fixed, fixed, fixed)
+    prof = Profile((part(1e-3, 0.0, 1), part(1e-3, 0.0, 2), part(1e-3, 0.0, 4), part(1.5e-3, 1.5e-3, 8)), 4)
+    assert prof.group_sizes(2) == [2, 2] and prof.at_microbatch(1).group_sizes(2) == [3, 1]
+    row = plan(prof, config(batch=4, schedules=("1f1b",), microbatches=(4,), zero_stages=(0,))).best
+    assert [m.params for m in row.memory] == [3, 12]
+    with pytest.raises(ValueError, match=r"group sizes \[3, 2\] do not split 4 parts into 2 groups"):
+        prof.grouped(2, [3, 2])

@@ -275,7 +275,7 @@ def _evaluate(profile: Profile, config: PlanConfig, name: str, options: dict[str
     excess = [0.0] * config.ranks
     for _ in range(2 if name == "auto" else 1):  # auto: once more with the overshoot taken off its budget
         try:
-            schedule, groups = _build(scaled, config, name, options, m, mem_config, excess)
+            schedule, groups = _build(scaled, profile, config, name, options, m, mem_config, excess)
         except (ProfileError, ScheduleError, ValueError) as exc:
             return _why(reject, str(exc).splitlines()[0]), None
         timeline, tail = _simulate(schedule, _cost_model(schedule, groups, config.p2p_link), profile, config)
@@ -313,9 +313,10 @@ def _why(row: PlanRow, reason: str) -> PlanRow:
     return replace(row, rejected=reason)
 
 
-def _build(profile: Profile, config: PlanConfig, name: str, options: dict[str, Any], m: int,
+def _build(profile: Profile, basis: Profile, config: PlanConfig, name: str, options: dict[str, Any], m: int,
            mem_config: MemoryConfig, excess: Sequence[float]) -> tuple[Schedule, tuple[PartProfile, ...]]:
-    """The schedule and the profile grouped into its model parts.
+    """The schedule and `profile` (scaled to the candidate's microbatch) grouped into its model parts,
+    as `basis` (the profile as measured) groups them: `Profile.group_sizes` at the profiled size.
 
     auto is searched with each rank's activation budget: the cap minus its parameters,
     gradients and optimizer states, minus two of the largest messages in flight and
@@ -324,11 +325,12 @@ def _build(profile: Profile, config: PlanConfig, name: str, options: dict[str, A
     """
     if name != "auto":
         schedule = registry.build(name, config.ranks, m, **options)
-        return schedule, profile.grouped(schedule.num_groups)
+        return schedule, profile.grouped(schedule.num_groups, basis.group_sizes(schedule.num_groups))
     from duplexpipe.schedules.auto import search_problem, smallest_limits
 
     placement = options["placement"]
-    groups = profile.grouped(config.ranks * (1 if placement == "linear" else 2))
+    count = config.ranks * (1 if placement == "linear" else 2)
+    groups = profile.grouped(count, basis.group_sizes(count))
     probe = registry.build("1f1b" if placement == "linear" else "zbv", config.ranks, m)
     sizes = StageBytes.of(probe, groups)
     cost = _cost_model(probe, groups, config.p2p_link)

@@ -155,16 +155,27 @@ class Profile:
         """This profile as the planner saw it before affine fits and overheads (linear times, no overhead)."""
         return replace(self, parts=tuple(p.linear() for p in self.parts), overhead=None)
 
-    def grouped(self, num_groups: int) -> tuple[PartProfile, ...]:
-        """The parts merged into `num_groups` contiguous groups of near-equal F+B time.
-
-        A group's times, activation and parameter bytes are the sums of its parts'; its
-        messages are its last part's. Raises ProfileError when there are fewer parts than groups.
-        """
+    def group_sizes(self, num_groups: int) -> list[int]:
+        """How many parts each of `num_groups` contiguous groups of near-equal F+B time takes (at the
+        profiled microbatch; the planner groups every candidate this way, so its grouping is the one
+        `pipeline.autoplan` and `balanced_split` on these times rebuild). ProfileError when there are
+        fewer parts than groups."""
         if num_groups > self.num_parts:
             raise ProfileError(f"the profile has {self.num_parts} parts; {num_groups} model parts need a "
                                f"profile of at least {num_groups} parts")
-        counts = balanced_split([p.forward_s + p.backward_s for p in self.parts], num_groups)
+        return balanced_split([p.forward_s + p.backward_s for p in self.parts], num_groups)
+
+    def grouped(self, num_groups: int, sizes: list[int] | None = None) -> tuple[PartProfile, ...]:
+        """The parts merged into `num_groups` contiguous groups: `sizes` parts each (default
+        `group_sizes(num_groups)`, near-equal F+B time).
+
+        A group's times (and fixed parts, when all of its parts have them), activation and
+        parameter bytes are the sums of its parts'; its messages are its last part's. Raises
+        ProfileError when there are fewer parts than groups.
+        """
+        counts = sizes if sizes is not None else self.group_sizes(num_groups)
+        if len(counts) != num_groups or sum(counts) != self.num_parts or min(counts) < 1:
+            raise ProfileError(f"group sizes {counts} do not split {self.num_parts} parts into {num_groups} groups")
         out, start = [], 0
         for count in counts:
             run = self.parts[start:start + count]
