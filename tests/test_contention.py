@@ -87,3 +87,16 @@ def test_a_deadlocked_schedule_is_explained() -> None:
     schedule = schedule_from_rows(rows, "stuck")
     with pytest.raises(ScheduleError, match="simulation stuck"):
         simulate_shared(schedule, CostModel(), Machine(cores=1))
+
+
+def test_a_fused_backward_costs_what_was_measured_and_i_w_keep_theirs() -> None:
+    # 1F1B, P=2, M=1, F=1, B = I + W = 2 + 1 by the cost model, a fused B measured at 2.5
+    cost = CostModel(f=1, b=3, w=1)
+    run = simulate_shared(registry.build("1f1b", 2, 1), cost, Machine(), full_backward=[2.5, 2.5])
+    assert run.step == 1 + 1 + 2.5 + 2.5
+    zb = registry.build("zb-h1", 2, 2)  # I and W actions: unchanged by full_backward
+    assert simulate_shared(zb, cost, Machine(), [0.0, 0.0]).step == simulate(zb, cost).makespan
+    with pytest.raises(ValueError, match=r"full_backward needs one cost per stage \(2\), got 1"):
+        simulate_shared(zb, cost, Machine(), [1.0])
+    with pytest.raises(ValueError, match="full_backward costs must be finite numbers >= 0"):
+        simulate_shared(zb, cost, Machine(), [1.0, -1.0])

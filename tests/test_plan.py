@@ -194,3 +194,11 @@ def test_parts_are_grouped_as_profiled_whatever_the_candidate_microbatch() -> No
     assert [m.params for m in row.memory] == [3, 12]
     with pytest.raises(ValueError, match=r"group sizes \[3, 2\] do not split 4 parts into 2 groups"):
         prof.grouped(2, [3, 2])
+
+
+def test_a_measured_fused_backward_prices_b_actions_only() -> None:
+    fused = Profile(tuple(replace(p, backward_fused_s=1.5e-3) for p in profile().parts), 4)  # I + W = 2 ms
+    assert one(fused) < one(profile())  # 1F1B runs full B actions
+    zb = {"schedules": ("zb-h1",), "microbatches": (4,), "zero_stages": (0,)}
+    assert plan(fused, config(**zb)).best.step_s == plan(profile(), config(**zb)).best.step_s  # I and W only
+    assert one(fused.basic()) == one(profile())

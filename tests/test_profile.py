@@ -34,7 +34,7 @@ def test_the_fastest_measured_run_of_each_pass_after_warmup() -> None:
     # part 0: a warm-up run (discarded), then three runs; part 1 likewise
     timer = ScriptedTimer([(50, 50, 50), (1, 4, 7), (3, 5, 9), (2, 6, 8),
                            (60, 60, 60), (0.5, 0.1, 0.2), (0.4, 0.3, 0.1), (0.6, 0.2, 0.3)])
-    profile = profile_parts(parts, torch.randn(4, 8), repeats=3, warmup=1, fit_rows=0, timer=timer)
+    profile = profile_parts(parts, torch.randn(4, 8), repeats=3, warmup=1, fit_rows=0, fused=False, timer=timer)
     assert not timer.reads, "four timer reads per run"
     p0, p1 = profile.parts
     assert (p0.forward_s, p0.backward_input_s, p0.backward_weight_s) == (1, 4, 7)
@@ -49,17 +49,41 @@ def test_the_affine_fit_splits_each_pass_into_fixed_and_per_row_time() -> None:
     full = tuple(c + 4 * r for c, r in zip(fixed, per_row, strict=True))
     one = tuple(c + 1 * r for c, r in zip(fixed, per_row, strict=True))
     timer = ScriptedTimer([full, full, one, one])  # warm-up + run on 4 rows, then on 1 row
-    profile = profile_parts([mlp()], torch.randn(4, 8), repeats=1, warmup=1, fit_rows=1, timer=timer)
+    profile = profile_parts([mlp()], torch.randn(4, 8), repeats=1, warmup=1, fit_rows=1, fused=False, timer=timer)
     (p,) = profile.parts
     assert p.fixed == pytest.approx(fixed) and profile.meta["fit_rows"] == 1
     assert p.scaled(2.0).times == pytest.approx(tuple(c + 8 * r for c, r in zip(fixed, per_row, strict=True)))
     # one part slower on fewer rows (noise): its fixed part is clamped to the whole time
     timer = ScriptedTimer([(1.0, 1.0, 1.0)] * 2 + [(2.0, 0.1, 1.0)] * 2)
-    (q,) = profile_parts([mlp()], torch.randn(4, 8), repeats=1, warmup=1, fit_rows=2, timer=timer).parts
+    (q,) = profile_parts([mlp()], torch.randn(4, 8), repeats=1, warmup=1, fit_rows=2, fused=False, timer=timer).parts
     assert q.fixed == pytest.approx((1.0, 0.0, 1.0))
     for bad in (4, 5, -1):
         with pytest.raises(ValueError, match="fit_rows"):
             profile_parts([mlp()], torch.randn(4, 8), fit_rows=bad)
+
+
+class ListTimer:
+    """Returns the given readings in order."""
+
+    def __init__(self, reads: list[float]) -> None:
+        self.reads = list(reversed(reads))
+
+    def __call__(self) -> float:
+        return self.reads.pop()
+
+
+def test_the_fused_backward_is_timed_as_the_runtime_runs_b() -> None:
+    # per run: F, I, W (four reads), then a fused B (two reads); warm-up discarded, the fastest kept
+    runs = [(9, 9, 9, 9), (1, 2, 3, 4.0), (1, 2, 3, 3.5)]
+    reads: list[float] = []
+    for f, i, w, b in runs:
+        reads += [0.0, f, f + i, f + i + w, 100.0, 100.0 + b]
+    timer = ListTimer(reads)
+    (p,) = profile_parts([mlp()], torch.randn(4, 8), repeats=2, warmup=1, fit_rows=0, timer=timer).parts
+    assert not timer.reads and (p.forward_s, p.backward_s, p.backward_fused_s) == (1, 5, 3.5)
+    assert p.full_backward_s == 3.5 and p.linear().full_backward_s == 5
+    real = profile_parts([mlp()], torch.randn(4, 8), repeats=1, warmup=0).parts[0]
+    assert real.backward_fused_s is not None and real.backward_fused_fixed_s is not None
 
 
 def test_bytes_of_activations_parameters_and_messages() -> None:

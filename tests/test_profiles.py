@@ -150,3 +150,12 @@ def test_bad_new_fields_name_the_field(edit, needle: str) -> None:  # type: igno
     with pytest.raises(ProfileError) as info:
         Profile.from_dict(data, "p.json")
     assert needle in str(info.value) and "p.json" in str(info.value)
+
+
+def test_fused_backward_round_trips_scales_and_groups() -> None:
+    p = replace(part(f=1.0, i=2.0, w=1.0), backward_fused_s=2.5, backward_fused_fixed_s=0.5)
+    assert p.full_backward_s == 2.5 and part().full_backward_s == 3.0
+    assert p.scaled(2.0).backward_fused_s == pytest.approx(0.5 + 2.0 * 2)
+    assert Profile.from_dict(Profile((p,), 1).to_dict()).parts[0] == p
+    groups = Profile((p, p, part(f=30.0)), 1).grouped(2)
+    assert groups[0].backward_fused_s == 5.0 and groups[1].backward_fused_s is None

@@ -60,11 +60,11 @@ class _Message:
 class _PartRun:
     """One part's measured F, I and W (and what its forward saved) over repeated runs."""
 
-    def __init__(self, part: nn.Module, timer: Timer) -> None:
-        self.part, self.timer = part, timer
+    def __init__(self, part: nn.Module, timer: Timer, fused: bool) -> None:
+        self.part, self.timer, self.fused = part, timer, fused
         self.params = [p for p in part.parameters() if p.requires_grad]
         self.meter = SavedBytes(part.parameters())
-        self.times: tuple[list[float], list[float], list[float]] = ([], [], [])
+        self.times: tuple[list[float], ...] = ([], [], [], [])
         self.saved = 0
 
     def once(self, message: _Message, loss: Callable[[Any], Tensor] | None, data: list[Tensor]) -> Any:
@@ -90,23 +90,39 @@ class _PartRun:
         work.run()
         _sync(self.params)
         end = self.timer()
-        for bucket, value in zip(self.times, (mid - start, after_i - mid, end - after_i), strict=True):
+        for bucket, value in zip(self.times, (mid - start, after_i - mid, end - after_i), strict=False):
             bucket.append(value)
         self.part.zero_grad(set_to_none=True)
+        if self.fused:
+            self.times[3].append(self._fused(message, loss, data))
         return out
+
+    def _fused(self, message: _Message, loss: Callable[[Any], Tensor] | None, data: list[Tensor]) -> float:
+        """A forward (untimed), then a full backward in one pass, as the runtime runs B; its seconds."""
+        inputs = [t.detach().requires_grad_(g) for t, g in zip(message.leaves, message.grads, strict=True)]
+        out = call(self.part, message.form, inputs)
+        roots = [loss(out)] if loss is not None else [t for t in tensor_leaves(out) if t.requires_grad]
+        grads = [torch.ones_like(r) for r in roots]
+        _sync(inputs)
+        start = self.timer()
+        torch.autograd.backward(roots, grads)
+        _sync(self.params or inputs)
+        took = self.timer() - start
+        self.part.zero_grad(set_to_none=True)
+        return took
 
     def result(self, output: Any) -> PartProfile:
         """The fastest of the kept runs (contention only ever adds time), with the bytes of `output`."""
         leaves = tensor_leaves(output)
-        f, i, w = (min(ts) for ts in self.times)
+        f, i, w = (min(ts) for ts in self.times[:3])
         grad_leaves = [t for t in leaves if t.requires_grad]
         return PartProfile(f, i, w, self.saved, nbytes(list(self.part.parameters())), nbytes(leaves),
-                           nbytes(grad_leaves))
+                           nbytes(grad_leaves), backward_fused_s=min(self.times[3]) if self.fused else None)
 
 
 def profile_parts(parts: Sequence[nn.Module], sample_input: Any, *, target: Any = None,
                   loss_fn: Callable[[Any, Any], Tensor] | None = None, repeats: int = 3, warmup: int = 1,
-                  microbatch_size: int | None = None, fit_rows: int | None = None,
+                  microbatch_size: int | None = None, fit_rows: int | None = None, fused: bool = True,
                   timer: Timer = time.perf_counter, meta: dict[str, Any] | None = None) -> Profile:
     """Measure each part on one microbatch, the parts run in order so each sees its real input.
 
@@ -125,7 +141,9 @@ def profile_parts(parts: Sequence[nn.Module], sample_input: Any, *, target: Any 
     Affine fit: the parts are timed again on the first `fit_rows` rows of the sample (and
     target; default half of them, 0 for no fit), and each pass's time is split into a fixed
     part and a part proportional to the rows (`PartProfile.forward_fixed_s` etc.), the fixed
-    part clamped to [0, time]. Gradients are cleared afterwards.
+    part clamped to [0, time]. `fused`: also time a full backward in one pass after an untimed
+    forward (`PartProfile.backward_fused_s`, what a B action costs; I + W traverse the graph twice).
+    Gradients are cleared afterwards.
     """
     if not parts:
         raise ValueError("profile_parts needs at least one part, got none")
@@ -138,31 +156,33 @@ def profile_parts(parts: Sequence[nn.Module], sample_input: Any, *, target: Any 
     if fit_rows is not None and fit_rows != 0 and not 1 <= fit_rows < rows:
         raise ValueError(f"profile_parts needs 1 <= fit_rows < the sample's {rows} rows (or 0: no fit), "
                          f"got fit_rows={fit_rows}")
-    measured = _measure(parts, sample_input, target, loss_fn, repeats, warmup, timer)
+    measured = _measure(parts, sample_input, target, loss_fn, (repeats, warmup, fused), timer)
     if small >= 1:
-        fewer = _measure(parts, _head(sample_input, small, rows), _head(target, small, rows), loss_fn, repeats,
-                         warmup, timer)
+        fewer = _measure(parts, _head(sample_input, small, rows), _head(target, small, rows), loss_fn,
+                         (repeats, warmup, fused), timer)
         measured = [_affine(full, part, rows, small) for full, part in zip(measured, fewer, strict=True)]
     return Profile(tuple(measured), size, dict(meta or {}, repeats=repeats, warmup=warmup,
                                                fit_rows=max(small, 0), torch=torch.__version__))
 
 
 def _measure(parts: Sequence[nn.Module], sample_input: Any, target: Any,
-             loss_fn: Callable[[Any, Any], Tensor] | None, repeats: int, warmup: int,
+             loss_fn: Callable[[Any, Any], Tensor] | None, runs: tuple[int, int, bool],
              timer: Timer) -> list[PartProfile]:
-    """Each part's fastest F, I and W and its bytes, the parts run in order on `sample_input`."""
+    """Each part's fastest F, I and W (and fused B) and its bytes, the parts run in order on `sample_input`;
+    `runs`: (repeats, warmup, fused)."""
+    repeats, warmup, fused = runs
     message = _Message.of(sample_input, "sample_input", grads=False)  # a first stage's input takes no gradient
     data = list(message.leaves) + tensor_leaves(target)  # the caller's batch: never counted
     measured = []
     for k, part in enumerate(parts):
         last = k == len(parts) - 1
         loss = (lambda out: loss_fn(out, target)) if last and loss_fn is not None else None  # noqa: E731
-        run = _PartRun(part, timer)
+        run = _PartRun(part, timer, fused)
         out = None
         for attempt in range(warmup + repeats):
             out = run.once(message, loss, data)
             if attempt < warmup:
-                run.times = ([], [], [])
+                run.times = ([], [], [], [])
         measured.append(run.result(out))
         message = _Message.of(out, f"the output of part {k}", grads=True)
         message.leaves = [t.detach() for t in message.leaves]  # keep the values, free the graph
@@ -171,12 +191,14 @@ def _measure(parts: Sequence[nn.Module], sample_input: Any, target: Any,
 
 def _affine(full: PartProfile, fewer: PartProfile, rows: int, small: int) -> PartProfile:
     """`full` with each pass's fixed part from its times on `rows` and on `small` rows."""
-    fixed = []
-    for big, little in zip(full.times, fewer.times, strict=True):
-        value = (rows * little - small * big) / (rows - small)
-        fixed.append(min(max(value, 0.0), big))
-    return replace(full, forward_fixed_s=fixed[0], backward_input_fixed_s=fixed[1],
-                   backward_weight_fixed_s=fixed[2])
+    def fixed(big: float, little: float) -> float:
+        return min(max((rows * little - small * big) / (rows - small), 0.0), big)
+    f, i, w = (fixed(big, little) for big, little in zip(full.times, fewer.times, strict=True))
+    fused = None
+    if full.backward_fused_s is not None and fewer.backward_fused_s is not None:
+        fused = fixed(full.backward_fused_s, fewer.backward_fused_s)
+    return replace(full, forward_fixed_s=f, backward_input_fixed_s=i, backward_weight_fixed_s=w,
+                   backward_fused_fixed_s=fused)
 
 
 def _head(value: Any, count: int, rows: int) -> Any:

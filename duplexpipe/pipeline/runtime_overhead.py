@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from duplexpipe.pipeline.profile import profile_parts
 from duplexpipe.pipeline.trainer import Pipeline, PipelineConfig
 from duplexpipe.schedules import registry
+from duplexpipe.schedules.ir import Op, Schedule
 from duplexpipe.schedules.overhead import OverheadSample, rank_counts, solve_overhead
 from duplexpipe.schedules.profiles import PartProfile, RuntimeOverhead
 
@@ -33,6 +34,13 @@ class TinyPart(nn.Module):
         return x * self.scale
 
 
+def _compute(schedule: Schedule, rank: int, part: PartProfile) -> float:
+    """What `rank`'s actions of `schedule` cost in `part`'s measured times (the parts' own compute)."""
+    cost = {Op.F: part.forward_s, Op.B: part.full_backward_s, Op.I: part.backward_input_s,
+            Op.W: part.backward_weight_s}
+    return sum(cost.get(p.op, 0.0) for action in schedule.actions[rank] for p in action.compute_parts())
+
+
 def _loss(output: Tensor, target: Tensor) -> Tensor:
     return output.pow(2).mean()
 
@@ -49,7 +57,7 @@ class OverheadCalibration:
     """(schedule, M) -> median wall seconds of the slowest rank's step (to check a prediction against)."""
     tiny: PartProfile
     """One tiny part on one message, measured alone on this rank in CPU time (each rank's own F + I + W
-    is subtracted per microbatch from its samples)."""
+    is subtracted from its samples, per action: F, fused B, I or W)."""
 
     @property
     def tiny_s(self) -> float:
@@ -66,8 +74,8 @@ def measure_overhead(message: Tensor, *, runs: Sequence[tuple[str, int]] | None 
 
     Call on every rank. `runs`: (schedule, M) pairs (default 1F1B at M = P and 2P, and ZB-H1 at 2P:
     actions and messages per rank then vary independently, also at P = 2); their steps alternate,
-    each timed between barriers, the median kept. A rank's sample is its CPU seconds minus M
-    times the F + I + W of one tiny part (measured alone, in CPU time). `config` is the template
+    each timed between barriers, the median kept. A rank's sample is its CPU seconds minus its
+    actions' cost in one tiny part's F, fused B, I and W (measured alone, in CPU time). `config` is the template
     for each `Pipeline` (its flags, e.g. `count_saved_bytes`, change what the runtime does;
     schedule and M are set here). Waiting in gloo takes no CPU time, so a rank's CPU time is its
     own work whatever the other ranks do.
@@ -80,7 +88,6 @@ def measure_overhead(message: Tensor, *, runs: Sequence[tuple[str, int]] | None 
         raise ValueError(f"measure_overhead needs steps >= 1, warmup >= 0 and runs of M >= 1, got "
                          f"steps={steps}, warmup={warmup}, runs={plan}")
     tiny = profile_parts([TinyPart()], message, repeats=5, warmup=2, fit_rows=0, timer=cpu_timer).parts[0]
-    tiny_s = tiny.forward_s + tiny.backward_s
     base = config or PipelineConfig()
     pipes = [Pipeline([TinyPart() for _ in range(registry.build(name, ranks, m).num_groups)], _loss,
                       lambda p: torch.optim.SGD(p, lr=0.0), replace(base, schedule=name, num_microbatches=m))
@@ -99,15 +106,16 @@ def measure_overhead(message: Tensor, *, runs: Sequence[tuple[str, int]] | None 
             if step >= warmup:
                 cpu[c].append(used)
                 wall[c].append(float(took.item()))
-    mine = ([statistics.median(times) for times in cpu], tiny_s)
-    gathered: list[tuple[list[float], float] | None] = [None] * ranks
+    mine = ([statistics.median(times) for times in cpu], tiny)
+    gathered: list[tuple[list[float], PartProfile] | None] = [None] * ranks
     dist.all_gather_object(gathered, mine)
     samples = []
     for r, got in enumerate(gathered):
         assert got is not None
         for (name, m), seconds in zip(plan, got[0], strict=True):
-            actions, messages = rank_counts(registry.build(name, ranks, m))[r]
-            samples.append(OverheadSample(actions, messages, seconds - m * got[1]))
+            schedule = registry.build(name, ranks, m)
+            actions, messages = rank_counts(schedule)[r]
+            samples.append(OverheadSample(actions, messages, seconds - _compute(schedule, r, got[1])))
     method = (f"{', '.join(f'{n} M={m}' for n, m in plan)} on {ranks} ranks with 1-weight parts on "
               f"{tuple(message.shape)} messages: median CPU time per rank of {steps} steps each, minus the "
               f"parts' own compute, least squares over {len(samples)} rank-runs")

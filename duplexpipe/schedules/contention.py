@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from duplexpipe.schedules.ir import Action, Schedule, ScheduleError
 from duplexpipe.schedules.layout import Layout, gc_paused
 from duplexpipe.schedules.lower import lower
-from duplexpipe.schedules.program import COMPUTE, SEND, Program, analyze, run_program
+from duplexpipe.schedules.program import COMPUTE, SEND, Durations, Program, analyze, run_program
 from duplexpipe.schedules.simulate import CostModel
 from duplexpipe.schedules.timeline import Event, Timeline
 from duplexpipe.schedules.verify import explain_stuck
@@ -54,7 +55,8 @@ class SharedRun:
         return max(self.rank_end, default=0.0)
 
 
-def simulate_shared(schedule: Schedule, cost: CostModel | None = None, machine: Machine | None = None) -> SharedRun:
+def simulate_shared(schedule: Schedule, cost: CostModel | None = None, machine: Machine | None = None,
+                    full_backward: Sequence[float] | None = None) -> SharedRun:
     """Time `schedule` (lowered first) on `machine`, event-driven over its actions and dependencies.
 
     As `simulate.simulate`, except that work is shared: compute actions (plus `action_s`),
@@ -62,12 +64,22 @@ def simulate_shared(schedule: Schedule, cost: CostModel | None = None, machine: 
     at min(1, C / k) while k ranks have work. A message still arrives `cost.comm_time`
     after both its SEND and its RECV are done, and waiting for it takes no core. With
     C >= num_ranks (or None) and zero overheads the timeline equals `simulate`'s.
+    `full_backward`: per stage, what a full backward B costs when it differs from I + W (a fused
+    pass is cheaper than two); I and W keep the cost model's b - w and w.
     """
     cost = cost if cost is not None else CostModel()
     machine = machine if machine is not None else Machine()
     lowered = lower(schedule)
     layout = Layout.of(lowered)
-    program = analyze(lowered, layout, cost.durations(lowered))
+    durations = cost.durations(lowered)
+    if full_backward is not None:
+        if len(full_backward) != lowered.num_stages:
+            raise ValueError(f"full_backward needs one cost per stage ({lowered.num_stages}), got {len(full_backward)}")
+        for value in full_backward:
+            if isinstance(value, bool) or not 0 <= value < math.inf:
+                raise ValueError(f"full_backward costs must be finite numbers >= 0, got {value!r}")
+        durations = Durations(durations.f, [float(v) for v in full_backward], durations.i, durations.w, durations.fb)
+    program = analyze(lowered, layout, durations)
     with gc_paused():
         state = _Shared(program, layout.num_tokens, cost.comm_time, machine)
         state.run()

@@ -278,7 +278,8 @@ def _evaluate(profile: Profile, config: PlanConfig, name: str, options: dict[str
             schedule, groups = _build(scaled, profile, config, name, options, m, mem_config, excess)
         except (ProfileError, ScheduleError, ValueError) as exc:
             return _why(reject, str(exc).splitlines()[0]), None
-        timeline, tail = _simulate(schedule, _cost_model(schedule, groups, config.p2p_link), profile, config)
+        timeline, tail = _simulate(schedule, _cost_model(schedule, groups, config.p2p_link), groups, profile,
+                                   config)
         memory = rank_memory(schedule, timeline, StageBytes.of(schedule, groups), mem_config)
         excess = [e + max(0.0, r.peak - config.memory) for e, r in zip(excess, memory, strict=True)]
         if max(r.peak for r in memory) <= config.memory:
@@ -294,18 +295,23 @@ def _evaluate(profile: Profile, config: PlanConfig, name: str, options: dict[str
     return row, context
 
 
-def _simulate(schedule: Schedule, cost: CostModel, profile: Profile, config: PlanConfig) -> tuple[Timeline, float]:
+def _simulate(schedule: Schedule, cost: CostModel, groups: Sequence[PartProfile], profile: Profile,
+              config: PlanConfig) -> tuple[Timeline, float]:
     """The timeline, and the time the ranks' per-step runtime work adds after it.
 
-    Without shared cores and without a measured runtime overhead: `simulate` (the plain model).
-    Otherwise `contention.simulate_shared` on `config.cores` with the profile's overheads.
+    Without shared cores, a measured runtime overhead or measured fused backward times: `simulate`
+    (the plain model). Otherwise `contention.simulate_shared` on `config.cores` with the profile's
+    overheads, a B action costing its group's fused backward where every group has one.
     """
-    if config.cores is None and profile.overhead is None:
+    fused = [g.backward_fused_s for g in groups]
+    known = all(f is not None for f in fused)
+    if config.cores is None and profile.overhead is None and not known:
         return simulate(schedule, cost), 0.0
     over = profile.overhead
     machine = Machine(config.cores,
                       *((over.action_s, over.message_s, over.step_s) if over is not None else (0.0, 0.0, 0.0)))
-    run = simulate_shared(schedule, cost, machine)
+    full = [groups[info.group].full_backward_s for info in schedule.stages] if known else None
+    run = simulate_shared(schedule, cost, machine, full)
     return run.timeline, max(0.0, run.step - run.timeline.makespan)
 
 

@@ -41,6 +41,11 @@ class PartProfile:
     """The same for `backward_input_s`."""
     backward_weight_fixed_s: float | None = None
     """The same for `backward_weight_s`."""
+    backward_fused_s: float | None = None
+    """Seconds of a full backward B in one pass, as the runtime runs B (measured: it is cheaper than
+    I + W, which traverse the graph twice); None: not measured, B costs I + W."""
+    backward_fused_fixed_s: float | None = None
+    """The fixed part of `backward_fused_s` (None: none known)."""
 
     @property
     def backward_s(self) -> float:
@@ -58,21 +63,32 @@ class PartProfile:
         """For a microbatch `factor` times as large: bytes times `factor`, params kept; each time is
         fixed + (time - fixed) x factor (affine in the microbatch), or time x factor without a fit."""
         c = self.fixed or (0.0, 0.0, 0.0)
+        fused = self.backward_fused_s
+        if fused is not None:
+            base = self.backward_fused_fixed_s or 0.0
+            fused = base + (fused - base) * factor
         return replace(self, forward_s=c[0] + (self.forward_s - c[0]) * factor,
                        backward_input_s=c[1] + (self.backward_input_s - c[1]) * factor,
                        backward_weight_s=c[2] + (self.backward_weight_s - c[2]) * factor,
                        activation_bytes=round(self.activation_bytes * factor),
                        output_bytes=round(self.output_bytes * factor),
-                       output_grad_bytes=round(self.output_grad_bytes * factor))
+                       output_grad_bytes=round(self.output_grad_bytes * factor), backward_fused_s=fused)
 
     @property
     def times(self) -> tuple[float, float, float]:
         """(F, I, W) seconds."""
         return self.forward_s, self.backward_input_s, self.backward_weight_s
 
+    @property
+    def full_backward_s(self) -> float:
+        """What a B action costs: the measured fused backward, else I + W."""
+        return self.backward_fused_s if self.backward_fused_s is not None else self.backward_s
+
     def linear(self) -> PartProfile:
-        """This part without its affine fit (times scale linearly, as profiles without one do)."""
-        return replace(self, forward_fixed_s=None, backward_input_fixed_s=None, backward_weight_fixed_s=None)
+        """This part as profiles before affine fits and fused backward times saw it (times scale linearly,
+        B costs I + W)."""
+        return replace(self, forward_fixed_s=None, backward_input_fixed_s=None, backward_weight_fixed_s=None,
+                       backward_fused_s=None, backward_fused_fixed_s=None)
 
 
 @dataclass(frozen=True)
@@ -179,12 +195,15 @@ class Profile:
         out, start = [], 0
         for count in counts:
             run = self.parts[start:start + count]
-            fits = [p.fixed for p in run]
-            fixed = tuple(sum(f[k] for f in fits if f) for k in range(3)) if all(fits) else (None, None, None)
-            out.append(PartProfile(sum(p.forward_s for p in run), sum(p.backward_input_s for p in run),
-                                   sum(p.backward_weight_s for p in run), sum(p.activation_bytes for p in run),
-                                   sum(p.param_bytes for p in run), run[-1].output_bytes,
-                                   run[-1].output_grad_bytes, *fixed))
+            out.append(PartProfile(
+                sum(p.forward_s for p in run), sum(p.backward_input_s for p in run),
+                sum(p.backward_weight_s for p in run), sum(p.activation_bytes for p in run),
+                sum(p.param_bytes for p in run), run[-1].output_bytes, run[-1].output_grad_bytes,
+                forward_fixed_s=_sum([p.forward_fixed_s for p in run]),
+                backward_input_fixed_s=_sum([p.backward_input_fixed_s for p in run]),
+                backward_weight_fixed_s=_sum([p.backward_weight_fixed_s for p in run]),
+                backward_fused_s=_sum([p.backward_fused_s for p in run]),
+                backward_fused_fixed_s=_sum([p.backward_fused_fixed_s for p in run])))
             start += count
         return tuple(out)
 
@@ -222,12 +241,17 @@ class Profile:
                        None if overhead is None else RuntimeOverhead.from_dict(overhead, f"{source}: overhead"))
 
 
+def _sum(values: list[float | None]) -> float | None:
+    """The sum, or None when any is None."""
+    return None if any(v is None for v in values) else sum(v or 0.0 for v in values)
+
+
 def _part(data: Any, where: str) -> PartProfile:
     if not isinstance(data, dict):
         raise ProfileError(f"{where}: expected an object, got {type(data).__name__}")
     values: dict[str, Any] = {}
     for f in fields(PartProfile):
-        optional = f.name.endswith("_fixed_s")  # absent in profiles without an affine fit
+        optional = f.name.endswith("_fixed_s") or f.name == "backward_fused_s"  # absent in older profiles
         if f.name not in data and not optional:
             raise ProfileError(f"{where}: missing field {f.name!r}")
         value = data.get(f.name)
@@ -238,9 +262,9 @@ def _part(data: Any, where: str) -> PartProfile:
         if f.name.endswith("_bytes") and value != int(value):
             raise ProfileError(f"{where}: field {f.name!r} must be a whole number of bytes, got {value!r}")
         values[f.name] = int(value) if f.name.endswith("_bytes") else float(value)
-    for name in ("forward", "backward_input", "backward_weight"):
+    for name in ("forward", "backward_input", "backward_weight", "backward_fused"):
         fixed = values.get(f"{name}_fixed_s")
-        if fixed is not None and fixed > values[f"{name}_s"]:
+        if fixed is not None and fixed > values.get(f"{name}_s", math.inf):
             raise ProfileError(f"{where}: field '{name}_fixed_s' ({fixed!r}) exceeds '{name}_s' "
                                f"({values[f'{name}_s']!r}): the fixed part is a part of the time")
     return PartProfile(**values)
