@@ -81,11 +81,11 @@ class PvMConfig:
     """Measured steps of every candidate."""
     warmup: int = 2
     """Unmeasured steps of every candidate first."""
-    profile_repeats: int = 5
+    profile_repeats: int = 10
     """profile_parts repeats (the fastest is kept)."""
     overhead_steps: int = 30
     """Steps of the counting-overhead check, each with counting on and off."""
-    calibration_steps: int = 10
+    calibration_steps: int = 30
     """Measured steps of each run of the runtime-overhead calibration."""
 
 
@@ -106,15 +106,20 @@ def _shared(profile: Profile | None) -> Profile:
     return Profile.from_dict(payload[0])
 
 
-def _profiles(parts: list[nn.Module], sample: tuple[Any, Any], loss: Any, cfg: PvMConfig) -> dict[str, Profile]:
-    """The parts profiled on rank 0 alone, then on every rank at once (rank 0's kept)."""
-    def run() -> Profile:
-        return profile_parts(copy.deepcopy(parts), sample[0], target=sample[1], loss_fn=loss,
-                             repeats=cfg.profile_repeats, warmup=2)
-    alone = run() if dist.get_rank() == 0 else None
+def _profiles(parts: list[nn.Module], batch: tuple[Any, Any], loss: Any, cfg: PvMConfig) -> dict[str, Profile]:
+    """The parts profiled on rank 0 alone (the new model: on the candidates' largest microbatch, affine
+    down to their smallest, fused B too), then on every rank at once (rank 0's kept: the old prediction's
+    profile, on batch / 8 rows, linear, B = I + W)."""
+    largest = cfg.batch_size // min(m for _, m in cfg.candidates)
+    smallest = cfg.batch_size // max(m for _, m in cfg.candidates)
+    alone = profile_parts(copy.deepcopy(parts), batch[0][:largest], target=batch[1][:largest], loss_fn=loss,
+                          repeats=cfg.profile_repeats, warmup=2,
+                          fit_rows=smallest if smallest < largest else 0) if dist.get_rank() == 0 else None
     dist.barrier()
     alone_shared = _shared(alone)
-    loaded = run()
+    rows = cfg.batch_size // 8
+    loaded = profile_parts(copy.deepcopy(parts), batch[0][:rows], target=batch[1][:rows], loss_fn=loss,
+                           repeats=cfg.profile_repeats, warmup=2, fit_rows=0, fused=False)
     dist.barrier()
     return {"alone": alone_shared, "loaded": _shared(loaded if dist.get_rank() == 0 else None)}
 
@@ -268,7 +273,7 @@ def _worker(rank: int, world: int, cfg: PvMConfig) -> dict[str, Any]:
     parts: list[nn.Module] = list(build_parts(task.layers, partition, embedding=task.embedding, head=task.head))
     x, y = task.batch(0, cfg.batch_size)
     rows = cfg.batch_size // 8
-    profiles = _profiles(parts, (x[:rows], y[:rows]), task.loss_fn, cfg)
+    profiles = _profiles(parts, (x, y), task.loss_fn, cfg)
     message = max(p.output_bytes for p in profiles["loaded"].at_microbatch(cfg.batch_size / 8).parts[:-1])
     link = _measure_link(int(message))
     cores = len(os.sched_getaffinity(0))

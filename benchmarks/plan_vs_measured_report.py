@@ -104,8 +104,11 @@ def _model_note(part: dict[str, Any]) -> str:
     """How every term of the new model was measured, with its values."""
     cal, link = part["calibration"], part["link"]
     o = cal["overhead"]
-    return (f"The new model ('predicted'): rank 0's profile taken alone (the other ranks waiting), each pass "
-            f"affine in the rows (timed at the microbatch's rows and at half of them); the runtime's own work "
+    alone = part["profiles"]["alone"]
+    return (f"The new model ('predicted'): rank 0's profile taken alone (the other ranks waiting; fastest of "
+            f"{alone['meta']['repeats']}, round by round over the parts), each pass affine in the rows (timed "
+            f"at {alone['microbatch_size']} and {alone['meta']['fit_rows']} rows, the candidates' largest and "
+            f"smallest microbatch), a full B timed as one fused pass; the runtime's own work "
             f"from a calibration on the same {part['config']['ranks']} ranks ({o['method']}): "
             f"{o['action_s'] * 1e6:.0f} us per compute action, {o['message_s'] * 1e6:.0f} us per SEND/RECV, "
             f"{o['step_s'] * 1e6:.0f} us per step; the stage-to-stage link (latency "

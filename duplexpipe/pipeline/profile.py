@@ -126,7 +126,8 @@ def profile_parts(parts: Sequence[nn.Module], sample_input: Any, *, target: Any 
                   timer: Timer = time.perf_counter, meta: dict[str, Any] | None = None) -> Profile:
     """Measure each part on one microbatch, the parts run in order so each sees its real input.
 
-    Per part: the fastest of `repeats` runs (after `warmup` unmeasured ones), separately for
+    Per part: the fastest of `repeats` runs (after `warmup` unmeasured ones; run round by round
+    over all parts, so a slow moment of the machine does not hit one part's runs only), separately for
     its forward, its input-gradient backward (I) and its weight-gradient backward (W), split as
     the runtime splits them; the bytes its forward keeps for backward (`SavedBytes`: what
     autograd saves plus the input leaves kept for I, each storage once, parameters and the
@@ -171,22 +172,21 @@ def _measure(parts: Sequence[nn.Module], sample_input: Any, target: Any,
     """Each part's fastest F, I and W (and fused B) and its bytes, the parts run in order on `sample_input`;
     `runs`: (repeats, warmup, fused)."""
     repeats, warmup, fused = runs
-    message = _Message.of(sample_input, "sample_input", grads=False)  # a first stage's input takes no gradient
-    data = list(message.leaves) + tensor_leaves(target)  # the caller's batch: never counted
-    measured = []
-    for k, part in enumerate(parts):
-        last = k == len(parts) - 1
-        loss = (lambda out: loss_fn(out, target)) if last and loss_fn is not None else None  # noqa: E731
-        run = _PartRun(part, timer, fused)
-        out = None
-        for attempt in range(warmup + repeats):
-            out = run.once(message, loss, data)
+    first = _Message.of(sample_input, "sample_input", grads=False)  # a first stage's input takes no gradient
+    data = list(first.leaves) + tensor_leaves(target)  # the caller's batch: never counted
+    timed = [_PartRun(part, timer, fused) for part in parts]
+    outputs: list[Any] = [None] * len(parts)
+    for attempt in range(warmup + repeats):  # round by round over the parts: a slow moment hits all alike
+        message = first
+        for k, run in enumerate(timed):
+            last = k == len(parts) - 1
+            loss = (lambda out: loss_fn(out, target)) if last and loss_fn is not None else None  # noqa: E731
+            outputs[k] = run.once(message, loss, data)
             if attempt < warmup:
                 run.times = ([], [], [], [])
-        measured.append(run.result(out))
-        message = _Message.of(out, f"the output of part {k}", grads=True)
-        message.leaves = [t.detach() for t in message.leaves]  # keep the values, free the graph
-    return measured
+            message = _Message.of(outputs[k], f"the output of part {k}", grads=True)
+            message.leaves = [t.detach() for t in message.leaves]  # keep the values, free the graph
+    return [run.result(out) for run, out in zip(timed, outputs, strict=True)]
 
 
 def _affine(full: PartProfile, fewer: PartProfile, rows: int, small: int) -> PartProfile:
