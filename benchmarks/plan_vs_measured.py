@@ -50,6 +50,7 @@ from benchmarks import harness, models, report  # noqa: E402
 from benchmarks.plan_vs_measured_report import FIGURE, ORDER_GAP, figure, publish, text_report  # noqa: E402
 from duplexpipe.pipeline import Pipeline, PipelineConfig, profile_parts  # noqa: E402
 from duplexpipe.pipeline.autoplan import NO_LIMIT, AutoChoice  # noqa: E402
+from duplexpipe.pipeline.profile import cache_evict_bytes  # noqa: E402
 from duplexpipe.pipeline.runtime_overhead import measure_overhead  # noqa: E402
 from duplexpipe.pipeline.split import build_parts, plan_partition  # noqa: E402
 from duplexpipe.runtime.saved_bytes import SavedBytes  # noqa: E402
@@ -108,13 +109,15 @@ def _shared(profile: Profile | None) -> Profile:
 
 def _profiles(parts: list[nn.Module], batch: tuple[Any, Any], loss: Any, cfg: PvMConfig) -> dict[str, Profile]:
     """The parts profiled on rank 0 alone (the new model: on the candidates' largest microbatch, affine
-    down to their smallest, fused B too), then on every rank at once (rank 0's kept: the old prediction's
+    down to their smallest, fused B too, caches cold before each pass), then on every rank at once
+    (rank 0's kept: the old prediction's profile, on batch / 8 rows, linear, B = I + W, warm caches)."""The parts profiled on rank 0 alone (the new model: on the candidates' largest microbatch, affine
+    down to their smallest, fused B too, caches cold before each pass), then on every rank at once (rank 0's kept: the old prediction's
     profile, on batch / 8 rows, linear, B = I + W)."""
     largest = cfg.batch_size // min(m for _, m in cfg.candidates)
     smallest = cfg.batch_size // max(m for _, m in cfg.candidates)
     alone = profile_parts(copy.deepcopy(parts), batch[0][:largest], target=batch[1][:largest], loss_fn=loss,
-                          repeats=cfg.profile_repeats, warmup=2,
-                          fit_rows=smallest if smallest < largest else 0) if dist.get_rank() == 0 else None
+                          repeats=cfg.profile_repeats, warmup=2, fit_rows=smallest if smallest < largest else 0,
+                          evict_bytes=cache_evict_bytes()) if dist.get_rank() == 0 else None
     dist.barrier()
     alone_shared = _shared(alone)
     rows = cfg.batch_size // 8

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from duplexpipe.pipeline.profile import nbytes, profile_parts, tensor_leaves
+from duplexpipe.pipeline.profile import cache_evict_bytes, nbytes, profile_parts, tensor_leaves
 
 
 class ScriptedTimer:
@@ -84,6 +84,22 @@ def test_the_fused_backward_is_timed_as_the_runtime_runs_b() -> None:
     assert p.full_backward_s == 3.5 and p.linear().full_backward_s == 5
     real = profile_parts([mlp()], torch.randn(4, 8), repeats=1, warmup=0).parts[0]
     assert real.backward_fused_s is not None and real.backward_fused_fixed_s is not None
+
+
+def test_cold_cache_timing_writes_a_buffer_between_passes_outside_the_timings() -> None:
+    # with eviction every pass has its own two reads (the buffer is written between them, untimed)
+    reads = [0.0, 1.0, 5.0, 7.0, 20.0, 23.0,  # warm-up: F, I, W
+             100.0, 101.5, 110.0, 112.0, 120.0, 120.5,  # F 1.5, I 2, W 0.5
+             200.0, 204.0]  # the fused B: 4
+    timer = ListTimer(reads)
+    (p,) = profile_parts([mlp()], torch.randn(4, 8), repeats=1, warmup=1, fit_rows=0, fused=False,
+                         evict_bytes=1 << 16, timer=timer).parts
+    assert (p.forward_s, p.backward_input_s, p.backward_weight_s) == (1.5, 2.0, 0.5) and len(timer.reads) == 2
+    assert cache_evict_bytes() > 0 and cache_evict_bytes(default=7) in (7, cache_evict_bytes())
+    with pytest.raises(ValueError, match="evict_bytes >= 0"):
+        profile_parts([mlp()], torch.randn(4, 8), evict_bytes=-1)
+    real = profile_parts([mlp()], torch.randn(4, 8), repeats=1, warmup=0, evict_bytes=1 << 16)
+    assert real.meta["evict_bytes"] == 1 << 16 and real.parts[0].backward_fused_s is not None
 
 
 def test_bytes_of_activations_parameters_and_messages() -> None:
