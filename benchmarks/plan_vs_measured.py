@@ -110,9 +110,7 @@ def _shared(profile: Profile | None) -> Profile:
 def _profiles(parts: list[nn.Module], batch: tuple[Any, Any], loss: Any, cfg: PvMConfig) -> dict[str, Profile]:
     """The parts profiled on rank 0 alone (the new model: on the candidates' largest microbatch, affine
     down to their smallest, fused B too, caches cold before each pass), then on every rank at once
-    (rank 0's kept: the old prediction's profile, on batch / 8 rows, linear, B = I + W, warm caches)."""The parts profiled on rank 0 alone (the new model: on the candidates' largest microbatch, affine
-    down to their smallest, fused B too, caches cold before each pass), then on every rank at once (rank 0's kept: the old prediction's
-    profile, on batch / 8 rows, linear, B = I + W)."""
+    (rank 0's kept: the old prediction's profile, on batch / 8 rows, linear, B = I + W, warm caches)."""
     largest = cfg.batch_size // min(m for _, m in cfg.candidates)
     smallest = cfg.batch_size // max(m for _, m in cfg.candidates)
     alone = profile_parts(copy.deepcopy(parts), batch[0][:largest], target=batch[1][:largest], loss_fn=loss,
