@@ -109,13 +109,20 @@ def _shared(profile: Profile | None) -> Profile:
 
 def _profiles(parts: list[nn.Module], batch: tuple[Any, Any], loss: Any, cfg: PvMConfig) -> dict[str, Profile]:
     """The parts profiled on rank 0 alone (the new model: on the candidates' largest microbatch, affine
-    down to their smallest, fused B too, caches cold before each pass), then on every rank at once
+    down to their smallest, fused B too, caches cold before each pass: it writes as many bytes as one
+    microbatch keeps through the whole model, what a 1F1B rank holds at its peak), then on every rank at once
     (rank 0's kept: the old prediction's profile, on batch / 8 rows, linear, B = I + W, warm caches)."""
     largest = cfg.batch_size // min(m for _, m in cfg.candidates)
     smallest = cfg.batch_size // max(m for _, m in cfg.candidates)
-    alone = profile_parts(copy.deepcopy(parts), batch[0][:largest], target=batch[1][:largest], loss_fn=loss,
-                          repeats=cfg.profile_repeats, warmup=2, fit_rows=smallest if smallest < largest else 0,
-                          evict_bytes=cache_evict_bytes()) if dist.get_rank() == 0 else None
+    alone = None
+    if dist.get_rank() == 0:
+        sample = (batch[0][:largest], batch[1][:largest])
+        bytes_only = profile_parts(copy.deepcopy(parts), sample[0], target=sample[1], loss_fn=loss, repeats=1,
+                                   warmup=0, fit_rows=0, fused=False)
+        evict = max(cache_evict_bytes(), sum(p.activation_bytes for p in bytes_only.parts))
+        alone = profile_parts(copy.deepcopy(parts), sample[0], target=sample[1], loss_fn=loss,
+                              repeats=cfg.profile_repeats, warmup=2, fit_rows=smallest if smallest < largest else 0,
+                              evict_bytes=evict)
     dist.barrier()
     alone_shared = _shared(alone)
     rows = cfg.batch_size // 8
