@@ -65,6 +65,9 @@ def add_parsers(sub: Any) -> None:
                     "microbatches = 4)")
     pr.add_argument("--repeats", type=_integer("repeats"), default=3,
                     help="measured runs per part (the fastest counts)")
+    pr.add_argument("--evict", type=_size("evict"), default=0, metavar="SIZE",
+                    help="write SIZE bytes before each timed pass, so caches are cold as in a pipeline (e.g. the "
+                    "activations one microbatch keeps through the model; default 0: warm)")
     pr.add_argument("--balance", choices=("uniform", "params", "time"), default="uniform",
                     help="how to split the layers into parts (default uniform)")
     pr.add_argument("--threads", type=_integer("threads"), default=1,
@@ -176,7 +179,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if len(inputs) < rows:
         raise ValueError(f"--microbatch {rows}: the task's batch(0, {rows}) gave only {len(inputs)} samples")
     profile = profile_parts(parts, inputs[:rows], target=targets[:rows], loss_fn=task.loss_fn,
-                            repeats=args.repeats, meta={"task": spec, "parts": args.parts, "balance": args.balance,
+                            repeats=args.repeats, evict_bytes=args.evict, meta={"task": spec, "parts": args.parts, "balance": args.balance,
                                                         "threads": args.threads})
     try:
         save_profile(profile, args.output)
