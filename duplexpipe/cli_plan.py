@@ -178,9 +178,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
     inputs, targets = task.batch(0, rows)
     if len(inputs) < rows:
         raise ValueError(f"--microbatch {rows}: the task's batch(0, {rows}) gave only {len(inputs)} samples")
-    profile = profile_parts(parts, inputs[:rows], target=targets[:rows], loss_fn=task.loss_fn,
-                            repeats=args.repeats, evict_bytes=args.evict, meta={"task": spec, "parts": args.parts, "balance": args.balance,
-                                                        "threads": args.threads})
+    meta = {"task": spec, "parts": args.parts, "balance": args.balance, "threads": args.threads}
+    profile = profile_parts(parts, inputs[:rows], target=targets[:rows], loss_fn=task.loss_fn, repeats=args.repeats,
+                            evict_bytes=args.evict, meta=meta)
     try:
         save_profile(profile, args.output)
     except OSError as exc:
