@@ -57,6 +57,7 @@ from duplexpipe.runtime.saved_bytes import SavedBytes  # noqa: E402
 from duplexpipe.schedules import registry  # noqa: E402
 from duplexpipe.schedules.contention import Machine, simulate_shared  # noqa: E402
 from duplexpipe.schedules.dp_model import Link  # noqa: E402
+from duplexpipe.schedules.overhead import rank_work  # noqa: E402
 from duplexpipe.schedules.plan import PlanConfig, plan  # noqa: E402
 from duplexpipe.schedules.profiles import Profile, RuntimeOverhead, balanced_split  # noqa: E402
 from duplexpipe.schedules.simulate import CostModel  # noqa: E402
@@ -172,21 +173,26 @@ def _candidate(profile: Profile, cfg: PvMConfig, name: str, m: int, link: Link |
     return AutoChoice(result, profile, result.schedule, tuple(counts))
 
 
-def _train(pipes: list[Pipeline], task: Any, cfg: PvMConfig) -> tuple[list[list[float]], list[list[int]]]:
-    """Round-robin steps; per candidate, the measured steps' seconds (slowest rank) and this rank's peaks."""
+def _train(pipes: list[Pipeline], task: Any, cfg: PvMConfig) -> tuple[list[list[float]], list[list[int]], list[float]]:
+    """Round-robin steps; per candidate, the measured steps' seconds (slowest rank), this rank's peaks and
+    the median of this rank's CPU seconds per step."""
     seconds: list[list[float]] = [[] for _ in pipes]
     peaks: list[list[int]] = [[] for _ in pipes]
+    cpu: list[list[float]] = [[] for _ in pipes]
     for step in range(cfg.warmup + cfg.steps):
         x, y = task.batch(step, cfg.batch_size)
         for k in range(len(pipes)):
             c = (step + k) % len(pipes)
+            start = time.process_time()
             took, _ = harness.timed(functools.partial(pipes[c].step, x, y))
+            used = time.process_time() - start
             info = pipes[c].last
             assert info is not None
             if step >= cfg.warmup:
                 seconds[c].append(took)
                 peaks[c].append(info.peak_saved_bytes)
-    return seconds, peaks
+                cpu[c].append(used)
+    return seconds, peaks, [statistics.median(c) for c in cpu]
 
 
 def _overhead(cfg: PvMConfig, ranks: int) -> dict[str, list[float]]:
@@ -274,6 +280,14 @@ def _variants(profiles: dict[str, Profile], overhead: dict[str, Any], cfg: PvMCo
             for key, (prof, c) in settings.items()}
 
 
+def _model_cpu(choice: AutoChoice, cfg: PvMConfig) -> list[float]:
+    """Per rank: the CPU seconds the new model charges for one step of the candidate (`rank_work`)."""
+    schedule, profile = choice.schedule, choice.profile
+    groups = profile.at_microbatch(cfg.batch_size / schedule.num_microbatches).grouped(schedule.num_groups,
+                                                                                       list(choice.groups))
+    return rank_work(schedule, groups, profile.overhead)
+
+
 def _worker(rank: int, world: int, cfg: PvMConfig) -> dict[str, Any]:
     torch.manual_seed(0)
     task = gpt_task(n_layer=cfg.n_layer, d_model=cfg.d_model)
@@ -290,15 +304,15 @@ def _worker(rank: int, world: int, cfg: PvMConfig) -> dict[str, Any]:
     choices = variants["model"]
     pipes = [Pipeline(c.merged_parts(copy.deepcopy(parts)), task.loss_fn, _adamw,
                       replace(_run_config(), schedule=c.schedule)) for c in choices]
-    seconds, peaks = _train(pipes, task, cfg)
-    out: dict[str, Any] = {"seconds": seconds, "peaks": peaks, "overhead": _overhead(cfg, world)}
+    seconds, peaks, cpu = _train(pipes, task, cfg)
+    out: dict[str, Any] = {"seconds": seconds, "peaks": peaks, "cpu": cpu, "overhead": _overhead(cfg, world)}
     dist.barrier()
     if rank == 0:
         out["counting"] = counting_cost(max(3, cfg.overhead_steps))
         out["profiles"] = {k: p.to_dict() for k, p in profiles.items()}
         out["link"] = {"latency_s": link.latency, "bandwidth": link.bandwidth, "message_bytes": message}
         out["calibration"] = calibration
-        out["plans"] = [{"row": c.result.best.to_dict(), "groups": list(c.groups),
+        out["plans"] = [{"row": c.result.best.to_dict(), "groups": list(c.groups), "cpu_model": _model_cpu(c, cfg),
                          "variants": {k: {"step_s": v[i].result.best.step_s, "groups": list(v[i].groups)}
                                       for k, v in variants.items()}}
                         for i, c in enumerate(choices)]
@@ -322,9 +336,10 @@ def summarize(per_rank: list[dict[str, Any]], cfg: PvMConfig) -> list[dict[str, 
         stable = all(len(set(r["peaks"][c])) == 1 for r in per_rank)
         step = harness.summarize(samples)
         variants = {k: dict(v, err=_rel(step.median, v["step_s"])) for k, v in plan_row["variants"].items()}
+        cpu = [r["cpu"][c] for r in per_rank]
         rows.append({
             "candidate": f"{row['schedule']}, M={row['microbatches']}", "groups": plan_row["groups"],
-            "predicted_s": row["step_s"], "variants": variants,
+            "predicted_s": row["step_s"], "variants": variants, "cpu_model": plan_row["cpu_model"], "cpu": cpu,
             "measured": step.to_dict(), "min_s": min(samples), "max_s": max(samples), "samples": samples,
             "time_err": _rel(step.median, row["step_s"]),
             "predicted_acts": predicted_acts, "measured_acts": measured_acts, "peaks_stable": stable,

@@ -64,6 +64,19 @@ def calibration_table(part: dict[str, Any]) -> list[list[str]]:
     return out
 
 
+def cpu_table(part: dict[str, Any]) -> list[list[str]]:
+    """Header + per candidate: the CPU seconds per step the new model charges (all ranks) against the
+    measured CPU time of the ranks' processes, and what the measured CPU alone bounds the step by."""
+    cores = part["calibration"]["cores"]
+    out = [["candidate", "model CPU ms (all ranks)", "measured CPU ms (all ranks)", "measured / model",
+            f"measured CPU / {cores} cores ms", "measured step ms"]]
+    for r in part["rows"]:
+        model, real = sum(r["cpu_model"]), sum(r["cpu"])
+        out.append([r["candidate"], _ms(model), _ms(real), f"{real / model:.2f}", _ms(real / cores),
+                    _ms(r["measured"]["median_s"])])
+    return out
+
+
 def figure(part: dict[str, Any], path: str) -> None:
     """Predicted vs measured step time (every measured step, the median marked, the old prediction hollow)
     and peak activation bytes."""
@@ -136,6 +149,8 @@ def markdown(part: dict[str, Any], figure_link: str | None) -> str:
              report.markdown_table(order_table(part)), "",
              "The model on its own calibration runs (not a fit of the step: the solver fits CPU time per rank):", "",
              report.markdown_table(calibration_table(part)), "",
+             "CPU time per step (each rank's process, `time.process_time`, median of the measured steps):", "",
+             report.markdown_table(cpu_table(part)), "",
              f"Saved-bytes counting on the overhead-bound MLP (8 x Linear 256, batch 64, 1F1B, M=8, "
              f"{cfg['ranks']} ranks, {cfg['overhead_steps']} alternating steps each): median step "
              f"{_ms(ov['on']['median_s'])} ms counted vs {_ms(ov['off']['median_s'])} ms not; median paired "
@@ -157,6 +172,7 @@ def publish(part: dict[str, Any], docs: str) -> None:
 def text_report(part: dict[str, Any]) -> str:
     """The tables as text, and how the model was measured."""
     return "\n".join([report.text_table(table(part)), "", report.text_table(order_table(part)), "",
-                      report.text_table(calibration_table(part)), "", _model_note(part), "",
+                      report.text_table(calibration_table(part)), "", report.text_table(cpu_table(part)), "",
+                      _model_note(part), "",
                       f"counting overhead: paired step ratio {part['overhead']['paired_ratio']:.3f}, one process "
                       f"{part['counting']['ratio']:.3f}"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from duplexpipe.schedules import registry
-from duplexpipe.schedules.overhead import OverheadSample, rank_counts, solve_overhead
+from duplexpipe.schedules.overhead import OverheadSample, rank_counts, rank_work, solve_overhead
 
 
 def synthetic(step: float, action: float, message: float, noise: tuple[float, ...] = ()) -> list[OverheadSample]:
@@ -50,3 +50,16 @@ def test_samples_that_cannot_separate_the_terms() -> None:
         solve_overhead([])
     with pytest.raises(ValueError, match="bad overhead sample"):
         solve_overhead([OverheadSample(-1, 2, 1.0)] * 3)
+
+
+def test_rank_work_prices_each_rank_s_actions_and_overheads() -> None:
+    from duplexpipe.schedules.profiles import PartProfile, RuntimeOverhead
+
+    part = PartProfile(1.0, 2.0, 0.5, 0, 0, 0, 0, backward_fused_s=2.25)
+    over = RuntimeOverhead(0.1, 0.01, 3.0)
+    # 1F1B, P=2, M=2: each rank 2 F + 2 fused B, 4 messages
+    assert rank_work(registry.build("1f1b", 2, 2), [part, part], over) == pytest.approx([2 + 4.5 + 0.4 + 0.04 + 3] * 2)
+    # ZB-H1: I and W instead of B; without overhead only the compute
+    assert rank_work(registry.build("zb-h1", 2, 2), [part, part]) == pytest.approx([2 * (1 + 2 + 0.5)] * 2)
+    with pytest.raises(ValueError, match="has 2 model parts, got 1"):
+        rank_work(registry.build("1f1b", 2, 2), [part])

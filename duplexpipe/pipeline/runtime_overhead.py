@@ -14,8 +14,7 @@ from torch import Tensor, nn
 from duplexpipe.pipeline.profile import profile_parts
 from duplexpipe.pipeline.trainer import Pipeline, PipelineConfig
 from duplexpipe.schedules import registry
-from duplexpipe.schedules.ir import Op, Schedule
-from duplexpipe.schedules.overhead import OverheadSample, rank_counts, solve_overhead
+from duplexpipe.schedules.overhead import OverheadSample, rank_counts, rank_work, solve_overhead
 from duplexpipe.schedules.profiles import PartProfile, RuntimeOverhead
 
 CpuTimer = Callable[[], float]
@@ -32,13 +31,6 @@ class TinyPart(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """x * scale."""
         return x * self.scale
-
-
-def _compute(schedule: Schedule, rank: int, part: PartProfile) -> float:
-    """What `rank`'s actions of `schedule` cost in `part`'s measured times (the parts' own compute)."""
-    cost = {Op.F: part.forward_s, Op.B: part.full_backward_s, Op.I: part.backward_input_s,
-            Op.W: part.backward_weight_s}
-    return sum(cost.get(p.op, 0.0) for action in schedule.actions[rank] for p in action.compute_parts())
 
 
 def _loss(output: Tensor, target: Tensor) -> Tensor:
@@ -115,7 +107,8 @@ def measure_overhead(message: Tensor, *, runs: Sequence[tuple[str, int]] | None 
         for (name, m), seconds in zip(plan, got[0], strict=True):
             schedule = registry.build(name, ranks, m)
             actions, messages = rank_counts(schedule)[r]
-            samples.append(OverheadSample(actions, messages, seconds - _compute(schedule, r, got[1])))
+            compute = rank_work(schedule, [got[1]] * schedule.num_groups)[r]
+            samples.append(OverheadSample(actions, messages, seconds - compute))
     method = (f"{', '.join(f'{n} M={m}' for n, m in plan)} on {ranks} ranks with 1-weight parts on "
               f"{tuple(message.shape)} messages: median CPU time per rank of {steps} steps each, minus the "
               f"parts' own compute, least squares over {len(samples)} rank-runs")

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from duplexpipe.schedules.ir import Op, Schedule
 from duplexpipe.schedules.lower import lower
-from duplexpipe.schedules.profiles import RuntimeOverhead
+from duplexpipe.schedules.profiles import PartProfile, RuntimeOverhead
 
 _MESSAGES = (Op.SEND_F, Op.SEND_B, Op.RECV_F, Op.RECV_B)
 
@@ -32,6 +32,26 @@ def rank_counts(schedule: Schedule) -> list[tuple[int, int]]:
     for row in lower(schedule).actions:
         messages = sum(a.op in _MESSAGES for a in row)
         out.append((len(row) - messages, messages))
+    return out
+
+
+def rank_work(schedule: Schedule, groups: Sequence[PartProfile], overhead: RuntimeOverhead | None = None
+              ) -> list[float]:
+    """Per rank: the CPU seconds the model charges it for one step of `schedule` (lowered): its actions
+    priced by `groups` (one PartProfile per model part, at the step's microbatch: F, fused B or I + W, I,
+    W), plus `overhead` per compute action, per SEND/RECV and per step."""
+    if len(groups) != schedule.num_groups:
+        raise ValueError(f"{schedule.name!r} has {schedule.num_groups} model parts, got {len(groups)} part profiles")
+    over = overhead or RuntimeOverhead(0.0, 0.0, 0.0)
+    out = []
+    for rank, (actions, messages) in enumerate(rank_counts(schedule)):
+        work = over.step_s + actions * over.action_s + messages * over.message_s
+        for action in schedule.actions[rank]:
+            for part in action.compute_parts():
+                g = groups[schedule.stages[part.stage].group]
+                work += {Op.F: g.forward_s, Op.B: g.full_backward_s, Op.I: g.backward_input_s,
+                         Op.W: g.backward_weight_s}.get(part.op, 0.0)
+        out.append(work)
     return out
 
 
