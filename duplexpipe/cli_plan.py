@@ -83,6 +83,16 @@ def add_profile_option(parser: argparse.ArgumentParser) -> None:
                         help="a profile ('duplexpipe profile'): also show each rank's memory in bytes")
 
 
+def _machine(profile: Any, args: argparse.Namespace) -> str:
+    """What the step time assumes about the machine, in a few words."""
+    where = f"{args.cores} cores shared by the ranks" if args.cores else "a device per rank"
+    over = profile.overhead
+    if over is None:
+        return f"{where}, no runtime overhead measured"
+    return (f"{where}, runtime overhead {over.action_s * 1e6:.0f} us per action, {over.message_s * 1e6:.0f} us "
+            f"per message, {over.step_s * 1e3:.3g} ms per step")
+
+
 def _integer(name: str, minimum: int = 1) -> Any:
     def convert(text: str) -> int:
         try:
@@ -149,7 +159,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     best = result.best
     print(f"plan for P={args.ranks} x D={args.dp}, batch {args.batch}, cap {format_bytes(args.memory)} per rank; "
-          f"profile of {profile.num_parts} parts at microbatch {profile.microbatch_size}")
+          f"profile of {profile.num_parts} parts at microbatch {profile.microbatch_size}; {_machine(profile, args)}")
     print(result.table(args.top))
     print(f"best: {best.schedule} with M={best.microbatches}, ZeRO {best.zero}, compression {best.compression}: "
           f"step {best.step_s * 1e3:.4g} ms, peak {format_bytes(best.peak_bytes)} per rank")

@@ -71,6 +71,8 @@ def test_plan_with_shared_cores(capsys: pytest.CaptureFixture[str], profile_file
         assert code == 0, err
         steps.append(json.loads(out)["best"]["step_s"])
     assert steps[0] == steps[1] < steps[2]  # 4 cores for 4 ranks: as a device per rank; 1 core: serialized
+    code, out, _ = run(capsys, *args[:-1], "--cores", "2")
+    assert code == 0 and "2 cores shared by the ranks, no runtime overhead measured" in out
     code, _, err = run(capsys, *args, "--cores", "0")
     assert code == 2 and "cores must be >= 1, got 0" in err and len(err.strip().splitlines()) == 1
 
