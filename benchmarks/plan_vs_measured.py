@@ -51,7 +51,7 @@ from benchmarks.plan_vs_measured_report import FIGURE, ORDER_GAP, figure, publis
 from duplexpipe.pipeline import Pipeline, PipelineConfig, profile_parts  # noqa: E402
 from duplexpipe.pipeline.autoplan import NO_LIMIT, AutoChoice  # noqa: E402
 from duplexpipe.pipeline.profile import cache_evict_bytes  # noqa: E402
-from duplexpipe.pipeline.runtime_overhead import measure_overhead  # noqa: E402
+from duplexpipe.pipeline.runtime_overhead import CalibrationRun, measure_in_pipeline, measure_overhead  # noqa: E402
 from duplexpipe.pipeline.split import build_parts, plan_partition  # noqa: E402
 from duplexpipe.runtime.saved_bytes import SavedBytes  # noqa: E402
 from duplexpipe.schedules import registry  # noqa: E402
@@ -88,13 +88,22 @@ class PvMConfig:
     overhead_steps: int = 30
     """Steps of the counting-overhead check, each with counting on and off."""
     calibration_steps: int = 30
-    """Measured steps of each run of the runtime-overhead calibration."""
+    """Measured steps of each run of the runtime-overhead calibrations."""
+    calibration: tuple[tuple[str, int], ...] = (("gpipe", 4), ("gpipe", 8), ("zb-h1", 4))
+    """(schedule, M) pairs the in-pipeline calibration trains with the real parts (none a candidate: the
+    model is judged on schedules it was not fitted on; fused and split backward, two M)."""
+
+    def __post_init__(self) -> None:
+        shared = set(self.calibration) & set(self.candidates)
+        if shared:
+            raise ValueError(f"calibration runs {sorted(shared)} are candidates too: calibrate on other (schedule, M)")
 
 
 def quick_config() -> PvMConfig:
     """A smoke configuration: 2 ranks, a narrow model, 2 candidates, 2 steps."""
     return PvMConfig(ranks=2, n_layer=4, d_model=32, batch_size=8, candidates=(("1f1b", 4), ("zb-h1", 4)),
-                     steps=2, warmup=1, profile_repeats=1, overhead_steps=2, calibration_steps=2)
+                     steps=2, warmup=1, profile_repeats=1, overhead_steps=2, calibration_steps=2,
+                     calibration=(("gpipe", 2), ("gpipe", 4), ("zb-h1", 2)))
 
 
 def _adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -250,6 +259,7 @@ def _calibrate(parts: list[nn.Module], sample: Any, link: Link, cfg: PvMConfig, 
         message = torch.zeros_like(parts[0](sample))
     cal = measure_overhead(message, steps=cfg.calibration_steps, config=_run_config())
     o, t = cal.overhead, cal.tiny
+    assert t is not None
     machine = Machine(cores, o.action_s, o.message_s, o.step_s)
     cost = CostModel(f=t.forward_s, b=t.backward_s, w=t.backward_weight_s, latency=link.latency,
                      bandwidth=link.bandwidth, activation_bytes=float(message.numel() * message.element_size()))
@@ -260,8 +270,28 @@ def _calibrate(parts: list[nn.Module], sample: Any, link: Link, cfg: PvMConfig, 
             "message_shape": list(message.shape), "cores": cores}
 
 
+def _calibrate_in_pipeline(parts: list[nn.Module], batch: tuple[Any, Any], loss: Any, profile: Profile,
+                           link: Link, cfg: PvMConfig, cores: int) -> dict[str, Any]:
+    """The compute scale and the runtime's work from the real parts on `cfg.calibration` (merged as the
+    planner groups them, AdamW and clipping as the candidates run; `measure_in_pipeline`), and the
+    resulting model's prediction of those runs (a check of the fit)."""
+    runs = []
+    for name, m in cfg.calibration:
+        choice = _candidate(profile, cfg, name, m, link)
+        groups = profile.at_microbatch(cfg.batch_size / m).grouped(choice.schedule.num_groups, list(choice.groups))
+        runs.append(CalibrationRun(choice.schedule, choice.merged_parts(copy.deepcopy(parts)), groups))
+    cal = measure_in_pipeline(runs, batch, loss, _adamw, steps=cfg.calibration_steps, config=_run_config())
+    model = replace(profile, overhead=cal.overhead)
+    check = [{"run": f"{name}, M={m}", "measured_s": cal.wall_s[(name, m)],
+              "predicted_s": _candidate(model, cfg, name, m, link, cores).result.best.step_s}
+             for name, m in cfg.calibration]
+    return {"overhead": cal.overhead.to_dict(), "check": check, "samples": [asdict(x) for x in cal.samples]}
+
+
 VARIANTS = {
-    "model": "profiled alone, affine, runtime overhead, C cores (the new model)",
+    "model": "profiled alone, affine, compute scale and runtime overhead from the real parts, C cores (the new model)",
+    "previous": "profiled alone, affine, runtime overhead from 1-weight parts (compute scale 1), C cores "
+                "(the previous model)",
     "no_cores": "the new model with a device per rank",
     "cores_only": "profiled alone, linear, no overhead, C cores",
     "alone_linear": "profiled alone, linear, no overhead, a device per rank",
@@ -270,11 +300,13 @@ VARIANTS = {
 """The predictions compared (all with the measured link)."""
 
 
-def _variants(profiles: dict[str, Profile], overhead: dict[str, Any], cfg: PvMConfig, link: Link,
+def _variants(profiles: dict[str, Profile], overhead: dict[str, dict[str, Any]], cfg: PvMConfig, link: Link,
               cores: int) -> dict[str, list[AutoChoice]]:
     """Each prediction of `VARIANTS` for every candidate."""
-    model = replace(profiles["alone"], overhead=RuntimeOverhead.from_dict(overhead, "calibration"))
-    settings = {"model": (model, cores), "no_cores": (model, None), "cores_only": (model.basic(), cores),
+    model = replace(profiles["alone"], overhead=RuntimeOverhead.from_dict(overhead["in_pipeline"], "in pipeline"))
+    previous = replace(profiles["alone"], overhead=RuntimeOverhead.from_dict(overhead["tiny"], "calibration"))
+    settings = {"model": (model, cores), "previous": (previous, cores), "no_cores": (model, None),
+                "cores_only": (model.basic(), cores),
                 "alone_linear": (model.basic(), None), "old": (profiles["loaded"].basic(), None)}
     return {key: [_candidate(prof, cfg, name, m, link, c) for name, m in cfg.candidates]
             for key, (prof, c) in settings.items()}
@@ -300,7 +332,9 @@ def _worker(rank: int, world: int, cfg: PvMConfig) -> dict[str, Any]:
     link = _measure_link(int(message))
     cores = len(os.sched_getaffinity(0))
     calibration = _calibrate(parts, x[:rows], link, cfg, cores)
-    variants = _variants(profiles, calibration["overhead"], cfg, link, cores)
+    in_pipeline = _calibrate_in_pipeline(parts, (x, y), task.loss_fn, profiles["alone"], link, cfg, cores)
+    variants = _variants(profiles, {"in_pipeline": in_pipeline["overhead"], "tiny": calibration["overhead"]}, cfg,
+                         link, cores)
     choices = variants["model"]
     pipes = [Pipeline(c.merged_parts(copy.deepcopy(parts)), task.loss_fn, _adamw,
                       replace(_run_config(), schedule=c.schedule)) for c in choices]
@@ -312,7 +346,9 @@ def _worker(rank: int, world: int, cfg: PvMConfig) -> dict[str, Any]:
         out["profiles"] = {k: p.to_dict() for k, p in profiles.items()}
         out["link"] = {"latency_s": link.latency, "bandwidth": link.bandwidth, "message_bytes": message}
         out["calibration"] = calibration
+        out["in_pipeline"] = in_pipeline
         out["plans"] = [{"row": c.result.best.to_dict(), "groups": list(c.groups), "cpu_model": _model_cpu(c, cfg),
+                         "cpu_previous": _model_cpu(variants["previous"][i], cfg),
                          "variants": {k: {"step_s": v[i].result.best.step_s, "groups": list(v[i].groups)}
                                       for k, v in variants.items()}}
                         for i, c in enumerate(choices)]
@@ -340,6 +376,7 @@ def summarize(per_rank: list[dict[str, Any]], cfg: PvMConfig) -> list[dict[str, 
         rows.append({
             "candidate": f"{row['schedule']}, M={row['microbatches']}", "groups": plan_row["groups"],
             "predicted_s": row["step_s"], "variants": variants, "cpu_model": plan_row["cpu_model"], "cpu": cpu,
+            "cpu_previous": plan_row["cpu_previous"],
             "measured": step.to_dict(), "min_s": min(samples), "max_s": max(samples), "samples": samples,
             "time_err": _rel(step.median, row["step_s"]),
             "predicted_acts": predicted_acts, "measured_acts": measured_acts, "peaks_stable": stable,
@@ -374,6 +411,7 @@ def run(cfg: PvMConfig) -> dict[str, Any]:
     lead = per_rank[0]
     return {"rows": rows, "order": order_pairs(rows), "overhead": overhead, "counting": lead["counting"],
             "link": lead["link"], "profiles": lead["profiles"], "calibration": lead["calibration"],
+            "in_pipeline": lead["in_pipeline"],
             "variants": VARIANTS, "config": asdict(cfg)}
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -16,7 +17,8 @@ BYTES_TARGET = 0.10
 ORDER_GAP = 0.15
 """Candidates whose predicted step times differ by more than this fraction must be measured in that order."""
 FIGURE = "plan_vs_measured.png"
-SHORT = {"no_cores": "device per rank", "cores_only": "C cores only", "alone_linear": "alone, linear",
+SHORT = {"previous": "previous model (1-weight calibration)",
+         "no_cores": "device per rank", "cores_only": "C cores only", "alone_linear": "alone, linear",
          "old": "old prediction"}
 """Column titles of the comparison predictions."""
 
@@ -56,11 +58,14 @@ def order_table(part: dict[str, Any]) -> list[list[str]]:
 
 
 def calibration_table(part: dict[str, Any]) -> list[list[str]]:
-    """Header + the calibration runs: the model's prediction of them against their measured step."""
-    out = [["calibration run (1-weight parts)", "predicted ms", "measured ms (median)", "error"]]
-    for c in part["calibration"]["check"]:
-        err = (c["measured_s"] - c["predicted_s"]) / c["predicted_s"]
-        out.append([c["run"], f"{c['predicted_s'] * 1e3:.2f}", f"{c['measured_s'] * 1e3:.2f}", f"{err:+.1%}"])
+    """Header + the calibration runs: each model's prediction of its own calibration runs against their
+    measured step (the new model: the real parts; the previous one: 1-weight parts)."""
+    out = [["calibration run", "model", "predicted ms", "measured ms (median)", "error"]]
+    for key, title in (("in_pipeline", "new (real parts)"), ("calibration", "previous (1-weight parts)")):
+        for c in part.get(key, {}).get("check", []):
+            err = (c["measured_s"] - c["predicted_s"]) / c["predicted_s"]
+            out.append([c["run"], title, f"{c['predicted_s'] * 1e3:.2f}", f"{c['measured_s'] * 1e3:.2f}",
+                        f"{err:+.1%}"])
     return out
 
 
@@ -69,11 +74,12 @@ def cpu_table(part: dict[str, Any]) -> list[list[str]]:
     measured CPU time of the ranks' processes, and what the measured CPU alone bounds the step by."""
     cores = part["calibration"]["cores"]
     out = [["candidate", "model CPU ms (all ranks)", "measured CPU ms (all ranks)", "measured / model",
-            f"measured CPU / {cores} cores ms", "measured step ms"]]
+            "previous model CPU ms", "measured / previous", f"measured CPU / {cores} cores ms", "measured step ms"]]
     for r in part["rows"]:
         model, real = sum(r["cpu_model"]), sum(r["cpu"])
-        out.append([r["candidate"], _ms(model), _ms(real), f"{real / model:.2f}", _ms(real / cores),
-                    _ms(r["measured"]["median_s"])])
+        previous = sum(r.get("cpu_previous", [math.nan]))
+        out.append([r["candidate"], _ms(model), _ms(real), f"{real / model:.2f}", _ms(previous),
+                    f"{real / previous:.2f}", _ms(real / cores), _ms(r["measured"]["median_s"])])
     return out
 
 
@@ -116,7 +122,7 @@ def figure(part: dict[str, Any], path: str) -> None:
 def _model_note(part: dict[str, Any]) -> str:
     """How every term of the new model was measured, with its values."""
     cal, link = part["calibration"], part["link"]
-    o = cal["overhead"]
+    o, n = cal["overhead"], part["in_pipeline"]["overhead"]
     alone = part["profiles"]["alone"]
     return (f"The new model ('predicted'): rank 0's profile taken alone (the other ranks waiting; fastest of "
             f"{alone['meta']['repeats']}, round by round over the parts), each pass affine in the rows (timed "
@@ -124,10 +130,15 @@ def _model_note(part: dict[str, Any]) -> str:
             f"smallest microbatch), a full B timed as one fused pass, each pass after writing "
             f"{alone['meta'].get('evict_bytes', 0) / 2**20:.3g} MiB (the activations one microbatch keeps through the "
             f"whole model, what a 1F1B rank holds at its peak, at least twice the per-core L2: the caches are as "
-            f"cold as between a part's passes in a pipeline); the runtime's own work "
-            f"from a calibration on the same {part['config']['ranks']} ranks ({o['method']}): "
-            f"{o['action_s'] * 1e6:.0f} us per compute action, {o['message_s'] * 1e6:.0f} us per SEND/RECV, "
-            f"{o['step_s'] * 1e6:.0f} us per step; the stage-to-stage link (latency "
+            f"cold as between a part's passes in a pipeline); each rank's CPU per step as alpha x its "
+            f"profiled compute + work per compute action, per SEND/RECV and per step, from a calibration "
+            f"with the real parts on the same {part['config']['ranks']} ranks ({n['method']}; the parts merged "
+            f"as the planner groups them, AdamW and clipping as in the candidates): alpha = "
+            f"{n['compute_scale']:.3f}, {n['action_s'] * 1e6:.0f} us per compute action, {n['message_s'] * 1e6:.0f} "
+            f"us per SEND/RECV, {n['step_s'] * 1e6:.0f} us per step (the previous model: alpha = 1 and the "
+            f"runtime's work from {o['method']}: {o['action_s'] * 1e6:.0f} us per compute action, "
+            f"{o['message_s'] * 1e6:.0f} us per SEND/RECV, {o['step_s'] * 1e6:.0f} us per step); the "
+            f"stage-to-stage link (latency "
             f"{link['latency_s'] * 1e6:.0f} us per message, {link['bandwidth'] / 1e6:,.0f} MB/s, from rank 0-1 "
             f"round trips of 4 and {link['message_bytes']:,} bytes); and C = {cal['cores']} cores shared by the "
             f"ranks (`os.sched_getaffinity`), simulated with processor sharing. Comparisons: "

@@ -38,6 +38,18 @@ def test_overheads_per_action_per_message_and_per_step() -> None:
     assert run.rank_end == (9.25, 6.5) and run.step == 9.25
 
 
+def test_the_compute_scale_multiplies_compute_before_the_action_overhead() -> None:
+    # as above with every compute action 1.5x its cost-model time: rank 0 F0 [0, 1.75], messages to 2.0;
+    # rank 1 F0 at 1.875 + 0.5 = 2.375 to 4.125, B0 (3 + 0.25) to 7.375, SEND_B0 to 7.5, step to 8.5;
+    # rank 0 B0 at 8.0 to 11.25, step work to 12.25.
+    cost = CostModel(f=1, b=2, w=1, latency=0.5)
+    machine = Machine(action_s=0.25, message_s=0.125, step_s=1, compute_scale=1.5)
+    run = simulate_shared(registry.build("1f1b", 2, 1), cost, machine)
+    assert spans(run.timeline) == [(0, "0B0", 8.0, 11.25), (0, "0F0", 0.0, 1.75), (1, "1B0", 4.125, 7.375),
+                                   (1, "1F0", 2.375, 4.125)]
+    assert run.rank_end == (12.25, 8.5)
+
+
 def test_waiting_for_a_message_takes_no_core() -> None:
     # 1F1B, P=2, M=1 on one core with latency 10: while a message is in flight no rank computes, and the
     # waiting rank does not slow the one that computes
@@ -74,6 +86,7 @@ def test_one_core_runs_all_work_back_to_back_when_there_is_no_latency(name: str)
     ({"action_s": -1.0}, "action_s must be a finite number >= 0"),
     ({"message_s": float("inf")}, "message_s must be a finite number >= 0"),
     ({"step_s": float("nan")}, "step_s must be a finite number >= 0"),
+    ({"compute_scale": 0.0}, "compute_scale must be a finite number > 0"),
 ])
 def test_bad_machines(kwargs: dict[str, object], needle: str) -> None:
     with pytest.raises(ValueError, match=needle):

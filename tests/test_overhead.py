@@ -37,6 +37,43 @@ def test_the_solver_is_least_squares_under_noise() -> None:
     assert got.action_s == pytest.approx(1e-4, rel=0.05) and got.message_s == pytest.approx(3e-5, rel=0.1)
 
 
+def in_pipeline(alpha: float, step: float, action: float, message: float,
+                noise: tuple[float, ...] = ()) -> list[OverheadSample]:
+    """Samples of the real-part calibration: GPipe at M = 4 and 8 and ZB-H1 at M = 4 on 4 ranks whose
+    parts cost differently (embedding and head on the outer ranks), each rank's profiled compute known."""
+    from duplexpipe.schedules.profiles import PartProfile
+
+    parts = [PartProfile(f, 2 * f, f / 2, 0, 0, 0, 0, backward_fused_s=2.2 * f) for f in (3e-3, 1e-3, 1e-3, 5e-3)]
+    out = []
+    for name, m in (("gpipe", 4), ("gpipe", 8), ("zb-h1", 4)):
+        schedule = registry.build(name, 4, m)
+        scaled = [p.scaled(4 / m) for p in parts]  # the same batch in M microbatches
+        for k, ((a, n), c) in enumerate(zip(rank_counts(schedule), rank_work(schedule, scaled), strict=True)):
+            jitter = noise[(k + m) % len(noise)] if noise else 0.0
+            out.append(OverheadSample(a, n, alpha * c + step + a * action + n * message + jitter, c))
+    return out
+
+
+def test_the_solver_recovers_the_compute_scale_from_real_part_samples() -> None:
+    got = solve_overhead(in_pipeline(1.4, 2e-3, 1e-4, 3e-5), "real parts", fit_scale=True)
+    assert (got.compute_scale, got.step_s, got.action_s, got.message_s) == pytest.approx((1.4, 2e-3, 1e-4, 3e-5))
+    noisy = solve_overhead(in_pipeline(1.4, 2e-3, 1e-4, 3e-5, (2e-5, -2e-5, 1e-5, -1e-5, 0.0)), fit_scale=True)
+    assert noisy.compute_scale == pytest.approx(1.4, rel=0.05) and noisy.action_s == pytest.approx(1e-4, rel=0.3)
+    # without fit_scale the compute is subtracted at alpha = 1: what alpha - 1 cost lands in the other terms
+    fixed = solve_overhead(in_pipeline(1.0, 2e-3, 1e-4, 3e-5))
+    assert fixed.compute_scale == 1.0 and fixed.action_s == pytest.approx(1e-4)
+
+
+def test_the_compute_scale_needs_compute_that_varies_apart_from_the_counts() -> None:
+    flat = [OverheadSample(s.actions, s.messages, s.seconds, 1e-3) for s in in_pipeline(1.4, 2e-3, 1e-4, 3e-5)]
+    with pytest.raises(ValueError, match="compute scale from 12 samples"):
+        solve_overhead(flat, fit_scale=True)  # the same compute on every rank and run: a copy of the step column
+    with pytest.raises(ValueError, match="does not grow with their compute"):
+        solve_overhead(in_pipeline(-0.5, 2e-2, 1e-4, 3e-5), fit_scale=True)  # held at 0: no scale to charge
+    with pytest.raises(ValueError, match="compute must be >= 0"):
+        solve_overhead([OverheadSample(1, 2, 1.0, -1.0)] * 4, fit_scale=True)
+
+
 def test_a_negative_term_is_held_at_zero_and_the_rest_refit() -> None:
     got = solve_overhead(synthetic(5e-3, 1e-4, -2e-5))  # no real runtime does this: the fit clamps it
     assert got.message_s == 0.0 and got.action_s > 0 and got.step_s >= 0

@@ -36,9 +36,20 @@ def test_quick_run_predicts_the_measured_activation_peaks_and_writes_its_section
     assert min(calibration["overhead"][k] for k in ("action_s", "message_s", "step_s")) >= 0
     assert len(calibration["check"]) == 3 and all(c["predicted_s"] > 0 for c in calibration["check"])
     assert len(calibration["samples"]) == 3 * cfg.ranks  # every rank on every calibration run
+    real = part["in_pipeline"]  # the new model's calibration: the real parts, on no candidate's (schedule, M)
+    assert 0 < real["overhead"]["compute_scale"] < float("inf")
+    assert min(real["overhead"][k] for k in ("action_s", "message_s", "step_s")) >= 0
+    assert [c["run"] for c in real["check"]] == [f"{name}, M={m}" for name, m in cfg.calibration]
+    assert not set(cfg.calibration) & set(cfg.candidates) and len(real["samples"]) == 3 * cfg.ranks
+    assert all(s["compute"] > 0 for s in real["samples"])
     text = (docs / "benchmarks.md").read_text()
     assert "prose kept" in text and plan_vs_measured_report.BEGIN in text and plan_vs_measured_report.END in text
     assert (docs / "img" / plan_vs_measured_report.FIGURE).stat().st_size > 0
+
+
+def test_the_calibration_may_not_run_a_candidate() -> None:
+    with pytest.raises(ValueError, match=r"calibration runs \[\('1f1b', 8\)\] are candidates too"):
+        plan_vs_measured.PvMConfig(calibration=(("gpipe", 4), ("1f1b", 8)))
 
 
 def _row(name: str, predicted: float, measured: float) -> dict[str, Any]:

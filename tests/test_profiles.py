@@ -124,6 +124,16 @@ def test_affine_parts_and_overhead_round_trip_and_old_profiles_load_as_before(tm
     assert loaded.at_microbatch(2).parts[0].forward_s == 0.5  # linear, as before
 
 
+def test_compute_scale_round_trips_and_older_overheads_load_with_one(tmp_path: Path) -> None:
+    profile = Profile((affine(),), 4, {}, RuntimeOverhead(1e-4, 2e-4, 3e-3, "in pipeline", compute_scale=1.4))
+    save_profile(profile, tmp_path / "scaled.json")
+    assert load_profile(tmp_path / "scaled.json").overhead == profile.overhead
+    data = profile.to_dict()
+    del data["overhead"]["compute_scale"]  # what a profile written before the field holds
+    older = Profile.from_dict(data).overhead
+    assert older is not None and older.compute_scale == 1.0 and older.action_s == 1e-4
+
+
 def test_affine_scaling_grouping_and_basic() -> None:
     p = affine(f=1.0, fixed=0.25)  # F = 0.25 + 0.75 x (rows / 4)
     assert p.scaled(0.5).forward_s == pytest.approx(0.625) and p.scaled(0.5).fixed == p.fixed
@@ -141,6 +151,8 @@ def test_affine_scaling_grouping_and_basic() -> None:
     (lambda d: d["parts"][0].update(backward_weight_fixed_s=-1), "'backward_weight_fixed_s' must be a finite"),
     (lambda d: d.update(overhead=[1, 2]), "overhead: expected an object, got list"),
     (lambda d: d.update(overhead={"action_s": 1e-4, "message_s": 0.0}), "overhead: missing field 'step_s'"),
+    (lambda d: d.update(overhead={"action_s": 0, "message_s": 0, "step_s": 0, "compute_scale": 0}),
+     "overhead: runtime overhead compute_scale must be a finite number > 0, got 0"),
     (lambda d: d.update(overhead={"action_s": -1, "message_s": 0, "step_s": 0}),
      "overhead: runtime overhead action_s must be a finite number >= 0, got -1"),
 ])

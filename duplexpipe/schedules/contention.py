@@ -29,6 +29,9 @@ class Machine:
     """Runtime work of every SEND and every RECV (posting it, waiting on it, handing the tensor over)."""
     step_s: float = 0.0
     """Work each rank does after its list (loss, norm and optimizer bookkeeping of a step)."""
+    compute_scale: float = 1.0
+    """alpha: every compute action's cost-model time is multiplied by it (a part's time inside a running
+    pipeline over its profiled time), before `action_s` is added."""
 
     def __post_init__(self) -> None:
         if self.cores is not None and (not isinstance(self.cores, int) or isinstance(self.cores, bool)
@@ -38,6 +41,9 @@ class Machine:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
                 raise ValueError(f"machine {name} must be a finite number >= 0, got {value!r}")
+        scale = self.compute_scale
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
+            raise ValueError(f"machine compute_scale must be a finite number > 0, got {scale!r}")
 
 
 @dataclass(frozen=True)
@@ -59,9 +65,9 @@ def simulate_shared(schedule: Schedule, cost: CostModel | None = None, machine: 
                     full_backward: Sequence[float] | None = None) -> SharedRun:
     """Time `schedule` (lowered first) on `machine`, event-driven over its actions and dependencies.
 
-    As `simulate.simulate`, except that work is shared: compute actions (plus `action_s`),
-    SENDs and RECVs (`message_s` each) and the step tail (`step_s`) are work that progresses
-    at min(1, C / k) while k ranks have work. A message still arrives `cost.comm_time`
+    As `simulate.simulate`, except that work is shared: compute actions (times `compute_scale`,
+    plus `action_s`), SENDs and RECVs (`message_s` each) and the step tail (`step_s`) are work
+    that progresses at min(1, C / k) while k ranks have work. A message still arrives `cost.comm_time`
     after both its SEND and its RECV are done, and waiting for it takes no core. With
     C >= num_ranks (or None) and zero overheads the timeline equals `simulate`'s.
     `full_backward`: per stage, what a full backward B costs when it differs from I + W (a fused
@@ -188,7 +194,7 @@ class _Shared:
         if arrival > self.now:
             self.wake[rank] = arrival
             return False
-        self._begin(rank, ins[4] + self.machine.action_s)
+        self._begin(rank, ins[4] * self.machine.compute_scale + self.machine.action_s)
         return True
 
     def _arrival(self, token: int) -> float | None:

@@ -301,15 +301,16 @@ def _simulate(schedule: Schedule, cost: CostModel, groups: Sequence[PartProfile]
 
     Without shared cores, a measured runtime overhead or measured fused backward times: `simulate`
     (the plain model). Otherwise `contention.simulate_shared` on `config.cores` with the profile's
-    overheads, a B action costing its group's fused backward where every group has one.
+    overheads (compute actions scaled by its compute_scale), a B action costing its group's fused
+    backward where every group has one.
     """
     fused = [g.backward_fused_s for g in groups]
     known = all(f is not None for f in fused)
     if config.cores is None and profile.overhead is None and not known:
         return simulate(schedule, cost), 0.0
     over = profile.overhead
-    machine = Machine(config.cores,
-                      *((over.action_s, over.message_s, over.step_s) if over is not None else (0.0, 0.0, 0.0)))
+    machine = Machine(config.cores, *((over.action_s, over.message_s, over.step_s, over.compute_scale)
+                                      if over is not None else (0.0, 0.0, 0.0, 1.0)))
     full = [groups[info.group].full_backward_s for info in schedule.stages] if known else None
     run = simulate_shared(schedule, cost, machine, full)
     return run.timeline, max(0.0, run.step - run.timeline.makespan)

@@ -103,17 +103,23 @@ class RuntimeOverhead:
     """Per step: what a rank does once (loss and norm collectives, optimizer bookkeeping)."""
     method: str = ""
     """How it was measured (for reports)."""
+    compute_scale: float = 1.0
+    """alpha: a part's CPU time inside a running pipeline over its profiled time (a calibration with the
+    real parts measures it; 1 when the calibration ran 1-weight parts or in older profiles)."""
 
     def __post_init__(self) -> None:
         for name in ("action_s", "message_s", "step_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
                 raise ProfileError(f"runtime overhead {name} must be a finite number >= 0, got {value!r}")
+        scale = self.compute_scale
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
+            raise ProfileError(f"runtime overhead compute_scale must be a finite number > 0, got {scale!r}")
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form."""
         return {"action_s": self.action_s, "message_s": self.message_s, "step_s": self.step_s,
-                "method": self.method}
+                "method": self.method, "compute_scale": self.compute_scale}
 
     @staticmethod
     def from_dict(data: Any, where: str) -> RuntimeOverhead:
@@ -124,7 +130,8 @@ class RuntimeOverhead:
             if name not in data:
                 raise ProfileError(f"{where}: missing field {name!r}")
         try:
-            return RuntimeOverhead(data["action_s"], data["message_s"], data["step_s"], str(data.get("method", "")))
+            return RuntimeOverhead(data["action_s"], data["message_s"], data["step_s"], str(data.get("method", "")),
+                                   data.get("compute_scale", 1.0))
         except ProfileError as exc:
             raise ProfileError(f"{where}: {exc}") from None
 
