@@ -3,11 +3,13 @@
 One spawn of 4 gloo processes (one thread each) splits the GPT example into 2P = 8 model parts and
 profiles them twice on a microbatch of the step's batch (`profile_parts`, each pass affine in the rows):
 on rank 0 alone while the other ranks wait, and on every rank at once (the old prediction's profile).
-It then measures the stage-to-stage link (round trips) and the runtime's own work per action, message
-and step (`measure_overhead`: real schedules with 1-weight parts on the 4 ranks, CPU time per rank,
-least squares), and counts the cores the ranks share. For each candidate (schedule, M) the planner
-(`schedules.plan.plan`, no memory cap) predicts the step time with the new model (profile alone, affine,
-overhead, C shared cores) and with four comparisons (`VARIANTS`), and each rank's peak of live
+It then measures the stage-to-stage link (round trips), calibrates each rank's CPU per step as alpha x
+its profiled compute + work per action, message and step (`measure_in_pipeline`: the real parts on
+`PvMConfig.calibration`, schedules that are not candidates; least squares) and, for the previous
+model, the runtime's work alone (`measure_overhead`: 1-weight parts), and counts the cores the ranks
+share. For each candidate (schedule, M) the planner (`schedules.plan.plan`, no memory cap) predicts the
+step time with the new model (profile alone, affine, compute scale and overhead, C shared cores) and
+with five comparisons (`VARIANTS`), and each rank's peak of live
 activation bytes; the parts are merged as the new model's planner grouped them
 (`autoplan.AutoChoice.merged_parts`) and trained as a `Pipeline`, every candidate round-robin (step i
 of each, the first one rotating, then step i+1) so all see the same machine load. Measured: each

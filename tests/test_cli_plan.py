@@ -77,6 +77,18 @@ def test_plan_with_shared_cores(capsys: pytest.CaptureFixture[str], profile_file
     assert code == 2 and "cores must be >= 1, got 0" in err and len(err.strip().splitlines()) == 1
 
 
+def test_plan_header_names_the_measured_compute_scale(capsys: pytest.CaptureFixture[str], profile_file: str,
+                                                       tmp_path: Path) -> None:
+    data = json.loads(Path(profile_file).read_text())
+    data["overhead"] = {"action_s": 1e-4, "message_s": 2e-4, "step_s": 1e-3, "compute_scale": 1.25}
+    scaled = tmp_path / "scaled.json"
+    scaled.write_text(json.dumps(data))
+    code, out, err = run(capsys, "plan", "--profile", str(scaled), "-p", "4", "--batch", "32", "--memory", "1GiB",
+                         "--schedules", "1f1b", "--microbatches", "8", "--cores", "2")
+    assert code == 0, err
+    assert "100 us per action, 200 us per message, 1 ms per step, compute x 1.25 in the pipeline" in out
+
+
 @pytest.mark.parametrize(("args", "needle"), [
     (["--memory", "4Gx"], "bad memory size '4Gx'"),
     (["--memory", "1KiB"], "the smallest feasible cap is"),

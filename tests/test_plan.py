@@ -173,6 +173,9 @@ def test_measured_runtime_overhead_and_affine_times_enter_the_prediction() -> No
     per_action = one(replace(base, overhead=RuntimeOverhead(1e-4, 0.0, 0.0)))
     per_message = one(replace(base, overhead=RuntimeOverhead(0.0, 1e-4, 0.0)))
     assert per_action > one(base) and per_message > one(base)
+    # the compute scale: on one core every compute runs back to back, so the step is alpha x all compute
+    scaled = replace(base, overhead=RuntimeOverhead(0.0, 0.0, 0.0, compute_scale=1.5))
+    assert one(scaled, cores=1) == pytest.approx(1.5 * one(base, cores=1))
     # fixed parts: at the profiled size nothing changes; at half the rows the fixed part does not halve
     fixed = Profile(tuple(replace(p, forward_fixed_s=5e-4, backward_input_fixed_s=5e-4, backward_weight_fixed_s=5e-4)
                           for p in base.parts), 4)
