@@ -96,6 +96,8 @@ def test_rank_work_prices_each_rank_s_actions_and_overheads() -> None:
     over = RuntimeOverhead(0.1, 0.01, 3.0)
     # 1F1B, P=2, M=2: each rank 2 F + 2 fused B, 4 messages
     assert rank_work(registry.build("1f1b", 2, 2), [part, part], over) == pytest.approx([2 + 4.5 + 0.4 + 0.04 + 3] * 2)
+    scaled = RuntimeOverhead(0.1, 0.01, 3.0, compute_scale=2.0)  # the compute doubled, the rest as before
+    assert rank_work(registry.build("1f1b", 2, 2), [part, part], scaled) == pytest.approx([13 + 0.44 + 3] * 2)
     # ZB-H1: I and W instead of B; without overhead only the compute
     assert rank_work(registry.build("zb-h1", 2, 2), [part, part]) == pytest.approx([2 * (1 + 2 + 0.5)] * 2)
     with pytest.raises(ValueError, match="has 2 model parts, got 1"):

@@ -41,7 +41,7 @@ def rank_work(schedule: Schedule, groups: Sequence[PartProfile], overhead: Runti
               ) -> list[float]:
     """Per rank: the CPU seconds the model charges it for one step of `schedule` (lowered): its actions
     priced by `groups` (one PartProfile per model part, at the step's microbatch: F, fused B or I + W, I,
-    W), plus `overhead` per compute action, per SEND/RECV and per step."""
+    W) times `overhead.compute_scale`, plus `overhead` per compute action, per SEND/RECV and per step."""
     if len(groups) != schedule.num_groups:
         raise ValueError(f"{schedule.name!r} has {schedule.num_groups} model parts, got {len(groups)} part profiles")
     over = overhead or RuntimeOverhead(0.0, 0.0, 0.0)
