@@ -102,9 +102,10 @@ class PvMConfig:
 
 
 def quick_config() -> PvMConfig:
-    """A smoke configuration: 2 ranks, a narrow model, 2 candidates, 2 steps."""
-    return PvMConfig(ranks=2, n_layer=4, d_model=32, batch_size=8, candidates=(("1f1b", 4), ("zb-h1", 4)),
-                     steps=2, warmup=1, profile_repeats=1, overhead_steps=2, calibration_steps=2,
+    """A smoke configuration: 2 ranks, a narrow model, 2 candidates, 2 steps (the profile affine between their
+    microbatches, 4 and 2 rows, so the calibration's compute column is not a copy of its step column)."""
+    return PvMConfig(ranks=2, n_layer=4, d_model=32, batch_size=8, candidates=(("1f1b", 2), ("zb-h1", 4)),
+                     steps=2, warmup=1, profile_repeats=3, overhead_steps=2, calibration_steps=5,
                      calibration=(("gpipe", 2), ("gpipe", 4), ("zb-h1", 2)))
 
 
@@ -276,13 +277,18 @@ def _calibrate_in_pipeline(parts: list[nn.Module], batch: tuple[Any, Any], loss:
                            link: Link, cfg: PvMConfig, cores: int) -> dict[str, Any]:
     """The compute scale and the runtime's work from the real parts on `cfg.calibration` (merged as the
     planner groups them, AdamW and clipping as the candidates run; `measure_in_pipeline`), and the
-    resulting model's prediction of those runs (a check of the fit)."""
+    resulting model's prediction of those runs (a check of the fit). When the samples cannot separate the
+    terms (a smoke run's few noisy steps), the solver's ValueError is recorded as "error" and the new
+    model is the previous one (every rank solves the same samples, so all of them take this branch)."""
     runs = []
     for name, m in cfg.calibration:
         choice = _candidate(profile, cfg, name, m, link)
         groups = profile.at_microbatch(cfg.batch_size / m).grouped(choice.schedule.num_groups, list(choice.groups))
         runs.append(CalibrationRun(choice.schedule, choice.merged_parts(copy.deepcopy(parts)), groups))
-    cal = measure_in_pipeline(runs, batch, loss, _adamw, steps=cfg.calibration_steps, config=_run_config())
+    try:
+        cal = measure_in_pipeline(runs, batch, loss, _adamw, steps=cfg.calibration_steps, config=_run_config())
+    except ValueError as exc:
+        return {"overhead": None, "check": [], "samples": [], "error": str(exc)}
     model = replace(profile, overhead=cal.overhead)
     check = [{"run": f"{name}, M={m}", "measured_s": cal.wall_s[(name, m)],
               "predicted_s": _candidate(model, cfg, name, m, link, cores).result.best.step_s}
@@ -302,11 +308,13 @@ VARIANTS = {
 """The predictions compared (all with the measured link)."""
 
 
-def _variants(profiles: dict[str, Profile], overhead: dict[str, dict[str, Any]], cfg: PvMConfig, link: Link,
+def _variants(profiles: dict[str, Profile], overhead: dict[str, dict[str, Any] | None], cfg: PvMConfig, link: Link,
               cores: int) -> dict[str, list[AutoChoice]]:
     """Each prediction of `VARIANTS` for every candidate."""
-    model = replace(profiles["alone"], overhead=RuntimeOverhead.from_dict(overhead["in_pipeline"], "in pipeline"))
     previous = replace(profiles["alone"], overhead=RuntimeOverhead.from_dict(overhead["tiny"], "calibration"))
+    fitted = overhead["in_pipeline"]
+    model = previous if fitted is None else replace(profiles["alone"],
+                                                    overhead=RuntimeOverhead.from_dict(fitted, "in pipeline"))
     settings = {"model": (model, cores), "previous": (previous, cores), "no_cores": (model, None),
                 "cores_only": (model.basic(), cores),
                 "alone_linear": (model.basic(), None), "old": (profiles["loaded"].basic(), None)}

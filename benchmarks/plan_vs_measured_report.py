@@ -123,6 +123,8 @@ def _model_note(part: dict[str, Any]) -> str:
     """How every term of the new model was measured, with its values."""
     cal, link = part["calibration"], part["link"]
     o, n = cal["overhead"], part["in_pipeline"]["overhead"]
+    if n is None:  # the in-pipeline calibration could not separate its terms: the previous model stands in
+        n = dict(o, method=f"FAILED, the previous model's terms used instead: {part['in_pipeline']['error']}")
     alone = part["profiles"]["alone"]
     return (f"The new model ('predicted'): rank 0's profile taken alone (the other ranks waiting; fastest of "
             f"{alone['meta']['repeats']}, round by round over the parts), each pass affine in the rows (timed "
