@@ -1,15 +1,20 @@
 """Prediction vs measurement: the planner's step time and peak activation bytes against runs of the GPT example.
 
 One spawn of 4 gloo processes (one thread each) splits the GPT example into 2P = 8 model parts and
-profiles them twice on a microbatch of the step's batch (`profile_parts`): on rank 0 alone while the
-other ranks wait, and on every rank at once (rank 0's profile is used), which loads the 2 cores as a
-pipeline run does. For each candidate (schedule, M) the planner (`schedules.plan.plan`, no memory cap)
-predicts the step time and each rank's peak of live activation bytes; the parts are merged as the
-planner grouped them (`autoplan.AutoChoice.merged_parts`) and trained as a `Pipeline`, every candidate
-round-robin (step i of each, the first one rotating, then step i+1) so all see the same machine load.
-Measured: each step's slowest rank (`harness.timed`) and each rank's `StepInfo.peak_saved_bytes`.
-The same spawn times the saved-bytes counting itself on the overhead-bound MLP (1F1B, counting on and
-off, alternating).
+profiles them twice on a microbatch of the step's batch (`profile_parts`, each pass affine in the rows):
+on rank 0 alone while the other ranks wait, and on every rank at once (the old prediction's profile).
+It then measures the stage-to-stage link (round trips), calibrates each rank's CPU per step as alpha x
+its profiled compute + work per action, message and step (`measure_in_pipeline`: the real parts on
+`PvMConfig.calibration`, schedules that are not candidates; least squares) and, for the previous
+model, the runtime's work alone (`measure_overhead`: 1-weight parts), and counts the cores the ranks
+share. For each candidate (schedule, M) the planner (`schedules.plan.plan`, no memory cap) predicts the
+step time with the new model (profile alone, affine, compute scale and overhead, C shared cores) and
+with five comparisons (`VARIANTS`), and each rank's peak of live
+activation bytes; the parts are merged as the new model's planner grouped them
+(`autoplan.AutoChoice.merged_parts`) and trained as a `Pipeline`, every candidate round-robin (step i
+of each, the first one rotating, then step i+1) so all see the same machine load. Measured: each
+step's slowest rank (`harness.timed`) and each rank's `StepInfo.peak_saved_bytes`. The same spawn times
+the saved-bytes counting itself on the overhead-bound MLP (1F1B, counting on and off, alternating).
 
 Targets (issue 12): each measured peak within 10% of its prediction, each step time within 25%, and
 candidates whose predictions differ by more than 15% measured in the same order.
@@ -31,7 +36,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,24 +49,21 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import harness, models, report  # noqa: E402
+from benchmarks.plan_vs_measured_report import FIGURE, ORDER_GAP, figure, publish, text_report  # noqa: E402
 from duplexpipe.pipeline import Pipeline, PipelineConfig, profile_parts  # noqa: E402
 from duplexpipe.pipeline.autoplan import NO_LIMIT, AutoChoice  # noqa: E402
+from duplexpipe.pipeline.profile import cache_evict_bytes  # noqa: E402
+from duplexpipe.pipeline.runtime_overhead import CalibrationRun, measure_in_pipeline, measure_overhead  # noqa: E402
 from duplexpipe.pipeline.split import build_parts, plan_partition  # noqa: E402
 from duplexpipe.runtime.saved_bytes import SavedBytes  # noqa: E402
+from duplexpipe.schedules import registry  # noqa: E402
+from duplexpipe.schedules.contention import Machine, simulate_shared  # noqa: E402
 from duplexpipe.schedules.dp_model import Link  # noqa: E402
-from duplexpipe.schedules.memory import format_bytes  # noqa: E402
+from duplexpipe.schedules.overhead import rank_work  # noqa: E402
 from duplexpipe.schedules.plan import PlanConfig, plan  # noqa: E402
-from duplexpipe.schedules.profiles import Profile, balanced_split  # noqa: E402
+from duplexpipe.schedules.profiles import Profile, RuntimeOverhead, balanced_split  # noqa: E402
+from duplexpipe.schedules.simulate import CostModel  # noqa: E402
 from duplexpipe.tasks.gpt import gpt_task  # noqa: E402
-
-BEGIN, END = "<!-- bench:plan-vs-measured:begin -->", "<!-- bench:plan-vs-measured:end -->"
-TIME_TARGET = 0.25
-"""|measured - predicted| / predicted step time, at most."""
-BYTES_TARGET = 0.10
-"""|measured - predicted| / predicted peak activation bytes, at most."""
-ORDER_GAP = 0.15
-"""Candidates whose predicted step times differ by more than this fraction must be measured in that order."""
-FIGURE = "plan_vs_measured.png"
 
 
 @dataclass(frozen=True)
@@ -83,16 +85,28 @@ class PvMConfig:
     """Measured steps of every candidate."""
     warmup: int = 2
     """Unmeasured steps of every candidate first."""
-    profile_repeats: int = 5
+    profile_repeats: int = 10
     """profile_parts repeats (the fastest is kept)."""
     overhead_steps: int = 30
     """Steps of the counting-overhead check, each with counting on and off."""
+    calibration_steps: int = 30
+    """Measured steps of each run of the runtime-overhead calibrations."""
+    calibration: tuple[tuple[str, int], ...] = (("gpipe", 4), ("gpipe", 8), ("zb-h1", 4))
+    """(schedule, M) pairs the in-pipeline calibration trains with the real parts (none a candidate: the
+    model is judged on schedules it was not fitted on; fused and split backward, two M)."""
+
+    def __post_init__(self) -> None:
+        shared = set(self.calibration) & set(self.candidates)
+        if shared:
+            raise ValueError(f"calibration runs {sorted(shared)} are candidates too: calibrate on other (schedule, M)")
 
 
 def quick_config() -> PvMConfig:
-    """A smoke configuration: 2 ranks, a narrow model, 2 candidates, 2 steps."""
-    return PvMConfig(ranks=2, n_layer=4, d_model=32, batch_size=8, candidates=(("1f1b", 4), ("zb-h1", 4)),
-                     steps=2, warmup=1, profile_repeats=1, overhead_steps=2)
+    """A smoke configuration: 2 ranks, a narrow model, 2 candidates, 2 steps (the profile affine between their
+    microbatches, 4 and 2 rows, so the calibration's compute column is not a copy of its step column)."""
+    return PvMConfig(ranks=2, n_layer=4, d_model=32, batch_size=8, candidates=(("1f1b", 2), ("zb-h1", 4)),
+                     steps=2, warmup=1, profile_repeats=3, overhead_steps=2, calibration_steps=5,
+                     calibration=(("gpipe", 2), ("gpipe", 4), ("zb-h1", 2)))
 
 
 def _adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -106,15 +120,27 @@ def _shared(profile: Profile | None) -> Profile:
     return Profile.from_dict(payload[0])
 
 
-def _profiles(parts: list[nn.Module], sample: tuple[Any, Any], loss: Any, cfg: PvMConfig) -> dict[str, Profile]:
-    """The parts profiled on rank 0 alone, then on every rank at once (rank 0's kept)."""
-    def run() -> Profile:
-        return profile_parts(copy.deepcopy(parts), sample[0], target=sample[1], loss_fn=loss,
-                             repeats=cfg.profile_repeats, warmup=2)
-    alone = run() if dist.get_rank() == 0 else None
+def _profiles(parts: list[nn.Module], batch: tuple[Any, Any], loss: Any, cfg: PvMConfig) -> dict[str, Profile]:
+    """The parts profiled on rank 0 alone (the new model: on the candidates' largest microbatch, affine
+    down to their smallest, fused B too, caches cold before each pass: it writes as many bytes as one
+    microbatch keeps through the whole model, what a 1F1B rank holds at its peak), then on every rank at once
+    (rank 0's kept: the old prediction's profile, on batch / 8 rows, linear, B = I + W, warm caches)."""
+    largest = cfg.batch_size // min(m for _, m in cfg.candidates)
+    smallest = cfg.batch_size // max(m for _, m in cfg.candidates)
+    alone = None
+    if dist.get_rank() == 0:
+        sample = (batch[0][:largest], batch[1][:largest])
+        bytes_only = profile_parts(copy.deepcopy(parts), sample[0], target=sample[1], loss_fn=loss, repeats=1,
+                                   warmup=0, fit_rows=0, fused=False)
+        evict = max(cache_evict_bytes(), sum(p.activation_bytes for p in bytes_only.parts))
+        alone = profile_parts(copy.deepcopy(parts), sample[0], target=sample[1], loss_fn=loss,
+                              repeats=cfg.profile_repeats, warmup=2, fit_rows=smallest if smallest < largest else 0,
+                              evict_bytes=evict)
     dist.barrier()
     alone_shared = _shared(alone)
-    loaded = run()
+    rows = cfg.batch_size // 8
+    loaded = profile_parts(copy.deepcopy(parts), batch[0][:rows], target=batch[1][:rows], loss_fn=loss,
+                           repeats=cfg.profile_repeats, warmup=2, fit_rows=0, fused=False)
     dist.barrier()
     return {"alone": alone_shared, "loaded": _shared(loaded if dist.get_rank() == 0 else None)}
 
@@ -147,31 +173,38 @@ def _measure_link(nbytes: int, reps: int = 30) -> Link:
     return Link(bandwidth=payload[0][1], latency=payload[0][0])
 
 
-def _candidate(profile: Profile, cfg: PvMConfig, name: str, m: int, link: Link | None = None) -> AutoChoice:
+def _candidate(profile: Profile, cfg: PvMConfig, name: str, m: int, link: Link | None = None,
+               cores: int | None = None) -> AutoChoice:
     """The planner's row and schedule for one (schedule, M), with the parts grouped as it grouped them."""
     config = PlanConfig(ranks=cfg.ranks, batch=cfg.batch_size, memory=NO_LIMIT, schedules=(name,),
-                        microbatches=(m,), chunks=(2,), compressions=("none",), p2p_link=link or Link())
+                        microbatches=(m,), chunks=(2,), compressions=("none",), p2p_link=link or Link(),
+                        cores=cores)
     result = plan(profile, config)
     assert result.schedule is not None
     counts = balanced_split([p.forward_s + p.backward_s for p in profile.parts], result.schedule.num_groups)
     return AutoChoice(result, profile, result.schedule, tuple(counts))
 
 
-def _train(pipes: list[Pipeline], task: Any, cfg: PvMConfig) -> tuple[list[list[float]], list[list[int]]]:
-    """Round-robin steps; per candidate, the measured steps' seconds (slowest rank) and this rank's peaks."""
+def _train(pipes: list[Pipeline], task: Any, cfg: PvMConfig) -> tuple[list[list[float]], list[list[int]], list[float]]:
+    """Round-robin steps; per candidate, the measured steps' seconds (slowest rank), this rank's peaks and
+    the median of this rank's CPU seconds per step."""
     seconds: list[list[float]] = [[] for _ in pipes]
     peaks: list[list[int]] = [[] for _ in pipes]
+    cpu: list[list[float]] = [[] for _ in pipes]
     for step in range(cfg.warmup + cfg.steps):
         x, y = task.batch(step, cfg.batch_size)
         for k in range(len(pipes)):
             c = (step + k) % len(pipes)
+            start = time.process_time()
             took, _ = harness.timed(functools.partial(pipes[c].step, x, y))
+            used = time.process_time() - start
             info = pipes[c].last
             assert info is not None
             if step >= cfg.warmup:
                 seconds[c].append(took)
                 peaks[c].append(info.peak_saved_bytes)
-    return seconds, peaks
+                cpu[c].append(used)
+    return seconds, peaks, [statistics.median(c) for c in cpu]
 
 
 def _overhead(cfg: PvMConfig, ranks: int) -> dict[str, list[float]]:
@@ -216,6 +249,87 @@ def counting_cost(reps: int) -> dict[str, float]:
             "ratio": min(times[True]) / min(times[False])}
 
 
+def _run_config() -> PipelineConfig:
+    """The flags of every measured Pipeline (and of the calibration's)."""
+    return PipelineConfig(grad_clip_norm=1.0, record_timeline=False, check_inputs_every_step=False,
+                          count_saved_bytes=True)
+
+
+def _calibrate(parts: list[nn.Module], sample: Any, link: Link, cfg: PvMConfig, cores: int) -> dict[str, Any]:
+    """The runtime's overhead on the real ranks (`measure_overhead` on messages of the first part's output
+    shape), and the model's prediction of the calibration runs themselves (a check of the fit)."""
+    with torch.no_grad():
+        message = torch.zeros_like(parts[0](sample))
+    cal = measure_overhead(message, steps=cfg.calibration_steps, config=_run_config())
+    o, t = cal.overhead, cal.tiny
+    assert t is not None
+    machine = Machine(cores, o.action_s, o.message_s, o.step_s)
+    cost = CostModel(f=t.forward_s, b=t.backward_s, w=t.backward_weight_s, latency=link.latency,
+                     bandwidth=link.bandwidth, activation_bytes=float(message.numel() * message.element_size()))
+    check = [{"run": f"{name}, M={m}", "measured_s": wall,
+              "predicted_s": simulate_shared(registry.build(name, cfg.ranks, m), cost, machine).step}
+             for (name, m), wall in cal.wall_s.items()]
+    return {"overhead": o.to_dict(), "check": check, "samples": [asdict(x) for x in cal.samples],
+            "message_shape": list(message.shape), "cores": cores}
+
+
+def _calibrate_in_pipeline(parts: list[nn.Module], batch: tuple[Any, Any], loss: Any, profile: Profile,
+                           link: Link, cfg: PvMConfig, cores: int) -> dict[str, Any]:
+    """The compute scale and the runtime's work from the real parts on `cfg.calibration` (merged as the
+    planner groups them, AdamW and clipping as the candidates run; `measure_in_pipeline`), and the
+    resulting model's prediction of those runs (a check of the fit). When the samples cannot separate the
+    terms (a smoke run's few noisy steps), the solver's ValueError is recorded as "error" and the new
+    model is the previous one (every rank solves the same samples, so all of them take this branch)."""
+    runs = []
+    for name, m in cfg.calibration:
+        choice = _candidate(profile, cfg, name, m, link)
+        groups = profile.at_microbatch(cfg.batch_size / m).grouped(choice.schedule.num_groups, list(choice.groups))
+        runs.append(CalibrationRun(choice.schedule, choice.merged_parts(copy.deepcopy(parts)), groups))
+    try:
+        cal = measure_in_pipeline(runs, batch, loss, _adamw, steps=cfg.calibration_steps, config=_run_config())
+    except ValueError as exc:
+        return {"overhead": None, "check": [], "samples": [], "error": str(exc)}
+    model = replace(profile, overhead=cal.overhead)
+    check = [{"run": f"{name}, M={m}", "measured_s": cal.wall_s[(name, m)],
+              "predicted_s": _candidate(model, cfg, name, m, link, cores).result.best.step_s}
+             for name, m in cfg.calibration]
+    return {"overhead": cal.overhead.to_dict(), "check": check, "samples": [asdict(x) for x in cal.samples]}
+
+
+VARIANTS = {
+    "model": "profiled alone, affine, compute scale and runtime overhead from the real parts, C cores (the new model)",
+    "previous": "profiled alone, affine, runtime overhead from 1-weight parts (compute scale 1), C cores "
+                "(the previous model)",
+    "no_cores": "the new model with a device per rank",
+    "cores_only": "profiled alone, linear, no overhead, C cores",
+    "alone_linear": "profiled alone, linear, no overhead, a device per rank",
+    "old": "profiled with every rank at once, linear, no overhead, a device per rank (the old prediction)",
+}
+"""The predictions compared (all with the measured link)."""
+
+
+def _variants(profiles: dict[str, Profile], overhead: dict[str, dict[str, Any] | None], cfg: PvMConfig, link: Link,
+              cores: int) -> dict[str, list[AutoChoice]]:
+    """Each prediction of `VARIANTS` for every candidate."""
+    previous = replace(profiles["alone"], overhead=RuntimeOverhead.from_dict(overhead["tiny"], "calibration"))
+    fitted = overhead["in_pipeline"]
+    model = previous if fitted is None else replace(profiles["alone"],
+                                                    overhead=RuntimeOverhead.from_dict(fitted, "in pipeline"))
+    settings = {"model": (model, cores), "previous": (previous, cores), "no_cores": (model, None),
+                "cores_only": (model.basic(), cores),
+                "alone_linear": (model.basic(), None), "old": (profiles["loaded"].basic(), None)}
+    return {key: [_candidate(prof, cfg, name, m, link, c) for name, m in cfg.candidates]
+            for key, (prof, c) in settings.items()}
+
+
+def _model_cpu(choice: AutoChoice, cfg: PvMConfig) -> list[float]:
+    """Per rank: the CPU seconds the new model charges for one step of the candidate (`rank_work`)."""
+    schedule, profile = choice.schedule, choice.profile
+    groups = profile.at_microbatch(cfg.batch_size / schedule.num_microbatches).grouped(schedule.num_groups,
+                                                                                       list(choice.groups))
+    return rank_work(schedule, groups, profile.overhead)
+
+
 def _worker(rank: int, world: int, cfg: PvMConfig) -> dict[str, Any]:
     torch.manual_seed(0)
     task = gpt_task(n_layer=cfg.n_layer, d_model=cfg.d_model)
@@ -223,26 +337,31 @@ def _worker(rank: int, world: int, cfg: PvMConfig) -> dict[str, Any]:
     parts: list[nn.Module] = list(build_parts(task.layers, partition, embedding=task.embedding, head=task.head))
     x, y = task.batch(0, cfg.batch_size)
     rows = cfg.batch_size // 8
-    profiles = _profiles(parts, (x[:rows], y[:rows]), task.loss_fn, cfg)
+    profiles = _profiles(parts, (x, y), task.loss_fn, cfg)
     message = max(p.output_bytes for p in profiles["loaded"].at_microbatch(cfg.batch_size / 8).parts[:-1])
     link = _measure_link(int(message))
-    choices = [_candidate(profiles["loaded"], cfg, name, m, link) for name, m in cfg.candidates]
-    no_link = [_candidate(profiles["loaded"], cfg, name, m) for name, m in cfg.candidates]
-    alone = [_candidate(profiles["alone"], cfg, name, m, link) for name, m in cfg.candidates]
+    cores = len(os.sched_getaffinity(0))
+    calibration = _calibrate(parts, x[:rows], link, cfg, cores)
+    in_pipeline = _calibrate_in_pipeline(parts, (x, y), task.loss_fn, profiles["alone"], link, cfg, cores)
+    variants = _variants(profiles, {"in_pipeline": in_pipeline["overhead"], "tiny": calibration["overhead"]}, cfg,
+                         link, cores)
+    choices = variants["model"]
     pipes = [Pipeline(c.merged_parts(copy.deepcopy(parts)), task.loss_fn, _adamw,
-                      PipelineConfig(schedule=c.schedule, grad_clip_norm=1.0, record_timeline=False,
-                                     check_inputs_every_step=False, count_saved_bytes=True)) for c in choices]
-    seconds, peaks = _train(pipes, task, cfg)
-    out: dict[str, Any] = {"seconds": seconds, "peaks": peaks, "overhead": _overhead(cfg, world)}
+                      replace(_run_config(), schedule=c.schedule)) for c in choices]
+    seconds, peaks, cpu = _train(pipes, task, cfg)
+    out: dict[str, Any] = {"seconds": seconds, "peaks": peaks, "cpu": cpu, "overhead": _overhead(cfg, world)}
     dist.barrier()
     if rank == 0:
         out["counting"] = counting_cost(max(3, cfg.overhead_steps))
         out["profiles"] = {k: p.to_dict() for k, p in profiles.items()}
         out["link"] = {"latency_s": link.latency, "bandwidth": link.bandwidth, "message_bytes": message}
-        out["plans"] = [{"row": c.result.best.to_dict(), "groups": list(c.groups),
-                         "alone_step_s": a.result.best.step_s, "alone_groups": list(a.groups),
-                         "no_link_step_s": n.result.best.step_s}
-                        for c, a, n in zip(choices, alone, no_link, strict=True)]
+        out["calibration"] = calibration
+        out["in_pipeline"] = in_pipeline
+        out["plans"] = [{"row": c.result.best.to_dict(), "groups": list(c.groups), "cpu_model": _model_cpu(c, cfg),
+                         "cpu_previous": _model_cpu(variants["previous"][i], cfg),
+                         "variants": {k: {"step_s": v[i].result.best.step_s, "groups": list(v[i].groups)}
+                                      for k, v in variants.items()}}
+                        for i, c in enumerate(choices)]
     dist.barrier()
     return out
 
@@ -262,15 +381,14 @@ def summarize(per_rank: list[dict[str, Any]], cfg: PvMConfig) -> list[dict[str, 
         measured_acts = [max(r["peaks"][c]) for r in per_rank]
         stable = all(len(set(r["peaks"][c])) == 1 for r in per_rank)
         step = harness.summarize(samples)
+        variants = {k: dict(v, err=_rel(step.median, v["step_s"])) for k, v in plan_row["variants"].items()}
+        cpu = [r["cpu"][c] for r in per_rank]
         rows.append({
             "candidate": f"{row['schedule']}, M={row['microbatches']}", "groups": plan_row["groups"],
-            "alone_groups": plan_row["alone_groups"],
-            "predicted_s": row["step_s"], "predicted_alone_s": plan_row["alone_step_s"],
-            "predicted_no_link_s": plan_row["no_link_step_s"],
+            "predicted_s": row["step_s"], "variants": variants, "cpu_model": plan_row["cpu_model"], "cpu": cpu,
+            "cpu_previous": plan_row["cpu_previous"],
             "measured": step.to_dict(), "min_s": min(samples), "max_s": max(samples), "samples": samples,
             "time_err": _rel(step.median, row["step_s"]),
-            "time_err_alone": _rel(step.median, plan_row["alone_step_s"]),
-            "time_err_no_link": _rel(step.median, plan_row["no_link_step_s"]),
             "predicted_acts": predicted_acts, "measured_acts": measured_acts, "peaks_stable": stable,
             "bytes_err": _rel(max(measured_acts), max(predicted_acts)),
             "bytes_err_per_rank": max(abs(_rel(m, p)) for m, p in zip(measured_acts, predicted_acts, strict=True)),
@@ -300,114 +418,11 @@ def run(cfg: PvMConfig) -> dict[str, Any]:
     on, off = per_rank[0]["overhead"]["on"], per_rank[0]["overhead"]["off"]
     overhead = {"on": harness.summarize(on).to_dict(), "off": harness.summarize(off).to_dict(),
                 "paired_ratio": statistics.median(a / b for a, b in zip(on, off, strict=True))}
-    return {"rows": rows, "order": order_pairs(rows), "overhead": overhead, "counting": per_rank[0]["counting"],
-            "link": per_rank[0]["link"], "profiles": per_rank[0]["profiles"], "config": asdict(cfg)}
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.1f}"
-
-
-def table(part: dict[str, Any]) -> list[list[str]]:
-    """Header + one row per candidate."""
-    out = [["candidate", "parts per stage", "predicted ms", "measured ms (median)", "min-max (IQR)", "error",
-            "met (25%)", "without link ms", "error", "profiled alone ms", "error", "predicted peak act. (max rank)",
-            "measured peak", "error", "worst rank error", "met (10%)"]]
-    for r in part["rows"]:
-        m = r["measured"]
-        out.append([r["candidate"], "/".join(map(str, r["groups"])), _ms(r["predicted_s"]), _ms(m["median_s"]),
-                    f"{_ms(r['min_s'])}-{_ms(r['max_s'])} ({_ms(m['q1_s'])}-{_ms(m['q3_s'])})",
-                    f"{r['time_err']:+.1%}", report._mark(abs(r["time_err"]) <= TIME_TARGET),
-                    _ms(r["predicted_no_link_s"]), f"{r['time_err_no_link']:+.1%}",
-                    _ms(r["predicted_alone_s"]), f"{r['time_err_alone']:+.1%}",
-                    format_bytes(max(r["predicted_acts"])), format_bytes(max(r["measured_acts"])),
-                    f"{r['bytes_err']:+.2%}", f"{r['bytes_err_per_rank']:.2%}",
-                    report._mark(r["bytes_err_per_rank"] <= BYTES_TARGET)])
-    return out
-
-
-def order_table(part: dict[str, Any]) -> list[list[str]]:
-    """Header + one row per pair predicted more than ORDER_GAP apart."""
-    out = [["predicted faster", "predicted slower", "predicted gap", "measured gap", "same order"]]
-    for p in part["order"]:
-        out.append([p["faster"], p["slower"], f"{p['predicted_gap']:+.0%}", f"{p['measured_gap']:+.0%}",
-                    report._mark(p["same_order"])])
-    return out
-
-
-def figure(part: dict[str, Any], path: str) -> None:
-    """Predicted vs measured step time (every measured step, the median marked) and peak activation bytes."""
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(11.5, 4.8), dpi=110, layout="constrained")
-    ax_t, ax_b = fig.subplots(1, 2)
-    rows = part["rows"]
-    right = max(r["predicted_s"] for r in rows) * 1.4e3
-    top = max(max(r["max_s"] for r in rows) * 1.05e3, right)
-    for c, r in enumerate(rows):
-        pred = r["predicted_s"] * 1e3
-        ax_t.scatter([pred] * len(r["samples"]), [s * 1e3 for s in r["samples"]], color=f"C{c}", s=10, alpha=0.4)
-        ax_t.scatter([pred], [r["measured"]["median_s"] * 1e3], color=f"C{c}", s=60, marker="D",
-                     edgecolor="black", label=r["candidate"])
-        for rank, (p, m) in enumerate(zip(r["predicted_acts"], r["measured_acts"], strict=True)):
-            ax_b.scatter([p / 2**20], [m / 2**20], color=f"C{c}", s=40, marker="os^v"[rank % 4],
-                         label=r["candidate"] if rank == 0 else None)
-    line = [0, right]
-    ax_t.plot(line, line, color="black", linewidth=0.8)
-    ax_t.fill_between(line, [0.75 * v for v in line], [1.25 * v for v in line], color="grey", alpha=0.15,
-                      label="within 25%")
-    ax_t.set(xlim=(0, right), ylim=(0, top), xlabel="predicted step time, ms", ylabel="measured step time, ms")
-    ax_t.set_title("Step time: every measured step (dots), median (diamond)", fontsize=9.5)
-    ax_t.legend(fontsize=7)
-    high = max(max(r["predicted_acts"] + r["measured_acts"]) for r in rows) / 2**20 * 1.1
-    ax_b.plot([0, high], [0, high], color="black", linewidth=0.8)
-    ax_b.fill_between([0, high], [0, 0.9 * high], [0, 1.1 * high], color="grey", alpha=0.15, label="within 10%")
-    ax_b.set(xlim=(0, high), ylim=(0, high), xlabel="predicted peak activations, MiB",
-             ylabel="measured peak (StepInfo.peak_saved_bytes), MiB")
-    ax_b.set_title("Peak live activation bytes, one marker per rank (o s ^ v = rank 0-3)", fontsize=9.5)
-    ax_b.legend(fontsize=7)
-    fig.savefig(path)
-
-
-def markdown(part: dict[str, Any], figure_link: str | None) -> str:
-    """The generated block of docs/benchmarks.md's prediction-vs-measurement section."""
-    meta, cfg, ov, link = part.get("meta", {}), part["config"], part["overhead"], part["link"]
-    lines = [f"Run on {meta.get('date', '?')}: `{meta.get('command', '?')}` ({meta.get('wall_s', 0):.0f} s wall); "
-             f"load average before / after: {meta.get('load_before', '?')} / {meta.get('load_after', '?')} "
-             f"(`uptime` at the start: {meta.get('uptime', '?')}). {meta.get('load_note', '')}", "",
-             f"GPT example (n_layer {cfg['n_layer']}, d_model {cfg['d_model']}, batch {cfg['batch_size']} x 64 "
-             f"characters), {cfg['ranks']} gloo ranks, {cfg['warmup']} warm-up + {cfg['steps']} measured steps "
-             f"per candidate, round-robin. Predictions: rank 0's profile taken with every rank profiling at "
-             f"once, and the measured stage-to-stage link (latency {link['latency_s'] * 1e6:.0f} us per message, "
-             f"{link['bandwidth'] / 1e6:,.0f} MB/s, from rank 0-1 round trips of 4 and {link['message_bytes']:,} "
-             f"bytes); 'without link' leaves the link out (the planner's default), 'profiled alone' uses the "
-             f"profile rank 0 took while the others waited (with the link). Parts per stage: how the planner "
-             f"merged the 8 profiled parts.", "",
-             report.markdown_table(table(part)), "",
-             f"Pairs predicted more than {ORDER_GAP:.0%} apart:", "", report.markdown_table(order_table(part)), "",
-             f"Saved-bytes counting on the overhead-bound MLP (8 x Linear 256, batch 64, 1F1B, M=8, "
-             f"{cfg['ranks']} ranks, {cfg['overhead_steps']} alternating steps each): median step "
-             f"{_ms(ov['on']['median_s'])} ms counted vs {_ms(ov['off']['median_s'])} ms not; median paired "
-             f"ratio {ov['paired_ratio']:.3f}. In one process (forward + backward of one microbatch of 8 "
-             f"rows, fastest of {cfg['overhead_steps']} each, interleaved): {part['counting']['on_s'] * 1e3:.3f} ms "
-             f"counted vs {part['counting']['off_s'] * 1e3:.3f} ms, ratio {part['counting']['ratio']:.3f}.", ""]
-    if figure_link:
-        lines += [f"![Predicted vs measured step time and peak activations]({figure_link})", ""]
-    return "\n".join(lines)
-
-
-def publish(part: dict[str, Any], docs: str) -> None:
-    """Draw the figure into docs/img and rewrite the block of docs/benchmarks.md."""
-    os.makedirs(os.path.join(docs, "img"), exist_ok=True)
-    figure(part, os.path.join(docs, "img", FIGURE))
-    report.update_doc(os.path.join(docs, "benchmarks.md"), markdown(part, f"img/{FIGURE}"), BEGIN, END)
-
-
-def text_report(part: dict[str, Any]) -> str:
-    """The tables as text."""
-    return "\n".join([report.text_table(table(part)), "", report.text_table(order_table(part)), "",
-                      f"counting overhead: paired step ratio {part['overhead']['paired_ratio']:.3f}, one process "
-                      f"{part['counting']['ratio']:.3f}; link {part['link']}"])
+    lead = per_rank[0]
+    return {"rows": rows, "order": order_pairs(rows), "overhead": overhead, "counting": lead["counting"],
+            "link": lead["link"], "profiles": lead["profiles"], "calibration": lead["calibration"],
+            "in_pipeline": lead["in_pipeline"],
+            "variants": VARIANTS, "config": asdict(cfg)}
 
 
 def _uptime() -> str:

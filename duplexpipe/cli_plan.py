@@ -47,6 +47,8 @@ def add_parsers(sub: Any) -> None:
                     help="gradient compressions allowed (default: those implemented: none)")
     pl.add_argument("--optimizer-factor", type=float, default=2.0,
                     help="optimizer-state bytes per parameter byte (default 2: AdamW)")
+    pl.add_argument("--cores", type=_integer("cores"), default=None,
+                    help="cores shared by the P ranks (processor sharing; default: a device per rank)")
     pl.add_argument("--top", type=_integer("top"), default=None, help="print only the first N rows")
     pl.add_argument("--json", action="store_true", help="print the result as JSON")
     pl.add_argument("--plot", metavar="FILE", help="write the step-time vs peak-memory Pareto figure")
@@ -63,6 +65,9 @@ def add_parsers(sub: Any) -> None:
                     "microbatches = 4)")
     pr.add_argument("--repeats", type=_integer("repeats"), default=3,
                     help="measured runs per part (the fastest counts)")
+    pr.add_argument("--evict", type=_size("evict"), default=0, metavar="SIZE",
+                    help="write SIZE bytes before each timed pass, so caches are cold as in a pipeline (e.g. the "
+                    "activations one microbatch keeps through the model; default 0: warm)")
     pr.add_argument("--balance", choices=("uniform", "params", "time"), default="uniform",
                     help="how to split the layers into parts (default uniform)")
     pr.add_argument("--threads", type=_integer("threads"), default=1,
@@ -76,6 +81,17 @@ def add_profile_option(parser: argparse.ArgumentParser) -> None:
     """`--profile FILE` for simulate and compare: also show memory per rank in bytes."""
     parser.add_argument("--profile", metavar="FILE", default=None,
                         help="a profile ('duplexpipe profile'): also show each rank's memory in bytes")
+
+
+def _machine(profile: Any, args: argparse.Namespace) -> str:
+    """What the step time assumes about the machine, in a few words."""
+    where = f"{args.cores} cores shared by the ranks" if args.cores else "a device per rank"
+    over = profile.overhead
+    if over is None:
+        return f"{where}, no runtime overhead measured"
+    return (f"{where}, runtime overhead {over.action_s * 1e6:.0f} us per action, {over.message_s * 1e6:.0f} us "
+            f"per message, {over.step_s * 1e3:.3g} ms per step"
+            + (f", compute x {over.compute_scale:.3g} in the pipeline" if over.compute_scale != 1.0 else ""))
 
 
 def _integer(name: str, minimum: int = 1) -> Any:
@@ -133,7 +149,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                         compressions=compressions,
                         dp_link=Link(float(args.bandwidth or math.inf), args.latency),
                         p2p_link=Link(float(p2p_bw or math.inf), args.latency),
-                        optimizer_factor=args.optimizer_factor)
+                        optimizer_factor=args.optimizer_factor, cores=args.cores)
     result = plan(profile, config)
     if args.plot:
         from duplexpipe.viz.pareto import plot_pareto
@@ -144,7 +160,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     best = result.best
     print(f"plan for P={args.ranks} x D={args.dp}, batch {args.batch}, cap {format_bytes(args.memory)} per rank; "
-          f"profile of {profile.num_parts} parts at microbatch {profile.microbatch_size}")
+          f"profile of {profile.num_parts} parts at microbatch {profile.microbatch_size}; {_machine(profile, args)}")
     print(result.table(args.top))
     print(f"best: {best.schedule} with M={best.microbatches}, ZeRO {best.zero}, compression {best.compression}: "
           f"step {best.step_s * 1e3:.4g} ms, peak {format_bytes(best.peak_bytes)} per rank")
@@ -173,9 +189,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
     inputs, targets = task.batch(0, rows)
     if len(inputs) < rows:
         raise ValueError(f"--microbatch {rows}: the task's batch(0, {rows}) gave only {len(inputs)} samples")
-    profile = profile_parts(parts, inputs[:rows], target=targets[:rows], loss_fn=task.loss_fn,
-                            repeats=args.repeats, meta={"task": spec, "parts": args.parts, "balance": args.balance,
-                                                        "threads": args.threads})
+    meta = {"task": spec, "parts": args.parts, "balance": args.balance, "threads": args.threads}
+    profile = profile_parts(parts, inputs[:rows], target=targets[:rows], loss_fn=task.loss_fn, repeats=args.repeats,
+                            evict_bytes=args.evict, meta=meta)
     try:
         save_profile(profile, args.output)
     except OSError as exc:

@@ -23,7 +23,8 @@ from duplexpipe.schedules.plan import PlanConfig, plan
 WORLD = 2
 UNIFORM = [(1e-3, 1e-3, 1e-3)] * 4
 HEAVY_LAST = [(1e-3, 1e-3, 1e-3)] * 3 + [(6e-3, 6e-3, 6e-3)]
-CANDIDATES = {"schedules": ("1f1b", "zb-h1", "zbv"), "microbatches": (4,), "repeats": 1, "warmup": 0}
+CANDIDATES = {"schedules": ("1f1b", "zb-h1", "zbv"), "microbatches": (4,), "repeats": 1, "warmup": 0, "fit_rows": 0,
+              "fused": False}  # the scripted timer times F, I and W once per part
 
 
 class ScriptedClock:

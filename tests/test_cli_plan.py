@@ -62,6 +62,33 @@ def test_plan_json_and_pareto_plot(capsys: pytest.CaptureFixture[str], profile_f
     assert figure.stat().st_size > 1000
 
 
+def test_plan_with_shared_cores(capsys: pytest.CaptureFixture[str], profile_file: str) -> None:
+    args = ("plan", "--profile", profile_file, "-p", "4", "--batch", "32", "--memory", "1GiB", "--schedules",
+            "1f1b", "--microbatches", "8", "--json")
+    steps = []
+    for extra in ((), ("--cores", "4"), ("--cores", "1")):
+        code, out, err = run(capsys, *args, *extra)
+        assert code == 0, err
+        steps.append(json.loads(out)["best"]["step_s"])
+    assert steps[0] == steps[1] < steps[2]  # 4 cores for 4 ranks: as a device per rank; 1 core: serialized
+    code, out, _ = run(capsys, *args[:-1], "--cores", "2")
+    assert code == 0 and "2 cores shared by the ranks, no runtime overhead measured" in out
+    code, _, err = run(capsys, *args, "--cores", "0")
+    assert code == 2 and "cores must be >= 1, got 0" in err and len(err.strip().splitlines()) == 1
+
+
+def test_plan_header_names_the_measured_compute_scale(capsys: pytest.CaptureFixture[str], profile_file: str,
+                                                       tmp_path: Path) -> None:
+    data = json.loads(Path(profile_file).read_text())
+    data["overhead"] = {"action_s": 1e-4, "message_s": 2e-4, "step_s": 1e-3, "compute_scale": 1.25}
+    scaled = tmp_path / "scaled.json"
+    scaled.write_text(json.dumps(data))
+    code, out, err = run(capsys, "plan", "--profile", str(scaled), "-p", "4", "--batch", "32", "--memory", "1GiB",
+                         "--schedules", "1f1b", "--microbatches", "8", "--cores", "2")
+    assert code == 0, err
+    assert "100 us per action, 200 us per message, 1 ms per step, compute x 1.25 in the pipeline" in out
+
+
 @pytest.mark.parametrize(("args", "needle"), [
     (["--memory", "4Gx"], "bad memory size '4Gx'"),
     (["--memory", "1KiB"], "the smallest feasible cap is"),
@@ -122,6 +149,14 @@ def test_profile_command_writes_a_profile(capsys: pytest.CaptureFixture[str], tm
     profile = load_profile(out_file)
     assert profile.num_parts == 2 and profile.microbatch_size == 2
     assert profile.parts[0].param_bytes == 2 * (8 * 8 + 8) * 4 and "profile written to" in out
+    assert profile.parts[0].fixed is not None and profile.parts[0].backward_fused_s is not None  # affine, fused B
+    code, _, err = run(capsys, "profile", "--task", f"{task}:task", "--parts", "2", "--microbatch", "2",
+                       "--repeats", "1", "--evict", "64KiB", "-o", str(out_file))
+    assert code == 0, err
+    assert load_profile(out_file).meta["evict_bytes"] == 64 * 1024
+    code, _, err = run(capsys, "profile", "--task", f"{task}:task", "--parts", "2", "--evict", "lots", "-o",
+                       str(out_file))
+    assert code == 2 and "lots" in err
     code, _, err = run(capsys, "profile", "--task", f"{task}:task", "--parts", "5", "-o", str(out_file))
     assert code == 2 and "cannot split 4 layers into 5 model parts" in err
     code, _, err = run(capsys, "profile", "--task", f"{task}:task", "--parts", "2", "--microbatch", "9",

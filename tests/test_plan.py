@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
 from duplexpipe.schedules.dp_model import Link
 from duplexpipe.schedules.plan import PlanConfig, PlanError, microbatch_counts, plan
-from duplexpipe.schedules.profiles import PartProfile, Profile
+from duplexpipe.schedules.profiles import PartProfile, Profile, RuntimeOverhead
 
 MIB = 2**20
 
@@ -70,6 +71,8 @@ def test_a_cap_below_every_plan_names_the_smallest_feasible_cap_which_then_works
     ({"zero_stages": (7,)}, "unknown ZeRO stage 7"),
     ({"compressions": ("gzip",)}, "unknown compression 'gzip'"),
     ({"memory": 0}, "plan needs memory as an integer >= 1, got 0"),
+    ({"cores": 0}, "plan needs cores as an integer >= 1 or None"),
+    ({"cores": 1.5}, "plan needs cores as an integer >= 1"),
 ])
 def test_bad_settings(changes: dict[str, object], needle: str) -> None:
     with pytest.raises(ValueError, match=needle.replace("(", r"\(")):
@@ -148,3 +151,57 @@ def test_when_nothing_hides_a_heavier_compression_must_buy_real_time() -> None:
                                       compressions=everything))
     # DualPipe reduces after its mirror sum: nothing hides, and 20x less of a tiny reduction is not worth it
     assert mirrored.best.compression == "none" and "after its mirror sum" in mirrored.advice
+
+
+def one(prof: Profile, **changes: object) -> float:
+    """The predicted step of 1F1B at M=4 (ranks 2, batch 16: microbatches of 4 rows, the profiled size)."""
+    return plan(prof, config(schedules=("1f1b",), microbatches=(4,), zero_stages=(0,), **changes)).best.step_s
+
+
+def test_shared_cores_serialize_the_ranks_and_enough_cores_change_nothing() -> None:
+    alone = one(profile())
+    assert one(profile(), cores=2) == alone == one(profile(), cores=8)
+    # one core: every compute runs back to back; 2 groups of 2 parts, 4 microbatches of F + I + W = 3 ms
+    assert one(profile(), cores=1) == pytest.approx(2 * 2 * 4 * 3e-3)
+    assert alone < one(profile(), cores=1)
+
+
+def test_measured_runtime_overhead_and_affine_times_enter_the_prediction() -> None:
+    base = profile()
+    step = RuntimeOverhead(0.0, 0.0, 5e-3)
+    assert one(replace(base, overhead=step)) == pytest.approx(one(base) + 5e-3)  # per-step work at the end
+    per_action = one(replace(base, overhead=RuntimeOverhead(1e-4, 0.0, 0.0)))
+    per_message = one(replace(base, overhead=RuntimeOverhead(0.0, 1e-4, 0.0)))
+    assert per_action > one(base) and per_message > one(base)
+    # the compute scale: on one core every compute runs back to back, so the step is alpha x all compute
+    scaled = replace(base, overhead=RuntimeOverhead(0.0, 0.0, 0.0, compute_scale=1.5))
+    assert one(scaled, cores=1) == pytest.approx(1.5 * one(base, cores=1))
+    # fixed parts: at the profiled size nothing changes; at half the rows the fixed part does not halve
+    fixed = Profile(tuple(replace(p, forward_fixed_s=5e-4, backward_input_fixed_s=5e-4, backward_weight_fixed_s=5e-4)
+                          for p in base.parts), 4)
+    assert one(fixed) == pytest.approx(one(base))
+    half = {"batch": 8}
+    assert one(fixed, **half) > one(base, **half)
+    assert one(fixed.basic(), **half) == pytest.approx(one(base, **half))
+
+
+def test_parts_are_grouped_as_profiled_whatever_the_candidate_microbatch() -> None:
+    # at the profiled 4 rows the F+B times are 1, 1, 1, 1.5 (x3): two groups of two parts. At 1 row the
+    # last part's time is all fixed and the others shrink 4x, so balancing there would give 3 + 1; the
+    # planner keeps the profiled grouping, the one `pipeline.autoplan` rebuilds from the profile's times.
+    def part(t: float, fixed: float, params: int) -> PartProfile:
+        return PartProfile(t, t, t, MIB, params, 1024, 1024, fixed, fixed, fixed)
+    prof = Profile((part(1e-3, 0.0, 1), part(1e-3, 0.0, 2), part(1e-3, 0.0, 4), part(1.5e-3, 1.5e-3, 8)), 4)
+    assert prof.group_sizes(2) == [2, 2] and prof.at_microbatch(1).group_sizes(2) == [3, 1]
+    row = plan(prof, config(batch=4, schedules=("1f1b",), microbatches=(4,), zero_stages=(0,))).best
+    assert [m.params for m in row.memory] == [3, 12]
+    with pytest.raises(ValueError, match=r"group sizes \[3, 2\] do not split 4 parts into 2 groups"):
+        prof.grouped(2, [3, 2])
+
+
+def test_a_measured_fused_backward_prices_b_actions_only() -> None:
+    fused = Profile(tuple(replace(p, backward_fused_s=1.5e-3) for p in profile().parts), 4)  # I + W = 2 ms
+    assert one(fused) < one(profile())  # 1F1B runs full B actions
+    zb = {"schedules": ("zb-h1",), "microbatches": (4,), "zero_stages": (0,)}
+    assert plan(fused, config(**zb)).best.step_s == plan(profile(), config(**zb)).best.step_s  # I and W only
+    assert one(fused.basic()) == one(profile())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from duplexpipe.schedules.profiles import (
     PartProfile,
     Profile,
     ProfileError,
+    RuntimeOverhead,
     balanced_split,
     load_profile,
     save_profile,
@@ -103,3 +105,69 @@ def test_check_parts_and_constructor_checks() -> None:
         Profile((), 2)
     with pytest.raises(ProfileError, match="microbatch_size must be an integer >= 1"):
         Profile((part(),), 0)
+
+
+def affine(f: float = 1.0, fixed: float = 0.25, **kw: object) -> PartProfile:
+    return replace(part(f=f, **kw), forward_fixed_s=fixed, backward_input_fixed_s=fixed / 2,  # type: ignore[arg-type]
+                   backward_weight_fixed_s=0.0)
+
+
+def test_affine_parts_and_overhead_round_trip_and_old_profiles_load_as_before(tmp_path: Path) -> None:
+    profile = Profile((affine(), affine(f=3.0)), 4, {}, RuntimeOverhead(1e-4, 2e-4, 3e-3, "calibrated"))
+    save_profile(profile, tmp_path / "new.json")
+    again = load_profile(tmp_path / "new.json")
+    assert again == profile and again.overhead == profile.overhead and again.parts[0].fixed == (0.25, 0.125, 0.0)
+    old = Profile((part(), part()), 4).to_dict()  # what version-1 files without the new fields hold
+    assert "forward_fixed_s" not in old["parts"][0] and "overhead" not in old
+    loaded = Profile.from_dict(old)
+    assert loaded.overhead is None and all(p.fixed is None for p in loaded.parts)
+    assert loaded.at_microbatch(2).parts[0].forward_s == 0.5  # linear, as before
+
+
+def test_compute_scale_round_trips_and_older_overheads_load_with_one(tmp_path: Path) -> None:
+    profile = Profile((affine(),), 4, {}, RuntimeOverhead(1e-4, 2e-4, 3e-3, "in pipeline", compute_scale=1.4))
+    save_profile(profile, tmp_path / "scaled.json")
+    assert load_profile(tmp_path / "scaled.json").overhead == profile.overhead
+    data = profile.to_dict()
+    del data["overhead"]["compute_scale"]  # what a profile written before the field holds
+    older = Profile.from_dict(data).overhead
+    assert older is not None and older.compute_scale == 1.0 and older.action_s == 1e-4
+
+
+def test_affine_scaling_grouping_and_basic() -> None:
+    p = affine(f=1.0, fixed=0.25)  # F = 0.25 + 0.75 x (rows / 4)
+    assert p.scaled(0.5).forward_s == pytest.approx(0.625) and p.scaled(0.5).fixed == p.fixed
+    assert p.scaled(2.0).backward_input_s == pytest.approx(0.125 + 1.875 * 2)
+    assert p.scaled(2.0).backward_weight_s == pytest.approx(2.0)  # no fixed part: linear
+    groups = Profile((affine(), affine(), part(f=10.0)), 1).grouped(2)  # runs of 2 and 1
+    fixed = [g.fixed for g in groups]
+    assert fixed[0] is not None and fixed[0][0] == pytest.approx(0.5) and fixed[1] is None  # a part without a fit
+    profile = Profile((affine(),), 4, {}, RuntimeOverhead(1.0, 1.0, 1.0))
+    assert profile.basic().overhead is None and profile.basic().parts[0].fixed is None
+
+
+@pytest.mark.parametrize(("edit", "needle"), [
+    (lambda d: d["parts"][0].update(forward_fixed_s=5.0), "'forward_fixed_s' (5.0) exceeds 'forward_s'"),
+    (lambda d: d["parts"][0].update(backward_weight_fixed_s=-1), "'backward_weight_fixed_s' must be a finite"),
+    (lambda d: d.update(overhead=[1, 2]), "overhead: expected an object, got list"),
+    (lambda d: d.update(overhead={"action_s": 1e-4, "message_s": 0.0}), "overhead: missing field 'step_s'"),
+    (lambda d: d.update(overhead={"action_s": 0, "message_s": 0, "step_s": 0, "compute_scale": 0}),
+     "overhead: runtime overhead compute_scale must be a finite number > 0, got 0"),
+    (lambda d: d.update(overhead={"action_s": -1, "message_s": 0, "step_s": 0}),
+     "overhead: runtime overhead action_s must be a finite number >= 0, got -1"),
+])
+def test_bad_new_fields_name_the_field(edit, needle: str) -> None:  # type: ignore[no-untyped-def]
+    data = Profile((affine(), affine()), 2).to_dict()
+    edit(data)
+    with pytest.raises(ProfileError) as info:
+        Profile.from_dict(data, "p.json")
+    assert needle in str(info.value) and "p.json" in str(info.value)
+
+
+def test_fused_backward_round_trips_scales_and_groups() -> None:
+    p = replace(part(f=1.0, i=2.0, w=1.0), backward_fused_s=2.5, backward_fused_fixed_s=0.5)
+    assert p.full_backward_s == 2.5 and part().full_backward_s == 3.0
+    assert p.scaled(2.0).backward_fused_s == pytest.approx(0.5 + 2.0 * 2)
+    assert Profile.from_dict(Profile((p,), 1).to_dict()).parts[0] == p
+    groups = Profile((p, p, part(f=30.0)), 1).grouped(2)
+    assert groups[0].backward_fused_s == 5.0 and groups[1].backward_fused_s is None

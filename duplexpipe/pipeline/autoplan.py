@@ -28,7 +28,7 @@ AUTO = "auto"
 """The PipelineConfig.schedule value that plans the schedule (the registry's `auto` generator is one candidate)."""
 NO_LIMIT = 2**62
 """The cap planned with when no memory_limit is given (bytes; no candidate is rejected for memory)."""
-PROFILE_KEYS = ("repeats", "warmup", "timer")
+PROFILE_KEYS = ("repeats", "warmup", "timer", "fit_rows", "fused", "evict_bytes")
 """schedule_options keys that go to `profile_parts`."""
 PLAN_KEYS = tuple(f.name for f in fields(PlanConfig) if f.name not in ("ranks", "batch", "memory", "dp"))
 """schedule_options keys that go to the planner's PlanConfig."""

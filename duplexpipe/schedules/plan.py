@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from duplexpipe.schedules import registry
+from duplexpipe.schedules.contention import Machine, simulate_shared
 from duplexpipe.schedules.dp_model import (
     COMPRESSIONS,
     ZERO_STAGES,
@@ -70,6 +71,9 @@ class PlanConfig:
     """Optimizer-state bytes per parameter byte (AdamW: 2)."""
     gradient_factor: float = 1.0
     """Gradient bytes per parameter byte."""
+    cores: int | None = None
+    """Cores shared by the P ranks of one replica (None: a device per rank). Set, the step is simulated
+    with processor sharing (`contention.simulate_shared`): k ranks with work each run at min(1, C / k)."""
 
 
 @dataclass(frozen=True)
@@ -184,6 +188,9 @@ def _check(profile: Profile, config: PlanConfig) -> None:
         value = getattr(config, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise PlanError(f"plan needs {name} as an integer >= 1, got {value!r}")
+    if config.cores is not None and (not isinstance(config.cores, int) or isinstance(config.cores, bool)
+                                     or config.cores < 1):
+        raise PlanError(f"plan needs cores as an integer >= 1 or None (a device per rank), got {config.cores!r}")
     if config.batch % config.dp:
         raise PlanError(f"batch {config.batch} does not split over dp={config.dp} replicas")
     if profile.num_parts < config.ranks:
@@ -268,16 +275,18 @@ def _evaluate(profile: Profile, config: PlanConfig, name: str, options: dict[str
     excess = [0.0] * config.ranks
     for _ in range(2 if name == "auto" else 1):  # auto: once more with the overshoot taken off its budget
         try:
-            schedule, groups = _build(scaled, config, name, options, m, mem_config, excess)
+            schedule, groups = _build(scaled, profile, config, name, options, m, mem_config, excess)
         except (ProfileError, ScheduleError, ValueError) as exc:
             return _why(reject, str(exc).splitlines()[0]), None
-        timeline = simulate(schedule, _cost_model(schedule, groups, config.p2p_link))
+        timeline, tail = _simulate(schedule, _cost_model(schedule, groups, config.p2p_link), groups, profile,
+                                   config)
         memory = rank_memory(schedule, timeline, StageBytes.of(schedule, groups), mem_config)
         excess = [e + max(0.0, r.peak - config.memory) for e, r in zip(excess, memory, strict=True)]
         if max(r.peak for r in memory) <= config.memory:
             break
     peak = max(r.peak for r in memory)
     method, step = _choose_compression(schedule, timeline, groups, config, zero, _compressions(config))
+    step += tail
     row = PlanRow(label, m, zero, method.name, step, timeline.makespan, timeline.bubble_ratio,
                   step - timeline.makespan, peak, tuple(memory))
     context = _Context(schedule, timeline, groups)
@@ -286,13 +295,35 @@ def _evaluate(profile: Profile, config: PlanConfig, name: str, options: dict[str
     return row, context
 
 
+def _simulate(schedule: Schedule, cost: CostModel, groups: Sequence[PartProfile], profile: Profile,
+              config: PlanConfig) -> tuple[Timeline, float]:
+    """The timeline, and the time the ranks' per-step runtime work adds after it.
+
+    Without shared cores, a measured runtime overhead or measured fused backward times: `simulate`
+    (the plain model). Otherwise `contention.simulate_shared` on `config.cores` with the profile's
+    overheads (compute actions scaled by its compute_scale), a B action costing its group's fused
+    backward where every group has one.
+    """
+    fused = [g.backward_fused_s for g in groups]
+    known = all(f is not None for f in fused)
+    if config.cores is None and profile.overhead is None and not known:
+        return simulate(schedule, cost), 0.0
+    over = profile.overhead
+    machine = Machine(config.cores, *((over.action_s, over.message_s, over.step_s, over.compute_scale)
+                                      if over is not None else (0.0, 0.0, 0.0, 1.0)))
+    full = [groups[info.group].full_backward_s for info in schedule.stages] if known else None
+    run = simulate_shared(schedule, cost, machine, full)
+    return run.timeline, max(0.0, run.step - run.timeline.makespan)
+
+
 def _why(row: PlanRow, reason: str) -> PlanRow:
     return replace(row, rejected=reason)
 
 
-def _build(profile: Profile, config: PlanConfig, name: str, options: dict[str, Any], m: int,
+def _build(profile: Profile, basis: Profile, config: PlanConfig, name: str, options: dict[str, Any], m: int,
            mem_config: MemoryConfig, excess: Sequence[float]) -> tuple[Schedule, tuple[PartProfile, ...]]:
-    """The schedule and the profile grouped into its model parts.
+    """The schedule and `profile` (scaled to the candidate's microbatch) grouped into its model parts,
+    as `basis` (the profile as measured) groups them: `Profile.group_sizes` at the profiled size.
 
     auto is searched with each rank's activation budget: the cap minus its parameters,
     gradients and optimizer states, minus two of the largest messages in flight and
@@ -301,11 +332,12 @@ def _build(profile: Profile, config: PlanConfig, name: str, options: dict[str, A
     """
     if name != "auto":
         schedule = registry.build(name, config.ranks, m, **options)
-        return schedule, profile.grouped(schedule.num_groups)
+        return schedule, profile.grouped(schedule.num_groups, basis.group_sizes(schedule.num_groups))
     from duplexpipe.schedules.auto import search_problem, smallest_limits
 
     placement = options["placement"]
-    groups = profile.grouped(config.ranks * (1 if placement == "linear" else 2))
+    count = config.ranks * (1 if placement == "linear" else 2)
+    groups = profile.grouped(count, basis.group_sizes(count))
     probe = registry.build("1f1b" if placement == "linear" else "zbv", config.ranks, m)
     sizes = StageBytes.of(probe, groups)
     cost = _cost_model(probe, groups, config.p2p_link)

@@ -34,18 +34,106 @@ class PartProfile:
     """Bytes of the message it sends forward (every tensor of its output)."""
     output_grad_bytes: int
     """Bytes of the gradient message it receives back (its output tensors that take gradients)."""
+    forward_fixed_s: float | None = None
+    """The part of `forward_s` that does not grow with the microbatch (per-operation dispatch), from
+    timings at two microbatch sizes; None: unknown, times scale linearly with the microbatch."""
+    backward_input_fixed_s: float | None = None
+    """The same for `backward_input_s`."""
+    backward_weight_fixed_s: float | None = None
+    """The same for `backward_weight_s`."""
+    backward_fused_s: float | None = None
+    """Seconds of a full backward B in one pass, as the runtime runs B (measured: it is cheaper than
+    I + W, which traverse the graph twice); None: not measured, B costs I + W."""
+    backward_fused_fixed_s: float | None = None
+    """The fixed part of `backward_fused_s` (None: none known)."""
 
     @property
     def backward_s(self) -> float:
         """I + W: a full backward."""
         return self.backward_input_s + self.backward_weight_s
 
+    @property
+    def fixed(self) -> tuple[float, float, float] | None:
+        """(F, I, W) fixed parts, or None when the profile has no affine fit."""
+        values = (self.forward_fixed_s, self.backward_input_fixed_s, self.backward_weight_fixed_s)
+        return None if any(v is None for v in values) else (float(values[0] or 0.0), float(values[1] or 0.0),
+                                                             float(values[2] or 0.0))
+
     def scaled(self, factor: float) -> PartProfile:
-        """Times and per-microbatch bytes times `factor` (a microbatch `factor` times as large); params kept."""
-        return PartProfile(self.forward_s * factor, self.backward_input_s * factor,
-                           self.backward_weight_s * factor, round(self.activation_bytes * factor),
-                           self.param_bytes, round(self.output_bytes * factor),
-                           round(self.output_grad_bytes * factor))
+        """For a microbatch `factor` times as large: bytes times `factor`, params kept; each time is
+        fixed + (time - fixed) x factor (affine in the microbatch), or time x factor without a fit."""
+        c = self.fixed or (0.0, 0.0, 0.0)
+        fused = self.backward_fused_s
+        if fused is not None:
+            base = self.backward_fused_fixed_s or 0.0
+            fused = base + (fused - base) * factor
+        return replace(self, forward_s=c[0] + (self.forward_s - c[0]) * factor,
+                       backward_input_s=c[1] + (self.backward_input_s - c[1]) * factor,
+                       backward_weight_s=c[2] + (self.backward_weight_s - c[2]) * factor,
+                       activation_bytes=round(self.activation_bytes * factor),
+                       output_bytes=round(self.output_bytes * factor),
+                       output_grad_bytes=round(self.output_grad_bytes * factor), backward_fused_s=fused)
+
+    @property
+    def times(self) -> tuple[float, float, float]:
+        """(F, I, W) seconds."""
+        return self.forward_s, self.backward_input_s, self.backward_weight_s
+
+    @property
+    def full_backward_s(self) -> float:
+        """What a B action costs: the measured fused backward, else I + W."""
+        return self.backward_fused_s if self.backward_fused_s is not None else self.backward_s
+
+    def linear(self) -> PartProfile:
+        """This part as profiles before affine fits and fused backward times saw it (times scale linearly,
+        B costs I + W)."""
+        return replace(self, forward_fixed_s=None, backward_input_fixed_s=None, backward_weight_fixed_s=None,
+                       backward_fused_s=None, backward_fused_fixed_s=None)
+
+
+@dataclass(frozen=True)
+class RuntimeOverhead:
+    """Work the runtime adds to the parts' compute, per rank, measured by a calibration run (seconds of CPU)."""
+
+    action_s: float
+    """Per compute action (F, B, I, W or an F&B pair): dispatch and bookkeeping beyond the part's own time."""
+    message_s: float
+    """Per SEND or RECV: posting it, waiting on it and handing the tensor over."""
+    step_s: float
+    """Per step: what a rank does once (loss and norm collectives, optimizer bookkeeping)."""
+    method: str = ""
+    """How it was measured (for reports)."""
+    compute_scale: float = 1.0
+    """alpha: a part's CPU time inside a running pipeline over its profiled time (a calibration with the
+    real parts measures it; 1 when the calibration ran 1-weight parts or in older profiles)."""
+
+    def __post_init__(self) -> None:
+        for name in ("action_s", "message_s", "step_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ProfileError(f"runtime overhead {name} must be a finite number >= 0, got {value!r}")
+        scale = self.compute_scale
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
+            raise ProfileError(f"runtime overhead compute_scale must be a finite number > 0, got {scale!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form."""
+        return {"action_s": self.action_s, "message_s": self.message_s, "step_s": self.step_s,
+                "method": self.method, "compute_scale": self.compute_scale}
+
+    @staticmethod
+    def from_dict(data: Any, where: str) -> RuntimeOverhead:
+        """Inverse of `to_dict`; ProfileError names the bad field."""
+        if not isinstance(data, dict):
+            raise ProfileError(f"{where}: expected an object, got {type(data).__name__}")
+        for name in ("action_s", "message_s", "step_s"):
+            if name not in data:
+                raise ProfileError(f"{where}: missing field {name!r}")
+        try:
+            return RuntimeOverhead(data["action_s"], data["message_s"], data["step_s"], str(data.get("method", "")),
+                                   data.get("compute_scale", 1.0))
+        except ProfileError as exc:
+            raise ProfileError(f"{where}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -58,6 +146,8 @@ class Profile:
     """Samples in the microbatch the parts were measured on."""
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
     """Free-form facts about the run (task, repeats, torch version, device)."""
+    overhead: RuntimeOverhead | None = None
+    """The runtime's own work per action, message and step (None: not measured, taken as zero)."""
 
     def __post_init__(self) -> None:
         if not self.parts:
@@ -84,31 +174,55 @@ class Profile:
         factor = size / self.microbatch_size
         return replace(self, parts=tuple(p.scaled(factor) for p in self.parts))
 
-    def grouped(self, num_groups: int) -> tuple[PartProfile, ...]:
-        """The parts merged into `num_groups` contiguous groups of near-equal F+B time.
+    def basic(self) -> Profile:
+        """This profile as the planner saw it before affine fits and overheads (linear times, no overhead)."""
+        return replace(self, parts=tuple(p.linear() for p in self.parts), overhead=None)
 
-        A group's times, activation and parameter bytes are the sums of its parts'; its
-        messages are its last part's. Raises ProfileError when there are fewer parts than groups.
-        """
+    def group_sizes(self, num_groups: int) -> list[int]:
+        """How many parts each of `num_groups` contiguous groups of near-equal F+B time takes (at the
+        profiled microbatch; the planner groups every candidate this way, so its grouping is the one
+        `pipeline.autoplan` and `balanced_split` on these times rebuild). ProfileError when there are
+        fewer parts than groups."""
         if num_groups > self.num_parts:
             raise ProfileError(f"the profile has {self.num_parts} parts; {num_groups} model parts need a "
                                f"profile of at least {num_groups} parts")
-        counts = balanced_split([p.forward_s + p.backward_s for p in self.parts], num_groups)
+        return balanced_split([p.forward_s + p.backward_s for p in self.parts], num_groups)
+
+    def grouped(self, num_groups: int, sizes: list[int] | None = None) -> tuple[PartProfile, ...]:
+        """The parts merged into `num_groups` contiguous groups: `sizes` parts each (default
+        `group_sizes(num_groups)`, near-equal F+B time).
+
+        A group's times (and fixed parts, when all of its parts have them), activation and
+        parameter bytes are the sums of its parts'; its messages are its last part's. Raises
+        ProfileError when there are fewer parts than groups.
+        """
+        counts = sizes if sizes is not None else self.group_sizes(num_groups)
+        if len(counts) != num_groups or sum(counts) != self.num_parts or min(counts) < 1:
+            raise ProfileError(f"group sizes {counts} do not split {self.num_parts} parts into {num_groups} groups")
         out, start = [], 0
         for count in counts:
             run = self.parts[start:start + count]
-            out.append(PartProfile(sum(p.forward_s for p in run), sum(p.backward_input_s for p in run),
-                                   sum(p.backward_weight_s for p in run), sum(p.activation_bytes for p in run),
-                                   sum(p.param_bytes for p in run), run[-1].output_bytes,
-                                   run[-1].output_grad_bytes))
+            out.append(PartProfile(
+                sum(p.forward_s for p in run), sum(p.backward_input_s for p in run),
+                sum(p.backward_weight_s for p in run), sum(p.activation_bytes for p in run),
+                sum(p.param_bytes for p in run), run[-1].output_bytes, run[-1].output_grad_bytes,
+                forward_fixed_s=_sum([p.forward_fixed_s for p in run]),
+                backward_input_fixed_s=_sum([p.backward_input_fixed_s for p in run]),
+                backward_weight_fixed_s=_sum([p.backward_weight_fixed_s for p in run]),
+                backward_fused_s=_sum([p.backward_fused_s for p in run]),
+                backward_fused_fixed_s=_sum([p.backward_fused_fixed_s for p in run])))
             start += count
         return tuple(out)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form (format "duplexpipe-profile", version 1)."""
-        return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "microbatch_size": self.microbatch_size,
-                "parts": [{f.name: getattr(p, f.name) for f in fields(PartProfile)} for p in self.parts],
-                "meta": dict(self.meta)}
+        out = {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "microbatch_size": self.microbatch_size,
+               "parts": [{f.name: getattr(p, f.name) for f in fields(PartProfile)
+                          if getattr(p, f.name) is not None} for p in self.parts],
+               "meta": dict(self.meta)}
+        if self.overhead is not None:
+            out["overhead"] = self.overhead.to_dict()
+        return out
 
     @staticmethod
     def from_dict(data: Any, source: str = "profile") -> Profile:
@@ -128,8 +242,15 @@ class Profile:
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ProfileError(f"{source}: field 'microbatch_size' must be an integer >= 1, got {size!r}")
         meta = data.get("meta", {})
+        overhead = data.get("overhead")
         return Profile(tuple(_part(p, f"{source}: parts[{i}]") for i, p in enumerate(parts)), size,
-                       meta if isinstance(meta, dict) else {})
+                       meta if isinstance(meta, dict) else {},
+                       None if overhead is None else RuntimeOverhead.from_dict(overhead, f"{source}: overhead"))
+
+
+def _sum(values: list[float | None]) -> float | None:
+    """The sum, or None when any is None."""
+    return None if any(v is None for v in values) else sum(v or 0.0 for v in values)
 
 
 def _part(data: Any, where: str) -> PartProfile:
@@ -137,14 +258,22 @@ def _part(data: Any, where: str) -> PartProfile:
         raise ProfileError(f"{where}: expected an object, got {type(data).__name__}")
     values: dict[str, Any] = {}
     for f in fields(PartProfile):
-        if f.name not in data:
+        optional = f.name.endswith("_fixed_s") or f.name == "backward_fused_s"  # absent in older profiles
+        if f.name not in data and not optional:
             raise ProfileError(f"{where}: missing field {f.name!r}")
-        value = data[f.name]
+        value = data.get(f.name)
+        if optional and value is None:
+            continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise ProfileError(f"{where}: field {f.name!r} must be a finite number >= 0, got {value!r}")
         if f.name.endswith("_bytes") and value != int(value):
             raise ProfileError(f"{where}: field {f.name!r} must be a whole number of bytes, got {value!r}")
         values[f.name] = int(value) if f.name.endswith("_bytes") else float(value)
+    for name in ("forward", "backward_input", "backward_weight", "backward_fused"):
+        fixed = values.get(f"{name}_fixed_s")
+        if fixed is not None and fixed > values.get(f"{name}_s", math.inf):
+            raise ProfileError(f"{where}: field '{name}_fixed_s' ({fixed!r}) exceeds '{name}_s' "
+                               f"({values[f'{name}_s']!r}): the fixed part is a part of the time")
     return PartProfile(**values)
 
 
