@@ -263,7 +263,7 @@ def _calibrate(parts: list[nn.Module], sample: Any, link: Link, cfg: PvMConfig, 
     cal = measure_overhead(message, steps=cfg.calibration_steps, config=_run_config())
     o, t = cal.overhead, cal.tiny
     assert t is not None
-    machine = Machine(cores, o.action_s, o.message_s, o.step_s)
+    machine = Machine.of(cores, o)
     cost = CostModel(f=t.forward_s, b=t.backward_s, w=t.backward_weight_s, latency=link.latency,
                      bandwidth=link.bandwidth, activation_bytes=float(message.numel() * message.element_size()))
     check = [{"run": f"{name}, M={m}", "measured_s": wall,

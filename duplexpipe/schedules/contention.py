@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from duplexpipe.schedules.ir import Action, Schedule, ScheduleError
 from duplexpipe.schedules.layout import Layout, gc_paused
 from duplexpipe.schedules.lower import lower
+from duplexpipe.schedules.profiles import RuntimeOverhead, check_work_terms
 from duplexpipe.schedules.program import COMPUTE, SEND, Durations, Program, analyze, run_program
 from duplexpipe.schedules.simulate import CostModel
 from duplexpipe.schedules.timeline import Event, Timeline
@@ -37,13 +38,14 @@ class Machine:
         if self.cores is not None and (not isinstance(self.cores, int) or isinstance(self.cores, bool)
                                        or self.cores < 1):
             raise ValueError(f"cores must be an integer >= 1 or None (a device per rank), got {self.cores!r}")
-        for name in ("action_s", "message_s", "step_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-                raise ValueError(f"machine {name} must be a finite number >= 0, got {value!r}")
-        scale = self.compute_scale
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
-            raise ValueError(f"machine compute_scale must be a finite number > 0, got {scale!r}")
+        check_work_terms(self, "machine", ValueError)
+
+    @staticmethod
+    def of(cores: int | None, overhead: RuntimeOverhead | None) -> Machine:
+        """The machine of a profile's measured runtime work (None: none) on `cores` shared cores."""
+        if overhead is None:
+            return Machine(cores)
+        return Machine(cores, overhead.action_s, overhead.message_s, overhead.step_s, overhead.compute_scale)
 
 
 @dataclass(frozen=True)

@@ -308,9 +308,7 @@ def _simulate(schedule: Schedule, cost: CostModel, groups: Sequence[PartProfile]
     known = all(f is not None for f in fused)
     if config.cores is None and profile.overhead is None and not known:
         return simulate(schedule, cost), 0.0
-    over = profile.overhead
-    machine = Machine(config.cores, *((over.action_s, over.message_s, over.step_s, over.compute_scale)
-                                      if over is not None else (0.0, 0.0, 0.0, 1.0)))
+    machine = Machine.of(config.cores, profile.overhead)
     full = [groups[info.group].full_backward_s for info in schedule.stages] if known else None
     run = simulate_shared(schedule, cost, machine, full)
     return run.timeline, max(0.0, run.step - run.timeline.makespan)

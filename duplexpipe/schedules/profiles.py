@@ -91,6 +91,18 @@ class PartProfile:
                        backward_fused_s=None, backward_fused_fixed_s=None)
 
 
+def check_work_terms(terms: Any, label: str, error: type[ValueError]) -> None:
+    """Raise `error` (naming `label` and the field) unless `terms`' action_s, message_s and step_s are finite
+    numbers >= 0 and its compute_scale a finite number > 0 (RuntimeOverhead and the simulator's Machine)."""
+    for name in ("action_s", "message_s", "step_s"):
+        value = getattr(terms, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+            raise error(f"{label} {name} must be a finite number >= 0, got {value!r}")
+    scale = terms.compute_scale
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
+        raise error(f"{label} compute_scale must be a finite number > 0, got {scale!r}")
+
+
 @dataclass(frozen=True)
 class RuntimeOverhead:
     """Work the runtime adds to the parts' compute, per rank, measured by a calibration run (seconds of CPU)."""
@@ -108,13 +120,7 @@ class RuntimeOverhead:
     real parts measures it; 1 when the calibration ran 1-weight parts or in older profiles)."""
 
     def __post_init__(self) -> None:
-        for name in ("action_s", "message_s", "step_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-                raise ProfileError(f"runtime overhead {name} must be a finite number >= 0, got {value!r}")
-        scale = self.compute_scale
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
-            raise ProfileError(f"runtime overhead compute_scale must be a finite number > 0, got {scale!r}")
+        check_work_terms(self, "runtime overhead", ProfileError)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form."""
