@@ -78,7 +78,7 @@ class _PartRun:
         start = self._cool(None)
         with self.meter.counting():
             out = call(self.part, message.form, inputs)
-            root_values = [loss(out)] if loss is not None else [t for t in tensor_leaves(out) if t.requires_grad]
+            root_values = _roots(out, loss)
         _sync(tensor_leaves(out))
         mid = self.timer()
         i_start = self._cool(mid)
@@ -114,7 +114,7 @@ class _PartRun:
         """A forward (untimed), then a full backward in one pass, as the runtime runs B; its seconds."""
         inputs = [t.detach().requires_grad_(g) for t, g in zip(message.leaves, message.grads, strict=True)]
         out = call(self.part, message.form, inputs)
-        roots = [loss(out)] if loss is not None else [t for t in tensor_leaves(out) if t.requires_grad]
+        roots = _roots(out, loss)
         grads = [torch.ones_like(r) for r in roots]
         _sync(inputs)
         start = self._cool(None)
@@ -255,6 +255,11 @@ def cache_evict_bytes(default: int = 8 * 2**20) -> int:
         if digits.isdigit():
             sizes.append(int(digits) * unit)
     return 2 * max(sizes) if sizes else default
+
+
+def _roots(out: Any, loss: Callable[[Any], Tensor] | None) -> list[Tensor]:
+    """Where a part's backward starts: its loss (the last part, given one), else its outputs that take gradients."""
+    return [loss(out)] if loss is not None else [t for t in tensor_leaves(out) if t.requires_grad]
 
 
 def _rows(sample: Any) -> int:
