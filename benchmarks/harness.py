@@ -15,6 +15,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from duplexpipe.pipeline.launch import cuda_device_for
+
 WorkerFn = Callable[[int, int, Any], Any]
 
 
@@ -25,11 +27,13 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _worker(rank: int, world: int, port: int, fn: WorkerFn, arg: Any, queue: Any) -> None:
+def _worker(rank: int, world: int, port: int, fn: WorkerFn, arg: Any, queue: Any, backend: str) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        if backend == "nccl":
+            torch.cuda.set_device(cuda_device_for(rank))
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world)
         result = fn(rank, world, arg)
         queue.put((rank, "ok", result))
@@ -40,8 +44,8 @@ def _worker(rank: int, world: int, port: int, fn: WorkerFn, arg: Any, queue: Any
             dist.destroy_process_group()
 
 
-def spawn(fn: WorkerFn, arg: Any, world: int, timeout_s: float) -> list[Any]:
-    """Run `fn(rank, world, arg)` in `world` gloo processes; return the results by rank.
+def spawn(fn: WorkerFn, arg: Any, world: int, timeout_s: float, backend: str = "gloo") -> list[Any]:
+    """Run `fn(rank, world, arg)` in `world` gloo (or NCCL, a GPU each) processes; return the results by rank.
 
     Raises RuntimeError with the first traceback when a rank fails, and TimeoutError
     (after killing the processes it started) when they run past `timeout_s`.
@@ -49,7 +53,7 @@ def spawn(fn: WorkerFn, arg: Any, world: int, timeout_s: float) -> list[Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, arg, queue), daemon=True)
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, arg, queue, backend), daemon=True)
              for r in range(world)]
     for proc in procs:
         proc.start()

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from duplexpipe.pipeline.launch import free_port, start_context
+from duplexpipe.pipeline.launch import SHARE_GPU_ENV, cuda_device_for, free_port, start_context
 from duplexpipe.schedules.ir import Schedule
 
 VOCAB, DIM, SEQ = 11, 8, 3
@@ -96,8 +96,8 @@ def stage_modules(schedule: Schedule, rank: int, parts: Sequence[nn.Module]) -> 
 
 
 def rel_err(got: Tensor, want: Tensor) -> float:
-    """Norm-wise relative error ||got - want|| / ||want|| (absolute when want is 0), in float64."""
-    got, want = got.detach().double(), want.detach().double()
+    """Norm-wise relative error ||got - want|| / ||want|| (absolute when want is 0), in float64 on the CPU."""
+    got, want = got.detach().double().cpu(), want.detach().double().cpu()
     scale = want.norm().item()
     diff = (got - want).norm().item()
     return diff / scale if scale > 0 else diff
@@ -132,7 +132,7 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple
     torch.set_num_threads(1)
     try:
         if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+            torch.cuda.set_device(cuda_device_for(rank))
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=60))
         out.put((rank, True, fn(rank, world, *args)))
@@ -146,6 +146,13 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple
         out.close()
         out.join_thread()
         os._exit(0)  # skip teardown: failure cases leave transfers pending on purpose
+
+
+def nccl_ranks_fit(world: int) -> bool:
+    """True when `world` NCCL ranks can run here: a GPU each, or $DUPLEXPIPE_SHARE_GPU=1 and one GPU."""
+    if not torch.cuda.is_available():
+        return False
+    return torch.cuda.device_count() >= world or os.environ.get(SHARE_GPU_ENV) == "1"
 
 
 def run_workers(fn: Callable[..., Any], world: int, args: tuple[Any, ...] = (),

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 from _executor_cases import _grad_errors, _inputs, _timeline_record
-from models import loss_fn, make_batch, make_parts, reference, run_workers, stage_modules
+from models import loss_fn, make_batch, make_parts, nccl_ranks_fit, reference, run_workers, stage_modules
 
 from duplexpipe.runtime import PipelineRuntime
 from duplexpipe.schedules.lower import lower
@@ -54,6 +54,8 @@ def test_single_rank_schedules_on_cuda() -> None:
 
 @pytest.mark.cuda
 @pytest.mark.timeout(SPAWN_TIMEOUT_S)
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-def test_every_schedule_on_two_gpus_with_nccl() -> None:
-    _check_cuda(run_workers(_cuda_worker, 2, (tuple(NAMES),), backend="nccl"))
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_schedule_on_several_ranks_with_nccl(world: int) -> None:
+    if not nccl_ranks_fit(world):
+        pytest.skip(f"needs {world} CUDA GPUs (or one with DUPLEXPIPE_SHARE_GPU=1)")
+    _check_cuda(run_workers(_cuda_worker, world, (tuple(NAMES),), SPAWN_TIMEOUT_S - 30, backend="nccl"))

@@ -16,9 +16,11 @@ import torch.distributed as dist
 from _failing_ranks import OWN_ERROR, blame_a_silent_rank, consequence_first
 
 from duplexpipe.pipeline.launch import (
+    SHARE_GPU_ENV,
     START_METHOD_ENV,
     LaunchError,
     blamed_rank,
+    cuda_device_for,
     default_backend,
     free_port,
     launch,
@@ -211,6 +213,25 @@ def test_backend_is_nccl_only_with_a_gpu_per_process(monkeypatch: pytest.MonkeyP
     assert default_backend() == "gloo"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert default_backend(1) == "gloo"
+
+
+def test_ranks_share_a_gpu_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for var in (SHARE_GPU_ENV, "NCCL_HOSTID", "NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE"):
+        monkeypatch.delenv(var, raising=False)
+    assert cuda_device_for(0) == 0 and default_backend(2) == "gloo"
+    with pytest.raises(ValueError, match=f"NCCL rank 1 needs GPU 1, but this machine has 1; use gloo, or set "
+                                         f"{SHARE_GPU_ENV}=1 to share GPUs"):
+        cuda_device_for(1)
+    monkeypatch.setenv(SHARE_GPU_ENV, "1")
+    assert default_backend(2) == "nccl"
+    assert cuda_device_for(3) == 0
+    assert os.environ["NCCL_HOSTID"] == "duplexpipe-shared-gpu-rank-3"  # its own "host": no duplicate-GPU check
+    assert os.environ["NCCL_SOCKET_IFNAME"] == "lo"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ValueError, match="needs GPU 1, but this machine has 0"):
+        cuda_device_for(1)
 
 
 @pytest.mark.timeout(120)

@@ -235,13 +235,13 @@ class _Growing(nn.Module):
 
 
 def _scenario(rank: int, group: Any, wrap: Any, timeout_s: float, steps: int = 1,
-              check_every_step: bool = True) -> dict[str, Any]:
+              check_every_step: bool = True, device: str = "cpu") -> dict[str, Any]:
     """Run `steps` steps; only the last runs under `timeout_s` (construction and earlier steps get a
     generous limit, so a loaded machine cannot make an earlier wait time out instead)."""
     dist.barrier()  # the previous scenario ends at different times on the two ranks
     schedule = lower(build("1f1b", 2, 4))
     modules = stage_modules(schedule, rank, make_parts(2))
-    modules = {s: wrap(s, m) for s, m in modules.items()}
+    modules = {s: wrap(s, m.to(device)) for s, m in modules.items()}
     runtime = PipelineRuntime(schedule, modules, loss_fn, group=group,
                               config=RuntimeConfig(timeout_s=max(timeout_s, GENEROUS_S), poll_interval_s=0.05,
                                                    check_inputs_every_step=check_every_step))
@@ -269,16 +269,24 @@ def _scenario(rank: int, group: Any, wrap: Any, timeout_s: float, steps: int = 1
     return result
 
 
+SCENARIOS: dict[str, tuple[Any, float, int, bool]] = {
+    "timeout": (lambda s, m: _Sleepy(m, 60.0, 1) if s == 0 else m, 3.0, 1, True),
+    # step 2 without the step-start agreement: rank 1's first wait of the step is the receive itself
+    "timeout_fast": (lambda s, m: _Sleepy(m, 60.0, 5) if s == 0 else m, 3.0, 2, False),
+    "exception": (lambda s, m: _Failing(m, 3) if s == 1 else m, 60.0, 1, True),
+    "shape": (lambda s, m: _Growing(m, 4) if s == 0 else m, 60.0, 2, True),
+}
+"""name -> (wrap(stage, module), the last step's wait limit, steps, check_inputs_every_step)."""
+
+
+def run_scenario(rank: int, name: str, device: str = "cpu") -> dict[str, Any]:
+    """One scenario of SCENARIOS on a group of its own."""
+    wrap, timeout_s, steps, every = SCENARIOS[name]
+    return _scenario(rank, dist.new_group([0, 1]), wrap, timeout_s, steps, every, device)
+
+
 def _worker(rank: int, world: int) -> dict[str, Any]:
-    groups = [dist.new_group([0, 1]) for _ in range(4)]
-    return {
-        "timeout": _scenario(rank, groups[0], lambda s, m: _Sleepy(m, 60.0, 1) if s == 0 else m, 3.0),
-        # step 2 without the step-start agreement: rank 1's first wait of the step is the receive itself
-        "timeout_fast": _scenario(rank, groups[3], lambda s, m: _Sleepy(m, 60.0, 5) if s == 0 else m, 3.0,
-                                  steps=2, check_every_step=False),
-        "exception": _scenario(rank, groups[1], lambda s, m: _Failing(m, 3) if s == 1 else m, 60.0),
-        "shape": _scenario(rank, groups[2], lambda s, m: _Growing(m, 4) if s == 0 else m, 60.0, steps=2),
-    }
+    return {name: run_scenario(rank, name) for name in SCENARIOS}
 
 
 def test_timeout_names_rank_action_and_peer_and_stops_the_peer(results: Any) -> None:

@@ -78,12 +78,37 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+SHARE_GPU_ENV = "DUPLEXPIPE_SHARE_GPU"
+"""Set to 1 to let NCCL ranks share this machine's GPUs (testing the NCCL paths on a one-GPU machine)."""
+
+
+def cuda_device_for(local_rank: int) -> int:
+    """The CUDA device index of the NCCL rank `local_rank` on this machine (its own GPU).
+
+    NCCL refuses two ranks of one communicator on one GPU. With $DUPLEXPIPE_SHARE_GPU=1 and fewer GPUs
+    than ranks, ranks share them round-robin: each rank then names itself a host of its own
+    (NCCL_HOSTID), so NCCL moves messages over its socket transport on the loopback interface as
+    between machines. That runs every NCCL code path of the runtime, at socket speed: for tests only.
+    """
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if local_rank < gpus:
+        return local_rank
+    if gpus == 0 or os.environ.get(SHARE_GPU_ENV) != "1":
+        raise ValueError(f"NCCL rank {local_rank} needs GPU {local_rank}, but this machine has {gpus}; "
+                         f"use gloo, or set {SHARE_GPU_ENV}=1 to share GPUs (testing only)")
+    os.environ["NCCL_HOSTID"] = f"duplexpipe-shared-gpu-rank-{local_rank}"
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("NCCL_IB_DISABLE", "1")
+    return local_rank % gpus
+
+
 def default_backend(local_procs: int | None = None) -> str:
     """"nccl" when CUDA has a device for each of the `local_procs` processes on this machine (default:
-    LOCAL_WORLD_SIZE, else 1), else "gloo"."""
+    LOCAL_WORLD_SIZE, else 1) or $DUPLEXPIPE_SHARE_GPU=1 lets them share one, else "gloo"."""
     if local_procs is None:
         local_procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if torch.cuda.is_available() and torch.cuda.device_count() >= local_procs:
+    if torch.cuda.is_available() and (torch.cuda.device_count() >= local_procs
+                                      or os.environ.get(SHARE_GPU_ENV) == "1"):
         return "nccl"
     return "gloo"
 
@@ -110,7 +135,7 @@ def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> tuple
         raise ValueError(f"environment lacks {', '.join(missing)}; start with torchrun or set them")
     backend = backend or default_backend()
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(cuda_device_for(int(os.environ.get("LOCAL_RANK", "0"))))
     if not dist.is_initialized():
         dist.init_process_group(backend, init_method="env://",
                                 timeout=datetime.timedelta(seconds=timeout_s))

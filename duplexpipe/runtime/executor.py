@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -116,6 +117,8 @@ class PipelineRuntime:
         self.mirror = (MirrorSum(schedule, self.rank, self.modules, group, self._global_ranks, self.watchdog)
                        if self.config.sum_mirrored_grads and schedule.num_copies > 1 else None)
         self.plan = RankPlan.of(schedule, self.rank, {s for s, _, _ in self.mirror.pairs} if self.mirror else ())
+        if not self.watchdog.gloo:
+            self.transport.connect(self._rank_pairs())
         self.mail = Mailroom(self.plan.layout, self.rank, self.transport,
                              MetaBoard(self._store, self._prefix, self.watchdog),
                              self.config.activation_codec, self.config.gradient_codec, self.nonfinite)
@@ -173,6 +176,17 @@ class PipelineRuntime:
             flag_rank, flag_label = dist.get_rank(), "global rank"
         return Watchdog(job_store, job_prefix, self.rank, self.config.timeout_s, self.config.poll_interval_s,
                         gloo=self.device.type == "cpu", flag_rank=flag_rank, flag_label=flag_label)
+
+    def _rank_pairs(self) -> list[tuple[int, int]]:
+        """The pairs of group ranks that exchange messages: the stage chains', the mirrored gradient sum's
+        (DualPipe) and the batch agreement's (rank 0 with every rank), sorted."""
+        size = dist.get_world_size(self.group)
+        pairs = set(self.plan.layout.rank_pairs()) | {(0, r) for r in range(1, size)}
+        if self.mirror is not None:
+            stages = self.schedule.stages
+            pairs |= {(min(a.rank, b.rank), max(a.rank, b.rank)) for a, b in itertools.combinations(stages, 2)
+                      if a.group == b.group and a.rank != b.rank}
+        return sorted(pairs)
 
     # ---------------------------------------------------------------- public API
     def step(self, inputs: Any, targets: Any, *, loss_scale: float = 1.0) -> StepResult:
@@ -242,8 +256,10 @@ class PipelineRuntime:
 
     def _begin(self, inputs: Any, targets: Any, train: bool, loss_scale: float) -> StepContext:
         if self._broken is not None:
+            restart = ("build a new one" if self.watchdog.gloo else "restart the processes (on NCCL the "
+                       "failed step's transfers may still be pending on the GPU)")
             raise PipelineError(f"rank {self.rank}: this PipelineRuntime stopped after an error "
-                                f"({self._broken}); build a new one")
+                                f"({self._broken}); {restart}")
         pending, self._pending = self._pending, None
         if pending is not None:
             self._read(pending)
@@ -297,12 +313,17 @@ class PipelineRuntime:
 
     def _loss_sum(self, ctx: StepContext, posted_at: int) -> Any:
         """Start the step's loss sum (posted at the start of `_run`). One pipeline on gloo: a SharedSum (the
-        ranks holding last stages send their share to every rank); else an all-reduce, posted right away
-        on ranks without a last stage (posted_at -1) and by the others once their losses are final."""
+        ranks holding last stages send their share to every rank); on gloo else an all-reduce, posted right
+        away on ranks without a last stage (posted_at -1) and by the others once their losses are final.
+
+        On NCCL every rank posts the all-reduce after its list (None here): a collective in flight during
+        the list can deadlock the first step. With CUDA's lazy module loading (torch's default) the first
+        launch of a kernel waits for the device's queued work, the collective among it, and the collective
+        waits for ranks still running their lists, which may wait for this rank's next messages."""
         what = "the loss sum"
         if self.watchdog.gloo and (self._pipelines == 1 or not ctx.train):
             return SharedSum(self.plan.output_ranks, self.group, self.device, self.watchdog, what)
-        if posted_at >= 0:
+        if posted_at >= 0 or not self.watchdog.gloo:
             return None
         return PendingSum(self._local_loss(ctx), self.job_group if ctx.train else self.group, self.device,
                           self.watchdog, what)
@@ -327,9 +348,10 @@ class PipelineRuntime:
         return plan
 
     def _run(self, ctx: StepContext) -> Any:
-        """Interpret this rank's list; returns the pending loss sum (None without one). The sum is started
-        before the list and this rank's share is posted as soon as its losses are final, so it completes
-        while the step runs; every rank takes part."""
+        """Interpret this rank's list; returns the pending loss sum (None without one). On gloo the sum is
+        started before the list and this rank's share is posted as soon as its losses are final, so it
+        completes while the step runs; on NCCL it is posted after the list (see `_loss_sum`). Every rank
+        takes part."""
         at: list[Action | None] = [None]
         plan = self._plan_of(ctx)
         rows = plan.rows if ctx.train else plan.eval_rows
@@ -347,10 +369,12 @@ class PipelineRuntime:
                     reap()
                 if pos in final:
                     self._grads_final(final[pos])
-                if pos == loss_at:
+                if pos == loss_at and self.watchdog.gloo:
                     loss = self._losses_done(ctx, loss)
             at[0] = None
             self.transport.finish()
+            if wants_loss and not self.watchdog.gloo:
+                loss = self._losses_done(ctx, loss)
             self.nonfinite.flush()
             left = ctx.leftovers()
             if left:

@@ -80,6 +80,28 @@ class Transport:
         self._posted: dict[Key, _Recv] = {}
         self._sends: dict[Key, tuple[Any, list[Tensor], int]] = {}
 
+    def connect(self, pairs: list[tuple[int, int]]) -> None:
+        """NCCL: open the connection of every pair of group ranks in `pairs` that holds this rank, with one
+        small message each (lower rank to higher), in the order given, before the first step.
+
+        NCCL creates a pair's communicator on the pair's first message, blocking both ranks until both
+        arrive. Taken on demand during a step, those creations interleave with the schedule's traffic
+        (and allocate on the device while transfers are in flight). Every rank taking the pairs in one
+        sorted order cannot deadlock: the smallest pair not yet open has both its ranks waiting on it.
+        """
+        me = self.watchdog.rank
+        probe = torch.zeros(1, device=self.device)
+        for low, high in pairs:
+            if me not in (low, high):
+                continue
+            peer = high if me == low else low
+            what = f"opening the connection to rank {peer}"
+            try:
+                work = self._pg.send([probe], peer, 0) if me == low else self._pg.recv([probe], peer, 0)
+            except RuntimeError as exc:
+                raise self.watchdog.failure(exc, what, f"rank {peer}") from exc
+            self.watchdog.wait_p2p(work, what, f"rank {peer}")
+
     def _irecv(self, recv: _Recv, metas: tuple[TensorMeta, ...]) -> None:
         recv.buffers = [torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in metas]
         try:

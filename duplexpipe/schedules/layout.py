@@ -53,6 +53,11 @@ class Layout:
         other = self.feeds(stage, backward)
         return -1 if other < 0 or self.rank[other] == self.rank[stage] else self.rank[other]
 
+    def rank_pairs(self) -> list[tuple[int, int]]:
+        """Every pair of ranks (lower, higher) that exchange messages, sorted."""
+        return sorted({(min(self.rank[s], self.rank[n]), max(self.rank[s], self.rank[n]))
+                       for s, n in enumerate(self.nxt) if n >= 0 and self.rank[s] != self.rank[n]})
+
     @property
     def num_tokens(self) -> int:
         """How many tensor tokens exist (forward inputs and output gradients of every stage)."""
