@@ -27,33 +27,19 @@ def _results(name: str) -> list[dict[str, Any]]:
     return run_workers(_cuda_worker, 2, (name,), SPAWN_TIMEOUT_S - 30, backend="nccl")
 
 
-@pytest.mark.cuda
-@pytest.mark.timeout(SPAWN_TIMEOUT_S)
-def test_timeout_names_rank_action_and_peer_and_stops_the_peer() -> None:
-    results = _results("timeout")
-    gloo_case.test_timeout_names_rank_action_and_peer_and_stops_the_peer(results)
-    gloo_case.test_a_failed_runtime_refuses_further_steps(results, "timeout")
+CHECKS = {
+    "timeout": gloo_case.test_timeout_names_rank_action_and_peer_and_stops_the_peer,
+    "timeout_fast": gloo_case.test_timeout_of_a_receive_with_known_shape,
+    "exception": gloo_case.test_exception_on_one_rank_ends_every_rank_naming_it,
+    "shape": gloo_case.test_wrong_activation_shape_names_stage_microbatch_and_shapes,
+}
+"""Scenario -> the gloo test's checks of its results."""
 
 
 @pytest.mark.cuda
 @pytest.mark.timeout(SPAWN_TIMEOUT_S)
-def test_timeout_of_a_receive_with_known_shape() -> None:
-    results = _results("timeout_fast")
-    gloo_case.test_timeout_of_a_receive_with_known_shape(results)
-    gloo_case.test_a_failed_runtime_refuses_further_steps(results, "timeout_fast")
-
-
-@pytest.mark.cuda
-@pytest.mark.timeout(SPAWN_TIMEOUT_S)
-def test_exception_on_one_rank_ends_every_rank_naming_it() -> None:
-    results = _results("exception")
-    gloo_case.test_exception_on_one_rank_ends_every_rank_naming_it(results)
-    gloo_case.test_a_failed_runtime_refuses_further_steps(results, "exception")
-
-
-@pytest.mark.cuda
-@pytest.mark.timeout(SPAWN_TIMEOUT_S)
-def test_wrong_activation_shape_names_stage_microbatch_and_shapes() -> None:
-    results = _results("shape")
-    gloo_case.test_wrong_activation_shape_names_stage_microbatch_and_shapes(results)
-    gloo_case.test_a_failed_runtime_refuses_further_steps(results, "shape")
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_every_rank_stops_naming_the_failed_rank_and_refuses_further_steps(name: str) -> None:
+    results = _results(name)
+    CHECKS[name](results)
+    gloo_case.test_a_failed_runtime_refuses_further_steps(results, name)
