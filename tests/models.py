@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from duplexpipe.pipeline.launch import SHARE_GPU_ENV, cuda_device_for, free_port, start_context
+from duplexpipe.pipeline.launch import cuda_device_for, default_backend, free_port, start_context
 from duplexpipe.schedules.ir import Schedule
 
 VOCAB, DIM, SEQ = 11, 8, 3
@@ -150,9 +150,7 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple
 
 def nccl_ranks_fit(world: int) -> bool:
     """True when `world` NCCL ranks can run here: a GPU each, or $DUPLEXPIPE_SHARE_GPU=1 and one GPU."""
-    if not torch.cuda.is_available():
-        return False
-    return torch.cuda.device_count() >= world or os.environ.get(SHARE_GPU_ENV) == "1"
+    return default_backend(world) == "nccl"
 
 
 def run_workers(fn: Callable[..., Any], world: int, args: tuple[Any, ...] = (),

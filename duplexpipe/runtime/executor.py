@@ -313,17 +313,17 @@ class PipelineRuntime:
 
     def _loss_sum(self, ctx: StepContext, posted_at: int) -> Any:
         """Start the step's loss sum (posted at the start of `_run`). One pipeline on gloo: a SharedSum (the
-        ranks holding last stages send their share to every rank); on gloo else an all-reduce, posted right
-        away on ranks without a last stage (posted_at -1) and by the others once their losses are final.
+        ranks holding last stages send their share to every rank); else an all-reduce, posted right away
+        on ranks without a last stage (posted_at -1) and by the others at list position `posted_at`.
 
-        On NCCL every rank posts the all-reduce after its list (None here): a collective in flight during
+        On NCCL `_run` sets posted_at to the list's length (after the list): a collective in flight during
         the list can deadlock the first step. With CUDA's lazy module loading (torch's default) the first
         launch of a kernel waits for the device's queued work, the collective among it, and the collective
         waits for ranks still running their lists, which may wait for this rank's next messages."""
         what = "the loss sum"
         if self.watchdog.gloo and (self._pipelines == 1 or not ctx.train):
             return SharedSum(self.plan.output_ranks, self.group, self.device, self.watchdog, what)
-        if posted_at >= 0 or not self.watchdog.gloo:
+        if posted_at >= 0:
             return None
         return PendingSum(self._local_loss(ctx), self.job_group if ctx.train else self.group, self.device,
                           self.watchdog, what)
@@ -360,6 +360,8 @@ class PipelineRuntime:
         reap = None if self.watchdog.gloo else self.transport.reap  # gloo: sends are released by finish()
         wants_loss = ctx.train or ctx.has_targets
         loss_at = (plan.losses_final if ctx.train else plan.eval_losses_final) if wants_loss else -2
+        if wants_loss and not self.watchdog.gloo:
+            loss_at = len(rows)  # after the list (see `_loss_sum`)
         with self._stopping(at):
             loss = self._loss_sum(ctx, loss_at) if wants_loss else None
             for pos, action in enumerate(rows):
@@ -369,11 +371,11 @@ class PipelineRuntime:
                     reap()
                 if pos in final:
                     self._grads_final(final[pos])
-                if pos == loss_at and self.watchdog.gloo:
+                if pos == loss_at:
                     loss = self._losses_done(ctx, loss)
             at[0] = None
             self.transport.finish()
-            if wants_loss and not self.watchdog.gloo:
+            if loss_at == len(rows):
                 loss = self._losses_done(ctx, loss)
             self.nonfinite.flush()
             left = ctx.leftovers()

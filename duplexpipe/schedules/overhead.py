@@ -11,8 +11,6 @@ from duplexpipe.schedules.ir import Op, Schedule
 from duplexpipe.schedules.lower import lower
 from duplexpipe.schedules.profiles import PartProfile, RuntimeOverhead
 
-_MESSAGES = (Op.SEND_F, Op.SEND_B, Op.RECV_F, Op.RECV_B)
-
 
 @dataclass(frozen=True)
 class OverheadSample:
@@ -32,7 +30,7 @@ def rank_counts(schedule: Schedule) -> list[tuple[int, int]]:
     """Per rank of `schedule` (lowered first): (compute actions, SEND + RECV actions)."""
     out = []
     for row in lower(schedule).actions:
-        messages = sum(a.op in _MESSAGES for a in row)
+        messages = sum(a.op.is_comm for a in row)
         out.append((len(row) - messages, messages))
     return out
 
@@ -45,14 +43,14 @@ def rank_work(schedule: Schedule, groups: Sequence[PartProfile], overhead: Runti
     if len(groups) != schedule.num_groups:
         raise ValueError(f"{schedule.name!r} has {schedule.num_groups} model parts, got {len(groups)} part profiles")
     over = overhead or RuntimeOverhead(0.0, 0.0, 0.0)
+    prices = [{Op.F: g.forward_s, Op.B: g.full_backward_s, Op.I: g.backward_input_s, Op.W: g.backward_weight_s}
+              for g in groups]
     out = []
     for rank, (actions, messages) in enumerate(rank_counts(schedule)):
         compute = 0.0
         for action in schedule.actions[rank]:
             for part in action.compute_parts():
-                g = groups[schedule.stages[part.stage].group]
-                compute += {Op.F: g.forward_s, Op.B: g.full_backward_s, Op.I: g.backward_input_s,
-                            Op.W: g.backward_weight_s}.get(part.op, 0.0)
+                compute += prices[schedule.stages[part.stage].group].get(part.op, 0.0)
         out.append(over.step_s + actions * over.action_s + messages * over.message_s + over.compute_scale * compute)
     return out
 
