@@ -16,8 +16,8 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from duplexpipe.schedules import registry  # noqa: E402
-from duplexpipe.schedules.auto import search, search_problem  # noqa: E402
-from duplexpipe.schedules.bounds import makespan_bound  # noqa: E402
+from duplexpipe.schedules.generators.auto import search, search_problem  # noqa: E402
+from duplexpipe.schedules.generators.bounds import makespan_bound  # noqa: E402
 from duplexpipe.schedules.ir import Schedule  # noqa: E402
 from duplexpipe.schedules.simulate import CostModel, simulate  # noqa: E402
 

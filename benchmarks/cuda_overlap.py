@@ -36,7 +36,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks import harness  # noqa: E402
-from duplexpipe.pipeline.launch import SHARE_GPU_ENV  # noqa: E402
+from duplexpipe.launch.processes import SHARE_GPU_ENV  # noqa: E402
 from duplexpipe.runtime.stage_compute import TensorMeta  # noqa: E402
 from duplexpipe.runtime.transport import Transport  # noqa: E402
 from duplexpipe.runtime.watchdog import Watchdog  # noqa: E402

@@ -40,9 +40,9 @@ from duplexpipe.comm import (  # noqa: E402
     ThresholdOptions,
     TopKOptions,
 )
-from duplexpipe.pipeline.mesh import make_mesh  # noqa: E402
-from duplexpipe.pipeline.train import DEFAULT_TASK, load_task  # noqa: E402
-from duplexpipe.pipeline.trainer import Pipeline, PipelineConfig  # noqa: E402
+from duplexpipe.launch.train_loop import DEFAULT_TASK, load_task  # noqa: E402
+from duplexpipe.parallel.mesh import make_mesh  # noqa: E402
+from duplexpipe.train.trainer import Pipeline, PipelineConfig  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ def _methods(warmup: int) -> tuple[Method, ...]:
 
 @dataclass(frozen=True)
 class DPBenchConfig:
-    """The workload: the GPT example's task (duplexpipe.tasks.gpt), PP x DP processes."""
+    """The workload: the GPT example's task (duplexpipe.launch.tasks.gpt), PP x DP processes."""
 
     steps: int = 200
     """Training steps per method."""

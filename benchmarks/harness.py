@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from duplexpipe.pipeline.launch import cuda_device_for
+from duplexpipe.launch.processes import cuda_device_for
 
 WorkerFn = Callable[[int, int, Any], Any]
 

@@ -9,10 +9,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from duplexpipe.pipeline.trainer import Pipeline, PipelineConfig
 from duplexpipe.runtime import PipelineRuntime, RuntimeConfig, StepResult
 from duplexpipe.schedules.ir import Schedule
 from duplexpipe.schedules.registry import build
+from duplexpipe.train.trainer import Pipeline, PipelineConfig
 
 
 @dataclass

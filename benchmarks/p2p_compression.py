@@ -37,9 +37,9 @@ if str(ROOT) not in sys.path:
 from benchmarks import harness, report  # noqa: E402
 from duplexpipe.comm.codec import TensorSpec  # noqa: E402
 from duplexpipe.comm.p2p_codecs import p2p_codec_pair  # noqa: E402
+from duplexpipe.launch.tasks.gpt import gpt_task  # noqa: E402
 from duplexpipe.pipeline import Pipeline, PipelineConfig  # noqa: E402
 from duplexpipe.schedules.registry import build as build_schedule  # noqa: E402
-from duplexpipe.tasks.gpt import gpt_task  # noqa: E402
 
 LABELS = ("fp32", "bf16", "fp8", "int8")
 """Variants: fp32 sends (p2p_compression=None) and the three compressions."""

@@ -50,20 +50,20 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import harness, models, report  # noqa: E402
 from benchmarks.plan_vs_measured_report import FIGURE, ORDER_GAP, figure, publish, text_report  # noqa: E402
+from duplexpipe.launch.tasks.gpt import gpt_task  # noqa: E402
+from duplexpipe.model.split import build_parts, plan_partition  # noqa: E402
 from duplexpipe.pipeline import Pipeline, PipelineConfig, profile_parts  # noqa: E402
-from duplexpipe.pipeline.autoplan import NO_LIMIT, AutoChoice  # noqa: E402
-from duplexpipe.pipeline.profile import cache_evict_bytes  # noqa: E402
-from duplexpipe.pipeline.runtime_overhead import CalibrationRun, measure_in_pipeline, measure_overhead  # noqa: E402
-from duplexpipe.pipeline.split import build_parts, plan_partition  # noqa: E402
+from duplexpipe.planner.dp_comm import Link  # noqa: E402
+from duplexpipe.planner.machine import Machine, simulate_shared  # noqa: E402
+from duplexpipe.planner.plan import PlanConfig, plan  # noqa: E402
+from duplexpipe.planner.profile import Profile, RuntimeOverhead, balanced_split  # noqa: E402
+from duplexpipe.planner.runtime_work import rank_work  # noqa: E402
 from duplexpipe.runtime.saved_bytes import SavedBytes  # noqa: E402
 from duplexpipe.schedules import registry  # noqa: E402
-from duplexpipe.schedules.contention import Machine, simulate_shared  # noqa: E402
-from duplexpipe.schedules.dp_model import Link  # noqa: E402
-from duplexpipe.schedules.overhead import rank_work  # noqa: E402
-from duplexpipe.schedules.plan import PlanConfig, plan  # noqa: E402
-from duplexpipe.schedules.profiles import Profile, RuntimeOverhead, balanced_split  # noqa: E402
 from duplexpipe.schedules.simulate import CostModel  # noqa: E402
-from duplexpipe.tasks.gpt import gpt_task  # noqa: E402
+from duplexpipe.train.auto_config import NO_LIMIT, AutoChoice  # noqa: E402
+from duplexpipe.train.measure import cache_evict_bytes  # noqa: E402
+from duplexpipe.train.measure_overhead import CalibrationRun, measure_in_pipeline, measure_overhead  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from benchmarks import report
-from duplexpipe.schedules.memory import format_bytes
+from duplexpipe.planner.memory import format_bytes
 
 BEGIN, END = "<!-- bench:plan-vs-measured:begin -->", "<!-- bench:plan-vs-measured:end -->"
 TIME_TARGET = 0.25

@@ -35,10 +35,10 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import harness, report  # noqa: E402
 from duplexpipe.comm import C10dCounter, WireMeter  # noqa: E402
-from duplexpipe.pipeline.dp import ZeroOptions  # noqa: E402
-from duplexpipe.pipeline.mesh import make_mesh  # noqa: E402
-from duplexpipe.pipeline.train import DEFAULT_TASK, load_task  # noqa: E402
-from duplexpipe.pipeline.trainer import Pipeline, PipelineConfig  # noqa: E402
+from duplexpipe.launch.train_loop import DEFAULT_TASK, load_task  # noqa: E402
+from duplexpipe.parallel import ZeroOptions  # noqa: E402
+from duplexpipe.parallel.mesh import make_mesh  # noqa: E402
+from duplexpipe.train.trainer import Pipeline, PipelineConfig  # noqa: E402
 
 LAYOUTS = ((2, 1), (2, 2), (1, 4))
 """(PP, DP) of the memory table."""

@@ -12,9 +12,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpt import run_demo  # noqa: E402  (examples/ is not a package)
 
-from duplexpipe.cli import compare_rows  # noqa: E402
+from duplexpipe.planner.calibrate import fit_cost_model  # noqa: E402
 from duplexpipe.schedules import registry  # noqa: E402
-from duplexpipe.schedules.calibrate import fit_cost_model  # noqa: E402
+from duplexpipe.schedules.compare import compare_rows  # noqa: E402
 from duplexpipe.schedules.simulate import CostModel, simulate  # noqa: E402
 from duplexpipe.viz import plot_comparison, plot_measured_vs_simulated, plot_timeline, to_chrome_trace  # noqa: E402
 

@@ -1,6 +1,6 @@
 """A small GPT-style causal transformer trained character-level on a public-domain corpus, pipelined.
 
-The model and data live in the package (`duplexpipe.tasks.gpt`, the default task of `duplexpipe train`);
+The model and data live in the package (`duplexpipe.launch.tasks.gpt`, the default task of `duplexpipe train`);
 this script is a thin user of them.
 
 Run it:      python examples/gpt.py --schedule dualpipe --ranks 4 --steps 200
@@ -13,14 +13,14 @@ import argparse
 import sys
 from typing import Any
 
-from duplexpipe.pipeline.train import TrainConfig, TrainResult, run_training
-from duplexpipe.tasks.gpt import (  # noqa: F401  (re-exported for users of this example)
+from duplexpipe.launch.tasks.gpt import (  # noqa: F401  (re-exported for users of this example)
     CharCorpus,
     GPTConfig,
     build_gpt,
     gpt_task,
     lm_loss,
 )
+from duplexpipe.launch.train_loop import TrainConfig, TrainResult, run_training
 
 DemoResult = TrainResult
 """What `run_demo` returns: losses per step, tokens/s and the measured timeline of all ranks."""

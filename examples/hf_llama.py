@@ -23,13 +23,13 @@ import torch.distributed as dist  # noqa: E402
 from gpt import CharCorpus  # noqa: E402  (examples/ is not a package)
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from duplexpipe.pipeline.hf import causal_lm_loss, causal_lm_parts  # noqa: E402
-from duplexpipe.pipeline.launch import run  # noqa: E402
-from duplexpipe.pipeline.trainer import Pipeline, PipelineConfig  # noqa: E402
+from duplexpipe.launch.processes import run  # noqa: E402
+from duplexpipe.model.hf import causal_lm_loss, causal_lm_parts  # noqa: E402
+from duplexpipe.planner.calibrate import fit_cost_model  # noqa: E402
 from duplexpipe.runtime import gather_timeline  # noqa: E402
-from duplexpipe.schedules.calibrate import fit_cost_model  # noqa: E402
 from duplexpipe.schedules.registry import build as build_schedule  # noqa: E402
 from duplexpipe.schedules.simulate import simulate  # noqa: E402
+from duplexpipe.train.trainer import Pipeline, PipelineConfig  # noqa: E402
 
 
 def build_llama(vocab_size: int, layers: int, hidden: int = 64, seed: int = 0) -> LlamaForCausalLM:

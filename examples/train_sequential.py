@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from duplexpipe.pipeline.launch import run
-from duplexpipe.pipeline.trainer import Pipeline, PipelineConfig
+from duplexpipe.launch.processes import run
+from duplexpipe.train.trainer import Pipeline, PipelineConfig
 
 
 def make_model(seed: int = 0, width: int = 64, depth: int = 6) -> nn.Sequential:

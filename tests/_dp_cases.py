@@ -1,4 +1,4 @@
-"""Cases for tests/test_dp.py: data-parallel strategies in training, run in one launch of 4 gloo processes."""
+"""Cases for tests/parallel/test_strategies.py: data-parallel strategies in training, one launch of 4 gloo ranks."""
 
 from __future__ import annotations
 
@@ -22,12 +22,12 @@ from duplexpipe.comm import (
     ThresholdOptions,
     TopKOptions,
 )
-from duplexpipe.pipeline.mesh import make_mesh
-from duplexpipe.pipeline.precision import LossScaleConfig
-from duplexpipe.pipeline.trainer import Pipeline, PipelineConfig
+from duplexpipe.parallel.mesh import make_mesh
 from duplexpipe.runtime import gather_timeline
 from duplexpipe.schedules.ir import Op
 from duplexpipe.schedules.registry import build as build_schedule
+from duplexpipe.train.precision import LossScaleConfig
+from duplexpipe.train.trainer import Pipeline, PipelineConfig
 
 SCHEDULES = ("1f1b", "interleaved-1f1b", "zbv", "dualpipe", "dualpipev")
 """Schedules run at PP=2 x DP=2 (DualPipe's mirror sum comes before the data-parallel reduction)."""

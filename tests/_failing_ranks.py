@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from duplexpipe.pipeline.launch import run
+from duplexpipe.launch.processes import run
 from duplexpipe.runtime import PeerFailedError
 
 OWN_ERROR = "the originating error on rank 0"

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from duplexpipe.pipeline.split import split_model
+from duplexpipe.model.split import split_model
 
 WIDTH = 8
 

@@ -13,9 +13,9 @@ from _train_helpers import WIDTH, batch, make_parts, mse
 from torch import Tensor, nn
 
 from duplexpipe.comm import Int8Options
+from duplexpipe.parallel import ZeroOptions
 from duplexpipe.pipeline import Pipeline, PipelineConfig, make_mesh
-from duplexpipe.pipeline.dp import ZeroOptions
-from duplexpipe.pipeline.precision import LossScaleConfig
+from duplexpipe.train.precision import LossScaleConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.zero_bench import held_bytes  # noqa: E402  (one measure of held memory, for tests and benchmark)

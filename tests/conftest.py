@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from models import run_workers
 
-from duplexpipe.pipeline.launch import START_METHOD_ENV
+from duplexpipe.launch.processes import START_METHOD_ENV
 
 settings.register_profile("duplexpipe", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("duplexpipe")

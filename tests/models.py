@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from duplexpipe.pipeline.launch import cuda_device_for, default_backend, free_port, start_context
+from duplexpipe.launch.processes import cuda_device_for, default_backend, free_port, start_context
 from duplexpipe.schedules.ir import Schedule
 
 VOCAB, DIM, SEQ = 11, 8, 3

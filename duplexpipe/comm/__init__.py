@@ -3,8 +3,7 @@
 from duplexpipe.comm.bucket import Bucket
 from duplexpipe.comm.build import build_reducer
 from duplexpipe.comm.meter import C10dCounter, WireMeter, ring_bytes
-from duplexpipe.comm.nonfinite import NONFINITE_POLICIES, NonFiniteSendError, NonFiniteWatch
-from duplexpipe.comm.options import (
+from duplexpipe.comm.methods import (
     METHOD_NAMES,
     Bf16Options,
     DGCOptions,
@@ -19,6 +18,7 @@ from duplexpipe.comm.options import (
     check_optimizer,
     compression_options,
 )
+from duplexpipe.comm.nonfinite import NONFINITE_POLICIES, NonFiniteSendError, NonFiniteWatch
 from duplexpipe.comm.p2p_codecs import P2P_COMPRESSION, Fp8RowCodec, Int8BlockCodec, p2p_codec_pair
 from duplexpipe.comm.reduction import FutureWork, Reducer, Reduction, Waitable, WaitFn, blocking_wait
 

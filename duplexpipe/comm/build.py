@@ -6,7 +6,7 @@ from typing import Any
 
 from duplexpipe.comm.hooks import CastReducer, PowerSGDReducer
 from duplexpipe.comm.meter import WireMeter
-from duplexpipe.comm.options import (
+from duplexpipe.comm.methods import (
     Bf16Options,
     DGCOptions,
     Fp16Options,

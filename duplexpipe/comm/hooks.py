@@ -11,7 +11,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 
 from duplexpipe.comm.bucket import Bucket
 from duplexpipe.comm.meter import WireMeter
-from duplexpipe.comm.options import Bf16Options, Fp16Options, PowerSGDOptions
+from duplexpipe.comm.methods import Bf16Options, Fp16Options, PowerSGDOptions
 from duplexpipe.comm.reduction import FutureWork, Phases, Reducer
 
 

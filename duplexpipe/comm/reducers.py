@@ -11,7 +11,7 @@ from duplexpipe.comm.bucket import Bucket
 from duplexpipe.comm.dgc import DGCMemory, dgc_density
 from duplexpipe.comm.feedback import ErrorFeedback
 from duplexpipe.comm.meter import WireMeter
-from duplexpipe.comm.options import DGCOptions, Int8Options, RandomKOptions, ThresholdOptions, TopKOptions
+from duplexpipe.comm.methods import DGCOptions, Int8Options, RandomKOptions, ThresholdOptions, TopKOptions
 from duplexpipe.comm.quantize import dequantize_int8, quantize_int8, work_dtype
 from duplexpipe.comm.reduction import Phases, Reducer
 from duplexpipe.comm.sparsify import (

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from duplexpipe.comm.meter import WireMeter
-from duplexpipe.comm.options import Bf16Options, Fp16Options, Int8Options, NoCompression, Options
+from duplexpipe.comm.methods import Bf16Options, Fp16Options, Int8Options, NoCompression, Options
 from duplexpipe.comm.quantize import dequantize_int8, quantize_int8, work_dtype
 from duplexpipe.comm.reducers import _pack, _unpack
 from duplexpipe.comm.reduction import Waitable, WaitFn, blocking_wait

@@ -1,7 +1,7 @@
 """The runtime: executes one rank's instruction list over torch.distributed."""
 
+from duplexpipe.runtime.config import EvalResult, GradsReadyHook, OverlapHook, RuntimeConfig, StepResult
 from duplexpipe.runtime.executor import PipelineRuntime, default_overlap
-from duplexpipe.runtime.options import EvalResult, GradsReadyHook, OverlapHook, RuntimeConfig, StepResult
 from duplexpipe.runtime.timing import gather_timeline, merge_timelines
 from duplexpipe.runtime.watchdog import (
     ActivationShapeError,

@@ -9,9 +9,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from duplexpipe.runtime.config import OverlapHook
 from duplexpipe.runtime.context import StepContext
 from duplexpipe.runtime.messages import Mailroom
-from duplexpipe.runtime.options import OverlapHook
 from duplexpipe.runtime.stage_compute import Activation, Message, StageCompute
 from duplexpipe.runtime.structure import flatten, map_leaves
 from duplexpipe.runtime.timing import Tracer

@@ -23,11 +23,11 @@ from duplexpipe.runtime.collectives import (
     agree,
     share_blocks,
 )
+from duplexpipe.runtime.config import EvalResult, RuntimeConfig, StepResult
 from duplexpipe.runtime.context import Slot, StepContext, microbatch_rows, signature, split_batch
 from duplexpipe.runtime.dispatch import Dispatcher, default_overlap
 from duplexpipe.runtime.handshake import group_store, handshake, shared_nonce
 from duplexpipe.runtime.messages import Mailroom, MessageMeta, MetaBoard
-from duplexpipe.runtime.options import EvalResult, RuntimeConfig, StepResult
 from duplexpipe.runtime.preflight import verdict
 from duplexpipe.runtime.rankplan import RankPlan
 from duplexpipe.runtime.stage_compute import Message, StageCompute

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from duplexpipe.schedules.ir import Action, Op, Schedule, ScheduleError
@@ -364,6 +365,27 @@ class Run:
     """True when every rank ran its whole list."""
 
 
+def _start_time(inputs: Sequence[int], now: float, ready: list[float | None], posted: list[float | None],
+                comm: float) -> tuple[float, int | None]:
+    """(when a compute with these input tokens can start on a rank free at `now`, None) or (now, the token it
+    waits for). A token >= 0 is local; -1-t is message t, which arrives `comm` after both its send and its
+    receive are posted."""
+    start = now
+    for token in inputs:
+        if token >= 0:
+            at = ready[token]
+            if at is None:
+                return now, token
+        else:
+            at, post = ready[-1 - token], posted[-1 - token]
+            if at is None or post is None:
+                return now, (-1 - token if at is None else token)
+            at = (at if at > post else post) + comm
+        if at > start:
+            start = at
+    return start, None
+
+
 def run_program(program: Program, num_tokens: int, comm: float = 0.0, record: bool = False,
                 all_posted: bool = False) -> Run:
     """Execute `program` under the execution contract; stops (never loops) when no rank can move.
@@ -390,21 +412,7 @@ def run_program(program: Program, num_tokens: int, comm: float = 0.0, record: bo
             ins = row[i]
             kind = ins[0]
             if kind == COMPUTE:
-                start = now
-                for token in ins[2]:
-                    if token >= 0:
-                        at = ready[token]
-                        if at is None:
-                            wait = token
-                            break
-                    else:
-                        at, post = ready[-1 - token], posted[-1 - token]
-                        if at is None or post is None:
-                            wait = -1 - token if at is None else token
-                            break
-                        at = (at if at > post else post) + comm
-                    if at > start:
-                        start = at
+                start, wait = _start_time(ins[2], now, ready, posted, comm)
                 if wait is not None:
                     break
                 now = start + ins[4]

@@ -7,14 +7,14 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from duplexpipe.schedules.auto import auto, check_auto
-from duplexpipe.schedules.dualpipe import check_dualpipe, check_dualpipev, dualpipe, dualpipev
-from duplexpipe.schedules.gpipe import check_gpipe, gpipe
-from duplexpipe.schedules.interleaved import check_interleaved_1f1b, interleaved_1f1b
+from duplexpipe.schedules.generators.auto import auto, check_auto
+from duplexpipe.schedules.generators.dualpipe import check_dualpipe, check_dualpipev, dualpipe, dualpipev
+from duplexpipe.schedules.generators.gpipe import check_gpipe, gpipe
+from duplexpipe.schedules.generators.interleaved import check_interleaved_1f1b, interleaved_1f1b
+from duplexpipe.schedules.generators.one_f_one_b import check_one_f_one_b, one_f_one_b
+from duplexpipe.schedules.generators.zero_bubble import check_zb_h1, check_zb_h2, check_zbv, zb_h1, zb_h2, zbv
 from duplexpipe.schedules.ir import Schedule
 from duplexpipe.schedules.layout import gc_paused
-from duplexpipe.schedules.one_f_one_b import check_one_f_one_b, one_f_one_b
-from duplexpipe.schedules.zero_bubble import check_zb_h1, check_zb_h2, check_zbv, zb_h1, zb_h2, zbv
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from duplexpipe.schedules.memory import format_bytes
-from duplexpipe.schedules.plan import PlanResult, PlanRow
+from duplexpipe.planner.memory import format_bytes
+from duplexpipe.planner.plan import PlanResult, PlanRow
 from duplexpipe.viz import _style as st
 
 if TYPE_CHECKING:

@@ -1,0 +1,225 @@
+"""The `duplexpipe plan` and `duplexpipe profile` commands, and the byte memory shown by simulate/compare."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from duplexpipe.planner.memory import format_bytes, parse_bytes
+from duplexpipe.planner.profile import load_profile, save_profile
+
+PLAN_EPILOG = """examples:
+  duplexpipe profile --parts 8 --microbatch 4 -o profile.json
+  duplexpipe plan --profile profile.json -p 4 --batch 64 --memory 2GiB
+  duplexpipe plan --profile profile.json -p 4 --dp 2 --batch 128 --memory 40GiB --bandwidth 25GB \\
+      --zero 0,1,2 --compression all --json
+  duplexpipe plan --profile profile.json -p 4 --batch 64 --memory 2GiB --plot pareto.png"""
+
+
+def add_parsers(sub: Any) -> None:
+    """Add `plan` and `profile` to the `duplexpipe` subcommands (no torch needed to parse them)."""
+    pl = sub.add_parser("plan", help="choose schedule, microbatches, ZeRO stage and compression under a memory "
+                        "cap, from a profile", epilog=PLAN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    pl.add_argument("--profile", required=True, metavar="FILE", help="a profile written by 'duplexpipe profile'")
+    pl.add_argument("-p", "--ranks", type=_integer("ranks"), required=True, help="pipeline ranks P")
+    pl.add_argument("--dp", type=_integer("dp"), default=1, help="data-parallel replicas D (default 1)")
+    pl.add_argument("--batch", type=_integer("batch"), required=True, help="global batch per step, in samples")
+    pl.add_argument("--memory", type=_size("memory"), required=True, metavar="SIZE",
+                    help="cap per rank, e.g. 40GiB, 512MiB, 8e9")
+    pl.add_argument("--bandwidth", type=_size("bandwidth"), default=None, metavar="BYTES",
+                    help="bytes per second between data-parallel replicas, and between pipeline ranks unless "
+                    "--p2p-bandwidth is given, e.g. 25GB (default: communication is free)")
+    pl.add_argument("--latency", type=_seconds("latency"), default=0.0, help="seconds per message (default 0)")
+    pl.add_argument("--p2p-bandwidth", type=_size("p2p-bandwidth"), default=None, metavar="BYTES",
+                    help="bytes per second between pipeline neighbours (default: --bandwidth)")
+    pl.add_argument("--schedules", type=_names, default=None, metavar="A,B",
+                    help="registry names to consider (default: all, auto included)")
+    pl.add_argument("--microbatches", type=_integers("microbatches"), default=None, metavar="M1,M2",
+                    help="microbatch counts to try (default: divisors of batch/D from P to 8P)")
+    pl.add_argument("--zero", type=_integers("zero", minimum=0), default=None, metavar="S1,S2",
+                    help="ZeRO stages to try (default: those the training side implements: 0)")
+    pl.add_argument("--compression", type=_names, default=None, metavar="A,B|all",
+                    help="gradient compressions allowed (default: those implemented: none)")
+    pl.add_argument("--optimizer-factor", type=float, default=2.0,
+                    help="optimizer-state bytes per parameter byte (default 2: AdamW)")
+    pl.add_argument("--cores", type=_integer("cores"), default=None,
+                    help="cores shared by the P ranks (processor sharing; default: a device per rank)")
+    pl.add_argument("--top", type=_integer("top"), default=None, help="print only the first N rows")
+    pl.add_argument("--json", action="store_true", help="print the result as JSON")
+    pl.add_argument("--plot", metavar="FILE", help="write the step-time vs peak-memory Pareto figure")
+    pr = sub.add_parser("profile", help="measure a model's parts (time, activation and message bytes) into a "
+                        "profile for 'duplexpipe plan'")
+    pr.add_argument("--task", default=None, help="'file.py:function' returning a TrainTask (default: the GPT "
+                    "example)")
+    pr.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE",
+                    help="keyword argument for the task function (repeatable)")
+    pr.add_argument("--parts", type=_integer("parts"), required=True,
+                    help="model parts to measure (the most any considered schedule needs, e.g. 2P for ZB-V)")
+    pr.add_argument("--microbatch", type=_integer("microbatch"), default=None,
+                    help="samples in the profiled microbatch (default: the training default, batch 32 over 8 "
+                    "microbatches = 4)")
+    pr.add_argument("--repeats", type=_integer("repeats"), default=3,
+                    help="measured runs per part (the fastest counts)")
+    pr.add_argument("--evict", type=_size("evict"), default=0, metavar="SIZE",
+                    help="write SIZE bytes before each timed pass, so caches are cold as in a pipeline (e.g. the "
+                    "activations one microbatch keeps through the model; default 0: warm)")
+    pr.add_argument("--balance", choices=("uniform", "params", "time"), default="uniform",
+                    help="how to split the layers into parts (default uniform)")
+    pr.add_argument("--threads", type=_integer("threads"), default=1,
+                    help="torch CPU threads while measuring (default 1: what each rank of a local run gets "
+                    "when the ranks fill the cores; more threads on a shared machine make timings erratic)")
+    pr.add_argument("-o", "--output", required=True, metavar="FILE", help="where to write the profile (JSON)")
+    pr.add_argument("--json", action="store_true", help="print the profile as JSON")
+
+
+def add_profile_option(parser: argparse.ArgumentParser) -> None:
+    """`--profile FILE` for simulate and compare: also show memory per rank in bytes."""
+    parser.add_argument("--profile", metavar="FILE", default=None,
+                        help="a profile ('duplexpipe profile'): also show each rank's memory in bytes")
+
+
+def _machine(profile: Any, args: argparse.Namespace) -> str:
+    """What the step time assumes about the machine, in a few words."""
+    where = f"{args.cores} cores shared by the ranks" if args.cores else "a device per rank"
+    over = profile.overhead
+    if over is None:
+        return f"{where}, no runtime overhead measured"
+    return (f"{where}, runtime overhead {over.action_s * 1e6:.0f} us per action, {over.message_s * 1e6:.0f} us "
+            f"per message, {over.step_s * 1e3:.3g} ms per step"
+            + (f", compute x {over.compute_scale:.3g} in the pipeline" if over.compute_scale != 1.0 else ""))
+
+
+def _integer(name: str, minimum: int = 1) -> Any:
+    def convert(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{name} must be >= {minimum}, got {value}")
+        return value
+    return convert
+
+
+def _integers(name: str, minimum: int = 1) -> Any:
+    one = _integer(name, minimum)
+    return lambda text: tuple(one(item.strip()) for item in text.split(",") if item.strip())
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(item.strip() for item in text.split(",") if item.strip())
+
+
+def _size(name: str) -> Any:
+    def convert(text: str) -> int:
+        try:
+            return parse_bytes(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return convert
+
+
+def _seconds(name: str) -> Any:
+    def convert(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number of seconds, got {text!r}") from None
+        if not 0 <= value < math.inf:
+            raise argparse.ArgumentTypeError(f"{name} must be >= 0 seconds, got {text!r}")
+        return value
+    return convert
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """`duplexpipe plan`."""
+    from duplexpipe.planner.dp_comm import COMPRESSIONS, Link
+    from duplexpipe.planner.plan import PlanConfig, plan
+
+    profile = load_profile(args.profile)
+    p2p_bw = args.p2p_bandwidth or args.bandwidth
+    compressions = tuple(COMPRESSIONS) if args.compression == ("all",) else args.compression
+    config = PlanConfig(ranks=args.ranks, batch=args.batch, memory=args.memory, dp=args.dp,
+                        schedules=args.schedules, microbatches=args.microbatches, zero_stages=args.zero,
+                        compressions=compressions,
+                        dp_link=Link(float(args.bandwidth or math.inf), args.latency),
+                        p2p_link=Link(float(p2p_bw or math.inf), args.latency),
+                        optimizer_factor=args.optimizer_factor, cores=args.cores)
+    result = plan(profile, config)
+    if args.plot:
+        from duplexpipe.viz.pareto import plot_pareto
+
+        plot_pareto(result, args.plot)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=1))
+        return 0
+    best = result.best
+    print(f"plan for P={args.ranks} x D={args.dp}, batch {args.batch}, cap {format_bytes(args.memory)} per rank; "
+          f"profile of {profile.num_parts} parts at microbatch {profile.microbatch_size}; {_machine(profile, args)}")
+    print(result.table(args.top))
+    print(f"best: {best.schedule} with M={best.microbatches}, ZeRO {best.zero}, compression {best.compression}: "
+          f"step {best.step_s * 1e3:.4g} ms, peak {format_bytes(best.peak_bytes)} per rank")
+    if result.advice:
+        print(result.advice)
+    if args.plot:
+        print(f"figure written to {args.plot}")
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    """`duplexpipe profile` (imports torch)."""
+    import torch
+
+    from duplexpipe.cli.args import parse_task_options
+    from duplexpipe.launch.train_config import TrainConfig
+    from duplexpipe.launch.train_loop import DEFAULT_TASK, load_task
+    from duplexpipe.model.split import split_model
+    from duplexpipe.train.measure import profile_parts
+
+    torch.set_num_threads(args.threads)
+    spec = args.task or DEFAULT_TASK
+    task = load_task(spec)(**parse_task_options(args.task_option))
+    parts, _ = split_model(task.layers, args.parts, args.balance, embedding=task.embedding, head=task.head)
+    defaults = TrainConfig()
+    rows = args.microbatch or max(1, defaults.batch_size // defaults.microbatches)
+    inputs, targets = task.batch(0, rows)
+    if len(inputs) < rows:
+        raise ValueError(f"--microbatch {rows}: the task's batch(0, {rows}) gave only {len(inputs)} samples")
+    meta = {"task": spec, "parts": args.parts, "balance": args.balance, "threads": args.threads}
+    profile = profile_parts(parts, inputs[:rows], target=targets[:rows], loss_fn=task.loss_fn, repeats=args.repeats,
+                            evict_bytes=args.evict, meta=meta)
+    try:
+        save_profile(profile, args.output)
+    except OSError as exc:
+        raise ValueError(f"cannot write {args.output}: {exc.strerror}") from None
+    if args.json:
+        print(json.dumps(profile.to_dict(), indent=1))
+        return 0
+    print(f"{'part':>4} {'F ms':>8} {'I ms':>8} {'W ms':>8} {'activations':>12} {'params':>10} {'message':>10}")
+    for k, p in enumerate(profile.parts):
+        print(f"{k:>4} {p.forward_s * 1e3:>8.3f} {p.backward_input_s * 1e3:>8.3f} {p.backward_weight_s * 1e3:>8.3f} "
+              f"{format_bytes(p.activation_bytes):>12} {format_bytes(p.param_bytes):>10} "
+              f"{format_bytes(p.output_bytes):>10}")
+    print(f"microbatch {profile.microbatch_size} samples; profile written to {args.output}")
+    return 0
+
+
+
+
+
+
+def memory_lines(per_rank: Sequence[dict[str, Any]]) -> list[str]:
+    """A text table of `profile_memory`'s rows."""
+    lines = [f"{'rank':>4} {'params':>10} {'grads':>10} {'optimizer':>10} {'activations':>12} {'messages':>10} "
+             f"{'peak':>10}"]
+    for r in per_rank:
+        lines.append(f"{r['rank']:>4} " + " ".join(
+            f"{format_bytes(r[k]):>{w}}" for k, w in (("params", 10), ("gradients", 10), ("optimizer", 10),
+                                                      ("activations", 12), ("messages", 10), ("peak", 10))))
+    return lines
+
+
+__all__ = ["add_parsers", "add_profile_option", "cmd_plan", "cmd_profile", "memory_lines"]

@@ -1,0 +1,204 @@
+"""`duplexpipe train`'s run configuration: the fields, a TOML config file, the LR schedule."""
+
+from __future__ import annotations
+
+import math
+import sys
+import types
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+DEFAULT_TASK = "duplexpipe.launch.tasks.gpt:gpt_task"
+"""The bundled GPT task (package data: works from an installed wheel)."""
+OPTIMIZERS = ("adamw", "sgd")
+LR_SCHEDULES = ("constant", "cosine", "linear")
+PRECISIONS = ("fp32", "bf16", "fp16")
+BALANCES = ("uniform", "params", "time")
+P2P_COMPRESSIONS = ("none", "bf16", "fp8", "int8")
+"""Stage-to-stage send formats: "none" (as computed) or a `duplexpipe.comm.P2P_COMPRESSION` name."""
+
+
+@dataclass
+class TrainConfig:
+    """One training run; every field can be set in the TOML config file under the same name."""
+
+    task: str = DEFAULT_TASK
+    """"path/to/file.py:function" or "package.module:function" returning a TrainTask."""
+    task_options: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for the task function (a [task_options] table in the config file)."""
+    schedule: str = "dualpipe"
+    """Schedule name from the registry."""
+    ranks: int = 4
+    """Pipeline ranks (processes per data-parallel replica)."""
+    dp: int = 1
+    """Data-parallel replicas; ranks * dp processes in all."""
+    microbatches: int = 8
+    """Microbatches per step."""
+    steps: int = 60
+    """Training steps in all (a resumed run continues up to this step)."""
+    batch_size: int = 32
+    """Samples per step over all replicas (the task's `batch(step, batch_size)`)."""
+    optimizer: str = "adamw"
+    """"adamw" or "sgd" (with `momentum`)."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay (AdamW) or L2 penalty (SGD)."""
+    momentum: float = 0.9
+    """SGD momentum (optimizer "sgd" only)."""
+    lr_schedule: str = "constant"
+    """After warm-up: "constant", "cosine" or "linear" decay to `min_lr_ratio` x lr at the last step."""
+    warmup: int = 0
+    """Optimizer steps of linear warm-up from lr / warmup to lr."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate over lr for the cosine and linear schedules."""
+    precision: str = "fp32"
+    """"fp32", "bf16" or "fp16"."""
+    p2p_compression: str = "none"
+    """Stage-to-stage sends: "none" (as computed), "bf16", "fp8" (per-row scales) or "int8" (blockwise);
+    see PipelineConfig.p2p_compression."""
+    grad_clip_norm: float | None = 1.0
+    """Global gradient-norm clip (None, or 0 in the config file or on the command line: off)."""
+    activation_checkpointing: bool = False
+    """Recompute every stage's activations in backward."""
+    balance: str = "uniform"
+    """"uniform", "params" or "time" (profiled on the first microbatch of step 0's batch)."""
+    seed: int = 0
+    """Torch seed set on every rank before the task is built; passed as `seed=` to a task function that
+    takes one (unless task_options sets it)."""
+    log_every: int = 10
+    """Rank 0 prints step, loss, lr and throughput every N steps and at the last one (0: never)."""
+    progress: bool = False
+    """A one-line progress bar instead of the log lines (for terminals)."""
+    out_dir: str | None = None
+    """Write metrics.jsonl (one line per step), losses.json, timeline.json, partition.txt and, when the
+    tensorboard package is installed, TensorBoard scalars (tensorboard/) here (None: nothing is written)."""
+    tensorboard: bool = True
+    """Write TensorBoard scalars under out_dir when tensorboard is installed (skipped quietly otherwise)."""
+    save: str | None = None
+    """Save checkpoints to <save>/step-NNNNNN (and the name of the latest to <save>/latest) at the end."""
+    save_every: int = 0
+    """Also save every N steps (0: only at the end)."""
+    resume: str | None = None
+    """Continue from this checkpoint, or from the latest one of a `save` directory."""
+    timeout_s: float = 180.0
+    """Runtime timeout for blocked communication, in seconds."""
+
+    def __post_init__(self) -> None:
+        for name in ("ranks", "dp", "microbatches", "steps", "batch_size"):
+            _at_least(name, getattr(self, name), 1)
+        for name in ("warmup", "log_every", "save_every"):
+            _at_least(name, getattr(self, name), 0)
+        for name, choices in (("optimizer", OPTIMIZERS), ("lr_schedule", LR_SCHEDULES),
+                              ("precision", PRECISIONS), ("balance", BALANCES),
+                              ("p2p_compression", P2P_COMPRESSIONS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
+        if not self.lr > 0 or self.weight_decay < 0 or not 0 <= self.momentum < 1:
+            raise ValueError(f"need lr > 0, weight_decay >= 0 and 0 <= momentum < 1, got lr={self.lr}, "
+                             f"weight_decay={self.weight_decay}, momentum={self.momentum}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.grad_clip_norm is not None and self.grad_clip_norm <= 0:
+            self.grad_clip_norm = None  # 0 turns clipping off (TOML and the CLI have no None)
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+
+    def parts_needed(self) -> int:
+        """How many model parts the schedule needs (the model needs at least that many blocks)."""
+        from duplexpipe.schedules.registry import build
+
+        return build(self.schedule, self.ranks, self.microbatches).num_groups
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as plain data (JSON-ready)."""
+        return asdict(self)
+
+
+def _at_least(name: str, value: int, low: int) -> None:
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+
+
+def field_types() -> dict[str, Any]:
+    """TrainConfig's field names and their (resolved) type hints."""
+    return typing.get_type_hints(TrainConfig)
+
+
+def _check_type(name: str, value: Any, hint: Any) -> Any:
+    """`value` as the field's type (an int for a float field becomes a float); ValueError otherwise."""
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    allowed = tuple(typing.get_origin(a) or a for a in (typing.get_args(hint) if union else (hint,)))
+    if float in allowed and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if (isinstance(value, bool) and bool not in allowed) or not isinstance(value, allowed):
+        names = " or ".join("none" if a is type(None) else a.__name__ for a in allowed)
+        raise ValueError(f"{name} must be {names}, got {value!r}")
+    return value
+
+
+def check_keys(values: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """Values keyed by TrainConfig field names (dashes allowed for underscores), type-checked.
+
+    Raises ValueError naming unknown keys and the valid ones, or a value of the wrong type.
+    """
+    hints = field_types()
+    out: dict[str, Any] = {}
+    unknown = []
+    for key, value in values.items():
+        name = key.replace("-", "_")
+        if name not in hints:
+            unknown.append(key)
+            continue
+        out[name] = _check_type(name, value, hints[name])
+    if unknown:
+        valid = ", ".join(f.name for f in fields(TrainConfig))
+        raise ValueError(f"{source}: unknown keys {unknown}; valid keys: {valid}")
+    return out
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    """The settings of a TOML config file (field names as keys; [task_options] as a table)."""
+    try:
+        with Path(path).open("rb") as fp:
+            data = tomllib.load(fp)
+    except OSError as exc:
+        raise ValueError(f"config file {path}: cannot read it ({exc.strerror})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"config file {path}: not valid TOML ({exc})") from None
+    return check_keys(data, f"config file {path}")
+
+
+def merge_config(file_values: Mapping[str, Any], flag_values: Mapping[str, Any]) -> TrainConfig:
+    """TrainConfig from its defaults, overridden by the config file, overridden by command-line flags."""
+    values = {**check_keys(file_values, "config file"), **check_keys(flag_values, "command line")}
+    if "task_options" in file_values and "task_options" in flag_values:
+        values["task_options"] = {**file_values["task_options"], **flag_values["task_options"]}
+    return TrainConfig(**values)
+
+
+def lr_factor(schedule: str, warmup: int, total: int, min_ratio: float) -> Callable[[int], float]:
+    """The LR multiplier after `step` optimizer steps: linear warm-up over `warmup` steps, then
+    `schedule` ("constant", "cosine", "linear") down to `min_ratio` at step `total` - 1."""
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f"lr schedule must be one of {', '.join(LR_SCHEDULES)}, got {schedule!r}")
+
+    def factor(step: int) -> float:  # a plain function: LambdaLR keeps none of it in its state_dict
+        if step < warmup:
+            return (step + 1) / warmup
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - 1 - warmup))
+        if schedule == "linear":
+            return 1.0 - (1.0 - min_ratio) * progress
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor

@@ -1,0 +1,300 @@
+"""Ready-made training runs of a task (model + data) on local processes or torchrun; `duplexpipe train`."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from duplexpipe.launch.metrics import MetricsLog, ProgressLine, log_line, tensorboard_writer
+from duplexpipe.launch.processes import run
+from duplexpipe.launch.train_config import (
+    DEFAULT_TASK,
+    TrainConfig,
+    lr_factor,
+)
+from duplexpipe.model.stages import PartInit
+from duplexpipe.parallel.mesh import make_mesh
+from duplexpipe.schedules.timeline import Timeline
+from duplexpipe.train.trainer import LossFn, Pipeline, PipelineConfig
+
+__all__ = ["DEFAULT_TASK", "TrainConfig", "TrainResult", "TrainTask", "load_task", "run_training"]
+
+LATEST = "latest"
+"""The file in a save directory that names its newest checkpoint."""
+
+
+@dataclass
+class TrainTask:
+    """A model and its data, built on every rank by the task function."""
+
+    layers: Sequence[nn.Module]
+    """The blocks to split over the model parts (an nn.Sequential works too; on the meta device with `init`)."""
+    loss_fn: LossFn
+    """loss_fn(output, targets) -> mean loss of a microbatch."""
+    batch: Callable[[int, int], tuple[Any, Any]]
+    """batch(step, batch_size) -> (inputs, targets): the global batch of `step`, identical on every rank."""
+    embedding: nn.Module | None = None
+    """Runs before the first block, in model part 0."""
+    head: nn.Module | None = None
+    """Runs after the last block, in the last model part."""
+    init: PartInit | None = None
+    """init(part, k) for layers built on the meta device: only this rank's parts are allocated and filled."""
+    items_per_sample: int = 1
+    """Items (e.g. tokens) per sample, for the throughput figure."""
+    item_name: str = "samples"
+    """What an item is called in the progress output."""
+
+
+@dataclass
+class TrainResult:
+    """What a training run produced (on rank 0 of the run)."""
+
+    losses: list[float]
+    """Mean loss of every step this run took."""
+    items_per_s: float
+    """Throughput after this run's first (warm-up) step, in the task's items (tokens for the GPT)."""
+    timeline: Timeline | None
+    """The last step's measured timeline, gathered from all pipeline ranks (dp replica 0)."""
+    partition: str
+    """The partition report."""
+    wall_s: float
+    """Seconds the training loop took on rank 0."""
+    config: TrainConfig
+    """The configuration that ran."""
+    start_step: int = 0
+    """Steps already done when this run started (from `resume`)."""
+    send_bytes: float = 0.0
+    """Rank 0's mean payload bytes per stage-to-stage SEND on the wire (`Pipeline.p2p_meter`; 0: it sent none)."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Alias of items_per_s for token-level tasks."""
+        return self.items_per_s
+
+
+def load_task(spec: str) -> Callable[..., TrainTask]:
+    """Resolve "file.py:function" or "module:function" to the task function."""
+    target, sep, name = spec.rpartition(":")
+    if not sep or not target or not name:
+        raise ValueError(f"task {spec!r} must look like 'path/to/file.py:function' or 'module:function'")
+    if target.endswith(".py"):
+        path = Path(target)
+        if not path.is_file():
+            raise ValueError(f"task file {target!r} does not exist")
+        module_name = f"duplexpipe_task_{path.stem}"
+        module = sys.modules.get(module_name)
+        if module is None:
+            loader_spec = importlib.util.spec_from_file_location(module_name, path)
+            assert loader_spec is not None and loader_spec.loader is not None
+            module = importlib.util.module_from_spec(loader_spec)
+            sys.modules[module_name] = module
+            loader_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as exc:
+            raise ValueError(f"task {spec!r}: cannot import {target} ({exc})") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ValueError(f"task {spec!r}: {target} has no function {name!r}")
+    return fn  # type: ignore[no-any-return]
+
+
+def build_task(config: TrainConfig) -> TrainTask:
+    """Call the task function with task_options (plus `seed=config.seed` when it takes a seed)."""
+    fn = load_task(config.task)
+    options = dict(config.task_options)
+    if "seed" not in options and "seed" in inspect.signature(fn).parameters:
+        options["seed"] = config.seed
+    task = fn(**options)
+    if not isinstance(task, TrainTask):
+        raise TypeError(f"task {config.task!r} returned a {type(task).__name__}, not a TrainTask")
+    return task
+
+
+def make_optimizer(config: TrainConfig) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
+    """The optimizer factory of `config` (AdamW or SGD with momentum)."""
+    def factory(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        if config.optimizer == "sgd":
+            return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
+        return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+    return factory
+
+
+def make_scheduler(config: TrainConfig) -> Callable[[torch.optim.Optimizer], Any]:
+    """The LR scheduler factory of `config` (warm-up, then constant / cosine / linear decay)."""
+    factor = lr_factor(config.lr_schedule, config.warmup, config.steps, config.min_lr_ratio)
+    return lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+def _local_slice(value: Any, index: int, parts: int) -> Any:
+    if parts == 1 or value is None:
+        return value
+    size = value.shape[0] // parts
+    return value[index * size:(index + 1) * size]
+
+
+def pipeline_config(config: TrainConfig) -> PipelineConfig:
+    """The PipelineConfig a run trains with."""
+    return PipelineConfig(schedule=config.schedule, num_microbatches=config.microbatches,
+                          precision=config.precision, grad_clip_norm=config.grad_clip_norm,
+                          activation_checkpointing=config.activation_checkpointing, timeout_s=config.timeout_s,
+                          p2p_compression=None if config.p2p_compression == "none" else config.p2p_compression)
+
+
+def _build_pipeline(config: TrainConfig, task: TrainTask) -> Pipeline:
+    device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
+    mesh = make_mesh(config.ranks, config.dp, device_type) if config.dp > 1 else None
+    pcfg = pipeline_config(config)
+    first_inputs = task.batch(0, config.batch_size)[0]  # one microbatch of it: the profiling sample
+    sample = first_inputs[: max(1, first_inputs.shape[0] // (config.microbatches * config.dp))]
+    return Pipeline.from_layers(task.layers, task.loss_fn, make_optimizer(config), pcfg, embedding=task.embedding,
+                                head=task.head, balance=config.balance, sample_input=sample, mesh=mesh,
+                                init=task.init, scheduler=make_scheduler(config))
+
+
+def checkpoint_to_load(path: str) -> str:
+    """The checkpoint directory `path` names: itself, or the one its `latest` file names."""
+    root = Path(path)
+    if (root / LATEST).is_file():
+        return str(root / (root / LATEST).read_text(encoding="utf-8").strip())
+    if (root / ".metadata").is_file():
+        return str(root)
+    raise ValueError(f"resume: {path} holds no checkpoint (no '{LATEST}' file and no .metadata)")
+
+
+def _save(pipe: Pipeline, config: TrainConfig, step: int) -> None:
+    assert config.save is not None
+    name = f"step-{step:06d}"
+    pipe.save(str(Path(config.save) / name))
+    if dist.get_rank() == 0:
+        (Path(config.save) / LATEST).write_text(name + "\n", encoding="utf-8")
+
+
+def _open_metrics(config: TrainConfig, lead: bool) -> MetricsLog | None:
+    if not lead or config.out_dir is None:
+        return None
+    out = Path(config.out_dir)
+    factory = tensorboard_writer() if config.tensorboard else None
+    return MetricsLog(out / "metrics.jsonl", tensorboard_dir=out / "tensorboard", writer_factory=factory,
+                      append=config.resume is not None)
+
+
+def _train_rank(config: TrainConfig) -> TrainResult | None:
+    """One rank of `run_training` (the default process group is initialised)."""
+    from duplexpipe.runtime import gather_timeline
+
+    if dist.get_world_size() != config.ranks * config.dp:
+        raise ValueError(f"{dist.get_world_size()} processes, but ranks x dp = {config.ranks} x {config.dp}")
+    torch.manual_seed(config.seed)
+    task = build_task(config)
+    pipe = _build_pipeline(config, task)
+    if config.resume is not None:
+        pipe.load(checkpoint_to_load(config.resume))
+    start = pipe.calls
+    if start >= config.steps:
+        raise ValueError(f"the checkpoint is at step {start}; --steps {config.steps} leaves nothing to do")
+    lead = dist.get_rank() == 0
+    metrics = _open_metrics(config, lead)
+    try:
+        losses, rate, wall = _loop(pipe, task, config, start, metrics, lead)
+    finally:
+        if metrics is not None:
+            metrics.close()
+    last = pipe.last.timeline if pipe.last is not None else None
+    timeline = gather_timeline(last, group=pipe.groups.pp_group) if last is not None else None
+    if not lead:
+        return None
+    partition = str(pipe.partition) if pipe.partition is not None else ""
+    sends = pipe.p2p_meter.calls.get("send", 0)
+    send_bytes = pipe.p2p_meter.bytes.get("send", 0.0) / sends if sends else 0.0
+    return TrainResult(losses, rate, timeline, partition, wall, config, start, send_bytes)
+
+
+def _loop(pipe: Pipeline, task: TrainTask, config: TrainConfig, start: int, metrics: MetricsLog | None,
+          lead: bool) -> tuple[list[float], float, float]:
+    """Train steps start..config.steps-1; returns (losses, items/s, wall seconds).
+
+    items/s counts the steps after the first (warm-up) one, over the time spent fetching their batches
+    and stepping (not logging or saving checkpoints).
+    """
+    from duplexpipe.runtime import gather_timeline
+
+    bar = ProgressLine(config.steps, task.item_name, sys.stdout) if config.progress and lead else None
+    losses: list[float] = []
+    began = time.perf_counter()
+    items, busy = 0, 0.0  # after the first step: items trained and seconds spent fetching + stepping
+    for step in range(start, config.steps):
+        tick = time.perf_counter()
+        x, y = task.batch(step, config.batch_size)
+        x, y = (_local_slice(v, pipe.groups.dp_rank, pipe.groups.dp_size) for v in (x, y))
+        lr = pipe.optimizer.param_groups[0]["lr"]
+        losses.append(pipe.step(x, y))
+        now = time.perf_counter()
+        step_items = int(x.shape[0]) * pipe.groups.dp_size * task.items_per_sample
+        if step > start:
+            items, busy = items + step_items, busy + (now - tick)
+        timeline = pipe.last.timeline if pipe.last is not None else None
+        bubble = gather_timeline(timeline, group=pipe.groups.pp_group).bubble_ratio if timeline else None
+        values = {"loss": losses[-1], "lr": lr, "grad_norm": pipe.last.grad_norm if pipe.last else None,
+                  "items_per_s": step_items / (now - tick), "bubble": bubble}
+        if metrics is not None:
+            metrics.write(step + 1, values)
+        if bar is not None:
+            bar.update(step + 1, losses[-1], items / busy if busy else 0.0)
+        elif lead and config.log_every and ((step + 1) % config.log_every == 0 or step + 1 == config.steps):
+            print(log_line(step + 1, config.steps, values, task.item_name), flush=True)
+        if config.save and ((config.save_every and (step + 1) % config.save_every == 0) or step + 1 == config.steps):
+            _save(pipe, config, step + 1)
+    end = time.perf_counter()
+    if bar is not None:
+        bar.close()
+    return losses, items / busy if busy else 0.0, end - began
+
+
+def write_outputs(result: TrainResult, out_dir: str) -> None:
+    """losses.json, timeline.json and partition.txt in `out_dir`."""
+    path = Path(out_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    summary = {"losses": result.losses, "start_step": result.start_step, "items_per_s": result.items_per_s,
+               "wall_s": result.wall_s, "config": result.config.to_dict()}
+    (path / "losses.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    if result.timeline is not None:
+        (path / "timeline.json").write_text(json.dumps(result.timeline.to_dict()) + "\n", encoding="utf-8")
+    (path / "partition.txt").write_text(result.partition + "\n", encoding="utf-8")
+
+
+def run_training(config: TrainConfig) -> TrainResult:
+    """Train `config.task` on ranks * dp local processes (or in place under torchrun); rank 0's result.
+
+    Under torchrun, non-zero ranks get a TrainResult with empty losses.
+    """
+    results = run(_train_rank, config.ranks * config.dp, (config,), timeout_s=None)
+    result = results[0]
+    if result is None:
+        return TrainResult([], 0.0, None, "", 0.0, config)
+    if config.out_dir:
+        write_outputs(result, config.out_dir)
+    return result
+
+
+
+
+
+
+
+
+
+

@@ -1,0 +1,209 @@
+"""Stage modules: build only this rank's stages (from parts, meta parts or a factory), with checkpointing."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import itertools
+import warnings
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from typing import Any, cast
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from duplexpipe.model.split import check_parts_fit
+from duplexpipe.schedules.ir import Schedule
+
+
+class CheckpointedStage(nn.Module):
+    """Runs `module` under torch.utils.checkpoint: activations inside it are recomputed in backward."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.module(*args, **kwargs)
+        return checkpoint(self.module, *args, use_reentrant=False, **kwargs)
+
+
+def inner_module(module: nn.Module) -> nn.Module:
+    """The user's module behind a CheckpointedStage wrapper (or `module` itself)."""
+    return module.module if isinstance(module, CheckpointedStage) else module
+
+
+def resolve_checkpointing(option: bool | Collection[int], schedule: Schedule) -> frozenset[int]:
+    """The stage indices to checkpoint: all for True, none for False, else the given stages."""
+    if isinstance(option, bool):
+        return frozenset(range(schedule.num_stages)) if option else frozenset()
+    stages = frozenset(option)
+    bad = sorted(s for s in stages if not 0 <= s < schedule.num_stages)
+    if bad:
+        raise ValueError(
+            f"activation_checkpointing names stages {bad}, but schedule {schedule.name!r} "
+            f"has stages 0..{schedule.num_stages - 1}"
+        )
+    return stages
+
+
+PartFactory = Callable[[int], nn.Module]
+"""part_factory(k) -> model part k; called only for the parts this rank holds."""
+PartInit = Callable[[nn.Module, int], None]
+"""init(part, k) fills the freshly materialised (uninitialised) model part k in place."""
+PartSource = Sequence[nn.Module] | PartFactory
+"""The model parts themselves (possibly on the meta device), or a factory building part k."""
+
+
+def part_seed(seed: int, part: int) -> int:
+    """The torch seed of model part `part` under run seed `seed`: seed * 1_000_003 + part."""
+    return seed * 1_000_003 + part
+
+
+@contextlib.contextmanager
+def seeded_part(seed: int, part: int) -> Iterator[None]:
+    """Run the block with torch's RNG seeded for model part `part` (`part_seed`), restoring the
+    RNG state afterwards (CPU and CUDA), so part k gets the same weights on every rank and in a
+    model built whole part by part."""
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(part_seed(seed, part))
+        yield
+
+
+def reset_parameters(part: nn.Module) -> None:
+    """Initialise a part the way its layers' constructors do: `reset_parameters()` on every
+    submodule that has one. Raises ValueError naming parameters no such submodule owns."""
+    covered: set[int] = set()
+    for module in part.modules():
+        reset = getattr(module, "reset_parameters", None)
+        if callable(reset):
+            reset()
+            covered.update(id(p) for p in module.parameters())
+    missing = [n for n, p in part.named_parameters() if id(p) not in covered]
+    if missing:
+        shown = ", ".join(missing[:4]) + (" ..." if len(missing) > 4 else "")
+        raise ValueError(f"no submodule with reset_parameters() owns {shown}; pass an init that "
+                         "initialises them")
+
+
+def seeded_init(seed: int, init: Callable[[nn.Module], None] = reset_parameters) -> PartInit:
+    """A PartInit running `init(part)` under `seeded_part(seed, k)`: part k's weights depend only
+    on (seed, k), whichever rank builds it."""
+    def run(part: nn.Module, k: int) -> None:
+        with seeded_part(seed, k):
+            init(part)
+    return run
+
+
+def as_factory(source: PartSource) -> PartFactory | None:
+    """The factory when `source` is one; None when it is a sequence of parts."""
+    if callable(source) and not isinstance(source, nn.Module):
+        return cast(PartFactory, source)
+    return None
+
+
+def on_meta(module: nn.Module) -> bool:
+    """True when any parameter or buffer of `module` is on the meta device."""
+    return any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
+
+
+def copy_module(module: nn.Module) -> nn.Module:
+    """A deep copy of `module` (without torch's pytree deprecation noise when copying traced graphs)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
+        return copy.deepcopy(module)
+
+
+def materialize_part(
+    source: PartSource, k: int, device: torch.device | str | None, init: PartInit | None
+) -> nn.Module:
+    """Model part k as a module of its own on `device`.
+
+    From a factory: `factory(k)`. From a list: a deep copy of `parts[k]`; a part on the meta
+    device is allocated with `to_empty` (no values copied) and filled by `init(part, k)`.
+    """
+    factory = as_factory(source)
+    if factory is not None:
+        module = factory(k)
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"part_factory({k}) returned a {type(module).__name__}, not an nn.Module")
+        if on_meta(module):
+            if init is None:
+                raise ValueError(f"part_factory({k}) built the part on the meta device; pass init= to fill it")
+            module = module.to_empty(device=device or "cpu")
+            init(module, k)
+        elif device is not None:
+            module = module.to(device)
+        return module
+    part = cast(Sequence[nn.Module], source)[k]
+    if not on_meta(part):
+        module = copy_module(part)
+        return module.to(device) if device is not None else module
+    if init is None:
+        raise ValueError(f"model part {k} is on the meta device; pass init= (e.g. seeded_init(seed)) "
+                         "to fill this rank's parts")
+    module = copy_module(part).to_empty(device=device or "cpu")
+    init(module, k)
+    return module
+
+
+def build_stage_modules(
+    schedule: Schedule,
+    rank: int,
+    parts: PartSource,
+    *,
+    checkpoint_stages: Collection[int] = (),
+    device: torch.device | str | None = None,
+    init: PartInit | None = None,
+) -> dict[int, nn.Module]:
+    """This rank's stage modules: stage s runs model part `schedule.stages[s].group`.
+
+    Only the parts this rank holds are built (`materialize_part`): a factory is called for
+    them alone and meta parts are allocated for them alone. A second stage of the same part on
+    this rank gets a deep copy. Copies of one part on different ranks (DualPipe's mirrors) start
+    identical when every rank builds part k the same way (same seed or state_dict; for factories
+    and inits, seed per part: `seeded_part`, `seeded_init`).
+    """
+    if as_factory(parts) is None:
+        check_parts_fit(len(cast(Sequence[nn.Module], parts)), schedule)
+    if not 0 <= rank < schedule.num_ranks:
+        raise ValueError(f"rank {rank} is outside 0..{schedule.num_ranks - 1} for schedule {schedule.name!r}")
+    built: dict[int, nn.Module] = {}
+    modules: dict[int, nn.Module] = {}
+    for stage in schedule.stages_of_rank(rank):
+        group = schedule.stages[stage].group
+        if group in built:
+            module = copy_module(built[group])
+        else:
+            module = built[group] = materialize_part(parts, group, device, init)
+        modules[stage] = CheckpointedStage(module) if stage in checkpoint_stages else module
+    return modules
+
+
+def fingerprint(module: nn.Module) -> str:
+    """A hash of the module's parameters and buffers (names, shapes, dtypes and values)."""
+    digest = hashlib.sha256()
+    for name, tensor in inner_module(module).state_dict().items():
+        t = tensor.detach().to("cpu").contiguous()
+        digest.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+        digest.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()[:20]
+
+
+def find_mismatched_copies(
+    schedule: Schedule, fingerprints: Sequence[Mapping[int, str]]
+) -> list[tuple[int, list[tuple[int, str]]]]:
+    """Groups whose copies differ: (group, [(stage, fingerprint) ...]).
+
+    `fingerprints` holds one {stage: fingerprint} map per reporting rank (several maps may name
+    the same stage, e.g. data-parallel replicas).
+    """
+    seen: dict[int, list[tuple[int, str]]] = {}
+    for entry in fingerprints:
+        for stage, fp in sorted(entry.items()):
+            seen.setdefault(schedule.stages[stage].group, []).append((stage, fp))
+    return [(g, copies) for g, copies in sorted(seen.items()) if len({fp for _, fp in copies}) > 1]

@@ -1,0 +1,18 @@
+"""Data parallelism: the mesh, gradient reduction strategies (replicated, compressed, ZeRO-1, ZeRO-2), tied weights."""
+
+from duplexpipe.parallel.buckets import DEFAULT_BUCKET_BYTES, BucketSpec, BucketTracker, final_order, plan_buckets
+from duplexpipe.parallel.compressed import CompressedStrategy
+from duplexpipe.parallel.factory import STRATEGY_NAMES, check_strategy_name, make_strategy
+from duplexpipe.parallel.mesh import ParallelGroups, make_mesh
+from duplexpipe.parallel.replicated import ReplicatedStrategy
+from duplexpipe.parallel.strategy import DP_LANE, DPStrategy, LaneRecorder, OptimizerFactory, StrategyContext, WaitFn
+from duplexpipe.parallel.zero1 import Zero1Strategy
+from duplexpipe.parallel.zero2 import Zero2Strategy
+from duplexpipe.parallel.zero_config import ZERO_STAGES, ZeroOptions, check_zero
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES", "DP_LANE", "STRATEGY_NAMES", "BucketSpec", "BucketTracker", "CompressedStrategy",
+    "DPStrategy", "LaneRecorder", "OptimizerFactory", "ParallelGroups", "ReplicatedStrategy", "StrategyContext",
+    "WaitFn", "ZERO_STAGES", "Zero1Strategy", "Zero2Strategy", "ZeroOptions", "check_strategy_name", "check_zero",
+    "final_order", "make_mesh", "make_strategy", "plan_buckets",
+]

@@ -1,0 +1,55 @@
+"""Choosing the data-parallel strategy from the configuration (replicated, compressed, ZeRO-1, ZeRO-2)."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import replace
+
+from duplexpipe.comm import NoCompression
+from duplexpipe.parallel.compressed import CompressedStrategy
+from duplexpipe.parallel.replicated import ReplicatedStrategy
+from duplexpipe.parallel.strategy import DPStrategy, StrategyContext
+from duplexpipe.parallel.zero1 import Zero1Strategy
+from duplexpipe.parallel.zero2 import Zero2Strategy
+from duplexpipe.parallel.zero_config import ZeroOptions, check_zero
+
+STRATEGY_NAMES = ("replicated", "compressed")
+"""The names PipelineConfig.dp_strategy accepts (None picks one from grad_compression)."""
+
+def check_strategy_name(name: str | None, compressing: bool) -> None:
+    """Raise ValueError for an unknown strategy name, or one that cannot apply the requested compression."""
+    if name is not None and name not in STRATEGY_NAMES:
+        raise ValueError(f"unknown dp_strategy {name!r}; expected one of {STRATEGY_NAMES} or None")
+    if name == "replicated" and compressing:
+        raise ValueError("dp_strategy 'replicated' all-reduces exact gradients; with grad_compression set "
+                         "use 'compressed' (or None)")
+
+
+def make_strategy(ctx: StrategyContext, name: str | None = None) -> DPStrategy:
+    """The strategy `name` (None: "compressed" when ctx.compression compresses, else "replicated").
+
+    With one data-parallel replica there is nothing to reduce: compression is a no-op, said once in a
+    warning, and the replicated strategy is used.
+    """
+    compressing = not isinstance(ctx.compression, NoCompression)
+    if ctx.zero_stage:
+        return _zero_strategy(ctx, name)
+    check_strategy_name(name, compressing)
+    name = name or ("compressed" if compressing else "replicated")
+    if name == "compressed" and ctx.groups.dp_size == 1:
+        warnings.warn(f"grad_compression={ctx.compression.method!r} has no effect with one data-parallel "
+                      "replica (no gradients are reduced); training without compression", stacklevel=3)
+        name = "replicated"
+    if name == "compressed":
+        return CompressedStrategy(ctx)
+    return ReplicatedStrategy(ctx)
+
+
+def _zero_strategy(ctx: StrategyContext, name: str | None) -> DPStrategy:
+    """ZeRO-1 or ZeRO-2 (with one replica there is nothing to shard: the replicated strategy, with a warning)."""
+    check_zero(ctx.zero_stage, ctx.zero, ctx.compression, name)
+    if ctx.groups.dp_size == 1:
+        warnings.warn(f"zero_stage={ctx.zero_stage} (and its gradient compression) has no effect with one "
+                      "data-parallel replica (nothing to shard); training with the replicated strategy", stacklevel=3)
+        return ReplicatedStrategy(replace(ctx, zero_stage=0, zero=ZeroOptions(), compression=NoCompression()))
+    return Zero1Strategy(ctx) if ctx.zero_stage == 1 else Zero2Strategy(ctx)

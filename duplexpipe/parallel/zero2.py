@@ -1,0 +1,252 @@
+"""ZeRO-2 through torch FSDP2: gradients and optimizer state sharded over the data-parallel group.
+
+Each stage module is `fully_shard`-ed over a 1-D data-parallel mesh with reshard_after_forward=False (or, with
+hpZ, a node-sized int), so its parameters are gathered once per step, at its first forward. While the schedule
+runs, FSDP's gradient sync is off (gradients accumulate unsharded, so the runtime's I/W split and DualPipe's
+mirror sum see ordinary tensors); once a stage's gradients are final the strategy drives FSDP's post-backward by
+hand, as torch.distributed.pipelining's stage.py does, which reduce-scatters them and reshards the parameters.
+FSDP's collectives go through this module's ReduceScatter / AllGather, which post them on duplexpipe.comm's
+ShardComm (exact, bf16/fp16, int8 qgZ / qwZ; metered) and wait with the trainer's bounded wait.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+
+from duplexpipe.comm import Waitable
+from duplexpipe.comm.sharded import Pending, ShardComm
+from duplexpipe.parallel import grads
+from duplexpipe.parallel.buckets import BucketSpec, BucketTracker
+from duplexpipe.parallel.strategy import DPStrategy, StrategyContext
+from duplexpipe.parallel.zero1 import counted_stages, quantized
+from duplexpipe.parallel.zero_config import check_hpz, gradient_wire
+
+try:  # FSDP2's public entry point and its (not yet public) custom-collective interfaces
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+except ImportError:  # pragma: no cover - torch < 2.6
+    FSDPModule = fully_shard = None  # type: ignore[assignment,misc]
+    AllGather = ReduceScatter = object  # type: ignore[assignment,misc]
+
+
+class _Comms:
+    """One ShardComm per process group FSDP hands over (hpZ gathers inside a node's group), and the
+    reduce-scatters left in flight until the strategy finishes them."""
+
+    def __init__(self, strategy: Zero2Strategy) -> None:
+        self.strategy = strategy
+        self._by_group: dict[Any, ShardComm] = {}
+        self.pending: list[Pending] = []
+        self.unsegmented = 0
+        """Collectives whose chunk did not match the parameters' shards (their int8 blocks run across)."""
+
+    def segments(self, module: Any, chunk: int, size: int, gathering: bool) -> list[list[int]] | None:
+        """segments() of `module`, counting the chunks it cannot cut."""
+        cut = segments(module, chunk, size, gathering)
+        self.unsegmented += cut is None
+        return cut
+
+    def on(self, group: Any) -> ShardComm:
+        comm = self._by_group.get(group)
+        if comm is None:
+            ctx = self.strategy.ctx
+            comm = ShardComm(group, self.strategy.meter, gradients=gradient_wire(2, ctx.zero, ctx.compression),
+                             weights=ctx.zero.weight_wire)
+            self._by_group[group] = comm
+        return comm
+
+
+def _fsdp_params(module: Any) -> list[Any]:
+    """FSDP's per-parameter records of a fully_shard-ed module, in its flat all-gather / reduce-scatter order."""
+    state = fully_shard.state(module)  # type: ignore[attr-defined,union-attr]
+    return [p for group in state._fsdp_param_groups for p in group.fsdp_params]
+
+
+def segments(module: Any, chunk: int, size: int, gathering: bool) -> list[list[int]] | None:
+    """Per rank, the lengths of the parameters' pieces in FSDP's flat chunk of `chunk` elements (the same on
+    every rank: FSDP pads each parameter's dim 0 alike), so int8 blocks stay inside one parameter; None when
+    they do not add up to the chunk (then the blocks run across the chunk)."""
+    lengths = []
+    for p in _fsdp_params(module):
+        if gathering and p.sharded_state.name == "SHARDED_POST_FORWARD":  # hpZ: the node-local shard
+            lengths.append(p._sharded_post_forward_param_data.numel())
+        else:
+            lengths.append(p.padded_sharded_param_size.numel())
+    return [lengths] * size if sum(lengths) == chunk else None
+
+
+class _ReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
+    """FSDP's reduce-scatter (op AVG: the mean): posted, and finished by the strategy (or at once when FSDP
+    would accumulate into an existing sharded gradient right away)."""
+
+    def __init__(self, comms: _Comms, stage: int, module: Any) -> None:
+        self.comms, self.stage, self.module = comms, stage, module
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group: Any, op: Any,
+                 async_op: bool = False) -> Any:
+        if op != dist.ReduceOp.AVG:
+            raise ValueError(f"ZeRO-2 expects FSDP to ask for the mean (ReduceOp.AVG), got {op}")
+        strategy, comm = self.comms.strategy, self.comms.on(group)
+        cut = self.comms.segments(self.module, output_tensor.numel(), comm.size, gathering=False)
+        pending = comm.reduce_scatter(input_tensor, output_tensor, f"the gradients of stage {self.stage}",
+                                      draw=strategy.draws * 4096 + self.stage, segments=cut)
+        if strategy.defer:
+            self.comms.pending.append(pending)
+        else:
+            pending.finish(strategy.ctx.wait)
+        return None
+
+
+class _AllGather(AllGather):  # type: ignore[misc,valid-type]
+    """FSDP's parameter all-gather, finished before FSDP copies the parameters out."""
+
+    def __init__(self, comms: _Comms, stage: int, module: Any) -> None:
+        self.comms, self.stage, self.module = comms, stage, module
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group: Any, async_op: bool = False) -> Any:
+        strategy = self.comms.strategy
+        if strategy.ctx.zero.weight_wire is not None and not input_tensor.is_floating_point():
+            raise ValueError(f"qwZ needs floating-point parameters; stage {self.stage} gathers {input_tensor.dtype}")
+        comm = self.comms.on(group)
+        cut = self.comms.segments(self.module, input_tensor.numel(), comm.size, gathering=True)
+        comm.all_gather(output_tensor, input_tensor, f"the parameters of stage {self.stage}",
+                        draw=strategy.draws * 4096 + self.stage, segments=cut).finish(strategy.ctx.wait)
+        return None
+
+
+def reduce_now(module: Any) -> None:
+    """Run FSDP's post-backward for `module` now: reduce-scatter its gradients and reshard its parameters."""
+    module.set_is_last_backward(True)
+    module.set_reshard_after_backward(True)
+    module.set_requires_gradient_sync(True)
+    state = fully_shard.state(module)  # type: ignore[attr-defined,union-attr]
+    for each in state._state_ctx.all_states:
+        for group in each._fsdp_param_groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()
+
+
+def sync_off(module: Any) -> None:
+    """Keep gradients unsharded and parameters gathered through the schedule's backward passes."""
+    module.set_is_last_backward(False)
+    module.set_reshard_after_backward(False)
+    module.set_requires_gradient_sync(False)
+
+
+def _local(t: Tensor) -> Tensor:
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t  # type: ignore[no-any-return]
+
+
+class Zero2Strategy(DPStrategy):
+    """Gradients and optimizer states sharded (FSDP2 over the data-parallel group); parameters are gathered
+    once per step and resharded when the step's gradients are reduced."""
+
+    name = "zero2"
+
+    def __init__(self, ctx: StrategyContext) -> None:
+        if fully_shard is None:
+            raise ValueError(f"zero_stage=2 needs torch FSDP2 (torch >= 2.6), this is torch {torch.__version__}")
+        check_hpz(ctx.zero, ctx.schedule, ctx.groups.dp_size)
+        self.draws = 0
+        """Applied steps: keys the random draws of stochastic int8 rounding (restored with the checkpoint)."""
+        self.defer = False
+        """Whether reduce-scatters may stay in flight until finish() (no sharded gradient to accumulate into)."""
+        self.comms = _Comms(self)
+        if ctx.groups.dp_group is None:
+            raise ValueError("zero_stage=2 needs a data-parallel group (a mesh with a 'dp' dimension of size >= 2)")
+        mesh = DeviceMesh.from_group(ctx.groups.dp_group, ctx.device.type)
+        for stage, module in sorted(ctx.modules.items()):
+            fully_shard(module, mesh=mesh, reshard_after_forward=ctx.zero.hpz_ranks or False)
+            module.set_custom_reduce_scatter(_ReduceScatter(self.comms, stage, module))  # type: ignore[operator]
+            module.set_custom_all_gather(_AllGather(self.comms, stage, module))  # type: ignore[operator]
+        super().__init__(ctx)  # the parameters are FSDP's sharded DTensors from here on
+        order = [s for s in ctx.final_order if s in ctx.modules] + sorted(set(ctx.modules) - set(ctx.final_order))
+        self.buckets = [BucketSpec(i, tuple(ctx.modules[s].parameters()), frozenset({s}))
+                        for i, s in enumerate(order)]
+        self.tracker = BucketTracker(self.buckets)
+
+    def begin_call(self, final: bool, divisor: float) -> None:
+        """Turn FSDP's gradient sync off for the schedule (the strategy reduces each stage itself)."""
+        super().begin_call(final, divisor)
+        for module in self.ctx.modules.values():
+            sync_off(module)
+
+    def start_bucket(self, spec: BucketSpec) -> Waitable | None:
+        """Reduce-scatter one stage's gradients through FSDP's post-backward."""
+        (stage,) = spec.stages
+        self.defer = all(p.grad is None for p in spec.params)
+        first = len(self.comms.pending)
+        try:
+            reduce_now(self.ctx.modules[stage])
+        finally:
+            self.defer = False
+        started = self.comms.pending[first:]
+        return started[0].work if started else None
+
+    def finish_buckets(self) -> None:
+        """Wait for the reduce-scatters still in flight (their results are FSDP's sharded gradients)."""
+        pending, self.comms.pending = self.comms.pending, []
+        for each in pending:
+            each.finish(self.ctx.wait)
+
+    def local_grads(self, stages: list[int] | None = None) -> list[Tensor]:
+        """This rank's shards of the reduced gradients (of `stages`, or all)."""
+        mods = self.ctx.modules
+        keep = sorted(mods) if stages is None else stages
+        return [_local(p.grad) for s in keep for p in mods[s].parameters() if p.grad is not None]
+
+    def checked_grads(self) -> list[Tensor]:
+        """The gradient shards (an inf/NaN anywhere in a sum lands in its owner's shard)."""
+        return self.local_grads()
+
+    def norm_and_overflow(self, need: bool) -> tuple[float | None, bool]:
+        """Every data-parallel rank counts its own shards of the first copies (each element once)."""
+        if not need:
+            return None, False
+        raw, overflow = grads.global_norm_and_overflow(
+            self.local_grads(counted_stages(self.ctx)), self.checked_grads(), None, self.ctx.device,
+            count_here=True, wait=self.ctx.wait, flagged=self.local_overflow())
+        return raw / self.post_divisor, overflow
+
+    def step(self, clip_coef: float) -> None:
+        """Scale the gradient shards by clip_coef / post_divisor and step the sharded parameters."""
+        factor = clip_coef / self.post_divisor
+        if factor != 1.0:
+            for g in self.local_grads():
+                g.mul_(factor)
+        self.optimizer.step()
+        self.draws += 1
+        self.end_step(applied=True)
+
+    def reshard(self) -> None:
+        """Put every stage module back in its sharded state (e.g. after an evaluation, before a checkpoint)."""
+        for module in self.ctx.modules.values():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+    def checkpoint_dicts(self, modules: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Sharded (DTensor) model and optimizer state per parameter, from the resharded modules."""
+        self.reshard()
+        return super().checkpoint_dicts(modules)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The draw counter when anything goes on the wire as int8 (the state is saved per parameter)."""
+        return {"draws": self.draws} if quantized(self.ctx) else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore state_dict()'s draw counter."""
+        if set(state) - {"draws"}:
+            raise ValueError(f"the zero2 strategy keeps only 'draws', got keys {sorted(state)}")
+        self.draws = int(state.get("draws", 0))

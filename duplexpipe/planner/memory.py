@@ -1,0 +1,214 @@
+"""Memory in bytes per rank: parameters, gradients, optimizer states, live activations and in-flight messages."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from duplexpipe.planner.dp_comm import zero_stage
+from duplexpipe.planner.profile import PartProfile, Profile, ProfileError, load_profile
+from duplexpipe.schedules.ir import Op, Schedule
+from duplexpipe.schedules.timeline import Timeline
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_bytes(text: str) -> int:
+    """"40GiB", "512 MiB", "1.5e9", "80GB" -> bytes; ValueError names the text and the accepted forms."""
+    match = _SIZE_RE.match(str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"bad memory size {text!r}: expected a number with an optional unit B, kB, MB, GB, "
+                         "TB, KiB, MiB, GiB or TiB, e.g. 40GiB")
+    value = float(match.group(1)) * _UNITS[unit]
+    if not value > 0 or not math.isfinite(value):
+        raise ValueError(f"bad memory size {text!r}: must be > 0")
+    return round(value)
+
+
+def format_bytes(value: float) -> str:
+    """Bytes in binary units with three significant digits: "40.0 GiB", "512 MiB", "800 B"."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(value) >= size:
+            return f"{value / size:.3g} {unit}"
+    return f"{value:.0f} B"
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """What sits beside the activations on every rank."""
+
+    optimizer_factor: float = 2.0
+    """Optimizer-state bytes per parameter byte (Adam/AdamW keep two states: 2 at fp32; SGD momentum 1)."""
+    gradient_factor: float = 1.0
+    """Gradient bytes per parameter byte."""
+    zero_stage: int = 0
+    """ZeRO stage (see `dp_model.ZERO_STAGES`): what is sharded over the data-parallel replicas."""
+    dp: int = 1
+    """Data-parallel replicas D."""
+
+    def __post_init__(self) -> None:
+        for name in ("optimizer_factor", "gradient_factor"):
+            value = getattr(self, name)
+            if not 0 <= value < math.inf:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        zero_stage(self.zero_stage)
+        if not isinstance(self.dp, int) or self.dp < 1:
+            raise ValueError(f"dp must be an integer >= 1, got {self.dp!r}")
+
+
+@dataclass(frozen=True)
+class StageBytes:
+    """Per stage of one schedule: what one microbatch keeps and sends, and its part's parameters."""
+
+    activation: tuple[int, ...]
+    """Bytes one microbatch's forward saves for backward."""
+    params: tuple[int, ...]
+    """Parameter bytes of the stage's model part (each stage holds its own copy)."""
+    output: tuple[int, ...]
+    """Bytes of its forward message to the next stage."""
+    output_grad: tuple[int, ...]
+    """Bytes of the gradient of its output (the message it receives back)."""
+
+    @staticmethod
+    def of(schedule: Schedule, groups: Sequence[PartProfile]) -> StageBytes:
+        """Each stage takes its weight group's entry of `groups` (one PartProfile per model part)."""
+        if len(groups) != schedule.num_groups:
+            raise ValueError(f"{schedule.name!r} has {schedule.num_groups} model parts, got {len(groups)} "
+                             "part profiles")
+        parts = [groups[info.group] for info in schedule.stages]
+        return StageBytes(tuple(p.activation_bytes for p in parts), tuple(p.param_bytes for p in parts),
+                          tuple(p.output_bytes for p in parts), tuple(p.output_grad_bytes for p in parts))
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One rank's memory, bytes."""
+
+    rank: int
+    """The pipeline rank."""
+    params: float
+    """Parameters of the stages it holds (DualPipe: both copies)."""
+    gradients: float
+    """Their gradients (1/D of them under ZeRO-2)."""
+    optimizer: float
+    """Optimizer states (1/D under ZeRO-1 and -2)."""
+    activations: float
+    """Peak of the live activations alone."""
+    messages: float
+    """Peak of the in-flight messages alone."""
+    peak: float
+    """params + gradients + optimizer + the peak of (live activations + in-flight messages)."""
+
+    def to_dict(self) -> dict[str, float]:
+        """A JSON-ready form."""
+        return {"rank": self.rank, "params": self.params, "gradients": self.gradients,
+                "optimizer": self.optimizer, "activations": self.activations, "messages": self.messages,
+                "peak": self.peak}
+
+
+def rank_memory(schedule: Schedule, timeline: Timeline, sizes: StageBytes,
+                config: MemoryConfig | None = None) -> list[RankMemory]:
+    """Per rank: the byte model of DESIGN's memory section, over the simulated (or measured) `timeline`.
+
+    An activation lives from the start of its F to the end of its B or W (as
+    `Timeline.activation_curve`); a message between ranks occupies its bytes on both ranks
+    from the end of its producer to the start of its consumer. Releases at a time come
+    before allocations at the same time.
+    """
+    config = config or MemoryConfig()
+    zero = zero_stage(config.zero_stage)
+    d = config.dp
+    curves = _curves(schedule, timeline, sizes)
+    out = []
+    for rank in range(schedule.num_ranks):
+        params = float(sum(sizes.params[s] for s in schedule.stages_of_rank(rank)))
+        grads = params * config.gradient_factor / (d if zero.shard_gradients else 1)
+        optim = params * config.optimizer_factor / (d if zero.shard_optimizer else 1)
+        act, msg = curves[rank]
+        both = _peak(act + msg)
+        out.append(RankMemory(rank, params, grads, optim, _peak(act), _peak(msg), params + grads + optim + both))
+    return out
+
+
+def _curves(schedule: Schedule, timeline: Timeline, sizes: StageBytes
+            ) -> list[tuple[list[tuple[float, float]], list[tuple[float, float]]]]:
+    """Per rank: (activation deltas, message deltas) as (time, +-bytes)."""
+    curves: list[tuple[list[tuple[float, float]], list[tuple[float, float]]]] = [
+        ([], []) for _ in range(schedule.num_ranks)]
+    fwd: dict[tuple[int, int], tuple[float, float]] = {}
+    bwd: dict[tuple[int, int], tuple[float, float]] = {}
+    for event in timeline.events:
+        for part in event.action.compute_parts():
+            key = (part.stage, part.microbatch)
+            act = curves[event.rank][0]
+            if part.op is Op.F:
+                fwd[key] = (event.start, event.end)
+                act.append((event.start, sizes.activation[part.stage]))
+            elif part.op in (Op.B, Op.W):
+                act.append((event.end, -sizes.activation[part.stage]))
+            if part.op in (Op.B, Op.I):
+                bwd[key] = (event.start, event.end)
+    rank_of = [info.rank for info in schedule.stages]
+    for (stage, mb), (_, end) in fwd.items():
+        nxt = schedule.next_stage(stage)
+        if nxt is not None and rank_of[nxt] != rank_of[stage] and (nxt, mb) in fwd:
+            _message(curves, rank_of[stage], rank_of[nxt], end, fwd[(nxt, mb)][0], sizes.output[stage])
+    for (stage, mb), (_, end) in bwd.items():
+        prv = schedule.prev_stage(stage)
+        if prv is not None and rank_of[prv] != rank_of[stage] and (prv, mb) in bwd:
+            _message(curves, rank_of[stage], rank_of[prv], end, bwd[(prv, mb)][0], sizes.output_grad[prv])
+    return curves
+
+
+def _message(curves: list[tuple[list[tuple[float, float]], list[tuple[float, float]]]], sender: int,
+             receiver: int, start: float, end: float, nbytes: int) -> None:
+    for rank in (sender, receiver):
+        curves[rank][1].extend(((start, nbytes), (max(start, end), -nbytes)))
+
+
+def _peak(deltas: list[tuple[float, float]]) -> float:
+    """The largest running sum of (time, delta), releases first at equal times."""
+    live = peak = 0.0
+    for _, delta in sorted(deltas, key=lambda d: (d[0], d[1])):
+        live += delta
+        peak = max(peak, live)
+    return peak
+
+
+def profile_memory(schedule: Schedule, timeline: Timeline, path: str) -> list[dict[str, Any]]:
+    """Per rank, the byte model (at the profile's microbatch size) over `timeline`; ProfileError if unusable."""
+    profile: Profile = load_profile(path)
+    groups = profile.grouped(schedule.num_groups)
+    return [m.to_dict() for m in rank_memory(schedule, timeline, StageBytes.of(schedule, groups), MemoryConfig())]
+
+
+def add_peak_bytes(rows: list[dict[str, Any]], timelines: Sequence[Timeline], path: str) -> None:
+    """Add "peak_bytes" (the largest per-rank peak, or "peak_bytes_error") to compare's rows, in place.
+
+    The byte model needs only each schedule's stage table beside its timeline, so nothing is
+    searched again (auto is built with its default placement, one stage per rank).
+    """
+    from duplexpipe.schedules import registry
+    from duplexpipe.schedules.generators._common import linear_stages
+
+    done = iter(timelines)
+    for row in rows:
+        if "skipped" in row:
+            continue
+        timeline = next(done)
+        ranks, mbs = timeline.num_ranks, timeline.num_microbatches
+        table = linear_stages(ranks) if row["schedule"] == "auto" else \
+            registry.build(row["schedule"], ranks, mbs).stages
+        schedule = Schedule(row["schedule"], ranks, mbs, table, tuple(() for _ in range(ranks)))
+        try:
+            row["peak_bytes"] = max(r["peak"] for r in profile_memory(schedule, timeline, path))
+        except ProfileError as exc:
+            if "parts" not in str(exc) or "at least" not in str(exc):
+                raise
+            row["peak_bytes_error"] = str(exc)

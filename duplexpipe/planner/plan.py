@@ -1,0 +1,445 @@
+"""The planner: for a measured Profile, rank schedule x microbatches x ZeRO stage x compression under a byte cap."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from duplexpipe.planner.dp_comm import (
+    COMPRESSIONS,
+    ZERO_STAGES,
+    Compression,
+    Link,
+    compression,
+    exposed_time,
+    reduction_time,
+    zero_stage,
+)
+from duplexpipe.planner.machine import Machine, simulate_shared
+from duplexpipe.planner.memory import MemoryConfig, RankMemory, StageBytes, format_bytes, rank_memory
+from duplexpipe.planner.profile import PartProfile, Profile, ProfileError
+from duplexpipe.schedules import registry
+from duplexpipe.schedules.ir import Op, Schedule, ScheduleError
+from duplexpipe.schedules.simulate import CostModel, simulate
+from duplexpipe.schedules.timeline import Timeline
+
+HIDDEN = 1e-9
+"""Exposed data-parallel time (s) at or below which a reduction counts as hidden."""
+WORTH_IT = 0.01
+"""When no compression hides the reduction, a heavier method must shorten the step by more than this
+fraction to be chosen over a lighter one."""
+
+
+class PlanError(ValueError):
+    """No plan can be made: bad settings, a profile that does not fit, or a cap below every candidate."""
+
+    def __init__(self, message: str, smallest_cap: float | None = None) -> None:
+        super().__init__(message)
+        self.smallest_cap = smallest_cap
+        """With a cap below every candidate: the smallest cap some candidate fits (bytes)."""
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """What to plan for."""
+
+    ranks: int
+    """P: pipeline ranks per data-parallel replica."""
+    batch: int
+    """Global batch per step, in samples (split over the D replicas, then into M microbatches)."""
+    memory: int
+    """The cap: bytes each rank may use."""
+    dp: int = 1
+    """D: data-parallel replicas (P x D processes)."""
+    schedules: tuple[str, ...] | None = None
+    """Registry names to consider (None: every built-in and auto)."""
+    microbatches: tuple[int, ...] | None = None
+    """M values to try (None: the divisors of batch / D from P to 8P, else all up to 8P)."""
+    chunks: tuple[int, ...] = (2, 4)
+    """Chunks per rank tried for interleaved-1f1b."""
+    zero_stages: tuple[int, ...] | None = None
+    """ZeRO stages to try (None: those the training side has, `available` in dp_model.ZERO_STAGES)."""
+    compressions: tuple[str, ...] | None = None
+    """Gradient compressions allowed (None: the available ones); each plan uses the lightest that hides."""
+    dp_link: Link = field(default_factory=Link)
+    """The data-parallel link (bandwidth and latency)."""
+    p2p_link: Link = field(default_factory=Link)
+    """The link between pipeline neighbours."""
+    optimizer_factor: float = 2.0
+    """Optimizer-state bytes per parameter byte (AdamW: 2)."""
+    gradient_factor: float = 1.0
+    """Gradient bytes per parameter byte."""
+    cores: int | None = None
+    """Cores shared by the P ranks of one replica (None: a device per rank). Set, the step is simulated
+    with processor sharing (`contention.simulate_shared`): k ranks with work each run at min(1, C / k)."""
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """One candidate: a schedule (with options), M, ZeRO stage and compression, and what it costs."""
+
+    schedule: str
+    """Registry name, with options, e.g. "interleaved-1f1b(chunks=2)" or "auto(v)"."""
+    microbatches: int
+    """M."""
+    zero: int
+    """ZeRO stage."""
+    compression: str = "-"
+    """The lightest allowed gradient compression that hides the reduction (or the fastest if none does)."""
+    step_s: float = math.nan
+    """Predicted step time: the makespan plus DualPipe's mirror sum and any exposed reduction."""
+    makespan_s: float = math.nan
+    """Simulated pipeline makespan."""
+    bubble: float = math.nan
+    """Simulated bubble ratio."""
+    dp_exposed_s: float = math.nan
+    """Reduction (and mirror-sum) time not hidden behind compute."""
+    peak_bytes: float = math.nan
+    """The largest per-rank peak of the byte model."""
+    memory: tuple[RankMemory, ...] = ()
+    """Per rank."""
+    rejected: str = ""
+    """Why it is out ("" when it fits)."""
+
+    @property
+    def feasible(self) -> bool:
+        """True when nothing rejected it."""
+        return not self.rejected
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready form (NaN as None)."""
+        out: dict[str, Any] = {"schedule": self.schedule, "microbatches": self.microbatches, "zero": self.zero,
+                               "compression": self.compression, "rejected": self.rejected or None}
+        for key in ("step_s", "makespan_s", "bubble", "dp_exposed_s", "peak_bytes"):
+            value = getattr(self, key)
+            out[key] = None if math.isnan(value) else value
+        out["per_rank"] = [m.to_dict() for m in self.memory]
+        return out
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """Every candidate, best first; the feasible ones ranked by predicted step time."""
+
+    config: PlanConfig
+    """What was planned for."""
+    rows: tuple[PlanRow, ...]
+    """Feasible rows by step time, then rejected ones."""
+    advice: str
+    """One line on the data-parallel reduction of the best plan (empty when D = 1)."""
+    schedule: Schedule | None = field(default=None, repr=False, compare=False)
+    """The best plan's schedule, ready to run (`Pipeline` / `PipelineRuntime` take a Schedule)."""
+
+    @property
+    def best(self) -> PlanRow:
+        """The fastest plan that fits the cap."""
+        return self.rows[0]
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready form."""
+        c = self.config
+        return {"ranks": c.ranks, "dp": c.dp, "batch": c.batch, "memory_bytes": c.memory,
+                "best": self.best.to_dict(), "advice": self.advice, "candidates": [r.to_dict() for r in self.rows]}
+
+    def table(self, limit: int | None = None) -> str:
+        """The candidates as fixed-width text, best first (at most `limit` rows)."""
+        head = (f"{'schedule':<26} {'M':>4} {'ZeRO':>4} {'compress':<8} {'step':>10} {'bubble':>7} "
+                f"{'peak/rank':>10}  why rejected")
+        lines = [head]
+        for row in self.rows[:limit]:
+            if row.feasible:
+                lines.append(f"{row.schedule:<26} {row.microbatches:>4} {row.zero:>4} {row.compression:<8} "
+                             f"{_time(row.step_s):>10} {row.bubble:>7.1%} {format_bytes(row.peak_bytes):>10}")
+            else:
+                step = _time(row.step_s) if not math.isnan(row.step_s) else "-"
+                peak = format_bytes(row.peak_bytes) if not math.isnan(row.peak_bytes) else "-"
+                bubble = f"{row.bubble:.1%}" if not math.isnan(row.bubble) else "-"
+                lines.append(f"{row.schedule:<26} {row.microbatches:>4} {row.zero:>4} {row.compression:<8} "
+                             f"{step:>10} {bubble:>7} {peak:>10}  {row.rejected}")
+        return "\n".join(lines)
+
+
+def _time(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
+
+
+def plan(profile: Profile, config: PlanConfig) -> PlanResult:
+    """Simulate every candidate with the profile's costs, drop those over the cap, rank by step time.
+
+    Raises PlanError for settings that allow no candidate, a profile with fewer parts than
+    ranks, or a cap below every candidate (naming the smallest feasible cap).
+    """
+    _check(profile, config)
+    evaluated = [_evaluate(profile, config, *candidate) for candidate in _candidates(profile, config)]
+    rows = [row for row, _ in evaluated]
+    fits = sorted((e for e in evaluated if e[0].feasible), key=lambda e: (e[0].step_s, e[0].peak_bytes, e[0].schedule))
+    if not fits:
+        raise _nothing_fits(rows, config)
+    best, context = fits[0]
+    assert context is not None
+    out = [row for row, _ in fits] + [r for r in rows if not r.feasible]
+    return PlanResult(config, tuple(out), _advice(config, best, context), context.schedule)
+
+
+def _check(profile: Profile, config: PlanConfig) -> None:
+    for name in ("ranks", "batch", "memory", "dp"):
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise PlanError(f"plan needs {name} as an integer >= 1, got {value!r}")
+    if config.cores is not None and (not isinstance(config.cores, int) or isinstance(config.cores, bool)
+                                     or config.cores < 1):
+        raise PlanError(f"plan needs cores as an integer >= 1 or None (a device per rank), got {config.cores!r}")
+    if config.batch % config.dp:
+        raise PlanError(f"batch {config.batch} does not split over dp={config.dp} replicas")
+    if profile.num_parts < config.ranks:
+        raise PlanError(f"the profile has {profile.num_parts} parts, but {config.ranks} ranks need at least "
+                        f"{config.ranks} (one per rank); profile the model split into more parts")
+    for name in config.schedules or ():
+        registry.entry(name)
+    for stage in _zero_stages(config):
+        zero_stage(stage)
+    for method in _compressions(config):
+        compression(method)
+
+
+def _zero_stages(config: PlanConfig) -> tuple[int, ...]:
+    if config.zero_stages is not None:
+        return config.zero_stages
+    return tuple(s for s, z in ZERO_STAGES.items() if z.available)
+
+
+def _compressions(config: PlanConfig) -> tuple[str, ...]:
+    if config.compressions is not None:
+        return config.compressions
+    return tuple(n for n, c in COMPRESSIONS.items() if c.available)
+
+
+def microbatch_counts(config: PlanConfig) -> list[int]:
+    """The M values to try: given ones, else divisors of batch/D in [P, 8P] (all up to 8P if none)."""
+    if config.microbatches is not None:
+        return list(config.microbatches)
+    local = config.batch // config.dp
+    divisors = [m for m in range(1, local + 1) if local % m == 0]
+    wide = [m for m in divisors if config.ranks <= m <= 8 * config.ranks]
+    return wide or [m for m in divisors if m <= 8 * config.ranks]
+
+
+def _candidates(profile: Profile, config: PlanConfig) -> list[tuple[str, dict[str, Any], int, int]]:
+    """(schedule name, options, M, ZeRO stage) for every combination to evaluate."""
+    names = config.schedules or registry.names()
+    out = []
+    for name in names:
+        variants: list[dict[str, Any]] = [{}]
+        if name == "interleaved-1f1b":
+            variants = [{"chunks": c} for c in config.chunks]
+        elif name == "auto":
+            variants = [{"placement": p} for p in ("linear", "v")]
+        for options in variants:
+            for m in microbatch_counts(config):
+                for zero in _zero_stages(config):
+                    out.append((name, options, m, zero))
+    return out
+
+
+def _label(name: str, options: dict[str, Any]) -> str:
+    if not options:
+        return name
+    return f"{name}({', '.join(str(v) for v in options.values())})" if name == "auto" else \
+        f"{name}({', '.join(f'{k}={v}' for k, v in options.items())})"
+
+
+@dataclass(frozen=True)
+class _Context:
+    """What a candidate's row was computed from (kept for the advice line)."""
+
+    schedule: Schedule
+    timeline: Timeline
+    groups: tuple[PartProfile, ...]
+
+
+def _evaluate(profile: Profile, config: PlanConfig, name: str, options: dict[str, Any], m: int,
+              zero: int) -> tuple[PlanRow, _Context | None]:
+    """One candidate's row (rejected with a reason when it cannot run or does not fit)."""
+    label = _label(name, options)
+    reject = PlanRow(label, m, zero)
+    local = config.batch // config.dp
+    if local % m:
+        return _why(reject, f"batch/D = {local} does not split into {m} microbatches"), None
+    reason = registry.check(name, config.ranks, m, **options) if name != "auto" else None
+    if reason:
+        return _why(reject, reason), None
+    scaled = profile.at_microbatch(local / m)
+    mem_config = MemoryConfig(config.optimizer_factor, config.gradient_factor, zero, config.dp)
+    excess = [0.0] * config.ranks
+    for _ in range(2 if name == "auto" else 1):  # auto: once more with the overshoot taken off its budget
+        try:
+            schedule, groups = _build(scaled, profile, config, name, options, m, mem_config, excess)
+        except (ProfileError, ScheduleError, ValueError) as exc:
+            return _why(reject, str(exc).splitlines()[0]), None
+        timeline, tail = _simulate(schedule, _cost_model(schedule, groups, config.p2p_link), groups, profile,
+                                   config)
+        memory = rank_memory(schedule, timeline, StageBytes.of(schedule, groups), mem_config)
+        excess = [e + max(0.0, r.peak - config.memory) for e, r in zip(excess, memory, strict=True)]
+        if max(r.peak for r in memory) <= config.memory:
+            break
+    peak = max(r.peak for r in memory)
+    method, step = _choose_compression(schedule, timeline, groups, config, zero, _compressions(config))
+    step += tail
+    row = PlanRow(label, m, zero, method.name, step, timeline.makespan, timeline.bubble_ratio,
+                  step - timeline.makespan, peak, tuple(memory))
+    context = _Context(schedule, timeline, groups)
+    if peak > config.memory:
+        return _why(row, f"peak {format_bytes(peak)} > cap {format_bytes(config.memory)}"), context
+    return row, context
+
+
+def _simulate(schedule: Schedule, cost: CostModel, groups: Sequence[PartProfile], profile: Profile,
+              config: PlanConfig) -> tuple[Timeline, float]:
+    """The timeline, and the time the ranks' per-step runtime work adds after it.
+
+    Without shared cores, a measured runtime overhead or measured fused backward times: `simulate`
+    (the plain model). Otherwise `contention.simulate_shared` on `config.cores` with the profile's
+    overheads (compute actions scaled by its compute_scale), a B action costing its group's fused
+    backward where every group has one.
+    """
+    fused = [g.backward_fused_s for g in groups]
+    known = all(f is not None for f in fused)
+    if config.cores is None and profile.overhead is None and not known:
+        return simulate(schedule, cost), 0.0
+    machine = Machine.of(config.cores, profile.overhead)
+    full = [groups[info.group].full_backward_s for info in schedule.stages] if known else None
+    run = simulate_shared(schedule, cost, machine, full)
+    return run.timeline, max(0.0, run.step - run.timeline.makespan)
+
+
+def _why(row: PlanRow, reason: str) -> PlanRow:
+    return replace(row, rejected=reason)
+
+
+def _build(profile: Profile, basis: Profile, config: PlanConfig, name: str, options: dict[str, Any], m: int,
+           mem_config: MemoryConfig, excess: Sequence[float]) -> tuple[Schedule, tuple[PartProfile, ...]]:
+    """The schedule and `profile` (scaled to the candidate's microbatch) grouped into its model parts,
+    as `basis` (the profile as measured) groups them: `Profile.group_sizes` at the profiled size.
+
+    auto is searched with each rank's activation budget: the cap minus its parameters,
+    gradients and optimizer states, minus two of the largest messages in flight and
+    `excess` (what an earlier try overshot by); never below the smallest limit auto accepts,
+    so a cap that is too small still yields auto's leanest schedule (and its real peak).
+    """
+    if name != "auto":
+        schedule = registry.build(name, config.ranks, m, **options)
+        return schedule, profile.grouped(schedule.num_groups, basis.group_sizes(schedule.num_groups))
+    from duplexpipe.schedules.generators.auto import search_problem, smallest_limits
+
+    placement = options["placement"]
+    count = config.ranks * (1 if placement == "linear" else 2)
+    groups = profile.grouped(count, basis.group_sizes(count))
+    probe = registry.build("1f1b" if placement == "linear" else "zbv", config.ranks, m)
+    sizes = StageBytes.of(probe, groups)
+    cost = _cost_model(probe, groups, config.p2p_link)
+    stage_memory = [float(a) for a in sizes.activation]
+    floor = smallest_limits(search_problem(config.ranks, m, cost, None, placement, stage_memory))
+    in_flight = 2 * max(max(sizes.output), max(sizes.output_grad))
+    budget = [max(need, config.memory - static_bytes(probe, sizes, r, mem_config) - in_flight - excess[r])
+              for r, need in enumerate(floor)]
+    options = {"cost": cost, "memory_limit": budget, "placement": placement, "stage_memory": stage_memory}
+    return registry.build("auto", config.ranks, m, **options), groups
+
+
+def static_bytes(schedule: Schedule, sizes: StageBytes, rank: int, config: MemoryConfig) -> float:
+    """Parameters, gradients and optimizer states of `rank` under `config` (bytes)."""
+    zero = zero_stage(config.zero_stage)
+    params = float(sum(sizes.params[s] for s in schedule.stages_of_rank(rank)))
+    grads = params * config.gradient_factor / (config.dp if zero.shard_gradients else 1)
+    return params + grads + params * config.optimizer_factor / (config.dp if zero.shard_optimizer else 1)
+
+
+def _cost_model(schedule: Schedule, groups: Sequence[PartProfile], link: Link) -> CostModel:
+    """Per-stage (F, B, W) seconds from the grouped profile; one message size: the largest."""
+    table = {s: (groups[i.group].forward_s, groups[i.group].backward_s, groups[i.group].backward_weight_s)
+             for s, i in enumerate(schedule.stages)}
+    biggest = max(max(g.output_bytes, g.output_grad_bytes) for g in groups)
+    return CostModel(stage_costs=table, latency=link.latency, bandwidth=link.bandwidth,
+                     activation_bytes=float(biggest) if math.isfinite(link.bandwidth) else 0.0)
+
+
+def _choose_compression(schedule: Schedule, timeline: Timeline, groups: Sequence[PartProfile],
+                        config: PlanConfig, zero: int, allowed: Sequence[str]) -> tuple[Compression, float]:
+    """The lightest allowed method that hides the reduction; if none does, the lightest within
+    `WORTH_IT` of the fastest step (a heavier method must buy real time). Returns it and its step time."""
+    floor = step_time(schedule, timeline, groups, replace(config, dp=1), zero, COMPRESSIONS["none"])
+    steps = [(compression(name), step_time(schedule, timeline, groups, config, zero, compression(name)))
+             for name in allowed]
+    steps.sort(key=lambda item: list(COMPRESSIONS).index(item[0].name))
+    for method, step in steps:
+        if step - floor <= HIDDEN:
+            return method, step
+    fastest = min(step for _, step in steps)
+    return next((m, step) for m, step in steps if step <= fastest * (1 + WORTH_IT))
+
+
+def step_time(schedule: Schedule, timeline: Timeline, groups: Sequence[PartProfile], config: PlanConfig,
+              zero: int, method: Compression) -> float:
+    """The makespan, then per rank: DualPipe's mirror sum and the data-parallel reductions.
+
+    Each stage's gradients (one bucket) become final during its last backward pass (its
+    last W, or B); their reduction overlaps that pass (`dp_model.exposed_time`), one stage
+    after another on the rank's link. A mirrored schedule first exchanges the second copy's
+    gradients with the mirror rank after its last pass, then reduces.
+    """
+    ends: dict[int, float] = {}
+    last_pass: dict[int, tuple[float, float]] = {}
+    for event in timeline.events:
+        ends[event.rank] = max(ends.get(event.rank, 0.0), event.end)
+        for part in event.action.compute_parts():
+            if part.op in (Op.B, Op.W) and event.end >= last_pass.get(part.stage, (0.0, -1.0))[1]:
+                last_pass[part.stage] = (event.start, event.end)
+    step = timeline.makespan
+    for rank in range(schedule.num_ranks):
+        stages = schedule.stages_of_rank(rank)
+        end = ends.get(rank, 0.0)
+        mirror_bytes = sum(groups[schedule.stages[s].group].param_bytes * config.gradient_factor
+                           for s in stages if schedule.copy_of_stage(s) > 0)
+        if mirror_bytes:
+            end += config.p2p_link.time(mirror_bytes)
+        buckets = []
+        for s in stages:
+            params = groups[schedule.stages[s].group].param_bytes
+            start, stop = (end, end) if schedule.num_copies > 1 else last_pass.get(s, (end, end))
+            buckets.append((start, stop, reduction_time(params * config.gradient_factor, params, config.dp,
+                                                        zero_stage(zero), method, config.dp_link)))
+        step = max(step, end + exposed_time(buckets, end))
+    return step
+
+
+def _nothing_fits(rows: Sequence[PlanRow], config: PlanConfig) -> PlanError:
+    sized = [r for r in rows if not math.isnan(r.peak_bytes)]
+    if not sized:
+        reasons = sorted({r.rejected for r in rows})
+        return PlanError("no candidate can run: " + "; ".join(reasons[:3]))
+    low = min(sized, key=lambda r: r.peak_bytes)
+    cap = math.ceil(low.peak_bytes)
+    return PlanError(f"no plan fits {format_bytes(config.memory)} per rank; the smallest feasible cap is "
+                     f"{format_bytes(cap)} = {cap} bytes ({low.schedule}, M={low.microbatches}, ZeRO {low.zero})",
+                     cap)
+
+
+def _advice(config: PlanConfig, best: PlanRow, context: _Context) -> str:
+    """Which compression method of the whole table is the lightest that hides the best plan's reduction."""
+    if config.dp <= 1:
+        return ""
+    sched, timeline, groups = context.schedule, context.timeline, context.groups
+    if sched.num_copies > 1:
+        return (f"{sched.name} reduces its gradients over the data-parallel replicas after its mirror sum, when "
+                f"no compute is left to hide behind: {best.dp_exposed_s * 1e3:.3g} ms with {best.compression}")
+    floor = step_time(sched, timeline, groups, replace(config, dp=1), best.zero, COMPRESSIONS["none"])
+    for method in COMPRESSIONS.values():
+        if step_time(sched, timeline, groups, config, best.zero, method) - floor <= HIDDEN:
+            if method.name == "none":
+                return "the data-parallel reduction hides behind the last backward passes without compression"
+            note = "" if method.available else " (not yet in the training side)"
+            return (f"lightest compression that hides the data-parallel reduction: {method.name} "
+                    f"({method.wire_ratio:g}x fewer bytes){note}")
+    return "no compression method in the table hides the data-parallel reduction on this link"

@@ -1,0 +1,154 @@
+"""`PipelineConfig` (every setting of a Pipeline, checked at construction) and `StepInfo` (what a step did)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from duplexpipe.comm import Options, compression_options
+from duplexpipe.comm.nonfinite import check_policy
+from duplexpipe.comm.p2p_codecs import p2p_codec_pair
+from duplexpipe.parallel import DEFAULT_BUCKET_BYTES, ZeroOptions, check_strategy_name, check_zero
+from duplexpipe.schedules.ir import Schedule
+from duplexpipe.schedules.timeline import Timeline
+from duplexpipe.train.auto_config import AUTO, check_options, memory_bytes
+from duplexpipe.train.precision import LossScaleConfig, autocast_dtype
+
+SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+"""Builds an LR scheduler on the optimizer, e.g. `lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, f)`."""
+
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+"""loss_fn(last stage output, targets) -> scalar mean loss over the microbatch."""
+
+
+@dataclass
+class PipelineConfig:
+    """How to pipeline and train; every field has a usable default."""
+
+    schedule: str | Schedule = "1f1b"
+    """A registry name (`duplexpipe.schedules.registry.names()`), a ready Schedule for the pp ranks, or
+    "auto": profile the parts on a sample, plan under `memory_limit` and run the winner (see
+    `duplexpipe.train.auto_config`)."""
+    num_microbatches: int = 4
+    """Microbatches per step (ignored when `schedule` is a Schedule); the batch must divide evenly."""
+    schedule_options: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword options for the schedule generator, e.g. {"chunks": 2}. With "auto": the planner's
+    PlanConfig fields (`schedules`, `microbatches`, `chunks`, `optimizer_factor`, `p2p_link`, ...) and
+    profile_parts' `repeats`, `warmup` and `timer`."""
+    memory_limit: int | str | None = None
+    """schedule="auto" only: the bytes each rank may use (an int, or a size such as "40GiB"); None: no cap."""
+    precision: str = "fp32"
+    """"fp32"; "bf16" (bfloat16 autocast); or "fp16" (float16 autocast with dynamic loss scaling)."""
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    """Dynamic loss scaling settings, used with precision "fp16"."""
+    grad_clip_norm: float | None = None
+    """Clip to this global L2 norm over all ranks (each weight group counted once); None: no clipping."""
+    accumulation_steps: int = 1
+    """Calls to `step` per optimizer step. Their gradients are summed, each call weighted by its share
+    of the window's samples, so the applied gradient is that of the mean loss over every sample of the
+    window (a sum of microbatch gradients of that mean, not an average of per-call averages)."""
+    activation_checkpointing: bool | Collection[int] = False
+    """Recompute activations in backward: True for every stage, or a collection of stage indices."""
+    timeout_s: float = 180.0
+    """Seconds a blocked receive or send may wait before the runtime raises."""
+    check_inputs_every_step: bool = True
+    """False: the ranks agree on the batch shape on the first step only (faster when every batch has
+    the same shape; a differently shaped batch then stops every rank with an error). See RuntimeConfig."""
+    count_saved_bytes: bool = False
+    """Measure each step's peak saved-activation bytes per rank (`StepInfo.peak_saved_bytes`, counted as
+    `profile_parts` counts them). Off by default (a hook per saved tensor, a few percent of an overhead-bound
+    step); False: peak_saved_bytes stays 0."""
+    record_timeline: bool = True
+    """Record the measured timeline of every step (StepInfo.timeline)."""
+    check_replicas: bool = True
+    """At construction, check that every copy of a model part (DualPipe mirrors, data-parallel
+    replicas) starts with identical weights; raise ValueError otherwise."""
+    p2p_compression: Any = None
+    """Low-precision stage-to-stage sends: None (as computed), "bf16" (bf16 both ways), "fp8" (e4m3
+    activations, e5m2 gradients, an fp32 scale per row) or "int8" (blocks of 256, fp32 scale per block);
+    or a duplexpipe.comm.codec.Codec for both directions, or an (activation, gradient) pair of names,
+    codecs or None. See duplexpipe.comm.p2p_codecs."""
+    nonfinite_sends: str = "warn"
+    """A compressed send holding NaN or inf (it always arrives non-finite): "warn" (count it, warn once) or
+    "raise" (stop every rank; not with precision "fp16", whose overflow steps are routine)."""
+    grad_compression: str | Options | None = None
+    """Data-parallel gradient compression: a method name from duplexpipe.comm.METHOD_NAMES ("bf16", "fp16",
+    "powersgd", "int8", "topk", "randomk", "threshold", "dgc") with its defaults, or an options object
+    (e.g. comm.Int8Options(block=128), comm.DGCOptions(ratio=0.001, warmup_steps=20)); None or "none":
+    exact fp32 all-reduce. Sparsifiers assume SGD (DGC: SGD with momentum=0, the momentum and the
+    gradient clipping go in DGCOptions, grad_clip_norm must be None). No effect (a warning) without data
+    parallelism."""
+    dp_strategy: str | None = None
+    """Data-parallel strategy name (duplexpipe.parallel.STRATEGY_NAMES); None: "compressed" when
+    grad_compression compresses, else "replicated"."""
+    grad_bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    """Gradients are reduced in fixed buckets of at most this many bytes, each started as soon as its
+    gradients are final (in the order they become final)."""
+    zero_stage: int = 0
+    """ZeRO over the data-parallel replicas: 0 none; 1 optimizer state sharded (reduce-scatter, step on the
+    shard, all-gather; an elementwise optimizer such as SGD/Adam/AdamW); 2 gradients sharded too (torch
+    FSDP2, reduced stage by stage as they become final). 3 is refused (see README). grad_compression may be
+    "bf16", "fp16" or "int8" (int8 = ZeRO++ qgZ) with ZeRO."""
+    zero: ZeroOptions = field(default_factory=ZeroOptions)
+    """ZeRO++ options for zero_stage 1 and 2: quantized_gradients (qgZ), quantized_weights (qwZ), hpz_ranks."""
+
+    def __post_init__(self) -> None:
+        memory_bytes(self.memory_limit)
+        if self.schedule == AUTO:
+            check_options(self.schedule_options)
+        elif self.memory_limit is not None:
+            raise ValueError(f"PipelineConfig.memory_limit is for schedule='auto' (the planner's cap), but "
+                             f"schedule is {self.schedule!r}")
+        autocast_dtype(self.precision)
+        p2p_codec_pair(self.p2p_compression, "PipelineConfig.p2p_compression")
+        check_policy(self.nonfinite_sends, "PipelineConfig.nonfinite_sends")
+        if self.nonfinite_sends == "raise" and self.precision == "fp16":
+            raise ValueError("PipelineConfig.nonfinite_sends='raise' with precision='fp16': dynamic loss scaling "
+                             "overflows routinely and relies on inf/NaN gradients reaching its overflow check; "
+                             "use nonfinite_sends='warn' with fp16")
+        if self.accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps must be >= 1, got {self.accumulation_steps}")
+        if self.grad_clip_norm is not None and self.grad_clip_norm <= 0:
+            raise ValueError(f"grad_clip_norm must be > 0 or None, got {self.grad_clip_norm}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if not isinstance(self.grad_bucket_bytes, int) or self.grad_bucket_bytes < 1:
+            raise ValueError(f"grad_bucket_bytes must be an int >= 1, got {self.grad_bucket_bytes!r}")
+        compression = compression_options(self.grad_compression)
+        check_zero(self.zero_stage, self.zero, compression, self.dp_strategy)
+        if not self.zero_stage:
+            check_strategy_name(self.dp_strategy, compression.method != "none")
+        if compression.method == "dgc" and self.grad_clip_norm is not None:
+            raise ValueError(
+                f"grad_clip_norm={self.grad_clip_norm} would clip DGC's averaged momentum-corrected velocity, "
+                "not a gradient; DGC clips each rank's gradient before its momentum: set "
+                "DGCOptions(clip_norm=...) and grad_clip_norm=None")
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What the last `Pipeline.step` call did."""
+
+    loss: float
+    """Mean loss of the batch (averaged over data-parallel replicas); unscaled."""
+    applied: bool
+    """True when this call ended an accumulation window and the optimizer stepped."""
+    skipped: bool
+    """True when the window's gradients overflowed in fp16 and the step was skipped everywhere."""
+    grad_norm: float | None
+    """Global gradient norm before clipping (None when not computed: no clipping, no fp16, mid-window)."""
+    loss_scale: float
+    """The loss scale this call used (1.0 unless fp16)."""
+    timeline: Timeline | None
+    """This rank's measured timeline of the call (None when not recorded); on window ends its spans show
+    the data-parallel bucket reductions on lane "dp"."""
+    wire_bytes: float = 0.0
+    """Ring-model bytes this rank sent for data-parallel gradient reduction in this call (comm.WireMeter)."""
+    peak_saved_bytes: int = 0
+    """The most bytes this rank's live activations kept for backward at once during the call, counted
+    as `profile_parts` counts them (see StepResult.peak_saved_bytes)."""
+

@@ -1,0 +1,363 @@
+"""The training API: `Pipeline` runs a schedule's steps; its data-parallel strategy reduces, clips and applies."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from duplexpipe.comm import compression_options
+from duplexpipe.comm.meter import WireMeter
+from duplexpipe.comm.p2p_codecs import p2p_codec_pair
+from duplexpipe.model.split import (
+    Balance,
+    Partition,
+    as_layers,
+    build_parts,
+    plan_partition,
+)
+from duplexpipe.model.stages import (
+    PartInit,
+    PartSource,
+    build_stage_modules,
+    find_mismatched_copies,
+    fingerprint,
+    inner_module,
+    resolve_checkpointing,
+)
+from duplexpipe.parallel import (
+    DPStrategy,
+    OptimizerFactory,
+    StrategyContext,
+    final_order,
+    grads,
+    make_strategy,
+)
+from duplexpipe.parallel.mesh import ParallelGroups
+from duplexpipe.parallel.tied import TiedGrads, find_tied
+from duplexpipe.parallel.zero_config import check_tied
+from duplexpipe.runtime import EvalResult, PipelineRuntime, RuntimeConfig
+from duplexpipe.schedules.ir import Schedule
+from duplexpipe.schedules.registry import build as build_schedule
+from duplexpipe.train.auto_config import AUTO, AutoChoice, choose, planned_compression
+from duplexpipe.train.pipeline_config import LossFn, PipelineConfig, SchedulerFactory, StepInfo
+from duplexpipe.train.precision import DynamicLossScaler, autocast_dtype
+
+
+def _batch_size(inputs: Any, targets: Any) -> int | None:
+    """Rows of the inputs (or targets): dim 0 of the first leaf of a tensor, tuple/list or dict."""
+    for value in (inputs, targets):
+        leaves = list(value.values()) if isinstance(value, dict) else value
+        if isinstance(leaves, (tuple, list)):
+            leaves = leaves[0] if leaves else None
+        if isinstance(leaves, torch.Tensor) and leaves.dim() > 0:
+            return int(leaves.shape[0])
+    return None
+
+
+class Pipeline:
+    """Trains model parts with a pipeline schedule on this process's pipeline rank.
+
+    `parts` are the model parts, built the same way on every rank (same seed or state_dict): the
+    pipeline deep-copies the parts its stages need. To build only this rank's parts, pass parts
+    on the meta device with `init(part, k)`, or a factory `parts(k) -> nn.Module` (see
+    `stages.build_stage_modules`). `scheduler(optimizer)` builds an LR scheduler stepped after
+    every applied optimizer step (not after skipped fp16 steps). With a DeviceMesh ("pp", "dp") each
+    data-parallel replica passes its own batch and gradients are averaged over replicas
+    after the schedule's own DualPipe mirror sum, by the data-parallel strategy `self.dp`
+    (bucket by bucket, each started as soon as its gradients are final; compressed when
+    `config.grad_compression` says so).
+
+    With `PipelineConfig(schedule="auto", memory_limit=...)` the construction first profiles the
+    parts (rank 0, on the first of `num_microbatches` microbatches of `sample_input` /
+    `sample_targets`, a batch as given to `step`; every rank uses rank 0's profile), plans for
+    this P, D and batch size under the limit, merges neighbouring parts as the winner needs and
+    runs it; rank 0 logs the choice and the planner's table (logger "duplexpipe.plan"). `self.auto`
+    holds the plan. A limit no candidate fits raises ValueError on every rank, naming the smallest
+    feasible cap.
+    """
+
+    def __init__(
+        self,
+        parts: PartSource,
+        loss_fn: LossFn,
+        optimizer: OptimizerFactory,
+        config: PipelineConfig | None = None,
+        *,
+        mesh: DeviceMesh | None = None,
+        device: torch.device | str | None = None,
+        partition: Partition | None = None,
+        init: PartInit | None = None,
+        scheduler: SchedulerFactory | None = None,
+        sample_input: Any = None,
+        sample_targets: Any = None,
+    ) -> None:
+        self.config = cfg = config or PipelineConfig()
+        self.groups = groups = ParallelGroups.from_mesh(mesh)
+        self.device = torch.device(device) if device is not None else default_device()
+        self.auto = self._plan(parts, loss_fn, (sample_input, sample_targets), init)
+        """schedule="auto": the plan that was chosen (its table: `auto.result.table()`); None otherwise."""
+        if self.auto is not None:
+            parts, init = self.auto.merged_parts(parts), self.auto.merged_init(init)  # type: ignore[arg-type]
+            partition = self.auto.merged_partition(partition)
+        self.schedule = self.auto.schedule if self.auto is not None else _resolve_schedule(cfg, groups.pp_size)
+        self.partition = partition.placed(self.schedule) if partition is not None else None
+        ckpt = resolve_checkpointing(cfg.activation_checkpointing, self.schedule)
+        self.stage_modules = build_stage_modules(self.schedule, groups.pp_rank, parts, init=init,
+                                                 checkpoint_stages=ckpt, device=self.device)
+        self.params = [p for s in sorted(self.stage_modules) for p in self.stage_modules[s].parameters()]
+        tied = find_tied([] if callable(parts) else parts)  # factory parts cannot share a Parameter
+        check_tied(cfg.zero_stage, [t.places for t in tied], groups.dp_size)
+        self.tied = TiedGrads(tied, self.schedule, groups.pp_rank, self.stage_modules, groups.pp_group)
+        self.scaler = DynamicLossScaler(cfg.loss_scale, enabled=cfg.precision == "fp16")
+        self.p2p_meter = WireMeter()
+        """Every stage-to-stage SEND of this rank: kind "send", its payload bytes on the wire."""
+        self.runtime = PipelineRuntime(self.schedule, self.stage_modules, loss_fn, group=groups.pp_group,
+                                       device=self.device, config=self._runtime_config(),
+                                       job_group=dist.group.WORLD if groups.dp_size > 1 else None)
+        if cfg.check_replicas:  # before the strategy: ZeRO-2 turns the parameters into shards
+            self._check_replicas()
+        self.dp: DPStrategy = self._strategy(optimizer)
+        """The data-parallel strategy: reduce -> overflow check -> clip -> optimizer step."""
+        self.params = self.dp.params
+        self.dp.counted = self.tied.counted(self.dp.counted)  # a tied weight counts once in the norm
+        self.scheduler = scheduler(self.optimizer) if scheduler is not None else None
+        """The LR scheduler (None without one); stepped after every applied optimizer step."""
+        self.optimizer_steps = 0
+        """Optimizer steps taken (skipped fp16 steps not counted)."""
+        self.calls = 0
+        """Calls to `step` so far."""
+        self.last: StepInfo | None = None
+        self._window_calls = 0
+        self._window_weight = 0.0
+        self._window_unit: int | None = None
+
+    def _runtime_config(self) -> RuntimeConfig:
+        """The runtime's settings from this pipeline's config."""
+        cfg = self.config
+        act_codec, grad_codec = p2p_codec_pair(cfg.p2p_compression, "PipelineConfig.p2p_compression")
+        return RuntimeConfig(timeout_s=cfg.timeout_s, record_timeline=cfg.record_timeline,
+                             autocast_dtype=autocast_dtype(cfg.precision),
+                             check_inputs_every_step=cfg.check_inputs_every_step,
+                             count_saved_bytes=cfg.count_saved_bytes, activation_codec=act_codec,
+                             gradient_codec=grad_codec, nonfinite_sends=cfg.nonfinite_sends, p2p_meter=self.p2p_meter,
+                             on_grads_ready=self._grads_ready)
+
+    def _strategy(self, optimizer: OptimizerFactory) -> DPStrategy:
+        """The data-parallel strategy the config asks for, over this rank's stages in the order they finish."""
+        cfg, plan = self.config, self.runtime.plan
+        return make_strategy(StrategyContext(
+            self.stage_modules, self.schedule, tuple(final_order(plan.grads_final, plan.mirrored)), self.groups,
+            optimizer, self.device, self.bounded, compression_options(cfg.grad_compression),
+            cfg.grad_bucket_bytes, cfg.zero_stage, cfg.zero), cfg.dp_strategy)
+
+    @classmethod
+    def from_layers(
+        cls,
+        layers: nn.Sequential | Sequence[nn.Module],
+        loss_fn: LossFn,
+        optimizer: OptimizerFactory,
+        config: PipelineConfig | None = None,
+        *,
+        embedding: nn.Module | None = None,
+        head: nn.Module | None = None,
+        balance: Balance = "uniform",
+        sample_input: Any = None,
+        mesh: DeviceMesh | None = None,
+        device: torch.device | str | None = None,
+        init: PartInit | None = None,
+        scheduler: SchedulerFactory | None = None,
+        sample_targets: Any = None,
+    ) -> Pipeline:
+        """Split `layers` (plus optional embedding/head) into the schedule's model parts and build.
+
+        `balance` and `sample_input` are as in `split.plan_partition`; rank 0's partition is used
+        on every rank (profiled times differ between processes). Layers on the meta device need
+        `init` (this rank's parts are allocated and filled, no other part is). With schedule="auto"
+        the layers are split into 2P parts (fewer when there are fewer layers), `sample_input` and
+        `sample_targets` are a batch as given to `step`, and the planner merges parts as its
+        winner needs.
+        """
+        config = config or PipelineConfig()
+        pp = ParallelGroups.from_mesh(mesh).pp_size
+        blocks = as_layers(layers)
+        num_parts = min(len(blocks), 2 * pp) if config.schedule == AUTO else \
+            _resolve_schedule(config, pp).num_groups
+        partition = plan_partition(blocks, num_parts, balance, embedding=embedding, head=head,
+                                   sample_input=sample_input)
+        if dist.is_available() and dist.is_initialized():
+            shared: list[Any] = [partition]
+            dist.broadcast_object_list(shared, src=0)  # profiled times differ per rank: rank 0 decides
+            partition = shared[0]
+        parts = build_parts(blocks, partition, embedding=embedding, head=head)
+        return cls(parts, loss_fn, optimizer, config, mesh=mesh, device=device, partition=partition,
+                   init=init, scheduler=scheduler, sample_input=sample_input, sample_targets=sample_targets)
+
+    def _plan(self, parts: PartSource, loss_fn: LossFn, sample: tuple[Any, Any],
+              init: PartInit | None) -> AutoChoice | None:
+        """schedule="auto": profile, plan and log (see `autoplan.choose`); None for any other schedule."""
+        cfg, groups = self.config, self.groups
+        if cfg.schedule != AUTO:
+            return None
+        return choose(parts, loss_fn, ranks=groups.pp_size, dp=groups.dp_size, sample=sample,
+                      memory_limit=cfg.memory_limit, num_microbatches=cfg.num_microbatches,
+                      options=cfg.schedule_options, device=self.device, init=init,
+                      autocast=autocast_dtype(cfg.precision), zero_stage=cfg.zero_stage,
+                      compression=planned_compression(compression_options(cfg.grad_compression)))
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer the data-parallel strategy steps (built from the `optimizer` factory)."""
+        return self.dp.optimizer
+
+    def _grads_ready(self, stage: int) -> None:
+        self.dp.grads_ready(stage)
+
+    def bounded(self, work: Any, what: str) -> None:
+        """Wait for a collective posted with async_op=True, bounded by the timeout and stopped (with an
+        error naming the failed rank) when any rank of the job failed; see PipelineRuntime.bounded."""
+        self.runtime.bounded(work, what, "all ranks of the job")
+
+    def _check_replicas(self) -> None:
+        mine = {s: fingerprint(m) for s, m in self.stage_modules.items()}
+        gathered = [mine]
+        if dist.is_available() and dist.is_initialized():
+            table = torch.full((self.schedule.num_stages,), -1, dtype=torch.int64)
+            for stage, fp in mine.items():
+                table[stage] = int(fp[:15], 16)
+            table = table.to(self.device)
+            everyone = [torch.empty_like(table) for _ in range(dist.get_world_size())]
+            self.bounded(dist.all_gather(everyone, table, async_op=True), "the model-replica check")
+            gathered = [{s: f"{v:015x}" for s, v in enumerate(t.tolist()) if v >= 0} for t in everyone]
+        bad = find_mismatched_copies(self.schedule, gathered)
+        if bad:
+            desc = "; ".join(f"part {g}: " + ", ".join(f"stage {s}={fp[:8]}" for s, fp in copies)
+                             for g, copies in bad)
+            raise ValueError(
+                f"copies of a model part start with different weights ({desc}); build the model from "
+                "the same seed or state_dict on every rank"
+            )
+
+    @property
+    def window_calls(self) -> int:
+        """Calls made in the current accumulation window (0 right after an optimizer step)."""
+        return self._window_calls
+
+    @property
+    def stage_state_modules(self) -> dict[int, nn.Module]:
+        """This rank's stage modules without activation-checkpointing wrappers."""
+        return {s: inner_module(m) for s, m in self.stage_modules.items()}
+
+    def step(self, inputs: Any, targets: Any) -> float:
+        """Run one pipelined forward+backward over the batch; step the optimizer at window ends.
+
+        Returns the batch's mean loss (the same on every rank). Details are in `self.last`.
+        """
+        cfg = self.config
+        if self._window_calls == 0:
+            self.dp.zero_grad()
+        weight = self._call_weight(inputs, targets)
+        scale = self.scaler.scale
+        final = self._window_calls + 1 == cfg.accumulation_steps
+        self.dp.begin_call(final, scale * (self._window_weight + weight))
+        wire = self.dp.meter.total_bytes
+        result = self.runtime.step(inputs, targets, loss_scale=scale * weight)
+        self.calls += 1
+        self._window_calls += 1
+        self._window_weight += weight
+        applied, skipped, norm = False, False, None
+        try:
+            loss = result.loss  # one all-reduce over the job: the mean over data-parallel replicas
+            if self._window_calls == cfg.accumulation_steps:
+                skipped, norm = self._apply()
+                applied = not skipped
+        except BaseException as exc:  # the other ranks wait in collectives: tell them
+            self.runtime.report_failure(exc)
+            raise
+        timeline = result.timeline
+        if final and timeline is not None:
+            timeline = replace(timeline, spans=tuple(self.dp.spans(self.runtime.tracer.origin, self.runtime.rank)))
+        self.last = StepInfo(loss, applied, skipped, norm, scale, timeline, self.dp.meter.total_bytes - wire,
+                             result.peak_saved_bytes)
+        return loss
+
+    def _call_weight(self, inputs: Any, targets: Any) -> float:
+        """This call's weight in the window: its batch size over the window's first batch size."""
+        if self.config.accumulation_steps == 1:
+            return 1.0
+        size = _batch_size(inputs, targets)
+        if size is None:
+            raise ValueError("with accumulation_steps > 1 pass inputs or targets on every rank "
+                             "(their batch size weights the accumulated gradient)")
+        if self._window_unit is None or self._window_calls == 0:
+            self._window_unit = size
+        return size / self._window_unit
+
+    def _apply(self) -> tuple[bool, float | None]:
+        """End the window through the strategy: wait for the reductions, sum tied weights, norm + overflow
+        check, then skip (fp16 overflow) or unscale + clip + optimizer step (+ LR scheduler step)."""
+        cfg = self.config
+        self._window_calls, self._window_weight = 0, 0.0
+        self.dp.finish()
+        self.tied.sum_grads(wait=self.bounded)  # weights shared by several parts (tied embeddings)
+        norm, overflow = self.dp.norm_and_overflow(cfg.grad_clip_norm is not None or self.scaler.enabled)
+        if overflow and self.scaler.enabled:
+            self.scaler.update(overflow=True)
+            self.dp.skip()
+            return True, norm
+        self.dp.step(grads.clip_factor(norm or 0.0, cfg.grad_clip_norm))
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.scaler.update(overflow=False)
+        self.optimizer_steps += 1
+        return False, norm
+
+    def evaluate(self, inputs: Any, targets: Any = None) -> EvalResult:
+        """Forward only, in eval mode (dropout off, no autograd).
+
+        Returns the runtime's EvalResult: the whole batch's outputs in batch order on ranks
+        holding a last stage (None elsewhere), and the mean loss on every rank when targets are given.
+        """
+        modes = {s: m.training for s, m in self.stage_modules.items()}
+        for m in self.stage_modules.values():
+            m.eval()
+        try:
+            with torch.no_grad():
+                return self.runtime.evaluate(inputs, targets)
+        finally:
+            for s, m in self.stage_modules.items():
+                m.train(modes[s])
+
+    def save(self, path: str) -> None:
+        """Save model parts, optimizer and trainer state with torch.distributed.checkpoint (collective)."""
+        from duplexpipe.train.checkpoint import save_checkpoint
+
+        save_checkpoint(self, path)
+
+    def load(self, path: str) -> None:
+        """Load what `save` wrote (collective); training continues exactly where it stopped."""
+        from duplexpipe.train.checkpoint import load_checkpoint
+
+        load_checkpoint(self, path)
+
+
+def default_device() -> torch.device:
+    """The current CUDA device under NCCL, else the CPU."""
+    if dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _resolve_schedule(config: PipelineConfig, pp_size: int) -> Schedule:
+    if isinstance(config.schedule, Schedule):
+        schedule = config.schedule
+        if schedule.num_ranks != pp_size:
+            raise ValueError(f"schedule {schedule.name!r} is for {schedule.num_ranks} ranks, "
+                             f"but the pipeline group has {pp_size}")
+        return schedule
+    return build_schedule(config.schedule, pp_size, config.num_microbatches, **config.schedule_options)

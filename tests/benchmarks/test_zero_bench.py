@@ -1,0 +1,57 @@
+"""Tests for benchmarks/zero_bench.py: the summary and tables from given runs (the training itself is what
+`make bench` measures), and the CLI's bad input."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks import zero_bench as bench  # noqa: E402
+
+CFG = bench.ZeroBenchConfig(steps=30, tail=5)
+
+
+def _run(label: str, stage: int, loss: float, **per_step: float) -> dict[str, Any]:
+    return {"label": label, "stage": stage, "losses": [loss] * CFG.steps, "step_s": [0.1] * CFG.steps,
+            "bytes": {k: [v] * CFG.steps for k, v in per_step.items()}, "meter_matches_dispatch": True}
+
+
+RUNS = [
+    _run("zero_stage=0 (all-reduce)", 0, 2.0, all_reduce=800.0),
+    _run("ZeRO-1", 1, 2.0, reduce_scatter=400.0, all_gather=400.0),
+    _run("ZeRO-1 + qgZ", 1, 2.01, all_to_all=100.0, all_gather=400.0),
+    _run("ZeRO-1 + qgZ + qwZ", 1, 2.03, all_to_all=100.0, all_gather=150.0),
+]
+
+
+def test_quantized_runs_are_compared_with_the_exact_run_of_their_stage() -> None:
+    rows = {r["label"]: r for r in bench.summarize(RUNS, CFG)}
+    qgz, both = rows["ZeRO-1 + qgZ"], rows["ZeRO-1 + qgZ + qwZ"]
+    assert qgz["grad_fewer"] == pytest.approx(4.0) and qgz["weight_fewer"] == pytest.approx(1.0)
+    assert qgz["loss_rel"] == pytest.approx(0.005)
+    assert both["weight_fewer"] == pytest.approx(400 / 150) and both["loss_rel"] == pytest.approx(0.015)
+    assert rows["ZeRO-1"]["same_losses_as_stage0"] is True
+    table = bench.zero_pp_table(list(rows.values()))
+    assert "| ZeRO-1 + qgZ | 0.1 | 4.00x | 0.4 | 1.00x | 2.0100 | +0.50% | met |" in table  # only qgZ's ratio
+    assert "| ZeRO-1 + qgZ + qwZ |" in table and "**missed**" in table  # 2.67x and 1.5%: both miss
+
+
+def test_memory_rows_and_the_markdown_section() -> None:
+    memory = [{"pp": 2, "dp": 2, "stage": s, "state": 1000 / (1 + (s > 0)), "grads": 500.0, "params": 500.0,
+               "state_frac": 1 / (1 + (s > 0)), "grads_frac": 1.0, "params_frac": 1.0} for s in (0, 1)]
+    text = bench.memory_table(memory)
+    assert "| 2 x 2 | 1 | 0.5 | 0.500 | 0.5 | 1.000 | 0.5 | 1.000 |" in text
+    result = {"config": bench.asdict(CFG), "memory": memory, "rows": bench.summarize(RUNS, CFG), "runs": RUNS,
+              "loadavg": [1.0, 2.0, 3.0], "uptime_before": "up 1 day"}
+    md = bench.markdown(result)
+    assert text in md and "bit-identical" in md and "up 1 day" in md
+
+
+def test_too_few_steps_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.main(["--steps", "3"]) == 2
+    assert "--steps must be >= 25" in capsys.readouterr().err

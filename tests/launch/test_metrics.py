@@ -1,0 +1,79 @@
+"""Tests for duplexpipe.launch.metrics: JSONL rows, TensorBoard through a fake writer, progress output."""
+
+from __future__ import annotations
+
+import io
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from duplexpipe.launch.metrics import MetricsLog, ProgressLine, log_line, read_metrics, tensorboard_writer
+
+
+class FakeWriter:
+    """Records what a SummaryWriter would write."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self.scalars: list[tuple[str, Any, int]] = []
+        self.closed = False
+
+    def add_scalar(self, tag: str, value: Any, step: int) -> None:
+        self.scalars.append((tag, value, step))
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_jsonl_one_row_per_step_and_scalars_to_the_writer(tmp_path: Path) -> None:
+    writers: list[FakeWriter] = []
+
+    def factory(folder: str) -> FakeWriter:
+        writers.append(FakeWriter(folder))
+        return writers[-1]
+
+    log = MetricsLog(tmp_path / "m.jsonl", tensorboard_dir=tmp_path / "tb", writer_factory=factory)
+    log.write(1, {"loss": 2.5, "lr": 1e-3, "grad_norm": None, "items_per_s": 100.0, "bubble": 0.25})
+    log.write(2, {"loss": math.nan, "lr": 1e-3, "grad_norm": 0.5, "items_per_s": 110.0, "bubble": 0.2})
+    log.close()
+    rows = read_metrics(tmp_path / "m.jsonl")
+    assert rows[0] == {"step": 1, "loss": 2.5, "lr": 1e-3, "grad_norm": None, "items_per_s": 100.0, "bubble": 0.25}
+    assert rows[1]["loss"] is None and rows[1]["grad_norm"] == 0.5  # NaN is not JSON: null
+    (writer,) = writers
+    assert writer.folder == str(tmp_path / "tb") and writer.closed
+    assert ("train/loss", 2.5, 1) in writer.scalars and ("train/grad_norm", 0.5, 2) in writer.scalars
+    assert not any(tag == "train/grad_norm" and step == 1 for tag, _, step in writer.scalars)
+    assert {tag for tag, _, _ in writer.scalars} == {f"train/{k}" for k in
+                                                      ("loss", "lr", "grad_norm", "items_per_s", "bubble")}
+    resumed = MetricsLog(tmp_path / "m.jsonl", append=True)
+    resumed.write(3, {"loss": 2.0})
+    resumed.close()
+    assert [r["step"] for r in read_metrics(tmp_path / "m.jsonl")] == [1, 2, 3]
+
+
+def test_without_tensorboard_installed_there_are_no_scalars(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import now raises ImportError
+    assert tensorboard_writer() is None
+    log = MetricsLog(tmp_path / "m.jsonl", tensorboard_dir=tmp_path / "tb", writer_factory=tensorboard_writer())
+    log.write(1, {"loss": 1.0})
+    log.close()
+    assert not (tmp_path / "tb").exists() and len(read_metrics(tmp_path / "m.jsonl")) == 1
+
+
+def test_progress_line_and_log_line() -> None:
+    out = io.StringIO()
+    bar = ProgressLine(4, "tokens", out)
+    bar.update(2, 1.5, 1234.0)
+    bar.close()
+    assert out.getvalue().startswith("\r[############............] step 2/4  loss 1.5000  1,234 tokens/s")
+    assert out.getvalue().endswith("\n")
+    line = log_line(10, 60, {"loss": 2.30123, "lr": 3e-3, "grad_norm": 0.8123, "items_per_s": 12345.6}, "tokens")
+    assert line == "step 10/60  loss 2.3012  lr 3.00e-03  grad 0.812  12,346 tokens/s"
+    assert log_line(1, 2, {"loss": 1.0, "lr": 1.0, "grad_norm": None, "items_per_s": 0.0}, "x") == \
+        "step 1/2  loss 1.0000  lr 1.00e+00"

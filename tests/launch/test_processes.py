@@ -1,0 +1,250 @@
+"""Tests for duplexpipe.launch.processes: local launcher, root-cause reporting, backend choice, torchrun."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from _failing_ranks import OWN_ERROR, blame_a_silent_rank, consequence_first
+
+from duplexpipe.launch.processes import (
+    SHARE_GPU_ENV,
+    START_METHOD_ENV,
+    LaunchError,
+    blamed_rank,
+    cuda_device_for,
+    default_backend,
+    free_port,
+    launch,
+    launched_by_torchrun,
+    run,
+)
+from duplexpipe.runtime import PeerFailedError
+from duplexpipe.train.trainer import Pipeline, PipelineConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+TORCHRUN = Path(sys.executable).parent / "torchrun"
+
+
+@pytest.fixture(autouse=True)
+def _spawned_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests check the default start method (spawn): its ranks are this process's children."""
+    monkeypatch.delenv(START_METHOD_ENV, raising=False)
+
+
+def _sum_ranks(offset: int) -> tuple[int, int, int, torch.Tensor]:
+    t = torch.tensor([dist.get_rank() + offset])
+    dist.all_reduce(t)  # the tensor itself is returned too: results must outlive the worker process
+    return dist.get_rank(), dist.get_world_size(), int(t.item()), t
+
+
+def _crash_on_rank_one() -> None:
+    if dist.get_rank() == 1:
+        raise RuntimeError("boom from the test")
+    dist.barrier()  # the others would wait forever; the launcher must kill them
+    time.sleep(600)
+
+
+def _hard_exit_on_rank_one() -> None:
+    if dist.get_rank() == 1:
+        os._exit(3)  # no traceback, no report: the launcher must notice the dead process
+    dist.barrier()
+    time.sleep(600)
+
+
+def _children() -> list[int]:
+    """Pids of live (non-zombie) processes whose parent is this process.
+
+    multiprocessing's own resource tracker and fork server (one per parent, exiting with it; other
+    test modules start ranks from the fork server) are not counted.
+    """
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] != "Z" and b"resource_tracker" not in cmdline \
+                and b"forkserver" not in cmdline:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.timeout(60)
+def test_forkserver_ranks_give_the_same_results_and_a_bad_method_is_named() -> None:
+    assert [r[:3] for r in launch(_sum_ranks, 2, (10,), start_method="forkserver")] == [(0, 2, 21), (1, 2, 21)]
+    with pytest.raises(ValueError, match="start_method 'fork' is not one of"):
+        launch(_sum_ranks, 2, (10,), start_method="fork")
+
+
+@pytest.mark.timeout(60)
+def test_run_returns_every_rank_result_and_logs_the_backend(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="duplexpipe.launch"):
+        results = run(_sum_ranks, 2, (10,))
+    assert [r[:3] for r in results] == [(0, 2, 21), (1, 2, 21)]
+    assert [r[3].tolist() for r in results] == [[21], [21]]
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    want = "nccl" if gpus >= 2 else "gloo"
+    assert f"2 processes on this machine on {want}" in caplog.text
+    assert _children() == []
+
+
+@pytest.mark.timeout(60)
+def test_launch_reports_the_crashing_rank_and_leaves_no_process() -> None:
+    with pytest.raises(LaunchError, match="rank 1 failed") as info:
+        launch(_crash_on_rank_one, 2)
+    assert info.value.rank == 1
+    assert "RuntimeError: boom from the test" in info.value.details
+    assert _children() == []
+
+
+@pytest.mark.timeout(60)
+def test_launch_names_a_rank_that_dies_without_a_report() -> None:
+    with pytest.raises(LaunchError, match="rank 1 exited with code 3 without reporting a result") as info:
+        launch(_hard_exit_on_rank_one, 2)
+    assert info.value.rank == 1
+    assert _children() == []
+
+
+def test_launch_rejects_bad_counts() -> None:
+    with pytest.raises(ValueError, match="nprocs must be >= 1, got 0"):
+        launch(_sum_ranks, 0)
+
+
+def _torchrun(extra: list[str], port: int) -> subprocess.Popen[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        env.pop(var, None)
+    cmd = [str(TORCHRUN), *extra, "--master-addr", "127.0.0.1", "--master-port", str(port),
+           str(ROOT / "examples" / "train_sequential.py"), "--steps", "3", "--json"]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _rank0_json(outputs: list[str]) -> dict[str, object]:
+    lines = [line for out in outputs for line in out.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, outputs
+    return json.loads(lines[0])
+
+
+@pytest.mark.timeout(120)
+def test_torchrun_single_node_and_two_nodes() -> None:
+    assert not launched_by_torchrun()
+    one = _torchrun(["--nproc-per-node", "2"], free_port())
+    out, err = one.communicate(timeout=100)
+    assert one.returncode == 0, err[-3000:]
+    result = _rank0_json([out])
+    assert result["world"] == 2 and len(result["losses"]) == 3
+
+    port = free_port()
+    nodes = [_torchrun(["--nnodes", "2", "--node-rank", str(r), "--nproc-per-node", "1"], port)
+             for r in (0, 1)]
+    outs = [p.communicate(timeout=100) for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], [e[-3000:] for _, e in outs]
+    two = _rank0_json([o for o, _ in outs])
+    assert two["world"] == 2
+    assert two["losses"] == result["losses"]
+
+
+def test_blamed_rank_tells_consequences_from_own_errors() -> None:
+    assert blamed_rank(PeerFailedError("rank 2: stopping because rank 3 failed: boom", 3), 2) == 3
+    assert blamed_rank(ValueError("rank 0 rejected its step inputs (see its error)"), 1) == 0
+    assert blamed_rank(ValueError("rank 1 holds first stage(s) [1]: inputs are required"), 1) is None
+    assert blamed_rank(RuntimeError("rank 1 failed to allocate"), 1) is None  # names itself
+    assert blamed_rank(RuntimeError("shape mismatch"), 0) is None
+    try:
+        try:
+            raise PeerFailedError("rank 1: stopping because rank 0 failed: x", 0)
+        except PeerFailedError as inner:
+            raise RuntimeError("step failed") from inner
+    except RuntimeError as outer:
+        assert blamed_rank(outer, 1) == 0
+
+
+@pytest.mark.timeout(90)
+def test_the_originating_error_comes_first_even_when_it_arrives_last() -> None:
+    # rank 1's consequence reaches the launcher first, every time (rank 0 waits for rank 1's exit)
+    with pytest.raises(LaunchError) as info:
+        launch(consequence_first, 2, ("rejected", "exit"))
+    err = info.value
+    assert err.rank == 0 and str(err).startswith("rank 0 failed (then ranks [1] stopped):\nTraceback")
+    assert str(err).rstrip().endswith(f"ValueError: {OWN_ERROR}") and OWN_ERROR in err.details
+    assert sorted(err.errors) == [0, 1]
+    assert "rank 0 rejected its step inputs" in err.errors[1]
+    assert _children() == []
+
+
+def _reject_on_rank_zero() -> None:
+    x = torch.randn(8, 4)
+    pipe = Pipeline([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)], torch.nn.functional.mse_loss,
+                    lambda ps: torch.optim.SGD(ps, lr=0.1), PipelineConfig("1f1b", 2))
+    pipe.step(None if dist.get_rank() == 0 else x, x)
+
+
+@pytest.mark.timeout(90)
+def test_a_rejected_batch_names_the_rank_that_rejected_it() -> None:
+    with pytest.raises(LaunchError) as info:
+        launch(_reject_on_rank_zero, 2)
+    assert info.value.rank == 0
+    assert str(info.value).rstrip().endswith("ValueError: rank 0 holds first stage(s) [0]: inputs are required")
+
+
+@pytest.mark.timeout(60)
+def test_a_blamed_rank_that_never_reports_is_waited_for_then_named() -> None:
+    with pytest.raises(LaunchError, match="rank 1 failed, blaming rank 0, which reported no error within 1s"):
+        launch(blame_a_silent_rank, 2, grace_s=1.0)
+    assert _children() == []
+
+
+def test_backend_is_nccl_only_with_a_gpu_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert default_backend(2) == "nccl" and default_backend(1) == "nccl"
+    assert default_backend(4) == "gloo"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    assert default_backend() == "gloo"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert default_backend(1) == "gloo"
+
+
+def test_ranks_share_a_gpu_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for var in (SHARE_GPU_ENV, "NCCL_HOSTID", "NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE"):
+        monkeypatch.delenv(var, raising=False)
+    assert cuda_device_for(0) == 0 and default_backend(2) == "gloo"
+    with pytest.raises(ValueError, match=f"NCCL rank 1 needs GPU 1, but this machine has 1; use gloo, or set "
+                                         f"{SHARE_GPU_ENV}=1 to share GPUs"):
+        cuda_device_for(1)
+    monkeypatch.setenv(SHARE_GPU_ENV, "1")
+    assert default_backend(2) == "nccl"
+    assert cuda_device_for(3) == 0
+    assert os.environ["NCCL_HOSTID"] == "duplexpipe-shared-gpu-rank-3"  # its own "host": no duplicate-GPU check
+    assert os.environ["NCCL_SOCKET_IFNAME"] == "lo"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ValueError, match="needs GPU 1, but this machine has 0"):
+        cuda_device_for(1)
+
+
+@pytest.mark.timeout(120)
+def test_torchrun_names_the_originating_rank_as_root_cause(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        env.pop(var, None)
+    cmd = [str(TORCHRUN), "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
+           str(free_port()), str(ROOT / "tests" / "_failing_ranks.py"), str(tmp_path / "flag")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=100)
+    assert proc.returncode != 0
+    root = proc.stderr.split("Root Cause (first observed failure):", 1)
+    assert len(root) == 2, proc.stderr[-3000:]
+    assert "rank      : 0 (local_rank: 0)" in root[1] and OWN_ERROR in root[1], root[1]
+    # the consequence names its cause, in its own failure entry and its log line
+    assert "rank 1 stopped because rank 0 failed" in root[0], proc.stderr[-3000:]

@@ -1,0 +1,159 @@
+"""Tests for duplexpipe.launch.train_loop: task loading, options, a full `duplexpipe train` run (2 pp x 2 dp)
+with a config file, metrics and checkpoints, an exact resume, and the wheel holding the default task."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from duplexpipe.cli import main as cli_main
+from duplexpipe.cli.args import parse_task_options
+from duplexpipe.cli.train_cmd import add_train_arguments, config_from_args, train_main
+from duplexpipe.launch.metrics import read_metrics
+from duplexpipe.launch.train_config import lr_factor
+from duplexpipe.launch.train_loop import (
+    DEFAULT_TASK,
+    TrainConfig,
+    build_task,
+    checkpoint_to_load,
+    load_task,
+    pipeline_config,
+)
+from duplexpipe.schedules.timeline import Timeline
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = '[task_options]\nn_layer = 2\nd_model = 16\nn_head = 2\nblock_size = 16\n'
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_load_task_resolves_modules_and_files(tmp_path: Path) -> None:
+    assert DEFAULT_TASK == "duplexpipe.launch.tasks.gpt:gpt_task"
+    assert load_task(DEFAULT_TASK).__name__ == "gpt_task"
+    assert load_task("json:dumps") is json.dumps
+    script = tmp_path / "my_task.py"
+    script.write_text("def make(seed, width=3):\n    return (seed, width)\n")
+    assert load_task(f"{script}:make")(seed=1) == (1, 3)
+    with pytest.raises(ValueError, match="must look like"):
+        load_task("no_colon")
+    with pytest.raises(ValueError, match="does not exist"):
+        load_task("missing_file.py:f")
+    with pytest.raises(ValueError, match="json has no function 'nope'"):
+        load_task("json:nope")
+    with pytest.raises(ValueError, match="cannot import no_such_module"):
+        load_task("no_such_module:f")
+    with pytest.raises(TypeError, match="returned a tuple, not a TrainTask"):
+        build_task(TrainConfig(task=f"{script}:make"))
+
+
+def test_parse_task_options() -> None:
+    assert parse_task_options(["n=3", "lr=1e-3", "name=abc"]) == {"n": 3, "lr": 1e-3, "name": "abc"}
+    with pytest.raises(ValueError, match="'3' must look like KEY=VALUE"):
+        parse_task_options(["3"])
+
+
+def test_flags_override_the_config_file(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text('schedule = "1f1b"\nranks = 2\nlr = 0.01\nsteps = 9\n' + SMALL)
+    config = config_from_args(_parse(["--config", str(path), "--lr", "0.002", "--task-option", "n_layer=4",
+                                      "--no-tensorboard", "--timeout", "30"]))
+    assert (config.schedule, config.ranks, config.steps, config.lr) == ("1f1b", 2, 9, 0.002)
+    assert config.task_options == {"n_layer": 4, "d_model": 16, "n_head": 2, "block_size": 16}
+    assert (config.tensorboard, config.timeout_s) == (False, 30.0)
+    assert config_from_args(_parse([])) == TrainConfig()
+
+
+def test_p2p_compression_flag_reaches_the_pipeline_config() -> None:
+    config = config_from_args(_parse(["--p2p-compression", "int8"]))
+    assert config.p2p_compression == "int8" and pipeline_config(config).p2p_compression == "int8"
+    assert pipeline_config(TrainConfig()).p2p_compression is None, '"none" sends as computed'
+    with pytest.raises(SystemExit):
+        _parse(["--p2p-compression", "fp4"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--config", "missing.toml"], "config file missing.toml: cannot read it"),
+    (["--batch-size", "0"], "batch_size must be >= 1, got 0"),
+    (["--schedule", "dualpipe", "--ranks", "3"], "dualpipe"),
+    (["--task", "no_such_module:f"], "cannot import no_such_module"),
+    (["--resume", "nowhere"], "resume: nowhere holds no checkpoint"),
+])
+def test_bad_train_input_is_one_line_and_exit_2(argv: list[str], message: str,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["train", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("duplexpipe: error:") and message in err and err.count("\n") == 1, err
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """4 steps of 1F1B on 2 ranks x 2 replicas from a config file; checkpoints after steps 2 and 4."""
+    root = tmp_path_factory.mktemp("train")
+    (root / "run.toml").write_text('schedule = "1f1b"\nranks = 2\ndp = 2\nmicrobatches = 2\nsteps = 4\n'
+                                   'batch_size = 8\nbalance = "time"\nwarmup = 1\nlr_schedule = "cosine"\n'
+                                   'save_every = 2\nlog_every = 0\np2p_compression = "bf16"\n' + SMALL)
+    args = _parse(["--config", str(root / "run.toml"), "--out-dir", str(root / "a"), "--save", str(root / "ckpt")])
+    out = io.StringIO()
+    assert train_main(args, out) == 0
+    (root / "summary.txt").write_text(out.getvalue())
+    return root
+
+
+@pytest.mark.timeout(300)
+def test_train_writes_metrics_outputs_and_checkpoints(straight_run: Path) -> None:
+    root = straight_run
+    text = (root / "summary.txt").read_text()
+    assert "1f1b on 2 ranks x 2 dp, 4 steps" in text and "partition (time" in text
+    # rank 0 sends activations of 2 rows x 16 tokens x d_model 16 per microbatch, as bf16 (2 bytes)
+    assert "stage-to-stage sends (bf16): 1,024 bytes each on rank 0" in text
+    rows = read_metrics(root / "a" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert set(rows[0]) == {"step", "loss", "lr", "grad_norm", "items_per_s", "bubble"}
+    factor = lr_factor("cosine", 1, 4, TrainConfig().min_lr_ratio)
+    assert [r["lr"] for r in rows] == pytest.approx([TrainConfig().lr * factor(s) for s in range(4)])
+    assert all(r["grad_norm"] > 0 and r["items_per_s"] > 0 and 0 <= r["bubble"] < 1 for r in rows)
+    summary = json.loads((root / "a" / "losses.json").read_text())
+    assert summary["losses"] == [r["loss"] for r in rows] and summary["config"]["batch_size"] == 8
+    timeline = Timeline.from_dict(json.loads((root / "a" / "timeline.json").read_text()))
+    assert timeline.num_ranks == 2 and len(timeline.events) == 2 * 2 * 2  # ranks x microbatches x (F, B)
+    assert "est. time" in (root / "a" / "partition.txt").read_text()
+    assert sorted(p.name for p in (root / "ckpt").iterdir()) == ["latest", "step-000002", "step-000004"]
+    assert checkpoint_to_load(str(root / "ckpt")) == str(root / "ckpt" / "step-000004")
+
+
+@pytest.mark.timeout(300)
+def test_resume_repeats_the_uninterrupted_steps_exactly(straight_run: Path) -> None:
+    root = straight_run
+    args = _parse(["--config", str(root / "run.toml"), "--out-dir", str(root / "b"),
+                   "--resume", str(root / "ckpt" / "step-000002")])
+    out = io.StringIO()
+    assert train_main(args, out) == 0
+    assert "steps 3-4" in out.getvalue()
+    straight = read_metrics(root / "a" / "metrics.jsonl")[2:]
+    resumed = read_metrics(root / "b" / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [3, 4]
+    for key in ("loss", "lr", "grad_norm"):  # weights, optimizer, LR schedule and data all continue exactly
+        assert [r[key] for r in resumed] == [r[key] for r in straight], key
+
+
+@pytest.mark.timeout(240)
+def test_the_wheel_contains_the_default_task_and_its_corpus(tmp_path: Path) -> None:
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path), str(ROOT)], check=True, capture_output=True, timeout=200)
+    (wheel,) = tmp_path.glob("duplexpipe-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    for name in ("duplexpipe/launch/tasks/gpt.py", "duplexpipe/launch/tasks/data/kjv_genesis_exodus.txt",
+                 "duplexpipe/launch/tasks/data/README.md", "duplexpipe/py.typed"):
+        assert name in names
+    assert not any(n.startswith("examples/") for n in names)

@@ -1,0 +1,69 @@
+"""Data-parallel model: the ZeRO and compression tables, the reduction's time and how much of it is exposed."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from duplexpipe.pipeline import PipelineConfig
+from duplexpipe.planner.dp_comm import (
+    COMPRESSIONS,
+    ZERO_STAGES,
+    Link,
+    compression,
+    exposed_time,
+    reduction_time,
+    zero_stage,
+)
+
+
+def test_tables_are_ordered_and_only_what_exists_is_available() -> None:
+    assert list(ZERO_STAGES) == [0, 1, 2]
+    available = [s for s, z in ZERO_STAGES.items() if z.available]
+    assert available == [0, 1, 2]
+    for stage in available:  # the training side takes every stage the planner offers
+        PipelineConfig(zero_stage=stage)
+    ratios = [c.wire_ratio for c in COMPRESSIONS.values()]
+    assert list(COMPRESSIONS)[0] == "none" and ratios[0] == 1.0
+    assert ratios == sorted(ratios), "methods are listed lightest (least compression) first"
+    assert all(c.available for c in COMPRESSIONS.values()), "the training side implements every method"
+    assert not ZERO_STAGES[0].shard_optimizer and ZERO_STAGES[1].shard_optimizer
+    assert ZERO_STAGES[2].shard_gradients and not ZERO_STAGES[1].shard_gradients
+    with pytest.raises(ValueError, match="unknown ZeRO stage 4; known stages: 0, 1, 2"):
+        zero_stage(4)
+    with pytest.raises(ValueError, match="unknown compression 'zip'; known methods: none, bf16"):
+        compression("zip")
+
+
+def test_reduction_time_of_ring_collectives() -> None:
+    link = Link(bandwidth=100.0, latency=0.5)
+    none, bf16 = compression("none"), compression("bf16")
+    # all-reduce: 2 x (D-1)/D x bytes, 2 passes of D-1 messages
+    assert reduction_time(1000, 1000, 4, zero_stage(0), none, link) == pytest.approx(15 + 2 * 3 * 0.5)
+    assert reduction_time(1000, 1000, 4, zero_stage(0), bf16, link) == pytest.approx(7.5 + 3)
+    # ZeRO: reduce-scatter of (compressed) gradients + all-gather of parameters
+    assert reduction_time(1000, 1000, 4, zero_stage(1), none, link) == pytest.approx(15 + 3)
+    assert reduction_time(1000, 1000, 4, zero_stage(2), bf16, link) == pytest.approx(0.75 * 1500 / 100 + 3)
+    assert reduction_time(1000, 1000, 1, zero_stage(0), none, link) == 0.0
+    assert reduction_time(1000, 1000, 8, zero_stage(0), none, Link()) == 0.0
+
+
+def test_exposed_time_overlaps_each_last_backward_pass() -> None:
+    # one bucket whose pass runs [4, 6): a 2-long reduction hides, a 3-long one shows 1
+    assert exposed_time([(4.0, 6.0, 2.0)], 6.0) == 0.0
+    assert exposed_time([(4.0, 6.0, 3.0)], 6.0) == pytest.approx(1.0)
+    # buckets share the link: the second starts when the first is done
+    assert exposed_time([(5.0, 6.0, 1.0), (1.0, 2.0, 3.0)], 6.0) == pytest.approx(0.0)
+    assert exposed_time([(1.0, 2.0, 5.0), (5.0, 6.0, 1.0)], 6.0) == pytest.approx(1.0)
+    assert exposed_time([], 3.0) == 0.0
+
+
+def test_link_checks_its_values() -> None:
+    assert Link(10.0, 1.0).time(20.0, 2) == pytest.approx(4.0)
+    assert Link().time(1e12) == 0.0
+    for bad in (0.0, -1.0, math.nan):
+        with pytest.raises(ValueError, match="bandwidth must be > 0"):
+            Link(bandwidth=bad)
+    with pytest.raises(ValueError, match="latency must be a finite number >= 0"):
+        Link(latency=-1.0)

@@ -1,0 +1,90 @@
+"""The byte memory model: sizes as text, a hand-computed 1F1B case, DualPipe's two copies, ZeRO sharding."""
+
+from __future__ import annotations
+
+import pytest
+
+from duplexpipe.planner.memory import MemoryConfig, StageBytes, format_bytes, parse_bytes, rank_memory
+from duplexpipe.planner.profile import PartProfile
+from duplexpipe.schedules import registry
+from duplexpipe.schedules.simulate import CostModel, simulate
+
+
+@pytest.mark.parametrize(("text", "value"), [
+    ("40GiB", 40 * 2**30), ("40 GiB", 40 * 2**30), ("512MiB", 512 * 2**20), ("80GB", 80 * 10**9),
+    ("1.5e9", 1_500_000_000), ("2kib", 2048), ("7", 7), ("0.5 KiB", 512),
+])
+def test_parse_bytes(text: str, value: int) -> None:
+    assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "40 gigs", "4Gx", "-1GiB", "0", "1e999", "nan"])
+def test_parse_bytes_rejects_malformed_sizes(text: str) -> None:
+    with pytest.raises(ValueError, match="bad memory size"):
+        parse_bytes(text)
+
+
+def test_format_bytes() -> None:
+    assert [format_bytes(v) for v in (800, 2048, 3 * 2**20 / 2, 40 * 2**30, 2**41)] == [
+        "800 B", "2 KiB", "1.5 MiB", "40 GiB", "2 TiB"]
+
+
+def sizes_1f1b() -> StageBytes:
+    # stage 0 keeps 100 bytes per microbatch, sends 7 and receives 5-byte gradients; stage 1 keeps 10.
+    return StageBytes.of(registry.build("1f1b", 2, 2),
+                         [PartProfile(1, 1, 1, 100, 1000, 7, 5), PartProfile(1, 1, 1, 10, 2000, 3, 3)])
+
+
+def test_one_f_one_b_by_hand() -> None:
+    schedule = registry.build("1f1b", 2, 2)
+    timeline = simulate(schedule, CostModel(f=1, b=2, w=1))
+    # rank 0: F0 [0,1) F1 [1,2) B0 [4,6) B1 [7,9); rank 1: F0 [1,2) B0 [2,4) F1 [4,5) B1 [5,7).
+    # Activations: rank 0 holds 2 x 100 over [1, 6); rank 1 one of 10 at a time.
+    # Messages: F1's output waits on both ranks over [2, 4) (7 bytes); the others are consumed at once.
+    r0, r1 = rank_memory(schedule, timeline, sizes_1f1b())
+    assert (r0.activations, r0.messages, r1.activations, r1.messages) == (200, 7, 10, 7)
+    # params + gradients (x1) + AdamW states (x2), plus the peak of activations + messages together
+    assert (r0.params, r0.gradients, r0.optimizer, r0.peak) == (1000, 1000, 2000, 4000 + 207)
+    assert r1.peak == 8000 + 17
+    assert r0.to_dict()["peak"] == 4207 and r0.rank == 0 and r1.rank == 1
+
+
+def test_zero_stages_shard_optimizer_then_gradients() -> None:
+    schedule = registry.build("1f1b", 2, 2)
+    timeline = simulate(schedule, CostModel(f=1, b=2, w=1))
+    peaks = [rank_memory(schedule, timeline, sizes_1f1b(), MemoryConfig(zero_stage=z, dp=4))[0] for z in (0, 1, 2)]
+    assert [(m.gradients, m.optimizer) for m in peaks] == [(1000, 2000), (1000, 500), (250, 500)]
+    sgd = rank_memory(schedule, timeline, sizes_1f1b(), MemoryConfig(optimizer_factor=1.0))[0]
+    assert sgd.optimizer == 1000
+
+
+def test_dualpipe_holds_two_copies_of_parameters() -> None:
+    schedule = registry.build("dualpipe", 4, 8)
+    parts = [PartProfile(1, 1, 1, 10, 100 * (k + 1), 1, 1) for k in range(4)]
+    timeline = simulate(schedule, CostModel(f=1, b=2, w=1))
+    memory = rank_memory(schedule, timeline, StageBytes.of(schedule, parts))
+    # rank r holds parts r and P-1-r
+    assert [m.params for m in memory] == [100 + 400, 200 + 300, 300 + 200, 400 + 100]
+    one = registry.build("1f1b", 4, 8)
+    single = rank_memory(one, simulate(one, CostModel()), StageBytes.of(one, parts))
+    assert [m.params for m in single] == [100, 200, 300, 400]
+
+
+def test_activation_peak_matches_the_timeline_count_when_every_stage_weighs_one() -> None:
+    for name in ("zb-h1", "zbv", "dualpipev", "interleaved-1f1b"):
+        schedule = registry.build(name, 4, 8)
+        timeline = simulate(schedule, CostModel(f=1, b=2, w=1, latency=0.3))
+        parts = [PartProfile(1, 1, 1, 1, 0, 0, 0)] * schedule.num_groups
+        memory = rank_memory(schedule, timeline, StageBytes.of(schedule, parts))
+        assert [m.activations for m in memory] == [timeline.peak_activations(r) for r in range(4)]
+
+
+def test_bad_configs_and_mismatched_parts() -> None:
+    with pytest.raises(ValueError, match="unknown ZeRO stage 3"):
+        MemoryConfig(zero_stage=3)
+    with pytest.raises(ValueError, match="dp must be an integer >= 1"):
+        MemoryConfig(dp=0)
+    with pytest.raises(ValueError, match="optimizer_factor must be a finite number >= 0"):
+        MemoryConfig(optimizer_factor=-1)
+    with pytest.raises(ValueError, match="'zbv' has 8 model parts, got 4 part profiles"):
+        StageBytes.of(registry.build("zbv", 4, 8), [PartProfile(1, 1, 1, 1, 1, 1, 1)] * 4)

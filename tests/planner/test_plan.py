@@ -1,0 +1,207 @@
+"""The planner: candidates ranked under the cap, reasons for rejections, ZeRO, the data-parallel reduction
+and the lightest compression that hides it, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+
+from duplexpipe.planner.dp_comm import Link
+from duplexpipe.planner.plan import PlanConfig, PlanError, microbatch_counts, plan
+from duplexpipe.planner.profile import PartProfile, Profile, RuntimeOverhead
+
+MIB = 2**20
+
+
+def profile(parts: int = 4) -> Profile:
+    """Identical parts measured at microbatch 4: F = I = W = 1 ms, 1 MiB kept, 8 MiB of parameters."""
+    return Profile(tuple(PartProfile(1e-3, 1e-3, 1e-3, MIB, 8 * MIB, 64 * 1024, 64 * 1024)
+                         for _ in range(parts)), 4)
+
+
+def config(**changes: object) -> PlanConfig:
+    base = {"ranks": 2, "batch": 16, "memory": 200 * MIB}
+    base.update(changes)
+    return PlanConfig(**base)  # type: ignore[arg-type]
+
+
+def test_feasible_rows_come_first_by_step_time_and_fit_the_cap() -> None:
+    result = plan(profile(), config(memory=80 * MIB))
+    fits = [r for r in result.rows if r.feasible]
+    assert result.best is result.rows[0] and tuple(fits) == result.rows[:len(fits)]
+    assert [r.step_s for r in fits] == sorted(r.step_s for r in fits)
+    assert all(r.peak_bytes <= 80 * MIB for r in fits)
+    assert all(r.rejected for r in result.rows[len(fits):])
+    names = {r.schedule for r in result.rows}
+    assert {"gpipe", "1f1b", "zb-h1", "zb-h2", "zbv", "dualpipe", "dualpipev", "auto(linear)", "auto(v)",
+            "interleaved-1f1b(chunks=2)", "interleaved-1f1b(chunks=4)"} <= names
+    assert {r.microbatches for r in result.rows} == {2, 4, 8, 16}
+    assert all(len(r.memory) == 2 for r in fits)
+    assert result.schedule is not None and result.schedule.num_microbatches == result.best.microbatches
+    assert result.best.schedule.startswith(result.schedule.name)
+
+
+def test_rejections_say_why() -> None:
+    result = plan(profile(), config(memory=80 * MIB))
+    reasons = {(r.schedule, r.microbatches): r.rejected for r in result.rows}
+    assert "num_microbatches >= 2 * num_ranks" in reasons[("dualpipe", 2)]
+    assert "interleaved" in next(k for k, v in reasons.items() if "profile has 4 parts" in v)[0]
+    over = [r for r in result.rows if r.rejected.startswith("peak")]
+    assert over and all(r.peak_bytes > 80 * MIB and "> cap 80 MiB" in r.rejected for r in over)
+    odd = plan(profile(), config(microbatches=(3, 4)))
+    assert "batch/D = 16 does not split into 3 microbatches" in {r.rejected for r in odd.rows}
+
+
+def test_a_cap_below_every_plan_names_the_smallest_feasible_cap_which_then_works() -> None:
+    with pytest.raises(PlanError, match="no plan fits 20 MiB per rank; the smallest feasible cap is") as info:
+        plan(profile(), config(memory=20 * MIB))
+    cap = info.value.smallest_cap
+    assert cap is not None and cap > 20 * MIB
+    result = plan(profile(), config(memory=cap))
+    assert result.best.peak_bytes <= cap
+
+
+@pytest.mark.parametrize(("changes", "needle"), [
+    ({"ranks": 5}, "the profile has 4 parts, but 5 ranks need at least 5"),
+    ({"batch": 15, "dp": 2}, "batch 15 does not split over dp=2 replicas"),
+    ({"schedules": ("zb-h9",)}, "unknown schedule 'zb-h9'"),
+    ({"zero_stages": (7,)}, "unknown ZeRO stage 7"),
+    ({"compressions": ("gzip",)}, "unknown compression 'gzip'"),
+    ({"memory": 0}, "plan needs memory as an integer >= 1, got 0"),
+    ({"cores": 0}, "plan needs cores as an integer >= 1 or None"),
+    ({"cores": 1.5}, "plan needs cores as an integer >= 1"),
+])
+def test_bad_settings(changes: dict[str, object], needle: str) -> None:
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(")):
+        plan(profile(), config(**changes))
+
+
+def test_zero_stages_lower_the_peak_with_data_parallelism() -> None:
+    result = plan(profile(), config(dp=2, schedules=("1f1b",), microbatches=(4,), zero_stages=(0, 1, 2)))
+    peak = {r.zero: r.peak_bytes for r in result.rows}
+    # per rank 16 MiB of parameters: ZeRO-1 halves 32 MiB of AdamW states, ZeRO-2 also 16 MiB of gradients
+    assert peak[0] - peak[1] == pytest.approx(16 * MIB) and peak[1] - peak[2] == pytest.approx(8 * MIB)
+
+
+def test_the_lightest_compression_that_hides_the_reduction_is_chosen_and_advised() -> None:
+    # zb-h1, M=4 of batch 8 per replica: each rank's part has 16 MiB of gradients and its last W takes
+    # 1 ms. An all-reduce over 2 replicas moves 16 MiB: at 16 MiB / 1.5 ms it shows 0.5 ms, bf16 hides.
+    link = Link(bandwidth=16 * MIB / 1.5e-3)
+    plain = plan(profile(), config(dp=2, schedules=("zb-h1",), microbatches=(4,), zero_stages=(0,), dp_link=link,
+                                   compressions=("none",)))
+    assert plain.best.compression == "none"
+    assert plain.best.dp_exposed_s == pytest.approx(0.5e-3)
+    assert plain.best.step_s == pytest.approx(plain.best.makespan_s + 0.5e-3)
+    assert plain.advice.endswith("bf16 (2x fewer bytes)"), "bf16 is in the training side now"
+    default = plan(profile(), config(dp=2, schedules=("zb-h1",), microbatches=(4,), zero_stages=(0,), dp_link=link))
+    assert default.best.compression == "bf16", "every available method is a candidate by default"
+    allowed = plan(profile(), config(dp=2, schedules=("zb-h1",), microbatches=(4,), zero_stages=(0,), dp_link=link,
+                                     compressions=("none", "bf16", "int8")))
+    assert allowed.best.compression == "bf16" and allowed.best.dp_exposed_s == pytest.approx(0.0, abs=1e-12)
+    fast = plan(profile(), config(dp=2, schedules=("zb-h1",), microbatches=(4,), dp_link=Link(1e15)))
+    assert "without compression" in fast.advice
+    assert plan(profile(), config(schedules=("zb-h1",))).advice == ""
+
+
+def test_dualpipe_pays_for_its_mirror_sum_after_the_last_pass() -> None:
+    link = Link(bandwidth=8 * MIB / 1e-3)  # one part's gradients in 1 ms
+    result = plan(profile(), config(schedules=("dualpipe",), microbatches=(4,), p2p_link=link))
+    row = result.best
+    assert row.dp_exposed_s == pytest.approx(2e-3)  # each rank exchanges its mirrored part: 16 MiB
+
+
+def test_auto_candidates_fit_their_byte_budget() -> None:
+    result = plan(profile(8), config(ranks=4, batch=32, memory=90 * MIB, schedules=("auto", "zb-h1", "zbv")))
+    autos = [r for r in result.rows if r.schedule.startswith("auto") and r.feasible]
+    assert {r.schedule for r in autos} == {"auto(linear)", "auto(v)"}
+    assert all(r.peak_bytes <= 90 * MIB for r in autos)
+    for m in {r.microbatches for r in autos}:
+        mine = {r.schedule: r.step_s for r in result.rows if r.microbatches == m and r.feasible}
+        if "zb-h1" in mine and "auto(linear)" in mine:
+            assert mine["auto(linear)"] <= mine["zb-h1"] + 1e-12
+
+
+def test_json_and_table() -> None:
+    result = plan(profile(), config(memory=80 * MIB))
+    data = json.loads(json.dumps(result.to_dict()))
+    assert data["best"]["schedule"] == result.best.schedule and len(data["candidates"]) == len(result.rows)
+    assert all(c["step_s"] is None or math.isfinite(c["step_s"]) for c in data["candidates"])
+    text = result.table()
+    assert text.splitlines()[0].split()[:4] == ["schedule", "M", "ZeRO", "compress"]
+    assert "why rejected" in text and len(result.table(3).splitlines()) == 4
+
+
+def test_microbatch_counts() -> None:
+    assert microbatch_counts(config()) == [2, 4, 8, 16]
+    assert microbatch_counts(config(ranks=4, batch=96, dp=2)) == [4, 6, 8, 12, 16, 24]
+    assert microbatch_counts(config(ranks=8, batch=6)) == [1, 2, 3, 6]
+    assert microbatch_counts(config(microbatches=(5,))) == [5]
+
+
+def test_when_nothing_hides_a_heavier_compression_must_buy_real_time() -> None:
+    everything = ("none", "bf16", "int8", "powersgd-r4", "powersgd-r1", "dgc")
+    slow = Link(bandwidth=16 * MIB / 100e-3)  # all-reduce 100 ms; dgc (50x) 2 ms against a 1 ms last W
+    row = plan(profile(), config(dp=2, schedules=("zb-h1",), microbatches=(4,), dp_link=slow,
+                                 compressions=everything)).best
+    assert row.compression == "dgc" and row.dp_exposed_s == pytest.approx(1e-3)
+    mirrored = plan(profile(), config(dp=2, schedules=("dualpipe",), microbatches=(4,), dp_link=Link(1e12),
+                                      compressions=everything))
+    # DualPipe reduces after its mirror sum: nothing hides, and 20x less of a tiny reduction is not worth it
+    assert mirrored.best.compression == "none" and "after its mirror sum" in mirrored.advice
+
+
+def one(prof: Profile, **changes: object) -> float:
+    """The predicted step of 1F1B at M=4 (ranks 2, batch 16: microbatches of 4 rows, the profiled size)."""
+    return plan(prof, config(schedules=("1f1b",), microbatches=(4,), zero_stages=(0,), **changes)).best.step_s
+
+
+def test_shared_cores_serialize_the_ranks_and_enough_cores_change_nothing() -> None:
+    alone = one(profile())
+    assert one(profile(), cores=2) == alone == one(profile(), cores=8)
+    # one core: every compute runs back to back; 2 groups of 2 parts, 4 microbatches of F + I + W = 3 ms
+    assert one(profile(), cores=1) == pytest.approx(2 * 2 * 4 * 3e-3)
+    assert alone < one(profile(), cores=1)
+
+
+def test_measured_runtime_overhead_and_affine_times_enter_the_prediction() -> None:
+    base = profile()
+    step = RuntimeOverhead(0.0, 0.0, 5e-3)
+    assert one(replace(base, overhead=step)) == pytest.approx(one(base) + 5e-3)  # per-step work at the end
+    per_action = one(replace(base, overhead=RuntimeOverhead(1e-4, 0.0, 0.0)))
+    per_message = one(replace(base, overhead=RuntimeOverhead(0.0, 1e-4, 0.0)))
+    assert per_action > one(base) and per_message > one(base)
+    # the compute scale: on one core every compute runs back to back, so the step is alpha x all compute
+    scaled = replace(base, overhead=RuntimeOverhead(0.0, 0.0, 0.0, compute_scale=1.5))
+    assert one(scaled, cores=1) == pytest.approx(1.5 * one(base, cores=1))
+    # fixed parts: at the profiled size nothing changes; at half the rows the fixed part does not halve
+    fixed = Profile(tuple(replace(p, forward_fixed_s=5e-4, backward_input_fixed_s=5e-4, backward_weight_fixed_s=5e-4)
+                          for p in base.parts), 4)
+    assert one(fixed) == pytest.approx(one(base))
+    half = {"batch": 8}
+    assert one(fixed, **half) > one(base, **half)
+    assert one(fixed.basic(), **half) == pytest.approx(one(base, **half))
+
+
+def test_parts_are_grouped_as_profiled_whatever_the_candidate_microbatch() -> None:
+    # at the profiled 4 rows the F+B times are 1, 1, 1, 1.5 (x3): two groups of two parts. At 1 row the
+    # last part's time is all fixed and the others shrink 4x, so balancing there would give 3 + 1; the
+    # planner keeps the profiled grouping, the one `pipeline.autoplan` rebuilds from the profile's times.
+    def part(t: float, fixed: float, params: int) -> PartProfile:
+        return PartProfile(t, t, t, MIB, params, 1024, 1024, fixed, fixed, fixed)
+    prof = Profile((part(1e-3, 0.0, 1), part(1e-3, 0.0, 2), part(1e-3, 0.0, 4), part(1.5e-3, 1.5e-3, 8)), 4)
+    assert prof.group_sizes(2) == [2, 2] and prof.at_microbatch(1).group_sizes(2) == [3, 1]
+    row = plan(prof, config(batch=4, schedules=("1f1b",), microbatches=(4,), zero_stages=(0,))).best
+    assert [m.params for m in row.memory] == [3, 12]
+    with pytest.raises(ValueError, match=r"group sizes \[3, 2\] do not split 4 parts into 2 groups"):
+        prof.grouped(2, [3, 2])
+
+
+def test_a_measured_fused_backward_prices_b_actions_only() -> None:
+    fused = Profile(tuple(replace(p, backward_fused_s=1.5e-3) for p in profile().parts), 4)  # I + W = 2 ms
+    assert one(fused) < one(profile())  # 1F1B runs full B actions
+    zb = {"schedules": ("zb-h1",), "microbatches": (4,), "zero_stages": (0,)}
+    assert plan(fused, config(**zb)).best.step_s == plan(profile(), config(**zb)).best.step_s  # I and W only
+    assert one(fused.basic()) == one(profile())

@@ -1,0 +1,132 @@
+"""The package layering: no circle of files, no import from a lower package up to a higher one, and the
+torch-free packages (schedules, planner) import no torch at module level."""
+
+from __future__ import annotations
+
+import ast
+import functools
+import subprocess
+import sys
+from pathlib import Path
+
+import networkx as nx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "duplexpipe"
+
+LEVELS = {
+    "schedules": 0, "comm": 1, "planner": 2, "runtime": 2, "viz": 3, "model": 3, "moe": 4, "parallel": 5,
+    "train": 6, "launch": 7, "cli": 8,
+}
+"""A package may import its own modules and those of packages on lower levels only (docs/architecture.md)."""
+FACES = ("duplexpipe/__init__.py", "duplexpipe/pipeline.py")
+"""The public faces: they re-export from every package and nothing inside imports them."""
+TORCH_FREE = ("schedules", "planner")
+
+
+@functools.cache
+def _modules() -> dict[str, Path]:
+    """Dotted module name -> file, for every module of the package."""
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _type_checking(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def _imports(path: Path, *, top_level_only: bool = False) -> list[str]:
+    """Modules `path` imports (absolute names; imports under `if TYPE_CHECKING:` left out). `from pkg import
+    name` names `pkg.name` when that is a module (the package's own __init__ is then not counted), else `pkg`."""
+    modules = _modules()
+    found: list[str] = []
+
+    def visit(node: ast.AST, top: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if _type_checking(child):
+                continue
+            if isinstance(child, ast.Import):
+                found.extend(alias.name for alias in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.module and not child.level:
+                for alias in child.names:
+                    sub = f"{child.module}.{alias.name}"
+                    found.append(sub if sub in modules else child.module)
+            is_scope = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if not (top_level_only and is_scope):
+                visit(child, top and not is_scope)
+
+    visit(ast.parse(path.read_text()), True)
+    return found
+
+
+def _graph() -> nx.DiGraph:
+    modules = _modules()
+    graph = nx.DiGraph()
+    for name, path in modules.items():
+        graph.add_node(name)
+        for target in _imports(path):
+            if target in modules and target != name:
+                graph.add_edge(name, target)
+    return graph
+
+
+def _package(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in LEVELS) else None
+
+
+def test_every_package_has_a_level() -> None:
+    packages = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert packages <= set(LEVELS), f"packages without a level in LEVELS: {sorted(packages - set(LEVELS))}"
+
+
+def test_no_circle_of_files() -> None:
+    modules = _modules()
+    circles = [sorted(str(modules[m].relative_to(ROOT)) for m in c)
+               for c in nx.strongly_connected_components(_graph()) if len(c) > 1]
+    assert not circles, "files that import each other in a circle: " + "; ".join(" <-> ".join(c) for c in circles)
+
+
+def test_imports_point_down_only() -> None:
+    modules = _modules()
+    upward = []
+    for source, target in _graph().edges:
+        src_pkg, dst_pkg = _package(source), _package(target)
+        if str(modules[target].relative_to(ROOT)) in FACES and str(modules[source].relative_to(ROOT)) not in FACES:
+            upward.append(f"{modules[source].relative_to(ROOT)} -> {modules[target].relative_to(ROOT)} (a face)")
+        if src_pkg is None or dst_pkg is None or src_pkg == dst_pkg:
+            continue
+        if LEVELS[dst_pkg] >= LEVELS[src_pkg]:
+            upward.append(f"{modules[source].relative_to(ROOT)} ({src_pkg}) -> {modules[target].relative_to(ROOT)} "
+                          f"({dst_pkg})")
+    assert not upward, "imports that do not point down:\n" + "\n".join(sorted(set(upward)))
+
+
+@pytest.mark.parametrize("package", TORCH_FREE)
+def test_torch_free_packages_import_no_torch_at_module_level(package: str) -> None:
+    modules = {n: p for n, p in _modules().items() if n.split(".")[1:2] == [package]}
+    # what each module imports at module level, followed through the package's own modules
+    reach = {n: [t for t in _imports(p, top_level_only=True)] for n, p in _modules().items()}
+    offenders = []
+    for name in modules:
+        seen, todo = {name}, [name]
+        while todo:
+            for target in reach.get(todo.pop(), []):
+                if target.split(".")[0] == "torch":
+                    offenders.append(f"{modules[name].relative_to(ROOT)} reaches torch ({target})")
+                    todo.clear()
+                    break
+                if target in reach and target not in seen:
+                    seen.add(target)
+                    todo.append(target)
+    assert not offenders, "\n".join(sorted(set(offenders)))
+    names = " ".join(f"import {n};" for n in sorted(modules))
+    code = f"import sys; {names} print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

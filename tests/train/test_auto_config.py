@@ -1,0 +1,231 @@
+"""schedule="auto": rank 0's profile on every rank, the planner's winner built and trained, bad limits refused.
+
+One launch of 2 gloo processes runs every case. Profiling time comes from a scripted timer (no
+wall-clock dependence), and the two ranks get different timers: only rank 0's may decide.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from _train_helpers import Reference, adam, batch, make_parts, max_rel_diff, mse
+from torch import nn
+
+from duplexpipe.comm import Bf16Options, DGCOptions, Fp16Options, NoCompression, PowerSGDOptions
+from duplexpipe.planner.plan import PlanConfig, plan
+from duplexpipe.train.auto_config import AUTO, PartChain, check_options, memory_bytes, planned_compression
+from duplexpipe.train.trainer import Pipeline, PipelineConfig
+
+WORLD = 2
+UNIFORM = [(1e-3, 1e-3, 1e-3)] * 4
+HEAVY_LAST = [(1e-3, 1e-3, 1e-3)] * 3 + [(6e-3, 6e-3, 6e-3)]
+CANDIDATES = {"schedules": ("1f1b", "zb-h1", "zbv"), "microbatches": (4,), "repeats": 1, "warmup": 0, "fit_rows": 0,
+              "fused": False}  # the scripted timer times F, I and W once per part
+
+
+class ScriptedClock:
+    """profile_parts reads the clock four times per run of a part (start, after F, after I, after W):
+    each part's run takes the scripted (F, I, W) seconds."""
+
+    def __init__(self, costs: list[tuple[float, float, float]]) -> None:
+        self.costs, self.reads, self.now = costs, 0, 0.0
+
+    def __call__(self) -> float:
+        part, read = divmod(self.reads, 4)
+        if read:
+            self.now += self.costs[part % len(self.costs)][read - 1]
+        self.reads += 1
+        return self.now
+
+
+class Records(logging.Handler):
+    """Keeps the messages logged to "duplexpipe.plan"."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _pipe(costs_rank0: list[tuple[float, float, float]], costs_other: list[tuple[float, float, float]],
+          limit: int | str | None = None) -> Pipeline:
+    clock = ScriptedClock(costs_rank0 if dist.get_rank() == 0 else costs_other)
+    config = PipelineConfig(schedule=AUTO, num_microbatches=4, memory_limit=limit,
+                            schedule_options={**CANDIDATES, "timer": clock})
+    x, y = batch(0)
+    return Pipeline(make_parts(4), mse, adam, config, sample_input=x, sample_targets=y)
+
+
+def _train(pipe: Pipeline, steps: int = 4) -> dict[str, Any]:
+    ref = Reference(make_parts(4))
+    losses, ref_losses = [], []
+    for step in range(steps):
+        x, y = batch(step)
+        ref_losses += ref.step([(x, y)])
+        losses.append(pipe.step(x, y))
+    # the reference's parts merged like the pipeline's: compare each stage with its run of parts
+    merged = nn.ModuleList(pipe.auto.merged_parts(ref.parts)) if pipe.auto is not None else None
+    assert merged is not None
+    worst = 0.0
+    for stage, module in pipe.stage_modules.items():
+        mine = dict(module.named_parameters())
+        theirs = dict(merged[pipe.schedule.stages[stage].group].named_parameters())
+        worst = max(worst, max((mine[k] - theirs[k]).abs().max().item() for k in theirs))
+    return {"loss_rel": max_rel_diff(losses, ref_losses), "param": worst, "steps": len(losses)}
+
+
+def _case(fn: Any) -> dict[str, Any]:
+    try:
+        return {"ok": fn()}
+    except ValueError as exc:
+        return {"error": str(exc)}
+
+
+def _agree() -> dict[str, Any]:
+    handler = Records()
+    logger = logging.getLogger("duplexpipe.plan")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        pipe = _pipe(UNIFORM, HEAVY_LAST)
+    finally:
+        logger.removeHandler(handler)
+    assert pipe.auto is not None
+    return {"schedule": pipe.schedule.name, "groups": list(pipe.auto.groups), "log": handler.messages,
+            "table": pipe.auto.result.table(), "profile": pipe.auto.profile.to_dict(),
+            "rows": [(r.schedule, r.step_s, r.peak_bytes) for r in pipe.auto.result.rows],
+            "train": _train(pipe)}
+
+
+def _merged() -> dict[str, Any]:
+    pipe = _pipe(HEAVY_LAST, UNIFORM)
+    assert pipe.auto is not None
+    return {"schedule": pipe.schedule.name, "groups": list(pipe.auto.groups),
+            "chains": sorted(s for s, m in pipe.stage_modules.items() if isinstance(m, PartChain)),
+            "train": _train(pipe)}
+
+
+def _capped(limit: int) -> dict[str, Any]:
+    pipe = _pipe(UNIFORM, HEAVY_LAST, limit)
+    assert pipe.auto is not None
+    return {"schedule": pipe.schedule.name, "peak": pipe.auto.result.best.peak_bytes, "train": _train(pipe, 2)}
+
+
+def _worker(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"agree": _agree(), "merged": _merged()}
+    rows = {name: peak for name, _, peak in out["agree"]["rows"]}
+    out["rows"] = rows
+    limit = int(rows["zb-h1"]) + 1  # below zbv's peak (checked by the test)
+    out["capped"] = _case(lambda: _capped(limit))
+    out["limit"] = limit
+    out["too_small"] = _case(lambda: _capped(1))
+    out["bad_text"] = _case(lambda: _pipe(UNIFORM, UNIFORM, "lots"))
+    out["no_sample"] = _case(lambda: Pipeline(make_parts(4), mse, adam, PipelineConfig(schedule=AUTO)))
+    return out
+
+
+def test_every_rank_runs_rank_0s_choice(results: list[dict[str, Any]]) -> None:
+    lead, other = (r["agree"] for r in results)
+    assert lead["profile"] == other["profile"], "rank 0's profile, broadcast"
+    assert [p["forward_s"] for p in lead["profile"]["parts"]] == pytest.approx([1e-3] * 4)
+    assert lead["schedule"] == other["schedule"] == "zbv", "uniform costs (rank 0's): ZB-V, not rank 1's pick"
+    assert lead["groups"] == [1, 1, 1, 1]
+
+
+def test_the_choice_is_the_planners_best_for_that_profile(results: list[dict[str, Any]]) -> None:
+    from duplexpipe.planner.profile import Profile
+
+    lead = results[0]["agree"]
+    expected = plan(Profile.from_dict(lead["profile"]), PlanConfig(ranks=2, batch=16, memory=2**62,
+                                                                   schedules=("1f1b", "zb-h1", "zbv"),
+                                                                   microbatches=(4,), zero_stages=(0,),
+                                                                   compressions=("none",)))
+    assert expected.best.schedule == lead["schedule"]
+    assert expected.table() == lead["table"]
+
+
+def test_rank_0_logs_the_choice_and_the_table_once(results: list[dict[str, Any]]) -> None:
+    lead, other = (r["agree"] for r in results)
+    assert len(lead["log"]) == 1 and other["log"] == []
+    message = lead["log"][0]
+    assert message.startswith("schedule='auto' chose zbv with M=4") and lead["table"] in message
+
+
+@pytest.mark.parametrize("case", ["agree", "merged"])
+def test_the_winner_trains_like_a_single_process(results: list[dict[str, Any]], case: str) -> None:
+    for result in results:
+        train = result[case]["train"]
+        assert train["loss_rel"] < 1e-5 and train["param"] < 1e-5, train
+
+
+def test_a_heavy_last_part_merges_the_others(results: list[dict[str, Any]]) -> None:
+    lead, other = (r["merged"] for r in results)
+    assert lead["schedule"] == other["schedule"] == "zb-h1"
+    assert lead["groups"] == [3, 1], "parts 0-2 (3 ms each) against part 3 (18 ms)"
+    assert lead["chains"] == [0] and other["chains"] == []
+
+
+def test_a_limit_below_the_fastest_picks_the_fastest_that_fits(results: list[dict[str, Any]]) -> None:
+    lead = results[0]
+    assert lead["rows"]["zbv"] > lead["limit"], "the limit rules ZB-V out"
+    fits = [(step, name) for name, step, peak in lead["agree"]["rows"] if peak <= lead["limit"]]
+    assert min(fits)[1] == "zb-h1"
+    for result in results:
+        capped = result["capped"]["ok"]
+        assert capped["schedule"] == "zb-h1" and capped["peak"] <= result["limit"]
+        assert capped["train"]["loss_rel"] < 1e-5
+
+
+def test_no_feasible_plan_is_a_value_error_on_every_rank(results: list[dict[str, Any]]) -> None:
+    messages = [r["too_small"]["error"] for r in results]
+    assert all("smallest feasible cap" in m and "no plan fits 1 B per rank" in m for m in messages)
+    assert messages[0] == messages[1]
+    assert all("bad memory size 'lots'" in r["bad_text"]["error"] for r in results)
+    assert all("pass sample_input=" in r["no_sample"]["error"] for r in results)
+
+
+def test_config_checks() -> None:
+    assert memory_bytes("2KiB") == 2048 and memory_bytes(5) == 5 and memory_bytes(None) is None
+    for bad in (0, -3, True, 1.5):
+        with pytest.raises(ValueError, match="memory_limit"):
+            memory_bytes(bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="is for schedule='auto'"):
+        PipelineConfig(schedule="1f1b", memory_limit="1GiB")
+    with pytest.raises(ValueError, match=r"unknown \['chunkz'\]"):
+        check_options({"chunkz": 2})
+    with pytest.raises(ValueError, match="unknown"):
+        PipelineConfig(schedule=AUTO, schedule_options={"cost": 1})
+
+
+def test_a_chain_calls_each_part_as_the_runtime_calls_a_stage() -> None:
+    class Pair(nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return x, 2 * x
+
+    class Add(nn.Module):
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"h": a + b}
+
+    class Take(nn.Module):
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return h + 1
+
+    x = torch.arange(3.0)
+    assert torch.equal(PartChain([Pair(), Add(), Take()])(x), 3 * x + 1)
+
+
+def test_the_plan_models_the_pipelines_own_gradient_compression(caplog: pytest.LogCaptureFixture) -> None:
+    assert planned_compression(NoCompression()) == "none"
+    assert planned_compression(Bf16Options()) == "bf16"
+    assert planned_compression(PowerSGDOptions(rank=1)) == "powersgd-r1"
+    assert planned_compression(DGCOptions(ratio=0.01)) == "dgc"
+    with caplog.at_level(logging.WARNING, logger="duplexpipe.plan"):
+        assert planned_compression(Fp16Options()) == "none", "no measured ratio: modelled uncompressed"
+        assert planned_compression(DGCOptions(ratio=0.001)) == "none"
+    assert "no measured wire ratio" in caplog.text
