@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
-test: $(STAMP)
+test: lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 bench: $(STAMP)

@@ -25,3 +25,10 @@ def test_import_and_schedule_tools_do_not_import_torch() -> None:
             "main(['verify', 'dualpipe', '-p', '4', '-m', '8']); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_the_old_home_reexports_the_same_objects() -> None:
+    from duplexpipe.pipeline import Pipeline, PipelineConfig, make_mesh, run, split_model
+
+    assert Pipeline is duplexpipe.Pipeline and PipelineConfig is duplexpipe.PipelineConfig
+    assert run is duplexpipe.run and make_mesh is duplexpipe.make_mesh and split_model is duplexpipe.split_model
