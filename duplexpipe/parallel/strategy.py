@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
@@ -57,6 +58,9 @@ class StrategyContext:
     """ZeRO stage (0: replicated or compressed; 1: optimizer state sharded; 2: gradients too)."""
     zero: ZeroOptions = field(default_factory=ZeroOptions)
     """ZeRO++ options (quantized gradients / weights, hpZ)."""
+    experts: frozenset[int] = frozenset()
+    """id() of this rank's routed-expert parameters (MoE with expert parallelism): reduced over the
+    expert-data-parallel group, never over the data-parallel group's other experts' holders."""
 
 
 class LaneRecorder:
@@ -119,6 +123,8 @@ class DPStrategy(ABC):
         stages = sorted(ctx.modules)
         self.params: list[nn.Parameter] = [p for s in stages for p in ctx.modules[s].parameters()]
         """This rank's parameters (stage order)."""
+        self.expert_params = [p for p in self.params if id(p) in ctx.experts]
+        """Its routed experts' parameters (reduced apart, see `ExpertGrads`)."""
         self.counted: list[nn.Parameter] = [p for s in stages if ctx.schedule.copy_of_stage(s) == 0
                                             for p in ctx.modules[s].parameters()]
         """Parameters of the first copy of each weight group (the global norm counts each group once)."""
@@ -126,7 +132,8 @@ class DPStrategy(ABC):
         """Ring-model bytes this rank put on the data-parallel wire (duplexpipe.comm.WireMeter)."""
         order = [s for s in ctx.final_order if s in ctx.modules] + [s for s in stages if s not in ctx.final_order]
         self.buckets: list[BucketSpec] = (
-            plan_buckets([(s, list(ctx.modules[s].parameters())) for s in order], ctx.bucket_bytes)
+            plan_buckets([(s, [p for p in ctx.modules[s].parameters() if id(p) not in ctx.experts]) for s in order],
+                         ctx.bucket_bytes)
             if ctx.groups.dp_size > 1 else [])
         """The fixed buckets (none without data parallelism)."""
         self.tracker = BucketTracker(self.buckets)
@@ -188,10 +195,44 @@ class DPStrategy(ABC):
             self._start(spec)
         begin, waited = time.perf_counter(), self._waited
         self.finish_buckets()
+        self._finish_experts()
         end = time.perf_counter()
         if self.lanes.started:  # nothing to show without data parallelism
             self.lanes.wait = (begin, end)
         self.compute_s += (end - begin) - (self._waited - waited)
+
+    def _finish_experts(self) -> None:
+        """Bring the expert gradients to the units the reduced dense gradients have: each expert's gradient
+        is summed over the ranks holding it (the expert-data-parallel group; the tokens of the other
+        replicas reached it through the all-to-alls) and divided by the data-parallel size, then scaled like
+        the dense gradients (post_divisor / divisor)."""
+        if not self.expert_params or not self.final:
+            return
+        found = grads.ensure_grads(self.expert_params)
+        groups = self.ctx.groups
+        if groups.edp_size > 1:
+            flat = torch.cat([g.reshape(-1) for g in found])
+            self.meter.record("all_reduce", flat.numel() * flat.element_size(), groups.edp_size)
+            self.wait(dist.all_reduce(flat, group=groups.edp_group, async_op=True),
+                      "the expert gradients' all-reduce over the expert-data-parallel group")
+            offset = 0
+            for g in found:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+        factor = self.post_divisor / (self.divisor * groups.dp_size)
+        if factor != 1.0:
+            for g in found:
+                g.mul_(factor)
+
+    def counted_grads(self) -> list[torch.Tensor]:
+        """The gradients this rank adds to the global norm: its weight groups' first copies, once over the
+        replicas (dense ones on data-parallel rank 0; experts on each expert-parallel rank of the first
+        expert-data-parallel replica)."""
+        groups = self.ctx.groups
+        dense_here = groups.dp_rank == 0
+        experts_here = groups.dp_rank < groups.ep_size
+        return [p.grad for p in self.counted if p.grad is not None
+                and (experts_here if id(p) in self.ctx.experts else dense_here)]
 
     @abstractmethod
     def start_bucket(self, spec: BucketSpec) -> Waitable | None:
@@ -221,8 +262,8 @@ class DPStrategy(ABC):
         if not need:
             return None, False
         raw, overflow = grads.global_norm_and_overflow(
-            [p.grad for p in self.counted if p.grad is not None], self.checked_grads(), None, self.ctx.device,
-            count_here=self.ctx.groups.dp_rank == 0, wait=self.ctx.wait, flagged=self.local_overflow())
+            self.counted_grads(), self.checked_grads(), None, self.ctx.device,
+            count_here=True, wait=self.ctx.wait, flagged=self.local_overflow())
         return raw / self.post_divisor, overflow
 
     def skip(self) -> None:

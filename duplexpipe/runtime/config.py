@@ -11,6 +11,7 @@ import torch
 from duplexpipe.comm.codec import Codec, check_codec
 from duplexpipe.comm.meter import WireMeter
 from duplexpipe.comm.nonfinite import check_policy
+from duplexpipe.runtime.pieces import LinkModel
 from duplexpipe.schedules.timeline import Timeline
 
 OverlapHook = Callable[..., None]
@@ -48,6 +49,14 @@ class RuntimeConfig:
     overlap_hook: OverlapHook | None = None
     """Runs an OVERLAP_F_B pair (see OverlapHook); None: the forward part, then the backward part,
     with the receives of both parts already waited for and their sends posted after the pair."""
+    fb_overlap: bool = False
+    """Run each OVERLAP_F_B pair's forward and backward interleaved at their comm points (the all-to-alls
+    of MoE layers, `duplexpipe.runtime.pieces`): every exchange of one part is in flight while the other
+    part computes. Stages without comm points run as one piece each (backward, then forward). Ignored when
+    `overlap_hook` is set."""
+    link: LinkModel | None = None
+    """An emulated link for the exchanges stages make inside their compute (MoE all-to-alls): each completes
+    no earlier than latency + bytes / bandwidth after it was issued. None: the real transfer time only."""
     on_grads_ready: GradsReadyHook | None = None
     """Called with a stage index once this rank's gradients of that stage are final for the step
     (see GradsReadyHook); None: no call."""
@@ -115,7 +124,9 @@ class RuntimeConfig:
                              f"got {self.p2p_meter!r}")
         if not isinstance(self.recv_lookahead, int) or isinstance(self.recv_lookahead, bool):
             raise ValueError(f"RuntimeConfig.recv_lookahead must be an int, got {self.recv_lookahead!r}")
-        for name in ("check_inputs_every_step", "prefetch", "count_saved_bytes"):
+        if self.link is not None and not isinstance(self.link, LinkModel):
+            raise ValueError(f"RuntimeConfig.link must be a LinkModel or None, got {self.link!r}")
+        for name in ("check_inputs_every_step", "prefetch", "count_saved_bytes", "fb_overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"RuntimeConfig.{name} must be a bool, got {getattr(self, name)!r}")
 

@@ -12,6 +12,7 @@ from torch import Tensor
 from duplexpipe.runtime.config import OverlapHook
 from duplexpipe.runtime.context import StepContext
 from duplexpipe.runtime.messages import Mailroom
+from duplexpipe.runtime.pieces import CommSlot, Driver, current_driver, current_slot, forward_slot, run_pair
 from duplexpipe.runtime.stage_compute import Activation, Message, StageCompute
 from duplexpipe.runtime.structure import flatten, map_leaves
 from duplexpipe.runtime.timing import Tracer
@@ -38,7 +39,8 @@ class Dispatcher:
     and hands the results back to the Mailroom."""
 
     def __init__(self, layout: Layout, rank: int, stages: dict[int, StageCompute], mail: Mailroom,
-                 loss_fn: Callable[[Any, Any], Tensor], tracer: Tracer, overlap_hook: OverlapHook | None) -> None:
+                 loss_fn: Callable[[Any, Any], Tensor], tracer: Tracer, overlap_hook: OverlapHook | None,
+                 driver: Driver | None = None, fb_overlap: bool = False, device: torch.device | None = None) -> None:
         self.layout = layout
         self.rank = rank
         self.stages = stages
@@ -46,6 +48,11 @@ class Dispatcher:
         self.loss_fn = loss_fn
         self.tracer = tracer
         self.overlap_hook = overlap_hook or default_overlap
+        self.driver = driver if driver is not None else Driver()
+        """Runs the exchanges stages make inside their compute (MoE all-to-alls) outside a pair."""
+        self.fb_overlap = fb_overlap and overlap_hook is None
+        """Run an OVERLAP_F_B pair's two parts interleaved at their comm points (`pieces.run_pair`)."""
+        self.device = device if device is not None else torch.device("cpu")
 
     # ---------------------------------------------------------------- the work itself
     def run_forward(self, ctx: StepContext, action: Action, message: Message) -> None:
@@ -53,7 +60,8 @@ class Dispatcher:
         the stage has a meter), hand the output on or compute the loss."""
         stage, mb = action.stage, action.microbatch
         meter = self.stages[stage].meter if ctx.train else None
-        with _grad_mode(ctx.train):
+        slot = CommSlot(current_driver(self.driver))
+        with _grad_mode(ctx.train), forward_slot(slot):
             if meter is None:
                 act, produced = self._forward(ctx, stage, mb, message)
             else:
@@ -64,6 +72,7 @@ class Dispatcher:
                     meter.keep(act.inputs)
                     act.saved_bytes = meter.total
             if act is not None:
+                act.slot = slot
                 ctx.acts[(stage, mb)] = act
                 ctx.activation_born(act.saved_bytes)
             if produced is not None:
@@ -83,12 +92,14 @@ class Dispatcher:
         training or without a loss) and the message to hand on (None on a last stage)."""
         compute = self.stages[stage]
         inputs, out = compute.forward(message, mb, ctx.train)
+        scale = ctx.weights[mb] * ctx.loss_scale
+        extra = current_slot().losses
         if self.layout.nxt[stage] >= 0:
             produced = compute.message(out, mb, ctx.train)
             if not ctx.train:
                 return None, produced
             roots = [t for t, g in zip(produced.leaves, produced.grads, strict=True) if g]
-            return compute.keep(inputs, roots, mb), produced
+            return compute.keep(inputs, roots, mb, extra=extra, extra_scale=scale), produced
         compute.message(out, mb, train=False)  # checks the structure
         if not ctx.train:
             ctx.outputs[mb] = map_leaves(Tensor.detach, out)
@@ -100,7 +111,7 @@ class Dispatcher:
         if not ctx.train:
             return None, None
         # backward starts from d(weight * scale * loss)/d(loss) = weight * scale (no extra multiply)
-        return compute.keep(inputs, [loss], mb, ctx.weights[mb] * ctx.loss_scale), None
+        return compute.keep(inputs, [loss], mb, scale, extra, scale), None
 
     def run_backward(self, ctx: StepContext, action: Action, grads: list[Tensor] | None) -> None:
         """B or I of (stage, microbatch) given its output gradients (None on a last stage)."""
@@ -109,6 +120,8 @@ class Dispatcher:
         if act is None or act.weight_work is not None:
             raise PipelineError(f"rank {self.rank}: {action} runs without a pending forward {stage}F{mb}")
         compute = self.stages[stage]
+        if act.slot is not None:  # the exchanges of its backward run on this code's driver
+            act.slot.driver = current_driver(self.driver)
         if action.op is Op.B:
             dinputs = compute.backward(act, grads)
             del ctx.acts[(stage, mb)]
@@ -164,6 +177,9 @@ class Dispatcher:
             self.run_backward(ctx, bwd, grads)
 
         with self.tracer.span(action):
-            self.overlap_hook(action, run_forward, run_backward)
+            if self.fb_overlap:  # the backward's first piece goes first: its exchange hides behind F's
+                run_pair(run_backward, run_forward, self.driver, self.device)
+            else:
+                self.overlap_hook(action, run_forward, run_backward)
         if sorted(ran) != ["B", "F"]:
             raise PipelineError(f"overlap_hook must run both parts of {action} once; it ran {ran or 'none'}")

@@ -6,6 +6,7 @@ import contextlib
 import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from duplexpipe.runtime.context import Slot, StepContext, microbatch_rows, signa
 from duplexpipe.runtime.dispatch import Dispatcher, default_overlap
 from duplexpipe.runtime.handshake import group_store, handshake, shared_nonce
 from duplexpipe.runtime.messages import Mailroom, MessageMeta, MetaBoard
+from duplexpipe.runtime.pieces import CommRecord, Driver
 from duplexpipe.runtime.preflight import verdict
 from duplexpipe.runtime.rankplan import RankPlan
 from duplexpipe.runtime.stage_compute import Message, StageCompute
@@ -35,10 +37,13 @@ from duplexpipe.runtime.timing import Tracer
 from duplexpipe.runtime.transport import Transport
 from duplexpipe.runtime.watchdog import HandshakeError, PeerFailedError, PipelineError, Watchdog
 from duplexpipe.schedules.ir import Action, Op, Schedule, ScheduleError
+from duplexpipe.schedules.timeline import Span, Timeline
 
 __all__ = ["PipelineRuntime", "default_overlap"]
 
 Handler = Callable[[StepContext, Action], None]
+EP_LANE = "ep"
+"""The timeline lane of the exchanges inside stage compute (expert-parallel all-to-alls)."""
 SHAPE_CACHE_SIZE = 8
 """How many distinct input-shape signatures keep their learned activation shapes."""
 
@@ -122,8 +127,12 @@ class PipelineRuntime:
         self.mail = Mailroom(self.plan.layout, self.rank, self.transport,
                              MetaBoard(self._store, self._prefix, self.watchdog),
                              self.config.activation_codec, self.config.gradient_codec, self.nonfinite)
+        self.exchanges: list[CommRecord] = []
+        """The step's exchanges inside stage compute (MoE all-to-alls), for the timeline's "ep" lane."""
+        self.driver = Driver(self._wait_exchange, self.config.link,
+                             self.exchanges if self.config.record_timeline else None)
         self.compute = Dispatcher(self.plan.layout, self.rank, self.stages, self.mail, loss_fn, self.tracer,
-                                  self.config.overlap_hook)
+                                  self.config.overlap_hook, self.driver, self.config.fb_overlap, self.device)
         self._shapes: OrderedDict[tuple[int, bool], dict[Slot, MessageMeta]] = OrderedDict()
         """(input signature, training) -> the learned message metas (evaluate's carry no gradients)."""
         self._step_no = 0
@@ -139,6 +148,18 @@ class PipelineRuntime:
             Op.SEND_F: self.mail.send, Op.SEND_B: self.mail.send,
             Op.RECV_F: self.mail.expect_input, Op.RECV_B: self.mail.expect_grads,
         }
+
+    def _wait_exchange(self, work: Any, what: str) -> None:
+        self.watchdog.wait_collective(work, what, "the expert-parallel group")
+
+    def _timeline(self) -> Timeline | None:
+        """This rank's measured step: compute events, and its exchanges on the "ep" lane."""
+        timeline = self.tracer.timeline(self.schedule.name, self.schedule.num_ranks, self.schedule.num_microbatches)
+        if timeline is None or not self.exchanges:
+            return timeline
+        origin = self.tracer.origin
+        spans = tuple(Span(self.rank, EP_LANE, r.label, r.issued - origin, r.done - origin) for r in self.exchanges)
+        return replace(timeline, spans=timeline.spans + spans)
 
     def _start(self, group: Any) -> Watchdog:
         """The start-up checks and handshake; returns the watchdog of this runtime's waits.
@@ -199,8 +220,7 @@ class PipelineRuntime:
         """
         ctx = self._begin(inputs, targets, train=True, loss_scale=loss_scale)
         pending = self._pending = self._run(ctx)
-        timeline = self.tracer.timeline(self.schedule.name, self.schedule.num_ranks,
-                                        self.schedule.num_microbatches)
+        timeline = self._timeline()
         loss = (lambda: self._read(pending) / self._pipelines) if pending is not None else 0.0
         return StepResult(loss=loss, timeline=timeline, peak_activations=ctx.peak, peak_saved_bytes=ctx.peak_bytes)
 
@@ -217,8 +237,7 @@ class PipelineRuntime:
             loss = self._read(pending) if pending is not None else None
             with self._stopping():
                 outputs = self._gather_outputs(ctx) if self.plan.lasts else None
-        timeline = self.tracer.timeline(self.schedule.name, self.schedule.num_ranks,
-                                        self.schedule.num_microbatches)
+        timeline = self._timeline()
         return EvalResult(outputs=outputs, loss=loss, timeline=timeline)
 
     def report_failure(self, exc: BaseException) -> None:
@@ -287,6 +306,7 @@ class PipelineRuntime:
         ctx.targets = {mb: structure.map_leaves(to_device, c) for mb, c in enumerate(target_chunks)}
         if train and self.mirror is not None:
             self.mirror.begin()
+        self.exchanges.clear()
         self.tracer.start()
         return ctx
 

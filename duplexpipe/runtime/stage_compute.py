@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +13,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from duplexpipe.comm.codec import TensorSpec
 from duplexpipe.runtime.autograd_split import WeightWork, backward_input
+from duplexpipe.runtime.pieces import CommSlot
 from duplexpipe.runtime.saved_bytes import SavedBytes
 from duplexpipe.runtime.structure import TENSOR, Form, StructureError, call, flatten
 from duplexpipe.runtime.watchdog import PipelineError
@@ -62,6 +63,12 @@ class Activation:
     """Set by I: the deferred W."""
     saved_bytes: int = 0
     """What its forward keeps for backward (`SavedBytes`); 0 when not counted."""
+    extra: int = 0
+    """How many of the last `roots` are loss terms layers added (`CommSlot.losses`), not outputs."""
+    extra_scale: float = 1.0
+    """The gradient backward starts those terms with (the microbatch's loss weight times the loss scale)."""
+    slot: CommSlot | None = None
+    """The comm slot its forward's exchanges captured (MoE layers): pointed at the driver of its backward."""
 
 
 class StageCompute:
@@ -123,20 +130,27 @@ class StageCompute:
                              f"tensor (the mean over the microbatch), got {shape}")
         return value
 
-    def keep(self, inputs: list[Tensor], roots: list[Tensor], microbatch: int, scale: float = 1.0) -> Activation:
+    def keep(self, inputs: list[Tensor], roots: list[Tensor], microbatch: int, scale: float = 1.0,
+             extra: Sequence[Tensor] = (), extra_scale: float = 1.0) -> Activation:
         """What backward will need from this forward (roots: the gradient-carrying outputs, or the loss,
-        whose gradient backward starts from `scale`: the same as a loss multiplied by it)."""
+        whose gradient backward starts from `scale`: the same as a loss multiplied by it). `extra`: scalar
+        loss terms layers added to the objective (`CommSlot.losses`), started from `extra_scale`."""
         if not roots:
             raise PipelineError(
                 f"stage {self.stage} microbatch {microbatch}: the output does not require grad, so "
                 "no backward can run (is the module's output detached, or are all parameters frozen?)")
-        return Activation(list(inputs), [get_gradient_edge(r) for r in roots],
-                          [TensorMeta.of(r) for r in roots], roots[0].device, scale)
+        terms = [t for t in extra if t.requires_grad]
+        every = list(roots) + terms
+        return Activation(list(inputs), [get_gradient_edge(r) for r in every], [TensorMeta.of(r) for r in every],
+                          roots[0].device, scale, extra=len(terms), extra_scale=extra_scale)
 
     def _root_grads(self, act: Activation, grads: list[Tensor] | None) -> list[Tensor]:
-        if grads is not None:
+        if grads is None:
+            return [torch.full(m.shape, act.scale, dtype=m.dtype, device=act.device) for m in act.root_metas]
+        if not act.extra:
             return grads
-        return [torch.full(m.shape, act.scale, dtype=m.dtype, device=act.device) for m in act.root_metas]
+        return list(grads) + [torch.full(m.shape, act.extra_scale, dtype=m.dtype, device=act.device)
+                              for m in act.root_metas[-act.extra:]]
 
     def backward(self, act: Activation, grads: list[Tensor] | None) -> list[Tensor]:
         """B: full backward; accumulates weight gradients, returns d(input) per kept input leaf

@@ -12,6 +12,7 @@ from duplexpipe.comm import Options, compression_options
 from duplexpipe.comm.nonfinite import check_policy
 from duplexpipe.comm.p2p_codecs import p2p_codec_pair
 from duplexpipe.parallel import DEFAULT_BUCKET_BYTES, ZeroOptions, check_strategy_name, check_zero
+from duplexpipe.runtime.pieces import LinkModel
 from duplexpipe.schedules.ir import Schedule
 from duplexpipe.schedules.timeline import Timeline
 from duplexpipe.train.auto_config import AUTO, check_options, memory_bytes
@@ -95,9 +96,21 @@ class PipelineConfig:
     "bf16", "fp16" or "int8" (int8 = ZeRO++ qgZ) with ZeRO."""
     zero: ZeroOptions = field(default_factory=ZeroOptions)
     """ZeRO++ options for zero_stage 1 and 2: quantized_gradients (qgZ), quantized_weights (qwZ), hpz_ranks."""
+    fb_overlap: bool = True
+    """Schedules with F&B pairs (DualPipe, DualPipeV) and stages with MoE layers (`duplexpipe.moe`): run each
+    pair's forward and backward interleaved, so every expert all-to-all of one microbatch is in flight while
+    the other computes (bit-equal to False). False: the forward, then the backward. Nothing to overlap (no
+    pairs, or no MoE layers) runs as False does."""
+    link: LinkModel | None = None
+    """An emulated link for the MoE all-to-alls (each completes no earlier than latency + bytes / bandwidth
+    after it was issued; `duplexpipe.runtime.pieces.LinkModel`): honest overlap figures on CPU. None: off."""
 
     def __post_init__(self) -> None:
         memory_bytes(self.memory_limit)
+        if not isinstance(self.fb_overlap, bool):
+            raise ValueError(f"PipelineConfig.fb_overlap must be a bool, got {self.fb_overlap!r}")
+        if self.link is not None and not isinstance(self.link, LinkModel):
+            raise ValueError(f"PipelineConfig.link must be a LinkModel or None, got {self.link!r}")
         if self.schedule == AUTO:
             check_options(self.schedule_options)
         elif self.memory_limit is not None:

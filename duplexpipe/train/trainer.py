@@ -45,6 +45,7 @@ from duplexpipe.runtime import EvalResult, PipelineRuntime, RuntimeConfig
 from duplexpipe.schedules.ir import Schedule
 from duplexpipe.schedules.registry import build as build_schedule
 from duplexpipe.train.auto_config import AUTO, AutoChoice, choose, planned_compression
+from duplexpipe.train.experts import Experts
 from duplexpipe.train.pipeline_config import LossFn, PipelineConfig, SchedulerFactory, StepInfo
 from duplexpipe.train.precision import DynamicLossScaler, autocast_dtype
 
@@ -110,6 +111,8 @@ class Pipeline:
         ckpt = resolve_checkpointing(cfg.activation_checkpointing, self.schedule)
         self.stage_modules = build_stage_modules(self.schedule, groups.pp_rank, parts, init=init,
                                                  checkpoint_stages=ckpt, device=self.device)
+        self.experts = Experts(self.stage_modules, self.schedule, groups, ckpt, self.device)
+        """This rank's MoE layers: expert parallelism and the expert-bias update."""
         self.params = [p for s in sorted(self.stage_modules) for p in self.stage_modules[s].parameters()]
         tied = find_tied([] if callable(parts) else parts)  # factory parts cannot share a Parameter
         check_tied(cfg.zero_stage, [t.places for t in tied], groups.dp_size)
@@ -120,9 +123,9 @@ class Pipeline:
         self.runtime = PipelineRuntime(self.schedule, self.stage_modules, loss_fn, group=groups.pp_group,
                                        device=self.device, config=self._runtime_config(),
                                        job_group=dist.group.WORLD if groups.dp_size > 1 else None)
-        if cfg.check_replicas:  # before the strategy: ZeRO-2 turns the parameters into shards
-            self._check_replicas()
-        self.dp: DPStrategy = self._strategy(optimizer)
+        if cfg.check_replicas:  # before the strategy (ZeRO-2 turns the parameters into shards) and the experts'
+            self._check_replicas()  # sharding (the replicas of an expert-parallel group then hold different ones)
+        self.dp: DPStrategy = self._strategy(optimizer, self.experts.shard())
         """The data-parallel strategy: reduce -> overflow check -> clip -> optimizer step."""
         self.params = self.dp.params
         self.dp.counted = self.tied.counted(self.dp.counted)  # a tied weight counts once in the norm
@@ -146,15 +149,16 @@ class Pipeline:
                              check_inputs_every_step=cfg.check_inputs_every_step,
                              count_saved_bytes=cfg.count_saved_bytes, activation_codec=act_codec,
                              gradient_codec=grad_codec, nonfinite_sends=cfg.nonfinite_sends, p2p_meter=self.p2p_meter,
-                             on_grads_ready=self._grads_ready)
+                             on_grads_ready=self._grads_ready, fb_overlap=self.experts.note_overlap(cfg.fb_overlap),
+                             link=cfg.link)
 
-    def _strategy(self, optimizer: OptimizerFactory) -> DPStrategy:
+    def _strategy(self, optimizer: OptimizerFactory, experts: frozenset[int]) -> DPStrategy:
         """The data-parallel strategy the config asks for, over this rank's stages in the order they finish."""
         cfg, plan = self.config, self.runtime.plan
         return make_strategy(StrategyContext(
             self.stage_modules, self.schedule, tuple(final_order(plan.grads_final, plan.mirrored)), self.groups,
             optimizer, self.device, self.bounded, compression_options(cfg.grad_compression),
-            cfg.grad_bucket_bytes, cfg.zero_stage, cfg.zero), cfg.dp_strategy)
+            cfg.grad_bucket_bytes, cfg.zero_stage, cfg.zero, experts), cfg.dp_strategy)
 
     @classmethod
     def from_layers(
@@ -281,7 +285,8 @@ class Pipeline:
             raise
         timeline = result.timeline
         if final and timeline is not None:
-            timeline = replace(timeline, spans=tuple(self.dp.spans(self.runtime.tracer.origin, self.runtime.rank)))
+            timeline = replace(timeline, spans=timeline.spans + tuple(
+                self.dp.spans(self.runtime.tracer.origin, self.runtime.rank)))
         self.last = StepInfo(loss, applied, skipped, norm, scale, timeline, self.dp.meter.total_bytes - wire,
                              result.peak_saved_bytes)
         return loss
@@ -309,8 +314,10 @@ class Pipeline:
         if overflow and self.scaler.enabled:
             self.scaler.update(overflow=True)
             self.dp.skip()
+            self.experts.after_step(applied=False, wait=self.bounded)
             return True, norm
         self.dp.step(grads.clip_factor(norm or 0.0, cfg.grad_clip_norm))
+        self.experts.after_step(applied=True, wait=self.bounded)
         if self.scheduler is not None:
             self.scheduler.step()
         self.scaler.update(overflow=False)
