@@ -76,15 +76,20 @@ def adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
 
 
+def sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """Plain SGD: unlike Adam, its update is off by the factor a gradient is off by."""
+    return torch.optim.SGD(params, lr=0.1)
+
+
 class Reference:
     """The whole model in one process with every expert, trained like a PP x DP pipeline: each replica's batch
     in M microbatches (weighted by rows), the replicas averaged, balance losses added per microbatch, the
     expert bias updated from the step's loads over every replica."""
 
-    def __init__(self, spec: MoESpec, seed: int = 0) -> None:
+    def __init__(self, spec: MoESpec, seed: int = 0, optimizer: Any = adamw) -> None:
         self.embedding, self.blocks, self.head = build(spec, seed)
         self.model = nn.Sequential(self.embedding, *self.blocks, self.head)
-        self.optimizer = adamw(list(self.model.parameters()))
+        self.optimizer = optimizer(list(self.model.parameters()))
 
     def step(self, step: int, replicas: int, microbatches: int) -> float:
         """One optimizer step; returns the mean loss (balance terms not included, as a Pipeline reports)."""
@@ -109,15 +114,16 @@ class Reference:
         return build_parts(self.blocks, partition, embedding=self.embedding, head=self.head)
 
 
-def compare(modules: dict[int, nn.Module], groups: dict[int, int], ref_parts: Sequence[nn.Module]) -> float:
+def compare(modules: dict[int, nn.Module], groups: dict[int, int], ref_parts: Sequence[nn.Module],
+            only: str = "") -> float:
     """Largest relative difference of any local parameter or buffer (experts by global index) from the
-    reference part of its weight group."""
+    reference part of its weight group (`only`: names containing it)."""
     worst = 0.0
     for stage, module in modules.items():
         want = dict(ref_parts[groups[stage]].named_parameters()) | dict(ref_parts[groups[stage]].named_buffers())
         got = dict(inner_module(module).named_parameters()) | dict(inner_module(module).named_buffers())
         for name, tensor in got.items():
-            if name.endswith(".load"):
+            if name.endswith(".load") or only not in name:
                 continue
             ref = want[name].detach()
             scale = max(float(ref.abs().max()), 1e-30)

@@ -160,13 +160,14 @@ class _Coroutine(Driver):
         self._go = threading.Semaphore(0)
         self._back = threading.Semaphore(0)
         context = contextvars.copy_context()
-        self._thread = threading.Thread(target=context.run, args=(self._main, fn, device), daemon=True,
-                                        name=f"duplexpipe-{name}")
+        self._thread = threading.Thread(target=context.run, args=(self._main, fn, device, torch.get_num_threads()),
+                                        daemon=True, name=f"duplexpipe-{name}")
         self._thread.start()
 
-    def _main(self, fn: Callable[[], None], device: torch.device) -> None:
+    def _main(self, fn: Callable[[], None], device: torch.device, threads: int) -> None:
         self._go.acquire()
         try:
+            torch.set_num_threads(threads)  # a new thread's OpenMP team would take every core (and spin)
             if device.type == "cuda":
                 torch.cuda.set_device(device)
             _DRIVER.set(self)

@@ -1,0 +1,293 @@
+"""MoE F&B overlap: how much of the expert all-to-all one F&B pair hides behind the other microbatch's compute.
+
+Part 1, one pair: every rank holds a stage of `layers` MoE blocks whose experts are spread over all ranks
+(expert parallelism over the world). The backward of microbatch 0 and the forward of microbatch 1 run
+(a) one after the other, each all-to-all waited for where it is issued, and (b) interleaved at their comm
+points (`runtime.pieces.run_pair`, what `PipelineConfig(fb_overlap=True)` runs), alternating (a) and (b).
+The comm time is what (a)'s all-to-alls took from issue to completion; the hidden fraction is
+(sequential - overlapped) / comm.
+Part 2, a whole DualPipeV step (PP=2 x DP=2 with ep=2, 4 ranks) with fb_overlap on and off, alternating.
+
+On CPU (gloo) the all-to-alls of small tensors are too fast and share the cores with compute, so an
+emulated link sets their time: each completes no earlier than latency + bytes / bandwidth after it was
+issued (`LinkModel`), with the bandwidth chosen so that the pair's comm is about its compute (`--comm-ratio`).
+On CUDA (NCCL, `--backend nccl`) the all-to-alls are real and no link is emulated; with one GPU the ranks
+share it ($DUPLEXPIPE_SHARE_GPU=1) and NCCL moves the tokens over its socket transport on loopback.
+
+Usage: python benchmarks/moe_overlap.py [--backend gloo|nccl] [--reps N] [--steps N] [--out DIR] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+
+from benchmarks import harness  # noqa: E402
+from duplexpipe.launch.processes import SHARE_GPU_ENV  # noqa: E402
+from duplexpipe.moe import ExpertGroup, MoEBlock, MoELayer  # noqa: E402
+from duplexpipe.runtime.pieces import CommRecord, CommSlot, Driver, LinkModel, current_driver, forward_slot, run_pair  # noqa: E402,E501
+
+
+@dataclass(frozen=True)
+class MoEBenchConfig:
+    """The workload and how long to measure."""
+
+    tokens: int = 512
+    """Tokens per microbatch per rank."""
+    dim: int = 128
+    hidden: int = 256
+    """Each expert's hidden width."""
+    experts: int = 8
+    top_k: int = 2
+    layers: int = 2
+    """MoE blocks in the stage."""
+    reps: int = 9
+    """Timed pairs per mode (after 2 untimed)."""
+    steps: int = 6
+    """Timed DualPipeV steps per mode (after 1 untimed); 0 skips part 2."""
+    comm_ratio: float = 1.0
+    """gloo: the emulated link makes the pair's comm this many times its compute."""
+    link_latency_s: float = 0.0
+    """gloo: the emulated link's latency per all-to-all (its bandwidth follows from comm_ratio)."""
+    backend: str = "gloo"
+
+
+def _model(cfg: MoEBenchConfig, device: torch.device, rank: int, world: int) -> nn.Module:
+    torch.manual_seed(0)
+    blocks = []
+    for _ in range(cfg.layers):
+        layer = MoELayer(cfg.dim, cfg.hidden, cfg.experts, cfg.top_k, shared_experts=1)
+        blocks.append(MoEBlock(cfg.dim, layer, mixer=nn.Linear(cfg.dim, cfg.dim)))
+    model = nn.Sequential(*blocks).to(device)
+    for block in blocks:
+        block.moe.shard_experts(ExpertGroup(None, rank, world))
+    return model
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Measuring(Driver):
+    """Times each exchange alone: the device drained and every rank arrived before it is issued, and the
+    device drained again before it counts as done (a baseline mode only; it serialises everything)."""
+
+    def __init__(self, device: torch.device, link: LinkModel | None, log: list[CommRecord]) -> None:
+        super().__init__(link=link, log=log)
+        self.device = device
+
+    def start(self, issue: Any, label: str, nbytes: int) -> tuple[Any, float]:
+        _sync(self.device)
+        dist.barrier()
+        return super().start(issue, label, nbytes)
+
+    def finish(self, work: Any, issued: float, label: str, nbytes: int) -> None:
+        if work is not None:
+            work.wait()
+        _sync(self.device)
+        super().finish(None, issued, label, nbytes)
+
+
+def _pair(model: nn.Module, x: list[torch.Tensor], grad: torch.Tensor, base: Driver, device: torch.device,
+          mode: str) -> float:
+    """One timed pair: B of microbatch 0 (its forward untimed) and F of microbatch 1."""
+    slot = CommSlot(Driver(link=base.link))
+    with forward_slot(slot):
+        y0 = model(x[0])
+    _sync(device)
+    dist.barrier()
+
+    def backward() -> None:
+        slot.driver = current_driver(base)
+        torch.autograd.backward(y0, grad)
+
+    def forward() -> None:
+        with forward_slot(CommSlot(current_driver(base))):
+            model(x[1])
+
+    start = time.perf_counter()
+    if mode == "overlapped":
+        run_pair(backward, forward, base, device)
+    else:
+        backward()
+        forward()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+MODES = ("sequential", "overlapped", "measured")
+
+
+def _pairs(cfg: MoEBenchConfig, rank: int, world: int, device: torch.device, link: LinkModel | None,
+           reps: int) -> dict[str, list[float]]:
+    """Pair times per mode (alternating), and the comm time of each measured pair (its exchanges alone)."""
+    model = _model(cfg, device, rank, world)
+    gen = torch.Generator().manual_seed(rank)
+    x = [torch.randn(cfg.tokens, cfg.dim, generator=gen).to(device) for _ in range(2)]
+    grad = torch.randn(cfg.tokens, cfg.dim, generator=gen).to(device)
+    out: dict[str, list[float]] = {m: [] for m in (*MODES, "comm")}
+    for rep in range(reps + 2):
+        for mode in MODES if rep % 2 == 0 else MODES[::-1]:
+            log: list[CommRecord] = []
+            base = _Measuring(device, link, log) if mode == "measured" else Driver(link=link)
+            took = _pair(model, x, grad, base, device, mode)
+            if rep >= 2:
+                out[mode].append(took)
+                if mode == "measured":
+                    out["comm"].append(sum(r.done - r.issued for r in log))
+            model.zero_grad(set_to_none=True)
+    return out
+
+
+def _link(cfg: MoEBenchConfig, rank: int, world: int, device: torch.device) -> tuple[LinkModel | None, float]:
+    """gloo: a link whose all-to-alls take comm_ratio x the pair's compute (measured without a link, each
+    exchange alone); the bandwidth agreed as the slowest rank's. nccl: None (real transfers)."""
+    if cfg.backend == "nccl":
+        return None, 0.0
+    probe = _pairs(cfg, rank, world, device, None, 3)
+    compute = statistics.median(t - c for t, c in zip(probe["measured"], probe["comm"], strict=True))
+    model = _model(cfg, device, rank, world)
+    log: list[CommRecord] = []
+    _pair(model, [torch.randn(cfg.tokens, cfg.dim)] * 2, torch.randn(cfg.tokens, cfg.dim),
+          Driver(log=log), device, "sequential")
+    nbytes = sum(r.nbytes for r in log)
+    wanted = max(cfg.comm_ratio * compute - cfg.link_latency_s * len(log), 1e-6)
+    bandwidth = torch.tensor([nbytes / wanted], dtype=torch.float64)
+    dist.all_reduce(bandwidth, op=dist.ReduceOp.MIN)
+    return LinkModel(cfg.link_latency_s, float(bandwidth.item())), compute
+
+
+def _step_times(cfg: MoEBenchConfig, device: torch.device, link: LinkModel | None) -> dict[str, list[float]]:
+    """A DualPipeV step (PP=2 x DP=2, ep=2) with fb_overlap on and off, alternating."""
+    from duplexpipe import Pipeline, PipelineConfig, make_mesh
+
+    mesh = make_mesh(2, 2, device.type, ep=2)
+    torch.manual_seed(0)
+    blocks = [MoEBlock(cfg.dim, MoELayer(cfg.dim, cfg.hidden, cfg.experts, cfg.top_k, shared_experts=1),
+                       mixer=nn.Linear(cfg.dim, cfg.dim)) for _ in range(4 * cfg.layers)]
+    pipes = {}
+    for overlap in (False, True):
+        config = PipelineConfig(schedule="dualpipev", num_microbatches=8, fb_overlap=overlap, link=link,
+                                record_timeline=False)
+        pipes[overlap] = Pipeline.from_layers([nn.Identity()] + blocks, nn.functional.mse_loss,
+                                              lambda ps: torch.optim.SGD(ps, lr=1e-3), config, mesh=mesh,
+                                              device=device)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    x = torch.randn(8 * cfg.tokens // 2, cfg.dim, generator=gen).to(device)
+    out: dict[str, list[float]] = {"off": [], "on": []}
+    for rep in range(cfg.steps + 1):
+        for overlap in (False, True) if rep % 2 == 0 else (True, False):
+            _sync(device)
+            dist.barrier()
+            start = time.perf_counter()
+            pipes[overlap].step(x, x)
+            _sync(device)
+            if rep:
+                out["on" if overlap else "off"].append(time.perf_counter() - start)
+    return out
+
+
+def worker(rank: int, world: int, cfg: MoEBenchConfig) -> dict[str, Any]:
+    """One rank's samples of both parts."""
+    device = torch.device("cuda", torch.cuda.current_device()) if cfg.backend == "nccl" else torch.device("cpu")
+    link, compute = _link(cfg, rank, world, device)
+    result: dict[str, Any] = {"pairs": _pairs(cfg, rank, world, device, link, cfg.reps),
+                              "link": asdict(link) if link is not None else None, "probe_compute_s": compute}
+    if cfg.steps and world == 4:
+        result["steps"] = _step_times(cfg, device, link)
+    return result
+
+
+def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over the reps of the slowest rank per rep: the pair's time each way, its comm and compute (from
+    the measured mode), the ratio and the hidden fraction (sequential - overlapped) / comm."""
+    def slowest(key: str, part: str = "pairs") -> list[float]:
+        return [max(vals) for vals in zip(*(r[part][key] for r in results), strict=True)]
+
+    seq, ovl, measured, comm = (statistics.median(slowest(k)) for k in ("sequential", "overlapped", "measured",
+                                                                         "comm"))
+    out = {"sequential_ms": seq * 1e3, "overlapped_ms": ovl * 1e3, "measured_ms": measured * 1e3,
+           "comm_ms": comm * 1e3, "compute_ms": (measured - comm) * 1e3, "pair_ratio": ovl / seq,
+           "hidden": (seq - ovl) / comm, "link": results[0]["link"]}
+    if "steps" in results[0]:
+        off, on = statistics.median(slowest("off", "steps")), statistics.median(slowest("on", "steps"))
+        out.update(step_off_ms=off * 1e3, step_on_ms=on * 1e3, step_ratio=on / off)
+    return out
+
+
+def report(s: dict[str, Any], cfg: MoEBenchConfig) -> str:
+    """The figures in words."""
+    where = ("emulated link " + (f"{s['link']['bandwidth_bytes_per_s'] / 1e6:.1f} MB/s, latency "
+                                 f"{s['link']['latency_s'] * 1e3:g} ms" if s["link"] else "none")
+             if cfg.backend == "gloo" else "real NCCL all-to-alls, no emulated link")
+    lines = [f"MoE F&B pair ({cfg.backend}; {where}): {cfg.layers} MoE blocks, {cfg.experts} experts top-"
+             f"{cfg.top_k}, {cfg.tokens} tokens x {cfg.dim} per rank",
+             f"  F then B   {s['sequential_ms']:8.2f} ms  (comm {s['comm_ms']:.2f} ms, compute {s['compute_ms']:.2f} ms)",
+             f"  overlapped {s['overlapped_ms']:8.2f} ms  ratio {s['pair_ratio']:.2f}, hidden {s['hidden']:.0%} of "
+             "the comm"]
+    if "step_ratio" in s:
+        lines.append(f"  DualPipeV step (PP=2 x DP=2, ep=2): off {s['step_off_ms']:.1f} ms, on {s['step_on_ms']:.1f} "
+                     f"ms, ratio {s['step_ratio']:.2f}")
+    return "\n".join(lines)
+
+
+def run(cfg: MoEBenchConfig, world: int = 4) -> dict[str, Any]:
+    """Both parts on `world` processes; the summary with the config and machine."""
+    results = harness.spawn(worker, cfg, world, 1200.0, backend=cfg.backend)
+    out = summary(results)
+    out.update(config=asdict(cfg), machine=harness.machine_info())
+    if cfg.backend == "nccl":
+        out.update(device=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count(),
+                   shared_gpu=torch.cuda.device_count() < world)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run and print; optionally save moe_overlap.json."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+    parser.add_argument("--reps", type=int, default=MoEBenchConfig.reps)
+    parser.add_argument("--steps", type=int, default=MoEBenchConfig.steps)
+    parser.add_argument("--tokens", type=int, default=MoEBenchConfig.tokens)
+    parser.add_argument("--dim", type=int, default=MoEBenchConfig.dim)
+    parser.add_argument("--comm-ratio", type=float, default=MoEBenchConfig.comm_ratio)
+    parser.add_argument("--quick", action="store_true", help="a tiny smoke run (2 reps, 2 steps, 64 tokens)")
+    parser.add_argument("--out", help="directory for moe_overlap.json")
+    args = parser.parse_args(argv)
+    if args.reps < 1 or args.steps < 0 or args.tokens < 1 or args.dim < 1 or not args.comm_ratio > 0:
+        parser.error("need --reps >= 1, --steps >= 0, --tokens >= 1, --dim >= 1, --comm-ratio > 0")
+    if args.backend == "nccl":
+        if not torch.cuda.is_available():
+            parser.error("--backend nccl needs a CUDA GPU")
+        if torch.cuda.device_count() < 4:
+            os.environ[SHARE_GPU_ENV] = "1"
+    cfg = MoEBenchConfig(tokens=args.tokens, dim=args.dim, reps=args.reps, steps=args.steps,
+                         comm_ratio=args.comm_ratio, backend=args.backend)
+    if args.quick:
+        cfg = replace(cfg, tokens=64, dim=32, hidden=64, reps=2, steps=2)
+    out = run(cfg)
+    print(report(out, cfg))
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "moe_overlap.json").write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

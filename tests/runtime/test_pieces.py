@@ -1,0 +1,147 @@
+"""Comm points and the interleaved F&B pair: the order work is issued in, parts without exchanges, failures
+that stop both parts, the slot a backward uses, and the emulated link's arithmetic."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from duplexpipe.runtime.pieces import (
+    CommRecord,
+    CommSlot,
+    Driver,
+    LinkModel,
+    PairAborted,
+    current_driver,
+    current_slot,
+    forward_slot,
+    run_pair,
+)
+
+CPU = torch.device("cpu")
+
+
+class FakeWork:
+    """A posted exchange: records when it is waited for."""
+
+    def __init__(self, name: str, trace: list[str]) -> None:
+        self.name, self.trace = name, trace
+
+    def wait(self) -> None:
+        self.trace.append(f"wait {self.name}")
+
+
+def _recording(trace: list[str]) -> Driver:
+    return Driver(wait=lambda work, what: work.wait())
+
+
+def _part(name: str, pieces: int, trace: list[str], base: Driver) -> Any:
+    """A part computing `pieces` pieces with an exchange between each two."""
+    def run() -> None:
+        driver = current_driver(base)
+        for i in range(pieces):
+            trace.append(f"{name} compute {i}")
+            if i < pieces - 1:
+                driver.exchange(lambda i=i: (trace.append(f"issue {name}{i}"), FakeWork(f"{name}{i}", trace))[1],
+                                f"{name}{i}")
+    return run
+
+
+@pytest.mark.timeout(30)
+def test_each_exchange_is_in_flight_while_the_other_part_computes() -> None:
+    trace: list[str] = []
+    base = _recording(trace)
+    run_pair(_part("B", 3, trace, base), _part("F", 3, trace, base), base, CPU)
+    assert trace == [
+        "B compute 0", "issue B0", "F compute 0", "issue F0",
+        "wait B0", "B compute 1", "issue B1", "wait F0", "F compute 1", "issue F1",
+        "wait B1", "B compute 2", "wait F1", "F compute 2",
+    ]
+
+
+@pytest.mark.timeout(30)
+def test_uneven_parts_and_parts_without_exchanges() -> None:
+    trace: list[str] = []
+    base = _recording(trace)
+    run_pair(_part("B", 1, trace, base), _part("F", 3, trace, base), base, CPU)
+    assert trace == ["B compute 0", "F compute 0", "issue F0", "wait F0", "F compute 1", "issue F1", "wait F1",
+                     "F compute 2"]
+    trace.clear()
+    run_pair(_part("B", 1, trace, base), _part("F", 1, trace, base), base, CPU)
+    assert trace == ["B compute 0", "F compute 0"]
+
+
+@pytest.mark.timeout(30)
+def test_a_failing_part_stops_the_other_and_raises_once() -> None:
+    trace: list[str] = []
+    base = _recording(trace)
+    stopped: list[str] = []
+
+    def failing() -> None:
+        trace.append("F compute 0")
+        raise ValueError("boom in the forward")
+
+    def waiting() -> None:
+        try:
+            _part("B", 3, trace, base)()
+        except PairAborted as exc:
+            stopped.append(str(exc))
+            raise
+
+    with pytest.raises(ValueError, match="boom in the forward"):
+        run_pair(waiting, failing, base, CPU)
+    assert stopped and "B0" in stopped[0]
+
+
+@pytest.mark.timeout(30)
+def test_a_failing_wait_stops_both_parts() -> None:
+    trace: list[str] = []
+
+    def bad_wait(work: Any, what: str) -> None:
+        raise RuntimeError(f"peer gone while waiting for {what}")
+
+    base = Driver(wait=bad_wait)
+    with pytest.raises(RuntimeError, match="peer gone while waiting for B0"):
+        run_pair(_part("B", 3, trace, base), _part("F", 3, trace, base), base, CPU)
+
+
+def test_slots_and_drivers_outside_a_runtime_are_plain() -> None:
+    plain = Driver()
+    assert current_driver(plain) is plain
+    assert isinstance(current_slot(), CommSlot) and current_slot() is not current_slot()
+    slot = CommSlot()
+    with forward_slot(slot):
+        assert current_slot() is slot
+    assert current_slot() is not slot
+
+
+def test_a_plain_exchange_waits_and_records() -> None:
+    log: list[CommRecord] = []
+    trace: list[str] = []
+    driver = Driver(wait=lambda work, what: work.wait(), log=log)
+    driver.exchange(lambda: FakeWork("x", trace), "stage 0 moe 0 dispatch", 64)
+    assert trace == ["wait x"] and [(r.label, r.nbytes) for r in log] == [("stage 0 moe 0 dispatch", 64)]
+    assert log[0].done >= log[0].issued
+
+
+def test_link_model_time_and_bad_values() -> None:
+    link = LinkModel(latency_s=0.002, bandwidth_bytes_per_s=1e6)
+    assert link.seconds(1000) == pytest.approx(0.003)
+    assert LinkModel().seconds(10**9) == 0.0
+    with pytest.raises(ValueError, match="latency_s must be >= 0, got -1"):
+        LinkModel(latency_s=-1)
+    with pytest.raises(ValueError, match="bandwidth_bytes_per_s must be > 0, got 0"):
+        LinkModel(bandwidth_bytes_per_s=0)
+
+
+def test_link_model_holds_at_least_its_time_from_the_issue() -> None:
+    link = LinkModel(latency_s=0.02)
+    issued = time.perf_counter()
+    link.hold(issued, 0)
+    assert time.perf_counter() - issued >= 0.02  # a lower bound only: sleeping never ends early
+    before = time.perf_counter()
+    link.hold(before - 1.0, 0)  # long past: no wait at all is owed
+    assert time.perf_counter() - before < 1.0
