@@ -238,7 +238,8 @@ def report(s: dict[str, Any], cfg: MoEBenchConfig) -> str:
              if cfg.backend == "gloo" else "real NCCL all-to-alls, no emulated link")
     lines = [f"MoE F&B pair ({cfg.backend}; {where}): {cfg.layers} MoE blocks, {cfg.experts} experts top-"
              f"{cfg.top_k}, {cfg.tokens} tokens x {cfg.dim} per rank",
-             f"  F then B   {s['sequential_ms']:8.2f} ms  (comm {s['comm_ms']:.2f} ms, compute {s['compute_ms']:.2f} ms)",
+             f"  F then B   {s['sequential_ms']:8.2f} ms  (comm {s['comm_ms']:.2f} ms, compute "
+             f"{s['compute_ms']:.2f} ms)",
              f"  overlapped {s['overlapped_ms']:8.2f} ms  ratio {s['pair_ratio']:.2f}, hidden {s['hidden']:.0%} of "
              "the comm"]
     if "step_ratio" in s:
@@ -266,19 +267,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=MoEBenchConfig.steps)
     parser.add_argument("--tokens", type=int, default=MoEBenchConfig.tokens)
     parser.add_argument("--dim", type=int, default=MoEBenchConfig.dim)
+    parser.add_argument("--hidden", type=int, default=MoEBenchConfig.hidden, help="each expert's hidden width")
+    parser.add_argument("--experts", type=int, default=MoEBenchConfig.experts)
     parser.add_argument("--comm-ratio", type=float, default=MoEBenchConfig.comm_ratio)
     parser.add_argument("--quick", action="store_true", help="a tiny smoke run (2 reps, 2 steps, 64 tokens)")
     parser.add_argument("--out", help="directory for moe_overlap.json")
     args = parser.parse_args(argv)
-    if args.reps < 1 or args.steps < 0 or args.tokens < 1 or args.dim < 1 or not args.comm_ratio > 0:
-        parser.error("need --reps >= 1, --steps >= 0, --tokens >= 1, --dim >= 1, --comm-ratio > 0")
+    if min(args.reps, args.tokens, args.dim, args.hidden) < 1 or args.steps < 0 or not args.comm_ratio > 0:
+        parser.error("need --reps, --tokens, --dim, --hidden >= 1, --steps >= 0, --comm-ratio > 0")
+    if args.experts < 4 or args.experts % 4:
+        parser.error(f"--experts must be a multiple of 4 (spread over 4 ranks), got {args.experts}")
     if args.backend == "nccl":
         if not torch.cuda.is_available():
             parser.error("--backend nccl needs a CUDA GPU")
         if torch.cuda.device_count() < 4:
             os.environ[SHARE_GPU_ENV] = "1"
-    cfg = MoEBenchConfig(tokens=args.tokens, dim=args.dim, reps=args.reps, steps=args.steps,
-                         comm_ratio=args.comm_ratio, backend=args.backend)
+    cfg = MoEBenchConfig(tokens=args.tokens, dim=args.dim, hidden=args.hidden, experts=args.experts, reps=args.reps,
+                         steps=args.steps, comm_ratio=args.comm_ratio, backend=args.backend)
     if args.quick:
         cfg = replace(cfg, tokens=64, dim=32, hidden=64, reps=2, steps=2)
     out = run(cfg)

@@ -38,6 +38,7 @@ class Experts:
             for j, layer in enumerate(layers):
                 layer.label = f"stage {s} moe {j}"
         self.groups = groups
+        self.device = device
         self.sync = LoadSync({schedule.stages[s].group: m for s, m in modules.items()}, None, device) \
             if dist.is_available() and dist.is_initialized() else None
 
@@ -49,6 +50,9 @@ class Experts:
             for layers in self.layers.values():
                 for layer in layers:
                     layer.shard_experts(group)
+            if self.device.type == "cuda":  # NCCL: open the group's communicator now, not mid-step
+                probe = torch.zeros(ep, device=self.device)
+                dist.all_to_all_single(torch.empty_like(probe), probe, group=self.groups.ep_group)
         return frozenset(id(p) for m in self.modules.values() for p in expert_parameters(m))
 
     def note_overlap(self, fb_overlap: bool) -> bool:
