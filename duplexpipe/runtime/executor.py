@@ -150,7 +150,13 @@ class PipelineRuntime:
         }
 
     def _wait_exchange(self, work: Any, what: str) -> None:
-        self.watchdog.wait_collective(work, what, "the expert-parallel group")
+        """gloo: a bounded, failure-aware wait. NCCL: the compute stream waits for the exchange on the GPU and
+        the CPU goes on queueing work (never a device-wide synchronize); the wait is bounded by the process
+        group's own timeout, after which NCCL's watchdog aborts the ranks."""
+        if self.watchdog.gloo:
+            self.watchdog.wait_collective(work, what, "the expert-parallel group")
+        else:
+            work.wait()
 
     def _timeline(self) -> Timeline | None:
         """This rank's measured step: compute events, and its exchanges on the "ep" lane."""
