@@ -67,7 +67,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
               "costs_per": COSTS_PER[0] if cost.stage_scale else COSTS_PER[1], "cost": cost.to_dict(),
               **summary(timeline)}
     if args.plot:
-        viz("plot_timeline")(timeline, args.plot, activations=True, ranks=args.ranks_shown, window=args.window)
+        _draw(timeline, args.plot, args, activations=True)
     if args.trace:
         from duplexpipe.viz.trace import to_chrome_trace  # no matplotlib needed
 
@@ -167,6 +167,15 @@ def _print_table(rows: list[dict[str, Any]], cost: Any) -> None:
               + (f"  peak {format_bytes(row['peak_bytes'])}/rank" if "peak_bytes" in row else ""))
 
 
+def _draw(timeline: Any, path: str, args: argparse.Namespace, activations: bool) -> None:
+    """The Gantt chart; with the timeline's extra lanes (MoE exchanges "ep", data-parallel reductions "dp")
+    below it when it has some and the whole run is drawn."""
+    if timeline.spans and args.ranks_shown is None and args.window is None:
+        viz("plot_timeline_lanes")(timeline, path)
+    else:
+        viz("plot_timeline")(timeline, path, activations=activations, ranks=args.ranks_shown, window=args.window)
+
+
 def _cmd_plot(args: argparse.Namespace) -> int:
     output = args.output or os.path.splitext(args.timeline)[0] + ".png"
     check_output(output, "-o" if args.output else "the figure", figure=True)
@@ -174,8 +183,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     if args.ranks_shown and max(args.ranks_shown) >= timeline.num_ranks:
         raise CliError(f"--ranks-shown names rank {max(args.ranks_shown)}, but {args.timeline} has ranks "
                        f"0..{timeline.num_ranks - 1}")
-    viz("plot_timeline")(timeline, output, activations=not args.no_activations, ranks=args.ranks_shown,
-                          window=args.window)
+    _draw(timeline, output, args, activations=not args.no_activations)
     print(f"{timeline.source} {timeline.schedule_name}: {timeline.num_ranks} ranks, {timeline.num_microbatches} "
           f"microbatches, makespan {timeline.makespan:.4g} {timeline.unit}, bubble ratio {timeline.bubble_ratio:.1%}")
     print(f"plot written to {output}")

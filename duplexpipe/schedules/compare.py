@@ -19,6 +19,9 @@ def cost_note(cost: CostModel, schedule: Schedule | None = None) -> str:
         values += f", {len(cost.stage_costs)} stage(s) overridden"
     if cost.comm_time:
         values += f", message time {cost.comm_time:g}"
+    if cost.experts.per_pass:
+        values += (f", {cost.moe_layers} MoE layer(s) per stage with dispatch {cost.dispatch:g} and combine "
+                   f"{cost.combine:g} ({'overlapped' if cost.fb_overlap else 'sequential'} F&B pairs)")
     if not cost.stage_scale:
         return f"costs per stage: {values}"
     note = f"costs per 1/P of the model: {values}"

@@ -10,13 +10,16 @@ from typing import Any, Mapping
 from duplexpipe.schedules.ir import Schedule, ScheduleError
 from duplexpipe.schedules.layout import Layout, gc_paused
 from duplexpipe.schedules.lower import lower
+from duplexpipe.schedules.pieces import ExpertCost
 from duplexpipe.schedules.program import Durations, analyze, run_program
-from duplexpipe.schedules.timeline import Event, Timeline
+from duplexpipe.schedules.timeline import Event, Span, Timeline
 from duplexpipe.schedules.verify import explain_stuck
 
 _KEYS = {"f": "f", "b": "b", "w": "w", "fb": "fb", "f&b": "fb", "latency": "latency",
          "bandwidth": "bandwidth", "bytes": "activation_bytes", "activation_bytes": "activation_bytes",
-         "stage_scale": "stage_scale"}
+         "stage_scale": "stage_scale", "moe_layers": "moe_layers", "dispatch": "dispatch", "combine": "combine",
+         "fb_overlap": "fb_overlap"}
+_FLAGS = ("stage_scale", "fb_overlap")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
@@ -49,10 +52,22 @@ class CostModel:
     interleaved 1F1B with 2 chunks. Schedules that cut one model into different numbers of parts
     then compare on equal work; the `duplexpipe` command uses True by default (`--costs-per`).
     Message times (latency, bandwidth) are never scaled."""
+    moe_layers: int = 0
+    """MoE layers with expert-parallel all-to-alls in every stage (0: none). Their exchanges are priced by
+    `dispatch` and `combine` on top of f, b and I (never W), see `schedules.pieces`."""
+    dispatch: float = 0.0
+    """One MoE layer's dispatch all-to-all (forward; its backward sends as much back)."""
+    combine: float = 0.0
+    """One MoE layer's combine all-to-all (forward; its backward likewise)."""
+    fb_overlap: bool = True
+    """An F&B pair of MoE stages runs interleaved at its exchanges (each hidden behind the other part's
+    compute as far as it goes); False: the forward, then the backward. Ignored when `fb` is given."""
 
     def __post_init__(self) -> None:
-        for name in ("f", "b", "w", "latency", "activation_bytes"):
+        for name in ("f", "b", "w", "latency", "activation_bytes", "dispatch", "combine"):
             _check_time(name, getattr(self, name))
+        if isinstance(self.moe_layers, bool) or not isinstance(self.moe_layers, int) or self.moe_layers < 0:
+            raise ValueError(f"cost moe_layers must be an int >= 0, got {self.moe_layers!r}")
         if self.fb is not None:
             _check_time("fb", self.fb)
         if not self.bandwidth > 0 or math.isnan(self.bandwidth):
@@ -81,8 +96,13 @@ class CostModel:
         """The time one message takes: latency + activation_bytes / bandwidth."""
         return self.latency + (self.activation_bytes / self.bandwidth if self.activation_bytes else 0.0)
 
-    def durations(self, schedule: Schedule) -> Durations:
-        """Per-stage compute times for `schedule` (applying stage_costs and stage_scale)."""
+    @property
+    def experts(self) -> ExpertCost:
+        """The expert-parallel exchanges (`moe_layers`, `dispatch`, `combine`, `fb_overlap`)."""
+        return ExpertCost(self.moe_layers, self.dispatch, self.combine, self.fb_overlap)
+
+    def compute_times(self, schedule: Schedule) -> tuple[list[float], list[float], list[float]]:
+        """Per-stage (f, b, w) of the compute alone (stage_costs and stage_scale applied, no exchanges)."""
         count = schedule.num_stages
         unknown = sorted(s for s in self.stage_costs if s >= count)
         if unknown:
@@ -91,8 +111,20 @@ class CostModel:
         scale = schedule.num_ranks / schedule.num_groups if self.stage_scale else 1.0
         table = [self.stage_costs.get(s, (self.f, self.b, self.w)) for s in range(count)]
         f, b, w = ([c[k] * scale for c in table] for k in range(3))
-        fb = None if self.fb is None else [self.fb * scale] * count
-        return Durations(f, b, [bb - ww for bb, ww in zip(b, w, strict=True)], w, fb)
+        return f, b, w
+
+    def durations(self, schedule: Schedule) -> Durations:
+        """Per-stage action times for `schedule` (stage_costs and stage_scale applied; the MoE exchanges
+        added to F, B and I, and an F&B pair priced by the piece model unless `fb` is given)."""
+        f, b, w = self.compute_times(schedule)
+        ep = self.experts
+        comm = ep.per_pass
+        scale = schedule.num_ranks / schedule.num_groups if self.stage_scale else 1.0
+        fb = None if self.fb is None else [self.fb * scale] * len(f)
+        if fb is None and comm:
+            fb = [ep.pair(ff, bb) for ff, bb in zip(f, b, strict=True)]
+        return Durations([x + comm for x in f], [x + comm for x in b],
+                         [bb - ww + comm for bb, ww in zip(b, w, strict=True)], w, fb)
 
     @staticmethod
     def parse(text: str) -> CostModel:
@@ -130,7 +162,11 @@ def _check_time(name: str, value: Any) -> None:
 
 
 def _parse_value(key: str, name: str, raw: str) -> Any:
-    if name == "stage_scale":
+    if name == "moe_layers":
+        if not raw.isdigit():
+            raise ValueError(f"cost key {key!r} needs a whole number >= 0, got {raw!r}")
+        return int(raw)
+    if name in _FLAGS:
         if raw.lower() in _TRUE + _FALSE:
             return raw.lower() in _TRUE
         raise ValueError(f"cost key {key!r} needs true or false, got {raw!r}")
@@ -164,7 +200,23 @@ def simulate(schedule: Schedule, cost: CostModel | None = None) -> Timeline:
             raise ScheduleError("simulation stuck: " + explain_stuck(lowered, layout, program, run).message)
         events = tuple(Event(rank, action, start, end)
                        for rank, row in enumerate(run.events) for action, start, end in row)
-    return Timeline(schedule.name, schedule.num_ranks, schedule.num_microbatches, events)
+    return Timeline(schedule.name, schedule.num_ranks, schedule.num_microbatches, events,
+                    spans=_exchange_spans(events, lowered, cost))
+
+
+def _exchange_spans(events: tuple[Event, ...], schedule: Schedule, cost: CostModel) -> tuple[Span, ...]:
+    """The MoE exchanges of every compute event on the "ep" lane (none without MoE layers)."""
+    ep = cost.experts
+    if not ep.per_pass:
+        return ()
+    f, b, w = cost.compute_times(schedule)
+    spans: list[Span] = []
+    for event in events:
+        stage = event.action.stage
+        back = event.action.parts[1] if event.action.op.name == "OVERLAP_F_B" else event.action
+        partial = w[stage] if back.op.name == "I" else 0.0
+        spans += ep.spans(event, f[stage], b[stage] - partial)
+    return tuple(spans)
 
 
 def summary(timeline: Timeline) -> dict[str, Any]:

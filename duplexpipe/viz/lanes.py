@@ -62,6 +62,17 @@ def plot_timeline_lanes(timeline: Timeline, path: str | os.PathLike[str] | None 
     return fig
 
 
+LANE_MEANINGS = {
+    "dp": "dp = data-parallel bucket reductions from start to completion, and the final wait",
+    "ep": "ep = expert-parallel all-to-alls (MoE dispatch and combine) from issue to completion",
+}
+
+
+def lanes_caption(lanes: list[str]) -> str:
+    """What the lanes below the chart show, one clause per lane present."""
+    return "; ".join(LANE_MEANINGS.get(lane, f"{lane} = work beside the schedule") for lane in lanes)
+
+
 def draw_lanes(ax: Axes, timeline: Timeline, frame: Frame) -> int:
     """One row per (rank, lane) with a box per span; returns how many boxes were drawn."""
     from matplotlib.patches import Rectangle
@@ -86,6 +97,5 @@ def draw_lanes(ax: Axes, timeline: Timeline, frame: Frame) -> int:
         box.set_gid(f"{SPAN_GID}-{drawn}")
         ax.add_patch(box)
         drawn += 1
-    ax.set_title("data-parallel lanes: bucket reductions from start to completion, and the final wait",
-                 fontsize=8.5, loc="left", color="#333333")
+    ax.set_title(lanes_caption(lanes), fontsize=8.5, loc="left", color="#333333")
     return drawn
