@@ -94,12 +94,16 @@ Buffer = tuple[int, int, list[nn.Parameter], list[str]]
 """(stage, optimizer param group, parameters, their names): what one flat buffer holds."""
 
 
-def _buffers_of(optimizer: torch.optim.Optimizer, stage_of: Mapping[int, tuple[int, str]]) -> list[Buffer]:
-    """(stage, param group, params, names) per flat buffer: a group's parameters split by stage and dtype."""
+def _buffers_of(optimizer: torch.optim.Optimizer, stage_of: Mapping[int, tuple[int, str]],
+                whole: frozenset[int] = frozenset()) -> list[Buffer]:
+    """(stage, param group, params, names) per flat buffer: a group's parameters split by stage and dtype
+    (those in `whole` left out)."""
     out: list[Buffer] = []
     for g, group in enumerate(optimizer.param_groups):
         split: dict[tuple[int, torch.dtype, torch.device], tuple[list[nn.Parameter], list[str]]] = {}
         for p in group["params"]:
+            if id(p) in whole:
+                continue
             if id(p) not in stage_of:
                 raise ValueError("the optimizer holds a parameter that is not in this rank's stages")
             stage, name = stage_of[id(p)]
@@ -130,18 +134,21 @@ class ShardedOptimizer:
 
     `optimizer` (built by the user's factory over this rank's parameters) supplies the class and the param
     groups' hyperparameters; a fresh instance of its class steps the shards. `names` maps every parameter to
-    its checkpoint name and stage; `comm` is None when the data-parallel group has one rank.
+    its checkpoint name and stage; `comm` is None when the data-parallel group has one rank. Parameters in
+    `whole` (id()s; e.g. routed experts, which no other data-parallel rank holds) are not sharded: the same
+    optimizer steps them whole, in their param group, from gradients the caller reduced.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, names: Mapping[int, tuple[int, str]],
-                 comm: ShardComm | None, *, own_master: bool = False, trust_elementwise: bool = False) -> None:
+                 comm: ShardComm | None, *, own_master: bool = False, trust_elementwise: bool = False,
+                 whole: frozenset[int] = frozenset()) -> None:
         check_elementwise(optimizer, trust_elementwise)
         self.comm = comm
         self.own_master = own_master
         """Whether each master shard is a copy of its own (qwZ) rather than a view of the parameter buffer."""
         size, rank = (comm.size, comm.rank) if comm is not None else (1, 0)
         self.flats: list[FlatGroup] = []
-        for stage, g, params, pnames in _buffers_of(optimizer, names):
+        for stage, g, params, pnames in _buffers_of(optimizer, names, whole):
             layout, data, master = _flatten(params, size, rank, own_master)
             grads = torch.zeros_like(data)
             lo, hi = layout.shard_range(rank)  # the reduce-scatter runs in place: the shard is the own chunk
@@ -150,6 +157,10 @@ class ShardedOptimizer:
         shards: list[list[Tensor]] = [[] for _ in optimizer.param_groups]
         for flat in self.flats:
             shards[flat.group].append(flat.master)
+        self.whole = [p for group in optimizer.param_groups for p in group["params"] if id(p) in whole]
+        """The parameters stepped whole."""
+        for g, group in enumerate(optimizer.param_groups):
+            shards[g] += [p for p in group["params"] if id(p) in whole]
         self.optimizer = _rebuild(optimizer, shards)
         self._pending: list[Pending] = []
 

@@ -67,7 +67,7 @@ class Zero1Strategy(DPStrategy):
                           weights=ctx.zero.weight_wire) if ctx.groups.dp_size > 1 else None)
         self.sharded = ShardedOptimizer(ctx.optimizer_factory(self.params), checkpoint_names(ctx), comm,
                                         own_master=ctx.zero.weight_wire is not None,
-                                        trust_elementwise=ctx.zero.trust_elementwise)
+                                        trust_elementwise=ctx.zero.trust_elementwise, whole=ctx.experts)
         return self.sharded.optimizer
 
     def zero_grad(self) -> None:
@@ -86,27 +86,32 @@ class Zero1Strategy(DPStrategy):
         self.sharded.finish(self.ctx.wait)
 
     def checked_grads(self) -> list[Tensor]:
-        """The reduced gradient shards (an inf/NaN anywhere in a sum lands in its owner's shard)."""
-        return self.sharded.shard_grads()
+        """The reduced gradient shards (an inf/NaN anywhere in a sum lands in its owner's shard), and the
+        experts' whole gradients."""
+        return self.sharded.shard_grads() + [p.grad for p in self.expert_params if p.grad is not None]
 
     def norm_and_overflow(self, need: bool) -> tuple[float | None, bool]:
         """Every data-parallel rank counts its own shards of the first copies (each element once)."""
         if not need:
             return None, False
         raw, overflow = grads.global_norm_and_overflow(
-            self.sharded.shard_grads(counted_stages(self.ctx)), self.checked_grads(), None, self.ctx.device,
-            count_here=True, wait=self.ctx.wait, flagged=self.local_overflow())
+            self.sharded.shard_grads(counted_stages(self.ctx)) + self.counted_grads(), self.checked_grads(), None,
+            self.ctx.device, count_here=True, wait=self.ctx.wait, flagged=self.local_overflow())
         return raw / self.post_divisor, overflow
 
     def step(self, clip_coef: float) -> None:
         """Scale the shards' gradients by clip_coef / post_divisor, step the shards, all-gather them."""
         self.sharded.scale_(clip_coef / self.post_divisor)
+        grads.scale_grads(self.expert_params, clip_coef / self.post_divisor)
         self.sharded.step(self.ctx.wait, draw=self.draws)
         self.draws += 1
         self.end_step(applied=True)
 
     def checkpoint_dicts(self, modules: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
         """The model's state dict and the optimizer state per parameter, each rank holding its pieces."""
+        if self.expert_params:
+            raise ValueError("checkpoints of ZeRO-1 with MoE experts are not supported yet: save with "
+                             "zero_stage=0 (experts are never sharded by ZeRO anyway)")
         init_state(self.sharded)
         group = self.ctx.groups.dp_group
         ranks = dp_global_ranks(group)

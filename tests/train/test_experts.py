@@ -1,8 +1,8 @@
 """MoE with expert parallelism in a Pipeline (PP=2 x DP=2 with ep=2, 4 gloo ranks, float64, 4 MoE blocks,
 3 AdamW steps) against one process holding every expert: DualPipe, DualPipeV, 1F1B and ZB-H1 with the F&B
 overlap on and off (bit-equal), balance losses and the expert bias on, a router steered so that one rank's
-experts get no token, every rank issuing its exchanges in one order, gradient compression with experts,
-and the errors a bad expert-parallel layout gets."""
+experts get no token, every rank issuing its exchanges in one order, ZeRO-1 and gradient compression with
+experts, and the errors a bad expert-parallel layout gets."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ CASES: dict[str, tuple[str, MoESpec, dict[str, Any]]] = {
     **{f"{s} overlap={o}": (s, BALANCED, {"fb_overlap": o})
        for s in ("dualpipe", "dualpipev", "1f1b", "zb-h1") for o in (True, False)},
     "dualpipev steered": ("dualpipev", STEERED, {}),
+    "dualpipe zero1": ("dualpipe", BALANCED, {"zero_stage": 1}),
     "1f1b sgd": ("1f1b", BALANCED, {"optimizer": sgd}),
     "1f1b sgd bf16 compression": ("1f1b", BALANCED, {"optimizer": sgd, "grad_compression": "bf16", "steps": 1}),
 }
