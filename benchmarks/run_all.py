@@ -20,6 +20,7 @@ from benchmarks import figures, harness, report  # noqa: E402
 from benchmarks.dp_compression import DPBenchConfig  # noqa: E402
 from benchmarks.measured_vs_sim import SimConfig  # noqa: E402
 from benchmarks.models import ModelSpec  # noqa: E402
+from benchmarks.moe_overlap import MoEBenchConfig  # noqa: E402
 from benchmarks.overlap import OverlapConfig  # noqa: E402
 from benchmarks.p2p_compression import P2PConfig, quick_config  # noqa: E402
 from benchmarks.plan_vs_measured import PvMConfig  # noqa: E402
@@ -28,7 +29,7 @@ from benchmarks.vs_torch import VsTorchConfig  # noqa: E402
 from benchmarks.zero_bench import ZeroBenchConfig  # noqa: E402
 
 PARTS = ("vs_torch", "measured_vs_simulated", "overlap", "tooling", "profile", "auto_search", "p2p",
-         "grad_compression", "plan_vs_measured", "zero")
+         "grad_compression", "plan_vs_measured", "zero", "moe_overlap")
 QUICK_PARTS = PARTS[:4]
 
 
@@ -55,6 +56,8 @@ class Plan:
     plan_vs_measured: PvMConfig = PvMConfig()
     """Part 9: the planner's predictions against runs of 5 candidates (benchmarks/plan_vs_measured.py)."""
     zero: ZeroBenchConfig = ZeroBenchConfig()
+    moe: MoEBenchConfig = MoEBenchConfig()
+    """Part 11: one MoE F&B pair overlapped vs F then B, and a DualPipeV step, on the emulated link."""
     """Part 10: ZeRO memory per rank and ZeRO++ bytes / loss (GPT example, 200 steps per run)."""
 
 
@@ -97,6 +100,7 @@ def _runners(plan: Plan) -> dict[str, Callable[[], Any]]:
         auto_search,
         dp_compression,
         measured_vs_sim,
+        moe_overlap,
         overlap,
         p2p_compression,
         plan_vs_measured,
@@ -116,6 +120,7 @@ def _runners(plan: Plan) -> dict[str, Callable[[], Any]]:
         "grad_compression": lambda: dp_compression.run(plan.dp_compression),
         "plan_vs_measured": lambda: plan_vs_measured.run(plan.plan_vs_measured),
         "zero": lambda: zero_bench.run(plan.zero),
+        "moe_overlap": lambda: moe_overlap.run(plan.moe),
     }
 
 
@@ -241,6 +246,12 @@ def _publish(results: dict[str, Any], out: str, docs: str) -> None:
                 "loadavg_at_part_start", {}).get("grad_compression", "?")})
             dp_compression.publish(part, docs)
     _publish_zero(results, docs)
+    if results.get("moe_overlap"):
+        from benchmarks import moe_overlap
+
+        print(f"\n11. MoE F&B overlap\n{moe_overlap.markdown(results['moe_overlap'])}")
+        if docs != "none":
+            moe_overlap.publish(results["moe_overlap"], docs)
     if docs != "none":
         made = write_figures(results, os.path.join(docs, "img"), "img/")
         report.update_doc(os.path.join(docs, "benchmarks.md"), report.results_markdown(results, made))

@@ -32,6 +32,7 @@ _HOMES = {
     "duplexpipe.runtime.executor": ("PipelineRuntime",),
     "duplexpipe.runtime.config": ("EvalResult", "RuntimeConfig", "StepResult"),
     "duplexpipe.runtime.timing": ("gather_timeline",),
+    "duplexpipe.runtime.pieces": ("LinkModel",),
     "duplexpipe.runtime.watchdog": ("ActivationShapeError", "HandshakeError", "PeerFailedError", "PipelineError",
                                     "PipelineTimeoutError"),
     "duplexpipe.comm.methods": ("compression_options",),
@@ -83,6 +84,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from duplexpipe.planner.profile import Profile, ProfileError, load_profile, save_profile
     from duplexpipe.runtime.config import EvalResult, RuntimeConfig, StepResult
     from duplexpipe.runtime.executor import PipelineRuntime
+    from duplexpipe.runtime.pieces import LinkModel
     from duplexpipe.runtime.timing import gather_timeline
     from duplexpipe.runtime.watchdog import (
         ActivationShapeError,
