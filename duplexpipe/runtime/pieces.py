@@ -66,7 +66,8 @@ class LinkModel:
 
 @dataclass
 class CommRecord:
-    """One exchange as it ran: what, how many bytes this rank sent, when it was issued and seen complete."""
+    """One exchange as it ran: what, how many bytes this rank sent, when it was issued and seen complete
+    (`done` equals `issued` until it was)."""
 
     label: str
     nbytes: int
@@ -85,18 +86,23 @@ class Driver:
         """Where exchanges are recorded (None: not recorded)."""
 
     def start(self, issue: Issue, label: str, nbytes: int) -> tuple[Any, float]:
-        """Post the exchange now: (its Work, when it was issued)."""
+        """Post the exchange now: (its Work, when it was issued); the log records it in issue order."""
         issued = time.perf_counter()
+        if self.log is not None:
+            self.log.append(CommRecord(label, nbytes, issued, issued))
         return issue(), issued
 
     def finish(self, work: Any, issued: float, label: str, nbytes: int) -> None:
-        """Wait for a posted exchange and record it."""
+        """Wait for a posted exchange; its record gets the time it was seen complete."""
         if work is not None:
             self.wait(work, label)
         if self.link is not None:
             self.link.hold(issued, nbytes)
         if self.log is not None:
-            self.log.append(CommRecord(label, nbytes, issued, time.perf_counter()))
+            for record in reversed(self.log):
+                if record.issued == issued and record.label == label:
+                    record.done = time.perf_counter()
+                    break
 
     def exchange(self, issue: Issue, label: str, nbytes: int = 0) -> None:
         """Issue a collective and return once it completed."""
