@@ -78,7 +78,7 @@ def form_from_json(text: str) -> Form:
 
 
 def _plain(value: Any) -> Any:
-    """A tuple/list/dict subclass as the plain container; anything else as it is."""
+    """A tuple, list or dict (a namedtuple, an OrderedDict...) as the plain container."""
     return tuple(value) if isinstance(value, tuple) else list(value) if isinstance(value, list) else dict(value)
 
 
