@@ -41,15 +41,16 @@ def _type_checking(node: ast.AST) -> bool:
     return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
 
 
-def _imports(path: Path, *, top_level_only: bool = False) -> list[str]:
-    """Modules `path` imports (absolute names; imports under `if TYPE_CHECKING:` left out). `from pkg import
-    name` names `pkg.name` when that is a module (the package's own __init__ is then not counted), else `pkg`."""
+def _imports(path: Path, *, top_level_only: bool = False, type_hints: bool = False) -> list[str]:
+    """Modules `path` imports (absolute names; imports under `if TYPE_CHECKING:` left out unless `type_hints`).
+    `from pkg import name` names `pkg.name` when that is a module (the package's own __init__ is then not
+    counted), else `pkg`."""
     modules = _modules()
     found: list[str] = []
 
     def visit(node: ast.AST, top: bool) -> None:
         for child in ast.iter_child_nodes(node):
-            if _type_checking(child):
+            if _type_checking(child) and not type_hints:
                 continue
             if isinstance(child, ast.Import):
                 found.extend(alias.name for alias in child.names)
@@ -65,12 +66,12 @@ def _imports(path: Path, *, top_level_only: bool = False) -> list[str]:
     return found
 
 
-def _graph() -> nx.DiGraph:
+def _graph(type_hints: bool = False) -> nx.DiGraph:
     modules = _modules()
     graph = nx.DiGraph()
     for name, path in modules.items():
         graph.add_node(name)
-        for target in _imports(path):
+        for target in _imports(path, type_hints=type_hints):
             if target in modules and target != name:
                 graph.add_edge(name, target)
     return graph
@@ -86,11 +87,27 @@ def test_every_package_has_a_level() -> None:
     assert packages <= set(LEVELS), f"packages without a level in LEVELS: {sorted(packages - set(LEVELS))}"
 
 
-def test_no_circle_of_files() -> None:
+def _circles(type_hints: bool) -> list[list[str]]:
+    """Every circle of files (a strongly connected set of two or more), each as its sorted paths."""
     modules = _modules()
-    circles = [sorted(str(modules[m].relative_to(ROOT)) for m in c)
-               for c in nx.strongly_connected_components(_graph()) if len(c) > 1]
+    return [sorted(str(modules[m].relative_to(ROOT)) for m in c)
+            for c in nx.strongly_connected_components(_graph(type_hints)) if len(c) > 1]
+
+
+def test_no_circle_of_files() -> None:
+    circles = _circles(type_hints=False)
     assert not circles, "files that import each other in a circle: " + "; ".join(" <-> ".join(c) for c in circles)
+
+
+HINT_CIRCLES_BEING_BROKEN = [["duplexpipe/train/checkpoint.py", "duplexpipe/train/trainer.py"]]
+"""Circles through `if TYPE_CHECKING:` imports still allowed. Only Pipeline <-> checkpoint remains, and it is
+being broken separately (checkpoint gets what it needs passed in); remove the entry once it is gone."""
+
+
+def test_no_circle_of_files_counting_type_hint_imports() -> None:
+    circles = [c for c in _circles(type_hints=True) if c not in HINT_CIRCLES_BEING_BROKEN]
+    assert not circles, ("files that import each other in a circle (counting imports under TYPE_CHECKING): "
+                         + "; ".join(" <-> ".join(c) for c in circles))
 
 
 def test_imports_point_down_only() -> None:

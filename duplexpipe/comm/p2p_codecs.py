@@ -16,7 +16,8 @@ Wire formats (announced per message like any tensor; a pure function of shape an
 
 Non-finite input: a row or block holding NaN or inf gets a NaN scale (comm.quantize) and decodes to NaN,
 never to finite garbage, so fp16's overflow check still sees it; `nonfinite(payloads)` counts such rows
-or blocks without a device sync (duplexpipe.comm.nonfinite reports them).
+or blocks without a device sync (duplexpipe.comm.nonfinite reports them). Finite input decodes finite:
+a scale whose largest code would overflow the tensor's dtype (a row holding `finfo.min`) is capped.
 
 `p2p_codec_pair(spec)` maps `PipelineConfig.p2p_compression` to the (activation, gradient) codecs.
 """
@@ -33,6 +34,7 @@ from torch import Tensor
 from duplexpipe.comm.codec import Codec, TensorSpec, bf16_codec, check_codec
 from duplexpipe.comm.quantize import (
     FP8_FORMATS,
+    INT8_MAX,
     dequantize_fp8,
     dequantize_int8,
     fp8_from_wire,
@@ -56,6 +58,15 @@ def row_count(shape: tuple[int, ...]) -> int:
     if not shape:
         return 1
     return numel // shape[-1] if numel else 0
+
+
+def _capped(scales: Tensor, top: float, dtype: torch.dtype) -> Tensor:
+    """`scales` capped so that top * scale stays finite in the decoding arithmetic of `dtype` (fp32 unless
+    float64, whose products of fp32 scales cannot overflow); NaN and inf scales (non-finite input) stay."""
+    if work_dtype(dtype) == torch.float64:
+        return scales
+    limit = torch.finfo(torch.float32).max / top * (1 - 2.0**-20)
+    return scales.masked_fill((scales > limit) & scales.isfinite(), limit)
 
 
 def _scale_nonfinite(scales: Tensor) -> Tensor:
@@ -93,7 +104,9 @@ class Fp8RowCodec:
         raw, scales = payloads
         if _numel(spec.shape) == 0:
             return torch.empty(spec.shape, dtype=spec.dtype, device=raw.device)
-        values = dequantize_fp8(fp8_from_wire(raw, self.fmt), scales, dtype=work_dtype(spec.dtype))
+        top = FP8_FORMATS[self.fmt].max
+        values = dequantize_fp8(fp8_from_wire(raw, self.fmt), _capped(scales, top, spec.dtype),
+                                dtype=work_dtype(spec.dtype))
         return values.to(spec.dtype)
 
     def nonfinite(self, payloads: Sequence[Tensor]) -> Tensor:
@@ -142,7 +155,7 @@ class Int8BlockCodec:
     def decode(self, payloads: Sequence[Tensor], spec: TensorSpec) -> Tensor:
         """codes x their block's scale, shaped and typed like the tensor (NaN blocks where the scale is NaN)."""
         codes, scales = payloads
-        flat = dequantize_int8(codes, scales, self.block, dtype=work_dtype(spec.dtype))
+        flat = dequantize_int8(codes, _capped(scales, INT8_MAX, spec.dtype), self.block, dtype=work_dtype(spec.dtype))
         return flat.reshape(spec.shape).to(spec.dtype)
 
     def nonfinite(self, payloads: Sequence[Tensor]) -> Tensor:

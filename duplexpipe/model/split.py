@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from duplexpipe.runtime.structure import WHOLE_MESSAGE, flatten, map_leaves
 from duplexpipe.schedules.ir import Schedule
 
 Balance = str | Sequence[int]
@@ -161,20 +162,22 @@ def balance_by_cost(costs: Sequence[float], num_parts: int) -> tuple[int, ...]:
 
 
 def _timed_fwd_bwd(module: nn.Module, x: Any, repeats: int) -> tuple[float, Any]:
-    """Best-of-`repeats` forward+backward seconds of `module` on `x` (after one untimed warm-up run)."""
+    """Best-of-`repeats` forward+backward seconds of `module` on `x`, a tensor or a structure passed as one
+    argument (after one untimed warm-up run)."""
     best, out = float("inf"), None
     for attempt in range(repeats + 1):
-        inp = x.detach().requires_grad_(True) if torch.is_floating_point(x) else x
+        inp = map_leaves(lambda t: t.detach().requires_grad_(t.is_floating_point()), x)
         module.zero_grad(set_to_none=True)
         start = time.perf_counter()
         out = module(inp)
-        if out.requires_grad:
-            torch.autograd.backward(out, torch.ones_like(out))
+        roots = [t for t in flatten(out, "output")[1] if t.requires_grad]
+        if roots:
+            torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
         if attempt:
             best = min(best, time.perf_counter() - start)
     module.zero_grad(set_to_none=True)
     assert out is not None
-    return best, out.detach()
+    return best, map_leaves(torch.Tensor.detach, out)
 
 
 def profile_layers(
@@ -292,7 +295,9 @@ def build_parts(
     """One nn.Sequential per model part; children are named `embedding`, `layer<i>`, `head`.
 
     The layer names use the global block index, so a part's state_dict keys do not depend on
-    how the model was split.
+    how the model was split. Each part takes its input whole (`WHOLE_MESSAGE`): a tuple or dict a
+    layer returns reaches the next layer as one argument, as in `nn.Sequential(*layers)`, whether
+    the next layer sits in the same part or behind a stage boundary.
     """
     parts = []
     for info in partition.parts:
@@ -303,7 +308,9 @@ def build_parts(
             children[f"layer{i}"] = layers[i]
         if info.has_head and head is not None:
             children["head"] = head
-        parts.append(nn.Sequential(children))
+        part = nn.Sequential(children)
+        setattr(part, WHOLE_MESSAGE, True)
+        parts.append(part)
     return parts
 
 

@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from duplexpipe.model.split import check_parts_fit
+from duplexpipe.runtime.structure import WHOLE_MESSAGE
 from duplexpipe.schedules.ir import Schedule
 
 
@@ -24,6 +25,7 @@ class CheckpointedStage(nn.Module):
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
         self.module = module
+        setattr(self, WHOLE_MESSAGE, getattr(module, WHOLE_MESSAGE, False))  # called as the module is
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():

@@ -134,21 +134,13 @@ class BatchAgreement:
         if error:
             raise ValueError(error + _SAME_SHAPES)
         if self._kept_inputs is not None and structure.signature(inputs) != self._kept_inputs:
-            raise ValueError(f"rank {self.rank}: expected inputs of {_describe(self._kept_inputs)}, got "
-                             f"{_describe(structure.signature(inputs))}" + _SAME_SHAPES)
+            raise ValueError(f"rank {self.rank}: expected inputs of "
+                             f"{structure.describe_signature(self._kept_inputs)}, got "
+                             f"{structure.describe_signature(structure.signature(inputs))}" + _SAME_SHAPES)
         if self.holds_last and structure.rows(targets) != found.target_rows:
             raise ValueError(f"rank {self.rank}: expected targets with {found.target_rows} rows, got "
                              f"{structure.rows(targets)}" + _SAME_SHAPES)
         return found
-
-
-def _describe(signature: list[Any]) -> str:
-    """`shape (8, 3) and dtype torch.int64` for a tensor; the form, shapes and dtypes of a structure."""
-    form, leaves = signature
-    if form[0] == "tensor":
-        shape, dtype = leaves[0]
-        return f"shape {shape} and dtype {dtype}"
-    return f"a {form[0]} {form[1] if form[0] == 'dict' else ''} of shapes and dtypes {leaves}".replace("  ", " ")
 
 
 class PendingSum:

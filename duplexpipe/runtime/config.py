@@ -61,9 +61,11 @@ class RuntimeConfig:
     """Called with a stage index once this rank's gradients of that stage are final for the step
     (see GradsReadyHook); None: no call."""
     activation_codec: Codec | None = None
-    """Encodes every floating activation sent to another rank into its wire payloads and decodes it on
-    arrival (duplexpipe.comm.codec; e.g. CastCodec(torch.bfloat16)); None: sent as it is. Integer
-    tensors are never encoded. Every rank must use the same codecs (checked at start-up)."""
+    """Encodes the activations sent to another rank that carry a gradient back into their wire payloads and
+    decodes them on arrival (duplexpipe.comm.codec; e.g. CastCodec(torch.bfloat16)); None: sent as they are.
+    Forward-only tensors (masks, positions, integers) and an activation holding NaN, inf or a float extreme
+    when its message's shapes are announced travel exactly (duplexpipe.runtime.message_meta). Every rank
+    must use the same codecs (checked at start-up)."""
     gradient_codec: Codec | None = None
     """The same for the gradients sent back to the previous stage's rank."""
     nonfinite_sends: str = "warn"

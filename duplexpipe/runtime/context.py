@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from duplexpipe.runtime import structure
+from duplexpipe.runtime.message_meta import MessageMeta
 from duplexpipe.runtime.stage_compute import Activation, Message
 from duplexpipe.schedules.ir import Action, Op
 
 if TYPE_CHECKING:
-    from duplexpipe.runtime.messages import MessageMeta
     from duplexpipe.runtime.transport import Key
 
 Slot = tuple[int, int]

@@ -28,7 +28,8 @@ from duplexpipe.runtime.config import EvalResult, RuntimeConfig, StepResult
 from duplexpipe.runtime.context import Slot, StepContext, microbatch_rows, signature, split_batch
 from duplexpipe.runtime.dispatch import Dispatcher, default_overlap
 from duplexpipe.runtime.handshake import group_store, handshake, shared_nonce
-from duplexpipe.runtime.messages import Mailroom, MessageMeta, MetaBoard
+from duplexpipe.runtime.message_meta import MessageMeta
+from duplexpipe.runtime.messages import Mailroom, MetaBoard
 from duplexpipe.runtime.pieces import CommRecord, Driver
 from duplexpipe.runtime.preflight import verdict
 from duplexpipe.runtime.rankplan import RankPlan
@@ -58,9 +59,10 @@ def _default_device(group: Any) -> torch.device:
 class PipelineRuntime:
     """Executes this rank's list of a (lowered) Schedule: one step = one pass over the list.
 
-    Messages between stages: a stage takes and returns a tensor, a tuple/list of tensors or a
-    flat dict of tensors with str keys. A tuple/list is passed to the next stage as positional
-    arguments, a dict as keyword arguments, a tensor as one argument. Floating tensors that
+    Messages between stages: a stage takes and returns a tensor, or tuples/lists/dicts (str keys,
+    nested) of tensors. A tuple/list is passed to the next stage as positional arguments, a dict as
+    keyword arguments, a tensor as one argument; a module whose `structure.WHOLE_MESSAGE` attribute
+    is True gets the structure as one argument (as nn.Sequential does). Floating tensors that
     require grad carry gradients back; the others (integer masks, ids, tensors computed under
     no_grad) flow forward only. The first stage's `inputs` and the last stage's `targets` may be
     such structures too: every leaf is split along dim 0 into the microbatches.
@@ -116,8 +118,8 @@ class PipelineRuntime:
         self.nonfinite = NonFiniteWatch(self.config.nonfinite_sends)
         """Counts (and reports) sends through a codec whose tensor held NaN or inf."""
         self.tracer = Tracer(self.rank, self.device, self.config.record_timeline)
-        self.stages = {s: StageCompute(s, m, self.config.autocast_dtype, self.config.count_saved_bytes)
-                       for s, m in self.modules.items()}
+        self.stages = {s: StageCompute(s, m, self.config.autocast_dtype, self.config.count_saved_bytes,
+                                       part=schedule.stages[s].group) for s, m in self.modules.items()}
         self._global_ranks = [self.transport.global_rank(r) for r in range(schedule.num_ranks)]
         self.mirror = (MirrorSum(schedule, self.rank, self.modules, group, self._global_ranks, self.watchdog)
                        if self.config.sum_mirrored_grads and schedule.num_copies > 1 else None)
@@ -308,7 +310,7 @@ class PipelineRuntime:
         to_device = self._to_device
         for mb, chunk in enumerate(chunks):
             form, leaves = structure.flatten(chunk, "inputs")
-            ctx.inputs[mb] = Message(form, [to_device(t) for t in leaves], (False,) * form.size)
+            ctx.inputs[mb] = Message(form, [to_device(t) for t in leaves], (False,) * form.num_leaves)
         ctx.targets = {mb: structure.map_leaves(to_device, c) for mb, c in enumerate(target_chunks)}
         if train and self.mirror is not None:
             self.mirror.begin()

@@ -1,138 +1,34 @@
 """Message plumbing: tensor structures between stages, their announcements, local handoffs and transport.
 
-A forward message is the structure one stage hands the next (a tensor, a tuple/list or a
-flat dict); a backward message is the list of gradients of the leaves that carry one back
-(floating tensors that required grad), in leaf order. Between ranks every leaf travels as its
-payload tensors, keyed by the SEND/RECV action: a floating leaf as its codec's payloads
-(RuntimeConfig.activation_codec / gradient_codec; itself without a codec), any other leaf as
-itself. Between stages on one rank the structure is handed over as it is (no codec). The meta
-of a forward message (form, per-leaf shape and dtype, which leaves carry gradients, and each
-leaf's wire format) is announced through the c10d store the first time an input shape is seen
+A forward message is the structure one stage hands the next (a tensor, or tuples/lists/dicts of
+tensors); a backward message is the list of gradients of the leaves that carry one back (floating
+tensors that required grad), in leaf order. Between ranks every leaf travels as its payload tensors,
+keyed by the SEND/RECV action: a gradient-carrying leaf of a forward message and every gradient as its
+codec's payloads (RuntimeConfig.activation_codec / gradient_codec), any other leaf as itself (masks,
+positions, flags: forward-only tensors travel exactly, and so does a gradient-carrying leaf that held
+NaN, inf or a float extreme when its meta was built, counted in `NonFiniteWatch.exact_sends`). Between
+stages on one rank the structure is handed over as it is (no codec). The meta of a forward message
+(`MessageMeta`: form, per-leaf shape and dtype, which leaves carry gradients, which go through the codec,
+and each leaf's wire format) is announced through the c10d store the first time an input shape is seen
 and checked against that announcement afterwards.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-from functools import cached_property
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from duplexpipe.comm.codec import Codec, IdentityCodec
-from duplexpipe.comm.nonfinite import NonFiniteWatch
+from duplexpipe.comm.nonfinite import NonFiniteWatch, extremes
 from duplexpipe.runtime.context import StepContext
+from duplexpipe.runtime.message_meta import MessageMeta, encodes, wire_of
 from duplexpipe.runtime.stage_compute import Message, TensorMeta
-from duplexpipe.runtime.structure import Form
+from duplexpipe.runtime.structure import paths
 from duplexpipe.runtime.transport import Key, Transport, key_text
 from duplexpipe.runtime.watchdog import ActivationShapeError, PipelineError, Watchdog
 from duplexpipe.schedules.ir import Action, Op
 from duplexpipe.schedules.layout import Layout
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """`float32` for torch.float32."""
-    return str(dtype).replace("torch.", "")
-
-
-def parse_dtype(name: str, where: str) -> torch.dtype:
-    """torch.float32 for `float32`; PipelineError naming `where` when unknown."""
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise PipelineError(f"unknown dtype {name!r} announced for {where}")
-    return dtype
-
-
-def wire_of(codec: Codec | None, meta: TensorMeta) -> tuple[TensorMeta, ...]:
-    """The payload specs of one leaf: the codec's wire format for a floating leaf, else the leaf itself."""
-    if codec is None or not meta.dtype.is_floating_point:
-        return (meta,)
-    return tuple(codec.wire_format(meta))
-
-
-@dataclass(frozen=True)
-class MessageMeta:
-    """What a forward message looks like: its form, each leaf's shape and dtype, which leaves carry a
-    gradient back, and the payloads each leaf travels as."""
-
-    form: Form
-    """How the leaves rebuild the structure."""
-    leaves: tuple[TensorMeta, ...]
-    """Shape and dtype of each leaf."""
-    grads: tuple[bool, ...]
-    """grads[i]: leaf i carries a gradient back."""
-    wire: tuple[tuple[TensorMeta, ...], ...] = ()
-    """wire[i]: the payload specs leaf i travels as (empty for a message that stays on its rank)."""
-
-    @staticmethod
-    def of(message: Message, codec: Codec | None = None) -> MessageMeta:
-        """The meta of a message sent with `codec` (None: each leaf as it is)."""
-        leaves = tuple(TensorMeta.of(t) for t in message.leaves)
-        return MessageMeta(message.form, leaves, message.grads, tuple(wire_of(codec, m) for m in leaves))
-
-    @cached_property
-    def payloads(self) -> tuple[TensorMeta, ...]:
-        """Every payload's spec, in order (what the receiver allocates); computed once per meta."""
-        return tuple(p for wire in self.wire for p in wire)
-
-    @cached_property
-    def grad_metas(self) -> tuple[TensorMeta, ...]:
-        """Shape and dtype of each gradient of the backward message, in leaf order; computed once per meta."""
-        return tuple(m for m, g in zip(self.leaves, self.grads, strict=True) if g)
-
-    def grad_payloads(self, codec: Codec | None) -> tuple[TensorMeta, ...]:
-        """The payload specs of the backward message sent with `codec` (computed once per meta and codec)."""
-        cached = self.__dict__.get("_grad_payloads")
-        if cached is None or cached[0] is not codec:
-            cached = (codec, tuple(p for m in self.grad_metas for p in wire_of(codec, m)))
-            self.__dict__["_grad_payloads"] = cached
-        return cached[1]
-
-    def matches(self, message: Message) -> bool:
-        """Whether `message` has exactly this form, these leaf shapes and dtypes and these gradient leaves
-        (a cheap check for steps whose shapes were learned; `difference` says what differs)."""
-        leaves = message.leaves
-        if message.grads != self.grads or message.form != self.form or len(leaves) != len(self.leaves):
-            return False
-        for tensor, meta in zip(leaves, self.leaves, strict=True):
-            if tensor.dtype != meta.dtype or tensor.shape != meta.shape:
-                return False
-        return True
-
-    def to_json(self) -> str:
-        """A compact JSON text."""
-        def spec(m: TensorMeta) -> list[Any]:
-            return [list(m.shape), dtype_name(m.dtype)]
-
-        return json.dumps([self.form.to_json(), [[*spec(m), g, [spec(p) for p in w]] for m, g, w
-                                                 in zip(self.leaves, self.grads, self.wire, strict=True)]])
-
-    @staticmethod
-    def from_json(text: str, where: str) -> MessageMeta:
-        """Inverse of `to_json`; `where` names the receive in errors."""
-        def spec(shape: list[int], dtype: str) -> TensorMeta:
-            return TensorMeta(tuple(int(d) for d in shape), parse_dtype(dtype, where))
-
-        form, leaves = json.loads(text)
-        return MessageMeta(Form.from_json(form), tuple(spec(shape, dtype) for shape, dtype, _, _ in leaves),
-                           tuple(bool(g) for _, _, g, _ in leaves),
-                           tuple(tuple(spec(*p) for p in wire) for _, _, _, wire in leaves))
-
-    def difference(self, other: MessageMeta, root: str) -> str:
-        """'' when equal, else what differs first, naming the leaf's path below `root`."""
-        if self.form != other.form or len(self.leaves) != len(other.leaves):
-            return (f"the output {root} has the form {other.form.to_json()} but {self.form.to_json()} "
-                    "was expected")
-        for i, (want, got) in enumerate(zip(self.leaves, other.leaves, strict=True)):
-            if want != got:
-                return f"the output {self.form.path(i, root)} has shape {got} but {want} was expected"
-        if self.grads != other.grads:
-            paths = [self.form.path(i, root) for i, g in enumerate(self.grads) if g]
-            return (f"{root}: the leaves that require grad changed (expected exactly {paths}); whether an "
-                    "output requires grad must not change between steps with equal input shapes")
-        return ""
 
 
 class MetaBoard:
@@ -179,13 +75,14 @@ class Mailroom:
         self.gradient_codec = None if isinstance(gradient_codec, IdentityCodec) else gradient_codec
 
     def _encode(self, codec: Codec | None, leaves: list[Tensor], wire: tuple[tuple[TensorMeta, ...], ...],
-                where: str) -> list[Tensor]:
-        """The payloads of `leaves` (detached), checked against their wire format."""
+                coded: tuple[bool, ...] | None, where: str) -> list[Tensor]:
+        """The payloads of `leaves` (detached), checked against their wire format; `coded[i]`: leaf i goes
+        through the codec (None: every floating leaf does)."""
         if codec is None:
             return leaves
         out: list[Tensor] = []
-        for leaf, want in zip(leaves, wire, strict=True):
-            if not leaf.is_floating_point():
+        for i, (leaf, want) in enumerate(zip(leaves, wire, strict=True)):
+            if not (leaf.is_floating_point() if coded is None else coded[i]):
                 out.append(leaf)
                 continue
             payloads = codec.encode(leaf)
@@ -199,16 +96,31 @@ class Mailroom:
         return out
 
     def _decode(self, codec: Codec | None, payloads: list[Tensor], metas: tuple[TensorMeta, ...],
-                wire: tuple[tuple[TensorMeta, ...], ...]) -> list[Tensor]:
-        """The leaves rebuilt from their received payloads."""
+                wire: tuple[tuple[TensorMeta, ...], ...], coded: tuple[bool, ...] | None) -> list[Tensor]:
+        """The leaves rebuilt from their received payloads (`coded` as in `_encode`)."""
         if codec is None:
             return payloads
         leaves, at = [], 0
-        for meta, specs in zip(metas, wire, strict=True):
+        for i, (meta, specs) in enumerate(zip(metas, wire, strict=True)):
             mine = payloads[at:at + len(specs)]
             at += len(specs)
-            leaves.append(codec.decode(mine, meta) if meta.dtype.is_floating_point else mine[0])
+            use = meta.dtype.is_floating_point if coded is None else coded[i]
+            leaves.append(codec.decode(mine, meta) if use else mine[0])
         return leaves
+
+    def _meta(self, message: Message, where: str) -> MessageMeta:
+        """The meta of an outgoing message: a leaf the codec may encode goes exactly instead when it holds
+        NaN, inf or a float extreme now (one count per such leaf, read at once: only when shapes are
+        learned), reported to the watch."""
+        codec, exact = self.activation_codec, [False] * len(message.leaves)
+        for i, (leaf, grad) in enumerate(zip(message.leaves, message.grads, strict=True)):
+            if encodes(codec, TensorMeta.of(leaf), grad):
+                count = int(extremes(leaf))
+                exact[i] = count > 0
+                if count and self.watch is not None and codec is not None:
+                    self.watch.kept_exact(codec, leaf, count, f"rank {self.rank}: {where}",
+                                          paths(message.form, "out")[i])
+        return MessageMeta.of(message, codec, exact)
 
     # ---------------------------------------------------------------- forward messages
     def hand_on(self, ctx: StepContext, stage: int, mb: int, message: Message) -> None:
@@ -218,25 +130,29 @@ class Mailroom:
         if self.layout.peer(stage, backward=False) < 0:
             ctx.local_fwd[(nxt, mb)] = Message(message.form, detached, message.grads)
             return
+        where = f"stage {stage} microbatch {mb}"
         expected = None if ctx.learning else ctx.shapes.get((nxt, mb))
         if expected is not None and expected.matches(message):
             meta = expected  # shapes learned: nothing to build or announce
+        elif ctx.learning:
+            meta = self._meta(message, where)
+            ctx.shapes[(nxt, mb)] = meta
+            self.board.announce(ctx.step, nxt, mb, meta)
         else:
-            meta = MessageMeta.of(message, self.activation_codec)
-            if ctx.learning:
-                ctx.shapes[(nxt, mb)] = meta
-                self.board.announce(ctx.step, nxt, mb, meta)
-            else:
-                problem = "no message was announced" if expected is None else expected.difference(meta, "out")
-                raise ActivationShapeError(
-                    f"stage {stage} microbatch {mb}: {problem or 'the message changed'} (announced the first "
-                    "time these input shapes were seen; a stage's output shapes must depend only on its input "
-                    "shapes)")
+            problem = ("no message was announced" if expected is None else
+                       expected.difference(MessageMeta.of(message), "out"))
+            raise ActivationShapeError(
+                f"{where}: {problem or 'the message changed'} (announced the first time these input shapes "
+                "were seen; a stage's output shapes must depend only on its input shapes)")
         if ctx.train:
             ctx.out_meta[(stage, mb)] = meta
-        ctx.outbox[(Op.SEND_F, stage, mb)] = (
-            detached if self.activation_codec is None else
-            self._encode(self.activation_codec, detached, meta.wire, f"stage {stage} microbatch {mb}"))
+        if self.activation_codec is None:
+            ctx.outbox[(Op.SEND_F, stage, mb)] = detached
+            return
+        ctx.outbox[(Op.SEND_F, stage, mb)] = self._encode(self.activation_codec, detached, meta.wire,
+                                                          meta.coded, where)
+        if meta.held_back and self.watch is not None:
+            self.watch.exact_sends += meta.held_back
 
     def expect_input(self, ctx: StepContext, action: Action) -> None:
         """RECV_F: queue the receive; its payloads' shapes come from the cache or the announcement."""
@@ -270,8 +186,8 @@ class Mailroom:
             return ctx.local_fwd.pop((stage, mb))
         payloads = self.transport.take((Op.RECV_F, stage, mb), consumer)
         meta = ctx.shapes[(stage, mb)]
-        return Message(meta.form, self._decode(self.activation_codec, payloads, meta.leaves, meta.wire),
-                       meta.grads)
+        return Message(meta.form, self._decode(self.activation_codec, payloads, meta.leaves, meta.wire,
+                                               meta.coded), meta.grads)
 
     # ---------------------------------------------------------------- backward messages
     def hand_back(self, ctx: StepContext, stage: int, mb: int, grads: list[Tensor]) -> None:
@@ -285,7 +201,7 @@ class Mailroom:
             ctx.outbox[(Op.SEND_B, stage, mb)] = grads
         else:
             wire = tuple(wire_of(self.gradient_codec, TensorMeta.of(g)) for g in grads)
-            ctx.outbox[(Op.SEND_B, stage, mb)] = self._encode(self.gradient_codec, grads, wire,
+            ctx.outbox[(Op.SEND_B, stage, mb)] = self._encode(self.gradient_codec, grads, wire, None,
                                                               f"stage {stage} microbatch {mb} (gradients)")
 
     def expect_grads(self, ctx: StepContext, action: Action) -> None:
@@ -315,7 +231,7 @@ class Mailroom:
             if self.gradient_codec is None:
                 return payloads
             wire = tuple(wire_of(self.gradient_codec, m) for m in metas)
-            return self._decode(self.gradient_codec, payloads, metas, wire)
+            return self._decode(self.gradient_codec, payloads, metas, wire, None)
         if (stage, mb) not in ctx.local_grad:
             raise PipelineError(f"rank {self.rank}: {consumer} runs before stage {nxt}'s backward of "
                                 f"microbatch {mb} produced its gradient")

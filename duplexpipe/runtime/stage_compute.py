@@ -75,9 +75,11 @@ class StageCompute:
     """Runs one stage's module: forward, loss, backward (full or split into I and W)."""
 
     def __init__(self, stage: int, module: nn.Module, autocast_dtype: torch.dtype | None,
-                 count_saved: bool = False) -> None:
+                 count_saved: bool = False, part: int | None = None) -> None:
         self.stage = stage
         self.module = module
+        self.name = f"stage {stage}" + (f" (model part {part})" if part is not None else "")
+        """How errors name this stage."""
         self.autocast_dtype = autocast_dtype
         self.meter = SavedBytes(module.parameters()) if count_saved else None
         """Counts what each training forward keeps for backward (None: not counted)."""
@@ -96,7 +98,7 @@ class StageCompute:
 
     def forward(self, message: Message, microbatch: int, train: bool) -> tuple[list[Tensor], Any]:
         """Run the module on the message (a tuple/list as positional arguments, a dict as keyword
-        arguments); returns (the input leaves that require grad, the module's output)."""
+        arguments, or whole: `structure.call`); returns (the input leaves that require grad, the output)."""
         leaves = [t.detach() for t in message.leaves]
         wanted = []
         if train:
@@ -104,9 +106,9 @@ class StageCompute:
                 if grad:
                     wanted.append(leaf.requires_grad_(True))
         if self.autocast_dtype is None:
-            return wanted, call(self.module, message.form, leaves)
+            return wanted, call(self.module, message.form, leaves, self.name)
         with self._autocast(leaves[0].device):
-            out = call(self.module, message.form, leaves)
+            out = call(self.module, message.form, leaves, self.name)
         return wanted, out
 
     def message(self, out: Any, microbatch: int, train: bool) -> Message:

@@ -20,7 +20,7 @@ from duplexpipe.planner.dp_comm import COMPRESSIONS
 from duplexpipe.planner.memory import format_bytes, parse_bytes
 from duplexpipe.planner.plan import PlanConfig, PlanResult, plan
 from duplexpipe.planner.profile import Profile, balanced_split
-from duplexpipe.runtime.structure import call, flatten, map_leaves, split
+from duplexpipe.runtime.structure import WHOLE_MESSAGE, call, flatten, map_leaves, split
 from duplexpipe.schedules.ir import Schedule
 from duplexpipe.train.measure import Timer, profile_parts
 
@@ -82,6 +82,7 @@ class PartChain(nn.Module):
     def __init__(self, parts: Sequence[nn.Module]) -> None:
         super().__init__()
         self.parts = nn.ModuleList(parts)
+        setattr(self, WHOLE_MESSAGE, getattr(parts[0], WHOLE_MESSAGE, False))  # called as its first part is
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         out = self.parts[0](*args, **kwargs)

@@ -1,8 +1,12 @@
-"""Tests for duplexpipe.model.split: balancing, errors and the partition report."""
+"""Tests for duplexpipe.model.split: balancing, errors, the partition report, and (one spawn of 2 gloo ranks)
+Pipeline.from_layers handing tuples, dicts and nested structures from layer to layer as nn.Sequential does."""
 
 from __future__ import annotations
 
+import copy
 import itertools
+from collections import OrderedDict
+from typing import Any
 
 import pytest
 import torch
@@ -19,7 +23,9 @@ from duplexpipe.model.split import (
     split_model,
     uniform_balance,
 )
-from duplexpipe.schedules.registry import build
+from duplexpipe.runtime.structure import WHOLE_MESSAGE, call, flatten
+from duplexpipe.schedules.registry import build, names
+from duplexpipe.train.trainer import Pipeline, PipelineConfig
 
 
 def _mlp(widths: list[int]) -> nn.Sequential:
@@ -144,3 +150,154 @@ def test_meta_layers_split_by_params_but_not_by_time() -> None:
     assert part.balance == (3, 1) and all(p.est_time_s is None for p in part.parts)
     with pytest.raises(ValueError, match="balance='time' profiles the layers, which are on the meta device"):
         plan_partition(blocks, 2, "time", sample_input=torch.randn(2, 8))
+
+
+# ---------------------------------------------------------------- from_layers with several tensors between layers
+# One spawn of 2 gloo ranks (conftest's `results`): every registry schedule trains layers that pass a tuple
+# or a dict from one to the next, as nn.Sequential(*layers) does, against that Sequential in one process.
+WORLD = 2
+SPAWN_TIMEOUT_S = 180
+NUM_LAYERS, WIDTH, ROWS, STEPS = 6, 4, 8, 3
+"""6 layers: 2-part schedules cut after layer 2, 4-part ones after layers 1, 3 and 4."""
+
+
+class _TupleLayer(nn.Module):
+    """forward(self, inp) with `h, keep = inp`, returning (h, keep): keep (a float row mask without grad)
+    flows forward only and changes the result."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH, dtype=torch.float64)
+
+    def forward(self, inp: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        h, keep = inp
+        return h + torch.tanh(self.lin(h)) * keep, keep
+
+
+class _DictLayer(nn.Module):
+    """forward(self, inp) on {"h", "keep", "pos"} (pos: int64), returning the same keys."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH, dtype=torch.float64)
+
+    def forward(self, inp: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        h = inp["h"] + torch.tanh(self.lin(inp["h"])) * inp["keep"] + 1e-2 * inp["pos"].unsqueeze(-1)
+        return {"h": h, "keep": inp["keep"], "pos": inp["pos"]}
+
+
+class _NestedLayer(_DictLayer):
+    """forward(self, inp) on (h, {"keep": keep, "pos": [pos]}), a nested structure, returning the same."""
+
+    def forward(self, inp: Any) -> Any:  # type: ignore[override]
+        h, extras = inp
+        out = super().forward({"h": h, "keep": extras["keep"], "pos": extras["pos"][0]})
+        return out["h"], extras
+
+
+class _Unpacked(nn.Module):
+    """A part for Pipeline(parts): forward(self, h, extras) gets the nested message unpacked."""
+
+    def __init__(self, layers: list[tuple[int, nn.Module]]) -> None:
+        super().__init__()
+        self.seq = nn.Sequential(OrderedDict((f"layer{i}", m) for i, m in layers))
+
+    def forward(self, h: torch.Tensor, extras: dict[str, Any]) -> Any:
+        return self.seq((h, extras))
+
+
+def _chain_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
+    if isinstance(out, dict):
+        h, keep = out["h"], out["keep"]
+    else:
+        h, keep = out[0], (out[1] if isinstance(out[1], torch.Tensor) else out[1]["keep"])
+    return ((h - target) ** 2 * keep).mean()
+
+
+def _chain_batch(kind: str, step: int) -> tuple[Any, torch.Tensor]:
+    gen = torch.Generator().manual_seed(50 + step)
+    x = torch.randn(ROWS, WIDTH, generator=gen, dtype=torch.float64)
+    keep = (torch.arange(ROWS) % 3 != 0).to(torch.float64).unsqueeze(-1)
+    target = torch.randn(ROWS, WIDTH, generator=gen, dtype=torch.float64)
+    pos = torch.arange(ROWS) % 4
+    nested = (x, {"keep": keep, "pos": [pos]})
+    return {"tuple": (x, keep), "dict": {"h": x, "keep": keep, "pos": pos}}.get(kind, nested), target
+
+
+def _chain_layers(kind: str) -> list[nn.Module]:
+    torch.manual_seed(7)
+    layer = {"tuple": _TupleLayer, "dict": _DictLayer}.get(kind, _NestedLayer)
+    return [layer() for _ in range(NUM_LAYERS)]
+
+
+def _adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=0.05)
+
+
+def _chain_case(name: str, kind: str) -> float:
+    """The largest relative parameter difference after STEPS AdamW steps: Pipeline.from_layers vs
+    nn.Sequential(*layers) in one process (this rank's stages)."""
+    layers = _chain_layers(kind)
+    reference = nn.Sequential(OrderedDict((f"layer{i}", copy.deepcopy(m)) for i, m in enumerate(layers)))
+    ref_opt = _adamw(reference.parameters())
+    options: dict[str, Any] = {}
+    if name == "auto":  # a quick plan: one timed run per part on a counting clock, two candidates
+        ticks = itertools.count()
+        options = {"schedules": ("1f1b", "zbv"), "microbatches": (4,), "repeats": 1, "warmup": 0, "fit_rows": 0,
+                   "fused": False, "timer": lambda: next(ticks) * 1e-3}
+    sample, config = _chain_batch(kind, 0), PipelineConfig(schedule=name, num_microbatches=4, schedule_options=options)
+    if kind == "unpacked":  # Pipeline(parts), parts taking (h, extras) as two arguments
+        pipe = Pipeline([_Unpacked(list(enumerate(layers))[k * 3:k * 3 + 3]) for k in range(2)], _chain_loss, _adamw,
+                        config)
+    else:
+        pipe = Pipeline.from_layers(layers, _chain_loss, _adamw, config,
+                                    sample_input=sample[0] if name == "auto" else None,
+                                    sample_targets=sample[1] if name == "auto" else None)
+    for step in range(STEPS):
+        inputs, target = _chain_batch(kind, step)
+        pipe.step(inputs, target)
+        ref_opt.zero_grad()
+        _chain_loss(reference(inputs), target).backward()
+        ref_opt.step()
+    want = dict(reference.named_parameters())
+    worst = 0.0
+    for module in pipe.stage_state_modules.values():
+        for key, param in module.named_parameters():
+            ref = want[key[key.index("layer"):]]
+            worst = max(worst, float((param - ref).norm() / ref.norm()))
+    return worst
+
+
+def _worker(rank: int, world: int) -> dict[str, Any]:
+    out = {f"{name}/{kind}": _chain_case(name, kind) for name in names() for kind in ("tuple", "dict", "nested")}
+    out["unpacked"] = _chain_case("1f1b", "unpacked")
+    return out
+
+
+@pytest.mark.parametrize("kind", ["tuple", "dict", "nested"])
+@pytest.mark.parametrize("name", names())
+def test_from_layers_hands_tuples_and_dicts_on_as_sequential_does(results: Any, name: str, kind: str) -> None:
+    for rank, rec in enumerate(results):
+        assert rec[f"{name}/{kind}"] <= 1e-10, (rank, name, kind, rec[f"{name}/{kind}"])
+
+
+def test_pipeline_parts_get_a_nested_message_unpacked(results: Any) -> None:
+    for rank, rec in enumerate(results):  # (h, {"keep": ..., "pos": [...]}) -> part(h, extras), across ranks
+        assert rec["unpacked"] <= 1e-10, (rank, rec["unpacked"])
+
+
+def test_from_layers_parts_take_the_message_whole_and_unpacked_parts_do_not() -> None:
+    parts, _ = split_model(_chain_layers("tuple"), 2)
+    inputs, _ = _chain_batch("tuple", 0)
+    assert all(getattr(p, WHOLE_MESSAGE) for p in parts)
+    form, leaves = flatten(inputs, "inputs")
+    out = call(parts[1], form, leaves)  # a part behind a stage boundary gets the tuple whole
+    torch.testing.assert_close(out, nn.Sequential(*parts[1])(inputs), rtol=0, atol=0)
+    with pytest.raises(TypeError, match=r"stage 1: its input is a tuple of 2 tensors, passed as 2 positional "
+                                        r"arguments, but _TupleLayer.forward\(inp: .*\) does not take them"):
+        call(parts[1][0], form, leaves, "stage 1")  # a plain module: unpacked, and the arity does not fit
+
+
+def test_time_balance_profiles_layers_that_pass_a_tuple() -> None:
+    times, _, _ = profile_layers(_chain_layers("tuple"), _chain_batch("tuple", 0)[0], repeats=1)
+    assert len(times) == NUM_LAYERS and all(t > 0 for t in times)

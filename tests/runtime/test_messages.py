@@ -9,17 +9,20 @@ import torch
 import torch.distributed as dist
 
 from duplexpipe.comm.codec import CastCodec
+from duplexpipe.comm.nonfinite import NonFiniteSendError, NonFiniteWatch, extremes
+from duplexpipe.comm.p2p_codecs import Fp8RowCodec, Int8BlockCodec
 from duplexpipe.runtime.context import StepContext
-from duplexpipe.runtime.messages import Mailroom, MessageMeta, MetaBoard
+from duplexpipe.runtime.message_meta import MessageMeta, encodes
+from duplexpipe.runtime.messages import Mailroom, MetaBoard
 from duplexpipe.runtime.stage_compute import Message, TensorMeta
-from duplexpipe.runtime.structure import Form
+from duplexpipe.runtime.structure import flatten
 from duplexpipe.runtime.watchdog import ActivationShapeError, PipelineError, PipelineTimeoutError, Watchdog
 from duplexpipe.schedules.ir import Op
 from duplexpipe.schedules.layout import Layout
 from duplexpipe.schedules.lower import lower
 from duplexpipe.schedules.registry import build
 
-PAIR = Form("dict", ("h", "mask"))
+PAIR = flatten({"h": torch.zeros(1), "mask": torch.zeros(1)}, "out")[0]
 
 
 def _message(rows: int = 2, mask_dtype: torch.dtype = torch.int64) -> Message:
@@ -113,3 +116,99 @@ def test_same_rank_handoff_keeps_the_structure_and_gradient_flags() -> None:
     mail.hand_back(ctx, 2, 0, grads)
     assert mail.take_grads(ctx, 1, 0, None) is grads  # type: ignore[arg-type]
     assert not ctx.outbox and not ctx.local_fwd and not ctx.local_grad
+
+
+# ---------------------------------------------------------------- which leaves go through the activation codec
+def test_only_floating_leaves_that_carry_a_gradient_may_be_encoded() -> None:
+    codec, f32 = Int8BlockCodec(), TensorMeta((2, 4), torch.float32)
+    assert encodes(codec, f32, grad=True)
+    assert not encodes(codec, f32, grad=False)  # a float mask, positions: forward only
+    assert not encodes(codec, TensorMeta((2,), torch.int64), grad=True)
+    assert not encodes(None, f32, grad=True)
+
+
+def _masked(h: torch.Tensor, dtype: torch.dtype = torch.float32) -> Message:
+    """{"h": h (carries a gradient), "mask": an additive mask holding finfo.min (forward only)}."""
+    mask = torch.zeros(2, 4, dtype=dtype)
+    mask[:, 2:] = torch.finfo(dtype).min
+    return Message(PAIR, [h, mask], (True, False))
+
+
+def _sent(codec: Any, message: Message, watch: NonFiniteWatch, steps: int = 1) -> tuple[MessageMeta, list[Any]]:
+    """The meta rank 0 announces for `message` and what rank 1 decodes from its payloads (1F1B on 2 ranks)."""
+    store = dist.HashStore()
+    dog = Watchdog(store, "test", 0, timeout_s=0.3, poll_s=0.05)
+    mail = Mailroom(Layout.of(lower(build("1f1b", 2, 4))), 0, None, MetaBoard(store, "test", dog),  # type: ignore[arg-type]
+                    codec, codec, watch)
+    ctx = _ctx(learning=True)
+    for step in range(steps):
+        if step:
+            ctx = _ctx(learning=False, shapes=ctx.shapes)
+        mail.hand_on(ctx, 0, 0, message)
+    meta = ctx.shapes[(1, 0)]
+    payloads = ctx.outbox[(Op.SEND_F, 0, 0)]
+    return meta, mail._decode(codec, payloads, meta.leaves, meta.wire, meta.coded)
+
+
+@pytest.mark.parametrize("codec", [Int8BlockCodec(), Fp8RowCodec("e4m3")], ids=["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_forward_only_mask_travels_exactly_beside_encoded_activations(codec: Any, dtype: torch.dtype) -> None:
+    h = torch.randn(2, 4, dtype=dtype, generator=torch.Generator().manual_seed(1))
+    watch = NonFiniteWatch()
+    meta, (got_h, got_mask) = _sent(codec, _masked(h, dtype), watch)
+    assert meta.coded == (True, False) and meta.wire[1] == (TensorMeta((2, 4), dtype),)
+    assert MessageMeta.from_json(meta.to_json(), "1RECV_F0").coded == (True, False)  # announced
+    assert torch.equal(got_mask, _masked(h, dtype).leaves[1])  # bit for bit, finfo.min included
+    assert not torch.equal(got_h, h) and torch.allclose(got_h, h, rtol=0.2, atol=0.1)  # the codec did run
+    assert watch.exact_sends == 0 and watch.events == 0
+
+
+@pytest.mark.parametrize("value", [float("-inf"), float("nan"), torch.finfo(torch.float32).min, 2e38])
+def test_an_activation_holding_inf_or_a_float_extreme_is_sent_exactly_and_counted(value: float) -> None:
+    h = torch.randn(2, 4, generator=torch.Generator().manual_seed(2))
+    h[1, 3] = value
+    watch = NonFiniteWatch()
+    with pytest.warns(RuntimeWarning, match=r'rank 0: stage 0 microbatch 0: out\["h"\] holds 1 values that are '
+                                            r"NaN, inf or float extremes .* codec 'int8-block256' cannot carry"):
+        meta, (got_h, _) = _sent(Int8BlockCodec(), _masked(h), watch, steps=3)
+    assert meta.coded == (False, False) and meta.held_back == 1
+    assert torch.equal(got_h, h) or (value != value and torch.equal(got_h.isnan(), h.isnan()))
+    assert watch.exact_sends == 3  # every send of it is counted
+    assert watch.events == (0 if abs(value) < float("inf") else 1)  # NaN/inf: also a non-finite event
+
+
+def test_under_the_raise_policy_a_non_finite_activation_stops_even_when_sent_exactly() -> None:
+    h = torch.randn(2, 4)
+    h[0, 0] = float("inf")
+    with pytest.raises(NonFiniteSendError, match=r"rank 0: stage 0 microbatch 0: a tensor sent with codec "
+                                                 r"'int8-block256' held NaN or inf \(1 elements\); "
+                                                 r'out\["h"\] is sent exactly'):
+        _sent(Int8BlockCodec(), _masked(h), NonFiniteWatch("raise"))
+
+
+def test_a_large_but_ordinary_activation_is_still_encoded() -> None:
+    h = torch.randn(2, 4, generator=torch.Generator().manual_seed(3)) * 1e30  # far from float32's extremes
+    meta, (got_h, _) = _sent(Int8BlockCodec(), _masked(h), NonFiniteWatch())
+    assert meta.coded == (True, False) and (got_h - h).abs().max() <= h.abs().max() / 254 * 1.01
+    assert extremes(h).item() == 0 and extremes(_masked(h).leaves[1]).item() == 4
+
+
+@pytest.mark.parametrize("codec", [Int8BlockCodec(), Fp8RowCodec("e4m3"), Fp8RowCodec("e5m2")],
+                         ids=["int8", "fp8-e4m3", "fp8-e5m2"])
+def test_a_float_extreme_after_the_shapes_were_learned_still_decodes_finite(codec: Any) -> None:
+    """The decision is announced with the shapes; a later send of an encoded leaf holding finfo.min goes
+    through the codec, and a finite tensor always decodes finite (never inf, never NaN downstream)."""
+    h = torch.randn(2, 4, generator=torch.Generator().manual_seed(4))
+    store = dist.HashStore()
+    dog = Watchdog(store, "test", 0, timeout_s=0.3, poll_s=0.05)
+    mail = Mailroom(Layout.of(lower(build("1f1b", 2, 4))), 0, None, MetaBoard(store, "test", dog),  # type: ignore[arg-type]
+                    codec, codec, NonFiniteWatch())
+    first = _ctx(learning=True)
+    mail.hand_on(first, 0, 0, _masked(h))
+    later = _ctx(learning=False, shapes=first.shapes)
+    h[0, 1] = torch.finfo(torch.float32).min
+    mail.hand_on(later, 0, 0, _masked(h))
+    meta = first.shapes[(1, 0)]
+    got_h, _ = mail._decode(codec, later.outbox[(Op.SEND_F, 0, 0)], meta.leaves, meta.wire, meta.coded)
+    assert meta.coded == (True, False) and bool(got_h.isfinite().all())
+    assert got_h[0, 1] <= 0.99 * torch.finfo(torch.float32).min

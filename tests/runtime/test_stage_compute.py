@@ -11,13 +11,13 @@ from models import DIM, VOCAB, loss_fn, make_batch, make_parts
 from torch import nn
 
 from duplexpipe.runtime.stage_compute import Message, StageCompute, TensorMeta
-from duplexpipe.runtime.structure import Form
+from duplexpipe.runtime.structure import TENSOR, flatten
 from duplexpipe.runtime.watchdog import PipelineError
 
 
 def _grad(x: torch.Tensor) -> Message:
     """A message of one tensor that carries a gradient back (a middle stage's input)."""
-    return Message(Form("tensor"), [x], (True,))
+    return Message(TENSOR, [x], (True,))
 
 
 def test_tensor_meta_describes_shape_and_dtype() -> None:
@@ -91,10 +91,10 @@ def test_structures_flow_with_gradients_for_the_floats_that_require_grad(split: 
     stage = StageCompute(1, _TwoInTwoOut(), None)
     h, unused = torch.randn(3, DIM, dtype=torch.float64), torch.randn(3, DIM, dtype=torch.float64)
     mask = torch.tensor([1, 0, 1])
-    message = Message(Form("tuple", ("", "", "")), [h, mask, unused], (True, False, True))
+    message = Message(flatten((h, mask, unused), "in")[0], [h, mask, unused], (True, False, True))
     inputs, out = stage.forward(message, 0, train=True)
     produced = stage.message(out, 0, train=True)
-    assert produced.form == Form("dict", ("h", "g", "mask")) and produced.grads == (True, True, False)
+    assert produced.form == flatten({"h": h, "g": h, "mask": mask}, "out")[0] and produced.grads == (True, True, False)
     act = stage.keep(inputs, [t for t, g in zip(produced.leaves, produced.grads, strict=True) if g], 0)
     grads = [torch.ones_like(produced.leaves[0]), torch.ones_like(produced.leaves[1])]
     if split:

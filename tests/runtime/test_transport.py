@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 from duplexpipe.runtime.handshake import group_store
-from duplexpipe.runtime.messages import MessageMeta, MetaBoard
+from duplexpipe.runtime.message_meta import MessageMeta
+from duplexpipe.runtime.messages import MetaBoard
 from duplexpipe.runtime.stage_compute import Message, TensorMeta
 from duplexpipe.runtime.transport import Transport, key_text
 from duplexpipe.runtime.watchdog import PipelineError, Watchdog

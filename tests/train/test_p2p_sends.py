@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _executor_cases import _attempt, _inputs, stage_setup
-from models import DIM, SEQ, loss_fn, make_batch, make_parts, rel_err
+from models import DIM, SEQ, VOCAB, loss_fn, make_batch, make_parts, rel_err
 from torch import Tensor, nn
 
 from duplexpipe.comm.codec import Codec, TensorSpec
@@ -191,9 +191,55 @@ def _skip_case() -> dict[str, Any]:
     return {"skip_steps": steps, "skip_events": pipe.runtime.nonfinite.events}
 
 
+class _AttentionPart(nn.Module):
+    """forward(x, mask): one attention block under an additive float mask (B, SEQ, SEQ) holding
+    finfo(float32).min at masked keys, returning (hidden, mask); the last part returns logits. The mask
+    flows forward only, beside hidden states that carry gradients."""
+
+    def __init__(self, first: bool, last: bool) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM) if first else None
+        self.qkv = nn.Linear(DIM, 3 * DIM)
+        self.head = nn.Linear(DIM, VOCAB) if last else None
+
+    def forward(self, x: Tensor, mask: Tensor) -> Any:
+        h = self.embed(x) if self.embed is not None else x
+        q, k, v = self.qkv(h).chunk(3, dim=-1)
+        h = h + torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(DIM) + mask, dim=-1) @ v
+        return self.head(h) if self.head is not None else (h, mask)
+
+
+def _padded_causal_mask(rows: int) -> Tensor:
+    """Causal, with the first token of every other row padding: that row's first query sees no key at all
+    (softmax over finfo.min only: uniform and finite; over -inf it would be NaN)."""
+    allowed = torch.ones(SEQ, SEQ).tril().bool().expand(rows, SEQ, SEQ).clone()
+    allowed[::2, :, 0] = False
+    return torch.zeros(rows, SEQ, SEQ).masked_fill(~allowed, torch.finfo(torch.float32).min)
+
+
+MASK_STEPS = 5
+
+
+def _mask_case() -> dict[str, Any]:
+    """1F1B on 4 ranks, the attention parts above, 5 AdamW steps with each compression: the loss after them."""
+    out: dict[str, Any] = {}
+    for label in (None, "int8", "fp8"):
+        torch.manual_seed(21)
+        parts = [_AttentionPart(k == 0, k == 3) for k in range(4)]
+        config = PipelineConfig(schedule="1f1b", num_microbatches=4, p2p_compression=label)
+        pipe = Pipeline(parts, loss_fn, lambda ps: torch.optim.AdamW(ps, lr=1e-2), config)
+        for step in range(MASK_STEPS):
+            tokens, targets = make_batch(8, 30 + step)
+            loss = pipe.step((tokens, _padded_causal_mask(8)), targets)
+        out[str(label)] = {"loss": loss, "exact_sends": pipe.runtime.nonfinite.exact_sends,
+                           "bytes": pipe.p2p_meter.bytes["send"]}
+    return out
+
+
 def _worker(rank: int, world: int) -> dict[str, Any]:
     pair = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
     out: dict[str, Any] = {name: _train_case(name, rank) for name in SCHEDULES}
+    out["mask"] = _mask_case()
     out["counter"] = _counter_case(rank)
     out["skip"] = _skip_case()
     if rank < 2:  # the pair {0, 1}; the strict case leaves a receive pending on it, so it comes last
@@ -265,6 +311,21 @@ def test_an_fp16_overflow_with_fp8_sends_is_skipped_everywhere_then_training_goe
     for rank, rec in enumerate(results):
         assert rec["skip"]["skip_steps"] == [(True, False, True), (False, True, True)], (rank, rec["skip"])
         assert rec["skip"]["skip_events"] >= 1, (rank, rec["skip"])  # every rank sent an overflowed gradient
+
+
+@pytest.mark.parametrize("label", ["int8", "fp8"])
+def test_a_finfo_min_mask_beside_compressed_activations_keeps_the_loss_finite_and_close(results: Any,
+                                                                                     label: str) -> None:
+    for rank, rec in enumerate(results):
+        got, base = rec["mask"][label], rec["mask"]["None"]
+        assert math.isfinite(got["loss"]) and math.isfinite(base["loss"]), (rank, rec["mask"])
+        assert abs(got["loss"] - base["loss"]) <= 0.05 * base["loss"], (rank, rec["mask"])
+        assert got["exact_sends"] == 0  # the mask travels exactly by rule (forward only), not as an exception
+        for name, sent in ((label, got), (None, base)):  # the hidden states encoded, the mask exact, by hand
+            hidden, mask = 2 * SEQ * DIM, 4 * 2 * SEQ * SEQ  # per microbatch of 2 rows; the mask in float32
+            coded = {None: 4 * hidden, "int8": hidden + 4 * math.ceil(hidden / 256), "fp8": hidden + 4 * 2 * SEQ}
+            per_step = 4 * (coded[name] + mask) * (rank < 3) + 4 * coded[name] * (rank > 0)
+            assert sent["bytes"] == MASK_STEPS * per_step, (rank, name, rec["mask"])
 
 
 @pytest.mark.parametrize(("options", "message"), [
