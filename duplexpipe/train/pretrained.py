@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from duplexpipe.model.hf import MODEL_TYPES, CausalLMPart, causal_lm_parts, causal_lm_targets, counted_tokens
-from duplexpipe.model.hf_files import StoredTensor, read_into, stored_tensors
+from duplexpipe.model.hf_files import INDEX_FILE, SINGLE_FILE, StoredTensor, read_into, stored_tensors
 from duplexpipe.model.state_names import part_state_keys
 
 log = logging.getLogger("duplexpipe.pretrained")
@@ -36,6 +36,25 @@ def _config_dtype(config: Any) -> torch.dtype:
     if isinstance(value, str):
         value = getattr(torch, value, None)
     return value if isinstance(value, torch.dtype) else torch.float32
+
+
+def check_model_dir(path: str | Path) -> str:
+    """The model_type of a Hugging Face model directory `from_pretrained` can load; ValueError naming what is wrong
+    (not a directory with config.json, an unsupported model_type, no safetensors weights). Reads no tensor."""
+    root = Path(path)
+    if not (root / "config.json").is_file():
+        raise ValueError(f"{path} is not a model directory (no config.json)")
+    try:
+        model_type = json.loads((root / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
+        raise ValueError(f"{root / 'config.json'} is not a JSON object ({exc})") from None
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"{path}: model_type {model_type!r} is not supported; supported: "
+                         f"{', '.join(sorted(MODEL_TYPES))}")
+    if not any((root / name).is_file() for name in (INDEX_FILE, SINGLE_FILE)):
+        raise ValueError(f"{root} holds no safetensors weights ({SINGLE_FILE} or {INDEX_FILE}); save the model with "
+                         "transformers' save_pretrained (safetensors is its default)")
+    return str(model_type)
 
 
 def _ignored(model: Any) -> re.Pattern[str]:
@@ -68,15 +87,7 @@ class PretrainedModel:
         from transformers import AutoConfig
 
         root = Path(path)
-        if not (root / "config.json").is_file():
-            raise ValueError(f"{path} is not a model directory (no config.json)")
-        try:
-            model_type = json.loads((root / "config.json").read_text(encoding="utf-8")).get("model_type")
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{root / 'config.json'} is not valid JSON ({exc})") from None
-        if model_type not in MODEL_TYPES:
-            raise ValueError(f"{path}: model_type {model_type!r} is not supported; supported: "
-                             f"{', '.join(sorted(MODEL_TYPES))}")
+        model_type = check_model_dir(root)
         config = AutoConfig.from_pretrained(str(root))
         files = stored_tensors(root)
         dtype = dtype or _config_dtype(config)
