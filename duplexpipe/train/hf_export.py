@@ -59,25 +59,25 @@ def _full(value: torch.Tensor) -> torch.Tensor:
 
 
 def export_tensors(pipe: Exportable) -> tuple[dict[str, torch.Tensor], CausalLMPart | None]:
-    """This rank's share of the model under transformers' names (first copies only, tied weights once), and one of
-    its Hugging Face parts (None when it has none)."""
+    """This rank's share of the model under transformers' names (first copies only, tied weights once; CPU tensors
+    may be the parameters themselves: use them inside `pipe.dp.full_parameters()`), and one of its Hugging Face
+    parts (None when it has none)."""
     tensors: dict[str, torch.Tensor] = {}
     sample: CausalLMPart | None = None
     merged = pipe.auto.groups if pipe.auto is not None else None
-    with pipe.dp.full_parameters():
-        for stage, module in sorted(pipe.stage_state_modules.items()):
-            parts = hf_parts(module)
-            sample = sample or (parts[0] if parts else None)
-            if not parts:
-                raise ValueError(f"save_pretrained needs Hugging Face parts (Pipeline.from_pretrained or "
-                                 f"causal_lm_parts); stage {stage} runs a {type(module).__name__}")
-            if pipe.schedule.copy_of_stage(stage) != 0:
-                continue
-            skip = _tied_names(parts[0])
-            names = stage_state_keys(module, pipe.schedule.stages[stage].group, merged)
-            for local, value in module.state_dict().items():
-                if names[local] not in skip:
-                    tensors[names[local]] = _full(value)
+    for stage, module in sorted(pipe.stage_state_modules.items()):
+        parts = hf_parts(module)
+        sample = sample or (parts[0] if parts else None)
+        if not parts:
+            raise ValueError(f"save_pretrained needs Hugging Face parts (Pipeline.from_pretrained or "
+                             f"causal_lm_parts); stage {stage} runs a {type(module).__name__}")
+        if pipe.schedule.copy_of_stage(stage) != 0:
+            continue
+        skip = _tied_names(parts[0])
+        names = stage_state_keys(module, pipe.schedule.stages[stage].group, merged)
+        for local, value in module.state_dict().items():
+            if names[local] not in skip:
+                tensors[names[local]] = _full(value)
     return tensors, sample
 
 
@@ -111,6 +111,20 @@ def _write_config(root: Path, part: CausalLMPart, dtype: torch.dtype, source: st
             shutil.copyfile(src, root / name)
 
 
+def _write(pipe: Exportable, root: Path, tensors: dict[str, torch.Tensor], part: CausalLMPart) -> None:
+    """This pipeline rank's shard (collective over the pipeline group of replica 0); its first rank: the rest."""
+    group = pipe.groups.pp_group
+    mapping = _file_index(sorted(tensors), group) if dist.is_initialized() else dict.fromkeys(tensors, 1)
+    lead = not dist.is_initialized() or dist.get_rank(group) == 0
+    if lead:
+        _clear(root)
+    dtype = next(iter(tensors.values())).dtype if tensors else torch.float32
+    dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(str(root), fqn_to_index_mapping=mapping),
+             process_group=group, no_dist=not dist.is_initialized())
+    if lead:
+        _write_config(root, part, dtype, pipe.source_dir)
+
+
 def save_pretrained(pipe: Exportable, path: str) -> None:
     """Write `path` as a Hugging Face model directory: `AutoModelForCausalLM.from_pretrained(path)` loads it as is.
 
@@ -118,18 +132,9 @@ def save_pretrained(pipe: Exportable, path: str) -> None:
     `model-0000k-of-0000N.safetensors` (with torch.distributed.checkpoint's Hugging Face writer), its first rank
     the index, config.json and the source's tokenizer and generation files.
     """
-    tensors, part = export_tensors(pipe)
-    if pipe.groups.dp_rank == 0 and part is not None:
-        group = pipe.groups.pp_group
-        mapping = _file_index(sorted(tensors), group) if dist.is_initialized() else dict.fromkeys(tensors, 1)
-        root = Path(path)
-        lead = not dist.is_initialized() or dist.get_rank(group) == 0
-        if lead:
-            _clear(root)
-        dtype = next(iter(tensors.values())).dtype if tensors else torch.float32
-        dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(str(root), fqn_to_index_mapping=mapping),
-                 process_group=group, no_dist=not dist.is_initialized())
-        if lead:
-            _write_config(root, part, dtype, pipe.source_dir)
+    with pipe.dp.full_parameters():
+        tensors, part = export_tensors(pipe)
+        if pipe.groups.dp_rank == 0 and part is not None:
+            _write(pipe, Path(path), tensors, part)
     if dist.is_available() and dist.is_initialized():
         pipe.bounded(dist.barrier(async_op=True), "the end of save_pretrained")

@@ -20,7 +20,8 @@ OPTIONS = {"n_layer": 2, "d_model": 16, "n_head": 2, "block_size": 16}
 RUN = {"schedule": "1f1b", "ranks": 2, "microbatches": 2, "batch_size": 8, "steps": 12, "save_every": 3,
        "log_every": 0, "tensorboard": False, "timeout_s": 60.0}
 """PP=2, 1F1B, 12 steps, a checkpoint every 3."""
-KILL_STEP = 7
+KILL_STEP = 6
+"""0-based: rank 1 dies fetching the batch of step 7 (after the checkpoint of step 6)."""
 
 
 def _flags() -> list[str]:

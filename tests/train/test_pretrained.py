@@ -30,6 +30,8 @@ from torch import nn  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from duplexpipe.parallel.mesh import make_mesh  # noqa: E402
+from duplexpipe.parallel.zero_config import ZeroOptions  # noqa: E402
+from duplexpipe.train.checkpoint import read_checkpoint  # noqa: E402
 from duplexpipe.train.pretrained import PretrainedModel  # noqa: E402
 from duplexpipe.train.trainer import Pipeline, PipelineConfig  # noqa: E402
 
@@ -37,8 +39,9 @@ ROUND_TRIPS = [("llama", "1f1b"), ("llama", "dualpipe"), ("llama", "dualpipev"),
                ("gpt2", "dualpipe"), ("gpt2", "dualpipev"), ("mistral", "1f1b"), ("qwen2", "1f1b"),
                ("qwen3", "1f1b")]
 """(architecture, schedule) loaded with from_pretrained and saved with save_pretrained, untrained."""
-FINE_TUNES = {"llama": ("1f1b", 2, 1, True), "gpt2": ("dualpipe", 2, 1, False), "llama-dp2": ("1f1b", 1, 2, True)}
-"""name -> (schedule, pp, dp, padded): five AdamW steps, then save_pretrained."""
+FINE_TUNES = {"llama": ("1f1b", 2, 1, True, 0), "gpt2": ("dualpipe", 2, 1, False, 0),
+              "llama-dp2": ("1f1b", 1, 2, True, 0)}
+"""name -> (schedule, pp, dp, padded, zero stage): five AdamW steps, then save_pretrained."""
 STEPS, ROWS, LR = 5, 8, 1e-2
 TEXT = "In the beginning God created the heaven and the earth.\n"
 
@@ -89,9 +92,10 @@ def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
     for arch, schedule in ROUND_TRIPS:
         pipe = Pipeline.from_pretrained(base / arch, _adamw, PipelineConfig(schedule, 4))
         pipe.save_pretrained(base / f"rt-{arch}-{schedule}")
-    for name, (schedule, pp, dp, padded) in FINE_TUNES.items():
+    for name, (schedule, pp, dp, padded, zero) in FINE_TUNES.items():
         mesh = make_mesh(pp, dp) if dp > 1 else None
-        pipe = Pipeline.from_pretrained(base / name.split("-")[0], _adamw, PipelineConfig(schedule, 4), mesh=mesh)
+        pipe = Pipeline.from_pretrained(base / name.split("-")[0], _adamw, PipelineConfig(schedule, 4, zero_stage=zero),
+                                        mesh=mesh)
         rows = ROWS // dp
         lo = pipe.groups.dp_rank * rows
         losses = []
@@ -102,7 +106,29 @@ def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
         out[f"ft-{name}"] = losses
     pipe, peak = _peak_bytes(lambda: Pipeline.from_pretrained(base / "big", _adamw, PipelineConfig("1f1b", 4)))
     out["memory"] = (peak, *_own_bytes(pipe))
+    for name, config in SHARDED.items():
+        out[f"{name}_params_kept"] = _export_sharded(base, name, config)
     return out
+
+
+SHARDED = {"qwz": PipelineConfig("1f1b", 4, zero_stage=1, zero=ZeroOptions(quantized_weights=True)),
+           "zero2": PipelineConfig("1f1b", 4, zero_stage=2)}
+"""Sharded weights on PP=1 x DP=2 (float32 GPT-2): ZeRO-1 with int8 weights (qwZ: the exact weights are the
+optimizer's master shards), ZeRO-2 (FSDP2's sharded DTensors)."""
+
+
+def _export_sharded(base: Path, name: str, config: PipelineConfig) -> bool:
+    """Two steps, then save_pretrained and a checkpoint of the same moment; True when the parameters are as before
+    save_pretrained (qwZ: dequantized values, restored after exporting the masters)."""
+    pipe = Pipeline.from_pretrained(base / "gpt2", _adamw, config, mesh=make_mesh(1, 2), dtype=torch.float32)
+    for step in range(2):
+        inputs, labels = _batch(step, False)
+        lo = pipe.groups.dp_rank * ROWS // 2
+        pipe.step(inputs[lo:lo + ROWS // 2], labels[lo:lo + ROWS // 2])
+    before = [p.detach().clone() for p in pipe.params]
+    pipe.save_pretrained(base / name)
+    pipe.save(str(base / f"{name}-checkpoint"))
+    return all(torch.equal(a, b) for a, b in zip(before, pipe.params, strict=True))
 
 
 def _sources(root: Path) -> dict[str, nn.Module]:
@@ -145,6 +171,7 @@ def test_round_trip_is_bit_equal_and_loads_in_transformers(spawned: Any, arch: s
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert sorted(set(index["weight_map"].values())) == ["model-00001-of-00002.safetensors",
                                                          "model-00002-of-00002.safetensors"]  # one shard per rank
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float64"
     back = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert back.dtype == torch.float64 and type(back) is type(models[arch])
     for name, tensor in back.state_dict().items():
@@ -205,6 +232,23 @@ def test_each_rank_reads_only_its_own_parts(spawned: Any) -> None:
         assert own <= peak <= own + largest + 64 * 1024, (peak, own, largest, whole)
     _, control = _peak_bytes(lambda: transformers.AutoModelForCausalLM.from_pretrained(root / "big"))
     assert control >= whole, (control, whole)  # the measure sees a whole-model load as one
+
+
+@pytest.mark.timeout(330)
+@pytest.mark.parametrize("name", list(SHARDED))
+def test_sharded_weights_export_whole_and_exact(spawned: Any, name: str) -> None:
+    """The exported tensors are the whole, exact weights: those the checkpoint of the same moment holds (qwZ: the
+    full-precision masters, not the dequantized parameters; ZeRO-2: FSDP's shards put together)."""
+    root, models, results = spawned
+    assert all(res[f"{name}_params_kept"] for res in results), "the parameters are as before the export"
+    exported = _stored(root / name)
+    saved = {k[len("model."):]: v for k, v in read_checkpoint(str(root / f"{name}-checkpoint")).items()
+             if k.startswith("model.")}
+    assert set(exported) == set(saved) - {"lm_head.weight"}  # tied: stored once
+    for key, tensor in exported.items():
+        assert tensor.dtype == torch.float32 and torch.equal(tensor, saved[key]), key
+    start = models["gpt2"].state_dict()["transformer.h.0.mlp.c_fc.weight"].float()
+    assert not torch.equal(exported["transformer.h.0.mlp.c_fc.weight"], start)  # it trained
 
 
 def test_bad_model_directories_are_named(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
