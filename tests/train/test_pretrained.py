@@ -37,7 +37,7 @@ from duplexpipe.train.trainer import Pipeline, PipelineConfig  # noqa: E402
 
 ROUND_TRIPS = [("llama", "1f1b"), ("llama", "dualpipe"), ("llama", "dualpipev"), ("gpt2", "1f1b"),
                ("gpt2", "dualpipe"), ("gpt2", "dualpipev"), ("mistral", "1f1b"), ("qwen2", "1f1b"),
-               ("qwen3", "1f1b")]
+               ("qwen3", "1f1b"), ("llama_tied", "dualpipe")]
 """(architecture, schedule) loaded with from_pretrained and saved with save_pretrained, untrained."""
 FINE_TUNES = {"llama": ("1f1b", 2, 1, True, 0), "gpt2": ("dualpipe", 2, 1, False, 0),
               "llama-dp2": ("1f1b", 1, 2, True, 0)}
@@ -134,6 +134,7 @@ def _export_sharded(base: Path, name: str, config: PipelineConfig) -> bool:
 def _sources(root: Path) -> dict[str, nn.Module]:
     """Tiny models saved by transformers in float64 (the Llama one sharded, with a tokenizer; "big" for memory)."""
     models = {arch: BUILDERS[arch](layers=4).double() for arch in ("llama", "gpt2", "mistral", "qwen2", "qwen3")}
+    models["llama_tied"] = tiny_llama(layers=4, tie_word_embeddings=True).double()
     models["big"] = tiny_llama(layers=4, hidden_size=64, intermediate_size=128, vocab_size=512).double()
     for arch, model in models.items():
         model.save_pretrained(root / arch, max_shard_size="40KB" if arch == "llama" else "50GB")
@@ -178,6 +179,8 @@ def test_round_trip_is_bit_equal_and_loads_in_transformers(spawned: Any, arch: s
         assert torch.equal(tensor, want[name]), name
     if arch == "gpt2":
         assert back.lm_head.weight is back.transformer.wte.weight
+    if arch == "llama_tied":
+        assert back.lm_head.weight is back.model.embed_tokens.weight and "lm_head.weight" not in stored
     if arch == "llama":  # the source's tokenizer and generation files come along
         assert (out / "tokenizer.json").read_bytes() == (root / "llama" / "tokenizer.json").read_bytes()
         assert (out / "generation_config.json").is_file()
