@@ -112,7 +112,8 @@ def train_main(args: argparse.Namespace, stream: IO[str] | None = None) -> int:
         if result.partition:
             out.write(f"{result.partition}\n")
         done = f"steps {result.start_step + 1}-{config.steps}" if result.start_step else f"{config.steps} steps"
-        out.write(f"{config.schedule} on {config.ranks} ranks x {config.dp} dp, {done}: loss "
+        chosen = f" (chose {result.schedule})" if config.schedule == "auto" and result.schedule else ""
+        out.write(f"{config.schedule}{chosen} on {config.ranks} ranks x {config.dp} dp, {done}: loss "
                   f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f}, {result.items_per_s:,.0f} items/s, "
                   f"{result.wall_s:.1f}s\n")
         if result.send_bytes:

@@ -81,6 +81,8 @@ class TrainResult:
     """Steps already done when this run started (from `resume`)."""
     send_bytes: float = 0.0
     """Rank 0's mean payload bytes per stage-to-stage SEND on the wire (`Pipeline.p2p_meter`; 0: it sent none)."""
+    schedule: str = ""
+    """The schedule that ran (schedule "auto": the planner's choice)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -246,7 +248,7 @@ def _train_rank(config: TrainConfig) -> TrainResult | None:
     partition = str(pipe.partition) if pipe.partition is not None else ""
     sends = pipe.p2p_meter.calls.get("send", 0)
     send_bytes = pipe.p2p_meter.bytes.get("send", 0.0) / sends if sends else 0.0
-    return TrainResult(losses, rate, timeline, partition, wall, config, start, send_bytes)
+    return TrainResult(losses, rate, timeline, partition, wall, config, start, send_bytes, pipe.schedule.name)
 
 
 def _loop(pipe: Pipeline, task: TrainTask, config: TrainConfig, start: int, metrics: MetricsLog | None,

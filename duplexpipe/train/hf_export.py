@@ -90,9 +90,10 @@ def _file_index(keys: list[str], group: Any) -> dict[str, int]:
 
 
 def _clear(root: Path) -> None:
-    """Remove the safetensors files and index a previous save left (their names may not be rewritten)."""
+    """Remove the model files and index a previous save left (their names may not be rewritten); other safetensors
+    files (adapters, ...) stay."""
     root.mkdir(parents=True, exist_ok=True)
-    for old in [*root.glob("*.safetensors"), root / INDEX_FILE]:
+    for old in [*root.glob("model*.safetensors"), root / INDEX_FILE]:
         if old.is_file():
             old.unlink()
 

@@ -53,20 +53,23 @@ def test_bad_options_are_named(model_dir: Path) -> None:
 
 @pytest.mark.timeout(300)
 def test_train_then_load_back_in_transformers(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """duplexpipe train --task hf ... --save-pretrained tuned; then AutoModelForCausalLM.from_pretrained("tuned")."""
+    """duplexpipe train --task hf ... --save-pretrained tuned; then AutoModelForCausalLM.from_pretrained("tuned").
+    With --schedule auto: the planner may merge the model's parts, and the export names them as the model does."""
     monkeypatch.chdir(model_dir)
     import argparse
 
     parser = argparse.ArgumentParser()
     add_train_arguments(parser)
     args = parser.parse_args(["--task", "hf", "--task-option", "model=tiny", "--task-option", "data=data.txt",
-                              "--task-option", "seq=16", "--schedule", "1f1b", "--ranks", "2", "--microbatches", "2",
+                              "--task-option", "seq=16", "--schedule", "auto", "--memory-limit", "1GiB", "--ranks", "2",
+                              "--microbatches", "2",
                               "--batch-size", "4", "--steps", "3", "--log-every", "0", "--no-tensorboard",
                               "--save-pretrained", "tuned"])
     out = io.StringIO()
     assert train_main(args, out) == 0
-    assert "1f1b on 2 ranks x 1 dp, 3 steps" in out.getvalue()
-    tuned = transformers.AutoModelForCausalLM.from_pretrained(model_dir / "tuned")
+    assert "auto (chose " in out.getvalue() and "on 2 ranks x 1 dp, 3 steps" in out.getvalue()
+    tuned, info = transformers.AutoModelForCausalLM.from_pretrained(model_dir / "tuned", output_loading_info=True)
+    assert not any(info.values()), info  # every tensor in the files, none left over
     source = transformers.AutoModelForCausalLM.from_pretrained(model_dir / "tiny")
     assert type(tuned) is type(source) and tuned.dtype == source.dtype
     moved = [rel(tuned.state_dict()[k], v) for k, v in source.state_dict().items()]
