@@ -135,7 +135,8 @@ def load_checkpoint(pipe: Checkpointable, path: str) -> None:
     model, optim = keys.to_global(model_sd, optim_sd, loading=True)
     check_names(pipe, path, stored, model, optim)
     check_scheduler(path, stored, pipe.scheduler is not None)
-    same = _saved_layout(path) == layout(pipe)
+    saved = _saved_layout(path)
+    same = saved == layout(pipe)
     state: dict[str, Any] = {"model": model, "optim": optim, "trainer": trainer_state(pipe, False)}
     if same:
         state["rng"] = rng_state()
@@ -151,17 +152,17 @@ def load_checkpoint(pipe: Checkpointable, path: str) -> None:
     pipe.dp.load_checkpoint_dicts(modules, model_sd, optim_sd)
     set_trainer_state(pipe, state["trainer"])
     if not same:
-        _warn_reset(pipe, path, stored)
+        _warn_reset(pipe, path, stored, saved)
 
 
-def _warn_reset(pipe: Checkpointable, path: str, stored: dict[str, Any]) -> None:
+def _warn_reset(pipe: Checkpointable, path: str, stored: dict[str, Any], saved: str) -> None:
     """One warning (from global rank 0) naming the per-rank state a layout change reset."""
     reset = ["the random-number generators of every rank (dropout streams)"]
     if any(k.startswith("dp.") for k in stored) or pipe.dp.state_dict():
         reset.append(f"the data-parallel strategy's state ({pipe.dp.name}: error-feedback residuals and "
                      "compressor state) of every rank")
     if rank() == 0:
-        warnings.warn(f"checkpoint {path} was saved with another layout ({_saved_layout(path)}; now "
+        warnings.warn(f"checkpoint {path} was saved with another layout ({saved}; now "
                       f"{layout(pipe)}): parameters, optimizer and trainer state were loaded; reset "
                       + " and ".join(reset), UserWarning, stacklevel=3)
 
