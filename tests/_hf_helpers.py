@@ -47,6 +47,12 @@ def tiny_qwen2(layers: int = 4, seed: int = 0) -> nn.Module:
     return _seeded(lambda: transformers.Qwen2ForCausalLM(cfg), seed)
 
 
+def tiny_qwen3(layers: int = 4, seed: int = 0) -> nn.Module:
+    """A Qwen3ForCausalLM (per-head q/k norms in the attention)."""
+    cfg = transformers.Qwen3Config(**_SMALL, num_hidden_layers=layers, head_dim=8, attn_implementation="sdpa")
+    return _seeded(lambda: transformers.Qwen3ForCausalLM(cfg), seed)
+
+
 def tiny_gpt2(layers: int = 8, seed: int = 0, **overrides: Any) -> nn.Module:
     """A GPT2LMHeadModel (head tied to the token embedding unless overridden), dropout off."""
     cfg = transformers.GPT2Config(**{"n_layer": layers, "n_embd": 32, "n_head": 4, "vocab_size": VOCAB,
@@ -56,7 +62,7 @@ def tiny_gpt2(layers: int = 8, seed: int = 0, **overrides: Any) -> nn.Module:
 
 
 BUILDERS = {"llama": tiny_llama, "llama-eager": lambda **kw: tiny_llama(attn="eager", **kw),
-            "mistral": tiny_mistral, "qwen2": tiny_qwen2, "gpt2": tiny_gpt2}
+            "mistral": tiny_mistral, "qwen2": tiny_qwen2, "qwen3": tiny_qwen3, "gpt2": tiny_gpt2}
 """Every supported architecture, by test id."""
 
 
@@ -98,3 +104,15 @@ def rel(got: Tensor, want: Tensor) -> float:
     """Norm-wise relative error in float64."""
     got, want = got.detach().double(), want.detach().double()
     return float((got - want).norm() / want.norm())
+
+
+def char_tokenizer(text: str) -> Any:
+    """A character-level fast tokenizer over `text`'s characters (ids below VOCAB), built locally."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    chars = sorted(set(text))
+    vocab = {"<unk>": 0, **{c: i + 1 for i, c in enumerate(chars)}}
+    assert len(vocab) <= VOCAB, len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")

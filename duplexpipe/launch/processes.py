@@ -22,10 +22,14 @@ import torch
 import torch.distributed as dist
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
+"""torchrun's count of restarts of the worker group (0 on the first attempt)."""
+AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
+"""Set to "True" by torchrun when its agent hosts the store at MASTER_ADDR:MASTER_PORT for every attempt."""
 GRACE_S = 10.0
 """After a rank fails, how long to wait for the rank it blames (or any rank) to report its own error."""
 _BLAME = re.compile(r"\brank (\d+) (?:rejected|failed)\b")
-_STORE_PREFIX = "duplexpipe/failures/"
+_STORE_PREFIX = "duplexpipe/attempt{attempt}/"
 log = logging.getLogger("duplexpipe.launch")
 
 
@@ -125,10 +129,34 @@ def launched_by_torchrun() -> bool:
     return all(v in os.environ for v in TORCHRUN_VARS)
 
 
+def restart_attempt() -> int:
+    """Which attempt of a torchrun job this is (TORCHELASTIC_RESTART_COUNT; 0 on the first and outside torchrun)."""
+    text = os.environ.get(RESTART_ENV, "0").strip() or "0"
+    if not text.isdigit():
+        raise ValueError(f"${RESTART_ENV} must be a count, got {text!r}")
+    return int(text)
+
+
+def attempt_store(timeout_s: float) -> dist.Store:
+    """A client of torchrun's agent store with keys under a prefix of this restart attempt.
+
+    The agent's store outlives its workers: after a restart, torch 2.13's env:// rendezvous reads the dead
+    attempt's keys (addresses of exited workers) and fails or hangs (pytorch/pytorch#167288 reports the same
+    for NCCL). A prefix per attempt keeps each attempt to its own keys; every wait is bounded by `timeout_s`.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          world_size=int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(_STORE_PREFIX.format(attempt=restart_attempt()) + "pg/", store)
+
+
 def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> tuple[int, int]:
     """Initialise the default process group from the environment (env:// rendezvous, as torchrun sets it).
 
-    Returns (rank, world_size). With NCCL the current CUDA device becomes LOCAL_RANK.
+    Under torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE) the ranks meet on keys of their own restart
+    attempt (`attempt_store`), so workers restarted by `torchrun --max-restarts N` rendezvous again; every wait
+    (the store, the group's collectives) is bounded by `timeout_s`. Returns (rank, world_size). With NCCL the
+    current CUDA device becomes LOCAL_RANK.
     """
     missing = [v for v in TORCHRUN_VARS if v not in os.environ]
     if missing:
@@ -137,8 +165,12 @@ def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> tuple
     if backend == "nccl":
         torch.cuda.set_device(cuda_device_for(int(os.environ.get("LOCAL_RANK", "0"))))
     if not dist.is_initialized():
-        dist.init_process_group(backend, init_method="env://",
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if os.environ.get(AGENT_STORE_ENV, "").lower() == "true":
+            dist.init_process_group(backend, store=attempt_store(timeout_s), rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+        else:
+            dist.init_process_group(backend, init_method="env://", timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -347,19 +379,21 @@ def run(
     backend: str | None = None,
     timeout_s: float | None = None,
     start_method: str | None = None,
+    comm_timeout_s: float = 300.0,
 ) -> list[Any]:
     """Run `fn(*args)` on every rank: in place under torchrun, else in `nprocs` local processes
     (started with `start_method`, see `launch`).
 
     Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set) this process is one rank:
-    the group is initialised from the environment and the list holds only this rank's result; a
+    the group is initialised from the environment (`init_from_env`, waits bounded by `comm_timeout_s`;
+    restarted attempts meet on their own keys) and the list holds only this rank's result; a
     failure is recorded for torchrun's summary (`record_failure`). The backend defaults to NCCL
     when there is a GPU for every local process, else gloo; the choice is logged.
     """
     if launched_by_torchrun():
         backend = backend or default_backend()
         _log_backend(backend, int(os.environ["WORLD_SIZE"]), "under torchrun")
-        init_from_env(backend)
+        init_from_env(backend, comm_timeout_s)
         try:
             result = [fn(*args)]
         except BaseException as exc:
@@ -374,10 +408,11 @@ def run(
 
 
 def _failure_store(timeout_s: float) -> Any:
-    """A client of the job's rendezvous store (MASTER_ADDR:MASTER_PORT) keyed under duplexpipe/failures/."""
+    """A client of the job's rendezvous store (MASTER_ADDR:MASTER_PORT) keyed under duplexpipe/attempt<n>/failures/
+    (a restarted attempt never reads a dead attempt's reports)."""
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           timeout=datetime.timedelta(seconds=timeout_s))
-    return dist.PrefixStore(_STORE_PREFIX, store)
+    return dist.PrefixStore(_STORE_PREFIX.format(attempt=restart_attempt()) + "failures/", store)
 
 
 def record_failure(exc: BaseException, rank: int, grace_s: float = GRACE_S) -> None:

@@ -18,12 +18,19 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 DEFAULT_TASK = "duplexpipe.launch.tasks.gpt:gpt_task"
 """The bundled GPT task (package data: works from an installed wheel)."""
+HF_TASK = "duplexpipe.launch.tasks.hf:hf_task"
+"""The bundled Hugging Face fine-tuning task (options model=DIR, data=FILE)."""
+TASK_ALIASES = {"gpt": DEFAULT_TASK, "hf": HF_TASK}
+"""Short names of the bundled tasks for `task`."""
 OPTIMIZERS = ("adamw", "sgd")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 PRECISIONS = ("fp32", "bf16", "fp16")
 BALANCES = ("uniform", "params", "time")
 P2P_COMPRESSIONS = ("none", "bf16", "fp8", "int8")
 """Stage-to-stage send formats: "none" (as computed) or a `duplexpipe.comm.P2P_COMPRESSION` name."""
+GRAD_COMPRESSIONS = ("none", "bf16", "fp16", "powersgd", "int8", "topk", "randomk", "threshold", "dgc")
+"""Data-parallel gradient compression methods (duplexpipe.comm.METHOD_NAMES)."""
+ZERO_STAGES = (0, 1, 2)
 
 
 @dataclass
@@ -31,11 +38,12 @@ class TrainConfig:
     """One training run; every field can be set in the TOML config file under the same name."""
 
     task: str = DEFAULT_TASK
-    """"path/to/file.py:function" or "package.module:function" returning a TrainTask."""
+    """"path/to/file.py:function" or "package.module:function" returning a TrainTask, or a bundled task: "gpt" (the
+    default) or "hf" (fine-tune a Hugging Face model directory on a text file: options model=DIR, data=FILE)."""
     task_options: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for the task function (a [task_options] table in the config file)."""
     schedule: str = "dualpipe"
-    """Schedule name from the registry."""
+    """Schedule name from the registry, or "auto" (profile, plan under `memory_limit`, run the winner)."""
     ranks: int = 4
     """Pipeline ranks (processes per data-parallel replica)."""
     dp: int = 1
@@ -65,6 +73,12 @@ class TrainConfig:
     p2p_compression: str = "none"
     """Stage-to-stage sends: "none" (as computed), "bf16", "fp8" (per-row scales) or "int8" (blockwise);
     see PipelineConfig.p2p_compression."""
+    grad_compression: str = "none"
+    """Data-parallel gradient compression: "none" (exact) or a duplexpipe.comm method name with its defaults."""
+    zero_stage: int = 0
+    """ZeRO over the data-parallel replicas: 0 none, 1 optimizer state sharded, 2 gradients too (FSDP2)."""
+    memory_limit: str | None = None
+    """schedule "auto" only: the bytes each rank may use, e.g. "2GiB" (None: no limit)."""
     grad_clip_norm: float | None = 1.0
     """Global gradient-norm clip (None, or 0 in the config file or on the command line: off)."""
     activation_checkpointing: bool = False
@@ -84,19 +98,27 @@ class TrainConfig:
     tensorboard: bool = True
     """Write TensorBoard scalars under out_dir when tensorboard is installed (skipped quietly otherwise)."""
     save: str | None = None
-    """Save checkpoints to <save>/step-NNNNNN (and the name of the latest to <save>/latest) at the end."""
+    """Save checkpoints to <save>/step-NNNNNN at the end; <save>/latest names the newest complete one (written
+    atomically once every rank finished its part)."""
     save_every: int = 0
     """Also save every N steps (0: only at the end)."""
+    keep: int = 0
+    """Keep the newest K checkpoints of `save` (0: all)."""
     resume: str | None = None
-    """Continue from this checkpoint, or from the latest one of a `save` directory."""
+    """"auto" (the default with `save`): continue from the newest complete checkpoint of `save`, or start fresh
+    when it has none (a job restarted by torchrun resumes by itself); "none": start fresh; a path: continue from
+    that checkpoint or save directory (an error when it holds none)."""
+    save_pretrained: str | None = None
+    """At the end, write the trained model here as a Hugging Face model directory (Hugging Face tasks only)."""
     timeout_s: float = 180.0
     """Runtime timeout for blocked communication, in seconds."""
 
     def __post_init__(self) -> None:
         for name in ("ranks", "dp", "microbatches", "steps", "batch_size"):
             _at_least(name, getattr(self, name), 1)
-        for name in ("warmup", "log_every", "save_every"):
+        for name in ("warmup", "log_every", "save_every", "keep"):
             _at_least(name, getattr(self, name), 0)
+        self.task = TASK_ALIASES.get(self.task, self.task)
         for name, choices in (("optimizer", OPTIMIZERS), ("lr_schedule", LR_SCHEDULES),
                               ("precision", PRECISIONS), ("balance", BALANCES),
                               ("p2p_compression", P2P_COMPRESSIONS)):
@@ -111,6 +133,22 @@ class TrainConfig:
             self.grad_clip_norm = None  # 0 turns clipping off (TOML and the CLI have no None)
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        self._check_parallelism()
+
+    def _check_parallelism(self) -> None:
+        """grad_compression, zero_stage and memory_limit: known values, and the limit only with schedule "auto"."""
+        from duplexpipe.planner.memory import parse_bytes
+
+        if self.grad_compression not in GRAD_COMPRESSIONS:
+            raise ValueError(f"grad_compression must be one of {', '.join(GRAD_COMPRESSIONS)}, "
+                             f"got {self.grad_compression!r}")
+        if self.zero_stage not in ZERO_STAGES:
+            raise ValueError(f"zero_stage must be 0, 1 or 2, got {self.zero_stage}")
+        if self.memory_limit is not None:
+            if self.schedule != "auto":
+                raise ValueError(f"memory_limit is the planner's cap for schedule 'auto', but schedule is "
+                                 f"{self.schedule!r}")
+            parse_bytes(self.memory_limit)
 
     def parts_needed(self) -> int:
         """How many model parts the schedule needs (the model needs at least that many blocks)."""

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from duplexpipe.launch.checkpoints import LATEST, checkpoint_to_load, publish, resume_from, step_name
 from duplexpipe.launch.metrics import MetricsLog, ProgressLine, log_line, tensorboard_writer
 from duplexpipe.launch.processes import run
 from duplexpipe.launch.train_config import (
@@ -29,10 +30,8 @@ from duplexpipe.parallel.mesh import make_mesh
 from duplexpipe.schedules.timeline import Timeline
 from duplexpipe.train.trainer import LossFn, Pipeline, PipelineConfig
 
-__all__ = ["DEFAULT_TASK", "TrainConfig", "TrainResult", "TrainTask", "load_task", "run_training"]
-
-LATEST = "latest"
-"""The file in a save directory that names its newest checkpoint."""
+__all__ = ["DEFAULT_TASK", "LATEST", "TrainConfig", "TrainResult", "TrainTask", "checkpoint_to_load", "load_task",
+           "run_training"]
 
 
 @dataclass
@@ -55,6 +54,11 @@ class TrainTask:
     """Items (e.g. tokens) per sample, for the throughput figure."""
     item_name: str = "samples"
     """What an item is called in the progress output."""
+    pretrained: str | None = None
+    """A Hugging Face model directory: the pipeline is `Pipeline.from_pretrained(pretrained)` (layers, embedding,
+    head and init are then unused; `batch` gives (input_ids, labels)) and `--save-pretrained` can write it back."""
+    dtype: torch.dtype | None = None
+    """The dtype of a `pretrained` model (None: the checkpoint's)."""
 
 
 @dataclass
@@ -77,6 +81,8 @@ class TrainResult:
     """Steps already done when this run started (from `resume`)."""
     send_bytes: float = 0.0
     """Rank 0's mean payload bytes per stage-to-stage SEND on the wire (`Pipeline.p2p_meter`; 0: it sent none)."""
+    schedule: str = ""
+    """The schedule that ran (schedule "auto": the planner's choice)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -151,45 +157,61 @@ def pipeline_config(config: TrainConfig) -> PipelineConfig:
     return PipelineConfig(schedule=config.schedule, num_microbatches=config.microbatches,
                           precision=config.precision, grad_clip_norm=config.grad_clip_norm,
                           activation_checkpointing=config.activation_checkpointing, timeout_s=config.timeout_s,
-                          p2p_compression=None if config.p2p_compression == "none" else config.p2p_compression)
+                          p2p_compression=None if config.p2p_compression == "none" else config.p2p_compression,
+                          grad_compression=None if config.grad_compression == "none" else config.grad_compression,
+                          zero_stage=config.zero_stage, memory_limit=config.memory_limit)
 
 
 def _build_pipeline(config: TrainConfig, task: TrainTask) -> Pipeline:
     device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
     mesh = make_mesh(config.ranks, config.dp, device_type) if config.dp > 1 else None
     pcfg = pipeline_config(config)
-    first_inputs = task.batch(0, config.batch_size)[0]  # one microbatch of it: the profiling sample
-    sample = first_inputs[: max(1, first_inputs.shape[0] // (config.microbatches * config.dp))]
+    inputs, targets = task.batch(0, config.batch_size)
+    dp_rank = dist.get_rank() % config.dp  # make_mesh: rank = pp index x dp + dp index
+    auto = config.schedule == "auto"
+    sample = {"sample_input": _local_slice(inputs, dp_rank, config.dp),
+              "sample_targets": _local_slice(targets, dp_rank, config.dp)} if auto else {}
+    if task.pretrained is not None:
+        if config.balance != "uniform":
+            raise ValueError(f"balance {config.balance!r}: a Hugging Face model's layers are spread evenly "
+                             "(balance 'uniform')")
+        return Pipeline.from_pretrained(task.pretrained, make_optimizer(config), pcfg, mesh=mesh, dtype=task.dtype,
+                                        scheduler=make_scheduler(config), **sample)
+    if not auto:  # one microbatch of step 0's batch: the profiling sample of balance="time"
+        sample = {"sample_input": inputs[: max(1, inputs.shape[0] // (config.microbatches * config.dp))]}
     return Pipeline.from_layers(task.layers, task.loss_fn, make_optimizer(config), pcfg, embedding=task.embedding,
-                                head=task.head, balance=config.balance, sample_input=sample, mesh=mesh,
-                                init=task.init, scheduler=make_scheduler(config))
-
-
-def checkpoint_to_load(path: str) -> str:
-    """The checkpoint directory `path` names: itself, or the one its `latest` file names."""
-    root = Path(path)
-    if (root / LATEST).is_file():
-        return str(root / (root / LATEST).read_text(encoding="utf-8").strip())
-    if (root / ".metadata").is_file():
-        return str(root)
-    raise ValueError(f"resume: {path} holds no checkpoint (no '{LATEST}' file and no .metadata)")
+                                head=task.head, balance=config.balance, mesh=mesh, init=task.init,
+                                scheduler=make_scheduler(config), **sample)
 
 
 def _save(pipe: Pipeline, config: TrainConfig, step: int) -> None:
+    """Save checkpoint `step`; then rank 0 names it the latest. torch.distributed.checkpoint returns on rank 0
+    only after every rank's files and the metadata are written, so `latest` never names a partial checkpoint."""
     assert config.save is not None
-    name = f"step-{step:06d}"
+    name = step_name(step)
     pipe.save(str(Path(config.save) / name))
     if dist.get_rank() == 0:
-        (Path(config.save) / LATEST).write_text(name + "\n", encoding="utf-8")
+        publish(config.save, name, config.keep)
 
 
-def _open_metrics(config: TrainConfig, lead: bool) -> MetricsLog | None:
+def _trim_metrics(path: Path, start: int) -> None:
+    """Drop the rows after step `start` (written by an attempt that crashed later than its last checkpoint)."""
+    if not path.is_file():
+        return
+    rows = [line for line in path.read_text(encoding="utf-8").splitlines()
+            if line.strip() and int(json.loads(line).get("step", 0)) <= start]
+    path.write_text("".join(row + "\n" for row in rows), encoding="utf-8")
+
+
+def _open_metrics(config: TrainConfig, lead: bool, start: int) -> MetricsLog | None:
     if not lead or config.out_dir is None:
         return None
     out = Path(config.out_dir)
     factory = tensorboard_writer() if config.tensorboard else None
+    if start:
+        _trim_metrics(out / "metrics.jsonl", start)
     return MetricsLog(out / "metrics.jsonl", tensorboard_dir=out / "tensorboard", writer_factory=factory,
-                      append=config.resume is not None)
+                      append=start > 0)
 
 
 def _train_rank(config: TrainConfig) -> TrainResult | None:
@@ -200,19 +222,25 @@ def _train_rank(config: TrainConfig) -> TrainResult | None:
         raise ValueError(f"{dist.get_world_size()} processes, but ranks x dp = {config.ranks} x {config.dp}")
     torch.manual_seed(config.seed)
     task = build_task(config)
+    if config.save_pretrained is not None and task.pretrained is None:
+        raise ValueError(f"--save-pretrained writes a Hugging Face model; task {config.task!r} trains no "
+                         "Hugging Face model (use --task hf)")
+    checkpoint = resume_from(config.resume, config.save)
     pipe = _build_pipeline(config, task)
-    if config.resume is not None:
-        pipe.load(checkpoint_to_load(config.resume))
+    if checkpoint is not None:
+        pipe.load(checkpoint)
     start = pipe.calls
     if start >= config.steps:
         raise ValueError(f"the checkpoint is at step {start}; --steps {config.steps} leaves nothing to do")
     lead = dist.get_rank() == 0
-    metrics = _open_metrics(config, lead)
+    metrics = _open_metrics(config, lead, start)
     try:
         losses, rate, wall = _loop(pipe, task, config, start, metrics, lead)
     finally:
         if metrics is not None:
             metrics.close()
+    if config.save_pretrained is not None:
+        pipe.save_pretrained(config.save_pretrained)
     last = pipe.last.timeline if pipe.last is not None else None
     timeline = gather_timeline(last, group=pipe.groups.pp_group) if last is not None else None
     if not lead:
@@ -220,7 +248,7 @@ def _train_rank(config: TrainConfig) -> TrainResult | None:
     partition = str(pipe.partition) if pipe.partition is not None else ""
     sends = pipe.p2p_meter.calls.get("send", 0)
     send_bytes = pipe.p2p_meter.bytes.get("send", 0.0) / sends if sends else 0.0
-    return TrainResult(losses, rate, timeline, partition, wall, config, start, send_bytes)
+    return TrainResult(losses, rate, timeline, partition, wall, config, start, send_bytes, pipe.schedule.name)
 
 
 def _loop(pipe: Pipeline, task: TrainTask, config: TrainConfig, start: int, metrics: MetricsLog | None,
@@ -281,7 +309,7 @@ def run_training(config: TrainConfig) -> TrainResult:
 
     Under torchrun, non-zero ranks get a TrainResult with empty losses.
     """
-    results = run(_train_rank, config.ranks * config.dp, (config,), timeout_s=None)
+    results = run(_train_rank, config.ranks * config.dp, (config,), timeout_s=None, comm_timeout_s=config.timeout_s)
     result = results[0]
     if result is None:
         return TrainResult([], 0.0, None, "", 0.0, config)

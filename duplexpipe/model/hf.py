@@ -1,4 +1,4 @@
-"""Hugging Face causal LMs as pipeline parts (Llama layout and GPT-2), with the models' own loss."""
+"""Hugging Face causal LMs as pipeline parts (Llama layout and GPT-2), with the models' own loss and names."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from duplexpipe.model.split import check_balance, check_split_size, uniform_balance
@@ -17,16 +18,21 @@ try:
         MistralForCausalLM,
         PretrainedConfig,
         Qwen2ForCausalLM,
+        Qwen3ForCausalLM,
     )
-    from transformers.loss.loss_utils import ForCausalLMLoss
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("duplexpipe.model.hf needs transformers: pip install 'duplexpipe[hf]'") from exc
 
-LLAMA_LAYOUT = (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)
+LLAMA_LAYOUT = (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)
 """Models with `model.embed_tokens`, `model.layers`, `model.norm`, `model.rotary_emb` and `lm_head`."""
 SUPPORTED = (*LLAMA_LAYOUT, GPT2LMHeadModel)
 """The model classes `causal_lm_parts` accepts."""
+MODEL_TYPES: dict[str, type[nn.Module]] = {
+    "llama": LlamaForCausalLM, "mistral": MistralForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM,
+    "gpt2": GPT2LMHeadModel,
+}
+"""config.json's `model_type` -> the causal LM class `causal_lm_parts` splits."""
 IGNORE_INDEX = -100
 """Label value that the loss skips, as in transformers."""
 _MASKS: dict[str, Callable[..., Any]] = {
@@ -45,11 +51,18 @@ class CausalLMPart(nn.Module):
     Causal masks and rotary embeddings are recomputed in every part by the library's own code, so
     the parts compute what `model(input_ids, attention_mask, position_ids, use_cache=False)` does
     (training: no KV cache; packed sequences in `position_ids` get the library's packed mask).
+    Its state keys map to the model's own (`global_state_key`: `layers.3.mlp.up_proj.weight` ->
+    `model.layers.3.mlp.up_proj.weight`), so checkpoints hold transformers' names.
     """
 
-    def __init__(self, config: PretrainedConfig, index: int, num_parts: int, layer_ids: range) -> None:
+    def __init__(self, model: Any, index: int, num_parts: int, layer_ids: range) -> None:
         super().__init__()
+        config = model.config
         self.config = config
+        self.model_class = type(model).__name__
+        """The transformers class the part was cut from (config.json's `architectures`)."""
+        self.base_prefix = str(model.base_model_prefix)
+        """Where the decoder sits in the model: "model" (Llama layout) or "transformer" (GPT-2)."""
         self.index = index
         self.num_parts = num_parts
         self.layer_ids = layer_ids
@@ -59,6 +72,11 @@ class CausalLMPart(nn.Module):
 
     def extra_repr(self) -> str:
         return f"part {self.index} of {self.num_parts}, layers {self.layer_ids.start}..{self.layer_ids.stop - 1}"
+
+    def global_state_key(self, key: str) -> str:
+        """The model's own name of this part's state key: `lm_head.*` stays, the rest is under the decoder
+        (`norm.weight` -> `model.norm.weight`; layers keep their global index)."""
+        return key if key.split(".", 1)[0] == "lm_head" else f"{self.base_prefix}.{key}"
 
     def forward(self, *args: Tensor | None, **kwargs: Tensor | None) -> Tensor | dict[str, Tensor]:
         """input_ids or hidden_states [, attention_mask [, position_ids]] -> next part's input or logits."""
@@ -121,7 +139,7 @@ class LlamaLayoutPart(CausalLMPart):
     """A part of a Llama, Mistral or Qwen2 causal LM (RMSNorm, rotary embeddings, no position table)."""
 
     def __init__(self, model: Any, index: int, num_parts: int, layer_ids: range) -> None:
-        super().__init__(model.config, index, num_parts, layer_ids)
+        super().__init__(model, index, num_parts, layer_ids)
         base = model.model
         self.embed_tokens = base.embed_tokens if self.is_first else None
         self.layers = nn.ModuleDict({str(i): base.layers[i] for i in layer_ids})
@@ -158,7 +176,7 @@ class GPT2Part(CausalLMPart):
     """A part of a GPT-2 LM (learned position table, LayerNorm, head tied to the token embedding)."""
 
     def __init__(self, model: Any, index: int, num_parts: int, layer_ids: range) -> None:
-        super().__init__(model.config, index, num_parts, layer_ids)
+        super().__init__(model, index, num_parts, layer_ids)
         if getattr(model.config, "add_cross_attention", False):
             raise ValueError("GPT-2 with add_cross_attention=True is not supported (no encoder states flow "
                              "between parts); use a decoder-only config")
@@ -191,7 +209,8 @@ class GPT2Part(CausalLMPart):
         return out
 
 
-def _num_layers(model: Any) -> int:
+def num_layers(model: Any) -> int:
+    """Decoder layers of a supported causal LM."""
     layers = model.transformer.h if isinstance(model, GPT2LMHeadModel) else model.model.layers
     return min(len(layers), int(model.config.num_hidden_layers))
 
@@ -203,14 +222,14 @@ def causal_lm_parts(model: nn.Module, num_parts: int, balance: Sequence[int] | N
     remainder) or by an explicit `balance` (layers per part). The embedding goes with the first
     part, the final norm and the head with the last. The parts share the model's modules: a tied
     input/output embedding stays one Parameter in two parts, and `Pipeline` sums its gradients.
-    Supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and GPT2LMHeadModel.
+    Supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM and GPT2LMHeadModel.
     """
     if not isinstance(model, SUPPORTED):
         names = ", ".join(cls.__name__ for cls in SUPPORTED)
         raise ValueError(f"causal_lm_parts does not support {type(model).__name__}; supported: {names}")
     if not isinstance(num_parts, int) or isinstance(num_parts, bool):
         raise ValueError(f"num_parts must be an integer, got {num_parts!r}")
-    n = _num_layers(model)
+    n = num_layers(model)
     check_split_size(n, num_parts)
     counts = uniform_balance(n, num_parts) if balance is None else check_balance(balance, n, num_parts)
     cls = GPT2Part if isinstance(model, GPT2LMHeadModel) else LlamaLayoutPart
@@ -222,21 +241,38 @@ def causal_lm_parts(model: nn.Module, num_parts: int, balance: Sequence[int] | N
     return parts
 
 
-def causal_lm_targets(labels: Tensor, ignore_index: int = IGNORE_INDEX) -> dict[str, Tensor]:
+def counted_tokens(labels: Tensor, ignore_index: int = IGNORE_INDEX) -> int:
+    """Tokens the loss counts in (batch, seq) labels: every label after the first column that is not ignored."""
+    if labels.dim() != 2:
+        raise ValueError(f"labels must be (batch, seq), got shape {tuple(labels.shape)}")
+    return int((labels[:, 1:] != ignore_index).sum())
+
+
+def causal_lm_targets(labels: Tensor, ignore_index: int = IGNORE_INDEX, *, tokens: int | None = None,
+                      rows: int | None = None) -> dict[str, Tensor]:
     """Targets for `causal_lm_loss` that weight every counted token of the batch equally.
 
     Each row carries the batch's counted-token and row totals, so the pipelined loss (microbatch
     losses weighted by their share of rows) equals the whole-batch loss even when padding with
-    `ignore_index` leaves microbatches with different token counts.
+    `ignore_index` leaves microbatches with different token counts. `tokens` and `rows` override the
+    totals (data parallelism: the job's tokens and this replica's rows times the replicas, so the mean
+    over replicas is the job's token mean).
     """
-    if labels.dim() != 2:
-        raise ValueError(f"labels must be (batch, seq), got shape {tuple(labels.shape)}")
-    tokens = int((labels[:, 1:] != ignore_index).sum())
-    if tokens == 0:
+    count = counted_tokens(labels, ignore_index) if tokens is None else tokens
+    if count == 0:
         raise ValueError(f"labels count no token: every label after the first column is {ignore_index}")
-    rows = labels.shape[0]
-    full = torch.full((rows,), 0, dtype=torch.int64, device=labels.device)
-    return {"labels": labels, "batch_tokens": full + tokens, "batch_rows": full + rows}
+    total_rows = labels.shape[0] if rows is None else rows
+    full = torch.full((labels.shape[0],), 0, dtype=torch.int64, device=labels.device)
+    return {"labels": labels, "batch_tokens": full + count, "batch_rows": full + total_rows}
+
+
+def _summed_loss(logits: Tensor, labels: Tensor, reduction: str) -> Tensor:
+    """Next-token cross entropy as transformers computes it (labels shifted left, -100 ignored), in the logits'
+    dtype when that is float32 or wider (float64 stays float64), else in float32 as transformers does."""
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1).to(logits.device)
+    return F.cross_entropy(logits.to(dtype).reshape(-1, logits.shape[-1]), shifted, ignore_index=IGNORE_INDEX,
+                           reduction=reduction)
 
 
 def causal_lm_loss(logits: Tensor, targets: Tensor | Mapping[str, Tensor]) -> Tensor:
@@ -244,17 +280,16 @@ def causal_lm_loss(logits: Tensor, targets: Tensor | Mapping[str, Tensor]) -> Te
 
     `targets` is the labels (batch, seq), unshifted: the mean over this microbatch's counted tokens
     (the pipelined loss then equals the whole-batch loss when every row counts the same number of
-    tokens), or `causal_lm_targets(labels)`: exact for any padding.
+    tokens), or `causal_lm_targets(labels)`: exact for any padding. The loss keeps the logits' dtype
+    when it is float32 or wider (transformers' own loss casts float64 logits down to float32).
     """
     if isinstance(targets, Tensor):
-        loss: Tensor = ForCausalLMLoss(logits, targets, vocab_size=logits.shape[-1], ignore_index=IGNORE_INDEX)
-        return loss
+        return _summed_loss(logits, targets, "mean")
     if not isinstance(targets, Mapping) or set(targets) != {"labels", "batch_tokens", "batch_rows"}:
         got = sorted(targets) if isinstance(targets, Mapping) else type(targets).__name__
         raise ValueError(f"targets must be labels or causal_lm_targets(labels), got {got}")
     labels = targets["labels"]
+    total = _summed_loss(logits, labels, "sum")
     # this microbatch's share of the batch's tokens, so that (rows / batch rows) * loss sums to sum / tokens
     share = targets["batch_tokens"][0].double() * labels.shape[0] / targets["batch_rows"][0].double()
-    loss = ForCausalLMLoss(logits, labels, vocab_size=logits.shape[-1], num_items_in_batch=share,
-                           ignore_index=IGNORE_INDEX)
-    return loss.float()
+    return total / share.to(total.dtype)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -290,6 +291,12 @@ class DPStrategy(ABC):
         """Take over the dicts checkpoint_dicts() made once the checkpoint has been read into them."""
         set_state_dict(modules, self.optimizer, model_state_dict=model, optim_state_dict=optim,
                        options=STATE_DICT_OPTIONS)
+
+    @contextlib.contextmanager
+    def full_parameters(self) -> Iterator[None]:
+        """Inside, the stage modules' parameters hold their exact values (to export the model; a DTensor still needs
+        `full_tensor()`); afterwards they are as before. Default: they always do."""
+        yield
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's strategy state beyond the model and optimizer ({} when none); checkpoints keep every

@@ -4,6 +4,8 @@ optimizer steps this rank's shard, and the updated shards are all-gathered into 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -126,6 +128,21 @@ class Zero1Strategy(DPStrategy):
         load_state_dict(self.sharded, optim)
         if self.sharded.own_master:  # qwZ: the weights were read into the masters; gather them as the step did
             self.sharded.gather(self.ctx.wait, draw=self.draws - 1, exact=self.draws == 0)
+
+    @contextlib.contextmanager
+    def full_parameters(self) -> Iterator[None]:
+        """qwZ: gather the exact master shards into the parameters (they hold dequantized values), restore after."""
+        if not self.sharded.own_master:
+            yield
+            return
+        kept = [p.detach().clone() for p in self.params]
+        self.sharded.gather(self.ctx.wait, exact=True)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for param, value in zip(self.params, kept, strict=True):
+                    param.copy_(value)
 
     def state_dict(self) -> dict[str, Any]:
         """The draw counter when anything goes on the wire as int8 (else nothing: the optimizer state is saved

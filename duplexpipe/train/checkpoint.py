@@ -1,176 +1,216 @@
-"""Checkpoint and resume a Pipeline with torch.distributed.checkpoint (parts, optimizer, LR scheduler, RNG and
-data-parallel strategy state per rank)."""
+"""Checkpoint and resume a pipeline with torch.distributed.checkpoint, keyed by the model's own names.
+
+Parameters and optimizer state are stored under global names (`model/state_names.py`): a checkpoint loads
+into any schedule, pipeline size, partition, data-parallel size or ZeRO stage and continues exactly. State
+tied to the layout (each rank's random-number generators, a compressing strategy's residuals) is restored
+when the layout is the same and reset, with one warning, when it is not. Nothing is pickled by us: the
+strategy state is tensors plus a JSON skeleton, and non-tensor values are read with weights_only=True
+(torch.distributed.checkpoint's own .metadata file is still a pickle: load checkpoints from trusted sources).
+"""
 
 from __future__ import annotations
 
-import contextlib
-import io
+import json
 import warnings
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-if TYPE_CHECKING:
-    from duplexpipe.train.trainer import Pipeline
+from duplexpipe.comm import compression_options
+from duplexpipe.train.checkpoint_base import (
+    Checkpointable,
+    check_between_windows,
+    check_scheduler,
+    quiet_sharded_tensor,
+    rank,
+    read_metadata,
+    rng_state,
+    set_rng_state,
+    set_trainer_state,
+    stage_dict,
+)
+from duplexpipe.train.checkpoint_legacy import is_legacy, load_legacy
+from duplexpipe.train.plain_state import WeightsOnlyLoadPlanner, decode, encode
+from duplexpipe.train.state_keys import StateKeys
+
+__all__ = ["FORMAT", "Checkpointable", "load_checkpoint", "read_checkpoint", "save_checkpoint", "state_keys"]
+
+FORMAT = 2
+"""The checkpoint format `save_checkpoint` writes (1: the stage-keyed format, which loads on its own layout)."""
 
 
-def stage_dict(pipe: Pipeline) -> nn.ModuleDict:
-    """This rank's stage modules keyed `stage<s>` (unwrapped), so every key names its stage.
-
-    Keys are unique across pipeline ranks and equal across data-parallel replicas, which
-    torch.distributed.checkpoint then stores once.
-    """
-    return nn.ModuleDict({f"stage{s}": m for s, m in sorted(pipe.stage_state_modules.items())})
+def state_keys(pipe: Checkpointable) -> StateKeys:
+    """How this rank's checkpoint dicts map to the model's global names."""
+    return StateKeys.of(pipe.stage_state_modules, pipe.schedule, pipe.auto.groups if pipe.auto else None)
 
 
-def trainer_state(pipe: Pipeline, fresh_optimizer: bool) -> dict[str, Any]:
+def layout(pipe: Checkpointable) -> str:
+    """The layout per-rank state belongs to (schedule, sizes, partition, strategy), as JSON text."""
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    balance = list(pipe.partition.balance) if pipe.partition is not None else None
+    return json.dumps({"schedule": pipe.schedule.name, "stages": pipe.schedule.num_stages,
+                       "pp": pipe.groups.pp_size, "dp": pipe.groups.dp_size, "world": world, "partition": balance,
+                       "strategy": pipe.dp.name,
+                       "compression": compression_options(pipe.config.grad_compression).method}, sort_keys=True)
+
+
+def trainer_state(pipe: Checkpointable, fresh_optimizer: bool) -> dict[str, Any]:
     """The trainer's own counters (equal on every rank), and the LR scheduler's state when there is one."""
-    state = {
-        "schedule": pipe.schedule.name,
-        "num_stages": pipe.schedule.num_stages,
-        "calls": pipe.calls,
-        "optimizer_steps": pipe.optimizer_steps,
-        "fresh_optimizer": fresh_optimizer,
-        "scaler": pipe.scaler.state_dict(),
-    }
+    state = {"format": FORMAT, "layout": layout(pipe), "calls": pipe.calls, "optimizer_steps": pipe.optimizer_steps,
+             "fresh_optimizer": fresh_optimizer, "scaler": pipe.scaler.state_dict()}
     if pipe.scheduler is not None:
         state["scheduler"] = pipe.scheduler.state_dict()
     return state
 
 
-def _check_scheduler(path: str, pipe: Pipeline) -> None:
-    """Raise ValueError (on every rank alike) when the checkpoint and the Pipeline disagree on having
-    an LR scheduler."""
-    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    saved = any(k.startswith("trainer.scheduler.") for k in stored)
-    if saved != (pipe.scheduler is not None):
-        has, lacks = ("the checkpoint", "this Pipeline") if saved else ("this Pipeline", "the checkpoint")
-        raise ValueError(f"{has} has an LR scheduler but {lacks} has none ({path}); build the Pipeline with "
-                         "the same scheduler= as the run that saved it")
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def rng_state() -> dict[str, torch.Tensor]:
-    """This process's random-number generators, keyed by its global rank (unique across ranks, so each
-    rank saves and restores its own): the torch CPU generator and every CUDA device's generator."""
-    prefix = f"rank{_rank()}"
-    state = {f"{prefix}.cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        for index, cuda_state in enumerate(torch.cuda.get_rng_state_all()):
-            state[f"{prefix}.cuda{index}"] = cuda_state
-    return state
-
-
-def set_rng_state(state: dict[str, torch.Tensor]) -> None:
-    """Restore what `rng_state` returned (after loading it from a checkpoint)."""
-    prefix = f"rank{_rank()}"
-    torch.set_rng_state(state[f"{prefix}.cpu"])
-    devices = sorted(int(k.rsplit("cuda", 1)[1]) for k in state if k.startswith(f"{prefix}.cuda"))
-    cuda = [state[f"{prefix}.cuda{index}"] for index in devices]
-    if cuda:
-        torch.cuda.set_rng_state_all(cuda)
-
-
-def dp_state(pipe: Pipeline) -> dict[str, bytes]:
-    """The data-parallel strategy's state (compression residuals, ...) keyed by this process's global rank
-    (every rank's differs), serialized with torch.save; {} when the strategy keeps none."""
+def dp_state(pipe: Checkpointable) -> dict[str, Any]:
+    """The data-parallel strategy's state (compression residuals, ...) of this rank as a JSON skeleton plus
+    tensors `t<i>`, keyed by its global rank; {} when the strategy keeps none."""
     state = pipe.dp.state_dict()
     if not state:
         return {}
-    raw = io.BytesIO()
-    torch.save(state, raw)
-    return {f"rank{_rank()}": raw.getvalue()}
+    skeleton, tensors = encode(state, f"the {pipe.dp.name} strategy's state")
+    return {f"rank{rank()}": {"skeleton": skeleton, **{f"t{i}": t for i, t in enumerate(tensors)}}}
 
 
-def set_dp_state(pipe: Pipeline, stored: dict[str, Any]) -> None:
-    """Restore what `dp_state` returned (after loading it from a checkpoint)."""
-    for raw in stored.values():
-        pipe.dp.load_state_dict(torch.load(io.BytesIO(raw), weights_only=False))
+def dp_template(stored: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """What to read this rank's `dp_state` into (from the stored entries' shapes); {} when none is stored."""
+    prefix = f"dp.rank{rank()}."
+    mine = {k[len(prefix):]: v for k, v in stored.items() if k.startswith(prefix)}
+    if not mine:
+        return {}
+    entry = {k: torch.empty(v.size, dtype=v.properties.dtype, device=device)
+             if isinstance(v, TensorStorageMetadata) else "" for k, v in mine.items()}
+    return {f"rank{rank()}": entry}
 
 
-@contextlib.contextmanager
-def _quiet_sharded_tensor() -> Iterator[None]:
-    """Hide torch's FutureWarning about ShardedTensor: ZeRO-1 stores its flat shards' pieces as ShardedTensor
-    boxes (a DTensor cannot describe them), which torch.distributed.checkpoint still reads and writes."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor", category=FutureWarning)
-        yield
+def set_dp_state(pipe: Checkpointable, loaded: dict[str, Any]) -> None:
+    """Restore what `dp_state` saved (after loading `dp_template` from the checkpoint)."""
+    for entry in loaded.values():
+        count = sum(1 for k in entry if k.startswith("t") and k[1:].isdigit())
+        pipe.dp.load_state_dict(decode(entry["skeleton"], [entry[f"t{i}"] for i in range(count)]))
 
 
-def _check_between_windows(pipe: Pipeline, verb: str) -> None:
-    if pipe.window_calls:
-        raise ValueError(
-            f"cannot {verb} a checkpoint inside an accumulation window ({pipe.window_calls} of "
-            f"{pipe.config.accumulation_steps} calls done); {verb} after the optimizer step"
-        )
-
-
-def save_checkpoint(pipe: Pipeline, path: str) -> None:
-    """Write model parts, optimizer state and trainer counters to directory `path` (all ranks call)."""
-    _check_between_windows(pipe, "save")
-    fresh = not pipe.optimizer.state
-    modules = stage_dict(pipe)
-    model_sd, optim_sd = pipe.dp.checkpoint_dicts(modules)
+def save_checkpoint(pipe: Checkpointable, path: str) -> None:
+    """Write parameters and optimizer state under the model's names, trainer counters, and each rank's RNG and
+    strategy state to directory `path` (all ranks call)."""
+    check_between_windows(pipe, "save")
+    fresh = not pipe.dp.optimizer.state
+    model_sd, optim_sd = pipe.dp.checkpoint_dicts(stage_dict(pipe))
     if fresh:
         # checkpoint_dicts initialised the state with a zero-lr step; a fresh optimizer must stay fresh.
-        pipe.optimizer.state.clear()
-    state = {"model": model_sd, "optim": optim_sd, "trainer": trainer_state(pipe, fresh), "rng": rng_state()}
+        pipe.dp.optimizer.state.clear()
+    model, optim = state_keys(pipe).to_global(model_sd, optim_sd, loading=False)
+    state = {"model": model, "optim": optim, "trainer": trainer_state(pipe, fresh), "rng": rng_state()}
     extra = dp_state(pipe)
     if extra:
         state["dp"] = extra
-    with _quiet_sharded_tensor():
+    with quiet_sharded_tensor():
         dcp.save(state, checkpoint_id=path)
 
 
-def load_checkpoint(pipe: Pipeline, path: str) -> None:
-    """Restore what `save_checkpoint` wrote into an identically configured Pipeline (all ranks call)."""
-    _check_between_windows(pipe, "load")
+def _saved_layout(path: str) -> str:
+    """The layout the checkpoint was saved with (read by this rank alone)."""
+    probe: dict[str, Any] = {"trainer": {"layout": ""}}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load(probe, checkpoint_id=path, planner=WeightsOnlyLoadPlanner(allow_partial_load=True), no_dist=True)
+    return str(probe["trainer"]["layout"])
+
+
+def load_checkpoint(pipe: Checkpointable, path: str) -> None:
+    """Restore what `save_checkpoint` wrote into a pipeline of any layout (all ranks call); a checkpoint of the
+    stage-keyed format 1 loads into the layout that saved it."""
+    check_between_windows(pipe, "load")
+    stored = read_metadata(path).state_dict_metadata
+    if is_legacy(stored):
+        load_legacy(pipe, path, stored)
+        return
     modules = stage_dict(pipe)
-    rng = rng_state()
-    extra = {k: b"" for k in dp_state(pipe)}
-    _check_keys(pipe, path, [f"model.{k}" for k in modules.state_dict()] + [f"rng.{k}" for k in rng]
-                + [f"dp.{k}" for k in extra])
-    _check_scheduler(path, pipe)
+    keys = state_keys(pipe)
     model_sd, optim_sd = pipe.dp.checkpoint_dicts(modules)
-    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd, "trainer": trainer_state(pipe, False),
-                             "rng": rng}
-    if extra:
-        state["dp"] = extra
-    with _quiet_sharded_tensor():
-        dcp.load(state, checkpoint_id=path)
-    set_rng_state(state["rng"])
-    if extra:
-        set_dp_state(pipe, state["dp"])
-    pipe.dp.load_checkpoint_dicts(modules, state["model"], state["optim"])
-    meta = state["trainer"]
-    if meta["fresh_optimizer"]:
-        pipe.optimizer.state.clear()
-    pipe.calls = int(meta["calls"])
-    pipe.optimizer_steps = int(meta["optimizer_steps"])
-    pipe.scaler.load_state_dict(meta["scaler"])
-    if pipe.scheduler is not None:
-        pipe.scheduler.load_state_dict(meta["scheduler"])
+    model, optim = keys.to_global(model_sd, optim_sd, loading=True)
+    check_names(pipe, path, stored, model, optim)
+    check_scheduler(path, stored, pipe.scheduler is not None)
+    saved = _saved_layout(path)
+    same = saved == layout(pipe)
+    state: dict[str, Any] = {"model": model, "optim": optim, "trainer": trainer_state(pipe, False)}
+    if same:
+        state["rng"] = rng_state()
+        extra = dp_template(stored, pipe.device)
+        if extra:
+            state["dp"] = extra
+    with quiet_sharded_tensor():
+        dcp.load(state, checkpoint_id=path, planner=WeightsOnlyLoadPlanner())
+    keys.to_local(model_sd, optim_sd, state["model"], state["optim"])
+    if same:
+        set_rng_state(state["rng"])
+        set_dp_state(pipe, state.get("dp", {}))
+    pipe.dp.load_checkpoint_dicts(modules, model_sd, optim_sd)
+    set_trainer_state(pipe, state["trainer"])
+    if not same:
+        _warn_reset(pipe, path, stored, saved)
 
 
-def _check_keys(pipe: Pipeline, path: str, keys: list[str]) -> None:
-    """Raise ValueError naming this rank's model (and RNG) keys that the checkpoint lacks, on every rank."""
-    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    missing = [k for k in keys if k not in stored]
-    anywhere = torch.tensor([len(missing)], dtype=torch.int64, device=pipe.device)
-    if dist.is_available() and dist.is_initialized():  # every rank raises, none waits in dcp.load
-        pipe.bounded(dist.all_reduce(anywhere, op=dist.ReduceOp.MAX, async_op=True), "the checkpoint key check")
-    if anywhere.item() and not missing:
-        raise ValueError(f"checkpoint {path} does not match the pipeline on another rank")
-    if missing:
-        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-        raise ValueError(
-            f"checkpoint {path} lacks {len(missing)} of this rank's {len(keys)} tensors ({shown}); was it "
-            "saved with another schedule, split, model or number of ranks?"
-        )
+def _warn_reset(pipe: Checkpointable, path: str, stored: dict[str, Any], saved: str) -> None:
+    """One warning (from global rank 0) naming the per-rank state a layout change reset."""
+    reset = ["the random-number generators of every rank (dropout streams)"]
+    if any(k.startswith("dp.") for k in stored) or pipe.dp.state_dict():
+        reset.append(f"the data-parallel strategy's state ({pipe.dp.name}: error-feedback residuals and "
+                     "compressor state) of every rank")
+    if rank() == 0:
+        warnings.warn(f"checkpoint {path} was saved with another layout ({saved}; now "
+                      f"{layout(pipe)}): parameters, optimizer and trainer state were loaded; reset "
+                      + " and ".join(reset), UserWarning, stacklevel=3)
+
+
+def _gathered(values: list[str]) -> list[list[str]]:
+    """Every rank's list (this rank's alone without a process group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [values]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, values)
+    return out
+
+
+def _shown(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (" ..." if len(names) > 3 else "")
+
+
+def check_names(pipe: Checkpointable, path: str, stored: dict[str, Any], model: dict[str, Any],
+                optim: dict[str, Any]) -> None:
+    """Raise ValueError on every rank when the checkpoint's names or shapes do not match the model: the first
+    missing and unexpected names, or the first shape that differs (collective: all ranks call)."""
+    wanted = [f"model.{k}" for k in model]
+    missing = [k for k in wanted + [f"optim.{k}" for k in optim] if k not in stored]
+    shapes = [f"{k}: {tuple(stored[k].size)} in the checkpoint, {tuple(model[k[6:]].shape)} here"
+              for k in wanted if k in stored and isinstance(stored[k], TensorStorageMetadata)
+              and isinstance(model[k[6:]], torch.Tensor) and tuple(stored[k].size) != tuple(model[k[6:]].shape)]
+    everyone = _gathered(["W" + k for k in wanted] + ["M" + k for k in missing] + ["S" + s for s in shapes])
+    flat = [item for per_rank in everyone for item in per_rank]
+    expected = {item[1:] for item in flat if item[0] == "W"}
+    all_missing = sorted({item[1:] for item in flat if item[0] == "M"})
+    all_shapes = sorted({item[1:] for item in flat if item[0] == "S"})
+    unexpected = sorted(k for k in stored if k.startswith("model.") and k not in expected)
+    if all_missing or unexpected:
+        raise ValueError(f"checkpoint {path} does not match this model: {len(all_missing)} names missing "
+                         f"({_shown(all_missing) or 'none'}), {len(unexpected)} unexpected "
+                         f"({_shown(unexpected) or 'none'}); was it saved from another model or optimizer?")
+    if all_shapes:
+        raise ValueError(f"checkpoint {path} does not match this model: {len(all_shapes)} shapes differ "
+                         f"({_shown(all_shapes)})")
+
+
+def read_checkpoint(path: str) -> dict[str, Any]:
+    """Every entry of a checkpoint in this process, by its stored name (`model.<name>`, `optim.state.<name>.<key>`,
+    `trainer.calls`, ...): tensors whole (however they were sharded), other values as saved."""
+    stored = read_metadata(path).state_dict_metadata
+    flat: dict[str, Any] = {k: torch.empty(v.size, dtype=v.properties.dtype)
+                            if isinstance(v, TensorStorageMetadata) else None for k, v in stored.items()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load(flat, checkpoint_id=path, planner=WeightsOnlyLoadPlanner(), no_dist=True)
+    return flat

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,6 +49,10 @@ from duplexpipe.train.auto_config import AUTO, AutoChoice, choose, planned_compr
 from duplexpipe.train.experts import Experts
 from duplexpipe.train.pipeline_config import LossFn, PipelineConfig, SchedulerFactory, StepInfo
 from duplexpipe.train.precision import DynamicLossScaler, autocast_dtype
+
+BatchTransform = Callable[[Any, Any, bool], tuple[Any, Any]]
+"""transform(inputs, targets, train) -> (inputs, targets): what `step` (train=True) and `evaluate` run on a batch
+first (e.g. Hugging Face labels -> token-weighted targets)."""
 
 
 def _batch_size(inputs: Any, targets: Any) -> int | None:
@@ -139,6 +144,10 @@ class Pipeline:
         self._window_calls = 0
         self._window_weight = 0.0
         self._window_unit: int | None = None
+        self.batch_transform: BatchTransform | None = None
+        """Run on every batch before `step` / `evaluate` (None: batches go in as given)."""
+        self.source_dir: str | None = None
+        """The Hugging Face model directory this pipeline was loaded from (`from_pretrained`), else None."""
 
     def _runtime_config(self) -> RuntimeConfig:
         """The runtime's settings from this pipeline's config."""
@@ -263,6 +272,8 @@ class Pipeline:
         Returns the batch's mean loss (the same on every rank). Details are in `self.last`.
         """
         cfg = self.config
+        if self.batch_transform is not None:
+            inputs, targets = self.batch_transform(inputs, targets, True)
         if self._window_calls == 0:
             self.dp.zero_grad()
         weight = self._call_weight(inputs, targets)
@@ -330,6 +341,8 @@ class Pipeline:
         Returns the runtime's EvalResult: the whole batch's outputs in batch order on ranks
         holding a last stage (None elsewhere), and the mean loss on every rank when targets are given.
         """
+        if self.batch_transform is not None and targets is not None:
+            inputs, targets = self.batch_transform(inputs, targets, False)
         modes = {s: m.training for s, m in self.stage_modules.items()}
         for m in self.stage_modules.values():
             m.eval()
@@ -341,16 +354,65 @@ class Pipeline:
                 m.train(modes[s])
 
     def save(self, path: str) -> None:
-        """Save model parts, optimizer and trainer state with torch.distributed.checkpoint (collective)."""
+        """Save parameters and optimizer state under the model's own names, and the trainer state, with
+        torch.distributed.checkpoint (collective). See `train.checkpoint`."""
         from duplexpipe.train.checkpoint import save_checkpoint
 
         save_checkpoint(self, path)
 
     def load(self, path: str) -> None:
-        """Load what `save` wrote (collective); training continues exactly where it stopped."""
+        """Load what `save` wrote (collective), into this or any other layout (schedule, pipeline size,
+        partition, data-parallel size, ZeRO stage); training continues exactly where it stopped."""
         from duplexpipe.train.checkpoint import load_checkpoint
 
         load_checkpoint(self, path)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        optimizer: OptimizerFactory,
+        config: PipelineConfig | None = None,
+        *,
+        mesh: DeviceMesh | None = None,
+        balance: Sequence[int] | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        scheduler: SchedulerFactory | None = None,
+        sample_input: Any = None,
+        sample_targets: Any = None,
+    ) -> Pipeline:
+        """A pipeline of a Hugging Face causal LM directory (Llama, Mistral, Qwen2, Qwen3, GPT-2; safetensors).
+
+        Each rank builds the model on the meta device and reads only its own parts' tensors from the files
+        (sharded checkpoints too); `dtype` None keeps the checkpoint's. Layers are spread evenly or by `balance`
+        (layers per model part). `step(input_ids, labels)` (labels unshifted, -100 ignored; inputs may be a dict
+        with `attention_mask` / `position_ids`) returns transformers' loss of the whole batch: every counted
+        token weighs the same across microbatches and data-parallel replicas. With schedule="auto", rank 0
+        materialises every part once to profile it. Raises ValueError for a directory it cannot load.
+        """
+        from duplexpipe.model.hf import causal_lm_loss
+        from duplexpipe.train.pretrained import PretrainedModel, TokenWeighted
+
+        config = config or PipelineConfig()
+        source = PretrainedModel.open(path, dtype)
+        pp = ParallelGroups.from_mesh(mesh).pp_size
+        num_parts = min(source.num_layers, 2 * pp) if config.schedule == AUTO else \
+            _resolve_schedule(config, pp).num_groups
+        parts = source.parts(num_parts, balance)
+        pipe = cls(parts, causal_lm_loss, optimizer, config, mesh=mesh, device=device, init=source.fill,
+                   scheduler=scheduler, sample_input=sample_input, sample_targets=sample_targets)
+        pipe.source_dir = str(path)
+        pipe.batch_transform = TokenWeighted(pipe.groups.dp_group, pipe.groups.dp_size, pipe.device, pipe.bounded)
+        return pipe
+
+    def save_pretrained(self, path: str | Path) -> None:
+        """Write a Hugging Face model directory that `AutoModelForCausalLM.from_pretrained(path)` loads as is
+        (collective): config.json, one safetensors shard per pipeline rank and their index, tied weights once, and
+        the source directory's tokenizer and generation files. Needs Hugging Face parts."""
+        from duplexpipe.train.hf_export import save_pretrained
+
+        save_pretrained(self, str(path))
 
 
 def default_device() -> torch.device:

@@ -74,6 +74,18 @@ def test_flags_override_the_config_file(tmp_path: Path) -> None:
     assert config_from_args(_parse([])) == TrainConfig()
 
 
+def test_parallelism_flags_reach_the_pipeline_config() -> None:
+    config = config_from_args(_parse(["--grad-compression", "int8", "--zero-stage", "1", "--keep", "3",
+                                      "--task", "hf", "--save-pretrained", "out"]))
+    pcfg = pipeline_config(config)
+    assert (pcfg.grad_compression, pcfg.zero_stage, config.keep, config.save_pretrained) == ("int8", 1, 3, "out")
+    assert config.task == "duplexpipe.launch.tasks.hf:hf_task"
+    auto = pipeline_config(config_from_args(_parse(["--schedule", "auto", "--memory-limit", "2GiB"])))
+    assert (auto.schedule, auto.memory_limit, pipeline_config(TrainConfig()).grad_compression) == ("auto", "2GiB", None)
+    with pytest.raises(SystemExit):
+        _parse(["--zero-stage", "3"])
+
+
 def test_p2p_compression_flag_reaches_the_pipeline_config() -> None:
     config = config_from_args(_parse(["--p2p-compression", "int8"]))
     assert config.p2p_compression == "int8" and pipeline_config(config).p2p_compression == "int8"
@@ -88,12 +100,25 @@ def test_p2p_compression_flag_reaches_the_pipeline_config() -> None:
     (["--schedule", "dualpipe", "--ranks", "3"], "dualpipe"),
     (["--task", "no_such_module:f"], "cannot import no_such_module"),
     (["--resume", "nowhere"], "resume: nowhere holds no checkpoint"),
+    (["--memory-limit", "1GiB"], "memory_limit is the planner's cap for schedule 'auto'"),
+    (["--grad-compression", "powersgd", "--zero-stage", "1"], "'powersgd' cannot be combined with ZeRO"),
+    (["--schedule", "auto", "--memory-limit", "lots"], "bad memory size 'lots'"),
+    (["--save-pretrained", "hf-out"], "--save-pretrained writes a Hugging Face model; the gpt task trains none"),
+    (["--task", "hf"], "task hf needs --task-option model=DIR"),
+    (["--task", "hf", "--task-option", "model=nowhere", "--task-option", "data=x"], "nowhere is not a model directory"),
+    (["--task", "hf", "--task-option", "model=bert", "--task-option", "data=x"], "model_type 'bert' is not supported"),
 ])
-def test_bad_train_input_is_one_line_and_exit_2(argv: list[str], message: str,
+def test_bad_train_input_is_one_line_and_exit_2(argv: list[str], message: str, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli_main(["train", *argv]) == 2
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bert").mkdir()
+    (tmp_path / "bert" / "config.json").write_text('{"model_type": "bert"}')
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    assert cli_main(["train", *argv, "--save", "ckpt", "--out-dir", "out"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("duplexpipe: error:") and message in err and err.count("\n") == 1, err
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before, "nothing on disk changed"
 
 
 @pytest.fixture(scope="module")
@@ -147,13 +172,27 @@ def test_resume_repeats_the_uninterrupted_steps_exactly(straight_run: Path) -> N
         assert [r[key] for r in resumed] == [r[key] for r in straight], key
 
 
+@pytest.mark.timeout(300)
+def test_a_checkpoint_of_another_model_is_exit_2_and_changes_nothing(straight_run: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    root = straight_run
+    before = sorted((str(p), p.stat().st_mtime_ns) for p in root.rglob("*"))
+    args = ["train", "--config", str(root / "run.toml"), "--task-option", "n_layer=3", "--out-dir",
+            str(root / "c"), "--resume", str(root / "ckpt"), "--steps", "6"]
+    assert cli_main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not match this model" in err[0] and "model.layer2.attn.qkv.bias" in err[0], err
+    assert sorted((str(p), p.stat().st_mtime_ns) for p in root.rglob("*")) == before
+
+
 @pytest.mark.timeout(240)
 def test_the_wheel_contains_the_default_task_and_its_corpus(tmp_path: Path) -> None:
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                     "-w", str(tmp_path), str(ROOT)], check=True, capture_output=True, timeout=200)
     (wheel,) = tmp_path.glob("duplexpipe-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    for name in ("duplexpipe/launch/tasks/gpt.py", "duplexpipe/launch/tasks/data/kjv_genesis_exodus.txt",
+    for name in ("duplexpipe/launch/tasks/gpt.py", "duplexpipe/launch/tasks/hf.py",
+                 "duplexpipe/launch/tasks/data/kjv_genesis_exodus.txt",
                  "duplexpipe/launch/tasks/data/README.md", "duplexpipe/py.typed"):
         assert name in names
     assert not any(n.startswith("examples/") for n in names)

@@ -341,3 +341,38 @@ def test_checkpointed_parts_take_dict_messages() -> None:
     wrapped = CheckpointedStage(parts[1])(hidden_states=hidden2, attention_mask=mask)
     (grad2,) = torch.autograd.grad(causal_lm_loss(wrapped, labels), hidden2)
     assert torch.equal(plain, wrapped) and torch.equal(grad, grad2)
+
+
+@pytest.mark.parametrize("arch", sorted(BUILDERS))
+def test_parts_name_their_state_as_the_model_does(arch: str) -> None:
+    """Checkpoint keys: every part's state maps to the model's own names, each name exactly once over the parts."""
+    from duplexpipe.model.state_names import part_state_keys
+
+    model = BUILDERS[arch](layers=4)
+    for n in (1, 3):
+        names = [name for k, part in enumerate(causal_lm_parts(model, n))
+                 for name in part_state_keys(part, k).values()]
+        assert sorted(names) == sorted(model.state_dict()), (arch, n)
+
+
+def test_the_loss_keeps_the_logits_dtype() -> None:
+    """float64 logits give a float64 loss on both paths (transformers' own loss casts to float32); bf16 logits are
+    upcast to float32 as transformers does."""
+    model = tiny_llama(layers=2).double()
+    ids, labels = token_batch(7, rows=4)
+    labels[1, 4:] = -100
+    logits = model(ids).logits
+    want = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 96), labels[:, 1:].reshape(-1))
+    for targets in (labels, causal_lm_targets(labels)):
+        loss = causal_lm_loss(logits, targets)
+        assert loss.dtype == torch.float64 and rel(loss, want) <= 1e-15
+    assert causal_lm_loss(logits.bfloat16(), causal_lm_targets(labels)).dtype == torch.float32
+    assert model(ids, labels=labels).loss.dtype == torch.float32  # why: the library's loss casts down
+
+
+def test_targets_take_the_job_totals() -> None:
+    """Data parallelism: tokens and rows of the whole job make each replica's weight its share of the job's tokens."""
+    labels = torch.tensor([[1, 2, -100, -100], [3, 4, 5, 6]])
+    targets = causal_lm_targets(labels, tokens=10, rows=4)
+    assert targets["batch_tokens"].tolist() == [10, 10] and targets["batch_rows"].tolist() == [4, 4]
+    assert causal_lm_targets(labels)["batch_tokens"].tolist() == [4, 4]

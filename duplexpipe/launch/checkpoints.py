@@ -1,0 +1,96 @@
+"""A run's checkpoint directory: `step-NNNNNN` checkpoints, a `latest` file written atomically once a checkpoint
+is complete on every rank, the newest K kept, and which checkpoint a resumed run loads."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+LATEST = "latest"
+"""The file in a save directory that names its newest complete checkpoint."""
+_STEP = re.compile(r"^step-(\d+)$")
+RESUME_AUTO = "auto"
+"""`resume` value: the newest complete checkpoint of the save directory, or a fresh start when it has none."""
+RESUME_NONE = "none"
+"""`resume` value: a fresh start even when the save directory holds checkpoints."""
+
+
+def step_name(step: int) -> str:
+    """The directory name of the checkpoint after `step` steps."""
+    return f"step-{step:06d}"
+
+
+def is_complete(path: Path) -> bool:
+    """True when torch.distributed.checkpoint finished writing `path` (its .metadata comes last)."""
+    return (path / ".metadata").is_file()
+
+
+def latest_checkpoint(save_dir: str) -> Path | None:
+    """The checkpoint `save_dir/latest` names (None without a `latest` file); ValueError when it names no complete
+    checkpoint."""
+    root = Path(save_dir)
+    marker = root / LATEST
+    if not marker.is_file():
+        return None
+    name = marker.read_text(encoding="utf-8").strip()
+    target = root / name
+    if not _STEP.match(name) or not is_complete(target):
+        raise ValueError(f"resume: {marker} names {name!r}, which is not a complete checkpoint")
+    return target
+
+
+def checkpoint_to_load(path: str) -> str:
+    """The checkpoint directory `path` names: itself, or the one its `latest` file names."""
+    root = Path(path)
+    found = latest_checkpoint(path)
+    if found is not None:
+        return str(found)
+    if is_complete(root):
+        return str(root)
+    raise ValueError(f"resume: {path} holds no checkpoint (no '{LATEST}' file and no .metadata)")
+
+
+def resume_from(resume: str | None, save: str | None) -> str | None:
+    """The checkpoint a run continues from: `resume` "auto" (the default with `save`): the save directory's newest
+    complete checkpoint, or None (a fresh start) when it has none; "none" or None without `save`: None; a path:
+    that checkpoint or save directory (ValueError when it holds none)."""
+    mode = resume if resume is not None else (RESUME_AUTO if save is not None else RESUME_NONE)
+    if mode == RESUME_NONE:
+        return None
+    if mode == RESUME_AUTO:
+        if save is None:
+            raise ValueError("resume 'auto' continues from the --save directory; give --save")
+        found = latest_checkpoint(save)
+        return str(found) if found is not None else None
+    return checkpoint_to_load(mode)
+
+
+def publish(save_dir: str, name: str, keep: int = 0) -> None:
+    """Name `name` the latest checkpoint (atomically: readers see the old name or the new one), then delete the
+    checkpoints older than the newest `keep` complete ones (0: keep all). Call once every rank finished saving."""
+    root = Path(save_dir)
+    temporary = root / f".{LATEST}.{os.getpid()}"
+    temporary.write_text(name + "\n", encoding="utf-8")
+    os.replace(temporary, root / LATEST)
+    if keep > 0:
+        prune(root, name, keep)
+
+
+def _steps(root: Path) -> list[tuple[int, Path]]:
+    return sorted((int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP.match(p.name)))
+
+
+def prune(root: Path, latest: str, keep: int) -> list[str]:
+    """Delete the step directories older than `latest` except the newest `keep` - 1 complete ones (directories newer
+    than `latest` are left: a crashed attempt's leftovers, overwritten when that step is saved again)."""
+    newest = int(_STEP.match(latest).group(1))  # type: ignore[union-attr]
+    older = [(step, path) for step, path in _steps(root) if step < newest]
+    kept = {path for _, path in [(s, p) for s, p in older if is_complete(p)][-(keep - 1):]} if keep > 1 else set()
+    removed = []
+    for _, path in older:
+        if path not in kept:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path.name)
+    return removed

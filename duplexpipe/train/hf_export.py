@@ -1,0 +1,141 @@
+"""Hugging Face checkpoints out: `save_pretrained` writes a directory transformers loads as is (config.json, one
+safetensors shard per pipeline rank and their index); no rank gathers the model."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import HuggingFaceStorageWriter
+from torch.distributed.tensor import DTensor
+
+from duplexpipe.model.hf import CausalLMPart
+from duplexpipe.model.hf_files import INDEX_FILE
+from duplexpipe.parallel import DPStrategy, ParallelGroups
+from duplexpipe.schedules.ir import Schedule
+from duplexpipe.train.auto_config import AutoChoice, PartChain
+from duplexpipe.train.pretrained import SOURCE_FILES
+from duplexpipe.train.state_keys import stage_state_keys
+
+
+class Exportable(Protocol):
+    """What `save_pretrained` reads of a training pipeline (a `Pipeline` is one)."""
+
+    schedule: Schedule
+    groups: ParallelGroups
+    dp: DPStrategy
+    auto: AutoChoice | None
+    source_dir: str | None
+
+    @property
+    def stage_state_modules(self) -> dict[int, nn.Module]: ...
+
+    def bounded(self, work: Any, what: str) -> None: ...
+
+
+def hf_parts(module: nn.Module) -> list[CausalLMPart]:
+    """The Hugging Face parts a stage module runs (one, or several merged by schedule="auto")."""
+    inner = list(module.parts) if isinstance(module, PartChain) else [module]
+    return [p for p in inner if isinstance(p, CausalLMPart)]
+
+
+def _tied_names(part: CausalLMPart) -> set[str]:
+    """Names transformers stores once: the output head when it shares the token embedding's weight."""
+    config = part.config.get_text_config() if hasattr(part.config, "get_text_config") else part.config
+    return {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+
+
+def _full(value: torch.Tensor) -> torch.Tensor:
+    """A whole tensor on the CPU (a DTensor is gathered over its data-parallel mesh: every replica calls)."""
+    if isinstance(value, DTensor):
+        value = value.full_tensor()
+    return value.detach().cpu()
+
+
+def export_tensors(pipe: Exportable) -> tuple[dict[str, torch.Tensor], CausalLMPart | None]:
+    """This rank's share of the model under transformers' names (first copies only, tied weights once; CPU tensors
+    may be the parameters themselves: use them inside `pipe.dp.full_parameters()`), and one of its Hugging Face
+    parts (None when it has none)."""
+    tensors: dict[str, torch.Tensor] = {}
+    sample: CausalLMPart | None = None
+    merged = pipe.auto.groups if pipe.auto is not None else None
+    for stage, module in sorted(pipe.stage_state_modules.items()):
+        parts = hf_parts(module)
+        sample = sample or (parts[0] if parts else None)
+        if not parts:
+            raise ValueError(f"save_pretrained needs Hugging Face parts (Pipeline.from_pretrained or "
+                             f"causal_lm_parts); stage {stage} runs a {type(module).__name__}")
+        if pipe.schedule.copy_of_stage(stage) != 0:
+            continue
+        skip = _tied_names(parts[0])
+        names = stage_state_keys(module, pipe.schedule.stages[stage].group, merged)
+        for local, value in module.state_dict().items():
+            if names[local] not in skip:
+                tensors[names[local]] = _full(value)
+    return tensors, sample
+
+
+def _file_index(keys: list[str], group: Any) -> dict[str, int]:
+    """Tensor name -> its shard's number (1..N: the writing ranks in pipeline order), the same on every writer."""
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, keys, group=group)
+    writers = [names for names in everyone if names]
+    return {name: i for i, names in enumerate(writers, start=1) for name in names}
+
+
+def _clear(root: Path) -> None:
+    """Remove the model files and index a previous save left (their names may not be rewritten); other safetensors
+    files (adapters, ...) stay."""
+    root.mkdir(parents=True, exist_ok=True)
+    for old in [*root.glob("model*.safetensors"), root / INDEX_FILE]:
+        if old.is_file():
+            old.unlink()
+
+
+def _write_config(root: Path, part: CausalLMPart, dtype: torch.dtype, source: str | None) -> None:
+    """config.json (with the model's class and dtype) and the source's tokenizer and generation files."""
+    config = copy.deepcopy(part.config)
+    config.architectures = [part.model_class]
+    config.dtype = dtype
+    config.save_pretrained(str(root))
+    if source is None:
+        return
+    for name in SOURCE_FILES:
+        src = Path(source) / name
+        if src.is_file() and src.resolve() != (root / name).resolve():
+            shutil.copyfile(src, root / name)
+
+
+def _write(pipe: Exportable, root: Path, tensors: dict[str, torch.Tensor], part: CausalLMPart) -> None:
+    """This pipeline rank's shard (collective over the pipeline group of replica 0); its first rank: the rest."""
+    group = pipe.groups.pp_group
+    mapping = _file_index(sorted(tensors), group) if dist.is_initialized() else dict.fromkeys(tensors, 1)
+    lead = not dist.is_initialized() or dist.get_rank(group) == 0
+    if lead:
+        _clear(root)
+    dtype = next(iter(tensors.values())).dtype if tensors else torch.float32
+    dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(str(root), fqn_to_index_mapping=mapping),
+             process_group=group, no_dist=not dist.is_initialized())
+    if lead:
+        _write_config(root, part, dtype, pipe.source_dir)
+
+
+def save_pretrained(pipe: Exportable, path: str) -> None:
+    """Write `path` as a Hugging Face model directory: `AutoModelForCausalLM.from_pretrained(path)` loads it as is.
+
+    Collective (every rank calls). Data-parallel replica 0 writes: each pipeline rank its own shard
+    `model-0000k-of-0000N.safetensors` (with torch.distributed.checkpoint's Hugging Face writer), its first rank
+    the index, config.json and the source's tokenizer and generation files.
+    """
+    with pipe.dp.full_parameters():
+        tensors, part = export_tensors(pipe)
+        if pipe.groups.dp_rank == 0 and part is not None:
+            _write(pipe, Path(path), tensors, part)
+    if dist.is_available() and dist.is_initialized():
+        pipe.bounded(dist.barrier(async_op=True), "the end of save_pretrained")

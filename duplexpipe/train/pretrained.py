@@ -1,0 +1,163 @@
+"""Hugging Face checkpoints in: each rank builds its parts on the meta device and reads only its own tensors from the
+safetensors files; `pipe.step(input_ids, labels)` then weights every counted token of the batch alike."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from duplexpipe.model.hf import MODEL_TYPES, CausalLMPart, causal_lm_parts, causal_lm_targets, counted_tokens
+from duplexpipe.model.hf_files import INDEX_FILE, SINGLE_FILE, StoredTensor, read_into, stored_tensors
+from duplexpipe.model.state_names import part_state_keys
+
+log = logging.getLogger("duplexpipe.pretrained")
+SOURCE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model",
+                "chat_template.jinja", "chat_template.json")
+"""Files of a model directory that `save_pretrained` copies from the source when present (tokenizer, generation)."""
+
+
+def _shown(names: Sequence[str]) -> str:
+    return ", ".join(names[:3]) + (" ..." if len(names) > 3 else "") if names else "none"
+
+
+def _config_dtype(config: Any) -> torch.dtype:
+    """The checkpoint's dtype as config.json states it (float32 when it states none)."""
+    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(value, str):
+        value = getattr(torch, value, None)
+    return value if isinstance(value, torch.dtype) else torch.float32
+
+
+def check_model_dir(path: str | Path) -> str:
+    """The model_type of a Hugging Face model directory `from_pretrained` can load; ValueError naming what is wrong
+    (not a directory with config.json, an unsupported model_type, no safetensors weights). Reads no tensor."""
+    root = Path(path)
+    if not (root / "config.json").is_file():
+        raise ValueError(f"{path} is not a model directory (no config.json)")
+    try:
+        model_type = json.loads((root / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
+        raise ValueError(f"{root / 'config.json'} is not a JSON object ({exc})") from None
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"{path}: model_type {model_type!r} is not supported; supported: "
+                         f"{', '.join(sorted(MODEL_TYPES))}")
+    if not any((root / name).is_file() for name in (INDEX_FILE, SINGLE_FILE)):
+        raise ValueError(f"{root} holds no safetensors weights ({SINGLE_FILE} or {INDEX_FILE}); save the model with "
+                         "transformers' save_pretrained (safetensors is its default)")
+    return str(model_type)
+
+
+def _ignored(model: Any) -> re.Pattern[str]:
+    """Names a checkpoint may hold that the model does not load (as transformers ignores them)."""
+    patterns = list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []) + [r"rotary_emb\.inv_freq$"]
+    return re.compile("|".join(f"(?:{p})" for p in patterns))
+
+
+@dataclass
+class PretrainedModel:
+    """A Hugging Face model directory opened for pipelining: its config and the whole model on the meta device
+    (no memory); each part is filled from the files by `fill` on the rank that holds it."""
+
+    path: Path
+    """The model directory."""
+    model: nn.Module
+    """The whole causal LM on the meta device (the parts are cut from it)."""
+    files: dict[str, StoredTensor]
+    """Tensor name -> where the safetensors files hold it."""
+    tied: dict[str, str]
+    """Tied names -> the name stored in the files (GPT-2: lm_head.weight -> transformer.wte.weight)."""
+
+    @classmethod
+    def open(cls, path: str | Path, dtype: torch.dtype | None = None) -> PretrainedModel:
+        """Check the directory and build the model on the meta device in `dtype` (None: the checkpoint's).
+
+        Raises ValueError for a path that is not a model directory, an unsupported model_type, missing
+        safetensors files, tensors the model needs that the files lack, or shapes that differ.
+        """
+        from transformers import AutoConfig
+
+        root = Path(path)
+        model_type = check_model_dir(root)
+        config = AutoConfig.from_pretrained(str(root))
+        files = stored_tensors(root)
+        dtype = dtype or _config_dtype(config)
+        with torch.device("meta"):
+            model = MODEL_TYPES[model_type]._from_config(config, dtype=dtype)  # type: ignore[attr-defined]
+        tied = {k: v for k, v in (getattr(model, "all_tied_weights_keys", None) or {}).items() if k not in files}
+        opened = cls(root, model, files, tied)
+        opened.check()
+        return opened
+
+    def check(self) -> None:
+        """Every tensor the model needs is in the files with its shape; names the files hold that the model does not
+        take are logged (transformers ignores them too)."""
+        wanted = self.model.state_dict(keep_vars=True)
+        missing = sorted(k for k in wanted if self.tied.get(k, k) not in self.files)
+        ignored = _ignored(self.model)
+        unexpected = sorted(k for k in self.files if k not in wanted and not ignored.search(k))
+        if missing:
+            raise ValueError(f"{self.path} does not match its config: {len(missing)} tensors missing "
+                             f"({_shown(missing)}), {len(unexpected)} unexpected ({_shown(unexpected)})")
+        if unexpected:
+            log.warning("%s: %d tensors the model does not use are ignored (%s)", self.path, len(unexpected),
+                        _shown(unexpected))
+        for name, tensor in wanted.items():
+            stored = self.files[self.tied.get(name, name)]
+            if stored.shape != tuple(tensor.shape):
+                raise ValueError(f"{stored.file}: {name} has shape {stored.shape}, the config gives "
+                                 f"{tuple(tensor.shape)}")
+
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers of the model."""
+        from duplexpipe.model.hf import num_layers
+
+        return num_layers(self.model)
+
+    def parts(self, num_parts: int, balance: Sequence[int] | None = None) -> list[CausalLMPart]:
+        """The model cut into `num_parts` parts on the meta device (see `causal_lm_parts`)."""
+        return causal_lm_parts(self.model, num_parts, balance)
+
+    def fill(self, part: nn.Module, index: int) -> None:
+        """A `PartInit`: fill a freshly allocated part from the files (its tensors only), and compute its
+        non-persistent buffers (rotary frequencies) as transformers does."""
+        init_weights: Callable[[nn.Module], None] = self.model._init_weights  # type: ignore[assignment,operator]
+        for module in part.modules():
+            if module._non_persistent_buffers_set:
+                init_weights(module)
+        names = part_state_keys(part, index)
+        read_into((self.files[self.tied.get(names[local], names[local])], tensor)
+                  for local, tensor in part.state_dict().items())
+
+
+class TokenWeighted:
+    """Turns `step(inputs, labels)`'s labels into `causal_lm_targets` over the whole batch: every counted token
+    weighs the same across microbatches and (in training) data-parallel replicas, so the step's loss is
+    transformers' loss of the whole batch, exact with padding."""
+
+    def __init__(self, dp_group: Any, dp_size: int, device: torch.device, wait: Callable[[Any, str], None]) -> None:
+        self.dp_group = dp_group
+        self.dp_size = dp_size
+        self.device = device
+        self.wait = wait
+
+    def __call__(self, inputs: Any, targets: Any, train: bool) -> tuple[Any, Any]:
+        """(inputs, token-weighted targets); targets that are not a labels tensor pass unchanged."""
+        if not isinstance(targets, Tensor):
+            return inputs, targets
+        tokens, rows = counted_tokens(targets), int(targets.shape[0])
+        if train and self.dp_size > 1:
+            total = torch.tensor([tokens], dtype=torch.int64, device=self.device)
+            self.wait(dist.all_reduce(total, group=self.dp_group, async_op=True), "the token-count all-reduce")
+            tokens, rows = int(total.item()), rows * self.dp_size
+        return inputs, causal_lm_targets(targets, tokens=tokens, rows=rows)

@@ -1,0 +1,29 @@
+"""A `duplexpipe train` task for the restart tests: the bundled GPT, one thread per process, and one rank that
+SIGKILLs itself when it fetches the batch of a given step on torchrun's first attempt."""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import torch
+
+from duplexpipe.launch.processes import restart_attempt
+from duplexpipe.launch.tasks.gpt import gpt_task
+from duplexpipe.launch.train_loop import TrainTask
+
+
+def crash_task(kill_step: int = -1, kill_rank: int = 1, **options: Any) -> TrainTask:
+    """gpt_task(**options); on attempt 0, global rank `kill_rank` dies (SIGKILL) fetching step `kill_step`."""
+    torch.set_num_threads(1)  # the same arithmetic in every process, under torchrun or launch
+    task = gpt_task(**options)
+    batch = task.batch
+
+    def dying_batch(step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if step == kill_step and restart_attempt() == 0 and int(os.environ.get("RANK", "-1")) == kill_rank:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return batch(step, batch_size)
+
+    task.batch = dying_batch
+    return task

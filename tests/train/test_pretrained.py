@@ -1,0 +1,281 @@
+"""Tests for duplexpipe.train.pretrained and hf_export: Hugging Face directories in and out of a pipeline (bit-equal
+round trips, fine-tuning equal to transformers in one process, each rank reading only its own tensors)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from _hf_helpers import (  # noqa: E402
+    BUILDERS,
+    VOCAB,
+    char_tokenizer,
+    padded_labels,
+    padding_mask,
+    rel,
+    tiny_llama,
+    token_batch,
+    transformers,
+)
+from models import run_workers  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from duplexpipe.parallel.mesh import make_mesh  # noqa: E402
+from duplexpipe.parallel.zero_config import ZeroOptions  # noqa: E402
+from duplexpipe.train.checkpoint import read_checkpoint  # noqa: E402
+from duplexpipe.train.pretrained import PretrainedModel  # noqa: E402
+from duplexpipe.train.trainer import Pipeline, PipelineConfig  # noqa: E402
+
+ROUND_TRIPS = [("llama", "1f1b"), ("llama", "dualpipe"), ("llama", "dualpipev"), ("gpt2", "1f1b"),
+               ("gpt2", "dualpipe"), ("gpt2", "dualpipev"), ("mistral", "1f1b"), ("qwen2", "1f1b"),
+               ("qwen3", "1f1b"), ("llama_tied", "dualpipe")]
+"""(architecture, schedule) loaded with from_pretrained and saved with save_pretrained, untrained."""
+FINE_TUNES = {"llama": ("1f1b", 2, 1, True, 0), "gpt2": ("dualpipe", 2, 1, False, 0),
+              "llama-dp2": ("1f1b", 1, 2, True, 0)}
+"""name -> (schedule, pp, dp, padded, zero stage): five AdamW steps, then save_pretrained."""
+STEPS, ROWS, LR = 5, 8, 1e-2
+TEXT = "In the beginning God created the heaven and the earth.\n"
+
+
+def _adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=LR, weight_decay=0.01)
+
+
+def _batch(step: int, padded: bool) -> tuple[Any, torch.Tensor]:
+    """(inputs, labels) of `step`: with padding, an attention mask and -100 labels (rows count unequal tokens)."""
+    ids, labels = token_batch(step, rows=ROWS)
+    if not padded:
+        return ids, labels
+    mask = padding_mask(ROWS, left=False)
+    return {"input_ids": ids, "attention_mask": mask}, padded_labels(ids, mask)
+
+
+def _rows(value: Any, lo: int, hi: int) -> Any:
+    return {k: v[lo:hi] for k, v in value.items()} if isinstance(value, dict) else value[lo:hi]
+
+
+def _peak_bytes(fn: Any) -> tuple[Any, int]:
+    """fn()'s result and the most CPU bytes torch's allocator held at once while it ran (the profiler's memory
+    events, counted from zero at the start)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for event in events:
+        live += event.nbytes()
+        peak = max(peak, live)
+    return result, peak
+
+
+def _own_bytes(pipe: Pipeline) -> tuple[int, int]:
+    """(bytes of this rank's parameters and buffers, the largest single tensor among them)."""
+    tensors = {id(t): t for m in pipe.stage_state_modules.values() for t in [*m.parameters(), *m.buffers()]}
+    sizes = [t.numel() * t.element_size() for t in tensors.values()]
+    return sum(sizes), max(sizes)
+
+
+def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(1)
+    base = Path(root)
+    out: dict[str, Any] = {}
+    for arch, schedule in ROUND_TRIPS:
+        pipe = Pipeline.from_pretrained(base / arch, _adamw, PipelineConfig(schedule, 4))
+        pipe.save_pretrained(base / f"rt-{arch}-{schedule}")
+    for name, (schedule, pp, dp, padded, zero) in FINE_TUNES.items():
+        mesh = make_mesh(pp, dp) if dp > 1 else None
+        pipe = Pipeline.from_pretrained(base / name.split("-")[0], _adamw, PipelineConfig(schedule, 4, zero_stage=zero),
+                                        mesh=mesh)
+        rows = ROWS // dp
+        lo = pipe.groups.dp_rank * rows
+        losses = []
+        for step in range(STEPS):
+            inputs, labels = _batch(step, padded)
+            losses.append(pipe.step(_rows(inputs, lo, lo + rows), labels[lo:lo + rows]))
+        pipe.save_pretrained(base / f"ft-{name}")
+        out[f"ft-{name}"] = losses
+    pipe, peak = _peak_bytes(lambda: Pipeline.from_pretrained(base / "big", _adamw, PipelineConfig("1f1b", 4)))
+    out["memory"] = (peak, *_own_bytes(pipe))
+    for name, config in SHARDED.items():
+        out[f"{name}_params_kept"] = _export_sharded(base, name, config)
+    return out
+
+
+SHARDED = {"qwz": PipelineConfig("1f1b", 4, zero_stage=1, zero=ZeroOptions(quantized_weights=True)),
+           "zero2": PipelineConfig("1f1b", 4, zero_stage=2)}
+"""Sharded weights on PP=1 x DP=2 (float32 GPT-2): ZeRO-1 with int8 weights (qwZ: the exact weights are the
+optimizer's master shards), ZeRO-2 (FSDP2's sharded DTensors)."""
+
+
+def _export_sharded(base: Path, name: str, config: PipelineConfig) -> bool:
+    """Two steps, then save_pretrained and a checkpoint of the same moment; True when the parameters are as before
+    save_pretrained (qwZ: dequantized values, restored after exporting the masters)."""
+    pipe = Pipeline.from_pretrained(base / "gpt2", _adamw, config, mesh=make_mesh(1, 2), dtype=torch.float32)
+    for step in range(2):
+        inputs, labels = _batch(step, False)
+        lo = pipe.groups.dp_rank * ROWS // 2
+        pipe.step(inputs[lo:lo + ROWS // 2], labels[lo:lo + ROWS // 2])
+    before = [p.detach().clone() for p in pipe.params]
+    pipe.save_pretrained(base / name)
+    pipe.save(str(base / f"{name}-checkpoint"))
+    return all(torch.equal(a, b) for a, b in zip(before, pipe.params, strict=True))
+
+
+def _sources(root: Path) -> dict[str, nn.Module]:
+    """Tiny models saved by transformers in float64 (the Llama one sharded, with a tokenizer; "big" for memory)."""
+    models = {arch: BUILDERS[arch](layers=4).double() for arch in ("llama", "gpt2", "mistral", "qwen2", "qwen3")}
+    models["llama_tied"] = tiny_llama(layers=4, tie_word_embeddings=True).double()
+    models["big"] = tiny_llama(layers=4, hidden_size=64, intermediate_size=128, vocab_size=512).double()
+    for arch, model in models.items():
+        model.save_pretrained(root / arch, max_shard_size="40KB" if arch == "llama" else "50GB")
+    char_tokenizer(TEXT).save_pretrained(root / "llama")
+    return models
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, nn.Module], list[dict[str, Any]]]:
+    root = tmp_path_factory.mktemp("hf")
+    transformers.logging.set_verbosity_error()
+    models = _sources(root)
+    return root, models, run_workers(_worker, 2, (str(root),), timeout_s=300)
+
+
+def _stored(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a model directory's safetensors files, read directly."""
+    out = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 - safe_open has no __iter__
+    return out
+
+
+@pytest.mark.timeout(330)
+@pytest.mark.parametrize("arch, schedule", ROUND_TRIPS)
+def test_round_trip_is_bit_equal_and_loads_in_transformers(spawned: Any, arch: str, schedule: str) -> None:
+    root, models, _ = spawned
+    out = root / f"rt-{arch}-{schedule}"
+    want = models[arch].state_dict()
+    stored = _stored(out)
+    assert set(stored) == set(_stored(root / arch)), "the same names as transformers stores (tied weights once)"
+    for name, tensor in stored.items():
+        assert tensor.dtype == torch.float64 and torch.equal(tensor, want[name]), name
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == ["model-00001-of-00002.safetensors",
+                                                         "model-00002-of-00002.safetensors"]  # one shard per rank
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float64"
+    back = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert back.dtype == torch.float64 and type(back) is type(models[arch])
+    for name, tensor in back.state_dict().items():
+        assert torch.equal(tensor, want[name]), name
+    if arch == "gpt2":
+        assert back.lm_head.weight is back.transformer.wte.weight
+    if arch == "llama_tied":
+        assert back.lm_head.weight is back.model.embed_tokens.weight and "lm_head.weight" not in stored
+    if arch == "llama":  # the source's tokenizer and generation files come along
+        assert (out / "tokenizer.json").read_bytes() == (root / "llama" / "tokenizer.json").read_bytes()
+        assert (out / "generation_config.json").is_file()
+
+
+def _reference(source: Path, padded: bool) -> tuple[list[float], nn.Module]:
+    """STEPS of plain transformers training in one process, float64, next-token cross entropy over the batch
+    (transformers' own loss casts float64 logits to float32, so the reference computes the same loss in float64)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(source)
+    assert model.dtype == torch.float64
+    optimizer = _adamw(list(model.parameters()))
+    losses = []
+    for step in range(STEPS):
+        inputs, labels = _batch(step, padded)
+        kwargs = inputs if isinstance(inputs, dict) else {"input_ids": inputs}
+        logits = model(**kwargs).logits
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1), ignore_index=-100)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, model
+
+
+@pytest.mark.timeout(330)
+@pytest.mark.parametrize("name", list(FINE_TUNES))
+def test_fine_tuning_equals_transformers_training_in_one_process(spawned: Any, name: str) -> None:
+    root, models, results = spawned
+    source = models[name.split("-")[0]]
+    losses, reference = _reference(root / name.split("-")[0], FINE_TUNES[name][3])
+    for res in results:
+        got = res[f"ft-{name}"]
+        assert max(abs(a - b) / b for a, b in zip(got, losses, strict=True)) <= 1e-12, (got, losses)
+    trained = transformers.AutoModelForCausalLM.from_pretrained(root / f"ft-{name}")
+    want = reference.state_dict()
+    assert rel(torch.cat([t.flatten() for t in trained.state_dict().values()]),
+               torch.cat([want[k].flatten() for k in trained.state_dict()])) <= 1e-9
+    for key, tensor in trained.state_dict().items():
+        assert rel(tensor, want[key]) <= 1e-9, key
+    moved = rel(torch.cat([want[k].flatten() for k in trained.state_dict()]),
+                torch.cat([source.state_dict()[k].flatten() for k in trained.state_dict()]))
+    assert moved > 1e-3, moved  # the steps changed the weights: the comparison is not vacuous
+
+
+@pytest.mark.timeout(330)
+def test_each_rank_reads_only_its_own_parts(spawned: Any) -> None:
+    """Peak CPU bytes during from_pretrained: this rank's parts and one tensor in flight, never the whole model."""
+    root, models, results = spawned
+    whole = sum(t.numel() * t.element_size() for t in models["big"].state_dict().values())
+    for peak, own, largest in (res["memory"] for res in results):
+        assert own < 0.7 * whole, (own, whole)
+        assert own <= peak <= own + largest + 64 * 1024, (peak, own, largest, whole)
+    _, control = _peak_bytes(lambda: transformers.AutoModelForCausalLM.from_pretrained(root / "big"))
+    assert control >= whole, (control, whole)  # the measure sees a whole-model load as one
+
+
+@pytest.mark.timeout(330)
+@pytest.mark.parametrize("name", list(SHARDED))
+def test_sharded_weights_export_whole_and_exact(spawned: Any, name: str) -> None:
+    """The exported tensors are the whole, exact weights: those the checkpoint of the same moment holds (qwZ: the
+    full-precision masters, not the dequantized parameters; ZeRO-2: FSDP's shards put together)."""
+    root, models, results = spawned
+    assert all(res[f"{name}_params_kept"] for res in results), "the parameters are as before the export"
+    exported = _stored(root / name)
+    saved = {k[len("model."):]: v for k, v in read_checkpoint(str(root / f"{name}-checkpoint")).items()
+             if k.startswith("model.")}
+    assert set(exported) == set(saved) - {"lm_head.weight"}  # tied: stored once
+    for key, tensor in exported.items():
+        assert tensor.dtype == torch.float32 and torch.equal(tensor, saved[key]), key
+    start = models["gpt2"].state_dict()["transformer.h.0.mlp.c_fc.weight"].float()
+    assert not torch.equal(exported["transformer.h.0.mlp.c_fc.weight"], start)  # it trained
+
+
+def test_bad_model_directories_are_named(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with pytest.raises(ValueError, match="is not a model directory .no config.json."):
+        Pipeline.from_pretrained(tmp_path / "nowhere", _adamw)
+    (tmp_path / "bert").mkdir()
+    (tmp_path / "bert" / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    with pytest.raises(ValueError, match="model_type 'bert' is not supported; supported: gpt2, llama"):
+        PretrainedModel.open(tmp_path / "bert")
+    model = tiny_llama(layers=2)
+    model.save_pretrained(tmp_path / "llama")
+    (tmp_path / "llama" / "model.safetensors").rename(tmp_path / "weights.bin")
+    with pytest.raises(ValueError, match="holds no safetensors weights"):
+        PretrainedModel.open(tmp_path / "llama")
+    other = tiny_llama(layers=3)
+    other.save_pretrained(tmp_path / "three")
+    (tmp_path / "three" / "model.safetensors").rename(tmp_path / "llama" / "model.safetensors")
+    PretrainedModel.open(tmp_path / "llama")  # a layer the config lacks: ignored with a warning, as transformers does
+    assert "9 tensors the model does not use are ignored (model.layers.2." in caplog.text
+    config = json.loads((tmp_path / "three" / "config.json").read_text())
+    (tmp_path / "llama" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 4}))
+    with pytest.raises(ValueError, match=r"9 tensors missing \(model.layers.3.*\), 0 unexpected"):
+        PretrainedModel.open(tmp_path / "llama")
+    (tmp_path / "llama" / "config.json").write_text(json.dumps({**config, "intermediate_size": 32}))
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.gate_proj.weight has shape \(64, 32\), the config gives "
+                       r"\(32, 32\)"):
+        PretrainedModel.open(tmp_path / "llama")
