@@ -65,8 +65,9 @@ class ParallelGroups:
         if "dp" not in names:
             return ParallelGroups(pp_group, pp_rank, pp_size, None, 0, 1)
         dp_group = mesh.get_group("dp")
-        return ParallelGroups(pp_group, pp_rank, pp_size, dp_group, mesh.get_local_rank("dp"),
-                              dist.get_world_size(dp_group))
+        dp_size = dist.get_world_size(dp_group)  # no expert parallelism: every replica holds every expert
+        return ParallelGroups(pp_group, pp_rank, pp_size, dp_group, mesh.get_local_rank("dp"), dp_size,
+                              edp_group=dp_group, edp_size=dp_size)
 
 
 def _expert_groups(mesh: DeviceMesh) -> ParallelGroups:

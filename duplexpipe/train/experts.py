@@ -43,8 +43,12 @@ class Experts:
             if dist.is_available() and dist.is_initialized() else None
 
     def shard(self) -> frozenset[int]:
-        """Keep only this rank's experts (ep > 1); returns id() of the expert parameters left."""
+        """Keep only this rank's experts (ep > 1); returns id() of the expert parameters left, which the
+        data-parallel strategy reduces over the expert-data-parallel group (none with ep == 1: every replica
+        holds every expert, so they reduce like any other parameter)."""
         ep = self.groups.ep_size
+        if ep == 1:  # every replica holds every expert: they reduce with the other parameters
+            return frozenset()
         if ep > 1:
             group = ExpertGroup(self.groups.ep_group, self.groups.ep_rank, ep)
             for layers in self.layers.values():

@@ -58,6 +58,37 @@ def _run(rank: int, schedule: str, spec: MoESpec, extra: dict[str, Any]) -> dict
                                                                           if "experts." in k})}
 
 
+def _resume_with_fewer_expert_ranks(rank: int) -> dict[str, Any]:
+    """2 steps with ep=2, saved; loaded with ep=1 (every rank holds every expert); a third step. Against 3
+    uninterrupted steps of the one-process model."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    where = [tempfile.mkdtemp(prefix="moe-ckpt-") if rank == 0 else ""]
+    dist.broadcast_object_list(where, src=0)
+    runs = {}
+    for ep, steps in ((2, range(2)), (1, range(2, 3))):
+        embedding, blocks, head = build(BALANCED)
+        pipe = Pipeline.from_layers(blocks, loss_fn, adamw, PipelineConfig(num_microbatches=MICRO),
+                                    embedding=embedding, head=head, mesh=make_mesh(2, 2, ep=ep))
+        if ep == 1:
+            pipe.load(where[0])
+        for step in steps:
+            pipe.step(*batch(step, pipe.groups.dp_rank))
+        if ep == 2:
+            pipe.save(where[0])
+        runs[ep] = pipe
+    pipe = runs[1]
+    ref = Reference(BALANCED)
+    for step in range(3):
+        ref.step(step, 2, MICRO)
+    groups = {s: pipe.schedule.stages[s].group for s in pipe.stage_modules}
+    return {"param_err": compare(pipe.stage_modules, groups, ref.parts(pipe.partition)),
+            "experts": sorted({k.split("experts.")[1].split(".")[0] for m in pipe.stage_modules.values()
+                               for k in m.state_dict() if "experts." in k})}
+
+
 def _errors(rank: int) -> dict[str, str]:
     out = {}
     embedding, blocks, head = build(MoESpec(experts=3, top_k=1))
@@ -82,6 +113,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     for name in CASES:
         out[name].pop("state")
     out["errors"] = _errors(rank)
+    out["resume"] = _resume_with_fewer_expert_ranks(rank)
     return out
 
 
@@ -128,3 +160,10 @@ def test_bad_expert_parallel_layouts_name_the_values(results: list[dict[str, Any
     for result in results:
         assert "num_experts=3 is not divisible by the expert-parallel size ep=2" in result["errors"]["experts"]
         assert "ep=3 must be a positive int dividing dp=2" in result["errors"]["mesh"]
+
+
+def test_a_checkpoint_saved_with_ep_2_resumes_with_ep_1(results: list[dict[str, Any]]) -> None:
+    """Experts are stored under their global index: every rank of the ep=1 run finds all of them."""
+    for result in results:
+        assert result["resume"]["experts"] == ["0", "1", "2", "3"]
+        assert result["resume"]["param_err"] < 1e-10, result["resume"]
