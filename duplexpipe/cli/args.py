@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import argparse
 import ast
-import json
 import math
 import os
 from collections import Counter
 from typing import TYPE_CHECKING, Any, NoReturn, Sequence
 
 from duplexpipe.cli import help as docs
-from duplexpipe.schedules.ir import Schedule, ScheduleError, load_json, load_torch_csv
+from duplexpipe.schedules.ir import Schedule, ScheduleError, load_json, load_torch_csv, read_json
 
 if TYPE_CHECKING:
     from duplexpipe.schedules.simulate import CostModel
@@ -257,12 +256,9 @@ def load_timeline(path: str) -> Timeline:
     if os.path.isdir(path):
         raise CliError(f"{path} is a directory, not a timeline file")
     try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except OSError as exc:
-        raise CliError(f"cannot read {path}: {exc.strerror}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-        raise CliError(f"{path}: not valid JSON ({exc})") from None
+        data = read_json(path)
+    except ScheduleError as exc:
+        raise CliError(str(exc)) from None
     if isinstance(data, dict) and data.get("format") == "duplexpipe-schedule":
         raise CliError(f"{path} is a schedule, not a timeline: draw it with "
                        f"'duplexpipe simulate {path} --plot OUT.png'")

@@ -301,16 +301,20 @@ def save_json(schedule: Schedule, path: str) -> None:
         fh.write("\n")
 
 
-def load_json(path: str) -> Schedule:
-    """Read a schedule written by `save_json`; never unpickles anything."""
+def read_json(path: str) -> Any:
+    """The JSON value in `path`; ScheduleError naming the file when it cannot be read or parsed."""
     try:
         with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
+            return json.load(fh)
     except OSError as exc:
         raise ScheduleError(f"cannot read {path}: {exc.strerror}") from None
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise ScheduleError(f"{path}: not valid JSON ({exc})") from None
-    return Schedule.from_dict(data, source=path)
+
+
+def load_json(path: str) -> Schedule:
+    """Read a schedule written by `save_json`; never unpickles anything."""
+    return Schedule.from_dict(read_json(path), source=path)
 
 
 def rows_to_csv(rows: Sequence[Iterable[Action]]) -> str:
