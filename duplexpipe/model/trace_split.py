@@ -107,8 +107,8 @@ def retarget_factories(body: nn.Module, old: torch.device, new: torch.device) ->
                 changed = True
         if changed and isinstance(module, fx.GraphModule):
             module.recompile()
-        elif changed and hasattr(module, "finalize"):  # torch.export's InterpreterModule
-            module.finalize()
+        elif changed and callable(finalize := getattr(module, "finalize", None)):  # torch.export's
+            finalize()  # InterpreterModule: its GraphModule is built from the graph
 
 
 def _pass_on(value: Any) -> Any:
