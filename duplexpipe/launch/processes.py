@@ -143,7 +143,9 @@ def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> tuple
 
 
 def _worker(fn: Callable[..., Any], args: Sequence[Any], rank: int, world: int, port: int,
-            backend: str, results: Any) -> None:
+            backend: str, results: Any, environ: dict[str, str]) -> None:
+    os.environ.clear()  # the launcher's environment now, not the one a fork server started with
+    os.environ.update(environ)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)})
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -190,19 +192,22 @@ def _stop(procs: Sequence[Any]) -> None:
             p.join(5.0)
 
 
-START_METHODS = ("spawn", "forkserver")
-"""How `launch` starts its processes: "spawn" (each imports torch itself, a few seconds per rank) or
-"forkserver" (forked from one server process that imported FORKSERVER_PRELOAD once: well under a second;
-the server keeps the environment it started with)."""
+START_METHODS = ("forkserver", "spawn")
+"""How `launch` starts its processes: "forkserver" (the default: forked from one server process that imported
+FORKSERVER_PRELOAD once, started by the first launch; well under a second per rank after that; each rank
+takes the launcher's environment at its launch, but what torch read when the server imported it, e.g.
+OMP_NUM_THREADS, stays the server's) or "spawn" (a fresh interpreter per rank importing torch itself: a few
+seconds per rank, everything read from the environment of the launch)."""
 START_METHOD_ENV = "DUPLEXPIPE_START_METHOD"
-"""The environment variable `launch` reads when no start_method is given (default "spawn")."""
+"""The environment variable `launch` reads when no start_method is given (default "forkserver")."""
+DEFAULT_START_METHOD = START_METHODS[0]
 FORKSERVER_PRELOAD = ("torch", "torch.distributed", "duplexpipe.pipeline")
 """What the fork server imports before forking ranks."""
 
 
 def start_context(method: str | None = None) -> Any:
-    """The multiprocessing context for `method` (None: $DUPLEXPIPE_START_METHOD, else "spawn")."""
-    method = method or os.environ.get(START_METHOD_ENV) or "spawn"
+    """The multiprocessing context for `method` (None: $DUPLEXPIPE_START_METHOD, else "forkserver")."""
+    method = method or os.environ.get(START_METHOD_ENV) or DEFAULT_START_METHOD
     if method not in START_METHODS:
         raise ValueError(f"start_method {method!r} is not one of {START_METHODS} (from the argument or "
                          f"${START_METHOD_ENV})")
@@ -230,14 +235,15 @@ def launch(
     traceback: errors that only report another rank's failure ("rank N rejected ...", "stopping
     because rank N failed") rank after it, waiting up to `grace_s` for the rank they blame. Then
     the others are killed; after a timeout every rank is killed. No process outlives the call.
-    `start_method`: see START_METHODS (None: $DUPLEXPIPE_START_METHOD, else "spawn").
+    `start_method`: see START_METHODS (None: $DUPLEXPIPE_START_METHOD, else "forkserver").
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
     ctx = start_context(start_method)
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, tuple(args), r, nprocs, port, backend, results),
+    procs = [ctx.Process(target=_worker, args=(fn, tuple(args), r, nprocs, port, backend, results,
+                                               dict(os.environ)),
                          name=f"duplexpipe-rank{r}") for r in range(nprocs)]
     try:
         for p in procs:
