@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 from typing import IO, Any
 
 from duplexpipe.cli.args import parse_task_options
@@ -89,14 +91,28 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return merge_config(file_values, flags)
 
 
-def train_main(args: argparse.Namespace, stream: IO[str] | None = None) -> int:
-    """`duplexpipe train`: run training and write a summary to `stream` (stdout); returns the exit code."""
-    from duplexpipe.launch.train_loop import checkpoint_to_load, load_task, run_training
+def _check_without_torch(config: TrainConfig) -> None:
+    """The schedule with its ranks and microbatches, and the task file's existence: found in well under a
+    second (the checks after these import torch)."""
     from duplexpipe.schedules.registry import build as build_schedule
 
+    if config.schedule != "auto":
+        build_schedule(config.schedule, config.ranks, config.microbatches)
+    target, sep, name = config.task.rpartition(":")
+    if not sep or not target or not name:
+        raise ValueError(f"task {config.task!r} must look like 'path/to/file.py:function' or 'module:function'")
+    if target.endswith(".py") and not Path(target).is_file():
+        raise ValueError(f"task file {target!r} does not exist")
+
+
+def train_main(args: argparse.Namespace, stream: IO[str] | None = None) -> int:
+    """`duplexpipe train`: run training and write a summary to `stream` (stdout); returns the exit code."""
     config = config_from_args(args)
-    build_schedule(config.schedule, config.ranks, config.microbatches)  # bad name, P or M: fail before spawning
-    load_task(config.task)
+    _check_without_torch(config)
+    from duplexpipe.launch.checks import check_training  # imports torch: after the checks that need none
+    from duplexpipe.launch.train_loop import checkpoint_to_load, run_training
+
+    check_training(config)  # every configuration error, before any process starts
     if config.resume is not None:
         checkpoint_to_load(config.resume)
     result = run_training(config)
@@ -117,15 +133,38 @@ def train_main(args: argparse.Namespace, stream: IO[str] | None = None) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    """`duplexpipe train`: exit 1 with the failed rank's last line when a rank fails."""
-    from duplexpipe.launch.processes import LaunchError
-
+    """`duplexpipe train`: exit 2 with one line for a configuration error, 1 with the failed rank's error in
+    one line when a rank fails. Under torchrun the ranks settle who reports (launch.failures): that rank
+    logs its error (torchrun's summary shows its traceback), every other rank one line, and exits quietly."""
     try:
         return train_main(args)
-    except LaunchError as exc:
-        last = [line for line in str(exc).splitlines() if line.strip()][-1]
-        print(f"duplexpipe: error: rank {exc.rank} failed: {last}", file=sys.stderr)
+    except Exception as exc:
+        code = _failed(exc)
+        if code is None:
+            raise
+        return code
+
+
+def _failed(exc: Exception) -> int | None:
+    """The exit code for a failed run, once its one line is out; None: main reports `exc` (configuration
+    errors exit 2 with one line, anything else is a bug and shows its traceback)."""
+    torchrun = all(v in os.environ for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+    if "torch" not in sys.modules and not torchrun:  # before the training stack was imported: configuration
+        return None
+    from duplexpipe.launch.failures import StoppedByPeer, record_failure, reported
+    from duplexpipe.launch.processes import LaunchError
+
+    if isinstance(exc, StoppedByPeer):
+        return 0 if exc.same_node else 1
+    if isinstance(exc, LaunchError):
+        print(f"duplexpipe: error: rank {exc.rank} failed: {exc.summary}", file=sys.stderr)
         return 1
+    if reported(exc):
+        return 1
+    if torchrun and isinstance(exc, ValueError):  # every rank found it before starting: rank 0 reports it
+        settled = record_failure(exc, int(os.environ["RANK"]), with_traceback=False)
+        return 2 if settled.cause is None else 0 if settled.same_node else 1
+    return None
 
 
 COMMANDS = {"train": cmd_train}

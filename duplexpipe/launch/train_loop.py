@@ -90,26 +90,43 @@ def load_task(spec: str) -> Callable[..., TrainTask]:
     if not sep or not target or not name:
         raise ValueError(f"task {spec!r} must look like 'path/to/file.py:function' or 'module:function'")
     if target.endswith(".py"):
-        path = Path(target)
-        if not path.is_file():
-            raise ValueError(f"task file {target!r} does not exist")
-        module_name = f"duplexpipe_task_{path.stem}"
-        module = sys.modules.get(module_name)
-        if module is None:
-            loader_spec = importlib.util.spec_from_file_location(module_name, path)
-            assert loader_spec is not None and loader_spec.loader is not None
-            module = importlib.util.module_from_spec(loader_spec)
-            sys.modules[module_name] = module
-            loader_spec.loader.exec_module(module)
+        module = _load_file(target, spec)
     else:
         try:
             module = importlib.import_module(target)
         except ImportError as exc:
             raise ValueError(f"task {spec!r}: cannot import {target} ({exc})") from None
+        except Exception as exc:
+            raise ValueError(f"task {spec!r}: importing {target} failed: {type(exc).__name__}: {exc}") from exc
     fn = getattr(module, name, None)
     if not callable(fn):
         raise ValueError(f"task {spec!r}: {target} has no function {name!r}")
     return fn  # type: ignore[no-any-return]
+
+
+def _load_file(target: str, spec: str) -> Any:
+    """The module of task file `target`, imported once per process with its folder on sys.path (so it can
+    import the helpers beside it); an error while importing it is a ValueError naming the file."""
+    path = Path(target).resolve()
+    if not path.is_file():
+        raise ValueError(f"task file {target!r} does not exist")
+    module_name = f"duplexpipe_task_{path.stem}"
+    module = sys.modules.get(module_name)
+    if module is not None:
+        return module
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    loader_spec = importlib.util.spec_from_file_location(module_name, path)
+    assert loader_spec is not None and loader_spec.loader is not None
+    module = importlib.util.module_from_spec(loader_spec)
+    sys.modules[module_name] = module
+    try:
+        loader_spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[module_name]
+        where = f" (line {exc.lineno})" if isinstance(exc, SyntaxError) and exc.lineno else ""
+        raise ValueError(f"task {spec!r}: importing {target} failed{where}: {type(exc).__name__}: {exc}") from exc
+    return module
 
 
 def build_task(config: TrainConfig) -> TrainTask:
