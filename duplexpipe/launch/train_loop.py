@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from duplexpipe.launch.metrics import MetricsLog, ProgressLine, log_line, tensorboard_writer
 from duplexpipe.launch.processes import run
@@ -44,7 +45,9 @@ class TrainTask:
     loss_fn: LossFn
     """loss_fn(output, targets) -> mean loss of a microbatch."""
     batch: Callable[[int, int], tuple[Any, Any]]
-    """batch(step, batch_size) -> (inputs, targets): the global batch of `step`, identical on every rank."""
+    """batch(step, batch_size) -> (inputs, targets): the global batch of `step`, identical on every rank.
+    Inputs (and targets) are a tensor or a tuple / list / dict of tensors, each with the samples in its first
+    dimension (the run slices them per data-parallel replica and microbatch)."""
     embedding: nn.Module | None = None
     """Runs before the first block, in model part 0."""
     head: nn.Module | None = None
@@ -156,11 +159,25 @@ def make_scheduler(config: TrainConfig) -> Callable[[torch.optim.Optimizer], Any
     return lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
+def batch_rows(value: Any) -> int:
+    """Samples in a batch's inputs or targets: a tensor, or a tuple / list / dict of them (the first
+    dimension of the first tensor)."""
+    first = next((t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)), None)
+    if first is None or first.dim() == 0:
+        raise ValueError(f"a batch must hold tensors with a batch dimension, got {type(value).__name__}")
+    return int(first.shape[0])
+
+
+def rows_of(value: Any, lo: int, hi: int) -> Any:
+    """Samples lo..hi-1 of every tensor in `value` (a tensor, or a tuple / list / dict of them)."""
+    return tree_map_only(torch.Tensor, lambda t: t[lo:hi], value)
+
+
 def _local_slice(value: Any, index: int, parts: int) -> Any:
     if parts == 1 or value is None:
         return value
-    size = value.shape[0] // parts
-    return value[index * size:(index + 1) * size]
+    size = batch_rows(value) // parts
+    return rows_of(value, index * size, (index + 1) * size)
 
 
 def pipeline_config(config: TrainConfig) -> PipelineConfig:
@@ -176,7 +193,9 @@ def _build_pipeline(config: TrainConfig, task: TrainTask) -> Pipeline:
     mesh = make_mesh(config.ranks, config.dp, device_type) if config.dp > 1 else None
     pcfg = pipeline_config(config)
     first_inputs = task.batch(0, config.batch_size)[0]  # one microbatch of it: the profiling sample
-    sample = first_inputs[: max(1, first_inputs.shape[0] // (config.microbatches * config.dp))]
+    sample = rows_of(first_inputs, 0, max(1, batch_rows(first_inputs) // (config.microbatches * config.dp)))
+    if not isinstance(sample, torch.Tensor) and config.balance != "time":
+        sample = None  # the partition report times the layers on a tensor input only
     return Pipeline.from_layers(task.layers, task.loss_fn, make_optimizer(config), pcfg, embedding=task.embedding,
                                 head=task.head, balance=config.balance, sample_input=sample, mesh=mesh,
                                 init=task.init, scheduler=make_scheduler(config))
@@ -260,7 +279,7 @@ def _loop(pipe: Pipeline, task: TrainTask, config: TrainConfig, start: int, metr
         lr = pipe.optimizer.param_groups[0]["lr"]
         losses.append(pipe.step(x, y))
         now = time.perf_counter()
-        step_items = int(x.shape[0]) * pipe.groups.dp_size * task.items_per_sample
+        step_items = batch_rows(x) * pipe.groups.dp_size * task.items_per_sample
         if step > start:
             items, busy = items + step_items, busy + (now - tick)
         timeline = pipe.last.timeline if pipe.last is not None else None
