@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from duplexpipe.cli.args import parse_task_options
+from duplexpipe.fielddoc import field_docs
 from duplexpipe.launch.train_config import (
     BALANCES,
     LR_SCHEDULES,
@@ -30,51 +31,56 @@ def add_parsers(sub: Any, full: bool = True) -> None:
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of `duplexpipe train`. Flags left out keep the config file's value, else the default."""
+    """The options of `duplexpipe train`. Flags left out keep the config file's value, else the default. Each
+    flag's help is its TrainConfig field's docstring (one text for `help(TrainConfig)` and `--help`)."""
     d = TrainConfig()
+    docs = field_docs(TrainConfig)
     add = parser.add_argument
 
-    def opt(flag: str, kind: Any, what: str, **extra: Any) -> None:
+    def about(name: str, default: Any = None) -> str:
+        shown = getattr(d, name) if default is None else default
+        return f"{docs.get(name, name.replace('_', ' '))} (default {shown})"
+
+    def opt(flag: str, kind: Any, what: str | None = None, **extra: Any) -> None:
         name = flag.lstrip("-").replace("-", "_")
-        add(flag, type=kind, default=argparse.SUPPRESS, dest=name, help=f"{what} (default {getattr(d, name)})",
-            **extra)
+        add(flag, type=kind, default=argparse.SUPPRESS, dest=name,
+            help=f"{what} (default {getattr(d, name)})" if what else about(name), **extra)
 
     add("--config", default=None, metavar="FILE.toml",
         help="TOML file of settings named like the flags with underscores (batch_size = 64, [task_options]); "
              "flags given here override it")
-    add("--task", default=argparse.SUPPRESS, help="'file.py:function' or 'module:function' returning a "
-        f"TrainTask (default {d.task}: a small GPT on a bundled corpus)")
+    add("--task", default=argparse.SUPPRESS, help=about("task"))
     add("--task-option", action="append", default=argparse.SUPPRESS, metavar="KEY=VALUE", dest="task_options",
-        help="keyword argument for the task function (repeatable), e.g. n_layer=8")
-    opt("--schedule", str, "schedule name")
-    opt("--ranks", int, "pipeline ranks")
-    opt("--dp", int, "data-parallel replicas")
-    opt("--microbatches", int, "microbatches per step")
-    opt("--steps", int, "training steps in all")
-    opt("--batch-size", int, "samples per step over all replicas")
-    opt("--optimizer", str, "optimizer", choices=OPTIMIZERS)
-    opt("--lr", float, "peak learning rate")
-    opt("--weight-decay", float, "weight decay")
-    opt("--momentum", float, "SGD momentum")
-    opt("--lr-schedule", str, "learning-rate schedule after warm-up", choices=LR_SCHEDULES)
-    opt("--warmup", int, "linear warm-up steps")
-    opt("--min-lr-ratio", float, "final lr / lr for cosine and linear decay")
-    opt("--precision", str, "precision", choices=PRECISIONS)
-    opt("--p2p-compression", str, "stage-to-stage send format", choices=P2P_COMPRESSIONS)
-    opt("--grad-clip-norm", float, "global gradient-norm clip, 0 for none")
-    opt("--balance", str, "how to split the layers", choices=BALANCES)
-    opt("--seed", int, "torch seed")
-    opt("--log-every", int, "print a line every N steps, 0 for none")
-    opt("--out-dir", str, "write metrics.jsonl, losses.json, timeline.json, partition.txt (and TensorBoard) here")
-    opt("--save", str, "save checkpoints under this directory")
-    opt("--save-every", int, "also save every N steps")
-    opt("--resume", str, "continue from this checkpoint or save directory")
-    add("--timeout", type=float, default=argparse.SUPPRESS, metavar="SECONDS",
-        help=f"communication timeout in seconds (default {d.timeout_s:.0f})")
-    add("--activation-checkpointing", action="store_true", default=argparse.SUPPRESS, help="recompute activations")
-    add("--progress", action="store_true", default=argparse.SUPPRESS, help="a progress bar instead of log lines")
+        help=f"{docs.get('task_options', '')} Repeatable, e.g. n_layer=8.")
+    opt("--schedule", str)
+    opt("--ranks", int)
+    opt("--dp", int)
+    opt("--microbatches", int)
+    opt("--steps", int)
+    opt("--batch-size", int)
+    opt("--optimizer", str, choices=OPTIMIZERS)
+    opt("--lr", float)
+    opt("--weight-decay", float)
+    opt("--momentum", float)
+    opt("--lr-schedule", str, choices=LR_SCHEDULES)
+    opt("--warmup", int)
+    opt("--min-lr-ratio", float)
+    opt("--precision", str, choices=PRECISIONS)
+    opt("--p2p-compression", str, choices=P2P_COMPRESSIONS)
+    opt("--grad-clip-norm", float)
+    opt("--balance", str, choices=BALANCES)
+    opt("--seed", int)
+    opt("--log-every", int)
+    opt("--out-dir", str)
+    opt("--save", str)
+    opt("--save-every", int)
+    opt("--resume", str)
+    add("--timeout", type=float, default=argparse.SUPPRESS, metavar="SECONDS", help=about("timeout_s"))
+    add("--activation-checkpointing", action="store_true", default=argparse.SUPPRESS,
+        help=about("activation_checkpointing"))
+    add("--progress", action="store_true", default=argparse.SUPPRESS, help=about("progress"))
     add("--no-tensorboard", action="store_false", dest="tensorboard", default=argparse.SUPPRESS,
-        help="no TensorBoard scalars even when tensorboard is installed")
+        help=about("tensorboard"))
 
 
 _FLAG_FIELDS = {f for f in TrainConfig.__dataclass_fields__} | {"timeout"}

@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from duplexpipe.fielddoc import documented
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on Python 3.10 only
@@ -26,6 +28,7 @@ P2P_COMPRESSIONS = ("none", "bf16", "fp8", "int8")
 """Stage-to-stage send formats: "none" (as computed) or a `duplexpipe.comm.P2P_COMPRESSION` name."""
 
 
+@documented
 @dataclass
 class TrainConfig:
     """One training run; every field can be set in the TOML config file under the same name."""
