@@ -80,7 +80,8 @@ class TrainConfig:
     log_every: int = 10
     """Rank 0 prints step, loss, lr and throughput every N steps and at the last one (0: never)."""
     progress: bool = False
-    """A one-line progress bar instead of the log lines (for terminals)."""
+    """A progress bar (tqdm) instead of the log lines when the output is a terminal; to a file or a pipe, plain
+    log lines (every `log_every` steps, or about 20 over the run when that is 0)."""
     out_dir: str | None = None
     """Write metrics.jsonl (one line per step), losses.json, timeline.json, partition.txt and, when the
     tensorboard package is installed, TensorBoard scalars (tensorboard/) here (None: nothing is written)."""

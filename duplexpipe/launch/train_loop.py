@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from duplexpipe.launch.metrics import MetricsLog, ProgressLine, log_line, tensorboard_writer
+from duplexpipe.launch.metrics import MetricsLog, log_line, plain_every, progress_bar, tensorboard_writer
 from duplexpipe.launch.processes import run
 from duplexpipe.launch.train_config import (
     DEFAULT_TASK,
@@ -268,7 +268,8 @@ def _loop(pipe: Pipeline, task: TrainTask, config: TrainConfig, start: int, metr
     """
     from duplexpipe.runtime import gather_timeline
 
-    bar = ProgressLine(config.steps, task.item_name, sys.stdout) if config.progress and lead else None
+    bar = progress_bar(config.steps, start, task.item_name, sys.stdout) if config.progress and lead else None
+    every = plain_every(config.log_every, config.steps, config.progress)
     losses: list[float] = []
     began = time.perf_counter()
     items, busy = 0, 0.0  # after the first step: items trained and seconds spent fetching + stepping
@@ -290,7 +291,7 @@ def _loop(pipe: Pipeline, task: TrainTask, config: TrainConfig, start: int, metr
             metrics.write(step + 1, values)
         if bar is not None:
             bar.update(step + 1, losses[-1], items / busy if busy else 0.0)
-        elif lead and config.log_every and ((step + 1) % config.log_every == 0 or step + 1 == config.steps):
+        elif lead and every and ((step + 1) % every == 0 or step + 1 == config.steps):
             print(log_line(step + 1, config.steps, values, task.item_name), flush=True)
         if config.save and ((config.save_every and (step + 1) % config.save_every == 0) or step + 1 == config.steps):
             _save(pipe, config, step + 1)

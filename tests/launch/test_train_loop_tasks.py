@@ -1,10 +1,13 @@
-"""Tests for duplexpipe.launch.train_loop's task files and batches: a task file imports the helpers beside it,
-and a batch may be a tuple or dict of tensors (sliced per replica and microbatch, counted for throughput)."""
+"""Tests for duplexpipe.launch.train_loop's task files, batches and progress output: a task file imports the
+helpers beside it, a batch may be a tuple or dict of tensors (sliced per replica and microbatch, counted for
+throughput), and --progress prints plain lines when the output is not a terminal."""
 
 from __future__ import annotations
 
 import argparse
 import io
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -104,3 +107,15 @@ def test_train_runs_a_task_file_that_imports_its_helpers(task_dir: Path) -> None
 @pytest.mark.parametrize("kind", ["tuple", "dict"])
 def test_train_runs_a_task_whose_batch_is_a_tuple_or_dict(task_dir: Path, kind: str) -> None:
     assert "1f1b on 2 ranks x 1 dp, 2 steps" in _train(task_dir, kind)
+
+
+@pytest.mark.timeout(120)
+def test_progress_to_a_pipe_prints_plain_lines(task_dir: Path) -> None:
+    """--progress wrote one carriage-return line for the whole run into a file or pipe."""
+    cmd = [sys.executable, "-m", "duplexpipe.cli", "train", "--task", f"{task_dir / 'my_task.py'}:task",
+           "--schedule", "1f1b", "--ranks", "2", "--microbatches", "2", "--batch-size", "8", "--steps", "3",
+           "--log-every", "0", "--progress"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=110, check=True).stdout
+    assert "\r" not in out
+    assert [line.split("  ")[0] for line in out.splitlines() if line.startswith("step ")] == \
+        ["step 1/3", "step 2/3", "step 3/3"], out
