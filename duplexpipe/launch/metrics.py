@@ -81,7 +81,7 @@ class ProgressBar:
         from tqdm import tqdm
 
         self.unit = unit
-        width = shutil.get_terminal_size((100, 20)).columns  # the fallback when the terminal reports none
+        width = shutil.get_terminal_size().columns or 100  # a terminal may report 0 columns
         self._bar = tqdm(total=total, initial=start, unit="step", file=stream, ncols=width, leave=True)
         self._done = start
 
