@@ -81,8 +81,9 @@ class ProgressBar:
         from tqdm import tqdm
 
         self.unit = unit
-        width = shutil.get_terminal_size().columns or 100  # a terminal may report 0 columns
-        self._bar = tqdm(total=total, initial=start, unit="step", file=stream, ncols=width, leave=True)
+        size = shutil.get_terminal_size()  # a terminal may report no size: tqdm would then draw nothing
+        self._bar = tqdm(total=total, initial=start, unit="step", file=stream, ncols=size.columns or 100,
+                         nrows=size.lines or 20, leave=True)
         self._done = start
 
     def update(self, step: int, loss: float, rate: float) -> None:
