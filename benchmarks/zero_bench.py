@@ -11,7 +11,7 @@
    turn, so each sees the same machine load: wall-clock and CPU seconds (process time: the rank's threads,
    gloo's included) per step, and ZeRO-2 over ZeRO-1.
 
-Usage: python benchmarks/zero_bench.py [--steps N] [--json PATH] [--docs DIR]
+Usage: python benchmarks/zero_bench.py [--steps N] [--d-model D] [--speed-only] [--json PATH] [--docs DIR]
 (`make bench` runs it as the part "zero"; --docs writes the section between its markers in DIR/benchmarks.md).
 """
 
@@ -376,13 +376,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=ZeroBenchConfig.steps)
     parser.add_argument("--runs", default="", help="comma list of run labels; default all")
     parser.add_argument("--speed-only", action="store_true", help="only the side-by-side speed run")
+    parser.add_argument("--d-model", type=int, default=64, help="the GPT's width (default 64)")
     parser.add_argument("--json", type=Path, help="write the results as JSON here")
     parser.add_argument("--docs", default="", help="docs directory: section in DIR/benchmarks.md")
     args = parser.parse_args(argv)
     if args.steps < 25:
         print(f"zero_bench.py: --steps must be >= 25 (the last 20 are averaged), got {args.steps}", file=sys.stderr)
         return 2
-    cfg = ZeroBenchConfig(steps=args.steps, runs=tuple(r.strip() for r in args.runs.split(",") if r.strip()))
+    cfg = ZeroBenchConfig(steps=args.steps, runs=tuple(r.strip() for r in args.runs.split(",") if r.strip()),
+                          task_options={"n_layer": 4, "d_model": args.d_model})
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     started, load_before = time.monotonic(), [round(x, 2) for x in os.getloadavg()]
     if args.speed_only:

@@ -2,7 +2,8 @@
 
 The speed run of zero_bench.py (ZeRO-1 and ZeRO-2 pipelines built in the same 4 processes, PP=2 x DP=2, the GPT
 example, stepped in turn) with one profiler per pipeline; each function's own time is charged to an area by the
-file it lives in, and the table gives CPU ms per step on rank 0 by area, for both stages and their difference.
+file it lives in (a builtin or a standard-library helper is charged to its callers' areas), and the table gives
+CPU ms per step on rank 0 by area, for both stages and their difference.
 cProfile slows Python-heavy code more than kernels: the figures show where the difference is, not its size
 (zero_bench.py's speed table gives that).
 
@@ -19,6 +20,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -36,6 +38,7 @@ AREAS = (
     ("optimizer", ("torch/optim/",)),
     ("autograd engine (backward kernels, hooks)", ("run_backward",)),
     ("nn.Module calls (hook dispatch)", ("torch/nn/modules/module.py",)),
+    ("the model (GPT forward)", ("duplexpipe/launch/tasks/", "torch/nn/functional.py", "torch/nn/modules/")),
     ("duplexpipe", ("duplexpipe/",)),
 )
 """(area, substrings of a profiled function's file or name that put it there); the rest is 'other'."""
@@ -58,13 +61,23 @@ def _worker(rank: int, world: int, job: tuple[int, int]) -> dict[int, dict[str, 
                 profiles[stage].enable()
             zb._step(pipe, task, step, cfg.batch_size)
             profiles[stage].disable()
-    out: dict[int, dict[str, float]] = {}
-    for stage, prof in profiles.items():
-        areas: Counter[str] = Counter()
-        for (filename, _, name), (_, _, own, _, _) in pstats.Stats(prof).stats.items():  # type: ignore[attr-defined]
-            areas[area_of(filename, name)] += 1e3 * own / steps
-        out[stage] = dict(areas)
-    return out
+    return {stage: charged(pstats.Stats(prof).stats, steps) for stage, prof in profiles.items()}  # type: ignore
+
+
+def charged(stats: dict[Any, Any], steps: int) -> dict[str, float]:
+    """CPU ms per step by area: each function's own time goes to its area; a function of no area (a builtin
+    such as a tensor method, a helper of the standard library) is charged to its callers' areas, split as
+    cProfile timed it under each caller."""
+    areas: Counter[str] = Counter()
+    for (filename, _, name), (_, _, own, _, callers) in stats.items():
+        area = area_of(filename, name)
+        if area.startswith("other") and callers:
+            under = sum(c[2] for c in callers.values()) or 1.0
+            for (cfile, _, cname), c in callers.items():
+                areas[area_of(cfile, cname)] += 1e3 * own * (c[2] / under) / steps
+        else:
+            areas[area] += 1e3 * own / steps
+    return dict(areas)
 
 
 def table(areas: dict[int, dict[str, float]]) -> str:

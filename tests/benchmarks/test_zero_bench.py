@@ -77,6 +77,12 @@ def test_the_profile_charges_functions_to_areas_and_sums_them() -> None:
         == "FSDP2 hooks and bookkeeping"
     assert zero_profile.area_of("~", "<method 'run_backward' of 'torch._C._EngineBase' objects>").startswith("autograd")
     assert zero_profile.area_of("/x/y.py", "f").startswith("other")
+    adam = ("/x/torch/optim/adam.py", 1, "_single_tensor_adam")
+    grads = ("/x/duplexpipe/parallel/grads.py", 1, "_sum_squares")
+    mul = ("~", 0, "<method 'mul_' of 'torch._C.TensorBase' objects>")
+    stats = {adam: (1, 1, 0.002, 0.01, {}), grads: (1, 1, 0.001, 0.002, {}),
+             mul: (4, 4, 0.004, 0.004, {adam: (3, 3, 0.003, 0.003), grads: (1, 1, 0.001, 0.001)})}
+    assert zero_profile.charged(stats, 2) == pytest.approx({"optimizer": 2.5, "duplexpipe": 1.0})
     text = zero_profile.table({1: {"optimizer": 1.0, "duplexpipe": 2.0}, 2: {"optimizer": 3.5, "duplexpipe": 2.0}})
     assert "| optimizer | 1.0 | 3.5 | +2.5 |" in text and "| total | 3.0 | 5.5 | +2.5 |" in text
     assert text.index("optimizer") < text.index("duplexpipe")  # largest difference first
