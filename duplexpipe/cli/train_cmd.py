@@ -37,11 +37,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     docs = field_docs(TrainConfig)
     add = parser.add_argument
 
-    def about(name: str, default: Any = None) -> str:
-        shown = getattr(d, name) if default is None else default
-        return f"{docs.get(name, name.replace('_', ' '))} (default {shown})"
+    def about(name: str) -> str:
+        return f"{docs.get(name, name.replace('_', ' '))} (default {getattr(d, name)})"
 
-    def opt(flag: str, kind: Any, what: str | None = None, **extra: Any) -> None:
+    def opt(flag: str, kind: Any, what: str | None = None, **extra: Any) -> None:  # what: for a flag without
+        # a TrainConfig field of its own
         name = flag.lstrip("-").replace("-", "_")
         add(flag, type=kind, default=argparse.SUPPRESS, dest=name,
             help=f"{what} (default {getattr(d, name)})" if what else about(name), **extra)
