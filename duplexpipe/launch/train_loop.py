@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import inspect
@@ -113,7 +114,8 @@ def _load_file(target: str, spec: str) -> Any:
     path = Path(target).resolve()
     if not path.is_file():
         raise ValueError(f"task file {target!r} does not exist")
-    module_name = f"duplexpipe_task_{path.stem}"
+    digest = hashlib.sha1(str(path).encode(), usedforsecurity=False).hexdigest()[:10]
+    module_name = f"duplexpipe_task_{path.stem}_{digest}"  # one module per file, not per file name
     module = sys.modules.get(module_name)
     if module is not None:
         return module

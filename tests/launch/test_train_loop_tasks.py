@@ -73,6 +73,13 @@ def test_a_task_file_imports_the_helpers_beside_it(task_dir: Path) -> None:
     assert fn(kind="tuple").embedding.__class__.__name__ == "Scaled"
 
 
+def test_task_files_of_the_same_name_in_two_folders_are_two_modules(tmp_path: Path) -> None:
+    for folder, value in (("a", 1), ("b", 2)):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "same_name.py").write_text(f"def make():\n    return {value}\n")
+    assert [load_task(f"{tmp_path / f / 'same_name.py'}:make")() for f in ("a", "b", "a")] == [1, 2, 1]
+
+
 def test_tuple_and_dict_batches_are_sliced_and_counted_by_their_first_dimension() -> None:
     x, scale = torch.arange(8.0).view(4, 2), torch.arange(4.0).view(4, 1)
     assert batch_rows((x, scale)) == 4 and batch_rows({"x": x, "scale": scale}) == 4 and batch_rows(x) == 4
