@@ -134,8 +134,7 @@ class CharCorpus:
         self.text = corpus_text() if text is None else text
         self.chars = sorted(set(self.text))
         self.index = {c: i for i, c in enumerate(self.chars)}
-        data = torch.tensor([self.index[c] for c in self.text], dtype=torch.long, device="cpu")  # data, not
-        # a model tensor: on the CPU even while a model is built on the meta device (`duplexpipe train` checks)
+        data = torch.tensor([self.index[c] for c in self.text], dtype=torch.long)
         cut = int(len(data) * (1 - val_fraction))
         self.train, self.val = data[:cut], data[cut:]
 
