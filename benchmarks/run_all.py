@@ -25,11 +25,12 @@ from benchmarks.overlap import OverlapConfig  # noqa: E402
 from benchmarks.p2p_compression import P2PConfig, quick_config  # noqa: E402
 from benchmarks.plan_vs_measured import PvMConfig  # noqa: E402
 from benchmarks.plan_vs_measured import quick_config as pvm_quick_config  # noqa: E402
+from benchmarks.spawn_bench import SpawnConfig  # noqa: E402
 from benchmarks.vs_torch import VsTorchConfig  # noqa: E402
 from benchmarks.zero_bench import ZeroBenchConfig  # noqa: E402
 
 PARTS = ("vs_torch", "measured_vs_simulated", "overlap", "tooling", "profile", "auto_search", "p2p",
-         "grad_compression", "plan_vs_measured", "zero", "moe_overlap")
+         "grad_compression", "plan_vs_measured", "zero", "spawn", "moe_overlap")
 QUICK_PARTS = PARTS[:4]
 
 
@@ -56,9 +57,11 @@ class Plan:
     plan_vs_measured: PvMConfig = PvMConfig()
     """Part 9: the planner's predictions against runs of 5 candidates (benchmarks/plan_vs_measured.py)."""
     zero: ZeroBenchConfig = ZeroBenchConfig()
+    """Part 10: ZeRO memory per rank, ZeRO++ bytes / loss (GPT example, 200 steps per run), ZeRO-2 vs ZeRO-1 speed."""
+    spawn: SpawnConfig = SpawnConfig()
+    """Part 11: seconds per `run(fn, 4)` of a trivial function, by start method (benchmarks/spawn_bench.py)."""
     moe: MoEBenchConfig = MoEBenchConfig()
-    """Part 11: one MoE F&B pair overlapped vs F then B, and a DualPipeV step, on the emulated link."""
-    """Part 10: ZeRO memory per rank and ZeRO++ bytes / loss (GPT example, 200 steps per run)."""
+    """Part 12: one MoE F&B pair overlapped vs F then B, and a DualPipeV step, on the emulated link."""
 
 
 def full_plan() -> Plan:
@@ -92,6 +95,7 @@ def quick_plan() -> Plan:
         quick_tooling=True,
         p2p=quick_config(),
         plan_vs_measured=pvm_quick_config(),
+        spawn=SpawnConfig(reps=1, ranks=2),
     )
 
 
@@ -104,6 +108,7 @@ def _runners(plan: Plan) -> dict[str, Callable[[], Any]]:
         overlap,
         p2p_compression,
         plan_vs_measured,
+        spawn_bench,
         tooling,
         vs_torch,
         zero_bench,
@@ -120,6 +125,7 @@ def _runners(plan: Plan) -> dict[str, Callable[[], Any]]:
         "grad_compression": lambda: dp_compression.run(plan.dp_compression),
         "plan_vs_measured": lambda: plan_vs_measured.run(plan.plan_vs_measured),
         "zero": lambda: zero_bench.run(plan.zero),
+        "spawn": lambda: spawn_bench.run(plan.spawn),
         "moe_overlap": lambda: moe_overlap.run(plan.moe),
     }
 
@@ -246,10 +252,11 @@ def _publish(results: dict[str, Any], out: str, docs: str) -> None:
                 "loadavg_at_part_start", {}).get("grad_compression", "?")})
             dp_compression.publish(part, docs)
     _publish_zero(results, docs)
+    _publish_spawn(results, docs)
     if results.get("moe_overlap"):
         from benchmarks import moe_overlap
 
-        print(f"\n11. MoE F&B overlap\n{moe_overlap.markdown(results['moe_overlap'])}")
+        print(f"\n12. MoE F&B overlap\n{moe_overlap.markdown(results['moe_overlap'])}")
         if docs != "none":
             moe_overlap.publish(results["moe_overlap"], docs)
     if docs != "none":
@@ -314,6 +321,19 @@ def _publish_zero(results: dict[str, Any], docs: str) -> None:
     print(f"\n10. ZeRO\n{zero_bench.markdown(part)}")
     if docs != "none":
         zero_bench.publish(part, docs)
+
+
+def _publish_spawn(results: dict[str, Any], docs: str) -> None:
+    """Print part 11 and (unless docs is 'none') write its section of docs/benchmarks.md."""
+    part = results.get("spawn")
+    if not part:
+        return
+    from benchmarks import spawn_bench
+
+    part.setdefault("meta", results.get("meta", {}))
+    print(f"\n11. Starting processes\n{spawn_bench.markdown(part)}")
+    if docs != "none":
+        spawn_bench.publish(part, docs)
 
 
 def plan_config(part: dict[str, Any]) -> DPBenchConfig:

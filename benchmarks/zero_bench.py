@@ -7,8 +7,11 @@
    collective (ring model, the strategy's WireMeter, cross-checked over the first steps against a c10d
    dispatch counter), the mean loss of the last `tail` steps against the unquantized run of the same stage,
    wall-clock per step.
+3. Speed: zero_stage 0, 1 and 2 built side by side in the same 4 processes (PP=2 x DP=2) and stepped in
+   turn, so each sees the same machine load: wall-clock and CPU seconds (process time: the rank's threads,
+   gloo's included) per step, and ZeRO-2 over ZeRO-1.
 
-Usage: python benchmarks/zero_bench.py [--steps N] [--json PATH] [--docs DIR]
+Usage: python benchmarks/zero_bench.py [--steps N] [--d-model D] [--speed-only] [--json PATH] [--docs DIR]
 (`make bench` runs it as the part "zero"; --docs writes the section between its markers in DIR/benchmarks.md).
 """
 
@@ -83,6 +86,10 @@ class ZeroBenchConfig:
     """Steps whose collectives are also counted by the c10d dispatch counter."""
     runs: tuple[str, ...] = ()
     """Labels of the ZeRO++ runs to do; empty: all."""
+    speed_steps: int = 60
+    """Timed steps of each stage in the side-by-side speed run (after `speed_warmup`)."""
+    speed_warmup: int = 5
+    """Untimed steps of each stage first."""
 
 
 def _pipeline(cfg: ZeroBenchConfig, pp: int, dp: int, stage: int, zero: ZeroOptions) -> tuple[Pipeline, Any]:
@@ -173,6 +180,53 @@ def _train_worker(rank: int, world: int, job: tuple[ZeroBenchConfig, int, ZeroOp
     dispatch = {k: seen.bytes.get(k, 0.0) for k in SHARDED_KINDS}
     return {"losses": losses, "step_s": step_s, "kinds": kinds,
             "meter_matches_dispatch": stage == 0 or dispatch == {k: own.bytes.get(k, 0.0) for k in SHARDED_KINDS}}
+
+
+SPEED_STAGES = (0, 1, 2)
+"""The zero_stage values of the speed run."""
+
+
+def _speed_worker(rank: int, world: int, cfg: ZeroBenchConfig) -> dict[int, dict[str, list[float]]]:
+    pipes = {stage: _pipeline(cfg, 2, 2, stage, ZeroOptions()) for stage in SPEED_STAGES}
+    out: dict[int, dict[str, list[float]]] = {stage: {"wall": [], "cpu": []} for stage in SPEED_STAGES}
+    for step in range(cfg.speed_warmup + cfg.speed_steps):
+        for stage, (pipe, task) in pipes.items():
+            wall, cpu = time.perf_counter(), time.process_time()
+            _step(pipe, task, step, cfg.batch_size)
+            if step >= cfg.speed_warmup:
+                out[stage]["wall"].append(time.perf_counter() - wall)
+                out[stage]["cpu"].append(time.process_time() - cpu)
+    return out
+
+
+def speed(cfg: ZeroBenchConfig) -> list[dict[str, Any]]:
+    """Per stage: median wall ms per step (slowest rank each step) and mean CPU ms per step and rank."""
+    ranks = harness.spawn(_speed_worker, cfg, world=4, timeout_s=1800)
+    return speed_rows(ranks)
+
+
+def speed_rows(ranks: list[dict[int, dict[str, list[float]]]]) -> list[dict[str, Any]]:
+    """speed()'s rows from each rank's per-step seconds."""
+    rows = []
+    for stage in SPEED_STAGES:
+        steps = len(ranks[0][stage]["wall"])
+        wall = [max(r[stage]["wall"][i] for r in ranks) for i in range(steps)]
+        rows.append({"stage": stage, "wall_ms": 1e3 * statistics.median(wall),
+                     "cpu_ms": 1e3 * statistics.fmean(c for r in ranks for c in r[stage]["cpu"])})
+    one = next(r for r in rows if r["stage"] == 1)
+    for r in rows:
+        r["wall_vs_1"], r["cpu_vs_1"] = r["wall_ms"] / one["wall_ms"], r["cpu_ms"] / one["cpu_ms"]
+    return rows
+
+
+def speed_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown: per stage, wall and CPU ms per step and their ratio to ZeRO-1's."""
+    out = ["| zero_stage | wall ms/step (median) | vs ZeRO-1 | CPU ms/step and rank (mean) | vs ZeRO-1 |",
+           "|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['stage']} | {r['wall_ms']:.1f} | {r['wall_vs_1']:.2f}x | {r['cpu_ms']:.1f} | "
+                   f"{r['cpu_vs_1']:.2f}x |")
+    return "\n".join(out)
 
 
 def run_zero_pp(cfg: ZeroBenchConfig) -> list[dict[str, Any]]:
@@ -292,6 +346,12 @@ def markdown(result: dict[str, Any]) -> str:
     if same:
         lines.append("ZeRO-1's losses over all steps are " + ("bit-identical" if same[0]["same_losses_as_stage0"]
                      else "**not** identical") + " to zero_stage=0's.")
+    if result.get("speed"):
+        lines += ["", f"**Speed** (the same model and layout; zero_stage 0, 1 and 2 built side by side in the same "
+                  f"4 processes and stepped in turn, {cfg.speed_warmup} untimed then {cfg.speed_steps} timed "
+                  "steps each, so all three see the same load; wall: median over steps of the slowest rank; "
+                  "CPU: process time per step and rank, gloo's threads included; target: ZeRO-2 within 1.2x "
+                  "of ZeRO-1).", "", speed_table(result["speed"])]
     return "\n".join(lines)
 
 
@@ -304,8 +364,9 @@ def run(cfg: ZeroBenchConfig) -> dict[str, Any]:
     """The memory table, then the ZeRO++ runs and their summary."""
     before = harness.uptime()
     mem = memory(cfg)
+    fast = speed(cfg)
     runs = run_zero_pp(cfg)
-    return {"config": asdict(cfg), "memory": mem, "runs": runs, "rows": summarize(runs, cfg),
+    return {"config": asdict(cfg), "memory": mem, "speed": fast, "runs": runs, "rows": summarize(runs, cfg),
             "loadavg": list(os.getloadavg()), "uptime_before": before}
 
 
@@ -314,15 +375,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=ZeroBenchConfig.steps)
     parser.add_argument("--runs", default="", help="comma list of run labels; default all")
+    parser.add_argument("--speed-only", action="store_true", help="only the side-by-side speed run")
+    parser.add_argument("--d-model", type=int, default=64, help="the GPT's width (default 64)")
     parser.add_argument("--json", type=Path, help="write the results as JSON here")
     parser.add_argument("--docs", default="", help="docs directory: section in DIR/benchmarks.md")
     args = parser.parse_args(argv)
     if args.steps < 25:
         print(f"zero_bench.py: --steps must be >= 25 (the last 20 are averaged), got {args.steps}", file=sys.stderr)
         return 2
-    cfg = ZeroBenchConfig(steps=args.steps, runs=tuple(r.strip() for r in args.runs.split(",") if r.strip()))
+    cfg = ZeroBenchConfig(steps=args.steps, runs=tuple(r.strip() for r in args.runs.split(",") if r.strip()),
+                          task_options={"n_layer": 4, "d_model": args.d_model})
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     started, load_before = time.monotonic(), [round(x, 2) for x in os.getloadavg()]
+    if args.speed_only:
+        print(speed_table(speed(cfg)))
+        return 0
     result = run(cfg)
     result["meta"] = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "wall_s": time.monotonic() - started,
                       "command": "python benchmarks/zero_bench.py " + " ".join(argv or sys.argv[1:]),

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from duplexpipe.launch.processes import restart_attempt
+from duplexpipe.launch.attempts import restart_attempt
 from duplexpipe.launch.tasks.gpt import gpt_task
 from duplexpipe.launch.train_loop import TrainTask
 

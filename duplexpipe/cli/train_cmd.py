@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 from typing import IO, Any
 
 from duplexpipe.cli.args import parse_task_options
+from duplexpipe.fielddoc import field_docs
 from duplexpipe.launch.train_config import (
     BALANCES,
     DEFAULT_TASK,
@@ -32,58 +35,61 @@ def add_parsers(sub: Any, full: bool = True) -> None:
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of `duplexpipe train`. Flags left out keep the config file's value, else the default."""
+    """The options of `duplexpipe train`. Flags left out keep the config file's value, else the default. Each
+    flag's help is its TrainConfig field's docstring (one text for `help(TrainConfig)` and `--help`)."""
     d = TrainConfig()
+    docs = field_docs(TrainConfig)
     add = parser.add_argument
 
-    def opt(flag: str, kind: Any, what: str, **extra: Any) -> None:
+    def about(name: str) -> str:
+        return f"{docs.get(name, name.replace('_', ' '))} (default {getattr(d, name)})"
+
+    def opt(flag: str, kind: Any, what: str | None = None, **extra: Any) -> None:  # what: for a flag without
+        # a TrainConfig field of its own
         name = flag.lstrip("-").replace("-", "_")
-        add(flag, type=kind, default=argparse.SUPPRESS, dest=name, help=f"{what} (default {getattr(d, name)})",
-            **extra)
+        add(flag, type=kind, default=argparse.SUPPRESS, dest=name,
+            help=f"{what} (default {getattr(d, name)})" if what else about(name), **extra)
 
     add("--config", default=None, metavar="FILE.toml",
         help="TOML file of settings named like the flags with underscores (batch_size = 64, [task_options]); "
              "flags given here override it")
-    add("--task", default=argparse.SUPPRESS, help="'file.py:function' or 'module:function' returning a "
-        "TrainTask, or a bundled task: 'gpt' (the default: a small GPT on a bundled corpus) or 'hf' (fine-tune a "
-        "Hugging Face model directory on a text file: --task-option model=DIR --task-option data=FILE)")
+    add("--task", default=argparse.SUPPRESS, help=about("task"))
     add("--task-option", action="append", default=argparse.SUPPRESS, metavar="KEY=VALUE", dest="task_options",
-        help="keyword argument for the task function (repeatable), e.g. n_layer=8")
-    opt("--schedule", str, "schedule name")
-    opt("--ranks", int, "pipeline ranks")
-    opt("--dp", int, "data-parallel replicas")
-    opt("--microbatches", int, "microbatches per step")
-    opt("--steps", int, "training steps in all")
-    opt("--batch-size", int, "samples per step over all replicas")
-    opt("--optimizer", str, "optimizer", choices=OPTIMIZERS)
-    opt("--lr", float, "peak learning rate")
-    opt("--weight-decay", float, "weight decay")
-    opt("--momentum", float, "SGD momentum")
-    opt("--lr-schedule", str, "learning-rate schedule after warm-up", choices=LR_SCHEDULES)
-    opt("--warmup", int, "linear warm-up steps")
-    opt("--min-lr-ratio", float, "final lr / lr for cosine and linear decay")
-    opt("--precision", str, "precision", choices=PRECISIONS)
-    opt("--p2p-compression", str, "stage-to-stage send format", choices=P2P_COMPRESSIONS)
-    opt("--grad-compression", str, "data-parallel gradient compression", choices=GRAD_COMPRESSIONS)
-    opt("--zero-stage", int, "ZeRO stage over the data-parallel replicas", choices=ZERO_STAGES)
-    opt("--memory-limit", str, "bytes per rank for --schedule auto's planner, e.g. 2GiB")
-    opt("--grad-clip-norm", float, "global gradient-norm clip, 0 for none")
-    opt("--balance", str, "how to split the layers", choices=BALANCES)
-    opt("--seed", int, "torch seed")
-    opt("--log-every", int, "print a line every N steps, 0 for none")
-    opt("--out-dir", str, "write metrics.jsonl, losses.json, timeline.json, partition.txt (and TensorBoard) here")
-    opt("--save", str, "save checkpoints under this directory (a restarted job resumes from its newest)")
-    opt("--save-every", int, "also save every N steps")
-    opt("--keep", int, "keep the newest K checkpoints, 0 for all")
-    opt("--resume", str, "'auto' (the default with --save: the newest complete checkpoint of --save, else a fresh "
-        "start), 'none', or a checkpoint or save directory to continue from")
-    opt("--save-pretrained", str, "at the end, write the model as a Hugging Face directory here (task hf)")
-    add("--timeout", type=float, default=argparse.SUPPRESS, metavar="SECONDS",
-        help=f"communication timeout in seconds (default {d.timeout_s:.0f})")
-    add("--activation-checkpointing", action="store_true", default=argparse.SUPPRESS, help="recompute activations")
-    add("--progress", action="store_true", default=argparse.SUPPRESS, help="a progress bar instead of log lines")
+        help=f"{docs.get('task_options', '')} Repeatable, e.g. n_layer=8.")
+    opt("--schedule", str)
+    opt("--ranks", int)
+    opt("--dp", int)
+    opt("--microbatches", int)
+    opt("--steps", int)
+    opt("--batch-size", int)
+    opt("--optimizer", str, choices=OPTIMIZERS)
+    opt("--lr", float)
+    opt("--weight-decay", float)
+    opt("--momentum", float)
+    opt("--lr-schedule", str, choices=LR_SCHEDULES)
+    opt("--warmup", int)
+    opt("--min-lr-ratio", float)
+    opt("--precision", str, choices=PRECISIONS)
+    opt("--p2p-compression", str, choices=P2P_COMPRESSIONS)
+    opt("--grad-compression", str, choices=GRAD_COMPRESSIONS)
+    opt("--zero-stage", int, choices=ZERO_STAGES)
+    opt("--memory-limit", str)
+    opt("--grad-clip-norm", float)
+    opt("--balance", str, choices=BALANCES)
+    opt("--seed", int)
+    opt("--log-every", int)
+    opt("--out-dir", str)
+    opt("--save", str)
+    opt("--save-every", int)
+    opt("--keep", int)
+    opt("--resume", str)
+    opt("--save-pretrained", str)
+    add("--timeout", type=float, default=argparse.SUPPRESS, metavar="SECONDS", help=about("timeout_s"))
+    add("--activation-checkpointing", action="store_true", default=argparse.SUPPRESS,
+        help=about("activation_checkpointing"))
+    add("--progress", action="store_true", default=argparse.SUPPRESS, help=about("progress"))
     add("--no-tensorboard", action="store_false", dest="tensorboard", default=argparse.SUPPRESS,
-        help="no TensorBoard scalars even when tensorboard is installed")
+        help=about("tensorboard"))
 
 
 _FLAG_FIELDS = {f for f in TrainConfig.__dataclass_fields__} | {"timeout"}
@@ -100,12 +106,29 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return merge_config(file_values, flags)
 
 
+def _check_without_torch(config: TrainConfig) -> None:
+    """The schedule with its ranks and microbatches, and the task file's existence: found in well under a
+    second (the checks after these import torch)."""
+    from duplexpipe.schedules.registry import build as build_schedule
+
+    if config.schedule != "auto":
+        build_schedule(config.schedule, config.ranks, config.microbatches)
+    target, sep, name = config.task.rpartition(":")
+    if not sep or not target or not name:
+        raise ValueError(f"task {config.task!r} must look like 'path/to/file.py:function' or 'module:function'")
+    if target.endswith(".py") and not Path(target).is_file():
+        raise ValueError(f"task file {target!r} does not exist")
+
+
 def train_main(args: argparse.Namespace, stream: IO[str] | None = None) -> int:
     """`duplexpipe train`: run training and write a summary to `stream` (stdout); returns the exit code."""
+    config = config_from_args(args)
+    _check_without_torch(config)
+    from duplexpipe.launch.checks import check_training  # imports torch: after the checks that need none
     from duplexpipe.launch.train_loop import run_training
 
-    config = config_from_args(args)
-    check_before_start(config)
+    check_training(config)  # every configuration error, before any process starts
+    _check_files(config)
     result = run_training(config)
     out = stream or sys.stdout
     if result.losses:
@@ -125,19 +148,11 @@ def train_main(args: argparse.Namespace, stream: IO[str] | None = None) -> int:
     return 0
 
 
-def check_before_start(config: TrainConfig) -> None:
-    """Raise ValueError for input that would fail in the ranks, before any process starts or anything is written:
-    the schedule, the task, its options (task hf), the --save-pretrained target, the checkpoint to resume from."""
-    from pathlib import Path
-
+def _check_files(config: TrainConfig) -> None:
+    """The hf task's options, the --save-pretrained target and the checkpoint to resume from: ValueError before
+    any process starts or anything is written."""
     from duplexpipe.launch.checkpoints import resume_from
-    from duplexpipe.launch.train_loop import load_task, pipeline_config
-    from duplexpipe.schedules.registry import build as build_schedule
 
-    pipeline_config(config)  # the Pipeline's own checks (compression x ZeRO, ...)
-    if config.schedule != "auto":
-        build_schedule(config.schedule, config.ranks, config.microbatches)  # bad name, P or M
-    load_task(config.task)
     if config.task == HF_TASK:
         from duplexpipe.launch.tasks.hf import check_options
 
@@ -151,19 +166,41 @@ def check_before_start(config: TrainConfig) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    """`duplexpipe train`: exit 2 with the message when a rank rejects its input (a ValueError: a checkpoint that
-    does not match, ...), exit 1 with the failed rank's last line when a rank fails otherwise."""
-    from duplexpipe.launch.processes import LaunchError
-
+    """`duplexpipe train`: exit 2 with one line for a configuration error, 1 with the failed rank's error in
+    one line when a rank fails. Under torchrun the ranks settle who reports (launch.failures): that rank
+    logs its error (torchrun's summary shows its traceback), every other rank one line, and exits quietly."""
     try:
         return train_main(args)
-    except LaunchError as exc:
-        last = [line for line in str(exc).splitlines() if line.strip()][-1]
-        if last.startswith("ValueError: "):
-            print(f"duplexpipe: error: {last[len('ValueError: '):]}", file=sys.stderr)
+    except Exception as exc:
+        code = _failed(exc)
+        if code is None:
+            raise
+        return code
+
+
+def _failed(exc: Exception) -> int | None:
+    """The exit code for a failed run, once its one line is out; None: main reports `exc` (configuration
+    errors exit 2 with one line, anything else is a bug and shows its traceback)."""
+    torchrun = all(v in os.environ for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+    if "torch" not in sys.modules and not torchrun:  # before the training stack was imported: configuration
+        return None
+    from duplexpipe.launch.failures import StoppedByPeer, record_failure, reported
+    from duplexpipe.launch.processes import LaunchError
+
+    if isinstance(exc, StoppedByPeer):
+        return 0 if exc.same_node else 1
+    if isinstance(exc, LaunchError):
+        if exc.summary.startswith("ValueError: "):  # a rank rejected its input (a checkpoint that does not match)
+            print(f"duplexpipe: error: {exc.summary[len('ValueError: '):]}", file=sys.stderr)
             return 2
-        print(f"duplexpipe: error: rank {exc.rank} failed: {last}", file=sys.stderr)
+        print(f"duplexpipe: error: rank {exc.rank} failed: {exc.summary}", file=sys.stderr)
         return 1
+    if reported(exc):
+        return 1
+    if torchrun and isinstance(exc, ValueError):  # every rank found it before starting: rank 0 reports it
+        settled = record_failure(exc, int(os.environ["RANK"]), with_traceback=False)
+        return 2 if settled.cause is None else 0 if settled.same_node else 1
+    return None
 
 
 COMMANDS = {"train": cmd_train}

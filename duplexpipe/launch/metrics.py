@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
@@ -73,25 +74,41 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
-class ProgressLine:
-    """A carriage-return progress display: one line, rewritten each step."""
+class ProgressBar:
+    """A tqdm progress bar on a terminal: steps done, loss and throughput, redrawn in place."""
 
-    def __init__(self, total: int, unit: str, stream: IO[str]) -> None:
-        self.total, self.unit, self.stream = total, unit, stream
+    def __init__(self, total: int, start: int, unit: str, stream: IO[str]) -> None:
+        from tqdm import tqdm
+
+        self.unit = unit
+        size = shutil.get_terminal_size()  # a terminal may report no size: tqdm would then draw nothing
+        self._bar = tqdm(total=total, initial=start, unit="step", file=stream, ncols=size.columns or 100,
+                         nrows=size.lines or 20, leave=True)
+        self._done = start
 
     def update(self, step: int, loss: float, rate: float) -> None:
         """Show step (1-based), loss and throughput."""
-        width = 24
-        filled = int(width * step / self.total)
-        bar = "#" * filled + "." * (width - filled)
-        rate_text = f"{rate:,.0f} {self.unit}/s" if rate > 0 else "warming up"
-        self.stream.write(f"\r[{bar}] step {step}/{self.total}  loss {loss:.4f}  {rate_text}   ")
-        self.stream.flush()
+        self._bar.set_postfix_str(f"loss {loss:.4f}, " + (f"{rate:,.0f} {self.unit}/s" if rate > 0 else
+                                                          "warming up"), refresh=False)
+        self._bar.update(step - self._done)
+        self._done = step
 
     def close(self) -> None:
-        """End the line."""
-        self.stream.write("\n")
-        self.stream.flush()
+        """End the bar (its last state stays on the terminal)."""
+        self._bar.close()
+
+
+def progress_bar(total: int, start: int, unit: str, stream: IO[str]) -> ProgressBar | None:
+    """A ProgressBar when `stream` is a terminal; None for a file or a pipe, where redrawing one line would
+    fill the log (the caller then prints plain lines, see plain_every)."""
+    isatty = getattr(stream, "isatty", None)
+    return ProgressBar(total, start, unit, stream) if isatty is not None and isatty() else None
+
+
+def plain_every(log_every: int, total: int, progress: bool) -> int:
+    """Steps between plain log lines: `log_every`; when it is 0 but a progress display was asked for (and the
+    output is no terminal), about 20 lines over the run."""
+    return log_every or (max(1, total // 20) if progress else 0)
 
 
 def log_line(step: int, total: int, values: Mapping[str, Any], unit: str) -> str:

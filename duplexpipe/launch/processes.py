@@ -4,75 +4,39 @@ from __future__ import annotations
 
 import datetime
 import gc
-import json
 import logging
 import multiprocessing as mp
 import os
 import pickle
 import queue
-import re
 import socket
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from duplexpipe.launch.attempts import AGENT_STORE_ENV, attempt_prefix
+from duplexpipe.launch.failures import GRACE_S, Failure, StoppedByPeer, blamed_rank, error_summary, record_failure
+
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
-"""torchrun's count of restarts of the worker group (0 on the first attempt)."""
-AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
-"""Set to "True" by torchrun when its agent hosts the store at MASTER_ADDR:MASTER_PORT for every attempt."""
-GRACE_S = 10.0
-"""After a rank fails, how long to wait for the rank it blames (or any rank) to report its own error."""
-_BLAME = re.compile(r"\brank (\d+) (?:rejected|failed)\b")
-_STORE_PREFIX = "duplexpipe/attempt{attempt}/"
 log = logging.getLogger("duplexpipe.launch")
 
 
 class LaunchError(RuntimeError):
     """A launched rank failed (or the launch timed out): `rank` names the rank whose own error
-    caused it, `details` holds that rank's traceback, `errors` every failed rank's traceback."""
+    caused it, `details` holds that rank's traceback, `summary` its error in one line, `errors` every
+    failed rank's traceback."""
 
     def __init__(self, message: str, rank: int | None = None, details: str = "",
-                 errors: dict[int, str] | None = None) -> None:
+                 errors: dict[int, str] | None = None, summary: str = "") -> None:
         super().__init__(message)
         self.rank = rank
         self.details = details
         self.errors = dict(errors or {})
-
-
-@dataclass(frozen=True)
-class Failure:
-    """One rank's error as its process reported it."""
-
-    details: str
-    """The formatted traceback."""
-    blamed: int | None
-    """The rank this error says failed first (it stopped because of that rank), None for its own error."""
-
-
-def blamed_rank(exc: BaseException, own_rank: int) -> int | None:
-    """The rank that `exc` says failed first, or None when `exc` is this rank's own error.
-
-    A PeerFailedError-style exception carries `failed_rank`; the runtime's other consequences say
-    "rank N rejected ..." or "... because rank N failed". The cause chain is searched too.
-    """
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        failed = getattr(current, "failed_rank", None)
-        if isinstance(failed, int) and failed >= 0 and failed != own_rank:
-            return failed
-        for match in _BLAME.finditer(str(current)):
-            if int(match.group(1)) != own_rank:
-                return int(match.group(1))
-        current = current.__cause__ or current.__context__
-    return None
+        self.summary = summary or (message.splitlines()[0] if message else "")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -129,14 +93,6 @@ def launched_by_torchrun() -> bool:
     return all(v in os.environ for v in TORCHRUN_VARS)
 
 
-def restart_attempt() -> int:
-    """Which attempt of a torchrun job this is (TORCHELASTIC_RESTART_COUNT; 0 on the first and outside torchrun)."""
-    text = os.environ.get(RESTART_ENV, "0").strip() or "0"
-    if not text.isdigit():
-        raise ValueError(f"${RESTART_ENV} must be a count, got {text!r}")
-    return int(text)
-
-
 def attempt_store(timeout_s: float) -> dist.Store:
     """A client of torchrun's agent store with keys under a prefix of this restart attempt.
 
@@ -147,7 +103,7 @@ def attempt_store(timeout_s: float) -> dist.Store:
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           world_size=int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
-    return dist.PrefixStore(_STORE_PREFIX.format(attempt=restart_attempt()) + "pg/", store)
+    return dist.PrefixStore(attempt_prefix("pg"), store)
 
 
 def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> tuple[int, int]:
@@ -175,7 +131,9 @@ def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> tuple
 
 
 def _worker(fn: Callable[..., Any], args: Sequence[Any], rank: int, world: int, port: int,
-            backend: str, results: Any) -> None:
+            backend: str, results: Any, environ: dict[str, str]) -> None:
+    os.environ.clear()  # the launcher's environment now, not the one a fork server started with
+    os.environ.update(environ)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)})
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -186,7 +144,7 @@ def _worker(fn: Callable[..., Any], args: Sequence[Any], rank: int, world: int, 
         # through this process, which exits before the parent reads them
         results.put((rank, True, pickle.dumps(value)))
     except BaseException as exc:  # noqa: BLE001 - every failure goes back to the parent
-        results.put((rank, False, Failure(traceback.format_exc(), blamed_rank(exc, rank))))
+        results.put((rank, False, Failure(traceback.format_exc(), blamed_rank(exc, rank), error_summary(exc))))
         results.close()
         results.join_thread()
         os._exit(1)
@@ -222,19 +180,22 @@ def _stop(procs: Sequence[Any]) -> None:
             p.join(5.0)
 
 
-START_METHODS = ("spawn", "forkserver")
-"""How `launch` starts its processes: "spawn" (each imports torch itself, a few seconds per rank) or
-"forkserver" (forked from one server process that imported FORKSERVER_PRELOAD once: well under a second;
-the server keeps the environment it started with)."""
+START_METHODS = ("forkserver", "spawn")
+"""How `launch` starts its processes: "forkserver" (the default: forked from one server process that imported
+FORKSERVER_PRELOAD once, started by the first launch; well under a second per rank after that; each rank
+takes the launcher's environment at its launch, but what torch read when the server imported it, e.g.
+OMP_NUM_THREADS, stays the server's) or "spawn" (a fresh interpreter per rank importing torch itself: a few
+seconds per rank, everything read from the environment of the launch)."""
 START_METHOD_ENV = "DUPLEXPIPE_START_METHOD"
-"""The environment variable `launch` reads when no start_method is given (default "spawn")."""
+"""The environment variable `launch` reads when no start_method is given (default "forkserver")."""
+DEFAULT_START_METHOD = START_METHODS[0]
 FORKSERVER_PRELOAD = ("torch", "torch.distributed", "duplexpipe.pipeline")
 """What the fork server imports before forking ranks."""
 
 
 def start_context(method: str | None = None) -> Any:
-    """The multiprocessing context for `method` (None: $DUPLEXPIPE_START_METHOD, else "spawn")."""
-    method = method or os.environ.get(START_METHOD_ENV) or "spawn"
+    """The multiprocessing context for `method` (None: $DUPLEXPIPE_START_METHOD, else "forkserver")."""
+    method = method or os.environ.get(START_METHOD_ENV) or DEFAULT_START_METHOD
     if method not in START_METHODS:
         raise ValueError(f"start_method {method!r} is not one of {START_METHODS} (from the argument or "
                          f"${START_METHOD_ENV})")
@@ -262,14 +223,15 @@ def launch(
     traceback: errors that only report another rank's failure ("rank N rejected ...", "stopping
     because rank N failed") rank after it, waiting up to `grace_s` for the rank they blame. Then
     the others are killed; after a timeout every rank is killed. No process outlives the call.
-    `start_method`: see START_METHODS (None: $DUPLEXPIPE_START_METHOD, else "spawn").
+    `start_method`: see START_METHODS (None: $DUPLEXPIPE_START_METHOD, else "forkserver").
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
     ctx = start_context(start_method)
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, tuple(args), r, nprocs, port, backend, results),
+    procs = [ctx.Process(target=_worker, args=(fn, tuple(args), r, nprocs, port, backend, results,
+                                               dict(os.environ)),
                          name=f"duplexpipe-rank{r}") for r in range(nprocs)]
     try:
         for p in procs:
@@ -361,14 +323,15 @@ def _failure(procs: Sequence[Any], results: Any, done: dict[int, Any], errors: d
         if first is None:
             return LaunchError(f"rank {dead} {how} without reporting a result", dead, "", tracebacks)
         return LaunchError(f"rank {dead} {how} without reporting a result; then rank {first} failed:\n"
-                           f"{errors[first].details}", dead, errors[first].details, tracebacks)
+                           f"{errors[first].details}", dead, errors[first].details, tracebacks,
+                           f"{how} without reporting a result")
     assert first is not None
     if own:
         return LaunchError(f"rank {first} failed{also}:\n{errors[first].details}", first, errors[first].details,
-                           tracebacks)
+                           tracebacks, errors[first].summary)
     return LaunchError(f"rank {first} failed, blaming rank {errors[first].blamed}, which reported no error "
                        f"within {grace_s:.0f}s{also}:\n{errors[first].details}", first, errors[first].details,
-                       tracebacks)
+                       tracebacks, errors[first].summary)
 
 
 def run(
@@ -387,8 +350,10 @@ def run(
     Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set) this process is one rank:
     the group is initialised from the environment (`init_from_env`, waits bounded by `comm_timeout_s`;
     restarted attempts meet on their own keys) and the list holds only this rank's result; a
-    failure is recorded for torchrun's summary (`record_failure`). The backend defaults to NCCL
-    when there is a GPU for every local process, else gloo; the choice is logged.
+    failure is settled with the other ranks for torchrun's summary (`failures.record_failure`): the rank
+    whose own error it is raises it; a rank that only stopped because of it raises StoppedByPeer, having
+    logged one line. The backend defaults to NCCL when there is a GPU for every local process, else gloo;
+    the choice is logged.
     """
     if launched_by_torchrun():
         backend = backend or default_backend()
@@ -397,57 +362,14 @@ def run(
         try:
             result = [fn(*args)]
         except BaseException as exc:
-            record_failure(exc, int(os.environ["RANK"]))
+            rank = int(os.environ["RANK"])
+            settled = record_failure(exc, rank, int(os.environ["WORLD_SIZE"]))
             shutdown(clean=False)
+            if settled.cause is not None:
+                raise StoppedByPeer(rank, settled.cause, settled.same_node) from exc
             raise
         shutdown(clean=True)
         return result
     backend = backend or default_backend(nprocs)
     _log_backend(backend, nprocs, "on this machine")
     return launch(fn, nprocs, args, backend=backend, timeout_s=timeout_s, start_method=start_method)
-
-
-def _failure_store(timeout_s: float) -> Any:
-    """A client of the job's rendezvous store (MASTER_ADDR:MASTER_PORT) keyed under duplexpipe/attempt<n>/failures/
-    (a restarted attempt never reads a dead attempt's reports)."""
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=datetime.timedelta(seconds=timeout_s))
-    return dist.PrefixStore(_STORE_PREFIX.format(attempt=restart_attempt()) + "failures/", store)
-
-
-def record_failure(exc: BaseException, rank: int, grace_s: float = GRACE_S) -> None:
-    """Under torchrun: make the originating rank's error the one torchrun reports as the root cause.
-
-    A rank's own error is written to torchrun's error file (TORCHELASTIC_ERROR_FILE; it then shows
-    in the summary with its traceback) and announced in the store. A rank whose error only reports
-    another rank's failure first waits up to `grace_s` for that rank's announcement, so the cause
-    exits first, then records its own error naming that rank, stamped no earlier than a second after
-    the cause (torchrun names the failure with the smallest timestamp). Best effort: never raises.
-    """
-    blamed = blamed_rank(exc, rank)
-    try:
-        store = _failure_store(min(grace_s, 5.0))
-        cause_time = 0
-        if blamed is None:
-            store.set(str(rank), str(int(time.time())))
-        else:
-            store.wait([str(blamed)], datetime.timedelta(seconds=grace_s))
-            cause_time = int(store.get(str(blamed)).decode())
-    except Exception:  # noqa: BLE001 - the store or the peer is gone: record what we know
-        cause_time = 0
-    note = "" if blamed is None else f" [rank {rank} stopped because rank {blamed} failed: see rank {blamed}'s error]"
-    log.error("rank %d failed%s: %s: %s", rank, note, type(exc).__name__, exc)
-    if blamed is not None and hasattr(exc, "add_note"):
-        exc.add_note(f"root cause: rank {blamed}'s error (rank {rank} only stopped because of it)")
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    stamp = max(int(time.time()), cause_time + 1 if blamed is not None else 0)
-    data = {"message": {"message": f"{type(exc).__name__}: {exc}{note}",
-                        "extraInfo": {"py_callstack": "".join(traceback.format_exception(exc)),
-                                      "timestamp": str(stamp)}}}
-    try:
-        with open(path, "w", encoding="utf-8") as fp:
-            json.dump(data, fp)
-    except OSError as err:
-        log.warning("could not write torchrun's error file %s: %s", path, err)

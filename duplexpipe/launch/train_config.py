@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from duplexpipe.fielddoc import documented
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on Python 3.10 only
@@ -33,6 +35,7 @@ GRAD_COMPRESSIONS = ("none", "bf16", "fp16", "powersgd", "int8", "topk", "random
 ZERO_STAGES = (0, 1, 2)
 
 
+@documented
 @dataclass
 class TrainConfig:
     """One training run; every field can be set in the TOML config file under the same name."""
@@ -91,7 +94,8 @@ class TrainConfig:
     log_every: int = 10
     """Rank 0 prints step, loss, lr and throughput every N steps and at the last one (0: never)."""
     progress: bool = False
-    """A one-line progress bar instead of the log lines (for terminals)."""
+    """A progress bar (tqdm) instead of the log lines when the output is a terminal; to a file or a pipe, plain
+    log lines (every `log_every` steps, or about 20 over the run when that is 0)."""
     out_dir: str | None = None
     """Write metrics.jsonl (one line per step), losses.json, timeline.json, partition.txt and, when the
     tensorboard package is installed, TensorBoard scalars (tensorboard/) here (None: nothing is written)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import inspect
@@ -16,9 +17,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from duplexpipe.launch.checkpoints import LATEST, checkpoint_to_load, publish, resume_from, step_name
-from duplexpipe.launch.metrics import MetricsLog, ProgressLine, log_line, tensorboard_writer
+from duplexpipe.launch.metrics import MetricsLog, log_line, plain_every, progress_bar, tensorboard_writer
 from duplexpipe.launch.processes import run
 from duplexpipe.launch.train_config import (
     DEFAULT_TASK,
@@ -43,7 +45,9 @@ class TrainTask:
     loss_fn: LossFn
     """loss_fn(output, targets) -> mean loss of a microbatch."""
     batch: Callable[[int, int], tuple[Any, Any]]
-    """batch(step, batch_size) -> (inputs, targets): the global batch of `step`, identical on every rank."""
+    """batch(step, batch_size) -> (inputs, targets): the global batch of `step`, identical on every rank.
+    Inputs (and targets) are a tensor or a tuple / list / dict of tensors, each with the samples in its first
+    dimension (the run slices them per data-parallel replica and microbatch)."""
     embedding: nn.Module | None = None
     """Runs before the first block, in model part 0."""
     head: nn.Module | None = None
@@ -96,26 +100,44 @@ def load_task(spec: str) -> Callable[..., TrainTask]:
     if not sep or not target or not name:
         raise ValueError(f"task {spec!r} must look like 'path/to/file.py:function' or 'module:function'")
     if target.endswith(".py"):
-        path = Path(target)
-        if not path.is_file():
-            raise ValueError(f"task file {target!r} does not exist")
-        module_name = f"duplexpipe_task_{path.stem}"
-        module = sys.modules.get(module_name)
-        if module is None:
-            loader_spec = importlib.util.spec_from_file_location(module_name, path)
-            assert loader_spec is not None and loader_spec.loader is not None
-            module = importlib.util.module_from_spec(loader_spec)
-            sys.modules[module_name] = module
-            loader_spec.loader.exec_module(module)
+        module = _load_file(target, spec)
     else:
         try:
             module = importlib.import_module(target)
         except ImportError as exc:
             raise ValueError(f"task {spec!r}: cannot import {target} ({exc})") from None
+        except Exception as exc:
+            raise ValueError(f"task {spec!r}: importing {target} failed: {type(exc).__name__}: {exc}") from exc
     fn = getattr(module, name, None)
     if not callable(fn):
         raise ValueError(f"task {spec!r}: {target} has no function {name!r}")
     return fn  # type: ignore[no-any-return]
+
+
+def _load_file(target: str, spec: str) -> Any:
+    """The module of task file `target`, imported once per process with its folder on sys.path (so it can
+    import the helpers beside it); an error while importing it is a ValueError naming the file."""
+    path = Path(target).resolve()
+    if not path.is_file():
+        raise ValueError(f"task file {target!r} does not exist")
+    digest = hashlib.sha1(str(path).encode(), usedforsecurity=False).hexdigest()[:10]
+    module_name = f"duplexpipe_task_{path.stem}_{digest}"  # one module per file, not per file name
+    module = sys.modules.get(module_name)
+    if module is not None:
+        return module
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    loader_spec = importlib.util.spec_from_file_location(module_name, path)
+    assert loader_spec is not None and loader_spec.loader is not None
+    module = importlib.util.module_from_spec(loader_spec)
+    sys.modules[module_name] = module
+    try:
+        loader_spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[module_name]
+        where = f" (line {exc.lineno})" if isinstance(exc, SyntaxError) and exc.lineno else ""
+        raise ValueError(f"task {spec!r}: importing {target} failed{where}: {type(exc).__name__}: {exc}") from exc
+    return module
 
 
 def build_task(config: TrainConfig) -> TrainTask:
@@ -145,11 +167,25 @@ def make_scheduler(config: TrainConfig) -> Callable[[torch.optim.Optimizer], Any
     return lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
+def batch_rows(value: Any) -> int:
+    """Samples in a batch's inputs or targets: a tensor, or a tuple / list / dict of them (the first
+    dimension of the first tensor)."""
+    first = next((t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)), None)
+    if first is None or first.dim() == 0:
+        raise ValueError(f"a batch must hold tensors with a batch dimension, got {type(value).__name__}")
+    return int(first.shape[0])
+
+
+def rows_of(value: Any, lo: int, hi: int) -> Any:
+    """Samples lo..hi-1 of every tensor in `value` (a tensor, or a tuple / list / dict of them)."""
+    return tree_map_only(torch.Tensor, lambda t: t[lo:hi], value)
+
+
 def _local_slice(value: Any, index: int, parts: int) -> Any:
     if parts == 1 or value is None:
         return value
-    size = value.shape[0] // parts
-    return value[index * size:(index + 1) * size]
+    size = batch_rows(value) // parts
+    return rows_of(value, index * size, (index + 1) * size)
 
 
 def pipeline_config(config: TrainConfig) -> PipelineConfig:
@@ -177,8 +213,9 @@ def _build_pipeline(config: TrainConfig, task: TrainTask) -> Pipeline:
                              "(balance 'uniform')")
         return Pipeline.from_pretrained(task.pretrained, make_optimizer(config), pcfg, mesh=mesh, dtype=task.dtype,
                                         scheduler=make_scheduler(config), **sample)
-    if not auto:  # one microbatch of step 0's batch: the profiling sample of balance="time"
-        sample = {"sample_input": inputs[: max(1, inputs.shape[0] // (config.microbatches * config.dp))]}
+    if not auto:  # one microbatch of step 0's batch: the profiling sample of balance="time" (a tensor input)
+        first = rows_of(inputs, 0, max(1, batch_rows(inputs) // (config.microbatches * config.dp)))
+        sample = {"sample_input": first} if isinstance(first, torch.Tensor) or config.balance == "time" else {}
     return Pipeline.from_layers(task.layers, task.loss_fn, make_optimizer(config), pcfg, embedding=task.embedding,
                                 head=task.head, balance=config.balance, mesh=mesh, init=task.init,
                                 scheduler=make_scheduler(config), **sample)
@@ -260,7 +297,8 @@ def _loop(pipe: Pipeline, task: TrainTask, config: TrainConfig, start: int, metr
     """
     from duplexpipe.runtime import gather_timeline
 
-    bar = ProgressLine(config.steps, task.item_name, sys.stdout) if config.progress and lead else None
+    bar = progress_bar(config.steps, start, task.item_name, sys.stdout) if config.progress and lead else None
+    every = plain_every(config.log_every, config.steps, config.progress)
     losses: list[float] = []
     began = time.perf_counter()
     items, busy = 0, 0.0  # after the first step: items trained and seconds spent fetching + stepping
@@ -271,7 +309,7 @@ def _loop(pipe: Pipeline, task: TrainTask, config: TrainConfig, start: int, metr
         lr = pipe.optimizer.param_groups[0]["lr"]
         losses.append(pipe.step(x, y))
         now = time.perf_counter()
-        step_items = int(x.shape[0]) * pipe.groups.dp_size * task.items_per_sample
+        step_items = batch_rows(x) * pipe.groups.dp_size * task.items_per_sample
         if step > start:
             items, busy = items + step_items, busy + (now - tick)
         timeline = pipe.last.timeline if pipe.last is not None else None
@@ -282,7 +320,7 @@ def _loop(pipe: Pipeline, task: TrainTask, config: TrainConfig, start: int, metr
             metrics.write(step + 1, values)
         if bar is not None:
             bar.update(step + 1, losses[-1], items / busy if busy else 0.0)
-        elif lead and config.log_every and ((step + 1) % config.log_every == 0 or step + 1 == config.steps):
+        elif lead and every and ((step + 1) % every == 0 or step + 1 == config.steps):
             print(log_line(step + 1, config.steps, values, task.item_name), flush=True)
         if config.save and ((config.save_every and (step + 1) % config.save_every == 0) or step + 1 == config.steps):
             _save(pipe, config, step + 1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import operator
 import warnings
@@ -34,7 +35,7 @@ class GraphPart(nn.Module):
 
     def __init__(self, index: int, body: nn.Module, inputs: tuple[str, ...],
                  steps: tuple[tuple[str, str, tuple[str, ...], int], ...], outputs: tuple[str, ...],
-                 out_spec: TreeSpec | None) -> None:
+                 out_spec: TreeSpec | None, traced_on: torch.device | None = None) -> None:
         super().__init__()
         self.index = index
         """The part's position in the model (0 first)."""
@@ -48,6 +49,9 @@ class GraphPart(nn.Module):
         """Names of the values this part returns, in order."""
         self.out_spec = out_spec
         """The model output's structure (last part only; None elsewhere)."""
+        self.made_on = traced_on
+        """The device the graph makes its tensors on (the model's at tracing, tensors made without `device=`
+        included); moving the part's parameters (`.to`, `.to_empty`) moves it along."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         env = self._bind(args, kwargs)
@@ -77,8 +81,34 @@ class GraphPart(nn.Module):
             raise TypeError(f"model part {self.index} is missing inputs {missing} (inputs: {list(self.inputs)})")
         return env
 
+    def _apply(self, fn: Any, recurse: bool = True) -> GraphPart:
+        out = super()._apply(fn, recurse)
+        held = next(itertools.chain(self.parameters(), self.buffers()), None)
+        if held is not None and self.made_on is not None and held.device != self.made_on:
+            retarget_factories(self.body, self.made_on, held.device)
+            self.made_on = held.device
+        return out  # type: ignore[no-any-return]
+
     def extra_repr(self) -> str:
         return f"index={self.index}, inputs={list(self.inputs)}, outputs={list(self.outputs)}"
+
+
+def retarget_factories(body: nn.Module, old: torch.device, new: torch.device) -> None:
+    """Make the graph's tensor-making calls that tracing pinned to `old` (device=...) make them on `new`."""
+    for module in body.modules():
+        graph = getattr(module, "graph", None)
+        if not isinstance(graph, fx.Graph):
+            continue
+        changed = False
+        for node in graph.nodes:
+            device = node.kwargs.get("device")
+            if isinstance(device, torch.device) and device == old:
+                node.kwargs = {**node.kwargs, "device": new}
+                changed = True
+        if changed and isinstance(module, fx.GraphModule):
+            module.recompile()
+        elif changed and callable(finalize := getattr(module, "finalize", None)):  # torch.export's
+            finalize()  # InterpreterModule: its GraphModule is built from the graph
 
 
 def _pass_on(value: Any) -> Any:
@@ -98,16 +128,21 @@ def split_module(
 
     `sample_args`/`sample_kwargs` are the forward's inputs shaped like one training microbatch
     (tracing specialises shapes). A model on the meta device is traced on meta inputs and gives
-    meta parts (fill them with `Pipeline(parts, ..., init=...)`). Parameters stay shared with
+    meta parts (fill them with `Pipeline(parts, ..., init=...)`); tensors the forward makes (a causal mask
+    from `torch.ones(T, T).tril()`, with or without `device=`) follow the parts when their parameters move
+    (`.to`, `.to_empty`). Parameters stay shared with
     `model`; one used in several parts (tied weights) becomes an independent copy in each.
     """
     kwargs = dict(sample_kwargs or {})
     spec = resolve_split_points(model, split_points, num_parts)
-    if any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
+    held = next(itertools.chain(model.parameters(), model.buffers()), None)
+    device = held.device if held is not None else torch.device("cpu")
+    if device.type == "meta":
         sample_args, kwargs = tree_map_only(Tensor, lambda t: t.to("meta"), (tuple(sample_args), kwargs))
     out_spec = output_spec(model, sample_args, kwargs)
-    pipe = _trace(model, sample_args, kwargs, spec)
-    parts = parts_from_graph(pipe.split_gm, out_spec)
+    with torch.device("meta") if device.type == "meta" else contextlib.nullcontext():  # tensors made
+        pipe = _trace(model, sample_args, kwargs, spec)  # without device= join the meta ones
+    parts = parts_from_graph(pipe.split_gm, out_spec, device)
     expected = len(spec) + 1 if spec else None
     if expected is not None and len(parts) != expected:
         raise ValueError(f"split points {sorted(spec)} should give {expected} parts, tracing gave {len(parts)} "
@@ -141,10 +176,12 @@ def resolve_split_points(model: nn.Module, points: SplitPoints, num_parts: int |
 
 
 def output_spec(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> TreeSpec:
-    """The structure of the model's output, found by running forward on the meta device (no compute)."""
+    """The structure of the model's output, found by running forward on the meta device (no compute); a
+    tensor the forward makes without `device=` (e.g. `torch.ones(T, T).tril()`, a causal mask) is made
+    there too."""
     state = {n: t.to("meta") for n, t in itertools.chain(model.named_parameters(), model.named_buffers())}
     meta_args, meta_kwargs = tree_map_only(Tensor, lambda t: t.to("meta"), (args, kwargs))
-    with torch.no_grad():
+    with torch.no_grad(), torch.device("meta"):
         out = torch.func.functional_call(model, state, meta_args, meta_kwargs)
     return tree_flatten(out)[1]
 
@@ -167,8 +204,10 @@ def _trace(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], spec
             module.__dict__.pop("_orig_forward", None)
 
 
-def parts_from_graph(root: fx.GraphModule, out_spec: TreeSpec) -> list[GraphPart]:
-    """One GraphPart per stage module of torch's split graph, each handing on what later parts need."""
+def parts_from_graph(root: fx.GraphModule, out_spec: TreeSpec,
+                     traced_on: torch.device | None = None) -> list[GraphPart]:
+    """One GraphPart per stage module of torch's split graph, each handing on what later parts need
+    (`traced_on`: the model's device at tracing, see GraphPart.made_on)."""
     stage_of: dict[str, int] = {}
     order: dict[str, int] = {}
     nodes: list[fx.Node] = []
@@ -200,7 +239,8 @@ def parts_from_graph(root: fx.GraphModule, out_spec: TreeSpec) -> list[GraphPart
         steps = tuple(_step(n) for n in nodes if stage_of[n.name] == k and n.op != "placeholder")
         inputs = live_after(k - 1) if k else tuple(n for n, s in stage_of.items() if s < 0)
         outputs = tuple(leaves) if k == last else live_after(k)
-        parts.append(GraphPart(k, getattr(root, target), inputs, steps, outputs, out_spec if k == last else None))
+        parts.append(GraphPart(k, getattr(root, target), inputs, steps, outputs, out_spec if k == last else None,
+                               traced_on))
     return parts
 
 

@@ -22,6 +22,7 @@ from duplexpipe.comm import Waitable
 from duplexpipe.comm.sharded import Pending, ShardComm
 from duplexpipe.parallel import grads
 from duplexpipe.parallel.buckets import BucketSpec, BucketTracker
+from duplexpipe.parallel.local_shards import LocalShards, local_of
 from duplexpipe.parallel.strategy import DPStrategy, StrategyContext
 from duplexpipe.parallel.zero1 import counted_stages, quantized
 from duplexpipe.parallel.zero_config import check_hpz, gradient_wire
@@ -81,8 +82,10 @@ def segments(module: Any, chunk: int, size: int, gathering: bool) -> list[list[i
 
 
 class _ReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
-    """FSDP's reduce-scatter (op AVG: the mean): posted, and finished by the strategy (or at once when FSDP
-    would accumulate into an existing sharded gradient right away)."""
+    """FSDP's reduce-scatter: posted, and finished by the strategy (or at once when FSDP would accumulate into
+    an existing sharded gradient right away). It leaves the mean over the group (ShardComm's contract) in every
+    dtype: FSDP is told to divide by 1 and to ask for a plain SUM (see no_fsdp_division), so it scales nothing
+    itself (with its defaults it asks AVG in fp32/bf16 but pre-divides and sums in float64/fp16)."""
 
     def __init__(self, comms: _Comms, stage: int, module: Any) -> None:
         self.comms, self.stage, self.module = comms, stage, module
@@ -92,8 +95,9 @@ class _ReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
 
     def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group: Any, op: Any,
                  async_op: bool = False) -> Any:
-        if op != dist.ReduceOp.AVG:
-            raise ValueError(f"ZeRO-2 expects FSDP to ask for the mean (ReduceOp.AVG), got {op}")
+        if op != dist.ReduceOp.SUM:
+            raise ValueError(f"ZeRO-2 told FSDP to leave the division to its reduce-scatter (ReduceOp.SUM), "
+                             f"got {op}")
         strategy, comm = self.comms.strategy, self.comms.on(group)
         cut = self.comms.segments(self.module, output_tensor.numel(), comm.size, gathering=False)
         pending = comm.reduce_scatter(input_tensor, output_tensor, f"the gradients of stage {self.stage}",
@@ -125,6 +129,13 @@ class _AllGather(AllGather):  # type: ignore[misc,valid-type]
         return None
 
 
+def no_fsdp_division(module: Any) -> None:
+    """Make FSDP hand the unscaled gradients to the custom reduce-scatter as a SUM and divide nothing after it
+    (ShardComm computes the mean, in the gradients' dtype or the compression's; float64 stays exact)."""
+    module.set_gradient_divide_factor(1.0)
+    module.set_force_sum_reduction_for_comms(True)
+
+
 def reduce_now(module: Any) -> None:
     """Run FSDP's post-backward for `module` now: reduce-scatter its gradients and reshard its parameters."""
     module.set_is_last_backward(True)
@@ -144,9 +155,17 @@ def sync_off(module: Any) -> None:
     module.set_requires_gradient_sync(False)
 
 
-def _local(t: Tensor) -> Tensor:
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t  # type: ignore[no-any-return]
+def _own_views(module: Any, args: Any, output: Any) -> Any:
+    """A forward hook run before FSDP's post-forward: a stage output that is a view (a Linear over 3-D input
+    returns one) becomes its own tensor, so FSDP's pre-backward hook on it cannot be lost to an in-place op
+    on the view (FSDP warns about every such output)."""
+    if isinstance(output, Tensor):
+        return output.clone() if output._base is not None and output.requires_grad else output
+    if isinstance(output, (tuple, list)):
+        return type(output)(_own_views(module, args, o) for o in output)
+    if isinstance(output, dict):
+        return {k: _own_views(module, args, v) for k, v in output.items()}
+    return output
 
 
 class Zero2Strategy(DPStrategy):
@@ -171,11 +190,22 @@ class Zero2Strategy(DPStrategy):
             fully_shard(module, mesh=mesh, reshard_after_forward=ctx.zero.hpz_ranks or False)
             module.set_custom_reduce_scatter(_ReduceScatter(self.comms, stage, module))  # type: ignore[operator]
             module.set_custom_all_gather(_AllGather(self.comms, stage, module))  # type: ignore[operator]
+            no_fsdp_division(module)
+            module.register_forward_hook(_own_views, prepend=True)
         super().__init__(ctx)  # the parameters are FSDP's sharded DTensors from here on
         order = [s for s in ctx.final_order if s in ctx.modules] + sorted(set(ctx.modules) - set(ctx.final_order))
         self.buckets = [BucketSpec(i, tuple(ctx.modules[s].parameters()), frozenset({s}))
                         for i, s in enumerate(order)]
         self.tracker = BucketTracker(self.buckets)
+
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        """The factory's optimizer over plain aliases of the parameters' local shards (see local_shards)."""
+        self.shards = LocalShards(self.params)
+        return self.ctx.optimizer_factory(self.shards.shards)
+
+    def zero_grad(self) -> None:
+        """Drop the gradients of the parameters and of their shards."""
+        self.shards.clear_grads()
 
     def begin_call(self, final: bool, divisor: float) -> None:
         """Turn FSDP's gradient sync off for the schedule (the strategy reduces each stage itself)."""
@@ -205,7 +235,7 @@ class Zero2Strategy(DPStrategy):
         """This rank's shards of the reduced gradients (of `stages`, or all)."""
         mods = self.ctx.modules
         keep = sorted(mods) if stages is None else stages
-        return [_local(p.grad) for s in keep for p in mods[s].parameters() if p.grad is not None]
+        return [local_of(p.grad) for s in keep for p in mods[s].parameters() if p.grad is not None]
 
     def checked_grads(self) -> list[Tensor]:
         """The gradient shards (an inf/NaN anywhere in a sum lands in its owner's shard)."""
@@ -224,8 +254,8 @@ class Zero2Strategy(DPStrategy):
         """Scale the gradient shards by clip_coef / post_divisor and step the sharded parameters."""
         factor = clip_coef / self.post_divisor
         if factor != 1.0:
-            for g in self.local_grads():
-                g.mul_(factor)
+            torch._foreach_mul_(self.local_grads(), factor)
+        self.shards.take_grads()
         self.optimizer.step()
         self.draws += 1
         self.end_step(applied=True)
@@ -239,7 +269,13 @@ class Zero2Strategy(DPStrategy):
     def checkpoint_dicts(self, modules: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         """Sharded (DTensor) model and optimizer state per parameter, from the resharded modules."""
         self.reshard()
-        return super().checkpoint_dicts(modules)
+        with self.shards.as_dtensors(self.optimizer):
+            return super().checkpoint_dicts(modules)
+
+    def load_checkpoint_dicts(self, modules: Any, model: dict[str, Any], optim: dict[str, Any]) -> None:
+        """Load the dicts into the DTensor view of the optimizer (the shards keep what was loaded)."""
+        with self.shards.as_dtensors(self.optimizer):
+            super().load_checkpoint_dicts(modules, model, optim)
 
     def state_dict(self) -> dict[str, Any]:
         """The draw counter when anything goes on the wire as int8 (the state is saved per parameter)."""

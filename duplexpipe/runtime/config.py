@@ -11,6 +11,7 @@ import torch
 from duplexpipe.comm.codec import Codec, check_codec
 from duplexpipe.comm.meter import WireMeter
 from duplexpipe.comm.nonfinite import check_policy
+from duplexpipe.fielddoc import documented
 from duplexpipe.runtime.pieces import LinkModel
 from duplexpipe.schedules.timeline import Timeline
 
@@ -32,6 +33,7 @@ the step runs. An exception raised by the hook fails the step like any other.
 """
 
 
+@documented
 @dataclass
 class RuntimeConfig:
     """How PipelineRuntime executes a schedule."""
@@ -181,6 +183,7 @@ class StepResult:
         return (StepResult, (self.loss, self.timeline, self.peak_activations, self.peak_saved_bytes))
 
 
+@documented
 @dataclass
 class EvalResult:
     """What one forward-only evaluation returns."""

@@ -11,6 +11,7 @@ import torch
 from duplexpipe.comm import Options, compression_options
 from duplexpipe.comm.nonfinite import check_policy
 from duplexpipe.comm.p2p_codecs import p2p_codec_pair
+from duplexpipe.fielddoc import documented
 from duplexpipe.parallel import DEFAULT_BUCKET_BYTES, ZeroOptions, check_strategy_name, check_zero
 from duplexpipe.runtime.pieces import LinkModel
 from duplexpipe.schedules.ir import Schedule
@@ -26,6 +27,7 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 """loss_fn(last stage output, targets) -> scalar mean loss over the microbatch."""
 
 
+@documented
 @dataclass
 class PipelineConfig:
     """How to pipeline and train; every field has a usable default."""
@@ -142,6 +144,7 @@ class PipelineConfig:
                 "DGCOptions(clip_norm=...) and grad_clip_norm=None")
 
 
+@documented
 @dataclass(frozen=True)
 class StepInfo:
     """What the last `Pipeline.step` call did."""

@@ -55,3 +55,34 @@ def test_memory_rows_and_the_markdown_section() -> None:
 def test_too_few_steps_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert bench.main(["--steps", "3"]) == 2
     assert "--steps must be >= 25" in capsys.readouterr().err
+
+
+def test_speed_rows_take_the_slowest_rank_per_step_and_compare_with_zero_1() -> None:
+    def rank(scale: float) -> dict[int, dict[str, list[float]]]:
+        return {s: {"wall": [0.1 * (1 + s) * scale, 0.2 * scale, 0.3 * scale], "cpu": [0.01 * (1 + s)] * 3}
+                for s in bench.SPEED_STAGES}
+
+    rows = {r["stage"]: r for r in bench.speed_rows([rank(1.0), rank(2.0)])}
+    assert rows[1]["wall_ms"] == pytest.approx(400.0)  # median of the slowest rank's 400, 400, 600
+    assert rows[2]["cpu_ms"] == pytest.approx(30.0) and rows[2]["cpu_vs_1"] == pytest.approx(1.5)
+    assert rows[2]["wall_vs_1"] == pytest.approx(600 / 400) and rows[1]["wall_vs_1"] == 1.0
+    table = bench.speed_table(list(rows.values()))
+    assert "| 2 | 600.0 | 1.50x | 30.0 | 1.50x |" in table
+
+
+def test_the_profile_charges_functions_to_areas_and_sums_them() -> None:
+    from benchmarks import zero_profile
+
+    assert zero_profile.area_of("/x/torch/distributed/fsdp/_fully_shard/_fsdp_state.py", "_pre_forward") \
+        == "FSDP2 hooks and bookkeeping"
+    assert zero_profile.area_of("~", "<method 'run_backward' of 'torch._C._EngineBase' objects>").startswith("autograd")
+    assert zero_profile.area_of("/x/y.py", "f").startswith("other")
+    adam = ("/x/torch/optim/adam.py", 1, "_single_tensor_adam")
+    grads = ("/x/duplexpipe/parallel/grads.py", 1, "_sum_squares")
+    mul = ("~", 0, "<method 'mul_' of 'torch._C.TensorBase' objects>")
+    stats = {adam: (1, 1, 0.002, 0.01, {}), grads: (1, 1, 0.001, 0.002, {}),
+             mul: (4, 4, 0.004, 0.004, {adam: (3, 3, 0.003, 0.003), grads: (1, 1, 0.001, 0.001)})}
+    assert zero_profile.charged(stats, 2) == pytest.approx({"optimizer": 2.5, "duplexpipe": 1.0})
+    text = zero_profile.table({1: {"optimizer": 1.0, "duplexpipe": 2.0}, 2: {"optimizer": 3.5, "duplexpipe": 2.0}})
+    assert "| optimizer | 1.0 | 3.5 | +2.5 |" in text and "| total | 3.0 | 5.5 | +2.5 |" in text
+    assert text.index("optimizer") < text.index("duplexpipe")  # largest difference first

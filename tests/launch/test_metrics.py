@@ -10,7 +10,14 @@ from typing import Any
 
 import pytest
 
-from duplexpipe.launch.metrics import MetricsLog, ProgressLine, log_line, read_metrics, tensorboard_writer
+from duplexpipe.launch.metrics import (
+    MetricsLog,
+    log_line,
+    plain_every,
+    progress_bar,
+    read_metrics,
+    tensorboard_writer,
+)
 
 
 class FakeWriter:
@@ -66,13 +73,30 @@ def test_without_tensorboard_installed_there_are_no_scalars(monkeypatch: pytest.
     assert not (tmp_path / "tb").exists() and len(read_metrics(tmp_path / "m.jsonl")) == 1
 
 
-def test_progress_line_and_log_line() -> None:
-    out = io.StringIO()
-    bar = ProgressLine(4, "tokens", out)
-    bar.update(2, 1.5, 1234.0)
+class _Terminal(io.StringIO):
+    """A stream that says it is a terminal."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_is_a_bar_on_a_terminal_and_plain_lines_in_a_file_or_pipe() -> None:
+    """--progress redrew one line with carriage returns whatever the output was, so a log file held one
+    ever-growing line."""
+    assert progress_bar(4, 0, "tokens", io.StringIO()) is None  # a file or pipe: the caller prints plain lines
+    assert plain_every(0, 60, progress=True) == 3 and plain_every(10, 60, progress=True) == 10
+    assert plain_every(0, 60, progress=False) == 0 and plain_every(0, 5, progress=True) == 1
+    term = _Terminal()
+    bar = progress_bar(4, 1, "tokens", term)
+    assert bar is not None
+    bar.update(2, 1.5, 0.0)
+    bar.update(4, 1.25, 1234.0)
     bar.close()
-    assert out.getvalue().startswith("\r[############............] step 2/4  loss 1.5000  1,234 tokens/s")
-    assert out.getvalue().endswith("\n")
+    text = term.getvalue()
+    assert "\r" in text and "4/4" in text and "loss 1.2500" in text and "1,234 tokens/s" in text
+
+
+def test_log_line() -> None:
     line = log_line(10, 60, {"loss": 2.30123, "lr": 3e-3, "grad_norm": 0.8123, "items_per_s": 12345.6}, "tokens")
     assert line == "step 10/60  loss 2.3012  lr 3.00e-03  grad 0.812  12,346 tokens/s"
     assert log_line(1, 2, {"loss": 1.0, "lr": 1.0, "grad_norm": None, "items_per_s": 0.0}, "x") == \

@@ -36,8 +36,9 @@ TORCHRUN = Path(sys.executable).parent / "torchrun"
 
 @pytest.fixture(autouse=True)
 def _spawned_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """These tests check the default start method (spawn): its ranks are this process's children."""
-    monkeypatch.delenv(START_METHOD_ENV, raising=False)
+    """These tests start ranks with spawn: its ranks are this process's children (the default, forkserver,
+    has its own test)."""
+    monkeypatch.setenv(START_METHOD_ENV, "spawn")
 
 
 def _sum_ranks(offset: int) -> tuple[int, int, int, torch.Tensor]:
@@ -77,6 +78,33 @@ def _children() -> list[int]:
                 and b"forkserver" not in cmdline:
             found.append(int(stat.parent.name))
     return found
+
+
+def _pid_and_env() -> tuple[int, int, str | None]:
+    return os.getpid(), os.getppid(), os.environ.get("DUPLEXPIPE_TEST_VALUE")
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in ("Z", "X")
+
+
+@pytest.mark.timeout(90)
+def test_the_default_start_method_forks_from_a_server_with_the_launchers_environment(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """No start method given: the ranks come from the fork server (not this process's children), each with
+    the environment of its launch (the server keeps the one it started with), and none outlives the call."""
+    monkeypatch.delenv(START_METHOD_ENV, raising=False)
+    monkeypatch.setenv("DUPLEXPIPE_TEST_VALUE", "first")
+    first = run(_pid_and_env, 2)
+    monkeypatch.setenv("DUPLEXPIPE_TEST_VALUE", "second")
+    second = run(_pid_and_env, 2)
+    assert [r[2] for r in first] == ["first", "first"] and [r[2] for r in second] == ["second", "second"]
+    assert all(parent != os.getpid() for _, parent, _ in first + second)
+    assert all(_gone(pid) for pid, _, _ in first + second)
 
 
 @pytest.mark.timeout(60)

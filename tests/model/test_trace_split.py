@@ -99,6 +99,61 @@ def test_meta_model_splits_into_meta_parts() -> None:
     assert "layers.0.lin.weight" in dict(parts[0].body.named_parameters())
 
 
+class _CausalAttention(nn.Module):
+    """Self-attention whose causal mask the forward makes with torch.ones(T, T).tril() (no device=), or with
+    device=x.device."""
+
+    def __init__(self, on_input_device: bool) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(DIM, 3 * DIM)
+        self.on_input_device = on_input_device
+
+    def forward(self, x: Tensor) -> Tensor:
+        t = x.shape[1]
+        q, k, v = self.qkv(x).split(DIM, dim=-1)
+        mask = (torch.ones(t, t, device=x.device) if self.on_input_device else torch.ones(t, t)).tril()
+        scores = (q @ k.transpose(-2, -1)).masked_fill(mask == 0, float("-inf"))
+        return x + scores.softmax(-1) @ v
+
+
+class _CausalNet(nn.Module):
+    def __init__(self, on_input_device: bool = False) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*(_CausalAttention(on_input_device) for _ in range(4)))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.layers(x)
+
+
+@pytest.mark.parametrize("on_input_device", [False, True])
+def test_a_model_that_makes_its_causal_mask_splits_and_computes_the_same(on_input_device: bool) -> None:
+    """Tracing ran the forward on the meta device, where torch.ones(T, T) (CPU) met meta activations."""
+    torch.manual_seed(0)
+    model = _CausalNet(on_input_device)
+    x = torch.randn(2, 5, DIM)
+    parts = split_module(copy.deepcopy(model), (x,), split_points="layers", num_parts=2)
+    other = torch.randn(3, 5, DIM)  # another batch size: the parts are not tied to the sample's
+    torch.testing.assert_close(compose(parts, other), model(other), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("on_input_device", [False, True])
+def test_a_meta_built_model_that_makes_its_mask_computes_the_same_once_filled(on_input_device: bool) -> None:
+    """Traced on the meta device the mask is made there too; moving the parts' parameters moves it along."""
+    torch.manual_seed(0)
+    model = _CausalNet(on_input_device)
+    with torch.device("meta"):
+        meta_model = _CausalNet(on_input_device)
+    x = torch.randn(2, 5, DIM)
+    parts = split_module(meta_model, (x,), split_points="layers", num_parts=2)
+    weights = dict(model.named_parameters())
+    for part in parts:
+        part.to_empty(device="cpu")
+        with torch.no_grad():
+            for name, p in part.named_parameters():
+                p.copy_(weights[name.removeprefix("body.")])
+    torch.testing.assert_close(compose(parts, x), model(x), rtol=0, atol=0)
+
+
 def test_split_point_errors_name_the_value() -> None:
     model = SkipNet()
     with pytest.raises(ValueError, match="split point 'layers.9' names no submodule of SkipNet"):

@@ -1,19 +1,23 @@
 """Tests for duplexpipe.parallel.zero2 (ZeRO-2 over torch FSDP2) at PP=1 x DP=4, one spawn of 4 gloo ranks:
-memory fractions at DP=4, hpZ on 2 "nodes" x 2 local ranks, what the strategy relies on in FSDP2, and an
-evaluation followed by a checkpoint."""
+memory fractions at DP=4, hpZ on 2 "nodes" x 2 local ranks, what the strategy relies on in FSDP2, an
+evaluation followed by a checkpoint, and float64 stages whose outputs are views against one process."""
 
 from __future__ import annotations
 
+import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from _zero_cases import build, flat_params, held_bytes, max_rel, train
+from _zero_cases import CLIP, adamw, build, flat_params, held_bytes, max_rel, train
+from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from duplexpipe.launch.processes import launch
 from duplexpipe.parallel import ZeroOptions
+from duplexpipe.pipeline import Pipeline, PipelineConfig, make_mesh
 
 SPAWN_TIMEOUT_S = 240
 DP = 4
@@ -66,8 +70,55 @@ def _evaluate_then_save(root: str) -> dict[str, Any]:
             "outputs_equal": before is not None and after is not None and torch.equal(before, after)}
 
 
+def _view_parts(seed: int) -> list[nn.Module]:
+    """One part ending in a Linear over 3-D input: its output is a view (FSDP2 warns about those)."""
+    torch.manual_seed(seed)
+    return [nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))]
+
+
+def _squares(out: Tensor, target: Tensor) -> Tensor:
+    return ((out - target) ** 2).mean()  # in the outputs' dtype (the helpers' mse computes in float32)
+
+
+def _float64_batch(step: int) -> tuple[Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(500 + step)
+    x = torch.randn(16, 2, 8, generator=gen, dtype=torch.float64)
+    return x, torch.sin(2 * x).roll(1, dims=2)
+
+
+def _float64_views() -> dict[str, Any]:
+    """zero_stage 0 and 2 in float64 (3 AdamW steps with clipping, 4 microbatches per replica) and the same
+    model in one process; the FSDP warnings the runs raised."""
+    torch.set_default_dtype(torch.float64)
+    out: dict[str, Any] = {}
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for stage in (0, 2):
+                cfg = PipelineConfig("1f1b", 4, zero_stage=stage, grad_clip_norm=CLIP)
+                pipe = Pipeline(_view_parts(3), _squares, adamw, cfg, mesh=make_mesh(1, DP))
+                rows, lo = 16 // DP, pipe.groups.dp_rank * (16 // DP)
+                losses = [pipe.step(*(t[lo:lo + rows] for t in _float64_batch(s))) for s in range(3)]
+                out[stage] = {"losses": losses, "params": flat_params(pipe)}
+        out["warnings"] = [str(w.message) for w in caught if "FSDP" in str(w.message)]
+        model = nn.Sequential(*_view_parts(3))
+        opt = adamw(list(model.parameters()))
+        for s in range(3):  # the whole batch at once (equal microbatches: the mean of their means)
+            opt.zero_grad()
+            _squares(model(_float64_batch(s)[0]), _float64_batch(s)[1]).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            opt.step()
+        out["ref"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
+    except Exception:  # noqa: BLE001 - the test reports it (the other cases of the spawn still run)
+        out["error"] = traceback.format_exc()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    return out
+
+
 def _worker(root: str) -> dict[str, Any]:
-    return {"memory": _memory_and_pins(), "hpz": _hpz(), "eval": _evaluate_then_save(root)}
+    return {"memory": _memory_and_pins(), "hpz": _hpz(), "eval": _evaluate_then_save(root),
+            "float64": _float64_views()}
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +177,17 @@ def test_a_checkpoint_saved_after_evaluation_resumes_exactly(results: list[dict[
     for rank, res in enumerate(results):
         got = res["eval"]
         assert got["outputs_equal"] and got["resumed"] == got["straight"], (rank, got)
+
+
+@pytest.mark.timeout(60)
+def test_float64_equals_zero_stage_0_and_one_process_without_fsdp_warnings(results: list[dict[str, Any]]) -> None:
+    """FSDP2 asks a float64 reduce-scatter for a SUM after dividing itself (AVG in float32); the strategy makes
+    it divide by nothing and ask a SUM in every dtype, and its collective leaves the mean. A stage output that
+    is a view (a Linear over 3-D input) no longer makes FSDP2 warn."""
+    for rank, res in enumerate(results):
+        got = res["float64"]
+        assert "error" not in got, got.get("error")
+        assert got["warnings"] == [], got["warnings"]
+        assert max_rel(got[2]["params"], got[0]["params"]) <= 1e-12, rank
+        assert max(abs(a - b) / b for a, b in zip(got[2]["losses"], got[0]["losses"], strict=True)) <= 1e-12
+        assert max_rel(got[2]["params"], got["ref"]) <= 1e-10, rank

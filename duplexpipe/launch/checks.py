@@ -1,0 +1,80 @@
+"""What `duplexpipe train` checks before it starts any process: every configuration error the ranks would
+otherwise each find after seconds of start-up, as one ValueError (the command line prints it as one line and
+exits with code 2)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from duplexpipe.comm import check_optimizer, compression_options
+from duplexpipe.launch.train_config import TrainConfig
+from duplexpipe.launch.train_loop import TrainTask, build_task, load_task, make_optimizer, pipeline_config
+from duplexpipe.parallel.compressed import check_dgc_momentum
+from duplexpipe.parallel.zero_config import check_hpz
+from duplexpipe.schedules.registry import build as build_schedule
+from duplexpipe.train.auto_config import AUTO
+
+
+def check_training(config: TrainConfig) -> None:
+    """Raise ValueError (ScheduleError for the schedule) for the first thing in `config` the ranks would fail
+    on: the schedule with its ranks and microbatches, the pipeline settings together (precision, sends,
+    ZeRO with compression, ...), the optimizer against the gradient compression (DGC with momentum, a
+    sparsifier under Adam), hpZ against the schedule, then the task: importable, buildable (on the meta
+    device: no memory, no weights computed) and with enough layers for the schedule's model parts."""
+    schedule = None if config.schedule == AUTO else build_schedule(config.schedule, config.ranks,
+                                                                   config.microbatches)
+    pcfg = pipeline_config(config)  # PipelineConfig checks its fields against each other
+    compression = compression_options(pcfg.grad_compression)
+    if compression.method != "none":  # building an optimizer imports torch._dynamo (a second): only then
+        optimizer = make_optimizer(config)([nn.Parameter(torch.zeros(1))])
+        check_optimizer(compression, optimizer)
+        check_dgc_momentum(compression, optimizer)
+    if schedule is not None and pcfg.zero_stage == 2 and config.dp > 1:
+        check_hpz(pcfg.zero, schedule, config.dp)
+    load_task(config.task)
+    task = _built(config)
+    if schedule is not None and len(task.layers) < schedule.num_groups:
+        raise ValueError(f"task {config.task!r} has {len(task.layers)} layers, but schedule {config.schedule!r} "
+                         f"on {config.ranks} ranks runs {schedule.num_groups} model parts of at least one layer "
+                         "each; use fewer ranks, another schedule or a deeper model")
+
+
+def _built(config: TrainConfig) -> TrainTask:
+    """The task, built on the meta device (no memory); on the CPU when it cannot be built there (a task that
+    reads weights, say); ValueError naming the task when it cannot be built at all."""
+    try:
+        with torch.device("meta"), _NoFillsOnMeta():
+            return build_task(config)
+    except (ValueError, TypeError) as exc:  # its options or its result: the same on any device
+        raise ValueError(f"task {config.task!r} with options {config.task_options}: {exc}") from exc
+    except Exception:  # noqa: BLE001 - something the meta device cannot do: build it for real
+        pass
+    try:
+        return build_task(config)
+    except Exception as exc:
+        raise ValueError(f"task {config.task!r} with options {config.task_options}: {type(exc).__name__}: "
+                         f"{exc}") from exc
+
+
+_FILLS = frozenset(f"{name}_" for name in ("normal", "uniform", "zero", "fill", "exponential", "bernoulli", "random",
+                                           "geometric", "log_normal", "cauchy", "copy", "mul", "add", "sub", "div",
+                                           "clamp", "masked_fill", "index_fill", "scatter"))
+"""In-place tensor methods that change values, not shapes."""
+
+
+class _NoFillsOnMeta(TorchFunctionMode):
+    """Skips filling meta tensors (they hold no values): torch's meta kernels of the random fills go through
+    torch._refs, whose first call imports torch._dynamo (about a second)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        target = args[0] if args else kwargs.get("tensor")
+        name = getattr(func, "__name__", "")
+        fills = getattr(func, "__module__", "") == "torch.nn.init" or name in _FILLS
+        if fills and isinstance(target, Tensor) and target.is_meta:
+            return target
+        return func(*args, **kwargs)

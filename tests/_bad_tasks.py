@@ -1,0 +1,44 @@
+"""Training tasks that fail on purpose, for the tests of what a failed `duplexpipe train` prints."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from duplexpipe import TrainTask
+
+WIDTH = 8
+
+
+def _layers(seed: int) -> list[nn.Module]:
+    torch.manual_seed(seed)
+    return [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(4)]
+
+
+def _batch(step: int, size: int) -> tuple[Tensor, Tensor]:
+    x = torch.randn(size, WIDTH, generator=torch.Generator().manual_seed(step))
+    return x, torch.sin(x)
+
+
+def loss_fails(seed: int = 0) -> TrainTask:
+    """The loss raises on the second step: only the last pipeline rank computes it."""
+    calls = [0]
+
+    def loss(out: Tensor, target: Tensor) -> Tensor:
+        calls[0] += 1
+        if calls[0] > 2:  # 2 microbatches per step
+            raise ValueError("bad value 42 in the loss")
+        return nn.functional.mse_loss(out, target)
+
+    return TrainTask(layers=_layers(seed), loss_fn=loss, batch=_batch)
+
+
+def batch_fails(seed: int = 0) -> TrainTask:
+    """The batch of step 1 raises: every rank fetches it, so every rank fails the same way."""
+
+    def batch(step: int, size: int) -> tuple[Tensor, Tensor]:
+        if step == 1:
+            raise ValueError(f"bad value {size} in the batch")
+        return _batch(step, size)
+
+    return TrainTask(layers=_layers(seed), loss_fn=nn.functional.mse_loss, batch=batch)
