@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from duplexpipe.cli.train_cmd import add_train_arguments, train_main
-from duplexpipe.launch.processes import LaunchError
 from duplexpipe.launch.train_loop import _local_slice, batch_rows, load_task, rows_of
 
 HELPER = '''
@@ -108,9 +107,6 @@ def test_train_runs_a_task_file_that_imports_its_helpers(task_dir: Path) -> None
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(strict=True, raises=LaunchError,
-                   reason="Pipeline.from_layers unpacks a tuple (and a dict) of inputs into the first part's "
-                          "arguments; issue 22 point 2 makes it hand them on as nn.Sequential does")
 @pytest.mark.parametrize("kind", ["tuple", "dict"])
 def test_train_runs_a_task_whose_batch_is_a_tuple_or_dict(task_dir: Path, kind: str) -> None:
     assert "1f1b on 2 ranks x 1 dp, 2 steps" in _train(task_dir, kind)
