@@ -49,6 +49,7 @@ _HOMES = {
     "duplexpipe.train.trainer": ("Pipeline", "PipelineConfig", "StepInfo"),
     "duplexpipe.train.precision": ("DynamicLossScaler", "LossScaleConfig"),
     "duplexpipe.train.measure": ("profile_parts",),
+    "duplexpipe.train.checkpoint": ("read_checkpoint",),
     # processes and the `duplexpipe train` loop
     "duplexpipe.launch.processes": ("LaunchError", "init_from_env", "launch", "launched_by_torchrun", "run"),
     "duplexpipe.launch.train_loop": ("TrainResult", "TrainTask", "run_training"),
@@ -100,6 +101,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from duplexpipe.schedules.registry import names as schedule_names
     from duplexpipe.schedules.simulate import CostModel, simulate
     from duplexpipe.schedules.verify import verify
+    from duplexpipe.train.checkpoint import read_checkpoint
     from duplexpipe.train.measure import profile_parts
     from duplexpipe.train.precision import DynamicLossScaler, LossScaleConfig
     from duplexpipe.train.trainer import Pipeline, PipelineConfig, StepInfo
