@@ -10,7 +10,7 @@ from typing import Any, Mapping
 from duplexpipe.schedules.ir import Schedule, ScheduleError
 from duplexpipe.schedules.layout import Layout, gc_paused
 from duplexpipe.schedules.lower import lower
-from duplexpipe.schedules.pieces import ExpertCost
+from duplexpipe.schedules.moe_cost import ExpertCost
 from duplexpipe.schedules.program import Durations, analyze, run_program
 from duplexpipe.schedules.timeline import Event, Span, Timeline
 from duplexpipe.schedules.verify import explain_stuck
@@ -54,7 +54,7 @@ class CostModel:
     Message times (latency, bandwidth) are never scaled."""
     moe_layers: int = 0
     """MoE layers with expert-parallel all-to-alls in every stage (0: none). Their exchanges are priced by
-    `dispatch` and `combine` on top of f, b and I (never W), see `schedules.pieces`."""
+    `dispatch` and `combine` on top of f, b and I (never W), see `schedules.moe_cost`."""
     dispatch: float = 0.0
     """One MoE layer's dispatch all-to-all (forward; its backward sends as much back)."""
     combine: float = 0.0

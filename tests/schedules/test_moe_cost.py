@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from duplexpipe.schedules.ir import Op
-from duplexpipe.schedules.pieces import (
+from duplexpipe.schedules.moe_cost import (
     EP_LANE,
     ExpertCost,
     Piece,
