@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from duplexpipe.planner.partition import balanced_split
+
 PROFILE_FORMAT = "duplexpipe-profile"
 PROFILE_VERSION = 1
 
@@ -187,7 +189,7 @@ class Profile:
     def group_sizes(self, num_groups: int) -> list[int]:
         """How many parts each of `num_groups` contiguous groups of near-equal F+B time takes (at the
         profiled microbatch; the planner groups every candidate this way, so its grouping is the one
-        `pipeline.autoplan` and `balanced_split` on these times rebuild). ProfileError when there are
+        `train.auto_config` and `partition.balanced_split` on these times rebuild). ProfileError when there are
         fewer parts than groups."""
         if num_groups > self.num_parts:
             raise ProfileError(f"the profile has {self.num_parts} parts; {num_groups} model parts need a "
@@ -301,31 +303,3 @@ def load_profile(path: str | os.PathLike[str]) -> Profile:
     except json.JSONDecodeError as exc:
         raise ProfileError(f"profile {name!r} is not valid JSON: {exc.msg} at line {exc.lineno}") from None
     return Profile.from_dict(data, f"profile {name!r}")
-
-
-def balanced_split(costs: list[float], num_groups: int) -> list[int]:
-    """Sizes of `num_groups` contiguous non-empty runs of `costs` whose largest sum is smallest.
-
-    Ties go to the split with shorter early runs (deterministic).
-    """
-    n = len(costs)
-    if not 1 <= num_groups <= n:
-        raise ProfileError(f"cannot split {n} parts into {num_groups} groups")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    best = [[math.inf] * (n + 1) for _ in range(num_groups + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_groups + 1)]
-    best[0][0] = 0.0
-    for k in range(1, num_groups + 1):
-        for i in range(k, n - (num_groups - k) + 1):
-            for j in range(k - 1, i):
-                value = max(best[k - 1][j], prefix[i] - prefix[j])
-                if value < best[k][i] - 1e-12 * max(1.0, value):
-                    best[k][i], cut[k][i] = value, j
-    sizes, i = [], n
-    for k in range(num_groups, 0, -1):
-        j = cut[k][i]
-        sizes.append(i - j)
-        i = j
-    return sizes[::-1]

@@ -19,7 +19,8 @@ from duplexpipe.model.stages import PartInit, as_factory, materialize_part
 from duplexpipe.planner.dp_comm import COMPRESSIONS
 from duplexpipe.planner.memory import format_bytes, parse_bytes
 from duplexpipe.planner.plan import PlanConfig, PlanResult, plan
-from duplexpipe.planner.profile import Profile, balanced_split
+from duplexpipe.planner.partition import balanced_split
+from duplexpipe.planner.profile import Profile
 from duplexpipe.runtime.structure import call, flatten, map_leaves, split
 from duplexpipe.schedules.ir import Schedule
 from duplexpipe.train.measure import Timer, profile_parts

@@ -15,7 +15,6 @@ from duplexpipe.planner.profile import (
     Profile,
     ProfileError,
     RuntimeOverhead,
-    balanced_split,
     load_profile,
     save_profile,
 )
@@ -86,14 +85,6 @@ def test_grouping_sums_balanced_runs_and_keeps_the_last_message() -> None:
     assert profile.grouped(4) == parts
     with pytest.raises(ProfileError, match="profile has 4 parts; 5 model parts need a profile of at least 5"):
         profile.grouped(5)
-
-
-def test_balanced_split_minimises_the_largest_run() -> None:
-    assert balanced_split([1, 1, 1, 1], 2) == [2, 2]
-    assert balanced_split([5, 1, 1, 1, 1, 1], 2) == [1, 5]
-    assert balanced_split([1, 2, 3], 3) == [1, 1, 1]
-    with pytest.raises(ProfileError, match="cannot split 2 parts into 3 groups"):
-        balanced_split([1, 1], 3)
 
 
 def test_check_parts_and_constructor_checks() -> None:
