@@ -55,8 +55,8 @@ from duplexpipe.model.split import build_parts, plan_partition  # noqa: E402
 from duplexpipe.pipeline import Pipeline, PipelineConfig, profile_parts  # noqa: E402
 from duplexpipe.planner.dp_comm import Link  # noqa: E402
 from duplexpipe.planner.machine import Machine, simulate_shared  # noqa: E402
-from duplexpipe.planner.plan import PlanConfig, plan  # noqa: E402
 from duplexpipe.planner.partition import balanced_split  # noqa: E402
+from duplexpipe.planner.plan import PlanConfig, plan  # noqa: E402
 from duplexpipe.planner.profile import Profile, RuntimeOverhead  # noqa: E402
 from duplexpipe.planner.runtime_work import rank_work  # noqa: E402
 from duplexpipe.runtime.saved_bytes import SavedBytes  # noqa: E402

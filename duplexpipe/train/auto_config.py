@@ -18,8 +18,8 @@ from duplexpipe.model.split import PartInfo, Partition
 from duplexpipe.model.stages import PartInit, as_factory, materialize_part
 from duplexpipe.planner.dp_comm import COMPRESSIONS
 from duplexpipe.planner.memory import format_bytes, parse_bytes
-from duplexpipe.planner.plan import PlanConfig, PlanResult, plan
 from duplexpipe.planner.partition import balanced_split
+from duplexpipe.planner.plan import PlanConfig, PlanResult, plan
 from duplexpipe.planner.profile import Profile
 from duplexpipe.runtime.structure import call, flatten, map_leaves, split
 from duplexpipe.schedules.ir import Schedule
