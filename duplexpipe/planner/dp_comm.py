@@ -104,18 +104,25 @@ def zero_stage(stage: int) -> ZeroStage:
 
 
 def compression(spec: str | Options) -> Compression:
-    """The table entry of a method: its name ("powersgd", "powersgd(rank=1)") or the trainer's options object;
-    ValueError lists the known methods."""
+    """The table entry of a method: its name ("powersgd", "powersgd(rank=1)") or the trainer's options object.
+    Options without a measured ratio (the trainer's other methods and options) get ratio 1: the reduction is
+    modelled uncompressed. ValueError for an unknown name, listing the known ones."""
     name = spec if isinstance(spec, str) else options_label(spec)
     if isinstance(spec, str) and name not in COMPRESSIONS:
         try:
             name = options_label(compression_options(spec))
         except ValueError:
             pass
-    if name not in COMPRESSIONS:
+    if name in COMPRESSIONS:
+        return COMPRESSIONS[name]
+    if isinstance(spec, str):
         raise ValueError(f"unknown compression {name!r}; known methods: {', '.join(COMPRESSIONS)} (the trainer's "
-                         f"other methods have no measured wire ratio)")
-    return COMPRESSIONS[name]
+                         f"other methods have no measured wire ratio: pass their options object)")
+    return Compression(spec, 1.0, UNMEASURED)
+
+
+UNMEASURED = "no measured wire ratio: the reduction is modelled uncompressed"
+"""The note of a method the planner has no ratio for."""
 
 
 @dataclass(frozen=True)

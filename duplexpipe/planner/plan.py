@@ -224,8 +224,9 @@ def _compressions(config: PlanConfig) -> tuple[Compression, ...]:
     """The allowed methods' table entries, lightest first."""
     if config.compressions is None:
         return tuple(COMPRESSIONS.values())
-    chosen = {compression(spec).name for spec in config.compressions}
-    return tuple(c for name, c in COMPRESSIONS.items() if name in chosen)
+    chosen = {(method := compression(spec)).name: method for spec in config.compressions}
+    return tuple(c for name, c in COMPRESSIONS.items() if name in chosen) + \
+        tuple(c for name, c in chosen.items() if name not in COMPRESSIONS)
 
 
 def accepted(config: PlanConfig, zero: int) -> tuple[list[Compression], list[str]]:
