@@ -95,13 +95,16 @@ def train_main(args: argparse.Namespace, stream: IO[str] | None = None) -> int:
     from duplexpipe.schedules.registry import build as build_schedule
 
     config = config_from_args(args)
-    build_schedule(config.schedule, config.ranks, config.microbatches)  # bad name, P or M: fail before spawning
+    if config.schedule != "auto":  # auto: the planner builds (and checks) its candidates
+        build_schedule(config.schedule, config.ranks, config.microbatches)  # bad name, P or M: fail before spawning
     load_task(config.task)
     if config.resume is not None:
         checkpoint_to_load(config.resume)
     result = run_training(config)
     out = stream or sys.stdout
     if result.losses:
+        if config.schedule == "auto":
+            out.write(f"{result.plan}\n")
         out.write(f"{result.partition}\n")
         done = f"steps {result.start_step + 1}-{config.steps}" if result.start_step else f"{config.steps} steps"
         out.write(f"{config.schedule} on {config.ranks} ranks x {config.dp} dp, {done}: loss "

@@ -77,6 +77,8 @@ class TrainResult:
     """Steps already done when this run started (from `resume`)."""
     send_bytes: float = 0.0
     """Rank 0's mean payload bytes per stage-to-stage SEND on the wire (`Pipeline.p2p_meter`; 0: it sent none)."""
+    plan: str = ""
+    """What ran (`Pipeline.plan`); with schedule "auto" the planner's choice and its best candidates."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -158,11 +160,15 @@ def _build_pipeline(config: TrainConfig, task: TrainTask) -> Pipeline:
     device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
     mesh = make_mesh(config.ranks, config.dp, device_type) if config.dp > 1 else None
     pcfg = pipeline_config(config)
-    first_inputs = task.batch(0, config.batch_size)[0]  # one microbatch of it: the profiling sample
-    sample = first_inputs[: max(1, first_inputs.shape[0] // (config.microbatches * config.dp))]
+    first_inputs, first_targets = task.batch(0, config.batch_size)
+    if config.schedule == "auto":  # the planner profiles one step's batch of this replica, as step gets it
+        sample = _local_slice(first_inputs, dist.get_rank() % config.dp, config.dp)
+        targets = _local_slice(first_targets, dist.get_rank() % config.dp, config.dp)
+    else:  # one microbatch of it: the profiling sample
+        sample, targets = first_inputs[: max(1, first_inputs.shape[0] // (config.microbatches * config.dp))], None
     return Pipeline.from_layers(task.layers, task.loss_fn, make_optimizer(config), pcfg, embedding=task.embedding,
                                 head=task.head, balance=config.balance, sample_input=sample, mesh=mesh,
-                                init=task.init, scheduler=make_scheduler(config))
+                                init=task.init, scheduler=make_scheduler(config), sample_targets=targets)
 
 
 def checkpoint_to_load(path: str) -> str:
@@ -220,7 +226,8 @@ def _train_rank(config: TrainConfig) -> TrainResult | None:
     partition = str(pipe.partition) if pipe.partition is not None else ""
     sends = pipe.p2p_meter.calls.get("send", 0)
     send_bytes = pipe.p2p_meter.bytes.get("send", 0.0) / sends if sends else 0.0
-    return TrainResult(losses, rate, timeline, partition, wall, config, start, send_bytes)
+    plan = pipe.plan.summary() if pipe.auto is None else f"{pipe.auto.summary()}\n{pipe.auto.result.table(5)}"
+    return TrainResult(losses, rate, timeline, partition, wall, config, start, send_bytes, plan)
 
 
 def _loop(pipe: Pipeline, task: TrainTask, config: TrainConfig, start: int, metrics: MetricsLog | None,

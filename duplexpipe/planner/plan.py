@@ -399,8 +399,11 @@ def _choose_compression(schedule: Schedule, timeline: Timeline, groups: Sequence
                         config: PlanConfig, zero: int, allowed: Sequence[Compression]) -> tuple[Compression, float]:
     """The lightest allowed method that hides the reduction; if none does, the lightest within
     `WORTH_IT` of the fastest step (a heavier method must buy real time). Returns it and its step time."""
-    floor = step_time(schedule, timeline, groups, replace(config, dp=1), zero, COMPRESSIONS["none"])
-    steps = [(method, step_time(schedule, timeline, groups, config, zero, method)) for method in allowed]
+    passes = last_passes(timeline)
+    floor = step_time(schedule, timeline, groups, replace(config, dp=1), zero, COMPRESSIONS["none"], passes)
+    if config.dp == 1:  # nothing is reduced: every method takes the same time, the lightest is chosen
+        return allowed[0], floor
+    steps = [(method, step_time(schedule, timeline, groups, config, zero, method, passes)) for method in allowed]
     for method, step in steps:
         if step - floor <= HIDDEN:
             return method, step
@@ -408,15 +411,12 @@ def _choose_compression(schedule: Schedule, timeline: Timeline, groups: Sequence
     return next((m, step) for m, step in steps if step <= fastest * (1 + WORTH_IT))
 
 
-def step_time(schedule: Schedule, timeline: Timeline, groups: Sequence[PartProfile], config: PlanConfig,
-              zero: int, method: Compression) -> float:
-    """The makespan, then per rank: DualPipe's mirror sum and the data-parallel reductions.
+Passes = tuple[dict[int, float], dict[int, tuple[float, float]]]
+"""Per rank its last event's end; per stage its last backward pass (B or W) as (start, end)."""
 
-    Each stage's gradients (one bucket) become final during its last backward pass (its
-    last W, or B); their reduction overlaps that pass (`dp_comm.exposed_time`), one stage
-    after another on the rank's link. A mirrored schedule first exchanges the second copy's
-    gradients with the mirror rank after its last pass, then reduces.
-    """
+
+def last_passes(timeline: Timeline) -> Passes:
+    """When each rank's list ends and each stage's last backward pass (B or W) runs, in `timeline`."""
     ends: dict[int, float] = {}
     last_pass: dict[int, tuple[float, float]] = {}
     for event in timeline.events:
@@ -424,6 +424,20 @@ def step_time(schedule: Schedule, timeline: Timeline, groups: Sequence[PartProfi
         for part in event.action.compute_parts():
             if part.op in (Op.B, Op.W) and event.end >= last_pass.get(part.stage, (0.0, -1.0))[1]:
                 last_pass[part.stage] = (event.start, event.end)
+    return ends, last_pass
+
+
+def step_time(schedule: Schedule, timeline: Timeline, groups: Sequence[PartProfile], config: PlanConfig,
+              zero: int, method: Compression, passes: Passes | None = None) -> float:
+    """The makespan, then per rank: DualPipe's mirror sum and the data-parallel reductions.
+
+    Each stage's gradients (one bucket) become final during its last backward pass (its
+    last W, or B); their reduction overlaps that pass (`dp_comm.exposed_time`), one stage
+    after another on the rank's link. A mirrored schedule first exchanges the second copy's
+    gradients with the mirror rank after its last pass, then reduces. `passes`: `last_passes(timeline)`
+    (computed when not given).
+    """
+    ends, last_pass = passes if passes is not None else last_passes(timeline)
     step = timeline.makespan
     for rank in range(schedule.num_ranks):
         stages = schedule.stages_of_rank(rank)

@@ -307,8 +307,13 @@ def _fingerprint(parts: Sequence[nn.Module], sample: tuple[Any, Any], config: An
             "activation_checkpointing": repr(config.activation_checkpointing),
             "p2p_compression": repr(config.p2p_compression), "count_saved_bytes": config.count_saved_bytes,
             "record_timeline": config.record_timeline, "check_inputs": config.check_inputs_every_step,
-            "optimizer": optimizer_type, "profile": {k: repr(v) for k, v in profile_kwargs.items()},
+            "optimizer": optimizer_type, "profile": {k: _name(v) for k, v in profile_kwargs.items()},
             "profile_rows": list(rows), "calibration": [calibration.enabled, calibration.budget_s]}
+
+
+def _name(value: Any) -> str:
+    """A setting as the cache key sees it: a callable (a timer) by its name, anything else by its repr."""
+    return getattr(value, "__qualname__", type(value).__qualname__) if callable(value) else repr(value)
 
 
 def _settings(options: dict[str, Any]) -> tuple[Calibration, Any]:

@@ -194,8 +194,9 @@ class Pipeline:
         blocks = as_layers(layers)
         num_parts = min(len(blocks), 2 * pp) if config.schedule == AUTO else \
             _resolve_schedule(with_defaults(config), pp).num_groups
+        timed = config.schedule != AUTO or balance == "time"  # auto profiles the parts itself
         partition = plan_partition(blocks, num_parts, balance, embedding=embedding, head=head,
-                                   sample_input=sample_input)
+                                   sample_input=sample_input if timed else None)
         if dist.is_available() and dist.is_initialized():
             shared: list[Any] = [partition]
             dist.broadcast_object_list(shared, src=0)  # profiled times differ per rank: rank 0 decides

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from duplexpipe.planner.calibrate import fit_cost_model
+from duplexpipe.planner.calibrate import calibration_rounds, calibration_runs, fit_cost_model
 from duplexpipe.schedules import registry
 from duplexpipe.schedules.simulate import CostModel, simulate
 from duplexpipe.schedules.timeline import Timeline
@@ -29,3 +29,21 @@ def test_fit_recovers_per_stage_costs(name: str) -> None:
 def test_fit_rejects_an_empty_timeline() -> None:
     with pytest.raises(ValueError, match="no plain"):
         fit_cost_model(Timeline("x", 1, 1, ()))
+
+
+def test_calibration_runs_vary_m_and_backward_kind() -> None:
+    assert calibration_runs(4, [4, 8, 16, 32]) == [("gpipe", 4), ("gpipe", 8), ("zb-h1", 4)]
+    assert calibration_runs(2, [1, 2, 4, 8, 16]) == [("gpipe", 2), ("gpipe", 4), ("zb-h1", 2)]
+    assert calibration_runs(4, [2, 3]) == [("gpipe", 2), ("gpipe", 3), ("zb-h1", 2)], "below P: the smallest"
+    assert calibration_runs(4, [8]) == [("gpipe", 8), ("zb-h1", 8)], "one M: no second GPipe"
+    with pytest.raises(ValueError, match="microbatch counts >= 1"):
+        calibration_runs(4, [])
+
+
+def test_calibration_rounds_fit_the_budget_within_bounds() -> None:
+    assert calibration_rounds(0.5, 3.0) == 6
+    assert calibration_rounds(0.01, 3.0) == 20, "capped at most"
+    assert calibration_rounds(10.0, 3.0) == 3, "never fewer than least"
+    assert calibration_rounds(0.0, 3.0, least=2, most=7) == 7
+    with pytest.raises(ValueError, match="1 <= least <= most"):
+        calibration_rounds(1.0, 3.0, least=5, most=4)
