@@ -17,6 +17,8 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from benchmarks import figures, harness, report  # noqa: E402
+from benchmarks.auto_vs_hand import AutoBenchConfig  # noqa: E402
+from benchmarks.auto_vs_hand import quick_config as auto_quick_config  # noqa: E402
 from benchmarks.dp_compression import DPBenchConfig  # noqa: E402
 from benchmarks.measured_vs_sim import SimConfig  # noqa: E402
 from benchmarks.models import ModelSpec  # noqa: E402
@@ -28,7 +30,7 @@ from benchmarks.vs_torch import VsTorchConfig  # noqa: E402
 from benchmarks.zero_bench import ZeroBenchConfig  # noqa: E402
 
 PARTS = ("vs_torch", "measured_vs_simulated", "overlap", "tooling", "profile", "auto_search", "p2p",
-         "grad_compression", "plan_vs_measured", "zero")
+         "grad_compression", "plan_vs_measured", "zero", "auto_vs_hand")
 QUICK_PARTS = PARTS[:4]
 
 
@@ -56,6 +58,8 @@ class Plan:
     """Part 9: the planner's predictions against runs of 5 candidates (benchmarks/plan_vs_measured.py)."""
     zero: ZeroBenchConfig = ZeroBenchConfig()
     """Part 10: ZeRO memory per rank and ZeRO++ bytes / loss (GPT example, 200 steps per run)."""
+    auto_vs_hand: AutoBenchConfig = AutoBenchConfig()
+    """Part 11: schedule="auto" on the user path against hand-picked schedules (benchmarks/auto_vs_hand.py)."""
 
 
 def full_plan() -> Plan:
@@ -89,12 +93,14 @@ def quick_plan() -> Plan:
         quick_tooling=True,
         p2p=quick_config(),
         plan_vs_measured=pvm_quick_config(),
+        auto_vs_hand=auto_quick_config(),
     )
 
 
 def _runners(plan: Plan) -> dict[str, Callable[[], Any]]:
     from benchmarks import (
         auto_search,
+        auto_vs_hand,
         dp_compression,
         measured_vs_sim,
         overlap,
@@ -116,6 +122,7 @@ def _runners(plan: Plan) -> dict[str, Callable[[], Any]]:
         "grad_compression": lambda: dp_compression.run(plan.dp_compression),
         "plan_vs_measured": lambda: plan_vs_measured.run(plan.plan_vs_measured),
         "zero": lambda: zero_bench.run(plan.zero),
+        "auto_vs_hand": lambda: auto_vs_hand.run(plan.auto_vs_hand),
     }
 
 
@@ -256,6 +263,22 @@ def _publish(results: dict[str, Any], out: str, docs: str) -> None:
         _publish_p2p(results, out, docs)
     if results.get("plan_vs_measured"):
         _publish_plan_vs_measured(results, out, docs)
+    if results.get("auto_vs_hand"):
+        _publish_auto_vs_hand(results, docs)
+
+
+def _publish_auto_vs_hand(results: dict[str, Any], docs: str) -> None:
+    """Part 11 keeps its own block of docs/benchmarks.md."""
+    from benchmarks import auto_vs_hand
+
+    meta = results["meta"]
+    part = {**results["auto_vs_hand"], "meta": {
+        "date": meta["date"], "command": meta["command"], "wall_s": meta["part_wall_s"].get("auto_vs_hand", 0.0),
+        "load_before": meta["loadavg_at_part_start"].get("auto_vs_hand"), "load_after": meta["loadavg_after"],
+        "load_note": meta["load_note"]}}
+    print("\n11. schedule='auto' against hand-picked schedules\n" + auto_vs_hand.text_report(part))
+    if docs != "none":
+        auto_vs_hand.publish(part, docs)
 
 
 def _publish_plan_vs_measured(results: dict[str, Any], out: str, docs: str) -> None:

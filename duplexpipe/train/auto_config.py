@@ -22,7 +22,7 @@ from duplexpipe.parallel.compressed import check_dgc_momentum
 from duplexpipe.parallel.tied import find_tied
 from duplexpipe.parallel.zero_config import check_tied
 from duplexpipe.planner.calibration_cache import default_cache_dir
-from duplexpipe.planner.dp_comm import UNMEASURED, compression
+from duplexpipe.planner.dp_comm import UNMEASURED, Link, compression
 from duplexpipe.planner.memory import format_bytes, parse_bytes
 from duplexpipe.planner.plan import PlanConfig, PlanResult, microbatch_counts, plan
 from duplexpipe.planner.profile import Profile
@@ -36,6 +36,7 @@ from duplexpipe.train.auto_measure import (
     cached_profile,
     calibrate,
     machine_signature,
+    measure_link,
     merge_init,
     merge_parts,
     parts_digest,
@@ -367,10 +368,18 @@ def choose(parts: Sequence[nn.Module] | Callable[[int], nn.Module], loss_fn: Cal
             LOGGER.warning("schedule='auto': the in-pipeline calibration could not separate its terms (%s); "
                            "planning without the runtime's work", fitted)
             return profile
-        return replace(profile, overhead=fitted)
+        meta = dict(profile.meta)
+        if "p2p_link" not in options:
+            message = max((p.output_bytes for p in profile.at_microbatch(rows / min(measured)).parts[:-1]),
+                          default=4)
+            meta["p2p_link"] = list(measure_link(setup.pp_rank, int(message)))
+        return replace(profile, overhead=fitted, meta=meta)
 
     fingerprint = _fingerprint(given, sample, config, setup, kwargs, (small, large), calibration, type(probe).__name__)
     profile, source = cached_profile(cache, fingerprint, measure)
+    link = profile.meta.get("p2p_link")
+    if "p2p_link" not in options and isinstance(link, list) and len(link) == 2:
+        plan_config = replace(plan_config, p2p_link=Link(bandwidth=float(link[1]), latency=float(link[0])))
     return _decide(profile, plan_config, source)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import platform
 import statistics
@@ -163,6 +164,37 @@ def calibrate(profile: Profile, parts: Sequence[nn.Module], init: PartInit | Non
         return solve_overhead(gathered_samples(runs, cpu, pp_rank), method, fit_scale=True)
     except ValueError as exc:
         return str(exc)
+
+
+def _round_trip(peer: int, nbytes: int, reps: int) -> float:
+    """Median seconds of `nbytes` sent to `peer` and back (rank 0), or echoed (the peer)."""
+    buf = torch.zeros(max(1, nbytes // 4))
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        if dist.get_rank() == 0:
+            dist.send(buf, peer)
+            dist.recv(buf, peer)
+        else:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def measure_link(pp_rank: int, nbytes: int, reps: int = 20) -> tuple[float, float]:
+    """The stage-to-stage link as the planner models it, (latency s per message, bytes/s), from round trips of
+    4 and `nbytes` bytes between world rank 0 and the first rank of another pipeline rank (rank 0's figures
+    on every rank; call on every rank). One pipeline rank: (0, inf)."""
+    ranks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, pp_rank)
+    peer = next((r for r, p in enumerate(ranks) if p != ranks[0]), None)
+    found: list[Any] = [(0.0, math.inf)]
+    if peer is not None and dist.get_rank() in (0, peer):
+        small, big = _round_trip(peer, 4, reps), _round_trip(peer, nbytes, reps)
+        found = [(small / 2, 1 / max((big - small) / 2 / max(1, nbytes - 4), 1e-15))]
+    dist.broadcast_object_list(found, src=0)
+    return found[0][0], found[0][1]
 
 
 def machine_signature() -> dict[str, Any]:
