@@ -71,7 +71,7 @@ class AutoBenchConfig:
     cores: int = 2
     """The cores the ranks share (schedule_options["cores"])."""
     models: tuple[MLPSpec, ...] = (
-        MLPSpec("compute-bound", (384, 1024, 512, 1536, 768, 1280, 512, 1024, 640, 1536, 512, 1024, 768), 8192, 256),
+        MLPSpec("compute-bound", (384, 768, 512, 1024, 640, 1024, 512, 768, 512, 1024, 512, 768, 640), 6144, 256),
         MLPSpec("overhead-bound", (64, 128, 96, 192, 64, 160, 96, 128, 80, 192, 64, 128, 96), 1024, 16),
     )
     """The workloads."""

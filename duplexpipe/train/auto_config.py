@@ -165,10 +165,12 @@ class AutoChoice:
         return replace(partition, balance=tuple(len(p.layers) for p in out), parts=tuple(out))
 
     def applied(self, config: Any) -> Any:
-        """`config` (a PipelineConfig) with the plan's M, ZeRO stage and gradient compression set: what runs."""
+        """`config` (a PipelineConfig) with the plan's M, ZeRO stage and gradient compression set (and the
+        schedule_options that searched them dropped): what runs."""
         p = self.plan
+        options = {k: v for k, v in config.schedule_options.items() if k not in FIXED.values()}
         return replace(config, num_microbatches=p.microbatches, zero_stage=p.zero_stage,
-                       grad_compression=p.grad_compression)
+                       grad_compression=p.grad_compression, schedule_options=options)
 
     def summary(self) -> str:
         """The choice in one line."""

@@ -312,3 +312,17 @@ def test_parts_digest_sees_structure_not_values() -> None:
     assert parts_digest(a) == parts_digest(b)
     assert parts_digest(a) != parts_digest(make_parts(2, num_blocks=6))
     assert parts_digest(a) != parts_digest([nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH))] + list(a[1:]))
+
+
+def test_a_searched_choice_is_applied_as_fixed_fields() -> None:
+    options = {**CANDIDATES, "timer": ScriptedClock(UNIFORM), "microbatches": (2, 4), "zero_stages": (0, 1),
+               "compressions": ("none", "bf16")}
+    config = PipelineConfig(schedule=AUTO, schedule_options=options)
+    x, y = batch(0)
+    chosen = choose(make_parts(4), mse, adam, config, AutoSetup(2, 2, 0, torch.device("cpu")), (x, y))
+    ran = chosen.applied(config)
+    assert (ran.num_microbatches, ran.zero_stage, ran.grad_compression) == (
+        chosen.plan.microbatches, chosen.plan.zero_stage, chosen.plan.grad_compression)
+    assert chosen.plan.microbatches in (2, 4) and chosen.plan.zero_stage in (0, 1)
+    assert not {"microbatches", "zero_stages", "compressions"} & set(ran.schedule_options)
+    assert ran.schedule_options["schedules"] == CANDIDATES["schedules"] and ran.schedule == AUTO
