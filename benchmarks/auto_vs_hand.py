@@ -163,7 +163,7 @@ def _measure(spec: MLPSpec, cfg: AutoBenchConfig, cache: str) -> dict[str, Any]:
     return {"names": names, "seconds": seconds, "auto_build_s": built, "plan": auto.plan.summary(),
             "predicted_s": auto.plan.predicted_step_s, "source": auto.auto.source,
             "overhead": overhead.to_dict() if overhead is not None else None,
-            "table": auto.auto.result.table(8)}
+            "table": auto.auto.result.table(8), "profile": auto.auto.profile.to_dict()}
 
 
 def _worker(rank: int, world: int, cfg: AutoBenchConfig) -> list[dict[str, Any]]:

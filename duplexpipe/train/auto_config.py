@@ -364,13 +364,14 @@ def choose(parts: Sequence[nn.Module] | Callable[[int], nn.Module], loss_fn: Cal
         profile = _shared_profile(lambda: _profile(given, loss_fn, sample, min(measured), kwargs, setup))
         if not calibration.enabled or setup.build is None:
             return profile
-        fitted = calibrate(profile, given, setup.init, sample, ranks=setup.ranks, pp_rank=setup.pp_rank,
-                           counts=measured, build=setup.build, settings=calibration)
+        fitted, samples = calibrate(profile, given, setup.init, sample, ranks=setup.ranks, pp_rank=setup.pp_rank,
+                                    counts=measured, build=setup.build, settings=calibration)
+        meta = dict(profile.meta, calibration_samples=[[s.actions, s.messages, s.seconds, s.compute]
+                                                       for s in samples])
         if isinstance(fitted, str):
             LOGGER.warning("schedule='auto': the in-pipeline calibration could not separate its terms (%s); "
                            "planning without the runtime's work", fitted)
-            return profile
-        meta = dict(profile.meta)
+            return replace(profile, meta=meta)
         if "p2p_link" not in options:
             message = max((p.output_bytes for p in profile.at_microbatch(rows / min(measured)).parts[:-1]),
                           default=4)

@@ -31,6 +31,8 @@ from duplexpipe.schedules.ir import Schedule
 CpuTimer = Callable[[], float]
 """This process's CPU seconds (all its threads: gloo's included); time.process_time by default."""
 LOGGER = logging.getLogger("duplexpipe.plan")
+MAX_SCALE = 4.0
+"""The in-pipeline compute scale the calibration trusts: within a factor of this of the profile."""
 
 
 class Steppable(Protocol):
@@ -143,13 +145,17 @@ class Calibration:
 
 def calibrate(profile: Profile, parts: Sequence[nn.Module], init: PartInit | None, batch: tuple[Any, Any], *,
               ranks: int, pp_rank: int, counts: Sequence[int], build: PipelineBuilder,
-              settings: Calibration) -> RuntimeOverhead | str:
+              settings: Calibration) -> tuple[RuntimeOverhead | str, list[OverheadSample]]:
     """The runtime's work per compute action, SEND/RECV and step and the parts' in-pipeline compute scale,
     solved (`solve_overhead(fit_scale=True)`) from each rank's CPU time per step of `calibration_runs`
     (the parts merged as the planner groups them, trained on `batch` by `build`'s Pipelines, steps
     alternating, at most `settings.budget_s` of measured steps). Call on every rank; every rank solves the
-    same gathered samples. Returns the solver's complaint (the same on every rank) when the samples cannot
-    separate the terms."""
+    same gathered samples. Returns the fit (or the solver's complaint, the same on every rank, when the
+    samples cannot separate the terms) and the samples.
+
+    A fitted compute scale outside [1/MAX_SCALE, MAX_SCALE] says the samples were disturbed (a part's CPU
+    time inside a pipeline is not that far from its own profile): the terms are then solved with the
+    scale held at 1, as the calibration with 1-weight parts does, and the method says so."""
     rows = int(flatten(batch[0], "sample_input")[1][0].shape[0])
     runs, pipes = [], []
     for name, m in calibration_runs(ranks, counts):
@@ -160,8 +166,19 @@ def calibrate(profile: Profile, parts: Sequence[nn.Module], init: PartInit | Non
     cpu, _ = timed_steps(pipes, [batch] * len(pipes), 20, 1, settings.cpu_timer, settings.budget_s)
     method = (f"{', '.join(f'{s.name} M={s.num_microbatches}' for s, _ in runs)} on {ranks} ranks with the real "
               "parts (schedule='auto'): median CPU time per rank per step, least squares")
+    samples = gathered_samples(runs, cpu, pp_rank)
+    return fit_in_pipeline(samples, method), samples
+
+
+def fit_in_pipeline(samples: Sequence[OverheadSample], method: str) -> RuntimeOverhead | str:
+    """`solve_overhead(fit_scale=True)`, its compute scale held at 1 when the fit puts it outside
+    [1/MAX_SCALE, MAX_SCALE]; the solver's complaint when the samples cannot separate the terms."""
     try:
-        return solve_overhead(gathered_samples(runs, cpu, pp_rank), method, fit_scale=True)
+        fitted = solve_overhead(samples, method, fit_scale=True)
+        if not 1 / MAX_SCALE <= fitted.compute_scale <= MAX_SCALE:
+            held = f"{method}; the fitted compute scale {fitted.compute_scale:.3g} is implausible: held at 1"
+            fitted = solve_overhead(samples, held, fit_scale=False)
+        return fitted
     except ValueError as exc:
         return str(exc)
 

@@ -48,6 +48,10 @@ from duplexpipe.train.auto_config import AUTO, AutoChoice, AutoSetup, RunPlan, c
 from duplexpipe.train.pipeline_config import LossFn, PipelineConfig, SchedulerFactory, StepInfo, with_defaults
 from duplexpipe.train.precision import DynamicLossScaler, autocast_dtype
 
+AUTO_PARTS_PER_RANK = 4
+"""schedule="auto" in from_layers: the layers are profiled as up to this many parts per pipeline rank, which the
+planner merges into its winner's model parts (finer parts balance better; each costs a little profiling)."""
+
 
 def _batch_size(inputs: Any, targets: Any) -> int | None:
     """Rows of the inputs (or targets): dim 0 of the first leaf of a tensor, tuple/list or dict."""
@@ -185,14 +189,14 @@ class Pipeline:
         `balance` and `sample_input` are as in `split.plan_partition`; rank 0's partition is used
         on every rank (profiled times differ between processes). Layers on the meta device need
         `init` (this rank's parts are allocated and filled, no other part is). With schedule="auto"
-        the layers are split into 2P parts (fewer when there are fewer layers), `sample_input` and
+        the layers are split into 4P parts (one per layer when there are fewer), `sample_input` and
         `sample_targets` are a batch as given to `step`, and the planner merges parts as its
         winner needs.
         """
         config = config or PipelineConfig()
         pp = ParallelGroups.from_mesh(mesh).pp_size
         blocks = as_layers(layers)
-        num_parts = min(len(blocks), 2 * pp) if config.schedule == AUTO else \
+        num_parts = min(len(blocks), AUTO_PARTS_PER_RANK * pp) if config.schedule == AUTO else \
             _resolve_schedule(with_defaults(config), pp).num_groups
         timed = config.schedule != AUTO or balance == "time"  # auto profiles the parts itself
         partition = plan_partition(blocks, num_parts, balance, embedding=embedding, head=head,

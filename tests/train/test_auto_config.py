@@ -17,6 +17,7 @@ from torch import nn
 
 from duplexpipe.dp_options import DGCOptions, Int8Options, NoCompression, PowerSGDOptions
 from duplexpipe.planner.plan import PlanConfig, plan
+from duplexpipe.planner.runtime_work import OverheadSample
 from duplexpipe.train.auto_config import (
     AUTO,
     AutoSetup,
@@ -29,7 +30,7 @@ from duplexpipe.train.auto_config import (
     probe_optimizer,
     trainer_refusal,
 )
-from duplexpipe.train.auto_measure import parts_digest
+from duplexpipe.train.auto_measure import fit_in_pipeline, parts_digest
 from duplexpipe.train.pipeline_config import with_defaults
 from duplexpipe.train.trainer import Pipeline, PipelineConfig
 
@@ -326,3 +327,16 @@ def test_a_searched_choice_is_applied_as_fixed_fields() -> None:
     assert chosen.plan.microbatches in (2, 4) and chosen.plan.zero_stage in (0, 1)
     assert not {"microbatches", "zero_stages", "compressions"} & set(ran.schedule_options)
     assert ran.schedule_options["schedules"] == CANDIDATES["schedules"] and ran.schedule == AUTO
+
+
+def test_the_in_pipeline_fit_recovers_its_terms_and_distrusts_a_wild_scale() -> None:
+    counts = [(8, 8, 0.050), (16, 16, 0.069), (12, 8, 0.059), (8, 16, 0.057), (16, 32, 0.069), (12, 16, 0.066)]
+    exact = [OverheadSample(a, m, 1.3 * c + 2e-4 * a + 1e-4 * m + 3e-3, c) for a, m, c in counts]
+    fitted = fit_in_pipeline(exact, "exact")
+    assert not isinstance(fitted, str)
+    assert (fitted.compute_scale, fitted.action_s, fitted.message_s, fitted.step_s) == pytest.approx(
+        (1.3, 2e-4, 1e-4, 3e-3), rel=1e-6)
+    wild = [OverheadSample(a, m, 1e3 * c, c) for a, m, c in counts]  # CPU time 1000x the profile: disturbed
+    held = fit_in_pipeline(wild, "wild")
+    assert not isinstance(held, str) and held.compute_scale == 1.0 and "implausible: held at 1" in held.method
+    assert "cannot separate" in str(fit_in_pipeline(exact[:2], "two"))
