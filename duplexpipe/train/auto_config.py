@@ -21,6 +21,7 @@ from duplexpipe.model.stages import PartInit, as_factory, materialize_part
 from duplexpipe.parallel.compressed import check_dgc_momentum
 from duplexpipe.parallel.tied import find_tied
 from duplexpipe.parallel.zero_config import check_tied
+from duplexpipe.planner.calibrate import fit_latency
 from duplexpipe.planner.calibration_cache import default_cache_dir
 from duplexpipe.planner.dp_comm import UNMEASURED, Link, compression
 from duplexpipe.planner.memory import format_bytes, parse_bytes
@@ -364,10 +365,11 @@ def choose(parts: Sequence[nn.Module] | Callable[[int], nn.Module], loss_fn: Cal
         profile = _shared_profile(lambda: _profile(given, loss_fn, sample, min(measured), kwargs, setup))
         if not calibration.enabled or setup.build is None:
             return profile
-        fitted, samples = calibrate(profile, given, setup.init, sample, ranks=setup.ranks, pp_rank=setup.pp_rank,
-                                    counts=measured, build=setup.build, settings=calibration)
-        meta = dict(profile.meta, calibration_samples=[[s.actions, s.messages, s.seconds, s.compute]
-                                                       for s in samples])
+        fitted, samples, walls = calibrate(profile, given, setup.init, sample, ranks=setup.ranks,
+                                           pp_rank=setup.pp_rank, counts=measured, build=setup.build,
+                                           settings=calibration)
+        meta = dict(profile.meta, calibration_walls=walls,
+                    calibration_samples=[[s.actions, s.messages, s.seconds, s.compute] for s in samples])
         if isinstance(fitted, str):
             LOGGER.warning("schedule='auto': the in-pipeline calibration could not separate its terms (%s); "
                            "planning without the runtime's work", fitted)
@@ -380,10 +382,24 @@ def choose(parts: Sequence[nn.Module] | Callable[[int], nn.Module], loss_fn: Cal
 
     fingerprint = _fingerprint(given, sample, config, setup, kwargs, (small, large), calibration, type(probe).__name__)
     profile, source = cached_profile(cache, fingerprint, measure)
-    link = profile.meta.get("p2p_link")
-    if "p2p_link" not in options and isinstance(link, list) and len(link) == 2:
-        plan_config = replace(plan_config, p2p_link=Link(bandwidth=float(link[1]), latency=float(link[0])))
+    if "p2p_link" not in options:
+        plan_config, note = _measured_link(profile, plan_config)
+        source = f"{source}; {note}" if note else source
     return _decide(profile, plan_config, source)
+
+
+def _measured_link(profile: Profile, config: PlanConfig) -> tuple[PlanConfig, str]:
+    """`config` with the calibration's stage-to-stage link: the measured bandwidth, and the latency per message
+    at which the planner matches the calibration runs' walls (`fit_latency`, never below the round trip's)."""
+    link, walls = profile.meta.get("p2p_link"), profile.meta.get("calibration_walls")
+    if not (isinstance(link, list) and len(link) == 2):
+        return config, ""
+    config = replace(config, p2p_link=Link(bandwidth=float(link[1]), latency=float(link[0])))
+    if profile.overhead is None or not walls:
+        return config, ""
+    latency = fit_latency(profile, config, [(str(n), int(m), float(w)) for n, m, w in walls])
+    return (replace(config, p2p_link=Link(bandwidth=float(link[1]), latency=latency)),
+            f"message latency {latency * 1e6:.0f} us (round trip {float(link[0]) * 1e6:.0f} us)")
 
 
 def _decide(profile: Profile, config: PlanConfig, source: str) -> AutoChoice:

@@ -145,13 +145,14 @@ class Calibration:
 
 def calibrate(profile: Profile, parts: Sequence[nn.Module], init: PartInit | None, batch: tuple[Any, Any], *,
               ranks: int, pp_rank: int, counts: Sequence[int], build: PipelineBuilder,
-              settings: Calibration) -> tuple[RuntimeOverhead | str, list[OverheadSample]]:
+              settings: Calibration) -> tuple[RuntimeOverhead | str, list[OverheadSample], list[list[Any]]]:
     """The runtime's work per compute action, SEND/RECV and step and the parts' in-pipeline compute scale,
     solved (`solve_overhead(fit_scale=True)`) from each rank's CPU time per step of `calibration_runs`
     (the parts merged as the planner groups them, trained on `batch` by `build`'s Pipelines, steps
     alternating, at most `settings.budget_s` of measured steps). Call on every rank; every rank solves the
     same gathered samples. Returns the fit (or the solver's complaint, the same on every rank, when the
-    samples cannot separate the terms) and the samples.
+    samples cannot separate the terms), the samples, and each run's [schedule, M, slowest rank's median wall
+    seconds per step] (for `planner.calibrate.fit_latency`).
 
     A fitted compute scale outside [1/MAX_SCALE, MAX_SCALE] says the samples were disturbed (a part's CPU
     time inside a pipeline is not that far from its own profile): the terms are then solved with the
@@ -163,11 +164,12 @@ def calibrate(profile: Profile, parts: Sequence[nn.Module], init: PartInit | Non
         sizes = profile.group_sizes(schedule.num_groups)
         runs.append((schedule, profile.at_microbatch(rows / m).grouped(schedule.num_groups, sizes)))
         pipes.append(build(merge_parts(parts, sizes), merge_init(init, sizes), schedule))
-    cpu, _ = timed_steps(pipes, [batch] * len(pipes), 20, 1, settings.cpu_timer, settings.budget_s)
+    cpu, wall = timed_steps(pipes, [batch] * len(pipes), 20, 1, settings.cpu_timer, settings.budget_s)
+    walls = [[s.name, s.num_microbatches, w] for (s, _), w in zip(runs, wall, strict=True)]
     method = (f"{', '.join(f'{s.name} M={s.num_microbatches}' for s, _ in runs)} on {ranks} ranks with the real "
               "parts (schedule='auto'): median CPU time per rank per step, least squares")
     samples = gathered_samples(runs, cpu, pp_rank)
-    return fit_in_pipeline(samples, method), samples
+    return fit_in_pipeline(samples, method), samples, walls
 
 
 def fit_in_pipeline(samples: Sequence[OverheadSample], method: str) -> RuntimeOverhead | str:

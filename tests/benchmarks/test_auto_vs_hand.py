@@ -18,7 +18,7 @@ from benchmarks import auto_vs_hand  # noqa: E402
 
 
 def test_summary_ranks_auto_among_the_hand_picked_schedules() -> None:
-    measured = {"names": ["auto", "1f1b, M=4", "zbv, M=8"], "predicted_s": 0.100,
+    measured = {"names": ["auto", "1f1b, M=4", "zbv, M=8"], "predicted_s": 0.100, "predicted": [0.1, 0.09, 0.2],
                 "seconds": [[0.11, 0.12, 0.10], [0.10, 0.10, 0.10], [0.13, 0.14, 0.15]]}
     out = auto_vs_hand.summarize(measured)
     assert out["auto_s"] == pytest.approx(0.11) and out["error"] == pytest.approx(0.10)
