@@ -6,12 +6,8 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import replace
 from statistics import median
 
-from duplexpipe.planner.dp_comm import Link
-from duplexpipe.planner.plan import PlanConfig, plan
-from duplexpipe.planner.profile import Profile
 from duplexpipe.schedules import registry
 from duplexpipe.schedules.ir import Op
 from duplexpipe.schedules.simulate import CostModel
@@ -73,39 +69,3 @@ def calibration_rounds(round_s: float, budget_s: float, least: int = 3, most: in
         return most
     return max(least, min(most, math.floor(budget_s / round_s)))
 
-
-def fit_latency(profile: Profile, config: PlanConfig, runs: Sequence[tuple[str, int, float]],
-                evaluations: int = 8) -> float:
-    """The stage-to-stage latency per message (s) at which the planner's step of the calibration `runs`
-    ((schedule, M, measured wall seconds) each) matches their measured walls on average, never below
-    `config.p2p_link.latency` (the measured round trip's): what a blocked receive costs in wall time beyond
-    the message itself (a woken rank waiting for a core on a shared machine). Regula falsi on the mean
-    relative error, which grows with the latency, in at most `evaluations` plans of the runs."""
-    floor = config.p2p_link.latency
-    base = replace(config, memory=2**62, zero_stages=(0,), compressions=("none",), chunks=(2,))
-
-    def error(latency: float) -> float:
-        link = Link(bandwidth=config.p2p_link.bandwidth, latency=latency)
-        steps = [plan(profile, replace(base, schedules=(name,), microbatches=(m,), p2p_link=link)).best.step_s
-                 for name, m, _ in runs]
-        return sum(step / wall - 1 for step, (_, _, wall) in zip(steps, runs, strict=True)) / len(runs)
-
-    if not runs or min(wall for _, _, wall in runs) <= 0:
-        return floor
-    low, f_low = floor, error(floor)
-    if f_low >= 0:
-        return floor
-    high = floor + max(wall for _, _, wall in runs) / 4
-    f_high = error(high)
-    for _ in range(evaluations - 2):
-        if f_high <= 0:
-            return high
-        guess = low + (high - low) * -f_low / (f_high - f_low)
-        f_guess = error(guess)
-        if abs(f_guess) < 1e-3:
-            return guess
-        if f_guess < 0:
-            low, f_low, f_high = guess, f_guess, f_high / 2  # Illinois: keep the other end moving
-        else:
-            high, f_high = guess, f_guess
-    return low + (high - low) * -f_low / (f_high - f_low)

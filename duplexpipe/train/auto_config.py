@@ -21,7 +21,6 @@ from duplexpipe.model.stages import PartInit, as_factory, materialize_part
 from duplexpipe.parallel.compressed import check_dgc_momentum
 from duplexpipe.parallel.tied import find_tied
 from duplexpipe.parallel.zero_config import check_tied
-from duplexpipe.planner.calibrate import fit_latency
 from duplexpipe.planner.calibration_cache import default_cache_dir
 from duplexpipe.planner.dp_comm import UNMEASURED, Link, compression
 from duplexpipe.planner.memory import format_bytes, parse_bytes
@@ -389,17 +388,13 @@ def choose(parts: Sequence[nn.Module] | Callable[[int], nn.Module], loss_fn: Cal
 
 
 def _measured_link(profile: Profile, config: PlanConfig) -> tuple[PlanConfig, str]:
-    """`config` with the calibration's stage-to-stage link: the measured bandwidth, and the latency per message
-    at which the planner matches the calibration runs' walls (`fit_latency`, never below the round trip's)."""
-    link, walls = profile.meta.get("p2p_link"), profile.meta.get("calibration_walls")
+    """`config` with the stage-to-stage link the calibration measured (round trips), if it did."""
+    link = profile.meta.get("p2p_link")
     if not (isinstance(link, list) and len(link) == 2):
         return config, ""
-    config = replace(config, p2p_link=Link(bandwidth=float(link[1]), latency=float(link[0])))
-    if profile.overhead is None or not walls:
-        return config, ""
-    latency = fit_latency(profile, config, [(str(n), int(m), float(w)) for n, m, w in walls])
-    return (replace(config, p2p_link=Link(bandwidth=float(link[1]), latency=latency)),
-            f"message latency {latency * 1e6:.0f} us (round trip {float(link[0]) * 1e6:.0f} us)")
+    latency, bandwidth = float(link[0]), float(link[1])
+    return (replace(config, p2p_link=Link(bandwidth=bandwidth, latency=latency)),
+            f"link {latency * 1e6:.0f} us per message" + (f", {bandwidth / 1e9:.3g} GB/s" if bandwidth < 1e15 else ""))
 
 
 def _decide(profile: Profile, config: PlanConfig, source: str) -> AutoChoice:

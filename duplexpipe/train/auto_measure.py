@@ -151,12 +151,8 @@ def calibrate(profile: Profile, parts: Sequence[nn.Module], init: PartInit | Non
     (the parts merged as the planner groups them, trained on `batch` by `build`'s Pipelines, steps
     alternating, at most `settings.budget_s` of measured steps). Call on every rank; every rank solves the
     same gathered samples. Returns the fit (or the solver's complaint, the same on every rank, when the
-    samples cannot separate the terms), the samples, and each run's [schedule, M, slowest rank's median wall
-    seconds per step] (for `planner.calibrate.fit_latency`).
-
-    A fitted compute scale outside [1/MAX_SCALE, MAX_SCALE] says the samples were disturbed (a part's CPU
-    time inside a pipeline is not that far from its own profile): the terms are then solved with the
-    scale held at 1, as the calibration with 1-weight parts does, and the method says so."""
+    samples cannot separate the terms; see `fit_in_pipeline`), the samples, and each run's [schedule, M,
+    slowest rank's median wall seconds per step] (kept with the profile: how the calibration ran)."""
     rows = int(flatten(batch[0], "sample_input")[1][0].shape[0])
     runs, pipes = [], []
     for name, m in calibration_runs(ranks, counts):
@@ -173,14 +169,19 @@ def calibrate(profile: Profile, parts: Sequence[nn.Module], init: PartInit | Non
 
 
 def fit_in_pipeline(samples: Sequence[OverheadSample], method: str) -> RuntimeOverhead | str:
-    """`solve_overhead(fit_scale=True)`, its compute scale held at 1 when the fit puts it outside
-    [1/MAX_SCALE, MAX_SCALE]; the solver's complaint when the samples cannot separate the terms."""
+    """`solve_overhead(fit_scale=True)`; when that fails (the scale comes out 0: the samples' CPU time does not
+    follow their compute) or puts the scale outside [1/MAX_SCALE, MAX_SCALE], the terms solved with the scale
+    held at 1 (each part costs its profile, the rest is runtime work), as the method then says; the solver's
+    complaint when even that cannot separate the terms."""
     try:
         fitted = solve_overhead(samples, method, fit_scale=True)
-        if not 1 / MAX_SCALE <= fitted.compute_scale <= MAX_SCALE:
-            held = f"{method}; the fitted compute scale {fitted.compute_scale:.3g} is implausible: held at 1"
-            fitted = solve_overhead(samples, held, fit_scale=False)
-        return fitted
+        if 1 / MAX_SCALE <= fitted.compute_scale <= MAX_SCALE:
+            return fitted
+        why = f"the fitted compute scale {fitted.compute_scale:.3g} is implausible"
+    except ValueError as exc:
+        why = str(exc).split(":")[0]
+    try:
+        return solve_overhead(samples, f"{method}; {why}: the scale held at 1", fit_scale=False)
     except ValueError as exc:
         return str(exc)
 

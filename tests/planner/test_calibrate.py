@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 
-from duplexpipe.planner.calibrate import calibration_rounds, calibration_runs, fit_cost_model, fit_latency
-from duplexpipe.planner.dp_comm import Link
-from duplexpipe.planner.plan import PlanConfig, plan
-from duplexpipe.planner.profile import PartProfile, Profile, RuntimeOverhead
+from duplexpipe.planner.calibrate import calibration_rounds, calibration_runs, fit_cost_model
 from duplexpipe.schedules import registry
 from duplexpipe.schedules.simulate import CostModel, simulate
 from duplexpipe.schedules.timeline import Timeline
@@ -53,19 +48,3 @@ def test_calibration_rounds_fit_the_budget_within_bounds() -> None:
     with pytest.raises(ValueError, match="1 <= least <= most"):
         calibration_rounds(1.0, 3.0, least=5, most=4)
 
-
-def _steps(profile: Profile, config: PlanConfig, latency: float) -> list[tuple[str, int, float]]:
-    link = Link(latency=latency)
-    return [(name, m, plan(profile, replace(config, schedules=(name,), microbatches=(m,), p2p_link=link)).best.step_s)
-            for name, m in (("gpipe", 4), ("gpipe", 8), ("zb-h1", 4))]
-
-
-def test_fit_latency_finds_the_latency_that_matches_the_calibration_walls() -> None:
-    part = PartProfile(1e-3, 1e-3, 1e-3, 0, 0, 1024, 1024)
-    profile = Profile((part,) * 4, 4, overhead=RuntimeOverhead(1e-4, 5e-5, 1e-3, "", 1.2))
-    config = PlanConfig(ranks=4, batch=32, memory=2**40, cores=2, p2p_link=Link(latency=5e-5))
-    walls = _steps(profile, config, 4e-4)  # what the runs took if each message cost 400 us of wall time
-    assert fit_latency(profile, config, walls) == pytest.approx(4e-4, rel=0.05)
-    faster = [(n, m, w * 0.8) for n, m, w in _steps(profile, config, 5e-5)]
-    assert fit_latency(profile, config, faster) == 5e-5, "never below the measured round trip's latency"
-    assert fit_latency(profile, config, []) == 5e-5

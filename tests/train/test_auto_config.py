@@ -338,5 +338,9 @@ def test_the_in_pipeline_fit_recovers_its_terms_and_distrusts_a_wild_scale() -> 
         (1.3, 2e-4, 1e-4, 3e-3), rel=1e-6)
     wild = [OverheadSample(a, m, 1e3 * c, c) for a, m, c in counts]  # CPU time 1000x the profile: disturbed
     held = fit_in_pipeline(wild, "wild")
-    assert not isinstance(held, str) and held.compute_scale == 1.0 and "implausible: held at 1" in held.method
+    assert not isinstance(held, str) and held.compute_scale == 1.0
+    assert "compute scale 1e+03 is implausible: the scale held at 1" in held.method
+    flat = [OverheadSample(a, m, 0.001 * a + 0.002, c) for a, m, c in counts]  # CPU time ignores the compute
+    unscaled = fit_in_pipeline(flat, "flat")
+    assert not isinstance(unscaled, str) and unscaled.compute_scale == 1.0 and "the scale held at 1" in unscaled.method
     assert "cannot separate" in str(fit_in_pipeline(exact[:2], "two"))
