@@ -31,6 +31,8 @@ from duplexpipe.schedules.ir import Schedule
 CpuTimer = Callable[[], float]
 """This process's CPU seconds (all its threads: gloo's included); time.process_time by default."""
 LOGGER = logging.getLogger("duplexpipe.plan")
+LINK_PROBE_BYTES = 2**20
+"""The larger round trip of the link measurement is at least this many bytes (a transfer time above the noise)."""
 MAX_SCALE = 4.0
 """The in-pipeline compute scale the calibration trusts: within a factor of this of the profile."""
 
@@ -187,7 +189,8 @@ def fit_in_pipeline(samples: Sequence[OverheadSample], method: str) -> RuntimeOv
 
 
 def _round_trip(peer: int, nbytes: int, reps: int) -> float:
-    """Median seconds of `nbytes` sent to `peer` and back (rank 0), or echoed (the peer)."""
+    """The fastest of `reps` round trips of `nbytes` to `peer` and back (rank 0), or echoed (the peer), in
+    seconds: other work on the machine only ever adds time."""
     buf = torch.zeros(max(1, nbytes // 4))
     samples = []
     for _ in range(reps):
@@ -199,20 +202,22 @@ def _round_trip(peer: int, nbytes: int, reps: int) -> float:
             dist.recv(buf, 0)
             dist.send(buf, 0)
         samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    return min(samples)
 
 
 def measure_link(pp_rank: int, nbytes: int, reps: int = 20) -> tuple[float, float]:
-    """The stage-to-stage link as the planner models it, (latency s per message, bytes/s), from round trips of
-    4 and `nbytes` bytes between world rank 0 and the first rank of another pipeline rank (rank 0's figures
-    on every rank; call on every rank). One pipeline rank: (0, inf)."""
+    """The stage-to-stage link as the planner models it, (latency s per message, bytes/s), from the fastest
+    round trips of 4 and max(`nbytes`, LINK_PROBE_BYTES) bytes between world rank 0 and the first rank of
+    another pipeline rank (rank 0's figures on every rank; call on every rank). One pipeline rank, or no
+    measurable transfer time: infinite bandwidth."""
+    nbytes = max(nbytes, LINK_PROBE_BYTES)
     ranks: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, pp_rank)
     peer = next((r for r, p in enumerate(ranks) if p != ranks[0]), None)
     found: list[Any] = [(0.0, math.inf)]
     if peer is not None and dist.get_rank() in (0, peer):
         small, big = _round_trip(peer, 4, reps), _round_trip(peer, nbytes, reps)
-        found = [(small / 2, 1 / max((big - small) / 2 / max(1, nbytes - 4), 1e-15))]
+        found = [(small / 2, (nbytes - 4) / ((big - small) / 2) if big > small else math.inf)]
     dist.broadcast_object_list(found, src=0)
     return found[0][0], found[0][1]
 
