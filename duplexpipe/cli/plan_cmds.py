@@ -91,7 +91,8 @@ def _machine(profile: Any, args: argparse.Namespace) -> str:
         return f"{where}, no runtime overhead measured"
     return (f"{where}, runtime overhead {over.action_s * 1e6:.0f} us per action, {over.message_s * 1e6:.0f} us "
             f"per message, {over.step_s * 1e3:.3g} ms per step"
-            + (f", compute x {over.compute_scale:.3g} in the pipeline" if over.compute_scale != 1.0 else ""))
+            + (f", compute x {over.compute_scale:.3g} in the pipeline" if over.compute_scale != 1.0 else "")
+            + (f", wall time x {over.wall_scale:.3g}" if over.wall_scale != 1.0 else ""))
 
 
 def _integer(name: str, minimum: int = 1) -> Any:

@@ -6,8 +6,11 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import replace
 from statistics import median
 
+from duplexpipe.planner.plan import PlanConfig, plan
+from duplexpipe.planner.profile import Profile
 from duplexpipe.schedules import registry
 from duplexpipe.schedules.ir import Op
 from duplexpipe.schedules.simulate import CostModel
@@ -69,3 +72,19 @@ def calibration_rounds(round_s: float, budget_s: float, least: int = 3, most: in
         return most
     return max(least, min(most, math.floor(budget_s / round_s)))
 
+
+
+def fit_wall_scale(profile: Profile, config: PlanConfig, runs: Sequence[tuple[str, int, float]]) -> float:
+    """The geometric mean, over the calibration `runs` ((schedule, M, measured wall seconds per step) each),
+    of the measured step over the planner's step for it under `config` (its cores and link; the profile's
+    wall_scale taken as 1): what the model of the machine leaves out, as one factor on every prediction. It
+    scales every candidate alike, so it changes predicted times, never their order. 1 without runs."""
+    runs = [run for run in runs if run[2] > 0]
+    if not runs:
+        return 1.0
+    if profile.overhead is not None:
+        profile = replace(profile, overhead=replace(profile.overhead, wall_scale=1.0))
+    base = replace(config, memory=2**62, zero_stages=(0,), compressions=("none",), chunks=(2,))
+    logs = [math.log(wall / plan(profile, replace(base, schedules=(name,), microbatches=(m,))).best.step_s)
+            for name, m, wall in runs]
+    return math.exp(sum(logs) / len(logs))

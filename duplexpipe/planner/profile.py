@@ -95,14 +95,16 @@ class PartProfile:
 
 def check_work_terms(terms: Any, label: str, error: type[ValueError]) -> None:
     """Raise `error` (naming `label` and the field) unless `terms`' action_s, message_s and step_s are finite
-    numbers >= 0 and its compute_scale a finite number > 0 (RuntimeOverhead and the simulator's Machine)."""
+    numbers >= 0 and its compute_scale and wall_scale finite numbers > 0 (RuntimeOverhead and the simulator's
+    Machine)."""
     for name in ("action_s", "message_s", "step_s"):
         value = getattr(terms, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
             raise error(f"{label} {name} must be a finite number >= 0, got {value!r}")
-    scale = terms.compute_scale
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
-        raise error(f"{label} compute_scale must be a finite number > 0, got {scale!r}")
+    for name in ("compute_scale", "wall_scale"):
+        scale = getattr(terms, name)
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
+            raise error(f"{label} {name} must be a finite number > 0, got {scale!r}")
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,9 @@ class RuntimeOverhead:
     compute_scale: float = 1.0
     """alpha: a part's CPU time inside a running pipeline over its profiled time (a calibration with the
     real parts measures it; 1 when the calibration ran 1-weight parts or in older profiles)."""
+    wall_scale: float = 1.0
+    """Every simulated time is multiplied by it: the calibration runs' measured wall time over the model's (what
+    the model of the machine leaves out: a woken rank waiting for a core, other processes); 1: none known."""
 
     def __post_init__(self) -> None:
         check_work_terms(self, "runtime overhead", ProfileError)
@@ -127,7 +132,7 @@ class RuntimeOverhead:
     def to_dict(self) -> dict[str, Any]:
         """The JSON form."""
         return {"action_s": self.action_s, "message_s": self.message_s, "step_s": self.step_s,
-                "method": self.method, "compute_scale": self.compute_scale}
+                "method": self.method, "compute_scale": self.compute_scale, "wall_scale": self.wall_scale}
 
     @staticmethod
     def from_dict(data: Any, where: str) -> RuntimeOverhead:
@@ -139,7 +144,7 @@ class RuntimeOverhead:
                 raise ProfileError(f"{where}: missing field {name!r}")
         try:
             return RuntimeOverhead(data["action_s"], data["message_s"], data["step_s"], str(data.get("method", "")),
-                                   data.get("compute_scale", 1.0))
+                                   data.get("compute_scale", 1.0), data.get("wall_scale", 1.0))
         except ProfileError as exc:
             raise ProfileError(f"{where}: {exc}") from None
 

@@ -21,6 +21,7 @@ from duplexpipe.model.stages import PartInit, as_factory, materialize_part
 from duplexpipe.parallel.compressed import check_dgc_momentum
 from duplexpipe.parallel.tied import find_tied
 from duplexpipe.parallel.zero_config import check_tied
+from duplexpipe.planner.calibrate import fit_wall_scale
 from duplexpipe.planner.calibration_cache import default_cache_dir
 from duplexpipe.planner.dp_comm import UNMEASURED, Link, compression
 from duplexpipe.planner.memory import format_bytes, parse_bytes
@@ -29,6 +30,7 @@ from duplexpipe.planner.profile import Profile
 from duplexpipe.runtime.structure import flatten, map_leaves, split
 from duplexpipe.schedules.ir import Schedule
 from duplexpipe.train.auto_measure import (
+    MAX_SCALE,
     Calibration,
     PartChain,
     PipelineBuilder,
@@ -384,7 +386,22 @@ def choose(parts: Sequence[nn.Module] | Callable[[int], nn.Module], loss_fn: Cal
     if "p2p_link" not in options:
         plan_config, note = _measured_link(profile, plan_config)
         source = f"{source}; {note}" if note else source
-    return _decide(profile, plan_config, source)
+    profile, note = _wall_scaled(profile, plan_config)
+    return _decide(profile, plan_config, f"{source}; {note}" if note else source)
+
+
+def _wall_scaled(profile: Profile, config: PlanConfig) -> tuple[Profile, str]:
+    """The profile with the calibration runs' measured over modelled wall time (`fit_wall_scale`, under this
+    plan's cores and link) as its wall_scale; unchanged without a calibration or when that factor is beyond
+    [1/MAX_SCALE, MAX_SCALE] (a disturbed measurement)."""
+    walls = profile.meta.get("calibration_walls")
+    if profile.overhead is None or not walls:
+        return profile, ""
+    factor = fit_wall_scale(profile, config, [(str(n), int(m), float(w)) for n, m, w in walls])
+    if not 1 / MAX_SCALE <= factor <= MAX_SCALE:
+        return profile, f"calibration walls {factor:.3g}x the model: not applied"
+    return (replace(profile, overhead=replace(profile.overhead, wall_scale=factor)),
+            f"walls {factor:.3g}x the model of the machine (calibration runs)")
 
 
 def _measured_link(profile: Profile, config: PlanConfig) -> tuple[PlanConfig, str]:
