@@ -9,7 +9,6 @@ from collections.abc import Sequence
 from dataclasses import replace
 from statistics import median
 
-from duplexpipe.planner.dp_comm import Link
 from duplexpipe.planner.plan import PlanConfig, plan
 from duplexpipe.planner.profile import Profile
 from duplexpipe.schedules import registry
@@ -75,49 +74,17 @@ def calibration_rounds(round_s: float, budget_s: float, least: int = 3, most: in
 
 
 
-def fit_wall_scale(profile: Profile, config: PlanConfig, runs: Sequence[tuple[str, int, float]],
-                   evaluations: int = 12, latency: bool = True) -> tuple[float, float]:
-    """(wall scale, latency per message) at which the planner's steps of the calibration `runs` ((schedule,
-    M, measured wall seconds per step) each) best match their measured walls, in least squares of the log
-    ratios. The latency (never below `config.p2p_link.latency`, the measured round trip's) is what a blocked
-    receive costs in wall time: a woken rank waiting for a core, more of them on the critical path in
-    schedules that alternate more; the scale (given the latency, the geometric mean of measured over
-    modelled) is what the rest of the model leaves out, as one factor on every prediction (it changes
-    predicted times, never their order). Golden-section search over the latency up to a tenth of the fastest
-    run, in `evaluations` plans of the runs (latency=False: the link's latency kept, only the scale fitted);
-    the profile's own wall_scale is taken as 1. (1, the link's latency) without runs."""
-    floor = config.p2p_link.latency
+def fit_wall_scale(profile: Profile, config: PlanConfig, runs: Sequence[tuple[str, int, float]]) -> float:
+    """The geometric mean, over the calibration `runs` ((schedule, M, measured wall seconds per step) each),
+    of the measured step over the planner's step for it under `config` (its cores and link; the profile's
+    wall_scale taken as 1): what the model of the machine leaves out, as one factor on every prediction. It
+    scales every candidate alike, so it changes predicted times, never their order. 1 without runs."""
     runs = [run for run in runs if run[2] > 0]
     if not runs:
-        return 1.0, floor
+        return 1.0
     if profile.overhead is not None:
         profile = replace(profile, overhead=replace(profile.overhead, wall_scale=1.0))
     base = replace(config, memory=2**62, zero_stages=(0,), compressions=("none",), chunks=(2,))
-
-    def fit(latency: float) -> tuple[float, float]:
-        link = Link(bandwidth=config.p2p_link.bandwidth, latency=latency)
-        logs = [math.log(wall / plan(profile, replace(base, schedules=(name,), microbatches=(m,),
-                                                      p2p_link=link)).best.step_s) for name, m, wall in runs]
-        mean = sum(logs) / len(logs)
-        return sum((x - mean) ** 2 for x in logs), math.exp(mean)
-
-    if not latency:
-        return fit(floor)[1], floor
-    low, high = floor, floor + min(wall for _, _, wall in runs) / 10
-    golden = (math.sqrt(5) - 1) / 2
-    a, b = high - golden * (high - low), low + golden * (high - low)
-    fa, fb = fit(a)[0], fit(b)[0]
-    for _ in range(max(0, evaluations - 3)):
-        if fa <= fb:
-            high, b, fb = b, a, fa
-            a = high - golden * (high - low)
-            fa = fit(a)[0]
-        else:
-            low, a, fa = a, b, fb
-            b = low + golden * (high - low)
-            fb = fit(b)[0]
-    best = a if fa <= fb else b
-    edge = fit(floor)
-    if edge[0] <= min(fa, fb):  # no latency above the measured one explains the walls better
-        return edge[1], floor
-    return fit(best)[1], best
+    logs = [math.log(wall / plan(profile, replace(base, schedules=(name,), microbatches=(m,))).best.step_s)
+            for name, m, wall in runs]
+    return math.exp(sum(logs) / len(logs))

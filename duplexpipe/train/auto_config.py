@@ -386,26 +386,22 @@ def choose(parts: Sequence[nn.Module] | Callable[[int], nn.Module], loss_fn: Cal
     if "p2p_link" not in options:
         plan_config, note = _measured_link(profile, plan_config)
         source = f"{source}; {note}" if note else source
-    profile, plan_config, note = _wall_scaled(profile, plan_config, "p2p_link" not in options)
+    profile, note = _wall_scaled(profile, plan_config)
     return _decide(profile, plan_config, f"{source}; {note}" if note else source)
 
 
-def _wall_scaled(profile: Profile, config: PlanConfig, latency: bool) -> tuple[Profile, PlanConfig, str]:
-    """The profile and the plan's link with the wall scale and (`latency`: unless the user gave the link) the
-    latency per message at which the planner matches the calibration runs' walls (`fit_wall_scale`, under
-    this plan's cores); unchanged without a calibration or when the scale is beyond [1/MAX_SCALE, MAX_SCALE]
-    (a disturbed measurement)."""
+def _wall_scaled(profile: Profile, config: PlanConfig) -> tuple[Profile, str]:
+    """The profile with the calibration runs' measured over modelled wall time (`fit_wall_scale`, under this
+    plan's cores and link) as its wall_scale; unchanged without a calibration or when that factor is beyond
+    [1/MAX_SCALE, MAX_SCALE] (a disturbed measurement)."""
     walls = profile.meta.get("calibration_walls")
     if profile.overhead is None or not walls:
-        return profile, config, ""
-    factor, per_message = fit_wall_scale(profile, config, [(str(n), int(m), float(w)) for n, m, w in walls],
-                                         latency=latency)
+        return profile, ""
+    factor = fit_wall_scale(profile, config, [(str(n), int(m), float(w)) for n, m, w in walls])
     if not 1 / MAX_SCALE <= factor <= MAX_SCALE:
-        return profile, config, f"calibration walls {factor:.3g}x the model: not applied"
+        return profile, f"calibration walls {factor:.3g}x the model: not applied"
     return (replace(profile, overhead=replace(profile.overhead, wall_scale=factor)),
-            replace(config, p2p_link=Link(bandwidth=config.p2p_link.bandwidth, latency=per_message)),
-            f"walls {factor:.3g}x the model of the machine with {per_message * 1e6:.0f} us per message "
-            f"(calibration runs)")
+            f"walls {factor:.3g}x the model of the machine (calibration runs)")
 
 
 def _measured_link(profile: Profile, config: PlanConfig) -> tuple[PlanConfig, str]:

@@ -7,7 +7,6 @@ from dataclasses import replace
 import pytest
 
 from duplexpipe.planner.calibrate import calibration_rounds, calibration_runs, fit_cost_model, fit_wall_scale
-from duplexpipe.planner.dp_comm import Link
 from duplexpipe.planner.plan import PlanConfig, plan
 from duplexpipe.planner.profile import PartProfile, Profile, RuntimeOverhead
 from duplexpipe.schedules import registry
@@ -55,27 +54,18 @@ def test_calibration_rounds_fit_the_budget_within_bounds() -> None:
 
 
 
-def _runs(profile: Profile, config: PlanConfig, latency: float) -> dict[tuple[str, int], float]:
-    link = Link(latency=latency)
-    return {(n, m): plan(profile, replace(config, schedules=(n,), microbatches=(m,), p2p_link=link)).best.step_s
-            for n, m in (("gpipe", 4), ("gpipe", 8), ("zb-h1", 4))}
-
-
-def test_fit_wall_scale_finds_the_factor_and_latency_of_the_calibration_walls() -> None:
+def test_fit_wall_scale_is_the_measured_over_modelled_wall_of_the_calibration_runs() -> None:
     part = PartProfile(1e-3, 1e-3, 1e-3, 0, 0, 1024, 1024)
     profile = Profile((part,) * 4, 4, overhead=RuntimeOverhead(1e-4, 5e-5, 1e-3, "", 1.2, wall_scale=3.0))
-    config = PlanConfig(ranks=4, batch=32, memory=2**40, cores=2, p2p_link=Link(latency=5e-5))
+    config = PlanConfig(ranks=4, batch=32, memory=2**40, cores=2)
     unscaled = replace(profile, overhead=RuntimeOverhead(1e-4, 5e-5, 1e-3, "", 1.2))
-    model = _runs(unscaled, config, 5e-5)
+    model = {(n, m): plan(unscaled, replace(config, schedules=(n,), microbatches=(m,))).best.step_s
+             for n, m in (("gpipe", 4), ("gpipe", 8), ("zb-h1", 4))}
     walls = [(n, m, 1.7 * step) for (n, m), step in model.items()]
-    scale, latency = fit_wall_scale(profile, config, walls)
-    assert scale == pytest.approx(1.7) and latency == 5e-5, "a uniform slowdown: the scale, not the latency"
-    slow = [(n, m, 1.3 * step) for (n, m), step in _runs(unscaled, config, 6e-4).items()]
-    scale, latency = fit_wall_scale(profile, config, slow)
-    assert scale == pytest.approx(1.3, rel=0.02) and latency == pytest.approx(6e-4, rel=0.05), "both recovered"
-    assert fit_wall_scale(profile, config, []) == (1.0, 5e-5)
-    kept = fit_wall_scale(profile, config, slow, latency=False)
-    assert kept[1] == 5e-5 and kept[0] > 1.3, "the link kept: the latency's share goes to the scale"
+    assert fit_wall_scale(profile, config, walls) == pytest.approx(1.7), "the profile's own scale is ignored"
+    mixed = [(n, m, step * k) for ((n, m), step), k in zip(model.items(), (1.0, 2.0, 4.0), strict=True)]
+    assert fit_wall_scale(profile, config, mixed) == pytest.approx(2.0), "geometric mean"
+    assert fit_wall_scale(profile, config, []) == 1.0
     scaled = replace(profile, overhead=RuntimeOverhead(1e-4, 5e-5, 1e-3, "", 1.2, wall_scale=1.7))
     again = plan(scaled, replace(config, schedules=("gpipe",), microbatches=(4,))).best
     assert again.step_s == pytest.approx(1.7 * model[("gpipe", 4)]), "the planner multiplies its times by it"
