@@ -80,7 +80,7 @@ class AutoBenchConfig:
     """M of the hand-picked schedules."""
     schedules: tuple[str, ...] = HAND
     """The hand-picked schedules."""
-    steps: int = 10
+    steps: int = 20
     """Measured steps of every candidate."""
     warmup: int = 2
     """Unmeasured steps of every candidate first."""
