@@ -96,7 +96,7 @@ def quick_config() -> AutoBenchConfig:
 def build_model(spec: MLPSpec) -> tuple[list[nn.Module], nn.Module]:
     """The layers and the head, identical on every process."""
     torch.manual_seed(spec.seed)
-    layers = [nn.Sequential(nn.Linear(a, b), nn.GELU()) for a, b in itertools.pairwise(spec.widths)]
+    layers: list[nn.Module] = [nn.Sequential(nn.Linear(a, b), nn.GELU()) for a, b in itertools.pairwise(spec.widths)]
     return layers, nn.Linear(spec.widths[-1], spec.classes)
 
 
