@@ -49,6 +49,7 @@ def test_quick_run_writes_the_summary_and_its_docs_block(tmp_path: Path) -> None
     assert model["names"] == ["auto", "1f1b, M=4", "zb-h1, M=4"]
     assert all(len(s) == 2 for s in model["seconds"]) and model["predicted_s"] > 0
     assert re.match(r"\S+, M=\d+, ZeRO 0, gradient compression none \(predicted step [\d.]+ ms\)$", model["plan"])
-    assert model["source"].startswith("measured, cached in ")
+    assert model["source"].startswith("cache "), "built twice: the run's auto Pipeline read the first one's cache"
+    assert model["auto_build_s"] > 0 and model["auto_cached_build_s"] > 0
     text = (docs / "benchmarks.md").read_text()
     assert "prose kept" in text and "<!-- bench:auto-vs-hand:begin -->" in text and "| overhead-bound |" in text
