@@ -45,7 +45,14 @@ from duplexpipe.runtime import EvalResult, PipelineRuntime, RuntimeConfig
 from duplexpipe.schedules.ir import Schedule
 from duplexpipe.schedules.registry import build as build_schedule
 from duplexpipe.train.auto_config import AUTO, AutoChoice, AutoSetup, RunPlan, calibration_config, choose
-from duplexpipe.train.pipeline_config import LossFn, PipelineConfig, SchedulerFactory, StepInfo, with_defaults
+from duplexpipe.train.pipeline_config import (
+    DEFAULT_MICROBATCHES,
+    LossFn,
+    PipelineConfig,
+    SchedulerFactory,
+    StepInfo,
+    with_defaults,
+)
 from duplexpipe.train.precision import DynamicLossScaler, autocast_dtype
 
 AUTO_PARTS_PER_RANK = 4
@@ -77,11 +84,12 @@ class Pipeline:
     (bucket by bucket, each started as soon as its gradients are final; compressed when
     `config.grad_compression` says so).
 
-    With `PipelineConfig(schedule="auto", memory_limit=...)` the construction first profiles the
-    parts (rank 0, on the first of `num_microbatches` microbatches of `sample_input` /
-    `sample_targets`, a batch as given to `step`; every rank uses rank 0's profile), plans for
-    this P, D and batch size under the limit, merges neighbouring parts as the winner needs and
-    runs it, with the ZeRO stage and gradient compression it chose (fields set in the config are fixed);
+    With `PipelineConfig(schedule="auto", memory_limit=...)` the construction first measures the
+    parts (rank 0's profile on a microbatch of `sample_input` / `sample_targets`, a batch as given to
+    `step`, and a few seconds of calibration steps on every rank; cached per parts and machine: see
+    `auto_config.choose`), plans for this P, D and batch size under the limit, merges neighbouring parts
+    as the winner needs and runs it with the M, ZeRO stage and gradient compression it chose (fields set
+    in the config are fixed);
     rank 0 logs the choice and the planner's table (logger "duplexpipe.plan"). `self.plan` says what runs
     (any schedule), `self.auto` holds the planner's whole result. A limit no candidate fits raises
     ValueError on every rank, naming the smallest feasible cap.
@@ -373,4 +381,5 @@ def _resolve_schedule(config: PipelineConfig, pp_size: int) -> Schedule:
             raise ValueError(f"schedule {schedule.name!r} is for {schedule.num_ranks} ranks, "
                              f"but the pipeline group has {pp_size}")
         return schedule
-    return build_schedule(config.schedule, pp_size, config.num_microbatches or 4, **config.schedule_options)
+    return build_schedule(config.schedule, pp_size, config.num_microbatches or DEFAULT_MICROBATCHES,
+                          **config.schedule_options)
