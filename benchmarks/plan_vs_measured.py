@@ -50,18 +50,20 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import harness, models, report  # noqa: E402
 from benchmarks.plan_vs_measured_report import FIGURE, ORDER_GAP, figure, publish, text_report  # noqa: E402
+from duplexpipe.dp_options import NoCompression  # noqa: E402
 from duplexpipe.launch.tasks.gpt import gpt_task  # noqa: E402
 from duplexpipe.model.split import build_parts, plan_partition  # noqa: E402
 from duplexpipe.pipeline import Pipeline, PipelineConfig, profile_parts  # noqa: E402
 from duplexpipe.planner.dp_comm import Link  # noqa: E402
 from duplexpipe.planner.machine import Machine, simulate_shared  # noqa: E402
+from duplexpipe.planner.partition import balanced_split  # noqa: E402
 from duplexpipe.planner.plan import PlanConfig, plan  # noqa: E402
-from duplexpipe.planner.profile import Profile, RuntimeOverhead, balanced_split  # noqa: E402
+from duplexpipe.planner.profile import Profile, RuntimeOverhead  # noqa: E402
 from duplexpipe.planner.runtime_work import rank_work  # noqa: E402
 from duplexpipe.runtime.saved_bytes import SavedBytes  # noqa: E402
 from duplexpipe.schedules import registry  # noqa: E402
 from duplexpipe.schedules.simulate import CostModel  # noqa: E402
-from duplexpipe.train.auto_config import NO_LIMIT, AutoChoice  # noqa: E402
+from duplexpipe.train.auto_config import NO_LIMIT, AutoChoice, RunPlan  # noqa: E402
 from duplexpipe.train.measure import cache_evict_bytes  # noqa: E402
 from duplexpipe.train.measure_overhead import CalibrationRun, measure_in_pipeline, measure_overhead  # noqa: E402
 
@@ -182,7 +184,9 @@ def _candidate(profile: Profile, cfg: PvMConfig, name: str, m: int, link: Link |
     result = plan(profile, config)
     assert result.schedule is not None
     counts = balanced_split([p.forward_s + p.backward_s for p in profile.parts], result.schedule.num_groups)
-    return AutoChoice(result, profile, result.schedule, tuple(counts))
+    best = result.best
+    run = RunPlan(best.schedule, best.microbatches, best.zero, NoCompression(), best.step_s)
+    return AutoChoice(result, profile, result.schedule, tuple(counts), run)
 
 
 def _train(pipes: list[Pipeline], task: Any, cfg: PvMConfig) -> tuple[list[list[float]], list[list[int]], list[float]]:

@@ -17,6 +17,8 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from benchmarks import figures, harness, report  # noqa: E402
+from benchmarks.auto_vs_hand import AutoBenchConfig  # noqa: E402
+from benchmarks.auto_vs_hand import quick_config as auto_quick_config  # noqa: E402
 from benchmarks.dp_compression import DPBenchConfig  # noqa: E402
 from benchmarks.measured_vs_sim import SimConfig  # noqa: E402
 from benchmarks.models import ModelSpec  # noqa: E402
@@ -30,7 +32,7 @@ from benchmarks.vs_torch import VsTorchConfig  # noqa: E402
 from benchmarks.zero_bench import ZeroBenchConfig  # noqa: E402
 
 PARTS = ("vs_torch", "measured_vs_simulated", "overlap", "tooling", "profile", "auto_search", "p2p",
-         "grad_compression", "plan_vs_measured", "zero", "spawn", "moe_overlap")
+         "grad_compression", "plan_vs_measured", "zero", "spawn", "auto_vs_hand", "moe_overlap")
 QUICK_PARTS = PARTS[:4]
 
 
@@ -60,8 +62,10 @@ class Plan:
     """Part 10: ZeRO memory per rank, ZeRO++ bytes / loss (GPT example, 200 steps per run), ZeRO-2 vs ZeRO-1 speed."""
     spawn: SpawnConfig = SpawnConfig()
     """Part 11: seconds per `run(fn, 4)` of a trivial function, by start method (benchmarks/spawn_bench.py)."""
+    auto_vs_hand: AutoBenchConfig = AutoBenchConfig()
+    """Part 12: schedule="auto" on the user path against hand-picked schedules (benchmarks/auto_vs_hand.py)."""
     moe: MoEBenchConfig = MoEBenchConfig()
-    """Part 12: one MoE F&B pair overlapped vs F then B, and a DualPipeV step, on the emulated link."""
+    """Part 13: one MoE F&B pair overlapped vs F then B, and a DualPipeV step, on the emulated link."""
 
 
 def full_plan() -> Plan:
@@ -96,12 +100,14 @@ def quick_plan() -> Plan:
         p2p=quick_config(),
         plan_vs_measured=pvm_quick_config(),
         spawn=SpawnConfig(reps=1, ranks=2),
+        auto_vs_hand=auto_quick_config(),
     )
 
 
 def _runners(plan: Plan) -> dict[str, Callable[[], Any]]:
     from benchmarks import (
         auto_search,
+        auto_vs_hand,
         dp_compression,
         measured_vs_sim,
         moe_overlap,
@@ -126,6 +132,7 @@ def _runners(plan: Plan) -> dict[str, Callable[[], Any]]:
         "plan_vs_measured": lambda: plan_vs_measured.run(plan.plan_vs_measured),
         "zero": lambda: zero_bench.run(plan.zero),
         "spawn": lambda: spawn_bench.run(plan.spawn),
+        "auto_vs_hand": lambda: auto_vs_hand.run(plan.auto_vs_hand),
         "moe_overlap": lambda: moe_overlap.run(plan.moe),
     }
 
@@ -256,7 +263,7 @@ def _publish(results: dict[str, Any], out: str, docs: str) -> None:
     if results.get("moe_overlap"):
         from benchmarks import moe_overlap
 
-        print(f"\n12. MoE F&B overlap\n{moe_overlap.markdown(results['moe_overlap'])}")
+        print(f"\n13. MoE F&B overlap\n{moe_overlap.markdown(results['moe_overlap'])}")
         if docs != "none":
             moe_overlap.publish(results["moe_overlap"], docs)
     if docs != "none":
@@ -274,6 +281,22 @@ def _publish(results: dict[str, Any], out: str, docs: str) -> None:
         _publish_p2p(results, out, docs)
     if results.get("plan_vs_measured"):
         _publish_plan_vs_measured(results, out, docs)
+    if results.get("auto_vs_hand"):
+        _publish_auto_vs_hand(results, docs)
+
+
+def _publish_auto_vs_hand(results: dict[str, Any], docs: str) -> None:
+    """Part 11 keeps its own block of docs/benchmarks.md."""
+    from benchmarks import auto_vs_hand
+
+    meta = results["meta"]
+    part = {**results["auto_vs_hand"], "meta": {
+        "date": meta["date"], "command": meta["command"], "wall_s": meta["part_wall_s"].get("auto_vs_hand", 0.0),
+        "load_before": meta["loadavg_at_part_start"].get("auto_vs_hand"), "load_after": meta["loadavg_after"],
+        "load_note": meta["load_note"]}}
+    print("\n11. schedule='auto' against hand-picked schedules\n" + auto_vs_hand.text_report(part))
+    if docs != "none":
+        auto_vs_hand.publish(part, docs)
 
 
 def _publish_plan_vs_measured(results: dict[str, Any], out: str, docs: str) -> None:

@@ -11,7 +11,10 @@ depend on wall-clock speed.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from typing import Any
 
 import pytest
@@ -19,10 +22,15 @@ from hypothesis import HealthCheck, settings
 from models import run_workers
 
 from duplexpipe.launch.processes import START_METHOD_ENV
+from duplexpipe.planner.calibration_cache import CACHE_ENV
 
 settings.register_profile("duplexpipe", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("duplexpipe")
 os.environ.setdefault(START_METHOD_ENV, "forkserver")  # launch() forks ranks from one server: seconds per spawn
+if CACHE_ENV not in os.environ:  # schedule="auto"'s calibration cache: set before any rank starts (a fork server
+    # keeps the environment it started with), never the user's ~/.cache; removed when the session ends
+    os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="duplexpipe-test-cache-")
+    atexit.register(shutil.rmtree, os.environ[CACHE_ENV], ignore_errors=True)
 
 DEFAULT_WORLD = 2
 DEFAULT_SPAWN_TIMEOUT_S = 120

@@ -16,13 +16,13 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "duplexpipe"
 
 LEVELS = {
-    "schedules": 0, "comm": 1, "planner": 2, "runtime": 2, "viz": 3, "model": 3, "moe": 4, "parallel": 5,
-    "train": 6, "launch": 7, "cli": 8,
+    "schedules": 0, "dp_options": 0, "comm": 1, "planner": 2, "runtime": 2, "viz": 3, "model": 3, "moe": 4,
+    "parallel": 5, "train": 6, "launch": 7, "cli": 8,
 }
 """A package may import its own modules and those of packages on lower levels only (docs/architecture.md)."""
 FACES = ("duplexpipe/__init__.py", "duplexpipe/pipeline.py")
 """The public faces: they re-export from every package and nothing inside imports them."""
-TORCH_FREE = ("schedules", "planner")
+TORCH_FREE = ("schedules", "dp_options", "planner")
 
 
 @functools.cache

@@ -40,9 +40,11 @@ def add_parsers(sub: Any) -> None:
     pl.add_argument("--microbatches", type=_integers("microbatches"), default=None, metavar="M1,M2",
                     help="microbatch counts to try (default: divisors of batch/D from P to 8P)")
     pl.add_argument("--zero", type=_integers("zero", minimum=0), default=None, metavar="S1,S2",
-                    help="ZeRO stages to try (default: those the training side implements: 0)")
+                    help="ZeRO stages to try (default: every stage the trainer has, 0,1,2; with --dp 1 they are one "
+                    "plan, shown once)")
     pl.add_argument("--compression", type=_names, default=None, metavar="A,B|all",
-                    help="gradient compressions allowed (default: those implemented: none)")
+                    help="gradient compressions allowed, under the trainer's names (none, bf16, fp16, int8, powersgd, "
+                    "powersgd(rank=1), dgc; default all); only pairs with a ZeRO stage the trainer accepts are planned")
     pl.add_argument("--optimizer-factor", type=float, default=2.0,
                     help="optimizer-state bytes per parameter byte (default 2: AdamW)")
     pl.add_argument("--cores", type=_integer("cores"), default=None,
@@ -89,7 +91,8 @@ def _machine(profile: Any, args: argparse.Namespace) -> str:
         return f"{where}, no runtime overhead measured"
     return (f"{where}, runtime overhead {over.action_s * 1e6:.0f} us per action, {over.message_s * 1e6:.0f} us "
             f"per message, {over.step_s * 1e3:.3g} ms per step"
-            + (f", compute x {over.compute_scale:.3g} in the pipeline" if over.compute_scale != 1.0 else ""))
+            + (f", compute x {over.compute_scale:.3g} in the pipeline" if over.compute_scale != 1.0 else "")
+            + (f", wall time x {over.wall_scale:.3g}" if over.wall_scale != 1.0 else ""))
 
 
 def _integer(name: str, minimum: int = 1) -> Any:

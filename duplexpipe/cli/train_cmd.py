@@ -132,6 +132,8 @@ def train_main(args: argparse.Namespace, stream: IO[str] | None = None) -> int:
     result = run_training(config)
     out = stream or sys.stdout
     if result.losses:
+        if config.schedule == "auto":
+            out.write(f"{result.plan}\n")
         if result.partition:
             out.write(f"{result.partition}\n")
         done = f"steps {result.start_step + 1}-{config.steps}" if result.start_step else f"{config.steps} steps"

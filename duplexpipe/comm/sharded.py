@@ -26,11 +26,7 @@ from duplexpipe.comm.methods import Bf16Options, Fp16Options, Int8Options, NoCom
 from duplexpipe.comm.quantize import dequantize_int8, quantize_int8, work_dtype
 from duplexpipe.comm.reducers import _pack, _unpack
 from duplexpipe.comm.reduction import Waitable, WaitFn, blocking_wait
-
-GradientWire = NoCompression | Bf16Options | Fp16Options | Int8Options
-"""What a sharded reduce-scatter may put on the wire: fp32 (exact), bf16/fp16 casts, or int8 blocks (qgZ)."""
-SHARDED_METHODS = ("none", "bf16", "fp16", "int8")
-"""Gradient compression methods that have a reduce-scatter form (the others have none: see check_sharded)."""
+from duplexpipe.dp_options.compression import check_sharded
 
 Steps = Generator[tuple[Waitable, str], None, None]
 """A collective's body: yields (work, what) for each collective it must wait for before going on."""
@@ -72,15 +68,6 @@ def _all_gather(out: Tensor, chunk: Tensor, group: Any) -> Any:
     """Post an all-gather into one tensor (torch >= 2.10 names it all_gather_single)."""
     post = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return post(out, chunk, group=group, async_op=True)
-
-
-def check_sharded(spec: Options) -> GradientWire:
-    """`spec` if it has a reduce-scatter form, else ValueError naming it (top-k, random-k, threshold and DGC
-    select entries per rank and PowerSGD reduces low-rank factors: none yields the owner's chunk of a sum)."""
-    if isinstance(spec, (NoCompression, Bf16Options, Fp16Options, Int8Options)):
-        return spec
-    raise ValueError(f"gradient compression {spec.method!r} cannot be combined with ZeRO (sharded gradients need a "
-                     f"reduce-scatter; methods that have one: {SHARDED_METHODS})")
 
 
 @dataclass(frozen=True)

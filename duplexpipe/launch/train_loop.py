@@ -87,6 +87,8 @@ class TrainResult:
     """Rank 0's mean payload bytes per stage-to-stage SEND on the wire (`Pipeline.p2p_meter`; 0: it sent none)."""
     schedule: str = ""
     """The schedule that ran (schedule "auto": the planner's choice)."""
+    plan: str = ""
+    """What ran (`Pipeline.plan`); with schedule "auto" the planner's choice and its best candidates."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -285,7 +287,8 @@ def _train_rank(config: TrainConfig) -> TrainResult | None:
     partition = str(pipe.partition) if pipe.partition is not None else ""
     sends = pipe.p2p_meter.calls.get("send", 0)
     send_bytes = pipe.p2p_meter.bytes.get("send", 0.0) / sends if sends else 0.0
-    return TrainResult(losses, rate, timeline, partition, wall, config, start, send_bytes, pipe.schedule.name)
+    plan = pipe.plan.summary() if pipe.auto is None else f"{pipe.auto.summary()}\n{pipe.auto.result.table(5)}"
+    return TrainResult(losses, rate, timeline, partition, wall, config, start, send_bytes, pipe.schedule.name, plan)
 
 
 def _loop(pipe: Pipeline, task: TrainTask, config: TrainConfig, start: int, metrics: MetricsLog | None,

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from duplexpipe.planner.partition import balanced_split
 from duplexpipe.runtime.structure import WHOLE_MESSAGE, flatten, map_leaves
 from duplexpipe.schedules.ir import Schedule
 
@@ -132,35 +133,6 @@ def check_balance(balance: Sequence[int], num_layers: int, num_parts: int) -> tu
     return counts
 
 
-def balance_by_cost(costs: Sequence[float], num_parts: int) -> tuple[int, ...]:
-    """Contiguous split of `costs` into `num_parts` non-empty runs minimising the largest run's sum.
-
-    Ties go to the split whose earlier parts are shorter-or-equal, deterministically.
-    """
-    n = len(costs)
-    check_split_size(n, num_parts)
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + float(c))
-    inf = float("inf")
-    # best[k][i]: smallest max-run-sum splitting costs[:i] into k runs; cut[k][i]: start of the last run
-    best = [[inf] * (n + 1) for _ in range(num_parts + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_parts + 1)]
-    best[0][0] = 0.0
-    for k in range(1, num_parts + 1):
-        for i in range(k, n - (num_parts - k) + 1):
-            for j in range(k - 1, i):
-                value = max(best[k - 1][j], prefix[i] - prefix[j])
-                if value < best[k][i] - 1e-12 * max(1.0, abs(value)):
-                    best[k][i], cut[k][i] = value, j
-    counts, i = [], n
-    for k in range(num_parts, 0, -1):
-        j = cut[k][i]
-        counts.append(i - j)
-        i = j
-    return tuple(reversed(counts))
-
-
 def _timed_fwd_bwd(module: nn.Module, x: Any, repeats: int) -> tuple[float, Any]:
     """Best-of-`repeats` forward+backward seconds of `module` on `x`, a tensor or a structure passed as one
     argument (after one untimed warm-up run)."""
@@ -249,11 +221,12 @@ def plan_partition(
             check_split_size(n, num_parts)
             params = [count_params(m) for m in layers]
             ends = (count_params(embedding), count_params(head))
-            counts = balance_by_cost(_costs_with_ends(params, *ends), num_parts)
+            counts = tuple(balanced_split(_costs_with_ends(params, *ends), num_parts))
         else:
             if times is None:
                 raise ValueError("balance='time' needs a sample_input to profile the layers on")
-            counts = balance_by_cost(_costs_with_ends(*times), num_parts)
+            check_split_size(n, num_parts)
+            counts = tuple(balanced_split(_costs_with_ends(*times), num_parts))
     else:
         check_split_size(n, num_parts)
         method, counts = "explicit", check_balance(balance, n, num_parts)

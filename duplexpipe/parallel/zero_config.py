@@ -1,107 +1,22 @@
-"""ZeRO's options (ZeRO++ qgZ, qwZ, hpZ) and the checks of `zero_stage` against the rest of the configuration."""
+"""ZeRO's checks against the model and schedule (hpZ, tied weights); its options and stage rules live torch-free in
+`duplexpipe.dp_options.zero` (re-exported here)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-from duplexpipe.comm import Int8Options, NoCompression, Options
-from duplexpipe.comm.sharded import GradientWire, check_sharded
+from duplexpipe.dp_options.zero import (
+    ZERO_STAGES,
+    ZeroOptions,
+    check_zero,
+    check_zero_stage,
+    gradient_wire,
+    zero_refusal,
+)
 from duplexpipe.schedules.ir import Op, Schedule
 
-ZERO_STAGES = (0, 1, 2)
-"""The ZeRO stages PipelineConfig.zero_stage accepts."""
-
-
-@dataclass(frozen=True)
-class ZeroOptions:
-    """ZeRO++ options for PipelineConfig(zero_stage=1 or 2); the defaults send exact fp32."""
-
-    quantized_gradients: bool | Int8Options = False
-    """qgZ: reduce-scatter the gradients as int8 blocks (all_to_all of codes and fp32 block scales; each owner
-    dequantizes and sums in fp32). True: Int8Options() (blocks of 256, stochastic rounding); or an
-    Int8Options. The same as grad_compression="int8" with ZeRO (set one of the two)."""
-    quantized_weights: bool | Int8Options = False
-    """qwZ: all-gather the updated parameters as int8 blocks; every replica's model weights are the same
-    dequantized values while the optimizer's master shard stays in full precision. True:
-    Int8Options(stochastic=False) (blocks of 256, round to nearest); or an Int8Options."""
-    hpz_ranks: int | None = None
-    """hpZ (zero_stage=2 only): after each forward, FSDP2 reshards the parameters over groups of this many
-    consecutive data-parallel ranks (put one node's ranks there: FSDP2's reshard_after_forward=int), so the
-    backward's and later forwards' all-gathers stay inside a node; only for schedules without split
-    backward (I/W): see README. None: parameters stay gathered for the whole step."""
-    trust_elementwise: bool = False
-    """Let ZeRO-1 step a flat shard with an optimizer not known to be elementwise (an optimizer that is not
-    elementwise would give silently wrong updates)."""
-
-    def __post_init__(self) -> None:
-        for name in ("quantized_gradients", "quantized_weights"):
-            value = getattr(self, name)
-            if not isinstance(value, (bool, Int8Options)):
-                raise ValueError(f"ZeroOptions.{name} must be a bool or comm.Int8Options, got {value!r}")
-        if self.hpz_ranks is not None and (not isinstance(self.hpz_ranks, int) or isinstance(self.hpz_ranks, bool)
-                                           or self.hpz_ranks < 2):
-            raise ValueError(f"ZeroOptions.hpz_ranks must be an int >= 2 or None, got {self.hpz_ranks!r}")
-        if not isinstance(self.trust_elementwise, bool):
-            raise ValueError(f"ZeroOptions.trust_elementwise must be a bool, got {self.trust_elementwise!r}")
-
-    @property
-    def weight_wire(self) -> Int8Options | None:
-        """The all-gather's int8 options (qwZ), or None for exact."""
-        if isinstance(self.quantized_weights, Int8Options):
-            return self.quantized_weights
-        return Int8Options(stochastic=False) if self.quantized_weights else None
-
-    @property
-    def changed(self) -> bool:
-        """True when any option differs from its default."""
-        return self != ZeroOptions()
-
-
-def check_zero_stage(stage: object) -> int:
-    """`stage` if it is 0, 1 or 2; ValueError otherwise (ZeRO-3 explained)."""
-    if stage == 3:
-        raise ValueError("zero_stage=3 is not supported under pipeline parallelism: resharding the parameters "
-                         "after every forward means all-gathering them again for every microbatch's forward and "
-                         "backward (2 x microbatches all-gathers per step instead of one); use zero_stage=2, which "
-                         "shards gradients and optimizer state and gathers the parameters once per step")
-    if stage not in ZERO_STAGES or isinstance(stage, bool):
-        raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {stage!r}")
-    return int(stage)  # type: ignore[call-overload]
-
-
-def gradient_wire(stage: int, options: ZeroOptions, compression: Options) -> GradientWire:
-    """What ZeRO's reduce-scatter sends, from grad_compression and ZeroOptions.quantized_gradients.
-
-    Raises ValueError naming the values for methods without a reduce-scatter form (top-k, random-k,
-    threshold, DGC, PowerSGD) and for qgZ set together with another grad_compression.
-    """
-    wire = check_sharded(compression) if stage else compression
-    qgz = options.quantized_gradients
-    if not qgz:
-        return wire  # type: ignore[return-value]
-    mine = qgz if isinstance(qgz, Int8Options) else Int8Options()
-    if not isinstance(wire, NoCompression) and wire != mine:
-        raise ValueError(f"ZeroOptions.quantized_gradients={qgz!r} and grad_compression={compression.method!r} "
-                         "both say how gradients go on the wire; set one of them")
-    return mine
-
-
-def check_zero(stage: object, options: ZeroOptions, compression: Options, dp_strategy: str | None) -> int:
-    """Check a configuration's ZeRO settings against each other; return the stage. ValueError names the values."""
-    stage = check_zero_stage(stage)
-    if not isinstance(options, ZeroOptions):
-        raise ValueError(f"zero must be a ZeroOptions, got {options!r}")
-    if stage == 0 and options.changed:
-        raise ValueError(f"ZeroOptions {options} need zero_stage 1 or 2, got zero_stage=0")
-    if stage and dp_strategy is not None:
-        raise ValueError(f"zero_stage={stage} chooses the data-parallel strategy itself; leave dp_strategy None "
-                         f"(got {dp_strategy!r})")
-    if options.hpz_ranks is not None and stage != 2:
-        raise ValueError(f"ZeroOptions.hpz_ranks={options.hpz_ranks} reshards parameters after forward, which "
-                         f"needs zero_stage=2 (FSDP2), got zero_stage={stage}")
-    gradient_wire(stage, options, compression)
-    return stage
+__all__ = ["ZERO_STAGES", "ZeroOptions", "check_hpz", "check_tied", "check_zero", "check_zero_stage", "gradient_wire",
+           "zero_refusal"]
 
 
 def check_hpz(options: ZeroOptions, schedule: Schedule, dp_size: int) -> None:

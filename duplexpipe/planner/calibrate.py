@@ -1,10 +1,17 @@
-"""Fit a CostModel to a measured Timeline, so a run can be compared with its simulation."""
+"""Fit models to measurements: a CostModel to a measured Timeline, and which runs (and how many rounds) an
+in-pipeline calibration of the runtime's work takes."""
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import replace
 from statistics import median
 
+from duplexpipe.planner.plan import PlanConfig, plan
+from duplexpipe.planner.profile import Profile
+from duplexpipe.schedules import registry
 from duplexpipe.schedules.ir import Op
 from duplexpipe.schedules.simulate import CostModel
 from duplexpipe.schedules.timeline import Timeline
@@ -38,3 +45,46 @@ def fit_cost_model(timeline: Timeline, latency: float = 0.0) -> CostModel:
 def _median(samples: dict[tuple[int, Op], list[float]], stage: int, op: Op) -> float | None:
     values = samples.get((stage, op))
     return median(values) if values else None
+
+
+def calibration_runs(ranks: int, counts: Sequence[int]) -> list[tuple[str, int]]:
+    """The (schedule, M) runs of an in-pipeline calibration on `ranks`, from the microbatch counts `counts`
+    that divide the batch: GPipe at a small M (the smallest >= ranks, else the smallest) and at a larger one
+    (the smallest >= twice that, else the largest), and ZB-H1 at the small one. Fused and split backward,
+    actions, messages and rows per microbatch then all vary, so `solve_overhead(fit_scale=True)` can tell
+    its terms apart (with one M only on 2 ranks it cannot: messages grow with the actions)."""
+    if ranks < 1 or not counts or min(counts) < 1:
+        raise ValueError(f"calibration runs need ranks >= 1 and microbatch counts >= 1, got {ranks}, {list(counts)}")
+    ordered = sorted(set(counts))
+    small = next((m for m in ordered if m >= ranks), ordered[0])
+    large = next((m for m in ordered if m >= 2 * small), ordered[-1])
+    runs = [("gpipe", small)] + ([("gpipe", large)] if large != small else []) + [("zb-h1", small)]
+    return [(name, m) for name, m in runs if registry.check(name, ranks, m) is None]
+
+
+def calibration_rounds(round_s: float, budget_s: float, least: int = 3, most: int = 20) -> int:
+    """Measured rounds (one step of every calibration run each) that fit `budget_s` when one round takes
+    `round_s`, at least `least` and at most `most`."""
+    if not 1 <= least <= most or not budget_s >= 0 or not round_s >= 0:
+        raise ValueError(f"calibration rounds need 1 <= least <= most, budget >= 0 and round time >= 0, got "
+                         f"least={least}, most={most}, budget={budget_s!r}, round={round_s!r}")
+    if round_s <= 0:
+        return most
+    return max(least, min(most, math.floor(budget_s / round_s)))
+
+
+
+def fit_wall_scale(profile: Profile, config: PlanConfig, runs: Sequence[tuple[str, int, float]]) -> float:
+    """The geometric mean, over the calibration `runs` ((schedule, M, measured wall seconds per step) each),
+    of the measured step over the planner's step for it under `config` (its cores and link; the profile's
+    wall_scale taken as 1): what the model of the machine leaves out, as one factor on every prediction. It
+    scales every candidate alike, so it changes predicted times, never their order. 1 without runs."""
+    runs = [run for run in runs if run[2] > 0]
+    if not runs:
+        return 1.0
+    if profile.overhead is not None:
+        profile = replace(profile, overhead=replace(profile.overhead, wall_scale=1.0))
+    base = replace(config, memory=2**62, zero_stages=(0,), compressions=("none",), chunks=(2,))
+    logs = [math.log(wall / plan(profile, replace(base, schedules=(name,), microbatches=(m,))).best.step_s)
+            for name, m, wall in runs]
+    return math.exp(sum(logs) / len(logs))

@@ -1,8 +1,8 @@
 """Data parallelism in the planner's model: ZeRO stages, gradient compression, and the reduction's time.
 
-The two tables below are the one place that holds these numbers: a new ZeRO stage or
-compression method is one more entry, and `available` turns True when the training side
-implements it (until then the planner only shows it as advice).
+What the trainer accepts (its ZeRO stages, its compression methods with their options, the pairs it refuses)
+is `duplexpipe.dp_options`, read here; this module adds only the planner's data: what each ZeRO stage
+moves and keeps, and each method's measured wire ratio, keyed by the trainer's options.
 """
 
 from __future__ import annotations
@@ -12,13 +12,28 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from duplexpipe.dp_options import (
+    ZERO_STAGES as TRAINER_ZERO_STAGES,
+)
+from duplexpipe.dp_options import (
+    Bf16Options,
+    DGCOptions,
+    Fp16Options,
+    Int8Options,
+    NoCompression,
+    Options,
+    PowerSGDOptions,
+    compression_options,
+    options_label,
+)
+
 
 @dataclass(frozen=True)
 class ZeroStage:
     """How a ZeRO stage shards state over the D data-parallel replicas and what it moves per step."""
 
     stage: int
-    """0, 1 or 2."""
+    """0, 1 or 2 (`dp_options.ZERO_STAGES`, what PipelineConfig.zero_stage accepts)."""
     description: str
     """One line for tables."""
     shard_optimizer: bool
@@ -31,51 +46,54 @@ class ZeroStage:
     param_traffic: float
     """Parameter bytes each replica puts on the wire per step, as a multiple of (D-1)/D x parameter bytes
     (1: the all-gather of the updated shards)."""
-    available: bool
-    """The training side implements it (the planner enumerates it by default)."""
 
 
-ZERO_STAGES: Mapping[int, ZeroStage] = MappingProxyType({
-    0: ZeroStage(0, "replicated: all-reduce the gradients, every replica steps everything",
-                 False, False, 2.0, 0.0, True),
+_TRAFFIC = {
+    0: ZeroStage(0, "replicated: all-reduce the gradients, every replica steps everything", False, False, 2.0, 0.0),
     1: ZeroStage(1, "ZeRO-1: reduce-scatter gradients, step 1/D of the optimizer states, all-gather parameters",
-                 True, False, 1.0, 1.0, True),
-    2: ZeroStage(2, "ZeRO-2: as ZeRO-1, and keep only 1/D of the reduced gradients",
-                 True, True, 1.0, 1.0, True),
-})
+                 True, False, 1.0, 1.0),
+    2: ZeroStage(2, "ZeRO-2: as ZeRO-1, and keep only 1/D of the reduced gradients", True, True, 1.0, 1.0),
+}
+ZERO_STAGES: Mapping[int, ZeroStage] = MappingProxyType({s: _TRAFFIC[s] for s in TRAINER_ZERO_STAGES})
+"""The traffic model of every stage the trainer accepts (a stage without one fails at import)."""
 
 
 @dataclass(frozen=True)
 class Compression:
-    """A gradient-compression method for the data-parallel reduction."""
+    """A gradient-compression method of the trainer (its options) and the planner's measured wire ratio."""
 
-    name: str
-    """Its name on the command line."""
+    options: Options
+    """The trainer's options (`dp_options.compression`): what `PipelineConfig.grad_compression` is set to."""
     wire_ratio: float
     """Gradient bytes on the wire are divided by this (1: none)."""
     note: str
     """Where the ratio comes from and what it costs in accuracy."""
-    available: bool
-    """The training side implements it (the planner enumerates it by default)."""
+
+    @property
+    def name(self) -> str:
+        """The trainer's method name with its non-default options: "powersgd", "powersgd(rank=1)"."""
+        return options_label(self.options)
 
 
 COMPRESSIONS: Mapping[str, Compression] = MappingProxyType({
     c.name: c for c in (
-        Compression("none", 1.0, "fp32 gradients", True),
-        Compression("bf16", 2.0, "grad_compression='bf16' (torch hook); +0.06% loss", True),
-        Compression("int8", 3.9, "grad_compression='int8': blocks of 256, stochastic rounding, error feedback; "
-                    "-0.29% loss", True),
-        Compression("powersgd-r4", 9.9, "grad_compression='powersgd' (rank 4); 6.9x over 200 steps with its 10 "
-                    "exact ones; +2.93% loss", True),
-        Compression("powersgd-r1", 11.8, "PowerSGDOptions(rank=1); ratio and +13.7% loss from COMM-NOTES (not "
-                    "in the training benchmark)", True),
-        Compression("dgc", 50.0, "grad_compression='dgc' (99%, SGD momentum in the compressor); 20.1x over 200 "
-                    "steps with its warm-up; +1.15% loss", True),
+        Compression(NoCompression(), 1.0, "fp32 gradients"),
+        Compression(Bf16Options(), 2.0, "a bfloat16 cast (torch hook); +0.06% loss"),
+        Compression(Fp16Options(), 2.0, "a float16 cast (torch hook): half the bytes by construction; not in the "
+                    "training benchmark"),
+        Compression(Int8Options(), 3.9, "blocks of 256, stochastic rounding, error feedback; -0.29% loss"),
+        Compression(PowerSGDOptions(), 9.9, "rank 4; 6.9x over 200 steps with its 10 exact ones; +2.93% loss"),
+        Compression(PowerSGDOptions(rank=1), 11.8, "ratio and +13.7% loss from COMM-NOTES (not in the training "
+                    "benchmark)"),
+        Compression(DGCOptions(), 50.0, "99% sparsity, SGD momentum in the compressor; 20.1x over 200 steps with "
+                    "its warm-up; +1.15% loss"),
     )
 })
-"""Lightest (least compression) first. Wire ratios are steady-state bytes per step, measured in training on
-the GPT example at PP=2 x DP=2 (docs/benchmarks.md, "Gradient compression in training", run of 2026-11-22
-18:21 UTC), except powersgd-r1's (COMM-NOTES.md); losses are the last 20 steps' mean against fp32."""
+"""Lightest (least compression) first, keyed by `Compression.name`. The trainer's methods without a measured
+ratio (top-k, random-k, threshold, other options) are not planned. Wire ratios are steady-state bytes per step,
+measured in training on the GPT example at PP=2 x DP=2 (docs/benchmarks.md, "Gradient compression in training",
+run of 2026-11-22 18:21 UTC), except powersgd(rank=1)'s (COMM-NOTES.md) and fp16's (exact); losses are the last
+20 steps' mean against fp32."""
 
 
 def zero_stage(stage: int) -> ZeroStage:
@@ -85,11 +103,26 @@ def zero_stage(stage: int) -> ZeroStage:
     return ZERO_STAGES[stage]
 
 
-def compression(name: str) -> Compression:
-    """The table entry of compression method `name`; ValueError lists the known methods."""
-    if name not in COMPRESSIONS:
-        raise ValueError(f"unknown compression {name!r}; known methods: {', '.join(COMPRESSIONS)}")
-    return COMPRESSIONS[name]
+def compression(spec: str | Options) -> Compression:
+    """The table entry of a method: its name ("powersgd", "powersgd(rank=1)") or the trainer's options object.
+    Options without a measured ratio (the trainer's other methods and options) get ratio 1: the reduction is
+    modelled uncompressed. ValueError for an unknown name, listing the known ones."""
+    name = spec if isinstance(spec, str) else options_label(spec)
+    if isinstance(spec, str) and name not in COMPRESSIONS:
+        try:
+            name = options_label(compression_options(spec))
+        except ValueError:
+            pass
+    if name in COMPRESSIONS:
+        return COMPRESSIONS[name]
+    if isinstance(spec, str):
+        raise ValueError(f"unknown compression {name!r}; known methods: {', '.join(COMPRESSIONS)} (the trainer's "
+                         f"other methods have no measured wire ratio: pass their options object)")
+    return Compression(spec, 1.0, UNMEASURED)
+
+
+UNMEASURED = "no measured wire ratio: the reduction is modelled uncompressed"
+"""The note of a method the planner has no ratio for."""
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,9 @@ class Machine:
     compute_scale: float = 1.0
     """alpha: every compute action's cost-model time is multiplied by it (a part's time inside a running
     pipeline over its profiled time), before `action_s` is added."""
+    wall_scale: float = 1.0
+    """Every time of the simulated run is multiplied by it at the end (measured over modelled wall time of
+    calibration runs: what the rest of the model leaves out)."""
 
     def __post_init__(self) -> None:
         if self.cores is not None and (not isinstance(self.cores, int) or isinstance(self.cores, bool)
@@ -45,7 +48,8 @@ class Machine:
         """The machine of a profile's measured runtime work (None: none) on `cores` shared cores."""
         if overhead is None:
             return Machine(cores)
-        return Machine(cores, overhead.action_s, overhead.message_s, overhead.step_s, overhead.compute_scale)
+        return Machine(cores, overhead.action_s, overhead.message_s, overhead.step_s, overhead.compute_scale,
+                       overhead.wall_scale)
 
 
 @dataclass(frozen=True)
@@ -94,10 +98,11 @@ def simulate_shared(schedule: Schedule, cost: CostModel | None = None, machine: 
     if not state.finished:
         run = run_program(program, layout.num_tokens, cost.comm_time)
         raise ScheduleError("simulation stuck: " + explain_stuck(lowered, layout, program, run).message)
-    events = tuple(Event(rank, action, start, end)
+    k = machine.wall_scale
+    events = tuple(Event(rank, action, start * k, end * k)
                    for rank, row in enumerate(state.events) for action, start, end in row)
     timeline = Timeline(schedule.name, schedule.num_ranks, schedule.num_microbatches, events)
-    return SharedRun(timeline, tuple(state.rank_end))
+    return SharedRun(timeline, tuple(end * k for end in state.rank_end))
 
 
 class _Shared:

@@ -48,7 +48,7 @@ class MemoryConfig:
     gradient_factor: float = 1.0
     """Gradient bytes per parameter byte."""
     zero_stage: int = 0
-    """ZeRO stage (see `dp_model.ZERO_STAGES`): what is sharded over the data-parallel replicas."""
+    """ZeRO stage (see `dp_comm.ZERO_STAGES`): what is sharded over the data-parallel replicas."""
     dp: int = 1
     """Data-parallel replicas D."""
 

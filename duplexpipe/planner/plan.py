@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from duplexpipe.dp_options import Options, zero_refusal
 from duplexpipe.planner.dp_comm import (
     COMPRESSIONS,
     ZERO_STAGES,
@@ -60,9 +61,16 @@ class PlanConfig:
     chunks: tuple[int, ...] = (2, 4)
     """Chunks per rank tried for interleaved-1f1b."""
     zero_stages: tuple[int, ...] | None = None
-    """ZeRO stages to try (None: those the training side has, `available` in dp_model.ZERO_STAGES)."""
-    compressions: tuple[str, ...] | None = None
-    """Gradient compressions allowed (None: the available ones); each plan uses the lightest that hides."""
+    """ZeRO stages to try (None: every stage the trainer has, `dp_options.ZERO_STAGES`). With D = 1 they are
+    one plan (nothing is sharded): only the lowest is shown."""
+    compressions: tuple[str | Options, ...] | None = None
+    """Gradient compressions allowed: names of `dp_comm.COMPRESSIONS` ("powersgd", "powersgd(rank=1)") or the
+    trainer's options objects (None: the whole table); each plan uses the lightest that hides, among those the
+    trainer accepts with its ZeRO stage (`refusal`)."""
+    refusal: Callable[[int, Options], str | None] | None = field(default=None, compare=False, repr=False)
+    """The trainer's rule for a (ZeRO stage, compression options) pair: why it refuses the pair, or None when it
+    runs it. None: `dp_options.zero_refusal` (ZeRO's own rule, default ZeroOptions); `Pipeline` passes its
+    whole configuration's check. Refused pairs are never planned."""
     dp_link: Link = field(default_factory=Link)
     """The data-parallel link (bandwidth and latency)."""
     p2p_link: Link = field(default_factory=Link)
@@ -145,18 +153,18 @@ class PlanResult:
 
     def table(self, limit: int | None = None) -> str:
         """The candidates as fixed-width text, best first (at most `limit` rows)."""
-        head = (f"{'schedule':<26} {'M':>4} {'ZeRO':>4} {'compress':<8} {'step':>10} {'bubble':>7} "
+        head = (f"{'schedule':<26} {'M':>4} {'ZeRO':>4} {'compression':<16} {'step':>10} {'bubble':>7} "
                 f"{'peak/rank':>10}  why rejected")
         lines = [head]
         for row in self.rows[:limit]:
             if row.feasible:
-                lines.append(f"{row.schedule:<26} {row.microbatches:>4} {row.zero:>4} {row.compression:<8} "
+                lines.append(f"{row.schedule:<26} {row.microbatches:>4} {row.zero:>4} {row.compression:<16} "
                              f"{_time(row.step_s):>10} {row.bubble:>7.1%} {format_bytes(row.peak_bytes):>10}")
             else:
                 step = _time(row.step_s) if not math.isnan(row.step_s) else "-"
                 peak = format_bytes(row.peak_bytes) if not math.isnan(row.peak_bytes) else "-"
                 bubble = f"{row.bubble:.1%}" if not math.isnan(row.bubble) else "-"
-                lines.append(f"{row.schedule:<26} {row.microbatches:>4} {row.zero:>4} {row.compression:<8} "
+                lines.append(f"{row.schedule:<26} {row.microbatches:>4} {row.zero:>4} {row.compression:<16} "
                              f"{step:>10} {bubble:>7} {peak:>10}  {row.rejected}")
         return "\n".join(lines)
 
@@ -172,9 +180,12 @@ def plan(profile: Profile, config: PlanConfig) -> PlanResult:
     ranks, or a cap below every candidate (naming the smallest feasible cap).
     """
     _check(profile, config)
-    evaluated = [_evaluate(profile, config, *candidate) for candidate in _candidates(profile, config)]
+    methods = {zero: accepted(config, zero) for zero in _zero_stages(config)}
+    evaluated = [_evaluate(profile, config, *candidate, methods[candidate[3]])
+                 for candidate in _candidates(profile, config)]
     rows = [row for row, _ in evaluated]
-    fits = sorted((e for e in evaluated if e[0].feasible), key=lambda e: (e[0].step_s, e[0].peak_bytes, e[0].schedule))
+    fits = sorted((e for e in evaluated if e[0].feasible),
+                  key=lambda e: (e[0].step_s, e[0].zero, e[0].peak_bytes, e[0].schedule))
     if not fits:
         raise _nothing_fits(rows, config)
     best, context = fits[0]
@@ -198,22 +209,37 @@ def _check(profile: Profile, config: PlanConfig) -> None:
                         f"{config.ranks} (one per rank); profile the model split into more parts")
     for name in config.schedules or ():
         registry.entry(name)
-    for stage in _zero_stages(config):
+    for stage in config.zero_stages or ():
         zero_stage(stage)
-    for method in _compressions(config):
-        compression(method)
+    _compressions(config)
 
 
 def _zero_stages(config: PlanConfig) -> tuple[int, ...]:
-    if config.zero_stages is not None:
-        return config.zero_stages
-    return tuple(s for s, z in ZERO_STAGES.items() if z.available)
+    """The stages to plan: the given ones (else all), only the lowest with D = 1 (the same plan: nothing to shard)."""
+    stages = tuple(dict.fromkeys(config.zero_stages)) if config.zero_stages is not None else tuple(ZERO_STAGES)
+    return (min(stages),) if config.dp == 1 and stages else stages
 
 
-def _compressions(config: PlanConfig) -> tuple[str, ...]:
-    if config.compressions is not None:
-        return config.compressions
-    return tuple(n for n, c in COMPRESSIONS.items() if c.available)
+def _compressions(config: PlanConfig) -> tuple[Compression, ...]:
+    """The allowed methods' table entries, lightest first."""
+    if config.compressions is None:
+        return tuple(COMPRESSIONS.values())
+    chosen = {(method := compression(spec)).name: method for spec in config.compressions}
+    return tuple(c for name, c in COMPRESSIONS.items() if name in chosen) + \
+        tuple(c for name, c in chosen.items() if name not in COMPRESSIONS)
+
+
+def accepted(config: PlanConfig, zero: int) -> tuple[list[Compression], list[str]]:
+    """The allowed methods the trainer runs with ZeRO `zero` (lightest first), and why it refuses the others."""
+    rule = config.refusal or (lambda stage, options: zero_refusal(stage, options))
+    ok, refused = [], []
+    for method in _compressions(config):
+        why = rule(zero, method.options)
+        if why is None:
+            ok.append(method)
+        else:
+            refused.append(f"{method.name}: {why}")
+    return ok, refused
 
 
 def microbatch_counts(config: PlanConfig) -> list[int]:
@@ -259,14 +285,18 @@ class _Context:
     groups: tuple[PartProfile, ...]
 
 
-def _evaluate(profile: Profile, config: PlanConfig, name: str, options: dict[str, Any], m: int,
-              zero: int) -> tuple[PlanRow, _Context | None]:
-    """One candidate's row (rejected with a reason when it cannot run or does not fit)."""
+def _evaluate(profile: Profile, config: PlanConfig, name: str, options: dict[str, Any], m: int, zero: int,
+              methods: tuple[list[Compression], list[str]]) -> tuple[PlanRow, _Context | None]:
+    """One candidate's row (rejected with a reason when it cannot run or does not fit); `methods`: the
+    compressions the trainer accepts with ZeRO `zero`, and why it refuses the others."""
     label = _label(name, options)
     reject = PlanRow(label, m, zero)
     local = config.batch // config.dp
     if local % m:
         return _why(reject, f"batch/D = {local} does not split into {m} microbatches"), None
+    if not methods[0]:
+        return _why(reject, f"the trainer refuses ZeRO {zero} with every allowed compression "
+                            f"({'; '.join(methods[1])})"), None
     reason = registry.check(name, config.ranks, m, **options) if name != "auto" else None
     if reason:
         return _why(reject, reason), None
@@ -285,7 +315,7 @@ def _evaluate(profile: Profile, config: PlanConfig, name: str, options: dict[str
         if max(r.peak for r in memory) <= config.memory:
             break
     peak = max(r.peak for r in memory)
-    method, step = _choose_compression(schedule, timeline, groups, config, zero, _compressions(config))
+    method, step = _choose_compression(schedule, timeline, groups, config, zero, methods[0])
     step += tail
     row = PlanRow(label, m, zero, method.name, step, timeline.makespan, timeline.bubble_ratio,
                   step - timeline.makespan, peak, tuple(memory))
@@ -366,13 +396,14 @@ def _cost_model(schedule: Schedule, groups: Sequence[PartProfile], link: Link) -
 
 
 def _choose_compression(schedule: Schedule, timeline: Timeline, groups: Sequence[PartProfile],
-                        config: PlanConfig, zero: int, allowed: Sequence[str]) -> tuple[Compression, float]:
+                        config: PlanConfig, zero: int, allowed: Sequence[Compression]) -> tuple[Compression, float]:
     """The lightest allowed method that hides the reduction; if none does, the lightest within
     `WORTH_IT` of the fastest step (a heavier method must buy real time). Returns it and its step time."""
-    floor = step_time(schedule, timeline, groups, replace(config, dp=1), zero, COMPRESSIONS["none"])
-    steps = [(compression(name), step_time(schedule, timeline, groups, config, zero, compression(name)))
-             for name in allowed]
-    steps.sort(key=lambda item: list(COMPRESSIONS).index(item[0].name))
+    passes = last_passes(timeline)
+    floor = step_time(schedule, timeline, groups, replace(config, dp=1), zero, COMPRESSIONS["none"], passes)
+    if config.dp == 1:  # nothing is reduced: every method takes the same time, the lightest is chosen
+        return allowed[0], floor
+    steps = [(method, step_time(schedule, timeline, groups, config, zero, method, passes)) for method in allowed]
     for method, step in steps:
         if step - floor <= HIDDEN:
             return method, step
@@ -380,15 +411,12 @@ def _choose_compression(schedule: Schedule, timeline: Timeline, groups: Sequence
     return next((m, step) for m, step in steps if step <= fastest * (1 + WORTH_IT))
 
 
-def step_time(schedule: Schedule, timeline: Timeline, groups: Sequence[PartProfile], config: PlanConfig,
-              zero: int, method: Compression) -> float:
-    """The makespan, then per rank: DualPipe's mirror sum and the data-parallel reductions.
+Passes = tuple[dict[int, float], dict[int, tuple[float, float]]]
+"""Per rank its last event's end; per stage its last backward pass (B or W) as (start, end)."""
 
-    Each stage's gradients (one bucket) become final during its last backward pass (its
-    last W, or B); their reduction overlaps that pass (`dp_model.exposed_time`), one stage
-    after another on the rank's link. A mirrored schedule first exchanges the second copy's
-    gradients with the mirror rank after its last pass, then reduces.
-    """
+
+def last_passes(timeline: Timeline) -> Passes:
+    """When each rank's list ends and each stage's last backward pass (B or W) runs, in `timeline`."""
     ends: dict[int, float] = {}
     last_pass: dict[int, tuple[float, float]] = {}
     for event in timeline.events:
@@ -396,6 +424,20 @@ def step_time(schedule: Schedule, timeline: Timeline, groups: Sequence[PartProfi
         for part in event.action.compute_parts():
             if part.op in (Op.B, Op.W) and event.end >= last_pass.get(part.stage, (0.0, -1.0))[1]:
                 last_pass[part.stage] = (event.start, event.end)
+    return ends, last_pass
+
+
+def step_time(schedule: Schedule, timeline: Timeline, groups: Sequence[PartProfile], config: PlanConfig,
+              zero: int, method: Compression, passes: Passes | None = None) -> float:
+    """The makespan, then per rank: DualPipe's mirror sum and the data-parallel reductions.
+
+    Each stage's gradients (one bucket) become final during its last backward pass (its
+    last W, or B); their reduction overlaps that pass (`dp_comm.exposed_time`), one stage
+    after another on the rank's link. A mirrored schedule first exchanges the second copy's
+    gradients with the mirror rank after its last pass, then reduces. `passes`: `last_passes(timeline)`
+    (computed when not given).
+    """
+    ends, last_pass = passes if passes is not None else last_passes(timeline)
     step = timeline.makespan
     for rank in range(schedule.num_ranks):
         stages = schedule.stages_of_rank(rank)
@@ -427,7 +469,8 @@ def _nothing_fits(rows: Sequence[PlanRow], config: PlanConfig) -> PlanError:
 
 
 def _advice(config: PlanConfig, best: PlanRow, context: _Context) -> str:
-    """Which compression method of the whole table is the lightest that hides the best plan's reduction."""
+    """Which compression method of the whole table is the lightest that hides the best plan's reduction (among
+    those the trainer runs with the plan's ZeRO stage)."""
     if config.dp <= 1:
         return ""
     sched, timeline, groups = context.schedule, context.timeline, context.groups
@@ -435,11 +478,13 @@ def _advice(config: PlanConfig, best: PlanRow, context: _Context) -> str:
         return (f"{sched.name} reduces its gradients over the data-parallel replicas after its mirror sum, when "
                 f"no compute is left to hide behind: {best.dp_exposed_s * 1e3:.3g} ms with {best.compression}")
     floor = step_time(sched, timeline, groups, replace(config, dp=1), best.zero, COMPRESSIONS["none"])
-    for method in COMPRESSIONS.values():
+    runs, _ = accepted(replace(config, compressions=None), best.zero)
+    for method in runs:
         if step_time(sched, timeline, groups, config, best.zero, method) - floor <= HIDDEN:
             if method.name == "none":
                 return "the data-parallel reduction hides behind the last backward passes without compression"
-            note = "" if method.available else " (not yet in the training side)"
-            return (f"lightest compression that hides the data-parallel reduction: {method.name} "
-                    f"({method.wire_ratio:g}x fewer bytes){note}")
-    return "no compression method in the table hides the data-parallel reduction on this link"
+            note = "" if method.name in {c.name for c in _compressions(config)} else " (not among the allowed)"
+            return (f"lightest compression that hides the data-parallel reduction with ZeRO {best.zero}: "
+                    f"{method.name} ({method.wire_ratio:g}x fewer bytes){note}")
+    return f"no compression method the trainer runs with ZeRO {best.zero} hides the data-parallel reduction on " \
+           "this link"

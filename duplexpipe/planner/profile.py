@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from duplexpipe.planner.partition import balanced_split
+
 PROFILE_FORMAT = "duplexpipe-profile"
 PROFILE_VERSION = 1
 
@@ -93,14 +95,16 @@ class PartProfile:
 
 def check_work_terms(terms: Any, label: str, error: type[ValueError]) -> None:
     """Raise `error` (naming `label` and the field) unless `terms`' action_s, message_s and step_s are finite
-    numbers >= 0 and its compute_scale a finite number > 0 (RuntimeOverhead and the simulator's Machine)."""
+    numbers >= 0 and its compute_scale and wall_scale finite numbers > 0 (RuntimeOverhead and the simulator's
+    Machine)."""
     for name in ("action_s", "message_s", "step_s"):
         value = getattr(terms, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
             raise error(f"{label} {name} must be a finite number >= 0, got {value!r}")
-    scale = terms.compute_scale
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
-        raise error(f"{label} compute_scale must be a finite number > 0, got {scale!r}")
+    for name in ("compute_scale", "wall_scale"):
+        scale = getattr(terms, name)
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
+            raise error(f"{label} {name} must be a finite number > 0, got {scale!r}")
 
 
 @dataclass(frozen=True)
@@ -118,6 +122,9 @@ class RuntimeOverhead:
     compute_scale: float = 1.0
     """alpha: a part's CPU time inside a running pipeline over its profiled time (a calibration with the
     real parts measures it; 1 when the calibration ran 1-weight parts or in older profiles)."""
+    wall_scale: float = 1.0
+    """Every simulated time is multiplied by it: the calibration runs' measured wall time over the model's (what
+    the model of the machine leaves out: a woken rank waiting for a core, other processes); 1: none known."""
 
     def __post_init__(self) -> None:
         check_work_terms(self, "runtime overhead", ProfileError)
@@ -125,7 +132,7 @@ class RuntimeOverhead:
     def to_dict(self) -> dict[str, Any]:
         """The JSON form."""
         return {"action_s": self.action_s, "message_s": self.message_s, "step_s": self.step_s,
-                "method": self.method, "compute_scale": self.compute_scale}
+                "method": self.method, "compute_scale": self.compute_scale, "wall_scale": self.wall_scale}
 
     @staticmethod
     def from_dict(data: Any, where: str) -> RuntimeOverhead:
@@ -137,7 +144,7 @@ class RuntimeOverhead:
                 raise ProfileError(f"{where}: missing field {name!r}")
         try:
             return RuntimeOverhead(data["action_s"], data["message_s"], data["step_s"], str(data.get("method", "")),
-                                   data.get("compute_scale", 1.0))
+                                   data.get("compute_scale", 1.0), data.get("wall_scale", 1.0))
         except ProfileError as exc:
             raise ProfileError(f"{where}: {exc}") from None
 
@@ -187,7 +194,7 @@ class Profile:
     def group_sizes(self, num_groups: int) -> list[int]:
         """How many parts each of `num_groups` contiguous groups of near-equal F+B time takes (at the
         profiled microbatch; the planner groups every candidate this way, so its grouping is the one
-        `pipeline.autoplan` and `balanced_split` on these times rebuild). ProfileError when there are
+        `train.auto_config` and `partition.balanced_split` on these times rebuild). ProfileError when there are
         fewer parts than groups."""
         if num_groups > self.num_parts:
             raise ProfileError(f"the profile has {self.num_parts} parts; {num_groups} model parts need a "
@@ -301,31 +308,3 @@ def load_profile(path: str | os.PathLike[str]) -> Profile:
     except json.JSONDecodeError as exc:
         raise ProfileError(f"profile {name!r} is not valid JSON: {exc.msg} at line {exc.lineno}") from None
     return Profile.from_dict(data, f"profile {name!r}")
-
-
-def balanced_split(costs: list[float], num_groups: int) -> list[int]:
-    """Sizes of `num_groups` contiguous non-empty runs of `costs` whose largest sum is smallest.
-
-    Ties go to the split with shorter early runs (deterministic).
-    """
-    n = len(costs)
-    if not 1 <= num_groups <= n:
-        raise ProfileError(f"cannot split {n} parts into {num_groups} groups")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    best = [[math.inf] * (n + 1) for _ in range(num_groups + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_groups + 1)]
-    best[0][0] = 0.0
-    for k in range(1, num_groups + 1):
-        for i in range(k, n - (num_groups - k) + 1):
-            for j in range(k - 1, i):
-                value = max(best[k - 1][j], prefix[i] - prefix[j])
-                if value < best[k][i] - 1e-12 * max(1.0, value):
-                    best[k][i], cut[k][i] = value, j
-    sizes, i = [], n
-    for k in range(num_groups, 0, -1):
-        j = cut[k][i]
-        sizes.append(i - j)
-        i = j
-    return sizes[::-1]

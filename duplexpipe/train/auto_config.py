@@ -1,4 +1,5 @@
-"""schedule="auto": profile the model parts on a sample microbatch, plan under a memory limit, build the winner."""
+"""schedule="auto": measure the parts (rank 0's profile and an in-pipeline calibration, cached), plan the schedule,
+M, ZeRO stage and gradient compression among what the trainer accepts, and say what will run (`RunPlan`)."""
 
 from __future__ import annotations
 
@@ -13,16 +14,40 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from duplexpipe.comm import Options
+from duplexpipe.comm import NoCompression, Options, check_optimizer, compression_options
+from duplexpipe.dp_options import ZeroOptions, options_label
 from duplexpipe.model.split import PartInfo, Partition
 from duplexpipe.model.stages import PartInit, as_factory, materialize_part
-from duplexpipe.planner.dp_comm import COMPRESSIONS
+from duplexpipe.parallel.compressed import check_dgc_momentum
+from duplexpipe.parallel.tied import find_tied
+from duplexpipe.parallel.zero_config import check_tied
+from duplexpipe.planner.calibrate import fit_wall_scale
+from duplexpipe.planner.calibration_cache import default_cache_dir
+from duplexpipe.planner.dp_comm import UNMEASURED, Link, compression
 from duplexpipe.planner.memory import format_bytes, parse_bytes
-from duplexpipe.planner.plan import PlanConfig, PlanResult, plan
-from duplexpipe.planner.profile import Profile, balanced_split
-from duplexpipe.runtime.structure import WHOLE_MESSAGE, call, flatten, map_leaves, split
+from duplexpipe.planner.plan import PlanConfig, PlanResult, microbatch_counts, plan
+from duplexpipe.planner.profile import Profile
+from duplexpipe.runtime.structure import flatten, map_leaves, split
 from duplexpipe.schedules.ir import Schedule
-from duplexpipe.train.measure import Timer, profile_parts
+from duplexpipe.train.auto_measure import (
+    MAX_SCALE,
+    Calibration,
+    PartChain,
+    PipelineBuilder,
+    cache_of,
+    cached_profile,
+    calibrate,
+    machine_signature,
+    measure_link,
+    merge_init,
+    merge_parts,
+    parts_digest,
+    sample_signature,
+)
+from duplexpipe.train.measure import cache_evict_bytes, profile_parts
+
+__all__ = ["AUTO", "NO_LIMIT", "AutoChoice", "AutoSetup", "PartChain", "RunPlan", "calibration_config", "check_fixed",
+           "check_options", "choose", "memory_bytes", "probe_optimizer", "trainer_refusal"]
 
 AUTO = "auto"
 """The PipelineConfig.schedule value that plans the schedule (the registry's `auto` generator is one candidate)."""
@@ -30,8 +55,13 @@ NO_LIMIT = 2**62
 """The cap planned with when no memory_limit is given (bytes; no candidate is rejected for memory)."""
 PROFILE_KEYS = ("repeats", "warmup", "timer", "fit_rows", "fused", "evict_bytes")
 """schedule_options keys that go to `profile_parts`."""
-PLAN_KEYS = tuple(f.name for f in fields(PlanConfig) if f.name not in ("ranks", "batch", "memory", "dp"))
+CALIBRATION_KEYS = ("calibrate", "calibration_budget_s", "calibration_cache", "cpu_timer")
+"""schedule_options keys of the in-pipeline calibration and its cache (`auto_measure.Calibration`)."""
+PLAN_KEYS = tuple(f.name for f in fields(PlanConfig) if f.name not in ("ranks", "batch", "memory", "dp", "refusal"))
 """schedule_options keys that go to the planner's PlanConfig."""
+FIXED = {"num_microbatches": "microbatches", "zero_stage": "zero_stages", "grad_compression": "compressions"}
+"""PipelineConfig fields that, when set (not None), fix the planner's choice, and the schedule_options key that
+narrows the planner's search when the field is left unset."""
 LOGGER = logging.getLogger("duplexpipe.plan")
 
 
@@ -51,45 +81,50 @@ def memory_bytes(limit: int | str | None, what: str = "PipelineConfig.memory_lim
         raise ValueError(f"{what}: {exc}") from None
 
 
-def planned_compression(options: Options) -> str:
-    """The planner's name (dp_model.COMPRESSIONS) for the gradient compression a Pipeline runs with; "none"
-    (the reduction modelled uncompressed, said in the log) where the table has no measured ratio for it."""
-    name = {"none": "none", "bf16": "bf16", "int8": "int8"}.get(options.method)
-    rank, ratio = getattr(options, "rank", None), getattr(options, "ratio", None)
-    if options.method == "powersgd" and rank in (1, 4):
-        name = f"powersgd-r{rank}"
-    if options.method == "dgc" and ratio == 0.01:
-        name = "dgc"
-    if name is None or name not in COMPRESSIONS:
-        LOGGER.warning("schedule='auto': no measured wire ratio for grad_compression %r; the plan models the "
-                       "data-parallel reduction uncompressed", options)
-        return "none"
-    return name
-
-
 def check_options(options: dict[str, Any]) -> None:
     """Raise ValueError naming keys of schedule_options that schedule="auto" does not take."""
-    unknown = sorted(set(options) - set(PROFILE_KEYS) - set(PLAN_KEYS))
+    known = PLAN_KEYS + PROFILE_KEYS + CALIBRATION_KEYS
+    unknown = sorted(set(options) - set(known))
     if unknown:
-        raise ValueError(f"schedule='auto' takes schedule_options {', '.join(PLAN_KEYS + PROFILE_KEYS)}; "
-                         f"got unknown {unknown}")
+        raise ValueError(f"schedule='auto' takes schedule_options {', '.join(known)}; got unknown {unknown}")
 
 
-class PartChain(nn.Module):
-    """Model parts run one after another, each called on the previous one's output as the runtime
-    calls a stage (a tuple/list as positional arguments, a dict as keyword arguments)."""
+def check_fixed(config: Any) -> None:
+    """Raise ValueError when a PipelineConfig field fixes a choice that its schedule_options key would widen."""
+    for name, key in FIXED.items():
+        value = getattr(config, name)
+        if value is not None and key in config.schedule_options:
+            raise ValueError(f"schedule='auto': PipelineConfig.{name}={value!r} fixes what schedule_options[{key!r}] "
+                             f"would let the planner choose from; set one of them")
 
-    def __init__(self, parts: Sequence[nn.Module]) -> None:
-        super().__init__()
-        self.parts = nn.ModuleList(parts)
-        setattr(self, WHOLE_MESSAGE, getattr(parts[0], WHOLE_MESSAGE, False))  # called as its first part is
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        out = self.parts[0](*args, **kwargs)
-        for part in list(self.parts)[1:]:
-            form, leaves = flatten(out, "output")
-            out = call(part, form, leaves)
-        return out
+@dataclass(frozen=True)
+class RunPlan:
+    """What a Pipeline runs: the schedule, M, ZeRO stage and gradient compression (and what auto predicted)."""
+
+    schedule: str
+    """The schedule, as the planner names it (with its options, e.g. "interleaved-1f1b(chunks=2)")."""
+    microbatches: int
+    """M."""
+    zero_stage: int
+    """The ZeRO stage (PipelineConfig.zero_stage it runs with)."""
+    grad_compression: Options
+    """The gradient compression (PipelineConfig.grad_compression it runs with)."""
+    predicted_step_s: float | None = None
+    """schedule="auto": the planner's predicted step time; None otherwise."""
+
+    @property
+    def compression(self) -> str:
+        """The compression's name with its non-default options ("none", "powersgd(rank=1)")."""
+        return options_label(self.grad_compression)
+
+    def summary(self) -> str:
+        """One line: "zbv, M=8, ZeRO 0, gradient compression none (predicted step 12.3 ms)"."""
+        text = (f"{self.schedule}, M={self.microbatches}, ZeRO {self.zero_stage}, gradient compression "
+                f"{self.compression}")
+        if self.predicted_step_s is None:
+            return text
+        return f"{text} (predicted step {self.predicted_step_s * 1e3:.4g} ms)"
 
 
 @dataclass(frozen=True)
@@ -99,33 +134,23 @@ class AutoChoice:
     result: PlanResult
     """The planner's result: every candidate, best first (`result.table()`)."""
     profile: Profile
-    """Rank 0's profile of the given parts, on the sample's first microbatch."""
+    """Rank 0's profile of the given parts (with the calibrated runtime work when the calibration ran)."""
     schedule: Schedule
     """The winner, ready to run."""
     groups: tuple[int, ...]
     """How many of the given parts each of the schedule's model parts holds (contiguous, in order)."""
+    plan: RunPlan
+    """What runs: the winner's schedule, M, ZeRO stage and gradient compression."""
+    source: str = ""
+    """Where the measurements came from ("measured", "cache <file>", ...)."""
 
     def merged_parts(self, parts: Sequence[nn.Module]) -> list[nn.Module]:
         """The given parts as the schedule's model parts: a run of several becomes one PartChain."""
-        out: list[nn.Module] = []
-        start = 0
-        for count in self.groups:
-            run = list(parts[start:start + count])
-            out.append(run[0] if count == 1 else PartChain(run))
-            start += count
-        return out
+        return merge_parts(parts, self.groups)
 
     def merged_init(self, init: PartInit | None) -> PartInit | None:
         """`init(part, k)` for the merged parts: each given part k inside a chain is filled by init(part, k)."""
-        if init is None:
-            return None
-        firsts = [sum(self.groups[:g]) for g in range(len(self.groups))]
-
-        def fill(module: nn.Module, group: int) -> None:
-            inner = module.parts if isinstance(module, PartChain) else [module]
-            for offset, part in enumerate(inner):
-                init(part, firsts[group] + offset)
-        return fill
+        return merge_init(init, self.groups)
 
     def merged_partition(self, partition: Partition | None) -> Partition | None:
         """The given parts' Partition with the merged runs joined (None stays None)."""
@@ -141,14 +166,22 @@ class AutoChoice:
             start += count
         return replace(partition, balance=tuple(len(p.layers) for p in out), parts=tuple(out))
 
+    def applied(self, config: Any) -> Any:
+        """`config` (a PipelineConfig) with the plan's M, ZeRO stage and gradient compression set (and the
+        schedule_options that searched them dropped): what runs."""
+        p = self.plan
+        options = {k: v for k, v in config.schedule_options.items() if k not in FIXED.values()}
+        return replace(config, num_microbatches=p.microbatches, zero_stage=p.zero_stage,
+                       grad_compression=p.grad_compression, schedule_options=options)
+
     def summary(self) -> str:
         """The choice in one line."""
         best = self.result.best
         cap = self.result.config.memory
         limit = "no memory limit" if cap >= NO_LIMIT else f"limit {format_bytes(cap)} per rank"
-        return (f"schedule='auto' chose {best.schedule} with M={best.microbatches} ({limit}): predicted step "
-                f"{best.step_s * 1e3:.4g} ms, peak {format_bytes(best.peak_bytes)} per rank; the model's "
-                f"{self.profile.num_parts} parts run as {len(self.groups)} (merged {list(self.groups)})")
+        return (f"schedule='auto' chose {self.plan.summary()}; {limit}, peak {format_bytes(best.peak_bytes)} per rank; "
+                f"the model's {self.profile.num_parts} parts run as {len(self.groups)} (merged {list(self.groups)}); "
+                f"measurements: {self.source or 'measured'}")
 
 
 @contextlib.contextmanager
@@ -160,21 +193,43 @@ def _autocast(device: torch.device, dtype: torch.dtype | None) -> Iterator[None]
         yield
 
 
+@dataclass(frozen=True)
+class AutoSetup:
+    """Where and with what schedule="auto" plans (built by `Pipeline`)."""
+
+    ranks: int
+    """P."""
+    dp: int
+    """D."""
+    pp_rank: int
+    """This process's pipeline rank."""
+    device: torch.device
+    """Where the parts run."""
+    init: PartInit | None = None
+    """init(part, k) for parts on the meta device."""
+    autocast: torch.dtype | None = None
+    """The precision's autocast dtype."""
+    build: PipelineBuilder | None = None
+    """Builds the calibration's Pipelines (None: no in-pipeline calibration)."""
+
+
 def _profile(parts: Sequence[nn.Module], loss_fn: Callable[[Any, Any], torch.Tensor], sample: tuple[Any, Any],
-             num_microbatches: int, options: dict[str, Any], device: torch.device, init: PartInit | None,
-             autocast: torch.dtype | None) -> Profile:
-    """Profile copies of the parts on the sample's first microbatch (as the runtime would split it)."""
+             microbatches: int, kwargs: dict[str, Any], setup: AutoSetup) -> Profile:
+    """Profile copies of the parts on the sample's first of `microbatches` microbatches (as the runtime splits it)."""
     inputs, targets = sample
-    first = split(inputs, num_microbatches, "sample_input")[0]
-    target = split(targets, num_microbatches, "sample_targets")[0] if targets is not None else None
-    copies = [materialize_part(parts, k, device, init) for k in range(len(parts))]
-    move = (lambda t: t.to(device))  # noqa: E731
+    first = split(inputs, microbatches, "sample_input")[0]
+    target = split(targets, microbatches, "sample_targets")[0] if targets is not None else None
+    copies = [materialize_part(parts, k, setup.device, setup.init) for k in range(len(parts))]
+    move = (lambda t: t.to(setup.device))  # noqa: E731
     first = map_leaves(move, first)
     target = map_leaves(move, target) if target is not None else None
-    kwargs = {k: options[k] for k in PROFILE_KEYS if k in options}
-    with _autocast(device, autocast):
-        return profile_parts(copies, first, target=target, loss_fn=loss_fn if target is not None else None,
-                             meta={"source": "schedule='auto'"}, **kwargs)
+    loss = loss_fn if target is not None else None
+    with _autocast(setup.device, setup.autocast):
+        if "evict_bytes" not in kwargs:  # as many bytes as one microbatch keeps through the model, at least 2 x L2
+            sizes = profile_parts(copies, first, target=target, loss_fn=loss, repeats=1, warmup=0, fit_rows=0,
+                                  fused=False, timer=time.perf_counter)
+            kwargs = {**kwargs, "evict_bytes": max(cache_evict_bytes(), sum(p.activation_bytes for p in sizes.parts))}
+        return profile_parts(copies, first, target=target, loss_fn=loss, meta={"source": "schedule='auto'"}, **kwargs)
 
 
 def _shared_profile(make: Callable[[], Profile]) -> Profile:
@@ -195,20 +250,101 @@ def _shared_profile(make: Callable[[], Profile]) -> Profile:
     return Profile.from_dict(payload[0], "rank 0's profile")
 
 
-def choose(parts: Sequence[nn.Module] | Callable[[int], nn.Module], loss_fn: Callable[[Any, Any], torch.Tensor],
-           *, ranks: int, dp: int, sample: tuple[Any, Any] | None, memory_limit: int | str | None,
-           num_microbatches: int, options: dict[str, Any], device: torch.device, init: PartInit | None = None,
-           autocast: torch.dtype | None = None, zero_stage: int = 0, compression: str = "none") -> AutoChoice:
-    """Profile (rank 0, shared), plan for `ranks` x `dp` and the sample's batch size, log the choice once.
+def probe_optimizer(optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> torch.optim.Optimizer | None:
+    """What `optimizer` builds on one parameter (its type and hyperparameters), or None when it cannot."""
+    try:
+        return optimizer([nn.Parameter(torch.zeros(1))])
+    except Exception:  # noqa: BLE001 - an optimizer that needs the real parameters: checked when it is built
+        return None
 
-    `sample` is (inputs, targets) of one step's batch on this replica; the profiled microbatch
-    is its first of `num_microbatches`. The plan keeps the Pipeline's own data-parallel settings
-    (`zero_stage`, `compression`: a dp_model name) unless schedule_options sets zero_stages or
-    compressions. Raises ValueError on every rank, before any training, when the parts or the
-    sample are unusable or no candidate fits the limit (naming the smallest feasible cap).
+
+def trainer_refusal(config: Any, probe: torch.optim.Optimizer | None, parts: Sequence[nn.Module],
+                    dp: int) -> Callable[[int, Options], str | None]:
+    """The trainer's rule for a (ZeRO stage, compression) pair under `config`: PipelineConfig's own checks
+    (ZeRO with the method, ZeroOptions, dp_strategy, clipping with DGC), the sparsifiers' optimizer checks on
+    the optimizer `probe` (`probe_optimizer`; None: not checked here), and ZeRO with tied weights. Returns why
+    it refuses the pair (its first line), or None."""
+    tied = [t.places for t in find_tied(parts)]
+
+    def rule(zero: int, options: Options) -> str | None:
+        try:
+            replace(config, schedule="1f1b", schedule_options={}, memory_limit=None, num_microbatches=None,
+                    zero_stage=zero, grad_compression=options)
+            if probe is not None:
+                check_optimizer(options, probe)
+                check_dgc_momentum(options, probe)
+            check_tied(zero, tied, dp)
+        except ValueError as exc:
+            return str(exc).splitlines()[0]
+        return None
+    return rule
+
+
+def calibration_config(config: Any, schedule: Schedule) -> Any:
+    """The PipelineConfig of a calibration run: `config`'s runtime settings on `schedule`, without data-parallel
+    compression or ZeRO (the planner models those itself) and without the replica check."""
+    return replace(config, schedule=schedule, num_microbatches=None, schedule_options={}, memory_limit=None,
+                   zero_stage=0, grad_compression=None, dp_strategy=None, zero=ZeroOptions(), check_replicas=False)
+
+
+def _plan_config(config: Any, options: dict[str, Any], rows: int, setup: AutoSetup,
+                 refusal: Callable[[int, Options], str | None]) -> PlanConfig:
+    """The planner's settings: schedule_options, with the fields the user fixed in `config` as the only choice."""
+    values: dict[str, Any] = {k: (tuple(v) if isinstance(v, list) else v) for k, v in options.items() if k in PLAN_KEYS}
+    if config.num_microbatches is not None:
+        values["microbatches"] = (config.num_microbatches,)
+    if config.zero_stage is not None:
+        values["zero_stages"] = (config.zero_stage,)
+    if config.grad_compression is not None:
+        values["compressions"] = (compression_options(config.grad_compression),)
+    cap = memory_bytes(config.memory_limit)
+    return PlanConfig(ranks=setup.ranks, batch=rows * setup.dp, memory=cap if cap is not None else NO_LIMIT,
+                      dp=setup.dp, refusal=refusal, **values)
+
+
+def _fingerprint(parts: Sequence[nn.Module], sample: tuple[Any, Any], config: Any, setup: AutoSetup,
+                 profile_kwargs: dict[str, Any], rows: tuple[int, ...], calibration: Calibration,
+                 optimizer_type: str) -> dict[str, Any]:
+    """What the cached measurements depend on: the parts, the sample, P and D, the machine, the runtime's settings."""
+    return {"parts": parts_digest(parts), "sample": sample_signature(sample[0]),
+            "targets": sample_signature(sample[1]), "ranks": setup.ranks, "dp": setup.dp,
+            "device": setup.device.type, "machine": machine_signature(), "precision": config.precision,
+            "activation_checkpointing": repr(config.activation_checkpointing),
+            "p2p_compression": repr(config.p2p_compression), "count_saved_bytes": config.count_saved_bytes,
+            "record_timeline": config.record_timeline, "check_inputs": config.check_inputs_every_step,
+            "optimizer": optimizer_type, "profile": {k: _name(v) for k, v in profile_kwargs.items()},
+            "profile_rows": list(rows), "calibration": [calibration.enabled, calibration.budget_s]}
+
+
+def _name(value: Any) -> str:
+    """A setting as the cache key sees it: a callable (a timer) by its name, anything else by its repr."""
+    return getattr(value, "__qualname__", type(value).__qualname__) if callable(value) else repr(value)
+
+
+def _settings(options: dict[str, Any]) -> tuple[Calibration, Any]:
+    """The calibration settings and the cache (None: no cache) of schedule_options. A scripted timer means a
+    test or a custom measurement: no cache unless one is named."""
+    scripted = "timer" in options or "cpu_timer" in options
+    cache = cache_of(options.get("calibration_cache", None if scripted else default_cache_dir()))
+    calibration = Calibration(bool(options.get("calibrate", True)), float(options.get("calibration_budget_s", 3.0)),
+                              options.get("cpu_timer", time.process_time))
+    return calibration, cache
+
+
+def choose(parts: Sequence[nn.Module] | Callable[[int], nn.Module], loss_fn: Callable[[Any, Any], torch.Tensor],
+           optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer], config: Any, setup: AutoSetup,
+           sample: tuple[Any, Any] | None) -> AutoChoice:
+    """Measure (cached), plan for P x D and the sample's batch size, log the choice once (rank 0).
+
+    `sample` is (inputs, targets) of one step's batch on this replica. The profile is rank 0's, on the
+    sample's largest candidate microbatch (affine down to the smallest), and the calibration trains
+    `calibration_runs` with the real parts on every rank (`setup.build`). Fields the user set in `config`
+    (num_microbatches, zero_stage, grad_compression) are the planner's only choice for them. Raises
+    ValueError on every rank, before any training, when the parts or the sample are unusable or no
+    candidate fits the limit (naming the smallest feasible cap).
     """
+    options = dict(config.schedule_options)
     check_options(options)
-    cap = memory_bytes(memory_limit)
     if as_factory(parts) is not None:
         raise ValueError("schedule='auto' needs the model parts as a list (it merges neighbouring parts for the "
                          "chosen schedule); got a part factory")
@@ -217,19 +353,80 @@ def choose(parts: Sequence[nn.Module] | Callable[[int], nn.Module], loss_fn: Cal
         raise ValueError("schedule='auto' profiles the model on a sample: pass sample_input= (a batch as given to "
                          "step) and sample_targets= to the Pipeline")
     rows = int(flatten(sample[0], "sample_input")[1][0].shape[0])
-    timer: Timer = options.get("timer", time.perf_counter)
-    profile = _shared_profile(lambda: _profile(given, loss_fn, sample, num_microbatches,
-                                               {**options, "timer": timer}, device, init, autocast))
-    plan_options: dict[str, Any] = {k: (tuple(v) if isinstance(v, list) else v)
-                                    for k, v in options.items() if k in PLAN_KEYS}
-    plan_options = {"zero_stages": (zero_stage,), "compressions": (compression,), **plan_options}
-    config = PlanConfig(ranks=ranks, batch=rows * dp, memory=cap if cap is not None else NO_LIMIT, dp=dp,
-                        **plan_options)
+    probe = probe_optimizer(optimizer)
+    refusal = trainer_refusal(config, probe, given, setup.dp)
+    plan_config = _plan_config(config, options, rows, setup, refusal)
+    counts = microbatch_counts(plan_config)
+    measured = sorted(set(counts) | set(microbatch_counts(replace(plan_config, microbatches=None))))
+    small, large = rows // max(measured), rows // min(measured)
+    kwargs = {"fit_rows": small if 1 <= small < large else 0, **{k: options[k] for k in PROFILE_KEYS if k in options}}
+    calibration, cache = _settings(options)
+
+    def measure() -> Profile:
+        profile = _shared_profile(lambda: _profile(given, loss_fn, sample, min(measured), kwargs, setup))
+        if not calibration.enabled or setup.build is None:
+            return profile
+        fitted, samples, walls = calibrate(profile, given, setup.init, sample, ranks=setup.ranks,
+                                           pp_rank=setup.pp_rank, counts=measured, build=setup.build,
+                                           settings=calibration)
+        meta = dict(profile.meta, calibration_walls=walls,
+                    calibration_samples=[[s.actions, s.messages, s.seconds, s.compute] for s in samples])
+        if isinstance(fitted, str):
+            LOGGER.warning("schedule='auto': the in-pipeline calibration could not separate its terms (%s); "
+                           "planning without the runtime's work", fitted)
+            return replace(profile, meta=meta)
+        if "p2p_link" not in options:
+            message = max((p.output_bytes for p in profile.at_microbatch(rows / min(measured)).parts[:-1]),
+                          default=4)
+            meta["p2p_link"] = list(measure_link(setup.pp_rank, int(message)))
+        return replace(profile, overhead=fitted, meta=meta)
+
+    fingerprint = _fingerprint(given, sample, config, setup, kwargs, (small, large), calibration, type(probe).__name__)
+    profile, source = cached_profile(cache, fingerprint, measure)
+    if "p2p_link" not in options:
+        plan_config, note = _measured_link(profile, plan_config)
+        source = f"{source}; {note}" if note else source
+    profile, note = _wall_scaled(profile, plan_config)
+    return _decide(profile, plan_config, f"{source}; {note}" if note else source)
+
+
+def _wall_scaled(profile: Profile, config: PlanConfig) -> tuple[Profile, str]:
+    """The profile with the calibration runs' measured over modelled wall time (`fit_wall_scale`, under this
+    plan's cores and link) as its wall_scale; unchanged without a calibration or when that factor is beyond
+    [1/MAX_SCALE, MAX_SCALE] (a disturbed measurement)."""
+    walls = profile.meta.get("calibration_walls")
+    if profile.overhead is None or not walls:
+        return profile, ""
+    factor = fit_wall_scale(profile, config, [(str(n), int(m), float(w)) for n, m, w in walls])
+    if not 1 / MAX_SCALE <= factor <= MAX_SCALE:
+        return profile, f"calibration walls {factor:.3g}x the model: not applied"
+    return (replace(profile, overhead=replace(profile.overhead, wall_scale=factor)),
+            f"walls {factor:.3g}x the model of the machine (calibration runs)")
+
+
+def _measured_link(profile: Profile, config: PlanConfig) -> tuple[PlanConfig, str]:
+    """`config` with the stage-to-stage link the calibration measured (round trips), if it did."""
+    link = profile.meta.get("p2p_link")
+    if not (isinstance(link, list) and len(link) == 2):
+        return config, ""
+    latency, bandwidth = float(link[0]), float(link[1])
+    return (replace(config, p2p_link=Link(bandwidth=bandwidth, latency=latency)),
+            f"link {latency * 1e6:.0f} us per message" + (f", {bandwidth / 1e9:.3g} GB/s" if bandwidth < 1e15 else ""))
+
+
+def _decide(profile: Profile, config: PlanConfig, source: str) -> AutoChoice:
+    """Plan, turn the best row into what runs, log it on rank 0."""
     result = plan(profile, config)
     schedule = result.schedule
     assert schedule is not None
-    counts = balanced_split([p.forward_s + p.backward_s for p in profile.parts], schedule.num_groups)
-    choice = AutoChoice(result, profile, schedule, tuple(counts))
+    best = result.best
+    method = next((compression(s) for s in config.compressions or () if compression(s).name == best.compression),
+                  None) or compression(best.compression)
+    if method.note == UNMEASURED:
+        LOGGER.warning("schedule='auto': no measured wire ratio for grad_compression %r; the plan models the "
+                       "data-parallel reduction uncompressed", method.name)
+    run = RunPlan(best.schedule, best.microbatches, best.zero, method.options or NoCompression(), best.step_s)
+    choice = AutoChoice(result, profile, schedule, tuple(profile.group_sizes(schedule.num_groups)), run, source)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
         LOGGER.info("%s\n%s", choice.summary(), result.table())
     return choice

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -16,11 +15,9 @@ from duplexpipe.planner.profile import PartProfile, RuntimeOverhead
 from duplexpipe.planner.runtime_work import OverheadSample, rank_counts, rank_work, solve_overhead
 from duplexpipe.schedules import registry
 from duplexpipe.schedules.ir import Schedule
+from duplexpipe.train.auto_measure import CpuTimer, gathered_samples, timed_steps
 from duplexpipe.train.measure import profile_parts
 from duplexpipe.train.trainer import LossFn, Pipeline, PipelineConfig
-
-CpuTimer = Callable[[], float]
-"""This process's CPU seconds (all its threads: gloo's included); time.process_time by default."""
 
 
 class TinyPart(nn.Module):
@@ -87,7 +84,7 @@ def measure_overhead(message: Tensor, *, runs: Sequence[tuple[str, int]] | None 
                       lambda p: torch.optim.SGD(p, lr=0.0), replace(base, schedule=name, num_microbatches=m))
              for name, m in plan]
     batches = [(torch.cat([message.detach()] * m), torch.zeros(len(message) * m)) for _, m in plan]
-    cpu, wall = _timed_steps(pipes, batches, steps, warmup, cpu_timer)
+    cpu, wall = timed_steps(pipes, batches, steps, warmup, cpu_timer)
     mine = (cpu, tiny)
     gathered: list[tuple[list[float], PartProfile] | None] = [None] * ranks
     dist.all_gather_object(gathered, mine)
@@ -145,37 +142,10 @@ def measure_in_pipeline(runs: Sequence[CalibrationRun], batch: tuple[Tensor, Ten
                              f"{len(run.parts)} parts")
     base = config or PipelineConfig()
     pipes = [Pipeline(list(run.parts), loss_fn, optimizer, replace(base, schedule=run.schedule)) for run in runs]
-    cpu, wall = _timed_steps(pipes, [batch] * len(runs), steps, warmup, cpu_timer)
-    gathered: list[list[float] | None] = [None] * ranks
-    dist.all_gather_object(gathered, cpu)
-    samples = []
-    for r, got in enumerate(gathered):
-        assert got is not None
-        for run, seconds in zip(runs, got, strict=True):
-            actions, messages = rank_counts(run.schedule)[r]
-            samples.append(OverheadSample(actions, messages, seconds, rank_work(run.schedule, run.groups)[r]))
+    cpu, wall = timed_steps(pipes, [batch] * len(runs), steps, warmup, cpu_timer)
+    samples = gathered_samples([(run.schedule, run.groups) for run in runs], cpu, dist.get_rank())
     method = (f"{', '.join(f'{r.schedule.name} M={r.schedule.num_microbatches}' for r in runs)} on {ranks} ranks "
               f"with the real parts: median CPU time per rank of {steps} steps each, least squares over "
               f"{len(samples)} rank-runs for the compute scale and the per-action, per-message and per-step work")
     key = {(r.schedule.name, r.schedule.num_microbatches): w for r, w in zip(runs, wall, strict=True)}
     return OverheadCalibration(solve_overhead(samples, method, fit_scale=True), tuple(samples), key)
-
-
-def _timed_steps(pipes: Sequence[Pipeline], batches: Sequence[tuple[Tensor, Tensor]], steps: int, warmup: int,
-                 cpu_timer: CpuTimer) -> tuple[list[float], list[float]]:
-    """Round-robin steps (step i of each pipe, the first one rotating), each between barriers: per pipe,
-    this rank's median CPU seconds and the slowest rank's median wall seconds of the measured steps."""
-    cpu: list[list[float]] = [[] for _ in pipes]
-    wall: list[list[float]] = [[] for _ in pipes]
-    for step in range(warmup + steps):
-        for k in range(len(pipes)):
-            c = (step + k) % len(pipes)
-            dist.barrier()
-            start_cpu, start = cpu_timer(), time.perf_counter()
-            pipes[c].step(*batches[c])
-            used, took = cpu_timer() - start_cpu, torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-            dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the slowest rank's wall time
-            if step >= warmup:
-                cpu[c].append(used)
-                wall[c].append(float(took.item()))
-    return [statistics.median(t) for t in cpu], [statistics.median(t) for t in wall]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -12,11 +12,12 @@ from duplexpipe.comm import Options, compression_options
 from duplexpipe.comm.nonfinite import check_policy
 from duplexpipe.comm.p2p_codecs import p2p_codec_pair
 from duplexpipe.fielddoc import documented
-from duplexpipe.parallel import DEFAULT_BUCKET_BYTES, ZeroOptions, check_strategy_name, check_zero
+from duplexpipe.parallel import DEFAULT_BUCKET_BYTES, ZERO_STAGES, ZeroOptions, check_strategy_name, check_zero
+from duplexpipe.parallel.zero_config import zero_refusal
 from duplexpipe.runtime.pieces import LinkModel
 from duplexpipe.schedules.ir import Schedule
 from duplexpipe.schedules.timeline import Timeline
-from duplexpipe.train.auto_config import AUTO, check_options, memory_bytes
+from duplexpipe.train.auto_config import AUTO, check_fixed, check_options, memory_bytes
 from duplexpipe.train.precision import LossScaleConfig, autocast_dtype
 
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
@@ -25,6 +26,8 @@ SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 """loss_fn(last stage output, targets) -> scalar mean loss over the microbatch."""
+DEFAULT_MICROBATCHES = 4
+"""num_microbatches when it is left unset (None) and schedule is not "auto"."""
 
 
 @documented
@@ -34,14 +37,24 @@ class PipelineConfig:
 
     schedule: str | Schedule = "1f1b"
     """A registry name (`duplexpipe.schedules.registry.names()`), a ready Schedule for the pp ranks, or
-    "auto": profile the parts on a sample, plan under `memory_limit` and run the winner (see
-    `duplexpipe.train.auto_config`)."""
-    num_microbatches: int = 4
-    """Microbatches per step (ignored when `schedule` is a Schedule); the batch must divide evenly."""
+    "auto": measure the parts on a sample (rank 0's profile and an in-pipeline calibration of the runtime,
+    cached), plan under `memory_limit` and run the winner (see `duplexpipe.train.auto_config`). With "auto"
+    the planner chooses the schedule and every field below that is left unset (None): num_microbatches,
+    zero_stage, grad_compression; a field that is set is fixed, and the planner plans only with that value.
+    `Pipeline.plan` and the log line (logger "duplexpipe.plan") say what was chosen; it is what runs."""
+    num_microbatches: int | None = None
+    """Microbatches per step (ignored when `schedule` is a Schedule); the batch must divide evenly. None (unset):
+    4, or with schedule="auto" the planner's choice (among schedule_options["microbatches"] if given, else the
+    divisors of the batch from P to 8P); set, it is fixed, also under "auto"."""
     schedule_options: dict[str, Any] = field(default_factory=dict)
     """Extra keyword options for the schedule generator, e.g. {"chunks": 2}. With "auto": the planner's
-    PlanConfig fields (`schedules`, `microbatches`, `chunks`, `optimizer_factor`, `p2p_link`, ...) and
-    profile_parts' `repeats`, `warmup` and `timer`."""
+    PlanConfig fields (`schedules`, `microbatches`, `zero_stages`, `compressions`, `chunks`, `cores`,
+    `optimizer_factor`, `p2p_link`, ...; `microbatches`, `zero_stages`, `compressions` only for fields left
+    unset), profile_parts' `repeats`, `warmup`, `timer`, `fit_rows`, `fused`, `evict_bytes`, and the
+    calibration's `calibrate` (False: none), `calibration_budget_s` (default 3 s of measured steps),
+    `calibration_cache` (a directory; None: no cache; default `planner.calibration_cache.default_cache_dir()`,
+    ~/.cache/duplexpipe/calibration, keyed by the parts, the sample, P, D, the machine and these settings)
+    and `cpu_timer`."""
     memory_limit: int | str | None = None
     """schedule="auto" only: the bytes each rank may use (an int, or a size such as "40GiB"); None: no cap."""
     precision: str = "fp32"
@@ -81,8 +94,10 @@ class PipelineConfig:
     grad_compression: str | Options | None = None
     """Data-parallel gradient compression: a method name from duplexpipe.comm.METHOD_NAMES ("bf16", "fp16",
     "powersgd", "int8", "topk", "randomk", "threshold", "dgc") with its defaults, or an options object
-    (e.g. comm.Int8Options(block=128), comm.DGCOptions(ratio=0.001, warmup_steps=20)); None or "none":
-    exact fp32 all-reduce. Sparsifiers assume SGD (DGC: SGD with momentum=0, the momentum and the
+    (e.g. comm.Int8Options(block=128), comm.DGCOptions(ratio=0.001, warmup_steps=20)); "none": exact fp32
+    all-reduce. None (unset): exact, or with schedule="auto" the planner's choice among its measured methods
+    that this configuration accepts (`planner.dp_comm.COMPRESSIONS`; schedule_options["compressions"] narrows
+    them); set (also "none"), it is fixed. Sparsifiers assume SGD (DGC: SGD with momentum=0, the momentum and the
     gradient clipping go in DGCOptions, grad_clip_norm must be None). No effect (a warning) without data
     parallelism."""
     dp_strategy: str | None = None
@@ -91,11 +106,12 @@ class PipelineConfig:
     grad_bucket_bytes: int = DEFAULT_BUCKET_BYTES
     """Gradients are reduced in fixed buckets of at most this many bytes, each started as soon as its
     gradients are final (in the order they become final)."""
-    zero_stage: int = 0
+    zero_stage: int | None = None
     """ZeRO over the data-parallel replicas: 0 none; 1 optimizer state sharded (reduce-scatter, step on the
     shard, all-gather; an elementwise optimizer such as SGD/Adam/AdamW); 2 gradients sharded too (torch
     FSDP2, reduced stage by stage as they become final). 3 is refused (see README). grad_compression may be
-    "bf16", "fp16" or "int8" (int8 = ZeRO++ qgZ) with ZeRO."""
+    "bf16", "fp16" or "int8" (int8 = ZeRO++ qgZ) with ZeRO. None (unset): 0, or with schedule="auto" the
+    planner's choice among the stages this configuration accepts; set, it is fixed."""
     zero: ZeroOptions = field(default_factory=ZeroOptions)
     """ZeRO++ options for zero_stage 1 and 2: quantized_gradients (qgZ), quantized_weights (qwZ), hpz_ranks."""
     fb_overlap: bool = True
@@ -115,6 +131,7 @@ class PipelineConfig:
             raise ValueError(f"PipelineConfig.link must be a LinkModel or None, got {self.link!r}")
         if self.schedule == AUTO:
             check_options(self.schedule_options)
+            check_fixed(self)
         elif self.memory_limit is not None:
             raise ValueError(f"PipelineConfig.memory_limit is for schedule='auto' (the planner's cap), but "
                              f"schedule is {self.schedule!r}")
@@ -134,7 +151,14 @@ class PipelineConfig:
         if not isinstance(self.grad_bucket_bytes, int) or self.grad_bucket_bytes < 1:
             raise ValueError(f"grad_bucket_bytes must be an int >= 1, got {self.grad_bucket_bytes!r}")
         compression = compression_options(self.grad_compression)
-        check_zero(self.zero_stage, self.zero, compression, self.dp_strategy)
+        if self.zero_stage is not None or self.schedule != AUTO:
+            check_zero(self.zero_stage or 0, self.zero, compression, self.dp_strategy)
+        elif all(zero_refusal(z, compression, self.zero, self.dp_strategy) for z in ZERO_STAGES):
+            check_zero(0, self.zero, compression, self.dp_strategy)  # no stage takes it: say why for stage 0
+        if self.num_microbatches is not None and (not isinstance(self.num_microbatches, int)
+                                                  or isinstance(self.num_microbatches, bool)
+                                                  or self.num_microbatches < 1):
+            raise ValueError(f"num_microbatches must be an int >= 1 or None, got {self.num_microbatches!r}")
         if not self.zero_stage:
             check_strategy_name(self.dp_strategy, compression.method != "none")
         if compression.method == "dgc" and self.grad_clip_norm is not None:
@@ -142,6 +166,12 @@ class PipelineConfig:
                 f"grad_clip_norm={self.grad_clip_norm} would clip DGC's averaged momentum-corrected velocity, "
                 "not a gradient; DGC clips each rank's gradient before its momentum: set "
                 "DGCOptions(clip_norm=...) and grad_clip_norm=None")
+
+
+def with_defaults(config: PipelineConfig) -> PipelineConfig:
+    """`config` with the fields left unset (None) at their defaults: DEFAULT_MICROBATCHES microbatches, ZeRO 0."""
+    return replace(config, num_microbatches=config.num_microbatches or DEFAULT_MICROBATCHES,
+                   zero_stage=config.zero_stage or 0)
 
 
 @documented

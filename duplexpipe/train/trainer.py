@@ -45,11 +45,21 @@ from duplexpipe.parallel.zero_config import check_tied
 from duplexpipe.runtime import EvalResult, PipelineRuntime, RuntimeConfig
 from duplexpipe.schedules.ir import Schedule
 from duplexpipe.schedules.registry import build as build_schedule
-from duplexpipe.train.auto_config import AUTO, AutoChoice, choose, planned_compression
+from duplexpipe.train.auto_config import AUTO, AutoChoice, AutoSetup, RunPlan, calibration_config, choose
 from duplexpipe.train.experts import Experts
-from duplexpipe.train.pipeline_config import LossFn, PipelineConfig, SchedulerFactory, StepInfo
+from duplexpipe.train.pipeline_config import (
+    DEFAULT_MICROBATCHES,
+    LossFn,
+    PipelineConfig,
+    SchedulerFactory,
+    StepInfo,
+    with_defaults,
+)
 from duplexpipe.train.precision import DynamicLossScaler, autocast_dtype
 
+AUTO_PARTS_PER_RANK = 4
+"""schedule="auto" in from_layers: the layers are profiled as up to this many parts per pipeline rank, which the
+planner merges into its winner's model parts (finer parts balance better; each costs a little profiling)."""
 BatchTransform = Callable[[Any, Any, bool], tuple[Any, Any]]
 """transform(inputs, targets, train) -> (inputs, targets): what `step` (train=True) and `evaluate` run on a batch
 first (e.g. Hugging Face labels -> token-weighted targets)."""
@@ -79,13 +89,15 @@ class Pipeline:
     (bucket by bucket, each started as soon as its gradients are final; compressed when
     `config.grad_compression` says so).
 
-    With `PipelineConfig(schedule="auto", memory_limit=...)` the construction first profiles the
-    parts (rank 0, on the first of `num_microbatches` microbatches of `sample_input` /
-    `sample_targets`, a batch as given to `step`; every rank uses rank 0's profile), plans for
-    this P, D and batch size under the limit, merges neighbouring parts as the winner needs and
-    runs it; rank 0 logs the choice and the planner's table (logger "duplexpipe.plan"). `self.auto`
-    holds the plan. A limit no candidate fits raises ValueError on every rank, naming the smallest
-    feasible cap.
+    With `PipelineConfig(schedule="auto", memory_limit=...)` the construction first measures the
+    parts (rank 0's profile on a microbatch of `sample_input` / `sample_targets`, a batch as given to
+    `step`, and a few seconds of calibration steps on every rank; cached per parts and machine: see
+    `auto_config.choose`), plans for this P, D and batch size under the limit, merges neighbouring parts
+    as the winner needs and runs it with the M, ZeRO stage and gradient compression it chose (fields set
+    in the config are fixed);
+    rank 0 logs the choice and the planner's table (logger "duplexpipe.plan"). `self.plan` says what runs
+    (any schedule), `self.auto` holds the planner's whole result. A limit no candidate fits raises
+    ValueError on every rank, naming the smallest feasible cap.
     """
 
     def __init__(
@@ -106,12 +118,17 @@ class Pipeline:
         self.config = cfg = config or PipelineConfig()
         self.groups = groups = ParallelGroups.from_mesh(mesh)
         self.device = torch.device(device) if device is not None else default_device()
-        self.auto = self._plan(parts, loss_fn, (sample_input, sample_targets), init)
+        self.auto = self._plan(parts, loss_fn, optimizer, (sample_input, sample_targets), init, mesh)
         """schedule="auto": the plan that was chosen (its table: `auto.result.table()`); None otherwise."""
+        self.config = cfg = self.auto.applied(cfg) if self.auto is not None else with_defaults(cfg)
         if self.auto is not None:
             parts, init = self.auto.merged_parts(parts), self.auto.merged_init(init)  # type: ignore[arg-type]
             partition = self.auto.merged_partition(partition)
         self.schedule = self.auto.schedule if self.auto is not None else _resolve_schedule(cfg, groups.pp_size)
+        self.plan: RunPlan = self.auto.plan if self.auto is not None else RunPlan(
+            self.schedule.name, self.schedule.num_microbatches, cfg.zero_stage or 0,
+            compression_options(cfg.grad_compression))
+        """What runs: schedule, M, ZeRO stage and gradient compression (with "auto": the planner's choice)."""
         self.partition = partition.placed(self.schedule) if partition is not None else None
         ckpt = resolve_checkpointing(cfg.activation_checkpointing, self.schedule)
         self.stage_modules = build_stage_modules(self.schedule, groups.pp_rank, parts, init=init,
@@ -120,7 +137,7 @@ class Pipeline:
         """This rank's MoE layers: expert parallelism and the expert-bias update."""
         self.params = [p for s in sorted(self.stage_modules) for p in self.stage_modules[s].parameters()]
         tied = find_tied([] if callable(parts) else parts)  # factory parts cannot share a Parameter
-        check_tied(cfg.zero_stage, [t.places for t in tied], groups.dp_size)
+        check_tied(cfg.zero_stage or 0, [t.places for t in tied], groups.dp_size)
         self.tied = TiedGrads(tied, self.schedule, groups.pp_rank, self.stage_modules, groups.pp_group)
         self.scaler = DynamicLossScaler(cfg.loss_scale, enabled=cfg.precision == "fp16")
         self.p2p_meter = WireMeter()
@@ -167,7 +184,7 @@ class Pipeline:
         return make_strategy(StrategyContext(
             self.stage_modules, self.schedule, tuple(final_order(plan.grads_final, plan.mirrored)), self.groups,
             optimizer, self.device, self.bounded, compression_options(cfg.grad_compression),
-            cfg.grad_bucket_bytes, cfg.zero_stage, cfg.zero, experts), cfg.dp_strategy)
+            cfg.grad_bucket_bytes, cfg.zero_stage or 0, cfg.zero, experts), cfg.dp_strategy)
 
     @classmethod
     def from_layers(
@@ -192,17 +209,18 @@ class Pipeline:
         `balance` and `sample_input` are as in `split.plan_partition`; rank 0's partition is used
         on every rank (profiled times differ between processes). Layers on the meta device need
         `init` (this rank's parts are allocated and filled, no other part is). With schedule="auto"
-        the layers are split into 2P parts (fewer when there are fewer layers), `sample_input` and
+        the layers are split into 4P parts (one per layer when there are fewer), `sample_input` and
         `sample_targets` are a batch as given to `step`, and the planner merges parts as its
         winner needs.
         """
         config = config or PipelineConfig()
         pp = ParallelGroups.from_mesh(mesh).pp_size
         blocks = as_layers(layers)
-        num_parts = min(len(blocks), 2 * pp) if config.schedule == AUTO else \
-            _resolve_schedule(config, pp).num_groups
+        num_parts = min(len(blocks), AUTO_PARTS_PER_RANK * pp) if config.schedule == AUTO else \
+            _resolve_schedule(with_defaults(config), pp).num_groups
+        timed = config.schedule != AUTO or balance == "time"  # auto profiles the parts itself
         partition = plan_partition(blocks, num_parts, balance, embedding=embedding, head=head,
-                                   sample_input=sample_input)
+                                   sample_input=sample_input if timed else None)
         if dist.is_available() and dist.is_initialized():
             shared: list[Any] = [partition]
             dist.broadcast_object_list(shared, src=0)  # profiled times differ per rank: rank 0 decides
@@ -211,17 +229,19 @@ class Pipeline:
         return cls(parts, loss_fn, optimizer, config, mesh=mesh, device=device, partition=partition,
                    init=init, scheduler=scheduler, sample_input=sample_input, sample_targets=sample_targets)
 
-    def _plan(self, parts: PartSource, loss_fn: LossFn, sample: tuple[Any, Any],
-              init: PartInit | None) -> AutoChoice | None:
-        """schedule="auto": profile, plan and log (see `autoplan.choose`); None for any other schedule."""
+    def _plan(self, parts: PartSource, loss_fn: LossFn, optimizer: OptimizerFactory, sample: tuple[Any, Any],
+              init: PartInit | None, mesh: DeviceMesh | None) -> AutoChoice | None:
+        """schedule="auto": measure, plan and log (see `auto_config.choose`); None for any other schedule."""
         cfg, groups = self.config, self.groups
         if cfg.schedule != AUTO:
             return None
-        return choose(parts, loss_fn, ranks=groups.pp_size, dp=groups.dp_size, sample=sample,
-                      memory_limit=cfg.memory_limit, num_microbatches=cfg.num_microbatches,
-                      options=cfg.schedule_options, device=self.device, init=init,
-                      autocast=autocast_dtype(cfg.precision), zero_stage=cfg.zero_stage,
-                      compression=planned_compression(compression_options(cfg.grad_compression)))
+
+        def build(merged: list[nn.Module], merged_init: PartInit | None, schedule: Schedule) -> Pipeline:
+            return Pipeline(merged, loss_fn, optimizer, calibration_config(cfg, schedule), mesh=mesh,
+                            device=self.device, init=merged_init)
+        setup = AutoSetup(groups.pp_size, groups.dp_size, groups.pp_rank, self.device, init,
+                          autocast_dtype(cfg.precision), build)
+        return choose(parts, loss_fn, optimizer, cfg, setup, sample)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -429,4 +449,5 @@ def _resolve_schedule(config: PipelineConfig, pp_size: int) -> Schedule:
             raise ValueError(f"schedule {schedule.name!r} is for {schedule.num_ranks} ranks, "
                              f"but the pipeline group has {pp_size}")
         return schedule
-    return build_schedule(config.schedule, pp_size, config.num_microbatches, **config.schedule_options)
+    return build_schedule(config.schedule, pp_size, config.num_microbatches or DEFAULT_MICROBATCHES,
+                          **config.schedule_options)

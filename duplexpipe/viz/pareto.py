@@ -11,10 +11,15 @@ from duplexpipe.planner.plan import PlanResult, PlanRow
 from duplexpipe.viz import _style as st
 
 if TYPE_CHECKING:
+    from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
 DPI = 150
 WIDTH_IN, HEIGHT_IN = 8.0, 5.0
+AXES_IN = (0.8, 0.6, 4.96, 3.9)
+"""The axes' (left, bottom, width, height) in inches; the legend goes right of them."""
+RIGHT_MARGIN_IN = 0.15
+"""Room kept right of the legend."""
 
 
 def pareto_front(rows: Sequence[PlanRow]) -> list[PlanRow]:
@@ -40,7 +45,7 @@ def plot_pareto(result: PlanResult, path: str | os.PathLike[str] | None) -> Figu
     over = [r for r in timed if not r.feasible]
     unit, scale = _unit(max(r.peak_bytes for r in timed))
     fig = st.new_figure(WIDTH_IN, HEIGHT_IN, DPI)
-    ax = fig.add_axes((0.1, 0.12, 0.62, 0.78))
+    ax = st.new_axes(fig, AXES_IN)
     names = sorted({r.schedule for r in timed})
     colors = {name: f"C{k % 10}" for k, name in enumerate(names)}
     for name in names:
@@ -56,9 +61,11 @@ def plot_pareto(result: PlanResult, path: str | os.PathLike[str] | None) -> Figu
     front = pareto_front(fits)
     ax.plot([r.peak_bytes / scale for r in front], [r.step_s * 1e3 for r in front], color="#444444",
             linewidth=1.0, zorder=1, label="Pareto front")
+    zero = result.config.dp > 1  # with data parallelism the ZeRO stages are different plans
     for k, r in enumerate(front):  # labels alternate above and below the front so neighbours do not collide
-        ax.annotate(f"{st.display_name(r.schedule)} M={r.microbatches}", (r.peak_bytes / scale, r.step_s * 1e3),
-                    fontsize=7, xytext=(5, 6 if k % 2 == 0 else -11), textcoords="offset points")
+        ax.annotate(f"{st.display_name(r.schedule)} M={r.microbatches}" + (f" ZeRO {r.zero}" if zero else ""),
+                    (r.peak_bytes / scale, r.step_s * 1e3), fontsize=7, xytext=(5, 6 if k % 2 == 0 else -11),
+                    textcoords="offset points")
     best = result.best
     ax.scatter([best.peak_bytes / scale], [best.step_s * 1e3], marker="*", s=180, color="gold",
                edgecolors="black", zorder=4, label=f"best: {st.display_name(best.schedule)} M={best.microbatches}")
@@ -69,10 +76,29 @@ def plot_pareto(result: PlanResult, path: str | os.PathLike[str] | None) -> Figu
     c = result.config
     ax.set_title(f"Plans for P={c.ranks} x D={c.dp}, batch {c.batch}: step time vs memory", fontsize=10)
     ax.grid(True, linewidth=0.3, alpha=0.6)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=7, frameon=False)
+    _fit_legend(fig, ax)
     if target is not None:
         fig.savefig(target, dpi=DPI)
     return fig
+
+
+def _fit_legend(fig: Figure, ax: Axes) -> None:
+    """The legend right of the axes, in two columns when one would be taller than the axes, and the figure
+    widened (the axes kept in place) until the whole legend is inside it."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    legend = ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=7, frameon=False)
+    if legend.get_window_extent(renderer).height > ax.get_window_extent(renderer).height:
+        legend.remove()
+        legend = ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=7, frameon=False, ncols=2)
+    needed = legend.get_window_extent(renderer).x1 / fig.dpi + RIGHT_MARGIN_IN
+    width, height = fig.get_size_inches()
+    if needed > width:
+        fig.set_size_inches(round(needed * fig.dpi) / fig.dpi, height)
+        left, bottom, w, h = AXES_IN
+        new = fig.get_size_inches()[0]
+        ax.set_position((left / new, bottom / height, w / new, h / height))
 
 
 def _unit(largest: float) -> tuple[str, float]:

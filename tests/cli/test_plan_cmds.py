@@ -62,6 +62,24 @@ def test_plan_json_and_pareto_plot(capsys: pytest.CaptureFixture[str], profile_f
     assert figure.stat().st_size > 1000
 
 
+def test_plan_shows_each_plan_once_and_only_what_the_trainer_runs(capsys: pytest.CaptureFixture[str],
+                                                                  profile_file: str) -> None:
+    base = ("plan", "--profile", profile_file, "-p", "2", "--batch", "16", "--memory", "200MiB", "--json")
+    code, out, err = run(capsys, *base)
+    assert code == 0, err
+    rows = json.loads(out)["candidates"]
+    assert {c["zero"] for c in rows} == {0}, "with D = 1 the ZeRO stages are one plan"
+    assert len(rows) == len({(c["schedule"], c["microbatches"]) for c in rows})
+    code, out, err = run(capsys, *base, "--dp", "2", "--bandwidth", "1MB", "--compression", "all")
+    assert code == 0, err
+    rows = [c for c in json.loads(out)["candidates"] if not c["rejected"]]
+    assert {c["zero"] for c in rows} == {0, 1, 2}
+    assert not {c["compression"] for c in rows if c["zero"]} & {"powersgd", "powersgd(rank=1)", "dgc"}
+    code, out, err = run(capsys, *base[:-1], "--dp", "2", "--zero", "1", "--compression", "powersgd")
+    assert code == 2 and "the trainer refuses ZeRO 1 with every allowed compression" in err
+    assert len(err.strip().splitlines()) == 1
+
+
 def test_plan_with_shared_cores(capsys: pytest.CaptureFixture[str], profile_file: str) -> None:
     args = ("plan", "--profile", profile_file, "-p", "4", "--batch", "32", "--memory", "1GiB", "--schedules",
             "1f1b", "--microbatches", "8", "--json")

@@ -14,7 +14,8 @@ from torch import Tensor
 from duplexpipe.comm import C10dCounter, Int8Options, WireMeter
 from duplexpipe.comm.methods import DGCOptions, PowerSGDOptions, TopKOptions, compression_options
 from duplexpipe.comm.quantize import quantize_int8
-from duplexpipe.comm.sharded import ShardComm, check_sharded
+from duplexpipe.comm.sharded import ShardComm
+from duplexpipe.dp_options.compression import check_sharded
 
 SPAWN_TIMEOUT_S = 180
 CHUNK = 1000  # elements each rank owns: not a multiple of the 256-element int8 block

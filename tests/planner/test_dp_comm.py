@@ -6,6 +6,8 @@ import math
 
 import pytest
 
+from duplexpipe.dp_options import METHOD_NAMES, PowerSGDOptions, TopKOptions
+from duplexpipe.dp_options import ZERO_STAGES as TRAINER_ZERO_STAGES
 from duplexpipe.pipeline import PipelineConfig
 from duplexpipe.planner.dp_comm import (
     COMPRESSIONS,
@@ -18,22 +20,31 @@ from duplexpipe.planner.dp_comm import (
 )
 
 
-def test_tables_are_ordered_and_only_what_exists_is_available() -> None:
-    assert list(ZERO_STAGES) == [0, 1, 2]
-    available = [s for s, z in ZERO_STAGES.items() if z.available]
-    assert available == [0, 1, 2]
-    for stage in available:  # the training side takes every stage the planner offers
+def test_the_tables_hold_the_trainers_stages_and_methods() -> None:
+    assert list(ZERO_STAGES) == list(TRAINER_ZERO_STAGES) == [0, 1, 2]
+    for stage in ZERO_STAGES:  # the training side takes every stage the planner offers
         PipelineConfig(zero_stage=stage)
     ratios = [c.wire_ratio for c in COMPRESSIONS.values()]
     assert list(COMPRESSIONS)[0] == "none" and ratios[0] == 1.0
     assert ratios == sorted(ratios), "methods are listed lightest (least compression) first"
-    assert all(c.available for c in COMPRESSIONS.values()), "the training side implements every method"
+    for name, method in COMPRESSIONS.items():  # keyed by the trainer's options, under the trainer's names
+        assert method.options.method in METHOD_NAMES and name.split("(")[0] == method.options.method
+        assert PipelineConfig(grad_compression=method.options).grad_compression == method.options
+        assert compression(method.options) is method and compression(name) is method
+    assert list(COMPRESSIONS) == ["none", "bf16", "fp16", "int8", "powersgd", "powersgd(rank=1)", "dgc"]
+    assert compression("PowerSGD") is compression(PowerSGDOptions(rank=4)), "the trainer's spelling, defaults"
     assert not ZERO_STAGES[0].shard_optimizer and ZERO_STAGES[1].shard_optimizer
     assert ZERO_STAGES[2].shard_gradients and not ZERO_STAGES[1].shard_gradients
     with pytest.raises(ValueError, match="unknown ZeRO stage 4; known stages: 0, 1, 2"):
         zero_stage(4)
     with pytest.raises(ValueError, match="unknown compression 'zip'; known methods: none, bf16"):
         compression("zip")
+    with pytest.raises(ValueError, match=r"unknown compression 'topk'.* no measured wire ratio"):
+        compression("topk")
+    for options in (TopKOptions(), PowerSGDOptions(rank=2)):  # the trainer runs them; the planner has no ratio
+        unmeasured = compression(options)
+        assert unmeasured.options == options and unmeasured.wire_ratio == 1.0 and "no measured" in unmeasured.note
+    assert compression(PowerSGDOptions(rank=2)).name == "powersgd(rank=2)"
 
 
 def test_reduction_time_of_ring_collectives() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from duplexpipe.planner.machine import Machine, simulate_shared
@@ -50,6 +52,15 @@ def test_the_compute_scale_multiplies_compute_before_the_action_overhead() -> No
     assert run.rank_end == (12.25, 8.5)
 
 
+def test_the_wall_scale_stretches_every_time_of_the_run() -> None:
+    cost = CostModel(f=1, b=2, w=1, latency=0.5)
+    machine = Machine(action_s=0.25, message_s=0.125, step_s=1, compute_scale=1.5)
+    plain = simulate_shared(registry.build("1f1b", 2, 1), cost, machine)
+    stretched = simulate_shared(registry.build("1f1b", 2, 1), cost, replace(machine, wall_scale=2.0))
+    assert spans(stretched.timeline) == [(r, a, 2 * s, 2 * e) for r, a, s, e in spans(plain.timeline)]
+    assert stretched.rank_end == (24.5, 17.0) and stretched.step == 2 * plain.step
+
+
 def test_waiting_for_a_message_takes_no_core() -> None:
     # 1F1B, P=2, M=1 on one core with latency 10: while a message is in flight no rank computes, and the
     # waiting rank does not slow the one that computes
@@ -87,6 +98,7 @@ def test_one_core_runs_all_work_back_to_back_when_there_is_no_latency(name: str)
     ({"message_s": float("inf")}, "message_s must be a finite number >= 0"),
     ({"step_s": float("nan")}, "step_s must be a finite number >= 0"),
     ({"compute_scale": 0.0}, "compute_scale must be a finite number > 0"),
+    ({"wall_scale": -1.0}, "wall_scale must be a finite number > 0"),
 ])
 def test_bad_machines(kwargs: dict[str, object], needle: str) -> None:
     with pytest.raises(ValueError, match=needle):

@@ -95,7 +95,7 @@ def test_the_lightest_compression_that_hides_the_reduction_is_chosen_and_advised
     assert plain.best.compression == "none"
     assert plain.best.dp_exposed_s == pytest.approx(0.5e-3)
     assert plain.best.step_s == pytest.approx(plain.best.makespan_s + 0.5e-3)
-    assert plain.advice.endswith("bf16 (2x fewer bytes)"), "bf16 is in the training side now"
+    assert plain.advice.endswith("with ZeRO 0: bf16 (2x fewer bytes) (not among the allowed)")
     default = plan(profile(), config(dp=2, schedules=("zb-h1",), microbatches=(4,), zero_stages=(0,), dp_link=link))
     assert default.best.compression == "bf16", "every available method is a candidate by default"
     allowed = plan(profile(), config(dp=2, schedules=("zb-h1",), microbatches=(4,), zero_stages=(0,), dp_link=link,
@@ -104,6 +104,42 @@ def test_the_lightest_compression_that_hides_the_reduction_is_chosen_and_advised
     fast = plan(profile(), config(dp=2, schedules=("zb-h1",), microbatches=(4,), dp_link=Link(1e15)))
     assert "without compression" in fast.advice
     assert plan(profile(), config(schedules=("zb-h1",))).advice == ""
+
+
+def test_only_pairs_the_trainer_accepts_are_planned() -> None:
+    from duplexpipe.pipeline import PipelineConfig
+    from duplexpipe.planner.dp_comm import compression
+
+    slow = Link(bandwidth=16 * MIB / 100e-3)  # nothing hides: the heaviest method the trainer runs wins
+    result = plan(profile(), config(dp=2, schedules=("zb-h1", "1f1b"), microbatches=(4,), dp_link=slow))
+    fits = [r for r in result.rows if r.feasible]
+    assert {r.zero for r in fits} == {0, 1, 2}
+    for row in fits:  # what the planner chose, the trainer takes
+        PipelineConfig(zero_stage=row.zero, grad_compression=compression(row.compression).options)
+    assert {r.compression for r in fits if r.zero} <= {"none", "bf16", "fp16", "int8"}
+    assert {r.compression for r in fits if r.zero == 0} == {"dgc"}
+    refused = plan(profile(), config(dp=2, schedules=("1f1b",), microbatches=(4,), zero_stages=(0, 1),
+                                     compressions=("powersgd",)))
+    assert [r.zero for r in refused.rows if r.feasible] == [0]
+    why = next(r.rejected for r in refused.rows if r.zero == 1)
+    assert "the trainer refuses ZeRO 1 with every allowed compression (powersgd: gradient compression 'powersgd' " \
+           "cannot be combined with ZeRO" in why
+    mine = plan(profile(), config(dp=2, schedules=("1f1b",), microbatches=(4,), zero_stages=(0,), dp_link=slow,
+                                  refusal=lambda zero, options: "no" if options.method == "dgc" else None))
+    assert mine.best.compression == "powersgd(rank=1)", "a caller's rule (the Pipeline's whole config) is asked"
+
+
+def test_zero_stages_are_one_plan_without_data_parallelism() -> None:
+    every = plan(profile(), config(zero_stages=(0, 1, 2), schedules=("1f1b",)))
+    assert {r.zero for r in every.rows} == {0}
+    assert every.table() == plan(profile(), config(zero_stages=(0,), schedules=("1f1b",))).table()
+    assert {r.zero for r in plan(profile(), config(zero_stages=(2, 1), schedules=("1f1b",))).rows} == {1}
+    assert {r.zero for r in plan(profile(), config(dp=2, schedules=("1f1b",))).rows} == {0, 1, 2}
+
+
+def test_at_equal_step_time_the_lower_zero_stage_wins() -> None:
+    result = plan(profile(), config(dp=2, schedules=("1f1b",), microbatches=(4,)))
+    assert result.best.zero == 0 and result.best.step_s == max(r.step_s for r in result.rows)
 
 
 def test_dualpipe_pays_for_its_mirror_sum_after_the_last_pass() -> None:
@@ -130,7 +166,7 @@ def test_json_and_table() -> None:
     assert data["best"]["schedule"] == result.best.schedule and len(data["candidates"]) == len(result.rows)
     assert all(c["step_s"] is None or math.isfinite(c["step_s"]) for c in data["candidates"])
     text = result.table()
-    assert text.splitlines()[0].split()[:4] == ["schedule", "M", "ZeRO", "compress"]
+    assert text.splitlines()[0].split()[:4] == ["schedule", "M", "ZeRO", "compression"]
     assert "why rejected" in text and len(result.table(3).splitlines()) == 4
 
 
@@ -142,7 +178,7 @@ def test_microbatch_counts() -> None:
 
 
 def test_when_nothing_hides_a_heavier_compression_must_buy_real_time() -> None:
-    everything = ("none", "bf16", "int8", "powersgd-r4", "powersgd-r1", "dgc")
+    everything = ("none", "bf16", "int8", "powersgd", "powersgd(rank=1)", "dgc")
     slow = Link(bandwidth=16 * MIB / 100e-3)  # all-reduce 100 ms; dgc (50x) 2 ms against a 1 ms last W
     row = plan(profile(), config(dp=2, schedules=("zb-h1",), microbatches=(4,), dp_link=slow,
                                  compressions=everything)).best

@@ -15,7 +15,6 @@ from duplexpipe.planner.profile import (
     Profile,
     ProfileError,
     RuntimeOverhead,
-    balanced_split,
     load_profile,
     save_profile,
 )
@@ -88,14 +87,6 @@ def test_grouping_sums_balanced_runs_and_keeps_the_last_message() -> None:
         profile.grouped(5)
 
 
-def test_balanced_split_minimises_the_largest_run() -> None:
-    assert balanced_split([1, 1, 1, 1], 2) == [2, 2]
-    assert balanced_split([5, 1, 1, 1, 1, 1], 2) == [1, 5]
-    assert balanced_split([1, 2, 3], 3) == [1, 1, 1]
-    with pytest.raises(ProfileError, match="cannot split 2 parts into 3 groups"):
-        balanced_split([1, 1], 3)
-
-
 def test_check_parts_and_constructor_checks() -> None:
     profile = Profile((part(), part()), 2)
     profile.check_parts(2)
@@ -125,13 +116,14 @@ def test_affine_parts_and_overhead_round_trip_and_old_profiles_load_as_before(tm
 
 
 def test_compute_scale_round_trips_and_older_overheads_load_with_one(tmp_path: Path) -> None:
-    profile = Profile((affine(),), 4, {}, RuntimeOverhead(1e-4, 2e-4, 3e-3, "in pipeline", compute_scale=1.4))
+    profile = Profile((affine(),), 4, {}, RuntimeOverhead(1e-4, 2e-4, 3e-3, "in pipeline", compute_scale=1.4,
+                                                          wall_scale=1.3))
     save_profile(profile, tmp_path / "scaled.json")
     assert load_profile(tmp_path / "scaled.json").overhead == profile.overhead
     data = profile.to_dict()
-    del data["overhead"]["compute_scale"]  # what a profile written before the field holds
+    del data["overhead"]["compute_scale"], data["overhead"]["wall_scale"]  # a profile written before the fields
     older = Profile.from_dict(data).overhead
-    assert older is not None and older.compute_scale == 1.0 and older.action_s == 1e-4
+    assert older is not None and older.compute_scale == 1.0 and older.wall_scale == 1.0 and older.action_s == 1e-4
 
 
 def test_affine_scaling_grouping_and_basic() -> None:

@@ -12,19 +12,33 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from _train_helpers import Reference, adam, batch, make_parts, max_rel_diff, mse
+from _train_helpers import WIDTH, Reference, adam, batch, make_parts, max_rel_diff, mse
 from torch import nn
 
-from duplexpipe.comm import Bf16Options, DGCOptions, Fp16Options, NoCompression, PowerSGDOptions
+from duplexpipe.dp_options import DGCOptions, Int8Options, NoCompression, PowerSGDOptions
 from duplexpipe.planner.plan import PlanConfig, plan
-from duplexpipe.train.auto_config import AUTO, PartChain, check_options, memory_bytes, planned_compression
+from duplexpipe.planner.runtime_work import OverheadSample
+from duplexpipe.train.auto_config import (
+    AUTO,
+    AutoSetup,
+    PartChain,
+    RunPlan,
+    _plan_config,
+    check_options,
+    choose,
+    memory_bytes,
+    probe_optimizer,
+    trainer_refusal,
+)
+from duplexpipe.train.auto_measure import fit_in_pipeline, parts_digest
+from duplexpipe.train.pipeline_config import with_defaults
 from duplexpipe.train.trainer import Pipeline, PipelineConfig
 
 WORLD = 2
 UNIFORM = [(1e-3, 1e-3, 1e-3)] * 4
 HEAVY_LAST = [(1e-3, 1e-3, 1e-3)] * 3 + [(6e-3, 6e-3, 6e-3)]
-CANDIDATES = {"schedules": ("1f1b", "zb-h1", "zbv"), "microbatches": (4,), "repeats": 1, "warmup": 0, "fit_rows": 0,
-              "fused": False}  # the scripted timer times F, I and W once per part
+CANDIDATES = {"schedules": ("1f1b", "zb-h1", "zbv"), "repeats": 1, "warmup": 0, "fit_rows": 0, "fused": False,
+              "evict_bytes": 0, "calibrate": False}  # the scripted timer times F, I and W once per part
 
 
 class ScriptedClock:
@@ -154,7 +168,8 @@ def test_rank_0_logs_the_choice_and_the_table_once(results: list[dict[str, Any]]
     lead, other = (r["agree"] for r in results)
     assert len(lead["log"]) == 1 and other["log"] == []
     message = lead["log"][0]
-    assert message.startswith("schedule='auto' chose zbv with M=4") and lead["table"] in message
+    assert message.startswith("schedule='auto' chose zbv, M=4, ZeRO 0, gradient compression none")
+    assert lead["table"] in message
 
 
 @pytest.mark.parametrize("case", ["agree", "merged"])
@@ -220,12 +235,112 @@ def test_a_chain_calls_each_part_as_the_runtime_calls_a_stage() -> None:
     assert torch.equal(PartChain([Pair(), Add(), Take()])(x), 3 * x + 1)
 
 
-def test_the_plan_models_the_pipelines_own_gradient_compression(caplog: pytest.LogCaptureFixture) -> None:
-    assert planned_compression(NoCompression()) == "none"
-    assert planned_compression(Bf16Options()) == "bf16"
-    assert planned_compression(PowerSGDOptions(rank=1)) == "powersgd-r1"
-    assert planned_compression(DGCOptions(ratio=0.01)) == "dgc"
-    with caplog.at_level(logging.WARNING, logger="duplexpipe.plan"):
-        assert planned_compression(Fp16Options()) == "none", "no measured ratio: modelled uncompressed"
-        assert planned_compression(DGCOptions(ratio=0.001)) == "none"
-    assert "no measured wire ratio" in caplog.text
+def test_a_set_field_is_fixed_and_cannot_also_be_searched() -> None:
+    for field, key, value in (("num_microbatches", "microbatches", 4), ("zero_stage", "zero_stages", 1),
+                              ("grad_compression", "compressions", "bf16")):
+        with pytest.raises(ValueError, match=f"PipelineConfig.{field}=.* fixes what schedule_options\\['{key}'\\]"):
+            PipelineConfig(schedule=AUTO, schedule_options={key: (value,)}, **{field: value})
+        PipelineConfig(schedule=AUTO, schedule_options={key: (value,)})  # unset: the key narrows the search
+    assert with_defaults(PipelineConfig()).num_microbatches == 4 and with_defaults(PipelineConfig()).zero_stage == 0
+    assert with_defaults(PipelineConfig(num_microbatches=8, zero_stage=1)).num_microbatches == 8
+    with pytest.raises(ValueError, match="num_microbatches must be an int >= 1 or None, got 0"):
+        PipelineConfig(num_microbatches=0)
+
+
+def test_the_planners_space_is_the_unset_fields() -> None:
+    setup = AutoSetup(2, 2, 0, torch.device("cpu"))
+    free = _plan_config(PipelineConfig(schedule=AUTO), {"chunks": [2]}, 16, setup, lambda z, o: None)
+    assert (free.microbatches, free.zero_stages, free.compressions, free.chunks) == (None, None, None, (2,))
+    assert (free.batch, free.dp, free.ranks) == (32, 2, 2)
+    fixed = _plan_config(PipelineConfig(schedule=AUTO, num_microbatches=8, zero_stage=1, grad_compression="int8"),
+                         {}, 16, setup, lambda z, o: None)
+    assert fixed.microbatches == (8,) and fixed.zero_stages == (1,) and fixed.compressions == (Int8Options(),)
+
+
+def test_the_trainers_rule_refuses_what_the_trainer_refuses() -> None:
+    parts = make_parts(2)
+    rule = trainer_refusal(PipelineConfig(schedule=AUTO), probe_optimizer(adam), parts, dp=2)
+    assert rule(0, NoCompression()) is None and rule(1, Int8Options()) is None and rule(0, PowerSGDOptions()) is None
+    assert "cannot be combined with ZeRO" in (rule(1, PowerSGDOptions()) or "")
+    assert "assumes SGD" in (rule(0, DGCOptions()) or ""), "DGC under Adam: the optimizer check"
+    sgd = trainer_refusal(PipelineConfig(schedule=AUTO), probe_optimizer(lambda p: torch.optim.SGD(p, lr=0.1)),
+                          parts, dp=2)
+    assert sgd(0, DGCOptions()) is None
+    assert "momentum" in (trainer_refusal(PipelineConfig(schedule=AUTO), probe_optimizer(
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)), parts, dp=2)(0, DGCOptions()) or "")
+    clipped = trainer_refusal(PipelineConfig(schedule=AUTO, grad_clip_norm=1.0), None, parts, dp=2)
+    assert "grad_clip_norm" in (clipped(0, DGCOptions()) or "")
+    shared = nn.Linear(WIDTH, WIDTH)
+    tied = [nn.Sequential(shared), nn.Sequential(nn.Tanh(), shared)]
+    assert "shared by several model parts" in (trainer_refusal(PipelineConfig(schedule=AUTO), None, tied, 2)(
+        1, NoCompression()) or "")
+    assert trainer_refusal(PipelineConfig(schedule=AUTO), None, tied, 1)(1, NoCompression()) is None
+
+
+def test_the_run_plan_says_what_runs() -> None:
+    run = RunPlan("interleaved-1f1b(chunks=2)", 8, 1, Int8Options(), 0.0123)
+    assert run.summary() == "interleaved-1f1b(chunks=2), M=8, ZeRO 1, gradient compression int8 (predicted step " \
+                            "12.3 ms)"
+    assert RunPlan("1f1b", 4, 0, PowerSGDOptions(rank=1)).summary() == \
+        "1f1b, M=4, ZeRO 0, gradient compression powersgd(rank=1)"
+
+
+def test_measurements_are_cached_per_parts_and_sample(tmp_path: Any) -> None:
+    """In one process (P=2 planned, no calibration without a Pipeline builder): the second choice of the same
+    parts and sample reads the cache and never the profiling clock; another sample shape measures again."""
+    setup = AutoSetup(2, 1, 0, torch.device("cpu"))
+    clocks = []
+
+    def choice(rows: int, costs: list[tuple[float, float, float]]) -> Any:
+        clocks.append(ScriptedClock(costs))
+        options = {**CANDIDATES, "timer": clocks[-1], "calibration_cache": str(tmp_path)}
+        x, y = batch(0, rows)
+        return choose(make_parts(4), mse, adam, PipelineConfig(schedule=AUTO, num_microbatches=4,
+                                                               schedule_options=options), setup, (x, y))
+
+    first = choice(16, HEAVY_LAST)
+    assert first.source.startswith("measured, cached in ") and clocks[0].reads == 16
+    again = choice(16, UNIFORM)  # a different clock: were it read, the plan would change
+    assert again.source == f"cache {first.source.split('cached in ')[1]}" and clocks[1].reads == 0
+    assert again.plan == first.plan and again.profile == first.profile and again.groups == (3, 1)
+    other = choice(32, UNIFORM)
+    assert other.source.startswith("measured") and clocks[2].reads == 16 and other.groups == (1, 1, 1, 1)
+    assert len(list(tmp_path.glob("*.json"))) == 2
+
+
+def test_parts_digest_sees_structure_not_values() -> None:
+    a, b = make_parts(2, seed=0), make_parts(2, seed=1)
+    assert parts_digest(a) == parts_digest(b)
+    assert parts_digest(a) != parts_digest(make_parts(2, num_blocks=6))
+    assert parts_digest(a) != parts_digest([nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH))] + list(a[1:]))
+
+
+def test_a_searched_choice_is_applied_as_fixed_fields() -> None:
+    options = {**CANDIDATES, "timer": ScriptedClock(UNIFORM), "microbatches": (2, 4), "zero_stages": (0, 1),
+               "compressions": ("none", "bf16")}
+    config = PipelineConfig(schedule=AUTO, schedule_options=options)
+    x, y = batch(0)
+    chosen = choose(make_parts(4), mse, adam, config, AutoSetup(2, 2, 0, torch.device("cpu")), (x, y))
+    ran = chosen.applied(config)
+    assert (ran.num_microbatches, ran.zero_stage, ran.grad_compression) == (
+        chosen.plan.microbatches, chosen.plan.zero_stage, chosen.plan.grad_compression)
+    assert chosen.plan.microbatches in (2, 4) and chosen.plan.zero_stage in (0, 1)
+    assert not {"microbatches", "zero_stages", "compressions"} & set(ran.schedule_options)
+    assert ran.schedule_options["schedules"] == CANDIDATES["schedules"] and ran.schedule == AUTO
+
+
+def test_the_in_pipeline_fit_recovers_its_terms_and_distrusts_a_wild_scale() -> None:
+    counts = [(8, 8, 0.050), (16, 16, 0.069), (12, 8, 0.059), (8, 16, 0.057), (16, 32, 0.069), (12, 16, 0.066)]
+    exact = [OverheadSample(a, m, 1.3 * c + 2e-4 * a + 1e-4 * m + 3e-3, c) for a, m, c in counts]
+    fitted = fit_in_pipeline(exact, "exact")
+    assert not isinstance(fitted, str)
+    assert (fitted.compute_scale, fitted.action_s, fitted.message_s, fitted.step_s) == pytest.approx(
+        (1.3, 2e-4, 1e-4, 3e-3), rel=1e-6)
+    wild = [OverheadSample(a, m, 1e3 * c, c) for a, m, c in counts]  # CPU time 1000x the profile: disturbed
+    held = fit_in_pipeline(wild, "wild")
+    assert not isinstance(held, str) and held.compute_scale == 1.0
+    assert "compute scale 1e+03 is implausible: the scale held at 1" in held.method
+    flat = [OverheadSample(a, m, 0.001 * a + 0.002, c) for a, m, c in counts]  # CPU time ignores the compute
+    unscaled = fit_in_pipeline(flat, "flat")
+    assert not isinstance(unscaled, str) and unscaled.compute_scale == 1.0 and "the scale held at 1" in unscaled.method
+    assert "cannot separate" in str(fit_in_pipeline(exact[:2], "two"))

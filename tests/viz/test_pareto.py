@@ -35,3 +35,21 @@ def test_plot_writes_the_figure_with_every_candidate(tmp_path: Path) -> None:
     assert "cap 80 MiB" in [t.get_text() for t in ax.get_legend().get_texts()]
     with pytest.raises(ValueError, match="unsupported figure format '.gif'"):
         plot_pareto(result, tmp_path / "pareto.gif")
+
+
+@pytest.mark.parametrize("chunks", [(4,), (2, 4, 8)])
+def test_the_legend_is_inside_the_figure(tmp_path: Path, chunks: tuple[int, ...]) -> None:
+    """A long best label ("best: interleaved-1f1b(chunks=4) M=16") once ran past the figure's right edge."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    parts = tuple(PartProfile(1e-3, 1e-3, 1e-3, MIB, 8 * MIB, 64 * 1024, 64 * 1024) for _ in range(16))
+    result = plan(Profile(parts, 4), PlanConfig(ranks=2, dp=2, batch=64, memory=2000 * MIB,
+                                                schedules=("interleaved-1f1b", "1f1b", "zbv"), chunks=chunks))
+    fig = plot_pareto(result, tmp_path / "pareto.png")
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    ax = fig.axes[0]
+    legend = ax.get_legend().get_window_extent(renderer)
+    assert legend.x0 >= ax.get_window_extent(renderer).x1, "right of the axes"
+    assert legend.x1 <= fig.bbox.x1 and legend.y0 >= fig.bbox.y0 and legend.y1 <= fig.bbox.y1
+    texts = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert any(t.startswith("best: interleaved-1f1b(chunks=") for t in texts) or "best: ZB-V" in " ".join(texts)

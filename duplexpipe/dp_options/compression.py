@@ -1,0 +1,226 @@
+"""Gradient compression methods the trainer accepts: their names and option dataclasses, and which of them have
+a reduce-scatter form (ZeRO); torch-free, so the planner reads the same table the trainer checks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Union
+
+
+def _ratio(value: float, what: str = "ratio") -> None:
+    if not (isinstance(value, (int, float)) and 0.0 < value <= 1.0):
+        raise ValueError(f"{what} must be in (0, 1], got {value!r}")
+
+
+def _seed(value: int) -> None:
+    if not isinstance(value, int) or value < 0:
+        raise ValueError(f"seed must be an int >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class NoCompression:
+    """Plain all-reduce of the full-precision gradients."""
+
+    method: ClassVar[str] = "none"
+
+
+@dataclass(frozen=True)
+class Bf16Options:
+    """torch's bf16_compress_hook: cast to bfloat16, all-reduce, cast back (no error feedback)."""
+
+    method: ClassVar[str] = "bf16"
+
+
+@dataclass(frozen=True)
+class Fp16Options:
+    """torch's fp16_compress_hook: cast to float16, all-reduce, cast back (no error feedback)."""
+
+    method: ClassVar[str] = "fp16"
+
+
+@dataclass(frozen=True)
+class PowerSGDOptions:
+    """torch's powerSGD_hook with PowerSGDState (Vogels et al. 2019): error feedback and warm start on."""
+
+    rank: int = 4
+    """Rank of the low-rank approximation of each gradient matrix."""
+    start_step: int = 10
+    """Optimizer steps reduced exactly before compression starts (torch needs >= 2 with error feedback)."""
+    min_compression_rate: float = 2.0
+    """A matrix is compressed only if this many times fewer numbers go on the wire (else all-reduced)."""
+    warm_start: bool = True
+    """Reuse the last step's Q as the power iteration's start."""
+    seed: int = 0
+    """Seed of the random initial Q (the same on every rank)."""
+
+    method: ClassVar[str] = "powersgd"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"powersgd rank must be an int >= 1, got {self.rank!r}")
+        if not isinstance(self.start_step, int) or self.start_step < 2:
+            raise ValueError(f"powersgd start_step must be an int >= 2 (torch's PowerSGD with error feedback "
+                             f"needs two exact steps first), got {self.start_step!r}")
+        if not self.min_compression_rate > 0:
+            raise ValueError(f"min_compression_rate must be > 0, got {self.min_compression_rate!r}")
+        _seed(self.seed)
+
+
+@dataclass(frozen=True)
+class Int8Options:
+    """Blockwise int8 with stochastic rounding and error feedback; all_to_all -> fp32 sum on the owner of
+    each shard -> requantize (with the owner's own error feedback) -> all_gather."""
+
+    block: int = 256
+    """Elements per fp32 scale."""
+    stochastic: bool = True
+    """Stochastic rounding (unbiased); False rounds to nearest."""
+    seed: int = 0
+    """Seed of the rounding noise (each rank draws from seed and its rank)."""
+
+    method: ClassVar[str] = "int8"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block, int) or self.block < 1:
+            raise ValueError(f"int8 block must be an int >= 1, got {self.block!r}")
+        _seed(self.seed)
+
+
+@dataclass(frozen=True)
+class TopKOptions:
+    """Top-k with error feedback: the k = round(ratio * numel) largest-magnitude entries of each bucket go
+    as (value, int32 index) slots, exchanged by one all_gather."""
+
+    ratio: float = 0.01
+    """Fraction of each bucket's entries transmitted (the slot count), in (0, 1]."""
+    allow_adaptive_optimizer: bool = False
+    """Allow an Adam-family optimizer (measured: top-k + error feedback under AdamW lost 8.7% on the GPT)."""
+
+    method: ClassVar[str] = "topk"
+
+    def __post_init__(self) -> None:
+        _ratio(self.ratio)
+
+
+@dataclass(frozen=True)
+class RandomKOptions(TopKOptions):
+    """Random-k with error feedback: k entries drawn uniformly per bucket, rank and step."""
+
+    seed: int = 0
+    """Seed of the index draws (each rank draws from seed and its rank)."""
+
+    method: ClassVar[str] = "randomk"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _seed(self.seed)
+
+
+@dataclass(frozen=True)
+class ThresholdOptions(TopKOptions):
+    """The seeds' threshold rule, honestly named (it is not DGC): entries with |g| >= theta * max|g|, at
+    most k of them, with error feedback. The k slots always go on the wire (static shapes)."""
+
+    theta: float = 0.5
+    """Fraction of max|g| an entry must reach, in [0, 1]."""
+
+    method: ClassVar[str] = "threshold"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 <= self.theta <= 1.0:
+            raise ValueError(f"theta must be in [0, 1], got {self.theta!r}")
+
+
+@dataclass(frozen=True)
+class DGCOptions:
+    """Deep Gradient Compression: top-k of the momentum-corrected velocity (over the bucket, or per tensor),
+    local clipping, momentum factor masking, warm-up sparsity. Use SGD without momentum of its own: DGC
+    applies `momentum`."""
+
+    ratio: float = 0.01
+    """Fraction transmitted after warm-up (0.01 = 99% sparsity; 0.001 = 99.9%), in (0, 1]."""
+    momentum: float = 0.9
+    """Momentum of the momentum correction, in [0, 1)."""
+    clip_norm: float | None = None
+    """Local gradient clipping, clip_norm being the threshold of the averaged gradient's norm: each rank's
+    mean gradient is scaled to norm at most clip_norm * sqrt(DP size) before the momentum (the paper's
+    N^(-1/2) of the threshold for a node's 1/N share of the sum; comm.dgc.local_clip_threshold). In a
+    Pipeline the norm is over the replica's whole model (all pipeline stages); a reducer used on its own
+    clips each bucket by that bucket's norm."""
+    selection: str = "bucket"
+    """"bucket": the k = round(ratio * numel) largest entries of the whole bucket (one threshold over its
+    tensors: the best k-sparse approximation of the velocity). "tensor": each tensor of the bucket keeps
+    its own k_i = round(ratio * numel_i), at least 1 (the paper's Algorithm 1 selects layer by layer);
+    measured on the GPT example it starves the embeddings and head (docs/benchmarks.md)."""
+    warmup_steps: int = 0
+    """Steps at each warm-up sparsity (75%, 93.75%, 98.4375%, 99.6%, 99.9%, those below the target); 0: off."""
+    allow_adaptive_optimizer: bool = False
+    """Allow an Adam-family optimizer (DGC's momentum correction assumes SGD)."""
+
+    method: ClassVar[str] = "dgc"
+
+    def __post_init__(self) -> None:
+        _ratio(self.ratio)
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"dgc momentum must be in [0, 1), got {self.momentum!r}")
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            raise ValueError(f"dgc clip_norm must be > 0 or None, got {self.clip_norm!r}")
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"dgc warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
+        if self.selection not in ("bucket", "tensor"):
+            raise ValueError(f"dgc selection must be 'bucket' or 'tensor', got {self.selection!r}")
+
+
+Options = Union[NoCompression, Bf16Options, Fp16Options, PowerSGDOptions, Int8Options, TopKOptions, RandomKOptions,
+                ThresholdOptions, DGCOptions]
+"""Any method's options."""
+
+_BY_NAME: dict[str, Any] = {
+    "none": NoCompression,
+    "bf16": Bf16Options,
+    "fp16": Fp16Options,
+    "powersgd": PowerSGDOptions,
+    "int8": Int8Options,
+    "topk": TopKOptions,
+    "randomk": RandomKOptions,
+    "threshold": ThresholdOptions,
+    "dgc": DGCOptions,
+}
+METHOD_NAMES = tuple(_BY_NAME)
+"""The names compression_options() accepts."""
+_OPTION_TYPES = (NoCompression, Bf16Options, Fp16Options, PowerSGDOptions, Int8Options, TopKOptions, DGCOptions)
+
+
+def compression_options(spec: str | Options | None) -> Options:
+    """Options from a method name (defaults), an options object (returned as is), or None (no compression)."""
+    if spec is None:
+        return NoCompression()
+    if isinstance(spec, _OPTION_TYPES):
+        return spec
+    if isinstance(spec, str) and spec.lower() in _BY_NAME:
+        return _BY_NAME[spec.lower()]()  # type: ignore[no-any-return]
+    raise ValueError(f"unknown gradient compression {spec!r}; expected one of {METHOD_NAMES} or an options object")
+
+
+SHARDED_METHODS = ("none", "bf16", "fp16", "int8")
+"""Gradient compression methods that have a reduce-scatter form (the others have none: see check_sharded)."""
+GradientWire = Union[NoCompression, Bf16Options, Fp16Options, Int8Options]
+"""What a sharded reduce-scatter may put on the wire: fp32 (exact), bf16/fp16 casts, or int8 blocks (qgZ)."""
+
+
+def check_sharded(spec: Options) -> GradientWire:
+    """`spec` if it has a reduce-scatter form, else ValueError naming it (top-k, random-k, threshold and DGC
+    select entries per rank and PowerSGD reduces low-rank factors: none yields the owner's chunk of a sum)."""
+    if isinstance(spec, (NoCompression, Bf16Options, Fp16Options, Int8Options)):
+        return spec
+    raise ValueError(f"gradient compression {spec.method!r} cannot be combined with ZeRO (sharded gradients need a "
+                     f"reduce-scatter; methods that have one: {SHARDED_METHODS})")
+
+
+def options_label(options: Options) -> str:
+    """The method's name, with the options that differ from its defaults: "powersgd", "powersgd(rank=1)"."""
+    default = type(options)()
+    changed = [f"{f.name}={getattr(options, f.name)!r}" for f in fields(options)
+               if getattr(options, f.name) != getattr(default, f.name)]
+    return f"{options.method}({', '.join(changed)})" if changed else options.method

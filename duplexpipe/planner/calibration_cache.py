@@ -1,0 +1,84 @@
+"""A file cache of calibrated profiles (schedule="auto"'s measurements), keyed by what was measured and where."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from duplexpipe.planner.profile import Profile, ProfileError
+
+CACHE_FORMAT = "duplexpipe-calibration"
+CACHE_VERSION = 1
+CACHE_ENV = "DUPLEXPIPE_CACHE"
+"""Environment variable naming the cache's root directory (calibrations go in its `calibration/`)."""
+
+
+def default_cache_dir() -> Path:
+    """$DUPLEXPIPE_CACHE/calibration, else $XDG_CACHE_HOME/duplexpipe/calibration, else
+    ~/.cache/duplexpipe/calibration."""
+    root = os.environ.get(CACHE_ENV)
+    if root:
+        return Path(root) / "calibration"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg) if xdg else Path.home() / ".cache"
+    return base / "duplexpipe" / "calibration"
+
+
+def cache_key(fingerprint: Mapping[str, Any]) -> str:
+    """The file name stem of `fingerprint` (JSON-ready): the first 32 hex digits of its sha256."""
+    text = json.dumps(fingerprint, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class CalibrationCache:
+    """Calibrated profiles as JSON files in `directory`, one per fingerprint (`<cache_key>.json`).
+
+    The fingerprint says what was measured and where (the parts, the sample, P and D, the machine, the
+    runtime settings); a file is used only when its stored fingerprint equals the one asked for.
+    """
+
+    directory: Path
+    """Where the files are (created on the first store)."""
+
+    def path(self, fingerprint: Mapping[str, Any]) -> Path:
+        """The file of `fingerprint`."""
+        return Path(self.directory) / f"{cache_key(fingerprint)}.json"
+
+    def load(self, fingerprint: Mapping[str, Any]) -> Profile | None:
+        """The profile stored for `fingerprint`; None when there is none, or it is unreadable, of another
+        format, or stored for another fingerprint."""
+        try:
+            with open(self.path(fingerprint), encoding="utf-8") as fh:
+                data = json.load(fh)
+        except (OSError, json.JSONDecodeError):
+            return None
+        if not isinstance(data, dict) or data.get("format") != CACHE_FORMAT or data.get("version") != CACHE_VERSION:
+            return None
+        if data.get("fingerprint") != json.loads(json.dumps(dict(fingerprint), sort_keys=True, default=str)):
+            return None
+        try:
+            return Profile.from_dict(data.get("profile"), f"calibration cache {self.path(fingerprint)}")
+        except ProfileError:
+            return None
+
+    def store(self, fingerprint: Mapping[str, Any], profile: Profile) -> Path:
+        """Write `profile` for `fingerprint` (atomically: a temporary file renamed); returns the path.
+        OSError when the directory cannot be written."""
+        path = self.path(fingerprint)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = {"format": CACHE_FORMAT, "version": CACHE_VERSION, "created": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                "fingerprint": json.loads(json.dumps(dict(fingerprint), sort_keys=True, default=str)),
+                "profile": profile.to_dict()}
+        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        with open(temporary, "w", encoding="utf-8") as fh:
+            json.dump(data, fh, indent=1)
+            fh.write("\n")
+        os.replace(temporary, path)
+        return path

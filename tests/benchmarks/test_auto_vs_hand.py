@@ -1,0 +1,55 @@
+"""benchmarks/auto_vs_hand.py: the summary (error, rank, ratio, targets) from given samples, the models, and a
+quick run on 2 gloo ranks that writes its docs block (no timing asserts)."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import auto_vs_hand  # noqa: E402
+
+
+def test_summary_ranks_auto_among_the_hand_picked_schedules() -> None:
+    measured = {"names": ["auto", "1f1b, M=4", "zbv, M=8"], "predicted_s": 0.100, "predicted": [0.1, 0.09, 0.2],
+                "seconds": [[0.11, 0.12, 0.10], [0.10, 0.10, 0.10], [0.13, 0.14, 0.15]]}
+    out = auto_vs_hand.summarize(measured)
+    assert out["auto_s"] == pytest.approx(0.11) and out["error"] == pytest.approx(0.10)
+    assert out["best_hand"] == "1f1b, M=4" and out["ratio"] == pytest.approx(1.10)
+    assert out["rank"] == 2 and out["candidates"] == 3
+    assert out["predicted_ok"] and not out["pick_ok"], "10% slower than 1F1B: the 5% target is missed"
+    assert [r["candidate"] for r in out["rows"]] == measured["names"]
+
+
+def test_the_models_have_uneven_widths_and_a_heavy_head() -> None:
+    for spec in auto_vs_hand.AutoBenchConfig().models:
+        layers, head = auto_vs_hand.build_model(spec)
+        assert len(set(spec.widths)) > 3 and len(layers) == len(spec.widths) - 1
+        head_params = sum(p.numel() for p in head.parameters())
+        assert head_params > max(sum(p.numel() for p in layer.parameters()) for layer in layers)
+        x, y = auto_vs_hand.make_batch(spec)
+        assert x.shape == (spec.batch, spec.widths[0]) and int(y.max()) < spec.classes
+
+
+@pytest.mark.timeout(300)
+def test_quick_run_writes_the_summary_and_its_docs_block(tmp_path: Path) -> None:
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "benchmarks.md").write_text("# Benchmarks\n\nprose kept\n", encoding="utf-8")
+    assert auto_vs_hand.main(["--quick", "--out", str(tmp_path), "--docs", str(docs)]) == 0
+    part = json.loads((tmp_path / "auto_vs_hand.json").read_text())
+    (model,) = part["models"]
+    assert model["names"] == ["auto", "1f1b, M=4", "zb-h1, M=4"]
+    assert all(len(s) == 2 for s in model["seconds"]) and model["predicted_s"] > 0
+    assert re.match(r"\S+, M=\d+, ZeRO 0, gradient compression none \(predicted step [\d.]+ ms\)$", model["plan"])
+    assert model["source"].startswith("cache "), "built twice: the run's auto Pipeline read the first one's cache"
+    assert model["auto_build_s"] > 0 and model["auto_cached_build_s"] > 0
+    text = (docs / "benchmarks.md").read_text()
+    assert "prose kept" in text and "<!-- bench:auto-vs-hand:begin -->" in text and "| overhead-bound |" in text
