@@ -179,8 +179,9 @@ def _step_times(cfg: MoEBenchConfig, device: torch.device, link: LinkModel | Non
 
     mesh = make_mesh(2, 2, device.type, ep=2)
     torch.manual_seed(0)
-    blocks = [MoEBlock(cfg.dim, MoELayer(cfg.dim, cfg.hidden, cfg.experts, cfg.top_k, shared_experts=1),
-                       mixer=nn.Linear(cfg.dim, cfg.dim)) for _ in range(4 * cfg.layers)]
+    blocks: list[nn.Module] = [
+        MoEBlock(cfg.dim, MoELayer(cfg.dim, cfg.hidden, cfg.experts, cfg.top_k, shared_experts=1),
+                 mixer=nn.Linear(cfg.dim, cfg.dim)) for _ in range(4 * cfg.layers)]
     pipes = {}
     for overlap in (False, True):
         config = PipelineConfig(schedule="dualpipev", num_microbatches=8, fb_overlap=overlap, link=link,

@@ -69,6 +69,7 @@ class MoELayer(nn.Module):
         self.router = Router(dim, num_experts, top_k, router, normalize)
         self.experts = nn.ModuleDict({str(e): Expert(dim, hidden, expert) for e in range(num_experts)})
         self.shared = (Expert(dim, (shared_hidden or hidden) * shared_experts, expert) if shared_experts else None)
+        self.load: Tensor
         self.register_buffer("load", torch.zeros(num_experts, dtype=torch.float64), persistent=False)
         self.ep = ExpertGroup(None, 0, 1)
         self.label = "moe"

@@ -40,6 +40,7 @@ class Router(nn.Module):
         self.top_k = top_k
         self.normalize = (kind == "sigmoid") if normalize is None else normalize
         self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.expert_bias: Tensor
         self.register_buffer("expert_bias", torch.zeros(num_experts))
 
     def forward(self, x: Tensor) -> Routing:

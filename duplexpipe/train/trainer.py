@@ -153,6 +153,10 @@ class Pipeline:
         self.dp.counted = self.tied.counted(self.dp.counted)  # a tied weight counts once in the norm
         self.scheduler = scheduler(self.optimizer) if scheduler is not None else None
         """The LR scheduler (None without one); stepped after every applied optimizer step."""
+        self._start_counting()
+
+    def _start_counting(self) -> None:
+        """The counters and hooks of a new pipeline."""
         self.optimizer_steps = 0
         """Optimizer steps taken (skipped fp16 steps not counted)."""
         self.calls = 0
