@@ -127,8 +127,13 @@ def train_main(args: argparse.Namespace, stream: IO[str] | None = None) -> int:
     from duplexpipe.launch.checks import check_training  # imports torch: after the checks that need none
     from duplexpipe.launch.train_loop import run_training
 
-    check_training(config)  # every configuration error, before any process starts
-    _check_files(config)
+    try:
+        check_training(config)  # every configuration error, before any process starts
+        _check_files(config)
+    except ValueError as exc:
+        from duplexpipe.launch.failures import InputRejected
+
+        raise InputRejected(str(exc)) from exc
     result = run_training(config)
     out = stream or sys.stdout
     if result.losses:
@@ -186,20 +191,21 @@ def _failed(exc: Exception) -> int | None:
     torchrun = all(v in os.environ for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
     if "torch" not in sys.modules and not torchrun:  # before the training stack was imported: configuration
         return None
-    from duplexpipe.launch.failures import StoppedByPeer, record_failure, reported
+    from duplexpipe.launch.failures import InputRejected, StoppedByPeer, record_failure, reported
     from duplexpipe.launch.processes import LaunchError
 
     if isinstance(exc, StoppedByPeer):
         return 0 if exc.same_node else 1
     if isinstance(exc, LaunchError):
-        if exc.summary.startswith("ValueError: "):  # a rank rejected its input (a checkpoint that does not match)
-            print(f"duplexpipe: error: {exc.summary[len('ValueError: '):]}", file=sys.stderr)
+        rejected = f"{InputRejected.__name__}: "
+        if exc.summary.startswith(rejected):  # a rank rejected its input (a checkpoint that does not match)
+            print(f"duplexpipe: error: {exc.summary[len(rejected):]}", file=sys.stderr)
             return 2
         print(f"duplexpipe: error: rank {exc.rank} failed: {exc.summary}", file=sys.stderr)
         return 1
     if reported(exc):
         return 1
-    if torchrun and isinstance(exc, ValueError):  # every rank found it before starting: rank 0 reports it
+    if torchrun and isinstance(exc, InputRejected):  # every rank found it before training: rank 0 reports it
         settled = record_failure(exc, int(os.environ["RANK"]), with_traceback=False)
         return 2 if settled.cause is None else 0 if settled.same_node else 1
     return None

@@ -34,6 +34,11 @@ _POLL_S = 0.05
 log = logging.getLogger("duplexpipe.launch")
 
 
+class InputRejected(ValueError):
+    """A configuration or input error found before training began (a bad flag, a checkpoint of another model):
+    the command line prints its message in one line and exits 2, where an error during training exits 1."""
+
+
 @dataclass(frozen=True)
 class Failure:
     """One rank's error as its process reported it."""

@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from duplexpipe.launch.checkpoints import LATEST, checkpoint_to_load, publish, resume_from, step_name
+from duplexpipe.launch.failures import InputRejected
 from duplexpipe.launch.metrics import MetricsLog, log_line, plain_every, progress_bar, tensorboard_writer
 from duplexpipe.launch.processes import run
 from duplexpipe.launch.train_config import (
@@ -253,10 +254,8 @@ def _open_metrics(config: TrainConfig, lead: bool, start: int) -> MetricsLog | N
                       append=start > 0)
 
 
-def _train_rank(config: TrainConfig) -> TrainResult | None:
-    """One rank of `run_training` (the default process group is initialised)."""
-    from duplexpipe.runtime import gather_timeline
-
+def _prepare(config: TrainConfig) -> tuple[TrainTask, Pipeline]:
+    """The task and its pipeline, resumed from the checkpoint `config` names; ValueError for a bad input."""
     if dist.get_world_size() != config.ranks * config.dp:
         raise ValueError(f"{dist.get_world_size()} processes, but ranks x dp = {config.ranks} x {config.dp}")
     torch.manual_seed(config.seed)
@@ -268,9 +267,20 @@ def _train_rank(config: TrainConfig) -> TrainResult | None:
     pipe = _build_pipeline(config, task)
     if checkpoint is not None:
         pipe.load(checkpoint)
+    if pipe.calls >= config.steps:
+        raise ValueError(f"the checkpoint is at step {pipe.calls}; --steps {config.steps} leaves nothing to do")
+    return task, pipe
+
+
+def _train_rank(config: TrainConfig) -> TrainResult | None:
+    """One rank of `run_training` (the default process group is initialised)."""
+    from duplexpipe.runtime import gather_timeline
+
+    try:
+        task, pipe = _prepare(config)
+    except ValueError as exc:  # before the first step: the input, not the training, is wrong
+        raise InputRejected(str(exc)) from exc
     start = pipe.calls
-    if start >= config.steps:
-        raise ValueError(f"the checkpoint is at step {start}; --steps {config.steps} leaves nothing to do")
     lead = dist.get_rank() == 0
     metrics = _open_metrics(config, lead, start)
     try:

@@ -32,4 +32,5 @@ def test_train_with_schedule_auto_plans_prints_and_trains() -> None:
     cached = Path(chosen.split("measurements: measured, cached in ")[1].split(";")[0])
     assert cached.is_file() and Path(os.environ[CACHE_ENV]) in cached.parents, "conftest's cache, not ~/.cache"
     assert any(line.split()[:4] == ["schedule", "M", "ZeRO", "compression"] for line in text.splitlines())
-    assert "auto on 2 ranks x 1 dp, 2 steps: loss " in text
+    picked = chosen.split(" chose ")[1].split(",")[0]
+    assert f"auto (chose {picked}) on 2 ranks x 1 dp, 2 steps: loss " in text, text

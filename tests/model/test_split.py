@@ -224,7 +224,7 @@ def _chain_case(name: str, kind: str) -> float:
     options: dict[str, Any] = {}
     if name == "auto":  # a quick plan: one timed run per part on a counting clock, two candidates
         ticks = itertools.count()
-        options = {"schedules": ("1f1b", "zbv"), "microbatches": (4,), "repeats": 1, "warmup": 0, "fit_rows": 0,
+        options = {"schedules": ("1f1b", "zbv"), "repeats": 1, "warmup": 0, "fit_rows": 0,
                    "fused": False, "timer": lambda: next(ticks) * 1e-3}
     sample, config = _chain_batch(kind, 0), PipelineConfig(schedule=name, num_microbatches=4, schedule_options=options)
     if kind == "unpacked":  # Pipeline(parts), parts taking (h, extras) as two arguments
