@@ -17,7 +17,7 @@ demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
 test: lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadscope
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py

@@ -262,8 +262,22 @@ def markdown(out: dict[str, Any]) -> str:
              f"{machine.get('cores', '?')} CPU cores, 4 gloo processes, emulated link")
     command = ("python benchmarks/moe_overlap.py" + (" --backend nccl" if cfg.backend == "nccl" else "")
                + f" --tokens {cfg.tokens} --dim {cfg.dim} --hidden {cfg.hidden} --reps {cfg.reps} --steps {cfg.steps}")
-    return "\n".join([f"Measured on {where}, torch {machine.get('torch', '?')}; `{command}`.", "", "```",
-                      report(out, cfg), "```"])
+    return "\n".join([f"Measured on {where}, torch {machine.get('torch', '?')}, {out.get('date', '?')}; "
+                      f"`{command}`.", "", "```", report(out, cfg), "```", "", targets(out, cfg.backend)])
+
+
+def targets(out: dict[str, Any], backend: str) -> str:
+    """Issue 20's targets against the figures: met or missed, each with its measured value."""
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "missed"
+
+    hidden_target = 0.8 if backend == "nccl" else 0.7
+    hidden = (f">= {hidden_target:.0%} of the comm hidden: {verdict(out['hidden'] >= hidden_target)} "
+              f"({out['hidden']:.0%})")
+    if backend == "nccl":
+        return f"Target: {hidden}."
+    ratio = out["pair_ratio"]
+    return f"Targets: pair <= 0.75x F then B: {verdict(ratio <= 0.75)} ({ratio:.2f}x); {hidden}."
 
 
 def publish(out: dict[str, Any], docs: str) -> None:
@@ -277,7 +291,8 @@ def run(cfg: MoEBenchConfig, world: int = 4) -> dict[str, Any]:
     """Both parts on `world` processes; the summary with the config and machine."""
     results = harness.spawn(worker, cfg, world, 1200.0, backend=cfg.backend)
     out = summary(results)
-    out.update(config=asdict(cfg), machine=harness.machine_info())
+    out.update(config=asdict(cfg), machine=harness.machine_info(), date=time.strftime("%Y-%m-%d %H:%M UTC",
+                                                                                        time.gmtime()))
     if cfg.backend == "nccl":
         out.update(device=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count(),
                    shared_gpu=torch.cuda.device_count() < world)

@@ -35,6 +35,9 @@ def test_report_and_docs_section_name_the_link_and_the_command() -> None:
     text = moe_overlap.markdown(out)
     assert "emulated link 1.0 MB/s" in text and "python benchmarks/moe_overlap.py --tokens 512" in text
     assert "hidden 75% of the comm" in text
+    assert "Targets: pair <= 0.75x F then B: met (0.70x); >= 70% of the comm hidden: met (75%)." in text
+    nccl = {**out, "config": moe_overlap.asdict(moe_overlap.MoEBenchConfig(steps=0, backend="nccl"))}
+    assert "Target: >= 80% of the comm hidden: missed (75%)." in moe_overlap.markdown(nccl)
 
 
 @pytest.mark.parametrize(("argv", "needle"), [(["--reps", "0"], "need --reps"),

@@ -228,21 +228,25 @@ def test_lowering_a_broken_schedule_names_the_missing_consumer() -> None:
         lower(make(["0F0 7F0"], [0], 1))
 
 
-def _valid_args(upto_ranks: int = 8, upto_microbatches: int = 32) -> list[tuple[str, int, int, dict[str, int]]]:
+MICROBATCHES = (*range(1, 9), 12, 16, 24, 31, 32)
+"""Every M up to 8 (where warm-up and cool-down overlap), then larger ones, odd and even, up to 32."""
+
+
+def _valid_args(upto_ranks: int = 8) -> list[tuple[str, int, int, dict[str, int]]]:
     cases: list[tuple[str, int, int, dict[str, int]]] = []
     for name in registry.names():
         options = [{}, {"chunks": 3}] if name == "interleaved-1f1b" else [{}]
         for extra in options:
-            cases += [(name, p, m, extra) for p in range(2, upto_ranks + 1) for m in range(1, upto_microbatches + 1)
+            cases += [(name, p, m, extra) for p in range(2, upto_ranks + 1) for m in MICROBATCHES
                       if registry.check(name, p, m, **extra) is None]
     return cases
 
 
 def test_every_generator_lowers_to_an_nccl_safe_order() -> None:
-    """Every generator, P in 2..8, every valid M up to 32: the lowering verifies, NCCL pair order included,
-    and runs under NCCL's rules."""
+    """Every generator, P in 2..8, every valid M of MICROBATCHES: the lowering verifies, NCCL pair order
+    included, and runs under NCCL's rules."""
     cases = _valid_args()
-    assert {c[0] for c in cases} == set(registry.names()) and len(cases) > 1000
+    assert {c[0] for c in cases} == set(registry.names()) and len(cases) > 500
     for name, ranks, microbatches, extra in cases:
         s = registry.build(name, ranks, microbatches, **extra)
         low = lower(s)

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from _clocks import ScriptedClock
 from _train_helpers import WIDTH, Reference, adam, batch, make_parts, max_rel_diff, mse
 from torch import nn
 
@@ -39,21 +40,6 @@ UNIFORM = [(1e-3, 1e-3, 1e-3)] * 4
 HEAVY_LAST = [(1e-3, 1e-3, 1e-3)] * 3 + [(6e-3, 6e-3, 6e-3)]
 CANDIDATES = {"schedules": ("1f1b", "zb-h1", "zbv"), "repeats": 1, "warmup": 0, "fit_rows": 0, "fused": False,
               "evict_bytes": 0, "calibrate": False}  # the scripted timer times F, I and W once per part
-
-
-class ScriptedClock:
-    """profile_parts reads the clock four times per run of a part (start, after F, after I, after W):
-    each part's run takes the scripted (F, I, W) seconds."""
-
-    def __init__(self, costs: list[tuple[float, float, float]]) -> None:
-        self.costs, self.reads, self.now = costs, 0, 0.0
-
-    def __call__(self) -> float:
-        part, read = divmod(self.reads, 4)
-        if read:
-            self.now += self.costs[part % len(self.costs)][read - 1]
-        self.reads += 1
-        return self.now
 
 
 class Records(logging.Handler):

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from _clocks import ScriptedClock
 from _train_helpers import adam, batch, make_parts, mse
 
 from duplexpipe.dp_options import options_label
@@ -39,20 +40,6 @@ OPTIONS = {"schedules": ("1f1b", "zb-h1"), "repeats": 1, "warmup": 0, "fit_rows"
 TERMS = (1.3, 2e-4, 1e-4, 3e-3)
 """The scripted calibration's compute scale, work per action, per SEND/RECV and per step."""
 LOGGED = re.compile(r"schedule='auto' chose (\S+), M=(\d+), ZeRO (\d), gradient compression (\S+) ")
-
-
-class ScriptedClock:
-    """profile_parts reads the clock four times per run of a part: each run takes the scripted (F, I, W)."""
-
-    def __init__(self, costs: list[tuple[float, float, float]]) -> None:
-        self.costs, self.reads, self.now = costs, 0, 0.0
-
-    def __call__(self) -> float:
-        part, read = divmod(self.reads, 4)
-        if read:
-            self.now += self.costs[part % len(self.costs)][read - 1]
-        self.reads += 1
-        return self.now
 
 
 class ScriptedCpu:
