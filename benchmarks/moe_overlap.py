@@ -39,7 +39,7 @@ from torch import nn  # noqa: E402
 
 from benchmarks import harness  # noqa: E402
 from duplexpipe.launch.processes import SHARE_GPU_ENV  # noqa: E402
-from duplexpipe.moe import ExpertGroup, MoEBlock, MoELayer  # noqa: E402
+from duplexpipe.moe import CausalSelfAttention, ExpertGroup, MoEBlock, MoELayer  # noqa: E402
 from duplexpipe.runtime.pieces import CommRecord, CommSlot, Driver, LinkModel, current_driver, forward_slot, run_pair  # noqa: E402,E501
 
 
@@ -56,6 +56,11 @@ class MoEBenchConfig:
     top_k: int = 2
     layers: int = 2
     """MoE blocks in the stage."""
+    mixer: str = "attention"
+    """Each block's mixer before its MoE layer: "attention" (causal self-attention, 4 heads, over sequences of
+    `seq` tokens, as in an MoE transformer) or "linear" (one Linear: almost no compute besides the experts)."""
+    seq: int = 128
+    """Tokens per sequence (the attention mixer)."""
     reps: int = 9
     """Timed pairs per mode (after 2 untimed)."""
     steps: int = 6
@@ -72,11 +77,21 @@ def _model(cfg: MoEBenchConfig, device: torch.device, rank: int, world: int) -> 
     blocks = []
     for _ in range(cfg.layers):
         layer = MoELayer(cfg.dim, cfg.hidden, cfg.experts, cfg.top_k, shared_experts=1)
-        blocks.append(MoEBlock(cfg.dim, layer, mixer=nn.Linear(cfg.dim, cfg.dim)))
+        blocks.append(MoEBlock(cfg.dim, layer, mixer=_mixer(cfg)))
     model = nn.Sequential(*blocks).to(device)
     for block in blocks:
         block.moe.shard_experts(ExpertGroup(None, rank, world))
     return model
+
+
+def _mixer(cfg: MoEBenchConfig) -> nn.Module:
+    return CausalSelfAttention(cfg.dim, 4) if cfg.mixer == "attention" else nn.Linear(cfg.dim, cfg.dim)
+
+
+def _tokens(cfg: MoEBenchConfig, count: int, gen: torch.Generator | None = None) -> torch.Tensor:
+    """`count` random tokens: [count / seq, seq, dim] for the attention mixer, else [count, dim]."""
+    shape = (count // cfg.seq, cfg.seq, cfg.dim) if cfg.mixer == "attention" else (count, cfg.dim)
+    return torch.randn(*shape, generator=gen)
 
 
 def _sync(device: torch.device) -> None:
@@ -139,8 +154,8 @@ def _pairs(cfg: MoEBenchConfig, rank: int, world: int, device: torch.device, lin
     """Pair times per mode (alternating), and the comm time of each measured pair (its exchanges alone)."""
     model = _model(cfg, device, rank, world)
     gen = torch.Generator().manual_seed(rank)
-    x = [torch.randn(cfg.tokens, cfg.dim, generator=gen).to(device) for _ in range(2)]
-    grad = torch.randn(cfg.tokens, cfg.dim, generator=gen).to(device)
+    x = [_tokens(cfg, cfg.tokens, gen).to(device) for _ in range(2)]
+    grad = _tokens(cfg, cfg.tokens, gen).to(device)
     out: dict[str, list[float]] = {m: [] for m in (*MODES, "comm")}
     for rep in range(reps + 2):
         for mode in MODES if rep % 2 == 0 else MODES[::-1]:
@@ -156,21 +171,26 @@ def _pairs(cfg: MoEBenchConfig, rank: int, world: int, device: torch.device, lin
 
 
 def _link(cfg: MoEBenchConfig, rank: int, world: int, device: torch.device) -> tuple[LinkModel | None, float]:
-    """gloo: a link whose all-to-alls take comm_ratio x the pair's compute (measured without a link, each
-    exchange alone); the bandwidth agreed as the slowest rank's. nccl: None (real transfers)."""
+    """gloo: a link whose all-to-alls take comm_ratio x the pair's compute (each exchange timed alone), the
+    bandwidth agreed as the slowest rank's: first from a probe without a link, then corrected once by a probe
+    with it (the compute measured around the emulated transfers, as the timed pairs see it). nccl: None."""
     if cfg.backend == "nccl":
         return None, 0.0
-    probe = _pairs(cfg, rank, world, device, None, 3)
-    compute = statistics.median(t - c for t, c in zip(probe["measured"], probe["comm"], strict=True))
     model = _model(cfg, device, rank, world)
     log: list[CommRecord] = []
-    _pair(model, [torch.randn(cfg.tokens, cfg.dim)] * 2, torch.randn(cfg.tokens, cfg.dim),
+    _pair(model, [_tokens(cfg, cfg.tokens).to(device)] * 2, _tokens(cfg, cfg.tokens).to(device),
           Driver(log=log), device, "sequential")
     nbytes = sum(r.nbytes for r in log)
-    wanted = max(cfg.comm_ratio * compute - cfg.link_latency_s * len(log), 1e-6)
-    bandwidth = torch.tensor([nbytes / wanted], dtype=torch.float64)
-    dist.all_reduce(bandwidth, op=dist.ReduceOp.MIN)
-    return LinkModel(cfg.link_latency_s, float(bandwidth.item())), compute
+    link: LinkModel | None = None
+    compute = 0.0
+    for _ in range(2):
+        probe = _pairs(cfg, rank, world, device, link, 3)
+        compute = statistics.median(t - c for t, c in zip(probe["measured"], probe["comm"], strict=True))
+        wanted = max(cfg.comm_ratio * compute - cfg.link_latency_s * len(log), 1e-6)
+        bandwidth = torch.tensor([nbytes / wanted], dtype=torch.float64)
+        dist.all_reduce(bandwidth, op=dist.ReduceOp.MIN)
+        link = LinkModel(cfg.link_latency_s, float(bandwidth.item()))
+    return link, compute
 
 
 def _step_times(cfg: MoEBenchConfig, device: torch.device, link: LinkModel | None) -> dict[str, list[float]]:
@@ -181,7 +201,7 @@ def _step_times(cfg: MoEBenchConfig, device: torch.device, link: LinkModel | Non
     torch.manual_seed(0)
     blocks: list[nn.Module] = [
         MoEBlock(cfg.dim, MoELayer(cfg.dim, cfg.hidden, cfg.experts, cfg.top_k, shared_experts=1),
-                 mixer=nn.Linear(cfg.dim, cfg.dim)) for _ in range(4 * cfg.layers)]
+                 mixer=_mixer(cfg)) for _ in range(4 * cfg.layers)]
     pipes = {}
     for overlap in (False, True):
         config = PipelineConfig(schedule="dualpipev", num_microbatches=8, fb_overlap=overlap, link=link,
@@ -190,7 +210,7 @@ def _step_times(cfg: MoEBenchConfig, device: torch.device, link: LinkModel | Non
                                               lambda ps: torch.optim.SGD(ps, lr=1e-3), config, mesh=mesh,
                                               device=device)
     gen = torch.Generator().manual_seed(dist.get_rank())
-    x = torch.randn(8 * cfg.tokens // 2, cfg.dim, generator=gen).to(device)
+    x = _tokens(cfg, 8 * cfg.tokens // 2, gen).to(device)
     out: dict[str, list[float]] = {"off": [], "on": []}
     for rep in range(cfg.steps + 1):
         for overlap in (False, True) if rep % 2 == 0 else (True, False):
@@ -237,8 +257,9 @@ def report(s: dict[str, Any], cfg: MoEBenchConfig) -> str:
     where = ("emulated link " + (f"{s['link']['bandwidth_bytes_per_s'] / 1e6:.1f} MB/s, latency "
                                  f"{s['link']['latency_s'] * 1e3:g} ms" if s["link"] else "none")
              if cfg.backend == "gloo" else "real NCCL all-to-alls, no emulated link")
-    lines = [f"MoE F&B pair ({cfg.backend}; {where}): {cfg.layers} MoE blocks, {cfg.experts} experts top-"
-             f"{cfg.top_k}, {cfg.tokens} tokens x {cfg.dim} per rank",
+    mixer = f"causal attention over {cfg.seq}-token sequences" if cfg.mixer == "attention" else "a Linear mixer"
+    lines = [f"MoE F&B pair ({cfg.backend}; {where}): {cfg.layers} MoE blocks ({mixer}), {cfg.experts} experts "
+             f"top-{cfg.top_k}, {cfg.tokens} tokens x {cfg.dim} per rank",
              f"  F then B   {s['sequential_ms']:8.2f} ms  (comm {s['comm_ms']:.2f} ms, compute "
              f"{s['compute_ms']:.2f} ms)",
              f"  overlapped {s['overlapped_ms']:8.2f} ms  ratio {s['pair_ratio']:.2f}, hidden {s['hidden']:.0%} of "
@@ -261,7 +282,8 @@ def markdown(out: dict[str, Any]) -> str:
              "real NCCL all-to-alls)" if cfg.backend == "nccl" else
              f"{machine.get('cores', '?')} CPU cores, 4 gloo processes, emulated link")
     command = ("python benchmarks/moe_overlap.py" + (" --backend nccl" if cfg.backend == "nccl" else "")
-               + f" --tokens {cfg.tokens} --dim {cfg.dim} --hidden {cfg.hidden} --reps {cfg.reps} --steps {cfg.steps}")
+               + f" --tokens {cfg.tokens} --dim {cfg.dim} --hidden {cfg.hidden} --mixer {cfg.mixer}"
+               + (f" --seq {cfg.seq}" if cfg.mixer == "attention" else "") + f" --reps {cfg.reps} --steps {cfg.steps}")
     return "\n".join([f"Measured on {where}, torch {machine.get('torch', '?')}, {out.get('date', '?')}; "
                       f"`{command}`.", "", "```", report(out, cfg), "```", "", targets(out, cfg.backend)])
 
@@ -310,6 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=MoEBenchConfig.hidden, help="each expert's hidden width")
     parser.add_argument("--experts", type=int, default=MoEBenchConfig.experts)
     parser.add_argument("--comm-ratio", type=float, default=MoEBenchConfig.comm_ratio)
+    parser.add_argument("--mixer", choices=("attention", "linear"), default=MoEBenchConfig.mixer,
+                        help="each block's mixer: causal self-attention (default) or one Linear")
+    parser.add_argument("--seq", type=int, default=MoEBenchConfig.seq, help="tokens per sequence (attention)")
     parser.add_argument("--quick", action="store_true", help="a tiny smoke run (2 reps, 2 steps, 64 tokens)")
     parser.add_argument("--out", help="directory for moe_overlap.json")
     parser.add_argument("--docs", default="", help="docs directory: write the section in DIR/benchmarks.md")
@@ -318,15 +343,19 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("need --reps, --tokens, --dim, --hidden >= 1, --steps >= 0, --comm-ratio > 0")
     if args.experts < 4 or args.experts % 4:
         parser.error(f"--experts must be a multiple of 4 (spread over 4 ranks), got {args.experts}")
+    if args.mixer == "attention" and (args.seq < 1 or args.tokens % args.seq or args.dim % 4):
+        parser.error(f"--mixer attention needs --seq >= 1 dividing --tokens {args.tokens} (got {args.seq}) and "
+                     f"--dim divisible by its 4 heads (got {args.dim})")
     if args.backend == "nccl":
         if not torch.cuda.is_available():
             parser.error("--backend nccl needs a CUDA GPU")
         if torch.cuda.device_count() < 4:
             os.environ[SHARE_GPU_ENV] = "1"
     cfg = MoEBenchConfig(tokens=args.tokens, dim=args.dim, hidden=args.hidden, experts=args.experts, reps=args.reps,
-                         steps=args.steps, comm_ratio=args.comm_ratio, backend=args.backend)
+                         steps=args.steps, comm_ratio=args.comm_ratio, backend=args.backend, mixer=args.mixer,
+                         seq=args.seq)
     if args.quick:
-        cfg = replace(cfg, tokens=64, dim=32, hidden=64, reps=2, steps=2)
+        cfg = replace(cfg, tokens=64, dim=32, hidden=64, reps=2, steps=2, seq=16)
     out = run(cfg)
     print(report(out, cfg))
     if args.out:

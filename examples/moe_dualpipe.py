@@ -25,23 +25,7 @@ from duplexpipe import (
     make_mesh,
     run,
 )
-from duplexpipe.moe import MoEBlock, MoELayer
-
-
-class Attention(nn.Module):
-    """Causal multi-head self-attention."""
-
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.out = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out(y.transpose(1, 2).reshape(b, t, d))
+from duplexpipe.moe import CausalSelfAttention, MoEBlock, MoELayer
 
 
 def build_model(vocab: int, dim: int = 64, layers: int = 4, experts: int = 8) -> tuple[nn.Module, list[nn.Module],
@@ -50,7 +34,7 @@ def build_model(vocab: int, dim: int = 64, layers: int = 4, experts: int = 8) ->
     shared with a sigmoid router and aux-loss-free balancing through the expert bias."""
     torch.manual_seed(0)
     blocks = [MoEBlock(dim, MoELayer(dim, dim, experts, 2, shared_experts=1, router="sigmoid",
-                                     bias_update_speed=1e-3), mixer=Attention(dim, 4)) for _ in range(layers)]
+                                     bias_update_speed=1e-3), mixer=CausalSelfAttention(dim, 4)) for _ in range(layers)]
     return nn.Embedding(vocab, dim), blocks, nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, vocab))
 
 

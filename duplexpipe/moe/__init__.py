@@ -2,10 +2,10 @@
 
 from duplexpipe.moe.balance import collect_losses, expert_parameters, moe_layers, update_bias_locally
 from duplexpipe.moe.dispatch import ExpertGroup
-from duplexpipe.moe.layer import Expert, MoEBlock, MoELayer
+from duplexpipe.moe.layer import CausalSelfAttention, Expert, MoEBlock, MoELayer
 from duplexpipe.moe.router import Router, Routing, balance_loss
 
 __all__ = [
-    "Expert", "ExpertGroup", "MoEBlock", "MoELayer", "Router", "Routing", "balance_loss", "collect_losses",
-    "expert_parameters", "moe_layers", "update_bias_locally",
+    "CausalSelfAttention", "Expert", "ExpertGroup", "MoEBlock", "MoELayer", "Router", "Routing", "balance_loss",
+    "collect_losses", "expert_parameters", "moe_layers", "update_bias_locally",
 ]

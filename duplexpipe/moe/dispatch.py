@@ -28,12 +28,14 @@ class ExpertGroup:
     """Ranks in the group."""
 
 
-def exchange(x: Tensor, send: list[int], recv: list[int], ep: ExpertGroup, slot: CommSlot, label: str) -> Tensor:
-    """all_to_all of the rows of `x`: `send[r]` rows to rank r, `recv[r]` rows from it (no autograd)."""
+def exchange(x: Tensor, send: list[int], recv: list[int], ep: ExpertGroup, slot: CommSlot, label: str,
+             in_place: bool = False) -> Tensor:
+    """all_to_all of the rows of `x`: `send[r]` rows to rank r, `recv[r]` rows from it (no autograd); a comm
+    point of an F&B pair unless `in_place` (then waited for where it is issued)."""
     out = x.new_empty((sum(recv), *x.shape[1:]))
     x = x.contiguous()
-    slot.driver.exchange(
-        lambda: dist.all_to_all_single(out, x, recv, send, group=ep.group, async_op=True),
+    run = slot.driver.exchange_now if in_place else slot.driver.exchange
+    run(lambda: dist.all_to_all_single(out, x, recv, send, group=ep.group, async_op=True),
         label, x.numel() * x.element_size())
     return out
 
@@ -61,9 +63,10 @@ def all_to_all(x: Tensor, send: list[int], recv: list[int], ep: ExpertGroup, slo
 
 def exchange_counts(counts: Tensor, ep: ExpertGroup, slot: CommSlot, label: str) -> list[list[int]]:
     """counts [E] (tokens this rank sends to each expert) -> recv[s][e]: tokens rank s sends to this rank's
-    local expert e. Read on the CPU, so it is its own exchange, issued as soon as the counts exist."""
+    local expert e. Read on the CPU, so it is its own exchange, issued as soon as the counts exist and waited
+    for in place: a few bytes, needed at once to size the dispatch (not a comm point of a pair)."""
     local = counts.numel() // ep.size
-    got = exchange(counts.view(ep.size, local), [1] * ep.size, [1] * ep.size, ep, slot, label)
+    got = exchange(counts.view(ep.size, local), [1] * ep.size, [1] * ep.size, ep, slot, label, in_place=True)
     return [[int(v) for v in row] for row in got.cpu().tolist()]
 
 

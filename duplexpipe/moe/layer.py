@@ -147,6 +147,24 @@ class MoELayer(nn.Module):
             self.router.expert_bias += delta.to(self.router.expert_bias)
 
 
+class CausalSelfAttention(nn.Module):
+    """Causal multi-head self-attention over [batch, seq, dim]: a mixer for MoEBlock."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        if heads < 1 or dim % heads:
+            raise ValueError(f"CausalSelfAttention: heads must be >= 1 and divide dim {dim}, got {heads}")
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, t, d))
+
+
 class MoEBlock(nn.Module):
     """A pre-norm residual block: h = x + mixer(norm1(x)); out = h + moe(norm2(h)).
 

@@ -109,6 +109,12 @@ class Driver:
         work, issued = self.start(issue, label, nbytes)
         self.finish(work, issued, label, nbytes)
 
+    def exchange_now(self, issue: Issue, label: str, nbytes: int = 0) -> None:
+        """Issue a collective and wait for it in place, never a comm point of a pair: for a small exchange
+        whose result the code needs at once (token counts), where yielding would pair the other part's long
+        transfer with this part's short compute."""
+        Driver.exchange(self, issue, label, nbytes)
+
 
 @dataclass
 class CommSlot:
