@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import platform
 import socket
@@ -15,7 +14,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from duplexpipe.launch.processes import cuda_device_for
+from duplexpipe.launch.processes import cuda_device_for, start_context
 
 WorkerFn = Callable[[int, int, Any], Any]
 
@@ -50,7 +49,7 @@ def spawn(fn: WorkerFn, arg: Any, world: int, timeout_s: float, backend: str = "
     Raises RuntimeError with the first traceback when a rank fails, and TimeoutError
     (after killing the processes it started) when they run past `timeout_s`.
     """
-    ctx = mp.get_context("spawn")
+    ctx = start_context()  # forkserver unless $DUPLEXPIPE_START_METHOD says otherwise: torch imported once
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, fn, arg, queue, backend), daemon=True)
