@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -154,7 +156,8 @@ def _torchrun(extra: list[str], port: int) -> subprocess.Popen[str]:
         env.pop(var, None)
     cmd = [str(TORCHRUN), *extra, "--master-addr", "127.0.0.1", "--master-port", str(port),
            str(ROOT / "examples" / "train_sequential.py"), "--steps", "3", "--json"]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its own process group: `started` kills agent and workers
 
 
 def _rank0_json(outputs: list[str]) -> dict[str, object]:
@@ -163,11 +166,24 @@ def _rank0_json(outputs: list[str]) -> dict[str, object]:
     return json.loads(lines[0])
 
 
-@pytest.mark.timeout(120)
-def test_torchrun_single_node_and_two_nodes() -> None:
+@pytest.fixture
+def started() -> Iterator[list[subprocess.Popen[str]]]:
+    """The torchrun processes a test starts, killed (with their workers' process group) when it ends, so a test
+    that fails or times out leaves no process behind for the next test's child check."""
+    procs: list[subprocess.Popen[str]] = []
+    yield procs
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
+@pytest.mark.timeout(400)  # three torchrun jobs: under load (2 busy cores, 2 test workers) each takes minutes
+def test_torchrun_single_node_and_two_nodes(started: list[subprocess.Popen[str]]) -> None:
     assert not launched_by_torchrun()
     one = _torchrun(["--nproc-per-node", "2"], free_port())
-    out, err = one.communicate(timeout=100)
+    started.append(one)
+    out, err = one.communicate(timeout=180)
     assert one.returncode == 0, err[-3000:]
     result = _rank0_json([out])
     assert result["world"] == 2 and len(result["losses"]) == 3
@@ -175,7 +191,8 @@ def test_torchrun_single_node_and_two_nodes() -> None:
     port = free_port()
     nodes = [_torchrun(["--nnodes", "2", "--node-rank", str(r), "--nproc-per-node", "1"], port)
              for r in (0, 1)]
-    outs = [p.communicate(timeout=100) for p in nodes]
+    started.extend(nodes)
+    outs = [p.communicate(timeout=180) for p in nodes]
     assert [p.returncode for p in nodes] == [0, 0], [e[-3000:] for _, e in outs]
     two = _rank0_json([o for o, _ in outs])
     assert two["world"] == 2
