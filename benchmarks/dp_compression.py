@@ -426,10 +426,7 @@ def main(argv: list[str] | None = None) -> int:
                           "load_before": load_before, "uptime": uptime}
     print(table(result["rows"], cfg))
     print(_verdict(result["rows"]))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-    if args.docs:
-        publish(result, args.docs)
+    report.save_and_publish(result, args.json, args.docs, publish)
     return 0
 
 

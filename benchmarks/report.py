@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 TARGETS = {
     "overhead-bound": 1.0,
@@ -245,3 +245,13 @@ def update_doc(doc_path: str, generated: str, begin: str = BEGIN, end: str = END
         text = text.rstrip() + "\n\n" + block + "\n"
     with open(doc_path, "w", encoding="utf-8") as fh:
         fh.write(text)
+
+
+def save_and_publish(result: dict[str, Any], json_path: Any, docs: str | None,
+                     publish: Callable[[dict[str, Any], str], None]) -> None:
+    """A benchmark script's last step: `result` to `json_path` (a Path, when given) and its docs section into
+    `docs` (when given)."""
+    if json_path:
+        json_path.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    if docs:
+        publish(result, docs)

@@ -142,10 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     result["meta"] = {"date": time.strftime("%Y-%m-%d %H:%M %Z"),
                       "command": "python benchmarks/spawn_bench.py " + " ".join(argv or sys.argv[1:])}
     print(markdown(result))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-    if args.docs:
-        publish(result, args.docs)
+    report.save_and_publish(result, args.json, args.docs, publish)
     return 0
 
 

@@ -18,7 +18,6 @@ Usage: python benchmarks/zero_bench.py [--steps N] [--d-model D] [--speed-only] 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -395,10 +394,7 @@ def main(argv: list[str] | None = None) -> int:
                       "command": "python benchmarks/zero_bench.py " + " ".join(argv or sys.argv[1:]),
                       "load_before": load_before}
     print(markdown(result))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-    if args.docs:
-        publish(result, args.docs)
+    report.save_and_publish(result, args.json, args.docs, publish)
     return 0
 
 
