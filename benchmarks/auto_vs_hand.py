@@ -11,7 +11,10 @@ overhead-bound (about 10 ms per step). The auto Pipeline's calibration cache is 
 (the measurement is part of what is judged).
 
 Targets (issue 22): auto's predicted step within 25% of its measured step, and its measured step no more than
-5% slower than the best hand-picked schedule, on both models.
+5% slower than the best hand-picked schedule, on both models. The best of 17 noisy medians is biased low
+(picked on the same samples it is judged on), so after the sweep auto and the best hand-picked schedule run
+head to head on fresh steps (`confirm` rounds, the order alternating): the pick is judged on the median of
+the rounds' ratios; the sweep's own ratio is reported beside it.
 
 Usage: python benchmarks/auto_vs_hand.py [--quick] [--out DIR] [--docs DIR|none] [--load-note TEXT]
 """
@@ -23,6 +26,7 @@ import copy
 import itertools
 import os
 import shlex
+import statistics
 import sys
 import tempfile
 import time
@@ -84,13 +88,15 @@ class AutoBenchConfig:
     """Measured steps of every candidate."""
     warmup: int = 2
     """Unmeasured steps of every candidate first."""
+    confirm: int = 30
+    """Head-to-head rounds of auto and the sweep's best hand-picked schedule (0: none)."""
 
 
 def quick_config() -> AutoBenchConfig:
     """A smoke configuration: 2 ranks, a tiny overhead-bound model, two hand-picked schedules, 2 steps."""
     tiny = MLPSpec("overhead-bound", (16, 32, 24, 32, 16), 64, 8)
     return AutoBenchConfig(ranks=2, cores=2, models=(tiny,), microbatches=(4,), schedules=("1f1b", "zb-h1"),
-                           steps=2, warmup=1)
+                           steps=2, warmup=1, confirm=2)
 
 
 def build_model(spec: MLPSpec) -> tuple[list[nn.Module], nn.Module]:
@@ -161,6 +167,7 @@ def _measure(spec: MLPSpec, cfg: AutoBenchConfig, cache: str) -> dict[str, Any]:
             took, _ = harness.timed(lambda c=c: pipes[c].step(x, y))  # type: ignore[misc]
             if step >= cfg.warmup:
                 seconds[c].append(took)
+    confirm = _head_to_head(pipes, seconds, cfg.confirm, x, y)
     auto = pipes[0]
     assert auto.auto is not None
     overhead = auto.auto.profile.overhead
@@ -168,11 +175,26 @@ def _measure(spec: MLPSpec, cfg: AutoBenchConfig, cache: str) -> dict[str, Any]:
     predicted = [auto.plan.predicted_step_s] + [
         plan(auto.auto.profile, replace(planned, schedules=(name,), microbatches=(m,), chunks=(2,))).best.step_s
         for name, m in _hand(spec, cfg)]
-    return {"names": names, "seconds": seconds, "auto_build_s": built[0], "auto_cached_build_s": built[1],
+    return {"names": names, "seconds": seconds, "confirm": confirm, "auto_build_s": built[0],
+            "auto_cached_build_s": built[1],
             "plan": auto.plan.summary(),
             "predicted_s": auto.plan.predicted_step_s, "source": auto.auto.source,
             "overhead": overhead.to_dict() if overhead is not None else None,
             "table": auto.auto.result.table(8), "profile": auto.auto.profile.to_dict(), "predicted": predicted}
+
+
+def _head_to_head(pipes: list[Pipeline], seconds: list[list[float]], rounds: int, x: torch.Tensor,
+                  y: torch.Tensor) -> dict[str, Any]:
+    """Auto (pipes[0]) and the sweep's best hand-picked pipeline, a step of each per round (which goes first
+    alternates): their seconds per round (every rank has the same sweep samples, so the same rival)."""
+    medians = [harness.summarize(s).median for s in seconds[1:]]
+    rival = 1 + min(range(len(medians)), key=medians.__getitem__)
+    out: dict[str, Any] = {"rival": rival, "auto": [], "hand": []}
+    for r in range(rounds):
+        for c in (0, rival) if r % 2 == 0 else (rival, 0):
+            took, _ = harness.timed(lambda c=c: pipes[c].step(x, y))  # type: ignore[misc]
+            out["auto" if c == 0 else "hand"].append(took)
+    return out
 
 
 def _worker(rank: int, world: int, cfg: AutoBenchConfig) -> list[dict[str, Any]]:
@@ -185,17 +207,23 @@ def _worker(rank: int, world: int, cfg: AutoBenchConfig) -> list[dict[str, Any]]
 
 
 def summarize(measured: dict[str, Any]) -> dict[str, Any]:
-    """Medians, auto's prediction error, its rank and its ratio to the best hand-picked candidate."""
+    """Medians, auto's prediction error, its rank and its ratio to the best hand-picked candidate: in the sweep
+    and, when run, head to head (the median of the rounds' auto / hand ratios, which judges the pick)."""
     medians = [harness.summarize(s).median for s in measured["seconds"]]
     rows = [{"candidate": n, "predicted_s": p, **harness.summarize(s).to_dict()}
             for n, s, p in zip(measured["names"], measured["seconds"], measured["predicted"], strict=True)]
     auto, hand = medians[0], medians[1:]
     best = min(range(len(hand)), key=hand.__getitem__)
     predicted = measured["predicted_s"]
+    ratio = sweep = auto / hand[best]
+    confirm = measured.get("confirm")
+    if confirm and confirm["auto"]:
+        ratio = statistics.median(a / h for a, h in zip(confirm["auto"], confirm["hand"], strict=True))
     return {"rows": rows, "auto_s": auto, "predicted_s": predicted, "error": auto / predicted - 1,
-            "best_hand": measured["names"][best + 1], "best_hand_s": hand[best], "ratio": auto / hand[best],
+            "best_hand": measured["names"][best + 1], "best_hand_s": hand[best], "sweep_ratio": sweep,
+            "ratio": ratio, "confirmed": bool(confirm and confirm["auto"]),
             "rank": 1 + sum(m < auto for m in hand), "candidates": len(medians),
-            "predicted_ok": abs(auto / predicted - 1) <= 0.25, "pick_ok": auto <= 1.05 * hand[best]}
+            "predicted_ok": abs(auto / predicted - 1) <= 0.25, "pick_ok": ratio <= 1.05}
 
 
 def run(cfg: AutoBenchConfig) -> dict[str, Any]:
@@ -217,13 +245,20 @@ def text_report(part: dict[str, Any]) -> str:
         lines.append(f"  auto measured {m['auto_s'] * 1e3:.1f} ms vs predicted {m['predicted_s'] * 1e3:.1f} ms "
                      f"({m['error']:+.1%}, target 25%: {'met' if m['predicted_ok'] else 'NOT met'}); rank "
                      f"{m['rank']} of {m['candidates']}; best hand-picked {m['best_hand']} "
-                     f"{m['best_hand_s'] * 1e3:.1f} ms, auto / best = {m['ratio']:.3f} (target <= 1.05: "
+                     f"{m['best_hand_s'] * 1e3:.1f} ms, auto / best {_ratios(m)} (target <= 1.05: "
                      f"{'met' if m['pick_ok'] else 'NOT met'})")
         for row in m["rows"]:
             lines.append(f"    {row['candidate']:<32} {row['median_s'] * 1e3:8.1f} ms  "
                          f"(IQR {row['q1_s'] * 1e3:.1f}-{row['q3_s'] * 1e3:.1f})  planner "
                          f"{row['predicted_s'] * 1e3:.1f} ms")
     return "\n".join(lines)
+
+
+def _ratios(m: dict[str, Any]) -> str:
+    """Auto / best hand-picked in the sweep and, when run, head to head (the one the target judges)."""
+    if not m.get("confirmed"):
+        return f"{m['ratio']:.3f} (sweep)"
+    return f"{m['sweep_ratio']:.3f} sweep, {m['ratio']:.3f} head to head ({len(m['confirm']['auto'])} rounds)"
 
 
 def markdown(part: dict[str, Any]) -> str:
@@ -233,11 +268,11 @@ def markdown(part: dict[str, Any]) -> str:
              f"load average before / after: {meta.get('load_before')} / {meta.get('load_after')}. "
              f"{meta.get('load_note', '')}", "",
              "| model | auto's plan | predicted ms | measured ms | error | met (25%) | best hand-picked | ms | "
-             "auto / best | rank | met (5%) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "auto / best: sweep, head to head | rank | met (5%) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for m in part["models"]:
         lines.append(f"| {m['model']['name']} | {m['plan']} | {m['predicted_s'] * 1e3:.1f} | {m['auto_s'] * 1e3:.1f} | "
                      f"{m['error']:+.1%} | {'yes' if m['predicted_ok'] else 'no'} | {m['best_hand']} | "
-                     f"{m['best_hand_s'] * 1e3:.1f} | {m['ratio']:.3f} | {m['rank']} of {m['candidates']} | "
+                     f"{m['best_hand_s'] * 1e3:.1f} | {_ratios(m)} | {m['rank']} of {m['candidates']} | "
                      f"{'yes' if m['pick_ok'] else 'no'} |")
     for m in part["models"]:
         o, spec = m["overhead"], m["model"]

@@ -1,20 +1,23 @@
 """MoE F&B overlap: how much of the expert all-to-all one F&B pair hides behind the other microbatch's compute.
 
-Part 1, one pair: every rank holds a stage of `layers` MoE blocks whose experts are spread over all ranks
-(expert parallelism over the world). The backward of microbatch 0 and the forward of microbatch 1 run
-(a) one after the other, each all-to-all waited for where it is issued, and (b) interleaved at their comm
-points (`runtime.pieces.run_pair`, what `PipelineConfig(fb_overlap=True)` runs), alternating (a) and (b).
-The comm time is what (a)'s all-to-alls took from issue to completion; the hidden fraction is
-(sequential - overlapped) / comm.
+Part 1, one pair: every rank (4, or 2 with `--ranks 2`) holds a stage of `layers` MoE blocks whose experts
+are spread over all ranks (expert parallelism over the world). The backward of microbatch 0 and the forward
+of microbatch 1 run (a) one after the other, each all-to-all waited for where it is issued, and (b)
+interleaved at their comm points (`runtime.pieces.run_pair`, what `PipelineConfig(fb_overlap=True)` runs),
+alternating (a) and (b). The comm time is what the pair's all-to-alls take timed alone (every rank arrived
+before each is issued); the hidden fraction is (sequential - overlapped) / comm.
 Part 2, a whole DualPipeV step (PP=2 x DP=2 with ep=2, 4 ranks) with fb_overlap on and off, alternating.
 
 On CPU (gloo) the all-to-alls of small tensors are too fast and share the cores with compute, so an
-emulated link sets their time: each completes no earlier than latency + bytes / bandwidth after it was
-issued (`LinkModel`), with the bandwidth chosen so that the pair's comm is about its compute (`--comm-ratio`).
+emulated link sets their time: each completes no earlier than latency + bytes / bandwidth after every rank
+joined it (`LinkModel`), with the bandwidth chosen so that the pair's comm is about its compute (`--comm-ratio`;
+the compute is F then B less its comm). With 4 processes on 2 cores the ranks also share the cores, so the
+overlapped pair is bounded by their summed CPU work too; `--ranks 2` gives each rank a core.
 On CUDA (NCCL, `--backend nccl`) the all-to-alls are real and no link is emulated; with one GPU the ranks
 share it ($DUPLEXPIPE_SHARE_GPU=1) and NCCL moves the tokens over its socket transport on loopback.
 
-Usage: python benchmarks/moe_overlap.py [--backend gloo|nccl] [--reps N] [--steps N] [--out DIR] [--quick]
+Usage: python benchmarks/moe_overlap.py [--backend gloo|nccl] [--ranks 4|2] [--reps N] [--steps N] [--out DIR]
+[--quick]
 """
 
 from __future__ import annotations
@@ -40,7 +43,16 @@ from torch import nn  # noqa: E402
 from benchmarks import harness  # noqa: E402
 from duplexpipe.launch.processes import SHARE_GPU_ENV  # noqa: E402
 from duplexpipe.moe import CausalSelfAttention, ExpertGroup, MoEBlock, MoELayer  # noqa: E402
-from duplexpipe.runtime.pieces import CommRecord, CommSlot, Driver, LinkModel, current_driver, forward_slot, run_pair  # noqa: E402,E501
+from duplexpipe.runtime.pieces import (  # noqa: E402
+    CommRecord,
+    CommSlot,
+    Driver,
+    LinkModel,
+    Posted,
+    current_driver,
+    forward_slot,
+    run_pair,
+)
 
 
 @dataclass(frozen=True)
@@ -70,6 +82,8 @@ class MoEBenchConfig:
     link_latency_s: float = 0.0
     """gloo: the emulated link's latency per all-to-all (its bandwidth follows from comm_ratio)."""
     backend: str = "gloo"
+    ranks: int = 4
+    """Processes (the expert-parallel group of part 1); part 2 runs only with 4."""
 
 
 def _model(cfg: MoEBenchConfig, device: torch.device, rank: int, world: int) -> nn.Module:
@@ -118,10 +132,16 @@ class _Measuring(Driver):
         _sync(self.device)
         super().finish(None, issued, label, nbytes)
 
+    def post(self, issue: Any, label: str, nbytes: int = 0) -> Posted:
+        posted = super().post(issue, label, nbytes)
+        posted.wait()  # alone, like every exchange here (the layer's later wait returns at once)
+        return posted
+
 
 def _pair(model: nn.Module, x: list[torch.Tensor], grad: torch.Tensor, base: Driver, device: torch.device,
-          mode: str) -> float:
-    """One timed pair: B of microbatch 0 (its forward untimed) and F of microbatch 1."""
+          mode: str) -> tuple[float, float]:
+    """One timed pair: B of microbatch 0 (its forward untimed) and F of microbatch 1; (its wall time, this
+    process's CPU time meanwhile: compute and the collectives' own work, every thread)."""
     slot = CommSlot(Driver(link=base.link))
     with forward_slot(slot):
         y0 = model(x[0])
@@ -136,14 +156,14 @@ def _pair(model: nn.Module, x: list[torch.Tensor], grad: torch.Tensor, base: Dri
         with forward_slot(CommSlot(current_driver(base))):
             model(x[1])
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     if mode == "overlapped":
         run_pair(backward, forward, base, device)
     else:
         backward()
         forward()
     _sync(device)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
 MODES = ("sequential", "overlapped", "measured")
@@ -151,19 +171,24 @@ MODES = ("sequential", "overlapped", "measured")
 
 def _pairs(cfg: MoEBenchConfig, rank: int, world: int, device: torch.device, link: LinkModel | None,
            reps: int) -> dict[str, list[float]]:
-    """Pair times per mode (alternating), and the comm time of each measured pair (its exchanges alone)."""
+    """Pair times per mode (alternating), the comm time of each measured pair (its exchanges alone), and the
+    CPU time of each pair run either way."""
     model = _model(cfg, device, rank, world)
     gen = torch.Generator().manual_seed(rank)
     x = [_tokens(cfg, cfg.tokens, gen).to(device) for _ in range(2)]
     grad = _tokens(cfg, cfg.tokens, gen).to(device)
-    out: dict[str, list[float]] = {m: [] for m in (*MODES, "comm")}
+    out: dict[str, list[float]] = {m: [] for m in (*MODES, "comm", "overlapped_cpu", "sequential_cpu")}
+    plain = Driver(link=link)  # one driver, as a runtime keeps one: its pairs reuse its two threads
     for rep in range(reps + 2):
         for mode in MODES if rep % 2 == 0 else MODES[::-1]:
             log: list[CommRecord] = []
-            base = _Measuring(device, link, log) if mode == "measured" else Driver(link=link)
-            took = _pair(model, x, grad, base, device, mode)
+            plain.log = log
+            base = _Measuring(device, link, log) if mode == "measured" else plain
+            took, cpu = _pair(model, x, grad, base, device, mode)
             if rep >= 2:
                 out[mode].append(took)
+                if mode != "measured":
+                    out[f"{mode}_cpu"].append(cpu)
                 if mode == "measured":
                     out["comm"].append(sum(r.done - r.issued for r in log))
             model.zero_grad(set_to_none=True)
@@ -171,9 +196,10 @@ def _pairs(cfg: MoEBenchConfig, rank: int, world: int, device: torch.device, lin
 
 
 def _link(cfg: MoEBenchConfig, rank: int, world: int, device: torch.device) -> tuple[LinkModel | None, float]:
-    """gloo: a link whose all-to-alls take comm_ratio x the pair's compute (each exchange timed alone), the
-    bandwidth agreed as the slowest rank's: first from a probe without a link, then corrected once by a probe
-    with it (the compute measured around the emulated transfers, as the timed pairs see it). nccl: None."""
+    """gloo: a link whose all-to-alls (their real transfer, then the link's time) take comm_ratio x the pair's
+    compute (F then B less its exchanges timed alone), the bandwidth agreed as the slowest rank's: first from a
+    probe without a link, then corrected twice by probes with it (the compute measured around the emulated
+    transfers, as the timed pairs see it). nccl: None."""
     if cfg.backend == "nccl":
         return None, 0.0
     model = _model(cfg, device, rank, world)
@@ -182,11 +208,13 @@ def _link(cfg: MoEBenchConfig, rank: int, world: int, device: torch.device) -> t
           Driver(log=log), device, "sequential")
     nbytes = sum(r.nbytes for r in log)
     link: LinkModel | None = None
-    compute = 0.0
-    for _ in range(2):
+    compute = real = 0.0
+    for _ in range(3):
         probe = _pairs(cfg, rank, world, device, link, 3)
-        compute = statistics.median(t - c for t, c in zip(probe["measured"], probe["comm"], strict=True))
-        wanted = max(cfg.comm_ratio * compute - cfg.link_latency_s * len(log), 1e-6)
+        compute = statistics.median(t - c for t, c in zip(probe["sequential"], probe["comm"], strict=True))
+        if link is None:
+            real = statistics.median(probe["comm"])  # the link's time adds to the real transfers'
+        wanted = max(cfg.comm_ratio * compute - real - cfg.link_latency_s * len(log), 1e-6)
         bandwidth = torch.tensor([nbytes / wanted], dtype=torch.float64)
         dist.all_reduce(bandwidth, op=dist.ReduceOp.MIN)
         link = LinkModel(cfg.link_latency_s, float(bandwidth.item()))
@@ -229,23 +257,35 @@ def worker(rank: int, world: int, cfg: MoEBenchConfig) -> dict[str, Any]:
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.backend == "nccl" else torch.device("cpu")
     link, compute = _link(cfg, rank, world, device)
     result: dict[str, Any] = {"pairs": _pairs(cfg, rank, world, device, link, cfg.reps),
-                              "link": asdict(link) if link is not None else None, "probe_compute_s": compute}
+                              "link": asdict(link) if link is not None else None, "probe_compute_s": compute,
+                              "cores": len(os.sched_getaffinity(0))}
     if cfg.steps and world == 4:
         result["steps"] = _step_times(cfg, device, link)
     return result
 
 
 def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Medians over the reps of the slowest rank per rep: the pair's time each way, its comm and compute (from
-    the measured mode), the ratio and the hidden fraction (sequential - overlapped) / comm."""
+    """Medians over the reps of the slowest rank per rep: the pair's time each way, its comm (the measured
+    mode's exchanges, each timed alone), its compute (F then B less that comm), the ratio and the hidden
+    fraction (sequential - overlapped) / comm. gloo: also the cores' bound on the overlapped pair (the ranks'
+    summed CPU time over the cores, or the busiest rank's) and the most of the comm that bound lets hide."""
     def slowest(key: str, part: str = "pairs") -> list[float]:
         return [max(vals) for vals in zip(*(r[part][key] for r in results), strict=True)]
 
     seq, ovl, measured, comm = (statistics.median(slowest(k)) for k in ("sequential", "overlapped", "measured",
                                                                          "comm"))
     out = {"sequential_ms": seq * 1e3, "overlapped_ms": ovl * 1e3, "measured_ms": measured * 1e3,
-           "comm_ms": comm * 1e3, "compute_ms": (measured - comm) * 1e3, "pair_ratio": ovl / seq,
+           "comm_ms": comm * 1e3, "compute_ms": (seq - comm) * 1e3, "pair_ratio": ovl / seq,
            "hidden": (seq - ovl) / comm, "link": results[0]["link"]}
+    if results[0]["link"] is not None and "overlapped_cpu" in results[0]["pairs"]:
+        cores = min(results[0].get("cores", 1), len(results))
+        cpus = list(zip(*(r["pairs"]["overlapped_cpu"] for r in results), strict=True))
+        bound = statistics.median(max(sum(rep) / cores, max(rep)) for rep in cpus)
+        out.update(cpu_bound_ms=bound * 1e3, hidden_at_most=min(1.0, (seq - bound) / comm))
+        if "sequential_cpu" in results[0]["pairs"]:
+            out.update({f"{mode}_cpu_ms": statistics.median(statistics.mean(rep) for rep in zip(
+                *(r["pairs"][f"{mode}_cpu"] for r in results), strict=True)) * 1e3
+                for mode in ("sequential", "overlapped")})
     if "steps" in results[0]:
         off, on = statistics.median(slowest("off", "steps")), statistics.median(slowest("on", "steps"))
         out.update(step_off_ms=off * 1e3, step_on_ms=on * 1e3, step_ratio=on / off)
@@ -264,6 +304,12 @@ def report(s: dict[str, Any], cfg: MoEBenchConfig) -> str:
              f"{s['compute_ms']:.2f} ms)",
              f"  overlapped {s['overlapped_ms']:8.2f} ms  ratio {s['pair_ratio']:.2f}, hidden {s['hidden']:.0%} of "
              "the comm"]
+    if "cpu_bound_ms" in s:
+        lines.append(f"  the cores' bound on the overlapped pair (the ranks' CPU time over the cores) "
+                     f"{s['cpu_bound_ms']:.2f} ms: at most {s['hidden_at_most']:.0%} of the comm can be hidden here")
+    if "sequential_cpu_ms" in s:
+        lines.append(f"  CPU time per rank (mean over ranks): F then B {s['sequential_cpu_ms']:.2f} ms, overlapped "
+                     f"{s['overlapped_cpu_ms']:.2f} ms")
     if "step_ratio" in s:
         lines.append(f"  DualPipeV step (PP=2 x DP=2, ep=2): off {s['step_off_ms']:.1f} ms, on {s['step_on_ms']:.1f} "
                      f"ms, ratio {s['step_ratio']:.2f}")
@@ -274,14 +320,22 @@ BEGIN = "<!-- moe-overlap:begin (generated by benchmarks/moe_overlap.py; edits i
 END = "<!-- moe-overlap:end -->"
 
 
+def markers(ranks: int) -> tuple[str, str]:
+    """The docs section's begin and end lines for a run on `ranks` processes (4: the default section)."""
+    if ranks == 4:
+        return BEGIN, END
+    return BEGIN.replace("moe-overlap:", f"moe-overlap-{ranks}:"), END.replace("moe-overlap:", f"moe-overlap-{ranks}:")
+
+
 def markdown(out: dict[str, Any]) -> str:
     """The docs section: the command, what ran where, and the figures."""
     cfg = MoEBenchConfig(**out["config"])
     machine = out.get("machine", {})
-    where = (f"{out.get('device', 'GPU')} ({'4 ranks sharing it' if out.get('shared_gpu') else 'a GPU per rank'}; "
-             "real NCCL all-to-alls)" if cfg.backend == "nccl" else
-             f"{machine.get('cores', '?')} CPU cores, 4 gloo processes, emulated link")
+    gpus = f"{cfg.ranks} ranks sharing it" if out.get("shared_gpu") else "a GPU per rank"
+    where = (f"{out.get('device', 'GPU')} ({gpus}; real NCCL all-to-alls)" if cfg.backend == "nccl" else
+             f"{machine.get('cores', '?')} CPU cores, {cfg.ranks} gloo processes, emulated link")
     command = ("python benchmarks/moe_overlap.py" + (" --backend nccl" if cfg.backend == "nccl" else "")
+               + (f" --ranks {cfg.ranks}" if cfg.ranks != 4 else "")
                + f" --tokens {cfg.tokens} --dim {cfg.dim} --hidden {cfg.hidden} --mixer {cfg.mixer}"
                + (f" --seq {cfg.seq}" if cfg.mixer == "attention" else "") + f" --reps {cfg.reps} --steps {cfg.steps}")
     return "\n".join([f"Measured on {where}, torch {machine.get('torch', '?')}, {out.get('date', '?')}; "
@@ -306,11 +360,12 @@ def publish(out: dict[str, Any], docs: str) -> None:
     """Write the section between BEGIN and END of docs/benchmarks.md."""
     from benchmarks import report as docs_report
 
-    docs_report.update_doc(os.path.join(docs, "benchmarks.md"), markdown(out), BEGIN, END)
+    docs_report.update_doc(os.path.join(docs, "benchmarks.md"), markdown(out), *markers(out["config"].get("ranks", 4)))
 
 
-def run(cfg: MoEBenchConfig, world: int = 4) -> dict[str, Any]:
-    """Both parts on `world` processes; the summary with the config and machine."""
+def run(cfg: MoEBenchConfig) -> dict[str, Any]:
+    """Both parts on `cfg.ranks` processes; the summary with the config and machine."""
+    world = cfg.ranks
     results = harness.spawn(worker, cfg, world, 1200.0, backend=cfg.backend)
     out = summary(results)
     out.update(config=asdict(cfg), machine=harness.machine_info(), date=time.strftime("%Y-%m-%d %H:%M UTC",
@@ -325,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run and print; optionally save moe_overlap.json."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+    parser.add_argument("--ranks", type=int, choices=(2, 4), default=MoEBenchConfig.ranks,
+                        help="processes (2: one core each here; the DualPipeV step of part 2 needs 4)")
     parser.add_argument("--reps", type=int, default=MoEBenchConfig.reps)
     parser.add_argument("--steps", type=int, default=MoEBenchConfig.steps)
     parser.add_argument("--tokens", type=int, default=MoEBenchConfig.tokens)
@@ -353,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
             os.environ[SHARE_GPU_ENV] = "1"
     cfg = MoEBenchConfig(tokens=args.tokens, dim=args.dim, hidden=args.hidden, experts=args.experts, reps=args.reps,
                          steps=args.steps, comm_ratio=args.comm_ratio, backend=args.backend, mixer=args.mixer,
-                         seq=args.seq)
+                         seq=args.seq, ranks=args.ranks)
     if args.quick:
         cfg = replace(cfg, tokens=64, dim=32, hidden=64, reps=2, steps=2, seq=16)
     out = run(cfg)

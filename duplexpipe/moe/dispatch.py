@@ -28,15 +28,13 @@ class ExpertGroup:
     """Ranks in the group."""
 
 
-def exchange(x: Tensor, send: list[int], recv: list[int], ep: ExpertGroup, slot: CommSlot, label: str,
-             in_place: bool = False) -> Tensor:
+def exchange(x: Tensor, send: list[int], recv: list[int], ep: ExpertGroup, slot: CommSlot, label: str) -> Tensor:
     """all_to_all of the rows of `x`: `send[r]` rows to rank r, `recv[r]` rows from it (no autograd); a comm
-    point of an F&B pair unless `in_place` (then waited for where it is issued)."""
+    point of an F&B pair."""
     out = x.new_empty((sum(recv), *x.shape[1:]))
     x = x.contiguous()
-    run = slot.driver.exchange_now if in_place else slot.driver.exchange
-    run(lambda: dist.all_to_all_single(out, x, recv, send, group=ep.group, async_op=True),
-        label, x.numel() * x.element_size())
+    slot.driver.exchange(lambda: dist.all_to_all_single(out, x, recv, send, group=ep.group, async_op=True),
+                         label, x.numel() * x.element_size())
     return out
 
 
@@ -61,13 +59,23 @@ def all_to_all(x: Tensor, send: list[int], recv: list[int], ep: ExpertGroup, slo
     return out
 
 
-def exchange_counts(counts: Tensor, ep: ExpertGroup, slot: CommSlot, label: str) -> list[list[int]]:
-    """counts [E] (tokens this rank sends to each expert) -> recv[s][e]: tokens rank s sends to this rank's
-    local expert e. Read on the CPU, so it is its own exchange, issued as soon as the counts exist and waited
-    for in place: a few bytes, needed at once to size the dispatch (not a comm point of a pair)."""
-    local = counts.numel() // ep.size
-    got = exchange(counts.view(ep.size, local), [1] * ep.size, [1] * ep.size, ep, slot, label, in_place=True)
-    return [[int(v) for v in row] for row in got.cpu().tolist()]
+class CountsExchange:
+    """The token counts' exchange, posted as soon as the counts exist and waited for in place (`received`),
+    not a comm point of an F&B pair: a few bytes, needed to size the dispatch. Work done between posting and
+    waiting (the shared experts) hides the wait for the slowest rank of the group."""
+
+    def __init__(self, counts: Tensor, ep: ExpertGroup, slot: CommSlot, label: str) -> None:
+        local = counts.numel() // ep.size
+        sent = counts.view(ep.size, local).contiguous()
+        self._got = torch.empty_like(sent)
+        self._posted = slot.driver.post(lambda: dist.all_to_all_single(self._got, sent, group=ep.group,
+                                                                       async_op=True),
+                                        label, sent.numel() * sent.element_size())
+
+    def received(self) -> list[list[int]]:
+        """recv[s][e]: tokens rank s sends to this rank's local expert e (waits for the exchange)."""
+        self._posted.wait()
+        return [[int(v) for v in row] for row in self._got.cpu().tolist()]
 
 
 def expert_major(recv: list[list[int]]) -> Tensor | None:

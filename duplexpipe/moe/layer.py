@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from duplexpipe.moe.dispatch import ExpertGroup, all_to_all, exchange_counts, expert_major
+from duplexpipe.moe.dispatch import CountsExchange, ExpertGroup, all_to_all, expert_major
 from duplexpipe.moe.router import Router, Routing, balance_loss
 from duplexpipe.runtime.pieces import CommSlot, current_slot
 
@@ -102,21 +102,26 @@ class MoELayer(nn.Module):
             self.load += counts.to(self.load)
             if self.aux_loss_coef:
                 slot.losses.append(self.aux_loss_coef * balance_loss(routing, counts))
-        out = self._routed(tokens, routing, counts, slot)
-        if self.shared is not None:
-            out = out + self.shared(tokens)
+        routed, shared = self._routed(tokens, routing, counts, slot)
+        out = routed if shared is None else routed + shared
         return out.reshape(shape)
 
-    def _routed(self, tokens: Tensor, routing: Routing, counts: Tensor, slot: CommSlot) -> Tensor:
-        """sum_k w_k expert_{e_k}(token): permute by expert, send to the experts' ranks, compute, bring back."""
+    def _routed(self, tokens: Tensor, routing: Routing, counts: Tensor,
+                slot: CommSlot) -> tuple[Tensor, Tensor | None]:
+        """(sum_k w_k expert_{e_k}(token), shared(token)): permute by expert, send to the experts' ranks, compute,
+        bring back. The shared experts run while the token counts are exchanged, before the dispatch: inside an
+        F&B pair their forward joins the attention's piece and their backward the one after the dispatch's
+        backward, which evens the pieces the exchanges hide behind."""
         k = self.top_k
         order = torch.argsort(routing.experts.reshape(-1), stable=True)
         source = order // k
         sent = tokens[source]
-        if self.ep.size == 1:
+        exchange = CountsExchange(counts, self.ep, slot, f"{self.label} counts") if self.ep.size > 1 else None
+        shared = self.shared(tokens) if self.shared is not None else None
+        if exchange is None:
             done = self._compute(sent, counts.tolist())
         else:
-            recv = exchange_counts(counts, self.ep, slot, f"{self.label} counts")
+            recv = exchange.received()
             local = len(self.experts)
             send = [int(v) for v in counts.view(self.ep.size, local).sum(1).tolist()]
             back = [sum(row) for row in recv]
@@ -129,7 +134,7 @@ class MoELayer(nn.Module):
                 result = result[torch.argsort(perm)]
             done = all_to_all(result, back, send, self.ep, slot, f"{self.label} combine")
         weighted = done * routing.weights.reshape(-1)[order].unsqueeze(-1).to(done.dtype)
-        return torch.zeros_like(tokens).index_add(0, source, weighted)
+        return torch.zeros_like(tokens).index_add(0, source, weighted), shared
 
     def _compute(self, rows: Tensor, sizes: list[int]) -> Tensor:
         """Each local expert on its run of `rows` (every expert runs, on zero rows too)."""

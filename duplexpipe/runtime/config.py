@@ -58,7 +58,8 @@ class RuntimeConfig:
     `overlap_hook` is set."""
     link: LinkModel | None = None
     """An emulated link for the exchanges stages make inside their compute (MoE all-to-alls): each completes
-    no earlier than latency + bytes / bandwidth after it was issued. None: the real transfer time only."""
+    no earlier than latency + bytes / bandwidth after every rank of its group joined it (`LinkModel`). None:
+    the real transfer time only."""
     on_grads_ready: GradsReadyHook | None = None
     """Called with a stage index once this rank's gradients of that stage are final for the step
     (see GradsReadyHook); None: no call."""

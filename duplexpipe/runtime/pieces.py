@@ -6,6 +6,8 @@ for at once. Inside an OVERLAP_F_B pair the forward and the backward each run as
 that only runs while the other waits, so one thread at a time issues work): at a comm point the
 coroutine hands its collective to the pair, which issues it and runs the other microbatch's next
 compute piece while it is in flight. Collectives are issued in one deterministic order on every rank.
+The two threads live as long as the driver that runs the pairs: a fresh thread per pair would start with a
+cold allocator arena (thousands of page faults per pair).
 
 Which exchange a backward uses is decided when it runs, not when its forward ran: a forward captures
 its `CommSlot` (`current_slot()`), and the runtime points the slot at the driver of the code that runs
@@ -16,8 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,10 +41,11 @@ def plain_wait(work: Any, what: str) -> None:
 
 @dataclass(frozen=True)
 class LinkModel:
-    """An emulated link: a collective or message completes no earlier than `latency_s + bytes /
-    bandwidth_bytes_per_s` after it was issued (the waiting sleeps, so a core is free meanwhile).
-    For honest overlap figures on machines whose real transfers are too fast or compete for the
-    cores; every figure taken with it must say so."""
+    """An emulated link: a collective completes no earlier than `latency_s + bytes / bandwidth_bytes_per_s`
+    after it could start, i.e. after every rank of its group joined it (taken as when its real transfer
+    completed: a rank's tokens cannot leave before that rank issued the collective); the waiting sleeps, so a
+    core is free meanwhile. For honest overlap figures on machines whose real transfers are too fast or
+    compete for the cores; every figure taken with it must say so."""
 
     latency_s: float = 0.0
     """Seconds added to every transfer."""
@@ -57,9 +62,9 @@ class LinkModel:
         """The emulated transfer time of `nbytes`."""
         return self.latency_s + nbytes / self.bandwidth_bytes_per_s
 
-    def hold(self, issued: float, nbytes: int) -> None:
-        """Sleep until `issued` (perf_counter) + the transfer time of `nbytes`."""
-        left = issued + self.seconds(nbytes) - time.perf_counter()
+    def hold(self, start: float, nbytes: int) -> None:
+        """Sleep until `start` (perf_counter) + the transfer time of `nbytes`."""
+        left = start + self.seconds(nbytes) - time.perf_counter()
         if left > 0:
             time.sleep(left)
 
@@ -84,20 +89,38 @@ class Driver:
         self.link = link
         self.log = log
         """Where exchanges are recorded (None: not recorded)."""
+        self._workers: tuple[_Worker, _Worker] | None = None
+        self._joined: dict[int, list[float]] = {}
+        """id(work) -> [when its real transfer completed] (filled by the Work's future; with a link only)."""
+
+    def workers(self) -> tuple[_Worker, _Worker]:
+        """The two threads that run the parts of this driver's pairs (started at the first pair, stopped when
+        the driver is garbage-collected)."""
+        if self._workers is None:
+            self._workers = (_Worker("duplexpipe-backward"), _Worker("duplexpipe-forward"))
+            weakref.finalize(self, _Worker.stop_all, self._workers)
+        return self._workers
 
     def start(self, issue: Issue, label: str, nbytes: int) -> tuple[Any, float]:
         """Post the exchange now: (its Work, when it was issued); the log records it in issue order."""
         issued = time.perf_counter()
         if self.log is not None:
             self.log.append(CommRecord(label, nbytes, issued, issued))
-        return issue(), issued
+        work = issue()
+        if self.link is not None and hasattr(work, "get_future"):
+            joined: list[float] = []
+            self._joined[id(work)] = joined
+            work.get_future().add_done_callback(lambda _: joined.append(time.perf_counter()))
+        return work, issued
 
     def finish(self, work: Any, issued: float, label: str, nbytes: int) -> None:
         """Wait for a posted exchange; its record gets the time it was seen complete."""
         if work is not None:
             self.wait(work, label)
         if self.link is not None:
-            self.link.hold(issued, nbytes)
+            joined = self._joined.pop(id(work), None)
+            start = issued if work is None else joined[0] if joined else time.perf_counter()
+            self.link.hold(start, nbytes)
         if self.log is not None:
             for record in reversed(self.log):
                 if record.issued == issued and record.label == label:
@@ -109,11 +132,30 @@ class Driver:
         work, issued = self.start(issue, label, nbytes)
         self.finish(work, issued, label, nbytes)
 
-    def exchange_now(self, issue: Issue, label: str, nbytes: int = 0) -> None:
-        """Issue a collective and wait for it in place, never a comm point of a pair: for a small exchange
-        whose result the code needs at once (token counts), where yielding would pair the other part's long
-        transfer with this part's short compute."""
-        Driver.exchange(self, issue, label, nbytes)
+    def post(self, issue: Issue, label: str, nbytes: int = 0) -> Posted:
+        """Issue a collective that is waited for in place later (`Posted.wait`), never a comm point of a pair:
+        for a small exchange whose result the code needs soon (token counts), where yielding would pair the
+        other part's long transfer with this part's short compute. Work done before the wait hides it."""
+        work, issued = self.start(issue, label, nbytes)
+        return Posted(self, work, issued, label, nbytes)
+
+
+@dataclass
+class Posted:
+    """A collective issued by `Driver.post`, not yet waited for."""
+
+    driver: Driver
+    work: Any
+    issued: float
+    label: str
+    nbytes: int
+    done: bool = False
+
+    def wait(self) -> None:
+        """Wait for it where the caller stands (once; later calls return at once)."""
+        if not self.done:
+            self.done = True
+            self.driver.finish(self.work, self.issued, self.label, self.nbytes)
 
 
 @dataclass
@@ -159,10 +201,38 @@ class PairAborted(RuntimeError):
     """The other part of an F&B pair failed: this part stops at its next comm point."""
 
 
-class _Coroutine(Driver):
-    """One part of a pair, run in its own thread; it runs only between `resume()` and its next exchange."""
+class _Worker:
+    """A long-lived thread that runs the jobs handed to it, one at a time, until stopped."""
 
-    def __init__(self, name: str, fn: Callable[[], None], base: Driver, device: torch.device) -> None:
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        threading.Thread(target=self._loop, args=(self._jobs,), daemon=True, name=name).start()
+
+    @staticmethod
+    def _loop(jobs: queue.SimpleQueue[Callable[[], None] | None]) -> None:
+        while True:
+            job = jobs.get()
+            if job is None:
+                return
+            job()
+            job = None  # holds the pair's parts (and through them the driver) until the next job otherwise
+
+    def submit(self, job: Callable[[], None]) -> None:
+        """Run `job` on this thread (after the jobs before it)."""
+        self._jobs.put(job)
+
+    @staticmethod
+    def stop_all(workers: tuple[_Worker, ...]) -> None:
+        """Let the threads end once their jobs are done."""
+        for worker in workers:
+            worker._jobs.put(None)
+
+
+class _Coroutine(Driver):
+    """One part of a pair, run on a worker thread; it runs only between `resume()` and its next exchange."""
+
+    def __init__(self, name: str, fn: Callable[[], None], base: Driver, device: torch.device,
+                 worker: _Worker) -> None:
         super().__init__(base.wait, base.link, base.log)
         self.name = name
         self.request: tuple[Issue, str, int] | None = None
@@ -171,15 +241,16 @@ class _Coroutine(Driver):
         self._abort = False
         self._go = threading.Semaphore(0)
         self._back = threading.Semaphore(0)
+        self._ended = threading.Event()
         context = contextvars.copy_context()
-        self._thread = threading.Thread(target=context.run, args=(self._main, fn, device, torch.get_num_threads()),
-                                        daemon=True, name=f"duplexpipe-{name}")
-        self._thread.start()
+        threads = torch.get_num_threads()
+        worker.submit(lambda: context.run(self._main, fn, device, threads))
 
     def _main(self, fn: Callable[[], None], device: torch.device, threads: int) -> None:
         self._go.acquire()
         try:
-            torch.set_num_threads(threads)  # a new thread's OpenMP team would take every core (and spin)
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)  # a new thread's OpenMP team would take every core (and spin)
             if device.type == "cuda":
                 torch.cuda.set_device(device)
             _DRIVER.set(self)
@@ -190,6 +261,7 @@ class _Coroutine(Driver):
         finally:
             self.finished = True
             self._back.release()
+            self._ended.set()
 
     def exchange(self, issue: Issue, label: str, nbytes: int = 0) -> None:
         """Hand the collective to the pair and sleep until the pair resumes this part (the collective has
@@ -206,11 +278,11 @@ class _Coroutine(Driver):
         self._back.acquire()
 
     def abort(self) -> None:
-        """Unwind this part (at its next exchange) and let its thread end."""
+        """Unwind this part (at its next exchange) and wait until it has."""
         if not self.finished:
             self._abort = True
             self._go.release()
-            self._thread.join()
+        self._ended.wait()
 
 
 def run_pair(first: Callable[[], None], second: Callable[[], None], base: Driver, device: torch.device) -> None:
@@ -219,8 +291,8 @@ def run_pair(first: Callable[[], None], second: Callable[[], None], base: Driver
     next one (issued at once), so each exchange is in flight while the other part computes. Parts without
     exchanges run whole, `first` then `second`. Exceptions of either part (or of a wait) are raised here
     after both parts stopped."""
-    parts = [_Coroutine("backward" if i == 0 else "forward", fn, base, device)
-             for i, fn in enumerate((first, second))]
+    parts = [_Coroutine("backward" if i == 0 else "forward", fn, base, device, worker)
+             for i, (fn, worker) in enumerate(zip((first, second), base.workers(), strict=True))]
     inflight: list[tuple[Any, float, str, int] | None] = [None, None]
     try:
         turn = 0

@@ -121,7 +121,8 @@ class PipelineConfig:
     pairs, or no MoE layers) runs as False does."""
     link: LinkModel | None = None
     """An emulated link for the MoE all-to-alls (each completes no earlier than latency + bytes / bandwidth
-    after it was issued; `duplexpipe.runtime.pieces.LinkModel`): honest overlap figures on CPU. None: off."""
+    after every rank of its group joined it; `duplexpipe.runtime.pieces.LinkModel`): honest overlap figures on
+    CPU. None: off."""
 
     def __post_init__(self) -> None:
         memory_bytes(self.memory_limit)

@@ -26,6 +26,19 @@ def test_summary_ranks_auto_among_the_hand_picked_schedules() -> None:
     assert out["rank"] == 2 and out["candidates"] == 3
     assert out["predicted_ok"] and not out["pick_ok"], "10% slower than 1F1B: the 5% target is missed"
     assert [r["candidate"] for r in out["rows"]] == measured["names"]
+    assert not out["confirmed"] and out["sweep_ratio"] == out["ratio"]
+
+
+def test_a_head_to_head_judges_the_pick_by_the_median_of_its_rounds_ratios() -> None:
+    measured = {"names": ["auto", "1f1b, M=4", "zbv, M=8"], "predicted_s": 0.100, "predicted": [0.1, 0.09, 0.2],
+                "seconds": [[0.11, 0.12, 0.10], [0.10, 0.10, 0.10], [0.13, 0.14, 0.15]],
+                "confirm": {"rival": 1, "auto": [0.100, 0.200, 0.103], "hand": [0.100, 0.190, 0.100]}}
+    out = auto_vs_hand.summarize(measured)
+    assert out["sweep_ratio"] == pytest.approx(1.10) and out["ratio"] == pytest.approx(1.03)  # rounds 1.0, 1.053, 1.03
+    assert out["confirmed"] and out["pick_ok"]
+    assert "1.100 sweep, 1.030 head to head (3 rounds)" in auto_vs_hand.markdown({"models": [{
+        **measured, **out, "model": {"name": "m", "widths": [1], "classes": 2, "batch": 1}, "plan": "p",
+        "overhead": None, "auto_build_s": 1.0, "auto_cached_build_s": 1.0, "source": "measured"}]})
 
 
 def test_the_models_have_uneven_widths_and_a_heavy_head() -> None:
@@ -48,6 +61,7 @@ def test_quick_run_writes_the_summary_and_its_docs_block(tmp_path: Path) -> None
     (model,) = part["models"]
     assert model["names"] == ["auto", "1f1b, M=4", "zb-h1, M=4"]
     assert all(len(s) == 2 for s in model["seconds"]) and model["predicted_s"] > 0
+    assert len(model["confirm"]["auto"]) == len(model["confirm"]["hand"]) == 2 and model["confirmed"]
     assert re.match(r"\S+, M=\d+, ZeRO 0, gradient compression none \(predicted step [\d.]+ ms\)$", model["plan"])
     assert model["source"].startswith("cache "), "built twice: the run's auto Pipeline read the first one's cache"
     assert model["auto_build_s"] > 0 and model["auto_cached_build_s"] > 0

@@ -3,6 +3,8 @@ that stop both parts, the slot a backward uses, and the emulated link's arithmet
 
 from __future__ import annotations
 
+import gc
+import threading
 import time
 from typing import Any
 
@@ -106,6 +108,37 @@ def test_a_failing_wait_stops_both_parts() -> None:
     base = Driver(wait=bad_wait)
     with pytest.raises(RuntimeError, match="peer gone while waiting for B0"):
         run_pair(_part("B", 3, trace, base), _part("F", 3, trace, base), base, CPU)
+
+
+@pytest.mark.timeout(30)
+def test_pairs_reuse_the_drivers_two_threads_which_end_with_the_driver() -> None:
+    base, outside = Driver(), Driver()
+    seen: list[int] = []
+
+    def part() -> None:
+        seen.append(threading.get_ident())
+        current_driver(outside).exchange(lambda: None, "x")  # inside a pair: the part's own driver
+
+    for _ in range(3):
+        run_pair(part, part, base, CPU)
+    assert len(set(seen)) == 2 and threading.get_ident() not in seen  # the same two threads, every pair
+    threads = [t for t in threading.enumerate() if t.ident in seen]
+    del base
+    gc.collect()
+    for thread in threads:
+        thread.join(timeout=10)
+    assert not any(t.is_alive() for t in threads)
+
+
+def test_a_posted_exchange_is_waited_for_where_the_caller_asks_and_once() -> None:
+    trace: list[str] = []
+    log: list[CommRecord] = []
+    driver = Driver(wait=lambda work, what: work.wait(), log=log)
+    posted = driver.post(lambda: (trace.append("issue"), FakeWork("counts", trace))[1], "moe counts", 8)
+    trace.append("shared experts")
+    posted.wait()
+    posted.wait()
+    assert trace == ["issue", "shared experts", "wait counts"] and [r.label for r in log] == ["moe counts"]
 
 
 def test_slots_and_drivers_outside_a_runtime_are_plain() -> None:
