@@ -114,27 +114,24 @@ def _sync(device: torch.device) -> None:
 
 
 class _Measuring(Driver):
-    """Times each exchange alone: the device drained and every rank arrived before it is issued, and the
-    device drained again before it counts as done (a baseline mode only; it serialises everything)."""
+    """Times each exchange alone: the device drained and every rank arrived before it is issued (so the link
+    counts from the issue), waited for at once, and the device drained again before it counts as done (a
+    baseline mode only; it serialises everything)."""
 
     def __init__(self, device: torch.device, link: LinkModel | None, log: list[CommRecord]) -> None:
-        super().__init__(link=link, log=log)
+        def wait(work: Any, what: str) -> None:
+            work.wait()
+            _sync(device)
+
+        super().__init__(wait=wait, link=link, log=log)
         self.device = device
 
-    def start(self, issue: Any, label: str, nbytes: int) -> tuple[Any, float]:
+    def post(self, issue: Any, label: str, nbytes: int = 0) -> Posted:
         _sync(self.device)
         dist.barrier()
-        return super().start(issue, label, nbytes)
-
-    def finish(self, work: Any, issued: float, label: str, nbytes: int) -> None:
-        if work is not None:
-            work.wait()
-        _sync(self.device)
-        super().finish(None, issued, label, nbytes)
-
-    def post(self, issue: Any, label: str, nbytes: int = 0) -> Posted:
         posted = super().post(issue, label, nbytes)
-        posted.wait()  # alone, like every exchange here (the layer's later wait returns at once)
+        posted.joined.insert(0, posted.record.issued)  # every rank joined at the barrier, before the issue
+        self.finish(posted)  # alone, like every exchange here (a later wait for it returns at once)
         return posted
 
 

@@ -3,16 +3,45 @@
 from __future__ import annotations
 
 
-class ScriptedClock:
+class _Scripted:
+    """A clock that stands still except at the reads `advance` names, where it moves by the seconds it returns."""
+
+    def __init__(self) -> None:
+        self.reads, self.now = 0, 0.0
+
+    def advance(self, read: int) -> float:
+        raise NotImplementedError
+
+    def __call__(self) -> float:
+        self.now += self.advance(self.reads)
+        self.reads += 1
+        return self.now
+
+
+class ScriptedClock(_Scripted):
     """A timer for profile_parts, which reads the clock four times per run of a part (start, after F, after I,
     after W): each part's run takes the scripted (F, I, W) seconds, the parts in turn."""
 
     def __init__(self, costs: list[tuple[float, float, float]]) -> None:
-        self.costs, self.reads, self.now = costs, 0, 0.0
+        super().__init__()
+        self.costs = costs
 
-    def __call__(self) -> float:
-        part, read = divmod(self.reads, 4)
-        if read:
-            self.now += self.costs[part % len(self.costs)][read - 1]
-        self.reads += 1
-        return self.now
+    def advance(self, read: int) -> float:
+        part, at = divmod(read, 4)
+        return self.costs[part % len(self.costs)][at - 1] if at else 0.0
+
+
+class ScriptedStepClock(_Scripted):
+    """A CPU timer for timed_steps, which reads it before and after each step, stepping the runs round-robin
+    with the first one rotating: each step of run c takes costs[c] seconds."""
+
+    def __init__(self, costs: list[float]) -> None:
+        super().__init__()
+        self.costs = costs
+
+    def advance(self, read: int) -> float:
+        pair, end = divmod(read, 2)
+        if not end:
+            return 0.0
+        step, k = divmod(pair, len(self.costs))
+        return self.costs[(step + k) % len(self.costs)]

@@ -90,8 +90,6 @@ class Driver:
         self.log = log
         """Where exchanges are recorded (None: not recorded)."""
         self._workers: tuple[_Worker, _Worker] | None = None
-        self._joined: dict[int, list[float]] = {}
-        """id(work) -> [when its real transfer completed] (filled by the Work's future; with a link only)."""
 
     def workers(self) -> tuple[_Worker, _Worker]:
         """The two threads that run the parts of this driver's pairs (started at the first pair, stopped when
@@ -101,61 +99,55 @@ class Driver:
             weakref.finalize(self, _Worker.stop_all, self._workers)
         return self._workers
 
-    def start(self, issue: Issue, label: str, nbytes: int) -> tuple[Any, float]:
-        """Post the exchange now: (its Work, when it was issued); the log records it in issue order."""
+    def post(self, issue: Issue, label: str, nbytes: int = 0) -> Posted:
+        """Issue a collective now and return it unwaited (the log records it in issue order). Never a comm point
+        of a pair: the caller waits for it in place (`Posted.wait`), for a small exchange whose result the code
+        needs soon (token counts), where yielding would pair the other part's long transfer with this part's
+        short compute; work done before the wait hides it."""
         issued = time.perf_counter()
+        record = CommRecord(label, nbytes, issued, issued)
         if self.log is not None:
-            self.log.append(CommRecord(label, nbytes, issued, issued))
-        work = issue()
-        if self.link is not None and hasattr(work, "get_future"):
-            joined: list[float] = []
-            self._joined[id(work)] = joined
-            work.get_future().add_done_callback(lambda _: joined.append(time.perf_counter()))
-        return work, issued
+            self.log.append(record)
+        posted = Posted(self, issue(), record)
+        if self.link is not None and hasattr(posted.work, "get_future"):
+            posted.work.get_future().add_done_callback(lambda _: posted.joined.append(time.perf_counter()))
+        return posted
 
-    def finish(self, work: Any, issued: float, label: str, nbytes: int) -> None:
-        """Wait for a posted exchange; its record gets the time it was seen complete."""
-        if work is not None:
-            self.wait(work, label)
+    def finish(self, posted: Posted) -> None:
+        """Wait for a posted exchange (once), holding for the link from when every rank joined it; its record
+        gets the time it was seen complete."""
+        if posted.done:
+            return
+        posted.done = True
+        record = posted.record
+        if posted.work is not None:
+            self.wait(posted.work, record.label)
         if self.link is not None:
-            joined = self._joined.pop(id(work), None)
-            start = issued if work is None else joined[0] if joined else time.perf_counter()
-            self.link.hold(start, nbytes)
-        if self.log is not None:
-            for record in reversed(self.log):
-                if record.issued == issued and record.label == label:
-                    record.done = time.perf_counter()
-                    break
+            start = record.issued if posted.work is None else posted.joined[0] if posted.joined else time.perf_counter()
+            self.link.hold(start, record.nbytes)
+        record.done = time.perf_counter()
 
     def exchange(self, issue: Issue, label: str, nbytes: int = 0) -> None:
         """Issue a collective and return once it completed."""
-        work, issued = self.start(issue, label, nbytes)
-        self.finish(work, issued, label, nbytes)
-
-    def post(self, issue: Issue, label: str, nbytes: int = 0) -> Posted:
-        """Issue a collective that is waited for in place later (`Posted.wait`), never a comm point of a pair:
-        for a small exchange whose result the code needs soon (token counts), where yielding would pair the
-        other part's long transfer with this part's short compute. Work done before the wait hides it."""
-        work, issued = self.start(issue, label, nbytes)
-        return Posted(self, work, issued, label, nbytes)
+        self.finish(self.post(issue, label, nbytes))
 
 
 @dataclass
 class Posted:
-    """A collective issued by `Driver.post`, not yet waited for."""
+    """A collective issued by `Driver.post`, until its driver's `finish` waited for it."""
 
     driver: Driver
     work: Any
-    issued: float
-    label: str
-    nbytes: int
+    """Its Work (None: nothing was sent)."""
+    record: CommRecord
+    """What was issued and when (also in the driver's log, if it keeps one)."""
+    joined: list[float] = field(default_factory=list)
+    """When its real transfer completed, i.e. every rank joined it (filled by the Work's future; with a link)."""
     done: bool = False
 
     def wait(self) -> None:
         """Wait for it where the caller stands (once; later calls return at once)."""
-        if not self.done:
-            self.done = True
-            self.driver.finish(self.work, self.issued, self.label, self.nbytes)
+        self.driver.finish(self)
 
 
 @dataclass
@@ -293,7 +285,7 @@ def run_pair(first: Callable[[], None], second: Callable[[], None], base: Driver
     after both parts stopped."""
     parts = [_Coroutine("backward" if i == 0 else "forward", fn, base, device, worker)
              for i, (fn, worker) in enumerate(zip((first, second), base.workers(), strict=True))]
-    inflight: list[tuple[Any, float, str, int] | None] = [None, None]
+    inflight: list[Posted | None] = [None, None]
     try:
         turn = 0
         while not all(p.finished for p in parts):
@@ -301,16 +293,14 @@ def run_pair(first: Callable[[], None], second: Callable[[], None], base: Driver
             if not part.finished:
                 pending = inflight[turn]
                 if pending is not None:
-                    base.finish(*pending)
+                    base.finish(pending)
                     inflight[turn] = None
                 part.resume()
                 if part.error is not None:
                     raise part.error
                 if not part.finished and part.request is not None:
-                    issue, label, nbytes = part.request
+                    inflight[turn] = base.post(*part.request)
                     part.request = None
-                    work, issued = base.start(issue, label, nbytes)
-                    inflight[turn] = (work, issued, label, nbytes)
             turn = 1 - turn
     finally:
         for part in parts:

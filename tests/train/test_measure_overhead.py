@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from _clocks import ScriptedStepClock
 from models import run_workers
 
 from duplexpipe.pipeline import PipelineConfig, profile_parts
@@ -47,22 +48,6 @@ TERMS = (1.3, 50e-6, 120e-6, 2e-3)
 """The scripted CPU costs: compute scale, seconds per compute action, per SEND/RECV, per step."""
 
 
-class _ScriptedCpu:
-    """A CPU timer for timed_steps, which reads it before and after each step, stepping the runs round-robin
-    with the first one rotating: each step of run c costs TERMS applied to this rank's work in run c."""
-
-    def __init__(self, costs: list[float]) -> None:
-        self.costs, self.reads, self.now = costs, 0, 0.0
-
-    def __call__(self) -> float:
-        pair, end = divmod(self.reads, 2)
-        if end:
-            step, k = divmod(pair, len(self.costs))
-            self.now += self.costs[(step + k) % len(self.costs)]
-        self.reads += 1
-        return self.now
-
-
 def _real_parts(rank: int, world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -83,7 +68,7 @@ def _real_parts(rank: int, world: int) -> dict[str, Any]:
     costs = [scale * computes[k][rank] + action * rank_counts(r.schedule)[rank][0]
              + message * rank_counts(r.schedule)[rank][1] + step for k, r in enumerate(runs)]
     cal = measure_in_pipeline(runs, (x, y), torch.nn.functional.mse_loss, lambda p: torch.optim.SGD(p, lr=1e-3),
-                              steps=3, warmup=1, config=config, cpu_timer=_ScriptedCpu(costs))
+                              steps=3, warmup=1, config=config, cpu_timer=ScriptedStepClock(costs))
     o = cal.overhead
     return {"terms": (o.compute_scale, o.action_s, o.message_s, o.step_s), "method": o.method, "wall": cal.wall_s,
             "samples": [(s.actions, s.messages, s.seconds, s.compute) for s in cal.samples], "computes": computes}
