@@ -155,7 +155,7 @@ def _pair(model: nn.Module, x: list[torch.Tensor], grad: torch.Tensor, base: Dri
 
     start, cpu = time.perf_counter(), time.process_time()
     if mode == "overlapped":
-        run_pair(backward, forward, base, device)
+        run_pair(backward, forward, base, device, defer_first=True)
     else:
         backward()
         forward()

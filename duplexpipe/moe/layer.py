@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from duplexpipe.moe.dispatch import CountsExchange, ExpertGroup, all_to_all, expert_major
+from duplexpipe.moe.linear import linear
 from duplexpipe.moe.router import Router, Routing, balance_loss
 from duplexpipe.runtime.pieces import CommSlot, current_slot
 
@@ -17,7 +18,8 @@ EXPERT_KINDS = ("swiglu", "mlp")
 
 
 class Expert(nn.Module):
-    """One expert: SwiGLU (w2(silu(w1 x) * w3 x)) or a plain MLP (w2(gelu(w1 x)))."""
+    """One expert: SwiGLU (w2(silu(w1 x) * w3 x)) or a plain MLP (w2(gelu(w1 x))). Its weight gradients may be
+    formed later, inside an F&B pair, to fill the waits for the pair's exchanges."""
 
     def __init__(self, dim: int, hidden: int, kind: str = "swiglu") -> None:
         super().__init__()
@@ -29,9 +31,10 @@ class Expert(nn.Module):
         self.w3 = nn.Linear(dim, hidden, bias=False) if kind == "swiglu" else None
 
     def forward(self, x: Tensor) -> Tensor:
+        slot = current_slot()
         if self.w3 is None:
-            return self.w2(F.gelu(self.w1(x)))
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+            return linear(F.gelu(linear(x, self.w1, slot)), self.w2, slot)
+        return linear(F.silu(linear(x, self.w1, slot)) * linear(x, self.w3, slot), self.w2, slot)
 
 
 def _check(dim: int, hidden: int, num_experts: int, top_k: int, shared_experts: int, aux_loss_coef: float,
@@ -153,7 +156,8 @@ class MoELayer(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    """Causal multi-head self-attention over [batch, seq, dim]: a mixer for MoEBlock."""
+    """Causal multi-head self-attention over [batch, seq, dim]: a mixer for MoEBlock (its projections' weight
+    gradients, like the experts', may fill an F&B pair's waits)."""
 
     def __init__(self, dim: int, heads: int) -> None:
         super().__init__()
@@ -165,9 +169,10 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        slot = current_slot()
+        q, k, v = linear(x, self.qkv, slot).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out(y.transpose(1, 2).reshape(b, t, d))
+        return linear(y.transpose(1, 2).reshape(b, t, d), self.out, slot)
 
 
 class MoEBlock(nn.Module):

@@ -122,6 +122,7 @@ class Dispatcher:
         compute = self.stages[stage]
         if act.slot is not None:  # the exchanges of its backward run on this code's driver
             act.slot.driver = current_driver(self.driver)
+            act.slot.grads = "all" if action.op is Op.B else "inputs"
         if action.op is Op.B:
             dinputs = compute.backward(act, grads)
             del ctx.acts[(stage, mb)]
@@ -151,6 +152,8 @@ class Dispatcher:
         if act is None or act.weight_work is None:
             raise PipelineError(f"rank {self.rank}: {action} runs without a pending "
                                 f"{action.stage}I{action.microbatch}")
+        if act.slot is not None:
+            act.slot.grads = "weights"
         begin = self.tracer.begin()
         self.stages[action.stage].backward_weight(act, action.microbatch)
         self.tracer.end(action, begin)
@@ -177,8 +180,10 @@ class Dispatcher:
             self.run_backward(ctx, bwd, grads)
 
         with self.tracer.span(action):
-            if self.fb_overlap:  # the backward's first piece goes first: its exchange hides behind F's
-                run_pair(run_backward, run_forward, self.driver, self.device)
+            # the backward's first piece goes first: its exchange hides behind F's; a full B's deferrable weight
+            # gradients (experts') fill the waits
+            if self.fb_overlap:
+                run_pair(run_backward, run_forward, self.driver, self.device, defer_first=bwd.op is Op.B)
             else:
                 self.overlap_hook(action, run_forward, run_backward)
         if sorted(ran) != ["B", "F"]:

@@ -131,6 +131,28 @@ class Driver:
         """Issue a collective and return once it completed."""
         self.finish(self.post(issue, label, nbytes))
 
+    def defer(self, work: Callable[[], None]) -> bool:
+        """Take weight-gradient work that nothing in this code waits for, to run while an exchange flies; False
+        (the caller runs it at once) outside the backward of an F&B pair."""
+        return False
+
+    def completed(self, posted: Posted) -> bool:
+        """Whether `finish(posted)` would return at once: its transfer is over (and the link's time since every
+        rank joined it, if emulated)."""
+        if posted.done:
+            return True
+        if posted.work is not None and not posted.work.is_completed():
+            return False
+        if self.link is None:
+            return True
+        if posted.work is None:
+            start = posted.record.issued
+        elif posted.joined:
+            start = posted.joined[0]
+        else:
+            return False  # the Work's future has not run its callback yet
+        return time.perf_counter() >= start + self.link.seconds(posted.record.nbytes)
+
 
 @dataclass
 class Posted:
@@ -160,6 +182,9 @@ class CommSlot:
     losses: list[torch.Tensor] = field(default_factory=list)
     """Scalar terms a layer adds to the training objective (an MoE balance loss): backward starts each with
     the microbatch's loss weight, like the loss itself, wherever the stage sits in the pipeline."""
+    grads: str = "all"
+    """Which gradients the backward running now forms: "all", "inputs" (a split backward's I) or "weights" (its
+    W); a layer whose backward forms weight gradients itself (`moe.linear`) skips the others."""
 
 
 _SLOT: contextvars.ContextVar[CommSlot | None] = contextvars.ContextVar("duplexpipe_comm_slot", default=None)
@@ -234,6 +259,8 @@ class _Coroutine(Driver):
         self._go = threading.Semaphore(0)
         self._back = threading.Semaphore(0)
         self._ended = threading.Event()
+        self.deferred: list[Callable[[], None]] | None = None
+        """Where `defer` puts weight-gradient work (None: it is run where it arises)."""
         context = contextvars.copy_context()
         threads = torch.get_num_threads()
         worker.submit(lambda: context.run(self._main, fn, device, threads))
@@ -264,6 +291,12 @@ class _Coroutine(Driver):
         if self._abort:
             raise PairAborted(f"the other part of the F&B pair failed; {self.name} stopped at {label}")
 
+    def defer(self, work: Callable[[], None]) -> bool:
+        if self.deferred is None:
+            return False
+        self.deferred.append(work)
+        return True
+
     def resume(self) -> None:
         """Run this part until its next exchange or its end."""
         self._go.release()
@@ -277,14 +310,23 @@ class _Coroutine(Driver):
         self._ended.wait()
 
 
-def run_pair(first: Callable[[], None], second: Callable[[], None], base: Driver, device: torch.device) -> None:
+def run_pair(first: Callable[[], None], second: Callable[[], None], base: Driver, device: torch.device,
+             defer_first: bool = False) -> None:
     """Run two parts interleaved at their comm points: `first` up to its first exchange, which is issued;
     then `second` up to its first, issued; then alternately: wait for a part's exchange and run it on to its
     next one (issued at once), so each exchange is in flight while the other part computes. Parts without
     exchanges run whole, `first` then `second`. Exceptions of either part (or of a wait) are raised here
-    after both parts stopped."""
+    after both parts stopped.
+
+    `defer_first` (a full backward): weight gradients `first` defers (`Driver.defer`) run, one at a time
+    and in order, while an exchange due next still flies, and the rest after both parts ended: the backward's
+    pieces shrink to what the exchanges need, and its weight gradients fill the waits its own exchanges
+    would leave (the forward's pieces are too short to hide them)."""
     parts = [_Coroutine("backward" if i == 0 else "forward", fn, base, device, worker)
              for i, (fn, worker) in enumerate(zip((first, second), base.workers(), strict=True))]
+    deferred: list[Callable[[], None]] = []
+    if defer_first:
+        parts[0].deferred = deferred
     inflight: list[Posted | None] = [None, None]
     try:
         turn = 0
@@ -293,6 +335,8 @@ def run_pair(first: Callable[[], None], second: Callable[[], None], base: Driver
             if not part.finished:
                 pending = inflight[turn]
                 if pending is not None:
+                    while deferred and not base.completed(pending):
+                        deferred.pop(0)()
                     base.finish(pending)
                     inflight[turn] = None
                 part.resume()
@@ -305,3 +349,5 @@ def run_pair(first: Callable[[], None], second: Callable[[], None], base: Driver
     finally:
         for part in parts:
             part.abort()
+    while deferred:
+        deferred.pop(0)()

@@ -5,7 +5,9 @@ A stage with L MoE layers runs its forward as 2L+1 equal compute pieces with an 
 first 2L (per layer: dispatch after the attention/router piece, combine after the experts), and its backward
 the same way in reverse (combine-B, then dispatch-B, per layer). The exchanges of one part are issued in
 order; in an overlapped pair the two parts alternate at their exchanges (the runtime's `run_pair`): an
-exchange runs while the other part computes, and a part waits for its exchange before its next piece.
+exchange runs while the other part computes, and a part waits for its exchange before its next piece. A full
+backward in an overlapped pair leaves its weight gradients (W, spread evenly over its pieces) to fill the
+pair's waits, as the runtime forms the deferred weight gradients (`moe.linear`); what is left runs after it.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ class Piece:
     compute: float
     comm: float
     label: str = ""
+    deferred: float = 0.0
+    """Weight-gradient work this piece leaves for the pair's waits (a full backward in an overlapped pair)."""
 
 
 def forward_pieces(f: float, layers: int, dispatch: float, combine: float) -> list[Piece]:
@@ -40,16 +44,17 @@ def forward_pieces(f: float, layers: int, dispatch: float, combine: float) -> li
     return out + [Piece(share, 0.0)]
 
 
-def backward_pieces(b: float, layers: int, dispatch: float, combine: float) -> list[Piece]:
-    """B (or I) as pieces: per layer from the last, (the rest above it, combine-B), (experts, dispatch-B)."""
+def backward_pieces(b: float, layers: int, dispatch: float, combine: float, deferred: float = 0.0) -> list[Piece]:
+    """B (or I) as pieces: per layer from the last, (the rest above it, combine-B), (experts, dispatch-B).
+    `deferred` of b (weight gradients, in a pair) is left by the pieces, evenly, to fill waits."""
     if layers <= 0:
         return [Piece(b, 0.0)]
-    share = b / (2 * layers + 1)
+    share, left = (b - deferred) / (2 * layers + 1), deferred / (2 * layers + 1)
     out = []
     for j in reversed(range(layers)):
-        out += [Piece(share, combine, f"moe {j} combine backward"),
-                Piece(share, dispatch, f"moe {j} dispatch backward")]
-    return out + [Piece(share, 0.0)]
+        out += [Piece(share, combine, f"moe {j} combine backward", left),
+                Piece(share, dispatch, f"moe {j} dispatch backward", left)]
+    return out + [Piece(share, 0.0, "", left)]
 
 
 def sequential_length(parts: Sequence[Sequence[Piece]]) -> float:
@@ -59,21 +64,26 @@ def sequential_length(parts: Sequence[Sequence[Piece]]) -> float:
 
 def interleave(first: Sequence[Piece], second: Sequence[Piece]) -> tuple[float, list[tuple[int, str, float, float]]]:
     """The overlapped pair: (its length, [(part, label, exchange start, exchange end)]) with part 0 = `first`.
-    The parts alternate as `runtime.pieces.run_pair` runs them; exchanges of both parts may be in flight."""
+    The parts alternate as `runtime.pieces.run_pair` runs them; exchanges of both parts may be in flight. While
+    a due part waits for its exchange, work the pieces so far deferred fills the wait; the rest runs at the
+    end."""
     parts = (list(first), list(second))
-    at, ready, now = [0, 0], [0.0, 0.0], 0.0
+    at, ready, now, pool = [0, 0], [0.0, 0.0], 0.0, 0.0
     exchanges: list[tuple[int, str, float, float]] = []
     turn = 0
     while at[0] < len(parts[0]) or at[1] < len(parts[1]):
         if at[turn] < len(parts[turn]):
             piece = parts[turn][at[turn]]
+            fill = min(pool, max(0.0, ready[turn] - now))
+            now, pool = now + fill, pool - fill
             now = max(now, ready[turn]) + piece.compute
+            pool += piece.deferred
             ready[turn] = now + piece.comm
             if piece.comm:
                 exchanges.append((turn, piece.label, now, now + piece.comm))
             at[turn] += 1
         turn = 1 - turn
-    return max(now, *ready), exchanges
+    return max(now, *ready) + pool, exchanges
 
 
 @dataclass(frozen=True)
@@ -92,18 +102,20 @@ class ExpertCost:
         """The exchange time inside one F (or one B / I)."""
         return self.layers * (self.dispatch + self.combine)
 
-    def pair(self, f: float, b: float) -> float:
-        """An F&B pair's length with a full B part (its exchanges included; interleaved when `overlap`)."""
-        parts = (backward_pieces(b, self.layers, self.dispatch, self.combine),
+    def pair(self, f: float, b: float, w: float = 0.0) -> float:
+        """An F&B pair's length with a full B part (its exchanges included; interleaved when `overlap`, with the
+        B's weight gradients w filling the waits)."""
+        parts = (backward_pieces(b, self.layers, self.dispatch, self.combine, w if self.overlap else 0.0),
                  forward_pieces(f, self.layers, self.dispatch, self.combine))
         return interleave(*parts)[0] if self.overlap and self.layers else sequential_length(parts)
 
-    def spans(self, event: Event, f: float, b: float) -> list[Span]:
-        """The "ep" lane spans of one compute event (F, B, I or a pair) whose compute times are f and b."""
+    def spans(self, event: Event, f: float, b: float, w: float = 0.0) -> list[Span]:
+        """The "ep" lane spans of one compute event (F, B, I or a pair) whose compute times are f and b (w: the
+        weight gradients a pair's full B defers)."""
         action = event.action
         if action.op is Op.OVERLAP_F_B:
             fwd, bwd = action.parts
-            parts = (backward_pieces(b, self.layers, self.dispatch, self.combine),
+            parts = (backward_pieces(b, self.layers, self.dispatch, self.combine, w if self.overlap else 0.0),
                      forward_pieces(f, self.layers, self.dispatch, self.combine))
             if self.overlap:
                 _, found = interleave(*parts)

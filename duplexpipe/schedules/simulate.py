@@ -122,7 +122,7 @@ class CostModel:
         scale = schedule.num_ranks / schedule.num_groups if self.stage_scale else 1.0
         fb = None if self.fb is None else [self.fb * scale] * len(f)
         if fb is None and comm:
-            fb = [ep.pair(ff, bb) for ff, bb in zip(f, b, strict=True)]
+            fb = [ep.pair(ff, bb, ww) for ff, bb, ww in zip(f, b, w, strict=True)]
         return Durations([x + comm for x in f], [x + comm for x in b],
                          [bb - ww + comm for bb, ww in zip(b, w, strict=True)], w, fb)
 
@@ -215,7 +215,8 @@ def _exchange_spans(events: tuple[Event, ...], schedule: Schedule, cost: CostMod
         stage = event.action.stage
         back = event.action.parts[1] if event.action.op.name == "OVERLAP_F_B" else event.action
         partial = w[stage] if back.op.name == "I" else 0.0
-        spans += ep.spans(event, f[stage], b[stage] - partial)
+        deferred = w[stage] if back.op.name == "B" and back is not event.action else 0.0
+        spans += ep.spans(event, f[stage], b[stage] - partial, deferred)
     return tuple(spans)
 
 

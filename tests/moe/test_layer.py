@@ -104,3 +104,4 @@ def test_block_is_a_pre_norm_residual_around_mixer_and_moe() -> None:
     torch.testing.assert_close(block(x), h + block.moe(block.norm2(h)))
     plain = MoEBlock(8, MoELayer(8, 12, 4, 2)).double()
     torch.testing.assert_close(plain(x), x + plain.moe(plain.norm2(x)))
+

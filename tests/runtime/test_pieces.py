@@ -141,6 +141,49 @@ def test_a_posted_exchange_is_waited_for_where_the_caller_asks_and_once() -> Non
     assert trace == ["issue", "shared experts", "wait counts"] and [r.label for r in log] == ["moe counts"]
 
 
+class CompletingWork(FakeWork):
+    """A posted exchange that reports itself complete from its `after`-th check on."""
+
+    def __init__(self, name: str, trace: list[str], after: int) -> None:
+        super().__init__(name, trace)
+        self.checks, self.after = 0, after
+
+    def is_completed(self) -> bool:
+        self.checks += 1
+        return self.checks >= self.after
+
+
+@pytest.mark.timeout(30)
+def test_a_backwards_deferred_weight_gradients_fill_the_waits_in_order_and_the_rest_run_after() -> None:
+    trace: list[str] = []
+    base = _recording(trace)
+    def weights(name: str) -> None:  # as a layer hands them over: formed at once unless a pair takes them
+        work = lambda: trace.append(name)  # noqa: E731
+        if not current_driver(base).defer(work):
+            trace.append(f"{name} at once")
+
+    def backward() -> None:
+        trace.append("B compute 0")
+        for i in range(3):
+            weights(f"W{i}")
+        current_driver(base).exchange(lambda: (trace.append("issue B0"), CompletingWork("B0", trace, 3))[1], "B0")
+        trace.append("B compute 1")
+
+    def forward() -> None:
+        trace.append("F compute 0")
+        weights("F's W")  # only the backward's are deferred
+        current_driver(base).exchange(lambda: (trace.append("issue F0"), CompletingWork("F0", trace, 1))[1], "F0")
+        trace.append("F compute 1")
+
+    run_pair(backward, forward, base, CPU, defer_first=True)
+    assert trace == ["B compute 0", "issue B0", "F compute 0", "F's W at once", "issue F0",
+                     "W0", "W1", "wait B0", "B compute 1", "wait F0", "F compute 1", "W2"]
+    trace.clear()
+    weights("outside")  # outside a pair: formed where it arises
+    run_pair(backward, lambda: None, base, CPU)  # defer_first off: nothing is deferred
+    assert trace[:5] == ["outside at once", "B compute 0", "W0 at once", "W1 at once", "W2 at once"]
+
+
 def test_slots_and_drivers_outside_a_runtime_are_plain() -> None:
     plain = Driver()
     assert current_driver(plain) is plain

@@ -37,6 +37,17 @@ def test_a_pair_interleaved_by_hand() -> None:
     assert [(p, s, e) for p, _, s, e in exchanges] == [(0, 1.0, 2.0), (1, 2.0, 3.0), (0, 3.0, 4.0), (1, 4.0, 5.0)]
 
 
+def test_a_full_backwards_weight_gradients_fill_the_pairs_waits() -> None:
+    # exchanges of 1.5, F pieces of 0.5. B pieces of 1 wait 0.5 before B1 and B2 and F2: 6.5. With W = 1.5
+    # deferred, B pieces of 0.5 each leave 0.5: B0 0-0.5 | F0 -1 | fill -1.5, wait -2 | B1 -2.5 | F1 -3 |
+    # fill -3.5, wait -4 | B2 -4.5 | F2 -5 | the last 0.5 of W: 5.5. Without overlap W changes nothing.
+    ep = ExpertCost(1, 1.5, 1.5)
+    assert ep.pair(1.5, 3.0) == pytest.approx(6.5) and ep.pair(1.5, 3.0, 1.5) == pytest.approx(5.5)
+    assert ExpertCost(1, 1.5, 1.5, overlap=False).pair(1.5, 3.0, 1.5) == pytest.approx(10.5)
+    pieces = backward_pieces(3.0, 1, 1.5, 1.5, deferred=1.5)
+    assert [(p.compute, p.deferred) for p in pieces] == [(0.5, 0.5)] * 3
+
+
 def test_without_exchanges_a_pair_is_its_two_parts() -> None:
     assert interleave([Piece(2.0, 0.0)], [Piece(1.0, 0.0)])[0] == 3.0
     assert ExpertCost().pair(1.0, 2.0) == 3.0

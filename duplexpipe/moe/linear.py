@@ -1,0 +1,78 @@
+"""A Linear whose weight gradient an F&B pair may form later, to fill its waits for the exchanges in flight.
+
+In an F&B pair the forward's pieces are shorter than the backward's exchanges they must hide (a backward costs
+about twice its forward). DeepSeek's answer is to form the backward's weight gradients where the pair would
+otherwise wait: `linear(x, layer, slot)` runs `layer(x)`, and its backward forms d(input) at once and hands the
+weight gradient to `slot.driver.defer`, which inside a pair's full backward keeps it for the pair's waits
+(`runtime.pieces.run_pair`) and elsewhere declines it: it is then formed at once, by the same operations, so
+the results are bit-equal either way. A split backward's I forms only d(input), its W the weights (and
+d(input) only where the engine still needs it: `CommSlot.grads`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from duplexpipe.runtime.pieces import CommSlot
+
+
+class _Linear(torch.autograd.Function):
+    """y = x @ w.T (+ b) over the rows of 2-D x, with the weight gradient deferrable."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, slot: CommSlot) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.slot, ctx.params, ctx.x_node = slot, (weight, bias), x.grad_fn
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        slot: CommSlot = ctx.slot
+        grad_x = grad.mm(weight) if ctx.needs_input_grad[0] and _input_wanted(slot, ctx.x_node) else None
+        wanted = (ctx.needs_input_grad[1], ctx.params[1] is not None and ctx.needs_input_grad[2])
+        if slot.grads == "inputs" or not any(wanted):
+            return grad_x, None, None, None
+        params = [p if want else None for p, want in zip(ctx.params, wanted, strict=True)]
+        if slot.driver.defer(lambda: _accumulate(params, grad, x)):
+            return grad_x, None, None, None
+        return (grad_x, *_formed(params, grad, x), None)
+
+
+def _input_wanted(slot: CommSlot, node: Any) -> bool:
+    """Whether this backward uses d(input): not in a split backward's W, unless the input leads to parameters
+    the W forms (the stage input had no gradient, so W runs the whole graph; asked of the engine)."""
+    if slot.grads != "weights" or node is None:
+        return True
+    will_run = getattr(torch._C, "_will_engine_execute_node", None)
+    return True if will_run is None else bool(will_run(node))
+
+
+def _formed(params: list[Tensor | None], grad: Tensor, x: Tensor) -> tuple[Tensor | None, Tensor | None]:
+    """The weight and bias gradients (None where not wanted)."""
+    return (grad.t().mm(x) if params[0] is not None else None, grad.sum(0) if params[1] is not None else None)
+
+
+def _accumulate(params: list[Tensor | None], grad: Tensor, x: Tensor) -> None:
+    """Form the weight and bias gradients as the backward would and add them to .grad."""
+    with torch.no_grad():
+        for param, formed in zip(params, _formed(params, grad, x), strict=True):
+            if param is None or formed is None:
+                continue
+            if param.grad is None:
+                param.grad = formed
+            else:
+                param.grad += formed
+
+
+def linear(x: Tensor, layer: nn.Linear, slot: CommSlot) -> Tensor:
+    """layer(x) with a weight gradient `slot`'s F&B pair may form later (any leading dimensions; under
+    autocast, or without autograd, the Linear itself)."""
+    if not torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type) or not layer.weight.requires_grad:
+        return layer(x)
+    out: Tensor = _Linear.apply(x.reshape(-1, x.shape[-1]), layer.weight, layer.bias, slot)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
