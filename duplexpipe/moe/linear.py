@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from duplexpipe.runtime.autograd_split import accumulate
 from duplexpipe.runtime.pieces import CommSlot
 
 
@@ -26,7 +27,7 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, slot: CommSlot) -> Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.slot, ctx.params, ctx.x_node = slot, (weight, bias), x.grad_fn
+        ctx.slot, ctx.bias, ctx.x_node = slot, bias, x.grad_fn
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -34,39 +35,24 @@ class _Linear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         slot: CommSlot = ctx.slot
         grad_x = grad.mm(weight) if ctx.needs_input_grad[0] and _input_wanted(slot, ctx.x_node) else None
-        wanted = (ctx.needs_input_grad[1], ctx.params[1] is not None and ctx.needs_input_grad[2])
+        wanted = (ctx.needs_input_grad[1], ctx.bias is not None and ctx.needs_input_grad[2])
         if slot.grads == "inputs" or not any(wanted):
             return grad_x, None, None, None
-        params = [p if want else None for p, want in zip(ctx.params, wanted, strict=True)]
-        if slot.driver.defer(lambda: _accumulate(params, grad, x)):
+        params = (weight, ctx.bias)
+        if slot.driver.defer(lambda: accumulate(params, _formed(wanted, grad, x))):
             return grad_x, None, None, None
-        return (grad_x, *_formed(params, grad, x), None)
+        return (grad_x, *_formed(wanted, grad, x), None)
 
 
 def _input_wanted(slot: CommSlot, node: Any) -> bool:
     """Whether this backward uses d(input): not in a split backward's W, unless the input leads to parameters
     the W forms (the stage input had no gradient, so W runs the whole graph; asked of the engine)."""
-    if slot.grads != "weights" or node is None:
-        return True
-    will_run = getattr(torch._C, "_will_engine_execute_node", None)
-    return True if will_run is None else bool(will_run(node))
+    return slot.grads != "weights" or node is None or bool(torch._C._will_engine_execute_node(node))
 
 
-def _formed(params: list[Tensor | None], grad: Tensor, x: Tensor) -> tuple[Tensor | None, Tensor | None]:
+def _formed(wanted: tuple[bool, bool], grad: Tensor, x: Tensor) -> tuple[Tensor | None, Tensor | None]:
     """The weight and bias gradients (None where not wanted)."""
-    return (grad.t().mm(x) if params[0] is not None else None, grad.sum(0) if params[1] is not None else None)
-
-
-def _accumulate(params: list[Tensor | None], grad: Tensor, x: Tensor) -> None:
-    """Form the weight and bias gradients as the backward would and add them to .grad."""
-    with torch.no_grad():
-        for param, formed in zip(params, _formed(params, grad, x), strict=True):
-            if param is None or formed is None:
-                continue
-            if param.grad is None:
-                param.grad = formed
-            else:
-                param.grad += formed
+    return (grad.t().mm(x) if wanted[0] else None, grad.sum(0) if wanted[1] else None)
 
 
 def linear(x: Tensor, layer: nn.Linear, slot: CommSlot) -> Tensor:

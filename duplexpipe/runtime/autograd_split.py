@@ -150,11 +150,12 @@ class WeightWork:
             finally:
                 for handle in handles:
                     handle.remove()
-            _accumulate(group.params, weight_grads)
+            accumulate(group.params, weight_grads)
         self._groups, self._captured, self._root_grads = [], {}, {}
 
 
-def _accumulate(params: Sequence[Tensor], grads: Sequence[Tensor | None]) -> None:
+def accumulate(params: Sequence[Tensor], grads: Sequence[Tensor | None]) -> None:
+    """Add each gradient to its parameter's .grad (None: skipped), as autograd's accumulation does."""
     with torch.no_grad():
         for param, grad in zip(params, grads, strict=True):
             if grad is None:

@@ -181,7 +181,7 @@ class Dispatcher:
 
         with self.tracer.span(action):
             # the backward's first piece goes first: its exchange hides behind F's; a full B's deferrable weight
-            # gradients (experts') fill the waits
+            # gradients (moe.linear's projections) fill the waits
             if self.fb_overlap:
                 run_pair(run_backward, run_forward, self.driver, self.device, defer_first=bwd.op is Op.B)
             else:

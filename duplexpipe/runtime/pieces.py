@@ -16,6 +16,7 @@ the backward (`bind`).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import queue
@@ -123,8 +124,8 @@ class Driver:
         if posted.work is not None:
             self.wait(posted.work, record.label)
         if self.link is not None:
-            start = record.issued if posted.work is None else posted.joined[0] if posted.joined else time.perf_counter()
-            self.link.hold(start, record.nbytes)
+            start = posted.joined_at()
+            self.link.hold(time.perf_counter() if start is None else start, record.nbytes)
         record.done = time.perf_counter()
 
     def exchange(self, issue: Issue, label: str, nbytes: int = 0) -> None:
@@ -145,13 +146,8 @@ class Driver:
             return False
         if self.link is None:
             return True
-        if posted.work is None:
-            start = posted.record.issued
-        elif posted.joined:
-            start = posted.joined[0]
-        else:
-            return False  # the Work's future has not run its callback yet
-        return time.perf_counter() >= start + self.link.seconds(posted.record.nbytes)
+        start = posted.joined_at()
+        return start is not None and time.perf_counter() >= start + self.link.seconds(posted.record.nbytes)
 
 
 @dataclass
@@ -166,6 +162,12 @@ class Posted:
     joined: list[float] = field(default_factory=list)
     """When its real transfer completed, i.e. every rank joined it (filled by the Work's future; with a link)."""
     done: bool = False
+
+    def joined_at(self) -> float | None:
+        """When every rank had joined it (nothing sent: its issue; None: its Work's future has not said yet)."""
+        if self.work is None:
+            return self.record.issued
+        return self.joined[0] if self.joined else None
 
     def wait(self) -> None:
         """Wait for it where the caller stands (once; later calls return at once)."""
@@ -259,7 +261,7 @@ class _Coroutine(Driver):
         self._go = threading.Semaphore(0)
         self._back = threading.Semaphore(0)
         self._ended = threading.Event()
-        self.deferred: list[Callable[[], None]] | None = None
+        self.deferred: collections.deque[Callable[[], None]] | None = None
         """Where `defer` puts weight-gradient work (None: it is run where it arises)."""
         context = contextvars.copy_context()
         threads = torch.get_num_threads()
@@ -324,7 +326,7 @@ def run_pair(first: Callable[[], None], second: Callable[[], None], base: Driver
     would leave (the forward's pieces are too short to hide them)."""
     parts = [_Coroutine("backward" if i == 0 else "forward", fn, base, device, worker)
              for i, (fn, worker) in enumerate(zip((first, second), base.workers(), strict=True))]
-    deferred: list[Callable[[], None]] = []
+    deferred: collections.deque[Callable[[], None]] = collections.deque()
     if defer_first:
         parts[0].deferred = deferred
     inflight: list[Posted | None] = [None, None]
@@ -336,7 +338,7 @@ def run_pair(first: Callable[[], None], second: Callable[[], None], base: Driver
                 pending = inflight[turn]
                 if pending is not None:
                     while deferred and not base.completed(pending):
-                        deferred.pop(0)()
+                        deferred.popleft()()
                     base.finish(pending)
                     inflight[turn] = None
                 part.resume()
@@ -350,4 +352,4 @@ def run_pair(first: Callable[[], None], second: Callable[[], None], base: Driver
         for part in parts:
             part.abort()
     while deferred:
-        deferred.pop(0)()
+        deferred.popleft()()

@@ -105,18 +105,21 @@ class ExpertCost:
     def pair(self, f: float, b: float, w: float = 0.0) -> float:
         """An F&B pair's length with a full B part (its exchanges included; interleaved when `overlap`, with the
         B's weight gradients w filling the waits)."""
-        parts = (backward_pieces(b, self.layers, self.dispatch, self.combine, w if self.overlap else 0.0),
-                 forward_pieces(f, self.layers, self.dispatch, self.combine))
+        parts = self._pair_parts(f, b, w)
         return interleave(*parts)[0] if self.overlap and self.layers else sequential_length(parts)
+
+    def _pair_parts(self, f: float, b: float, w: float) -> tuple[list[Piece], list[Piece]]:
+        """A pair's (backward, forward) pieces; the backward defers w only when the pair is interleaved."""
+        return (backward_pieces(b, self.layers, self.dispatch, self.combine, w if self.overlap else 0.0),
+                forward_pieces(f, self.layers, self.dispatch, self.combine))
 
     def spans(self, event: Event, f: float, b: float, w: float = 0.0) -> list[Span]:
         """The "ep" lane spans of one compute event (F, B, I or a pair) whose compute times are f and b (w: the
-        weight gradients a pair's full B defers)."""
+        weight gradients a full B defers, inside a pair only)."""
         action = event.action
         if action.op is Op.OVERLAP_F_B:
             fwd, bwd = action.parts
-            parts = (backward_pieces(b, self.layers, self.dispatch, self.combine, w if self.overlap else 0.0),
-                     forward_pieces(f, self.layers, self.dispatch, self.combine))
+            parts = self._pair_parts(f, b, w)
             if self.overlap:
                 _, found = interleave(*parts)
                 return [Span(event.rank, EP_LANE, _name(bwd if p == 0 else fwd, label), event.start + s,

@@ -215,8 +215,7 @@ def _exchange_spans(events: tuple[Event, ...], schedule: Schedule, cost: CostMod
         stage = event.action.stage
         back = event.action.parts[1] if event.action.op.name == "OVERLAP_F_B" else event.action
         partial = w[stage] if back.op.name == "I" else 0.0
-        deferred = w[stage] if back.op.name == "B" and back is not event.action else 0.0
-        spans += ep.spans(event, f[stage], b[stage] - partial, deferred)
+        spans += ep.spans(event, f[stage], b[stage] - partial, w[stage] if back.op.name == "B" else 0.0)
     return tuple(spans)
 
 
