@@ -12,9 +12,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from duplexpipe.launch.failures import StoppedByPeer
+from duplexpipe.errors import PeerFailedError, StoppedByPeer
 from duplexpipe.launch.processes import run
-from duplexpipe.runtime import PeerFailedError
 
 OWN_ERROR = "the originating error on rank 0"
 

@@ -10,7 +10,8 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any, NoReturn, Sequence
 
 from duplexpipe.cli import help as docs
-from duplexpipe.schedules.ir import Schedule, ScheduleError, load_json, load_torch_csv, read_json
+from duplexpipe.errors import ScheduleError
+from duplexpipe.schedules.ir import Schedule, load_json, load_torch_csv, read_json
 
 if TYPE_CHECKING:
     from duplexpipe.schedules.simulate import CostModel

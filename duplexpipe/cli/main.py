@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from duplexpipe.cli import help as docs
 from duplexpipe.cli import plan_cmds, schedule_cmds, simulate_cmds, train_cmd
 from duplexpipe.cli.args import CliError, Parser
-from duplexpipe.schedules.ir import ScheduleError
+from duplexpipe.errors import ScheduleError
 
 COMMANDS = {**schedule_cmds.COMMANDS, **simulate_cmds.COMMANDS, **train_cmd.COMMANDS,
             "plan": plan_cmds.cmd_plan, "profile": plan_cmds.cmd_profile}

@@ -6,7 +6,8 @@ import argparse
 from typing import Any
 
 from duplexpipe.cli.args import CliError, add_cost, add_schedule, check_output, command, schedule_of
-from duplexpipe.schedules.ir import ScheduleError, save_json, save_torch_csv
+from duplexpipe.errors import ScheduleError
+from duplexpipe.schedules.ir import save_json, save_torch_csv
 
 
 def add_parsers(sub: Any) -> None:

@@ -131,7 +131,7 @@ def train_main(args: argparse.Namespace, stream: IO[str] | None = None) -> int:
         check_training(config)  # every configuration error, before any process starts
         _check_files(config)
     except ValueError as exc:
-        from duplexpipe.launch.failures import InputRejected
+        from duplexpipe.errors import InputRejected
 
         raise InputRejected(str(exc)) from exc
     result = run_training(config)
@@ -191,8 +191,8 @@ def _failed(exc: Exception) -> int | None:
     torchrun = all(v in os.environ for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
     if "torch" not in sys.modules and not torchrun:  # before the training stack was imported: configuration
         return None
-    from duplexpipe.launch.failures import InputRejected, StoppedByPeer, record_failure, reported
-    from duplexpipe.launch.processes import LaunchError
+    from duplexpipe.errors import InputRejected, LaunchError, StoppedByPeer
+    from duplexpipe.launch.failures import record_failure, reported
 
     if isinstance(exc, StoppedByPeer):
         return 0 if exc.same_node else 1

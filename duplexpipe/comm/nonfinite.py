@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from duplexpipe.comm.codec import Codec
+from duplexpipe.errors import NonFiniteSendError
 
 EXTREME_SHARE = 0.5
 """A finite value is a float extreme when its magnitude reaches this share of the largest finite value of
@@ -35,10 +36,6 @@ float32 or of its own dtype, whichever is smaller: a masking constant such as `t
 which a scaled codec's fp32 arithmetic can overflow into inf or NaN."""
 NONFINITE_POLICIES = ("warn", "raise")
 """What happens when a tensor sent through a codec holds NaN or inf."""
-
-
-class NonFiniteSendError(FloatingPointError):
-    """A tensor sent through a codec held NaN or inf under the "raise" policy."""
 
 
 def check_policy(policy: object, what: str) -> str:

@@ -34,11 +34,6 @@ _POLL_S = 0.05
 log = logging.getLogger("duplexpipe.launch")
 
 
-class InputRejected(ValueError):
-    """A configuration or input error found before training began (a bad flag, a checkpoint of another model):
-    the command line prints its message in one line and exits 2, where an error during training exits 1."""
-
-
 @dataclass(frozen=True)
 class Failure:
     """One rank's error as its process reported it."""
@@ -75,15 +70,6 @@ def blamed_rank(exc: BaseException, own_rank: int) -> int | None:
                 return int(match.group(1))
         current = current.__cause__ or current.__context__
     return None
-
-
-class StoppedByPeer(RuntimeError):
-    """Under torchrun: this rank stopped only because rank `cause` failed, which reports the error (this rank
-    logged one line naming it). `same_node`: the cause runs on this node (exit quietly with code 0)."""
-
-    def __init__(self, rank: int, cause: int, same_node: bool) -> None:
-        super().__init__(f"rank {rank} stopped because rank {cause} failed: see rank {cause}'s error")
-        self.rank, self.cause, self.same_node = rank, cause, same_node
 
 
 @dataclass(frozen=True)

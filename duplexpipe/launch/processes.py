@@ -18,25 +18,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from duplexpipe.errors import LaunchError, StoppedByPeer
 from duplexpipe.launch.attempts import AGENT_STORE_ENV, attempt_prefix
-from duplexpipe.launch.failures import GRACE_S, Failure, StoppedByPeer, blamed_rank, error_summary, record_failure
+from duplexpipe.launch.failures import GRACE_S, Failure, blamed_rank, error_summary, record_failure
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 log = logging.getLogger("duplexpipe.launch")
-
-
-class LaunchError(RuntimeError):
-    """A launched rank failed (or the launch timed out): `rank` names the rank whose own error
-    caused it, `details` holds that rank's traceback, `summary` its error in one line, `errors` every
-    failed rank's traceback."""
-
-    def __init__(self, message: str, rank: int | None = None, details: str = "",
-                 errors: dict[int, str] | None = None, summary: str = "") -> None:
-        super().__init__(message)
-        self.rank = rank
-        self.details = details
-        self.errors = dict(errors or {})
-        self.summary = summary or (message.splitlines()[0] if message else "")
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -19,8 +19,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from duplexpipe.errors import InputRejected
 from duplexpipe.launch.checkpoints import LATEST, checkpoint_to_load, publish, resume_from, step_name
-from duplexpipe.launch.failures import InputRejected
 from duplexpipe.launch.metrics import MetricsLog, log_line, plain_every, progress_bar, tensorboard_writer
 from duplexpipe.launch.processes import run
 from duplexpipe.launch.train_config import (

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from duplexpipe.planner.profile import Profile, ProfileError
+from duplexpipe.errors import ProfileError
+from duplexpipe.planner.profile import Profile
 
 CACHE_FORMAT = "duplexpipe-calibration"
 CACHE_VERSION = 1

@@ -6,8 +6,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from duplexpipe.errors import ScheduleError
 from duplexpipe.planner.profile import RuntimeOverhead, check_work_terms
-from duplexpipe.schedules.ir import Action, Schedule, ScheduleError
+from duplexpipe.schedules.ir import Action, Schedule
 from duplexpipe.schedules.layout import Layout, gc_paused
 from duplexpipe.schedules.lower import lower
 from duplexpipe.schedules.program import COMPUTE, SEND, Durations, Program, analyze, run_program

@@ -8,8 +8,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from duplexpipe.errors import ProfileError
 from duplexpipe.planner.dp_comm import zero_stage
-from duplexpipe.planner.profile import PartProfile, Profile, ProfileError, load_profile
+from duplexpipe.planner.profile import PartProfile, Profile, load_profile
 from duplexpipe.schedules.ir import Op, Schedule
 from duplexpipe.schedules.timeline import Timeline
 

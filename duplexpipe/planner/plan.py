@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from duplexpipe.dp_options import Options, zero_refusal
+from duplexpipe.errors import PlanError, ProfileError, ScheduleError
 from duplexpipe.planner.dp_comm import (
     COMPRESSIONS,
     ZERO_STAGES,
@@ -20,9 +21,9 @@ from duplexpipe.planner.dp_comm import (
 )
 from duplexpipe.planner.machine import Machine, simulate_shared
 from duplexpipe.planner.memory import MemoryConfig, RankMemory, StageBytes, format_bytes, rank_memory
-from duplexpipe.planner.profile import PartProfile, Profile, ProfileError
+from duplexpipe.planner.profile import PartProfile, Profile
 from duplexpipe.schedules import registry
-from duplexpipe.schedules.ir import Op, Schedule, ScheduleError
+from duplexpipe.schedules.ir import Op, Schedule
 from duplexpipe.schedules.simulate import CostModel, simulate
 from duplexpipe.schedules.timeline import Timeline
 
@@ -31,15 +32,6 @@ HIDDEN = 1e-9
 WORTH_IT = 0.01
 """When no compression hides the reduction, a heavier method must shorten the step by more than this
 fraction to be chosen over a lighter one."""
-
-
-class PlanError(ValueError):
-    """No plan can be made: bad settings, a profile that does not fit, or a cap below every candidate."""
-
-    def __init__(self, message: str, smallest_cap: float | None = None) -> None:
-        super().__init__(message)
-        self.smallest_cap = smallest_cap
-        """With a cap below every candidate: the smallest cap some candidate fits (bytes)."""
 
 
 @dataclass(frozen=True)

@@ -8,14 +8,11 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from duplexpipe.errors import ProfileError
 from duplexpipe.planner.partition import balanced_split
 
 PROFILE_FORMAT = "duplexpipe-profile"
 PROFILE_VERSION = 1
-
-
-class ProfileError(ValueError):
-    """A profile file or object is malformed or does not fit what it is used for."""
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from duplexpipe.errors import PipelineError
 from duplexpipe.runtime.config import OverlapHook
 from duplexpipe.runtime.context import StepContext
 from duplexpipe.runtime.messages import Mailroom
@@ -16,7 +17,6 @@ from duplexpipe.runtime.pieces import CommSlot, Driver, current_driver, current_
 from duplexpipe.runtime.stage_compute import Activation, Message, StageCompute
 from duplexpipe.runtime.structure import flatten, map_leaves
 from duplexpipe.runtime.timing import Tracer
-from duplexpipe.runtime.watchdog import PipelineError
 from duplexpipe.schedules.ir import Action, Op
 from duplexpipe.schedules.layout import Layout
 

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from duplexpipe.comm.codec import codec_name
 from duplexpipe.comm.nonfinite import NonFiniteWatch
+from duplexpipe.errors import HandshakeError, PeerFailedError, PipelineError, ScheduleError
 from duplexpipe.runtime import structure
 from duplexpipe.runtime.collectives import (
     BatchAgreement,
@@ -36,8 +37,8 @@ from duplexpipe.runtime.rankplan import RankPlan
 from duplexpipe.runtime.stage_compute import Message, StageCompute
 from duplexpipe.runtime.timing import Tracer
 from duplexpipe.runtime.transport import Transport
-from duplexpipe.runtime.watchdog import HandshakeError, PeerFailedError, PipelineError, Watchdog
-from duplexpipe.schedules.ir import Action, Op, Schedule, ScheduleError
+from duplexpipe.runtime.watchdog import Watchdog
+from duplexpipe.schedules.ir import Action, Op, Schedule
 from duplexpipe.schedules.timeline import Span, Timeline
 
 __all__ = ["PipelineRuntime", "default_overlap"]

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from duplexpipe.runtime.watchdog import HandshakeError, Watchdog
+from duplexpipe.errors import HandshakeError
+from duplexpipe.runtime.watchdog import Watchdog
 from duplexpipe.schedules.ir import Schedule
 
 SUMMARY_BYTES = 1024

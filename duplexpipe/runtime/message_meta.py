@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from duplexpipe.comm.codec import Codec
+from duplexpipe.errors import PipelineError
 from duplexpipe.runtime.stage_compute import Message, TensorMeta
 from duplexpipe.runtime.structure import Form, describe, form_from_json, form_to_json, paths
-from duplexpipe.runtime.watchdog import PipelineError
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -21,12 +21,13 @@ from torch import Tensor
 
 from duplexpipe.comm.codec import Codec, IdentityCodec
 from duplexpipe.comm.nonfinite import NonFiniteWatch, extremes
+from duplexpipe.errors import ActivationShapeError, PipelineError
 from duplexpipe.runtime.context import StepContext
 from duplexpipe.runtime.message_meta import MessageMeta, encodes, wire_of
 from duplexpipe.runtime.stage_compute import Message, TensorMeta
 from duplexpipe.runtime.structure import paths
 from duplexpipe.runtime.transport import Key, Transport, key_text
-from duplexpipe.runtime.watchdog import ActivationShapeError, PipelineError, Watchdog
+from duplexpipe.runtime.watchdog import Watchdog
 from duplexpipe.schedules.ir import Action, Op
 from duplexpipe.schedules.layout import Layout
 

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from duplexpipe.errors import PairAborted
+
 Issue = Callable[[], Any]
 """Posts a collective (async_op=True) and returns its Work (or None when nothing was sent)."""
 Wait = Callable[[Any, str], None]
@@ -214,10 +216,6 @@ def forward_slot(slot: CommSlot) -> Iterator[CommSlot]:
         yield slot
     finally:
         _SLOT.reset(token)
-
-
-class PairAborted(RuntimeError):
-    """The other part of an F&B pair failed: this part stops at its next comm point."""
 
 
 class _Worker:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
-from duplexpipe.schedules.ir import Schedule, ScheduleError
+from duplexpipe.errors import ScheduleError
+from duplexpipe.schedules.ir import Schedule
 from duplexpipe.schedules.verify import verify
 
 VERDICTS_KEPT = 32

@@ -12,11 +12,11 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from duplexpipe.comm.codec import TensorSpec
+from duplexpipe.errors import PipelineError, StructureError
 from duplexpipe.runtime.autograd_split import WeightWork, backward_input
 from duplexpipe.runtime.pieces import CommSlot
 from duplexpipe.runtime.saved_bytes import SavedBytes
-from duplexpipe.runtime.structure import TENSOR, Form, StructureError, call, flatten
-from duplexpipe.runtime.watchdog import PipelineError
+from duplexpipe.runtime.structure import TENSOR, Form, call, flatten
 
 TensorMeta = TensorSpec
 """Shape and dtype of one tensor that flows between two stages (the comm package's TensorSpec)."""

@@ -18,6 +18,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+from duplexpipe.errors import StructureError
+
 Form = pytree.TreeSpec
 """How to rebuild a structure from its leaves (its JSON text is announced between ranks)."""
 TENSOR: Form = pytree.treespec_leaf()
@@ -25,10 +27,6 @@ TENSOR: Form = pytree.treespec_leaf()
 WHOLE_MESSAGE = "duplexpipe_whole_message"
 """A module with this attribute set to True is called with the message as one argument."""
 _KINDS = (tuple, list, dict)
-
-
-class StructureError(ValueError):
-    """A value is not a tensor or a (nested) tuple/list/dict of tensors with str keys."""
 
 
 def _stop(value: Any) -> bool:

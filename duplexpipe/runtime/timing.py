@@ -10,7 +10,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from duplexpipe.schedules.ir import Action, ScheduleError
+from duplexpipe.errors import ScheduleError
+from duplexpipe.schedules.ir import Action
 from duplexpipe.schedules.timeline import Event, Timeline
 
 _NOTHING = contextlib.nullcontext()

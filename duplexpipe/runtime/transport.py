@@ -24,8 +24,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from duplexpipe.comm.meter import WireMeter
+from duplexpipe.errors import PipelineError
 from duplexpipe.runtime.stage_compute import TensorMeta
-from duplexpipe.runtime.watchdog import PipelineError, Watchdog
+from duplexpipe.runtime.watchdog import Watchdog
 from duplexpipe.schedules.ir import Op
 
 POISON_TAG = 0x5EED

@@ -10,35 +10,13 @@ from typing import Any
 
 import torch.distributed as dist
 
+from duplexpipe.errors import PeerFailedError, PipelineError, PipelineTimeoutError
+
 ERROR_KEY = "error"
 Text = str | Callable[[], str]
 """A description for error messages, or a function building it (only called when an error needs it)."""
 _MIN_SLEEP_S = 1e-5
 _MAX_SLEEP_S = 2e-3
-
-
-class PipelineError(RuntimeError):
-    """The pipeline runtime could not run a step (the message names the rank and action)."""
-
-
-class PipelineTimeoutError(PipelineError, TimeoutError):
-    """A bounded wait ran out: the message names the rank, the action and the peer."""
-
-
-class PeerFailedError(PipelineError):
-    """Another rank failed; this rank stopped. `failed_rank` is the rank that failed first."""
-
-    def __init__(self, message: str, failed_rank: int) -> None:
-        super().__init__(message)
-        self.failed_rank = failed_rank
-
-
-class HandshakeError(PipelineError):
-    """The ranks of a group do not run the same schedule (or a rank's stages are wrong)."""
-
-
-class ActivationShapeError(PipelineError, ValueError):
-    """A stage produced an activation whose shape or dtype differs from the announced one."""
 
 
 class Watchdog:

@@ -10,12 +10,10 @@ from enum import Enum
 from functools import cached_property
 from typing import Any, Iterable, Iterator, Sequence
 
+from duplexpipe.errors import ScheduleError
+
 JSON_FORMAT = "duplexpipe-schedule"
 JSON_VERSION = 1
-
-
-class ScheduleError(ValueError):
-    """A schedule (or a file holding one) is malformed, incomplete or deadlocks."""
 
 
 class Op(str, Enum):

@@ -6,7 +6,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from duplexpipe.schedules.ir import Action, Op, Schedule, ScheduleError
+from duplexpipe.errors import ScheduleError
+from duplexpipe.schedules.ir import Action, Op, Schedule
 from duplexpipe.schedules.layout import Layout, gc_paused
 
 RECV, SEND, COMPUTE = 0, 1, 2

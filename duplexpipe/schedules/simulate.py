@@ -7,7 +7,8 @@ from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from duplexpipe.schedules.ir import Schedule, ScheduleError
+from duplexpipe.errors import ScheduleError
+from duplexpipe.schedules.ir import Schedule
 from duplexpipe.schedules.layout import Layout, gc_paused
 from duplexpipe.schedules.lower import lower
 from duplexpipe.schedules.moe_cost import ExpertCost

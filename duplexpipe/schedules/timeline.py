@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from duplexpipe.schedules.ir import Action, Op, ScheduleError, format_action, parse_action
+from duplexpipe.errors import ScheduleError
+from duplexpipe.schedules.ir import Action, Op, format_action, parse_action
 
 
 @dataclass(frozen=True, slots=True)

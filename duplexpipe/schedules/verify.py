@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from duplexpipe.schedules.ir import Action, Op, Schedule, ScheduleError
+from duplexpipe.errors import ScheduleError
+from duplexpipe.schedules.ir import Action, Op, Schedule
 from duplexpipe.schedules.layout import Layout
 from duplexpipe.schedules.lower import lower
 from duplexpipe.schedules.program import COMPUTE, SEND, Program, Run, analyze, run_program

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from duplexpipe.comm.codec import bf16_codec
-from duplexpipe.comm.nonfinite import NONFINITE_POLICIES, NonFiniteSendError, NonFiniteWatch, check_policy
+from duplexpipe.comm.nonfinite import NONFINITE_POLICIES, NonFiniteWatch, check_policy
 from duplexpipe.comm.p2p_codecs import Fp8RowCodec, Int8BlockCodec
+from duplexpipe.errors import NonFiniteSendError
 
 
 def _bad() -> torch.Tensor:

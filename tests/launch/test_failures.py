@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from duplexpipe.launch.failures import StoppedByPeer, blamed_rank, error_summary
+from duplexpipe.errors import PeerFailedError, StoppedByPeer
+from duplexpipe.launch.failures import blamed_rank, error_summary
 from duplexpipe.launch.processes import free_port
-from duplexpipe.runtime import PeerFailedError
 
 ROOT = Path(__file__).resolve().parents[2]
 TASKS = ROOT / "tests" / "_bad_tasks.py"

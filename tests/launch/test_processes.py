@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 from _failing_ranks import OWN_ERROR, blame_a_silent_rank, consequence_first
 
+from duplexpipe.errors import LaunchError, PeerFailedError
 from duplexpipe.launch.processes import (
     SHARE_GPU_ENV,
     START_METHOD_ENV,
-    LaunchError,
     blamed_rank,
     cuda_device_for,
     default_backend,
@@ -29,7 +29,6 @@ from duplexpipe.launch.processes import (
     launched_by_torchrun,
     run,
 )
-from duplexpipe.runtime import PeerFailedError
 from duplexpipe.train.trainer import Pipeline, PipelineConfig
 
 ROOT = Path(__file__).resolve().parents[2]

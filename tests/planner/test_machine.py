@@ -6,9 +6,10 @@ from dataclasses import replace
 
 import pytest
 
+from duplexpipe.errors import ScheduleError
 from duplexpipe.planner.machine import Machine, simulate_shared
 from duplexpipe.schedules import registry
-from duplexpipe.schedules.ir import ScheduleError, parse_action, schedule_from_rows
+from duplexpipe.schedules.ir import parse_action, schedule_from_rows
 from duplexpipe.schedules.simulate import CostModel, simulate
 
 

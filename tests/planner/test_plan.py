@@ -9,8 +9,9 @@ from dataclasses import replace
 
 import pytest
 
+from duplexpipe.errors import PlanError
 from duplexpipe.planner.dp_comm import Link
-from duplexpipe.planner.plan import PlanConfig, PlanError, microbatch_counts, plan
+from duplexpipe.planner.plan import PlanConfig, microbatch_counts, plan
 from duplexpipe.planner.profile import PartProfile, Profile, RuntimeOverhead
 
 MIB = 2**20

@@ -10,14 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from duplexpipe.planner.profile import (
-    PartProfile,
-    Profile,
-    ProfileError,
-    RuntimeOverhead,
-    load_profile,
-    save_profile,
-)
+from duplexpipe.errors import ProfileError
+from duplexpipe.planner.profile import PartProfile, Profile, RuntimeOverhead, load_profile, save_profile
 
 
 def part(f: float = 1.0, i: float = 2.0, w: float = 1.0, act: int = 100, params: int = 1000, out: int = 10,

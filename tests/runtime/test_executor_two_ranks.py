@@ -11,7 +11,8 @@ import torch.distributed as dist
 from _executor_cases import _attempt
 from models import loss_fn, make_batch, make_parts, run_workers, stage_modules
 
-from duplexpipe.runtime import PipelineError, PipelineRuntime, RuntimeConfig
+from duplexpipe.errors import PipelineError
+from duplexpipe.runtime import PipelineRuntime, RuntimeConfig
 from duplexpipe.schedules.ir import Schedule
 from duplexpipe.schedules.lower import lower
 from duplexpipe.schedules.registry import build
@@ -22,7 +23,8 @@ CROSSING = ("0F0 0SEND_F0 0RECV_B0 0F1 0SEND_F1 0RECV_B1 0B0 0B1",
 
 
 def _nccl_order(rank: int) -> dict[str, str]:
-    from duplexpipe.schedules.ir import ScheduleError, StageInfo, parse_action
+    from duplexpipe.errors import ScheduleError
+    from duplexpipe.schedules.ir import StageInfo, parse_action
 
     crossing = Schedule("crossing", 2, 2, (StageInfo(0, 0), StageInfo(1, 1)),
                         tuple(tuple(parse_action(t) for t in row.split()) for row in CROSSING))

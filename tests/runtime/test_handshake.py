@@ -11,7 +11,8 @@ import torch.distributed as dist
 from models import loss_fn, make_parts, stage_modules
 
 from duplexpipe.comm.codec import CastCodec
-from duplexpipe.runtime import HandshakeError, PipelineRuntime, PipelineTimeoutError, RuntimeConfig
+from duplexpipe.errors import HandshakeError, PipelineTimeoutError
+from duplexpipe.runtime import PipelineRuntime, RuntimeConfig
 from duplexpipe.runtime.handshake import compare, decode, encode, handshake, summarize
 from duplexpipe.schedules.lower import lower
 from duplexpipe.schedules.registry import build

@@ -9,14 +9,15 @@ import torch
 import torch.distributed as dist
 
 from duplexpipe.comm.codec import CastCodec
-from duplexpipe.comm.nonfinite import NonFiniteSendError, NonFiniteWatch, extremes
+from duplexpipe.comm.nonfinite import NonFiniteWatch, extremes
 from duplexpipe.comm.p2p_codecs import Fp8RowCodec, Int8BlockCodec
+from duplexpipe.errors import ActivationShapeError, NonFiniteSendError, PipelineError, PipelineTimeoutError
 from duplexpipe.runtime.context import StepContext
 from duplexpipe.runtime.message_meta import MessageMeta, encodes
 from duplexpipe.runtime.messages import Mailroom, MetaBoard
 from duplexpipe.runtime.stage_compute import Message, TensorMeta
 from duplexpipe.runtime.structure import flatten
-from duplexpipe.runtime.watchdog import ActivationShapeError, PipelineError, PipelineTimeoutError, Watchdog
+from duplexpipe.runtime.watchdog import Watchdog
 from duplexpipe.schedules.ir import Op
 from duplexpipe.schedules.layout import Layout
 from duplexpipe.schedules.lower import lower

@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 import torch
 
+from duplexpipe.errors import PairAborted
 from duplexpipe.runtime.pieces import (
     CommRecord,
     CommSlot,
     Driver,
     LinkModel,
-    PairAborted,
     current_driver,
     current_slot,
     forward_slot,

@@ -10,9 +10,9 @@ import torch
 from models import DIM, VOCAB, loss_fn, make_batch, make_parts
 from torch import nn
 
+from duplexpipe.errors import PipelineError
 from duplexpipe.runtime.stage_compute import Message, StageCompute, TensorMeta
 from duplexpipe.runtime.structure import TENSOR, flatten
-from duplexpipe.runtime.watchdog import PipelineError
 
 
 def _grad(x: torch.Tensor) -> Message:

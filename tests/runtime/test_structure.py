@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch import nn
 
+from duplexpipe.errors import StructureError
 from duplexpipe.runtime.structure import (
     TENSOR,
     WHOLE_MESSAGE,
-    StructureError,
     call,
     concat,
     describe,

@@ -8,12 +8,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from duplexpipe.errors import PipelineError
 from duplexpipe.runtime.handshake import group_store
 from duplexpipe.runtime.message_meta import MessageMeta
 from duplexpipe.runtime.messages import MetaBoard
 from duplexpipe.runtime.stage_compute import Message, TensorMeta
 from duplexpipe.runtime.transport import Transport, key_text
-from duplexpipe.runtime.watchdog import PipelineError, Watchdog
+from duplexpipe.runtime.watchdog import Watchdog
 from duplexpipe.schedules.ir import Op
 
 CPU = torch.device("cpu")

@@ -13,14 +13,8 @@ import torch.distributed as dist
 from models import loss_fn, make_batch, make_parts, stage_modules
 from torch import nn
 
-from duplexpipe.runtime import (
-    ActivationShapeError,
-    PeerFailedError,
-    PipelineError,
-    PipelineRuntime,
-    PipelineTimeoutError,
-    RuntimeConfig,
-)
+from duplexpipe.errors import ActivationShapeError, PeerFailedError, PipelineError, PipelineTimeoutError
+from duplexpipe.runtime import PipelineRuntime, RuntimeConfig
 from duplexpipe.runtime.watchdog import Watchdog
 from duplexpipe.schedules.lower import lower
 from duplexpipe.schedules.registry import build

@@ -10,12 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from duplexpipe.errors import ScheduleError
 from duplexpipe.schedules import registry
 from duplexpipe.schedules.ir import (
     Action,
     Op,
     Schedule,
-    ScheduleError,
     StageInfo,
     format_action,
     load_json,

@@ -8,8 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from duplexpipe.errors import ScheduleError
 from duplexpipe.schedules import registry
-from duplexpipe.schedules.ir import Action, Op, Schedule, ScheduleError, StageInfo, parse_action
+from duplexpipe.schedules.ir import Action, Op, Schedule, StageInfo, parse_action
 from duplexpipe.schedules.lower import lower
 from duplexpipe.schedules.verify import verify
 

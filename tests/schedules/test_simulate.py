@@ -6,8 +6,9 @@ import math
 
 import pytest
 
+from duplexpipe.errors import ScheduleError
 from duplexpipe.schedules import registry
-from duplexpipe.schedules.ir import Op, Schedule, ScheduleError, StageInfo, parse_action
+from duplexpipe.schedules.ir import Op, Schedule, StageInfo, parse_action
 from duplexpipe.schedules.simulate import CostModel, simulate, summary
 from duplexpipe.schedules.timeline import Timeline
 
