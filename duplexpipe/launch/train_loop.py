@@ -30,6 +30,7 @@ from duplexpipe.launch.train_config import (
 )
 from duplexpipe.model.stages import PartInit
 from duplexpipe.parallel.mesh import make_mesh
+from duplexpipe.runtime.backend import default_device
 from duplexpipe.schedules.timeline import Timeline
 from duplexpipe.train.trainer import LossFn, Pipeline, PipelineConfig
 
@@ -202,7 +203,7 @@ def pipeline_config(config: TrainConfig) -> PipelineConfig:
 
 
 def _build_pipeline(config: TrainConfig, task: TrainTask) -> Pipeline:
-    device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
+    device_type = default_device().type
     mesh = make_mesh(config.ranks, config.dp, device_type) if config.dp > 1 else None
     pcfg = pipeline_config(config)
     inputs, targets = task.batch(0, config.batch_size)

@@ -17,6 +17,7 @@ from duplexpipe.comm.codec import codec_name
 from duplexpipe.comm.nonfinite import NonFiniteWatch
 from duplexpipe.errors import HandshakeError, PeerFailedError, PipelineError, ScheduleError
 from duplexpipe.runtime import structure
+from duplexpipe.runtime.backend import default_device, is_nccl
 from duplexpipe.runtime.collectives import (
     BatchAgreement,
     MirrorSum,
@@ -48,13 +49,6 @@ EP_LANE = "ep"
 """The timeline lane of the exchanges inside stage compute (expert-parallel all-to-alls)."""
 SHAPE_CACHE_SIZE = 8
 """How many distinct input-shape signatures keep their learned activation shapes."""
-
-
-def _default_device(group: Any) -> torch.device:
-    backend = str(dist.get_backend(group))
-    if "nccl" in backend and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 class PipelineRuntime:
@@ -105,7 +99,7 @@ class PipelineRuntime:
         self.config = config if config is not None else RuntimeConfig()
         self.group = group
         self.rank = dist.get_rank(group)
-        self.device = torch.device(device) if device is not None else _default_device(group)
+        self.device = torch.device(device) if device is not None else default_device(group)
         self.loss_fn = loss_fn
         self.modules = dict(modules)
         self.job_group = job_group if job_group is not None else group
@@ -177,7 +171,7 @@ class PipelineRuntime:
         sent: an unsound one raises ScheduleError with the verifier's report on every rank.
         """
         bad = {s: type(m).__name__ for s, m in self.modules.items() if not isinstance(m, nn.Module)}
-        nccl = "nccl" in str(dist.get_backend(group))
+        nccl = is_nccl(group)
         fingerprint = self.schedule.fingerprint()
         problem = verdict(self.schedule, fingerprint, nccl)
         local = (f"rank {self.rank}: modules must be nn.Module, got {bad}" if bad else
@@ -205,7 +199,7 @@ class PipelineRuntime:
                                                           "the start-up handshake of the job group")
             flag_rank, flag_label = dist.get_rank(), "global rank"
         return Watchdog(job_store, job_prefix, self.rank, self.config.timeout_s, self.config.poll_interval_s,
-                        gloo=self.device.type == "cpu", flag_rank=flag_rank, flag_label=flag_label)
+                        gloo=not nccl, flag_rank=flag_rank, flag_label=flag_label)
 
     def _rank_pairs(self) -> list[tuple[int, int]]:
         """The pairs of group ranks that exchange messages: the stage chains', the mirrored gradient sum's

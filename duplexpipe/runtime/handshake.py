@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from duplexpipe.errors import HandshakeError
+from duplexpipe.runtime.backend import is_nccl
 from duplexpipe.runtime.watchdog import Watchdog
 from duplexpipe.schedules.ir import Schedule
 
@@ -108,7 +109,7 @@ def handshake(schedule: Schedule, local_stages: Collection[int], group: Any, dev
     mine = encode(summarize(schedule, rank, local_stages, local_error, codecs, fingerprint)).to(device)
     gathered = [torch.empty_like(mine) for _ in range(size)]
     work = dist.all_gather(gathered, mine, group=group, async_op=True)
-    waiter = Watchdog(None, "", rank, timeout_s, timeout_s, gloo="gloo" in str(dist.get_backend(group)))
+    waiter = Watchdog(None, "", rank, timeout_s, timeout_s, gloo=not is_nccl(group))
     waiter.wait_collective(work, "the start-up handshake (every rank of the group must construct "
                      "PipelineRuntime with the same schedule)", "all ranks of the group")
     summaries = [decode(t) for t in gathered]
@@ -122,6 +123,6 @@ def shared_nonce(group: Any, device: torch.device, timeout_s: float, what: str) 
     mine = torch.frombuffer(bytearray(os.urandom(8)), dtype=torch.uint8).to(device)
     gathered = [torch.empty_like(mine) for _ in range(size)]
     work = dist.all_gather(gathered, mine, group=group, async_op=True)
-    waiter = Watchdog(None, "", rank, timeout_s, timeout_s, gloo="gloo" in str(dist.get_backend(group)))
+    waiter = Watchdog(None, "", rank, timeout_s, timeout_s, gloo=not is_nccl(group))
     waiter.wait_collective(work, what, "all ranks of the group")
     return bytes(gathered[0].cpu().tolist()).hex()

@@ -13,6 +13,7 @@ from torch import nn
 from duplexpipe.moe.balance import LoadSync, expert_parameters, moe_layers
 from duplexpipe.moe.dispatch import ExpertGroup
 from duplexpipe.parallel.mesh import ParallelGroups
+from duplexpipe.runtime.backend import is_nccl
 from duplexpipe.runtime.pieces import Wait
 from duplexpipe.schedules.ir import Op, Schedule
 
@@ -54,7 +55,7 @@ class Experts:
             for layers in self.layers.values():
                 for layer in layers:
                     layer.shard_experts(group)
-            if self.device.type == "cuda":  # NCCL: open the group's communicator now, not mid-step
+            if is_nccl(self.groups.ep_group):  # NCCL: open the group's communicator now, not mid-step
                 probe = torch.zeros(ep, device=self.device)
                 dist.all_to_all_single(torch.empty_like(probe), probe, group=self.groups.ep_group)
         return frozenset(id(p) for m in self.modules.values() for p in expert_parameters(m))

@@ -43,6 +43,7 @@ from duplexpipe.parallel.mesh import ParallelGroups
 from duplexpipe.parallel.tied import TiedGrads, find_tied
 from duplexpipe.parallel.zero_config import check_tied
 from duplexpipe.runtime import EvalResult, PipelineRuntime, RuntimeConfig
+from duplexpipe.runtime.backend import default_device
 from duplexpipe.schedules.ir import Schedule
 from duplexpipe.schedules.registry import build as build_schedule
 from duplexpipe.train.auto_config import AUTO, AutoChoice, AutoSetup, RunPlan, calibration_config, choose
@@ -437,13 +438,6 @@ class Pipeline:
         from duplexpipe.train.hf_export import save_pretrained
 
         save_pretrained(self, str(path))
-
-
-def default_device() -> torch.device:
-    """The current CUDA device under NCCL, else the CPU."""
-    if dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend()):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _resolve_schedule(config: PipelineConfig, pp_size: int) -> Schedule:
