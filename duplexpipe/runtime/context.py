@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from duplexpipe.runtime import structure
-from duplexpipe.runtime.message_meta import MessageMeta
-from duplexpipe.runtime.stage_compute import Activation, Message
+from duplexpipe.runtime.message_meta import Message, MessageMeta
+from duplexpipe.runtime.stage_compute import Activation
 from duplexpipe.schedules.ir import Action, Op
 
 if TYPE_CHECKING:

@@ -12,9 +12,10 @@ from torch import Tensor
 from duplexpipe.errors import PipelineError
 from duplexpipe.runtime.config import OverlapHook
 from duplexpipe.runtime.context import StepContext
+from duplexpipe.runtime.message_meta import Message
 from duplexpipe.runtime.messages import Mailroom
 from duplexpipe.runtime.pieces import CommSlot, Driver, current_driver, current_slot, forward_slot, run_pair
-from duplexpipe.runtime.stage_compute import Activation, Message, StageCompute
+from duplexpipe.runtime.stage_compute import Activation, StageCompute
 from duplexpipe.runtime.structure import flatten, map_leaves
 from duplexpipe.runtime.timing import Tracer
 from duplexpipe.schedules.ir import Action, Op

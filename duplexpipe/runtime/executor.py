@@ -30,12 +30,12 @@ from duplexpipe.runtime.config import EvalResult, RuntimeConfig, StepResult
 from duplexpipe.runtime.context import Slot, StepContext, microbatch_rows, signature, split_batch
 from duplexpipe.runtime.dispatch import Dispatcher, default_overlap
 from duplexpipe.runtime.handshake import group_store, handshake, shared_nonce
-from duplexpipe.runtime.message_meta import MessageMeta
+from duplexpipe.runtime.message_meta import Message, MessageMeta
 from duplexpipe.runtime.messages import Mailroom, MetaBoard
 from duplexpipe.runtime.pieces import CommRecord, Driver
 from duplexpipe.runtime.preflight import verdict
 from duplexpipe.runtime.rankplan import RankPlan
-from duplexpipe.runtime.stage_compute import Message, StageCompute
+from duplexpipe.runtime.stage_compute import StageCompute
 from duplexpipe.runtime.timing import Tracer
 from duplexpipe.runtime.transport import Transport
 from duplexpipe.runtime.watchdog import Watchdog

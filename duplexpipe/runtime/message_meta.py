@@ -1,4 +1,4 @@
-"""What a forward message looks like: its form, each leaf's shape and dtype, its gradient leaves and wire format.
+"""A message between stages (`Message`) and what it looks like (`MessageMeta`): form, leaf specs, wire format.
 
 Which leaves go through the activation codec is part of the meta, so sender and receiver agree: only
 floating leaves that carry a gradient back (activations that require grad) are encoded; forward-only
@@ -15,11 +15,11 @@ from functools import cached_property
 from typing import Any
 
 import torch
+from torch import Tensor
 
-from duplexpipe.comm.codec import Codec
+from duplexpipe.comm.codec import Codec, TensorSpec
 from duplexpipe.errors import PipelineError
-from duplexpipe.runtime.stage_compute import Message, TensorMeta
-from duplexpipe.runtime.structure import Form, describe, form_from_json, form_to_json, paths
+from duplexpipe.runtime.structure import TENSOR, Form, describe, form_from_json, form_to_json, paths
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -35,17 +35,35 @@ def parse_dtype(name: str, where: str) -> torch.dtype:
     return dtype
 
 
-def wire_of(codec: Codec | None, meta: TensorMeta) -> tuple[TensorMeta, ...]:
+def wire_of(codec: Codec | None, meta: TensorSpec) -> tuple[TensorSpec, ...]:
     """The payload specs of one tensor: the codec's wire format for a floating tensor, else the tensor itself."""
     if codec is None or not meta.dtype.is_floating_point:
         return (meta,)
     return tuple(codec.wire_format(meta))
 
 
-def encodes(codec: Codec | None, meta: TensorMeta, grad: bool) -> bool:
+def encodes(codec: Codec | None, meta: TensorSpec, grad: bool) -> bool:
     """Whether a leaf of a forward message may go through `codec`: a floating leaf that carries a gradient
     back. Forward-only tensors (masks, positions, flags) travel exactly."""
     return codec is not None and grad and meta.dtype.is_floating_point
+
+
+@dataclass
+class Message:
+    """A structure passed between two stages: its form, its leaves, and which leaves carry a
+    gradient back (floating tensors that required grad where they were produced)."""
+
+    form: Form
+    """How the leaves rebuild the structure."""
+    leaves: list[Tensor]
+    """The tensors, in leaf order."""
+    grads: tuple[bool, ...]
+    """grads[i]: leaf i gets a gradient message back."""
+
+    @staticmethod
+    def single(tensor: Tensor) -> Message:
+        """One tensor that carries no gradient (e.g. a first stage's input)."""
+        return Message(TENSOR, [tensor], (False,))
 
 
 @dataclass(frozen=True)
@@ -55,11 +73,11 @@ class MessageMeta:
 
     form: Form
     """How the leaves rebuild the structure."""
-    leaves: tuple[TensorMeta, ...]
+    leaves: tuple[TensorSpec, ...]
     """Shape and dtype of each leaf."""
     grads: tuple[bool, ...]
     """grads[i]: leaf i carries a gradient back."""
-    wire: tuple[tuple[TensorMeta, ...], ...] = ()
+    wire: tuple[tuple[TensorSpec, ...], ...] = ()
     """wire[i]: the payload specs leaf i travels as (empty for a message that stays on its rank)."""
     coded: tuple[bool, ...] = ()
     """coded[i]: leaf i travels through the activation codec (else exactly; empty: none does)."""
@@ -68,14 +86,14 @@ class MessageMeta:
     def of(message: Message, codec: Codec | None = None, exact: Sequence[bool] = ()) -> MessageMeta:
         """The meta of a message sent with `codec` (None: each leaf as it is); `exact[i]` keeps leaf i out of
         the codec even where `encodes` allows it."""
-        leaves = tuple(TensorMeta.of(t) for t in message.leaves)
+        leaves = tuple(TensorSpec.of(t) for t in message.leaves)
         keep = tuple(exact) or (False,) * len(leaves)
         coded = tuple(encodes(codec, m, g) and not k for m, g, k in zip(leaves, message.grads, keep, strict=True))
         wire = tuple(wire_of(codec if c else None, m) for m, c in zip(leaves, coded, strict=True))
         return MessageMeta(message.form, leaves, message.grads, wire, coded)
 
     @cached_property
-    def payloads(self) -> tuple[TensorMeta, ...]:
+    def payloads(self) -> tuple[TensorSpec, ...]:
         """Every payload's spec, in order (what the receiver allocates); computed once per meta."""
         return tuple(p for wire in self.wire for p in wire)
 
@@ -87,11 +105,11 @@ class MessageMeta:
                                                                                strict=True))
 
     @cached_property
-    def grad_metas(self) -> tuple[TensorMeta, ...]:
+    def grad_metas(self) -> tuple[TensorSpec, ...]:
         """Shape and dtype of each gradient of the backward message, in leaf order; computed once per meta."""
         return tuple(m for m, g in zip(self.leaves, self.grads, strict=True) if g)
 
-    def grad_payloads(self, codec: Codec | None) -> tuple[TensorMeta, ...]:
+    def grad_payloads(self, codec: Codec | None) -> tuple[TensorSpec, ...]:
         """The payload specs of the backward message sent with `codec` (computed once per meta and codec)."""
         cached = self.__dict__.get("_grad_payloads")
         if cached is None or cached[0] is not codec:
@@ -112,7 +130,7 @@ class MessageMeta:
 
     def to_json(self) -> str:
         """A compact JSON text."""
-        def spec(m: TensorMeta) -> list[Any]:
+        def spec(m: TensorSpec) -> list[Any]:
             return [list(m.shape), dtype_name(m.dtype)]
 
         coded = self.coded or (False,) * len(self.leaves)
@@ -122,8 +140,8 @@ class MessageMeta:
     @staticmethod
     def from_json(text: str, where: str) -> MessageMeta:
         """Inverse of `to_json`; `where` names the receive in errors."""
-        def spec(shape: list[int], dtype: str) -> TensorMeta:
-            return TensorMeta(tuple(int(d) for d in shape), parse_dtype(dtype, where))
+        def spec(shape: list[int], dtype: str) -> TensorSpec:
+            return TensorSpec(tuple(int(d) for d in shape), parse_dtype(dtype, where))
 
         form, leaves = json.loads(text)
         return MessageMeta(form_from_json(form), tuple(spec(shape, dtype) for shape, dtype, *_ in leaves),

@@ -19,12 +19,11 @@ from typing import Any
 
 from torch import Tensor
 
-from duplexpipe.comm.codec import Codec, IdentityCodec
+from duplexpipe.comm.codec import Codec, IdentityCodec, TensorSpec
 from duplexpipe.comm.nonfinite import NonFiniteWatch, extremes
 from duplexpipe.errors import ActivationShapeError, PipelineError
 from duplexpipe.runtime.context import StepContext
-from duplexpipe.runtime.message_meta import MessageMeta, encodes, wire_of
-from duplexpipe.runtime.stage_compute import Message, TensorMeta
+from duplexpipe.runtime.message_meta import Message, MessageMeta, encodes, wire_of
 from duplexpipe.runtime.structure import paths
 from duplexpipe.runtime.transport import Key, Transport, key_text
 from duplexpipe.runtime.watchdog import Watchdog
@@ -75,7 +74,7 @@ class Mailroom:
         self.activation_codec = None if isinstance(activation_codec, IdentityCodec) else activation_codec
         self.gradient_codec = None if isinstance(gradient_codec, IdentityCodec) else gradient_codec
 
-    def _encode(self, codec: Codec | None, leaves: list[Tensor], wire: tuple[tuple[TensorMeta, ...], ...],
+    def _encode(self, codec: Codec | None, leaves: list[Tensor], wire: tuple[tuple[TensorSpec, ...], ...],
                 coded: tuple[bool, ...] | None, where: str) -> list[Tensor]:
         """The payloads of `leaves` (detached), checked against their wire format; `coded[i]`: leaf i goes
         through the codec (None: every floating leaf does)."""
@@ -87,17 +86,17 @@ class Mailroom:
                 out.append(leaf)
                 continue
             payloads = codec.encode(leaf)
-            if tuple(TensorMeta.of(p) for p in payloads) != want:
-                got = [str(TensorMeta.of(p)) for p in payloads]
-                raise PipelineError(f"{where}: codec {codec.name!r} encoded {TensorMeta.of(leaf)} into {got}, "
+            if tuple(TensorSpec.of(p) for p in payloads) != want:
+                got = [str(TensorSpec.of(p)) for p in payloads]
+                raise PipelineError(f"{where}: codec {codec.name!r} encoded {TensorSpec.of(leaf)} into {got}, "
                                     f"not its wire format {[str(w) for w in want]}")
             if self.watch is not None:  # NaN/inf must be reported, and arrive non-finite
                 self.watch.note(codec, leaf, payloads, f"rank {self.rank}: {where}")
             out.extend(payloads)
         return out
 
-    def _decode(self, codec: Codec | None, payloads: list[Tensor], metas: tuple[TensorMeta, ...],
-                wire: tuple[tuple[TensorMeta, ...], ...], coded: tuple[bool, ...] | None) -> list[Tensor]:
+    def _decode(self, codec: Codec | None, payloads: list[Tensor], metas: tuple[TensorSpec, ...],
+                wire: tuple[tuple[TensorSpec, ...], ...], coded: tuple[bool, ...] | None) -> list[Tensor]:
         """The leaves rebuilt from their received payloads (`coded` as in `_encode`)."""
         if codec is None:
             return payloads
@@ -115,7 +114,7 @@ class Mailroom:
         learned), reported to the watch."""
         codec, exact = self.activation_codec, [False] * len(message.leaves)
         for i, (leaf, grad) in enumerate(zip(message.leaves, message.grads, strict=True)):
-            if encodes(codec, TensorMeta.of(leaf), grad):
+            if encodes(codec, TensorSpec.of(leaf), grad):
                 count = int(extremes(leaf))
                 exact[i] = count > 0
                 if count and self.watch is not None and codec is not None:
@@ -160,7 +159,7 @@ class Mailroom:
         stage, mb = action.stage, action.microbatch
         peer = self.layout.rank[self.layout.prv[stage]]
 
-        def resolve(block: bool) -> tuple[TensorMeta, ...] | None:
+        def resolve(block: bool) -> tuple[TensorSpec, ...] | None:
             if not ctx.learning:
                 meta = ctx.shapes.get((stage, mb))
                 if meta is None:
@@ -201,7 +200,7 @@ class Mailroom:
         elif self.gradient_codec is None:
             ctx.outbox[(Op.SEND_B, stage, mb)] = grads
         else:
-            wire = tuple(wire_of(self.gradient_codec, TensorMeta.of(g)) for g in grads)
+            wire = tuple(wire_of(self.gradient_codec, TensorSpec.of(g)) for g in grads)
             ctx.outbox[(Op.SEND_B, stage, mb)] = self._encode(self.gradient_codec, grads, wire, None,
                                                               f"stage {stage} microbatch {mb} (gradients)")
 
@@ -209,7 +208,7 @@ class Mailroom:
         """RECV_B: queue the receive of the gradients of what this stage sent for the microbatch."""
         stage, mb = action.stage, action.microbatch
 
-        def resolve(block: bool) -> tuple[TensorMeta, ...] | None:
+        def resolve(block: bool) -> tuple[TensorSpec, ...] | None:
             meta = ctx.out_meta.get((stage, mb))
             if meta is None and not ctx.learning:  # the learned output (hand_on checks the output against it)
                 meta = ctx.shapes.get((self.layout.nxt[stage], mb))

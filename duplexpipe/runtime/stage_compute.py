@@ -14,30 +14,10 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from duplexpipe.comm.codec import TensorSpec
 from duplexpipe.errors import PipelineError, StructureError
 from duplexpipe.runtime.autograd_split import WeightWork, backward_input
+from duplexpipe.runtime.message_meta import Message
 from duplexpipe.runtime.pieces import CommSlot
 from duplexpipe.runtime.saved_bytes import SavedBytes
-from duplexpipe.runtime.structure import TENSOR, Form, call, flatten
-
-TensorMeta = TensorSpec
-"""Shape and dtype of one tensor that flows between two stages (the comm package's TensorSpec)."""
-
-
-@dataclass
-class Message:
-    """A structure passed between two stages: its form, its leaves, and which leaves carry a
-    gradient back (floating tensors that required grad where they were produced)."""
-
-    form: Form
-    """How the leaves rebuild the structure."""
-    leaves: list[Tensor]
-    """The tensors, in leaf order."""
-    grads: tuple[bool, ...]
-    """grads[i]: leaf i gets a gradient message back."""
-
-    @staticmethod
-    def single(tensor: Tensor) -> Message:
-        """One tensor that carries no gradient (e.g. a first stage's input)."""
-        return Message(TENSOR, [tensor], (False,))
+from duplexpipe.runtime.structure import call, flatten
 
 
 @dataclass
@@ -53,7 +33,7 @@ class Activation:
     """The input leaves that require grad (their gradients go to the previous stage), in leaf order."""
     roots: list[GradientEdge]
     """Where backward starts: the gradient-carrying outputs' edges, or the scaled loss's."""
-    root_metas: list[TensorMeta]
+    root_metas: list[TensorSpec]
     """Shape and dtype of each root (the gradients to receive), or of the loss."""
     device: torch.device
     """The device of the outputs (for the loss's gradient)."""
@@ -143,7 +123,7 @@ class StageCompute:
                 "no backward can run (is the module's output detached, or are all parameters frozen?)")
         terms = [t for t in extra if t.requires_grad]
         every = list(roots) + terms
-        return Activation(list(inputs), [get_gradient_edge(r) for r in every], [TensorMeta.of(r) for r in every],
+        return Activation(list(inputs), [get_gradient_edge(r) for r in every], [TensorSpec.of(r) for r in every],
                           roots[0].device, scale, extra=len(terms), extra_scale=extra_scale)
 
     def _root_grads(self, act: Activation, grads: list[Tensor] | None) -> list[Tensor]:

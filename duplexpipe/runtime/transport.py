@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from duplexpipe.comm.codec import TensorSpec
 from duplexpipe.comm.meter import WireMeter
 from duplexpipe.errors import PipelineError
-from duplexpipe.runtime.stage_compute import TensorMeta
 from duplexpipe.runtime.watchdog import Watchdog
 from duplexpipe.schedules.ir import Op
 
@@ -33,7 +33,7 @@ POISON_TAG = 0x5EED
 """The tag of the receive `Transport.poison` times out on (no rank ever sends with it)."""
 Key = tuple[Op, int, int]
 """(op, stage, microbatch) of a SEND or RECV action."""
-Resolver = Callable[[bool], "tuple[TensorMeta, ...] | None"]
+Resolver = Callable[[bool], "tuple[TensorSpec, ...] | None"]
 """resolve(block): the shapes of a receive's tensors, or None while unknown (block=True waits for them)."""
 
 
@@ -103,14 +103,14 @@ class Transport:
                 raise self.watchdog.failure(exc, what, f"rank {peer}") from exc
             self.watchdog.wait_p2p(work, what, f"rank {peer}")
 
-    def _irecv(self, recv: _Recv, metas: tuple[TensorMeta, ...]) -> None:
+    def _irecv(self, recv: _Recv, metas: tuple[TensorSpec, ...]) -> None:
         recv.buffers = [torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in metas]
         try:
             recv.works = [self._pg.recv([b], recv.peer, 0) for b in recv.buffers]
         except RuntimeError as exc:  # the group's connections are broken: a peer failed (or died)
             raise self.watchdog.failure(exc, f"posting {key_text(recv.key)}", f"rank {recv.peer}") from exc
 
-    def _post(self, recv: _Recv, metas: tuple[TensorMeta, ...]) -> None:
+    def _post(self, recv: _Recv, metas: tuple[TensorSpec, ...]) -> None:
         if self.stream is None:
             self._irecv(recv, metas)
         else:

@@ -8,14 +8,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from duplexpipe.comm.codec import CastCodec
+from duplexpipe.comm.codec import CastCodec, TensorSpec
 from duplexpipe.comm.nonfinite import NonFiniteWatch, extremes
 from duplexpipe.comm.p2p_codecs import Fp8RowCodec, Int8BlockCodec
 from duplexpipe.errors import ActivationShapeError, NonFiniteSendError, PipelineError, PipelineTimeoutError
 from duplexpipe.runtime.context import StepContext
-from duplexpipe.runtime.message_meta import MessageMeta, encodes
+from duplexpipe.runtime.message_meta import Message, MessageMeta, encodes
 from duplexpipe.runtime.messages import Mailroom, MetaBoard
-from duplexpipe.runtime.stage_compute import Message, TensorMeta
 from duplexpipe.runtime.structure import flatten
 from duplexpipe.runtime.watchdog import Watchdog
 from duplexpipe.schedules.ir import Op
@@ -34,13 +33,13 @@ def _message(rows: int = 2, mask_dtype: torch.dtype = torch.int64) -> Message:
 def test_meta_round_trips_through_json_and_lists_gradient_metas() -> None:
     meta = MessageMeta.of(_message())
     assert MessageMeta.from_json(meta.to_json(), "1RECV_F0") == meta
-    assert meta.grad_metas == (TensorMeta((2, 4), torch.float32),)
+    assert meta.grad_metas == (TensorSpec((2, 4), torch.float32),)
 
 
 def test_wire_format_is_announced_per_leaf_and_integers_are_never_encoded() -> None:
     meta = MessageMeta.of(_message(), CastCodec(torch.bfloat16))
-    assert meta.wire == ((TensorMeta((2, 4), torch.bfloat16),), (TensorMeta((2,), torch.int64),))
-    assert meta.payloads == (TensorMeta((2, 4), torch.bfloat16), TensorMeta((2,), torch.int64))
+    assert meta.wire == ((TensorSpec((2, 4), torch.bfloat16),), (TensorSpec((2,), torch.int64),))
+    assert meta.payloads == (TensorSpec((2, 4), torch.bfloat16), TensorSpec((2,), torch.int64))
     back = MessageMeta.from_json(meta.to_json(), "1RECV_F0")
     assert back == meta and back.wire == meta.wire
     assert MessageMeta.of(_message()).payloads == meta.leaves  # no codec: each leaf as it is
@@ -86,13 +85,13 @@ class _Flattening:
 
     name = "flattening"
 
-    def wire_format(self, spec: TensorMeta) -> tuple[TensorMeta, ...]:
+    def wire_format(self, spec: TensorSpec) -> tuple[TensorSpec, ...]:
         return (spec,)
 
     def encode(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         return [tensor.reshape(-1)]
 
-    def decode(self, payloads: Any, spec: TensorMeta) -> torch.Tensor:
+    def decode(self, payloads: Any, spec: TensorSpec) -> torch.Tensor:
         return payloads[0].view(spec.shape)
 
 
@@ -121,10 +120,10 @@ def test_same_rank_handoff_keeps_the_structure_and_gradient_flags() -> None:
 
 # ---------------------------------------------------------------- which leaves go through the activation codec
 def test_only_floating_leaves_that_carry_a_gradient_may_be_encoded() -> None:
-    codec, f32 = Int8BlockCodec(), TensorMeta((2, 4), torch.float32)
+    codec, f32 = Int8BlockCodec(), TensorSpec((2, 4), torch.float32)
     assert encodes(codec, f32, grad=True)
     assert not encodes(codec, f32, grad=False)  # a float mask, positions: forward only
-    assert not encodes(codec, TensorMeta((2,), torch.int64), grad=True)
+    assert not encodes(codec, TensorSpec((2,), torch.int64), grad=True)
     assert not encodes(None, f32, grad=True)
 
 
@@ -157,7 +156,7 @@ def test_a_forward_only_mask_travels_exactly_beside_encoded_activations(codec: A
     h = torch.randn(2, 4, dtype=dtype, generator=torch.Generator().manual_seed(1))
     watch = NonFiniteWatch()
     meta, (got_h, got_mask) = _sent(codec, _masked(h, dtype), watch)
-    assert meta.coded == (True, False) and meta.wire[1] == (TensorMeta((2, 4), dtype),)
+    assert meta.coded == (True, False) and meta.wire[1] == (TensorSpec((2, 4), dtype),)
     assert MessageMeta.from_json(meta.to_json(), "1RECV_F0").coded == (True, False)  # announced
     assert torch.equal(got_mask, _masked(h, dtype).leaves[1])  # bit for bit, finfo.min included
     assert not torch.equal(got_h, h) and torch.allclose(got_h, h, rtol=0.2, atol=0.1)  # the codec did run

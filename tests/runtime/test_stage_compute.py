@@ -10,8 +10,10 @@ import torch
 from models import DIM, VOCAB, loss_fn, make_batch, make_parts
 from torch import nn
 
+from duplexpipe.comm.codec import TensorSpec
 from duplexpipe.errors import PipelineError
-from duplexpipe.runtime.stage_compute import Message, StageCompute, TensorMeta
+from duplexpipe.runtime.message_meta import Message
+from duplexpipe.runtime.stage_compute import StageCompute
 from duplexpipe.runtime.structure import TENSOR, flatten
 
 
@@ -21,8 +23,8 @@ def _grad(x: torch.Tensor) -> Message:
 
 
 def test_tensor_meta_describes_shape_and_dtype() -> None:
-    meta = TensorMeta.of(torch.zeros(2, 3, dtype=torch.bfloat16))
-    assert meta == TensorMeta((2, 3), torch.bfloat16)
+    meta = TensorSpec.of(torch.zeros(2, 3, dtype=torch.bfloat16))
+    assert meta == TensorSpec((2, 3), torch.bfloat16)
     assert str(meta) == "(2, 3) bfloat16"
 
 
@@ -32,7 +34,7 @@ def test_first_stage_takes_token_ids_and_keeps_no_input_leaf() -> None:
     inputs, out = stage.forward(Message.single(tokens), 0, train=True)
     assert inputs == [] and out.shape == (4, tokens.shape[1], DIM)
     act = stage.keep(inputs, [out], 0)
-    assert act.inputs == [] and act.root_metas == [TensorMeta.of(out)]
+    assert act.inputs == [] and act.root_metas == [TensorSpec.of(out)]
     assert stage.backward(act, [torch.ones_like(out)]) == []
     assert all(p.grad is not None for p in stage.params())
 

@@ -8,11 +8,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from duplexpipe.comm.codec import TensorSpec
 from duplexpipe.errors import PipelineError
 from duplexpipe.runtime.handshake import group_store
-from duplexpipe.runtime.message_meta import MessageMeta
+from duplexpipe.runtime.message_meta import Message, MessageMeta
 from duplexpipe.runtime.messages import MetaBoard
-from duplexpipe.runtime.stage_compute import Message, TensorMeta
 from duplexpipe.runtime.transport import Transport, key_text
 from duplexpipe.runtime.watchdog import Watchdog
 from duplexpipe.schedules.ir import Op
@@ -48,7 +48,7 @@ def _late_shapes(rank: int) -> dict[str, Any]:
         return {}
 
     def resolve(mb: int) -> Any:
-        def lookup(block: bool) -> tuple[TensorMeta, ...] | None:
+        def lookup(block: bool) -> tuple[TensorSpec, ...] | None:
             meta = board.lookup(1, 1, mb, block, 0)
             return None if meta is None else meta.leaves
         return lookup
@@ -78,8 +78,8 @@ def _known_shapes(rank: int) -> dict[str, Any]:
         transport.finish()
         return {"held": held, "after_reap": reaped, "after_finish": transport.pending_sends}
     for mb, t in enumerate(tensors):
-        transport.expect((Op.RECV_B, 0, mb), 0, lambda block, t=t: (TensorMeta.of(t),))
-    transport.expect((Op.RECV_B, 0, 2), 0, lambda block: tuple(TensorMeta.of(t) for t in tensors))
+        transport.expect((Op.RECV_B, 0, mb), 0, lambda block, t=t: (TensorSpec.of(t),))
+    transport.expect((Op.RECV_B, 0, 2), 0, lambda block: tuple(TensorSpec.of(t) for t in tensors))
     got = [transport.take((Op.RECV_B, 0, mb), f"0B{mb}")[0] for mb in range(2)]
     both = transport.take((Op.RECV_B, 0, 2), "0B2")
     transport.finish()
@@ -98,9 +98,9 @@ def _no_prefetch(rank: int) -> dict[str, Any]:
     asked: list[int] = []
 
     def resolver(mb: int) -> Any:
-        def resolve(block: bool) -> tuple[TensorMeta, ...]:
+        def resolve(block: bool) -> tuple[TensorSpec, ...]:
             asked.append(mb)
-            return (TensorMeta.of(_payload(mb)),)
+            return (TensorSpec.of(_payload(mb)),)
         return resolve
 
     for mb in range(3):
@@ -116,7 +116,7 @@ def _no_prefetch(rank: int) -> dict[str, Any]:
 
 def _misuse(rank: int) -> dict[str, Any]:
     _, transport, _ = _setup(rank, "misuse")
-    meta = (TensorMeta((2,), torch.float32),)
+    meta = (TensorSpec((2,), torch.float32),)
     if rank == 0:
         transport.send((Op.SEND_F, 0, 0), [torch.ones(2)], peer=1)
         transport.wait_send((Op.SEND_F, 0, 0))

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
+from duplexpipe.comm.codec import TensorSpec
 from duplexpipe.runtime.handshake import group_store
-from duplexpipe.runtime.stage_compute import TensorMeta
 from duplexpipe.runtime.transport import Transport
 from duplexpipe.runtime.watchdog import Watchdog
 from duplexpipe.schedules.ir import Op
@@ -17,7 +17,7 @@ from duplexpipe.schedules.lower import lower
 from duplexpipe.schedules.registry import build
 
 WORLD = 4
-META = TensorMeta.of(torch.empty(2))
+META = TensorSpec.of(torch.empty(2))
 
 
 def _worker(rank: int, world: int) -> dict[str, Any]:
