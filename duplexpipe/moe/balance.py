@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from duplexpipe.moe.layer import MoELayer
-from duplexpipe.runtime.pieces import CommSlot, Wait, forward_slot, plain_wait
+from duplexpipe.runtime.comm_points import CommSlot, Wait, forward_slot, plain_wait
 
 
 @contextlib.contextmanager

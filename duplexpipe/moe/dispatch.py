@@ -1,6 +1,6 @@
 """Token dispatch and combine for expert parallelism: permute by expert, all-to-all with uneven splits, regroup.
 
-Every all-to-all goes through the comm slot of the forward that made it (`runtime.pieces`), in the forward
+Every all-to-all goes through the comm slot of the forward that made it (`runtime.comm_points`), in the forward
 and in its backward, so inside an F&B pair it runs while the other microbatch computes.
 """
 
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from duplexpipe.runtime.pieces import CommSlot
+from duplexpipe.runtime.comm_points import CommSlot
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from duplexpipe.moe.dispatch import CountsExchange, ExpertGroup, all_to_all, expert_major
 from duplexpipe.moe.linear import linear
 from duplexpipe.moe.router import Router, Routing, balance_loss
-from duplexpipe.runtime.pieces import CommSlot, current_slot
+from duplexpipe.runtime.comm_points import CommSlot, current_slot
 
 EXPERT_KINDS = ("swiglu", "mlp")
 

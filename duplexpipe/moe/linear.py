@@ -4,9 +4,9 @@ In an F&B pair the forward's pieces are shorter than the backward's exchanges th
 about twice its forward). DeepSeek's answer is to form the backward's weight gradients where the pair would
 otherwise wait: `linear(x, layer, slot)` runs `layer(x)`, and its backward forms d(input) at once and hands the
 weight gradient to `slot.driver.defer`, which inside a pair's full backward keeps it for the pair's waits
-(`runtime.pieces.run_pair`) and elsewhere declines it: it is then formed at once, by the same operations, so
+(`runtime.fb_pair.run_pair`) and elsewhere declines it: it is then formed at once, by the same operations, so
 the results are bit-equal either way. A split backward's I forms only d(input), its W the weights (and
-d(input) only where the engine still needs it: `CommSlot.grads`).
+d(input) only where the engine still needs it: `CommSlot.backward`, a `BackwardMode`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from duplexpipe.runtime.autograd_split import accumulate
-from duplexpipe.runtime.pieces import CommSlot
+from duplexpipe.runtime.comm_points import BackwardMode, CommSlot
 
 
 class _Linear(torch.autograd.Function):
@@ -36,7 +36,7 @@ class _Linear(torch.autograd.Function):
         slot: CommSlot = ctx.slot
         grad_x = grad.mm(weight) if ctx.needs_input_grad[0] and _input_wanted(slot, ctx.x_node) else None
         wanted = (ctx.needs_input_grad[1], ctx.bias is not None and ctx.needs_input_grad[2])
-        if slot.grads == "inputs" or not any(wanted):
+        if slot.backward is BackwardMode.INPUTS or not any(wanted):
             return grad_x, None, None, None
         params = (weight, ctx.bias)
         if slot.driver.defer(lambda: accumulate(params, _formed(wanted, grad, x))):
@@ -47,7 +47,7 @@ class _Linear(torch.autograd.Function):
 def _input_wanted(slot: CommSlot, node: Any) -> bool:
     """Whether this backward uses d(input): not in a split backward's W, unless the input leads to parameters
     the W forms (the stage input had no gradient, so W runs the whole graph; asked of the engine)."""
-    return slot.grads != "weights" or node is None or bool(torch._C._will_engine_execute_node(node))
+    return slot.backward is not BackwardMode.WEIGHTS or node is None or bool(torch._C._will_engine_execute_node(node))
 
 
 def _formed(wanted: tuple[bool, bool], grad: Tensor, x: Tensor) -> tuple[Tensor | None, Tensor | None]:

@@ -12,16 +12,7 @@ from duplexpipe.comm.codec import Codec, check_codec
 from duplexpipe.comm.meter import WireMeter
 from duplexpipe.comm.nonfinite import check_policy
 from duplexpipe.fielddoc import documented
-from duplexpipe.runtime.pieces import LinkModel
 from duplexpipe.schedules.timeline import Timeline
-
-OverlapHook = Callable[..., None]
-"""`hook(pair, run_forward, run_backward)`: runs one OVERLAP_F_B pair.
-
-`pair` is the OVERLAP_F_B Action; `run_forward()` and `run_backward()` run its two parts
-(their inputs have already arrived). The hook must call each exactly once, in any order or
-interleaving it likes (e.g. the forward's communication-heavy half while the backward computes).
-"""
 
 GradsReadyHook = Callable[[int], None]
 """`hook(stage)`: this rank's gradients of `stage`'s parameters are final for the step.
@@ -48,18 +39,12 @@ class RuntimeConfig:
     sum_mirrored_grads: bool = True
     """DualPipe: at the end of each step, sum the gradients of the two stages that hold the same
     weight group (ranks s and P-1-s) so both copies carry the full gradient."""
-    overlap_hook: OverlapHook | None = None
-    """Runs an OVERLAP_F_B pair (see OverlapHook); None: the forward part, then the backward part,
-    with the receives of both parts already waited for and their sends posted after the pair."""
     fb_overlap: bool = False
-    """Run each OVERLAP_F_B pair's forward and backward interleaved at their comm points (the all-to-alls
-    of MoE layers, `duplexpipe.runtime.pieces`): every exchange of one part is in flight while the other
-    part computes. Stages without comm points run as one piece each (backward, then forward). Ignored when
-    `overlap_hook` is set."""
-    link: LinkModel | None = None
-    """An emulated link for the exchanges stages make inside their compute (MoE all-to-alls): each completes
-    no earlier than latency + bytes / bandwidth after every rank of its group joined it (`LinkModel`). None:
-    the real transfer time only."""
+    """Run each OVERLAP_F_B pair's backward and forward interleaved at their comm points (the all-to-alls
+    of MoE layers, `duplexpipe.runtime.fb_pair`): every exchange of one part is in flight while the other
+    part computes. Stages without comm points run as one piece each (backward, then forward). False: the
+    forward part, then the backward part, with the receives of both parts already waited for and their
+    sends posted after the pair."""
     on_grads_ready: GradsReadyHook | None = None
     """Called with a stage index once this rank's gradients of that stage are final for the step
     (see GradsReadyHook); None: no call."""
@@ -118,9 +103,8 @@ class RuntimeConfig:
         if self.autocast_dtype is not None and not isinstance(self.autocast_dtype, torch.dtype):
             raise ValueError(f"RuntimeConfig.autocast_dtype must be a torch.dtype or None, "
                              f"got {self.autocast_dtype!r}")
-        for name in ("overlap_hook", "on_grads_ready"):
-            if getattr(self, name) is not None and not callable(getattr(self, name)):
-                raise ValueError(f"RuntimeConfig.{name} must be callable, got {getattr(self, name)!r}")
+        if self.on_grads_ready is not None and not callable(self.on_grads_ready):
+            raise ValueError(f"RuntimeConfig.on_grads_ready must be callable, got {self.on_grads_ready!r}")
         check_codec(self.activation_codec, "RuntimeConfig.activation_codec")
         check_codec(self.gradient_codec, "RuntimeConfig.gradient_codec")
         check_policy(self.nonfinite_sends, "RuntimeConfig.nonfinite_sends")
@@ -129,8 +113,6 @@ class RuntimeConfig:
                              f"got {self.p2p_meter!r}")
         if not isinstance(self.recv_lookahead, int) or isinstance(self.recv_lookahead, bool):
             raise ValueError(f"RuntimeConfig.recv_lookahead must be an int, got {self.recv_lookahead!r}")
-        if self.link is not None and not isinstance(self.link, LinkModel):
-            raise ValueError(f"RuntimeConfig.link must be a LinkModel or None, got {self.link!r}")
         for name in ("check_inputs_every_step", "prefetch", "count_saved_bytes", "fb_overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"RuntimeConfig.{name} must be a bool, got {getattr(self, name)!r}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -10,11 +11,11 @@ import torch
 from torch import Tensor
 
 from duplexpipe.errors import PipelineError
-from duplexpipe.runtime.config import OverlapHook
+from duplexpipe.runtime.comm_points import BackwardMode, CommSlot, Driver, current_driver, current_slot, forward_slot
 from duplexpipe.runtime.context import StepContext
+from duplexpipe.runtime.fb_pair import run_pair
 from duplexpipe.runtime.message_meta import Message
 from duplexpipe.runtime.messages import Mailroom
-from duplexpipe.runtime.pieces import CommSlot, Driver, current_driver, current_slot, forward_slot, run_pair
 from duplexpipe.runtime.stage_compute import Activation, StageCompute
 from duplexpipe.runtime.structure import flatten, map_leaves
 from duplexpipe.runtime.timing import Tracer
@@ -29,30 +30,23 @@ def _grad_mode(enabled: bool) -> contextlib.AbstractContextManager[Any]:
     return _KEEP_GRAD_MODE if torch.is_grad_enabled() == enabled else torch.set_grad_enabled(enabled)
 
 
-def default_overlap(pair: Action, run_forward: Callable[[], None], run_backward: Callable[[], None]) -> None:
-    """The default OVERLAP_F_B: the forward part, then the backward part."""
-    run_forward()
-    run_backward()
-
-
 class Dispatcher:
     """The compute handlers of one rank: each takes its inputs from the Mailroom, runs the stage
     and hands the results back to the Mailroom."""
 
     def __init__(self, layout: Layout, rank: int, stages: dict[int, StageCompute], mail: Mailroom,
-                 loss_fn: Callable[[Any, Any], Tensor], tracer: Tracer, overlap_hook: OverlapHook | None,
-                 driver: Driver | None = None, fb_overlap: bool = False, device: torch.device | None = None) -> None:
+                 loss_fn: Callable[[Any, Any], Tensor], tracer: Tracer, driver: Driver | None = None,
+                 fb_overlap: bool = False, device: torch.device | None = None) -> None:
         self.layout = layout
         self.rank = rank
         self.stages = stages
         self.mail = mail
         self.loss_fn = loss_fn
         self.tracer = tracer
-        self.overlap_hook = overlap_hook or default_overlap
         self.driver = driver if driver is not None else Driver()
         """Runs the exchanges stages make inside their compute (MoE all-to-alls) outside a pair."""
-        self.fb_overlap = fb_overlap and overlap_hook is None
-        """Run an OVERLAP_F_B pair's two parts interleaved at their comm points (`pieces.run_pair`)."""
+        self.fb_overlap = fb_overlap
+        """Run an OVERLAP_F_B pair's two parts interleaved at their comm points (`fb_pair.run_pair`)."""
         self.device = device if device is not None else torch.device("cpu")
 
     # ---------------------------------------------------------------- the work itself
@@ -123,7 +117,7 @@ class Dispatcher:
         compute = self.stages[stage]
         if act.slot is not None:  # the exchanges of its backward run on this code's driver
             act.slot.driver = current_driver(self.driver)
-            act.slot.grads = "all" if action.op is Op.B else "inputs"
+            act.slot.backward = BackwardMode.ALL if action.op is Op.B else BackwardMode.INPUTS
         if action.op is Op.B:
             dinputs = compute.backward(act, grads)
             del ctx.acts[(stage, mb)]
@@ -154,7 +148,7 @@ class Dispatcher:
             raise PipelineError(f"rank {self.rank}: {action} runs without a pending "
                                 f"{action.stage}I{action.microbatch}")
         if act.slot is not None:
-            act.slot.grads = "weights"
+            act.slot.backward = BackwardMode.WEIGHTS
         begin = self.tracer.begin()
         self.stages[action.stage].backward_weight(act, action.microbatch)
         self.tracer.end(action, begin)
@@ -162,30 +156,18 @@ class Dispatcher:
         ctx.activation_freed(act.saved_bytes)
 
     def overlap(self, ctx: StepContext, action: Action) -> None:
-        """OVERLAP_F_B: both parts' inputs first, then the overlap hook runs the two parts."""
+        """OVERLAP_F_B: both parts' inputs first, then the two parts: interleaved at their comm points
+        (`fb_overlap`: the backward's first piece goes first, its exchange hidden behind the forward's; a full
+        B's deferrable weight gradients, moe.linear's projections, fill the waits), else the forward, then the
+        backward."""
         fwd, bwd = action.parts
         message = self.mail.take_input(ctx, fwd.stage, fwd.microbatch, action)
         grads = self.mail.take_grads(ctx, bwd.stage, bwd.microbatch, action)
-        ran: list[str] = []
-
-        def run_forward() -> None:
-            if "F" in ran:
-                raise PipelineError(f"overlap_hook ran the forward part of {action} twice")
-            ran.append("F")
-            self.run_forward(ctx, fwd, message)
-
-        def run_backward() -> None:
-            if "B" in ran:
-                raise PipelineError(f"overlap_hook ran the backward part of {action} twice")
-            ran.append("B")
-            self.run_backward(ctx, bwd, grads)
-
         with self.tracer.span(action):
-            # the backward's first piece goes first: its exchange hides behind F's; a full B's deferrable weight
-            # gradients (moe.linear's projections) fill the waits
             if self.fb_overlap:
-                run_pair(run_backward, run_forward, self.driver, self.device, defer_first=bwd.op is Op.B)
+                run_pair(functools.partial(self.run_backward, ctx, bwd, grads),
+                         functools.partial(self.run_forward, ctx, fwd, message), self.driver, self.device,
+                         defer_weights=bwd.op is Op.B)
             else:
-                self.overlap_hook(action, run_forward, run_backward)
-        if sorted(ran) != ["B", "F"]:
-            raise PipelineError(f"overlap_hook must run both parts of {action} once; it ran {ran or 'none'}")
+                self.run_forward(ctx, fwd, message)
+                self.run_backward(ctx, bwd, grads)

@@ -26,13 +26,13 @@ from duplexpipe.runtime.collectives import (
     agree,
     share_blocks,
 )
+from duplexpipe.runtime.comm_points import CommRecord, Driver
 from duplexpipe.runtime.config import EvalResult, RuntimeConfig, StepResult
 from duplexpipe.runtime.context import Slot, StepContext, microbatch_rows, signature, split_batch
-from duplexpipe.runtime.dispatch import Dispatcher, default_overlap
+from duplexpipe.runtime.dispatch import Dispatcher
 from duplexpipe.runtime.handshake import group_store, handshake, shared_nonce
 from duplexpipe.runtime.message_meta import Message, MessageMeta
 from duplexpipe.runtime.messages import Mailroom, MetaBoard
-from duplexpipe.runtime.pieces import CommRecord, Driver
 from duplexpipe.runtime.preflight import verdict
 from duplexpipe.runtime.rankplan import RankPlan
 from duplexpipe.runtime.stage_compute import StageCompute
@@ -42,7 +42,7 @@ from duplexpipe.runtime.watchdog import Watchdog
 from duplexpipe.schedules.ir import Action, Op, Schedule
 from duplexpipe.schedules.timeline import Span, Timeline
 
-__all__ = ["PipelineRuntime", "default_overlap"]
+__all__ = ["PipelineRuntime"]
 
 Handler = Callable[[StepContext, Action], None]
 EP_LANE = "ep"
@@ -126,10 +126,10 @@ class PipelineRuntime:
                              self.config.activation_codec, self.config.gradient_codec, self.nonfinite)
         self.exchanges: list[CommRecord] = []
         """The step's exchanges inside stage compute (MoE all-to-alls), for the timeline's "ep" lane."""
-        self.driver = Driver(self._wait_exchange, self.config.link,
-                             self.exchanges if self.config.record_timeline else None)
+        self.driver = Driver(self._wait_exchange, log=self.exchanges if self.config.record_timeline else None)
+        """Runs the exchanges inside stage compute (`link_emulator.emulate_link` may set an emulated link on it)."""
         self.compute = Dispatcher(self.plan.layout, self.rank, self.stages, self.mail, loss_fn, self.tracer,
-                                  self.config.overlap_hook, self.driver, self.config.fb_overlap, self.device)
+                                  self.driver, self.config.fb_overlap, self.device)
         self._shapes: OrderedDict[tuple[int, bool], dict[Slot, MessageMeta]] = OrderedDict()
         """(input signature, training) -> the learned message metas (evaluate's carry no gradients)."""
         self._step_no = 0

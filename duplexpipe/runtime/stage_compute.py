@@ -14,8 +14,8 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from duplexpipe.comm.codec import TensorSpec
 from duplexpipe.errors import PipelineError, StructureError
 from duplexpipe.runtime.autograd_split import WeightWork, backward_input
+from duplexpipe.runtime.comm_points import CommSlot
 from duplexpipe.runtime.message_meta import Message
-from duplexpipe.runtime.pieces import CommSlot
 from duplexpipe.runtime.saved_bytes import SavedBytes
 from duplexpipe.runtime.structure import call, flatten
 

@@ -64,7 +64,7 @@ def sequential_length(parts: Sequence[Sequence[Piece]]) -> float:
 
 def interleave(first: Sequence[Piece], second: Sequence[Piece]) -> tuple[float, list[tuple[int, str, float, float]]]:
     """The overlapped pair: (its length, [(part, label, exchange start, exchange end)]) with part 0 = `first`.
-    The parts alternate as `runtime.pieces.run_pair` runs them; exchanges of both parts may be in flight. While
+    The parts alternate as `runtime.fb_pair.run_pair` runs them; exchanges of both parts may be in flight. While
     a due part waits for its exchange, work the pieces so far deferred fills the wait; the rest runs at the
     end."""
     parts = (list(first), list(second))

@@ -14,7 +14,7 @@ from duplexpipe.moe.balance import LoadSync, expert_parameters, moe_layers
 from duplexpipe.moe.dispatch import ExpertGroup
 from duplexpipe.parallel.mesh import ParallelGroups
 from duplexpipe.runtime.backend import is_nccl
-from duplexpipe.runtime.pieces import Wait
+from duplexpipe.runtime.comm_points import Wait
 from duplexpipe.schedules.ir import Op, Schedule
 
 LOG = logging.getLogger("duplexpipe.moe")

@@ -14,7 +14,6 @@ from duplexpipe.comm.p2p_codecs import p2p_codec_pair
 from duplexpipe.fielddoc import documented
 from duplexpipe.parallel import DEFAULT_BUCKET_BYTES, ZERO_STAGES, ZeroOptions, check_strategy_name, check_zero
 from duplexpipe.parallel.zero_config import zero_refusal
-from duplexpipe.runtime.pieces import LinkModel
 from duplexpipe.schedules.ir import Schedule
 from duplexpipe.schedules.timeline import Timeline
 from duplexpipe.train.auto_config import AUTO, check_fixed, check_options, memory_bytes
@@ -119,17 +118,11 @@ class PipelineConfig:
     pair's forward and backward interleaved, so every expert all-to-all of one microbatch is in flight while
     the other computes (bit-equal to False). False: the forward, then the backward. Nothing to overlap (no
     pairs, or no MoE layers) runs as False does."""
-    link: LinkModel | None = None
-    """An emulated link for the MoE all-to-alls (each completes no earlier than latency + bytes / bandwidth
-    after every rank of its group joined it; `duplexpipe.runtime.pieces.LinkModel`): honest overlap figures on
-    CPU. None: off."""
 
     def __post_init__(self) -> None:
         memory_bytes(self.memory_limit)
         if not isinstance(self.fb_overlap, bool):
             raise ValueError(f"PipelineConfig.fb_overlap must be a bool, got {self.fb_overlap!r}")
-        if self.link is not None and not isinstance(self.link, LinkModel):
-            raise ValueError(f"PipelineConfig.link must be a LinkModel or None, got {self.link!r}")
         if self.schedule == AUTO:
             check_options(self.schedule_options)
             check_fixed(self)

@@ -180,8 +180,7 @@ class Pipeline:
                              check_inputs_every_step=cfg.check_inputs_every_step,
                              count_saved_bytes=cfg.count_saved_bytes, activation_codec=act_codec,
                              gradient_codec=grad_codec, nonfinite_sends=cfg.nonfinite_sends, p2p_meter=self.p2p_meter,
-                             on_grads_ready=self._grads_ready, fb_overlap=self.experts.note_overlap(cfg.fb_overlap),
-                             link=cfg.link)
+                             on_grads_ready=self._grads_ready, fb_overlap=self.experts.note_overlap(cfg.fb_overlap))
 
     def _strategy(self, optimizer: OptimizerFactory, experts: frozenset[int]) -> DPStrategy:
         """The data-parallel strategy the config asks for, over this rank's stages in the order they finish."""

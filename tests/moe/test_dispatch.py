@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from duplexpipe.moe import ExpertGroup, MoELayer
 from duplexpipe.moe.dispatch import expert_major
-from duplexpipe.runtime.pieces import CommRecord, CommSlot, Driver, forward_slot
+from duplexpipe.runtime.comm_points import CommRecord, CommSlot, Driver, forward_slot
 
 WORLD = 2
 CASES = {

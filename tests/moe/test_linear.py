@@ -9,7 +9,8 @@ from torch.autograd.graph import get_gradient_edge
 
 from duplexpipe.moe import CausalSelfAttention, MoEBlock, MoELayer
 from duplexpipe.runtime.autograd_split import backward_input
-from duplexpipe.runtime.pieces import CommSlot, Driver, current_driver, forward_slot, run_pair
+from duplexpipe.runtime.comm_points import BackwardMode, CommSlot, Driver, current_driver, forward_slot
+from duplexpipe.runtime.fb_pair import run_pair
 
 
 @pytest.mark.parametrize("expert", ["swiglu", "mlp"])
@@ -48,7 +49,7 @@ def test_weight_gradients_deferred_in_a_pair_are_bit_equal_to_formed_at_once() -
             y.pow(2).sum().backward()
             pending[deferred] = sorted(n for n, p in block.named_parameters() if p.grad is None)
 
-        run_pair(backward, lambda: None, base, torch.device("cpu"), defer_first=deferred)
+        run_pair(backward, lambda: None, base, torch.device("cpu"), defer_weights=deferred)
         grads[deferred] = {name: p.grad.clone() for name, p in block.named_parameters() if p.grad is not None}
     assert not pending[False] and "mixer.qkv.bias" in pending[True] and "moe.experts.0.w1.weight" in pending[True]
     assert "norm2.weight" not in pending[True]  # a LayerNorm's gradient is formed by autograd, at once
@@ -76,10 +77,10 @@ def test_a_split_backward_forms_every_gradient_once(input_grad: bool) -> None:
         with forward_slot(slot):
             y = block(x0)
         if split:
-            slot.grads = "inputs"
+            slot.backward = BackwardMode.INPUTS
             found, work = backward_input([get_gradient_edge(y)], [g], [x0] if input_grad else [],
                                          list(block.parameters()))
-            slot.grads = "weights"
+            slot.backward = BackwardMode.WEIGHTS
             work.run()
             dx = found[0] if input_grad else None
         else:

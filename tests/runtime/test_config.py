@@ -13,7 +13,7 @@ from duplexpipe.runtime import EvalResult, RuntimeConfig, StepResult
 def test_defaults_match_the_documented_interface() -> None:
     config = RuntimeConfig()
     assert config.timeout_s == 180.0 and config.record_timeline and config.sum_mirrored_grads
-    assert config.autocast_dtype is None and config.overlap_hook is None
+    assert config.autocast_dtype is None and not config.fb_overlap
     assert config.check_inputs_every_step and config.prefetch
 
 
@@ -21,7 +21,8 @@ def test_defaults_match_the_documented_interface() -> None:
     ({"timeout_s": 0}, "timeout_s must be > 0, got 0"),
     ({"poll_interval_s": -1.0}, "poll_interval_s must be > 0, got -1.0"),
     ({"autocast_dtype": "bf16"}, "autocast_dtype must be a torch.dtype or None, got 'bf16'"),
-    ({"overlap_hook": 3}, "overlap_hook must be callable, got 3"),
+    ({"on_grads_ready": 3}, "on_grads_ready must be callable, got 3"),
+    ({"fb_overlap": 1}, "fb_overlap must be a bool, got 1"),
     ({"check_inputs_every_step": 0}, "check_inputs_every_step must be a bool, got 0"),
     ({"prefetch": "no"}, "prefetch must be a bool, got 'no'"),
 ])

@@ -17,8 +17,8 @@ from _message_models import KINDS, make_message_parts, message_batch, message_lo
 from models import loss_fn, make_batch, make_parts, reference, rel_err, stage_modules
 
 from duplexpipe.comm.codec import CastCodec, TensorSpec
-from duplexpipe.runtime import PipelineRuntime, RuntimeConfig, executor
-from duplexpipe.schedules.ir import Action, Op, format_action
+from duplexpipe.runtime import PipelineRuntime, RuntimeConfig, dispatch, executor
+from duplexpipe.schedules.ir import Op
 from duplexpipe.schedules.lower import lower
 from duplexpipe.schedules.registry import build, names
 
@@ -182,25 +182,30 @@ def _grads_ready_case(name: str, group: Any) -> dict[str, Any]:
     return record
 
 
-def _hook_case(group: Any) -> dict[str, Any]:
-    """DualPipe with an overlap hook that runs the backward part first."""
+def _pair_case(group: Any) -> dict[str, Any]:
+    """DualPipe with fb_overlap: every OVERLAP_F_B runs through the pair runner, its backward part first (parts
+    without comm points run whole), with the reference's gradients."""
     rank, M = dist.get_rank(group), MICROBATCHES[2]
     schedule, parts, modules = stage_setup("dualpipe", 2, M, rank, seed=3, dtype=torch.float64)
-    calls: list[str] = []
+    calls: list[list[str]] = []
+    real = dispatch.run_pair
 
-    def backward_first(pair: Action, run_forward: Any, run_backward: Any) -> None:
-        calls.append(format_action(pair))
-        run_backward()
-        run_forward()
+    def recorded(backward: Any, forward: Any, *args: Any, **kwargs: Any) -> None:
+        order: list[str] = []
+        calls.append(order)
+        real(lambda: (order.append("B"), backward())[1], lambda: (order.append("F"), forward())[1], *args, **kwargs)
 
-    runtime = PipelineRuntime(schedule, modules, loss_fn, group=group,
-                              config=RuntimeConfig(overlap_hook=backward_first))
+    runtime = PipelineRuntime(schedule, modules, loss_fn, group=group, config=RuntimeConfig(fb_overlap=True))
     batch = make_batch(2 * M, 4)
-    runtime.step(*_inputs(schedule, rank, batch))
+    dispatch.run_pair = recorded  # type: ignore[assignment]
+    try:
+        runtime.step(*_inputs(schedule, rank, batch))
+    finally:
+        dispatch.run_pair = real  # type: ignore[assignment]
     _, ref_grads, _ = reference(parts, [batch])
-    pairs = [format_action(a) for a in schedule.actions[rank] if a.op is Op.OVERLAP_F_B]
-    return {"hook_calls_ok": calls == pairs and bool(pairs),
-            "hook_grad_err": _grad_errors(schedule, modules, ref_grads)}
+    pairs = [a for a in schedule.actions[rank] if a.op is Op.OVERLAP_F_B]
+    return {"pair_calls_ok": calls == [["B", "F"]] * len(pairs) and bool(pairs),
+            "pair_grad_err": _grad_errors(schedule, modules, ref_grads)}
 
 
 def _validation_case(group: Any) -> dict[str, Any]:
@@ -318,7 +323,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
                 out[f"{name}/{P}/{kind}"] = _message_case(name, P, group, kind)
     for name in NAMES:
         out[f"ready/{name}"] = _grads_ready_case(name, pair)
-    out.update(_hook_case(pair))
+    out.update(_pair_case(pair))
     out.update(_codec_case(pair))
     out.update(_validation_case(pair))
     out.update(_autocast_case(pair))
@@ -443,10 +448,10 @@ def test_ranks_in_the_middle_learn_which_rank_rejected_its_inputs(results: Any) 
         assert "rank 3 rejected its step inputs" in results[rank]["middle_error"], results[rank]
 
 
-def test_overlap_hook_runs_every_pair(results: Any) -> None:
+def test_fb_overlap_runs_every_pair_backward_first(results: Any) -> None:
     for rank, rec in enumerate(results):
-        assert rec["hook_calls_ok"], rank
-        assert rec["hook_grad_err"] <= TIGHT, rank
+        assert rec["pair_calls_ok"], rank
+        assert rec["pair_grad_err"] <= TIGHT, rank
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -1,43 +1,36 @@
-"""Comm points and the interleaved F&B pair: the order work is issued in, parts without exchanges, failures
-that stop both parts, the slot a backward uses, and the emulated link's arithmetic."""
+"""The F&B pair runner: the order work is issued and waited in, parts without exchanges, failures that stop both
+parts, the two threads a driver's pairs share, and the backward's deferred weight gradients filling the waits."""
 
 from __future__ import annotations
 
 import gc
 import threading
-import time
 from typing import Any
 
 import pytest
 import torch
 
 from duplexpipe.errors import PairAborted
-from duplexpipe.runtime.pieces import (
-    CommRecord,
-    CommSlot,
-    Driver,
-    LinkModel,
-    current_driver,
-    current_slot,
-    forward_slot,
-    run_pair,
-)
+from duplexpipe.runtime.comm_points import Driver, current_driver
+from duplexpipe.runtime.fb_pair import run_pair
 
 CPU = torch.device("cpu")
 
 
 class FakeWork:
-    """A posted exchange: records when it is waited for."""
+    """A posted exchange: reports itself complete from its `after`-th check on."""
 
-    def __init__(self, name: str, trace: list[str]) -> None:
-        self.name, self.trace = name, trace
+    def __init__(self, name: str, after: int = 1) -> None:
+        self.name, self.checks, self.after = name, 0, after
 
-    def wait(self) -> None:
-        self.trace.append(f"wait {self.name}")
+    def is_completed(self) -> bool:
+        self.checks += 1
+        return self.checks >= self.after
 
 
 def _recording(trace: list[str]) -> Driver:
-    return Driver(wait=lambda work, what: work.wait())
+    """A driver whose (bounded) wait records `wait <the work's name>` in `trace`."""
+    return Driver(wait=lambda work, what: trace.append(f"wait {work.name}"))
 
 
 def _part(name: str, pieces: int, trace: list[str], base: Driver) -> Any:
@@ -47,7 +40,7 @@ def _part(name: str, pieces: int, trace: list[str], base: Driver) -> Any:
         for i in range(pieces):
             trace.append(f"{name} compute {i}")
             if i < pieces - 1:
-                driver.exchange(lambda i=i: (trace.append(f"issue {name}{i}"), FakeWork(f"{name}{i}", trace))[1],
+                driver.exchange(lambda i=i: (trace.append(f"issue {name}{i}"), FakeWork(f"{name}{i}"))[1],
                                 f"{name}{i}")
     return run
 
@@ -95,7 +88,7 @@ def test_a_failing_part_stops_the_other_and_raises_once() -> None:
 
     with pytest.raises(ValueError, match="boom in the forward"):
         run_pair(waiting, failing, base, CPU)
-    assert stopped and "B0" in stopped[0]
+    assert stopped and "backward stopped at B0" in stopped[0]
 
 
 @pytest.mark.timeout(30)
@@ -130,33 +123,11 @@ def test_pairs_reuse_the_drivers_two_threads_which_end_with_the_driver() -> None
     assert not any(t.is_alive() for t in threads)
 
 
-def test_a_posted_exchange_is_waited_for_where_the_caller_asks_and_once() -> None:
-    trace: list[str] = []
-    log: list[CommRecord] = []
-    driver = Driver(wait=lambda work, what: work.wait(), log=log)
-    posted = driver.post(lambda: (trace.append("issue"), FakeWork("counts", trace))[1], "moe counts", 8)
-    trace.append("shared experts")
-    posted.wait()
-    posted.wait()
-    assert trace == ["issue", "shared experts", "wait counts"] and [r.label for r in log] == ["moe counts"]
-
-
-class CompletingWork(FakeWork):
-    """A posted exchange that reports itself complete from its `after`-th check on."""
-
-    def __init__(self, name: str, trace: list[str], after: int) -> None:
-        super().__init__(name, trace)
-        self.checks, self.after = 0, after
-
-    def is_completed(self) -> bool:
-        self.checks += 1
-        return self.checks >= self.after
-
-
 @pytest.mark.timeout(30)
 def test_a_backwards_deferred_weight_gradients_fill_the_waits_in_order_and_the_rest_run_after() -> None:
     trace: list[str] = []
     base = _recording(trace)
+
     def weights(name: str) -> None:  # as a layer hands them over: formed at once unless a pair takes them
         work = lambda: trace.append(name)  # noqa: E731
         if not current_driver(base).defer(work):
@@ -166,58 +137,19 @@ def test_a_backwards_deferred_weight_gradients_fill_the_waits_in_order_and_the_r
         trace.append("B compute 0")
         for i in range(3):
             weights(f"W{i}")
-        current_driver(base).exchange(lambda: (trace.append("issue B0"), CompletingWork("B0", trace, 3))[1], "B0")
+        current_driver(base).exchange(lambda: (trace.append("issue B0"), FakeWork("B0", 3))[1], "B0")
         trace.append("B compute 1")
 
     def forward() -> None:
         trace.append("F compute 0")
         weights("F's W")  # only the backward's are deferred
-        current_driver(base).exchange(lambda: (trace.append("issue F0"), CompletingWork("F0", trace, 1))[1], "F0")
+        current_driver(base).exchange(lambda: (trace.append("issue F0"), FakeWork("F0", 1))[1], "F0")
         trace.append("F compute 1")
 
-    run_pair(backward, forward, base, CPU, defer_first=True)
+    run_pair(backward, forward, base, CPU, defer_weights=True)
     assert trace == ["B compute 0", "issue B0", "F compute 0", "F's W at once", "issue F0",
                      "W0", "W1", "wait B0", "B compute 1", "wait F0", "F compute 1", "W2"]
     trace.clear()
     weights("outside")  # outside a pair: formed where it arises
-    run_pair(backward, lambda: None, base, CPU)  # defer_first off: nothing is deferred
+    run_pair(backward, lambda: None, base, CPU)  # defer_weights off: nothing is deferred
     assert trace[:5] == ["outside at once", "B compute 0", "W0 at once", "W1 at once", "W2 at once"]
-
-
-def test_slots_and_drivers_outside_a_runtime_are_plain() -> None:
-    plain = Driver()
-    assert current_driver(plain) is plain
-    assert isinstance(current_slot(), CommSlot) and current_slot() is not current_slot()
-    slot = CommSlot()
-    with forward_slot(slot):
-        assert current_slot() is slot
-    assert current_slot() is not slot
-
-
-def test_a_plain_exchange_waits_and_records() -> None:
-    log: list[CommRecord] = []
-    trace: list[str] = []
-    driver = Driver(wait=lambda work, what: work.wait(), log=log)
-    driver.exchange(lambda: FakeWork("x", trace), "stage 0 moe 0 dispatch", 64)
-    assert trace == ["wait x"] and [(r.label, r.nbytes) for r in log] == [("stage 0 moe 0 dispatch", 64)]
-    assert log[0].done >= log[0].issued
-
-
-def test_link_model_time_and_bad_values() -> None:
-    link = LinkModel(latency_s=0.002, bandwidth_bytes_per_s=1e6)
-    assert link.seconds(1000) == pytest.approx(0.003)
-    assert LinkModel().seconds(10**9) == 0.0
-    with pytest.raises(ValueError, match="latency_s must be >= 0, got -1"):
-        LinkModel(latency_s=-1)
-    with pytest.raises(ValueError, match="bandwidth_bytes_per_s must be > 0, got 0"):
-        LinkModel(bandwidth_bytes_per_s=0)
-
-
-def test_link_model_holds_at_least_its_time_from_the_issue() -> None:
-    link = LinkModel(latency_s=0.02)
-    issued = time.perf_counter()
-    link.hold(issued, 0)
-    assert time.perf_counter() - issued >= 0.02  # a lower bound only: sleeping never ends early
-    before = time.perf_counter()
-    link.hold(before - 1.0, 0)  # long past: no wait at all is owed
-    assert time.perf_counter() - before < 1.0
