@@ -80,20 +80,16 @@ class RuntimeConfig:
     excluded, the rule `profile_parts` uses) and report each step's peak over this rank in
     StepResult.peak_saved_bytes. Off by default: a Python hook per saved tensor costs a few percent of an
     overhead-bound step. False: not counted (peak_saved_bytes stays 0)."""
-    prefetch: bool = True
-    """True: each receive is posted as soon as the schedule lists it (and its shape is known), so
-    transfers overlap compute. False: a receive is posted right before the action consuming it and
-    waited for at once (no transfer into this rank overlaps its compute; a baseline for measuring
-    overlap). gloo only: PipelineRuntime rejects False on NCCL, where it could deadlock."""
-
     recv_lookahead: int = 2
-    """On gloo with `prefetch`, on steps whose message shapes are already known: how many receives from
+    """On gloo, on steps whose message shapes are already known: how many receives from
     each peer are posted ahead of where the schedule lists them. Receive i from a peer is posted when the
     schedule reaches receive i - recv_lookahead from that peer (the first ones at the start of the step);
     0: where the schedule lists them; negative: every receive at the start of the step. A receive posted
     before its peer sends lets gloo move the data at once, saving a round trip of notifications and the
     thread wake-ups around it; each receive posted early holds its buffer that much longer (at most
-    recv_lookahead extra buffers per peer). Ignored on NCCL, whose receives occupy the stream."""
+    recv_lookahead extra buffers per peer). Ignored on NCCL, whose receives occupy the stream. With 0 and a
+    schedule whose receives are listed right before their consumers, each receive is posted at its consumer
+    (a baseline in which no transfer into this rank overlaps its compute)."""
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -113,7 +109,7 @@ class RuntimeConfig:
                              f"got {self.p2p_meter!r}")
         if not isinstance(self.recv_lookahead, int) or isinstance(self.recv_lookahead, bool):
             raise ValueError(f"RuntimeConfig.recv_lookahead must be an int, got {self.recv_lookahead!r}")
-        for name in ("check_inputs_every_step", "prefetch", "count_saved_bytes", "fb_overlap"):
+        for name in ("check_inputs_every_step", "count_saved_bytes", "fb_overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"RuntimeConfig.{name} must be a bool, got {getattr(self, name)!r}")
 

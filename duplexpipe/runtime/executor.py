@@ -108,8 +108,7 @@ class PipelineRuntime:
             raise ValueError(f"job_group has {dist.get_world_size(self.job_group)} ranks, not a multiple of "
                              f"the pipeline group's {dist.get_world_size(group)}")
         self.watchdog = self._start(group)
-        self.transport = Transport(group, self.device, self.watchdog, prefetch=self.config.prefetch,
-                                   meter=self.config.p2p_meter)
+        self.transport = Transport(group, self.device, self.watchdog, meter=self.config.p2p_meter)
         self.nonfinite = NonFiniteWatch(self.config.nonfinite_sends)
         """Counts (and reports) sends through a codec whose tensor held NaN or inf."""
         self.tracer = Tracer(self.rank, self.device, self.config.record_timeline)
@@ -184,9 +183,6 @@ class PipelineRuntime:
             if problem:  # every rank holding this schedule: the verifier's own report, cycle included
                 raise ScheduleError(f"schedule {self.schedule.name!r} cannot run: {problem}") from None
             raise
-        if nccl and not self.config.prefetch:
-            raise ValueError("RuntimeConfig.prefetch=False is for gloo only: on NCCL a receive posted at "
-                             "its consumer can deadlock against the sends posted before it")
         self._prefix = f"duplexpipe/{nonce}"
         self._store = group_store(group)
         job_store = group_store(self.job_group)
@@ -360,10 +356,10 @@ class PipelineRuntime:
                           self.watchdog, "the loss sum")
 
     def _plan_of(self, ctx: StepContext) -> RankPlan:
-        """The plan a step runs: the schedule's, or (message shapes known, gloo, prefetch on) the one whose
+        """The plan a step runs: the schedule's, or (message shapes known, gloo) the one whose
         receives are posted `recv_lookahead` receives ahead (built once per depth)."""
         depth = self.config.recv_lookahead
-        if ctx.learning or depth == 0 or not self.watchdog.gloo or not self.config.prefetch:
+        if ctx.learning or depth == 0 or not self.watchdog.gloo:
             return self.plan
         plan = self._hoisted.get(depth)
         if plan is None:

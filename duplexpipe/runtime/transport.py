@@ -4,7 +4,7 @@ Handles are keyed by (op, stage, microbatch); one handle moves a list of tensors
 payloads), posted back to back in list order. Receives from one peer are posted strictly in
 the order the schedule lists them (the sender posts in the same order; NCCL matches by order
 alone), even when a receive's shape is not known yet: it then waits in a per-peer queue
-until its shapes are known (with prefetch off, until its consumer takes it). Sends are
+until its shapes are known (or its consumer takes it). Sends are
 posted at once and awaited lazily; sent tensors are dropped as soon as their sends complete.
 On CUDA every transfer is issued on a dedicated stream ordered against the compute stream
 with events; nothing synchronizes the device.
@@ -63,13 +63,11 @@ class _Recv:
 class Transport:
     """Non-blocking sends and receives of one rank within `group` (ranks are group ranks)."""
 
-    def __init__(self, group: Any, device: torch.device, watchdog: Watchdog, prefetch: bool = True,
-                 meter: WireMeter | None = None) -> None:
+    def __init__(self, group: Any, device: torch.device, watchdog: Watchdog, meter: WireMeter | None = None) -> None:
         self.group = group
         self.meter = meter
         self.device = device
         self.watchdog = watchdog
-        self.prefetch = prefetch
         size = dist.get_world_size(group)
         self._global = [dist.get_global_rank(group, r) if group is not None else r for r in range(size)]
         self._pg: Any = group if group is not None else dist.group.WORLD
@@ -144,15 +142,13 @@ class Transport:
                                 f"{len(self._global)}")
 
     def expect(self, key: Key, peer: int, resolve: Resolver) -> None:
-        """RECV: queue a receive from group rank `peer`; post it as soon as order and shape allow
-        (with prefetch off: when its consumer takes it)."""
+        """RECV: queue a receive from group rank `peer`; post it as soon as order and shape allow."""
         self._check_peer(key, peer)
         if key in self._posted or key in self._queued:
             raise PipelineError(f"rank {self.watchdog.rank}: {key_text(key)} is posted twice")
         self._queued.add(key)
         self._queues.setdefault(peer, deque()).append(_Recv(key, peer, resolve))
-        if self.prefetch:
-            self._drain(peer)
+        self._drain(peer)
 
     def take(self, key: Key, consumer: object) -> list[Tensor]:
         """Wait (bounded) for the receive `key` and return its tensors; `consumer` (its str) names the action."""

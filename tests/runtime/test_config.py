@@ -14,7 +14,7 @@ def test_defaults_match_the_documented_interface() -> None:
     config = RuntimeConfig()
     assert config.timeout_s == 180.0 and config.record_timeline and config.sum_mirrored_grads
     assert config.autocast_dtype is None and not config.fb_overlap
-    assert config.check_inputs_every_step and config.prefetch
+    assert config.check_inputs_every_step and config.recv_lookahead == 2
 
 
 @pytest.mark.parametrize("kwargs, needle", [
@@ -24,7 +24,7 @@ def test_defaults_match_the_documented_interface() -> None:
     ({"on_grads_ready": 3}, "on_grads_ready must be callable, got 3"),
     ({"fb_overlap": 1}, "fb_overlap must be a bool, got 1"),
     ({"check_inputs_every_step": 0}, "check_inputs_every_step must be a bool, got 0"),
-    ({"prefetch": "no"}, "prefetch must be a bool, got 'no'"),
+    ({"count_saved_bytes": "no"}, "count_saved_bytes must be a bool, got 'no'"),
 ])
 def test_bad_values_raise_value_error_naming_them(kwargs: dict[str, object], needle: str) -> None:
     with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)")):

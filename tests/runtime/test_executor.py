@@ -274,10 +274,11 @@ def _kept_agreement_case(group: Any) -> dict[str, Any]:
 
 
 def _waited_case(group: Any) -> dict[str, Any]:
-    """prefetch=False (each receive posted at its consumer) computes the same step."""
+    """recv_lookahead=0 (each receive posted where the schedule lists it, also once shapes are known) computes
+    the same step."""
     rank, M = dist.get_rank(group), MICROBATCHES[2]
     schedule, parts, modules = stage_setup("zbv", 2, M, rank, seed=17, dtype=torch.float64)
-    runtime = PipelineRuntime(schedule, modules, loss_fn, group=group, config=RuntimeConfig(prefetch=False))
+    runtime = PipelineRuntime(schedule, modules, loss_fn, group=group, config=RuntimeConfig(recv_lookahead=0))
     batches = [make_batch(2 * M + 1, 27), make_batch(2 * M + 1, 28)]
     results = [runtime.step(*_inputs(schedule, rank, b)) for b in batches]
     losses, ref_grads, _ = reference(parts, batches)
@@ -422,7 +423,7 @@ def test_kept_agreement_mismatch_stops_the_ranks_without_inputs(results: Any) ->
         assert other["seconds"] < 30.0, (rank, other)
 
 
-def test_without_prefetch_the_step_is_the_same(results: Any) -> None:
+def test_receives_posted_where_listed_give_the_same_step(results: Any) -> None:
     for rank, rec in enumerate(results):
         assert rec["waited_loss_err"] <= TIGHT and rec["waited_grad_err"] <= TIGHT, rank
 

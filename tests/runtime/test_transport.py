@@ -25,11 +25,11 @@ def test_key_text_is_the_action_text() -> None:
     assert key_text((Op.SEND_B, 0, 2)) == "0SEND_B2"
 
 
-def _setup(rank: int, prefix: str, prefetch: bool = True) -> tuple[Any, Transport, MetaBoard]:
+def _setup(rank: int, prefix: str) -> tuple[Any, Transport, MetaBoard]:
     group = dist.new_group([0, 1])
     dist.barrier(group=group)  # a first collective on the new group, as the runtime's handshake
     dog = Watchdog(group_store(group), prefix, rank, timeout_s=20.0, poll_s=0.05, gloo=True)
-    return group, Transport(group, CPU, dog, prefetch=prefetch), MetaBoard(group_store(group), prefix, dog)
+    return group, Transport(group, CPU, dog), MetaBoard(group_store(group), prefix, dog)
 
 
 def _payload(mb: int) -> torch.Tensor:
@@ -87,9 +87,9 @@ def _known_shapes(rank: int) -> dict[str, Any]:
     return {"known_ok": all(same) and len(both) == 2}
 
 
-def _no_prefetch(rank: int) -> dict[str, Any]:
-    """prefetch=False: a receive is posted (its shape asked for) only when its consumer takes it."""
-    _, transport, _ = _setup(rank, "waited", prefetch=False)
+def _known_in_order(rank: int) -> dict[str, Any]:
+    """Receives whose shapes are known are posted when listed, in order, and consumed in any order."""
+    _, transport, _ = _setup(rank, "listed")
     if rank == 0:
         for mb in range(3):
             transport.send((Op.SEND_F, 0, mb), [_payload(mb)], peer=1)
@@ -103,15 +103,16 @@ def _no_prefetch(rank: int) -> dict[str, Any]:
             return (TensorSpec.of(_payload(mb)),)
         return resolve
 
+    posted = []
     for mb in range(3):
         transport.expect((Op.RECV_F, 1, mb), 0, resolver(mb))
-    before = list(asked)
-    [second] = transport.take((Op.RECV_F, 1, 1), "1F1")  # posts 1RECV_F0 first: one peer's order holds
+        posted.append(list(asked))
+    [second] = transport.take((Op.RECV_F, 1, 1), "1F1")
     after_second = list(asked)
     [first], [third] = transport.take((Op.RECV_F, 1, 0), "1F0"), transport.take((Op.RECV_F, 1, 2), "1F2")
     transport.finish()
     intact = all(torch.equal(t, _payload(mb)) for mb, t in enumerate((first, second, third)))
-    return {"asked": (before, after_second, asked), "waited_ok": intact}
+    return {"asked": (posted, after_second, asked), "listed_ok": intact}
 
 
 def _misuse(rank: int) -> dict[str, Any]:
@@ -142,7 +143,7 @@ def _misuse(rank: int) -> dict[str, Any]:
 
 def _worker(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for scenario in (_late_shapes, _known_shapes, _no_prefetch, _misuse):
+    for scenario in (_late_shapes, _known_shapes, _known_in_order, _misuse):
         dist.barrier()
         out.update(scenario(rank))
     return out
@@ -170,6 +171,6 @@ def test_misuse_is_reported_with_the_action(results: Any) -> None:
     assert "rank 0: no pending send 0SEND_F0" in results[0]["waited_twice"]
 
 
-def test_without_prefetch_receives_are_posted_by_their_consumers_in_order(results: Any) -> None:
-    assert results[1]["asked"] == ([], [0, 1], [0, 1, 2])
-    assert results[1]["waited_ok"]
+def test_receives_with_known_shapes_are_posted_when_listed_in_order(results: Any) -> None:
+    assert results[1]["asked"] == ([[0], [0, 1], [0, 1, 2]], [0, 1, 2], [0, 1, 2])  # never asked again
+    assert results[1]["listed_ok"]
