@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -18,24 +20,18 @@ from duplexpipe.comm.nonfinite import NonFiniteWatch
 from duplexpipe.errors import HandshakeError, PeerFailedError, PipelineError, ScheduleError
 from duplexpipe.runtime import structure
 from duplexpipe.runtime.backend import default_device, is_nccl
-from duplexpipe.runtime.collectives import (
-    BatchAgreement,
-    MirrorSum,
-    PendingSum,
-    SharedSum,
-    agree,
-    share_blocks,
-)
+from duplexpipe.runtime.collectives import Agreement, BatchAgreement, MirrorSum, agree, share_blocks
 from duplexpipe.runtime.comm_points import CommRecord, Driver
 from duplexpipe.runtime.config import EvalResult, RuntimeConfig, StepResult
-from duplexpipe.runtime.context import Slot, StepContext, microbatch_rows, signature, split_batch
+from duplexpipe.runtime.context import StepContext, microbatch_rows, signature, split_batch
 from duplexpipe.runtime.dispatch import Dispatcher
 from duplexpipe.runtime.handshake import group_store, handshake, shared_nonce
+from duplexpipe.runtime.loss_sum import LossSum
 from duplexpipe.runtime.message_meta import Message, MessageMeta
-from duplexpipe.runtime.messages import Mailroom, MetaBoard
+from duplexpipe.runtime.messages import Mailroom, MetaBoard, Slot
 from duplexpipe.runtime.preflight import verdict
 from duplexpipe.runtime.rankplan import RankPlan
-from duplexpipe.runtime.stage_compute import StageCompute
+from duplexpipe.runtime.stage_compute import LiveActivations, StageCompute, activations_left
 from duplexpipe.runtime.timing import Tracer
 from duplexpipe.runtime.transport import Transport
 from duplexpipe.runtime.watchdog import Watchdog
@@ -44,11 +40,13 @@ from duplexpipe.schedules.timeline import Span, Timeline
 
 __all__ = ["PipelineRuntime"]
 
-Handler = Callable[[StepContext, Action], None]
+Handler = Callable[[Action], None]
 EP_LANE = "ep"
 """The timeline lane of the exchanges inside stage compute (expert-parallel all-to-alls)."""
 SHAPE_CACHE_SIZE = 8
 """How many distinct input-shape signatures keep their learned activation shapes."""
+NOTHING_FINAL: Mapping[int, tuple[int, ...]] = MappingProxyType({})
+"""An evaluation's stages whose gradients become final: none."""
 
 
 class PipelineRuntime:
@@ -112,8 +110,10 @@ class PipelineRuntime:
         self.nonfinite = NonFiniteWatch(self.config.nonfinite_sends)
         """Counts (and reports) sends through a codec whose tensor held NaN or inf."""
         self.tracer = Tracer(self.rank, self.device, self.config.record_timeline)
+        self.live = LiveActivations()
+        """The activations this rank holds, now and at the step's peak (counted by its stages)."""
         self.stages = {s: StageCompute(s, m, self.config.autocast_dtype, self.config.count_saved_bytes,
-                                       part=schedule.stages[s].group) for s, m in self.modules.items()}
+                                       part=schedule.stages[s].group, live=self.live) for s, m in self.modules.items()}
         self._global_ranks = [self.transport.global_rank(r) for r in range(schedule.num_ranks)]
         self.mirror = (MirrorSum(schedule, self.rank, self.modules, group, self._global_ranks, self.watchdog)
                        if self.config.sum_mirrored_grads and schedule.num_copies > 1 else None)
@@ -136,14 +136,16 @@ class PipelineRuntime:
         self.batches = BatchAgreement(self.config.check_inputs_every_step, self.rank, bool(self.plan.lasts))
         self._hoisted: dict[int, RankPlan] = {}
         """recv_lookahead -> this rank's plan with its receives posted that far ahead."""
-        self._pending: PendingSum | SharedSum | None = None
+        self._pending: LossSum | None = None
         """The latest step's loss sum until something waited for it."""
-        self._handlers: dict[Op, Handler] = {
-            Op.F: self.compute.forward, Op.B: self.compute.backward, Op.I: self.compute.backward,
-            Op.W: self.compute.weight, Op.OVERLAP_F_B: self.compute.overlap,
-            Op.SEND_F: self.mail.send, Op.SEND_B: self.mail.send,
-            Op.RECV_F: self.mail.expect_input, Op.RECV_B: self.mail.expect_grads,
-        }
+        self._handlers = self._handler_table()
+
+    def _handler_table(self) -> dict[Op, Handler]:
+        """What each op of the list runs: the compute's handlers and the Mailroom's."""
+        compute, mail = self.compute, self.mail
+        return {Op.F: compute.forward, Op.B: compute.backward, Op.I: compute.backward, Op.W: compute.weight,
+                Op.OVERLAP_F_B: compute.overlap, Op.SEND_F: mail.send, Op.SEND_B: mail.send,
+                Op.RECV_F: mail.expect_input, Op.RECV_B: mail.expect_grads}
 
     def _wait_exchange(self, work: Any, what: str) -> None:
         """gloo: a bounded, failure-aware wait. NCCL: the compute stream waits for the exchange on the GPU and
@@ -217,11 +219,13 @@ class PipelineRuntime:
         over the ranks completes in the background (reading StepResult.loss, or the next call,
         waits for it).
         """
-        ctx = self._begin(inputs, targets, train=True, loss_scale=loss_scale)
-        pending = self._pending = self._run(ctx)
+        ctx, plan = self._begin(inputs, targets, train=True, loss_scale=loss_scale)
+        self._run(ctx, plan)
+        self._pending = ctx.loss
         timeline = self._timeline()
-        loss = (lambda: self._read(pending) / self._pipelines) if pending is not None else 0.0
-        return StepResult(loss=loss, timeline=timeline, peak_activations=ctx.peak, peak_saved_bytes=ctx.peak_bytes)
+        loss = functools.partial(self._read, ctx.loss) if ctx.loss is not None else 0.0
+        return StepResult(loss=loss, timeline=timeline, peak_activations=self.live.peak,
+                          peak_saved_bytes=self.live.peak_bytes)
 
     def evaluate(self, inputs: Any, targets: Any = None) -> EvalResult:
         """Forward only (the schedule's F actions in order, no autograd).
@@ -230,12 +234,12 @@ class PipelineRuntime:
         stage (None elsewhere; a structure when the last stage returns one, each leaf
         concatenated) and, when targets were given, the mean loss on every rank of `group`.
         """
-        ctx = self._begin(inputs, targets, train=False, loss_scale=1.0)
+        ctx, plan = self._begin(inputs, targets, train=False, loss_scale=1.0)
         with torch.no_grad():
-            pending = self._run(ctx)
-            loss = self._read(pending) if pending is not None else None
+            self._run(ctx, plan)
+            loss = self._read(ctx.loss) if ctx.loss is not None else None
             with self._stopping():
-                outputs = self._gather_outputs(ctx) if self.plan.lasts else None
+                outputs = self._gather_outputs() if self.plan.lasts else None
         timeline = self._timeline()
         return EvalResult(outputs=outputs, loss=loss, timeline=timeline)
 
@@ -272,7 +276,9 @@ class PipelineRuntime:
             return [], [], str(exc)
         return chunks, target_chunks, ""
 
-    def _begin(self, inputs: Any, targets: Any, train: bool, loss_scale: float) -> StepContext:
+    def _agree(self, inputs: Any, targets: Any, train: bool) -> tuple[Agreement, list[Any], list[Any]]:
+        """The batch every rank agreed on (ValueError on every rank when it cannot run) and this rank's
+        microbatches of inputs and targets."""
         if self._broken is not None:
             restart = ("build a new one" if self.watchdog.gloo else "restart the processes (on NCCL the "
                        "failed step's transfers may still be pending on the GPU)")
@@ -282,40 +288,51 @@ class PipelineRuntime:
         if pending is not None:
             self._read(pending)
         chunks, target_chunks, error = self._check_inputs(inputs, targets, train)
-        rows = structure.rows(targets) if target_chunks else (-1 if self.plan.lasts else None)
+        target_rows = structure.rows(targets) if target_chunks else (-1 if self.plan.lasts else None)
         with self._stopping():  # a mismatch with a kept agreement stops every rank: the others cannot see it
             kept = self.batches.reuse(inputs, targets, error) if train else None
             found = kept or agree(structure.rows(inputs) if chunks else None,
                                   signature(inputs, len(chunks)) if chunks else None,
-                                  rows, bool(error), self.group, self.device, self.watchdog)
+                                  target_rows, bool(error), self.group, self.device, self.watchdog)
         if kept is None:  # bad batches raise ValueError on every rank alike; the runtime stays usable
             self.batches.accept(found, error, train, inputs if chunks else None)
+        return found, chunks, target_chunks
+
+    def _begin(self, inputs: Any, targets: Any, train: bool, loss_scale: float) -> tuple[StepContext, RankPlan]:
+        """Start a step (or evaluation): the agreed batch, a fresh mailbox and stages, its facts and the plan it
+        runs (the loss sum's post position comes from it)."""
+        found, chunks, target_chunks = self._agree(inputs, targets, train)
         self._step_no += 1
         cached = self._shapes.get((found.signature, train))
-        num_mb = self.schedule.num_microbatches
-        ctx = StepContext(train=train, step=self._step_no, learning=cached is None,
-                          shapes=dict(cached) if cached is not None else {},
-                          weights=[r / found.batch for r in microbatch_rows(found.batch, num_mb)],
-                          signature=found.signature, has_targets=found.target_rows >= 0,
-                          loss_scale=float(loss_scale))
+        self.mail.begin(self._step_no, train, cached)
+        for stage in self.stages.values():
+            stage.clear()
+        self.live.reset()
+        plan = self._plan_of(cached is not None)
         to_device = self._to_device
+        batch = {}
         for mb, chunk in enumerate(chunks):
             form, leaves = structure.flatten(chunk, "inputs")
-            ctx.inputs[mb] = Message(form, [to_device(t) for t in leaves], (False,) * form.num_leaves)
-        ctx.targets = {mb: structure.map_leaves(to_device, c) for mb, c in enumerate(target_chunks)}
+            batch[mb] = Message(form, [to_device(t) for t in leaves], (False,) * form.num_leaves)
+        ctx = StepContext(
+            train=train, step=self._step_no, signature=found.signature, loss_scale=float(loss_scale),
+            weights=[r / found.batch for r in microbatch_rows(found.batch, self.schedule.num_microbatches)],
+            inputs=batch, targets={mb: structure.map_leaves(to_device, c) for mb, c in enumerate(target_chunks)},
+            loss=self._loss_sum(train, plan) if train or found.target_rows >= 0 else None)
+        self.compute.begin(ctx)
         if train and self.mirror is not None:
             self.mirror.begin()
         self.exchanges.clear()
         self.tracer.start()
-        return ctx
+        return ctx, plan
 
     def _to_device(self, tensor: Tensor) -> Tensor:
         return tensor.to(self.device)
 
-    def _read(self, pending: PendingSum | SharedSum) -> float:
-        """Wait for a loss all-reduce; a failure stops the runtime like a failed step."""
+    def _read(self, loss: LossSum) -> float:
+        """Wait for a loss sum; a failure stops the runtime like a failed step."""
         with self._stopping():
-            return pending.value()
+            return loss.value()
 
     def _grads_final(self, stages: tuple[int, ...]) -> None:
         hook = self.config.on_grads_ready
@@ -323,91 +340,65 @@ class PipelineRuntime:
             for stage in stages:
                 hook(stage)
 
-    def _local_loss(self, ctx: StepContext) -> Tensor:
-        """This rank's share of the loss sum: its microbatches' weighted losses, or 0."""
-        if not ctx.losses:
-            return torch.zeros((), dtype=torch.float64, device=self.device)
-        weights = torch.tensor(ctx.loss_weights, dtype=torch.float64, device=self.device)
-        return torch.stack(ctx.losses).double().mul_(weights).sum()
+    def _loss_sum(self, train: bool, plan: RankPlan) -> LossSum:
+        """The step's loss sum: on gloo with one pipeline (and in evaluate) the ranks holding last stages send
+        their share straight to every rank; else an all-reduce over the job group (the pipeline group in
+        evaluate). Posted where `plan` says (see LossSum)."""
+        shared = self.watchdog.gloo and (self._pipelines == 1 or not train)
+        return LossSum(plan.losses_final if train else plan.eval_losses_final, gloo=self.watchdog.gloo,
+                       sources=self.plan.output_ranks if shared else None,
+                       group=self.group if shared or not train else self.job_group, device=self.device,
+                       watchdog=self.watchdog, divisor=self._pipelines if train else 1)
 
-    def _loss_sum(self, ctx: StepContext, posted_at: int) -> Any:
-        """Start the step's loss sum (posted at the start of `_run`). One pipeline on gloo: a SharedSum (the
-        ranks holding last stages send their share to every rank); else an all-reduce, posted right away
-        on ranks without a last stage (posted_at -1) and by the others at list position `posted_at`.
-
-        On NCCL `_run` sets posted_at to the list's length (after the list): a collective in flight during
-        the list can deadlock the first step. With CUDA's lazy module loading (torch's default) the first
-        launch of a kernel waits for the device's queued work, the collective among it, and the collective
-        waits for ranks still running their lists, which may wait for this rank's next messages."""
-        what = "the loss sum"
-        if self.watchdog.gloo and (self._pipelines == 1 or not ctx.train):
-            return SharedSum(self.plan.output_ranks, self.group, self.device, self.watchdog, what)
-        if posted_at >= 0:
-            return None
-        return PendingSum(self._local_loss(ctx), self.job_group if ctx.train else self.group, self.device,
-                          self.watchdog, what)
-
-    def _losses_done(self, ctx: StepContext, loss: Any) -> Any:
-        """This rank computed its last loss of the step: share it (SharedSum) or post the all-reduce."""
-        if isinstance(loss, SharedSum):
-            loss.share(self._local_loss(ctx))
-            return loss
-        return PendingSum(self._local_loss(ctx), self.job_group if ctx.train else self.group, self.device,
-                          self.watchdog, "the loss sum")
-
-    def _plan_of(self, ctx: StepContext) -> RankPlan:
-        """The plan a step runs: the schedule's, or (message shapes known, gloo) the one whose
-        receives are posted `recv_lookahead` receives ahead (built once per depth)."""
+    def _plan_of(self, shapes_known: bool) -> RankPlan:
+        """The plan a step runs: the schedule's, or (message shapes known, gloo) the one whose receives are
+        posted `recv_lookahead` receives ahead (built once per depth)."""
         depth = self.config.recv_lookahead
-        if ctx.learning or depth == 0 or not self.watchdog.gloo:
+        if not shapes_known or depth == 0 or not self.watchdog.gloo:
             return self.plan
         plan = self._hoisted.get(depth)
         if plan is None:
             plan = self._hoisted[depth] = self.plan.hoisted(depth)
         return plan
 
-    def _run(self, ctx: StepContext) -> Any:
-        """Interpret this rank's list; returns the pending loss sum (None without one). On gloo the sum is
-        started before the list and this rank's share is posted as soon as its losses are final, so it
-        completes while the step runs; on NCCL it is posted after the list (see `_loss_sum`). Every rank
-        takes part."""
+    def _run(self, ctx: StepContext, plan: RankPlan) -> None:
+        """Interpret this rank's list. The loss sum starts before it and this rank's share is posted where `plan`
+        says (gloo: as soon as its losses are final, so the sum completes while the step runs; NCCL: after the
+        list, see LossSum). Every rank takes part."""
         at: list[Action | None] = [None]
-        plan = self._plan_of(ctx)
-        rows = plan.rows if ctx.train else plan.eval_rows
-        final = plan.grads_final if ctx.train else {}
+        actions = plan.actions if ctx.train else plan.eval_actions
+        final = plan.grads_final if ctx.train else NOTHING_FINAL
         handlers = self._handlers
         reap = None if self.watchdog.gloo else self.transport.reap  # gloo: sends are released by finish()
-        wants_loss = ctx.train or ctx.has_targets
-        loss_at = (plan.losses_final if ctx.train else plan.eval_losses_final) if wants_loss else -2
-        if wants_loss and not self.watchdog.gloo:
-            loss_at = len(rows)  # after the list (see `_loss_sum`)
+        loss = ctx.loss
+        post_after = loss.post_after if loss is not None else None
         with self._stopping(at):
-            loss = self._loss_sum(ctx, loss_at) if wants_loss else None
-            for pos, action in enumerate(rows):
+            if loss is not None:
+                loss.start()
+            for pos, action in enumerate(actions):
                 at[0] = action
-                handlers[action.op](ctx, action)
+                handlers[action.op](action)
                 if reap is not None:
                     reap()
                 if pos in final:
                     self._grads_final(final[pos])
-                if pos == loss_at:
-                    loss = self._losses_done(ctx, loss)
+                if pos == post_after and loss is not None:
+                    loss.post()
             at[0] = None
             self.transport.finish()
-            if loss_at == len(rows):
-                loss = self._losses_done(ctx, loss)
+            if loss is not None:
+                loss.finish()
             self.nonfinite.flush()
-            left = ctx.leftovers()
+            left = (activations_left(self.stages) if ctx.train else []) + self.mail.leftovers()
             if left:
                 raise PipelineError(f"rank {self.rank}: the schedule left work undone: " + "; ".join(left))
             if ctx.train and self.mirror is not None:
                 self.mirror.finish()
                 self._grads_final(self.plan.mirrored)
-        if ctx.learning:
-            self._shapes[(ctx.signature, ctx.train)] = ctx.shapes
+        if self.mail.learning:
+            self._shapes[(ctx.signature, ctx.train)] = self.mail.shapes
             while len(self._shapes) > SHAPE_CACHE_SIZE:
                 self._shapes.popitem(last=False)
-        return loss
 
     @contextlib.contextmanager
     def _stopping(self, at: list[Action | None] | None = None) -> Iterator[None]:
@@ -439,12 +430,16 @@ class PipelineRuntime:
             if hasattr(exc, "add_note"):
                 exc.add_note(f"duplexpipe: rank {self.rank} failed{where}; the other ranks were told to stop")
         self.transport.poison()  # ends every pending transfer of the group: the waiting ranks read the flag
+        self.mail.clear()  # what the failed step kept (graphs, messages) is freed now
+        for stage in self.stages.values():
+            stage.clear()
 
     # ---------------------------------------------------------------- evaluate outputs
-    def _gather_outputs(self, ctx: StepContext) -> Any:
-        if not ctx.outputs:
+    def _gather_outputs(self) -> Any:
+        outputs = {mb: out for s in self.plan.lasts for mb, out in self.stages[s].outputs.items()}
+        if not outputs:
             return None
-        mine = structure.concat([ctx.outputs[mb] for mb in sorted(ctx.outputs)])
+        mine = structure.concat([outputs[mb] for mb in sorted(outputs)])
         if len(self.plan.output_ranks) == 1:
             return mine
         form, leaves = structure.flatten(mine, "output")

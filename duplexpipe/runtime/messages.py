@@ -22,13 +22,15 @@ from torch import Tensor
 from duplexpipe.comm.codec import Codec, IdentityCodec, TensorSpec
 from duplexpipe.comm.nonfinite import NonFiniteWatch, extremes
 from duplexpipe.errors import ActivationShapeError, PipelineError
-from duplexpipe.runtime.context import StepContext
 from duplexpipe.runtime.message_meta import Message, MessageMeta, encodes, wire_of
 from duplexpipe.runtime.structure import paths
 from duplexpipe.runtime.transport import Key, Transport, key_text
 from duplexpipe.runtime.watchdog import Watchdog
 from duplexpipe.schedules.ir import Action, Op
 from duplexpipe.schedules.layout import Layout
+
+Slot = tuple[int, int]
+"""(stage, microbatch)."""
 
 
 class MetaBoard:
@@ -61,7 +63,9 @@ class MetaBoard:
 
 
 class Mailroom:
-    """Moves messages between stages: local handoffs, or announce + send / receive over the transport."""
+    """Moves messages between stages: local handoffs, or announce + send / receive over the transport. Owns the
+    step's mailbox (local handoffs, the outbox of payloads waiting for their SEND, the metas of sent outputs) and
+    the message metas it learns or checks against; `begin` starts each step with an empty mailbox."""
 
     def __init__(self, layout: Layout, rank: int, transport: Transport, board: MetaBoard,
                  activation_codec: Codec | None = None, gradient_codec: Codec | None = None,
@@ -73,6 +77,49 @@ class Mailroom:
         self.board = board
         self.activation_codec = None if isinstance(activation_codec, IdentityCodec) else activation_codec
         self.gradient_codec = None if isinstance(gradient_codec, IdentityCodec) else gradient_codec
+        self.step = 0
+        """The step running (names its shape announcements)."""
+        self.train = False
+        """Whether it trains (only then are sent outputs' metas kept for the gradients coming back)."""
+        self.learning = True
+        """True when the step's message metas are learned and announced (new input shapes)."""
+        self.shapes: dict[Slot, MessageMeta] = {}
+        """(receiving stage, microbatch) -> the forward message's meta: known, or filled while learning."""
+        self.local_fwd: dict[Slot, Message] = {}
+        """Activations handed to the next stage on this rank: (consumer stage, microbatch)."""
+        self.local_grad: dict[Slot, list[Tensor]] = {}
+        """Output gradients handed to the previous stage on this rank: (consumer stage, microbatch)."""
+        self.outbox: dict[Key, list[Tensor]] = {}
+        """Payloads produced for a SEND action that has not run yet."""
+        self.out_meta: dict[Slot, MessageMeta] = {}
+        """The meta of each output this rank sent to another rank (the gradients it will receive)."""
+
+    # ---------------------------------------------------------------- the step's mailbox
+    def begin(self, step: int, train: bool, shapes: dict[Slot, MessageMeta] | None) -> None:
+        """Start step `step` with an empty mailbox. `shapes`: the message metas learned for these input shapes
+        (kept as they are), or None to learn them now (each announced through the store)."""
+        self.step, self.train, self.learning = step, train, shapes is None
+        self.shapes = {} if shapes is None else shapes
+        self.clear()
+
+    def clear(self) -> None:
+        """Empty the mailbox (a new step, or a failed one)."""
+        self.local_fwd.clear()
+        self.local_grad.clear()
+        self.outbox.clear()
+        self.out_meta.clear()
+
+    def leftovers(self) -> list[str]:
+        """Descriptions of messages the step left unconsumed (empty after a complete step)."""
+        found = []
+        if self.outbox:
+            found.append("produced but never sent: " + ", ".join(
+                f"{s}{op.value}{m}" for op, s, m in sorted(self.outbox, key=lambda k: (k[1], k[2]))))
+        for name, table in (("activations", self.local_fwd), ("gradients", self.local_grad)):
+            if table:
+                found.append(f"local {name} never consumed: " +
+                             ", ".join(f"stage {s} microbatch {m}" for s, m in sorted(table)))
+        return found
 
     def _encode(self, codec: Codec | None, leaves: list[Tensor], wire: tuple[tuple[TensorSpec, ...], ...],
                 coded: tuple[bool, ...] | None, where: str) -> list[Tensor]:
@@ -123,95 +170,93 @@ class Mailroom:
         return MessageMeta.of(message, codec, exact)
 
     # ---------------------------------------------------------------- forward messages
-    def hand_on(self, ctx: StepContext, stage: int, mb: int, message: Message) -> None:
+    def hand_on(self, stage: int, mb: int, message: Message) -> None:
         """Give `stage`'s output of `mb` to the next stage: locally, or to the outbox of its SEND_F."""
         nxt = self.layout.nxt[stage]
         detached = [t.detach() for t in message.leaves]
         if self.layout.peer(stage, backward=False) < 0:
-            ctx.local_fwd[(nxt, mb)] = Message(message.form, detached, message.grads)
+            self.local_fwd[(nxt, mb)] = Message(message.form, detached, message.grads)
             return
         where = f"stage {stage} microbatch {mb}"
-        expected = None if ctx.learning else ctx.shapes.get((nxt, mb))
+        expected = None if self.learning else self.shapes.get((nxt, mb))
         if expected is not None and expected.matches(message):
             meta = expected  # shapes learned: nothing to build or announce
-        elif ctx.learning:
+        elif self.learning:
             meta = self._meta(message, where)
-            ctx.shapes[(nxt, mb)] = meta
-            self.board.announce(ctx.step, nxt, mb, meta)
+            self.shapes[(nxt, mb)] = meta
+            self.board.announce(self.step, nxt, mb, meta)
         else:
             problem = ("no message was announced" if expected is None else
                        expected.difference(MessageMeta.of(message), "out"))
             raise ActivationShapeError(
                 f"{where}: {problem or 'the message changed'} (announced the first time these input shapes "
                 "were seen; a stage's output shapes must depend only on its input shapes)")
-        if ctx.train:
-            ctx.out_meta[(stage, mb)] = meta
+        if self.train:
+            self.out_meta[(stage, mb)] = meta
         if self.activation_codec is None:
-            ctx.outbox[(Op.SEND_F, stage, mb)] = detached
+            self.outbox[(Op.SEND_F, stage, mb)] = detached
             return
-        ctx.outbox[(Op.SEND_F, stage, mb)] = self._encode(self.activation_codec, detached, meta.wire,
+        self.outbox[(Op.SEND_F, stage, mb)] = self._encode(self.activation_codec, detached, meta.wire,
                                                           meta.coded, where)
         if meta.held_back and self.watch is not None:
             self.watch.exact_sends += meta.held_back
 
-    def expect_input(self, ctx: StepContext, action: Action) -> None:
+    def expect_input(self, action: Action) -> None:
         """RECV_F: queue the receive; its payloads' shapes come from the cache or the announcement."""
         stage, mb = action.stage, action.microbatch
         peer = self.layout.rank[self.layout.prv[stage]]
+        learning, shapes, step = self.learning, self.shapes, self.step  # this step's, whenever it resolves
 
         def resolve(block: bool) -> tuple[TensorSpec, ...] | None:
-            if not ctx.learning:
-                meta = ctx.shapes.get((stage, mb))
+            if not learning:
+                meta = shapes.get((stage, mb))
                 if meta is None:
                     raise PipelineError(f"rank {self.rank}: no shape is known for {action}")
                 return meta.payloads
-            found = self.board.lookup(ctx.step, stage, mb, block, peer)
+            found = self.board.lookup(step, stage, mb, block, peer)
             if found is None:
                 return None
-            ctx.shapes[(stage, mb)] = found
+            shapes[(stage, mb)] = found
             return found.payloads
 
         self.transport.expect((Op.RECV_F, stage, mb), peer, resolve)
 
-    def take_input(self, ctx: StepContext, stage: int, mb: int, consumer: Action) -> Message:
-        """The message `stage` consumes for `mb`: the batch's rows, a local handoff or a receive."""
+    def take_input(self, stage: int, mb: int, consumer: Action) -> Message:
+        """The message `stage` (not a first stage) consumes for `mb`: a local handoff or a receive."""
         prev = self.layout.prv[stage]
-        if prev < 0:
-            if mb not in ctx.inputs:
-                raise PipelineError(f"rank {self.rank}: {consumer} has no input rows for microbatch {mb}")
-            return ctx.inputs[mb]
         if self.layout.rank[prev] == self.rank:
-            if (stage, mb) not in ctx.local_fwd:
+            if (stage, mb) not in self.local_fwd:
                 raise PipelineError(f"rank {self.rank}: {consumer} runs before {prev}F{mb} produced its input")
-            return ctx.local_fwd.pop((stage, mb))
+            return self.local_fwd.pop((stage, mb))
         payloads = self.transport.take((Op.RECV_F, stage, mb), consumer)
-        meta = ctx.shapes[(stage, mb)]
+        meta = self.shapes[(stage, mb)]
         return Message(meta.form, self._decode(self.activation_codec, payloads, meta.leaves, meta.wire,
                                                meta.coded), meta.grads)
 
     # ---------------------------------------------------------------- backward messages
-    def hand_back(self, ctx: StepContext, stage: int, mb: int, grads: list[Tensor]) -> None:
+    def hand_back(self, stage: int, mb: int, grads: list[Tensor]) -> None:
         """Give the input gradients of `stage` for `mb` to the previous stage (nothing on a first stage)."""
         prev = self.layout.prv[stage]
         if prev < 0:
             return
         if self.layout.peer(stage, backward=True) < 0:
-            ctx.local_grad[(prev, mb)] = grads
+            self.local_grad[(prev, mb)] = grads
         elif self.gradient_codec is None:
-            ctx.outbox[(Op.SEND_B, stage, mb)] = grads
+            self.outbox[(Op.SEND_B, stage, mb)] = grads
         else:
             wire = tuple(wire_of(self.gradient_codec, TensorSpec.of(g)) for g in grads)
-            ctx.outbox[(Op.SEND_B, stage, mb)] = self._encode(self.gradient_codec, grads, wire, None,
+            self.outbox[(Op.SEND_B, stage, mb)] = self._encode(self.gradient_codec, grads, wire, None,
                                                               f"stage {stage} microbatch {mb} (gradients)")
 
-    def expect_grads(self, ctx: StepContext, action: Action) -> None:
+    def expect_grads(self, action: Action) -> None:
         """RECV_B: queue the receive of the gradients of what this stage sent for the microbatch."""
         stage, mb = action.stage, action.microbatch
+        out_meta, learning, shapes = self.out_meta, self.learning, self.shapes  # this step's, whenever it resolves
 
         def resolve(block: bool) -> tuple[TensorSpec, ...] | None:
-            meta = ctx.out_meta.get((stage, mb))
-            if meta is None and not ctx.learning:  # the learned output (hand_on checks the output against it)
-                meta = ctx.shapes.get((self.layout.nxt[stage], mb))
+            meta = out_meta.get((stage, mb))
+            if meta is None and not learning:  # the learned output (hand_on checks the output against it)
+                meta = shapes.get((self.layout.nxt[stage], mb))
             if meta is None and block:
                 raise PipelineError(f"rank {self.rank}: {action} is consumed before {stage}F{mb} ran")
             if meta is None:
@@ -220,28 +265,28 @@ class Mailroom:
 
         self.transport.expect((Op.RECV_B, stage, mb), self.layout.rank[self.layout.nxt[stage]], resolve)
 
-    def take_grads(self, ctx: StepContext, stage: int, mb: int, consumer: Action) -> list[Tensor] | None:
+    def take_grads(self, stage: int, mb: int, consumer: Action) -> list[Tensor] | None:
         """The gradients of `stage`'s gradient-carrying outputs for `mb` (None on a last stage)."""
         nxt = self.layout.nxt[stage]
         if nxt < 0:
             return None
         if self.layout.rank[nxt] != self.rank:
             payloads = self.transport.take((Op.RECV_B, stage, mb), consumer)
-            metas = ctx.out_meta.pop((stage, mb)).grad_metas
+            metas = self.out_meta.pop((stage, mb)).grad_metas
             if self.gradient_codec is None:
                 return payloads
             wire = tuple(wire_of(self.gradient_codec, m) for m in metas)
             return self._decode(self.gradient_codec, payloads, metas, wire, None)
-        if (stage, mb) not in ctx.local_grad:
+        if (stage, mb) not in self.local_grad:
             raise PipelineError(f"rank {self.rank}: {consumer} runs before stage {nxt}'s backward of "
                                 f"microbatch {mb} produced its gradient")
-        return ctx.local_grad.pop((stage, mb))
+        return self.local_grad.pop((stage, mb))
 
     # ---------------------------------------------------------------- sends
-    def send(self, ctx: StepContext, action: Action) -> None:
+    def send(self, action: Action) -> None:
         """SEND_F / SEND_B: post the payloads its producer left in the outbox."""
         key: Key = (action.op, action.stage, action.microbatch)
-        payloads = ctx.outbox.pop(key, None)
+        payloads = self.outbox.pop(key, None)
         if payloads is None:
             raise PipelineError(f"rank {self.rank}: {action} runs before the compute that produces its tensor")
         peer = self.layout.peer(action.stage, backward=action.op is Op.SEND_B)

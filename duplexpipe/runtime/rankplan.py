@@ -18,9 +18,9 @@ class RankPlan:
     """The schedule's stage chains: who feeds whom, on which rank (peers and local handoffs)."""
     rank: int
     """This rank."""
-    rows: tuple[Action, ...]
-    """This rank's lowered list (a training step)."""
-    eval_rows: tuple[Action, ...]
+    actions: tuple[Action, ...]
+    """This rank's lowered list of actions (a training step)."""
+    eval_actions: tuple[Action, ...]
     """Its forward-only list (evaluate)."""
     firsts: tuple[int, ...]
     """This rank's stages that read the batch's inputs."""
@@ -29,55 +29,56 @@ class RankPlan:
     output_ranks: tuple[int, ...]
     """The ranks holding a last stage, in the batch order of the microbatches they finish."""
     grads_final: dict[int, tuple[int, ...]]
-    """Position in `rows` -> the stages whose gradients are final for the step once that action ran
+    """Position in `actions` -> the stages whose gradients are final for the step once that action ran
     (their last B or W on this rank); stages in `mirrored` are not listed."""
     mirrored: tuple[int, ...]
     """This rank's stages whose gradients are final only after the end-of-step mirror sum (DualPipe)."""
-    losses_final: int
-    """Position in `rows` after which this rank has computed all its losses (its last F of a last stage);
-    -1 when it computes none (the loss sum can be posted at the start of the step)."""
-    eval_losses_final: int
-    """The same in `eval_rows`."""
+    losses_final: int | None
+    """Position in `actions` after which this rank has computed all its losses (its last F of a last stage):
+    where it posts its share of the loss sum (`LossSum.post_after`); None when it computes none."""
+    eval_losses_final: int | None
+    """The same in `eval_actions`."""
 
     @staticmethod
     def of(schedule: Schedule, rank: int, mirrored: Collection[int] = ()) -> RankPlan:
         """The plan of `rank` in the lowered `schedule`."""
         layout = Layout.of(schedule)
-        rows = schedule.actions[rank]
+        actions = schedule.actions[rank]
+        eval_actions = forward_only(actions)
         mine = schedule.stages_of_rank(rank)
         lasts = [s for s in range(schedule.num_stages) if layout.nxt[s] < 0]
         first_mb: dict[int, int] = {}
         for s in lasts:
             first_mb[layout.rank[s]] = min(first_mb.get(layout.rank[s], layout.lo[s]), layout.lo[s])
         return RankPlan(
-            layout=layout, rank=rank, rows=rows, eval_rows=forward_only(rows),
+            layout=layout, rank=rank, actions=actions, eval_actions=eval_actions,
             firsts=tuple(s for s in mine if layout.prv[s] < 0), lasts=tuple(s for s in mine if layout.nxt[s] < 0),
             output_ranks=tuple(sorted(first_mb, key=lambda r: first_mb[r])),
-            grads_final=_grads_final(rows, mirrored), mirrored=tuple(s for s in mine if s in mirrored),
-            losses_final=_last_loss(rows, layout), eval_losses_final=_last_loss(forward_only(rows), layout))
+            grads_final=_grads_final(actions, mirrored), mirrored=tuple(s for s in mine if s in mirrored),
+            losses_final=_last_loss(actions, layout), eval_losses_final=_last_loss(eval_actions, layout))
 
     def hoisted(self, depth: int) -> RankPlan:
         """This plan with every receive moved up to when the receive `depth` places before it from the same
         peer is listed (the first `depth` receives from each peer: to the start of the list; depth <= 0:
         every receive at the start). Receives from one peer keep their order, and posting a receive earlier
         blocks nothing, so the lists stay deadlock-free where receives do not block a stream (gloo)."""
-        rows, eval_rows = hoist_receives(self.rows, self.layout, depth), hoist_receives(self.eval_rows,
-                                                                                        self.layout, depth)
-        return replace(self, rows=rows, eval_rows=eval_rows, grads_final=_grads_final(rows, self.mirrored),
-                       losses_final=_last_loss(rows, self.layout),
-                       eval_losses_final=_last_loss(eval_rows, self.layout))
+        actions = hoist_receives(self.actions, self.layout, depth)
+        eval_actions = hoist_receives(self.eval_actions, self.layout, depth)
+        return replace(self, actions=actions, eval_actions=eval_actions,
+                       grads_final=_grads_final(actions, self.mirrored), losses_final=_last_loss(actions, self.layout),
+                       eval_losses_final=_last_loss(eval_actions, self.layout))
 
 
 RECEIVES = (Op.RECV_F, Op.RECV_B)
 """The receive operations."""
 
 
-def hoist_receives(rows: tuple[Action, ...], layout: Layout, depth: int) -> tuple[Action, ...]:
-    """`rows` with each receive listed where the receive `depth` places earlier from the same peer was (see
+def hoist_receives(actions: tuple[Action, ...], layout: Layout, depth: int) -> tuple[Action, ...]:
+    """`actions` with each receive listed where the receive `depth` places earlier from the same peer was (see
     RankPlan.hoisted); the other actions keep their order."""
     seen: dict[int, list[int]] = {}
     before: dict[int, list[Action]] = {}
-    for pos, action in enumerate(rows):
+    for pos, action in enumerate(actions):
         if action.op not in RECEIVES:
             continue
         feeder = layout.prv[action.stage] if action.op is Op.RECV_F else layout.nxt[action.stage]
@@ -86,17 +87,17 @@ def hoist_receives(rows: tuple[Action, ...], layout: Layout, depth: int) -> tupl
         before.setdefault(at, []).append(action)
         earlier.append(pos)
     out: list[Action] = []
-    for pos, action in enumerate(rows):
+    for pos, action in enumerate(actions):
         out.extend(before.get(pos, ()))
         if action.op not in RECEIVES:
             out.append(action)
     return tuple(out)
 
 
-def _grads_final(rows: tuple[Action, ...], mirrored: Collection[int]) -> dict[int, tuple[int, ...]]:
-    """Position in `rows` -> the stages (not in `mirrored`) whose last B or W on this rank it is."""
+def _grads_final(actions: tuple[Action, ...], mirrored: Collection[int]) -> dict[int, tuple[int, ...]]:
+    """Position in `actions` -> the stages (not in `mirrored`) whose last B or W on this rank it is."""
     last_at: dict[int, int] = {}
-    for pos, action in enumerate(rows):
+    for pos, action in enumerate(actions):
         for part in action.compute_parts():
             if part.op in (Op.B, Op.W):
                 last_at[part.stage] = pos
@@ -107,10 +108,10 @@ def _grads_final(rows: tuple[Action, ...], mirrored: Collection[int]) -> dict[in
     return {pos: tuple(stages) for pos, stages in final.items()}
 
 
-def _last_loss(rows: tuple[Action, ...], layout: Layout) -> int:
-    """The position of the last F of a last stage in `rows`, or -1."""
-    found = -1
-    for pos, action in enumerate(rows):
+def _last_loss(actions: tuple[Action, ...], layout: Layout) -> int | None:
+    """The position of the last F of a last stage in `actions` (None: there is none)."""
+    found = None
+    for pos, action in enumerate(actions):
         if any(p.op is Op.F and layout.nxt[p.stage] < 0 for p in action.compute_parts()):
             found = pos
     return found

@@ -1,9 +1,9 @@
-"""Stage compute: forward (saving what backward needs), loss, full backward, I and W, on tensor structures."""
+"""Stage compute: forward (keeping what backward needs per microbatch), loss, full backward, I and W, on structures."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,11 +51,39 @@ class Activation:
     """The comm slot its forward's exchanges captured (MoE layers): pointed at the driver of its backward."""
 
 
+class LiveActivations:
+    """How many activations (and bytes kept for backward) one rank holds now, and the most at once this step."""
+
+    __slots__ = ("live", "peak", "live_bytes", "peak_bytes")
+
+    def __init__(self) -> None:
+        self.live = self.peak = self.live_bytes = self.peak_bytes = 0
+
+    def reset(self) -> None:
+        """A new step: nothing held yet."""
+        self.live = self.peak = self.live_bytes = self.peak_bytes = 0
+
+    def born(self, nbytes: int = 0) -> None:
+        """One more live activation, keeping `nbytes` for backward."""
+        self.live += 1
+        self.live_bytes += nbytes
+        if self.live > self.peak:
+            self.peak = self.live
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
+
+    def freed(self, nbytes: int = 0) -> None:
+        """One live activation fewer (its backward is done), releasing `nbytes`."""
+        self.live -= 1
+        self.live_bytes -= nbytes
+
+
 class StageCompute:
-    """Runs one stage's module: forward, loss, backward (full or split into I and W)."""
+    """Runs one stage's module: forward, loss, backward (full or split into I and W); keeps, per microbatch, what
+    each training forward left for its backward (torch pipelining's style), and each evaluation output."""
 
     def __init__(self, stage: int, module: nn.Module, autocast_dtype: torch.dtype | None,
-                 count_saved: bool = False, part: int | None = None) -> None:
+                 count_saved: bool = False, part: int | None = None, live: LiveActivations | None = None) -> None:
         self.stage = stage
         self.module = module
         self.name = f"stage {stage}" + (f" (model part {part})" if part is not None else "")
@@ -63,6 +91,32 @@ class StageCompute:
         self.autocast_dtype = autocast_dtype
         self.meter = SavedBytes(module.parameters()) if count_saved else None
         """Counts what each training forward keeps for backward (None: not counted)."""
+        self.live = live if live is not None else LiveActivations()
+        """The count of live activations, shared by the stages of one rank."""
+        self.acts: dict[int, Activation] = {}
+        """Microbatch -> what its backward needs, from its F until its B or W (`hold` / `release`)."""
+        self.outputs: dict[int, Any] = {}
+        """evaluate() on a last stage: microbatch -> its output, detached (`keep_output`)."""
+
+    # ---------------------------------------------------------------- per-step state
+    def hold(self, microbatch: int, act: Activation) -> None:
+        """Keep what `microbatch`'s backward needs (counted live until `release`)."""
+        self.acts[microbatch] = act
+        self.live.born(act.saved_bytes)
+
+    def release(self, microbatch: int, act: Activation) -> None:
+        """`microbatch`'s backward is done: drop what it kept."""
+        del self.acts[microbatch]
+        self.live.freed(act.saved_bytes)
+
+    def keep_output(self, microbatch: int, out: Any) -> None:
+        """An evaluation output of this (last) stage, detached."""
+        self.outputs[microbatch] = out
+
+    def clear(self) -> None:
+        """Drop every activation and output kept (a new step, or a failed one)."""
+        self.acts.clear()
+        self.outputs.clear()
 
     def params(self) -> list[Tensor]:
         """The module's parameters that take gradients."""
@@ -156,3 +210,12 @@ class StageCompute:
             raise PipelineError(f"stage {self.stage} microbatch {microbatch}: W ran before its I")
         act.weight_work.run()
         act.weight_work = None
+
+
+def activations_left(stages: Mapping[int, StageCompute]) -> list[str]:
+    """What the step left unconsumed on the stages: activations whose backward never ran (empty after a step)."""
+    held = [(s, m) for s, compute in stages.items() for m in compute.acts]
+    if not held:
+        return []
+    return ["backward (B, or W after I) never ran for " +
+            ", ".join(f"stage {s} microbatch {m}" for s, m in sorted(held))]

@@ -1,17 +1,14 @@
-"""Step context helpers: microbatch splitting, shape signatures, forward-only lists, leftovers."""
+"""Step context helpers: microbatch splitting, shape signatures, forward-only lists; the context itself holds
+only facts (what a step changes lives with its owners)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
-from duplexpipe.runtime.context import (
-    StepContext,
-    forward_only,
-    microbatch_rows,
-    signature,
-    split_batch,
-)
+from duplexpipe.runtime.context import StepContext, forward_only, microbatch_rows, signature, split_batch
 from duplexpipe.schedules.ir import Op
 from duplexpipe.schedules.lower import lower
 from duplexpipe.schedules.registry import build
@@ -66,22 +63,8 @@ def test_forward_only_keeps_forwards_in_order_and_splits_pairs() -> None:
     assert any(a.op is Op.OVERLAP_F_B for row in schedule.actions for a in row)
 
 
-def test_leftovers_name_what_the_schedule_left_undone() -> None:
-    ctx = StepContext(train=True, step=1, learning=False, shapes={}, weights=[0.5, 0.5])
-    assert ctx.leftovers() == []
-    ctx.acts[(1, 0)] = None  # type: ignore[assignment]
-    ctx.outbox[(Op.SEND_F, 0, 1)] = [torch.zeros(1)]
-    ctx.local_grad[(2, 1)] = [torch.zeros(1)]
-    text = "; ".join(ctx.leftovers())
-    assert "never ran for stage 1 microbatch 0" in text
-    assert "produced but never sent: 0SEND_F1" in text
-    assert "local gradients never consumed: stage 2 microbatch 1" in text
-
-
-def test_activation_counting_tracks_the_peak() -> None:
-    ctx = StepContext(train=True, step=1, learning=False, shapes={}, weights=[1.0])
-    for _ in range(3):
-        ctx.activation_born()
-    ctx.live -= 2
-    ctx.activation_born()
-    assert (ctx.live, ctx.peak) == (2, 3)
+def test_the_context_is_frozen_facts() -> None:
+    ctx = StepContext(train=True, step=1, weights=[0.5, 0.5], signature=7, loss_scale=1.0, inputs={}, targets={},
+                      loss=None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ctx.step = 2  # type: ignore[misc]

@@ -12,7 +12,6 @@ from duplexpipe.comm.codec import CastCodec, TensorSpec
 from duplexpipe.comm.nonfinite import NonFiniteWatch, extremes
 from duplexpipe.comm.p2p_codecs import Fp8RowCodec, Int8BlockCodec
 from duplexpipe.errors import ActivationShapeError, NonFiniteSendError, PipelineError, PipelineTimeoutError
-from duplexpipe.runtime.context import StepContext
 from duplexpipe.runtime.message_meta import Message, MessageMeta, encodes
 from duplexpipe.runtime.messages import Mailroom, MetaBoard
 from duplexpipe.runtime.structure import flatten
@@ -53,8 +52,10 @@ def test_difference_names_the_leaf_path() -> None:
     assert "the output out has the form" in want.difference(MessageMeta.of(Message.single(torch.zeros(2))), "out")
 
 
-def _ctx(learning: bool, shapes: dict[Any, MessageMeta] | None = None) -> StepContext:
-    return StepContext(train=True, step=1, learning=learning, shapes=shapes or {}, weights=[1.0])
+def _begin(mail: Mailroom, shapes: dict[Any, MessageMeta] | None = None) -> Mailroom:
+    """Start a training step: learning the shapes (None), or with `shapes` known."""
+    mail.begin(1, True, shapes)
+    return mail
 
 
 def _mailroom(store: Any, rank: int) -> Mailroom:
@@ -66,16 +67,17 @@ def _mailroom(store: Any, rank: int) -> Mailroom:
 def test_learning_step_announces_then_later_steps_check_every_leaf() -> None:
     store = dist.HashStore()
     sender, receiver = _mailroom(store, 0), _mailroom(store, 1)
-    ctx = _ctx(learning=True)
-    sender.hand_on(ctx, 0, 0, _message())
-    assert ctx.outbox[(Op.SEND_F, 0, 0)][0].requires_grad is False  # detached for the wire
-    assert ctx.out_meta[(0, 0)] == MessageMeta.of(_message())
+    _begin(sender).hand_on(0, 0, _message())
+    assert sender.outbox[(Op.SEND_F, 0, 0)][0].requires_grad is False  # detached for the wire
+    assert sender.out_meta[(0, 0)] == MessageMeta.of(_message())
+    assert sender.leftovers() == ["produced but never sent: 0SEND_F0"]
     got = receiver.board.lookup(1, 1, 0, block=True, peer=0)
     assert got == MessageMeta.of(_message())
-    later = _ctx(learning=False, shapes={(1, 0): got})
+    _begin(sender, {(1, 0): got})
+    assert not sender.learning and not sender.outbox and not sender.out_meta  # a new step: an empty mailbox
     with pytest.raises(ActivationShapeError, match=r'stage 0 microbatch 0: the output out\["h"\] has shape '
                                                    r"\(3, 4\) float32 but \(2, 4\) float32 was expected"):
-        sender.hand_on(later, 0, 0, _message(rows=3))
+        sender.hand_on(0, 0, _message(rows=3))
     with pytest.raises(PipelineTimeoutError, match="shape announcement of 1RECV_F1"):
         receiver.board.lookup(1, 1, 1, block=True, peer=0)
 
@@ -102,20 +104,21 @@ def test_a_codec_that_breaks_its_wire_format_is_named_before_sending() -> None:
     mail = Mailroom(layout, 0, None, MetaBoard(store, "test", dog), _Flattening())  # type: ignore[arg-type]
     with pytest.raises(PipelineError, match=r"stage 0 microbatch 0: codec 'flattening' encoded \(2, 4\) "
                                             r"float32 into \['\(8,\) float32'\], not its wire format"):
-        mail.hand_on(_ctx(learning=True), 0, 0, _message())
+        _begin(mail).hand_on(0, 0, _message())
 
 
 def test_same_rank_handoff_keeps_the_structure_and_gradient_flags() -> None:
     layout = Layout.of(lower(build("zbv", 2, 4)))  # stages 1 and 2 are both on rank 1
     mail = Mailroom(layout, 1, None, None)  # type: ignore[arg-type]
-    ctx = _ctx(learning=True)
-    mail.hand_on(ctx, 1, 0, _message())
-    handed = mail.take_input(ctx, 2, 0, None)  # type: ignore[arg-type]
+    _begin(mail).hand_on(1, 0, _message())
+    assert mail.leftovers() == ["local activations never consumed: stage 2 microbatch 0"]
+    handed = mail.take_input(2, 0, None)  # type: ignore[arg-type]
     assert handed.form == PAIR and handed.grads == (True, False) and not handed.leaves[0].requires_grad
     grads = [torch.ones(2, 4)]
-    mail.hand_back(ctx, 2, 0, grads)
-    assert mail.take_grads(ctx, 1, 0, None) is grads  # type: ignore[arg-type]
-    assert not ctx.outbox and not ctx.local_fwd and not ctx.local_grad
+    mail.hand_back(2, 0, grads)
+    assert mail.leftovers() == ["local gradients never consumed: stage 1 microbatch 0"]
+    assert mail.take_grads(1, 0, None) is grads  # type: ignore[arg-type]
+    assert not mail.outbox and not mail.local_fwd and not mail.local_grad and mail.leftovers() == []
 
 
 # ---------------------------------------------------------------- which leaves go through the activation codec
@@ -140,13 +143,13 @@ def _sent(codec: Any, message: Message, watch: NonFiniteWatch, steps: int = 1) -
     dog = Watchdog(store, "test", 0, timeout_s=0.3, poll_s=0.05)
     mail = Mailroom(Layout.of(lower(build("1f1b", 2, 4))), 0, None, MetaBoard(store, "test", dog),  # type: ignore[arg-type]
                     codec, codec, watch)
-    ctx = _ctx(learning=True)
+    _begin(mail)
     for step in range(steps):
         if step:
-            ctx = _ctx(learning=False, shapes=ctx.shapes)
-        mail.hand_on(ctx, 0, 0, message)
-    meta = ctx.shapes[(1, 0)]
-    payloads = ctx.outbox[(Op.SEND_F, 0, 0)]
+            _begin(mail, mail.shapes)
+        mail.hand_on(0, 0, message)
+    meta = mail.shapes[(1, 0)]
+    payloads = mail.outbox[(Op.SEND_F, 0, 0)]
     return meta, mail._decode(codec, payloads, meta.leaves, meta.wire, meta.coded)
 
 
@@ -203,12 +206,11 @@ def test_a_float_extreme_after_the_shapes_were_learned_still_decodes_finite(code
     dog = Watchdog(store, "test", 0, timeout_s=0.3, poll_s=0.05)
     mail = Mailroom(Layout.of(lower(build("1f1b", 2, 4))), 0, None, MetaBoard(store, "test", dog),  # type: ignore[arg-type]
                     codec, codec, NonFiniteWatch())
-    first = _ctx(learning=True)
-    mail.hand_on(first, 0, 0, _masked(h))
-    later = _ctx(learning=False, shapes=first.shapes)
+    _begin(mail).hand_on(0, 0, _masked(h))
+    _begin(mail, mail.shapes)
     h[0, 1] = torch.finfo(torch.float32).min
-    mail.hand_on(later, 0, 0, _masked(h))
-    meta = first.shapes[(1, 0)]
-    got_h, _ = mail._decode(codec, later.outbox[(Op.SEND_F, 0, 0)], meta.leaves, meta.wire, meta.coded)
+    mail.hand_on(0, 0, _masked(h))
+    meta = mail.shapes[(1, 0)]
+    got_h, _ = mail._decode(codec, mail.outbox[(Op.SEND_F, 0, 0)], meta.leaves, meta.wire, meta.coded)
     assert meta.coded == (True, False) and bool(got_h.isfinite().all())
     assert got_h[0, 1] <= 0.99 * torch.finfo(torch.float32).min

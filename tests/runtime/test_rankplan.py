@@ -32,11 +32,11 @@ def _peer(action: Action, layout: Layout) -> int:
     return layout.rank[feeder]
 
 
-def _received(rows: tuple[Action, ...], layout: Layout) -> list[Counter[int]]:
-    """After each non-receive action of `rows` (and before the first): receives listed so far, per peer."""
+def _received(actions: tuple[Action, ...], layout: Layout) -> list[Counter[int]]:
+    """After each non-receive action of `actions` (and before the first): receives listed so far, per peer."""
     seen: Counter[int] = Counter()
     out: list[Counter[int]] = []
-    for action in rows:
+    for action in actions:
         if action.op in RECEIVES:
             seen[_peer(action, layout)] += 1
         else:
@@ -56,12 +56,12 @@ def _plans(name: str, P: int) -> list[tuple[Schedule, int, RankPlan]]:
 def test_hoisting_moves_only_receives_earlier_in_peer_order(name: str, P: int, depth: int) -> None:
     for _, rank, plan in _plans(name, P):
         moved = plan.hoisted(depth)
-        assert Counter(moved.rows) == Counter(plan.rows), rank
-        assert [a for a in moved.rows if a.op not in RECEIVES] == [a for a in plan.rows if a.op not in RECEIVES]
+        assert Counter(moved.actions) == Counter(plan.actions), rank
+        assert [a for a in moved.actions if a.op not in RECEIVES] == [a for a in plan.actions if a.op not in RECEIVES]
         for peer in range(P):
-            order = [a for a in plan.rows if a.op in RECEIVES and _peer(a, plan.layout) == peer]
-            assert [a for a in moved.rows if a.op in RECEIVES and _peer(a, plan.layout) == peer] == order
-        for old, new in zip(_received(plan.rows, plan.layout), _received(moved.rows, plan.layout), strict=True):
+            order = [a for a in plan.actions if a.op in RECEIVES and _peer(a, plan.layout) == peer]
+            assert [a for a in moved.actions if a.op in RECEIVES and _peer(a, plan.layout) == peer] == order
+        for old, new in zip(_received(plan.actions, plan.layout), _received(moved.actions, plan.layout), strict=True):
             for peer in set(old) | set(new):
                 assert new[peer] >= old[peer], (rank, peer)  # never later than listed
                 if depth > 0:
@@ -72,9 +72,9 @@ def test_hoisting_moves_only_receives_earlier_in_peer_order(name: str, P: int, d
 @pytest.mark.parametrize("name", NAMES)
 def test_every_receive_is_at_the_start_with_a_negative_depth(name: str, P: int) -> None:
     for _, rank, plan in _plans(name, P):
-        rows = plan.hoisted(-1).rows
-        count = sum(1 for a in rows if a.op in RECEIVES)
-        assert all(a.op in RECEIVES for a in rows[:count]), rank
+        actions = plan.hoisted(-1).actions
+        count = sum(1 for a in actions if a.op in RECEIVES)
+        assert all(a.op in RECEIVES for a in actions[:count]), rank
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -82,12 +82,24 @@ def test_hoisted_plan_marks_the_same_actions_final(name: str) -> None:
     for _, rank, plan in _plans(name, 4):
         for depth in DEPTHS:
             moved = plan.hoisted(depth)
-            assert {moved.rows[p]: s for p, s in moved.grads_final.items()} == \
-                {plan.rows[p]: s for p, s in plan.grads_final.items()}, (rank, depth)
-            for old, new, rows, new_rows in ((plan.losses_final, moved.losses_final, plan.rows, moved.rows),
-                                             (plan.eval_losses_final, moved.eval_losses_final, plan.eval_rows,
-                                              moved.eval_rows)):
-                assert (old < 0 and new < 0) or rows[old] == new_rows[new], (rank, depth)
+            assert {moved.actions[p]: s for p, s in moved.grads_final.items()} == \
+                {plan.actions[p]: s for p, s in plan.grads_final.items()}, (rank, depth)
+            for old, new, actions, new_actions in (
+                    (plan.losses_final, moved.losses_final, plan.actions, moved.actions),
+                    (plan.eval_losses_final, moved.eval_losses_final, plan.eval_actions, moved.eval_actions)):
+                assert (old is None and new is None) or (old is not None and new is not None
+                                                         and actions[old] == new_actions[new]), (rank, depth)
+
+
+@pytest.mark.parametrize("P", [2, 4])
+@pytest.mark.parametrize("name", NAMES)
+def test_losses_final_is_the_position_of_the_last_loss_or_none(name: str, P: int) -> None:
+    for schedule, rank, plan in _plans(name, P):
+        for actions, at in ((plan.actions, plan.losses_final), (plan.eval_actions, plan.eval_losses_final)):
+            losses = [pos for pos, a in enumerate(actions)
+                      if any(p.op is Op.F and schedule.is_last(p.stage) for p in a.compute_parts())]
+            assert at == (losses[-1] if losses else None), rank
+        assert (plan.losses_final is None) == (not plan.lasts), rank
 
 
 def test_lookahead_must_be_an_int() -> None:

@@ -1,4 +1,5 @@
-"""StageCompute: forward keeps only what backward needs; B equals I then W; structures; loss and misuse checks."""
+"""StageCompute: forward keeps only what backward needs; B equals I then W; structures; loss and misuse checks; the
+activations a stage holds per microbatch and their count over the rank."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from torch import nn
 from duplexpipe.comm.codec import TensorSpec
 from duplexpipe.errors import PipelineError
 from duplexpipe.runtime.message_meta import Message
-from duplexpipe.runtime.stage_compute import StageCompute
+from duplexpipe.runtime.stage_compute import LiveActivations, StageCompute, activations_left
 from duplexpipe.runtime.structure import TENSOR, flatten
 
 
@@ -125,6 +126,38 @@ def test_weight_before_input_is_refused() -> None:
     inputs, out = stage.forward(_grad(torch.randn(2, DIM)), 4, train=True)
     with pytest.raises(PipelineError, match="stage 1 microbatch 4: W ran before its I"):
         stage.backward_weight(stage.keep(inputs, [out], 4), 4)
+
+
+def test_stages_hold_their_activations_per_microbatch_and_count_them_over_the_rank() -> None:
+    live = LiveActivations()
+    first, second = StageCompute(0, nn.Linear(DIM, DIM), None, live=live), StageCompute(2, nn.Identity(), None,
+                                                                                       live=live)
+    inputs, out = first.forward(_grad(torch.randn(2, DIM)), 0, train=True)
+    acts = [first.keep(inputs, [out], 0) for _ in range(3)]
+    for mb, (stage, act) in enumerate(zip((first, second, first), acts, strict=True)):
+        act.saved_bytes = 10 * (mb + 1)
+        stage.hold(mb, act)
+    assert (sorted(first.acts), sorted(second.acts)) == ([0, 2], [1])
+    assert (live.live, live.peak, live.live_bytes, live.peak_bytes) == (3, 3, 60, 60)
+    first.release(0, acts[0])
+    second.release(1, acts[1])
+    assert (live.live, live.peak, live.live_bytes, live.peak_bytes) == (1, 3, 30, 60)
+    assert activations_left({0: first, 2: second}) == ["backward (B, or W after I) never ran for stage 0 "
+                                                       "microbatch 2"]
+    first.keep_output(5, out)
+    first.clear()
+    assert not first.acts and not first.outputs and activations_left({0: first, 2: second}) == []
+    live.reset()
+    assert (live.live, live.peak, live.live_bytes, live.peak_bytes) == (0, 0, 0, 0)
+
+
+def test_activations_left_lists_every_stage_and_microbatch_in_order() -> None:
+    stages = {s: StageCompute(s, nn.Identity(), None) for s in (3, 1)}
+    inputs, out = stages[1].forward(_grad(torch.randn(2, DIM)), 0, train=True)
+    for s, mb in ((3, 2), (1, 4), (3, 0)):
+        stages[s].hold(mb, stages[s].keep(inputs, [out], mb))
+    assert activations_left(stages) == ["backward (B, or W after I) never ran for stage 1 microbatch 4, "
+                                        "stage 3 microbatch 0, stage 3 microbatch 2"]
 
 
 def test_loss_must_be_a_scalar() -> None:
