@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -56,16 +57,36 @@ def _mirror(rank: int, dog: Watchdog) -> dict[str, Any]:
             "grads": {s: (m.weight.grad[0, 0].item(), m.bias.grad[0].item()) for s, m in modules.items()}}
 
 
+class JoinClock:
+    """A logical clock shared by the ranks through the store: how many ranks have joined the sum so far. It stands
+    in for the wall clock, so the test says what happened before what, whatever the machine's speed."""
+
+    def __init__(self, store: Any, key: str) -> None:
+        self.store, self.key = store, key
+
+    def tick(self) -> None:
+        """This rank joins."""
+        self.store.add(self.key, 1)
+
+    def __call__(self) -> int:
+        return int(self.store.add(self.key, 0))
+
+
 def _pending(rank: int, dog: Watchdog) -> dict[str, Any]:
-    """Rank 1 joins the sum a second late: posting returns at once, value() waits for it."""
+    """Rank 1 joins the sum only once rank 0's posting returned: were posting to wait for every rank, neither
+    would go on (rank 1 would time out waiting for the word). value() returns once rank 1 joined."""
+    store = group_store(None)
+    clock = JoinClock(store, "pending/joined")
     dist.barrier()
     if rank == 1:
-        time.sleep(1.0)
-    start = time.monotonic()
+        store.wait(["pending/posted"], timedelta(seconds=20))
+    clock.tick()
     pending = PendingSum(torch.tensor(0.25 * (rank + 1), dtype=torch.float64), None, CPU, dog, "a late sum")
-    posted_s = time.monotonic() - start
+    posted_at = clock()
+    if rank == 0:
+        store.set("pending/posted", "1")
     value = pending.value()
-    return {"pending": (value, pending.value()), "posted_s": posted_s, "waited_s": time.monotonic() - start}
+    return {"pending": (value, pending.value()), "posted_at": posted_at, "waited_at": clock()}
 
 
 def _shared(rank: int, dog: Watchdog) -> dict[str, Any]:
@@ -135,8 +156,8 @@ def test_shared_sum_adds_the_sources_values_identically_on_every_rank(results: A
 
 def test_pending_sum_is_posted_without_waiting_and_equal_on_every_rank(results: Any) -> None:
     assert [rec["pending"] for rec in results] == [(0.75, 0.75), (0.75, 0.75)]
-    assert results[0]["posted_s"] < 0.5  # rank 1 joins 1 s later
-    assert results[0]["waited_s"] >= 0.5
+    assert results[0]["posted_at"] == 1  # posting returned before rank 1 joined (it waited for the word)
+    assert results[0]["waited_at"] == 2  # value() returned after rank 1 joined
 
 
 def _agreement(batch: int, target_rows: int, error_rank: int = -1, consistent: bool = True) -> Agreement:

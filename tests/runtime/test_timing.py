@@ -57,15 +57,25 @@ def test_merge_refuses_different_runs() -> None:
         merge_timelines([])
 
 
+SPIN_CYCLES = 200_000_000
+"""GPU clock cycles a kernel spins for: about 0.1 s on current GPUs (1-2 GHz), while the CPU launches it at once."""
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_events_time_gpu_work() -> None:
+def test_cuda_events_time_gpu_work_not_the_cpu_clock() -> None:
+    """A span around GPU work the CPU only launches: CUDA events measure the work (tens of ms); a CPU clock would
+    measure the launch (microseconds), so a tracer that fell back to one fails here."""
     device = torch.device("cuda")
     tracer = Tracer(rank=0, device=device, enabled=True)
-    a = torch.randn(2048, 2048, device=device)
+    torch.cuda._sleep(1000)  # the first launch loads the kernel: not part of what is timed
+    torch.cuda.synchronize(device)
     tracer.start()
+    launched = time.perf_counter()
     with tracer.span(Action(0, Op.F, 0)):
-        for _ in range(10):
-            a = a @ a / 2048
+        torch.cuda._sleep(SPIN_CYCLES)
+    cpu_s = time.perf_counter() - launched
     timeline = tracer.timeline("gpipe", 1, 1)
-    assert timeline is not None and timeline.events[0].duration > 0
+    assert timeline is not None
+    gpu_s = timeline.events[0].duration
+    assert gpu_s >= 0.01 and gpu_s > 10 * cpu_s, (gpu_s, cpu_s)
