@@ -8,7 +8,6 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
-from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -45,8 +44,6 @@ EP_LANE = "ep"
 """The timeline lane of the exchanges inside stage compute (expert-parallel all-to-alls)."""
 SHAPE_CACHE_SIZE = 8
 """How many distinct input-shape signatures keep their learned activation shapes."""
-NOTHING_FINAL: Mapping[int, tuple[int, ...]] = MappingProxyType({})
-"""An evaluation's stages whose gradients become final: none."""
 
 
 class PipelineRuntime:
@@ -367,7 +364,7 @@ class PipelineRuntime:
         list, see LossSum). Every rank takes part."""
         at: list[Action | None] = [None]
         actions = plan.actions if ctx.train else plan.eval_actions
-        final = plan.grads_final if ctx.train else NOTHING_FINAL
+        final = plan.grads_final if ctx.train else {}
         handlers = self._handlers
         reap = None if self.watchdog.gloo else self.transport.reap  # gloo: sends are released by finish()
         loss = ctx.loss
