@@ -1,5 +1,4 @@
-"""Comm points inside a stage's compute: the driver that issues and waits for their exchanges, and the slot a forward
-leaves for its backward.
+"""Comm points inside a stage's compute: the Driver that runs their exchanges, the slot a forward leaves its backward.
 
 A layer that must exchange data in the middle of its forward or backward (an MoE layer's all-to-alls) calls
 `slot.driver.exchange(issue, label, nbytes)` at that point. Outside an F&B pair the exchange is issued and waited
