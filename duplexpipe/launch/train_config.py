@@ -141,7 +141,7 @@ class TrainConfig:
 
     def _check_parallelism(self) -> None:
         """grad_compression, zero_stage and memory_limit: known values, and the limit only with schedule "auto"."""
-        from duplexpipe.planner.memory import parse_bytes
+        from duplexpipe.sizes import parse_bytes
 
         if self.grad_compression not in GRAD_COMPRESSIONS:
             raise ValueError(f"grad_compression must be one of {', '.join(GRAD_COMPRESSIONS)}, "
