@@ -16,16 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from duplexpipe import (
-    CharCorpus,
-    LinkModel,
-    Pipeline,
-    PipelineConfig,
-    gather_timeline,
-    make_mesh,
-    run,
-)
+from duplexpipe import Pipeline, PipelineConfig, make_mesh, run
+from duplexpipe.launch.tasks.gpt import CharCorpus
 from duplexpipe.moe import CausalSelfAttention, MoEBlock, MoELayer
+from duplexpipe.runtime.pieces import LinkModel
+from duplexpipe.runtime.timing import gather_timeline
 
 
 def build_model(vocab: int, dim: int = 64, layers: int = 4, experts: int = 8) -> tuple[nn.Module, list[nn.Module],
