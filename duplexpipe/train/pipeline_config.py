@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -33,8 +34,8 @@ AUTO_PROFILE_KEYS = ("repeats", "warmup", "timer", "fit_rows", "fused", "evict_b
 """schedule_options keys of schedule="auto" that go to `profile_parts`."""
 AUTO_CALIBRATION_KEYS = ("calibrate", "calibration_budget_s", "calibration_cache", "cpu_timer")
 """schedule_options keys of schedule="auto" for the in-pipeline calibration and its cache (`train.calibration`)."""
-AUTO_FIXED: Mapping[str, str] = {"num_microbatches": "microbatches", "zero_stage": "zero_stages",
-                                 "grad_compression": "compressions"}
+AUTO_FIXED: Mapping[str, str] = MappingProxyType({"num_microbatches": "microbatches", "zero_stage": "zero_stages",
+                                                  "grad_compression": "compressions"})
 """PipelineConfig fields that, when set (not None), fix the planner's choice, and the schedule_options key that
 narrows the planner's search when the field is left unset."""
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]

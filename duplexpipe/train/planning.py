@@ -24,7 +24,7 @@ from duplexpipe.parallel.mesh import ParallelGroups
 from duplexpipe.parallel.tied import find_tied
 from duplexpipe.parallel.zero_config import check_tied
 from duplexpipe.planner.calibrate import fit_wall_scale
-from duplexpipe.planner.calibration_cache import default_cache_dir
+from duplexpipe.planner.calibration_cache import CalibrationCache, default_cache_dir
 from duplexpipe.planner.dp_comm import UNMEASURED, Link, compression
 from duplexpipe.planner.plan import PlanConfig, microbatch_counts, plan
 from duplexpipe.planner.profile import Profile
@@ -225,7 +225,7 @@ def _name(value: Any) -> str:
     return getattr(value, "__qualname__", type(value).__qualname__) if callable(value) else repr(value)
 
 
-def _settings(options: dict[str, Any]) -> tuple[Calibration, Any]:
+def _settings(options: dict[str, Any]) -> tuple[Calibration, CalibrationCache | None]:
     """The calibration settings and the cache (None: no cache) of schedule_options. A scripted timer means a
     test or a custom measurement: no cache unless one is named."""
     scripted = "timer" in options or "cpu_timer" in options
