@@ -79,4 +79,5 @@ def test_compression_options_have_one_home(name: str) -> None:
 
 def test_zero_options_have_one_home() -> None:
     assert _exporters("ZeroOptions") == ["duplexpipe.dp_options.zero"]
+    assert not hasattr(importlib.import_module("duplexpipe.parallel.zero_config"), "ZeroOptions")
     assert duplexpipe.ZeroOptions.__module__ == "duplexpipe.dp_options.zero"

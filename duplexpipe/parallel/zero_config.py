@@ -4,9 +4,12 @@ live torch-free in `duplexpipe.dp_options.zero`."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from duplexpipe.dp_options.zero import ZeroOptions
 from duplexpipe.schedules.ir import Op, Schedule
+
+if TYPE_CHECKING:  # its one home; not a name of this module
+    from duplexpipe.dp_options.zero import ZeroOptions
 
 __all__ = ["check_hpz", "check_tied"]
 
