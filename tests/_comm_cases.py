@@ -10,20 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from duplexpipe.comm import (
-    Bucket,
-    C10dCounter,
-    DGCOptions,
-    Int8Options,
-    PowerSGDOptions,
-    RandomKOptions,
-    Reducer,
-    ThresholdOptions,
-    TopKOptions,
-    WireMeter,
-    build_reducer,
-    ring_bytes,
-)
+from duplexpipe.comm import Bucket, C10dCounter, Reducer, WireMeter, build_reducer, ring_bytes
 from duplexpipe.comm.dgc import dgc_density
 from duplexpipe.comm.quantize import (
     INT8_MAX,
@@ -35,6 +22,14 @@ from duplexpipe.comm.quantize import (
     quantize_int8,
 )
 from duplexpipe.comm.sparsify import keep_count, segment_keep_counts
+from duplexpipe.dp_options.compression import (
+    DGCOptions,
+    Int8Options,
+    PowerSGDOptions,
+    RandomKOptions,
+    ThresholdOptions,
+    TopKOptions,
+)
 
 SHAPES = {0: [(8, 6), (6,), (5, 4)], 5: [(10, 3), (3,)]}
 """Two buckets (indices 0 and 5) with matrices for PowerSGD and vectors it leaves uncompressed."""

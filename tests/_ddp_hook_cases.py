@@ -12,7 +12,8 @@ from torch import Tensor, nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
-from duplexpipe.comm import Bucket, PowerSGDOptions, Reducer, build_reducer
+from duplexpipe.comm import Bucket, Reducer, build_reducer
+from duplexpipe.dp_options.compression import PowerSGDOptions
 
 
 def _recording(hook: Any, records: list[dict[str, Any]]) -> Any:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from _train_helpers import Reference, adam, batch, make_parts, max_param_diff, max_rel_diff, mse
 from torch import nn
 
-from duplexpipe.comm import (
+from duplexpipe.dp_options.compression import (
     DGCOptions,
     Int8Options,
     Options,

@@ -12,9 +12,9 @@ import torch.distributed as dist
 from _train_helpers import WIDTH, batch, make_parts, mse
 from torch import Tensor, nn
 
-from duplexpipe.comm import Int8Options
-from duplexpipe.parallel import ZeroOptions
-from duplexpipe.pipeline import Pipeline, PipelineConfig, make_mesh
+from duplexpipe import Pipeline, PipelineConfig, make_mesh
+from duplexpipe.dp_options.compression import Int8Options
+from duplexpipe.dp_options.zero import ZeroOptions
 from duplexpipe.train.precision import LossScaleConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

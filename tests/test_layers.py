@@ -20,8 +20,8 @@ LEVELS = {
     "parallel": 5, "train": 6, "launch": 7, "cli": 8,
 }
 """A package may import its own modules and those of packages on lower levels only (docs/architecture.md)."""
-FACES = ("duplexpipe/__init__.py", "duplexpipe/pipeline.py")
-"""The public faces: they re-export from every package and nothing inside imports them."""
+FACES = ("duplexpipe/__init__.py",)
+"""The public face: it re-exports from every package and nothing inside imports it."""
 TORCH_FREE = ("schedules", "dp_options", "planner")
 
 
@@ -147,3 +147,33 @@ def test_torch_free_packages_import_no_torch_at_module_level(package: str) -> No
     code = f"import sys; {names} print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+PLANNING = ("duplexpipe.train.planning", "duplexpipe.train.calibration", "duplexpipe.train.choice",
+            "duplexpipe.train.measure_cache", "duplexpipe.train.measure")
+"""The planning step before a Pipeline is built, and the measuring it does."""
+
+
+def test_the_config_imports_nothing_of_the_planner_or_of_measuring() -> None:
+    graph = _graph()
+    config = "duplexpipe.train.pipeline_config"
+    direct = sorted(t for t in graph.successors(config) if t.startswith("duplexpipe.planner") or t in PLANNING)
+    assert not direct, f"train/pipeline_config.py imports {direct}"
+    reached = sorted(t for t in nx.descendants(graph, config) if t in PLANNING or t == "duplexpipe.planner.plan")
+    assert not reached, f"train/pipeline_config.py reaches {reached}"
+
+
+def test_the_planning_step_sits_below_the_trainer() -> None:
+    graph = _graph(type_hints=True)
+    for module in PLANNING:
+        assert "duplexpipe.train.trainer" not in nx.descendants(graph, module), f"{module} reaches the trainer"
+
+
+def test_a_pipeline_builds_no_pipeline() -> None:
+    """Pipeline.__init__ plans first (train/planning.py, below it) and calls no Pipeline constructor itself."""
+    tree = ast.parse((PACKAGE / "train" / "trainer.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Pipeline")
+    init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    calls = {ast.unparse(n.func) for n in ast.walk(init) if isinstance(n, ast.Call)}
+    assert "plan_pipeline" in calls
+    assert not calls & {"Pipeline", "cls", "type(self)", "self.__class__"}, sorted(calls)

@@ -8,8 +8,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from duplexpipe.planner.memory import format_bytes, parse_bytes
 from duplexpipe.planner.profile import load_profile, save_profile
+from duplexpipe.sizes import format_bytes, parse_bytes
 
 PLAN_EPILOG = """examples:
   duplexpipe profile --parts 8 --microbatch 4 -o profile.json

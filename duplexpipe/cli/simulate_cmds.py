@@ -23,9 +23,10 @@ from duplexpipe.cli.args import (
     parse_opts,
     viz,
 )
-from duplexpipe.planner.memory import add_peak_bytes, format_bytes, profile_memory
+from duplexpipe.planner.memory import add_peak_bytes, profile_memory
 from duplexpipe.schedules.compare import compare_schedules, cost_note, with_cost
 from duplexpipe.schedules.ir import Schedule
+from duplexpipe.sizes import format_bytes
 
 
 def add_parsers(sub: Any) -> None:

@@ -6,7 +6,9 @@ from typing import Any
 
 from duplexpipe.comm.hooks import CastReducer, PowerSGDReducer
 from duplexpipe.comm.meter import WireMeter
-from duplexpipe.comm.methods import (
+from duplexpipe.comm.reducers import Int8Reducer, SparseReducer
+from duplexpipe.comm.reduction import ExactReducer, Reducer
+from duplexpipe.dp_options.compression import (
     Bf16Options,
     DGCOptions,
     Fp16Options,
@@ -16,8 +18,6 @@ from duplexpipe.comm.methods import (
     TopKOptions,
     compression_options,
 )
-from duplexpipe.comm.reducers import Int8Reducer, SparseReducer
-from duplexpipe.comm.reduction import ExactReducer, Reducer
 
 
 def build_reducer(spec: str | Options | None, group: Any = None, meter: WireMeter | None = None) -> Reducer:

@@ -11,8 +11,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 
 from duplexpipe.comm.bucket import Bucket
 from duplexpipe.comm.meter import WireMeter
-from duplexpipe.comm.methods import Bf16Options, Fp16Options, PowerSGDOptions
 from duplexpipe.comm.reduction import FutureWork, Phases, Reducer
+from duplexpipe.dp_options.compression import Bf16Options, Fp16Options, PowerSGDOptions
 
 
 def _result_into(bucket: Bucket, buffer: Tensor, value: Any) -> None:

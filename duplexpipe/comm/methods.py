@@ -1,5 +1,5 @@
-"""Gradient compression options (their one table is `duplexpipe.dp_options.compression`, torch-free, re-exported
-here) and the optimizer check for sparsifiers, which needs torch."""
+"""The optimizer check for sparsifying gradient compression, which needs torch (the options themselves live
+torch-free in `duplexpipe.dp_options.compression`)."""
 
 from __future__ import annotations
 
@@ -7,24 +7,9 @@ from typing import Any
 
 import torch
 
-from duplexpipe.dp_options.compression import (
-    METHOD_NAMES,
-    Bf16Options,
-    DGCOptions,
-    Fp16Options,
-    Int8Options,
-    NoCompression,
-    Options,
-    PowerSGDOptions,
-    RandomKOptions,
-    ThresholdOptions,
-    TopKOptions,
-    compression_options,
-)
+from duplexpipe.dp_options.compression import DGCOptions, Options, TopKOptions
 
-__all__ = ["ADAPTIVE_OPTIMIZERS", "METHOD_NAMES", "Bf16Options", "DGCOptions", "Fp16Options", "Int8Options",
-           "NoCompression", "Options", "PowerSGDOptions", "RandomKOptions", "ThresholdOptions", "TopKOptions",
-           "check_optimizer", "compression_options"]
+__all__ = ["ADAPTIVE_OPTIMIZERS", "check_optimizer"]
 
 
 ADAPTIVE_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,

@@ -11,7 +11,6 @@ from duplexpipe.comm.bucket import Bucket
 from duplexpipe.comm.dgc import DGCMemory, dgc_density
 from duplexpipe.comm.feedback import ErrorFeedback
 from duplexpipe.comm.meter import WireMeter
-from duplexpipe.comm.methods import DGCOptions, Int8Options, RandomKOptions, ThresholdOptions, TopKOptions
 from duplexpipe.comm.quantize import dequantize_int8, quantize_int8, work_dtype
 from duplexpipe.comm.reduction import Phases, Reducer
 from duplexpipe.comm.sparsify import (
@@ -23,6 +22,7 @@ from duplexpipe.comm.sparsify import (
     top_k,
     top_k_segments,
 )
+from duplexpipe.dp_options.compression import DGCOptions, Int8Options, RandomKOptions, ThresholdOptions, TopKOptions
 
 
 class _RankGenerator:

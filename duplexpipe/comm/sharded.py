@@ -22,11 +22,17 @@ import torch.distributed as dist
 from torch import Tensor
 
 from duplexpipe.comm.meter import WireMeter
-from duplexpipe.comm.methods import Bf16Options, Fp16Options, Int8Options, NoCompression, Options
 from duplexpipe.comm.quantize import dequantize_int8, quantize_int8, work_dtype
 from duplexpipe.comm.reducers import _pack, _unpack
 from duplexpipe.comm.reduction import Waitable, WaitFn, blocking_wait
-from duplexpipe.dp_options.compression import check_sharded
+from duplexpipe.dp_options.compression import (
+    Bf16Options,
+    Fp16Options,
+    Int8Options,
+    NoCompression,
+    Options,
+    check_sharded,
+)
 
 Steps = Generator[tuple[Waitable, str], None, None]
 """A collective's body: yields (work, what) for each collective it must wait for before going on."""

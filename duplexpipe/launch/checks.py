@@ -10,13 +10,14 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from duplexpipe.comm import check_optimizer, compression_options
+from duplexpipe.comm import check_optimizer
+from duplexpipe.dp_options.compression import compression_options
 from duplexpipe.launch.train_config import TrainConfig
 from duplexpipe.launch.train_loop import TrainTask, build_task, load_task, make_optimizer, pipeline_config
 from duplexpipe.parallel.compressed import check_dgc_momentum
 from duplexpipe.parallel.zero_config import check_hpz
 from duplexpipe.schedules.registry import build as build_schedule
-from duplexpipe.train.auto_config import AUTO
+from duplexpipe.train.pipeline_config import AUTO
 
 
 def check_training(config: TrainConfig) -> None:

@@ -176,8 +176,9 @@ seconds per rank, everything read from the environment of the launch)."""
 START_METHOD_ENV = "DUPLEXPIPE_START_METHOD"
 """The environment variable `launch` reads when no start_method is given (default "forkserver")."""
 DEFAULT_START_METHOD = START_METHODS[0]
-FORKSERVER_PRELOAD = ("torch", "torch.distributed", "duplexpipe.pipeline")
-"""What the fork server imports before forking ranks."""
+FORKSERVER_PRELOAD = ("torch", "torch.distributed", "duplexpipe.train.trainer", "duplexpipe.model.trace_split",
+                      "duplexpipe.launch.processes")
+"""What the fork server imports before forking ranks (the training API)."""
 
 
 def start_context(method: str | None = None) -> Any:

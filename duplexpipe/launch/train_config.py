@@ -31,7 +31,7 @@ BALANCES = ("uniform", "params", "time")
 P2P_COMPRESSIONS = ("none", "bf16", "fp8", "int8")
 """Stage-to-stage send formats: "none" (as computed) or a `duplexpipe.comm.P2P_COMPRESSION` name."""
 GRAD_COMPRESSIONS = ("none", "bf16", "fp16", "powersgd", "int8", "topk", "randomk", "threshold", "dgc")
-"""Data-parallel gradient compression methods (duplexpipe.comm.METHOD_NAMES)."""
+"""Data-parallel gradient compression methods (duplexpipe.dp_options.compression.METHOD_NAMES)."""
 ZERO_STAGES = (0, 1, 2)
 
 
@@ -77,7 +77,8 @@ class TrainConfig:
     """Stage-to-stage sends: "none" (as computed), "bf16", "fp8" (per-row scales) or "int8" (blockwise);
     see PipelineConfig.p2p_compression."""
     grad_compression: str = "none"
-    """Data-parallel gradient compression: "none" (exact) or a duplexpipe.comm method name with its defaults."""
+    """Data-parallel gradient compression: "none" (exact) or a duplexpipe.dp_options.compression method name with its
+    defaults."""
     zero_stage: int = 0
     """ZeRO over the data-parallel replicas: 0 none, 1 optimizer state sharded, 2 gradients too (FSDP2)."""
     memory_limit: str | None = None
@@ -141,7 +142,7 @@ class TrainConfig:
 
     def _check_parallelism(self) -> None:
         """grad_compression, zero_stage and memory_limit: known values, and the limit only with schedule "auto"."""
-        from duplexpipe.planner.memory import parse_bytes
+        from duplexpipe.sizes import parse_bytes
 
         if self.grad_compression not in GRAD_COMPRESSIONS:
             raise ValueError(f"grad_compression must be one of {', '.join(GRAD_COMPRESSIONS)}, "

@@ -8,11 +8,10 @@ from duplexpipe.parallel.replicated import ReplicatedStrategy
 from duplexpipe.parallel.strategy import DP_LANE, DPStrategy, LaneRecorder, OptimizerFactory, StrategyContext, WaitFn
 from duplexpipe.parallel.zero1 import Zero1Strategy
 from duplexpipe.parallel.zero2 import Zero2Strategy
-from duplexpipe.parallel.zero_config import ZERO_STAGES, ZeroOptions, check_zero
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES", "DP_LANE", "STRATEGY_NAMES", "BucketSpec", "BucketTracker", "CompressedStrategy",
     "DPStrategy", "LaneRecorder", "OptimizerFactory", "ParallelGroups", "ReplicatedStrategy", "StrategyContext",
-    "WaitFn", "ZERO_STAGES", "Zero1Strategy", "Zero2Strategy", "ZeroOptions", "check_strategy_name", "check_zero",
+    "WaitFn", "Zero1Strategy", "Zero2Strategy", "check_strategy_name",
     "final_order", "make_mesh", "make_strategy", "plan_buckets",
 ]

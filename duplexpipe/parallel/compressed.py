@@ -9,8 +9,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from duplexpipe.comm import Bucket, DGCOptions, Reduction, Waitable, build_reducer, check_optimizer
+from duplexpipe.comm import Bucket, Reduction, Waitable, build_reducer, check_optimizer
 from duplexpipe.comm.dgc import local_clip_threshold
+from duplexpipe.dp_options.compression import DGCOptions
 from duplexpipe.parallel import grads
 from duplexpipe.parallel.buckets import BucketSpec
 from duplexpipe.parallel.mesh import ParallelGroups

@@ -5,13 +5,13 @@ from __future__ import annotations
 import warnings
 from dataclasses import replace
 
-from duplexpipe.comm import NoCompression
+from duplexpipe.dp_options.compression import NoCompression
+from duplexpipe.dp_options.zero import ZeroOptions, check_zero
 from duplexpipe.parallel.compressed import CompressedStrategy
 from duplexpipe.parallel.replicated import ReplicatedStrategy
 from duplexpipe.parallel.strategy import DPStrategy, StrategyContext
 from duplexpipe.parallel.zero1 import Zero1Strategy
 from duplexpipe.parallel.zero2 import Zero2Strategy
-from duplexpipe.parallel.zero_config import ZeroOptions, check_zero
 
 STRATEGY_NAMES = ("replicated", "compressed")
 """The names PipelineConfig.dp_strategy accepts (None picks one from grad_compression)."""

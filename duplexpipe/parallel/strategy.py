@@ -14,11 +14,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from duplexpipe.comm import FutureWork, NoCompression, Options, Waitable, WireMeter
+from duplexpipe.comm import FutureWork, Waitable, WireMeter
+from duplexpipe.dp_options.compression import NoCompression, Options
+from duplexpipe.dp_options.zero import ZeroOptions
 from duplexpipe.parallel import grads
 from duplexpipe.parallel.buckets import DEFAULT_BUCKET_BYTES, BucketSpec, BucketTracker, plan_buckets
 from duplexpipe.parallel.mesh import ParallelGroups
-from duplexpipe.parallel.zero_config import ZeroOptions
 from duplexpipe.schedules.ir import Schedule
 from duplexpipe.schedules.timeline import Span
 

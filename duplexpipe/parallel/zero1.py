@@ -13,8 +13,9 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from duplexpipe.comm import Waitable
-from duplexpipe.comm.methods import Int8Options
 from duplexpipe.comm.sharded import ShardComm
+from duplexpipe.dp_options.compression import Int8Options
+from duplexpipe.dp_options.zero import gradient_wire
 from duplexpipe.model.stages import inner_module
 from duplexpipe.parallel import grads
 from duplexpipe.parallel.buckets import BucketSpec, BucketTracker
@@ -28,7 +29,6 @@ from duplexpipe.parallel.zero1_state import (
     plain_entries,
     state_dict,
 )
-from duplexpipe.parallel.zero_config import gradient_wire
 
 
 def checkpoint_names(ctx: StrategyContext) -> dict[int, tuple[int, str]]:

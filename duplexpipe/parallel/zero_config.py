@@ -1,22 +1,17 @@
-"""ZeRO's checks against the model and schedule (hpZ, tied weights); its options and stage rules live torch-free in
-`duplexpipe.dp_options.zero` (re-exported here)."""
+"""ZeRO's checks against the model and schedule (hpZ, tied weights); its options (`ZeroOptions`) and stage rules
+live torch-free in `duplexpipe.dp_options.zero`."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from duplexpipe.dp_options.zero import (
-    ZERO_STAGES,
-    ZeroOptions,
-    check_zero,
-    check_zero_stage,
-    gradient_wire,
-    zero_refusal,
-)
 from duplexpipe.schedules.ir import Op, Schedule
 
-__all__ = ["ZERO_STAGES", "ZeroOptions", "check_hpz", "check_tied", "check_zero", "check_zero_stage", "gradient_wire",
-           "zero_refusal"]
+if TYPE_CHECKING:  # its one home; not a name of this module
+    from duplexpipe.dp_options.zero import ZeroOptions
+
+__all__ = ["check_hpz", "check_tied"]
 
 
 def check_hpz(options: ZeroOptions, schedule: Schedule, dp_size: int) -> None:

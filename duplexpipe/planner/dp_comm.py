@@ -12,10 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from duplexpipe.dp_options import (
-    ZERO_STAGES as TRAINER_ZERO_STAGES,
-)
-from duplexpipe.dp_options import (
+from duplexpipe.dp_options.compression import (
     Bf16Options,
     DGCOptions,
     Fp16Options,
@@ -26,6 +23,7 @@ from duplexpipe.dp_options import (
     compression_options,
     options_label,
 )
+from duplexpipe.dp_options.zero import ZERO_STAGES as TRAINER_ZERO_STAGES
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -13,31 +12,6 @@ from duplexpipe.planner.dp_comm import zero_stage
 from duplexpipe.planner.profile import PartProfile, Profile, load_profile
 from duplexpipe.schedules.ir import Op, Schedule
 from duplexpipe.schedules.timeline import Timeline
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
-
-
-def parse_bytes(text: str) -> int:
-    """"40GiB", "512 MiB", "1.5e9", "80GB" -> bytes; ValueError names the text and the accepted forms."""
-    match = _SIZE_RE.match(str(text))
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise ValueError(f"bad memory size {text!r}: expected a number with an optional unit B, kB, MB, GB, "
-                         "TB, KiB, MiB, GiB or TiB, e.g. 40GiB")
-    value = float(match.group(1)) * _UNITS[unit]
-    if not value > 0 or not math.isfinite(value):
-        raise ValueError(f"bad memory size {text!r}: must be > 0")
-    return round(value)
-
-
-def format_bytes(value: float) -> str:
-    """Bytes in binary units with three significant digits: "40.0 GiB", "512 MiB", "800 B"."""
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(value) >= size:
-            return f"{value / size:.3g} {unit}"
-    return f"{value:.0f} B"
 
 
 @dataclass(frozen=True)

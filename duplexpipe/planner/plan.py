@@ -7,7 +7,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from duplexpipe.dp_options import Options, zero_refusal
+from duplexpipe.dp_options.compression import Options
+from duplexpipe.dp_options.zero import zero_refusal
 from duplexpipe.errors import PlanError, ProfileError, ScheduleError
 from duplexpipe.planner.dp_comm import (
     COMPRESSIONS,
@@ -20,12 +21,13 @@ from duplexpipe.planner.dp_comm import (
     zero_stage,
 )
 from duplexpipe.planner.machine import Machine, simulate_shared
-from duplexpipe.planner.memory import MemoryConfig, RankMemory, StageBytes, format_bytes, rank_memory
+from duplexpipe.planner.memory import MemoryConfig, RankMemory, StageBytes, rank_memory
 from duplexpipe.planner.profile import PartProfile, Profile
 from duplexpipe.schedules import registry
 from duplexpipe.schedules.ir import Op, Schedule
 from duplexpipe.schedules.simulate import CostModel, simulate
 from duplexpipe.schedules.timeline import Timeline
+from duplexpipe.sizes import format_bytes
 
 HIDDEN = 1e-9
 """Exposed data-parallel time (s) at or below which a reduction counts as hidden."""

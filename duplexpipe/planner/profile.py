@@ -148,7 +148,7 @@ class RuntimeOverhead:
 
 @dataclass(frozen=True)
 class Profile:
-    """What `duplexpipe.pipeline.profile_parts` measured, one entry per model part, in order."""
+    """What `duplexpipe.train.measure.profile_parts` measured, one entry per model part, in order."""
 
     parts: tuple[PartProfile, ...]
     """The model parts, first to last."""
@@ -191,7 +191,7 @@ class Profile:
     def group_sizes(self, num_groups: int) -> list[int]:
         """How many parts each of `num_groups` contiguous groups of near-equal F+B time takes (at the
         profiled microbatch; the planner groups every candidate this way, so its grouping is the one
-        `train.auto_config` and `partition.balanced_split` on these times rebuild). ProfileError when there are
+        `train.planning` and `partition.balanced_split` on these times rebuild). ProfileError when there are
         fewer parts than groups."""
         if num_groups > self.num_parts:
             raise ProfileError(f"the profile has {self.num_parts} parts; {num_groups} model parts need a "

@@ -1,4 +1,4 @@
-"""Training: Pipeline and its config, checkpoints, precision, measuring a live model for the planner."""
+"""Training: Pipeline and its config, the planning step before a Pipeline is built, checkpoints, precision."""
 
 from duplexpipe.train.measure import profile_parts
 from duplexpipe.train.precision import DynamicLossScaler, LossScaleConfig

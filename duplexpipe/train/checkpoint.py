@@ -11,6 +11,7 @@ strategy state is tensors plus a JSON skeleton, and non-tensor values are read w
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from typing import Any
 
@@ -19,7 +20,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from duplexpipe.comm import compression_options
+from duplexpipe.dp_options.compression import compression_options
 from duplexpipe.train.checkpoint_base import (
     Checkpointable,
     check_between_windows,
@@ -32,14 +33,14 @@ from duplexpipe.train.checkpoint_base import (
     set_trainer_state,
     stage_dict,
 )
-from duplexpipe.train.checkpoint_legacy import is_legacy, load_legacy
 from duplexpipe.train.plain_state import WeightsOnlyLoadPlanner, decode, encode
 from duplexpipe.train.state_keys import StateKeys
 
 __all__ = ["FORMAT", "Checkpointable", "load_checkpoint", "read_checkpoint", "save_checkpoint", "state_keys"]
 
 FORMAT = 2
-"""The checkpoint format `save_checkpoint` writes (1: the stage-keyed format, which loads on its own layout)."""
+"""The checkpoint format `save_checkpoint` writes (1, stage-keyed `model.stage<s>.<name>`, is no longer read)."""
+_STAGE_KEY = re.compile(r"^model\.stage\d+\.")
 
 
 def state_keys(pipe: Checkpointable) -> StateKeys:
@@ -123,12 +124,13 @@ def _saved_layout(path: str) -> str:
 
 def load_checkpoint(pipe: Checkpointable, path: str) -> None:
     """Restore what `save_checkpoint` wrote into a pipeline of any layout (all ranks call); a checkpoint of the
-    stage-keyed format 1 loads into the layout that saved it."""
+    stage-keyed format 1 is refused on every rank, saying how to convert it (CHANGELOG.md)."""
     check_between_windows(pipe, "load")
     stored = read_metadata(path).state_dict_metadata
-    if is_legacy(stored):
-        load_legacy(pipe, path, stored)
-        return
+    if "trainer.format" not in stored and any(_STAGE_KEY.match(k) for k in stored):
+        raise ValueError(f"checkpoint {path} has the stage-keyed format 1 of earlier duplexpipe versions, which this "
+                         "version no longer reads; to convert it, load it with duplexpipe 0.1 into a Pipeline built "
+                         "like the saving one and save it again with pipe.save() (see CHANGELOG.md)")
     modules = stage_dict(pipe)
     keys = state_keys(pipe)
     model_sd, optim_sd = pipe.dp.checkpoint_dicts(modules)

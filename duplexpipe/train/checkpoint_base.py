@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from duplexpipe.model.split import Partition
 from duplexpipe.parallel import DPStrategy, ParallelGroups
 from duplexpipe.schedules.ir import Schedule
-from duplexpipe.train.auto_config import AutoChoice
+from duplexpipe.train.choice import AutoChoice
 from duplexpipe.train.pipeline_config import PipelineConfig
 from duplexpipe.train.precision import DynamicLossScaler
 

@@ -19,7 +19,8 @@ from duplexpipe.model.hf import CausalLMPart
 from duplexpipe.model.hf_files import INDEX_FILE
 from duplexpipe.parallel import DPStrategy, ParallelGroups
 from duplexpipe.schedules.ir import Schedule
-from duplexpipe.train.auto_config import AutoChoice, PartChain
+from duplexpipe.train.choice import AutoChoice
+from duplexpipe.train.part_chain import PartChain
 from duplexpipe.train.pretrained import SOURCE_FILES
 from duplexpipe.train.state_keys import stage_state_keys
 

@@ -15,7 +15,7 @@ from duplexpipe.planner.profile import PartProfile, RuntimeOverhead
 from duplexpipe.planner.runtime_work import OverheadSample, rank_counts, rank_work, solve_overhead
 from duplexpipe.schedules import registry
 from duplexpipe.schedules.ir import Schedule
-from duplexpipe.train.auto_measure import CpuTimer, gathered_samples, timed_steps
+from duplexpipe.train.calibration import CpuTimer, gathered_samples, timed_steps
 from duplexpipe.train.measure import profile_parts
 from duplexpipe.train.trainer import LossFn, Pipeline, PipelineConfig
 

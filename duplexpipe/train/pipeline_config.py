@@ -2,23 +2,41 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Any
 
 import torch
 
-from duplexpipe.comm import Options, compression_options
+from duplexpipe.comm.meter import WireMeter
 from duplexpipe.comm.nonfinite import check_policy
 from duplexpipe.comm.p2p_codecs import p2p_codec_pair
+from duplexpipe.dp_options.compression import Options, compression_options
+from duplexpipe.dp_options.zero import ZERO_STAGES, ZeroOptions, check_zero, zero_refusal
 from duplexpipe.fielddoc import documented
-from duplexpipe.parallel import DEFAULT_BUCKET_BYTES, ZERO_STAGES, ZeroOptions, check_strategy_name, check_zero
-from duplexpipe.parallel.zero_config import zero_refusal
+from duplexpipe.parallel import DEFAULT_BUCKET_BYTES, check_strategy_name
+from duplexpipe.runtime import RuntimeConfig
+from duplexpipe.runtime.config import GradsReadyHook
 from duplexpipe.schedules.ir import Schedule
 from duplexpipe.schedules.timeline import Timeline
-from duplexpipe.train.auto_config import AUTO, check_fixed, check_options, memory_bytes
+from duplexpipe.sizes import memory_bytes
 from duplexpipe.train.precision import LossScaleConfig, autocast_dtype
 
+AUTO = "auto"
+"""The PipelineConfig.schedule value that plans the schedule (the registry's `auto` generator is one candidate)."""
+AUTO_PLAN_KEYS = ("schedules", "microbatches", "chunks", "zero_stages", "compressions", "dp_link", "p2p_link",
+                  "optimizer_factor", "gradient_factor", "cores")
+"""schedule_options keys of schedule="auto" that go to the planner: the fields of `planner.plan.PlanConfig` a
+user sets (the others come from the Pipeline; a test keeps the two lists equal)."""
+AUTO_PROFILE_KEYS = ("repeats", "warmup", "timer", "fit_rows", "fused", "evict_bytes")
+"""schedule_options keys of schedule="auto" that go to `profile_parts`."""
+AUTO_CALIBRATION_KEYS = ("calibrate", "calibration_budget_s", "calibration_cache", "cpu_timer")
+"""schedule_options keys of schedule="auto" for the in-pipeline calibration and its cache (`train.calibration`)."""
+AUTO_FIXED: Mapping[str, str] = MappingProxyType({"num_microbatches": "microbatches", "zero_stage": "zero_stages",
+                                                  "grad_compression": "compressions"})
+"""PipelineConfig fields that, when set (not None), fix the planner's choice, and the schedule_options key that
+narrows the planner's search when the field is left unset."""
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 """Builds an LR scheduler on the optimizer, e.g. `lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, f)`."""
 
@@ -37,7 +55,7 @@ class PipelineConfig:
     schedule: str | Schedule = "1f1b"
     """A registry name (`duplexpipe.schedules.registry.names()`), a ready Schedule for the pp ranks, or
     "auto": measure the parts on a sample (rank 0's profile and an in-pipeline calibration of the runtime,
-    cached), plan under `memory_limit` and run the winner (see `duplexpipe.train.auto_config`). With "auto"
+    cached), plan under `memory_limit` and run the winner (see `duplexpipe.train.planning`). With "auto"
     the planner chooses the schedule and every field below that is left unset (None): num_microbatches,
     zero_stage, grad_compression; a field that is set is fixed, and the planner plans only with that value.
     `Pipeline.plan` and the log line (logger "duplexpipe.plan") say what was chosen; it is what runs."""
@@ -91,14 +109,14 @@ class PipelineConfig:
     """A compressed send holding NaN or inf (it always arrives non-finite): "warn" (count it, warn once) or
     "raise" (stop every rank; not with precision "fp16", whose overflow steps are routine)."""
     grad_compression: str | Options | None = None
-    """Data-parallel gradient compression: a method name from duplexpipe.comm.METHOD_NAMES ("bf16", "fp16",
-    "powersgd", "int8", "topk", "randomk", "threshold", "dgc") with its defaults, or an options object
-    (e.g. comm.Int8Options(block=128), comm.DGCOptions(ratio=0.001, warmup_steps=20)); "none": exact fp32
-    all-reduce. None (unset): exact, or with schedule="auto" the planner's choice among its measured methods
-    that this configuration accepts (`planner.dp_comm.COMPRESSIONS`; schedule_options["compressions"] narrows
-    them); set (also "none"), it is fixed. Sparsifiers assume SGD (DGC: SGD with momentum=0, the momentum and the
-    gradient clipping go in DGCOptions, grad_clip_norm must be None). No effect (a warning) without data
-    parallelism."""
+    """Data-parallel gradient compression: a method name ("bf16", "fp16", "powersgd", "int8", "topk", "randomk",
+    "threshold", "dgc"; `duplexpipe.dp_options.compression.METHOD_NAMES`) with its defaults, or an options object
+    from `duplexpipe.dp_options.compression` (e.g. Int8Options(block=128), DGCOptions(ratio=0.001,
+    warmup_steps=20)); "none": exact fp32 all-reduce. None (unset): exact, or with schedule="auto" the planner's
+    choice among its measured methods that this configuration accepts (`planner.dp_comm.COMPRESSIONS`;
+    schedule_options["compressions"] narrows them); set (also "none"), it is fixed. Sparsifiers assume SGD (DGC:
+    SGD with momentum=0, the momentum and the gradient clipping go in DGCOptions, grad_clip_norm must be None). No
+    effect (a warning) without data parallelism."""
     dp_strategy: str | None = None
     """Data-parallel strategy name (duplexpipe.parallel.STRATEGY_NAMES); None: "compressed" when
     grad_compression compresses, else "replicated"."""
@@ -124,8 +142,7 @@ class PipelineConfig:
         if not isinstance(self.fb_overlap, bool):
             raise ValueError(f"PipelineConfig.fb_overlap must be a bool, got {self.fb_overlap!r}")
         if self.schedule == AUTO:
-            check_options(self.schedule_options)
-            check_fixed(self)
+            check_auto_options(self)
         elif self.memory_limit is not None:
             raise ValueError(f"PipelineConfig.memory_limit is for schedule='auto' (the planner's cap), but "
                              f"schedule is {self.schedule!r}")
@@ -162,10 +179,37 @@ class PipelineConfig:
                 "DGCOptions(clip_norm=...) and grad_clip_norm=None")
 
 
+def check_auto_options(config: PipelineConfig) -> None:
+    """schedule="auto": ValueError naming schedule_options keys it does not take, or a key that would widen a
+    choice a set field fixes."""
+    known = AUTO_PLAN_KEYS + AUTO_PROFILE_KEYS + AUTO_CALIBRATION_KEYS
+    unknown = sorted(set(config.schedule_options) - set(known))
+    if unknown:
+        raise ValueError(f"schedule='auto' takes schedule_options {', '.join(known)}; got unknown {unknown}")
+    for name, key in AUTO_FIXED.items():
+        value = getattr(config, name)
+        if value is not None and key in config.schedule_options:
+            raise ValueError(f"schedule='auto': PipelineConfig.{name}={value!r} fixes what schedule_options[{key!r}] "
+                             f"would let the planner choose from; set one of them")
+
+
 def with_defaults(config: PipelineConfig) -> PipelineConfig:
     """`config` with the fields left unset (None) at their defaults: DEFAULT_MICROBATCHES microbatches, ZeRO 0."""
     return replace(config, num_microbatches=config.num_microbatches or DEFAULT_MICROBATCHES,
                    zero_stage=config.zero_stage or 0)
+
+
+def runtime_config(config: PipelineConfig, *, fb_overlap: bool, on_grads_ready: GradsReadyHook | None,
+                   p2p_meter: WireMeter | None) -> RuntimeConfig:
+    """The runtime's settings for `config` (a Pipeline's, and its planner's calibration runs'): `fb_overlap` as the
+    stages decided it (`Experts.note_overlap`), the data-parallel strategy's grads-ready hook and the send meter."""
+    act_codec, grad_codec = p2p_codec_pair(config.p2p_compression, "PipelineConfig.p2p_compression")
+    return RuntimeConfig(timeout_s=config.timeout_s, record_timeline=config.record_timeline,
+                         autocast_dtype=autocast_dtype(config.precision),
+                         check_inputs_every_step=config.check_inputs_every_step,
+                         count_saved_bytes=config.count_saved_bytes, activation_codec=act_codec,
+                         gradient_codec=grad_codec, nonfinite_sends=config.nonfinite_sends, p2p_meter=p2p_meter,
+                         on_grads_ready=on_grads_ready, fb_overlap=fb_overlap)
 
 
 @documented

@@ -30,9 +30,9 @@ def _shown(names: Sequence[str]) -> str:
     return ", ".join(names[:3]) + (" ..." if len(names) > 3 else "") if names else "none"
 
 
-def _config_dtype(config: Any) -> torch.dtype:
-    """The checkpoint's dtype as config.json states it (float32 when it states none)."""
-    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+def _config_dtype(hf_config: object) -> torch.dtype:
+    """The checkpoint's dtype as a transformers config (its config.json) states it (float32 when it states none)."""
+    value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(value, str):
         value = getattr(torch, value, None)
     return value if isinstance(value, torch.dtype) else torch.float32

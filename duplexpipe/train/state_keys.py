@@ -12,7 +12,7 @@ from torch import nn
 from duplexpipe.model.stages import inner_module
 from duplexpipe.model.state_names import names_whole_model, part_state_keys
 from duplexpipe.schedules.ir import Schedule
-from duplexpipe.train.auto_config import PartChain
+from duplexpipe.train.part_chain import PartChain
 
 OPTIM_SECTIONS = ("state.", "param_groups.")
 """The prefixes of torch's flattened optimizer state dict: `state.<param>.<name>`, `param_groups.<param>.<key>`."""

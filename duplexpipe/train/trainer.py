@@ -12,9 +12,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from duplexpipe.comm import compression_options
 from duplexpipe.comm.meter import WireMeter
-from duplexpipe.comm.p2p_codecs import p2p_codec_pair
+from duplexpipe.dp_options.compression import compression_options
 from duplexpipe.model.split import (
     Balance,
     Partition,
@@ -44,19 +43,19 @@ from duplexpipe.parallel.tied import TiedGrads, find_tied
 from duplexpipe.parallel.zero_config import check_tied
 from duplexpipe.runtime import EvalResult, PipelineRuntime, RuntimeConfig
 from duplexpipe.runtime.backend import default_device
-from duplexpipe.schedules.ir import Schedule
-from duplexpipe.schedules.registry import build as build_schedule
-from duplexpipe.train.auto_config import AUTO, AutoChoice, AutoSetup, RunPlan, calibration_config, choose
+from duplexpipe.train.choice import AutoChoice, RunPlan
 from duplexpipe.train.experts import Experts
 from duplexpipe.train.pipeline_config import (
-    DEFAULT_MICROBATCHES,
+    AUTO,
     LossFn,
     PipelineConfig,
     SchedulerFactory,
     StepInfo,
+    runtime_config,
     with_defaults,
 )
-from duplexpipe.train.precision import DynamicLossScaler, autocast_dtype
+from duplexpipe.train.planning import plan_pipeline, resolve_schedule
+from duplexpipe.train.precision import DynamicLossScaler
 
 AUTO_PARTS_PER_RANK = 4
 """schedule="auto" in from_layers: the layers are profiled as up to this many parts per pipeline rank, which the
@@ -93,7 +92,7 @@ class Pipeline:
     With `PipelineConfig(schedule="auto", memory_limit=...)` the construction first measures the
     parts (rank 0's profile on a microbatch of `sample_input` / `sample_targets`, a batch as given to
     `step`, and a few seconds of calibration steps on every rank; cached per parts and machine: see
-    `auto_config.choose`), plans for this P, D and batch size under the limit, merges neighbouring parts
+    `planning.plan_pipeline`), plans for this P, D and batch size under the limit, merges neighbouring parts
     as the winner needs and runs it with the M, ZeRO stage and gradient compression it chose (fields set
     in the config are fixed);
     rank 0 logs the choice and the planner's table (logger "duplexpipe.plan"). `self.plan` says what runs
@@ -116,19 +115,18 @@ class Pipeline:
         sample_input: Any = None,
         sample_targets: Any = None,
     ) -> None:
-        self.config = cfg = config or PipelineConfig()
         self.groups = groups = ParallelGroups.from_mesh(mesh)
         self.device = torch.device(device) if device is not None else default_device()
-        self.auto = self._plan(parts, loss_fn, optimizer, (sample_input, sample_targets), init, mesh)
+        planned = plan_pipeline(parts, loss_fn, optimizer, config or PipelineConfig(), groups=groups,
+                                device=self.device, init=init, partition=partition,
+                                sample=(sample_input, sample_targets))
+        parts, init, partition = planned.parts, planned.init, planned.partition
+        self.config = cfg = planned.config
+        """The config this pipeline runs (with "auto": the planner's M, ZeRO stage and compression set)."""
+        self.auto: AutoChoice | None = planned.auto
         """schedule="auto": the plan that was chosen (its table: `auto.result.table()`); None otherwise."""
-        self.config = cfg = self.auto.applied(cfg) if self.auto is not None else with_defaults(cfg)
-        if self.auto is not None:
-            parts, init = self.auto.merged_parts(parts), self.auto.merged_init(init)  # type: ignore[arg-type]
-            partition = self.auto.merged_partition(partition)
-        self.schedule = self.auto.schedule if self.auto is not None else _resolve_schedule(cfg, groups.pp_size)
-        self.plan: RunPlan = self.auto.plan if self.auto is not None else RunPlan(
-            self.schedule.name, self.schedule.num_microbatches, cfg.zero_stage or 0,
-            compression_options(cfg.grad_compression))
+        self.schedule = planned.schedule
+        self.plan: RunPlan = planned.plan
         """What runs: schedule, M, ZeRO stage and gradient compression (with "auto": the planner's choice)."""
         self.partition = partition.placed(self.schedule) if partition is not None else None
         ckpt = resolve_checkpointing(cfg.activation_checkpointing, self.schedule)
@@ -173,14 +171,8 @@ class Pipeline:
 
     def _runtime_config(self) -> RuntimeConfig:
         """The runtime's settings from this pipeline's config."""
-        cfg = self.config
-        act_codec, grad_codec = p2p_codec_pair(cfg.p2p_compression, "PipelineConfig.p2p_compression")
-        return RuntimeConfig(timeout_s=cfg.timeout_s, record_timeline=cfg.record_timeline,
-                             autocast_dtype=autocast_dtype(cfg.precision),
-                             check_inputs_every_step=cfg.check_inputs_every_step,
-                             count_saved_bytes=cfg.count_saved_bytes, activation_codec=act_codec,
-                             gradient_codec=grad_codec, nonfinite_sends=cfg.nonfinite_sends, p2p_meter=self.p2p_meter,
-                             on_grads_ready=self._grads_ready, fb_overlap=self.experts.note_overlap(cfg.fb_overlap))
+        return runtime_config(self.config, fb_overlap=self.experts.note_overlap(self.config.fb_overlap),
+                              on_grads_ready=self._grads_ready, p2p_meter=self.p2p_meter)
 
     def _strategy(self, optimizer: OptimizerFactory, experts: frozenset[int]) -> DPStrategy:
         """The data-parallel strategy the config asks for, over this rank's stages in the order they finish."""
@@ -221,7 +213,7 @@ class Pipeline:
         pp = ParallelGroups.from_mesh(mesh).pp_size
         blocks = as_layers(layers)
         num_parts = min(len(blocks), AUTO_PARTS_PER_RANK * pp) if config.schedule == AUTO else \
-            _resolve_schedule(with_defaults(config), pp).num_groups
+            resolve_schedule(with_defaults(config), pp).num_groups
         timed = config.schedule != AUTO or balance == "time"  # auto profiles the parts itself
         partition = plan_partition(blocks, num_parts, balance, embedding=embedding, head=head,
                                    sample_input=sample_input if timed else None)
@@ -232,20 +224,6 @@ class Pipeline:
         parts = build_parts(blocks, partition, embedding=embedding, head=head)
         return cls(parts, loss_fn, optimizer, config, mesh=mesh, device=device, partition=partition,
                    init=init, scheduler=scheduler, sample_input=sample_input, sample_targets=sample_targets)
-
-    def _plan(self, parts: PartSource, loss_fn: LossFn, optimizer: OptimizerFactory, sample: tuple[Any, Any],
-              init: PartInit | None, mesh: DeviceMesh | None) -> AutoChoice | None:
-        """schedule="auto": measure, plan and log (see `auto_config.choose`); None for any other schedule."""
-        cfg, groups = self.config, self.groups
-        if cfg.schedule != AUTO:
-            return None
-
-        def build(merged: list[nn.Module], merged_init: PartInit | None, schedule: Schedule) -> Pipeline:
-            return Pipeline(merged, loss_fn, optimizer, calibration_config(cfg, schedule), mesh=mesh,
-                            device=self.device, init=merged_init)
-        setup = AutoSetup(groups.pp_size, groups.dp_size, groups.pp_rank, self.device, init,
-                          autocast_dtype(cfg.precision), build)
-        return choose(parts, loss_fn, optimizer, cfg, setup, sample)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -422,7 +400,7 @@ class Pipeline:
         source = PretrainedModel.open(path, dtype)
         pp = ParallelGroups.from_mesh(mesh).pp_size
         num_parts = min(source.num_layers, 2 * pp) if config.schedule == AUTO else \
-            _resolve_schedule(config, pp).num_groups
+            resolve_schedule(config, pp).num_groups
         parts = source.parts(num_parts, balance)
         pipe = cls(parts, causal_lm_loss, optimizer, config, mesh=mesh, device=device, init=source.fill,
                    scheduler=scheduler, sample_input=sample_input, sample_targets=sample_targets)
@@ -439,12 +417,3 @@ class Pipeline:
         save_pretrained(self, str(path))
 
 
-def _resolve_schedule(config: PipelineConfig, pp_size: int) -> Schedule:
-    if isinstance(config.schedule, Schedule):
-        schedule = config.schedule
-        if schedule.num_ranks != pp_size:
-            raise ValueError(f"schedule {schedule.name!r} is for {schedule.num_ranks} ranks, "
-                             f"but the pipeline group has {pp_size}")
-        return schedule
-    return build_schedule(config.schedule, pp_size, config.num_microbatches or DEFAULT_MICROBATCHES,
-                          **config.schedule_options)

@@ -6,8 +6,8 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from duplexpipe.planner.memory import format_bytes
 from duplexpipe.planner.plan import PlanResult, PlanRow
+from duplexpipe.sizes import format_bytes
 from duplexpipe.viz import _style as st
 
 if TYPE_CHECKING:

@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from duplexpipe.comm.methods import (
+from duplexpipe.comm.methods import check_optimizer
+from duplexpipe.dp_options.compression import (
     METHOD_NAMES,
     DGCOptions,
     Int8Options,
@@ -15,7 +16,6 @@ from duplexpipe.comm.methods import (
     RandomKOptions,
     ThresholdOptions,
     TopKOptions,
-    check_optimizer,
     compression_options,
 )
 

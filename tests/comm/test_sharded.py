@@ -11,11 +11,17 @@ import torch.distributed as dist
 from models import run_workers
 from torch import Tensor
 
-from duplexpipe.comm import C10dCounter, Int8Options, WireMeter
-from duplexpipe.comm.methods import DGCOptions, PowerSGDOptions, TopKOptions, compression_options
+from duplexpipe.comm import C10dCounter, WireMeter
 from duplexpipe.comm.quantize import quantize_int8
 from duplexpipe.comm.sharded import ShardComm
-from duplexpipe.dp_options.compression import check_sharded
+from duplexpipe.dp_options.compression import (
+    DGCOptions,
+    Int8Options,
+    PowerSGDOptions,
+    TopKOptions,
+    check_sharded,
+    compression_options,
+)
 
 SPAWN_TIMEOUT_S = 180
 CHUNK = 1000  # elements each rank owns: not a multiple of the 256-element int8 block

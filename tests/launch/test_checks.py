@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 
 from duplexpipe.cli import main as cli_main
-from duplexpipe.comm import DGCOptions
+from duplexpipe.dp_options.compression import DGCOptions
+from duplexpipe.dp_options.zero import ZeroOptions
 from duplexpipe.launch import checks, train_loop
 from duplexpipe.launch.train_config import TrainConfig
-from duplexpipe.parallel import ZeroOptions
 from duplexpipe.train.pipeline_config import PipelineConfig
 
 

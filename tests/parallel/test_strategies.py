@@ -13,7 +13,7 @@ import pytest
 import torch
 from _dp_cases import LOSSY, SCHEDULES, all_cases
 
-from duplexpipe.comm import DGCOptions, TopKOptions
+from duplexpipe.dp_options.compression import DGCOptions, TopKOptions
 from duplexpipe.launch.processes import launch
 from duplexpipe.parallel import check_strategy_name
 from duplexpipe.train.trainer import PipelineConfig

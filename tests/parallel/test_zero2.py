@@ -15,9 +15,9 @@ from _zero_cases import CLIP, adamw, build, flat_params, held_bytes, max_rel, tr
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from duplexpipe import Pipeline, PipelineConfig, make_mesh
+from duplexpipe.dp_options.zero import ZeroOptions
 from duplexpipe.launch.processes import launch
-from duplexpipe.parallel import ZeroOptions
-from duplexpipe.pipeline import Pipeline, PipelineConfig, make_mesh
 
 SPAWN_TIMEOUT_S = 240
 DP = 4

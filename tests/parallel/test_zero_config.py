@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from duplexpipe.comm import Int8Options, NoCompression, compression_options
-from duplexpipe.parallel import ZeroOptions
-from duplexpipe.parallel.zero_config import check_hpz, check_tied, gradient_wire
-from duplexpipe.pipeline import PipelineConfig
+from duplexpipe import PipelineConfig
+from duplexpipe.dp_options.compression import Int8Options, NoCompression, compression_options
+from duplexpipe.dp_options.zero import ZeroOptions, gradient_wire
+from duplexpipe.parallel.zero_config import check_hpz, check_tied
 from duplexpipe.schedules.registry import build
 
 

@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from duplexpipe.dp_options import METHOD_NAMES, PowerSGDOptions, TopKOptions
-from duplexpipe.dp_options import ZERO_STAGES as TRAINER_ZERO_STAGES
-from duplexpipe.pipeline import PipelineConfig
+from duplexpipe import PipelineConfig
+from duplexpipe.dp_options.compression import METHOD_NAMES, PowerSGDOptions, TopKOptions
+from duplexpipe.dp_options.zero import ZERO_STAGES as TRAINER_ZERO_STAGES
 from duplexpipe.planner.dp_comm import (
     COMPRESSIONS,
     ZERO_STAGES,

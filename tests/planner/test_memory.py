@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from duplexpipe.planner.memory import MemoryConfig, StageBytes, format_bytes, parse_bytes, rank_memory
+from duplexpipe.planner.memory import MemoryConfig, StageBytes, rank_memory
 from duplexpipe.planner.profile import PartProfile
 from duplexpipe.schedules import registry
 from duplexpipe.schedules.simulate import CostModel, simulate
+from duplexpipe.sizes import format_bytes, parse_bytes
 
 
 @pytest.mark.parametrize(("text", "value"), [

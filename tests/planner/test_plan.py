@@ -108,7 +108,7 @@ def test_the_lightest_compression_that_hides_the_reduction_is_chosen_and_advised
 
 
 def test_only_pairs_the_trainer_accepts_are_planned() -> None:
-    from duplexpipe.pipeline import PipelineConfig
+    from duplexpipe import PipelineConfig
     from duplexpipe.planner.dp_comm import compression
 
     slow = Link(bandwidth=16 * MIB / 100e-3)  # nothing hides: the heaviest method the trainer runs wins

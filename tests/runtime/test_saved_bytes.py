@@ -95,7 +95,7 @@ def _product_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def _measure(schedule: str, count: bool) -> dict[str, Any]:
-    from duplexpipe.pipeline import Pipeline, PipelineConfig, profile_parts
+    from duplexpipe import Pipeline, PipelineConfig, profile_parts
     from duplexpipe.planner.memory import StageBytes, rank_memory
     from duplexpipe.schedules.simulate import CostModel, simulate
 

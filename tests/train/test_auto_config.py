@@ -6,6 +6,7 @@ wall-clock dependence), and the two ranks get different timers: only rank 0's ma
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -16,23 +17,17 @@ from _clocks import ScriptedClock
 from _train_helpers import WIDTH, Reference, adam, batch, make_parts, max_rel_diff, mse
 from torch import nn
 
-from duplexpipe.dp_options import DGCOptions, Int8Options, NoCompression, PowerSGDOptions
+from duplexpipe.dp_options.compression import DGCOptions, Int8Options, NoCompression, PowerSGDOptions
+from duplexpipe.parallel.mesh import ParallelGroups
 from duplexpipe.planner.plan import PlanConfig, plan
 from duplexpipe.planner.runtime_work import OverheadSample
-from duplexpipe.train.auto_config import (
-    AUTO,
-    AutoSetup,
-    PartChain,
-    RunPlan,
-    _plan_config,
-    check_options,
-    choose,
-    memory_bytes,
-    probe_optimizer,
-    trainer_refusal,
-)
-from duplexpipe.train.auto_measure import fit_in_pipeline, parts_digest
-from duplexpipe.train.pipeline_config import with_defaults
+from duplexpipe.sizes import memory_bytes
+from duplexpipe.train.calibration import fit_in_pipeline
+from duplexpipe.train.choice import RunPlan
+from duplexpipe.train.measure_cache import parts_digest
+from duplexpipe.train.part_chain import PartChain
+from duplexpipe.train.pipeline_config import AUTO, AUTO_PLAN_KEYS, with_defaults
+from duplexpipe.train.planning import PlanSetup, _plan_config, choose, probe_optimizer, trainer_refusal
 from duplexpipe.train.trainer import Pipeline, PipelineConfig
 
 WORLD = 2
@@ -199,9 +194,17 @@ def test_config_checks() -> None:
     with pytest.raises(ValueError, match="is for schedule='auto'"):
         PipelineConfig(schedule="1f1b", memory_limit="1GiB")
     with pytest.raises(ValueError, match=r"unknown \['chunkz'\]"):
-        check_options({"chunkz": 2})
+        PipelineConfig(schedule=AUTO, schedule_options={"chunkz": 2})
     with pytest.raises(ValueError, match="unknown"):
         PipelineConfig(schedule=AUTO, schedule_options={"cost": 1})
+
+
+def test_the_configs_planner_keys_are_the_planners_settings() -> None:
+    """PipelineConfig checks schedule_options without importing the planner: its list of the planner's keys is
+    PlanConfig's fields less those the Pipeline fills in."""
+    given = {"ranks", "batch", "memory", "dp", "refusal"}
+    assert set(AUTO_PLAN_KEYS) == {f.name for f in dataclasses.fields(PlanConfig)} - given
+    assert len(AUTO_PLAN_KEYS) == len(set(AUTO_PLAN_KEYS))
 
 
 def test_a_chain_calls_each_part_as_the_runtime_calls_a_stage() -> None:
@@ -234,7 +237,7 @@ def test_a_set_field_is_fixed_and_cannot_also_be_searched() -> None:
 
 
 def test_the_planners_space_is_the_unset_fields() -> None:
-    setup = AutoSetup(2, 2, 0, torch.device("cpu"))
+    setup = PlanSetup(ParallelGroups(None, 0, 2, None, 0, 2), torch.device("cpu"))
     free = _plan_config(PipelineConfig(schedule=AUTO), {"chunks": [2]}, 16, setup, lambda z, o: None)
     assert (free.microbatches, free.zero_stages, free.compressions, free.chunks) == (None, None, None, (2,))
     assert (free.batch, free.dp, free.ranks) == (32, 2, 2)
@@ -272,9 +275,9 @@ def test_the_run_plan_says_what_runs() -> None:
 
 
 def test_measurements_are_cached_per_parts_and_sample(tmp_path: Any) -> None:
-    """In one process (P=2 planned, no calibration without a Pipeline builder): the second choice of the same
-    parts and sample reads the cache and never the profiling clock; another sample shape measures again."""
-    setup = AutoSetup(2, 1, 0, torch.device("cpu"))
+    """In one process (P=2 planned, calibrate=False): the second choice of the same parts and sample reads the
+    cache and never the profiling clock; another sample shape measures again."""
+    setup = PlanSetup(ParallelGroups(None, 0, 2, None, 0, 1), torch.device("cpu"))
     clocks = []
 
     def choice(rows: int, costs: list[tuple[float, float, float]]) -> Any:
@@ -306,7 +309,8 @@ def test_a_searched_choice_is_applied_as_fixed_fields() -> None:
                "compressions": ("none", "bf16")}
     config = PipelineConfig(schedule=AUTO, schedule_options=options)
     x, y = batch(0)
-    chosen = choose(make_parts(4), mse, adam, config, AutoSetup(2, 2, 0, torch.device("cpu")), (x, y))
+    chosen = choose(make_parts(4), mse, adam, config, PlanSetup(ParallelGroups(None, 0, 2, None, 0, 2),
+                                                                torch.device("cpu")), (x, y))
     ran = chosen.applied(config)
     assert (ran.num_microbatches, ran.zero_stage, ran.grad_compression) == (
         chosen.plan.microbatches, chosen.plan.zero_stage, chosen.plan.grad_compression)

@@ -21,14 +21,14 @@ import torch.distributed as dist
 from _clocks import ScriptedClock
 from _train_helpers import adam, batch, make_parts, mse
 
-from duplexpipe.dp_options import options_label
+from duplexpipe.dp_options.compression import options_label
 from duplexpipe.parallel.mesh import make_mesh
 from duplexpipe.planner.calibrate import calibration_runs
 from duplexpipe.planner.dp_comm import Link
 from duplexpipe.planner.profile import PartProfile, Profile
 from duplexpipe.planner.runtime_work import rank_counts, rank_work
 from duplexpipe.schedules import registry
-from duplexpipe.train.auto_config import AUTO
+from duplexpipe.train.pipeline_config import AUTO
 from duplexpipe.train.trainer import Pipeline, PipelineConfig
 
 WORLD = 4
@@ -44,7 +44,7 @@ LOGGED = re.compile(r"schedule='auto' chose (\S+), M=(\d+), ZeRO (\d), gradient 
 
 class ScriptedCpu:
     """The calibration reads the CPU clock before and after each step, the runs alternating with the first one
-    rotating (`auto_measure.timed_steps`): each step of run c costs this rank `seconds[c]`."""
+    rotating (`calibration.timed_steps`): each step of run c costs this rank `seconds[c]`."""
 
     def __init__(self, seconds: list[float]) -> None:
         self.seconds, self.reads, self.now = seconds, 0, 0.0

@@ -10,7 +10,7 @@ import torch
 from _clocks import ScriptedStepClock
 from models import run_workers
 
-from duplexpipe.pipeline import PipelineConfig, profile_parts
+from duplexpipe import PipelineConfig, profile_parts
 from duplexpipe.planner.profile import Profile
 from duplexpipe.planner.runtime_work import rank_counts, rank_work
 from duplexpipe.schedules import registry

@@ -22,10 +22,10 @@ from _executor_cases import _attempt, _inputs, stage_setup
 from models import DIM, SEQ, VOCAB, loss_fn, make_batch, make_parts, rel_err
 from torch import Tensor, nn
 
+from duplexpipe import LossScaleConfig, Pipeline, PipelineConfig
 from duplexpipe.comm.codec import Codec, TensorSpec
 from duplexpipe.comm.meter import C10dCounter, WireMeter
 from duplexpipe.comm.p2p_codecs import p2p_codec_pair
-from duplexpipe.pipeline import LossScaleConfig, Pipeline, PipelineConfig
 from duplexpipe.runtime import PipelineRuntime, RuntimeConfig
 from duplexpipe.schedules.ir import Op, Schedule
 

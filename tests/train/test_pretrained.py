@@ -29,8 +29,8 @@ from safetensors import safe_open  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
+from duplexpipe.dp_options.zero import ZeroOptions  # noqa: E402
 from duplexpipe.parallel.mesh import make_mesh  # noqa: E402
-from duplexpipe.parallel.zero_config import ZeroOptions  # noqa: E402
 from duplexpipe.train.checkpoint import read_checkpoint  # noqa: E402
 from duplexpipe.train.pretrained import PretrainedModel  # noqa: E402
 from duplexpipe.train.trainer import Pipeline, PipelineConfig  # noqa: E402

@@ -1,36 +1,40 @@
-"""schedule="auto" measures on the user path: rank 0's profile of the parts and an in-pipeline calibration of the
-runtime's work (bounded in time), cached per parts and machine (`planner.calibration_cache`)."""
+"""schedule="auto"'s in-pipeline calibration: the merged parts trained on `PipelineRuntime` (no Pipeline) on a few
+schedules, each rank's CPU time per step solved for the runtime's work, and the stage-to-stage link measured."""
 
 from __future__ import annotations
 
-import hashlib
-import logging
 import math
-import os
-import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from duplexpipe.model.stages import PartInit
+from duplexpipe.comm.meter import WireMeter
+from duplexpipe.dp_options.compression import NoCompression
+from duplexpipe.dp_options.zero import ZeroOptions
+from duplexpipe.model.stages import PartInit, build_stage_modules, resolve_checkpointing
+from duplexpipe.parallel import OptimizerFactory, StrategyContext, final_order, make_strategy
+from duplexpipe.parallel.grads import clip_factor
+from duplexpipe.parallel.mesh import ParallelGroups
+from duplexpipe.parallel.tied import TiedGrads, find_tied
 from duplexpipe.planner.calibrate import calibration_rounds, calibration_runs
-from duplexpipe.planner.calibration_cache import CalibrationCache
 from duplexpipe.planner.profile import PartProfile, Profile, RuntimeOverhead
 from duplexpipe.planner.runtime_work import OverheadSample, rank_counts, rank_work, solve_overhead
-from duplexpipe.runtime.structure import WHOLE_MESSAGE, call, flatten, signature
+from duplexpipe.runtime import PipelineRuntime
+from duplexpipe.runtime.structure import flatten
 from duplexpipe.schedules import registry
 from duplexpipe.schedules.ir import Schedule
+from duplexpipe.train.experts import Experts
+from duplexpipe.train.part_chain import merge_init, merge_parts
+from duplexpipe.train.pipeline_config import LossFn, PipelineConfig, runtime_config
 
 CpuTimer = Callable[[], float]
 """This process's CPU seconds (all its threads: gloo's included); time.process_time by default."""
-LOGGER = logging.getLogger("duplexpipe.plan")
 LINK_PROBE_BYTES = 2**20
 """The larger round trip of the link measurement is at least this many bytes (a transfer time above the noise)."""
 MAX_SCALE = 4.0
@@ -38,56 +42,80 @@ MAX_SCALE = 4.0
 
 
 class Steppable(Protocol):
-    """What the calibration trains: a Pipeline (`step(inputs, targets)`)."""
+    """What `timed_steps` times: anything that trains one step on a batch (a `CalibrationTrainer`, a Pipeline)."""
 
     def step(self, inputs: Any, targets: Any) -> float:
         """One training step."""
 
 
-PipelineBuilder = Callable[[list[nn.Module], PartInit | None, Schedule], Steppable]
-"""Builds a Pipeline of the given (merged) parts running `schedule` (the trainer passes one: train/ cannot import
-the Pipeline class below itself)."""
+@dataclass(frozen=True)
+class CalibrationSetup:
+    """What the calibration trains with: the user's loss and optimizer, the Pipeline's settings, and where."""
+
+    loss_fn: LossFn
+    """The Pipeline's loss."""
+    optimizer: OptimizerFactory
+    """The Pipeline's optimizer factory."""
+    config: PipelineConfig
+    """The Pipeline's config: its runtime settings, precision, clipping and checkpointing (its data-parallel
+    compression and ZeRO stage are not run: the planner models those itself)."""
+    groups: ParallelGroups
+    """Where this process sits (P x D)."""
+    device: torch.device
+    """Where the parts run."""
+    init: PartInit | None = None
+    """init(part, k) of the given parts on the meta device."""
 
 
-class PartChain(nn.Module):
-    """Model parts run one after another, each called on the previous one's output as the runtime
-    calls a stage (a tuple/list as positional arguments, a dict as keyword arguments)."""
+class CalibrationTrainer:
+    """One calibration schedule trained on `PipelineRuntime` directly, a step as a Pipeline takes one: this rank's
+    stages of the merged parts, the runtime with the config's settings, and per step zero_grad, the schedule, the
+    data-parallel reduction (exact all-reduce, no ZeRO), tied weights summed, the norm when the config clips or
+    scales the loss, one optimizer step and the MoE expert-bias update. Collective: build it on every rank."""
 
-    def __init__(self, parts: Sequence[nn.Module]) -> None:
-        super().__init__()
-        self.parts = nn.ModuleList(parts)
-        setattr(self, WHOLE_MESSAGE, getattr(parts[0], WHOLE_MESSAGE, False))  # called as its first part is
+    def __init__(self, schedule: Schedule, parts: Sequence[nn.Module], init: PartInit | None,
+                 setup: CalibrationSetup) -> None:
+        cfg, groups, device = setup.config, setup.groups, setup.device
+        ckpt = resolve_checkpointing(cfg.activation_checkpointing, schedule)
+        modules = build_stage_modules(schedule, groups.pp_rank, parts, init=init, checkpoint_stages=ckpt,
+                                      device=device)
+        self.experts = Experts(modules, schedule, groups, ckpt, device)
+        self.tied = TiedGrads(find_tied(parts), schedule, groups.pp_rank, modules, groups.pp_group)
+        settings = runtime_config(cfg, fb_overlap=self.experts.note_overlap(cfg.fb_overlap),
+                                  on_grads_ready=self._grads_ready, p2p_meter=WireMeter())
+        self.runtime = PipelineRuntime(schedule, modules, setup.loss_fn, group=groups.pp_group, device=device,
+                                       config=settings, job_group=dist.group.WORLD if groups.dp_size > 1 else None)
+        plan = self.runtime.plan
+        self.dp = make_strategy(StrategyContext(
+            modules, schedule, tuple(final_order(plan.grads_final, plan.mirrored)), groups, setup.optimizer, device,
+            self.bounded, NoCompression(), cfg.grad_bucket_bytes, 0, ZeroOptions(), self.experts.shard()))
+        self.dp.counted = self.tied.counted(self.dp.counted)
+        self.clip = cfg.grad_clip_norm
+        self.norm = cfg.grad_clip_norm is not None or cfg.precision == "fp16"
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        out = self.parts[0](*args, **kwargs)
-        for part in list(self.parts)[1:]:
-            form, leaves = flatten(out, "output")
-            out = call(part, form, leaves)
-        return out
+    def _grads_ready(self, stage: int) -> None:
+        self.dp.grads_ready(stage)
 
+    def bounded(self, work: Any, what: str) -> None:
+        """The runtime's bounded, failure-aware wait for a collective of the job."""
+        self.runtime.bounded(work, what, "all ranks of the job")
 
-def merge_parts(parts: Sequence[nn.Module], counts: Sequence[int]) -> list[nn.Module]:
-    """`parts` as len(counts) model parts of `counts` parts each, in order: a run of several becomes one PartChain."""
-    out: list[nn.Module] = []
-    start = 0
-    for count in counts:
-        run = list(parts[start:start + count])
-        out.append(run[0] if count == 1 else PartChain(run))
-        start += count
-    return out
-
-
-def merge_init(init: PartInit | None, counts: Sequence[int]) -> PartInit | None:
-    """`init(part, k)` for `merge_parts`' parts: each given part k inside a chain is filled by init(part, k)."""
-    if init is None:
-        return None
-    firsts = [sum(counts[:g]) for g in range(len(counts))]
-
-    def fill(module: nn.Module, group: int) -> None:
-        inner = module.parts if isinstance(module, PartChain) else [module]
-        for offset, part in enumerate(inner):
-            init(part, firsts[group] + offset)
-    return fill
+    def step(self, inputs: Any, targets: Any) -> float:
+        """One training step on the batch; returns its mean loss."""
+        self.dp.zero_grad()
+        self.dp.begin_call(True, 1.0)
+        result = self.runtime.step(inputs, targets, loss_scale=1.0)
+        try:
+            loss = result.loss
+            self.dp.finish()
+            self.tied.sum_grads(wait=self.bounded)
+            norm, _ = self.dp.norm_and_overflow(self.norm)
+            self.dp.step(clip_factor(norm or 0.0, self.clip))
+            self.experts.after_step(applied=True, wait=self.bounded)
+        except BaseException as exc:  # the other ranks wait in collectives: tell them
+            self.runtime.report_failure(exc)
+            raise
+        return loss
 
 
 def timed_steps(pipes: Sequence[Steppable], batches: Sequence[tuple[Any, Any]], steps: int, warmup: int,
@@ -146,28 +174,29 @@ class Calibration:
     """This process's CPU seconds ("cpu_timer"; tests script it)."""
 
 
-def calibrate(profile: Profile, parts: Sequence[nn.Module], init: PartInit | None, batch: tuple[Any, Any], *,
-              ranks: int, pp_rank: int, counts: Sequence[int], build: PipelineBuilder,
-              settings: Calibration) -> tuple[RuntimeOverhead | str, list[OverheadSample], list[list[Any]]]:
+def calibrate(profile: Profile, parts: Sequence[nn.Module], batch: tuple[Any, Any], *, counts: Sequence[int],
+              setup: CalibrationSetup, settings: Calibration
+              ) -> tuple[RuntimeOverhead | str, list[OverheadSample], list[list[Any]]]:
     """The runtime's work per compute action, SEND/RECV and step and the parts' in-pipeline compute scale,
     solved (`solve_overhead(fit_scale=True)`) from each rank's CPU time per step of `calibration_runs`
-    (the parts merged as the planner groups them, trained on `batch` by `build`'s Pipelines, steps
+    (the parts merged as the planner groups them, trained on `batch` by `CalibrationTrainer`s, steps
     alternating, at most `settings.budget_s` of measured steps). Call on every rank; every rank solves the
     same gathered samples. Returns the fit (or the solver's complaint, the same on every rank, when the
     samples cannot separate the terms; see `fit_in_pipeline`), the samples, and each run's [schedule, M,
     slowest rank's median wall seconds per step] (kept with the profile: how the calibration ran)."""
     rows = int(flatten(batch[0], "sample_input")[1][0].shape[0])
-    runs, pipes = [], []
+    ranks = setup.groups.pp_size
+    runs, trainers = [], []
     for name, m in calibration_runs(ranks, counts):
         schedule = registry.build(name, ranks, m)
         sizes = profile.group_sizes(schedule.num_groups)
         runs.append((schedule, profile.at_microbatch(rows / m).grouped(schedule.num_groups, sizes)))
-        pipes.append(build(merge_parts(parts, sizes), merge_init(init, sizes), schedule))
-    cpu, wall = timed_steps(pipes, [batch] * len(pipes), 20, 1, settings.cpu_timer, settings.budget_s)
+        trainers.append(CalibrationTrainer(schedule, merge_parts(parts, sizes), merge_init(setup.init, sizes), setup))
+    cpu, wall = timed_steps(trainers, [batch] * len(trainers), 20, 1, settings.cpu_timer, settings.budget_s)
     walls = [[s.name, s.num_microbatches, w] for (s, _), w in zip(runs, wall, strict=True)]
     method = (f"{', '.join(f'{s.name} M={s.num_microbatches}' for s, _ in runs)} on {ranks} ranks with the real "
               "parts (schedule='auto'): median CPU time per rank per step, least squares")
-    samples = gathered_samples(runs, cpu, pp_rank)
+    samples = gathered_samples(runs, cpu, setup.groups.pp_rank)
     return fit_in_pipeline(samples, method), samples, walls
 
 
@@ -221,69 +250,3 @@ def measure_link(pp_rank: int, nbytes: int, reps: int = 20) -> tuple[float, floa
         found = [(small / 2, (nbytes - 4) / ((big - small) / 2) if big > small else math.inf)]
     dist.broadcast_object_list(found, src=0)
     return found[0][0], found[0][1]
-
-
-def machine_signature() -> dict[str, Any]:
-    """The machine as the cache tells machines apart: host, CPU model, cores, torch and its threads."""
-    model = platform.processor()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            model = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), model)
-    except OSError:
-        pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"host": platform.node(), "cpu": model, "cores": cores, "cpus": os.cpu_count(),
-            "torch": torch.__version__, "threads": torch.get_num_threads()}
-
-
-def parts_digest(parts: Sequence[nn.Module]) -> str:
-    """A hash of the parts' structure: each module tree's repr and its parameters' and buffers' names, shapes,
-    dtypes and devices (not their values: the costs do not depend on them)."""
-    digest = hashlib.sha256()
-    for part in parts:
-        digest.update(repr(part).encode())
-        for name, tensor in [*part.named_parameters(), *part.named_buffers()]:
-            grad = getattr(tensor, "requires_grad", False)
-            digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}:{tensor.device.type}:{grad};".encode())
-    return digest.hexdigest()[:32]
-
-
-def sample_signature(value: Any) -> str:
-    """The sample's structure, shapes and dtypes (`runtime.structure.signature`)."""
-    if value is None:
-        return "None"
-    return str(signature(value))
-
-
-def cache_of(spec: Any) -> CalibrationCache | None:
-    """The cache that schedule_options["calibration_cache"] names: a directory, or None/False for none."""
-    if spec is None or spec is False:
-        return None
-    if isinstance(spec, (str, os.PathLike)):
-        return CalibrationCache(Path(spec))
-    raise ValueError(f"schedule_options['calibration_cache'] must be a directory or None, got {spec!r}")
-
-
-def cached_profile(cache: CalibrationCache | None, fingerprint: dict[str, Any],
-                   measure: Callable[[], Profile]) -> tuple[Profile, str]:
-    """Rank 0's cached profile for `fingerprint` on every rank, else `measure()` (called on every rank, a
-    collective) stored by rank 0; with where it came from ("cache <path>", "measured, cached in <path>",
-    "measured")."""
-    lead = not dist.is_initialized() or dist.get_rank() == 0
-    hit = cache.load(fingerprint) if cache is not None and lead else None
-    found = [hit.to_dict() if hit is not None else None]
-    if dist.is_initialized():
-        dist.broadcast_object_list(found, src=0)
-    if found[0] is not None:
-        assert cache is not None
-        return Profile.from_dict(found[0], "calibration cache"), f"cache {cache.path(fingerprint)}"
-    profile = measure()
-    if cache is None:
-        return profile, "measured"
-    if lead:
-        try:
-            cache.store(fingerprint, profile)
-        except OSError as exc:
-            LOGGER.warning("schedule='auto': cannot write the calibration cache %s (%s)", cache.directory, exc)
-            return profile, "measured"
-    return profile, f"measured, cached in {cache.path(fingerprint)}"

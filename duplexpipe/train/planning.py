@@ -1,5 +1,5 @@
-"""schedule="auto": measure the parts (rank 0's profile and an in-pipeline calibration, cached), plan the schedule,
-M, ZeRO stage and gradient compression among what the trainer accepts, and say what will run (`RunPlan`)."""
+"""The planning step before a Pipeline is built: the resolved config, the schedule and the (merged) parts it runs,
+and with schedule="auto" the measuring (rank 0's profile, the in-pipeline calibration, cached) and the plan."""
 
 from __future__ import annotations
 
@@ -7,181 +7,110 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from duplexpipe.comm import NoCompression, Options, check_optimizer, compression_options
-from duplexpipe.dp_options import ZeroOptions, options_label
-from duplexpipe.model.split import PartInfo, Partition
-from duplexpipe.model.stages import PartInit, as_factory, materialize_part
+from duplexpipe.comm.methods import check_optimizer
+from duplexpipe.dp_options.compression import NoCompression, Options, compression_options
+from duplexpipe.model.split import Partition
+from duplexpipe.model.stages import PartInit, PartSource, as_factory, materialize_part
+from duplexpipe.parallel import OptimizerFactory
 from duplexpipe.parallel.compressed import check_dgc_momentum
+from duplexpipe.parallel.mesh import ParallelGroups
 from duplexpipe.parallel.tied import find_tied
 from duplexpipe.parallel.zero_config import check_tied
 from duplexpipe.planner.calibrate import fit_wall_scale
-from duplexpipe.planner.calibration_cache import default_cache_dir
+from duplexpipe.planner.calibration_cache import CalibrationCache, default_cache_dir
 from duplexpipe.planner.dp_comm import UNMEASURED, Link, compression
-from duplexpipe.planner.memory import format_bytes, parse_bytes
-from duplexpipe.planner.plan import PlanConfig, PlanResult, microbatch_counts, plan
+from duplexpipe.planner.plan import PlanConfig, microbatch_counts, plan
 from duplexpipe.planner.profile import Profile
 from duplexpipe.runtime.structure import flatten, map_leaves, split
 from duplexpipe.schedules.ir import Schedule
-from duplexpipe.train.auto_measure import (
-    MAX_SCALE,
-    Calibration,
-    PartChain,
-    PipelineBuilder,
-    cache_of,
-    cached_profile,
-    calibrate,
-    machine_signature,
-    measure_link,
-    merge_init,
-    merge_parts,
-    parts_digest,
-    sample_signature,
-)
+from duplexpipe.schedules.registry import build as build_schedule
+from duplexpipe.sizes import memory_bytes
+from duplexpipe.train.calibration import MAX_SCALE, Calibration, CalibrationSetup, calibrate, measure_link
+from duplexpipe.train.choice import NO_LIMIT, AutoChoice, RunPlan
 from duplexpipe.train.measure import cache_evict_bytes, profile_parts
+from duplexpipe.train.measure_cache import cache_of, cached_profile, machine_signature, parts_digest, sample_signature
+from duplexpipe.train.pipeline_config import (
+    AUTO,
+    AUTO_PLAN_KEYS,
+    AUTO_PROFILE_KEYS,
+    DEFAULT_MICROBATCHES,
+    LossFn,
+    PipelineConfig,
+    check_auto_options,
+    with_defaults,
+)
+from duplexpipe.train.precision import autocast_dtype
 
-__all__ = ["AUTO", "NO_LIMIT", "AutoChoice", "AutoSetup", "PartChain", "RunPlan", "calibration_config", "check_fixed",
-           "check_options", "choose", "memory_bytes", "probe_optimizer", "trainer_refusal"]
-
-AUTO = "auto"
-"""The PipelineConfig.schedule value that plans the schedule (the registry's `auto` generator is one candidate)."""
-NO_LIMIT = 2**62
-"""The cap planned with when no memory_limit is given (bytes; no candidate is rejected for memory)."""
-PROFILE_KEYS = ("repeats", "warmup", "timer", "fit_rows", "fused", "evict_bytes")
-"""schedule_options keys that go to `profile_parts`."""
-CALIBRATION_KEYS = ("calibrate", "calibration_budget_s", "calibration_cache", "cpu_timer")
-"""schedule_options keys of the in-pipeline calibration and its cache (`auto_measure.Calibration`)."""
-PLAN_KEYS = tuple(f.name for f in fields(PlanConfig) if f.name not in ("ranks", "batch", "memory", "dp", "refusal"))
-"""schedule_options keys that go to the planner's PlanConfig."""
-FIXED = {"num_microbatches": "microbatches", "zero_stage": "zero_stages", "grad_compression": "compressions"}
-"""PipelineConfig fields that, when set (not None), fix the planner's choice, and the schedule_options key that
-narrows the planner's search when the field is left unset."""
 LOGGER = logging.getLogger("duplexpipe.plan")
 
 
-def memory_bytes(limit: int | str | None, what: str = "PipelineConfig.memory_limit") -> int | None:
-    """A memory limit as bytes: an int > 0, a size text ("40GiB", "512 MiB"), or None; ValueError otherwise."""
-    if limit is None:
-        return None
-    if isinstance(limit, bool) or not isinstance(limit, (int, str)):
-        raise ValueError(f"{what} must be bytes (an int) or a size such as '40GiB', got {limit!r}")
-    if isinstance(limit, int):
-        if limit < 1:
-            raise ValueError(f"{what} must be >= 1 byte, got {limit}")
-        return limit
-    try:
-        return parse_bytes(limit)
-    except ValueError as exc:
-        raise ValueError(f"{what}: {exc}") from None
+@dataclass(frozen=True)
+class PlanSetup:
+    """Where schedule="auto" plans: this process's place in P x D, the device, and the parts' init."""
 
-
-def check_options(options: dict[str, Any]) -> None:
-    """Raise ValueError naming keys of schedule_options that schedule="auto" does not take."""
-    known = PLAN_KEYS + PROFILE_KEYS + CALIBRATION_KEYS
-    unknown = sorted(set(options) - set(known))
-    if unknown:
-        raise ValueError(f"schedule='auto' takes schedule_options {', '.join(known)}; got unknown {unknown}")
-
-
-def check_fixed(config: Any) -> None:
-    """Raise ValueError when a PipelineConfig field fixes a choice that its schedule_options key would widen."""
-    for name, key in FIXED.items():
-        value = getattr(config, name)
-        if value is not None and key in config.schedule_options:
-            raise ValueError(f"schedule='auto': PipelineConfig.{name}={value!r} fixes what schedule_options[{key!r}] "
-                             f"would let the planner choose from; set one of them")
+    groups: ParallelGroups
+    """P, D and this process's pipeline rank (and the groups the calibration trains over)."""
+    device: torch.device
+    """Where the parts run."""
+    init: PartInit | None = None
+    """init(part, k) for parts on the meta device."""
 
 
 @dataclass(frozen=True)
-class RunPlan:
-    """What a Pipeline runs: the schedule, M, ZeRO stage and gradient compression (and what auto predicted)."""
+class PlannedPipeline:
+    """What the planning step resolved: exactly what one Pipeline builds and runs."""
 
-    schedule: str
-    """The schedule, as the planner names it (with its options, e.g. "interleaved-1f1b(chunks=2)")."""
-    microbatches: int
-    """M."""
-    zero_stage: int
-    """The ZeRO stage (PipelineConfig.zero_stage it runs with)."""
-    grad_compression: Options
-    """The gradient compression (PipelineConfig.grad_compression it runs with)."""
-    predicted_step_s: float | None = None
-    """schedule="auto": the planner's predicted step time; None otherwise."""
-
-    @property
-    def compression(self) -> str:
-        """The compression's name with its non-default options ("none", "powersgd(rank=1)")."""
-        return options_label(self.grad_compression)
-
-    def summary(self) -> str:
-        """One line: "zbv, M=8, ZeRO 0, gradient compression none (predicted step 12.3 ms)"."""
-        text = (f"{self.schedule}, M={self.microbatches}, ZeRO {self.zero_stage}, gradient compression "
-                f"{self.compression}")
-        if self.predicted_step_s is None:
-            return text
-        return f"{text} (predicted step {self.predicted_step_s * 1e3:.4g} ms)"
-
-
-@dataclass(frozen=True)
-class AutoChoice:
-    """What schedule="auto" decided, the same on every rank."""
-
-    result: PlanResult
-    """The planner's result: every candidate, best first (`result.table()`)."""
-    profile: Profile
-    """Rank 0's profile of the given parts (with the calibrated runtime work when the calibration ran)."""
+    config: PipelineConfig
+    """The config with every field the run needs set (M, ZeRO stage, gradient compression)."""
     schedule: Schedule
-    """The winner, ready to run."""
-    groups: tuple[int, ...]
-    """How many of the given parts each of the schedule's model parts holds (contiguous, in order)."""
+    """The schedule to run, for the pipeline's P ranks."""
+    parts: PartSource
+    """The model parts of that schedule (with "auto": the given parts merged as the winner needs)."""
+    init: PartInit | None
+    """init(part, k) for those parts."""
+    partition: Partition | None
+    """The layers' partition of those parts (None when the parts did not come from one)."""
     plan: RunPlan
-    """What runs: the winner's schedule, M, ZeRO stage and gradient compression."""
-    source: str = ""
-    """Where the measurements came from ("measured", "cache <file>", ...)."""
+    """What runs: schedule, M, ZeRO stage and gradient compression."""
+    auto: AutoChoice | None
+    """schedule="auto": the planner's whole choice (its table: `auto.result.table()`); None otherwise."""
 
-    def merged_parts(self, parts: Sequence[nn.Module]) -> list[nn.Module]:
-        """The given parts as the schedule's model parts: a run of several becomes one PartChain."""
-        return merge_parts(parts, self.groups)
 
-    def merged_init(self, init: PartInit | None) -> PartInit | None:
-        """`init(part, k)` for the merged parts: each given part k inside a chain is filled by init(part, k)."""
-        return merge_init(init, self.groups)
+def plan_pipeline(parts: PartSource, loss_fn: LossFn, optimizer: OptimizerFactory, config: PipelineConfig, *,
+                  groups: ParallelGroups, device: torch.device, init: PartInit | None = None,
+                  partition: Partition | None = None, sample: tuple[Any, Any] = (None, None)) -> PlannedPipeline:
+    """Resolve `config` for P x D = `groups`: a named or given schedule is built as it stands (unset fields at
+    their defaults); schedule="auto" measures the parts on `sample` (a batch as given to `step`, with targets),
+    plans, logs the choice once (rank 0) and merges the parts for the winner (see `choose`). Collective with
+    "auto": call on every rank."""
+    if config.schedule != AUTO:
+        resolved = with_defaults(config)
+        schedule = resolve_schedule(resolved, groups.pp_size)
+        run = RunPlan(schedule.name, schedule.num_microbatches, resolved.zero_stage or 0,
+                      compression_options(resolved.grad_compression))
+        return PlannedPipeline(resolved, schedule, parts, init, partition, run, None)
+    choice = choose(parts, loss_fn, optimizer, config, PlanSetup(groups, device, init), sample)
+    return PlannedPipeline(choice.applied(config), choice.schedule, choice.merged_parts(parts),  # type: ignore[arg-type]
+                           choice.merged_init(init), choice.merged_partition(partition), choice.plan, choice)
 
-    def merged_partition(self, partition: Partition | None) -> Partition | None:
-        """The given parts' Partition with the merged runs joined (None stays None)."""
-        if partition is None:
-            return None
-        out, start = [], 0
-        for g, count in enumerate(self.groups):
-            run = partition.parts[start:start + count]
-            times = [p.est_time_s for p in run]
-            out.append(PartInfo(g, range(run[0].layers.start, run[-1].layers.stop), sum(p.num_params for p in run),
-                                None if None in times else sum(t for t in times if t is not None),
-                                run[0].has_embedding, run[-1].has_head))
-            start += count
-        return replace(partition, balance=tuple(len(p.layers) for p in out), parts=tuple(out))
 
-    def applied(self, config: Any) -> Any:
-        """`config` (a PipelineConfig) with the plan's M, ZeRO stage and gradient compression set (and the
-        schedule_options that searched them dropped): what runs."""
-        p = self.plan
-        options = {k: v for k, v in config.schedule_options.items() if k not in FIXED.values()}
-        return replace(config, num_microbatches=p.microbatches, zero_stage=p.zero_stage,
-                       grad_compression=p.grad_compression, schedule_options=options)
-
-    def summary(self) -> str:
-        """The choice in one line."""
-        best = self.result.best
-        cap = self.result.config.memory
-        limit = "no memory limit" if cap >= NO_LIMIT else f"limit {format_bytes(cap)} per rank"
-        return (f"schedule='auto' chose {self.plan.summary()}; {limit}, peak {format_bytes(best.peak_bytes)} per rank; "
-                f"the model's {self.profile.num_parts} parts run as {len(self.groups)} (merged {list(self.groups)}); "
-                f"measurements: {self.source or 'measured'}")
+def resolve_schedule(config: PipelineConfig, pp_size: int) -> Schedule:
+    """The Schedule `config` names (or holds) for `pp_size` ranks; not for schedule="auto"."""
+    if isinstance(config.schedule, Schedule):
+        schedule = config.schedule
+        if schedule.num_ranks != pp_size:
+            raise ValueError(f"schedule {schedule.name!r} is for {schedule.num_ranks} ranks, "
+                             f"but the pipeline group has {pp_size}")
+        return schedule
+    return build_schedule(config.schedule, pp_size, config.num_microbatches or DEFAULT_MICROBATCHES,
+                          **config.schedule_options)
 
 
 @contextlib.contextmanager
@@ -193,28 +122,8 @@ def _autocast(device: torch.device, dtype: torch.dtype | None) -> Iterator[None]
         yield
 
 
-@dataclass(frozen=True)
-class AutoSetup:
-    """Where and with what schedule="auto" plans (built by `Pipeline`)."""
-
-    ranks: int
-    """P."""
-    dp: int
-    """D."""
-    pp_rank: int
-    """This process's pipeline rank."""
-    device: torch.device
-    """Where the parts run."""
-    init: PartInit | None = None
-    """init(part, k) for parts on the meta device."""
-    autocast: torch.dtype | None = None
-    """The precision's autocast dtype."""
-    build: PipelineBuilder | None = None
-    """Builds the calibration's Pipelines (None: no in-pipeline calibration)."""
-
-
-def _profile(parts: Sequence[nn.Module], loss_fn: Callable[[Any, Any], torch.Tensor], sample: tuple[Any, Any],
-             microbatches: int, kwargs: dict[str, Any], setup: AutoSetup) -> Profile:
+def _profile(parts: Sequence[nn.Module], loss_fn: LossFn, sample: tuple[Any, Any], microbatches: int,
+             kwargs: dict[str, Any], setup: PlanSetup, dtype: torch.dtype | None) -> Profile:
     """Profile copies of the parts on the sample's first of `microbatches` microbatches (as the runtime splits it)."""
     inputs, targets = sample
     first = split(inputs, microbatches, "sample_input")[0]
@@ -224,7 +133,7 @@ def _profile(parts: Sequence[nn.Module], loss_fn: Callable[[Any, Any], torch.Ten
     first = map_leaves(move, first)
     target = map_leaves(move, target) if target is not None else None
     loss = loss_fn if target is not None else None
-    with _autocast(setup.device, setup.autocast):
+    with _autocast(setup.device, dtype):
         if "evict_bytes" not in kwargs:  # as many bytes as one microbatch keeps through the model, at least 2 x L2
             sizes = profile_parts(copies, first, target=target, loss_fn=loss, repeats=1, warmup=0, fit_rows=0,
                                   fused=False, timer=time.perf_counter)
@@ -250,7 +159,7 @@ def _shared_profile(make: Callable[[], Profile]) -> Profile:
     return Profile.from_dict(payload[0], "rank 0's profile")
 
 
-def probe_optimizer(optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> torch.optim.Optimizer | None:
+def probe_optimizer(optimizer: OptimizerFactory) -> torch.optim.Optimizer | None:
     """What `optimizer` builds on one parameter (its type and hyperparameters), or None when it cannot."""
     try:
         return optimizer([nn.Parameter(torch.zeros(1))])
@@ -258,7 +167,7 @@ def probe_optimizer(optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimi
         return None
 
 
-def trainer_refusal(config: Any, probe: torch.optim.Optimizer | None, parts: Sequence[nn.Module],
+def trainer_refusal(config: PipelineConfig, probe: torch.optim.Optimizer | None, parts: Sequence[nn.Module],
                     dp: int) -> Callable[[int, Options], str | None]:
     """The trainer's rule for a (ZeRO stage, compression) pair under `config`: PipelineConfig's own checks
     (ZeRO with the method, ZeroOptions, dp_strategy, clipping with DGC), the sparsifiers' optimizer checks on
@@ -280,17 +189,11 @@ def trainer_refusal(config: Any, probe: torch.optim.Optimizer | None, parts: Seq
     return rule
 
 
-def calibration_config(config: Any, schedule: Schedule) -> Any:
-    """The PipelineConfig of a calibration run: `config`'s runtime settings on `schedule`, without data-parallel
-    compression or ZeRO (the planner models those itself) and without the replica check."""
-    return replace(config, schedule=schedule, num_microbatches=None, schedule_options={}, memory_limit=None,
-                   zero_stage=0, grad_compression=None, dp_strategy=None, zero=ZeroOptions(), check_replicas=False)
-
-
-def _plan_config(config: Any, options: dict[str, Any], rows: int, setup: AutoSetup,
+def _plan_config(config: PipelineConfig, options: dict[str, Any], rows: int, setup: PlanSetup,
                  refusal: Callable[[int, Options], str | None]) -> PlanConfig:
     """The planner's settings: schedule_options, with the fields the user fixed in `config` as the only choice."""
-    values: dict[str, Any] = {k: (tuple(v) if isinstance(v, list) else v) for k, v in options.items() if k in PLAN_KEYS}
+    values: dict[str, Any] = {k: (tuple(v) if isinstance(v, list) else v) for k, v in options.items()
+                              if k in AUTO_PLAN_KEYS}
     if config.num_microbatches is not None:
         values["microbatches"] = (config.num_microbatches,)
     if config.zero_stage is not None:
@@ -298,16 +201,17 @@ def _plan_config(config: Any, options: dict[str, Any], rows: int, setup: AutoSet
     if config.grad_compression is not None:
         values["compressions"] = (compression_options(config.grad_compression),)
     cap = memory_bytes(config.memory_limit)
-    return PlanConfig(ranks=setup.ranks, batch=rows * setup.dp, memory=cap if cap is not None else NO_LIMIT,
-                      dp=setup.dp, refusal=refusal, **values)
+    groups = setup.groups
+    return PlanConfig(ranks=groups.pp_size, batch=rows * groups.dp_size, memory=cap if cap is not None else NO_LIMIT,
+                      dp=groups.dp_size, refusal=refusal, **values)
 
 
-def _fingerprint(parts: Sequence[nn.Module], sample: tuple[Any, Any], config: Any, setup: AutoSetup,
+def _fingerprint(parts: Sequence[nn.Module], sample: tuple[Any, Any], config: PipelineConfig, setup: PlanSetup,
                  profile_kwargs: dict[str, Any], rows: tuple[int, ...], calibration: Calibration,
                  optimizer_type: str) -> dict[str, Any]:
     """What the cached measurements depend on: the parts, the sample, P and D, the machine, the runtime's settings."""
     return {"parts": parts_digest(parts), "sample": sample_signature(sample[0]),
-            "targets": sample_signature(sample[1]), "ranks": setup.ranks, "dp": setup.dp,
+            "targets": sample_signature(sample[1]), "ranks": setup.groups.pp_size, "dp": setup.groups.dp_size,
             "device": setup.device.type, "machine": machine_signature(), "precision": config.precision,
             "activation_checkpointing": repr(config.activation_checkpointing),
             "p2p_compression": repr(config.p2p_compression), "count_saved_bytes": config.count_saved_bytes,
@@ -321,7 +225,7 @@ def _name(value: Any) -> str:
     return getattr(value, "__qualname__", type(value).__qualname__) if callable(value) else repr(value)
 
 
-def _settings(options: dict[str, Any]) -> tuple[Calibration, Any]:
+def _settings(options: dict[str, Any]) -> tuple[Calibration, CalibrationCache | None]:
     """The calibration settings and the cache (None: no cache) of schedule_options. A scripted timer means a
     test or a custom measurement: no cache unless one is named."""
     scripted = "timer" in options or "cpu_timer" in options
@@ -331,20 +235,20 @@ def _settings(options: dict[str, Any]) -> tuple[Calibration, Any]:
     return calibration, cache
 
 
-def choose(parts: Sequence[nn.Module] | Callable[[int], nn.Module], loss_fn: Callable[[Any, Any], torch.Tensor],
-           optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer], config: Any, setup: AutoSetup,
+def choose(parts: PartSource, loss_fn: LossFn, optimizer: OptimizerFactory, config: PipelineConfig, setup: PlanSetup,
            sample: tuple[Any, Any] | None) -> AutoChoice:
     """Measure (cached), plan for P x D and the sample's batch size, log the choice once (rank 0).
 
     `sample` is (inputs, targets) of one step's batch on this replica. The profile is rank 0's, on the
     sample's largest candidate microbatch (affine down to the smallest), and the calibration trains
-    `calibration_runs` with the real parts on every rank (`setup.build`). Fields the user set in `config`
+    `calibration_runs` with the real parts on every rank (`calibration.CalibrationTrainer`: the runtime, no
+    Pipeline). Fields the user set in `config`
     (num_microbatches, zero_stage, grad_compression) are the planner's only choice for them. Raises
     ValueError on every rank, before any training, when the parts or the sample are unusable or no
     candidate fits the limit (naming the smallest feasible cap).
     """
+    check_auto_options(config)
     options = dict(config.schedule_options)
-    check_options(options)
     if as_factory(parts) is not None:
         raise ValueError("schedule='auto' needs the model parts as a list (it merges neighbouring parts for the "
                          "chosen schedule); got a part factory")
@@ -354,20 +258,23 @@ def choose(parts: Sequence[nn.Module] | Callable[[int], nn.Module], loss_fn: Cal
                          "step) and sample_targets= to the Pipeline")
     rows = int(flatten(sample[0], "sample_input")[1][0].shape[0])
     probe = probe_optimizer(optimizer)
-    refusal = trainer_refusal(config, probe, given, setup.dp)
+    refusal = trainer_refusal(config, probe, given, setup.groups.dp_size)
     plan_config = _plan_config(config, options, rows, setup, refusal)
     counts = microbatch_counts(plan_config)
     measured = sorted(set(counts) | set(microbatch_counts(replace(plan_config, microbatches=None))))
     small, large = rows // max(measured), rows // min(measured)
-    kwargs = {"fit_rows": small if 1 <= small < large else 0, **{k: options[k] for k in PROFILE_KEYS if k in options}}
+    kwargs = {"fit_rows": small if 1 <= small < large else 0,
+              **{k: options[k] for k in AUTO_PROFILE_KEYS if k in options}}
     calibration, cache = _settings(options)
 
+    dtype = autocast_dtype(config.precision)
+    trainees = CalibrationSetup(loss_fn, optimizer, config, setup.groups, setup.device, setup.init)
+
     def measure() -> Profile:
-        profile = _shared_profile(lambda: _profile(given, loss_fn, sample, min(measured), kwargs, setup))
-        if not calibration.enabled or setup.build is None:
+        profile = _shared_profile(lambda: _profile(given, loss_fn, sample, min(measured), kwargs, setup, dtype))
+        if not calibration.enabled:
             return profile
-        fitted, samples, walls = calibrate(profile, given, setup.init, sample, ranks=setup.ranks,
-                                           pp_rank=setup.pp_rank, counts=measured, build=setup.build,
+        fitted, samples, walls = calibrate(profile, given, sample, counts=measured, setup=trainees,
                                            settings=calibration)
         meta = dict(profile.meta, calibration_walls=walls,
                     calibration_samples=[[s.actions, s.messages, s.seconds, s.compute] for s in samples])
@@ -378,7 +285,7 @@ def choose(parts: Sequence[nn.Module] | Callable[[int], nn.Module], loss_fn: Cal
         if "p2p_link" not in options:
             message = max((p.output_bytes for p in profile.at_microbatch(rows / min(measured)).parts[:-1]),
                           default=4)
-            meta["p2p_link"] = list(measure_link(setup.pp_rank, int(message)))
+            meta["p2p_link"] = list(measure_link(setup.groups.pp_rank, int(message)))
         return replace(profile, overhead=fitted, meta=meta)
 
     fingerprint = _fingerprint(given, sample, config, setup, kwargs, (small, large), calibration, type(probe).__name__)

@@ -1,0 +1,107 @@
+"""What a Pipeline runs (`RunPlan`) and, with schedule="auto", what the planner chose (`AutoChoice`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from torch import nn
+
+from duplexpipe.dp_options.compression import Options, options_label
+from duplexpipe.model.split import PartInfo, Partition
+from duplexpipe.model.stages import PartInit
+from duplexpipe.planner.plan import PlanResult
+from duplexpipe.planner.profile import Profile
+from duplexpipe.schedules.ir import Schedule
+from duplexpipe.sizes import format_bytes
+from duplexpipe.train.part_chain import merge_init, merge_parts
+from duplexpipe.train.pipeline_config import AUTO_FIXED, PipelineConfig
+
+NO_LIMIT = 2**62
+"""The cap planned with when no memory_limit is given (bytes; no candidate is rejected for memory)."""
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What a Pipeline runs: the schedule, M, ZeRO stage and gradient compression (and what auto predicted)."""
+
+    schedule: str
+    """The schedule, as the planner names it (with its options, e.g. "interleaved-1f1b(chunks=2)")."""
+    microbatches: int
+    """M."""
+    zero_stage: int
+    """The ZeRO stage (PipelineConfig.zero_stage it runs with)."""
+    grad_compression: Options
+    """The gradient compression (PipelineConfig.grad_compression it runs with)."""
+    predicted_step_s: float | None = None
+    """schedule="auto": the planner's predicted step time; None otherwise."""
+
+    @property
+    def compression(self) -> str:
+        """The compression's name with its non-default options ("none", "powersgd(rank=1)")."""
+        return options_label(self.grad_compression)
+
+    def summary(self) -> str:
+        """One line: "zbv, M=8, ZeRO 0, gradient compression none (predicted step 12.3 ms)"."""
+        text = (f"{self.schedule}, M={self.microbatches}, ZeRO {self.zero_stage}, gradient compression "
+                f"{self.compression}")
+        if self.predicted_step_s is None:
+            return text
+        return f"{text} (predicted step {self.predicted_step_s * 1e3:.4g} ms)"
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """What schedule="auto" decided, the same on every rank."""
+
+    result: PlanResult
+    """The planner's result: every candidate, best first (`result.table()`)."""
+    profile: Profile
+    """Rank 0's profile of the given parts (with the calibrated runtime work when the calibration ran)."""
+    schedule: Schedule
+    """The winner, ready to run."""
+    groups: tuple[int, ...]
+    """How many of the given parts each of the schedule's model parts holds (contiguous, in order)."""
+    plan: RunPlan
+    """What runs: the winner's schedule, M, ZeRO stage and gradient compression."""
+    source: str = ""
+    """Where the measurements came from ("measured", "cache <file>", ...)."""
+
+    def merged_parts(self, parts: Sequence[nn.Module]) -> list[nn.Module]:
+        """The given parts as the schedule's model parts: a run of several becomes one PartChain."""
+        return merge_parts(parts, self.groups)
+
+    def merged_init(self, init: PartInit | None) -> PartInit | None:
+        """`init(part, k)` for the merged parts: each given part k inside a chain is filled by init(part, k)."""
+        return merge_init(init, self.groups)
+
+    def merged_partition(self, partition: Partition | None) -> Partition | None:
+        """The given parts' Partition with the merged runs joined (None stays None)."""
+        if partition is None:
+            return None
+        out, start = [], 0
+        for g, count in enumerate(self.groups):
+            run = partition.parts[start:start + count]
+            times = [p.est_time_s for p in run]
+            out.append(PartInfo(g, range(run[0].layers.start, run[-1].layers.stop), sum(p.num_params for p in run),
+                                None if None in times else sum(t for t in times if t is not None),
+                                run[0].has_embedding, run[-1].has_head))
+            start += count
+        return replace(partition, balance=tuple(len(p.layers) for p in out), parts=tuple(out))
+
+    def applied(self, config: PipelineConfig) -> PipelineConfig:
+        """`config` with the plan's M, ZeRO stage and gradient compression set (and the schedule_options that
+        searched them dropped): what runs."""
+        p = self.plan
+        options = {k: v for k, v in config.schedule_options.items() if k not in AUTO_FIXED.values()}
+        return replace(config, num_microbatches=p.microbatches, zero_stage=p.zero_stage,
+                       grad_compression=p.grad_compression, schedule_options=options)
+
+    def summary(self) -> str:
+        """The choice in one line."""
+        best = self.result.best
+        cap = self.result.config.memory
+        limit = "no memory limit" if cap >= NO_LIMIT else f"limit {format_bytes(cap)} per rank"
+        return (f"schedule='auto' chose {self.plan.summary()}; {limit}, peak {format_bytes(best.peak_bytes)} per rank; "
+                f"the model's {self.profile.num_parts} parts run as {len(self.groups)} (merged {list(self.groups)}); "
+                f"measurements: {self.source or 'measured'}")
