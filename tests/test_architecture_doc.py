@@ -7,8 +7,6 @@ import importlib
 import re
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "architecture.md"
 PACKAGE = ROOT / "duplexpipe"
