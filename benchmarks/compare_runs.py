@@ -19,7 +19,8 @@ RowKey = tuple[str, str]
 def _rows(path: str) -> dict[RowKey, dict[str, Any]]:
     with open(path) as fh:
         data = json.load(fh)
-    return {(r["workload"], r["schedule"]): r for r in data["vs_torch"]}
+    rows = data["vs_torch"]["rows"] if isinstance(data["vs_torch"], dict) else data["vs_torch"]  # or the old format
+    return {(r["workload"], r["schedule"]): r for r in rows}
 
 
 def _quartiles(values: Sequence[float]) -> tuple[float, float, float]:
