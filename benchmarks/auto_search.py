@@ -6,6 +6,7 @@ import json
 import os
 import time
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from benchmarks import plots
@@ -125,8 +126,8 @@ def run_auto(ranks: int, mbs: int, profile: Profile, limit: float) -> dict[str, 
     return {**best, "by_placement": spans}
 
 
-PLACEMENT = {"gpipe": "linear", "1f1b": "linear", "zb-h1": "linear", "zb-h2": "linear", "zbv": "v",
-             "dualpipev": "v"}
+PLACEMENT = MappingProxyType({"gpipe": "linear", "1f1b": "linear", "zb-h1": "linear", "zb-h2": "linear",
+                              "zbv": "v", "dualpipev": "v"})
 """The built-ins whose placement a bound covers (one stage per rank, or the V)."""
 TWO_COPIES = ("dualpipe",)
 """Built-ins that hold two copies of the parameters: not a same-memory rival (reported beside the others)."""
@@ -248,7 +249,7 @@ def limit_sweep(cfg: AutoSearchConfig) -> dict[str, Any]:
     return {"P": ranks, "M": mbs, "zb_h1": h1.makespan, "rows": rows}
 
 
-SECTIONS = {"targets": targets, "grid": grid, "sweep": limit_sweep, "search_time": search_time}
+SECTIONS = MappingProxyType({"targets": targets, "grid": grid, "sweep": limit_sweep, "search_time": search_time})
 
 
 def run(cfg: AutoSearchConfig) -> Result:

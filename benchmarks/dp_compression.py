@@ -242,16 +242,11 @@ def _verdict(rows: list[dict[str, Any]]) -> str:
             else "unbounded (no method cost extra compute)")
     steps = sorted(r["step_ms"] for r in rows)
     return (f"Wall-clock per step (median over the run): fp32 {', '.join(f'{o} {ms} ms' for o, ms in bases)}; "
-            f"compressed {times} ms; {len(slower)} of {len(compressed)} compressed runs were slower than their "
-            f"fp32 run. On this loaded machine step times of identical work move by tens of percent between "
-            f"runs (all runs: {steps[0]:.0f}-{steps[-1]:.0f} ms), so these differences are noise, not a speed-up. "
-            f"What is not noise is the reduce compute: {len(costlier)} of {len(compressed)} methods spend more "
-            "CPU flattening, compressing and decompressing than the fp32 all-reduce's copies. The data-parallel "
-            "'wire' here is gloo over loopback on 2 shared cores, a copy by the same CPUs that run the model, so "
-            "the bytes saved buy nothing: compression costs more than it saves on this machine and pays only "
-            "on a real network link. Break-even bandwidth (bytes saved per step / extra compute per step, "
-            f"steady state): {span}; on a link slower than that (per rank) a method saves more transfer time "
-            "than it spends compressing, when the reduction is not hidden behind the backward.")
+            f"compressed {times} ms; {len(slower)} of {len(compressed)} compressed runs were slower than their fp32 "
+            f"run (all runs: {steps[0]:.0f}-{steps[-1]:.0f} ms; on a loaded machine, noise). {len(costlier)} of "
+            f"{len(compressed)} methods spend more reduce compute than the fp32 all-reduce's copies. Break-even "
+            f"bandwidth (bytes saved / extra compute per step, steady state): {span}; on a slower link a method "
+            "saves more transfer time than it spends compressing, when the reduction is not hidden.")
 
 
 def config_of(result: Result) -> DPBenchConfig:
@@ -272,16 +267,12 @@ def run(cfg: DPBenchConfig) -> Result:
 def report(result: Result) -> list[Block]:
     """How it ran, the table, the verdict."""
     cfg = config_of(result)
-    return [f"GPT example (examples/gpt.py: {cfg.task_options}), PP={cfg.pp} x DP={cfg.dp}, {cfg.schedule}, "
-            f"{cfg.microbatches} microbatches per replica, {cfg.steps} steps, one seed; global gradient clip "
-            f"{cfg.clip:g} (the example's) except for DGC, which clips each replica's mean gradient (over its whole "
-            f"model, both pipeline stages) to {cfg.clip:g} x sqrt(DP) before its momentum instead (local clipping, "
-            "as in the paper: N^-1/2 of the threshold for a node's 1/N share of the summed gradient). "
-            "Bytes are ring-model bytes per rank and step counted by the strategy's WireMeter (averaged over the "
-            f"ranks); 'steady' is the mean of the last {cfg.tail} steps (after DGC's warm-up of "
-            f"{cfg.dgc_warmup_steps} steps per sparsity stage and PowerSGD's 10 exact steps); loss is the mean of "
-            f"the last {cfg.tail} steps against the fp32 run with the same optimizer (DGC rows: against SGD with "
-            "momentum 0.9; DGC runs SGD without momentum and applies momentum 0.9 in its compressor).",
+    return [f"GPT example ({cfg.task_options}), PP={cfg.pp} x DP={cfg.dp}, {cfg.schedule}, {cfg.microbatches} "
+            f"microbatches per replica, {cfg.steps} steps, one seed; gradient clip {cfg.clip:g} (DGC: each replica's "
+            f"mean gradient to {cfg.clip:g} x sqrt(DP) before its momentum). Bytes: ring-model bytes per rank and step "
+            f"(the strategy's WireMeter, mean over the ranks); 'steady' and the loss: the mean of the last {cfg.tail} "
+            f"steps (DGC warms up {cfg.dgc_warmup_steps} steps per sparsity stage), the loss against the fp32 run "
+            "with the same optimizer (DGC: against SGD with momentum 0.9, which DGC applies in its compressor).",
             table(result["rows"], cfg), _verdict(result["rows"])]
 
 

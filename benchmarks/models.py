@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Callable
 
 import torch
@@ -143,13 +145,13 @@ def max_rel_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
 
 
 Loss = Callable[..., torch.Tensor]
-TORCH_SCHEDULES: dict[str, tuple[str, str]] = {
+TORCH_SCHEDULES: Mapping[str, tuple[str, str]] = MappingProxyType({
     "1f1b": ("Schedule1F1B", "linear"),
     "gpipe": ("ScheduleGPipe", "linear"),
     "interleaved-1f1b": ("ScheduleInterleaved1F1B", "looped"),
     "zbv": ("ScheduleZBVZeroBubble", "v"),
     "dualpipev": ("ScheduleDualPipeV", "v"),
-}
+})
 """Benchmark schedule key -> (torch schedule class name, placement of its stages)."""
 
 

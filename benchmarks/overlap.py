@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ from duplexpipe import Action, Op, Schedule, build_schedule, lower
 
 TARGET = 1.3
 """Waited / async step time, at least."""
-CONSUMER = {Op.RECV_F: (Op.F,), Op.RECV_B: (Op.B, Op.I)}
+CONSUMER = MappingProxyType({Op.RECV_F: (Op.F,), Op.RECV_B: (Op.B, Op.I)})
 """A receive's consumer: the compute of the same stage and microbatch with one of these ops."""
 
 

@@ -6,6 +6,7 @@ import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -18,7 +19,7 @@ from duplexpipe import PipelineConfig, build_schedule
 
 LABELS = ("fp32", "bf16", "fp8", "int8")
 """Variants: fp32 sends (p2p_compression=None) and the three compressions."""
-TARGET_RATIO = {"bf16": 0.5, "fp8": 0.27, "int8": 0.27}
+TARGET_RATIO = MappingProxyType({"bf16": 0.5, "fp8": 0.27, "int8": 0.27})
 """Bytes per SEND over fp32's, at most."""
 TARGET_LOSS = 0.01
 """|mean of the last losses - fp32's| / fp32's, at most."""

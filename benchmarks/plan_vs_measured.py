@@ -8,6 +8,7 @@ import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, replace
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -256,7 +257,7 @@ def _calibrate_in_pipeline(parts: list[nn.Module], batch: tuple[Any, Any], loss:
     return {"overhead": cal.overhead.to_dict(), "check": check, "samples": [asdict(x) for x in cal.samples]}
 
 
-VARIANTS = {
+VARIANTS = MappingProxyType({
     "model": "profiled alone, affine, compute scale and runtime overhead from the real parts, C cores (the new model)",
     "previous": "profiled alone, affine, runtime overhead from 1-weight parts (compute scale 1), C cores "
                 "(the previous model)",
@@ -264,7 +265,7 @@ VARIANTS = {
     "cores_only": "profiled alone, linear, no overhead, C cores",
     "alone_linear": "profiled alone, linear, no overhead, a device per rank",
     "old": "profiled with every rank at once, linear, no overhead, a device per rank (the old prediction)",
-}
+})
 """The predictions compared (all with the measured link)."""
 
 
@@ -380,7 +381,7 @@ def run(cfg: PvMConfig) -> Result:
     return {"rows": rows, "order": order_pairs(rows), "overhead": overhead, "counting": lead["counting"],
             "link": lead["link"], "profiles": lead["profiles"], "calibration": lead["calibration"],
             "in_pipeline": lead["in_pipeline"],
-            "variants": VARIANTS, "config": asdict(cfg)}
+            "variants": dict(VARIANTS), "config": asdict(cfg)}
 
 
 PART = Part("plan_vs_measured", "Planner predictions vs measurement", PvMConfig(), QUICK, run, report, figures,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from types import MappingProxyType
 from typing import Any
 
 from benchmarks import plots
@@ -17,9 +18,9 @@ BYTES_TARGET = 0.10
 ORDER_GAP = 0.15
 """Candidates whose predicted step times differ by more than this fraction must be measured in that order."""
 FIGURE = "plan_vs_measured.png"
-SHORT = {"previous": "previous model (1-weight calibration)",
+SHORT = MappingProxyType({"previous": "previous model (1-weight calibration)",
          "no_cores": "device per rank", "cores_only": "C cores only", "alone_linear": "alone, linear",
-         "old": "old prediction"}
+         "old": "old prediction"})
 """Column titles of the comparison predictions."""
 
 

@@ -9,7 +9,9 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from types import MappingProxyType
 from typing import Any
 
 from benchmarks import harness, models
@@ -17,7 +19,7 @@ from benchmarks.framework import Block, Part, Result, Table, ms
 from benchmarks.models import build_ours, build_pipeline, build_torch_pipe, num_stages, runtime_config
 from benchmarks.runner import ROOT, main
 
-BUCKETS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
+BUCKETS: Mapping[str, tuple[tuple[str, tuple[str, ...]], ...]] = MappingProxyType({
     "ours": (
         ("wait for a receive (Transport.take)", ("Transport.take (",)),
         ("step-start agreement (star of messages)", ("agree (",)),
@@ -43,7 +45,7 @@ BUCKETS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
         ("gradient scaling", ("perform_reduce_grad (", "scale_grads (")),
         ("optimizer step, zero_grad", ("Optimizer.step (", "SGD.step (", "zero_grad (")),
     ),
-}
+})
 """Per side, (label, frame texts): a sample goes to the first bucket with a frame text in its stack."""
 STEP_FRAMES = ("Pipe.step (", "Pipeline.step (")
 """A sample counts when one of these frames (a side's timed step) is in its stack."""

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from types import MappingProxyType
 from typing import Any
 
 from benchmarks import plots
@@ -25,14 +26,14 @@ TORCH_SPEEDUP = 2.0
 """Torch's plan construction over ours (build + lower) at P=16, M=256, at least."""
 BIG = 64 * 1024
 """Cases with P * M at least this many stage-microbatches run once (each takes seconds)."""
-CLI_CASES = {
+CLI_CASES = MappingProxyType({
     "simulate-1f1b-P2048": ("simulate", "1f1b", "-p", "2048", "-m", "8", "--json"),
     "simulate-1f1b-P10000": ("simulate", "1f1b", "-p", "10000", "-m", "8", "--json"),
     "plot-dualpipe-P64-M512": ("simulate", "dualpipe", "-p", "64", "-m", "512", "--plot", "{out}/dp.png"),
     "plot-dualpipe-P64-M512-view": ("simulate", "dualpipe", "-p", "64", "-m", "512", "--plot", "{out}/v.png",
                                     "--ranks-shown", "0-7,56-63", "--window", "0:200"),
     "compare-P64-M512-plot": ("compare", "-p", "64", "-m", "512", "--plot", "{out}/cmp.png"),
-}
+})
 """Name -> the arguments after `duplexpipe` (`{out}` becomes a scratch folder)."""
 PROGRAM = ("import resource, sys; from duplexpipe.cli import main; rc = main(sys.argv[1:]); "
            "u = resource.getrusage(resource.RUSAGE_SELF); "
