@@ -10,7 +10,7 @@ from types import MappingProxyType
 from typing import Any
 
 from benchmarks import plots
-from benchmarks.framework import Block, Part, Result
+from benchmarks.framework import Block, Part, Result, met
 from benchmarks.internals import check_schedule, makespan_bound, search, search_problem
 from benchmarks.runner import main
 from duplexpipe import CostModel, Schedule, build_schedule, simulate
@@ -268,15 +268,11 @@ def _f(x: float) -> str:
     return f"{x:.4g}"
 
 
-def _mark(ok: bool) -> str:
-    return "met" if ok else "**missed**"
-
-
 def _verdict(target: dict[str, Any]) -> str:
     """"met", or "missed", saying so when the bounds prove the target out of reach."""
     if not target["met"] and target.get("reachable") is False:
         return "**missed**: unreachable (bound > target)"
-    return _mark(target["met"])
+    return met(target["met"])
 
 
 def target_table(results: dict[str, Any]) -> list[list[str]]:
@@ -336,7 +332,7 @@ def report(result: Result) -> list[Block]:
     g = result.get("grid")
     if g:
         out += [f"### Grid: {g['cases']} cases, auto never worse than the best built-in under the same limit: "
-                f"{_mark(g['met'])}",
+                f"{met(g['met'])}",
                 f"auto is shorter than every built-in that fits in {g['better']} cases (the greedy's own schedule in "
                 f"{g['greedy_wins']} of them), equal in {g['cases'] - g['better'] - g['worse']}, longer in "
                 f"{g['worse']}. DualPipe holds two copies of the parameters, so it is no same-memory rival: it fits "
@@ -356,7 +352,7 @@ def report(result: Result) -> list[Block]:
     st = result.get("search_time")
     if st:
         out += [f"### Search time, P={st['P']}, M={st['M']}: slowest {st['max_wall_s']:.2f} s wall (< 10 s: "
-                f"{_mark(st['met'])}); load average after: {st['loadavg']}",
+                f"{met(st['met'])}); load average after: {st['loadavg']}",
                 [["costs", "limit", "placement", "wall s", "CPU s"]] +
                 [[r["profile"], _f(r["limit"]), r["placement"], f"{r['wall_s']:.2f}", f"{r['cpu_s']:.2f}"]
                  for r in st["rows"]]]

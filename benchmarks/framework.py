@@ -84,6 +84,11 @@ def mark(ok: bool) -> str:
     return "yes" if ok else "**no**"
 
 
+def met(ok: bool) -> str:
+    """A target's verdict in a sentence."""
+    return "met" if ok else "**missed**"
+
+
 def ms(seconds: float) -> str:
     """Seconds as milliseconds with one decimal."""
     return f"{seconds * 1e3:.1f}"

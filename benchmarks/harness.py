@@ -35,15 +35,9 @@ def _call(fn: WorkerFn, arg: Any) -> Any:
     return fn(dist.get_rank(), dist.get_world_size(), arg)
 
 
-def timed(step: Callable[[], Any], group: Any = None) -> tuple[float, Any]:
-    """Run one step between barriers; return (slowest rank's seconds, step's result)."""
-    wall, _, out = timed_cpu(step, group)
-    return wall, out
-
-
 def timed_cpu(step: Callable[[], Any], group: Any = None,
               cpu_timer: Callable[[], float] = time.process_time) -> tuple[float, float, Any]:
-    """Like `timed`, plus this rank's CPU seconds of the step (its process, communication threads included)."""
+    """Run one step between barriers: (the slowest rank's seconds, this rank's CPU seconds, its result)."""
     dist.barrier(group=group)
     start, cpu = time.perf_counter(), cpu_timer()
     out = step()

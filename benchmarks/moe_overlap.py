@@ -14,7 +14,7 @@ from torch import nn
 
 from benchmarks import harness
 from benchmarks import internals as deep
-from benchmarks.framework import Block, Part, Result
+from benchmarks.framework import Block, Part, Result, met
 from benchmarks.runner import main
 from duplexpipe import Pipeline, PipelineConfig, make_mesh
 from duplexpipe.moe import CausalSelfAttention, ExpertGroup, MoEBlock, MoELayer
@@ -232,7 +232,7 @@ def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
     fraction (sequential - overlapped) / comm. gloo: also the cores' bound on the overlapped pair (the ranks'
     summed CPU time over the cores, or the busiest rank's) and the most of the comm that bound lets hide."""
     def slowest(key: str, part: str = "pairs") -> list[float]:
-        return [max(vals) for vals in zip(*(r[part][key] for r in results), strict=True)]
+        return harness.slowest([r[part][key] for r in results])
 
     seq, ovl, measured, comm = (statistics.median(slowest(k)) for k in ("sequential", "overlapped", "measured",
                                                                          "comm"))
@@ -291,15 +291,11 @@ def report(s: Result) -> list[Block]:
         table.append(["DualPipeV step (PP=2 x DP=2, ep=2), off / on", f"{s['step_off_ms']:.1f} / {s['step_on_ms']:.1f}",
                       f"ratio {s['step_ratio']:.2f}"])
     target = 0.8 if cfg.backend == "nccl" else 0.7
-    hidden = f">= {target:.0%} of the comm hidden: {_met(s['hidden'] >= target)} ({s['hidden']:.0%})"
-    pair = f"pair <= 0.75x F then B: {_met(s['pair_ratio'] <= 0.75)} ({s['pair_ratio']:.2f}x); "
+    hidden = f">= {target:.0%} of the comm hidden: {met(s['hidden'] >= target)} ({s['hidden']:.0%})"
+    pair = f"pair <= 0.75x F then B: {met(s['pair_ratio'] <= 0.75)} ({s['pair_ratio']:.2f}x); "
     return [f"MoE F&B pair ({cfg.backend}, {cfg.ranks} processes; {where}): {cfg.layers} MoE blocks ({mixer}), "
             f"{cfg.experts} experts top-{cfg.top_k}, {cfg.tokens} tokens x {cfg.dim} per rank.", table,
             f"Target: {hidden}." if cfg.backend == "nccl" else f"Targets: {pair}{hidden}."]
-
-
-def _met(ok: bool) -> str:
-    return "met" if ok else "missed"
 
 
 PART = Part("moe_overlap", "MoE F&B overlap", MoEBenchConfig(), QUICK, run, report,

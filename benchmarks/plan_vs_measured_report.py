@@ -8,7 +8,7 @@ from types import MappingProxyType
 from typing import Any
 
 from benchmarks import plots
-from benchmarks.framework import Block, Result, mark
+from benchmarks.framework import Block, Result, mark, ms
 from benchmarks.internals import format_bytes
 
 TIME_TARGET = 0.25
@@ -18,14 +18,9 @@ BYTES_TARGET = 0.10
 ORDER_GAP = 0.15
 """Candidates whose predicted step times differ by more than this fraction must be measured in that order."""
 FIGURE = "plan_vs_measured.png"
-SHORT = MappingProxyType({"previous": "previous model (1-weight calibration)",
-         "no_cores": "device per rank", "cores_only": "C cores only", "alone_linear": "alone, linear",
-         "old": "old prediction"})
+SHORT = MappingProxyType({"previous": "previous model (1-weight calibration)", "no_cores": "device per rank",
+                          "cores_only": "C cores only", "alone_linear": "alone, linear", "old": "old prediction"})
 """Column titles of the comparison predictions."""
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.1f}"
 
 
 def table(part: dict[str, Any]) -> list[list[str]]:
@@ -37,12 +32,12 @@ def table(part: dict[str, Any]) -> list[list[str]]:
     out = [head + ["predicted peak act. (max rank)", "measured peak", "error", "worst rank error", "met (10%)"]]
     for r in part["rows"]:
         m = r["measured"]
-        line = [r["candidate"], "/".join(map(str, r["groups"])), _ms(r["predicted_s"]), _ms(m["median_s"]),
-                f"{_ms(r['min_s'])}-{_ms(r['max_s'])} ({_ms(m['q1_s'])}-{_ms(m['q3_s'])})",
+        line = [r["candidate"], "/".join(map(str, r["groups"])), ms(r["predicted_s"]), ms(m["median_s"]),
+                f"{ms(r['min_s'])}-{ms(r['max_s'])} ({ms(m['q1_s'])}-{ms(m['q3_s'])})",
                 f"{r['time_err']:+.1%}", mark(abs(r["time_err"]) <= TIME_TARGET)]
         for key in SHORT:
             v = r["variants"][key]
-            line += [_ms(v["step_s"]), f"{v['err']:+.1%}"]
+            line += [ms(v["step_s"]), f"{v['err']:+.1%}"]
         out.append(line + [format_bytes(max(r["predicted_acts"])), format_bytes(max(r["measured_acts"])),
                            f"{r['bytes_err']:+.2%}", f"{r['bytes_err_per_rank']:.2%}",
                            mark(r["bytes_err_per_rank"] <= BYTES_TARGET)])
@@ -79,8 +74,8 @@ def cpu_table(part: dict[str, Any]) -> list[list[str]]:
     for r in part["rows"]:
         model, real = sum(r["cpu_model"]), sum(r["cpu"])
         previous = sum(r.get("cpu_previous", [math.nan]))
-        out.append([r["candidate"], _ms(model), _ms(real), f"{real / model:.2f}", _ms(previous),
-                    f"{real / previous:.2f}", _ms(real / cores), _ms(r["measured"]["median_s"])])
+        out.append([r["candidate"], ms(model), ms(real), f"{real / model:.2f}", ms(previous),
+                    f"{real / previous:.2f}", ms(real / cores), ms(r["measured"]["median_s"])])
     return out
 
 
@@ -125,8 +120,8 @@ def report(part: Result) -> list[Block]:
             "CPU time per step (each rank's process, `time.process_time`, median of the measured steps):",
             cpu_table(part),
             f"Saved-bytes counting on the overhead-bound MLP (8 x Linear 256, batch 64, 1F1B, M=8, {cfg['ranks']} "
-            f"ranks, {cfg['overhead_steps']} alternating steps each): median step {_ms(ov['on']['median_s'])} ms "
-            f"counted vs {_ms(ov['off']['median_s'])} ms not; median paired ratio {ov['paired_ratio']:.3f}. In one "
+            f"ranks, {cfg['overhead_steps']} alternating steps each): median step {ms(ov['on']['median_s'])} ms "
+            f"counted vs {ms(ov['off']['median_s'])} ms not; median paired ratio {ov['paired_ratio']:.3f}. In one "
             f"process (forward + backward of one microbatch of 8 rows, fastest of {max(3, cfg['overhead_steps'])} "
             f"each, interleaved): {part['counting']['on_s'] * 1e3:.3f} ms counted vs "
             f"{part['counting']['off_s'] * 1e3:.3f} ms, ratio {part['counting']['ratio']:.3f}."]
