@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
@@ -41,8 +42,10 @@ def number(name: str) -> int:
 def main(argv: Sequence[str] | None = None, only: str | None = None) -> int:
     """`python -m benchmarks` (every part `make bench` runs, or --parts), or one part (`only`)."""
     given = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog=f"python -m benchmarks{'.' + only if only else ''}",
-                                     description=__doc__)
+    fields = "" if only is None else "config fields (--set): " + ", ".join(
+        f"{f.name}={getattr(load(only).config, f.name)!r}" for f in dataclasses.fields(load(only).config))
+    parser = argparse.ArgumentParser(prog=f"python -m benchmarks{'.' + only if only else ''}", epilog=fields,
+                                     description=f"{number(only)}. {load(only).title}" if only else __doc__)
     parser.add_argument("--quick", action="store_true", help="each part's smoke configuration")
     if only is None:
         parser.add_argument("--parts", default="", help=f"comma list out of {','.join(PARTS)} (default: all but "
