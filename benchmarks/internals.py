@@ -1,5 +1,4 @@
-"""Every import the benchmarks take from below duplexpipe's public API, each group with why (one file to edit
-when a module moves)."""
+"""Every import the benchmarks take from below duplexpipe's public API, grouped by why: one file to edit."""
 # ruff: noqa: I001, F401 - grouped by reason, not by module; each name is imported from here
 
 from __future__ import annotations

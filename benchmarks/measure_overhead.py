@@ -1,5 +1,4 @@
-"""Calibrate the runtime's work per action, message and step and the parts' in-pipeline compute scale (for
-plan_vs_measured, its only user)."""
+"""Calibrate the runtime's work per action, message and step, and the parts' in-pipeline compute scale."""
 
 from __future__ import annotations
 

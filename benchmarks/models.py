@@ -1,5 +1,4 @@
-"""The A/B workloads: the benchmark models (MLP, transformer, sleep model) as parts, and the two sides that run them
-(duplexpipe: a Pipeline or a bare runtime; torch.distributed.pipelining)."""
+"""The A/B workloads: the benchmark models as parts, and the two sides (duplexpipe, torch pipelining)."""
 
 from __future__ import annotations
 

@@ -22,10 +22,10 @@ from duplexpipe.moe import CausalSelfAttention, ExpertGroup, MoEBlock, MoELayer
 
 @dataclass(frozen=True)
 class MoEBenchConfig:
-    """Part 1, one pair on `ranks` processes (experts spread over all of them): the backward of microbatch 0 and the
+    """The pair: one on `ranks` processes (experts spread over all of them): the backward of microbatch 0 and the
     forward of microbatch 1 run one after the other (each all-to-all waited for where it is issued) and interleaved
     at their comm points (what PipelineConfig(fb_overlap=True) runs), alternating; the comm is the pair's
-    all-to-alls timed alone; hidden = (sequential - overlapped) / comm. Part 2: a DualPipeV step (PP=2 x DP=2,
+    all-to-alls timed alone; hidden = (sequential - overlapped) / comm. The step: a DualPipeV step (PP=2 x DP=2,
     ep=2) with fb_overlap on and off. On gloo an emulated link sets the all-to-alls' time (comm ~ `comm_ratio` x
     compute); on NCCL they are real."""
 
@@ -40,13 +40,13 @@ class MoEBenchConfig:
     `seq` tokens, as in an MoE transformer) or "linear" (one Linear: almost no compute besides the experts)."""
     seq: int = 128  # tokens per sequence (the attention mixer)
     reps: int = 9  # timed pairs per mode (after 2 untimed)
-    steps: int = 6  # timed DualPipeV steps per mode (after 1 untimed); 0 skips part 2
+    steps: int = 6  # timed DualPipeV steps per mode (after 1 untimed); 0 skips the step
     comm_ratio: float = 1.0  # gloo: the emulated link makes the pair's comm this many times its compute
     link_latency_s: float = 0.0
     """gloo: the emulated link's latency per all-to-all (its bandwidth follows from comm_ratio)."""
     backend: str = "gloo"
     ranks: int = 4
-    """Processes (the expert-parallel group of part 1): 4, or 2 (a core each here); part 2 runs only with 4."""
+    """Processes (the expert-parallel group of the pair): 4, or 2 (a core each here); the step runs only with 4."""
 
     def __post_init__(self) -> None:
         if min(self.reps, self.tokens, self.dim, self.hidden) < 1 or self.steps < 0 or not self.comm_ratio > 0:

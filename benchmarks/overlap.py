@@ -1,5 +1,4 @@
-"""Part: receives posted ahead (as the schedule lists them and earlier) against receives moved right before their
-consumers and waited for at once."""
+"""Part: receives posted ahead against receives moved right before their consumers, waited for at once."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""benchmarks.auto_vs_hand: the summary (error, rank, ratio, targets) from given samples, the models, and a
-quick run on 2 gloo ranks that writes its docs block (no timing asserts)."""
+"""benchmarks.auto_vs_hand: the summary from given samples, the models, a smoke run's figures."""
 
 from __future__ import annotations
 

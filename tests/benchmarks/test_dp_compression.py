@@ -1,5 +1,4 @@
-"""benchmarks.dp_compression: the rows, table, verdict and figures from given runs (the training itself is what
-`make bench` measures), and the config's refusals."""
+"""benchmarks.dp_compression: rows, table, verdict and figures from given runs; the config's refusals."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""benchmarks.measure_overhead: the calibration runs the real runtime on 2 gloo ranks and solves from what it
-measured."""
+"""benchmarks.measure_overhead: the calibrations run the real runtime on 2 gloo ranks and solve."""
 
 from __future__ import annotations
 

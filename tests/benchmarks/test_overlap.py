@@ -1,5 +1,4 @@
-"""benchmarks.overlap: the waited baseline's schedule moves each receive right before its consumer, in the order the
-sender's messages come, and stays a valid schedule."""
+"""benchmarks.overlap: the waited baseline moves each receive right before its consumer, in peer order."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""benchmarks.p2p_compression on its smoke run (DualPipe on 2 gloo ranks, 3 steps): bytes per SEND exactly, losses,
-its docs block and figure, and --replot (no timing asserts)."""
+"""benchmarks.p2p_compression's smoke run: bytes per SEND exactly, losses, docs block, --replot."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""benchmarks.runner on the first four parts' smoke runs (2 ranks, 2 timed steps): results.json, figures, the docs
-block with generated part numbers, --replot; and the figures those parts produce (no timing asserts)."""
+"""benchmarks.runner on the first four parts' smoke runs: results.json, figures, docs, numbers, --replot."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""benchmarks.zero_bench: the summary and tables from given runs (the training itself is what `make bench` measures),
-the profile's areas, and the config's refusals."""
+"""benchmarks.zero_bench: summary, tables and profile areas from given runs; the config's refusals."""
 
 from __future__ import annotations
 
