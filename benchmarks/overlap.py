@@ -95,7 +95,7 @@ QUICK = OverlapConfig(width=1024, num_microbatches=4, compute_ms=1.0, schedules=
 
 
 def worker(rank: int, world: int, cfg: OverlapConfig) -> dict[str, Any]:
-    """Both modes of every schedule, a step of each in turn."""
+    """Both modes of every schedule, a step of each in turn; then the transfer probe."""
     x, y = models.make_batch(cfg.spec())
     out = {}
     for name in cfg.schedules:
@@ -107,27 +107,29 @@ def worker(rank: int, world: int, cfg: OverlapConfig) -> dict[str, Any]:
                             runtime_config(record_timeline=False, recv_lookahead=0), receives_at_consumers(sched))]
         traces = harness.RoundRobin(pipes, lambda p, _: p.step(x, y)).run(cfg.reps, cfg.warmup)
         out[name] = {"async": traces[0].wall, "waited": traces[1].wall}
-    return out
+    return {"rows": out, "probe": _probe(rank, int(cfg.activation_mib * 2**20 / 4))}
 
 
-def _probe_worker(rank: int, world: int, numel: int) -> dict[str, float] | None:
-    """Rank 1 waits for a message posted late (after the send) or early (before it); rank 0 sends."""
+def _probe(rank: int, numel: int) -> dict[str, float] | None:
+    """Rank 1 waits for a message posted late (after the send) or early (before it); rank 0 sends, the others
+    only meet at the barriers (gloo moves data only into a posted receive)."""
     buf = torch.randn(numel)
     late: list[float] = []
     early: list[float] = []
     for _ in range(8):
         for mode in ("late", "early"):
             dist.barrier()
-            if rank == 0:
+            if rank != 1:
                 time.sleep(0.001)
-                _wait(dist.isend(buf, 1))
+                if rank == 0:
+                    _wait(dist.isend(buf, 1))
                 continue
             work = dist.irecv(buf, 0) if mode == "early" else None
             time.sleep(0.03)
             start = time.perf_counter()
             _wait(work if work is not None else dist.irecv(buf, 0))
             (early if mode == "early" else late).append(time.perf_counter() - start)
-    if rank == 0:
+    if rank != 1:
         return None
     return {"late_post_wait_s": harness.summarize(late).median, "early_post_wait_s": harness.summarize(early).median}
 
@@ -137,16 +139,16 @@ def _wait(work: Any) -> None:
 
 
 def run(cfg: OverlapConfig) -> Result:
-    """One row per schedule, and the isolated two-rank transfer probe (gloo moves data only into a posted
-    receive: how long the receiver waits when it posts after the data was sent vs before)."""
+    """One row per schedule, and the transfer probe: how long a receiver waits when it posts after the data was sent
+    vs before."""
+    per_rank = harness.spawn(worker, cfg, cfg.world, 600)
     rows = []
-    for name, samples in harness.spawn(worker, cfg, cfg.world, 600)[0].items():
+    for name, samples in per_rank[0]["rows"].items():
         fast, slow = harness.summarize(samples["async"]), harness.summarize(samples["waited"])
         rows.append({"schedule": name, "activation_mib": cfg.activation_mib, "compute_ms": cfg.compute_ms,
                      "microbatches": cfg.num_microbatches, "async": fast.to_dict(), "waited": slow.to_dict(),
                      "speedup": slow.median / fast.median, "samples": samples})
-    probe = harness.spawn(_probe_worker, int(cfg.activation_mib * 2**20 / 4), 2, 120)[1]
-    return {"rows": rows, "probe": {"mib": cfg.activation_mib, **probe}}
+    return {"rows": rows, "probe": {"mib": cfg.activation_mib, **per_rank[1]["probe"]}}
 
 
 def report(result: Result) -> list[Block]:
