@@ -20,7 +20,7 @@ test: lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadscope
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/run_all.py
+	$(BIN)/python -m benchmarks
 
 lint: $(STAMP)
 	$(BIN)/ruff check duplexpipe tests examples benchmarks

@@ -1,1 +1,1 @@
-"""duplexpipe benchmarks: runtime vs torch.distributed.pipelining, simulator fidelity, overlap, tooling."""
+"""duplexpipe's benchmarks: parts (`benchmarks.framework.Part`) run by one runner (`python -m benchmarks`)."""

@@ -1,27 +1,20 @@
-"""The `auto` schedule search against the hand-made schedules and lower bounds, in simulation (issue 12 targets)."""
+"""Part: the `auto` schedule search against the hand-made schedules and lower bounds, in simulation."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import re
-import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from types import MappingProxyType
+from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+from benchmarks import plots
+from benchmarks.framework import Block, Part, Result, met
+from benchmarks.internals import check_schedule, makespan_bound, search, search_problem
+from benchmarks.runner import main
+from duplexpipe import CostModel, Schedule, build_schedule, simulate
 
-from duplexpipe.schedules import registry  # noqa: E402
-from duplexpipe.schedules.generators.auto import search, search_problem  # noqa: E402
-from duplexpipe.schedules.generators.bounds import makespan_bound  # noqa: E402
-from duplexpipe.schedules.ir import Schedule  # noqa: E402
-from duplexpipe.schedules.simulate import CostModel, simulate  # noqa: E402
-
-BEGIN, END = "<!-- bench:auto:begin -->", "<!-- bench:auto:end -->"
 BUILT_INS = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zbv", "dualpipe", "dualpipev")
 EPS = 1e-9
 
@@ -30,18 +23,12 @@ EPS = 1e-9
 class Profile:
     """Costs of each 1/P share of the model (F, B = I + W, W) and the message latency."""
 
-    name: str
-    """Label in the tables."""
-    f: float
-    """Forward of a share."""
-    b: float
-    """Full backward of a share."""
-    w: float
-    """Its weight-gradient part."""
-    latency: float = 0.0
-    """Time of one message between ranks."""
-    heavy_last: float = 1.0
-    """The last share's costs are this many times the others'."""
+    name: str  # label in the tables
+    f: float  # forward of a share
+    b: float  # full backward of a share
+    w: float  # its weight-gradient part
+    latency: float = 0.0  # time of one message between ranks
+    heavy_last: float = 1.0  # the last share's costs are this many times the others'
 
     def shares(self, ranks: int) -> list[tuple[float, float, float]]:
         """(F, B, W) of each of the P shares."""
@@ -103,7 +90,7 @@ def bounds(ranks: int, mbs: int, profile: Profile, limit: float) -> dict[str, fl
 
 def v_bound(ranks: int, mbs: int, profile: Profile, limit: float) -> float:
     """The same two-sided bound for the V placement (2P half-size stages, `bounds.makespan_bound`)."""
-    table = registry.build("zbv", ranks, mbs)
+    table = build_schedule("zbv", ranks, mbs)
     return makespan_bound(search_problem(ranks, mbs, cost=cost_for(table, profile), memory_limit=limit,
                                          placement="v"))
 
@@ -112,9 +99,9 @@ def built_ins(ranks: int, mbs: int, profile: Profile, limit: float) -> dict[str,
     """name -> (makespan, peak activation memory in 1F1B-stage units) for every built-in that fits `limit`."""
     out = {}
     for name in BUILT_INS:
-        if registry.check(name, ranks, mbs) is not None:
+        if check_schedule(name, ranks, mbs) is not None:
             continue
-        schedule = registry.build(name, ranks, mbs)
+        schedule = build_schedule(name, ranks, mbs)
         timeline = simulate(schedule, cost_for(schedule, profile))
         memory = max(timeline.peak_activations(r) for r in range(ranks)) * ranks / schedule.num_groups
         if memory <= limit + EPS:
@@ -127,7 +114,7 @@ def run_auto(ranks: int, mbs: int, profile: Profile, limit: float) -> dict[str, 
     best: dict[str, Any] | None = None
     spans = {}
     for placement in ("linear", "v"):
-        table = registry.build("1f1b" if placement == "linear" else "zbv", ranks, mbs)
+        table = build_schedule("1f1b" if placement == "linear" else "zbv", ranks, mbs)
         wall, cpu = time.perf_counter(), time.process_time()
         result = search(ranks, mbs, cost=cost_for(table, profile), memory_limit=limit, placement=placement)
         row = {"placement": placement, "makespan": result.winner.makespan, "winner": result.winner.label,
@@ -139,8 +126,8 @@ def run_auto(ranks: int, mbs: int, profile: Profile, limit: float) -> dict[str, 
     return {**best, "by_placement": spans}
 
 
-PLACEMENT = {"gpipe": "linear", "1f1b": "linear", "zb-h1": "linear", "zb-h2": "linear", "zbv": "v",
-             "dualpipev": "v"}
+PLACEMENT = MappingProxyType({"gpipe": "linear", "1f1b": "linear", "zb-h1": "linear", "zb-h2": "linear",
+                              "zbv": "v", "dualpipev": "v"})
 """The built-ins whose placement a bound covers (one stage per rank, or the V)."""
 TWO_COPIES = ("dualpipe",)
 """Built-ins that hold two copies of the parameters: not a same-memory rival (reported beside the others)."""
@@ -153,7 +140,7 @@ def case(ranks: int, mbs: int, profile: Profile, limit: float) -> dict[str, Any]
     everything = {k: v[0] for k, v in rivals.items()}
     for rival in ("zb-h1", "zb-h2"):
         if rival not in everything:
-            schedule = registry.build(rival, ranks, mbs)
+            schedule = build_schedule(rival, ranks, mbs)
             everything[rival + " (over limit)"] = simulate(schedule, cost_for(schedule, profile)).makespan
     linear = bounds(ranks, mbs, profile, limit)
     v = v_bound(ranks, mbs, profile, limit) if ranks >= 2 else linear["two_sided"]
@@ -169,10 +156,27 @@ def case(ranks: int, mbs: int, profile: Profile, limit: float) -> dict[str, Any]
             "bound_violated": [k for k, span, bound in checked if span < bound - EPS]}
 
 
-def targets(quick: bool) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class AutoSearchConfig:
+    """The shapes each section simulates, and which sections run."""
+
+    first: tuple[tuple[int, int], ...] = ((8, 24),)  # (P, M) of the uniform-cost target
+    big: tuple[tuple[int, int], ...] = ((8, 32), (16, 64))  # (P, M) of the latency and W-light targets
+    grid_ranks: tuple[int, ...] = (4, 8, 16)  # P of the grid (M = 2P, 4P, 8P)
+    sweep: tuple[int, int] = (8, 32)  # (P, M) of the limit sweep
+    search_time: tuple[int, int] = (16, 128)  # (P, M) whose search is timed
+    sections: tuple[str, ...] = ("targets", "grid", "sweep", "search_time")
+    """The sections to run: targets, grid and sweep are exact simulations, search_time a wall-clock measurement."""
+    keep_from: str = ""
+    """A results.json whose other sections this run keeps (e.g. time the search alone on a quiet machine)."""
+
+
+QUICK = AutoSearchConfig(((4, 12),), ((4, 8),), (2, 4), (4, 8), (4, 16))
+
+
+def targets(cfg: AutoSearchConfig) -> list[dict[str, Any]]:
     """The issue's targets, each with its cases and its verdict."""
-    big = [(8, 32), (16, 64)] if not quick else [(4, 8)]
-    first = [(8, 24)] if not quick else [(4, 12)]
+    first, big = cfg.first, cfg.big
     out = []
     cases = [case(p, m, UNIFORM, p) for p, m in first]
     out.append({"target": "uniform costs, no latency, limit P: auto = LB (one stage per rank; V may go below)",
@@ -192,10 +196,9 @@ def targets(quick: bool) -> list[dict[str, Any]]:
     return out
 
 
-def grid(quick: bool) -> dict[str, Any]:
+def grid(cfg: AutoSearchConfig) -> dict[str, Any]:
     """P x M x cost profile x limit: auto never worse than the best built-in under the same limit."""
-    ranks = (4, 8, 16) if not quick else (2, 4)
-    rows = [case(p, k * p, prof, lim) for p in ranks for k in (2, 4, 8) for prof in GRID_PROFILES
+    rows = [case(p, k * p, prof, lim) for p in cfg.grid_ranks for k in (2, 4, 8) for prof in GRID_PROFILES
             for lim in (p, 2 * p)]
     worse = [r for r in rows if r["auto"]["makespan"] > r["best_built_in_makespan"] + EPS]
     better = [r for r in rows if r["auto"]["makespan"] < r["best_built_in_makespan"] - EPS]
@@ -211,16 +214,20 @@ def grid(quick: bool) -> dict[str, Any]:
             "dualpipe_shorter": sum(r["built_ins"]["dualpipe"] < r["auto"]["makespan"] - EPS for r in dual)}
 
 
-def search_time(quick: bool) -> dict[str, Any]:
-    """Wall and CPU seconds of the search for P=16, M=128 (both placements, two cost profiles)."""
-    ranks, mbs = (16, 128) if not quick else (4, 16)
+def _search(ranks: int, mbs: int, profile: Profile, limit: float, placement: str) -> Any:
+    table = build_schedule("1f1b" if placement == "linear" else "zbv", ranks, mbs)
+    return search(ranks, mbs, cost=cost_for(table, profile), memory_limit=limit, placement=placement)
+
+
+def search_time(cfg: AutoSearchConfig) -> dict[str, Any]:
+    """Wall and CPU seconds of the search (both placements, two cost profiles, limits P and 2P)."""
+    ranks, mbs = cfg.search_time
     rows: list[dict[str, Any]] = []
     for profile in (UNIFORM, LATENCY):
         for limit in (ranks, 2 * ranks):
             for placement in ("linear", "v"):
-                table = registry.build("1f1b" if placement == "linear" else "zbv", ranks, mbs)
                 wall, cpu = time.perf_counter(), time.process_time()
-                search(ranks, mbs, cost=cost_for(table, profile), memory_limit=limit, placement=placement)
+                _search(ranks, mbs, profile, limit, placement)
                 rows.append({"profile": profile.name, "limit": limit, "placement": placement,
                              "wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu})
     worst = max(r["wall_s"] for r in rows)
@@ -228,54 +235,44 @@ def search_time(quick: bool) -> dict[str, Any]:
             "loadavg": [round(x, 2) for x in os.getloadavg()]}
 
 
-def limit_sweep(quick: bool) -> dict[str, Any]:
-    """The latency target's case under growing limits: both placements' bounds and auto's result for each.
-
-    The bounds prove "3% below zb-h1" out of reach at limit P; this shows how much memory it takes.
-    """
-    ranks, mbs = (8, 32) if not quick else (4, 8)
-    h1 = simulate(registry.build("zb-h1", ranks, mbs), cost_for(registry.build("zb-h1", ranks, mbs), LATENCY))
+def limit_sweep(cfg: AutoSearchConfig) -> dict[str, Any]:
+    """The latency target's case under growing limits: both placements' bounds and auto's result for each (the
+    bounds prove "3% below zb-h1" out of reach at limit P; this shows how much memory it takes)."""
+    ranks, mbs = cfg.sweep
+    h1 = simulate(build_schedule("zb-h1", ranks, mbs), cost_for(build_schedule("zb-h1", ranks, mbs), LATENCY))
     rows = []
     for factor in (1.0, 1.125, 1.25, 1.375, 1.5, 2.0):
         limit = factor * ranks
-        row: dict[str, Any] = {"limit": limit, "linear_bound": bounds(ranks, mbs, LATENCY, limit)["two_sided"],
-                               "v_bound": v_bound(ranks, mbs, LATENCY, limit)}
-        for placement in ("linear", "v"):
-            table = registry.build("1f1b" if placement == "linear" else "zbv", ranks, mbs)
-            result = search(ranks, mbs, cost=cost_for(table, LATENCY), memory_limit=limit, placement=placement)
-            row[placement] = result.winner.makespan
-        rows.append(row)
+        rows.append({"limit": limit, "linear_bound": bounds(ranks, mbs, LATENCY, limit)["two_sided"],
+                     "v_bound": v_bound(ranks, mbs, LATENCY, limit),
+                     **{p: _search(ranks, mbs, LATENCY, limit, p).winner.makespan for p in ("linear", "v")}})
     return {"P": ranks, "M": mbs, "zb_h1": h1.makespan, "rows": rows}
 
 
-PARTS = {"targets": targets, "grid": grid, "sweep": limit_sweep, "search_time": search_time}
-"""The benchmark's parts: targets and grid are exact simulations, search_time is a wall-clock measurement."""
+SECTIONS = MappingProxyType({"targets": targets, "grid": grid, "sweep": limit_sweep, "search_time": search_time})
 
 
-def run(quick: bool = False, parts: Sequence[str] = tuple(PARTS), earlier: dict[str, Any] | None = None
-        ) -> dict[str, Any]:
-    """The parts named (JSON-ready); the others are kept from `earlier` (a previous run's results, same `quick`)."""
-    out: dict[str, Any] = {"quick": quick}
-    if earlier is not None and earlier.get("quick") == quick:
-        out.update({k: v for k, v in earlier.items() if k in PARTS})
-    for name in parts:
-        out[name] = PARTS[name](quick)
-    return out
+def run(cfg: AutoSearchConfig) -> Result:
+    """The chosen sections; the others kept from `cfg.keep_from` when given."""
+    unknown = set(cfg.sections) - set(SECTIONS)
+    if unknown:
+        raise ValueError(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
+    out: dict[str, Any] = {}
+    if cfg.keep_from:
+        with open(cfg.keep_from, encoding="utf-8") as fh:
+            out = {k: v for k, v in json.load(fh).get("auto_search", {}).items() if k in SECTIONS}
+    return {**out, **{name: SECTIONS[name](cfg) for name in cfg.sections}}
 
 
 def _f(x: float) -> str:
     return f"{x:.4g}"
 
 
-def _mark(ok: bool) -> str:
-    return "met" if ok else "**missed**"
-
-
 def _verdict(target: dict[str, Any]) -> str:
     """"met", or "missed", saying so when the bounds prove the target out of reach."""
     if not target["met"] and target.get("reachable") is False:
         return "**missed**: unreachable (bound > target)"
-    return _mark(target["met"])
+    return met(target["met"])
 
 
 def target_table(results: dict[str, Any]) -> list[list[str]]:
@@ -327,141 +324,79 @@ def sweep_table(sweep: dict[str, Any]) -> list[list[str]]:
     return out
 
 
-def sweep_lines(sweep: dict[str, Any]) -> list[str]:
-    """The limit sweep's heading and table (markdown lines)."""
-    from benchmarks.report import markdown_table
-
-    return [f"### Latency 0.5 at P={sweep['P']}, M={sweep['M']} under growing limits (zb-h1: {_f(sweep['zb_h1'])})",
-            "", markdown_table(sweep_table(sweep)), ""]
-
-
-def markdown(results: dict[str, Any]) -> str:
-    """The generated block of docs/benchmarks.md."""
-    from benchmarks.report import markdown_table
-
-    g, st = results["grid"], results["search_time"]
-    lines = ["### Targets", "", markdown_table(target_table(results)), "",
-             f"### Grid: {g['cases']} cases, auto never worse than the best built-in under the same limit: "
-             f"{_mark(g['met'])}", "",
-             f"auto is shorter than every built-in that fits in {g['better']} cases (the greedy's own schedule in "
-             f"{g['greedy_wins']} of them), equal in {g['cases'] - g['better'] - g['worse']}, longer in "
-             f"{g['worse']}. DualPipe holds two copies of the parameters, so it is no same-memory rival: it fits "
-             f"the activation limit in {g['dualpipe_cases']} cases and is shorter than auto in "
-             f"{g['dualpipe_shorter']}. auto reaches the lower bound (the smaller of the two placements' "
-             f"two-sided bounds: no schedule of either placement is shorter) in {g.get('at_bound', '?')} cases. "
-             f"Bound check: of {g.get('bound_checked', '?')} simulated schedules of the two placements that fit "
-             f"their case's limit (the hand-made ones and auto's result for each placement), "
-             f"{len(g.get('bound_violated', []))} are shorter than their placement's bound"
-             f"{' (' + '; '.join(g['bound_violated']) + ')' if g.get('bound_violated') else ''} and "
-             f"{g.get('bound_reached', '?')} reach it. "
-             "The cases where auto differs from the best one-copy built-in:", "",
-             markdown_table(grid_table(results)), "",
-             *sweep_lines(results["sweep"]),
-             f"### Search time, P={st['P']}, M={st['M']}: slowest {st['max_wall_s']:.2f} s wall (< 10 s: "
-             f"{_mark(st['met'])}); load average after: {st['loadavg']}", "",
-             markdown_table([["costs", "limit", "placement", "wall s", "CPU s"]] +
-                            [[r["profile"], _f(r["limit"]), r["placement"], f"{r['wall_s']:.2f}", f"{r['cpu_s']:.2f}"]
-                             for r in st["rows"]]), ""]
-    return "\n".join(lines)
+def report(result: Result) -> list[Block]:
+    """The targets, the grid's differing cases, the limit sweep and the search time (the sections present)."""
+    out: list[Block] = []
+    if "targets" in result:
+        out += ["### Targets", target_table(result)]
+    g = result.get("grid")
+    if g:
+        out += [f"### Grid: {g['cases']} cases, auto never worse than the best built-in under the same limit: "
+                f"{met(g['met'])}",
+                f"auto is shorter than every built-in that fits in {g['better']} cases (the greedy's own schedule in "
+                f"{g['greedy_wins']} of them), equal in {g['cases'] - g['better'] - g['worse']}, longer in "
+                f"{g['worse']}. DualPipe holds two copies of the parameters, so it is no same-memory rival: it fits "
+                f"the activation limit in {g['dualpipe_cases']} cases and is shorter than auto in "
+                f"{g['dualpipe_shorter']}. auto reaches the lower bound (the smaller of the two placements' "
+                f"two-sided bounds: no schedule of either placement is shorter) in {g['at_bound']} cases. "
+                f"Bound check: of {g['bound_checked']} simulated schedules of the two placements that fit "
+                f"their case's limit (the hand-made ones and auto's result for each placement), "
+                f"{len(g['bound_violated'])} are shorter than their placement's bound"
+                f"{' (' + '; '.join(g['bound_violated']) + ')' if g['bound_violated'] else ''} and "
+                f"{g['bound_reached']} reach it. The cases where auto differs from the best one-copy built-in:",
+                grid_table(result)]
+    sw = result.get("sweep")
+    if sw:
+        out += [f"### Latency 0.5 at P={sw['P']}, M={sw['M']} under growing limits (zb-h1: {_f(sw['zb_h1'])})",
+                sweep_table(sw)]
+    st = result.get("search_time")
+    if st:
+        out += [f"### Search time, P={st['P']}, M={st['M']}: slowest {st['max_wall_s']:.2f} s wall (< 10 s: "
+                f"{met(st['met'])}); load average after: {st['loadavg']}",
+                [["costs", "limit", "placement", "wall s", "CPU s"]] +
+                [[r["profile"], _f(r["limit"]), r["placement"], f"{r['wall_s']:.2f}", f"{r['cpu_s']:.2f}"]
+                 for r in st["rows"]]]
+    return out
 
 
-def text_report(results: dict[str, Any]) -> str:
-    """The tables as fixed-width text."""
-    from benchmarks.report import text_table
-
-    return "\n\n".join(["auto search: targets\n" + text_table(target_table(results)),
-                        "auto search: latency 0.5 under growing limits\n" + text_table(sweep_table(results["sweep"])),
-                        f"auto search: grid, {results['grid']['cases']} cases, differing from the best built-in\n"
-                        + text_table(grid_table(results)),
-                        f"auto search: slowest P={results['search_time']['P']}, M={results['search_time']['M']} "
-                        f"search {results['search_time']['max_wall_s']:.2f} s wall"])
-
-
-def sweep_plot(sweep: dict[str, Any], path: str) -> None:
-    """Makespan against the limit: both placements' bounds and auto's results, and the 0.97 x zb-h1 target."""
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(6.4, 3.6), dpi=110, layout="constrained")
+def figures(result: Result, folder: str) -> list[tuple[str, str]]:
+    """The limit sweep (bounds and auto against the limit) and auto's V schedule at the latency target."""
+    sweep = result.get("sweep")
+    if not sweep:
+        return []
+    fig = plots.figure(6.4, 3.6)
     ax = fig.add_subplot()
     limits = [r["limit"] for r in sweep["rows"]]
     for key, label, style in (("linear_bound", "bound, one stage per rank", "--"), ("v_bound", "bound, V", ":"),
                               ("linear", "auto, one stage per rank", "-o"), ("v", "auto, V", "-s")):
         ax.plot(limits, [r[key] for r in sweep["rows"]], style, label=label, markersize=4)
-    ax.axhline(0.97 * sweep["zb_h1"], color="#c0392b", linewidth=1)
-    ax.annotate(f"0.97 x zb-h1 = {0.97 * sweep['zb_h1']:.2f}", (limits[-1], 0.97 * sweep["zb_h1"]),
-                xytext=(0, 3), textcoords="offset points", ha="right", fontsize=8, color="#c0392b")
+    target = 0.97 * sweep["zb_h1"]
+    ax.axhline(target, color="#c0392b", linewidth=1)
+    ax.annotate(f"0.97 x zb-h1 = {target:.2f}", (limits[-1], target), xytext=(0, 3), textcoords="offset points",
+                ha="right", fontsize=8, color="#c0392b")
     ax.set_xlabel(f"memory limit per rank (stage-microbatches of a {sweep['P']}-part split)", fontsize=8.5)
     ax.set_ylabel("makespan (simulated)", fontsize=8.5)
-    ax.set_title(f"latency 0.5, P={sweep['P']}, M={sweep['M']}: the bounds and auto against the limit",
-                 fontsize=9.5)
+    ax.set_title(f"latency 0.5, P={sweep['P']}, M={sweep['M']}: the bounds and auto against the limit", fontsize=9.5)
     ax.legend(fontsize=7.5)
-    fig.savefig(path)
+    fig.savefig(os.path.join(folder, "auto_limit_sweep.png"))
+    v_gantt(sweep["P"], sweep["M"], os.path.join(folder, "auto_v_bound.png"))
+    return [("auto_limit_sweep.png", "The bounds and auto against the memory limit"),
+            ("auto_v_bound.png", "auto's V schedule at the latency target")]
 
 
-def v_gantt(quick: bool, path: str) -> None:
+def v_gantt(ranks: int, mbs: int, path: str) -> None:
     """auto's V schedule at the latency target (zbv, at the bound), with its live activations."""
-    from duplexpipe.viz.gantt import plot_timeline
+    from duplexpipe.viz import plot_timeline
 
-    ranks, mbs = (8, 32) if not quick else (4, 8)
-    cost = cost_for(registry.build("zbv", ranks, mbs), LATENCY)
+    cost = cost_for(build_schedule("zbv", ranks, mbs), LATENCY)
     result = search(ranks, mbs, cost=cost, memory_limit=ranks, placement="v")
     title = (f"auto (V, {result.winner.label}) at P={ranks}, M={mbs}, latency 0.5, limit {ranks}: "
              f"{result.winner.makespan:g} = the bound {result.bound:g}")
     plot_timeline(simulate(result.schedule, cost), path, activations=True, title=title)
 
 
-def update_doc(doc_path: str, results: dict[str, Any]) -> None:
-    """Replace the block between the bench:auto markers of `doc_path` (append it if absent)."""
-    with open(doc_path, encoding="utf-8") as fh:
-        text = fh.read()
-    block = f"{BEGIN}\n{markdown(results).rstrip()}\n{END}"
-    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.S)
-    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
-    with open(doc_path, "w", encoding="utf-8") as fh:
-        fh.write(text)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run, print, write JSON and (unless --docs none) the docs block."""
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="small P and M (a smoke run)")
-    parser.add_argument("--json", default=os.path.join(ROOT, "bench-output", "auto_search.json"))
-    parser.add_argument("--docs", default=os.path.join(ROOT, "docs", "benchmarks.md"), help="or 'none'")
-    parser.add_argument("--parts", default=",".join(PARTS),
-                        help=f"comma-separated parts to run, of {', '.join(PARTS)}; the others are read from "
-                             "--json (a previous run): time the search alone, on a quiet machine")
-    args = parser.parse_args(argv)
-    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
-    unknown = [p for p in parts if p not in PARTS]
-    if unknown or not parts:
-        print(f"auto_search: --parts needs names from {', '.join(PARTS)}, got {args.parts!r}", file=sys.stderr)
-        return 2
-    earlier = None
-    if len(set(parts)) < len(PARTS) and os.path.exists(args.json):
-        try:
-            with open(args.json, encoding="utf-8") as fh:
-                earlier = json.load(fh)
-        except (OSError, ValueError) as exc:
-            print(f"auto_search: cannot read the earlier results {args.json}: {exc}", file=sys.stderr)
-            return 2
-    results = run(args.quick, parts, earlier)
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w", encoding="utf-8") as fh:
-        json.dump(results, fh, indent=1)
-    missing = [name for name in PARTS if name not in results]
-    if missing:
-        print(f"auto_search: wrote {', '.join(parts)} to {args.json}; run --parts {','.join(missing)} for the "
-              "rest of the report")
-        return 0
-    print(text_report(results))
-    if args.docs != "none":
-        update_doc(args.docs, results)
-        img = os.path.join(os.path.dirname(os.path.abspath(args.docs)), "img")
-        os.makedirs(img, exist_ok=True)
-        sweep_plot(results["sweep"], os.path.join(img, "auto_limit_sweep.png"))
-        v_gantt(args.quick, os.path.join(img, "auto_v_bound.png"))
-    return 0
-
+PART = Part("auto_search", "Automatic schedule search (simulated)", AutoSearchConfig(), QUICK, run, report, figures,
+            block="auto")
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main(only=PART.name))

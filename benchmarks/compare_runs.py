@@ -1,9 +1,4 @@
-"""Before/after table of part 1 (ours/torch) over several runs: `compare_runs.py --before A ... --after B ...`.
-
-Each results.json is one `run_all.py --parts vs_torch` run. Per (workload, schedule) it prints, for
-each side, the median over runs of the run's ratio of medians (ours median / torch median), the
-range over runs, and the pooled paired ratio (every step's ours/torch of all runs: median and IQR).
-"""
+"""Before/after table of vs_torch over several runs (`python -m benchmarks.compare_runs --before A --after B`)."""
 
 from __future__ import annotations
 
@@ -19,7 +14,8 @@ RowKey = tuple[str, str]
 def _rows(path: str) -> dict[RowKey, dict[str, Any]]:
     with open(path) as fh:
         data = json.load(fh)
-    return {(r["workload"], r["schedule"]): r for r in data["vs_torch"]}
+    rows = data["vs_torch"]["rows"] if isinstance(data["vs_torch"], dict) else data["vs_torch"]  # or the old format
+    return {(r["workload"], r["schedule"]): r for r in rows}
 
 
 def _quartiles(values: Sequence[float]) -> tuple[float, float, float]:
@@ -28,7 +24,7 @@ def _quartiles(values: Sequence[float]) -> tuple[float, float, float]:
 
 
 def summarize(paths: Sequence[str]) -> dict[RowKey, dict[str, Any]]:
-    """Per row: the runs' ratios of medians and the pooled per-step paired ratios."""
+    """Per (workload, schedule): each run's ratio of medians (ours / torch) and every run's per-step ratios pooled."""
     out: dict[RowKey, dict[str, Any]] = {}
     for path in paths:
         for key, row in _rows(path).items():

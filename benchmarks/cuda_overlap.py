@@ -1,60 +1,41 @@
-"""On CUDA with NCCL: does a receive posted on the transport's own stream overlap compute queued before it?
-
-Two ranks. Rank 0 sends one message of `--mib` MiB through `Transport`; rank 1 times, from a synchronized
-device to a synchronized device (median of `--reps`):
-- `compute`: a GPU spin kernel of `compute_ms` on the compute stream alone;
-- `recv`: the receive alone (expect, take);
-- `overlapped`: the spin queued first, then the receive posted on the transport's P2P stream (as the
-  runtime does: the CPU posts receives while earlier compute still runs on the GPU);
-- `serialized`: the same with the receive posted on the compute stream, so it starts after the spin.
-With overlap, `overlapped` is near max(compute, recv) and `serialized` near their sum. `compute_ms` is
-the measured `recv` time unless given, so perfect overlap halves the serialized time.
-
-With one GPU the two ranks share it ($DUPLEXPIPE_SHARE_GPU=1 is set for them): NCCL then moves the
-message over its socket transport on the loopback interface, so `recv` is socket speed, not NVLink's.
-
-Usage: python benchmarks/cuda_overlap.py [--mib N] [--compute-ms MS] [--reps N] [--out DIR]
-"""
+"""Part: on CUDA with NCCL, does a receive posted on the transport's own stream overlap compute queued before it?"""
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from benchmarks import harness  # noqa: E402
-from duplexpipe.launch.processes import SHARE_GPU_ENV  # noqa: E402
-from duplexpipe.runtime.stage_compute import TensorMeta  # noqa: E402
-from duplexpipe.runtime.transport import Transport  # noqa: E402
-from duplexpipe.runtime.watchdog import Watchdog  # noqa: E402
-from duplexpipe.schedules.ir import Op  # noqa: E402
+from benchmarks import harness
+from benchmarks.framework import Block, Part, Result
+from benchmarks.internals import SHARE_GPU_ENV, TensorSpec, Transport, Watchdog
+from benchmarks.runner import main
+from duplexpipe import Op
 
 MODES = ("compute", "recv", "overlapped", "serialized")
+"""compute: a GPU spin alone; recv: the receive alone; overlapped: the spin queued first, then the receive posted on
+the transport's P2P stream (as the runtime does); serialized: the same with the receive on the compute stream."""
 
 
 @dataclass(frozen=True)
 class CudaOverlapConfig:
-    """One message size, one spin length, repetitions."""
+    """One message size, one spin length, repetitions; two ranks (with one GPU they share it and NCCL moves the
+    message over its socket transport on loopback: `recv` is then socket speed, not NVLink's)."""
 
-    mib: float = 256.0
-    """Message size in MiB (float32)."""
+    mib: float = 256.0  # message size in MiB (float32)
     compute_ms: float = 0.0
-    """GPU spin per timed compute; 0 means the measured receive time."""
-    reps: int = 7
-    """Timed repetitions per mode (after one untimed round)."""
+    """GPU spin per timed compute; 0 means the measured receive time (perfect overlap halves the serialized time)."""
+    reps: int = 7  # timed repetitions per mode (after one untimed round)
+
+    def __post_init__(self) -> None:
+        if self.mib <= 0 or self.reps < 1 or self.compute_ms < 0:
+            raise ValueError(f"need mib > 0, reps >= 1, compute_ms >= 0; got {self.mib}, {self.reps}, "
+                             f"{self.compute_ms}")
 
 
 def _cycles_per_ms() -> float:
@@ -82,7 +63,7 @@ def _one(mode: str, rank: int, transport: Transport, buf: torch.Tensor, tag: int
         if mode in ("compute", "overlapped", "serialized"):
             torch.cuda._sleep(spin)
         if mode != "compute":
-            meta = (TensorMeta.of(buf),)
+            meta = (TensorSpec.of(buf),)
             stream, transport.stream = transport.stream, (None if mode == "serialized" else transport.stream)
             try:
                 transport.expect((Op.RECV_F, 1, tag), 0, lambda _block: meta)
@@ -96,7 +77,7 @@ def _one(mode: str, rank: int, transport: Transport, buf: torch.Tensor, tag: int
 
 
 def worker(rank: int, world: int, cfg: CudaOverlapConfig) -> dict[str, Any]:
-    """Rank 1's medians per mode (rank 0 only sends)."""
+    """Per mode, rank 1's median from a synchronized device to a synchronized device (rank 0 only sends)."""
     device = torch.device("cuda", torch.cuda.current_device())
     store = dist.distributed_c10d._get_default_store()
     transport = Transport(None, device, Watchdog(store, "cuda-overlap", rank, 120.0, 0.005))
@@ -128,42 +109,30 @@ def worker(rank: int, world: int, cfg: CudaOverlapConfig) -> dict[str, Any]:
             "samples_ms": {m: [x * 1e3 for x in v] for m, v in samples.items()}}
 
 
-def summary(result: dict[str, Any], cfg: CudaOverlapConfig) -> str:
-    """The medians and the share of the shorter part hidden by overlap."""
-    med = result["median_ms"]
-    hidden = (med["compute"] + med["recv"] - med["overlapped"]) / min(med["compute"], med["recv"])
-    lines = [f"{cfg.mib:g} MiB message, {result['spin_ms']:.1f} ms GPU spin, median of {cfg.reps}:"]
-    lines += [f"  {m:<11} {med[m]:8.2f} ms" for m in MODES]
-    lines.append(f"  hidden by the P2P stream: {hidden:.0%} of the shorter part "
-                 f"(serialized / overlapped = {med['serialized'] / med['overlapped']:.2f})")
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run the probe on 2 NCCL ranks; print and optionally save the result."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mib", type=float, default=CudaOverlapConfig.mib, help="message size in MiB")
-    parser.add_argument("--compute-ms", type=float, default=0.0, help="GPU spin in ms (0: the receive time)")
-    parser.add_argument("--reps", type=int, default=CudaOverlapConfig.reps, help="timed rounds per mode")
-    parser.add_argument("--out", help="directory for cuda_overlap.json")
-    args = parser.parse_args(argv)
+def run(cfg: CudaOverlapConfig) -> Result:
+    """The probe on 2 NCCL ranks."""
     if not torch.cuda.is_available():
-        parser.error("needs a CUDA GPU")
-    if args.mib <= 0 or args.reps < 1 or args.compute_ms < 0:
-        parser.error(f"need --mib > 0, --reps >= 1, --compute-ms >= 0; got {args.mib}, {args.reps}, "
-                     f"{args.compute_ms}")
+        raise RuntimeError("cuda_overlap needs a CUDA GPU")
     if torch.cuda.device_count() < 2:
         os.environ[SHARE_GPU_ENV] = "1"
-    cfg = CudaOverlapConfig(args.mib, args.compute_ms, args.reps)
-    result = harness.spawn(worker, cfg, 2, 300.0, backend="nccl")[1]
+    result: dict[str, Any] = harness.spawn(worker, cfg, 2, 300.0, backend="nccl")[1]
     result.update(config=asdict(cfg), gpus=torch.cuda.device_count(), device=torch.cuda.get_device_name(0),
                   torch=torch.__version__, nccl=".".join(map(str, torch.cuda.nccl.version())))
-    print(summary(result, cfg))
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "cuda_overlap.json").write_text(json.dumps(result, indent=2))
-    return 0
+    return result
 
+
+def report(result: Result) -> list[Block]:
+    """The medians and the share of the shorter part hidden by overlap."""
+    med, cfg = result["median_ms"], result["config"]
+    hidden = (med["compute"] + med["recv"] - med["overlapped"]) / min(med["compute"], med["recv"])
+    return [f"{cfg['mib']:g} MiB message, {result['spin_ms']:.1f} ms GPU spin, median of {cfg['reps']}: hidden by the "
+            f"P2P stream: {hidden:.0%} of the shorter part (serialized / overlapped = "
+            f"{med['serialized'] / med['overlapped']:.2f})", [["mode", "median ms"]] +
+            [[m, f"{med[m]:.2f}"] for m in MODES]]
+
+
+PART = Part("cuda_overlap", "P2P stream overlap on CUDA", CudaOverlapConfig(), CudaOverlapConfig(mib=16.0, reps=2),
+            run, report, in_bench=False)
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(only=PART.name))

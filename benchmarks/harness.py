@@ -1,132 +1,111 @@
-"""Process spawning, step timing and summary statistics shared by the benchmarks."""
+"""Ranks, step timing, round-robin stepping, summary statistics, and the one GPT training harness of the parts."""
 
 from __future__ import annotations
 
 import os
 import platform
-import socket
 import statistics
+import subprocess
 import time
-import traceback
-from dataclasses import dataclass
-from typing import Any, Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Generic, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from duplexpipe.launch.processes import cuda_device_for, start_context
+from duplexpipe import Pipeline, PipelineConfig, make_mesh
+from duplexpipe import run as run_ranks  # `duplexpipe.launch` (the function) is shadowed by its subpackage
+from duplexpipe.launch.tasks.gpt import gpt_task
 
+P = TypeVar("P")
 WorkerFn = Callable[[int, int, Any], Any]
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _worker(rank: int, world: int, port: int, fn: WorkerFn, arg: Any, queue: Any, backend: str) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    try:
-        if backend == "nccl":
-            torch.cuda.set_device(cuda_device_for(rank))
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world)
-        result = fn(rank, world, arg)
-        queue.put((rank, "ok", result))
-    except BaseException:  # noqa: BLE001 - the parent reports the traceback
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def spawn(fn: WorkerFn, arg: Any, world: int, timeout_s: float, backend: str = "gloo") -> list[Any]:
-    """Run `fn(rank, world, arg)` in `world` gloo (or NCCL, a GPU each) processes; return the results by rank.
-
-    Raises RuntimeError with the first traceback when a rank fails, and TimeoutError
-    (after killing the processes it started) when they run past `timeout_s`.
-    """
-    ctx = start_context()  # forkserver unless $DUPLEXPIPE_START_METHOD says otherwise: torch imported once
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, arg, queue, backend), daemon=True)
-             for r in range(world)]
-    for proc in procs:
-        proc.start()
-    results: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(results) < world:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"{getattr(fn, '__name__', fn)} ran past {timeout_s:.0f} s "
-                                   f"(ranks done: {sorted(results)})")
-            try:
-                rank, status, payload = queue.get(timeout=min(left, 1.0))
-            except Exception:  # noqa: BLE001 - queue.Empty: poll again
-                if any(p.exitcode not in (None, 0) for p in procs) and queue.empty():
-                    codes = [p.exitcode for p in procs]
-                    raise RuntimeError(f"a worker died without a result, exit codes {codes}") from None
-                continue
-            if status == "error":
-                raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            results[rank] = payload
-    finally:
-        for proc in procs:
-            proc.join(timeout=5)
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
-    return [results[r] for r in range(world)]
+    """Run `fn(rank, world, arg)` on `world` local ranks (`duplexpipe.run`: gloo, or NCCL with a GPU each), one
+    thread each; the results by rank. A failed rank raises LaunchError with its traceback."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    return run_ranks(_call, world, (fn, arg), backend=backend, timeout_s=timeout_s)
 
 
-def timed(step: Callable[[], Any], group: Any = None) -> tuple[float, Any]:
-    """Run one step between barriers; return (slowest rank's seconds, step's result)."""
+def _call(fn: WorkerFn, arg: Any) -> Any:
+    torch.set_num_threads(1)
+    return fn(dist.get_rank(), dist.get_world_size(), arg)
+
+
+def timed_cpu(step: Callable[[], Any], group: Any = None,
+              cpu_timer: Callable[[], float] = time.process_time) -> tuple[float, float, Any]:
+    """Run one step between barriers: (the slowest rank's seconds, this rank's CPU seconds, its result)."""
     dist.barrier(group=group)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), cpu_timer()
     out = step()
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
-    return float(elapsed.item()), out
-
-
-def timed_cpu(step: Callable[[], Any], group: Any = None) -> tuple[float, float, Any]:
-    """Like `timed`, plus the CPU seconds the step took summed over the ranks (each process's CPU time,
-    its communication threads included): what the ranks cost together when they share cores."""
-    dist.barrier(group=group)
-    start, cpu = time.perf_counter(), time.process_time()
-    out = step()
-    spent = torch.tensor([time.perf_counter() - start, time.process_time() - cpu], dtype=torch.float64)
-    wall = spent[:1].clone()
+    spent = cpu_timer() - cpu
+    wall = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
     dist.all_reduce(wall, op=dist.ReduceOp.MAX, group=group)
-    total = spent[1:].clone()
-    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
-    return float(wall.item()), float(total.item()), out
+    return float(wall.item()), spent, out
+
+
+@dataclass
+class Trace:
+    """One stepper's record in a round-robin run, measured steps only."""
+
+    wall: list[float] = field(default_factory=list)  # each step's seconds on the slowest rank
+    cpu: list[float] = field(default_factory=list)  # each step's CPU seconds on this rank
+    out: list[Any] = field(default_factory=list)  # what each step returned
+    extra: list[Any] = field(default_factory=list)  # what `extra` read after each step
+
+
+@dataclass(frozen=True)
+class RoundRobin(Generic[P]):
+    """Steppers trained in turn: step i of each (the first one rotating), then step i + 1, so all see the
+    same machine load; every step is timed between barriers."""
+
+    steppers: Sequence[P]  # anything `step` can step (Pipelines, runtimes, torch pipes)
+    step: Callable[[P, int], Any]  # (stepper, step index) -> the step's output
+    extra: Callable[[P], Any] | None = None
+    """Read after each measured step (e.g. its StepInfo's figures); on every rank (it may be a collective)."""
+    cpu_timer: Callable[[], float] = time.process_time  # this process's CPU seconds (read before and after each step)
+
+    def run(self, steps: int, warmup: int = 0) -> list[Trace]:
+        """`warmup` unmeasured then `steps` measured rounds; a Trace per stepper."""
+        traces = [Trace() for _ in self.steppers]
+        n = len(self.steppers)
+        for i in range(warmup + steps):
+            for k in range(n):
+                c = (i + k) % n
+                wall, cpu, out = timed_cpu(partial(self.step, self.steppers[c], i), cpu_timer=self.cpu_timer)
+                if i >= warmup:
+                    trace = traces[c]
+                    trace.wall.append(wall)
+                    trace.cpu.append(cpu)
+                    trace.out.append(out)
+                    if self.extra is not None:
+                        trace.extra.append(self.extra(self.steppers[c]))
+        return traces
+
+
+def slowest(per_rank: Sequence[Sequence[float]]) -> list[float]:
+    """Per step, the largest of the ranks' values."""
+    return [max(values) for values in zip(*per_rank, strict=True)]
 
 
 @dataclass(frozen=True)
 class Stats:
     """Summary of repeated timings in seconds."""
 
-    median: float
-    """The median sample."""
-    q1: float
-    """The lower quartile."""
-    q3: float
-    """The upper quartile."""
-    n: int
-    """How many samples."""
+    median: float  # the median sample
+    q1: float  # the lower quartile
+    q3: float  # the upper quartile
+    n: int  # how many samples
 
     def to_dict(self) -> dict[str, float]:
         """JSON-ready form."""
         return {"median_s": self.median, "q1_s": self.q1, "q3_s": self.q3, "n": self.n}
 
 
-def summarize(samples: list[float]) -> Stats:
+def summarize(samples: Sequence[float]) -> Stats:
     """Median and quartiles of `samples` (raises ValueError when empty)."""
     if not samples:
         raise ValueError("summarize needs at least one sample, got none")
@@ -139,10 +118,6 @@ def summarize(samples: list[float]) -> Stats:
 
 def machine_info() -> dict[str, Any]:
     """What the numbers were measured on."""
-    try:
-        load = os.getloadavg()
-    except OSError:
-        load = (float("nan"),) * 3
     cpu = platform.processor() or ""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as fh:
@@ -150,21 +125,49 @@ def machine_info() -> dict[str, Any]:
         cpu = names[0] if names else cpu
     except OSError:
         pass
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "loadavg_1_5_15": [round(x, 2) for x in load],
-    }
+    return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+            "torch": torch.__version__, "loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()]}
 
 
 def uptime() -> str:
     """The `uptime` command's line (how loaded the machine is), or "?" where it cannot run."""
-    import subprocess
-
     try:
-        return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip() or "?"
-    except OSError:
+        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip() or "?"
+    except (OSError, subprocess.SubprocessError):
         return "?"
+
+
+Optimizer = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+def adamw(lr: float = 3e-3) -> Optimizer:
+    """The example's optimizer: AdamW, weight decay 0.01."""
+    return lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+
+
+def sgd(lr: float, momentum: float) -> Optimizer:
+    """Plain SGD."""
+    return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum)
+
+
+def gpt(n_layer: int = 4, d_model: int = 64) -> Any:
+    """The demo task (`duplexpipe.launch.tasks.gpt`): the GPT's blocks, embedding, head, loss and batches."""
+    torch.manual_seed(0)
+    return gpt_task(n_layer=n_layer, d_model=d_model)
+
+
+def gpt_pipeline(task: Any, config: PipelineConfig, optimizer: Optimizer | None = None, pp: int = 0,
+                 dp: int = 1) -> Pipeline:
+    """The task's model as a Pipeline (over a pp x dp mesh when `pp` is given, else every rank a stage)."""
+    return Pipeline.from_layers(task.layers, task.loss_fn, optimizer or adamw(), config, embedding=task.embedding,
+                                head=task.head, mesh=make_mesh(pp, dp) if pp else None)
+
+
+def gpt_step(task: Any, batch_size: int) -> Callable[[Pipeline, int], float]:
+    """A RoundRobin step: the task's batch of that step, this data-parallel replica's share of it."""
+    def step(pipe: Pipeline, i: int) -> float:
+        x, y = task.batch(i, batch_size)
+        share = x.shape[0] // pipe.groups.dp_size
+        lo = pipe.groups.dp_rank * share
+        return pipe.step(x[lo:lo + share], y[lo:lo + share])
+    return step

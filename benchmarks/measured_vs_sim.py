@@ -1,48 +1,44 @@
-"""Part 2: measured step time and bubble of a sleep model against the simulator with the same costs."""
+"""Part: measured step time and bubble of a sleep model against the simulator with the same costs."""
 
 from __future__ import annotations
 
-import functools
+import os
 import statistics
+import time
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks import harness, models
-from benchmarks.ours_side import build_ours, runtime_config
-from duplexpipe.runtime import gather_timeline
-from duplexpipe.schedules.ir import Op, Schedule
-from duplexpipe.schedules.registry import build, names
-from duplexpipe.schedules.simulate import CostModel, simulate
-from duplexpipe.schedules.timeline import Event, Timeline
+import torch
+
+from benchmarks import harness, models, plots
+from benchmarks.framework import Block, Part, Result, mark, ms
+from benchmarks.internals import gather_timeline
+from benchmarks.models import build_ours, runtime_config
+from benchmarks.runner import main
+from duplexpipe import CostModel, Op, Schedule, Timeline, build_schedule, schedule_names, simulate
+
+TARGET = 1.05
+"""Measured step over simulated makespan, at most."""
 
 
 @dataclass(frozen=True)
 class SimConfig:
     """The synthetic-model run: costs, shape, schedules."""
 
-    f_ms: float = 20.0
-    """Forward sleep per stage and microbatch."""
-    i_ms: float = 20.0
-    """Input-gradient backward sleep."""
-    w_ms: float = 20.0
-    """Weight-gradient backward sleep."""
-    num_microbatches: int = 16
-    """Microbatches per step."""
-    width: int = 64
-    """Features per sample (activations stay small: this run is about compute placement)."""
-    samples_per_microbatch: int = 2
-    """Batch rows per microbatch."""
-    schedules: tuple[str, ...] = ()
-    """Registry names to run; empty means every registered schedule."""
-    warmup: int = 1
-    """Untimed steps per schedule."""
-    reps: int = 3
-    """Timed steps per schedule."""
+    f_ms: float = 20.0  # forward sleep per stage and microbatch
+    i_ms: float = 20.0  # input-gradient backward sleep
+    w_ms: float = 20.0  # weight-gradient backward sleep
+    num_microbatches: int = 16  # microbatches per step
+    width: int = 64  # features per sample (activations stay small: this run is about compute placement)
+    samples_per_microbatch: int = 2  # batch rows per microbatch
+    schedules: tuple[str, ...] = ()  # registry names to run; empty means every registered schedule
+    warmup: int = 1  # untimed steps per schedule
+    reps: int = 3  # timed steps per schedule
+    world: int = 4  # pipeline ranks (gloo processes)
 
     def spec(self) -> models.ModelSpec:
         """The sleep model for this run."""
-        return models.ModelSpec("sleep", width=self.width,
-                                batch=self.num_microbatches * self.samples_per_microbatch,
+        return models.ModelSpec("sleep", width=self.width, batch=self.num_microbatches * self.samples_per_microbatch,
                                 sleep_ms=(self.f_ms, self.i_ms, self.w_ms))
 
     def cost(self) -> CostModel:
@@ -50,20 +46,18 @@ class SimConfig:
         f, i, w = self.f_ms / 1e3, self.i_ms / 1e3, self.w_ms / 1e3
         return CostModel(f=f, b=i + w, w=w, fb=f + i + w)
 
-    def schedule_names(self) -> tuple[str, ...]:
-        """The schedules this run covers."""
-        return self.schedules or names()
+    def schedule(self, name: str) -> Schedule:
+        """Schedule `name` on this run's ranks and microbatches."""
+        return build_schedule(name, self.world, self.num_microbatches)
+
+
+QUICK = SimConfig(f_ms=2.0, i_ms=2.0, w_ms=2.0, num_microbatches=4, width=8, schedules=("1f1b", "dualpipe"),
+                  warmup=1, reps=2, world=2)
 
 
 def calibrate(cfg: SimConfig, repeats: int = 5) -> dict[str, float]:
-    """Seconds one sleep-model stage really takes for F, B, I and W here, with plain autograd (no runtime).
-
-    Sleep overshoot and autograd overhead make these a little above the nominal sleeps.
-    """
-    import time
-
-    import torch
-
+    """Seconds one sleep-model stage really takes for F, B, I and W here, with plain autograd (no runtime):
+    sleep overshoot and autograd overhead make these a little above the nominal sleeps."""
     part = models.build_parts(cfg.spec(), 1)[0]
     bias = next(part.parameters())
     x = torch.randn(cfg.samples_per_microbatch, cfg.width, requires_grad=True)
@@ -87,39 +81,29 @@ def calibrate(cfg: SimConfig, repeats: int = 5) -> dict[str, float]:
 
 def calibrated_cost(costs: dict[str, float]) -> CostModel:
     """The simulator's cost model from calibrated seconds (F&B = F + B, as the runtime runs a pair)."""
-    w = min(costs["w"], costs["b"])
-    return CostModel(f=costs["f"], b=costs["b"], w=w, fb=costs["f"] + costs["b"])
+    return CostModel(f=costs["f"], b=costs["b"], w=min(costs["w"], costs["b"]), fb=costs["f"] + costs["b"])
 
 
 def worker(rank: int, world: int, cfg: SimConfig) -> dict[str, Any]:
-    """Time every schedule on the sleep model; rank 0 returns step times and the gathered timeline."""
-    spec = cfg.spec()
-    x, y = models.make_batch(spec)
+    """Time every schedule on the sleep model; each step's time and gathered timeline."""
+    x, y = models.make_batch(cfg.spec())
     out: dict[str, Any] = {}
-    for name in cfg.schedule_names():
-        sched = build(name, world, cfg.num_microbatches)
-        parts = models.build_parts(spec, sched.num_groups)
-        pipe = build_ours(name, parts, rank, world, cfg.num_microbatches, models.loss_fn,
-                          config=runtime_config(record_timeline=True, check_inputs_every_step=False), schedule=sched)
-        for _ in range(cfg.warmup):
-            pipe.zero_grad()
-            pipe.step(x, y)
-        samples, timelines = [], []
-        for _ in range(cfg.reps):
-            pipe.zero_grad()
-            elapsed, result = harness.timed(functools.partial(pipe.step, x, y))
-            samples.append(elapsed)
-            timelines.append(gather_timeline(result.timeline))
-        median_at = samples.index(sorted(samples)[(len(samples) - 1) // 2])
-        out[name] = {"samples": samples, "timeline": timelines[median_at].to_dict(),
-                     "timeline_makespans": [t.makespan for t in timelines]}
+    for name in cfg.schedules or schedule_names():
+        sched = cfg.schedule(name)
+        pipe = build_ours(name, models.build_parts(cfg.spec(), sched.num_groups), rank, world, cfg.num_microbatches,
+                          models.loss_fn, runtime_config(record_timeline=True, check_inputs_every_step=False), sched)
+        (trace,) = harness.RoundRobin([pipe], lambda p, _: p.step(x, y),
+                                      lambda p: gather_timeline(p.last.timeline)).run(cfg.reps, cfg.warmup)
+        median_at = trace.wall.index(sorted(trace.wall)[(len(trace.wall) - 1) // 2])
+        out[name] = {"samples": trace.wall, "timeline": trace.extra[median_at].to_dict(),
+                     "timeline_makespans": [t.makespan for t in trace.extra]}
     return out
 
 
 def handoff_gaps(timeline: Timeline, schedule: Schedule) -> list[float]:
-    """Seconds from a producer's end to its consumer's start on another rank, where the consumer's rank
-    sat idle in between (so the gap is transfer plus wake-up latency, not queueing behind other work)."""
-    produced: dict[tuple[str, int, int], Event] = {}
+    """Seconds from a producer's end to its consumer's start on another rank, where the consumer's rank sat idle
+    in between (so the gap is transfer plus wake-up latency, not queueing behind other work)."""
+    produced: dict[tuple[str, int, int], Any] = {}
     for e in timeline.events:
         for part in e.action.compute_parts():
             kind = "F" if part.op is Op.F else "B" if part.op in (Op.B, Op.I) else ""
@@ -131,14 +115,9 @@ def handoff_gaps(timeline: Timeline, schedule: Schedule) -> list[float]:
         for e in timeline.rank_events(rank):
             ready = None  # the latest end of a producer on another rank (a pair waits for both inputs)
             for part in e.action.compute_parts():
-                if part.op is Op.F:
-                    src = schedule.prev_stage(part.stage)
-                    prod = produced.get(("F", src, part.microbatch)) if src is not None else None
-                elif part.op in (Op.B, Op.I):
-                    src = schedule.next_stage(part.stage)
-                    prod = produced.get(("B", src, part.microbatch)) if src is not None else None
-                else:
-                    prod = None
+                src, kind = ((schedule.prev_stage(part.stage), "F") if part.op is Op.F else
+                             (schedule.next_stage(part.stage), "B") if part.op in (Op.B, Op.I) else (None, ""))
+                prod = produced.get((kind, src, part.microbatch)) if src is not None else None
                 if prod is not None and prod.rank != rank:
                     ready = prod.end if ready is None else max(ready, prod.end)
             if ready is not None and ready >= idle_since:
@@ -147,41 +126,70 @@ def handoff_gaps(timeline: Timeline, schedule: Schedule) -> list[float]:
     return gaps
 
 
-def summarize(cfg: SimConfig, raw: dict[str, Any], world: int,
-              costs: dict[str, float] | None = None) -> list[dict[str, Any]]:
-    """One row per schedule: measured vs simulated makespan (nominal and calibrated costs) and bubble."""
-    rows = []
-    for name, res in raw.items():
-        sim = simulate(build(name, world, cfg.num_microbatches), cfg.cost())
-        sim_cal = simulate(build(name, world, cfg.num_microbatches), calibrated_cost(costs)) if costs else sim
-        measured = Timeline.from_dict(res["timeline"])
-        step = harness.summarize(res["samples"])
-        gaps = sorted(handoff_gaps(measured, build(name, world, cfg.num_microbatches)))
-        rows.append({
-            "schedule": name,
-            "ranks": world,
-            "microbatches": cfg.num_microbatches,
-            "costs_ms": {"f": cfg.f_ms, "i": cfg.i_ms, "w": cfg.w_ms},
-            "step": step.to_dict(),
-            "timeline_makespan_s": statistics.median(res["timeline_makespans"]),
-            "simulated_makespan_s": sim.makespan,
-            "ratio": step.median / sim.makespan,
-            "timeline_ratio": statistics.median(res["timeline_makespans"]) / sim.makespan,
-            "calibrated_costs_ms": {k: v * 1e3 for k, v in (costs or {}).items()},
-            "simulated_calibrated_s": sim_cal.makespan,
-            "ratio_calibrated": step.median / sim_cal.makespan,
-            "bubble_measured": measured.bubble_ratio,
-            "bubble_simulated": sim.bubble_ratio,
+def _row(cfg: SimConfig, name: str, res: dict[str, Any], costs: dict[str, float]) -> dict[str, Any]:
+    sim = simulate(cfg.schedule(name), cfg.cost())
+    sim_cal = simulate(cfg.schedule(name), calibrated_cost(costs))
+    measured = Timeline.from_dict(res["timeline"])
+    step = harness.summarize(res["samples"])
+    gaps = sorted(handoff_gaps(measured, cfg.schedule(name)))
+    makespan = statistics.median(res["timeline_makespans"])
+    return {"schedule": name, "ranks": cfg.world, "microbatches": cfg.num_microbatches,
+            "costs_ms": {"f": cfg.f_ms, "i": cfg.i_ms, "w": cfg.w_ms}, "step": step.to_dict(),
+            "timeline_makespan_s": makespan, "simulated_makespan_s": sim.makespan, "ratio": step.median / sim.makespan,
+            "timeline_ratio": makespan / sim.makespan, "calibrated_costs_ms": {k: v * 1e3 for k, v in costs.items()},
+            "simulated_calibrated_s": sim_cal.makespan, "ratio_calibrated": step.median / sim_cal.makespan,
+            "bubble_measured": measured.bubble_ratio, "bubble_simulated": sim.bubble_ratio,
             "handoff_gap_ms": {"median": statistics.median(gaps) * 1e3 if gaps else None,
-                               "p90": gaps[int(0.9 * (len(gaps) - 1))] * 1e3 if gaps else None,
-                               "count": len(gaps)},
-            "measured_timeline": res["timeline"],
-            "simulated_timeline": sim.to_dict(),
-        })
-    return rows
+                               "p90": gaps[int(0.9 * (len(gaps) - 1))] * 1e3 if gaps else None, "count": len(gaps)},
+            "measured_timeline": res["timeline"], "simulated_timeline": sim.to_dict()}
 
 
-def run(cfg: SimConfig, world: int = 4, timeout_s: float = 600.0) -> list[dict[str, Any]]:
-    """Calibrate the stage costs, spawn `world` gloo ranks, run every schedule, return the summary rows."""
+def run(cfg: SimConfig) -> Result:
+    """Calibrate the stage costs, run every schedule on the ranks; one row per schedule."""
     costs = calibrate(cfg)
-    return summarize(cfg, harness.spawn(worker, cfg, world, timeout_s)[0], world, costs)
+    raw = harness.spawn(worker, cfg, cfg.world, 600)[0]
+    return {"rows": [_row(cfg, name, res, costs) for name, res in raw.items()]}
+
+
+def report(result: Result) -> list[Block]:
+    """One row per schedule."""
+    table = [["schedule", "measured step ms", "trace makespan ms", "simulated ms", "measured/simulated", "met",
+              "simulated, calibrated costs ms", "measured/calibrated", "bubble measured", "bubble simulated",
+              "handoff gap ms (median / p90)"]]
+    for r in result["rows"]:
+        gap = r["handoff_gap_ms"]
+        table.append([r["schedule"], ms(r["step"]["median_s"]), ms(r["timeline_makespan_s"]),
+                      ms(r["simulated_makespan_s"]), f"{r['ratio']:.3f}", mark(r["ratio"] <= TARGET),
+                      ms(r["simulated_calibrated_s"]), f"{r['ratio_calibrated']:.3f}", f"{r['bubble_measured']:.1%}",
+                      f"{r['bubble_simulated']:.1%}",
+                      "-" if gap["median"] is None else f"{gap['median']:.2f} / {gap['p90']:.2f}"])
+    return [table]
+
+
+def figures(result: Result, folder: str) -> list[tuple[str, str]]:
+    """Measured / simulated per schedule, and the Gantt of one measured step above its simulation."""
+    rows = result["rows"]
+    plots.bars(os.path.join(folder, "bench_sim_ratio.png"), [r["schedule"] for r in rows],
+               {"step time / simulated makespan": [r["ratio"] for r in rows]}, TARGET, f"target {TARGET:g}",
+               "measured / simulated", "Sleep model: measured step time over simulated makespan (same costs)")
+    row = next((r for r in rows if r["schedule"] == "dualpipe"), rows[0])
+    measured, sim = (Timeline.from_dict(row[k]) for k in ("measured_timeline", "simulated_timeline"))
+    name, c = row["schedule"], row["costs_ms"]
+    shown = [Timeline(f"{name} measured (duplexpipe runtime, {measured.num_ranks} gloo ranks)", measured.num_ranks,
+                      measured.num_microbatches, measured.events, "measured", "s"),
+             Timeline(f"{name} simulated (F/I/W = {c['f']:g}/{c['i']:g}/{c['w']:g} ms)", sim.num_ranks,
+                      sim.num_microbatches, sim.events, "simulated", "s")]
+    from duplexpipe.viz import plot_comparison
+
+    plot_comparison(shown, os.path.join(folder, "bench_measured_vs_sim.png"),
+                    title=f"{name}: measured step vs simulated makespan, same costs, {measured.num_ranks} ranks, "
+                          f"{measured.num_microbatches} microbatches")
+    return [("bench_sim_ratio.png", "Measured step time over simulated makespan"),
+            ("bench_measured_vs_sim.png", f"Measured vs simulated {row['schedule']} on the sleep model")]
+
+
+PART = Part("measured_vs_sim", "Measured vs simulated (sleep model)", SimConfig(), QUICK, run, report, figures,
+            block="results")
+
+if __name__ == "__main__":
+    raise SystemExit(main(only=PART.name))

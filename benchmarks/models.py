@@ -1,36 +1,34 @@
-"""The benchmark models, built as a list of model parts with a deterministic init."""
+"""The A/B workloads: the benchmark models as parts, and the two sides (duplexpipe, torch pipelining)."""
 
 from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.distributed import pipelining as pp
+
+from duplexpipe import Pipeline, PipelineConfig, PipelineRuntime, RuntimeConfig, Schedule, build_schedule
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     """One benchmark workload: which model, how big, and the batch it trains on."""
 
-    kind: str
-    """"mlp", "transformer" or "sleep"."""
-    num_layers: int = 8
-    """Blocks in the whole model; they are dealt evenly to the model parts."""
-    width: int = 256
-    """Hidden size (MLP width, transformer d_model, sleep model feature size)."""
-    batch: int = 64
-    """Samples per step (split into microbatches)."""
-    seq: int = 32
-    """Sequence length (transformer only)."""
-    heads: int = 4
-    """Attention heads (transformer only)."""
+    kind: str  # "mlp", "transformer" or "sleep"
+    num_layers: int = 8  # blocks in the whole model; they are dealt evenly to the model parts
+    width: int = 256  # hidden size (MLP width, transformer d_model, sleep model feature size)
+    batch: int = 64  # samples per step (split into microbatches)
+    seq: int = 32  # sequence length (transformer only)
+    heads: int = 4  # attention heads (transformer only)
     sleep_ms: tuple[float, float, float] = (20.0, 20.0, 20.0)
     """Sleep model only: milliseconds slept per part in forward, input-backward, weight-backward."""
-    seed: int = 0
-    """Seed of the parameter init and of the data."""
+    seed: int = 0  # seed of the parameter init and of the data
 
     def describe(self) -> str:
         """A one-line human description."""
@@ -74,11 +72,8 @@ class _SleepW(torch.autograd.Function):
 
 
 class SleepPart(nn.Module):
-    """y = x + bias with fixed sleeps: F in forward, I on the input path, W on the weight path.
-
-    The bias path does not lie on the input-gradient path, so an input-only backward (I)
-    sleeps `i` and a weight-only backward (W) sleeps `w`; a full backward sleeps both.
-    """
+    """y = x + bias with fixed sleeps: F in forward, I on the input path, W on the weight path (the bias is not on
+    the input-gradient path: an input-only backward sleeps `i`, a weight-only one `w`, a full one both)."""
 
     def __init__(self, width: int, f_s: float, i_s: float, w_s: float) -> None:
         super().__init__()
@@ -89,15 +84,6 @@ class SleepPart(nn.Module):
         return _SleepFI.apply(x, self.f_s, self.i_s) + _SleepW.apply(self.bias, self.w_s)
 
 
-def _mlp_block(width: int) -> nn.Module:
-    return nn.Sequential(nn.Linear(width, width), nn.ReLU())
-
-
-def _transformer_block(spec: ModelSpec) -> nn.Module:
-    return nn.TransformerEncoderLayer(spec.width, spec.heads, dim_feedforward=4 * spec.width,
-                                      dropout=0.0, batch_first=True)
-
-
 def build_parts(spec: ModelSpec, num_parts: int) -> list[nn.Module]:
     """The model as `num_parts` consecutive parts, identical on every process for one spec."""
     if spec.kind == "sleep":
@@ -106,13 +92,12 @@ def build_parts(spec: ModelSpec, num_parts: int) -> list[nn.Module]:
         return [SleepPart(spec.width, f, i, w) for _ in range(num_parts)]
     if spec.num_layers % num_parts:
         raise ValueError(f"{spec.num_layers} layers do not split evenly into {num_parts} parts")
-    torch.manual_seed(spec.seed)
-    if spec.kind == "mlp":
-        blocks = [_mlp_block(spec.width) for _ in range(spec.num_layers)]
-    elif spec.kind == "transformer":
-        blocks = [_transformer_block(spec) for _ in range(spec.num_layers)]
-    else:
+    if spec.kind not in ("mlp", "transformer"):
         raise ValueError(f"unknown model kind {spec.kind!r}; expected mlp, transformer or sleep")
+    torch.manual_seed(spec.seed)
+    blocks = [nn.Sequential(nn.Linear(spec.width, spec.width), nn.ReLU()) if spec.kind == "mlp" else
+              nn.TransformerEncoderLayer(spec.width, spec.heads, 4 * spec.width, dropout=0.0, batch_first=True)
+              for _ in range(spec.num_layers)]
     per = spec.num_layers // num_parts
     return [nn.Sequential(*blocks[k * per:(k + 1) * per]) for k in range(num_parts)]
 
@@ -141,15 +126,12 @@ def reference_grads(parts: list[nn.Module], inputs: torch.Tensor, targets: torch
         value = loss(model(x), y) / num_microbatches
         value.backward()
         total += float(value.detach())
-    grads = [[p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
-              for p in part.parameters()] for part in model]
-    return grads, total
+    return [part_grads(part) for part in model], total
 
 
 def part_grads(module: nn.Module) -> list[torch.Tensor]:
     """The gradients of one part's parameters (zeros where a gradient is missing)."""
-    return [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
-            for p in module.parameters()]
+    return [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in module.parameters()]
 
 
 def max_rel_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
@@ -159,3 +141,115 @@ def max_rel_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
         scale = max(float(w.abs().max()), 1e-12)
         worst = max(worst, float((g - w).abs().max()) / scale)
     return worst
+
+
+Loss = Callable[..., torch.Tensor]
+TORCH_SCHEDULES: Mapping[str, tuple[str, str]] = MappingProxyType({
+    "1f1b": ("Schedule1F1B", "linear"),
+    "gpipe": ("ScheduleGPipe", "linear"),
+    "interleaved-1f1b": ("ScheduleInterleaved1F1B", "looped"),
+    "zbv": ("ScheduleZBVZeroBubble", "v"),
+    "dualpipev": ("ScheduleDualPipeV", "v"),
+})
+"""Benchmark schedule key -> (torch schedule class name, placement of its stages)."""
+
+
+def frozen_sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """SGD at learning rate 0: the optimizer step runs on both sides, the weights stay put (so every step's
+    gradients can be checked against the single-process reference)."""
+    return torch.optim.SGD(params, lr=0.0)
+
+
+def group_grads(modules: dict[int, nn.Module], schedule: Schedule) -> dict[int, list[torch.Tensor]]:
+    """This rank's gradients by weight group (model part), the copies of a group summed."""
+    out: dict[int, list[torch.Tensor]] = {}
+    for stage, module in modules.items():
+        grads, group = part_grads(module), schedule.stages[stage].group
+        out[group] = [a + b for a, b in zip(out[group], grads, strict=True)] if group in out else grads
+    return out
+
+
+@dataclass
+class OursPipe:
+    """One rank's bare duplexpipe runtime; its step zeroes the gradients, then runs the schedule."""
+
+    schedule: Schedule  # the compute-only (or lowered) schedule the runtime executes
+    modules: dict[int, nn.Module]  # stage index -> this rank's copy of that stage's model part
+    runtime: PipelineRuntime  # the interpreter for this rank's list
+    has_first: bool  # true when this rank feeds the model input
+    has_last: bool  # true when this rank computes the loss
+    last: Any = field(default=None)  # the latest step's StepResult
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> Any:
+        """One step over the whole batch (the runtime splits it into microbatches)."""
+        for module in self.modules.values():
+            module.zero_grad(set_to_none=True)
+        self.last = self.runtime.step(inputs if self.has_first else None, targets if self.has_last else None)
+        return self.last
+
+
+def build_ours(name: str, parts: list[nn.Module], rank: int, num_ranks: int, num_microbatches: int, loss: Loss,
+               config: RuntimeConfig | None = None, schedule: Schedule | None = None) -> OursPipe:
+    """Schedule `name` (or `schedule`) and a runtime over this rank's copies of `parts` (part k is group k)."""
+    sched = schedule if schedule is not None else build_schedule(name, num_ranks, num_microbatches)
+    if sched.num_groups != len(parts):
+        raise ValueError(f"{name} has {sched.num_groups} model parts, got {len(parts)} parts")
+    modules = {s: copy.deepcopy(parts[sched.stages[s].group]) for s in sched.stages_of_rank(rank)}
+    runtime = PipelineRuntime(sched, modules, loss, config=config or RuntimeConfig())
+    return OursPipe(sched, modules, runtime, any(sched.is_first(s) for s in modules),
+                    any(sched.is_last(s) for s in modules))
+
+
+def runtime_config(**overrides: Any) -> RuntimeConfig:
+    """RuntimeConfig with these fields, ignoring those this runtime lacks (to run against an older checkout)."""
+    known = getattr(RuntimeConfig, "__dataclass_fields__", {})
+    return RuntimeConfig(**{k: v for k, v in overrides.items() if k in known})
+
+
+def build_pipeline(name: str, parts: list[nn.Module], num_microbatches: int, loss: Loss, **config: Any) -> Pipeline:
+    """A Pipeline over `parts` with the default PipelineConfig (plus `config`) and `frozen_sgd`: its step is a
+    training step (zero_grad, the schedule, the optimizer step)."""
+    return Pipeline(parts, loss, frozen_sgd, PipelineConfig(schedule=name, num_microbatches=num_microbatches, **config))
+
+
+def num_stages(key: str, num_ranks: int) -> int:
+    """How many stages (model parts) torch's schedule `key` has on `num_ranks` ranks."""
+    return num_ranks if TORCH_SCHEDULES[key][1] == "linear" else 2 * num_ranks
+
+
+@dataclass
+class TorchPipe:
+    """One rank's torch pipeline: its stage modules, the schedule object and the optimizer over them."""
+
+    modules: dict[int, nn.Module]  # stage index -> this rank's copy of that model part
+    schedule: Any  # the torch schedule instance
+    has_first: bool  # true when this rank feeds the model input
+    has_last: bool  # true when this rank computes the loss
+    optimizer: torch.optim.Optimizer  # its gradients zeroed before the schedule and stepped after it: a training step
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
+        """One training step over the whole batch; returns the per-microbatch losses held here."""
+        self.optimizer.zero_grad(set_to_none=True)
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.has_first else ()
+        self.schedule.step(*args, target=targets if self.has_last else None, losses=losses, return_outputs=False)
+        self.optimizer.step()
+        return losses
+
+
+def build_torch_pipe(key: str, parts: list[nn.Module], rank: int, num_ranks: int, num_microbatches: int,
+                     loss: Loss) -> TorchPipe:
+    """This rank's parts as PipelineStages under torch's schedule `key`, trained with `frozen_sgd`."""
+    if key not in TORCH_SCHEDULES:
+        raise ValueError(f"no torch schedule for {key!r}; known: {sorted(TORCH_SCHEDULES)}")
+    cls_name, placement = TORCH_SCHEDULES[key]
+    total = num_stages(key, num_ranks)
+    if len(parts) != total:
+        raise ValueError(f"{key} on {num_ranks} ranks needs {total} parts, got {len(parts)}")
+    local = {"linear": [rank], "looped": [rank, rank + num_ranks], "v": [rank, 2 * num_ranks - 1 - rank]}[placement]
+    modules = {s: copy.deepcopy(parts[s]) for s in local}
+    stages = [pp.PipelineStage(modules[s], s, total, torch.device("cpu")) for s in local]
+    stage_arg: Any = stages[0] if placement == "linear" else stages
+    schedule = getattr(pp, cls_name)(stage_arg, num_microbatches, loss_fn=loss, scale_grads=True)
+    params = [p for s in local for p in modules[s].parameters()]
+    return TorchPipe(modules, schedule, 0 in local, total - 1 in local, frozen_sgd(params))

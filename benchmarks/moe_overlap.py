@@ -1,105 +1,81 @@
-"""MoE F&B overlap: how much of the expert all-to-all one F&B pair hides behind the other microbatch's compute.
-
-Part 1, one pair: every rank (4, or 2 with `--ranks 2`) holds a stage of `layers` MoE blocks whose experts
-are spread over all ranks (expert parallelism over the world). The backward of microbatch 0 and the forward
-of microbatch 1 run (a) one after the other, each all-to-all waited for where it is issued, and (b)
-interleaved at their comm points (`runtime.pieces.run_pair`, what `PipelineConfig(fb_overlap=True)` runs),
-alternating (a) and (b). The comm time is what the pair's all-to-alls take timed alone (every rank arrived
-before each is issued); the hidden fraction is (sequential - overlapped) / comm.
-Part 2, a whole DualPipeV step (PP=2 x DP=2 with ep=2, 4 ranks) with fb_overlap on and off, alternating.
-
-On CPU (gloo) the all-to-alls of small tensors are too fast and share the cores with compute, so an
-emulated link sets their time: each completes no earlier than latency + bytes / bandwidth after every rank
-joined it (`LinkModel`), with the bandwidth chosen so that the pair's comm is about its compute (`--comm-ratio`;
-the compute is F then B less its comm). With 4 processes on 2 cores the ranks also share the cores, so the
-overlapped pair is bounded by their summed CPU work too; `--ranks 2` gives each rank a core.
-On CUDA (NCCL, `--backend nccl`) the all-to-alls are real and no link is emulated; with one GPU the ranks
-share it ($DUPLEXPIPE_SHARE_GPU=1) and NCCL moves the tokens over its socket transport on loopback.
-
-Usage: python benchmarks/moe_overlap.py [--backend gloo|nccl] [--ranks 4|2] [--reps N] [--steps N] [--out DIR]
-[--quick]
-"""
+"""Part: how much of the expert all-to-all one MoE F&B pair hides behind the other microbatch's compute."""
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
-import sys
 import time
-from dataclasses import asdict, dataclass, replace
-from pathlib import Path
+from dataclasses import asdict, dataclass
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import torch
+import torch.distributed as dist
+from torch import nn
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch import nn  # noqa: E402
-
-from benchmarks import harness  # noqa: E402
-from duplexpipe.launch.processes import SHARE_GPU_ENV  # noqa: E402
-from duplexpipe.moe import CausalSelfAttention, ExpertGroup, MoEBlock, MoELayer  # noqa: E402
-from duplexpipe.runtime.pieces import (  # noqa: E402
-    CommRecord,
-    CommSlot,
-    Driver,
-    LinkModel,
-    Posted,
-    current_driver,
-    forward_slot,
-    run_pair,
-)
+from benchmarks import harness
+from benchmarks import internals as deep
+from benchmarks.framework import Block, Part, Result, met
+from benchmarks.runner import main
+from duplexpipe import Pipeline, PipelineConfig, make_mesh
+from duplexpipe.moe import CausalSelfAttention, ExpertGroup, MoEBlock, MoELayer
 
 
 @dataclass(frozen=True)
 class MoEBenchConfig:
-    """The workload and how long to measure."""
+    """The pair: one on `ranks` processes (experts spread over all of them): the backward of microbatch 0 and the
+    forward of microbatch 1 run one after the other (each all-to-all waited for where it is issued) and interleaved
+    at their comm points (what PipelineConfig(fb_overlap=True) runs), alternating; the comm is the pair's
+    all-to-alls timed alone; hidden = (sequential - overlapped) / comm. The step: a DualPipeV step (PP=2 x DP=2,
+    ep=2) with fb_overlap on and off. On gloo an emulated link sets the all-to-alls' time (comm ~ `comm_ratio` x
+    compute); on NCCL they are real."""
 
-    tokens: int = 512
-    """Tokens per microbatch per rank."""
+    tokens: int = 512  # tokens per microbatch per rank
     dim: int = 128
-    hidden: int = 256
-    """Each expert's hidden width."""
+    hidden: int = 256  # each expert's hidden width
     experts: int = 8
     top_k: int = 2
-    layers: int = 2
-    """MoE blocks in the stage."""
+    layers: int = 2  # MoE blocks in the stage
     mixer: str = "attention"
     """Each block's mixer before its MoE layer: "attention" (causal self-attention, 4 heads, over sequences of
     `seq` tokens, as in an MoE transformer) or "linear" (one Linear: almost no compute besides the experts)."""
-    seq: int = 128
-    """Tokens per sequence (the attention mixer)."""
-    reps: int = 9
-    """Timed pairs per mode (after 2 untimed)."""
-    steps: int = 6
-    """Timed DualPipeV steps per mode (after 1 untimed); 0 skips part 2."""
-    comm_ratio: float = 1.0
-    """gloo: the emulated link makes the pair's comm this many times its compute."""
+    seq: int = 128  # tokens per sequence (the attention mixer)
+    reps: int = 9  # timed pairs per mode (after 2 untimed)
+    steps: int = 6  # timed DualPipeV steps per mode (after 1 untimed); 0 skips the step
+    comm_ratio: float = 1.0  # gloo: the emulated link makes the pair's comm this many times its compute
     link_latency_s: float = 0.0
     """gloo: the emulated link's latency per all-to-all (its bandwidth follows from comm_ratio)."""
     backend: str = "gloo"
     ranks: int = 4
-    """Processes (the expert-parallel group of part 1); part 2 runs only with 4."""
+    """Processes (the expert-parallel group of the pair): 4, or 2 (a core each here); the step runs only with 4."""
+
+    def __post_init__(self) -> None:
+        if min(self.reps, self.tokens, self.dim, self.hidden) < 1 or self.steps < 0 or not self.comm_ratio > 0:
+            raise ValueError("need reps, tokens, dim, hidden >= 1, steps >= 0, comm_ratio > 0")
+        if self.ranks not in (2, 4) or self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"ranks must be 2 or 4 and backend gloo or nccl, got {self.ranks}, {self.backend!r}")
+        if self.experts < 4 or self.experts % 4:
+            raise ValueError(f"experts must be a multiple of 4 (spread over 4 ranks), got {self.experts}")
+        if self.mixer == "attention" and (self.seq < 1 or self.tokens % self.seq or self.dim % 4):
+            raise ValueError(f"the attention mixer needs seq >= 1 dividing tokens {self.tokens} (got {self.seq}) and "
+                             f"dim divisible by its 4 heads (got {self.dim})")
+
+
+QUICK = MoEBenchConfig(tokens=64, dim=32, hidden=64, reps=2, steps=2, seq=16)
+
+
+def _blocks(cfg: MoEBenchConfig, count: int) -> list[MoEBlock]:
+    torch.manual_seed(0)
+    return [MoEBlock(cfg.dim, MoELayer(cfg.dim, cfg.hidden, cfg.experts, cfg.top_k, shared_experts=1),
+                     mixer=CausalSelfAttention(cfg.dim, 4) if cfg.mixer == "attention" else nn.Linear(cfg.dim, cfg.dim))
+            for _ in range(count)]
 
 
 def _model(cfg: MoEBenchConfig, device: torch.device, rank: int, world: int) -> nn.Module:
-    torch.manual_seed(0)
-    blocks = []
-    for _ in range(cfg.layers):
-        layer = MoELayer(cfg.dim, cfg.hidden, cfg.experts, cfg.top_k, shared_experts=1)
-        blocks.append(MoEBlock(cfg.dim, layer, mixer=_mixer(cfg)))
+    blocks = _blocks(cfg, cfg.layers)
     model = nn.Sequential(*blocks).to(device)
     for block in blocks:
         block.moe.shard_experts(ExpertGroup(None, rank, world))
     return model
-
-
-def _mixer(cfg: MoEBenchConfig) -> nn.Module:
-    return CausalSelfAttention(cfg.dim, 4) if cfg.mixer == "attention" else nn.Linear(cfg.dim, cfg.dim)
 
 
 def _tokens(cfg: MoEBenchConfig, count: int, gen: torch.Generator | None = None) -> torch.Tensor:
@@ -113,12 +89,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class _Measuring(Driver):
+class _Measuring(deep.Driver):
     """Times each exchange alone: the device drained and every rank arrived before it is issued (so the link
     counts from the issue), waited for at once, and the device drained again before it counts as done (a
     baseline mode only; it serialises everything)."""
 
-    def __init__(self, device: torch.device, link: LinkModel | None, log: list[CommRecord]) -> None:
+    def __init__(self, device: torch.device, link: deep.LinkModel | None, log: list[deep.CommRecord]) -> None:
         def wait(work: Any, what: str) -> None:
             work.wait()
             _sync(device)
@@ -126,7 +102,7 @@ class _Measuring(Driver):
         super().__init__(wait=wait, link=link, log=log)
         self.device = device
 
-    def post(self, issue: Any, label: str, nbytes: int = 0) -> Posted:
+    def post(self, issue: Any, label: str, nbytes: int = 0) -> deep.Posted:
         _sync(self.device)
         dist.barrier()
         posted = super().post(issue, label, nbytes)
@@ -135,27 +111,27 @@ class _Measuring(Driver):
         return posted
 
 
-def _pair(model: nn.Module, x: list[torch.Tensor], grad: torch.Tensor, base: Driver, device: torch.device,
+def _pair(model: nn.Module, x: list[torch.Tensor], grad: torch.Tensor, base: deep.Driver, device: torch.device,
           mode: str) -> tuple[float, float]:
     """One timed pair: B of microbatch 0 (its forward untimed) and F of microbatch 1; (its wall time, this
     process's CPU time meanwhile: compute and the collectives' own work, every thread)."""
-    slot = CommSlot(Driver(link=base.link))
-    with forward_slot(slot):
+    slot = deep.CommSlot(deep.Driver(link=base.link))
+    with deep.forward_slot(slot):
         y0 = model(x[0])
     _sync(device)
     dist.barrier()
 
     def backward() -> None:
-        slot.driver = current_driver(base)
+        slot.driver = deep.current_driver(base)
         torch.autograd.backward(y0, grad)
 
     def forward() -> None:
-        with forward_slot(CommSlot(current_driver(base))):
+        with deep.forward_slot(deep.CommSlot(deep.current_driver(base))):
             model(x[1])
 
     start, cpu = time.perf_counter(), time.process_time()
     if mode == "overlapped":
-        run_pair(backward, forward, base, device, defer_first=True)
+        deep.run_pair(backward, forward, base, device, defer_weights=True)
     else:
         backward()
         forward()
@@ -166,7 +142,7 @@ def _pair(model: nn.Module, x: list[torch.Tensor], grad: torch.Tensor, base: Dri
 MODES = ("sequential", "overlapped", "measured")
 
 
-def _pairs(cfg: MoEBenchConfig, rank: int, world: int, device: torch.device, link: LinkModel | None,
+def _pairs(cfg: MoEBenchConfig, rank: int, world: int, device: torch.device, link: deep.LinkModel | None,
            reps: int) -> dict[str, list[float]]:
     """Pair times per mode (alternating), the comm time of each measured pair (its exchanges alone), and the
     CPU time of each pair run either way."""
@@ -175,10 +151,10 @@ def _pairs(cfg: MoEBenchConfig, rank: int, world: int, device: torch.device, lin
     x = [_tokens(cfg, cfg.tokens, gen).to(device) for _ in range(2)]
     grad = _tokens(cfg, cfg.tokens, gen).to(device)
     out: dict[str, list[float]] = {m: [] for m in (*MODES, "comm", "overlapped_cpu", "sequential_cpu")}
-    plain = Driver(link=link)  # one driver, as a runtime keeps one: its pairs reuse its two threads
+    plain = deep.Driver(link=link)  # one driver, as a runtime keeps one: its pairs reuse its two threads
     for rep in range(reps + 2):
         for mode in MODES if rep % 2 == 0 else MODES[::-1]:
-            log: list[CommRecord] = []
+            log: list[deep.CommRecord] = []
             plain.log = log
             base = _Measuring(device, link, log) if mode == "measured" else plain
             took, cpu = _pair(model, x, grad, base, device, mode)
@@ -192,7 +168,7 @@ def _pairs(cfg: MoEBenchConfig, rank: int, world: int, device: torch.device, lin
     return out
 
 
-def _link(cfg: MoEBenchConfig, rank: int, world: int, device: torch.device) -> tuple[LinkModel | None, float]:
+def _link(cfg: MoEBenchConfig, rank: int, world: int, device: torch.device) -> tuple[deep.LinkModel | None, float]:
     """gloo: a link whose all-to-alls (their real transfer, then the link's time) take comm_ratio x the pair's
     compute (F then B less its exchanges timed alone), the bandwidth agreed as the slowest rank's: first from a
     probe without a link, then corrected twice by probes with it (the compute measured around the emulated
@@ -200,11 +176,11 @@ def _link(cfg: MoEBenchConfig, rank: int, world: int, device: torch.device) -> t
     if cfg.backend == "nccl":
         return None, 0.0
     model = _model(cfg, device, rank, world)
-    log: list[CommRecord] = []
+    log: list[deep.CommRecord] = []
     _pair(model, [_tokens(cfg, cfg.tokens).to(device)] * 2, _tokens(cfg, cfg.tokens).to(device),
-          Driver(log=log), device, "sequential")
+          deep.Driver(log=log), device, "sequential")
     nbytes = sum(r.nbytes for r in log)
-    link: LinkModel | None = None
+    link: deep.LinkModel | None = None
     compute = real = 0.0
     for _ in range(3):
         probe = _pairs(cfg, rank, world, device, link, 3)
@@ -214,39 +190,28 @@ def _link(cfg: MoEBenchConfig, rank: int, world: int, device: torch.device) -> t
         wanted = max(cfg.comm_ratio * compute - real - cfg.link_latency_s * len(log), 1e-6)
         bandwidth = torch.tensor([nbytes / wanted], dtype=torch.float64)
         dist.all_reduce(bandwidth, op=dist.ReduceOp.MIN)
-        link = LinkModel(cfg.link_latency_s, float(bandwidth.item()))
+        link = deep.LinkModel(cfg.link_latency_s, float(bandwidth.item()))
     return link, compute
 
 
-def _step_times(cfg: MoEBenchConfig, device: torch.device, link: LinkModel | None) -> dict[str, list[float]]:
+def _step_times(cfg: MoEBenchConfig, device: torch.device, link: deep.LinkModel | None) -> dict[str, list[float]]:
     """A DualPipeV step (PP=2 x DP=2, ep=2) with fb_overlap on and off, alternating."""
-    from duplexpipe import Pipeline, PipelineConfig, make_mesh
-
     mesh = make_mesh(2, 2, device.type, ep=2)
-    torch.manual_seed(0)
-    blocks: list[nn.Module] = [
-        MoEBlock(cfg.dim, MoELayer(cfg.dim, cfg.hidden, cfg.experts, cfg.top_k, shared_experts=1),
-                 mixer=_mixer(cfg)) for _ in range(4 * cfg.layers)]
-    pipes = {}
-    for overlap in (False, True):
-        config = PipelineConfig(schedule="dualpipev", num_microbatches=8, fb_overlap=overlap, link=link,
-                                record_timeline=False)
-        pipes[overlap] = Pipeline.from_layers([nn.Identity()] + blocks, nn.functional.mse_loss,
-                                              lambda ps: torch.optim.SGD(ps, lr=1e-3), config, mesh=mesh,
-                                              device=device)
-    gen = torch.Generator().manual_seed(dist.get_rank())
-    x = _tokens(cfg, 8 * cfg.tokens // 2, gen).to(device)
-    out: dict[str, list[float]] = {"off": [], "on": []}
-    for rep in range(cfg.steps + 1):
-        for overlap in (False, True) if rep % 2 == 0 else (True, False):
-            _sync(device)
-            dist.barrier()
-            start = time.perf_counter()
-            pipes[overlap].step(x, x)
-            _sync(device)
-            if rep:
-                out["on" if overlap else "off"].append(time.perf_counter() - start)
-    return out
+    blocks: list[nn.Module] = [nn.Identity(), *_blocks(cfg, 4 * cfg.layers)]
+    pipes = [Pipeline.from_layers(blocks, nn.functional.mse_loss, lambda ps: torch.optim.SGD(ps, lr=1e-3),
+                                  PipelineConfig(schedule="dualpipev", num_microbatches=8, fb_overlap=overlap,
+                                                 record_timeline=False), mesh=mesh, device=device)
+             for overlap in (False, True)]
+    for pipe in pipes:
+        deep.emulate_link(pipe.runtime, link)
+    x = _tokens(cfg, 8 * cfg.tokens // 2, torch.Generator().manual_seed(dist.get_rank())).to(device)
+
+    def step(pipe: Pipeline, _: int) -> None:
+        pipe.step(x, x)
+        _sync(device)
+
+    off, on = harness.RoundRobin(pipes, step).run(cfg.steps, warmup=1)
+    return {"off": off.wall, "on": on.wall}
 
 
 def worker(rank: int, world: int, cfg: MoEBenchConfig) -> dict[str, Any]:
@@ -267,7 +232,7 @@ def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
     fraction (sequential - overlapped) / comm. gloo: also the cores' bound on the overlapped pair (the ranks'
     summed CPU time over the cores, or the busiest rank's) and the most of the comm that bound lets hide."""
     def slowest(key: str, part: str = "pairs") -> list[float]:
-        return [max(vals) for vals in zip(*(r[part][key] for r in results), strict=True)]
+        return harness.slowest([r[part][key] for r in results])
 
     seq, ovl, measured, comm = (statistics.median(slowest(k)) for k in ("sequential", "overlapped", "measured",
                                                                          "comm"))
@@ -289,136 +254,52 @@ def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def report(s: dict[str, Any], cfg: MoEBenchConfig) -> str:
-    """The figures in words."""
-    where = ("emulated link " + (f"{s['link']['bandwidth_bytes_per_s'] / 1e6:.1f} MB/s, latency "
-                                 f"{s['link']['latency_s'] * 1e3:g} ms" if s["link"] else "none")
-             if cfg.backend == "gloo" else "real NCCL all-to-alls, no emulated link")
-    mixer = f"causal attention over {cfg.seq}-token sequences" if cfg.mixer == "attention" else "a Linear mixer"
-    lines = [f"MoE F&B pair ({cfg.backend}; {where}): {cfg.layers} MoE blocks ({mixer}), {cfg.experts} experts "
-             f"top-{cfg.top_k}, {cfg.tokens} tokens x {cfg.dim} per rank",
-             f"  F then B   {s['sequential_ms']:8.2f} ms  (comm {s['comm_ms']:.2f} ms, compute "
-             f"{s['compute_ms']:.2f} ms)",
-             f"  overlapped {s['overlapped_ms']:8.2f} ms  ratio {s['pair_ratio']:.2f}, hidden {s['hidden']:.0%} of "
-             "the comm"]
-    if "cpu_bound_ms" in s:
-        lines.append(f"  the cores' bound on the overlapped pair (the ranks' CPU time over the cores) "
-                     f"{s['cpu_bound_ms']:.2f} ms: at most {s['hidden_at_most']:.0%} of the comm can be hidden here")
-    if "sequential_cpu_ms" in s:
-        lines.append(f"  CPU time per rank (mean over ranks): F then B {s['sequential_cpu_ms']:.2f} ms, overlapped "
-                     f"{s['overlapped_cpu_ms']:.2f} ms")
-    if "step_ratio" in s:
-        lines.append(f"  DualPipeV step (PP=2 x DP=2, ep=2): off {s['step_off_ms']:.1f} ms, on {s['step_on_ms']:.1f} "
-                     f"ms, ratio {s['step_ratio']:.2f}")
-    return "\n".join(lines)
-
-
-BEGIN = "<!-- moe-overlap:begin (generated by benchmarks/moe_overlap.py; edits inside are overwritten) -->"
-END = "<!-- moe-overlap:end -->"
-
-
-def markers(ranks: int) -> tuple[str, str]:
-    """The docs section's begin and end lines for a run on `ranks` processes (4: the default section)."""
-    if ranks == 4:
-        return BEGIN, END
-    return BEGIN.replace("moe-overlap:", f"moe-overlap-{ranks}:"), END.replace("moe-overlap:", f"moe-overlap-{ranks}:")
-
-
-def markdown(out: dict[str, Any]) -> str:
-    """The docs section: the command, what ran where, and the figures."""
-    cfg = MoEBenchConfig(**out["config"])
-    machine = out.get("machine", {})
-    gpus = f"{cfg.ranks} ranks sharing it" if out.get("shared_gpu") else "a GPU per rank"
-    where = (f"{out.get('device', 'GPU')} ({gpus}; real NCCL all-to-alls)" if cfg.backend == "nccl" else
-             f"{machine.get('cores', '?')} CPU cores, {cfg.ranks} gloo processes, emulated link")
-    command = ("python benchmarks/moe_overlap.py" + (" --backend nccl" if cfg.backend == "nccl" else "")
-               + (f" --ranks {cfg.ranks}" if cfg.ranks != 4 else "")
-               + f" --tokens {cfg.tokens} --dim {cfg.dim} --hidden {cfg.hidden} --mixer {cfg.mixer}"
-               + (f" --seq {cfg.seq}" if cfg.mixer == "attention" else "") + f" --reps {cfg.reps} --steps {cfg.steps}")
-    return "\n".join([f"Measured on {where}, torch {machine.get('torch', '?')}, {out.get('date', '?')}; "
-                      f"`{command}`.", "", "```", report(out, cfg), "```", "", targets(out, cfg.backend)])
-
-
-def targets(out: dict[str, Any], backend: str) -> str:
-    """Issue 20's targets against the figures: met or missed, each with its measured value."""
-    def verdict(ok: bool) -> str:
-        return "met" if ok else "missed"
-
-    hidden_target = 0.8 if backend == "nccl" else 0.7
-    hidden = (f">= {hidden_target:.0%} of the comm hidden: {verdict(out['hidden'] >= hidden_target)} "
-              f"({out['hidden']:.0%})")
-    if backend == "nccl":
-        return f"Target: {hidden}."
-    ratio = out["pair_ratio"]
-    return f"Targets: pair <= 0.75x F then B: {verdict(ratio <= 0.75)} ({ratio:.2f}x); {hidden}."
-
-
-def publish(out: dict[str, Any], docs: str) -> None:
-    """Write the section between BEGIN and END of docs/benchmarks.md."""
-    from benchmarks import report as docs_report
-
-    docs_report.update_doc(os.path.join(docs, "benchmarks.md"), markdown(out), *markers(out["config"].get("ranks", 4)))
-
-
-def run(cfg: MoEBenchConfig) -> dict[str, Any]:
-    """Both parts on `cfg.ranks` processes; the summary with the config and machine."""
-    world = cfg.ranks
-    results = harness.spawn(worker, cfg, world, 1200.0, backend=cfg.backend)
-    out = summary(results)
-    out.update(config=asdict(cfg), machine=harness.machine_info(), date=time.strftime("%Y-%m-%d %H:%M UTC",
-                                                                                        time.gmtime()))
+def run(cfg: MoEBenchConfig) -> Result:
+    """Both parts on `cfg.ranks` processes; the summary with the config."""
+    if cfg.backend == "nccl":
+        if not torch.cuda.is_available():
+            raise RuntimeError("backend nccl needs a CUDA GPU")
+        if torch.cuda.device_count() < cfg.ranks:
+            os.environ[deep.SHARE_GPU_ENV] = "1"
+    out = summary(harness.spawn(worker, cfg, cfg.ranks, 1200.0, backend=cfg.backend))
+    out["config"] = asdict(cfg)
     if cfg.backend == "nccl":
         out.update(device=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count(),
-                   shared_gpu=torch.cuda.device_count() < world)
+                   shared_gpu=torch.cuda.device_count() < cfg.ranks)
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run and print; optionally save moe_overlap.json."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
-    parser.add_argument("--ranks", type=int, choices=(2, 4), default=MoEBenchConfig.ranks,
-                        help="processes (2: one core each here; the DualPipeV step of part 2 needs 4)")
-    parser.add_argument("--reps", type=int, default=MoEBenchConfig.reps)
-    parser.add_argument("--steps", type=int, default=MoEBenchConfig.steps)
-    parser.add_argument("--tokens", type=int, default=MoEBenchConfig.tokens)
-    parser.add_argument("--dim", type=int, default=MoEBenchConfig.dim)
-    parser.add_argument("--hidden", type=int, default=MoEBenchConfig.hidden, help="each expert's hidden width")
-    parser.add_argument("--experts", type=int, default=MoEBenchConfig.experts)
-    parser.add_argument("--comm-ratio", type=float, default=MoEBenchConfig.comm_ratio)
-    parser.add_argument("--mixer", choices=("attention", "linear"), default=MoEBenchConfig.mixer,
-                        help="each block's mixer: causal self-attention (default) or one Linear")
-    parser.add_argument("--seq", type=int, default=MoEBenchConfig.seq, help="tokens per sequence (attention)")
-    parser.add_argument("--quick", action="store_true", help="a tiny smoke run (2 reps, 2 steps, 64 tokens)")
-    parser.add_argument("--out", help="directory for moe_overlap.json")
-    parser.add_argument("--docs", default="", help="docs directory: write the section in DIR/benchmarks.md")
-    args = parser.parse_args(argv)
-    if min(args.reps, args.tokens, args.dim, args.hidden) < 1 or args.steps < 0 or not args.comm_ratio > 0:
-        parser.error("need --reps, --tokens, --dim, --hidden >= 1, --steps >= 0, --comm-ratio > 0")
-    if args.experts < 4 or args.experts % 4:
-        parser.error(f"--experts must be a multiple of 4 (spread over 4 ranks), got {args.experts}")
-    if args.mixer == "attention" and (args.seq < 1 or args.tokens % args.seq or args.dim % 4):
-        parser.error(f"--mixer attention needs --seq >= 1 dividing --tokens {args.tokens} (got {args.seq}) and "
-                     f"--dim divisible by its 4 heads (got {args.dim})")
-    if args.backend == "nccl":
-        if not torch.cuda.is_available():
-            parser.error("--backend nccl needs a CUDA GPU")
-        if torch.cuda.device_count() < 4:
-            os.environ[SHARE_GPU_ENV] = "1"
-    cfg = MoEBenchConfig(tokens=args.tokens, dim=args.dim, hidden=args.hidden, experts=args.experts, reps=args.reps,
-                         steps=args.steps, comm_ratio=args.comm_ratio, backend=args.backend, mixer=args.mixer,
-                         seq=args.seq, ranks=args.ranks)
-    if args.quick:
-        cfg = replace(cfg, tokens=64, dim=32, hidden=64, reps=2, steps=2, seq=16)
-    out = run(cfg)
-    print(report(out, cfg))
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "moe_overlap.json").write_text(json.dumps(out, indent=2))
-    if args.docs:
-        publish(out, args.docs)
-    return 0
+def report(s: Result) -> list[Block]:
+    """The workload, the pair and step times, and issue 20's targets against them."""
+    cfg = MoEBenchConfig(**s["config"])
+    where = (("emulated link " + (f"{s['link']['bandwidth_bytes_per_s'] / 1e6:.1f} MB/s, latency "
+                                  f"{s['link']['latency_s'] * 1e3:g} ms" if s["link"] else "none"))
+             if cfg.backend == "gloo" else f"real NCCL all-to-alls on {s.get('device', 'GPU')} "
+             f"({'ranks sharing it' if s.get('shared_gpu') else 'a GPU per rank'}), no emulated link")
+    mixer = f"causal attention over {cfg.seq}-token sequences" if cfg.mixer == "attention" else "a Linear mixer"
+    table = [["run", "ms", "of which"],
+             ["F then B", f"{s['sequential_ms']:.2f}", f"comm {s['comm_ms']:.2f} ms, compute {s['compute_ms']:.2f} ms"],
+             ["overlapped", f"{s['overlapped_ms']:.2f}", f"ratio {s['pair_ratio']:.2f}, hidden {s['hidden']:.0%} of "
+              "the comm"]]
+    if "cpu_bound_ms" in s:
+        table.append(["the cores' bound on the overlapped pair (the ranks' CPU time over the cores)",
+                      f"{s['cpu_bound_ms']:.2f}", f"at most {s['hidden_at_most']:.0%} of the comm can be hidden here"])
+    if "sequential_cpu_ms" in s:
+        table.append(["CPU time per rank (mean over ranks), F then B / overlapped", f"{s['sequential_cpu_ms']:.2f} / "
+                      f"{s['overlapped_cpu_ms']:.2f}", ""])
+    if "step_ratio" in s:
+        table.append(["DualPipeV step (PP=2 x DP=2, ep=2), off / on", f"{s['step_off_ms']:.1f} / {s['step_on_ms']:.1f}",
+                      f"ratio {s['step_ratio']:.2f}"])
+    target = 0.8 if cfg.backend == "nccl" else 0.7
+    hidden = f">= {target:.0%} of the comm hidden: {met(s['hidden'] >= target)} ({s['hidden']:.0%})"
+    pair = f"pair <= 0.75x F then B: {met(s['pair_ratio'] <= 0.75)} ({s['pair_ratio']:.2f}x); "
+    return [f"MoE F&B pair ({cfg.backend}, {cfg.ranks} processes; {where}): {cfg.layers} MoE blocks ({mixer}), "
+            f"{cfg.experts} experts top-{cfg.top_k}, {cfg.tokens} tokens x {cfg.dim} per rank.", table,
+            f"Target: {hidden}." if cfg.backend == "nccl" else f"Targets: {pair}{hidden}."]
 
+
+PART = Part("moe_overlap", "MoE F&B overlap", MoEBenchConfig(), QUICK, run, report,
+            block=lambda r: "moe-overlap" if r.get("config", {}).get("ranks", 4) == 4 else "moe-overlap-2")
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(only=PART.name))

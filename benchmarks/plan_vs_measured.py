@@ -1,98 +1,66 @@
-"""Prediction vs measurement: the planner's step time and peak activation bytes against runs of the GPT example.
-
-One spawn of 4 gloo processes (one thread each) splits the GPT example into 2P = 8 model parts and
-profiles them twice on a microbatch of the step's batch (`profile_parts`, each pass affine in the rows):
-on rank 0 alone while the other ranks wait, and on every rank at once (the old prediction's profile).
-It then measures the stage-to-stage link (round trips), calibrates each rank's CPU per step as alpha x
-its profiled compute + work per action, message and step (`measure_in_pipeline`: the real parts on
-`PvMConfig.calibration`, schedules that are not candidates; least squares) and, for the previous
-model, the runtime's work alone (`measure_overhead`: 1-weight parts), and counts the cores the ranks
-share. For each candidate (schedule, M) the planner (`schedules.plan.plan`, no memory cap) predicts the
-step time with the new model (profile alone, affine, compute scale and overhead, C shared cores) and
-with five comparisons (`VARIANTS`), and each rank's peak of live
-activation bytes; the parts are merged as the new model's planner grouped them
-(`autoplan.AutoChoice.merged_parts`) and trained as a `Pipeline`, every candidate round-robin (step i
-of each, the first one rotating, then step i+1) so all see the same machine load. Measured: each
-step's slowest rank (`harness.timed`) and each rank's `StepInfo.peak_saved_bytes`. The same spawn times
-the saved-bytes counting itself on the overhead-bound MLP (1F1B, counting on and off, alternating).
-
-Targets (issue 12): each measured peak within 10% of its prediction, each step time within 25%, and
-candidates whose predictions differ by more than 15% measured in the same order.
-
-Usage: python benchmarks/plan_vs_measured.py [--quick] [--out DIR] [--docs DIR|none] [--load-note TEXT]
-       python benchmarks/plan_vs_measured.py --replot   (tables, figure and docs again from OUT/plan_vs_measured.json)
-"""
+"""Part: the planner's step time and peak activation bytes against runs of the GPT example."""
 
 from __future__ import annotations
 
-import argparse
 import copy
-import functools
 import itertools
-import json
 import os
-import shlex
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from benchmarks import harness, models
+from benchmarks import internals as deep
+from benchmarks.framework import Part, Result
+from benchmarks.measure_overhead import CalibrationRun, measure_in_pipeline, measure_overhead
+from benchmarks.plan_vs_measured_report import ORDER_GAP, figures, report
+from benchmarks.runner import main
+from duplexpipe import (
+    CostModel,
+    Pipeline,
+    PipelineConfig,
+    PlanConfig,
+    Profile,
+    Schedule,
+    build_schedule,
+    plan,
+    plan_partition,
+    profile_parts,
+)
 
-from benchmarks import harness, models, report  # noqa: E402
-from benchmarks.plan_vs_measured_report import FIGURE, ORDER_GAP, figure, publish, text_report  # noqa: E402
-from duplexpipe.dp_options import NoCompression  # noqa: E402
-from duplexpipe.launch.tasks.gpt import gpt_task  # noqa: E402
-from duplexpipe.model.split import build_parts, plan_partition  # noqa: E402
-from duplexpipe.pipeline import Pipeline, PipelineConfig, profile_parts  # noqa: E402
-from duplexpipe.planner.dp_comm import Link  # noqa: E402
-from duplexpipe.planner.machine import Machine, simulate_shared  # noqa: E402
-from duplexpipe.planner.partition import balanced_split  # noqa: E402
-from duplexpipe.planner.plan import PlanConfig, plan  # noqa: E402
-from duplexpipe.planner.profile import Profile, RuntimeOverhead  # noqa: E402
-from duplexpipe.planner.runtime_work import rank_work  # noqa: E402
-from duplexpipe.runtime.saved_bytes import SavedBytes  # noqa: E402
-from duplexpipe.schedules import registry  # noqa: E402
-from duplexpipe.schedules.simulate import CostModel  # noqa: E402
-from duplexpipe.train.auto_config import NO_LIMIT, AutoChoice, RunPlan  # noqa: E402
-from duplexpipe.train.measure import cache_evict_bytes  # noqa: E402
-from duplexpipe.train.measure_overhead import CalibrationRun, measure_in_pipeline, measure_overhead  # noqa: E402
+NO_LIMIT = 2**62
+"""The planner's memory cap: none."""
 
 
 @dataclass(frozen=True)
 class PvMConfig:
-    """What one run measures."""
+    """One spawn splits the GPT example into 2P parts and profiles them on rank 0 alone (the new model: affine in
+    the rows, fused B, cold caches) and on every rank at once (the old prediction's profile); measures the
+    stage-to-stage link; calibrates each rank's CPU per step as alpha x its profiled compute + work per action,
+    message and step on the real parts (`measure_in_pipeline`, schedules that are not candidates) and, for the
+    previous model, the runtime's work alone (`measure_overhead`: 1-weight parts); plans each candidate with the
+    new model and the comparisons of VARIANTS; trains the candidates round-robin and measures each step's slowest
+    rank and each rank's peak saved bytes. Targets: peaks within 10%, step times within 25%, candidates predicted
+    more than 15% apart measured in the same order."""
 
-    ranks: int = 4
-    """Pipeline ranks (gloo processes)."""
-    n_layer: int = 8
-    """GPT blocks (2P model parts of one block each, embedding and head in the first and last)."""
-    d_model: int = 64
-    """GPT width."""
-    batch_size: int = 32
-    """Sequences per step (64 characters each)."""
+    ranks: int = 4  # pipeline ranks (gloo processes)
+    n_layer: int = 8  # GPT blocks (2P model parts of one block each, embedding and head in the first and last)
+    d_model: int = 64  # GPT width
+    batch_size: int = 32  # sequences per step (64 characters each)
     candidates: tuple[tuple[str, int], ...] = (("1f1b", 4), ("1f1b", 8), ("zb-h1", 8), ("interleaved-1f1b", 8),
                                                ("zbv", 16))
     """(schedule, M) pairs planned and run; interleaved-1f1b with 2 chunks."""
-    steps: int = 10
-    """Measured steps of every candidate."""
-    warmup: int = 2
-    """Unmeasured steps of every candidate first."""
-    profile_repeats: int = 10
-    """profile_parts repeats (the fastest is kept)."""
-    overhead_steps: int = 30
-    """Steps of the counting-overhead check, each with counting on and off."""
-    calibration_steps: int = 30
-    """Measured steps of each run of the runtime-overhead calibrations."""
+    steps: int = 10  # measured steps of every candidate
+    warmup: int = 2  # unmeasured steps of every candidate first
+    profile_repeats: int = 10  # profile_parts repeats (the fastest is kept)
+    overhead_steps: int = 30  # steps of the counting-overhead check, each with counting on and off
+    calibration_steps: int = 30  # measured steps of each run of the runtime-overhead calibrations
     calibration: tuple[tuple[str, int], ...] = (("gpipe", 4), ("gpipe", 8), ("zb-h1", 4))
     """(schedule, M) pairs the in-pipeline calibration trains with the real parts (none a candidate: the
     model is judged on schedules it was not fitted on; fused and split backward, two M)."""
@@ -103,16 +71,26 @@ class PvMConfig:
             raise ValueError(f"calibration runs {sorted(shared)} are candidates too: calibrate on other (schedule, M)")
 
 
-def quick_config() -> PvMConfig:
-    """A smoke configuration: 2 ranks, a narrow model, 2 candidates, 2 steps (the profile affine between their
-    microbatches, 4 and 2 rows, so the calibration's compute column is not a copy of its step column)."""
-    return PvMConfig(ranks=2, n_layer=4, d_model=32, batch_size=8, candidates=(("1f1b", 2), ("zb-h1", 4)),
-                     steps=2, warmup=1, profile_repeats=3, overhead_steps=2, calibration_steps=5,
-                     calibration=(("gpipe", 2), ("gpipe", 4), ("zb-h1", 2)))
+QUICK = PvMConfig(ranks=2, n_layer=4, d_model=32, batch_size=8, candidates=(("1f1b", 2), ("zb-h1", 4)), steps=2,
+                  warmup=1, profile_repeats=3, overhead_steps=2, calibration_steps=5,
+                  calibration=(("gpipe", 2), ("gpipe", 4), ("zb-h1", 2)))
+"""A smoke run: 2 ranks, a narrow model, 2 candidates (the profile affine between their microbatches, 4 and 2 rows,
+so the calibration's compute column is not a copy of its step column)."""
 
 
-def _adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=3e-3, weight_decay=0.01)
+@dataclass(frozen=True)
+class Candidate:
+    """The planner's answer for one (schedule, M): its result, the profile it planned with, the schedule and how
+    many profiled parts each model part merges."""
+
+    result: deep.PlanResult  # the plan
+    profile: Profile  # the profile it was made with
+    schedule: Schedule  # the schedule it chose
+    groups: tuple[int, ...]  # profiled parts per model part
+
+    def merged_parts(self, parts: list[nn.Module]) -> list[nn.Module]:
+        """The profiled parts merged as the planner grouped them."""
+        return deep.merge_parts(parts, self.groups)
 
 
 def _shared(profile: Profile | None) -> Profile:
@@ -134,7 +112,7 @@ def _profiles(parts: list[nn.Module], batch: tuple[Any, Any], loss: Any, cfg: Pv
         sample = (batch[0][:largest], batch[1][:largest])
         bytes_only = profile_parts(copy.deepcopy(parts), sample[0], target=sample[1], loss_fn=loss, repeats=1,
                                    warmup=0, fit_rows=0, fused=False)
-        evict = max(cache_evict_bytes(), sum(p.activation_bytes for p in bytes_only.parts))
+        evict = max(deep.cache_evict_bytes(), sum(p.activation_bytes for p in bytes_only.parts))
         alone = profile_parts(copy.deepcopy(parts), sample[0], target=sample[1], loss_fn=loss,
                               repeats=cfg.profile_repeats, warmup=2, fit_rows=smallest if smallest < largest else 0,
                               evict_bytes=evict)
@@ -163,7 +141,7 @@ def _round_trip(nbytes: int, reps: int) -> float:
     return statistics.median(samples)
 
 
-def _measure_link(nbytes: int, reps: int = 30) -> Link:
+def _measure_link(nbytes: int, reps: int = 30) -> deep.Link:
     """The stage-to-stage link as the planner models it: latency per message and bandwidth, from
     round trips of 4 bytes and of `nbytes` (rank 0's figures, shared)."""
     dist.barrier()
@@ -172,43 +150,27 @@ def _measure_link(nbytes: int, reps: int = 30) -> Link:
     per_byte = max((big - small) / 2 / max(1, nbytes - 4), 1e-15)
     payload = [(latency, 1 / per_byte)]
     dist.broadcast_object_list(payload, src=0)
-    return Link(bandwidth=payload[0][1], latency=payload[0][0])
+    return deep.Link(bandwidth=payload[0][1], latency=payload[0][0])
 
 
-def _candidate(profile: Profile, cfg: PvMConfig, name: str, m: int, link: Link | None = None,
-               cores: int | None = None) -> AutoChoice:
+def _candidate(profile: Profile, cfg: PvMConfig, name: str, m: int, link: deep.Link | None = None,
+               cores: int | None = None) -> Candidate:
     """The planner's row and schedule for one (schedule, M), with the parts grouped as it grouped them."""
     config = PlanConfig(ranks=cfg.ranks, batch=cfg.batch_size, memory=NO_LIMIT, schedules=(name,),
-                        microbatches=(m,), chunks=(2,), compressions=("none",), p2p_link=link or Link(),
+                        microbatches=(m,), chunks=(2,), compressions=("none",), p2p_link=link or deep.Link(),
                         cores=cores)
     result = plan(profile, config)
     assert result.schedule is not None
-    counts = balanced_split([p.forward_s + p.backward_s for p in profile.parts], result.schedule.num_groups)
-    best = result.best
-    run = RunPlan(best.schedule, best.microbatches, best.zero, NoCompression(), best.step_s)
-    return AutoChoice(result, profile, result.schedule, tuple(counts), run)
+    counts = deep.balanced_split([p.forward_s + p.backward_s for p in profile.parts], result.schedule.num_groups)
+    return Candidate(result, profile, result.schedule, tuple(counts))
 
 
 def _train(pipes: list[Pipeline], task: Any, cfg: PvMConfig) -> tuple[list[list[float]], list[list[int]], list[float]]:
     """Round-robin steps; per candidate, the measured steps' seconds (slowest rank), this rank's peaks and
     the median of this rank's CPU seconds per step."""
-    seconds: list[list[float]] = [[] for _ in pipes]
-    peaks: list[list[int]] = [[] for _ in pipes]
-    cpu: list[list[float]] = [[] for _ in pipes]
-    for step in range(cfg.warmup + cfg.steps):
-        x, y = task.batch(step, cfg.batch_size)
-        for k in range(len(pipes)):
-            c = (step + k) % len(pipes)
-            start = time.process_time()
-            took, _ = harness.timed(functools.partial(pipes[c].step, x, y))
-            used = time.process_time() - start
-            info = pipes[c].last
-            assert info is not None
-            if step >= cfg.warmup:
-                seconds[c].append(took)
-                peaks[c].append(info.peak_saved_bytes)
-                cpu[c].append(used)
-    return seconds, peaks, [statistics.median(c) for c in cpu]
+    peak = lambda p: p.last.peak_saved_bytes if p.last else 0  # noqa: E731
+    traces = harness.RoundRobin(pipes, harness.gpt_step(task, cfg.batch_size), peak).run(cfg.steps, cfg.warmup)
+    return [t.wall for t in traces], [t.extra for t in traces], [statistics.median(t.cpu) for t in traces]
 
 
 def _overhead(cfg: PvMConfig, ranks: int) -> dict[str, list[float]]:
@@ -216,17 +178,11 @@ def _overhead(cfg: PvMConfig, ranks: int) -> dict[str, list[float]]:
     spec = models.ModelSpec("mlp", num_layers=8, width=256, batch=64)
     parts = models.build_parts(spec, ranks)
     x, y = models.make_batch(spec)
-    pipes = {on: Pipeline(copy.deepcopy(parts), models.loss_fn, _adamw,
-                          PipelineConfig(schedule="1f1b", num_microbatches=8, record_timeline=False,
-                                         check_inputs_every_step=False, count_saved_bytes=on))
-             for on in (True, False)}
-    out: dict[str, list[float]] = {"on": [], "off": []}
-    for step in range(cfg.overhead_steps + 2):
-        for on in ((True, False) if step % 2 else (False, True)):
-            took, _ = harness.timed(functools.partial(pipes[on].step, x, y))
-            if step >= 2:
-                out["on" if on else "off"].append(took)
-    return out
+    pipes = [Pipeline(copy.deepcopy(parts), models.loss_fn, harness.adamw(), PipelineConfig(
+        schedule="1f1b", num_microbatches=8, record_timeline=False, check_inputs_every_step=False,
+        count_saved_bytes=on)) for on in (False, True)]
+    off, on = harness.RoundRobin(pipes, lambda p, _: p.step(x, y)).run(cfg.overhead_steps, warmup=2)
+    return {"on": on.wall, "off": off.wall}
 
 
 def counting_cost(reps: int) -> dict[str, float]:
@@ -235,7 +191,7 @@ def counting_cost(reps: int) -> dict[str, float]:
     spec = models.ModelSpec("mlp", num_layers=8, width=256, batch=8)  # one microbatch of batch 64, M=8
     (model,) = models.build_parts(spec, 1)
     x = torch.randn(spec.batch, spec.width)
-    meter = SavedBytes(model.parameters())
+    meter = deep.SavedBytes(model.parameters())
     times: dict[bool, list[float]] = {True: [], False: []}
     for k in range(2 * reps + 4):
         on = bool(k % 2)
@@ -259,7 +215,7 @@ def _run_config() -> PipelineConfig:
                           count_saved_bytes=True)
 
 
-def _calibrate(parts: list[nn.Module], sample: Any, link: Link, cfg: PvMConfig, cores: int) -> dict[str, Any]:
+def _calibrate(parts: list[nn.Module], sample: Any, link: deep.Link, cfg: PvMConfig, cores: int) -> dict[str, Any]:
     """The runtime's overhead on the real ranks (`measure_overhead` on messages of the first part's output
     shape), and the model's prediction of the calibration runs themselves (a check of the fit)."""
     with torch.no_grad():
@@ -267,18 +223,18 @@ def _calibrate(parts: list[nn.Module], sample: Any, link: Link, cfg: PvMConfig, 
     cal = measure_overhead(message, steps=cfg.calibration_steps, config=_run_config())
     o, t = cal.overhead, cal.tiny
     assert t is not None
-    machine = Machine.of(cores, o)
+    machine = deep.Machine.of(cores, o)
     cost = CostModel(f=t.forward_s, b=t.backward_s, w=t.backward_weight_s, latency=link.latency,
                      bandwidth=link.bandwidth, activation_bytes=float(message.numel() * message.element_size()))
     check = [{"run": f"{name}, M={m}", "measured_s": wall,
-              "predicted_s": simulate_shared(registry.build(name, cfg.ranks, m), cost, machine).step}
+              "predicted_s": deep.simulate_shared(build_schedule(name, cfg.ranks, m), cost, machine).step}
              for (name, m), wall in cal.wall_s.items()]
     return {"overhead": o.to_dict(), "check": check, "samples": [asdict(x) for x in cal.samples],
             "message_shape": list(message.shape), "cores": cores}
 
 
 def _calibrate_in_pipeline(parts: list[nn.Module], batch: tuple[Any, Any], loss: Any, profile: Profile,
-                           link: Link, cfg: PvMConfig, cores: int) -> dict[str, Any]:
+                           link: deep.Link, cfg: PvMConfig, cores: int) -> dict[str, Any]:
     """The compute scale and the runtime's work from the real parts on `cfg.calibration` (merged as the
     planner groups them, AdamW and clipping as the candidates run; `measure_in_pipeline`), and the
     resulting model's prediction of those runs (a check of the fit). When the samples cannot separate the
@@ -290,7 +246,7 @@ def _calibrate_in_pipeline(parts: list[nn.Module], batch: tuple[Any, Any], loss:
         groups = profile.at_microbatch(cfg.batch_size / m).grouped(choice.schedule.num_groups, list(choice.groups))
         runs.append(CalibrationRun(choice.schedule, choice.merged_parts(copy.deepcopy(parts)), groups))
     try:
-        cal = measure_in_pipeline(runs, batch, loss, _adamw, steps=cfg.calibration_steps, config=_run_config())
+        cal = measure_in_pipeline(runs, batch, loss, harness.adamw(), steps=cfg.calibration_steps, config=_run_config())
     except ValueError as exc:
         return {"overhead": None, "check": [], "samples": [], "error": str(exc)}
     model = replace(profile, overhead=cal.overhead)
@@ -300,7 +256,7 @@ def _calibrate_in_pipeline(parts: list[nn.Module], batch: tuple[Any, Any], loss:
     return {"overhead": cal.overhead.to_dict(), "check": check, "samples": [asdict(x) for x in cal.samples]}
 
 
-VARIANTS = {
+VARIANTS = MappingProxyType({
     "model": "profiled alone, affine, compute scale and runtime overhead from the real parts, C cores (the new model)",
     "previous": "profiled alone, affine, runtime overhead from 1-weight parts (compute scale 1), C cores "
                 "(the previous model)",
@@ -308,17 +264,17 @@ VARIANTS = {
     "cores_only": "profiled alone, linear, no overhead, C cores",
     "alone_linear": "profiled alone, linear, no overhead, a device per rank",
     "old": "profiled with every rank at once, linear, no overhead, a device per rank (the old prediction)",
-}
+})
 """The predictions compared (all with the measured link)."""
 
 
-def _variants(profiles: dict[str, Profile], overhead: dict[str, dict[str, Any] | None], cfg: PvMConfig, link: Link,
-              cores: int) -> dict[str, list[AutoChoice]]:
+def _variants(profiles: dict[str, Profile], overhead: dict[str, dict[str, Any] | None], cfg: PvMConfig, link: deep.Link,
+              cores: int) -> dict[str, list[Candidate]]:
     """Each prediction of `VARIANTS` for every candidate."""
-    previous = replace(profiles["alone"], overhead=RuntimeOverhead.from_dict(overhead["tiny"], "calibration"))
+    previous = replace(profiles["alone"], overhead=deep.RuntimeOverhead.from_dict(overhead["tiny"], "calibration"))
     fitted = overhead["in_pipeline"]
     model = previous if fitted is None else replace(profiles["alone"],
-                                                    overhead=RuntimeOverhead.from_dict(fitted, "in pipeline"))
+                                                    overhead=deep.RuntimeOverhead.from_dict(fitted, "in pipeline"))
     settings = {"model": (model, cores), "previous": (previous, cores), "no_cores": (model, None),
                 "cores_only": (model.basic(), cores),
                 "alone_linear": (model.basic(), None), "old": (profiles["loaded"].basic(), None)}
@@ -326,19 +282,18 @@ def _variants(profiles: dict[str, Profile], overhead: dict[str, dict[str, Any] |
             for key, (prof, c) in settings.items()}
 
 
-def _model_cpu(choice: AutoChoice, cfg: PvMConfig) -> list[float]:
+def _model_cpu(choice: Candidate, cfg: PvMConfig) -> list[float]:
     """Per rank: the CPU seconds the new model charges for one step of the candidate (`rank_work`)."""
     schedule, profile = choice.schedule, choice.profile
     groups = profile.at_microbatch(cfg.batch_size / schedule.num_microbatches).grouped(schedule.num_groups,
                                                                                        list(choice.groups))
-    return rank_work(schedule, groups, profile.overhead)
+    return deep.rank_work(schedule, groups, profile.overhead)
 
 
 def _worker(rank: int, world: int, cfg: PvMConfig) -> dict[str, Any]:
-    torch.manual_seed(0)
-    task = gpt_task(n_layer=cfg.n_layer, d_model=cfg.d_model)
+    task = harness.gpt(cfg.n_layer, cfg.d_model)
     partition = plan_partition(task.layers, 2 * world, "uniform", embedding=task.embedding, head=task.head)
-    parts: list[nn.Module] = list(build_parts(task.layers, partition, embedding=task.embedding, head=task.head))
+    parts: list[nn.Module] = list(deep.build_parts(task.layers, partition, embedding=task.embedding, head=task.head))
     x, y = task.batch(0, cfg.batch_size)
     rows = cfg.batch_size // 8
     profiles = _profiles(parts, (x, y), task.loss_fn, cfg)
@@ -350,7 +305,7 @@ def _worker(rank: int, world: int, cfg: PvMConfig) -> dict[str, Any]:
     variants = _variants(profiles, {"in_pipeline": in_pipeline["overhead"], "tiny": calibration["overhead"]}, cfg,
                          link, cores)
     choices = variants["model"]
-    pipes = [Pipeline(c.merged_parts(copy.deepcopy(parts)), task.loss_fn, _adamw,
+    pipes = [Pipeline(c.merged_parts(copy.deepcopy(parts)), task.loss_fn, harness.adamw(),
                       replace(_run_config(), schedule=c.schedule)) for c in choices]
     seconds, peaks, cpu = _train(pipes, task, cfg)
     out: dict[str, Any] = {"seconds": seconds, "peaks": peaks, "cpu": cpu, "overhead": _overhead(cfg, world)}
@@ -414,10 +369,9 @@ def order_pairs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def run(cfg: PvMConfig) -> dict[str, Any]:
+def run(cfg: PvMConfig) -> Result:
     """Measure; the rows, the order check, the counting overhead, the profiles and the configuration."""
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    per_rank = harness.spawn(_worker, cfg, world=cfg.ranks, timeout_s=3600)
+    per_rank = harness.spawn(_worker, cfg, cfg.ranks, 3600)
     rows = summarize(per_rank, cfg)
     on, off = per_rank[0]["overhead"]["on"], per_rank[0]["overhead"]["off"]
     overhead = {"on": harness.summarize(on).to_dict(), "off": harness.summarize(off).to_dict(),
@@ -426,54 +380,11 @@ def run(cfg: PvMConfig) -> dict[str, Any]:
     return {"rows": rows, "order": order_pairs(rows), "overhead": overhead, "counting": lead["counting"],
             "link": lead["link"], "profiles": lead["profiles"], "calibration": lead["calibration"],
             "in_pipeline": lead["in_pipeline"],
-            "variants": VARIANTS, "config": asdict(cfg)}
+            "variants": dict(VARIANTS), "config": asdict(cfg)}
 
 
-def _uptime() -> str:
-    try:
-        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "?"
-
-
-def measure(cfg: PvMConfig, command: str, load_note: str) -> dict[str, Any]:
-    """run() with the machine's load and the command recorded."""
-    uptime, load_before, started = _uptime(), [round(x, 2) for x in os.getloadavg()], time.monotonic()
-    part = run(cfg)
-    part["meta"] = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "wall_s": time.monotonic() - started,
-                    "command": command, "uptime": uptime, "load_before": load_before,
-                    "load_after": [round(x, 2) for x in os.getloadavg()], "load_note": load_note,
-                    "machine": harness.machine_info()}
-    return part
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run, print the tables, write OUT/plan_vs_measured.json and (unless --docs none) the docs block and figure."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="2 ranks, a narrow model, 2 candidates, 2 steps")
-    parser.add_argument("--out", default=str(ROOT / "bench-output"), help="results directory")
-    parser.add_argument("--docs", default=str(ROOT / "docs"), help="docs directory to update; 'none' to skip")
-    parser.add_argument("--load-note", default="", help="how loaded the machine was, for the docs")
-    parser.add_argument("--replot", action="store_true", help="measure nothing: redraw from OUT/plan_vs_measured.json")
-    args = parser.parse_args(argv)
-    path = os.path.join(args.out, "plan_vs_measured.json")
-    if args.replot:
-        with open(path, encoding="utf-8") as fh:
-            part = json.load(fh)
-    else:
-        given = list(sys.argv[1:] if argv is None else argv)
-        if "--load-note" in given:
-            given[given.index("--load-note") + 1] = "NOTE"
-        part = measure(quick_config() if args.quick else PvMConfig(),
-                       shlex.join(["python", "benchmarks/plan_vs_measured.py", *given]), args.load_note)
-        report.write_json(part, path)
-    print(text_report(part))
-    if args.docs != "none":
-        publish(part, args.docs)
-    else:
-        figure(part, os.path.join(args.out, FIGURE))
-    return 0
-
+PART = Part("plan_vs_measured", "Planner predictions vs measurement", PvMConfig(), QUICK, run, report, figures,
+            block="plan-vs-measured")
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main(only=PART.name))

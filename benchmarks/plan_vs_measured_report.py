@@ -1,15 +1,16 @@
-"""Tables, figure and docs block of benchmarks/plan_vs_measured.py (from its JSON result)."""
+"""The tables, figure and sentences of the plan_vs_measured part (from its JSON result)."""
 
 from __future__ import annotations
 
 import math
 import os
+from types import MappingProxyType
 from typing import Any
 
-from benchmarks import report
-from duplexpipe.planner.memory import format_bytes
+from benchmarks import plots
+from benchmarks.framework import Block, Result, mark, ms
+from benchmarks.internals import format_bytes
 
-BEGIN, END = "<!-- bench:plan-vs-measured:begin -->", "<!-- bench:plan-vs-measured:end -->"
 TIME_TARGET = 0.25
 """|measured - predicted| / predicted step time, at most."""
 BYTES_TARGET = 0.10
@@ -17,14 +18,9 @@ BYTES_TARGET = 0.10
 ORDER_GAP = 0.15
 """Candidates whose predicted step times differ by more than this fraction must be measured in that order."""
 FIGURE = "plan_vs_measured.png"
-SHORT = {"previous": "previous model (1-weight calibration)",
-         "no_cores": "device per rank", "cores_only": "C cores only", "alone_linear": "alone, linear",
-         "old": "old prediction"}
+SHORT = MappingProxyType({"previous": "previous model (1-weight calibration)", "no_cores": "device per rank",
+                          "cores_only": "C cores only", "alone_linear": "alone, linear", "old": "old prediction"})
 """Column titles of the comparison predictions."""
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.1f}"
 
 
 def table(part: dict[str, Any]) -> list[list[str]]:
@@ -36,15 +32,15 @@ def table(part: dict[str, Any]) -> list[list[str]]:
     out = [head + ["predicted peak act. (max rank)", "measured peak", "error", "worst rank error", "met (10%)"]]
     for r in part["rows"]:
         m = r["measured"]
-        line = [r["candidate"], "/".join(map(str, r["groups"])), _ms(r["predicted_s"]), _ms(m["median_s"]),
-                f"{_ms(r['min_s'])}-{_ms(r['max_s'])} ({_ms(m['q1_s'])}-{_ms(m['q3_s'])})",
-                f"{r['time_err']:+.1%}", report._mark(abs(r["time_err"]) <= TIME_TARGET)]
+        line = [r["candidate"], "/".join(map(str, r["groups"])), ms(r["predicted_s"]), ms(m["median_s"]),
+                f"{ms(r['min_s'])}-{ms(r['max_s'])} ({ms(m['q1_s'])}-{ms(m['q3_s'])})",
+                f"{r['time_err']:+.1%}", mark(abs(r["time_err"]) <= TIME_TARGET)]
         for key in SHORT:
             v = r["variants"][key]
-            line += [_ms(v["step_s"]), f"{v['err']:+.1%}"]
+            line += [ms(v["step_s"]), f"{v['err']:+.1%}"]
         out.append(line + [format_bytes(max(r["predicted_acts"])), format_bytes(max(r["measured_acts"])),
                            f"{r['bytes_err']:+.2%}", f"{r['bytes_err_per_rank']:.2%}",
-                           report._mark(r["bytes_err_per_rank"] <= BYTES_TARGET)])
+                           mark(r["bytes_err_per_rank"] <= BYTES_TARGET)])
     return out
 
 
@@ -53,7 +49,7 @@ def order_table(part: dict[str, Any]) -> list[list[str]]:
     out = [["predicted faster", "predicted slower", "predicted gap", "measured gap", "same order"]]
     for p in part["order"]:
         out.append([p["faster"], p["slower"], f"{p['predicted_gap']:+.0%}", f"{p['measured_gap']:+.0%}",
-                    report._mark(p["same_order"])])
+                    mark(p["same_order"])])
     return out
 
 
@@ -78,45 +74,9 @@ def cpu_table(part: dict[str, Any]) -> list[list[str]]:
     for r in part["rows"]:
         model, real = sum(r["cpu_model"]), sum(r["cpu"])
         previous = sum(r.get("cpu_previous", [math.nan]))
-        out.append([r["candidate"], _ms(model), _ms(real), f"{real / model:.2f}", _ms(previous),
-                    f"{real / previous:.2f}", _ms(real / cores), _ms(r["measured"]["median_s"])])
+        out.append([r["candidate"], ms(model), ms(real), f"{real / model:.2f}", ms(previous),
+                    f"{real / previous:.2f}", ms(real / cores), ms(r["measured"]["median_s"])])
     return out
-
-
-def figure(part: dict[str, Any], path: str) -> None:
-    """Predicted vs measured step time (every measured step, the median marked, the old prediction hollow)
-    and peak activation bytes."""
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(11.5, 4.8), dpi=110, layout="constrained")
-    ax_t, ax_b = fig.subplots(1, 2)
-    rows = part["rows"]
-    right = max(max(r["predicted_s"], r["variants"]["old"]["step_s"]) for r in rows) * 1.4e3
-    top = max(max(r["max_s"] for r in rows) * 1.05e3, right)
-    for c, r in enumerate(rows):
-        pred, median = r["predicted_s"] * 1e3, r["measured"]["median_s"] * 1e3
-        ax_t.scatter([pred] * len(r["samples"]), [s * 1e3 for s in r["samples"]], color=f"C{c}", s=10, alpha=0.4)
-        ax_t.scatter([pred], [median], color=f"C{c}", s=60, marker="D", edgecolor="black", label=r["candidate"])
-        ax_t.scatter([r["variants"]["old"]["step_s"] * 1e3], [median], s=60, marker="D", facecolor="none",
-                     edgecolor=f"C{c}")
-        for rank, (p, m) in enumerate(zip(r["predicted_acts"], r["measured_acts"], strict=True)):
-            ax_b.scatter([p / 2**20], [m / 2**20], color=f"C{c}", s=40, marker="os^v"[rank % 4],
-                         label=r["candidate"] if rank == 0 else None)
-    line = [0, right]
-    ax_t.plot(line, line, color="black", linewidth=0.8)
-    ax_t.fill_between(line, [0.75 * v for v in line], [1.25 * v for v in line], color="grey", alpha=0.15,
-                      label="within 25%")
-    ax_t.set(xlim=(0, right), ylim=(0, top), xlabel="predicted step time, ms", ylabel="measured step time, ms")
-    ax_t.set_title("Step time: steps (dots), median (diamond); hollow: the old prediction", fontsize=9.5)
-    ax_t.legend(fontsize=7)
-    high = max(max(r["predicted_acts"] + r["measured_acts"]) for r in rows) / 2**20 * 1.1
-    ax_b.plot([0, high], [0, high], color="black", linewidth=0.8)
-    ax_b.fill_between([0, high], [0, 0.9 * high], [0, 1.1 * high], color="grey", alpha=0.15, label="within 10%")
-    ax_b.set(xlim=(0, high), ylim=(0, high), xlabel="predicted peak activations, MiB",
-             ylabel="measured peak (StepInfo.peak_saved_bytes), MiB")
-    ax_b.set_title("Peak live activation bytes, one marker per rank (o s ^ v = rank 0-3)", fontsize=9.5)
-    ax_b.legend(fontsize=7)
-    fig.savefig(path)
 
 
 def _model_note(part: dict[str, Any]) -> str:
@@ -147,45 +107,58 @@ def _model_note(part: dict[str, Any]) -> str:
             + "; ".join(f"'{SHORT[k]}': {part['variants'][k]}" for k in SHORT) + ".")
 
 
-def markdown(part: dict[str, Any], figure_link: str | None) -> str:
-    """The generated block of docs/benchmarks.md's prediction-vs-measurement section."""
-    meta, cfg, ov = part.get("meta", {}), part["config"], part["overhead"]
-    lines = [f"Run on {meta.get('date', '?')}: `{meta.get('command', '?')}` ({meta.get('wall_s', 0):.0f} s wall); "
-             f"load average before / after: {meta.get('load_before', '?')} / {meta.get('load_after', '?')} "
-             f"(`uptime` at the start: {meta.get('uptime', '?')}). {meta.get('load_note', '')}", "",
-             f"GPT example (n_layer {cfg['n_layer']}, d_model {cfg['d_model']}, batch {cfg['batch_size']} x 64 "
-             f"characters), {cfg['ranks']} gloo ranks, {cfg['warmup']} warm-up + {cfg['steps']} measured steps "
-             f"per candidate, round-robin. {_model_note(part)} Parts per stage: how the planner merged the 8 "
-             f"profiled parts (each comparison groups by its own profile).", "",
-             report.markdown_table(table(part)), "",
-             f"Pairs predicted more than {ORDER_GAP:.0%} apart (new model):", "",
-             report.markdown_table(order_table(part)), "",
-             "The model on its own calibration runs (not a fit of the step: the solver fits CPU time per rank):", "",
-             report.markdown_table(calibration_table(part)), "",
-             "CPU time per step (each rank's process, `time.process_time`, median of the measured steps):", "",
-             report.markdown_table(cpu_table(part)), "",
-             f"Saved-bytes counting on the overhead-bound MLP (8 x Linear 256, batch 64, 1F1B, M=8, "
-             f"{cfg['ranks']} ranks, {cfg['overhead_steps']} alternating steps each): median step "
-             f"{_ms(ov['on']['median_s'])} ms counted vs {_ms(ov['off']['median_s'])} ms not; median paired "
-             f"ratio {ov['paired_ratio']:.3f}. In one process (forward + backward of one microbatch of 8 "
-             f"rows, fastest of {cfg['overhead_steps']} each, interleaved): {part['counting']['on_s'] * 1e3:.3f} ms "
-             f"counted vs {part['counting']['off_s'] * 1e3:.3f} ms, ratio {part['counting']['ratio']:.3f}.", ""]
-    if figure_link:
-        lines += [f"![Predicted vs measured step time and peak activations]({figure_link})", ""]
-    return "\n".join(lines)
+def report(part: Result) -> list[Block]:
+    """How the candidates ran, how the model was measured, the tables, and the counting overhead."""
+    cfg, ov = part["config"], part["overhead"]
+    return [f"GPT example (n_layer {cfg['n_layer']}, d_model {cfg['d_model']}, batch {cfg['batch_size']} x 64 "
+            f"characters), {cfg['ranks']} gloo ranks, {cfg['warmup']} warm-up + {cfg['steps']} measured steps per "
+            f"candidate, round-robin. {_model_note(part)} Parts per stage: how the planner merged the "
+            f"{2 * cfg['ranks']} profiled parts (each comparison groups by its own profile).", table(part),
+            f"Pairs predicted more than {ORDER_GAP:.0%} apart (new model):", order_table(part),
+            "The model on its own calibration runs (not a fit of the step: the solver fits CPU time per rank):",
+            calibration_table(part),
+            "CPU time per step (each rank's process, `time.process_time`, median of the measured steps):",
+            cpu_table(part),
+            f"Saved-bytes counting on the overhead-bound MLP (8 x Linear 256, batch 64, 1F1B, M=8, {cfg['ranks']} "
+            f"ranks, {cfg['overhead_steps']} alternating steps each): median step {ms(ov['on']['median_s'])} ms "
+            f"counted vs {ms(ov['off']['median_s'])} ms not; median paired ratio {ov['paired_ratio']:.3f}. In one "
+            f"process (forward + backward of one microbatch of 8 rows, fastest of {max(3, cfg['overhead_steps'])} "
+            f"each, interleaved): {part['counting']['on_s'] * 1e3:.3f} ms counted vs "
+            f"{part['counting']['off_s'] * 1e3:.3f} ms, ratio {part['counting']['ratio']:.3f}."]
 
 
-def publish(part: dict[str, Any], docs: str) -> None:
-    """Draw the figure into docs/img and rewrite the block of docs/benchmarks.md."""
-    os.makedirs(os.path.join(docs, "img"), exist_ok=True)
-    figure(part, os.path.join(docs, "img", FIGURE))
-    report.update_doc(os.path.join(docs, "benchmarks.md"), markdown(part, f"img/{FIGURE}"), BEGIN, END)
+def figures(part: Result, folder: str) -> list[tuple[str, str]]:
+    """Predicted vs measured step time (every measured step, the median marked, the old prediction hollow)
+    and peak activation bytes."""
+    fig = plots.figure(11.5, 4.8)
+    ax_t, ax_b = fig.subplots(1, 2)
+    rows = part["rows"]
+    right = max(max(r["predicted_s"], r["variants"]["old"]["step_s"]) for r in rows) * 1.4e3
+    top = max(max(r["max_s"] for r in rows) * 1.05e3, right)
+    for c, r in enumerate(rows):
+        pred, median = r["predicted_s"] * 1e3, r["measured"]["median_s"] * 1e3
+        ax_t.scatter([pred] * len(r["samples"]), [s * 1e3 for s in r["samples"]], color=f"C{c}", s=10, alpha=0.4)
+        ax_t.scatter([pred], [median], color=f"C{c}", s=60, marker="D", edgecolor="black", label=r["candidate"])
+        ax_t.scatter([r["variants"]["old"]["step_s"] * 1e3], [median], s=60, marker="D", facecolor="none",
+                     edgecolor=f"C{c}")
+        for rank, (p, m) in enumerate(zip(r["predicted_acts"], r["measured_acts"], strict=True)):
+            ax_b.scatter([p / 2**20], [m / 2**20], color=f"C{c}", s=40, marker="os^v"[rank % 4],
+                         label=r["candidate"] if rank == 0 else None)
+    line = [0, right]
+    ax_t.plot(line, line, color="black", linewidth=0.8)
+    ax_t.fill_between(line, [0.75 * v for v in line], [1.25 * v for v in line], color="grey", alpha=0.15,
+                      label="within 25%")
+    ax_t.set(xlim=(0, right), ylim=(0, top), xlabel="predicted step time, ms", ylabel="measured step time, ms")
+    ax_t.set_title("Step time: steps (dots), median (diamond); hollow: the old prediction", fontsize=9.5)
+    ax_t.legend(fontsize=7)
+    high = max(max(r["predicted_acts"] + r["measured_acts"]) for r in rows) / 2**20 * 1.1
+    ax_b.plot([0, high], [0, high], color="black", linewidth=0.8)
+    ax_b.fill_between([0, high], [0, 0.9 * high], [0, 1.1 * high], color="grey", alpha=0.15, label="within 10%")
+    ax_b.set(xlim=(0, high), ylim=(0, high), xlabel="predicted peak activations, MiB",
+             ylabel="measured peak (StepInfo.peak_saved_bytes), MiB")
+    ax_b.set_title("Peak live activation bytes, one marker per rank (o s ^ v = rank 0-3)", fontsize=9.5)
+    ax_b.legend(fontsize=7)
+    fig.savefig(os.path.join(folder, FIGURE))
+    return [(FIGURE, "Predicted vs measured step time and peak activations")]
 
 
-def text_report(part: dict[str, Any]) -> str:
-    """The tables as text, and how the model was measured."""
-    return "\n".join([report.text_table(table(part)), "", report.text_table(order_table(part)), "",
-                      report.text_table(calibration_table(part)), "", report.text_table(cpu_table(part)), "",
-                      _model_note(part), "",
-                      f"counting overhead: paired step ratio {part['overhead']['paired_ratio']:.3f}, one process "
-                      f"{part['counting']['ratio']:.3f}"])

@@ -1,25 +1,25 @@
-"""Profile one side of the A/B run under py-spy and say where a rank's step time goes."""
+"""Part: where a rank's step time goes on each side of the A/B run (py-spy), and what-if runs of runtime variants."""
 
 from __future__ import annotations
 
-import argparse
-import functools
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from types import MappingProxyType
 from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+from benchmarks import harness, models
+from benchmarks.framework import Block, Part, Result, Table, ms
+from benchmarks.models import build_ours, build_pipeline, build_torch_pipe, num_stages, runtime_config
+from benchmarks.runner import ROOT, main
 
-from benchmarks import harness, models  # noqa: E402
-
-BUCKETS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
+BUCKETS: Mapping[str, tuple[tuple[str, tuple[str, ...]], ...]] = MappingProxyType({
     "ours": (
         ("wait for a receive (Transport.take)", ("Transport.take (",)),
         ("step-start agreement (star of messages)", ("agree (",)),
@@ -45,27 +45,36 @@ BUCKETS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
         ("gradient scaling", ("perform_reduce_grad (", "scale_grads (")),
         ("optimizer step, zero_grad", ("Optimizer.step (", "SGD.step (", "zero_grad (")),
     ),
-}
+})
 """Per side, (label, frame texts): a sample goes to the first bucket with a frame text in its stack."""
+STEP_FRAMES = ("Pipe.step (", "Pipeline.step (")
+"""A sample counts when one of these frames (a side's timed step) is in its stack."""
+WHATIF_VARIANTS = ("as shipped (inputs agreed every step)", "check_inputs_every_step=False")
+"""Runtime configurations timed step by step, in rotating order, in the same processes."""
 
 
 @dataclass(frozen=True)
-class ProfileArgs:
-    """What the profiled workers run."""
+class ProfileConfig:
+    """What to profile and time."""
 
-    side: str
-    """"ours" or "torch"."""
-    schedule: str
-    """Schedule key present in both frameworks."""
-    steps: int
-    """Steps to run (after two warm-up steps)."""
-    workload: str
-    """"mlp", "transformer" or "sleep" (F/I/W = 20 ms per stage)."""
-    fixed_shapes: bool = False
-    """Ours: PipelineConfig.check_inputs_every_step=False."""
+    cases: tuple[tuple[str, str, int], ...] = (("1f1b", "mlp", 60), ("zbv", "transformer", 10))
+    """(schedule, workload, steps) profiled under py-spy on both sides; workload "mlp", "transformer" or "sleep"."""
+    whatif: tuple[tuple[str, str, int], ...] = (("1f1b", "mlp", 20), ("1f1b", "sleep", 4))
+    """(schedule, workload, steps) of the what-if runs (WHATIF_VARIANTS, in the same processes)."""
+    lookahead: tuple[int, ...] = ()
+    """RuntimeConfig.recv_lookahead depths to compare with torch on the first case (e.g. 0,2,4); then no profile."""
+    fixed_shapes: bool = False  # ours: PipelineConfig.check_inputs_every_step=False
+    cpu: bool = False  # on-CPU samples only (waits drop out: CPU time per step and rank)
+    top: int = 0  # also report this many top functions by inclusive and by self time
+    rate: int = 250  # py-spy samples per second
+    world: int = 4  # pipeline ranks (gloo processes)
 
 
-def _spec(workload: str) -> models.ModelSpec:
+QUICK = ProfileConfig((("1f1b", "mlp", 2),), (("1f1b", "sleep", 2),), world=2)
+
+
+def spec_of(workload: str) -> models.ModelSpec:
+    """The model of a workload name."""
     if workload == "mlp":
         return models.ModelSpec("mlp", num_layers=8, width=256, batch=64)
     if workload == "sleep":
@@ -73,126 +82,75 @@ def _spec(workload: str) -> models.ModelSpec:
     return models.ModelSpec("transformer", num_layers=8, width=128, batch=32, seq=32)
 
 
-def worker(rank: int, world: int, args: ProfileArgs) -> None:
-    """Run `args.steps` steps of one side only."""
-    from benchmarks.ours_side import build_pipeline, frozen_sgd
-    from benchmarks.torch_side import TORCH_SCHEDULES, build_torch_pipe, num_stages
-
-    spec = _spec(args.workload)
-    parts = models.build_parts(spec, num_stages(TORCH_SCHEDULES[args.schedule][1], world))
-    x, y = models.make_batch(spec)
-    pipe: Any  # both sides as vs_torch times them: a training step with an optimizer
-    if args.side == "ours":
-        pipe = build_pipeline(args.schedule, parts, 8, models.loss_fn,
-                              check_inputs_every_step=not args.fixed_shapes)
-    else:
-        pipe = build_torch_pipe(args.schedule, parts, rank, world, 8, models.loss_fn, frozen_sgd)
-    for _ in range(args.steps + 2):
-        pipe.zero_grad()
-        harness.timed(lambda: pipe.step(x, y))
+def _setup(rank: int, world: int, schedule: str, workload: str) -> tuple[list[Any], Any, Any]:
+    spec = spec_of(workload)
+    return models.build_parts(spec, num_stages(schedule, world)), *models.make_batch(spec)
 
 
-WHATIF_VARIANTS = ("as shipped (inputs agreed every step)", "check_inputs_every_step=False")
-"""Runtime configurations timed step by step, in rotating order, in the same processes."""
+def side_worker(rank: int, world: int, args: dict[str, Any]) -> None:
+    """Run `steps` + 2 training steps of one side only (what py-spy records)."""
+    parts, x, y = _setup(rank, world, args["schedule"], args["workload"])
+    pipe: Any = (build_pipeline(args["schedule"], parts, 8, models.loss_fn,
+                                check_inputs_every_step=not args["fixed_shapes"]) if args["side"] == "ours" else
+                 build_torch_pipe(args["schedule"], parts, rank, world, 8, models.loss_fn))
+    harness.RoundRobin([pipe], lambda p, _: p.step(x, y)).run(args["steps"] + 2)
 
 
-def _step_loss(pipe: Any, x: Any, y: Any) -> float:
-    return float(pipe.step(x, y).loss)
+def side_run(args: dict[str, Any]) -> None:
+    """The profiled program: one side on `world` ranks."""
+    harness.spawn(side_worker, args, args["world"], 900)
 
 
-def whatif_worker(rank: int, world: int, args: ProfileArgs) -> dict[str, list[float]]:
-    """One runtime per WHATIF_VARIANTS entry; each round times one step of each, order rotating."""
-    from benchmarks.ours_side import build_ours, runtime_config
-    from benchmarks.torch_side import TORCH_SCHEDULES, num_stages
-
-    spec = _spec(args.workload)
-    parts = models.build_parts(spec, num_stages(TORCH_SCHEDULES[args.schedule][1], world))
-    x, y = models.make_batch(spec)
-    pipes = {variant: build_ours(args.schedule, parts, rank, world, 8, models.loss_fn,
-                                 config=runtime_config(record_timeline=False, check_inputs_every_step=(i == 0)))
-             for i, variant in enumerate(WHATIF_VARIANTS)}
-    out: dict[str, list[float]] = {k: [] for k in WHATIF_VARIANTS}
-    for i in range(args.steps + 2):
-        shift = i % len(WHATIF_VARIANTS)
-        for variant in WHATIF_VARIANTS[shift:] + WHATIF_VARIANTS[:shift]:
-            pipe = pipes[variant]
-            pipe.zero_grad()
-            elapsed = harness.timed(functools.partial(_step_loss, pipe, x, y))[0]
-            if i >= 2:
-                out[variant].append(elapsed)
-    return out
+def whatif_worker(rank: int, world: int, case: tuple[str, str, int]) -> list[list[float]]:
+    """One bare runtime per WHATIF_VARIANTS entry; each round times a step of each, the order rotating."""
+    schedule, workload, steps = case
+    parts, x, y = _setup(rank, world, schedule, workload)
+    pipes = [build_ours(schedule, parts, rank, world, 8, models.loss_fn,
+                        runtime_config(record_timeline=False, check_inputs_every_step=(i == 0)))
+             for i in range(len(WHATIF_VARIANTS))]
+    traces = harness.RoundRobin(pipes, lambda p, _: float(p.step(x, y).loss)).run(steps, warmup=2)
+    return [t.wall for t in traces]
 
 
-def whatif(schedule: str = "1f1b", steps: int = 20, workload: str = "mlp") -> dict[str, Any]:
-    """Median step time of each runtime variant; shows what the per-step collectives and the
-    receive-wait path cost."""
-    raw = harness.spawn(whatif_worker, ProfileArgs("ours", schedule, steps, workload), 4, 600)[0]
-    med = {k: harness.summarize(v).median for k, v in raw.items()}
-    return {"schedule": schedule, "workload": workload, "median_s": med,
-            "speedup": {k: med[WHATIF_VARIANTS[0]] / v for k, v in med.items()}}
+def lookahead_worker(rank: int, world: int, job: tuple[ProfileConfig, str, str, int]) -> list[dict[str, Any]]:
+    """One Pipeline (at every depth in turn) and one torch pipe; a step of each variant per round, rotating."""
+    cfg, schedule, workload, steps = job
+    parts, x, y = _setup(rank, world, schedule, workload)
+    ours = build_pipeline(schedule, parts, 8, models.loss_fn, check_inputs_every_step=not cfg.fixed_shapes)
+    steppers: list[tuple[int | None, Any]] = [(d, ours) for d in cfg.lookahead]
+    steppers.append((None, build_torch_pipe(schedule, parts, rank, world, 8, models.loss_fn)))
+
+    def step(stepper: tuple[int | None, Any], _: int) -> Any:
+        depth, pipe = stepper
+        if depth is not None:
+            pipe.runtime.config.recv_lookahead = depth
+        return pipe.step(x, y)
+
+    return [{"wall": t.wall, "cpu": t.cpu} for t in harness.RoundRobin(steppers, step).run(steps, warmup=2)]
 
 
-@dataclass(frozen=True)
-class LookaheadArgs:
-    """What the look-ahead comparison runs."""
-
-    schedule: str
-    """Schedule key present in both frameworks."""
-    steps: int
-    """Timed rounds (after two warm-up rounds); each round times one step of every variant."""
-    workload: str
-    """"mlp" or "transformer"."""
-    depths: tuple[int, ...]
-    """RuntimeConfig.recv_lookahead values to compare."""
-    fixed_shapes: bool = False
-    """Ours: PipelineConfig.check_inputs_every_step=False."""
-
-
-def lookahead_worker(rank: int, world: int, args: LookaheadArgs) -> dict[str, dict[str, list[float]]]:
-    """One Pipeline and one torch pipe; each round times a step of the Pipeline at every look-ahead depth
-    and one of torch, order rotating. Returns per variant the wall seconds (slowest rank) and the CPU
-    seconds summed over the ranks."""
-    from benchmarks.ours_side import build_pipeline, frozen_sgd
-    from benchmarks.torch_side import TORCH_SCHEDULES, build_torch_pipe, num_stages
-
-    spec = _spec(args.workload)
-    parts = models.build_parts(spec, num_stages(TORCH_SCHEDULES[args.schedule][1], world))
-    x, y = models.make_batch(spec)
-    ours = build_pipeline(args.schedule, parts, 8, models.loss_fn, check_inputs_every_step=not args.fixed_shapes)
-    theirs = build_torch_pipe(args.schedule, parts, rank, world, 8, models.loss_fn, frozen_sgd)
-    names = [f"lookahead {d}" for d in args.depths] + ["torch"]
-    out: dict[str, dict[str, list[float]]] = {n: {"wall": [], "cpu": []} for n in names}
-    for i in range(args.steps + 2):
-        shift = i % len(names)
-        for name in names[shift:] + names[:shift]:
-            pipe: Any = theirs
-            if name != "torch":
-                pipe = ours
-                ours.pipe.runtime.config.recv_lookahead = args.depths[names.index(name)]
-            wall, cpu, _ = harness.timed_cpu(functools.partial(pipe.step, x, y))
-            if i >= 2:
-                out[name]["wall"].append(wall)
-                out[name]["cpu"].append(cpu)
-    return out
-
-
-def lookahead(args: LookaheadArgs) -> dict[str, dict[str, float]]:
-    """Per variant: median wall ms, median CPU ms (summed over ranks), and the wall ratio to torch (ratio
-    of medians, and median of the per-round ratios)."""
-    raw = harness.spawn(lookahead_worker, args, 4, 900)[0]
-    torch_wall = raw["torch"]["wall"]
+def lookahead(cfg: ProfileConfig) -> dict[str, dict[str, float]]:
+    """Per variant: median wall ms, median CPU ms summed over the ranks, the wall ratio to torch (of medians, and
+    the median of the per-round ratios)."""
+    per_rank = harness.spawn(lookahead_worker, (cfg, *cfg.cases[0]), cfg.world, 900)
+    names = [f"lookahead {d}" for d in cfg.lookahead] + ["torch"]
+    torch_wall = per_rank[0][-1]["wall"]
     found = {}
-    for name, got in raw.items():
-        paired = [a / b for a, b in zip(got["wall"], torch_wall, strict=True)]
-        found[name] = {"wall_ms": 1e3 * harness.summarize(got["wall"]).median,
-                       "cpu_ms": 1e3 * harness.summarize(got["cpu"]).median,
-                       "ratio": harness.summarize(got["wall"]).median / harness.summarize(torch_wall).median,
-                       "paired": harness.summarize(paired).median}
+    for k, name in enumerate(names):
+        wall = per_rank[0][k]["wall"]
+        cpu = [sum(step) for step in zip(*(r[k]["cpu"] for r in per_rank), strict=True)]
+        found[name] = {"wall_ms": 1e3 * statistics.median(wall), "cpu_ms": 1e3 * statistics.median(cpu),
+                       "ratio": statistics.median(wall) / statistics.median(torch_wall),
+                       "paired": statistics.median(a / b for a, b in zip(wall, torch_wall, strict=True))}
     return found
 
 
-STEP_FRAMES = ("Pipe.step (", "OursTrainer.step (")
-"""A sample counts when one of these frames (a side's timed step) is in its stack."""
+def whatif(case: tuple[str, str, int], world: int) -> dict[str, Any]:
+    """Median step time of each runtime variant (what the per-step agreement costs)."""
+    walls = harness.spawn(whatif_worker, case, world, 600)[0]
+    med = {v: statistics.median(w) for v, w in zip(WHATIF_VARIANTS, walls, strict=True)}
+    return {"schedule": case[0], "workload": case[1], "median_s": med,
+            "speedup": {k: med[WHATIF_VARIANTS[0]] / v for k, v in med.items()}}
 
 
 def _frame_name(frame: str) -> str:
@@ -202,8 +160,8 @@ def _frame_name(frame: str) -> str:
 
 
 def summarize_raw(path: str, side: str, steps: int, ranks: int, rate: int, top: int = 25) -> dict[str, Any]:
-    """Bucket py-spy's collapsed stacks inside the pipe's step(); ms per step and rank, and shares; plus
-    the `top` functions by inclusive and by self samples."""
+    """Bucket py-spy's collapsed stacks inside the side's step; ms per step and rank, shares, and the `top`
+    functions by inclusive and by self samples."""
     buckets: Counter[str] = Counter()
     inclusive: Counter[str] = Counter()
     own: Counter[str] = Counter()
@@ -215,8 +173,7 @@ def summarize_raw(path: str, side: str, steps: int, ranks: int, rate: int, top: 
                 continue
             n = int(count)
             total += n
-            label = next((name for name, frames in BUCKETS[side] if any(f in stack for f in frames)), "other")
-            buckets[label] += n
+            buckets[next((name for name, frames in BUCKETS[side] if any(f in stack for f in frames)), "other")] += n
             frames = [_frame_name(f) for f in stack.split(";")]
             for name in set(frames[next(i for i, f in enumerate(frames) if "step (" in f):]):
                 inclusive[name] += n
@@ -224,8 +181,7 @@ def summarize_raw(path: str, side: str, steps: int, ranks: int, rate: int, top: 
     per = 1e3 / (rate * steps * ranks)
     return {"samples": total, "ms_per_step_rank": {k: v * per for k, v in buckets.most_common()},
             "share": {k: v / total for k, v in buckets.most_common()} if total else {},
-            "step_ms_under_profiler": total * per,
-            "inclusive_ms": {k: v * per for k, v in inclusive.most_common(top)},
+            "step_ms_under_profiler": total * per, "inclusive_ms": {k: v * per for k, v in inclusive.most_common(top)},
             "self_ms": {k: v * per for k, v in own.most_common(top)}}
 
 
@@ -234,65 +190,68 @@ def py_spy() -> str | None:
     return shutil.which("py-spy", path=os.path.dirname(sys.executable)) or shutil.which("py-spy")
 
 
-def profile(side: str, schedule: str, steps: int, workload: str, rate: int = 250, fixed_shapes: bool = False,
-            cpu: bool = False) -> dict[str, Any]:
-    """Run py-spy over a fresh 4-rank run of one side; return the bucketed profile (cpu: on-CPU samples
-    only, so waits drop out and the figures are CPU time per step and rank)."""
-    spy = py_spy()
-    if spy is None:
-        raise RuntimeError("py-spy is not installed; `.venv/bin/pip install py-spy`")
+def profile(cfg: ProfileConfig, side: str, case: tuple[str, str, int], spy: str) -> dict[str, Any]:
+    """py-spy over a fresh run of one side; the bucketed profile."""
+    schedule, workload, steps = case
+    args = {"side": side, "schedule": schedule, "workload": workload, "steps": steps,
+            "fixed_shapes": cfg.fixed_shapes, "world": cfg.world}
+    program = f"from benchmarks.profile_runtime import side_run; side_run({args!r})"
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "raw.txt")
-        cmd = [spy, "record", *(() if cpu else ("--idle",)), "--subprocesses", "-r", str(rate), "--format", "raw",
-               "-o", out, "--", sys.executable, os.path.abspath(__file__), "--run", side, schedule, str(steps),
-               workload, *(("--fixed-shapes",) if fixed_shapes else ())]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
+        cmd = [spy, "record", *(() if cfg.cpu else ("--idle",)), "--subprocesses", "-r", str(cfg.rate), "--format",
+               "raw", "-o", out, "--", sys.executable, "-c", program]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False, cwd=ROOT)
         if proc.returncode != 0 or not os.path.exists(out):
             raise RuntimeError(f"py-spy failed ({proc.returncode}): {proc.stderr[-3000:]}")
-        return summarize_raw(out, side, steps + 2, 4, rate)
+        return summarize_raw(out, side, steps + 2, cfg.world, cfg.rate, max(cfg.top, 25))
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`--run SIDE SCHEDULE STEPS WORKLOAD` runs the workers; otherwise profile both sides and print."""
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--run", nargs=4, metavar=("SIDE", "SCHEDULE", "STEPS", "WORKLOAD"))
-    parser.add_argument("--schedule", default="1f1b")
-    parser.add_argument("--workload", default="mlp", choices=("mlp", "transformer", "sleep"))
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--fixed-shapes", action="store_true", help="ours: check_inputs_every_step=False")
-    parser.add_argument("--cpu", action="store_true", help="on-CPU samples only (CPU time, waits left out)")
-    parser.add_argument("--top", action="store_true", help="also list the top functions (inclusive, self)")
-    parser.add_argument("--no-whatif", action="store_true", help="skip the runtime-variant timing")
-    parser.add_argument("--lookahead", metavar="DEPTHS", help="only compare recv_lookahead depths (e.g. 0,2,4) "
-                        "against torch, in the same processes, steps alternating; no profile")
-    args = parser.parse_args(argv)
-    if args.lookahead:
-        depths = tuple(int(d) for d in args.lookahead.split(","))
-        table = lookahead(LookaheadArgs(args.schedule, args.steps, args.workload, depths, args.fixed_shapes))
-        for name, row in table.items():
-            print(f"{args.schedule} {name:12s} wall {row['wall_ms']:7.1f} ms  cpu {row['cpu_ms']:7.1f} ms  "
-                  f"ours/torch {row['ratio']:.3f}  paired {row['paired']:.3f}")
-        return 0
-    if args.run:
-        side, schedule, steps, workload = args.run
-        harness.spawn(worker, ProfileArgs(side, schedule, int(steps), workload, args.fixed_shapes), 4, 900)
-        return 0
-    for side in ("ours", "torch"):
-        found = profile(side, args.schedule, args.steps, args.workload, fixed_shapes=args.fixed_shapes,
-                        cpu=args.cpu)
-        kind = "on-CPU" if args.cpu else "wall"
-        print(f"{side}: {found['step_ms_under_profiler']:.1f} ms per step and rank under the profiler ({kind})")
-        for label, ms in found["ms_per_step_rank"].items():
-            print(f"  {ms:7.2f} ms  {found['share'][label]:6.1%}  {label}")
-        if args.top:
-            for title in ("inclusive_ms", "self_ms"):
-                print(f"  top functions, {title}:")
-                for name, ms in found[title].items():
-                    print(f"    {ms:7.2f} ms  {name}")
-    if not args.no_whatif:
-        print(whatif(args.schedule, 20, args.workload))
-    return 0
+def run(cfg: ProfileConfig) -> Result:
+    """The profiles (when py-spy is installed) and the what-if runs; or only the look-ahead comparison."""
+    if cfg.lookahead:
+        return {"lookahead": lookahead(cfg), "config": asdict(cfg)}
+    spy = py_spy()
+    cases = [{"schedule": c[0], "workload": c[1], "steps": c[2], "ours": profile(cfg, "ours", c, spy),
+              "torch": profile(cfg, "torch", c, spy)} for c in cfg.cases] if spy else []
+    return {"cases": cases, "skipped": "" if spy else "py-spy is not installed (.venv/bin/pip install py-spy)",
+            "whatif": [whatif(c, cfg.world) for c in cfg.whatif], "config": asdict(cfg)}
 
+
+def report(result: Result) -> list[Block]:
+    """Time buckets per case and side, the top functions (when asked), the what-if and look-ahead tables."""
+    out: list[Block] = []
+    if "lookahead" in result:
+        out += [[["variant", "wall ms", "CPU ms (all ranks)", "ours/torch", "paired"]] + [
+            [k, f"{r['wall_ms']:.1f}", f"{r['cpu_ms']:.1f}", f"{r['ratio']:.3f}", f"{r['paired']:.3f}"]
+            for k, r in result["lookahead"].items()]]
+        return out
+    table = [["case", "side", "where the step time goes", "ms per step and rank", "share"]]
+    if result["skipped"]:
+        table.append(["-", "-", f"not profiled: {result['skipped']}", "-", "-"])
+    for case in result["cases"]:
+        for side in ("ours", "torch"):
+            prof = case[side]
+            table += [[f"{case['schedule']}, {case['workload']}", side, label, f"{v:.2f}",
+                       f"{prof['share'][label]:.1%}"] for label, v in prof["ms_per_step_rank"].items()]
+    out.append(table)
+    top = result.get("config", {}).get("top", 0)
+    for case in result["cases"] if top else []:
+        for side in ("ours", "torch"):
+            tops: Table = [["function", "inclusive ms", "", "function (self)", "self ms"]]
+            pairs = zip(list(case[side]["inclusive_ms"].items())[:top], list(case[side]["self_ms"].items())[:top],
+                        strict=False)
+            out += [f"Top functions, {case['schedule']}, {case['workload']}, {side}:",
+                    tops + [[a, f"{x:.2f}", "", b, f"{y:.2f}"] for (a, x), (b, y) in pairs]]
+    whatif_table = [["what-if run", "runtime variant", "median step ms", "speedup vs as shipped"]]
+    for w in result["whatif"]:
+        whatif_table += [[f"{w['schedule']}, {w['workload']} model", v, ms(med), f"{w['speedup'][v]:.2f}x"]
+                         for v, med in w["median_s"].items()]
+    return out + ["What-if runs (bare runtimes in the same processes, one step of each per round, order rotating):",
+                  whatif_table]
+
+
+PART = Part("profile_runtime", "Profile (py-spy, --idle): where a rank's step time goes", ProfileConfig(), QUICK, run,
+            report, block="results")
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main(only=PART.name))

@@ -1,47 +1,65 @@
-"""Times duplexpipe's schedule passes (build, lower, verify, simulate) and torch's plan construction."""
+"""Part: the schedule passes' time (build, lower, verify, simulate) as P and M grow, and torch's plan construction."""
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Sequence
+from types import MappingProxyType
+from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+from benchmarks import plots
+from benchmarks.framework import Block, Part, Result, mark, ms
+from benchmarks.internals import check_schedule
+from benchmarks.runner import ROOT, main
+from duplexpipe import CostModel, build_schedule, lower, simulate, verify
 
-from duplexpipe.schedules import registry  # noqa: E402
-from duplexpipe.schedules.lower import lower  # noqa: E402
-from duplexpipe.schedules.simulate import CostModel, simulate  # noqa: E402
-from duplexpipe.schedules.verify import verify  # noqa: E402
+BUDGET_S = 1.0
+"""The headline case's build + lower + verify + simulate, at most (docs/design.md)."""
+TORCH_SPEEDUP = 2.0
+"""Torch's plan construction over ours (build + lower) at P=16, M=256, at least."""
+BIG = 64 * 1024
+"""Cases with P * M at least this many stage-microbatches run once (each takes seconds)."""
+CLI_CASES = MappingProxyType({
+    "simulate-1f1b-P2048": ("simulate", "1f1b", "-p", "2048", "-m", "8", "--json"),
+    "simulate-1f1b-P10000": ("simulate", "1f1b", "-p", "10000", "-m", "8", "--json"),
+    "plot-dualpipe-P64-M512": ("simulate", "dualpipe", "-p", "64", "-m", "512", "--plot", "{out}/dp.png"),
+    "plot-dualpipe-P64-M512-view": ("simulate", "dualpipe", "-p", "64", "-m", "512", "--plot", "{out}/v.png",
+                                    "--ranks-shown", "0-7,56-63", "--window", "0:200"),
+    "compare-P64-M512-plot": ("compare", "-p", "64", "-m", "512", "--plot", "{out}/cmp.png"),
+})
+"""Name -> the arguments after `duplexpipe` (`{out}` becomes a scratch folder)."""
+PROGRAM = ("import resource, sys; from duplexpipe.cli import main; rc = main(sys.argv[1:]); "
+           "u = resource.getrusage(resource.RUSAGE_SELF); "
+           "print(f'@@ {u.ru_utime + u.ru_stime} {u.ru_maxrss}', file=sys.stderr); sys.exit(rc)")
 
 
 @dataclass(frozen=True)
-class Grid:
-    """What one run measures."""
+class ToolingConfig:
+    """What one run times."""
 
-    headline: tuple[str, int, int]
-    """(schedule, P, M) timed first; the full grid's is the case docs/design.md budgets under 1 s."""
-    torch: tuple[tuple[str, str, int, int], ...]
+    headline: tuple[str, int, int] = ("dualpipe", 64, 512)  # (schedule, P, M) timed first, against the budget
+    headline_repeats: int = 5  # runs of the headline case (the median is reported)
+    torch: tuple[tuple[str, str, int, int], ...] = (
+        ("dualpipev", "DualPipeV", 16, 256), ("dualpipev", "DualPipeV", 8, 64), ("zbv", "ZBVZeroBubble", 16, 256),
+        ("interleaved-1f1b", "Interleaved1F1B", 16, 256))
     """(our name, torch's name, P, M) for the side-by-side plan construction."""
-    schedules: tuple[str, ...]
-    """Schedules of the scaling table."""
-    ranks: tuple[int, ...]
-    """P values of the scaling table."""
-    microbatches: tuple[int, ...]
-    """M values of the scaling table."""
+    schedules: tuple[str, ...] = ("1f1b", "zbv", "dualpipe", "dualpipev")  # schedules of the scaling table
+    ranks: tuple[int, ...] = (8, 16, 32, 64, 128)  # P values of the scaling table
+    microbatches: tuple[int, ...] = (256, 1024)  # M values of the scaling table
+    repeats: int = 1  # runs per case of the table and of the torch comparison (medians are reported)
+    cli: tuple[str, ...] = ()  # CLI_CASES to run instead (the `duplexpipe` command's time and peak memory at scale)
+    cli_source: str = str(ROOT)  # the folder holding the duplexpipe the CLI cases run (another checkout: before/after)
 
 
-FULL = Grid(("dualpipe", 64, 512), (("dualpipev", "DualPipeV", 16, 256), ("dualpipev", "DualPipeV", 8, 64)),
-            ("1f1b", "zbv", "dualpipe", "dualpipev"), (8, 16, 32, 64, 128), (256, 1024))
-QUICK = Grid(("dualpipe", 8, 64), (("dualpipev", "DualPipeV", 4, 16),), ("1f1b", "dualpipe"), (4, 8), (16, 64))
+QUICK = ToolingConfig(("dualpipe", 8, 64), 1, (("dualpipev", "DualPipeV", 4, 16),), ("1f1b", "dualpipe"), (4, 8),
+                      (16, 64))
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
@@ -51,103 +69,112 @@ def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
 
 
 def time_passes(name: str, ranks: int, microbatches: int, repeats: int) -> dict[str, Any]:
-    """Median seconds of each pass over `repeats` runs, on the lowered schedule as the next pass's input."""
-    samples: dict[str, list[float]] = {"build_s": [], "lower_s": [], "verify_s": [], "simulate_s": [],
-                                       "total_s": []}
+    """Median seconds of each pass over `repeats` runs, each pass on the previous one's output."""
+    samples: dict[str, list[float]] = {"build_s": [], "lower_s": [], "verify_s": [], "simulate_s": [], "total_s": []}
     size = 0
     for _ in range(repeats):
-        schedule, t_build = _timed(partial(registry.build, name, ranks, microbatches))
+        schedule, t_build = _timed(partial(build_schedule, name, ranks, microbatches))
         lowered, t_lower = _timed(partial(lower, schedule))
         _, t_verify = _timed(partial(verify, lowered))
         _, t_sim = _timed(partial(simulate, lowered, CostModel(fb=3.0)))
-        times = (t_build, t_lower, t_verify, t_sim, t_build + t_lower + t_verify + t_sim)
-        for key, value in zip(samples, times, strict=True):
+        for key, value in zip(samples, (t_build, t_lower, t_verify, t_sim, t_build + t_lower + t_verify + t_sim),
+                              strict=True):
             samples[key].append(value)
         size = sum(len(row) for row in lowered.actions)
-    row: dict[str, Any] = {"schedule": name, "P": ranks, "M": microbatches, "actions": size,
-                           "repeats": repeats}
-    row.update({key: statistics.median(values) for key, values in samples.items()})
-    return row
+    return {"schedule": name, "P": ranks, "M": microbatches, "actions": size, "repeats": repeats,
+            **{key: statistics.median(values) for key, values in samples.items()}}
 
 
 def time_torch(ours: str, theirs: str, ranks: int, microbatches: int, repeats: int) -> dict[str, Any]:
     """Ours (build + lower) against torch's get_schedule_ops(..., with_comms=True), medians."""
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
-    mine = [_timed(lambda: lower(registry.build(ours, ranks, microbatches)))[1] for _ in range(repeats)]
-    torch_s = [_timed(lambda: get_schedule_ops(theirs, ranks, microbatches, with_comms=True))[1]
-               for _ in range(repeats)]
-    ours_s, torch_med = statistics.median(mine), statistics.median(torch_s)
+    mine = statistics.median(_timed(lambda: lower(build_schedule(ours, ranks, microbatches)))[1]
+                             for _ in range(repeats))
+    torch_s = statistics.median(_timed(lambda: get_schedule_ops(theirs, ranks, microbatches, with_comms=True))[1]
+                                for _ in range(repeats))
     return {"schedule": ours, "torch_schedule": theirs, "P": ranks, "M": microbatches, "repeats": repeats,
-            "ours_build_lower_s": ours_s, "torch_get_schedule_ops_s": torch_med,
-            "speedup": torch_med / ours_s if ours_s > 0 else None}
+            "ours_build_lower_s": mine, "torch_get_schedule_ops_s": torch_s,
+            "speedup": torch_s / mine if mine > 0 else None}
 
 
-BIG = 64 * 1024
-"""Cases with P * M at least this many stage-microbatches run once (each takes seconds)."""
+def measure_cli(argv: tuple[str, ...], source: str, out: str, timeout_s: float) -> dict[str, float]:
+    """One case in a fresh process: exit code, wall seconds, and CPU seconds and peak RSS from its getrusage."""
+    env = dict(os.environ, PYTHONPATH=source, MPLBACKEND="Agg")
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", PROGRAM, *(a.replace("{out}", out) for a in argv)], env=env,
+                          capture_output=True, text=True, timeout=timeout_s, check=False, cwd=out)
+    wall = time.perf_counter() - start
+    stats = [line.split() for line in proc.stderr.splitlines() if line.startswith("@@ ")]
+    cpu, rss = (float(stats[-1][1]), float(stats[-1][2])) if stats else (float("nan"), float("nan"))
+    return {"exit_code": proc.returncode, "wall_s": wall, "cpu_s": cpu, "peak_rss_mb": rss / 1024}
 
 
-def scaling(schedules: Sequence[str], ranks: Sequence[int], microbatches: Sequence[int],
-            repeats: int) -> list[dict[str, Any]]:
-    """time_passes over the grid, skipping (schedule, P, M) a generator rejects."""
-    rows = []
-    for name in schedules:
-        for p in ranks:
-            for m in microbatches:
-                if registry.check(name, p, m) is None:
-                    rows.append(time_passes(name, p, m, 1 if p * m >= BIG else repeats))
-    return rows
+def run(cfg: ToolingConfig) -> Result:
+    """The headline case, the torch comparison and the scaling grid (cases a generator rejects skipped); or the CLI
+    cases, each in a fresh process."""
+    if cfg.cli:
+        with tempfile.TemporaryDirectory() as out:
+            return {"source": cfg.cli_source, "cli": [{"name": name, **measure_cli(
+                CLI_CASES[name], os.path.abspath(cfg.cli_source), out, 900.0)} for name in cfg.cli]}
+    rows = [time_passes(name, p, m, 1 if p * m >= BIG else cfg.repeats) for name in cfg.schedules
+            for p in cfg.ranks for m in cfg.microbatches if check_schedule(name, p, m) is None]
+    return {"headline": time_passes(*cfg.headline, cfg.headline_repeats), "rows": rows,
+            "vs_torch": [time_torch(*case, cfg.repeats) for case in cfg.torch]}
 
 
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1000:.0f}"
+def report(result: Result) -> list[Block]:
+    """The headline against its budget, the scaling table, the torch comparison (or the CLI cases)."""
+    if "cli" in result:
+        return [f"The `duplexpipe` command of {result['source']}:", [["case", "exit", "wall s", "cpu s", "peak MB"]] +
+                [[r["name"], str(r["exit_code"]), f"{r['wall_s']:.2f}", f"{r['cpu_s']:.2f}", f"{r['peak_rss_mb']:.0f}"]
+                 for r in result["cli"]]]
+    h = result["headline"]
+    table = [["schedule", "P", "M", "actions", "build ms", "lower ms", "verify ms", "simulate ms", "total ms"]]
+    for r in [h, *result["rows"]]:
+        table.append([r["schedule"] + (" (headline)" if r is h else ""), str(r["P"]), str(r["M"]), str(r["actions"]),
+                      *(ms(r[k]) for k in ("build_s", "lower_s", "verify_s", "simulate_s", "total_s"))])
+    torch_table = [["schedule", "torch class", "P", "M", "ours build+lower ms", "torch plan ms", "torch/ours", "met"]]
+    for r in result["vs_torch"]:
+        judged = r["P"] == 16 and r["M"] == 256
+        torch_table.append([r["schedule"], r["torch_schedule"], str(r["P"]), str(r["M"]), ms(r["ours_build_lower_s"]),
+                            ms(r["torch_get_schedule_ops_s"]), f"{r['speedup']:.1f}x",
+                            mark(r["speedup"] >= TORCH_SPEEDUP) if judged else "-"])
+    verdict = "meets" if h["total_s"] < BUDGET_S else "MISSES"
+    return [table, f"{h['schedule']} P={h['P']} M={h['M']}: build+lower+verify+simulate {h['total_s'] * 1e3:.0f} ms "
+                   f"(median of {h['repeats']}), {verdict} the {BUDGET_S:g} s budget.",
+            "### Plan construction: duplexpipe build + lower vs torch", torch_table]
 
 
-def table(rows: Sequence[dict[str, Any]]) -> str:
-    """The scaling rows as fixed-width text."""
-    head = f"{'schedule':<10} {'P':>4} {'M':>5} {'actions':>8} {'build':>7} {'lower':>7} {'verify':>7} " \
-           f"{'simulate':>8} {'total ms':>9} {'runs':>4}"
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(f"{r['schedule']:<10} {r['P']:>4} {r['M']:>5} {r['actions']:>8} {_ms(r['build_s']):>7} "
-                     f"{_ms(r['lower_s']):>7} {_ms(r['verify_s']):>7} {_ms(r['simulate_s']):>8} "
-                     f"{_ms(r['total_s']):>9} {r['repeats']:>4}")
-    return "\n".join(lines)
+def figures(result: Result, folder: str) -> list[tuple[str, str]]:
+    """Total time against P (log-log), a line per (schedule, M); torch's plan construction as crosses."""
+    if "cli" in result:
+        return []
+    fig = plots.figure(8.0, 4.4)
+    ax = fig.subplots()
+    rows = result["rows"]
+    for c, name in enumerate(dict.fromkeys(r["schedule"] for r in rows)):
+        for k, m in enumerate(sorted({r["M"] for r in rows if r["schedule"] == name})):
+            mine = sorted((r for r in rows if r["schedule"] == name and r["M"] == m), key=lambda r: r["P"])
+            ax.plot([r["P"] for r in mine], [r["total_s"] for r in mine], marker="o" if k == 0 else "s",
+                    linestyle="-" if k == 0 else "--", color=f"C{c}", label=f"{name}, M={m}")
+    head = result["headline"]
+    ax.plot([head["P"]], [head["total_s"]], marker="*", markersize=12, color="black", linestyle="none",
+            label=f"headline {head['schedule']} P={head['P']} M={head['M']}")
+    for k, r in enumerate(result["vs_torch"]):
+        ax.plot([r["P"]], [r["torch_get_schedule_ops_s"]], marker="x", markersize=8, linestyle="none", color="#c0392b",
+                label="torch plan construction (vs our build+lower: its table)" if k == 0 else None)
+    ax.axhline(BUDGET_S, color="#c0392b", linestyle=":", linewidth=1)
+    ax.set(xscale="log", yscale="log", xlabel="ranks P", ylabel="seconds")
+    ax.set_xscale("log", base=2)
+    ax.set_title("Schedule tooling: build + lower + verify + simulate", fontsize=10)
+    ax.legend(fontsize=6.5, ncols=2)
+    fig.savefig(os.path.join(folder, "bench_tooling.png"))
+    return [("bench_tooling.png", "Schedule tooling time against P")]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per case; medians are reported")
-    parser.add_argument("--quick", action="store_true", help="a small grid (seconds), for smoke runs")
-    parser.add_argument("--no-torch", action="store_true", help="skip timing torch's plan construction")
-    args = parser.parse_args(argv)
-    if args.repeats < 1:
-        parser.error(f"--repeats must be >= 1, got {args.repeats}")
-    quick = args.quick
-    grid = QUICK if quick else FULL
-    repeats = 1 if quick else args.repeats
-    name, p, m = grid.headline
-    headline = time_passes(name, p, m, repeats if quick else max(repeats, 5))
-    verdict = "" if quick else f" ({'under' if headline['total_s'] < 1.0 else 'OVER'} the 1 s budget)"
-    print(f"{name} P={p} M={m} ({headline['actions']} actions lowered): build+lower+verify+simulate "
-          f"{_ms(headline['total_s'])} ms median{verdict}\n")
-    vs_torch = [] if args.no_torch else [time_torch(*case, repeats) for case in grid.torch]
-    for r in vs_torch:
-        print(f"{r['schedule']} P={r['P']} M={r['M']}: ours build+lower {_ms(r['ours_build_lower_s'])} ms, "
-              f"torch get_schedule_ops({r['torch_schedule']!r}, with_comms=True) "
-              f"{_ms(r['torch_get_schedule_ops_s'])} ms ({r['speedup']:.1f}x)")
-    rows = scaling(grid.schedules, grid.ranks, grid.microbatches, repeats)
-    print("\n" + table(rows))
-    if args.json:
-        result = {"machine": {"python": platform.python_version(), "platform": platform.platform(),
-                              "cpus": os.cpu_count()},
-                  "headline": headline, "vs_torch": vs_torch, "rows": rows}
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump(result, fh, indent=1)
-        print(f"\nwrote {args.json}")
-    return 0
-
+PART = Part("schedule_tooling", "Schedule tooling scaling: build + lower + verify + simulate", ToolingConfig(), QUICK,
+            run, report, figures, block="results")
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(only=PART.name))

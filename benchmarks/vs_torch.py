@@ -1,123 +1,139 @@
-"""Part 1: duplexpipe's runtime against torch.distributed.pipelining, A/B interleaved per step."""
+"""Part: duplexpipe's runtime against torch.distributed.pipelining, training steps A/B interleaved."""
 
 from __future__ import annotations
 
-import functools
+import os
+import statistics
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from benchmarks import harness, models
-from benchmarks.ours_side import build_pipeline, frozen_sgd
-from benchmarks.torch_side import TORCH_SCHEDULES, build_torch_pipe, num_stages
+from benchmarks import harness, models, plots
+from benchmarks.framework import Block, Part, Result, mark, ms
+from benchmarks.models import TORCH_SCHEDULES, build_pipeline, build_torch_pipe, group_grads, num_stages
+from benchmarks.runner import main
 
 GRAD_TOLERANCE = 1e-4
 """Largest relative gradient error accepted as a match with the single-process reference."""
 
 
 @dataclass(frozen=True)
-class VsTorchConfig:
-    """One A/B comparison: a workload and the schedules to run it under."""
+class Workload:
+    """One A/B comparison: a model and the schedules to run it under."""
 
-    name: str
-    """Label of the workload in the report ("overhead-bound", "compute-bound")."""
-    spec: models.ModelSpec
-    """The model and batch."""
-    schedules: tuple[str, ...] = tuple(TORCH_SCHEDULES)
-    """Schedule keys, each present in both frameworks."""
-    num_microbatches: int = 8
-    """Microbatches per step."""
-    warmup: int = 2
-    """Untimed steps per side before timing."""
-    reps: int = 10
-    """Timed steps per side; the sides alternate which goes first."""
+    name: str  # its label in the report ("overhead-bound", "compute-bound")
+    spec: models.ModelSpec  # the model and batch
+    target: float = 1.0  # ours / torch median step time, at most
+    schedules: tuple[str, ...] = tuple(TORCH_SCHEDULES)  # schedule keys, each present in both frameworks
+    num_microbatches: int = 8  # microbatches per step
+    warmup: int = 2  # untimed steps per side first
+    reps: int = 10  # timed steps per side; the sides alternate which goes first
     check_inputs_every_step: bool = True
     """Ours: PipelineConfig.check_inputs_every_step (True is the default configuration)."""
 
 
-def _sides(key: str, cfg: VsTorchConfig, rank: int, world: int) -> dict[str, Any]:
-    parts = models.build_parts(cfg.spec, num_stages(TORCH_SCHEDULES[key][1], world))
-    return {  # both sides train: zero_grad, the schedule, the optimizer step (SGD at lr 0)
-        "ours": build_pipeline(key, parts, cfg.num_microbatches, models.loss_fn,
-                               check_inputs_every_step=cfg.check_inputs_every_step),
-        "torch": build_torch_pipe(key, parts, rank, world, cfg.num_microbatches, models.loss_fn, frozen_sgd),
-    }
+MLP = models.ModelSpec("mlp", num_layers=8, width=256, batch=64)
 
 
-def _errors(side: str, pipe: Any, ref: list[list[torch.Tensor]]) -> float:
-    if side == "ours":
-        grads = pipe.group_grads()
-        return max(models.max_rel_error(g, ref[k]) for k, g in grads.items())
-    return max(models.max_rel_error(models.part_grads(m), ref[s]) for s, m in pipe.modules.items())
+@dataclass(frozen=True)
+class VsTorchConfig:
+    """The workloads and the ranks."""
+
+    workloads: tuple[Workload, ...] = (
+        Workload("overhead-bound", MLP, reps=30),
+        Workload("compute-bound", models.ModelSpec("transformer", num_layers=8, width=128, batch=32, seq=32), reps=12),
+        Workload("overhead-bound, fixed shapes", MLP, 0.9, ("1f1b",), reps=30, check_inputs_every_step=False))
+    """The comparisons, in order."""
+    world: int = 4  # pipeline ranks (gloo processes)
 
 
-def _run_schedule(key: str, cfg: VsTorchConfig, rank: int, world: int,
-                  batch: tuple[torch.Tensor, torch.Tensor], ref: list[list[torch.Tensor]]) -> dict[str, Any]:
-    x, y = batch
-    sides = _sides(key, cfg, rank, world)
-    for _ in range(cfg.warmup):
-        for pipe in sides.values():
-            pipe.zero_grad()
-            pipe.step(x, y)
-    samples: dict[str, list[float]] = {side: [] for side in sides}
-    cpu: dict[str, list[float]] = {side: [] for side in sides}
-    errors: dict[str, float] = {}
-    for rep in range(cfg.reps):
-        order = ("ours", "torch") if rep % 2 == 0 else ("torch", "ours")
-        for side in order:
-            pipe = sides[side]
-            pipe.zero_grad()
-            elapsed, spent, _ = harness.timed_cpu(functools.partial(pipe.step, x, y))
-            samples[side].append(elapsed)
-            cpu[side].append(spent)
-            if rep == cfg.reps - 1 or rep == cfg.reps - 2:
-                errors[side] = _errors(side, pipe, ref)
-    worst = torch.tensor([errors["ours"], errors["torch"]], dtype=torch.float64)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return {"samples": samples, "cpu": cpu, "grad_error": {"ours": float(worst[0]), "torch": float(worst[1])}}
+QUICK = VsTorchConfig((Workload("overhead-bound", models.ModelSpec("mlp", num_layers=4, width=16, batch=8),
+                                schedules=("1f1b", "zbv"), num_microbatches=4, warmup=1, reps=2),), world=2)
 
 
-def worker(rank: int, world: int, cfg: VsTorchConfig) -> dict[str, Any]:
-    """Run every schedule of `cfg` on this rank; rank 0's result is the report."""
-    batch = models.make_batch(cfg.spec)
+def _schedule(key: str, w: Workload, rank: int, world: int, ref: list[list[torch.Tensor]]) -> dict[str, Any]:
+    x, y = models.make_batch(w.spec)
+    parts = models.build_parts(w.spec, num_stages(key, world))
+    ours = build_pipeline(key, parts, w.num_microbatches, models.loss_fn,
+                          check_inputs_every_step=w.check_inputs_every_step)
+    theirs = build_torch_pipe(key, parts, rank, world, w.num_microbatches, models.loss_fn)
+    sides: list[Any] = [ours, theirs]
+    traces = harness.RoundRobin(sides, lambda pipe, _: pipe.step(x, y)).run(w.reps, w.warmup)
+    errors = [max(models.max_rel_error(g, ref[k]) for k, g in group_grads(ours.stage_modules, ours.schedule).items()),
+              max(models.max_rel_error(models.part_grads(m), ref[s]) for s, m in theirs.modules.items())]
+    return {"samples": {"ours": traces[0].wall, "torch": traces[1].wall}, "cpu": {"ours": traces[0].cpu,
+            "torch": traces[1].cpu}, "grad_error": {"ours": errors[0], "torch": errors[1]}}
+
+
+def worker(rank: int, world: int, w: Workload) -> dict[str, Any]:
+    """Every schedule of one workload on this rank."""
+    x, y = models.make_batch(w.spec)
     refs: dict[int, list[list[torch.Tensor]]] = {}
-    out: dict[str, Any] = {}
-    for key in cfg.schedules:
-        n = num_stages(TORCH_SCHEDULES[key][1], world)
+    out = {}
+    for key in w.schedules:
+        n = num_stages(key, world)
         if n not in refs:
-            refs[n] = models.reference_grads(models.build_parts(cfg.spec, n), *batch, cfg.num_microbatches)[0]
-        out[key] = _run_schedule(key, cfg, rank, world, batch, refs[n])
+            refs[n] = models.reference_grads(models.build_parts(w.spec, n), x, y, w.num_microbatches)[0]
+        out[key] = _schedule(key, w, rank, world, refs[n])
     return out
 
 
-def summarize(cfg: VsTorchConfig, raw: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per schedule: medians, ratio ours/torch, gradient checks."""
+def summarize(w: Workload, per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per schedule: medians, ours / torch, CPU summed over the ranks, the gradient checks."""
     rows = []
-    for key, res in raw.items():
-        ours = harness.summarize(res["samples"]["ours"])
-        theirs = harness.summarize(res["samples"]["torch"])
-        paired = harness.summarize([a / b for a, b in zip(res["samples"]["ours"], res["samples"]["torch"],
-                                                          strict=True)])
-        rows.append({
-            "workload": cfg.name,
-            "model": cfg.spec.describe(),
-            "schedule": key,
-            "torch_class": TORCH_SCHEDULES[key][0],
-            "microbatches": cfg.num_microbatches,
-            "ours": ours.to_dict(),
-            "torch": theirs.to_dict(),
-            "ratio": ours.median / theirs.median,
-            "cpu_ms": {side: 1e3 * harness.summarize(v).median for side, v in res.get("cpu", {}).items()},
-            "paired_ratio": paired.to_dict(),
-            "grad_error": res["grad_error"],
-            "grads_match": {side: err <= GRAD_TOLERANCE for side, err in res["grad_error"].items()},
-            "samples": res["samples"],
-        })
+    for key, res in per_rank[0].items():
+        ours, theirs = (harness.summarize(res["samples"][s]) for s in ("ours", "torch"))
+        errors = {s: max(r[key]["grad_error"][s] for r in per_rank) for s in ("ours", "torch")}
+        cpu = {s: 1e3 * statistics.median(map(sum, zip(*(r[key]["cpu"][s] for r in per_rank), strict=True)))
+               for s in ("ours", "torch")}
+        rows.append({"workload": w.name, "model": w.spec.describe(), "schedule": key,
+                     "torch_class": TORCH_SCHEDULES[key][0], "microbatches": w.num_microbatches, "target": w.target,
+                     "ours": ours.to_dict(), "torch": theirs.to_dict(), "ratio": ours.median / theirs.median,
+                     "cpu_ms": cpu, "grad_error": errors,
+                     "paired_ratio": harness.summarize([a / b for a, b in zip(
+                         res["samples"]["ours"], res["samples"]["torch"], strict=True)]).to_dict(),
+                     "grads_match": {s: e <= GRAD_TOLERANCE for s, e in errors.items()}, "samples": res["samples"]})
     return rows
 
 
-def run(cfg: VsTorchConfig, world: int = 4, timeout_s: float = 600.0) -> list[dict[str, Any]]:
-    """Spawn `world` gloo ranks, run the comparison, return the summary rows."""
-    return summarize(cfg, harness.spawn(worker, cfg, world, timeout_s)[0])
+def run(cfg: VsTorchConfig) -> Result:
+    """Spawn the ranks once per workload; the rows."""
+    return {"rows": [row for w in cfg.workloads for row in summarize(w, harness.spawn(worker, w, cfg.world, 600))],
+            "world": cfg.world}
+
+
+def report(result: Result) -> list[Block]:
+    """One row per (workload, schedule)."""
+    table = [["workload", "schedule", "ours ms (median)", "torch ms (median)", "ours IQR", "torch IQR", "ours/torch",
+              "paired ratio (median, IQR)", "target", "met", "grads ours", "grads torch"]]
+    for r in result["rows"]:
+        p = r["paired_ratio"]
+        table.append([r["workload"], r["schedule"], ms(r["ours"]["median_s"]), ms(r["torch"]["median_s"]),
+                      *(f"{ms(r[s]['q1_s'])}-{ms(r[s]['q3_s'])}" for s in ("ours", "torch")), f"{r['ratio']:.2f}",
+                      f"{p['median_s']:.2f} ({p['q1_s']:.2f}-{p['q3_s']:.2f})", f"<= {r['target']:g}",
+                      mark(r["ratio"] <= r["target"]),
+                      *("match" if r["grads_match"][s] else f"DIFF {r['grad_error'][s]:.1e}"
+                        for s in ("ours", "torch"))])
+    return [table]
+
+
+def figures(result: Result, folder: str) -> list[tuple[str, str]]:
+    """Ours / torch per schedule, a bar per workload."""
+    rows = result["rows"]
+    labels = list(dict.fromkeys(r["schedule"] for r in rows))
+    series = {}
+    for name in dict.fromkeys(r["workload"] for r in rows):
+        by = {r["schedule"]: r for r in rows if r["workload"] == name}
+        target = next(iter(by.values()))["target"]
+        series[f"{name} (target <= {target:g})"] = [by[s]["ratio"] if s in by else 0.0 for s in labels]
+    plots.bars(os.path.join(folder, "bench_ratios.png"), labels, series, 1.0, "parity",
+               "median step time, ours / torch", "duplexpipe runtime vs torch.distributed.pipelining (lower is better)")
+    return [("bench_ratios.png", "Median step time, ours / torch, against the targets")]
+
+
+PART = Part("vs_torch", "Runtime vs torch.distributed.pipelining", VsTorchConfig(), QUICK, run, report, figures,
+            block="results")
+
+if __name__ == "__main__":
+    raise SystemExit(main(only=PART.name))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,13 +11,11 @@ import torch.distributed as dist
 from _train_helpers import WIDTH, batch, make_parts, mse
 from torch import Tensor, nn
 
+from benchmarks.zero_bench import held_bytes  # one measure of held memory, for tests and benchmark
 from duplexpipe import Pipeline, PipelineConfig, make_mesh
 from duplexpipe.dp_options.compression import Int8Options
 from duplexpipe.dp_options.zero import ZeroOptions
 from duplexpipe.train.precision import LossScaleConfig
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.zero_bench import held_bytes  # noqa: E402  (one measure of held memory, for tests and benchmark)
 
 BATCH = 16
 CLIP = 0.05  # below the gradient norm: clipping scales every step

@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import json
-import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks import auto_search  # noqa: E402
-from benchmarks.auto_search import (  # noqa: E402
+from benchmarks import auto_search
+from benchmarks.auto_search import (
     GRID_PROFILES,
     LATENCY,
     UNIFORM,
@@ -24,9 +20,9 @@ from benchmarks.auto_search import (  # noqa: E402
     cost_for,
     v_bound,
 )
-from duplexpipe.schedules import registry  # noqa: E402
-from duplexpipe.schedules.generators.auto import search_problem  # noqa: E402
-from duplexpipe.schedules.generators.bounds import makespan_bound  # noqa: E402
+from duplexpipe.schedules import registry
+from duplexpipe.schedules.generators.auto import search_problem
+from duplexpipe.schedules.generators.bounds import makespan_bound
 
 
 def test_costs_follow_the_model_share_each_part_covers() -> None:
@@ -66,39 +62,45 @@ def test_the_v_bound_proves_the_latency_target_out_of_reach() -> None:
     assert row["bound"] <= row["auto"]["makespan"] + 1e-9
 
 
-def test_parts_run_alone_and_merge_with_earlier_results(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    out = tmp_path / "auto.json"
-    assert auto_search.main(["--quick", "--parts", "sweep", "--json", str(out), "--docs", "none"]) == 0
-    assert "run --parts targets,grid,search_time" in capsys.readouterr().out
-    first = json.loads(out.read_text())
-    assert set(first) == {"quick", "sweep"} and first["sweep"]["P"] == 4
+def test_sections_run_alone_and_keep_the_others_from_earlier_results(tmp_path: Path) -> None:
+    first = auto_search.run(replace(auto_search.QUICK, sections=("sweep",)))
+    assert set(first) == {"sweep"} and first["sweep"]["P"] == 4
     for row in first["sweep"]["rows"]:
         assert min(row["linear_bound"], row["v_bound"]) <= min(row["linear"], row["v"]) + 1e-9
-    assert auto_search.main(["--quick", "--parts", "bogus", "--json", str(out), "--docs", "none"]) == 2
-    assert "--parts needs names from targets, grid, sweep, search_time, got 'bogus'" in capsys.readouterr().err
+    earlier = tmp_path / "results.json"
+    earlier.write_text(json.dumps({"auto_search": {**first, "meta": {}}}))
+    both = auto_search.run(replace(auto_search.QUICK, keep_from=str(earlier), sections=("search_time",)))
+    assert set(both) == {"sweep", "search_time"} and both["sweep"] == first["sweep"]
+    assert both["search_time"]["met"] and len(both["search_time"]["rows"]) == 8
+    with pytest.raises(ValueError, match="unknown sections"):
+        auto_search.run(auto_search.AutoSearchConfig(sections=("bogus",)))
+
+
+def _results(row: dict) -> dict:
+    return {"targets": [{"target": "t", "cases": [row], "met": True}],
+            "grid": {"rows": [row], "cases": 1, "worse": 0, "better": 0, "met": True, "greedy_wins": 0, "at_bound": 1,
+                     "bound_checked": 2, "bound_reached": 1, "bound_violated": [], "dualpipe_cases": 0,
+                     "dualpipe_shorter": 0},
+            "sweep": {"P": 2, "M": 4, "zb_h1": 10.0, "rows": [
+                {"limit": 2, "linear_bound": 10.0, "v_bound": 9.5, "linear": 10.0, "v": 9.5},
+                {"limit": 4, "linear_bound": 9.0, "v_bound": 8.5, "linear": 9.0, "v": 9.0}]},
+            "search_time": {"P": 2, "M": 4, "rows": [], "max_wall_s": 0.1, "met": True, "loadavg": [0, 0, 0]}}
 
 
 def test_one_case_and_its_report() -> None:
     row = case(2, 4, UNIFORM, 2)
     assert row["auto"]["makespan"] <= row["best_built_in_makespan"] + 1e-9
     assert row["best_built_in"] != "dualpipe" and set(row["auto"]["by_placement"]) == {"linear", "v"}
-    results = {"targets": [{"target": "t", "cases": [row], "met": True}],
-               "grid": {"rows": [row], "cases": 1, "worse": 0, "better": 0, "met": True, "greedy_wins": 0,
-                        "dualpipe_cases": 0, "dualpipe_shorter": 0},
-               "sweep": {"P": 2, "M": 4, "zb_h1": 10.0, "rows": [
-                   {"limit": 2, "linear_bound": 10.0, "v_bound": 9.5, "linear": 10.0, "v": 9.5}]},
-               "search_time": {"P": 2, "M": 4, "rows": [], "max_wall_s": 0.1, "met": True, "loadavg": [0, 0, 0]}}
-    text = auto_search.markdown(results)
-    assert "| t | 2 | 4 | 2 |" in text and "### Grid: 1 cases" in text
-    assert "| 2 | 10 | 9.5 | 10 | 9.5 | 0.950 | yes |" in text
-    assert "auto search: targets" in auto_search.text_report(results)
+    blocks = auto_search.report(_results(row))
+    tables = [b for b in blocks if isinstance(b, list)]
+    assert [len(t) for t in tables] == [2, 1, 3, 1]  # one target case; no grid case differs; two limits; no timings
+    assert len(set(map(len, tables[0]))) == 1 and tables[2][1][-1] in ("yes", "no", "no (unreachable)")
+    assert auto_search.report({"sweep": _results(row)["sweep"]})[0].startswith("### Latency 0.5")
 
 
 def test_figures_are_written(tmp_path: Path) -> None:
-    sweep = {"P": 2, "M": 4, "zb_h1": 10.0, "rows": [
-        {"limit": 2, "linear_bound": 10.0, "v_bound": 9.5, "linear": 10.0, "v": 9.5},
-        {"limit": 4, "linear_bound": 9.0, "v_bound": 8.5, "linear": 9.0, "v": 9.0}]}
-    auto_search.sweep_plot(sweep, str(tmp_path / "sweep.png"))
-    auto_search.v_gantt(True, str(tmp_path / "gantt.png"))
-    for name in ("sweep.png", "gantt.png"):
+    made = auto_search.figures(_results(case(2, 4, UNIFORM, 2)), str(tmp_path))
+    assert [name for name, _ in made] == ["auto_limit_sweep.png", "auto_v_bound.png"]
+    for name, _ in made:
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert auto_search.figures({}, str(tmp_path)) == []

@@ -1,20 +1,14 @@
-"""benchmarks/auto_vs_hand.py: the summary (error, rank, ratio, targets) from given samples, the models, and a
-quick run on 2 gloo ranks that writes its docs block (no timing asserts)."""
+"""benchmarks.auto_vs_hand: the summary from given samples, the models, a smoke run's figures."""
 
 from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks import auto_vs_hand  # noqa: E402
+from benchmarks import auto_vs_hand, runner
 
 
 def test_summary_ranks_auto_among_the_hand_picked_schedules() -> None:
@@ -36,9 +30,10 @@ def test_a_head_to_head_judges_the_pick_by_the_median_of_its_rounds_ratios() -> 
     out = auto_vs_hand.summarize(measured)
     assert out["sweep_ratio"] == pytest.approx(1.10) and out["ratio"] == pytest.approx(1.03)  # rounds 1.0, 1.053, 1.03
     assert out["confirmed"] and out["pick_ok"]
-    assert "1.100 sweep, 1.030 head to head (3 rounds)" in auto_vs_hand.markdown({"models": [{
-        **measured, **out, "model": {"name": "m", "widths": [1], "classes": 2, "batch": 1}, "plan": "p",
-        "overhead": None, "auto_build_s": 1.0, "auto_cached_build_s": 1.0, "source": "measured"}]})
+    model = {**measured, **out, "model": {"name": "m", "widths": [1], "classes": 2, "batch": 1}, "plan": "p",
+             "overhead": None, "auto_build_s": 1.0, "auto_cached_build_s": 1.0, "source": "measured"}
+    summary, _, per_candidate = auto_vs_hand.report({"models": [model]})
+    assert len(summary) == 2 and summary[1][-1] == "yes" and len(per_candidate) == 1 + len(measured["names"])
 
 
 def test_the_models_have_uneven_widths_and_a_heavy_head() -> None:
@@ -56,8 +51,8 @@ def test_quick_run_writes_the_summary_and_its_docs_block(tmp_path: Path) -> None
     docs = tmp_path / "docs"
     docs.mkdir()
     (docs / "benchmarks.md").write_text("# Benchmarks\n\nprose kept\n", encoding="utf-8")
-    assert auto_vs_hand.main(["--quick", "--out", str(tmp_path), "--docs", str(docs)]) == 0
-    part = json.loads((tmp_path / "auto_vs_hand.json").read_text())
+    assert runner.main(["--quick", "--out", str(tmp_path), "--docs", str(docs)], only="auto_vs_hand") == 0
+    part = json.loads((tmp_path / "results.json").read_text())["auto_vs_hand"]
     (model,) = part["models"]
     assert model["names"] == ["auto", "1f1b, M=4", "zb-h1, M=4"]
     assert all(len(s) == 2 for s in model["seconds"]) and model["predicted_s"] > 0
@@ -66,4 +61,6 @@ def test_quick_run_writes_the_summary_and_its_docs_block(tmp_path: Path) -> None
     assert model["source"].startswith("cache "), "built twice: the run's auto Pipeline read the first one's cache"
     assert model["auto_build_s"] > 0 and model["auto_cached_build_s"] > 0
     text = (docs / "benchmarks.md").read_text()
-    assert "prose kept" in text and "<!-- bench:auto-vs-hand:begin -->" in text and "| overhead-bound |" in text
+    assert "prose kept" in text and "<!-- bench:auto-vs-hand:begin -->" in text
+    assert model["rank"] <= model["candidates"] == 3 and model["error"] == pytest.approx(
+        model["auto_s"] / model["predicted_s"] - 1)

@@ -1,26 +1,17 @@
-"""Smoke test of benchmarks/compression.py (2 gloo ranks, the small model, 2 reps); no timing asserts."""
+"""benchmarks.compression: its smoke run on 2 gloo ranks, bytes and break-even (no timing asserts)."""
 
 from __future__ import annotations
 
-import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks import compression  # noqa: E402
+from benchmarks import compression
 
 
 @pytest.mark.timeout(240)
-def test_quick_run_writes_rows_with_bytes_and_break_even(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    out = tmp_path / "rows.json"
-    assert compression.main(["--quick", "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())
+def test_quick_run_has_rows_with_bytes_and_break_even() -> None:
+    rows = compression.run(compression.QUICK)["rows"]
     assert [r["method"] for r in rows] == [compression.METHODS[i][0] for i in (0, 3, 4)]
     numel = sum(math.prod(s) for s in compression.gpt_shapes(4, 64))
     base, int8, powersgd = rows
@@ -31,9 +22,10 @@ def test_quick_run_writes_rows_with_bytes_and_break_even(tmp_path: Path, capsys:
     for r in (int8, powersgd):
         assert r["break_even_Bps"] is not None and r["break_even_Bps"] > 0
         assert r["compute_s"] > 0 and r["gloo_s"] > 0
-    assert "| GPT example (4 x 64)" in capsys.readouterr().out
+    (table,) = compression.report({"rows": rows})
+    assert len(table) == 4 and table[1][-1] == "-"
 
 
-def test_bad_reps_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
-    assert compression.main(["--reps", "0"]) == 2
-    assert capsys.readouterr().err.strip() == "compression.py: --reps must be >= 1, got 0"
+def test_bad_reps_are_refused() -> None:
+    with pytest.raises(ValueError, match="reps must be >= 1"):
+        compression.CompressionConfig(reps=0)

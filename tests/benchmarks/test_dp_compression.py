@@ -1,17 +1,14 @@
-"""Tests for benchmarks/dp_compression.py: the summary, table, verdict and figures from given runs (the
-training itself is what `make bench` measures), and the CLI's bad input."""
+"""benchmarks.dp_compression: rows, table, verdict and figures from given runs; the config's refusals."""
 
 from __future__ import annotations
 
-import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from benchmarks import dp_compression as bench  # noqa: E402
+from benchmarks import dp_compression as bench
 
 CFG = bench.DPBenchConfig(steps=30, tail=5)
 
@@ -41,28 +38,27 @@ def test_rows_compare_each_method_with_the_fp32_run_of_its_optimizer() -> None:
     # break-even: bytes saved per step / extra compute per step
     assert int8["break_even_Bps"] == pytest.approx(300e3 / 0.005)
     assert dgc["break_even_Bps"] == pytest.approx(392e3 / 0.010)
-    assert rows["fp32 all-reduce"]["break_even_Bps"] is None
+    assert rows["fp32 all-reduce"]["break_even_Bps"] is None and rows["fp32 all-reduce"]["met"] is None
 
 
-def test_table_verdict_and_markdown_say_what_was_measured() -> None:
+def test_the_report_holds_a_row_per_method_and_a_verdict_from_the_figures() -> None:
     rows = bench.summarize(RUNS, CFG)
-    text = bench.table(rows, CFG)
-    assert "| int8 | AdamW lr 0.003 |" in text and "**no**" in text and "| yes |" in text
-    verdict = bench._verdict(rows)
-    assert "2 of 2 compressed runs were slower than their fp32 run" in verdict
-    assert "2 of 2 methods spend more CPU" in verdict
-    assert "between 39 and 60 MB/s per rank" in verdict
-    result = {"config": {**bench.asdict(CFG), "methods": []}, "rows": rows, "runs": RUNS, "loadavg": [1, 2, 3]}
-    md = bench.markdown(result, [("img/x.png", "X")])
-    assert text in md and verdict in md and "![X](img/x.png)" in md
+    result = {"config": {**asdict(CFG), "methods": []}, "rows": rows, "runs": RUNS}
+    intro, table, verdict = bench.report(result)
+    assert isinstance(table, list) and len(table) == 1 + len(RUNS) and len(set(map(len, table))) == 1
+    assert [r[8] for r in table[1:]] == ["-", "yes", "-", "**no**"]  # the "met" column
+    assert isinstance(verdict, str) and all(r["label"] in verdict for r in rows if r.get("break_even_Bps"))
+    assert f"{300e3 / 0.005 / 1e6:.0f}" in verdict and f"{392e3 / 0.010 / 1e6:.0f}" in verdict  # the span's ends
+    assert bench._verdict(rows[:1]) == ""  # nothing compressed: no verdict
 
 
 def test_figures_are_written(tmp_path: Path) -> None:
-    paths = bench.figures(RUNS, bench.summarize(RUNS, CFG), str(tmp_path))
-    assert [Path(p).name for p in paths] == ["dp_compression_loss.png", "dp_compression_bytes_vs_loss.png"]
-    assert all(Path(p).stat().st_size > 10_000 for p in paths)
+    made = bench.figures({"runs": RUNS, "rows": bench.summarize(RUNS, CFG)}, str(tmp_path))
+    assert [name for name, _ in made] == ["dp_compression_loss.png", "dp_compression_bytes_vs_loss.png"]
+    assert all((tmp_path / name).stat().st_size > 10_000 for name, _ in made)
 
 
-def test_too_few_steps_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
-    assert bench.main(["--steps", "3"]) == 2
-    assert "--steps must be >= 25" in capsys.readouterr().err
+def test_too_few_steps_are_refused() -> None:
+    with pytest.raises(ValueError, match="steps must be >= tail"):
+        bench.DPBenchConfig(steps=3)
+    assert bench.QUICK.steps >= bench.QUICK.tail + 5

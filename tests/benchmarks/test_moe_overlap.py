@@ -1,21 +1,17 @@
-"""benchmarks/moe_overlap.py: its summary arithmetic, its report and docs section, its refusals (no runs)."""
+"""benchmarks.moe_overlap: its summary arithmetic, its report and docs block, its config's refusals (no runs)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+from dataclasses import asdict
+from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks import moe_overlap  # noqa: E402
+from benchmarks import moe_overlap
 
 
 def _rank(seq: list[float], ovl: list[float], comm: list[float], measured: list[float],
-          cpu: list[float] | None = None) -> dict:
+          cpu: list[float] | None = None) -> dict[str, Any]:
     pairs = {"sequential": seq, "overlapped": ovl, "comm": comm, "measured": measured}
     return {"pairs": pairs if cpu is None else {**pairs, "overlapped_cpu": cpu},
             "link": {"latency_s": 0.0, "bandwidth_bytes_per_s": 1e6}, "cores": 2}
@@ -37,34 +33,29 @@ def test_the_cores_bound_is_the_ranks_cpu_over_the_cores_or_the_busiest_rank() -
     assert s["hidden_at_most"] == pytest.approx((1.0 - 0.9) / 0.5)
     busiest = moe_overlap.summary([_rank([1.0], [0.8], [0.5], [1.1], cpu=[0.7])])
     assert busiest["cpu_bound_ms"] == pytest.approx(700.0) and busiest["hidden_at_most"] == pytest.approx(0.6)
-    assert "at most 60% of the comm can be hidden here" in moe_overlap.report(busiest, moe_overlap.MoEBenchConfig())
 
 
-def test_report_and_docs_section_name_the_link_and_the_command() -> None:
-    results = [_rank([1.0], [0.7], [0.4], [1.0])]
-    out = {**moe_overlap.summary(results), "config": moe_overlap.asdict(moe_overlap.MoEBenchConfig(steps=0)),
-           "machine": {"cores": 2, "torch": "2.13.0"}}
-    text = moe_overlap.markdown(out)
-    assert "emulated link 1.0 MB/s" in text and "python benchmarks/moe_overlap.py --tokens 512" in text
-    assert "hidden 75% of the comm" in text
-    assert "Targets: pair <= 0.75x F then B: met (0.70x); >= 70% of the comm hidden: met (75%)." in text
-    nccl = {**out, "config": moe_overlap.asdict(moe_overlap.MoEBenchConfig(steps=0, backend="nccl"))}
-    assert "Target: >= 80% of the comm hidden: missed (75%)." in moe_overlap.markdown(nccl)
+@pytest.mark.parametrize(("backend", "hidden", "verdicts"), [("gloo", 0.75, ["met", "met"]),
+                                                              ("nccl", 0.75, ["missed"])])
+def test_the_report_judges_the_targets_of_its_backend(backend: str, hidden: float, verdicts: list[str]) -> None:
+    s = {**moe_overlap.summary([_rank([1.0], [0.7], [0.4], [1.0])]),
+         "config": asdict(moe_overlap.MoEBenchConfig(steps=0, backend=backend))}
+    assert s["hidden"] == pytest.approx(hidden) and s["pair_ratio"] == pytest.approx(0.7)
+    workload, table, targets = moe_overlap.report(s)
+    assert [r[0] for r in table[1:]] == ["F then B", "overlapped"] and len(set(map(len, table))) == 1
+    words = targets.replace(";", " ").replace("*", "").split()
+    assert [w for w in words if w in ("met", "missed")] == verdicts
 
 
-def test_a_two_rank_run_says_so_and_has_its_own_docs_section() -> None:
-    out = {**moe_overlap.summary([_rank([1.0], [0.7], [0.4], [1.0])]),
-           "config": moe_overlap.asdict(moe_overlap.MoEBenchConfig(steps=0, ranks=2)), "machine": {"cores": 2}}
-    text = moe_overlap.markdown(out)
-    assert "2 gloo processes" in text and "moe_overlap.py --ranks 2 --tokens" in text
-    assert moe_overlap.markers(2)[0] != moe_overlap.BEGIN and moe_overlap.markers(4) == (moe_overlap.BEGIN,
-                                                                                          moe_overlap.END)
+def test_a_two_rank_run_has_its_own_docs_block() -> None:
+    block = moe_overlap.PART.block_of
+    assert block({"config": asdict(moe_overlap.MoEBenchConfig(ranks=2))}) == "moe-overlap-2"
+    assert block({"config": asdict(moe_overlap.MoEBenchConfig())}) == block({}) == "moe-overlap"
 
 
-@pytest.mark.parametrize(("argv", "needle"), [(["--reps", "0"], "need --reps"),
-                                              (["--experts", "6"], "--experts must be a multiple of 4"),
-                                              (["--ranks", "3"], "invalid choice: 3")])
-def test_bad_arguments_exit_2(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exc:
-        moe_overlap.main(argv)
-    assert exc.value.code == 2 and needle in capsys.readouterr().err
+@pytest.mark.parametrize(("changes", "needle"), [({"reps": 0}, "need reps"), ({"experts": 6}, "multiple of 4"),
+                                                 ({"ranks": 3}, "ranks must be 2 or 4"),
+                                                 ({"tokens": 100}, "dividing tokens")])
+def test_bad_configs_are_refused(changes: dict[str, int], needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        moe_overlap.MoEBenchConfig(**changes)

@@ -1,19 +1,15 @@
-"""benchmarks/plan_vs_measured.py: a quick run on 2 gloo ranks (no timing asserts) and the order check."""
+"""benchmarks.plan_vs_measured: a quick run on 2 gloo ranks (no timing asserts) and the order check."""
 
 from __future__ import annotations
 
 import json
-import sys
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks import plan_vs_measured, plan_vs_measured_report  # noqa: E402
+from benchmarks import plan_vs_measured, plan_vs_measured_report, runner
 
 
 @pytest.mark.timeout(300)
@@ -21,9 +17,9 @@ def test_quick_run_predicts_the_measured_activation_peaks_and_writes_its_section
     docs = tmp_path / "docs"
     docs.mkdir()
     (docs / "benchmarks.md").write_text("# Benchmarks\n\nprose kept\n", encoding="utf-8")
-    assert plan_vs_measured.main(["--quick", "--out", str(tmp_path), "--docs", str(docs)]) == 0
-    part = json.loads((tmp_path / "plan_vs_measured.json").read_text())
-    cfg = plan_vs_measured.quick_config()
+    assert runner.main(["--quick", "--out", str(tmp_path), "--docs", str(docs)], only="plan_vs_measured") == 0
+    part = json.loads((tmp_path / "results.json").read_text())["plan_vs_measured"]
+    cfg = plan_vs_measured.QUICK
     assert [r["candidate"] for r in part["rows"]] == [f"{name}, M={m}" for name, m in cfg.candidates]
     for row in part["rows"]:
         assert len(row["samples"]) == cfg.steps and len(row["measured_acts"]) == cfg.ranks
@@ -41,14 +37,18 @@ def test_quick_run_predicts_the_measured_activation_peaks_and_writes_its_section
     assert not set(cfg.calibration) & set(cfg.candidates)
     if real["overhead"] is None:  # a smoke run's 5 loaded steps may not separate 4 terms: said, not hidden
         assert "cannot separate" in real["error"] or "does not grow with their compute" in real["error"]
-        assert "FAILED, the previous model's terms used instead" in text
+        assert "FAILED" in plan_vs_measured_report._model_note(part)
     else:
         assert 0 < real["overhead"]["compute_scale"] < float("inf")
         assert min(real["overhead"][k] for k in ("action_s", "message_s", "step_s")) >= 0
         assert [c["run"] for c in real["check"]] == [f"{name}, M={m}" for name, m in cfg.calibration]
         assert len(real["samples"]) == 3 * cfg.ranks and all(s["compute"] > 0 for s in real["samples"])
-    assert "prose kept" in text and plan_vs_measured_report.BEGIN in text and plan_vs_measured_report.END in text
+    assert "prose kept" in text and "<!-- bench:plan-vs-measured:begin -->" in text
     assert (docs / "img" / plan_vs_measured_report.FIGURE).stat().st_size > 0
+    tables = [b for b in plan_vs_measured_report.report(part) if isinstance(b, list)]
+    assert [len(t) for t in tables] == [1 + len(part["rows"]), 1 + len(part["order"]),
+                                        1 + len(calibration["check"]) + len(real["check"]), 1 + len(part["rows"])]
+    assert re.search(r"alpha = [\d.]+", plan_vs_measured_report._model_note(part))
 
 
 def test_the_calibration_may_not_run_a_candidate() -> None:

@@ -1,4 +1,4 @@
-"""runtime_overhead: the calibration runs the real runtime on 2 gloo ranks and solves from what it measured."""
+"""benchmarks.measure_overhead: the calibrations run the real runtime on 2 gloo ranks and solve."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import torch
 from _clocks import ScriptedStepClock
 from models import run_workers
 
+from benchmarks.measure_overhead import CalibrationRun, TinyPart, measure_in_pipeline, measure_overhead
 from duplexpipe import PipelineConfig, profile_parts
 from duplexpipe.planner.profile import Profile
 from duplexpipe.planner.runtime_work import rank_counts, rank_work
 from duplexpipe.schedules import registry
-from duplexpipe.train.measure_overhead import CalibrationRun, TinyPart, measure_in_pipeline, measure_overhead
 
 
 def _calibrate(rank: int, world: int) -> dict[str, Any]:

@@ -1,23 +1,25 @@
-"""Calibrate the runtime's work per action, message and step and the parts' in-pipeline compute scale."""
+"""Calibrate the runtime's work per action, message and step, and the parts' in-pipeline compute scale."""
 
 from __future__ import annotations
 
+import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from duplexpipe.parallel import OptimizerFactory
-from duplexpipe.planner.profile import PartProfile, RuntimeOverhead
-from duplexpipe.planner.runtime_work import OverheadSample, rank_counts, rank_work, solve_overhead
-from duplexpipe.schedules import registry
-from duplexpipe.schedules.ir import Schedule
-from duplexpipe.train.calibration import CpuTimer, gathered_samples, timed_steps
-from duplexpipe.train.measure import profile_parts
-from duplexpipe.train.trainer import LossFn, Pipeline, PipelineConfig
+from benchmarks import harness
+from benchmarks.internals import OverheadSample, PartProfile, RuntimeOverhead, rank_counts, rank_work, solve_overhead
+from duplexpipe import Pipeline, PipelineConfig, Schedule, build_schedule, profile_parts
+
+LossFn = Callable[[Any, Any], Tensor]
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+CpuTimer = Callable[[], float]
+"""This process's CPU seconds (all its threads: gloo's included); time.process_time by default."""
 
 
 class TinyPart(nn.Module):
@@ -36,12 +38,30 @@ def _loss(output: Tensor, target: Tensor) -> Tensor:
     return output.pow(2).mean()
 
 
+def timed_steps(pipes: Sequence[Pipeline], batches: Sequence[tuple[Any, Any]], steps: int, warmup: int,
+                cpu_timer: CpuTimer) -> tuple[list[float], list[float]]:
+    """Round-robin steps, each between barriers: per pipe, this rank's median CPU seconds and the slowest rank's
+    median wall seconds of the measured steps."""
+    traces = harness.RoundRobin(list(zip(pipes, batches, strict=True)), lambda s, _: s[0].step(*s[1]),
+                                cpu_timer=cpu_timer).run(steps, warmup)
+    return [statistics.median(t.cpu) for t in traces], [statistics.median(t.wall) for t in traces]
+
+
+def gathered_samples(runs: Sequence[tuple[Schedule, Sequence[PartProfile]]], cpu: Sequence[float]
+                     ) -> list[OverheadSample]:
+    """Every rank's sample of every run: its actions and messages in the run's schedule, its CPU seconds per step,
+    and its parts' profiled compute (`rank_work` of the run's groups)."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, list(cpu))
+    return [OverheadSample(*rank_counts(schedule)[rank], took, rank_work(schedule, groups)[rank])
+            for rank, seconds in enumerate(gathered) for (schedule, groups), took in zip(runs, seconds, strict=True)]
+
+
 @dataclass(frozen=True)
 class OverheadCalibration:
     """What `measure_overhead` measured and solved."""
 
-    overhead: RuntimeOverhead
-    """The solved per-action, per-message and per-step work."""
+    overhead: RuntimeOverhead  # the solved per-action, per-message and per-step work
     samples: tuple[OverheadSample, ...]
     """Every rank's sample at every M (median CPU seconds per step minus its tiny parts' compute)."""
     wall_s: dict[tuple[str, int], float]
@@ -80,7 +100,7 @@ def measure_overhead(message: Tensor, *, runs: Sequence[tuple[str, int]] | None 
                          f"steps={steps}, warmup={warmup}, runs={plan}")
     tiny = profile_parts([TinyPart()], message, repeats=5, warmup=2, fit_rows=0, timer=cpu_timer).parts[0]
     base = config or PipelineConfig()
-    pipes = [Pipeline([TinyPart() for _ in range(registry.build(name, ranks, m).num_groups)], _loss,
+    pipes = [Pipeline([TinyPart() for _ in range(build_schedule(name, ranks, m).num_groups)], _loss,
                       lambda p: torch.optim.SGD(p, lr=0.0), replace(base, schedule=name, num_microbatches=m))
              for name, m in plan]
     batches = [(torch.cat([message.detach()] * m), torch.zeros(len(message) * m)) for _, m in plan]
@@ -92,7 +112,7 @@ def measure_overhead(message: Tensor, *, runs: Sequence[tuple[str, int]] | None 
     for r, got in enumerate(gathered):
         assert got is not None
         for (name, m), seconds in zip(plan, got[0], strict=True):
-            schedule = registry.build(name, ranks, m)
+            schedule = build_schedule(name, ranks, m)
             actions, messages = rank_counts(schedule)[r]
             compute = rank_work(schedule, [got[1]] * schedule.num_groups)[r]
             samples.append(OverheadSample(actions, messages, seconds, compute))
@@ -107,10 +127,8 @@ def measure_overhead(message: Tensor, *, runs: Sequence[tuple[str, int]] | None 
 class CalibrationRun:
     """One schedule of the in-pipeline calibration, with the real parts."""
 
-    schedule: Schedule
-    """What to run (over the P ranks of the default group)."""
-    parts: Sequence[nn.Module]
-    """Its model parts (one per group: the profiled parts merged as the planner groups them)."""
+    schedule: Schedule  # what to run (over the P ranks of the default group)
+    parts: Sequence[nn.Module]  # its model parts (one per group: the profiled parts merged as the planner groups them)
     groups: Sequence[PartProfile]
     """Their profile at this schedule's microbatch (what the rank's compute is charged from)."""
 
@@ -143,7 +161,7 @@ def measure_in_pipeline(runs: Sequence[CalibrationRun], batch: tuple[Tensor, Ten
     base = config or PipelineConfig()
     pipes = [Pipeline(list(run.parts), loss_fn, optimizer, replace(base, schedule=run.schedule)) for run in runs]
     cpu, wall = timed_steps(pipes, [batch] * len(runs), steps, warmup, cpu_timer)
-    samples = gathered_samples([(run.schedule, run.groups) for run in runs], cpu, dist.get_rank())
+    samples = gathered_samples([(run.schedule, run.groups) for run in runs], cpu)
     method = (f"{', '.join(f'{r.schedule.name} M={r.schedule.num_microbatches}' for r in runs)} on {ranks} ranks "
               f"with the real parts: median CPU time per rank of {steps} steps each, least squares over "
               f"{len(samples)} rank-runs for the compute scale and the per-action, per-message and per-step work")

@@ -1,0 +1,120 @@
+"""A benchmark part (name, config, quick config, run, report, figures) and its report as text or markdown."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+C = TypeVar("C")
+Table = list[list[str]]
+"""A table: the header row, then the body rows."""
+Block = str | Table
+"""One item of a report: a paragraph (markdown; a "### " heading too) or a table."""
+Result = dict[str, Any]
+"""What a part's run returns: JSON-ready figures."""
+Figures = Callable[[Result, str], list[tuple[str, str]]]
+"""(result, folder) -> the (file name, caption) of each figure drawn into the folder."""
+
+
+def _no_figures(result: Result, folder: str) -> list[tuple[str, str]]:
+    return []
+
+
+@dataclass(frozen=True)
+class Part(Generic[C]):
+    """One benchmark: what `make bench` (or `python -m benchmarks.<name>`) measures, and how it reports it."""
+
+    name: str  # its module under benchmarks/ and its key in results.json
+    title: str  # the heading of its report
+    config: C  # what a full run measures (a frozen dataclass; `--set field=value` replaces a field)
+    quick: C  # A smoke run's config (`--quick`)
+    run: Callable[[C], Result]  # measure: config -> JSON-ready result
+    report: Callable[[Result], list[Block]]
+    """The result's tables and sentences (rendered as text for stdout, as markdown for the docs)."""
+    figures: Figures = _no_figures  # draw the result's figures into a folder
+    block: str | Callable[[Result], str] = ""
+    """The docs block (between `<!-- bench:BLOCK:begin/end -->` of docs/benchmarks.md) it writes; default `name`."""
+    in_bench: bool = True
+    """False: run only when named (`--parts` or `python -m benchmarks.<name>`), not by `make bench`."""
+
+    def text(self, result: Result) -> str:
+        """The report as fixed-width text."""
+        return render(self.report(result), markdown=False)
+
+    def markdown(self, result: Result) -> str:
+        """The report as GitHub markdown."""
+        return render(self.report(result), markdown=True)
+
+    def block_of(self, result: Result) -> str:
+        """The docs block this result goes to."""
+        return (self.block(result) if callable(self.block) else self.block) or self.name
+
+
+def text_table(table: Table) -> str:
+    """Fixed-width text (markdown emphasis dropped)."""
+    rows = [[cell.replace("**", "") for cell in row] for row in table]
+    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
+
+
+def markdown_table(table: Table) -> str:
+    """A GitHub markdown table."""
+    head, *body = table
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|",
+                      *("| " + " | ".join(row) + " |" for row in body)])
+
+
+def render(blocks: Sequence[Block], markdown: bool) -> str:
+    """Paragraphs and tables, a blank line apart."""
+    out = []
+    for block in blocks:
+        if isinstance(block, list):
+            out.append(markdown_table(block) if markdown else text_table(block))
+        else:
+            out.append(block if markdown else block.removeprefix("### ").replace("**", ""))
+    return "\n\n".join(out)
+
+
+def mark(ok: bool) -> str:
+    """A table's verdict cell."""
+    return "yes" if ok else "**no**"
+
+
+def met(ok: bool) -> str:
+    """A target's verdict in a sentence."""
+    return "met" if ok else "**missed**"
+
+
+def ms(seconds: float) -> str:
+    """Seconds as milliseconds with one decimal."""
+    return f"{seconds * 1e3:.1f}"
+
+
+def with_settings(config: C, settings: Sequence[str]) -> C:
+    """`config` with each "field=value" applied (JSON, a comma list for a tuple field, else the text); raises
+    ValueError naming an unknown field or a value the config rejects."""
+    names = [f.name for f in dataclasses.fields(config)]  # type: ignore[arg-type]
+    changes: dict[str, Any] = {}
+    for setting in settings:
+        key, sep, text = setting.partition("=")
+        if not sep or key not in names:
+            raise ValueError(f"--set {setting!r}: expected FIELD=VALUE with FIELD one of {names}")
+        current, value = getattr(config, key), _json(text)
+        if isinstance(current, (int, float)) and not isinstance(value, (int, float)):
+            raise ValueError(f"--set {setting!r}: {key} takes a number, got {text!r}")
+        if isinstance(current, tuple):
+            items = value if isinstance(value, list) else [_json(v) for v in text.split(",") if v]
+            value = tuple(tuple(v) if isinstance(v, list) else v for v in items)
+        changes[key] = text if isinstance(current, str) else float(value) if isinstance(current, float) else value
+    return dataclasses.replace(config, **changes)  # type: ignore[type-var]
+
+
+def _json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
