@@ -10,10 +10,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks import harness
+from benchmarks import harness, runner
 from benchmarks import internals as deep
 from benchmarks.framework import Block, Part, Result
-from benchmarks.runner import main
 from duplexpipe.launch.tasks.gpt import GPTConfig, build_gpt
 
 METHODS: tuple[tuple[str, str | deep.Options], ...] = (
@@ -27,15 +26,13 @@ METHODS: tuple[tuple[str, str | deep.Options], ...] = (
     ("threshold 0.5 max, 1% slots", deep.ThresholdOptions(ratio=0.01, theta=0.5)),
     ("dgc 99%", deep.DGCOptions(ratio=0.01)),
     ("dgc 99.9%", deep.DGCOptions(ratio=0.001)),
-)
-"""(label, compression) pairs measured; DGC without warm-up, so every timed step is at steady state."""
+)  # (label, compression) measured; DGC without warm-up: every timed step at steady state
 
 
 @dataclass(frozen=True)
 class CompressionConfig:
-    """Each method reduces one bucket shaped like a GPT's parameters on 2 gloo ranks: "compute" over a 1-rank group
-    (the collectives are local copies: the cost of compressing and decompressing), "gloo" over both ranks; bytes
-    are the ring-model bytes one rank sends per step."""
+    """Each method reduces a bucket shaped like a GPT's parameters on 2 gloo ranks: "compute" over a 1-rank group (the
+    cost of compressing and decompressing), "gloo" over both; bytes: the ring-model bytes a rank sends per step."""
 
     models: tuple[tuple[str, int, int], ...] = (("GPT example (4 x 64)", 4, 64), ("GPT 8 x 256", 8, 256))
     """(label, n_layer, d_model) of the GPTs whose parameter shapes make the bucket."""
@@ -90,8 +87,7 @@ def _worker(rank: int, world: int, cfg: CompressionConfig) -> list[dict[str, Any
 
 
 def break_even(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each row with its ratio and break-even bandwidth against the fp32 all-reduce of the same model: (fp32 bytes -
-    method bytes) / (method compute - fp32 compute); on slower links the bytes saved outweigh the compute."""
+    """Each row with its ratio and break-even bandwidth against the same model's fp32 all-reduce."""
     base = {r["model"]: r for r in rows if r["method"] == METHODS[0][0]}
     out = []
     for r in rows:
@@ -124,4 +120,4 @@ PART = Part("compression", "Gradient compression micro-benchmark", CompressionCo
             in_bench=False)
 
 if __name__ == "__main__":
-    raise SystemExit(main(only=PART.name))
+    raise SystemExit(runner.main(only=PART.name))

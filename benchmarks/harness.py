@@ -9,12 +9,12 @@ import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, Generic, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from benchmarks.internals import SHARE_GPU_ENV
 from duplexpipe import Pipeline, PipelineConfig, make_mesh
 from duplexpipe import run as run_ranks  # `duplexpipe.launch` (the function) is shadowed by its subpackage
 from duplexpipe.launch.tasks.gpt import gpt_task
@@ -24,27 +24,18 @@ WorkerFn = Callable[[int, int, Any], Any]
 
 
 def spawn(fn: WorkerFn, arg: Any, world: int, timeout_s: float, backend: str = "gloo") -> list[Any]:
-    """Run `fn(rank, world, arg)` on `world` local ranks (`duplexpipe.run`: gloo, or NCCL with a GPU each), one
-    thread each; the results by rank. A failed rank raises LaunchError with its traceback."""
+    """Run `fn(rank, world, arg)` on `world` local ranks (`duplexpipe.run`, gloo or NCCL); the results by rank."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise RuntimeError("backend nccl needs a CUDA GPU")
+    if backend == "nccl" and torch.cuda.device_count() < world:
+        os.environ[SHARE_GPU_ENV] = "1"
     return run_ranks(_call, world, (fn, arg), backend=backend, timeout_s=timeout_s)
 
 
 def _call(fn: WorkerFn, arg: Any) -> Any:
     torch.set_num_threads(1)
     return fn(dist.get_rank(), dist.get_world_size(), arg)
-
-
-def timed_cpu(step: Callable[[], Any], group: Any = None,
-              cpu_timer: Callable[[], float] = time.process_time) -> tuple[float, float, Any]:
-    """Run one step between barriers: (the slowest rank's seconds, this rank's CPU seconds, its result)."""
-    dist.barrier(group=group)
-    start, cpu = time.perf_counter(), cpu_timer()
-    out = step()
-    spent = cpu_timer() - cpu
-    wall = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    dist.all_reduce(wall, op=dist.ReduceOp.MAX, group=group)
-    return float(wall.item()), spent, out
 
 
 @dataclass
@@ -59,13 +50,11 @@ class Trace:
 
 @dataclass(frozen=True)
 class RoundRobin(Generic[P]):
-    """Steppers trained in turn: step i of each (the first one rotating), then step i + 1, so all see the
-    same machine load; every step is timed between barriers."""
+    """Steppers trained in turn (the first one rotating), so all see the same load; each step timed between barriers."""
 
     steppers: Sequence[P]  # anything `step` can step (Pipelines, runtimes, torch pipes)
     step: Callable[[P, int], Any]  # (stepper, step index) -> the step's output
-    extra: Callable[[P], Any] | None = None
-    """Read after each measured step (e.g. its StepInfo's figures); on every rank (it may be a collective)."""
+    extra: Callable[[P], Any] | None = None  # read after each measured step, on every rank (may be a collective)
     cpu_timer: Callable[[], float] = time.process_time  # this process's CPU seconds (read before and after each step)
 
     def run(self, steps: int, warmup: int = 0) -> list[Trace]:
@@ -73,12 +62,16 @@ class RoundRobin(Generic[P]):
         traces = [Trace() for _ in self.steppers]
         n = len(self.steppers)
         for i in range(warmup + steps):
-            for k in range(n):
-                c = (i + k) % n
-                wall, cpu, out = timed_cpu(partial(self.step, self.steppers[c], i), cpu_timer=self.cpu_timer)
+            for c in ((i + k) % n for k in range(n)):
+                dist.barrier()
+                start, cpu = time.perf_counter(), self.cpu_timer()
+                out = self.step(self.steppers[c], i)
+                cpu = self.cpu_timer() - cpu
+                wall = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+                dist.all_reduce(wall, op=dist.ReduceOp.MAX)  # the slowest rank's seconds
                 if i >= warmup:
                     trace = traces[c]
-                    trace.wall.append(wall)
+                    trace.wall.append(float(wall.item()))
                     trace.cpu.append(cpu)
                     trace.out.append(out)
                     if self.extra is not None:

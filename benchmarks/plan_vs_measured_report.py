@@ -7,16 +7,12 @@ import os
 from types import MappingProxyType
 from typing import Any
 
-from benchmarks import plots
-from benchmarks.framework import Block, Result, mark, ms
+from benchmarks.framework import Block, Result, figure, mark, ms
 from benchmarks.internals import format_bytes
 
-TIME_TARGET = 0.25
-"""|measured - predicted| / predicted step time, at most."""
-BYTES_TARGET = 0.10
-"""|measured - predicted| / predicted peak activation bytes, at most."""
-ORDER_GAP = 0.15
-"""Candidates whose predicted step times differ by more than this fraction must be measured in that order."""
+TIME_TARGET = 0.25  # |measured - predicted| / predicted step time, at most
+BYTES_TARGET = 0.10  # |measured - predicted| / predicted peak activation bytes, at most
+ORDER_GAP = 0.15  # candidates predicted more than this fraction apart must be measured in that order
 FIGURE = "plan_vs_measured.png"
 SHORT = MappingProxyType({"previous": "previous model (1-weight calibration)", "no_cores": "device per rank",
                           "cores_only": "C cores only", "alone_linear": "alone, linear", "old": "old prediction"})
@@ -46,28 +42,23 @@ def table(part: dict[str, Any]) -> list[list[str]]:
 
 def order_table(part: dict[str, Any]) -> list[list[str]]:
     """Header + one row per pair predicted more than ORDER_GAP apart."""
-    out = [["predicted faster", "predicted slower", "predicted gap", "measured gap", "same order"]]
-    for p in part["order"]:
-        out.append([p["faster"], p["slower"], f"{p['predicted_gap']:+.0%}", f"{p['measured_gap']:+.0%}",
-                    mark(p["same_order"])])
-    return out
+    return [["predicted faster", "predicted slower", "predicted gap", "measured gap", "same order"]] + [
+        [p["faster"], p["slower"], f"{p['predicted_gap']:+.0%}", f"{p['measured_gap']:+.0%}", mark(p["same_order"])]
+        for p in part["order"]]
 
 
 def calibration_table(part: dict[str, Any]) -> list[list[str]]:
-    """Header + the calibration runs: each model's prediction of its own calibration runs against their
-    measured step (the new model: the real parts; the previous one: 1-weight parts)."""
+    """Header + each model's prediction of its own calibration runs (new: real parts; previous: 1-weight parts)."""
     out = [["calibration run", "model", "predicted ms", "measured ms (median)", "error"]]
     for key, title in (("in_pipeline", "new (real parts)"), ("calibration", "previous (1-weight parts)")):
         for c in part.get(key, {}).get("check", []):
             err = (c["measured_s"] - c["predicted_s"]) / c["predicted_s"]
-            out.append([c["run"], title, f"{c['predicted_s'] * 1e3:.2f}", f"{c['measured_s'] * 1e3:.2f}",
-                        f"{err:+.1%}"])
+            out.append([c["run"], title, *(f"{c[k] * 1e3:.2f}" for k in ("predicted_s", "measured_s")), f"{err:+.1%}"])
     return out
 
 
 def cpu_table(part: dict[str, Any]) -> list[list[str]]:
-    """Header + per candidate: the CPU seconds per step the new model charges (all ranks) against the
-    measured CPU time of the ranks' processes, and what the measured CPU alone bounds the step by."""
+    """Header + per candidate: the CPU per step the models charge (all ranks) against the ranks' measured CPU time."""
     cores = part["calibration"]["cores"]
     out = [["candidate", "model CPU ms (all ranks)", "measured CPU ms (all ranks)", "measured / model",
             "previous model CPU ms", "measured / previous", f"measured CPU / {cores} cores ms", "measured step ms"]]
@@ -128,9 +119,8 @@ def report(part: Result) -> list[Block]:
 
 
 def figures(part: Result, folder: str) -> list[tuple[str, str]]:
-    """Predicted vs measured step time (every measured step, the median marked, the old prediction hollow)
-    and peak activation bytes."""
-    fig = plots.figure(11.5, 4.8)
+    """Predicted vs measured step time (every step, the median, the old prediction hollow) and peak activations."""
+    fig = figure(11.5, 4.8)
     ax_t, ax_b = fig.subplots(1, 2)
     rows = part["rows"]
     right = max(max(r["predicted_s"], r["variants"]["old"]["step_s"]) for r in rows) * 1.4e3

@@ -22,8 +22,7 @@ from benchmarks.framework import Part, Result, with_settings
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("vs_torch", "measured_vs_sim", "overlap", "schedule_tooling", "profile_runtime", "auto_search",
          "p2p_compression", "dp_compression", "plan_vs_measured", "zero_bench", "spawn_bench", "auto_vs_hand",
-         "moe_overlap", "compression", "cuda_overlap")
-"""Every part, in report order: a part's number is its place here."""
+         "moe_overlap", "compression", "cuda_overlap")  # every part in report order: its number is its place here
 
 
 def load(name: str) -> Part[Any]:
@@ -114,8 +113,7 @@ def _load() -> list[float]:
 
 
 def publish(results: dict[str, Result], chosen: Sequence[str], out: str, docs: str) -> None:
-    """Print the chosen parts; draw their figures and (unless docs is 'none') rewrite each docs block they
-    write, with every part of that block found in `results`."""
+    """Print the chosen parts; draw their figures; unless docs is 'none', rewrite each docs block they write."""
     for name in chosen:
         part = load(name)
         print(f"\n{number(name)}. {part.title}\n{part.text(results[name])}", flush=True)
