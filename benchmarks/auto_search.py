@@ -163,24 +163,24 @@ QUICK = AutoSearchConfig(((4, 12),), ((4, 8),), (2, 4), (4, 8), (4, 16))
 
 def targets(cfg: AutoSearchConfig) -> list[dict[str, Any]]:
     """The issue's targets, each with its cases and its verdict."""
-    first, big = cfg.first, cfg.big
-    out = []
-    cases = [case(p, m, UNIFORM, p) for p, m in first]
-    out.append({"target": "uniform costs, no latency, limit P: auto = LB (one stage per rank; V may go below)",
-                "cases": cases, "met": all(abs(c["auto"]["by_placement"]["linear"] - c["lb"]) <= EPS
-                                           and c["auto"]["makespan"] <= c["lb"] + EPS for c in cases)})
-    cases = [case(p, m, LATENCY, p) for p, m in big]
-    out.append({"target": "latency 0.5, limit P: at least 3% shorter than zb-h1", "cases": cases,
-                "met": all(c["auto"]["makespan"] <= 0.97 * c["built_ins"]["zb-h1"] + EPS for c in cases),
-                "reachable": all(c["bound"] <= 0.97 * c["built_ins"]["zb-h1"] + EPS for c in cases)})
-    cases = [case(p, m, W_LIGHT, p) for p, m in big]
-    out.append({"target": "W-light (F=1 B=2.5 W=0.5), limit P: no worse than zb-h1", "cases": cases,
-                "met": all(c["auto"]["makespan"] <= c["built_ins"]["zb-h1"] + EPS for c in cases)})
-    cases = [case(p, m, prof, 2 * p) for prof, shapes in ((UNIFORM, first), (LATENCY, big), (W_LIGHT, big))
-             for p, m in shapes]
-    out.append({"target": "limit 2P: no worse than zb-h2 on every case above", "cases": cases,
-                "met": all(c["auto"]["makespan"] <= c["built_ins"]["zb-h2"] + EPS for c in cases)})
-    return out
+    shapes = ((UNIFORM, cfg.first), (LATENCY, cfg.big), (W_LIGHT, cfg.big))
+    uniform, latency, light = ([case(p, m, prof, p) for p, m in pms] for prof, pms in shapes)
+    doubled = [case(p, m, prof, 2 * p) for prof, pms in shapes for p, m in pms]
+
+    def within(cases: list[dict[str, Any]], rival: str, factor: float = 1.0, bound: bool = False) -> bool:
+        """Every case's auto makespan (or bound) at most `factor` x the rival's."""
+        return all((c["bound"] if bound else c["auto"]["makespan"]) <= factor * c["built_ins"][rival] + EPS
+                   for c in cases)
+
+    return [{"target": "uniform costs, no latency, limit P: auto = LB (one stage per rank; V may go below)",
+             "cases": uniform, "met": all(abs(c["auto"]["by_placement"]["linear"] - c["lb"]) <= EPS
+                                          and c["auto"]["makespan"] <= c["lb"] + EPS for c in uniform)},
+            {"target": "latency 0.5, limit P: at least 3% shorter than zb-h1", "cases": latency,
+             "met": within(latency, "zb-h1", 0.97), "reachable": within(latency, "zb-h1", 0.97, bound=True)},
+            {"target": "W-light (F=1 B=2.5 W=0.5), limit P: no worse than zb-h1", "cases": light,
+             "met": within(light, "zb-h1")},
+            {"target": "limit 2P: no worse than zb-h2 on every case above", "cases": doubled,
+             "met": within(doubled, "zb-h2")}]
 
 
 def grid(cfg: AutoSearchConfig) -> dict[str, Any]:
@@ -269,31 +269,24 @@ def target_table(results: dict[str, Any]) -> list[list[str]]:
 
 def grid_table(results: dict[str, Any]) -> list[list[str]]:
     """Header + the grid's cases where auto differs from the best built-in."""
-    out = [["P", "M", "costs", "limit", "bound", "best built-in (1 copy)", "dualpipe (2 copies)", "auto",
-            "auto / best", "auto's winner"]]
-    for r in results["grid"]["rows"]:
-        a = r["auto"]
-        if abs(a["makespan"] - r["best_built_in_makespan"]) > EPS:
-            dual = r["built_ins"].get("dualpipe")
-            out.append([str(r["P"]), str(r["M"]), r["profile"], _f(r["limit"]), _f(r["bound"]),
-                        f"{r['best_built_in']} {_f(r['best_built_in_makespan'])}", "-" if dual is None else _f(dual),
-                        _f(a["makespan"]), f"{a['makespan'] / r['best_built_in_makespan']:.3f}",
-                        f"{a['placement']}: {a['winner']}"])
-    return out
+    return [["P", "M", "costs", "limit", "bound", "best built-in (1 copy)", "dualpipe (2 copies)", "auto",
+             "auto / best", "auto's winner"]] + [
+        [str(r["P"]), str(r["M"]), r["profile"], _f(r["limit"]), _f(r["bound"]),
+         f"{r['best_built_in']} {_f(r['best_built_in_makespan'])}",
+         _f(r["built_ins"]["dualpipe"]) if "dualpipe" in r["built_ins"] else "-", _f(r["auto"]["makespan"]),
+         f"{r['auto']['makespan'] / r['best_built_in_makespan']:.3f}",
+         "{placement}: {winner}".format(**r["auto"])]
+        for r in results["grid"]["rows"] if abs(r["auto"]["makespan"] - r["best_built_in_makespan"]) > EPS]
 
 
 def sweep_table(sweep: dict[str, Any]) -> list[list[str]]:
     """Header + one row per limit of the limit sweep."""
     target = 0.97 * sweep["zb_h1"]
-    out = [["limit", "bound: one stage per rank", "bound: V", "auto linear", "auto v", "auto / zb-h1",
-            f"<= 0.97 zb-h1 ({target:.2f})"]]
-    for r in sweep["rows"]:
-        best = min(r["linear"], r["v"])
-        out.append([_f(r["limit"]), _f(r["linear_bound"]), _f(r["v_bound"]), _f(r["linear"]), _f(r["v"]),
-                    f"{best / sweep['zb_h1']:.3f}",
-                    "yes" if best <= target + EPS else
-                    ("no (unreachable)" if min(r["linear_bound"], r["v_bound"]) > target + EPS else "no")])
-    return out
+    return [["limit", "bound: one stage per rank", "bound: V", "auto linear", "auto v", "auto / zb-h1",
+             f"<= 0.97 zb-h1 ({target:.2f})"]] + [
+        [*(_f(r[k]) for k in ("limit", "linear_bound", "v_bound", "linear", "v")),
+         f"{min(r['linear'], r['v']) / sweep['zb_h1']:.3f}", "yes" if min(r["linear"], r["v"]) <= target + EPS else
+         "no (unreachable)" if min(r["linear_bound"], r["v_bound"]) > target + EPS else "no"] for r in sweep["rows"]]
 
 
 def report(result: Result) -> list[Block]:

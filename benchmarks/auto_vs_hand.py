@@ -34,8 +34,8 @@ class MLPSpec:
 
 @dataclass(frozen=True)
 class AutoBenchConfig:
-    """Per model, schedule="auto" built as a user would and every hand-picked (schedule, M), stepped in turn on
-    `ranks` processes sharing `cores` cores. Targets: prediction within 25%, no more than 5% slower than the best."""
+    """Per model, schedule="auto" built as a user would and every hand-picked (schedule, M), stepped in turn.
+    Targets: auto's prediction within 25% of its step, auto no more than 5% slower than the best hand-picked one."""
 
     ranks: int = 4  # pipeline ranks (gloo processes)
     cores: int = 2  # the cores the ranks share (schedule_options["cores"])

@@ -105,15 +105,12 @@ def run(cfg: CompressionConfig) -> Result:
 
 def report(result: Result) -> list[Block]:
     """One row per (bucket, method)."""
-    table = [["bucket", "method", "MB/rank/step", "fewer bytes", "compute ms", "extra ms", "gloo 2-rank ms",
-              "break-even"]]
-    for r in result["rows"]:
-        bw = r["break_even_Bps"]
-        table.append([f"{r['model']} ({r['numel'] / 1e6:.2f}M)", r["method"], f"{r['bytes'] / 1e6:.3f}",
-                      f"{r['ratio']:.1f}x", f"{r['compute_s'] * 1e3:.2f}", f"{r['extra_s'] * 1e3:+.2f}",
-                      f"{r['gloo_s'] * 1e3:.2f}",
-                      "-" if bw is None else ("any link" if bw == float("inf") else f"{bw / 1e9:.2f} GB/s")])
-    return [table]
+    return [[["bucket", "method", "MB/rank/step", "fewer bytes", "compute ms", "extra ms", "gloo 2-rank ms",
+              "break-even"]] + [
+        [f"{r['model']} ({r['numel'] / 1e6:.2f}M)", r["method"], f"{r['bytes'] / 1e6:.3f}", f"{r['ratio']:.1f}x",
+         f"{r['compute_s'] * 1e3:.2f}", f"{r['extra_s'] * 1e3:+.2f}", f"{r['gloo_s'] * 1e3:.2f}",
+         "-" if (bw := r["break_even_Bps"]) is None else "any link" if bw == float("inf") else f"{bw / 1e9:.2f} GB/s"]
+        for r in result["rows"]]]
 
 
 PART = Part("compression", "Gradient compression micro-benchmark", CompressionConfig(), QUICK, run, report,

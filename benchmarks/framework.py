@@ -64,13 +64,8 @@ def markdown_table(table: Table) -> str:
 
 def render(blocks: Sequence[Block], markdown: bool) -> str:
     """Paragraphs and tables, a blank line apart."""
-    out = []
-    for block in blocks:
-        if isinstance(block, list):
-            out.append(markdown_table(block) if markdown else text_table(block))
-        else:
-            out.append(block if markdown else block.removeprefix("### ").replace("**", ""))
-    return "\n\n".join(out)
+    return "\n\n".join((markdown_table(b) if markdown else text_table(b)) if isinstance(b, list) else
+                       b if markdown else b.removeprefix("### ").replace("**", "") for b in blocks)
 
 
 def mark(ok: bool) -> str:

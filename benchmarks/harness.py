@@ -9,6 +9,7 @@ import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -103,21 +104,15 @@ def summarize(samples: Sequence[float]) -> Stats:
     if not samples:
         raise ValueError("summarize needs at least one sample, got none")
     ordered = sorted(samples)
-    if len(ordered) < 4:
-        return Stats(statistics.median(ordered), ordered[0], ordered[-1], len(ordered))
-    q1, _, q3 = statistics.quantiles(ordered, n=4)
+    q1, q3 = (ordered[0], ordered[-1]) if len(ordered) < 4 else statistics.quantiles(ordered, n=4)[::2]
     return Stats(statistics.median(ordered), q1, q3, len(ordered))
 
 
 def machine_info() -> dict[str, Any]:
     """What the numbers were measured on."""
-    cpu = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            names = [line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")]
-        cpu = names[0] if names else cpu
-    except OSError:
-        pass
+    info = Path("/proc/cpuinfo").read_text(encoding="utf-8") if os.path.exists("/proc/cpuinfo") else ""
+    cpu = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
+               platform.processor() or "")
     return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
             "torch": torch.__version__, "loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()]}
 

@@ -21,9 +21,8 @@ from duplexpipe.moe import CausalSelfAttention, ExpertGroup, MoEBlock, MoELayer
 
 @dataclass(frozen=True)
 class MoEBenchConfig:
-    """The pair (B of microbatch 0, F of microbatch 1; experts over all `ranks`) run one after the other and
-    interleaved at its comm points (fb_overlap), alternating; hidden = (sequential - overlapped) / the all-to-alls
-    timed alone. The step: DualPipeV (PP=2 x DP=2, ep=2), fb_overlap on and off. gloo: an emulated link."""
+    """An MoE F&B pair run one after the other and interleaved at its comm points (hidden: the share of its comm
+    saved), and a DualPipeV step (PP=2 x DP=2, ep=2) with fb_overlap on and off; gloo: an emulated link."""
 
     tokens: int = 512  # tokens per microbatch per rank
     dim: int = 128

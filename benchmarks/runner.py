@@ -151,13 +151,8 @@ def _section(part: Part[Any], result: Result, docs: str, heading: bool) -> str:
 def update_doc(path: str, generated: str, block: str) -> None:
     """Replace the text between `<!-- bench:BLOCK:begin -->` and its end marker (append the block if absent)."""
     begin, end = f"<!-- bench:{block}:begin -->", f"<!-- bench:{block}:end -->"
-    try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
-    except FileNotFoundError:
-        text = "# Benchmarks\n"
+    text = Path(path).read_text(encoding="utf-8") if os.path.exists(path) else "# Benchmarks\n"
     new = f"{begin}\n{generated.rstrip()}\n{end}"
     pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.S)
     text = pattern.sub(lambda _: new, text) if pattern.search(text) else text.rstrip() + "\n\n" + new + "\n"
-    with open(path, "w", encoding="utf-8") as fh:
-        fh.write(text)
+    Path(path).write_text(text, encoding="utf-8")

@@ -75,14 +75,13 @@ def rows(result: Result) -> list[dict[str, Any]]:
 def report(result: Result) -> list[Block]:
     """Seconds per run() by start method."""
     cfg = result["config"]
-    table = [["start method", f"first run(fn, {cfg['ranks']}) s: median (min-max)",
-              f"second run(fn, {cfg['ranks']}) s"]]
-    for r in rows(result):
-        table.append([r["method"] + (" (default)" if r["method"] == START_METHODS[0] else ""),
-                      *(f"{m:.2f} ({lo:.2f}-{hi:.2f})" for m, lo, hi in (r["first_s"], r["second_s"]))])
     return [f"{cfg['reps']} fresh interpreters per method, alternating; each times `run(fn, {cfg['ranks']})` of a "
             "function that returns at once, twice (the interpreter's own start and its import of duplexpipe not "
-            "counted).", table]
+            "counted).", [["start method", f"first run(fn, {cfg['ranks']}) s: median (min-max)",
+                           f"second run(fn, {cfg['ranks']}) s"]] + [
+                [r["method"] + (" (default)" if r["method"] == START_METHODS[0] else ""),
+                 *(f"{m:.2f} ({lo:.2f}-{hi:.2f})" for m, lo, hi in (r["first_s"], r["second_s"]))]
+                for r in rows(result)]]
 
 
 PART = Part("spawn_bench", "Starting processes", SpawnConfig(), SpawnConfig(reps=1, ranks=2), run, report,

@@ -37,7 +37,6 @@ AREAS = (
 )  # (area, substrings of a profiled function's file or name that put it there); the rest is 'other'
 
 
-
 def area_of(filename: str, name: str) -> str:
     """The area a profiled function belongs to (first match in AREAS)."""
     where = f"{filename}:{name}"
@@ -46,9 +45,8 @@ def area_of(filename: str, name: str) -> str:
 
 @dataclass(frozen=True)
 class ZeroBenchConfig:
-    """The GPT example: memory per rank after `memory_steps` in each of LAYOUTS; ZeRO++ at PP=2 x DP=2 (bytes by
-    collective, cross-checked against a c10d dispatch counter; loss against the unquantized run of the same stage);
-    stages 0-2 built side by side in the same 4 processes and stepped in turn (wall and CPU per step)."""
+    """The GPT example: memory per rank in each of LAYOUTS; ZeRO++ bytes (cross-checked against c10d) and loss at
+    PP=2 x DP=2; stages 0-2 built side by side in the same 4 processes and stepped in turn (wall and CPU per step)."""
 
     steps: int = 200  # training steps per ZeRO++ run
     tail: int = 20  # last steps whose loss and bytes are averaged
