@@ -196,8 +196,7 @@ def grid(cfg: AutoSearchConfig) -> dict[str, Any]:
             "bound_checked": sum(r["bound_checked"] for r in rows),
             "bound_reached": sum(r["bound_reached"] for r in rows),
             "bound_violated": [f"P={r['P']} M={r['M']} {r['profile']} limit {r['limit']:g}: {k}"
-                               for r in rows for k in r["bound_violated"]],
-            "dualpipe_cases": len(dual),
+                               for r in rows for k in r["bound_violated"]], "dualpipe_cases": len(dual),
             "dualpipe_shorter": sum(r["built_ins"]["dualpipe"] < r["auto"]["makespan"] - EPS for r in dual)}
 
 
@@ -274,8 +273,7 @@ def grid_table(results: dict[str, Any]) -> list[list[str]]:
         [str(r["P"]), str(r["M"]), r["profile"], _f(r["limit"]), _f(r["bound"]),
          f"{r['best_built_in']} {_f(r['best_built_in_makespan'])}",
          _f(r["built_ins"]["dualpipe"]) if "dualpipe" in r["built_ins"] else "-", _f(r["auto"]["makespan"]),
-         f"{r['auto']['makespan'] / r['best_built_in_makespan']:.3f}",
-         "{placement}: {winner}".format(**r["auto"])]
+         f"{r['auto']['makespan'] / r['best_built_in_makespan']:.3f}", "{placement}: {winner}".format(**r["auto"])]
         for r in results["grid"]["rows"] if abs(r["auto"]["makespan"] - r["best_built_in_makespan"]) > EPS]
 
 

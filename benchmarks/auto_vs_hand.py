@@ -148,9 +148,8 @@ def summarize(measured: dict[str, Any]) -> dict[str, Any]:
 
 def _ratios(m: dict[str, Any]) -> str:
     """Auto / best hand-picked in the sweep and, when run, head to head (the one the target judges)."""
-    if not m.get("confirmed"):
-        return f"{m['ratio']:.3f} (sweep)"
-    return f"{m['sweep_ratio']:.3f} sweep, {m['ratio']:.3f} head to head ({len(m['confirm']['auto'])} rounds)"
+    return (f"{m['sweep_ratio']:.3f} sweep, {m['ratio']:.3f} head to head ({len(m['confirm']['auto'])} rounds)"
+            if m.get("confirmed") else f"{m['ratio']:.3f} (sweep)")
 
 
 def run(cfg: AutoBenchConfig) -> Result:

@@ -145,18 +145,15 @@ def _opt_text(name: str, cfg: DPBenchConfig) -> str:
 
 def table(rows: list[dict[str, Any]], cfg: DPBenchConfig) -> list[list[str]]:
     """One row per method."""
-    out = [["method", "optimizer", "KB/rank/step (avg / steady)", "fewer bytes (avg / steady)", "target",
-            f"loss last {cfg.tail}", "vs fp32", "target", "met", "ms/step", "reduce compute ms", "break-even"]]
-    for r in rows:
-        bw = r.get("break_even_Bps")
-        fb, lt = r["fewer_bytes_target"], r["loss_target"]
-        out.append([r["label"], _opt_text(r["optimizer"], cfg), f"{r['bytes_avg'] / 1e3:.1f} / "
-                    f"{r['bytes_steady'] / 1e3:.1f}", f"{r.get('fewer_avg', 1):.1f}x / {r.get('fewer_steady', 1):.1f}x",
-                    "-" if fb is None else f">= {fb:g}x", f"{r['loss_tail']:.4f}", f"{r.get('loss_rel', 0):+.2%}",
-                    "-" if lt is None else f"within {lt:.1%}", {None: "-", True: "yes", False: "**no**"}[r.get("met")],
-                    f"{r['step_ms']:.0f}", f"{r['compute_ms']:.2f}",
-                    "-" if bw is None else ("any link" if bw == float("inf") else f"{bw / 1e6:.0f} MB/s")])
-    return out
+    return [["method", "optimizer", "KB/rank/step (avg / steady)", "fewer bytes (avg / steady)", "target",
+             f"loss last {cfg.tail}", "vs fp32", "target", "met", "ms/step", "reduce compute ms", "break-even"]] + [
+        [r["label"], _opt_text(r["optimizer"], cfg), f"{r['bytes_avg'] / 1e3:.1f} / {r['bytes_steady'] / 1e3:.1f}",
+         f"{r.get('fewer_avg', 1):.1f}x / {r.get('fewer_steady', 1):.1f}x",
+         "-" if r["fewer_bytes_target"] is None else f">= {r['fewer_bytes_target']:g}x", f"{r['loss_tail']:.4f}",
+         f"{r.get('loss_rel', 0):+.2%}", "-" if r["loss_target"] is None else f"within {r['loss_target']:.1%}",
+         {None: "-", True: "yes", False: "**no**"}[r.get("met")], f"{r['step_ms']:.0f}", f"{r['compute_ms']:.2f}",
+         "-" if (bw := r.get("break_even_Bps")) is None else
+         "any link" if bw == float("inf") else f"{bw / 1e6:.0f} MB/s"] for r in rows]
 
 
 def _loss_curves(runs: list[dict[str, Any]], path: str) -> None:

@@ -214,8 +214,7 @@ def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
     def slowest(key: str, part: str = "pairs") -> list[float]:
         return harness.slowest([r[part][key] for r in results])
 
-    seq, ovl, measured, comm = (statistics.median(slowest(k)) for k in ("sequential", "overlapped", "measured",
-                                                                         "comm"))
+    seq, ovl, measured, comm = (statistics.median(slowest(k)) for k in ("sequential", "overlapped", "measured", "comm"))
     out = {"sequential_ms": seq * 1e3, "overlapped_ms": ovl * 1e3, "measured_ms": measured * 1e3,
            "comm_ms": comm * 1e3, "compute_ms": (seq - comm) * 1e3, "pair_ratio": ovl / seq,
            "hidden": (seq - ovl) / comm, "link": results[0]["link"]}

@@ -108,28 +108,24 @@ def worker(rank: int, world: int, cfg: OverlapConfig) -> dict[str, Any]:
 def _probe(rank: int, numel: int) -> dict[str, float] | None:
     """Rank 1 waits for a message posted late (after the send) or early (before it); rank 0 sends."""
     buf = torch.randn(numel)
-    late: list[float] = []
-    early: list[float] = []
+    waits: dict[str, list[float]] = {"late": [], "early": []}
     for _ in range(8):
-        for mode in ("late", "early"):
+        for mode, samples in waits.items():
             dist.barrier()
             if rank != 1:
                 time.sleep(0.001)
                 if rank == 0:
-                    _wait(dist.isend(buf, 1))
+                    dist.send(buf, 1)
                 continue
             work = dist.irecv(buf, 0) if mode == "early" else None
             time.sleep(0.03)
             start = time.perf_counter()
-            _wait(work if work is not None else dist.irecv(buf, 0))
-            (early if mode == "early" else late).append(time.perf_counter() - start)
-    if rank != 1:
-        return None
-    return {"late_post_wait_s": harness.summarize(late).median, "early_post_wait_s": harness.summarize(early).median}
-
-
-def _wait(work: Any) -> None:
-    work.wait()
+            if work is None:
+                dist.recv(buf, 0)
+            else:
+                work.wait()
+            samples.append(time.perf_counter() - start)
+    return None if rank != 1 else {f"{m}_post_wait_s": harness.summarize(w).median for m, w in waits.items()}
 
 
 def run(cfg: OverlapConfig) -> Result:

@@ -144,10 +144,9 @@ def _measure_link(nbytes: int, reps: int = 30) -> deep.Link:
 def _candidate(profile: Profile, cfg: PvMConfig, name: str, m: int, link: deep.Link | None = None,
                cores: int | None = None) -> Candidate:
     """The planner's row and schedule for one (schedule, M), with the parts grouped as it grouped them."""
-    config = PlanConfig(ranks=cfg.ranks, batch=cfg.batch_size, memory=NO_LIMIT, schedules=(name,),
-                        microbatches=(m,), chunks=(2,), compressions=("none",), p2p_link=link or deep.Link(),
-                        cores=cores)
-    result = plan(profile, config)
+    result = plan(profile, PlanConfig(ranks=cfg.ranks, batch=cfg.batch_size, memory=NO_LIMIT, schedules=(name,),
+                                      microbatches=(m,), chunks=(2,), compressions=("none",),
+                                      p2p_link=link or deep.Link(), cores=cores))
     assert result.schedule is not None
     counts = deep.balanced_split([p.forward_s + p.backward_s for p in profile.parts], result.schedule.num_groups)
     return Candidate(result, profile, result.schedule, tuple(counts))
@@ -289,8 +288,7 @@ def _worker(rank: int, world: int, cfg: PvMConfig) -> dict[str, Any]:
         out["plans"] = [{"row": c.result.best.to_dict(), "groups": list(c.groups), "cpu_model": _model_cpu(c, cfg),
                          "cpu_previous": _model_cpu(variants["previous"][i], cfg),
                          "variants": {k: {"step_s": v[i].result.best.step_s, "groups": list(v[i].groups)}
-                                      for k, v in variants.items()}}
-                        for i, c in enumerate(choices)]
+                                      for k, v in variants.items()}} for i, c in enumerate(choices)]
     dist.barrier()
     return out
 
@@ -308,8 +306,7 @@ def summarize(per_rank: list[dict[str, Any]], cfg: PvMConfig) -> list[dict[str, 
         predicted_acts = [m["activations"] for m in row["per_rank"]]
         measured_acts = [max(r["peaks"][c]) for r in per_rank]
         step = harness.summarize(samples)
-        rows.append({
-            "candidate": f"{row['schedule']}, M={row['microbatches']}", "groups": plan_row["groups"],
+        rows.append({"candidate": f"{row['schedule']}, M={row['microbatches']}", "groups": plan_row["groups"],
             "predicted_s": row["step_s"], "cpu_model": plan_row["cpu_model"], "cpu": [r["cpu"][c] for r in per_rank],
             "variants": {k: dict(v, err=_rel(step.median, v["step_s"])) for k, v in plan_row["variants"].items()},
             "cpu_previous": plan_row["cpu_previous"], "time_err": _rel(step.median, row["step_s"]),
@@ -317,8 +314,7 @@ def summarize(per_rank: list[dict[str, Any]], cfg: PvMConfig) -> list[dict[str, 
             "predicted_acts": predicted_acts, "measured_acts": measured_acts,
             "peaks_stable": all(len(set(r["peaks"][c])) == 1 for r in per_rank),
             "bytes_err": _rel(max(measured_acts), max(predicted_acts)),
-            "bytes_err_per_rank": max(abs(_rel(m, p)) for m, p in zip(measured_acts, predicted_acts, strict=True)),
-        })
+            "bytes_err_per_rank": max(abs(_rel(m, p)) for m, p in zip(measured_acts, predicted_acts, strict=True)), })
     return rows
 
 
@@ -349,23 +345,16 @@ def run(cfg: PvMConfig) -> Result:
 
 def table(part: dict[str, Any]) -> list[list[str]]:
     """Header + one row per candidate: the new model's prediction, the measurement, the comparisons."""
-    head = ["candidate", "parts per stage", "predicted ms", "measured ms (median)", "min-max (IQR)", "error",
-            "met (25%)"]
-    for title in SHORT.values():
-        head += [f"{title} ms", "error"]
-    out = [head + ["predicted peak act. (max rank)", "measured peak", "error", "worst rank error", "met (10%)"]]
-    for r in part["rows"]:
-        m = r["measured"]
-        line = [r["candidate"], "/".join(map(str, r["groups"])), ms(r["predicted_s"]), ms(m["median_s"]),
-                f"{ms(r['min_s'])}-{ms(r['max_s'])} ({ms(m['q1_s'])}-{ms(m['q3_s'])})",
-                f"{r['time_err']:+.1%}", mark(abs(r["time_err"]) <= TIME_TARGET)]
-        for key in SHORT:
-            v = r["variants"][key]
-            line += [ms(v["step_s"]), f"{v['err']:+.1%}"]
-        out.append(line + [deep.format_bytes(max(r["predicted_acts"])), deep.format_bytes(max(r["measured_acts"])),
-                           f"{r['bytes_err']:+.2%}", f"{r['bytes_err_per_rank']:.2%}",
-                           mark(r["bytes_err_per_rank"] <= BYTES_TARGET)])
-    return out
+    return [["candidate", "parts per stage", "predicted ms", "measured ms (median)", "min-max (IQR)", "error",
+             "met (25%)", *(x for title in SHORT.values() for x in (f"{title} ms", "error")),
+             "predicted peak act. (max rank)", "measured peak", "error", "worst rank error", "met (10%)"]] + [
+        [r["candidate"], "/".join(map(str, r["groups"])), ms(r["predicted_s"]), ms(r["measured"]["median_s"]),
+         f"{ms(r['min_s'])}-{ms(r['max_s'])} ({ms(r['measured']['q1_s'])}-{ms(r['measured']['q3_s'])})",
+         f"{r['time_err']:+.1%}", mark(abs(r["time_err"]) <= TIME_TARGET),
+         *(x for v in (r["variants"][k] for k in SHORT) for x in (ms(v["step_s"]), f"{v['err']:+.1%}")),
+         deep.format_bytes(max(r["predicted_acts"])), deep.format_bytes(max(r["measured_acts"])),
+         f"{r['bytes_err']:+.2%}", f"{r['bytes_err_per_rank']:.2%}", mark(r["bytes_err_per_rank"] <= BYTES_TARGET)]
+        for r in part["rows"]]
 
 
 def order_table(part: dict[str, Any]) -> list[list[str]]:
@@ -462,20 +451,19 @@ def figures(part: Result, folder: str) -> list[tuple[str, str]]:
         for rank, (p, m) in enumerate(zip(r["predicted_acts"], r["measured_acts"], strict=True)):
             ax_b.scatter([p / 2**20], [m / 2**20], color=f"C{c}", s=40, marker="os^v"[rank % 4],
                          label=r["candidate"] if rank == 0 else None)
-    line = [0, right]
-    ax_t.plot(line, line, color="black", linewidth=0.8)
-    ax_t.fill_between(line, [0.75 * v for v in line], [1.25 * v for v in line], color="grey", alpha=0.15,
-                      label="within 25%")
-    ax_t.set(xlim=(0, right), ylim=(0, top), xlabel="predicted step time, ms", ylabel="measured step time, ms")
-    ax_t.set_title("Step time: steps (dots), median (diamond); hollow: the old prediction", fontsize=9.5)
-    ax_t.legend(fontsize=7)
     high = max(max(r["predicted_acts"] + r["measured_acts"]) for r in rows) / 2**20 * 1.1
-    ax_b.plot([0, high], [0, high], color="black", linewidth=0.8)
-    ax_b.fill_between([0, high], [0, 0.9 * high], [0, 1.1 * high], color="grey", alpha=0.15, label="within 10%")
-    ax_b.set(xlim=(0, high), ylim=(0, high), xlabel="predicted peak activations, MiB",
-             ylabel="measured peak (StepInfo.peak_saved_bytes), MiB")
-    ax_b.set_title("Peak live activation bytes, one marker per rank (o s ^ v = rank 0-3)", fontsize=9.5)
-    ax_b.legend(fontsize=7)
+    for ax, (x, y), band, labels, title in (
+            (ax_t, (right, top), 0.25, ("predicted step time, ms", "measured step time, ms"),
+             "Step time: steps (dots), median (diamond); hollow: the old prediction"),
+            (ax_b, (high, high), 0.10, ("predicted peak activations, MiB",
+                                        "measured peak (StepInfo.peak_saved_bytes), MiB"),
+             "Peak live activation bytes, one marker per rank (o s ^ v = rank 0-3)")):
+        ax.plot([0, x], [0, x], color="black", linewidth=0.8)
+        ax.fill_between([0, x], [0, (1 - band) * x], [0, (1 + band) * x], color="grey", alpha=0.15,
+                        label=f"within {band:.0%}")
+        ax.set(xlim=(0, x), ylim=(0, y), xlabel=labels[0], ylabel=labels[1])
+        ax.set_title(title, fontsize=9.5)
+        ax.legend(fontsize=7)
     fig.savefig(os.path.join(folder, FIGURE))
     return [(FIGURE, "Predicted vs measured step time and peak activations")]
 

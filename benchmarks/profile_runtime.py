@@ -107,8 +107,8 @@ def lookahead_worker(rank: int, world: int, job: tuple[ProfileConfig, str, str, 
     cfg, schedule, workload, steps = job
     parts, x, y = _setup(rank, world, schedule, workload)
     ours = build_pipeline(schedule, parts, 8, check_inputs_every_step=not cfg.fixed_shapes)
-    steppers: list[tuple[int | None, Any]] = [(d, ours) for d in cfg.lookahead]
-    steppers.append((None, build_torch_pipe(schedule, parts, rank, world, 8)))
+    steppers: list[tuple[int | None, Any]] = [*((d, ours) for d in cfg.lookahead),
+                                              (None, build_torch_pipe(schedule, parts, rank, world, 8))]
 
     def step(stepper: tuple[int | None, Any], _: int) -> Any:
         depth, pipe = stepper

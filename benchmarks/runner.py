@@ -103,8 +103,7 @@ def measure(part: Part[Any], config: Any, command: str, load_note: str, quick: b
     print(f"[{part.name}: {wall:.0f} s]", file=sys.stderr, flush=True)
     result["meta"] = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "command": command, "wall_s": wall,
                       "load_before": before, "load_after": _load(), "uptime": uptime, "quick": quick,
-                      "load_note": load_note or "No note on other load was given.",
-                      "machine": harness.machine_info()}
+                      "load_note": load_note or "No note on other load was given.", "machine": harness.machine_info()}
     return result
 
 
@@ -121,14 +120,10 @@ def publish(results: dict[str, Result], chosen: Sequence[str], out: str, docs: s
         for name in chosen:
             load(name).figures(results[name], out)
         return
-    blocks = {load(name).block_of(results[name]) for name in chosen}
-    members: dict[str, list[str]] = {}
-    for name in PARTS:
-        if name in results:
-            members.setdefault(load(name).block_of(results[name]), []).append(name)
-    for block in sorted(blocks):
+    for block in sorted({load(name).block_of(results[name]) for name in chosen}):
         shared = sum(load(n).block_of({}) == block for n in PARTS) > 1
-        text = "\n\n".join(_section(load(n), results[n], docs, shared) for n in members[block])
+        members = [n for n in PARTS if n in results and load(n).block_of(results[n]) == block]
+        text = "\n\n".join(_section(load(n), results[n], docs, shared) for n in members)
         update_doc(os.path.join(docs, "benchmarks.md"), text, block)
 
 

@@ -61,14 +61,9 @@ def _schedule(key: str, w: Workload, rank: int, world: int, ref: list[list[torch
 def worker(rank: int, world: int, w: Workload) -> dict[str, Any]:
     """Every schedule of one workload on this rank."""
     x, y = models.make_batch(w.spec)
-    refs: dict[int, list[list[torch.Tensor]]] = {}
-    out = {}
-    for key in w.schedules:
-        n = num_stages(key, world)
-        if n not in refs:
-            refs[n] = models.reference_grads(models.build_parts(w.spec, n), x, y, w.num_microbatches)[0]
-        out[key] = _schedule(key, w, rank, world, refs[n])
-    return out
+    refs = {n: models.reference_grads(models.build_parts(w.spec, n), x, y, w.num_microbatches)[0]
+            for n in {num_stages(key, world) for key in w.schedules}}
+    return {key: _schedule(key, w, rank, world, refs[num_stages(key, world)]) for key in w.schedules}
 
 
 def summarize(w: Workload, per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -82,8 +77,7 @@ def summarize(w: Workload, per_rank: list[dict[str, Any]]) -> list[dict[str, Any
         rows.append({"workload": w.name, "model": w.spec.describe(), "schedule": key,
                      "torch_class": TORCH_SCHEDULES[key][0], "microbatches": w.num_microbatches, "target": w.target,
                      "ours": ours.to_dict(), "torch": theirs.to_dict(), "ratio": ours.median / theirs.median,
-                     "cpu_ms": cpu, "grad_error": errors,
-                     "paired_ratio": harness.summarize([a / b for a, b in zip(
+                     "cpu_ms": cpu, "grad_error": errors, "paired_ratio": harness.summarize([a / b for a, b in zip(
                          res["samples"]["ours"], res["samples"]["torch"], strict=True)]).to_dict(),
                      "grads_match": {s: e <= GRAD_TOLERANCE for s, e in errors.items()}, "samples": res["samples"]})
     return rows
