@@ -65,17 +65,15 @@ def bounds(ranks: int, mbs: int, profile: Profile, limit: float) -> dict[str, fl
     f, b, w = ([s[j] for s in shares] for j in range(3))
     i = [bb - ww for bb, ww in zip(b, w, strict=True)]
     lat, n = profile.latency, limit
-    out = {"lb": 0.0, "memory_aware": 0.0, "two_sided": 0.0}
+    per_rank = []
     for r in range(ranks):
         start = sum(f[q] + lat for q in range(r))
         trip = sum(f[r:]) + sum(i[r + 1:]) + 2 * (ranks - 1 - r) * lat
         work = mbs * (f[r] + b[r])
         head = max(0.0, trip - min(n, mbs) * f[r])
         tail = max(0.0, trip - f[r] - (n - 1) * (i[r] + w[r])) if mbs > n else 0.0
-        out["lb"] = max(out["lb"], start + work)
-        out["memory_aware"] = max(out["memory_aware"], start + work + head)
-        out["two_sided"] = max(out["two_sided"], start + work + head + tail)
-    return out
+        per_rank.append((start + work, start + work + head, start + work + head + tail))
+    return {k: max(v) for k, v in zip(("lb", "memory_aware", "two_sided"), zip(*per_rank, strict=True), strict=True)}
 
 
 def v_bound(ranks: int, mbs: int, profile: Profile, limit: float) -> float:
@@ -89,17 +87,15 @@ def _search(ranks: int, mbs: int, profile: Profile, limit: float, placement: str
     return search(ranks, mbs, cost=cost_for(table, profile), memory_limit=limit, placement=placement)
 
 
-def built_ins(ranks: int, mbs: int, profile: Profile, limit: float) -> dict[str, tuple[float, float]]:
-    """name -> (makespan, peak activation memory in 1F1B-stage units) for every built-in that fits `limit`."""
+def built_ins(ranks: int, mbs: int, profile: Profile) -> dict[str, tuple[float, float]]:
+    """name -> (makespan, peak activation memory in 1F1B-stage units) of every built-in the registry accepts."""
     out = {}
     for name in BUILT_INS:
-        if check_schedule(name, ranks, mbs) is not None:
-            continue
-        schedule = build_schedule(name, ranks, mbs)
-        timeline = simulate(schedule, cost_for(schedule, profile))
-        memory = max(timeline.peak_activations(r) for r in range(ranks)) * ranks / schedule.num_groups
-        if memory <= limit + EPS:
-            out[name] = (timeline.makespan, memory)
+        if check_schedule(name, ranks, mbs) is None:
+            schedule = build_schedule(name, ranks, mbs)
+            timeline = simulate(schedule, cost_for(schedule, profile))
+            out[name] = (timeline.makespan,
+                         max(timeline.peak_activations(r) for r in range(ranks)) * ranks / schedule.num_groups)
     return out
 
 
@@ -124,13 +120,11 @@ TWO_COPIES = ("dualpipe",)  # built-ins with two copies of the parameters: no sa
 
 def case(ranks: int, mbs: int, profile: Profile, limit: float) -> dict[str, Any]:
     """One comparison: bounds, every fitting built-in (the best one with one parameter copy), and auto."""
-    rivals = built_ins(ranks, mbs, profile, limit)
+    every = built_ins(ranks, mbs, profile)
+    rivals = {k: v for k, v in every.items() if v[1] <= limit + EPS}  # the built-ins that fit the limit
     name, (span, _) = min(((k, v) for k, v in rivals.items() if k not in TWO_COPIES), key=lambda kv: kv[1][0])
-    everything = {k: v[0] for k, v in rivals.items()}
-    for rival in ("zb-h1", "zb-h2"):
-        if rival not in everything:
-            schedule = build_schedule(rival, ranks, mbs)
-            everything[rival + " (over limit)"] = simulate(schedule, cost_for(schedule, profile)).makespan
+    everything = {k: v[0] for k, v in rivals.items()} | {f"{k} (over limit)": every[k][0] for k in ("zb-h1", "zb-h2")
+                                                          if k not in rivals}
     linear = bounds(ranks, mbs, profile, limit)
     v = v_bound(ranks, mbs, profile, limit) if ranks >= 2 else linear["two_sided"]
     auto = run_auto(ranks, mbs, profile, limit)
@@ -244,9 +238,8 @@ def _f(x: float) -> str:
 
 def _verdict(target: dict[str, Any]) -> str:
     """"met", or "missed", saying so when the bounds prove the target out of reach."""
-    if not target["met"] and target.get("reachable") is False:
-        return "**missed**: unreachable (bound > target)"
-    return met(target["met"])
+    return ("**missed**: unreachable (bound > target)" if not target["met"] and target.get("reachable") is False
+            else met(target["met"]))
 
 
 def target_table(results: dict[str, Any]) -> list[list[str]]:

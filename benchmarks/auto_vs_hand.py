@@ -105,18 +105,16 @@ def _measure(spec: MLPSpec, cfg: AutoBenchConfig, cache: str) -> dict[str, Any]:
     medians = [statistics.median(s) for s in seconds[1:]]
     rival = 1 + min(range(len(medians)), key=medians.__getitem__)
     rounds = harness.RoundRobin([pipes[0], pipes[rival]], lambda p, _: p.step(x, y)).run(cfg.confirm)
-    auto = pipes[0]
-    assert auto.auto is not None
-    overhead = auto.auto.profile.overhead
-    planned = auto.auto.result.config
-    predicted = [auto.plan.predicted_step_s] + [
-        plan(auto.auto.profile, replace(planned, schedules=(name,), microbatches=(m,), chunks=(2,))).best.step_s
+    auto, chosen = pipes[0].auto, pipes[0].plan
+    assert auto is not None
+    predicted = [chosen.predicted_step_s] + [
+        plan(auto.profile, replace(auto.result.config, schedules=(name,), microbatches=(m,), chunks=(2,))).best.step_s
         for name, m in _hand(spec, cfg)]
     return {"names": names, "seconds": seconds, "auto_build_s": built[0], "auto_cached_build_s": built[1],
-            "confirm": {"rival": rival, "auto": rounds[0].wall, "hand": rounds[1].wall}, "plan": auto.plan.summary(),
-            "predicted_s": auto.plan.predicted_step_s, "source": auto.auto.source,
-            "overhead": overhead.to_dict() if overhead is not None else None,
-            "table": auto.auto.result.table(8), "profile": auto.auto.profile.to_dict(), "predicted": predicted}
+            "confirm": {"rival": rival, "auto": rounds[0].wall, "hand": rounds[1].wall}, "plan": chosen.summary(),
+            "predicted_s": chosen.predicted_step_s, "source": auto.source, "table": auto.result.table(8),
+            "overhead": auto.profile.overhead.to_dict() if auto.profile.overhead is not None else None,
+            "profile": auto.profile.to_dict(), "predicted": predicted}
 
 
 def _worker(rank: int, world: int, cfg: AutoBenchConfig) -> list[dict[str, Any]]:

@@ -16,16 +16,12 @@ from benchmarks.framework import Block, Part, Result
 from duplexpipe.launch.tasks.gpt import GPTConfig, build_gpt
 
 METHODS: tuple[tuple[str, str | deep.Options], ...] = (
-    ("fp32 all-reduce", "none"),
-    ("bf16 (torch hook)", "bf16"),
-    ("fp16 (torch hook)", "fp16"),
+    ("fp32 all-reduce", "none"), ("bf16 (torch hook)", "bf16"), ("fp16 (torch hook)", "fp16"),
     ("int8 blocks of 256, SR + EF", deep.Int8Options()),
     ("powersgd rank 4", deep.PowerSGDOptions(rank=4, start_step=2)),
-    ("topk 1% + EF", deep.TopKOptions(ratio=0.01)),
-    ("randomk 1% + EF", deep.RandomKOptions(ratio=0.01)),
+    ("topk 1% + EF", deep.TopKOptions(ratio=0.01)), ("randomk 1% + EF", deep.RandomKOptions(ratio=0.01)),
     ("threshold 0.5 max, 1% slots", deep.ThresholdOptions(ratio=0.01, theta=0.5)),
-    ("dgc 99%", deep.DGCOptions(ratio=0.01)),
-    ("dgc 99.9%", deep.DGCOptions(ratio=0.001)),
+    ("dgc 99%", deep.DGCOptions(ratio=0.01)), ("dgc 99.9%", deep.DGCOptions(ratio=0.001)),
 )  # (label, compression) measured; DGC without warm-up: every timed step at steady state
 
 

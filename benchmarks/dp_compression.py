@@ -29,8 +29,7 @@ def _methods(warmup: int) -> tuple[Method, ...]:
     dgc = {"momentum": 0.9, "clip_norm": 1.0, "warmup_steps": warmup}
     return (
         Method("fp32 all-reduce", None, "adamw"),
-        Method("bf16 (torch hook)", "bf16", "adamw", 1.95, 0.01),
-        Method("fp16 (torch hook)", "fp16", "adamw"),
+        Method("bf16 (torch hook)", "bf16", "adamw", 1.95, 0.01), Method("fp16 (torch hook)", "fp16", "adamw"),
         Method("int8 blocks of 256, SR + EF", deep.Int8Options(), "adamw", 3.8, 0.01),
         Method("PowerSGD rank 4", deep.PowerSGDOptions(rank=4), "adamw", 6.0, 0.04),
         Method("fp32 all-reduce", None, "sgd"),
@@ -138,16 +137,13 @@ def summarize(runs: list[dict[str, Any]], cfg: DPBenchConfig) -> list[dict[str, 
     return rows
 
 
-def _opt_text(name: str, cfg: DPBenchConfig) -> str:
-    return {"adamw": f"AdamW lr {cfg.adamw_lr:g}", "sgd": f"SGD lr {cfg.sgd_lr:g} m 0.9",
-            "sgd0": f"SGD lr {cfg.sgd_lr:g} m 0 (DGC m 0.9)"}[name]
-
-
 def table(rows: list[dict[str, Any]], cfg: DPBenchConfig) -> list[list[str]]:
     """One row per method."""
+    optimizer = {"adamw": f"AdamW lr {cfg.adamw_lr:g}", "sgd": f"SGD lr {cfg.sgd_lr:g} m 0.9",
+                 "sgd0": f"SGD lr {cfg.sgd_lr:g} m 0 (DGC m 0.9)"}
     return [["method", "optimizer", "KB/rank/step (avg / steady)", "fewer bytes (avg / steady)", "target",
              f"loss last {cfg.tail}", "vs fp32", "target", "met", "ms/step", "reduce compute ms", "break-even"]] + [
-        [r["label"], _opt_text(r["optimizer"], cfg), f"{r['bytes_avg'] / 1e3:.1f} / {r['bytes_steady'] / 1e3:.1f}",
+        [r["label"], optimizer[r["optimizer"]], f"{r['bytes_avg'] / 1e3:.1f} / {r['bytes_steady'] / 1e3:.1f}",
          f"{r.get('fewer_avg', 1):.1f}x / {r.get('fewer_steady', 1):.1f}x",
          "-" if r["fewer_bytes_target"] is None else f">= {r['fewer_bytes_target']:g}x", f"{r['loss_tail']:.4f}",
          f"{r.get('loss_rel', 0):+.2%}", "-" if r["loss_target"] is None else f"within {r['loss_target']:.1%}",
@@ -215,15 +211,14 @@ def _verdict(rows: list[dict[str, Any]]) -> str:
         return ""
     bases = sorted({(r["optimizer"].rstrip("0"), round(r["base_step_ms"])) for r in compressed})
     slower = [r for r in compressed if r["step_ms"] > r["base_step_ms"]]
-    costlier = [r for r in compressed if r["break_even_Bps"] != float("inf")]
     times = ", ".join(f"{r['label']} {r['step_ms']:.0f}" for r in compressed)
-    finite = [r["break_even_Bps"] for r in costlier]
+    finite = [r["break_even_Bps"] for r in compressed if r["break_even_Bps"] != float("inf")]
     span = (f"between {min(finite) / 1e6:.0f} and {max(finite) / 1e6:.0f} MB/s per rank" if finite
             else "unbounded (no method cost extra compute)")
     steps = sorted(r["step_ms"] for r in rows)
     return (f"Wall-clock per step (median over the run): fp32 {', '.join(f'{o} {ms} ms' for o, ms in bases)}; "
             f"compressed {times} ms; {len(slower)} of {len(compressed)} compressed runs were slower than their fp32 "
-            f"run (all runs: {steps[0]:.0f}-{steps[-1]:.0f} ms; on a loaded machine, noise). {len(costlier)} of "
+            f"run (all runs: {steps[0]:.0f}-{steps[-1]:.0f} ms; on a loaded machine, noise). {len(finite)} of "
             f"{len(compressed)} methods spend more reduce compute than the fp32 all-reduce's copies. Break-even "
             f"bandwidth (bytes saved / extra compute per step, steady state): {span}; on a slower link a method "
             "saves more transfer time than it spends compressing, when the reduction is not hidden.")

@@ -62,7 +62,7 @@ def calibrate(cfg: SimConfig, repeats: int = 5) -> dict[str, float]:
     part = models.build_parts(cfg.spec(), 1)[0]
     bias = next(part.parameters())
     x = torch.randn(cfg.samples_per_microbatch, cfg.width, requires_grad=True)
-    samples: dict[str, list[float]] = {"f": [], "b": [], "i": [], "w": []}
+    runs = []
     for _ in range(repeats + 1):
         t0 = time.perf_counter()
         y = part(x)
@@ -75,9 +75,8 @@ def calibrate(cfg: SimConfig, repeats: int = 5) -> dict[str, float]:
         t4 = time.perf_counter()
         y.backward(torch.ones_like(y))
         t5 = time.perf_counter()
-        for key, value in zip("fiwb", (t1 - t0, t2 - t1, t3 - t2, t5 - t4), strict=True):
-            samples[key].append(value)
-    return {k: statistics.median(v[1:]) for k, v in samples.items()}
+        runs.append((t1 - t0, t5 - t4, t2 - t1, t3 - t2))
+    return {k: statistics.median(v[1:]) for k, v in zip("fbiw", zip(*runs, strict=True), strict=True)}
 
 
 def worker(rank: int, world: int, cfg: SimConfig) -> dict[str, Any]:
@@ -159,15 +158,14 @@ def figures(result: Result, folder: str) -> list[tuple[str, str]]:
     """Measured / simulated per schedule, and the Gantt of one measured step above its simulation."""
     rows = result["rows"]
     bars(os.path.join(folder, "bench_sim_ratio.png"), [r["schedule"] for r in rows],
-               {"step time / simulated makespan": [r["ratio"] for r in rows]}, TARGET, f"target {TARGET:g}",
-               "measured / simulated", "Sleep model: measured step time over simulated makespan (same costs)")
+         {"step time / simulated makespan": [r["ratio"] for r in rows]}, TARGET, f"target {TARGET:g}",
+         "measured / simulated", "Sleep model: measured step time over simulated makespan (same costs)")
     row = next((r for r in rows if r["schedule"] == "dualpipe"), rows[0])
     measured, sim = (Timeline.from_dict(row[k]) for k in ("measured_timeline", "simulated_timeline"))
     name, c = row["schedule"], row["costs_ms"]
-    shown = [Timeline(f"{name} measured (duplexpipe runtime, {measured.num_ranks} gloo ranks)", measured.num_ranks,
-                      measured.num_microbatches, measured.events, "measured", "s"),
-             Timeline(f"{name} simulated (F/I/W = {c['f']:g}/{c['i']:g}/{c['w']:g} ms)", sim.num_ranks,
-                      sim.num_microbatches, sim.events, "simulated", "s")]
+    shown = [Timeline(title, t.num_ranks, t.num_microbatches, t.events, kind, "s") for t, kind, title in (
+        (measured, "measured", f"{name} measured (duplexpipe runtime, {measured.num_ranks} gloo ranks)"),
+        (sim, "simulated", f"{name} simulated (F/I/W = {c['f']:g}/{c['i']:g}/{c['w']:g} ms)"))]
     from duplexpipe.viz import plot_comparison
 
     plot_comparison(shown, os.path.join(folder, "bench_measured_vs_sim.png"),

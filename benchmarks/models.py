@@ -44,33 +44,20 @@ MLP = ModelSpec("mlp", num_layers=8, width=256, batch=64)  # the overhead-bound 
 TRANSFORMER = ModelSpec("transformer", num_layers=8, width=128, batch=32, seq=32)  # the compute-bound workload
 
 
-class _SleepFI(torch.autograd.Function):
-    """Identity that sleeps `f` seconds in forward and `i` seconds in its (input) backward."""
+class _Sleep(torch.autograd.Function):
+    """Identity that sleeps `fwd` seconds in forward (when nonzero) and `bwd` seconds in its backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, f: float, i: float) -> torch.Tensor:
-        ctx.i = i
-        time.sleep(f)
+    def forward(ctx: Any, x: torch.Tensor, fwd: float, bwd: float) -> torch.Tensor:
+        ctx.bwd = bwd
+        if fwd:
+            time.sleep(fwd)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        time.sleep(ctx.i)
+        time.sleep(ctx.bwd)
         return grad, None, None
-
-
-class _SleepW(torch.autograd.Function):
-    """Identity on a parameter that sleeps `w` seconds when its gradient is computed."""
-
-    @staticmethod
-    def forward(ctx: Any, p: torch.Tensor, w: float) -> torch.Tensor:
-        ctx.w = w
-        return p.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        time.sleep(ctx.w)
-        return grad, None
 
 
 class SleepPart(nn.Module):
@@ -83,7 +70,7 @@ class SleepPart(nn.Module):
         self.f_s, self.i_s, self.w_s = f_s, i_s, w_s
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _SleepFI.apply(x, self.f_s, self.i_s) + _SleepW.apply(self.bias, self.w_s)
+        return _Sleep.apply(x, self.f_s, self.i_s) + _Sleep.apply(self.bias, 0.0, self.w_s)
 
 
 def build_parts(spec: ModelSpec, num_parts: int) -> list[nn.Module]:

@@ -156,8 +156,8 @@ def figures(result: Result, folder: str) -> list[tuple[str, str]]:
     """Waited / async per schedule."""
     rows = result["rows"]
     bars(os.path.join(folder, "bench_overlap.png"), [r["schedule"] for r in rows],
-               {"waited / async": [r["speedup"] for r in rows]}, TARGET, f"target {TARGET:g}",
-               "step time, waited / async", "Receives posted ahead vs moved before their consumers (higher is better)")
+         {"waited / async": [r["speedup"] for r in rows]}, TARGET, f"target {TARGET:g}", "step time, waited / async",
+         "Receives posted ahead vs moved before their consumers (higher is better)")
     return [("bench_overlap.png", "Step time with receives waited at their consumers over receives posted ahead")]
 
 

@@ -90,11 +90,9 @@ def summarize(name: str, per_rank: list[dict[str, Any]], cfg: P2PConfig) -> list
                      "step": harness.summarize(lead["seconds"][label]).to_dict(),
                      "nonfinite_sends": sum(r["nonfinite"][label] for r in per_rank)})
     base = rows[0]
-    for row in rows:
-        row["bytes_ratio"] = row["bytes_per_send"] / base["bytes_per_send"]
-        row["loss_rel"] = (row["loss_last"] - base["loss_last"]) / base["loss_last"]
-        row["time_ratio"] = row["step"]["median_s"] / base["step"]["median_s"]
-    return rows
+    return [{**r, "bytes_ratio": r["bytes_per_send"] / base["bytes_per_send"], "time_ratio": r["step"]["median_s"]
+             / base["step"]["median_s"], "loss_rel": (r["loss_last"] - base["loss_last"]) / base["loss_last"]}
+            for r in rows]
 
 
 def run(cfg: P2PConfig) -> Result:

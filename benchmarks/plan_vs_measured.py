@@ -88,6 +88,11 @@ class Candidate:
         """The profiled parts merged as the planner grouped them."""
         return deep.merge_parts(parts, self.groups)
 
+    def grouped(self, batch: int) -> tuple[deep.PartProfile, ...]:
+        """Its profile at its microbatch, grouped as its parts are merged."""
+        return self.profile.at_microbatch(batch / self.schedule.num_microbatches).grouped(self.schedule.num_groups,
+                                                                                          list(self.groups))
+
 
 def _from_rank0(value: Any) -> Any:
     """Rank 0's `value` on every rank."""
@@ -210,11 +215,8 @@ def _calibrate_in_pipeline(parts: list[nn.Module], batch: tuple[Any, Any], loss:
                            link: deep.Link, cfg: PvMConfig, cores: int) -> dict[str, Any]:
     """The compute scale and the runtime's work from the real parts on `cfg.calibration` and the model's prediction
     of those runs; the solver's ValueError as "error" when the samples cannot separate the terms."""
-    runs = []
-    for name, m in cfg.calibration:
-        choice = _candidate(profile, cfg, name, m, link)
-        groups = profile.at_microbatch(cfg.batch_size / m).grouped(choice.schedule.num_groups, list(choice.groups))
-        runs.append(CalibrationRun(choice.schedule, choice.merged_parts(copy.deepcopy(parts)), groups))
+    chosen = [_candidate(profile, cfg, name, m, link) for name, m in cfg.calibration]
+    runs = [CalibrationRun(c.schedule, c.merged_parts(copy.deepcopy(parts)), c.grouped(cfg.batch_size)) for c in chosen]
     try:
         cal = measure_in_pipeline(runs, batch, loss, harness.adamw(), steps=cfg.calibration_steps, config=_run_config())
     except ValueError as exc:
@@ -245,18 +247,15 @@ def _variants(profiles: dict[str, Profile], overhead: dict[str, dict[str, Any] |
     model = previous if fitted is None else replace(profiles["alone"],
                                                     overhead=deep.RuntimeOverhead.from_dict(fitted, "in pipeline"))
     settings = {"model": (model, cores), "previous": (previous, cores), "no_cores": (model, None),
-                "cores_only": (model.basic(), cores),
-                "alone_linear": (model.basic(), None), "old": (profiles["loaded"].basic(), None)}
+                "cores_only": (model.basic(), cores), "alone_linear": (model.basic(), None),
+                "old": (profiles["loaded"].basic(), None)}
     return {key: [_candidate(prof, cfg, name, m, link, c) for name, m in cfg.candidates]
             for key, (prof, c) in settings.items()}
 
 
 def _model_cpu(choice: Candidate, cfg: PvMConfig) -> list[float]:
     """Per rank: the CPU seconds the new model charges for one step of the candidate (`rank_work`)."""
-    schedule, profile = choice.schedule, choice.profile
-    groups = profile.at_microbatch(cfg.batch_size / schedule.num_microbatches).grouped(schedule.num_groups,
-                                                                                       list(choice.groups))
-    return deep.rank_work(schedule, groups, profile.overhead)
+    return deep.rank_work(choice.schedule, choice.grouped(cfg.batch_size), choice.profile.overhead)
 
 
 def _worker(rank: int, world: int, cfg: PvMConfig) -> dict[str, Any]:

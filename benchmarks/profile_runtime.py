@@ -173,11 +173,6 @@ def summarize_raw(path: str, side: str, steps: int, ranks: int, rate: int, top: 
             "self_ms": {k: v * per for k, v in own.most_common(top)}}
 
 
-def py_spy() -> str | None:
-    """The py-spy executable next to this interpreter or on PATH, if installed."""
-    return shutil.which("py-spy", path=os.path.dirname(sys.executable)) or shutil.which("py-spy")
-
-
 def profile(cfg: ProfileConfig, side: str, case: tuple[str, str, int], spy: str) -> dict[str, Any]:
     """py-spy over a fresh run of one side; the bucketed profile."""
     schedule, workload, steps = case
@@ -198,7 +193,7 @@ def run(cfg: ProfileConfig) -> Result:
     """The profiles (when py-spy is installed) and the what-if runs; or only the look-ahead comparison."""
     if cfg.lookahead:
         return {"lookahead": lookahead(cfg), "config": asdict(cfg)}
-    spy = py_spy()
+    spy = shutil.which("py-spy", path=os.path.dirname(sys.executable)) or shutil.which("py-spy")  # if installed
     cases = [{"schedule": c[0], "workload": c[1], "steps": c[2], "ours": profile(cfg, "ours", c, spy),
               "torch": profile(cfg, "torch", c, spy)} for c in cfg.cases] if spy else []
     return {"cases": cases, "skipped": "" if spy else "py-spy is not installed (.venv/bin/pip install py-spy)",

@@ -15,16 +15,15 @@ from benchmarks.internals import START_METHODS
 from benchmarks.runner import ROOT, main
 
 PROBE = """
-import json, sys, time
-t0 = time.perf_counter()
+import json, time
+t = [time.perf_counter()]
 from duplexpipe import run
 from benchmarks.spawn_bench import trivial
-t1 = time.perf_counter()
-run(trivial, {ranks}, start_method={method!r})
-t2 = time.perf_counter()
-run(trivial, {ranks}, start_method={method!r})
-t3 = time.perf_counter()
-print(json.dumps({{"import_s": t1 - t0, "first_s": t2 - t1, "second_s": t3 - t2}}))
+t.append(time.perf_counter())
+for _ in range(2):
+    run(trivial, {ranks}, start_method={method!r})
+    t.append(time.perf_counter())
+print(json.dumps({{"import_s": t[1] - t[0], "first_s": t[2] - t[1], "second_s": t[3] - t[2]}}))
 """
 """The program each repetition runs in a fresh interpreter (so nothing is cached): it times `run` itself, twice."""
 

@@ -112,11 +112,9 @@ def memory(cfg: ZeroBenchConfig) -> list[dict[str, Any]]:
     rows = []
     for pp, dp in LAYOUTS:
         ranks = harness.spawn(_memory_worker, (cfg, pp, dp), pp * dp, 900)
-        for stage in (0, 1, 2):
-            worst = {k: max(r[stage][k] for r in ranks) for k in ("state", "grads", "params")}
-            base = {k: max(r[0][k] for r in ranks) for k in ("state", "grads", "params")}
-            rows.append({"pp": pp, "dp": dp, "stage": stage, **worst,
-                         **{f"{k}_frac": worst[k] / base[k] for k in worst}})
+        worst = [{k: max(r[stage][k] for r in ranks) for k in ("state", "grads", "params")} for stage in (0, 1, 2)]
+        rows += [{"pp": pp, "dp": dp, "stage": stage, **w, **{f"{k}_frac": w[k] / worst[0][k] for k in w}}
+                 for stage, w in enumerate(worst)]
     return rows
 
 
@@ -182,15 +180,10 @@ def _speed_worker(rank: int, world: int, cfg: ZeroBenchConfig) -> dict[int, dict
 
 def speed_rows(ranks: list[dict[int, dict[str, list[float]]]]) -> list[dict[str, Any]]:
     """speed()'s rows from each rank's per-step seconds."""
-    rows = []
-    for stage in SPEED_STAGES:
-        wall = harness.slowest([r[stage]["wall"] for r in ranks])
-        rows.append({"stage": stage, "wall_ms": 1e3 * statistics.median(wall),
-                     "cpu_ms": 1e3 * statistics.fmean(c for r in ranks for c in r[stage]["cpu"])})
-    one = next(r for r in rows if r["stage"] == 1)
-    for r in rows:
-        r["wall_vs_1"], r["cpu_vs_1"] = r["wall_ms"] / one["wall_ms"], r["cpu_ms"] / one["cpu_ms"]
-    return rows
+    rows = [{"stage": stage, "wall_ms": 1e3 * statistics.median(harness.slowest([r[stage]["wall"] for r in ranks])),
+             "cpu_ms": 1e3 * statistics.fmean(c for r in ranks for c in r[stage]["cpu"])} for stage in SPEED_STAGES]
+    one = rows[SPEED_STAGES.index(1)]
+    return [{**r, "wall_vs_1": r["wall_ms"] / one["wall_ms"], "cpu_vs_1": r["cpu_ms"] / one["cpu_ms"]} for r in rows]
 
 
 def run_zero_pp(cfg: ZeroBenchConfig) -> list[dict[str, Any]]:
