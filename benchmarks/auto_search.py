@@ -132,9 +132,8 @@ def case(ranks: int, mbs: int, profile: Profile, limit: float) -> dict[str, Any]
     checked = [(k, span, own[PLACEMENT[k]]) for k, (span, _) in rivals.items() if k in PLACEMENT]
     checked += [(f"auto {k}", span, own[k]) for k, span in auto["by_placement"].items()]
     return {"P": ranks, "M": mbs, "profile": profile.name, "limit": limit, **linear, "v_bound": v,
-            "bound": min(linear["two_sided"], v),
-            "built_ins": everything, "best_built_in": name, "best_built_in_makespan": span,
-            "auto": auto, "bound_checked": len(checked),
+            "bound": min(linear["two_sided"], v), "built_ins": everything, "best_built_in": name,
+            "best_built_in_makespan": span, "auto": auto, "bound_checked": len(checked),
             "bound_reached": sum(abs(span - bound) <= EPS for _, span, bound in checked),
             "bound_violated": [k for k, span, bound in checked if span < bound - EPS]}
 
@@ -187,8 +186,7 @@ def grid(cfg: AutoSearchConfig) -> dict[str, Any]:
     return {"rows": rows, "cases": len(rows), "worse": len(worse), "better": len(better), "met": not worse,
             "greedy_wins": sum(r["auto"]["winner"].startswith("greedy") for r in better),
             "at_bound": sum(r["auto"]["makespan"] <= r["bound"] + EPS for r in rows),
-            "bound_checked": sum(r["bound_checked"] for r in rows),
-            "bound_reached": sum(r["bound_reached"] for r in rows),
+            **{k: sum(r[k] for r in rows) for k in ("bound_checked", "bound_reached")},
             "bound_violated": [f"P={r['P']} M={r['M']} {r['profile']} limit {r['limit']:g}: {k}"
                                for r in rows for k in r["bound_violated"]], "dualpipe_cases": len(dual),
             "dualpipe_shorter": sum(r["built_ins"]["dualpipe"] < r["auto"]["makespan"] - EPS for r in dual)}

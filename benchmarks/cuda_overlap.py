@@ -52,11 +52,10 @@ def _one(mode: str, rank: int, transport: Transport, buf: torch.Tensor, tag: int
     dist.barrier()
     torch.cuda.synchronize()
     start = time.perf_counter()
-    if rank == 0:
-        if mode != "compute":
-            transport.send((Op.SEND_F, 0, tag), [buf], 1)
-            transport.wait_send((Op.SEND_F, 0, tag))
-    else:
+    if rank == 0 and mode != "compute":
+        transport.send((Op.SEND_F, 0, tag), [buf], 1)
+        transport.wait_send((Op.SEND_F, 0, tag))
+    elif rank != 0:
         if mode in ("compute", "overlapped", "serialized"):
             torch.cuda._sleep(spin)
         if mode != "compute":

@@ -9,7 +9,7 @@ from typing import Any
 
 from benchmarks import harness, runner
 from benchmarks import internals as deep
-from benchmarks.framework import Block, Part, Result
+from benchmarks.framework import Block, Part, Result, figure
 from duplexpipe import PipelineConfig, Timeline
 
 
@@ -103,9 +103,8 @@ def run_method(cfg: DPBenchConfig, method: Method) -> dict[str, Any]:
     ranks = harness.spawn(_worker, (cfg, method), cfg.pp * cfg.dp, 3600)
     return {"label": method.label, "optimizer": method.optimizer, "losses": ranks[0]["losses"],
             "wire": [statistics.fmean(s) for s in zip(*(r["wire"] for r in ranks), strict=True)],
-            "step_s": ranks[0]["step_s"],
             "compute_s": [statistics.fmean(s) for s in zip(*(r["compute_s"] for r in ranks), strict=True)],
-            "fewer_bytes_target": method.fewer_bytes, "loss_target": method.loss_within,
+            "step_s": ranks[0]["step_s"], "fewer_bytes_target": method.fewer_bytes, "loss_target": method.loss_within,
             "compression": repr(method.compression)}
 
 
@@ -154,9 +153,7 @@ def table(rows: list[dict[str, Any]], cfg: DPBenchConfig) -> list[list[str]]:
 
 def _loss_curves(runs: list[dict[str, Any]], path: str) -> None:
     """Every run's loss (10-step mean): the whole run, and the second half zoomed on the close ones."""
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(12, 5.2), dpi=150)
+    fig = figure(12, 5.2, 150, None)
     whole, zoom = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
     half = len(runs[0]["losses"]) // 2
     near: list[float] = []
@@ -183,9 +180,7 @@ def _loss_curves(runs: list[dict[str, Any]], path: str) -> None:
 
 def _scatter(rows: list[dict[str, Any]], path: str) -> None:
     """Bytes per rank and step (steady state) against the loss change vs fp32 of the same optimizer."""
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(9, 5.2), dpi=150)
+    fig = figure(9, 5.2, 150, None)
     ax = fig.add_subplot(1, 1, 1)
     markers = "os^vD<>pPX*h"
     for i, r in enumerate(rows):

@@ -6,7 +6,7 @@ import dataclasses
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 C = TypeVar("C")
 Table = list[list[str]]  # the header row, then the body rows
@@ -108,11 +108,11 @@ def _json(text: str) -> Any:
         return text
 
 
-def figure(width: float, height: float) -> Any:
+def figure(width: float, height: float, dpi: int = 110, layout: Literal["constrained"] | None = "constrained") -> Any:
     """A matplotlib Figure (no pyplot state)."""
     from matplotlib.figure import Figure
 
-    return Figure(figsize=(width, height), dpi=110, layout="constrained")
+    return Figure(figsize=(width, height), dpi=dpi, layout=layout)
 
 
 def bars(path: str, labels: Sequence[str], series: dict[str, list[float]], target: float, target_text: str,

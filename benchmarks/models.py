@@ -222,7 +222,7 @@ def build_torch_pipe(key: str, parts: list[nn.Module], rank: int, num_ranks: int
     local = {"linear": [rank], "looped": [rank, rank + num_ranks], "v": [rank, 2 * num_ranks - 1 - rank]}[placement]
     modules = {s: copy.deepcopy(parts[s]) for s in local}
     stages = [pp.PipelineStage(modules[s], s, total, torch.device("cpu")) for s in local]
-    stage_arg: Any = stages[0] if placement == "linear" else stages
-    schedule = getattr(pp, cls_name)(stage_arg, num_microbatches, loss_fn=loss, scale_grads=True)
-    params = [p for s in local for p in modules[s].parameters()]
-    return TorchPipe(modules, schedule, 0 in local, total - 1 in local, frozen_sgd(params))
+    schedule = getattr(pp, cls_name)(stages[0] if placement == "linear" else stages, num_microbatches, loss_fn=loss,
+                                     scale_grads=True)
+    return TorchPipe(modules, schedule, 0 in local, total - 1 in local,
+                     frozen_sgd([p for s in local for p in modules[s].parameters()]))

@@ -135,8 +135,7 @@ def _pairs(cfg: MoEBenchConfig, rank: int, world: int, device: torch.device, lin
     """Pair times per mode (alternating), each measured pair's comm time, each pair's CPU time."""
     model = _model(cfg, device, rank, world)
     gen = torch.Generator().manual_seed(rank)
-    x = [_tokens(cfg, cfg.tokens, gen).to(device) for _ in range(2)]
-    grad = _tokens(cfg, cfg.tokens, gen).to(device)
+    *x, grad = (_tokens(cfg, cfg.tokens, gen).to(device) for _ in range(3))  # microbatches 0 and 1, B's gradient
     out: dict[str, list[float]] = {m: [] for m in (*MODES, "comm", "overlapped_cpu", "sequential_cpu")}
     plain = deep.Driver(link=link)  # one driver, as a runtime keeps one: its pairs reuse its two threads
     for rep in range(reps + 2):

@@ -171,8 +171,7 @@ def _overhead(cfg: PvMConfig, ranks: int) -> dict[str, list[float]]:
 def counting_cost(reps: int) -> dict[str, float]:
     """The MLP's forward + backward with and without SavedBytes counting, interleaved; the fastest of `reps`."""
     spec = models.ModelSpec("mlp", num_layers=8, width=256, batch=8)  # one microbatch of batch 64, M=8
-    (model,) = models.build_parts(spec, 1)
-    x = torch.randn(spec.batch, spec.width)
+    (model,), x = models.build_parts(spec, 1), torch.randn(spec.batch, spec.width)
     meter = deep.SavedBytes(model.parameters())
     times: dict[bool, list[float]] = {True: [], False: []}
     for k in range(2 * reps + 4):
@@ -379,8 +378,7 @@ def cpu_table(part: dict[str, Any]) -> list[list[str]]:
     out = [["candidate", "model CPU ms (all ranks)", "measured CPU ms (all ranks)", "measured / model",
             "previous model CPU ms", "measured / previous", f"measured CPU / {cores} cores ms", "measured step ms"]]
     for r in part["rows"]:
-        model, real = sum(r["cpu_model"]), sum(r["cpu"])
-        previous = sum(r.get("cpu_previous", [math.nan]))
+        model, real, previous = sum(r["cpu_model"]), sum(r["cpu"]), sum(r.get("cpu_previous", [math.nan]))
         out.append([r["candidate"], ms(model), ms(real), f"{real / model:.2f}", ms(previous),
                     f"{real / previous:.2f}", ms(real / cores), ms(r["measured"]["median_s"])])
     return out

@@ -24,8 +24,7 @@ BUCKETS: Mapping[str, tuple[tuple[str, tuple[str, ...]], ...]] = MappingProxyTyp
         ("step-start agreement (star of messages)", ("agree (",)),
         ("loss sum (SharedSum / PendingSum)", ("PendingSum.value (", "SharedSum.value (")),
         ("DualPipe mirrored-gradient exchange", ("MirrorSum.",)),
-        ("end-of-step send completion", ("Transport.finish (",)),
-        ("post receives (irecv)", ("Transport.expect (",)),
+        ("end-of-step send completion", ("Transport.finish (",)), ("post receives (irecv)", ("Transport.expect (",)),
         ("post sends (ProcessGroup.send)", ("Transport.send (",)),
         ("reap completed sends (NCCL only)", ("Transport.reap (",)),
         ("I: autograd-graph analysis (autograd_split)", ("_parents (", "_ancestors (", "_group_params (",
@@ -35,8 +34,7 @@ BUCKETS: Mapping[str, tuple[tuple[str, tuple[str, ...]], ...]] = MappingProxyTyp
         ("trainer: optimizer step, norm, zero_grad", ("Pipeline._apply (", "zero_grad (")),
     ),
     "torch": (
-        ("wait for P2P (_wait_batch_p2p)", ("_wait_batch_p2p (",)),
-        ("post P2P (batch_isend_irecv)", ("_batch_p2p (",)),
+        ("wait for P2P (_wait_batch_p2p)", ("_wait_batch_p2p (",)), ("post P2P (batch_isend_irecv)", ("_batch_p2p (",)),
         ("I: autograd-graph analysis (_backward.py)", ("get_param_groups (", "reverse_closure (",
                                                       "construct_reverse_graph (")),
         ("forward compute (module + loss)", ("forward_one_chunk (", "_maybe_compute_loss (")),
@@ -85,11 +83,6 @@ def side_worker(rank: int, world: int, args: dict[str, Any]) -> None:
     pipe: Any = (build_pipeline(args["schedule"], parts, 8, check_inputs_every_step=not args["fixed_shapes"])
                  if args["side"] == "ours" else build_torch_pipe(args["schedule"], parts, rank, world, 8))
     harness.RoundRobin([pipe], lambda p, _: p.step(x, y)).run(args["steps"] + 2)
-
-
-def side_run(args: dict[str, Any]) -> None:
-    """The profiled program: one side on `world` ranks."""
-    harness.spawn(side_worker, args, args["world"], 900)
 
 
 def whatif_worker(rank: int, world: int, case: tuple[str, str, int]) -> list[list[float]]:
@@ -175,10 +168,10 @@ def summarize_raw(path: str, side: str, steps: int, ranks: int, rate: int, top: 
 
 def profile(cfg: ProfileConfig, side: str, case: tuple[str, str, int], spy: str) -> dict[str, Any]:
     """py-spy over a fresh run of one side; the bucketed profile."""
-    schedule, workload, steps = case
-    args = {"side": side, "schedule": schedule, "workload": workload, "steps": steps,
-            "fixed_shapes": cfg.fixed_shapes, "world": cfg.world}
-    program = f"from benchmarks.profile_runtime import side_run; side_run({args!r})"
+    args = {"side": side, **dict(zip(("schedule", "workload", "steps"), case, strict=True)),
+            "fixed_shapes": cfg.fixed_shapes}
+    program = ("from benchmarks import harness; from benchmarks.profile_runtime import side_worker; "
+               f"harness.spawn(side_worker, {args!r}, {cfg.world}, 900)")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "raw.txt")
         cmd = [spy, "record", *(() if cfg.cpu else ("--idle",)), "--subprocesses", "-r", str(cfg.rate), "--format",
@@ -186,7 +179,7 @@ def profile(cfg: ProfileConfig, side: str, case: tuple[str, str, int], spy: str)
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False, cwd=runner.ROOT)
         if proc.returncode != 0 or not os.path.exists(out):
             raise RuntimeError(f"py-spy failed ({proc.returncode}): {proc.stderr[-3000:]}")
-        return summarize_raw(out, side, steps + 2, cfg.world, cfg.rate, max(cfg.top, 25))
+        return summarize_raw(out, side, case[2] + 2, cfg.world, cfg.rate, max(cfg.top, 25))
 
 
 def run(cfg: ProfileConfig) -> Result:

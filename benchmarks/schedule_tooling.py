@@ -91,11 +91,9 @@ def time_torch(ours: str, theirs: str, ranks: int, microbatches: int, repeats: i
 
 def measure_cli(argv: tuple[str, ...], source: str, out: str, timeout_s: float) -> dict[str, float]:
     """One case in a fresh process: exit code, wall seconds, and CPU seconds and peak RSS from its getrusage."""
-    env = dict(os.environ, PYTHONPATH=source, MPLBACKEND="Agg")
-    start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", PROGRAM, *(a.replace("{out}", out) for a in argv)], env=env,
-                          capture_output=True, text=True, timeout=timeout_s, check=False, cwd=out)
-    wall = time.perf_counter() - start
+    cmd = [sys.executable, "-c", PROGRAM, *(a.replace("{out}", out) for a in argv)]
+    proc, wall = _timed(partial(subprocess.run, cmd, env=dict(os.environ, PYTHONPATH=source, MPLBACKEND="Agg"),
+                                capture_output=True, text=True, timeout=timeout_s, check=False, cwd=out))
     stats = [line.split() for line in proc.stderr.splitlines() if line.startswith("@@ ")]
     cpu, rss = (float(stats[-1][1]), float(stats[-1][2])) if stats else (float("nan"), float("nan"))
     return {"exit_code": proc.returncode, "wall_s": wall, "cpu_s": cpu, "peak_rss_mb": rss / 1024}

@@ -25,12 +25,10 @@ RUNS: tuple[tuple[str, int, ZeroOptions], ...] = (("zero_stage=0 (all-reduce)", 
     for stage in (1, 2) for g, w in ((False, False), (True, False), (False, True), (True, True))))
 """(label, zero_stage, options) of the ZeRO++ runs."""
 AREAS = (
-    ("FSDP2 hooks and bookkeeping", ("torch/distributed/fsdp/",)),
-    ("DTensor", ("torch/distributed/tensor/",)),
+    ("FSDP2 hooks and bookkeeping", ("torch/distributed/fsdp/",)), ("DTensor", ("torch/distributed/tensor/",)),
     ("dynamo-disable wrappers (FSDP2's)", ("torch/_dynamo/",)),
     ("profiler record_function (FSDP2's)", ("torch/autograd/profiler", "_record_function", "torch/_ops.py")),
-    ("optimizer", ("torch/optim/",)),
-    ("autograd engine (backward kernels, hooks)", ("run_backward",)),
+    ("optimizer", ("torch/optim/",)), ("autograd engine (backward kernels, hooks)", ("run_backward",)),
     ("nn.Module calls (hook dispatch)", ("torch/nn/modules/module.py",)),
     ("the model (GPT forward)", ("duplexpipe/launch/tasks/", "torch/nn/functional.py", "torch/nn/modules/")),
     ("duplexpipe", ("duplexpipe/",)),
