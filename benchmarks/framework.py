@@ -12,7 +12,7 @@ C = TypeVar("C")
 Table = list[list[str]]  # the header row, then the body rows
 Block = str | Table  # one item of a report: a paragraph (markdown; a "### " heading too) or a table
 Result = dict[str, Any]  # what a part's run returns: JSON-ready figures
-Figures = Callable[[Result, str], list[tuple[str, str]]]  # (result, folder) -> (file name, caption) of each drawn
+Figures = Callable[[Result, str], list[tuple[str, str]]]  # (result, folder) -> (file name, caption) per figure
 
 
 def _no_figures(result: Result, folder: str) -> list[tuple[str, str]]:
