@@ -201,7 +201,8 @@ def _failed(exc: Exception) -> int | None:
         if exc.summary.startswith(rejected):  # a rank rejected its input (a checkpoint that does not match)
             print(f"duplexpipe: error: {exc.summary[len(rejected):]}", file=sys.stderr)
             return 2
-        print(f"duplexpipe: error: rank {exc.rank} failed: {exc.summary}", file=sys.stderr)
+        said = exc.summary if exc.summary.startswith(f"rank {exc.rank} ") else f"rank {exc.rank} failed: {exc.summary}"
+        print(f"duplexpipe: error: {said}", file=sys.stderr)
         return 1
     if reported(exc):
         return 1
