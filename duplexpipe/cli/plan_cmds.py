@@ -8,21 +8,15 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from duplexpipe.cli.args import command
 from duplexpipe.planner.profile import load_profile, save_profile
 from duplexpipe.sizes import format_bytes, parse_bytes
-
-PLAN_EPILOG = """examples:
-  duplexpipe profile --parts 8 --microbatch 4 -o profile.json
-  duplexpipe plan --profile profile.json -p 4 --batch 64 --memory 2GiB
-  duplexpipe plan --profile profile.json -p 4 --dp 2 --batch 128 --memory 40GiB --bandwidth 25GB \\
-      --zero 0,1,2 --compression all --json
-  duplexpipe plan --profile profile.json -p 4 --batch 64 --memory 2GiB --plot pareto.png"""
 
 
 def add_parsers(sub: Any) -> None:
     """Add `plan` and `profile` to the `duplexpipe` subcommands (no torch needed to parse them)."""
-    pl = sub.add_parser("plan", help="choose schedule, microbatches, ZeRO stage and compression under a memory "
-                        "cap, from a profile", epilog=PLAN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    pl = command(sub, "plan", "choose schedule, microbatches, ZeRO stage and compression under a memory cap, from "
+                 "a profile")
     pl.add_argument("--profile", required=True, metavar="FILE", help="a profile written by 'duplexpipe profile'")
     pl.add_argument("-p", "--ranks", type=_integer("ranks"), required=True, help="pipeline ranks P")
     pl.add_argument("--dp", type=_integer("dp"), default=1, help="data-parallel replicas D (default 1)")
@@ -52,8 +46,8 @@ def add_parsers(sub: Any) -> None:
     pl.add_argument("--top", type=_integer("top"), default=None, help="print only the first N rows")
     pl.add_argument("--json", action="store_true", help="print the result as JSON")
     pl.add_argument("--plot", metavar="FILE", help="write the step-time vs peak-memory Pareto figure")
-    pr = sub.add_parser("profile", help="measure a model's parts (time, activation and message bytes) into a "
-                        "profile for 'duplexpipe plan'")
+    pr = command(sub, "profile", "measure a model's parts (time, activation and message bytes) into a profile for "
+                 "'duplexpipe plan'")
     pr.add_argument("--task", default=None, help="'file.py:function' returning a TrainTask (default: the GPT "
                     "example)")
     pr.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE",
@@ -176,15 +170,15 @@ def cmd_profile(args: argparse.Namespace) -> int:
     """`duplexpipe profile` (imports torch)."""
     import torch
 
-    from duplexpipe.cli.args import parse_task_options
     from duplexpipe.launch.train_config import TrainConfig
     from duplexpipe.launch.train_loop import DEFAULT_TASK, load_task
+    from duplexpipe.launch.train_settings import parse_key_values
     from duplexpipe.model.split import split_model
     from duplexpipe.train.measure import profile_parts
 
     torch.set_num_threads(args.threads)
     spec = args.task or DEFAULT_TASK
-    task = load_task(spec)(**parse_task_options(args.task_option))
+    task = load_task(spec)(**parse_key_values(args.task_option))
     parts, _ = split_model(task.layers, args.parts, args.balance, embedding=task.embedding, head=task.head)
     defaults = TrainConfig()
     rows = args.microbatch or max(1, defaults.batch_size // defaults.microbatches)
@@ -208,10 +202,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
               f"{format_bytes(p.output_bytes):>10}")
     print(f"microbatch {profile.microbatch_size} samples; profile written to {args.output}")
     return 0
-
-
-
-
 
 
 def memory_lines(per_rank: Sequence[dict[str, Any]]) -> list[str]:
