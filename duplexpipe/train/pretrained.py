@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from duplexpipe.model.hf import MODEL_TYPES, CausalLMPart, causal_lm_parts, causal_lm_targets, counted_tokens
 from duplexpipe.model.hf_files import INDEX_FILE, SINGLE_FILE, StoredTensor, read_into, stored_tensors
+from duplexpipe.model.split import PartInfo, Partition, count_params
 from duplexpipe.model.state_names import part_state_keys
 
 log = logging.getLogger("duplexpipe.pretrained")
@@ -127,6 +128,12 @@ class PretrainedModel:
     def parts(self, num_parts: int, balance: Sequence[int] | None = None) -> list[CausalLMPart]:
         """The model cut into `num_parts` parts on the meta device (see `causal_lm_parts`)."""
         return causal_lm_parts(self.model, num_parts, balance)
+
+    def partition(self, parts: Sequence[CausalLMPart], explicit: bool = False) -> Partition:
+        """The Partition of `parts` (decoder layers per part, parameters, where the embedding and head are), as
+        `split_model` reports it for a list of layers (`partition.txt` of `duplexpipe train`)."""
+        infos = tuple(PartInfo(p.index, p.layer_ids, count_params(p), None, p.is_first, p.is_last) for p in parts)
+        return Partition("explicit" if explicit else "uniform", tuple(len(p.layer_ids) for p in parts), infos)
 
     def fill(self, part: nn.Module, index: int) -> None:
         """A `PartInit`: fill a freshly allocated part from the files (its tensors only), and compute its

@@ -403,7 +403,8 @@ class Pipeline:
             resolve_schedule(config, pp).num_groups
         parts = source.parts(num_parts, balance)
         pipe = cls(parts, causal_lm_loss, optimizer, config, mesh=mesh, device=device, init=source.fill,
-                   scheduler=scheduler, sample_input=sample_input, sample_targets=sample_targets)
+                   partition=source.partition(parts, balance is not None), scheduler=scheduler,
+                   sample_input=sample_input, sample_targets=sample_targets)
         pipe.source_dir = str(path)
         pipe.batch_transform = TokenWeighted(pipe.groups.dp_group, pipe.groups.dp_size, pipe.device, pipe.bounded)
         return pipe
