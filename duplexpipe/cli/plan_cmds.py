@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -48,8 +49,9 @@ def add_parsers(sub: Any) -> None:
     pl.add_argument("--plot", metavar="FILE", help="write the step-time vs peak-memory Pareto figure")
     pr = command(sub, "profile", "measure a model's parts (time, activation and message bytes) into a profile for "
                  "'duplexpipe plan'")
-    pr.add_argument("--task", default=None, help="'file.py:function' returning a TrainTask (default: the GPT "
-                    "example)")
+    pr.add_argument("--task", default=None, help="'file.py:function' or 'module:function' returning a TrainTask, or "
+                    "a bundled task: 'gpt' (the default) or 'hf' (a Hugging Face model directory: --task-option "
+                    "model=DIR --task-option data=FILE)")
     pr.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE",
                     help="keyword argument for the task function (repeatable)")
     pr.add_argument("--parts", type=_integer("parts"), required=True,
@@ -59,14 +61,27 @@ def add_parsers(sub: Any) -> None:
                     "microbatches = 4)")
     pr.add_argument("--repeats", type=_integer("repeats"), default=3,
                     help="measured runs per part (the fastest counts)")
-    pr.add_argument("--evict", type=_size("evict"), default=0, metavar="SIZE",
+    pr.add_argument("--evict", type=_size("evict"), default=None, metavar="SIZE",
                     help="write SIZE bytes before each timed pass, so caches are cold as in a pipeline (e.g. the "
-                    "activations one microbatch keeps through the model; default 0: warm)")
+                    "activations one microbatch keeps through the model; default 0: warm; with --calibrate, what "
+                    "schedule='auto' takes: the bytes one microbatch keeps, at least twice the L2 cache)")
     pr.add_argument("--balance", choices=("uniform", "params", "time"), default="uniform",
                     help="how to split the layers into parts (default uniform)")
     pr.add_argument("--threads", type=_integer("threads"), default=1,
                     help="torch CPU threads while measuring (default 1: what each rank of a local run gets "
                     "when the ranks fill the cores; more threads on a shared machine make timings erratic)")
+    pr.add_argument("--calibrate", action="store_true",
+                    help="also train the parts on --ranks local processes on calibration schedules (as "
+                    "schedule='auto' does) and store the runtime's work per action, message and step, the compute "
+                    "scale inside a running pipeline, the runs' wall times and the stage-to-stage link in the profile: "
+                    "'plan' then predicts what a run measures, not the parts' compute alone")
+    pr.add_argument("--ranks", type=_integer("ranks"), default=None, metavar="P",
+                    help="pipeline ranks of the calibration (default 2; --calibrate only)")
+    pr.add_argument("--batch", type=_integer("batch"), default=None,
+                    help="samples per step of the calibration (default 32; --calibrate only): the profile is taken at "
+                    "its largest candidate microbatch")
+    pr.add_argument("--budget", type=_seconds("budget"), default=None, metavar="SECONDS",
+                    help="seconds of measured calibration steps (default 3; --calibrate only)")
     pr.add_argument("-o", "--output", required=True, metavar="FILE", help="where to write the profile (JSON)")
     pr.add_argument("--json", action="store_true", help="print the profile as JSON")
 
@@ -80,13 +95,25 @@ def add_profile_option(parser: argparse.ArgumentParser) -> None:
 def _machine(profile: Any, args: argparse.Namespace) -> str:
     """What the step time assumes about the machine, in a few words."""
     where = f"{args.cores} cores shared by the ranks" if args.cores else "a device per rank"
+    return f"{where}, {_overhead(profile) or 'no runtime overhead measured'}"
+
+
+def _overhead(profile: Any) -> str:
+    """The runtime overhead a calibrated profile holds, in a few words ("" for none)."""
     over = profile.overhead
     if over is None:
-        return f"{where}, no runtime overhead measured"
-    return (f"{where}, runtime overhead {over.action_s * 1e6:.0f} us per action, {over.message_s * 1e6:.0f} us "
-            f"per message, {over.step_s * 1e3:.3g} ms per step"
+        return ""
+    return (f"runtime overhead {over.action_s * 1e6:.0f} us per action, {over.message_s * 1e6:.0f} us per message, "
+            f"{over.step_s * 1e3:.3g} ms per step"
             + (f", compute x {over.compute_scale:.3g} in the pipeline" if over.compute_scale != 1.0 else "")
             + (f", wall time x {over.wall_scale:.3g}" if over.wall_scale != 1.0 else ""))
+
+
+UNCALIBRATED = ("warning: this profile holds no runtime overhead: every step time below is the parts' compute alone. "
+                "On small models the runtime's own work (per action, message and step) can dominate, make the "
+                "predictions several times low and change their order; measure it with 'duplexpipe profile "
+                "--calibrate --ranks P --batch B' (as schedule='auto' does)")
+"""What `plan` prints first (to stderr) for a profile without runtime overhead."""
 
 
 def _integer(name: str, minimum: int = 1) -> Any:
@@ -133,6 +160,7 @@ def _seconds(name: str) -> Any:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """`duplexpipe plan`."""
+    from duplexpipe.planner.calibrate import with_calibration
     from duplexpipe.planner.dp_comm import COMPRESSIONS, Link
     from duplexpipe.planner.plan import PlanConfig, plan
 
@@ -145,7 +173,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
                         dp_link=Link(float(args.bandwidth or math.inf), args.latency),
                         p2p_link=Link(float(p2p_bw or math.inf), args.latency),
                         optimizer_factor=args.optimizer_factor, cores=args.cores)
+    profile, config, measured = with_calibration(profile, config, link=p2p_bw is None and not args.latency)
     result = plan(profile, config)
+    if profile.overhead is None and not args.json:
+        print(UNCALIBRATED, file=sys.stderr)
     if args.plot:
         from duplexpipe.viz.pareto import plot_pareto
 
@@ -155,7 +186,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     best = result.best
     print(f"plan for P={args.ranks} x D={args.dp}, batch {args.batch}, cap {format_bytes(args.memory)} per rank; "
-          f"profile of {profile.num_parts} parts at microbatch {profile.microbatch_size}; {_machine(profile, args)}")
+          f"profile of {profile.num_parts} parts at microbatch {profile.microbatch_size}; {_machine(profile, args)}"
+          + (f"; {measured}" if measured else ""))
     print(result.table(args.top))
     print(f"best: {best.schedule} with M={best.microbatches}, ZeRO {best.zero}, compression {best.compression}: "
           f"step {best.step_s * 1e3:.4g} ms, peak {format_bytes(best.peak_bytes)} per rank")
@@ -170,24 +202,25 @@ def cmd_profile(args: argparse.Namespace) -> int:
     """`duplexpipe profile` (imports torch)."""
     import torch
 
-    from duplexpipe.launch.train_config import TrainConfig
-    from duplexpipe.launch.train_loop import DEFAULT_TASK, load_task
+    from duplexpipe.launch.profiling import ProfileRequest, profile_task
+    from duplexpipe.launch.train_config import DEFAULT_TASK, TASK_ALIASES, TrainConfig
     from duplexpipe.launch.train_settings import parse_key_values
-    from duplexpipe.model.split import split_model
-    from duplexpipe.train.measure import profile_parts
 
+    calibration = {"ranks": args.ranks, "batch": args.batch, "budget_s": args.budget}
+    if not args.calibrate and any(v is not None for v in calibration.values()):
+        given = [f"--{k.removesuffix('_s')}" for k, v in calibration.items() if v is not None]
+        raise ValueError(f"{', '.join(given)}: only with --calibrate (the calibration's ranks, batch and time)")
     torch.set_num_threads(args.threads)
-    spec = args.task or DEFAULT_TASK
-    task = load_task(spec)(**parse_key_values(args.task_option))
-    parts, _ = split_model(task.layers, args.parts, args.balance, embedding=task.embedding, head=task.head)
     defaults = TrainConfig()
-    rows = args.microbatch or max(1, defaults.batch_size // defaults.microbatches)
-    inputs, targets = task.batch(0, rows)
-    if len(inputs) < rows:
-        raise ValueError(f"--microbatch {rows}: the task's batch(0, {rows}) gave only {len(inputs)} samples")
-    meta = {"task": spec, "parts": args.parts, "balance": args.balance, "threads": args.threads}
-    profile = profile_parts(parts, inputs[:rows], target=targets[:rows], loss_fn=task.loss_fn, repeats=args.repeats,
-                            evict_bytes=args.evict, meta=meta)
+    spec = TASK_ALIASES.get(args.task, args.task) if args.task else DEFAULT_TASK
+    request = ProfileRequest(spec, parse_key_values(args.task_option), args.parts, args.balance,
+                             args.microbatch or max(1, defaults.batch_size // defaults.microbatches), args.repeats,
+                             args.evict, args.calibrate,
+                             **{k: v for k, v in calibration.items() if v is not None})
+    if request.calibrate and request.batch < request.ranks:
+        raise ValueError(f"--batch {request.batch}: the calibration runs at least --ranks {request.ranks} "
+                         "microbatches of at least one sample")
+    profile = profile_task(request)
     try:
         save_profile(profile, args.output)
     except OSError as exc:
@@ -200,6 +233,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
         print(f"{k:>4} {p.forward_s * 1e3:>8.3f} {p.backward_input_s * 1e3:>8.3f} {p.backward_weight_s * 1e3:>8.3f} "
               f"{format_bytes(p.activation_bytes):>12} {format_bytes(p.param_bytes):>10} "
               f"{format_bytes(p.output_bytes):>10}")
+    if request.calibrate:
+        measured = _overhead(profile) or "the calibration could not separate its terms: no runtime overhead stored"
+        print(f"calibrated on {request.ranks} ranks, batch {request.batch}: {measured}")
     print(f"microbatch {profile.microbatch_size} samples; profile written to {args.output}")
     return 0
 

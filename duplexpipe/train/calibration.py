@@ -22,7 +22,7 @@ from duplexpipe.parallel import OptimizerFactory, StrategyContext, final_order, 
 from duplexpipe.parallel.grads import clip_factor
 from duplexpipe.parallel.mesh import ParallelGroups
 from duplexpipe.parallel.tied import TiedGrads, find_tied
-from duplexpipe.planner.calibrate import calibration_rounds, calibration_runs
+from duplexpipe.planner.calibrate import MAX_SCALE, calibration_rounds, calibration_runs
 from duplexpipe.planner.profile import PartProfile, Profile, RuntimeOverhead
 from duplexpipe.planner.runtime_work import OverheadSample, rank_counts, rank_work, solve_overhead
 from duplexpipe.runtime import PipelineRuntime
@@ -37,8 +37,6 @@ CpuTimer = Callable[[], float]
 """This process's CPU seconds (all its threads: gloo's included); time.process_time by default."""
 LINK_PROBE_BYTES = 2**20
 """The larger round trip of the link measurement is at least this many bytes (a transfer time above the noise)."""
-MAX_SCALE = 4.0
-"""The in-pipeline compute scale the calibration trusts: within a factor of this of the profile."""
 
 
 class Steppable(Protocol):

@@ -23,16 +23,16 @@ from duplexpipe.parallel.compressed import check_dgc_momentum
 from duplexpipe.parallel.mesh import ParallelGroups
 from duplexpipe.parallel.tied import find_tied
 from duplexpipe.parallel.zero_config import check_tied
-from duplexpipe.planner.calibrate import fit_wall_scale
+from duplexpipe.planner.calibrate import with_calibration
 from duplexpipe.planner.calibration_cache import CalibrationCache, default_cache_dir
-from duplexpipe.planner.dp_comm import UNMEASURED, Link, compression
+from duplexpipe.planner.dp_comm import UNMEASURED, compression
 from duplexpipe.planner.plan import PlanConfig, microbatch_counts, plan
 from duplexpipe.planner.profile import Profile
 from duplexpipe.runtime.structure import flatten, map_leaves, split
 from duplexpipe.schedules.ir import Schedule
 from duplexpipe.schedules.registry import build as build_schedule
 from duplexpipe.sizes import memory_bytes
-from duplexpipe.train.calibration import MAX_SCALE, Calibration, CalibrationSetup, calibrate, measure_link
+from duplexpipe.train.calibration import Calibration, CalibrationSetup, calibrate, measure_link
 from duplexpipe.train.choice import NO_LIMIT, AutoChoice, RunPlan
 from duplexpipe.train.measure import cache_evict_bytes, profile_parts
 from duplexpipe.train.measure_cache import cache_of, cached_profile, machine_signature, parts_digest, sample_signature
@@ -237,15 +237,25 @@ def _settings(options: dict[str, Any]) -> tuple[Calibration, CalibrationCache | 
 
 def choose(parts: PartSource, loss_fn: LossFn, optimizer: OptimizerFactory, config: PipelineConfig, setup: PlanSetup,
            sample: tuple[Any, Any] | None) -> AutoChoice:
-    """Measure (cached), plan for P x D and the sample's batch size, log the choice once (rank 0).
+    """Measure (cached, `measure`), plan for P x D and the sample's batch size with what the calibration measured
+    (`with_calibration`), log the choice once (rank 0). Fields the user set in `config` (num_microbatches,
+    zero_stage, grad_compression) are the planner's only choice for them. Raises ValueError on every rank, before
+    any training, when the parts or the sample are unusable or no candidate fits the limit (naming the smallest
+    feasible cap)."""
+    profile, plan_config, source = measure(parts, loss_fn, optimizer, config, setup, sample)
+    profile, plan_config, note = with_calibration(profile, plan_config, link="p2p_link" not in config.schedule_options)
+    return _decide(profile, plan_config, f"{source}; {note}" if note else source)
+
+
+def measure(parts: PartSource, loss_fn: LossFn, optimizer: OptimizerFactory, config: PipelineConfig, setup: PlanSetup,
+            sample: tuple[Any, Any] | None) -> tuple[Profile, PlanConfig, str]:
+    """What schedule="auto" plans with: the profile (measured, or from the cache), the planner's settings and where
+    the profile came from. Collective: call on every rank.
 
     `sample` is (inputs, targets) of one step's batch on this replica. The profile is rank 0's, on the
     sample's largest candidate microbatch (affine down to the smallest), and the calibration trains
     `calibration_runs` with the real parts on every rank (`calibration.CalibrationTrainer`: the runtime, no
-    Pipeline). Fields the user set in `config`
-    (num_microbatches, zero_stage, grad_compression) are the planner's only choice for them. Raises
-    ValueError on every rank, before any training, when the parts or the sample are unusable or no
-    candidate fits the limit (naming the smallest feasible cap).
+    Pipeline), kept in the profile's overhead and meta (its runs' walls, the measured link).
     """
     check_auto_options(config)
     options = dict(config.schedule_options)
@@ -270,7 +280,7 @@ def choose(parts: PartSource, loss_fn: LossFn, optimizer: OptimizerFactory, conf
     dtype = autocast_dtype(config.precision)
     trainees = CalibrationSetup(loss_fn, optimizer, config, setup.groups, setup.device, setup.init)
 
-    def measure() -> Profile:
+    def fresh() -> Profile:
         profile = _shared_profile(lambda: _profile(given, loss_fn, sample, min(measured), kwargs, setup, dtype))
         if not calibration.enabled:
             return profile
@@ -289,36 +299,8 @@ def choose(parts: PartSource, loss_fn: LossFn, optimizer: OptimizerFactory, conf
         return replace(profile, overhead=fitted, meta=meta)
 
     fingerprint = _fingerprint(given, sample, config, setup, kwargs, (small, large), calibration, type(probe).__name__)
-    profile, source = cached_profile(cache, fingerprint, measure)
-    if "p2p_link" not in options:
-        plan_config, note = _measured_link(profile, plan_config)
-        source = f"{source}; {note}" if note else source
-    profile, note = _wall_scaled(profile, plan_config)
-    return _decide(profile, plan_config, f"{source}; {note}" if note else source)
-
-
-def _wall_scaled(profile: Profile, config: PlanConfig) -> tuple[Profile, str]:
-    """The profile with the calibration runs' measured over modelled wall time (`fit_wall_scale`, under this
-    plan's cores and link) as its wall_scale; unchanged without a calibration or when that factor is beyond
-    [1/MAX_SCALE, MAX_SCALE] (a disturbed measurement)."""
-    walls = profile.meta.get("calibration_walls")
-    if profile.overhead is None or not walls:
-        return profile, ""
-    factor = fit_wall_scale(profile, config, [(str(n), int(m), float(w)) for n, m, w in walls])
-    if not 1 / MAX_SCALE <= factor <= MAX_SCALE:
-        return profile, f"calibration walls {factor:.3g}x the model: not applied"
-    return (replace(profile, overhead=replace(profile.overhead, wall_scale=factor)),
-            f"walls {factor:.3g}x the model of the machine (calibration runs)")
-
-
-def _measured_link(profile: Profile, config: PlanConfig) -> tuple[PlanConfig, str]:
-    """`config` with the stage-to-stage link the calibration measured (round trips), if it did."""
-    link = profile.meta.get("p2p_link")
-    if not (isinstance(link, list) and len(link) == 2):
-        return config, ""
-    latency, bandwidth = float(link[0]), float(link[1])
-    return (replace(config, p2p_link=Link(bandwidth=bandwidth, latency=latency)),
-            f"link {latency * 1e6:.0f} us per message" + (f", {bandwidth / 1e9:.3g} GB/s" if bandwidth < 1e15 else ""))
+    profile, source = cached_profile(cache, fingerprint, fresh)
+    return profile, plan_config, source
 
 
 def _decide(profile: Profile, config: PlanConfig, source: str) -> AutoChoice:

@@ -180,3 +180,21 @@ def test_schedule_auto_merges_parts_and_the_export_names_them_as_the_model_does(
     assert "auto (chose " in out and "on 2 ranks x 1 dp, 2 steps" in out
     tuned, info = transformers.AutoModelForCausalLM.from_pretrained(model_dir / "auto-tuned", output_loading_info=True)
     assert not any(info.values()), info  # every tensor in the files, none left over
+
+
+def test_profile_and_plan_take_a_hugging_face_model(model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """`profile --task hf` was "must look like path/to/file.py:function", then "cannot split 0 layers"."""
+    from duplexpipe.cli import main
+    from duplexpipe.planner.profile import load_profile
+
+    monkeypatch.chdir(model_dir)
+    hf = ["profile", "--task", "hf", "--task-option", "model=tiny", "--task-option", "data=data.txt", "--task-option",
+          "seq=16", "--microbatch", "2", "--repeats", "1"]
+    assert main([*hf, "--parts", "4", "-o", "hf.json"]) == 0, capsys.readouterr().err
+    profile = load_profile(model_dir / "hf.json")
+    assert profile.num_parts == 4 and profile.parts[0].param_bytes > profile.parts[1].param_bytes  # + embedding
+    assert main(["plan", "--profile", "hf.json", "-p", "2", "--batch", "8", "--memory", "1GiB"]) == 0
+    assert "best: " in capsys.readouterr().out
+    assert main([*hf, "--parts", "5", "-o", "hf5.json"]) == 2
+    assert "tiny has 4 decoder layers: fewer than --parts 5" in capsys.readouterr().err
