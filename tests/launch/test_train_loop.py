@@ -153,11 +153,12 @@ def test_train_writes_metrics_outputs_and_checkpoints(straight_run: Path) -> Non
 @pytest.mark.timeout(300)
 def test_resume_repeats_the_uninterrupted_steps_exactly(straight_run: Path) -> None:
     root = straight_run
-    args = _parse(["--config", str(root / "run.toml"), "--out-dir", str(root / "b"),
-                   "--resume", str(root / "ckpt" / "step-000002")])
-    out = io.StringIO()
-    assert train_main(args, out) == 0
-    assert "steps 3-4" in out.getvalue()
+    checkpoint = root / "ckpt" / "step-000002"
+    proc = subprocess.run([sys.executable, "-m", "duplexpipe.cli", "train", "--config", str(root / "run.toml"),
+                           "--out-dir", str(root / "b"), "--resume", str(checkpoint)], capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"resuming from step 2 of {checkpoint}\n" in proc.stdout and "steps 3-4" in proc.stdout, proc.stdout
     straight = read_metrics(root / "a" / "metrics.jsonl")[2:]
     resumed = read_metrics(root / "b" / "metrics.jsonl")
     assert [r["step"] for r in resumed] == [3, 4]
