@@ -22,7 +22,7 @@ _EXIT_BAD = ("2 bad input (one line on stderr: an unknown schedule, bad P or M,\
              "a malformed file or option, an unwritable output)")
 
 DESCRIPTIONS = MappingProxyType({
-    "duplexpipe": "Pipeline schedules as data: generate, verify, simulate, compare, draw, export and train.",
+    "duplexpipe": "Pipeline schedules as data: generate, verify, simulate, compare, draw, export, plan and train.",
     "schedules": "List the built-in schedules: one line each with its constraints and its --opt options.",
     "show": "Print a schedule's rank x step grid: one row per rank, a rank's n-th action in column n\n"
             "(F forward, B backward, I input-gradient, W weight-gradient, a&b an overlapped F&B pair).",
@@ -59,6 +59,8 @@ examples:
   duplexpipe export dualpipev -p 4 -m 8 --format torch-csv -o dualpipev.csv
   duplexpipe train --schedule dualpipe --ranks 4 --steps 50 --out-dir run/
   duplexpipe plot run/timeline.json -o run.png
+  duplexpipe profile --parts 8 --calibrate --ranks 4 --batch 32 -o profile.json
+  duplexpipe plan --profile profile.json -p 4 --batch 32 --memory 2GiB
 
 'duplexpipe COMMAND --help' explains each command.
 exit codes: 0 ok, 1 unsound schedule (verify) or a failed training rank, 2 bad input""",
