@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from duplexpipe.model.split import check_parts_fit
+from duplexpipe.runtime.local_tensors import local_of
 from duplexpipe.runtime.structure import WHOLE_MESSAGE
 from duplexpipe.schedules.ir import Schedule
 
@@ -187,10 +188,11 @@ def build_stage_modules(
 
 
 def fingerprint(module: nn.Module) -> str:
-    """A hash of the module's parameters and buffers (names, shapes, dtypes and values)."""
+    """A hash of the module's parameters and buffers (names, shapes, dtypes and values; of a DTensor, its local
+    shard)."""
     digest = hashlib.sha256()
     for name, tensor in inner_module(module).state_dict().items():
-        t = tensor.detach().to("cpu").contiguous()
+        t = local_of(tensor).detach().to("cpu").contiguous()  # a DTensor: this rank's shard
         digest.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
         digest.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return digest.hexdigest()[:20]

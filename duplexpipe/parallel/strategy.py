@@ -20,6 +20,7 @@ from duplexpipe.dp_options.zero import ZeroOptions
 from duplexpipe.parallel import grads
 from duplexpipe.parallel.buckets import DEFAULT_BUCKET_BYTES, BucketSpec, BucketTracker, plan_buckets
 from duplexpipe.parallel.mesh import ParallelGroups
+from duplexpipe.parallel.tensor import counts_here
 from duplexpipe.schedules.ir import Schedule
 from duplexpipe.schedules.timeline import Span
 
@@ -229,11 +230,12 @@ class DPStrategy(ABC):
     def counted_grads(self) -> list[torch.Tensor]:
         """The gradients this rank adds to the global norm: its weight groups' first copies, once over the
         replicas (dense ones on data-parallel rank 0; experts on each expert-parallel rank of the first
-        expert-data-parallel replica)."""
+        expert-data-parallel replica) and once over the TP group (shards on every TP rank, whole parameters on TP
+        rank 0: `tensor.counts_here`)."""
         groups = self.ctx.groups
         dense_here = groups.dp_rank == 0
         experts_here = groups.dp_rank < groups.ep_size
-        return [p.grad for p in self.counted if p.grad is not None
+        return [p.grad for p in self.counted if p.grad is not None and counts_here(p, groups.tp_rank)
                 and (experts_here if id(p) in self.ctx.experts else dense_here)]
 
     @abstractmethod

@@ -30,6 +30,7 @@ from duplexpipe.model.stages import (
     inner_module,
     resolve_checkpointing,
 )
+from duplexpipe.model.tp_plans import TPPlan
 from duplexpipe.parallel import (
     DPStrategy,
     OptimizerFactory,
@@ -39,6 +40,7 @@ from duplexpipe.parallel import (
     make_strategy,
 )
 from duplexpipe.parallel.mesh import ParallelGroups
+from duplexpipe.parallel.tensor import TensorParallel, check_tensor_parallel
 from duplexpipe.parallel.tied import TiedGrads, find_tied
 from duplexpipe.parallel.zero_config import check_tied
 from duplexpipe.runtime import EvalResult, PipelineRuntime, RuntimeConfig
@@ -114,8 +116,10 @@ class Pipeline:
         scheduler: SchedulerFactory | None = None,
         sample_input: Any = None,
         sample_targets: Any = None,
+        tp_plan: TPPlan | None = None,
     ) -> None:
         self.groups = groups = ParallelGroups.from_mesh(mesh)
+        check_tensor_parallel(parts, tp_plan, groups, (config or PipelineConfig()).sequence_parallel)
         self.device = torch.device(device) if device is not None else default_device()
         planned = plan_pipeline(parts, loss_fn, optimizer, config or PipelineConfig(), groups=groups,
                                 device=self.device, init=init, partition=partition,
@@ -132,6 +136,9 @@ class Pipeline:
         ckpt = resolve_checkpointing(cfg.activation_checkpointing, self.schedule)
         self.stage_modules = build_stage_modules(self.schedule, groups.pp_rank, parts, init=init,
                                                  checkpoint_stages=ckpt, device=self.device)
+        self.tensor = TensorParallel(tp_plan, groups, cfg.sequence_parallel)
+        """Tensor parallelism inside this rank's stages (inactive without a plan or with tp=1)."""
+        self.tensor.apply(self.stage_modules)
         self.experts = Experts(self.stage_modules, self.schedule, groups, ckpt, self.device)
         """This rank's MoE layers: expert parallelism and the expert-bias update."""
         self.params = [p for s in sorted(self.stage_modules) for p in self.stage_modules[s].parameters()]
@@ -143,7 +150,7 @@ class Pipeline:
         """Every stage-to-stage SEND of this rank: kind "send", its payload bytes on the wire."""
         self.runtime = PipelineRuntime(self.schedule, self.stage_modules, loss_fn, group=groups.pp_group,
                                        device=self.device, config=self._runtime_config(),
-                                       job_group=dist.group.WORLD if groups.dp_size > 1 else None)
+                                       job_group=dist.group.WORLD if groups.dp_size * groups.tp_size > 1 else None)
         if cfg.check_replicas:  # before the strategy (ZeRO-2 turns the parameters into shards) and the experts'
             self._check_replicas()  # sharding (the replicas of an expert-parallel group then hold different ones)
         self.dp: DPStrategy = self._strategy(optimizer, self.experts.shard())
@@ -199,6 +206,7 @@ class Pipeline:
         init: PartInit | None = None,
         scheduler: SchedulerFactory | None = None,
         sample_targets: Any = None,
+        tp_plan: TPPlan | None = None,
     ) -> Pipeline:
         """Split `layers` (plus optional embedding/head) into the schedule's model parts and build.
 
@@ -223,7 +231,8 @@ class Pipeline:
             partition = shared[0]
         parts = build_parts(blocks, partition, embedding=embedding, head=head)
         return cls(parts, loss_fn, optimizer, config, mesh=mesh, device=device, partition=partition,
-                   init=init, scheduler=scheduler, sample_input=sample_input, sample_targets=sample_targets)
+                   init=init, scheduler=scheduler, sample_input=sample_input, sample_targets=sample_targets,
+                   tp_plan=tp_plan)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -231,6 +240,8 @@ class Pipeline:
         return self.dp.optimizer
 
     def _grads_ready(self, stage: int) -> None:
+        if self.dp.final:
+            self.tensor.grads_final(stage, self.stage_modules, self.bounded)
         self.dp.grads_ready(stage)
 
     def bounded(self, work: Any, what: str) -> None:
@@ -249,7 +260,8 @@ class Pipeline:
             everyone = [torch.empty_like(table) for _ in range(dist.get_world_size())]
             self.bounded(dist.all_gather(everyone, table, async_op=True), "the model-replica check")
             gathered = [{s: f"{v:015x}" for s, v in enumerate(t.tolist()) if v >= 0} for t in everyone]
-        bad = find_mismatched_copies(self.schedule, gathered)
+        tp = self.groups.tp_size  # TP ranks hold different shards: compare ranks of one TP coordinate (rank % tp)
+        bad = [b for t in range(tp) for b in find_mismatched_copies(self.schedule, gathered[t::tp])]
         if bad:
             desc = "; ".join(f"part {g}: " + ", ".join(f"stage {s}={fp[:8]}" for s, fp in copies)
                              for g, copies in bad)
@@ -281,6 +293,8 @@ class Pipeline:
         weight = self._call_weight(inputs, targets)
         scale = self.scaler.scale
         final = self._window_calls + 1 == cfg.accumulation_steps
+        if final:
+            self.tensor.begin_window()
         self.dp.begin_call(final, scale * (self._window_weight + weight))
         wire = self.dp.meter.total_bytes
         result = self.runtime.step(inputs, targets, loss_scale=scale * weight)
@@ -321,6 +335,7 @@ class Pipeline:
         check, then skip (fp16 overflow) or unscale + clip + optimizer step (+ LR scheduler step)."""
         cfg = self.config
         self._window_calls, self._window_weight = 0, 0.0
+        self.tensor.finish(self.stage_modules, self.bounded)
         self.dp.finish()
         self.tied.sum_grads(wait=self.bounded)  # weights shared by several parts (tied embeddings)
         norm, overflow = self.dp.norm_and_overflow(cfg.grad_clip_norm is not None or self.scaler.enabled)

@@ -1,0 +1,142 @@
+"""Tensor parallelism inside each stage: the plan applied to this rank's stage modules, the gradients that are partial
+sums over the TP group summed once a stage's gradients are final, and which gradients the global norm counts here."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Partial
+
+from duplexpipe.model.stages import PartSource, as_factory, inner_module
+from duplexpipe.model.tp_plans import (
+    SEQUENCE_SHARDS,
+    TPPlan,
+    check_plan,
+    local_bytes,
+    parallelize_part,
+    partial_params,
+    plan_errors,
+    sharded_over_tp,
+)
+from duplexpipe.parallel.mesh import ParallelGroups
+from duplexpipe.runtime.local_tensors import laid_out_like, local_of
+
+Waiter = Callable[[Any, str], None]
+"""wait(work, what): a bounded, failure-aware wait for an async collective."""
+
+
+def counts_here(p: Tensor, tp_rank: int) -> bool:
+    """Whether this TP rank adds `p`'s gradient to the global norm: a shard on every TP rank, a parameter every TP
+    rank holds whole (replicated) on TP rank 0 only, so each element counts once."""
+    return tp_rank == 0 or sharded_over_tp(p)
+
+
+def check_tensor_parallel(parts: PartSource, plan: TPPlan | None, groups: ParallelGroups,
+                          sequence_parallel: bool) -> None:
+    """ValueError on every rank, before any part is built or sharded, for a plan that cannot run on `groups`."""
+    tp = groups.tp_size
+    if plan is None:
+        if tp > 1:
+            raise ValueError(f"the mesh has tp={tp} but no tp_plan was given: pass Pipeline(tp_plan=...) (a dict of "
+                             "torch ParallelStyles or a callable (part, tp_mesh) -> None)")
+        if sequence_parallel:
+            raise ValueError("sequence_parallel=True needs tensor parallelism: a mesh with tp > 1 and a tp_plan")
+        return
+    if tp == 1:
+        return  # a plan with tp=1 shards nothing: the model runs whole
+    if as_factory(parts) is None:  # parts from a factory: each rank checks its own when it shards them (apply)
+        check_plan(list(parts), plan, tp)  # type: ignore[arg-type]
+
+
+class TensorParallel:
+    """This rank's tensor parallelism: `apply` shards its stage modules with the plan, `grads_final(stage)` sums the
+    stage's gradients that are partial over the TP group (sequence parallelism), `counted` filters the global
+    norm's gradients. Inactive (every method a no-op) without a plan or with tp=1."""
+
+    def __init__(self, plan: TPPlan | None, groups: ParallelGroups, sequence_parallel: bool) -> None:
+        self.plan = plan
+        self.groups = groups
+        self.sequence_parallel = sequence_parallel
+        """Whether activations between TP regions, stage-to-stage messages included, hold 1/TP of the sequence."""
+        self.active = plan is not None and groups.tp_size > 1
+        """Whether this pipeline shards its stages over a TP group."""
+        self.partial: dict[int, list[nn.Parameter]] = {}
+        """stage -> its plain parameters whose gradients are partial sums over TP (modules marked SequenceLocal)."""
+        self._pending: set[int] = set()
+
+    def apply(self, modules: Mapping[int, nn.Module]) -> None:
+        """Shard every stage module of this rank in place (collective over the TP group only through the plan's own
+        styles: every TP rank holds the same whole weights, so each keeps its slice)."""
+        if not self.active:
+            return
+        assert self.plan is not None and self.groups.tp_mesh is not None
+        if isinstance(self.plan, Mapping):
+            self._check_everywhere([inner_module(modules[s]) for s in sorted(modules)], self.plan)
+        for stage in sorted(modules):
+            part = inner_module(modules[stage])
+            if hasattr(part, SEQUENCE_SHARDS):
+                setattr(part, SEQUENCE_SHARDS, self.groups.tp_size if self.sequence_parallel else 1)
+            parallelize_part(part, self.plan, self.groups.tp_mesh)
+            self.partial[stage] = partial_params(part)
+
+    def _check_everywhere(self, parts: list[nn.Module], plan: Mapping[str, Any]) -> None:
+        """The dict plan against every rank's parts (the plan keys some part has, the dimensions it cannot shard),
+        shared over the world so that every rank raises the same ValueError before any part is sharded."""
+        found, errors = plan_errors(parts, plan, self.groups.tp_size)
+        mine: list[Any] = [(sorted(found), errors)]
+        everyone = mine
+        if dist.is_available() and dist.is_initialized():
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine[0])
+        seen = {key for keys, _ in everyone for key in keys}
+        problems = list(dict.fromkeys(e for _, errs in everyone for e in errs))
+        missing = [key for key in plan if key not in seen]
+        if missing:
+            problems.insert(0, f"it names module(s) {missing} that no model part has")
+        if problems:
+            raise ValueError(f"tp_plan cannot shard the model at TP degree {self.groups.tp_size}: "
+                             + "; ".join(problems))
+
+    def begin_window(self) -> None:
+        """A window's last call starts: every stage's partial gradients wait to be summed."""
+        self._pending = set(self.partial) if self.active else set()
+
+    def grads_final(self, stage: int, modules: Mapping[int, nn.Module], wait: Waiter) -> None:
+        """Stage `stage`'s gradients are final for the window: sum its partial ones over the TP group (one
+        all-reduce of them all) and give DTensor gradients their parameter's layout (Partial -> Replicate)."""
+        if stage not in self._pending:
+            return
+        self._pending.discard(stage)
+        params = [p for p in inner_module(modules[stage]).parameters() if p.grad is not None]
+        partial = [p for p in params if isinstance(p.grad, DTensor) and any(
+            isinstance(x, Partial) for x in p.grad.placements)]
+        plain = [p for p in self.partial.get(stage, []) if p.grad is not None]
+        if not partial and not plain:
+            return
+        flat = torch.cat([local_of(p.grad).reshape(-1) for p in partial + plain])  # type: ignore[arg-type]
+        work = dist.all_reduce(flat, group=self.groups.tp_group, async_op=True)
+        wait(work, f"the sum over the TP group of stage {stage}'s partial gradients")
+        offset = 0
+        for p in partial + plain:
+            local = local_of(p)
+            summed = flat[offset:offset + local.numel()].view_as(local)
+            p.grad = laid_out_like(summed, p) if isinstance(p, DTensor) else summed
+            offset += local.numel()
+
+    def finish(self, modules: Mapping[int, nn.Module], wait: Waiter) -> None:
+        """Sum the partial gradients of the stages that did not report (before the data-parallel reduction)."""
+        for stage in sorted(self._pending):
+            self.grads_final(stage, modules, wait)
+
+    def counted(self, params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
+        """The parameters whose gradients this TP rank adds to the global norm (`counts_here`)."""
+        return [p for p in params if counts_here(p, self.groups.tp_rank)]
+
+    def param_bytes(self, modules: Mapping[int, nn.Module]) -> int:
+        """Bytes of parameters this rank holds in its stage modules (a sharded parameter's local shard; each
+        stage module counted, DualPipe's two copies of a part twice)."""
+        return sum(local_bytes(inner_module(m)) for m in modules.values())
