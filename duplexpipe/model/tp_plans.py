@@ -205,12 +205,14 @@ def partial_params(part: nn.Module) -> list[nn.Parameter]:
 
 
 def sharded_over_tp(p: Tensor) -> bool:
-    """Whether each TP rank holds a different piece of `p` (a DTensor sharded along its "tp" mesh dimension)."""
+    """Whether each TP rank holds a different piece of `p` (a DTensor sharded along its "tp" mesh dimension; a
+    DTensor over other dimensions only, such as FSDP's "dp", is whole on every TP rank)."""
     if not isinstance(p, DTensor):
         return False
-    names = p.device_mesh.mesh_dim_names or ()
-    dims = [i for i, n in enumerate(names) if n == "tp"] if "tp" in names else list(range(len(p.placements)))
-    return any(p.placements[i].is_shard() for i in dims)
+    names = p.device_mesh.mesh_dim_names
+    if names is None:  # a mesh of a user's own without names: taken for the TP mesh
+        return any(x.is_shard() for x in p.placements)
+    return any(x.is_shard() for n, x in zip(names, p.placements, strict=True) if n == "tp")
 
 
 def local_bytes(module: nn.Module) -> int:
