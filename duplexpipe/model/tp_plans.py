@@ -14,7 +14,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 HEAD_ATTRS = ("n_head", "heads", "num_heads", "num_attention_heads", "num_key_value_heads", "n_kv_heads")
 """Attributes naming an attention module's head counts: the TP degree must divide each (modules see local heads)."""
 PARTIAL_OVER_TP = "_duplexpipe_partial_over_tp"
-"""Set on a module by `SequenceLocal`: its plain parameters' gradients are partial sums over the TP group."""
+"""Set on a module by `ReplicatedWithGradAllReduce`: its plain parameters' gradients are partial sums over TP."""
 SEQUENCE_SHARDS = "sequence_shards"
 """A part attribute some parts read (Hugging Face parts): how many TP ranks share the sequence of its messages."""
 
@@ -59,10 +59,11 @@ class ScatterSequence(ParallelStyle):
         return module
 
 
-class SequenceLocal(ParallelStyle):
-    """A module that runs on this rank's sequence shard with whole (plain, replicated) parameters, such as an MoE
-    layer under sequence parallelism: nothing changes in its forward; its parameters' gradients are partial sums
-    over the TP group, which the Pipeline sums once a stage's gradients are final."""
+class ReplicatedWithGradAllReduce(ParallelStyle):
+    """A module that computes on this TP rank's own part of the data (its sequence shard under sequence parallelism,
+    its local heads) with whole, replicated parameters (transformers' "replicated_with_grad_allreduce"; an MoE layer
+    under sequence parallelism): nothing changes in its forward; its parameters' gradients are partial sums over the
+    TP group, which the Pipeline sums once a stage's gradients are final."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         setattr(module, PARTIAL_OVER_TP, True)
@@ -194,7 +195,7 @@ def _retie(part: nn.Module, shared: list[list[tuple[str, str]]]) -> None:
 
 
 def partial_params(part: nn.Module) -> list[nn.Parameter]:
-    """The plain parameters of modules marked `SequenceLocal` (their gradients are partial over TP)."""
+    """The plain parameters of modules marked `ReplicatedWithGradAllReduce` (their gradients are partial over TP)."""
     seen: dict[int, nn.Parameter] = {}
     for module in part.modules():
         if getattr(module, PARTIAL_OVER_TP, False):

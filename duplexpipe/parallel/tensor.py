@@ -22,6 +22,7 @@ from duplexpipe.model.tp_plans import (
     plan_errors,
     sharded_over_tp,
 )
+from duplexpipe.moe.balance import moe_layers
 from duplexpipe.parallel.mesh import ParallelGroups
 from duplexpipe.runtime.local_tensors import laid_out_like, local_of
 
@@ -65,7 +66,7 @@ class TensorParallel:
         self.active = plan is not None and groups.tp_size > 1
         """Whether this pipeline shards its stages over a TP group."""
         self.partial: dict[int, list[nn.Parameter]] = {}
-        """stage -> its plain parameters whose gradients are partial sums over TP (modules marked SequenceLocal)."""
+        """stage -> its plain parameters whose gradients are partial sums over TP (ReplicatedWithGradAllReduce modules)."""
         self._pending: set[int] = set()
 
     def apply(self, modules: Mapping[int, nn.Module]) -> None:
@@ -78,10 +79,21 @@ class TensorParallel:
             self._check_everywhere([inner_module(modules[s]) for s in sorted(modules)], self.plan)
         for stage in sorted(modules):
             part = inner_module(modules[stage])
-            if hasattr(part, SEQUENCE_SHARDS):
-                setattr(part, SEQUENCE_SHARDS, self.groups.tp_size if self.sequence_parallel else 1)
+            self._check_moe(stage, part)
+            for module in part.modules():  # parts that build masks or positions (Hugging Face parts)
+                if hasattr(module, SEQUENCE_SHARDS):
+                    setattr(module, SEQUENCE_SHARDS, self.groups.tp_size if self.sequence_parallel else 1)
             parallelize_part(part, self.plan, self.groups.tp_mesh)
             self.partial[stage] = partial_params(part)
+
+    def _check_moe(self, stage: int, part: nn.Module) -> None:
+        """ValueError for MoE layers whose balance loss cannot be exact under sequence parallelism."""
+        coefs = [layer.aux_loss_coef for layer in moe_layers(part) if layer.aux_loss_coef]
+        if self.sequence_parallel and coefs:
+            raise ValueError(f"stage {stage} holds MoE layers with aux_loss_coef={coefs[0]} under sequence "
+                             "parallelism: each TP rank routes only its sequence shard, and the balance loss of a shard "
+                             "(a product of its token fractions and mean scores) is not a part of the sequence's; use "
+                             "bias_update_speed (loss-free balancing, exact under SP) or sequence_parallel=False")
 
     def _check_everywhere(self, parts: list[nn.Module], plan: Mapping[str, Any]) -> None:
         """The dict plan against every rank's parts (the plan keys some part has, the dimensions it cannot shard),

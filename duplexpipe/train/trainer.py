@@ -398,6 +398,7 @@ class Pipeline:
         scheduler: SchedulerFactory | None = None,
         sample_input: Any = None,
         sample_targets: Any = None,
+        tp_plan: TPPlan | None = None,
     ) -> Pipeline:
         """A pipeline of a Hugging Face causal LM directory (Llama, Mistral, Qwen2, Qwen3, GPT-2; safetensors).
 
@@ -407,18 +408,25 @@ class Pipeline:
         with `attention_mask` / `position_ids`) returns transformers' loss of the whole batch: every counted
         token weighs the same across microbatches and data-parallel replicas. With schedule="auto", rank 0
         materialises every part once to profile it. Raises ValueError for a directory it cannot load.
+        With a mesh of tp > 1 the model's published tensor-parallel plan is applied (`model.hf_tp.HFTensorPlan`,
+        with `config.sequence_parallel`) unless `tp_plan` is given.
         """
         from duplexpipe.model.hf import causal_lm_loss
         from duplexpipe.train.pretrained import PretrainedModel, TokenWeighted
 
         config = config or PipelineConfig()
         source = PretrainedModel.open(path, dtype)
-        pp = ParallelGroups.from_mesh(mesh).pp_size
+        groups = ParallelGroups.from_mesh(mesh)
+        pp = groups.pp_size
         num_parts = min(source.num_layers, 2 * pp) if config.schedule == AUTO else \
             resolve_schedule(config, pp).num_groups
         parts = source.parts(num_parts, balance)
+        if tp_plan is None and groups.tp_size > 1:
+            from duplexpipe.model.hf_tp import HFTensorPlan
+
+            tp_plan = HFTensorPlan(config.sequence_parallel)
         pipe = cls(parts, causal_lm_loss, optimizer, config, mesh=mesh, device=device, init=source.fill,
-                   scheduler=scheduler, sample_input=sample_input, sample_targets=sample_targets)
+                   scheduler=scheduler, sample_input=sample_input, sample_targets=sample_targets, tp_plan=tp_plan)
         pipe.source_dir = str(path)
         pipe.batch_transform = TokenWeighted(pipe.groups.dp_group, pipe.groups.dp_size, pipe.device, pipe.bounded)
         return pipe
