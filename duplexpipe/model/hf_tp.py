@@ -1,4 +1,4 @@
-"""Tensor-parallel plans of Hugging Face parts: the plan transformers publishes for the model, mapped to torch styles."""
+"""Tensor-parallel plans of Hugging Face parts: the plan transformers publishes for a model, mapped to torch styles."""
 
 from __future__ import annotations
 
@@ -99,7 +99,8 @@ class HFTensorPlan:
     def __call__(self, part: nn.Module, tp_mesh: DeviceMesh) -> None:
         """Shard one Hugging Face part over `tp_mesh` (its masks and positions then cover the whole sequence)."""
         if not isinstance(part, CausalLMPart):
-            raise ValueError(f"the Hugging Face tensor-parallel plan needs Hugging Face parts, got {type(part).__name__}")
+            raise ValueError(f"the Hugging Face tensor-parallel plan needs Hugging Face parts, got a "
+                             f"{type(part).__name__}")
         plan = part_plan(part, self.sequence_parallel)
         if plan:
             parallelize_module(part, tp_mesh, plan, src_data_rank=None)

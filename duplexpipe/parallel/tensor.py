@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from duplexpipe.model.stages import PartSource, as_factory, inner_module
 from duplexpipe.model.tp_plans import (
@@ -24,7 +24,8 @@ from duplexpipe.model.tp_plans import (
 )
 from duplexpipe.moe.balance import moe_layers
 from duplexpipe.parallel.mesh import ParallelGroups
-from duplexpipe.runtime.local_tensors import laid_out_like, local_of
+from duplexpipe.parallel.tied import TiedGrads
+from duplexpipe.runtime.local_tensors import local_of
 
 Waiter = Callable[[Any, str], None]
 """wait(work, what): a bounded, failure-aware wait for an async collective."""
@@ -53,6 +54,28 @@ def check_tensor_parallel(parts: PartSource, plan: TPPlan | None, groups: Parall
         check_plan(list(parts), plan, tp)  # type: ignore[arg-type]
 
 
+def _anywhere(flag: bool) -> bool:
+    """Whether `flag` holds on any rank of the world (collective when initialised)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, flag)
+    return any(everyone)
+
+
+def _is_partial(t: DTensor) -> bool:
+    """Whether a DTensor holds partial sums along some mesh dimension."""
+    return any(isinstance(x, Partial) for x in t.placements)
+
+
+def _summed(local: Tensor, grad: DTensor) -> DTensor:
+    """The sum of `grad`'s Partial pieces (`local`, already summed over the TP group) in `grad`'s layout, Partial
+    become Replicate."""
+    placements = [Replicate() if isinstance(x, Partial) else x for x in grad.placements]
+    return DTensor.from_local(local, grad.device_mesh, placements, run_check=False, shape=grad.shape,
+                              stride=grad.stride())
+
+
 class TensorParallel:
     """This rank's tensor parallelism: `apply` shards its stage modules with the plan, `grads_final(stage)` sums the
     stage's gradients that are partial over the TP group (sequence parallelism), `counted` filters the global
@@ -66,12 +89,13 @@ class TensorParallel:
         self.active = plan is not None and groups.tp_size > 1
         """Whether this pipeline shards its stages over a TP group."""
         self.partial: dict[int, list[nn.Parameter]] = {}
-        """stage -> its plain parameters whose gradients are partial sums over TP (ReplicatedWithGradAllReduce modules)."""
+        """stage -> its plain parameters whose gradients are partial sums over TP (in ReplicatedWithGradAllReduce
+        modules)."""
         self._pending: set[int] = set()
 
-    def apply(self, modules: Mapping[int, nn.Module]) -> None:
-        """Shard every stage module of this rank in place (collective over the TP group only through the plan's own
-        styles: every TP rank holds the same whole weights, so each keeps its slice)."""
+    def apply(self, modules: Mapping[int, nn.Module], zero_stage: int = 0) -> None:
+        """Shard every stage module of this rank in place (each TP rank holds the same whole weights and keeps its
+        slice); ValueError on every rank for a plan that cannot shard the model or does not fit `zero_stage`."""
         if not self.active:
             return
         assert self.plan is not None and self.groups.tp_mesh is not None
@@ -85,15 +109,22 @@ class TensorParallel:
                     setattr(module, SEQUENCE_SHARDS, self.groups.tp_size if self.sequence_parallel else 1)
             parallelize_part(part, self.plan, self.groups.tp_mesh)
             self.partial[stage] = partial_params(part)
+        partial = sorted(s for s, ps in self.partial.items() if ps)
+        if zero_stage == 2 and self.groups.dp_size > 1 and _anywhere(bool(partial)):
+            raise ValueError("zero_stage=2 with modules whose parameters' gradients are partial over the TP group "
+                             "(ReplicatedWithGradAllReduce: Qwen3's q_norm / k_norm, MoE layers under sequence "
+                             "parallelism) is not supported: FSDP2 reduce-scatters them over the data-parallel group "
+                             "before they are summed over TP; use zero_stage=1")
 
     def _check_moe(self, stage: int, part: nn.Module) -> None:
         """ValueError for MoE layers whose balance loss cannot be exact under sequence parallelism."""
         coefs = [layer.aux_loss_coef for layer in moe_layers(part) if layer.aux_loss_coef]
         if self.sequence_parallel and coefs:
             raise ValueError(f"stage {stage} holds MoE layers with aux_loss_coef={coefs[0]} under sequence "
-                             "parallelism: each TP rank routes only its sequence shard, and the balance loss of a shard "
-                             "(a product of its token fractions and mean scores) is not a part of the sequence's; use "
-                             "bias_update_speed (loss-free balancing, exact under SP) or sequence_parallel=False")
+                             "parallelism: each TP rank routes only its sequence shard, and the balance loss of a "
+                             "shard (a product of its token fractions and mean scores) is not a part of the "
+                             "sequence's; use bias_update_speed (loss-free balancing, exact under SP) or "
+                             "sequence_parallel=False")
 
     def _check_everywhere(self, parts: list[nn.Module], plan: Mapping[str, Any]) -> None:
         """The dict plan against every rank's parts (the plan keys some part has, the dimensions it cannot shard),
@@ -118,31 +149,51 @@ class TensorParallel:
         self._pending = set(self.partial) if self.active else set()
 
     def grads_final(self, stage: int, modules: Mapping[int, nn.Module], wait: Waiter) -> None:
-        """Stage `stage`'s gradients are final for the window: sum its partial ones over the TP group (one
-        all-reduce of them all) and give DTensor gradients their parameter's layout (Partial -> Replicate)."""
+        """Stage `stage`'s gradients are final for the window: sum the partial ones over the TP group (one all-reduce
+        of them all) and give every DTensor gradient its parameter's layout (DTensor's backward may leave a Partial
+        sum, or a whole gradient of a sharded parameter, e.g. a vocabulary-parallel embedding's)."""
         if stage not in self._pending:
             return
         self._pending.discard(stage)
         params = [p for p in inner_module(modules[stage]).parameters() if p.grad is not None]
-        partial = [p for p in params if isinstance(p.grad, DTensor) and any(
-            isinstance(x, Partial) for x in p.grad.placements)]
+        partial = [p for p in params if isinstance(p.grad, DTensor) and _is_partial(p.grad)]
         plain = [p for p in self.partial.get(stage, []) if p.grad is not None]
-        if not partial and not plain:
-            return
-        flat = torch.cat([local_of(p.grad).reshape(-1) for p in partial + plain])  # type: ignore[arg-type]
-        work = dist.all_reduce(flat, group=self.groups.tp_group, async_op=True)
-        wait(work, f"the sum over the TP group of stage {stage}'s partial gradients")
-        offset = 0
-        for p in partial + plain:
-            local = local_of(p)
-            summed = flat[offset:offset + local.numel()].view_as(local)
-            p.grad = laid_out_like(summed, p) if isinstance(p, DTensor) else summed
-            offset += local.numel()
+        if partial or plain:
+            flat = torch.cat([local_of(p.grad).reshape(-1) for p in partial + plain])  # type: ignore[arg-type]
+            work = dist.all_reduce(flat, group=self.groups.tp_group, async_op=True)
+            wait(work, f"the sum over the TP group of stage {stage}'s partial gradients")
+            offset = 0
+            for p in partial + plain:
+                grad = p.grad
+                assert grad is not None
+                local = local_of(grad)
+                summed = flat[offset:offset + local.numel()].view_as(local)
+                p.grad = _summed(summed, grad) if isinstance(grad, DTensor) else summed
+                offset += local.numel()
+        for p in params:
+            grad = p.grad
+            if isinstance(p, DTensor) and isinstance(grad, DTensor) and tuple(grad.placements) != tuple(p.placements):
+                p.grad = grad.redistribute(p.device_mesh, p.placements)
 
     def finish(self, modules: Mapping[int, nn.Module], wait: Waiter) -> None:
         """Sum the partial gradients of the stages that did not report (before the data-parallel reduction)."""
         for stage in sorted(self._pending):
             self.grads_final(stage, modules, wait)
+
+    def check_tied(self, tied: TiedGrads) -> None:
+        """ValueError on every rank when the copies of a tied parameter are sharded differently (their local
+        gradients could not be summed); collective over the world when active."""
+        if not self.active or not (dist.is_available() and dist.is_initialized()):
+            return
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, tied.layouts())
+        for index in range(len(tied.layouts())):
+            seen = sorted({layout for per_rank in everyone for layout in per_rank[index]})
+            if len(seen) > 1:
+                raise ValueError(f"tied parameter {index} is sharded differently by the tp_plan in the parts that "
+                                 f"use it ({', '.join(seen)}); give every module that uses it the same layout (e.g. "
+                                 "a vocabulary-parallel embedding, RowwiseParallel, with a column-parallel head) or "
+                                 "untie it")
 
     def counted(self, params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
         """The parameters whose gradients this TP rank adds to the global norm (`counts_here`)."""
