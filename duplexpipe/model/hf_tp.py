@@ -17,7 +17,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from duplexpipe.model.hf import CausalLMPart, LlamaLayoutPart
-from duplexpipe.model.tp_plans import ReplicatedWithGradAllReduce, plan_errors, resolve
+from duplexpipe.model.tp_plans import ReplicatedWithGradAllReduce, plan_errors, resolve, summary
 
 SEQUENCE_PARALLEL_NORMS = ("layers.*.input_layernorm", "layers.*.post_attention_layernorm", "norm")
 """The Llama layout's norms: with sequence parallelism they run on the sequence shard (torch's SequenceParallel)."""
@@ -94,7 +94,7 @@ class HFTensorPlan:
                                   f"divisible by the TP degree {tp}")
             errors += plan_errors([part], part_plan(part, self.sequence_parallel), tp, first_part=k)[1]
         if errors:
-            raise ValueError("the model cannot be tensor-parallel: " + "; ".join(dict.fromkeys(errors)))
+            raise ValueError("the model cannot be tensor-parallel: " + summary(list(dict.fromkeys(errors))))
 
     def __call__(self, part: nn.Module, tp_mesh: DeviceMesh) -> None:
         """Shard one Hugging Face part over `tp_mesh` (its masks and positions then cover the whole sequence)."""

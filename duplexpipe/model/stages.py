@@ -34,6 +34,18 @@ class CheckpointedStage(nn.Module):
         return checkpoint(self.module, *args, use_reentrant=False, **kwargs)
 
 
+CHAINED_PARTS = "_duplexpipe_chained_parts"
+"""Set (True) on a module made of several model parts run one after another (`train.part_chain.PartChain`), whose
+`parts` ModuleList holds them: what applies to one model part (a tensor-parallel plan) applies to each."""
+
+
+def model_parts(module: nn.Module) -> list[nn.Module]:
+    """The model parts a stage module runs: the parts of a chain (`CHAINED_PARTS`), else the module itself (without
+    its activation-checkpointing wrapper)."""
+    inner = inner_module(module)
+    return list(inner.parts) if getattr(inner, CHAINED_PARTS, False) else [inner]  # type: ignore[arg-type]
+
+
 def inner_module(module: nn.Module) -> nn.Module:
     """The user's module behind a CheckpointedStage wrapper (or `module` itself)."""
     return module.module if isinstance(module, CheckpointedStage) else module

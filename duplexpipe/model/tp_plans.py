@@ -145,7 +145,13 @@ def check_plan(parts: Sequence[nn.Module], plan: TPPlan, tp: int) -> None:
         raise ValueError(f"tp_plan names module(s) {missing} that no model part has (TP degree {tp}); "
                          f"the parts' modules are e.g. {_some_paths(parts)}")
     if errors:
-        raise ValueError("tp_plan cannot shard the model: " + "; ".join(errors))
+        raise ValueError("tp_plan cannot shard the model: " + summary(errors))
+
+
+def summary(errors: Sequence[str], shown: int = 3) -> str:
+    """The first `shown` errors, then how many more there are."""
+    more = len(errors) - shown
+    return "; ".join(errors[:shown]) + (f"; ... ({more} more)" if more > 0 else "")
 
 
 def _some_paths(parts: Sequence[nn.Module], limit: int = 8) -> list[str]:

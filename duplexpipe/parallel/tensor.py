@@ -3,7 +3,8 @@ sums over the TP group summed once a stage's gradients are final, and which grad
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -11,7 +12,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from duplexpipe.model.stages import PartSource, as_factory, inner_module
+from duplexpipe.model.stages import PartSource, as_factory, inner_module, model_parts
 from duplexpipe.model.tp_plans import (
     SEQUENCE_SHARDS,
     TPPlan,
@@ -21,11 +22,14 @@ from duplexpipe.model.tp_plans import (
     partial_params,
     plan_errors,
     sharded_over_tp,
+    summary,
 )
 from duplexpipe.moe.balance import moe_layers
 from duplexpipe.parallel.mesh import ParallelGroups
 from duplexpipe.parallel.tied import TiedGrads
+from duplexpipe.parallel.tp_lane import TPCollectives
 from duplexpipe.runtime.local_tensors import local_of
+from duplexpipe.schedules.timeline import Span
 
 Waiter = Callable[[Any, str], None]
 """wait(work, what): a bounded, failure-aware wait for an async collective."""
@@ -92,6 +96,7 @@ class TensorParallel:
         """stage -> its plain parameters whose gradients are partial sums over TP (in ReplicatedWithGradAllReduce
         modules)."""
         self._pending: set[int] = set()
+        self._lane: TPCollectives | None = None
 
     def apply(self, modules: Mapping[int, nn.Module], zero_stage: int = 0) -> None:
         """Shard every stage module of this rank in place (each TP rank holds the same whole weights and keeps its
@@ -100,15 +105,16 @@ class TensorParallel:
             return
         assert self.plan is not None and self.groups.tp_mesh is not None
         if isinstance(self.plan, Mapping):
-            self._check_everywhere([inner_module(modules[s]) for s in sorted(modules)], self.plan)
+            self._check_everywhere([p for s in sorted(modules) for p in model_parts(modules[s])], self.plan)
         for stage in sorted(modules):
-            part = inner_module(modules[stage])
-            self._check_moe(stage, part)
-            for module in part.modules():  # parts that build masks or positions (Hugging Face parts)
-                if hasattr(module, SEQUENCE_SHARDS):
-                    setattr(module, SEQUENCE_SHARDS, self.groups.tp_size if self.sequence_parallel else 1)
-            parallelize_part(part, self.plan, self.groups.tp_mesh)
-            self.partial[stage] = partial_params(part)
+            self.partial[stage] = []
+            for part in model_parts(modules[stage]):  # a chain of merged parts (schedule="auto"): each part
+                self._check_moe(stage, part)
+                for module in part.modules():  # parts that build masks or positions (Hugging Face parts)
+                    if hasattr(module, SEQUENCE_SHARDS):
+                        setattr(module, SEQUENCE_SHARDS, self.groups.tp_size if self.sequence_parallel else 1)
+                parallelize_part(part, self.plan, self.groups.tp_mesh)
+                self.partial[stage] += partial_params(part)
         partial = sorted(s for s, ps in self.partial.items() if ps)
         if zero_stage == 2 and self.groups.dp_size > 1 and _anywhere(bool(partial)):
             raise ValueError("zero_stage=2 with modules whose parameters' gradients are partial over the TP group "
@@ -142,7 +148,7 @@ class TensorParallel:
             problems.insert(0, f"it names module(s) {missing} that no model part has")
         if problems:
             raise ValueError(f"tp_plan cannot shard the model at TP degree {self.groups.tp_size}: "
-                             + "; ".join(problems))
+                             + summary(problems))
 
     def begin_window(self) -> None:
         """A window's last call starts: every stage's partial gradients wait to be summed."""
@@ -198,6 +204,20 @@ class TensorParallel:
     def counted(self, params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
         """The parameters whose gradients this TP rank adds to the global norm (`counts_here`)."""
         return [p for p in params if counts_here(p, self.groups.tp_rank)]
+
+    @contextlib.contextmanager
+    def timed(self, record: bool) -> Iterator[None]:
+        """Inside, DTensor's collectives are timed for the "tp" lane (when active and `record`; see tp_lane)."""
+        self._lane = TPCollectives() if self.active and record else None
+        if self._lane is None:
+            yield
+            return
+        with self._lane:
+            yield
+
+    def spans(self, origin: float, rank: int) -> list[Span]:
+        """The last timed call's TP collectives on the "tp" lane, relative to `origin` (none when not timed)."""
+        return self._lane.spans(origin, rank) if self._lane is not None else []
 
     def param_bytes(self, modules: Mapping[int, nn.Module]) -> int:
         """Bytes of parameters this rank holds in its stage modules (a sharded parameter's local shard; each

@@ -298,7 +298,8 @@ class Pipeline:
             self.tensor.begin_window()
         self.dp.begin_call(final, scale * (self._window_weight + weight))
         wire = self.dp.meter.total_bytes
-        result = self.runtime.step(inputs, targets, loss_scale=scale * weight)
+        with self.tensor.timed(cfg.record_timeline):  # DTensor's collectives on the timeline's "tp" lane
+            result = self.runtime.step(inputs, targets, loss_scale=scale * weight)
         self.calls += 1
         self._window_calls += 1
         self._window_weight += weight
@@ -311,10 +312,10 @@ class Pipeline:
         except BaseException as exc:  # the other ranks wait in collectives: tell them
             self.runtime.report_failure(exc)
             raise
-        timeline = result.timeline
-        if final and timeline is not None:
-            timeline = replace(timeline, spans=timeline.spans + tuple(
-                self.dp.spans(self.runtime.tracer.origin, self.runtime.rank)))
+        timeline, origin, rank = result.timeline, self.runtime.tracer.origin, self.runtime.rank
+        if timeline is not None:
+            timeline = replace(timeline, spans=timeline.spans + tuple(self.tensor.spans(origin, rank)) + tuple(
+                self.dp.spans(origin, rank) if final else ()))
         self.last = StepInfo(loss, applied, skipped, norm, scale, timeline, self.dp.meter.total_bytes - wire,
                              result.peak_saved_bytes)
         return loss

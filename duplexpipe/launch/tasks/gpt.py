@@ -211,4 +211,4 @@ def gpt_task(n_layer: int = 4, d_model: int = 64, n_head: int = 4, block_size: i
         return corpus.batch(step, batch_size, block_size, seed=seed)
 
     return TrainTask(layers=blocks, loss_fn=lm_loss, batch=batch, embedding=embedding, head=head,
-                     items_per_sample=block_size, item_name="tokens")
+                     items_per_sample=block_size, item_name="tokens", tp_plan=gpt_tp_plan)
