@@ -1,8 +1,9 @@
 """Tests for duplexpipe.parallel.tensor: PP=2 x TP=2 (4 gloo ranks, one spawn), a GPT of attention + MLP blocks in
 float64 with the bundled plan, 3 AdamW steps with clipping against one process: every schedule with and without
 sequence parallelism, activation checkpointing, tied weights, fp16's shared overflow decision, low-precision sends,
-evaluate, the "tp" lane, per-rank parameter bytes, checkpoints resharded to PP=4 x TP=1 and PP=1 x DP=2 x TP=2,
-and bad input refused on every rank before anything blocks."""
+gradient compression on local shards (PP=1 x DP=2 x TP=2), evaluate, the "tp" lane, per-rank parameter bytes,
+checkpoints resharded to PP=4 x TP=1 and PP=1 x DP=2 x TP=2, and bad input refused on every rank before anything
+blocks."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from duplexpipe import Pipeline, PipelineConfig, make_mesh
 from duplexpipe.launch.tasks.gpt import gpt_tp_plan
+from duplexpipe.parallel.mesh import ParallelGroups
 from duplexpipe.parallel.tp_lane import TP_LANE
 from duplexpipe.train.precision import LossScaleConfig
 
@@ -94,6 +96,8 @@ def _precision(out: dict[str, Any]) -> None:
     out["fp16 skipped"] = skipped
     pipe = pipeline((2, 1, 2), PipelineConfig("1f1b", 4, p2p_compression="bf16", sequence_parallel=True))
     out["bf16 sends"] = train(pipe, range(STEPS))
+    pipe = pipeline((1, 2, 2), PipelineConfig("1f1b", 4, grad_compression="bf16", sequence_parallel=True))
+    out["bf16 compression"] = train(pipe, range(STEPS))
 
 
 def _checkpoints(out: dict[str, Any]) -> None:
@@ -123,6 +127,8 @@ def _bad_input(out: dict[str, Any]) -> None:
             **gpt_tp_plan(), "layer*.attn.nope": ColwiseParallel()}),
         "heads": lambda: _built(gpt(n_head=1, d_model=16), gpt_tp_plan()),
         "dim": lambda: _built(gpt(vocab_size=15), gpt_tp_plan(vocab_parallel=True)),
+        "tied": lambda: pipeline((2, 1, 2), PipelineConfig("1f1b", 4), tied=True, plan={
+            **gpt_tp_plan(), "head": ColwiseParallel(output_layouts=Replicate())}),
     }
     for name, make in cases.items():
         try:
@@ -141,6 +147,7 @@ def _built(model: tuple[Any, Any, Any], plan: Any) -> Pipeline:
 def _worker(rank: int, world: int) -> dict[str, Any]:
     torch.set_default_dtype(torch.float64)
     out: dict[str, Any] = {}
+    _groups(out)
     _bad_input(out)
     _exact(out)
     _precision(out)
@@ -230,6 +237,12 @@ def test_fp16_overflow_in_one_shard_skips_the_step_everywhere_and_bf16_sends_agr
         assert max_rel(res["bf16 sends"], want["plain"]) <= 1e-2
 
 
+def test_gradient_compression_runs_on_the_local_shards(results: list[dict[str, Any]], want: dict[str, Any]) -> None:
+    for res in results:  # PP=1 x DP=2 x TP=2: bf16 rounds the reduced gradients (close; the same on every rank)
+        assert res["bf16 compression"] == results[0]["bf16 compression"]
+        assert max_rel(res["bf16 compression"], want["plain"]) <= 1e-3
+
+
 def test_a_tp_checkpoint_continues_exactly_in_other_layouts(results: list[dict[str, Any]],
                                                             want: dict[str, Any]) -> None:
     for res in results:
@@ -246,3 +259,24 @@ def test_bad_input_is_refused_on_every_rank_before_anything_blocks(results: list
         assert "'layer0.attn' (CausalSelfAttention) has n_head=1, not divisible by the TP degree 2" in \
             res["error heads"]
         assert "'head.out' (Linear) has out_features=15, not divisible by the TP degree 2" in res["error dim"]
+        assert "tied parameter 0 is sharded differently" in res["error tied"]
+
+
+def _groups(out: dict[str, Any]) -> None:
+    """Global ranks of each group of this process, for two meshes of the world."""
+    for name, mesh in (("pp2 tp2", make_mesh(2, tp=2)), ("dp2 tp2", make_mesh(1, 2, tp=2))):
+        groups = ParallelGroups.from_mesh(mesh)
+        out[f"groups {name}"] = {k: sorted(dist.get_process_group_ranks(g)) if g is not None else None for k, g in (
+            ("pp", groups.pp_group), ("dp", groups.dp_group), ("tp", groups.tp_group))}
+        out[f"groups {name}"]["ranks"] = (groups.pp_rank, groups.dp_rank, groups.tp_rank, groups.tp_size)
+
+
+def test_tp_is_the_innermost_dimension_and_each_dp_tp_coordinate_has_its_pipeline(
+        results: list[dict[str, Any]]) -> None:
+    for rank, res in enumerate(results):
+        pp2 = res["groups pp2 tp2"]
+        assert pp2["pp"] == [rank % 2, rank % 2 + 2] and pp2["tp"] == [rank - rank % 2, rank - rank % 2 + 1]
+        assert pp2["dp"] == [rank] and pp2["ranks"] == (rank // 2, 0, rank % 2, 2)
+        dp2 = res["groups dp2 tp2"]
+        assert dp2["dp"] == [rank % 2, rank % 2 + 2] and dp2["tp"] == pp2["tp"]
+        assert dp2["ranks"] == (0, rank // 2, rank % 2, 2)
