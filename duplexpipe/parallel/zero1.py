@@ -120,6 +120,10 @@ class Zero1Strategy(DPStrategy):
         if self.expert_params:
             raise ValueError("checkpoints of ZeRO-1 with MoE experts are not supported yet: save with "
                              "zero_stage=0 (experts are never sharded by ZeRO anyway)")
+        if self.ctx.groups.tp_size > 1:
+            raise ValueError("checkpoints of ZeRO-1 with tensor parallelism are not supported yet (its optimizer "
+                             "state is cut from flat buffers of the TP shards, which the per-parameter boxes do not "
+                             "place in the whole tensor): save with zero_stage=0 or 2")
         init_state(self.sharded)
         group = self.ctx.groups.dp_group
         ranks = dp_global_ranks(group)

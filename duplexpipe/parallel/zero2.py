@@ -193,6 +193,10 @@ class Zero2Strategy(DPStrategy):
             if ctx.groups.dp_mesh is None:
                 raise ValueError("zero_stage=2 with tensor parallelism needs a ('pp', 'dp', 'tp') mesh from "
                                  "make_mesh(pp, dp, tp=...) (FSDP2 shards over its 'dp' dimension)")
+            if ctx.zero.hpz_ranks:
+                raise ValueError(f"ZeroOptions(hpz_ranks={ctx.zero.hpz_ranks}) with tensor parallelism is not "
+                                 "supported (hpZ's node-local gathers are not composed with the TP mesh); use "
+                                 "hpz_ranks=None")
             mesh = ctx.groups.dp_mesh
         for stage, module in sorted(ctx.modules.items()):
             fully_shard(module, mesh=mesh, reshard_after_forward=ctx.zero.hpz_ranks or False)
