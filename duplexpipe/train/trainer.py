@@ -272,6 +272,12 @@ class Pipeline:
             )
 
     @property
+    def param_bytes(self) -> int:
+        """Bytes of the parameters this rank holds in its stage modules (under tensor parallelism or ZeRO-2 its
+        local shards; DualPipe's two copies of a part both count)."""
+        return self.tensor.param_bytes(self.stage_modules)
+
+    @property
     def window_calls(self) -> int:
         """Calls made in the current accumulation window (0 right after an optimizer step)."""
         return self._window_calls

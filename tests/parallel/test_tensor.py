@@ -57,7 +57,7 @@ def _exact(out: dict[str, Any]) -> None:
             if schedule == "1f1b":
                 meter = pipe.p2p_meter
                 out[f"send bytes sp={sp}"] = meter.bytes["send"] / meter.calls["send"]
-                out[f"param bytes sp={sp}"] = pipe.tensor.param_bytes(pipe.stage_modules)
+                out[f"param bytes sp={sp}"] = pipe.param_bytes
                 assert pipe.last is not None and pipe.last.timeline is not None
                 out[f"lane sp={sp}"] = [(s.name, s.start, s.end) for s in pipe.last.timeline.spans if s.lane == TP_LANE]
                 result = pipe.evaluate(*batch(STEPS))
