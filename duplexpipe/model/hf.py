@@ -84,6 +84,9 @@ class CausalLMPart(nn.Module):
     def forward(self, *args: Tensor | None, **kwargs: Tensor | None) -> Tensor | dict[str, Tensor]:
         """input_ids or hidden_states [, attention_mask [, position_ids]] -> next part's input or logits."""
         x, mask, position_ids = self._bind(args, kwargs)
+        if self.is_first and x.shape[1] % self.sequence_shards:
+            raise ValueError(f"sequence parallelism: {x.shape[1]} positions are not divisible by the TP degree "
+                             f"{self.sequence_shards}")
         positions = position_ids
         if positions is None:  # what the models do without position_ids (hidden states may be a sequence shard)
             length = x.shape[1] * (1 if self.is_first else self.sequence_shards)

@@ -200,14 +200,19 @@ def _retie(part: nn.Module, shared: list[list[tuple[str, str]]]) -> None:
             setattr(part.get_submodule(path), attr, params[0])
 
 
-def partial_params(part: nn.Module) -> list[nn.Parameter]:
-    """The plain parameters of modules marked `ReplicatedWithGradAllReduce` (their gradients are partial over TP)."""
+def partial_modules(part: nn.Module) -> list[nn.Module]:
+    """The modules of `part` marked `ReplicatedWithGradAllReduce` (their plain parameters' gradients are partial sums
+    over TP; ask them for their parameters when needed: expert parallelism may still drop experts)."""
+    return [m for m in part.modules() if getattr(m, PARTIAL_OVER_TP, False)]
+
+
+def partial_params(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
+    """The plain (non-DTensor) parameters of `modules`, each once."""
     seen: dict[int, nn.Parameter] = {}
-    for module in part.modules():
-        if getattr(module, PARTIAL_OVER_TP, False):
-            for p in module.parameters():
-                if not isinstance(p, DTensor):
-                    seen.setdefault(id(p), p)
+    for module in modules:
+        for p in module.parameters():
+            if not isinstance(p, DTensor):
+                seen.setdefault(id(p), p)
     return list(seen.values())
 
 

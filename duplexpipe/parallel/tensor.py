@@ -19,6 +19,7 @@ from duplexpipe.model.tp_plans import (
     check_plan,
     local_bytes,
     parallelize_part,
+    partial_modules,
     partial_params,
     plan_errors,
     sharded_over_tp,
@@ -92,9 +93,9 @@ class TensorParallel:
         """Whether activations between TP regions, stage-to-stage messages included, hold 1/TP of the sequence."""
         self.active = plan is not None and groups.tp_size > 1
         """Whether this pipeline shards its stages over a TP group."""
-        self.partial: dict[int, list[nn.Parameter]] = {}
-        """stage -> its plain parameters whose gradients are partial sums over TP (in ReplicatedWithGradAllReduce
-        modules)."""
+        self.partial: dict[int, list[nn.Module]] = {}
+        """stage -> its modules whose plain parameters' gradients are partial sums over TP
+        (ReplicatedWithGradAllReduce)."""
         self._pending: set[int] = set()
         self._lane: TPCollectives | None = None
 
@@ -114,7 +115,7 @@ class TensorParallel:
                     if hasattr(module, SEQUENCE_SHARDS):
                         setattr(module, SEQUENCE_SHARDS, self.groups.tp_size if self.sequence_parallel else 1)
                 parallelize_part(part, self.plan, self.groups.tp_mesh)
-                self.partial[stage] += partial_params(part)
+                self.partial[stage] += partial_modules(part)
         partial = sorted(s for s, ps in self.partial.items() if ps)
         if zero_stage == 2 and self.groups.dp_size > 1 and _anywhere(bool(partial)):
             raise ValueError("zero_stage=2 with modules whose parameters' gradients are partial over the TP group "
@@ -163,7 +164,7 @@ class TensorParallel:
         self._pending.discard(stage)
         params = [p for p in inner_module(modules[stage]).parameters() if p.grad is not None]
         partial = [p for p in params if isinstance(p.grad, DTensor) and _is_partial(p.grad)]
-        plain = [p for p in self.partial.get(stage, []) if p.grad is not None]
+        plain = [p for p in partial_params(self.partial.get(stage, [])) if p.grad is not None]
         if partial or plain:
             flat = torch.cat([local_of(p.grad).reshape(-1) for p in partial + plain])  # type: ignore[arg-type]
             work = dist.all_reduce(flat, group=self.groups.tp_group, async_op=True)
