@@ -304,7 +304,7 @@ class Pipeline:
             self.tensor.begin_window()
         self.dp.begin_call(final, scale * (self._window_weight + weight))
         wire = self.dp.meter.total_bytes
-        with self.tensor.timed(cfg.record_timeline):  # DTensor's collectives on the timeline's "tp" lane
+        with self.tensor.timed(cfg.record_timeline and cfg.record_tp_lane):  # TP collectives on the "tp" lane
             result = self.runtime.step(inputs, targets, loss_scale=scale * weight)
         self.calls += 1
         self._window_calls += 1

@@ -52,8 +52,12 @@ def _exact(out: dict[str, Any]) -> None:
     parameter bytes, its "tp" lane and an evaluation)."""
     for schedule in SCHEDULES:
         for sp in (False, True):
-            pipe = pipeline((2, 1, 2), PipelineConfig(schedule, 4, sequence_parallel=sp, grad_clip_norm=CLIP))
+            pipe = pipeline((2, 1, 2), PipelineConfig(schedule, 4, sequence_parallel=sp, grad_clip_norm=CLIP,
+                                                      record_tp_lane=schedule == "1f1b"))
             out[f"{schedule} sp={sp}"] = train(pipe, range(STEPS))
+            if schedule == "zb-h1":
+                assert pipe.last is not None and pipe.last.timeline is not None
+                out[f"no lane sp={sp}"] = [s for s in pipe.last.timeline.spans if s.lane == TP_LANE]
             if schedule == "1f1b":
                 meter = pipe.p2p_meter
                 out[f"send bytes sp={sp}"] = meter.bytes["send"] / meter.calls["send"]
@@ -224,6 +228,7 @@ def test_evaluate_and_the_tp_lane(results: list[dict[str, Any]], want: dict[str,
             if outputs is not None:
                 got = torch.tensor(outputs, dtype=torch.float64)
                 assert float((got - want["logits"]).norm() / want["logits"].norm()) <= 1e-10
+            assert res[f"no lane sp={sp}"] == []  # record_tp_lane is off by default
             lane = res[f"lane sp={sp}"]
             assert lane and all(0 <= start <= end for _, start, end in lane)
             assert {name for name, _, _ in lane} >= ({"all_gather_into_tensor"} if sp else {"all_reduce"})
