@@ -85,8 +85,8 @@ def _reference(source: Path, padded: bool) -> tuple[list[float], nn.Module]:
 def spawned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     root = tmp_path_factory.mktemp("hf-tp")
     transformers.logging.set_verbosity_error()
-    tiny_llama(layers=4).double().save_pretrained(root / "llama")
-    tiny_qwen3(layers=4).double().save_pretrained(root / "qwen3")
+    tiny_llama(layers=2).double().save_pretrained(root / "llama")
+    tiny_qwen3(layers=2).double().save_pretrained(root / "qwen3")
     return root, run_workers(_worker, 4, (str(root),), timeout_s=360)
 
 
