@@ -4,7 +4,7 @@ sums over the TP group summed once a stage's gradients are final, and which grad
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -83,8 +83,9 @@ def _summed(local: Tensor, grad: DTensor) -> DTensor:
 
 class TensorParallel:
     """This rank's tensor parallelism: `apply` shards its stage modules with the plan, `grads_final(stage)` sums the
-    stage's gradients that are partial over the TP group (sequence parallelism), `counted` filters the global
-    norm's gradients. Inactive (every method a no-op) without a plan or with tp=1."""
+    stage's gradients that are partial over the TP group (sequence parallelism); the global
+    norm counts each gradient once (`counts_here`, used by the data-parallel strategies). Inactive (every method a
+    no-op) without a plan or with tp=1."""
 
     def __init__(self, plan: TPPlan | None, groups: ParallelGroups, sequence_parallel: bool) -> None:
         self.plan = plan
@@ -116,8 +117,7 @@ class TensorParallel:
                         setattr(module, SEQUENCE_SHARDS, self.groups.tp_size if self.sequence_parallel else 1)
                 parallelize_part(part, self.plan, self.groups.tp_mesh)
                 self.partial[stage] += partial_modules(part)
-        partial = sorted(s for s, ps in self.partial.items() if ps)
-        if zero_stage == 2 and self.groups.dp_size > 1 and _anywhere(bool(partial)):
+        if zero_stage == 2 and self.groups.dp_size > 1 and _anywhere(any(self.partial.values())):
             raise ValueError("zero_stage=2 with modules whose parameters' gradients are partial over the TP group "
                              "(ReplicatedWithGradAllReduce: Qwen3's q_norm / k_norm, MoE layers under sequence "
                              "parallelism) is not supported: FSDP2 reduce-scatters them over the data-parallel group "
@@ -201,10 +201,6 @@ class TensorParallel:
                                  f"use it ({', '.join(seen)}); give every module that uses it the same layout (e.g. "
                                  "a vocabulary-parallel embedding, RowwiseParallel, with a column-parallel head) or "
                                  "untie it")
-
-    def counted(self, params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
-        """The parameters whose gradients this TP rank adds to the global norm (`counts_here`)."""
-        return [p for p in params if counts_here(p, self.groups.tp_rank)]
 
     @contextlib.contextmanager
     def timed(self, record: bool) -> Iterator[None]:

@@ -89,7 +89,10 @@ class Pipeline:
     data-parallel replica passes its own batch and gradients are averaged over replicas
     after the schedule's own DualPipe mirror sum, by the data-parallel strategy `self.dp`
     (bucket by bucket, each started as soon as its gradients are final; compressed when
-    `config.grad_compression` says so).
+    `config.grad_compression` says so). With a mesh of tp > 1 (`make_mesh(pp, dp, tp=...)`), `tp_plan` shards every
+    stage module over the mesh's "tp" sub-mesh (see `parallel.tensor` and `model.tp_plans`; with
+    `config.sequence_parallel` the plan keeps the sequence sharded between TP regions and across stages);
+    `self.param_bytes` is what this rank holds.
 
     With `PipelineConfig(schedule="auto", memory_limit=...)` the construction first measures the
     parts (rank 0's profile on a microbatch of `sample_input` / `sample_targets`, a batch as given to
@@ -216,7 +219,8 @@ class Pipeline:
         `init` (this rank's parts are allocated and filled, no other part is). With schedule="auto"
         the layers are split into 4P parts (one per layer when there are fewer), `sample_input` and
         `sample_targets` are a batch as given to `step`, and the planner merges parts as its
-        winner needs.
+        winner needs. `tp_plan` applies to the parts (children `embedding`, `layer<i>`, `head`), e.g.
+        `launch.tasks.gpt.gpt_tp_plan` or `moe.moe_tp_plan`.
         """
         config = config or PipelineConfig()
         pp = ParallelGroups.from_mesh(mesh).pp_size
