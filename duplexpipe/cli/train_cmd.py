@@ -123,7 +123,8 @@ def train_main(args: argparse.Namespace, stream: IO[str] | None = None) -> int:
         chosen = f" (chose {result.schedule})" if config.schedule == "auto" and result.schedule else ""
         name = Path(config.schedule).name if is_schedule_file(config.schedule) else config.schedule
         evaluated = f", eval loss {result.eval_losses[-1][1]:.4f}" if result.eval_losses else ""
-        out.write(f"{name}{chosen} on {config.ranks} ranks x {config.dp} dp, {done}: loss "
+        tensor = f" x {config.tp} tp" if config.tp > 1 else ""
+        out.write(f"{name}{chosen} on {config.ranks} ranks x {config.dp} dp{tensor}, {done}: loss "
                   f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f}{evaluated}, {result.items_per_s:,.0f} "
                   f"{result.item_name}/s, {result.wall_s:.1f}s\n")
         if result.send_bytes:

@@ -176,7 +176,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
               PIPELINE: parser.add_argument_group("the pipeline (PipelineConfig; a table of options, such as zero, is "
                                                   "a [zero] table in the config file)")}
     for s in settings():
-        common: dict[str, Any] = {"dest": s.key, "default": argparse.SUPPRESS, "help": s.help()}
+        common: dict[str, Any] = {"dest": s.key, "default": argparse.SUPPRESS,
+                                  "help": s.help().replace("%", "%%")}  # argparse formats help with %
         if s.kind == "bool":
             groups[s.owner].add_argument(*s.flags, action=argparse.BooleanOptionalAction, **common)
         elif s.kind == "dict":

@@ -62,10 +62,12 @@ def test_every_config_field_is_a_documented_flag_or_hidden_with_a_reason() -> No
         assert f.name in flags or nested, f"PipelineConfig.{f.name} has no flag"
         if f.name in flags:
             assert pipe_docs[f.name] in (flags[f.name].help or ""), f.name
-    for name in ("accumulation_steps", "fb_overlap", "zero.hpz_ranks", "loss_scale.init_scale", "schedule_options"):
+    for name in ("accumulation_steps", "fb_overlap", "zero.hpz_ranks", "loss_scale.init_scale", "schedule_options",
+                 "tp", "sequence_parallel", "record_tp_lane"):
         assert name in flags, name
     assert all(reason for reason in HIDDEN.values())
     assert len({s.flags[0] for s in settings()}) == len(settings()), "one flag per setting"
+    assert "+11-21% CPU" in " ".join(parser.format_help().split())  # a docstring's % survives argparse
 
 
 def test_flag_pairs_say_what_the_default_is() -> None:
