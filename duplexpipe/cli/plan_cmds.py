@@ -47,6 +47,11 @@ def add_parsers(sub: Any) -> None:
     pl.add_argument("--top", type=_integer("top"), default=None, help="print only the first N rows")
     pl.add_argument("--json", action="store_true", help="print the result as JSON")
     pl.add_argument("--plot", metavar="FILE", help="write the step-time vs peak-memory Pareto figure")
+    _add_profile_parser(sub)
+
+
+def _add_profile_parser(sub: Any) -> None:
+    """`profile`: the task, its parts and how they are measured (here, or calibrated on local ranks)."""
     pr = command(sub, "profile", "measure a model's parts (time, activation and message bytes) into a profile for "
                  "'duplexpipe plan'")
     pr.add_argument("--task", default=None, help="'file.py:function' or 'module:function' returning a TrainTask, or "
