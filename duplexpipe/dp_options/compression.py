@@ -202,7 +202,8 @@ def compression_options(spec: str | Options | None) -> Options:
     if isinstance(spec, _OPTION_TYPES):
         return spec
     if isinstance(spec, str):
-        name, options = parse_label(spec) if "(" in spec else (spec.lower(), {})
+        name, options = parse_label(spec) if "(" in spec else (spec, {})
+        name = name.lower()  # method names are case-insensitive here (p2p codec names are not)
         if name in _BY_NAME:
             return build_options(_BY_NAME[name], options, f"gradient compression {spec!r}")  # type: ignore[no-any-return]
     raise ValueError(f"unknown gradient compression {spec!r}; expected one of {METHOD_NAMES} (with options as in "

@@ -25,10 +25,10 @@ def _value(node: ast.expr, text: str) -> Any:
 
 def _one(node: ast.expr, text: str) -> Label:
     if isinstance(node, ast.Name):
-        return node.id.lower(), {}
+        return node.id, {}
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args \
             and all(k.arg is not None for k in node.keywords):
-        return node.func.id.lower(), {str(k.arg): _value(k.value, text) for k in node.keywords}
+        return node.func.id, {str(k.arg): _value(k.value, text) for k in node.keywords}
     raise ValueError(f"bad options {text!r}: expected NAME or NAME(key=value, ...), e.g. int8(block=128)")
 
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from duplexpipe.dp_options.compression import DGCOptions
+from duplexpipe.dp_options.compression import DGCOptions, PowerSGDOptions, compression_options
 from duplexpipe.dp_options.labels import MAX_LABEL_CHARS, build_options, parse_label, parse_labels
 
 
 def test_labels_are_names_with_literal_options() -> None:
     assert parse_labels("fp8, int8(block=128)") == [("fp8", {}), ("int8", {"block": 128})]
-    assert parse_label("PowerSGD(rank=1, warm_start=false)") == ("powersgd", {"rank": 1, "warm_start": False})
+    assert parse_label("powersgd(rank=1, warm_start=false)") == ("powersgd", {"rank": 1, "warm_start": False})
+    assert parse_label("FP8") == ("FP8", {})  # names as written: each reader decides on case
     assert parse_label("fp8(fmt=e5m2)") == ("fp8", {"fmt": "e5m2"})  # a bare word is text
     assert parse_label("fp8(fmt='e5m2', seed=None)") == ("fp8", {"fmt": "e5m2", "seed": None})
 
@@ -28,5 +29,6 @@ def test_limits_and_unknown_options() -> None:
     with pytest.raises(ValueError, match="expected one NAME"):
         parse_label("fp8, none")
     assert build_options(DGCOptions, {"ratio": 0.01}, "dgc").ratio == 0.01
+    assert compression_options("PowerSGD(rank=1)") == PowerSGDOptions(rank=1)
     with pytest.raises(ValueError, match=r"dgc\(x=1\): unknown option\(s\) \['x'\]; it takes ratio"):
         build_options(DGCOptions, {"x": 1}, "dgc(x=1)")
