@@ -45,17 +45,24 @@ def _config_dtype(hf_config: object) -> torch.dtype:
 
 def check_model_dir(path: str | Path) -> str:
     """The model_type of a Hugging Face model directory `from_pretrained` can load; ValueError naming what is wrong
-    (not a directory with config.json, an unsupported model_type, no safetensors weights). Reads no tensor."""
+    (not a directory with config.json, an unsupported model_type, quantized weights, no safetensors weights). Reads
+    no tensor."""
     root = Path(path)
     if not (root / "config.json").is_file():
         raise ValueError(f"{path} is not a model directory (no config.json)")
     try:
-        model_type = json.loads((root / "config.json").read_text(encoding="utf-8")).get("model_type")
+        config = json.loads((root / "config.json").read_text(encoding="utf-8"))
+        model_type = config.get("model_type")
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
         raise ValueError(f"{root / 'config.json'} is not a JSON object ({exc})") from None
     if model_type not in MODEL_TYPES:
         raise ValueError(f"{path}: model_type {model_type!r} is not supported; supported: "
                          f"{', '.join(sorted(MODEL_TYPES))}")
+    quantized = config.get("quantization_config")
+    if quantized:  # e.g. DeepSeek-V3's FP8 release: its weights need their scales, which nothing here applies
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
+        raise ValueError(f"{path}: quantized weights (quantization_config, quant_method {method!r}) are not supported; "
+                         "use a checkpoint in bf16, fp16 or fp32 (e.g. dequantized by transformers and saved)")
     if not any((root / name).is_file() for name in (INDEX_FILE, SINGLE_FILE)):
         raise ValueError(f"{root} holds no safetensors weights ({SINGLE_FILE} or {INDEX_FILE}); save the model with "
                          "transformers' save_pretrained (safetensors is its default)")

@@ -327,6 +327,10 @@ def test_bad_checkpoints_and_layouts_are_named_before_training(tmp_path: Path,
     set_config(tmp_path / "olmoe", model_type="olmoe")
     with pytest.raises(ValueError, match="model_type 'olmoe' is not supported; supported: deepseek_v3, gpt2"):
         PretrainedModel.open(tmp_path / "olmoe")
+    save_published(model, tmp_path / "fp8")
+    set_config(tmp_path / "fp8", quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
+    with pytest.raises(ValueError, match="quantized weights .quantization_config, quant_method 'fp8'. are not"):
+        PretrainedModel.open(tmp_path / "fp8")
     text = "tiny text " * 50
     (tmp_path / "data.txt").write_text(text)
     capsys.readouterr()  # what transformers printed while saving
