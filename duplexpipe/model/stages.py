@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 from duplexpipe.model.split import check_parts_fit
 from duplexpipe.moe.balance import moe_layers
+from duplexpipe.runtime.local_tensors import local_of
 from duplexpipe.runtime.structure import WHOLE_MESSAGE
 from duplexpipe.schedules.ir import Schedule
 
@@ -32,6 +33,18 @@ class CheckpointedStage(nn.Module):
         if not torch.is_grad_enabled():
             return self.module(*args, **kwargs)
         return checkpoint(self.module, *args, use_reentrant=False, **kwargs)
+
+
+CHAINED_PARTS = "_duplexpipe_chained_parts"
+"""Set (True) on a module made of several model parts run one after another (`train.part_chain.PartChain`), whose
+`parts` ModuleList holds them: what applies to one model part (a tensor-parallel plan) applies to each."""
+
+
+def model_parts(module: nn.Module) -> list[nn.Module]:
+    """The model parts a stage module runs: the parts of a chain (`CHAINED_PARTS`), else the module itself (without
+    its activation-checkpointing wrapper)."""
+    inner = inner_module(module)
+    return list(inner.parts) if getattr(inner, CHAINED_PARTS, False) else [inner]  # type: ignore[arg-type]
 
 
 def inner_module(module: nn.Module) -> nn.Module:
@@ -188,15 +201,16 @@ def build_stage_modules(
 
 
 def fingerprint(module: nn.Module) -> str:
-    """A hash of the module's parameters and buffers (names, shapes, dtypes and values) that every replica holds
-    alike: experts already spread over an expert-parallel group (each rank its own) are left out."""
+    """A hash of the module's parameters and buffers (names, shapes, dtypes and values; of a DTensor, its local
+    shard) that every replica holds alike: experts already spread over an expert-parallel group (each rank its own)
+    are left out."""
     digest = hashlib.sha256()
     own = {id(t) for layer in moe_layers(inner_module(module)) if layer.ep.size > 1
            for t in layer.experts.state_dict(keep_vars=True).values()}
     for name, tensor in inner_module(module).state_dict(keep_vars=True).items():
         if id(tensor) in own:
             continue
-        t = tensor.detach().to("cpu").contiguous()
+        t = local_of(tensor).detach().to("cpu").contiguous()  # a DTensor: this rank's shard
         digest.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
         digest.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return digest.hexdigest()[:20]

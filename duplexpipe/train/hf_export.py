@@ -54,7 +54,8 @@ def _tied_names(part: CausalLMPart) -> set[str]:
 
 
 def _full(value: torch.Tensor) -> torch.Tensor:
-    """A whole tensor on the CPU (a DTensor is gathered over its data-parallel mesh: every replica calls)."""
+    """A whole tensor on the CPU (a DTensor is gathered over its mesh, data- and tensor-parallel: every rank of it
+    calls)."""
     if isinstance(value, DTensor):
         value = value.full_tensor()
     return value.detach().cpu()
@@ -117,14 +118,14 @@ def _write_config(root: Path, part: CausalLMPart, dtype: torch.dtype, source: st
 
 
 def _writers(pipe: Exportable) -> tuple[Any, bool]:
-    """(the group that writes, whether this rank is in it): the pipeline of data-parallel replica 0, and with
-    experts spread over an expert-parallel group every replica of that group (ranks pp x dp + d, d < ep, as
-    `make_mesh` lays them out; collective: every rank makes the group)."""
+    """(the group that writes, whether this rank is in it): TP rank 0 of the pipeline of data-parallel replica 0,
+    and with experts spread over an expert-parallel group every replica of that group (ranks (pp x dp + d) x tp,
+    d < ep, as `make_mesh` lays them out; collective: every rank makes the group)."""
     groups = pipe.groups
     if groups.ep_size == 1 or not dist.is_initialized():
-        return groups.pp_group, groups.dp_rank == 0
-    ranks = [p * groups.dp_size + d for p in range(groups.pp_size) for d in range(groups.ep_size)]
-    return dist.new_group(ranks), groups.dp_rank < groups.ep_size
+        return groups.pp_group, groups.dp_rank == 0 and groups.tp_rank == 0
+    ranks = [(p * groups.dp_size + d) * groups.tp_size for p in range(groups.pp_size) for d in range(groups.ep_size)]
+    return dist.new_group(ranks), groups.dp_rank < groups.ep_size and groups.tp_rank == 0
 
 
 def _write(pipe: Exportable, root: Path, tensors: dict[str, torch.Tensor], part: CausalLMPart, group: Any) -> None:
@@ -143,9 +144,10 @@ def _write(pipe: Exportable, root: Path, tensors: dict[str, torch.Tensor], part:
 def save_pretrained(pipe: Exportable, path: str) -> None:
     """Write `path` as a Hugging Face model directory: `AutoModelForCausalLM.from_pretrained(path)` loads it as is.
 
-    Collective (every rank calls). Data-parallel replica 0 writes: each pipeline rank its own shard
-    `model-0000k-of-0000N.safetensors` (with torch.distributed.checkpoint's Hugging Face writer), its first rank
-    the index, config.json and the source's tokenizer and generation files. With experts spread over an
+    Collective (every rank calls). Each stage's tensors are gathered whole over its TP group (a rank holds its own
+    stages whole, never the model) and the ranks of data-parallel replica 0 and TP rank 0 write: each pipeline rank
+    its own shard `model-0000k-of-0000N.safetensors` (with torch.distributed.checkpoint's Hugging Face writer), its
+    first rank the index, config.json and the source's tokenizer and generation files. With experts spread over an
     expert-parallel group, the other ranks of that group write a shard of their own experts each (every expert
     under its global index, as transformers saves them); no rank gathers the model.
     """
