@@ -71,7 +71,8 @@ def _check_tensor_parallel(config: TrainConfig, task: TrainTask) -> None:
 
 def _check_pretrained(config: TrainConfig, task: TrainTask, num_parts: int | None) -> None:
     """A Hugging Face model directory opened as every rank will open it (config, tensor names and shapes, on the
-    meta device) and cut into the schedule's parts: a missing tensor or too few decoder layers are found here."""
+    meta device) and cut into the schedule's parts with the experts spread over `ep`: a missing tensor, too few
+    layers or experts that ep does not divide are found here."""
     from duplexpipe.train.pretrained import PretrainedModel
 
     assert task.pretrained is not None
@@ -80,6 +81,7 @@ def _check_pretrained(config: TrainConfig, task: TrainTask, num_parts: int | Non
         raise ValueError(f"{task.pretrained} has {source.num_layers} decoder layers, but schedule {config.schedule!r} "
                          f"on {config.ranks} ranks runs {num_parts} model parts of at least one layer each; use "
                          "fewer ranks or another schedule")
+    source.parts(num_parts or 1, experts=(0, config.ep), bias_update_speed=task.router_bias_update_speed)
 
 
 def _built(config: TrainConfig) -> TrainTask:

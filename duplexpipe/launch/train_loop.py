@@ -67,6 +67,9 @@ class TrainTask:
     """eval_batch(index, batch_size) -> (inputs, targets): held-out batch number `index` (0, 1, ...), identical on
     every rank, as `batch` gives them; `--eval-every` reports the mean loss over the first `--eval-batches` of them.
     None: the task holds nothing out."""
+    router_bias_update_speed: float = 0.0
+    """A `pretrained` MoE model whose routers have an expert bias (DeepSeek-V3): how far each bias moves after an
+    optimizer step (the aux-loss-free balance; 0: it stays)."""
     tp_plan: Callable[[bool], TPPlan] | None = None
     """tp_plan(sequence_parallel) -> the tensor-parallel plan of the parts `Pipeline.from_layers` makes (children
     `embedding`, `layer<i>`, `head`), for `--tp` > 1 (None: the task cannot run tensor-parallel; a `pretrained`
@@ -207,7 +210,8 @@ def _build_pipeline(config: TrainConfig, task: TrainTask) -> Pipeline:
             raise ValueError(f"balance {config.balance!r}: a Hugging Face model's layers are spread evenly "
                              "(balance 'uniform')")
         return Pipeline.from_pretrained(task.pretrained, make_optimizer(config), pcfg, mesh=mesh, dtype=task.dtype,
-                                        scheduler=make_scheduler(config), **sample)
+                                        scheduler=make_scheduler(config),
+                                        router_bias_update_speed=task.router_bias_update_speed, **sample)
     if not auto:  # one microbatch of step 0's batch: the profiling sample of balance="time" (a tensor input)
         first = rows_of(inputs, 0, max(1, batch_rows(inputs) // (config.microbatches * config.dp)))
         sample = {"sample_input": first} if isinstance(first, torch.Tensor) or config.balance == "time" else {}

@@ -117,7 +117,8 @@ def hf_task(seed: int = 0, **options: Any) -> TrainTask:
     end-of-sequence token; the stream's last `val_fraction` is held out (`eval_batch`), and step s's batch is the
     s-th batch of a walk over the remaining windows in epochs, each epoch in an order drawn from (seed, epoch): the
     same on every rank and every run, so a resumed run sees the batches it would have seen. Labels are the inputs
-    (the loss shifts them). `dtype` overrides the checkpoint's.
+    (the loss shifts them). `dtype` overrides the checkpoint's; `bias_update_speed` is an MoE model's aux-loss-free
+    balance (transformers' aux loss follows the model's config).
     """
     opts = check_options(**options)
     assert opts.model is not None and opts.data is not None
@@ -129,4 +130,5 @@ def hf_task(seed: int = 0, **options: Any) -> TrainTask:
     return TrainTask(layers=[], loss_fn=causal_lm_loss, batch=windows.batch, items_per_sample=opts.seq,
                      item_name="tokens", pretrained=opts.model,
                      dtype=DTYPES[opts.dtype] if opts.dtype is not None else None,
-                     eval_batch=windows.eval_batch if len(windows.held_out) else None)
+                     eval_batch=windows.eval_batch if len(windows.held_out) else None,
+                     router_bias_update_speed=float(opts.bias_update_speed))

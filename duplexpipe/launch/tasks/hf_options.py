@@ -30,6 +30,9 @@ class HFOptions:
     """Tokens per sample: the token stream is cut into windows of this many tokens."""
     dtype: str | None = None
     """float32, float64, bfloat16 or float16 (default: the checkpoint's)."""
+    bias_update_speed: float = 0.0
+    """An MoE model whose routers have an expert bias (DeepSeek-V3): how far each bias moves after an optimizer step
+    (the aux-loss-free balance; transformers' aux loss follows the model's config)."""
     val_fraction: float = 0.1
     """The share of the token stream held out at its end for evaluation (--eval-every); the rest is walked in
     epochs, each window once per epoch in an order drawn from the seed."""
@@ -49,6 +52,9 @@ class HFOptions:
             raise ValueError(f"task hf: seq must be an integer >= 2, got {self.seq!r}")
         if self.dtype is not None and self.dtype not in DTYPE_NAMES:
             raise ValueError(f"task hf: dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
+        if isinstance(self.bias_update_speed, bool) or not isinstance(self.bias_update_speed, (int, float)) \
+                or not self.bias_update_speed >= 0:
+            raise ValueError(f"task hf: bias_update_speed must be a number >= 0, got {self.bias_update_speed!r}")
         if isinstance(self.val_fraction, bool) or not isinstance(self.val_fraction, (int, float)) \
                 or not 0 <= self.val_fraction < 1:
             raise ValueError(f"task hf: val_fraction must be a number in [0, 1), got {self.val_fraction!r}")
