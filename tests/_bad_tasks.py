@@ -42,3 +42,15 @@ def batch_fails(seed: int = 0) -> TrainTask:
         return _batch(step, size)
 
     return TrainTask(layers=_layers(seed), loss_fn=nn.functional.mse_loss, batch=batch)
+
+
+def nan_grads(seed: int = 0) -> TrainTask:
+    """The loss is NaN on the second step (its gradients too): the run must stop, naming the step."""
+    calls = [0]
+
+    def loss(out: Tensor, target: Tensor) -> Tensor:
+        calls[0] += 1
+        value = nn.functional.mse_loss(out, target)
+        return value * float("nan") if calls[0] in (3, 4) else value  # 2 microbatches per step
+
+    return TrainTask(layers=_layers(seed), loss_fn=loss, batch=_batch)
