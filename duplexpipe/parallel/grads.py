@@ -52,13 +52,14 @@ def global_norm_and_overflow(
     only the copies it owns); `checked` holds every local grad, scanned for inf/NaN. A rank with
     `count_here=False` (e.g. a data-parallel replica other than the first) adds no norm but still
     reports overflow. `flagged` adds an overflow this rank found earlier (e.g. in its gradients before
-    they were compressed). One all-reduce carries both, so every rank gets the same verdict.
+    they were compressed). One all-reduce carries both, so every rank gets the same verdict. The norm is never
+    masked: NaN or inf in a counted gradient makes it NaN or inf.
     """
     counted_sq = _sum_squares(counted, device) if count_here else torch.zeros((), dtype=torch.float64,
                                                                                 device=device)
     all_sq = _sum_squares(checked, device)
     bad = ((~torch.isfinite(all_sq)) | flagged).to(torch.float64)
-    stats = torch.stack([counted_sq.nan_to_num(0.0, 0.0, 0.0), bad])
+    stats = torch.stack([counted_sq, bad])
     if dist.is_available() and dist.is_initialized():
         work = dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group, async_op=True)
         wait(work, "the gradient-norm and overflow all-reduce")
