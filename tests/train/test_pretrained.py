@@ -63,15 +63,18 @@ def _rows(value: Any, lo: int, hi: int) -> Any:
     return {k: v[lo:hi] for k, v in value.items()} if isinstance(value, dict) else value[lo:hi]
 
 
-def _peak_bytes(fn: Any) -> tuple[Any, int]:
+def _peak_bytes(fn: Any, mapped: frozenset[int] = frozenset()) -> tuple[Any, int]:
     """fn()'s result and the most CPU bytes torch's allocator held at once while it ran (the profiler's memory
-    events, counted from zero at the start)."""
+    events, counted from zero at the start). Storages of a size in `mapped` are file mappings (the safetensors
+    library maps a file and touches only the pages of the tensors read): not counted."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
     events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
                     key=lambda e: e.start_ns())
     live = peak = 0
     for event in events:
+        if abs(event.nbytes()) in mapped:
+            continue
         live += event.nbytes()
         peak = max(peak, live)
     return result, peak
@@ -104,7 +107,8 @@ def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
             losses.append(pipe.step(_rows(inputs, lo, lo + rows), labels[lo:lo + rows]))
         pipe.save_pretrained(base / f"ft-{name}")
         out[f"ft-{name}"] = losses
-    pipe, peak = _peak_bytes(lambda: Pipeline.from_pretrained(base / "big", _adamw, PipelineConfig("1f1b", 4)))
+    files = frozenset(p.stat().st_size for p in (base / "big").glob("*.safetensors"))
+    pipe, peak = _peak_bytes(lambda: Pipeline.from_pretrained(base / "big", _adamw, PipelineConfig("1f1b", 4)), files)
     out["memory"] = (peak, *_own_bytes(pipe))
     for name, config in SHARDED.items():
         out[f"{name}_params_kept"] = _export_sharded(base, name, config)
