@@ -234,6 +234,8 @@ def load_config_file(path: str) -> dict[str, Any]:
         raise ValueError(f"config file {path}: cannot read it ({exc.strerror})") from None
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"config file {path}: not valid TOML ({exc})") from None
+    except RecursionError:
+        raise ValueError(f"config file {path}: nested too deeply to be a configuration") from None
     return check_keys(data, f"config file {path}")
 
 
