@@ -31,7 +31,8 @@ def test_report_has_both_tables() -> None:
     blocks = bench.report(_result())
     tables = [b for b in blocks if isinstance(b, list)]
     assert len(tables) == 2 and all(len(set(map(len, t))) == 1 for t in tables)
-    assert "+3.5%" in tables[0][3][1] and "the same losses" in blocks[0]
+    assert tables[0][3][1] == "+0.35 (+0.05 to +0.57)" and "the same losses" in blocks[0]
+    assert "The check alone is 2.0% of a step's wall time and 0.5% of its CPU time" in blocks[2]
 
 
 def test_bad_counts_are_refused() -> None:
