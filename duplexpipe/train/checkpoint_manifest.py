@@ -123,5 +123,5 @@ def share(names: Sequence[str], rank: int, world: int) -> list[str]:
 def damaged(folder: str | os.PathLike[str], problems: Sequence[str]) -> CheckpointError:
     """The error for a checkpoint whose files do not match its manifest (the first problem, and how many)."""
     more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-    return CheckpointError(f"checkpoint {folder} is damaged: {problems[0]}{more}; load an older checkpoint "
-                           f"(see 'duplexpipe checkpoint verify {folder}')")
+    return CheckpointError(f"checkpoint {folder} is incomplete or corrupt: {problems[0]}{more}; load an older "
+                           f"checkpoint (see 'duplexpipe checkpoint verify {folder}')")

@@ -67,7 +67,7 @@ def test_damaged_shards_are_named_with_and_without_a_manifest(tmp_path: Path) ->
     small_checkpoint(tmp_path / "a")
     shard = tmp_path / "a" / "__0_0.distcp"
     flip(shard)
-    with pytest.raises(CheckpointError, match=r"is damaged: __0_0.distcp differs from the checksum the manifest"):
+    with pytest.raises(CheckpointError, match=r"is incomplete or corrupt: __0_0.distcp differs from the checksum"):
         read_checkpoint(str(tmp_path / "a"))
     (tmp_path / "a" / MANIFEST_FILE).unlink()  # an older checkpoint: the reader's errors name the shard
     cut(shard, 0.3)
@@ -165,8 +165,8 @@ def test_a_full_disk_on_one_rank_fails_every_rank_with_the_cause_and_the_file(fa
 def test_damaged_or_crafted_checkpoints_are_refused_on_every_rank_and_load_nothing(faults: Any) -> None:
     root, results = faults
     for res in results:
-        assert res["flipped"].startswith(f"CheckpointError: checkpoint {root}/flipped is damaged: __1_0.distcp "
-                                         "differs from the checksum"), res["flipped"]
+        assert res["flipped"].startswith(f"CheckpointError: checkpoint {root}/flipped is incomplete or corrupt: "
+                                         "__1_0.distcp differs from the checksum"), res["flipped"]
         assert res["crafted"].startswith(f"CheckpointError: checkpoint {root}/crafted: its .metadata names "
                                          "posix.system"), res["crafted"]
         assert res["untouched"] and not res["marker"]

@@ -39,7 +39,7 @@ def test_missing_cut_and_changed_files_are_named(tmp_path: Path) -> None:
     problems = check_files(tmp_path, files, sorted(files))
     assert problems == [f"{shard} is missing"]
     message = str(damaged(tmp_path, problems + ["another"]))
-    assert message.startswith(f"checkpoint {tmp_path} is damaged: {shard} is missing (and 1 more)")
+    assert message.startswith(f"checkpoint {tmp_path} is incomplete or corrupt: {shard} is missing (and 1 more)")
 
 
 @pytest.mark.parametrize("name", ["../outside", "/etc/passwd", "sub/file"])

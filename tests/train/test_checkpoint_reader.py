@@ -66,8 +66,8 @@ def test_a_data_file_outside_the_folder_is_refused(saved: Path) -> None:
 def test_truncated_or_foreign_metadata_is_incomplete_or_corrupt(saved: Path) -> None:
     data = (saved / ".metadata").read_bytes()
     (saved / ".metadata").write_bytes(data[:len(data) // 2])
-    with pytest.raises(CheckpointError, match=rf"checkpoint {saved} is damaged: \.metadata has {len(data) // 2} bytes, "
-                                              f"the manifest recorded {len(data)}"):
+    with pytest.raises(CheckpointError, match=rf"checkpoint {saved} is incomplete or corrupt: \.metadata has "
+                                              rf"{len(data) // 2} bytes, the manifest recorded {len(data)}"):
         read_checkpoint(str(saved))
     (saved / "manifest.json").unlink()  # without a manifest, the unpickler finds it
     with pytest.raises(CheckpointError, match=rf"checkpoint {saved} is incomplete or corrupt \(\.metadata: "):
