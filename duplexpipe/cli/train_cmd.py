@@ -19,6 +19,7 @@ from duplexpipe.launch.train_config import (
     GRAD_COMPRESSIONS,
     HF_TASK,
     LR_SCHEDULES,
+    NONFINITE_POLICIES,
     OPTIMIZERS,
     P2P_COMPRESSIONS,
     PRECISIONS,
@@ -88,6 +89,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     opt("--keep", int)
     opt("--resume", str)
     opt("--batch-check", str, choices=BATCH_CHECKS)
+    opt("--nonfinite-grads", str, choices=NONFINITE_POLICIES)
     opt("--save-pretrained", str)
     add("--timeout", type=float, default=argparse.SUPPRESS, metavar="SECONDS", help=about("timeout_s"))
     add("--activation-checkpointing", action="store_true", default=argparse.SUPPRESS,

@@ -32,6 +32,8 @@ P2P_COMPRESSIONS = ("none", "bf16", "fp8", "int8")
 GRAD_COMPRESSIONS = ("none", "bf16", "fp16", "powersgd", "int8", "topk", "randomk", "threshold", "dgc")
 """Data-parallel gradient compression methods (duplexpipe.dp_options.compression.METHOD_NAMES)."""
 ZERO_STAGES = (0, 1, 2)
+NONFINITE_POLICIES = ("raise", "skip")
+"""`nonfinite_grads` values (duplexpipe.train.nonfinite.NONFINITE_GRADS): stop the run, or skip the step and go on."""
 BATCH_CHECKS = ("first", "every", "never")
 """`batch_check` values: compare the batch's fingerprint across ranks on a run's first step, on every step, never."""
 MAX_CONFIG_FILE_BYTES = 2**20
@@ -112,7 +114,9 @@ class TrainConfig:
     """Save checkpoints to <save>/step-NNNNNN at the end; <save>/latest names the newest complete one (written
     atomically once every rank finished its part and the checkpoint's manifest of SHA-256 checksums is written).
     Locked for the run (.duplexpipe.lock): a second run on it exits with code 2 naming the holder. A save that fails
-    (a full disk, ...) removes its partial folder and names the cause and the file."""
+    (a full disk, ...) removes its partial folder and names the cause and the file. With `resume` "auto" (the
+    default) the run continues from the newest checkpoint already there: its files are checked against its manifest
+    and loading it never runs code (the metadata pickle admits only checkpoint classes)."""
     save_every: int = 0
     """Also save every N steps (0: only at the end)."""
     keep: int = 0
@@ -126,6 +130,10 @@ class TrainConfig:
     """At the end, write the trained model here as a Hugging Face model directory (Hugging Face tasks only)."""
     timeout_s: float = 180.0
     """Runtime timeout for blocked communication, in seconds."""
+    nonfinite_grads: str = "raise"
+    """A step whose gradients hold NaN or inf: "raise" (every rank stops naming the step and the first stage and
+    parameter; the run exits 1 and the weights are those before that step) or "skip" (the step is skipped on every
+    rank and counted; training goes on)."""
     batch_check: str = "first"
     """Compare a fingerprint of task.batch()'s global batch across all ranks (it must be the same everywhere): on
     the run's "first" step, on "every" step (a debugging aid: one small all-gather a step), or "never"."""
@@ -138,7 +146,8 @@ class TrainConfig:
         self.task = TASK_ALIASES.get(self.task, self.task)
         for name, choices in (("optimizer", OPTIMIZERS), ("lr_schedule", LR_SCHEDULES),
                               ("precision", PRECISIONS), ("balance", BALANCES),
-                              ("p2p_compression", P2P_COMPRESSIONS), ("batch_check", BATCH_CHECKS)):
+                              ("p2p_compression", P2P_COMPRESSIONS), ("batch_check", BATCH_CHECKS),
+                              ("nonfinite_grads", NONFINITE_POLICIES)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
         if not self.lr > 0 or self.weight_decay < 0 or not 0 <= self.momentum < 1:

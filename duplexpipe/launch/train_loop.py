@@ -237,7 +237,8 @@ def pipeline_config(config: TrainConfig) -> PipelineConfig:
                           activation_checkpointing=config.activation_checkpointing, timeout_s=config.timeout_s,
                           p2p_compression=None if config.p2p_compression == "none" else config.p2p_compression,
                           grad_compression=None if config.grad_compression == "none" else config.grad_compression,
-                          zero_stage=config.zero_stage, memory_limit=config.memory_limit)
+                          zero_stage=config.zero_stage, memory_limit=config.memory_limit,
+                          nonfinite_grads=config.nonfinite_grads)
 
 
 def _build_pipeline(config: TrainConfig, task: TrainTask) -> Pipeline:

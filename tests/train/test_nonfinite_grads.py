@@ -17,6 +17,9 @@ from models import run_workers
 
 from duplexpipe.cli import main as cli_main
 from duplexpipe.errors import NonFiniteGradientError
+from duplexpipe.launch.train_config import NONFINITE_POLICIES, TrainConfig
+from duplexpipe.launch.train_loop import pipeline_config
+from duplexpipe.train.nonfinite import NONFINITE_GRADS
 from duplexpipe.train.trainer import Pipeline, PipelineConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -106,3 +109,7 @@ def test_the_policy_is_checked() -> None:
     with pytest.raises(ValueError, match="PipelineConfig.nonfinite_grads must be one of raise, skip, got 'warn'"):
         PipelineConfig(nonfinite_grads="warn")
     assert PipelineConfig().nonfinite_grads == "raise"
+    assert NONFINITE_POLICIES == NONFINITE_GRADS  # `duplexpipe train --nonfinite-grads` offers the same choices
+    assert pipeline_config(TrainConfig(nonfinite_grads="skip")).nonfinite_grads == "skip"
+    with pytest.raises(ValueError, match="nonfinite_grads must be one of raise, skip, got 'ignore'"):
+        TrainConfig(nonfinite_grads="ignore")
