@@ -382,6 +382,11 @@ def _loop(pipe: Pipeline, task: TrainTask, config: TrainConfig, start: int, metr
         bubble = gather_timeline(timeline, group=pipe.groups.pp_group).bubble_ratio if timeline else None
         values = {"loss": losses[-1], "lr": lr, "grad_norm": pipe.last.grad_norm if pipe.last else None,
                   "items_per_s": step_items / (now - tick), "bubble": bubble}
+        if pipe.last is not None and pipe.last.skipped:  # NaN/inf gradients (fp16 overflow or nonfinite_grads "skip")
+            values["skipped"] = True
+            if lead and config.precision != "fp16":
+                print(f"step {step + 1}/{config.steps} skipped: its gradients held NaN or inf (norm "
+                      f"{pipe.last.grad_norm}); {pipe.skipped_steps} skipped so far", flush=True)
         if metrics is not None:
             metrics.write(step + 1, values)
         if bar is not None:

@@ -17,6 +17,7 @@ from models import run_workers
 
 from duplexpipe.cli import main as cli_main
 from duplexpipe.errors import NonFiniteGradientError
+from duplexpipe.launch.metrics import read_metrics
 from duplexpipe.launch.train_config import NONFINITE_POLICIES, TrainConfig
 from duplexpipe.launch.train_loop import pipeline_config
 from duplexpipe.train.nonfinite import NONFINITE_GRADS
@@ -103,6 +104,20 @@ def test_duplexpipe_train_exits_1_naming_the_step(capsys: pytest.CaptureFixture[
     # every rank raises the same error: the launcher reports the first to arrive
     assert re.match(r"duplexpipe: error: rank [01] failed: NonFiniteGradientError: step 2: non-finite gradients, the "
                     r"first in stage 0, parameter 'layer0\.0\.weight' \(rank 0\) holds nan", err), err
+
+
+@pytest.mark.timeout(120)
+def test_duplexpipe_train_skip_goes_on_and_marks_the_step(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    task = f"{ROOT / 'tests' / '_bad_tasks.py'}:nan_grads"
+    code = cli_main(["train", "--schedule", "1f1b", "--ranks", "2", "--microbatches", "2", "--batch-size", "4",
+                     "--steps", "3", "--log-every", "0", "--precision", "bf16", "--nonfinite-grads", "skip",
+                     "--no-tensorboard", "--task", task, "--out-dir", str(tmp_path)])
+    out = capfd.readouterr().out  # rank 0 prints it
+    assert code == 0 and "step 2/3 skipped: its gradients held NaN or inf (norm nan); 1 skipped so far" in out, out
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3] and [r.get("skipped", False) for r in rows] == [False, True, False]
+    assert rows[1]["grad_norm"] is None, "NaN is written as null (JSON has no NaN), never as a masked number"
+    assert all(r["grad_norm"] > 0 for r in (rows[0], rows[2]))
 
 
 def test_the_policy_is_checked() -> None:
