@@ -170,7 +170,11 @@ class StageCompute:
         return value
 
     def _check_rows(self, out: Any, target: Any, microbatch: int) -> None:
-        """ActivationShapeError when the loss input and the targets have different batch sizes (dimension 0)."""
+        """ActivationShapeError when the loss input and the targets have different batch sizes (dimension 0);
+        PipelineError naming the stage when the last stage returned None."""
+        if out is None:
+            raise PipelineError(f"stage {self.stage} microbatch {microbatch}: the module's output is NoneType; "
+                                "expected a tensor, or tuples/lists/dicts of tensors, for the loss")
         got, want = _rows(out), _rows(target)
         if got is not None and want is not None and got != want:
             raise ActivationShapeError(

@@ -200,7 +200,8 @@ def test_split_backward_on_cuda_matches_full_backward() -> None:
 
 
 def test_a_loss_input_with_other_rows_than_its_targets_is_refused() -> None:
-    """A stage that returns 1 row for a microbatch of 4 would broadcast in the loss: named, with the rows."""
+    """A stage that returns 1 row for a microbatch of 4 would broadcast in the loss: named, with the rows; a last
+    stage that returns None is named too."""
     stage = StageCompute(3, nn.Linear(DIM, DIM), None)
     targets = torch.zeros(4, DIM)
     with pytest.raises(ActivationShapeError, match=r"stage 3 microbatch 2: the loss input \(this last stage's "
@@ -210,3 +211,5 @@ def test_a_loss_input_with_other_rows_than_its_targets_is_refused() -> None:
                             lambda out, t: torch.nn.functional.mse_loss(out["logits"], t["labels"]), 0)
     assert structured.item() == 0.0  # rows agree: structures of any form pass
     assert stage.loss(torch.zeros(4, DIM), torch.zeros(()), lambda o, t: o.sum() * t, 0).item() == 0.0  # no rows
+    with pytest.raises(PipelineError, match=r"stage 3 microbatch 1: the module's output is NoneType; expected"):
+        stage.loss(None, targets, torch.nn.functional.mse_loss, 1)
