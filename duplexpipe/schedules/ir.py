@@ -19,6 +19,9 @@ MAX_SCHEDULE_FILE_BYTES = 128 * 2**20
 """Largest schedule file read (128 MiB), refused before it is parsed. The largest schedule the command line builds
 (P x M = 500,000) takes at most about 110 MB as lowered JSON (ZB-V, 212 bytes per P x M unit) and about 22 s to
 load; a file of 200 MB is refused at once."""
+MAX_ACTIONS_PER_UNIT = 8
+"""Most actions one (stage, microbatch) has in a lowered schedule: F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B (an
+F&B pair is one action of two)."""
 _HEADER_BYTES = 64 * 1024
 _HEADER_FIELD = re.compile(r'"(num_ranks|num_microbatches)"\s*:\s*(-?\d+)')
 
@@ -275,8 +278,10 @@ def _schedule_from_dict(data: Any, source: str) -> Schedule:
         if not isinstance(entry, dict):
             raise ScheduleError(f"{where}: expected an object with 'rank' and 'group', got {entry!r}")
         stages.append(StageInfo(_require(entry, "rank", int, where), _require(entry, "group", int, where)))
+    raw = _require(data, "actions", list, source)
+    _check_action_count(raw, len(stages), _require(data, "num_microbatches", int, source), source)
     rows = []
-    for rank, row in enumerate(_require(data, "actions", list, source)):
+    for rank, row in enumerate(raw):
         if not isinstance(row, list):
             raise ScheduleError(f"{source}: actions of rank {rank} must be a list, got {row!r}")
         rows.append(tuple(_parse_in(tok, f"{source}: rank {rank}, position {pos}")
@@ -293,6 +298,17 @@ def _schedule_from_dict(data: Any, source: str) -> Schedule:
         if str(exc).startswith(f"{source}:"):
             raise
         raise ScheduleError(f"{source}: {exc}") from None
+
+
+def _check_action_count(rows: list[Any], num_stages: int, num_microbatches: int, source: str) -> None:
+    """ScheduleError, before any action is parsed, when `rows` hold more actions than MAX_ACTIONS_PER_UNIT per stage
+    and microbatch (a file padded with repeats: parsing and verifying them would take minutes)."""
+    total = sum(len(row) for row in rows if isinstance(row, list))
+    limit = MAX_ACTIONS_PER_UNIT * max(num_stages, 1) * max(num_microbatches, 1)
+    if total > limit:
+        raise ScheduleError(f"{source}: {total:,} actions, more than the {limit:,} a schedule of {num_stages} stages "
+                            f"and {num_microbatches} microbatches can hold ({MAX_ACTIONS_PER_UNIT} per stage and "
+                            "microbatch: F, B, I, W and four transfers); refused before reading them")
 
 
 def _parse_in(token: Any, where: str) -> Action:
