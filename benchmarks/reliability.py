@@ -6,10 +6,12 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from benchmarks import harness
@@ -41,6 +43,17 @@ class ReliabilityConfig:
                              f"{self.saves}, {self.warmup}")
 
 
+def _timed(fn: Callable[[], Any]) -> tuple[float, float]:
+    """fn() between barriers: (the slowest rank's seconds, this rank's CPU seconds)."""
+    dist.barrier()
+    start, cpu = time.perf_counter(), time.process_time()
+    fn()
+    cpu = time.process_time() - cpu
+    wall = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+    return float(wall.item()), cpu
+
+
 def _no_check(need: bool) -> tuple[float | None, bool]:
     """The strategy's norm and overflow as they were without clipping or fp16: not computed, no collective."""
     return None, False
@@ -54,7 +67,7 @@ def _saves(pipe: Pipeline, cfg: ReliabilityConfig) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {"save_s": [], "hash_all_s": [], "bytes": []}
     for i in range(cfg.saves):
         path = Path(root[0]) / f"step-{i}"
-        wall, _, _ = harness.timed_cpu(lambda: pipe.save(str(path)))  # noqa: B023 - called at once
+        wall, _ = _timed(lambda: pipe.save(str(path)))  # noqa: B023 - called at once
         out["save_s"].append(wall)
         files = [p for p in path.iterdir() if p.name != "manifest.json"]
         start = time.perf_counter()
@@ -73,7 +86,7 @@ def _worker(rank: int, world: int, cfg: ReliabilityConfig) -> dict[str, Any]:
     unchecked.dp.norm_and_overflow = _no_check  # type: ignore[method-assign]
     traces = harness.RoundRobin([checked, unchecked], harness.gpt_step(task, cfg.batch_size)).run(cfg.steps,
                                                                                                  cfg.warmup)
-    alone = [harness.timed_cpu(lambda: checked.dp.norm_and_overflow(True)) for _ in range(cfg.steps)]
+    alone = [_timed(lambda: checked.dp.norm_and_overflow(True)) for _ in range(cfg.steps)]
     x, y = task.batch(0, cfg.batch_size)
     start = time.perf_counter()
     for _ in range(20):
@@ -81,7 +94,7 @@ def _worker(rank: int, world: int, cfg: ReliabilityConfig) -> dict[str, Any]:
     fingerprint_s = (time.perf_counter() - start) / 20
     saves = _saves(checked, cfg)
     return {"wall": [t.wall for t in traces], "cpu": [t.cpu for t in traces], "fingerprint_s": fingerprint_s,
-            "check_wall": [w for w, _, _ in alone], "check_cpu": [c for _, c, _ in alone],
+            "check_wall": [w for w, _ in alone], "check_cpu": [c for _, c in alone],
             "losses_equal": traces[0].out == traces[1].out, **saves}
 
 

@@ -57,7 +57,13 @@ class TrainConfig:
     ranks: int = 4
     """Pipeline ranks (processes per data-parallel replica)."""
     dp: int = 1
-    """Data-parallel replicas; ranks * dp processes in all."""
+    """Data-parallel replicas; ranks * dp * tp processes in all."""
+    tp: int = 1
+    """Tensor-parallel degree: each stage's layers are sharded over tp neighbouring processes with the task's plan
+    (the gpt task's `gpt_tp_plan`, a task's `TrainTask.tp_plan`; the hf task: the model's published plan)."""
+    sequence_parallel: bool = False
+    """With tp > 1: norms, the residual stream and the stage-to-stage messages hold 1/tp of the sequence (the
+    sequence length must be divisible by tp)."""
     microbatches: int = 8
     """Microbatches per step."""
     steps: int = 60
@@ -139,7 +145,7 @@ class TrainConfig:
     the run's "first" step, on "every" step (a debugging aid: one small all-gather a step), or "never"."""
 
     def __post_init__(self) -> None:
-        for name in ("ranks", "dp", "microbatches", "steps", "batch_size"):
+        for name in ("ranks", "dp", "tp", "microbatches", "steps", "batch_size"):
             _at_least(name, getattr(self, name), 1)
         for name in ("warmup", "log_every", "save_every", "keep"):
             _at_least(name, getattr(self, name), 0)
@@ -162,6 +168,8 @@ class TrainConfig:
         if self.batch_size < self.microbatches * self.dp:
             raise ValueError(f"batch_size {self.batch_size} is smaller than microbatches x dp = {self.microbatches} x "
                              f"{self.dp}: every replica needs at least one sample per microbatch")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel shards the sequence over the tensor-parallel ranks: it needs tp > 1")
         self._check_parallelism()
 
     def _check_parallelism(self) -> None:

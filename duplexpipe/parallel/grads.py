@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from duplexpipe.runtime.local_tensors import local_of
+
 Waiter = Callable[[Any, str], None]
 """wait(work, what): waits for a collective posted with async_op=True (bounded and failure-aware,
 e.g. PipelineRuntime.bounded); `what` names it in errors."""
@@ -19,22 +21,24 @@ def _wait_unbounded(work: Any, what: str) -> None:
 
 
 def ensure_grads(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
-    """Every trainable parameter's grad, zero-filled where a parameter received none."""
+    """Every trainable parameter's grad, zero-filled where a parameter received none (of a DTensor parameter, the
+    local tensor of its grad: tensor parallelism reduces and steps local shards)."""
     grads = []
     for p in params:
         if not p.requires_grad:
             continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        grads.append(p.grad)
+        grads.append(local_of(p.grad))
     return grads
 
 
 def _norms(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Each gradient's L2 norm in float64, on `device` (one fused pass over all of them)."""
+    """Each gradient's L2 norm in float64, on `device` (one fused pass over all of them; of a DTensor gradient, its
+    local shard's)."""
     if not grads:
         return torch.zeros(0, dtype=torch.float64, device=device)
-    norms = torch._foreach_norm([g.detach() for g in grads], 2, dtype=torch.float64)
+    norms = torch._foreach_norm([local_of(g).detach() for g in grads], 2, dtype=torch.float64)
     return torch.stack([n.to(device) for n in norms])
 
 
