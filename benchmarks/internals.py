@@ -50,3 +50,7 @@ from duplexpipe.runtime.watchdog import Watchdog
 from duplexpipe.runtime.comm_points import CommRecord, CommSlot, Driver, Posted, current_driver, forward_slot
 from duplexpipe.runtime.fb_pair import run_pair
 from duplexpipe.runtime.link_emulator import LinkModel, emulate_link
+
+# reliability times the first step's batch fingerprint and a checkpoint manifest's hashing alone.
+from duplexpipe.launch.job_guards import batch_fingerprint
+from duplexpipe.train.checkpoint_manifest import digest

@@ -35,6 +35,11 @@ DESCRIPTIONS = MappingProxyType({
     "export": "Write a schedule (built-in or file) as duplexpipe JSON or as torch.distributed.pipelining CSV.",
     "plot": "Draw a timeline file as a Gantt chart: a measured run ('duplexpipe train --out-dir DIR' writes\n"
             "DIR/timeline.json) or any Timeline.to_dict() JSON.",
+    "checkpoint": "Check the checkpoints 'duplexpipe train --save' and Pipeline.save write (ACTION: verify).",
+    "checkpoint verify": "Check a checkpoint without loading it: every file against the SHA-256 its manifest\n"
+                         "recorded when it was saved, the metadata read the safe way (no code runs: only\n"
+                         "checkpoint metadata classes are admitted), and every data file the metadata points at\n"
+                         "present, inside the folder and long enough.",
 })
 
 EPILOGS = MappingProxyType({
@@ -48,6 +53,7 @@ examples:
   duplexpipe export dualpipev -p 4 -m 8 --format torch-csv -o dualpipev.csv
   duplexpipe train --schedule dualpipe --ranks 4 --steps 50 --out-dir run/
   duplexpipe plot run/timeline.json -o run.png
+  duplexpipe checkpoint verify run/ckpt
 
 'duplexpipe COMMAND --help' explains each command.
 exit codes: 0 ok, 1 unsound schedule (verify) or a failed training rank, 2 bad input""",
@@ -98,6 +104,22 @@ examples:
 
 torch CSV has no stage table: schedules with two model copies (dualpipe) are refused; use json.
 exit codes: 0 written, {_EXIT_BAD}""",
+    "checkpoint": """\
+example:
+  duplexpipe checkpoint verify run/ckpt/step-000030
+
+'duplexpipe checkpoint verify --help' explains the action.
+exit codes: see the action""",
+    "checkpoint verify": """\
+examples:
+  duplexpipe checkpoint verify run/ckpt/step-000030     # one checkpoint
+  duplexpipe checkpoint verify run/ckpt                 # the one run/ckpt/latest names
+  duplexpipe checkpoint verify run/ckpt --all           # every step-NNNNNN in run/ckpt
+
+exit codes: 0 intact ("OK ..." on stdout), 1 damaged ("DAMAGED ..." on stdout naming the first file
+that is missing, truncated or changed, then one line per further problem; also a checkpoint without a
+manifest, whose files cannot be checked), 2 bad input (one line on stderr: not a folder, not a
+checkpoint, a 'latest' file naming none)""",
     "plot": """\
 examples:
   duplexpipe plot run/timeline.json                     # writes run/timeline.png

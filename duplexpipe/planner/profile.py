@@ -9,10 +9,13 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from duplexpipe.errors import ProfileError
+from duplexpipe.files import read_capped_text
 from duplexpipe.planner.partition import balanced_split
 
 PROFILE_FORMAT = "duplexpipe-profile"
 PROFILE_VERSION = 1
+MAX_PROFILE_FILE_BYTES = 64 * 2**20
+"""Largest profile file read (64 MiB; a profile of thousands of parts is a few MB)."""
 
 
 @dataclass(frozen=True)
@@ -295,13 +298,15 @@ def save_profile(profile: Profile, path: str | os.PathLike[str]) -> None:
 
 
 def load_profile(path: str | os.PathLike[str]) -> Profile:
-    """Read a profile JSON file; ProfileError names the file and the problem."""
+    """Read a profile JSON file (refused over MAX_PROFILE_FILE_BYTES before it is parsed); ProfileError names the
+    file and the problem."""
     name = os.fspath(path)
     try:
-        with open(name, encoding="utf-8") as fh:
-            data = json.load(fh)
+        data = json.loads(read_capped_text(name, MAX_PROFILE_FILE_BYTES, "profile", ProfileError))
     except OSError as exc:
         raise ProfileError(f"cannot read profile {name!r}: {exc.strerror}") from None
     except json.JSONDecodeError as exc:
         raise ProfileError(f"profile {name!r} is not valid JSON: {exc.msg} at line {exc.lineno}") from None
+    except RecursionError:
+        raise ProfileError(f"profile {name!r} is nested too deeply to be a profile") from None
     return Profile.from_dict(data, f"profile {name!r}")

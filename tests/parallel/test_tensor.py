@@ -2,27 +2,35 @@
 float64 with the bundled plan, 3 AdamW steps with clipping against one process: every schedule with and without
 sequence parallelism, activation checkpointing, tied weights, fp16's shared overflow decision, low-precision sends,
 gradient compression on local shards (PP=1 x DP=2 x TP=2), evaluate, the "tp" lane, per-rank parameter bytes,
-checkpoints resharded to PP=4 x TP=1 and PP=1 x DP=2 x TP=2, and bad input refused on every rank before anything
-blocks."""
+checkpoints resharded to PP=4 x TP=1 and PP=1 x DP=2 x TP=2 (their manifest listing every rank's shard; a flipped
+shard refused on every rank), NaN in one TP rank's gradient shard (raise and skip), and bad input refused on every
+rank before anything blocks."""
 
 from __future__ import annotations
 
 import math
+import re
+import shutil
 import tempfile
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from _checkpoint_faults import flip
 from _tp_cases import CLIP, STEPS, Reference, adamw, batch, gpt, loss_fn, max_rel, pipeline, train
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from duplexpipe import Pipeline, PipelineConfig, make_mesh
+from duplexpipe.errors import CheckpointError, NonFiniteGradientError
 from duplexpipe.launch.tasks.gpt import gpt_tp_plan
 from duplexpipe.parallel.mesh import ParallelGroups
 from duplexpipe.parallel.tp_lane import TP_LANE
+from duplexpipe.runtime.local_tensors import local_of
+from duplexpipe.train.checkpoint_manifest import read_manifest
 from duplexpipe.train.precision import LossScaleConfig
 
 WORLD = 4
@@ -118,6 +126,47 @@ def _checkpoints(out: dict[str, Any]) -> None:
             warnings.simplefilter("ignore", UserWarning)
             pipe.load(where[0])
         out[f"resumed {name}"] = train(pipe, range(2, STEPS))
+    _damaged(out, where[0], pipe)
+
+
+def _damaged(out: dict[str, Any], saved: str, pipe: Pipeline) -> None:
+    """The TP checkpoint's manifest lists every rank's shard file; a copy with one TP rank's shard flipped is refused
+    on every rank before anything is read."""
+    if dist.get_rank() == 0:
+        out["manifest"] = sorted(read_manifest(saved) or {})
+        shutil.copytree(saved, f"{saved}-flipped")
+        flip(Path(f"{saved}-flipped") / "__3_0.distcp")
+    dist.barrier()
+    try:
+        pipe.load(f"{saved}-flipped")
+        out["flipped"] = ""
+    except CheckpointError as exc:
+        out["flipped"] = str(exc)
+
+
+def _nonfinite(out: dict[str, Any]) -> None:
+    """NaN in one TP rank's shard of one weight at step 1 (fp64, no fp16 scaler): "raise" stops every rank naming
+    the stage and parameter before any shard steps; "skip" skips the step everywhere with a non-finite norm."""
+    for policy in ("raise", "skip"):
+        pipe = pipeline((2, 1, 2), PipelineConfig("1f1b", 4, grad_clip_norm=CLIP, nonfinite_grads=policy))
+        state = {"step": -1}
+        if dist.get_rank() == 1:  # pipeline rank 0, TP rank 1: one shard of one weight
+            weight = pipe.stage_modules[0].get_submodule("layer0.attn.q").weight
+            weight.register_hook(lambda g, state=state: torch.full_like(g, math.nan) if state["step"] == 1 else g)
+        steps = []
+        for step in range(STEPS):
+            state["step"] = step
+            before = [local_of(p).detach().clone() for p in pipe.params]
+            try:
+                pipe.step(*batch(step))
+            except NonFiniteGradientError as exc:
+                out["nonfinite raise"] = str(exc)
+                out["nonfinite kept"] = all(torch.equal(a, local_of(p)) for a, p in zip(before, pipe.params,
+                                                                                        strict=True))
+                break
+            assert pipe.last is not None and pipe.last.grad_norm is not None
+            steps.append((pipe.last.skipped, math.isfinite(pipe.last.grad_norm)))
+        out[f"nonfinite {policy} steps"] = steps
 
 
 def _bad_input(out: dict[str, Any]) -> None:
@@ -155,6 +204,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     _bad_input(out)
     _exact(out)
     _precision(out)
+    _nonfinite(out)
     _checkpoints(out)
     return out
 
@@ -254,6 +304,25 @@ def test_a_tp_checkpoint_continues_exactly_in_other_layouts(results: list[dict[s
         assert max_rel(res["saved"], want["losses"][:2]) <= 1e-10
         assert max_rel(res["resumed pp4"], want["losses"][2:]) <= 1e-10
         assert max_rel(res["resumed dp2 tp2"], want["losses"][2:]) <= 1e-10
+
+
+def test_nonfinite_gradients_in_one_tp_shard_stop_or_skip_every_rank(results: list[dict[str, Any]]) -> None:
+    messages = {res["nonfinite raise"] for res in results}
+    assert len(messages) == 1, messages  # the same error on every rank
+    message = messages.pop()
+    assert re.match(r"step 2: non-finite gradients, the first in stage 0, parameter '\S*layer0\.attn\.q\.weight' "
+                    r"\(rank 1\) holds nan; gradient norm nan", message), message
+    for res in results:
+        assert res["nonfinite kept"] and res["nonfinite raise steps"] == [(False, True)]
+        assert res["nonfinite skip steps"] == [(False, True), (True, False), (False, True)]
+
+
+def test_a_tp_checkpoint_has_every_ranks_shard_in_its_manifest_and_a_flipped_one_is_refused(
+        results: list[dict[str, Any]]) -> None:
+    assert results[0]["manifest"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp"]
+    for res in results:
+        assert re.match(r"checkpoint \S+-flipped is incomplete or corrupt: __3_0\.distcp differs from the checksum",
+                        res["flipped"]), res["flipped"]
 
 
 def test_bad_input_is_refused_on_every_rank_before_anything_blocks(results: list[dict[str, Any]]) -> None:

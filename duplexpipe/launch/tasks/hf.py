@@ -9,6 +9,7 @@ import torch
 
 from duplexpipe.launch.train_loop import TrainTask
 from duplexpipe.model.hf import causal_lm_loss
+from duplexpipe.model.hf_files import stored_tensors
 from duplexpipe.train.pretrained import check_model_dir
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -22,6 +23,7 @@ def check_options(model: str | None = None, data: str | None = None, tokenizer: 
         raise ValueError("task hf needs --task-option model=DIR (a Hugging Face model directory) and "
                          "--task-option data=FILE (a text file)")
     check_model_dir(model)
+    stored_tensors(Path(model))  # the index and every safetensors header, checked (no tensor is read)
     if not Path(data).is_file():
         raise ValueError(f"task hf: data file {data} does not exist")
     if tokenizer is not None and not Path(tokenizer).is_dir():

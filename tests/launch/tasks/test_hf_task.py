@@ -47,6 +47,16 @@ def test_bad_options_are_named(model_dir: Path) -> None:
         check_options(model=str(model_dir / "tiny"), data=str(model_dir / "data.txt"), seq=1)
     with pytest.raises(ValueError, match="dtype must be one of float32"):
         check_options(model=str(model_dir / "tiny"), data=str(model_dir / "data.txt"), dtype="int4")
+    bad = model_dir / "bad"  # a crafted model folder: its index points outside, then its header is huge
+    bad.mkdir()
+    (bad / "config.json").write_bytes((model_dir / "tiny" / "config.json").read_bytes())
+    (bad / "model.safetensors.index.json").write_text('{"weight_map": {"x": "../tiny/model.safetensors"}}')
+    with pytest.raises(ValueError, match=r"names '\.\./tiny/model\.safetensors', which is not a plain file name"):
+        check_options(model=str(bad), data=str(model_dir / "data.txt"))
+    (bad / "model.safetensors.index.json").unlink()
+    (bad / "model.safetensors").write_bytes((2**60).to_bytes(8, "little") + b"{}")
+    with pytest.raises(ValueError, match=r"model.safetensors is not a valid safetensors file \(.*header too large"):
+        check_options(model=str(bad), data=str(model_dir / "data.txt"))
     with pytest.raises(ValueError, match="fewer than a window"):
         hf_task(model=str(model_dir / "tiny"), data=str(model_dir / "data.txt"), seq=10_000)
 
