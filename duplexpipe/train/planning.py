@@ -298,11 +298,11 @@ def choose(parts: PartSource, loss_fn: LossFn, optimizer: OptimizerFactory, conf
                                            settings=calibration)
         meta = dict(profile.meta, calibration_walls=walls,
                     calibration_samples=[[s.actions, s.messages, s.seconds, s.compute] for s in samples])
+        meta.update(_links(profile.at_microbatch(rows / min(measured)), setup.groups, options))
         if isinstance(fitted, str):
             LOGGER.warning("schedule='auto': the in-pipeline calibration could not separate its terms (%s); "
                            "planning without the runtime's work", fitted)
             return replace(profile, meta=meta)
-        meta.update(_links(profile.at_microbatch(rows / min(measured)), setup.groups, options))
         return replace(profile, overhead=fitted, meta=meta)
 
     fingerprint = _fingerprint(given, sample, config, setup, kwargs, (small, large), calibration, type(probe).__name__)
