@@ -50,3 +50,19 @@ def test_degrees_follow_the_heads_and_callable_plans_without_styles_say_nothing(
     assert tp_facts(_parts(), torch.randint(0, 11, (3, 8)), by_hand) is None
     assert set(part_styles(_parts()[0], gpt_tp_plan()) or {}) == {"layer0.attn.q", "layer0.attn.k", "layer0.attn.v",
                                                                    "layer0.attn.proj", "layer0.mlp.0", "layer0.mlp.2"}
+
+
+def test_a_hugging_face_plan_names_its_styles_and_its_degrees_follow_the_kv_heads() -> None:
+    from _hf_helpers import tiny_llama
+
+    from duplexpipe.model.hf import causal_lm_parts
+    from duplexpipe.model.hf_tp import HFTensorPlan
+
+    parts = causal_lm_parts(tiny_llama(layers=2), 2)
+    plan = HFTensorPlan()
+    facts = tp_facts(parts, torch.randint(0, 96, (2, 8)), plan)
+    assert facts is not None
+    # part 0: the vocabulary-parallel embedding's output and a layer's o_proj and down_proj forward; q, k, v, gate
+    # and up backward. Part 1: a layer, and the head (column-parallel, its logits gathered, its input's gradient)
+    assert [(f.forward_collectives, f.backward_collectives) for f in facts] == [(3, 5), (3, 6)]
+    assert tp_degrees(parts, plan) == (2,)  # 2 KV heads
