@@ -127,7 +127,7 @@ class Pipeline:
         self.device = torch.device(device) if device is not None else default_device()
         planned = plan_pipeline(parts, loss_fn, optimizer, config or PipelineConfig(), groups=groups,
                                 device=self.device, init=init, partition=partition,
-                                sample=(sample_input, sample_targets))
+                                sample=(sample_input, sample_targets), tp_plan=tp_plan)
         parts, init, partition = planned.parts, planned.init, planned.partition
         self.config = cfg = planned.config
         """The config this pipeline runs (with "auto": the planner's M, ZeRO stage and compression set)."""
