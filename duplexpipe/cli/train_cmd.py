@@ -59,6 +59,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     opt("--schedule", str)
     opt("--ranks", int)
     opt("--dp", int)
+    opt("--ep", int)
     opt("--tp", int)
     opt("--microbatches", int)
     opt("--steps", int)

@@ -47,7 +47,9 @@ def check_training(config: TrainConfig) -> None:
         check_hpz(pcfg.zero, schedule, config.dp)
     load_task(config.task)
     task = _built(config)
-    if schedule is not None and len(task.layers) < schedule.num_groups:
+    if task.pretrained is not None:
+        _check_pretrained(config, task, schedule.num_groups if schedule is not None else None)
+    elif schedule is not None and len(task.layers) < schedule.num_groups:
         raise ValueError(f"task {config.task!r} has {len(task.layers)} layers, but schedule {config.schedule!r} "
                          f"on {config.ranks} ranks runs {schedule.num_groups} model parts of at least one layer "
                          "each; use fewer ranks, another schedule or a deeper model")
@@ -64,6 +66,17 @@ def _check_tensor_parallel(config: TrainConfig, task: TrainTask) -> None:
         [(f"layer{i}", layer) for i, layer in enumerate(task.layers)] + \
         ([("head", task.head)] if task.head is not None else [])
     check_plan([nn.Sequential(OrderedDict(named))], plan, config.tp)
+
+
+def _check_pretrained(config: TrainConfig, task: TrainTask, num_parts: int | None) -> None:
+    """A Hugging Face model directory opened as every rank will open it (config, tensor names and shapes, on the
+    meta device) and cut into the schedule's parts with the experts spread over `ep`: a missing tensor, too few
+    layers or experts that ep does not divide are found here."""
+    from duplexpipe.train.pretrained import PretrainedModel
+
+    assert task.pretrained is not None
+    source = PretrainedModel.open(task.pretrained, task.dtype)
+    source.parts(num_parts or 1, experts=(0, config.ep), bias_update_speed=task.router_bias_update_speed)
 
 
 def _built(config: TrainConfig) -> TrainTask:

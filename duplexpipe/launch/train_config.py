@@ -57,6 +57,9 @@ class TrainConfig:
     sequence_parallel: bool = False
     """With tp > 1: norms, the residual stream and the stage-to-stage messages hold 1/tp of the sequence (the
     sequence length must be divisible by tp)."""
+    ep: int = 1
+    """Expert parallelism (models with MoE layers): each MoE layer's experts are spread over ep of the dp replicas
+    (ep divides dp; its all-to-alls overlap with the other microbatch's compute in DualPipe(V)'s F&B pairs)."""
     microbatches: int = 8
     """Microbatches per step."""
     steps: int = 60
@@ -125,8 +128,10 @@ class TrainConfig:
     """Runtime timeout for blocked communication, in seconds."""
 
     def __post_init__(self) -> None:
-        for name in ("ranks", "dp", "tp", "microbatches", "steps", "batch_size"):
+        for name in ("ranks", "dp", "tp", "ep", "microbatches", "steps", "batch_size"):
             _at_least(name, getattr(self, name), 1)
+        if self.dp % self.ep:
+            raise ValueError(f"ep={self.ep} must divide dp={self.dp} (experts are spread over ep of the dp replicas)")
         for name in ("warmup", "log_every", "save_every", "keep"):
             _at_least(name, getattr(self, name), 0)
         self.task = TASK_ALIASES.get(self.task, self.task)

@@ -66,6 +66,9 @@ class TrainTask:
     head and init are then unused; `batch` gives (input_ids, labels)) and `--save-pretrained` can write it back."""
     dtype: torch.dtype | None = None
     """The dtype of a `pretrained` model (None: the checkpoint's)."""
+    router_bias_update_speed: float = 0.0
+    """A `pretrained` MoE model whose routers have an expert bias (DeepSeek-V3): how far each bias moves after an
+    optimizer step (the aux-loss-free balance; 0: it stays)."""
     tp_plan: Callable[[bool], TPPlan] | None = None
     """tp_plan(sequence_parallel) -> the tensor-parallel plan of the parts `Pipeline.from_layers` makes (children
     `embedding`, `layer<i>`, `head`), for `--tp` > 1 (None: the task cannot run tensor-parallel; a `pretrained`
@@ -210,7 +213,8 @@ def pipeline_config(config: TrainConfig) -> PipelineConfig:
 
 def _build_pipeline(config: TrainConfig, task: TrainTask) -> Pipeline:
     device_type = default_device().type
-    mesh = make_mesh(config.ranks, config.dp, device_type, tp=config.tp) if config.dp * config.tp > 1 else None
+    mesh = make_mesh(config.ranks, config.dp, device_type, tp=config.tp, ep=config.ep) \
+        if config.dp * config.tp > 1 else None
     pcfg = pipeline_config(config)
     inputs, targets = task.batch(0, config.batch_size)
     dp_rank = dist.get_rank() // config.tp % config.dp  # make_mesh: rank = (pp index x dp + dp index) x tp + tp index
@@ -222,7 +226,8 @@ def _build_pipeline(config: TrainConfig, task: TrainTask) -> Pipeline:
             raise ValueError(f"balance {config.balance!r}: a Hugging Face model's layers are spread evenly "
                              "(balance 'uniform')")
         return Pipeline.from_pretrained(task.pretrained, make_optimizer(config), pcfg, mesh=mesh, dtype=task.dtype,
-                                        scheduler=make_scheduler(config), **sample)
+                                        scheduler=make_scheduler(config),
+                                        router_bias_update_speed=task.router_bias_update_speed, **sample)
     if not auto:  # one microbatch of step 0's batch: the profiling sample of balance="time" (a tensor input)
         first = rows_of(inputs, 0, max(1, batch_rows(inputs) // (config.microbatches * config.dp)))
         sample = {"sample_input": first} if isinstance(first, torch.Tensor) or config.balance == "time" else {}

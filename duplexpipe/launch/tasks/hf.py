@@ -16,7 +16,7 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 
 
 def check_options(model: str | None = None, data: str | None = None, tokenizer: str | None = None, seq: int = 64,
-                  dtype: str | None = None, **_: object) -> None:
+                  dtype: str | None = None, bias_update_speed: float = 0.0, **_: object) -> None:
     """Raise ValueError for options `hf_task` cannot use (before any process starts)."""
     if model is None or data is None:
         raise ValueError("task hf needs --task-option model=DIR (a Hugging Face model directory) and "
@@ -30,6 +30,9 @@ def check_options(model: str | None = None, data: str | None = None, tokenizer: 
         raise ValueError(f"task hf: seq must be an integer >= 2, got {seq!r}")
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"task hf: dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if isinstance(bias_update_speed, bool) or not isinstance(bias_update_speed, (int, float)) \
+            or not bias_update_speed >= 0:
+        raise ValueError(f"task hf: bias_update_speed must be a number >= 0, got {bias_update_speed!r}")
 
 
 def tokenize(text: str, tokenizer_dir: str) -> torch.Tensor:
@@ -46,15 +49,16 @@ def tokenize(text: str, tokenizer_dir: str) -> torch.Tensor:
 
 
 def hf_task(model: str | None = None, data: str | None = None, tokenizer: str | None = None, seq: int = 64,
-            dtype: str | None = None, seed: int = 0) -> TrainTask:
+            dtype: str | None = None, seed: int = 0, bias_update_speed: float = 0.0) -> TrainTask:
     """Fine-tune the model in directory `model` on `data` (UTF-8 text) in windows of `seq` tokens.
 
     The text is tokenized once by the model's tokenizer (or the one in `tokenizer`); step s's batch is windows at
     random offsets drawn from (seed, s), the same on every rank and every run, so a resumed run sees the batches
     it would have seen. Labels are the inputs (the loss shifts them). `dtype` (float32, float64, bfloat16,
-    float16) overrides the checkpoint's.
+    float16) overrides the checkpoint's. `bias_update_speed`: an MoE model's aux-loss-free balance (DeepSeek-V3's
+    expert bias moves by this much after each optimizer step); transformers' aux loss follows the model's config.
     """
-    check_options(model, data, tokenizer, seq, dtype)
+    check_options(model, data, tokenizer, seq, dtype, bias_update_speed)
     assert model is not None and data is not None
     ids = tokenize(Path(data).read_text(encoding="utf-8"), tokenizer or model)
     if len(ids) <= seq:
@@ -67,4 +71,5 @@ def hf_task(model: str | None = None, data: str | None = None, tokenizer: str | 
         return windows, windows.clone()
 
     return TrainTask(layers=[], loss_fn=causal_lm_loss, batch=batch, items_per_sample=seq, item_name="tokens",
-                     pretrained=model, dtype=DTYPES[dtype] if dtype is not None else None)
+                     pretrained=model, dtype=DTYPES[dtype] if dtype is not None else None,
+                     router_bias_update_speed=float(bias_update_speed))

@@ -77,3 +77,35 @@ def test_train_then_load_back_in_transformers(model_dir: Path, monkeypatch: pyte
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir / "tuned")  # copied from the source
     ids = tokenizer("In the", return_tensors="pt")["input_ids"]
     assert tuned.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False).shape == (1, ids.shape[1] + 4)
+
+
+@pytest.mark.timeout(300)
+def test_an_moe_model_trains_with_expert_parallelism_and_loads_back(model_dir: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """duplexpipe train --task hf --ep 2 --dp 2 on a Qwen3-MoE directory (the aux loss on, DualPipeV with the F&B
+    overlap), --save-pretrained: transformers loads every expert back, each trained."""
+    from _hf_moe_helpers import AUX, set_config, tiny_moe
+
+    monkeypatch.chdir(model_dir)
+    tiny_moe("qwen3_moe").save_pretrained(model_dir / "moe")
+    set_config(model_dir / "moe", **AUX)
+    char_tokenizer(TEXT).save_pretrained(model_dir / "moe")
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    args = parser.parse_args(["--task", "hf", "--task-option", "model=moe", "--task-option", "data=data.txt",
+                              "--task-option", "seq=8", "--schedule", "dualpipev", "--ranks", "2", "--dp", "2", "--ep",
+                              "2", "--microbatches", "4", "--batch-size", "16", "--steps", "2", "--log-every", "0",
+                              "--no-tensorboard", "--save-pretrained", "moe-tuned"])
+    out = io.StringIO()
+    assert train_main(args, out) == 0
+    assert "dualpipev on 2 ranks x 2 dp, 2 steps" in out.getvalue()
+    tuned, info = transformers.AutoModelForCausalLM.from_pretrained(model_dir / "moe-tuned", output_loading_info=True,
+                                                                    experts_implementation="eager")
+    assert not any(info.values()), info
+    source = transformers.AutoModelForCausalLM.from_pretrained(model_dir / "moe", experts_implementation="eager")
+    assert type(tuned) is type(source) and tuned.config.output_router_logits
+    experts = [rel(tuned.state_dict()[k][e], v[e]) for k, v in source.state_dict().items() if "experts" in k
+               for e in range(v.shape[0])]
+    assert len(experts) == 4 * 2 * 4 and min(experts) > 0, experts  # 4 layers x (gate_up, down) x 4 experts
