@@ -232,7 +232,7 @@ def report(result: Result) -> list[Block]:
 
 
 PART = Part("profile_runtime", "Profile (py-spy, --idle): where a rank's step time goes", ProfileConfig(), QUICK, run,
-            report, block="results")
+            report, block="profile")
 
 if __name__ == "__main__":
     raise SystemExit(runner.main(only=PART.name))

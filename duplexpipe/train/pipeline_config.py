@@ -139,9 +139,9 @@ class PipelineConfig:
     zero_stage: int | None = None
     """ZeRO over the data-parallel replicas: 0 none; 1 optimizer state sharded (reduce-scatter, step on the
     shard, all-gather; an elementwise optimizer such as SGD/Adam/AdamW); 2 gradients sharded too (torch
-    FSDP2, reduced stage by stage as they become final). 3 is refused (see README). grad_compression may be
-    "bf16", "fp16" or "int8" (int8 = ZeRO++ qgZ) with ZeRO. None (unset): 0, or with schedule="auto" the
-    planner's choice among the stages this configuration accepts; set, it is fixed."""
+    FSDP2, reduced stage by stage as they become final). 3 is refused (docs/data-parallel.md says why).
+    grad_compression may be "bf16", "fp16" or "int8" (int8 = ZeRO++ qgZ) with ZeRO. None (unset): 0, or with
+    schedule="auto" the planner's choice among the stages this configuration accepts; set, it is fixed."""
     zero: ZeroOptions = field(default_factory=ZeroOptions)
     """ZeRO++ options for zero_stage 1 and 2: quantized_gradients (qgZ), quantized_weights (qwZ), hpz_ranks."""
     sequence_parallel: bool = False
