@@ -62,13 +62,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--task-option", action="append", default=argparse.SUPPRESS, metavar="KEY=VALUE", dest="task_options",
         help=f"{docs.get('task_options', '')} Repeatable, e.g. n_layer=8.")
     opt("--schedule", str)
-    opt("--ranks", int)
-    opt("--dp", int)
-    opt("--ep", int)
-    opt("--tp", int)
-    opt("--microbatches", int)
-    opt("--steps", int)
-    opt("--batch-size", int)
+    for flag in ("--ranks", "--dp", "--ep", "--tp", "--microbatches", "--steps", "--batch-size"):
+        opt(flag, int)
     opt("--optimizer", str, choices=OPTIMIZERS)
     opt("--lr", float)
     opt("--weight-decay", float)
