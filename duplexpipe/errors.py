@@ -4,9 +4,12 @@ from __future__ import annotations
 
 __all__ = [
     "ActivationShapeError",
+    "CheckpointError",
+    "FolderInUseError",
     "HandshakeError",
     "InputRejected",
     "LaunchError",
+    "NonFiniteGradientError",
     "NonFiniteSendError",
     "PairAborted",
     "PeerFailedError",
@@ -76,6 +79,17 @@ class PairAborted(RuntimeError):
     """The other part of an F&B pair failed: this part stops at its next comm point."""
 
 
+# ---------------------------------------------------------------- training
+class NonFiniteGradientError(FloatingPointError):
+    """A training step's gradients held NaN or inf under PipelineConfig(nonfinite_grads="raise"): raised on every
+    rank before the optimizer step, naming the step and the first stage and parameter that held one."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint could not be read or written: not a checkpoint, incomplete, corrupt, changed since it was saved,
+    unsafe to load, or a file operation failed (the message names the file and the cause)."""
+
+
 # ---------------------------------------------------------------- processes
 class LaunchError(RuntimeError):
     """A launched rank failed (or the launch timed out): `rank` names the rank whose own error
@@ -94,6 +108,11 @@ class LaunchError(RuntimeError):
 class InputRejected(ValueError):
     """A configuration or input error found before training began (a bad flag, a checkpoint of another model):
     the command line prints its message in one line and exits 2, where an error during training exits 1."""
+
+
+class FolderInUseError(ValueError):
+    """A job's save or output folder is locked by another job that is still running (the message names its host
+    and process id)."""
 
 
 class StoppedByPeer(RuntimeError):

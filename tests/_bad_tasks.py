@@ -42,3 +42,53 @@ def batch_fails(seed: int = 0) -> TrainTask:
         return _batch(step, size)
 
     return TrainTask(layers=_layers(seed), loss_fn=nn.functional.mse_loss, batch=batch)
+
+
+def nan_grads(seed: int = 0) -> TrainTask:
+    """The loss is NaN on the second step (its gradients too): the run must stop, naming the step."""
+    calls = [0]
+
+    def loss(out: Tensor, target: Tensor) -> Tensor:
+        calls[0] += 1
+        value = nn.functional.mse_loss(out, target)
+        return value * float("nan") if calls[0] in (3, 4) else value  # 2 microbatches per step
+
+    return TrainTask(layers=_layers(seed), loss_fn=loss, batch=_batch)
+
+
+def plain(seed: int = 0) -> TrainTask:
+    """The layers and batches of the tasks above, with nothing wrong: what a run resumed after a fault trains."""
+    return TrainTask(layers=_layers(seed), loss_fn=nn.functional.mse_loss, batch=_batch)
+
+
+def nan_batch(seed: int = 0, at: int = 4) -> TrainTask:
+    """`plain`, but the batch of step index `at` is NaN (its gradients too): the run stops naming that step."""
+
+    def batch(step: int, size: int) -> tuple[Tensor, Tensor]:
+        x, y = _batch(step, size)
+        return (torch.full_like(x, float("nan")), y) if step == at else (x, y)
+
+    return TrainTask(layers=_layers(seed), loss_fn=nn.functional.mse_loss, batch=batch)
+
+
+def full_disk(seed: int = 0, at: str = "step-000004") -> TrainTask:
+    """`plain`, but in this rank's process every checkpoint data file written into a folder named `at` fails as on a
+    full disk (ENOSPC): the save of that step fails on every rank."""
+    import contextlib
+    import errno
+    import os
+    from pathlib import Path
+
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    original = FileSystem.create_stream
+
+    @contextlib.contextmanager
+    def create_stream(self: FileSystem, path: object, mode: str):  # type: ignore[no-untyped-def]
+        with original(self, path, mode) as stream:  # type: ignore[arg-type]
+            if "w" in mode and Path(str(path)).parent.name == at and str(path).endswith(".distcp"):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            yield stream
+
+    FileSystem.create_stream = create_stream  # type: ignore[method-assign]  # this rank process only
+    return plain(seed)

@@ -121,18 +121,26 @@ def char_tokenizer(text: str) -> Any:
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
 
 
-def peak_bytes(fn: Any) -> tuple[Any, int]:
+def peak_bytes(fn: Any, mapped: frozenset[int] = frozenset()) -> tuple[Any, int]:
     """fn()'s result and the most CPU bytes torch's allocator held at once while it ran (the profiler's memory
-    events, counted from zero at the start)."""
+    events, counted from zero at the start). Storages of a size in `mapped` are file mappings (the safetensors
+    library maps a file and touches only the pages of the tensors read): not counted."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
     events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
                     key=lambda e: e.start_ns())
     live = peak = 0
     for event in events:
+        if abs(event.nbytes()) in mapped:
+            continue
         live += event.nbytes()
         peak = max(peak, live)
     return result, peak
+
+
+def file_sizes(folder: Any) -> frozenset[int]:
+    """The sizes of a model folder's safetensors files (what `peak_bytes` leaves out as file mappings)."""
+    return frozenset(p.stat().st_size for p in folder.glob("*.safetensors"))
 
 
 def own_bytes(pipe: Any) -> tuple[int, int]:

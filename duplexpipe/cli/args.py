@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, Sequence
 
 from duplexpipe.cli import help as docs
 from duplexpipe.errors import ScheduleError
-from duplexpipe.schedules.ir import Schedule, load_json, load_torch_csv, read_json
+from duplexpipe.schedules.ir import Schedule, json_header, load_json, load_torch_csv, read_json
 
 if TYPE_CHECKING:
     from duplexpipe.schedules.simulate import CostModel
@@ -198,7 +198,7 @@ def parse_stage_costs(items: Sequence[str], base: CostModel) -> dict[int, tuple[
 
 
 def check_size(name: str, ranks: int, microbatches: int, options: dict[str, Any]) -> None:
-    """Refuse, before building, a built-in schedule above MAX_WORK."""
+    """Refuse, before building or reading its actions, a schedule above MAX_WORK."""
     chunks = options.get("chunks")
     factor = chunks if isinstance(chunks, int) and not isinstance(chunks, bool) and chunks > 1 else 1
     work = ranks * microbatches * factor
@@ -241,7 +241,12 @@ def load_schedule(spec: str, ranks: int | None, microbatches: int | None, option
         raise CliError(f"--opt applies to built-in schedules; {spec} is a file")
     if os.path.isdir(spec):
         raise CliError(f"{spec} is a directory, not a schedule file")
+    if not spec.endswith(".csv"):  # P x M from the header, before the actions are read
+        stated_ranks, stated_microbatches = json_header(spec)
+        if stated_ranks is not None and stated_microbatches is not None:
+            check_size(spec, stated_ranks, stated_microbatches, {})
     schedule = load_torch_csv(spec, num_microbatches=microbatches) if spec.endswith(".csv") else load_json(spec)
+    check_size(spec, schedule.num_ranks, schedule.num_microbatches, {})
     for flag, given, actual in (("-p", ranks, schedule.num_ranks), ("-m", microbatches, schedule.num_microbatches)):
         if given is not None and given != actual:
             raise CliError(f"{spec} holds {actual} {'ranks' if flag == '-p' else 'microbatches'}, but {flag} "
@@ -255,8 +260,10 @@ def load_timeline(path: str) -> Timeline:
 
     if os.path.isdir(path):
         raise CliError(f"{path} is a directory, not a timeline file")
+    from duplexpipe.schedules.timeline import MAX_TIMELINE_FILE_BYTES
+
     try:
-        data = read_json(path)
+        data = read_json(path, MAX_TIMELINE_FILE_BYTES, "timeline file")
     except ScheduleError as exc:
         raise CliError(str(exc)) from None
     if isinstance(data, dict) and data.get("format") == "duplexpipe-schedule":

@@ -46,6 +46,11 @@ DESCRIPTIONS = MappingProxyType({
                "message bytes) on one microbatch and write a profile for 'duplexpipe plan'. --calibrate also\n"
                "trains the parts on --ranks local processes to measure the runtime's overhead and the compute\n"
                "scale inside a running pipeline (as schedule='auto' does), so plan's figures include them.",
+    "checkpoint": "Check the checkpoints 'duplexpipe train --save' and Pipeline.save write (ACTION: verify).",
+    "checkpoint verify": "Check a checkpoint without loading it: every file against the SHA-256 its manifest\n"
+                         "recorded when it was saved, the metadata read the safe way (no code runs: only\n"
+                         "checkpoint metadata classes are admitted), and every data file the metadata points at\n"
+                         "present, inside the folder and long enough.",
 })
 
 EPILOGS = MappingProxyType({
@@ -61,6 +66,7 @@ examples:
   duplexpipe plot run/timeline.json -o run.png
   duplexpipe profile --parts 8 --calibrate --ranks 4 --batch 32 -o profile.json
   duplexpipe plan --profile profile.json -p 4 --batch 32 --memory 2GiB
+  duplexpipe checkpoint verify run/ckpt
 
 'duplexpipe COMMAND --help' explains each command.
 exit codes: 0 ok, 1 unsound schedule (verify) or a failed training rank, 2 bad input""",
@@ -126,7 +132,7 @@ the hf task's options (--task-option KEY=VALUE):
 
 exit codes: 0 trained, 1 a rank failed (its error in one line), 2 bad input (one line on stderr: a setting,
 a task, a schedule that cannot run, a checkpoint that does not match), 130 interrupted""",
-    "plan": f"""\
+    "plan": """\
 examples:
   duplexpipe profile --parts 8 --microbatch 4 -o profile.json
   duplexpipe profile --parts 8 --microbatch 4 --calibrate --ranks 4 --batch 32 -o profile.json
@@ -134,16 +140,36 @@ examples:
   duplexpipe plan --profile profile.json -p 4 --dp 2 --batch 128 --memory 40GiB --bandwidth 25GB \\
       --zero 0,1,2 --compression all --json
   duplexpipe plan --profile profile.json -p 4 --batch 64 --memory 2GiB --plot pareto.png
+  duplexpipe plan --profile profile.json --world 8 --batch 64 --memory 40GiB --tp-bandwidth 150GB
+  duplexpipe plan --profile profile.json --world 8 --tp 2 --sequence-parallel --batch 64 --memory 40GiB
 
-exit codes: 0 planned, {_EXIT_BAD}, a profile that cannot be read, or no candidate under the cap)""",
-    "profile": f"""\
+exit codes: 0 planned, 2 bad input (one line on stderr: a profile that cannot be read, a bad size or mesh,
+no candidate under the cap, an unwritable figure)""",
+    "profile": """\
 examples:
   duplexpipe profile --parts 8 --microbatch 4 -o profile.json                  # the bundled GPT
   duplexpipe profile --task my_task.py:task --parts 8 -o profile.json
   duplexpipe profile --task hf --task-option model=DIR --task-option data=notes.txt --parts 4 -o hf.json
   duplexpipe profile --parts 8 --calibrate --ranks 4 --batch 32 -o profile.json
 
-exit codes: 0 written, {_EXIT_BAD}, a task that cannot be built or split)""",
+exit codes: 0 written, 2 bad input (one line on stderr: a task that cannot be imported, built or split, a bad
+option, an unwritable output); with --calibrate, 1 when a rank fails""",
+    "checkpoint": """\
+example:
+  duplexpipe checkpoint verify run/ckpt/step-000030
+
+'duplexpipe checkpoint verify --help' explains the action.
+exit codes: see the action""",
+    "checkpoint verify": """\
+examples:
+  duplexpipe checkpoint verify run/ckpt/step-000030     # one checkpoint
+  duplexpipe checkpoint verify run/ckpt                 # the one run/ckpt/latest names
+  duplexpipe checkpoint verify run/ckpt --all           # every step-NNNNNN in run/ckpt
+
+exit codes: 0 intact ("OK ..." on stdout), 1 damaged ("DAMAGED ..." on stdout naming the first file
+that is missing, truncated or changed, then one line per further problem; also a checkpoint without a
+manifest, whose files cannot be checked), 2 bad input (one line on stderr: not a folder, not a
+checkpoint, a 'latest' file naming none)""",
     "plot": """\
 examples:
   duplexpipe plot run/timeline.json                     # writes run/timeline.png

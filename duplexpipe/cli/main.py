@@ -7,12 +7,12 @@ import os
 import sys
 from collections.abc import Sequence
 
+from duplexpipe.cli import checkpoint_cmds, plan_cmds, schedule_cmds, simulate_cmds, train_cmd
 from duplexpipe.cli import help as docs
-from duplexpipe.cli import plan_cmds, schedule_cmds, simulate_cmds, train_cmd
 from duplexpipe.cli.args import CliError, Parser
 from duplexpipe.errors import ScheduleError
 
-COMMANDS = {**schedule_cmds.COMMANDS, **simulate_cmds.COMMANDS, **train_cmd.COMMANDS,
+COMMANDS = {**schedule_cmds.COMMANDS, **simulate_cmds.COMMANDS, **train_cmd.COMMANDS, **checkpoint_cmds.COMMANDS,
             "plan": plan_cmds.cmd_plan, "profile": plan_cmds.cmd_profile}
 """Command name -> handler(args) -> exit code."""
 
@@ -27,6 +27,7 @@ def build_parser(with_train: bool = False) -> Parser:
     simulate_cmds.add_parsers(sub)
     train_cmd.add_parsers(sub, full=with_train)
     plan_cmds.add_parsers(sub)
+    checkpoint_cmds.add_parsers(sub)
     return parser
 
 

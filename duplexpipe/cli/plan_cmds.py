@@ -19,8 +19,11 @@ def add_parsers(sub: Any) -> None:
     pl = command(sub, "plan", "choose schedule, microbatches, ZeRO stage and compression under a memory cap, from "
                  "a profile")
     pl.add_argument("--profile", required=True, metavar="FILE", help="a profile written by 'duplexpipe profile'")
-    pl.add_argument("-p", "--ranks", type=_integer("ranks"), required=True, help="pipeline ranks P")
-    pl.add_argument("--dp", type=_integer("dp"), default=1, help="data-parallel replicas D (default 1)")
+    pl.add_argument("-p", "--ranks", type=_integer("ranks"), default=None,
+                    help="pipeline ranks P (required without --world; with it, fixes P)")
+    pl.add_argument("--dp", type=_integer("dp"), default=None,
+                    help="data-parallel replicas D (default 1; with --world, fixes D)")
+    _add_mesh_options(pl)
     pl.add_argument("--batch", type=_integer("batch"), required=True, help="global batch per step, in samples")
     pl.add_argument("--memory", type=_size("memory"), required=True, metavar="SIZE",
                     help="cap per rank, e.g. 40GiB, 512MiB, 8e9")
@@ -43,7 +46,8 @@ def add_parsers(sub: Any) -> None:
     pl.add_argument("--optimizer-factor", type=float, default=2.0,
                     help="optimizer-state bytes per parameter byte (default 2: AdamW)")
     pl.add_argument("--cores", type=_integer("cores"), default=None,
-                    help="cores shared by the P ranks (processor sharing; default: a device per rank)")
+                    help="cores shared by the P x T processes of one replica, with --world by all of them "
+                    "(processor sharing; default: a device per rank)")
     pl.add_argument("--top", type=_integer("top"), default=None, help="print only the first N rows")
     pl.add_argument("--json", action="store_true", help="print the result as JSON")
     pl.add_argument("--plot", metavar="FILE", help="write the step-time vs peak-memory Pareto figure")
@@ -91,6 +95,22 @@ def _add_profile_parser(sub: Any) -> None:
     pr.add_argument("--json", action="store_true", help="print the profile as JSON")
 
 
+def _add_mesh_options(parser: argparse.ArgumentParser) -> None:
+    """`plan`'s options of the world size and tensor parallelism."""
+    parser.add_argument("--world", type=_integer("world"), default=None,
+                    help="processes in all: compare every P x D x T = WORLD (-p, --dp, --tp fix a factor)")
+    parser.add_argument("--tp", type=_integer("tp"), default=None,
+                    help="tensor-parallel degree T inside each stage (default 1; with --world, fixes T); T > 1 "
+                    "needs a profile taken with the model's TP plan")
+    parser.add_argument("--tp-bandwidth", type=_size("tp-bandwidth"), default=None, metavar="BYTES",
+                    help="bytes per second each way between the ranks of a TP group (default 300GB: NVLink 3 "
+                    "inside a node)")
+    parser.add_argument("--tp-latency", type=_seconds("tp-latency"), default=0.0,
+                    help="seconds per message of a TP collective (default 0)")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                    help="with T > 1: activations and stage-to-stage messages hold 1/T of the sequence")
+
+
 def add_profile_option(parser: argparse.ArgumentParser) -> None:
     """`--profile FILE` for simulate and compare: also show memory per rank in bytes."""
     parser.add_argument("--profile", metavar="FILE", default=None,
@@ -99,7 +119,8 @@ def add_profile_option(parser: argparse.ArgumentParser) -> None:
 
 def _machine(profile: Any, args: argparse.Namespace) -> str:
     """What the step time assumes about the machine, in a few words."""
-    where = f"{args.cores} cores shared by the ranks" if args.cores else "a device per rank"
+    where = f"{args.cores} cores shared by the {'world' if args.world else 'ranks'}" if args.cores else \
+        "a device per rank"
     return f"{where}, {_overhead(profile) or 'no runtime overhead measured'}"
 
 
@@ -168,18 +189,31 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from duplexpipe.planner.calibrate import with_calibration
     from duplexpipe.planner.dp_comm import COMPRESSIONS, Link
     from duplexpipe.planner.plan import PlanConfig, plan
+    from duplexpipe.planner.tp_comm import DEFAULT_TP_BANDWIDTH
+    from duplexpipe.planner.world import factorisations, plan_world
 
+    if args.ranks is None and args.world is None:
+        raise ValueError("plan needs -p/--ranks P (one mesh) or --world N (every P x D x T = N)")
+    if args.world is not None:
+        factorisations(args.world, pp=args.ranks, dp=args.dp, tp=args.tp)  # a world that does not factor: exit 2
     profile = load_profile(args.profile)
     p2p_bw = args.p2p_bandwidth or args.bandwidth
     compressions = tuple(COMPRESSIONS) if args.compression == ("all",) else args.compression
-    config = PlanConfig(ranks=args.ranks, batch=args.batch, memory=args.memory, dp=args.dp,
+    config = PlanConfig(ranks=args.ranks or 1, batch=args.batch, memory=args.memory, dp=args.dp or 1,
                         schedules=args.schedules, microbatches=args.microbatches, zero_stages=args.zero,
                         compressions=compressions,
                         dp_link=Link(float(args.bandwidth or math.inf), args.latency),
                         p2p_link=Link(float(p2p_bw or math.inf), args.latency),
-                        optimizer_factor=args.optimizer_factor, cores=args.cores)
-    profile, config, measured = with_calibration(profile, config, link=p2p_bw is None and not args.latency)
-    result = plan(profile, config)
+                        optimizer_factor=args.optimizer_factor, cores=args.cores, tp=args.tp or 1,
+                        tp_link=Link(float(args.tp_bandwidth or DEFAULT_TP_BANDWIDTH), args.tp_latency),
+                        sequence_parallel=args.sequence_parallel)
+    given = {"p2p_link": p2p_bw is not None or bool(args.latency),
+             "tp_link": args.tp_bandwidth is not None or bool(args.tp_latency)}  # the user's links stand
+    profile, config, measured = with_calibration(profile, config, [k for k, mine in given.items() if not mine])
+    if args.world is not None:
+        result = plan_world(profile, config, args.world, pp=args.ranks, dp=args.dp, tp=args.tp)
+    else:
+        result = plan(profile, config)
     if profile.overhead is None and not args.json:
         print(UNCALIBRATED, file=sys.stderr)
     if args.plot:
@@ -189,13 +223,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.to_dict(), indent=1))
         return 0
-    best = result.best
-    print(f"plan for P={args.ranks} x D={args.dp}, batch {args.batch}, cap {format_bytes(args.memory)} per rank; "
-          f"profile of {profile.num_parts} parts at microbatch {profile.microbatch_size}; {_machine(profile, args)}"
+    best, tp_link = result.best, result.config.tp_link
+    mesh = f"world {args.world} (every P x D x T)" if args.world is not None else \
+        f"P={args.ranks} x D={args.dp or 1} x T={args.tp or 1}"
+    print(f"plan for {mesh}, batch {args.batch}, cap {format_bytes(args.memory)} per rank; "
+          f"profile of {profile.num_parts} parts at microbatch {profile.microbatch_size}; {_machine(profile, args)}; "
+          f"TP link {tp_link.bandwidth / 1e9:.3g} GB/s{', sequence parallel' if args.sequence_parallel else ''}"
           + (f"; {measured}" if measured else ""))
     print(result.table(args.top))
-    print(f"best: {best.schedule} with M={best.microbatches}, ZeRO {best.zero}, compression {best.compression}: "
-          f"step {best.step_s * 1e3:.4g} ms, peak {format_bytes(best.peak_bytes)} per rank")
+    print(f"best: {best.schedule} with M={best.microbatches}, ZeRO {best.zero}, compression {best.compression}, "
+          f"P={best.ranks} x D={best.dp} x T={best.tp}: step {best.step_s * 1e3:.4g} ms, peak "
+          f"{format_bytes(best.peak_bytes)} per rank")
     if result.advice:
         print(result.advice)
     if args.plot:
@@ -241,7 +279,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if request.calibrate:
         measured = _overhead(profile) or "the calibration could not separate its terms: no runtime overhead stored"
         print(f"calibrated on {request.ranks} ranks, batch {request.batch}: {measured}")
-    print(f"microbatch {profile.microbatch_size} samples; profile written to {args.output}")
+    degrees = ", ".join(map(str, profile.tp_degrees)) if profile.tp_degrees else "none (the task has no TP plan)"
+    print(f"microbatch {profile.microbatch_size} samples; tensor-parallel degrees the plan can shard: {degrees}; "
+          f"profile written to {args.output}")
     return 0
 
 

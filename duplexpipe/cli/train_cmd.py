@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import IO, Any
 
 from duplexpipe.cli import help as docs
 from duplexpipe.cli.args import CliError, load_schedule
+from duplexpipe.launch.folder_lock import hold_folders, job_folders
 from duplexpipe.launch.train_config import DEFAULT_TASK, HF_TASK, TrainConfig, is_schedule_file
 
 
@@ -41,7 +43,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--config", default=None, metavar="FILE.toml",
                         help="TOML file of settings named like the flags with underscores (batch_size = 64, "
-                             "[task_options], [schedule_options], [zero]); flags given here override it")
+                             "[task_options], [schedule_options], [zero]); flags given here override it. Its task "
+                             "is imported and run as Python: use config files you trust; a task it names must be a "
+                             "function annotated '-> TrainTask'")
     add_arguments(parser)
 
 
@@ -102,10 +106,21 @@ def train_main(args: argparse.Namespace, stream: IO[str] | None = None) -> int:
     """`duplexpipe train`: run training and write a summary to `stream` (stdout); returns the exit code."""
     config = config_from_args(args)
     _check_without_torch(config)
+    torchrun = all(v in os.environ for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+    # the run's folders are locked for it from here (under torchrun by rank 0, once the ranks meet)
+    with contextlib.nullcontext() if torchrun else hold_folders(job_folders(config)):
+        return _train_checked(args, config, stream or sys.stdout)
+
+
+def _train_checked(args: argparse.Namespace, config: TrainConfig, out: IO[str]) -> int:
+    """Check everything the ranks would fail on (the task first: named by a config file it must be annotated), then
+    train and print the summary."""
     from duplexpipe.launch.checks import check_training  # imports torch: after the checks that need none
-    from duplexpipe.launch.train_loop import run_training
+    from duplexpipe.launch.train_loop import load_task, run_training
 
     try:
+        if _task_from_file(args):
+            load_task(config.task, annotated=True)  # before anything calls it
         check_training(config)  # every configuration error, before any process starts
         _check_files(config)
     except ValueError as exc:
@@ -113,7 +128,6 @@ def train_main(args: argparse.Namespace, stream: IO[str] | None = None) -> int:
 
         raise InputRejected(str(exc)) from exc
     result = run_training(config)
-    out = stream or sys.stdout
     if result.losses:
         if config.schedule == "auto":
             out.write(f"{result.plan}\n")
@@ -136,10 +150,19 @@ def train_main(args: argparse.Namespace, stream: IO[str] | None = None) -> int:
     return 0
 
 
+def _task_from_file(args: argparse.Namespace) -> bool:
+    """True when the task was named by the --config file, not by --task on the command line."""
+    from duplexpipe.launch.train_settings import load_config_file
+
+    config_file = getattr(args, "config", None)
+    return "task" not in vars(args) and config_file is not None and "task" in load_config_file(config_file)
+
+
 def _check_files(config: TrainConfig) -> None:
-    """The hf task's options, the --save-pretrained target and the checkpoint to resume from: ValueError before
-    any process starts or anything is written."""
+    """The hf task's options, the --save-pretrained target and the checkpoint to resume from (its metadata read the
+    safe way: a crafted one is refused here): ValueError before any process starts or anything is written."""
     from duplexpipe.launch.checkpoints import resume_from
+    from duplexpipe.train.checkpoint_reader import read_metadata_file
 
     if config.task == HF_TASK:
         from duplexpipe.launch.tasks.hf import check_options
@@ -150,7 +173,9 @@ def _check_files(config: TrainConfig) -> None:
             raise ValueError("--save-pretrained writes a Hugging Face model; the gpt task trains none (use --task hf)")
         if Path(config.save_pretrained).exists() and not Path(config.save_pretrained).is_dir():
             raise ValueError(f"--save-pretrained {config.save_pretrained} exists and is not a directory")
-    resume_from(config.resume, config.save)
+    checkpoint = resume_from(config.resume, config.save)
+    if checkpoint is not None:
+        read_metadata_file(checkpoint)
 
 
 def cmd_train(args: argparse.Namespace) -> int:

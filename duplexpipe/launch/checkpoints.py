@@ -8,6 +8,8 @@ import re
 import shutil
 from pathlib import Path
 
+from duplexpipe.files import read_capped_text
+
 LATEST = "latest"
 """The file in a save directory that names its newest complete checkpoint."""
 _STEP = re.compile(r"^step-(\d+)$")
@@ -15,6 +17,8 @@ RESUME_AUTO = "auto"
 """`resume` value: the newest complete checkpoint of the save directory, or a fresh start when it has none."""
 RESUME_NONE = "none"
 """`resume` value: a fresh start even when the save directory holds checkpoints."""
+MAX_LATEST_BYTES = 4096
+"""Largest `latest` file read (it holds one folder name)."""
 
 
 def step_name(step: int) -> str:
@@ -34,7 +38,7 @@ def latest_checkpoint(save_dir: str) -> Path | None:
     marker = root / LATEST
     if not marker.is_file():
         return None
-    name = marker.read_text(encoding="utf-8").strip()
+    name = read_capped_text(marker, MAX_LATEST_BYTES, "'latest' file").strip()
     target = root / name
     if not _STEP.match(name) or not is_complete(target):
         raise ValueError(f"resume: {marker} names {name!r}, which is not a complete checkpoint")
@@ -78,8 +82,21 @@ def publish(save_dir: str, name: str, keep: int = 0) -> None:
         prune(root, name, keep)
 
 
+def discard_partial(save_dir: str, name: str) -> None:
+    """Remove step folder `name` of a save that failed (unless `latest` names it: that one is left as it is)."""
+    marker = Path(save_dir) / LATEST
+    named = marker.is_file() and marker.read_text(encoding="utf-8", errors="replace").strip() == name
+    if _STEP.match(name) and not named:
+        shutil.rmtree(Path(save_dir) / name, ignore_errors=True)
+
+
 def _steps(root: Path) -> list[tuple[int, Path]]:
     return sorted((int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP.match(p.name)))
+
+
+def step_folders(root: str | Path) -> list[Path]:
+    """The step-NNNNNN folders of a save folder, oldest first."""
+    return [path for _, path in _steps(Path(root))]
 
 
 def prune(root: Path, latest: str, keep: int) -> list[str]:

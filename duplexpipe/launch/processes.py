@@ -24,6 +24,11 @@ from duplexpipe.launch.attempts import AGENT_STORE_ENV, attempt_prefix
 from duplexpipe.launch.failures import GRACE_S, Failure, blamed_rank, error_summary, record_failure
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+LOOPBACK = "127.0.0.1"
+"""The only address a local job (`launch`, `run` and `duplexpipe train` without torchrun) listens on."""
+LOOPBACK_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+"""Variables a local job's ranks get set to the loopback interface (unless set already), so that gloo's and NCCL's
+sockets listen and connect on it alone."""
 log = logging.getLogger("duplexpipe.launch")
 
 
@@ -118,15 +123,64 @@ def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> tuple
     return dist.get_rank(), dist.get_world_size()
 
 
+def loopback_interface() -> str | None:
+    """The name of this machine's loopback interface ("lo" on Linux, "lo0" on macOS), None when it has neither."""
+    try:
+        names = {name for _, name in socket.if_nameindex()}
+    except OSError:
+        return None
+    return next((name for name in ("lo", "lo0") if name in names), None)
+
+
+def local_environment(environ: dict[str, str], rank: int, world: int, port: int) -> dict[str, str]:
+    """The environment of rank `rank` of a local job: the launcher's, the torchrun-style variables, and gloo's and
+    NCCL's socket interface set to loopback unless the launcher's environment names one."""
+    env = dict(environ)
+    env.update({"MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world),
+                "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)})
+    interface = loopback_interface()
+    if interface is not None:
+        for name in LOOPBACK_ENV:
+            env.setdefault(name, interface)
+    return env
+
+
+def loopback_store(rank: int, world: int, port: int, timeout_s: float) -> dist.TCPStore:
+    """The rendezvous store of a local job: rank 0 serves it on LOOPBACK:`port` alone (torch's own TCPStore server
+    listens on every interface), the other ranks connect to it there."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if rank != 0:
+        return dist.TCPStore(LOOPBACK, port, world, False, timeout)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((LOOPBACK, port))
+        sock.listen(max(128, world))
+    except OSError:
+        sock.close()
+        raise
+    return dist.TCPStore(LOOPBACK, port, world, True, timeout, master_listen_fd=sock.detach())
+
+
+def init_local(backend: str, timeout_s: float = 300.0) -> tuple[int, int]:
+    """Initialise the default process group of a rank started by `launch` (its environment from
+    `local_environment`): over `loopback_store`, every wait bounded by `timeout_s`. Returns (rank, world_size)."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if backend == "nccl":
+        torch.cuda.set_device(cuda_device_for(int(os.environ.get("LOCAL_RANK", "0"))))
+    if not dist.is_initialized():
+        store = loopback_store(rank, world, int(os.environ["MASTER_PORT"]), timeout_s)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
 def _worker(fn: Callable[..., Any], args: Sequence[Any], rank: int, world: int, port: int,
             backend: str, results: Any, environ: dict[str, str]) -> None:
     os.environ.clear()  # the launcher's environment now, not the one a fork server started with
-    os.environ.update(environ)
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                       "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)})
+    os.environ.update(local_environment(environ, rank, world, port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     try:
-        init_from_env(backend)
+        init_local(backend)
         value = fn(*args)
         # plain pickle copies tensors into the message: torch's queue pickler would share them
         # through this process, which exits before the parent reads them
@@ -206,8 +260,9 @@ def launch(
 ) -> list[Any]:
     """Run `fn(*args)` in `nprocs` fresh processes on this machine, one per rank, and return their results.
 
-    Each process has the default group initialised (`backend`, 127.0.0.1, a free port) and
-    RANK/WORLD_SIZE/LOCAL_RANK set. `fn` must be importable (module level) and its result
+    Each process has the default group initialised (`backend`, a store on 127.0.0.1 at a free port, gloo's and
+    NCCL's sockets on the loopback interface: nothing listens beyond this machine) and RANK/WORLD_SIZE/LOCAL_RANK
+    set. `fn` must be importable (module level) and its result
     picklable. If a rank fails, LaunchError names the rank whose own error started it, with that
     traceback: errors that only report another rank's failure ("rank N rejected ...", "stopping
     because rank N failed") rank after it, waiting up to `grace_s` for the rank they blame. Then
@@ -218,7 +273,7 @@ def launch(
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
     ctx = start_context(start_method)
     results = ctx.Queue()
-    port = free_port()
+    port = free_port(LOOPBACK)
     procs = [ctx.Process(target=_worker, args=(fn, tuple(args), r, nprocs, port, backend, results,
                                                dict(os.environ)),
                          name=f"duplexpipe-rank{r}") for r in range(nprocs)]

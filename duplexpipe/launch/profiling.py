@@ -74,7 +74,8 @@ def _task(request: ProfileRequest) -> TrainTask:
 
 
 def _meta(request: ProfileRequest) -> dict[str, Any]:
-    meta: dict[str, Any] = {"task": request.task, "parts": request.parts, "balance": request.balance}
+    meta: dict[str, Any] = {"task": request.task, "parts": request.parts, "balance": request.balance,
+                            "threads": torch.get_num_threads()}
     if request.calibrate:
         meta["calibrated_on"] = {"ranks": request.ranks, "batch": request.batch}
     return meta
@@ -93,8 +94,9 @@ def profile_here(request: ProfileRequest) -> Profile:
         raise ValueError(f"--microbatch {request.microbatch}: the task's batch(0, {request.microbatch}) gave only "
                          f"{batch_rows(inputs)} samples")
     modules = [materialize_part(parts, k, "cpu", init) if init is not None else parts[k] for k in range(len(parts))]
+    tp_plan = task.tp_plan(False) if task.tp_plan is not None else None  # what the planner needs for T > 1
     return profile_parts(modules, inputs, target=targets, loss_fn=loss_fn, repeats=request.repeats,
-                         evict_bytes=request.evict_bytes or 0, meta=_meta(request))
+                         evict_bytes=request.evict_bytes or 0, meta=_meta(request), tp_plan=tp_plan)
 
 
 def _calibrated_rank(request: ProfileRequest) -> dict[str, Any] | None:

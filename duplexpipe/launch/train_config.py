@@ -25,9 +25,13 @@ P2P_COMPRESSIONS = ("none", "bf16", "fp8", "int8")
 GRAD_COMPRESSIONS = ("none", "bf16", "fp16", "powersgd", "int8", "topk", "randomk", "threshold", "dgc")
 """Data-parallel gradient compression methods (duplexpipe.dp_options.compression.METHOD_NAMES)."""
 ZERO_STAGES = (0, 1, 2)
+NONFINITE_POLICIES = ("raise", "skip")
+"""`nonfinite_grads` values (duplexpipe.train.nonfinite.NONFINITE_GRADS): stop the run, or skip the step and go on."""
+BATCH_CHECKS = ("first", "every", "never")
+"""`batch_check` values: compare the batch's fingerprint across ranks on a run's first step, on every step, never."""
 CHOICES: Mapping[str, tuple[Any, ...]] = MappingProxyType({
     "optimizer": OPTIMIZERS, "lr_schedule": LR_SCHEDULES, "precision": PRECISIONS, "balance": BALANCES,
-    "zero_stage": ZERO_STAGES})
+    "zero_stage": ZERO_STAGES, "nonfinite_grads": NONFINITE_POLICIES, "batch_check": BATCH_CHECKS})
 """The values some TrainConfig fields take (the command line offers them as choices)."""
 SCHEDULE_FILES = (".json", ".csv")
 """A `schedule` ending so is a schedule file: duplexpipe's JSON or torch.distributed.pipelining's CSV."""
@@ -45,7 +49,9 @@ class TrainConfig:
 
     task: str = DEFAULT_TASK
     """"path/to/file.py:function" or "package.module:function" returning a TrainTask, or a bundled task: "gpt" (the
-    default) or "hf" (fine-tune a Hugging Face model directory on a text file: options model=DIR, data=FILE)."""
+    default) or "hf" (fine-tune a Hugging Face model directory on a text file: options model=DIR, data=FILE). The
+    task's module is imported and the function called on every rank: this runs Python code (a task named in a
+    config file must be a function annotated `-> TrainTask`)."""
     task_options: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for the task function (a [task_options] table in the config file)."""
     schedule: str = "dualpipe"
@@ -119,13 +125,18 @@ class TrainConfig:
     log lines (every `log_every` steps, or about 20 over the run when that is 0)."""
     out_dir: str | None = None
     """Write metrics.jsonl (one line per step), losses.json, timeline.json, partition.txt and, when the
-    tensorboard package is installed, TensorBoard scalars (tensorboard/) here (None: nothing is written)."""
+    tensorboard package is installed, TensorBoard scalars (tensorboard/) here (None: nothing is written). Locked
+    for the run (.duplexpipe.lock): a second run on it exits with code 2 naming the holder."""
     tensorboard: bool = True
     """TensorBoard scalars under out_dir/tensorboard when the tensorboard package is installed (skipped quietly
     otherwise); --no-tensorboard turns them off."""
     save: str | None = None
     """Save checkpoints to <save>/step-NNNNNN at the end; <save>/latest names the newest complete one (written
-    atomically once every rank finished its part)."""
+    atomically once every rank finished its part and the checkpoint's manifest of SHA-256 checksums is written).
+    Locked for the run (.duplexpipe.lock): a second run on it exits with code 2 naming the holder. A save that fails
+    (a full disk, ...) removes its partial folder and names the cause and the file. With `resume` "auto" (the
+    default) the run continues from the newest checkpoint already there: its files are checked against its manifest
+    and loading it never runs code (the metadata pickle admits only checkpoint classes)."""
     save_every: int = 0
     """Also save every N steps (0: only at the end)."""
     keep: int = 0
@@ -133,15 +144,22 @@ class TrainConfig:
     resume: str | None = None
     """"auto" (the default with `save`): continue from the newest complete checkpoint of `save`, or start fresh
     when it has none (a job restarted by torchrun resumes by itself); "none": start fresh; a path: continue from
-    that checkpoint or save directory (an error when it holds none)."""
+    that checkpoint or save directory (an error when it holds none). Loading checks every file against the
+    checkpoint's manifest first and never runs code from it (its metadata pickle admits only checkpoint classes)."""
     save_pretrained: str | None = None
     """At the end, write the trained model here as a Hugging Face model directory (Hugging Face tasks only)."""
     timeout_s: float = 180.0
     """Runtime timeout for blocked communication, in seconds."""
+    nonfinite_grads: str = "raise"
+    """A step whose gradients hold NaN or inf: "raise" (every rank stops naming the step and the first stage and
+    parameter; the run exits 1 and the weights are those before that step) or "skip" (the step is skipped on every
+    rank and counted; training goes on)."""
+    batch_check: str = "first"
+    """Compare a fingerprint of task.batch()'s global batch across all ranks (it must be the same everywhere): on
+    the run's "first" step, on "every" step (a debugging aid: one small all-gather a step), or "never"."""
     pipeline: dict[str, Any] = field(default_factory=dict)
     """PipelineConfig settings that no field above carries, by field name ({"accumulation_steps": 2, "zero":
     {"hpz_ranks": 2}}): each is a flag and a config-file key of its own (`duplexpipe.launch.train_settings`)."""
-
     def __post_init__(self) -> None:
         for name in ("ranks", "dp", "ep", "tp", "microbatches", "steps", "batch_size", "eval_batches"):
             _at_least(name, getattr(self, name), 1)
@@ -151,7 +169,8 @@ class TrainConfig:
             _at_least(name, getattr(self, name), 0)
         self.task = TASK_ALIASES.get(self.task, self.task)
         for name, choices in (("optimizer", OPTIMIZERS), ("lr_schedule", LR_SCHEDULES),
-                              ("precision", PRECISIONS), ("balance", BALANCES)):
+                              ("precision", PRECISIONS), ("balance", BALANCES), ("batch_check", BATCH_CHECKS),
+                              ("nonfinite_grads", NONFINITE_POLICIES)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
         if not self.lr > 0 or self.weight_decay < 0 or not 0 <= self.momentum < 1:
@@ -163,6 +182,9 @@ class TrainConfig:
             self.grad_clip_norm = None  # 0 turns clipping off (TOML and the CLI have no None)
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.batch_size < self.microbatches * self.dp:
+            raise ValueError(f"batch_size {self.batch_size} is smaller than microbatches x dp = {self.microbatches} x "
+                             f"{self.dp}: every replica needs at least one sample per microbatch")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel shards the sequence over the tensor-parallel ranks: it needs tp > 1")
         self._check_parallelism()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.util
@@ -18,11 +19,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from duplexpipe.errors import InputRejected
+from duplexpipe.errors import CheckpointError, InputRejected
 from duplexpipe.launch.batches import batch_rows, evaluate_batches, local_slice, rows_of
-from duplexpipe.launch.checkpoints import LATEST, checkpoint_to_load, publish, resume_from, step_name
+from duplexpipe.launch.checkpoints import LATEST, checkpoint_to_load, discard_partial, publish, resume_from, step_name
+from duplexpipe.launch.folder_lock import hold_folders, job_folders
+from duplexpipe.launch.job_guards import check_same_batch, checks_batch, locked_by_rank0
 from duplexpipe.launch.metrics import MetricsLog, log_line, plain_every, progress_bar, tensorboard_writer
-from duplexpipe.launch.processes import run
+from duplexpipe.launch.processes import launched_by_torchrun, run
 from duplexpipe.launch.train_config import DEFAULT_TASK, TrainConfig, is_schedule_file, lr_factor
 from duplexpipe.launch.train_settings import pipeline_values
 from duplexpipe.model.stages import PartInit
@@ -111,8 +114,10 @@ class TrainResult:
         return self.items_per_s
 
 
-def load_task(spec: str) -> Callable[..., TrainTask]:
-    """Resolve "file.py:function" or "module:function" to the task function."""
+def load_task(spec: str, *, annotated: bool = False) -> Callable[..., TrainTask]:
+    """Resolve "file.py:function" or "module:function" to the task function (importing its module runs it). Only a
+    Python function is accepted (a builtin such as os:system, a class or another callable is refused before it is
+    called); `annotated` (a task named by a config file): only one annotated `-> TrainTask`."""
     target, sep, name = spec.rpartition(":")
     if not sep or not target or not name:
         raise ValueError(f"task {spec!r} must look like 'path/to/file.py:function' or 'module:function'")
@@ -128,7 +133,22 @@ def load_task(spec: str) -> Callable[..., TrainTask]:
     fn = getattr(module, name, None)
     if not callable(fn):
         raise ValueError(f"task {spec!r}: {target} has no function {name!r}")
+    if not inspect.isfunction(fn):
+        raise ValueError(f"task {spec!r}: {name} is a {type(fn).__name__}, not a task function (a Python function "
+                         "returning a TrainTask); refused without calling it")
+    if annotated and not _returns_task(fn):
+        raise ValueError(f"task {spec!r} comes from a config file, but {name} is not annotated '-> TrainTask'; a "
+                         "config file may only name task functions declared to return a TrainTask (annotate it, or "
+                         "name it with --task on the command line)")
     return fn  # type: ignore[no-any-return]
+
+
+def _returns_task(fn: Callable[..., Any]) -> bool:
+    """True when `fn` is annotated to return a TrainTask (the class, or its name as text)."""
+    annotation = inspect.signature(fn).return_annotation
+    if isinstance(annotation, str):
+        return annotation.rsplit(".", 1)[-1].strip() == TrainTask.__name__
+    return annotation is TrainTask
 
 
 def _load_file(target: str, spec: str) -> Any:
@@ -166,7 +186,25 @@ def build_task(config: TrainConfig) -> TrainTask:
     task = fn(**options)
     if not isinstance(task, TrainTask):
         raise TypeError(f"task {config.task!r} returned a {type(task).__name__}, not a TrainTask")
+    check_task(task, config.task)
     return task
+
+
+def check_task(task: TrainTask, spec: str) -> None:
+    """TypeError naming the field when a TrainTask's parts are not what the run calls them as."""
+    layers = list(task.layers) if isinstance(task.layers, (nn.Sequential, nn.ModuleList, list, tuple)) else None
+    if task.pretrained is None and (layers is None or not all(isinstance(m, nn.Module) for m in layers)):
+        raise TypeError(f"task {spec!r}: TrainTask.layers must be an nn.Sequential or a list of nn.Module, got "
+                        f"{type(task.layers).__name__}")
+    for name in ("loss_fn", "batch"):
+        if not callable(getattr(task, name)):
+            raise TypeError(f"task {spec!r}: TrainTask.{name} must be callable, got "
+                            f"{type(getattr(task, name)).__name__}")
+    for name in ("embedding", "head"):
+        value = getattr(task, name)
+        if value is not None and not isinstance(value, nn.Module):
+            raise TypeError(f"task {spec!r}: TrainTask.{name} must be an nn.Module or None, got "
+                            f"{type(value).__name__}")
 
 
 def make_optimizer(config: TrainConfig) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
@@ -234,7 +272,12 @@ def _save(pipe: Pipeline, config: TrainConfig, step: int) -> None:
     only after every rank's files and the metadata are written, so `latest` never names a partial checkpoint."""
     assert config.save is not None
     name = step_name(step)
-    pipe.save(str(Path(config.save) / name))
+    try:
+        pipe.save(str(Path(config.save) / name))
+    except CheckpointError:  # every rank: the partial folder goes (a full disk stays full otherwise)
+        if dist.get_rank() == 0:
+            discard_partial(config.save, name)
+        raise
     if dist.get_rank() == 0:
         publish(config.save, name, config.keep)
 
@@ -283,8 +326,14 @@ def _prepare(config: TrainConfig) -> tuple[TrainTask, Pipeline]:
     return task, pipe
 
 
-def _train_rank(config: TrainConfig) -> TrainResult | None:
-    """One rank of `run_training` (the default process group is initialised)."""
+def _train_rank(config: TrainConfig, lock_here: bool = False) -> TrainResult | None:
+    """One rank of `run_training` (the default process group is initialised); `lock_here` (under torchrun): rank 0
+    holds the run's folder locks (the local launcher holds them otherwise)."""
+    with locked_by_rank0(config) if lock_here else contextlib.nullcontext():
+        return _train(config)
+
+
+def _train(config: TrainConfig) -> TrainResult | None:
     from duplexpipe.runtime import gather_timeline
 
     try:
@@ -331,6 +380,8 @@ def _loop(pipe: Pipeline, task: TrainTask, config: TrainConfig, start: int, metr
     for step in range(start, config.steps):
         tick = time.perf_counter()
         x, y = task.batch(step, config.batch_size)
+        if checks_batch(config.batch_check, step, start):
+            _check_batch(pipe, config, step, start, x, y)
         x, y = (local_slice(v, pipe.groups.dp_rank, pipe.groups.dp_size) for v in (x, y))
         lr = pipe.optimizer.param_groups[0]["lr"]
         losses.append(pipe.step(x, y))
@@ -344,6 +395,11 @@ def _loop(pipe: Pipeline, task: TrainTask, config: TrainConfig, start: int, metr
                   "items_per_s": step_items / (now - tick), "bubble": bubble}
         if pipe.last is not None and pipe.last.peak_saved_bytes:
             values["peak_saved_bytes"] = pipe.last.peak_saved_bytes
+        if pipe.last is not None and pipe.last.skipped:  # NaN/inf gradients (fp16 overflow or nonfinite_grads "skip")
+            values["skipped"] = True
+            if lead and config.precision != "fp16":
+                print(f"step {step + 1}/{config.steps} skipped: its gradients held NaN or inf (norm "
+                      f"{pipe.last.grad_norm}); {pipe.skipped_steps} skipped so far", flush=True)
         if config.eval_every and ((step + 1) % config.eval_every == 0 or step + 1 == config.steps):
             assert task.eval_batch is not None  # _prepare checked it
             values["eval_loss"] = evaluate_batches(pipe, task.eval_batch, config.batch_size, config.eval_batches)
@@ -362,6 +418,16 @@ def _loop(pipe: Pipeline, task: TrainTask, config: TrainConfig, start: int, metr
     return losses, evals, items / busy if busy else 0.0, end - began
 
 
+def _check_batch(pipe: Pipeline, config: TrainConfig, step: int, start: int, x: Any, y: Any) -> None:
+    """The batch fingerprint compared across ranks; a mismatch on the run's first step is bad input (exit 2)."""
+    try:
+        check_same_batch(step, config.batch_size, x, y, pipe.device, pipe.bounded)
+    except ValueError as exc:
+        if step == start:
+            raise InputRejected(str(exc)) from exc
+        raise
+
+
 def write_outputs(result: TrainResult, out_dir: str) -> None:
     """losses.json, timeline.json and partition.txt in `out_dir`."""
     path = Path(out_dir)
@@ -377,23 +443,17 @@ def write_outputs(result: TrainResult, out_dir: str) -> None:
 def run_training(config: TrainConfig) -> TrainResult:
     """Train `config.task` on ranks * dp local processes (or in place under torchrun); rank 0's result.
 
-    Under torchrun, non-zero ranks get a TrainResult with empty losses.
+    Under torchrun, non-zero ranks get a TrainResult with empty losses. The save and output folders are locked for
+    the run (by this process, or under torchrun by rank 0): a second run on one of them is refused with
+    FolderInUseError (a ValueError) naming the holder.
     """
-    results = run(_train_rank, config.ranks * config.dp * config.tp, (config,), timeout_s=None,
-                  comm_timeout_s=config.timeout_s)
-    result = results[0]
-    if result is None:
-        return TrainResult([], 0.0, None, "", 0.0, config)
-    if config.out_dir:
-        write_outputs(result, config.out_dir)
+    in_place = launched_by_torchrun()
+    with contextlib.nullcontext() if in_place else hold_folders(job_folders(config)):
+        results = run(_train_rank, config.ranks * config.dp * config.tp, (config, in_place), timeout_s=None,
+                      comm_timeout_s=config.timeout_s)
+        result = results[0]
+        if result is None:
+            return TrainResult([], 0.0, None, "", 0.0, config)
+        if config.out_dir:
+            write_outputs(result, config.out_dir)
     return result
-
-
-
-
-
-
-
-
-
-

@@ -12,7 +12,6 @@ import types
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -37,8 +36,8 @@ FLAG_NAMES: Mapping[str, tuple[str, ...]] = MappingProxyType({
 """Flags whose name is not the field's name with dashes (a dict field's flag is singular: one KEY=VALUE each)."""
 INTERNAL = ("pipeline",)
 """TrainConfig fields that are no setting of their own (`pipeline` holds the generated PipelineConfig settings)."""
-MAX_CONFIG_BYTES = 1 << 20
-"""Largest config file read (a config file is a few lines)."""
+MAX_CONFIG_FILE_BYTES = 2**20
+"""Largest TOML config file read (1 MiB)."""
 RUN, PIPELINE = "run", "pipeline"
 
 
@@ -247,17 +246,18 @@ def check_keys(values: Mapping[str, Any], source: str) -> dict[str, Any]:
 
 def load_config_file(path: str) -> dict[str, Any]:
     """The settings of a TOML config file (keys named like the flags with underscores; [task_options] and
-    [schedule_options] tables; nested options as tables, e.g. [zero])."""
+    [schedule_options] tables; nested options as tables, e.g. [zero]); ValueError for a file over
+    MAX_CONFIG_FILE_BYTES, unreadable or not TOML, before anything in it is used."""
+    from duplexpipe.files import read_capped_text
+
     try:
-        size = Path(path).stat().st_size
-        if size > MAX_CONFIG_BYTES:
-            raise ValueError(f"config file {path}: {size:,} bytes is over the limit of {MAX_CONFIG_BYTES:,}")
-        with Path(path).open("rb") as fp:
-            data = tomllib.load(fp)
+        data = tomllib.loads(read_capped_text(path, MAX_CONFIG_FILE_BYTES, "config file"))
     except OSError as exc:
         raise ValueError(f"config file {path}: cannot read it ({exc.strerror})") from None
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"config file {path}: not valid TOML ({exc})") from None
+    except RecursionError:
+        raise ValueError(f"config file {path}: nested too deeply to be a configuration") from None
     return check_keys(data, f"config file {path}")
 
 

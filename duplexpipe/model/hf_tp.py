@@ -112,6 +112,14 @@ class HFTensorPlan:
         if errors:
             raise ValueError("the model cannot be tensor-parallel: " + summary(list(dict.fromkeys(errors))))
 
+    def styles(self, part: nn.Module) -> dict[str, ParallelStyle]:
+        """{module path: style} this plan gives `part` (what the planner's `model.tp_facts` counts)."""
+        if not isinstance(part, CausalLMPart):
+            raise ValueError(f"the Hugging Face tensor-parallel plan needs Hugging Face parts, got a "
+                             f"{type(part).__name__}")
+        return {path: style for key, style in part_plan(part, self.sequence_parallel).items()
+                for path, _ in resolve(part, key)}
+
     def __call__(self, part: nn.Module, tp_mesh: DeviceMesh) -> None:
         """Shard one Hugging Face part over `tp_mesh` (its masks and positions then cover the whole sequence)."""
         if not isinstance(part, CausalLMPart):

@@ -133,16 +133,16 @@ def check_balance(balance: Sequence[int], num_layers: int, num_parts: int) -> tu
     return counts
 
 
-def _timed_fwd_bwd(module: nn.Module, x: Any, repeats: int) -> tuple[float, Any]:
+def _timed_fwd_bwd(module: nn.Module, x: Any, repeats: int, what: str = "the module") -> tuple[float, Any]:
     """Best-of-`repeats` forward+backward seconds of `module` on `x`, a tensor or a structure passed as one
-    argument (after one untimed warm-up run)."""
+    argument (after one untimed warm-up run); StructureError naming `what` when its output holds no tensor."""
     best, out = float("inf"), None
     for attempt in range(repeats + 1):
         inp = map_leaves(lambda t: t.detach().requires_grad_(t.is_floating_point()), x)
         module.zero_grad(set_to_none=True)
         start = time.perf_counter()
         out = module(inp)
-        roots = [t for t in flatten(out, "output")[1] if t.requires_grad]
+        roots = [t for t in flatten(out, f"the output of {what}")[1] if t.requires_grad]
         if roots:
             torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
         if attempt:
@@ -169,13 +169,13 @@ def profile_layers(
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     x, emb_t, head_t = sample_input, 0.0, 0.0
     if embedding is not None:
-        emb_t, x = _timed_fwd_bwd(embedding, x, repeats)
+        emb_t, x = _timed_fwd_bwd(embedding, x, repeats, "the embedding")
     times = []
-    for layer in layers:
-        t, x = _timed_fwd_bwd(layer, x, repeats)
+    for index, layer in enumerate(layers):
+        t, x = _timed_fwd_bwd(layer, x, repeats, f"layer {index} ({type(layer).__name__})")
         times.append(t)
     if head is not None:
-        head_t, x = _timed_fwd_bwd(head, x, repeats)
+        head_t, x = _timed_fwd_bwd(head, x, repeats, "the head")
     return times, emb_t, head_t
 
 

@@ -33,11 +33,13 @@ def ensure_grads(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
     return grads
 
 
-def _sum_squares(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for g in grads:
-        total += torch.linalg.vector_norm(local_of(g).detach(), 2, dtype=torch.float64).square()
-    return total
+def _norms(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Each gradient's L2 norm in float64, on `device` (one fused pass over all of them; of a DTensor gradient, its
+    local shard's)."""
+    if not grads:
+        return torch.zeros(0, dtype=torch.float64, device=device)
+    norms = torch._foreach_norm([local_of(g).detach() for g in grads], 2, dtype=torch.float64)
+    return torch.stack([n.to(device) for n in norms])
 
 
 def global_norm_and_overflow(
@@ -55,13 +57,18 @@ def global_norm_and_overflow(
     only the copies it owns); `checked` holds every local grad, scanned for inf/NaN. A rank with
     `count_here=False` (e.g. a data-parallel replica other than the first) adds no norm but still
     reports overflow. `flagged` adds an overflow this rank found earlier (e.g. in its gradients before
-    they were compressed). One all-reduce carries both, so every rank gets the same verdict.
+    they were compressed). One all-reduce carries both, so every rank gets the same verdict. The norm is never
+    masked: NaN or inf in a counted gradient makes it NaN or inf. Each distinct gradient is read once (one fused
+    norm per tensor, float64), whether it is counted, checked or both.
     """
-    counted_sq = _sum_squares(counted, device) if count_here else torch.zeros((), dtype=torch.float64,
-                                                                                device=device)
-    all_sq = _sum_squares(checked, device)
-    bad = ((~torch.isfinite(all_sq)) | flagged).to(torch.float64)
-    stats = torch.stack([counted_sq.nan_to_num(0.0, 0.0, 0.0), bad])
+    counted = counted if count_here else []
+    distinct = list({id(g): g for g in (*counted, *checked)}.values())
+    norms = _norms(distinct, device)
+    index = {id(g): i for i, g in enumerate(distinct)}
+    counted_sq = norms[[index[id(g)] for g in counted]].square().sum()
+    all_norms = norms[[index[id(g)] for g in checked]].sum()
+    bad = ((~torch.isfinite(all_norms)) | flagged).to(torch.float64)
+    stats = torch.stack([counted_sq, bad])
     if dist.is_available() and dist.is_initialized():
         work = dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group, async_op=True)
         wait(work, "the gradient-norm and overflow all-reduce")

@@ -12,12 +12,15 @@ from pathlib import Path
 from typing import Any
 
 from duplexpipe.errors import ProfileError
+from duplexpipe.files import read_capped_text
 from duplexpipe.planner.profile import Profile
 
 CACHE_FORMAT = "duplexpipe-calibration"
 CACHE_VERSION = 1
 CACHE_ENV = "DUPLEXPIPE_CACHE"
 """Environment variable naming the cache's root directory (calibrations go in its `calibration/`)."""
+MAX_CACHE_FILE_BYTES = 16 * 2**20
+"""Largest cached calibration read (16 MiB); a larger file is measured anew."""
 
 
 def default_cache_dir() -> Path:
@@ -56,9 +59,8 @@ class CalibrationCache:
         """The profile stored for `fingerprint`; None when there is none, or it is unreadable, of another
         format, or stored for another fingerprint."""
         try:
-            with open(self.path(fingerprint), encoding="utf-8") as fh:
-                data = json.load(fh)
-        except (OSError, json.JSONDecodeError):
+            data = json.loads(read_capped_text(self.path(fingerprint), MAX_CACHE_FILE_BYTES, "calibration cache file"))
+        except (OSError, ValueError, RecursionError):  # unreadable, too large, not JSON: measure again
             return None
         if not isinstance(data, dict) or data.get("format") != CACHE_FORMAT or data.get("version") != CACHE_VERSION:
             return None

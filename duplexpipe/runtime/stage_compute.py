@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from duplexpipe.comm.codec import TensorSpec
-from duplexpipe.errors import PipelineError, StructureError
+from duplexpipe.errors import ActivationShapeError, PipelineError, StructureError
 from duplexpipe.runtime.autograd_split import WeightWork, backward_input
 from duplexpipe.runtime.comm_points import CommSlot
 from duplexpipe.runtime.message_meta import Message
@@ -154,7 +154,10 @@ class StageCompute:
         return Message(form, leaves, tuple(train and t.requires_grad for t in leaves))
 
     def loss(self, out: Any, target: Any, loss_fn: Callable[[Any, Any], Tensor], microbatch: int) -> Tensor:
-        """loss_fn(out, target): must be a scalar, the mean over the microbatch's samples."""
+        """loss_fn(out, target): must be a scalar, the mean over the microbatch's samples; the output's rows (dimension
+        0 of its first tensor) must be the targets' (else a stage changed the batch size and the loss would
+        broadcast)."""
+        self._check_rows(out, target, microbatch)
         if self.autocast_dtype is None:
             value = loss_fn(out, target)
         else:
@@ -165,6 +168,19 @@ class StageCompute:
             raise ValueError(f"stage {self.stage} microbatch {microbatch}: loss_fn must return a scalar "
                              f"tensor (the mean over the microbatch), got {shape}")
         return value
+
+    def _check_rows(self, out: Any, target: Any, microbatch: int) -> None:
+        """ActivationShapeError when the loss input and the targets have different batch sizes (dimension 0);
+        PipelineError naming the stage when the last stage returned None."""
+        if out is None:
+            raise PipelineError(f"stage {self.stage} microbatch {microbatch}: the module's output is NoneType; "
+                                "expected a tensor, or tuples/lists/dicts of tensors, for the loss")
+        got, want = _rows(out), _rows(target)
+        if got is not None and want is not None and got != want:
+            raise ActivationShapeError(
+                f"stage {self.stage} microbatch {microbatch}: the loss input (this last stage's output) has {got} rows "
+                f"but its targets have {want}: a stage changed the batch size; every stage must keep the "
+                "microbatch's samples in dimension 0 (reshape inside loss_fn instead)")
 
     def keep(self, inputs: list[Tensor], roots: list[Tensor], microbatch: int, scale: float = 1.0,
              extra: Sequence[Tensor] = (), extra_scale: float = 1.0) -> Activation:
@@ -210,6 +226,17 @@ class StageCompute:
             raise PipelineError(f"stage {self.stage} microbatch {microbatch}: W ran before its I")
         act.weight_work.run()
         act.weight_work = None
+
+
+def _rows(value: Any) -> int | None:
+    """Dimension 0 of the first tensor of a structure with one (None for a scalar or no tensor)."""
+    if isinstance(value, Tensor):
+        return int(value.shape[0]) if value.dim() else None
+    try:
+        leaves = flatten(value, "value")[1]
+    except StructureError:
+        return None
+    return int(leaves[0].shape[0]) if leaves and leaves[0].dim() else None
 
 
 def activations_left(stages: Mapping[int, StageCompute]) -> list[str]:

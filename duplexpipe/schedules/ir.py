@@ -11,9 +11,19 @@ from functools import cached_property
 from typing import Any, Iterable, Iterator, Sequence
 
 from duplexpipe.errors import ScheduleError
+from duplexpipe.files import read_capped_text
 
 JSON_FORMAT = "duplexpipe-schedule"
 JSON_VERSION = 1
+MAX_SCHEDULE_FILE_BYTES = 128 * 2**20
+"""Largest schedule file read (128 MiB), refused before it is parsed. The largest schedule the command line builds
+(P x M = 500,000) takes at most about 110 MB as lowered JSON (ZB-V, 212 bytes per P x M unit) and about 22 s to
+load; a file of 200 MB is refused at once."""
+MAX_ACTIONS_PER_UNIT = 8
+"""Most actions one (stage, microbatch) has in a lowered schedule: F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B (an
+F&B pair is one action of two)."""
+_HEADER_BYTES = 64 * 1024
+_HEADER_FIELD = re.compile(r'"(num_ranks|num_microbatches)"\s*:\s*(-?\d+)')
 
 
 class Op(str, Enum):
@@ -268,19 +278,37 @@ def _schedule_from_dict(data: Any, source: str) -> Schedule:
         if not isinstance(entry, dict):
             raise ScheduleError(f"{where}: expected an object with 'rank' and 'group', got {entry!r}")
         stages.append(StageInfo(_require(entry, "rank", int, where), _require(entry, "group", int, where)))
+    raw = _require(data, "actions", list, source)
+    _check_action_count(raw, len(stages), _require(data, "num_microbatches", int, source), source)
     rows = []
-    for rank, row in enumerate(_require(data, "actions", list, source)):
+    for rank, row in enumerate(raw):
         if not isinstance(row, list):
             raise ScheduleError(f"{source}: actions of rank {rank} must be a list, got {row!r}")
         rows.append(tuple(_parse_in(tok, f"{source}: rank {rank}, position {pos}")
                           for pos, tok in enumerate(row)))
-    return Schedule(
-        name=_require(data, "name", str, source),
-        num_ranks=_require(data, "num_ranks", int, source),
-        num_microbatches=_require(data, "num_microbatches", int, source),
-        stages=tuple(stages),
-        actions=tuple(rows),
-    )
+    try:
+        return Schedule(
+            name=_require(data, "name", str, source),
+            num_ranks=_require(data, "num_ranks", int, source),
+            num_microbatches=_require(data, "num_microbatches", int, source),
+            stages=tuple(stages),
+            actions=tuple(rows),
+        )
+    except ScheduleError as exc:
+        if str(exc).startswith(f"{source}:"):
+            raise
+        raise ScheduleError(f"{source}: {exc}") from None
+
+
+def _check_action_count(rows: list[Any], num_stages: int, num_microbatches: int, source: str) -> None:
+    """ScheduleError, before any action is parsed, when `rows` hold more actions than MAX_ACTIONS_PER_UNIT per stage
+    and microbatch (a file padded with repeats: parsing and verifying them would take minutes)."""
+    total = sum(len(row) for row in rows if isinstance(row, list))
+    limit = MAX_ACTIONS_PER_UNIT * max(num_stages, 1) * max(num_microbatches, 1)
+    if total > limit:
+        raise ScheduleError(f"{source}: {total:,} actions, more than the {limit:,} a schedule of {num_stages} stages "
+                            f"and {num_microbatches} microbatches can hold ({MAX_ACTIONS_PER_UNIT} per stage and "
+                            "microbatch: F, B, I, W and four transfers); refused before reading them")
 
 
 def _parse_in(token: Any, where: str) -> Action:
@@ -299,20 +327,34 @@ def save_json(schedule: Schedule, path: str) -> None:
         fh.write("\n")
 
 
-def read_json(path: str) -> Any:
-    """The JSON value in `path`; ScheduleError naming the file when it cannot be read or parsed."""
+def read_json(path: str, max_bytes: int = MAX_SCHEDULE_FILE_BYTES, what: str = "schedule file") -> Any:
+    """The JSON value in `path`; ScheduleError naming the file when it is over `max_bytes` (before it is read) or
+    cannot be read or parsed."""
     try:
-        with open(path, encoding="utf-8") as fh:
-            return json.load(fh)
+        return json.loads(read_capped_text(path, max_bytes, what, ScheduleError))
     except OSError as exc:
         raise ScheduleError(f"cannot read {path}: {exc.strerror}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+    except (json.JSONDecodeError, RecursionError) as exc:
         raise ScheduleError(f"{path}: not valid JSON ({exc})") from None
 
 
-def load_json(path: str) -> Schedule:
-    """Read a schedule written by `save_json`; never unpickles anything."""
-    return Schedule.from_dict(read_json(path), source=path)
+def json_header(path: str) -> tuple[int | None, int | None]:
+    """(num_ranks, num_microbatches) as a schedule JSON file states them before its actions (`save_json` writes
+    them first), read from its first 64 KiB without parsing the rest; None for one not found there."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            head = fh.read(_HEADER_BYTES)
+    except OSError as exc:
+        raise ScheduleError(f"cannot read {path}: {exc.strerror}") from None
+    head = head.split('"actions"', 1)[0]
+    found = {key: int(value) for key, value in _HEADER_FIELD.findall(head)}
+    return found.get("num_ranks"), found.get("num_microbatches")
+
+
+def load_json(path: str, max_bytes: int = MAX_SCHEDULE_FILE_BYTES) -> Schedule:
+    """Read a schedule written by `save_json` (refused over `max_bytes` before it is parsed); never unpickles
+    anything."""
+    return Schedule.from_dict(read_json(path, max_bytes), source=path)
 
 
 def rows_to_csv(rows: Sequence[Iterable[Action]]) -> str:
@@ -326,8 +368,10 @@ def save_torch_csv(schedule: Schedule, path: str) -> None:
         fh.write(rows_to_csv(schedule.actions))
 
 
-def load_torch_csv(path: str, name: str | None = None, num_microbatches: int | None = None) -> Schedule:
-    """Read a torch `_dump_csv` file (compute-only or with comms); infer the stage table.
+def load_torch_csv(path: str, name: str | None = None, num_microbatches: int | None = None,
+                   max_bytes: int = MAX_SCHEDULE_FILE_BYTES) -> Schedule:
+    """Read a torch `_dump_csv` file (compute-only or with comms; refused over `max_bytes` before it is parsed); infer
+    the stage table.
 
     Stage ranks come from where each stage's actions appear; the stages form one chain.
     Empty cells (torch writes None as an empty cell) are skipped, and so are the FSDP
@@ -335,14 +379,13 @@ def load_torch_csv(path: str, name: str | None = None, num_microbatches: int | N
     `0RESHARD`, `0REDUCE_GRAD`), which move no pipeline data.
     """
     import csv
+    import io
 
     try:
-        with open(path, encoding="utf-8", newline="") as fh:
-            table = list(csv.reader(fh))
+        table = list(csv.reader(io.StringIO(read_capped_text(path, max_bytes, "schedule file", ScheduleError),
+                                            newline="")))
     except OSError as exc:
         raise ScheduleError(f"cannot read {path}: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        raise ScheduleError(f"{path}: not a text file ({exc})") from None
     rows = [
         tuple(_parse_in(cell, f"{path}: line {line + 1} (rank {line}), column {col + 1}")
               for col, cell in enumerate(row) if cell.strip() and not _TORCH_FSDP_RE.match(cell.strip()))
@@ -377,4 +420,7 @@ def schedule_from_rows(rows: Sequence[Sequence[Action]], name: str,
         raise ScheduleError(f"{source}: stages {missing} have no actions; stages must be 0..{num_stages - 1}")
     stages = tuple(StageInfo(stage_rank[s], s) for s in range(num_stages))
     m = num_microbatches if num_microbatches is not None else max_mb + 1
-    return Schedule(name, len(rows), m, stages, tuple(tuple(r) for r in rows))
+    try:
+        return Schedule(name, len(rows), m, stages, tuple(tuple(r) for r in rows))
+    except ScheduleError as exc:
+        raise ScheduleError(f"{source}: {exc}") from None

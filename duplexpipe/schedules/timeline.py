@@ -9,6 +9,10 @@ from typing import Any
 from duplexpipe.errors import ScheduleError
 from duplexpipe.schedules.ir import Action, Op, format_action, parse_action
 
+MAX_TIMELINE_FILE_BYTES = 256 * 2**20
+"""Largest timeline file the command line reads (256 MiB), refused before it is parsed (a timeline of P x M =
+500,000 is about 120 MB)."""
+
 
 @dataclass(frozen=True, slots=True)
 class Event:

@@ -4,8 +4,10 @@ Parameters and optimizer state are stored under global names (`model/state_names
 into any schedule, pipeline size, partition, data-parallel size or ZeRO stage and continues exactly. State
 tied to the layout (each rank's random-number generators, a compressing strategy's residuals) is restored
 when the layout is the same and reset, with one warning, when it is not. Nothing is pickled by us: the
-strategy state is tensors plus a JSON skeleton, and non-tensor values are read with weights_only=True
-(torch.distributed.checkpoint's own .metadata file is still a pickle: load checkpoints from trusted sources).
+strategy state is tensors plus a JSON skeleton, and non-tensor values are read with weights_only=True;
+torch.distributed.checkpoint's own .metadata file (a pickle) is read by an unpickler that admits only checkpoint
+metadata classes (`checkpoint_reader`), so loading a checkpoint never runs code. Each checkpoint holds a manifest of
+its files' checksums, written after every rank finished and checked before anything is read (`checkpoint_io`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from duplexpipe.dp_options.compression import compression_options
@@ -33,6 +34,7 @@ from duplexpipe.train.checkpoint_base import (
     set_trainer_state,
     stage_dict,
 )
+from duplexpipe.train.checkpoint_io import load_state, save_state, verify_files
 from duplexpipe.train.plain_state import WeightsOnlyLoadPlanner, decode, encode
 from duplexpipe.train.state_keys import StateKeys
 
@@ -111,15 +113,13 @@ def save_checkpoint(pipe: Checkpointable, path: str) -> None:
     if extra:
         state["dp"] = extra
     with quiet_sharded_tensor():
-        dcp.save(state, checkpoint_id=path)
+        save_state(state, path)
 
 
 def _saved_layout(path: str) -> str:
     """The layout the checkpoint was saved with (read by this rank alone)."""
     probe: dict[str, Any] = {"trainer": {"layout": ""}}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        dcp.load(probe, checkpoint_id=path, planner=WeightsOnlyLoadPlanner(allow_partial_load=True), no_dist=True)
+    load_state(probe, path, WeightsOnlyLoadPlanner(allow_partial_load=True), no_dist=True)
     return str(probe["trainer"]["layout"])
 
 
@@ -127,6 +127,7 @@ def load_checkpoint(pipe: Checkpointable, path: str) -> None:
     """Restore what `save_checkpoint` wrote into a pipeline of any layout (all ranks call); a checkpoint of the
     stage-keyed format 1 is refused on every rank, saying how to convert it (CHANGELOG.md)."""
     check_between_windows(pipe, "load")
+    verify_files(path, collective=True)
     stored = read_metadata(path).state_dict_metadata
     if "trainer.format" not in stored and any(_STAGE_KEY.match(k) for k in stored):
         raise ValueError(f"checkpoint {path} has the stage-keyed format 1 of earlier duplexpipe versions, which this "
@@ -147,7 +148,7 @@ def load_checkpoint(pipe: Checkpointable, path: str) -> None:
         if extra:
             state["dp"] = extra
     with quiet_sharded_tensor():
-        dcp.load(state, checkpoint_id=path, planner=WeightsOnlyLoadPlanner())
+        load_state(state, path, WeightsOnlyLoadPlanner())
     keys.to_local(model_sd, optim_sd, state["model"], state["optim"])
     if same:
         set_rng_state(state["rng"])
@@ -209,11 +210,11 @@ def check_names(pipe: Checkpointable, path: str, stored: dict[str, Any], model: 
 
 def read_checkpoint(path: str) -> dict[str, Any]:
     """Every entry of a checkpoint in this process, by its stored name (`model.<name>`, `optim.state.<name>.<key>`,
-    `trainer.calls`, ...): tensors whole (however they were sharded), other values as saved."""
+    `trainer.calls`, ...): tensors whole (however they were sharded), other values as saved. The files are checked
+    against the manifest first and nothing read runs code; CheckpointError (a ValueError) names what is wrong."""
+    verify_files(path, collective=False)
     stored = read_metadata(path).state_dict_metadata
     flat: dict[str, Any] = {k: torch.empty(v.size, dtype=v.properties.dtype)
                             if isinstance(v, TensorStorageMetadata) else None for k, v in stored.items()}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        dcp.load(flat, checkpoint_id=path, planner=WeightsOnlyLoadPlanner(), no_dist=True)
+    load_state(flat, path, WeightsOnlyLoadPlanner(), no_dist=True)
     return flat

@@ -10,13 +10,13 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata
 
 from duplexpipe.model.split import Partition
 from duplexpipe.parallel import DPStrategy, ParallelGroups
 from duplexpipe.schedules.ir import Schedule
+from duplexpipe.train.checkpoint_reader import read_metadata_file
 from duplexpipe.train.choice import AutoChoice
 from duplexpipe.train.pipeline_config import PipelineConfig
 from duplexpipe.train.precision import DynamicLossScaler
@@ -63,11 +63,9 @@ def set_trainer_state(pipe: Checkpointable, meta: dict[str, Any]) -> None:
 
 
 def read_metadata(path: str) -> Metadata:
-    """The checkpoint's metadata; ValueError when `path` is not a torch.distributed.checkpoint directory."""
-    try:
-        return dcp.FileSystemReader(path).read_metadata()
-    except (FileNotFoundError, NotADirectoryError):
-        raise ValueError(f"{path} is not a checkpoint (no .metadata file)") from None
+    """The checkpoint's metadata, read without running code (`checkpoint_reader`); CheckpointError (a ValueError)
+    when `path` is not a torch.distributed.checkpoint directory, is incomplete or corrupt, or is unsafe."""
+    return read_metadata_file(path)
 
 
 def check_scheduler(path: str, stored: dict[str, Any], has_scheduler: bool) -> None:

@@ -23,8 +23,8 @@ class PartChain(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         out = self.parts[0](*args, **kwargs)
-        for part in list(self.parts)[1:]:
-            form, leaves = flatten(out, "output")
+        for index, part in enumerate(list(self.parts)[1:]):
+            form, leaves = flatten(out, f"the output of merged part {index} ({type(self.parts[index]).__name__})")
             out = call(part, form, leaves)
         return out
 

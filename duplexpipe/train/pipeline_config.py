@@ -21,12 +21,13 @@ from duplexpipe.runtime.config import GradsReadyHook
 from duplexpipe.schedules.ir import Schedule
 from duplexpipe.schedules.timeline import Timeline
 from duplexpipe.sizes import memory_bytes
+from duplexpipe.train.nonfinite import check_nonfinite_policy
 from duplexpipe.train.precision import LossScaleConfig, autocast_dtype
 
 AUTO = "auto"
 """The PipelineConfig.schedule value that plans the schedule (the registry's `auto` generator is one candidate)."""
 AUTO_PLAN_KEYS = ("schedules", "microbatches", "chunks", "zero_stages", "compressions", "dp_link", "p2p_link",
-                  "optimizer_factor", "gradient_factor", "cores")
+                  "optimizer_factor", "gradient_factor", "cores", "tp_link")
 """schedule_options keys of schedule="auto" that go to the planner: the fields of `planner.plan.PlanConfig` a
 user sets (the others come from the Pipeline; a test keeps the two lists equal)."""
 AUTO_PROFILE_KEYS = ("repeats", "warmup", "timer", "fit_rows", "fused", "evict_bytes")
@@ -66,12 +67,14 @@ class PipelineConfig:
     schedule_options: dict[str, Any] = field(default_factory=dict)
     """Extra keyword options for the schedule generator, e.g. {"chunks": 2}. With "auto": the planner's
     PlanConfig fields (`schedules`, `microbatches`, `zero_stages`, `compressions`, `chunks`, `cores`,
-    `optimizer_factor`, `p2p_link`, ...; `microbatches`, `zero_stages`, `compressions` only for fields left
-    unset), profile_parts' `repeats`, `warmup`, `timer`, `fit_rows`, `fused`, `evict_bytes`, and the
+    `optimizer_factor`, `p2p_link`, `tp_link`, ...; `microbatches`, `zero_stages`, `compressions` only for fields
+    left unset), profile_parts' `repeats`, `warmup`, `timer`, `fit_rows`, `fused`, `evict_bytes`, and the
     calibration's `calibrate` (False: none), `calibration_budget_s` (default 3 s of measured steps),
     `calibration_cache` (a directory; None: no cache; default `planner.calibration_cache.default_cache_dir()`,
-    ~/.cache/duplexpipe/calibration, keyed by the parts, the sample, P, D, the machine and these settings)
-    and `cpu_timer`."""
+    ~/.cache/duplexpipe/calibration, keyed by the parts, the sample, P, D, T, the machine and these settings)
+    and `cpu_timer`. The calibration also measures the links it is not given: `p2p_link` (round trips) and,
+    under tensor parallelism, `tp_link` (all-reduces over the TP group; without a calibration and no `tp_link`
+    the planner's default, an NVLink node)."""
     memory_limit: int | str | None = None
     """schedule="auto" only: the bytes each rank may use (an int, or a size such as "40GiB"); None: no cap."""
     precision: str = "fp32"
@@ -109,6 +112,12 @@ class PipelineConfig:
     activations, e5m2 gradients, an fp32 scale per row) or "int8" (blocks of 256, fp32 scale per block);
     or a duplexpipe.comm.codec.Codec for both directions, or an (activation, gradient) pair of names,
     codecs or None. See duplexpipe.comm.p2p_codecs."""
+    nonfinite_grads: str = "raise"
+    """What a step whose gradients hold NaN or inf does (checked on every step, one all-reduce with the gradient
+    norm): "raise" (the default: every rank stops with NonFiniteGradientError naming the step and the first stage
+    and parameter, before the optimizer steps) or "skip" (the step is skipped on every rank and counted in
+    `Pipeline.skipped_steps`, as fp16 overflows are). With precision "fp16" an overflow is the loss scaler's: the
+    step is skipped and the scale lowered, whatever this says."""
     nonfinite_sends: str = "warn"
     """A compressed send holding NaN or inf (it always arrives non-finite): "warn" (count it, warn once) or
     "raise" (stop every rank; not with precision "fp16", whose overflow steps are routine)."""
@@ -130,9 +139,9 @@ class PipelineConfig:
     zero_stage: int | None = None
     """ZeRO over the data-parallel replicas: 0 none; 1 optimizer state sharded (reduce-scatter, step on the
     shard, all-gather; an elementwise optimizer such as SGD/Adam/AdamW); 2 gradients sharded too (torch
-    FSDP2, reduced stage by stage as they become final). 3 is refused (see README). grad_compression may be
-    "bf16", "fp16" or "int8" (int8 = ZeRO++ qgZ) with ZeRO. None (unset): 0, or with schedule="auto" the
-    planner's choice among the stages this configuration accepts; set, it is fixed."""
+    FSDP2, reduced stage by stage as they become final). 3 is refused (docs/data-parallel.md says why).
+    grad_compression may be "bf16", "fp16" or "int8" (int8 = ZeRO++ qgZ) with ZeRO. None (unset): 0, or with
+    schedule="auto" the planner's choice among the stages this configuration accepts; set, it is fixed."""
     zero: ZeroOptions = field(default_factory=ZeroOptions)
     """ZeRO++ options for zero_stage 1 and 2: quantized_gradients (qgZ), quantized_weights (qwZ), hpz_ranks."""
     sequence_parallel: bool = False
@@ -148,6 +157,7 @@ class PipelineConfig:
     pairs, or no MoE layers) runs as False does."""
 
     def __post_init__(self) -> None:
+        check_schedule_name(self.schedule)
         memory_bytes(self.memory_limit)
         if not isinstance(self.sequence_parallel, bool):
             raise ValueError(f"PipelineConfig.sequence_parallel must be a bool, got {self.sequence_parallel!r}")
@@ -161,6 +171,7 @@ class PipelineConfig:
         autocast_dtype(self.precision)
         p2p_codec_pair(self.p2p_compression, "PipelineConfig.p2p_compression")
         check_policy(self.nonfinite_sends, "PipelineConfig.nonfinite_sends")
+        check_nonfinite_policy(self.nonfinite_grads)
         if self.nonfinite_sends == "raise" and self.precision == "fp16":
             raise ValueError("PipelineConfig.nonfinite_sends='raise' with precision='fp16': dynamic loss scaling "
                              "overflows routinely and relies on inf/NaN gradients reaching its overflow check; "
@@ -189,6 +200,18 @@ class PipelineConfig:
                 f"grad_clip_norm={self.grad_clip_norm} would clip DGC's averaged momentum-corrected velocity, "
                 "not a gradient; DGC clips each rank's gradient before its momentum: set "
                 "DGCOptions(clip_norm=...) and grad_clip_norm=None")
+
+
+def check_schedule_name(schedule: object) -> None:
+    """ValueError naming the value and the choices unless `schedule` is a registry name ("auto" among them) or a
+    Schedule."""
+    from duplexpipe.schedules.registry import names
+
+    if isinstance(schedule, Schedule) or schedule == AUTO:
+        return
+    if not isinstance(schedule, str) or schedule not in names():
+        raise ValueError(f"PipelineConfig.schedule must be a Schedule or one of {', '.join(names())}; got "
+                         f"{schedule!r}")
 
 
 def check_auto_options(config: PipelineConfig) -> None:
@@ -234,9 +257,11 @@ class StepInfo:
     applied: bool
     """True when this call ended an accumulation window and the optimizer stepped."""
     skipped: bool
-    """True when the window's gradients overflowed in fp16 and the step was skipped everywhere."""
+    """True when the window's gradients held NaN or inf (an fp16 overflow, or nonfinite_grads="skip") and the step
+    was skipped everywhere."""
     grad_norm: float | None
-    """Global gradient norm before clipping (None when not computed: no clipping, no fp16, mid-window)."""
+    """Global gradient norm before clipping, at the end of every accumulation window (None mid-window); NaN or inf
+    when the gradients held such values (never a masked number)."""
     loss_scale: float
     """The loss scale this call used (1.0 unless fp16)."""
     timeline: Timeline | None

@@ -61,14 +61,16 @@ class DynamicLossScaler:
         self.skipped_steps = 0
 
     def update(self, overflow: bool) -> None:
-        """Back off after an overflow; grow after `growth_interval` clean steps in a row."""
+        """Back off after an overflow; grow after `growth_interval` clean steps in a row. Disabled (fp32, bf16), it
+        only counts the skipped steps (PipelineConfig.nonfinite_grads="skip")."""
+        if overflow:
+            self.skipped_steps += 1
         if not self.enabled:
             return
         cfg = self.config
         if overflow:
             self.scale = max(self.scale * cfg.backoff_factor, cfg.min_scale)
             self.good_steps = 0
-            self.skipped_steps += 1
             return
         self.good_steps += 1
         if self.good_steps >= cfg.growth_interval:

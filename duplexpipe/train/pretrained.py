@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from duplexpipe.files import read_capped
 from duplexpipe.model.hf import MODEL_TYPES, CausalLMPart, causal_lm_parts, causal_lm_targets, counted_tokens
 from duplexpipe.model.hf_files import INDEX_FILE, SINGLE_FILE, StoredTensor, read_into, stored_tensors
 from duplexpipe.model.hf_fused import FusedSlice, fused_source, read_slices, renamed_source
@@ -30,6 +31,8 @@ SOURCE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.js
                 "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model",
                 "chat_template.jinja", "chat_template.json")
 """Files of a model directory that `save_pretrained` copies from the source when present (tokenizer, generation)."""
+MAX_CONFIG_BYTES = 16 * 2**20
+"""Largest config.json read (16 MiB)."""
 
 
 def _shown(names: Sequence[str]) -> str:
@@ -52,7 +55,7 @@ def check_model_dir(path: str | Path) -> str:
     if not (root / "config.json").is_file():
         raise ValueError(f"{path} is not a model directory (no config.json)")
     try:
-        config = json.loads((root / "config.json").read_text(encoding="utf-8"))
+        config = json.loads(read_capped(root / "config.json", MAX_CONFIG_BYTES, "model config"))
         model_type = config.get("model_type")
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
         raise ValueError(f"{root / 'config.json'} is not a JSON object ({exc})") from None

@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from duplexpipe.comm.meter import WireMeter
 from duplexpipe.dp_options.compression import compression_options
+from duplexpipe.errors import NonFiniteGradientError
 from duplexpipe.model.split import (
     Balance,
     Partition,
@@ -126,7 +127,7 @@ class Pipeline:
         self.device = torch.device(device) if device is not None else default_device()
         planned = plan_pipeline(parts, loss_fn, optimizer, config or PipelineConfig(), groups=groups,
                                 device=self.device, init=init, partition=partition,
-                                sample=(sample_input, sample_targets))
+                                sample=(sample_input, sample_targets), tp_plan=tp_plan)
         parts, init, partition = planned.parts, planned.init, planned.partition
         self.config = cfg = planned.config
         """The config this pipeline runs (with "auto": the planner's M, ZeRO stage and compression set)."""
@@ -319,6 +320,8 @@ class Pipeline:
             if self._window_calls == cfg.accumulation_steps:
                 skipped, norm = self._apply()
                 applied = not skipped
+        except NonFiniteGradientError:  # every rank raises it at the same point: nobody waits
+            raise
         except BaseException as exc:  # the other ranks wait in collectives: tell them
             self.runtime.report_failure(exc)
             raise
@@ -350,11 +353,14 @@ class Pipeline:
         self.tensor.finish(self.stage_modules, self.bounded)
         self.dp.finish()
         self.tied.sum_grads(wait=self.bounded)  # weights shared by several parts (tied embeddings)
-        norm, overflow = self.dp.norm_and_overflow(cfg.grad_clip_norm is not None or self.scaler.enabled)
-        if overflow and self.scaler.enabled:
-            self.scaler.update(overflow=True)
+        norm, overflow = self.dp.norm_and_overflow(True)  # every step: NaN/inf never trains (train/nonfinite.py)
+        if overflow:
+            error = self._nonfinite(norm) if not self.scaler.enabled and cfg.nonfinite_grads == "raise" else None
             self.dp.skip()
             self.experts.after_step(applied=False, wait=self.bounded)
+            if error is not None:
+                raise error  # on every rank alike (the verdict is shared); the pipeline stays usable
+            self.scaler.update(overflow=True)
             return True, norm
         self.dp.step(grads.clip_factor(norm or 0.0, cfg.grad_clip_norm))
         self.experts.after_step(applied=True, wait=self.bounded)
@@ -363,6 +369,18 @@ class Pipeline:
         self.scaler.update(overflow=False)
         self.optimizer_steps += 1
         return False, norm
+
+    def _nonfinite(self, norm: float | None) -> Exception:
+        """The NonFiniteGradientError of this step, naming the first stage and parameter (collective)."""
+        from duplexpipe.train.checkpoint import state_keys
+        from duplexpipe.train.nonfinite import located, nonfinite_error
+
+        return nonfinite_error(self.calls, norm, located(self.stage_state_modules, state_keys(self).names))
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped because the gradients held NaN or inf (fp16 overflows, nonfinite_grads="skip")."""
+        return self.scaler.skipped_steps
 
     def evaluate(self, inputs: Any, targets: Any = None) -> EvalResult:
         """Forward only, in eval mode (dropout off, no autograd).

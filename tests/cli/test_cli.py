@@ -90,6 +90,27 @@ def _must_not_run(*args: Any, **kwargs: Any) -> Any:
     raise AssertionError("expensive work ran before the input was checked")
 
 
+def test_schedule_files_over_the_limits_are_refused_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """A 200 MB schedule file (sparse) by its size; P x M over the limit by the header, before the actions (here
+    unparseable) are read; a timeline file by its size."""
+    huge = tmp_path / "huge.json"
+    with open(huge, "wb") as fh:
+        fh.truncate(200 * 2**20)
+    one_line_error(*run(capsys, "verify", str(huge)), "is 209,715,200 bytes, over the 128 MiB limit")
+    wide = tmp_path / "wide.json"
+    wide.write_text('{"format": "duplexpipe-schedule", "version": 1, "name": "x", "num_ranks": 2000, '
+                    '"num_microbatches": 1000, "stages": [], "actions": [["not an action"]]}')
+    monkeypatch.setattr("duplexpipe.cli.args.load_json", _must_not_run)
+    one_line_error(*run(capsys, "verify", str(wide)), "P=2000 M=1000: P x M = 2,000,000 is over the command line's "
+                                                      "limit of 500,000")
+    timeline = tmp_path / "timeline.json"
+    with open(timeline, "wb") as fh:
+        fh.truncate(300 * 2**20)
+    one_line_error(*run(capsys, "plot", str(timeline), "-o", str(tmp_path / "t.png")),
+                   "over the 256 MiB limit for a timeline file")
+
+
 @pytest.mark.parametrize("name", [n for n in registry.names() if registry.check(n, 4, 8) is None])
 def test_simulate_and_compare_agree_by_default(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "compare", name, "-p", "4", "-m", "8", "--json")

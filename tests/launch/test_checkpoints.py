@@ -10,9 +10,11 @@ import pytest
 from duplexpipe.launch.checkpoints import (
     LATEST,
     checkpoint_to_load,
+    discard_partial,
     latest_checkpoint,
     publish,
     resume_from,
+    step_folders,
     step_name,
 )
 
@@ -57,3 +59,20 @@ def test_publish_replaces_latest_atomically_and_keeps_the_newest(tmp_path: Path)
     publish(str(tmp_path), step_name(9), keep=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST, "step-000009", "step-000012"]
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir()), "no temporary file left"
+
+
+def test_a_huge_latest_file_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    _checkpoint(tmp_path, 3)
+    with open(tmp_path / LATEST, "wb") as fh:
+        fh.truncate(2**30)  # sparse
+    with pytest.raises(ValueError, match="over the 4 KiB limit for a 'latest' file"):
+        resume_from(None, str(tmp_path))
+
+
+def test_a_failed_saves_folder_goes_unless_latest_names_it(tmp_path: Path) -> None:
+    for step in (1, 2):
+        _checkpoint(tmp_path, step)
+    publish(str(tmp_path), step_name(1))
+    discard_partial(str(tmp_path), step_name(2))
+    discard_partial(str(tmp_path), step_name(1))
+    assert [p.name for p in step_folders(tmp_path)] == [step_name(1)]

@@ -97,3 +97,82 @@ def test_a_good_configuration_passes_and_the_task_is_built_on_the_meta_device() 
         checks.check_training(TrainConfig(ranks=8, microbatches=16))
     task = checks._built(TrainConfig())
     assert all(p.is_meta for layer in task.layers for p in layer.parameters())
+
+
+ANNOTATED = """
+from torch import nn
+from duplexpipe import TrainTask
+
+def task(seed: int = 0) -> TrainTask:
+    layers = [nn.Linear(4, 4) for _ in range(8)]
+    return TrainTask(layers=layers, loss_fn=nn.functional.mse_loss, batch=lambda s, n: (None, None))
+
+def unannotated(seed=0):
+    return task(seed)
+
+def bad_layers(seed: int = 0) -> TrainTask:
+    return TrainTask(layers=5, loss_fn=nn.functional.mse_loss, batch=lambda s, n: (None, None))
+"""
+
+
+@pytest.mark.parametrize("case, message", [
+    ("builtin", "task 'os:system': system is a builtin_function_or_method, not a task function"),
+    ("class", "task 'subprocess:Popen': Popen is a type, not a task function"),
+    ("file-builtin", "task 'os:system' comes from a config file|system is a builtin_function_or_method"),
+    ("file-unannotated", "comes from a config file, but unannotated is not annotated '-> TrainTask'"),
+    ("bad-layers", "TrainTask.layers must be an nn.Sequential or a list of nn.Module, got int"),
+    ("small-batch", "batch_size 4 is smaller than microbatches x dp = 8 x 1"),
+    ("huge-config", "over the 1 MiB limit for a config file"),
+])
+def test_a_task_or_config_that_would_run_something_else_is_refused_before_it_runs(
+        case: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    marker = tmp_path / "marker"
+    tasks = _task_file(tmp_path, "tasks", ANNOTATED).rsplit(":", 1)[0]
+    config = tmp_path / "run.toml"
+    argv = {
+        "builtin": ["--task", "os:system", "--task-option", f"command='touch {marker}'"],
+        "class": ["--task", "subprocess:Popen", "--task-option", f"args=['touch', '{marker}']"],
+        "file-builtin": ["--config", str(config)],
+        "file-unannotated": ["--config", str(config)],
+        "bad-layers": ["--task", f"{tasks}:bad_layers"],
+        "small-batch": ["--batch-size", "4", "--microbatches", "8"],
+        "huge-config": ["--config", str(config)],
+    }[case]
+    if case == "file-builtin":
+        config.write_text(f'task = "os:system"\n[task_options]\ncommand = "touch {marker}"\n')
+    elif case == "file-unannotated":
+        config.write_text(f'task = "{tasks}:unannotated"\n')
+    elif case == "huge-config":
+        with open(config, "wb") as fh:
+            fh.truncate(2 * 2**20)
+    assert cli_main(["train", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("duplexpipe: error:") and err.count("\n") == 1, err
+    assert any(m in err for m in message.split("|")), err
+    assert not marker.exists(), "the task ran a command"
+
+
+def test_a_config_naming_an_annotated_task_or_the_command_line_naming_any_function_passes(tmp_path: Path) -> None:
+    tasks = _task_file(tmp_path, "tasks", ANNOTATED).rsplit(":", 1)[0]
+    config = tmp_path / "run.toml"
+    for argv in (["--config", str(config)], ["--task", f"{tasks}:unannotated"]):
+        config.write_text(f'task = "{tasks}:task"\n')
+        with pytest.raises(AssertionError, match="started processes"):  # every check passed
+            cli_main(["train", "--schedule", "1f1b", "--ranks", "2", "--microbatches", "2", "--batch-size", "4",
+                      *argv])
+
+
+def test_a_crafted_checkpoint_to_resume_from_is_refused_before_any_process(tmp_path: Path,
+                                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    from _checkpoint_faults import craft, small_checkpoint
+
+    from duplexpipe.launch.checkpoints import publish
+
+    save = tmp_path / "ckpt"
+    small_checkpoint(save / "step-000005")
+    publish(str(save), "step-000005")
+    craft(save / "step-000005", tmp_path / "marker")
+    assert cli_main(["train", "--save", str(save), "--steps", "10"]) == 2  # resumes from `latest` by default
+    err = capsys.readouterr().err
+    assert "its .metadata names posix.system, which checkpoint metadata never holds" in err and err.count("\n") == 1
+    assert not (tmp_path / "marker").exists()

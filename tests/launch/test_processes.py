@@ -27,6 +27,8 @@ from duplexpipe.launch.processes import (
     free_port,
     launch,
     launched_by_torchrun,
+    local_environment,
+    loopback_interface,
     run,
 )
 from duplexpipe.train.trainer import Pipeline, PipelineConfig
@@ -122,6 +124,42 @@ def test_forkserver_ranks_give_the_same_results_and_a_bad_method_is_named() -> N
     assert [r[:3] for r in launch(_sum_ranks, 2, (10,), start_method="forkserver")] == [(0, 2, 21), (1, 2, 21)]
     with pytest.raises(ValueError, match="start_method 'fork' is not one of"):
         launch(_sum_ranks, 2, (10,), start_method="fork")
+
+
+def _listening() -> list[tuple[str, int]]:
+    """(local address, port) of every TCP socket this process listens on (from /proc/net/tcp and tcp6)."""
+    t = torch.ones(2)
+    dist.all_reduce(t)  # gloo's pairs are connected: every socket it opens is open now
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:  # LISTEN, owned by this process
+                address, port = cols[1].rsplit(":", 1)
+                found.append((address, int(port, 16)))
+    return found
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="needs /proc/net/tcp")
+def test_a_local_job_listens_on_loopback_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0's store and every rank's gloo sockets listen on 127.0.0.1 (torch's own store server would listen on
+    every interface); an interface the launcher's environment names is kept."""
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    per_rank = launch(_listening, 2, start_method="forkserver")
+    assert len(per_rank[0]) >= 2 and per_rank[1], per_rank  # rank 0: the store and gloo; rank 1: gloo
+    assert {address for sockets in per_rank for address, _ in sockets} == {"0100007F"}, per_rank  # 127.0.0.1
+    env = local_environment({"GLOO_SOCKET_IFNAME": "eth7"}, 1, 2, 29500)
+    assert env["GLOO_SOCKET_IFNAME"] == "eth7" and env["MASTER_ADDR"] == "127.0.0.1" and env["RANK"] == "1"
+    assert local_environment({}, 0, 2, 29500)["NCCL_SOCKET_IFNAME"] == loopback_interface()
 
 
 @pytest.mark.timeout(60)

@@ -157,7 +157,7 @@ def test_bad_config_files_are_clear_errors(tmp_path: Path) -> None:
         load_config_file(str(unknown))
     huge = tmp_path / "huge.toml"
     huge.write_text("# " + "x" * (1 << 20) + "\n")
-    with pytest.raises(ValueError, match="huge.toml: .* bytes is over the limit"):
+    with pytest.raises(ValueError, match="huge.toml is .* bytes, over the 1 MiB limit"):
         load_config_file(str(huge))
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from duplexpipe.errors import StructureError
 from duplexpipe.model import split
 from duplexpipe.model.split import (
     check_balance,
@@ -96,6 +97,17 @@ def test_split_errors_name_the_values() -> None:
         split_model(model, 2, "fast")
     with pytest.raises(ValueError, match="sample_input"):
         split_model(model, 2, "time")
+
+
+class _ReturnsNone(nn.Module):
+    def forward(self, x: torch.Tensor) -> None:
+        return None
+
+
+def test_a_layer_returning_nothing_is_named_when_profiled() -> None:
+    layers = [nn.Linear(4, 4), _ReturnsNone(), nn.Linear(4, 4)]
+    with pytest.raises(StructureError, match=r"the output of layer 1 \(_ReturnsNone\) is NoneType; expected a tensor"):
+        plan_partition(layers, 2, "time", sample_input=torch.zeros(2, 4))
 
 
 def test_split_model_parts_compose_to_the_model() -> None:

@@ -2,27 +2,35 @@
 float64 with the bundled plan, 3 AdamW steps with clipping against one process: every schedule with and without
 sequence parallelism, activation checkpointing, tied weights, fp16's shared overflow decision, low-precision sends,
 gradient compression on local shards (PP=1 x DP=2 x TP=2), evaluate, the "tp" lane, per-rank parameter bytes,
-checkpoints resharded to PP=4 x TP=1 and PP=1 x DP=2 x TP=2, and bad input refused on every rank before anything
-blocks."""
+checkpoints resharded to PP=4 x TP=1 and PP=1 x DP=2 x TP=2 (their manifest listing every rank's shard; a flipped
+shard refused on every rank), NaN in one TP rank's gradient shard (raise and skip), and bad input refused on every
+rank before anything blocks."""
 
 from __future__ import annotations
 
 import math
+import re
+import shutil
 import tempfile
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from _checkpoint_faults import flip
 from _tp_cases import CLIP, STEPS, Reference, adamw, batch, gpt, loss_fn, max_rel, pipeline, train
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from duplexpipe import Pipeline, PipelineConfig, make_mesh
+from duplexpipe.errors import CheckpointError, NonFiniteGradientError
 from duplexpipe.launch.tasks.gpt import gpt_tp_plan
 from duplexpipe.parallel.mesh import ParallelGroups
 from duplexpipe.parallel.tp_lane import TP_LANE
+from duplexpipe.runtime.local_tensors import local_of
+from duplexpipe.train.checkpoint_manifest import read_manifest
 from duplexpipe.train.precision import LossScaleConfig
 
 WORLD = 4
@@ -36,6 +44,9 @@ MORE: dict[str, dict[str, Any]] = {
     "checkpointing zb-h1 sp": {"schedule": "zb-h1", "activation_checkpointing": True, "sequence_parallel": True},
     "auto sp": {"schedule": "auto", "sequence_parallel": True,
                 "schedule_options": {"schedules": ("1f1b",), "calibrate": False, "repeats": 1, "warmup": 0}},
+    "auto calibrated": {"schedule": "auto", "schedule_options": {
+        "schedules": ("1f1b",), "microbatches": (4,), "calibration_budget_s": 0.2, "calibration_cache": None,
+        "repeats": 1, "warmup": 0}},
 }
 """Further configurations (exact too)."""
 
@@ -76,6 +87,11 @@ def _exact(out: dict[str, Any]) -> None:
         out[name] = train(pipe, range(STEPS))
         out[f"{name} sharded"] = any(isinstance(p, DTensor) for m in pipe.stage_modules.values()
                                      for p in m.parameters())
+        if pipe.auto is not None:  # planned with the TP-divided costs of this mesh: its parameter bytes per rank
+            best = pipe.auto.result.best
+            out[f"{name} mesh"] = (best.ranks, best.dp, best.tp, pipe.auto.profile.tp_degrees)
+            out[f"{name} param bytes"] = (best.memory[pipe.groups.pp_rank].params, pipe.param_bytes)
+            out[f"{name} source"] = pipe.auto.source
     for name, schedule, sp in (("tied 1f1b", "1f1b", False), ("tied dualpipev sp", "dualpipev", True)):
         pipe = pipeline((2, 1, 2), PipelineConfig(schedule, 4, sequence_parallel=sp, grad_clip_norm=CLIP), tied=True,
                         plan=_tied_plan(sp))
@@ -118,6 +134,47 @@ def _checkpoints(out: dict[str, Any]) -> None:
             warnings.simplefilter("ignore", UserWarning)
             pipe.load(where[0])
         out[f"resumed {name}"] = train(pipe, range(2, STEPS))
+    _damaged(out, where[0], pipe)
+
+
+def _damaged(out: dict[str, Any], saved: str, pipe: Pipeline) -> None:
+    """The TP checkpoint's manifest lists every rank's shard file; a copy with one TP rank's shard flipped is refused
+    on every rank before anything is read."""
+    if dist.get_rank() == 0:
+        out["manifest"] = sorted(read_manifest(saved) or {})
+        shutil.copytree(saved, f"{saved}-flipped")
+        flip(Path(f"{saved}-flipped") / "__3_0.distcp")
+    dist.barrier()
+    try:
+        pipe.load(f"{saved}-flipped")
+        out["flipped"] = ""
+    except CheckpointError as exc:
+        out["flipped"] = str(exc)
+
+
+def _nonfinite(out: dict[str, Any]) -> None:
+    """NaN in one TP rank's shard of one weight at step 1 (fp64, no fp16 scaler): "raise" stops every rank naming
+    the stage and parameter before any shard steps; "skip" skips the step everywhere with a non-finite norm."""
+    for policy in ("raise", "skip"):
+        pipe = pipeline((2, 1, 2), PipelineConfig("1f1b", 4, grad_clip_norm=CLIP, nonfinite_grads=policy))
+        state = {"step": -1}
+        if dist.get_rank() == 1:  # pipeline rank 0, TP rank 1: one shard of one weight
+            weight = pipe.stage_modules[0].get_submodule("layer0.attn.q").weight
+            weight.register_hook(lambda g, state=state: torch.full_like(g, math.nan) if state["step"] == 1 else g)
+        steps = []
+        for step in range(STEPS):
+            state["step"] = step
+            before = [local_of(p).detach().clone() for p in pipe.params]
+            try:
+                pipe.step(*batch(step))
+            except NonFiniteGradientError as exc:
+                out["nonfinite raise"] = str(exc)
+                out["nonfinite kept"] = all(torch.equal(a, local_of(p)) for a, p in zip(before, pipe.params,
+                                                                                        strict=True))
+                break
+            assert pipe.last is not None and pipe.last.grad_norm is not None
+            steps.append((pipe.last.skipped, math.isfinite(pipe.last.grad_norm)))
+        out[f"nonfinite {policy} steps"] = steps
 
 
 def _bad_input(out: dict[str, Any]) -> None:
@@ -155,6 +212,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     _bad_input(out)
     _exact(out)
     _precision(out)
+    _nonfinite(out)
     _checkpoints(out)
     return out
 
@@ -190,6 +248,16 @@ def test_more_schedules_checkpointing_and_auto_are_exact_and_sharded(results: li
     for res in results:
         assert max_rel(res[name], want["losses"]) <= 1e-10
         assert res[f"{name} sharded"]
+
+
+def test_auto_plans_the_tp_mesh_with_each_ranks_share(results: list[dict[str, Any]]) -> None:
+    for res in results:
+        for name in ("auto sp", "auto calibrated"):
+            assert res[f"{name} mesh"] == (2, 1, 2, (2, 4))  # the GPT's 4 heads: TP 2 or 4
+            predicted, held = res[f"{name} param bytes"]
+            assert predicted == held  # the planner's parameters per rank: shards plus the replicated ones
+        assert "TP link" in res["auto calibrated source"]  # measured by the calibration (all-reduces over TP)
+        assert "TP link" not in res["auto sp source"]  # no calibration: the default link
 
 
 def test_tied_weights_sharded_alike_are_summed_on_their_shards(results: list[dict[str, Any]],
@@ -254,6 +322,25 @@ def test_a_tp_checkpoint_continues_exactly_in_other_layouts(results: list[dict[s
         assert max_rel(res["saved"], want["losses"][:2]) <= 1e-10
         assert max_rel(res["resumed pp4"], want["losses"][2:]) <= 1e-10
         assert max_rel(res["resumed dp2 tp2"], want["losses"][2:]) <= 1e-10
+
+
+def test_nonfinite_gradients_in_one_tp_shard_stop_or_skip_every_rank(results: list[dict[str, Any]]) -> None:
+    messages = {res["nonfinite raise"] for res in results}
+    assert len(messages) == 1, messages  # the same error on every rank
+    message = messages.pop()
+    assert re.match(r"step 2: non-finite gradients, the first in stage 0, parameter '\S*layer0\.attn\.q\.weight' "
+                    r"\(rank 1\) holds nan; gradient norm nan", message), message
+    for res in results:
+        assert res["nonfinite kept"] and res["nonfinite raise steps"] == [(False, True)]
+        assert res["nonfinite skip steps"] == [(False, True), (True, False), (False, True)]
+
+
+def test_a_tp_checkpoint_has_every_ranks_shard_in_its_manifest_and_a_flipped_one_is_refused(
+        results: list[dict[str, Any]]) -> None:
+    assert results[0]["manifest"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp"]
+    for res in results:
+        assert re.match(r"checkpoint \S+-flipped is incomplete or corrupt: __3_0\.distcp differs from the checksum",
+                        res["flipped"]), res["flipped"]
 
 
 def test_bad_input_is_refused_on_every_rank_before_anything_blocks(results: list[dict[str, Any]]) -> None:

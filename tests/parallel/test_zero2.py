@@ -1,9 +1,11 @@
 """Tests for duplexpipe.parallel.zero2 (ZeRO-2 over torch FSDP2) at PP=1 x DP=4, one spawn of 4 gloo ranks:
 memory fractions at DP=4, hpZ on 2 "nodes" x 2 local ranks, what the strategy relies on in FSDP2, an
-evaluation followed by a checkpoint, and float64 stages whose outputs are views against one process."""
+evaluation followed by a checkpoint, float64 stages whose outputs are views against one process, and NaN gradient
+shards (raise and skip)."""
 
 from __future__ import annotations
 
+import math
 import traceback
 import warnings
 from pathlib import Path
@@ -11,13 +13,15 @@ from typing import Any
 
 import pytest
 import torch
-from _zero_cases import CLIP, adamw, build, flat_params, held_bytes, max_rel, train
+from _zero_cases import CLIP, adamw, build, flat_params, held_bytes, local_batch, max_rel, train
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from duplexpipe import Pipeline, PipelineConfig, make_mesh
 from duplexpipe.dp_options.zero import ZeroOptions
+from duplexpipe.errors import NonFiniteGradientError
 from duplexpipe.launch.processes import launch
+from duplexpipe.runtime.local_tensors import local_of
 
 SPAWN_TIMEOUT_S = 240
 DP = 4
@@ -116,9 +120,47 @@ def _float64_views() -> dict[str, Any]:
     return out
 
 
+def _nonfinite() -> dict[str, Any]:
+    """Replica 2's rows are NaN at step 1, so every rank's gradient shard (a DTensor of FSDP2) is NaN after the
+    reduce-scatter: "raise" (every rank's error, and whether its shards kept their values) and "skip" (per step:
+    skipped, finite norm)."""
+    out: dict[str, Any] = {}
+    for policy in ("raise", "skip"):
+        pipe = build("1f1b", 2, DP, nonfinite_grads=policy)
+        steps = []
+        for step in range(3):
+            x, y = local_batch(pipe, step)
+            if step == 1 and pipe.groups.dp_rank == 2:
+                x = torch.full_like(x, math.nan)
+            before = [local_of(p).detach().clone() for p in pipe.params]
+            try:
+                pipe.step(x, y)
+            except NonFiniteGradientError as exc:
+                out["raise"] = str(exc)
+                out["kept"] = all(torch.equal(a, local_of(p)) for a, p in zip(before, pipe.params, strict=True))
+                break
+            assert pipe.last is not None and pipe.last.grad_norm is not None
+            steps.append((pipe.last.skipped, math.isfinite(pipe.last.grad_norm)))
+        out[f"{policy} steps"] = steps
+    return out
+
+
 def _worker(root: str) -> dict[str, Any]:
     return {"memory": _memory_and_pins(), "hpz": _hpz(), "eval": _evaluate_then_save(root),
-            "float64": _float64_views()}
+            "float64": _float64_views(), "nonfinite": _nonfinite()}
+
+
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
+def test_nonfinite_gradient_shards_stop_or_skip_every_rank(results: list[dict[str, Any]]) -> None:
+    messages = {res["nonfinite"]["raise"] for res in results}
+    assert len(messages) == 1, messages  # the same error on every rank
+    message = messages.pop()
+    assert message.startswith("step 2: non-finite gradients, the first in stage 0, parameter ") and \
+        "(rank 0) holds nan; gradient norm nan" in message, message
+    for res in results:
+        got = res["nonfinite"]
+        assert got["kept"] and got["raise steps"] == [(False, True)]
+        assert got["skip steps"] == [(False, True), (True, False), (False, True)]
 
 
 @pytest.fixture(scope="module")

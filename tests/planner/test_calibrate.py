@@ -89,7 +89,7 @@ def test_with_calibration_applies_the_measured_link_and_walls_once_in_range() ->
     profile, planned, note = with_calibration(measured, config)
     assert (planned.p2p_link.latency, planned.p2p_link.bandwidth) == (2e-5, 1e9) and "link 20 us per message" in note
     assert profile.overhead is not None and profile.overhead.wall_scale > 1.0 and "walls" in note
-    kept, same, _ = with_calibration(measured, config, link=False)
+    kept, same, _ = with_calibration(measured, config, links=())
     assert same.p2p_link == config.p2p_link
     far = replace(bare, meta={"calibration_walls": [["gpipe", 4, 2 * MAX_SCALE * model]]})
     unchanged, _, note = with_calibration(far, config)

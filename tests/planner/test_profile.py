@@ -58,6 +58,10 @@ def test_unreadable_and_invalid_files(tmp_path: Path) -> None:
     (tmp_path / "x.json").write_text("{nope", encoding="utf-8")
     with pytest.raises(ProfileError, match="is not valid JSON"):
         load_profile(tmp_path / "x.json")
+    with open(tmp_path / "huge.json", "wb") as fh:
+        fh.truncate(100 * 2**20)  # sparse
+    with pytest.raises(ProfileError, match="is 104,857,600 bytes, over the 64 MiB limit for a profile"):
+        load_profile(tmp_path / "huge.json")
 
 
 def test_scaling_to_another_microbatch_keeps_parameters() -> None:

@@ -12,7 +12,7 @@ from models import DIM, VOCAB, loss_fn, make_batch, make_parts
 from torch import nn
 
 from duplexpipe.comm.codec import TensorSpec
-from duplexpipe.errors import PipelineError
+from duplexpipe.errors import ActivationShapeError, PipelineError
 from duplexpipe.runtime.message_meta import Message
 from duplexpipe.runtime.stage_compute import LiveActivations, StageCompute, activations_left
 from duplexpipe.runtime.structure import TENSOR, flatten
@@ -197,3 +197,19 @@ def test_split_backward_on_cuda_matches_full_backward() -> None:
             stage.backward_weight(act, 0)
     for a, b in zip(full.params(), split.params(), strict=True):
         torch.testing.assert_close(b.grad, a.grad)
+
+
+def test_a_loss_input_with_other_rows_than_its_targets_is_refused() -> None:
+    """A stage that returns 1 row for a microbatch of 4 would broadcast in the loss: named, with the rows; a last
+    stage that returns None is named too."""
+    stage = StageCompute(3, nn.Linear(DIM, DIM), None)
+    targets = torch.zeros(4, DIM)
+    with pytest.raises(ActivationShapeError, match=r"stage 3 microbatch 2: the loss input \(this last stage's "
+                                                   r"output\) has 1 rows but its targets have 4: a stage changed"):
+        stage.loss(torch.zeros(1, DIM), targets, torch.nn.functional.mse_loss, 2)
+    structured = stage.loss({"logits": torch.zeros(4, DIM)}, {"labels": targets},
+                            lambda out, t: torch.nn.functional.mse_loss(out["logits"], t["labels"]), 0)
+    assert structured.item() == 0.0  # rows agree: structures of any form pass
+    assert stage.loss(torch.zeros(4, DIM), torch.zeros(()), lambda o, t: o.sum() * t, 0).item() == 0.0  # no rows
+    with pytest.raises(PipelineError, match=r"stage 3 microbatch 1: the module's output is NoneType; expected"):
+        stage.loss(None, targets, torch.nn.functional.mse_loss, 1)

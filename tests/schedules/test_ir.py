@@ -18,6 +18,7 @@ from duplexpipe.schedules.ir import (
     Schedule,
     StageInfo,
     format_action,
+    json_header,
     load_json,
     load_torch_csv,
     parse_action,
@@ -107,13 +108,38 @@ GOOD = {"format": "duplexpipe-schedule", "version": 1, "name": "x", "num_ranks":
     ({"actions": [["0F0", "0Z0"]]}, "rank 0, position 1"),
     ({"actions": [["0F0", 5]]}, "5"),
     ({"actions": [["0F0"], ["0B0"]]}, "expected 1 action lists"),
+    ({"actions": [["0F0"] * 9]}, "9 actions, more than the 8 a schedule of 1 stages and 1 microbatches can hold"),
 ])
 def test_malformed_json_names_the_problem(tmp_path: Path, change: dict, needle: str) -> None:
     path = tmp_path / "bad.json"
     path.write_text(json.dumps({**GOOD, **change}))
     with pytest.raises(ScheduleError) as err:
         load_json(str(path))
-    assert needle in str(err.value)
+    assert needle in str(err.value) and str(err.value).startswith(f"{path}: "), err.value  # names the file
+
+
+def test_a_csv_with_a_bad_stage_table_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "two.csv"
+    path.write_text("0F0,0B0\n")
+    with pytest.raises(ScheduleError, match=rf"^{path}: num_microbatches must be >= 1, got 0"):
+        load_torch_csv(str(path), num_microbatches=0)
+
+
+def test_schedule_files_over_the_limit_are_refused_before_they_are_read(tmp_path: Path) -> None:
+    for name in ("huge.json", "huge.csv"):
+        with open(tmp_path / name, "wb") as fh:
+            fh.truncate(200 * 2**20)  # sparse: 200 MB on paper
+        load = load_json if name.endswith(".json") else load_torch_csv
+        with pytest.raises(ScheduleError, match=r"is 209,715,200 bytes, over the 128 MiB limit for a schedule file"):
+            load(str(tmp_path / name))
+
+
+def test_the_header_states_p_and_m_before_the_actions(tmp_path: Path) -> None:
+    path = tmp_path / "s.json"
+    save_json(registry.build("1f1b", 3, 5), str(path))
+    assert json_header(str(path)) == (3, 5)
+    path.write_text('{"actions": [], "num_ranks": 3, "num_microbatches": 5}')  # after the actions: not read
+    assert json_header(str(path)) == (None, None)
 
 
 def test_json_that_is_not_json_or_missing(tmp_path: Path) -> None:

@@ -42,10 +42,12 @@ def test_scaler_backs_off_and_grows() -> None:
     assert clone.state_dict() == scaler.state_dict()
 
 
-def test_disabled_scaler_stays_at_one() -> None:
+def test_disabled_scaler_stays_at_one_and_counts_skipped_steps() -> None:
+    """fp32/bf16 with nonfinite_grads="skip": the scale stays 1, the skipped step is counted (and checkpointed)."""
     scaler = DynamicLossScaler(enabled=False)
     scaler.update(overflow=True)
-    assert scaler.scale == 1.0 and scaler.skipped_steps == 0
+    scaler.update(overflow=False)
+    assert scaler.scale == 1.0 and scaler.skipped_steps == 1
 
 
 def test_config_rejects_bad_values() -> None:

@@ -17,6 +17,7 @@ from _hf_helpers import (  # noqa: E402
     BUILDERS,
     VOCAB,
     char_tokenizer,
+    file_sizes,
     own_bytes,
     padded_labels,
     padding_mask,
@@ -84,7 +85,8 @@ def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
             losses.append(pipe.step(_rows(inputs, lo, lo + rows), labels[lo:lo + rows]))
         pipe.save_pretrained(base / f"ft-{name}")
         out[f"ft-{name}"] = losses
-    pipe, peak = peak_bytes(lambda: Pipeline.from_pretrained(base / "big", _adamw, PipelineConfig("1f1b", 4)))
+    pipe, peak = peak_bytes(lambda: Pipeline.from_pretrained(base / "big", _adamw, PipelineConfig("1f1b", 4)),
+                            file_sizes(base / "big"))
     out["memory"] = (peak, *own_bytes(pipe))
     for name, config in SHARDED.items():
         out[f"{name}_params_kept"] = _export_sharded(base, name, config)

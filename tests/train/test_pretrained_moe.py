@@ -19,6 +19,7 @@ from typing import Any  # noqa: E402
 import torch  # noqa: E402
 from _hf_helpers import (  # noqa: E402
     char_tokenizer,
+    file_sizes,
     one_thread,
     own_bytes,
     peak_bytes,
@@ -92,7 +93,7 @@ def _memory(root: Path) -> tuple[int, int, int, list[str]]:
     """Peak CPU bytes during from_pretrained (PP=2 x DP=2, ep=2), this rank's bytes, its largest tensor and the
     checkpoint names of what it holds."""
     pipe, peak = peak_bytes(lambda: Pipeline.from_pretrained(root / "big", _adamw, PipelineConfig("1f1b", MICRO),
-                                                               mesh=make_mesh(2, 2, ep=2)))
+                                                               mesh=make_mesh(2, 2, ep=2)), file_sizes(root / "big"))
     names = [n for s, m in pipe.stage_state_modules.items()
              for n in part_state_keys(m, pipe.schedule.stages[s].group).values()]
     return (peak, *own_bytes(pipe), names)

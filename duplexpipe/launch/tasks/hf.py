@@ -14,6 +14,7 @@ import torch
 from duplexpipe.launch.tasks.hf_options import HFOptions, hf_options
 from duplexpipe.launch.train_loop import TrainTask
 from duplexpipe.model.hf import causal_lm_loss
+from duplexpipe.model.hf_files import stored_tensors
 from duplexpipe.train.pretrained import check_model_dir
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -25,6 +26,7 @@ def check_options(**options: Any) -> HFOptions:
     checked = hf_options(**{k: v for k, v in options.items() if k != "seed"})
     if checked.model is not None:
         check_model_dir(checked.model)
+        stored_tensors(Path(checked.model))  # the index and every safetensors header, checked (no tensor is read)
     checked.check()
     return checked
 

@@ -92,6 +92,16 @@ def test_bad_options_are_named_and_documented_in_help(model_dir: Path) -> None:
         check_options(model=tiny, data=data, dtype="int4")
     with pytest.raises(ValueError, match=r"unknown option\(s\) \['sequence'\]; it takes model, data, tokenizer"):
         check_options(model=tiny, data=data, sequence=8)
+    bad = model_dir / "bad"  # a crafted model folder: its index points outside, then its header is huge
+    bad.mkdir()
+    (bad / "config.json").write_bytes((model_dir / "tiny" / "config.json").read_bytes())
+    (bad / "model.safetensors.index.json").write_text('{"weight_map": {"x": "../tiny/model.safetensors"}}')
+    with pytest.raises(ValueError, match=r"names '\.\./tiny/model\.safetensors', which is not a plain file name"):
+        check_options(model=str(bad), data=data)
+    (bad / "model.safetensors.index.json").unlink()
+    (bad / "model.safetensors").write_bytes((2**60).to_bytes(8, "little") + b"{}")
+    with pytest.raises(ValueError, match=r"model.safetensors is not a valid safetensors file \(.*header too large"):
+        check_options(model=str(bad), data=data)
     with pytest.raises(ValueError, match="fewer than a window"):
         _task(model_dir, seq=10_000)
     text = options_help()
@@ -100,11 +110,11 @@ def test_bad_options_are_named_and_documented_in_help(model_dir: Path) -> None:
 
 
 def _readme_command(schedule: str, model: Path, extra: str = "") -> list[str]:
-    """The README's Hugging Face fine-tuning command as written, with a local model directory, `schedule`, two
-    steps instead of 100 and `extra` flags added."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    command = re.search(r"^duplexpipe train --task hf .*?(?<!\\)$", text, re.M | re.S)
-    assert command is not None, "the README's hf command"
+    """The documented Hugging Face fine-tuning command (once in the README, now in the Hugging Face guide) as
+    written, with a local model directory, `schedule`, two steps instead of 100 and `extra` flags added."""
+    text = (ROOT / "docs" / "huggingface.md").read_text(encoding="utf-8")
+    command = re.search(r"^duplexpipe train --task hf --task-option model=\./.*?(?<!\\)$", text, re.M | re.S)
+    assert command is not None, "the guide's hf command"
     words = shlex.split(command.group(0).replace("\\\n", " "))
     words[words.index("--schedule") + 1] = schedule
     words[words.index("--steps") + 1] = "2"

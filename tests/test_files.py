@@ -1,0 +1,50 @@
+"""Tests for duplexpipe.files: a file over its limit is refused before it is read (also a device or a pipe whose size
+is unknown), names from files must be plain names inside their folder."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from duplexpipe.errors import ScheduleError
+from duplexpipe.files import plain_name, read_capped, read_capped_text
+
+
+def test_files_within_the_limit_are_read_and_larger_ones_refused_naming_both_sizes(tmp_path: Path) -> None:
+    small = tmp_path / "small.json"
+    small.write_text("{}")
+    assert read_capped(small, 2, "profile") == b"{}" and read_capped_text(small, 2, "profile") == "{}"
+    huge = tmp_path / "huge.json"
+    with open(huge, "wb") as fh:  # sparse: 200 MB on paper, nothing to read
+        fh.truncate(200 * 2**20)
+    with pytest.raises(ScheduleError, match=r"schedule file .*huge.json is 209,715,200 bytes, over the 128 MiB "
+                                            r"limit for a schedule file; refused without reading it"):
+        read_capped(huge, 128 * 2**20, "schedule file", ScheduleError)
+
+
+def test_a_file_of_unknown_size_is_cut_off_at_the_limit(tmp_path: Path) -> None:
+    if not os.path.exists("/dev/zero"):
+        pytest.skip("no /dev/zero")
+    with pytest.raises(ValueError, match="/dev/zero holds more than 1 KiB, the limit for a config file"):
+        read_capped("/dev/zero", 1024, "config file")
+
+
+def test_text_must_be_utf8(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.csv"
+    path.write_bytes(b"\xff\xfe1F0")
+    with pytest.raises(ValueError, match="is not a text file"):
+        read_capped_text(path, 100, "schedule file")
+
+
+@pytest.mark.parametrize("name", ["../x.safetensors", "/etc/passwd", "a/b.safetensors", "..", ".", "", "c:\\x",
+                                  "C:x", "a\\b", "nul\0byte", 3, None])
+def test_names_with_a_folder_part_are_refused(name: object) -> None:
+    with pytest.raises(ValueError, match="not a plain file name inside the folder"):
+        plain_name(name, "index.json")
+
+
+def test_plain_names_pass() -> None:
+    for name in ("model-00001-of-00002.safetensors", "__0_0.distcp", ".metadata", "a..b"):
+        assert plain_name(name, "index.json") == name

@@ -1,0 +1,97 @@
+"""Tests for duplexpipe.train.checkpoint_reader: DCP metadata is read without running code (a crafted pickle is
+refused naming the class it asked for, and nothing runs), file names from it stay in the folder, a truncated one is
+"incomplete or corrupt", a huge one is refused before it is read."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import pytest
+from _checkpoint_faults import RunsCommand, craft, metadata_of, point_outside, remanifest, small_checkpoint
+from torch.distributed.checkpoint.metadata import Metadata
+
+from duplexpipe.errors import CheckpointError
+from duplexpipe.train.checkpoint import read_checkpoint
+from duplexpipe.train.checkpoint_reader import ALLOWED_CLASSES, MAX_METADATA_BYTES, read_metadata_file
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> Path:
+    """A checkpoint of every kind of entry (tensors of several dtypes, plain values), written in one process."""
+    small_checkpoint(tmp_path / "ckpt")
+    return tmp_path / "ckpt"
+
+
+def test_real_metadata_is_read(saved: Path) -> None:
+    metadata = read_metadata_file(saved)
+    assert isinstance(metadata, Metadata) and "model.w" in metadata.state_dict_metadata
+    assert read_checkpoint(str(saved))["trainer.calls"] == 7
+
+
+@pytest.mark.parametrize("payload", ["system", "eval", "popen", "nested"])
+def test_crafted_metadata_is_refused_naming_the_class_and_runs_nothing(saved: Path, payload: str) -> None:
+    marker = saved.parent / "marker"
+    if payload == "nested":  # inside a genuine Metadata, manifest made anew: only the unpickler stands in the way
+        craft(saved, marker)
+        name = "posix.system"
+    else:
+        evil = {"system": RunsCommand(f"touch {marker}"),
+                "eval": _Reduce(eval, f"open({str(marker)!r}, 'w')"),
+                "popen": _Reduce(__import__("subprocess").Popen, ["touch", str(marker)])}[payload]
+        (saved / ".metadata").write_bytes(pickle.dumps(evil))
+        remanifest(saved)  # the manifest matches: only the unpickler stands in the way
+        name = {"system": "posix.system", "eval": "builtins.eval", "popen": "subprocess.Popen"}[payload]
+    for read in (lambda: read_metadata_file(saved), lambda: read_checkpoint(str(saved))):
+        with pytest.raises(CheckpointError, match=rf"its \.metadata names {name}, which checkpoint metadata never "
+                                                  "holds; refused without loading it"):
+            read()
+    assert not marker.exists(), "the crafted metadata ran its command"
+
+
+class _Reduce:
+    def __init__(self, fn: object, arg: object) -> None:
+        self.fn, self.arg = fn, arg
+
+    def __reduce__(self) -> tuple[object, tuple[object]]:
+        return self.fn, (self.arg,)
+
+
+def test_a_data_file_outside_the_folder_is_refused(saved: Path) -> None:
+    point_outside(saved)
+    with pytest.raises(CheckpointError, match=r"names '\.\./outside\.distcp', which is not a plain file name"):
+        read_checkpoint(str(saved))
+
+
+def test_truncated_or_foreign_metadata_is_incomplete_or_corrupt(saved: Path) -> None:
+    data = (saved / ".metadata").read_bytes()
+    (saved / ".metadata").write_bytes(data[:len(data) // 2])
+    with pytest.raises(CheckpointError, match=rf"checkpoint {saved} is incomplete or corrupt: \.metadata has "
+                                              rf"{len(data) // 2} bytes, the manifest recorded {len(data)}"):
+        read_checkpoint(str(saved))
+    (saved / "manifest.json").unlink()  # without a manifest, the unpickler finds it
+    with pytest.raises(CheckpointError, match=rf"checkpoint {saved} is incomplete or corrupt \(\.metadata: "):
+        read_metadata_file(saved)
+    (saved / ".metadata").write_bytes(pickle.dumps({"a": 1}))
+    with pytest.raises(CheckpointError, match=r"incomplete or corrupt \(\.metadata: holds a dict, not checkpoint"):
+        read_metadata_file(saved)
+
+
+def test_huge_metadata_is_refused_before_it_is_read(saved: Path) -> None:
+    with open(saved / ".metadata", "r+b") as fh:
+        fh.truncate(MAX_METADATA_BYTES + 1)  # sparse
+    with pytest.raises(CheckpointError, match="over the 1 GiB limit for a checkpoint metadata file"):
+        read_metadata_file(saved)
+
+
+def test_not_a_checkpoint(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="is not a checkpoint \\(no .metadata file\\)"):
+        read_metadata_file(tmp_path)
+
+
+def test_the_admitted_classes_are_checkpoint_metadata_and_plain_containers_only() -> None:
+    modules = {module for module, _ in ALLOWED_CLASSES}
+    assert modules == {"torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem", "torch",
+                       "torch.serialization", "collections", "pathlib"}
+    assert ("torch.serialization", "load") not in ALLOWED_CLASSES and ("torch", "load") not in ALLOWED_CLASSES
+    assert metadata_of  # the helper reads the test's own files only
