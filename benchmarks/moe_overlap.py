@@ -18,6 +18,7 @@ from benchmarks.framework import Block, Part, Result, met
 from benchmarks.runner import main
 from duplexpipe import Pipeline, PipelineConfig, make_mesh
 from duplexpipe.moe import CausalSelfAttention, ExpertGroup, MoEBlock, MoELayer
+from duplexpipe.train.compile import compile_targets, torch_compile_kwargs
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,9 @@ class MoEBenchConfig:
     backend: str = "gloo"
     ranks: int = 4
     """Processes (the expert-parallel group of the pair): 4, or 2 (a core each here); the step runs only with 4."""
+    compile: str = ""
+    """A torch.compile backend ("inductor", "aot_eager") the blocks' pieces around the experts are compiled with
+    (as PipelineConfig.compile compiles them; the step too); "": eager."""
 
     def __post_init__(self) -> None:
         if min(self.reps, self.tokens, self.dim, self.hidden) < 1 or self.steps < 0 or not self.comm_ratio > 0:
@@ -75,6 +79,8 @@ def _model(cfg: MoEBenchConfig, device: torch.device, rank: int, world: int) -> 
     model = nn.Sequential(*blocks).to(device)
     for block in blocks:
         block.moe.shard_experts(ExpertGroup(None, rank, world))
+        for piece, in_moe in compile_targets(block) if cfg.compile else ():
+            piece.compile(**torch_compile_kwargs({"backend": cfg.compile}, split=False, moe=in_moe))
     return model
 
 
@@ -200,7 +206,9 @@ def _step_times(cfg: MoEBenchConfig, device: torch.device, link: deep.LinkModel 
     blocks: list[nn.Module] = [nn.Identity(), *_blocks(cfg, 4 * cfg.layers)]
     pipes = [Pipeline.from_layers(blocks, nn.functional.mse_loss, lambda ps: torch.optim.SGD(ps, lr=1e-3),
                                   PipelineConfig(schedule="dualpipev", num_microbatches=8, fb_overlap=overlap,
-                                                 record_timeline=False), mesh=mesh, device=device)
+                                                 record_timeline=False,
+                                                 compile={"backend": cfg.compile} if cfg.compile else False),
+                                  mesh=mesh, device=device)
              for overlap in (False, True)]
     for pipe in pipes:
         deep.emulate_link(pipe.runtime, link)
@@ -293,13 +301,16 @@ def report(s: Result) -> list[Block]:
     target = 0.8 if cfg.backend == "nccl" else 0.7
     hidden = f">= {target:.0%} of the comm hidden: {met(s['hidden'] >= target)} ({s['hidden']:.0%})"
     pair = f"pair <= 0.75x F then B: {met(s['pair_ratio'] <= 0.75)} ({s['pair_ratio']:.2f}x); "
-    return [f"MoE F&B pair ({cfg.backend}, {cfg.ranks} processes; {where}): {cfg.layers} MoE blocks ({mixer}), "
+    compiled = f", the pieces around the experts compiled with {cfg.compile}" if cfg.compile else ""
+    return [f"MoE F&B pair ({cfg.backend}, {cfg.ranks} processes; {where}): {cfg.layers} MoE blocks "
+            f"({mixer}{compiled}), "
             f"{cfg.experts} experts top-{cfg.top_k}, {cfg.tokens} tokens x {cfg.dim} per rank.", table,
             f"Target: {hidden}." if cfg.backend == "nccl" else f"Targets: {pair}{hidden}."]
 
 
 PART = Part("moe_overlap", "MoE F&B overlap", MoEBenchConfig(), QUICK, run, report,
-            block=lambda r: "moe-overlap" if r.get("config", {}).get("ranks", 4) == 4 else "moe-overlap-2")
+            block=lambda r: ("moe-overlap" if r.get("config", {}).get("ranks", 4) == 4 else "moe-overlap-2")
+            + ("-compiled" if r.get("config", {}).get("compile") else ""))
 
 if __name__ == "__main__":
     raise SystemExit(main(only=PART.name))

@@ -22,7 +22,7 @@ from benchmarks.framework import Part, Result, with_settings
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("vs_torch", "measured_vs_sim", "overlap", "schedule_tooling", "profile_runtime", "auto_search",
          "p2p_compression", "dp_compression", "plan_vs_measured", "zero_bench", "spawn_bench", "auto_vs_hand",
-         "moe_overlap", "compression", "cuda_overlap")
+         "moe_overlap", "compression", "cuda_overlap", "compile")
 """Every part, in report order: a part's number is its place here."""
 
 

@@ -87,6 +87,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--timeout", type=float, default=argparse.SUPPRESS, metavar="SECONDS", help=about("timeout_s"))
     add("--activation-checkpointing", action="store_true", default=argparse.SUPPRESS,
         help=about("activation_checkpointing"))
+    add("--compile", action="store_true", default=argparse.SUPPRESS, help=about("compile"))
+    opt("--compile-backend", str)
     add("--progress", action="store_true", default=argparse.SUPPRESS, help=about("progress"))
     add("--no-tensorboard", action="store_false", dest="tensorboard", default=argparse.SUPPRESS,
         help=about("tensorboard"))

@@ -199,7 +199,8 @@ def pipeline_config(config: TrainConfig) -> PipelineConfig:
                           activation_checkpointing=config.activation_checkpointing, timeout_s=config.timeout_s,
                           p2p_compression=None if config.p2p_compression == "none" else config.p2p_compression,
                           grad_compression=None if config.grad_compression == "none" else config.grad_compression,
-                          zero_stage=config.zero_stage, memory_limit=config.memory_limit)
+                          zero_stage=config.zero_stage, memory_limit=config.memory_limit,
+                          compile={"backend": config.compile_backend} if config.compile else False)
 
 
 def _build_pipeline(config: TrainConfig, task: TrainTask) -> Pipeline:
@@ -314,6 +315,8 @@ def _loop(pipe: Pipeline, task: TrainTask, config: TrainConfig, start: int, metr
     bar = progress_bar(config.steps, start, task.item_name, sys.stdout) if config.progress and lead else None
     every = plain_every(config.log_every, config.steps, config.progress)
     losses: list[float] = []
+    if lead and pipe.compiled.active and start < config.steps:
+        print(f"compiling {pipe.compiled.describe()} on the first step", flush=True)
     began = time.perf_counter()
     items, busy = 0, 0.0  # after the first step: items trained and seconds spent fetching + stepping
     for step in range(start, config.steps):

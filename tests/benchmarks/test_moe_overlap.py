@@ -50,6 +50,7 @@ def test_the_report_judges_the_targets_of_its_backend(backend: str, hidden: floa
 def test_a_two_rank_run_has_its_own_docs_block() -> None:
     block = moe_overlap.PART.block_of
     assert block({"config": asdict(moe_overlap.MoEBenchConfig(ranks=2))}) == "moe-overlap-2"
+    assert block({"config": asdict(moe_overlap.MoEBenchConfig(compile="inductor"))}) == "moe-overlap-compiled"
     assert block({"config": asdict(moe_overlap.MoEBenchConfig())}) == block({}) == "moe-overlap"
 
 
