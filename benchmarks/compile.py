@@ -9,7 +9,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -66,7 +66,7 @@ def _llama(cfg: CompileBenchConfig) -> nn.Module:
     heads = max(cfg.dim // 32, 1)
     config = transformers.LlamaConfig(hidden_size=cfg.dim, intermediate_size=4 * cfg.dim, num_hidden_layers=cfg.layers,
                                       num_attention_heads=heads, num_key_value_heads=max(heads // 2, 1), vocab_size=256,
-                                      max_position_embeddings=cfg.seq, attn_implementation="sdpa")
+                                      max_position_embeddings=cfg.seq, attn_implementation="sdpa")  # type: ignore[call-arg]
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config)
 
@@ -94,7 +94,7 @@ def _user_compile(layers: list[nn.Module], backend: str, linears_out: bool) -> l
     for layer in layers:
         if linears_out:
             _disable_linears(layer)
-    return [torch.compile(layer, backend=backend) for layer in layers]
+    return [cast(nn.Module, torch.compile(layer, backend=backend)) for layer in layers]
 
 
 def _pipeline(cfg: CompileBenchConfig, model: str, schedule: str, how: str) -> Pipeline:

@@ -16,6 +16,7 @@ compiled any other way (OPAQUE: its backward can only run whole, once).
 from __future__ import annotations
 
 import contextlib
+import logging
 import operator
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from torch import nn
 
 from duplexpipe.runtime.comm_points import BackwardMode
 
+LOG = logging.getLogger("duplexpipe.compile")
 SPLIT_MARK = "_duplexpipe_split"
 """Set on the compiled backward of a `split_backend` region: it honours the MODE marks."""
 MODE = "_duplexpipe_mode"
@@ -187,6 +189,20 @@ class SplitBackward:
     def _weight_part(self, own: list[Any], boundary: list[Any]) -> list[Any] | None:
         return None if self.run_w is None else list(self.run_w(own + boundary))
 
+    def _unconsumed(self, node: Any, input_grads: list[Any]) -> list[Any]:
+        """The input gradients this I did not hand to a node it runs (None for the others): those W hands out
+        again, towards parameters off the input path. All of them when the node's edges do not line up with the
+        graph's outputs."""
+        edges = node.next_functions
+        if len(edges) != len(self.is_param):
+            return input_grads
+        kept = []
+        targets = (edge for edge, is_param in zip(edges, self.is_param, strict=True) if not is_param)
+        for grad, (target, _) in zip(input_grads, targets, strict=True):
+            leaf = target is None or hasattr(target, "variable")  # AccumulateGrad: a leaf (I captured it)
+            kept.append(None if leaf or torch._C._will_engine_execute_node(target) else grad)
+        return kept
+
     def __call__(self, args: list[Any]) -> list[Any]:
         node = torch._C._current_autograd_node()
         mode = marked(node) if node is not None else None
@@ -201,7 +217,7 @@ class SplitBackward:
         args.clear()
         if mode is BackwardMode.INPUTS:  # W later: keep what it needs on the node (the gradients of inputs
             # off the input path lead to parameters that W forms: handed out again then)
-            setattr(node, STASH, (input_grads, boundary))
+            setattr(node, STASH, (self._unconsumed(node, input_grads), boundary))
             mark(node, BackwardMode.WEIGHTS)
             return self._assemble(input_grads, None)
         return self._assemble(input_grads, self._weight_part(own, boundary))
@@ -211,8 +227,13 @@ class SplitBackward:
 def _splitting(is_param: list[bool], compile_graph: Callable[[fx.GraphModule, list[Any], Any], Runner]) -> Callable:
     """A backward compiler: cut the graph, compile both parts with `compile_graph(graph, examples, static)`."""
     def compile_backward(gm: fx.GraphModule, examples: Sequence[Any], **kwargs: Any) -> Any:
-        graphs = split_graph(gm, is_param)
         static = list(kwargs.get("static_input_idxs", ()))
+        try:
+            graphs = split_graph(gm, is_param)
+        except ValueError as exc:  # inputs flattened differently (a tensor subclass): run this region whole
+            LOG.warning("a compiled region's backward stays one graph (%s): its weight gradients are formed at I",
+                        exc)
+            return compile_graph(gm, list(examples), static)
         run_i = compile_graph(graphs.i_graph, list(examples), static)
         run_w = None
         if graphs.w_graph is not None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -99,8 +99,11 @@ class CompiledStages:
     """This rank's compiled blocks and the log of what compiles when (`watching` around each step)."""
 
     def __init__(self, stage_modules: Mapping[int, nn.Module], options: Mapping[str, Any] | None,
-                 schedule: Schedule, device: torch.device) -> None:
+                 schedule: Schedule, device: torch.device, sources: Sequence[nn.Module] = ()) -> None:
         self.options = dict(options) if options is not None else None
+        if any(m._compiled_call_impl is not None for part in sources for m in part.modules()):
+            LOG.warning("a given part holds modules compiled in place (nn.Module.compile), which torch drops when a "
+                        "stage copies its part: they run eager; use torch.compile(module) or PipelineConfig.compile")
         self.split = splits_backward(schedule)
         """Whether the schedule splits backwards (the backend then splits the compiled backward too)."""
         self.modules = 0

@@ -154,7 +154,8 @@ class Pipeline:
         self.dp.counted = self.tied.counted(self.dp.counted)  # a tied weight counts once in the norm
         self.scheduler = scheduler(self.optimizer) if scheduler is not None else None
         """The LR scheduler (None without one); stepped after every applied optimizer step."""
-        self.compiled = CompiledStages(self.stage_modules, compile_options(cfg.compile), self.schedule, self.device)
+        self.compiled = CompiledStages(self.stage_modules, compile_options(cfg.compile), self.schedule, self.device,
+                                       [] if callable(parts) else parts)
         """This rank's compiled blocks (`PipelineConfig.compile`, after every other module transform)."""
         self._start_counting()
 

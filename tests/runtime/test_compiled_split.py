@@ -180,3 +180,22 @@ def test_a_split_region_that_ran_whole_at_i_is_refused(monkeypatch: pytest.Monke
     monkeypatch.setattr(compiled_split, "marked", lambda node: None)
     with pytest.raises(RuntimeError, match="ran its whole backward at I"):
         backward_input([get_gradient_edge(out)], [torch.ones_like(out)], [x], list(model.parameters()))
+
+
+def test_a_backward_the_cut_cannot_map_stays_whole_and_is_formed_at_i(monkeypatch: pytest.MonkeyPatch,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """Inputs flattened another way (a tensor subclass) leave the graph uncut: the region is opaque, still exact."""
+    def refuse(gm: fx.GraphModule, is_param: list[bool]) -> None:
+        raise ValueError("backward graph has 9 outputs for 7 forward inputs")
+
+    monkeypatch.setattr(compiled_split, "split_graph", refuse)
+    torch._dynamo.reset()  # compile anew (not from the cache of the tests above)
+    x = torch.randn(3, DIM, dtype=torch.float64)
+    grad = torch.randn(3, DIM, dtype=torch.float64)
+    want_dx, want, _ = _reference(x, grad)
+    model = _blocks("split", seed=0)
+    dx, formed, _, flops_w = _split_step(model, x, grad)
+    assert region_kind(model[0](x).grad_fn) is RegionKind.OPAQUE
+    assert formed == len(want) and flops_w == 0 and torch.equal(dx, want_dx)
+    assert all(torch.equal(a, b) for a, b in zip(_grads(model), want, strict=True))
+    assert "stays one graph" in caplog.text

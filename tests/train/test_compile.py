@@ -145,3 +145,11 @@ def test_nothing_compiled_logs_nothing(caplog: pytest.LogCaptureFixture) -> None
     with stages.watching("step 0"):
         pass
     assert not stages.active and not caplog.records
+
+
+def test_parts_compiled_in_place_are_said_to_run_eager(caplog: pytest.LogCaptureFixture) -> None:
+    """nn.Module.compile does not survive the copy a stage makes of its part (torch drops it): say so."""
+    part = nn.Sequential(Block(DIM))
+    part[0].compile(backend="aot_eager")
+    CompiledStages({0: nn.Sequential(Block(DIM))}, None, build("1f1b", 2, 4), torch.device("cpu"), [part])
+    assert "torch drops when a stage copies its part" in caplog.text
