@@ -3,6 +3,7 @@ and the first step's compile time with a cold and a warm cache."""
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import tempfile
@@ -26,6 +27,8 @@ MODELS = ("gpt", "llama")
 """The bundled GPT example, and a transformers Llama (random weights) the project was not written for."""
 KEPT = 0.9
 """The least share of compile's one-process saving a pipeline keeps (1F1B and ZB-H1)."""
+RESTART_STEPS = 6
+"""Steps of each fresh process timed after a restart: the first (it compiles or loads the cache), then the rest."""
 
 
 @dataclass(frozen=True)
@@ -169,7 +172,7 @@ def _first_steps(rank: int, world: int, arg: tuple[CompileBenchConfig, str]) -> 
     cfg, schedule = arg
     pipe = _pipeline(cfg, "gpt", schedule, "compiled")
     batch = _batches(cfg, "gpt")
-    step = harness.RoundRobin([pipe], lambda p, i: p.step(*batch(i))).run(3)[0].wall
+    step = harness.RoundRobin([pipe], lambda p, i: p.step(*batch(i))).run(RESTART_STEPS)[0].wall
     return {"first_s": step[0], "steady_s": statistics.median(step[1:])}
 
 
@@ -232,7 +235,8 @@ def _model_blocks(model: str, m: dict[str, float], cpu: dict[str, float]) -> lis
         row = [label]
         for medians, judged in ((m, v), (cpu, vc)):
             e, c = medians[f"{name} eager"], medians[f"{name} compiled"]
-            row += [ms(e), ms(c), f"{c / e:.2f}", "" if name == "plain" else f"{judged['kept'][name]:.0%}"]
+            kept = judged["kept"].get(name, math.nan)
+            row += [ms(e), ms(c), f"{c / e:.2f}", "" if math.isnan(kept) else f"{kept:.0%}"]
         rows.append(row)
     title = "GPT example (duplexpipe.launch.tasks.gpt)" if model == "gpt" else "transformers LlamaForCausalLM"
     out: list[Block] = [f"### {title}", rows]
