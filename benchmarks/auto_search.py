@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from benchmarks import plots
-from benchmarks.framework import Block, Part, Result, met
+from benchmarks import runner
+from benchmarks.framework import Block, Part, Result, figure, met
 from benchmarks.internals import check_schedule, makespan_bound, search, search_problem
-from benchmarks.runner import main
 from duplexpipe import CostModel, Schedule, build_schedule, simulate
 
 BUILT_INS = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zbv", "dualpipe", "dualpipev")
@@ -32,10 +33,8 @@ class Profile:
 
     def shares(self, ranks: int) -> list[tuple[float, float, float]]:
         """(F, B, W) of each of the P shares."""
-        out = [(self.f, self.b, self.w)] * ranks
         k = self.heavy_last
-        out[-1] = (self.f * k, self.b * k, self.w * k)
-        return out
+        return [(self.f, self.b, self.w)] * (ranks - 1) + [(self.f * k, self.b * k, self.w * k)]
 
 
 UNIFORM = Profile("F=1 B=2 W=1", 1.0, 2.0, 1.0)
@@ -45,103 +44,87 @@ GRID_PROFILES = (UNIFORM, LATENCY, W_LIGHT,
                  *(Profile(p.name + ", last 1.5x", p.f, p.b, p.w, p.latency, 1.5) for p in (UNIFORM, LATENCY, W_LIGHT)))
 
 
-def cost_for(schedule_or_table: Schedule, profile: Profile) -> CostModel:
+def cost_for(schedule: Schedule, profile: Profile) -> CostModel:
     """Per-stage costs of `schedule`: its model part g of G covers the shares it overlaps (stage_scale built in)."""
-    s = schedule_or_table
-    ranks, groups = s.num_ranks, s.num_groups
-    shares = profile.shares(ranks)
+    ranks, groups, shares = schedule.num_ranks, schedule.num_groups, profile.shares(schedule.num_ranks)
     table = {}
-    for stage, info in enumerate(s.stages):
+    for stage, info in enumerate(schedule.stages):
         lo, hi = info.group / groups, (info.group + 1) / groups
-        total = [0.0, 0.0, 0.0]
-        for k, share in enumerate(shares):
-            overlap = max(0.0, min(hi, (k + 1) / ranks) - max(lo, k / ranks)) * ranks
-            for j in range(3):
-                total[j] += overlap * share[j]
-        table[stage] = (total[0], total[1], total[2])
+        overlap = [max(0.0, min(hi, (k + 1) / ranks) - max(lo, k / ranks)) * ranks for k in range(ranks)]
+        f, b, w = (sum(o * share[j] for o, share in zip(overlap, shares, strict=True)) for j in range(3))
+        table[stage] = (f, b, w)
     return CostModel(stage_costs=table, latency=profile.latency)
 
 
 def bounds(ranks: int, mbs: int, profile: Profile, limit: float) -> dict[str, float]:
-    """Lower bounds on the makespan of one-stage-per-rank schedules holding at most `limit` activations.
-
-    lb: (P-1)(F + latency) + M(F + B) (rank r cannot start before its input crosses r ranks).
-    memory_aware: also, rank r runs at most `limit` forwards before its first input-gradient
-    returns, a round trip RT_r after its first forward (the issue's bound; 110 at P=8, M=32,
-    latency 0.5). two_sided: also, after its last forward a rank holds at most limit-1 other
-    microbatches' I and W while that forward's gradient makes the same round trip.
-    """
+    """Lower bounds on the makespan of one-stage-per-rank schedules holding at most `limit` activations. lb: (P-1)(F +
+    latency) + M(F + B); memory_aware: also, rank r runs at most `limit` forwards before its first input-gradient
+    returns, a round trip RT_r after its first forward; two_sided: also, after its last forward a rank holds at most
+    limit-1 other microbatches' I and W while that forward's gradient makes the same round trip."""
     shares = profile.shares(ranks)
     f, b, w = ([s[j] for s in shares] for j in range(3))
     i = [bb - ww for bb, ww in zip(b, w, strict=True)]
     lat, n = profile.latency, limit
-    out = {"lb": 0.0, "memory_aware": 0.0, "two_sided": 0.0}
+    per_rank = []
     for r in range(ranks):
         start = sum(f[q] + lat for q in range(r))
         trip = sum(f[r:]) + sum(i[r + 1:]) + 2 * (ranks - 1 - r) * lat
         work = mbs * (f[r] + b[r])
         head = max(0.0, trip - min(n, mbs) * f[r])
         tail = max(0.0, trip - f[r] - (n - 1) * (i[r] + w[r])) if mbs > n else 0.0
-        out["lb"] = max(out["lb"], start + work)
-        out["memory_aware"] = max(out["memory_aware"], start + work + head)
-        out["two_sided"] = max(out["two_sided"], start + work + head + tail)
-    return out
+        per_rank.append((start + work, start + work + head, start + work + head + tail))
+    return {k: max(v) for k, v in zip(("lb", "memory_aware", "two_sided"), zip(*per_rank, strict=True), strict=True)}
 
 
 def v_bound(ranks: int, mbs: int, profile: Profile, limit: float) -> float:
     """The same two-sided bound for the V placement (2P half-size stages, `bounds.makespan_bound`)."""
-    table = build_schedule("zbv", ranks, mbs)
-    return makespan_bound(search_problem(ranks, mbs, cost=cost_for(table, profile), memory_limit=limit,
-                                         placement="v"))
+    cost = cost_for(build_schedule("zbv", ranks, mbs), profile)
+    return makespan_bound(search_problem(ranks, mbs, cost=cost, memory_limit=limit, placement="v"))
 
 
-def built_ins(ranks: int, mbs: int, profile: Profile, limit: float) -> dict[str, tuple[float, float]]:
-    """name -> (makespan, peak activation memory in 1F1B-stage units) for every built-in that fits `limit`."""
+def _search(ranks: int, mbs: int, profile: Profile, limit: float, placement: str) -> Any:
+    table = build_schedule("1f1b" if placement == "linear" else "zbv", ranks, mbs)
+    return search(ranks, mbs, cost=cost_for(table, profile), memory_limit=limit, placement=placement)
+
+
+def built_ins(ranks: int, mbs: int, profile: Profile) -> dict[str, tuple[float, float]]:
+    """name -> (makespan, peak activation memory in 1F1B-stage units) of every built-in the registry accepts."""
     out = {}
     for name in BUILT_INS:
-        if check_schedule(name, ranks, mbs) is not None:
-            continue
-        schedule = build_schedule(name, ranks, mbs)
-        timeline = simulate(schedule, cost_for(schedule, profile))
-        memory = max(timeline.peak_activations(r) for r in range(ranks)) * ranks / schedule.num_groups
-        if memory <= limit + EPS:
-            out[name] = (timeline.makespan, memory)
+        if check_schedule(name, ranks, mbs) is None:
+            schedule = build_schedule(name, ranks, mbs)
+            timeline = simulate(schedule, cost_for(schedule, profile))
+            out[name] = (timeline.makespan,
+                         max(timeline.peak_activations(r) for r in range(ranks)) * ranks / schedule.num_groups)
     return out
 
 
 def run_auto(ranks: int, mbs: int, profile: Profile, limit: float) -> dict[str, Any]:
     """Both placements; the better one is auto's answer."""
-    best: dict[str, Any] | None = None
-    spans = {}
+    rows = []
     for placement in ("linear", "v"):
-        table = build_schedule("1f1b" if placement == "linear" else "zbv", ranks, mbs)
         wall, cpu = time.perf_counter(), time.process_time()
-        result = search(ranks, mbs, cost=cost_for(table, profile), memory_limit=limit, placement=placement)
-        row = {"placement": placement, "makespan": result.winner.makespan, "winner": result.winner.label,
-               "peak": result.winner.peak, "wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu}
-        spans[placement] = row["makespan"]
-        if best is None or row["makespan"] < best["makespan"] - EPS:
-            best = row
-    assert best is not None
-    return {**best, "by_placement": spans}
+        result = _search(ranks, mbs, profile, limit, placement)
+        rows.append({"placement": placement, "makespan": result.winner.makespan, "winner": result.winner.label,
+                     "peak": result.winner.peak, "wall_s": time.perf_counter() - wall,
+                     "cpu_s": time.process_time() - cpu})
+    linear, v = rows
+    best = v if v["makespan"] < linear["makespan"] - EPS else linear
+    return {**best, "by_placement": {r["placement"]: r["makespan"] for r in rows}}
 
 
 PLACEMENT = MappingProxyType({"gpipe": "linear", "1f1b": "linear", "zb-h1": "linear", "zb-h2": "linear",
-                              "zbv": "v", "dualpipev": "v"})
-"""The built-ins whose placement a bound covers (one stage per rank, or the V)."""
-TWO_COPIES = ("dualpipe",)
-"""Built-ins that hold two copies of the parameters: not a same-memory rival (reported beside the others)."""
+                              "zbv": "v", "dualpipev": "v"})  # the built-ins whose placement a bound covers
+TWO_COPIES = ("dualpipe",)  # built-ins with two copies of the parameters: no same-memory rival (shown beside)
 
 
 def case(ranks: int, mbs: int, profile: Profile, limit: float) -> dict[str, Any]:
     """One comparison: bounds, every fitting built-in (the best one with one parameter copy), and auto."""
-    rivals = built_ins(ranks, mbs, profile, limit)
+    every = built_ins(ranks, mbs, profile)
+    rivals = {k: v for k, v in every.items() if v[1] <= limit + EPS}  # the built-ins that fit the limit
     name, (span, _) = min(((k, v) for k, v in rivals.items() if k not in TWO_COPIES), key=lambda kv: kv[1][0])
-    everything = {k: v[0] for k, v in rivals.items()}
-    for rival in ("zb-h1", "zb-h2"):
-        if rival not in everything:
-            schedule = build_schedule(rival, ranks, mbs)
-            everything[rival + " (over limit)"] = simulate(schedule, cost_for(schedule, profile)).makespan
+    everything = {k: v[0] for k, v in rivals.items()} | {f"{k} (over limit)": every[k][0] for k in ("zb-h1", "zb-h2")
+                                                          if k not in rivals}
     linear = bounds(ranks, mbs, profile, limit)
     v = v_bound(ranks, mbs, profile, limit) if ranks >= 2 else linear["two_sided"]
     auto = run_auto(ranks, mbs, profile, limit)
@@ -149,9 +132,8 @@ def case(ranks: int, mbs: int, profile: Profile, limit: float) -> dict[str, Any]
     checked = [(k, span, own[PLACEMENT[k]]) for k, (span, _) in rivals.items() if k in PLACEMENT]
     checked += [(f"auto {k}", span, own[k]) for k, span in auto["by_placement"].items()]
     return {"P": ranks, "M": mbs, "profile": profile.name, "limit": limit, **linear, "v_bound": v,
-            "bound": min(linear["two_sided"], v),
-            "built_ins": everything, "best_built_in": name, "best_built_in_makespan": span,
-            "auto": auto, "bound_checked": len(checked),
+            "bound": min(linear["two_sided"], v), "built_ins": everything, "best_built_in": name,
+            "best_built_in_makespan": span, "auto": auto, "bound_checked": len(checked),
             "bound_reached": sum(abs(span - bound) <= EPS for _, span, bound in checked),
             "bound_violated": [k for k, span, bound in checked if span < bound - EPS]}
 
@@ -165,10 +147,8 @@ class AutoSearchConfig:
     grid_ranks: tuple[int, ...] = (4, 8, 16)  # P of the grid (M = 2P, 4P, 8P)
     sweep: tuple[int, int] = (8, 32)  # (P, M) of the limit sweep
     search_time: tuple[int, int] = (16, 128)  # (P, M) whose search is timed
-    sections: tuple[str, ...] = ("targets", "grid", "sweep", "search_time")
-    """The sections to run: targets, grid and sweep are exact simulations, search_time a wall-clock measurement."""
-    keep_from: str = ""
-    """A results.json whose other sections this run keeps (e.g. time the search alone on a quiet machine)."""
+    sections: tuple[str, ...] = ("targets", "grid", "sweep", "search_time")  # search_time alone is a timing
+    keep_from: str = ""  # a results.json whose other sections this run keeps (e.g. time the search on a quiet machine)
 
 
 QUICK = AutoSearchConfig(((4, 12),), ((4, 8),), (2, 4), (4, 8), (4, 16))
@@ -176,24 +156,24 @@ QUICK = AutoSearchConfig(((4, 12),), ((4, 8),), (2, 4), (4, 8), (4, 16))
 
 def targets(cfg: AutoSearchConfig) -> list[dict[str, Any]]:
     """The issue's targets, each with its cases and its verdict."""
-    first, big = cfg.first, cfg.big
-    out = []
-    cases = [case(p, m, UNIFORM, p) for p, m in first]
-    out.append({"target": "uniform costs, no latency, limit P: auto = LB (one stage per rank; V may go below)",
-                "cases": cases, "met": all(abs(c["auto"]["by_placement"]["linear"] - c["lb"]) <= EPS
-                                           and c["auto"]["makespan"] <= c["lb"] + EPS for c in cases)})
-    cases = [case(p, m, LATENCY, p) for p, m in big]
-    out.append({"target": "latency 0.5, limit P: at least 3% shorter than zb-h1", "cases": cases,
-                "met": all(c["auto"]["makespan"] <= 0.97 * c["built_ins"]["zb-h1"] + EPS for c in cases),
-                "reachable": all(c["bound"] <= 0.97 * c["built_ins"]["zb-h1"] + EPS for c in cases)})
-    cases = [case(p, m, W_LIGHT, p) for p, m in big]
-    out.append({"target": "W-light (F=1 B=2.5 W=0.5), limit P: no worse than zb-h1", "cases": cases,
-                "met": all(c["auto"]["makespan"] <= c["built_ins"]["zb-h1"] + EPS for c in cases)})
-    cases = [case(p, m, prof, 2 * p) for prof, shapes in ((UNIFORM, first), (LATENCY, big), (W_LIGHT, big))
-             for p, m in shapes]
-    out.append({"target": "limit 2P: no worse than zb-h2 on every case above", "cases": cases,
-                "met": all(c["auto"]["makespan"] <= c["built_ins"]["zb-h2"] + EPS for c in cases)})
-    return out
+    shapes = ((UNIFORM, cfg.first), (LATENCY, cfg.big), (W_LIGHT, cfg.big))
+    uniform, latency, light = ([case(p, m, prof, p) for p, m in pms] for prof, pms in shapes)
+    doubled = [case(p, m, prof, 2 * p) for prof, pms in shapes for p, m in pms]
+
+    def within(cases: list[dict[str, Any]], rival: str, factor: float = 1.0, bound: bool = False) -> bool:
+        """Every case's auto makespan (or bound) at most `factor` x the rival's."""
+        return all((c["bound"] if bound else c["auto"]["makespan"]) <= factor * c["built_ins"][rival] + EPS
+                   for c in cases)
+
+    return [{"target": "uniform costs, no latency, limit P: auto = LB (one stage per rank; V may go below)",
+             "cases": uniform, "met": all(abs(c["auto"]["by_placement"]["linear"] - c["lb"]) <= EPS
+                                          and c["auto"]["makespan"] <= c["lb"] + EPS for c in uniform)},
+            {"target": "latency 0.5, limit P: at least 3% shorter than zb-h1", "cases": latency,
+             "met": within(latency, "zb-h1", 0.97), "reachable": within(latency, "zb-h1", 0.97, bound=True)},
+            {"target": "W-light (F=1 B=2.5 W=0.5), limit P: no worse than zb-h1", "cases": light,
+             "met": within(light, "zb-h1")},
+            {"target": "limit 2P: no worse than zb-h2 on every case above", "cases": doubled,
+             "met": within(doubled, "zb-h2")}]
 
 
 def grid(cfg: AutoSearchConfig) -> dict[str, Any]:
@@ -206,46 +186,34 @@ def grid(cfg: AutoSearchConfig) -> dict[str, Any]:
     return {"rows": rows, "cases": len(rows), "worse": len(worse), "better": len(better), "met": not worse,
             "greedy_wins": sum(r["auto"]["winner"].startswith("greedy") for r in better),
             "at_bound": sum(r["auto"]["makespan"] <= r["bound"] + EPS for r in rows),
-            "bound_checked": sum(r["bound_checked"] for r in rows),
-            "bound_reached": sum(r["bound_reached"] for r in rows),
+            **{k: sum(r[k] for r in rows) for k in ("bound_checked", "bound_reached")},
             "bound_violated": [f"P={r['P']} M={r['M']} {r['profile']} limit {r['limit']:g}: {k}"
-                               for r in rows for k in r["bound_violated"]],
-            "dualpipe_cases": len(dual),
+                               for r in rows for k in r["bound_violated"]], "dualpipe_cases": len(dual),
             "dualpipe_shorter": sum(r["built_ins"]["dualpipe"] < r["auto"]["makespan"] - EPS for r in dual)}
-
-
-def _search(ranks: int, mbs: int, profile: Profile, limit: float, placement: str) -> Any:
-    table = build_schedule("1f1b" if placement == "linear" else "zbv", ranks, mbs)
-    return search(ranks, mbs, cost=cost_for(table, profile), memory_limit=limit, placement=placement)
 
 
 def search_time(cfg: AutoSearchConfig) -> dict[str, Any]:
     """Wall and CPU seconds of the search (both placements, two cost profiles, limits P and 2P)."""
     ranks, mbs = cfg.search_time
     rows: list[dict[str, Any]] = []
-    for profile in (UNIFORM, LATENCY):
-        for limit in (ranks, 2 * ranks):
-            for placement in ("linear", "v"):
-                wall, cpu = time.perf_counter(), time.process_time()
-                _search(ranks, mbs, profile, limit, placement)
-                rows.append({"profile": profile.name, "limit": limit, "placement": placement,
-                             "wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu})
+    for profile, limit, placement in itertools.product((UNIFORM, LATENCY), (ranks, 2 * ranks), ("linear", "v")):
+        wall, cpu = time.perf_counter(), time.process_time()
+        _search(ranks, mbs, profile, limit, placement)
+        rows.append({"profile": profile.name, "limit": limit, "placement": placement,
+                     "wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu})
     worst = max(r["wall_s"] for r in rows)
     return {"P": ranks, "M": mbs, "rows": rows, "max_wall_s": worst, "met": worst < 10.0,
             "loadavg": [round(x, 2) for x in os.getloadavg()]}
 
 
 def limit_sweep(cfg: AutoSearchConfig) -> dict[str, Any]:
-    """The latency target's case under growing limits: both placements' bounds and auto's result for each (the
-    bounds prove "3% below zb-h1" out of reach at limit P; this shows how much memory it takes)."""
+    """The latency target's case under growing limits: both placements' bounds and auto's result for each."""
     ranks, mbs = cfg.sweep
     h1 = simulate(build_schedule("zb-h1", ranks, mbs), cost_for(build_schedule("zb-h1", ranks, mbs), LATENCY))
-    rows = []
-    for factor in (1.0, 1.125, 1.25, 1.375, 1.5, 2.0):
-        limit = factor * ranks
-        rows.append({"limit": limit, "linear_bound": bounds(ranks, mbs, LATENCY, limit)["two_sided"],
-                     "v_bound": v_bound(ranks, mbs, LATENCY, limit),
-                     **{p: _search(ranks, mbs, LATENCY, limit, p).winner.makespan for p in ("linear", "v")}})
+    rows = [{"limit": limit, "linear_bound": bounds(ranks, mbs, LATENCY, limit)["two_sided"],
+             "v_bound": v_bound(ranks, mbs, LATENCY, limit),
+             **{p: _search(ranks, mbs, LATENCY, limit, p).winner.makespan for p in ("linear", "v")}}
+            for limit in (factor * ranks for factor in (1.0, 1.125, 1.25, 1.375, 1.5, 2.0))]
     return {"P": ranks, "M": mbs, "zb_h1": h1.makespan, "rows": rows}
 
 
@@ -257,10 +225,8 @@ def run(cfg: AutoSearchConfig) -> Result:
     unknown = set(cfg.sections) - set(SECTIONS)
     if unknown:
         raise ValueError(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
-    out: dict[str, Any] = {}
-    if cfg.keep_from:
-        with open(cfg.keep_from, encoding="utf-8") as fh:
-            out = {k: v for k, v in json.load(fh).get("auto_search", {}).items() if k in SECTIONS}
+    earlier = json.loads(Path(cfg.keep_from).read_text(encoding="utf-8")) if cfg.keep_from else {}
+    out = {k: v for k, v in earlier.get("auto_search", {}).items() if k in SECTIONS}
     return {**out, **{name: SECTIONS[name](cfg) for name in cfg.sections}}
 
 
@@ -270,9 +236,8 @@ def _f(x: float) -> str:
 
 def _verdict(target: dict[str, Any]) -> str:
     """"met", or "missed", saying so when the bounds prove the target out of reach."""
-    if not target["met"] and target.get("reachable") is False:
-        return "**missed**: unreachable (bound > target)"
-    return met(target["met"])
+    return ("**missed**: unreachable (bound > target)" if not target["met"] and target.get("reachable") is False
+            else met(target["met"]))
 
 
 def target_table(results: dict[str, Any]) -> list[list[str]]:
@@ -281,14 +246,11 @@ def target_table(results: dict[str, Any]) -> list[list[str]]:
             "best built-in (1 copy)", "dualpipe (2 copies)", "auto linear / v", "auto (winner)", "met"]]
     for t in results["targets"]:
         for c in t["cases"]:
-            bi = c["built_ins"]
-            h1 = bi.get("zb-h1", bi.get("zb-h1 (over limit)"))
-            h2 = bi.get("zb-h2", bi.get("zb-h2 (over limit)"))
-            a = c["auto"]
-            out.append([t["target"], str(c["P"]), str(c["M"]), _f(c["limit"]), _f(c["lb"]), _f(c["memory_aware"]),
-                        _f(c["two_sided"]), _f(c["v_bound"]), _f(h1) + ("" if "zb-h1" in bi else " (over)"),
-                        _f(h2) + ("" if "zb-h2" in bi else " (over)"),
-                        f"{c['best_built_in']} {_f(c['best_built_in_makespan'])}",
+            bi, a = c["built_ins"], c["auto"]
+            out.append([t["target"], str(c["P"]), str(c["M"]), *(_f(c[k]) for k in (
+                        "limit", "lb", "memory_aware", "two_sided", "v_bound")),
+                        *(_f(bi.get(k, bi.get(k + " (over limit)"))) + ("" if k in bi else " (over)")
+                          for k in ("zb-h1", "zb-h2")), f"{c['best_built_in']} {_f(c['best_built_in_makespan'])}",
                         _f(bi["dualpipe"]) if "dualpipe" in bi else "-",
                         " / ".join(_f(a["by_placement"][k]) for k in ("linear", "v")),
                         f"**{_f(a['makespan'])}** ({a['placement']}: {a['winner']})", _verdict(t)])
@@ -297,31 +259,23 @@ def target_table(results: dict[str, Any]) -> list[list[str]]:
 
 def grid_table(results: dict[str, Any]) -> list[list[str]]:
     """Header + the grid's cases where auto differs from the best built-in."""
-    out = [["P", "M", "costs", "limit", "bound", "best built-in (1 copy)", "dualpipe (2 copies)", "auto",
-            "auto / best", "auto's winner"]]
-    for r in results["grid"]["rows"]:
-        a = r["auto"]
-        if abs(a["makespan"] - r["best_built_in_makespan"]) > EPS:
-            dual = r["built_ins"].get("dualpipe")
-            out.append([str(r["P"]), str(r["M"]), r["profile"], _f(r["limit"]), _f(r["bound"]),
-                        f"{r['best_built_in']} {_f(r['best_built_in_makespan'])}", "-" if dual is None else _f(dual),
-                        _f(a["makespan"]), f"{a['makespan'] / r['best_built_in_makespan']:.3f}",
-                        f"{a['placement']}: {a['winner']}"])
-    return out
+    return [["P", "M", "costs", "limit", "bound", "best built-in (1 copy)", "dualpipe (2 copies)", "auto",
+             "auto / best", "auto's winner"]] + [
+        [str(r["P"]), str(r["M"]), r["profile"], _f(r["limit"]), _f(r["bound"]),
+         f"{r['best_built_in']} {_f(r['best_built_in_makespan'])}",
+         _f(r["built_ins"]["dualpipe"]) if "dualpipe" in r["built_ins"] else "-", _f(r["auto"]["makespan"]),
+         f"{r['auto']['makespan'] / r['best_built_in_makespan']:.3f}", "{placement}: {winner}".format(**r["auto"])]
+        for r in results["grid"]["rows"] if abs(r["auto"]["makespan"] - r["best_built_in_makespan"]) > EPS]
 
 
 def sweep_table(sweep: dict[str, Any]) -> list[list[str]]:
     """Header + one row per limit of the limit sweep."""
     target = 0.97 * sweep["zb_h1"]
-    out = [["limit", "bound: one stage per rank", "bound: V", "auto linear", "auto v", "auto / zb-h1",
-            f"<= 0.97 zb-h1 ({target:.2f})"]]
-    for r in sweep["rows"]:
-        best = min(r["linear"], r["v"])
-        out.append([_f(r["limit"]), _f(r["linear_bound"]), _f(r["v_bound"]), _f(r["linear"]), _f(r["v"]),
-                    f"{best / sweep['zb_h1']:.3f}",
-                    "yes" if best <= target + EPS else
-                    ("no (unreachable)" if min(r["linear_bound"], r["v_bound"]) > target + EPS else "no")])
-    return out
+    return [["limit", "bound: one stage per rank", "bound: V", "auto linear", "auto v", "auto / zb-h1",
+             f"<= 0.97 zb-h1 ({target:.2f})"]] + [
+        [*(_f(r[k]) for k in ("limit", "linear_bound", "v_bound", "linear", "v")),
+         f"{min(r['linear'], r['v']) / sweep['zb_h1']:.3f}", "yes" if min(r["linear"], r["v"]) <= target + EPS else
+         "no (unreachable)" if min(r["linear_bound"], r["v_bound"]) > target + EPS else "no"] for r in sweep["rows"]]
 
 
 def report(result: Result) -> list[Block]:
@@ -364,7 +318,7 @@ def figures(result: Result, folder: str) -> list[tuple[str, str]]:
     sweep = result.get("sweep")
     if not sweep:
         return []
-    fig = plots.figure(6.4, 3.6)
+    fig = figure(6.4, 3.6)
     ax = fig.add_subplot()
     limits = [r["limit"] for r in sweep["rows"]]
     for key, label, style in (("linear_bound", "bound, one stage per rank", "--"), ("v_bound", "bound, V", ":"),
@@ -399,4 +353,4 @@ PART = Part("auto_search", "Automatic schedule search (simulated)", AutoSearchCo
             block="auto")
 
 if __name__ == "__main__":
-    raise SystemExit(main(only=PART.name))
+    raise SystemExit(runner.main(only=PART.name))

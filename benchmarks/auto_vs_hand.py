@@ -13,14 +13,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks import harness
-from benchmarks.framework import Block, Part, Result
+from benchmarks import harness, runner
+from benchmarks.framework import Block, Part, Result, ms
 from benchmarks.internals import check_schedule
-from benchmarks.runner import main
 from duplexpipe import Pipeline, PipelineConfig, plan
 
-HAND = ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev")
-"""The schedules a user would pick by hand (interleaved with 2 chunks)."""
+HAND = ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev")  # picked by hand (interleaved: 2 chunks)
 
 
 @dataclass(frozen=True)
@@ -29,18 +27,15 @@ class MLPSpec:
 
     name: str  # what the workload is called in the report
     widths: tuple[int, ...]  # feature widths: layer k maps widths[k] to widths[k + 1] (then GELU)
-    classes: int
-    """The head's outputs (a Linear to this many classes, then cross-entropy)."""
+    classes: int  # the head's outputs (a Linear to this many classes, then cross-entropy)
     batch: int  # samples per step
     seed: int = 0  # seed of the weights and the data
 
 
 @dataclass(frozen=True)
 class AutoBenchConfig:
-    """Per model, schedule="auto" built as a user would (profile on rank 0, calibration in the pipeline, plan; a
-    fresh calibration cache: the measurement is judged too) and every hand-picked (schedule, M) (layers split with
-    balance="time"), stepped in turn on `ranks` processes sharing `cores` cores. Targets: auto's prediction within
-    25% of its measured step, and auto no more than 5% slower than the best hand-picked schedule."""
+    """Per model, schedule="auto" built as a user would and every hand-picked (schedule, M), stepped in turn.
+    Targets: auto's prediction within 25% of its step, auto no more than 5% slower than the best hand-picked one."""
 
     ranks: int = 4  # pipeline ranks (gloo processes)
     cores: int = 2  # the cores the ranks share (schedule_options["cores"])
@@ -48,14 +43,11 @@ class AutoBenchConfig:
         MLPSpec("compute-bound", (384, 768, 512, 1024, 640, 1024, 512, 768, 512, 1024, 512, 768, 640), 6144, 256),
         MLPSpec("overhead-bound", (64, 128, 96, 192, 64, 160, 96, 128, 80, 192, 64, 128, 96), 1024, 16),
     )
-    """The workloads."""
     microbatches: tuple[int, ...] = (4, 8, 16)  # M of the hand-picked schedules
     schedules: tuple[str, ...] = HAND  # the hand-picked schedules
     steps: int = 20  # measured steps of every candidate
     warmup: int = 2  # unmeasured steps of every candidate first
-    confirm: int = 30
-    """Head-to-head rounds of auto and the sweep's best hand-picked schedule (0: none): the best of many noisy
-    medians is biased low, so the pick is judged on the median of these rounds' auto / hand ratios."""
+    confirm: int = 30  # head-to-head rounds of auto and the sweep's best (0: none): the pick is judged on these
 
 
 QUICK = AutoBenchConfig(ranks=2, cores=2, models=(MLPSpec("overhead-bound", (16, 32, 24, 32, 16), 64, 8),),
@@ -83,12 +75,10 @@ def _hand(spec: MLPSpec, cfg: AutoBenchConfig) -> list[tuple[str, int]]:
 
 
 def _pipelines(spec: MLPSpec, cfg: AutoBenchConfig, cache: str) -> tuple[list[str], list[Pipeline], list[float]]:
-    """Auto's Pipeline (built as a user would, twice: measured, then from the cache) first, then the hand-picked
-    ones; and auto's two construction times (seconds)."""
+    """Auto's Pipeline (built twice: measured, then from the cache), the hand-picked ones; auto's build seconds."""
     layers, head = build_model(spec)
     x, y = make_batch(spec)
-    loss = nn.functional.cross_entropy
-    adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
+    loss, adamw = nn.functional.cross_entropy, harness.adamw(1e-3)
     flags: Any = {"record_timeline": False, "check_inputs_every_step": False}  # auto's calibration runs with the same
     times = []
     for _ in range(2):  # measured, then again from the cache
@@ -108,26 +98,23 @@ def _pipelines(spec: MLPSpec, cfg: AutoBenchConfig, cache: str) -> tuple[list[st
 
 
 def _measure(spec: MLPSpec, cfg: AutoBenchConfig, cache: str) -> dict[str, Any]:
-    """Every candidate stepped in turn, then auto head to head with the sweep's best hand-picked one (every rank
-    has the same sweep samples, so the same rival)."""
+    """Every candidate stepped in turn, then auto head to head with the sweep's best hand-picked one."""
     names, pipes, built = _pipelines(spec, cfg, cache)
     x, y = make_batch(spec)
     seconds = [t.wall for t in harness.RoundRobin(pipes, lambda p, _: p.step(x, y)).run(cfg.steps, cfg.warmup)]
     medians = [statistics.median(s) for s in seconds[1:]]
     rival = 1 + min(range(len(medians)), key=medians.__getitem__)
     rounds = harness.RoundRobin([pipes[0], pipes[rival]], lambda p, _: p.step(x, y)).run(cfg.confirm)
-    auto = pipes[0]
-    assert auto.auto is not None
-    overhead = auto.auto.profile.overhead
-    planned = auto.auto.result.config
-    predicted = [auto.plan.predicted_step_s] + [
-        plan(auto.auto.profile, replace(planned, schedules=(name,), microbatches=(m,), chunks=(2,))).best.step_s
+    auto, chosen = pipes[0].auto, pipes[0].plan
+    assert auto is not None
+    predicted = [chosen.predicted_step_s] + [
+        plan(auto.profile, replace(auto.result.config, schedules=(name,), microbatches=(m,), chunks=(2,))).best.step_s
         for name, m in _hand(spec, cfg)]
     return {"names": names, "seconds": seconds, "auto_build_s": built[0], "auto_cached_build_s": built[1],
-            "confirm": {"rival": rival, "auto": rounds[0].wall, "hand": rounds[1].wall}, "plan": auto.plan.summary(),
-            "predicted_s": auto.plan.predicted_step_s, "source": auto.auto.source,
-            "overhead": overhead.to_dict() if overhead is not None else None,
-            "table": auto.auto.result.table(8), "profile": auto.auto.profile.to_dict(), "predicted": predicted}
+            "confirm": {"rival": rival, "auto": rounds[0].wall, "hand": rounds[1].wall}, "plan": chosen.summary(),
+            "predicted_s": chosen.predicted_step_s, "source": auto.source, "table": auto.result.table(8),
+            "overhead": auto.profile.overhead.to_dict() if auto.profile.overhead is not None else None,
+            "profile": auto.profile.to_dict(), "predicted": predicted}
 
 
 def _worker(rank: int, world: int, cfg: AutoBenchConfig) -> list[dict[str, Any]]:
@@ -139,8 +126,7 @@ def _worker(rank: int, world: int, cfg: AutoBenchConfig) -> list[dict[str, Any]]
 
 
 def summarize(measured: dict[str, Any]) -> dict[str, Any]:
-    """Medians, auto's prediction error, its rank and its ratio to the best hand-picked candidate: in the sweep
-    and, when run, head to head (the median of the rounds' auto / hand ratios, which judges the pick)."""
+    """Medians, auto's prediction error, rank and ratio to the best hand-picked one (sweep, head to head)."""
     medians = [harness.summarize(s).median for s in measured["seconds"]]
     rows = [{"candidate": n, "predicted_s": p, **harness.summarize(s).to_dict()}
             for n, s, p in zip(measured["names"], measured["seconds"], measured["predicted"], strict=True)]
@@ -160,9 +146,8 @@ def summarize(measured: dict[str, Any]) -> dict[str, Any]:
 
 def _ratios(m: dict[str, Any]) -> str:
     """Auto / best hand-picked in the sweep and, when run, head to head (the one the target judges)."""
-    if not m.get("confirmed"):
-        return f"{m['ratio']:.3f} (sweep)"
-    return f"{m['sweep_ratio']:.3f} sweep, {m['ratio']:.3f} head to head ({len(m['confirm']['auto'])} rounds)"
+    return (f"{m['sweep_ratio']:.3f} sweep, {m['ratio']:.3f} head to head ({len(m['confirm']['auto'])} rounds)"
+            if m.get("confirmed") else f"{m['ratio']:.3f} (sweep)")
 
 
 def run(cfg: AutoBenchConfig) -> Result:
@@ -175,9 +160,8 @@ def report(result: Result) -> list[Block]:
     """The verdict per model, then per model how auto was built and every candidate's median."""
     out: list[Block] = [[["model", "auto's plan", "predicted ms", "measured ms", "error", "met (25%)",
                           "best hand-picked", "ms", "auto / best: sweep, head to head", "rank", "met (5%)"]] + [
-        [m["model"]["name"], m["plan"], f"{m['predicted_s'] * 1e3:.1f}", f"{m['auto_s'] * 1e3:.1f}",
-         f"{m['error']:+.1%}",
-         "yes" if m["predicted_ok"] else "no", m["best_hand"], f"{m['best_hand_s'] * 1e3:.1f}", _ratios(m),
+        [m["model"]["name"], m["plan"], ms(m["predicted_s"]), ms(m["auto_s"]), f"{m['error']:+.1%}",
+         "yes" if m["predicted_ok"] else "no", m["best_hand"], ms(m["best_hand_s"]), _ratios(m),
          f"{m['rank']} of {m['candidates']}", "yes" if m["pick_ok"] else "no"] for m in result["models"]]]
     for m in result["models"]:
         o, spec = m["overhead"], m["model"]
@@ -189,8 +173,8 @@ def report(result: Result) -> list[Block]:
                 f"(profile, calibration, plan), {m['auto_cached_build_s']:.1f} s from the cache; calibrated {terms}; "
                 f"{m['source'].split('; ', 1)[-1]}. Median ms per candidate (IQR):",
                 [["candidate", "median ms", "IQR ms", "the planner's prediction ms (its own grouping of the parts)"]] +
-                [[r["candidate"], f"{r['median_s'] * 1e3:.1f}", f"{r['q1_s'] * 1e3:.1f}-{r['q3_s'] * 1e3:.1f}",
-                  f"{r['predicted_s'] * 1e3:.1f}"] for r in m["rows"]]]
+                [[r["candidate"], ms(r["median_s"]), f"{ms(r['q1_s'])}-{ms(r['q3_s'])}", ms(r["predicted_s"])]
+                 for r in m["rows"]]]
     return out
 
 
@@ -198,4 +182,4 @@ PART = Part("auto_vs_hand", "schedule='auto' against hand-picked schedules", Aut
             block="auto-vs-hand")
 
 if __name__ == "__main__":
-    raise SystemExit(main(only=PART.name))
+    raise SystemExit(runner.main(only=PART.name))

@@ -6,14 +6,14 @@ import argparse
 import json
 import statistics
 import sys
+from pathlib import Path
 from typing import Any, Sequence
 
 RowKey = tuple[str, str]
 
 
 def _rows(path: str) -> dict[RowKey, dict[str, Any]]:
-    with open(path) as fh:
-        data = json.load(fh)
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
     rows = data["vs_torch"]["rows"] if isinstance(data["vs_torch"], dict) else data["vs_torch"]  # or the old format
     return {(r["workload"], r["schedule"]): r for r in rows}
 
@@ -47,11 +47,9 @@ def _cell(entry: dict[str, Any] | None) -> str:
 def table(before: Sequence[str], after: Sequence[str]) -> list[str]:
     """Markdown table lines: one row per (workload, schedule) of the `after` runs."""
     old, new = summarize(before), summarize(after)
-    lines = ["| workload | schedule | before: ours/torch (range; paired median, IQR) | "
-             "after: ours/torch (range; paired median, IQR) |", "|---|---|---|---|"]
-    for key in new:
-        lines.append(f"| {key[0]} | {key[1]} | {_cell(old.get(key))} | {_cell(new[key])} |")
-    return lines
+    return ["| workload | schedule | before: ours/torch (range; paired median, IQR) | after: ours/torch (range; "
+            "paired median, IQR) |", "|---|---|---|---|",
+            *(f"| {key[0]} | {key[1]} | {_cell(old.get(key))} | {_cell(new[key])} |" for key in new)]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,32 +10,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks import harness
+from benchmarks import harness, runner
 from benchmarks import internals as deep
 from benchmarks.framework import Block, Part, Result
-from benchmarks.runner import main
 from duplexpipe.launch.tasks.gpt import GPTConfig, build_gpt
 
 METHODS: tuple[tuple[str, str | deep.Options], ...] = (
-    ("fp32 all-reduce", "none"),
-    ("bf16 (torch hook)", "bf16"),
-    ("fp16 (torch hook)", "fp16"),
+    ("fp32 all-reduce", "none"), ("bf16 (torch hook)", "bf16"), ("fp16 (torch hook)", "fp16"),
     ("int8 blocks of 256, SR + EF", deep.Int8Options()),
     ("powersgd rank 4", deep.PowerSGDOptions(rank=4, start_step=2)),
-    ("topk 1% + EF", deep.TopKOptions(ratio=0.01)),
-    ("randomk 1% + EF", deep.RandomKOptions(ratio=0.01)),
+    ("topk 1% + EF", deep.TopKOptions(ratio=0.01)), ("randomk 1% + EF", deep.RandomKOptions(ratio=0.01)),
     ("threshold 0.5 max, 1% slots", deep.ThresholdOptions(ratio=0.01, theta=0.5)),
-    ("dgc 99%", deep.DGCOptions(ratio=0.01)),
-    ("dgc 99.9%", deep.DGCOptions(ratio=0.001)),
-)
-"""(label, compression) pairs measured; DGC without warm-up, so every timed step is at steady state."""
+    ("dgc 99%", deep.DGCOptions(ratio=0.01)), ("dgc 99.9%", deep.DGCOptions(ratio=0.001)),
+)  # (label, compression) measured; DGC without warm-up: every timed step at steady state
 
 
 @dataclass(frozen=True)
 class CompressionConfig:
-    """Each method reduces one bucket shaped like a GPT's parameters on 2 gloo ranks: "compute" over a 1-rank group
-    (the collectives are local copies: the cost of compressing and decompressing), "gloo" over both ranks; bytes
-    are the ring-model bytes one rank sends per step."""
+    """Each method reduces a bucket shaped like a GPT's parameters on 2 gloo ranks: "compute" over a 1-rank group (the
+    cost of compressing and decompressing), "gloo" over both; bytes: the ring-model bytes a rank sends per step."""
 
     models: tuple[tuple[str, int, int], ...] = (("GPT example (4 x 64)", 4, 64), ("GPT 8 x 256", 8, 256))
     """(label, n_layer, d_model) of the GPTs whose parameter shapes make the bucket."""
@@ -80,18 +73,16 @@ def _worker(rank: int, world: int, cfg: CompressionConfig) -> list[dict[str, Any
     for label, n_layer, d_model in cfg.models:
         bucket = deep.Bucket(0, gpt_shapes(n_layer, d_model))
         grad = torch.randn(bucket.buffer().numel(), generator=torch.Generator().manual_seed(rank))
-        for name, spec in METHODS:
-            if name in cfg.methods:
-                pair = dist.new_group(list(range(world)))  # a fresh group per reducer (PowerSGD needs its own)
-                compute, wire = _time(spec, solo, bucket, grad, cfg), _time(spec, pair, bucket, grad, cfg)
-                rows.append({"model": label, "numel": bucket.buffer().numel(), "method": name,
-                             "compute_s": compute["s"], "gloo_s": wire["s"], "bytes": wire["bytes"]})
+        for name, spec in (m for m in METHODS if m[0] in cfg.methods):
+            pair = dist.new_group(list(range(world)))  # a fresh group per reducer (PowerSGD needs its own)
+            compute, wire = _time(spec, solo, bucket, grad, cfg), _time(spec, pair, bucket, grad, cfg)
+            rows.append({"model": label, "numel": bucket.buffer().numel(), "method": name, "compute_s": compute["s"],
+                         "gloo_s": wire["s"], "bytes": wire["bytes"]})
     return rows
 
 
 def break_even(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each row with its ratio and break-even bandwidth against the fp32 all-reduce of the same model: (fp32 bytes -
-    method bytes) / (method compute - fp32 compute); on slower links the bytes saved outweigh the compute."""
+    """Each row with its ratio and break-even bandwidth against the same model's fp32 all-reduce."""
     base = {r["model"]: r for r in rows if r["method"] == METHODS[0][0]}
     out = []
     for r in rows:
@@ -109,19 +100,16 @@ def run(cfg: CompressionConfig) -> Result:
 
 def report(result: Result) -> list[Block]:
     """One row per (bucket, method)."""
-    table = [["bucket", "method", "MB/rank/step", "fewer bytes", "compute ms", "extra ms", "gloo 2-rank ms",
-              "break-even"]]
-    for r in result["rows"]:
-        bw = r["break_even_Bps"]
-        table.append([f"{r['model']} ({r['numel'] / 1e6:.2f}M)", r["method"], f"{r['bytes'] / 1e6:.3f}",
-                      f"{r['ratio']:.1f}x", f"{r['compute_s'] * 1e3:.2f}", f"{r['extra_s'] * 1e3:+.2f}",
-                      f"{r['gloo_s'] * 1e3:.2f}",
-                      "-" if bw is None else ("any link" if bw == float("inf") else f"{bw / 1e9:.2f} GB/s")])
-    return [table]
+    return [[["bucket", "method", "MB/rank/step", "fewer bytes", "compute ms", "extra ms", "gloo 2-rank ms",
+              "break-even"]] + [
+        [f"{r['model']} ({r['numel'] / 1e6:.2f}M)", r["method"], f"{r['bytes'] / 1e6:.3f}", f"{r['ratio']:.1f}x",
+         f"{r['compute_s'] * 1e3:.2f}", f"{r['extra_s'] * 1e3:+.2f}", f"{r['gloo_s'] * 1e3:.2f}",
+         "-" if (bw := r["break_even_Bps"]) is None else "any link" if bw == float("inf") else f"{bw / 1e9:.2f} GB/s"]
+        for r in result["rows"]]]
 
 
 PART = Part("compression", "Gradient compression micro-benchmark", CompressionConfig(), QUICK, run, report,
             in_bench=False)
 
 if __name__ == "__main__":
-    raise SystemExit(main(only=PART.name))
+    raise SystemExit(runner.main(only=PART.name))

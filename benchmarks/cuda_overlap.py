@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import os
+import itertools
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -11,10 +11,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks import harness
+from benchmarks import harness, runner
 from benchmarks.framework import Block, Part, Result
-from benchmarks.internals import SHARE_GPU_ENV, TensorSpec, Transport, Watchdog
-from benchmarks.runner import main
+from benchmarks.internals import TensorSpec, Transport, Watchdog
 from duplexpipe import Op
 
 MODES = ("compute", "recv", "overlapped", "serialized")
@@ -24,12 +23,10 @@ the transport's P2P stream (as the runtime does); serialized: the same with the 
 
 @dataclass(frozen=True)
 class CudaOverlapConfig:
-    """One message size, one spin length, repetitions; two ranks (with one GPU they share it and NCCL moves the
-    message over its socket transport on loopback: `recv` is then socket speed, not NVLink's)."""
+    """One message size, one spin length, repetitions; two ranks (sharing one GPU: NCCL over loopback sockets)."""
 
     mib: float = 256.0  # message size in MiB (float32)
-    compute_ms: float = 0.0
-    """GPU spin per timed compute; 0 means the measured receive time (perfect overlap halves the serialized time)."""
+    compute_ms: float = 0.0  # GPU spin per timed compute; 0: the measured receive time (overlap can halve the total)
     reps: int = 7  # timed repetitions per mode (after one untimed round)
 
     def __post_init__(self) -> None:
@@ -55,11 +52,10 @@ def _one(mode: str, rank: int, transport: Transport, buf: torch.Tensor, tag: int
     dist.barrier()
     torch.cuda.synchronize()
     start = time.perf_counter()
-    if rank == 0:
-        if mode != "compute":
-            transport.send((Op.SEND_F, 0, tag), [buf], 1)
-            transport.wait_send((Op.SEND_F, 0, tag))
-    else:
+    if rank == 0 and mode != "compute":
+        transport.send((Op.SEND_F, 0, tag), [buf], 1)
+        transport.wait_send((Op.SEND_F, 0, tag))
+    elif rank != 0:
         if mode in ("compute", "overlapped", "serialized"):
             torch.cuda._sleep(spin)
         if mode != "compute":
@@ -82,16 +78,10 @@ def worker(rank: int, world: int, cfg: CudaOverlapConfig) -> dict[str, Any]:
     store = dist.distributed_c10d._get_default_store()
     transport = Transport(None, device, Watchdog(store, "cuda-overlap", rank, 120.0, 0.005))
     buf = torch.arange(int(cfg.mib * 2**20 / 4), dtype=torch.float32, device=device)
-    cycles = _cycles_per_ms()
-    tag = 0
+    cycles, tags = _cycles_per_ms(), itertools.count(1)
 
     def rounds(mode: str, spin: int, n: int) -> list[float]:
-        nonlocal tag
-        out = []
-        for _ in range(n):
-            tag += 1
-            out.append(_one(mode, rank, transport, buf, tag, spin))
-        return out
+        return [_one(mode, rank, transport, buf, next(tags), spin) for _ in range(n)]
 
     rounds("recv", 0, 2)
     recv_ms = statistics.median(rounds("recv", 0, 3)) * 1e3
@@ -111,10 +101,6 @@ def worker(rank: int, world: int, cfg: CudaOverlapConfig) -> dict[str, Any]:
 
 def run(cfg: CudaOverlapConfig) -> Result:
     """The probe on 2 NCCL ranks."""
-    if not torch.cuda.is_available():
-        raise RuntimeError("cuda_overlap needs a CUDA GPU")
-    if torch.cuda.device_count() < 2:
-        os.environ[SHARE_GPU_ENV] = "1"
     result: dict[str, Any] = harness.spawn(worker, cfg, 2, 300.0, backend="nccl")[1]
     result.update(config=asdict(cfg), gpus=torch.cuda.device_count(), device=torch.cuda.get_device_name(0),
                   torch=torch.__version__, nccl=".".join(map(str, torch.cuda.nccl.version())))
@@ -135,4 +121,4 @@ PART = Part("cuda_overlap", "P2P stream overlap on CUDA", CudaOverlapConfig(), C
             run, report, in_bench=False)
 
 if __name__ == "__main__":
-    raise SystemExit(main(only=PART.name))
+    raise SystemExit(runner.main(only=PART.name))

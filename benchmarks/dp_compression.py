@@ -7,10 +7,9 @@ import statistics
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from benchmarks import harness
+from benchmarks import harness, runner
 from benchmarks import internals as deep
-from benchmarks.framework import Block, Part, Result
-from benchmarks.runner import main
+from benchmarks.framework import Block, Part, Result, figure
 from duplexpipe import PipelineConfig, Timeline
 
 
@@ -22,8 +21,7 @@ class Method:
     compression: str | deep.Options | None  # PipelineConfig.grad_compression
     optimizer: str  # "adamw" (the example's) or "sgd" (SGD, momentum 0.9) or "sgd0" (SGD without momentum, for DGC)
     fewer_bytes: float | None = None  # target: at least this many times fewer bytes than fp32 (steady state)
-    loss_within: float | None = None
-    """Target: mean loss of the last steps within this fraction of the uncompressed run's."""
+    loss_within: float | None = None  # target: mean loss of the last steps within this fraction of fp32's
     global_clip: bool = True  # clip the reduced gradient's global norm (DGC clips locally instead, before its momentum)
 
 
@@ -31,8 +29,7 @@ def _methods(warmup: int) -> tuple[Method, ...]:
     dgc = {"momentum": 0.9, "clip_norm": 1.0, "warmup_steps": warmup}
     return (
         Method("fp32 all-reduce", None, "adamw"),
-        Method("bf16 (torch hook)", "bf16", "adamw", 1.95, 0.01),
-        Method("fp16 (torch hook)", "fp16", "adamw"),
+        Method("bf16 (torch hook)", "bf16", "adamw", 1.95, 0.01), Method("fp16 (torch hook)", "fp16", "adamw"),
         Method("int8 blocks of 256, SR + EF", deep.Int8Options(), "adamw", 3.8, 0.01),
         Method("PowerSGD rank 4", deep.PowerSGDOptions(rank=4), "adamw", 6.0, 0.04),
         Method("fp32 all-reduce", None, "sgd"),
@@ -46,9 +43,7 @@ def _methods(warmup: int) -> tuple[Method, ...]:
 
 @dataclass(frozen=True)
 class DPBenchConfig:
-    """The workload: the GPT example's task, PP x DP processes; per method its wire bytes (ring model, the strategy's
-    WireMeter, per rank and step; steady: the last `tail` steps), loss of the last `tail` steps against the
-    uncompressed run with the same optimizer, step time, and the reduction's compute (break-even bandwidth)."""
+    """The GPT example on PP x DP processes; per method its wire bytes, loss, step time and reduction compute."""
 
     steps: int = 200  # training steps per method
     tail: int = 20  # last steps whose loss (and bytes: the steady state) are averaged
@@ -56,14 +51,11 @@ class DPBenchConfig:
     dp: int = 2  # data-parallel replicas
     schedule: str = "1f1b"  # schedule
     microbatches: int = 4  # microbatches per step and replica
-    task_options: dict[str, Any] = field(default_factory=lambda: {"n_layer": 4, "d_model": 64})
-    """gpt_task options (the example's model)."""
+    task_options: dict[str, Any] = field(default_factory=lambda: {"n_layer": 4, "d_model": 64})  # gpt_task options
     batch_size: int = 32  # sequences per step over all replicas (the example's global batch)
     adamw_lr: float = 3e-3  # the example's AdamW learning rate (weight decay 0.01)
     sgd_lr: float = 0.1  # SGD learning rate (momentum 0.9; DGC: its compressor's momentum 0.9, SGD without momentum)
-    clip: float = 1.0
-    """Global gradient-norm clip (the example's); DGC clips locally instead: each replica's mean gradient,
-    over its whole model, to clip * sqrt(DP) before the momentum (comm.dgc.local_clip_threshold)."""
+    clip: float = 1.0  # global gradient-norm clip; DGC clips each replica's mean gradient to clip * sqrt(DP) instead
     dgc_warmup_steps: int = 10  # DGC: steps at each warm-up sparsity (75%, 93.75%, 98.4375%, 99.6%) below its target
     methods: tuple[str, ...] = ()  # labels (with optimizer, "label|opt") to run; empty: all
     lane_steps: int = 6  # steps of the run whose last timeline shows the data-parallel lane (0: no such run)
@@ -95,8 +87,7 @@ def _worker(rank: int, world: int, job: tuple[DPBenchConfig, Method]) -> dict[st
 
 
 def _lane_worker(rank: int, world: int, cfg: DPBenchConfig) -> dict[str, Any] | None:
-    """A few steps of interleaved 1F1B (two stages per rank) with 64 KB buckets; the last step's timeline of
-    data-parallel replica 0, gathered over its pipeline, with its "dp" lane."""
+    """A few steps of interleaved 1F1B with 64 KB buckets; replica 0's last timeline with its "dp" lane."""
     task = harness.gpt(**cfg.task_options)
     pipe = harness.gpt_pipeline(task, PipelineConfig(
         "interleaved-1f1b", cfg.microbatches, schedule_options={"chunks": 2}, grad_clip_norm=cfg.clip,
@@ -112,9 +103,8 @@ def run_method(cfg: DPBenchConfig, method: Method) -> dict[str, Any]:
     ranks = harness.spawn(_worker, (cfg, method), cfg.pp * cfg.dp, 3600)
     return {"label": method.label, "optimizer": method.optimizer, "losses": ranks[0]["losses"],
             "wire": [statistics.fmean(s) for s in zip(*(r["wire"] for r in ranks), strict=True)],
-            "step_s": ranks[0]["step_s"],
             "compute_s": [statistics.fmean(s) for s in zip(*(r["compute_s"] for r in ranks), strict=True)],
-            "fewer_bytes_target": method.fewer_bytes, "loss_target": method.loss_within,
+            "step_s": ranks[0]["step_s"], "fewer_bytes_target": method.fewer_bytes, "loss_target": method.loss_within,
             "compression": repr(method.compression)}
 
 
@@ -140,60 +130,44 @@ def summarize(runs: list[dict[str, Any]], cfg: DPBenchConfig) -> list[dict[str, 
             saved = statistics.fmean(b["wire"][-tail:]) - row["bytes_steady"]
             row["break_even_Bps"] = None if r is b else (float("inf") if extra <= 0 else saved / extra)
             row["base_step_ms"] = 1e3 * statistics.median(b["step_s"][5:])
-            row["met"] = _met(row)
+            row["met"] = None if row["fewer_bytes_target"] is None else bool(
+                row["fewer_steady"] >= row["fewer_bytes_target"] and abs(row["loss_rel"]) <= row["loss_target"])
         rows.append(row)
     return rows
 
 
-def _met(row: dict[str, Any]) -> bool | None:
-    if row["fewer_bytes_target"] is None:
-        return None
-    return bool(row["fewer_steady"] >= row["fewer_bytes_target"] and abs(row["loss_rel"]) <= row["loss_target"])
-
-
-def _opt_text(name: str, cfg: DPBenchConfig) -> str:
-    return {"adamw": f"AdamW lr {cfg.adamw_lr:g}", "sgd": f"SGD lr {cfg.sgd_lr:g} m 0.9",
-            "sgd0": f"SGD lr {cfg.sgd_lr:g} m 0 (DGC m 0.9)"}[name]
-
-
 def table(rows: list[dict[str, Any]], cfg: DPBenchConfig) -> list[list[str]]:
     """One row per method."""
-    out = [["method", "optimizer", "KB/rank/step (avg / steady)", "fewer bytes (avg / steady)", "target",
-            f"loss last {cfg.tail}", "vs fp32", "target", "met", "ms/step", "reduce compute ms", "break-even"]]
-    for r in rows:
-        bw = r.get("break_even_Bps")
-        fb, lt = r["fewer_bytes_target"], r["loss_target"]
-        out.append([r["label"], _opt_text(r["optimizer"], cfg), f"{r['bytes_avg'] / 1e3:.1f} / "
-                    f"{r['bytes_steady'] / 1e3:.1f}", f"{r.get('fewer_avg', 1):.1f}x / {r.get('fewer_steady', 1):.1f}x",
-                    "-" if fb is None else f">= {fb:g}x", f"{r['loss_tail']:.4f}", f"{r.get('loss_rel', 0):+.2%}",
-                    "-" if lt is None else f"within {lt:.1%}", {None: "-", True: "yes", False: "**no**"}[r.get("met")],
-                    f"{r['step_ms']:.0f}", f"{r['compute_ms']:.2f}",
-                    "-" if bw is None else ("any link" if bw == float("inf") else f"{bw / 1e6:.0f} MB/s")])
-    return out
+    optimizer = {"adamw": f"AdamW lr {cfg.adamw_lr:g}", "sgd": f"SGD lr {cfg.sgd_lr:g} m 0.9",
+                 "sgd0": f"SGD lr {cfg.sgd_lr:g} m 0 (DGC m 0.9)"}
+    return [["method", "optimizer", "KB/rank/step (avg / steady)", "fewer bytes (avg / steady)", "target",
+             f"loss last {cfg.tail}", "vs fp32", "target", "met", "ms/step", "reduce compute ms", "break-even"]] + [
+        [r["label"], optimizer[r["optimizer"]], f"{r['bytes_avg'] / 1e3:.1f} / {r['bytes_steady'] / 1e3:.1f}",
+         f"{r.get('fewer_avg', 1):.1f}x / {r.get('fewer_steady', 1):.1f}x",
+         "-" if r["fewer_bytes_target"] is None else f">= {r['fewer_bytes_target']:g}x", f"{r['loss_tail']:.4f}",
+         f"{r.get('loss_rel', 0):+.2%}", "-" if r["loss_target"] is None else f"within {r['loss_target']:.1%}",
+         {None: "-", True: "yes", False: "**no**"}[r.get("met")], f"{r['step_ms']:.0f}", f"{r['compute_ms']:.2f}",
+         "-" if (bw := r.get("break_even_Bps")) is None else
+         "any link" if bw == float("inf") else f"{bw / 1e6:.0f} MB/s"] for r in rows]
 
 
 def _loss_curves(runs: list[dict[str, Any]], path: str) -> None:
     """Every run's loss (10-step mean): the whole run, and the second half zoomed on the close ones."""
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(12, 5.2), dpi=150)
+    fig = figure(12, 5.2, 150, None)
     whole, zoom = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
     half = len(runs[0]["losses"]) // 2
     near: list[float] = []
     base = max(statistics.fmean(r["losses"][-20:]) for r in runs if r["compression"] == "None")
     for r in runs:
         smooth = [statistics.fmean(r["losses"][max(0, i - 9):i + 1]) for i in range(len(r["losses"]))]
-        style = "-" if r["optimizer"] == "adamw" else "--"
-        label = f"{r['label']} ({r['optimizer']})"
         for ax in (whole, zoom):
-            ax.plot(range(1, len(smooth) + 1), smooth, style, linewidth=1.1, label=label)
+            ax.plot(range(1, len(smooth) + 1), smooth, "-" if r["optimizer"] == "adamw" else "--", linewidth=1.1,
+                    label=f"{r['label']} ({r['optimizer']})")
         if smooth[-1] <= 1.1 * base:
             near += smooth[half:]
-    zoom.set_xlim(half, len(runs[0]["losses"]))
-    zoom.set_ylim(min(near) - 0.02, max(near) + 0.02)
-    whole.set_title("whole run", fontsize=10)
-    zoom.set_title("second half, methods within 10% of fp32 (others leave the frame)", fontsize=10)
-    for ax in (whole, zoom):
+    zoom.set(xlim=(half, len(runs[0]["losses"])), ylim=(min(near) - 0.02, max(near) + 0.02))
+    for ax, title in ((whole, "whole run"), (zoom, "second half, methods within 10% of fp32 (others leave the frame)")):
+        ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
         ax.grid(color="#DDDDDD", linewidth=0.5)
     whole.set_ylabel("training loss (mean of the last 10 steps)")
@@ -206,9 +180,7 @@ def _loss_curves(runs: list[dict[str, Any]], path: str) -> None:
 
 def _scatter(rows: list[dict[str, Any]], path: str) -> None:
     """Bytes per rank and step (steady state) against the loss change vs fp32 of the same optimizer."""
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(9, 5.2), dpi=150)
+    fig = figure(9, 5.2, 150, None)
     ax = fig.add_subplot(1, 1, 1)
     markers = "os^vD<>pPX*h"
     for i, r in enumerate(rows):
@@ -218,10 +190,9 @@ def _scatter(rows: list[dict[str, Any]], path: str) -> None:
     ax.set_yscale("symlog", linthresh=1.0)
     ax.axhline(0, color="#888888", linewidth=0.6)
     rel = [100 * r.get("loss_rel", 0.0) for r in rows]
-    ax.set_ylim(min(-1.0, 1.5 * min(rel)), max(1.0, 2.0 * max(rel)))
-    ax.set_xlabel("KB per rank per step on the data-parallel wire (ring model, steady state; log)")
-    ax.set_ylabel("loss of the last 20 steps vs fp32, same optimizer (%; symlog)")
-    ax.set_title("bytes on the wire vs loss")
+    ax.set(ylim=(min(-1.0, 1.5 * min(rel)), max(1.0, 2.0 * max(rel))), title="bytes on the wire vs loss",
+           xlabel="KB per rank per step on the data-parallel wire (ring model, steady state; log)",
+           ylabel="loss of the last 20 steps vs fp32, same optimizer (%; symlog)")
     ax.grid(color="#DDDDDD", linewidth=0.5)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     fig.tight_layout()
@@ -235,23 +206,17 @@ def _verdict(rows: list[dict[str, Any]]) -> str:
         return ""
     bases = sorted({(r["optimizer"].rstrip("0"), round(r["base_step_ms"])) for r in compressed})
     slower = [r for r in compressed if r["step_ms"] > r["base_step_ms"]]
-    costlier = [r for r in compressed if r["break_even_Bps"] != float("inf")]
     times = ", ".join(f"{r['label']} {r['step_ms']:.0f}" for r in compressed)
-    finite = [r["break_even_Bps"] for r in costlier]
+    finite = [r["break_even_Bps"] for r in compressed if r["break_even_Bps"] != float("inf")]
     span = (f"between {min(finite) / 1e6:.0f} and {max(finite) / 1e6:.0f} MB/s per rank" if finite
             else "unbounded (no method cost extra compute)")
     steps = sorted(r["step_ms"] for r in rows)
     return (f"Wall-clock per step (median over the run): fp32 {', '.join(f'{o} {ms} ms' for o, ms in bases)}; "
             f"compressed {times} ms; {len(slower)} of {len(compressed)} compressed runs were slower than their fp32 "
-            f"run (all runs: {steps[0]:.0f}-{steps[-1]:.0f} ms; on a loaded machine, noise). {len(costlier)} of "
+            f"run (all runs: {steps[0]:.0f}-{steps[-1]:.0f} ms; on a loaded machine, noise). {len(finite)} of "
             f"{len(compressed)} methods spend more reduce compute than the fp32 all-reduce's copies. Break-even "
             f"bandwidth (bytes saved / extra compute per step, steady state): {span}; on a slower link a method "
             "saves more transfer time than it spends compressing, when the reduction is not hidden.")
-
-
-def config_of(result: Result) -> DPBenchConfig:
-    """The config a result was measured with."""
-    return DPBenchConfig(**{**result["config"], "methods": tuple(result["config"]["methods"])})
 
 
 def run(cfg: DPBenchConfig) -> Result:
@@ -266,7 +231,7 @@ def run(cfg: DPBenchConfig) -> Result:
 
 def report(result: Result) -> list[Block]:
     """How it ran, the table, the verdict."""
-    cfg = config_of(result)
+    cfg = DPBenchConfig(**{**result["config"], "methods": tuple(result["config"]["methods"])})
     return [f"GPT example ({cfg.task_options}), PP={cfg.pp} x DP={cfg.dp}, {cfg.schedule}, {cfg.microbatches} "
             f"microbatches per replica, {cfg.steps} steps, one seed; gradient clip {cfg.clip:g} (DGC: each replica's "
             f"mean gradient to {cfg.clip:g} x sqrt(DP) before its momentum). Bytes: ring-model bytes per rank and step "
@@ -295,4 +260,4 @@ PART = Part("dp_compression", "Gradient compression in training", DPBenchConfig(
             block="dp-compression")
 
 if __name__ == "__main__":
-    raise SystemExit(main(only=PART.name))
+    raise SystemExit(runner.main(only=PART.name))

@@ -1,4 +1,4 @@
-"""A benchmark part (name, config, quick config, run, report, figures) and its report as text or markdown."""
+"""A benchmark part (name, config, quick config, run, report, figures), its report as text or markdown, its plots."""
 
 from __future__ import annotations
 
@@ -6,17 +6,13 @@ import dataclasses
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 C = TypeVar("C")
-Table = list[list[str]]
-"""A table: the header row, then the body rows."""
-Block = str | Table
-"""One item of a report: a paragraph (markdown; a "### " heading too) or a table."""
-Result = dict[str, Any]
-"""What a part's run returns: JSON-ready figures."""
-Figures = Callable[[Result, str], list[tuple[str, str]]]
-"""(result, folder) -> the (file name, caption) of each figure drawn into the folder."""
+Table = list[list[str]]  # the header row, then the body rows
+Block = str | Table  # one item of a report: a paragraph (markdown; a "### " heading too) or a table
+Result = dict[str, Any]  # what a part's run returns: JSON-ready figures
+Figures = Callable[[Result, str], list[tuple[str, str]]]  # (result, folder) -> (file name, caption) per figure
 
 
 def _no_figures(result: Result, folder: str) -> list[tuple[str, str]]:
@@ -32,13 +28,11 @@ class Part(Generic[C]):
     config: C  # what a full run measures (a frozen dataclass; `--set field=value` replaces a field)
     quick: C  # A smoke run's config (`--quick`)
     run: Callable[[C], Result]  # measure: config -> JSON-ready result
-    report: Callable[[Result], list[Block]]
-    """The result's tables and sentences (rendered as text for stdout, as markdown for the docs)."""
+    report: Callable[[Result], list[Block]]  # its tables and sentences (as text for stdout, as markdown for the docs)
     figures: Figures = _no_figures  # draw the result's figures into a folder
     block: str | Callable[[Result], str] = ""
     """The docs block (between `<!-- bench:BLOCK:begin/end -->` of docs/benchmarks.md) it writes; default `name`."""
-    in_bench: bool = True
-    """False: run only when named (`--parts` or `python -m benchmarks.<name>`), not by `make bench`."""
+    in_bench: bool = True  # False: run only when named (`--parts` or `python -m benchmarks.<name>`), not by make bench
 
     def text(self, result: Result) -> str:
         """The report as fixed-width text."""
@@ -70,13 +64,8 @@ def markdown_table(table: Table) -> str:
 
 def render(blocks: Sequence[Block], markdown: bool) -> str:
     """Paragraphs and tables, a blank line apart."""
-    out = []
-    for block in blocks:
-        if isinstance(block, list):
-            out.append(markdown_table(block) if markdown else text_table(block))
-        else:
-            out.append(block if markdown else block.removeprefix("### ").replace("**", ""))
-    return "\n\n".join(out)
+    return "\n\n".join((markdown_table(b) if markdown else text_table(b)) if isinstance(b, list) else
+                       b if markdown else b.removeprefix("### ").replace("**", "") for b in blocks)
 
 
 def mark(ok: bool) -> str:
@@ -95,8 +84,7 @@ def ms(seconds: float) -> str:
 
 
 def with_settings(config: C, settings: Sequence[str]) -> C:
-    """`config` with each "field=value" applied (JSON, a comma list for a tuple field, else the text); raises
-    ValueError naming an unknown field or a value the config rejects."""
+    """`config` with each "field=value" (JSON, comma list, or text); ValueError for an unknown field or bad value."""
     names = [f.name for f in dataclasses.fields(config)]  # type: ignore[arg-type]
     changes: dict[str, Any] = {}
     for setting in settings:
@@ -118,3 +106,36 @@ def _json(text: str) -> Any:
         return json.loads(text)
     except ValueError:
         return text
+
+
+def figure(width: float, height: float, dpi: int = 110, layout: Literal["constrained"] | None = "constrained") -> Any:
+    """A matplotlib Figure (no pyplot state)."""
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height), dpi=dpi, layout=layout)
+
+
+def bars(path: str, labels: Sequence[str], series: dict[str, list[float]], target: float, target_text: str,
+         ylabel: str, title: str) -> None:
+    """Grouped bars with their values and a dashed target line."""
+    fig = figure(10.5, 3.4)
+    ax = fig.subplots()
+    count = max(len(series), 1)
+    width = 0.8 / count
+    for k, (name, values) in enumerate(series.items()):
+        xs = [i + (k - (count - 1) / 2) * width for i in range(len(values))]
+        drawn = ax.bar(xs, values, width=width * 0.95, label=name)
+        for bar, value in zip(drawn, values, strict=True):
+            ax.annotate(f"{value:.2f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), xytext=(0, 2),
+                        textcoords="offset points", ha="center", va="bottom", fontsize=7)
+    ax.axhline(target, color="#c0392b", linestyle="--", linewidth=1)
+    ax.annotate(target_text, (1.0, target), xycoords=("axes fraction", "data"), xytext=(-2, 3),
+                textcoords="offset points", ha="right", va="bottom", fontsize=7.5, color="#c0392b")
+    ax.set_xticks(range(len(labels)), labels, rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel(ylabel, fontsize=8.5)
+    ax.set_title(title, fontsize=9.5)
+    ax.tick_params(axis="y", labelsize=8)
+    ax.set_ylim(0, max([target * 1.25] + [v * 1.4 for vals in series.values() for v in vals]))
+    if len(series) > 1:
+        ax.legend(fontsize=7.5, loc="upper center", ncols=3)
+    fig.savefig(path)

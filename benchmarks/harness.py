@@ -9,12 +9,13 @@ import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
+from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from benchmarks.internals import SHARE_GPU_ENV
 from duplexpipe import Pipeline, PipelineConfig, make_mesh
 from duplexpipe import run as run_ranks  # `duplexpipe.launch` (the function) is shadowed by its subpackage
 from duplexpipe.launch.tasks.gpt import gpt_task
@@ -24,27 +25,18 @@ WorkerFn = Callable[[int, int, Any], Any]
 
 
 def spawn(fn: WorkerFn, arg: Any, world: int, timeout_s: float, backend: str = "gloo") -> list[Any]:
-    """Run `fn(rank, world, arg)` on `world` local ranks (`duplexpipe.run`: gloo, or NCCL with a GPU each), one
-    thread each; the results by rank. A failed rank raises LaunchError with its traceback."""
+    """Run `fn(rank, world, arg)` on `world` local ranks (`duplexpipe.run`, gloo or NCCL); the results by rank."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise RuntimeError("backend nccl needs a CUDA GPU")
+    if backend == "nccl" and torch.cuda.device_count() < world:
+        os.environ[SHARE_GPU_ENV] = "1"
     return run_ranks(_call, world, (fn, arg), backend=backend, timeout_s=timeout_s)
 
 
 def _call(fn: WorkerFn, arg: Any) -> Any:
     torch.set_num_threads(1)
     return fn(dist.get_rank(), dist.get_world_size(), arg)
-
-
-def timed_cpu(step: Callable[[], Any], group: Any = None,
-              cpu_timer: Callable[[], float] = time.process_time) -> tuple[float, float, Any]:
-    """Run one step between barriers: (the slowest rank's seconds, this rank's CPU seconds, its result)."""
-    dist.barrier(group=group)
-    start, cpu = time.perf_counter(), cpu_timer()
-    out = step()
-    spent = cpu_timer() - cpu
-    wall = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    dist.all_reduce(wall, op=dist.ReduceOp.MAX, group=group)
-    return float(wall.item()), spent, out
 
 
 @dataclass
@@ -59,13 +51,11 @@ class Trace:
 
 @dataclass(frozen=True)
 class RoundRobin(Generic[P]):
-    """Steppers trained in turn: step i of each (the first one rotating), then step i + 1, so all see the
-    same machine load; every step is timed between barriers."""
+    """Steppers trained in turn (the first one rotating), so all see the same load; each step timed between barriers."""
 
     steppers: Sequence[P]  # anything `step` can step (Pipelines, runtimes, torch pipes)
     step: Callable[[P, int], Any]  # (stepper, step index) -> the step's output
-    extra: Callable[[P], Any] | None = None
-    """Read after each measured step (e.g. its StepInfo's figures); on every rank (it may be a collective)."""
+    extra: Callable[[P], Any] | None = None  # read after each measured step, on every rank (may be a collective)
     cpu_timer: Callable[[], float] = time.process_time  # this process's CPU seconds (read before and after each step)
 
     def run(self, steps: int, warmup: int = 0) -> list[Trace]:
@@ -73,12 +63,16 @@ class RoundRobin(Generic[P]):
         traces = [Trace() for _ in self.steppers]
         n = len(self.steppers)
         for i in range(warmup + steps):
-            for k in range(n):
-                c = (i + k) % n
-                wall, cpu, out = timed_cpu(partial(self.step, self.steppers[c], i), cpu_timer=self.cpu_timer)
+            for c in ((i + k) % n for k in range(n)):
+                dist.barrier()
+                start, cpu = time.perf_counter(), self.cpu_timer()
+                out = self.step(self.steppers[c], i)
+                cpu = self.cpu_timer() - cpu
+                wall = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+                dist.all_reduce(wall, op=dist.ReduceOp.MAX)  # the slowest rank's seconds
                 if i >= warmup:
                     trace = traces[c]
-                    trace.wall.append(wall)
+                    trace.wall.append(float(wall.item()))
                     trace.cpu.append(cpu)
                     trace.out.append(out)
                     if self.extra is not None:
@@ -110,21 +104,15 @@ def summarize(samples: Sequence[float]) -> Stats:
     if not samples:
         raise ValueError("summarize needs at least one sample, got none")
     ordered = sorted(samples)
-    if len(ordered) < 4:
-        return Stats(statistics.median(ordered), ordered[0], ordered[-1], len(ordered))
-    q1, _, q3 = statistics.quantiles(ordered, n=4)
+    q1, q3 = (ordered[0], ordered[-1]) if len(ordered) < 4 else statistics.quantiles(ordered, n=4)[::2]
     return Stats(statistics.median(ordered), q1, q3, len(ordered))
 
 
 def machine_info() -> dict[str, Any]:
     """What the numbers were measured on."""
-    cpu = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            names = [line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")]
-        cpu = names[0] if names else cpu
-    except OSError:
-        pass
+    info = Path("/proc/cpuinfo").read_text(encoding="utf-8") if os.path.exists("/proc/cpuinfo") else ""
+    cpu = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
+               platform.processor() or "")
     return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
             "torch": torch.__version__, "loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()]}
 

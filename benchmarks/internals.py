@@ -21,18 +21,10 @@ from duplexpipe.comm.p2p_codecs import p2p_codec_pair
 from duplexpipe.comm import Bucket, C10dCounter, WireMeter, build_reducer
 
 # The option classes of gradient compression (their canonical home; the top level has only compression_options).
-from duplexpipe.dp_options.compression import (
-    DGCOptions,
-    Int8Options,
-    NoCompression,
-    Options,
-    PowerSGDOptions,
-    RandomKOptions,
-    ThresholdOptions,
-    TopKOptions,
-)
+from duplexpipe.dp_options.compression import DGCOptions, Int8Options, Options, PowerSGDOptions, RandomKOptions
+from duplexpipe.dp_options.compression import ThresholdOptions, TopKOptions
 
-# Start methods and the GPU-sharing switch of the process launcher (spawn_bench, cuda_overlap, moe_overlap).
+# Start methods and the GPU-sharing switch of the process launcher (spawn_bench, harness.spawn on NCCL).
 from duplexpipe.launch.processes import SHARE_GPU_ENV, START_METHODS
 
 # plan_vs_measured checks the planner's model term by term: its parts, link, machine and runtime-work models, and the

@@ -10,15 +10,13 @@ from typing import Any
 
 import torch
 
-from benchmarks import harness, models, plots
-from benchmarks.framework import Block, Part, Result, mark, ms
+from benchmarks import harness, models, runner
+from benchmarks.framework import Block, Part, Result, bars, mark, ms
 from benchmarks.internals import gather_timeline
-from benchmarks.models import build_ours, runtime_config
-from benchmarks.runner import main
+from benchmarks.models import build_ours
 from duplexpipe import CostModel, Op, Schedule, Timeline, build_schedule, schedule_names, simulate
 
-TARGET = 1.05
-"""Measured step over simulated makespan, at most."""
+TARGET = 1.05  # measured step over simulated makespan, at most
 
 
 @dataclass(frozen=True)
@@ -43,12 +41,16 @@ class SimConfig:
 
     def cost(self) -> CostModel:
         """The same costs in seconds for the simulator (a pair F&B runs its parts back to back)."""
-        f, i, w = self.f_ms / 1e3, self.i_ms / 1e3, self.w_ms / 1e3
-        return CostModel(f=f, b=i + w, w=w, fb=f + i + w)
+        return calibrated_cost({"f": self.f_ms / 1e3, "b": (self.i_ms + self.w_ms) / 1e3, "w": self.w_ms / 1e3})
 
     def schedule(self, name: str) -> Schedule:
         """Schedule `name` on this run's ranks and microbatches."""
         return build_schedule(name, self.world, self.num_microbatches)
+
+
+def calibrated_cost(costs: dict[str, float]) -> CostModel:
+    """The simulator's cost model from seconds of F, B and W (F&B = F + B, as the runtime runs a pair)."""
+    return CostModel(f=costs["f"], b=costs["b"], w=min(costs["w"], costs["b"]), fb=costs["f"] + costs["b"])
 
 
 QUICK = SimConfig(f_ms=2.0, i_ms=2.0, w_ms=2.0, num_microbatches=4, width=8, schedules=("1f1b", "dualpipe"),
@@ -56,12 +58,11 @@ QUICK = SimConfig(f_ms=2.0, i_ms=2.0, w_ms=2.0, num_microbatches=4, width=8, sch
 
 
 def calibrate(cfg: SimConfig, repeats: int = 5) -> dict[str, float]:
-    """Seconds one sleep-model stage really takes for F, B, I and W here, with plain autograd (no runtime):
-    sleep overshoot and autograd overhead make these a little above the nominal sleeps."""
+    """Seconds one sleep-model stage really takes for F, B, I and W here, with plain autograd (no runtime)."""
     part = models.build_parts(cfg.spec(), 1)[0]
     bias = next(part.parameters())
     x = torch.randn(cfg.samples_per_microbatch, cfg.width, requires_grad=True)
-    samples: dict[str, list[float]] = {"f": [], "b": [], "i": [], "w": []}
+    runs = []
     for _ in range(repeats + 1):
         t0 = time.perf_counter()
         y = part(x)
@@ -74,14 +75,8 @@ def calibrate(cfg: SimConfig, repeats: int = 5) -> dict[str, float]:
         t4 = time.perf_counter()
         y.backward(torch.ones_like(y))
         t5 = time.perf_counter()
-        for key, value in zip("fiwb", (t1 - t0, t2 - t1, t3 - t2, t5 - t4), strict=True):
-            samples[key].append(value)
-    return {k: statistics.median(v[1:]) for k, v in samples.items()}
-
-
-def calibrated_cost(costs: dict[str, float]) -> CostModel:
-    """The simulator's cost model from calibrated seconds (F&B = F + B, as the runtime runs a pair)."""
-    return CostModel(f=costs["f"], b=costs["b"], w=min(costs["w"], costs["b"]), fb=costs["f"] + costs["b"])
+        runs.append((t1 - t0, t5 - t4, t2 - t1, t3 - t2))
+    return {k: statistics.median(v[1:]) for k, v in zip("fbiw", zip(*runs, strict=True), strict=True)}
 
 
 def worker(rank: int, world: int, cfg: SimConfig) -> dict[str, Any]:
@@ -91,7 +86,7 @@ def worker(rank: int, world: int, cfg: SimConfig) -> dict[str, Any]:
     for name in cfg.schedules or schedule_names():
         sched = cfg.schedule(name)
         pipe = build_ours(name, models.build_parts(cfg.spec(), sched.num_groups), rank, world, cfg.num_microbatches,
-                          models.loss_fn, runtime_config(record_timeline=True, check_inputs_every_step=False), sched)
+                          sched, record_timeline=True, check_inputs_every_step=False)
         (trace,) = harness.RoundRobin([pipe], lambda p, _: p.step(x, y),
                                       lambda p: gather_timeline(p.last.timeline)).run(cfg.reps, cfg.warmup)
         median_at = trace.wall.index(sorted(trace.wall)[(len(trace.wall) - 1) // 2])
@@ -101,8 +96,7 @@ def worker(rank: int, world: int, cfg: SimConfig) -> dict[str, Any]:
 
 
 def handoff_gaps(timeline: Timeline, schedule: Schedule) -> list[float]:
-    """Seconds from a producer's end to its consumer's start on another rank, where the consumer's rank sat idle
-    in between (so the gap is transfer plus wake-up latency, not queueing behind other work)."""
+    """Seconds from a producer's end to its consumer's start on another rank that sat idle in between."""
     produced: dict[tuple[str, int, int], Any] = {}
     for e in timeline.events:
         for part in e.action.compute_parts():
@@ -127,12 +121,9 @@ def handoff_gaps(timeline: Timeline, schedule: Schedule) -> list[float]:
 
 
 def _row(cfg: SimConfig, name: str, res: dict[str, Any], costs: dict[str, float]) -> dict[str, Any]:
-    sim = simulate(cfg.schedule(name), cfg.cost())
-    sim_cal = simulate(cfg.schedule(name), calibrated_cost(costs))
-    measured = Timeline.from_dict(res["timeline"])
-    step = harness.summarize(res["samples"])
-    gaps = sorted(handoff_gaps(measured, cfg.schedule(name)))
-    makespan = statistics.median(res["timeline_makespans"])
+    sim, sim_cal = (simulate(cfg.schedule(name), cost) for cost in (cfg.cost(), calibrated_cost(costs)))
+    measured, step = Timeline.from_dict(res["timeline"]), harness.summarize(res["samples"])
+    gaps, makespan = sorted(handoff_gaps(measured, cfg.schedule(name))), statistics.median(res["timeline_makespans"])
     return {"schedule": name, "ranks": cfg.world, "microbatches": cfg.num_microbatches,
             "costs_ms": {"f": cfg.f_ms, "i": cfg.i_ms, "w": cfg.w_ms}, "step": step.to_dict(),
             "timeline_makespan_s": makespan, "simulated_makespan_s": sim.makespan, "ratio": step.median / sim.makespan,
@@ -153,32 +144,28 @@ def run(cfg: SimConfig) -> Result:
 
 def report(result: Result) -> list[Block]:
     """One row per schedule."""
-    table = [["schedule", "measured step ms", "trace makespan ms", "simulated ms", "measured/simulated", "met",
+    return [[["schedule", "measured step ms", "trace makespan ms", "simulated ms", "measured/simulated", "met",
               "simulated, calibrated costs ms", "measured/calibrated", "bubble measured", "bubble simulated",
-              "handoff gap ms (median / p90)"]]
-    for r in result["rows"]:
-        gap = r["handoff_gap_ms"]
-        table.append([r["schedule"], ms(r["step"]["median_s"]), ms(r["timeline_makespan_s"]),
-                      ms(r["simulated_makespan_s"]), f"{r['ratio']:.3f}", mark(r["ratio"] <= TARGET),
-                      ms(r["simulated_calibrated_s"]), f"{r['ratio_calibrated']:.3f}", f"{r['bubble_measured']:.1%}",
-                      f"{r['bubble_simulated']:.1%}",
-                      "-" if gap["median"] is None else f"{gap['median']:.2f} / {gap['p90']:.2f}"])
-    return [table]
+              "handoff gap ms (median / p90)"]] + [
+        [r["schedule"], ms(r["step"]["median_s"]), ms(r["timeline_makespan_s"]), ms(r["simulated_makespan_s"]),
+         f"{r['ratio']:.3f}", mark(r["ratio"] <= TARGET), ms(r["simulated_calibrated_s"]),
+         f"{r['ratio_calibrated']:.3f}", f"{r['bubble_measured']:.1%}", f"{r['bubble_simulated']:.1%}",
+         "-" if r["handoff_gap_ms"]["median"] is None else "{median:.2f} / {p90:.2f}".format(**r["handoff_gap_ms"])]
+        for r in result["rows"]]]
 
 
 def figures(result: Result, folder: str) -> list[tuple[str, str]]:
     """Measured / simulated per schedule, and the Gantt of one measured step above its simulation."""
     rows = result["rows"]
-    plots.bars(os.path.join(folder, "bench_sim_ratio.png"), [r["schedule"] for r in rows],
-               {"step time / simulated makespan": [r["ratio"] for r in rows]}, TARGET, f"target {TARGET:g}",
-               "measured / simulated", "Sleep model: measured step time over simulated makespan (same costs)")
+    bars(os.path.join(folder, "bench_sim_ratio.png"), [r["schedule"] for r in rows],
+         {"step time / simulated makespan": [r["ratio"] for r in rows]}, TARGET, f"target {TARGET:g}",
+         "measured / simulated", "Sleep model: measured step time over simulated makespan (same costs)")
     row = next((r for r in rows if r["schedule"] == "dualpipe"), rows[0])
     measured, sim = (Timeline.from_dict(row[k]) for k in ("measured_timeline", "simulated_timeline"))
     name, c = row["schedule"], row["costs_ms"]
-    shown = [Timeline(f"{name} measured (duplexpipe runtime, {measured.num_ranks} gloo ranks)", measured.num_ranks,
-                      measured.num_microbatches, measured.events, "measured", "s"),
-             Timeline(f"{name} simulated (F/I/W = {c['f']:g}/{c['i']:g}/{c['w']:g} ms)", sim.num_ranks,
-                      sim.num_microbatches, sim.events, "simulated", "s")]
+    shown = [Timeline(title, t.num_ranks, t.num_microbatches, t.events, kind, "s") for t, kind, title in (
+        (measured, "measured", f"{name} measured (duplexpipe runtime, {measured.num_ranks} gloo ranks)"),
+        (sim, "simulated", f"{name} simulated (F/I/W = {c['f']:g}/{c['i']:g}/{c['w']:g} ms)"))]
     from duplexpipe.viz import plot_comparison
 
     plot_comparison(shown, os.path.join(folder, "bench_measured_vs_sim.png"),
@@ -192,4 +179,4 @@ PART = Part("measured_vs_sim", "Measured vs simulated (sleep model)", SimConfig(
             block="results")
 
 if __name__ == "__main__":
-    raise SystemExit(main(only=PART.name))
+    raise SystemExit(runner.main(only=PART.name))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Callable
 
@@ -26,8 +26,7 @@ class ModelSpec:
     batch: int = 64  # samples per step (split into microbatches)
     seq: int = 32  # sequence length (transformer only)
     heads: int = 4  # attention heads (transformer only)
-    sleep_ms: tuple[float, float, float] = (20.0, 20.0, 20.0)
-    """Sleep model only: milliseconds slept per part in forward, input-backward, weight-backward."""
+    sleep_ms: tuple[float, float, float] = (20.0, 20.0, 20.0)  # sleep model: ms per part in F, I and W
     seed: int = 0  # seed of the parameter init and of the data
 
     def describe(self) -> str:
@@ -38,37 +37,27 @@ class ModelSpec:
             return (f"{self.num_layers} transformer layers, d_model {self.width}, {self.heads} heads, "
                     f"seq {self.seq}, batch {self.batch}")
         f, i, w = self.sleep_ms
-        return (f"sleep model: F/I/W = {f:g}/{i:g}/{w:g} ms per part, {self.width} features, "
-                f"batch {self.batch}")
+        return f"sleep model: F/I/W = {f:g}/{i:g}/{w:g} ms per part, {self.width} features, batch {self.batch}"
 
 
-class _SleepFI(torch.autograd.Function):
-    """Identity that sleeps `f` seconds in forward and `i` seconds in its (input) backward."""
+MLP = ModelSpec("mlp", num_layers=8, width=256, batch=64)  # the overhead-bound workload
+TRANSFORMER = ModelSpec("transformer", num_layers=8, width=128, batch=32, seq=32)  # the compute-bound workload
+
+
+class _Sleep(torch.autograd.Function):
+    """Identity that sleeps `fwd` seconds in forward (when nonzero) and `bwd` seconds in its backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, f: float, i: float) -> torch.Tensor:
-        ctx.i = i
-        time.sleep(f)
+    def forward(ctx: Any, x: torch.Tensor, fwd: float, bwd: float) -> torch.Tensor:
+        ctx.bwd = bwd
+        if fwd:
+            time.sleep(fwd)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        time.sleep(ctx.i)
+        time.sleep(ctx.bwd)
         return grad, None, None
-
-
-class _SleepW(torch.autograd.Function):
-    """Identity on a parameter that sleeps `w` seconds when its gradient is computed."""
-
-    @staticmethod
-    def forward(ctx: Any, p: torch.Tensor, w: float) -> torch.Tensor:
-        ctx.w = w
-        return p.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        time.sleep(ctx.w)
-        return grad, None
 
 
 class SleepPart(nn.Module):
@@ -81,7 +70,7 @@ class SleepPart(nn.Module):
         self.f_s, self.i_s, self.w_s = f_s, i_s, w_s
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _SleepFI.apply(x, self.f_s, self.i_s) + _SleepW.apply(self.bias, self.w_s)
+        return _Sleep.apply(x, self.f_s, self.i_s) + _Sleep.apply(self.bias, 0.0, self.w_s)
 
 
 def build_parts(spec: ModelSpec, num_parts: int) -> list[nn.Module]:
@@ -114,15 +103,13 @@ def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(output, target)
 
 
-def reference_grads(parts: list[nn.Module], inputs: torch.Tensor, targets: torch.Tensor,
-                    num_microbatches: int, loss: Callable[..., torch.Tensor] = loss_fn,
-                    ) -> tuple[list[list[torch.Tensor]], float]:
+def reference_grads(parts: list[nn.Module], inputs: torch.Tensor, targets: torch.Tensor, num_microbatches: int,
+                    loss: Callable[..., torch.Tensor] = loss_fn) -> tuple[list[list[torch.Tensor]], float]:
     """Single-process gradients of the mean over microbatches of loss(mb); returns (grads per part, loss)."""
     model = nn.Sequential(*copy.deepcopy(parts))
     model.zero_grad(set_to_none=True)
     total = 0.0
-    for x, y in zip(inputs.tensor_split(num_microbatches), targets.tensor_split(num_microbatches),
-                    strict=True):
+    for x, y in zip(inputs.tensor_split(num_microbatches), targets.tensor_split(num_microbatches), strict=True):
         value = loss(model(x), y) / num_microbatches
         value.backward()
         total += float(value.detach())
@@ -136,27 +123,19 @@ def part_grads(module: nn.Module) -> list[torch.Tensor]:
 
 def max_rel_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
     """max |got - want| / max(|want|, tiny) over all tensors of a part."""
-    worst = 0.0
-    for g, w in zip(got, want, strict=True):
-        scale = max(float(w.abs().max()), 1e-12)
-        worst = max(worst, float((g - w).abs().max()) / scale)
-    return worst
+    return max((float((g - w).abs().max()) / max(float(w.abs().max()), 1e-12) for g, w in zip(got, want, strict=True)),
+               default=0.0)
 
 
 Loss = Callable[..., torch.Tensor]
 TORCH_SCHEDULES: Mapping[str, tuple[str, str]] = MappingProxyType({
-    "1f1b": ("Schedule1F1B", "linear"),
-    "gpipe": ("ScheduleGPipe", "linear"),
-    "interleaved-1f1b": ("ScheduleInterleaved1F1B", "looped"),
-    "zbv": ("ScheduleZBVZeroBubble", "v"),
-    "dualpipev": ("ScheduleDualPipeV", "v"),
-})
-"""Benchmark schedule key -> (torch schedule class name, placement of its stages)."""
+    "1f1b": ("Schedule1F1B", "linear"), "gpipe": ("ScheduleGPipe", "linear"),
+    "interleaved-1f1b": ("ScheduleInterleaved1F1B", "looped"), "zbv": ("ScheduleZBVZeroBubble", "v"),
+    "dualpipev": ("ScheduleDualPipeV", "v")})  # schedule key -> (torch schedule class name, placement of its stages)
 
 
 def frozen_sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    """SGD at learning rate 0: the optimizer step runs on both sides, the weights stay put (so every step's
-    gradients can be checked against the single-process reference)."""
+    """SGD at learning rate 0: both sides step an optimizer, the weights stay as the reference's."""
     return torch.optim.SGD(params, lr=0.0)
 
 
@@ -178,7 +157,7 @@ class OursPipe:
     runtime: PipelineRuntime  # the interpreter for this rank's list
     has_first: bool  # true when this rank feeds the model input
     has_last: bool  # true when this rank computes the loss
-    last: Any = field(default=None)  # the latest step's StepResult
+    last: Any = None  # the latest step's StepResult
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> Any:
         """One step over the whole batch (the runtime splits it into microbatches)."""
@@ -188,27 +167,21 @@ class OursPipe:
         return self.last
 
 
-def build_ours(name: str, parts: list[nn.Module], rank: int, num_ranks: int, num_microbatches: int, loss: Loss,
-               config: RuntimeConfig | None = None, schedule: Schedule | None = None) -> OursPipe:
-    """Schedule `name` (or `schedule`) and a runtime over this rank's copies of `parts` (part k is group k)."""
+def build_ours(name: str, parts: list[nn.Module], rank: int, num_ranks: int, num_microbatches: int,
+               schedule: Schedule | None = None, loss: Loss = loss_fn, **config: Any) -> OursPipe:
+    """Schedule `name` (or `schedule`) and a runtime (RuntimeConfig(**config)) over this rank's copies of `parts`."""
     sched = schedule if schedule is not None else build_schedule(name, num_ranks, num_microbatches)
     if sched.num_groups != len(parts):
         raise ValueError(f"{name} has {sched.num_groups} model parts, got {len(parts)} parts")
     modules = {s: copy.deepcopy(parts[sched.stages[s].group]) for s in sched.stages_of_rank(rank)}
-    runtime = PipelineRuntime(sched, modules, loss, config=config or RuntimeConfig())
+    runtime = PipelineRuntime(sched, modules, loss, config=RuntimeConfig(**config))
     return OursPipe(sched, modules, runtime, any(sched.is_first(s) for s in modules),
                     any(sched.is_last(s) for s in modules))
 
 
-def runtime_config(**overrides: Any) -> RuntimeConfig:
-    """RuntimeConfig with these fields, ignoring those this runtime lacks (to run against an older checkout)."""
-    known = getattr(RuntimeConfig, "__dataclass_fields__", {})
-    return RuntimeConfig(**{k: v for k, v in overrides.items() if k in known})
-
-
-def build_pipeline(name: str, parts: list[nn.Module], num_microbatches: int, loss: Loss, **config: Any) -> Pipeline:
-    """A Pipeline over `parts` with the default PipelineConfig (plus `config`) and `frozen_sgd`: its step is a
-    training step (zero_grad, the schedule, the optimizer step)."""
+def build_pipeline(name: str, parts: list[nn.Module], num_microbatches: int, loss: Loss = loss_fn,
+                   **config: Any) -> Pipeline:
+    """A Pipeline over `parts` with the default PipelineConfig (plus `config`), trained with `frozen_sgd`."""
     return Pipeline(parts, loss, frozen_sgd, PipelineConfig(schedule=name, num_microbatches=num_microbatches, **config))
 
 
@@ -225,20 +198,20 @@ class TorchPipe:
     schedule: Any  # the torch schedule instance
     has_first: bool  # true when this rank feeds the model input
     has_last: bool  # true when this rank computes the loss
-    optimizer: torch.optim.Optimizer  # its gradients zeroed before the schedule and stepped after it: a training step
+    optimizer: torch.optim.Optimizer  # zeroed before the schedule and stepped after it: a training step
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
         """One training step over the whole batch; returns the per-microbatch losses held here."""
         self.optimizer.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
-        args = (inputs,) if self.has_first else ()
-        self.schedule.step(*args, target=targets if self.has_last else None, losses=losses, return_outputs=False)
+        self.schedule.step(*((inputs,) if self.has_first else ()), target=targets if self.has_last else None,
+                           losses=losses, return_outputs=False)
         self.optimizer.step()
         return losses
 
 
 def build_torch_pipe(key: str, parts: list[nn.Module], rank: int, num_ranks: int, num_microbatches: int,
-                     loss: Loss) -> TorchPipe:
+                     loss: Loss = loss_fn) -> TorchPipe:
     """This rank's parts as PipelineStages under torch's schedule `key`, trained with `frozen_sgd`."""
     if key not in TORCH_SCHEDULES:
         raise ValueError(f"no torch schedule for {key!r}; known: {sorted(TORCH_SCHEDULES)}")
@@ -249,7 +222,7 @@ def build_torch_pipe(key: str, parts: list[nn.Module], rank: int, num_ranks: int
     local = {"linear": [rank], "looped": [rank, rank + num_ranks], "v": [rank, 2 * num_ranks - 1 - rank]}[placement]
     modules = {s: copy.deepcopy(parts[s]) for s in local}
     stages = [pp.PipelineStage(modules[s], s, total, torch.device("cpu")) for s in local]
-    stage_arg: Any = stages[0] if placement == "linear" else stages
-    schedule = getattr(pp, cls_name)(stage_arg, num_microbatches, loss_fn=loss, scale_grads=True)
-    params = [p for s in local for p in modules[s].parameters()]
-    return TorchPipe(modules, schedule, 0 in local, total - 1 in local, frozen_sgd(params))
+    schedule = getattr(pp, cls_name)(stages[0] if placement == "linear" else stages, num_microbatches, loss_fn=loss,
+                                     scale_grads=True)
+    return TorchPipe(modules, schedule, 0 in local, total - 1 in local,
+                     frozen_sgd([p for s in local for p in modules[s].parameters()]))

@@ -12,10 +12,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks import harness
+from benchmarks import harness, runner
 from benchmarks import internals as deep
 from benchmarks.framework import Block, Part, Result, met
-from benchmarks.runner import main
 from duplexpipe import Pipeline, PipelineConfig, make_mesh
 from duplexpipe.moe import CausalSelfAttention, ExpertGroup, MoEBlock, MoELayer
 from duplexpipe.train.compile import compile_targets, torch_compile_kwargs
@@ -23,12 +22,8 @@ from duplexpipe.train.compile import compile_targets, torch_compile_kwargs
 
 @dataclass(frozen=True)
 class MoEBenchConfig:
-    """The pair: one on `ranks` processes (experts spread over all of them): the backward of microbatch 0 and the
-    forward of microbatch 1 run one after the other (each all-to-all waited for where it is issued) and interleaved
-    at their comm points (what PipelineConfig(fb_overlap=True) runs), alternating; the comm is the pair's
-    all-to-alls timed alone; hidden = (sequential - overlapped) / comm. The step: a DualPipeV step (PP=2 x DP=2,
-    ep=2) with fb_overlap on and off. On gloo an emulated link sets the all-to-alls' time (comm ~ `comm_ratio` x
-    compute); on NCCL they are real."""
+    """An MoE F&B pair run one after the other and interleaved at its comm points (hidden: the share of its comm
+    saved), and a DualPipeV step (PP=2 x DP=2, ep=2) with fb_overlap on and off; gloo: an emulated link."""
 
     tokens: int = 512  # tokens per microbatch per rank
     dim: int = 128
@@ -36,21 +31,15 @@ class MoEBenchConfig:
     experts: int = 8
     top_k: int = 2
     layers: int = 2  # MoE blocks in the stage
-    mixer: str = "attention"
-    """Each block's mixer before its MoE layer: "attention" (causal self-attention, 4 heads, over sequences of
-    `seq` tokens, as in an MoE transformer) or "linear" (one Linear: almost no compute besides the experts)."""
+    mixer: str = "attention"  # "attention" (causal, 4 heads, over `seq`-token sequences) or "linear" (one Linear)
     seq: int = 128  # tokens per sequence (the attention mixer)
     reps: int = 9  # timed pairs per mode (after 2 untimed)
     steps: int = 6  # timed DualPipeV steps per mode (after 1 untimed); 0 skips the step
     comm_ratio: float = 1.0  # gloo: the emulated link makes the pair's comm this many times its compute
-    link_latency_s: float = 0.0
-    """gloo: the emulated link's latency per all-to-all (its bandwidth follows from comm_ratio)."""
+    link_latency_s: float = 0.0  # gloo: the emulated link's latency per all-to-all (comm_ratio sets its bandwidth)
     backend: str = "gloo"
-    ranks: int = 4
-    """Processes (the expert-parallel group of the pair): 4, or 2 (a core each here); the step runs only with 4."""
-    compile: str = ""
-    """A torch.compile backend ("inductor", "aot_eager") the blocks' pieces around the experts are compiled with
-    (as PipelineConfig.compile compiles them; the step too); "": eager."""
+    ranks: int = 4  # processes (the pair's expert-parallel group): 4, or 2; the step runs only with 4
+    compile: str = ""  # torch.compile backend of the pieces around the experts (as PipelineConfig.compile); "": eager
 
     def __post_init__(self) -> None:
         if min(self.reps, self.tokens, self.dim, self.hidden) < 1 or self.steps < 0 or not self.comm_ratio > 0:
@@ -96,9 +85,7 @@ def _sync(device: torch.device) -> None:
 
 
 class _Measuring(deep.Driver):
-    """Times each exchange alone: the device drained and every rank arrived before it is issued (so the link
-    counts from the issue), waited for at once, and the device drained again before it counts as done (a
-    baseline mode only; it serialises everything)."""
+    """Times each exchange alone: issued after a barrier with the device drained, waited for at once."""
 
     def __init__(self, device: torch.device, link: deep.LinkModel | None, log: list[deep.CommRecord]) -> None:
         def wait(work: Any, what: str) -> None:
@@ -119,8 +106,7 @@ class _Measuring(deep.Driver):
 
 def _pair(model: nn.Module, x: list[torch.Tensor], grad: torch.Tensor, base: deep.Driver, device: torch.device,
           mode: str) -> tuple[float, float]:
-    """One timed pair: B of microbatch 0 (its forward untimed) and F of microbatch 1; (its wall time, this
-    process's CPU time meanwhile: compute and the collectives' own work, every thread)."""
+    """One timed pair, B of microbatch 0 and F of microbatch 1: (its wall time, this process's CPU time)."""
     slot = deep.CommSlot(deep.Driver(link=base.link))
     with deep.forward_slot(slot):
         y0 = model(x[0])
@@ -150,12 +136,10 @@ MODES = ("sequential", "overlapped", "measured")
 
 def _pairs(cfg: MoEBenchConfig, rank: int, world: int, device: torch.device, link: deep.LinkModel | None,
            reps: int) -> dict[str, list[float]]:
-    """Pair times per mode (alternating), the comm time of each measured pair (its exchanges alone), and the
-    CPU time of each pair run either way."""
+    """Pair times per mode (alternating), each measured pair's comm time, each pair's CPU time."""
     model = _model(cfg, device, rank, world)
     gen = torch.Generator().manual_seed(rank)
-    x = [_tokens(cfg, cfg.tokens, gen).to(device) for _ in range(2)]
-    grad = _tokens(cfg, cfg.tokens, gen).to(device)
+    *x, grad = (_tokens(cfg, cfg.tokens, gen).to(device) for _ in range(3))  # microbatches 0 and 1, B's gradient
     out: dict[str, list[float]] = {m: [] for m in (*MODES, "comm", "overlapped_cpu", "sequential_cpu")}
     plain = deep.Driver(link=link)  # one driver, as a runtime keeps one: its pairs reuse its two threads
     for rep in range(reps + 2):
@@ -166,19 +150,15 @@ def _pairs(cfg: MoEBenchConfig, rank: int, world: int, device: torch.device, lin
             took, cpu = _pair(model, x, grad, base, device, mode)
             if rep >= 2:
                 out[mode].append(took)
-                if mode != "measured":
-                    out[f"{mode}_cpu"].append(cpu)
-                if mode == "measured":
-                    out["comm"].append(sum(r.done - r.issued for r in log))
+                out["comm" if mode == "measured" else f"{mode}_cpu"].append(
+                    sum(r.done - r.issued for r in log) if mode == "measured" else cpu)
             model.zero_grad(set_to_none=True)
     return out
 
 
 def _link(cfg: MoEBenchConfig, rank: int, world: int, device: torch.device) -> tuple[deep.LinkModel | None, float]:
-    """gloo: a link whose all-to-alls (their real transfer, then the link's time) take comm_ratio x the pair's
-    compute (F then B less its exchanges timed alone), the bandwidth agreed as the slowest rank's: first from a
-    probe without a link, then corrected twice by probes with it (the compute measured around the emulated
-    transfers, as the timed pairs see it). nccl: None."""
+    """gloo: a link whose all-to-alls take comm_ratio x the pair's compute (F then B less its exchanges timed alone),
+    the slowest rank's bandwidth, probed without a link, then corrected twice by probes with it. nccl: None."""
     if cfg.backend == "nccl":
         return None, 0.0
     model = _model(cfg, device, rank, world)
@@ -235,15 +215,11 @@ def worker(rank: int, world: int, cfg: MoEBenchConfig) -> dict[str, Any]:
 
 
 def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Medians over the reps of the slowest rank per rep: the pair's time each way, its comm (the measured
-    mode's exchanges, each timed alone), its compute (F then B less that comm), the ratio and the hidden
-    fraction (sequential - overlapped) / comm. gloo: also the cores' bound on the overlapped pair (the ranks'
-    summed CPU time over the cores, or the busiest rank's) and the most of the comm that bound lets hide."""
+    """Medians over the reps of the slowest rank: the pair each way, its comm and compute, the hidden fraction."""
     def slowest(key: str, part: str = "pairs") -> list[float]:
         return harness.slowest([r[part][key] for r in results])
 
-    seq, ovl, measured, comm = (statistics.median(slowest(k)) for k in ("sequential", "overlapped", "measured",
-                                                                         "comm"))
+    seq, ovl, measured, comm = (statistics.median(slowest(k)) for k in ("sequential", "overlapped", "measured", "comm"))
     out = {"sequential_ms": seq * 1e3, "overlapped_ms": ovl * 1e3, "measured_ms": measured * 1e3,
            "comm_ms": comm * 1e3, "compute_ms": (seq - comm) * 1e3, "pair_ratio": ovl / seq,
            "hidden": (seq - ovl) / comm, "link": results[0]["link"]}
@@ -264,11 +240,6 @@ def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run(cfg: MoEBenchConfig) -> Result:
     """Both parts on `cfg.ranks` processes; the summary with the config."""
-    if cfg.backend == "nccl":
-        if not torch.cuda.is_available():
-            raise RuntimeError("backend nccl needs a CUDA GPU")
-        if torch.cuda.device_count() < cfg.ranks:
-            os.environ[deep.SHARE_GPU_ENV] = "1"
     out = summary(harness.spawn(worker, cfg, cfg.ranks, 1200.0, backend=cfg.backend))
     out["config"] = asdict(cfg)
     if cfg.backend == "nccl":
@@ -313,4 +284,4 @@ PART = Part("moe_overlap", "MoE F&B overlap", MoEBenchConfig(), QUICK, run, repo
             + ("-compiled" if r.get("config", {}).get("compile") else ""))
 
 if __name__ == "__main__":
-    raise SystemExit(main(only=PART.name))
+    raise SystemExit(runner.main(only=PART.name))

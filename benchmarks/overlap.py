@@ -11,22 +11,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks import harness, models, plots
-from benchmarks.framework import Block, Part, Result, mark, ms
-from benchmarks.models import build_ours, runtime_config
-from benchmarks.runner import main
+from benchmarks import harness, models, runner
+from benchmarks.framework import Block, Part, Result, bars, mark, ms
+from benchmarks.models import build_ours
 from duplexpipe import Action, Op, Schedule, build_schedule, lower
 
-TARGET = 1.3
-"""Waited / async step time, at least."""
-CONSUMER = MappingProxyType({Op.RECV_F: (Op.F,), Op.RECV_B: (Op.B, Op.I)})
-"""A receive's consumer: the compute of the same stage and microbatch with one of these ops."""
+TARGET = 1.3  # waited / async step time, at least
+CONSUMER = MappingProxyType({Op.RECV_F: (Op.F,), Op.RECV_B: (Op.B, Op.I)})  # a receive's consumers' ops
 
 
 def receives_at_consumers(schedule: Schedule) -> Schedule:
-    """`schedule` lowered, each receive moved down to right before the compute that consumes it but not past a
-    later receive from the same peer (whose posting order the sender's matches): run with
-    RuntimeConfig(recv_lookahead=0), no transfer into a rank overlaps its compute."""
+    """`schedule` lowered, each receive moved down to right before its consumer but not past a later receive from the
+    same peer (the sender's order): with recv_lookahead=0, no transfer into a rank overlaps its compute."""
     lowered = lower(schedule)
     rows = []
     for row in lowered.actions:
@@ -101,46 +97,39 @@ def worker(rank: int, world: int, cfg: OverlapConfig) -> dict[str, Any]:
     for name in cfg.schedules:
         sched = build_schedule(name, world, cfg.num_microbatches)
         parts = models.build_parts(cfg.spec(), sched.num_groups)
-        pipes = [build_ours(name, parts, rank, world, cfg.num_microbatches, models.loss_fn,
-                            runtime_config(record_timeline=False), sched),
-                 build_ours(name, parts, rank, world, cfg.num_microbatches, models.loss_fn,
-                            runtime_config(record_timeline=False, recv_lookahead=0), receives_at_consumers(sched))]
+        pipes = [build_ours(name, parts, rank, world, cfg.num_microbatches, sched, record_timeline=False),
+                 build_ours(name, parts, rank, world, cfg.num_microbatches, receives_at_consumers(sched),
+                            record_timeline=False, recv_lookahead=0)]
         traces = harness.RoundRobin(pipes, lambda p, _: p.step(x, y)).run(cfg.reps, cfg.warmup)
         out[name] = {"async": traces[0].wall, "waited": traces[1].wall}
     return {"rows": out, "probe": _probe(rank, int(cfg.activation_mib * 2**20 / 4))}
 
 
 def _probe(rank: int, numel: int) -> dict[str, float] | None:
-    """Rank 1 waits for a message posted late (after the send) or early (before it); rank 0 sends, the others
-    only meet at the barriers (gloo moves data only into a posted receive)."""
+    """Rank 1 waits for a message posted late (after the send) or early (before it); rank 0 sends."""
     buf = torch.randn(numel)
-    late: list[float] = []
-    early: list[float] = []
+    waits: dict[str, list[float]] = {"late": [], "early": []}
     for _ in range(8):
-        for mode in ("late", "early"):
+        for mode, samples in waits.items():
             dist.barrier()
             if rank != 1:
                 time.sleep(0.001)
                 if rank == 0:
-                    _wait(dist.isend(buf, 1))
+                    dist.send(buf, 1)
                 continue
             work = dist.irecv(buf, 0) if mode == "early" else None
             time.sleep(0.03)
             start = time.perf_counter()
-            _wait(work if work is not None else dist.irecv(buf, 0))
-            (early if mode == "early" else late).append(time.perf_counter() - start)
-    if rank != 1:
-        return None
-    return {"late_post_wait_s": harness.summarize(late).median, "early_post_wait_s": harness.summarize(early).median}
-
-
-def _wait(work: Any) -> None:
-    work.wait()
+            if work is None:
+                dist.recv(buf, 0)
+            else:
+                work.wait()
+            samples.append(time.perf_counter() - start)
+    return None if rank != 1 else {f"{m}_post_wait_s": harness.summarize(w).median for m, w in waits.items()}
 
 
 def run(cfg: OverlapConfig) -> Result:
-    """One row per schedule, and the transfer probe: how long a receiver waits when it posts after the data was sent
-    vs before."""
+    """One row per schedule, and the transfer probe (a receive posted after vs before the send)."""
     per_rank = harness.spawn(worker, cfg, cfg.world, 600)
     rows = []
     for name, samples in per_rank[0]["rows"].items():
@@ -153,28 +142,26 @@ def run(cfg: OverlapConfig) -> Result:
 
 def report(result: Result) -> list[Block]:
     """One row per schedule, and the probe in a sentence."""
-    table = [["schedule", "activation MiB", "compute ms (F, I, W each)", "async ms", "waited ms", "waited/async",
-              "target", "met"]]
-    for r in result["rows"]:
-        table.append([r["schedule"], f"{r['activation_mib']:.1f}", f"{r['compute_ms']:g}", ms(r["async"]["median_s"]),
-                      ms(r["waited"]["median_s"]), f"{r['speedup']:.2f}", f">= {TARGET:g}",
-                      mark(r["speedup"] >= TARGET)])
     p = result["probe"]
-    return [table, f"Isolated transfer of {p['mib']:.1f} MiB between two gloo ranks: the receiver waits "
-                   f"{p['late_post_wait_s'] * 1e3:.2f} ms when it posts the receive after the data was sent, "
-                   f"{p['early_post_wait_s'] * 1e3:.2f} ms when it posted it in advance."]
+    return [[["schedule", "activation MiB", "compute ms (F, I, W each)", "async ms", "waited ms", "waited/async",
+              "target", "met"]] + [[r["schedule"], f"{r['activation_mib']:.1f}", f"{r['compute_ms']:g}",
+                                    ms(r["async"]["median_s"]), ms(r["waited"]["median_s"]), f"{r['speedup']:.2f}",
+                                    f">= {TARGET:g}", mark(r["speedup"] >= TARGET)] for r in result["rows"]],
+            f"Isolated transfer of {p['mib']:.1f} MiB between two gloo ranks: the receiver waits "
+            f"{p['late_post_wait_s'] * 1e3:.2f} ms when it posts the receive after the data was sent, "
+            f"{p['early_post_wait_s'] * 1e3:.2f} ms when it posted it in advance."]
 
 
 def figures(result: Result, folder: str) -> list[tuple[str, str]]:
     """Waited / async per schedule."""
     rows = result["rows"]
-    plots.bars(os.path.join(folder, "bench_overlap.png"), [r["schedule"] for r in rows],
-               {"waited / async": [r["speedup"] for r in rows]}, TARGET, f"target {TARGET:g}",
-               "step time, waited / async", "Receives posted ahead vs moved before their consumers (higher is better)")
+    bars(os.path.join(folder, "bench_overlap.png"), [r["schedule"] for r in rows],
+         {"waited / async": [r["speedup"] for r in rows]}, TARGET, f"target {TARGET:g}", "step time, waited / async",
+         "Receives posted ahead vs moved before their consumers (higher is better)")
     return [("bench_overlap.png", "Step time with receives waited at their consumers over receives posted ahead")]
 
 
 PART = Part("overlap", "Communication overlap", OverlapConfig(), QUICK, run, report, figures, block="results")
 
 if __name__ == "__main__":
-    raise SystemExit(main(only=PART.name))
+    raise SystemExit(runner.main(only=PART.name))

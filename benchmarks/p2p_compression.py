@@ -11,18 +11,14 @@ from typing import Any
 
 import torch
 
-from benchmarks import harness, plots
-from benchmarks.framework import Block, Part, Result, mark
+from benchmarks import harness, runner
+from benchmarks.framework import Block, Part, Result, figure, mark
 from benchmarks.internals import TensorSpec, p2p_codec_pair
-from benchmarks.runner import main
 from duplexpipe import PipelineConfig, build_schedule
 
-LABELS = ("fp32", "bf16", "fp8", "int8")
-"""Variants: fp32 sends (p2p_compression=None) and the three compressions."""
-TARGET_RATIO = MappingProxyType({"bf16": 0.5, "fp8": 0.27, "int8": 0.27})
-"""Bytes per SEND over fp32's, at most."""
-TARGET_LOSS = 0.01
-"""|mean of the last losses - fp32's| / fp32's, at most."""
+LABELS = ("fp32", "bf16", "fp8", "int8")  # fp32 sends (p2p_compression=None) and the three compressions
+TARGET_RATIO = MappingProxyType({"bf16": 0.5, "fp8": 0.27, "int8": 0.27})  # bytes per SEND over fp32's, at most
+TARGET_LOSS = 0.01  # |mean of the last losses - fp32's| / fp32's, at most
 
 
 @dataclass(frozen=True)
@@ -53,11 +49,11 @@ def _worker(rank: int, world: int, job: tuple[str, P2PConfig]) -> dict[str, Any]
         schedule=name, num_microbatches=cfg.microbatches, grad_clip_norm=1.0, record_timeline=False,
         check_inputs_every_step=False, p2p_compression=None if label == "fp32" else label), harness.adamw(cfg.lr))
         for label in LABELS]
-    traces = harness.RoundRobin(pipes, harness.gpt_step(task, cfg.batch_size)).run(cfg.steps)
-    return {"losses": {label: t.out for label, t in zip(LABELS, traces, strict=True)},
-            "seconds": {label: t.wall for label, t in zip(LABELS, traces, strict=True)},
-            "meters": {label: p.p2p_meter.snapshot() for label, p in zip(LABELS, pipes, strict=True)},
-            "nonfinite": {label: p.runtime.nonfinite.events for label, p in zip(LABELS, pipes, strict=True)}}
+    runs = list(zip(LABELS, pipes, harness.RoundRobin(pipes, harness.gpt_step(task, cfg.batch_size)).run(cfg.steps),
+                    strict=True))
+    return {"losses": {k: t.out for k, _, t in runs}, "seconds": {k: t.wall for k, _, t in runs},
+            "meters": {k: p.p2p_meter.snapshot() for k, p, _ in runs},
+            "nonfinite": {k: p.runtime.nonfinite.events for k, p, _ in runs}}
 
 
 def codec_seconds(cfg: P2PConfig, reps: int = 200) -> dict[str, float]:
@@ -94,11 +90,9 @@ def summarize(name: str, per_rank: list[dict[str, Any]], cfg: P2PConfig) -> list
                      "step": harness.summarize(lead["seconds"][label]).to_dict(),
                      "nonfinite_sends": sum(r["nonfinite"][label] for r in per_rank)})
     base = rows[0]
-    for row in rows:
-        row["bytes_ratio"] = row["bytes_per_send"] / base["bytes_per_send"]
-        row["loss_rel"] = (row["loss_last"] - base["loss_last"]) / base["loss_last"]
-        row["time_ratio"] = row["step"]["median_s"] / base["step"]["median_s"]
-    return rows
+    return [{**r, "bytes_ratio": r["bytes_per_send"] / base["bytes_per_send"], "time_ratio": r["step"]["median_s"]
+             / base["step"]["median_s"], "loss_rel": (r["loss_last"] - base["loss_last"]) / base["loss_last"]}
+            for r in rows]
 
 
 def run(cfg: P2PConfig) -> Result:
@@ -128,7 +122,7 @@ def report(result: Result) -> list[Block]:
 def figures(result: Result, folder: str) -> list[tuple[str, str]]:
     """Loss curves per schedule (top) and each variant's loss relative to fp32 sends' (bottom)."""
     schedules = list(dict.fromkeys(r["schedule"] for r in result["rows"]))
-    fig = plots.figure(5.2 * len(schedules), 6.4)
+    fig = figure(5.2 * len(schedules), 6.4)
     axes = fig.subplots(2, len(schedules), squeeze=False)
     cfg = result["config"]
     window = max(1, cfg["steps"] // 25)
@@ -156,4 +150,4 @@ PART = Part("p2p_compression", "Low-precision stage-to-stage sends", P2PConfig()
             block="p2p")
 
 if __name__ == "__main__":
-    raise SystemExit(main(only=PART.name))
+    raise SystemExit(runner.main(only=PART.name))

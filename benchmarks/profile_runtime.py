@@ -14,10 +14,9 @@ from dataclasses import asdict, dataclass
 from types import MappingProxyType
 from typing import Any
 
-from benchmarks import harness, models
-from benchmarks.framework import Block, Part, Result, Table, ms
-from benchmarks.models import build_ours, build_pipeline, build_torch_pipe, num_stages, runtime_config
-from benchmarks.runner import ROOT, main
+from benchmarks import harness, models, runner
+from benchmarks.framework import Block, Part, Result, ms
+from benchmarks.models import build_ours, build_pipeline, build_torch_pipe, num_stages
 
 BUCKETS: Mapping[str, tuple[tuple[str, tuple[str, ...]], ...]] = MappingProxyType({
     "ours": (
@@ -25,8 +24,7 @@ BUCKETS: Mapping[str, tuple[tuple[str, tuple[str, ...]], ...]] = MappingProxyTyp
         ("step-start agreement (star of messages)", ("agree (",)),
         ("loss sum (SharedSum / PendingSum)", ("PendingSum.value (", "SharedSum.value (")),
         ("DualPipe mirrored-gradient exchange", ("MirrorSum.",)),
-        ("end-of-step send completion", ("Transport.finish (",)),
-        ("post receives (irecv)", ("Transport.expect (",)),
+        ("end-of-step send completion", ("Transport.finish (",)), ("post receives (irecv)", ("Transport.expect (",)),
         ("post sends (ProcessGroup.send)", ("Transport.send (",)),
         ("reap completed sends (NCCL only)", ("Transport.reap (",)),
         ("I: autograd-graph analysis (autograd_split)", ("_parents (", "_ancestors (", "_group_params (",
@@ -36,8 +34,7 @@ BUCKETS: Mapping[str, tuple[tuple[str, tuple[str, ...]], ...]] = MappingProxyTyp
         ("trainer: optimizer step, norm, zero_grad", ("Pipeline._apply (", "zero_grad (")),
     ),
     "torch": (
-        ("wait for P2P (_wait_batch_p2p)", ("_wait_batch_p2p (",)),
-        ("post P2P (batch_isend_irecv)", ("_batch_p2p (",)),
+        ("wait for P2P (_wait_batch_p2p)", ("_wait_batch_p2p (",)), ("post P2P (batch_isend_irecv)", ("_batch_p2p (",)),
         ("I: autograd-graph analysis (_backward.py)", ("get_param_groups (", "reverse_closure (",
                                                       "construct_reverse_graph (")),
         ("forward compute (module + loss)", ("forward_one_chunk (", "_maybe_compute_loss (")),
@@ -45,10 +42,8 @@ BUCKETS: Mapping[str, tuple[tuple[str, tuple[str, ...]], ...]] = MappingProxyTyp
         ("gradient scaling", ("perform_reduce_grad (", "scale_grads (")),
         ("optimizer step, zero_grad", ("Optimizer.step (", "SGD.step (", "zero_grad (")),
     ),
-})
-"""Per side, (label, frame texts): a sample goes to the first bucket with a frame text in its stack."""
-STEP_FRAMES = ("Pipe.step (", "Pipeline.step (")
-"""A sample counts when one of these frames (a side's timed step) is in its stack."""
+})  # per side, (label, frame texts): a sample goes to the first bucket with a frame text in its stack
+STEP_FRAMES = ("Pipe.step (", "Pipeline.step (")  # a sample counts when one of these (a timed step) is in its stack
 WHATIF_VARIANTS = ("as shipped (inputs agreed every step)", "check_inputs_every_step=False")
 """Runtime configurations timed step by step, in rotating order, in the same processes."""
 
@@ -59,10 +54,8 @@ class ProfileConfig:
 
     cases: tuple[tuple[str, str, int], ...] = (("1f1b", "mlp", 60), ("zbv", "transformer", 10))
     """(schedule, workload, steps) profiled under py-spy on both sides; workload "mlp", "transformer" or "sleep"."""
-    whatif: tuple[tuple[str, str, int], ...] = (("1f1b", "mlp", 20), ("1f1b", "sleep", 4))
-    """(schedule, workload, steps) of the what-if runs (WHATIF_VARIANTS, in the same processes)."""
-    lookahead: tuple[int, ...] = ()
-    """RuntimeConfig.recv_lookahead depths to compare with torch on the first case (e.g. 0,2,4); then no profile."""
+    whatif: tuple[tuple[str, str, int], ...] = (("1f1b", "mlp", 20), ("1f1b", "sleep", 4))  # the what-if runs, alike
+    lookahead: tuple[int, ...] = ()  # recv_lookahead depths to compare with torch on the first case; then no profile
     fixed_shapes: bool = False  # ours: PipelineConfig.check_inputs_every_step=False
     cpu: bool = False  # on-CPU samples only (waits drop out: CPU time per step and rank)
     top: int = 0  # also report this many top functions by inclusive and by self time
@@ -75,11 +68,8 @@ QUICK = ProfileConfig((("1f1b", "mlp", 2),), (("1f1b", "sleep", 2),), world=2)
 
 def spec_of(workload: str) -> models.ModelSpec:
     """The model of a workload name."""
-    if workload == "mlp":
-        return models.ModelSpec("mlp", num_layers=8, width=256, batch=64)
-    if workload == "sleep":
-        return models.ModelSpec("sleep", width=64, batch=16, sleep_ms=(20.0, 20.0, 20.0))
-    return models.ModelSpec("transformer", num_layers=8, width=128, batch=32, seq=32)
+    sleep = models.ModelSpec("sleep", width=64, batch=16, sleep_ms=(20.0, 20.0, 20.0))
+    return {"mlp": models.MLP, "sleep": sleep}.get(workload, models.TRANSFORMER)
 
 
 def _setup(rank: int, world: int, schedule: str, workload: str) -> tuple[list[Any], Any, Any]:
@@ -90,23 +80,16 @@ def _setup(rank: int, world: int, schedule: str, workload: str) -> tuple[list[An
 def side_worker(rank: int, world: int, args: dict[str, Any]) -> None:
     """Run `steps` + 2 training steps of one side only (what py-spy records)."""
     parts, x, y = _setup(rank, world, args["schedule"], args["workload"])
-    pipe: Any = (build_pipeline(args["schedule"], parts, 8, models.loss_fn,
-                                check_inputs_every_step=not args["fixed_shapes"]) if args["side"] == "ours" else
-                 build_torch_pipe(args["schedule"], parts, rank, world, 8, models.loss_fn))
+    pipe: Any = (build_pipeline(args["schedule"], parts, 8, check_inputs_every_step=not args["fixed_shapes"])
+                 if args["side"] == "ours" else build_torch_pipe(args["schedule"], parts, rank, world, 8))
     harness.RoundRobin([pipe], lambda p, _: p.step(x, y)).run(args["steps"] + 2)
-
-
-def side_run(args: dict[str, Any]) -> None:
-    """The profiled program: one side on `world` ranks."""
-    harness.spawn(side_worker, args, args["world"], 900)
 
 
 def whatif_worker(rank: int, world: int, case: tuple[str, str, int]) -> list[list[float]]:
     """One bare runtime per WHATIF_VARIANTS entry; each round times a step of each, the order rotating."""
     schedule, workload, steps = case
     parts, x, y = _setup(rank, world, schedule, workload)
-    pipes = [build_ours(schedule, parts, rank, world, 8, models.loss_fn,
-                        runtime_config(record_timeline=False, check_inputs_every_step=(i == 0)))
+    pipes = [build_ours(schedule, parts, rank, world, 8, record_timeline=False, check_inputs_every_step=(i == 0))
              for i in range(len(WHATIF_VARIANTS))]
     traces = harness.RoundRobin(pipes, lambda p, _: float(p.step(x, y).loss)).run(steps, warmup=2)
     return [t.wall for t in traces]
@@ -116,9 +99,9 @@ def lookahead_worker(rank: int, world: int, job: tuple[ProfileConfig, str, str, 
     """One Pipeline (at every depth in turn) and one torch pipe; a step of each variant per round, rotating."""
     cfg, schedule, workload, steps = job
     parts, x, y = _setup(rank, world, schedule, workload)
-    ours = build_pipeline(schedule, parts, 8, models.loss_fn, check_inputs_every_step=not cfg.fixed_shapes)
-    steppers: list[tuple[int | None, Any]] = [(d, ours) for d in cfg.lookahead]
-    steppers.append((None, build_torch_pipe(schedule, parts, rank, world, 8, models.loss_fn)))
+    ours = build_pipeline(schedule, parts, 8, check_inputs_every_step=not cfg.fixed_shapes)
+    steppers: list[tuple[int | None, Any]] = [*((d, ours) for d in cfg.lookahead),
+                                              (None, build_torch_pipe(schedule, parts, rank, world, 8))]
 
     def step(stepper: tuple[int | None, Any], _: int) -> Any:
         depth, pipe = stepper
@@ -130,8 +113,7 @@ def lookahead_worker(rank: int, world: int, job: tuple[ProfileConfig, str, str, 
 
 
 def lookahead(cfg: ProfileConfig) -> dict[str, dict[str, float]]:
-    """Per variant: median wall ms, median CPU ms summed over the ranks, the wall ratio to torch (of medians, and
-    the median of the per-round ratios)."""
+    """Per variant: median wall ms, median CPU ms over the ranks, the ratio to torch (of medians, and paired)."""
     per_rank = harness.spawn(lookahead_worker, (cfg, *cfg.cases[0]), cfg.world, 900)
     names = [f"lookahead {d}" for d in cfg.lookahead] + ["torch"]
     torch_wall = per_rank[0][-1]["wall"]
@@ -160,8 +142,7 @@ def _frame_name(frame: str) -> str:
 
 
 def summarize_raw(path: str, side: str, steps: int, ranks: int, rate: int, top: int = 25) -> dict[str, Any]:
-    """Bucket py-spy's collapsed stacks inside the side's step; ms per step and rank, shares, and the `top`
-    functions by inclusive and by self samples."""
+    """Bucket py-spy's stacks inside the step: ms per step and rank, shares, the top functions (inclusive, self)."""
     buckets: Counter[str] = Counter()
     inclusive: Counter[str] = Counter()
     own: Counter[str] = Counter()
@@ -185,32 +166,27 @@ def summarize_raw(path: str, side: str, steps: int, ranks: int, rate: int, top: 
             "self_ms": {k: v * per for k, v in own.most_common(top)}}
 
 
-def py_spy() -> str | None:
-    """The py-spy executable next to this interpreter or on PATH, if installed."""
-    return shutil.which("py-spy", path=os.path.dirname(sys.executable)) or shutil.which("py-spy")
-
-
 def profile(cfg: ProfileConfig, side: str, case: tuple[str, str, int], spy: str) -> dict[str, Any]:
     """py-spy over a fresh run of one side; the bucketed profile."""
-    schedule, workload, steps = case
-    args = {"side": side, "schedule": schedule, "workload": workload, "steps": steps,
-            "fixed_shapes": cfg.fixed_shapes, "world": cfg.world}
-    program = f"from benchmarks.profile_runtime import side_run; side_run({args!r})"
+    args = {"side": side, **dict(zip(("schedule", "workload", "steps"), case, strict=True)),
+            "fixed_shapes": cfg.fixed_shapes}
+    program = ("from benchmarks import harness; from benchmarks.profile_runtime import side_worker; "
+               f"harness.spawn(side_worker, {args!r}, {cfg.world}, 900)")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "raw.txt")
         cmd = [spy, "record", *(() if cfg.cpu else ("--idle",)), "--subprocesses", "-r", str(cfg.rate), "--format",
                "raw", "-o", out, "--", sys.executable, "-c", program]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False, cwd=ROOT)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False, cwd=runner.ROOT)
         if proc.returncode != 0 or not os.path.exists(out):
             raise RuntimeError(f"py-spy failed ({proc.returncode}): {proc.stderr[-3000:]}")
-        return summarize_raw(out, side, steps + 2, cfg.world, cfg.rate, max(cfg.top, 25))
+        return summarize_raw(out, side, case[2] + 2, cfg.world, cfg.rate, max(cfg.top, 25))
 
 
 def run(cfg: ProfileConfig) -> Result:
     """The profiles (when py-spy is installed) and the what-if runs; or only the look-ahead comparison."""
     if cfg.lookahead:
         return {"lookahead": lookahead(cfg), "config": asdict(cfg)}
-    spy = py_spy()
+    spy = shutil.which("py-spy", path=os.path.dirname(sys.executable)) or shutil.which("py-spy")  # if installed
     cases = [{"schedule": c[0], "workload": c[1], "steps": c[2], "ours": profile(cfg, "ours", c, spy),
               "torch": profile(cfg, "torch", c, spy)} for c in cfg.cases] if spy else []
     return {"cases": cases, "skipped": "" if spy else "py-spy is not installed (.venv/bin/pip install py-spy)",
@@ -219,39 +195,29 @@ def run(cfg: ProfileConfig) -> Result:
 
 def report(result: Result) -> list[Block]:
     """Time buckets per case and side, the top functions (when asked), the what-if and look-ahead tables."""
-    out: list[Block] = []
     if "lookahead" in result:
-        out += [[["variant", "wall ms", "CPU ms (all ranks)", "ours/torch", "paired"]] + [
+        return [[["variant", "wall ms", "CPU ms (all ranks)", "ours/torch", "paired"]] + [
             [k, f"{r['wall_ms']:.1f}", f"{r['cpu_ms']:.1f}", f"{r['ratio']:.3f}", f"{r['paired']:.3f}"]
             for k, r in result["lookahead"].items()]]
-        return out
-    table = [["case", "side", "where the step time goes", "ms per step and rank", "share"]]
-    if result["skipped"]:
-        table.append(["-", "-", f"not profiled: {result['skipped']}", "-", "-"])
-    for case in result["cases"]:
-        for side in ("ours", "torch"):
-            prof = case[side]
-            table += [[f"{case['schedule']}, {case['workload']}", side, label, f"{v:.2f}",
-                       f"{prof['share'][label]:.1%}"] for label, v in prof["ms_per_step_rank"].items()]
-    out.append(table)
+    sides = [(case, side, case[side]) for case in result["cases"] for side in ("ours", "torch")]
+    out: list[Block] = [[["case", "side", "where the step time goes", "ms per step and rank", "share"]]
+                        + ([["-", "-", f"not profiled: {result['skipped']}", "-", "-"]] if result["skipped"] else [])
+                        + [[f"{c['schedule']}, {c['workload']}", side, label, f"{v:.2f}", f"{p['share'][label]:.1%}"]
+                           for c, side, p in sides for label, v in p["ms_per_step_rank"].items()]]
     top = result.get("config", {}).get("top", 0)
-    for case in result["cases"] if top else []:
-        for side in ("ours", "torch"):
-            tops: Table = [["function", "inclusive ms", "", "function (self)", "self ms"]]
-            pairs = zip(list(case[side]["inclusive_ms"].items())[:top], list(case[side]["self_ms"].items())[:top],
-                        strict=False)
-            out += [f"Top functions, {case['schedule']}, {case['workload']}, {side}:",
-                    tops + [[a, f"{x:.2f}", "", b, f"{y:.2f}"] for (a, x), (b, y) in pairs]]
-    whatif_table = [["what-if run", "runtime variant", "median step ms", "speedup vs as shipped"]]
-    for w in result["whatif"]:
-        whatif_table += [[f"{w['schedule']}, {w['workload']} model", v, ms(med), f"{w['speedup'][v]:.2f}x"]
-                         for v, med in w["median_s"].items()]
+    for c, side, p in sides if top else []:
+        pairs = zip(list(p["inclusive_ms"].items())[:top], list(p["self_ms"].items())[:top], strict=False)
+        out += [f"Top functions, {c['schedule']}, {c['workload']}, {side}:",
+                [["function", "inclusive ms", "", "function (self)", "self ms"]]
+                + [[a, f"{x:.2f}", "", b, f"{y:.2f}"] for (a, x), (b, y) in pairs]]
     return out + ["What-if runs (bare runtimes in the same processes, one step of each per round, order rotating):",
-                  whatif_table]
+                  [["what-if run", "runtime variant", "median step ms", "speedup vs as shipped"]]
+                  + [[f"{w['schedule']}, {w['workload']} model", v, ms(med), f"{w['speedup'][v]:.2f}x"]
+                     for w in result["whatif"] for v, med in w["median_s"].items()]]
 
 
 PART = Part("profile_runtime", "Profile (py-spy, --idle): where a rank's step time goes", ProfileConfig(), QUICK, run,
             report, block="results")
 
 if __name__ == "__main__":
-    raise SystemExit(main(only=PART.name))
+    raise SystemExit(runner.main(only=PART.name))

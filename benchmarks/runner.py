@@ -22,8 +22,8 @@ from benchmarks.framework import Part, Result, with_settings
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("vs_torch", "measured_vs_sim", "overlap", "schedule_tooling", "profile_runtime", "auto_search",
          "p2p_compression", "dp_compression", "plan_vs_measured", "zero_bench", "spawn_bench", "auto_vs_hand",
-         "moe_overlap", "compression", "cuda_overlap", "compile")
-"""Every part, in report order: a part's number is its place here."""
+         "moe_overlap", "compression", "cuda_overlap",
+         "compile")  # every part in report order: its number is its place here
 
 
 def load(name: str) -> Part[Any]:
@@ -104,8 +104,7 @@ def measure(part: Part[Any], config: Any, command: str, load_note: str, quick: b
     print(f"[{part.name}: {wall:.0f} s]", file=sys.stderr, flush=True)
     result["meta"] = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "command": command, "wall_s": wall,
                       "load_before": before, "load_after": _load(), "uptime": uptime, "quick": quick,
-                      "load_note": load_note or "No note on other load was given.",
-                      "machine": harness.machine_info()}
+                      "load_note": load_note or "No note on other load was given.", "machine": harness.machine_info()}
     return result
 
 
@@ -114,8 +113,7 @@ def _load() -> list[float]:
 
 
 def publish(results: dict[str, Result], chosen: Sequence[str], out: str, docs: str) -> None:
-    """Print the chosen parts; draw their figures and (unless docs is 'none') rewrite each docs block they
-    write, with every part of that block found in `results`."""
+    """Print the chosen parts; draw their figures; unless docs is 'none', rewrite each docs block they write."""
     for name in chosen:
         part = load(name)
         print(f"\n{number(name)}. {part.title}\n{part.text(results[name])}", flush=True)
@@ -123,14 +121,10 @@ def publish(results: dict[str, Result], chosen: Sequence[str], out: str, docs: s
         for name in chosen:
             load(name).figures(results[name], out)
         return
-    blocks = {load(name).block_of(results[name]) for name in chosen}
-    members: dict[str, list[str]] = {}
-    for name in PARTS:
-        if name in results:
-            members.setdefault(load(name).block_of(results[name]), []).append(name)
-    for block in sorted(blocks):
+    for block in sorted({load(name).block_of(results[name]) for name in chosen}):
         shared = sum(load(n).block_of({}) == block for n in PARTS) > 1
-        text = "\n\n".join(_section(load(n), results[n], docs, shared) for n in members[block])
+        members = [n for n in PARTS if n in results and load(n).block_of(results[n]) == block]
+        text = "\n\n".join(_section(load(n), results[n], docs, shared) for n in members)
         update_doc(os.path.join(docs, "benchmarks.md"), text, block)
 
 
@@ -153,13 +147,8 @@ def _section(part: Part[Any], result: Result, docs: str, heading: bool) -> str:
 def update_doc(path: str, generated: str, block: str) -> None:
     """Replace the text between `<!-- bench:BLOCK:begin -->` and its end marker (append the block if absent)."""
     begin, end = f"<!-- bench:{block}:begin -->", f"<!-- bench:{block}:end -->"
-    try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
-    except FileNotFoundError:
-        text = "# Benchmarks\n"
+    text = Path(path).read_text(encoding="utf-8") if os.path.exists(path) else "# Benchmarks\n"
     new = f"{begin}\n{generated.rstrip()}\n{end}"
     pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.S)
     text = pattern.sub(lambda _: new, text) if pattern.search(text) else text.rstrip() + "\n\n" + new + "\n"
-    with open(path, "w", encoding="utf-8") as fh:
-        fh.write(text)
+    Path(path).write_text(text, encoding="utf-8")

@@ -14,18 +14,14 @@ from functools import partial
 from types import MappingProxyType
 from typing import Any
 
-from benchmarks import plots
-from benchmarks.framework import Block, Part, Result, mark, ms
+from benchmarks import runner
+from benchmarks.framework import Block, Part, Result, figure, mark, ms
 from benchmarks.internals import check_schedule
-from benchmarks.runner import ROOT, main
 from duplexpipe import CostModel, build_schedule, lower, simulate, verify
 
-BUDGET_S = 1.0
-"""The headline case's build + lower + verify + simulate, at most (docs/design.md)."""
-TORCH_SPEEDUP = 2.0
-"""Torch's plan construction over ours (build + lower) at P=16, M=256, at least."""
-BIG = 64 * 1024
-"""Cases with P * M at least this many stage-microbatches run once (each takes seconds)."""
+BUDGET_S = 1.0  # the headline case's build + lower + verify + simulate, at most (docs/design.md)
+TORCH_SPEEDUP = 2.0  # torch's plan construction over ours (build + lower) at P=16, M=256, at least
+BIG = 64 * 1024  # cases with P * M at least this many stage-microbatches run once (each takes seconds)
 CLI_CASES = MappingProxyType({
     "simulate-1f1b-P2048": ("simulate", "1f1b", "-p", "2048", "-m", "8", "--json"),
     "simulate-1f1b-P10000": ("simulate", "1f1b", "-p", "10000", "-m", "8", "--json"),
@@ -33,8 +29,7 @@ CLI_CASES = MappingProxyType({
     "plot-dualpipe-P64-M512-view": ("simulate", "dualpipe", "-p", "64", "-m", "512", "--plot", "{out}/v.png",
                                     "--ranks-shown", "0-7,56-63", "--window", "0:200"),
     "compare-P64-M512-plot": ("compare", "-p", "64", "-m", "512", "--plot", "{out}/cmp.png"),
-})
-"""Name -> the arguments after `duplexpipe` (`{out}` becomes a scratch folder)."""
+})  # name -> the arguments after `duplexpipe` (`{out}` becomes a scratch folder)
 PROGRAM = ("import resource, sys; from duplexpipe.cli import main; rc = main(sys.argv[1:]); "
            "u = resource.getrusage(resource.RUSAGE_SELF); "
            "print(f'@@ {u.ru_utime + u.ru_stime} {u.ru_maxrss}', file=sys.stderr); sys.exit(rc)")
@@ -48,14 +43,13 @@ class ToolingConfig:
     headline_repeats: int = 5  # runs of the headline case (the median is reported)
     torch: tuple[tuple[str, str, int, int], ...] = (
         ("dualpipev", "DualPipeV", 16, 256), ("dualpipev", "DualPipeV", 8, 64), ("zbv", "ZBVZeroBubble", 16, 256),
-        ("interleaved-1f1b", "Interleaved1F1B", 16, 256))
-    """(our name, torch's name, P, M) for the side-by-side plan construction."""
+        ("interleaved-1f1b", "Interleaved1F1B", 16, 256))  # (our name, torch's, P, M) of the plan construction
     schedules: tuple[str, ...] = ("1f1b", "zbv", "dualpipe", "dualpipev")  # schedules of the scaling table
     ranks: tuple[int, ...] = (8, 16, 32, 64, 128)  # P values of the scaling table
     microbatches: tuple[int, ...] = (256, 1024)  # M values of the scaling table
     repeats: int = 1  # runs per case of the table and of the torch comparison (medians are reported)
     cli: tuple[str, ...] = ()  # CLI_CASES to run instead (the `duplexpipe` command's time and peak memory at scale)
-    cli_source: str = str(ROOT)  # the folder holding the duplexpipe the CLI cases run (another checkout: before/after)
+    cli_source: str = str(runner.ROOT)  # the folder of the duplexpipe the CLI cases run (another checkout: A/B)
 
 
 QUICK = ToolingConfig(("dualpipe", 8, 64), 1, (("dualpipev", "DualPipeV", 4, 16),), ("1f1b", "dualpipe"), (4, 8),
@@ -70,19 +64,16 @@ def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
 
 def time_passes(name: str, ranks: int, microbatches: int, repeats: int) -> dict[str, Any]:
     """Median seconds of each pass over `repeats` runs, each pass on the previous one's output."""
-    samples: dict[str, list[float]] = {"build_s": [], "lower_s": [], "verify_s": [], "simulate_s": [], "total_s": []}
-    size = 0
+    runs = []
     for _ in range(repeats):
         schedule, t_build = _timed(partial(build_schedule, name, ranks, microbatches))
         lowered, t_lower = _timed(partial(lower, schedule))
-        _, t_verify = _timed(partial(verify, lowered))
-        _, t_sim = _timed(partial(simulate, lowered, CostModel(fb=3.0)))
-        for key, value in zip(samples, (t_build, t_lower, t_verify, t_sim, t_build + t_lower + t_verify + t_sim),
-                              strict=True):
-            samples[key].append(value)
-        size = sum(len(row) for row in lowered.actions)
-    return {"schedule": name, "P": ranks, "M": microbatches, "actions": size, "repeats": repeats,
-            **{key: statistics.median(values) for key, values in samples.items()}}
+        runs.append((t_build, t_lower, _timed(partial(verify, lowered))[1],
+                     _timed(partial(simulate, lowered, CostModel(fb=3.0)))[1]))
+    passes = zip(("build_s", "lower_s", "verify_s", "simulate_s"), zip(*runs, strict=True), strict=True)
+    return {"schedule": name, "P": ranks, "M": microbatches, "actions": sum(len(row) for row in lowered.actions),
+            "repeats": repeats, **{key: statistics.median(values) for key, values in passes},
+            "total_s": statistics.median(map(sum, runs))}
 
 
 def time_torch(ours: str, theirs: str, ranks: int, microbatches: int, repeats: int) -> dict[str, Any]:
@@ -100,19 +91,16 @@ def time_torch(ours: str, theirs: str, ranks: int, microbatches: int, repeats: i
 
 def measure_cli(argv: tuple[str, ...], source: str, out: str, timeout_s: float) -> dict[str, float]:
     """One case in a fresh process: exit code, wall seconds, and CPU seconds and peak RSS from its getrusage."""
-    env = dict(os.environ, PYTHONPATH=source, MPLBACKEND="Agg")
-    start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", PROGRAM, *(a.replace("{out}", out) for a in argv)], env=env,
-                          capture_output=True, text=True, timeout=timeout_s, check=False, cwd=out)
-    wall = time.perf_counter() - start
+    cmd = [sys.executable, "-c", PROGRAM, *(a.replace("{out}", out) for a in argv)]
+    proc, wall = _timed(partial(subprocess.run, cmd, env=dict(os.environ, PYTHONPATH=source, MPLBACKEND="Agg"),
+                                capture_output=True, text=True, timeout=timeout_s, check=False, cwd=out))
     stats = [line.split() for line in proc.stderr.splitlines() if line.startswith("@@ ")]
     cpu, rss = (float(stats[-1][1]), float(stats[-1][2])) if stats else (float("nan"), float("nan"))
     return {"exit_code": proc.returncode, "wall_s": wall, "cpu_s": cpu, "peak_rss_mb": rss / 1024}
 
 
 def run(cfg: ToolingConfig) -> Result:
-    """The headline case, the torch comparison and the scaling grid (cases a generator rejects skipped); or the CLI
-    cases, each in a fresh process."""
+    """The headline case, the torch comparison and the scaling grid; or the CLI cases, each in a fresh process."""
     if cfg.cli:
         with tempfile.TemporaryDirectory() as out:
             return {"source": cfg.cli_source, "cli": [{"name": name, **measure_cli(
@@ -130,27 +118,26 @@ def report(result: Result) -> list[Block]:
                 [[r["name"], str(r["exit_code"]), f"{r['wall_s']:.2f}", f"{r['cpu_s']:.2f}", f"{r['peak_rss_mb']:.0f}"]
                  for r in result["cli"]]]
     h = result["headline"]
-    table = [["schedule", "P", "M", "actions", "build ms", "lower ms", "verify ms", "simulate ms", "total ms"]]
-    for r in [h, *result["rows"]]:
-        table.append([r["schedule"] + (" (headline)" if r is h else ""), str(r["P"]), str(r["M"]), str(r["actions"]),
-                      *(ms(r[k]) for k in ("build_s", "lower_s", "verify_s", "simulate_s", "total_s"))])
-    torch_table = [["schedule", "torch class", "P", "M", "ours build+lower ms", "torch plan ms", "torch/ours", "met"]]
-    for r in result["vs_torch"]:
-        judged = r["P"] == 16 and r["M"] == 256
-        torch_table.append([r["schedule"], r["torch_schedule"], str(r["P"]), str(r["M"]), ms(r["ours_build_lower_s"]),
-                            ms(r["torch_get_schedule_ops_s"]), f"{r['speedup']:.1f}x",
-                            mark(r["speedup"] >= TORCH_SPEEDUP) if judged else "-"])
     verdict = "meets" if h["total_s"] < BUDGET_S else "MISSES"
-    return [table, f"{h['schedule']} P={h['P']} M={h['M']}: build+lower+verify+simulate {h['total_s'] * 1e3:.0f} ms "
-                   f"(median of {h['repeats']}), {verdict} the {BUDGET_S:g} s budget.",
-            "### Plan construction: duplexpipe build + lower vs torch", torch_table]
+    return [[["schedule", "P", "M", "actions", "build ms", "lower ms", "verify ms", "simulate ms", "total ms"]] + [
+                [r["schedule"] + (" (headline)" if r is h else ""), str(r["P"]), str(r["M"]), str(r["actions"]),
+                 *(ms(r[k]) for k in ("build_s", "lower_s", "verify_s", "simulate_s", "total_s"))]
+                for r in [h, *result["rows"]]],
+            f"{h['schedule']} P={h['P']} M={h['M']}: build+lower+verify+simulate {h['total_s'] * 1e3:.0f} ms "
+            f"(median of {h['repeats']}), {verdict} the {BUDGET_S:g} s budget.",
+            "### Plan construction: duplexpipe build + lower vs torch",
+            [["schedule", "torch class", "P", "M", "ours build+lower ms", "torch plan ms", "torch/ours", "met"]] + [
+                [r["schedule"], r["torch_schedule"], str(r["P"]), str(r["M"]), ms(r["ours_build_lower_s"]),
+                 ms(r["torch_get_schedule_ops_s"]), f"{r['speedup']:.1f}x",
+                 mark(r["speedup"] >= TORCH_SPEEDUP) if (r["P"], r["M"]) == (16, 256) else "-"]
+                for r in result["vs_torch"]]]
 
 
 def figures(result: Result, folder: str) -> list[tuple[str, str]]:
     """Total time against P (log-log), a line per (schedule, M); torch's plan construction as crosses."""
     if "cli" in result:
         return []
-    fig = plots.figure(8.0, 4.4)
+    fig = figure(8.0, 4.4)
     ax = fig.subplots()
     rows = result["rows"]
     for c, name in enumerate(dict.fromkeys(r["schedule"] for r in rows)):
@@ -177,4 +164,4 @@ PART = Part("schedule_tooling", "Schedule tooling scaling: build + lower + verif
             run, report, figures, block="results")
 
 if __name__ == "__main__":
-    raise SystemExit(main(only=PART.name))
+    raise SystemExit(runner.main(only=PART.name))

@@ -15,16 +15,15 @@ from benchmarks.internals import START_METHODS
 from benchmarks.runner import ROOT, main
 
 PROBE = """
-import json, sys, time
-t0 = time.perf_counter()
+import json, time
+t = [time.perf_counter()]
 from duplexpipe import run
 from benchmarks.spawn_bench import trivial
-t1 = time.perf_counter()
-run(trivial, {ranks}, start_method={method!r})
-t2 = time.perf_counter()
-run(trivial, {ranks}, start_method={method!r})
-t3 = time.perf_counter()
-print(json.dumps({{"import_s": t1 - t0, "first_s": t2 - t1, "second_s": t3 - t2}}))
+t.append(time.perf_counter())
+for _ in range(2):
+    run(trivial, {ranks}, start_method={method!r})
+    t.append(time.perf_counter())
+print(json.dumps({{"import_s": t[1] - t[0], "first_s": t[2] - t[1], "second_s": t[3] - t[2]}}))
 """
 """The program each repetition runs in a fresh interpreter (so nothing is cached): it times `run` itself, twice."""
 
@@ -75,14 +74,13 @@ def rows(result: Result) -> list[dict[str, Any]]:
 def report(result: Result) -> list[Block]:
     """Seconds per run() by start method."""
     cfg = result["config"]
-    table = [["start method", f"first run(fn, {cfg['ranks']}) s: median (min-max)",
-              f"second run(fn, {cfg['ranks']}) s"]]
-    for r in rows(result):
-        table.append([r["method"] + (" (default)" if r["method"] == START_METHODS[0] else ""),
-                      *(f"{m:.2f} ({lo:.2f}-{hi:.2f})" for m, lo, hi in (r["first_s"], r["second_s"]))])
     return [f"{cfg['reps']} fresh interpreters per method, alternating; each times `run(fn, {cfg['ranks']})` of a "
             "function that returns at once, twice (the interpreter's own start and its import of duplexpipe not "
-            "counted).", table]
+            "counted).", [["start method", f"first run(fn, {cfg['ranks']}) s: median (min-max)",
+                           f"second run(fn, {cfg['ranks']}) s"]] + [
+                [r["method"] + (" (default)" if r["method"] == START_METHODS[0] else ""),
+                 *(f"{m:.2f} ({lo:.2f}-{hi:.2f})" for m, lo, hi in (r["first_s"], r["second_s"]))]
+                for r in rows(result)]]
 
 
 PART = Part("spawn_bench", "Starting processes", SpawnConfig(), SpawnConfig(reps=1, ranks=2), run, report,

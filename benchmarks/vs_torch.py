@@ -9,13 +9,12 @@ from typing import Any
 
 import torch
 
-from benchmarks import harness, models, plots
-from benchmarks.framework import Block, Part, Result, mark, ms
+from benchmarks import harness, models, runner
+from benchmarks.framework import Block, Part, Result, bars, mark, ms
 from benchmarks.models import TORCH_SCHEDULES, build_pipeline, build_torch_pipe, group_grads, num_stages
-from benchmarks.runner import main
 
-GRAD_TOLERANCE = 1e-4
-"""Largest relative gradient error accepted as a match with the single-process reference."""
+GRAD_TOLERANCE = 1e-4  # the largest relative gradient error that matches the single-process reference
+SIDES = ("ours", "torch")
 
 
 @dataclass(frozen=True)
@@ -29,11 +28,7 @@ class Workload:
     num_microbatches: int = 8  # microbatches per step
     warmup: int = 2  # untimed steps per side first
     reps: int = 10  # timed steps per side; the sides alternate which goes first
-    check_inputs_every_step: bool = True
-    """Ours: PipelineConfig.check_inputs_every_step (True is the default configuration)."""
-
-
-MLP = models.ModelSpec("mlp", num_layers=8, width=256, batch=64)
+    check_inputs_every_step: bool = True  # ours: PipelineConfig.check_inputs_every_step (True is the default)
 
 
 @dataclass(frozen=True)
@@ -41,10 +36,9 @@ class VsTorchConfig:
     """The workloads and the ranks."""
 
     workloads: tuple[Workload, ...] = (
-        Workload("overhead-bound", MLP, reps=30),
-        Workload("compute-bound", models.ModelSpec("transformer", num_layers=8, width=128, batch=32, seq=32), reps=12),
-        Workload("overhead-bound, fixed shapes", MLP, 0.9, ("1f1b",), reps=30, check_inputs_every_step=False))
-    """The comparisons, in order."""
+        Workload("overhead-bound", models.MLP, reps=30),
+        Workload("compute-bound", models.TRANSFORMER, reps=12),
+        Workload("overhead-bound, fixed shapes", models.MLP, 0.9, ("1f1b",), reps=30, check_inputs_every_step=False))
     world: int = 4  # pipeline ranks (gloo processes)
 
 
@@ -55,11 +49,9 @@ QUICK = VsTorchConfig((Workload("overhead-bound", models.ModelSpec("mlp", num_la
 def _schedule(key: str, w: Workload, rank: int, world: int, ref: list[list[torch.Tensor]]) -> dict[str, Any]:
     x, y = models.make_batch(w.spec)
     parts = models.build_parts(w.spec, num_stages(key, world))
-    ours = build_pipeline(key, parts, w.num_microbatches, models.loss_fn,
-                          check_inputs_every_step=w.check_inputs_every_step)
-    theirs = build_torch_pipe(key, parts, rank, world, w.num_microbatches, models.loss_fn)
-    sides: list[Any] = [ours, theirs]
-    traces = harness.RoundRobin(sides, lambda pipe, _: pipe.step(x, y)).run(w.reps, w.warmup)
+    ours = build_pipeline(key, parts, w.num_microbatches, check_inputs_every_step=w.check_inputs_every_step)
+    theirs = build_torch_pipe(key, parts, rank, world, w.num_microbatches)
+    traces = harness.RoundRobin[Any]([ours, theirs], lambda pipe, _: pipe.step(x, y)).run(w.reps, w.warmup)
     errors = [max(models.max_rel_error(g, ref[k]) for k, g in group_grads(ours.stage_modules, ours.schedule).items()),
               max(models.max_rel_error(models.part_grads(m), ref[s]) for s, m in theirs.modules.items())]
     return {"samples": {"ours": traces[0].wall, "torch": traces[1].wall}, "cpu": {"ours": traces[0].cpu,
@@ -69,29 +61,23 @@ def _schedule(key: str, w: Workload, rank: int, world: int, ref: list[list[torch
 def worker(rank: int, world: int, w: Workload) -> dict[str, Any]:
     """Every schedule of one workload on this rank."""
     x, y = models.make_batch(w.spec)
-    refs: dict[int, list[list[torch.Tensor]]] = {}
-    out = {}
-    for key in w.schedules:
-        n = num_stages(key, world)
-        if n not in refs:
-            refs[n] = models.reference_grads(models.build_parts(w.spec, n), x, y, w.num_microbatches)[0]
-        out[key] = _schedule(key, w, rank, world, refs[n])
-    return out
+    refs = {n: models.reference_grads(models.build_parts(w.spec, n), x, y, w.num_microbatches)[0]
+            for n in {num_stages(key, world) for key in w.schedules}}
+    return {key: _schedule(key, w, rank, world, refs[num_stages(key, world)]) for key in w.schedules}
 
 
 def summarize(w: Workload, per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per schedule: medians, ours / torch, CPU summed over the ranks, the gradient checks."""
     rows = []
     for key, res in per_rank[0].items():
-        ours, theirs = (harness.summarize(res["samples"][s]) for s in ("ours", "torch"))
-        errors = {s: max(r[key]["grad_error"][s] for r in per_rank) for s in ("ours", "torch")}
+        ours, theirs = (harness.summarize(res["samples"][s]) for s in SIDES)
+        errors = {s: max(r[key]["grad_error"][s] for r in per_rank) for s in SIDES}
         cpu = {s: 1e3 * statistics.median(map(sum, zip(*(r[key]["cpu"][s] for r in per_rank), strict=True)))
-               for s in ("ours", "torch")}
+               for s in SIDES}
         rows.append({"workload": w.name, "model": w.spec.describe(), "schedule": key,
                      "torch_class": TORCH_SCHEDULES[key][0], "microbatches": w.num_microbatches, "target": w.target,
                      "ours": ours.to_dict(), "torch": theirs.to_dict(), "ratio": ours.median / theirs.median,
-                     "cpu_ms": cpu, "grad_error": errors,
-                     "paired_ratio": harness.summarize([a / b for a, b in zip(
+                     "cpu_ms": cpu, "grad_error": errors, "paired_ratio": harness.summarize([a / b for a, b in zip(
                          res["samples"]["ours"], res["samples"]["torch"], strict=True)]).to_dict(),
                      "grads_match": {s: e <= GRAD_TOLERANCE for s, e in errors.items()}, "samples": res["samples"]})
     return rows
@@ -105,17 +91,14 @@ def run(cfg: VsTorchConfig) -> Result:
 
 def report(result: Result) -> list[Block]:
     """One row per (workload, schedule)."""
-    table = [["workload", "schedule", "ours ms (median)", "torch ms (median)", "ours IQR", "torch IQR", "ours/torch",
-              "paired ratio (median, IQR)", "target", "met", "grads ours", "grads torch"]]
-    for r in result["rows"]:
-        p = r["paired_ratio"]
-        table.append([r["workload"], r["schedule"], ms(r["ours"]["median_s"]), ms(r["torch"]["median_s"]),
-                      *(f"{ms(r[s]['q1_s'])}-{ms(r[s]['q3_s'])}" for s in ("ours", "torch")), f"{r['ratio']:.2f}",
-                      f"{p['median_s']:.2f} ({p['q1_s']:.2f}-{p['q3_s']:.2f})", f"<= {r['target']:g}",
-                      mark(r["ratio"] <= r["target"]),
-                      *("match" if r["grads_match"][s] else f"DIFF {r['grad_error'][s]:.1e}"
-                        for s in ("ours", "torch"))])
-    return [table]
+    return [[["workload", "schedule", "ours ms (median)", "torch ms (median)", "ours IQR", "torch IQR", "ours/torch",
+              "paired ratio (median, IQR)", "target", "met", "grads ours", "grads torch"]] + [
+        [r["workload"], r["schedule"], ms(r["ours"]["median_s"]), ms(r["torch"]["median_s"]),
+         *(f"{ms(r[s]['q1_s'])}-{ms(r[s]['q3_s'])}" for s in SIDES), f"{r['ratio']:.2f}",
+         "{median_s:.2f} ({q1_s:.2f}-{q3_s:.2f})".format(**r["paired_ratio"]), f"<= {r['target']:g}",
+         mark(r["ratio"] <= r["target"]),
+         *("match" if r["grads_match"][s] else f"DIFF {r['grad_error'][s]:.1e}" for s in SIDES)]
+        for r in result["rows"]]]
 
 
 def figures(result: Result, folder: str) -> list[tuple[str, str]]:
@@ -127,8 +110,8 @@ def figures(result: Result, folder: str) -> list[tuple[str, str]]:
         by = {r["schedule"]: r for r in rows if r["workload"] == name}
         target = next(iter(by.values()))["target"]
         series[f"{name} (target <= {target:g})"] = [by[s]["ratio"] if s in by else 0.0 for s in labels]
-    plots.bars(os.path.join(folder, "bench_ratios.png"), labels, series, 1.0, "parity",
-               "median step time, ours / torch", "duplexpipe runtime vs torch.distributed.pipelining (lower is better)")
+    bars(os.path.join(folder, "bench_ratios.png"), labels, series, 1.0, "parity", "median step time, ours / torch",
+         "duplexpipe runtime vs torch.distributed.pipelining (lower is better)")
     return [("bench_ratios.png", "Median step time, ours / torch, against the targets")]
 
 
@@ -136,4 +119,4 @@ PART = Part("vs_torch", "Runtime vs torch.distributed.pipelining", VsTorchConfig
             block="results")
 
 if __name__ == "__main__":
-    raise SystemExit(main(only=PART.name))
+    raise SystemExit(runner.main(only=PART.name))

@@ -13,41 +13,26 @@ from typing import Any
 
 from torch import Tensor
 
-from benchmarks import harness
+from benchmarks import harness, runner
 from benchmarks.framework import Block, Part, Result, Table
 from benchmarks.internals import C10dCounter, WireMeter
-from benchmarks.runner import main
 from duplexpipe import Pipeline, PipelineConfig, ZeroOptions
 
-LAYOUTS = ((2, 1), (2, 2), (1, 4))
-"""(PP, DP) of the memory table."""
-SHARDED_KINDS = ("reduce_scatter", "all_to_all", "all_gather")
-"""The collectives only ZeRO posts (the dispatch cross-check compares these)."""
-BOTH = ZeroOptions(quantized_gradients=True, quantized_weights=True)
-RUNS: tuple[tuple[str, int, ZeroOptions], ...] = (
-    ("zero_stage=0 (all-reduce)", 0, ZeroOptions()),
-    ("ZeRO-1", 1, ZeroOptions()),
-    ("ZeRO-1 + qgZ", 1, ZeroOptions(quantized_gradients=True)),
-    ("ZeRO-1 + qwZ", 1, ZeroOptions(quantized_weights=True)),
-    ("ZeRO-1 + qgZ + qwZ", 1, BOTH),
-    ("ZeRO-2", 2, ZeroOptions()),
-    ("ZeRO-2 + qgZ", 2, ZeroOptions(quantized_gradients=True)),
-    ("ZeRO-2 + qwZ", 2, ZeroOptions(quantized_weights=True)),
-    ("ZeRO-2 + qgZ + qwZ", 2, BOTH),
-)
+LAYOUTS = ((2, 1), (2, 2), (1, 4))  # (PP, DP) of the memory table
+SHARDED_KINDS = ("reduce_scatter", "all_to_all", "all_gather")  # the collectives only ZeRO posts (cross-checked)
+RUNS: tuple[tuple[str, int, ZeroOptions], ...] = (("zero_stage=0 (all-reduce)", 0, ZeroOptions()), *(
+    (f"ZeRO-{stage}{' + qgZ' * g}{' + qwZ' * w}", stage, ZeroOptions(quantized_gradients=g, quantized_weights=w))
+    for stage in (1, 2) for g, w in ((False, False), (True, False), (False, True), (True, True))))
 """(label, zero_stage, options) of the ZeRO++ runs."""
 AREAS = (
-    ("FSDP2 hooks and bookkeeping", ("torch/distributed/fsdp/",)),
-    ("DTensor", ("torch/distributed/tensor/",)),
+    ("FSDP2 hooks and bookkeeping", ("torch/distributed/fsdp/",)), ("DTensor", ("torch/distributed/tensor/",)),
     ("dynamo-disable wrappers (FSDP2's)", ("torch/_dynamo/",)),
     ("profiler record_function (FSDP2's)", ("torch/autograd/profiler", "_record_function", "torch/_ops.py")),
-    ("optimizer", ("torch/optim/",)),
-    ("autograd engine (backward kernels, hooks)", ("run_backward",)),
+    ("optimizer", ("torch/optim/",)), ("autograd engine (backward kernels, hooks)", ("run_backward",)),
     ("nn.Module calls (hook dispatch)", ("torch/nn/modules/module.py",)),
     ("the model (GPT forward)", ("duplexpipe/launch/tasks/", "torch/nn/functional.py", "torch/nn/modules/")),
     ("duplexpipe", ("duplexpipe/",)),
-)
-"""(area, substrings of a profiled function's file or name that put it there); the rest is 'other'."""
+)  # (area, substrings of a profiled function's file or name that put it there); the rest is 'other'
 
 
 def area_of(filename: str, name: str) -> str:
@@ -58,18 +43,14 @@ def area_of(filename: str, name: str) -> str:
 
 @dataclass(frozen=True)
 class ZeroBenchConfig:
-    """The workload (the GPT example's task) and the runs: memory after `memory_steps` AdamW steps (optimizer state,
-    gradients kept after the step, parameters: local shards under ZeRO-2) in each of LAYOUTS; ZeRO++ at PP=2 x DP=2
-    (bytes by collective per rank and step, the WireMeter cross-checked against a c10d dispatch counter over the
-    first steps; loss of the last `tail` steps against the unquantized run of the same stage); stages 0-2 built side
-    by side in the same 4 processes and stepped in turn (wall and CPU per step)."""
+    """The GPT example: memory per rank in each of LAYOUTS; ZeRO++ bytes (cross-checked against c10d) and loss at
+    PP=2 x DP=2; stages 0-2 built side by side in the same 4 processes and stepped in turn (wall and CPU per step)."""
 
     steps: int = 200  # training steps per ZeRO++ run
     tail: int = 20  # last steps whose loss and bytes are averaged
     memory_steps: int = 2  # steps before the memory is read
     microbatches: int = 4  # microbatches per step and replica
-    task_options: dict[str, Any] = field(default_factory=lambda: {"n_layer": 4, "d_model": 64})
-    """gpt_task options (the example's model)."""
+    task_options: dict[str, Any] = field(default_factory=lambda: {"n_layer": 4, "d_model": 64})  # gpt_task options
     batch_size: int = 32  # global batch (sequences per step, split over the data-parallel replicas)
     lr: float = 3e-3  # AdamW learning rate (weight decay 0.01, the example's)
     clip: float = 1.0  # global gradient-norm clip
@@ -129,11 +110,9 @@ def memory(cfg: ZeroBenchConfig) -> list[dict[str, Any]]:
     rows = []
     for pp, dp in LAYOUTS:
         ranks = harness.spawn(_memory_worker, (cfg, pp, dp), pp * dp, 900)
-        for stage in (0, 1, 2):
-            worst = {k: max(r[stage][k] for r in ranks) for k in ("state", "grads", "params")}
-            base = {k: max(r[0][k] for r in ranks) for k in ("state", "grads", "params")}
-            rows.append({"pp": pp, "dp": dp, "stage": stage, **worst,
-                         **{f"{k}_frac": worst[k] / base[k] for k in worst}})
+        worst = [{k: max(r[stage][k] for r in ranks) for k in ("state", "grads", "params")} for stage in (0, 1, 2)]
+        rows += [{"pp": pp, "dp": dp, "stage": stage, **w, **{f"{k}_frac": w[k] / worst[0][k] for k in w}}
+                 for stage, w in enumerate(worst)]
     return rows
 
 
@@ -159,8 +138,7 @@ def _train_worker(rank: int, world: int, job: tuple[ZeroBenchConfig, int, ZeroOp
 
 
 def _profile_worker(rank: int, world: int, cfg: ZeroBenchConfig) -> dict[str, dict[str, float]]:
-    """The speed run of ZeRO-1 and ZeRO-2 with one cProfile (process time) per pipeline; rank 0's CPU ms per step
-    by area (cProfile slows Python-heavy code more than kernels: where the difference is, not its size)."""
+    """The speed run of ZeRO-1 and ZeRO-2, each under cProfile (process time); rank 0's CPU ms per step by area."""
     pipes = {stage: pipeline(cfg, 2, 2, stage, ZeroOptions())[0] for stage in (1, 2)}
     profiles = {stage: cProfile.Profile(time.process_time) for stage in pipes}
     step = harness.gpt_step(harness.gpt(**cfg.task_options), cfg.batch_size)
@@ -174,9 +152,8 @@ def _profile_worker(rank: int, world: int, cfg: ZeroBenchConfig) -> dict[str, di
 
 
 def charged(stats: dict[Any, Any], steps: int) -> dict[str, float]:
-    """CPU ms per step by area: each function's own time goes to its area; a function of no area (a builtin
-    such as a tensor method, a helper of the standard library) is charged to its callers' areas, split as
-    cProfile timed it under each caller."""
+    """CPU ms per step by area: each function's own time goes to its area; a function of no area (a builtin, a
+    standard library helper) is charged to its callers' areas, split as cProfile timed it under each caller."""
     areas: Counter[str] = Counter()
     for (filename, _, name), (_, _, own, _, callers) in stats.items():
         area = area_of(filename, name)
@@ -189,8 +166,7 @@ def charged(stats: dict[Any, Any], steps: int) -> dict[str, float]:
     return dict(areas)
 
 
-SPEED_STAGES = (0, 1, 2)
-"""The zero_stage values of the speed run."""
+SPEED_STAGES = (0, 1, 2)  # the zero_stage values of the speed run
 
 
 def _speed_worker(rank: int, world: int, cfg: ZeroBenchConfig) -> dict[int, dict[str, list[float]]]:
@@ -202,16 +178,10 @@ def _speed_worker(rank: int, world: int, cfg: ZeroBenchConfig) -> dict[int, dict
 
 def speed_rows(ranks: list[dict[int, dict[str, list[float]]]]) -> list[dict[str, Any]]:
     """speed()'s rows from each rank's per-step seconds."""
-    rows = []
-    for stage in SPEED_STAGES:
-        steps = len(ranks[0][stage]["wall"])
-        wall = [max(r[stage]["wall"][i] for r in ranks) for i in range(steps)]
-        rows.append({"stage": stage, "wall_ms": 1e3 * statistics.median(wall),
-                     "cpu_ms": 1e3 * statistics.fmean(c for r in ranks for c in r[stage]["cpu"])})
-    one = next(r for r in rows if r["stage"] == 1)
-    for r in rows:
-        r["wall_vs_1"], r["cpu_vs_1"] = r["wall_ms"] / one["wall_ms"], r["cpu_ms"] / one["cpu_ms"]
-    return rows
+    rows = [{"stage": stage, "wall_ms": 1e3 * statistics.median(harness.slowest([r[stage]["wall"] for r in ranks])),
+             "cpu_ms": 1e3 * statistics.fmean(c for r in ranks for c in r[stage]["cpu"])} for stage in SPEED_STAGES]
+    one = rows[SPEED_STAGES.index(1)]
+    return [{**r, "wall_vs_1": r["wall_ms"] / one["wall_ms"], "cpu_vs_1": r["cpu_ms"] / one["cpu_ms"]} for r in rows]
 
 
 def run_zero_pp(cfg: ZeroBenchConfig) -> list[dict[str, Any]]:
@@ -221,18 +191,16 @@ def run_zero_pp(cfg: ZeroBenchConfig) -> list[dict[str, Any]]:
         if cfg.runs and label not in cfg.runs:
             continue
         ranks = harness.spawn(_train_worker, (cfg, stage, zero), 4, 3600)
-        kinds = sorted({k for r in ranks for s in r["kinds"] for k in s})
         per_kind = {k: [statistics.fmean(r["kinds"][s].get(k, 0.0) for r in ranks) for s in range(cfg.steps)]
-                    for k in kinds}
+                    for k in sorted({k for r in ranks for s in r["kinds"] for k in s})}
         out.append({"label": label, "stage": stage, "losses": ranks[0]["losses"], "bytes": per_kind,
-                    "step_s": ranks[0]["step_s"],
-                    "meter_matches_dispatch": all(r["meter_matches_dispatch"] for r in ranks)})
+                    "step_s": ranks[0]["step_s"], "meter_matches_dispatch": all(r["meter_matches_dispatch"]
+                                                                                for r in ranks)})
     return out
 
 
 def summarize(runs: list[dict[str, Any]], cfg: ZeroBenchConfig) -> list[dict[str, Any]]:
-    """Per run: steady bytes by collective, the gradient and weight halves against the exact run of the same
-    stage, the loss of the last `tail` steps against it, the median step time."""
+    """Per run: steady bytes, halves and loss against the same stage's exact run, the median step time."""
     tail = cfg.tail
     exact = {r["stage"]: r for r in runs if "+" not in r["label"]}
     rows = []
@@ -260,12 +228,8 @@ def _x(value: float | None) -> str:
 
 def _quantized_ratios(row: dict[str, Any]) -> list[float]:
     """The ratios the targets apply to: the gradient half under qgZ, the weight half under qwZ."""
-    out = []
-    if "qgZ" in row["label"] and row.get("grad_fewer") is not None:
-        out.append(row["grad_fewer"])
-    if "qwZ" in row["label"] and row.get("weight_fewer") is not None:
-        out.append(row["weight_fewer"])
-    return out
+    return [row[key] for tag, key in (("qgZ", "grad_fewer"), ("qwZ", "weight_fewer"))
+            if tag in row["label"] and row.get(key) is not None]
 
 
 def report(result: Result) -> list[Block]:
@@ -339,4 +303,4 @@ def run(cfg: ZeroBenchConfig) -> Result:
 PART = Part("zero_bench", "ZeRO", ZeroBenchConfig(), QUICK, run, report, block="zero")
 
 if __name__ == "__main__":
-    raise SystemExit(main(only=PART.name))
+    raise SystemExit(runner.main(only=PART.name))

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from duplexpipe.model.split import build_parts
 from duplexpipe.model.stages import inner_module
-from duplexpipe.moe import MoEBlock, MoELayer, collect_losses, update_bias_locally
+from duplexpipe.moe import CausalSelfAttention, MoEBlock, MoELayer, collect_losses, update_bias_locally
 
 VOCAB, DIM, SEQ, HIDDEN = 13, 8, 4, 12
 
@@ -43,6 +43,8 @@ class MoESpec:
     shared: int = 1
     bias: tuple[float, ...] = field(default=())
     """An initial expert_bias for every layer (steers the routing), or () for zeros."""
+    heads: int = 0
+    """The mixer: a Linear (0), or a CausalSelfAttention with this many heads (tensor parallelism shards it)."""
 
 
 def build(spec: MoESpec, seed: int = 0) -> tuple[nn.Module, list[nn.Module], nn.Module]:
@@ -55,7 +57,8 @@ def build(spec: MoESpec, seed: int = 0) -> tuple[nn.Module, list[nn.Module], nn.
                          aux_loss_coef=spec.aux, bias_update_speed=spec.speed)
         if spec.bias:
             layer.router.expert_bias.copy_(torch.tensor(spec.bias))
-        blocks.append(MoEBlock(DIM, layer, mixer=nn.Linear(DIM, DIM)))
+        mixer = CausalSelfAttention(DIM, spec.heads) if spec.heads else nn.Linear(DIM, DIM)
+        blocks.append(MoEBlock(DIM, layer, mixer=mixer))
     head = Head()
     return embedding.double(), [b.double() for b in blocks], head.double()
 

@@ -59,6 +59,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     opt("--schedule", str)
     opt("--ranks", int)
     opt("--dp", int)
+    opt("--tp", int)
     opt("--microbatches", int)
     opt("--steps", int)
     opt("--batch-size", int)
@@ -90,6 +91,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--compile", action="store_true", default=argparse.SUPPRESS, help=about("compile"))
     opt("--compile-backend", str)
     add("--progress", action="store_true", default=argparse.SUPPRESS, help=about("progress"))
+    add("--sequence-parallel", action="store_true", default=argparse.SUPPRESS, help=about("sequence_parallel"))
     add("--no-tensorboard", action="store_false", dest="tensorboard", default=argparse.SUPPRESS,
         help=about("tensorboard"))
 
@@ -145,7 +147,8 @@ def train_main(args: argparse.Namespace, stream: IO[str] | None = None) -> int:
             out.write(f"{result.partition}\n")
         done = f"steps {result.start_step + 1}-{config.steps}" if result.start_step else f"{config.steps} steps"
         chosen = f" (chose {result.schedule})" if config.schedule == "auto" and result.schedule else ""
-        out.write(f"{config.schedule}{chosen} on {config.ranks} ranks x {config.dp} dp, {done}: loss "
+        tensor = f" x {config.tp} tp" if config.tp > 1 else ""
+        out.write(f"{config.schedule}{chosen} on {config.ranks} ranks x {config.dp} dp{tensor}, {done}: loss "
                   f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f}, {result.items_per_s:,.0f} items/s, "
                   f"{result.wall_s:.1f}s\n")
         if result.send_bytes:

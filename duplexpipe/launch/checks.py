@@ -4,6 +4,7 @@ exits with code 2)."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -13,7 +14,15 @@ from torch.overrides import TorchFunctionMode
 from duplexpipe.comm import check_optimizer
 from duplexpipe.dp_options.compression import compression_options
 from duplexpipe.launch.train_config import TrainConfig
-from duplexpipe.launch.train_loop import TrainTask, build_task, load_task, make_optimizer, pipeline_config
+from duplexpipe.launch.train_loop import (
+    TrainTask,
+    build_task,
+    load_task,
+    make_optimizer,
+    pipeline_config,
+    task_tp_plan,
+)
+from duplexpipe.model.tp_plans import check_plan
 from duplexpipe.parallel.compressed import check_dgc_momentum
 from duplexpipe.parallel.zero_config import check_hpz
 from duplexpipe.schedules.registry import build as build_schedule
@@ -42,6 +51,19 @@ def check_training(config: TrainConfig) -> None:
         raise ValueError(f"task {config.task!r} has {len(task.layers)} layers, but schedule {config.schedule!r} "
                          f"on {config.ranks} ranks runs {schedule.num_groups} model parts of at least one layer "
                          "each; use fewer ranks, another schedule or a deeper model")
+    _check_tensor_parallel(config, task)
+
+
+def _check_tensor_parallel(config: TrainConfig, task: TrainTask) -> None:
+    """--tp > 1: the task's plan against the whole model (its layers named as `Pipeline.from_layers` names them:
+    module paths, sharded dimensions and heads); a Hugging Face model is checked when its pipeline is built."""
+    plan = task_tp_plan(task, config) if task.pretrained is None else None
+    if plan is None:
+        return
+    named = ([("embedding", task.embedding)] if task.embedding is not None else []) + \
+        [(f"layer{i}", layer) for i, layer in enumerate(task.layers)] + \
+        ([("head", task.head)] if task.head is not None else [])
+    check_plan([nn.Sequential(OrderedDict(named))], plan, config.tp)
 
 
 def _built(config: TrainConfig) -> TrainTask:

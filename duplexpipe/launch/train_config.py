@@ -50,7 +50,13 @@ class TrainConfig:
     ranks: int = 4
     """Pipeline ranks (processes per data-parallel replica)."""
     dp: int = 1
-    """Data-parallel replicas; ranks * dp processes in all."""
+    """Data-parallel replicas; ranks * dp * tp processes in all."""
+    tp: int = 1
+    """Tensor-parallel degree: each stage's layers are sharded over tp neighbouring processes with the task's plan
+    (the gpt task's `gpt_tp_plan`, a task's `TrainTask.tp_plan`; the hf task: the model's published plan)."""
+    sequence_parallel: bool = False
+    """With tp > 1: norms, the residual stream and the stage-to-stage messages hold 1/tp of the sequence (the
+    sequence length must be divisible by tp)."""
     microbatches: int = 8
     """Microbatches per step."""
     steps: int = 60
@@ -124,7 +130,7 @@ class TrainConfig:
     """Runtime timeout for blocked communication, in seconds."""
 
     def __post_init__(self) -> None:
-        for name in ("ranks", "dp", "microbatches", "steps", "batch_size"):
+        for name in ("ranks", "dp", "tp", "microbatches", "steps", "batch_size"):
             _at_least(name, getattr(self, name), 1)
         for name in ("warmup", "log_every", "save_every", "keep"):
             _at_least(name, getattr(self, name), 0)
@@ -143,6 +149,8 @@ class TrainConfig:
             self.grad_clip_norm = None  # 0 turns clipping off (TOML and the CLI have no None)
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel shards the sequence over the tensor-parallel ranks: it needs tp > 1")
         self._check_parallelism()
 
     def _check_parallelism(self) -> None:

@@ -29,6 +29,7 @@ from duplexpipe.launch.train_config import (
     lr_factor,
 )
 from duplexpipe.model.stages import PartInit
+from duplexpipe.model.tp_plans import TPPlan
 from duplexpipe.parallel.mesh import make_mesh
 from duplexpipe.runtime.backend import default_device
 from duplexpipe.schedules.timeline import Timeline
@@ -65,6 +66,10 @@ class TrainTask:
     head and init are then unused; `batch` gives (input_ids, labels)) and `--save-pretrained` can write it back."""
     dtype: torch.dtype | None = None
     """The dtype of a `pretrained` model (None: the checkpoint's)."""
+    tp_plan: Callable[[bool], TPPlan] | None = None
+    """tp_plan(sequence_parallel) -> the tensor-parallel plan of the parts `Pipeline.from_layers` makes (children
+    `embedding`, `layer<i>`, `head`), for `--tp` > 1 (None: the task cannot run tensor-parallel; a `pretrained`
+    model uses its published plan)."""
 
 
 @dataclass
@@ -200,15 +205,16 @@ def pipeline_config(config: TrainConfig) -> PipelineConfig:
                           p2p_compression=None if config.p2p_compression == "none" else config.p2p_compression,
                           grad_compression=None if config.grad_compression == "none" else config.grad_compression,
                           zero_stage=config.zero_stage, memory_limit=config.memory_limit,
+                          sequence_parallel=config.sequence_parallel,
                           compile={"backend": config.compile_backend} if config.compile else False)
 
 
 def _build_pipeline(config: TrainConfig, task: TrainTask) -> Pipeline:
     device_type = default_device().type
-    mesh = make_mesh(config.ranks, config.dp, device_type) if config.dp > 1 else None
+    mesh = make_mesh(config.ranks, config.dp, device_type, tp=config.tp) if config.dp * config.tp > 1 else None
     pcfg = pipeline_config(config)
     inputs, targets = task.batch(0, config.batch_size)
-    dp_rank = dist.get_rank() % config.dp  # make_mesh: rank = pp index x dp + dp index
+    dp_rank = dist.get_rank() // config.tp % config.dp  # make_mesh: rank = (pp index x dp + dp index) x tp + tp index
     auto = config.schedule == "auto"
     sample = {"sample_input": _local_slice(inputs, dp_rank, config.dp),
               "sample_targets": _local_slice(targets, dp_rank, config.dp)} if auto else {}
@@ -223,7 +229,16 @@ def _build_pipeline(config: TrainConfig, task: TrainTask) -> Pipeline:
         sample = {"sample_input": first} if isinstance(first, torch.Tensor) or config.balance == "time" else {}
     return Pipeline.from_layers(task.layers, task.loss_fn, make_optimizer(config), pcfg, embedding=task.embedding,
                                 head=task.head, balance=config.balance, mesh=mesh, init=task.init,
-                                scheduler=make_scheduler(config), **sample)
+                                scheduler=make_scheduler(config), tp_plan=task_tp_plan(task, config), **sample)
+
+
+def task_tp_plan(task: TrainTask, config: TrainConfig) -> TPPlan | None:
+    """The tensor-parallel plan a run of `task` uses (None with tp=1); ValueError when the task has none."""
+    if config.tp == 1:
+        return None
+    if task.tp_plan is None:
+        raise ValueError(f"--tp {config.tp}: task {config.task!r} has no tensor-parallel plan (TrainTask.tp_plan)")
+    return task.tp_plan(config.sequence_parallel)
 
 
 def _save(pipe: Pipeline, config: TrainConfig, step: int) -> None:
@@ -258,8 +273,9 @@ def _open_metrics(config: TrainConfig, lead: bool, start: int) -> MetricsLog | N
 
 def _prepare(config: TrainConfig) -> tuple[TrainTask, Pipeline]:
     """The task and its pipeline, resumed from the checkpoint `config` names; ValueError for a bad input."""
-    if dist.get_world_size() != config.ranks * config.dp:
-        raise ValueError(f"{dist.get_world_size()} processes, but ranks x dp = {config.ranks} x {config.dp}")
+    if dist.get_world_size() != config.ranks * config.dp * config.tp:
+        raise ValueError(f"{dist.get_world_size()} processes, but ranks x dp x tp = {config.ranks} x {config.dp} x "
+                         f"{config.tp}")
     torch.manual_seed(config.seed)
     task = build_task(config)
     if config.save_pretrained is not None and task.pretrained is None:
@@ -364,7 +380,8 @@ def run_training(config: TrainConfig) -> TrainResult:
 
     Under torchrun, non-zero ranks get a TrainResult with empty losses.
     """
-    results = run(_train_rank, config.ranks * config.dp, (config,), timeout_s=None, comm_timeout_s=config.timeout_s)
+    results = run(_train_rank, config.ranks * config.dp * config.tp, (config,), timeout_s=None,
+                  comm_timeout_s=config.timeout_s)
     result = results[0]
     if result is None:
         return TrainResult([], 0.0, None, "", 0.0, config)

@@ -69,6 +69,9 @@ class CausalLMPart(nn.Module):
         self.is_first = index == 0
         self.is_last = index == num_parts - 1
         self.input_name = "input_ids" if self.is_first else "hidden_states"
+        self.sequence_shards = 1
+        """TP ranks sharing the sequence of the hidden states (sequence parallelism; set by the Pipeline): each holds
+        1/sequence_shards of the positions, while masks and rotary positions are built for the whole sequence."""
 
     def extra_repr(self) -> str:
         return f"part {self.index} of {self.num_parts}, layers {self.layer_ids.start}..{self.layer_ids.stop - 1}"
@@ -81,9 +84,13 @@ class CausalLMPart(nn.Module):
     def forward(self, *args: Tensor | None, **kwargs: Tensor | None) -> Tensor | dict[str, Tensor]:
         """input_ids or hidden_states [, attention_mask [, position_ids]] -> next part's input or logits."""
         x, mask, position_ids = self._bind(args, kwargs)
+        if self.is_first and x.shape[1] % self.sequence_shards:
+            raise ValueError(f"sequence parallelism: {x.shape[1]} positions are not divisible by the TP degree "
+                             f"{self.sequence_shards}")
         positions = position_ids
-        if positions is None:  # what the models do without position_ids
-            positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        if positions is None:  # what the models do without position_ids (hidden states may be a sequence shard)
+            length = x.shape[1] * (1 if self.is_first else self.sequence_shards)
+            positions = torch.arange(length, device=x.device).unsqueeze(0)
         hidden = self.embed(x, positions) if self.is_first else x
         hidden = self.run_layers(hidden, mask, positions)
         if self.is_last:
@@ -125,6 +132,14 @@ class CausalLMPart(nn.Module):
         """Run this part's decoder layers."""
         raise NotImplementedError
 
+    def whole(self, hidden: Tensor) -> Tensor:
+        """A stand-in for the hidden states of the whole sequence (shape, dtype and device only, no copy): what the
+        library's mask builders read when the hidden states are this rank's sequence shard."""
+        if self.sequence_shards == 1:
+            return hidden
+        b, t, d = hidden.shape
+        return hidden.detach()[:, :1].expand(b, t * self.sequence_shards, d)
+
     def head(self, hidden: Tensor) -> Tensor:
         """Final norm and the projection to logits (last part only)."""
         raise NotImplementedError
@@ -161,7 +176,7 @@ class LlamaLayoutPart(CausalLMPart):
         return out
 
     def run_layers(self, hidden: Tensor, mask: Tensor | None, positions: Tensor) -> Tensor:
-        masks = {kind: _MASKS[kind](config=self.config, inputs_embeds=hidden, attention_mask=mask,
+        masks = {kind: _MASKS[kind](config=self.config, inputs_embeds=self.whole(hidden), attention_mask=mask,
                                     past_key_values=None, position_ids=positions)
                  for kind in sorted(set(self.kinds.values()))}
         rotary = self.rotary_emb(hidden, positions)

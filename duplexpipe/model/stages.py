@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from duplexpipe.model.split import check_parts_fit
+from duplexpipe.runtime.local_tensors import local_of
 from duplexpipe.runtime.structure import WHOLE_MESSAGE
 from duplexpipe.schedules.ir import Schedule
 
@@ -31,6 +32,18 @@ class CheckpointedStage(nn.Module):
         if not torch.is_grad_enabled():
             return self.module(*args, **kwargs)
         return checkpoint(self.module, *args, use_reentrant=False, **kwargs)
+
+
+CHAINED_PARTS = "_duplexpipe_chained_parts"
+"""Set (True) on a module made of several model parts run one after another (`train.part_chain.PartChain`), whose
+`parts` ModuleList holds them: what applies to one model part (a tensor-parallel plan) applies to each."""
+
+
+def model_parts(module: nn.Module) -> list[nn.Module]:
+    """The model parts a stage module runs: the parts of a chain (`CHAINED_PARTS`), else the module itself (without
+    its activation-checkpointing wrapper)."""
+    inner = inner_module(module)
+    return list(inner.parts) if getattr(inner, CHAINED_PARTS, False) else [inner]  # type: ignore[arg-type]
 
 
 def inner_module(module: nn.Module) -> nn.Module:
@@ -187,10 +200,11 @@ def build_stage_modules(
 
 
 def fingerprint(module: nn.Module) -> str:
-    """A hash of the module's parameters and buffers (names, shapes, dtypes and values)."""
+    """A hash of the module's parameters and buffers (names, shapes, dtypes and values; of a DTensor, its local
+    shard)."""
     digest = hashlib.sha256()
     for name, tensor in inner_module(module).state_dict().items():
-        t = tensor.detach().to("cpu").contiguous()
+        t = local_of(tensor).detach().to("cpu").contiguous()  # a DTensor: this rank's shard
         digest.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
         digest.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return digest.hexdigest()[:20]

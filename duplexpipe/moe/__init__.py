@@ -4,8 +4,9 @@ from duplexpipe.moe.balance import collect_losses, expert_parameters, moe_layers
 from duplexpipe.moe.dispatch import ExpertGroup
 from duplexpipe.moe.layer import CausalSelfAttention, Expert, MoEBlock, MoELayer
 from duplexpipe.moe.router import Router, Routing, balance_loss
+from duplexpipe.moe.tensor_parallel import moe_tp_plan
 
 __all__ = [
     "CausalSelfAttention", "Expert", "ExpertGroup", "MoEBlock", "MoELayer", "Router", "Routing", "balance_loss",
-    "collect_losses", "expert_parameters", "moe_layers", "update_bias_locally",
+    "collect_losses", "expert_parameters", "moe_layers", "moe_tp_plan", "update_bias_locally",
 ]

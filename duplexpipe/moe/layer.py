@@ -157,22 +157,26 @@ class MoELayer(nn.Module):
 
 class CausalSelfAttention(nn.Module):
     """Causal multi-head self-attention over [batch, seq, dim]: a mixer for MoEBlock (its projections' weight
-    gradients, like the experts', may fill an F&B pair's waits)."""
+    gradients, like the experts', may fill an F&B pair's waits). The projections are separate (`q`, `k`, `v`, `out`)
+    and heads are read as `view(b, t, -1, head_dim)`, so tensor parallelism can shard them (`moe_tp_plan`)."""
 
     def __init__(self, dim: int, heads: int) -> None:
         super().__init__()
         if heads < 1 or dim % heads:
             raise ValueError(f"CausalSelfAttention: heads must be >= 1 and divide dim {dim}, got {heads}")
         self.heads = heads
-        self.qkv = nn.Linear(dim, 3 * dim)
+        self.head_dim = dim // heads
+        self.q = nn.Linear(dim, dim)
+        self.k = nn.Linear(dim, dim)
+        self.v = nn.Linear(dim, dim)
         self.out = nn.Linear(dim, dim)
 
     def forward(self, x: Tensor) -> Tensor:
-        b, t, d = x.shape
+        b, t, _ = x.shape
         slot = current_slot()
-        q, k, v = linear(x, self.qkv, slot).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = (linear(x, m, slot).view(b, t, -1, self.head_dim).transpose(1, 2) for m in (self.q, self.k, self.v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return linear(y.transpose(1, 2).reshape(b, t, d), self.out, slot)
+        return linear(y.transpose(1, 2).reshape(b, t, -1), self.out, slot)
 
 
 class MoEBlock(nn.Module):

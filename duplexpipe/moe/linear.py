@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from duplexpipe.runtime.autograd_split import accumulate
 from duplexpipe.runtime.comm_points import BackwardMode, CommSlot
@@ -57,8 +58,10 @@ def _formed(wanted: tuple[bool, bool], grad: Tensor, x: Tensor) -> tuple[Tensor 
 
 def linear(x: Tensor, layer: nn.Linear, slot: CommSlot) -> Tensor:
     """layer(x) with a weight gradient `slot`'s F&B pair may form later (any leading dimensions; under
-    autocast, or without autograd, the Linear itself)."""
-    if not torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type) or not layer.weight.requires_grad:
+    autocast, without autograd, or with a tensor-parallel (DTensor) weight, the Linear itself: DTensor's autograd
+    forms the gradients of a sharded projection, at once)."""
+    if (not torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type) or not layer.weight.requires_grad
+            or isinstance(layer.weight, DTensor)):
         return layer(x)
     out: Tensor = _Linear.apply(x.reshape(-1, x.shape[-1]), layer.weight, layer.bias, slot)
     return out.reshape(*x.shape[:-1], out.shape[-1])

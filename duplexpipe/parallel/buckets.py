@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from duplexpipe.runtime.local_tensors import local_of
+
 DEFAULT_BUCKET_BYTES = 32 * 2**20
 """Default bucket capacity (one parameter larger than this gets a bucket of its own)."""
 
@@ -25,13 +27,18 @@ class BucketSpec:
 
     @property
     def numel(self) -> int:
-        """Elements of all its gradients."""
-        return sum(p.numel() for p in self.params)
+        """Elements of all its gradients (of a DTensor parameter, its local shard's)."""
+        return sum(local_of(p).numel() for p in self.params)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of all its gradients."""
-        return sum(p.numel() * p.element_size() for p in self.params)
+        """Bytes of all its gradients (local shards)."""
+        return sum(local_of(p).numel() * p.element_size() for p in self.params)
+
+    @property
+    def shapes(self) -> list[tuple[int, ...]]:
+        """The shapes of its gradients (local shards), in order."""
+        return [tuple(local_of(p).shape) for p in self.params]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -59,7 +66,7 @@ def plan_buckets(stage_params: Sequence[tuple[int, Sequence[nn.Parameter]]], buc
     size = 0
     for stage, params in stage_params:
         for p in reversed([p for p in params if p.requires_grad]):
-            nbytes = p.numel() * p.element_size()
+            nbytes = local_of(p).numel() * p.element_size()
             last = runs[-1][0] if runs else None
             if last is None or last[0].dtype != p.dtype or last[0].device != p.device or size + nbytes > bucket_bytes:
                 runs.append(([p], {stage}))

@@ -88,7 +88,7 @@ class CompressedStrategy(DPStrategy):
         if isinstance(options, DGCOptions) and options.clip_norm is not None:
             options = replace(options, clip_norm=None)  # clipped here, over the whole replica
         self.reducer = build_reducer(options, self.group, self.meter)
-        self.comm_buckets = {spec.index: Bucket(spec.index, [tuple(p.shape) for p in spec.params],
+        self.comm_buckets = {spec.index: Bucket(spec.index, spec.shapes,
                                                 dtype=spec.dtype, device=ctx.device) for spec in self.buckets}
         self._inflight: list[tuple[BucketSpec, Reduction]] = []
         self._held: list[BucketSpec] = []

@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from duplexpipe.runtime.local_tensors import local_of
+
 Waiter = Callable[[Any, str], None]
 """wait(work, what): waits for a collective posted with async_op=True (bounded and failure-aware,
 e.g. PipelineRuntime.bounded); `what` names it in errors."""
@@ -19,21 +21,22 @@ def _wait_unbounded(work: Any, what: str) -> None:
 
 
 def ensure_grads(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
-    """Every trainable parameter's grad, zero-filled where a parameter received none."""
+    """Every trainable parameter's grad, zero-filled where a parameter received none (of a DTensor parameter, the
+    local tensor of its grad: tensor parallelism reduces and steps local shards)."""
     grads = []
     for p in params:
         if not p.requires_grad:
             continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        grads.append(p.grad)
+        grads.append(local_of(p.grad))
     return grads
 
 
 def _sum_squares(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     total = torch.zeros((), dtype=torch.float64, device=device)
     for g in grads:
-        total += torch.linalg.vector_norm(g.detach(), 2, dtype=torch.float64).square()
+        total += torch.linalg.vector_norm(local_of(g).detach(), 2, dtype=torch.float64).square()
     return total
 
 

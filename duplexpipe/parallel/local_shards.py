@@ -19,10 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-
-def local_of(t: Tensor) -> Tensor:
-    """The local tensor of a DTensor (sharing its storage), or `t` itself."""
-    return t._local_tensor if isinstance(t, DTensor) else t  # type: ignore[no-any-return]
+from duplexpipe.runtime.local_tensors import local_of
 
 
 class LocalShards:

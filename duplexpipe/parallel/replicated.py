@@ -47,7 +47,6 @@ class ReplicatedStrategy(DPStrategy):
             self.wait(work, f"the data-parallel gradient all-reduce (bucket {spec.index + 1} of {total})")
             flat.div_(self.dp_size)
             offset = 0
-            for p in spec.params:
-                assert p.grad is not None
-                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
-                offset += p.numel()
+            for grad in grads.ensure_grads(spec.params):  # local shards under tensor parallelism
+                grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+                offset += grad.numel()

@@ -12,15 +12,17 @@ give the same result on a shard as on whole tensors (checked: see check_elementw
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from duplexpipe.comm.reduction import WaitFn, blocking_wait
 from duplexpipe.comm.sharded import Pending, ShardComm
 from duplexpipe.parallel.flat import FlatLayout
+from duplexpipe.runtime.local_tensors import local_of
 
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
@@ -76,15 +78,20 @@ class FlatGroup:
 
 
 def _flatten(params: list[nn.Parameter], size: int, rank: int, own_master: bool) -> tuple[FlatLayout, Tensor, Tensor]:
-    """Move `params` into one padded flat buffer (each becomes a view) and return (layout, data, master)."""
+    """Move `params` into one padded flat buffer (each becomes a view; a DTensor parameter's local shard does)
+    and return (layout, data, master)."""
     first = params[0]
-    layout = FlatLayout([p.numel() for p in params], size)
+    locals_ = [local_of(p) for p in params]
+    layout = FlatLayout([t.numel() for t in locals_], size)
     data = torch.zeros(layout.padded, dtype=first.dtype, device=first.device)
     with torch.no_grad():
-        for p, lo in zip(params, layout.offsets, strict=False):
-            view = data[lo:lo + p.numel()].view_as(p)
-            view.copy_(p)
-            p.data = view
+        for p, local, lo in zip(params, locals_, layout.offsets, strict=False):
+            view = data[lo:lo + local.numel()].view_as(local)
+            view.copy_(local)
+            if isinstance(p, DTensor):
+                p._local_tensor = view  # the DTensor's storage (its layout, shape and stride stay)
+            else:
+                p.data = view
     lo, hi = layout.shard_range(rank)
     master = data[lo:hi].clone() if own_master else data[lo:hi]
     return layout, data, master
@@ -169,8 +176,8 @@ class ShardedOptimizer:
         None when there is no group (the shard is the whole buffer)."""
         with torch.no_grad():
             for p, lo in zip(flat.params, flat.layout.offsets, strict=False):
-                view = flat.grads[lo:lo + p.numel()]
-                view.copy_(p.grad.reshape(-1)) if p.grad is not None else view.zero_()
+                view = flat.grads[lo:lo + local_of(p).numel()]
+                view.copy_(local_of(p.grad).reshape(-1)) if p.grad is not None else view.zero_()
                 p.grad = None
         if self.comm is None:
             return None
@@ -188,10 +195,21 @@ class ShardedOptimizer:
         for flat in self.flats:
             flat.master.grad = flat.shard_grad
 
-    def shard_grads(self, stages: Iterable[int] | None = None) -> list[Tensor]:
-        """This rank's reduced gradient shards (of `stages`, or all)."""
+    def shard_grads(self, stages: Iterable[int] | None = None,
+                    counted: Callable[[nn.Parameter], bool] | None = None) -> list[Tensor]:
+        """This rank's reduced gradient shards (of `stages`, or all); with `counted`, only the pieces of the
+        parameters it accepts (e.g. a TP-replicated parameter on TP rank 0 only)."""
         keep = None if stages is None else set(stages)
-        return [f.shard_grad for f in self.flats if keep is None or f.stage in keep]
+        out: list[Tensor] = []
+        for f in self.flats:
+            if keep is not None and f.stage not in keep:
+                continue
+            if counted is None or all(counted(p) for p in f.params):
+                out.append(f.shard_grad)
+                continue
+            out += [f.shard_grad[piece.offset:piece.offset + piece.numel]
+                    for piece in f.layout.pieces(f.rank) if counted(f.params[piece.index])]
+        return out
 
     def scale_(self, factor: float) -> None:
         """Multiply every gradient shard by `factor` (skipped when 1)."""

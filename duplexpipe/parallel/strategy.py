@@ -13,13 +13,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 
 from duplexpipe.comm import FutureWork, Waitable, WireMeter
 from duplexpipe.dp_options.compression import NoCompression, Options
 from duplexpipe.dp_options.zero import ZeroOptions
 from duplexpipe.parallel import grads
 from duplexpipe.parallel.buckets import DEFAULT_BUCKET_BYTES, BucketSpec, BucketTracker, plan_buckets
+from duplexpipe.parallel.local_shards import LocalShards
 from duplexpipe.parallel.mesh import ParallelGroups
+from duplexpipe.parallel.tensor import counts_here
 from duplexpipe.schedules.ir import Schedule
 from duplexpipe.schedules.timeline import Span
 
@@ -149,6 +152,8 @@ class DPStrategy(ABC):
         """Seconds this thread spent on the last window's reductions outside waits (flattening, compressing,
         decompressing, copying back): the compute a faster link could not save."""
         self._waited = 0.0
+        self._local: LocalShards | None = None
+        """Plain aliases of DTensor parameters' local shards (tensor parallelism), which the optimizer steps."""
         self.optimizer = self.build_optimizer()
 
     @property
@@ -157,11 +162,18 @@ class DPStrategy(ABC):
         return self.ctx.groups.dp_size
 
     def build_optimizer(self) -> torch.optim.Optimizer:
-        """The optimizer this strategy steps (default: the factory over all of this rank's parameters)."""
-        return self.ctx.optimizer_factory(self.params)
+        """The optimizer this strategy steps (default: the factory over all of this rank's parameters; with
+        tensor-parallel (DTensor) parameters, over plain aliases of their local shards: the same arithmetic without
+        DTensor's dispatch per operation, see `local_shards`)."""
+        if not any(isinstance(p, DTensor) for p in self.params):
+            return self.ctx.optimizer_factory(self.params)
+        self._local = LocalShards(self.params)
+        return self.ctx.optimizer_factory(self._local.shards)
 
     def zero_grad(self) -> None:
         """Drop every gradient (start of an accumulation window or a skipped step)."""
+        if self._local is not None:
+            self._local.clear_grads()
         self.optimizer.zero_grad(set_to_none=True)
 
     def begin_call(self, final: bool, divisor: float) -> None:
@@ -229,11 +241,12 @@ class DPStrategy(ABC):
     def counted_grads(self) -> list[torch.Tensor]:
         """The gradients this rank adds to the global norm: its weight groups' first copies, once over the
         replicas (dense ones on data-parallel rank 0; experts on each expert-parallel rank of the first
-        expert-data-parallel replica)."""
+        expert-data-parallel replica) and once over the TP group (shards on every TP rank, whole parameters on TP
+        rank 0: `tensor.counts_here`)."""
         groups = self.ctx.groups
         dense_here = groups.dp_rank == 0
         experts_here = groups.dp_rank < groups.ep_size
-        return [p.grad for p in self.counted if p.grad is not None
+        return [p.grad for p in self.counted if p.grad is not None and counts_here(p, groups.tp_rank)
                 and (experts_here if id(p) in self.ctx.experts else dense_here)]
 
     @abstractmethod
@@ -276,6 +289,8 @@ class DPStrategy(ABC):
     def step(self, clip_coef: float) -> None:
         """Scale the gradients by clip_coef / post_divisor and step the optimizer."""
         grads.scale_grads(self.params, clip_coef / self.post_divisor)
+        if self._local is not None:
+            self._local.take_grads()
         self.optimizer.step()
         self.end_step(applied=True)
 
@@ -286,12 +301,18 @@ class DPStrategy(ABC):
     def checkpoint_dicts(self, modules: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
         """(model, optimizer) state dicts of `modules` (this rank's stages keyed `stage<s>`) for a checkpoint,
         in torch's flattened form (creating the optimizer state if there is none yet). Loading fills them in."""
-        return get_state_dict(modules, self.optimizer, options=STATE_DICT_OPTIONS)
+        with self._as_module_params():
+            return get_state_dict(modules, self.optimizer, options=STATE_DICT_OPTIONS)
 
     def load_checkpoint_dicts(self, modules: nn.Module, model: dict[str, Any], optim: dict[str, Any]) -> None:
         """Take over the dicts checkpoint_dicts() made once the checkpoint has been read into them."""
-        set_state_dict(modules, self.optimizer, model_state_dict=model, optim_state_dict=optim,
-                       options=STATE_DICT_OPTIONS)
+        with self._as_module_params():
+            set_state_dict(modules, self.optimizer, model_state_dict=model, optim_state_dict=optim,
+                           options=STATE_DICT_OPTIONS)
+
+    def _as_module_params(self) -> contextlib.AbstractContextManager[None]:
+        """Inside, an optimizer over local-shard aliases holds the module's (DTensor) parameters and state."""
+        return self._local.as_dtensors(self.optimizer) if self._local is not None else contextlib.nullcontext()
 
     @contextlib.contextmanager
     def full_parameters(self) -> Iterator[None]:

@@ -9,9 +9,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from duplexpipe.model.stages import inner_module
 from duplexpipe.parallel.grads import Waiter
+from duplexpipe.runtime.local_tensors import laid_out_like, local_of
 from duplexpipe.schedules.ir import Schedule
 
 
@@ -106,10 +108,10 @@ class TiedGrads:
         for plan, copies, mine, group in zip(self.plans, self._copies, self._mine, self._groups, strict=True):
             if not copies:
                 continue
-            total = torch.zeros_like(copies[0])
+            total = torch.zeros_like(local_of(copies[0]))  # tensor parallelism: every copy is sharded alike
             for p in mine:
                 if p.grad is not None:
-                    total.add_(p.grad)
+                    total.add_(local_of(p.grad))
             if group is not None:
                 work = dist.all_reduce(total, group=group, async_op=True)
                 what = f"the tied-weight gradient all-reduce with pipeline ranks {list(plan.holders)}"
@@ -118,7 +120,12 @@ class TiedGrads:
                 else:
                     wait(work, what)
             for p in copies:
-                p.grad = total.clone()
+                p.grad = laid_out_like(total.clone(), p)
+
+    def layouts(self) -> list[list[str]]:
+        """Per tied parameter, the layouts of this rank's copies ("whole", or a DTensor's placements)."""
+        return [[str(tuple(p.placements)) if isinstance(p, DTensor) else "whole" for p in copies]
+                for copies in self._copies]
 
     def counted(self, params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
         """`params` without the copies that a global norm must not count twice."""

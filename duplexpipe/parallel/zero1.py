@@ -21,6 +21,7 @@ from duplexpipe.parallel import grads
 from duplexpipe.parallel.buckets import BucketSpec, BucketTracker
 from duplexpipe.parallel.sharded_optimizer import ShardedOptimizer
 from duplexpipe.parallel.strategy import DPStrategy, StrategyContext
+from duplexpipe.parallel.tensor import counts_here
 from duplexpipe.parallel.zero1_state import (
     dp_global_ranks,
     init_state,
@@ -97,9 +98,14 @@ class Zero1Strategy(DPStrategy):
         if not need:
             return None, False
         raw, overflow = grads.global_norm_and_overflow(
-            self.sharded.shard_grads(counted_stages(self.ctx)) + self.counted_grads(), self.checked_grads(), None,
+            self.sharded.shard_grads(counted_stages(self.ctx), self._counted_over_tp) + self.counted_grads(),
+            self.checked_grads(), None,
             self.ctx.device, count_here=True, wait=self.ctx.wait, flagged=self.local_overflow())
         return raw / self.post_divisor, overflow
+
+    def _counted_over_tp(self, p: nn.Parameter) -> bool:
+        """Whether this TP rank counts `p`'s shard pieces in the norm (`tensor.counts_here`)."""
+        return counts_here(p, self.ctx.groups.tp_rank)
 
     def step(self, clip_coef: float) -> None:
         """Scale the shards' gradients by clip_coef / post_divisor, step the shards, all-gather them."""
@@ -114,6 +120,10 @@ class Zero1Strategy(DPStrategy):
         if self.expert_params:
             raise ValueError("checkpoints of ZeRO-1 with MoE experts are not supported yet: save with "
                              "zero_stage=0 (experts are never sharded by ZeRO anyway)")
+        if self.ctx.groups.tp_size > 1:
+            raise ValueError("checkpoints of ZeRO-1 with tensor parallelism are not supported yet (its optimizer "
+                             "state is cut from flat buffers of the TP shards, which the per-parameter boxes do not "
+                             "place in the whole tensor): save with zero_stage=0 or 2")
         init_state(self.sharded)
         group = self.ctx.groups.dp_group
         ranks = dp_global_ranks(group)

@@ -23,10 +23,12 @@ from duplexpipe.comm.sharded import Pending, ShardComm
 from duplexpipe.dp_options.zero import gradient_wire
 from duplexpipe.parallel import grads
 from duplexpipe.parallel.buckets import BucketSpec, BucketTracker
-from duplexpipe.parallel.local_shards import LocalShards, local_of
+from duplexpipe.parallel.local_shards import LocalShards
 from duplexpipe.parallel.strategy import DPStrategy, StrategyContext
+from duplexpipe.parallel.tensor import counts_here
 from duplexpipe.parallel.zero1 import counted_stages, quantized
 from duplexpipe.parallel.zero_config import check_hpz
+from duplexpipe.runtime.local_tensors import local_of
 
 try:  # FSDP2's public entry point and its (not yet public) custom-collective interfaces
     from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -187,6 +189,15 @@ class Zero2Strategy(DPStrategy):
         if ctx.groups.dp_group is None:
             raise ValueError("zero_stage=2 needs a data-parallel group (a mesh with a 'dp' dimension of size >= 2)")
         mesh = DeviceMesh.from_group(ctx.groups.dp_group, ctx.device.type)
+        if ctx.groups.tp_size > 1:  # FSDP2 composes with TP over the "dp" dimension of the TP parameters' own mesh
+            if ctx.groups.dp_mesh is None:
+                raise ValueError("zero_stage=2 with tensor parallelism needs a ('pp', 'dp', 'tp') mesh from "
+                                 "make_mesh(pp, dp, tp=...) (FSDP2 shards over its 'dp' dimension)")
+            if ctx.zero.hpz_ranks:
+                raise ValueError(f"ZeroOptions(hpz_ranks={ctx.zero.hpz_ranks}) with tensor parallelism is not "
+                                 "supported (hpZ's node-local gathers are not composed with the TP mesh); use "
+                                 "hpz_ranks=None")
+            mesh = ctx.groups.dp_mesh
         for stage, module in sorted(ctx.modules.items()):
             fully_shard(module, mesh=mesh, reshard_after_forward=ctx.zero.hpz_ranks or False)
             module.set_custom_reduce_scatter(_ReduceScatter(self.comms, stage, module))  # type: ignore[operator]
@@ -232,11 +243,13 @@ class Zero2Strategy(DPStrategy):
         for each in pending:
             each.finish(self.ctx.wait)
 
-    def local_grads(self, stages: list[int] | None = None) -> list[Tensor]:
-        """This rank's shards of the reduced gradients (of `stages`, or all)."""
-        mods = self.ctx.modules
+    def local_grads(self, stages: list[int] | None = None, counted: bool = False) -> list[Tensor]:
+        """This rank's shards of the reduced gradients (of `stages`, or all; `counted`: only those this TP rank adds
+        to the norm, `tensor.counts_here`)."""
+        mods, tp_rank = self.ctx.modules, self.ctx.groups.tp_rank
         keep = sorted(mods) if stages is None else stages
-        return [local_of(p.grad) for s in keep for p in mods[s].parameters() if p.grad is not None]
+        return [local_of(p.grad) for s in keep for p in mods[s].parameters() if p.grad is not None
+                and (not counted or counts_here(p, tp_rank))]
 
     def checked_grads(self) -> list[Tensor]:
         """The gradient shards (an inf/NaN anywhere in a sum lands in its owner's shard)."""
@@ -247,7 +260,7 @@ class Zero2Strategy(DPStrategy):
         if not need:
             return None, False
         raw, overflow = grads.global_norm_and_overflow(
-            self.local_grads(counted_stages(self.ctx)), self.checked_grads(), None, self.ctx.device,
+            self.local_grads(counted_stages(self.ctx), counted=True), self.checked_grads(), None, self.ctx.device,
             count_here=True, wait=self.ctx.wait, flagged=self.local_overflow())
         return raw / self.post_divisor, overflow
 

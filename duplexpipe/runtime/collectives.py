@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from duplexpipe.runtime import structure
+from duplexpipe.runtime.local_tensors import laid_out_like, local_of
 from duplexpipe.runtime.watchdog import Watchdog
 from duplexpipe.schedules.ir import Schedule
 
@@ -230,8 +231,8 @@ def sum_over_group(value: float, group: Any, device: torch.device, watchdog: Wat
 def _flat_grads(params: list[Tensor]) -> list[Tensor]:
     """One flat tensor per dtype (in order of first appearance), zeros where grad is None."""
     by_dtype: dict[torch.dtype, list[Tensor]] = {}
-    for p in params:
-        grad = p.grad if p.grad is not None else torch.zeros_like(p)
+    for p in params:  # a DTensor's local shard (tensor parallelism: mirrors share the TP coordinate)
+        grad = local_of(p.grad) if p.grad is not None else torch.zeros_like(local_of(p))
         by_dtype.setdefault(p.dtype, []).append(grad.reshape(-1))
     return [torch.cat(parts) for parts in by_dtype.values()]
 
@@ -240,9 +241,10 @@ def _scatter(params: list[Tensor], flats: list[Tensor]) -> None:
     offsets: dict[torch.dtype, int] = {}
     index = {dtype: i for i, dtype in enumerate(dict.fromkeys(p.dtype for p in params))}
     for p in params:
-        start = offsets.get(p.dtype, 0)
-        p.grad = flats[index[p.dtype]][start:start + p.numel()].view_as(p).clone()
-        offsets[p.dtype] = start + p.numel()
+        start, local = offsets.get(p.dtype, 0), local_of(p)
+        summed = flats[index[p.dtype]][start:start + local.numel()].view_as(local).clone()
+        p.grad = laid_out_like(summed, p.grad if p.grad is not None else p)
+        offsets[p.dtype] = start + local.numel()
 
 
 class MirrorSum:

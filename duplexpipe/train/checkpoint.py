@@ -53,7 +53,8 @@ def layout(pipe: Checkpointable) -> str:
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     balance = list(pipe.partition.balance) if pipe.partition is not None else None
     return json.dumps({"schedule": pipe.schedule.name, "stages": pipe.schedule.num_stages,
-                       "pp": pipe.groups.pp_size, "dp": pipe.groups.dp_size, "world": world, "partition": balance,
+                       "pp": pipe.groups.pp_size, "dp": pipe.groups.dp_size, "tp": pipe.groups.tp_size, "world": world,
+                       "partition": balance,
                        "strategy": pipe.dp.name,
                        "compression": compression_options(pipe.config.grad_compression).method}, sort_keys=True)
 

@@ -53,7 +53,8 @@ def _tied_names(part: CausalLMPart) -> set[str]:
 
 
 def _full(value: torch.Tensor) -> torch.Tensor:
-    """A whole tensor on the CPU (a DTensor is gathered over its data-parallel mesh: every replica calls)."""
+    """A whole tensor on the CPU (a DTensor is gathered over its mesh, data- and tensor-parallel: every rank of it
+    calls)."""
     if isinstance(value, DTensor):
         value = value.full_tensor()
     return value.detach().cpu()
@@ -130,13 +131,15 @@ def _write(pipe: Exportable, root: Path, tensors: dict[str, torch.Tensor], part:
 def save_pretrained(pipe: Exportable, path: str) -> None:
     """Write `path` as a Hugging Face model directory: `AutoModelForCausalLM.from_pretrained(path)` loads it as is.
 
-    Collective (every rank calls). Data-parallel replica 0 writes: each pipeline rank its own shard
+    Collective (every rank calls). Each stage's tensors are gathered whole over its TP group (a rank holds its own
+    stages whole, never the model) and the ranks of data-parallel replica 0 and TP rank 0 write: each pipeline rank
+    its own shard
     `model-0000k-of-0000N.safetensors` (with torch.distributed.checkpoint's Hugging Face writer), its first rank
     the index, config.json and the source's tokenizer and generation files.
     """
     with pipe.dp.full_parameters():
         tensors, part = export_tensors(pipe)
-        if pipe.groups.dp_rank == 0 and part is not None:
+        if pipe.groups.dp_rank == 0 and pipe.groups.tp_rank == 0 and part is not None:
             _write(pipe, Path(path), tensors, part)
     if dist.is_available() and dist.is_initialized():
         pipe.bounded(dist.barrier(async_op=True), "the end of save_pretrained")

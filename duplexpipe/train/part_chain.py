@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-from duplexpipe.model.stages import PartInit
+from duplexpipe.model.stages import CHAINED_PARTS, PartInit
 from duplexpipe.runtime.structure import WHOLE_MESSAGE, call, flatten
 
 
@@ -18,6 +18,7 @@ class PartChain(nn.Module):
     def __init__(self, parts: Sequence[nn.Module]) -> None:
         super().__init__()
         self.parts = nn.ModuleList(parts)
+        setattr(self, CHAINED_PARTS, True)
         setattr(self, WHOLE_MESSAGE, getattr(parts[0], WHOLE_MESSAGE, False))  # called as its first part is
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -98,6 +98,10 @@ class PipelineConfig:
     step); False: peak_saved_bytes stays 0."""
     record_timeline: bool = True
     """Record the measured timeline of every step (StepInfo.timeline)."""
+    record_tp_lane: bool = False
+    """With tensor parallelism and record_timeline: time DTensor's collectives on the timeline's "tp" lane
+    (`parallel.tp_lane`). A dispatch mode then sees every operator of the step: measured +11-21% CPU per step on
+    an overhead-bound PP=2 x TP=2 GPT (4 gloo ranks, 2 cores), hence off by default."""
     check_replicas: bool = True
     """At construction, check that every copy of a model part (DualPipe mirrors, data-parallel
     replicas) starts with identical weights; raise ValueError otherwise."""
@@ -132,6 +136,12 @@ class PipelineConfig:
     planner's choice among the stages this configuration accepts; set, it is fixed."""
     zero: ZeroOptions = field(default_factory=ZeroOptions)
     """ZeRO++ options for zero_stage 1 and 2: quantized_gradients (qgZ), quantized_weights (qwZ), hpz_ranks."""
+    sequence_parallel: bool = False
+    """With tensor parallelism (a mesh with tp > 1 and a `tp_plan`): activations between the TP regions (norms,
+    residual stream) and every stage-to-stage message hold this TP rank's 1/TP of the sequence (each TP rank sends
+    only its shard). The plan must shard them so (the bundled plans take it: `gpt_tp_plan(sequence_parallel=...)`,
+    `moe_tp_plan`; `from_pretrained` builds its plan from this field); Hugging Face parts then build their masks
+    and positions for the whole sequence. The sequence length must be divisible by the TP degree."""
     fb_overlap: bool = True
     """Schedules with F&B pairs (DualPipe, DualPipeV) and stages with MoE layers (`duplexpipe.moe`): run each
     pair's forward and backward interleaved, so every expert all-to-all of one microbatch is in flight while
@@ -148,6 +158,8 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         memory_bytes(self.memory_limit)
         compile_options(self.compile)
+        if not isinstance(self.sequence_parallel, bool):
+            raise ValueError(f"PipelineConfig.sequence_parallel must be a bool, got {self.sequence_parallel!r}")
         if not isinstance(self.fb_overlap, bool):
             raise ValueError(f"PipelineConfig.fb_overlap must be a bool, got {self.fb_overlap!r}")
         if self.schedule == AUTO:

@@ -30,6 +30,7 @@ from duplexpipe.model.stages import (
     inner_module,
     resolve_checkpointing,
 )
+from duplexpipe.model.tp_plans import TPPlan
 from duplexpipe.parallel import (
     DPStrategy,
     OptimizerFactory,
@@ -39,6 +40,7 @@ from duplexpipe.parallel import (
     make_strategy,
 )
 from duplexpipe.parallel.mesh import ParallelGroups
+from duplexpipe.parallel.tensor import TensorParallel, check_tensor_parallel
 from duplexpipe.parallel.tied import TiedGrads, find_tied
 from duplexpipe.parallel.zero_config import check_tied
 from duplexpipe.runtime import EvalResult, PipelineRuntime, RuntimeConfig
@@ -89,7 +91,10 @@ class Pipeline:
     data-parallel replica passes its own batch and gradients are averaged over replicas
     after the schedule's own DualPipe mirror sum, by the data-parallel strategy `self.dp`
     (bucket by bucket, each started as soon as its gradients are final; compressed when
-    `config.grad_compression` says so).
+    `config.grad_compression` says so). With a mesh of tp > 1 (`make_mesh(pp, dp, tp=...)`), `tp_plan` shards every
+    stage module over the mesh's "tp" sub-mesh (see `parallel.tensor` and `model.tp_plans`; with
+    `config.sequence_parallel` the plan keeps the sequence sharded between TP regions and across stages);
+    `self.param_bytes` is what this rank holds.
 
     With `PipelineConfig(schedule="auto", memory_limit=...)` the construction first measures the
     parts (rank 0's profile on a microbatch of `sample_input` / `sample_targets`, a batch as given to
@@ -116,8 +121,10 @@ class Pipeline:
         scheduler: SchedulerFactory | None = None,
         sample_input: Any = None,
         sample_targets: Any = None,
+        tp_plan: TPPlan | None = None,
     ) -> None:
         self.groups = groups = ParallelGroups.from_mesh(mesh)
+        check_tensor_parallel(parts, tp_plan, groups, (config or PipelineConfig()).sequence_parallel)
         self.device = torch.device(device) if device is not None else default_device()
         planned = plan_pipeline(parts, loss_fn, optimizer, config or PipelineConfig(), groups=groups,
                                 device=self.device, init=init, partition=partition,
@@ -134,18 +141,22 @@ class Pipeline:
         ckpt = resolve_checkpointing(cfg.activation_checkpointing, self.schedule)
         self.stage_modules = build_stage_modules(self.schedule, groups.pp_rank, parts, init=init,
                                                  checkpoint_stages=ckpt, device=self.device)
+        self.tensor = TensorParallel(tp_plan, groups, cfg.sequence_parallel)
+        """Tensor parallelism inside this rank's stages (inactive without a plan or with tp=1)."""
+        self.tensor.apply(self.stage_modules, cfg.zero_stage or 0)
         self.experts = Experts(self.stage_modules, self.schedule, groups, ckpt, self.device)
         """This rank's MoE layers: expert parallelism and the expert-bias update."""
         self.params = [p for s in sorted(self.stage_modules) for p in self.stage_modules[s].parameters()]
         tied = find_tied([] if callable(parts) else parts)  # factory parts cannot share a Parameter
         check_tied(cfg.zero_stage or 0, [t.places for t in tied], groups.dp_size)
         self.tied = TiedGrads(tied, self.schedule, groups.pp_rank, self.stage_modules, groups.pp_group)
+        self.tensor.check_tied(self.tied)
         self.scaler = DynamicLossScaler(cfg.loss_scale, enabled=cfg.precision == "fp16")
         self.p2p_meter = WireMeter()
         """Every stage-to-stage SEND of this rank: kind "send", its payload bytes on the wire."""
         self.runtime = PipelineRuntime(self.schedule, self.stage_modules, loss_fn, group=groups.pp_group,
                                        device=self.device, config=self._runtime_config(),
-                                       job_group=dist.group.WORLD if groups.dp_size > 1 else None)
+                                       job_group=dist.group.WORLD if groups.dp_size * groups.tp_size > 1 else None)
         if cfg.check_replicas:  # before the strategy (ZeRO-2 turns the parameters into shards) and the experts'
             self._check_replicas()  # sharding (the replicas of an expert-parallel group then hold different ones)
         self.dp: DPStrategy = self._strategy(optimizer, self.experts.shard())
@@ -204,6 +215,7 @@ class Pipeline:
         init: PartInit | None = None,
         scheduler: SchedulerFactory | None = None,
         sample_targets: Any = None,
+        tp_plan: TPPlan | None = None,
     ) -> Pipeline:
         """Split `layers` (plus optional embedding/head) into the schedule's model parts and build.
 
@@ -212,7 +224,8 @@ class Pipeline:
         `init` (this rank's parts are allocated and filled, no other part is). With schedule="auto"
         the layers are split into 4P parts (one per layer when there are fewer), `sample_input` and
         `sample_targets` are a batch as given to `step`, and the planner merges parts as its
-        winner needs.
+        winner needs. `tp_plan` applies to the parts (children `embedding`, `layer<i>`, `head`), e.g.
+        `launch.tasks.gpt.gpt_tp_plan` or `moe.moe_tp_plan`.
         """
         config = config or PipelineConfig()
         pp = ParallelGroups.from_mesh(mesh).pp_size
@@ -228,7 +241,8 @@ class Pipeline:
             partition = shared[0]
         parts = build_parts(blocks, partition, embedding=embedding, head=head)
         return cls(parts, loss_fn, optimizer, config, mesh=mesh, device=device, partition=partition,
-                   init=init, scheduler=scheduler, sample_input=sample_input, sample_targets=sample_targets)
+                   init=init, scheduler=scheduler, sample_input=sample_input, sample_targets=sample_targets,
+                   tp_plan=tp_plan)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -236,6 +250,8 @@ class Pipeline:
         return self.dp.optimizer
 
     def _grads_ready(self, stage: int) -> None:
+        if self.dp.final:
+            self.tensor.grads_final(stage, self.stage_modules, self.bounded)
         self.dp.grads_ready(stage)
 
     def bounded(self, work: Any, what: str) -> None:
@@ -254,7 +270,8 @@ class Pipeline:
             everyone = [torch.empty_like(table) for _ in range(dist.get_world_size())]
             self.bounded(dist.all_gather(everyone, table, async_op=True), "the model-replica check")
             gathered = [{s: f"{v:015x}" for s, v in enumerate(t.tolist()) if v >= 0} for t in everyone]
-        bad = find_mismatched_copies(self.schedule, gathered)
+        tp = self.groups.tp_size  # TP ranks hold different shards: compare ranks of one TP coordinate (rank % tp)
+        bad = [b for t in range(tp) for b in find_mismatched_copies(self.schedule, gathered[t::tp])]
         if bad:
             desc = "; ".join(f"part {g}: " + ", ".join(f"stage {s}={fp[:8]}" for s, fp in copies)
                              for g, copies in bad)
@@ -262,6 +279,12 @@ class Pipeline:
                 f"copies of a model part start with different weights ({desc}); build the model from "
                 "the same seed or state_dict on every rank"
             )
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes of the parameters this rank holds in its stage modules (under tensor parallelism or ZeRO-2 its
+        local shards; DualPipe's two copies of a part both count)."""
+        return self.tensor.param_bytes(self.stage_modules)
 
     @property
     def window_calls(self) -> int:
@@ -286,9 +309,12 @@ class Pipeline:
         weight = self._call_weight(inputs, targets)
         scale = self.scaler.scale
         final = self._window_calls + 1 == cfg.accumulation_steps
+        if final:
+            self.tensor.begin_window()
         self.dp.begin_call(final, scale * (self._window_weight + weight))
         wire = self.dp.meter.total_bytes
-        with self.compiled.watching(f"step {self.calls}"):
+        with (self.compiled.watching(f"step {self.calls}"),
+              self.tensor.timed(cfg.record_timeline and cfg.record_tp_lane)):  # TP collectives on the "tp" lane
             result = self.runtime.step(inputs, targets, loss_scale=scale * weight)
         self.calls += 1
         self._window_calls += 1
@@ -302,10 +328,10 @@ class Pipeline:
         except BaseException as exc:  # the other ranks wait in collectives: tell them
             self.runtime.report_failure(exc)
             raise
-        timeline = result.timeline
-        if final and timeline is not None:
-            timeline = replace(timeline, spans=timeline.spans + tuple(
-                self.dp.spans(self.runtime.tracer.origin, self.runtime.rank)))
+        timeline, origin, rank = result.timeline, self.runtime.tracer.origin, self.runtime.rank
+        if timeline is not None:
+            timeline = replace(timeline, spans=timeline.spans + tuple(self.tensor.spans(origin, rank)) + tuple(
+                self.dp.spans(origin, rank) if final else ()))
         self.last = StepInfo(loss, applied, skipped, norm, scale, timeline, self.dp.meter.total_bytes - wire,
                              result.peak_saved_bytes)
         return loss
@@ -327,6 +353,7 @@ class Pipeline:
         check, then skip (fp16 overflow) or unscale + clip + optimizer step (+ LR scheduler step)."""
         cfg = self.config
         self._window_calls, self._window_weight = 0, 0.0
+        self.tensor.finish(self.stage_modules, self.bounded)
         self.dp.finish()
         self.tied.sum_grads(wait=self.bounded)  # weights shared by several parts (tied embeddings)
         norm, overflow = self.dp.norm_and_overflow(cfg.grad_clip_norm is not None or self.scaler.enabled)
@@ -389,6 +416,7 @@ class Pipeline:
         scheduler: SchedulerFactory | None = None,
         sample_input: Any = None,
         sample_targets: Any = None,
+        tp_plan: TPPlan | None = None,
     ) -> Pipeline:
         """A pipeline of a Hugging Face causal LM directory (Llama, Mistral, Qwen2, Qwen3, GPT-2; safetensors).
 
@@ -398,18 +426,25 @@ class Pipeline:
         with `attention_mask` / `position_ids`) returns transformers' loss of the whole batch: every counted
         token weighs the same across microbatches and data-parallel replicas. With schedule="auto", rank 0
         materialises every part once to profile it. Raises ValueError for a directory it cannot load.
+        With a mesh of tp > 1 the model's published tensor-parallel plan is applied (`model.hf_tp.HFTensorPlan`,
+        with `config.sequence_parallel`) unless `tp_plan` is given.
         """
         from duplexpipe.model.hf import causal_lm_loss
         from duplexpipe.train.pretrained import PretrainedModel, TokenWeighted
 
         config = config or PipelineConfig()
         source = PretrainedModel.open(path, dtype)
-        pp = ParallelGroups.from_mesh(mesh).pp_size
+        groups = ParallelGroups.from_mesh(mesh)
+        pp = groups.pp_size
         num_parts = min(source.num_layers, 2 * pp) if config.schedule == AUTO else \
             resolve_schedule(config, pp).num_groups
         parts = source.parts(num_parts, balance)
+        if tp_plan is None and groups.tp_size > 1:
+            from duplexpipe.model.hf_tp import HFTensorPlan
+
+            tp_plan = HFTensorPlan(config.sequence_parallel)
         pipe = cls(parts, causal_lm_loss, optimizer, config, mesh=mesh, device=device, init=source.fill,
-                   scheduler=scheduler, sample_input=sample_input, sample_targets=sample_targets)
+                   scheduler=scheduler, sample_input=sample_input, sample_targets=sample_targets, tp_plan=tp_plan)
         pipe.source_dir = str(path)
         pipe.batch_transform = TokenWeighted(pipe.groups.dp_group, pipe.groups.dp_size, pipe.device, pipe.bounded)
         return pipe

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks import plan_vs_measured, plan_vs_measured_report, runner
+from benchmarks import plan_vs_measured, runner
 
 
 @pytest.mark.timeout(300)
@@ -37,18 +37,18 @@ def test_quick_run_predicts_the_measured_activation_peaks_and_writes_its_section
     assert not set(cfg.calibration) & set(cfg.candidates)
     if real["overhead"] is None:  # a smoke run's 5 loaded steps may not separate 4 terms: said, not hidden
         assert "cannot separate" in real["error"] or "does not grow with their compute" in real["error"]
-        assert "FAILED" in plan_vs_measured_report._model_note(part)
+        assert "FAILED" in plan_vs_measured._model_note(part)
     else:
         assert 0 < real["overhead"]["compute_scale"] < float("inf")
         assert min(real["overhead"][k] for k in ("action_s", "message_s", "step_s")) >= 0
         assert [c["run"] for c in real["check"]] == [f"{name}, M={m}" for name, m in cfg.calibration]
         assert len(real["samples"]) == 3 * cfg.ranks and all(s["compute"] > 0 for s in real["samples"])
     assert "prose kept" in text and "<!-- bench:plan-vs-measured:begin -->" in text
-    assert (docs / "img" / plan_vs_measured_report.FIGURE).stat().st_size > 0
-    tables = [b for b in plan_vs_measured_report.report(part) if isinstance(b, list)]
+    assert (docs / "img" / plan_vs_measured.FIGURE).stat().st_size > 0
+    tables = [b for b in plan_vs_measured.report(part) if isinstance(b, list)]
     assert [len(t) for t in tables] == [1 + len(part["rows"]), 1 + len(part["order"]),
                                         1 + len(calibration["check"]) + len(real["check"]), 1 + len(part["rows"])]
-    assert re.search(r"alpha = [\d.]+", plan_vs_measured_report._model_note(part))
+    assert re.search(r"alpha = [\d.]+", plan_vs_measured._model_note(part))
 
 
 def test_the_calibration_may_not_run_a_candidate() -> None:

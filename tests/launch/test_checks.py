@@ -40,6 +40,9 @@ def _task_file(tmp_path: Path, name: str, text: str) -> str:
     ("import-error", "failed: ModuleNotFoundError: No module named 'not_installed_anywhere'"),
     ("no-function", "has no function 'task'"),
     ("microbatches", "microbatches"),
+    ("tp-heads", "'layer0.attn' (CausalSelfAttention) has n_head=4, not divisible by the TP degree 3"),
+    ("sp-without-tp", "sequence_parallel shards the sequence over the tensor-parallel ranks: it needs tp > 1"),
+    ("tp-without-plan", "--tp 2: task"),
 ])
 def test_configuration_errors_exit_2_with_one_line_before_any_process(
         case: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -52,6 +55,11 @@ def test_configuration_errors_exit_2_with_one_line_before_any_process(
         "import-error": ["--task", _task_file(tmp_path, "missing_dep", "import not_installed_anywhere\n")],
         "no-function": ["--task", _task_file(tmp_path, "other", "def other():\n    pass\n")],
         "microbatches": ["--schedule", "zbv", "--ranks", "4", "--microbatches", "0"],
+        "tp-heads": ["--tp", "3"],
+        "sp-without-tp": ["--sequence-parallel"],
+        "tp-without-plan": ["--tp", "2", "--task", _task_file(
+            tmp_path, "plainer", "from duplexpipe.launch.tasks.gpt import gpt_task\n\n\ndef task():\n"
+                                 "    made = gpt_task()\n    made.tp_plan = None\n    return made\n")],
     }[case]
     assert cli_main(["train", *argv]) == 2
     err = capsys.readouterr().err

@@ -82,6 +82,8 @@ def test_parallelism_flags_reach_the_pipeline_config() -> None:
     assert config.task == "duplexpipe.launch.tasks.hf:hf_task"
     auto = pipeline_config(config_from_args(_parse(["--schedule", "auto", "--memory-limit", "2GiB"])))
     assert (auto.schedule, auto.memory_limit, pipeline_config(TrainConfig()).grad_compression) == ("auto", "2GiB", None)
+    tensor = config_from_args(_parse(["--tp", "2", "--sequence-parallel"]))
+    assert (tensor.tp, tensor.sequence_parallel, pipeline_config(tensor).sequence_parallel) == (2, True, True)
     with pytest.raises(SystemExit):
         _parse(["--zero-stage", "3"])
 
@@ -189,8 +191,21 @@ def test_a_checkpoint_of_another_model_is_exit_2_and_changes_nothing(straight_ru
             str(root / "c"), "--resume", str(root / "ckpt"), "--steps", "6"]
     assert cli_main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "does not match this model" in err[0] and "model.layer2.attn.qkv.bias" in err[0], err
+    assert len(err) == 1 and "does not match this model" in err[0] and "model.layer2.attn.k.bias" in err[0], err
     assert sorted((str(p), p.stat().st_mtime_ns) for p in root.rglob("*")) == before
+
+
+@pytest.mark.timeout(300)
+def test_train_with_tensor_and_sequence_parallelism(tmp_path: Path) -> None:
+    (tmp_path / "run.toml").write_text('schedule = "1f1b"\nranks = 2\ntp = 2\nsequence_parallel = true\n'
+                                       'microbatches = 2\nsteps = 2\nbatch_size = 8\nlog_every = 0\n' + SMALL)
+    out = io.StringIO()
+    assert train_main(_parse(["--config", str(tmp_path / "run.toml"), "--out-dir", str(tmp_path / "a")]), out) == 0
+    text = out.getvalue()
+    assert "1f1b on 2 ranks x 1 dp x 2 tp, 2 steps" in text
+    # each TP rank sends its half of the sequence: 4 rows x 8 of 16 tokens x d_model 16, float32
+    assert "stage-to-stage sends (none): 2,048 bytes each on rank 0" in text
+    assert len(read_metrics(tmp_path / "a" / "metrics.jsonl")) == 2
 
 
 @pytest.mark.timeout(240)

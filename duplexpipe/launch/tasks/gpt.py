@@ -9,8 +9,17 @@ from importlib import resources
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 from duplexpipe.launch.train_loop import TrainTask
+from duplexpipe.model.tp_plans import ScatterSequence
 
 CORPUS_NAME = "kjv_genesis_exodus.txt"
 """The corpus file in the package's data folder (Genesis and Exodus, King James Version)."""
@@ -57,20 +66,25 @@ class Embedding(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head self-attention where each position sees only itself and earlier positions."""
+    """Multi-head self-attention where each position sees only itself and earlier positions.
+
+    The projections are separate (`q`, `k`, `v`, `proj`) so that tensor parallelism can shard them by columns and
+    rows; heads are read as `view(b, t, -1, head_dim)`, so under TP the module sees its local heads."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.n_head = cfg.n_head
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.head_dim = cfg.d_model // cfg.n_head
+        self.q = nn.Linear(cfg.d_model, cfg.d_model)
+        self.k = nn.Linear(cfg.d_model, cfg.d_model)
+        self.v = nn.Linear(cfg.d_model, cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
+        b, t, _ = x.shape
+        q, k, v = (m(x).view(b, t, -1, self.head_dim).transpose(1, 2) for m in (self.q, self.k, self.v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class Block(nn.Module):
@@ -99,6 +113,33 @@ class Head(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(self.ln(x))
+
+
+def gpt_tp_plan(sequence_parallel: bool = False, *, vocab_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """The tensor-parallel plan of the parts `Pipeline.from_layers(blocks, embedding=..., head=...)` makes of this
+    GPT (children `embedding`, `layer<i>`, `head`): q, k, v and the MLP's first Linear by columns, the attention's
+    and the MLP's output projections by rows. `sequence_parallel`: the LayerNorms and the residual stream hold
+    1/TP of the sequence (the embedding's output is scattered, each block all-gathers before attention and MLP and
+    reduce-scatters after). `vocab_parallel`: the head's projection by columns, its logits gathered (the vocabulary
+    must be divisible by the TP degree; the bundled corpus has 73 characters, so its head stays whole)."""
+    rest: Placement = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, ParallelStyle] = {
+        "layer*.attn.q": ColwiseParallel(), "layer*.attn.k": ColwiseParallel(), "layer*.attn.v": ColwiseParallel(),
+        "layer*.attn.proj": RowwiseParallel(output_layouts=rest),
+        "layer*.mlp.0": ColwiseParallel(), "layer*.mlp.2": RowwiseParallel(output_layouts=rest),
+    }
+    if sequence_parallel:
+        gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                    use_local_output=True)
+        plan.update({"embedding": ScatterSequence(), "layer*.ln1": SequenceParallel(), "layer*.attn": gather,
+                     "layer*.ln2": SequenceParallel(), "layer*.mlp": gather})
+    if vocab_parallel:
+        plan["head.out"] = ColwiseParallel(input_layouts=rest, output_layouts=Replicate())
+        if sequence_parallel:
+            plan["head.ln"] = SequenceParallel()
+    elif sequence_parallel:
+        plan["head"] = gather
+    return plan
 
 
 def init_gpt_weights(module: nn.Module, n_layer: int) -> None:
@@ -170,4 +211,4 @@ def gpt_task(n_layer: int = 4, d_model: int = 64, n_head: int = 4, block_size: i
         return corpus.batch(step, batch_size, block_size, seed=seed)
 
     return TrainTask(layers=blocks, loss_fn=lm_loss, batch=batch, embedding=embedding, head=head,
-                     items_per_sample=block_size, item_name="tokens")
+                     items_per_sample=block_size, item_name="tokens", tp_plan=gpt_tp_plan)

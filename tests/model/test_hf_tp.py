@@ -1,0 +1,125 @@
+"""Tests for duplexpipe.model.hf_tp: a Llama and a Qwen3 from `Pipeline.from_pretrained` at PP=2 x TP=2 (4 gloo ranks,
+float64) with the plan transformers publishes, 5 AdamW steps against plain transformers training in one process,
+with and without sequence parallelism and padding; save_pretrained writes whole tensors transformers loads; the
+model's heads and GPT-2's packed attention are refused with a clear error."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from _hf_helpers import (  # noqa: E402
+    VOCAB,
+    padded_labels,
+    padding_mask,
+    rel,
+    tiny_gpt2,
+    tiny_llama,
+    tiny_qwen3,
+    token_batch,
+    transformers,
+)
+from models import run_workers  # noqa: E402
+from torch import nn  # noqa: E402
+
+from duplexpipe import Pipeline, PipelineConfig, make_mesh  # noqa: E402
+from duplexpipe.model.hf import causal_lm_parts  # noqa: E402
+from duplexpipe.model.hf_tp import HFTensorPlan, part_plan, published_plan  # noqa: E402
+
+STEPS, ROWS = 5, 8
+CASES = {"llama": (False, True), "qwen3 sp": (True, True)}
+"""name -> (sequence parallelism, padded batches); the architecture is the name's first word."""
+
+
+def _adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+
+
+def _batch(step: int, padded: bool) -> tuple[Any, torch.Tensor]:
+    ids, labels = token_batch(step, rows=ROWS)
+    if not padded:
+        return ids, labels
+    mask = padding_mask(ROWS, left=False)
+    return {"input_ids": ids, "attention_mask": mask}, padded_labels(ids, mask)
+
+
+def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
+    transformers.logging.set_verbosity_error()
+    out: dict[str, Any] = {}
+    for name, (sp, padded) in CASES.items():
+        pipe = Pipeline.from_pretrained(Path(root) / name.split()[0], _adamw,
+                                        PipelineConfig("1f1b", 4, sequence_parallel=sp), mesh=make_mesh(2, tp=2))
+        out[name] = [pipe.step(*_batch(step, padded)) for step in range(STEPS)]
+        pipe.save_pretrained(Path(root) / f"out-{name}")
+    try:
+        Pipeline.from_pretrained(Path(root) / "llama", _adamw, PipelineConfig("1f1b", 4), mesh=make_mesh(1, tp=4))
+    except ValueError as exc:
+        out["kv heads"] = str(exc)
+    return out
+
+
+def _reference(source: Path, padded: bool) -> tuple[list[float], nn.Module]:
+    """STEPS of plain transformers training in one process (the loss in float64, as the pipeline computes it)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(source)
+    optimizer = _adamw(list(model.parameters()))
+    losses = []
+    for step in range(STEPS):
+        inputs, labels = _batch(step, padded)
+        kwargs = inputs if isinstance(inputs, dict) else {"input_ids": inputs}
+        logits = model(**kwargs).logits
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1), ignore_index=-100)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, model
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    root = tmp_path_factory.mktemp("hf-tp")
+    transformers.logging.set_verbosity_error()
+    tiny_llama(layers=2).double().save_pretrained(root / "llama")
+    tiny_qwen3(layers=2).double().save_pretrained(root / "qwen3")
+    return root, run_workers(_worker, 4, (str(root),), timeout_s=360)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", list(CASES))
+def test_tp_fine_tuning_equals_transformers_and_saves_whole_tensors(spawned: Any, name: str) -> None:
+    root, results = spawned
+    losses, reference = _reference(root / name.split()[0], CASES[name][1])
+    for res in results:
+        assert max(abs(a - b) / b for a, b in zip(res[name], losses, strict=True)) <= 1e-9, (res[name], losses)
+    trained = transformers.AutoModelForCausalLM.from_pretrained(root / f"out-{name}")
+    want = reference.state_dict()
+    assert set(trained.state_dict()) == set(want)
+    for key, tensor in trained.state_dict().items():
+        assert tensor.shape == want[key].shape and tensor.dtype == torch.float64, key
+        assert rel(tensor, want[key]) <= 1e-9, key
+
+
+@pytest.mark.timeout(400)
+def test_heads_not_divisible_by_tp_are_refused_naming_module_size_and_degree(spawned: Any) -> None:
+    _, results = spawned
+    for res in results:
+        assert "'layers.*.self_attn' (LlamaForCausalLM) has num_key_value_heads=2, not divisible by the TP " \
+               "degree 4" in res["kv heads"]
+
+
+def test_the_published_plan_is_mapped_not_rederived() -> None:
+    transformers.logging.set_verbosity_error()
+    qwen = causal_lm_parts(tiny_qwen3(layers=2), 2)
+    assert published_plan(qwen[0])["layers.*.self_attn.q_norm"] == "replicated_with_grad_allreduce"
+    assert published_plan(qwen[1])["lm_head"] == "colwise_gather_output"
+    assert set(part_plan(qwen[0], False)) == {"embed_tokens", *(k for k in published_plan(qwen[0])
+                                                                if k.startswith("layers."))}
+    assert set(part_plan(qwen[1], True)) >= {"lm_head", "norm", "layers.*.input_layernorm", "layers.*.self_attn"}
+    with pytest.raises(ValueError, match="GPT2LMHeadModel has no tensor-parallel plan.*packs q, k and v"):
+        HFTensorPlan().check(causal_lm_parts(tiny_gpt2(layers=2), 2), 2)
