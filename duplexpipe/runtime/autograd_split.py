@@ -16,7 +16,7 @@ stage_backward_weight, implemented here independently:
   recorded gradients are pinned so nothing is counted twice).
 
 Compiled regions (torch.compile) are single graph nodes (`compiled_split.region_kind`). A region compiled by
-`compiled_split.split_backend` is marked before I: its run then executes only its I graph, and W restarts at it
+`compiled_split.SplitBackend` is marked before I: its run then executes only its I graph, and W restarts at it
 like at any meeting point, running its W graph. A region compiled otherwise (OPAQUE) can only run its backward
 whole, once: the parameter groups that meet the input path at one are formed at I (their parameters join the I's
 `autograd.grad`) and their gradients handed to W, which accumulates them; nothing is recomputed.

@@ -1,13 +1,14 @@
 """Compiled regions under a split backward: a torch.compile backend whose backward runs as two graphs (I, W).
 
 A region compiled by torch.compile is one autograd node whose backward is one AOT graph: run at `I`, it forms the
-weight gradients too, which the engine then drops. `split_backend` compiles the same region with the backward
+weight gradients too, which the engine then drops. `SplitBackend` compiles the same region with the backward
 graph cut in two: the *I graph* forms the gradients of the region's non-parameter inputs (and the intermediates
 the weight gradients need), the *W graph* the parameters' gradients from those. Which one a run of the node
 executes is said by a mark on the node itself (`MODE`, set by `autograd_split` before its I; the node object is
 what the engine runs, on any thread): INPUTS runs the I graph and keeps what W needs on the node, the node's next
 run then runs the W graph; unmarked, a run is a full backward (both graphs). Nothing is computed twice, and
-nothing of the AOT graph is donated (`donated_buffer` off when compiling), so a retained graph stays valid.
+nothing of the AOT graph is donated (`donated_buffer` off when compiling), so a retained graph stays valid. Regions
+whose inputs are tensor subclasses (DTensor parameters under tensor parallelism) are cut alike (`flat_inputs`).
 
 `region_kind(node)` tells the runtime what a node is: eager, a region of this backend (SPLIT), or a region
 compiled any other way (OPAQUE: its backward can only run whole, once).
@@ -31,13 +32,13 @@ from duplexpipe.runtime.comm_points import BackwardMode
 
 LOG = logging.getLogger("duplexpipe.compile")
 SPLIT_MARK = "_duplexpipe_split"
-"""Set on the compiled backward of a `split_backend` region: it honours the MODE marks."""
+"""Set on the compiled backward of a `SplitBackend` region: it honours the MODE marks."""
 MODE = "_duplexpipe_mode"
 """The attribute of a region's autograd node saying which graph its next run executes (a BackwardMode)."""
 STASH = "_duplexpipe_stash"
 """What a region's I left on its node for its W."""
 SPLIT_BACKENDS = ("inductor", "aot_eager")
-"""torch.compile backends `split_backend` can split (other backends' regions run their backward whole)."""
+"""torch.compile backends `SplitBackend` can split (other backends' regions run their backward whole)."""
 
 Runner = Callable[[list[Any]], Sequence[Any]]
 """A compiled graph in the boxed calling convention: takes its argument list (and may clear it)."""
@@ -49,7 +50,7 @@ class RegionKind(Enum):
     EAGER = "eager"
     """Not a compiled region."""
     SPLIT = "split"
-    """A region compiled by `split_backend`: its backward runs as an I graph and a W graph."""
+    """A region compiled by `SplitBackend`: its backward runs as an I graph and a W graph."""
     OPAQUE = "opaque"
     """A region compiled otherwise: its backward runs whole."""
 
@@ -166,8 +167,12 @@ def boundary_examples(graphs: SplitGraphs) -> list[Any]:
 class SplitBackward:
     """A region's compiled backward as two graphs; which runs is read from the mark of the node being run."""
 
-    def __init__(self, graphs: SplitGraphs, run_i: Runner, run_w: Runner | None) -> None:
+    def __init__(self, graphs: SplitGraphs, run_i: Runner, run_w: Runner | None,
+                 fillers: Sequence[Filler | None] = ()) -> None:
         self.is_param = graphs.is_param
+        self.fillers = list(fillers) or [None] * len(self.is_param)
+        """Per output: the local tensor to stand for a gradient another graph forms, where None cannot (a
+        DTensor's, rebuilt from it by AOT's wrapper)."""
         self.w_args = graphs.w_args
         self.run_i = run_i
         self.run_w = run_w
@@ -176,9 +181,13 @@ class SplitBackward:
         setattr(self, SPLIT_MARK, True)
 
     def _assemble(self, input_grads: Sequence[Any] | None, weight_grads: Sequence[Any] | None) -> list[Any]:
+        """The backward's outputs: the gradients given, and where another graph forms them None, or zeros where
+        AOT's wrapper needs a tensor (the engine drops them: nothing asked for them in this run)."""
         inputs = iter(input_grads if input_grads is not None else [None] * self.inputs)
         weights = iter(weight_grads if weight_grads is not None else [None] * (len(self.is_param) - self.inputs))
-        return [next(weights) if p else next(inputs) for p in self.is_param]
+        out = [next(weights) if p else next(inputs) for p in self.is_param]
+        return [torch.zeros(f.shape, dtype=f.dtype, device=f.device) if g is None and f is not None else g
+                for g, f in zip(out, self.fillers, strict=True)]
 
     def _input_part(self, args: list[Any]) -> tuple[list[Any], list[Any], list[Any]]:
         """Run the I graph: (the input gradients, the boundary values, the W graph's own arguments)."""
@@ -224,8 +233,39 @@ class SplitBackward:
 
 
 # ------------------------------------------------------------------------------------------------ the backend
-def _splitting(is_param: list[bool], compile_graph: Callable[[fx.GraphModule, list[Any], Any], Runner]) -> Callable:
-    """A backward compiler: cut the graph, compile both parts with `compile_graph(graph, examples, static)`."""
+@dataclass(frozen=True)
+class Filler:
+    """A local tensor's shape, dtype and device (see `SplitBackward.fillers`)."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+
+
+FlatInputs = tuple[list[bool], list[Filler | None]]
+"""Per input of a region's AOT graphs: whether it comes from a parameter, and its Filler (or None)."""
+
+
+def flat_inputs(example_inputs: Sequence[Any]) -> FlatInputs:
+    """Per input of the region's AOT graphs: whether it comes from a parameter, and its Filler when it is a
+    tensor inside a tensor subclass (AOT flattens a DTensor into its local tensor and its mesh, in order)."""
+    from torch._functorch._aot_autograd.subclass_utils import unwrap_tensor_subclasses_with_indices_to_original
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    leaves, owners = unwrap_tensor_subclasses_with_indices_to_original(list(example_inputs))
+    is_param = [isinstance(example_inputs[k], nn.Parameter) for k in owners]
+    fillers = [Filler(leaf.shape, leaf.dtype, leaf.device)
+               if isinstance(leaf, torch.Tensor) and is_traceable_wrapper_subclass(example_inputs[k]) else None
+               for leaf, k in zip(leaves, owners, strict=True)]
+    return is_param, fillers
+
+
+def _splitting(inputs: FlatInputs,
+               compile_graph: Callable[[fx.GraphModule, list[Any], Any], Runner]) -> Callable:
+    """A backward compiler: cut the graph, compile both parts with `compile_graph(graph, examples, static)`.
+    `inputs`: `flat_inputs` of the region."""
+    is_param, fillers = inputs
+
     def compile_backward(gm: fx.GraphModule, examples: Sequence[Any], **kwargs: Any) -> Any:
         static = list(kwargs.get("static_input_idxs", ()))
         try:
@@ -240,7 +280,7 @@ def _splitting(is_param: list[bool], compile_graph: Callable[[fx.GraphModule, li
             w_static = [k for k, i in enumerate(graphs.w_args) if i in static]
             w_examples = [examples[i] for i in graphs.w_args] + boundary_examples(graphs)
             run_w = compile_graph(graphs.w_graph, w_examples, w_static)
-        return SplitBackward(graphs, run_i, run_w)
+        return SplitBackward(graphs, run_i, run_w, fillers)
     return compile_backward
 
 
@@ -251,13 +291,13 @@ class SplitBackend:
     def __init__(self, base: str, mode: str | None = None, options: dict[str, Any] | None = None,
                  dynamic: bool | None = None) -> None:
         if base not in SPLIT_BACKENDS:
-            raise ValueError(f"split_backend: backend must be one of {SPLIT_BACKENDS}, got {base!r}")
+            raise ValueError(f"SplitBackend: backend must be one of {SPLIT_BACKENDS}, got {base!r}")
         self.base = base
         self.inductor_config: dict[str, Any] = {}
         if base == "inductor":
             self.inductor_config = dict(torch._TorchCompileInductorWrapper(mode, options, dynamic).config)
         elif mode is not None or options:
-            raise ValueError(f"split_backend: mode and options are inductor's, not {base!r}'s")
+            raise ValueError(f"SplitBackend: mode and options are inductor's, not {base!r}'s")
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, SplitBackend) and (self.base, self.inductor_config) == (
@@ -267,34 +307,34 @@ class SplitBackend:
         return hash((self.base, tuple(sorted(self.inductor_config))))
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
-        is_param = [isinstance(t, nn.Parameter) for t in example_inputs]
+        inputs = flat_inputs(example_inputs)
         # no donated buffers (the W graph reads what the I graph's inputs were); the backward compiled with the
         # forward (the runtime asks a node's kind before its first backward); no AOT cache entry (it would hold
         # an unsplit backward; inductor's own graph cache still serves both parts across restarts)
         with torch._functorch.config.patch(donated_buffer=False, force_non_lazy_backward_lowering=True,
                                            enable_autograd_cache=False):
             if self.base == "aot_eager":
-                return self._aot_eager(gm, list(example_inputs), is_param)
-            return self._inductor(gm, list(example_inputs), is_param)
+                return self._aot_eager(gm, list(example_inputs), inputs)
+            return self._inductor(gm, list(example_inputs), inputs)
 
     @staticmethod
-    def _aot_eager(gm: fx.GraphModule, example_inputs: list[Any], is_param: list[bool]) -> Any:
+    def _aot_eager(gm: fx.GraphModule, example_inputs: list[Any], inputs: FlatInputs) -> Any:
         from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 
         def compile_graph(graph: fx.GraphModule, examples: list[Any], static: list[int]) -> Runner:
             runner: Runner = boxed_nop(graph, examples)
             return runner
 
-        return aot_eager(gm, example_inputs, bw_compiler=_splitting(is_param, compile_graph))
+        return aot_eager(gm, example_inputs, bw_compiler=_splitting(inputs, compile_graph))
 
-    def _inductor(self, gm: fx.GraphModule, example_inputs: list[Any], is_param: list[bool]) -> Any:
+    def _inductor(self, gm: fx.GraphModule, example_inputs: list[Any], inputs: FlatInputs) -> Any:
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
         def compile_graph(graph: fx.GraphModule, examples: list[Any], static: list[int]) -> Runner:
             runner: Runner = compile_fx_inner(graph, examples, static_input_idxs=static, is_backward=True)
             return runner
 
-        split = _splitting(is_param, compile_graph)
+        split = _splitting(inputs, compile_graph)
 
         def inner(graph: fx.GraphModule, examples: Sequence[Any], **kwargs: Any) -> Any:
             if kwargs.get("is_backward"):

@@ -3,13 +3,14 @@ what compiled when (the first step, a recompilation and why).
 
 Blocks, as torchtitan compiles them: the layers of a `from_layers` part, the blocks a part names itself
 (`compile_blocks()`, e.g. a Hugging Face part's decoder layers), else the whole part. Inside a block holding MoE
-layers, the pieces around them (norms, the mixer, the router) are compiled and the expert dispatch, its
-exchanges and the deferrable projections (`moe.linear`) stay eager. Blocks compile in place
-(`nn.Module.compile`): state dict names do not change, and the step runs after every other module transform
-(checkpointing wrappers, expert sharding, data-parallel wrapping; tensor parallelism's `parallelize_module`
-when it is applied before). Under a schedule with a split backward (I and W), inductor and aot_eager compile
-through `runtime.compiled_split.SplitBackend`, whose regions' backward runs as an I graph and a W graph; parts the
-user compiled are left as they are (their regions run their backward whole at I; `runtime.autograd_split`).
+layers, the pieces around them (norms, the mixer, the router) are compiled and the expert dispatch, its exchanges
+and the deferrable projections (`moe.linear`) stay eager. Blocks compile in place (`nn.Module.compile`): state dict
+names do not change, and the step runs after every other module transform (checkpointing wrappers, expert sharding,
+data-parallel wrapping, tensor parallelism's `parallelize_module`: blocks with DTensor parameters, as torchtitan
+composes them; static shapes there unless the user sets `dynamic`). Under a schedule with a split backward (I and
+W), inductor and aot_eager compile through `runtime.compiled_split.SplitBackend`, whose regions' backward runs as
+an I graph and a W graph; parts the user compiled are left as they are (their regions run their backward whole at
+I; `runtime.autograd_split`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -95,6 +96,18 @@ def torch_compile_kwargs(options: Mapping[str, Any], split: bool, moe: bool) -> 
     return kwargs
 
 
+def static_under_dtensor(options: Mapping[str, Any], modules: Iterable[nn.Module]) -> dict[str, Any]:
+    """The options, with `dynamic=False` when a module holds DTensor parameters (tensor parallelism) and the user
+    did not choose: torch 2.13's AOT tracing of DTensor code with dynamic shapes can recurse without end (torch's
+    own DTensor compile tests pass dynamic=False); each new batch shape then compiles once, and is logged."""
+    from torch.distributed.tensor import DTensor
+
+    if "dynamic" in options or not any(isinstance(p, DTensor) for m in modules for p in m.parameters()):
+        return dict(options)
+    LOG.info("tensor-parallel blocks compile with static shapes (dynamic=False): a new batch shape compiles once")
+    return {**options, "dynamic": False}
+
+
 class CompiledStages:
     """This rank's compiled blocks and the log of what compiles when (`watching` around each step)."""
 
@@ -112,6 +125,7 @@ class CompiledStages:
         """Stages the user compiled (left as they are)."""
         if self.options is not None:
             check_usable(self.options, device, self.split)
+            self.options = static_under_dtensor(self.options, stage_modules.values())
             split_kwargs = torch_compile_kwargs(self.options, self.split, moe=False)
             moe_kwargs = torch_compile_kwargs(self.options, self.split, moe=True)
             for stage in sorted(stage_modules):

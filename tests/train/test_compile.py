@@ -124,6 +124,7 @@ def test_a_split_backward_gets_the_splitting_backend() -> None:
 
 
 def test_the_log_says_what_compiles_first_and_each_recompilation_once(caplog: pytest.LogCaptureFixture) -> None:
+    torch._dynamo.reset()  # forget the sizes earlier tests compiled Block for (else the first graph is dynamic)
     torch.manual_seed(0)
     modules = {0: nn.Sequential(Block(DIM), Block(DIM)).double()}
     stages = CompiledStages(modules, {"backend": "aot_eager"}, build("1f1b", 2, 4), torch.device("cpu"))
