@@ -29,8 +29,9 @@ def test_the_report_judges_both_targets_and_says_when_there_is_no_gain() -> None
     text = render(compile_bench.report(missed), markdown=False)
     assert "1F1B missed" in text and "ZB-H1 met" not in text and "In CPU time the plain loop saves 20%" in text
     assert "ZB-H1 compiled faster than 1F1B compiled where it is eager (it is): met" in text
-    none = {**missed, "medians_s": {"gpt": _medians(0.11, 0.09, 0.085)}}
-    assert "there is no gain to keep" in render(compile_bench.report(none), markdown=False)
+    for plain_compiled in (0.11, 0.097):  # slower, or 3% faster: under MIN_SAVING
+        none = {**missed, "medians_s": {"gpt": _medians(plain_compiled, 0.09, 0.085)}}
+        assert "there is no gain to keep" in render(compile_bench.report(none), markdown=False)
 
 
 def test_the_quick_config_still_covers_every_design() -> None:
