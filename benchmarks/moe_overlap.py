@@ -17,6 +17,7 @@ from benchmarks import internals as deep
 from benchmarks.framework import Block, Part, Result, met
 from duplexpipe import Pipeline, PipelineConfig, causal_lm_loss, causal_lm_parts, make_mesh
 from duplexpipe.moe import CausalSelfAttention, ExpertGroup, MoEBlock, MoELayer, moe_layers
+from duplexpipe.train.compile import compile_targets, torch_compile_kwargs
 
 MODELS = ("duplexpipe", "qwen3_moe")
 """What a stage is made of: duplexpipe.moe's MoEBlocks, or transformers' Qwen3-MoE decoder layers (their attention and
@@ -45,6 +46,7 @@ class MoEBenchConfig:
     link_latency_s: float = 0.0  # gloo: the emulated link's latency per all-to-all (comm_ratio sets its bandwidth)
     backend: str = "gloo"
     ranks: int = 4  # processes (the pair's expert-parallel group): 4, or 2; the step runs only with 4
+    compile: str = ""  # torch.compile backend of the pieces around the experts (as PipelineConfig.compile); "": eager
 
     def __post_init__(self) -> None:
         if min(self.reps, self.tokens, self.dim, self.hidden) < 1 or self.steps < 0 or not self.comm_ratio > 0:
@@ -94,6 +96,8 @@ def _model(cfg: MoEBenchConfig, device: torch.device, rank: int, world: int) -> 
     model = nn.Sequential(*blocks).to(device)
     for block in blocks:
         block.moe.shard_experts(ExpertGroup(None, rank, world))
+        for piece, in_moe in compile_targets(block) if cfg.compile else ():
+            piece.compile(**torch_compile_kwargs({"backend": cfg.compile}, split=False, moe=in_moe))
     return model
 
 
@@ -226,7 +230,8 @@ def _step_times(cfg: MoEBenchConfig, device: torch.device, link: deep.LinkModel 
 def _step_pipeline(cfg: MoEBenchConfig, mesh: Any, device: torch.device, overlap: bool) -> Pipeline:
     """DualPipeV on PP=2 x DP=2 (ep=2) over 4 x `layers` blocks (Qwen3-MoE: decoder layers with the embedding and
     head, trained on token ids)."""
-    config = PipelineConfig(schedule="dualpipev", num_microbatches=8, fb_overlap=overlap, record_timeline=False)
+    config = PipelineConfig(schedule="dualpipev", num_microbatches=8, fb_overlap=overlap, record_timeline=False,
+                            compile={"backend": cfg.compile} if cfg.compile else False)
     sgd = lambda ps: torch.optim.SGD(ps, lr=1e-3)  # noqa: E731
     if cfg.model == "qwen3_moe":
         return Pipeline(causal_lm_parts(_qwen3(cfg, 4 * cfg.layers), 4), causal_lm_loss, sgd, config, mesh=mesh,
@@ -308,7 +313,8 @@ def report(s: Result) -> list[Block]:
     target = 0.8 if cfg.backend == "nccl" else 0.7
     hidden = f">= {target:.0%} of the comm hidden: {met(s['hidden'] >= target)} ({s['hidden']:.0%})"
     pair = f"pair <= 0.75x F then B: {met(s['pair_ratio'] <= 0.75)} ({s['pair_ratio']:.2f}x); "
-    return [f"MoE F&B pair ({cfg.backend}, {cfg.ranks} processes; {where}): {blocks}, "
+    compiled = f", the pieces around the experts compiled with {cfg.compile}" if cfg.compile else ""
+    return [f"MoE F&B pair ({cfg.backend}, {cfg.ranks} processes; {where}): {blocks}{compiled}, "
             f"{cfg.experts} experts top-{cfg.top_k}, {cfg.tokens} tokens x {cfg.dim} per rank.", table,
             f"Target: {hidden}." if cfg.backend == "nccl" else f"Targets: {pair}{hidden}."]
 
@@ -317,7 +323,8 @@ def _block(result: Result) -> str:
     """The docs block of a result: by its model and ranks."""
     config = result.get("config", {})
     name = "moe-overlap" + ("-qwen3" if config.get("model", "duplexpipe") == "qwen3_moe" else "")
-    return name if config.get("ranks", 4) == 4 else f"{name}-2"
+    name = name if config.get("ranks", 4) == 4 else f"{name}-2"
+    return name + ("-compiled" if config.get("compile") else "")
 
 
 PART = Part("moe_overlap", "MoE F&B overlap", MoEBenchConfig(), QUICK, run, report, block=_block)

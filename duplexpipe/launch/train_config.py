@@ -108,6 +108,11 @@ class TrainConfig:
     """Global gradient-norm clip (None, or 0 in the config file or on the command line: off)."""
     activation_checkpointing: bool = False
     """Recompute every stage's activations in backward."""
+    compile: bool = False
+    """torch.compile each stage's blocks with `compile_backend` (PipelineConfig.compile); the first step compiles."""
+    compile_backend: str = "inductor"
+    """The torch.compile backend of `compile`: "inductor" (generated kernels), "aot_eager" (no codegen: quick to
+    start, for checking), or any name torch.compile knows."""
     balance: str = "uniform"
     """"uniform", "params" or "time" (profiled on the first microbatch of step 0's batch)."""
     seed: int = 0

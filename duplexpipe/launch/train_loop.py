@@ -226,8 +226,10 @@ def make_scheduler(config: TrainConfig) -> Callable[[torch.optim.Optimizer], Any
 
 def pipeline_config(config: TrainConfig) -> PipelineConfig:
     """The PipelineConfig a run trains with: the fields TrainConfig carries (sequence_parallel among them), its
-    generated pipeline settings (`train_settings.pipeline_values`), and a schedule file's Schedule."""
+    generated pipeline settings (`train_settings.pipeline_values`), compile with its backend, and a schedule
+    file's Schedule."""
     values = pipeline_values(config)
+    values["compile"] = {"backend": config.compile_backend} if config.compile else False
     if is_schedule_file(config.schedule):
         values["schedule"] = config.schedule_object()
     return PipelineConfig(**values)
@@ -375,6 +377,8 @@ def _loop(pipe: Pipeline, task: TrainTask, config: TrainConfig, start: int, metr
     every = plain_every(config.log_every, config.steps, config.progress)
     losses: list[float] = []
     evals: list[tuple[int, float]] = []
+    if lead and pipe.compiled.active and start < config.steps:
+        print(f"compiling {pipe.compiled.describe()} on the first step", flush=True)
     began = time.perf_counter()
     items, busy = 0, 0.0  # after the first step: items trained and seconds spent fetching + stepping
     for step in range(start, config.steps):

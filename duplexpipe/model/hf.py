@@ -134,6 +134,10 @@ class CausalLMPart(nn.Module):
             raise TypeError(f"part {self.index} needs {self.input_name!r} as a tensor, got {type(x).__name__}")
         return x, bound.get("attention_mask"), bound.get("position_ids"), carried
 
+    def compile_blocks(self) -> list[nn.Module]:
+        """The decoder layers: what `PipelineConfig(compile=...)` compiles one by one (`train.compile`)."""
+        return [layer for child in self.children() if isinstance(child, nn.ModuleDict) for layer in child.values()]
+
     def embed(self, input_ids: Tensor, positions: Tensor) -> Tensor:
         """Token ids -> the first layer's input (first part only)."""
         raise NotImplementedError

@@ -14,6 +14,8 @@ stage. The names come from the part's own state_dict keys, mapped by hooks:
   the global block index, `head`).
 - Any other part k is prefixed `part<k>.`: its names then depend on the partition (not on the schedule,
   pipeline size, data-parallel size or ZeRO stage).
+- A module compiled with `torch.compile(module)` is named as the module itself: the wrapper's `_orig_mod.` is
+  left out, so compiled and eager layouts load each other's checkpoints.
 """
 
 from __future__ import annotations
@@ -26,18 +28,27 @@ from torch import nn
 GLOBAL_KEY_HOOK = "global_state_key"
 """The method a module defines to map its local state keys to global ones (see the module docstring)."""
 _SPLIT_CHILD = re.compile(r"^(embedding|head|layer\d+)$")
+COMPILED_WRAPPER = "_orig_mod"
+"""The child torch.compile's module wrapper holds the module in (left out of global names)."""
+
+
+def uncompiled(module: nn.Module) -> nn.Module:
+    """The module a torch.compile wrapper holds (or `module` itself)."""
+    inner = module._modules.get(COMPILED_WRAPPER)
+    return inner if inner is not None and type(module).__name__ == "OptimizedModule" else module
 
 
 def split_style(part: nn.Module) -> bool:
     """True for a part made by `split_model` / `build_parts`: an nn.Sequential whose children are named
     `embedding`, `layer<i>` (global block index) and `head`, so its keys are already global."""
+    part = uncompiled(part)
     names = [name for name, _ in part.named_children()]
     return isinstance(part, nn.Sequential) and bool(names) and all(_SPLIT_CHILD.match(n) for n in names)
 
 
 def names_whole_model(part: nn.Module) -> bool:
     """Whether the part's mapped keys are names in the whole model (else they get a `part<k>.` prefix)."""
-    return callable(getattr(part, GLOBAL_KEY_HOOK, None)) or split_style(part)
+    return callable(getattr(uncompiled(part), GLOBAL_KEY_HOOK, None)) or split_style(part)
 
 
 def mapped_key(root: nn.Module, key: str) -> str:
@@ -52,6 +63,8 @@ def mapped_key(root: nn.Module, key: str) -> str:
         owners.append((depth, child))
         module = child
     for depth, owner in reversed(owners):
+        if uncompiled(owner) is not owner:
+            continue  # a compiled wrapper forwards attributes to the module it holds, whose hook applies below
         hook = getattr(owner, GLOBAL_KEY_HOOK, None)
         if callable(hook):
             tail = hook(".".join(segments[depth:]))
@@ -59,7 +72,7 @@ def mapped_key(root: nn.Module, key: str) -> str:
                 raise ValueError(f"{type(owner).__name__}.{GLOBAL_KEY_HOOK}({'.'.join(segments[depth:])!r}) "
                                  f"returned {tail!r}, expected a non-empty key")
             segments = segments[:depth] + tail.split(".")
-    return ".".join(segments)
+    return ".".join(s for s in segments if s != COMPILED_WRAPPER)
 
 
 def part_state_keys(part: nn.Module, index: int, keys: Iterable[str] | None = None) -> dict[str, str]:

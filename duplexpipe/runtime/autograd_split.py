@@ -14,10 +14,17 @@ stage_backward_weight, implemented here independently:
   weight-only branches below it. It never re-runs the input path (except where one weight
   group meets it at several points, e.g. a weight tied across layers of one stage; there the
   recorded gradients are pinned so nothing is counted twice).
+
+Compiled regions (torch.compile) are single graph nodes (`compiled_split.region_kind`). A region compiled by
+`compiled_split.SplitBackend` is marked before I: its run then executes only its I graph, and W restarts at it
+like at any meeting point, running its W graph. A region compiled otherwise (OPAQUE) can only run its backward
+whole, once: the parameter groups that meet the input path at one are formed at I (their parameters join the I's
+`autograd.grad`) and their gradients handed to W, which accumulates them; nothing is recomputed.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +32,9 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+from duplexpipe.runtime.comm_points import BackwardMode
+from duplexpipe.runtime.compiled_split import RegionKind, mark, marked, region_kind, retained_regions
 
 Edge = GradientEdge
 
@@ -109,11 +119,16 @@ class WeightWork:
     """The deferred W of one stage backward; `run()` accumulates the weight gradients once."""
 
     def __init__(self, groups: list[_Group], captured: dict[Node, tuple[Tensor | None, ...]],
-                 root_grads: dict[Node, list[tuple[Edge, Tensor]]]) -> None:
+                 root_grads: dict[Node, list[tuple[Edge, Tensor]]], formed: list[tuple[Tensor, Tensor | None]],
+                 compiled: bool = False) -> None:
         self._groups = groups
         self._captured = captured
         self._root_grads = root_grads
+        self._formed = formed
+        self._compiled = compiled
         self.done = False
+        self.formed_at_input = len(formed)
+        """Parameters whose gradients I formed (they met the input path in an opaque compiled region)."""
 
     def _edges(self, group: _Group) -> tuple[list[Edge], list[Tensor]]:
         edges: list[Edge] = []
@@ -134,6 +149,13 @@ class WeightWork:
         if self.done:
             raise RuntimeError("this weight-gradient work has already run")
         self.done = True
+        if self._formed:
+            accumulate([p for p, _ in self._formed], [g for _, g in self._formed])
+        with retained_regions() if self._compiled else contextlib.nullcontext():
+            self._run_groups()
+        self._groups, self._captured, self._root_grads, self._formed = [], {}, {}, []
+
+    def _run_groups(self) -> None:
         for group in self._groups:
             edges, grads = self._edges(group)
             if not edges:
@@ -151,7 +173,6 @@ class WeightWork:
                 for handle in handles:
                     handle.remove()
             accumulate(group.params, weight_grads)
-        self._groups, self._captured, self._root_grads = [], {}, {}
 
 
 def accumulate(params: Sequence[Tensor], grads: Sequence[Tensor | None]) -> None:
@@ -180,6 +201,8 @@ def backward_input(roots: Sequence[Edge], grads: Sequence[Tensor], inputs: Seque
     input_path = _ancestors([get_gradient_edge(t).node for t in wanted], parents)
     root_set = set(root_nodes)
     groups = _group_params([p for p in params if p.requires_grad], parents, input_path, root_set)
+    kinds = {node: region_kind(node) for node in parents}
+    now, later = _when_formed(groups, input_path, kinds)
     root_grads: dict[Node, list[tuple[Edge, Tensor]]] = {}
     for edge, grad in zip(roots, grads, strict=True):
         if edge.node not in input_path:
@@ -191,17 +214,49 @@ def backward_input(roots: Sequence[Edge], grads: Sequence[Tensor], inputs: Seque
             captured[node] = tuple(grad_outputs)
         return hook
 
-    hooks = [node.register_prehook(recorder(node))
-             for group in groups for node in group.nodes if node in input_path]
+    on_input = {node for group in later for node in group.nodes if node in input_path}
+    split = {node for node in on_input if kinds[node] is RegionKind.SPLIT}
+    split -= {node for group in now for node in group.nodes}  # a region that forms a group at I runs whole
+    early = [p for group in now for p in group.params]
+    hooks = [node.register_prehook(recorder(node)) for node in on_input]
+    on_path = [t for t in wanted if get_gradient_edge(t).node in input_path]
+    found: Sequence[Tensor | None] = ()
+    compiled = any(kind is not RegionKind.EAGER for kind in kinds.values())
     try:
-        found: Sequence[Tensor | None] = ()
-        on_path = [t for t in wanted if get_gradient_edge(t).node in input_path]
+        for node in split:
+            mark(node, BackwardMode.INPUTS)
         if on_path:
-            found = torch.autograd.grad(list(roots), on_path, list(grads), retain_graph=True,
-                                        allow_unused=True)
+            with retained_regions() if compiled else contextlib.nullcontext():
+                found = torch.autograd.grad(list(roots), on_path + early, list(grads), retain_graph=True,
+                                            allow_unused=True)
     finally:
         for handle in hooks:
             handle.remove()
-    by_id = {id(t): g for t, g in zip(on_path, found, strict=True)} if on_path else {}
+        _check_split(split, captured)
+    by_id = {id(t): g for t, g in zip(on_path, found, strict=False)} if on_path else {}
     dinputs = [by_id.get(id(t)) if t.requires_grad else None for t in inputs]
-    return dinputs, WeightWork(groups, captured, root_grads)
+    formed = list(zip(early, found[len(on_path):], strict=True)) if found else []
+    return dinputs, WeightWork(later, captured, root_grads, formed, compiled)
+
+
+def _when_formed(groups: list[_Group], input_path: set[Node],
+                 kinds: dict[Node, RegionKind]) -> tuple[list[_Group], list[_Group]]:
+    """(groups formed at I, groups deferred to W): a group meeting the input path in an opaque compiled region
+    is formed at I (that region runs its whole backward, once, at I)."""
+    now: list[_Group] = []
+    later: list[_Group] = []
+    for group in groups:
+        opaque = any(kinds.get(n) is RegionKind.OPAQUE for n in group.nodes if n in input_path)
+        (now if opaque else later).append(group)
+    return now, later
+
+
+def _check_split(split: set[Node], captured: dict[Node, tuple[Tensor | None, ...]]) -> None:
+    """After I: every split region that ran ran only its I graph (its node now waits for W); one that did not run
+    is unmarked. A region that ran whole would have dropped its weight gradients: refuse, never train on that."""
+    for node in split:
+        if marked(node) is BackwardMode.INPUTS:
+            mark(node, None)
+            if node in captured:
+                raise RuntimeError(f"a compiled region ({node.name()}) ran its whole backward at I, so its weight "
+                                   "gradients were dropped; this is a bug of the split backward")

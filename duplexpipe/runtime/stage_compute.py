@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,8 @@ from duplexpipe.runtime.comm_points import CommSlot
 from duplexpipe.runtime.message_meta import Message
 from duplexpipe.runtime.saved_bytes import SavedBytes
 from duplexpipe.runtime.structure import call, flatten
+
+LOG = logging.getLogger("duplexpipe.compile")
 
 
 @dataclass
@@ -97,6 +100,8 @@ class StageCompute:
         """Microbatch -> what its backward needs, from its F until its B or W (`hold` / `release`)."""
         self.outputs: dict[int, Any] = {}
         """evaluate() on a last stage: microbatch -> its output, detached (`keep_output`)."""
+        self.noted_whole_regions = False
+        """Whether the log has said that this stage's compiled regions run their backward whole at I."""
 
     # ---------------------------------------------------------------- per-step state
     def hold(self, microbatch: int, act: Activation) -> None:
@@ -216,6 +221,11 @@ class StageCompute:
         """I: d(input) only; the weight gradients wait in `act.weight_work` for W."""
         found, act.weight_work = backward_input(act.roots, self._root_grads(act, grads), act.inputs,
                                                 self.params())
+        if act.weight_work.formed_at_input and not self.noted_whole_regions:
+            self.noted_whole_regions = True
+            LOG.info("%s: %d parameters sit in compiled regions whose backward runs whole (compiled outside "
+                     "PipelineConfig.compile): their gradients are formed at I and handed to W",
+                     self.name, act.weight_work.formed_at_input)
         out = [g if g is not None else torch.zeros_like(t) for g, t in zip(found, act.inputs, strict=True)]
         act.inputs = []
         return out

@@ -21,6 +21,7 @@ from duplexpipe.runtime.config import GradsReadyHook
 from duplexpipe.schedules.ir import Schedule
 from duplexpipe.schedules.timeline import Timeline
 from duplexpipe.sizes import memory_bytes
+from duplexpipe.train.compile_options import compile_options
 from duplexpipe.train.nonfinite import check_nonfinite_policy
 from duplexpipe.train.precision import LossScaleConfig, autocast_dtype
 
@@ -155,10 +156,18 @@ class PipelineConfig:
     pair's forward and backward interleaved, so every expert all-to-all of one microbatch is in flight while
     the other computes (bit-equal to False). False: the forward, then the backward. Nothing to overlap (no
     pairs, or no MoE layers) runs as False does."""
+    compile: bool | dict[str, Any] = False
+    """torch.compile each stage's blocks in place (`duplexpipe.train.compile`): True (torch's defaults: inductor),
+    or a dict of torch.compile's options `backend`, `mode`, `options`, `dynamic`, `fullgraph` (checked here: a
+    ValueError names what torch rejects). Blocks: the layers of `from_layers` parts, the decoder layers of Hugging
+    Face parts, the pieces around MoE layers, else whole parts; parts the user compiled stay as they are. Under a
+    schedule with I and W, inductor and aot_eager compile each block's backward as two graphs (I, W). The first
+    step compiles (logged by "duplexpipe.compile", with every later recompilation and its reason)."""
 
     def __post_init__(self) -> None:
         check_schedule_name(self.schedule)
         memory_bytes(self.memory_limit)
+        compile_options(self.compile)
         if not isinstance(self.sequence_parallel, bool):
             raise ValueError(f"PipelineConfig.sequence_parallel must be a bool, got {self.sequence_parallel!r}")
         if not isinstance(self.fb_overlap, bool):

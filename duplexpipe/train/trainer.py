@@ -47,6 +47,8 @@ from duplexpipe.parallel.zero_config import check_tied
 from duplexpipe.runtime import EvalResult, PipelineRuntime, RuntimeConfig
 from duplexpipe.runtime.backend import default_device
 from duplexpipe.train.choice import AutoChoice, RunPlan
+from duplexpipe.train.compile import CompiledStages
+from duplexpipe.train.compile_options import compile_options
 from duplexpipe.train.experts import Experts
 from duplexpipe.train.pipeline_config import (
     AUTO,
@@ -164,6 +166,9 @@ class Pipeline:
         self.dp.counted = self.tied.counted(self.dp.counted)  # a tied weight counts once in the norm
         self.scheduler = scheduler(self.optimizer) if scheduler is not None else None
         """The LR scheduler (None without one); stepped after every applied optimizer step."""
+        self.compiled = CompiledStages(self.stage_modules, compile_options(cfg.compile), self.schedule, self.device,
+                                       [] if callable(parts) else parts)
+        """This rank's compiled blocks (`PipelineConfig.compile`, after every other module transform)."""
         self._start_counting()
 
     def _start_counting(self) -> None:
@@ -309,7 +314,8 @@ class Pipeline:
             self.tensor.begin_window()
         self.dp.begin_call(final, scale * (self._window_weight + weight))
         wire = self.dp.meter.total_bytes
-        with self.tensor.timed(cfg.record_timeline and cfg.record_tp_lane):  # TP collectives on the "tp" lane
+        with (self.compiled.watching(f"step {self.calls}"),
+              self.tensor.timed(cfg.record_timeline and cfg.record_tp_lane)):  # TP collectives on the "tp" lane
             result = self.runtime.step(inputs, targets, loss_scale=scale * weight)
         self.calls += 1
         self._window_calls += 1
@@ -394,7 +400,7 @@ class Pipeline:
         for m in self.stage_modules.values():
             m.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self.compiled.watching("evaluate"):
                 return self.runtime.evaluate(inputs, targets)
         finally:
             for s, m in self.stage_modules.items():

@@ -50,6 +50,7 @@ def test_the_report_judges_the_targets_of_its_backend(backend: str, hidden: floa
 def test_a_two_rank_run_and_a_qwen3_run_have_their_own_docs_blocks() -> None:
     block = moe_overlap.PART.block_of
     assert block({"config": asdict(moe_overlap.MoEBenchConfig(ranks=2))}) == "moe-overlap-2"
+    assert block({"config": asdict(moe_overlap.MoEBenchConfig(compile="inductor"))}) == "moe-overlap-compiled"
     assert block({"config": asdict(moe_overlap.MoEBenchConfig())}) == block({}) == "moe-overlap"
     assert block({"config": asdict(moe_overlap.MoEBenchConfig(model="qwen3_moe"))}) == "moe-overlap-qwen3"
 

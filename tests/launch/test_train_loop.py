@@ -89,6 +89,13 @@ def test_p2p_compression_flag_reaches_the_pipeline_config() -> None:
         config_from_args(_parse(["--p2p-compression", "fp4"]))  # a label with options is no argparse choice
 
 
+def test_compile_flags_reach_the_pipeline_config() -> None:
+    assert pipeline_config(TrainConfig()).compile is False
+    config = config_from_args(_parse(["--compile", "--compile-backend", "aot_eager"]))
+    assert pipeline_config(config).compile == {"backend": "aot_eager"}
+    assert pipeline_config(config_from_args(_parse(["--compile"]))).compile == {"backend": "inductor"}
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--config", "missing.toml"], "config file missing.toml: cannot read it"),
     (["--batch-size", "0"], "batch_size must be >= 1, got 0"),
@@ -96,6 +103,7 @@ def test_p2p_compression_flag_reaches_the_pipeline_config() -> None:
     (["--task", "no_such_module:f"], "cannot import no_such_module"),
     (["--resume", "nowhere"], "resume: nowhere holds no checkpoint"),
     (["--memory-limit", "1GiB"], "memory_limit is the planner's cap for schedule 'auto'"),
+    (["--compile", "--compile-backend", "nope"], "torch.compile rejects it: Invalid backend: 'nope'"),
     (["--grad-compression", "powersgd", "--zero-stage", "1"], "'powersgd' cannot be combined with ZeRO"),
     (["--schedule", "auto", "--memory-limit", "lots"], "bad memory size 'lots'"),
     (["--save-pretrained", "hf-out"], "--save-pretrained writes a Hugging Face model; the gpt task trains none"),

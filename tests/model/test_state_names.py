@@ -70,3 +70,20 @@ def test_colliding_names_are_an_error() -> None:
 
     with pytest.raises(ValueError, match="both map to 'same.weight'"):
         part_state_keys(Collapse(), 0)
+
+
+def test_compiled_modules_are_named_as_the_modules_themselves() -> None:
+    """torch.compile's wrapper (`_orig_mod.`) is left out: compiled and eager layouts share checkpoint names."""
+    import torch
+
+    parts, _ = split_model([nn.Linear(2, 2) for _ in range(4)], 2)
+    eager = part_state_keys(parts[1], 1)
+    layers = nn.Sequential()
+    for name, child in parts[1].named_children():
+        layers.add_module(name, torch.compile(child, backend="eager"))
+    assert sorted(part_state_keys(layers, 1).values()) == sorted(eager.values())
+    whole = torch.compile(parts[1], backend="eager")
+    assert sorted(part_state_keys(whole, 1).values()) == sorted(eager.values())
+    named = torch.compile(NamedPart(8), backend="eager")
+    assert names_whole_model(named)
+    assert set(part_state_keys(named, 0).values()) == set(part_state_keys(NamedPart(8), 0).values())

@@ -1,0 +1,68 @@
+"""Compiled stages with inductor on 2 gloo ranks (float64, 3 AdamW steps) against one eager process: every schedule
+with PipelineConfig(compile=True), layers and whole parts the user compiled, activation checkpointing, and a run
+whose batch changes size (an uneven last microbatch) and evaluates: recompiled once, not every step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from _compile_cases import PARTS, Case, pipeline, reference, run
+from models import make_batch
+
+WORLD = 2
+SPAWN_TIMEOUT_S = 570
+INDUCTOR = {"backend": "inductor"}
+CASES = {
+    **{s: Case(s) for s in PARTS},
+    "zb-h1 layers compiled by the user": Case("zb-h1", "layers", INDUCTOR),
+    "dualpipev parts compiled by the user": Case("dualpipev", "parts", INDUCTOR),
+    "zb-h1 checkpointed": Case("zb-h1", checkpointing=True),
+}
+SIZES = (8, 7, 7, 6, 8)
+"""The resizing run's batch sizes: 7 rows make microbatches of 2, 2, 2 and 1."""
+
+
+def _resizing(world: int) -> dict[str, Any]:
+    """ZB-H1: steps of SIZES rows, then two evaluations; the graphs each call compiled."""
+    from torch._dynamo.utils import counters
+
+    case = Case("zb-h1", rows=SIZES)
+    pipe = pipeline(case, world)
+    losses, graphs = [], []
+    for step, rows in enumerate(SIZES):
+        before = counters["stats"]["unique_graphs"]
+        losses.append(pipe.step(*make_batch(rows, step)))
+        graphs.append(counters["stats"]["unique_graphs"] - before)
+    for _ in range(2):
+        before = counters["stats"]["unique_graphs"]
+        pipe.evaluate(*make_batch(5, 99))
+        graphs.append(counters["stats"]["unique_graphs"] - before)
+    want = reference(case)
+    return {"loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, want, strict=True)), "graphs": graphs}
+
+
+def _worker(rank: int, world: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {name: run(case, world) for name, case in CASES.items()}
+    out["resizing"] = _resizing(world)
+    return out
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_compiled_with_inductor_equals_one_eager_process(results: list[dict[str, Any]], name: str) -> None:
+    for rank in results:
+        assert rank[name]["loss_err"] < 1e-9, (name, rank[name])
+    if CASES[name].who == "config":
+        assert all(rank[name]["compiled"] > 0 and not rank[name]["user"] for rank in results)
+    else:
+        assert all(rank[name]["compiled"] == 0 and rank[name]["user"] for rank in results)
+
+
+def test_a_new_batch_size_and_evaluation_compile_once_not_every_step(results: list[dict[str, Any]]) -> None:
+    for rank in results:
+        resizing = rank["resizing"]
+        assert resizing["loss_err"] < 1e-9, resizing
+        graphs = resizing["graphs"]  # steps of 8, 7, 7, 6, 8 rows; two evaluations
+        assert graphs[2:5] == [0, 0, 0] and graphs[6] == 0, graphs
