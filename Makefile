@@ -1,16 +1,16 @@
-# duplexpipe: `make demo`, `make test`, `make bench`. Each creates .venv when it is missing.
+# duplexpipe: `make demo`, `make test`, `make bench`, `make docs`. Each creates .venv when it is missing.
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.duplexpipe-installed
 
-.PHONY: demo test bench lint clean
+.PHONY: demo test bench docs lint clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check "$(TORCH)"
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[viz,dev,hf]"
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[viz,dev,hf,docs]"
 	@touch $(STAMP)
 
 demo: $(STAMP)
@@ -22,9 +22,12 @@ test: lint
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks
 
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
 lint: $(STAMP)
 	$(BIN)/ruff check duplexpipe tests examples benchmarks
 	$(BIN)/mypy duplexpipe benchmarks
 
 clean:
-	rm -rf $(VENV) demo-output bench-output
+	rm -rf $(VENV) demo-output bench-output site

@@ -176,7 +176,7 @@ def figures(result: Result, folder: str) -> list[tuple[str, str]]:
 
 
 PART = Part("measured_vs_sim", "Measured vs simulated (sleep model)", SimConfig(), QUICK, run, report, figures,
-            block="results")
+            block="measured-vs-sim")
 
 if __name__ == "__main__":
     raise SystemExit(runner.main(only=PART.name))

@@ -15,8 +15,14 @@ from torch import nn
 from benchmarks import harness, runner
 from benchmarks import internals as deep
 from benchmarks.framework import Block, Part, Result, met
-from duplexpipe import Pipeline, PipelineConfig, make_mesh
-from duplexpipe.moe import CausalSelfAttention, ExpertGroup, MoEBlock, MoELayer
+from duplexpipe import Pipeline, PipelineConfig, causal_lm_loss, causal_lm_parts, make_mesh
+from duplexpipe.moe import CausalSelfAttention, ExpertGroup, MoEBlock, MoELayer, moe_layers
+
+MODELS = ("duplexpipe", "qwen3_moe")
+"""What a stage is made of: duplexpipe.moe's MoEBlocks, or transformers' Qwen3-MoE decoder layers (their attention and
+norms, each sparse block a duplexpipe.moe layer routed as Qwen3-MoE routes) through `causal_lm_parts`."""
+VOCAB = 256
+"""The Qwen3-MoE model's vocabulary (the step's token ids)."""
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,7 @@ class MoEBenchConfig:
     top_k: int = 2
     layers: int = 2  # MoE blocks in the stage
     mixer: str = "attention"  # "attention" (causal, 4 heads, over `seq`-token sequences) or "linear" (one Linear)
+    model: str = "duplexpipe"  # MoEBlocks with `mixer` + a shared expert, or "qwen3_moe": transformers' layers
     seq: int = 128  # tokens per sequence (the attention mixer)
     reps: int = 9  # timed pairs per mode (after 2 untimed)
     steps: int = 6  # timed DualPipeV steps per mode (after 1 untimed); 0 skips the step
@@ -46,9 +53,12 @@ class MoEBenchConfig:
             raise ValueError(f"ranks must be 2 or 4 and backend gloo or nccl, got {self.ranks}, {self.backend!r}")
         if self.experts < 4 or self.experts % 4:
             raise ValueError(f"experts must be a multiple of 4 (spread over 4 ranks), got {self.experts}")
-        if self.mixer == "attention" and (self.seq < 1 or self.tokens % self.seq or self.dim % 4):
-            raise ValueError(f"the attention mixer needs seq >= 1 dividing tokens {self.tokens} (got {self.seq}) and "
-                             f"dim divisible by its 4 heads (got {self.dim})")
+        if self.model not in MODELS:
+            raise ValueError(f"model must be one of {MODELS}, got {self.model!r}")
+        if (self.mixer == "attention" or self.model == "qwen3_moe") and (self.seq < 1 or self.tokens % self.seq
+                                                                        or self.dim % 8):
+            raise ValueError(f"attention needs seq >= 1 dividing tokens {self.tokens} (got {self.seq}) and dim "
+                             f"divisible by its 4 heads of even width (got {self.dim})")
 
 
 QUICK = MoEBenchConfig(tokens=64, dim=32, hidden=64, reps=2, steps=2, seq=16)
@@ -61,7 +71,25 @@ def _blocks(cfg: MoEBenchConfig, count: int) -> list[MoEBlock]:
             for _ in range(count)]
 
 
+def _qwen3(cfg: MoEBenchConfig, layers: int) -> nn.Module:
+    """A Qwen3-MoE causal LM of `layers` decoder layers shaped by `cfg` (transformers' own classes, random weights)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    settings: dict[str, Any] = dict(
+        hidden_size=cfg.dim, intermediate_size=cfg.hidden, moe_intermediate_size=cfg.hidden, num_experts=cfg.experts,
+        num_experts_per_tok=cfg.top_k, norm_topk_prob=True, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=cfg.dim // 4, vocab_size=VOCAB, max_position_embeddings=cfg.seq,
+        attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**settings))
+
+
 def _model(cfg: MoEBenchConfig, device: torch.device, rank: int, world: int) -> nn.Module:
+    if cfg.model == "qwen3_moe":  # the middle part of a model: hidden states in, hidden states out
+        stage = causal_lm_parts(_qwen3(cfg, cfg.layers + 2), 3, balance=[1, cfg.layers, 1])[1].to(device)
+        for layer in moe_layers(stage):
+            layer.shard_experts(ExpertGroup(None, rank, world))
+        return stage
     blocks = _blocks(cfg, cfg.layers)
     model = nn.Sequential(*blocks).to(device)
     for block in blocks:
@@ -70,8 +98,9 @@ def _model(cfg: MoEBenchConfig, device: torch.device, rank: int, world: int) -> 
 
 
 def _tokens(cfg: MoEBenchConfig, count: int, gen: torch.Generator | None = None) -> torch.Tensor:
-    """`count` random tokens: [count / seq, seq, dim] for the attention mixer, else [count, dim]."""
-    shape = (count // cfg.seq, cfg.seq, cfg.dim) if cfg.mixer == "attention" else (count, cfg.dim)
+    """`count` random tokens: [count / seq, seq, dim] for attention, else [count, dim]."""
+    attention = cfg.mixer == "attention" or cfg.model == "qwen3_moe"
+    shape = (count // cfg.seq, cfg.seq, cfg.dim) if attention else (count, cfg.dim)
     return torch.randn(*shape, generator=gen)
 
 
@@ -179,14 +208,12 @@ def _link(cfg: MoEBenchConfig, rank: int, world: int, device: torch.device) -> t
 def _step_times(cfg: MoEBenchConfig, device: torch.device, link: deep.LinkModel | None) -> dict[str, list[float]]:
     """A DualPipeV step (PP=2 x DP=2, ep=2) with fb_overlap on and off, alternating."""
     mesh = make_mesh(2, 2, device.type, ep=2)
-    blocks: list[nn.Module] = [nn.Identity(), *_blocks(cfg, 4 * cfg.layers)]
-    pipes = [Pipeline.from_layers(blocks, nn.functional.mse_loss, lambda ps: torch.optim.SGD(ps, lr=1e-3),
-                                  PipelineConfig(schedule="dualpipev", num_microbatches=8, fb_overlap=overlap,
-                                                 record_timeline=False), mesh=mesh, device=device)
-             for overlap in (False, True)]
+    pipes = [_step_pipeline(cfg, mesh, device, overlap) for overlap in (False, True)]
     for pipe in pipes:
         deep.emulate_link(pipe.runtime, link)
-    x = _tokens(cfg, 8 * cfg.tokens // 2, torch.Generator().manual_seed(dist.get_rank())).to(device)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    x = (torch.randint(0, VOCAB, (8 * cfg.tokens // 2 // cfg.seq, cfg.seq), generator=gen) if cfg.model == "qwen3_moe"
+         else _tokens(cfg, 8 * cfg.tokens // 2, gen)).to(device)
 
     def step(pipe: Pipeline, _: int) -> None:
         pipe.step(x, x)
@@ -194,6 +221,18 @@ def _step_times(cfg: MoEBenchConfig, device: torch.device, link: deep.LinkModel 
 
     off, on = harness.RoundRobin(pipes, step).run(cfg.steps, warmup=1)
     return {"off": off.wall, "on": on.wall}
+
+
+def _step_pipeline(cfg: MoEBenchConfig, mesh: Any, device: torch.device, overlap: bool) -> Pipeline:
+    """DualPipeV on PP=2 x DP=2 (ep=2) over 4 x `layers` blocks (Qwen3-MoE: decoder layers with the embedding and
+    head, trained on token ids)."""
+    config = PipelineConfig(schedule="dualpipev", num_microbatches=8, fb_overlap=overlap, record_timeline=False)
+    sgd = lambda ps: torch.optim.SGD(ps, lr=1e-3)  # noqa: E731
+    if cfg.model == "qwen3_moe":
+        return Pipeline(causal_lm_parts(_qwen3(cfg, 4 * cfg.layers), 4), causal_lm_loss, sgd, config, mesh=mesh,
+                        device=device)
+    blocks: list[nn.Module] = [nn.Identity(), *_blocks(cfg, 4 * cfg.layers)]
+    return Pipeline.from_layers(blocks, nn.functional.mse_loss, sgd, config, mesh=mesh, device=device)
 
 
 def worker(rank: int, world: int, cfg: MoEBenchConfig) -> dict[str, Any]:
@@ -250,6 +289,9 @@ def report(s: Result) -> list[Block]:
              if cfg.backend == "gloo" else f"real NCCL all-to-alls on {s.get('device', 'GPU')} "
              f"({'ranks sharing it' if s.get('shared_gpu') else 'a GPU per rank'}), no emulated link")
     mixer = f"causal attention over {cfg.seq}-token sequences" if cfg.mixer == "attention" else "a Linear mixer"
+    blocks = (f"{cfg.layers} Qwen3-MoE decoder layers of transformers (attention 4/2 heads with q/k norms over "
+              f"{cfg.seq}-token sequences; the sparse blocks as duplexpipe.moe layers, no shared expert)"
+              if cfg.model == "qwen3_moe" else f"{cfg.layers} MoE blocks ({mixer})")
     table = [["run", "ms", "of which"],
              ["F then B", f"{s['sequential_ms']:.2f}", f"comm {s['comm_ms']:.2f} ms, compute {s['compute_ms']:.2f} ms"],
              ["overlapped", f"{s['overlapped_ms']:.2f}", f"ratio {s['pair_ratio']:.2f}, hidden {s['hidden']:.0%} of "
@@ -266,13 +308,19 @@ def report(s: Result) -> list[Block]:
     target = 0.8 if cfg.backend == "nccl" else 0.7
     hidden = f">= {target:.0%} of the comm hidden: {met(s['hidden'] >= target)} ({s['hidden']:.0%})"
     pair = f"pair <= 0.75x F then B: {met(s['pair_ratio'] <= 0.75)} ({s['pair_ratio']:.2f}x); "
-    return [f"MoE F&B pair ({cfg.backend}, {cfg.ranks} processes; {where}): {cfg.layers} MoE blocks ({mixer}), "
+    return [f"MoE F&B pair ({cfg.backend}, {cfg.ranks} processes; {where}): {blocks}, "
             f"{cfg.experts} experts top-{cfg.top_k}, {cfg.tokens} tokens x {cfg.dim} per rank.", table,
             f"Target: {hidden}." if cfg.backend == "nccl" else f"Targets: {pair}{hidden}."]
 
 
-PART = Part("moe_overlap", "MoE F&B overlap", MoEBenchConfig(), QUICK, run, report,
-            block=lambda r: "moe-overlap" if r.get("config", {}).get("ranks", 4) == 4 else "moe-overlap-2")
+def _block(result: Result) -> str:
+    """The docs block of a result: by its model and ranks."""
+    config = result.get("config", {})
+    name = "moe-overlap" + ("-qwen3" if config.get("model", "duplexpipe") == "qwen3_moe" else "")
+    return name if config.get("ranks", 4) == 4 else f"{name}-2"
+
+
+PART = Part("moe_overlap", "MoE F&B overlap", MoEBenchConfig(), QUICK, run, report, block=_block)
 
 if __name__ == "__main__":
     raise SystemExit(runner.main(only=PART.name))

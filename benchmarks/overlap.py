@@ -161,7 +161,7 @@ def figures(result: Result, folder: str) -> list[tuple[str, str]]:
     return [("bench_overlap.png", "Step time with receives waited at their consumers over receives posted ahead")]
 
 
-PART = Part("overlap", "Communication overlap", OverlapConfig(), QUICK, run, report, figures, block="results")
+PART = Part("overlap", "Communication overlap", OverlapConfig(), QUICK, run, report, figures)
 
 if __name__ == "__main__":
     raise SystemExit(runner.main(only=PART.name))

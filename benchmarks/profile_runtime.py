@@ -18,6 +18,10 @@ from benchmarks import harness, models, runner
 from benchmarks.framework import Block, Part, Result, ms
 from benchmarks.models import build_ours, build_pipeline, build_torch_pipe, num_stages
 
+TP_BUCKETS = (("TP collectives (functional collectives, their waits)", ("_functional_collectives.py",)),
+              ("DTensor dispatch (sharding propagation, layouts)", ("tensor/_dispatch.py", "_sharding_prop.py",
+                                                                    "tensor/_redistribute.py")))
+"""Under tensor parallelism, on both sides: DTensor's collectives, and its per-operation work."""
 BUCKETS: Mapping[str, tuple[tuple[str, tuple[str, ...]], ...]] = MappingProxyType({
     "ours": (
         ("wait for a receive (Transport.take)", ("Transport.take (",)),
@@ -29,6 +33,7 @@ BUCKETS: Mapping[str, tuple[tuple[str, tuple[str, ...]], ...]] = MappingProxyTyp
         ("reap completed sends (NCCL only)", ("Transport.reap (",)),
         ("I: autograd-graph analysis (autograd_split)", ("_parents (", "_ancestors (", "_group_params (",
                                                          "_meeting_points (")),
+        *TP_BUCKETS,
         ("forward compute (module + loss)", ("Dispatcher.run_forward (",)),
         ("backward compute (B, I, W)", ("Dispatcher.run_backward (", "Dispatcher.weight (")),
         ("trainer: optimizer step, norm, zero_grad", ("Pipeline._apply (", "zero_grad (")),
@@ -37,6 +42,7 @@ BUCKETS: Mapping[str, tuple[tuple[str, tuple[str, ...]], ...]] = MappingProxyTyp
         ("wait for P2P (_wait_batch_p2p)", ("_wait_batch_p2p (",)), ("post P2P (batch_isend_irecv)", ("_batch_p2p (",)),
         ("I: autograd-graph analysis (_backward.py)", ("get_param_groups (", "reverse_closure (",
                                                       "construct_reverse_graph (")),
+        *TP_BUCKETS,
         ("forward compute (module + loss)", ("forward_one_chunk (", "_maybe_compute_loss (")),
         ("backward compute (B, I, W)", ("backward_one_chunk (", "backward_weight_one_chunk (")),
         ("gradient scaling", ("perform_reduce_grad (", "scale_grads (")),
@@ -53,7 +59,8 @@ class ProfileConfig:
     """What to profile and time."""
 
     cases: tuple[tuple[str, str, int], ...] = (("1f1b", "mlp", 60), ("zbv", "transformer", 10))
-    """(schedule, workload, steps) profiled under py-spy on both sides; workload "mlp", "transformer" or "sleep"."""
+    """(schedule, workload, steps) profiled under py-spy on both sides; workload "mlp", "transformer", "sleep", or
+    "gpt-tp" / "gpt-tp-sp" (vs_torch_tp's GPT at PP=2 x TP=2, without / with sequence parallelism; world 4)."""
     whatif: tuple[tuple[str, str, int], ...] = (("1f1b", "mlp", 20), ("1f1b", "sleep", 4))  # the what-if runs, alike
     lookahead: tuple[int, ...] = ()  # recv_lookahead depths to compare with torch on the first case; then no profile
     fixed_shapes: bool = False  # ours: PipelineConfig.check_inputs_every_step=False
@@ -79,6 +86,14 @@ def _setup(rank: int, world: int, schedule: str, workload: str) -> tuple[list[An
 
 def side_worker(rank: int, world: int, args: dict[str, Any]) -> None:
     """Run `steps` + 2 training steps of one side only (what py-spy records)."""
+    if args["workload"].startswith("gpt-tp"):  # vs_torch_tp's PP=2 x TP=2 GPT ("gpt-tp-sp": sequence parallel)
+        from benchmarks import vs_torch_tp
+        from duplexpipe import make_mesh
+
+        (side,), _, (x, y) = vs_torch_tp.build_sides(args["schedule"], args["workload"].endswith("-sp"),
+                                                    vs_torch_tp.VsTorchTPConfig(), make_mesh(2, tp=2), (args["side"],))
+        harness.RoundRobin([side], lambda p, _: p.step(x, y)).run(args["steps"] + 2)
+        return
     parts, x, y = _setup(rank, world, args["schedule"], args["workload"])
     pipe: Any = (build_pipeline(args["schedule"], parts, 8, check_inputs_every_step=not args["fixed_shapes"])
                  if args["side"] == "ours" else build_torch_pipe(args["schedule"], parts, rank, world, 8))
@@ -217,7 +232,7 @@ def report(result: Result) -> list[Block]:
 
 
 PART = Part("profile_runtime", "Profile (py-spy, --idle): where a rank's step time goes", ProfileConfig(), QUICK, run,
-            report, block="results")
+            report, block="profile")
 
 if __name__ == "__main__":
     raise SystemExit(runner.main(only=PART.name))

@@ -22,8 +22,8 @@ from benchmarks.framework import Part, Result, with_settings
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("vs_torch", "measured_vs_sim", "overlap", "schedule_tooling", "profile_runtime", "auto_search",
          "p2p_compression", "dp_compression", "plan_vs_measured", "zero_bench", "spawn_bench", "auto_vs_hand",
-         "moe_overlap", "compression", "cuda_overlap",
-         "reliability")  # every part in report order: its number is its place here
+         "moe_overlap", "compression", "cuda_overlap", "reliability", "vs_torch_tp",
+         "plan_tp")  # every part in report order: its number is its place here
 
 
 def load(name: str) -> Part[Any]:
@@ -89,11 +89,14 @@ def _chosen(text: str) -> list[str]:
 
 
 def _command(only: str | None, given: list[str]) -> str:
-    """The command line as run (the load note itself is recorded on its own)."""
-    if "--load-note" in given:
-        at = given.index("--load-note")
-        given = given[:at] + ["--load-note", "NOTE"] + given[at + 2:]
-    return shlex.join(["python", "-m", "benchmarks" + (f".{only}" if only else ""), *given])
+    """The command line as run, for the docs: the load note (recorded on its own) as NOTE, folders as DIR."""
+    shown = list(given)
+    for at, arg in enumerate(shown[:-1]):
+        if arg == "--load-note":
+            shown[at + 1] = "NOTE"
+        elif arg in ("--out", "--docs") and shown[at + 1] != "none":
+            shown[at + 1] = "DIR"  # a path of the machine it ran on says nothing to a reader
+    return shlex.join(["python", "-m", "benchmarks" + (f".{only}" if only else ""), *shown])
 
 
 def measure(part: Part[Any], config: Any, command: str, load_note: str, quick: bool) -> Result:

@@ -161,7 +161,7 @@ def figures(result: Result, folder: str) -> list[tuple[str, str]]:
 
 
 PART = Part("schedule_tooling", "Schedule tooling scaling: build + lower + verify + simulate", ToolingConfig(), QUICK,
-            run, report, figures, block="results")
+            run, report, figures, block="schedule-tooling")
 
 if __name__ == "__main__":
     raise SystemExit(runner.main(only=PART.name))

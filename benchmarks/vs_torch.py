@@ -116,7 +116,7 @@ def figures(result: Result, folder: str) -> list[tuple[str, str]]:
 
 
 PART = Part("vs_torch", "Runtime vs torch.distributed.pipelining", VsTorchConfig(), QUICK, run, report, figures,
-            block="results")
+            block="vs-torch")
 
 if __name__ == "__main__":
     raise SystemExit(runner.main(only=PART.name))

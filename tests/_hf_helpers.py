@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.profiler import ProfilerActivity, profile
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -116,3 +119,44 @@ def char_tokenizer(text: str) -> Any:
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+
+
+def peak_bytes(fn: Any, mapped: frozenset[int] = frozenset()) -> tuple[Any, int]:
+    """fn()'s result and the most CPU bytes torch's allocator held at once while it ran (the profiler's memory
+    events, counted from zero at the start). Storages of a size in `mapped` are file mappings (the safetensors
+    library maps a file and touches only the pages of the tensors read): not counted."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for event in events:
+        if abs(event.nbytes()) in mapped:
+            continue
+        live += event.nbytes()
+        peak = max(peak, live)
+    return result, peak
+
+
+def file_sizes(folder: Any) -> frozenset[int]:
+    """The sizes of a model folder's safetensors files (what `peak_bytes` leaves out as file mappings)."""
+    return frozenset(p.stat().st_size for p in folder.glob("*.safetensors"))
+
+
+def own_bytes(pipe: Any) -> tuple[int, int]:
+    """(bytes of a pipeline's parameters and buffers on this rank, the largest single tensor among them)."""
+    tensors = {id(t): t for m in pipe.stage_state_modules.values() for t in [*m.parameters(), *m.buffers()]}
+    sizes = [t.numel() * t.element_size() for t in tensors.values()]
+    return sum(sizes), max(sizes)
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch on one thread inside the block: tiny MoE models' index_add_ and softmax otherwise wait on OpenMP's
+    thread team for tens of milliseconds a call on a loaded 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

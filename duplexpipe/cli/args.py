@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import ast
 import math
 import os
 from collections import Counter
@@ -289,20 +288,6 @@ def load_timeline(path: str) -> Timeline:
         what = f"{bad.action} on rank {bad.rank} runs from {bad.start} to {bad.end}" if bad else "the times overflow"
         raise CliError(f"{path}: {what}; expected finite times, each event ending at or after its start")
     return timeline
-
-
-def parse_task_options(items: Sequence[str]) -> dict[str, Any]:
-    """["n_layer=8", "lr=1e-3", "name=abc"] -> {"n_layer": 8, "lr": 0.001, "name": "abc"}."""
-    options: dict[str, Any] = {}
-    for item in items:
-        key, sep, text = item.partition("=")
-        if not sep or not key.isidentifier():
-            raise ValueError(f"task option {item!r} must look like KEY=VALUE")
-        try:
-            options[key] = ast.literal_eval(text)
-        except (ValueError, SyntaxError):
-            options[key] = text
-    return options
 
 
 class Parser(argparse.ArgumentParser):

@@ -22,7 +22,7 @@ _EXIT_BAD = ("2 bad input (one line on stderr: an unknown schedule, bad P or M,\
              "a malformed file or option, an unwritable output)")
 
 DESCRIPTIONS = MappingProxyType({
-    "duplexpipe": "Pipeline schedules as data: generate, verify, simulate, compare, draw, export and train.",
+    "duplexpipe": "Pipeline schedules as data: generate, verify, simulate, compare, draw, export, plan and train.",
     "schedules": "List the built-in schedules: one line each with its constraints and its --opt options.",
     "show": "Print a schedule's rank x step grid: one row per rank, a rank's n-th action in column n\n"
             "(F forward, B backward, I input-gradient, W weight-gradient, a&b an overlapped F&B pair).",
@@ -35,6 +35,17 @@ DESCRIPTIONS = MappingProxyType({
     "export": "Write a schedule (built-in or file) as duplexpipe JSON or as torch.distributed.pipelining CSV.",
     "plot": "Draw a timeline file as a Gantt chart: a measured run ('duplexpipe train --out-dir DIR' writes\n"
             "DIR/timeline.json) or any Timeline.to_dict() JSON.",
+    "train": "Train a task (a model and its data) with a pipeline schedule: on ranks x dp local processes, or as\n"
+             "one rank under torchrun. Every setting is a flag and a key of the --config TOML file; each flag's\n"
+             "help is its config field's docstring. Configuration errors are found before any process starts.",
+    "plan": "Choose the schedule, microbatches, ZeRO stage and gradient compression for a model under a memory\n"
+            "cap per rank: every candidate is simulated with the costs of a profile ('duplexpipe profile') and\n"
+            "ranked by predicted step time. A profile made with 'profile --calibrate' includes the runtime's own\n"
+            "work per action, message and step; without it the times are the parts' compute alone.",
+    "profile": "Measure a task's model parts (forward, input- and weight-gradient times, activation, parameter and\n"
+               "message bytes) on one microbatch and write a profile for 'duplexpipe plan'. --calibrate also\n"
+               "trains the parts on --ranks local processes to measure the runtime's overhead and the compute\n"
+               "scale inside a running pipeline (as schedule='auto' does), so plan's figures include them.",
     "checkpoint": "Check the checkpoints 'duplexpipe train --save' and Pipeline.save write (ACTION: verify).",
     "checkpoint verify": "Check a checkpoint without loading it: every file against the SHA-256 its manifest\n"
                          "recorded when it was saved, the metadata read the safe way (no code runs: only\n"
@@ -53,6 +64,8 @@ examples:
   duplexpipe export dualpipev -p 4 -m 8 --format torch-csv -o dualpipev.csv
   duplexpipe train --schedule dualpipe --ranks 4 --steps 50 --out-dir run/
   duplexpipe plot run/timeline.json -o run.png
+  duplexpipe profile --parts 8 --calibrate --ranks 4 --batch 32 -o profile.json
+  duplexpipe plan --profile profile.json -p 4 --batch 32 --memory 2GiB
   duplexpipe checkpoint verify run/ckpt
 
 'duplexpipe COMMAND --help' explains each command.
@@ -104,6 +117,43 @@ examples:
 
 torch CSV has no stage table: schedules with two model copies (dualpipe) are refused; use json.
 exit codes: 0 written, {_EXIT_BAD}""",
+    "train": """\
+examples:
+  duplexpipe train --schedule dualpipe --ranks 4 --steps 50 --out-dir run/
+  duplexpipe train --schedule interleaved-1f1b --opt chunks=2 --ranks 2 --microbatches 4
+  duplexpipe train --schedule mine.json                  # a schedule file: its ranks and microbatches
+  duplexpipe train --task hf --task-option model=DIR --task-option data=notes.txt --schedule 1f1b \\
+      --ranks 2 --eval-every 20 --save-pretrained tuned/
+  duplexpipe train --config run.toml --accumulation-steps 4 --no-fb-overlap
+
+the gpt task's options (--task-option KEY=VALUE): {gpt}
+the hf task's options (--task-option KEY=VALUE):
+{hf}
+
+exit codes: 0 trained, 1 a rank failed (its error in one line), 2 bad input (one line on stderr: a setting,
+a task, a schedule that cannot run, a checkpoint that does not match), 130 interrupted""",
+    "plan": """\
+examples:
+  duplexpipe profile --parts 8 --microbatch 4 -o profile.json
+  duplexpipe profile --parts 8 --microbatch 4 --calibrate --ranks 4 --batch 32 -o profile.json
+  duplexpipe plan --profile profile.json -p 4 --batch 64 --memory 2GiB
+  duplexpipe plan --profile profile.json -p 4 --dp 2 --batch 128 --memory 40GiB --bandwidth 25GB \\
+      --zero 0,1,2 --compression all --json
+  duplexpipe plan --profile profile.json -p 4 --batch 64 --memory 2GiB --plot pareto.png
+  duplexpipe plan --profile profile.json --world 8 --batch 64 --memory 40GiB --tp-bandwidth 150GB
+  duplexpipe plan --profile profile.json --world 8 --tp 2 --sequence-parallel --batch 64 --memory 40GiB
+
+exit codes: 0 planned, 2 bad input (one line on stderr: a profile that cannot be read, a bad size or mesh,
+no candidate under the cap, an unwritable figure)""",
+    "profile": """\
+examples:
+  duplexpipe profile --parts 8 --microbatch 4 -o profile.json                  # the bundled GPT
+  duplexpipe profile --task my_task.py:task --parts 8 -o profile.json
+  duplexpipe profile --task hf --task-option model=DIR --task-option data=notes.txt --parts 4 -o hf.json
+  duplexpipe profile --parts 8 --calibrate --ranks 4 --batch 32 -o profile.json
+
+exit codes: 0 written, 2 bad input (one line on stderr: a task that cannot be imported, built or split, a bad
+option, an unwritable output); with --calibrate, 1 when a rank fails""",
     "checkpoint": """\
 example:
   duplexpipe checkpoint verify run/ckpt/step-000030

@@ -9,115 +9,92 @@ import sys
 from pathlib import Path
 from typing import IO, Any
 
-from duplexpipe.cli.args import parse_task_options
-from duplexpipe.fielddoc import field_docs
+from duplexpipe.cli import help as docs
+from duplexpipe.cli.args import CliError, load_schedule
 from duplexpipe.launch.folder_lock import hold_folders, job_folders
-from duplexpipe.launch.train_config import (
-    BALANCES,
-    BATCH_CHECKS,
-    DEFAULT_TASK,
-    GRAD_COMPRESSIONS,
-    HF_TASK,
-    LR_SCHEDULES,
-    NONFINITE_POLICIES,
-    OPTIMIZERS,
-    P2P_COMPRESSIONS,
-    PRECISIONS,
-    ZERO_STAGES,
-    TrainConfig,
-    load_config_file,
-    merge_config,
-)
+from duplexpipe.launch.train_config import DEFAULT_TASK, HF_TASK, TrainConfig, is_schedule_file
 
 
 def add_parsers(sub: Any, full: bool = True) -> None:
-    """Add `train`; its options only when `full` (the training stack imports torch: only when needed)."""
+    """Add `train`; its options only when `full` (they are generated from the config dataclasses, whose types are
+    the training stack's: torch is imported only when `train` is on the command line)."""
     train = sub.add_parser("train", help="train a model (default: the bundled GPT example) on local CPU "
-                           "processes, or under torchrun")
+                           "processes, or under torchrun", description=docs.DESCRIPTIONS["train"],
+                           epilog=_epilog() if full else None, formatter_class=argparse.RawDescriptionHelpFormatter)
     if full:
         add_train_arguments(train)
 
 
+def _epilog() -> str:
+    """Examples, the bundled tasks' options (from their signature and option fields) and the exit codes."""
+    import inspect
+
+    from duplexpipe.launch.tasks.gpt import gpt_task
+    from duplexpipe.launch.tasks.hf_options import options_help
+
+    gpt = ", ".join(f"{n}={p.default}" for n, p in inspect.signature(gpt_task).parameters.items())
+    return docs.EPILOGS["train"].format(gpt=gpt, hf=options_help())
+
+
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of `duplexpipe train`. Flags left out keep the config file's value, else the default. Each
-    flag's help is its TrainConfig field's docstring (one text for `help(TrainConfig)` and `--help`)."""
-    d = TrainConfig()
-    docs = field_docs(TrainConfig)
-    add = parser.add_argument
+    """The options of `duplexpipe train`: `--config FILE.toml`, then one flag per TrainConfig field and per
+    PipelineConfig field a run passes on, generated from the fields (`launch.train_settings`)."""
+    from duplexpipe.launch.train_settings import add_arguments
 
-    def about(name: str) -> str:
-        return f"{docs.get(name, name.replace('_', ' '))} (default {getattr(d, name)})"
-
-    def opt(flag: str, kind: Any, what: str | None = None, **extra: Any) -> None:  # what: for a flag without
-        # a TrainConfig field of its own
-        name = flag.lstrip("-").replace("-", "_")
-        add(flag, type=kind, default=argparse.SUPPRESS, dest=name,
-            help=f"{what} (default {getattr(d, name)})" if what else about(name), **extra)
-
-    add("--config", default=None, metavar="FILE.toml",
-        help="TOML file of settings named like the flags with underscores (batch_size = 64, [task_options]); "
-             "flags given here override it. Its task is imported and run as Python: use config files you trust; "
-             "a task it names must be a function annotated '-> TrainTask'")
-    add("--task", default=argparse.SUPPRESS, help=about("task"))
-    add("--task-option", action="append", default=argparse.SUPPRESS, metavar="KEY=VALUE", dest="task_options",
-        help=f"{docs.get('task_options', '')} Repeatable, e.g. n_layer=8.")
-    opt("--schedule", str)
-    for flag in ("--ranks", "--dp", "--tp", "--microbatches", "--steps", "--batch-size"):
-        opt(flag, int)
-    opt("--optimizer", str, choices=OPTIMIZERS)
-    opt("--lr", float)
-    opt("--weight-decay", float)
-    opt("--momentum", float)
-    opt("--lr-schedule", str, choices=LR_SCHEDULES)
-    opt("--warmup", int)
-    opt("--min-lr-ratio", float)
-    opt("--precision", str, choices=PRECISIONS)
-    opt("--p2p-compression", str, choices=P2P_COMPRESSIONS)
-    opt("--grad-compression", str, choices=GRAD_COMPRESSIONS)
-    opt("--zero-stage", int, choices=ZERO_STAGES)
-    opt("--memory-limit", str)
-    opt("--grad-clip-norm", float)
-    opt("--balance", str, choices=BALANCES)
-    opt("--seed", int)
-    opt("--log-every", int)
-    opt("--out-dir", str)
-    opt("--save", str)
-    opt("--save-every", int)
-    opt("--keep", int)
-    opt("--resume", str)
-    opt("--batch-check", str, choices=BATCH_CHECKS)
-    opt("--nonfinite-grads", str, choices=NONFINITE_POLICIES)
-    opt("--save-pretrained", str)
-    add("--timeout", type=float, default=argparse.SUPPRESS, metavar="SECONDS", help=about("timeout_s"))
-    add("--activation-checkpointing", action="store_true", default=argparse.SUPPRESS,
-        help=about("activation_checkpointing"))
-    add("--progress", action="store_true", default=argparse.SUPPRESS, help=about("progress"))
-    add("--sequence-parallel", action="store_true", default=argparse.SUPPRESS, help=about("sequence_parallel"))
-    add("--no-tensorboard", action="store_false", dest="tensorboard", default=argparse.SUPPRESS,
-        help=about("tensorboard"))
-
-
-_FLAG_FIELDS = {f for f in TrainConfig.__dataclass_fields__} | {"timeout"}
+    parser.add_argument("--config", default=None, metavar="FILE.toml",
+                        help="TOML file of settings named like the flags with underscores (batch_size = 64, "
+                             "[task_options], [schedule_options], [zero]); flags given here override it. Its task "
+                             "is imported and run as Python: use config files you trust; a task it names must be a "
+                             "function annotated '-> TrainTask'")
+    add_arguments(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """TrainConfig from defaults < the --config file < the flags given on the command line."""
-    flags = {k: v for k, v in vars(args).items() if k in _FLAG_FIELDS}
-    if "timeout" in flags:
-        flags["timeout_s"] = flags.pop("timeout")
-    if "task_options" in flags:
-        flags["task_options"] = parse_task_options(flags["task_options"])
+    """TrainConfig from defaults < the --config file < the flags given on the command line. A schedule file states
+    the ranks and microbatches: they default to its own, and must agree with it when given."""
+    from duplexpipe.launch.train_settings import load_config_file, merge_config, values_from_args
+
+    flags = values_from_args(args)
     file_values = load_config_file(args.config) if getattr(args, "config", None) else {}
+    given = {**file_values, **flags}
+    schedule = given.get("schedule")
+    if isinstance(schedule, str) and is_schedule_file(schedule):
+        loaded = _schedule_file(schedule, given.get("ranks"), given.get("microbatches"),
+                                given.get("schedule_options"))
+        flags = {"ranks": loaded.num_ranks, "microbatches": loaded.num_microbatches, **flags,
+                 "schedule": str(Path(schedule).resolve())}  # every rank reads the same file, wherever it runs
     return merge_config(file_values, flags)
 
 
-def _check_without_torch(config: TrainConfig) -> None:
-    """The schedule with its ranks and microbatches, and the task file's existence: found in well under a
-    second (the checks after these import torch)."""
-    from duplexpipe.schedules.registry import build as build_schedule
+def _schedule_file(path: str, ranks: int | None, microbatches: int | None, options: Any) -> Any:
+    """A schedule file, read and verified: CliError (one line) for a file that cannot be read, disagrees with the
+    ranks or microbatches given, or cannot run (the verifier's first line and a pointer to `duplexpipe verify`)."""
+    from duplexpipe.errors import ScheduleError
+    from duplexpipe.schedules.verify import verify
 
+    if options:
+        raise CliError(f"--opt applies to built-in schedules; {path} is a file")
+    schedule = load_schedule(path, None, None)
+    for flag, given, actual in (("--ranks", ranks, schedule.num_ranks),
+                                ("--microbatches", microbatches, schedule.num_microbatches)):
+        if given is not None and given != actual:
+            raise CliError(f"{flag} {given}, but the schedule file {path} is for {actual} {flag[2:]}; leave "
+                           f"{flag} out (a schedule file states it)")
+    try:
+        verify(schedule)
+    except ScheduleError as exc:
+        lines = str(exc).strip().splitlines() or [type(exc).__name__]
+        why = "; ".join(lines[:2]) if len(lines) > 1 and lines[1].startswith("cycle:") else lines[0]
+        raise CliError(f"schedule file {path} cannot run: {why} ('duplexpipe verify {path}' shows each rank's "
+                       "blocked action)") from None
+    return schedule
+
+
+def _check_without_torch(config: TrainConfig) -> None:
+    """The schedule with its ranks and microbatches, and the task file's existence: found before the task is built
+    (the checks after these build it)."""
     if config.schedule != "auto":
-        build_schedule(config.schedule, config.ranks, config.microbatches)
+        config.schedule_object()
     target, sep, name = config.task.rpartition(":")
     if not sep or not target or not name:
         raise ValueError(f"task {config.task!r} must look like 'path/to/file.py:function' or 'module:function'")
@@ -158,10 +135,12 @@ def _train_checked(args: argparse.Namespace, config: TrainConfig, out: IO[str]) 
             out.write(f"{result.partition}\n")
         done = f"steps {result.start_step + 1}-{config.steps}" if result.start_step else f"{config.steps} steps"
         chosen = f" (chose {result.schedule})" if config.schedule == "auto" and result.schedule else ""
+        name = Path(config.schedule).name if is_schedule_file(config.schedule) else config.schedule
+        evaluated = f", eval loss {result.eval_losses[-1][1]:.4f}" if result.eval_losses else ""
         tensor = f" x {config.tp} tp" if config.tp > 1 else ""
-        out.write(f"{config.schedule}{chosen} on {config.ranks} ranks x {config.dp} dp{tensor}, {done}: loss "
-                  f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f}, {result.items_per_s:,.0f} items/s, "
-                  f"{result.wall_s:.1f}s\n")
+        out.write(f"{name}{chosen} on {config.ranks} ranks x {config.dp} dp{tensor}, {done}: loss "
+                  f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f}{evaluated}, {result.items_per_s:,.0f} "
+                  f"{result.item_name}/s, {result.wall_s:.1f}s\n")
         if result.send_bytes:
             out.write(f"stage-to-stage sends ({config.p2p_compression}): {result.send_bytes:,.0f} bytes each "
                       f"on rank 0\n")
@@ -173,6 +152,8 @@ def _train_checked(args: argparse.Namespace, config: TrainConfig, out: IO[str]) 
 
 def _task_from_file(args: argparse.Namespace) -> bool:
     """True when the task was named by the --config file, not by --task on the command line."""
+    from duplexpipe.launch.train_settings import load_config_file
+
     config_file = getattr(args, "config", None)
     return "task" not in vars(args) and config_file is not None and "task" in load_config_file(config_file)
 
@@ -226,7 +207,8 @@ def _failed(exc: Exception) -> int | None:
         if exc.summary.startswith(rejected):  # a rank rejected its input (a checkpoint that does not match)
             print(f"duplexpipe: error: {exc.summary[len(rejected):]}", file=sys.stderr)
             return 2
-        print(f"duplexpipe: error: rank {exc.rank} failed: {exc.summary}", file=sys.stderr)
+        said = exc.summary if exc.summary.startswith(f"rank {exc.rank} ") else f"rank {exc.rank} failed: {exc.summary}"
+        print(f"duplexpipe: error: {said}", file=sys.stderr)
         return 1
     if reported(exc):
         return 1

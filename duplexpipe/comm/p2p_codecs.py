@@ -43,6 +43,7 @@ from duplexpipe.comm.quantize import (
     quantize_int8,
     work_dtype,
 )
+from duplexpipe.dp_options.labels import parse_label, parse_labels
 
 P2P_COMPRESSION = ("bf16", "fp8", "int8")
 """The names `p2p_codec_pair` knows (None: no compression)."""
@@ -167,21 +168,38 @@ class Int8BlockCodec:
         return f"Int8BlockCodec({self.block}{sr})"
 
 
+_CODECS: dict[str, Any] = {"bf16": lambda: bf16_codec(), "fp8": lambda fmt="e4m3": Fp8RowCodec(fmt),
+                           "int8": lambda block=256, stochastic_seed=None: Int8BlockCodec(block, stochastic_seed)}
+"""Each name's codec from its options (the label form "int8(block=128)", "fp8(fmt='e5m2')")."""
+_CODEC_KEYS = {"bf16": "no options", "fp8": "fmt", "int8": "block, stochastic_seed"}
+
+
+def _labelled(name: str, options: dict[str, Any], text: str) -> tuple[Codec, Codec]:
+    """The (activation, gradient) codecs of one parsed label."""
+    if name == "fp8" and not options:
+        return Fp8RowCodec("e4m3"), Fp8RowCodec("e5m2")
+    if name not in _CODECS:
+        raise ValueError(f"unknown p2p_compression {text!r}; expected None, one of {list(P2P_COMPRESSION)} (with "
+                         "options as in 'int8(block=128)'), a Codec, or an (activation, gradient) pair of those "
+                         "('fp8, none')")
+    try:
+        codec = _CODECS[name](**options)
+    except TypeError:
+        raise ValueError(f"p2p_compression {text!r}: unknown option(s) {sorted(options)}; {name} takes "
+                         f"{_CODEC_KEYS[name]}") from None
+    return codec, codec
+
+
 def named_codecs(name: str) -> tuple[Codec, Codec]:
     """(activation codec, gradient codec) of a compression name: "bf16" -> bf16/bf16, "fp8" -> e4m3/e5m2
-    (gradients need e5m2's range more than e4m3's precision), "int8" -> int8 blocks of 256 both ways."""
-    if name == "bf16":
-        return bf16_codec(), bf16_codec()
-    if name == "fp8":
-        return Fp8RowCodec("e4m3"), Fp8RowCodec("e5m2")
-    if name == "int8":
-        return Int8BlockCodec(256), Int8BlockCodec(256)
-    raise ValueError(f"unknown p2p_compression {name!r}; expected None, one of {list(P2P_COMPRESSION)}, a Codec, "
-                     "or an (activation, gradient) pair of those")
+    (gradients need e5m2's range more than e4m3's precision), "int8" -> int8 blocks of 256 both ways; a name with
+    options ("int8(block=128, stochastic_seed=0)", "fp8(fmt='e5m2')") gives that codec both ways."""
+    label, options = parse_label(name)
+    return _labelled(label, options, name)
 
 
 def _one(value: Any, slot: int, what: str) -> Codec | None:
-    if value is None:
+    if value is None or value == "none":
         return None
     if isinstance(value, str):
         return named_codecs(value)[slot]
@@ -189,15 +207,22 @@ def _one(value: Any, slot: int, what: str) -> Codec | None:
 
 
 def p2p_codec_pair(spec: Any, what: str = "p2p_compression") -> tuple[Codec | None, Codec | None]:
-    """(activation codec, gradient codec) for `spec`: None (no compression), a name of P2P_COMPRESSION,
-    a Codec (both directions), or an (activation, gradient) pair whose items are None, a name (that
-    name's codec for the direction) or a Codec. ValueError naming `what`, the value and the choices."""
+    """(activation codec, gradient codec) for `spec`: None or "none" (no compression), a name of P2P_COMPRESSION
+    (with options as in "int8(block=128)"), a Codec (both directions), or an (activation, gradient) pair whose
+    items are None, a name (that name's codec for the direction) or a Codec; as text a pair is "fp8, none".
+    ValueError naming `what`, the value and the choices."""
     if isinstance(spec, (tuple, list)):
         if len(spec) != 2:
             raise ValueError(f"{what} as a pair must be (activation, gradient), got {len(spec)} items: {spec!r}")
         return _one(spec[0], 0, f"{what}[0] (activations)"), _one(spec[1], 1, f"{what}[1] (gradients)")
-    if spec is None or isinstance(spec, str):
-        return (None, None) if spec is None else named_codecs(spec)
+    if spec is None or spec == "none":
+        return None, None
+    if isinstance(spec, str):  # a name, a name with options, or "activation, gradient" as text
+        labels = parse_labels(spec)
+        if len(labels) > 2:
+            raise ValueError(f"{what} as a pair must be 'activation, gradient', got {len(labels)} items: {spec!r}")
+        codecs = [None if (n, o) == ("none", {}) else _labelled(n, o, spec)[k] for k, (n, o) in enumerate(labels)]
+        return (codecs[0], codecs[1]) if len(codecs) == 2 else _labelled(*labels[0], spec)
     if isinstance(spec, Codec):
         codec = check_codec(spec, what)
         return codec, codec

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Union
 
+from duplexpipe.dp_options.labels import build_options, parse_label
+
 
 def _ratio(value: float, what: str = "ratio") -> None:
     if not (isinstance(value, (int, float)) and 0.0 < value <= 1.0):
@@ -193,14 +195,19 @@ _OPTION_TYPES = (NoCompression, Bf16Options, Fp16Options, PowerSGDOptions, Int8O
 
 
 def compression_options(spec: str | Options | None) -> Options:
-    """Options from a method name (defaults), an options object (returned as is), or None (no compression)."""
+    """Options from a method name (defaults) or its label with options ("powersgd(rank=1)", "dgc(ratio=0.001)": the
+    text form `options_label` writes), an options object (returned as is), or None (no compression)."""
     if spec is None:
         return NoCompression()
     if isinstance(spec, _OPTION_TYPES):
         return spec
-    if isinstance(spec, str) and spec.lower() in _BY_NAME:
-        return _BY_NAME[spec.lower()]()  # type: ignore[no-any-return]
-    raise ValueError(f"unknown gradient compression {spec!r}; expected one of {METHOD_NAMES} or an options object")
+    if isinstance(spec, str):
+        name, options = parse_label(spec) if "(" in spec else (spec, {})
+        name = name.lower()  # method names are case-insensitive here (p2p codec names are not)
+        if name in _BY_NAME:
+            return build_options(_BY_NAME[name], options, f"gradient compression {spec!r}")  # type: ignore[no-any-return]
+    raise ValueError(f"unknown gradient compression {spec!r}; expected one of {METHOD_NAMES} (with options as in "
+                     "'powersgd(rank=1)') or an options object")
 
 
 SHARDED_METHODS = ("none", "bf16", "fp16", "int8")

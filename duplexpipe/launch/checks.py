@@ -25,7 +25,6 @@ from duplexpipe.launch.train_loop import (
 from duplexpipe.model.tp_plans import check_plan
 from duplexpipe.parallel.compressed import check_dgc_momentum
 from duplexpipe.parallel.zero_config import check_hpz
-from duplexpipe.schedules.registry import build as build_schedule
 from duplexpipe.train.pipeline_config import AUTO
 
 
@@ -35,8 +34,7 @@ def check_training(config: TrainConfig) -> None:
     ZeRO with compression, ...), the optimizer against the gradient compression (DGC with momentum, a
     sparsifier under Adam), hpZ against the schedule, then the task: importable, buildable (on the meta
     device: no memory, no weights computed) and with enough layers for the schedule's model parts."""
-    schedule = None if config.schedule == AUTO else build_schedule(config.schedule, config.ranks,
-                                                                   config.microbatches)
+    schedule = None if config.schedule == AUTO else config.schedule_object()
     pcfg = pipeline_config(config)  # PipelineConfig checks its fields against each other
     compression = compression_options(pcfg.grad_compression)
     if compression.method != "none":  # building an optimizer imports torch._dynamo (a second): only then
@@ -47,7 +45,12 @@ def check_training(config: TrainConfig) -> None:
         check_hpz(pcfg.zero, schedule, config.dp)
     load_task(config.task)
     task = _built(config)
-    if schedule is not None and len(task.layers) < schedule.num_groups:
+    if config.eval_every and task.eval_batch is None:
+        raise ValueError(f"--eval-every {config.eval_every}: task {config.task!r} holds out no data (its TrainTask "
+                         "has no eval_batch)")
+    if task.pretrained is not None:
+        _check_pretrained(config, task, schedule.num_groups if schedule is not None else None)
+    elif schedule is not None and len(task.layers) < schedule.num_groups:
         raise ValueError(f"task {config.task!r} has {len(task.layers)} layers, but schedule {config.schedule!r} "
                          f"on {config.ranks} ranks runs {schedule.num_groups} model parts of at least one layer "
                          "each; use fewer ranks, another schedule or a deeper model")
@@ -64,6 +67,21 @@ def _check_tensor_parallel(config: TrainConfig, task: TrainTask) -> None:
         [(f"layer{i}", layer) for i, layer in enumerate(task.layers)] + \
         ([("head", task.head)] if task.head is not None else [])
     check_plan([nn.Sequential(OrderedDict(named))], plan, config.tp)
+
+
+def _check_pretrained(config: TrainConfig, task: TrainTask, num_parts: int | None) -> None:
+    """A Hugging Face model directory opened as every rank will open it (config, tensor names and shapes, on the
+    meta device) and cut into the schedule's parts with the experts spread over `ep`: a missing tensor, too few
+    layers or experts that ep does not divide are found here."""
+    from duplexpipe.train.pretrained import PretrainedModel
+
+    assert task.pretrained is not None
+    source = PretrainedModel.open(task.pretrained, task.dtype)
+    if num_parts is not None and source.num_layers < num_parts:
+        raise ValueError(f"{task.pretrained} has {source.num_layers} decoder layers, but schedule {config.schedule!r} "
+                         f"on {config.ranks} ranks runs {num_parts} model parts of at least one layer each; use "
+                         "fewer ranks or another schedule")
+    source.parts(num_parts or 1, experts=(0, config.ep), bias_update_speed=task.router_bias_update_speed)
 
 
 def _built(config: TrainConfig) -> TrainTask:

@@ -14,8 +14,10 @@ log = logging.getLogger("duplexpipe.metrics")
 
 WriterFactory = Callable[[str], Any]
 """Builds a TensorBoard-style writer (`add_scalar(tag, value, step)`, `flush()`, `close()`) for a folder."""
-SCALARS = ("loss", "lr", "grad_norm", "items_per_s", "bubble")
-"""The per-step values that also go to TensorBoard."""
+SCALARS = ("loss", "lr", "grad_norm", "items_per_s", "bubble", "eval_loss", "peak_saved_bytes")
+"""The per-step values that also go to TensorBoard (as train/<name>, eval_loss as eval/loss)."""
+TAGS = {"eval_loss": "eval/loss"}
+"""TensorBoard tags that are not train/<name>."""
 
 
 def tensorboard_writer() -> WriterFactory | None:
@@ -56,7 +58,7 @@ class MetricsLog:
         if self._writer is not None:
             for key in SCALARS:
                 if row.get(key) is not None:
-                    self._writer.add_scalar(f"train/{key}", row[key], step)
+                    self._writer.add_scalar(TAGS.get(key, f"train/{key}"), row[key], step)
 
     def close(self) -> None:
         """Flush and close the file and the writer."""
@@ -112,8 +114,12 @@ def plain_every(log_every: int, total: int, progress: bool) -> int:
 
 
 def log_line(step: int, total: int, values: Mapping[str, Any], unit: str) -> str:
-    """One progress line: `step 10/60  loss 2.3012  lr 3.00e-03  grad 0.81  12,345 tokens/s`."""
-    parts = [f"step {step}/{total}", f"loss {values['loss']:.4f}", f"lr {values['lr']:.2e}"]
+    """One progress line: `step 10/60  loss 2.3012  eval 2.4012  lr 3.00e-03  grad 0.81  12,345 tokens/s` (eval at
+    the steps that evaluated)."""
+    parts = [f"step {step}/{total}", f"loss {values['loss']:.4f}"]
+    if values.get("eval_loss") is not None:
+        parts.append(f"eval {values['eval_loss']:.4f}")
+    parts.append(f"lr {values['lr']:.2e}")
     if values.get("grad_norm") is not None:
         parts.append(f"grad {values['grad_norm']:.3g}")
     if values.get("items_per_s"):

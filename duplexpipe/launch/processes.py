@@ -9,6 +9,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -362,12 +363,13 @@ def _failure(procs: Sequence[Any], results: Any, done: dict[int, Any], errors: d
     silent = _silent(procs, done, errors)
     if silent:
         dead, code = silent[0], procs[silent[0]].exitcode
-        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        how = f"{_death(code)} without reporting a result"
         if first is None:
-            return LaunchError(f"rank {dead} {how} without reporting a result", dead, "", tracebacks)
-        return LaunchError(f"rank {dead} {how} without reporting a result; then rank {first} failed:\n"
-                           f"{errors[first].details}", dead, errors[first].details, tracebacks,
-                           f"{how} without reporting a result")
+            return LaunchError(f"rank {dead} {how}", dead, "", tracebacks)
+        # the others' errors are consequences (a closed connection, often with pages of C++ frames): one line
+        # each here, their tracebacks in LaunchError.errors
+        return LaunchError(f"rank {dead} {how}; then rank {first} stopped: {errors[first].summary} (every rank's "
+                           "traceback: LaunchError.errors)", dead, "", tracebacks, f"rank {dead} {how}")
     assert first is not None
     if own:
         return LaunchError(f"rank {first} failed{also}:\n{errors[first].details}", first, errors[first].details,
@@ -375,6 +377,19 @@ def _failure(procs: Sequence[Any], results: Any, done: dict[int, Any], errors: d
     return LaunchError(f"rank {first} failed, blaming rank {errors[first].blamed}, which reported no error "
                        f"within {grace_s:.0f}s{also}:\n{errors[first].details}", first, errors[first].details,
                        tracebacks, errors[first].summary)
+
+
+def _death(code: int) -> str:
+    """How a process ended, from its exit code: "was killed by signal 9 (SIGKILL: out of memory, or killed from
+    outside)" or "exited with code 3"."""
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        return f"was killed by signal {-code}"
+    why = ": out of memory, or killed from outside" if name == "SIGKILL" else ""
+    return f"was killed by signal {-code} ({name}{why})"
 
 
 def run(

@@ -3,19 +3,12 @@
 from __future__ import annotations
 
 import math
-import sys
-import types
-import typing
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from duplexpipe.fielddoc import documented
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on Python 3.10 only
-    import tomli as tomllib
 
 DEFAULT_TASK = "duplexpipe.launch.tasks.gpt:gpt_task"
 """The bundled GPT task (package data: works from an installed wheel)."""
@@ -36,8 +29,17 @@ NONFINITE_POLICIES = ("raise", "skip")
 """`nonfinite_grads` values (duplexpipe.train.nonfinite.NONFINITE_GRADS): stop the run, or skip the step and go on."""
 BATCH_CHECKS = ("first", "every", "never")
 """`batch_check` values: compare the batch's fingerprint across ranks on a run's first step, on every step, never."""
-MAX_CONFIG_FILE_BYTES = 2**20
-"""Largest TOML config file read (1 MiB)."""
+CHOICES: Mapping[str, tuple[Any, ...]] = MappingProxyType({
+    "optimizer": OPTIMIZERS, "lr_schedule": LR_SCHEDULES, "precision": PRECISIONS, "balance": BALANCES,
+    "zero_stage": ZERO_STAGES, "nonfinite_grads": NONFINITE_POLICIES, "batch_check": BATCH_CHECKS})
+"""The values some TrainConfig fields take (the command line offers them as choices)."""
+SCHEDULE_FILES = (".json", ".csv")
+"""A `schedule` ending so is a schedule file: duplexpipe's JSON or torch.distributed.pipelining's CSV."""
+
+
+def is_schedule_file(schedule: str) -> bool:
+    """True when `schedule` names a schedule file rather than a registry name."""
+    return schedule.lower().endswith(SCHEDULE_FILES)
 
 
 @documented
@@ -53,11 +55,16 @@ class TrainConfig:
     task_options: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for the task function (a [task_options] table in the config file)."""
     schedule: str = "dualpipe"
-    """Schedule name from the registry, or "auto" (profile, plan under `memory_limit`, run the winner)."""
+    """Schedule name from the registry, "auto" (profile, plan under `memory_limit`, run the winner), or a schedule
+    file: .json (as 'duplexpipe export' writes it) or .csv (torch.distributed.pipelining's), which states the ranks
+    and microbatches (verified before any process starts)."""
     ranks: int = 4
     """Pipeline ranks (processes per data-parallel replica)."""
     dp: int = 1
     """Data-parallel replicas; ranks * dp * tp processes in all."""
+    ep: int = 1
+    """Expert parallelism (models with MoE layers): each MoE layer's experts are spread over ep of the dp replicas
+    (ep divides dp; its all-to-alls overlap with the other microbatch's compute in DualPipe(V)'s F&B pairs)."""
     tp: int = 1
     """Tensor-parallel degree: each stage's layers are sharded over tp neighbouring processes with the task's plan
     (the gpt task's `gpt_tp_plan`, a task's `TrainTask.tp_plan`; the hf task: the model's published plan)."""
@@ -87,11 +94,12 @@ class TrainConfig:
     precision: str = "fp32"
     """"fp32", "bf16" or "fp16"."""
     p2p_compression: str = "none"
-    """Stage-to-stage sends: "none" (as computed), "bf16", "fp8" (per-row scales) or "int8" (blockwise);
+    """Stage-to-stage sends: "none" (as computed), "bf16", "fp8" (per-row scales) or "int8" (blockwise), with
+    options as in "int8(block=128)" or "fp8(fmt=e5m2)", or an "activation, gradient" pair such as "fp8, none";
     see PipelineConfig.p2p_compression."""
     grad_compression: str = "none"
-    """Data-parallel gradient compression: "none" (exact) or a duplexpipe.dp_options.compression method name with its
-    defaults."""
+    """Data-parallel gradient compression: "none" (exact) or a duplexpipe.dp_options.compression method name, with
+    its defaults or with options as in "powersgd(rank=1)" or "dgc(ratio=0.001)"."""
     zero_stage: int = 0
     """ZeRO over the data-parallel replicas: 0 none, 1 optimizer state sharded, 2 gradients too (FSDP2)."""
     memory_limit: str | None = None
@@ -107,6 +115,11 @@ class TrainConfig:
     takes one (unless task_options sets it)."""
     log_every: int = 10
     """Rank 0 prints step, loss, lr and throughput every N steps and at the last one (0: never)."""
+    eval_every: int = 0
+    """Evaluate every N steps and after the last one: the mean loss over `eval_batches` held-out batches of the
+    task (`TrainTask.eval_batch`), in the step log, metrics.jsonl and TensorBoard (0: never)."""
+    eval_batches: int = 4
+    """Held-out batches of `batch_size` samples per evaluation (the same batches every time)."""
     progress: bool = False
     """A progress bar (tqdm) instead of the log lines when the output is a terminal; to a file or a pipe, plain
     log lines (every `log_every` steps, or about 20 over the run when that is 0)."""
@@ -115,7 +128,8 @@ class TrainConfig:
     tensorboard package is installed, TensorBoard scalars (tensorboard/) here (None: nothing is written). Locked
     for the run (.duplexpipe.lock): a second run on it exits with code 2 naming the holder."""
     tensorboard: bool = True
-    """Write TensorBoard scalars under out_dir when tensorboard is installed (skipped quietly otherwise)."""
+    """TensorBoard scalars under out_dir/tensorboard when the tensorboard package is installed (skipped quietly
+    otherwise); --no-tensorboard turns them off."""
     save: str | None = None
     """Save checkpoints to <save>/step-NNNNNN at the end; <save>/latest names the newest complete one (written
     atomically once every rank finished its part and the checkpoint's manifest of SHA-256 checksums is written).
@@ -143,16 +157,19 @@ class TrainConfig:
     batch_check: str = "first"
     """Compare a fingerprint of task.batch()'s global batch across all ranks (it must be the same everywhere): on
     the run's "first" step, on "every" step (a debugging aid: one small all-gather a step), or "never"."""
-
+    pipeline: dict[str, Any] = field(default_factory=dict)
+    """PipelineConfig settings that no field above carries, by field name ({"accumulation_steps": 2, "zero":
+    {"hpz_ranks": 2}}): each is a flag and a config-file key of its own (`duplexpipe.launch.train_settings`)."""
     def __post_init__(self) -> None:
-        for name in ("ranks", "dp", "tp", "microbatches", "steps", "batch_size"):
+        for name in ("ranks", "dp", "ep", "tp", "microbatches", "steps", "batch_size", "eval_batches"):
             _at_least(name, getattr(self, name), 1)
-        for name in ("warmup", "log_every", "save_every", "keep"):
+        if self.dp % self.ep:
+            raise ValueError(f"ep={self.ep} must divide dp={self.dp} (experts are spread over ep of the dp replicas)")
+        for name in ("warmup", "log_every", "save_every", "keep", "eval_every"):
             _at_least(name, getattr(self, name), 0)
         self.task = TASK_ALIASES.get(self.task, self.task)
         for name, choices in (("optimizer", OPTIMIZERS), ("lr_schedule", LR_SCHEDULES),
-                              ("precision", PRECISIONS), ("balance", BALANCES),
-                              ("p2p_compression", P2P_COMPRESSIONS), ("batch_check", BATCH_CHECKS),
+                              ("precision", PRECISIONS), ("balance", BALANCES), ("batch_check", BATCH_CHECKS),
                               ("nonfinite_grads", NONFINITE_POLICIES)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
@@ -173,12 +190,17 @@ class TrainConfig:
         self._check_parallelism()
 
     def _check_parallelism(self) -> None:
-        """grad_compression, zero_stage and memory_limit: known values, and the limit only with schedule "auto"."""
+        """The compressions' names, zero_stage and memory_limit: known values, and the limit only with schedule
+        "auto" (options are checked by PipelineConfig before any process starts)."""
+        from duplexpipe.dp_options.labels import parse_labels
         from duplexpipe.sizes import parse_bytes
 
-        if self.grad_compression not in GRAD_COMPRESSIONS:
-            raise ValueError(f"grad_compression must be one of {', '.join(GRAD_COMPRESSIONS)}, "
-                             f"got {self.grad_compression!r}")
+        for name, known, most in (("p2p_compression", P2P_COMPRESSIONS, 2), ("grad_compression", GRAD_COMPRESSIONS, 1)):
+            labels = parse_labels(getattr(self, name))
+            if len(labels) > most or any(label not in known for label, _ in labels):
+                raise ValueError(f"{name} must be one of {', '.join(known)} (with options as in 'int8(block=128)'"
+                                 f"{', or an activation, gradient pair' if most == 2 else ''}), "
+                                 f"got {getattr(self, name)!r}")
         if self.zero_stage not in ZERO_STAGES:
             raise ValueError(f"zero_stage must be 0, 1 or 2, got {self.zero_stage}")
         if self.memory_limit is not None:
@@ -189,9 +211,19 @@ class TrainConfig:
 
     def parts_needed(self) -> int:
         """How many model parts the schedule needs (the model needs at least that many blocks)."""
+        return self.schedule_object().num_groups
+
+    def schedule_object(self) -> Any:
+        """The Schedule of a registry name (with `pipeline["schedule_options"]`) or of a schedule file; not for
+        "auto"."""
+        from duplexpipe.schedules.ir import load_json, load_torch_csv
         from duplexpipe.schedules.registry import build
 
-        return build(self.schedule, self.ranks, self.microbatches).num_groups
+        if is_schedule_file(self.schedule):
+            if self.schedule.lower().endswith(".csv"):
+                return load_torch_csv(self.schedule, num_microbatches=self.microbatches)
+            return load_json(self.schedule)
+        return build(self.schedule, self.ranks, self.microbatches, **self.pipeline.get("schedule_options", {}))
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as plain data (JSON-ready)."""
@@ -201,67 +233,6 @@ class TrainConfig:
 def _at_least(name: str, value: int, low: int) -> None:
     if value < low:
         raise ValueError(f"{name} must be >= {low}, got {value}")
-
-
-def field_types() -> dict[str, Any]:
-    """TrainConfig's field names and their (resolved) type hints."""
-    return typing.get_type_hints(TrainConfig)
-
-
-def _check_type(name: str, value: Any, hint: Any) -> Any:
-    """`value` as the field's type (an int for a float field becomes a float); ValueError otherwise."""
-    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
-    allowed = tuple(typing.get_origin(a) or a for a in (typing.get_args(hint) if union else (hint,)))
-    if float in allowed and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if (isinstance(value, bool) and bool not in allowed) or not isinstance(value, allowed):
-        names = " or ".join("none" if a is type(None) else a.__name__ for a in allowed)
-        raise ValueError(f"{name} must be {names}, got {value!r}")
-    return value
-
-
-def check_keys(values: Mapping[str, Any], source: str) -> dict[str, Any]:
-    """Values keyed by TrainConfig field names (dashes allowed for underscores), type-checked.
-
-    Raises ValueError naming unknown keys and the valid ones, or a value of the wrong type.
-    """
-    hints = field_types()
-    out: dict[str, Any] = {}
-    unknown = []
-    for key, value in values.items():
-        name = key.replace("-", "_")
-        if name not in hints:
-            unknown.append(key)
-            continue
-        out[name] = _check_type(name, value, hints[name])
-    if unknown:
-        valid = ", ".join(f.name for f in fields(TrainConfig))
-        raise ValueError(f"{source}: unknown keys {unknown}; valid keys: {valid}")
-    return out
-
-
-def load_config_file(path: str) -> dict[str, Any]:
-    """The settings of a TOML config file (field names as keys; [task_options] as a table); ValueError for a file
-    over MAX_CONFIG_FILE_BYTES, unreadable or not TOML, before anything in it is used."""
-    from duplexpipe.files import read_capped_text
-
-    try:
-        data = tomllib.loads(read_capped_text(path, MAX_CONFIG_FILE_BYTES, "config file"))
-    except OSError as exc:
-        raise ValueError(f"config file {path}: cannot read it ({exc.strerror})") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"config file {path}: not valid TOML ({exc})") from None
-    except RecursionError:
-        raise ValueError(f"config file {path}: nested too deeply to be a configuration") from None
-    return check_keys(data, f"config file {path}")
-
-
-def merge_config(file_values: Mapping[str, Any], flag_values: Mapping[str, Any]) -> TrainConfig:
-    """TrainConfig from its defaults, overridden by the config file, overridden by command-line flags."""
-    values = {**check_keys(file_values, "config file"), **check_keys(flag_values, "command line")}
-    if "task_options" in file_values and "task_options" in flag_values:
-        values["task_options"] = {**file_values["task_options"], **flag_values["task_options"]}
-    return TrainConfig(**values)
 
 
 def lr_factor(schedule: str, warmup: int, total: int, min_ratio: float) -> Callable[[int], float]:

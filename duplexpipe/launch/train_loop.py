@@ -11,26 +11,23 @@ import json
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map_only
 
 from duplexpipe.errors import CheckpointError, InputRejected
+from duplexpipe.launch.batches import batch_rows, evaluate_batches, local_slice, rows_of
 from duplexpipe.launch.checkpoints import LATEST, checkpoint_to_load, discard_partial, publish, resume_from, step_name
 from duplexpipe.launch.folder_lock import hold_folders, job_folders
 from duplexpipe.launch.job_guards import check_same_batch, checks_batch, locked_by_rank0
 from duplexpipe.launch.metrics import MetricsLog, log_line, plain_every, progress_bar, tensorboard_writer
 from duplexpipe.launch.processes import launched_by_torchrun, run
-from duplexpipe.launch.train_config import (
-    DEFAULT_TASK,
-    TrainConfig,
-    lr_factor,
-)
+from duplexpipe.launch.train_config import DEFAULT_TASK, TrainConfig, is_schedule_file, lr_factor
+from duplexpipe.launch.train_settings import pipeline_values
 from duplexpipe.model.stages import PartInit
 from duplexpipe.model.tp_plans import TPPlan
 from duplexpipe.parallel.mesh import make_mesh
@@ -69,6 +66,13 @@ class TrainTask:
     head and init are then unused; `batch` gives (input_ids, labels)) and `--save-pretrained` can write it back."""
     dtype: torch.dtype | None = None
     """The dtype of a `pretrained` model (None: the checkpoint's)."""
+    eval_batch: Callable[[int, int], tuple[Any, Any]] | None = None
+    """eval_batch(index, batch_size) -> (inputs, targets): held-out batch number `index` (0, 1, ...), identical on
+    every rank, as `batch` gives them; `--eval-every` reports the mean loss over the first `--eval-batches` of them.
+    None: the task holds nothing out."""
+    router_bias_update_speed: float = 0.0
+    """A `pretrained` MoE model whose routers have an expert bias (DeepSeek-V3): how far each bias moves after an
+    optimizer step (the aux-loss-free balance; 0: it stays)."""
     tp_plan: Callable[[bool], TPPlan] | None = None
     """tp_plan(sequence_parallel) -> the tensor-parallel plan of the parts `Pipeline.from_layers` makes (children
     `embedding`, `layer<i>`, `head`), for `--tp` > 1 (None: the task cannot run tensor-parallel; a `pretrained`
@@ -99,6 +103,10 @@ class TrainResult:
     """The schedule that ran (schedule "auto": the planner's choice)."""
     plan: str = ""
     """What ran (`Pipeline.plan`); with schedule "auto" the planner's choice and its best candidates."""
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)
+    """(step, mean held-out loss) of every evaluation this run made (`eval_every`)."""
+    item_name: str = "samples"
+    """What the throughput counts (the task's `item_name`)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -209,58 +217,39 @@ def make_optimizer(config: TrainConfig) -> Callable[[list[nn.Parameter]], torch.
 
 
 def make_scheduler(config: TrainConfig) -> Callable[[torch.optim.Optimizer], Any]:
-    """The LR scheduler factory of `config` (warm-up, then constant / cosine / linear decay)."""
-    factor = lr_factor(config.lr_schedule, config.warmup, config.steps, config.min_lr_ratio)
+    """The LR scheduler factory of `config` (warm-up, then constant / cosine / linear decay over the run's optimizer
+    steps: one per `accumulation_steps` steps)."""
+    optimizer_steps = -(-config.steps // int(config.pipeline.get("accumulation_steps", 1)))
+    factor = lr_factor(config.lr_schedule, config.warmup, optimizer_steps, config.min_lr_ratio)
     return lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
-def batch_rows(value: Any) -> int:
-    """Samples in a batch's inputs or targets: a tensor, or a tuple / list / dict of them (the first
-    dimension of the first tensor)."""
-    first = next((t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)), None)
-    if first is None or first.dim() == 0:
-        raise ValueError(f"a batch must hold tensors with a batch dimension, got {type(value).__name__}")
-    return int(first.shape[0])
-
-
-def rows_of(value: Any, lo: int, hi: int) -> Any:
-    """Samples lo..hi-1 of every tensor in `value` (a tensor, or a tuple / list / dict of them)."""
-    return tree_map_only(torch.Tensor, lambda t: t[lo:hi], value)
-
-
-def _local_slice(value: Any, index: int, parts: int) -> Any:
-    if parts == 1 or value is None:
-        return value
-    size = batch_rows(value) // parts
-    return rows_of(value, index * size, (index + 1) * size)
-
-
 def pipeline_config(config: TrainConfig) -> PipelineConfig:
-    """The PipelineConfig a run trains with."""
-    return PipelineConfig(schedule=config.schedule, num_microbatches=config.microbatches,
-                          precision=config.precision, grad_clip_norm=config.grad_clip_norm,
-                          activation_checkpointing=config.activation_checkpointing, timeout_s=config.timeout_s,
-                          p2p_compression=None if config.p2p_compression == "none" else config.p2p_compression,
-                          grad_compression=None if config.grad_compression == "none" else config.grad_compression,
-                          zero_stage=config.zero_stage, memory_limit=config.memory_limit,
-                          sequence_parallel=config.sequence_parallel, nonfinite_grads=config.nonfinite_grads)
+    """The PipelineConfig a run trains with: the fields TrainConfig carries (sequence_parallel among them), its
+    generated pipeline settings (`train_settings.pipeline_values`), and a schedule file's Schedule."""
+    values = pipeline_values(config)
+    if is_schedule_file(config.schedule):
+        values["schedule"] = config.schedule_object()
+    return PipelineConfig(**values)
 
 
 def _build_pipeline(config: TrainConfig, task: TrainTask) -> Pipeline:
     device_type = default_device().type
-    mesh = make_mesh(config.ranks, config.dp, device_type, tp=config.tp) if config.dp * config.tp > 1 else None
+    mesh = make_mesh(config.ranks, config.dp, device_type, tp=config.tp, ep=config.ep) \
+        if config.dp * config.tp > 1 else None
     pcfg = pipeline_config(config)
     inputs, targets = task.batch(0, config.batch_size)
     dp_rank = dist.get_rank() // config.tp % config.dp  # make_mesh: rank = (pp index x dp + dp index) x tp + tp index
     auto = config.schedule == "auto"
-    sample = {"sample_input": _local_slice(inputs, dp_rank, config.dp),
-              "sample_targets": _local_slice(targets, dp_rank, config.dp)} if auto else {}
+    sample = {"sample_input": local_slice(inputs, dp_rank, config.dp),
+              "sample_targets": local_slice(targets, dp_rank, config.dp)} if auto else {}
     if task.pretrained is not None:
         if config.balance != "uniform":
             raise ValueError(f"balance {config.balance!r}: a Hugging Face model's layers are spread evenly "
                              "(balance 'uniform')")
         return Pipeline.from_pretrained(task.pretrained, make_optimizer(config), pcfg, mesh=mesh, dtype=task.dtype,
-                                        scheduler=make_scheduler(config), **sample)
+                                        scheduler=make_scheduler(config),
+                                        router_bias_update_speed=task.router_bias_update_speed, **sample)
     if not auto:  # one microbatch of step 0's batch: the profiling sample of balance="time" (a tensor input)
         first = rows_of(inputs, 0, max(1, batch_rows(inputs) // (config.microbatches * config.dp)))
         sample = {"sample_input": first} if isinstance(first, torch.Tensor) or config.balance == "time" else {}
@@ -323,10 +312,15 @@ def _prepare(config: TrainConfig) -> tuple[TrainTask, Pipeline]:
     if config.save_pretrained is not None and task.pretrained is None:
         raise ValueError(f"--save-pretrained writes a Hugging Face model; task {config.task!r} trains no "
                          "Hugging Face model (use --task hf)")
+    if config.eval_every and task.eval_batch is None:
+        raise ValueError(f"--eval-every {config.eval_every}: task {config.task!r} holds out no data (its TrainTask "
+                         "has no eval_batch)")
     checkpoint = resume_from(config.resume, config.save)
     pipe = _build_pipeline(config, task)
     if checkpoint is not None:
         pipe.load(checkpoint)
+        if dist.get_rank() == 0:
+            print(f"resuming from step {pipe.calls} of {checkpoint}", flush=True)
     if pipe.calls >= config.steps:
         raise ValueError(f"the checkpoint is at step {pipe.calls}; --steps {config.steps} leaves nothing to do")
     return task, pipe
@@ -350,7 +344,7 @@ def _train(config: TrainConfig) -> TrainResult | None:
     lead = dist.get_rank() == 0
     metrics = _open_metrics(config, lead, start)
     try:
-        losses, rate, wall = _loop(pipe, task, config, start, metrics, lead)
+        losses, evals, rate, wall = _loop(pipe, task, config, start, metrics, lead)
     finally:
         if metrics is not None:
             metrics.close()
@@ -364,21 +358,23 @@ def _train(config: TrainConfig) -> TrainResult | None:
     sends = pipe.p2p_meter.calls.get("send", 0)
     send_bytes = pipe.p2p_meter.bytes.get("send", 0.0) / sends if sends else 0.0
     plan = pipe.plan.summary() if pipe.auto is None else f"{pipe.auto.summary()}\n{pipe.auto.result.table(5)}"
-    return TrainResult(losses, rate, timeline, partition, wall, config, start, send_bytes, pipe.schedule.name, plan)
+    return TrainResult(losses, rate, timeline, partition, wall, config, start, send_bytes, pipe.schedule.name, plan,
+                       evals, task.item_name)
 
 
 def _loop(pipe: Pipeline, task: TrainTask, config: TrainConfig, start: int, metrics: MetricsLog | None,
-          lead: bool) -> tuple[list[float], float, float]:
-    """Train steps start..config.steps-1; returns (losses, items/s, wall seconds).
+          lead: bool) -> tuple[list[float], list[tuple[int, float]], float, float]:
+    """Train steps start..config.steps-1; returns (losses, (step, eval loss) pairs, items/s, wall seconds).
 
     items/s counts the steps after the first (warm-up) one, over the time spent fetching their batches
-    and stepping (not logging or saving checkpoints).
+    and stepping (not logging, evaluating or saving checkpoints).
     """
     from duplexpipe.runtime import gather_timeline
 
     bar = progress_bar(config.steps, start, task.item_name, sys.stdout) if config.progress and lead else None
     every = plain_every(config.log_every, config.steps, config.progress)
     losses: list[float] = []
+    evals: list[tuple[int, float]] = []
     began = time.perf_counter()
     items, busy = 0, 0.0  # after the first step: items trained and seconds spent fetching + stepping
     for step in range(start, config.steps):
@@ -386,7 +382,7 @@ def _loop(pipe: Pipeline, task: TrainTask, config: TrainConfig, start: int, metr
         x, y = task.batch(step, config.batch_size)
         if checks_batch(config.batch_check, step, start):
             _check_batch(pipe, config, step, start, x, y)
-        x, y = (_local_slice(v, pipe.groups.dp_rank, pipe.groups.dp_size) for v in (x, y))
+        x, y = (local_slice(v, pipe.groups.dp_rank, pipe.groups.dp_size) for v in (x, y))
         lr = pipe.optimizer.param_groups[0]["lr"]
         losses.append(pipe.step(x, y))
         now = time.perf_counter()
@@ -397,23 +393,29 @@ def _loop(pipe: Pipeline, task: TrainTask, config: TrainConfig, start: int, metr
         bubble = gather_timeline(timeline, group=pipe.groups.pp_group).bubble_ratio if timeline else None
         values = {"loss": losses[-1], "lr": lr, "grad_norm": pipe.last.grad_norm if pipe.last else None,
                   "items_per_s": step_items / (now - tick), "bubble": bubble}
+        if pipe.last is not None and pipe.last.peak_saved_bytes:
+            values["peak_saved_bytes"] = pipe.last.peak_saved_bytes
         if pipe.last is not None and pipe.last.skipped:  # NaN/inf gradients (fp16 overflow or nonfinite_grads "skip")
             values["skipped"] = True
             if lead and config.precision != "fp16":
                 print(f"step {step + 1}/{config.steps} skipped: its gradients held NaN or inf (norm "
                       f"{pipe.last.grad_norm}); {pipe.skipped_steps} skipped so far", flush=True)
+        if config.eval_every and ((step + 1) % config.eval_every == 0 or step + 1 == config.steps):
+            assert task.eval_batch is not None  # _prepare checked it
+            values["eval_loss"] = evaluate_batches(pipe, task.eval_batch, config.batch_size, config.eval_batches)
+            evals.append((step + 1, values["eval_loss"]))
         if metrics is not None:
             metrics.write(step + 1, values)
         if bar is not None:
             bar.update(step + 1, losses[-1], items / busy if busy else 0.0)
-        elif lead and every and ((step + 1) % every == 0 or step + 1 == config.steps):
+        elif lead and ((every and ((step + 1) % every == 0 or step + 1 == config.steps)) or "eval_loss" in values):
             print(log_line(step + 1, config.steps, values, task.item_name), flush=True)
         if config.save and ((config.save_every and (step + 1) % config.save_every == 0) or step + 1 == config.steps):
             _save(pipe, config, step + 1)
     end = time.perf_counter()
     if bar is not None:
         bar.close()
-    return losses, items / busy if busy else 0.0, end - began
+    return losses, evals, items / busy if busy else 0.0, end - began
 
 
 def _check_batch(pipe: Pipeline, config: TrainConfig, step: int, start: int, x: Any, y: Any) -> None:

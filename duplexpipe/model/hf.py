@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -9,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from duplexpipe.model.hf_moe import MOE_CLASSES, MOE_MODEL_TYPES, ROUTER_KEYS, RouterLoss, with_moe_layers
 from duplexpipe.model.split import check_balance, check_split_size, uniform_balance
 
 try:
@@ -24,13 +26,13 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("duplexpipe.model.hf needs transformers: pip install 'duplexpipe[hf]'") from exc
 
-LLAMA_LAYOUT = (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)
+LLAMA_LAYOUT = (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, *MOE_CLASSES)
 """Models with `model.embed_tokens`, `model.layers`, `model.norm`, `model.rotary_emb` and `lm_head`."""
 SUPPORTED = (*LLAMA_LAYOUT, GPT2LMHeadModel)
 """The model classes `causal_lm_parts` accepts."""
 MODEL_TYPES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM, "mistral": MistralForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM,
-    "gpt2": GPT2LMHeadModel,
+    "gpt2": GPT2LMHeadModel, **MOE_MODEL_TYPES,
 }
 """config.json's `model_type` -> the causal LM class `causal_lm_parts` splits."""
 IGNORE_INDEX = -100
@@ -69,6 +71,9 @@ class CausalLMPart(nn.Module):
         self.is_first = index == 0
         self.is_last = index == num_parts - 1
         self.input_name = "input_ids" if self.is_first else "hidden_states"
+        self.router_loss = RouterLoss.of(model)
+        """transformers' load-balancing loss of an MoE model with `output_router_logits` (else None): in training
+        a part passes its sums on (`ROUTER_KEYS`), the last returns {"logits", "aux_loss"}."""
         self.sequence_shards = 1
         """TP ranks sharing the sequence of the hidden states (sequence parallelism; set by the Pipeline): each holds
         1/sequence_shards of the positions, while masks and rotary positions are built for the whole sequence."""
@@ -83,7 +88,7 @@ class CausalLMPart(nn.Module):
 
     def forward(self, *args: Tensor | None, **kwargs: Tensor | None) -> Tensor | dict[str, Tensor]:
         """input_ids or hidden_states [, attention_mask [, position_ids]] -> next part's input or logits."""
-        x, mask, position_ids = self._bind(args, kwargs)
+        x, mask, position_ids, sums = self._bind(args, kwargs)
         if self.is_first and x.shape[1] % self.sequence_shards:
             raise ValueError(f"sequence parallelism: {x.shape[1]} positions are not divisible by the TP degree "
                              f"{self.sequence_shards}")
@@ -92,21 +97,30 @@ class CausalLMPart(nn.Module):
             length = x.shape[1] * (1 if self.is_first else self.sequence_shards)
             positions = torch.arange(length, device=x.device).unsqueeze(0)
         hidden = self.embed(x, positions) if self.is_first else x
-        hidden = self.run_layers(hidden, mask, positions)
+        loss = self.router_loss if torch.is_grad_enabled() else None
+        recording: contextlib.AbstractContextManager[list[Tensor]] = \
+            contextlib.nullcontext([]) if loss is None else loss.recording(self)
+        with recording as router_logits:
+            hidden = self.run_layers(hidden, mask, positions)
+        if loss is not None:  # transformers' load-balancing loss, summed over the layers so far
+            sums = loss.add(sums or loss.start(hidden.device), router_logits, mask)
         if self.is_last:
-            return self.head(hidden)
-        if mask is None and position_ids is None:
+            logits = self.head(hidden)
+            return logits if loss is None else {"logits": logits, "aux_loss": loss.value(sums)}
+        if mask is None and position_ids is None and loss is None:
             return hidden
-        out = {"hidden_states": hidden}
+        out = {"hidden_states": hidden, **(sums if loss is not None else {})}
         if mask is not None:
             out["attention_mask"] = mask
         if position_ids is not None:
             out["position_ids"] = position_ids
         return out
 
-    def _bind(self, args: tuple[Tensor | None, ...],
-              kwargs: dict[str, Tensor | None]) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    def _bind(self, args: tuple[Tensor | None, ...], kwargs: dict[str, Tensor | None]
+              ) -> tuple[Tensor, Tensor | None, Tensor | None, dict[str, Tensor]]:
         names = (self.input_name, "attention_mask", "position_ids")
+        carried = {k: v for k, v in kwargs.items() if k in ROUTER_KEYS and v is not None}
+        kwargs = {k: v for k, v in kwargs.items() if k not in ROUTER_KEYS}
         if len(args) > len(names):
             raise TypeError(f"part {self.index} takes at most {len(names)} inputs {names}, got {len(args)}")
         bound = dict(zip(names, args, strict=False))
@@ -118,7 +132,7 @@ class CausalLMPart(nn.Module):
         x = bound.get(self.input_name)
         if not isinstance(x, Tensor):
             raise TypeError(f"part {self.index} needs {self.input_name!r} as a tensor, got {type(x).__name__}")
-        return x, bound.get("attention_mask"), bound.get("position_ids")
+        return x, bound.get("attention_mask"), bound.get("position_ids"), carried
 
     def embed(self, input_ids: Tensor, positions: Tensor) -> Tensor:
         """Token ids -> the first layer's input (first part only)."""
@@ -237,13 +251,16 @@ def causal_lm_parts(model: nn.Module, num_parts: int, balance: Sequence[int] | N
     remainder) or by an explicit `balance` (layers per part). The embedding goes with the first
     part, the final norm and the head with the last. The parts share the model's modules: a tied
     input/output embedding stays one Parameter in two parts, and `Pipeline` sums its gradients.
-    Supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM and GPT2LMHeadModel.
+    Supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, GPT2LMHeadModel and the MoE
+    models Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, MixtralForCausalLM, DeepseekV3ForCausalLM, whose sparse blocks
+    run as `duplexpipe.moe` layers (`hf_moe`; their experts are copies of the fused tensors, not shared).
     """
     if not isinstance(model, SUPPORTED):
         names = ", ".join(cls.__name__ for cls in SUPPORTED)
         raise ValueError(f"causal_lm_parts does not support {type(model).__name__}; supported: {names}")
     if not isinstance(num_parts, int) or isinstance(num_parts, bool):
         raise ValueError(f"num_parts must be an integer, got {num_parts!r}")
+    model = with_moe_layers(model)
     n = num_layers(model)
     check_split_size(n, num_parts)
     counts = uniform_balance(n, num_parts) if balance is None else check_balance(balance, n, num_parts)
@@ -290,14 +307,17 @@ def _summed_loss(logits: Tensor, labels: Tensor, reduction: str) -> Tensor:
                            reduction=reduction)
 
 
-def causal_lm_loss(logits: Tensor, targets: Tensor | Mapping[str, Tensor]) -> Tensor:
+def causal_lm_loss(logits: Tensor | Mapping[str, Tensor], targets: Tensor | Mapping[str, Tensor]) -> Tensor:
     """The loss `model(input_ids, labels=labels)` computes: next-token cross entropy, -100 ignored.
 
     `targets` is the labels (batch, seq), unshifted: the mean over this microbatch's counted tokens
     (the pipelined loss then equals the whole-batch loss when every row counts the same number of
     tokens), or `causal_lm_targets(labels)`: exact for any padding. The loss keeps the logits' dtype
-    when it is float32 or wider (transformers' own loss casts float64 logits down to float32).
+    when it is float32 or wider (transformers' own loss casts float64 logits down to float32). An MoE model's
+    {"logits", "aux_loss"} adds its aux loss (router_aux_loss_coef x the load-balancing loss), as transformers does.
     """
+    if isinstance(logits, Mapping):
+        return causal_lm_loss(logits["logits"], targets) + logits["aux_loss"]
     if isinstance(targets, Tensor):
         return _summed_loss(logits, targets, "mean")
     if not isinstance(targets, Mapping) or set(targets) != {"labels", "batch_tokens", "batch_rows"}:

@@ -17,7 +17,9 @@ from torch.distributed.tensor.parallel import (
 )
 
 from duplexpipe.model.hf import CausalLMPart, LlamaLayoutPart
-from duplexpipe.model.tp_plans import ReplicatedWithGradAllReduce, plan_errors, resolve, summary
+from duplexpipe.model.tp_plans import plan_errors, resolve, summary
+from duplexpipe.moe.layer import MoELayer
+from duplexpipe.runtime.tp_styles import ReplicatedWithGradAllReduce
 
 SEQUENCE_PARALLEL_NORMS = ("layers.*.input_layernorm", "layers.*.post_attention_layernorm", "norm")
 """The Llama layout's norms: with sequence parallelism they run on the sequence shard (torch's SequenceParallel)."""
@@ -58,8 +60,16 @@ def published_plan(part: CausalLMPart) -> dict[str, str]:
 def part_plan(part: CausalLMPart, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """The torch plan of one Hugging Face part: the published plan mapped (`published_plan`), and with sequence
     parallelism the norms on the sequence shard and an all-gather before each attention and MLP (torchtitan's
-    Llama plan); only the keys this part has."""
-    plan = {key: _style(kind, key, sequence_parallel) for key, kind in published_plan(part).items()}
+    Llama plan); only the keys this part has. An MoE family's sparse blocks (`MoELayer`s) stay whole, as
+    `moe_tp_plan` leaves them: their experts are spread by expert parallelism, so the published entries inside them
+    are left out; with sequence parallelism they are refused (they would see the whole sequence)."""
+    moe = [path for path, module in part.named_modules() if isinstance(module, MoELayer)]
+    if moe and sequence_parallel:
+        raise ValueError(f"sequence parallelism: {part.model_class}'s sparse blocks run whole on every TP rank (their "
+                         "experts are spread by expert parallelism, not TP), which needs the whole sequence; use "
+                         "tensor parallelism without sequence_parallel")
+    published = {key: kind for key, kind in published_plan(part).items() if _outside(part, key, moe)}
+    plan = {key: _style(kind, key, sequence_parallel) for key, kind in published.items()}
     if sequence_parallel:
         for norm in SEQUENCE_PARALLEL_NORMS:
             plan[norm] = SequenceParallel(use_local_output=True)
@@ -69,6 +79,12 @@ def part_plan(part: CausalLMPart, sequence_parallel: bool) -> dict[str, Parallel
         plan["layers.*.mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                                   use_local_output=True)
     return {key: style for key, style in plan.items() if any(True for _ in resolve(part, key))}
+
+
+def _outside(part: nn.Module, key: str, moe: Sequence[str]) -> bool:
+    """Whether a plan key names modules of `part` none of which lies inside the MoE layers at paths `moe`."""
+    paths = [path for path, _ in resolve(part, key)]
+    return bool(paths) and not any(p == m or p.startswith(m + ".") for p in paths for m in moe)
 
 
 class HFTensorPlan:
@@ -95,6 +111,14 @@ class HFTensorPlan:
             errors += plan_errors([part], part_plan(part, self.sequence_parallel), tp, first_part=k)[1]
         if errors:
             raise ValueError("the model cannot be tensor-parallel: " + summary(list(dict.fromkeys(errors))))
+
+    def styles(self, part: nn.Module) -> dict[str, ParallelStyle]:
+        """{module path: style} this plan gives `part` (what the planner's `model.tp_facts` counts)."""
+        if not isinstance(part, CausalLMPart):
+            raise ValueError(f"the Hugging Face tensor-parallel plan needs Hugging Face parts, got a "
+                             f"{type(part).__name__}")
+        return {path: style for key, style in part_plan(part, self.sequence_parallel).items()
+                for path, _ in resolve(part, key)}
 
     def __call__(self, part: nn.Module, tp_mesh: DeviceMesh) -> None:
         """Shard one Hugging Face part over `tp_mesh` (its masks and positions then cover the whole sequence)."""

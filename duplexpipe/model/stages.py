@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from duplexpipe.model.split import check_parts_fit
+from duplexpipe.moe.balance import moe_layers
 from duplexpipe.runtime.local_tensors import local_of
 from duplexpipe.runtime.structure import WHOLE_MESSAGE
 from duplexpipe.schedules.ir import Schedule
@@ -201,9 +202,14 @@ def build_stage_modules(
 
 def fingerprint(module: nn.Module) -> str:
     """A hash of the module's parameters and buffers (names, shapes, dtypes and values; of a DTensor, its local
-    shard)."""
+    shard) that every replica holds alike: experts already spread over an expert-parallel group (each rank its own)
+    are left out."""
     digest = hashlib.sha256()
-    for name, tensor in inner_module(module).state_dict().items():
+    own = {id(t) for layer in moe_layers(inner_module(module)) if layer.ep.size > 1
+           for t in layer.experts.state_dict(keep_vars=True).values()}
+    for name, tensor in inner_module(module).state_dict(keep_vars=True).items():
+        if id(tensor) in own:
+            continue
         t = local_of(tensor).detach().to("cpu").contiguous()  # a DTensor: this rank's shard
         digest.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
         digest.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from fnmatch import fnmatch
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+
+from duplexpipe.runtime.tp_styles import PARTIAL_OVER_TP
 
 HEAD_ATTRS = ("n_head", "heads", "num_heads", "num_attention_heads", "num_key_value_heads", "n_kv_heads")
 """Attributes naming an attention module's head counts: the TP degree must divide each (modules see local heads)."""
-PARTIAL_OVER_TP = "_duplexpipe_partial_over_tp"
-"""Set on a module by `ReplicatedWithGradAllReduce`: its plain parameters' gradients are partial sums over TP."""
 SEQUENCE_SHARDS = "sequence_shards"
 """A part attribute some parts read (Hugging Face parts): how many TP ranks share the sequence of its messages."""
 
@@ -34,40 +34,6 @@ TPPlan = Mapping[str, ParallelStyle] | Callable[[nn.Module, DeviceMesh], None]
 """A tensor-parallel plan: what `parallelize_module` takes ({"layer*.attn.q": ColwiseParallel(), ...}, fnmatch
 patterns over module paths, applied to every part that has the module), or a callable (part, tp_mesh) -> None for
 full control (a `CheckedPlan` also checks the model first)."""
-
-
-class ScatterSequence(ParallelStyle):
-    """A module whose output is replicated over the TP group keeps only this rank's 1/TP of the sequence dimension
-    (the backward gathers the gradient): where sequence parallelism starts, e.g. on the embedding."""
-
-    def __init__(self, *, sequence_dim: int = 1) -> None:
-        super().__init__()
-        self.sequence_dim = sequence_dim
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        dim, name = self.sequence_dim, type(module).__name__
-
-        def scatter(_module: nn.Module, _args: Any, output: Tensor) -> Tensor:
-            size, tp = output.shape[dim], device_mesh.size()
-            if size % tp:
-                raise ValueError(f"sequence parallelism: the output of {name} has {size} positions along dim {dim}, "
-                                 f"not divisible by the TP degree {tp}")
-            whole = DTensor.from_local(output, device_mesh, (Replicate(),), run_check=False)
-            return whole.redistribute(device_mesh, (Shard(dim),)).to_local()
-
-        module.register_forward_hook(scatter)
-        return module
-
-
-class ReplicatedWithGradAllReduce(ParallelStyle):
-    """A module that computes on this TP rank's own part of the data (its sequence shard under sequence parallelism,
-    its local heads) with whole, replicated parameters (transformers' "replicated_with_grad_allreduce"; an MoE layer
-    under sequence parallelism): nothing changes in its forward; its parameters' gradients are partial sums over the
-    TP group, which the Pipeline sums once a stage's gradients are final."""
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        setattr(module, PARTIAL_OVER_TP, True)
-        return module
 
 
 def resolve(module: nn.Module, pattern: str) -> Iterator[tuple[str, nn.Module]]:

@@ -15,6 +15,8 @@ from duplexpipe.moe.router import Router, Routing, balance_loss
 from duplexpipe.runtime.comm_points import CommSlot, current_slot
 
 EXPERT_KINDS = ("swiglu", "mlp")
+ExpertFactory = Callable[[int], nn.Module]
+"""factory(e) -> routed expert e (global index): any module mapping [rows, dim] to [rows, dim]."""
 
 
 class Expert(nn.Module):
@@ -54,7 +56,9 @@ class MoELayer(nn.Module):
     """Routed experts (+ always-on shared experts): y = sum_k w_k expert_{e_k}(x) + shared(x), per token.
 
     Dropless: every token reaches its top_k experts. `router`: "softmax" or "sigmoid" (normalised top-k
-    weights). Balance: `aux_loss_coef` > 0 adds coef x the balance loss of each forward's tokens to the
+    weights), or a `Router` (a family's exact routing). `expert`: a kind of `Expert`, or a factory of routed
+    expert e; `shared`: the shared experts as a module (else `shared_experts` x `shared_hidden` wide
+    `Expert`s). Balance: `aux_loss_coef` > 0 adds coef x the balance loss of each forward's tokens to the
     objective (as the microbatch's loss is added); `bias_update_speed` > 0 moves the buffer
     `router.expert_bias` (which changes only which experts are selected) after each optimizer step by
     speed x sign(mean load - expert load), from the step's token counts (`update_bias`).
@@ -63,15 +67,25 @@ class MoELayer(nn.Module):
     """
 
     def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, *, shared_experts: int = 0,
-                 router: str = "softmax", aux_loss_coef: float = 0.0, bias_update_speed: float = 0.0,
-                 expert: str = "swiglu", shared_hidden: int | None = None, normalize: bool | None = None) -> None:
+                 router: str | Router = "softmax", aux_loss_coef: float = 0.0, bias_update_speed: float = 0.0,
+                 expert: str | ExpertFactory = "swiglu", shared_hidden: int | None = None,
+                 normalize: bool | None = None, shared: nn.Module | None = None) -> None:
         super().__init__()
         _check(dim, hidden, num_experts, top_k, shared_experts, aux_loss_coef, bias_update_speed)
         self.dim, self.num_experts, self.top_k = dim, num_experts, top_k
         self.aux_loss_coef, self.bias_update_speed = float(aux_loss_coef), float(bias_update_speed)
-        self.router = Router(dim, num_experts, top_k, router, normalize)
-        self.experts = nn.ModuleDict({str(e): Expert(dim, hidden, expert) for e in range(num_experts)})
-        self.shared = (Expert(dim, (shared_hidden or hidden) * shared_experts, expert) if shared_experts else None)
+        self.router = router if isinstance(router, Router) else Router(dim, num_experts, top_k, router, normalize)
+        if (self.router.num_experts, self.router.top_k) != (num_experts, top_k):
+            raise ValueError(f"MoELayer: the router routes to top {self.router.top_k} of "
+                             f"{self.router.num_experts} experts, the layer has top_k={top_k} of {num_experts}")
+        if bias_update_speed and self.router.expert_bias is None:
+            raise ValueError(f"MoELayer bias_update_speed={bias_update_speed}: the router has no expert bias")
+        kind = expert if isinstance(expert, str) else "swiglu"
+        self.experts = nn.ModuleDict({str(e): expert(e) if callable(expert) else Expert(dim, hidden, kind)
+                                      for e in range(num_experts)})
+        if shared is None and shared_experts:
+            shared = Expert(dim, (shared_hidden or hidden) * shared_experts, kind)
+        self.shared = shared
         self.load: Tensor
         self.register_buffer("load", torch.zeros(num_experts, dtype=torch.float64), persistent=False)
         self.ep = ExpertGroup(None, 0, 1)
@@ -84,14 +98,18 @@ class MoELayer(nn.Module):
         return [int(k) for k in self.experts]
 
     def shard_experts(self, ep: ExpertGroup) -> None:
-        """Keep only this rank's experts: num_experts / ep.size of them, rank-major."""
+        """Keep only this rank's experts: num_experts / ep.size of them, rank-major. A layer already sharded the
+        same way (on the meta device, before its weights were read) only takes the group."""
         if self.num_experts % ep.size:
             raise ValueError(f"num_experts={self.num_experts} is not divisible by the expert-parallel size "
                              f"ep={ep.size}")
-        if len(self.experts) != self.num_experts:
-            raise ValueError("shard_experts: this layer's experts are already sharded")
         local = self.num_experts // ep.size
         keep = range(ep.rank * local, (ep.rank + 1) * local)
+        if self.local_experts == list(keep) and self.ep.size == ep.size:
+            self.ep = ep
+            return
+        if len(self.experts) != self.num_experts:
+            raise ValueError("shard_experts: this layer's experts are already sharded")
         self.experts = nn.ModuleDict({str(e): self.experts[str(e)] for e in keep})
         self.ep = ep
 
@@ -150,9 +168,10 @@ class MoELayer(nn.Module):
 
     def update_bias(self, load: Tensor) -> None:
         """expert_bias += bias_update_speed x sign(mean load - load) for the step's total `load` per expert."""
-        if self.bias_update_speed:
+        bias = self.router.expert_bias
+        if self.bias_update_speed and bias is not None:
             delta = torch.sign(load.mean() - load) * self.bias_update_speed
-            self.router.expert_bias += delta.to(self.router.expert_bias)
+            bias += delta.to(bias)
 
 
 class CausalSelfAttention(nn.Module):

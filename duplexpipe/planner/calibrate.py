@@ -5,16 +5,21 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import replace
 from statistics import median
 
+from duplexpipe.planner.dp_comm import Link
 from duplexpipe.planner.plan import PlanConfig, plan
 from duplexpipe.planner.profile import Profile
 from duplexpipe.schedules import registry
 from duplexpipe.schedules.ir import Op
 from duplexpipe.schedules.simulate import CostModel
 from duplexpipe.schedules.timeline import Timeline
+
+MAX_SCALE = 4.0
+"""The factors a calibration is trusted with (the in-pipeline compute scale, the wall-time scale): within a factor of
+this of the model; beyond it the measurement was disturbed."""
 
 
 def fit_cost_model(timeline: Timeline, latency: float = 0.0) -> CostModel:
@@ -73,7 +78,6 @@ def calibration_rounds(round_s: float, budget_s: float, least: int = 3, most: in
     return max(least, min(most, math.floor(budget_s / round_s)))
 
 
-
 def fit_wall_scale(profile: Profile, config: PlanConfig, runs: Sequence[tuple[str, int, float]]) -> float:
     """The geometric mean, over the calibration `runs` ((schedule, M, measured wall seconds per step) each),
     of the measured step over the planner's step for it under `config` (its cores and link; the profile's
@@ -88,3 +92,35 @@ def fit_wall_scale(profile: Profile, config: PlanConfig, runs: Sequence[tuple[st
     logs = [math.log(wall / plan(profile, replace(base, schedules=(name,), microbatches=(m,))).best.step_s)
             for name, m, wall in runs]
     return math.exp(sum(logs) / len(logs))
+
+
+LINKS = ("p2p_link", "tp_link")
+"""The links a calibration measures, by their key in the profile's meta and PlanConfig's field: stage to stage
+(round trips) and, under tensor parallelism, the TP group's (all-reduces)."""
+
+
+def with_calibration(profile: Profile, config: PlanConfig, links: Collection[str] = LINKS
+                     ) -> tuple[Profile, PlanConfig, str]:
+    """The profile and planner settings with what a calibrated profile measured (schedule="auto", `duplexpipe
+    profile --calibrate`): the `links` it measured (those the user did not give), then the calibration runs'
+    measured over modelled wall time as the overhead's wall_scale (`fit_wall_scale` under this plan's cores and
+    links at T = 1: the calibration trains the whole parts on every TP coordinate; not applied beyond
+    [1/MAX_SCALE, MAX_SCALE], a disturbed measurement). Unchanged without them; the note says what was applied."""
+    notes = []
+    for key in (k for k in LINKS if k in links):
+        measured = profile.meta.get(key)
+        if isinstance(measured, list) and len(measured) == 2:
+            latency, bandwidth = float(measured[0]), float(measured[1])
+            link = Link(bandwidth=bandwidth, latency=latency)
+            config = replace(config, tp_link=link) if key == "tp_link" else replace(config, p2p_link=link)
+            notes.append(f"{'TP link' if key == 'tp_link' else 'link'} {latency * 1e6:.0f} us per message"
+                         + (f", {bandwidth / 1e9:.3g} GB/s" if bandwidth < 1e15 else ""))
+    walls = profile.meta.get("calibration_walls")
+    if profile.overhead is not None and walls:
+        factor = fit_wall_scale(profile, replace(config, tp=1), [(str(n), int(m), float(w)) for n, m, w in walls])
+        if 1 / MAX_SCALE <= factor <= MAX_SCALE:
+            profile = replace(profile, overhead=replace(profile.overhead, wall_scale=factor))
+            notes.append(f"walls {factor:.3g}x the model of the machine (calibration runs)")
+        else:
+            notes.append(f"calibration walls {factor:.3g}x the model: not applied")
+    return profile, config, "; ".join(notes)

@@ -21,10 +21,11 @@ from duplexpipe.schedules.verify import explain_stuck
 class Machine:
     """What the ranks run on, beyond the cost model's compute times (all times in the cost model's unit)."""
 
-    cores: int | None = None
-    """C: cores shared by all ranks (None: a device per rank, the plain simulator's machine). While k
-    ranks have work, each progresses at rate min(1, C / k); a rank waiting for a message uses no core
-    (gloo's waits block, they do not spin)."""
+    cores: float | None = None
+    """C: cores shared by all ranks (None: a device per rank, the plain simulator's machine); a fraction where
+    the ranks get a share of the cores (a pipeline of one TP coordinate: C / T). While k ranks have work, each
+    progresses at rate min(1, C / k); a rank waiting for a message uses no core (gloo's waits block, they do
+    not spin)."""
     action_s: float = 0.0
     """Runtime work added to every compute action (dispatch, bookkeeping), run on a core like compute."""
     message_s: float = 0.0
@@ -39,13 +40,13 @@ class Machine:
     calibration runs: what the rest of the model leaves out)."""
 
     def __post_init__(self) -> None:
-        if self.cores is not None and (not isinstance(self.cores, int) or isinstance(self.cores, bool)
-                                       or self.cores < 1):
-            raise ValueError(f"cores must be an integer >= 1 or None (a device per rank), got {self.cores!r}")
+        if self.cores is not None and (not isinstance(self.cores, (int, float)) or isinstance(self.cores, bool)
+                                       or not 0 < self.cores < math.inf):
+            raise ValueError(f"cores must be a number > 0 or None (a device per rank), got {self.cores!r}")
         check_work_terms(self, "machine", ValueError)
 
     @staticmethod
-    def of(cores: int | None, overhead: RuntimeOverhead | None) -> Machine:
+    def of(cores: float | None, overhead: RuntimeOverhead | None) -> Machine:
         """The machine of a profile's measured runtime work (None: none) on `cores` shared cores."""
         if overhead is None:
             return Machine(cores)

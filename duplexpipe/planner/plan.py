@@ -1,4 +1,5 @@
-"""The planner: for a measured Profile, rank schedule x microbatches x ZeRO stage x compression under a byte cap."""
+"""The planner: for a measured Profile, rank schedule x microbatches x ZeRO stage x compression under a byte cap
+(for one P x D x T mesh; `world.plan_world` compares the meshes of a world size)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from duplexpipe.dp_options.compression import Options
-from duplexpipe.dp_options.zero import zero_refusal
 from duplexpipe.errors import PlanError, ProfileError, ScheduleError
+from duplexpipe.planner.candidates import accepted, candidates, compressions, schedule_label, zero_stages
 from duplexpipe.planner.dp_comm import (
     COMPRESSIONS,
-    ZERO_STAGES,
     Compression,
     Link,
-    compression,
     exposed_time,
     reduction_time,
     zero_stage,
@@ -23,6 +22,7 @@ from duplexpipe.planner.dp_comm import (
 from duplexpipe.planner.machine import Machine, simulate_shared
 from duplexpipe.planner.memory import MemoryConfig, RankMemory, StageBytes, rank_memory
 from duplexpipe.planner.profile import PartProfile, Profile
+from duplexpipe.planner.tp_comm import DEFAULT_TP_BANDWIDTH, local_profile, tp_refusal
 from duplexpipe.schedules import registry
 from duplexpipe.schedules.ir import Op, Schedule
 from duplexpipe.schedules.simulate import CostModel, simulate
@@ -73,9 +73,17 @@ class PlanConfig:
     """Optimizer-state bytes per parameter byte (AdamW: 2)."""
     gradient_factor: float = 1.0
     """Gradient bytes per parameter byte."""
-    cores: int | None = None
-    """Cores shared by the P ranks of one replica (None: a device per rank). Set, the step is simulated
-    with processor sharing (`contention.simulate_shared`): k ranks with work each run at min(1, C / k)."""
+    cores: float | None = None
+    """Cores shared by the P x T processes of one data-parallel replica (None: a device per rank). Set, the step
+    is simulated with processor sharing (`machine.simulate_shared`) on C / T of them (each TP rank of a stage
+    runs the same work): k ranks with work each run at min(1, C / (T k))."""
+    tp: int = 1
+    """T: tensor-parallel degree inside each stage (P x D x T processes); T > 1 needs a profile taken with the
+    TP plan (`Profile.tp_degrees`, `PartProfile.tp`), priced by `tp_comm`."""
+    tp_link: Link = field(default_factory=lambda: Link(DEFAULT_TP_BANDWIDTH))
+    """The link between the ranks of a TP group (default `tp_comm.DEFAULT_TP_BANDWIDTH`, no latency)."""
+    sequence_parallel: bool = False
+    """Sequence parallelism under TP: activations and stage-to-stage messages hold 1/T of the sequence."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +112,17 @@ class PlanRow:
     """Per rank."""
     rejected: str = ""
     """Why it is out ("" when it fits)."""
+    ranks: int = 1
+    """P of its mesh."""
+    dp: int = 1
+    """D of its mesh."""
+    tp: int = 1
+    """T of its mesh (the TP degree inside each stage)."""
+
+    @property
+    def mesh(self) -> str:
+        """"PxDxT", e.g. "2x1x2"."""
+        return f"{self.ranks}x{self.dp}x{self.tp}"
 
     @property
     def feasible(self) -> bool:
@@ -113,7 +132,8 @@ class PlanRow:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready form (NaN as None)."""
         out: dict[str, Any] = {"schedule": self.schedule, "microbatches": self.microbatches, "zero": self.zero,
-                               "compression": self.compression, "rejected": self.rejected or None}
+                               "compression": self.compression, "pp": self.ranks, "dp": self.dp, "tp": self.tp,
+                               "rejected": self.rejected or None}
         for key in ("step_s", "makespan_s", "bubble", "dp_exposed_s", "peak_bytes"):
             value = getattr(self, key)
             out[key] = None if math.isnan(value) else value
@@ -133,6 +153,8 @@ class PlanResult:
     """One line on the data-parallel reduction of the best plan (empty when D = 1)."""
     schedule: Schedule | None = field(default=None, repr=False, compare=False)
     """The best plan's schedule, ready to run (`Pipeline` / `PipelineRuntime` take a Schedule)."""
+    world: int | None = None
+    """The world size whose P x D x T meshes were compared (`world.plan_world`); None: the one mesh of `config`."""
 
     @property
     def best(self) -> PlanRow:
@@ -142,24 +164,22 @@ class PlanResult:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready form."""
         c = self.config
-        return {"ranks": c.ranks, "dp": c.dp, "batch": c.batch, "memory_bytes": c.memory,
-                "best": self.best.to_dict(), "advice": self.advice, "candidates": [r.to_dict() for r in self.rows]}
+        return {"ranks": c.ranks, "dp": c.dp, "tp": c.tp, "world": self.world, "batch": c.batch,
+                "memory_bytes": c.memory, "sequence_parallel": c.sequence_parallel,
+                "tp_bandwidth": c.tp_link.bandwidth, "tp_latency": c.tp_link.latency, "best": self.best.to_dict(),
+                "advice": self.advice, "candidates": [r.to_dict() for r in self.rows]}
 
     def table(self, limit: int | None = None) -> str:
         """The candidates as fixed-width text, best first (at most `limit` rows)."""
-        head = (f"{'schedule':<26} {'M':>4} {'ZeRO':>4} {'compression':<16} {'step':>10} {'bubble':>7} "
+        head = (f"{'schedule':<26} {'M':>4} {'ZeRO':>4} {'compression':<16} {'PxDxT':>7} {'step':>10} {'bubble':>7} "
                 f"{'peak/rank':>10}  why rejected")
         lines = [head]
         for row in self.rows[:limit]:
-            if row.feasible:
-                lines.append(f"{row.schedule:<26} {row.microbatches:>4} {row.zero:>4} {row.compression:<16} "
-                             f"{_time(row.step_s):>10} {row.bubble:>7.1%} {format_bytes(row.peak_bytes):>10}")
-            else:
-                step = _time(row.step_s) if not math.isnan(row.step_s) else "-"
-                peak = format_bytes(row.peak_bytes) if not math.isnan(row.peak_bytes) else "-"
-                bubble = f"{row.bubble:.1%}" if not math.isnan(row.bubble) else "-"
-                lines.append(f"{row.schedule:<26} {row.microbatches:>4} {row.zero:>4} {row.compression:<16} "
-                             f"{step:>10} {bubble:>7} {peak:>10}  {row.rejected}")
+            step = _time(row.step_s) if not math.isnan(row.step_s) else "-"
+            peak = format_bytes(row.peak_bytes) if not math.isnan(row.peak_bytes) else "-"
+            bubble = f"{row.bubble:.1%}" if not math.isnan(row.bubble) else "-"
+            lines.append(f"{row.schedule:<26} {row.microbatches:>4} {row.zero:>4} {row.compression:<16} "
+                         f"{row.mesh:>7} {step:>10} {bubble:>7} {peak:>10}  {row.rejected}".rstrip())
         return "\n".join(lines)
 
 
@@ -173,29 +193,47 @@ def plan(profile: Profile, config: PlanConfig) -> PlanResult:
     Raises PlanError for settings that allow no candidate, a profile with fewer parts than
     ranks, or a cap below every candidate (naming the smallest feasible cap).
     """
-    _check(profile, config)
-    methods = {zero: accepted(config, zero) for zero in _zero_stages(config)}
-    evaluated = [_evaluate(profile, config, *candidate, methods[candidate[3]])
-                 for candidate in _candidates(profile, config)]
+    check(profile, config)
+    return ranked(evaluate(profile, config), config)
+
+
+Evaluated = tuple["PlanRow", "_Context | None"]
+"""A candidate's row and what it was computed from (None when it could not be simulated)."""
+
+
+def evaluate(profile: Profile, config: PlanConfig) -> list[Evaluated]:
+    """Every candidate of `config` (checked by `check`), evaluated."""
+    methods = {zero: accepted(config, zero) for zero in zero_stages(config)}
+    return [_evaluate(profile, config, *candidate, methods[candidate[3]])
+            for candidate in candidates(profile, config)]
+
+
+def ranked(evaluated: Sequence[Evaluated], config: PlanConfig, world: int | None = None) -> PlanResult:
+    """The result: feasible rows by step time (ties: lower ZeRO stage, smaller peak, lower TP degree), then the
+    rejected ones; `config` is the best row's. PlanError when nothing fits (naming the smallest feasible cap)."""
     rows = [row for row, _ in evaluated]
     fits = sorted((e for e in evaluated if e[0].feasible),
-                  key=lambda e: (e[0].step_s, e[0].zero, e[0].peak_bytes, e[0].schedule))
+                  key=lambda e: (e[0].step_s, e[0].zero, e[0].peak_bytes, e[0].tp, e[0].dp, e[0].schedule))
     if not fits:
         raise _nothing_fits(rows, config)
     best, context = fits[0]
     assert context is not None
     out = [row for row, _ in fits] + [r for r in rows if not r.feasible]
-    return PlanResult(config, tuple(out), _advice(config, best, context), context.schedule)
+    return PlanResult(context.config, tuple(out), _advice(context.config, best, context), context.schedule, world)
 
 
-def _check(profile: Profile, config: PlanConfig) -> None:
-    for name in ("ranks", "batch", "memory", "dp"):
+def check(profile: Profile, config: PlanConfig) -> None:
+    """PlanError for settings that allow no candidate, or a profile that cannot be planned on `config`'s mesh."""
+    for name in ("ranks", "batch", "memory", "dp", "tp"):
         value = getattr(config, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise PlanError(f"plan needs {name} as an integer >= 1, got {value!r}")
-    if config.cores is not None and (not isinstance(config.cores, int) or isinstance(config.cores, bool)
-                                     or config.cores < 1):
-        raise PlanError(f"plan needs cores as an integer >= 1 or None (a device per rank), got {config.cores!r}")
+    if config.cores is not None and (not isinstance(config.cores, (int, float)) or isinstance(config.cores, bool)
+                                     or not 0 < config.cores < math.inf):
+        raise PlanError(f"plan needs cores as a number > 0 or None (a device per rank), got {config.cores!r}")
+    why = tp_refusal(profile, config.tp)
+    if why:
+        raise PlanError(why)
     if config.batch % config.dp:
         raise PlanError(f"batch {config.batch} does not split over dp={config.dp} replicas")
     if profile.num_parts < config.ranks:
@@ -205,69 +243,7 @@ def _check(profile: Profile, config: PlanConfig) -> None:
         registry.entry(name)
     for stage in config.zero_stages or ():
         zero_stage(stage)
-    _compressions(config)
-
-
-def _zero_stages(config: PlanConfig) -> tuple[int, ...]:
-    """The stages to plan: the given ones (else all), only the lowest with D = 1 (the same plan: nothing to shard)."""
-    stages = tuple(dict.fromkeys(config.zero_stages)) if config.zero_stages is not None else tuple(ZERO_STAGES)
-    return (min(stages),) if config.dp == 1 and stages else stages
-
-
-def _compressions(config: PlanConfig) -> tuple[Compression, ...]:
-    """The allowed methods' table entries, lightest first."""
-    if config.compressions is None:
-        return tuple(COMPRESSIONS.values())
-    chosen = {(method := compression(spec)).name: method for spec in config.compressions}
-    return tuple(c for name, c in COMPRESSIONS.items() if name in chosen) + \
-        tuple(c for name, c in chosen.items() if name not in COMPRESSIONS)
-
-
-def accepted(config: PlanConfig, zero: int) -> tuple[list[Compression], list[str]]:
-    """The allowed methods the trainer runs with ZeRO `zero` (lightest first), and why it refuses the others."""
-    rule = config.refusal or (lambda stage, options: zero_refusal(stage, options))
-    ok, refused = [], []
-    for method in _compressions(config):
-        why = rule(zero, method.options)
-        if why is None:
-            ok.append(method)
-        else:
-            refused.append(f"{method.name}: {why}")
-    return ok, refused
-
-
-def microbatch_counts(config: PlanConfig) -> list[int]:
-    """The M values to try: given ones, else divisors of batch/D in [P, 8P] (all up to 8P if none)."""
-    if config.microbatches is not None:
-        return list(config.microbatches)
-    local = config.batch // config.dp
-    divisors = [m for m in range(1, local + 1) if local % m == 0]
-    wide = [m for m in divisors if config.ranks <= m <= 8 * config.ranks]
-    return wide or [m for m in divisors if m <= 8 * config.ranks]
-
-
-def _candidates(profile: Profile, config: PlanConfig) -> list[tuple[str, dict[str, Any], int, int]]:
-    """(schedule name, options, M, ZeRO stage) for every combination to evaluate."""
-    names = config.schedules or registry.names()
-    out = []
-    for name in names:
-        variants: list[dict[str, Any]] = [{}]
-        if name == "interleaved-1f1b":
-            variants = [{"chunks": c} for c in config.chunks]
-        elif name == "auto":
-            variants = [{"placement": p} for p in ("linear", "v")]
-        for options in variants:
-            for m in microbatch_counts(config):
-                for zero in _zero_stages(config):
-                    out.append((name, options, m, zero))
-    return out
-
-
-def _label(name: str, options: dict[str, Any]) -> str:
-    if not options:
-        return name
-    return f"{name}({', '.join(str(v) for v in options.values())})" if name == "auto" else \
-        f"{name}({', '.join(f'{k}={v}' for k, v in options.items())})"
+    compressions(config)
 
 
 @dataclass(frozen=True)
@@ -277,14 +253,14 @@ class _Context:
     schedule: Schedule
     timeline: Timeline
     groups: tuple[PartProfile, ...]
+    config: PlanConfig
 
 
 def _evaluate(profile: Profile, config: PlanConfig, name: str, options: dict[str, Any], m: int, zero: int,
               methods: tuple[list[Compression], list[str]]) -> tuple[PlanRow, _Context | None]:
     """One candidate's row (rejected with a reason when it cannot run or does not fit); `methods`: the
     compressions the trainer accepts with ZeRO `zero`, and why it refuses the others."""
-    label = _label(name, options)
-    reject = PlanRow(label, m, zero)
+    reject = PlanRow(schedule_label(name, options), m, zero, ranks=config.ranks, dp=config.dp, tp=config.tp)
     local = config.batch // config.dp
     if local % m:
         return _why(reject, f"batch/D = {local} does not split into {m} microbatches"), None
@@ -294,7 +270,7 @@ def _evaluate(profile: Profile, config: PlanConfig, name: str, options: dict[str
     reason = registry.check(name, config.ranks, m, **options) if name != "auto" else None
     if reason:
         return _why(reject, reason), None
-    scaled = profile.at_microbatch(local / m)
+    scaled = local_profile(profile.at_microbatch(local / m), config.tp, config.tp_link, config.sequence_parallel)
     mem_config = MemoryConfig(config.optimizer_factor, config.gradient_factor, zero, config.dp)
     excess = [0.0] * config.ranks
     for _ in range(2 if name == "auto" else 1):  # auto: once more with the overshoot taken off its budget
@@ -311,9 +287,10 @@ def _evaluate(profile: Profile, config: PlanConfig, name: str, options: dict[str
     peak = max(r.peak for r in memory)
     method, step = _choose_compression(schedule, timeline, groups, config, zero, methods[0])
     step += tail
-    row = PlanRow(label, m, zero, method.name, step, timeline.makespan, timeline.bubble_ratio,
-                  step - timeline.makespan, peak, tuple(memory))
-    context = _Context(schedule, timeline, groups)
+    row = replace(reject, compression=method.name, step_s=step, makespan_s=timeline.makespan,
+                  bubble=timeline.bubble_ratio, dp_exposed_s=step - timeline.makespan, peak_bytes=peak,
+                  memory=tuple(memory))
+    context = _Context(schedule, timeline, groups, config)
     if peak > config.memory:
         return _why(row, f"peak {format_bytes(peak)} > cap {format_bytes(config.memory)}"), context
     return row, context
@@ -332,7 +309,7 @@ def _simulate(schedule: Schedule, cost: CostModel, groups: Sequence[PartProfile]
     known = all(f is not None for f in fused)
     if config.cores is None and profile.overhead is None and not known:
         return simulate(schedule, cost), 0.0
-    machine = Machine.of(config.cores, profile.overhead)
+    machine = Machine.of(config.cores / config.tp if config.cores is not None else None, profile.overhead)
     full = [groups[info.group].full_backward_s for info in schedule.stages] if known else None
     run = simulate_shared(schedule, cost, machine, full)
     return run.timeline, max(0.0, run.step - run.timeline.makespan)
@@ -458,8 +435,8 @@ def _nothing_fits(rows: Sequence[PlanRow], config: PlanConfig) -> PlanError:
     low = min(sized, key=lambda r: r.peak_bytes)
     cap = math.ceil(low.peak_bytes)
     return PlanError(f"no plan fits {format_bytes(config.memory)} per rank; the smallest feasible cap is "
-                     f"{format_bytes(cap)} = {cap} bytes ({low.schedule}, M={low.microbatches}, ZeRO {low.zero})",
-                     cap)
+                     f"{format_bytes(cap)} = {cap} bytes ({low.schedule}, M={low.microbatches}, ZeRO {low.zero}, "
+                     f"P x D x T = {low.mesh})", cap)
 
 
 def _advice(config: PlanConfig, best: PlanRow, context: _Context) -> str:
@@ -477,7 +454,7 @@ def _advice(config: PlanConfig, best: PlanRow, context: _Context) -> str:
         if step_time(sched, timeline, groups, config, best.zero, method) - floor <= HIDDEN:
             if method.name == "none":
                 return "the data-parallel reduction hides behind the last backward passes without compression"
-            note = "" if method.name in {c.name for c in _compressions(config)} else " (not among the allowed)"
+            note = "" if method.name in {c.name for c in compressions(config)} else " (not among the allowed)"
             return (f"lightest compression that hides the data-parallel reduction with ZeRO {best.zero}: "
                     f"{method.name} ({method.wire_ratio:g}x fewer bytes){note}")
     return f"no compression method the trainer runs with ZeRO {best.zero} hides the data-parallel reduction on " \

@@ -17,6 +17,61 @@ PROFILE_VERSION = 1
 MAX_PROFILE_FILE_BYTES = 64 * 2**20
 """Largest profile file read (64 MiB; a profile of thousands of parts is a few MB)."""
 
+TP_DEGREES_CHECKED = 64
+"""The largest tensor-parallel degree a profile records as possible (`Profile.tp_degrees`)."""
+
+
+@dataclass(frozen=True)
+class TPFacts:
+    """What a tensor-parallel plan does to one part, measured on the whole part at the profiled microbatch: the
+    collectives a TP rank issues per microbatch and the parameters the plan leaves whole (see `tp_comm`)."""
+
+    forward_collectives: int
+    """Collectives of one forward: one per row-parallel module (an all-reduce of its output; with sequence
+    parallelism a reduce-scatter after it and an all-gather before the region: the same bytes), one per
+    column-parallel module whose output is gathered."""
+    forward_bytes: int
+    """Bytes those collectives reduce or gather, summed: each the whole activation (what one rank holds before
+    the reduction)."""
+    backward_collectives: int
+    """Collectives of one backward: one per column-parallel module whose input is replicated (the all-reduce of
+    its input gradient; Megatron's fused QKV makes one per attention, DTensor's separate q, k, v three)."""
+    backward_bytes: int
+    """Bytes of those input gradients, summed."""
+    replicated_param_bytes: int
+    """Parameter bytes the plan leaves whole on every TP rank (norms, a row-parallel layer's bias, modules it does
+    not name); the rest is divided over the TP ranks."""
+
+    def scaled(self, factor: float) -> TPFacts:
+        """For a microbatch `factor` times as large: activation bytes times `factor`, counts and parameters kept."""
+        return replace(self, forward_bytes=round(self.forward_bytes * factor),
+                       backward_bytes=round(self.backward_bytes * factor))
+
+    def to_dict(self) -> dict[str, int]:
+        """The JSON form."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @staticmethod
+    def total(facts: list[TPFacts | None]) -> TPFacts | None:
+        """The facts of several parts run as one (sums), or None when any part has none."""
+        known = [f for f in facts if f is not None]
+        if len(known) < len(facts) or not known:
+            return None
+        return TPFacts(*(sum(getattr(f, name.name) for f in known) for name in fields(TPFacts)))
+
+    @staticmethod
+    def from_dict(data: Any, where: str) -> TPFacts:
+        """Inverse of `to_dict`; ProfileError names the bad field."""
+        if not isinstance(data, dict):
+            raise ProfileError(f"{where}: expected an object, got {type(data).__name__}")
+        values = []
+        for f in fields(TPFacts):
+            value = data.get(f.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ProfileError(f"{where}: field {f.name!r} must be an integer >= 0, got {value!r}")
+            values.append(value)
+        return TPFacts(*values)
+
 
 @dataclass(frozen=True)
 class PartProfile:
@@ -48,6 +103,8 @@ class PartProfile:
     I + W, which traverse the graph twice); None: not measured, B costs I + W."""
     backward_fused_fixed_s: float | None = None
     """The fixed part of `backward_fused_s` (None: none known)."""
+    tp: TPFacts | None = None
+    """What the tensor-parallel plan it was profiled with does to it (None: profiled without a plan)."""
 
     @property
     def backward_s(self) -> float:
@@ -74,7 +131,8 @@ class PartProfile:
                        backward_weight_s=c[2] + (self.backward_weight_s - c[2]) * factor,
                        activation_bytes=round(self.activation_bytes * factor),
                        output_bytes=round(self.output_bytes * factor),
-                       output_grad_bytes=round(self.output_grad_bytes * factor), backward_fused_s=fused)
+                       output_grad_bytes=round(self.output_grad_bytes * factor), backward_fused_s=fused,
+                       tp=self.tp.scaled(factor) if self.tp is not None else None)
 
     @property
     def times(self) -> tuple[float, float, float]:
@@ -161,6 +219,9 @@ class Profile:
     """Free-form facts about the run (task, repeats, torch version, device)."""
     overhead: RuntimeOverhead | None = None
     """The runtime's own work per action, message and step (None: not measured, taken as zero)."""
+    tp_degrees: tuple[int, ...] | None = None
+    """The tensor-parallel degrees (2 to `TP_DEGREES_CHECKED`) the plan it was profiled with can shard every part
+    with (every sharded dimension and head count divisible); None: profiled without a plan."""
 
     def __post_init__(self) -> None:
         if not self.parts:
@@ -223,7 +284,8 @@ class Profile:
                 backward_input_fixed_s=_sum([p.backward_input_fixed_s for p in run]),
                 backward_weight_fixed_s=_sum([p.backward_weight_fixed_s for p in run]),
                 backward_fused_s=_sum([p.backward_fused_s for p in run]),
-                backward_fused_fixed_s=_sum([p.backward_fused_fixed_s for p in run])))
+                backward_fused_fixed_s=_sum([p.backward_fused_fixed_s for p in run]),
+                tp=TPFacts.total([p.tp for p in run])))
             start += count
         return tuple(out)
 
@@ -231,10 +293,13 @@ class Profile:
         """The JSON form (format "duplexpipe-profile", version 1)."""
         out = {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "microbatch_size": self.microbatch_size,
                "parts": [{f.name: getattr(p, f.name) for f in fields(PartProfile)
-                          if getattr(p, f.name) is not None} for p in self.parts],
+                          if getattr(p, f.name) is not None and f.name != "tp"}
+                         | ({"tp": p.tp.to_dict()} if p.tp is not None else {}) for p in self.parts],
                "meta": dict(self.meta)}
         if self.overhead is not None:
             out["overhead"] = self.overhead.to_dict()
+        if self.tp_degrees is not None:
+            out["tp_degrees"] = list(self.tp_degrees)
         return out
 
     @staticmethod
@@ -258,7 +323,8 @@ class Profile:
         overhead = data.get("overhead")
         return Profile(tuple(_part(p, f"{source}: parts[{i}]") for i, p in enumerate(parts)), size,
                        meta if isinstance(meta, dict) else {},
-                       None if overhead is None else RuntimeOverhead.from_dict(overhead, f"{source}: overhead"))
+                       None if overhead is None else RuntimeOverhead.from_dict(overhead, f"{source}: overhead"),
+                       _degrees(data.get("tp_degrees"), f"{source}: tp_degrees"))
 
 
 def _sum(values: list[float | None]) -> float | None:
@@ -266,11 +332,25 @@ def _sum(values: list[float | None]) -> float | None:
     return None if any(v is None for v in values) else sum(v or 0.0 for v in values)
 
 
+def _degrees(data: Any, where: str) -> tuple[int, ...] | None:
+    """A profile's tp_degrees (absent: None); ProfileError unless a list of integers in [2, TP_DEGREES_CHECKED]."""
+    if data is None:
+        return None
+    if not isinstance(data, list) or any(isinstance(d, bool) or not isinstance(d, int)
+                                         or not 2 <= d <= TP_DEGREES_CHECKED for d in data):
+        raise ProfileError(f"{where}: expected a list of integers from 2 to {TP_DEGREES_CHECKED}, got {data!r}")
+    return tuple(data)
+
+
 def _part(data: Any, where: str) -> PartProfile:
     if not isinstance(data, dict):
         raise ProfileError(f"{where}: expected an object, got {type(data).__name__}")
     values: dict[str, Any] = {}
+    if data.get("tp") is not None:
+        values["tp"] = TPFacts.from_dict(data["tp"], f"{where}: tp")
     for f in fields(PartProfile):
+        if f.name == "tp":
+            continue
         optional = f.name.endswith("_fixed_s") or f.name == "backward_fused_s"  # absent in older profiles
         if f.name not in data and not optional:
             raise ProfileError(f"{where}: missing field {f.name!r}")

@@ -22,7 +22,7 @@ from duplexpipe.parallel import OptimizerFactory, StrategyContext, final_order, 
 from duplexpipe.parallel.grads import clip_factor
 from duplexpipe.parallel.mesh import ParallelGroups
 from duplexpipe.parallel.tied import TiedGrads, find_tied
-from duplexpipe.planner.calibrate import calibration_rounds, calibration_runs
+from duplexpipe.planner.calibrate import MAX_SCALE, calibration_rounds, calibration_runs
 from duplexpipe.planner.profile import PartProfile, Profile, RuntimeOverhead
 from duplexpipe.planner.runtime_work import OverheadSample, rank_counts, rank_work, solve_overhead
 from duplexpipe.runtime import PipelineRuntime
@@ -37,8 +37,6 @@ CpuTimer = Callable[[], float]
 """This process's CPU seconds (all its threads: gloo's included); time.process_time by default."""
 LINK_PROBE_BYTES = 2**20
 """The larger round trip of the link measurement is at least this many bytes (a transfer time above the noise)."""
-MAX_SCALE = 4.0
-"""The in-pipeline compute scale the calibration trusts: within a factor of this of the profile."""
 
 
 class Steppable(Protocol):
@@ -248,5 +246,31 @@ def measure_link(pp_rank: int, nbytes: int, reps: int = 20) -> tuple[float, floa
     if peer is not None and dist.get_rank() in (0, peer):
         small, big = _round_trip(peer, 4, reps), _round_trip(peer, nbytes, reps)
         found = [(small / 2, (nbytes - 4) / ((big - small) / 2) if big > small else math.inf)]
+    dist.broadcast_object_list(found, src=0)
+    return found[0][0], found[0][1]
+
+
+def _all_reduce_time(group: Any, nbytes: int, reps: int) -> float:
+    """The fastest of `reps` all-reduces of `nbytes` over `group` (seconds; the slowest rank of each)."""
+    buf = torch.zeros(max(1, nbytes // 4))
+    samples = []
+    for _ in range(reps):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        dist.all_reduce(buf, group=group)
+        samples.append(time.perf_counter() - start)
+    return min(samples)
+
+
+def measure_tp_link(tp_group: Any, nbytes: int, reps: int = 20) -> tuple[float, float]:
+    """The TP group's link as `planner.tp_comm` prices it, (latency s per message, bytes/s each way), from the
+    fastest all-reduces of 4 and max(`nbytes`, LINK_PROBE_BYTES) bytes over every TP group at once (a ring
+    all-reduce over T ranks: 2(T-1) messages, 2(T-1)/T of the bytes each way); rank 0's figures on every rank
+    (call on every rank). No measurable transfer time: infinite bandwidth."""
+    nbytes = max(nbytes, LINK_PROBE_BYTES)
+    tp = dist.get_world_size(tp_group)
+    small, big = _all_reduce_time(tp_group, 4, reps), _all_reduce_time(tp_group, nbytes, reps)
+    moved = 2 * (tp - 1) / tp * (nbytes - 4)
+    found: list[Any] = [(small / (2 * (tp - 1)), moved / (big - small) if big > small else math.inf)]
     dist.broadcast_object_list(found, src=0)
     return found[0][0], found[0][1]

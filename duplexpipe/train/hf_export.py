@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from duplexpipe.model.hf import CausalLMPart
 from duplexpipe.model.hf_files import INDEX_FILE
+from duplexpipe.moe.balance import expert_parameters
 from duplexpipe.parallel import DPStrategy, ParallelGroups
 from duplexpipe.schedules.ir import Schedule
 from duplexpipe.train.choice import AutoChoice
@@ -60,10 +61,11 @@ def _full(value: torch.Tensor) -> torch.Tensor:
     return value.detach().cpu()
 
 
-def export_tensors(pipe: Exportable) -> tuple[dict[str, torch.Tensor], CausalLMPart | None]:
+def export_tensors(pipe: Exportable, experts_only: bool = False) -> tuple[dict[str, torch.Tensor],
+                                                                         CausalLMPart | None]:
     """This rank's share of the model under transformers' names (first copies only, tied weights once; CPU tensors
-    may be the parameters themselves: use them inside `pipe.dp.full_parameters()`), and one of its Hugging Face
-    parts (None when it has none)."""
+    may be the parameters themselves: use them inside `pipe.dp.full_parameters()`; `experts_only`: its routed
+    experts alone), and one of its Hugging Face parts (None when it has none)."""
     tensors: dict[str, torch.Tensor] = {}
     sample: CausalLMPart | None = None
     merged = pipe.auto.groups if pipe.auto is not None else None
@@ -77,8 +79,9 @@ def export_tensors(pipe: Exportable) -> tuple[dict[str, torch.Tensor], CausalLMP
             continue
         skip = _tied_names(parts[0])
         names = stage_state_keys(module, pipe.schedule.stages[stage].group, merged)
-        for local, value in module.state_dict().items():
-            if names[local] not in skip:
+        own = {id(p) for p in expert_parameters(module)}
+        for local, value in module.state_dict(keep_vars=True).items():
+            if names[local] not in skip and (id(value) in own or not experts_only):
                 tensors[names[local]] = _full(value)
     return tensors, sample
 
@@ -114,9 +117,19 @@ def _write_config(root: Path, part: CausalLMPart, dtype: torch.dtype, source: st
             shutil.copyfile(src, root / name)
 
 
-def _write(pipe: Exportable, root: Path, tensors: dict[str, torch.Tensor], part: CausalLMPart) -> None:
-    """This pipeline rank's shard (collective over the pipeline group of replica 0); its first rank: the rest."""
-    group = pipe.groups.pp_group
+def _writers(pipe: Exportable) -> tuple[Any, bool]:
+    """(the group that writes, whether this rank is in it): TP rank 0 of the pipeline of data-parallel replica 0,
+    and with experts spread over an expert-parallel group every replica of that group (ranks (pp x dp + d) x tp,
+    d < ep, as `make_mesh` lays them out; collective: every rank makes the group)."""
+    groups = pipe.groups
+    if groups.ep_size == 1 or not dist.is_initialized():
+        return groups.pp_group, groups.dp_rank == 0 and groups.tp_rank == 0
+    ranks = [(p * groups.dp_size + d) * groups.tp_size for p in range(groups.pp_size) for d in range(groups.ep_size)]
+    return dist.new_group(ranks), groups.dp_rank < groups.ep_size and groups.tp_rank == 0
+
+
+def _write(pipe: Exportable, root: Path, tensors: dict[str, torch.Tensor], part: CausalLMPart, group: Any) -> None:
+    """This rank's shard (collective over the writing group); the group's first rank: the rest."""
     mapping = _file_index(sorted(tensors), group) if dist.is_initialized() else dict.fromkeys(tensors, 1)
     lead = not dist.is_initialized() or dist.get_rank(group) == 0
     if lead:
@@ -133,13 +146,15 @@ def save_pretrained(pipe: Exportable, path: str) -> None:
 
     Collective (every rank calls). Each stage's tensors are gathered whole over its TP group (a rank holds its own
     stages whole, never the model) and the ranks of data-parallel replica 0 and TP rank 0 write: each pipeline rank
-    its own shard
-    `model-0000k-of-0000N.safetensors` (with torch.distributed.checkpoint's Hugging Face writer), its first rank
-    the index, config.json and the source's tokenizer and generation files.
+    its own shard `model-0000k-of-0000N.safetensors` (with torch.distributed.checkpoint's Hugging Face writer), its
+    first rank the index, config.json and the source's tokenizer and generation files. With experts spread over an
+    expert-parallel group, the other ranks of that group write a shard of their own experts each (every expert
+    under its global index, as transformers saves them); no rank gathers the model.
     """
+    group, writes = _writers(pipe)
     with pipe.dp.full_parameters():
-        tensors, part = export_tensors(pipe)
-        if pipe.groups.dp_rank == 0 and pipe.groups.tp_rank == 0 and part is not None:
-            _write(pipe, Path(path), tensors, part)
+        tensors, part = export_tensors(pipe, experts_only=pipe.groups.ep_rank > 0)
+        if writes and part is not None:
+            _write(pipe, Path(path), tensors, part, group)
     if dist.is_available() and dist.is_initialized():
         pipe.bounded(dist.barrier(async_op=True), "the end of save_pretrained")

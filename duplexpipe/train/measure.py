@@ -13,6 +13,8 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 
+from duplexpipe.model.tp_facts import tp_degrees, tp_facts
+from duplexpipe.model.tp_plans import TPPlan
 from duplexpipe.planner.profile import PartProfile, Profile
 from duplexpipe.runtime.autograd_split import backward_input
 from duplexpipe.runtime.saved_bytes import SavedBytes
@@ -137,7 +139,7 @@ def profile_parts(parts: Sequence[nn.Module], sample_input: Any, *, target: Any 
                   loss_fn: Callable[[Any, Any], Tensor] | None = None, repeats: int = 3, warmup: int = 1,
                   microbatch_size: int | None = None, fit_rows: int | None = None, fused: bool = True,
                   evict_bytes: int = 0, timer: Timer = time.perf_counter,
-                  meta: dict[str, Any] | None = None) -> Profile:
+                  meta: dict[str, Any] | None = None, tp_plan: TPPlan | None = None) -> Profile:
     """Measure each part on one microbatch, the parts run in order so each sees its real input.
 
     Per part: the fastest of `repeats` runs (after `warmup` unmeasured ones; run round by round
@@ -163,6 +165,11 @@ def profile_parts(parts: Sequence[nn.Module], sample_input: Any, *, target: Any 
     pipeline, where other microbatches, parts and processes run between a part's passes (warm
     timings of a part run back to back can be 1.5x faster than in the runtime; `cache_evict_bytes()`
     gives twice this machine's L2). Gradients are cleared afterwards.
+
+    `tp_plan`: the model's tensor-parallel plan (a dict, or a plan that names its styles, e.g. `HFTensorPlan`): each
+    part's `PartProfile.tp` (`model.tp_facts`: the collectives a TP rank issues, with the bytes of the whole
+    activations of this forward, and the parameters the plan leaves whole) and `Profile.tp_degrees`, what the planner
+    needs to plan T > 1. The parts themselves are profiled whole.
     """
     if not parts:
         raise ValueError("profile_parts needs at least one part, got none")
@@ -184,9 +191,19 @@ def profile_parts(parts: Sequence[nn.Module], sample_input: Any, *, target: Any 
         fewer = _measure(parts, _head(sample_input, small, rows), _head(target, small, rows), loss_fn,
                          (repeats, warmup, fused), timer, evict)
         measured = [_affine(full, part, rows, small) for full, part in zip(measured, fewer, strict=True)]
-    return Profile(tuple(measured), size, dict(meta or {}, repeats=repeats, warmup=warmup,
-                                               fit_rows=max(small, 0), evict_bytes=evict_bytes,
-                                               torch=torch.__version__))
+    return _with_tp(Profile(tuple(measured), size, dict(meta or {}, repeats=repeats, warmup=warmup,
+                                                        fit_rows=max(small, 0), evict_bytes=evict_bytes,
+                                                        torch=torch.__version__)), parts, sample_input, tp_plan)
+
+
+def _with_tp(profile: Profile, parts: Sequence[nn.Module], sample_input: Any, plan: TPPlan | None) -> Profile:
+    """`profile` with what `plan` does to each part and the degrees it can shard them with (`model.tp_facts`);
+    unchanged without a plan or with a callable plan that cannot name its styles."""
+    facts = tp_facts(parts, sample_input, plan) if plan is not None else None
+    if facts is None or plan is None:
+        return profile
+    return replace(profile, parts=tuple(replace(p, tp=f) for p, f in zip(profile.parts, facts, strict=True)),
+                   tp_degrees=tp_degrees(parts, plan))
 
 
 def _measure(parts: Sequence[nn.Module], sample_input: Any, target: Any,

@@ -27,7 +27,7 @@ from duplexpipe.train.precision import LossScaleConfig, autocast_dtype
 AUTO = "auto"
 """The PipelineConfig.schedule value that plans the schedule (the registry's `auto` generator is one candidate)."""
 AUTO_PLAN_KEYS = ("schedules", "microbatches", "chunks", "zero_stages", "compressions", "dp_link", "p2p_link",
-                  "optimizer_factor", "gradient_factor", "cores")
+                  "optimizer_factor", "gradient_factor", "cores", "tp_link")
 """schedule_options keys of schedule="auto" that go to the planner: the fields of `planner.plan.PlanConfig` a
 user sets (the others come from the Pipeline; a test keeps the two lists equal)."""
 AUTO_PROFILE_KEYS = ("repeats", "warmup", "timer", "fit_rows", "fused", "evict_bytes")
@@ -67,12 +67,14 @@ class PipelineConfig:
     schedule_options: dict[str, Any] = field(default_factory=dict)
     """Extra keyword options for the schedule generator, e.g. {"chunks": 2}. With "auto": the planner's
     PlanConfig fields (`schedules`, `microbatches`, `zero_stages`, `compressions`, `chunks`, `cores`,
-    `optimizer_factor`, `p2p_link`, ...; `microbatches`, `zero_stages`, `compressions` only for fields left
-    unset), profile_parts' `repeats`, `warmup`, `timer`, `fit_rows`, `fused`, `evict_bytes`, and the
+    `optimizer_factor`, `p2p_link`, `tp_link`, ...; `microbatches`, `zero_stages`, `compressions` only for fields
+    left unset), profile_parts' `repeats`, `warmup`, `timer`, `fit_rows`, `fused`, `evict_bytes`, and the
     calibration's `calibrate` (False: none), `calibration_budget_s` (default 3 s of measured steps),
     `calibration_cache` (a directory; None: no cache; default `planner.calibration_cache.default_cache_dir()`,
-    ~/.cache/duplexpipe/calibration, keyed by the parts, the sample, P, D, the machine and these settings)
-    and `cpu_timer`."""
+    ~/.cache/duplexpipe/calibration, keyed by the parts, the sample, P, D, T, the machine and these settings)
+    and `cpu_timer`. The calibration also measures the links it is not given: `p2p_link` (round trips) and,
+    under tensor parallelism, `tp_link` (all-reduces over the TP group; without a calibration and no `tp_link`
+    the planner's default, an NVLink node)."""
     memory_limit: int | str | None = None
     """schedule="auto" only: the bytes each rank may use (an int, or a size such as "40GiB"); None: no cap."""
     precision: str = "fp32"
@@ -137,9 +139,9 @@ class PipelineConfig:
     zero_stage: int | None = None
     """ZeRO over the data-parallel replicas: 0 none; 1 optimizer state sharded (reduce-scatter, step on the
     shard, all-gather; an elementwise optimizer such as SGD/Adam/AdamW); 2 gradients sharded too (torch
-    FSDP2, reduced stage by stage as they become final). 3 is refused (see README). grad_compression may be
-    "bf16", "fp16" or "int8" (int8 = ZeRO++ qgZ) with ZeRO. None (unset): 0, or with schedule="auto" the
-    planner's choice among the stages this configuration accepts; set, it is fixed."""
+    FSDP2, reduced stage by stage as they become final). 3 is refused (docs/data-parallel.md says why).
+    grad_compression may be "bf16", "fp16" or "int8" (int8 = ZeRO++ qgZ) with ZeRO. None (unset): 0, or with
+    schedule="auto" the planner's choice among the stages this configuration accepts; set, it is fixed."""
     zero: ZeroOptions = field(default_factory=ZeroOptions)
     """ZeRO++ options for zero_stage 1 and 2: quantized_gradients (qgZ), quantized_weights (qwZ), hpz_ranks."""
     sequence_parallel: bool = False

@@ -18,21 +18,23 @@ from duplexpipe.comm.methods import check_optimizer
 from duplexpipe.dp_options.compression import NoCompression, Options, compression_options
 from duplexpipe.model.split import Partition
 from duplexpipe.model.stages import PartInit, PartSource, as_factory, materialize_part
+from duplexpipe.model.tp_plans import TPPlan
 from duplexpipe.parallel import OptimizerFactory
 from duplexpipe.parallel.compressed import check_dgc_momentum
 from duplexpipe.parallel.mesh import ParallelGroups
 from duplexpipe.parallel.tied import find_tied
 from duplexpipe.parallel.zero_config import check_tied
-from duplexpipe.planner.calibrate import fit_wall_scale
+from duplexpipe.planner.calibrate import with_calibration
 from duplexpipe.planner.calibration_cache import CalibrationCache, default_cache_dir
-from duplexpipe.planner.dp_comm import UNMEASURED, Link, compression
-from duplexpipe.planner.plan import PlanConfig, microbatch_counts, plan
+from duplexpipe.planner.candidates import microbatch_counts
+from duplexpipe.planner.dp_comm import UNMEASURED, compression
+from duplexpipe.planner.plan import PlanConfig, plan
 from duplexpipe.planner.profile import Profile
 from duplexpipe.runtime.structure import flatten, map_leaves, split
 from duplexpipe.schedules.ir import Schedule
 from duplexpipe.schedules.registry import build as build_schedule
 from duplexpipe.sizes import memory_bytes
-from duplexpipe.train.calibration import MAX_SCALE, Calibration, CalibrationSetup, calibrate, measure_link
+from duplexpipe.train.calibration import Calibration, CalibrationSetup, calibrate, measure_link, measure_tp_link
 from duplexpipe.train.choice import NO_LIMIT, AutoChoice, RunPlan
 from duplexpipe.train.measure import cache_evict_bytes, profile_parts
 from duplexpipe.train.measure_cache import cache_of, cached_profile, machine_signature, parts_digest, sample_signature
@@ -61,6 +63,10 @@ class PlanSetup:
     """Where the parts run."""
     init: PartInit | None = None
     """init(part, k) for parts on the meta device."""
+    tp_plan: TPPlan | None = None
+    """The tensor-parallel plan of the stages (with tp > 1: profiled for its collectives and replicated bytes)."""
+    sequence_parallel: bool = False
+    """PipelineConfig.sequence_parallel."""
 
 
 @dataclass(frozen=True)
@@ -85,18 +91,22 @@ class PlannedPipeline:
 
 def plan_pipeline(parts: PartSource, loss_fn: LossFn, optimizer: OptimizerFactory, config: PipelineConfig, *,
                   groups: ParallelGroups, device: torch.device, init: PartInit | None = None,
-                  partition: Partition | None = None, sample: tuple[Any, Any] = (None, None)) -> PlannedPipeline:
-    """Resolve `config` for P x D = `groups`: a named or given schedule is built as it stands (unset fields at
+                  partition: Partition | None = None, sample: tuple[Any, Any] = (None, None),
+                  tp_plan: TPPlan | None = None) -> PlannedPipeline:
+    """Resolve `config` for P x D x T = `groups`: a named or given schedule is built as it stands (unset fields at
     their defaults); schedule="auto" measures the parts on `sample` (a batch as given to `step`, with targets),
     plans, logs the choice once (rank 0) and merges the parts for the winner (see `choose`). Collective with
-    "auto": call on every rank."""
+    "auto": call on every rank. Under tensor parallelism (tp > 1) "auto" plans this mesh's P, D and T (the mesh
+    is given: the processes exist) with each TP rank's share of the costs (`planner.tp_comm`), the parts profiled
+    whole with `tp_plan` (`model.tp_facts`)."""
     if config.schedule != AUTO:
         resolved = with_defaults(config)
         schedule = resolve_schedule(resolved, groups.pp_size)
         run = RunPlan(schedule.name, schedule.num_microbatches, resolved.zero_stage or 0,
                       compression_options(resolved.grad_compression))
         return PlannedPipeline(resolved, schedule, parts, init, partition, run, None)
-    choice = choose(parts, loss_fn, optimizer, config, PlanSetup(groups, device, init), sample)
+    setup = PlanSetup(groups, device, init, tp_plan if groups.tp_size > 1 else None, config.sequence_parallel)
+    choice = choose(parts, loss_fn, optimizer, config, setup, sample)
     return PlannedPipeline(choice.applied(config), choice.schedule, choice.merged_parts(parts),  # type: ignore[arg-type]
                            choice.merged_init(init), choice.merged_partition(partition), choice.plan, choice)
 
@@ -138,7 +148,8 @@ def _profile(parts: Sequence[nn.Module], loss_fn: LossFn, sample: tuple[Any, Any
             sizes = profile_parts(copies, first, target=target, loss_fn=loss, repeats=1, warmup=0, fit_rows=0,
                                   fused=False, timer=time.perf_counter)
             kwargs = {**kwargs, "evict_bytes": max(cache_evict_bytes(), sum(p.activation_bytes for p in sizes.parts))}
-        return profile_parts(copies, first, target=target, loss_fn=loss, meta={"source": "schedule='auto'"}, **kwargs)
+        return profile_parts(copies, first, target=target, loss_fn=loss, meta={"source": "schedule='auto'"},
+                             tp_plan=setup.tp_plan, **kwargs)
 
 
 def _shared_profile(make: Callable[[], Profile]) -> Profile:
@@ -203,7 +214,8 @@ def _plan_config(config: PipelineConfig, options: dict[str, Any], rows: int, set
     cap = memory_bytes(config.memory_limit)
     groups = setup.groups
     return PlanConfig(ranks=groups.pp_size, batch=rows * groups.dp_size, memory=cap if cap is not None else NO_LIMIT,
-                      dp=groups.dp_size, refusal=refusal, **values)
+                      dp=groups.dp_size, refusal=refusal, tp=groups.tp_size, sequence_parallel=setup.sequence_parallel,
+                      **values)
 
 
 def _fingerprint(parts: Sequence[nn.Module], sample: tuple[Any, Any], config: PipelineConfig, setup: PlanSetup,
@@ -212,6 +224,7 @@ def _fingerprint(parts: Sequence[nn.Module], sample: tuple[Any, Any], config: Pi
     """What the cached measurements depend on: the parts, the sample, P and D, the machine, the runtime's settings."""
     return {"parts": parts_digest(parts), "sample": sample_signature(sample[0]),
             "targets": sample_signature(sample[1]), "ranks": setup.groups.pp_size, "dp": setup.groups.dp_size,
+            "tp": setup.groups.tp_size, "sequence_parallel": setup.sequence_parallel,
             "device": setup.device.type, "machine": machine_signature(), "precision": config.precision,
             "activation_checkpointing": repr(config.activation_checkpointing),
             "p2p_compression": repr(config.p2p_compression), "count_saved_bytes": config.count_saved_bytes,
@@ -237,15 +250,26 @@ def _settings(options: dict[str, Any]) -> tuple[Calibration, CalibrationCache | 
 
 def choose(parts: PartSource, loss_fn: LossFn, optimizer: OptimizerFactory, config: PipelineConfig, setup: PlanSetup,
            sample: tuple[Any, Any] | None) -> AutoChoice:
-    """Measure (cached), plan for P x D and the sample's batch size, log the choice once (rank 0).
+    """Measure (cached, `measure`), plan for P x D and the sample's batch size with what the calibration measured
+    (`with_calibration`), log the choice once (rank 0). Fields the user set in `config` (num_microbatches,
+    zero_stage, grad_compression) are the planner's only choice for them. Raises ValueError on every rank, before
+    any training, when the parts or the sample are unusable or no candidate fits the limit (naming the smallest
+    feasible cap)."""
+    profile, plan_config, source = measure(parts, loss_fn, optimizer, config, setup, sample)
+    links = [key for key in ("p2p_link", "tp_link") if key not in config.schedule_options]
+    profile, plan_config, note = with_calibration(profile, plan_config, links)
+    return _decide(profile, plan_config, f"{source}; {note}" if note else source)
+
+
+def measure(parts: PartSource, loss_fn: LossFn, optimizer: OptimizerFactory, config: PipelineConfig, setup: PlanSetup,
+            sample: tuple[Any, Any] | None) -> tuple[Profile, PlanConfig, str]:
+    """What schedule="auto" plans with: the profile (measured, or from the cache), the planner's settings and where
+    the profile came from. Collective: call on every rank.
 
     `sample` is (inputs, targets) of one step's batch on this replica. The profile is rank 0's, on the
     sample's largest candidate microbatch (affine down to the smallest), and the calibration trains
     `calibration_runs` with the real parts on every rank (`calibration.CalibrationTrainer`: the runtime, no
-    Pipeline). Fields the user set in `config`
-    (num_microbatches, zero_stage, grad_compression) are the planner's only choice for them. Raises
-    ValueError on every rank, before any training, when the parts or the sample are unusable or no
-    candidate fits the limit (naming the smallest feasible cap).
+    Pipeline), kept in the profile's overhead and meta (its runs' walls, the measured link).
     """
     check_auto_options(config)
     options = dict(config.schedule_options)
@@ -270,7 +294,7 @@ def choose(parts: PartSource, loss_fn: LossFn, optimizer: OptimizerFactory, conf
     dtype = autocast_dtype(config.precision)
     trainees = CalibrationSetup(loss_fn, optimizer, config, setup.groups, setup.device, setup.init)
 
-    def measure() -> Profile:
+    def fresh() -> Profile:
         profile = _shared_profile(lambda: _profile(given, loss_fn, sample, min(measured), kwargs, setup, dtype))
         if not calibration.enabled:
             return profile
@@ -278,47 +302,31 @@ def choose(parts: PartSource, loss_fn: LossFn, optimizer: OptimizerFactory, conf
                                            settings=calibration)
         meta = dict(profile.meta, calibration_walls=walls,
                     calibration_samples=[[s.actions, s.messages, s.seconds, s.compute] for s in samples])
+        meta.update(_links(profile.at_microbatch(rows / min(measured)), setup.groups, options))
         if isinstance(fitted, str):
             LOGGER.warning("schedule='auto': the in-pipeline calibration could not separate its terms (%s); "
                            "planning without the runtime's work", fitted)
             return replace(profile, meta=meta)
-        if "p2p_link" not in options:
-            message = max((p.output_bytes for p in profile.at_microbatch(rows / min(measured)).parts[:-1]),
-                          default=4)
-            meta["p2p_link"] = list(measure_link(setup.groups.pp_rank, int(message)))
         return replace(profile, overhead=fitted, meta=meta)
 
     fingerprint = _fingerprint(given, sample, config, setup, kwargs, (small, large), calibration, type(probe).__name__)
-    profile, source = cached_profile(cache, fingerprint, measure)
+    profile, source = cached_profile(cache, fingerprint, fresh)
+    return profile, plan_config, source
+
+
+def _links(profile: Profile, groups: ParallelGroups, options: dict[str, Any]) -> dict[str, list[float]]:
+    """The links the calibration measures (collective: call on every rank), those `options` does not give: the
+    stage-to-stage link with the largest message of `profile` (at the smallest candidate microbatch's scale) and,
+    under TP, the TP group's with its largest collective."""
+    out: dict[str, list[float]] = {}
     if "p2p_link" not in options:
-        plan_config, note = _measured_link(profile, plan_config)
-        source = f"{source}; {note}" if note else source
-    profile, note = _wall_scaled(profile, plan_config)
-    return _decide(profile, plan_config, f"{source}; {note}" if note else source)
-
-
-def _wall_scaled(profile: Profile, config: PlanConfig) -> tuple[Profile, str]:
-    """The profile with the calibration runs' measured over modelled wall time (`fit_wall_scale`, under this
-    plan's cores and link) as its wall_scale; unchanged without a calibration or when that factor is beyond
-    [1/MAX_SCALE, MAX_SCALE] (a disturbed measurement)."""
-    walls = profile.meta.get("calibration_walls")
-    if profile.overhead is None or not walls:
-        return profile, ""
-    factor = fit_wall_scale(profile, config, [(str(n), int(m), float(w)) for n, m, w in walls])
-    if not 1 / MAX_SCALE <= factor <= MAX_SCALE:
-        return profile, f"calibration walls {factor:.3g}x the model: not applied"
-    return (replace(profile, overhead=replace(profile.overhead, wall_scale=factor)),
-            f"walls {factor:.3g}x the model of the machine (calibration runs)")
-
-
-def _measured_link(profile: Profile, config: PlanConfig) -> tuple[PlanConfig, str]:
-    """`config` with the stage-to-stage link the calibration measured (round trips), if it did."""
-    link = profile.meta.get("p2p_link")
-    if not (isinstance(link, list) and len(link) == 2):
-        return config, ""
-    latency, bandwidth = float(link[0]), float(link[1])
-    return (replace(config, p2p_link=Link(bandwidth=bandwidth, latency=latency)),
-            f"link {latency * 1e6:.0f} us per message" + (f", {bandwidth / 1e9:.3g} GB/s" if bandwidth < 1e15 else ""))
+        message = max((p.output_bytes for p in profile.parts[:-1]), default=4)
+        out["p2p_link"] = list(measure_link(groups.pp_rank, int(message)))
+    if "tp_link" not in options and groups.tp_size > 1:
+        facts = [p.tp for p in profile.parts if p.tp is not None]
+        largest = max((f.forward_bytes // max(f.forward_collectives, 1) for f in facts), default=4)
+        out["tp_link"] = list(measure_tp_link(groups.tp_group, largest))
+    return out
 
 
 def _decide(profile: Profile, config: PlanConfig, source: str) -> AutoChoice:

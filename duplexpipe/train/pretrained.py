@@ -7,7 +7,7 @@ import json
 import logging
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,13 @@ from torch import Tensor, nn
 from duplexpipe.files import read_capped
 from duplexpipe.model.hf import MODEL_TYPES, CausalLMPart, causal_lm_parts, causal_lm_targets, counted_tokens
 from duplexpipe.model.hf_files import INDEX_FILE, SINGLE_FILE, StoredTensor, read_into, stored_tensors
+from duplexpipe.model.hf_fused import FusedSlice, fused_source, read_slices, renamed_source
+from duplexpipe.model.hf_moe import set_bias_update_speed, with_moe_layers
+from duplexpipe.model.split import PartInfo, Partition, count_params
 from duplexpipe.model.state_names import part_state_keys
+from duplexpipe.moe.balance import moe_layers
+from duplexpipe.moe.dispatch import ExpertGroup
+from duplexpipe.moe.layer import MoELayer
 
 log = logging.getLogger("duplexpipe.pretrained")
 SOURCE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -43,17 +49,24 @@ def _config_dtype(hf_config: object) -> torch.dtype:
 
 def check_model_dir(path: str | Path) -> str:
     """The model_type of a Hugging Face model directory `from_pretrained` can load; ValueError naming what is wrong
-    (not a directory with config.json, an unsupported model_type, no safetensors weights). Reads no tensor."""
+    (not a directory with config.json, an unsupported model_type, quantized weights, no safetensors weights). Reads
+    no tensor."""
     root = Path(path)
     if not (root / "config.json").is_file():
         raise ValueError(f"{path} is not a model directory (no config.json)")
     try:
-        model_type = json.loads(read_capped(root / "config.json", MAX_CONFIG_BYTES, "model config")).get("model_type")
+        config = json.loads(read_capped(root / "config.json", MAX_CONFIG_BYTES, "model config"))
+        model_type = config.get("model_type")
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
         raise ValueError(f"{root / 'config.json'} is not a JSON object ({exc})") from None
     if model_type not in MODEL_TYPES:
         raise ValueError(f"{path}: model_type {model_type!r} is not supported; supported: "
                          f"{', '.join(sorted(MODEL_TYPES))}")
+    quantized = config.get("quantization_config")
+    if quantized:  # e.g. DeepSeek-V3's FP8 release: its weights need their scales, which nothing here applies
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
+        raise ValueError(f"{path}: quantized weights (quantization_config, quant_method {method!r}) are not supported; "
+                         "use a checkpoint in bf16, fp16 or fp32 (e.g. dequantized by transformers and saved)")
     if not any((root / name).is_file() for name in (INDEX_FILE, SINGLE_FILE)):
         raise ValueError(f"{root} holds no safetensors weights ({SINGLE_FILE} or {INDEX_FILE}); save the model with "
                          "transformers' save_pretrained (safetensors is its default)")
@@ -79,6 +92,9 @@ class PretrainedModel:
     """Tensor name -> where the safetensors files hold it."""
     tied: dict[str, str]
     """Tied names -> the name stored in the files (GPT-2: lm_head.weight -> transformer.wte.weight)."""
+    aliases: dict[str, str | FusedSlice] = field(default_factory=dict)
+    """Names the model needs that the files hold otherwise (set by `check`): under transformers' in-memory name
+    (Mixtral's `mlp.` for `block_sparse_moe.`), or an expert's projection as a slice of a fused tensor."""
 
     @classmethod
     def open(cls, path: str | Path, dtype: torch.dtype | None = None) -> PretrainedModel:
@@ -96,18 +112,31 @@ class PretrainedModel:
         dtype = dtype or _config_dtype(config)
         with torch.device("meta"):
             model = MODEL_TYPES[model_type]._from_config(config, dtype=dtype)  # type: ignore[attr-defined]
+        model = with_moe_layers(model)  # MoE families: each sparse block a duplexpipe.moe layer, published names
         tied = {k: v for k, v in (getattr(model, "all_tied_weights_keys", None) or {}).items() if k not in files}
         opened = cls(root, model, files, tied)
         opened.check()
         return opened
 
+    def wanted(self) -> dict[str, Tensor]:
+        """Every tensor the model needs (meta), under the names of its checkpoints (MoE: every expert's own)."""
+        part = causal_lm_parts(self.model, 1)[0]
+        names = part_state_keys(part, 0)
+        return {names[k]: t for k, t in part.state_dict(keep_vars=True).items()}
+
     def check(self) -> None:
-        """Every tensor the model needs is in the files with its shape; names the files hold that the model does not
-        take are logged (transformers ignores them too)."""
-        wanted = self.model.state_dict(keep_vars=True)
-        missing = sorted(k for k in wanted if self.tied.get(k, k) not in self.files)
+        """Every tensor the model needs is in the files with its shape (an MoE checkpoint's experts one by one as
+        published, or fused as transformers holds them); names the files hold that the model does not take are
+        logged (transformers ignores them too)."""
+        wanted = self.wanted()
+        for name in wanted:
+            alias = renamed_source(name, self.files) or fused_source(name, self.files)
+            if self.tied.get(name, name) not in self.files and alias is not None:
+                self.aliases[name] = alias
+        used = {a if isinstance(a, str) else a.name for a in self.aliases.values()}
+        missing = sorted(k for k in wanted if self.tied.get(k, k) not in self.files and k not in self.aliases)
         ignored = _ignored(self.model)
-        unexpected = sorted(k for k in self.files if k not in wanted and not ignored.search(k))
+        unexpected = sorted(k for k in self.files if k not in wanted and k not in used and not ignored.search(k))
         if missing:
             raise ValueError(f"{self.path} does not match its config: {len(missing)} tensors missing "
                              f"({_shown(missing)}), {len(unexpected)} unexpected ({_shown(unexpected)})")
@@ -115,10 +144,17 @@ class PretrainedModel:
             log.warning("%s: %d tensors the model does not use are ignored (%s)", self.path, len(unexpected),
                         _shown(unexpected))
         for name, tensor in wanted.items():
-            stored = self.files[self.tied.get(name, name)]
-            if stored.shape != tuple(tensor.shape):
-                raise ValueError(f"{stored.file}: {name} has shape {stored.shape}, the config gives "
-                                 f"{tuple(tensor.shape)}")
+            source = self._source(name)
+            if source.shape != tuple(tensor.shape):
+                where = source.file if isinstance(source, StoredTensor) else f"{source.file} ({source.name})"
+                raise ValueError(f"{where}: {name} has shape {source.shape}, the config gives {tuple(tensor.shape)}")
+
+    def _source(self, name: str) -> StoredTensor | FusedSlice:
+        """Where the files hold the model's tensor `name`."""
+        alias = self.aliases.get(name)
+        if isinstance(alias, FusedSlice):
+            return alias
+        return self.files[alias if alias is not None else self.tied.get(name, name)]
 
     @property
     def num_layers(self) -> int:
@@ -127,20 +163,52 @@ class PretrainedModel:
 
         return num_layers(self.model)
 
-    def parts(self, num_parts: int, balance: Sequence[int] | None = None) -> list[CausalLMPart]:
-        """The model cut into `num_parts` parts on the meta device (see `causal_lm_parts`)."""
-        return causal_lm_parts(self.model, num_parts, balance)
+    def parts(self, num_parts: int, balance: Sequence[int] | None = None, *, experts: tuple[int, int] | None = None,
+              bias_update_speed: float = 0.0) -> list[CausalLMPart]:
+        """The model cut into `num_parts` parts on the meta device (see `causal_lm_parts`). `experts` = (ep rank,
+        ep size): each MoE layer keeps only this rank's experts, so only they are allocated and read.
+        `bias_update_speed`: the aux-loss-free balance of routers with an expert bias (DeepSeek-V3)."""
+        parts = causal_lm_parts(self.model, num_parts, balance)
+        for part in parts:
+            set_bias_update_speed(part, bias_update_speed)
+            if experts is not None and experts[1] > 1:
+                for layer in moe_layers(part):
+                    layer.shard_experts(ExpertGroup(None, *experts))
+        return parts
+
+    def partition(self, parts: Sequence[CausalLMPart], explicit: bool = False) -> Partition:
+        """The Partition of `parts` (decoder layers per part, parameters, where the embedding and head are), as
+        `split_model` reports it for a list of layers (`partition.txt` of `duplexpipe train`)."""
+        infos = tuple(PartInfo(p.index, p.layer_ids, count_params(p), None, p.is_first, p.is_last) for p in parts)
+        return Partition("explicit" if explicit else "uniform", tuple(len(p.layer_ids) for p in parts), infos)
 
     def fill(self, part: nn.Module, index: int) -> None:
-        """A `PartInit`: fill a freshly allocated part from the files (its tensors only), and compute its
-        non-persistent buffers (rotary frequencies) as transformers does."""
+        """A `PartInit`: fill a freshly allocated part from the files (its tensors only: under expert parallelism
+        its own experts), and compute its non-persistent buffers (rotary frequencies) as transformers does."""
         init_weights: Callable[[nn.Module], None] = self.model._init_weights  # type: ignore[assignment,operator]
         for module in part.modules():
-            if module._non_persistent_buffers_set:
+            if isinstance(module, MoELayer):
+                module.reset_load()
+            elif module._non_persistent_buffers_set:
                 init_weights(module)
         names = part_state_keys(part, index)
-        read_into((self.files[self.tied.get(names[local], names[local])], tensor)
-                  for local, tensor in part.state_dict().items())
+        whole: list[tuple[StoredTensor, Tensor]] = []
+        sliced: list[tuple[FusedSlice, Tensor]] = []
+        for local, tensor in part.state_dict().items():
+            source = self._source(names[local])
+            if isinstance(source, FusedSlice):
+                sliced.append((source, tensor))
+            else:
+                whole.append((source, tensor))
+        read_into(whole)
+        read_slices(sliced)
+
+
+def expert_layout(mesh: Any) -> tuple[int, int] | None:
+    """(ep rank, ep size) of this process in a ("pp", "edp", "ep") mesh (`make_mesh(pp, dp, ep=...)`), else None."""
+    if mesh is None or "ep" not in (mesh.mesh_dim_names or ()):
+        return None
+    return int(mesh.get_local_rank("ep")), int(mesh.size(mesh.mesh_dim_names.index("ep")))
 
 
 class TokenWeighted:

@@ -127,7 +127,7 @@ class Pipeline:
         self.device = torch.device(device) if device is not None else default_device()
         planned = plan_pipeline(parts, loss_fn, optimizer, config or PipelineConfig(), groups=groups,
                                 device=self.device, init=init, partition=partition,
-                                sample=(sample_input, sample_targets))
+                                sample=(sample_input, sample_targets), tp_plan=tp_plan)
         parts, init, partition = planned.parts, planned.init, planned.partition
         self.config = cfg = planned.config
         """The config this pipeline runs (with "auto": the planner's M, ZeRO stage and compression set)."""
@@ -428,21 +428,25 @@ class Pipeline:
         scheduler: SchedulerFactory | None = None,
         sample_input: Any = None,
         sample_targets: Any = None,
+        router_bias_update_speed: float = 0.0,
         tp_plan: TPPlan | None = None,
     ) -> Pipeline:
-        """A pipeline of a Hugging Face causal LM directory (Llama, Mistral, Qwen2, Qwen3, GPT-2; safetensors).
+        """A pipeline of a Hugging Face causal LM directory (Llama, Mistral, Qwen2, Qwen3, GPT-2; the MoE families
+        Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3 with expert parallelism; safetensors).
 
         Each rank builds the model on the meta device and reads only its own parts' tensors from the files
         (sharded checkpoints too); `dtype` None keeps the checkpoint's. Layers are spread evenly or by `balance`
         (layers per model part). `step(input_ids, labels)` (labels unshifted, -100 ignored; inputs may be a dict
         with `attention_mask` / `position_ids`) returns transformers' loss of the whole batch: every counted
         token weighs the same across microbatches and data-parallel replicas. With schedule="auto", rank 0
-        materialises every part once to profile it. Raises ValueError for a directory it cannot load.
+        materialises every part once to profile it. MoE models: with a ("pp", "edp", "ep") mesh each rank reads
+        only its own experts; `router_bias_update_speed` turns on DeepSeek-V3's aux-loss-free balance (its expert
+        bias moves after each optimizer step); transformers' aux loss follows the config (output_router_logits).
         With a mesh of tp > 1 the model's published tensor-parallel plan is applied (`model.hf_tp.HFTensorPlan`,
-        with `config.sequence_parallel`) unless `tp_plan` is given.
+        with `config.sequence_parallel`) unless `tp_plan` is given. Raises ValueError for a directory it cannot load.
         """
         from duplexpipe.model.hf import causal_lm_loss
-        from duplexpipe.train.pretrained import PretrainedModel, TokenWeighted
+        from duplexpipe.train.pretrained import PretrainedModel, TokenWeighted, expert_layout
 
         config = config or PipelineConfig()
         source = PretrainedModel.open(path, dtype)
@@ -450,13 +454,15 @@ class Pipeline:
         pp = groups.pp_size
         num_parts = min(source.num_layers, 2 * pp) if config.schedule == AUTO else \
             resolve_schedule(config, pp).num_groups
-        parts = source.parts(num_parts, balance)
+        parts = source.parts(num_parts, balance, experts=None if config.schedule == AUTO else expert_layout(mesh),
+                             bias_update_speed=router_bias_update_speed)
         if tp_plan is None and groups.tp_size > 1:
             from duplexpipe.model.hf_tp import HFTensorPlan
 
             tp_plan = HFTensorPlan(config.sequence_parallel)
         pipe = cls(parts, causal_lm_loss, optimizer, config, mesh=mesh, device=device, init=source.fill,
-                   scheduler=scheduler, sample_input=sample_input, sample_targets=sample_targets, tp_plan=tp_plan)
+                   partition=source.partition(parts, balance is not None), scheduler=scheduler,
+                   sample_input=sample_input, sample_targets=sample_targets, tp_plan=tp_plan)
         pipe.source_dir = str(path)
         pipe.batch_transform = TokenWeighted(pipe.groups.dp_group, pipe.groups.dp_size, pipe.device, pipe.bounded)
         return pipe

@@ -199,10 +199,22 @@ def _swatch_handler() -> Any:
     return _Handler()
 
 
+SECONDS = ("s", "sec", "secs", "second", "seconds")
+"""Unit names of measured timelines."""
+
+
+def duration(value: float, unit: str) -> str:
+    """A time for a title: seconds below 1 s in ms, with 3 significant digits ("55.4 ms", "1.23 s"); cost units as
+    given ("12 units")."""
+    if unit.strip().lower() in SECONDS:
+        return f"{value * 1e3:.3g} ms" if abs(value) < 1.0 else f"{value:.3g} s"
+    return f"{value:.4g} {unit}".rstrip()
+
+
 def time_scale(timeline: Timeline) -> tuple[float, str]:
     """(factor, axis unit) to draw `timeline` in: seconds become ms below 1 s; other units stay."""
     unit = timeline.unit.strip()
-    if unit.lower() in ("s", "sec", "secs", "second", "seconds") and timeline.makespan < 1.0:
+    if unit.lower() in SECONDS and timeline.makespan < 1.0:
         return 1000.0, "ms"
     return 1.0, unit
 

@@ -51,7 +51,7 @@ def plot_comparison(timelines: Sequence[Timeline], path: str | os.PathLike[str] 
     xmax = max(t.makespan for t in tls) * scale
     panels = [Panel(t, Frame(t.start, scale, xmax), st.display_name(t.schedule_name),
                     f"bubble {t.bubble_ratio:.1%}  \u00b7  peak activations {max_peak(t)}  \u00b7  "
-                    f"makespan {t.makespan:.4g} {t.unit}  \u00b7  {t.num_ranks} ranks")
+                    f"makespan {st.duration(t.makespan, t.unit)}  \u00b7  {t.num_ranks} ranks")
               for t in tls]
     shapes = sorted({(t.num_ranks, t.num_microbatches) for t in tls})
     default = "Pipeline schedules" + (f" \u00b7 {shapes[0][0]} ranks \u00b7 {shapes[0][1]} microbatches"
@@ -88,10 +88,10 @@ def plot_measured_vs_simulated(measured: Timeline, simulated: Timeline,
     unit = measured.unit
     panels = [
         Panel(measured, Frame(measured.start, scale, xmax), "measured",
-              f"makespan {measured.makespan:.4g} {unit}  \u00b7  bubble {measured.bubble_ratio:.1%}  \u00b7  "
+              f"makespan {st.duration(measured.makespan, unit)}  \u00b7  bubble {measured.bubble_ratio:.1%}  \u00b7  "
               f"peak activations {max_peak(measured)}"),
         Panel(simulated, Frame(simulated.start, scale * factor, xmax), "simulated",
-              f"makespan {simulated.makespan:.4g} {simulated.unit} = {simulated.makespan * factor:.4g} {unit}"
+              f"makespan {_scaled(simulated.makespan, simulated.unit, factor, unit)}"
               f"  \u00b7  bubble {simulated.bubble_ratio:.1%}  \u00b7  peak activations {max_peak(simulated)}"),
     ]
     title = (f"{st.display_name(measured.schedule_name)}: measured vs simulated \u00b7 "
@@ -104,6 +104,13 @@ def plot_measured_vs_simulated(measured: Timeline, simulated: Timeline,
     if target is not None:
         fig.savefig(target, dpi=DPI)
     return fig
+
+
+def _scaled(value: float, unit: str, factor: float, shown: str) -> str:
+    """A simulated time, and what it is in the measured unit when that differs ("12 units = 55.4 ms")."""
+    if unit == shown:
+        return st.duration(value, unit)
+    return f"{st.duration(value, unit)} = {st.duration(value * factor, shown)}"
 
 
 def _check_path(path: str | os.PathLike[str] | None) -> str | None:

@@ -174,7 +174,7 @@ def subtitle(timeline: Timeline, view: View | None = None, note: str = "") -> st
     if view is not None and view.window is not None:
         lo, hi = view.window
         shown += f" \u00b7 window {'' if lo is None else f'{lo:g}'}:{'' if hi is None else f'{hi:g}'}"
-    return (f"{timeline.source} \u00b7 makespan {timeline.makespan:.4g} {timeline.unit} \u00b7 "
+    return (f"{timeline.source} \u00b7 makespan {st.duration(timeline.makespan, timeline.unit)} \u00b7 "
             f"peak live activations {max_peak(timeline)} \u00b7 idle share per rank (whole run) at the right"
             f"{shown}{note}")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from duplexpipe.planner.plan import PlanResult, PlanRow
 from duplexpipe.sizes import format_bytes
@@ -62,10 +62,8 @@ def plot_pareto(result: PlanResult, path: str | os.PathLike[str] | None) -> Figu
     ax.plot([r.peak_bytes / scale for r in front], [r.step_s * 1e3 for r in front], color="#444444",
             linewidth=1.0, zorder=1, label="Pareto front")
     zero = result.config.dp > 1  # with data parallelism the ZeRO stages are different plans
-    for k, r in enumerate(front):  # labels alternate above and below the front so neighbours do not collide
-        ax.annotate(f"{st.display_name(r.schedule)} M={r.microbatches}" + (f" ZeRO {r.zero}" if zero else ""),
-                    (r.peak_bytes / scale, r.step_s * 1e3), fontsize=7, xytext=(5, 6 if k % 2 == 0 else -11),
-                    textcoords="offset points")
+    labels = [(f"{st.display_name(r.schedule)} M={r.microbatches}" + (f" ZeRO {r.zero}" if zero else ""),
+               (r.peak_bytes / scale, r.step_s * 1e3)) for r in front]
     best = result.best
     ax.scatter([best.peak_bytes / scale], [best.step_s * 1e3], marker="*", s=180, color="gold",
                edgecolors="black", zorder=4, label=f"best: {st.display_name(best.schedule)} M={best.microbatches}")
@@ -76,10 +74,46 @@ def plot_pareto(result: PlanResult, path: str | os.PathLike[str] | None) -> Figu
     c = result.config
     ax.set_title(f"Plans for P={c.ranks} x D={c.dp}, batch {c.batch}: step time vs memory", fontsize=10)
     ax.grid(True, linewidth=0.3, alpha=0.6)
+    _label_front(fig, ax, labels)  # once the limits are final (the cap line may widen them)
     _fit_legend(fig, ax)
     if target is not None:
         fig.savefig(target, dpi=DPI)
     return fig
+
+
+LABEL_OFFSETS = tuple((dx, dy) for step in range(8) for dy in (6 + 9 * step, -11 - 9 * step) for dx in (5, -5))
+"""Where a front label may go, in points from its point, nearest first (left of it for a negative x: right-aligned);
+a label moved past the nearest rows gets a thin line to its point."""
+
+
+def _label_front(fig: Figure, ax: Axes, labels: Sequence[tuple[str, tuple[float, float]]]) -> None:
+    """Each label at the first of LABEL_OFFSETS where it overlaps no label placed before it and stays inside the
+    axes (the nearest when none is free); labels of close points once overlapped."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.text import Text
+
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    inside = ax.get_window_extent(renderer)
+    placed: list[Any] = []  # the text's box, not its leader line's
+
+    def put(text: str, xy: tuple[float, float], dx: int, dy: int) -> Any:
+        line = {"arrowprops": {"arrowstyle": "-", "color": "#999999", "linewidth": 0.5}} if abs(dy) > 11 else {}
+        note = ax.annotate(text, xy, fontsize=7, xytext=(dx, dy), textcoords="offset points",
+                           ha="left" if dx > 0 else "right", va="center", **line)  # type: ignore[arg-type]
+        note.update_positions(renderer)
+        return note
+
+    for text, xy in labels:
+        for dx, dy in LABEL_OFFSETS:
+            note = put(text, xy, dx, dy)
+            box = Text.get_window_extent(note, renderer)
+            if not any(box.overlaps(other) for other in placed) and inside.x0 <= box.x0 and box.x1 <= inside.x1 \
+                    and inside.y0 <= box.y0 and box.y1 <= inside.y1:
+                break
+            note.remove()
+        else:
+            box = Text.get_window_extent(put(text, xy, *LABEL_OFFSETS[0]), renderer)
+        placed.append(box)
 
 
 def _fit_legend(fig: Figure, ax: Axes) -> None:

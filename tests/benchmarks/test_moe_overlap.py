@@ -47,15 +47,33 @@ def test_the_report_judges_the_targets_of_its_backend(backend: str, hidden: floa
     assert [w for w in words if w in ("met", "missed")] == verdicts
 
 
-def test_a_two_rank_run_has_its_own_docs_block() -> None:
+def test_a_two_rank_run_and_a_qwen3_run_have_their_own_docs_blocks() -> None:
     block = moe_overlap.PART.block_of
     assert block({"config": asdict(moe_overlap.MoEBenchConfig(ranks=2))}) == "moe-overlap-2"
     assert block({"config": asdict(moe_overlap.MoEBenchConfig())}) == block({}) == "moe-overlap"
+    assert block({"config": asdict(moe_overlap.MoEBenchConfig(model="qwen3_moe"))}) == "moe-overlap-qwen3"
+
+
+def test_a_qwen3_stage_is_transformers_decoder_layers_with_spread_experts() -> None:
+    """model=qwen3_moe: the pair's stage is the middle part of a transformers Qwen3-MoE model (its decoder layers,
+    each sparse block a duplexpipe.moe layer holding this rank's quarter of the experts), and the report names it."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from duplexpipe.moe import moe_layers
+
+    cfg = moe_overlap.MoEBenchConfig(model="qwen3_moe", tokens=32, dim=16, hidden=8, seq=8)
+    stage = moe_overlap._model(cfg, torch.device("cpu"), 1, 4)
+    assert type(stage.layers["1"]).__name__ == "Qwen3MoeDecoderLayer" and list(stage.layers) == ["1", "2"]
+    assert [layer.local_experts for layer in moe_layers(stage)] == [[2, 3], [2, 3]]
+    s = {**moe_overlap.summary([_rank([1.0], [0.7], [0.4], [1.0])]), "config": asdict(cfg)}
+    assert "2 Qwen3-MoE decoder layers of transformers" in moe_overlap.report(s)[0]
 
 
 @pytest.mark.parametrize(("changes", "needle"), [({"reps": 0}, "need reps"), ({"experts": 6}, "multiple of 4"),
                                                  ({"ranks": 3}, "ranks must be 2 or 4"),
-                                                 ({"tokens": 100}, "dividing tokens")])
+                                                 ({"tokens": 100}, "dividing tokens"),
+                                                 ({"model": "olmoe"}, "model must be one of")])
 def test_bad_configs_are_refused(changes: dict[str, int], needle: str) -> None:
     with pytest.raises(ValueError, match=needle):
         moe_overlap.MoEBenchConfig(**changes)

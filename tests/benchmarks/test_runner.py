@@ -19,8 +19,8 @@ STAT_KEYS = {"median_s", "q1_s", "q3_s", "n"}
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path, Path]:
     out, docs = tmp_path_factory.mktemp("out"), tmp_path_factory.mktemp("docs")
-    (docs / "benchmarks.md").write_text("# Benchmarks\n\nprose before\n\n<!-- bench:results:begin -->\nold\n"
-                                        "<!-- bench:results:end -->\n\nprose after\n", encoding="utf-8")
+    (docs / "benchmarks.md").write_text("# Benchmarks\n\nprose before\n\n<!-- bench:vs-torch:begin -->\nold\n"
+                                        "<!-- bench:vs-torch:end -->\n\nprose after\n", encoding="utf-8")
     assert runner.main(["--quick", "--parts", ",".join(PARTS), "--out", str(out), "--docs", str(docs)]) == 0
     return json.loads((out / "results.json").read_text()), out, docs
 
@@ -40,12 +40,14 @@ def test_every_part_is_recorded_with_how_it_ran(quick: tuple[dict[str, Any], Pat
 
 
 @pytest.mark.timeout(300)
-def test_the_docs_block_holds_every_part_under_its_generated_number(quick: tuple[dict[str, Any], Path, Path]) -> None:
+def test_each_part_writes_its_own_docs_block(quick: tuple[dict[str, Any], Path, Path]) -> None:
     _, _, docs = quick
     text = (docs / "benchmarks.md").read_text()
-    assert "old" not in text and text.index("prose before") < text.index("### 1. ") < text.index("prose after")
-    numbers = [int(n) for n in re.findall(r"^### (\d+)\. ", text, re.M)]
-    assert numbers == [runner.number(p) for p in PARTS] == [1, 2, 3, 4]
+    blocks = re.findall(r"<!-- bench:([\w-]+):begin -->\n(.*?)<!-- bench:\1:end -->", text, re.S)
+    assert [name for name, _ in blocks] == ["vs-torch", "measured-vs-sim", "overlap", "schedule-tooling"]
+    assert all(body.startswith("Run on ") for _, body in blocks)
+    assert "old" not in text
+    assert text.index("prose before") < text.index("bench:vs-torch:begin") < text.index("prose after")
     for name in re.findall(r"!\[[^]]*\]\(img/([^)]+)\)", text):
         assert (docs / "img" / name).stat().st_size > 1000
     assert {"bench_ratios.png", "bench_sim_ratio.png", "bench_measured_vs_sim.png", "bench_overlap.png",
@@ -113,3 +115,9 @@ def test_make_bench_runs_the_parts_in_the_runners_order() -> None:
     assert [p.name for p in parts] == list(runner.PARTS)
     assert [p.name for p in parts if not p.in_bench] == ["compression", "cuda_overlap"]
     assert len({p.title for p in parts}) == len(parts)
+
+
+def test_the_recorded_command_names_no_folder_of_the_machine() -> None:
+    given = ["--out", "/scratch/run1", "--docs", "none", "--load-note", "busy", "--set", "reps=3"]
+    assert runner._command("spawn_bench", given) == ("python -m benchmarks.spawn_bench --out DIR --docs none "
+                                                     "--load-note NOTE --set reps=3")

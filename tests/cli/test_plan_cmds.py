@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from duplexpipe.cli import main
-from duplexpipe.planner.profile import PartProfile, Profile, load_profile, save_profile
+from duplexpipe.planner.profile import PartProfile, Profile, TPFacts, load_profile, save_profile
 
 MIB = 2**20
 TASK = '''
@@ -43,7 +43,7 @@ def test_plan_prints_a_ranked_table_and_the_best_plan(capsys: pytest.CaptureFixt
     code, out, err = run(capsys, "plan", "--profile", profile_file, "-p", "2", "--batch", "16", "--memory", "80MiB")
     assert code == 0, err
     lines = out.splitlines()
-    assert lines[0].startswith("plan for P=2 x D=1, batch 16, cap 80 MiB per rank")
+    assert lines[0].startswith("plan for P=2 x D=1 x T=1, batch 16, cap 80 MiB per rank")
     assert lines[1].split()[:3] == ["schedule", "M", "ZeRO"]
     assert any(line.startswith("best: ") for line in lines)
     assert "> cap 80 MiB" in out
@@ -180,3 +180,107 @@ def test_profile_command_writes_a_profile(capsys: pytest.CaptureFixture[str], tm
     code, _, err = run(capsys, "profile", "--task", f"{task}:task", "--parts", "2", "--microbatch", "9",
                        "-o", str(out_file))
     assert code == 2 and "--microbatch 9: the task's batch(0, 9) gave only 6 samples" in err
+
+
+@pytest.mark.timeout(240)
+def test_a_calibrated_profile_carries_the_runtime_overhead_into_plan(capsys: pytest.CaptureFixture[str],
+                                                                      tmp_path: Path) -> None:
+    """plan ranked an MoE case in the wrong order, 2.7x low, saying "no runtime overhead measured" in small print:
+    profile --calibrate measures it as schedule='auto' does, and plan says loudly when a profile lacks it."""
+    task = tmp_path / "tiny_task.py"
+    task.write_text(TASK, encoding="utf-8")
+    calibrated, plain = tmp_path / "calibrated.json", tmp_path / "plain.json"
+    code, out, err = run(capsys, "profile", "--task", f"{task}:task", "--parts", "4", "--repeats", "1", "--calibrate",
+                         "--ranks", "2", "--batch", "4", "--budget", "0.5", "-o", str(calibrated))
+    assert code == 0, err
+    profile = load_profile(calibrated)
+    assert "calibrated on 2 ranks, batch 4" in out and profile.microbatch_size == 2  # the largest candidate
+    assert profile.meta["calibrated_on"] == {"ranks": 2, "batch": 4} and profile.meta["calibration_walls"]
+    plan_args = ("-p", "2", "--batch", "4", "--memory", "1GiB", "--schedules", "1f1b,gpipe")
+    if profile.overhead is not None:  # the solver separated its terms (it may not on a disturbed machine)
+        code, out, err = run(capsys, "plan", "--profile", str(calibrated), *plan_args)
+        assert code == 0 and "runtime overhead" in out.splitlines()[0] and "warning" not in err, (out, err)
+    assert run(capsys, "profile", "--task", f"{task}:task", "--parts", "4", "--repeats", "1", "-o", str(plain))[0] == 0
+    code, out, err = run(capsys, "plan", "--profile", str(plain), *plan_args)
+    assert code == 0 and err.startswith("warning: this profile holds no runtime overhead") and "--calibrate" in err
+    code, _, err = run(capsys, "profile", "--task", f"{task}:task", "--parts", "4", "--batch", "4", "-o", str(plain))
+    assert code == 2 and "--batch: only with --calibrate" in err
+
+
+@pytest.fixture()
+def tp_profile_file(tmp_path: Path) -> str:
+    facts = TPFacts(2, 2 * 64 * 1024, 4, 4 * 64 * 1024, MIB)
+    parts = tuple(PartProfile(4e-3, 4e-3, 4e-3, MIB, 8 * MIB, 64 * 1024, 64 * 1024, tp=facts) for _ in range(4))
+    path = tmp_path / "tp_profile.json"
+    save_profile(Profile(parts, 4, tp_degrees=(2, 4)), path)
+    return str(path)
+
+
+def test_plan_world_compares_every_mesh_and_shows_the_tp_degree(capsys: pytest.CaptureFixture[str],
+                                                               tp_profile_file: str) -> None:
+    base = ("plan", "--profile", tp_profile_file, "--world", "4", "--batch", "16", "--memory", "1GiB",
+            "--schedules", "1f1b")
+    code, out, err = run(capsys, *base, "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["world"] == 4 and data["tp_bandwidth"] == 300e9
+    assert {(c["pp"], c["dp"], c["tp"]) for c in data["candidates"]} == {
+        (1, 1, 4), (1, 2, 2), (1, 4, 1), (2, 1, 2), (2, 2, 1), (4, 1, 1)}
+    assert (data["best"]["pp"], data["best"]["dp"], data["best"]["tp"]) == (data["ranks"], data["dp"], data["tp"])
+    code, out, err = run(capsys, *base, "--tp", "2", "--tp-bandwidth", "1GB", "--tp-latency", "1e-4")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith("plan for world 4 (every P x D x T)") and "TP link 1 GB/s" in lines[0]
+    assert lines[1].split()[:5] == ["schedule", "M", "ZeRO", "compression", "PxDxT"]
+    assert {line.split()[4] for line in lines[2:] if line.startswith("1f1b ")} == {"1x2x2", "2x1x2"}
+    assert any(line.startswith("best: ") and "x T=2: step" in line for line in lines)
+    steps = []
+    for bandwidth in ("1TB", "1GB", "10MB"):  # one mesh: -p 2 --tp 2
+        code, out, err = run(capsys, "plan", "--profile", tp_profile_file, "-p", "2", "--tp", "2", "--batch", "16",
+                             "--memory", "1GiB", "--schedules", "1f1b", "--microbatches", "8", "--tp-bandwidth",
+                             bandwidth, "--sequence-parallel", "--json")
+        assert code == 0, err
+        steps.append(json.loads(out)["best"]["step_s"])
+    assert steps == sorted(steps) and len(set(steps)) == 3
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--world", "6", "--tp", "4"], "world 6 does not factor as P x D x T with tp=4"),
+    (["--world", "4", "-p", "3"], "world 4 does not factor as P x D x T with pp=3"),
+    (["--world", "0"], "world must be >= 1, got 0"),
+    (["--world", "4", "--tp-bandwidth", "0"], "bad memory size '0': must be > 0"),
+    (["--world", "4", "--tp-bandwidth", "fast"], "bad memory size 'fast'"),
+    (["--world", "4", "--tp-latency", "-1"], "tp-latency must be >= 0 seconds"),
+    (["--tp", "0", "-p", "2"], "tp must be >= 1, got 0"),
+    (["--world", "3", "--tp", "3"], "the TP plan cannot shard the model at tp=3 (degrees it can: 2, 4)"),
+    (["--batch", "16"], "plan needs -p/--ranks P (one mesh) or --world N"),
+])
+def test_plan_world_bad_input_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str], tp_profile_file: str,
+                                                     args: list[str], needle: str) -> None:
+    code, out, err = run(capsys, "plan", "--profile", tp_profile_file, "--batch", "16", "--memory", "1GiB", *args)
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and needle in err
+
+
+def test_plan_at_tp_needs_a_profile_with_tp_facts(capsys: pytest.CaptureFixture[str], profile_file: str) -> None:
+    code, _, err = run(capsys, "plan", "--profile", profile_file, "-p", "2", "--tp", "2", "--batch", "16",
+                       "--memory", "1GiB")
+    assert code == 2 and "tp=2: the profile has no tensor-parallel facts" in err
+    code, out, err = run(capsys, "plan", "--profile", profile_file, "--world", "4", "--batch", "16", "--memory",
+                         "1GiB", "--json")  # the TP meshes are rejected rows, the others planned
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["best"]["tp"] == 1
+    assert all("no tensor-parallel facts" in c["rejected"] for c in data["candidates"] if c["tp"] > 1)
+
+
+def test_profile_command_records_the_tasks_tp_plan(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out_file = tmp_path / "gpt.json"
+    code, out, err = run(capsys, "profile", "--task-option", "n_layer=2", "--task-option", "d_model=16",
+                         "--parts", "2", "--microbatch", "2", "--repeats", "1", "-o", str(out_file))
+    assert code == 0, err
+    profile = load_profile(out_file)
+    assert profile.tp_degrees == (2, 4) and "tensor-parallel degrees the plan can shard: 2, 4" in out  # 4 heads
+    first = profile.parts[0].tp
+    assert first is not None and first.forward_collectives == 2 and first.backward_collectives == 4
+    assert first.forward_bytes == 2 * 2 * 64 * 16 * 4  # two row-parallel outputs of (2, 64, 16) float32

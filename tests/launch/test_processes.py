@@ -64,6 +64,15 @@ def _hard_exit_on_rank_one() -> None:
     time.sleep(600)
 
 
+def _killed_rank_zero() -> None:
+    dist.barrier()
+    if dist.get_rank() == 0:  # the store's host dies: the others fail on closed sockets, with C++ frames
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.5)
+    dist.barrier()
+    time.sleep(600)
+
+
 def _children() -> list[int]:
     """Pids of live (non-zombie) processes whose parent is this process.
 
@@ -179,6 +188,20 @@ def test_launch_names_a_rank_that_dies_without_a_report() -> None:
     with pytest.raises(LaunchError, match="rank 1 exited with code 3 without reporting a result") as info:
         launch(_hard_exit_on_rank_one, 2)
     assert info.value.rank == 1
+    assert _children() == []
+
+
+@pytest.mark.timeout(90)
+def test_a_killed_rank_is_the_first_line_and_the_others_one_line_each() -> None:
+    """The cause sat under about 60 lines of the other ranks' TCPStore C++ frames."""
+    with pytest.raises(LaunchError) as info:
+        launch(_killed_rank_zero, 2)
+    message = str(info.value)
+    assert message.startswith("rank 0 was killed by signal 9 (SIGKILL: out of memory, or killed from outside) "
+                              "without reporting a result"), message
+    assert "\n" not in message and info.value.rank == 0
+    if 1 in info.value.errors:  # rank 1 reported its consequence in time: one line here, all of it kept
+        assert "then rank 1 stopped: " in message and "Traceback" in info.value.errors[1]
     assert _children() == []
 
 

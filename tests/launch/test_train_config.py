@@ -1,4 +1,4 @@
-"""Tests for duplexpipe.launch.train_config: validation, the TOML file, precedence, the LR schedule."""
+"""Tests for duplexpipe.launch.train_config: validation, schedule files, the LR schedule."""
 
 from __future__ import annotations
 
@@ -7,13 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from duplexpipe.launch.train_config import (
-    TrainConfig,
-    check_keys,
-    load_config_file,
-    lr_factor,
-    merge_config,
-)
+from duplexpipe.launch.train_config import TrainConfig, is_schedule_file, lr_factor
+from duplexpipe.schedules import registry
+from duplexpipe.schedules.ir import save_json
 
 
 def test_config_validates_values_and_names_them() -> None:
@@ -30,48 +26,22 @@ def test_config_validates_values_and_names_them() -> None:
         TrainConfig(optimizer="lion")
     with pytest.raises(ValueError, match="lr=0"):
         TrainConfig(lr=0)
-    with pytest.raises(ValueError, match="p2p_compression must be one of none, bf16, fp8, int8, got 'fp4'"):
-        TrainConfig(p2p_compression="fp4")
+    with pytest.raises(ValueError, match="ep=3 must divide dp=4"):
+        TrainConfig(dp=4, ep=3)
+    with pytest.raises(ValueError, match="eval_every must be >= 0, got -1"):
+        TrainConfig(eval_every=-1)
     with pytest.raises(ValueError, match="min_lr_ratio must be in"):
         TrainConfig(min_lr_ratio=2)
 
 
-def test_keys_are_checked_by_name_and_type() -> None:
-    assert check_keys({"batch-size": 8, "lr": 1, "grad_clip_norm": 2}, "x") == {
-        "batch_size": 8, "lr": 1.0, "grad_clip_norm": 2.0}
-    with pytest.raises(ValueError, match=r"x: unknown keys \['learning_rate'\]; valid keys: task, task_options"):
-        check_keys({"learning_rate": 1e-3}, "x")
-    with pytest.raises(ValueError, match="batch_size must be int, got '8'"):
-        check_keys({"batch_size": "8"}, "x")
-    with pytest.raises(ValueError, match="steps must be int, got True"):
-        check_keys({"steps": True}, "x")
-    with pytest.raises(ValueError, match="task_options must be dict, got 3"):
-        check_keys({"task_options": 3}, "x")
-
-
-def test_config_file_and_flags_override_it(tmp_path: Path) -> None:
-    path = tmp_path / "run.toml"
-    path.write_text('schedule = "1f1b"\nranks = 2\nlr = 1e-3\nbatch-size = 16\nwarmup = 5\n'
-                    '[task_options]\nn_layer = 2\nd_model = 16\n')
-    values = load_config_file(str(path))
-    config = merge_config(values, {"lr": 5e-4, "task_options": {"d_model": 32}})
-    assert (config.schedule, config.ranks, config.batch_size, config.warmup) == ("1f1b", 2, 16, 5)
-    assert config.lr == 5e-4  # the flag wins
-    assert config.task_options == {"n_layer": 2, "d_model": 32}
-    assert merge_config({}, {}) == TrainConfig()
-
-
-def test_bad_config_files_are_clear_errors(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"config file .*missing.toml: cannot read it \(No such file"):
-        load_config_file(str(tmp_path / "missing.toml"))
-    bad = tmp_path / "bad.toml"
-    bad.write_text("lr = = 3\n")
-    with pytest.raises(ValueError, match="bad.toml: not valid TOML"):
-        load_config_file(str(bad))
-    unknown = tmp_path / "unknown.toml"
-    unknown.write_text("epochs = 3\n")
-    with pytest.raises(ValueError, match=r"unknown.toml: unknown keys \['epochs'\]"):
-        load_config_file(str(unknown))
+def test_a_schedule_file_states_its_ranks_and_microbatches(tmp_path: Path) -> None:
+    path = tmp_path / "mine.JSON"
+    save_json(registry.build("zbv", 2, 4), str(path))
+    assert is_schedule_file(str(path)) and not is_schedule_file("zbv")
+    schedule = TrainConfig(schedule=str(path), ranks=2, microbatches=4).schedule_object()
+    assert (schedule.num_ranks, schedule.num_microbatches, schedule.num_groups) == (2, 4, 4)
+    assert TrainConfig(schedule="interleaved-1f1b", ranks=2, pipeline={"schedule_options": {"chunks": 3}}
+                       ).parts_needed() == 6
 
 
 def test_lr_factor_warms_up_then_decays() -> None:

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from duplexpipe.cli.train_cmd import add_train_arguments, train_main
-from duplexpipe.launch.train_loop import _local_slice, batch_rows, load_task, rows_of
+from duplexpipe.launch.batches import batch_rows, local_slice, rows_of
+from duplexpipe.launch.train_loop import load_task
 
 HELPER = '''
 import torch
@@ -82,7 +83,7 @@ def test_task_files_of_the_same_name_in_two_folders_are_two_modules(tmp_path: Pa
 def test_tuple_and_dict_batches_are_sliced_and_counted_by_their_first_dimension() -> None:
     x, scale = torch.arange(8.0).view(4, 2), torch.arange(4.0).view(4, 1)
     assert batch_rows((x, scale)) == 4 and batch_rows({"x": x, "scale": scale}) == 4 and batch_rows(x) == 4
-    part = _local_slice({"x": x, "scale": scale}, 1, 2)
+    part = local_slice({"x": x, "scale": scale}, 1, 2)
     assert torch.equal(part["x"], x[2:]) and torch.equal(part["scale"], scale[2:])
     first, second = rows_of((x, scale), 0, 1)
     assert torch.equal(first, x[:1]) and torch.equal(second, scale[:1])

@@ -1,7 +1,9 @@
 """Tests for duplexpipe.model.hf_tp: a Llama and a Qwen3 from `Pipeline.from_pretrained` at PP=2 x TP=2 (4 gloo ranks,
 float64) with the plan transformers publishes, 5 AdamW steps against plain transformers training in one process,
 with and without sequence parallelism and padding; save_pretrained writes whole tensors transformers loads; the
-model's heads and GPT-2's packed attention are refused with a clear error."""
+model's heads and GPT-2's packed attention are refused with a clear error. A Qwen3-MoE (its sparse blocks whole, the
+experts spread by expert parallelism) at PP=2 x TP=2 and at PP=1 x DP=2 x TP=2 with ep=2, and refused with
+sequence parallelism."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from _hf_helpers import (  # noqa: E402
     token_batch,
     transformers,
 )
+from _hf_moe_helpers import tiny_moe  # noqa: E402
 from models import run_workers  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -35,6 +38,8 @@ from duplexpipe.model.hf_tp import HFTensorPlan, part_plan, published_plan  # no
 STEPS, ROWS = 5, 8
 CASES = {"llama": (False, True), "qwen3 sp": (True, True)}
 """name -> (sequence parallelism, padded batches); the architecture is the name's first word."""
+MOE_CASES = {"qwen3_moe": (2, 1, 1), "qwen3_moe ep": (1, 2, 2)}
+"""name -> (pp, dp, ep) of a Qwen3-MoE run with TP=2 (no sequence parallelism, no padding)."""
 
 
 def _adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -57,6 +62,13 @@ def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
                                         PipelineConfig("1f1b", 4, sequence_parallel=sp), mesh=make_mesh(2, tp=2))
         out[name] = [pipe.step(*_batch(step, padded)) for step in range(STEPS)]
         pipe.save_pretrained(Path(root) / f"out-{name}")
+    for name, (pp, dp, ep) in MOE_CASES.items():
+        pipe = Pipeline.from_pretrained(Path(root) / "qwen3_moe", _adamw, PipelineConfig("1f1b", 4),
+                                        mesh=make_mesh(pp, dp, tp=2, ep=ep))
+        lo, rows = pipe.groups.dp_rank * ROWS // dp, ROWS // dp
+        out[name] = [pipe.step(ids[lo:lo + rows], labels[lo:lo + rows])
+                     for ids, labels in (_batch(step, False) for step in range(STEPS))]
+        pipe.save_pretrained(Path(root) / f"out-{name}")
     try:
         Pipeline.from_pretrained(Path(root) / "llama", _adamw, PipelineConfig("1f1b", 4), mesh=make_mesh(1, tp=4))
     except ValueError as exc:
@@ -66,7 +78,8 @@ def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
 
 def _reference(source: Path, padded: bool) -> tuple[list[float], nn.Module]:
     """STEPS of plain transformers training in one process (the loss in float64, as the pipeline computes it)."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(source)
+    moe = {"experts_implementation": "eager"} if source.name == "qwen3_moe" else {}  # float64 experts on the CPU
+    model = transformers.AutoModelForCausalLM.from_pretrained(source, **moe)
     optimizer = _adamw(list(model.parameters()))
     losses = []
     for step in range(STEPS):
@@ -87,17 +100,19 @@ def spawned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[s
     transformers.logging.set_verbosity_error()
     tiny_llama(layers=2).double().save_pretrained(root / "llama")
     tiny_qwen3(layers=2).double().save_pretrained(root / "qwen3")
+    tiny_moe("qwen3_moe", layers=2).save_pretrained(root / "qwen3_moe")
     return root, run_workers(_worker, 4, (str(root),), timeout_s=360)
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [*CASES, *MOE_CASES])
 def test_tp_fine_tuning_equals_transformers_and_saves_whole_tensors(spawned: Any, name: str) -> None:
     root, results = spawned
-    losses, reference = _reference(root / name.split()[0], CASES[name][1])
+    losses, reference = _reference(root / name.split()[0], name in CASES and CASES[name][1])
     for res in results:
         assert max(abs(a - b) / b for a, b in zip(res[name], losses, strict=True)) <= 1e-9, (res[name], losses)
-    trained = transformers.AutoModelForCausalLM.from_pretrained(root / f"out-{name}")
+    moe = {"experts_implementation": "eager"} if name in MOE_CASES else {}
+    trained = transformers.AutoModelForCausalLM.from_pretrained(root / f"out-{name}", **moe)
     want = reference.state_dict()
     assert set(trained.state_dict()) == set(want)
     for key, tensor in trained.state_dict().items():
@@ -123,3 +138,14 @@ def test_the_published_plan_is_mapped_not_rederived() -> None:
     assert set(part_plan(qwen[1], True)) >= {"lm_head", "norm", "layers.*.input_layernorm", "layers.*.self_attn"}
     with pytest.raises(ValueError, match="GPT2LMHeadModel has no tensor-parallel plan.*packs q, k and v"):
         HFTensorPlan().check(causal_lm_parts(tiny_gpt2(layers=2), 2), 2)
+
+
+def test_an_moe_model_shards_its_attention_and_keeps_its_sparse_blocks_whole() -> None:
+    """Qwen3-MoE: the published entries inside the sparse blocks (fused experts) are left out, the attention is
+    sharded as published; sequence parallelism is refused by name."""
+    transformers.logging.set_verbosity_error()
+    parts = causal_lm_parts(tiny_moe("qwen3_moe", layers=2), 2)
+    assert set(part_plan(parts[0], False)) == {"embed_tokens", *(k for k in published_plan(parts[0])
+                                                                 if k.startswith("layers.*.self_attn."))}
+    with pytest.raises(ValueError, match="Qwen3MoeForCausalLM's sparse blocks run whole on every TP rank"):
+        HFTensorPlan(sequence_parallel=True).check(parts, 2)

@@ -13,8 +13,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel
 
 from duplexpipe.launch.tasks.gpt import GPTConfig, build_gpt, gpt_tp_plan
 from duplexpipe.model.split import build_parts, plan_partition
-from duplexpipe.model.tp_plans import ScatterSequence, check_plan, resolve, sharded_over_tp, summary
+from duplexpipe.model.tp_plans import check_plan, resolve, sharded_over_tp, summary
 from duplexpipe.moe import moe_tp_plan
+from duplexpipe.runtime.tp_styles import ScatterSequence
 
 
 def _parts(n_head: int = 4, vocab: int = 16) -> list[nn.Module]:

@@ -53,3 +53,43 @@ def test_balance_loss_is_one_when_uniform_and_grows_when_skewed() -> None:
     assert balance_loss(skewed, torch.tensor([4, 0, 0, 0])).item() == pytest.approx(4.0)
     empty = Routing(torch.zeros(0, 2, dtype=torch.long), torch.ones(0, 2), torch.zeros(0, 4, requires_grad=True))
     assert balance_loss(empty, torch.zeros(4, dtype=torch.long)).item() == 0.0
+
+
+def test_group_limited_selection_keeps_to_the_best_groups() -> None:
+    """DeepSeek-V3: a group scores as the sum of its two best biased scores; experts only from the best topk_group
+    groups (brute force over every token)."""
+    torch.manual_seed(1)
+    router = Router(6, 8, 2, "sigmoid", groups=(4, 2)).double()
+    router.expert_bias.copy_(torch.linspace(-0.1, 0.1, 8))
+    x = torch.randn(50, 6, dtype=torch.float64)
+    got = router(x)
+    biased = (router.gate(x).sigmoid() + router.expert_bias).detach()
+    for token in range(50):
+        groups = biased[token].view(4, 2).sum(-1)  # two experts a group: their top two is the group
+        allowed = [e for g in groups.topk(2).indices.tolist() for e in (2 * g, 2 * g + 1)]
+        want = sorted(allowed, key=lambda e: -float(biased[token, e]))[:2]
+        assert sorted(got.experts[token].tolist()) == sorted(want)
+
+
+def test_scaled_weights_and_the_dtypes_transformers_uses() -> None:
+    """scores_dtype: the scores in float32 from float64 logits, weights back in float64; logits_dtype: the
+    projection itself in float32 (DeepSeek-V3), weights stay float32; scale multiplies the normalised weights."""
+    torch.manual_seed(2)
+    x = torch.randn(7, 6, dtype=torch.float64)
+    soft = Router(6, 4, 2, "softmax", True, scores_dtype=torch.float32, bias=False).double()
+    got = soft(x)
+    scores = soft.gate(x).float().softmax(-1)
+    top = scores.topk(2, -1).values
+    assert got.weights.dtype == torch.float64 and torch.equal(got.weights, (top / top.sum(-1, keepdim=True)).double())
+    assert soft.expert_bias is None and "expert_bias" not in soft.state_dict()
+    sig = Router(6, 4, 2, "sigmoid", logits_dtype=torch.float32, scale=2.5, eps=1e-20).double()
+    out = sig(x)
+    assert out.logits is not None and out.logits.dtype == torch.float32 and out.weights.dtype == torch.float32
+    torch.testing.assert_close(out.weights.sum(-1), torch.full((7,), 2.5))
+
+
+def test_bad_groups_are_refused() -> None:
+    with pytest.raises(ValueError, match="n_group=3 must divide num_experts=8"):
+        Router(4, 8, 2, "sigmoid", groups=(3, 1))
+    with pytest.raises(ValueError, match="topk_group=1 of n_group=4 groups leaves fewer than top_k=4"):
+        Router(4, 8, 4, "sigmoid", groups=(4, 1))

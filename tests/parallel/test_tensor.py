@@ -44,6 +44,9 @@ MORE: dict[str, dict[str, Any]] = {
     "checkpointing zb-h1 sp": {"schedule": "zb-h1", "activation_checkpointing": True, "sequence_parallel": True},
     "auto sp": {"schedule": "auto", "sequence_parallel": True,
                 "schedule_options": {"schedules": ("1f1b",), "calibrate": False, "repeats": 1, "warmup": 0}},
+    "auto calibrated": {"schedule": "auto", "schedule_options": {
+        "schedules": ("1f1b",), "microbatches": (4,), "calibration_budget_s": 0.2, "calibration_cache": None,
+        "repeats": 1, "warmup": 0}},
 }
 """Further configurations (exact too)."""
 
@@ -84,6 +87,11 @@ def _exact(out: dict[str, Any]) -> None:
         out[name] = train(pipe, range(STEPS))
         out[f"{name} sharded"] = any(isinstance(p, DTensor) for m in pipe.stage_modules.values()
                                      for p in m.parameters())
+        if pipe.auto is not None:  # planned with the TP-divided costs of this mesh: its parameter bytes per rank
+            best = pipe.auto.result.best
+            out[f"{name} mesh"] = (best.ranks, best.dp, best.tp, pipe.auto.profile.tp_degrees)
+            out[f"{name} param bytes"] = (best.memory[pipe.groups.pp_rank].params, pipe.param_bytes)
+            out[f"{name} source"] = pipe.auto.source
     for name, schedule, sp in (("tied 1f1b", "1f1b", False), ("tied dualpipev sp", "dualpipev", True)):
         pipe = pipeline((2, 1, 2), PipelineConfig(schedule, 4, sequence_parallel=sp, grad_clip_norm=CLIP), tied=True,
                         plan=_tied_plan(sp))
@@ -240,6 +248,16 @@ def test_more_schedules_checkpointing_and_auto_are_exact_and_sharded(results: li
     for res in results:
         assert max_rel(res[name], want["losses"]) <= 1e-10
         assert res[f"{name} sharded"]
+
+
+def test_auto_plans_the_tp_mesh_with_each_ranks_share(results: list[dict[str, Any]]) -> None:
+    for res in results:
+        for name in ("auto sp", "auto calibrated"):
+            assert res[f"{name} mesh"] == (2, 1, 2, (2, 4))  # the GPT's 4 heads: TP 2 or 4
+            predicted, held = res[f"{name} param bytes"]
+            assert predicted == held  # the planner's parameters per rank: shards plus the replicated ones
+        assert "TP link" in res["auto calibrated source"]  # measured by the calibration (all-reduces over TP)
+        assert "TP link" not in res["auto sp source"]  # no calibration: the default link
 
 
 def test_tied_weights_sharded_alike_are_summed_on_their_shards(results: list[dict[str, Any]],

@@ -6,7 +6,14 @@ from dataclasses import replace
 
 import pytest
 
-from duplexpipe.planner.calibrate import calibration_rounds, calibration_runs, fit_cost_model, fit_wall_scale
+from duplexpipe.planner.calibrate import (
+    MAX_SCALE,
+    calibration_rounds,
+    calibration_runs,
+    fit_cost_model,
+    fit_wall_scale,
+    with_calibration,
+)
 from duplexpipe.planner.plan import PlanConfig, plan
 from duplexpipe.planner.profile import PartProfile, Profile, RuntimeOverhead
 from duplexpipe.schedules import registry
@@ -69,3 +76,22 @@ def test_fit_wall_scale_is_the_measured_over_modelled_wall_of_the_calibration_ru
     scaled = replace(profile, overhead=RuntimeOverhead(1e-4, 5e-5, 1e-3, "", 1.2, wall_scale=1.7))
     again = plan(scaled, replace(config, schedules=("gpipe",), microbatches=(4,))).best
     assert again.step_s == pytest.approx(1.7 * model[("gpipe", 4)]), "the planner multiplies its times by it"
+
+
+def test_with_calibration_applies_the_measured_link_and_walls_once_in_range() -> None:
+    """What schedule="auto" and `duplexpipe plan` take from a calibrated profile."""
+    part = PartProfile(1e-3, 1e-3, 1e-3, 0, 0, 1024, 1024)
+    overhead = RuntimeOverhead(1e-4, 5e-5, 1e-3, "", 1.0)
+    config = PlanConfig(ranks=4, batch=32, memory=2**40)
+    bare = Profile((part,) * 4, 4, overhead=overhead)
+    model = plan(bare, replace(config, schedules=("gpipe",), microbatches=(4,))).best.step_s
+    measured = replace(bare, meta={"p2p_link": [2e-5, 1e9], "calibration_walls": [["gpipe", 4, 2 * model]]})
+    profile, planned, note = with_calibration(measured, config)
+    assert (planned.p2p_link.latency, planned.p2p_link.bandwidth) == (2e-5, 1e9) and "link 20 us per message" in note
+    assert profile.overhead is not None and profile.overhead.wall_scale > 1.0 and "walls" in note
+    kept, same, _ = with_calibration(measured, config, links=())
+    assert same.p2p_link == config.p2p_link
+    far = replace(bare, meta={"calibration_walls": [["gpipe", 4, 2 * MAX_SCALE * model]]})
+    unchanged, _, note = with_calibration(far, config)
+    assert unchanged == far and "not applied" in note
+    assert with_calibration(Profile((part,) * 4, 4), config) == (Profile((part,) * 4, 4), config, "")

@@ -86,15 +86,16 @@ def test_one_core_runs_all_work_back_to_back_when_there_is_no_latency(name: str)
     cost = CostModel(f=1.0, b=2.0, w=0.5)
     work = sum(e.duration for e in simulate(schedule, cost).events)
     assert simulate_shared(schedule, cost, Machine(cores=1)).step == pytest.approx(work)
+    assert simulate_shared(schedule, cost, Machine(cores=0.5)).step == pytest.approx(2 * work)  # a share of one
     two = simulate_shared(schedule, cost, Machine(cores=2)).step
     assert work / 2 <= two + 1e-9 and two < work  # two cores: at least half the work, less than all of it
 
 
 @pytest.mark.parametrize(("kwargs", "needle"), [
-    ({"cores": 0}, "cores must be an integer >= 1 or None"),
-    ({"cores": -2}, "cores must be an integer >= 1 or None"),
-    ({"cores": 1.5}, "cores must be an integer >= 1 or None"),
-    ({"cores": True}, "cores must be an integer >= 1 or None"),
+    ({"cores": 0}, "cores must be a number > 0 or None"),
+    ({"cores": -2}, "cores must be a number > 0 or None"),
+    ({"cores": float("inf")}, "cores must be a number > 0 or None"),
+    ({"cores": True}, "cores must be a number > 0 or None"),
     ({"action_s": -1.0}, "action_s must be a finite number >= 0"),
     ({"message_s": float("inf")}, "message_s must be a finite number >= 0"),
     ({"step_s": float("nan")}, "step_s must be a finite number >= 0"),

@@ -10,8 +10,9 @@ from dataclasses import replace
 import pytest
 
 from duplexpipe.errors import PlanError
+from duplexpipe.planner.candidates import microbatch_counts
 from duplexpipe.planner.dp_comm import Link
-from duplexpipe.planner.plan import PlanConfig, microbatch_counts, plan
+from duplexpipe.planner.plan import PlanConfig, plan
 from duplexpipe.planner.profile import PartProfile, Profile, RuntimeOverhead
 
 MIB = 2**20
@@ -72,8 +73,8 @@ def test_a_cap_below_every_plan_names_the_smallest_feasible_cap_which_then_works
     ({"zero_stages": (7,)}, "unknown ZeRO stage 7"),
     ({"compressions": ("gzip",)}, "unknown compression 'gzip'"),
     ({"memory": 0}, "plan needs memory as an integer >= 1, got 0"),
-    ({"cores": 0}, "plan needs cores as an integer >= 1 or None"),
-    ({"cores": 1.5}, "plan needs cores as an integer >= 1"),
+    ({"cores": 0}, "plan needs cores as a number > 0 or None"),
+    ({"cores": "2"}, "plan needs cores as a number > 0"),
 ])
 def test_bad_settings(changes: dict[str, object], needle: str) -> None:
     with pytest.raises(ValueError, match=needle.replace("(", r"\(")):

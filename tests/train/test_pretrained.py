@@ -17,8 +17,11 @@ from _hf_helpers import (  # noqa: E402
     BUILDERS,
     VOCAB,
     char_tokenizer,
+    file_sizes,
+    own_bytes,
     padded_labels,
     padding_mask,
+    peak_bytes,
     rel,
     tiny_llama,
     token_batch,
@@ -27,7 +30,6 @@ from _hf_helpers import (  # noqa: E402
 from models import run_workers  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from torch import nn  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from duplexpipe.dp_options.zero import ZeroOptions  # noqa: E402
 from duplexpipe.parallel.mesh import make_mesh  # noqa: E402
@@ -63,30 +65,6 @@ def _rows(value: Any, lo: int, hi: int) -> Any:
     return {k: v[lo:hi] for k, v in value.items()} if isinstance(value, dict) else value[lo:hi]
 
 
-def _peak_bytes(fn: Any, mapped: frozenset[int] = frozenset()) -> tuple[Any, int]:
-    """fn()'s result and the most CPU bytes torch's allocator held at once while it ran (the profiler's memory
-    events, counted from zero at the start). Storages of a size in `mapped` are file mappings (the safetensors
-    library maps a file and touches only the pages of the tensors read): not counted."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        result = fn()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    live = peak = 0
-    for event in events:
-        if abs(event.nbytes()) in mapped:
-            continue
-        live += event.nbytes()
-        peak = max(peak, live)
-    return result, peak
-
-
-def _own_bytes(pipe: Pipeline) -> tuple[int, int]:
-    """(bytes of this rank's parameters and buffers, the largest single tensor among them)."""
-    tensors = {id(t): t for m in pipe.stage_state_modules.values() for t in [*m.parameters(), *m.buffers()]}
-    sizes = [t.numel() * t.element_size() for t in tensors.values()]
-    return sum(sizes), max(sizes)
-
-
 def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)
@@ -107,9 +85,9 @@ def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
             losses.append(pipe.step(_rows(inputs, lo, lo + rows), labels[lo:lo + rows]))
         pipe.save_pretrained(base / f"ft-{name}")
         out[f"ft-{name}"] = losses
-    files = frozenset(p.stat().st_size for p in (base / "big").glob("*.safetensors"))
-    pipe, peak = _peak_bytes(lambda: Pipeline.from_pretrained(base / "big", _adamw, PipelineConfig("1f1b", 4)), files)
-    out["memory"] = (peak, *_own_bytes(pipe))
+    pipe, peak = peak_bytes(lambda: Pipeline.from_pretrained(base / "big", _adamw, PipelineConfig("1f1b", 4)),
+                            file_sizes(base / "big"))
+    out["memory"] = (peak, *own_bytes(pipe))
     for name, config in SHARDED.items():
         out[f"{name}_params_kept"] = _export_sharded(base, name, config)
     return out
@@ -237,7 +215,7 @@ def test_each_rank_reads_only_its_own_parts(spawned: Any) -> None:
     for peak, own, largest in (res["memory"] for res in results):
         assert own < 0.7 * whole, (own, whole)
         assert own <= peak <= own + largest + 64 * 1024, (peak, own, largest, whole)
-    _, control = _peak_bytes(lambda: transformers.AutoModelForCausalLM.from_pretrained(root / "big"))
+    _, control = peak_bytes(lambda: transformers.AutoModelForCausalLM.from_pretrained(root / "big"))
     assert control >= whole, (control, whole)  # the measure sees a whole-model load as one
 
 
@@ -263,7 +241,7 @@ def test_bad_model_directories_are_named(tmp_path: Path, caplog: pytest.LogCaptu
         Pipeline.from_pretrained(tmp_path / "nowhere", _adamw)
     (tmp_path / "bert").mkdir()
     (tmp_path / "bert" / "config.json").write_text(json.dumps({"model_type": "bert"}))
-    with pytest.raises(ValueError, match="model_type 'bert' is not supported; supported: gpt2, llama"):
+    with pytest.raises(ValueError, match="model_type 'bert' is not supported; supported: deepseek_v3, gpt2, llama"):
         PretrainedModel.open(tmp_path / "bert")
     model = tiny_llama(layers=2)
     model.save_pretrained(tmp_path / "llama")

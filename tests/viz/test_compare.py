@@ -100,3 +100,7 @@ def test_measured_vs_simulated_in_one_unit_is_not_rescaled(tmp_path: Path) -> No
     widths_bottom = sum(b.get_width() for b in boxes(bottom))
     assert widths_bottom == pytest.approx(widths_top / 2)
     assert "unscaled" in " ".join(t.get_text() for t in fig.texts)
+    titles = " | ".join([ax.get_title() for ax in fig.axes] + [t.get_text() for ax in fig.axes for t in ax.texts]
+                        + [t.get_text() for t in fig.texts])
+    assert f"makespan {measured.makespan * 1e3:.3g} ms" in titles, titles  # the demo once said "0.1 s"
+    assert f"makespan {sim_seconds.makespan * 1e3:.3g} ms " in titles and " = " not in titles, titles

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from duplexpipe.planner.plan import PlanConfig, PlanRow, plan
+from duplexpipe.planner.plan import PlanConfig, PlanResult, PlanRow, plan
 from duplexpipe.planner.profile import PartProfile, Profile
 from duplexpipe.viz.pareto import pareto_front, plot_pareto
 
@@ -53,3 +53,21 @@ def test_the_legend_is_inside_the_figure(tmp_path: Path, chunks: tuple[int, ...]
     assert legend.x1 <= fig.bbox.x1 and legend.y0 >= fig.bbox.y0 and legend.y1 <= fig.bbox.y1
     texts = [t.get_text() for t in ax.get_legend().get_texts()]
     assert any(t.startswith("best: interleaved-1f1b(chunks=") for t in texts) or "best: ZB-V" in " ".join(texts)
+
+
+def test_front_labels_do_not_overlap(tmp_path: Path) -> None:
+    """Labels of close points on the front overlapped on `plan --plot`'s chart."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.text import Annotation, Text
+
+    crowded = [row(f"s{k}", 10.0 - 0.05 * k, 5 * MIB + 0.02 * MIB * k) for k in range(8)]
+    rows = sorted([*crowded, row("far", 30.0, 1 * MIB)], key=lambda r: r.step_s)
+    result = PlanResult(PlanConfig(ranks=2, batch=16, memory=80 * MIB), tuple(rows), "")  # crowded, all on the front
+    fig = plot_pareto(result, tmp_path / "crowded.png")
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    notes = [a for a in fig.axes[0].texts if isinstance(a, Annotation)]
+    for note in notes:
+        note.update_positions(renderer)
+    boxes = [Text.get_window_extent(a, renderer) for a in notes]  # the text, not its leader line
+    assert len(boxes) == len(pareto_front([r for r in result.rows if r.feasible]))
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])

@@ -19,7 +19,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from duplexpipe.launch.train_loop import TrainTask
-from duplexpipe.model.tp_plans import ScatterSequence
+from duplexpipe.runtime.tp_styles import ScatterSequence
 
 CORPUS_NAME = "kjv_genesis_exodus.txt"
 """The corpus file in the package's data folder (Genesis and Exodus, King James Version)."""
@@ -201,7 +201,8 @@ class CharCorpus:
 
 def gpt_task(n_layer: int = 4, d_model: int = 64, n_head: int = 4, block_size: int = 64,
              seed: int = 0) -> TrainTask:
-    """The default task: a GPT over the bundled corpus with deterministic batches (`batch(step, size)`)."""
+    """The default task: a GPT over the bundled corpus with deterministic batches (`batch(step, size)`) from its
+    train split and held-out ones (`eval_batch(index, size)`, for --eval-every) from its validation split."""
     corpus = CharCorpus()
     cfg = GPTConfig(vocab_size=corpus.vocab_size, block_size=block_size, d_model=d_model,
                     n_head=n_head, n_layer=n_layer)
@@ -210,5 +211,8 @@ def gpt_task(n_layer: int = 4, d_model: int = 64, n_head: int = 4, block_size: i
     def batch(step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         return corpus.batch(step, batch_size, block_size, seed=seed)
 
+    def eval_batch(index: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return corpus.batch(index, batch_size, block_size, split="val", seed=seed)
+
     return TrainTask(layers=blocks, loss_fn=lm_loss, batch=batch, embedding=embedding, head=head,
-                     items_per_sample=block_size, item_name="tokens", tp_plan=gpt_tp_plan)
+                     items_per_sample=block_size, item_name="tokens", eval_batch=eval_batch, tp_plan=gpt_tp_plan)

@@ -65,6 +65,12 @@ def test_gpt_task_batches_take_the_step_and_the_batch_size() -> None:
     x, y = task.batch(0, 4)
     assert x.shape == y.shape == (4, 8)
     assert task.batch(0, 6)[0].shape == (6, 8)
+    assert task.eval_batch is not None
+    held, targets = task.eval_batch(1, 4)
+    assert held.shape == (4, 8) and torch.equal(held, task.eval_batch(1, 4)[0])
+    assert torch.equal(held[:, 1:], targets[:, :-1])
+    val = gpt.CharCorpus().val  # every held-out window is a window of the validation split
+    assert all(any(torch.equal(w, val[s:s + 8]) for s in range(len(val) - 8)) for w in held)
 
 
 def test_example_script_is_a_thin_user_of_the_task() -> None:

@@ -1,5 +1,6 @@
-"""Tests for duplexpipe.launch.tasks.hf: `duplexpipe train --task hf` fine-tunes a transformers directory on a text
-file with its own tokenizer, and `--save-pretrained` hands transformers the result (the README's two commands)."""
+"""Tests for duplexpipe.launch.tasks.hf: `duplexpipe train --task hf` fine-tunes a transformers directory on a text or
+.jsonl file with its own tokenizer (documents joined by its EOS, a held-out tail, epochs without replacement), and
+`--save-pretrained` hands transformers the result: the README's two commands, with 1F1B and DualPipeV."""
 
 from __future__ import annotations
 
@@ -7,17 +8,36 @@ import pytest
 
 pytest.importorskip("transformers")
 
+import argparse  # noqa: E402
 import io  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import shlex  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
-from _hf_helpers import char_tokenizer, rel, tiny_llama, transformers  # noqa: E402
+from _hf_helpers import rel, tiny_llama, transformers  # noqa: E402
 
 from duplexpipe.cli.train_cmd import add_train_arguments, train_main  # noqa: E402
 from duplexpipe.launch.tasks.gpt import corpus_text  # noqa: E402
-from duplexpipe.launch.tasks.hf import check_options, hf_task  # noqa: E402
+from duplexpipe.launch.tasks.hf import Windows, check_options, documents, hf_task, tokenize  # noqa: E402
+from duplexpipe.launch.tasks.hf_options import options_help  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[3]
 TEXT = corpus_text()[:4000]
+EOS = "</s>"
+
+
+def eos_tokenizer(text: str) -> Any:
+    """A character-level fast tokenizer over `text` with an end-of-sequence token, built offline as a user would
+    (tokenizers' WordLevel model, saved by transformers' PreTrainedTokenizerFast)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, EOS: 1, **{c: i + 2 for i, c in enumerate(sorted(set(text)))}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token=EOS)
 
 
 @pytest.fixture(scope="module")
@@ -25,65 +45,192 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("hf-task")
     transformers.logging.set_verbosity_error()
     tiny_llama(layers=4).save_pretrained(root / "tiny")
-    char_tokenizer(TEXT).save_pretrained(root / "tiny")
+    eos_tokenizer(TEXT).save_pretrained(root / "tiny")
     (root / "data.txt").write_text(TEXT, encoding="utf-8")
+    (root / "notes.txt").write_text(TEXT, encoding="utf-8")
     return root
 
 
-def test_batches_are_windows_of_the_tokenized_text_and_the_same_every_time(model_dir: Path) -> None:
-    task = hf_task(model=str(model_dir / "tiny"), data=str(model_dir / "data.txt"), seq=16, seed=3)
-    x, y = task.batch(5, 4)
-    assert x.shape == (4, 16) and torch.equal(x, y) and torch.equal(task.batch(5, 4)[0], x)
-    assert not torch.equal(task.batch(6, 4)[0], x)
+def _task(model_dir: Path, **options: Any) -> Any:
+    return hf_task(model=str(model_dir / "tiny"), data=str(model_dir / "data.txt"), **options)
+
+
+def test_documents_are_joined_by_the_tokenizers_eos(model_dir: Path) -> None:
+    (model_dir / "docs.jsonl").write_text('{"text": "ab"}\n\n{"text": "b a"}\n', encoding="utf-8")
+    (model_dir / "docs.txt").write_text("ab\n\n \nb a\n", encoding="utf-8")
+    assert documents(str(model_dir / "docs.jsonl")) == documents(str(model_dir / "docs.txt")) == ["ab", "b a"]
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir / "tiny")
-    assert tokenizer.decode(x[0]).replace(" ", "") in TEXT.replace(" ", "")
-    assert task.pretrained == str(model_dir / "tiny") and task.item_name == "tokens"
+    stream = tokenize(["ab", "b a"], str(model_dir / "tiny"), str(model_dir / "tiny"))
+    assert tokenizer.convert_ids_to_tokens(stream.tolist()) == ["a", "b", EOS, "b", " ", "a", EOS]
+    (model_dir / "bad.jsonl").write_text('{"text": "a"}\n{"txt": "b"}\n', encoding="utf-8")
+    with pytest.raises(ValueError, match='bad.jsonl line 2 has no "text" string field'):
+        documents(str(model_dir / "bad.jsonl"))
 
 
-def test_bad_options_are_named(model_dir: Path) -> None:
+def test_epochs_walk_every_window_once_per_seed_and_hold_out_the_tail(model_dir: Path) -> None:
+    ids = torch.arange(103)
+    windows = Windows(ids, seq=4, val_fraction=0.2, seed=3)
+    assert windows.train.shape == (20, 4) and windows.held_out.shape == (5, 4)
+    assert int(windows.held_out.min()) >= int(windows.train.max()) + 1  # the tail, after every train token
+    first_epoch = torch.cat([windows.batch(s, 5)[0] for s in range(4)])  # 20 windows: one epoch
+    assert sorted(first_epoch[:, 0].tolist()) == list(range(0, 80, 4))  # each window once
+    second = torch.cat([windows.batch(s, 5)[0] for s in range(4, 8)])
+    assert sorted(second[:, 0].tolist()) == list(range(0, 80, 4)) and not torch.equal(first_epoch, second)
+    again = Windows(ids, seq=4, val_fraction=0.2, seed=3)
+    assert torch.equal(again.batch(6, 5)[0], windows.batch(6, 5)[0])  # a resumed run: the same batch at step 6
+    assert not torch.equal(Windows(ids, 4, 0.2, seed=4).batch(0, 5)[0], windows.batch(0, 5)[0])
+    assert torch.equal(windows.eval_batch(1, 3)[0], windows.held_out[[3, 4, 0]])  # in order, wrapping around
+
+
+def test_bad_options_are_named_and_documented_in_help(model_dir: Path) -> None:
+    tiny, data = str(model_dir / "tiny"), str(model_dir / "data.txt")
     with pytest.raises(ValueError, match="data file nowhere.txt does not exist"):
-        check_options(model=str(model_dir / "tiny"), data="nowhere.txt")
+        check_options(model=tiny, data="nowhere.txt")
     with pytest.raises(ValueError, match="seq must be an integer >= 2"):
-        check_options(model=str(model_dir / "tiny"), data=str(model_dir / "data.txt"), seq=1)
+        check_options(model=tiny, data=data, seq=1)
     with pytest.raises(ValueError, match="dtype must be one of float32"):
-        check_options(model=str(model_dir / "tiny"), data=str(model_dir / "data.txt"), dtype="int4")
+        check_options(model=tiny, data=data, dtype="int4")
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['sequence'\]; it takes model, data, tokenizer"):
+        check_options(model=tiny, data=data, sequence=8)
     bad = model_dir / "bad"  # a crafted model folder: its index points outside, then its header is huge
     bad.mkdir()
     (bad / "config.json").write_bytes((model_dir / "tiny" / "config.json").read_bytes())
     (bad / "model.safetensors.index.json").write_text('{"weight_map": {"x": "../tiny/model.safetensors"}}')
     with pytest.raises(ValueError, match=r"names '\.\./tiny/model\.safetensors', which is not a plain file name"):
-        check_options(model=str(bad), data=str(model_dir / "data.txt"))
+        check_options(model=str(bad), data=data)
     (bad / "model.safetensors.index.json").unlink()
     (bad / "model.safetensors").write_bytes((2**60).to_bytes(8, "little") + b"{}")
     with pytest.raises(ValueError, match=r"model.safetensors is not a valid safetensors file \(.*header too large"):
-        check_options(model=str(bad), data=str(model_dir / "data.txt"))
+        check_options(model=str(bad), data=data)
     with pytest.raises(ValueError, match="fewer than a window"):
-        hf_task(model=str(model_dir / "tiny"), data=str(model_dir / "data.txt"), seq=10_000)
+        _task(model_dir, seq=10_000)
+    text = options_help()
+    for name in ("seq (default 64)", "tokenizer (default None)", "dtype (default None)", "val_fraction"):
+        assert name in text
+
+
+def _readme_command(schedule: str, model: Path, extra: str = "") -> list[str]:
+    """The documented Hugging Face fine-tuning command (once in the README, now in the Hugging Face guide) as
+    written, with a local model directory, `schedule`, two steps instead of 100 and `extra` flags added."""
+    text = (ROOT / "docs" / "huggingface.md").read_text(encoding="utf-8")
+    command = re.search(r"^duplexpipe train --task hf --task-option model=\./.*?(?<!\\)$", text, re.M | re.S)
+    assert command is not None, "the guide's hf command"
+    words = shlex.split(command.group(0).replace("\\\n", " "))
+    words[words.index("--schedule") + 1] = schedule
+    words[words.index("--steps") + 1] = "2"
+    model_option = next(w for w in words if w.startswith("model="))
+    words[words.index(model_option)] = f"model={model}"
+    return words[2:] + shlex.split(extra)
+
+
+def _run(words: list[str]) -> str:
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    out = io.StringIO()
+    assert train_main(parser.parse_args(words), out) == 0
+    return out.getvalue()
+
+
+def _generates(path: Path) -> None:
+    """The README's second command, in plain transformers: load the export and generate."""
+    tuned = transformers.AutoModelForCausalLM.from_pretrained(path)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    ids = tokenizer("In the", return_tensors="pt")["input_ids"]
+    assert tuned.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False).shape == (1, ids.shape[1] + 4)
 
 
 @pytest.mark.timeout(300)
-def test_train_then_load_back_in_transformers(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """duplexpipe train --task hf ... --save-pretrained tuned; then AutoModelForCausalLM.from_pretrained("tuned").
-    With --schedule auto: the planner may merge the model's parts, and the export names them as the model does."""
+def test_readme_command_with_dualpipev_trains_and_transformers_generates(model_dir: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pre-start check counted the task's `layers` (empty for hf): every named schedule was refused."""
     monkeypatch.chdir(model_dir)
-    import argparse
-
-    parser = argparse.ArgumentParser()
-    add_train_arguments(parser)
-    args = parser.parse_args(["--task", "hf", "--task-option", "model=tiny", "--task-option", "data=data.txt",
-                              "--task-option", "seq=16", "--schedule", "auto", "--memory-limit", "1GiB", "--ranks", "2",
-                              "--microbatches", "2",
-                              "--batch-size", "4", "--steps", "3", "--log-every", "0", "--no-tensorboard",
-                              "--save-pretrained", "tuned"])
-    out = io.StringIO()
-    assert train_main(args, out) == 0
-    assert "auto (chose " in out.getvalue() and "on 2 ranks x 1 dp, 3 steps" in out.getvalue()
+    out = _run(_readme_command("dualpipev", model_dir / "tiny"))
+    assert "dualpipev on 2 ranks x 1 dp, 2 steps" in out and "tokens/s" in out and "items/s" not in out
+    assert re.search(r"^ +3 +3\.\.3 \+head", out, re.M), out  # the partition: 4 parts of one layer
     tuned, info = transformers.AutoModelForCausalLM.from_pretrained(model_dir / "tuned", output_loading_info=True)
-    assert not any(info.values()), info  # every tensor in the files, none left over
+    assert not any(info.values()), info
     source = transformers.AutoModelForCausalLM.from_pretrained(model_dir / "tiny")
-    assert type(tuned) is type(source) and tuned.dtype == source.dtype
     moved = [rel(tuned.state_dict()[k], v) for k, v in source.state_dict().items()]
     assert min(moved) > 0 and max(moved) < 0.5, moved  # every tensor trained, none blown up
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir / "tuned")  # copied from the source
-    ids = tokenizer("In the", return_tensors="pt")["input_ids"]
-    assert tuned.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False).shape == (1, ids.shape[1] + 4)
+    _generates(model_dir / "tuned")
+
+
+@pytest.mark.timeout(300)
+def test_readme_command_with_1f1b_and_eval_matches_the_model_on_the_held_out_data(
+        model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--eval-every reports the exported model's loss on the held-out windows, computed in one process (fp64)."""
+    monkeypatch.chdir(model_dir)
+    out = _run(_readme_command("1f1b", model_dir / "tiny", "--task-option dtype=float64 --eval-every 2 "
+                               "--eval-batches 2 --out-dir run --no-tensorboard"))
+    reported = float(re.search(r"eval loss (\d+\.\d+)", out).group(1))  # type: ignore[union-attr]
+    rows = [json.loads(line) for line in (model_dir / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "eval_loss" in r] == [2]
+    assert "0..1 +emb" in (model_dir / "run" / "partition.txt").read_text()  # was empty for the hf task
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir / "tuned", dtype=torch.float64)
+    task = hf_task(model=str(model_dir / "tiny"), data="notes.txt", dtype="float64")
+    assert task.eval_batch is not None
+    with torch.no_grad():  # transformers' own loss casts the logits to float32: the mean cross-entropy in fp64
+        logits = [(model(x).logits, y) for x, y in (task.eval_batch(i, 32) for i in range(2))]
+        losses = [float(torch.nn.functional.cross_entropy(z[:, :-1].flatten(0, 1), y[:, 1:].flatten()))
+                  for z, y in logits]
+    assert logits[0][0].dtype == torch.float64
+    assert abs(rows[-1]["eval_loss"] - sum(losses) / 2) < 1e-12, (rows[-1], losses)
+    assert abs(reported - sum(losses) / 2) < 1e-4
+    _generates(model_dir / "tuned")
+
+
+@pytest.mark.timeout(300)
+def test_schedule_auto_merges_parts_and_the_export_names_them_as_the_model_does(
+        model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(model_dir)
+    out = _run(["--task", "hf", "--task-option", "model=tiny", "--task-option", "data=data.txt", "--task-option",
+                "seq=16", "--schedule", "auto", "--memory-limit", "1GiB", "--ranks", "2", "--microbatches", "2",
+                "--batch-size", "4", "--steps", "2", "--log-every", "0", "--no-tensorboard",
+                "--save-pretrained", "auto-tuned"])
+    assert "auto (chose " in out and "on 2 ranks x 1 dp, 2 steps" in out
+    tuned, info = transformers.AutoModelForCausalLM.from_pretrained(model_dir / "auto-tuned", output_loading_info=True)
+    assert not any(info.values()), info  # every tensor in the files, none left over
+
+
+def test_profile_and_plan_take_a_hugging_face_model(model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """`profile --task hf` was "must look like path/to/file.py:function", then "cannot split 0 layers"."""
+    from duplexpipe.cli import main
+    from duplexpipe.planner.profile import load_profile
+
+    monkeypatch.chdir(model_dir)
+    hf = ["profile", "--task", "hf", "--task-option", "model=tiny", "--task-option", "data=data.txt", "--task-option",
+          "seq=16", "--microbatch", "2", "--repeats", "1"]
+    assert main([*hf, "--parts", "4", "-o", "hf.json"]) == 0, capsys.readouterr().err
+    profile = load_profile(model_dir / "hf.json")
+    assert profile.num_parts == 4 and profile.parts[0].param_bytes > profile.parts[1].param_bytes  # + embedding
+    assert main(["plan", "--profile", "hf.json", "-p", "2", "--batch", "8", "--memory", "1GiB"]) == 0
+    assert "best: " in capsys.readouterr().out
+    assert main([*hf, "--parts", "5", "-o", "hf5.json"]) == 2
+    assert "tiny has 4 decoder layers: fewer than --parts 5" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(300)
+def test_an_moe_model_trains_with_expert_parallelism_and_loads_back(model_dir: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """duplexpipe train --task hf --ep 2 --dp 2 on a Qwen3-MoE directory (the aux loss on, DualPipeV with the F&B
+    overlap), --save-pretrained: transformers loads every expert back, each trained."""
+    from _hf_moe_helpers import AUX, set_config, tiny_moe
+
+    monkeypatch.chdir(model_dir)
+    tiny_moe("qwen3_moe").save_pretrained(model_dir / "moe")
+    set_config(model_dir / "moe", **AUX)
+    eos_tokenizer(TEXT).save_pretrained(model_dir / "moe")
+    out = _run(["--task", "hf", "--task-option", "model=moe", "--task-option", "data=data.txt", "--task-option",
+                "seq=8", "--schedule", "dualpipev", "--ranks", "2", "--dp", "2", "--ep", "2", "--microbatches", "4",
+                "--batch-size", "16", "--steps", "2", "--log-every", "0", "--no-tensorboard", "--save-pretrained",
+                "moe-tuned"])
+    assert "dualpipev on 2 ranks x 2 dp, 2 steps" in out
+    tuned, info = transformers.AutoModelForCausalLM.from_pretrained(model_dir / "moe-tuned", output_loading_info=True,
+                                                                    experts_implementation="eager")
+    assert not any(info.values()), info
+    source = transformers.AutoModelForCausalLM.from_pretrained(model_dir / "moe", experts_implementation="eager")
+    assert type(tuned) is type(source) and tuned.config.output_router_logits
+    experts = [rel(tuned.state_dict()[k][e], v[e]) for k, v in source.state_dict().items() if "experts" in k
+               for e in range(v.shape[0])]
+    assert len(experts) == 4 * 2 * 4 and min(experts) > 0, experts  # 4 layers x (gate_up, down) x 4 experts
