@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -29,7 +29,7 @@ from duplexpipe.model.state_names import split_style
 from duplexpipe.moe.layer import MoELayer
 from duplexpipe.runtime.compiled_split import SPLIT_BACKENDS, SplitBackend
 from duplexpipe.schedules.ir import Op, Schedule
-from duplexpipe.train.compile_options import backend_name, check_usable
+from duplexpipe.train.compile_options import backend_name, check_usable, compile_options
 
 LOG = logging.getLogger("duplexpipe.compile")
 BLOCKS_HOOK = "compile_blocks"
@@ -111,9 +111,13 @@ def static_under_dtensor(options: Mapping[str, Any], modules: Iterable[nn.Module
 class CompiledStages:
     """This rank's compiled blocks and the log of what compiles when (`watching` around each step)."""
 
-    def __init__(self, stage_modules: Mapping[int, nn.Module], options: Mapping[str, Any] | None,
-                 schedule: Schedule, device: torch.device, sources: Sequence[nn.Module] = ()) -> None:
-        self.options = dict(options) if options is not None else None
+    def __init__(self, stage_modules: Mapping[int, nn.Module], setting: bool | Mapping[str, Any] | None,
+                 schedule: Schedule, device: torch.device,
+                 parts: Sequence[nn.Module] | Callable[..., Any] = ()) -> None:
+        """`setting`: `PipelineConfig.compile` (or torch.compile's options); `parts`: the parts given to the Pipeline
+        (a factory has none to look at). Built after every other module transform of the stages."""
+        self.options = compile_options(setting)
+        sources = [] if callable(parts) else parts
         if any(m._compiled_call_impl is not None for part in sources for m in part.modules()):
             LOG.warning("a given part holds modules compiled in place (nn.Module.compile), which torch drops when a "
                         "stage copies its part: they run eager; use torch.compile(module) or PipelineConfig.compile")

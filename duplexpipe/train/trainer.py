@@ -48,7 +48,6 @@ from duplexpipe.runtime import EvalResult, PipelineRuntime, RuntimeConfig
 from duplexpipe.runtime.backend import default_device
 from duplexpipe.train.choice import AutoChoice, RunPlan
 from duplexpipe.train.compile import CompiledStages
-from duplexpipe.train.compile_options import compile_options
 from duplexpipe.train.experts import Experts
 from duplexpipe.train.pipeline_config import (
     AUTO,
@@ -166,9 +165,7 @@ class Pipeline:
         self.dp.counted = self.tied.counted(self.dp.counted)  # a tied weight counts once in the norm
         self.scheduler = scheduler(self.optimizer) if scheduler is not None else None
         """The LR scheduler (None without one); stepped after every applied optimizer step."""
-        self.compiled = CompiledStages(self.stage_modules, compile_options(cfg.compile), self.schedule, self.device,
-                                       [] if callable(parts) else parts)
-        """This rank's compiled blocks (`PipelineConfig.compile`, after every other module transform)."""
+        self.compiled = CompiledStages(self.stage_modules, cfg.compile, self.schedule, self.device, parts)  # last
         self._start_counting()
 
     def _start_counting(self) -> None:
