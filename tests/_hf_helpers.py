@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
+from safetensors import safe_open
 from torch import Tensor, nn
 from torch.profiler import ProfilerActivity, profile
 
@@ -93,6 +96,46 @@ def padding_mask(rows: int, seq: int = SEQ, left: bool = True) -> Tensor:
 def padded_labels(ids: Tensor, mask: Tensor) -> Tensor:
     """Labels with -100 where the mask pads: rows then count different numbers of tokens."""
     return ids.masked_fill(mask == 0, -100)
+
+
+def lm_batch(step: int, rows: int, padded: bool) -> tuple[Any, Tensor]:
+    """(inputs, labels) of `step`: with padding, an attention mask and -100 labels (rows count unequal tokens)."""
+    ids, labels = token_batch(step, rows=rows)
+    if not padded:
+        return ids, labels
+    mask = padding_mask(rows, left=False)
+    return {"input_ids": ids, "attention_mask": mask}, padded_labels(ids, mask)
+
+
+def adamw(params: list[nn.Parameter], lr: float = 1e-2) -> torch.optim.Optimizer:
+    """The optimizer of the fine-tuning tests: AdamW with weight decay 0.01."""
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+
+
+def train_transformers(model: nn.Module, steps: int, rows: int, padded: bool) -> list[float]:
+    """`steps` of plain transformers training in one process on `lm_batch`, next-token cross entropy over the batch in
+    float64 (transformers' own loss casts float64 logits to float32, so the reference computes it itself)."""
+    optimizer = adamw(list(model.parameters()))
+    losses = []
+    for step in range(steps):
+        inputs, labels = lm_batch(step, rows, padded)
+        kwargs = inputs if isinstance(inputs, dict) else {"input_ids": inputs}
+        logits = model(**kwargs).logits
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1), ignore_index=-100)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def file_tensors(path: Path) -> dict[str, Tensor]:
+    """Every tensor of a model directory's safetensors files, read directly."""
+    out = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 - safe_open has no __iter__
+    return out
 
 
 def run_parts(parts: list[nn.Module], inputs: Any) -> Any:

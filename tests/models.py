@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import queue
+import shutil
+import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -101,6 +105,19 @@ def rel_err(got: Tensor, want: Tensor) -> float:
     scale = want.norm().item()
     diff = (got - want).norm().item()
     return diff / scale if scale > 0 else diff
+
+
+@contextlib.contextmanager
+def shared_folder(prefix: str) -> Iterator[str]:
+    """A temporary folder that rank 0 makes and names to every rank; rank 0 removes it (and its `-*` siblings) once
+    every rank has left the block without an error."""
+    where = [tempfile.mkdtemp(prefix=prefix) if dist.get_rank() == 0 else ""]
+    dist.broadcast_object_list(where, src=0)
+    yield where[0]
+    dist.barrier()
+    if dist.get_rank() == 0:
+        for path in [where[0], *(str(p) for p in Path(where[0]).parent.glob(Path(where[0]).name + "-*"))]:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _wait_for_peers(rank: int, world: int, limit_s: float = 30.0) -> None:

@@ -8,6 +8,7 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -42,6 +43,32 @@ class StoredTensor:
     """Its shape."""
     name: str
     """Its name in the file."""
+
+    def mismatch(self, shape: tuple[int, ...]) -> str:
+        """Why it cannot fill a target of `shape`."""
+        return f"{self.file}: a tensor of shape {self.shape} cannot fill one of {shape}"
+
+    def read(self, handle: Any) -> Tensor:
+        """The tensor, from `handle` (safetensors' `safe_open` of its file)."""
+        return handle.get_tensor(self.name)
+
+
+class Source(Protocol):
+    """Where in a safetensors file a target tensor's values are: a `StoredTensor` or a fused slice of one."""
+
+    @property
+    def file(self) -> Path:
+        """The file."""
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of what `read` returns."""
+
+    def mismatch(self, shape: tuple[int, ...]) -> str:
+        """Why it cannot fill a target of `shape`."""
+
+    def read(self, handle: Any) -> Tensor:
+        """Its values, from `handle` (safetensors' `safe_open` of its file)."""
 
 
 def _bad_file(file: Path, exc: BaseException) -> ValueError:
@@ -100,20 +127,19 @@ def stored_tensors(root: Path) -> dict[str, StoredTensor]:
     return read_header(single)
 
 
-def read_into(items: Iterable[tuple[StoredTensor, Tensor]]) -> None:
-    """Copy each stored tensor into its target (same shape; any dtype and device), file by file through the
-    safetensors library (one tensor in memory at a time besides the targets)."""
-    by_file: dict[Path, list[tuple[StoredTensor, Tensor]]] = {}
-    for stored, target in items:
-        if tuple(target.shape) != stored.shape:
-            raise ValueError(f"{stored.file}: a tensor of shape {stored.shape} cannot fill one of "
-                             f"{tuple(target.shape)}")
-        by_file.setdefault(stored.file, []).append((stored, target))
+def read_into(items: Iterable[tuple[Source, Tensor]]) -> None:
+    """Copy each source into its target (same shape; any dtype and device), file by file through the safetensors
+    library (one tensor in memory at a time besides the targets)."""
+    by_file: dict[Path, list[tuple[Source, Tensor]]] = {}
+    for source, target in items:
+        if tuple(target.shape) != source.shape:
+            raise ValueError(source.mismatch(tuple(target.shape)))
+        by_file.setdefault(source.file, []).append((source, target))
     for file, pairs in by_file.items():
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f, torch.no_grad():
-                for stored, target in pairs:
-                    target.copy_(f.get_tensor(stored.name))
+                for source, target in pairs:
+                    target.copy_(source.read(f))
         except SafetensorError as exc:
             raise _bad_file(file, exc) from None
         except OSError as exc:

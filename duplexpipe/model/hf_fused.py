@@ -5,13 +5,11 @@ and read alone with the safetensors library (a rank reads only the slices of its
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
-import torch
-from safetensors import safe_open
 from torch import Tensor
 
 _EXPERT = re.compile(r"^(?P<layer>.+)\.(?P<block>mlp|block_sparse_moe)\.experts\.(?P<e>\d+)\."
@@ -47,6 +45,15 @@ class FusedSlice:
     shape: tuple[int, ...]
     """The projection's shape (what the published tensor has)."""
 
+    def mismatch(self, shape: tuple[int, ...]) -> str:
+        """Why it cannot fill a target of `shape`."""
+        return (f"{self.file}: {self.name}[{self.expert}, {self.start}:{self.stop}] has shape {self.shape}, the model "
+                f"needs {shape}")
+
+    def read(self, handle: Any) -> Tensor:
+        """The projection, from `handle` (safetensors' `safe_open` of its file)."""
+        return handle.get_slice(self.name)[self.expert, self.start:self.stop]
+
 
 def fused_source(name: str, files: Mapping[str, Stored]) -> FusedSlice | None:
     """Where a published expert tensor (`model.layers.3.mlp.experts.5.up_proj.weight`; Mixtral
@@ -75,15 +82,3 @@ def renamed_source(name: str, files: Mapping[str, Stored]) -> str | None:
     return other if other != name and other in files else None
 
 
-def read_slices(items: Iterable[tuple[FusedSlice, Tensor]]) -> None:
-    """Copy each fused slice into its target (same shape; any dtype and device), one file opened at a time."""
-    by_file: dict[Path, list[tuple[FusedSlice, Tensor]]] = {}
-    for source, target in items:
-        if tuple(target.shape) != source.shape:
-            raise ValueError(f"{source.file}: {source.name}[{source.expert}, {source.start}:{source.stop}] has shape "
-                             f"{source.shape}, the model needs {tuple(target.shape)}")
-        by_file.setdefault(source.file, []).append((source, target))
-    for file, pairs in by_file.items():
-        with safe_open(str(file), framework="pt") as f, torch.no_grad():
-            for source, target in pairs:
-                target.copy_(f.get_slice(source.name)[source.expert, source.start:source.stop])

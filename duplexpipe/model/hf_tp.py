@@ -98,10 +98,8 @@ class HFTensorPlan:
         """ValueError naming module, size and degree when `tp` cannot shard the model: the attention heads and KV
         heads, and every dimension the plan shards."""
         errors: list[str] = []
-        for k, part in enumerate(parts):
-            if not isinstance(part, CausalLMPart):
-                raise ValueError(f"the Hugging Face tensor-parallel plan needs Hugging Face parts; part {k} is a "
-                                 f"{type(part).__name__}")
+        for k, module in enumerate(parts):
+            part = _hf_part(module, f"part {k}")
             config = part.config
             for name in ("num_attention_heads", "num_key_value_heads"):
                 value = getattr(config, name, None)
@@ -114,17 +112,19 @@ class HFTensorPlan:
 
     def styles(self, part: nn.Module) -> dict[str, ParallelStyle]:
         """{module path: style} this plan gives `part` (what the planner's `model.tp_facts` counts)."""
-        if not isinstance(part, CausalLMPart):
-            raise ValueError(f"the Hugging Face tensor-parallel plan needs Hugging Face parts, got a "
-                             f"{type(part).__name__}")
-        return {path: style for key, style in part_plan(part, self.sequence_parallel).items()
+        return {path: style for key, style in part_plan(_hf_part(part), self.sequence_parallel).items()
                 for path, _ in resolve(part, key)}
 
     def __call__(self, part: nn.Module, tp_mesh: DeviceMesh) -> None:
         """Shard one Hugging Face part over `tp_mesh` (its masks and positions then cover the whole sequence)."""
-        if not isinstance(part, CausalLMPart):
-            raise ValueError(f"the Hugging Face tensor-parallel plan needs Hugging Face parts, got a "
-                             f"{type(part).__name__}")
-        plan = part_plan(part, self.sequence_parallel)
+        plan = part_plan(_hf_part(part), self.sequence_parallel)
         if plan:
             parallelize_module(part, tp_mesh, plan, src_data_rank=None)
+
+
+def _hf_part(part: nn.Module, what: str = "the part") -> CausalLMPart:
+    """`part`, which must be a Hugging Face part (ValueError naming `what` and its type otherwise)."""
+    if not isinstance(part, CausalLMPart):
+        raise ValueError(f"the Hugging Face tensor-parallel plan needs Hugging Face parts; {what} is a "
+                         f"{type(part).__name__}")
+    return part

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from duplexpipe.files import read_capped
 from duplexpipe.model.hf import MODEL_TYPES, CausalLMPart, causal_lm_parts, causal_lm_targets, counted_tokens
 from duplexpipe.model.hf_files import INDEX_FILE, SINGLE_FILE, StoredTensor, read_into, stored_tensors
-from duplexpipe.model.hf_fused import FusedSlice, fused_source, read_slices, renamed_source
+from duplexpipe.model.hf_fused import FusedSlice, fused_source, renamed_source
 from duplexpipe.model.hf_moe import set_bias_update_speed, with_moe_layers
 from duplexpipe.model.split import PartInfo, Partition, count_params
 from duplexpipe.model.state_names import part_state_keys
@@ -192,16 +192,7 @@ class PretrainedModel:
             elif module._non_persistent_buffers_set:
                 init_weights(module)
         names = part_state_keys(part, index)
-        whole: list[tuple[StoredTensor, Tensor]] = []
-        sliced: list[tuple[FusedSlice, Tensor]] = []
-        for local, tensor in part.state_dict().items():
-            source = self._source(names[local])
-            if isinstance(source, FusedSlice):
-                sliced.append((source, tensor))
-            else:
-                whole.append((source, tensor))
-        read_into(whole)
-        read_slices(sliced)
+        read_into([(self._source(names[local]), tensor) for local, tensor in part.state_dict().items()])
 
 
 def expert_layout(mesh: Any) -> tuple[int, int] | None:

@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from duplexpipe.model.hf_fused import FusedSlice, fused_source, read_slices, renamed_source
+from duplexpipe.model.hf_files import read_into
+from duplexpipe.model.hf_fused import FusedSlice, fused_source, renamed_source
 
 
 @dataclass(frozen=True)
@@ -38,8 +39,8 @@ def test_published_names_map_to_slices_of_the_fused_tensors(tmp_path: Path) -> N
     assert renamed_source("model.layers.2.block_sparse_moe.gate.weight", files) == "model.layers.2.mlp.gate.weight"
     assert renamed_source("model.layers.2.mlp.gate.weight", files) is None
     targets = [torch.empty(4, 5, dtype=torch.float32), torch.empty(4, 5, dtype=torch.float64), torch.empty(5, 4)]
-    read_slices(zip([up, w1, w2], targets, strict=True))  # type: ignore[arg-type]
+    read_into(zip([up, w1, w2], targets, strict=True))  # type: ignore[arg-type]
     assert torch.equal(targets[0], gate_up[1, 4:].float()) and torch.equal(targets[1], gate_up[2, :4])
     assert torch.equal(targets[2], down[0].float())
     with pytest.raises(ValueError, match=r"has shape \(4, 5\), the model needs \(5, 5\)"):
-        read_slices([(up, torch.empty(5, 5))])  # type: ignore[list-item]
+        read_into([(up, torch.empty(5, 5))])  # type: ignore[list-item]

@@ -15,16 +15,14 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from _hf_helpers import (  # noqa: E402
-    VOCAB,
-    padded_labels,
-    padding_mask,
+    adamw,
+    lm_batch,
     rel,
     tiny_gpt2,
     tiny_llama,
     tiny_qwen3,
-    token_batch,
+    train_transformers,
     transformers,
 )
 from _hf_moe_helpers import tiny_moe  # noqa: E402
@@ -42,35 +40,23 @@ MOE_CASES = {"qwen3_moe": (2, 1, 1), "qwen3_moe ep": (1, 2, 2)}
 """name -> (pp, dp, ep) of a Qwen3-MoE run with TP=2 (no sequence parallelism, no padding)."""
 
 
-def _adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
-
-
-def _batch(step: int, padded: bool) -> tuple[Any, torch.Tensor]:
-    ids, labels = token_batch(step, rows=ROWS)
-    if not padded:
-        return ids, labels
-    mask = padding_mask(ROWS, left=False)
-    return {"input_ids": ids, "attention_mask": mask}, padded_labels(ids, mask)
-
-
 def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
     transformers.logging.set_verbosity_error()
     out: dict[str, Any] = {}
     for name, (sp, padded) in CASES.items():
-        pipe = Pipeline.from_pretrained(Path(root) / name.split()[0], _adamw,
+        pipe = Pipeline.from_pretrained(Path(root) / name.split()[0], adamw,
                                         PipelineConfig("1f1b", 4, sequence_parallel=sp), mesh=make_mesh(2, tp=2))
-        out[name] = [pipe.step(*_batch(step, padded)) for step in range(STEPS)]
+        out[name] = [pipe.step(*lm_batch(step, ROWS, padded)) for step in range(STEPS)]
         pipe.save_pretrained(Path(root) / f"out-{name}")
     for name, (pp, dp, ep) in MOE_CASES.items():
-        pipe = Pipeline.from_pretrained(Path(root) / "qwen3_moe", _adamw, PipelineConfig("1f1b", 4),
+        pipe = Pipeline.from_pretrained(Path(root) / "qwen3_moe", adamw, PipelineConfig("1f1b", 4),
                                         mesh=make_mesh(pp, dp, tp=2, ep=ep))
         lo, rows = pipe.groups.dp_rank * ROWS // dp, ROWS // dp
         out[name] = [pipe.step(ids[lo:lo + rows], labels[lo:lo + rows])
-                     for ids, labels in (_batch(step, False) for step in range(STEPS))]
+                     for ids, labels in (lm_batch(step, ROWS, False) for step in range(STEPS))]
         pipe.save_pretrained(Path(root) / f"out-{name}")
     try:
-        Pipeline.from_pretrained(Path(root) / "llama", _adamw, PipelineConfig("1f1b", 4), mesh=make_mesh(1, tp=4))
+        Pipeline.from_pretrained(Path(root) / "llama", adamw, PipelineConfig("1f1b", 4), mesh=make_mesh(1, tp=4))
     except ValueError as exc:
         out["kv heads"] = str(exc)
     return out
@@ -80,18 +66,7 @@ def _reference(source: Path, padded: bool) -> tuple[list[float], nn.Module]:
     """STEPS of plain transformers training in one process (the loss in float64, as the pipeline computes it)."""
     moe = {"experts_implementation": "eager"} if source.name == "qwen3_moe" else {}  # float64 experts on the CPU
     model = transformers.AutoModelForCausalLM.from_pretrained(source, **moe)
-    optimizer = _adamw(list(model.parameters()))
-    losses = []
-    for step in range(STEPS):
-        inputs, labels = _batch(step, padded)
-        kwargs = inputs if isinstance(inputs, dict) else {"input_ids": inputs}
-        logits = model(**kwargs).logits
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1), ignore_index=-100)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, model
+    return train_transformers(model, STEPS, ROWS, padded), model
 
 
 @pytest.fixture(scope="module")

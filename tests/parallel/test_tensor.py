@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import re
 import shutil
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ import torch
 import torch.distributed as dist
 from _checkpoint_faults import flip
 from _tp_cases import CLIP, STEPS, Reference, adamw, batch, gpt, loss_fn, max_rel, pipeline, train
+from models import shared_folder
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -122,19 +122,18 @@ def _precision(out: dict[str, Any]) -> None:
 
 def _checkpoints(out: dict[str, Any]) -> None:
     """Two steps at PP=2 x TP=2 with SP, saved; the third step at PP=4 x TP=1 and at PP=1 x DP=2 x TP=2."""
-    where = [tempfile.mkdtemp(prefix="tp-ckpt-") if dist.get_rank() == 0 else ""]
-    dist.broadcast_object_list(where, src=0)
-    pipe = pipeline((2, 1, 2), PipelineConfig("1f1b", 4, sequence_parallel=True, grad_clip_norm=CLIP))
-    out["saved"] = train(pipe, range(2))
-    pipe.save(where[0])
-    for name, shape in (("pp4", (4, 1, 1)), ("dp2 tp2", (1, 2, 2))):
-        config = PipelineConfig("1f1b", 4, sequence_parallel=shape[2] > 1, grad_clip_norm=CLIP)
-        pipe = pipeline(shape, config)
-        with warnings.catch_warnings():  # rank 0 warns that the layout changed
-            warnings.simplefilter("ignore", UserWarning)
-            pipe.load(where[0])
-        out[f"resumed {name}"] = train(pipe, range(2, STEPS))
-    _damaged(out, where[0], pipe)
+    with shared_folder("tp-ckpt-") as where:
+        pipe = pipeline((2, 1, 2), PipelineConfig("1f1b", 4, sequence_parallel=True, grad_clip_norm=CLIP))
+        out["saved"] = train(pipe, range(2))
+        pipe.save(where)
+        for name, shape in (("pp4", (4, 1, 1)), ("dp2 tp2", (1, 2, 2))):
+            config = PipelineConfig("1f1b", 4, sequence_parallel=shape[2] > 1, grad_clip_norm=CLIP)
+            pipe = pipeline(shape, config)
+            with warnings.catch_warnings():  # rank 0 warns that the layout changed
+                warnings.simplefilter("ignore", UserWarning)
+                pipe.load(where)
+            out[f"resumed {name}"] = train(pipe, range(2, STEPS))
+        _damaged(out, where, pipe)
 
 
 def _damaged(out: dict[str, Any], saved: str, pipe: Pipeline) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from _moe_cases import MoESpec, Reference, adamw, batch, build, compare, loss_fn, sgd, snapshot
+from models import shared_folder
 
 from duplexpipe import Pipeline, PipelineConfig, make_mesh
 from duplexpipe.runtime.executor import EP_LANE
@@ -61,24 +62,19 @@ def _run(rank: int, schedule: str, spec: MoESpec, extra: dict[str, Any]) -> dict
 def _resume_with_fewer_expert_ranks(rank: int) -> dict[str, Any]:
     """2 steps with ep=2, saved; loaded with ep=1 (every rank holds every expert); a third step. Against 3
     uninterrupted steps of the one-process model."""
-    import tempfile
-
-    import torch.distributed as dist
-
-    where = [tempfile.mkdtemp(prefix="moe-ckpt-") if rank == 0 else ""]
-    dist.broadcast_object_list(where, src=0)
     runs = {}
-    for ep, steps in ((2, range(2)), (1, range(2, 3))):
-        embedding, blocks, head = build(BALANCED)
-        pipe = Pipeline.from_layers(blocks, loss_fn, adamw, PipelineConfig(num_microbatches=MICRO),
-                                    embedding=embedding, head=head, mesh=make_mesh(2, 2, ep=ep))
-        if ep == 1:
-            pipe.load(where[0])
-        for step in steps:
-            pipe.step(*batch(step, pipe.groups.dp_rank))
-        if ep == 2:
-            pipe.save(where[0])
-        runs[ep] = pipe
+    with shared_folder("moe-ckpt-") as where:
+        for ep, steps in ((2, range(2)), (1, range(2, 3))):
+            embedding, blocks, head = build(BALANCED)
+            pipe = Pipeline.from_layers(blocks, loss_fn, adamw, PipelineConfig(num_microbatches=MICRO),
+                                        embedding=embedding, head=head, mesh=make_mesh(2, 2, ep=ep))
+            if ep == 1:
+                pipe.load(where)
+            for step in steps:
+                pipe.step(*batch(step, pipe.groups.dp_rank))
+            if ep == 2:
+                pipe.save(where)
+            runs[ep] = pipe
     pipe = runs[1]
     ref = Reference(BALANCED)
     for step in range(3):

@@ -12,23 +12,21 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from _hf_helpers import (  # noqa: E402
     BUILDERS,
-    VOCAB,
+    adamw,
     char_tokenizer,
     file_sizes,
+    file_tensors,
+    lm_batch,
     own_bytes,
-    padded_labels,
-    padding_mask,
     peak_bytes,
     rel,
     tiny_llama,
-    token_batch,
+    train_transformers,
     transformers,
 )
 from models import run_workers  # noqa: E402
-from safetensors import safe_open  # noqa: E402
 from torch import nn  # noqa: E402
 
 from duplexpipe.dp_options.zero import ZeroOptions  # noqa: E402
@@ -44,21 +42,8 @@ ROUND_TRIPS = [("llama", "1f1b"), ("llama", "dualpipe"), ("llama", "dualpipev"),
 FINE_TUNES = {"llama": ("1f1b", 2, 1, True, 0), "gpt2": ("dualpipe", 2, 1, False, 0),
               "llama-dp2": ("1f1b", 1, 2, True, 0)}
 """name -> (schedule, pp, dp, padded, zero stage): five AdamW steps, then save_pretrained."""
-STEPS, ROWS, LR = 5, 8, 1e-2
+STEPS, ROWS = 5, 8
 TEXT = "In the beginning God created the heaven and the earth.\n"
-
-
-def _adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=LR, weight_decay=0.01)
-
-
-def _batch(step: int, padded: bool) -> tuple[Any, torch.Tensor]:
-    """(inputs, labels) of `step`: with padding, an attention mask and -100 labels (rows count unequal tokens)."""
-    ids, labels = token_batch(step, rows=ROWS)
-    if not padded:
-        return ids, labels
-    mask = padding_mask(ROWS, left=False)
-    return {"input_ids": ids, "attention_mask": mask}, padded_labels(ids, mask)
 
 
 def _rows(value: Any, lo: int, hi: int) -> Any:
@@ -71,21 +56,21 @@ def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
     base = Path(root)
     out: dict[str, Any] = {}
     for arch, schedule in ROUND_TRIPS:
-        pipe = Pipeline.from_pretrained(base / arch, _adamw, PipelineConfig(schedule, 4))
+        pipe = Pipeline.from_pretrained(base / arch, adamw, PipelineConfig(schedule, 4))
         pipe.save_pretrained(base / f"rt-{arch}-{schedule}")
     for name, (schedule, pp, dp, padded, zero) in FINE_TUNES.items():
         mesh = make_mesh(pp, dp) if dp > 1 else None
-        pipe = Pipeline.from_pretrained(base / name.split("-")[0], _adamw, PipelineConfig(schedule, 4, zero_stage=zero),
+        pipe = Pipeline.from_pretrained(base / name.split("-")[0], adamw, PipelineConfig(schedule, 4, zero_stage=zero),
                                         mesh=mesh)
         rows = ROWS // dp
         lo = pipe.groups.dp_rank * rows
         losses = []
         for step in range(STEPS):
-            inputs, labels = _batch(step, padded)
+            inputs, labels = lm_batch(step, ROWS, padded)
             losses.append(pipe.step(_rows(inputs, lo, lo + rows), labels[lo:lo + rows]))
         pipe.save_pretrained(base / f"ft-{name}")
         out[f"ft-{name}"] = losses
-    pipe, peak = peak_bytes(lambda: Pipeline.from_pretrained(base / "big", _adamw, PipelineConfig("1f1b", 4)),
+    pipe, peak = peak_bytes(lambda: Pipeline.from_pretrained(base / "big", adamw, PipelineConfig("1f1b", 4)),
                             file_sizes(base / "big"))
     out["memory"] = (peak, *own_bytes(pipe))
     for name, config in SHARDED.items():
@@ -102,9 +87,9 @@ optimizer's master shards), ZeRO-2 (FSDP2's sharded DTensors)."""
 def _export_sharded(base: Path, name: str, config: PipelineConfig) -> bool:
     """Two steps, then save_pretrained and a checkpoint of the same moment; True when the parameters are as before
     save_pretrained (qwZ: dequantized values, restored after exporting the masters)."""
-    pipe = Pipeline.from_pretrained(base / "gpt2", _adamw, config, mesh=make_mesh(1, 2), dtype=torch.float32)
+    pipe = Pipeline.from_pretrained(base / "gpt2", adamw, config, mesh=make_mesh(1, 2), dtype=torch.float32)
     for step in range(2):
-        inputs, labels = _batch(step, False)
+        inputs, labels = lm_batch(step, ROWS, False)
         lo = pipe.groups.dp_rank * ROWS // 2
         pipe.step(inputs[lo:lo + ROWS // 2], labels[lo:lo + ROWS // 2])
     before = [p.detach().clone() for p in pipe.params]
@@ -132,23 +117,14 @@ def spawned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, n
     return root, models, run_workers(_worker, 2, (str(root),), timeout_s=300)
 
 
-def _stored(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a model directory's safetensors files, read directly."""
-    out = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 - safe_open has no __iter__
-    return out
-
-
 @pytest.mark.timeout(330)
 @pytest.mark.parametrize("arch, schedule", ROUND_TRIPS)
 def test_round_trip_is_bit_equal_and_loads_in_transformers(spawned: Any, arch: str, schedule: str) -> None:
     root, models, _ = spawned
     out = root / f"rt-{arch}-{schedule}"
     want = models[arch].state_dict()
-    stored = _stored(out)
-    assert set(stored) == set(_stored(root / arch)), "the same names as transformers stores (tied weights once)"
+    stored = file_tensors(out)
+    assert set(stored) == set(file_tensors(root / arch)), "the same names as transformers stores (tied weights once)"
     for name, tensor in stored.items():
         assert tensor.dtype == torch.float64 and torch.equal(tensor, want[name]), name
     index = json.loads((out / "model.safetensors.index.json").read_text())
@@ -169,22 +145,10 @@ def test_round_trip_is_bit_equal_and_loads_in_transformers(spawned: Any, arch: s
 
 
 def _reference(source: Path, padded: bool) -> tuple[list[float], nn.Module]:
-    """STEPS of plain transformers training in one process, float64, next-token cross entropy over the batch
-    (transformers' own loss casts float64 logits to float32, so the reference computes the same loss in float64)."""
+    """STEPS of plain transformers training in one process, float64."""
     model = transformers.AutoModelForCausalLM.from_pretrained(source)
     assert model.dtype == torch.float64
-    optimizer = _adamw(list(model.parameters()))
-    losses = []
-    for step in range(STEPS):
-        inputs, labels = _batch(step, padded)
-        kwargs = inputs if isinstance(inputs, dict) else {"input_ids": inputs}
-        logits = model(**kwargs).logits
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1), ignore_index=-100)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, model
+    return train_transformers(model, STEPS, ROWS, padded), model
 
 
 @pytest.mark.timeout(330)
@@ -226,7 +190,7 @@ def test_sharded_weights_export_whole_and_exact(spawned: Any, name: str) -> None
     full-precision masters, not the dequantized parameters; ZeRO-2: FSDP's shards put together)."""
     root, models, results = spawned
     assert all(res[f"{name}_params_kept"] for res in results), "the parameters are as before the export"
-    exported = _stored(root / name)
+    exported = file_tensors(root / name)
     saved = {k[len("model."):]: v for k, v in read_checkpoint(str(root / f"{name}-checkpoint")).items()
              if k.startswith("model.")}
     assert set(exported) == set(saved) - {"lm_head.weight"}  # tied: stored once
@@ -238,7 +202,7 @@ def test_sharded_weights_export_whole_and_exact(spawned: Any, name: str) -> None
 
 def test_bad_model_directories_are_named(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     with pytest.raises(ValueError, match="is not a model directory .no config.json."):
-        Pipeline.from_pretrained(tmp_path / "nowhere", _adamw)
+        Pipeline.from_pretrained(tmp_path / "nowhere", adamw)
     (tmp_path / "bert").mkdir()
     (tmp_path / "bert" / "config.json").write_text(json.dumps({"model_type": "bert"}))
     with pytest.raises(ValueError, match="model_type 'bert' is not supported; supported: deepseek_v3, gpt2, llama"):

@@ -18,8 +18,10 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 from _hf_helpers import (  # noqa: E402
+    adamw,
     char_tokenizer,
     file_sizes,
+    file_tensors,
     one_thread,
     own_bytes,
     peak_bytes,
@@ -29,7 +31,6 @@ from _hf_helpers import (  # noqa: E402
 )
 from _hf_moe_helpers import AUX, save_fused, save_published, set_config, steer, tiny_moe  # noqa: E402
 from models import run_workers  # noqa: E402
-from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -43,7 +44,7 @@ from duplexpipe.train.trainer import Pipeline, PipelineConfig  # noqa: E402
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
 WITH_AUX = ("qwen3_moe", "qwen2_moe", "mixtral")
 """The families whose transformers model has a load-balancing loss (DeepSeek-V3's has none)."""
-STEPS, ROWS, MICRO, LR, SPEED = 5, 16, 4, 1e-2, 1e-3
+STEPS, ROWS, MICRO, SPEED = 5, 16, 4, 1e-3
 CHUNKS = 2 * MICRO
 """Microbatches of a step over both data-parallel replicas (each its own load-balancing loss)."""
 RUNS: dict[str, tuple[str, str, dict[str, Any]]] = {
@@ -57,10 +58,6 @@ RUNS: dict[str, tuple[str, str, dict[str, Any]]] = {
 """name -> (source, schedule, options): five AdamW steps at PP=2 x DP=2, ep=2, then save_pretrained."""
 ROUND_TRIPS = (*FAMILIES, "qwen3_moe-fused", "mixtral-fused")
 SPAWN_TIMEOUT_S = 400
-
-
-def _adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=LR, weight_decay=0.01)
 
 
 def _train(root: Path, name: str, pipe: Pipeline, steps: range) -> list[float]:
@@ -79,11 +76,11 @@ def _resume(root: Path) -> list[float]:
     PP=4 x DP=1 (ep=1, 1F1B, every expert on every rank) for 2 more, in microbatches of the same rows (its router
     projects in float32: a matmul over other rows may round its last bit otherwise)."""
     config = PipelineConfig("dualpipev", MICRO)
-    pipe = Pipeline.from_pretrained(root / "deepseek_v3", _adamw, config, mesh=make_mesh(2, 2, ep=2),
+    pipe = Pipeline.from_pretrained(root / "deepseek_v3", adamw, config, mesh=make_mesh(2, 2, ep=2),
                                     router_bias_update_speed=SPEED)
     losses = _train(root, "resume-first", pipe, range(3))
     pipe.save(str(root / "resume-checkpoint"))
-    pipe = Pipeline.from_pretrained(root / "deepseek_v3", _adamw, PipelineConfig("1f1b", CHUNKS), mesh=make_mesh(4, 1),
+    pipe = Pipeline.from_pretrained(root / "deepseek_v3", adamw, PipelineConfig("1f1b", CHUNKS), mesh=make_mesh(4, 1),
                                     router_bias_update_speed=SPEED)
     pipe.load(str(root / "resume-checkpoint"))
     return losses + _train(root, "resume", pipe, range(3, STEPS))
@@ -92,7 +89,7 @@ def _resume(root: Path) -> list[float]:
 def _memory(root: Path) -> tuple[int, int, int, list[str]]:
     """Peak CPU bytes during from_pretrained (PP=2 x DP=2, ep=2), this rank's bytes, its largest tensor and the
     checkpoint names of what it holds."""
-    pipe, peak = peak_bytes(lambda: Pipeline.from_pretrained(root / "big", _adamw, PipelineConfig("1f1b", MICRO),
+    pipe, peak = peak_bytes(lambda: Pipeline.from_pretrained(root / "big", adamw, PipelineConfig("1f1b", MICRO),
                                                                mesh=make_mesh(2, 2, ep=2)), file_sizes(root / "big"))
     names = [n for s, m in pipe.stage_state_modules.items()
              for n in part_state_keys(m, pipe.schedule.stages[s].group).values()]
@@ -105,13 +102,13 @@ def _worker(rank: int, world: int, root_text: str) -> dict[str, Any]:
     root = Path(root_text)
     out: dict[str, Any] = {"memory": _memory(root)}
     for source in ROUND_TRIPS:
-        pipe = Pipeline.from_pretrained(root / source, _adamw, PipelineConfig("1f1b", MICRO),
+        pipe = Pipeline.from_pretrained(root / source, adamw, PipelineConfig("1f1b", MICRO),
                                         mesh=make_mesh(2, 2, ep=2))
         pipe.save_pretrained(root / f"rt-{source}")
     for name, (source, schedule, options) in RUNS.items():
         options = dict(options)
         speed = options.pop("speed", 0.0)
-        pipe = Pipeline.from_pretrained(root / source, _adamw, PipelineConfig(schedule, MICRO, **options),
+        pipe = Pipeline.from_pretrained(root / source, adamw, PipelineConfig(schedule, MICRO, **options),
                                         mesh=make_mesh(2, 2, ep=2), router_bias_update_speed=speed)
         out[name] = {"losses": _train(root, name, pipe, range(STEPS)), "overlap": pipe.runtime.config.fb_overlap,
                      "experts": sorted({int(k.split("experts.")[1].split(".")[0]) for m in pipe.stage_modules.values()
@@ -147,15 +144,6 @@ def spawned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[s
     return root, run_workers(_worker, 4, (str(root),), timeout_s=SPAWN_TIMEOUT_S)
 
 
-def _stored(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a model directory's safetensors files."""
-    out = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 - safe_open has no __iter__
-    return out
-
-
 def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
     """Equal to rel 1e-9 (zeros: exactly)."""
     return torch.equal(got, want) or rel(got, want) <= 1e-9
@@ -175,7 +163,7 @@ def test_round_trip_gives_back_every_tensor(spawned: Any, source: str) -> None:
     (each expert under its global index), every tensor bit-equal, and transformers loads it."""
     root, _ = spawned
     published = root / source.removesuffix("-fused")
-    want, got = _stored(published), _stored(root / f"rt-{source}")
+    want, got = file_tensors(published), file_tensors(root / f"rt-{source}")
     assert set(got) == set(want)
     for name, tensor in want.items():
         assert got[name].dtype == torch.float64 and torch.equal(got[name], tensor), name
@@ -214,7 +202,7 @@ def _trained(source: Path, speed: float) -> tuple[list[float], nn.Module, torch.
     model = transformers.AutoModelForCausalLM.from_pretrained(source, experts_implementation="eager")
     aux = bool(getattr(model.config, "output_router_logits", False))
     loads, seen = _counting(model), []
-    optimizer, losses = _adamw(list(model.parameters())), []
+    optimizer, losses = adamw(list(model.parameters())), []
     for step in range(STEPS):
         ids, labels = token_batch(step, rows=ROWS)
         tokens, total = counted_tokens(labels), 0.0
@@ -264,7 +252,7 @@ def test_overlap_on_and_off_are_bit_equal(spawned: Any, family: str) -> None:
     for result in results:
         assert result[on]["overlap"] and not result[off]["overlap"]
         assert result[on]["losses"] == result[off]["losses"]
-    want, got = _stored(root / f"ft-{on}"), _stored(root / f"ft-{off}")
+    want, got = file_tensors(root / f"ft-{on}"), file_tensors(root / f"ft-{off}")
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
 
 
@@ -296,7 +284,7 @@ def test_each_rank_reads_its_own_parts_and_half_the_experts(spawned: Any) -> Non
     """Peak CPU bytes during from_pretrained with ep=2 (measured by the profiler): this rank's parts with its own
     half of the experts, plus at most one tensor in flight and 64 KiB."""
     root, results = spawned
-    stored = _stored(root / "big")
+    stored = file_tensors(root / "big")
     experts = {k for k in stored if ".experts." in k}
     size = {k: t.numel() * t.element_size() for k, t in stored.items()}
     for rank, result in enumerate(results):
@@ -316,7 +304,7 @@ def test_bad_checkpoints_and_layouts_are_named_before_training(tmp_path: Path,
     transformers.logging.set_verbosity_error()
     model = tiny_moe("qwen3_moe", layers=2)
     save_published(model, tmp_path / "missing")
-    state = _stored(tmp_path / "missing")
+    state = file_tensors(tmp_path / "missing")
     del state["model.layers.1.mlp.experts.3.up_proj.weight"]
     save_file(state, str(tmp_path / "missing" / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"1 tensors missing \(model.layers.1.mlp.experts.3.up_proj.weight\)"):
