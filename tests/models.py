@@ -145,13 +145,15 @@ def _wait_for_peers(rank: int, world: int, limit_s: float = 30.0) -> None:
 
 
 def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple[Any, ...],
-           out: Any, backend: str) -> None:
+           out: Any, backend: str, timeout_s: float) -> None:
+    """One worker: the process group (each collective bounded by the job's own limit, `timeout_s`: a first step that
+    compiles for a minute on a loaded machine is slow, not failed), then `fn`, its result or traceback put on `out`."""
     torch.set_num_threads(1)
     try:
         if backend == "nccl":
             torch.cuda.set_device(cuda_device_for(rank))
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world, timeout=timedelta(seconds=60))
+                                world_size=world, timeout=timedelta(seconds=timeout_s))
         out.put((rank, True, fn(rank, world, *args)))
     except BaseException:  # noqa: BLE001 - the parent reports it
         out.put((rank, False, traceback.format_exc()))
@@ -181,7 +183,7 @@ def run_workers(fn: Callable[..., Any], world: int, args: tuple[Any, ...] = (),
     ctx = start_context("forkserver")  # a worker starts in under a second: torch is imported once
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, out, backend), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, out, backend, timeout_s), daemon=True)
              for r in range(world)]
     for proc in procs:
         proc.start()
