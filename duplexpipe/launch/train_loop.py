@@ -444,6 +444,13 @@ def write_outputs(result: TrainResult, out_dir: str) -> None:
     (path / "partition.txt").write_text(result.partition + "\n", encoding="utf-8")
 
 
+def _comm_timeout_s(config: TrainConfig) -> float:
+    """The process group's bound on a collective: the runtime's own, or its compile bound when stages compile (the
+    runtime's watchdog applies each where it belongs; a shorter group bound would cut a compiling first step)."""
+    pcfg = pipeline_config(config)
+    return max(pcfg.timeout_s, pcfg.compile_timeout_s) if pcfg.compile else pcfg.timeout_s
+
+
 def run_training(config: TrainConfig) -> TrainResult:
     """Train `config.task` on ranks * dp local processes (or in place under torchrun); rank 0's result.
 
@@ -454,7 +461,7 @@ def run_training(config: TrainConfig) -> TrainResult:
     in_place = launched_by_torchrun()
     with contextlib.nullcontext() if in_place else hold_folders(job_folders(config)):
         results = run(_train_rank, config.ranks * config.dp * config.tp, (config, in_place), timeout_s=None,
-                      comm_timeout_s=config.timeout_s)
+                      comm_timeout_s=_comm_timeout_s(config))
         result = results[0]
         if result is None:
             return TrainResult([], 0.0, None, "", 0.0, config)

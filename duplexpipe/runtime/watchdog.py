@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -56,6 +57,17 @@ class Watchdog:
     def timeout_s(self, value: float) -> None:
         self._timeout_s = value
         self._p2p_limit = timedelta(seconds=value)
+
+    @contextlib.contextmanager
+    def patient(self, limit_s: float) -> Iterator[None]:
+        """Within the block every wait is bounded by `limit_s` when that is longer than `timeout_s` (a step whose
+        ranks compile for minutes); the bound is restored after it."""
+        before = self.timeout_s
+        self.timeout_s = max(before, limit_s)
+        try:
+            yield
+        finally:
+            self.timeout_s = before
 
     def check(self) -> None:
         """Raise PeerFailedError when some rank has reported a failure."""

@@ -28,6 +28,7 @@ from duplexpipe.model.stages import inner_module
 from duplexpipe.model.state_names import split_style
 from duplexpipe.moe.layer import MoELayer
 from duplexpipe.runtime.compiled_split import SPLIT_BACKENDS, SplitBackend
+from duplexpipe.runtime.watchdog import Watchdog
 from duplexpipe.schedules.ir import Op, Schedule
 from duplexpipe.train.compile_options import backend_name, check_usable, compile_options
 
@@ -137,6 +138,7 @@ class CompiledStages:
                     target.compile(**(moe_kwargs if in_moe else split_kwargs))
                     self.modules += 1
         self._steps = 0
+        self._kinds: set[str] = set()
         self._seen: set[str] = set()
 
     @property
@@ -154,6 +156,15 @@ class CompiledStages:
         if self.user:
             parts.append(f"stages {self.user} as compiled by the user")
         return "; ".join(parts)
+
+    def patience(self, kind: str, watchdog: Watchdog, limit_s: float) -> contextlib.AbstractContextManager[None]:
+        """Around the first call of `kind` ("step" or "evaluate") when anything here is compiled (it compiles,
+        at each rank's own pace): every wait of `watchdog` bounded by `limit_s` (`PipelineConfig.compile_timeout_s`)
+        when that is longer than its own bound; later calls keep its own bound."""
+        if not self.active or kind in self._kinds:
+            return contextlib.nullcontext()
+        self._kinds.add(kind)
+        return watchdog.patient(limit_s)
 
     @contextlib.contextmanager
     def watching(self, what: str) -> Iterator[None]:

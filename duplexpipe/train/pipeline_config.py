@@ -163,6 +163,10 @@ class PipelineConfig:
     Face parts, the pieces around MoE layers, else whole parts; parts the user compiled stay as they are. Under a
     schedule with I and W, inductor and aot_eager compile each block's backward as two graphs (I, W). The first
     step compiles (logged by "duplexpipe.compile", with every later recompilation and its reason)."""
+    compile_timeout_s: float = 1800.0
+    """With `compile` (or stages the user compiled on this rank): the bound on every wait of the first step and of
+    the first evaluation, which compile (inductor can take minutes on a large model), in place of `timeout_s`;
+    later steps that recompile are bounded by `timeout_s`."""
 
     def __post_init__(self) -> None:
         check_schedule_name(self.schedule)
@@ -191,6 +195,8 @@ class PipelineConfig:
             raise ValueError(f"grad_clip_norm must be > 0 or None, got {self.grad_clip_norm}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if not self.compile_timeout_s > 0:
+            raise ValueError(f"compile_timeout_s must be > 0, got {self.compile_timeout_s}")
         if not isinstance(self.grad_bucket_bytes, int) or self.grad_bucket_bytes < 1:
             raise ValueError(f"grad_bucket_bytes must be an int >= 1, got {self.grad_bucket_bytes!r}")
         compression = compression_options(self.grad_compression)

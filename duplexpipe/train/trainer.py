@@ -297,8 +297,14 @@ class Pipeline:
     def step(self, inputs: Any, targets: Any) -> float:
         """Run one pipelined forward+backward over the batch; step the optimizer at window ends.
 
-        Returns the batch's mean loss (the same on every rank). Details are in `self.last`.
+        Returns the batch's mean loss (the same on every rank). Details are in `self.last`. The first step with
+        compiled stages waits up to `compile_timeout_s` instead of `timeout_s`.
         """
+        with self.compiled.patience("step", self.runtime.watchdog, self.config.compile_timeout_s):
+            return self._step(inputs, targets)
+
+    def _step(self, inputs: Any, targets: Any) -> float:
+        """`step`."""
         cfg = self.config
         if self.batch_transform is not None:
             inputs, targets = self.batch_transform(inputs, targets, True)
@@ -397,7 +403,8 @@ class Pipeline:
         for m in self.stage_modules.values():
             m.eval()
         try:
-            with torch.no_grad(), self.compiled.watching("evaluate"):
+            with (torch.no_grad(), self.compiled.watching("evaluate"),
+                  self.compiled.patience("evaluate", self.runtime.watchdog, self.config.compile_timeout_s)):
                 return self.runtime.evaluate(inputs, targets)
         finally:
             for s, m in self.stage_modules.items():

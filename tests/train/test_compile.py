@@ -6,17 +6,20 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import time
 
 import pytest
 import torch
-from models import Block
+from models import Block, run_workers
 from torch import nn
 
-from duplexpipe import PipelineConfig
+from duplexpipe import Pipeline, PipelineConfig
+from duplexpipe.errors import PeerFailedError, PipelineTimeoutError
 from duplexpipe.model.split import build_parts, plan_partition
 from duplexpipe.model.stages import CheckpointedStage
 from duplexpipe.moe import CausalSelfAttention, MoEBlock, MoELayer
 from duplexpipe.runtime.compiled_split import SplitBackend
+from duplexpipe.runtime.watchdog import Watchdog
 from duplexpipe.schedules.registry import build
 from duplexpipe.train.compile import CompiledStages, compile_targets, splits_backward, torch_compile_kwargs
 from duplexpipe.train.compile_options import check_usable, compile_options, uses_cuda_graphs
@@ -154,3 +157,68 @@ def test_parts_compiled_in_place_are_said_to_run_eager(caplog: pytest.LogCapture
     part[0].compile(backend="aot_eager")
     CompiledStages({0: nn.Sequential(Block(DIM))}, None, build("1f1b", 2, 4), torch.device("cpu"), [part])
     assert "torch drops when a stage copies its part" in caplog.text
+
+
+def test_the_first_step_and_evaluation_wait_with_the_compile_bound_then_the_own_bound() -> None:
+    watchdog = Watchdog(None, "", 0, timeout_s=2.0, poll_s=0.1)
+    stages = CompiledStages({0: nn.Sequential(Block(DIM))}, {"backend": "eager"}, build("1f1b", 2, 4),
+                            torch.device("cpu"))
+    bounds = []
+    for kind in ("step", "step", "evaluate", "evaluate"):
+        with stages.patience(kind, watchdog, 60.0):
+            bounds.append(watchdog.timeout_s)
+    assert bounds == [60.0, 2.0, 60.0, 2.0] and watchdog.timeout_s == 2.0
+    with stages.patience("evaluate", watchdog, 60.0), pytest.raises(RuntimeError):
+        raise RuntimeError("a failed step")
+    assert watchdog.timeout_s == 2.0  # restored after a failure too
+    eager = CompiledStages({0: Block(DIM)}, None, build("1f1b", 2, 4), torch.device("cpu"))
+    with eager.patience("step", watchdog, 60.0):
+        assert watchdog.timeout_s == 2.0  # nothing compiles: the own bound from the first step
+    longer = Watchdog(None, "", 0, timeout_s=90.0, poll_s=0.1)
+    with longer.patient(60.0):
+        assert longer.timeout_s == 90.0  # a shorter compile bound never shortens the own one
+
+
+class _Slow(nn.Module):
+    """Sleeps SLOW_S in its forward on the calls listed (a compile that takes longer than timeout_s)."""
+
+    def __init__(self, calls: tuple[int, ...]) -> None:
+        super().__init__()
+        self.linear, self.calls, self.seen = nn.Linear(DIM, DIM), calls, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.seen in self.calls:
+            time.sleep(SLOW_S)
+        self.seen += 1
+        return self.linear(x)
+
+
+SLOW_S, BOUND_S = 5.0, 2.0
+
+
+def _slow_first_steps(rank: int, world: int) -> str:
+    """2 ranks, 1F1B with 2 microbatches, user-compiled parts, timeout_s=BOUND_S: rank 0's first microbatch forward of
+    step 0 and of step 1 sleeps SLOW_S (rank 1 waits that long for it). What each step did."""
+    torch.manual_seed(0)
+    parts = [torch.compile(p, backend="eager") for p in (_Slow((0, 2)), nn.Linear(DIM, 1))]
+    pipe = Pipeline(parts, lambda y, t: ((y - t) ** 2).mean(), lambda ps: torch.optim.SGD(ps, lr=0.1),
+                    PipelineConfig("1f1b", 2, timeout_s=BOUND_S, compile_timeout_s=60.0))
+    x, t = torch.randn(4, DIM), torch.randn(4, 1)
+    results = []
+    for _ in range(2):
+        try:
+            pipe.step(x, t)
+            results.append("ok")
+        except (PipelineTimeoutError, PeerFailedError) as exc:  # the group is spent after a timeout: stop here
+            results.append(type(exc).__name__)
+            break
+    return " ".join(results)
+
+
+@pytest.mark.timeout(150)
+def test_a_compiling_first_step_outlasts_timeout_s_and_later_steps_do_not() -> None:
+    """A first step slower than timeout_s (compiling) trains under compile_timeout_s; the same delay in the second
+    step times out, as it should (the unit test above: without compiled stages the first step has no such bound)."""
+    results = run_workers(_slow_first_steps, 2, timeout_s=120)
+    assert results[1] == "ok PipelineTimeoutError", results
+    assert results[0] in ("ok PeerFailedError", "ok PipelineTimeoutError"), results
