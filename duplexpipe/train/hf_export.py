@@ -3,8 +3,10 @@ safetensors shard per pipeline rank and their index); no rank gathers the model.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -117,15 +119,23 @@ def _write_config(root: Path, part: CausalLMPart, dtype: torch.dtype, source: st
             shutil.copyfile(src, root / name)
 
 
-def _writers(pipe: Exportable) -> tuple[Any, bool]:
+@contextlib.contextmanager
+def _writers(pipe: Exportable) -> Iterator[tuple[Any, bool]]:
     """(the group that writes, whether this rank is in it): TP rank 0 of the pipeline of data-parallel replica 0,
     and with experts spread over an expert-parallel group every replica of that group (ranks (pp x dp + d) x tp,
-    d < ep, as `make_mesh` lays them out; collective: every rank makes the group)."""
+    d < ep, as `make_mesh` lays them out; collective: every rank makes the group, which is destroyed after)."""
     groups = pipe.groups
     if groups.ep_size == 1 or not dist.is_initialized():
-        return groups.pp_group, groups.dp_rank == 0 and groups.tp_rank == 0
+        yield groups.pp_group, groups.dp_rank == 0 and groups.tp_rank == 0
+        return
     ranks = [(p * groups.dp_size + d) * groups.tp_size for p in range(groups.pp_size) for d in range(groups.ep_size)]
-    return dist.new_group(ranks), groups.dp_rank < groups.ep_size and groups.tp_rank == 0
+    group = dist.new_group(ranks)
+    writes = groups.dp_rank < groups.ep_size and groups.tp_rank == 0
+    try:
+        yield group, writes
+    finally:
+        if writes:  # a member: its handle is a real group (the others hold a placeholder)
+            dist.destroy_process_group(group)
 
 
 def _write(pipe: Exportable, root: Path, tensors: dict[str, torch.Tensor], part: CausalLMPart, group: Any) -> None:
@@ -151,10 +161,10 @@ def save_pretrained(pipe: Exportable, path: str) -> None:
     expert-parallel group, the other ranks of that group write a shard of their own experts each (every expert
     under its global index, as transformers saves them); no rank gathers the model.
     """
-    group, writes = _writers(pipe)
-    with pipe.dp.full_parameters():
-        tensors, part = export_tensors(pipe, experts_only=pipe.groups.ep_rank > 0)
-        if writes and part is not None:
-            _write(pipe, Path(path), tensors, part, group)
-    if dist.is_available() and dist.is_initialized():
-        pipe.bounded(dist.barrier(async_op=True), "the end of save_pretrained")
+    with _writers(pipe) as (group, writes):  # the writers' group outlives the barrier: every rank is done with it
+        with pipe.dp.full_parameters():
+            tensors, part = export_tensors(pipe, experts_only=pipe.groups.ep_rank > 0)
+            if writes and part is not None:
+                _write(pipe, Path(path), tensors, part, group)
+        if dist.is_available() and dist.is_initialized():
+            pipe.bounded(dist.barrier(async_op=True), "the end of save_pretrained")
