@@ -117,9 +117,9 @@ def add_profile_option(parser: argparse.ArgumentParser) -> None:
                         help="a profile ('duplexpipe profile'): also show each rank's memory in bytes")
 
 
-def _machine(profile: Any, args: argparse.Namespace) -> str:
-    """What the step time assumes about the machine, in a few words."""
-    where = f"{args.cores} cores shared by the {'world' if args.world else 'ranks'}" if args.cores else \
+def _machine(profile: Any, args: argparse.Namespace, cores: float | None) -> str:
+    """What the step time assumes about the machine, in a few words (`cores`: the plan's, given or calibrated)."""
+    where = f"{cores:.3g} cores shared by the {'world' if args.world else 'ranks'}" if cores else \
         "a device per rank"
     return f"{where}, {_overhead(profile) or 'no runtime overhead measured'}"
 
@@ -227,7 +227,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     mesh = f"world {args.world} (every P x D x T)" if args.world is not None else \
         f"P={args.ranks} x D={args.dp or 1} x T={args.tp or 1}"
     print(f"plan for {mesh}, batch {args.batch}, cap {format_bytes(args.memory)} per rank; "
-          f"profile of {profile.num_parts} parts at microbatch {profile.microbatch_size}; {_machine(profile, args)}; "
+          f"profile of {profile.num_parts} parts at microbatch {profile.microbatch_size}; "
+          f"{_machine(profile, args, config.cores)}; "
           f"TP link {tp_link.bandwidth / 1e9:.3g} GB/s{', sequence parallel' if args.sequence_parallel else ''}"
           + (f"; {measured}" if measured else ""))
     print(result.table(args.top))
