@@ -47,7 +47,8 @@ def add_parsers(sub: Any) -> None:
                     help="optimizer-state bytes per parameter byte (default 2: AdamW)")
     pl.add_argument("--cores", type=_integer("cores"), default=None,
                     help="cores shared by the P x T processes of one replica, with --world by all of them "
-                    "(processor sharing; default: a device per rank)")
+                    "(processor sharing; default: a calibrated profile's cores and the share of them its runs got, "
+                    "else a device per rank)")
     pl.add_argument("--top", type=_integer("top"), default=None, help="print only the first N rows")
     pl.add_argument("--json", action="store_true", help="print the result as JSON")
     pl.add_argument("--plot", metavar="FILE", help="write the step-time vs peak-memory Pareto figure")
@@ -279,7 +280,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
               f"{format_bytes(p.output_bytes):>10}")
     if request.calibrate:
         measured = _overhead(profile) or "the calibration could not separate its terms: no runtime overhead stored"
-        print(f"calibrated on {request.ranks} ranks, batch {request.batch}: {measured}")
+        cores = (profile.meta.get("calibration_mesh") or {}).get("cores")
+        shared = f" sharing {cores:g} cores (plan's default)" if cores else ""
+        print(f"calibrated on {request.ranks} ranks{shared}, batch {request.batch}: {measured}")
     degrees = ", ".join(map(str, profile.tp_degrees)) if profile.tp_degrees else "none (the task has no TP plan)"
     print(f"microbatch {profile.microbatch_size} samples; tensor-parallel degrees the plan can shard: {degrees}; "
           f"profile written to {args.output}")
