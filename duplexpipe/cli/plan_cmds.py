@@ -133,7 +133,7 @@ def _overhead(profile: Any) -> str:
     return (f"runtime overhead {over.action_s * 1e6:.0f} us per action, {over.message_s * 1e6:.0f} us per message, "
             f"{over.step_s * 1e3:.3g} ms per step"
             + (f", compute x {over.compute_scale:.3g} in the pipeline" if over.compute_scale != 1.0 else "")
-            + (f", wall time x {over.wall_scale:.3g}" if over.wall_scale != 1.0 else ""))
+            + (f", wall time x {over.wall_scale:.3g}" if abs(over.wall_scale - 1.0) >= 5e-3 else ""))
 
 
 UNCALIBRATED = ("warning: this profile holds no runtime overhead: every step time below is the parts' compute alone. "

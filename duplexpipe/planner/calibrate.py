@@ -223,7 +223,8 @@ def with_calibration(profile: Profile, config: PlanConfig, links: Collection[str
     factor = fit_wall_scale(profile, calibrated, runs)
     if 1 / MAX_SCALE <= factor <= MAX_SCALE:
         profile = replace(profile, overhead=replace(profile.overhead, wall_scale=factor))
-        notes.append(f"walls {factor:.3g}x the model of the machine (calibration runs)")
+        if abs(factor - 1.0) >= 5e-3:
+            notes.append(f"walls {factor:.3g}x the model of the machine (calibration runs)")
     else:
         notes.append(f"calibration walls {factor:.3g}x the model: not applied")
     return profile, config, "; ".join(notes)
