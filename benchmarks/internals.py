@@ -30,6 +30,7 @@ from duplexpipe.launch.processes import SHARE_GPU_ENV, START_METHODS
 # plan_vs_measured checks the planner's model term by term: its parts, link, machine and runtime-work models, and the
 # profiler's cache eviction and saved-bytes counter, each run outside Pipeline's own planning.
 from duplexpipe.model.split import build_parts
+from duplexpipe.planner.calibrate import fit_cores
 from duplexpipe.planner.dp_comm import Link
 from duplexpipe.planner.machine import Machine, simulate_shared
 from duplexpipe.sizes import format_bytes
@@ -62,4 +63,4 @@ from duplexpipe.model.tp_facts import tp_facts
 from duplexpipe.model.tp_plans import local_bytes, resolve
 from duplexpipe.parallel.mesh import ParallelGroups
 from duplexpipe.planner.world import plan_world
-from duplexpipe.train.calibration import measure_tp_link
+from duplexpipe.train.calibration import measure_tp_link, tp_collective_work

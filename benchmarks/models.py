@@ -226,3 +226,27 @@ def build_torch_pipe(key: str, parts: list[nn.Module], rank: int, num_ranks: int
                                      scale_grads=True)
     return TorchPipe(modules, schedule, 0 in local, total - 1 in local,
                      frozen_sgd([p for s in local for p in modules[s].parameters()]))
+
+
+def moe_lm_task(dim: int = 64, layers: int = 8, experts: int = 8, seq: int = 32, seed: int = 0) -> Any:
+    """A small MoE language model as a `duplexpipe train` task (`benchmarks.models:moe_lm_task`): `layers` blocks of
+    causal attention (4 heads) + an MoE layer of `experts` experts (top-2, one shared expert, a sigmoid router),
+    character-level on the bundled corpus, `seq` characters per sample."""
+    import torch.nn.functional as F
+
+    from duplexpipe import TrainTask
+    from duplexpipe.launch.tasks.gpt import CharCorpus
+    from duplexpipe.moe import CausalSelfAttention, MoEBlock, MoELayer
+
+    torch.manual_seed(seed)
+    corpus = CharCorpus()
+    blocks = [MoEBlock(dim, MoELayer(dim, dim, experts, 2, shared_experts=1, router="sigmoid"),
+                       mixer=CausalSelfAttention(dim, 4)) for _ in range(layers)]
+
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    return TrainTask(layers=blocks, loss_fn=loss, batch=lambda step, size: corpus.batch(step, size, seq),
+                     embedding=nn.Embedding(corpus.vocab_size, dim),
+                     head=nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, corpus.vocab_size)),
+                     items_per_sample=seq, item_name="tokens")

@@ -39,7 +39,8 @@ TIME_TARGET = 0.25  # |measured - predicted| / predicted step time, at most
 BYTES_TARGET = 0.10  # |measured - predicted| / predicted peak activation bytes, at most
 ORDER_GAP = 0.15  # candidates predicted more than this fraction apart must be measured in that order
 FIGURE = "plan_vs_measured.png"
-SHORT = MappingProxyType({"previous": "previous model (1-weight calibration)", "no_cores": "device per rank",
+SHORT = MappingProxyType({"all_cores": "all C cores (no share fitted)",
+                          "previous": "previous model (1-weight calibration)", "no_cores": "device per rank",
                           "cores_only": "C cores only", "alone_linear": "alone, linear", "old": "old prediction"})
 """Column titles of the comparison predictions."""
 
@@ -60,8 +61,9 @@ class PvMConfig:
     profile_repeats: int = 10  # profile_parts repeats (the fastest is kept)
     overhead_steps: int = 30  # steps of the counting-overhead check, each with counting on and off
     calibration_steps: int = 30  # measured steps of each run of the runtime-overhead calibrations
-    calibration: tuple[tuple[str, int], ...] = (("gpipe", 4), ("gpipe", 8), ("zb-h1", 4))
-    """(schedule, M) the in-pipeline calibration trains (none a candidate; fused and split backward, two M)."""
+    calibration: tuple[tuple[str, int], ...] = (("gpipe", 4), ("gpipe", 8), ("zb-h1", 4), ("interleaved-1f1b", 4))
+    """(schedule, M) the in-pipeline calibration trains (none a candidate; fused and split backward, two M, and
+    GPipe's compute in twice the actions: `planner.calibrate.calibration_runs`; interleaved with 2 chunks)."""
 
     def __post_init__(self) -> None:
         shared = set(self.calibration) & set(self.candidates)
@@ -71,7 +73,7 @@ class PvMConfig:
 
 QUICK = PvMConfig(ranks=2, n_layer=4, d_model=32, batch_size=8, candidates=(("1f1b", 2), ("zb-h1", 4)), steps=2,
                   warmup=1, profile_repeats=3, overhead_steps=2, calibration_steps=5,
-                  calibration=(("gpipe", 2), ("gpipe", 4), ("zb-h1", 2)))
+                  calibration=(("gpipe", 2), ("gpipe", 4), ("zb-h1", 2), ("interleaved-1f1b", 2)))
 """A smoke run: 2 ranks, a narrow model, 2 candidates (their microbatches of 4 and 2 rows: an affine profile)."""
 
 
@@ -147,7 +149,7 @@ def _measure_link(nbytes: int, reps: int = 30) -> deep.Link:
 
 
 def _candidate(profile: Profile, cfg: PvMConfig, name: str, m: int, link: deep.Link | None = None,
-               cores: int | None = None) -> Candidate:
+               cores: float | None = None) -> Candidate:
     """The planner's row and schedule for one (schedule, M), with the parts grouped as it grouped them."""
     result = plan(profile, PlanConfig(ranks=cfg.ranks, batch=cfg.batch_size, memory=NO_LIMIT, schedules=(name,),
                                       microbatches=(m,), chunks=(2,), compressions=("none",),
@@ -227,8 +229,22 @@ def _calibrate_in_pipeline(parts: list[nn.Module], batch: tuple[Any, Any], loss:
     return {"overhead": cal.overhead.to_dict(), "check": check, "samples": [asdict(x) for x in cal.samples]}
 
 
+def _fitted_cores(profile: Profile, in_pipeline: dict[str, Any], cfg: PvMConfig, link: deep.Link,
+                  cores: int) -> float:
+    """The share of the C cores the in-pipeline calibration runs got (`fit_cores` to their measured walls)."""
+    if in_pipeline["overhead"] is None:
+        return float(cores)
+    model = replace(profile, overhead=deep.RuntimeOverhead.from_dict(in_pipeline["overhead"], "in pipeline"))
+    config = PlanConfig(ranks=cfg.ranks, batch=cfg.batch_size, memory=NO_LIMIT, p2p_link=link, cores=cores)
+    runs = [(name, m, c["measured_s"]) for (name, m), c in zip(cfg.calibration, in_pipeline["check"], strict=True)]
+    return deep.fit_cores(model, config, runs, float(cores))
+
+
 VARIANTS = MappingProxyType({
-    "model": "profiled alone, affine, compute scale and runtime overhead from the real parts, C cores (the new model)",
+    "model": "profiled alone, affine, compute scale and runtime overhead from the real parts, the share of the C cores "
+             "the calibration runs got (fitted to their walls: `fit_cores`, what `duplexpipe plan` does with a "
+             "calibrated profile)",
+    "all_cores": "the same on all C cores",
     "previous": "profiled alone, affine, runtime overhead from 1-weight parts (compute scale 1), C cores "
                 "(the previous model)",
     "no_cores": "the new model with a device per rank",
@@ -239,13 +255,14 @@ VARIANTS = MappingProxyType({
 
 
 def _variants(profiles: dict[str, Profile], overhead: dict[str, dict[str, Any] | None], cfg: PvMConfig, link: deep.Link,
-              cores: int) -> dict[str, list[Candidate]]:
+              cores: int, share: float) -> dict[str, list[Candidate]]:
     """Each prediction of `VARIANTS` for every candidate."""
     previous = replace(profiles["alone"], overhead=deep.RuntimeOverhead.from_dict(overhead["tiny"], "calibration"))
     fitted = overhead["in_pipeline"]
     model = previous if fitted is None else replace(profiles["alone"],
                                                     overhead=deep.RuntimeOverhead.from_dict(fitted, "in pipeline"))
-    settings = {"model": (model, cores), "previous": (previous, cores), "no_cores": (model, None),
+    settings = {"model": (model, share), "all_cores": (model, cores), "previous": (previous, cores),
+                "no_cores": (model, None),
                 "cores_only": (model.basic(), cores), "alone_linear": (model.basic(), None),
                 "old": (profiles["loaded"].basic(), None)}
     return {key: [_candidate(prof, cfg, name, m, link, c) for name, m in cfg.candidates]
@@ -269,8 +286,10 @@ def _worker(rank: int, world: int, cfg: PvMConfig) -> dict[str, Any]:
     cores = len(os.sched_getaffinity(0))
     calibration = _calibrate(parts, x[:rows], link, cfg, cores)
     in_pipeline = _calibrate_in_pipeline(parts, (x, y), task.loss_fn, profiles["alone"], link, cfg, cores)
+    fitted = _fitted_cores(profiles["alone"], in_pipeline, cfg, link, cores)
+    in_pipeline["fitted_cores"] = fitted
     variants = _variants(profiles, {"in_pipeline": in_pipeline["overhead"], "tiny": calibration["overhead"]}, cfg,
-                         link, cores)
+                         link, cores, fitted)
     choices = variants["model"]
     pipes = [Pipeline(c.merged_parts(copy.deepcopy(parts)), task.loss_fn, harness.adamw(),
                       replace(_run_config(), schedule=c.schedule)) for c in choices]
@@ -408,7 +427,9 @@ def _model_note(part: dict[str, Any]) -> str:
             f"stage-to-stage link (latency "
             f"{link['latency_s'] * 1e6:.0f} us per message, {link['bandwidth'] / 1e6:,.0f} MB/s, from rank 0-1 "
             f"round trips of 4 and {link['message_bytes']:,} bytes); and C = {cal['cores']} cores shared by the "
-            f"ranks (`os.sched_getaffinity`), simulated with processor sharing. Comparisons: "
+            f"ranks (`os.sched_getaffinity`), of which the calibration runs got "
+            f"{part['in_pipeline'].get('fitted_cores', cal['cores']):.3g} (`fit_cores` to their walls; the "
+            f"prediction's cores), simulated with processor sharing. Comparisons: "
             + "; ".join(f"'{SHORT[k]}': {part['variants'][k]}" for k in SHORT) + ".")
 
 

@@ -47,7 +47,8 @@ def add_parsers(sub: Any) -> None:
                     help="optimizer-state bytes per parameter byte (default 2: AdamW)")
     pl.add_argument("--cores", type=_integer("cores"), default=None,
                     help="cores shared by the P x T processes of one replica, with --world by all of them "
-                    "(processor sharing; default: a device per rank)")
+                    "(processor sharing; default: a calibrated profile's cores and the share of them its runs got, "
+                    "else a device per rank)")
     pl.add_argument("--top", type=_integer("top"), default=None, help="print only the first N rows")
     pl.add_argument("--json", action="store_true", help="print the result as JSON")
     pl.add_argument("--plot", metavar="FILE", help="write the step-time vs peak-memory Pareto figure")
@@ -117,9 +118,9 @@ def add_profile_option(parser: argparse.ArgumentParser) -> None:
                         help="a profile ('duplexpipe profile'): also show each rank's memory in bytes")
 
 
-def _machine(profile: Any, args: argparse.Namespace) -> str:
-    """What the step time assumes about the machine, in a few words."""
-    where = f"{args.cores} cores shared by the {'world' if args.world else 'ranks'}" if args.cores else \
+def _machine(profile: Any, args: argparse.Namespace, cores: float | None) -> str:
+    """What the step time assumes about the machine, in a few words (`cores`: the plan's, given or calibrated)."""
+    where = f"{cores:.3g} cores shared by the {'world' if args.world else 'ranks'}" if cores else \
         "a device per rank"
     return f"{where}, {_overhead(profile) or 'no runtime overhead measured'}"
 
@@ -132,7 +133,7 @@ def _overhead(profile: Any) -> str:
     return (f"runtime overhead {over.action_s * 1e6:.0f} us per action, {over.message_s * 1e6:.0f} us per message, "
             f"{over.step_s * 1e3:.3g} ms per step"
             + (f", compute x {over.compute_scale:.3g} in the pipeline" if over.compute_scale != 1.0 else "")
-            + (f", wall time x {over.wall_scale:.3g}" if over.wall_scale != 1.0 else ""))
+            + (f", wall time x {over.wall_scale:.3g}" if abs(over.wall_scale - 1.0) >= 5e-3 else ""))
 
 
 UNCALIBRATED = ("warning: this profile holds no runtime overhead: every step time below is the parts' compute alone. "
@@ -227,7 +228,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     mesh = f"world {args.world} (every P x D x T)" if args.world is not None else \
         f"P={args.ranks} x D={args.dp or 1} x T={args.tp or 1}"
     print(f"plan for {mesh}, batch {args.batch}, cap {format_bytes(args.memory)} per rank; "
-          f"profile of {profile.num_parts} parts at microbatch {profile.microbatch_size}; {_machine(profile, args)}; "
+          f"profile of {profile.num_parts} parts at microbatch {profile.microbatch_size}; "
+          f"{_machine(profile, args, config.cores)}; "
           f"TP link {tp_link.bandwidth / 1e9:.3g} GB/s{', sequence parallel' if args.sequence_parallel else ''}"
           + (f"; {measured}" if measured else ""))
     print(result.table(args.top))
@@ -278,7 +280,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
               f"{format_bytes(p.output_bytes):>10}")
     if request.calibrate:
         measured = _overhead(profile) or "the calibration could not separate its terms: no runtime overhead stored"
-        print(f"calibrated on {request.ranks} ranks, batch {request.batch}: {measured}")
+        cores = (profile.meta.get("calibration_mesh") or {}).get("cores")
+        shared = f" sharing {cores:g} cores (plan's default)" if cores else ""
+        print(f"calibrated on {request.ranks} ranks{shared}, batch {request.batch}: {measured}")
     degrees = ", ".join(map(str, profile.tp_degrees)) if profile.tp_degrees else "none (the task has no TP plan)"
     print(f"microbatch {profile.microbatch_size} samples; tensor-parallel degrees the plan can shard: {degrees}; "
           f"profile written to {args.output}")

@@ -22,12 +22,11 @@ from duplexpipe.parallel import OptimizerFactory, StrategyContext, final_order, 
 from duplexpipe.parallel.grads import clip_factor
 from duplexpipe.parallel.mesh import ParallelGroups
 from duplexpipe.parallel.tied import TiedGrads, find_tied
-from duplexpipe.planner.calibrate import MAX_SCALE, calibration_rounds, calibration_runs
+from duplexpipe.planner.calibrate import MAX_SCALE, calibration_rounds, calibration_runs, calibration_schedule
 from duplexpipe.planner.profile import PartProfile, Profile, RuntimeOverhead
 from duplexpipe.planner.runtime_work import OverheadSample, rank_counts, rank_work, solve_overhead
 from duplexpipe.runtime import PipelineRuntime
 from duplexpipe.runtime.structure import flatten
-from duplexpipe.schedules import registry
 from duplexpipe.schedules.ir import Schedule
 from duplexpipe.train.experts import Experts
 from duplexpipe.train.part_chain import merge_init, merge_parts
@@ -185,8 +184,8 @@ def calibrate(profile: Profile, parts: Sequence[nn.Module], batch: tuple[Any, An
     rows = int(flatten(batch[0], "sample_input")[1][0].shape[0])
     ranks = setup.groups.pp_size
     runs, trainers = [], []
-    for name, m in calibration_runs(ranks, counts):
-        schedule = registry.build(name, ranks, m)
+    for name, m in calibration_runs(ranks, counts, profile.num_parts):
+        schedule = calibration_schedule(name, ranks, m)
         sizes = profile.group_sizes(schedule.num_groups)
         runs.append((schedule, profile.at_microbatch(rows / m).grouped(schedule.num_groups, sizes)))
         trainers.append(CalibrationTrainer(schedule, merge_parts(parts, sizes), merge_init(setup.init, sizes), setup))
@@ -274,3 +273,40 @@ def measure_tp_link(tp_group: Any, nbytes: int, reps: int = 20) -> tuple[float, 
     found: list[Any] = [(small / (2 * (tp - 1)), moved / (big - small) if big > small else math.inf)]
     dist.broadcast_object_list(found, src=0)
     return found[0][0], found[0][1]
+
+
+def _rounds(tp_group: Any, buf: torch.Tensor | None, busy_s: float, rounds: int, cpu_timer: CpuTimer) -> float:
+    """Wall seconds per round of `rounds` rounds of `busy_s` CPU seconds of work, each followed by an all-reduce of
+    `buf` over `tp_group` (None: no collective), after one barrier of the world."""
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(rounds):
+        until = cpu_timer() + busy_s
+        while cpu_timer() < until:
+            pass
+        if buf is not None:
+            dist.all_reduce(buf, group=tp_group)
+    return (time.perf_counter() - start) / rounds
+
+
+def tp_collective_work(tp_group: Any, nbytes: int, busy_s: float, cores: float, *, rounds: int = 20,
+                       repeats: int = 5, cpu_timer: CpuTimer = time.process_time) -> float:
+    """Seconds of core work one TP collective of `nbytes` costs on a machine whose `cores` cores every rank of the
+    world shares, as the planner's processor sharing charges it (`tp_comm` adds it to the passes).
+
+    Every rank runs `repeats` x (`rounds` rounds of `busy_s` CPU seconds then an all-reduce over its TP group, then
+    the same rounds without it), with no barrier between rounds, as TP ranks compute between collectives in a
+    pipeline; per collective: the median over the repeats of (a round with it - a round without), times the share
+    of a core each busy rank had, min(1, cores / world). On cores the ranks share, a rank that reaches a collective
+    waits until its partners are scheduled and reach it too; a link's latency measured between barriers (the
+    partners already running: `measure_tp_link`) leaves that out. Rank 0's figure on every rank (call on every
+    rank)."""
+    buf = torch.zeros(max(1, nbytes // 4))
+    extra = []
+    for _ in range(repeats):
+        with_it = _rounds(tp_group, buf, busy_s, rounds, cpu_timer)
+        extra.append(with_it - _rounds(tp_group, None, busy_s, rounds, cpu_timer))
+    share = min(1.0, cores / dist.get_world_size())
+    found: list[Any] = [max(0.0, statistics.median(extra)) * share]
+    dist.broadcast_object_list(found, src=0)
+    return float(found[0])

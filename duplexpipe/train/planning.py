@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -300,7 +301,7 @@ def measure(parts: PartSource, loss_fn: LossFn, optimizer: OptimizerFactory, con
             return profile
         fitted, samples, walls = calibrate(profile, given, sample, counts=measured, setup=trainees,
                                            settings=calibration)
-        meta = dict(profile.meta, calibration_walls=walls,
+        meta = dict(profile.meta, calibration_walls=walls, calibration_mesh=_calibration_mesh(setup, rows),
                     calibration_samples=[[s.actions, s.messages, s.seconds, s.compute] for s in samples])
         meta.update(_links(profile.at_microbatch(rows / min(measured)), setup.groups, options))
         if isinstance(fitted, str):
@@ -312,6 +313,14 @@ def measure(parts: PartSource, loss_fn: LossFn, optimizer: OptimizerFactory, con
     fingerprint = _fingerprint(given, sample, config, setup, kwargs, (small, large), calibration, type(probe).__name__)
     profile, source = cached_profile(cache, fingerprint, fresh)
     return profile, plan_config, source
+
+
+def _calibration_mesh(setup: PlanSetup, rows: int) -> dict[str, Any]:
+    """What the calibration ran on: P, the batch of a replica and, on CPUs, the cores one replica's ranks shared
+    (this process's CPU affinity over D; on accelerators none: a device per rank). `with_calibration` plans with it."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    shared = cores / setup.groups.dp_size if setup.device.type == "cpu" else None
+    return {"ranks": setup.groups.pp_size, "batch": rows, "cores": shared}
 
 
 def _links(profile: Profile, groups: ParallelGroups, options: dict[str, Any]) -> dict[str, list[float]]:

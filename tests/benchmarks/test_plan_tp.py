@@ -15,7 +15,7 @@ def _lead(measured: list[float], predicted: list[float]) -> dict[str, Any]:
     rows = {f"{p}x{d}x{t}": {"step_s": s, "peak_bytes": 1.0} for (p, d, t), s in zip(MESHES, predicted, strict=True)}
     best = min(rows, key=lambda m: rows[m]["step_s"])
     return {"seconds": [[m, m, m] for m in measured], "param_bytes": [4, 2],
-            "predicted": {k: {"best": best, "rows": rows} for k in ("model", "no_overhead")}}
+            "predicted": {k: {"best": best, "rows": rows} for k in ("model", "barrier_link")}}
 
 
 def test_rows_rank_the_meshes_both_ways_and_the_report_says_whether_the_choice_held() -> None:
@@ -25,7 +25,8 @@ def test_rows_rank_the_meshes_both_ways_and_the_report_says_whether_the_choice_h
     assert [(r["mesh"], r["predicted_rank"], r["measured_rank"]) for r in rows] == [("4x1x1", 1, 2), ("2x1x2", 2, 1)]
     assert rows[0]["param_bytes"] == [4, 4] and rows[1]["param_bytes"] == [2, 3]
     part = {"rows": rows, "config": asdict(cfg), "best_measured": "2x1x2", "best_model": "4x1x1",
-            "best_no_overhead": "4x1x1", "cores": 2, "overhead": {"action_s": 1e-4, "message_s": 1e-4, "step_s": 0.0},
+            "best_barrier_link": "4x1x1", "tp_work_s": 1e-3, "tp_busy_s": 2e-3,
+            "cores": 2, "overhead": {"action_s": 1e-4, "message_s": 1e-4, "step_s": 0.0},
             "links": {k: {"latency_s": 1e-4, "bandwidth": 1e9} for k in ("p2p", "tp", "dp")},
             "profile": {"parts": [{}, {"tp": {"forward_collectives": 2, "backward_collectives": 4}}]}}
     blocks = plan_tp.report(part)

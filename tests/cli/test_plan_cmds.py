@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -194,12 +195,19 @@ def test_a_calibrated_profile_carries_the_runtime_overhead_into_plan(capsys: pyt
                          "--ranks", "2", "--batch", "4", "--budget", "0.5", "-o", str(calibrated))
     assert code == 0, err
     profile = load_profile(calibrated)
-    assert "calibrated on 2 ranks, batch 4" in out and profile.microbatch_size == 2  # the largest candidate
+    assert profile.microbatch_size == 2  # the largest candidate
+    assert f"calibrated on 2 ranks sharing {len(os.sched_getaffinity(0))} cores (plan's default), batch 4" in out
     assert profile.meta["calibrated_on"] == {"ranks": 2, "batch": 4} and profile.meta["calibration_walls"]
+    cores = len(os.sched_getaffinity(0))
+    assert profile.meta["calibration_mesh"] == {"ranks": 2, "batch": 4, "cores": cores}  # what plan defaults to
+    assert [name for name, _, _ in profile.meta["calibration_walls"]] == ["gpipe", "gpipe", "zb-h1",
+                                                                           "interleaved-1f1b"]  # 4 parts on 2 ranks
     plan_args = ("-p", "2", "--batch", "4", "--memory", "1GiB", "--schedules", "1f1b,gpipe")
     if profile.overhead is not None:  # the solver separated its terms (it may not on a disturbed machine)
         code, out, err = run(capsys, "plan", "--profile", str(calibrated), *plan_args)
-        assert code == 0 and "runtime overhead" in out.splitlines()[0] and "warning" not in err, (out, err)
+        head = out.splitlines()[0]
+        assert code == 0 and "runtime overhead" in head and "warning" not in err, (out, err)
+        assert f"{cores} cores shared by the ranks, as calibrated; their runs got" in head, head
     assert run(capsys, "profile", "--task", f"{task}:task", "--parts", "4", "--repeats", "1", "-o", str(plain))[0] == 0
     code, out, err = run(capsys, "plan", "--profile", str(plain), *plan_args)
     assert code == 0 and err.startswith("warning: this profile holds no runtime overhead") and "--calibrate" in err

@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+import math
+import random
 from dataclasses import replace
 
 import pytest
 
 from duplexpipe.planner.calibrate import (
     MAX_SCALE,
+    calibration_machine,
     calibration_rounds,
     calibration_runs,
+    calibration_schedule,
+    fit_cores,
     fit_cost_model,
     fit_wall_scale,
     with_calibration,
 )
 from duplexpipe.planner.plan import PlanConfig, plan
 from duplexpipe.planner.profile import PartProfile, Profile, RuntimeOverhead
+from duplexpipe.planner.runtime_work import OverheadSample, rank_counts, rank_work, solve_overhead
 from duplexpipe.schedules import registry
 from duplexpipe.schedules.simulate import CostModel, simulate
 from duplexpipe.schedules.timeline import Timeline
@@ -95,3 +101,92 @@ def test_with_calibration_applies_the_measured_link_and_walls_once_in_range() ->
     unchanged, _, note = with_calibration(far, config)
     assert unchanged == far and "not applied" in note
     assert with_calibration(Profile((part,) * 4, 4), config) == (Profile((part,) * 4, 4), config, "")
+
+
+FUSED = PartProfile(2e-3, 1e-3, 1e-3, 0, 0, 1024, 1024, backward_fused_s=1.6e-3, forward_fixed_s=5e-4,
+                    backward_input_fixed_s=3e-4, backward_weight_fixed_s=3e-4, backward_fused_fixed_s=5e-4)
+"""A part whose fused B is cheaper than I + W, each pass affine in the rows (as profiled)."""
+
+
+def test_calibration_runs_add_interleaved_when_the_model_has_two_parts_per_rank() -> None:
+    assert calibration_runs(4, [4, 8, 16, 32], parts=8) == [("gpipe", 4), ("gpipe", 8), ("zb-h1", 4),
+                                                            ("interleaved-1f1b", 4)]
+    assert calibration_runs(4, [4, 8, 16, 32], parts=7)[-1] == ("zb-h1", 4), "fewer than 2P parts: no chunks"
+    assert calibration_runs(4, [2, 3], parts=8)[-1] == ("zb-h1", 2), "M not a multiple of P: interleaved refuses it"
+    schedule = calibration_schedule("interleaved-1f1b", 4, 4)
+    assert schedule.num_groups == 8 and calibration_schedule("gpipe", 4, 4).num_groups == 4
+
+
+def _samples(runs: list[tuple[str, int]], noise: float, seed: int) -> list[OverheadSample]:
+    """Every rank's CPU seconds of each run under known terms (alpha 1.2, 500 us per action, 200 us per message,
+    2 ms per step), each off by up to +-noise (seeded)."""
+    rng, profile, out = random.Random(seed), Profile((FUSED,) * 8, 8), []
+    for name, m in runs:
+        schedule = calibration_schedule(name, 4, m)
+        groups = profile.at_microbatch(32 / m).grouped(schedule.num_groups, profile.group_sizes(schedule.num_groups))
+        for (actions, messages), work in zip(rank_counts(schedule), rank_work(schedule, groups), strict=True):
+            seconds = 1.2 * work + 5e-4 * actions + 2e-4 * messages + 2e-3
+            out.append(OverheadSample(actions, messages, seconds * (1 + rng.uniform(-noise, noise)), work))
+    return out
+
+
+def _action_errors(runs: list[tuple[str, int]]) -> list[float]:
+    errors = []
+    for seed in range(20):
+        try:
+            fitted = solve_overhead(_samples(runs, 0.05, seed), fit_scale=True)
+            errors.append(abs(fitted.action_s - 5e-4) / 5e-4)
+        except ValueError:
+            errors.append(math.inf)
+    return errors
+
+
+def test_the_interleaved_run_keeps_the_per_action_work_apart_from_the_compute_scale() -> None:
+    """GPipe at two M and ZB-H1 grow a rank's actions with its compute, so 5% noise can hand the per-action work to
+    the compute scale (or fail the fit); interleaved 1F1B does GPipe's compute with twice the actions."""
+    runs = calibration_runs(4, [4, 8, 16, 32], parts=8)
+    exact = solve_overhead(_samples(runs, 0.0, 0), fit_scale=True)
+    terms = (exact.compute_scale, exact.action_s, exact.message_s, exact.step_s)
+    assert terms == pytest.approx((1.2, 5e-4, 2e-4, 2e-3))
+    with_interleaved, without = _action_errors(runs), _action_errors(runs[:3])
+    assert max(with_interleaved) < 0.75, with_interleaved
+    assert max(without) > 1.0, without  # why the run was added
+
+
+def test_fit_cores_recovers_the_cores_the_calibration_runs_got() -> None:
+    profile = Profile((FUSED,) * 8, 8, overhead=RuntimeOverhead(1.5e-3, 2e-4, 2e-3, "", 1.0))
+    config = PlanConfig(ranks=4, batch=32, memory=2**40, cores=2)
+    runs = calibration_runs(4, [4, 8, 16, 32], parts=8)
+
+    def walls(cores: float) -> list[tuple[str, int, float]]:
+        at = replace(config, cores=cores)
+        return [(n, m, plan(profile, replace(at, schedules=(n,), microbatches=(m,))).best.step_s) for n, m in runs]
+
+    assert fit_cores(profile, config, walls(0.7), 2.0) == pytest.approx(0.7, rel=1e-3)
+    assert fit_cores(profile, config, walls(2.0), 2.0) == 2.0, "never more than the machine's cores"
+    assert fit_cores(profile, config, [], 2.0) == 2.0
+
+
+def test_with_calibration_plans_on_the_calibrations_cores_and_the_share_its_runs_got() -> None:
+    """A profile calibrated on 2 cores whose runs got 0.7 of them: plan defaults to that, and on cores shared by the
+    ranks the per-action and per-message work of interleaved 1F1B outweighs its smaller bubble (it leads on a device
+    per rank)."""
+    overhead = RuntimeOverhead(3e-4, 2e-4, 2e-3, "", 1.0)
+    profile = Profile((FUSED,) * 8, 8, overhead=overhead)
+    config = PlanConfig(ranks=4, batch=32, memory=2**40, schedules=("1f1b", "interleaved-1f1b"), microbatches=(4,),
+                        chunks=(2,))
+    runs = calibration_runs(4, [4, 8, 16, 32], parts=8)
+    at = replace(config, cores=0.7)
+    walls = [[n, m, plan(profile, replace(at, schedules=(n,), microbatches=(m,))).best.step_s] for n, m in runs]
+    mesh = {"ranks": 4, "batch": 32, "cores": 2}
+    measured = replace(profile, meta={"calibration_walls": walls, "calibration_mesh": mesh})
+    fitted, planned, note = with_calibration(measured, config)
+    assert planned.cores == pytest.approx(0.7, rel=1e-3) and "2 cores shared by the ranks, as calibrated" in note
+    assert fitted.overhead is not None and fitted.overhead.wall_scale == pytest.approx(1.0, rel=1e-3)
+    assert [r.schedule for r in plan(fitted, planned).rows] == ["1f1b", "interleaved-1f1b(chunks=2)"]
+    assert plan(profile, config).rows[0].schedule == "interleaved-1f1b(chunks=2)", "a device per rank"
+    other, elsewhere, note = with_calibration(measured, replace(config, cores=8))
+    assert elsewhere.cores == 8 and "as calibrated" not in note, "planning another machine: no share fitted"
+    assert calibration_machine(measured) == (4, 32, 2.0)
+    assert calibration_machine(replace(profile, meta={"calibration_mesh": {"ranks": True, "cores": -1}})) == (
+        None, None, None)

@@ -23,11 +23,10 @@ from _train_helpers import adam, batch, make_parts, mse
 
 from duplexpipe.dp_options.compression import options_label
 from duplexpipe.parallel.mesh import make_mesh
-from duplexpipe.planner.calibrate import calibration_runs
+from duplexpipe.planner.calibrate import calibration_runs, calibration_schedule
 from duplexpipe.planner.dp_comm import Link
 from duplexpipe.planner.profile import PartProfile, Profile
 from duplexpipe.planner.runtime_work import rank_counts, rank_work
-from duplexpipe.schedules import registry
 from duplexpipe.train.pipeline_config import AUTO
 from duplexpipe.train.trainer import Pipeline, PipelineConfig
 
@@ -64,9 +63,9 @@ def _expected_seconds(pp_rank: int) -> list[float]:
     profile = Profile(tuple(PartProfile(f, i, w, 0, 0, 0, 0) for f, i, w in HEAVY_LAST), 8)
     alpha, action, message, step = TERMS
     out = []
-    for name, m in calibration_runs(2, [2, 4, 8, 16]):
-        schedule = registry.build(name, 2, m)
-        groups = profile.at_microbatch(16 / m).grouped(2, profile.group_sizes(2))
+    for name, m in calibration_runs(2, [2, 4, 8, 16], profile.num_parts):
+        schedule = calibration_schedule(name, 2, m)
+        groups = profile.at_microbatch(16 / m).grouped(schedule.num_groups, profile.group_sizes(schedule.num_groups))
         actions, messages = rank_counts(schedule)[pp_rank]
         out.append(alpha * rank_work(schedule, groups)[pp_rank] + action * actions + message * messages + step)
     return out
@@ -166,6 +165,7 @@ def test_the_calibration_runs_on_the_user_path_and_is_cached(results: list[dict[
     for result in results:
         cal = result["calibrated"]
         assert cal["terms"] == pytest.approx(TERMS, rel=1e-6, abs=1e-9), "the scripted terms, solved back"
-        assert cal["cpu_reads"] == 2 * 3 * 4, "3 runs x (1 warm-up + 3 rounds: a budget of 0 s) x start and end"
+        runs = len(calibration_runs(2, [2, 4, 8, 16], 4))
+        assert runs == 4 and cal["cpu_reads"] == 2 * runs * 4, "runs x (1 warm-up + 3 rounds: a budget of 0 s) x 2"
         assert cal["source"][0].startswith("measured, cached in ") and cal["source"][1].startswith("cache ")
         assert cal["reads_again"] == (0, 0) and cal["same"] == (True, True)

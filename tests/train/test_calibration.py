@@ -1,0 +1,38 @@
+"""train.calibration's TP collective measurement under shared cores: it runs on a TP group of 2 and every rank gets
+rank 0's figure (no timing asserted)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from duplexpipe.train.calibration import tp_collective_work
+from tests.models import run_workers
+
+
+class Ticks:
+    """A scripted CPU clock: each read is 1 ms later, so the busy work between collectives takes a fixed count of
+    reads, not wall time."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1e-3
+        return self.now
+
+
+def _work(rank: int, world: int) -> list[Any]:
+    group = dist.new_group([0, 1])
+    found = tp_collective_work(group, 4096, 3e-3, cores=1, rounds=3, repeats=2, cpu_timer=Ticks())
+    return [found, tp_collective_work(group, 4, 0.0, cores=8, rounds=2, repeats=1, cpu_timer=Ticks())]
+
+
+@pytest.mark.timeout(120)
+def test_tp_collective_work_is_rank_0s_non_negative_figure_on_every_rank() -> None:
+    first, second = run_workers(_work, 2)
+    assert first == second, "every rank plans with rank 0's figure"
+    assert all(math.isfinite(x) and x >= 0 for x in first)
