@@ -327,8 +327,8 @@ def _targets(v: dict[str, Any]) -> str:
     if not eager:
         return text + (f"ZB-H1 is not faster than 1F1B eager here ({est['zb/1f1b eager']:.2f}x): \"ZB-H1 compiled "
                        "still faster than 1F1B compiled\" is not put to the test.")
-    return text + (f"ZB-H1 eager is {est['zb/1f1b eager']:.2f}x of 1F1B; compiled still faster: "
-                   f"{_verdict(v['zb wins compiled'])} ({est['zb/1f1b compiled']:.2f}x).")
+    return text + (f"ZB-H1 eager is {est['zb/1f1b eager']:.2f}x of 1F1B; compiled still faster "
+                   f"({est['zb/1f1b compiled']:.2f}x): {_verdict(v['zb wins compiled'])}.")
 
 
 def _model_blocks(model: str, rounds: dict[str, dict[str, list[float]]]) -> list[Block]:
