@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, cast
 
@@ -31,32 +32,40 @@ MIN_SAVING = 0.05
 """A plain-loop saving below this is too small to judge what share a pipeline keeps."""
 RESTART_STEPS = 6
 """Steps of each fresh process timed after a restart: the first (it compiles or loads the cache), then the rest."""
+DRAWS = 2000
+"""Bootstrap resamples of the rounds behind each interval."""
+LEVEL = 0.95
+"""The intervals' coverage (percentile bootstrap)."""
+RUNS = ("plain eager", "plain compiled", "1f1b eager", "1f1b compiled", "zb-h1 eager", "zb-h1 compiled")
+"""What every model times in each round (designs add the GPT's split-backward variants)."""
 
 
 @dataclass(frozen=True)
 class CompileBenchConfig:
-    """Each model: its blocks compiled with `backend` (PipelineConfig.compile) in a pipeline on `ranks` processes
-    (1F1B and ZB-H1, eager and compiled, steps alternating) and in a plain one-process training loop of the same
-    model on every rank at once (eager and compiled alternating). The designs of the split backward on ZB-H1 and
-    DualPipeV (GPT): two graphs (the chosen), the whole region at I (what parts the user compiled get), and the
-    weight matmuls kept out of the compiled regions. The first step's time in fresh processes, with an empty and
-    with the same inductor cache."""
+    """Each model's blocks compiled with `backend` (PipelineConfig.compile) in a pipeline on `ranks` processes (1F1B
+    and ZB-H1) and in a plain one-process training loop of the same blocks on every rank (the same microbatch shape,
+    gradients accumulated over this rank's share of the batch: a pipeline rank's work), eager and compiled, all
+    stepping in turn round by round, so a disturbance of the shared machine falls on all alike. The designs of the
+    split backward on ZB-H1 and DualPipeV (GPT): two graphs (the chosen), the whole region at I (what parts the user
+    compiled get), and the weight matmuls kept out of the compiled regions. The first step's time in fresh
+    processes, with an empty and with the same inductor cache."""
 
     models: tuple[str, ...] = MODELS
     layers: int = 4  # transformer blocks
-    dim: int = 128  # model width
-    seq: int = 64  # tokens per sequence
-    batch: int = 16  # sequences per step
-    microbatches: int = 4
+    dim: int = 256  # model width
+    seq: int = 128  # tokens per sequence
+    batch: int = 8  # sequences per step
+    microbatches: int = 2  # per step (= ranks: the largest bubble); the plain loop runs microbatches / ranks
     backend: str = "inductor"
-    warmup: int = 3  # untimed steps per run (the first compiles)
-    reps: int = 12  # timed steps per run
-    designs: bool = True  # time the split-backward designs (GPT)
-    restarts: bool = True  # time the first step cold and warm
+    warmup: int = 3  # untimed rounds (the first compiles)
+    rounds: int = 40  # timed rounds: each run steps once per round, in a rotating order
+    designs: bool = False  # also time the split-backward designs (GPT; DualPipeV with at least 2 x ranks microbatches)
+    restarts: tuple[str, ...] = ("zb-h1",)  # schedules whose first step is timed cold and warm; () for none
     ranks: int = 2
 
 
-QUICK = CompileBenchConfig(models=("gpt",), layers=4, dim=32, seq=16, batch=8, warmup=2, reps=2)
+QUICK = CompileBenchConfig(models=("gpt",), layers=4, dim=32, seq=16, batch=8, microbatches=4, warmup=2, rounds=4,
+                           designs=True)
 
 
 def _gpt(cfg: CompileBenchConfig) -> Any:
@@ -88,6 +97,16 @@ def _batches(cfg: CompileBenchConfig, model: str) -> Callable[[int], tuple[torch
     return llama
 
 
+def check(cfg: CompileBenchConfig) -> None:
+    """ValueError unless the batch splits into the microbatches and the microbatches over the ranks."""
+    if cfg.batch % cfg.microbatches or cfg.microbatches % cfg.ranks:
+        raise ValueError(f"batch {cfg.batch} must split into microbatches {cfg.microbatches}, and those over ranks "
+                         f"{cfg.ranks}")
+    unknown = set(cfg.models) - set(MODELS) or set(cfg.restarts) - {"1f1b", "zb-h1"}
+    if unknown:
+        raise ValueError(f"unknown model or restart schedule {sorted(unknown)}; models {MODELS}, restarts 1f1b, zb-h1")
+
+
 def _disable_linears(module: nn.Module) -> None:
     """Keep every Linear out of compiled regions (a graph break at each: the design with the weight matmuls eager)."""
     for m in module.modules():
@@ -105,7 +124,8 @@ def _user_compile(layers: list[nn.Module], backend: str, linears_out: bool) -> l
 def _pipeline(cfg: CompileBenchConfig, model: str, schedule: str, how: str) -> Pipeline:
     """`how`: "eager", "compiled" (PipelineConfig.compile), "whole at I" (the user compiled the layers: each
     region's backward runs whole at I) or "linears out" (the same, with every Linear outside the regions)."""
-    config = PipelineConfig(schedule=schedule, num_microbatches=cfg.microbatches, record_timeline=False,
+    microbatches = max(cfg.microbatches, 2 * cfg.ranks) if schedule == "dualpipev" else cfg.microbatches  # its least
+    config = PipelineConfig(schedule=schedule, num_microbatches=microbatches, record_timeline=False,
                             compile={"backend": cfg.backend} if how == "compiled" else False)
     adamw = harness.adamw(1e-3)
     if model == "gpt":
@@ -121,8 +141,9 @@ def _pipeline(cfg: CompileBenchConfig, model: str, schedule: str, how: str) -> P
 
 
 def _plain(cfg: CompileBenchConfig, model: str, compiled: bool,
-           batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> Callable[[int], float]:
-    """One process's training step of the whole model (its blocks compiled as the pipeline compiles them)."""
+           batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> Callable[[Any, int], float]:
+    """One process's training step of the whole model (its blocks compiled as the pipeline compiles them) over this
+    rank's share of the batch, in microbatches of the pipeline's size with gradients accumulated."""
     if model == "gpt":
         task = _gpt(cfg)
         net: nn.Module = nn.Sequential(task.embedding, *task.layers, task.head)
@@ -138,34 +159,43 @@ def _plain(cfg: CompileBenchConfig, model: str, compiled: bool,
         for block in blocks:
             block.compile(backend=cfg.backend)
     optimizer = harness.adamw(1e-3)(list(net.parameters()))
+    size, count = cfg.batch // cfg.microbatches, cfg.microbatches // cfg.ranks
+    first = dist.get_rank() * count * size
 
-    def step(i: int) -> float:
+    def step(_: Any, i: int) -> float:
         x, y = batch(i)
         optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(net(x), y)
-        loss.backward()
+        total = 0.0
+        for lo in range(first, first + count * size, size):
+            loss = loss_fn(net(x[lo:lo + size]), y[lo:lo + size]) / count
+            loss.backward()
+            total += loss.item()
         optimizer.step()
-        return loss.item()
+        return total
     return step
 
 
-def _runs(cfg: CompileBenchConfig, model: str) -> dict[str, dict[str, list[float]]]:
-    """Step seconds of every pipeline run and of the plain loop, eager and compiled: "wall" (the slowest rank's,
-    between barriers) and "cpu" (this rank's CPU seconds: the work done, whatever else the machine runs)."""
-    names = [f"{s} {h}" for s in ("1f1b", "zb-h1") for h in ("eager", "compiled")]
+def _names(cfg: CompileBenchConfig, model: str) -> list[str]:
+    names = list(RUNS)
     if cfg.designs and model == "gpt":
         names += ["zb-h1 whole at I", "zb-h1 linears out"]
         names += [f"dualpipev {h}" for h in ("eager", "compiled", "whole at I", "linears out")]
-    pipes = [_pipeline(cfg, model, *name.split(" ", 1)) for name in names]
+    return names
+
+
+def _runs(cfg: CompileBenchConfig, model: str) -> dict[str, dict[str, list[float]]]:
+    """Per run, each round's step seconds: "wall" (the slowest rank's, between barriers) and "cpu" (this rank's CPU
+    seconds: the work done, whatever else the machine runs). Every run steps once per round, in a rotating order."""
+    names = _names(cfg, model)
     batch = _batches(cfg, model)
-
-    def step(pipe: Pipeline, i: int) -> float:
-        return pipe.step(*batch(i))
-
-    traces = harness.RoundRobin(pipes, step).run(cfg.reps, warmup=cfg.warmup)
-    loops = [_plain(cfg, model, compiled, batch) for compiled in (False, True)]
-    traces += harness.RoundRobin(loops, lambda loop, i: loop(i)).run(cfg.reps, warmup=cfg.warmup)
-    names += ["plain eager", "plain compiled"]
+    steppers: list[tuple[Any, Callable[[Any, int], float]]] = []
+    for name in names:
+        kind, how = name.split(" ", 1)
+        if kind == "plain":
+            steppers.append((None, _plain(cfg, model, how == "compiled", batch)))
+        else:
+            steppers.append((_pipeline(cfg, model, kind, how), lambda pipe, i: pipe.step(*batch(i))))
+    traces = harness.RoundRobin(steppers, lambda s, i: s[1](s[0], i)).run(cfg.rounds, warmup=cfg.warmup)
     return {name: {"wall": t.wall, "cpu": t.cpu} for name, t in zip(names, traces, strict=True)}
 
 
@@ -179,8 +209,8 @@ def _first_steps(rank: int, world: int, arg: tuple[CompileBenchConfig, str]) -> 
 
 
 def worker(rank: int, world: int, cfg: CompileBenchConfig) -> dict[str, Any]:
-    """Every model's runs on this rank."""
-    return {model: _runs(cfg, model) for model in cfg.models}
+    """Every model's runs on this rank, and the threads its torch ran on (the pipelines' and the loop's alike)."""
+    return {"runs": {model: _runs(cfg, model) for model in cfg.models}, "threads": torch.get_num_threads()}
 
 
 def _restarts(cfg: CompileBenchConfig) -> dict[str, dict[str, float]]:
@@ -188,7 +218,7 @@ def _restarts(cfg: CompileBenchConfig) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     saved = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     try:
-        for schedule in ("1f1b", "zb-h1"):
+        for schedule in cfg.restarts:
             with tempfile.TemporaryDirectory(prefix="compile-bench-cache-") as cache:
                 os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
                 for start in ("cold", "warm"):
@@ -204,62 +234,132 @@ def _restarts(cfg: CompileBenchConfig) -> dict[str, dict[str, float]]:
 
 
 def run(cfg: CompileBenchConfig) -> Result:
-    """The runs on `cfg.ranks` processes; medians of the slowest rank's step seconds."""
+    """The runs on `cfg.ranks` processes: per model and run, each round's slowest-rank step seconds."""
+    check(cfg)
     results = harness.spawn(worker, cfg, cfg.ranks, 3600.0)
-    medians = {kind: {model: {name: statistics.median(harness.slowest([r[model][name][kind] for r in results]))
-                              for name in results[0][model]} for model in cfg.models} for kind in ("wall", "cpu")}
-    out: Result = {"config": asdict(cfg), "medians_s": medians["wall"], "cpu_medians_s": medians["cpu"]}
+    rounds = {model: {kind: {name: harness.slowest([r["runs"][model][name][kind] for r in results])
+                             for name in results[0]["runs"][model]} for kind in ("wall", "cpu")}
+              for model in cfg.models}
+    out: Result = {"config": asdict(cfg), "rounds_s": rounds, "threads": [r["threads"] for r in results]}
     if cfg.restarts:
         out["restarts"] = _restarts(cfg)
     return out
 
 
-def _saving(eager: float, compiled: float) -> float:
-    return 1.0 - compiled / eager
+def _paired(series: dict[str, list[float]], num: str, den: str) -> float:
+    """The median over rounds of num / den, each round's pair measured side by side."""
+    return statistics.median(n / d for n, d in zip(series[num], series[den], strict=True))
 
 
-def verdicts(m: dict[str, float]) -> dict[str, Any]:
-    """The shares of the plain loop's saving the pipelines keep, and whether ZB-H1 still beats 1F1B compiled."""
-    plain = _saving(m["plain eager"], m["plain compiled"])
-    kept = {s: _saving(m[f"{s} eager"], m[f"{s} compiled"]) / plain if plain >= MIN_SAVING else math.nan
-            for s in ("1f1b", "zb-h1")}
-    zb_wins_eager = m["zb-h1 eager"] < m["1f1b eager"]
-    return {"plain_saving": plain, "kept": kept, "zb_wins_eager": zb_wins_eager,
-            "zb_wins_compiled": m["zb-h1 compiled"] < m["1f1b compiled"]}
+def _kept(pipe_ratio: float, plain_ratio: float) -> float:
+    """The share of the plain loop's saving (1 - compiled / eager) the pipeline's saving is."""
+    saving = 1.0 - plain_ratio
+    return (1.0 - pipe_ratio) / saving if saving else math.copysign(math.inf, 1.0 - pipe_ratio)
 
 
-def _model_blocks(model: str, m: dict[str, float], cpu: dict[str, float]) -> list[Block]:
-    """One model's side-by-side table (wall and CPU) and its targets (judged on the wall-clock step)."""
-    v, vc = verdicts(m), verdicts(cpu)
-    rows = [["run", "eager ms", "compiled ms", "compiled / eager", "saving kept", "CPU eager ms", "CPU compiled ms",
-             "CPU compiled / eager", "CPU saving kept"]]
+def estimates(series: dict[str, list[float]]) -> dict[str, float]:
+    """From each round's step seconds of RUNS: compiled / eager of each (median of paired ratios), the share of the
+    plain loop's saving each pipeline keeps, and ZB-H1 / 1F1B eager and compiled (paired the same way)."""
+    out = {f"{k} ratio": _paired(series, f"{k} compiled", f"{k} eager") for k in ("plain", "1f1b", "zb-h1")}
+    for k in ("1f1b", "zb-h1"):
+        out[f"{k} kept"] = _kept(out[f"{k} ratio"], out["plain ratio"])
+    for how in ("eager", "compiled"):
+        out[f"zb/1f1b {how}"] = _paired(series, f"zb-h1 {how}", f"1f1b {how}")
+    return out
+
+
+def intervals(series: dict[str, list[float]], draws: int = DRAWS, level: float = LEVEL,
+              seed: int = 0) -> dict[str, tuple[float, float]]:
+    """Percentile-bootstrap intervals of every estimate: whole rounds resampled, so each pair stays together."""
+    rng = random.Random(seed)
+    runs = {name: series[name] for name in RUNS}
+    n = len(runs[RUNS[0]])
+    drawn: dict[str, list[float]] = {}
+    for _ in range(draws):
+        picks = [rng.randrange(n) for _ in range(n)]
+        for key, value in estimates({name: [v[i] for i in picks] for name, v in runs.items()}).items():
+            drawn.setdefault(key, []).append(value)
+    tail = (1.0 - level) / 2
+    return {key: (_quantile(values, tail), _quantile(values, 1.0 - tail)) for key, values in drawn.items()}
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def verdicts(series: dict[str, list[float]]) -> dict[str, Any]:
+    """The estimates with their intervals, and each target's verdict: met by the estimate, and whether the interval
+    decides it (lies wholly on one side of the target)."""
+    est, ci = estimates(series), intervals(series)
+    plain = 1.0 - est["plain ratio"]
+    out: dict[str, Any] = {"est": est, "ci": ci, "plain_saving": plain, "judged": plain >= MIN_SAVING}
+    for k in ("1f1b", "zb-h1"):
+        lo, hi = ci[f"{k} kept"]
+        out[f"{k} kept"] = (est[f"{k} kept"] >= KEPT, lo >= KEPT or hi < KEPT)
+    for how in ("eager", "compiled"):
+        lo, hi = ci[f"zb/1f1b {how}"]
+        out[f"zb wins {how}"] = (est[f"zb/1f1b {how}"] < 1.0, hi < 1.0 or lo >= 1.0)
+    return out
+
+
+def _ci(value: float, interval: tuple[float, float], pct: bool = False) -> str:
+    if pct:
+        return f"{value:.0%} [{interval[0]:.0%}, {interval[1]:.0%}]"
+    return f"{value:.2f} [{interval[0]:.2f}, {interval[1]:.2f}]"
+
+
+def _verdict(ok_decided: tuple[bool, bool]) -> str:
+    ok, decided = ok_decided
+    return met(ok) + ("" if decided else " (the interval spans the target: not decided by this run)")
+
+
+def _targets(v: dict[str, Any]) -> str:
+    """The targets' sentence (wall clock)."""
+    est = v["est"]
+    if not v["judged"]:
+        return (f"Compile saves {v['plain_saving']:.0%} of the plain loop's step here (under {MIN_SAVING:.0%}): there "
+                "is no gain to keep, so the share kept is not judged.")
+    kept = "; ".join(f"{label} {_verdict(v[f'{k} kept'])}" for k, label in (("1f1b", "1F1B"), ("zb-h1", "ZB-H1")))
+    text = (f"Targets (wall clock): a pipeline keeps >= {KEPT:.0%} of the plain loop's saving "
+            f"({v['plain_saving']:.0%}): {kept}. ")
+    eager, _ = v["zb wins eager"]
+    if not eager:
+        return text + (f"ZB-H1 is not faster than 1F1B eager here ({est['zb/1f1b eager']:.2f}x): \"ZB-H1 compiled "
+                       "still faster than 1F1B compiled\" is not put to the test.")
+    return text + (f"ZB-H1 eager is {est['zb/1f1b eager']:.2f}x of 1F1B; compiled still faster "
+                   f"({est['zb/1f1b compiled']:.2f}x): {_verdict(v['zb wins compiled'])}.")
+
+
+def _model_blocks(model: str, rounds: dict[str, dict[str, list[float]]]) -> list[Block]:
+    """One model's side-by-side table, ZB-H1 against 1F1B, its targets and (GPT) the split-backward designs."""
+    wall, cpu = rounds["wall"], rounds["cpu"]
+    v, est = verdicts(wall), estimates(wall)
+    cpu_est = estimates(cpu)
+    rows = [["run", "eager ms", "compiled ms", "compiled / eager [95%]", "saving kept [95%]", "CPU compiled / eager"]]
     for name, label in (("plain", "plain one-process loop"), ("1f1b", "1F1B pipeline"), ("zb-h1", "ZB-H1 pipeline")):
-        row = [label]
-        for medians, judged in ((m, v), (cpu, vc)):
-            e, c = medians[f"{name} eager"], medians[f"{name} compiled"]
-            kept = judged["kept"].get(name, math.nan)
-            row += [ms(e), ms(c), f"{c / e:.2f}", "" if math.isnan(kept) else f"{kept:.0%}"]
-        rows.append(row)
+        kept = "" if name == "plain" or not v["judged"] else _ci(est[f"{name} kept"], v["ci"][f"{name} kept"], True)
+        rows.append([label, ms(statistics.median(wall[f"{name} eager"])),
+                     ms(statistics.median(wall[f"{name} compiled"])),
+                     _ci(est[f"{name} ratio"], v["ci"][f"{name} ratio"]), kept, f"{cpu_est[f'{name} ratio']:.2f}"])
+    versus = [["ZB-H1 / 1F1B [95%]", "eager", "compiled"],
+              ["wall clock"] + [_ci(est[f"zb/1f1b {h}"], v["ci"][f"zb/1f1b {h}"]) for h in ("eager", "compiled")],
+              ["CPU time"] + [f"{cpu_est[f'zb/1f1b {h}']:.2f}" for h in ("eager", "compiled")]]
     title = "GPT example (duplexpipe.launch.tasks.gpt)" if model == "gpt" else "transformers LlamaForCausalLM"
-    out: list[Block] = [f"### {title}", rows]
-    if v["plain_saving"] < MIN_SAVING:
-        out.append(f"Compile saves {v['plain_saving']:.0%} of the plain loop's wall-clock step here (under "
-                   f"{MIN_SAVING:.0%}, within this machine's noise): there is no gain to keep. In CPU time the plain "
-                   f"loop saves {vc['plain_saving']:.0%}.")
-    else:
-        out.append(f"Targets (wall clock): the pipeline keeps >= {KEPT:.0%} of the plain loop's saving "
-                   f"({v['plain_saving']:.0%}): 1F1B {met(v['kept']['1f1b'] >= KEPT)}, ZB-H1 "
-                   f"{met(v['kept']['zb-h1'] >= KEPT)}; ZB-H1 compiled faster than 1F1B compiled where it is eager "
-                   f"({'it is' if v['zb_wins_eager'] else 'it is not'}): "
-                   f"{met(v['zb_wins_compiled'] or not v['zb_wins_eager'])}. In CPU time the plain loop saves "
-                   f"{vc['plain_saving']:.0%}.")
-    if "dualpipev eager" in m:
+    share = statistics.median(c / w for c, w in zip(cpu["plain eager"], wall["plain eager"], strict=True))
+    load = (f"The machine's load: each rank of the eager plain loop (no bubble, no messages) got {share:.0%} of a core "
+            "(its CPU time over its wall-clock step, median over the rounds). A schedule's smaller bubble shortens "
+            "the step only where a waiting rank would otherwise leave its core idle; under other jobs' load that "
+            "core runs them instead.")
+    out: list[Block] = [f"### {title}", rows, versus, _targets(v), load]
+    if "dualpipev eager" in wall:
         designs = [["schedule", "eager", "two graphs (chosen)", "whole region at I", "linears out"]]
         for s in ("zb-h1", "dualpipev"):
-            designs.append([s] + [f"{ms(m[f'{s} {h}'])} ({ms(cpu[f'{s} {h}'])} CPU)"
+            designs.append([s] + [f"{ms(statistics.median(wall[f'{s} {h}']))} "
+                                  f"({ms(statistics.median(cpu[f'{s} {h}']))} CPU)"
                                   for h in ("eager", "compiled", "whole at I", "linears out")])
-        out += ["Split-backward designs (step ms, wall and CPU): two graphs = the region's backward cut into an I "
-                "graph and a W graph; whole region at I = its backward runs whole at I, its weight gradients handed "
+        out += ["Split-backward designs (median step ms, wall and CPU): two graphs = the region's backward cut into an "
+                "I graph and a W graph; whole region at I = its backward runs whole at I, its weight gradients handed "
                 "to W; linears out = every Linear left eager (split as eager layers), the rest compiled.", designs]
     return out
 
@@ -267,16 +367,21 @@ def _model_blocks(model: str, m: dict[str, float], cpu: dict[str, float]) -> lis
 def report(r: Result) -> list[Block]:
     """Per model the side-by-side table and the targets; the designs; the first step cold and warm."""
     cfg = CompileBenchConfig(**r["config"])
-    blocks: list[Block] = [f"{cfg.ranks} gloo processes (one core each), {cfg.layers} blocks of width {cfg.dim}, "
-                           f"{cfg.batch} x {cfg.seq} tokens per step in {cfg.microbatches} microbatches, float32, "
-                           f"backend {cfg.backend}; medians of {cfg.reps} steps, runs alternating: the slowest "
-                           "rank's wall-clock step and its CPU time (the work done: on a machine other jobs load, "
-                           "the wall clock mostly measures the share of the cores the ranks got)."]
-    for model, m in r["medians_s"].items():
-        blocks += _model_blocks(model, m, r["cpu_medians_s"][model])
+    per_rank = cfg.microbatches // cfg.ranks
+    blocks: list[Block] = [
+        f"{cfg.ranks} gloo processes ({', '.join(map(str, r.get('threads', [])))} torch threads), {cfg.layers} blocks "
+        f"of width {cfg.dim}, {cfg.batch} x {cfg.seq} tokens per step in {cfg.microbatches} microbatches, float32, "
+        f"backend {cfg.backend}. The plain loop runs the whole model on each process over its share of the batch "
+        f"({per_rank} microbatch{'' if per_rank == 1 else 'es'} of the pipeline's size, gradients accumulated): a "
+        f"pipeline rank's work. {cfg.rounds} rounds after {cfg.warmup} untimed: in each every run takes one step, in a "
+        "rotating order; a step's time is the slowest rank's. compiled / eager and ZB-H1 / 1F1B are medians of the "
+        f"rounds' paired ratios, with {LEVEL:.0%} bootstrap intervals over the rounds; saving kept = (1 - the "
+        "pipeline's compiled / eager) / (1 - the plain loop's)."]
+    for model, rounds in r["rounds_s"].items():
+        blocks += _model_blocks(model, rounds)
     if "restarts" in r:
         rows = [["schedule", "first step, empty cache (s)", "first step, same cache again (s)", "a later step (ms)"]]
-        for s in ("1f1b", "zb-h1"):
+        for s in cfg.restarts:
             cold, warm = r["restarts"][f"{s} cold"], r["restarts"][f"{s} warm"]
             rows.append([s, f"{cold['first_s']:.1f}", f"{warm['first_s']:.1f}", ms(warm["steady_s"])])
         blocks += ["### First step (GPT, fresh processes)", rows]
