@@ -14,6 +14,13 @@ stage_backward_weight, implemented here independently:
   weight-only branches below it. It never re-runs the input path (except where one weight
   group meets it at several points, e.g. a weight tied across layers of one stage; there the
   recorded gradients are pinned so nothing is counted twice).
+* a stage whose inputs take no gradient (a first stage) has nothing to do at I: its graph is not analysed and W
+  runs its whole backward, once (torch's pipelining does the same).
+
+The analysis walks each microbatch's graph once; the parameters' gradient accumulators are read off that walk
+(never looked up per parameter: under tensor parallelism each lookup is a DTensor operator dispatch). Nothing of it
+is cached across microbatches: every forward builds new nodes, a leaf's accumulator may be replaced between two
+forwards (a dtype or device change), and a compiled region's kind changes once its backward is compiled.
 
 Compiled regions (torch.compile) are single graph nodes (`compiled_split.region_kind`). A region compiled by
 `compiled_split.SplitBackend` is marked before I: its run then executes only its I graph, and W restarts at it
@@ -31,12 +38,14 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+from torch.autograd.graph import GradientEdge, Node
 
 from duplexpipe.runtime.comm_points import BackwardMode
 from duplexpipe.runtime.compiled_split import RegionKind, mark, marked, region_kind, retained_regions
 
 Edge = GradientEdge
+_ACCUMULATE: type = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
+"""The node type through which a leaf (a parameter, a stage input) receives its gradient."""
 
 
 @dataclass
@@ -61,6 +70,13 @@ def _parents(roots: Sequence[Node]) -> dict[Node, list[Node]]:
                 stack.append(child)
             parents[child].append(node)
     return parents
+
+
+def _leaves(parents: dict[Node, list[Node]]) -> dict[int, Node]:
+    """id(leaf tensor) -> its gradient accumulator, for every leaf the graph reaches: read off the graph itself (each
+    AccumulateGrad node holds its tensor), so no parameter is looked up on its own (a DTensor's lookup is an
+    operator dispatch) and a leaf whose accumulator was replaced (e.g. by a dtype change) is found as it is now."""
+    return {id(node.variable): node for node in parents if type(node) is _ACCUMULATE}  # type: ignore[attr-defined]
 
 
 def _ancestors(starts: Sequence[Node], parents: dict[Node, list[Node]]) -> set[Node]:
@@ -94,12 +110,13 @@ def _meeting_points(start: Node, parents: dict[Node, list[Node]], input_path: se
 
 
 def _group_params(params: Sequence[Tensor], parents: dict[Node, list[Node]], input_path: set[Node],
-                  roots: set[Node]) -> list[_Group]:
+                  roots: set[Node], leaves: dict[int, Node]) -> list[_Group]:
     """Partition the used parameters into groups with disjoint meeting points."""
     groups: list[_Group | None] = []
     owner: dict[Node, int] = {}
     for param in params:
-        points = _meeting_points(get_gradient_edge(param).node, parents, input_path, roots)
+        node = leaves.get(id(param)) if param.grad_fn is None else param.grad_fn
+        points = _meeting_points(node, parents, input_path, roots) if node is not None else set()
         if not points:
             continue  # not used by this stage's graph
         merged = _Group([param], set(points))
@@ -120,12 +137,14 @@ class WeightWork:
 
     def __init__(self, groups: list[_Group], captured: dict[Node, tuple[Tensor | None, ...]],
                  root_grads: dict[Node, list[tuple[Edge, Tensor]]], formed: list[tuple[Tensor, Tensor | None]],
-                 compiled: bool = False) -> None:
+                 compiled: bool = False, whole: bool = False) -> None:
         self._groups = groups
         self._captured = captured
         self._root_grads = root_grads
         self._formed = formed
         self._compiled = compiled
+        self._whole = whole
+        """W is the stage's whole backward (nothing ran at I): one engine call that frees the graph as it goes."""
         self.done = False
         self.formed_at_input = len(formed)
         """Parameters whose gradients I formed (they met the input path in an opaque compiled region)."""
@@ -151,9 +170,19 @@ class WeightWork:
         self.done = True
         if self._formed:
             accumulate([p for p, _ in self._formed], [g for _, g in self._formed])
-        with retained_regions() if self._compiled else contextlib.nullcontext():
-            self._run_groups()
+        if self._whole:
+            self._run_whole()
+        else:
+            with retained_regions() if self._compiled else contextlib.nullcontext():
+                self._run_groups()
         self._groups, self._captured, self._root_grads, self._formed = [], {}, {}, []
+
+    def _run_whole(self) -> None:
+        """The whole backward from the roots, once (no graph kept: nothing runs on it after W)."""
+        (group,) = self._groups
+        edges = [edge for pairs in self._root_grads.values() for edge, _ in pairs]
+        grads = [grad for pairs in self._root_grads.values() for _, grad in pairs]
+        accumulate(group.params, torch.autograd.grad(edges, group.params, grads, allow_unused=True))
 
     def _run_groups(self) -> None:
         for group in self._groups:
@@ -195,12 +224,15 @@ def backward_input(roots: Sequence[Edge], grads: Sequence[Tensor], inputs: Seque
     gradients flowing into them; `inputs` are the stage's input leaves (those that do not
     require grad get None); `params` the parameters that should receive gradients.
     """
+    wanted = [t for t in inputs if t.requires_grad]
+    if not wanted:
+        return [None] * len(inputs), _whole_backward(roots, grads, params)
     root_nodes = list(dict.fromkeys(edge.node for edge in roots))
     parents = _parents(root_nodes)
-    wanted = [t for t in inputs if t.requires_grad]
-    input_path = _ancestors([get_gradient_edge(t).node for t in wanted], parents)
+    leaves = _leaves(parents)
+    input_path = _ancestors([leaves[id(t)] for t in wanted if id(t) in leaves], parents)
     root_set = set(root_nodes)
-    groups = _group_params([p for p in params if p.requires_grad], parents, input_path, root_set)
+    groups = _group_params([p for p in params if p.requires_grad], parents, input_path, root_set, leaves)
     kinds = {node: region_kind(node) for node in parents}
     now, later = _when_formed(groups, input_path, kinds)
     root_grads: dict[Node, list[tuple[Edge, Tensor]]] = {}
@@ -219,7 +251,7 @@ def backward_input(roots: Sequence[Edge], grads: Sequence[Tensor], inputs: Seque
     split -= {node for group in now for node in group.nodes}  # a region that forms a group at I runs whole
     early = [p for group in now for p in group.params]
     hooks = [node.register_prehook(recorder(node)) for node in on_input]
-    on_path = [t for t in wanted if get_gradient_edge(t).node in input_path]
+    on_path = [t for t in wanted if leaves.get(id(t)) in input_path]
     found: Sequence[Tensor | None] = ()
     compiled = any(kind is not RegionKind.EAGER for kind in kinds.values())
     try:
@@ -237,6 +269,17 @@ def backward_input(roots: Sequence[Edge], grads: Sequence[Tensor], inputs: Seque
     dinputs = [by_id.get(id(t)) if t.requires_grad else None for t in inputs]
     formed = list(zip(early, found[len(on_path):], strict=True)) if found else []
     return dinputs, WeightWork(later, captured, root_grads, formed, compiled)
+
+
+def _whole_backward(roots: Sequence[Edge], grads: Sequence[Tensor], params: Sequence[Tensor]) -> WeightWork:
+    """A stage whose inputs take no gradient (a first stage): I has nothing to compute, so the graph is not analysed
+    at all and W runs the whole backward, once (torch's pipelining does the same on its first stage)."""
+    root_grads: dict[Node, list[tuple[Edge, Tensor]]] = {}
+    for edge, grad in zip(roots, grads, strict=True):
+        root_grads.setdefault(edge.node, []).append((edge, grad))
+    used = [p for p in params if p.requires_grad]
+    groups = [_Group(used, set(root_grads))] if used else []
+    return WeightWork(groups, {}, root_grads, [], whole=bool(used))
 
 
 def _when_formed(groups: list[_Group], input_path: set[Node],

@@ -143,3 +143,44 @@ def test_w_never_runs_input_path_nodes_again() -> None:
     after_i = dict(counts)
     work.run()
     assert after_i and counts == after_i, (after_i, counts)
+
+
+def test_first_stage_defers_its_whole_backward_to_w() -> None:
+    """Inputs without gradient: I computes nothing, W is the whole backward, run once (its graph is then freed)."""
+    model, shape = _models()["mlp blocks"]
+    x = torch.randn(shape)
+    grad = torch.randn_like(model(x))
+    want, _ = _full(copy.deepcopy(model), x, grad, False)
+    out = model(x)
+    with FlopCounterMode(display=False) as flops_i:
+        dinputs, work = backward_input([get_gradient_edge(out)], [grad], [x], list(model.parameters()))
+    assert dinputs == [None] and flops_i.get_total_flops() == 0
+    work.run()
+    for p, w in zip(model.parameters(), want, strict=True):
+        torch.testing.assert_close(p.grad, w)
+    with pytest.raises(RuntimeError, match="second time"):
+        out.backward(grad)
+
+
+def test_split_follows_a_parameter_whose_accumulator_was_replaced() -> None:
+    """A dtype change between two forwards gives every parameter a new gradient accumulator: the split reads the one
+    the new graph uses (a stale one would leave the parameters out of W and drop their gradients)."""
+    model, shape = _models()["attention"]
+    before: list[object] = []
+    for dtype in (torch.float32, torch.float64):
+        model = model.to(dtype)
+        nodes = [get_gradient_edge(p).node for p in model.parameters()]
+        assert not any(a is b for a, b in zip(before, nodes, strict=False)), "the accumulators were not replaced"
+        before = nodes
+        model.zero_grad(set_to_none=True)
+        x = torch.randn(shape, dtype=dtype)
+        grad = torch.randn_like(model(x))
+        want, want_dx = _full(copy.deepcopy(model), x, grad, True)
+        leaf = x.clone().requires_grad_(True)
+        out = model(leaf)
+        dinputs, work = backward_input([get_gradient_edge(out)], [grad], [leaf], list(model.parameters()))
+        work.run()
+        torch.testing.assert_close(dinputs[0], want_dx)
+        for p, w in zip(model.parameters(), want, strict=True):
+            assert p.grad is not None and p.grad.dtype == dtype
+            torch.testing.assert_close(p.grad, w)
