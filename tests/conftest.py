@@ -52,10 +52,7 @@ def results(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """A hard timeout for every test that waits on the shared spawn; the modules with the longest spawns first (their
-    SPAWN_TIMEOUT_S, a stable sort: modules stay whole), so that xdist does not leave one worker alone with a long
-    module at the end."""
-    items.sort(key=lambda item: -float(getattr(getattr(item, "module", None), "SPAWN_TIMEOUT_S", 0)))
+    """A hard timeout for every test that waits on the shared spawn."""
     for item in items:
         if "results" in getattr(item, "fixturenames", ()) and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(_spawn_timeout(getattr(item, "module", None)) + 30))
