@@ -127,8 +127,9 @@ def bars(path: str, labels: Sequence[str], series: dict[str, list[float]], targe
         drawn = ax.bar(xs, values, width=width * 0.95, label=name)
         for bar, value in zip(drawn, values, strict=True):
             ax.annotate(f"{value:.2f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), xytext=(0, 2),
-                        textcoords="offset points", ha="center", va="bottom", fontsize=7)
-    ax.axhline(target, color="#c0392b", linestyle="--", linewidth=1)
+                        textcoords="offset points", ha="center", va="bottom", fontsize=7, zorder=3,
+                        bbox={"boxstyle": "round,pad=0.1", "facecolor": "white", "edgecolor": "none"})
+    ax.axhline(target, color="#c0392b", linestyle="--", linewidth=1, zorder=2)  # values stay readable across it
     ax.annotate(target_text, (1.0, target), xycoords=("axes fraction", "data"), xytext=(-2, 3),
                 textcoords="offset points", ha="right", va="bottom", fontsize=7.5, color="#c0392b")
     ax.set_xticks(range(len(labels)), labels, rotation=20, ha="right", fontsize=8)
