@@ -30,6 +30,9 @@ GRACE_S = 10.0
 """After a rank fails, how long to wait for the rank it blames (or any rank) to report its own error, and how
 long the reporting rank waits for the others to leave."""
 _BLAME = re.compile(r"\brank (\d+) (?:rejected|failed)\b")
+LOST_PEER = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+             "remote process exited or there was a network error")
+"""What gloo's and NCCL's errors say when another rank's process is gone."""
 _POLL_S = 0.05
 log = logging.getLogger("duplexpipe.launch")
 

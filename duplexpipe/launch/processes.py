@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from duplexpipe.errors import LaunchError, StoppedByPeer
 from duplexpipe.launch.attempts import AGENT_STORE_ENV, attempt_prefix
-from duplexpipe.launch.failures import GRACE_S, Failure, blamed_rank, error_summary, record_failure
+from duplexpipe.launch.failures import GRACE_S, LOST_PEER, Failure, blamed_rank, error_summary, record_failure
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 LOOPBACK = "127.0.0.1"
@@ -334,10 +334,19 @@ def _silent(procs: Sequence[Any], done: dict[int, Any], errors: dict[int, Failur
     return [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in done and r not in errors]
 
 
+def _lost_a_peer(failure: Failure) -> bool:
+    """True when `failure` is a closed connection to another rank: a consequence of that rank's death, which the
+    launcher may see only after the error (its exit status comes later than the reset connection)."""
+    return failure.blamed is None and any(text in failure.details for text in LOST_PEER)
+
+
 def _settled(procs: Sequence[Any], done: dict[int, Any], errors: dict[int, Failure]) -> bool:
-    """True once the cause is known: some rank's own error, or every blamed rank has exited or reported."""
-    if any(f.blamed is None for f in errors.values()):
+    """True once the cause is known: some rank's own error, a rank that died silently after another lost its
+    connection, or every blamed rank has exited or reported."""
+    if any(f.blamed is None and not _lost_a_peer(f) for f in errors.values()):
         return True
+    if any(_lost_a_peer(f) for f in errors.values()) and not _silent(procs, done, errors):
+        return False
     blamed = {f.blamed for f in errors.values() if f.blamed is not None}
     return all(b in errors or not 0 <= b < len(procs) or procs[b].exitcode is not None for b in blamed)
 
@@ -347,8 +356,9 @@ def _failure(procs: Sequence[Any], results: Any, done: dict[int, Any], errors: d
     """The LaunchError for a failed launch, after waiting up to `grace_s` for the cause to be reported.
 
     Order of blame: a rank that died without a report (the others then fail on a closed
-    connection); else a rank's own error (the first one to arrive); else the first error, noting
-    that the rank it blames did not report.
+    connection: a rank that lost its connection waits for it); else a rank's own error (the first
+    one to arrive, closed connections last); else the first error, noting that the rank it blames
+    did not report.
     """
     end = time.monotonic() + grace_s
     while not _settled(procs, done, errors) and time.monotonic() < end:
@@ -356,7 +366,8 @@ def _failure(procs: Sequence[Any], results: Any, done: dict[int, Any], errors: d
     while _receive(results, done, errors, 0.0):
         pass
     tracebacks = {r: f.details for r, f in errors.items()}
-    own = [r for r, f in errors.items() if f.blamed is None]
+    own = [r for r, f in errors.items() if f.blamed is None and not _lost_a_peer(f)]
+    own = own or [r for r, f in errors.items() if f.blamed is None]  # no rank died silently within grace_s
     first = own[0] if own else next(iter(errors), None)
     followers = [r for r in errors if r != first]
     also = f" (then ranks {followers} stopped)" if followers else ""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -18,9 +19,11 @@ import torch.distributed as dist
 from _failing_ranks import OWN_ERROR, blame_a_silent_rank, consequence_first
 
 from duplexpipe.errors import LaunchError, PeerFailedError
+from duplexpipe.launch.failures import Failure
 from duplexpipe.launch.processes import (
     SHARE_GPU_ENV,
     START_METHOD_ENV,
+    _failure,
     blamed_rank,
     cuda_device_for,
     default_backend,
@@ -189,6 +192,37 @@ def test_launch_names_a_rank_that_dies_without_a_report() -> None:
         launch(_hard_exit_on_rank_one, 2)
     assert info.value.rank == 1
     assert _children() == []
+
+
+class _Exiting:
+    """A rank's process whose exit status the launcher sees only at its `reads`-th look (a rank's closed connection
+    reaches its peer before the kernel reports its exit)."""
+
+    def __init__(self, code: int | None, reads: int) -> None:
+        self.code, self.reads = code, reads
+
+    @property
+    def exitcode(self) -> int | None:
+        self.reads -= 1
+        return self.code if self.reads <= 0 else None
+
+
+RESET = Failure("Traceback ...\nRuntimeError: [pair.cc:537] Read error [127.0.0.1]:21737: Connection reset by peer.",
+                None, "RuntimeError: [pair.cc:537] Read error [127.0.0.1]:21737: Connection reset by peer.")
+
+
+def test_a_reset_connection_waits_for_the_silent_death_that_caused_it() -> None:
+    error = _failure([_Exiting(None, 0), _Exiting(3, 20)], queue.Queue(), {}, {0: RESET}, grace_s=10.0)
+    assert str(error).startswith("rank 1 exited with code 3 without reporting a result; then rank 0 stopped: "
+                                 "RuntimeError: [pair.cc:537]"), str(error)
+    assert error.rank == 1
+
+
+def test_a_reset_connection_without_a_dead_peer_is_reported_after_the_grace() -> None:
+    start = time.monotonic()
+    error = _failure([_Exiting(None, 0), _Exiting(None, 0)], queue.Queue(), {}, {0: RESET}, grace_s=0.3)
+    assert str(error).startswith("rank 0 failed:\nTraceback ...") and error.rank == 0
+    assert time.monotonic() - start >= 0.3
 
 
 @pytest.mark.timeout(90)
