@@ -14,7 +14,8 @@ from torch import nn
 from duplexpipe import Pipeline, PipelineConfig
 from duplexpipe.model.split import build_parts, plan_partition
 
-LAYERS, ROWS, STEPS = 8, 16, 3
+LAYERS_PER_RANK, ROWS, STEPS = 2, 16, 3
+"""Blocks per pipeline rank (one per part of the two-part schedules), rows per step, AdamW steps."""
 PARTS = {"gpipe": 1, "1f1b": 1, "zb-h1": 1, "zb-h2": 1, "dualpipe": 1, "interleaved-1f1b": 2, "zbv": 2,
          "dualpipev": 2}
 """Model parts per pipeline rank of each schedule."""
@@ -33,16 +34,16 @@ class Case:
     """The batch size of each step."""
 
 
-def model(seed: int = 0) -> tuple[nn.Module, list[nn.Module], nn.Module]:
-    """(embedding, layers, head) in float64."""
+def model(world: int, seed: int = 0) -> tuple[nn.Module, list[nn.Module], nn.Module]:
+    """(embedding, layers, head) in float64 for `world` pipeline ranks."""
     torch.manual_seed(seed)
     embedding = nn.Embedding(VOCAB, DIM).double()
-    return embedding, [Block(DIM).double() for _ in range(LAYERS)], Head(DIM, VOCAB).double()
+    return embedding, [Block(DIM).double() for _ in range(LAYERS_PER_RANK * world)], Head(DIM, VOCAB).double()
 
 
-def reference(case: Case) -> list[float]:
+def reference(case: Case, world: int) -> list[float]:
     """The case's losses trained by one process, eager: whole batches, AdamW."""
-    embedding, layers, head = model()
+    embedding, layers, head = model(world)
     net = nn.Sequential(embedding, *layers, head)
     optimizer = adamw(list(net.parameters()))
     losses = []
@@ -62,7 +63,7 @@ def adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
 
 def pipeline(case: Case, world: int) -> Pipeline:
     """The case's Pipeline on `world` ranks."""
-    embedding, layers, head = model()
+    embedding, layers, head = model(world)
     config = PipelineConfig(schedule=case.schedule, num_microbatches=2 * world,  # DualPipe's least
                             activation_checkpointing=case.checkpointing,
                             compile=dict(case.options) if case.who == "config" else False)
@@ -82,7 +83,7 @@ def run(case: Case, world: int) -> dict[str, Any]:
     pipe = pipeline(case, world)
     before = counters["stats"]["unique_graphs"]
     losses = [pipe.step(*make_batch(rows, step)) for step, rows in enumerate(case.rows)]
-    want = reference(case)
+    want = reference(case, world)
     return {"loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, want, strict=True)),
             "compiled": pipe.compiled.modules, "user": pipe.compiled.user,
             "graphs": counters["stats"]["unique_graphs"] - before}

@@ -27,6 +27,7 @@ from duplexpipe.planner.calibration_cache import CACHE_ENV
 settings.register_profile("duplexpipe", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("duplexpipe")
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # 2 cores: inductor compiles in-process, no worker pool
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")  # the vector ISA from /proc/cpuinfo: no test builds
 os.environ.setdefault(START_METHOD_ENV, "forkserver")  # launch() forks ranks from one server: seconds per spawn
 if CACHE_ENV not in os.environ:  # schedule="auto"'s calibration cache: set before any rank starts (a fork server
     # keeps the environment it started with), never the user's ~/.cache; removed when the session ends

@@ -40,7 +40,7 @@ def _resizing(world: int) -> dict[str, Any]:
         before = counters["stats"]["unique_graphs"]
         pipe.evaluate(*make_batch(5, 99))
         graphs.append(counters["stats"]["unique_graphs"] - before)
-    want = reference(case)
+    want = reference(case, world)
     return {"loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, want, strict=True)), "graphs": graphs}
 
 

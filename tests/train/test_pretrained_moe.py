@@ -188,10 +188,25 @@ def _count(load: torch.Tensor, _module: nn.Module, _inputs: Any, out: Any) -> No
     load.add_(torch.bincount(out[2].flatten(), minlength=load.numel()))
 
 
-def _reference(source: Path, speed: float = 0.0) -> tuple[list[float], nn.Module, torch.Tensor]:
-    """`_trained` on one thread."""
-    with one_thread():
-        return _trained(source, speed)
+class References:
+    """`_trained` on one thread, once per source and speed (the schedules and the overlap runs of one source share
+    it)."""
+
+    def __init__(self) -> None:
+        self.trained: dict[tuple[Path, float], tuple[list[float], nn.Module, torch.Tensor]] = {}
+
+    def of(self, source: Path, speed: float = 0.0) -> tuple[list[float], nn.Module, torch.Tensor]:
+        """The one-process training of `source` with expert-bias speed `speed`."""
+        if (source, speed) not in self.trained:
+            with one_thread():
+                self.trained[source, speed] = _trained(source, speed)
+        return self.trained[source, speed]
+
+
+@pytest.fixture(scope="module")
+def references() -> References:
+    """The module's one-process trainings."""
+    return References()
 
 
 def _trained(source: Path, speed: float) -> tuple[list[float], nn.Module, torch.Tensor]:
@@ -229,10 +244,10 @@ def _trained(source: Path, speed: float) -> tuple[list[float], nn.Module, torch.
 
 @pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 @pytest.mark.parametrize("name", list(RUNS))
-def test_training_equals_one_process_transformers(spawned: Any, name: str) -> None:
+def test_training_equals_one_process_transformers(spawned: Any, references: References, name: str) -> None:
     root, results = spawned
     source, _, options = RUNS[name]
-    losses, reference, _ = _reference(root / source, options.get("speed", 0.0))
+    losses, reference, _ = references.of(root / source, options.get("speed", 0.0))
     for result in results:
         got = result[name]["losses"]
         assert max(abs(a - b) / b for a, b in zip(got, losses, strict=True)) <= 1e-9, (got, losses)
@@ -257,19 +272,19 @@ def test_overlap_on_and_off_are_bit_equal(spawned: Any, family: str) -> None:
 
 
 @pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
-def test_an_expert_parallel_rank_without_tokens_is_still_exact(spawned: Any) -> None:
+def test_an_expert_parallel_rank_without_tokens_is_still_exact(spawned: Any, references: References) -> None:
     """Steered away from experts 4..7, DeepSeek-V3 sends no token to expert-parallel rank 1 (which holds them):
     the run above is exact, and the reference shows those experts got none."""
     root, results = spawned
-    _, _, seen = _reference(root / "deepseek_v3-steered")
+    _, _, seen = references.of(root / "deepseek_v3-steered")
     assert seen[:, 4:].sum() == 0 and seen[:, :4].sum() > 0
     assert [r["deepseek_v3-steered dualpipev"]["experts"] for r in results[:2]] == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
 @pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
-def test_a_checkpoint_saved_at_ep_2_resumes_at_ep_1_on_pp_4(spawned: Any) -> None:
+def test_a_checkpoint_saved_at_ep_2_resumes_at_ep_1_on_pp_4(spawned: Any, references: References) -> None:
     root, results = spawned
-    losses, reference, _ = _reference(root / "deepseek_v3", SPEED)
+    losses, reference, _ = references.of(root / "deepseek_v3", SPEED)
     for result in results:
         assert max(abs(a - b) / b for a, b in zip(result["resume"], losses, strict=True)) <= 1e-9
     trained = _load(root / "ft-resume").state_dict()
