@@ -9,7 +9,7 @@ import random
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, cast
 
@@ -280,12 +280,8 @@ def intervals(series: dict[str, list[float]], draws: int = DRAWS, level: float =
         for key, value in estimates({name: [v[i] for i in picks] for name, v in runs.items()}).items():
             drawn.setdefault(key, []).append(value)
     tail = (1.0 - level) / 2
-    return {key: (_quantile(values, tail), _quantile(values, 1.0 - tail)) for key, values in drawn.items()}
-
-
-def _quantile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+    return {key: (harness.quantile(values, tail), harness.quantile(values, 1.0 - tail))
+            for key, values in drawn.items()}
 
 
 def verdicts(series: dict[str, list[float]]) -> dict[str, Any]:

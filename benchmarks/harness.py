@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import random
 import statistics
 import subprocess
 import time
@@ -106,6 +107,26 @@ def summarize(samples: Sequence[float]) -> Stats:
     ordered = sorted(samples)
     q1, q3 = (ordered[0], ordered[-1]) if len(ordered) < 4 else statistics.quantiles(ordered, n=4)[::2]
     return Stats(statistics.median(ordered), q1, q3, len(ordered))
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """The sample at fraction `q` of `values` sorted (nearest rank)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def paired_ratio(num: Sequence[float], den: Sequence[float], draws: int = 2000, level: float = 0.95,
+                 seed: int = 0) -> tuple[float, float, float]:
+    """The median over rounds of num / den (each round's pair measured side by side, so a disturbance that falls on
+    the whole round cancels) and its percentile-bootstrap interval at `level` (rounds resampled): (median, low,
+    high)."""
+    ratios = [n / d for n, d in zip(num, den, strict=True)]
+    if not ratios:
+        raise ValueError("paired_ratio needs at least one round, got none")
+    rng = random.Random(seed)
+    drawn = [statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(draws)]
+    tail = (1.0 - level) / 2
+    return statistics.median(ratios), quantile(drawn, tail), quantile(drawn, 1.0 - tail)
 
 
 def machine_info() -> dict[str, Any]:

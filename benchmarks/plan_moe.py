@@ -20,8 +20,8 @@ from duplexpipe.sizes import parse_bytes
 
 TASK = "benchmarks.models:moe_lm_task"
 TIE = 0.02
-"""Candidates predicted less than this fraction apart are predicted equal: their measured medians are expected within
-each other's noise (interquartile ranges that overlap), not in an order."""
+"""Candidates predicted less than this fraction apart are predicted equal: their measured ratio is expected within
+its noise (a 95% interval that holds 1), not in an order."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +113,7 @@ def run(cfg: PlanMoEConfig) -> Result:
                   for name, v in predicted.items() if name != "plan"}
         rows.append({"candidate": f"{row['schedule']}, M={row['microbatches']}", "groups": row["groups"],
                      "predicted_s": row["step_s"], "others": others, "measured": step.to_dict(),
+                     "walls_s": measured[0]["wall"][k],
                      "cpu_s": [r["cpu"][k] for r in measured]})
     return {"rows": rows, "pairs": pairs(rows), "config": asdict(cfg), "uptime_profile": before,
             "notes": {k: v["note"] for k, v in predicted.items()},
@@ -123,23 +124,24 @@ def run(cfg: PlanMoEConfig) -> Result:
 
 
 def pairs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each pair of candidates in the plan's order: the predicted and measured gaps, whether the measured medians
-    are in the plan's order, whether the two are apart beyond their noise (their interquartile ranges do not overlap),
-    and the verdict: "in order", "tie held" (predicted within TIE, measured within noise), "within noise" (out of
-    order or apart where a tie was predicted, inside the noise), or "reversed" (out of order beyond the noise)."""
+    """Each pair of candidates in the plan's order: the predicted gap, the measured one (the median over rounds of
+    the second's step over the first's, stepped side by side) with its 95% bootstrap interval, whether it is in the
+    plan's order, whether the two are apart beyond their noise (the interval does not hold 1), and the verdict:
+    "in order", "tie held" (predicted within TIE, measured within noise), "within noise" (out of order, or apart
+    where a tie was predicted, inside the noise), or "reversed" (out of order beyond the noise)."""
     out = []
     for a, b in itertools.combinations(rows, 2):
-        ma, mb = a["measured"], b["measured"]
-        apart = ma["q3_s"] < mb["q1_s"] or mb["q3_s"] < ma["q1_s"]
+        ratio, low, high = harness.paired_ratio(b["walls_s"], a["walls_s"])
+        apart = low > 1.0 or high < 1.0
         gap = b["predicted_s"] / a["predicted_s"] - 1
-        ordered = ma["median_s"] <= mb["median_s"]
+        ordered = ratio >= 1.0
         if gap < TIE:
             verdict = "within noise" if apart else "tie held"
         else:
             verdict = "in order" if ordered else "reversed" if apart else "within noise"
         out.append({"faster": a["candidate"], "slower": b["candidate"], "predicted_gap": gap,
-                    "measured_gap": mb["median_s"] / ma["median_s"] - 1, "same_order": ordered, "apart": apart,
-                    "verdict": verdict})
+                    "measured_gap": ratio - 1, "interval": (low - 1, high - 1), "same_order": ordered,
+                    "apart": apart, "verdict": verdict})
     return out
 
 
@@ -175,10 +177,11 @@ def report(part: Result) -> list[Block]:
          f"{r['measured']['median_s'] / r['predicted_s'] - 1:+.0%}",
          *(ms(r["others"][k]) if r["others"].get(k) else "-" for k in ("cores", "device")), ms(sum(r["cpu_s"]))]
         for r in part["rows"]]
-    order = [["predicted first", "predicted second", "predicted gap", "measured gap", "same order",
-              "apart beyond IQRs", "verdict"]] + [
-        [p["faster"], p["slower"], f"{p['predicted_gap']:+.1%}", f"{p['measured_gap']:+.1%}", mark(p["same_order"]),
-         "yes" if p["apart"] else "no", p["verdict"]] for p in part["pairs"]]
+    order = [["predicted first", "predicted second", "predicted gap", "measured gap (paired)", "95% interval",
+              "same order", "apart", "verdict"]] + [
+        [p["faster"], p["slower"], f"{p['predicted_gap']:+.1%}", f"{p['measured_gap']:+.1%}",
+         f"{p['interval'][0]:+.1%} to {p['interval'][1]:+.1%}", mark(p["same_order"]), "yes" if p["apart"] else "no",
+         p["verdict"]] for p in part["pairs"]]
     walls = ", ".join(f"{n} M={m} {w * 1e3:.0f} ms" for n, m, w in part.get("calibration_walls") or [])
     return [intro, table, order, f"The measured order of the first {cfg['top']}: {verdict(part['pairs'])} (pairs "
             f"predicted less than {TIE:.0%} apart count as predicted equal). Calibration runs' walls: {walls}."]

@@ -18,6 +18,17 @@ def test_summarize_quartiles_and_empty() -> None:
         harness.summarize([])
 
 
+def test_a_paired_ratio_cancels_what_falls_on_the_whole_round() -> None:
+    base = [0.5, 2.0, 1.0, 0.7, 1.6, 1.2, 0.9, 1.8]  # quartiles of each side overlap widely
+    ratio, low, high = harness.paired_ratio([b * 1.05 for b in base], base)
+    assert abs(ratio - 1.05) < 1e-12 and abs(low - 1.05) < 1e-12 and abs(high - 1.05) < 1e-12
+    ratio, low, high = harness.paired_ratio([b * r for b, r in zip(base, (1.1, 0.9) * 4, strict=True)], base)
+    assert low < 1.0 < high and abs(ratio - 1.0) < 1e-12  # noise inside each round: the interval holds 1
+    assert harness.quantile([3.0, 1.0, 2.0], 0.0) == 1.0 and harness.quantile([3.0, 1.0, 2.0], 1.0) == 3.0
+    with pytest.raises(ValueError, match="at least one round"):
+        harness.paired_ratio([], [])
+
+
 def test_slowest_takes_the_largest_rank_per_step() -> None:
     assert harness.slowest([[1.0, 5.0, 2.0], [3.0, 1.0, 2.5]]) == [3.0, 5.0, 2.5]
 

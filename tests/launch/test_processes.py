@@ -21,6 +21,7 @@ from _failing_ranks import OWN_ERROR, blame_a_silent_rank, consequence_first
 from duplexpipe.errors import LaunchError, PeerFailedError
 from duplexpipe.launch.failures import Failure
 from duplexpipe.launch.processes import (
+    FORKSERVER_PRELOAD,
     SHARE_GPU_ENV,
     START_METHOD_ENV,
     _failure,
@@ -33,6 +34,7 @@ from duplexpipe.launch.processes import (
     local_environment,
     loopback_interface,
     run,
+    start_context,
 )
 from duplexpipe.train.trainer import Pipeline, PipelineConfig
 
@@ -237,6 +239,18 @@ def test_a_killed_rank_is_the_first_line_and_the_others_one_line_each() -> None:
     if 1 in info.value.errors:  # rank 1 reported its consequence in time: one line here, all of it kept
         assert "then rank 1 stopped: " in message and "Traceback" in info.value.errors[1]
     assert _children() == []
+
+
+def test_the_fork_server_preloads_the_hugging_face_stack_only_when_the_launcher_has_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from multiprocessing import forkserver
+
+    monkeypatch.setitem(sys.modules, "transformers", sys.modules.get("transformers") or object())
+    start_context("forkserver")
+    assert "transformers.modeling_utils" in forkserver._forkserver._preload_modules
+    monkeypatch.delitem(sys.modules, "transformers")
+    start_context("forkserver")
+    assert forkserver._forkserver._preload_modules == list(FORKSERVER_PRELOAD)
 
 
 def test_launch_rejects_bad_counts() -> None:
