@@ -15,13 +15,14 @@ from duplexpipe import Pipeline, PipelineConfig, PlanConfig, Profile, build_sche
 from duplexpipe.launch.profiling import ProfileRequest, profile_calibrated, task_parts
 from duplexpipe.launch.train_config import TrainConfig
 from duplexpipe.launch.train_loop import build_task
-from duplexpipe.planner.calibrate import with_calibration
+from duplexpipe.planner.calibrate import FIT_ERROR, with_calibration
 from duplexpipe.sizes import parse_bytes
 
 TASK = "benchmarks.models:moe_lm_task"
 TIE = 0.02
-"""Candidates predicted less than this fraction apart are predicted equal: their measured ratio is expected within
-its noise (a 95% interval that holds 1), not in an order."""
+"""Candidates predicted less than this fraction apart, or less than the model's miss on its own calibration runs
+(`fit_error`) where that is larger, are predicted equal: their measured ratio is expected within its noise (a 95%
+interval that holds 1), not in an order."""
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ def predictions(profile: Profile, cfg: PlanMoEConfig) -> dict[str, Any]:
                 ("device", with_calibration(unfitted, _plan_config(cfg))))
     for key, (prof, config, note) in variants:
         result = plan(prof, config)
-        out[key] = {"note": note, "cores": config.cores,
+        out[key] = {"note": note, "cores": config.cores, "fit_error": prof.meta.get(FIT_ERROR, 0.0),
                     "rows": [r.to_dict() for r in result.rows if r.feasible]}
     return out
 
@@ -115,7 +116,8 @@ def run(cfg: PlanMoEConfig) -> Result:
                      "predicted_s": row["step_s"], "others": others, "measured": step.to_dict(),
                      "walls_s": measured[0]["wall"][k],
                      "cpu_s": [r["cpu"][k] for r in measured]})
-    return {"rows": rows, "pairs": pairs(rows), "config": asdict(cfg), "uptime_profile": before,
+    tie = max(TIE, predicted["plan"]["fit_error"])
+    return {"rows": rows, "pairs": pairs(rows, tie), "tie": tie, "config": asdict(cfg), "uptime_profile": before,
             "notes": {k: v["note"] for k, v in predicted.items()},
             "cores": {k: v["cores"] for k, v in predicted.items()},
             "overhead": profile.overhead.to_dict() if profile.overhead else None,
@@ -123,19 +125,19 @@ def run(cfg: PlanMoEConfig) -> Result:
             "calibration_samples": profile.meta.get("calibration_samples"), "uptime_after": harness.uptime()}
 
 
-def pairs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def pairs(rows: list[dict[str, Any]], tie: float = TIE) -> list[dict[str, Any]]:
     """Each pair of candidates in the plan's order: the predicted gap, the measured one (the median over rounds of
     the second's step over the first's, stepped side by side) with its 95% bootstrap interval, whether it is in the
     plan's order, whether the two are apart beyond their noise (the interval does not hold 1), and the verdict:
-    "in order", "tie held" (predicted within TIE, measured within noise), "within noise" (out of order, or apart
-    where a tie was predicted, inside the noise), or "reversed" (out of order beyond the noise)."""
+    "in order", "tie held" (predicted less than `tie` apart, measured within noise), "within noise" (out of order,
+    or apart where a tie was predicted, inside the noise), or "reversed" (out of order beyond the noise)."""
     out = []
     for a, b in itertools.combinations(rows, 2):
         ratio, low, high = harness.paired_ratio(b["walls_s"], a["walls_s"])
         apart = low > 1.0 or high < 1.0
         gap = b["predicted_s"] / a["predicted_s"] - 1
         ordered = ratio >= 1.0
-        if gap < TIE:
+        if gap < tie:
             verdict = "within noise" if apart else "tie held"
         else:
             verdict = "in order" if ordered else "reversed" if apart else "within noise"
@@ -183,8 +185,10 @@ def report(part: Result) -> list[Block]:
          f"{p['interval'][0]:+.1%} to {p['interval'][1]:+.1%}", mark(p["same_order"]), "yes" if p["apart"] else "no",
          p["verdict"]] for p in part["pairs"]]
     walls = ", ".join(f"{n} M={m} {w * 1e3:.0f} ms" for n, m, w in part.get("calibration_walls") or [])
+    tie = part.get("tie", TIE)
     return [intro, table, order, f"The measured order of the first {cfg['top']}: {verdict(part['pairs'])} (pairs "
-            f"predicted less than {TIE:.0%} apart count as predicted equal). Calibration runs' walls: {walls}."]
+            f"predicted less than {tie:.1%} apart count as predicted equal: the model's miss on its own calibration "
+            f"runs, at least {TIE:.0%}). Calibration runs' walls: {walls}."]
 
 
 PART = Part("plan_moe", "The planner's order on a calibrated MoE model vs measurement", PlanMoEConfig(), QUICK, run,

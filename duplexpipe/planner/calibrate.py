@@ -19,6 +19,8 @@ from duplexpipe.schedules.ir import Op, Schedule
 from duplexpipe.schedules.simulate import CostModel
 from duplexpipe.schedules.timeline import Timeline
 
+FIT_ERROR = "calibration_fit_error"
+"""The profile meta key where `with_calibration` leaves `fit_error` of the model it fitted."""
 MAX_SCALE = 4.0
 """The factors a calibration is trusted with (the in-pipeline compute scale, the wall-time scale): within a factor of
 this of the model; beyond it the measurement was disturbed."""
@@ -123,6 +125,17 @@ def fit_wall_scale(profile: Profile, config: PlanConfig, runs: Sequence[tuple[st
     return math.exp(sum(logs) / len(logs))
 
 
+def fit_error(profile: Profile, config: PlanConfig, runs: Sequence[tuple[str, int, float]]) -> float:
+    """The largest |measured / modelled - 1| over the calibration `runs` ((schedule, M, measured wall seconds per
+    step) each) under `profile` (its wall scale applied) and `config`: how closely the fitted model reproduces the
+    walls it was fitted to, so the gap below which it cannot tell two candidates' order. 0 without runs."""
+    runs = [run for run in runs if run[2] > 0]
+    if not runs:
+        return 0.0
+    scale = profile.overhead.wall_scale if profile.overhead is not None else 1.0
+    return max(abs(math.exp(x) / scale - 1.0) for x in _logs(profile, config, runs))
+
+
 def fit_cores(profile: Profile, config: PlanConfig, runs: Sequence[tuple[str, int, float]], most: float) -> float:
     """The cores C in [most / CORE_RANGE, most] under which the planner's steps of the calibration `runs`
     ((schedule, M, measured wall seconds per step) each, planned with `config` at C) best match the measured walls
@@ -202,7 +215,9 @@ def with_calibration(profile: Profile, config: PlanConfig, links: Collection[str
     got (`fit_cores` to their walls: the cores the plan uses); then the runs' measured over modelled wall time as
     the overhead's wall_scale (`fit_wall_scale` at those cores, on the calibration's ranks and batch at T = 1: the
     calibration trains the whole parts on every TP coordinate; not applied beyond [1/MAX_SCALE, MAX_SCALE], a
-    disturbed measurement). Unchanged without them; the note says what was applied."""
+    disturbed measurement), and how closely the fitted model reproduces those runs (`fit_error`, in the profile's
+    meta under FIT_ERROR: candidates closer than it are a tie). Unchanged without them; the note says what was
+    applied."""
     config, notes = _links(profile, config, links)
     ranks, batch, cores = calibration_machine(profile)
     mine = cores is not None and config.cores in (None, cores)  # planning for the calibration's machine
@@ -227,4 +242,6 @@ def with_calibration(profile: Profile, config: PlanConfig, links: Collection[str
             notes.append(f"walls {factor:.3g}x the model of the machine (calibration runs)")
     else:
         notes.append(f"calibration walls {factor:.3g}x the model: not applied")
-    return profile, config, "; ".join(notes)
+    error = fit_error(profile, calibrated, runs)
+    notes.append(f"the model is within {error:.0%} of its calibration runs: candidates closer than that are a tie")
+    return replace(profile, meta={**profile.meta, FIT_ERROR: error}), config, "; ".join(notes)

@@ -46,3 +46,9 @@ def test_report_and_the_schedules_of_plan_rows() -> None:
     assert "holds" in str(blocks[-1]) and "gpipe M=4 500 ms" in str(blocks[-1])
     schedule = plan_moe._schedule("interleaved-1f1b(chunks=2)", 2, 4)
     assert schedule.num_groups == 4 and plan_moe._schedule("1f1b", 2, 4).num_groups == 2
+
+
+def test_a_gap_inside_the_models_own_calibration_miss_is_a_predicted_tie() -> None:
+    rows = [_row("a", 1.0, (1.0,)), _row("b", 1.05, (0.97, 1.02))]  # predicted 5% apart, measured a tie
+    assert [p["verdict"] for p in plan_moe.pairs(rows)] == ["within noise"]
+    assert [p["verdict"] for p in plan_moe.pairs(rows, tie=0.08)] == ["tie held"]

@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 
 from duplexpipe.planner.calibrate import (
+    FIT_ERROR,
     MAX_SCALE,
     calibration_machine,
     calibration_rounds,
@@ -16,6 +17,7 @@ from duplexpipe.planner.calibrate import (
     calibration_schedule,
     fit_cores,
     fit_cost_model,
+    fit_error,
     fit_wall_scale,
     with_calibration,
 )
@@ -190,3 +192,20 @@ def test_with_calibration_plans_on_the_calibrations_cores_and_the_share_its_runs
     assert calibration_machine(measured) == (4, 32, 2.0)
     assert calibration_machine(replace(profile, meta={"calibration_mesh": {"ranks": True, "cores": -1}})) == (
         None, None, None)
+
+
+def test_the_fit_error_is_how_far_the_fitted_model_misses_its_calibration_runs() -> None:
+    """Walls the model reproduces: no error; one run 10% slower than the rest, as a noisy run would be: the geometric
+    scale takes part of it, the error says what is left, in the profile's meta and the note."""
+    overhead = RuntimeOverhead(3e-4, 2e-4, 2e-3, "", 1.0)
+    profile = Profile((FUSED,) * 8, 8, overhead=overhead)
+    config = PlanConfig(ranks=4, batch=32, memory=2**40)
+    runs = [(n, m, plan(profile, replace(config, schedules=(n,), microbatches=(m,))).best.step_s)
+            for n, m in calibration_runs(4, [4, 8], parts=8)]
+    assert fit_error(profile, config, runs) == pytest.approx(0.0, abs=1e-9)
+    assert fit_error(profile, config, []) == 0.0
+    noisy = [(n, m, w * (1.1 if k == 0 else 1.0)) for k, (n, m, w) in enumerate(runs)]
+    fitted, _, note = with_calibration(replace(profile, meta={"calibration_walls": [list(r) for r in noisy]}), config)
+    error = fitted.meta[FIT_ERROR]
+    assert 0.05 < error < 0.1 and error == pytest.approx(fit_error(fitted, config, noisy))
+    assert f"the model is within {error:.0%} of its calibration runs" in note
