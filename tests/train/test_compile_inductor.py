@@ -1,6 +1,7 @@
 """Compiled stages with inductor on 2 gloo ranks (float64, 3 AdamW steps) against one eager process: every schedule
-with PipelineConfig(compile=True), whole parts the user compiled, and a run with activation checkpointing whose
-batch changes size (an uneven last microbatch) and evaluates: recompiled once, not every step."""
+with PipelineConfig(compile=True), whole parts the user compiled, activation checkpointing; and a run (aot_eager:
+dynamo recompiles alike under every backend) whose batch changes size (an uneven last microbatch) and evaluates:
+recompiled once, not every step."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ INDUCTOR = {"backend": "inductor"}
 CASES = {
     **{s: Case(s) for s in PARTS},
     "dualpipev parts compiled by the user": Case("dualpipev", "parts", INDUCTOR),
+    "zb-h1 checkpointed": Case("zb-h1", checkpointing=True),
 }
 """Every schedule compiled by the config, and parts the user compiled (layers the user compiled: aot_eager in
 test_compile_schedules.py, on four schedules)."""
@@ -29,7 +31,7 @@ def _resizing(world: int) -> dict[str, Any]:
     compiled."""
     from torch._dynamo.utils import counters
 
-    case = Case("zb-h1", rows=SIZES, checkpointing=True)
+    case = Case("zb-h1", options={"backend": "aot_eager"}, rows=SIZES, checkpointing=True)
     pipe = pipeline(case, world)
     losses, graphs = [], []
     for step, rows in enumerate(SIZES):
