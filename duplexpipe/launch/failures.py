@@ -30,8 +30,8 @@ GRACE_S = 10.0
 """After a rank fails, how long to wait for the rank it blames (or any rank) to report its own error, and how
 long the reporting rank waits for the others to leave."""
 _BLAME = re.compile(r"\brank (\d+) (?:rejected|failed)\b")
-LOST_PEER = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
-             "remote process exited or there was a network error")
+_LOST_PEER = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+              "remote process exited or there was a network error")
 """What gloo's and NCCL's errors say when another rank's process is gone."""
 _POLL_S = 0.05
 log = logging.getLogger("duplexpipe.launch")
@@ -47,6 +47,12 @@ class Failure:
     """The rank this error says failed first (it stopped because of that rank), None for its own error."""
     summary: str = ""
     """The error in one line: its type and the first line of its message."""
+
+
+def lost_a_peer(failure: Failure) -> bool:
+    """True when `failure` is a closed connection to another rank: a consequence of that rank's death, which a
+    launcher may see only after the error (the dead rank's exit status comes later than the reset connection)."""
+    return failure.blamed is None and any(text in failure.details for text in _LOST_PEER)
 
 
 def error_summary(exc: BaseException) -> str:

@@ -22,7 +22,14 @@ import torch.distributed as dist
 
 from duplexpipe.errors import LaunchError, StoppedByPeer
 from duplexpipe.launch.attempts import AGENT_STORE_ENV, attempt_prefix
-from duplexpipe.launch.failures import GRACE_S, LOST_PEER, Failure, blamed_rank, error_summary, record_failure
+from duplexpipe.launch.failures import (
+    GRACE_S,
+    Failure,
+    blamed_rank,
+    error_summary,
+    lost_a_peer,
+    record_failure,
+)
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 LOOPBACK = "127.0.0.1"
@@ -339,18 +346,12 @@ def _silent(procs: Sequence[Any], done: dict[int, Any], errors: dict[int, Failur
     return [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in done and r not in errors]
 
 
-def _lost_a_peer(failure: Failure) -> bool:
-    """True when `failure` is a closed connection to another rank: a consequence of that rank's death, which the
-    launcher may see only after the error (its exit status comes later than the reset connection)."""
-    return failure.blamed is None and any(text in failure.details for text in LOST_PEER)
-
-
 def _settled(procs: Sequence[Any], done: dict[int, Any], errors: dict[int, Failure]) -> bool:
     """True once the cause is known: some rank's own error, a rank that died silently after another lost its
     connection, or every blamed rank has exited or reported."""
-    if any(f.blamed is None and not _lost_a_peer(f) for f in errors.values()):
+    if any(f.blamed is None and not lost_a_peer(f) for f in errors.values()):
         return True
-    if any(_lost_a_peer(f) for f in errors.values()) and not _silent(procs, done, errors):
+    if any(lost_a_peer(f) for f in errors.values()) and not _silent(procs, done, errors):
         return False
     blamed = {f.blamed for f in errors.values() if f.blamed is not None}
     return all(b in errors or not 0 <= b < len(procs) or procs[b].exitcode is not None for b in blamed)
@@ -371,7 +372,7 @@ def _failure(procs: Sequence[Any], results: Any, done: dict[int, Any], errors: d
     while _receive(results, done, errors, 0.0):
         pass
     tracebacks = {r: f.details for r, f in errors.items()}
-    own = [r for r, f in errors.items() if f.blamed is None and not _lost_a_peer(f)]
+    own = [r for r, f in errors.items() if f.blamed is None and not lost_a_peer(f)]
     own = own or [r for r, f in errors.items() if f.blamed is None]  # no rank died silently within grace_s
     first = own[0] if own else next(iter(errors), None)
     followers = [r for r in errors if r != first]

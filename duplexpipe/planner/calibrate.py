@@ -119,10 +119,16 @@ def fit_wall_scale(profile: Profile, config: PlanConfig, runs: Sequence[tuple[st
     wall_scale taken as 1): what the model of the machine leaves out, as one factor on every prediction. It
     scales every candidate alike, so it changes predicted times, never their order. 1 without runs."""
     runs = [run for run in runs if run[2] > 0]
-    if not runs:
-        return 1.0
-    logs = _logs(profile, config, runs)
+    return _geometric_mean(_logs(profile, config, runs)) if runs else 1.0
+
+
+def _geometric_mean(logs: Sequence[float]) -> float:
     return math.exp(sum(logs) / len(logs))
+
+
+def _worst_miss(logs: Sequence[float], scale: float) -> float:
+    """The largest |measured / (scale x modelled) - 1| of runs whose log(measured / modelled) are `logs`."""
+    return max(abs(math.exp(x) / scale - 1.0) for x in logs)
 
 
 def fit_error(profile: Profile, config: PlanConfig, runs: Sequence[tuple[str, int, float]]) -> float:
@@ -132,8 +138,7 @@ def fit_error(profile: Profile, config: PlanConfig, runs: Sequence[tuple[str, in
     runs = [run for run in runs if run[2] > 0]
     if not runs:
         return 0.0
-    scale = profile.overhead.wall_scale if profile.overhead is not None else 1.0
-    return max(abs(math.exp(x) / scale - 1.0) for x in _logs(profile, config, runs))
+    return _worst_miss(_logs(profile, config, runs), profile.overhead.wall_scale if profile.overhead else 1.0)
 
 
 def fit_cores(profile: Profile, config: PlanConfig, runs: Sequence[tuple[str, int, float]], most: float) -> float:
@@ -235,13 +240,14 @@ def with_calibration(profile: Profile, config: PlanConfig, links: Collection[str
         config, calibrated = replace(config, cores=got), replace(calibrated, cores=got)
         notes.append(f"{cores:g} cores shared by the ranks, as calibrated; their runs got {got:.3g} of them "
                      "(fitted to their walls)")
-    factor = fit_wall_scale(profile, calibrated, runs)
+    logs = _logs(profile, calibrated, [run for run in runs if run[2] > 0])  # fit_wall_scale's and fit_error's
+    factor = _geometric_mean(logs) if logs else 1.0
     if 1 / MAX_SCALE <= factor <= MAX_SCALE:
         profile = replace(profile, overhead=replace(profile.overhead, wall_scale=factor))
         if abs(factor - 1.0) >= 5e-3:
             notes.append(f"walls {factor:.3g}x the model of the machine (calibration runs)")
     else:
         notes.append(f"calibration walls {factor:.3g}x the model: not applied")
-    error = fit_error(profile, calibrated, runs)
+    error = _worst_miss(logs, profile.overhead.wall_scale if profile.overhead else 1.0) if logs else 0.0
     notes.append(f"the model is within {error:.0%} of its calibration runs: candidates closer than that are a tie")
     return replace(profile, meta={**profile.meta, FIT_ERROR: error}), config, "; ".join(notes)
