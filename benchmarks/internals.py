@@ -54,7 +54,7 @@ from duplexpipe.runtime.link_emulator import LinkModel, emulate_link
 
 # reliability times the first step's batch fingerprint and a checkpoint manifest's hashing alone.
 from duplexpipe.launch.job_guards import batch_fingerprint
-from duplexpipe.train.checkpoint_manifest import digest
+from duplexpipe.train.checkpoint.manifest import digest
 
 # vs_torch_tp builds torch's side of a tensor-parallel pipeline with the plan resolved per part as torch's
 # parallelize_module takes it, counts each rank's local parameter bytes and the replicated ones (the TP facts); plan_tp

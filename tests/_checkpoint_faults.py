@@ -13,7 +13,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
 
-from duplexpipe.train.checkpoint_manifest import MANIFEST_FILE, digest, write_manifest
+from duplexpipe.train.checkpoint.manifest import MANIFEST_FILE, digest, write_manifest
 
 
 class RunsCommand:
@@ -95,7 +95,7 @@ def small_checkpoint(path: Path) -> dict[str, Any]:
 
     import torch
 
-    from duplexpipe.train.checkpoint_io import save_state
+    from duplexpipe.train.checkpoint.folder import save_state
 
     state = {"model": {"w": torch.randn(3, 4), "b": torch.zeros(2, dtype=torch.bfloat16),
                        "steps": torch.arange(5, dtype=torch.int64)},

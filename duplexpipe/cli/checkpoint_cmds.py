@@ -47,7 +47,7 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
     """`duplexpipe checkpoint verify`: 0 when every checked checkpoint is intact, 1 when one is not (one line
     each), 2 for a path that is no checkpoint."""
     from duplexpipe.errors import CheckpointError
-    from duplexpipe.train.checkpoint_io import verify_checkpoint
+    from duplexpipe.train.checkpoint import verify_checkpoint
 
     bad = 0
     for target in _targets(args.path, args.all):

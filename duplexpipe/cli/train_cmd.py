@@ -162,7 +162,7 @@ def _check_files(config: TrainConfig) -> None:
     """The hf task's options, the --save-pretrained target and the checkpoint to resume from (its metadata read the
     safe way: a crafted one is refused here): ValueError before any process starts or anything is written."""
     from duplexpipe.launch.checkpoints import resume_from
-    from duplexpipe.train.checkpoint_reader import read_metadata_file
+    from duplexpipe.train.checkpoint import read_metadata_file
 
     if config.task == HF_TASK:
         from duplexpipe.launch.tasks.hf import check_options

@@ -27,10 +27,6 @@ from duplexpipe.moe.dispatch import ExpertGroup
 from duplexpipe.moe.layer import MoELayer
 
 log = logging.getLogger("duplexpipe.pretrained")
-SOURCE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model",
-                "chat_template.jinja", "chat_template.json")
-"""Files of a model directory that `save_pretrained` copies from the source when present (tokenizer, generation)."""
 MAX_CONFIG_BYTES = 16 * 2**20
 """Largest config.json read (16 MiB)."""
 

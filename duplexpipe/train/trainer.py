@@ -481,7 +481,7 @@ class Pipeline:
         """Write a Hugging Face model directory that `AutoModelForCausalLM.from_pretrained(path)` loads as is
         (collective): config.json, one safetensors shard per pipeline rank and their index, tied weights once, and
         the source directory's tokenizer and generation files. Needs Hugging Face parts."""
-        from duplexpipe.train.hf_export import save_pretrained
+        from duplexpipe.train.checkpoint import save_pretrained
 
         save_pretrained(self, str(path))
 

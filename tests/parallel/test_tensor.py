@@ -30,7 +30,7 @@ from duplexpipe.launch.tasks.gpt import gpt_tp_plan
 from duplexpipe.parallel.mesh import ParallelGroups
 from duplexpipe.parallel.tp_lane import TP_LANE
 from duplexpipe.runtime.local_tensors import local_of
-from duplexpipe.train.checkpoint_manifest import read_manifest
+from duplexpipe.train.checkpoint.manifest import read_manifest
 from duplexpipe.train.precision import LossScaleConfig
 
 WORLD = 4

@@ -1,5 +1,6 @@
-"""Tests for duplexpipe.train.pretrained and hf_export: Hugging Face directories in and out of a pipeline (bit-equal
-round trips, fine-tuning equal to transformers in one process, each rank reading only its own tensors)."""
+"""Tests for duplexpipe.train.pretrained and train.checkpoint.hf_export: Hugging Face directories in and out of a
+pipeline (bit-equal round trips, fine-tuning equal to transformers in one process, each rank reading only its own
+tensors)."""
 
 from __future__ import annotations
 

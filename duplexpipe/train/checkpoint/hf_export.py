@@ -8,7 +8,7 @@ import copy
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -17,15 +17,21 @@ from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torch.distributed.tensor import DTensor
 
-from duplexpipe.model.hf import CausalLMPart
 from duplexpipe.model.hf_files import INDEX_FILE
 from duplexpipe.moe.balance import expert_parameters
 from duplexpipe.parallel import DPStrategy, ParallelGroups
 from duplexpipe.schedules.ir import Schedule
+from duplexpipe.train.checkpoint.names import stage_state_keys
 from duplexpipe.train.choice import AutoChoice
 from duplexpipe.train.part_chain import PartChain
-from duplexpipe.train.pretrained import SOURCE_FILES
-from duplexpipe.train.state_keys import stage_state_keys
+
+if TYPE_CHECKING:
+    from duplexpipe.model.hf import CausalLMPart
+
+SOURCE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model",
+                "chat_template.jinja", "chat_template.json")
+"""Files of a model directory that `save_pretrained` copies from the source when present (tokenizer, generation)."""
 
 
 class Exportable(Protocol):
@@ -45,6 +51,8 @@ class Exportable(Protocol):
 
 def hf_parts(module: nn.Module) -> list[CausalLMPart]:
     """The Hugging Face parts a stage module runs (one, or several merged by schedule="auto")."""
+    from duplexpipe.model.hf import CausalLMPart  # transformers loads when exporting, not with every checkpoint
+
     inner = list(module.parts) if isinstance(module, PartChain) else [module]
     return [p for p in inner if isinstance(p, CausalLMPart)]
 

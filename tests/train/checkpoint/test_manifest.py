@@ -1,4 +1,4 @@
-"""Tests for duplexpipe.train.checkpoint_manifest: the manifest lists every file with its size and SHA-256, checking
+"""Tests for duplexpipe.train.checkpoint.manifest: the manifest lists every file with its size and SHA-256, checking
 names the file that is missing, cut or changed, and a manifest naming a file outside its folder is refused."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from _checkpoint_faults import cut, flip, small_checkpoint
 
 from duplexpipe.errors import CheckpointError
-from duplexpipe.train.checkpoint_manifest import MANIFEST_FILE, check_files, damaged, read_manifest, share
+from duplexpipe.train.checkpoint.manifest import MANIFEST_FILE, check_files, damaged, read_manifest, share
 
 
 def test_the_manifest_lists_every_file_of_the_checkpoint(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint import LoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
 
 from duplexpipe.errors import CheckpointError
-from duplexpipe.train.checkpoint_manifest import (
+from duplexpipe.train.checkpoint.manifest import (
     MANIFEST_FILE,
     FileDigest,
     check_files,
@@ -25,7 +25,13 @@ from duplexpipe.train.checkpoint_manifest import (
     share,
     write_manifest,
 )
-from duplexpipe.train.checkpoint_reader import FILE_ATTRIBUTE, METADATA_FILE, CheckpointReader, CheckpointWriter
+from duplexpipe.train.checkpoint.storage import (
+    FILE_ATTRIBUTE,
+    METADATA_FILE,
+    CheckpointReader,
+    CheckpointWriter,
+    read_metadata_file,
+)
 
 T = TypeVar("T")
 
@@ -159,8 +165,6 @@ def verify_checkpoint(path: str) -> tuple[list[str], str]:
     """Check checkpoint folder `path` without loading it: every file against the manifest, the metadata read
     safely, every data file it points at listed and long enough. Returns (problems, one-line summary of what was
     checked); CheckpointError when `path` is not a checkpoint folder at all."""
-    from duplexpipe.train.checkpoint_reader import read_metadata_file
-
     root = Path(path)
     if not root.is_dir() or not ((root / METADATA_FILE).exists() or (root / MANIFEST_FILE).exists()):
         raise CheckpointError(f"{path} is not a checkpoint folder (no {METADATA_FILE} and no {MANIFEST_FILE})")

@@ -6,43 +6,132 @@ tied to the layout (each rank's random-number generators, a compressing strategy
 when the layout is the same and reset, with one warning, when it is not. Nothing is pickled by us: the
 strategy state is tensors plus a JSON skeleton, and non-tensor values are read with weights_only=True;
 torch.distributed.checkpoint's own .metadata file (a pickle) is read by an unpickler that admits only checkpoint
-metadata classes (`checkpoint_reader`), so loading a checkpoint never runs code. Each checkpoint holds a manifest of
-its files' checksums, written after every rank finished and checked before anything is read (`checkpoint_io`).
+metadata classes (`storage`), so loading a checkpoint never runs code. Each checkpoint holds a manifest of
+its files' checksums, written after every rank finished and checked before anything is read (`folder`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import warnings
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from duplexpipe.dp_options.compression import compression_options
-from duplexpipe.train.checkpoint_base import (
-    Checkpointable,
-    check_between_windows,
-    check_scheduler,
-    quiet_sharded_tensor,
-    rank,
-    read_metadata,
-    rng_state,
-    set_rng_state,
-    set_trainer_state,
-    stage_dict,
-)
-from duplexpipe.train.checkpoint_io import load_state, save_state, verify_files
-from duplexpipe.train.plain_state import WeightsOnlyLoadPlanner, decode, encode
-from duplexpipe.train.state_keys import StateKeys
-
-__all__ = ["FORMAT", "Checkpointable", "load_checkpoint", "read_checkpoint", "save_checkpoint", "state_keys"]
+from duplexpipe.model.split import Partition
+from duplexpipe.parallel import DPStrategy, ParallelGroups
+from duplexpipe.schedules.ir import Schedule
+from duplexpipe.train.checkpoint.folder import load_state, save_state, verify_files
+from duplexpipe.train.checkpoint.names import StateKeys
+from duplexpipe.train.checkpoint.plain_state import WeightsOnlyLoadPlanner, decode, encode
+from duplexpipe.train.checkpoint.storage import read_metadata_file
+from duplexpipe.train.choice import AutoChoice
+from duplexpipe.train.pipeline_config import PipelineConfig
+from duplexpipe.train.precision import DynamicLossScaler
 
 FORMAT = 2
 """The checkpoint format `save_checkpoint` writes (1, stage-keyed `model.stage<s>.<name>`, is no longer read)."""
 _STAGE_KEY = re.compile(r"^model\.stage\d+\.")
+
+
+class Checkpointable(Protocol):
+    """What a checkpoint reads and restores of a training pipeline (a `Pipeline` is one)."""
+
+    config: PipelineConfig
+    schedule: Schedule
+    groups: ParallelGroups
+    dp: DPStrategy
+    auto: AutoChoice | None
+    partition: Partition | None
+    scaler: DynamicLossScaler
+    scheduler: Any
+    device: torch.device
+    calls: int
+    optimizer_steps: int
+
+    @property
+    def window_calls(self) -> int: ...
+
+    @property
+    def stage_state_modules(self) -> dict[int, nn.Module]: ...
+
+    def bounded(self, work: Any, what: str) -> None: ...
+
+
+def stage_dict(pipe: Checkpointable) -> nn.ModuleDict:
+    """This rank's stage modules keyed `stage<s>` (unwrapped): the form the strategies' checkpoint dicts take."""
+    return nn.ModuleDict({f"stage{s}": m for s, m in sorted(pipe.stage_state_modules.items())})
+
+
+def set_trainer_state(pipe: Checkpointable, meta: dict[str, Any]) -> None:
+    """Restore the counters, loss scaler and LR scheduler from a loaded `trainer_state`."""
+    if meta["fresh_optimizer"]:
+        pipe.dp.optimizer.state.clear()
+    pipe.calls = int(meta["calls"])
+    pipe.optimizer_steps = int(meta["optimizer_steps"])
+    pipe.scaler.load_state_dict(meta["scaler"])
+    if pipe.scheduler is not None:
+        pipe.scheduler.load_state_dict(meta["scheduler"])
+
+
+def check_scheduler(path: str, stored: dict[str, Any], has_scheduler: bool) -> None:
+    """Raise ValueError when the checkpoint and the pipeline disagree on having an LR scheduler."""
+    saved = any(k.startswith("trainer.scheduler.") for k in stored)
+    if saved != has_scheduler:
+        has, lacks = ("the checkpoint", "this Pipeline") if saved else ("this Pipeline", "the checkpoint")
+        raise ValueError(f"{has} has an LR scheduler but {lacks} has none ({path}); build the Pipeline with "
+                         "the same scheduler= as the run that saved it")
+
+
+def rank() -> int:
+    """This process's global rank (0 without a process group)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    """This process's random-number generators, keyed by its global rank (unique across ranks, so each
+    rank saves and restores its own): the torch CPU generator and every CUDA device's generator."""
+    prefix = f"rank{rank()}"
+    state = {f"{prefix}.cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for index, cuda_state in enumerate(torch.cuda.get_rng_state_all()):
+            state[f"{prefix}.cuda{index}"] = cuda_state
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    """Restore what `rng_state` returned (after loading it from a checkpoint)."""
+    prefix = f"rank{rank()}"
+    torch.set_rng_state(state[f"{prefix}.cpu"])
+    devices = sorted(int(k.rsplit("cuda", 1)[1]) for k in state if k.startswith(f"{prefix}.cuda"))
+    cuda = [state[f"{prefix}.cuda{index}"] for index in devices]
+    if cuda:
+        torch.cuda.set_rng_state_all(cuda)
+
+
+@contextlib.contextmanager
+def quiet_sharded_tensor() -> Iterator[None]:
+    """Hide torch's FutureWarning about ShardedTensor: ZeRO-1 stores its flat shards' pieces as ShardedTensor
+    boxes (a DTensor cannot describe them), which torch.distributed.checkpoint still reads and writes."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor", category=FutureWarning)
+        yield
+
+
+def check_between_windows(pipe: Checkpointable, verb: str) -> None:
+    """Raise ValueError inside an accumulation window (the gradients of its calls are not in the checkpoint)."""
+    if pipe.window_calls:
+        raise ValueError(
+            f"cannot {verb} a checkpoint inside an accumulation window ({pipe.window_calls} of "
+            f"{pipe.config.accumulation_steps} calls done); {verb} after the optimizer step"
+        )
 
 
 def state_keys(pipe: Checkpointable) -> StateKeys:
@@ -128,7 +217,7 @@ def load_checkpoint(pipe: Checkpointable, path: str) -> None:
     stage-keyed format 1 is refused on every rank, saying how to convert it (CHANGELOG.md)."""
     check_between_windows(pipe, "load")
     verify_files(path, collective=True)
-    stored = read_metadata(path).state_dict_metadata
+    stored = read_metadata_file(path).state_dict_metadata
     if "trainer.format" not in stored and any(_STAGE_KEY.match(k) for k in stored):
         raise ValueError(f"checkpoint {path} has the stage-keyed format 1 of earlier duplexpipe versions, which this "
                          "version no longer reads; to convert it, load it with duplexpipe 0.1 into a Pipeline built "
@@ -213,7 +302,7 @@ def read_checkpoint(path: str) -> dict[str, Any]:
     `trainer.calls`, ...): tensors whole (however they were sharded), other values as saved. The files are checked
     against the manifest first and nothing read runs code; CheckpointError (a ValueError) names what is wrong."""
     verify_files(path, collective=False)
-    stored = read_metadata(path).state_dict_metadata
+    stored = read_metadata_file(path).state_dict_metadata
     flat: dict[str, Any] = {k: torch.empty(v.size, dtype=v.properties.dtype)
                             if isinstance(v, TensorStorageMetadata) else None for k, v in stored.items()}
     load_state(flat, path, WeightsOnlyLoadPlanner(), no_dist=True)

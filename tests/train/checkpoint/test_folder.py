@@ -1,7 +1,7 @@
-"""Tests for duplexpipe.train.checkpoint_io: a save that fails (a full disk, a read-only folder) names the cause and the
-file and removes its partial folder (a folder that was there is left); reads name the shard that is damaged, missing or
-cut; `verify_checkpoint` checks without loading. On 2 ranks in a Pipeline: a full disk on one rank, damaged and crafted
-checkpoints refused on every rank, training resumed exactly afterwards; the torchrun-style folder lock."""
+"""Tests for duplexpipe.train.checkpoint.folder: a save that fails (a full disk, a read-only folder) names the cause and
+the file and removes its partial folder (a folder that was there is left); reads name the shard that is damaged, missing
+or cut; `verify_checkpoint` checks without loading. On 2 ranks in a Pipeline: a full disk on one rank, damaged and
+crafted checkpoints refused on every rank, training resumed exactly afterwards; the torchrun-style folder lock."""
 
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ from duplexpipe.launch.folder_lock import hold_folders
 from duplexpipe.launch.job_guards import locked_by_rank0
 from duplexpipe.launch.train_config import TrainConfig
 from duplexpipe.train.checkpoint import read_checkpoint
-from duplexpipe.train.checkpoint_io import save_state, verify_checkpoint
-from duplexpipe.train.checkpoint_manifest import MANIFEST_FILE
+from duplexpipe.train.checkpoint.folder import save_state, verify_checkpoint
+from duplexpipe.train.checkpoint.manifest import MANIFEST_FILE
 from duplexpipe.train.trainer import Pipeline, PipelineConfig
 
 

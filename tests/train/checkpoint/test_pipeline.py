@@ -1,6 +1,6 @@
-"""Tests for duplexpipe.train.checkpoint: resumed training repeats the uninterrupted run exactly, on the same layout
-and on another one (schedule, pipeline size, partition, DP size, ZeRO stage); format-1 checkpoints refused;
-bad names."""
+"""Tests for duplexpipe.train.checkpoint.pipeline: resumed training repeats the uninterrupted run exactly, on the same
+layout and on another one (schedule, pipeline size, partition, DP size, ZeRO stage); format-1 checkpoints refused; bad
+names."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from duplexpipe.launch.processes import launch
 from duplexpipe.launch.train_config import lr_factor
 from duplexpipe.parallel.mesh import make_mesh
 from duplexpipe.train.checkpoint import read_checkpoint, state_keys
-from duplexpipe.train.checkpoint_base import rng_state, stage_dict
+from duplexpipe.train.checkpoint.pipeline import rng_state, stage_dict
 from duplexpipe.train.trainer import Pipeline, PipelineConfig
 
 TOTAL, SAVE_AT = 8, 5

@@ -1,4 +1,4 @@
-"""Tests for duplexpipe.train.checkpoint_reader: DCP metadata is read without running code (a crafted pickle is
+"""Tests for duplexpipe.train.checkpoint.storage: DCP metadata is read without running code (a crafted pickle is
 refused naming the class it asked for, and nothing runs), file names from it stay in the folder, a truncated one is
 "incomplete or corrupt", a huge one is refused before it is read."""
 
@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from duplexpipe.errors import CheckpointError
 from duplexpipe.train.checkpoint import read_checkpoint
-from duplexpipe.train.checkpoint_reader import ALLOWED_CLASSES, MAX_METADATA_BYTES, read_metadata_file
+from duplexpipe.train.checkpoint.storage import ALLOWED_CLASSES, MAX_METADATA_BYTES, read_metadata_file
 
 
 @pytest.fixture
