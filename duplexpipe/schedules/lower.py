@@ -9,7 +9,7 @@ from duplexpipe.schedules.ir import Action, Op, Schedule
 from duplexpipe.schedules.layout import Layout, gc_paused
 from duplexpipe.schedules.program import COMPUTE, run_program
 
-__all__ = ["Layout", "gc_paused", "lower"]  # Layout and gc_paused live in layout.py; re-exported here
+__all__ = ["lower"]
 
 
 def lower(schedule: Schedule) -> Schedule:

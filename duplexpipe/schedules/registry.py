@@ -86,7 +86,7 @@ def build(name: str, num_ranks: int, num_microbatches: int, **options: Any) -> S
 
     Raises ValueError for an unknown name, an unknown option or arguments the schedule
     does not accept (the message names the constraint and the values given). The cyclic
-    garbage collector is paused while the generator runs (see `lower.gc_paused`).
+    garbage collector is paused while the generator runs (see `layout.gc_paused`).
     """
     generator = _check_options(name, options).generator
     with gc_paused():
