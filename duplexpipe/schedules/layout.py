@@ -1,4 +1,5 @@
-"""The integer tables of a schedule's stage chains (who feeds whom, on which rank), shared by every pass."""
+"""What every pass shares: the integer tables of a schedule's stage chains (who feeds whom, on which rank) and
+the pause of the garbage collector they run under."""
 
 from __future__ import annotations
 
