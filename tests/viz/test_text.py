@@ -42,12 +42,27 @@ def test_dualpipe_grid_is_compact_and_aligned() -> None:
     schedule = registry.build("dualpipe", 4, 8)
     text = render_text(schedule)
     assert max(len(line) for line in text.splitlines()) <= 200
-    assert "0F3&7B5" in text or any("&" in w for w in text.split())
+    assert grid_rows(text, 4)[0][7] == "0F3&7B5" and grid_rows(text, 4)[3][10] == "3F3&4B5"
     rows = [line for line in text.splitlines() if line.startswith(("rank", "step"))]
     # every column starts at the same offset on every row
     starts = [{i for i, ch in enumerate(line) if ch != " " and (i == 0 or line[i - 1] == " ")} for line in rows]
     longest = max(starts, key=len)
     assert all(s <= longest for s in starts)
+
+
+DUALPIPE_2x4 = """\
+DualPipe · 2 ranks · 4 microbatches · 4 stages (2 copies) · compute only
+
+step    0   1   2   3   4       5   6   7
+rank 0  0F0 3F2 0F1 3B2 3F3&0B0 3B3 0I1 0W1
+rank 1  2F2 1F0 2F3 1B0 1F1&2B2 1B1 2I3 2W3
+
+key: F forward, B backward, I input-grad, W weight-grad; a&b = an overlapped F&B pair (OVERLAP_F_B)"""
+"""The whole grid of a small DualPipe: an F&B pair is one cell `F&B`, its column as wide as the pair."""
+
+
+def test_a_small_dualpipe_grid_is_exactly_this_text() -> None:
+    assert render_text(registry.build("dualpipe", 2, 4)) == DUALPIPE_2x4 + "\n"
 
 
 def test_grid_with_comms_and_wrapping() -> None:
