@@ -81,6 +81,23 @@ class RoundRobin(Generic[P]):
         return traces
 
 
+class ScriptedStepClock:
+    """A CPU timer for `RoundRobin` that stands still except inside steps: each step of stepper c takes costs[c]
+    seconds (RoundRobin reads it before and after each step, the first stepper rotating). A deterministic CPU time
+    for calibrations under test."""
+
+    def __init__(self, costs: Sequence[float]) -> None:
+        self.costs, self.reads, self.now = list(costs), 0, 0.0
+
+    def __call__(self) -> float:
+        pair, end = divmod(self.reads, 2)
+        if end:
+            step, k = divmod(pair, len(self.costs))
+            self.now += self.costs[(step + k) % len(self.costs)]
+        self.reads += 1
+        return self.now
+
+
 def slowest(per_rank: Sequence[Sequence[float]]) -> list[float]:
     """Per step, the largest of the ranks' values."""
     return [max(values) for values in zip(*per_rank, strict=True)]

@@ -29,19 +29,3 @@ class ScriptedClock(_Scripted):
     def advance(self, read: int) -> float:
         part, at = divmod(read, 4)
         return self.costs[part % len(self.costs)][at - 1] if at else 0.0
-
-
-class ScriptedStepClock(_Scripted):
-    """A CPU timer for timed_steps, which reads it before and after each step, stepping the runs round-robin
-    with the first one rotating: each step of run c takes costs[c] seconds."""
-
-    def __init__(self, costs: list[float]) -> None:
-        super().__init__()
-        self.costs = costs
-
-    def advance(self, read: int) -> float:
-        pair, end = divmod(read, 2)
-        if not end:
-            return 0.0
-        step, k = divmod(pair, len(self.costs))
-        return self.costs[(step + k) % len(self.costs)]

@@ -50,3 +50,14 @@ def test_a_gpt_step_feeds_each_data_parallel_replica_its_share_of_the_batch() ->
     step(_Pipe(0), 0)  # type: ignore[arg-type]
     step(_Pipe(1), 1)  # type: ignore[arg-type]
     assert seen == [([0, 1, 2, 3], [8, 9, 10, 11]), ([5, 6, 7, 8], [12, 13, 14, 15])]
+
+
+def test_the_scripted_step_clock_charges_each_stepper_its_cost_in_round_robin_order() -> None:
+    clock = harness.ScriptedStepClock([1.0, 10.0, 100.0])
+    took = []
+    for i in range(3):  # RoundRobin's order: the first stepper rotating, the clock read before and after each step
+        for c in ((i + k) % 3 for k in range(3)):
+            start = clock()
+            took.append((c, clock() - start))
+    assert took == [(0, 1.0), (1, 10.0), (2, 100.0), (1, 10.0), (2, 100.0), (0, 1.0), (2, 100.0), (0, 1.0),
+                    (1, 10.0)]

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 import torch
-from _clocks import ScriptedStepClock
 from models import run_workers
 
+from benchmarks import harness
 from benchmarks.measure_overhead import CalibrationRun, TinyPart, measure_in_pipeline, measure_overhead
 from duplexpipe import PipelineConfig, profile_parts
 from duplexpipe.planner.profile import Profile
@@ -68,7 +68,7 @@ def _real_parts(rank: int, world: int) -> dict[str, Any]:
     costs = [scale * computes[k][rank] + action * rank_counts(r.schedule)[rank][0]
              + message * rank_counts(r.schedule)[rank][1] + step for k, r in enumerate(runs)]
     cal = measure_in_pipeline(runs, (x, y), torch.nn.functional.mse_loss, lambda p: torch.optim.SGD(p, lr=1e-3),
-                              steps=3, warmup=1, config=config, cpu_timer=ScriptedStepClock(costs))
+                              steps=3, warmup=1, config=config, cpu_timer=harness.ScriptedStepClock(costs))
     o = cal.overhead
     return {"terms": (o.compute_scale, o.action_s, o.message_s, o.step_s), "method": o.method, "wall": cal.wall_s,
             "samples": [(s.actions, s.messages, s.seconds, s.compute) for s in cal.samples], "computes": computes}
