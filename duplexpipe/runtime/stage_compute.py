@@ -223,8 +223,8 @@ class StageCompute:
                                                       self.params())
         if act.weight_work.computed_at_input and not self.noted_whole_regions:
             self.noted_whole_regions = True
-            LOG.info("%s: %d parameters sit in compiled regions whose backward runs whole (compiled outside "
-                     "PipelineConfig.compile): their gradients are formed at I and handed to W",
+            LOG.info("%s: %d parameters sit in compiled regions whose backward is one graph (compiled outside "
+                     "PipelineConfig.compile): their gradients are computed at I and handed to W",
                      self.name, act.weight_work.computed_at_input)
         out = [g if g is not None else torch.zeros_like(t) for g, t in zip(found, act.inputs, strict=True)]
         act.inputs = []
