@@ -37,7 +37,7 @@ def check_training(config: TrainConfig) -> None:
     schedule = None if config.schedule == AUTO else config.schedule_object()
     pcfg = pipeline_config(config)  # PipelineConfig checks its fields against each other
     compression = compression_options(pcfg.grad_compression)
-    if compression.method != "none":  # building an optimizer imports torch._dynamo (a second): only then
+    if compression.method != "none":  # building an optimizer imports torch's dynamo (a second): only then
         optimizer = make_optimizer(config)([nn.Parameter(torch.zeros(1))])
         check_optimizer(compression, optimizer)
         check_dgc_momentum(compression, optimizer)
@@ -109,7 +109,7 @@ _FILLS = frozenset(f"{name}_" for name in ("normal", "uniform", "zero", "fill", 
 
 class _NoFillsOnMeta(TorchFunctionMode):
     """Skips filling meta tensors (they hold no values): torch's meta kernels of the random fills go through
-    torch._refs, whose first call imports torch._dynamo (about a second)."""
+    torch's reference implementations, whose first call imports its dynamo (about a second)."""
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}

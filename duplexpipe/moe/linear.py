@@ -5,8 +5,9 @@ about twice its forward). DeepSeek's answer is to form the backward's weight gra
 otherwise wait: `linear(x, layer, slot)` runs `layer(x)`, and its backward forms d(input) at once and hands the
 weight gradient to `slot.driver.defer`, which inside a pair's full backward keeps it for the pair's waits
 (`runtime.fb_pair.run_pair`) and elsewhere declines it: it is then formed at once, by the same operations, so
-the results are bit-equal either way. A split backward's I forms only d(input), its W the weights (and
-d(input) only where the engine still needs it: `CommSlot.backward`, a `BackwardMode`).
+the results are bit-equal either way. Under a split backward the Function reads its node's mark
+(`runtime.backward.mode`, as compiled regions do): its I computes only d(input), its W the weights (and d(input)
+only where the engine still runs the input's node).
 """
 
 from __future__ import annotations
@@ -18,12 +19,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from duplexpipe.runtime.autograd_split import accumulate
-from duplexpipe.runtime.comm_points import BackwardMode, CommSlot
+from duplexpipe.runtime.backward import compat
+from duplexpipe.runtime.backward.graph import accumulate
+from duplexpipe.runtime.backward.mode import BackwardMode, take_mode
+from duplexpipe.runtime.comm_points import CommSlot
 
 
 class _Linear(torch.autograd.Function):
     """y = x @ w.T (+ b) over the rows of 2-D x, with the weight gradient deferrable."""
+
+    splits_backward = True
+    """Its backward reads its node's mark (`runtime.backward.mode.SPLITS_BACKWARD`)."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, slot: CommSlot) -> Tensor:
@@ -35,23 +41,24 @@ class _Linear(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         x, weight = ctx.saved_tensors
         slot: CommSlot = ctx.slot
-        grad_x = grad.mm(weight) if ctx.needs_input_grad[0] and _input_wanted(slot, ctx.x_node) else None
+        mode = take_mode(ctx)  # the node: ctx is the autograd node of a Function
+        grad_x = grad.mm(weight) if ctx.needs_input_grad[0] and _input_wanted(mode, ctx.x_node) else None
         wanted = (ctx.needs_input_grad[1], ctx.bias is not None and ctx.needs_input_grad[2])
-        if slot.backward is BackwardMode.INPUTS or not any(wanted):
+        if mode is BackwardMode.INPUTS or not any(wanted):
             return grad_x, None, None, None
         params = (weight, ctx.bias)
-        if slot.driver.defer(lambda: accumulate(params, _formed(wanted, grad, x))):
+        if slot.driver.defer(lambda: accumulate(params, _computed(wanted, grad, x))):
             return grad_x, None, None, None
-        return (grad_x, *_formed(wanted, grad, x), None)
+        return (grad_x, *_computed(wanted, grad, x), None)
 
 
-def _input_wanted(slot: CommSlot, node: Any) -> bool:
-    """Whether this backward uses d(input): not in a split backward's W, unless the input leads to parameters
-    the W forms (the stage input had no gradient, so W runs the whole graph; asked of the engine)."""
-    return slot.backward is not BackwardMode.WEIGHTS or node is None or bool(torch._C._will_engine_execute_node(node))
+def _input_wanted(mode: BackwardMode, node: Any) -> bool:
+    """Whether this backward uses d(input): not in a split backward's W, unless the engine still runs the input's
+    node (asked of the engine)."""
+    return mode is not BackwardMode.WEIGHTS or node is None or compat.will_engine_execute(node)
 
 
-def _formed(wanted: tuple[bool, bool], grad: Tensor, x: Tensor) -> tuple[Tensor | None, Tensor | None]:
+def _computed(wanted: tuple[bool, bool], grad: Tensor, x: Tensor) -> tuple[Tensor | None, Tensor | None]:
     """The weight and bias gradients (None where not wanted)."""
     return (grad.t().mm(x) if wanted[0] else None, grad.sum(0) if wanted[1] else None)
 

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from duplexpipe.runtime.backward.compat import foreach_norm
 from duplexpipe.runtime.local_tensors import local_of
 
 Waiter = Callable[[Any, str], None]
@@ -38,7 +39,7 @@ def _norms(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     local shard's)."""
     if not grads:
         return torch.zeros(0, dtype=torch.float64, device=device)
-    norms = torch._foreach_norm([local_of(g).detach() for g in grads], 2, dtype=torch.float64)
+    norms = foreach_norm([local_of(g).detach() for g in grads], torch.float64)
     return torch.stack([n.to(device) for n in norms])
 
 

@@ -28,6 +28,7 @@ from duplexpipe.parallel.strategy import DPStrategy, StrategyContext
 from duplexpipe.parallel.tensor import counts_here
 from duplexpipe.parallel.zero1 import counted_stages, quantized
 from duplexpipe.parallel.zero_config import check_hpz
+from duplexpipe.runtime.backward.compat import foreach_mul_
 from duplexpipe.runtime.local_tensors import local_of
 
 try:  # FSDP2's public entry point and its (not yet public) custom-collective interfaces
@@ -268,7 +269,7 @@ class Zero2Strategy(DPStrategy):
         """Scale the gradient shards by clip_coef / post_divisor and step the sharded parameters."""
         factor = clip_coef / self.post_divisor
         if factor != 1.0:
-            torch._foreach_mul_(self.local_grads(), factor)
+            foreach_mul_(self.local_grads(), factor)
         self.shards.take_grads()
         self.optimizer.step()
         self.draws += 1

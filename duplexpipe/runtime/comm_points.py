@@ -7,7 +7,8 @@ other part's next piece while it is in flight.
 
 Which exchange a backward uses is decided when it runs, not when its forward ran: a forward captures its
 `CommSlot` (`current_slot()`), and the runtime points the slot at the driver of the code that runs the backward
-(`current_driver`), and tells it which backward that is (`BackwardMode`).
+(`current_driver`). Which gradients a backward computes is not the slot's: the split backward marks the autograd
+nodes (`runtime.backward.mode`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import contextvars
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, Protocol
 
 import torch
@@ -144,30 +144,16 @@ class Posted:
         self.driver.finish(self)
 
 
-class BackwardMode(Enum):
-    """Which gradients the backward running now forms (a layer whose backward forms its weight gradients itself,
-    `moe.linear`, skips the others)."""
-
-    ALL = "all"
-    """B: the input's and the weights' gradients."""
-    INPUTS = "inputs"
-    """A split backward's I: the input's gradient only."""
-    WEIGHTS = "weights"
-    """A split backward's W: the weights' gradients (and the input's only where the engine still needs it)."""
-
-
 @dataclass
 class CommSlot:
     """What one (stage, microbatch) forward leaves to the runtime beside its output: the driver of its
-    exchanges (forward and backward), loss terms its layers add to the objective, and which backward runs."""
+    exchanges (forward and backward) and loss terms its layers add to the objective."""
 
     driver: Driver = field(default_factory=Driver)
     """Runs the exchanges; the runtime points it at the driver of whatever code runs the backward."""
     losses: list[torch.Tensor] = field(default_factory=list)
     """Scalar terms a layer adds to the training objective (an MoE balance loss): backward starts each with
     the microbatch's loss weight, like the loss itself, wherever the stage sits in the pipeline."""
-    backward: BackwardMode = BackwardMode.ALL
-    """Which backward runs now (set by the runtime before B, I and W)."""
 
 
 _SLOT: contextvars.ContextVar[CommSlot | None] = contextvars.ContextVar("duplexpipe_comm_slot", default=None)

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from duplexpipe.errors import PipelineError
-from duplexpipe.runtime.comm_points import BackwardMode, CommSlot, Driver, current_driver, current_slot, forward_slot
+from duplexpipe.runtime.comm_points import CommSlot, Driver, current_driver, current_slot, forward_slot
 from duplexpipe.runtime.context import StepContext
 from duplexpipe.runtime.fb_pair import run_pair
 from duplexpipe.runtime.message_meta import Message
@@ -124,7 +124,6 @@ class Dispatcher:
             raise PipelineError(f"rank {self.rank}: {action} runs without a pending forward {stage}F{mb}")
         if act.slot is not None:  # the exchanges of its backward run on this code's driver
             act.slot.driver = current_driver(self.driver)
-            act.slot.backward = BackwardMode.ALL if action.op is Op.B else BackwardMode.INPUTS
         if action.op is Op.B:
             dinputs = compute.backward(act, grads)
             compute.release(mb, act)
@@ -163,8 +162,6 @@ class Dispatcher:
         if act is None or act.weight_work is None:
             raise PipelineError(f"rank {self.rank}: {action} runs without a pending "
                                 f"{action.stage}I{action.microbatch}")
-        if act.slot is not None:
-            act.slot.backward = BackwardMode.WEIGHTS
         begin = self.tracer.begin()
         compute.backward_weight(act, action.microbatch)
         self.tracer.end(action, begin)

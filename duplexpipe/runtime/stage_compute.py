@@ -14,7 +14,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from duplexpipe.comm.codec import TensorSpec
 from duplexpipe.errors import ActivationShapeError, PipelineError, StructureError
-from duplexpipe.runtime.autograd_split import WeightWork, backward_input
+from duplexpipe.runtime.backward.graph import ParamGroups, stage_backward_input, stage_backward_weight
 from duplexpipe.runtime.comm_points import CommSlot
 from duplexpipe.runtime.message_meta import Message
 from duplexpipe.runtime.saved_bytes import SavedBytes
@@ -42,7 +42,7 @@ class Activation:
     """The device of the outputs (for the loss's gradient)."""
     scale: float = 1.0
     """The gradient backward starts the loss with (its microbatch weight times the loss scale)."""
-    weight_work: WeightWork | None = None
+    weight_work: ParamGroups | None = None
     """Set by I: the deferred W."""
     saved_bytes: int = 0
     """What its forward keeps for backward (`SavedBytes`); 0 when not counted."""
@@ -219,13 +219,13 @@ class StageCompute:
 
     def backward_input(self, act: Activation, grads: list[Tensor] | None) -> list[Tensor]:
         """I: d(input) only; the weight gradients wait in `act.weight_work` for W."""
-        found, act.weight_work = backward_input(act.roots, self._root_grads(act, grads), act.inputs,
-                                                self.params())
-        if act.weight_work.formed_at_input and not self.noted_whole_regions:
+        found, act.weight_work = stage_backward_input(act.roots, self._root_grads(act, grads), act.inputs,
+                                                      self.params())
+        if act.weight_work.computed_at_input and not self.noted_whole_regions:
             self.noted_whole_regions = True
-            LOG.info("%s: %d parameters sit in compiled regions whose backward runs whole (compiled outside "
-                     "PipelineConfig.compile): their gradients are formed at I and handed to W",
-                     self.name, act.weight_work.formed_at_input)
+            LOG.info("%s: %d parameters sit in compiled regions whose backward is one graph (compiled outside "
+                     "PipelineConfig.compile): their gradients are computed at I and handed to W",
+                     self.name, act.weight_work.computed_at_input)
         out = [g if g is not None else torch.zeros_like(t) for g, t in zip(found, act.inputs, strict=True)]
         act.inputs = []
         return out
@@ -234,7 +234,7 @@ class StageCompute:
         """W: the weight gradients deferred by I."""
         if act.weight_work is None:
             raise PipelineError(f"stage {self.stage} microbatch {microbatch}: W ran before its I")
-        act.weight_work.run()
+        stage_backward_weight(act.weight_work)
         act.weight_work = None
 
 

@@ -1,5 +1,6 @@
-"""Compiled stages: which blocks of a stage torch.compile compiles (in place), with which backend, and the log of
-what compiled when (the first step, a recompilation and why).
+"""Compiled stages: `PipelineConfig.compile` checked (torch.compile's own options, or a clear ValueError), which blocks
+of a stage torch.compile compiles (in place), with which backend, and the log of what compiled when (the first
+step, a recompilation and why).
 
 Blocks, as torchtitan compiles them: the layers of a `from_layers` part, the blocks a part names itself
 (`compile_blocks()`, e.g. a Hugging Face part's decoder layers), else the whole part. Inside a block holding MoE
@@ -8,14 +9,15 @@ and the deferrable projections (`moe.linear`) stay eager. Blocks compile in plac
 names do not change, and the step runs after every other module transform (checkpointing wrappers, expert sharding,
 data-parallel wrapping, tensor parallelism's `parallelize_module`: blocks with DTensor parameters, as torchtitan
 composes them; static shapes there unless the user sets `dynamic`). Under a schedule with a split backward (I and
-W), inductor and aot_eager compile through `runtime.compiled_split.SplitBackend`, whose regions' backward runs as
-an I graph and a W graph; parts the user compiled are left as they are (their regions run their backward whole at
-I; `runtime.autograd_split`).
+W), inductor and aot_eager compile through `runtime.backward.compiled.SplitBackend`, whose regions' backward runs as
+an I graph and a W graph; parts the user compiled are left as they are (their regions keep one backward graph,
+run at I: `runtime.backward.graph`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -27,10 +29,10 @@ from torch import nn
 from duplexpipe.model.stages import inner_module
 from duplexpipe.model.state_names import split_style
 from duplexpipe.moe.layer import MoELayer
-from duplexpipe.runtime.compiled_split import SPLIT_BACKENDS, SplitBackend
+from duplexpipe.runtime.backward import compat
+from duplexpipe.runtime.backward.compiled import SPLIT_BACKENDS, SplitBackend
 from duplexpipe.runtime.watchdog import Watchdog
 from duplexpipe.schedules.ir import Op, Schedule
-from duplexpipe.train.compile_options import backend_name, check_usable, compile_options
 
 LOG = logging.getLogger("duplexpipe.compile")
 BLOCKS_HOOK = "compile_blocks"
@@ -39,12 +41,117 @@ MAX_REASONS = 32
 """Distinct recompilation reasons logged per pipeline (each once)."""
 
 
+# ------------------------------------------------------------------------------------------- the settings
+COMPILE_KEYS = ("backend", "mode", "options", "dynamic", "fullgraph")
+"""The torch.compile keyword arguments `PipelineConfig.compile` takes."""
+CUDA_GRAPHS = "triton.cudagraphs"
+"""The inductor option CUDA graphs hang on (modes "reduce-overhead" and "max-autotune" turn it on)."""
+_NEEDS = {"tvm": "tvm", "openxla": "torch_xla"}
+"""Backends torch lists whose package is imported only when they compile: the package each needs."""
+
+
+def _probe(x: Any) -> Any:
+    """What torch.compile wraps to check the options (never run)."""
+    return x
+
+
+def backend_name(options: Mapping[str, Any]) -> str | None:
+    """The backend's registered name ("inductor" when none is given); None for a callable backend."""
+    backend = options.get("backend", "inductor")
+    return backend if isinstance(backend, str) else None
+
+
+def compile_options(value: Any, what: str = "PipelineConfig.compile") -> dict[str, Any] | None:
+    """`value` as torch.compile's keyword arguments: None for False/None (no compile), {} for True (torch's
+    defaults: inductor), or a checked copy of a dict of `COMPILE_KEYS`. Raises ValueError naming the value when
+    it has other keys, wrong types, a backend torch does not know or whose package is not installed, mode or
+    options for a backend other than inductor, or options inductor rejects."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{what} must be True/False or a dict of torch.compile options ({', '.join(COMPILE_KEYS)}), "
+                         f"got {value!r}")
+    options = dict(value)
+    unknown = sorted(set(options) - set(COMPILE_KEYS))
+    if unknown:
+        raise ValueError(f"{what} takes torch.compile's options {', '.join(COMPILE_KEYS)}; got unknown {unknown}")
+    _check_types(options, what)
+    name = backend_name(options)
+    if name is not None and name != "inductor" and ("mode" in options or "options" in options):
+        raise ValueError(f"{what}={options!r}: mode and options are inductor's; backend {name!r} takes neither")
+    package = _NEEDS.get(name or "")
+    if package is not None and importlib.util.find_spec(package) is None:
+        raise ValueError(f"{what}: backend {name!r} needs the package {package!r}, which is not installed")
+    try:
+        torch.compile(_probe, **options)
+    except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError, InvalidBackend, AssertionError...
+        raise ValueError(f"{what}={options!r}: torch.compile rejects it: {_first_line(exc)}") from None
+    return options
+
+
+def _check_types(options: dict[str, Any], what: str) -> None:
+    checks: dict[str, tuple[Callable[[Any], bool], str]] = {
+        "backend": (lambda v: isinstance(v, str) or callable(v), "a backend name or a callable"),
+        "mode": (lambda v: v is None or isinstance(v, str), "a mode name or None"),
+        "options": (lambda v: v is None or isinstance(v, Mapping), "a dict of inductor options or None"),
+        "dynamic": (lambda v: v is None or isinstance(v, bool), "True, False or None"),
+        "fullgraph": (lambda v: isinstance(v, bool), "True or False"),
+    }
+    for key, value in options.items():
+        ok, expected = checks[key]
+        if not ok(value):
+            raise ValueError(f"{what}[{key!r}] must be {expected}, got {value!r}")
+
+
+def _first_line(exc: BaseException) -> str:
+    return _first_line_of(str(exc)) if str(exc).strip() else type(exc).__name__
+
+
+def _first_line_of(text: str) -> str:
+    lines = text.strip().splitlines()
+    line = lines[0] if lines else ""
+    return line if len(line) <= 300 else line[:300] + " ..."
+
+
+def uses_cuda_graphs(options: Mapping[str, Any]) -> bool:
+    """Whether the options turn on inductor's CUDA graphs (a mode or the option itself)."""
+    if backend_name(options) == "cudagraphs":
+        return True
+    if backend_name(options) != "inductor":
+        return False
+    mode = options.get("mode")
+    patched = (compat.inductor_mode_settings(mode) if mode else {}) | dict(options.get("options") or {})
+    return bool(patched.get(CUDA_GRAPHS, False))
+
+
+def check_usable(options: Mapping[str, Any], device: torch.device, split: bool) -> None:
+    """What only the device and schedule tell: inductor needs a C++ compiler on the CPU and triton on a GPU; CUDA
+    graphs need a GPU and cannot run a backward in two parts (a schedule with I and W). ValueError otherwise."""
+    name = backend_name(options)
+    if name == "inductor" and device.type == "cpu":
+        problem = compat.cpp_compiler_problem()
+        if problem is not None:
+            raise ValueError(f"PipelineConfig.compile: inductor on the CPU needs a C++ compiler: "
+                             f"{_first_line_of(problem)}")
+    if name == "inductor" and device.type == "cuda":
+        if not compat.has_triton():
+            raise ValueError("PipelineConfig.compile: inductor on a GPU needs triton, which is not installed")
+    if uses_cuda_graphs(options):
+        if device.type != "cuda":
+            raise ValueError(f"PipelineConfig.compile={dict(options)!r} uses CUDA graphs, which need a GPU "
+                             f"(device {device})")
+        if split:
+            raise ValueError(f"PipelineConfig.compile={dict(options)!r} uses CUDA graphs, which replay a region's "
+                             "backward whole; this schedule runs it in two parts (I and W): use mode "
+                             "'max-autotune-no-cudagraphs' or a schedule without a split backward")
+
+
+# ---------------------------------------------------------------------------------------- the application
 def user_compiled(module: nn.Module) -> bool:
     """Whether `module` or a submodule was compiled by the user (torch.compile's wrapper, or Module.compile)."""
-    import torch._dynamo
-
-    return any(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) or m._compiled_call_impl is not None
-               for m in module.modules())
+    return any(compat.compiled_by_user(m) for m in module.modules())
 
 
 def _holds_moe(module: nn.Module) -> bool:
@@ -119,7 +226,7 @@ class CompiledStages:
         (a factory has none to look at). Built after every other module transform of the stages."""
         self.options = compile_options(setting)
         sources = [] if callable(parts) else parts
-        if any(m._compiled_call_impl is not None for part in sources for m in part.modules()):
+        if any(compat.compiled_in_place(m) for part in sources for m in part.modules()):
             LOG.warning("a given part holds modules compiled in place (nn.Module.compile), which torch drops when a "
                         "stage copies its part: they run eager; use torch.compile(module) or PipelineConfig.compile")
         self.split = splits_backward(schedule)
@@ -173,21 +280,20 @@ class CompiledStages:
         if not self.active:
             yield
             return
-        from torch._dynamo.utils import counters, guard_failures
-
         first = self._steps == 0
         self._steps += 1
         if first:
             LOG.info("compiling %s on the first step (inductor reuses its cache across restarts)", self.describe())
-        graphs = counters["stats"]["unique_graphs"]
-        known = {code: len(reasons) for code, reasons in guard_failures.items()}
+        graphs = compat.compiled_graph_count()
+        known = {code: len(reasons) for code, reasons in compat.recompile_reasons().items()}
         start = time.perf_counter()
         yield
-        new = counters["stats"]["unique_graphs"] - graphs
+        new = compat.compiled_graph_count() - graphs
         if first:
             LOG.info("%s: compiled %d graphs; the step took %.1f s", what, new, time.perf_counter() - start)
         elif new:
-            reasons = [r.split(": ", 1)[-1] for code, rs in guard_failures.items() for r in rs[known.get(code, 0):]]
+            failures = compat.recompile_reasons().items()
+            reasons = [r.split(": ", 1)[-1] for code, rs in failures for r in rs[known.get(code, 0):]]
             fresh = [r for r in dict.fromkeys(reasons) if r not in self._seen][:MAX_REASONS - len(self._seen)]
             self._seen.update(fresh)
             if fresh or not reasons:

@@ -16,7 +16,7 @@ from torch.autograd.graph import get_gradient_edge
 from duplexpipe.model.tp_facts import tp_degrees, tp_facts
 from duplexpipe.model.tp_plans import TPPlan
 from duplexpipe.planner.profile import PartProfile, Profile
-from duplexpipe.runtime.autograd_split import backward_input
+from duplexpipe.runtime.backward.graph import stage_backward_input, stage_backward_weight
 from duplexpipe.runtime.saved_bytes import SavedBytes
 from duplexpipe.runtime.structure import Form, call, flatten
 
@@ -89,11 +89,11 @@ class _PartRun:
             raise ValueError(f"{type(self.part).__name__}: no output requires grad, so no backward can be "
                              "profiled (are all parameters frozen?)")
         grads = [torch.ones_like(r) for r in root_values]
-        _, work = backward_input([get_gradient_edge(r) for r in root_values], grads, leaves, self.params)
+        _, work = stage_backward_input([get_gradient_edge(r) for r in root_values], grads, leaves, self.params)
         _sync(leaves or tensor_leaves(out))
         after_i = self.timer()
         w_start = self._cool(after_i)
-        work.run()
+        stage_backward_weight(work)
         _sync(self.params)
         end = self.timer()
         for bucket, value in zip(self.times, (mid - start, after_i - i_start, end - w_start), strict=False):

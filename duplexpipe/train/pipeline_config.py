@@ -21,7 +21,7 @@ from duplexpipe.runtime.config import GradsReadyHook
 from duplexpipe.schedules.ir import Schedule
 from duplexpipe.schedules.timeline import Timeline
 from duplexpipe.sizes import memory_bytes
-from duplexpipe.train.compile_options import compile_options
+from duplexpipe.train.compile import compile_options
 from duplexpipe.train.nonfinite import check_nonfinite_policy
 from duplexpipe.train.precision import LossScaleConfig, autocast_dtype
 

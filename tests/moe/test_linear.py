@@ -8,8 +8,8 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from duplexpipe.moe import CausalSelfAttention, MoEBlock, MoELayer
-from duplexpipe.runtime.autograd_split import backward_input
-from duplexpipe.runtime.comm_points import BackwardMode, CommSlot, Driver, current_driver, forward_slot
+from duplexpipe.runtime.backward.graph import stage_backward_input, stage_backward_weight
+from duplexpipe.runtime.comm_points import CommSlot, Driver, current_driver, forward_slot
 from duplexpipe.runtime.fb_pair import run_pair
 
 
@@ -66,8 +66,9 @@ def _block() -> MoEBlock:
 @pytest.mark.parametrize("input_grad", [True, False])
 def test_a_split_backward_forms_every_gradient_once(input_grad: bool) -> None:
     """I then W (as ZB schedules and DualPipe's deferred W run them) equals the full backward. Without a
-    stage input gradient (a first stage) I has nothing to do and W runs the whole graph, through the Linears'
-    inputs to the parameters below them."""
+    stage input gradient (a first stage) I has nothing to do and W runs the full graph, through the Linears'
+    inputs to the parameters below them. The split itself tells the Linears which part runs (their nodes' marks):
+    nothing is set on the slot."""
     block = _block()
     x, g = torch.randn(2, 5, 8, dtype=torch.float64), torch.randn(2, 5, 8, dtype=torch.float64)
     grads = {}
@@ -77,11 +78,9 @@ def test_a_split_backward_forms_every_gradient_once(input_grad: bool) -> None:
         with forward_slot(slot):
             y = block(x0)
         if split:
-            slot.backward = BackwardMode.INPUTS
-            found, work = backward_input([get_gradient_edge(y)], [g], [x0] if input_grad else [],
-                                         list(block.parameters()))
-            slot.backward = BackwardMode.WEIGHTS
-            work.run()
+            found, groups = stage_backward_input([get_gradient_edge(y)], [g], [x0] if input_grad else [],
+                                                 list(block.parameters()))
+            stage_backward_weight(groups)
             dx = found[0] if input_grad else None
         else:
             torch.autograd.backward(y, g)

@@ -3,12 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-import pytest
-
 from duplexpipe.runtime.comm_points import (
-    BackwardMode,
     CommRecord,
     CommSlot,
     Driver,
@@ -89,13 +84,7 @@ def test_slots_and_drivers_outside_a_runtime_are_plain() -> None:
     assert current_driver(plain) is plain and not plain.defer(lambda: None)
     assert isinstance(current_slot(), CommSlot) and current_slot() is not current_slot()
     slot = CommSlot()
-    assert slot.backward is BackwardMode.ALL and slot.losses == []
+    assert slot.losses == []
     with forward_slot(slot):
         assert current_slot() is slot
     assert current_slot() is not slot
-
-
-@pytest.mark.parametrize("mode, value", [(BackwardMode.ALL, "all"), (BackwardMode.INPUTS, "inputs"),
-                                         (BackwardMode.WEIGHTS, "weights")])
-def test_backward_modes(mode: BackwardMode, value: Any) -> None:
-    assert BackwardMode(value) is mode

@@ -18,11 +18,19 @@ from duplexpipe.errors import PeerFailedError, PipelineTimeoutError
 from duplexpipe.model.split import build_parts, plan_partition
 from duplexpipe.model.stages import CheckpointedStage
 from duplexpipe.moe import CausalSelfAttention, MoEBlock, MoELayer
-from duplexpipe.runtime.compiled_split import SplitBackend
+from duplexpipe.runtime.backward import compat
+from duplexpipe.runtime.backward.compiled import SplitBackend
 from duplexpipe.runtime.watchdog import Watchdog
 from duplexpipe.schedules.registry import build
-from duplexpipe.train.compile import CompiledStages, compile_targets, splits_backward, torch_compile_kwargs
-from duplexpipe.train.compile_options import check_usable, compile_options, uses_cuda_graphs
+from duplexpipe.train.compile import (
+    CompiledStages,
+    check_usable,
+    compile_options,
+    compile_targets,
+    splits_backward,
+    torch_compile_kwargs,
+    uses_cuda_graphs,
+)
 
 DIM = 8
 
@@ -64,14 +72,14 @@ def test_cuda_graphs_need_a_gpu_and_a_whole_backward(monkeypatch: pytest.MonkeyP
     assert uses_cuda_graphs(graphs) and not uses_cuda_graphs({"mode": "max-autotune-no-cudagraphs"})
     with pytest.raises(ValueError, match="need a GPU"):
         check_usable(graphs, torch.device("cpu"), split=False)
-    monkeypatch.setattr("torch.utils._triton.has_triton", lambda: True)
+    monkeypatch.setattr(compat, "has_triton", lambda: True)
     check_usable(graphs, torch.device("cuda"), split=False)
     with pytest.raises(ValueError, match="runs it in two parts"):
         check_usable(graphs, torch.device("cuda"), split=True)
 
 
 def test_inductor_on_a_gpu_needs_triton(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("torch.utils._triton.has_triton", lambda: False)
+    monkeypatch.setattr(compat, "has_triton", lambda: False)
     with pytest.raises(ValueError, match="needs triton"):
         check_usable({}, torch.device("cuda"), split=False)
 

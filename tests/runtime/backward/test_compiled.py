@@ -1,6 +1,6 @@
-"""Compiled regions under the I/W split: the backward graph cut in two (nothing runs twice), split regions
-exact and honest (I + W FLOPs == B), opaque regions formed at I (also after a full backward donated their
-buffers), a weight shared by a compiled region and an eager layer, and the refusal of a region that ran whole."""
+"""The compiled split: the backward graph cut in two (nothing runs twice), split regions exact and honest
+(I + W FLOPs == B), unsplit regions computed at I (also after a full backward donated their buffers), a weight
+shared by a compiled region and an eager layer, and the refusal of a region that ran its full backward at I."""
 
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 from torch.utils.flop_counter import FlopCounterMode
 
-from duplexpipe.runtime import compiled_split
-from duplexpipe.runtime.autograd_split import backward_input
-from duplexpipe.runtime.compiled_split import RegionKind, SplitBackend, region_kind, split_graph
+from duplexpipe.runtime.backward import compiled
+from duplexpipe.runtime.backward.compiled import SplitBackend, split_graph
+from duplexpipe.runtime.backward.graph import stage_backward_input, stage_backward_weight
+from duplexpipe.runtime.backward.mode import BackwardMode, NodeKind, node_kind
 
 DIM = 8
 
@@ -45,15 +46,15 @@ def _grads(model: nn.Module) -> list[torch.Tensor]:
 
 
 def _split_step(model: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, int, float, float]:
-    """I then W (FLOPs counted apart): (d input, parameters formed at I, I FLOPs, W FLOPs)."""
+    """I then W (FLOPs counted apart): (d input, parameters computed at I, I FLOPs, W FLOPs)."""
     leaf = x.clone().requires_grad_(True)
     out = model(leaf)
     with FlopCounterMode(display=False) as at_i:
-        dx, work = backward_input([get_gradient_edge(out)], [grad], [leaf], list(model.parameters()))
+        dx, groups = stage_backward_input([get_gradient_edge(out)], [grad], [leaf], list(model.parameters()))
     with FlopCounterMode(display=False) as at_w:
-        work.run()
+        stage_backward_weight(groups)
     assert dx[0] is not None
-    return dx[0], work.formed_at_input, at_i.get_total_flops(), at_w.get_total_flops()
+    return dx[0], groups.computed_at_input, at_i.get_total_flops(), at_w.get_total_flops()
 
 
 def _reference(x: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor], float]:
@@ -95,33 +96,33 @@ def test_the_cut_rejects_outputs_that_do_not_match_the_inputs() -> None:
 def test_nodes_say_what_they_are() -> None:
     x = torch.randn(2, DIM, dtype=torch.float64, requires_grad=True)
     kinds = {}
-    for name, model in (("eager", _blocks(None)), ("split", _blocks("split")), ("opaque", _blocks("aot_eager"))):
-        kinds[name] = region_kind(model[0](x).grad_fn)
-    assert kinds == {"eager": RegionKind.EAGER, "split": RegionKind.SPLIT, "opaque": RegionKind.OPAQUE}
+    for name, model in (("eager", _blocks(None)), ("split", _blocks("split")), ("unsplit", _blocks("aot_eager"))):
+        kinds[name] = node_kind(model[0](x).grad_fn)
+    assert kinds == {"eager": NodeKind.EAGER, "split": NodeKind.SPLIT_REGION, "unsplit": NodeKind.UNSPLIT_REGION}
 
 
 @pytest.mark.parametrize("compiled", ["split", "aot_eager"])
 def test_compiled_regions_split_exactly_without_recomputing(compiled: str) -> None:
     """I then W equals the eager full backward bit for bit (aot_eager runs the same kernels), and I + W cost
-    the FLOPs of one backward: nothing is computed twice. A split region defers its weights (W > 0); an opaque one
-    forms them at I (W == 0), also on a second step, after a full backward compiled it with donated buffers."""
+    the FLOPs of one backward: nothing is computed twice. A split region defers its weights (W > 0); an unsplit one
+    computes them at I (W == 0), also on a second step, after a full backward compiled it with donated buffers."""
     x = torch.randn(4, 5, DIM, dtype=torch.float64)
     grad = torch.randn(4, 5, DIM, dtype=torch.float64)
     want_dx, want, full_flops = _reference(x, grad)
     model = _blocks(compiled)
     model(x.clone().requires_grad_(True)).backward(grad)  # a full backward first (donates, when it may)
     model.zero_grad(set_to_none=True)
-    dx, formed, flops_i, flops_w = _split_step(model, x, grad)
+    dx, at_input, flops_i, flops_w = _split_step(model, x, grad)
     assert torch.equal(dx, want_dx)
     assert all(torch.equal(a, b) for a, b in zip(_grads(model), want, strict=True))
     assert flops_i + flops_w == full_flops
     if compiled == "split":
-        assert formed == 0 and 0 < flops_w < full_flops
+        assert at_input == 0 and 0 < flops_w < full_flops
     else:
-        assert formed == len(want) and flops_w == 0
+        assert at_input == len(want) and flops_w == 0
 
 
-def test_an_unmarked_split_region_runs_its_whole_backward() -> None:
+def test_an_unmarked_split_region_runs_its_full_backward() -> None:
     x = torch.randn(3, DIM, dtype=torch.float64)
     grad = torch.randn(3, DIM, dtype=torch.float64)
     want_dx, want, _ = _reference(x, grad)
@@ -133,7 +134,8 @@ def test_an_unmarked_split_region_runs_its_whole_backward() -> None:
 
 
 class _Shared(nn.Module):
-    """One Linear used by an eager call and inside a compiled region: its weight meets the input path twice."""
+    """One Linear used by an eager call and inside a compiled region: its weight leaves the input path at two
+    intermediates."""
 
     def __init__(self, compiled: str) -> None:
         super().__init__()
@@ -166,36 +168,36 @@ def test_a_weight_shared_by_a_region_and_an_eager_layer_is_counted_once(compiled
     ref(x).backward(grad)
     leaf = x.clone().requires_grad_(True)
     out = model(leaf)
-    _, work = backward_input([get_gradient_edge(out)], [grad], [leaf], list(model.parameters()))
-    work.run()
+    _, groups = stage_backward_input([get_gradient_edge(out)], [grad], [leaf], list(model.parameters()))
+    stage_backward_weight(groups)
     for got, want in zip(model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-13, atol=1e-13)
 
 
-def test_a_split_region_that_ran_whole_at_i_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_split_region_that_ran_its_full_backward_at_i_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """Should a region ignore its mark, its weight gradients would be dropped: I raises instead."""
     model = _blocks("split")
     x = torch.randn(2, DIM, dtype=torch.float64, requires_grad=True)
     out = model(x)
-    monkeypatch.setattr(compiled_split, "marked", lambda node: None)
-    with pytest.raises(RuntimeError, match="ran its whole backward at I"):
-        backward_input([get_gradient_edge(out)], [torch.ones_like(out)], [x], list(model.parameters()))
+    monkeypatch.setattr(compiled, "take_mode", lambda node: BackwardMode.ALL)
+    with pytest.raises(RuntimeError, match="ran its full backward at I"):
+        stage_backward_input([get_gradient_edge(out)], [torch.ones_like(out)], [x], list(model.parameters()))
 
 
-def test_a_backward_the_cut_cannot_map_stays_whole_and_is_formed_at_i(monkeypatch: pytest.MonkeyPatch,
-                                                                      caplog: pytest.LogCaptureFixture) -> None:
-    """Inputs flattened another way (a tensor subclass) leave the graph uncut: the region is opaque, still exact."""
+def test_a_backward_the_cut_cannot_map_stays_one_graph_computed_at_i(monkeypatch: pytest.MonkeyPatch,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """Inputs flattened another way (a tensor subclass) leave the graph uncut: the region is unsplit, still exact."""
     def refuse(gm: fx.GraphModule, is_param: list[bool]) -> None:
         raise ValueError("backward graph has 9 outputs for 7 forward inputs")
 
-    monkeypatch.setattr(compiled_split, "split_graph", refuse)
+    monkeypatch.setattr(compiled, "split_graph", refuse)
     torch._dynamo.reset()  # compile anew (not from the cache of the tests above)
     x = torch.randn(3, DIM, dtype=torch.float64)
     grad = torch.randn(3, DIM, dtype=torch.float64)
     want_dx, want, _ = _reference(x, grad)
     model = _blocks("split", seed=0)
-    dx, formed, _, flops_w = _split_step(model, x, grad)
-    assert region_kind(model[0](x).grad_fn) is RegionKind.OPAQUE
-    assert formed == len(want) and flops_w == 0 and torch.equal(dx, want_dx)
+    dx, at_input, _, flops_w = _split_step(model, x, grad)
+    assert node_kind(model[0](x).grad_fn) is NodeKind.UNSPLIT_REGION
+    assert at_input == len(want) and flops_w == 0 and torch.equal(dx, want_dx)
     assert all(torch.equal(a, b) for a, b in zip(_grads(model), want, strict=True))
     assert "stays one graph" in caplog.text

@@ -1,91 +1,39 @@
-"""Compiled regions under a split backward: a torch.compile backend whose backward runs as two graphs (I, W).
+"""The compiled split: a torch.compile backend whose regions' backward runs as two graphs (I, W).
 
-A region compiled by torch.compile is one autograd node whose backward is one AOT graph: run at `I`, it forms the
+A region compiled by torch.compile is one autograd node whose backward is one AOT graph: run at I, it computes the
 weight gradients too, which the engine then drops. `SplitBackend` compiles the same region with the backward
-graph cut in two: the *I graph* forms the gradients of the region's non-parameter inputs (and the intermediates
-the weight gradients need), the *W graph* the parameters' gradients from those. Which one a run of the node
-executes is said by a mark on the node itself (`MODE`, set by `autograd_split` before its I; the node object is
-what the engine runs, on any thread): INPUTS runs the I graph and keeps what W needs on the node, the node's next
-run then runs the W graph; unmarked, a run is a full backward (both graphs). Nothing is computed twice, and
-nothing of the AOT graph is donated (`donated_buffer` off when compiling), so a retained graph stays valid. Regions
-whose inputs are tensor subclasses (DTensor parameters under tensor parallelism) are cut alike (`flat_inputs`).
-
-`region_kind(node)` tells the runtime what a node is: eager, a region of this backend (SPLIT), or a region
-compiled any other way (OPAQUE: its backward can only run whole, once).
+graph cut in two: the *I graph* computes the gradients of the region's non-parameter inputs (and the boundary
+values the weight gradients need), the *W graph* the parameters' gradients from those. Which one a run of the node
+executes is the node's mark (`mode`, set by `graph.stage_backward_input` before its I; the node object is what the
+engine runs, on any thread): INPUTS runs the I graph and keeps what W needs on the node, the node's next run then
+runs the W graph; unmarked, a run is a full backward (both graphs). Nothing is computed twice, and nothing of the
+AOT graph is donated (`donated_buffer` off when compiling), so a retained graph stays valid. Regions whose inputs
+are tensor subclasses (DTensor parameters under tensor parallelism) are cut alike (`flat_inputs`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import operator
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import nn
 
-from duplexpipe.runtime.comm_points import BackwardMode
+from duplexpipe.runtime.backward import compat
+from duplexpipe.runtime.backward.mode import SPLITS_BACKWARD, BackwardMode, take_mode
 
 LOG = logging.getLogger("duplexpipe.compile")
-SPLIT_MARK = "_duplexpipe_split"
-"""Set on the compiled backward of a `SplitBackend` region: it honours the MODE marks."""
-MODE = "_duplexpipe_mode"
-"""The attribute of a region's autograd node saying which graph its next run executes (a BackwardMode)."""
 STASH = "_duplexpipe_stash"
 """What a region's I left on its node for its W."""
 SPLIT_BACKENDS = ("inductor", "aot_eager")
-"""torch.compile backends `SplitBackend` can split (other backends' regions run their backward whole)."""
+"""torch.compile backends `SplitBackend` can split (other backends' regions keep one backward graph)."""
 
 Runner = Callable[[list[Any]], Sequence[Any]]
 """A compiled graph in the boxed calling convention: takes its argument list (and may clear it)."""
-
-
-class RegionKind(Enum):
-    """What an autograd node is, for the split backward."""
-
-    EAGER = "eager"
-    """Not a compiled region."""
-    SPLIT = "split"
-    """A region compiled by `SplitBackend`: its backward runs as an I graph and a W graph."""
-    OPAQUE = "opaque"
-    """A region compiled otherwise: its backward runs whole."""
-
-
-def region_kind(node: Any) -> RegionKind:
-    """Whether `node` is an eager node, a split region or an opaque one (an AOT-compiled region of any other
-    backend, or one whose backward is not compiled yet)."""
-    forward_cls = getattr(type(node), "_forward_cls", None)
-    if forward_cls is None or not hasattr(forward_cls, "_aot_id"):
-        return RegionKind.EAGER
-    compiled = getattr(forward_cls, "compiled_bw", None)
-    return RegionKind.SPLIT if getattr(compiled, SPLIT_MARK, False) else RegionKind.OPAQUE
-
-
-def mark(node: Any, mode: BackwardMode | None) -> None:
-    """Say which graph `node`'s next run executes (None: the whole backward)."""
-    setattr(node, MODE, mode)
-
-
-def marked(node: Any) -> BackwardMode | None:
-    """The mark on `node` (None: unmarked)."""
-    mode: BackwardMode | None = getattr(node, MODE, None)
-    return mode
-
-
-@contextlib.contextmanager
-def retained_regions() -> Iterator[None]:
-    """Around an engine call that retains the graph: compiled regions may run in it (each exactly once).
-
-    AOT refuses a retained backward of a region compiled with donated buffers (buffers its backward may reuse
-    in place). A region runs once in the split backward (I runs the input path, W only what is off it), so
-    nothing reads a donated buffer after its backward: the refusal is lifted for the call.
-    """
-    with torch._functorch.config.patch(donated_buffer=False):
-        yield
 
 
 # ---------------------------------------------------------------------------------------------- the graph cut
@@ -171,17 +119,17 @@ class SplitBackward:
                  fillers: Sequence[Filler | None] = ()) -> None:
         self.is_param = graphs.is_param
         self.fillers = list(fillers) or [None] * len(self.is_param)
-        """Per output: the local tensor to stand for a gradient another graph forms, where None cannot (a
+        """Per output: the local tensor to stand for a gradient another graph computes, where None cannot (a
         DTensor's, rebuilt from it by AOT's wrapper)."""
         self.w_args = graphs.w_args
         self.run_i = run_i
         self.run_w = run_w
         self.inputs = sum(not p for p in self.is_param)
         self._boxed_call = True  # AOT hands over its argument list (copied by its wrappers as an attribute)
-        setattr(self, SPLIT_MARK, True)
+        setattr(self, SPLITS_BACKWARD, True)
 
     def _assemble(self, input_grads: Sequence[Any] | None, weight_grads: Sequence[Any] | None) -> list[Any]:
-        """The backward's outputs: the gradients given, and where another graph forms them None, or zeros where
+        """The backward's outputs: the gradients given, and where another graph computes them None, or zeros where
         AOT's wrapper needs a tensor (the engine drops them: nothing asked for them in this run)."""
         inputs = iter(input_grads if input_grads is not None else [None] * self.inputs)
         weights = iter(weight_grads if weight_grads is not None else [None] * (len(self.is_param) - self.inputs))
@@ -209,25 +157,23 @@ class SplitBackward:
         targets = (edge for edge, is_param in zip(edges, self.is_param, strict=True) if not is_param)
         for grad, (target, _) in zip(input_grads, targets, strict=True):
             leaf = target is None or hasattr(target, "variable")  # AccumulateGrad: a leaf (I captured it)
-            kept.append(None if leaf or torch._C._will_engine_execute_node(target) else grad)
+            kept.append(None if leaf or compat.will_engine_execute(target) else grad)
         return kept
 
     def __call__(self, args: list[Any]) -> list[Any]:
-        node = torch._C._current_autograd_node()
-        mode = marked(node) if node is not None else None
+        node = compat.current_autograd_node()
+        mode = take_mode(node) if node is not None else BackwardMode.ALL
         if mode is BackwardMode.WEIGHTS:
             input_grads, boundary = getattr(node, STASH)
             delattr(node, STASH)
-            mark(node, None)
             own = [args[i] for i in self.w_args]
             args.clear()
             return self._assemble(input_grads, self._weight_part(own, boundary))
         input_grads, boundary, own = self._input_part(args)
         args.clear()
         if mode is BackwardMode.INPUTS:  # W later: keep what it needs on the node (the gradients of inputs
-            # off the input path lead to parameters that W forms: handed out again then)
+            # off the input path lead to parameters that W computes: handed out again then)
             setattr(node, STASH, (self._unconsumed(node, input_grads), boundary))
-            mark(node, BackwardMode.WEIGHTS)
             return self._assemble(input_grads, None)
         return self._assemble(input_grads, self._weight_part(own, boundary))
 
@@ -249,13 +195,10 @@ FlatInputs = tuple[list[bool], list[Filler | None]]
 def flat_inputs(example_inputs: Sequence[Any]) -> FlatInputs:
     """Per input of the region's AOT graphs: whether it comes from a parameter, and its Filler when it is a
     tensor inside a tensor subclass (AOT flattens a DTensor into its local tensor and its mesh, in order)."""
-    from torch._functorch._aot_autograd.subclass_utils import unwrap_tensor_subclasses_with_indices_to_original
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-    leaves, owners = unwrap_tensor_subclasses_with_indices_to_original(list(example_inputs))
+    leaves, owners = compat.flatten_subclasses(example_inputs)
     is_param = [isinstance(example_inputs[k], nn.Parameter) for k in owners]
     fillers = [Filler(leaf.shape, leaf.dtype, leaf.device)
-               if isinstance(leaf, torch.Tensor) and is_traceable_wrapper_subclass(example_inputs[k]) else None
+               if isinstance(leaf, torch.Tensor) and compat.is_wrapper_subclass(example_inputs[k]) else None
                for leaf, k in zip(leaves, owners, strict=True)]
     return is_param, fillers
 
@@ -270,8 +213,8 @@ def _splitting(inputs: FlatInputs,
         static = list(kwargs.get("static_input_idxs", ()))
         try:
             graphs = split_graph(gm, is_param)
-        except ValueError as exc:  # inputs flattened differently (a tensor subclass): run this region whole
-            LOG.warning("a compiled region's backward stays one graph (%s): its weight gradients are formed at I",
+        except ValueError as exc:  # inputs flattened differently (a tensor subclass): one graph
+            LOG.warning("a compiled region's backward stays one graph (%s): its weight gradients are computed at I",
                         exc)
             return compile_graph(gm, list(examples), static)
         run_i = compile_graph(graphs.i_graph, list(examples), static)
@@ -295,7 +238,7 @@ class SplitBackend:
         self.base = base
         self.inductor_config: dict[str, Any] = {}
         if base == "inductor":
-            self.inductor_config = dict(torch._TorchCompileInductorWrapper(mode, options, dynamic).config)
+            self.inductor_config = compat.inductor_settings(mode, options, dynamic)
         elif mode is not None or options:
             raise ValueError(f"SplitBackend: mode and options are inductor's, not {base!r}'s")
 
@@ -311,27 +254,23 @@ class SplitBackend:
         # no donated buffers (the W graph reads what the I graph's inputs were); the backward compiled with the
         # forward (the runtime asks a node's kind before its first backward); no AOT cache entry (it would hold
         # an unsplit backward; inductor's own graph cache still serves both parts across restarts)
-        with torch._functorch.config.patch(donated_buffer=False, force_non_lazy_backward_lowering=True,
-                                           enable_autograd_cache=False):
+        with compat.split_compile_settings():
             if self.base == "aot_eager":
                 return self._aot_eager(gm, list(example_inputs), inputs)
             return self._inductor(gm, list(example_inputs), inputs)
 
     @staticmethod
     def _aot_eager(gm: fx.GraphModule, example_inputs: list[Any], inputs: FlatInputs) -> Any:
-        from torch._dynamo.backends.debugging import aot_eager, boxed_nop
-
         def compile_graph(graph: fx.GraphModule, examples: list[Any], static: list[int]) -> Runner:
-            runner: Runner = boxed_nop(graph, examples)
+            runner: Runner = compat.boxed_nop(graph, examples)
             return runner
 
-        return aot_eager(gm, example_inputs, bw_compiler=_splitting(inputs, compile_graph))
+        return compat.aot_eager(gm, example_inputs, bw_compiler=_splitting(inputs, compile_graph))
 
     def _inductor(self, gm: fx.GraphModule, example_inputs: list[Any], inputs: FlatInputs) -> Any:
-        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-
         def compile_graph(graph: fx.GraphModule, examples: list[Any], static: list[int]) -> Runner:
-            runner: Runner = compile_fx_inner(graph, examples, static_input_idxs=static, is_backward=True)
+            runner: Runner = compat.inductor_compile_graph(graph, examples, static_input_idxs=static,
+                                                           is_backward=True)
             return runner
 
         split = _splitting(inputs, compile_graph)
@@ -339,6 +278,6 @@ class SplitBackend:
         def inner(graph: fx.GraphModule, examples: Sequence[Any], **kwargs: Any) -> Any:
             if kwargs.get("is_backward"):
                 return split(graph, examples, **kwargs)
-            return compile_fx_inner(graph, examples, **kwargs)
+            return compat.inductor_compile_graph(graph, examples, **kwargs)
 
-        return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=self.inductor_config)
+        return compat.inductor(gm, example_inputs, inner, self.inductor_config)

@@ -1,4 +1,5 @@
-"""I/W split: exact gradients on plain modules, and an honest W that never redoes the input path."""
+"""The graph split (stage_backward_input, stage_backward_weight): exact gradients on plain modules, and an honest W
+that never redoes the input path."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 from torch.utils.flop_counter import FlopCounterMode
 
-from duplexpipe.runtime.autograd_split import backward_input
+from duplexpipe.runtime.backward.graph import stage_backward_input, stage_backward_weight
 
 DIM = 8
 
@@ -28,7 +29,7 @@ class Attention(nn.Module):
 
 
 class Tied(nn.Module):
-    """One Linear applied twice: its weight meets the input path at two places."""
+    """One Linear applied twice: its weight leaves the input path at two intermediates."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -74,21 +75,21 @@ def test_input_then_weight_equals_full_backward(name: str, needs_input: bool) ->
     want, want_dx = _full(copy.deepcopy(model), x, grad, needs_input)
     leaf = x.clone().requires_grad_(needs_input)
     out = model(leaf)
-    dinputs, work = backward_input([get_gradient_edge(out)], [grad], [leaf], list(model.parameters()))
-    assert all(p.grad is None for p in model.parameters()), "I must not form weight gradients"
+    dinputs, groups = stage_backward_input([get_gradient_edge(out)], [grad], [leaf], list(model.parameters()))
+    assert all(p.grad is None for p in model.parameters()), "I must not compute weight gradients"
     if needs_input:
         assert dinputs[0] is not None and want_dx is not None
         torch.testing.assert_close(dinputs[0], want_dx, rtol=1e-12, atol=1e-12)
     else:
         assert dinputs == [None]
-    work.run()
+    stage_backward_weight(groups)
     for p, w in zip(model.parameters(), want, strict=True):
         if w is None:
             assert p.grad is None
         else:
             torch.testing.assert_close(p.grad, w, rtol=1e-12, atol=1e-12)
-    with pytest.raises(RuntimeError, match="already run"):
-        work.run()
+    with pytest.raises(RuntimeError, match="already been computed"):
+        stage_backward_weight(groups)
 
 
 def test_weight_gradients_accumulate_into_existing_grad() -> None:
@@ -97,14 +98,14 @@ def test_weight_gradients_accumulate_into_existing_grad() -> None:
         p.grad = torch.ones_like(p)
     x = torch.randn(3, DIM, dtype=torch.float64, requires_grad=True)
     out = model(x)
-    _, work = backward_input([get_gradient_edge(out)], [torch.ones_like(out)], [x], list(model.parameters()))
-    work.run()
+    _, groups = stage_backward_input([get_gradient_edge(out)], [torch.ones_like(out)], [x], list(model.parameters()))
+    stage_backward_weight(groups)
     torch.testing.assert_close(model.bias.grad, 1 + torch.full((DIM,), 3.0, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("name", ["mlp blocks", "attention"])
 def test_w_costs_only_the_weight_matmuls(name: str) -> None:
-    """FLOPs: I + W == B, and W is well below B (it does not redo the whole backward)."""
+    """FLOPs: I + W == B, and W is well below B (it does not redo the full backward)."""
     model, shape = _models()[name]
     x = torch.randn(shape)
     grad = torch.randn_like(model(x))
@@ -114,16 +115,16 @@ def test_w_costs_only_the_weight_matmuls(name: str) -> None:
         out.backward(grad)
     out = model(leaf)
     with FlopCounterMode(display=False) as flops_i:
-        _, work = backward_input([get_gradient_edge(out)], [grad], [leaf], list(model.parameters()))
+        _, groups = stage_backward_input([get_gradient_edge(out)], [grad], [leaf], list(model.parameters()))
     with FlopCounterMode(display=False) as flops_w:
-        work.run()
+        stage_backward_weight(groups)
     total = full.get_total_flops()
     assert flops_i.get_total_flops() + flops_w.get_total_flops() == total
     assert 0 < flops_w.get_total_flops() < total
 
 
 def test_w_never_runs_input_path_nodes_again() -> None:
-    """The GELU and LayerNorm-input nodes run once (in I); W only revisits weight meeting points."""
+    """The GELU and LayerNorm-input nodes run once (in I); W only revisits the param groups' intermediates."""
     model = nn.Sequential(Block(DIM), Block(DIM))
     leaf = torch.randn(4, DIM, requires_grad=True)
     out = model(leaf)
@@ -138,24 +139,24 @@ def test_w_never_runs_input_path_nodes_again() -> None:
         if "Gelu" in name:
             node.register_prehook(lambda g, n=name: counts.__setitem__(n, counts.get(n, 0) + 1))
         stack.extend(child for child, _ in node.next_functions)
-    _, work = backward_input([get_gradient_edge(out)], [torch.ones_like(out)], [leaf],
+    _, groups = stage_backward_input([get_gradient_edge(out)], [torch.ones_like(out)], [leaf],
                              list(model.parameters()))
     after_i = dict(counts)
-    work.run()
+    stage_backward_weight(groups)
     assert after_i and counts == after_i, (after_i, counts)
 
 
-def test_first_stage_defers_its_whole_backward_to_w() -> None:
-    """Inputs without gradient: I computes nothing, W is the whole backward, run once (its graph is then freed)."""
+def test_first_stage_defers_its_full_backward_to_w() -> None:
+    """Inputs without gradient: I computes nothing, W is the full backward, run once (its graph is then freed)."""
     model, shape = _models()["mlp blocks"]
     x = torch.randn(shape)
     grad = torch.randn_like(model(x))
     want, _ = _full(copy.deepcopy(model), x, grad, False)
     out = model(x)
     with FlopCounterMode(display=False) as flops_i:
-        dinputs, work = backward_input([get_gradient_edge(out)], [grad], [x], list(model.parameters()))
+        dinputs, groups = stage_backward_input([get_gradient_edge(out)], [grad], [x], list(model.parameters()))
     assert dinputs == [None] and flops_i.get_total_flops() == 0
-    work.run()
+    stage_backward_weight(groups)
     for p, w in zip(model.parameters(), want, strict=True):
         torch.testing.assert_close(p.grad, w)
     with pytest.raises(RuntimeError, match="second time"):
@@ -178,8 +179,8 @@ def test_split_follows_a_parameter_whose_accumulator_was_replaced() -> None:
         want, want_dx = _full(copy.deepcopy(model), x, grad, True)
         leaf = x.clone().requires_grad_(True)
         out = model(leaf)
-        dinputs, work = backward_input([get_gradient_edge(out)], [grad], [leaf], list(model.parameters()))
-        work.run()
+        dinputs, groups = stage_backward_input([get_gradient_edge(out)], [grad], [leaf], list(model.parameters()))
+        stage_backward_weight(groups)
         torch.testing.assert_close(dinputs[0], want_dx)
         for p, w in zip(model.parameters(), want, strict=True):
             assert p.grad is not None and p.grad.dtype == dtype

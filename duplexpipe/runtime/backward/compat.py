@@ -1,0 +1,215 @@
+"""The private torch names duplexpipe uses, each behind a plain name, checked at import against the torch versions
+they were written for.
+
+Every use of a torch name that is not public API (an underscore name of torch, of its C extension, of dynamo,
+inductor or AOT autograd) goes through this module, so that a torch upgrade is checked in one place. Only the
+compile backend (`train/compile.py`) adds none of its own: it calls these too. Imports of torch's compiler stack
+stay inside the functions (dynamo costs about a second to import).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+WRITTEN_FOR = "2.13"
+"""The torch release these names were written and tested against (CI's torch)."""
+TESTED = ((2, 13), (2, 14))
+"""The torch versions known to work: from the first (included) to the second (excluded), as pyproject.toml
+declares them."""
+
+
+def version_problem(version: str) -> str | None:
+    """What is wrong with torch `version` for these names (None: inside `TESTED`)."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found is None:
+        return f"duplexpipe cannot read torch's version {version!r}; it was written for torch {WRITTEN_FOR}"
+    major_minor = (int(found.group(1)), int(found.group(2)))
+    low, high = TESTED
+    if low <= major_minor < high:
+        return None
+    return (f"duplexpipe uses private torch names written for torch {WRITTEN_FOR} (tested: >={low[0]}.{low[1]},"
+            f"<{high[0]}.{high[1]}), and torch {version} is installed: the split backward and compiled stages may "
+            "fail or be wrong (duplexpipe/runtime/backward/compat.py lists the names)")
+
+
+def check_torch_version(version: str = torch.__version__) -> None:
+    """Warn (once per import, at import) when torch `version` is outside `TESTED`."""
+    problem = version_problem(version)
+    if problem is not None:
+        warnings.warn(problem, UserWarning, stacklevel=2)
+
+
+check_torch_version()
+
+
+# ------------------------------------------------------------------------------------------- the autograd engine
+ACCUMULATE_GRAD: type = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
+"""The node type through which a leaf (a parameter, a stage input) receives its gradient; its `variable` is
+the leaf."""
+
+
+def current_autograd_node() -> Any:
+    """The autograd node the engine is running now, on this thread (None outside a backward)."""
+    return torch._C._current_autograd_node()
+
+
+def will_engine_execute(node: Any) -> bool:
+    """Whether the engine call running now will run `node` (asked from inside a backward)."""
+    return bool(torch._C._will_engine_execute_node(node))
+
+
+def autograd_function(node: Any) -> Any:
+    """The autograd Function class whose backward `node` runs (None for a built-in node)."""
+    return getattr(type(node), "_forward_cls", None)
+
+
+def is_compiled_region(function: Any) -> bool:
+    """Whether an autograd Function class is a region compiled by AOT autograd (torch.compile's)."""
+    return hasattr(function, "_aot_id")
+
+
+def compiled_backward(function: Any) -> Any:
+    """The compiled backward of an AOT region's Function class (None until it is compiled)."""
+    return getattr(function, "compiled_bw", None)
+
+
+# -------------------------------------------------------------------------------------------------- AOT autograd
+@contextlib.contextmanager
+def without_donated_buffers() -> Iterator[None]:
+    """Around an engine call that retains the graph: AOT's refusal to retain a region that donated buffers is
+    lifted (the caller runs each region's backward once)."""
+    import torch._functorch.config as functorch_config
+
+    with functorch_config.patch(donated_buffer=False):
+        yield
+
+
+@contextlib.contextmanager
+def split_compile_settings() -> Iterator[None]:
+    """While a region compiles for a split backward: no donated buffers, the backward compiled with the forward,
+    and no AOT autograd cache entry (it would hold an unsplit backward)."""
+    import torch._functorch.config as functorch_config
+
+    with functorch_config.patch(donated_buffer=False, force_non_lazy_backward_lowering=True,
+                                enable_autograd_cache=False):
+        yield
+
+
+def flatten_subclasses(values: Sequence[Any]) -> tuple[list[Any], list[int]]:
+    """AOT's flattening of tensor subclasses (a DTensor into its local tensor and mesh): the flat values and,
+    per flat value, the index of the value it came from."""
+    from torch._functorch._aot_autograd.subclass_utils import unwrap_tensor_subclasses_with_indices_to_original
+
+    return unwrap_tensor_subclasses_with_indices_to_original(list(values))
+
+
+def is_wrapper_subclass(value: Any) -> bool:
+    """Whether `value` is a tensor subclass that wraps other tensors (a DTensor)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    return bool(is_traceable_wrapper_subclass(value))
+
+
+def aot_eager(gm: Any, example_inputs: list[Any], bw_compiler: Callable[..., Any]) -> Any:
+    """torch.compile's "aot_eager" backend with its backward compiled by `bw_compiler`."""
+    from torch._dynamo.backends.debugging import aot_eager as backend
+
+    return backend(gm, example_inputs, bw_compiler=bw_compiler)
+
+
+def boxed_nop(graph: Any, example_inputs: list[Any]) -> Any:
+    """A graph run as it is, in the boxed calling convention (aot_eager's compiler)."""
+    from torch._dynamo.backends.debugging import boxed_nop as nop
+
+    return nop(graph, example_inputs)
+
+
+# ------------------------------------------------------------------------------------------------------ inductor
+def inductor(gm: Any, example_inputs: list[Any], inner_compile: Callable[..., Any],
+             config_patches: dict[str, Any]) -> Any:
+    """torch.compile's "inductor" backend, each graph compiled by `inner_compile`."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=config_patches)
+
+
+def inductor_compile_graph(graph: Any, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+    """Inductor's compiler of one graph (what `inductor`'s `inner_compile` wraps)."""
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    return compile_fx_inner(graph, example_inputs, **kwargs)
+
+
+def inductor_settings(mode: str | None, options: dict[str, Any] | None, dynamic: bool | None) -> dict[str, Any]:
+    """The inductor config torch.compile(mode=..., options=...) applies."""
+    return dict(torch._TorchCompileInductorWrapper(mode, options, dynamic).config)  # type: ignore[attr-defined]
+
+
+def inductor_mode_settings(mode: str) -> dict[str, Any]:
+    """The inductor options a torch.compile mode turns on."""
+    from torch._inductor import list_mode_options
+
+    return dict(list_mode_options(mode))
+
+
+def cpp_compiler_problem() -> str | None:
+    """Why inductor finds no C++ compiler for the CPU (None: it finds one)."""
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    try:
+        get_cpp_compiler()
+    except Exception as exc:  # noqa: BLE001 - no compiler found
+        return str(exc).strip() or type(exc).__name__
+    return None
+
+
+def has_triton() -> bool:
+    """Whether triton (inductor's GPU code generator) is installed and usable."""
+    from torch.utils._triton import has_triton as found
+
+    return bool(found())
+
+
+# --------------------------------------------------------------------------------------------------------- dynamo
+def compiled_by_user(module: nn.Module) -> bool:
+    """Whether `module` is torch.compile's wrapper or was compiled in place (`nn.Module.compile`)."""
+    import torch._dynamo
+
+    return isinstance(module, torch._dynamo.eval_frame.OptimizedModule) or compiled_in_place(module)
+
+
+def compiled_in_place(module: nn.Module) -> bool:
+    """Whether `nn.Module.compile` was called on `module`."""
+    return module._compiled_call_impl is not None
+
+
+def compiled_graph_count() -> int:
+    """How many graphs dynamo has compiled in this process."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def recompile_reasons() -> dict[Any, list[str]]:
+    """Per code object, the reasons dynamo gave for recompiling it so far (the live table: read, never change)."""
+    from torch._dynamo.utils import guard_failures
+
+    return guard_failures
+
+
+# ---------------------------------------------------------------------------------------------- foreach kernels
+def foreach_norm(tensors: Sequence[Tensor], dtype: torch.dtype) -> list[Tensor]:
+    """The L2 norm of each tensor, in `dtype`, in one fused pass."""
+    return list(torch._foreach_norm(list(tensors), 2, dtype=dtype))
+
+
+def foreach_mul_(tensors: Sequence[Tensor], factor: float) -> None:
+    """Multiply each tensor by `factor` in place, in one fused pass."""
+    torch._foreach_mul_(list(tensors), factor)
