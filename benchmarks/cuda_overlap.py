@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from benchmarks import harness, runner
 from benchmarks.framework import Block, Part, Result
-from benchmarks.internals import TensorSpec, Transport, Watchdog
+from benchmarks.internals import MailTransport, TensorSpec, Watchdog
 from duplexpipe import Op
 
 MODES = ("compute", "recv", "overlapped", "serialized")
@@ -46,7 +46,7 @@ def _cycles_per_ms() -> float:
     return 20_000_000 / start.elapsed_time(end)
 
 
-def _one(mode: str, rank: int, transport: Transport, buf: torch.Tensor, tag: int, spin: int) -> float:
+def _one(mode: str, rank: int, transport: MailTransport, buf: torch.Tensor, tag: int, spin: int) -> float:
     """One timed round of `mode` on this rank (rank 0 sends when rank 1 receives)."""
     torch.cuda.synchronize()
     dist.barrier()
@@ -76,7 +76,7 @@ def worker(rank: int, world: int, cfg: CudaOverlapConfig) -> dict[str, Any]:
     """Per mode, rank 1's median from a synchronized device to a synchronized device (rank 0 only sends)."""
     device = torch.device("cuda", torch.cuda.current_device())
     store = dist.distributed_c10d._get_default_store()
-    transport = Transport(None, device, Watchdog(store, "cuda-overlap", rank, 120.0, 0.005))
+    transport = MailTransport(None, device, Watchdog(store, "cuda-overlap", rank, 120.0, 0.005))
     buf = torch.arange(int(cfg.mib * 2**20 / 4), dtype=torch.float32, device=device)
     cycles, tags = _cycles_per_ms(), itertools.count(1)
 

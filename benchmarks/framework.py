@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 from collections.abc import Callable, Sequence
@@ -84,27 +85,47 @@ def ms(seconds: float) -> str:
 
 
 def with_settings(config: C, settings: Sequence[str]) -> C:
-    """`config` with each "field=value" (JSON, comma list, or text); ValueError for an unknown field or bad value."""
+    """`config` with each "field=value" (JSON, a Python literal, a comma list, or text); ValueError for an unknown
+    field or bad value. A tuple field takes `()` (empty), a JSON list or Python tuple, or a comma list; where its
+    items are tuples (e.g. `cases`), each comma-separated item is split at ":" (`cases=1f1b:mlp:60,zbv:sleep:4`)."""
     names = [f.name for f in dataclasses.fields(config)]  # type: ignore[arg-type]
     changes: dict[str, Any] = {}
     for setting in settings:
         key, sep, text = setting.partition("=")
         if not sep or key not in names:
             raise ValueError(f"--set {setting!r}: expected FIELD=VALUE with FIELD one of {names}")
-        current, value = getattr(config, key), _json(text)
+        current, value = getattr(config, key), _literal(text)
         if isinstance(current, (int, float)) and not isinstance(value, (int, float)):
             raise ValueError(f"--set {setting!r}: {key} takes a number, got {text!r}")
         if isinstance(current, tuple):
-            items = value if isinstance(value, list) else [_json(v) for v in text.split(",") if v]
-            value = tuple(tuple(v) if isinstance(v, list) else v for v in items)
+            value = _tuple_of(current, value, text)
         changes[key] = text if isinstance(current, str) else float(value) if isinstance(current, float) else value
     return dataclasses.replace(config, **changes)  # type: ignore[type-var]
 
 
-def _json(text: str) -> Any:
+def _tuple_of(current: tuple[Any, ...], value: Any, text: str) -> tuple[Any, ...]:
+    """A tuple field's new value from its parsed `value` (or its `text`, a comma list)."""
+    nested = any(isinstance(v, tuple) for v in current)
+    if isinstance(value, (list, tuple)):
+        items = list(value)
+        if nested and items and not any(isinstance(v, (list, tuple)) for v in items):
+            items = [items]  # one item of a tuple of tuples, given flat
+    elif nested:
+        items = [[_literal(part) for part in item.split(":")] for item in text.split(",") if item.strip()]
+    else:
+        items = [_literal(v) for v in text.split(",") if v.strip()]
+    return tuple(tuple(v) if isinstance(v, (list, tuple)) else v for v in items)
+
+
+def _literal(text: str) -> Any:
+    """JSON, else a Python literal, else the text itself."""
     try:
         return json.loads(text)
     except ValueError:
+        pass
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
         return text
 
 

@@ -43,7 +43,7 @@ from duplexpipe.train.part_chain import merge_parts
 from duplexpipe.train.measure import cache_evict_bytes
 
 # cuda_overlap drives the transport alone (a receive on its P2P stream against queued compute): no schedule runs.
-from duplexpipe.runtime.transport import Transport
+from duplexpipe.runtime.transport import MailTransport
 from duplexpipe.runtime.watchdog import Watchdog
 
 # moe_overlap reaches into the runtime because it times one F&B pair outside any schedule (the comm points, the pair

@@ -24,13 +24,14 @@ TP_BUCKETS = (("TP collectives (functional collectives, their waits)", ("_functi
 """Under tensor parallelism, on both sides: DTensor's collectives, and its per-operation work."""
 BUCKETS: Mapping[str, tuple[tuple[str, tuple[str, ...]], ...]] = MappingProxyType({
     "ours": (
-        ("wait for a receive (Transport.take)", ("Transport.take (",)),
+        ("wait for a receive (MailTransport.take)", ("MailTransport.take (",)),
         ("step-start agreement (star of messages)", ("agree (",)),
         ("loss sum (SharedSum / PendingSum)", ("PendingSum.value (", "SharedSum.value (")),
         ("DualPipe mirrored-gradient exchange", ("MirrorSum.",)),
-        ("end-of-step send completion", ("Transport.finish (",)), ("post receives (irecv)", ("Transport.expect (",)),
-        ("post sends (ProcessGroup.send)", ("Transport.send (",)),
-        ("reap completed sends (NCCL only)", ("Transport.reap (",)),
+        ("end-of-step send completion", ("MailTransport.finish (",)),
+        ("post receives (irecv)", ("MailTransport.expect (",)),
+        ("post sends (ProcessGroup.send)", ("MailTransport.send (",)),
+        ("reap completed sends (NCCL only)", ("MailTransport.reap (",)),
         ("I: autograd-graph analysis (runtime.backward.graph)", ("_parents (", "_ancestors (", "_param_groups (",
                                                                  "_intermediates (")),
         *TP_BUCKETS,

@@ -35,6 +35,8 @@ EXTREME_SHARE = 0.5
 float32 or of its own dtype, whichever is smaller: a masking constant such as `torch.finfo(dtype).min`,
 which a scaled codec's fp32 arithmetic can overflow into inf or NaN."""
 NONFINITE_POLICIES = ("warn", "raise")
+Unread = tuple[str, str, Tensor, str]
+"""A send's non-finite count not read yet: (where, codec name, count, unit)."""
 """What happens when a tensor sent through a codec holds NaN or inf."""
 
 
@@ -66,22 +68,24 @@ class NonFiniteWatch:
         """A description of the latest such send ('' while there was none)."""
         self.exact_sends = 0
         """Sends of a tensor kept out of its codec because it held NaN, inf or a float extreme (`kept_exact`)."""
-        self._pending: list[tuple[str, str, Tensor, str]] = []
         self._warned = False
         self._warned_exact = False
 
-    def note(self, codec: Codec, tensor: Tensor, payloads: Sequence[Tensor], where: str) -> None:
-        """Check one tensor sent with `codec` as `payloads`; `where` names the send (rank, stage, microbatch)."""
+    def note(self, codec: Codec, tensor: Tensor, payloads: Sequence[Tensor], where: str,
+             unread: list[Unread] | None = None) -> None:
+        """Check one tensor sent with `codec` as `payloads`; `where` names the send (rank, stage, microbatch).
+        An accelerator tensor's count goes to `unread` (the step's, read at its end by `read`: one sync for all)
+        unless the policy raises or no list is given."""
         counter = getattr(codec, "nonfinite", None)
         if callable(counter):
             count, unit = counter(payloads), "scaled rows/blocks"
         else:
             count, unit = (~tensor.isfinite()).sum(), "elements"
         entry = (where, codec.name, count, unit)
-        if self.policy == "raise" or count.device.type == "cpu":
+        if self.policy == "raise" or count.device.type == "cpu" or unread is None:
             self._report(entry)
         else:
-            self._pending.append(entry)
+            unread.append(entry)
 
     def kept_exact(self, codec: Codec, tensor: Tensor, count: int, where: str, path: str) -> None:
         """Report a tensor that travels exactly instead of through `codec`, in every step with these input shapes,
@@ -97,13 +101,12 @@ class NonFiniteWatch:
                           "tensor travels exactly in every step with these input shapes (each such send is "
                           "counted in PipelineRuntime.nonfinite.exact_sends)", RuntimeWarning, stacklevel=2)
 
-    def flush(self) -> None:
-        """Read the counts kept for accelerator tensors (one sync for all) and report the non-zero ones."""
-        pending, self._pending = self._pending, []
-        for entry in pending:
+    def read(self, unread: list[Unread]) -> None:
+        """Read the counts `note` kept for accelerator tensors (one sync for all) and report the non-zero ones."""
+        for entry in unread:
             self._report(entry)
 
-    def _report(self, entry: tuple[str, str, Tensor, str],
+    def _report(self, entry: Unread,
                 fate: str = "it arrives with NaN there (never rescaled to finite values)", warn: bool = True) -> None:
         where, name, counted, unit = entry
         count = int(counted)

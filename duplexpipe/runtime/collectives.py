@@ -251,7 +251,7 @@ class MirrorSum:
     """DualPipe: sum the gradients of the stages that share a weight group, across ranks.
 
     Only this step's contribution is summed: gradients already in .grad when the step
-    starts are set aside by `begin` and added back by `finish`.
+    starts are set aside by `set_aside` (the step holds them) and added back by `sum`.
     """
 
     def __init__(self, schedule: Schedule, rank: int, modules: dict[int, nn.Module], group: Any,
@@ -265,33 +265,32 @@ class MirrorSum:
             for other, info in enumerate(schedule.stages):
                 if other != stage and info.group == schedule.stages[stage].group and info.rank != rank:
                     self.pairs.append((stage, other, info.rank))
-        self._stash: dict[int, list[Tensor | None]] = {}
 
     def _params(self, stage: int) -> list[Tensor]:
         return [p for p in self.modules[stage].parameters() if p.requires_grad]
 
-    def begin(self) -> None:
-        """Set existing gradients of mirrored stages aside."""
-        self._stash = {}
+    def set_aside(self) -> dict[int, list[Tensor | None]]:
+        """Set the existing gradients of mirrored stages aside (returned: the step keeps them for `sum`)."""
+        stash: dict[int, list[Tensor | None]] = {}
         for stage, _, _ in self.pairs:
             params = self._params(stage)
-            self._stash[stage] = [p.grad for p in params]
+            stash[stage] = [p.grad for p in params]
             for p in params:
                 p.grad = None
+        return stash
 
-    def finish(self) -> None:
-        """Exchange this step's gradients with each mirror and sum; restore the set-aside ones."""
+    def sum(self, stash: dict[int, list[Tensor | None]]) -> None:
+        """Exchange this step's gradients with each mirror and sum; restore the ones `set_aside` returned."""
         for stage, other, peer in self.pairs:
             params = self._params(stage)
             if params:
                 self._exchange(stage, other, peer, params)
-            stash = self._stash.get(stage) or [None] * len(params)
-            for p, old in zip(params, stash, strict=True):
+            old_grads = stash.get(stage) or [None] * len(params)
+            for p, old in zip(params, old_grads, strict=True):
                 if old is not None and p.grad is not None:
                     p.grad = old.add_(p.grad)
                 elif old is not None:
                     p.grad = old
-        self._stash = {}
 
     def _exchange(self, stage: int, other: int, peer: int, params: list[Tensor]) -> None:
         what = f"the gradients of stage {other} (mirror of stage {stage}; both must hold the same parameters)"

@@ -20,26 +20,25 @@ from duplexpipe.errors import HandshakeError, PeerFailedError, PipelineError, Sc
 from duplexpipe.runtime import structure
 from duplexpipe.runtime.backend import default_device, is_nccl
 from duplexpipe.runtime.collectives import Agreement, BatchAgreement, MirrorSum, agree, share_blocks
-from duplexpipe.runtime.comm_points import CommRecord, Driver
+from duplexpipe.runtime.comm_points import Driver
 from duplexpipe.runtime.config import EvalResult, RuntimeConfig, StepResult
-from duplexpipe.runtime.context import StepContext, microbatch_rows, signature, split_batch
 from duplexpipe.runtime.dispatch import Dispatcher
 from duplexpipe.runtime.handshake import group_store, handshake, shared_nonce
 from duplexpipe.runtime.loss_sum import LossSum
 from duplexpipe.runtime.message_meta import Message, MessageMeta
-from duplexpipe.runtime.messages import Mailroom, MetaBoard, Slot
+from duplexpipe.runtime.messages import Mailbox, Mailroom, Slot
 from duplexpipe.runtime.preflight import verdict
 from duplexpipe.runtime.rankplan import RankPlan
-from duplexpipe.runtime.stage_compute import LiveActivations, StageCompute, activations_left
+from duplexpipe.runtime.stage_compute import Activations, StageCompute
+from duplexpipe.runtime.step import Step, microbatch_rows, signature, split_batch
 from duplexpipe.runtime.timing import Tracer
-from duplexpipe.runtime.transport import Transport
+from duplexpipe.runtime.transport import MailTransport
 from duplexpipe.runtime.watchdog import Watchdog
-from duplexpipe.schedules.ir import Action, Op, Schedule
+from duplexpipe.schedules.ir import Action, Schedule
 from duplexpipe.schedules.timeline import Span, Timeline
 
 __all__ = ["PipelineRuntime"]
 
-Handler = Callable[[Action], None]
 EP_LANE = "ep"
 """The timeline lane of the exchanges inside stage compute (expert-parallel all-to-alls)."""
 SHAPE_CACHE_SIZE = 8
@@ -103,29 +102,28 @@ class PipelineRuntime:
             raise ValueError(f"job_group has {dist.get_world_size(self.job_group)} ranks, not a multiple of "
                              f"the pipeline group's {dist.get_world_size(group)}")
         self.watchdog = self._start(group)
-        self.transport = Transport(group, self.device, self.watchdog, meter=self.config.p2p_meter)
+        self.transport = MailTransport(group, self.device, self.watchdog, meter=self.config.p2p_meter)
         self.nonfinite = NonFiniteWatch(self.config.nonfinite_sends)
         """Counts (and reports) sends through a codec whose tensor held NaN or inf."""
-        self.tracer = Tracer(self.rank, self.device, self.config.record_timeline)
-        self.live = LiveActivations()
-        """The activations this rank holds, now and at the step's peak (counted by its stages)."""
         self.stages = {s: StageCompute(s, m, self.config.autocast_dtype, self.config.count_saved_bytes,
-                                       part=schedule.stages[s].group, live=self.live) for s, m in self.modules.items()}
+                                       part=schedule.stages[s].group) for s, m in self.modules.items()}
         self._global_ranks = [self.transport.global_rank(r) for r in range(schedule.num_ranks)]
         self.mirror = (MirrorSum(schedule, self.rank, self.modules, group, self._global_ranks, self.watchdog)
                        if self.config.sum_mirrored_grads and schedule.num_copies > 1 else None)
         self.plan = RankPlan.of(schedule, self.rank, {s for s, _, _ in self.mirror.pairs} if self.mirror else ())
         if not self.watchdog.gloo:
             self.transport.connect(self._rank_pairs())
-        self.mail = Mailroom(self.plan.layout, self.rank, self.transport,
-                             MetaBoard(self._store, self._prefix, self.watchdog),
+        self.mail = Mailroom(self.plan.layout, self.rank, self.transport, self._store, self._prefix, self.watchdog,
                              self.config.activation_codec, self.config.gradient_codec, self.nonfinite)
-        self.exchanges: list[CommRecord] = []
-        """The step's exchanges inside stage compute (MoE all-to-alls), for the timeline's "ep" lane."""
-        self.driver = Driver(self._wait_exchange, log=self.exchanges if self.config.record_timeline else None)
-        """Runs the exchanges inside stage compute (`link_emulator.emulate_link` may set an emulated link on it)."""
-        self.compute = Dispatcher(self.plan.layout, self.rank, self.stages, self.mail, loss_fn, self.tracer,
-                                  self.driver, self.config.fb_overlap, self.device)
+        self.driver = Driver(self._wait_exchange)
+        """Runs the exchanges inside stage compute (`link_emulator.emulate_link` may set an emulated link on it;
+        while a step records its timeline, its log is that step's `exchanges`)."""
+        self.dispatch = Dispatcher(self.plan.layout, self.rank, self.stages, self.mail, loss_fn, self.driver,
+                                   self.config.fb_overlap, self.device)
+        self.running: Step | None = None
+        """The step running now (None between steps, and once a step failed: a failure drops it)."""
+        self.origin = 0.0
+        """time.perf_counter() at the latest step's start (time zero of its timeline)."""
         self._shapes: OrderedDict[tuple[int, bool], dict[Slot, MessageMeta]] = OrderedDict()
         """(input signature, training) -> the learned message metas (evaluate's carry no gradients)."""
         self._step_no = 0
@@ -135,14 +133,7 @@ class PipelineRuntime:
         """recv_lookahead -> this rank's plan with its receives posted that far ahead."""
         self._pending: LossSum | None = None
         """The latest step's loss sum until something waited for it."""
-        self._handlers = self._handler_table()
-
-    def _handler_table(self) -> dict[Op, Handler]:
-        """What each op of the list runs: the compute's handlers and the Mailroom's."""
-        compute, mail = self.compute, self.mail
-        return {Op.F: compute.forward, Op.B: compute.backward, Op.I: compute.backward, Op.W: compute.weight,
-                Op.OVERLAP_F_B: compute.overlap, Op.SEND_F: mail.send, Op.SEND_B: mail.send,
-                Op.RECV_F: mail.expect_input, Op.RECV_B: mail.expect_grads}
+        self._handlers = self.dispatch.handlers()
 
     def _wait_exchange(self, work: Any, what: str) -> None:
         """gloo: a bounded, failure-aware wait. NCCL: the compute stream waits for the exchange on the GPU and
@@ -153,13 +144,13 @@ class PipelineRuntime:
         else:
             work.wait()
 
-    def _timeline(self) -> Timeline | None:
+    def _timeline(self, step: Step) -> Timeline | None:
         """This rank's measured step: compute events, and its exchanges on the "ep" lane."""
-        timeline = self.tracer.timeline(self.schedule.name, self.schedule.num_ranks, self.schedule.num_microbatches)
-        if timeline is None or not self.exchanges:
+        timeline = step.trace.timeline(self.schedule.name, self.schedule.num_ranks, self.schedule.num_microbatches)
+        if timeline is None or not step.exchanges:
             return timeline
-        origin = self.tracer.origin
-        spans = tuple(Span(self.rank, EP_LANE, r.label, r.issued - origin, r.done - origin) for r in self.exchanges)
+        origin = step.trace.origin
+        spans = tuple(Span(self.rank, EP_LANE, r.label, r.issued - origin, r.done - origin) for r in step.exchanges)
         return replace(timeline, spans=timeline.spans + spans)
 
     def _start(self, group: Any) -> Watchdog:
@@ -216,13 +207,12 @@ class PipelineRuntime:
         over the ranks completes in the background (reading StepResult.loss, or the next call,
         waits for it).
         """
-        ctx, plan = self._begin(inputs, targets, train=True, loss_scale=loss_scale)
-        self._run(ctx, plan)
-        self._pending = ctx.loss
-        timeline = self._timeline()
-        loss = functools.partial(self._read, ctx.loss) if ctx.loss is not None else 0.0
-        return StepResult(loss=loss, timeline=timeline, peak_activations=self.live.peak,
-                          peak_saved_bytes=self.live.peak_bytes)
+        step = self._begin(inputs, targets, train=True, loss_scale=loss_scale)
+        self._run(step)
+        self._pending = step.loss
+        loss = functools.partial(self._read, step.loss) if step.loss is not None else 0.0
+        return StepResult(loss=loss, timeline=self._timeline(step), peak_activations=step.acts.peak,
+                          peak_saved_bytes=step.acts.peak_bytes)
 
     def evaluate(self, inputs: Any, targets: Any = None) -> EvalResult:
         """Forward only (the schedule's F actions in order, no autograd).
@@ -231,14 +221,13 @@ class PipelineRuntime:
         stage (None elsewhere; a structure when the last stage returns one, each leaf
         concatenated) and, when targets were given, the mean loss on every rank of `group`.
         """
-        ctx, plan = self._begin(inputs, targets, train=False, loss_scale=1.0)
+        step = self._begin(inputs, targets, train=False, loss_scale=1.0)
         with torch.no_grad():
-            self._run(ctx, plan)
-            loss = self._read(ctx.loss) if ctx.loss is not None else None
+            self._run(step)
+            loss = self._read(step.loss) if step.loss is not None else None
             with self._stopping():
-                outputs = self._gather_outputs() if self.plan.lasts else None
-        timeline = self._timeline()
-        return EvalResult(outputs=outputs, loss=loss, timeline=timeline)
+                outputs = self._gather_outputs(step.outputs) if self.plan.lasts else None
+        return EvalResult(outputs=outputs, loss=loss, timeline=self._timeline(step))
 
     def report_failure(self, exc: BaseException) -> None:
         """Stop this runtime because of `exc` (raised by code around it, e.g. the optimizer step) and
@@ -295,33 +284,31 @@ class PipelineRuntime:
             self.batches.accept(found, error, train, inputs if chunks else None)
         return found, chunks, target_chunks
 
-    def _begin(self, inputs: Any, targets: Any, train: bool, loss_scale: float) -> tuple[StepContext, RankPlan]:
-        """Start a step (or evaluation): the agreed batch, a fresh mailbox and stages, its facts and the plan it
-        runs (the loss sum's post position comes from it)."""
+    def _begin(self, inputs: Any, targets: Any, train: bool, loss_scale: float) -> Step:
+        """Start a step (or evaluation): the agreed batch, then a new Step holding all that lives only for it (its
+        plan: the loss sum's post position comes from it)."""
         found, chunks, target_chunks = self._agree(inputs, targets, train)
         self._step_no += 1
         cached = self._shapes.get((found.signature, train))
-        self.mail.begin(self._step_no, train, cached)
-        for stage in self.stages.values():
-            stage.clear()
-        self.live.reset()
         plan = self._plan_of(cached is not None)
         to_device = self._to_device
         batch = {}
         for mb, chunk in enumerate(chunks):
             form, leaves = structure.flatten(chunk, "inputs")
             batch[mb] = Message(form, [to_device(t) for t in leaves], (False,) * form.num_leaves)
-        ctx = StepContext(
-            train=train, step=self._step_no, signature=found.signature, loss_scale=float(loss_scale),
-            weights=[r / found.batch for r in microbatch_rows(found.batch, self.schedule.num_microbatches)],
-            inputs=batch, targets={mb: structure.map_leaves(to_device, c) for mb, c in enumerate(target_chunks)},
-            loss=self._loss_sum(train, plan) if train or found.target_rows >= 0 else None)
-        self.compute.begin(ctx)
-        if train and self.mirror is not None:
-            self.mirror.begin()
-        self.exchanges.clear()
-        self.tracer.start()
-        return ctx, plan
+        targets_of = {mb: structure.map_leaves(to_device, c) for mb, c in enumerate(target_chunks)}
+        weights = [r / found.batch for r in microbatch_rows(found.batch, self.schedule.num_microbatches)]
+        with self._stopping():  # the loss sum posts its receives (and a share) as it starts
+            loss = self._loss_sum(train, plan) if train or found.target_rows >= 0 else None
+            step = Step(train, self._step_no, found, plan, weights, float(loss_scale), batch, targets_of, loss,
+                        Mailbox.of(self._step_no, train, cached), Activations(self.rank),
+                        Tracer(self.rank, self.device, self.config.record_timeline))
+            if train and self.mirror is not None:
+                step.set_aside = self.mirror.set_aside()
+        self.driver.log = step.exchanges if self.config.record_timeline else None
+        self.origin = step.trace.origin
+        self.running = step
+        return step
 
     def _to_device(self, tensor: Tensor) -> Tensor:
         return tensor.to(self.device)
@@ -358,44 +345,54 @@ class PipelineRuntime:
             plan = self._hoisted[depth] = self.plan.hoisted(depth)
         return plan
 
-    def _run(self, ctx: StepContext, plan: RankPlan) -> None:
-        """Interpret this rank's list. The loss sum starts before it and this rank's share is posted where `plan`
-        says (gloo: as soon as its losses are final, so the sum completes while the step runs; NCCL: after the
-        list, see LossSum). Every rank takes part."""
+    def _run(self, step: Step) -> None:
+        """Interpret this rank's list. The loss sum starts before it and this rank's share is posted where the
+        step's plan says (gloo: as soon as its losses are final, so the sum completes while the step runs; NCCL:
+        after the list, see LossSum). Every rank takes part."""
         at: list[Action | None] = [None]
-        actions = plan.actions if ctx.train else plan.eval_actions
-        final = plan.grads_final if ctx.train else {}
+        plan = step.plan
+        actions = plan.actions if step.train else plan.eval_actions
+        after = self._after(step)
         handlers = self._handlers
         reap = None if self.watchdog.gloo else self.transport.reap  # gloo: sends are released by finish()
-        loss = ctx.loss
-        post_after = loss.post_after if loss is not None else None
         with self._stopping(at):
-            if loss is not None:
-                loss.start()
             for pos, action in enumerate(actions):
                 at[0] = action
-                handlers[action.op](action)
+                handlers[action.op](step, action)
                 if reap is not None:
                     reap()
-                if pos in final:
-                    self._grads_final(final[pos])
-                if pos == post_after and loss is not None:
-                    loss.post()
+                if pos in after:
+                    after[pos]()
             at[0] = None
             self.transport.finish()
-            if loss is not None:
-                loss.finish()
-            self.nonfinite.flush()
-            left = (activations_left(self.stages) if ctx.train else []) + self.mail.leftovers()
+            if step.loss is not None:
+                step.loss.post()
+            self.nonfinite.read(step.mail.unread)
+            left = (step.acts.left() if step.train else []) + step.mail.leftovers()
             if left:
                 raise PipelineError(f"rank {self.rank}: the schedule left work undone: " + "; ".join(left))
-            if ctx.train and self.mirror is not None:
-                self.mirror.finish()
+            if step.train and self.mirror is not None:
+                self.mirror.sum(step.set_aside)
                 self._grads_final(self.plan.mirrored)
-        if self.mail.learning:
-            self._shapes[(ctx.signature, ctx.train)] = self.mail.shapes
+        self.running = None
+        if step.mail.learning:
+            self._shapes[(step.signature, step.train)] = step.mail.shapes
             while len(self._shapes) > SHAPE_CACHE_SIZE:
                 self._shapes.popitem(last=False)
+
+    def _after(self, step: Step) -> dict[int, Callable[[], None]]:
+        """What runs after the action at a position of the step's list: the stages' final-gradient hook
+        (`on_grads_ready`) and the loss sum's post (gloo)."""
+        after: dict[int, Callable[[], None]] = {}
+        if step.train and self.config.on_grads_ready is not None:
+            for pos, stages in step.plan.grads_final.items():
+                after[pos] = functools.partial(self._grads_final, stages)
+        loss = step.loss
+        if loss is not None and loss.post_after is not None:
+            final = after.get(loss.post_after)
+            after[loss.post_after] = (loss.post if final is None else
+                                      functools.partial(_both, final, loss.post))
+        return after
 
     @contextlib.contextmanager
     def _stopping(self, at: list[Action | None] | None = None) -> Iterator[None]:
@@ -427,13 +424,10 @@ class PipelineRuntime:
             if hasattr(exc, "add_note"):
                 exc.add_note(f"duplexpipe: rank {self.rank} failed{where}; the other ranks were told to stop")
         self.transport.poison()  # ends every pending transfer of the group: the waiting ranks read the flag
-        self.mail.clear()  # what the failed step kept (graphs, messages) is freed now
-        for stage in self.stages.values():
-            stage.clear()
+        self.running = None  # the failed step (graphs, messages) is dropped
 
     # ---------------------------------------------------------------- evaluate outputs
-    def _gather_outputs(self) -> Any:
-        outputs = {mb: out for s in self.plan.lasts for mb, out in self.stages[s].outputs.items()}
+    def _gather_outputs(self, outputs: dict[int, Any]) -> Any:
         if not outputs:
             return None
         mine = structure.concat([outputs[mb] for mb in sorted(outputs)])
@@ -447,3 +441,8 @@ class PipelineRuntime:
             blocks = {self.rank: leaf, **got}
             columns.append([blocks[r] for r in self.plan.output_ranks])
         return structure.unflatten(form, [torch.cat(c, dim=0) for c in columns])
+
+
+def _both(first: Callable[[], None], second: Callable[[], None]) -> None:
+    first()
+    second()

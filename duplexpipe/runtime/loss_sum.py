@@ -19,13 +19,13 @@ class LossSum:
     """The sum over the ranks of every microbatch's loss times its share of the batch (rows_m / rows), divided by
     `divisor` (the number of pipelines): the mean loss of the step, equal on every rank.
 
-    The ranks holding last stages `add` each loss. When a rank posts its share is computed in advance
-    (`RankPlan.losses_final`), so the sum completes while the step runs: on gloo right after the action computing
-    the rank's last loss (`post_after`; a rank computing none posts at `start`); on NCCL every rank posts after
-    its list's transfers are done (`finish`): a collective in flight during the list can deadlock the first step
-    (with CUDA's lazy module loading, the first launch of a kernel waits for the device's queued work, the
-    collective among it, which waits for ranks still running their lists, which may wait for this rank's next
-    messages).
+    Created when the step starts (a shared sum's receives are posted then). The ranks holding last stages `add`
+    each loss. When a rank posts its share is computed in advance (`RankPlan.losses_final`), so the sum
+    completes while the step runs: on gloo right after the action computing the rank's last loss (`post_after`;
+    a rank computing none posts at once); on NCCL every rank posts after its list's transfers are done (`post`
+    then): a collective in flight during the list can deadlock the first step (with CUDA's lazy module loading,
+    the first launch of a kernel waits for the device's queued work, the collective among it, which waits for
+    ranks still running their lists, which may wait for this rank's next messages).
 
     `sources` (gloo only): the ranks holding last stages send their share straight to every rank (`SharedSum`,
     on one pipeline and in evaluate); None: an all-reduce over `group` (`PendingSum`).
@@ -40,15 +40,10 @@ class LossSum:
         self._device, self._watchdog, self._divisor = device, watchdog, divisor
         self._losses: list[Tensor] = []
         self._weights: list[float] = []
-        self._shared: SharedSum | None = None
         self._pending: PendingSum | None = None
         self._posted = False
-
-    def start(self) -> None:
-        """The step starts: post the receives of a shared sum, and this rank's share if it computes no loss (gloo)."""
-        if self._sources is not None:
-            self._shared = SharedSum(self._sources, self._group, self._device, self._watchdog, WHAT)
-        if self._gloo and not self._computes:
+        self._shared = SharedSum(sources, group, device, watchdog, WHAT) if sources is not None else None
+        if gloo and not self._computes:
             self.post()
 
     def add(self, loss: Tensor, weight: float) -> None:
@@ -57,7 +52,8 @@ class LossSum:
         self._weights.append(weight)
 
     def post(self) -> None:
-        """Send this rank's share (once): to every rank (a shared sum's source), or into the all-reduce."""
+        """Send this rank's share (once; later calls do nothing): to every rank (a shared sum's source), or into
+        the all-reduce."""
         if self._posted:
             return
         self._posted = True
@@ -65,10 +61,6 @@ class LossSum:
             self._pending = PendingSum(self._local(), self._group, self._device, self._watchdog, WHAT)
         elif self._computes:
             self._shared.share(self._local())
-
-    def finish(self) -> None:
-        """The list and its transfers are done: post the share now unless the list did (NCCL)."""
-        self.post()
 
     def value(self) -> float:
         """The mean loss (the same on every rank); waits for the sum unless done. Re-raises a failed wait."""

@@ -1,4 +1,4 @@
-"""Message plumbing: tensor structures between stages, their announcements, local handoffs and transport.
+"""The mail between stages: messages and their announcements (Mailroom), a step's Mailbox, the transport under them.
 
 A forward message is the structure one stage hands the next (a tensor, or tuples/lists/dicts of
 tensors); a backward message is the list of gradients of the leaves that carry one back (floating
@@ -15,16 +15,17 @@ and checked against that announcement afterwards.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor
 
 from duplexpipe.comm.codec import Codec, IdentityCodec, TensorSpec
-from duplexpipe.comm.nonfinite import NonFiniteWatch, extremes
+from duplexpipe.comm.nonfinite import NonFiniteWatch, Unread, extremes
 from duplexpipe.errors import ActivationShapeError, PipelineError
 from duplexpipe.runtime.message_meta import Message, MessageMeta, encodes, wire_of
 from duplexpipe.runtime.structure import paths
-from duplexpipe.runtime.transport import Key, Transport, key_text
+from duplexpipe.runtime.transport import Key, MailTransport, key_text
 from duplexpipe.runtime.watchdog import Watchdog
 from duplexpipe.schedules.ir import Action, Op
 from duplexpipe.schedules.layout import Layout
@@ -33,81 +34,36 @@ Slot = tuple[int, int]
 """(stage, microbatch)."""
 
 
-class MetaBoard:
-    """Announces forward messages' metas through the c10d store, for steps with new input shapes."""
+@dataclass(eq=False)
+class Mailbox:
+    """One step's mail on one rank: local handoffs, the outbox of payloads waiting for their SEND, the metas of sent
+    outputs (the gradients coming back), the message metas learned or checked against, and the non-finite counts
+    still to read. Held by the step: a new step (or a failed one) starts with an empty one."""
 
-    def __init__(self, store: Any, prefix: str, watchdog: Watchdog) -> None:
-        self.store = store
-        self.prefix = prefix
-        self.watchdog = watchdog
+    step: int
+    """The step running (names its shape announcements)."""
+    train: bool
+    """Whether it trains (only then are sent outputs' metas kept for the gradients coming back)."""
+    shapes: dict[Slot, MessageMeta] = field(default_factory=dict)
+    """(receiving stage, microbatch) -> the forward message's meta: known, or filled while learning."""
+    learning: bool = True
+    """True when the step's message metas are learned and announced (new input shapes)."""
+    local_fwd: dict[Slot, Message] = field(default_factory=dict)
+    """Activations handed to the next stage on this rank: (consumer stage, microbatch)."""
+    local_grad: dict[Slot, list[Tensor]] = field(default_factory=dict)
+    """Output gradients handed to the previous stage on this rank: (consumer stage, microbatch)."""
+    outbox: dict[Key, list[Tensor]] = field(default_factory=dict)
+    """Payloads produced for a SEND action that has not run yet."""
+    out_meta: dict[Slot, MessageMeta] = field(default_factory=dict)
+    """The meta of each output this rank sent to another rank (the gradients it will receive)."""
+    unread: list[Unread] = field(default_factory=list)
+    """Non-finite counts of accelerator tensors sent, read at the step's end (`NonFiniteWatch.read`)."""
 
-    def _key(self, step: int, stage: int, microbatch: int) -> str:
-        return f"{self.prefix}/meta/{step}/{stage}/{microbatch}"
-
-    def announce(self, step: int, stage: int, microbatch: int, meta: MessageMeta) -> None:
-        """Publish the meta of the message stage `stage` receives for `microbatch`."""
-        self.store.set(self._key(step, stage, microbatch), meta.to_json())
-
-    def lookup(self, step: int, stage: int, microbatch: int, block: bool, peer: int) -> MessageMeta | None:
-        """The announced meta, None if not announced yet (unless block: then wait, bounded)."""
-        key = self._key(step, stage, microbatch)
-        if not self.store.check([key]):
-            if not block:
-                return None
-            self.watchdog.wait(lambda: bool(self.store.check([key])),
-                               f"the shape announcement of {stage}RECV_F{microbatch} (the input of "
-                               f"{stage}F{microbatch})", f"rank {peer}")
-        text = self.store.get(key).decode()
-        self.store.delete_key(key)
-        return MessageMeta.from_json(text, f"{stage}RECV_F{microbatch}")
-
-
-class Mailroom:
-    """Moves messages between stages: local handoffs, or announce + send / receive over the transport. Owns the
-    step's mailbox (local handoffs, the outbox of payloads waiting for their SEND, the metas of sent outputs) and
-    the message metas it learns or checks against; `begin` starts each step with an empty mailbox."""
-
-    def __init__(self, layout: Layout, rank: int, transport: Transport, board: MetaBoard,
-                 activation_codec: Codec | None = None, gradient_codec: Codec | None = None,
-                 watch: NonFiniteWatch | None = None) -> None:
-        self.layout = layout
-        self.watch = watch
-        self.rank = rank
-        self.transport = transport
-        self.board = board
-        self.activation_codec = None if isinstance(activation_codec, IdentityCodec) else activation_codec
-        self.gradient_codec = None if isinstance(gradient_codec, IdentityCodec) else gradient_codec
-        self.step = 0
-        """The step running (names its shape announcements)."""
-        self.train = False
-        """Whether it trains (only then are sent outputs' metas kept for the gradients coming back)."""
-        self.learning = True
-        """True when the step's message metas are learned and announced (new input shapes)."""
-        self.shapes: dict[Slot, MessageMeta] = {}
-        """(receiving stage, microbatch) -> the forward message's meta: known, or filled while learning."""
-        self.local_fwd: dict[Slot, Message] = {}
-        """Activations handed to the next stage on this rank: (consumer stage, microbatch)."""
-        self.local_grad: dict[Slot, list[Tensor]] = {}
-        """Output gradients handed to the previous stage on this rank: (consumer stage, microbatch)."""
-        self.outbox: dict[Key, list[Tensor]] = {}
-        """Payloads produced for a SEND action that has not run yet."""
-        self.out_meta: dict[Slot, MessageMeta] = {}
-        """The meta of each output this rank sent to another rank (the gradients it will receive)."""
-
-    # ---------------------------------------------------------------- the step's mailbox
-    def begin(self, step: int, train: bool, shapes: dict[Slot, MessageMeta] | None) -> None:
-        """Start step `step` with an empty mailbox. `shapes`: the message metas learned for these input shapes
-        (kept as they are), or None to learn them now (each announced through the store)."""
-        self.step, self.train, self.learning = step, train, shapes is None
-        self.shapes = {} if shapes is None else shapes
-        self.clear()
-
-    def clear(self) -> None:
-        """Empty the mailbox (a new step, or a failed one)."""
-        self.local_fwd.clear()
-        self.local_grad.clear()
-        self.outbox.clear()
-        self.out_meta.clear()
+    @classmethod
+    def of(cls, step: int, train: bool, shapes: dict[Slot, MessageMeta] | None) -> Mailbox:
+        """An empty mailbox for step `step`. `shapes`: the message metas learned for these input shapes (kept as
+        they are), or None to learn them now (each announced through the store)."""
+        return cls(step, train, {} if shapes is None else shapes, shapes is None)
 
     def leftovers(self) -> list[str]:
         """Descriptions of messages the step left unconsumed (empty after a complete step)."""
@@ -121,8 +77,48 @@ class Mailroom:
                              ", ".join(f"stage {s} microbatch {m}" for s, m in sorted(table)))
         return found
 
-    def _encode(self, codec: Codec | None, leaves: list[Tensor], wire: tuple[tuple[TensorSpec, ...], ...],
-                coded: tuple[bool, ...] | None, where: str) -> list[Tensor]:
+
+class Mailroom:
+    """The message path of one rank: local handoffs, or announce + send / receive over its `MailTransport`. Every
+    method works on the running step's `Mailbox`; the mailroom keeps only what outlives a step (layout, codecs,
+    the transport, the store the metas are announced through)."""
+
+    def __init__(self, layout: Layout, rank: int, transport: MailTransport, store: Any, prefix: str,
+                 watchdog: Watchdog, activation_codec: Codec | None = None, gradient_codec: Codec | None = None,
+                 watch: NonFiniteWatch | None = None) -> None:
+        self.layout = layout
+        self.watch = watch
+        self.rank = rank
+        self.transport = transport
+        self.store = store
+        self.prefix = prefix
+        self.watchdog = watchdog
+        self.activation_codec = None if isinstance(activation_codec, IdentityCodec) else activation_codec
+        self.gradient_codec = None if isinstance(gradient_codec, IdentityCodec) else gradient_codec
+
+    # ---------------------------------------------------------------- announcements (new input shapes)
+    def _key(self, step: int, stage: int, microbatch: int) -> str:
+        return f"{self.prefix}/meta/{step}/{stage}/{microbatch}"
+
+    def announce(self, step: int, stage: int, microbatch: int, meta: MessageMeta) -> None:
+        """Publish the meta of the message stage `stage` receives for `microbatch` (through the c10d store)."""
+        self.store.set(self._key(step, stage, microbatch), meta.to_json())
+
+    def announced(self, step: int, stage: int, microbatch: int, block: bool, peer: int) -> MessageMeta | None:
+        """The announced meta, None if not announced yet (unless block: then wait, bounded)."""
+        key = self._key(step, stage, microbatch)
+        if not self.store.check([key]):
+            if not block:
+                return None
+            self.watchdog.wait(lambda: bool(self.store.check([key])),
+                               f"the shape announcement of {stage}RECV_F{microbatch} (the input of "
+                               f"{stage}F{microbatch})", f"rank {peer}")
+        text = self.store.get(key).decode()
+        self.store.delete_key(key)
+        return MessageMeta.from_json(text, f"{stage}RECV_F{microbatch}")
+
+    def _encode(self, box: Mailbox, codec: Codec | None, leaves: list[Tensor],
+                wire: tuple[tuple[TensorSpec, ...], ...], coded: tuple[bool, ...] | None, where: str) -> list[Tensor]:
         """The payloads of `leaves` (detached), checked against their wire format; `coded[i]`: leaf i goes
         through the codec (None: every floating leaf does)."""
         if codec is None:
@@ -138,7 +134,7 @@ class Mailroom:
                 raise PipelineError(f"{where}: codec {codec.name!r} encoded {TensorSpec.of(leaf)} into {got}, "
                                     f"not its wire format {[str(w) for w in want]}")
             if self.watch is not None:  # NaN/inf must be reported, and arrive non-finite
-                self.watch.note(codec, leaf, payloads, f"rank {self.rank}: {where}")
+                self.watch.note(codec, leaf, payloads, f"rank {self.rank}: {where}", box.unread)
             out.extend(payloads)
         return out
 
@@ -170,42 +166,42 @@ class Mailroom:
         return MessageMeta.of(message, codec, exact)
 
     # ---------------------------------------------------------------- forward messages
-    def hand_on(self, stage: int, mb: int, message: Message) -> None:
+    def hand_on(self, box: Mailbox, stage: int, mb: int, message: Message) -> None:
         """Give `stage`'s output of `mb` to the next stage: locally, or to the outbox of its SEND_F."""
         nxt = self.layout.nxt[stage]
         detached = [t.detach() for t in message.leaves]
         if self.layout.peer(stage, backward=False) < 0:
-            self.local_fwd[(nxt, mb)] = Message(message.form, detached, message.grads)
+            box.local_fwd[(nxt, mb)] = Message(message.form, detached, message.grads)
             return
         where = f"stage {stage} microbatch {mb}"
-        expected = None if self.learning else self.shapes.get((nxt, mb))
+        expected = None if box.learning else box.shapes.get((nxt, mb))
         if expected is not None and expected.matches(message):
             meta = expected  # shapes learned: nothing to build or announce
-        elif self.learning:
+        elif box.learning:
             meta = self._meta(message, where)
-            self.shapes[(nxt, mb)] = meta
-            self.board.announce(self.step, nxt, mb, meta)
+            box.shapes[(nxt, mb)] = meta
+            self.announce(box.step, nxt, mb, meta)
         else:
             problem = ("no message was announced" if expected is None else
                        expected.difference(MessageMeta.of(message), "out"))
             raise ActivationShapeError(
                 f"{where}: {problem or 'the message changed'} (announced the first time these input shapes "
                 "were seen; a stage's output shapes must depend only on its input shapes)")
-        if self.train:
-            self.out_meta[(stage, mb)] = meta
+        if box.train:
+            box.out_meta[(stage, mb)] = meta
         if self.activation_codec is None:
-            self.outbox[(Op.SEND_F, stage, mb)] = detached
+            box.outbox[(Op.SEND_F, stage, mb)] = detached
             return
-        self.outbox[(Op.SEND_F, stage, mb)] = self._encode(self.activation_codec, detached, meta.wire,
-                                                          meta.coded, where)
+        box.outbox[(Op.SEND_F, stage, mb)] = self._encode(box, self.activation_codec, detached, meta.wire,
+                                                         meta.coded, where)
         if meta.held_back and self.watch is not None:
             self.watch.exact_sends += meta.held_back
 
-    def expect_input(self, action: Action) -> None:
+    def expect_input(self, box: Mailbox, action: Action) -> None:
         """RECV_F: queue the receive; its payloads' shapes come from the cache or the announcement."""
         stage, mb = action.stage, action.microbatch
         peer = self.layout.rank[self.layout.prv[stage]]
-        learning, shapes, step = self.learning, self.shapes, self.step  # this step's, whenever it resolves
+        learning, shapes, step = box.learning, box.shapes, box.step
 
         def resolve(block: bool) -> tuple[TensorSpec, ...] | None:
             if not learning:
@@ -213,7 +209,7 @@ class Mailroom:
                 if meta is None:
                     raise PipelineError(f"rank {self.rank}: no shape is known for {action}")
                 return meta.payloads
-            found = self.board.lookup(step, stage, mb, block, peer)
+            found = self.announced(step, stage, mb, block, peer)
             if found is None:
                 return None
             shapes[(stage, mb)] = found
@@ -221,37 +217,38 @@ class Mailroom:
 
         self.transport.expect((Op.RECV_F, stage, mb), peer, resolve)
 
-    def take_input(self, stage: int, mb: int, consumer: Action) -> Message:
+    def take_input(self, box: Mailbox, stage: int, mb: int, consumer: Action) -> Message:
         """The message `stage` (not a first stage) consumes for `mb`: a local handoff or a receive."""
         prev = self.layout.prv[stage]
         if self.layout.rank[prev] == self.rank:
-            if (stage, mb) not in self.local_fwd:
+            message = box.local_fwd.pop((stage, mb), None)
+            if message is None:
                 raise PipelineError(f"rank {self.rank}: {consumer} runs before {prev}F{mb} produced its input")
-            return self.local_fwd.pop((stage, mb))
+            return message
         payloads = self.transport.take((Op.RECV_F, stage, mb), consumer)
-        meta = self.shapes[(stage, mb)]
+        meta = box.shapes[(stage, mb)]
         return Message(meta.form, self._decode(self.activation_codec, payloads, meta.leaves, meta.wire,
                                                meta.coded), meta.grads)
 
     # ---------------------------------------------------------------- backward messages
-    def hand_back(self, stage: int, mb: int, grads: list[Tensor]) -> None:
+    def hand_back(self, box: Mailbox, stage: int, mb: int, grads: list[Tensor]) -> None:
         """Give the input gradients of `stage` for `mb` to the previous stage (nothing on a first stage)."""
         prev = self.layout.prv[stage]
         if prev < 0:
             return
         if self.layout.peer(stage, backward=True) < 0:
-            self.local_grad[(prev, mb)] = grads
+            box.local_grad[(prev, mb)] = grads
         elif self.gradient_codec is None:
-            self.outbox[(Op.SEND_B, stage, mb)] = grads
+            box.outbox[(Op.SEND_B, stage, mb)] = grads
         else:
             wire = tuple(wire_of(self.gradient_codec, TensorSpec.of(g)) for g in grads)
-            self.outbox[(Op.SEND_B, stage, mb)] = self._encode(self.gradient_codec, grads, wire, None,
-                                                              f"stage {stage} microbatch {mb} (gradients)")
+            box.outbox[(Op.SEND_B, stage, mb)] = self._encode(box, self.gradient_codec, grads, wire, None,
+                                                             f"stage {stage} microbatch {mb} (gradients)")
 
-    def expect_grads(self, action: Action) -> None:
+    def expect_grads(self, box: Mailbox, action: Action) -> None:
         """RECV_B: queue the receive of the gradients of what this stage sent for the microbatch."""
         stage, mb = action.stage, action.microbatch
-        out_meta, learning, shapes = self.out_meta, self.learning, self.shapes  # this step's, whenever it resolves
+        out_meta, learning, shapes = box.out_meta, box.learning, box.shapes
 
         def resolve(block: bool) -> tuple[TensorSpec, ...] | None:
             meta = out_meta.get((stage, mb))
@@ -265,28 +262,29 @@ class Mailroom:
 
         self.transport.expect((Op.RECV_B, stage, mb), self.layout.rank[self.layout.nxt[stage]], resolve)
 
-    def take_grads(self, stage: int, mb: int, consumer: Action) -> list[Tensor] | None:
+    def take_grads(self, box: Mailbox, stage: int, mb: int, consumer: Action) -> list[Tensor] | None:
         """The gradients of `stage`'s gradient-carrying outputs for `mb` (None on a last stage)."""
         nxt = self.layout.nxt[stage]
         if nxt < 0:
             return None
         if self.layout.rank[nxt] != self.rank:
             payloads = self.transport.take((Op.RECV_B, stage, mb), consumer)
-            metas = self.out_meta.pop((stage, mb)).grad_metas
+            metas = box.out_meta.pop((stage, mb)).grad_metas
             if self.gradient_codec is None:
                 return payloads
             wire = tuple(wire_of(self.gradient_codec, m) for m in metas)
             return self._decode(self.gradient_codec, payloads, metas, wire, None)
-        if (stage, mb) not in self.local_grad:
+        grads = box.local_grad.pop((stage, mb), None)
+        if grads is None:
             raise PipelineError(f"rank {self.rank}: {consumer} runs before stage {nxt}'s backward of "
                                 f"microbatch {mb} produced its gradient")
-        return self.local_grad.pop((stage, mb))
+        return grads
 
     # ---------------------------------------------------------------- sends
-    def send(self, action: Action) -> None:
+    def send(self, box: Mailbox, action: Action) -> None:
         """SEND_F / SEND_B: post the payloads its producer left in the outbox."""
         key: Key = (action.op, action.stage, action.microbatch)
-        payloads = self.outbox.pop(key, None)
+        payloads = box.outbox.pop(key, None)
         if payloads is None:
             raise PipelineError(f"rank {self.rank}: {action} runs before the compute that produces its tensor")
         peer = self.layout.peer(action.stage, backward=action.op is Op.SEND_B)

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass, replace
 
-from duplexpipe.runtime.context import forward_only
 from duplexpipe.schedules.ir import Action, Op, Schedule
 from duplexpipe.schedules.layout import Layout
 
@@ -115,3 +114,15 @@ def _last_loss(actions: tuple[Action, ...], layout: Layout) -> int | None:
         if any(p.op is Op.F and layout.nxt[p.stage] < 0 for p in action.compute_parts()):
             found = pos
     return found
+
+
+def forward_only(actions: tuple[Action, ...]) -> tuple[Action, ...]:
+    """One rank's list for evaluate(): its F actions (pairs give their F part) and F transfers."""
+    keep = (Op.F, Op.RECV_F, Op.SEND_F)
+    out: list[Action] = []
+    for action in actions:
+        if action.op is Op.OVERLAP_F_B:
+            out.extend(p for p in action.parts if p.op is Op.F)
+        elif action.op in keep:
+            out.append(action)
+    return tuple(out)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +19,7 @@ from duplexpipe.runtime.comm_points import CommSlot
 from duplexpipe.runtime.message_meta import Message
 from duplexpipe.runtime.saved_bytes import SavedBytes
 from duplexpipe.runtime.structure import call, flatten
+from duplexpipe.schedules.ir import Action, Op
 
 LOG = logging.getLogger("duplexpipe.compile")
 
@@ -54,31 +55,50 @@ class Activation:
     """The comm slot its forward's exchanges captured (MoE layers): pointed at the driver of its backward."""
 
 
-class LiveActivations:
-    """How many activations (and bytes kept for backward) one rank holds now, and the most at once this step."""
+class Activations:
+    """What one rank's stages keep for backward during one step, per (stage, microbatch): how many (and how many
+    bytes) are live now, and the most at once. Held by the step, so a new step (or a failed one) starts empty."""
 
-    __slots__ = ("live", "peak", "live_bytes", "peak_bytes")
+    __slots__ = ("rank", "held", "live", "peak", "live_bytes", "peak_bytes")
 
-    def __init__(self) -> None:
+    def __init__(self, rank: int = 0) -> None:
+        self.rank = rank
+        self.held: dict[tuple[int, int], Activation] = {}
+        """(stage, microbatch) -> what its backward needs, from its F until its B or W."""
         self.live = self.peak = self.live_bytes = self.peak_bytes = 0
 
-    def reset(self) -> None:
-        """A new step: nothing held yet."""
-        self.live = self.peak = self.live_bytes = self.peak_bytes = 0
-
-    def born(self, nbytes: int = 0) -> None:
-        """One more live activation, keeping `nbytes` for backward."""
+    def hold(self, stage: int, microbatch: int, act: Activation) -> None:
+        """Keep what `microbatch`'s backward on `stage` needs (counted live until `release`)."""
+        self.held[(stage, microbatch)] = act
         self.live += 1
-        self.live_bytes += nbytes
+        self.live_bytes += act.saved_bytes
         if self.live > self.peak:
             self.peak = self.live
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes
 
-    def freed(self, nbytes: int = 0) -> None:
-        """One live activation fewer (its backward is done), releasing `nbytes`."""
+    def pending(self, action: Action) -> Activation:
+        """What `action` (B, I or W) runs on: a forward without its I for B and I, one after its I for W;
+        PipelineError naming the action otherwise."""
+        act = self.held.get((action.stage, action.microbatch))
+        weights = action.op is Op.W
+        if act is None or (act.weight_work is not None) != weights:
+            before = f"{action.stage}I{action.microbatch}" if weights else f"forward {action.stage}F{action.microbatch}"
+            raise PipelineError(f"rank {self.rank}: {action} runs without a pending {before}")
+        return act
+
+    def release(self, stage: int, microbatch: int, act: Activation) -> None:
+        """`microbatch`'s backward on `stage` is done: drop what it kept."""
+        del self.held[(stage, microbatch)]
         self.live -= 1
-        self.live_bytes -= nbytes
+        self.live_bytes -= act.saved_bytes
+
+    def left(self) -> list[str]:
+        """What the step left unconsumed: activations whose backward never ran (empty after a step)."""
+        if not self.held:
+            return []
+        return ["backward (B, or W after I) never ran for " +
+                ", ".join(f"stage {s} microbatch {m}" for s, m in sorted(self.held))]
 
 
 class StageCompute:
@@ -86,7 +106,7 @@ class StageCompute:
     each training forward left for its backward (torch pipelining's style), and each evaluation output."""
 
     def __init__(self, stage: int, module: nn.Module, autocast_dtype: torch.dtype | None,
-                 count_saved: bool = False, part: int | None = None, live: LiveActivations | None = None) -> None:
+                 count_saved: bool = False, part: int | None = None) -> None:
         self.stage = stage
         self.module = module
         self.name = f"stage {stage}" + (f" (model part {part})" if part is not None else "")
@@ -94,34 +114,8 @@ class StageCompute:
         self.autocast_dtype = autocast_dtype
         self.meter = SavedBytes(module.parameters()) if count_saved else None
         """Counts what each training forward keeps for backward (None: not counted)."""
-        self.live = live if live is not None else LiveActivations()
-        """The count of live activations, shared by the stages of one rank."""
-        self.acts: dict[int, Activation] = {}
-        """Microbatch -> what its backward needs, from its F until its B or W (`hold` / `release`)."""
-        self.outputs: dict[int, Any] = {}
-        """evaluate() on a last stage: microbatch -> its output, detached (`keep_output`)."""
         self.noted_whole_regions = False
         """Whether the log has said that this stage's compiled regions run their backward whole at I."""
-
-    # ---------------------------------------------------------------- per-step state
-    def hold(self, microbatch: int, act: Activation) -> None:
-        """Keep what `microbatch`'s backward needs (counted live until `release`)."""
-        self.acts[microbatch] = act
-        self.live.born(act.saved_bytes)
-
-    def release(self, microbatch: int, act: Activation) -> None:
-        """`microbatch`'s backward is done: drop what it kept."""
-        del self.acts[microbatch]
-        self.live.freed(act.saved_bytes)
-
-    def keep_output(self, microbatch: int, out: Any) -> None:
-        """An evaluation output of this (last) stage, detached."""
-        self.outputs[microbatch] = out
-
-    def clear(self) -> None:
-        """Drop every activation and output kept (a new step, or a failed one)."""
-        self.acts.clear()
-        self.outputs.clear()
 
     def params(self) -> list[Tensor]:
         """The module's parameters that take gradients."""
@@ -135,7 +129,7 @@ class StageCompute:
         with torch.autocast(device_type=device.type, dtype=self.autocast_dtype):
             yield
 
-    def forward(self, message: Message, microbatch: int, train: bool) -> tuple[list[Tensor], Any]:
+    def forward(self, message: Message, train: bool) -> tuple[list[Tensor], Any]:
         """Run the module on the message (a tuple/list as positional arguments, a dict as keyword
         arguments, or whole: `structure.call`); returns (the input leaves that require grad, the output)."""
         leaves = [t.detach() for t in message.leaves]
@@ -230,12 +224,11 @@ class StageCompute:
         act.inputs = []
         return out
 
-    def backward_weight(self, act: Activation, microbatch: int) -> None:
-        """W: the weight gradients deferred by I."""
-        if act.weight_work is None:
-            raise PipelineError(f"stage {self.stage} microbatch {microbatch}: W ran before its I")
-        stage_backward_weight(act.weight_work)
-        act.weight_work = None
+    def backward_weight(self, act: Activation) -> None:
+        """W: the weight gradients deferred by I (`Activations.pending` checked that I ran)."""
+        work, act.weight_work = act.weight_work, None
+        if work is not None:
+            stage_backward_weight(work)
 
 
 def _rows(value: Any) -> int | None:
@@ -247,12 +240,3 @@ def _rows(value: Any) -> int | None:
     except StructureError:
         return None
     return int(leaves[0].shape[0]) if leaves and leaves[0].dim() else None
-
-
-def activations_left(stages: Mapping[int, StageCompute]) -> list[str]:
-    """What the step left unconsumed on the stages: activations whose backward never ran (empty after a step)."""
-    held = [(s, m) for s, compute in stages.items() for m in compute.acts]
-    if not held:
-        return []
-    return ["backward (B, or W after I) never ran for " +
-            ", ".join(f"stage {s} microbatch {m}" for s, m in sorted(held))]

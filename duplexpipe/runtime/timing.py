@@ -20,28 +20,26 @@ UNIT = "s"
 
 
 class Tracer:
-    """Records one step's compute events on one rank, in seconds since the step's start.
+    """Records one step's compute events on one rank, in seconds since the step's start: time zero is its
+    construction (right after the ranks synchronized); each step has its own.
 
     On CPU the clock is time.perf_counter. On CUDA each action is bracketed by CUDA events on
     the compute stream and resolved at the end of the step (waiting on the last event only).
     """
+
+    __slots__ = ("rank", "cuda", "device", "enabled", "_origin", "_origin_event", "_spans")
 
     def __init__(self, rank: int, device: torch.device, enabled: bool) -> None:
         self.rank = rank
         self.cuda = device.type == "cuda"
         self.device = device
         self.enabled = enabled
-        self._origin = 0.0
-        self._origin_event: Any = None
         self._spans: list[tuple[Action, Any, Any]] = []
-
-    def start(self) -> None:
-        """Mark time zero of the step (call right after the ranks synchronized)."""
-        self._spans = []
         self._origin = time.perf_counter()
-        if self.enabled and self.cuda:
+        self._origin_event: Any = None
+        if enabled and self.cuda:
             self._origin_event = torch.cuda.Event(enable_timing=True)
-            self._origin_event.record(torch.cuda.current_stream(self.device))
+            self._origin_event.record(torch.cuda.current_stream(device))
 
     def _mark(self) -> Any:
         if not self.cuda:
@@ -72,7 +70,7 @@ class Tracer:
 
     @property
     def origin(self) -> float:
-        """time.perf_counter() at the current step's start (time zero of its timeline)."""
+        """time.perf_counter() at the step's start (time zero of its timeline)."""
         return self._origin
 
     @property

@@ -1,4 +1,4 @@
-"""Point-to-point transport: receives posted in schedule order, lazy sends.
+"""The mail's point-to-point transport (under the Mailroom): receives posted in schedule order, lazy sends.
 
 Handles are keyed by (op, stage, microbatch); one handle moves a list of tensors (a message's
 payloads), posted back to back in list order. Receives from one peer are posted strictly in
@@ -30,7 +30,7 @@ from duplexpipe.runtime.watchdog import Watchdog
 from duplexpipe.schedules.ir import Op
 
 POISON_TAG = 0x5EED
-"""The tag of the receive `Transport.poison` times out on (no rank ever sends with it)."""
+"""The tag of the receive `MailTransport.poison` times out on (no rank ever sends with it)."""
 Key = tuple[Op, int, int]
 """(op, stage, microbatch) of a SEND or RECV action."""
 Resolver = Callable[[bool], "tuple[TensorSpec, ...] | None"]
@@ -60,8 +60,8 @@ class _Recv:
     works: list[Any] | None = None
 
 
-class Transport:
-    """Non-blocking sends and receives of one rank within `group` (ranks are group ranks)."""
+class MailTransport:
+    """The mail's non-blocking sends and receives of one rank within `group` (ranks are group ranks)."""
 
     def __init__(self, group: Any, device: torch.device, watchdog: Watchdog, meter: WireMeter | None = None) -> None:
         self.group = group

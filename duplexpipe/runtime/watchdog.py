@@ -31,7 +31,7 @@ class Watchdog:
     time, with the flag checked in between. A point-to-point wait cannot be interrupted (a
     timed-out gloo receive closes the group's connections), so it waits for its whole budget at
     once; a failing rank therefore breaks the group's connections after reporting
-    (`Transport.poison`), which ends every pending transfer of the group at once, and the
+    (`MailTransport.poison`), which ends every pending transfer of the group at once, and the
     woken ranks read the flag. Without `gloo` (NCCL), waits poll `is_completed()`.
     """
 

@@ -334,7 +334,7 @@ class Pipeline:
         except BaseException as exc:  # the other ranks wait in collectives: tell them
             self.runtime.report_failure(exc)
             raise
-        timeline, origin, rank = result.timeline, self.runtime.tracer.origin, self.runtime.rank
+        timeline, origin, rank = result.timeline, self.runtime.origin, self.runtime.rank
         if timeline is not None:
             timeline = replace(timeline, spans=timeline.spans + tuple(self.tensor.spans(origin, rank)) + tuple(
                 self.dp.spans(origin, rank) if final else ()))

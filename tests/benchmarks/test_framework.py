@@ -32,6 +32,14 @@ def test_settings_take_json_comma_lists_and_text_by_the_field_they_replace() -> 
     assert with_settings(_Config(), []) == _Config()
 
 
+def test_tuple_settings_take_empty_tuples_python_literals_and_colon_items() -> None:
+    assert with_settings(_Config(), ["pairs=()", "schedules=()"]) == _Config(schedules=(), pairs=())
+    assert with_settings(_Config(), ["pairs=gpipe:8,zbv:2"]).pairs == (("gpipe", 8), ("zbv", 2))
+    assert with_settings(_Config(), ["pairs=(('gpipe', 8),)"]).pairs == (("gpipe", 8),)
+    assert with_settings(_Config(), ['pairs=["gpipe", 8]']).pairs == (("gpipe", 8),)  # one item, given flat
+    assert with_settings(_Config(), ["pairs=zbv:2"]).pairs == (("zbv", 2),)
+
+
 def test_settings_refuse_an_unknown_field_and_what_the_config_refuses() -> None:
     with pytest.raises(ValueError, match="FIELD one of"):
         with_settings(_Config(), ["bogus=1"])

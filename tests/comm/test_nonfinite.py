@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from duplexpipe.comm.codec import bf16_codec
-from duplexpipe.comm.nonfinite import NONFINITE_POLICIES, NonFiniteWatch, check_policy
+from duplexpipe.comm.nonfinite import NONFINITE_POLICIES, NonFiniteWatch, Unread, check_policy
 from duplexpipe.comm.p2p_codecs import Fp8RowCodec, Int8BlockCodec
 from duplexpipe.errors import NonFiniteSendError
 
@@ -52,14 +52,14 @@ def test_codecs_without_a_counter_are_checked_element_by_element() -> None:
         watch.note(codec, x, codec.encode(x), "here")
 
 
-def test_flush_reports_what_was_kept() -> None:
+def test_read_reports_what_was_kept() -> None:
     watch = NonFiniteWatch()
     codec = Fp8RowCodec()
     x = _bad()
-    watch._pending.append(("kept", codec.name, codec.nonfinite(codec.encode(x)), "scaled rows/blocks"))
+    unread: list[Unread] = [("kept", codec.name, codec.nonfinite(codec.encode(x)), "scaled rows/blocks")]
     with pytest.warns(RuntimeWarning, match="kept: a tensor sent with codec 'fp8-e4m3-row'"):
-        watch.flush()
-    assert watch.events == 1 and not watch._pending
+        watch.read(unread)
+    assert watch.events == 1
 
 
 def test_policies_are_checked() -> None:

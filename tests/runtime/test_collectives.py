@@ -45,14 +45,14 @@ def _mirror(rank: int, dog: Watchdog) -> dict[str, Any]:
         for p in module.parameters():
             p.grad = torch.full_like(p, 100.0)  # from an earlier step: must not be summed again
     mirror = MirrorSum(schedule, rank, modules, None, [0, 1], dog)
-    mirror.begin()
+    stash = mirror.set_aside()
     cleared = all(p.grad is None for m in modules.values() for p in m.parameters())
     for stage, module in modules.items():
         module.weight.grad = torch.full_like(module.weight, float(10 * stage + 1))
         # the bias gets a gradient on rank 0 only (None counts as zero on the other side)
         if rank == 0:
             module.bias.grad = torch.full_like(module.bias, float(stage + 1))
-    mirror.finish()
+    mirror.sum(stash)
     return {"cleared": cleared, "pairs": mirror.pairs,
             "grads": {s: (m.weight.grad[0, 0].item(), m.bias.grad[0].item()) for s, m in modules.items()}}
 

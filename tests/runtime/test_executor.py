@@ -158,7 +158,7 @@ def _grads_ready_case(name: str, group: Any) -> dict[str, Any]:
 
     def ready(stage: int) -> None:
         grads = [p.grad.clone() for p in modules[stage].parameters()]
-        calls.append((stage, holder["runtime"].tracer.recorded, grads))
+        calls.append((stage, holder["runtime"].running.trace.recorded, grads))
 
     runtime = holder["runtime"] = PipelineRuntime(schedule, modules, loss_fn, group=group,
                                                   config=RuntimeConfig(on_grads_ready=ready))

@@ -13,7 +13,7 @@ from models import loss_fn, make_batch, make_parts, run_workers, stage_modules
 
 from duplexpipe.errors import PipelineError
 from duplexpipe.runtime import PipelineRuntime, RuntimeConfig
-from duplexpipe.runtime.transport import Transport
+from duplexpipe.runtime.transport import MailTransport
 from duplexpipe.schedules.ir import Schedule
 from duplexpipe.schedules.lower import lower
 from duplexpipe.schedules.registry import build
@@ -33,9 +33,9 @@ def _nccl_order(rank: int) -> dict[str, str]:
     outcome: dict[str, str] = {}
     # gloo underneath, NCCL's rules on top; without NCCL's connection probes (gloo sees a send complete only once
     # it was waited for, so a probe polled for completion would never end)
-    real_get_backend, real_connect = dist.get_backend, Transport.connect
+    real_get_backend, real_connect = dist.get_backend, MailTransport.connect
     dist.get_backend = lambda group=None: "nccl"  # type: ignore[assignment]
-    Transport.connect = lambda self, pairs: None  # type: ignore[method-assign]
+    MailTransport.connect = lambda self, pairs: None  # type: ignore[method-assign]
     try:
         for label, schedule in (("crossing", crossing), ("ours", lower(build("1f1b", 2, 2)))):
             try:
@@ -46,7 +46,7 @@ def _nccl_order(rank: int) -> dict[str, str]:
                 outcome[label] = str(exc)
     finally:
         dist.get_backend = real_get_backend  # type: ignore[assignment]
-        Transport.connect = real_connect  # type: ignore[method-assign]
+        MailTransport.connect = real_connect  # type: ignore[method-assign]
     return outcome
 
 

@@ -1,4 +1,4 @@
-"""LossSum on 2 gloo ranks: where each rank posts its share (gloo: after its last loss, or at the start when it
+"""LossSum on 2 gloo ranks: where each rank posts its share (gloo: after its last loss, or when created if it
 computes none; NCCL: after the list), shared sums and all-reduces, each posted once, the mean equal everywhere."""
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ def _sum(rank: int, dog: Watchdog, *, gloo: bool, shared: bool, divisor: int = 1
     loss = LossSum(3 if rank == 1 else None, gloo=gloo, sources=(1,) if shared else None, group=None, device=CPU,
                    watchdog=dog, divisor=divisor)
     out: dict[str, Any] = {"post_after": loss.post_after}
-    loss.start()
     if not shared:  # an all-reduce not posted yet cannot be read (a shared sum's value would wait for its sources)
         try:
             loss.value()
@@ -36,7 +35,7 @@ def _sum(rank: int, dog: Watchdog, *, gloo: bool, shared: bool, divisor: int = 1
             loss.add(torch.tensor(value, dtype=torch.float64), weight)
         if loss.post_after is not None:
             loss.post()  # where the runtime posts it: after the action at post_after
-    loss.finish()
+    loss.post()  # after the list (NCCL's post)
     loss.post()  # posting twice sends once: the next sum below would be off otherwise
     out["value"] = (loss.value(), loss.value())
     out["after"] = sum_over_group(1.0 + rank, None, CPU, dog, "the next sum")
@@ -60,7 +59,7 @@ def test_an_all_reduce_is_posted_at_the_start_by_a_rank_without_losses(results: 
     reduced = [r["reduced"] for r in results]
     assert [r["post_after"] for r in reduced] == [None, 3]
     assert [r["value"] for r in reduced] == [(1.75, 1.75)] * 2  # the sum over the ranks / 2 pipelines
-    assert reduced[0]["read_early"] == "no error"  # rank 0 posted at start(): its read waited for rank 1
+    assert reduced[0]["read_early"] == "no error"  # rank 0 posted when created: its read waited for rank 1
     assert "the loss sum was read before this rank posted its share" in reduced[1]["read_early"]
 
 

@@ -1,4 +1,4 @@
-"""Message plumbing: message metas, their announcements, and the checks and handoffs of the Mailroom."""
+"""The mail: message metas, their announcements, and the checks and handoffs of the Mailroom into a step's Mailbox."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from duplexpipe.comm.nonfinite import NonFiniteWatch, extremes
 from duplexpipe.comm.p2p_codecs import Fp8RowCodec, Int8BlockCodec
 from duplexpipe.errors import ActivationShapeError, NonFiniteSendError, PipelineError, PipelineTimeoutError
 from duplexpipe.runtime.message_meta import Message, MessageMeta, encodes
-from duplexpipe.runtime.messages import Mailroom, MetaBoard
+from duplexpipe.runtime.messages import Mailbox, Mailroom
 from duplexpipe.runtime.structure import flatten
 from duplexpipe.runtime.watchdog import Watchdog
 from duplexpipe.schedules.ir import Op
@@ -52,34 +52,34 @@ def test_difference_names_the_leaf_path() -> None:
     assert "the output out has the form" in want.difference(MessageMeta.of(Message.single(torch.zeros(2))), "out")
 
 
-def _begin(mail: Mailroom, shapes: dict[Any, MessageMeta] | None = None) -> Mailroom:
-    """Start a training step: learning the shapes (None), or with `shapes` known."""
-    mail.begin(1, True, shapes)
-    return mail
+def _box(shapes: dict[Any, MessageMeta] | None = None) -> Mailbox:
+    """A training step's mailbox: learning the shapes (None), or with `shapes` known."""
+    return Mailbox.of(1, True, shapes)
 
 
 def _mailroom(store: Any, rank: int) -> Mailroom:
     layout = Layout.of(lower(build("interleaved-1f1b", 2, 4)))  # stage s on rank s % 2
     dog = Watchdog(store, "test", rank, timeout_s=0.3, poll_s=0.05)
-    return Mailroom(layout, rank, None, MetaBoard(store, "test", dog))  # type: ignore[arg-type]
+    return Mailroom(layout, rank, None, store, "test", dog)  # type: ignore[arg-type]
 
 
 def test_learning_step_announces_then_later_steps_check_every_leaf() -> None:
     store = dist.HashStore()
     sender, receiver = _mailroom(store, 0), _mailroom(store, 1)
-    _begin(sender).hand_on(0, 0, _message())
-    assert sender.outbox[(Op.SEND_F, 0, 0)][0].requires_grad is False  # detached for the wire
-    assert sender.out_meta[(0, 0)] == MessageMeta.of(_message())
-    assert sender.leftovers() == ["produced but never sent: 0SEND_F0"]
-    got = receiver.board.lookup(1, 1, 0, block=True, peer=0)
+    box = _box()
+    sender.hand_on(box, 0, 0, _message())
+    assert box.outbox[(Op.SEND_F, 0, 0)][0].requires_grad is False  # detached for the wire
+    assert box.out_meta[(0, 0)] == MessageMeta.of(_message())
+    assert box.leftovers() == ["produced but never sent: 0SEND_F0"]
+    got = receiver.announced(1, 1, 0, block=True, peer=0)
     assert got == MessageMeta.of(_message())
-    _begin(sender, {(1, 0): got})
-    assert not sender.learning and not sender.outbox and not sender.out_meta  # a new step: an empty mailbox
+    box = _box({(1, 0): got})
+    assert not box.learning and not box.outbox and not box.out_meta  # a new step: an empty mailbox
     with pytest.raises(ActivationShapeError, match=r'stage 0 microbatch 0: the output out\["h"\] has shape '
                                                    r"\(3, 4\) float32 but \(2, 4\) float32 was expected"):
-        sender.hand_on(0, 0, _message(rows=3))
+        sender.hand_on(box, 0, 0, _message(rows=3))
     with pytest.raises(PipelineTimeoutError, match="shape announcement of 1RECV_F1"):
-        receiver.board.lookup(1, 1, 1, block=True, peer=0)
+        receiver.announced(1, 1, 1, block=True, peer=0)
 
 
 class _Flattening:
@@ -101,24 +101,24 @@ def test_a_codec_that_breaks_its_wire_format_is_named_before_sending() -> None:
     store = dist.HashStore()
     layout = Layout.of(lower(build("1f1b", 2, 4)))
     dog = Watchdog(store, "test", 0, timeout_s=0.3, poll_s=0.05)
-    mail = Mailroom(layout, 0, None, MetaBoard(store, "test", dog), _Flattening())  # type: ignore[arg-type]
+    mail = Mailroom(layout, 0, None, store, "test", dog, _Flattening())  # type: ignore[arg-type]
     with pytest.raises(PipelineError, match=r"stage 0 microbatch 0: codec 'flattening' encoded \(2, 4\) "
                                             r"float32 into \['\(8,\) float32'\], not its wire format"):
-        _begin(mail).hand_on(0, 0, _message())
+        mail.hand_on(_box(), 0, 0, _message())
 
 
 def test_same_rank_handoff_keeps_the_structure_and_gradient_flags() -> None:
     layout = Layout.of(lower(build("zbv", 2, 4)))  # stages 1 and 2 are both on rank 1
-    mail = Mailroom(layout, 1, None, None)  # type: ignore[arg-type]
-    _begin(mail).hand_on(1, 0, _message())
-    assert mail.leftovers() == ["local activations never consumed: stage 2 microbatch 0"]
-    handed = mail.take_input(2, 0, None)  # type: ignore[arg-type]
+    mail, box = Mailroom(layout, 1, None, None, "test", None), _box()  # type: ignore[arg-type]
+    mail.hand_on(box, 1, 0, _message())
+    assert box.leftovers() == ["local activations never consumed: stage 2 microbatch 0"]
+    handed = mail.take_input(box, 2, 0, None)  # type: ignore[arg-type]
     assert handed.form == PAIR and handed.grads == (True, False) and not handed.leaves[0].requires_grad
     grads = [torch.ones(2, 4)]
-    mail.hand_back(2, 0, grads)
-    assert mail.leftovers() == ["local gradients never consumed: stage 1 microbatch 0"]
-    assert mail.take_grads(1, 0, None) is grads  # type: ignore[arg-type]
-    assert not mail.outbox and not mail.local_fwd and not mail.local_grad and mail.leftovers() == []
+    mail.hand_back(box, 2, 0, grads)
+    assert box.leftovers() == ["local gradients never consumed: stage 1 microbatch 0"]
+    assert mail.take_grads(box, 1, 0, None) is grads  # type: ignore[arg-type]
+    assert not box.outbox and not box.local_fwd and not box.local_grad and box.leftovers() == []
 
 
 # ---------------------------------------------------------------- which leaves go through the activation codec
@@ -141,15 +141,15 @@ def _sent(codec: Any, message: Message, watch: NonFiniteWatch, steps: int = 1) -
     """The meta rank 0 announces for `message` and what rank 1 decodes from its payloads (1F1B on 2 ranks)."""
     store = dist.HashStore()
     dog = Watchdog(store, "test", 0, timeout_s=0.3, poll_s=0.05)
-    mail = Mailroom(Layout.of(lower(build("1f1b", 2, 4))), 0, None, MetaBoard(store, "test", dog),  # type: ignore[arg-type]
+    mail = Mailroom(Layout.of(lower(build("1f1b", 2, 4))), 0, None, store, "test", dog,  # type: ignore[arg-type]
                     codec, codec, watch)
-    _begin(mail)
+    box = _box()
     for step in range(steps):
         if step:
-            _begin(mail, mail.shapes)
-        mail.hand_on(0, 0, message)
-    meta = mail.shapes[(1, 0)]
-    payloads = mail.outbox[(Op.SEND_F, 0, 0)]
+            box = _box(box.shapes)
+        mail.hand_on(box, 0, 0, message)
+    meta = box.shapes[(1, 0)]
+    payloads = box.outbox[(Op.SEND_F, 0, 0)]
     return meta, mail._decode(codec, payloads, meta.leaves, meta.wire, meta.coded)
 
 
@@ -204,13 +204,14 @@ def test_a_float_extreme_after_the_shapes_were_learned_still_decodes_finite(code
     h = torch.randn(2, 4, generator=torch.Generator().manual_seed(4))
     store = dist.HashStore()
     dog = Watchdog(store, "test", 0, timeout_s=0.3, poll_s=0.05)
-    mail = Mailroom(Layout.of(lower(build("1f1b", 2, 4))), 0, None, MetaBoard(store, "test", dog),  # type: ignore[arg-type]
+    mail = Mailroom(Layout.of(lower(build("1f1b", 2, 4))), 0, None, store, "test", dog,  # type: ignore[arg-type]
                     codec, codec, NonFiniteWatch())
-    _begin(mail).hand_on(0, 0, _masked(h))
-    _begin(mail, mail.shapes)
+    box = _box()
+    mail.hand_on(box, 0, 0, _masked(h))
+    box = _box(box.shapes)
     h[0, 1] = torch.finfo(torch.float32).min
-    mail.hand_on(0, 0, _masked(h))
-    meta = mail.shapes[(1, 0)]
-    got_h, _ = mail._decode(codec, mail.outbox[(Op.SEND_F, 0, 0)], meta.leaves, meta.wire, meta.coded)
+    mail.hand_on(box, 0, 0, _masked(h))
+    meta = box.shapes[(1, 0)]
+    got_h, _ = mail._decode(codec, box.outbox[(Op.SEND_F, 0, 0)], meta.leaves, meta.wire, meta.coded)
     assert meta.coded == (True, False) and bool(got_h.isfinite().all())
     assert got_h[0, 1] <= 0.99 * torch.finfo(torch.float32).min

@@ -13,7 +13,7 @@ from _executor_cases import _grad_errors, _inputs, stage_setup
 from models import loss_fn, make_batch, reference
 
 from duplexpipe.runtime import PipelineRuntime, RuntimeConfig
-from duplexpipe.runtime.rankplan import RECEIVES, RankPlan
+from duplexpipe.runtime.rankplan import RECEIVES, RankPlan, forward_only
 from duplexpipe.schedules.ir import Action, Op, Schedule
 from duplexpipe.schedules.layout import Layout
 from duplexpipe.schedules.lower import lower
@@ -134,3 +134,13 @@ def test_steps_with_receives_posted_ahead_match_reference(results: Any, name: st
         assert rec["loss_err"] <= TIGHT, (rank, rec["loss_err"])
         assert rec["grad_err"] <= TIGHT, (rank, rec["grad_err"])
         assert rec["eval_loss_err"] <= TIGHT, (rank, rec["eval_loss_err"])
+
+
+def test_forward_only_keeps_forwards_in_order_and_splits_pairs() -> None:
+    schedule = lower(build("dualpipe", 2, 4))
+    for row in schedule.actions:
+        got = forward_only(row)
+        assert all(a.op in (Op.F, Op.RECV_F, Op.SEND_F) for a in got)
+        want = [p for a in row for p in a.compute_parts() if p.op is Op.F]
+        assert [a for a in got if a.op is Op.F] == want
+    assert any(a.op is Op.OVERLAP_F_B for row in schedule.actions for a in row)

@@ -1,5 +1,5 @@
-"""StageCompute: forward keeps only what backward needs; B equals I then W; structures; loss and misuse checks; the
-activations a stage holds per microbatch and their count over the rank."""
+"""StageCompute: forward keeps only what backward needs; B equals I then W; structures; loss and misuse checks; what a
+step holds for backward per stage and microbatch (Activations), its counts, and the one check that B, I or W has it."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from torch import nn
 from duplexpipe.comm.codec import TensorSpec
 from duplexpipe.errors import ActivationShapeError, PipelineError
 from duplexpipe.runtime.message_meta import Message
-from duplexpipe.runtime.stage_compute import LiveActivations, StageCompute, activations_left
+from duplexpipe.runtime.stage_compute import Activations, StageCompute
 from duplexpipe.runtime.structure import TENSOR, flatten
+from duplexpipe.schedules.ir import Action, Op
 
 
 def _grad(x: torch.Tensor) -> Message:
@@ -32,7 +33,7 @@ def test_tensor_meta_describes_shape_and_dtype() -> None:
 def test_first_stage_takes_token_ids_and_keeps_no_input_leaf() -> None:
     stage = StageCompute(0, make_parts(2)[0], None)
     tokens, _ = make_batch(4, 0)
-    inputs, out = stage.forward(Message.single(tokens), 0, train=True)
+    inputs, out = stage.forward(Message.single(tokens), train=True)
     assert inputs == [] and out.shape == (4, tokens.shape[1], DIM)
     act = stage.keep(inputs, [out], 0)
     assert act.inputs == [] and act.root_metas == [TensorSpec.of(out)]
@@ -42,15 +43,15 @@ def test_first_stage_takes_token_ids_and_keeps_no_input_leaf() -> None:
 
 def test_first_stage_float_input_takes_no_gradient() -> None:
     stage = StageCompute(0, nn.Linear(DIM, DIM), None)
-    inputs, out = stage.forward(Message.single(torch.randn(2, DIM)), 0, train=True)
+    inputs, out = stage.forward(Message.single(torch.randn(2, DIM)), train=True)
     assert inputs == [] and out.requires_grad
 
 
 def test_middle_stage_input_requires_grad_only_when_training() -> None:
     stage = StageCompute(1, make_parts(3)[1], None)
     x = torch.randn(2, 3, DIM)
-    assert stage.forward(_grad(x), 0, train=True)[0][0].requires_grad
-    assert stage.forward(_grad(x), 0, train=False)[0] == []
+    assert stage.forward(_grad(x), train=True)[0][0].requires_grad
+    assert stage.forward(_grad(x), train=False)[0] == []
 
 
 @pytest.mark.parametrize("last", [False, True], ids=["middle stage", "last stage"])
@@ -61,7 +62,7 @@ def test_backward_equals_input_then_weight(last: bool) -> None:
     targets = torch.randint(0, VOCAB, (3, 2))
     grads = {}
     for name, stage in (("full", full), ("split", split)):
-        inputs, out = stage.forward(_grad(x), 0, train=True)
+        inputs, out = stage.forward(_grad(x), train=True)
         root = stage.loss(out, targets, loss_fn, 0) * 0.5 if last else out
         grad = None if last else [torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view_as(out)]
         act = stage.keep(inputs, [root], 0)
@@ -70,7 +71,7 @@ def test_backward_equals_input_then_weight(last: bool) -> None:
         else:
             grads[name] = stage.backward_input(act, grad)
             assert all(p.grad is None for p in stage.params())
-            stage.backward_weight(act, 0)
+            stage.backward_weight(act)
             assert act.weight_work is None
     torch.testing.assert_close(grads["split"], grads["full"], rtol=1e-12, atol=1e-12)
     for a, b in zip(full.params(), split.params(), strict=True):
@@ -95,14 +96,14 @@ def test_structures_flow_with_gradients_for_the_floats_that_require_grad(split: 
     h, unused = torch.randn(3, DIM, dtype=torch.float64), torch.randn(3, DIM, dtype=torch.float64)
     mask = torch.tensor([1, 0, 1])
     message = Message(flatten((h, mask, unused), "in")[0], [h, mask, unused], (True, False, True))
-    inputs, out = stage.forward(message, 0, train=True)
+    inputs, out = stage.forward(message, train=True)
     produced = stage.message(out, 0, train=True)
     assert produced.form == flatten({"h": h, "g": h, "mask": mask}, "out")[0] and produced.grads == (True, True, False)
     act = stage.keep(inputs, [t for t, g in zip(produced.leaves, produced.grads, strict=True) if g], 0)
     grads = [torch.ones_like(produced.leaves[0]), torch.ones_like(produced.leaves[1])]
     if split:
         got = stage.backward_input(act, grads)
-        stage.backward_weight(act, 0)
+        stage.backward_weight(act)
     else:
         got = stage.backward(act, grads)
     leaf = h.clone().requires_grad_(True)
@@ -121,44 +122,50 @@ def test_a_non_tensor_output_names_stage_microbatch_and_path(out: object, path: 
         StageCompute(2, nn.Identity(), None).message(out, 1, train=True)
 
 
-def test_weight_before_input_is_refused() -> None:
-    stage = StageCompute(1, nn.Linear(DIM, DIM), None)
-    inputs, out = stage.forward(_grad(torch.randn(2, DIM)), 4, train=True)
-    with pytest.raises(PipelineError, match="stage 1 microbatch 4: W ran before its I"):
-        stage.backward_weight(stage.keep(inputs, [out], 4), 4)
+def test_b_i_and_w_need_their_pending_activation() -> None:
+    """The one home of "W without I" (and B or I without F, W twice): the step's activations."""
+    stage, acts = StageCompute(1, nn.Linear(DIM, DIM), None), Activations(rank=3)
+    inputs, out = stage.forward(_grad(torch.randn(2, DIM)), train=True)
+    with pytest.raises(PipelineError, match="rank 3: 1W4 runs without a pending 1I4"):
+        acts.pending(Action(1, Op.W, 4))
+    with pytest.raises(PipelineError, match="rank 3: 1I4 runs without a pending forward 1F4"):
+        acts.pending(Action(1, Op.I, 4))
+    act = stage.keep(inputs, [out], 4)
+    acts.hold(1, 4, act)
+    with pytest.raises(PipelineError, match="rank 3: 1W4 runs without a pending 1I4"):
+        acts.pending(Action(1, Op.W, 4))
+    assert acts.pending(Action(1, Op.I, 4)) is act
+    stage.backward_input(act, [torch.ones(2, DIM)])
+    with pytest.raises(PipelineError, match="rank 3: 1B4 runs without a pending forward 1F4"):
+        acts.pending(Action(1, Op.B, 4))
+    assert acts.pending(Action(1, Op.W, 4)) is act
 
 
-def test_stages_hold_their_activations_per_microbatch_and_count_them_over_the_rank() -> None:
-    live = LiveActivations()
-    first, second = StageCompute(0, nn.Linear(DIM, DIM), None, live=live), StageCompute(2, nn.Identity(), None,
-                                                                                       live=live)
-    inputs, out = first.forward(_grad(torch.randn(2, DIM)), 0, train=True)
-    acts = [first.keep(inputs, [out], 0) for _ in range(3)]
-    for mb, (stage, act) in enumerate(zip((first, second, first), acts, strict=True)):
+def test_a_step_holds_its_activations_per_stage_and_microbatch_and_counts_them() -> None:
+    acts = Activations()
+    first = StageCompute(0, nn.Linear(DIM, DIM), None)
+    inputs, out = first.forward(_grad(torch.randn(2, DIM)), train=True)
+    kept = [first.keep(inputs, [out], 0) for _ in range(3)]
+    for mb, (stage, act) in enumerate(zip((0, 2, 0), kept, strict=True)):
         act.saved_bytes = 10 * (mb + 1)
-        stage.hold(mb, act)
-    assert (sorted(first.acts), sorted(second.acts)) == ([0, 2], [1])
-    assert (live.live, live.peak, live.live_bytes, live.peak_bytes) == (3, 3, 60, 60)
-    first.release(0, acts[0])
-    second.release(1, acts[1])
-    assert (live.live, live.peak, live.live_bytes, live.peak_bytes) == (1, 3, 30, 60)
-    assert activations_left({0: first, 2: second}) == ["backward (B, or W after I) never ran for stage 0 "
-                                                       "microbatch 2"]
-    first.keep_output(5, out)
-    first.clear()
-    assert not first.acts and not first.outputs and activations_left({0: first, 2: second}) == []
-    live.reset()
-    assert (live.live, live.peak, live.live_bytes, live.peak_bytes) == (0, 0, 0, 0)
+        acts.hold(stage, mb, act)
+    assert sorted(acts.held) == [(0, 0), (0, 2), (2, 1)]
+    assert (acts.live, acts.peak, acts.live_bytes, acts.peak_bytes) == (3, 3, 60, 60)
+    acts.release(0, 0, kept[0])
+    acts.release(2, 1, kept[1])
+    assert (acts.live, acts.peak, acts.live_bytes, acts.peak_bytes) == (1, 3, 30, 60)
+    assert acts.left() == ["backward (B, or W after I) never ran for stage 0 microbatch 2"]
+    acts.release(0, 2, kept[2])
+    assert acts.left() == [] and (acts.live, acts.peak) == (0, 3)
 
 
 def test_activations_left_lists_every_stage_and_microbatch_in_order() -> None:
-    stages = {s: StageCompute(s, nn.Identity(), None) for s in (3, 1)}
-    inputs, out = stages[1].forward(_grad(torch.randn(2, DIM)), 0, train=True)
+    acts, stage = Activations(), StageCompute(1, nn.Identity(), None)
+    inputs, out = stage.forward(_grad(torch.randn(2, DIM)), train=True)
     for s, mb in ((3, 2), (1, 4), (3, 0)):
-        stages[s].hold(mb, stages[s].keep(inputs, [out], mb))
-    assert activations_left(stages) == ["backward (B, or W after I) never ran for stage 1 microbatch 4, "
-                                        "stage 3 microbatch 0, stage 3 microbatch 2"]
-
+        acts.hold(s, mb, stage.keep(inputs, [out], mb))
+    assert acts.left() == ["backward (B, or W after I) never ran for stage 1 microbatch 4, "
+                           "stage 3 microbatch 0, stage 3 microbatch 2"]
 
 def test_loss_must_be_a_scalar() -> None:
     stage = StageCompute(3, nn.Identity(), None)
@@ -168,14 +175,14 @@ def test_loss_must_be_a_scalar() -> None:
 
 def test_output_that_needs_no_gradient_is_refused() -> None:
     stage = StageCompute(1, nn.Identity(), None)
-    inputs, out = stage.forward(_grad(torch.randn(2, DIM)), 0, train=True)
+    inputs, out = stage.forward(_grad(torch.randn(2, DIM)), train=True)
     with pytest.raises(PipelineError, match="stage 1 microbatch 0: the output does not require grad"):
         stage.keep(inputs, [], 0)
 
 
 def test_autocast_runs_the_forward_in_the_requested_dtype() -> None:
     stage = StageCompute(1, nn.Linear(DIM, DIM), torch.bfloat16)
-    _, out = stage.forward(_grad(torch.randn(2, DIM)), 0, train=True)
+    _, out = stage.forward(_grad(torch.randn(2, DIM)), train=True)
     assert out.dtype == torch.bfloat16
     assert next(stage.module.parameters()).dtype == torch.float32
 
@@ -188,13 +195,13 @@ def test_split_backward_on_cuda_matches_full_backward() -> None:
     full, split = StageCompute(1, part, None), StageCompute(1, copy.deepcopy(part), None)
     x = torch.randn(4, 2, DIM, device=device)
     for stage in (full, split):
-        inputs, out = stage.forward(_grad(x), 0, train=True)
+        inputs, out = stage.forward(_grad(x), train=True)
         act = stage.keep(inputs, [out], 0)
         if stage is full:
             stage.backward(act, [torch.ones_like(out)])
         else:
             stage.backward_input(act, [torch.ones_like(out)])
-            stage.backward_weight(act, 0)
+            stage.backward_weight(act)
     for a, b in zip(full.params(), split.params(), strict=True):
         torch.testing.assert_close(b.grad, a.grad)
 

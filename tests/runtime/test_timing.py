@@ -16,7 +16,6 @@ CPU = torch.device("cpu")
 
 def test_tracer_records_spans_in_seconds_since_start() -> None:
     tracer = Tracer(rank=2, device=CPU, enabled=True)
-    tracer.start()
     actions = [Action(0, Op.F, 0), Action(0, Op.B, 0)]
     for action in actions:
         with tracer.span(action):
@@ -27,13 +26,11 @@ def test_tracer_records_spans_in_seconds_since_start() -> None:
     assert [e.action for e in timeline.events] == actions
     assert all(e.rank == 2 and e.duration >= 0.009 for e in timeline.events)
     assert 0 <= timeline.events[0].start <= timeline.events[0].end <= timeline.events[1].start
-    tracer.start()  # a new step starts empty
-    assert tracer.timeline("1f1b", 4, 8).events == ()  # type: ignore[union-attr]
+    assert Tracer(rank=2, device=CPU, enabled=True).timeline("1f1b", 4, 8).events == ()  # type: ignore[union-attr]
 
 
 def test_disabled_tracer_returns_none() -> None:
     tracer = Tracer(rank=0, device=CPU, enabled=False)
-    tracer.start()
     with tracer.span(Action(0, Op.F, 0)):
         pass
     assert tracer.timeline("gpipe", 1, 1) is None
@@ -67,10 +64,9 @@ def test_cuda_events_time_gpu_work_not_the_cpu_clock() -> None:
     """A span around GPU work the CPU only launches: CUDA events measure the work (tens of ms); a CPU clock would
     measure the launch (microseconds), so a tracer that fell back to one fails here."""
     device = torch.device("cuda")
-    tracer = Tracer(rank=0, device=device, enabled=True)
     torch.cuda._sleep(1000)  # the first launch loads the kernel: not part of what is timed
     torch.cuda.synchronize(device)
-    tracer.start()
+    tracer = Tracer(rank=0, device=device, enabled=True)
     launched = time.perf_counter()
     with tracer.span(Action(0, Op.F, 0)):
         torch.cuda._sleep(SPIN_CYCLES)

@@ -1,4 +1,4 @@
-"""Transport on 2 gloo ranks: in-order posting with late shapes, known shapes, freeing, misuse."""
+"""The mail's transport on 2 gloo ranks: in-order posting with late shapes, known shapes, freeing, misuse."""
 
 from __future__ import annotations
 
@@ -12,10 +12,13 @@ from duplexpipe.comm.codec import TensorSpec
 from duplexpipe.errors import PipelineError
 from duplexpipe.runtime.handshake import group_store
 from duplexpipe.runtime.message_meta import Message, MessageMeta
-from duplexpipe.runtime.messages import MetaBoard
-from duplexpipe.runtime.transport import Transport, key_text
+from duplexpipe.runtime.messages import Mailroom
+from duplexpipe.runtime.transport import MailTransport, key_text
 from duplexpipe.runtime.watchdog import Watchdog
 from duplexpipe.schedules.ir import Op
+from duplexpipe.schedules.layout import Layout
+from duplexpipe.schedules.lower import lower
+from duplexpipe.schedules.registry import build
 
 CPU = torch.device("cpu")
 
@@ -25,11 +28,13 @@ def test_key_text_is_the_action_text() -> None:
     assert key_text((Op.SEND_B, 0, 2)) == "0SEND_B2"
 
 
-def _setup(rank: int, prefix: str) -> tuple[Any, Transport, MetaBoard]:
+def _setup(rank: int, prefix: str) -> tuple[Any, MailTransport, Mailroom]:
     group = dist.new_group([0, 1])
     dist.barrier(group=group)  # a first collective on the new group, as the runtime's handshake
     dog = Watchdog(group_store(group), prefix, rank, timeout_s=20.0, poll_s=0.05, gloo=True)
-    return group, Transport(group, CPU, dog), MetaBoard(group_store(group), prefix, dog)
+    transport = MailTransport(group, CPU, dog)
+    return group, transport, Mailroom(Layout.of(lower(build("1f1b", 2, 2))), rank, transport, group_store(group),
+                                      prefix, dog)
 
 
 def _payload(mb: int) -> torch.Tensor:
@@ -49,7 +54,7 @@ def _late_shapes(rank: int) -> dict[str, Any]:
 
     def resolve(mb: int) -> Any:
         def lookup(block: bool) -> tuple[TensorSpec, ...] | None:
-            meta = board.lookup(1, 1, mb, block, 0)
+            meta = board.announced(1, 1, mb, block, 0)
             return None if meta is None else meta.leaves
         return lookup
 

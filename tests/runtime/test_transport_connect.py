@@ -1,4 +1,4 @@
-"""Transport.connect on 4 gloo ranks: every rank opens its pairs in one sorted order without deadlock,
+"""MailTransport.connect on 4 gloo ranks: every rank opens its pairs in one sorted order without deadlock,
 and messages then flow over each pair (gloo's send, like a first NCCL message, waits for the peer)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 
 from duplexpipe.comm.codec import TensorSpec
 from duplexpipe.runtime.handshake import group_store
-from duplexpipe.runtime.transport import Transport
+from duplexpipe.runtime.transport import MailTransport
 from duplexpipe.runtime.watchdog import Watchdog
 from duplexpipe.schedules.ir import Op
 from duplexpipe.schedules.layout import Layout
@@ -24,7 +24,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     pairs = sorted(set(Layout.of(lower(build("interleaved-1f1b", world, 8))).rank_pairs())
                    | {(0, r) for r in range(1, world)})
     dog = Watchdog(group_store(None), "connect", rank, timeout_s=30.0, poll_s=0.05, gloo=True)
-    transport = Transport(None, torch.device("cpu"), dog)
+    transport = MailTransport(None, torch.device("cpu"), dog)
     transport.connect(pairs)
     got: dict[int, float] = {}
     for low, high in pairs:  # one message from the lower rank to the higher over every pair

@@ -1,15 +1,16 @@
-"""Step context helpers: microbatch splitting, shape signatures, forward-only lists; the context itself holds
-only facts (what a step changes lives with its owners)."""
+"""The step object and its helpers: microbatch splitting, shape signatures; a step starts empty."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 import torch
 
-from duplexpipe.runtime.context import StepContext, forward_only, microbatch_rows, signature, split_batch
-from duplexpipe.schedules.ir import Op
+from duplexpipe.runtime.collectives import Agreement
+from duplexpipe.runtime.messages import Mailbox
+from duplexpipe.runtime.rankplan import RankPlan
+from duplexpipe.runtime.stage_compute import Activations
+from duplexpipe.runtime.step import Step, microbatch_rows, signature, split_batch
+from duplexpipe.runtime.timing import Tracer
 from duplexpipe.schedules.lower import lower
 from duplexpipe.schedules.registry import build
 
@@ -53,18 +54,12 @@ def test_signature_depends_on_form_shapes_dtypes_and_microbatches_only() -> None
     assert pair != signature({"a": torch.zeros(10, 3), "b": torch.zeros(10)}, 4)
 
 
-def test_forward_only_keeps_forwards_in_order_and_splits_pairs() -> None:
-    schedule = lower(build("dualpipe", 2, 4))
-    for row in schedule.actions:
-        got = forward_only(row)
-        assert all(a.op in (Op.F, Op.RECV_F, Op.SEND_F) for a in got)
-        want = [p for a in row for p in a.compute_parts() if p.op is Op.F]
-        assert [a for a in got if a.op is Op.F] == want
-    assert any(a.op is Op.OVERLAP_F_B for row in schedule.actions for a in row)
-
-
-def test_the_context_is_frozen_facts() -> None:
-    ctx = StepContext(train=True, step=1, weights=[0.5, 0.5], signature=7, loss_scale=1.0, inputs={}, targets={},
-                      loss=None)
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        ctx.step = 2  # type: ignore[misc]
+def test_a_step_starts_empty_and_names_its_agreement() -> None:
+    schedule = lower(build("1f1b", 2, 4))
+    agreed = Agreement(batch=8, signature=7, target_rows=8, error_rank=-1, consistent=True)
+    step = Step(train=True, number=1, agreement=agreed, plan=RankPlan.of(schedule, 0), weights=[0.25] * 4,
+                loss_scale=1.0, inputs={}, targets={}, loss=None, mail=Mailbox.of(1, True, None),
+                acts=Activations(0), trace=Tracer(0, torch.device("cpu"), enabled=False))
+    assert step.signature == 7 and step.mail.learning and not step.mail.leftovers()
+    assert not step.acts.left() and (step.acts.live, step.acts.peak) == (0, 0)
+    assert step.outputs == {} and step.exchanges == [] and step.set_aside == {}
