@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from duplexpipe.runtime.local_tensors import local_of
+from duplexpipe.comm.local_tensors import local_of
 
 Waiter = Callable[[Any, str], None]
 """wait(work, what): waits for a collective posted with async_op=True (bounded and failure-aware,

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from duplexpipe.comm.local_tensors import laid_out_like, local_of
 from duplexpipe.runtime import structure
-from duplexpipe.runtime.local_tensors import laid_out_like, local_of
 from duplexpipe.runtime.watchdog import Watchdog
 from duplexpipe.schedules.ir import Schedule
 

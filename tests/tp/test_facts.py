@@ -10,8 +10,8 @@ from torch import nn
 
 from duplexpipe.launch.tasks.gpt import GPTConfig, build_gpt, gpt_tp_plan
 from duplexpipe.model.split import build_parts, plan_partition
-from duplexpipe.model.tp_facts import part_styles, tp_degrees, tp_facts
 from duplexpipe.planner.profile import TPFacts
+from duplexpipe.tp.facts import part_styles, tp_degrees, tp_facts
 
 
 def _parts(n_head: int = 4) -> list[nn.Module]:
