@@ -1,5 +1,6 @@
-"""What a TP plan does to each part, for the planner: the collectives counted from the plan's styles with the bytes of
-the whole activations, the parameters it leaves whole, the degrees it can shard, and plans that cannot say."""
+"""Tests for duplexpipe.tp.facts, what a TP plan does to each part, for the planner: the collectives counted from the
+plan's styles with the bytes of the whole activations, the parameters it leaves whole, the degrees it can shard, and
+plans that cannot say."""
 
 from __future__ import annotations
 
