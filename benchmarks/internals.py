@@ -59,8 +59,8 @@ from duplexpipe.train.checkpoint.manifest import digest
 # vs_torch_tp builds torch's side of a tensor-parallel pipeline with the plan resolved per part as torch's
 # parallelize_module takes it, counts each rank's local parameter bytes and the replicated ones (the TP facts); plan_tp
 # plans a world's P x D x T meshes with those facts and measures the TP link as schedule="auto" does.
-from duplexpipe.model.tp_facts import tp_facts
-from duplexpipe.model.tp_plans import local_bytes, resolve
 from duplexpipe.parallel.mesh import ParallelGroups
 from duplexpipe.planner.world import plan_world
+from duplexpipe.tp.facts import tp_facts
+from duplexpipe.tp.plans import local_bytes, resolve
 from duplexpipe.train.calibration import measure_tp_link, tp_collective_work

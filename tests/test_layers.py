@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "duplexpipe"
 
 LEVELS = {
-    "schedules": 0, "dp_options": 0, "comm": 1, "planner": 2, "runtime": 2, "viz": 3, "moe": 3, "model": 4,
-    "parallel": 5, "train": 6, "launch": 7, "cli": 8,
+    "schedules": 0, "dp_options": 0, "comm": 1, "planner": 2, "runtime": 2, "tp": 3, "viz": 3, "moe": 4, "model": 5,
+    "parallel": 6, "train": 7, "launch": 8, "cli": 9,
 }
 """A package may import its own modules and those of packages on lower levels only (docs/architecture.md)."""
 FACES = ("duplexpipe/__init__.py",)

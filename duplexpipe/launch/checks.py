@@ -22,9 +22,9 @@ from duplexpipe.launch.train_loop import (
     pipeline_config,
     task_tp_plan,
 )
-from duplexpipe.model.tp_plans import check_plan
 from duplexpipe.parallel.compressed import check_dgc_momentum
 from duplexpipe.parallel.zero_config import check_hpz
+from duplexpipe.tp.plans import check_plan
 from duplexpipe.train.pipeline_config import AUTO
 
 

@@ -29,10 +29,10 @@ from duplexpipe.launch.processes import launched_by_torchrun, run
 from duplexpipe.launch.train_config import DEFAULT_TASK, TrainConfig, is_schedule_file, lr_factor
 from duplexpipe.launch.train_settings import pipeline_values
 from duplexpipe.model.stages import PartInit
-from duplexpipe.model.tp_plans import TPPlan
 from duplexpipe.parallel.mesh import make_mesh
 from duplexpipe.runtime.backend import default_device
 from duplexpipe.schedules.timeline import Timeline
+from duplexpipe.tp.plans import TPPlan
 from duplexpipe.train.trainer import LossFn, Pipeline, PipelineConfig
 
 __all__ = ["DEFAULT_TASK", "LATEST", "TrainConfig", "TrainResult", "TrainTask", "checkpoint_to_load", "load_task",

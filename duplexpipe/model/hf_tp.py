@@ -17,9 +17,9 @@ from torch.distributed.tensor.parallel import (
 )
 
 from duplexpipe.model.hf import CausalLMPart, LlamaLayoutPart
-from duplexpipe.model.tp_plans import plan_errors, resolve, summary
 from duplexpipe.moe.layer import MoELayer
-from duplexpipe.runtime.tp_styles import ReplicatedWithGradAllReduce
+from duplexpipe.tp.plans import plan_errors, resolve, summary
+from duplexpipe.tp.style import ReplicatedWithGradAllReduce
 
 SEQUENCE_PARALLEL_NORMS = ("layers.*.input_layernorm", "layers.*.post_attention_layernorm", "norm")
 """The Llama layout's norms: with sequence parallelism they run on the sequence shard (torch's SequenceParallel)."""
@@ -111,7 +111,7 @@ class HFTensorPlan:
             raise ValueError("the model cannot be tensor-parallel: " + summary(list(dict.fromkeys(errors))))
 
     def styles(self, part: nn.Module) -> dict[str, ParallelStyle]:
-        """{module path: style} this plan gives `part` (what the planner's `model.tp_facts` counts)."""
+        """{module path: style} this plan gives `part` (what the planner's `tp.facts` counts)."""
         return {path: style for key, style in part_plan(_hf_part(part), self.sequence_parallel).items()
                 for path, _ in resolve(part, key)}
 

@@ -14,9 +14,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from duplexpipe.comm.local_tensors import local_of
 from duplexpipe.model.split import check_parts_fit
 from duplexpipe.moe.balance import moe_layers
-from duplexpipe.runtime.local_tensors import local_of
 from duplexpipe.runtime.structure import WHOLE_MESSAGE
 from duplexpipe.schedules.ir import Schedule
 

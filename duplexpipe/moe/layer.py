@@ -97,6 +97,16 @@ class MoELayer(nn.Module):
         """The global indices of the experts this rank holds."""
         return [int(k) for k in self.experts]
 
+    def sequence_parallel_error(self) -> str | None:
+        """Why this layer cannot run on a sequence shard under sequence parallelism (None: it can), which tensor
+        parallelism asks before it shards a stage (`tp.parallelize.SequenceParallelCheck`)."""
+        if not self.aux_loss_coef:
+            return None
+        return (f"MoE layers with aux_loss_coef={self.aux_loss_coef} under sequence parallelism: each TP rank "
+                "routes only its sequence shard, and the balance loss of a shard (a product of its token fractions "
+                "and mean scores) is not a part of the sequence's; use bias_update_speed (loss-free balancing, "
+                "exact under SP) or sequence_parallel=False")
+
     def shard_experts(self, ep: ExpertGroup) -> None:
         """Keep only this rank's experts: num_experts / ep.size of them, rank-major. A layer already sharded the
         same way (on the meta device, before its weights were read) only takes the group."""

@@ -11,7 +11,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from duplexpipe.runtime.tp_styles import ReplicatedWithGradAllReduce, ScatterSequence
+from duplexpipe.tp.style import ReplicatedWithGradAllReduce, ScatterSequence
 
 
 def moe_tp_plan(blocks: str = "layer*", sequence_parallel: bool = False, *, embedding: str | None = None,

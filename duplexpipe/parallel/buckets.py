@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from duplexpipe.runtime.local_tensors import local_of
+from duplexpipe.comm.local_tensors import local_of
 
 DEFAULT_BUCKET_BYTES = 32 * 2**20
 """Default bucket capacity (one parameter larger than this gets a bucket of its own)."""

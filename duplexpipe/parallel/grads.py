@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from duplexpipe.comm.local_tensors import local_of
 from duplexpipe.runtime.backward.compat import foreach_norm
-from duplexpipe.runtime.local_tensors import local_of
 
 Waiter = Callable[[Any, str], None]
 """wait(work, what): waits for a collective posted with async_op=True (bounded and failure-aware,

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from duplexpipe.runtime.local_tensors import local_of
+from duplexpipe.comm.local_tensors import local_of
 
 
 class LocalShards:

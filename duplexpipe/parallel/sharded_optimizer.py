@@ -19,10 +19,10 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from duplexpipe.comm.local_tensors import local_of
 from duplexpipe.comm.reduction import WaitFn, blocking_wait
 from duplexpipe.comm.sharded import Pending, ShardComm
 from duplexpipe.parallel.flat import FlatLayout
-from duplexpipe.runtime.local_tensors import local_of
 
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,

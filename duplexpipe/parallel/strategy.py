@@ -22,9 +22,9 @@ from duplexpipe.parallel import grads
 from duplexpipe.parallel.buckets import DEFAULT_BUCKET_BYTES, BucketSpec, BucketTracker, plan_buckets
 from duplexpipe.parallel.local_shards import LocalShards
 from duplexpipe.parallel.mesh import ParallelGroups
-from duplexpipe.parallel.tensor import counts_here
 from duplexpipe.schedules.ir import Schedule
 from duplexpipe.schedules.timeline import Span
+from duplexpipe.tp.parallelize import counts_here
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 """Builds the optimizer from this rank's parameters, e.g. `lambda ps: torch.optim.AdamW(ps, lr=1e-3)`."""

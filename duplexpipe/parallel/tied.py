@@ -11,9 +11,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from duplexpipe.comm.local_tensors import laid_out_like, local_of
 from duplexpipe.model.stages import inner_module
 from duplexpipe.parallel.grads import Waiter
-from duplexpipe.runtime.local_tensors import laid_out_like, local_of
+from duplexpipe.runtime.backend import default_device
 from duplexpipe.schedules.ir import Schedule
 
 
@@ -93,7 +94,8 @@ class TiedGrads:
         params = {s: dict(inner_module(m).named_parameters()) for s, m in modules.items()}
         self._copies = [[params[s][n] for s, n in plan.copies] for plan in self.plans]
         self._mine = [[params[s][n] for s, n in plan.contributions] for plan in self.plans]
-        self._groups = [_holder_group(plan.holders, pp_group) if plan.holders else None for plan in self.plans]
+        pipelines = _pipelines(pp_group) if any(plan.holders for plan in self.plans) else []
+        self._groups = [_holder_group(plan.holders, pipelines) if plan.holders else None for plan in self.plans]
         later = {(s, n) for t, plan in zip(ties, self.plans, strict=True) for s, n in plan.copies
                  if schedule.stages[s].group != t.parts[0] or schedule.copy_of_stage(s) != 0}
         self.uncounted = frozenset(id(params[s][n]) for s, n in later)
@@ -132,19 +134,28 @@ class TiedGrads:
         return [p for p in params if id(p) not in self.uncounted]
 
 
-def _holder_group(holders: Sequence[int], pp_group: Any) -> Any:
-    """A process group of the ranks at `holders` (pipeline ranks) of this process's pipeline.
-
-    Every process creates the groups of every pipeline (one per data-parallel replica), in one order.
-    """
+def _pipelines(pp_group: Any) -> list[tuple[int, ...]]:
+    """Every pipeline of the world (its global ranks in pipeline-rank order), sorted: each process's own, learnt
+    with one all-gather of fixed-size int tensors over the world (every process calls `new_group` for every group,
+    so the world is the group that must agree here)."""
     world = dist.get_world_size()
     if pp_group is None:
-        pipelines = [list(range(world))]
-    else:
-        mine = sorted(dist.get_process_group_ranks(pp_group), key=lambda g: dist.get_group_rank(pp_group, g))
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, mine)
-        pipelines = sorted({tuple(p) for p in gathered})  # type: ignore[misc]
+        return [tuple(range(world))]
+    mine = sorted(dist.get_process_group_ranks(pp_group), key=lambda g: dist.get_group_rank(pp_group, g))
+    if len(mine) == world:  # one pipeline: nothing to learn
+        return [tuple(mine)]
+    device = default_device()
+    gathered = [torch.empty(len(mine), dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(gathered, torch.tensor(mine, dtype=torch.int64, device=device))
+    return sorted({tuple(int(r) for r in p.tolist()) for p in gathered})
+
+
+def _holder_group(holders: Sequence[int], pipelines: Sequence[Sequence[int]]) -> Any:
+    """A process group of the ranks at `holders` (pipeline ranks) of this process's pipeline.
+
+    Every process creates the groups of every pipeline (one per data-parallel and tensor-parallel coordinate), in
+    one order.
+    """
     me, kept = dist.get_rank(), None
     for pipeline in pipelines:
         members = sorted(pipeline[h] for h in holders)

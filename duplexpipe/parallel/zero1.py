@@ -21,7 +21,6 @@ from duplexpipe.parallel import grads
 from duplexpipe.parallel.buckets import BucketSpec, BucketTracker
 from duplexpipe.parallel.sharded_optimizer import ShardedOptimizer
 from duplexpipe.parallel.strategy import DPStrategy, StrategyContext
-from duplexpipe.parallel.tensor import counts_here
 from duplexpipe.parallel.zero1_state import (
     dp_global_ranks,
     init_state,
@@ -30,6 +29,7 @@ from duplexpipe.parallel.zero1_state import (
     plain_entries,
     state_dict,
 )
+from duplexpipe.tp.parallelize import counts_here
 
 
 def checkpoint_names(ctx: StrategyContext) -> dict[int, tuple[int, str]]:

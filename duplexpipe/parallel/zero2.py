@@ -19,17 +19,17 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from duplexpipe.comm import Waitable
+from duplexpipe.comm.local_tensors import local_of
 from duplexpipe.comm.sharded import Pending, ShardComm
 from duplexpipe.dp_options.zero import gradient_wire
 from duplexpipe.parallel import grads
 from duplexpipe.parallel.buckets import BucketSpec, BucketTracker
 from duplexpipe.parallel.local_shards import LocalShards
 from duplexpipe.parallel.strategy import DPStrategy, StrategyContext
-from duplexpipe.parallel.tensor import counts_here
 from duplexpipe.parallel.zero1 import counted_stages, quantized
 from duplexpipe.parallel.zero_config import check_hpz
 from duplexpipe.runtime.backward.compat import foreach_mul_
-from duplexpipe.runtime.local_tensors import local_of
+from duplexpipe.tp.parallelize import counts_here
 
 try:  # FSDP2's public entry point and its (not yet public) custom-collective interfaces
     from torch.distributed.fsdp import FSDPModule, fully_shard

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from duplexpipe.comm.local_tensors import laid_out_like, local_of
 from duplexpipe.runtime import structure
-from duplexpipe.runtime.local_tensors import laid_out_like, local_of
 from duplexpipe.runtime.watchdog import Watchdog
 from duplexpipe.schedules.ir import Schedule
 
@@ -231,7 +231,7 @@ def sum_over_group(value: float, group: Any, device: torch.device, watchdog: Wat
 def _flat_grads(params: list[Tensor]) -> list[Tensor]:
     """One flat tensor per dtype (in order of first appearance), zeros where grad is None."""
     by_dtype: dict[torch.dtype, list[Tensor]] = {}
-    for p in params:  # a DTensor's local shard (tensor parallelism: mirrors share the TP coordinate)
+    for p in params:  # a sharded parameter: its local shard (the mirror holds the same shard)
         grad = local_of(p.grad) if p.grad is not None else torch.zeros_like(local_of(p))
         by_dtype.setdefault(p.dtype, []).append(grad.reshape(-1))
     return [torch.cat(parts) for parts in by_dtype.values()]

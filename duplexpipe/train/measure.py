@@ -13,12 +13,12 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 
-from duplexpipe.model.tp_facts import tp_degrees, tp_facts
-from duplexpipe.model.tp_plans import TPPlan
 from duplexpipe.planner.profile import PartProfile, Profile
 from duplexpipe.runtime.backward.graph import stage_backward_input, stage_backward_weight
 from duplexpipe.runtime.saved_bytes import SavedBytes
 from duplexpipe.runtime.structure import Form, call, flatten
+from duplexpipe.tp.facts import tp_degrees, tp_facts
+from duplexpipe.tp.plans import TPPlan
 
 Timer = Callable[[], float]
 """Returns the current time in seconds (time.perf_counter by default; tests inject a scripted one)."""
@@ -167,7 +167,7 @@ def profile_parts(parts: Sequence[nn.Module], sample_input: Any, *, target: Any 
     gives twice this machine's L2). Gradients are cleared afterwards.
 
     `tp_plan`: the model's tensor-parallel plan (a dict, or a plan that names its styles, e.g. `HFTensorPlan`): each
-    part's `PartProfile.tp` (`model.tp_facts`: the collectives a TP rank issues, with the bytes of the whole
+    part's `PartProfile.tp` (`tp.facts`: the collectives a TP rank issues, with the bytes of the whole
     activations of this forward, and the parameters the plan leaves whole) and `Profile.tp_degrees`, what the planner
     needs to plan T > 1. The parts themselves are profiled whole.
     """
@@ -197,7 +197,7 @@ def profile_parts(parts: Sequence[nn.Module], sample_input: Any, *, target: Any 
 
 
 def _with_tp(profile: Profile, parts: Sequence[nn.Module], sample_input: Any, plan: TPPlan | None) -> Profile:
-    """`profile` with what `plan` does to each part and the degrees it can shard them with (`model.tp_facts`);
+    """`profile` with what `plan` does to each part and the degrees it can shard them with (`tp.facts`);
     unchanged without a plan or with a callable plan that cannot name its styles."""
     facts = tp_facts(parts, sample_input, plan) if plan is not None else None
     if facts is None or plan is None:

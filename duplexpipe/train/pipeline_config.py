@@ -103,7 +103,7 @@ class PipelineConfig:
     """Record the measured timeline of every step (StepInfo.timeline)."""
     record_tp_lane: bool = False
     """With tensor parallelism and record_timeline: time DTensor's collectives on the timeline's "tp" lane
-    (`parallel.tp_lane`). A dispatch mode then sees every operator of the step: measured +11-21% CPU per step on
+    (`tp.lane`). A dispatch mode then sees every operator of the step: measured +11-21% CPU per step on
     an overhead-bound PP=2 x TP=2 GPT (4 gloo ranks, 2 cores), hence off by default."""
     check_replicas: bool = True
     """At construction, check that every copy of a model part (DualPipe mirrors, data-parallel

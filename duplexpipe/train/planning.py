@@ -19,7 +19,6 @@ from duplexpipe.comm.methods import check_optimizer
 from duplexpipe.dp_options.compression import NoCompression, Options, compression_options
 from duplexpipe.model.split import Partition
 from duplexpipe.model.stages import PartInit, PartSource, as_factory, materialize_part
-from duplexpipe.model.tp_plans import TPPlan
 from duplexpipe.parallel import OptimizerFactory
 from duplexpipe.parallel.compressed import check_dgc_momentum
 from duplexpipe.parallel.mesh import ParallelGroups
@@ -35,6 +34,7 @@ from duplexpipe.runtime.structure import flatten, map_leaves, split
 from duplexpipe.schedules.ir import Schedule
 from duplexpipe.schedules.registry import build as build_schedule
 from duplexpipe.sizes import memory_bytes
+from duplexpipe.tp.plans import TPPlan
 from duplexpipe.train.calibration import Calibration, CalibrationSetup, calibrate, measure_link, measure_tp_link
 from duplexpipe.train.choice import NO_LIMIT, AutoChoice, RunPlan
 from duplexpipe.train.measure import cache_evict_bytes, profile_parts
@@ -99,7 +99,7 @@ def plan_pipeline(parts: PartSource, loss_fn: LossFn, optimizer: OptimizerFactor
     plans, logs the choice once (rank 0) and merges the parts for the winner (see `choose`). Collective with
     "auto": call on every rank. Under tensor parallelism (tp > 1) "auto" plans this mesh's P, D and T (the mesh
     is given: the processes exist) with each TP rank's share of the costs (`planner.tp_comm`), the parts profiled
-    whole with `tp_plan` (`model.tp_facts`)."""
+    whole with `tp_plan` (`tp.facts`)."""
     if config.schedule != AUTO:
         resolved = with_defaults(config)
         schedule = resolve_schedule(resolved, groups.pp_size)

@@ -29,9 +29,9 @@ from duplexpipe.model.stages import (
     find_mismatched_copies,
     fingerprint,
     inner_module,
+    model_parts,
     resolve_checkpointing,
 )
-from duplexpipe.model.tp_plans import TPPlan
 from duplexpipe.parallel import (
     DPStrategy,
     OptimizerFactory,
@@ -41,11 +41,12 @@ from duplexpipe.parallel import (
     make_strategy,
 )
 from duplexpipe.parallel.mesh import ParallelGroups
-from duplexpipe.parallel.tensor import TensorParallel, check_tensor_parallel
 from duplexpipe.parallel.tied import TiedGrads, find_tied
 from duplexpipe.parallel.zero_config import check_tied
 from duplexpipe.runtime import EvalResult, PipelineRuntime, RuntimeConfig
 from duplexpipe.runtime.backend import default_device
+from duplexpipe.tp.parallelize import TensorParallel, check_tensor_parallel
+from duplexpipe.tp.plans import TPPlan
 from duplexpipe.train.choice import AutoChoice, RunPlan
 from duplexpipe.train.compile import CompiledStages
 from duplexpipe.train.experts import Experts
@@ -92,7 +93,7 @@ class Pipeline:
     after the schedule's own DualPipe mirror sum, by the data-parallel strategy `self.dp`
     (bucket by bucket, each started as soon as its gradients are final; compressed when
     `config.grad_compression` says so). With a mesh of tp > 1 (`make_mesh(pp, dp, tp=...)`), `tp_plan` shards every
-    stage module over the mesh's "tp" sub-mesh (see `parallel.tensor` and `model.tp_plans`; with
+    stage module over the mesh's "tp" sub-mesh (see `tp.parallelize` and `tp.plans`; with
     `config.sequence_parallel` the plan keeps the sequence sharded between TP regions and across stages);
     `self.param_bytes` is what this rank holds.
 
@@ -143,14 +144,14 @@ class Pipeline:
                                                  checkpoint_stages=ckpt, device=self.device)
         self.tensor = TensorParallel(tp_plan, groups, cfg.sequence_parallel)
         """Tensor parallelism inside this rank's stages (inactive without a plan or with tp=1)."""
-        self.tensor.apply(self.stage_modules, cfg.zero_stage or 0)
+        self.tensor.apply({s: model_parts(m) for s, m in self.stage_modules.items()}, cfg.zero_stage or 0)
         self.experts = Experts(self.stage_modules, self.schedule, groups, ckpt, self.device)
         """This rank's MoE layers: expert parallelism and the expert-bias update."""
         self.params = [p for s in sorted(self.stage_modules) for p in self.stage_modules[s].parameters()]
         tied = find_tied([] if callable(parts) else parts)  # factory parts cannot share a Parameter
         check_tied(cfg.zero_stage or 0, [t.places for t in tied], groups.dp_size)
         self.tied = TiedGrads(tied, self.schedule, groups.pp_rank, self.stage_modules, groups.pp_group)
-        self.tensor.check_tied(self.tied)
+        self.tensor.check_tied(self.tied.layouts())
         self.scaler = DynamicLossScaler(cfg.loss_scale, enabled=cfg.precision == "fp16")
         self.p2p_meter = WireMeter()
         """Every stage-to-stage SEND of this rank: kind "send", its payload bytes on the wire."""

@@ -18,10 +18,10 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from duplexpipe import Pipeline, PipelineConfig, make_mesh
+from duplexpipe.comm.local_tensors import local_of
 from duplexpipe.dp_options.zero import ZeroOptions
 from duplexpipe.errors import NonFiniteGradientError
 from duplexpipe.launch.processes import launch
-from duplexpipe.runtime.local_tensors import local_of
 
 SPAWN_TIMEOUT_S = 240
 DP = 4

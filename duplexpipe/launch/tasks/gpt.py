@@ -19,7 +19,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from duplexpipe.launch.train_loop import TrainTask
-from duplexpipe.runtime.tp_styles import ScatterSequence
+from duplexpipe.tp.style import ScatterSequence
 
 CORPUS_NAME = "kjv_genesis_exodus.txt"
 """The corpus file in the package's data folder (Genesis and Exodus, King James Version)."""

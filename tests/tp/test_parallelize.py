@@ -1,4 +1,4 @@
-"""Tests for duplexpipe.parallel.tensor: PP=2 x TP=2 (4 gloo ranks, one spawn), a GPT of attention + MLP blocks in
+"""Tests for duplexpipe.tp.parallelize: PP=2 x TP=2 (4 gloo ranks, one spawn), a GPT of attention + MLP blocks in
 float64 with the bundled plan, 3 AdamW steps with clipping against one process: every schedule with and without
 sequence parallelism, activation checkpointing, tied weights, fp16's shared overflow decision, low-precision sends,
 gradient compression on local shards (PP=1 x DP=2 x TP=2), evaluate, the "tp" lane, per-rank parameter bytes,
@@ -25,11 +25,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from duplexpipe import Pipeline, PipelineConfig, make_mesh
+from duplexpipe.comm.local_tensors import local_of
 from duplexpipe.errors import CheckpointError, NonFiniteGradientError
 from duplexpipe.launch.tasks.gpt import gpt_tp_plan
 from duplexpipe.parallel.mesh import ParallelGroups
-from duplexpipe.parallel.tp_lane import TP_LANE
-from duplexpipe.runtime.local_tensors import local_of
+from duplexpipe.tp.lane import TP_LANE
 from duplexpipe.train.checkpoint.manifest import read_manifest
 from duplexpipe.train.precision import LossScaleConfig
 

@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
-from duplexpipe.runtime.tp_styles import PARTIAL_OVER_TP
+from duplexpipe.tp.style import PARTIAL_OVER_TP
 
 HEAD_ATTRS = ("n_head", "heads", "num_heads", "num_attention_heads", "num_key_value_heads", "n_kv_heads")
 """Attributes naming an attention module's head counts: the TP degree must divide each (modules see local heads)."""

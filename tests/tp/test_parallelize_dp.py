@@ -1,6 +1,6 @@
-"""Tests for tensor parallelism with data and expert parallelism: PP=2 x DP=2 x TP=2 (8 gloo ranks, one spawn; the
-data-parallel strategies and the expert-parallel all-to-alls need DP = 2 beside TP = 2), float64, against one
-process: ZeRO-1 and ZeRO-2 (FSDP2 over the mesh's "dp" dimension) with sequence parallelism, and MoE blocks with
+"""Tests for duplexpipe.tp.parallelize with data and expert parallelism: PP=2 x DP=2 x TP=2 (8 gloo ranks, one
+spawn; the data-parallel strategies and the expert-parallel all-to-alls need DP = 2 beside TP = 2), float64, against
+one process: ZeRO-1 and ZeRO-2 (FSDP2 over the mesh's "dp" dimension) with sequence parallelism, and MoE blocks with
 expert parallelism (ep=2) whose attention is tensor-parallel, with the F&B overlap on and off (bit-equal)."""
 
 from __future__ import annotations

@@ -1,19 +1,26 @@
-"""Tensor parallelism inside each stage: the plan applied to this rank's stage modules, the gradients that are partial
-sums over the TP group summed once a stage's gradients are final, and which gradients the global norm counts here."""
+"""Tensor parallelism inside each stage: the plan applied to this rank's stage modules (checked over the pipeline
+group), the gradients that are partial sums over the TP group summed once a stage's gradients are final, and which
+gradients the global norm counts here."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+import json
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from duplexpipe.model.stages import PartSource, as_factory, inner_module, model_parts
-from duplexpipe.model.tp_plans import (
+from duplexpipe.comm.agreement import any_rank, every_rank_texts
+from duplexpipe.comm.local_tensors import local_of
+from duplexpipe.runtime.backend import default_device
+from duplexpipe.schedules.timeline import Span
+from duplexpipe.tp.lane import TPCollectives
+from duplexpipe.tp.plans import (
     SEQUENCE_SHARDS,
     TPPlan,
     check_plan,
@@ -25,15 +32,41 @@ from duplexpipe.model.tp_plans import (
     sharded_over_tp,
     summary,
 )
-from duplexpipe.moe.balance import moe_layers
-from duplexpipe.parallel.mesh import ParallelGroups
-from duplexpipe.parallel.tied import TiedGrads
-from duplexpipe.parallel.tp_lane import TPCollectives
-from duplexpipe.runtime.local_tensors import local_of
-from duplexpipe.schedules.timeline import Span
 
 Waiter = Callable[[Any, str], None]
 """wait(work, what): a bounded, failure-aware wait for an async collective."""
+
+
+class TPGroups(Protocol):
+    """What tensor parallelism needs of this process's groups (`parallel.mesh.ParallelGroups` has it)."""
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup | None:
+        """The pipeline group (None: the default group): every model part lies on one of its ranks."""
+
+    @property
+    def dp_size(self) -> int:
+        """Number of data-parallel replicas."""
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup | None:
+        """The tensor-parallel group (None when tp_size is 1)."""
+
+    @property
+    def tp_size(self) -> int:
+        """Tensor-parallel degree."""
+
+    @property
+    def tp_mesh(self) -> DeviceMesh | None:
+        """The 1-D "tp" sub-mesh `parallelize_module` shards over (None when tp_size is 1)."""
+
+
+@runtime_checkable
+class SequenceParallelCheck(Protocol):
+    """A module that can say why it cannot run under sequence parallelism (an MoE layer with a balance loss)."""
+
+    def sequence_parallel_error(self) -> str | None:
+        """What it is and why it cannot run on a sequence shard ("MoE layers with ..."); None when it can."""
 
 
 def counts_here(p: Tensor, tp_rank: int) -> bool:
@@ -42,8 +75,8 @@ def counts_here(p: Tensor, tp_rank: int) -> bool:
     return tp_rank == 0 or sharded_over_tp(p)
 
 
-def check_tensor_parallel(parts: PartSource, plan: TPPlan | None, groups: ParallelGroups,
-                          sequence_parallel: bool) -> None:
+def check_tensor_parallel(parts: Sequence[nn.Module] | Callable[[int], nn.Module], plan: TPPlan | None,
+                          groups: TPGroups, sequence_parallel: bool) -> None:
     """ValueError on every rank, before any part is built or sharded, for a plan that cannot run on `groups`."""
     tp = groups.tp_size
     if plan is None:
@@ -55,17 +88,9 @@ def check_tensor_parallel(parts: PartSource, plan: TPPlan | None, groups: Parall
         return
     if tp == 1:
         return  # a plan with tp=1 shards nothing: the model runs whole
-    if as_factory(parts) is None:  # parts from a factory: each rank checks its own when it shards them (apply)
-        check_plan(list(parts), plan, tp)  # type: ignore[arg-type]
-
-
-def _anywhere(flag: bool) -> bool:
-    """Whether `flag` holds on any rank of the world (collective when initialised)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return flag
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, flag)
-    return any(everyone)
+    if callable(parts) and not isinstance(parts, nn.Module):
+        return  # parts from a factory: each rank checks its own when it shards them (apply)
+    check_plan(list(parts), plan, tp)  # type: ignore[arg-type]
 
 
 def _is_partial(t: DTensor) -> bool:
@@ -87,7 +112,7 @@ class TensorParallel:
     norm counts each gradient once (`counts_here`, used by the data-parallel strategies). Inactive (every method a
     no-op) without a plan or with tp=1."""
 
-    def __init__(self, plan: TPPlan | None, groups: ParallelGroups, sequence_parallel: bool) -> None:
+    def __init__(self, plan: TPPlan | None, groups: TPGroups, sequence_parallel: bool) -> None:
         self.plan = plan
         self.groups = groups
         self.sequence_parallel = sequence_parallel
@@ -100,51 +125,55 @@ class TensorParallel:
         self._pending: set[int] = set()
         self._lane: TPCollectives | None = None
 
-    def apply(self, modules: Mapping[int, nn.Module], zero_stage: int = 0) -> None:
-        """Shard every stage module of this rank in place (each TP rank holds the same whole weights and keeps its
-        slice); ValueError on every rank for a plan that cannot shard the model or does not fit `zero_stage`."""
+    def apply(self, parts: Mapping[int, Sequence[nn.Module]], zero_stage: int = 0) -> None:
+        """Shard the model parts of every stage of this rank in place (stage -> the parts its module runs: several
+        for a chain of merged parts, schedule="auto"; each TP rank holds the same whole weights and keeps its
+        slice); ValueError on every rank for a plan that cannot shard the model or does not fit `zero_stage`
+        (collective over the pipeline group, whose ranks hold every part)."""
         if not self.active:
             return
         assert self.plan is not None and self.groups.tp_mesh is not None
         if isinstance(self.plan, Mapping):
-            self._check_everywhere([p for s in sorted(modules) for p in model_parts(modules[s])], self.plan)
-        for stage in sorted(modules):
+            self._check_everywhere([p for s in sorted(parts) for p in parts[s]], self.plan)
+        for stage in sorted(parts):
             self.partial[stage] = []
-            for part in model_parts(modules[stage]):  # a chain of merged parts (schedule="auto"): each part
-                self._check_moe(stage, part)
+            for part in parts[stage]:
+                self._check_sequence_parallel(stage, part)
                 for module in part.modules():  # parts that build masks or positions (Hugging Face parts)
                     if hasattr(module, SEQUENCE_SHARDS):
                         setattr(module, SEQUENCE_SHARDS, self.groups.tp_size if self.sequence_parallel else 1)
                 parallelize_part(part, self.plan, self.groups.tp_mesh)
                 self.partial[stage] += partial_modules(part)
-        if zero_stage == 2 and self.groups.dp_size > 1 and _anywhere(any(self.partial.values())):
+        if zero_stage == 2 and self.groups.dp_size > 1 and self._any_rank([any(self.partial.values())])[0]:
             raise ValueError("zero_stage=2 with modules whose parameters' gradients are partial over the TP group "
                              "(ReplicatedWithGradAllReduce: Qwen3's q_norm / k_norm, MoE layers under sequence "
                              "parallelism) is not supported: FSDP2 reduce-scatters them over the data-parallel group "
                              "before they are summed over TP; use zero_stage=1")
 
-    def _check_moe(self, stage: int, part: nn.Module) -> None:
-        """ValueError for MoE layers whose balance loss cannot be exact under sequence parallelism."""
-        coefs = [layer.aux_loss_coef for layer in moe_layers(part) if layer.aux_loss_coef]
-        if self.sequence_parallel and coefs:
-            raise ValueError(f"stage {stage} holds MoE layers with aux_loss_coef={coefs[0]} under sequence "
-                             "parallelism: each TP rank routes only its sequence shard, and the balance loss of a "
-                             "shard (a product of its token fractions and mean scores) is not a part of the "
-                             "sequence's; use bias_update_speed (loss-free balancing, exact under SP) or "
-                             "sequence_parallel=False")
+    def _check_sequence_parallel(self, stage: int, part: nn.Module) -> None:
+        """ValueError for modules that cannot run on a sequence shard (MoE layers whose balance loss would not be
+        exact) under sequence parallelism."""
+        if not self.sequence_parallel:
+            return
+        for module in part.modules():
+            if isinstance(module, SequenceParallelCheck) and (why := module.sequence_parallel_error()):
+                raise ValueError(f"stage {stage} holds {why}")
+
+    def _any_rank(self, flags: Sequence[bool]) -> list[bool]:
+        """Per flag, whether some rank of this pipeline raised it (every pipeline holds the same parts)."""
+        return any_rank(flags, self.groups.pp_group, default_device(self.groups.pp_group))
 
     def _check_everywhere(self, parts: list[nn.Module], plan: Mapping[str, Any]) -> None:
-        """The dict plan against every rank's parts (the plan keys some part has, the dimensions it cannot shard),
-        shared over the world so that every rank raises the same ValueError before any part is sharded."""
+        """The dict plan against every part of the pipeline (the plan keys some part has, the dimensions it cannot
+        shard): one all-reduce of flags over the pipeline group, and the ranks' errors gathered over it only when
+        something is wrong, so that every rank raises the same ValueError before any part is sharded."""
         found, errors = plan_errors(parts, plan, self.groups.tp_size)
-        mine: list[Any] = [(sorted(found), errors)]
-        everyone = mine
-        if dist.is_available() and dist.is_initialized():
-            everyone = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, mine[0])
-        seen = {key for keys, _ in everyone for key in keys}
-        problems = list(dict.fromkeys(e for _, errs in everyone for e in errs))
-        missing = [key for key in plan if key not in seen]
+        flags = self._any_rank([key in found for key in plan] + [bool(errors)])
+        if all(flags[:-1]) and not flags[-1]:
+            return
+        everyone = every_rank_texts(errors, self.groups.pp_group, default_device(self.groups.pp_group))
+        problems = list(dict.fromkeys(e for errs in everyone for e in errs))
+        missing = [key for key, seen in zip(plan, flags[:-1], strict=True) if not seen]
         if missing:
             problems.insert(0, f"it names module(s) {missing} that no model part has")
         if problems:
@@ -162,7 +191,7 @@ class TensorParallel:
         if stage not in self._pending:
             return
         self._pending.discard(stage)
-        params = [p for p in inner_module(modules[stage]).parameters() if p.grad is not None]
+        params = [p for p in modules[stage].parameters() if p.grad is not None]
         partial = [p for p in params if isinstance(p.grad, DTensor) and _is_partial(p.grad)]
         plain = [p for p in partial_params(self.partial.get(stage, [])) if p.grad is not None]
         if partial or plain:
@@ -187,15 +216,16 @@ class TensorParallel:
         for stage in sorted(self._pending):
             self.grads_final(stage, modules, wait)
 
-    def check_tied(self, tied: TiedGrads) -> None:
+    def check_tied(self, layouts: Sequence[Sequence[str]]) -> None:
         """ValueError on every rank when the copies of a tied parameter are sharded differently (their local
-        gradients could not be summed); collective over the world when active."""
-        if not self.active or not (dist.is_available() and dist.is_initialized()):
+        gradients could not be summed); `layouts`: per tied parameter, those of this rank's copies
+        (`parallel.tied.TiedGrads.layouts`). Collective over the pipeline group when active and any are tied."""
+        if not self.active or not layouts:
             return
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, tied.layouts())
-        for index in range(len(tied.layouts())):
-            seen = sorted({layout for per_rank in everyone for layout in per_rank[index]})
+        mine = [json.dumps(sorted(set(per_tie))) for per_tie in layouts]
+        everyone = every_rank_texts(mine, self.groups.pp_group, default_device(self.groups.pp_group))
+        for index in range(len(layouts)):
+            seen = sorted({layout for per_rank in everyone for layout in json.loads(per_rank[index])})
             if len(seen) > 1:
                 raise ValueError(f"tied parameter {index} is sharded differently by the tp_plan in the parts that "
                                  f"use it ({', '.join(seen)}); give every module that uses it the same layout (e.g. "
@@ -204,7 +234,7 @@ class TensorParallel:
 
     @contextlib.contextmanager
     def timed(self, record: bool) -> Iterator[None]:
-        """Inside, DTensor's collectives are timed for the "tp" lane (when active and `record`; see tp_lane)."""
+        """Inside, DTensor's collectives are timed for the "tp" lane (when active and `record`; see `tp.lane`)."""
         self._lane = TPCollectives() if self.active and record else None
         if self._lane is None:
             yield
@@ -219,4 +249,4 @@ class TensorParallel:
     def param_bytes(self, modules: Mapping[int, nn.Module]) -> int:
         """Bytes of parameters this rank holds in its stage modules (a sharded parameter's local shard; each
         stage module counted, DualPipe's two copies of a part twice)."""
-        return sum(local_bytes(inner_module(m)) for m in modules.values())
+        return sum(local_bytes(m) for m in modules.values())

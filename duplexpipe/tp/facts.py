@@ -12,9 +12,9 @@ from torch import Tensor, nn
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from duplexpipe.model.tp_plans import CheckedPlan, TPPlan, plan_errors, resolve
 from duplexpipe.planner.profile import TP_DEGREES_CHECKED, TPFacts
 from duplexpipe.runtime.structure import call, flatten
+from duplexpipe.tp.plans import CheckedPlan, TPPlan, plan_errors, resolve
 
 
 @runtime_checkable

@@ -1,4 +1,4 @@
-"""Tests for duplexpipe.model.tp_plans (one process, no process group): plan keys resolved as parallelize_module
+"""Tests for duplexpipe.tp.plans (one process, no process group): plan keys resolved as parallelize_module
 resolves them, and a plan checked against the model before anything is sharded (missing modules, dimensions and
 heads the TP degree does not divide, values that are no ParallelStyle)."""
 
@@ -13,9 +13,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel
 
 from duplexpipe.launch.tasks.gpt import GPTConfig, build_gpt, gpt_tp_plan
 from duplexpipe.model.split import build_parts, plan_partition
-from duplexpipe.model.tp_plans import check_plan, resolve, sharded_over_tp, summary
 from duplexpipe.moe import moe_tp_plan
-from duplexpipe.runtime.tp_styles import ScatterSequence
+from duplexpipe.tp.plans import check_plan, resolve, sharded_over_tp, summary
+from duplexpipe.tp.style import ScatterSequence
 
 
 def _parts(n_head: int = 4, vocab: int = 16) -> list[nn.Module]:

@@ -1,5 +1,6 @@
-"""What a TP plan does to each part, for the planner: the collectives counted from the plan's styles with the bytes of
-the whole activations, the parameters it leaves whole, the degrees it can shard, and plans that cannot say."""
+"""Tests for duplexpipe.tp.facts, what a TP plan does to each part, for the planner: the collectives counted from the
+plan's styles with the bytes of the whole activations, the parameters it leaves whole, the degrees it can shard, and
+plans that cannot say."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from torch import nn
 
 from duplexpipe.launch.tasks.gpt import GPTConfig, build_gpt, gpt_tp_plan
 from duplexpipe.model.split import build_parts, plan_partition
-from duplexpipe.model.tp_facts import part_styles, tp_degrees, tp_facts
 from duplexpipe.planner.profile import TPFacts
+from duplexpipe.tp.facts import part_styles, tp_degrees, tp_facts
 
 
 def _parts(n_head: int = 4) -> list[nn.Module]:
