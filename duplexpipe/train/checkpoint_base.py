@@ -17,8 +17,8 @@ from duplexpipe.model.split import Partition
 from duplexpipe.parallel import DPStrategy, ParallelGroups
 from duplexpipe.schedules.ir import Schedule
 from duplexpipe.train.checkpoint_reader import read_metadata_file
-from duplexpipe.train.choice import AutoChoice
 from duplexpipe.train.pipeline_config import PipelineConfig
+from duplexpipe.train.planning.choice import AutoChoice
 from duplexpipe.train.precision import DynamicLossScaler
 
 

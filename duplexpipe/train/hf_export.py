@@ -22,8 +22,8 @@ from duplexpipe.model.hf_files import INDEX_FILE
 from duplexpipe.moe.balance import expert_parameters
 from duplexpipe.parallel import DPStrategy, ParallelGroups
 from duplexpipe.schedules.ir import Schedule
-from duplexpipe.train.choice import AutoChoice
 from duplexpipe.train.part_chain import PartChain
+from duplexpipe.train.planning.choice import AutoChoice
 from duplexpipe.train.pretrained import SOURCE_FILES
 from duplexpipe.train.state_keys import stage_state_keys
 

@@ -46,7 +46,6 @@ from duplexpipe.parallel.tied import TiedGrads, find_tied
 from duplexpipe.parallel.zero_config import check_tied
 from duplexpipe.runtime import EvalResult, PipelineRuntime, RuntimeConfig
 from duplexpipe.runtime.backend import default_device
-from duplexpipe.train.choice import AutoChoice, RunPlan
 from duplexpipe.train.compile import CompiledStages
 from duplexpipe.train.experts import Experts
 from duplexpipe.train.pipeline_config import (
@@ -58,7 +57,9 @@ from duplexpipe.train.pipeline_config import (
     runtime_config,
     with_defaults,
 )
-from duplexpipe.train.planning import plan_pipeline, resolve_schedule
+from duplexpipe.train.planning import PlannedPipeline, plan_pipeline
+from duplexpipe.train.planning.auto import resolve_schedule, resolved
+from duplexpipe.train.planning.choice import AutoChoice, RunPlan
 from duplexpipe.train.precision import DynamicLossScaler
 
 AUTO_PARTS_PER_RANK = 4
@@ -96,15 +97,13 @@ class Pipeline:
     `config.sequence_parallel` the plan keeps the sequence sharded between TP regions and across stages);
     `self.param_bytes` is what this rank holds.
 
-    With `PipelineConfig(schedule="auto", memory_limit=...)` the construction first measures the
-    parts (rank 0's profile on a microbatch of `sample_input` / `sample_targets`, a batch as given to
-    `step`, and a few seconds of calibration steps on every rank; cached per parts and machine: see
-    `planning.plan_pipeline`), plans for this P, D and batch size under the limit, merges neighbouring parts
-    as the winner needs and runs it with the M, ZeRO stage and gradient compression it chose (fields set
-    in the config are fixed);
-    rank 0 logs the choice and the planner's table (logger "duplexpipe.plan"). `self.plan` says what runs
-    (any schedule), `self.auto` holds the planner's whole result. A limit no candidate fits raises
-    ValueError on every rank, naming the smallest feasible cap.
+    `config` is a PipelineConfig with a named or given schedule, or the plan `plan_pipeline` made for these parts
+    and this mesh: with schedule="auto" planning is a step before construction (`duplexpipe.plan_pipeline(parts,
+    loss_fn, optimizer, PipelineConfig("auto", memory_limit=...), mesh=..., sample_input=..., sample_targets=...)`
+    measures, plans and logs the choice; `Pipeline(parts, loss_fn, optimizer, plan, mesh=...)` merges the parts as
+    the plan says and builds). `from_layers` and `from_pretrained` take schedule="auto" and plan first themselves.
+    The constructor builds only: it measures and plans nothing. `self.plan` says what runs (any schedule),
+    `self.auto` holds the planner's whole result.
     """
 
     def __init__(
@@ -112,24 +111,24 @@ class Pipeline:
         parts: PartSource,
         loss_fn: LossFn,
         optimizer: OptimizerFactory,
-        config: PipelineConfig | None = None,
+        config: PipelineConfig | PlannedPipeline | None = None,
         *,
         mesh: DeviceMesh | None = None,
         device: torch.device | str | None = None,
         partition: Partition | None = None,
         init: PartInit | None = None,
         scheduler: SchedulerFactory | None = None,
-        sample_input: Any = None,
-        sample_targets: Any = None,
         tp_plan: TPPlan | None = None,
     ) -> None:
         self.groups = groups = ParallelGroups.from_mesh(mesh)
-        check_tensor_parallel(parts, tp_plan, groups, (config or PipelineConfig()).sequence_parallel)
+        planned = config if isinstance(config, PlannedPipeline) else resolved(config or PipelineConfig(), groups)
+        sizes = (groups.pp_size, groups.dp_size, groups.tp_size)
+        if planned.sizes != sizes:
+            raise ValueError(f"the plan was made for a mesh of (pp, dp, tp) = {planned.sizes}, but this one is {sizes}")
+        check_tensor_parallel(parts, tp_plan, groups, planned.config.sequence_parallel)
         self.device = torch.device(device) if device is not None else default_device()
-        planned = plan_pipeline(parts, loss_fn, optimizer, config or PipelineConfig(), groups=groups,
-                                device=self.device, init=init, partition=partition,
-                                sample=(sample_input, sample_targets), tp_plan=tp_plan)
-        parts, init, partition = planned.parts, planned.init, planned.partition
+        parts, init = planned.merged_parts(parts), planned.merged_init(init)
+        partition = planned.merged_partition(partition)
         self.config = cfg = planned.config
         """The config this pipeline runs (with "auto": the planner's M, ZeRO stage and compression set)."""
         self.auto: AutoChoice | None = planned.auto
@@ -223,7 +222,8 @@ class Pipeline:
         the layers are split into 4P parts (one per layer when there are fewer), `sample_input` and
         `sample_targets` are a batch as given to `step`, and the planner merges parts as its
         winner needs. `tp_plan` applies to the parts (children `embedding`, `layer<i>`, `head`), e.g.
-        `launch.tasks.gpt.gpt_tp_plan` or `moe.moe_tp_plan`.
+        `launch.tasks.gpt.gpt_tp_plan` or `moe.moe_tp_plan`. schedule="auto" is planned here (`plan_pipeline`), on
+        the parts, before the Pipeline is built.
         """
         config = config or PipelineConfig()
         pp = ParallelGroups.from_mesh(mesh).pp_size
@@ -238,9 +238,10 @@ class Pipeline:
             dist.broadcast_object_list(shared, src=0)  # profiled times differ per rank: rank 0 decides
             partition = shared[0]
         parts = build_parts(blocks, partition, embedding=embedding, head=head)
-        return cls(parts, loss_fn, optimizer, config, mesh=mesh, device=device, partition=partition,
-                   init=init, scheduler=scheduler, sample_input=sample_input, sample_targets=sample_targets,
-                   tp_plan=tp_plan)
+        plan = plan_pipeline(parts, loss_fn, optimizer, config, mesh=mesh, device=device, init=init,
+                             sample_input=sample_input, sample_targets=sample_targets, tp_plan=tp_plan)
+        return cls(parts, loss_fn, optimizer, plan, mesh=mesh, device=device, partition=partition, init=init,
+                   scheduler=scheduler, tp_plan=tp_plan)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -470,9 +471,10 @@ class Pipeline:
             from duplexpipe.model.hf_tp import HFTensorPlan
 
             tp_plan = HFTensorPlan(config.sequence_parallel)
-        pipe = cls(parts, causal_lm_loss, optimizer, config, mesh=mesh, device=device, init=source.fill,
-                   partition=source.partition(parts, balance is not None), scheduler=scheduler,
-                   sample_input=sample_input, sample_targets=sample_targets, tp_plan=tp_plan)
+        plan = plan_pipeline(parts, causal_lm_loss, optimizer, config, mesh=mesh, device=device, init=source.fill,
+                             sample_input=sample_input, sample_targets=sample_targets, tp_plan=tp_plan)
+        pipe = cls(parts, causal_lm_loss, optimizer, plan, mesh=mesh, device=device, init=source.fill,
+                   partition=source.partition(parts, balance is not None), scheduler=scheduler, tp_plan=tp_plan)
         pipe.source_dir = str(path)
         pipe.batch_transform = TokenWeighted(pipe.groups.dp_group, pipe.groups.dp_size, pipe.device, pipe.bounded)
         return pipe

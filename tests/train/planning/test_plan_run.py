@@ -28,6 +28,7 @@ from duplexpipe.planner.dp_comm import Link
 from duplexpipe.planner.profile import PartProfile, Profile
 from duplexpipe.planner.runtime_work import rank_counts, rank_work
 from duplexpipe.train.pipeline_config import AUTO
+from duplexpipe.train.planning import plan_pipeline
 from duplexpipe.train.trainer import Pipeline, PipelineConfig
 
 WORLD = 4
@@ -82,7 +83,9 @@ def _pipe(mesh: Any, options: dict[str, Any], **fields: Any) -> tuple[Pipeline, 
         x, y = batch(0)
         config = PipelineConfig(schedule=AUTO, num_microbatches=4, schedule_options={
             **OPTIONS, "timer": ScriptedClock(HEAVY_LAST), **options}, **fields)
-        return Pipeline(make_parts(4), mse, adam, config, mesh=mesh, sample_input=x, sample_targets=y), records
+        parts = make_parts(4)
+        plan = plan_pipeline(parts, mse, adam, config, mesh=mesh, sample_input=x, sample_targets=y)
+        return Pipeline(parts, mse, adam, plan, mesh=mesh), records
     finally:
         logger.removeHandler(handler)
 

@@ -22,12 +22,13 @@ from duplexpipe.parallel.mesh import ParallelGroups
 from duplexpipe.planner.plan import PlanConfig, plan
 from duplexpipe.planner.runtime_work import OverheadSample
 from duplexpipe.sizes import memory_bytes
-from duplexpipe.train.calibration import fit_in_pipeline
-from duplexpipe.train.choice import RunPlan
-from duplexpipe.train.measure_cache import parts_digest
 from duplexpipe.train.part_chain import PartChain
 from duplexpipe.train.pipeline_config import AUTO, AUTO_PLAN_KEYS, with_defaults
-from duplexpipe.train.planning import PlanSetup, _plan_config, choose, probe_optimizer, trainer_refusal
+from duplexpipe.train.planning import plan_pipeline
+from duplexpipe.train.planning.auto import PlanSetup, _plan_config, choose, probe_optimizer, trainer_refusal
+from duplexpipe.train.planning.calibration import fit_in_pipeline
+from duplexpipe.train.planning.choice import RunPlan
+from duplexpipe.train.planning.measure_cache import parts_digest
 from duplexpipe.train.trainer import Pipeline, PipelineConfig
 
 WORLD = 2
@@ -54,7 +55,8 @@ def _pipe(costs_rank0: list[tuple[float, float, float]], costs_other: list[tuple
     config = PipelineConfig(schedule=AUTO, num_microbatches=4, memory_limit=limit,
                             schedule_options={**CANDIDATES, "timer": clock})
     x, y = batch(0)
-    return Pipeline(make_parts(4), mse, adam, config, sample_input=x, sample_targets=y)
+    parts = make_parts(4)
+    return Pipeline(parts, mse, adam, plan_pipeline(parts, mse, adam, config, sample_input=x, sample_targets=y))
 
 
 def _train(pipe: Pipeline, steps: int = 4) -> dict[str, Any]:
@@ -121,7 +123,8 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     out["limit"] = limit
     out["too_small"] = _case(lambda: _capped(1))
     out["bad_text"] = _case(lambda: _pipe(UNIFORM, UNIFORM, "lots"))
-    out["no_sample"] = _case(lambda: Pipeline(make_parts(4), mse, adam, PipelineConfig(schedule=AUTO)))
+    out["no_sample"] = _case(lambda: plan_pipeline(make_parts(4), mse, adam, PipelineConfig(schedule=AUTO)))
+    out["unplanned"] = _case(lambda: Pipeline(make_parts(4), mse, adam, PipelineConfig(schedule=AUTO)))
     return out
 
 
@@ -184,6 +187,7 @@ def test_no_feasible_plan_is_a_value_error_on_every_rank(results: list[dict[str,
     assert messages[0] == messages[1]
     assert all("bad memory size 'lots'" in r["bad_text"]["error"] for r in results)
     assert all("pass sample_input=" in r["no_sample"]["error"] for r in results)
+    assert all("planned before a Pipeline is built" in r["unplanned"]["error"] for r in results)
 
 
 def test_config_checks() -> None:

@@ -1,5 +1,5 @@
-"""The planning step before a Pipeline is built: the resolved config, the schedule and the (merged) parts it runs,
-and with schedule="auto" the measuring (rank 0's profile, the in-pipeline calibration, cached) and the plan."""
+"""The planning step before a Pipeline is built (`plan_pipeline`): a config resolved into what a Pipeline runs; with
+schedule="auto" the parts measured (rank 0's profile, the in-pipeline calibration, cached) and planned."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from duplexpipe.comm.methods import check_optimizer
 from duplexpipe.dp_options.compression import NoCompression, Options, compression_options
@@ -23,6 +24,7 @@ from duplexpipe.model.tp_plans import TPPlan
 from duplexpipe.parallel import OptimizerFactory
 from duplexpipe.parallel.compressed import check_dgc_momentum
 from duplexpipe.parallel.mesh import ParallelGroups
+from duplexpipe.parallel.tensor import check_tensor_parallel
 from duplexpipe.parallel.tied import find_tied
 from duplexpipe.parallel.zero_config import check_tied
 from duplexpipe.planner.calibrate import with_calibration
@@ -31,14 +33,11 @@ from duplexpipe.planner.candidates import microbatch_counts
 from duplexpipe.planner.dp_comm import UNMEASURED, compression
 from duplexpipe.planner.plan import PlanConfig, plan
 from duplexpipe.planner.profile import Profile
+from duplexpipe.runtime.backend import default_device
 from duplexpipe.runtime.structure import flatten, map_leaves, split
 from duplexpipe.schedules.ir import Schedule
 from duplexpipe.schedules.registry import build as build_schedule
 from duplexpipe.sizes import memory_bytes
-from duplexpipe.train.calibration import Calibration, CalibrationSetup, calibrate, measure_link, measure_tp_link
-from duplexpipe.train.choice import NO_LIMIT, AutoChoice, RunPlan
-from duplexpipe.train.measure import cache_evict_bytes, profile_parts
-from duplexpipe.train.measure_cache import cache_of, cached_profile, machine_signature, parts_digest, sample_signature
 from duplexpipe.train.pipeline_config import (
     AUTO,
     AUTO_PLAN_KEYS,
@@ -48,6 +47,22 @@ from duplexpipe.train.pipeline_config import (
     PipelineConfig,
     check_auto_options,
     with_defaults,
+)
+from duplexpipe.train.planning.calibration import (
+    Calibration,
+    CalibrationSetup,
+    calibrate,
+    measure_link,
+    measure_tp_link,
+)
+from duplexpipe.train.planning.choice import NO_LIMIT, AutoChoice, RunPlan
+from duplexpipe.train.planning.measure import cache_evict_bytes, profile_parts
+from duplexpipe.train.planning.measure_cache import (
+    cache_of,
+    cached_profile,
+    machine_signature,
+    parts_digest,
+    sample_signature,
 )
 from duplexpipe.train.precision import autocast_dtype
 
@@ -72,44 +87,86 @@ class PlanSetup:
 
 @dataclass(frozen=True)
 class PlannedPipeline:
-    """What the planning step resolved: exactly what one Pipeline builds and runs."""
+    """What the planning step resolved, for one mesh: exactly what `Pipeline(parts, loss_fn, optimizer, plan)` builds
+    and runs (the parts given to the Pipeline are those given to `plan_pipeline`; with "auto" the Pipeline merges
+    them as the plan says)."""
 
     config: PipelineConfig
     """The config with every field the run needs set (M, ZeRO stage, gradient compression)."""
     schedule: Schedule
     """The schedule to run, for the pipeline's P ranks."""
-    parts: PartSource
-    """The model parts of that schedule (with "auto": the given parts merged as the winner needs)."""
-    init: PartInit | None
-    """init(part, k) for those parts."""
-    partition: Partition | None
-    """The layers' partition of those parts (None when the parts did not come from one)."""
     plan: RunPlan
     """What runs: schedule, M, ZeRO stage and gradient compression."""
-    auto: AutoChoice | None
-    """schedule="auto": the planner's whole choice (its table: `auto.result.table()`); None otherwise."""
+    sizes: tuple[int, int, int]
+    """The (P, D, T) of the mesh it was planned for."""
+    auto: AutoChoice | None = None
+    """schedule="auto": the planner's whole choice (its table: `auto.result.table()`, the merging of the given parts:
+    `auto.groups`); None otherwise."""
+
+    def merged_parts(self, parts: PartSource) -> PartSource:
+        """The given parts as the schedule's model parts (with "auto": neighbours merged into PartChains)."""
+        if self.auto is None:
+            return parts
+        if as_factory(parts) is not None:
+            raise ValueError("a plan of schedule='auto' merges the model parts it was planned with: pass them as a "
+                             "list, not a part factory")
+        given = list(parts)  # type: ignore[arg-type]
+        if len(given) != sum(self.auto.groups):
+            raise ValueError(f"the plan was made for {sum(self.auto.groups)} model parts, but {len(given)} were given")
+        return self.auto.merged_parts(given)
+
+    def merged_init(self, init: PartInit | None) -> PartInit | None:
+        """`init(part, k)` for `merged_parts`' parts."""
+        return init if self.auto is None else self.auto.merged_init(init)
+
+    def merged_partition(self, partition: Partition | None) -> Partition | None:
+        """The given parts' Partition for `merged_parts`' parts (None stays None)."""
+        return partition if self.auto is None else self.auto.merged_partition(partition)
 
 
-def plan_pipeline(parts: PartSource, loss_fn: LossFn, optimizer: OptimizerFactory, config: PipelineConfig, *,
-                  groups: ParallelGroups, device: torch.device, init: PartInit | None = None,
-                  partition: Partition | None = None, sample: tuple[Any, Any] = (None, None),
-                  tp_plan: TPPlan | None = None) -> PlannedPipeline:
-    """Resolve `config` for P x D x T = `groups`: a named or given schedule is built as it stands (unset fields at
-    their defaults); schedule="auto" measures the parts on `sample` (a batch as given to `step`, with targets),
-    plans, logs the choice once (rank 0) and merges the parts for the winner (see `choose`). Collective with
-    "auto": call on every rank. Under tensor parallelism (tp > 1) "auto" plans this mesh's P, D and T (the mesh
-    is given: the processes exist) with each TP rank's share of the costs (`planner.tp_comm`), the parts profiled
-    whole with `tp_plan` (`model.tp_facts`)."""
+def plan_pipeline(parts: PartSource, loss_fn: LossFn, optimizer: OptimizerFactory,
+                  config: PipelineConfig | None = None, *, mesh: DeviceMesh | None = None,
+                  device: torch.device | str | None = None, init: PartInit | None = None, sample_input: Any = None,
+                  sample_targets: Any = None, tp_plan: TPPlan | None = None) -> PlannedPipeline:
+    """The plan a Pipeline of `parts` on `mesh` builds (the public step before construction).
+
+    A named or given schedule is built as it stands (fields left unset at their defaults; nothing is measured).
+    schedule="auto" measures the parts on a sample (`sample_input` / `sample_targets`: one step's batch of this
+    replica, as given to `step`): rank 0's profile and a few seconds of calibration steps on every rank, cached per
+    parts and machine; then it plans for this P, D and batch size under `config.memory_limit` (fields set in the
+    config are fixed), logs the choice once (rank 0, logger "duplexpipe.plan") and says how to merge the parts for
+    the winner (see `choose`). Collective with "auto": call on every rank. Under tensor parallelism (tp > 1) "auto"
+    plans this mesh's P, D and T with each TP rank's share of the costs (`planner.tp_comm`), the parts profiled whole
+    with `tp_plan` (`model.tp_facts`). A limit no candidate fits raises ValueError on every rank, naming the
+    smallest feasible cap."""
+    config = config or PipelineConfig()
+    groups = ParallelGroups.from_mesh(mesh)
     if config.schedule != AUTO:
-        resolved = with_defaults(config)
-        schedule = resolve_schedule(resolved, groups.pp_size)
-        run = RunPlan(schedule.name, schedule.num_microbatches, resolved.zero_stage or 0,
-                      compression_options(resolved.grad_compression))
-        return PlannedPipeline(resolved, schedule, parts, init, partition, run, None)
-    setup = PlanSetup(groups, device, init, tp_plan if groups.tp_size > 1 else None, config.sequence_parallel)
-    choice = choose(parts, loss_fn, optimizer, config, setup, sample)
-    return PlannedPipeline(choice.applied(config), choice.schedule, choice.merged_parts(parts),  # type: ignore[arg-type]
-                           choice.merged_init(init), choice.merged_partition(partition), choice.plan, choice)
+        return resolved(config, groups)
+    check_tensor_parallel(parts, tp_plan, groups, config.sequence_parallel)
+    where = torch.device(device) if device is not None else default_device()
+    setup = PlanSetup(groups, where, init, tp_plan if groups.tp_size > 1 else None, config.sequence_parallel)
+    choice = choose(parts, loss_fn, optimizer, config, setup, (sample_input, sample_targets))
+    return PlannedPipeline(choice.applied(config), choice.schedule, choice.plan, _sizes(groups), choice)
+
+
+def resolved(config: PipelineConfig, groups: ParallelGroups) -> PlannedPipeline:
+    """The plan of a named or given schedule (not "auto"): built as it stands, unset fields at their defaults;
+    nothing is measured."""
+    if config.schedule == AUTO:
+        raise ValueError("schedule='auto' is planned before a Pipeline is built: plan = duplexpipe.plan_pipeline("
+                         "parts, loss_fn, optimizer, config, mesh=..., sample_input=..., sample_targets=...), then "
+                         "Pipeline(parts, loss_fn, optimizer, plan, mesh=...) (Pipeline.from_layers and "
+                         "from_pretrained do both)")
+    config = with_defaults(config)
+    schedule = resolve_schedule(config, groups.pp_size)
+    run = RunPlan(schedule.name, schedule.num_microbatches, config.zero_stage or 0,
+                  compression_options(config.grad_compression))
+    return PlannedPipeline(config, schedule, run, _sizes(groups))
+
+
+def _sizes(groups: ParallelGroups) -> tuple[int, int, int]:
+    return groups.pp_size, groups.dp_size, groups.tp_size
 
 
 def resolve_schedule(config: PipelineConfig, pp_size: int) -> Schedule:
@@ -280,7 +337,7 @@ def measure(parts: PartSource, loss_fn: LossFn, optimizer: OptimizerFactory, con
     given = list(parts)  # type: ignore[arg-type]
     if sample is None or sample[0] is None:
         raise ValueError("schedule='auto' profiles the model on a sample: pass sample_input= (a batch as given to "
-                         "step) and sample_targets= to the Pipeline")
+                         "step) and sample_targets= to plan_pipeline (or Pipeline.from_layers)")
     rows = int(flatten(sample[0], "sample_input")[1][0].shape[0])
     probe = probe_optimizer(optimizer)
     refusal = trainer_refusal(config, probe, given, setup.groups.dp_size)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from duplexpipe.train.calibration import tp_collective_work
+from duplexpipe.train.planning.calibration import tp_collective_work
 from tests.models import run_workers
 
 
