@@ -58,7 +58,8 @@ def layout(pipe: Checkpointable) -> str:
                        "pp": pipe.groups.pp_size, "dp": pipe.groups.dp_size, "tp": pipe.groups.tp_size, "world": world,
                        "partition": balance,
                        "strategy": pipe.dp.name,
-                       "compression": compression_options(pipe.config.grad_compression).method}, sort_keys=True)
+                       "compression": compression_options(pipe.config.data_parallel.grad_compression).method},
+                      sort_keys=True)
 
 
 def trainer_state(pipe: Checkpointable, fresh_optimizer: bool) -> dict[str, Any]:

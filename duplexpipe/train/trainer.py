@@ -92,8 +92,8 @@ class Pipeline:
     data-parallel replica passes its own batch and gradients are averaged over replicas
     after the schedule's own DualPipe mirror sum, by the data-parallel strategy `self.dp`
     (bucket by bucket, each started as soon as its gradients are final; compressed when
-    `config.grad_compression` says so). With a mesh of tp > 1 (`make_mesh(pp, dp, tp=...)`), `tp_plan` shards every
-    stage module over the mesh's "tp" sub-mesh (see `parallel.tensor` and `model.tp_plans`; with
+    `config.data_parallel.grad_compression` says so). With a mesh of tp > 1 (`make_mesh(pp, dp, tp=...)`), `tp_plan`
+    shards every stage module over the mesh's "tp" sub-mesh (see `parallel.tensor` and `model.tp_plans`; with
     `config.sequence_parallel` the plan keeps the sequence sharded between TP regions and across stages);
     `self.param_bytes` is what this rank holds.
 
@@ -142,21 +142,21 @@ class Pipeline:
                                                  checkpoint_stages=ckpt, device=self.device)
         self.tensor = TensorParallel(tp_plan, groups, cfg.sequence_parallel)
         """Tensor parallelism inside this rank's stages (inactive without a plan or with tp=1)."""
-        self.tensor.apply(self.stage_modules, cfg.zero_stage or 0)
+        self.tensor.apply(self.stage_modules, cfg.data_parallel.zero_stage or 0)
         self.experts = Experts(self.stage_modules, self.schedule, groups, ckpt, self.device)
         """This rank's MoE layers: expert parallelism and the expert-bias update."""
         self.params = [p for s in sorted(self.stage_modules) for p in self.stage_modules[s].parameters()]
         tied = find_tied([] if callable(parts) else parts)  # factory parts cannot share a Parameter
-        check_tied(cfg.zero_stage or 0, [t.places for t in tied], groups.dp_size)
+        check_tied(cfg.data_parallel.zero_stage or 0, [t.places for t in tied], groups.dp_size)
         self.tied = TiedGrads(tied, self.schedule, groups.pp_rank, self.stage_modules, groups.pp_group)
         self.tensor.check_tied(self.tied)
-        self.scaler = DynamicLossScaler(cfg.loss_scale, enabled=cfg.precision == "fp16")
+        self.scaler = DynamicLossScaler(cfg.precision.loss_scale, enabled=cfg.precision.dtype == "fp16")
         self.p2p_meter = WireMeter()
         """Every stage-to-stage SEND of this rank: kind "send", its payload bytes on the wire."""
         self.runtime = PipelineRuntime(self.schedule, self.stage_modules, loss_fn, group=groups.pp_group,
                                        device=self.device, config=self._runtime_config(),
                                        job_group=dist.group.WORLD if groups.dp_size * groups.tp_size > 1 else None)
-        if cfg.check_replicas:  # before the strategy (ZeRO-2 turns the parameters into shards) and the experts'
+        if cfg.safety.check_replicas:  # before the strategy (ZeRO-2 turns the parameters into shards) and the experts'
             self._check_replicas()  # sharding (the replicas of an expert-parallel group then hold different ones)
         self.dp: DPStrategy = self._strategy(optimizer, self.experts.shard())
         """The data-parallel strategy: reduce -> overflow check -> clip -> optimizer step."""
@@ -189,11 +189,11 @@ class Pipeline:
 
     def _strategy(self, optimizer: OptimizerFactory, experts: frozenset[int]) -> DPStrategy:
         """The data-parallel strategy the config asks for, over this rank's stages in the order they finish."""
-        cfg, plan = self.config, self.runtime.plan
+        dp, plan = self.config.data_parallel, self.runtime.plan
         return make_strategy(StrategyContext(
             self.stage_modules, self.schedule, tuple(final_order(plan.grads_final, plan.mirrored)), self.groups,
-            optimizer, self.device, self.bounded, compression_options(cfg.grad_compression),
-            cfg.grad_bucket_bytes, cfg.zero_stage or 0, cfg.zero, experts), cfg.dp_strategy)
+            optimizer, self.device, self.bounded, compression_options(dp.grad_compression),
+            dp.grad_bucket_bytes, dp.zero_stage or 0, dp.zero, experts), dp.dp_strategy)
 
     @classmethod
     def from_layers(
@@ -301,7 +301,7 @@ class Pipeline:
         Returns the batch's mean loss (the same on every rank). Details are in `self.last`. The first step with
         compiled stages waits up to `compile_timeout_s` instead of `timeout_s`.
         """
-        with self.compiled.patience("step", self.runtime.watchdog, self.config.compile_timeout_s):
+        with self.compiled.patience("step", self.runtime.watchdog, self.config.safety.compile_timeout_s):
             return self._step(inputs, targets)
 
     def _step(self, inputs: Any, targets: Any) -> float:
@@ -318,8 +318,9 @@ class Pipeline:
             self.tensor.begin_window()
         self.dp.begin_call(final, scale * (self._window_weight + weight))
         wire = self.dp.meter.total_bytes
+        observe = cfg.observe  # with record_tp_lane: the TP collectives on the timeline's "tp" lane
         with (self.compiled.watching(f"step {self.calls}"),
-              self.tensor.timed(cfg.record_timeline and cfg.record_tp_lane)):  # TP collectives on the "tp" lane
+              self.tensor.timed(observe.record_timeline and observe.record_tp_lane)):
             result = self.runtime.step(inputs, targets, loss_scale=scale * weight)
         self.calls += 1
         self._window_calls += 1
@@ -365,7 +366,7 @@ class Pipeline:
         self.tied.sum_grads(wait=self.bounded)  # weights shared by several parts (tied embeddings)
         norm, overflow = self.dp.norm_and_overflow(True)  # every step: NaN/inf never trains (train/nonfinite.py)
         if overflow:
-            error = self._nonfinite(norm) if not self.scaler.enabled and cfg.nonfinite_grads == "raise" else None
+            error = self._nonfinite(norm) if not self.scaler.enabled and cfg.safety.nonfinite_grads == "raise" else None
             self.dp.skip()
             self.experts.after_step(applied=False, wait=self.bounded)
             if error is not None:
@@ -405,7 +406,7 @@ class Pipeline:
             m.eval()
         try:
             with (torch.no_grad(), self.compiled.watching("evaluate"),
-                  self.compiled.patience("evaluate", self.runtime.watchdog, self.config.compile_timeout_s)):
+                  self.compiled.patience("evaluate", self.runtime.watchdog, self.config.safety.compile_timeout_s)):
                 return self.runtime.evaluate(inputs, targets)
         finally:
             for s, m in self.stage_modules.items():

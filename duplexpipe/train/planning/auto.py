@@ -35,7 +35,7 @@ from duplexpipe.planner.plan import PlanConfig, plan
 from duplexpipe.planner.profile import Profile
 from duplexpipe.runtime.backend import default_device
 from duplexpipe.runtime.structure import flatten, map_leaves, split
-from duplexpipe.schedules.ir import Schedule
+from duplexpipe.schedules.ir import Schedule, load_json, load_torch_csv
 from duplexpipe.schedules.registry import build as build_schedule
 from duplexpipe.sizes import memory_bytes
 from duplexpipe.train.pipeline_config import (
@@ -46,6 +46,8 @@ from duplexpipe.train.pipeline_config import (
     LossFn,
     PipelineConfig,
     check_auto_options,
+    is_schedule_file,
+    with_choice,
     with_defaults,
 )
 from duplexpipe.train.planning.calibration import (
@@ -160,8 +162,8 @@ def resolved(config: PipelineConfig, groups: ParallelGroups) -> PlannedPipeline:
                          "from_pretrained do both)")
     config = with_defaults(config)
     schedule = resolve_schedule(config, groups.pp_size)
-    run = RunPlan(schedule.name, schedule.num_microbatches, config.zero_stage or 0,
-                  compression_options(config.grad_compression))
+    run = RunPlan(schedule.name, schedule.num_microbatches, config.data_parallel.zero_stage or 0,
+                  compression_options(config.data_parallel.grad_compression))
     return PlannedPipeline(config, schedule, run, _sizes(groups))
 
 
@@ -177,8 +179,15 @@ def resolve_schedule(config: PipelineConfig, pp_size: int) -> Schedule:
             raise ValueError(f"schedule {schedule.name!r} is for {schedule.num_ranks} ranks, "
                              f"but the pipeline group has {pp_size}")
         return schedule
-    return build_schedule(config.schedule, pp_size, config.num_microbatches or DEFAULT_MICROBATCHES,
-                          **config.schedule_options)
+    microbatches = config.num_microbatches or DEFAULT_MICROBATCHES
+    if is_schedule_file(config.schedule):
+        schedule = load_torch_csv(config.schedule, num_microbatches=microbatches) \
+            if config.schedule.lower().endswith(".csv") else load_json(config.schedule)
+        if schedule.num_ranks != pp_size:
+            raise ValueError(f"schedule file {config.schedule} is for {schedule.num_ranks} ranks, "
+                             f"but the pipeline group has {pp_size}")
+        return schedule
+    return build_schedule(config.schedule, pp_size, microbatches, **config.schedule_options)
 
 
 @contextlib.contextmanager
@@ -246,8 +255,7 @@ def trainer_refusal(config: PipelineConfig, probe: torch.optim.Optimizer | None,
 
     def rule(zero: int, options: Options) -> str | None:
         try:
-            replace(config, schedule="1f1b", schedule_options={}, memory_limit=None, num_microbatches=None,
-                    zero_stage=zero, grad_compression=options)
+            with_choice(replace(config, schedule="1f1b", schedule_options={}, memory_limit=None), 1, zero, options)
             if probe is not None:
                 check_optimizer(options, probe)
                 check_dgc_momentum(options, probe)
@@ -265,10 +273,11 @@ def _plan_config(config: PipelineConfig, options: dict[str, Any], rows: int, set
                               if k in AUTO_PLAN_KEYS}
     if config.num_microbatches is not None:
         values["microbatches"] = (config.num_microbatches,)
-    if config.zero_stage is not None:
-        values["zero_stages"] = (config.zero_stage,)
-    if config.grad_compression is not None:
-        values["compressions"] = (compression_options(config.grad_compression),)
+    dp = config.data_parallel
+    if dp.zero_stage is not None:
+        values["zero_stages"] = (dp.zero_stage,)
+    if dp.grad_compression is not None:
+        values["compressions"] = (compression_options(dp.grad_compression),)
     cap = memory_bytes(config.memory_limit)
     groups = setup.groups
     return PlanConfig(ranks=groups.pp_size, batch=rows * groups.dp_size, memory=cap if cap is not None else NO_LIMIT,
@@ -283,10 +292,11 @@ def _fingerprint(parts: Sequence[nn.Module], sample: tuple[Any, Any], config: Pi
     return {"parts": parts_digest(parts), "sample": sample_signature(sample[0]),
             "targets": sample_signature(sample[1]), "ranks": setup.groups.pp_size, "dp": setup.groups.dp_size,
             "tp": setup.groups.tp_size, "sequence_parallel": setup.sequence_parallel,
-            "device": setup.device.type, "machine": machine_signature(), "precision": config.precision,
+            "device": setup.device.type, "machine": machine_signature(), "precision": config.precision.dtype,
             "activation_checkpointing": repr(config.activation_checkpointing),
-            "p2p_compression": repr(config.p2p_compression), "count_saved_bytes": config.count_saved_bytes,
-            "record_timeline": config.record_timeline, "check_inputs": config.check_inputs_every_step,
+            "p2p_compression": repr(config.precision.p2p_compression),
+            "count_saved_bytes": config.observe.count_saved_bytes, "record_timeline": config.observe.record_timeline,
+            "check_inputs": config.safety.check_inputs_every_step,
             "optimizer": optimizer_type, "profile": {k: _name(v) for k, v in profile_kwargs.items()},
             "profile_rows": list(rows), "calibration": [calibration.enabled, calibration.budget_s]}
 
@@ -349,7 +359,7 @@ def measure(parts: PartSource, loss_fn: LossFn, optimizer: OptimizerFactory, con
               **{k: options[k] for k in AUTO_PROFILE_KEYS if k in options}}
     calibration, cache = _settings(options)
 
-    dtype = autocast_dtype(config.precision)
+    dtype = autocast_dtype(config.precision.dtype)
     trainees = CalibrationSetup(loss_fn, optimizer, config, setup.groups, setup.device, setup.init)
 
     def fresh() -> Profile:
