@@ -249,7 +249,7 @@ class PipelineConfig:
             raise ValueError(f"PipelineConfig.memory_limit is for schedule='auto' (the planner's cap), but "
                              f"schedule is {self.schedule!r}")
         if self.safety.nonfinite_sends == "raise" and self.precision.dtype == "fp16":
-            raise ValueError("SafetyConfig.nonfinite_sends='raise' with precision dtype 'fp16': dynamic loss scaling "
+            raise ValueError("SafetyConfig.nonfinite_sends='raise' with precision='fp16': dynamic loss scaling "
                              "overflows routinely and relies on inf/NaN gradients reaching its overflow check; "
                              "use nonfinite_sends='warn' with fp16")
         if self.accumulation_steps < 1:

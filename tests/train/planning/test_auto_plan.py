@@ -23,7 +23,7 @@ from duplexpipe.planner.plan import PlanConfig, plan
 from duplexpipe.planner.runtime_work import OverheadSample
 from duplexpipe.sizes import memory_bytes
 from duplexpipe.train.part_chain import PartChain
-from duplexpipe.train.pipeline_config import AUTO, AUTO_PLAN_KEYS, with_defaults
+from duplexpipe.train.pipeline_config import AUTO, AUTO_PLAN_KEYS, DataParallelConfig, with_defaults
 from duplexpipe.train.planning import plan_pipeline
 from duplexpipe.train.planning.auto import PlanSetup, _plan_config, choose, probe_optimizer, trainer_refusal
 from duplexpipe.train.planning.calibration import fit_in_pipeline
@@ -229,13 +229,18 @@ def test_a_chain_calls_each_part_as_the_runtime_calls_a_stage() -> None:
 
 
 def test_a_set_field_is_fixed_and_cannot_also_be_searched() -> None:
-    for field, key, value in (("num_microbatches", "microbatches", 4), ("zero_stage", "zero_stages", 1),
-                              ("grad_compression", "compressions", "bf16")):
+    for field, key, fields in (("num_microbatches", "microbatches", {"num_microbatches": 4}),
+                               ("data_parallel.zero_stage", "zero_stages",
+                                {"data_parallel": DataParallelConfig(zero_stage=1)}),
+                               ("data_parallel.grad_compression", "compressions",
+                                {"data_parallel": DataParallelConfig(grad_compression="bf16")})):
+        value = 4 if key == "microbatches" else 1 if key == "zero_stages" else "bf16"
         with pytest.raises(ValueError, match=f"PipelineConfig.{field}=.* fixes what schedule_options\\['{key}'\\]"):
-            PipelineConfig(schedule=AUTO, schedule_options={key: (value,)}, **{field: value})
+            PipelineConfig(schedule=AUTO, schedule_options={key: (value,)}, **fields)  # type: ignore[arg-type]
         PipelineConfig(schedule=AUTO, schedule_options={key: (value,)})  # unset: the key narrows the search
     assert with_defaults(PipelineConfig()).num_microbatches == 4 and with_defaults(PipelineConfig()).zero_stage == 0
-    assert with_defaults(PipelineConfig(num_microbatches=8, zero_stage=1)).num_microbatches == 8
+    assert with_defaults(PipelineConfig(num_microbatches=8,
+                                        data_parallel=DataParallelConfig(zero_stage=1))).num_microbatches == 8
     with pytest.raises(ValueError, match="num_microbatches must be an int >= 1 or None, got 0"):
         PipelineConfig(num_microbatches=0)
 
@@ -245,7 +250,8 @@ def test_the_planners_space_is_the_unset_fields() -> None:
     free = _plan_config(PipelineConfig(schedule=AUTO), {"chunks": [2]}, 16, setup, lambda z, o: None)
     assert (free.microbatches, free.zero_stages, free.compressions, free.chunks) == (None, None, None, (2,))
     assert (free.batch, free.dp, free.ranks) == (32, 2, 2)
-    fixed = _plan_config(PipelineConfig(schedule=AUTO, num_microbatches=8, zero_stage=1, grad_compression="int8"),
+    fixed = _plan_config(PipelineConfig(schedule=AUTO, num_microbatches=8,
+                                        data_parallel=DataParallelConfig(zero_stage=1, grad_compression="int8")),
                          {}, 16, setup, lambda z, o: None)
     assert fixed.microbatches == (8,) and fixed.zero_stages == (1,) and fixed.compressions == (Int8Options(),)
 
