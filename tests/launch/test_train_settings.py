@@ -141,7 +141,8 @@ def test_config_file_and_flags_override_it(tmp_path: Path) -> None:
     path.write_text('ranks = 2\nbatch-size = 16\n[optimizer]\nlr = 1e-3\nwarmup = 5\n'
                     '[pipeline]\nschedule = "1f1b"\naccumulation_steps = 2\n'
                     '[task_options]\nn_layer = 2\nd_model = 16\n'
-                    '[pipeline.data_parallel]\nzero_stage = 1\n[pipeline.data_parallel.zero]\ntrust_elementwise = true\n')
+                    '[pipeline.data_parallel]\nzero_stage = 1\n'
+                    '[pipeline.data_parallel.zero]\ntrust_elementwise = true\n')
     values = load_config_file(str(path))
     config = merge_config(values, {"optimizer.lr": 5e-4, "task_options": {"d_model": 32},
                                    "pipeline.accumulation_steps": 4})
