@@ -19,7 +19,7 @@ class Method:
     """One training run."""
 
     label: str  # row name
-    compression: str | deep.Options | None  # PipelineConfig.grad_compression
+    compression: str | deep.Options | None  # DataParallelConfig.grad_compression
     optimizer: str  # "adamw" (the example's) or "sgd" (SGD, momentum 0.9) or "sgd0" (SGD without momentum, for DGC)
     fewer_bytes: float | None = None  # target: at least this many times fewer bytes than fp32 (steady state)
     loss_within: float | None = None  # target: mean loss of the last steps within this fraction of fp32's

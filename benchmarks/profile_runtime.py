@@ -63,7 +63,7 @@ class ProfileConfig:
     "gpt-tp" / "gpt-tp-sp" (vs_torch_tp's GPT at PP=2 x TP=2, without / with sequence parallelism; world 4)."""
     whatif: tuple[tuple[str, str, int], ...] = (("1f1b", "mlp", 20), ("1f1b", "sleep", 4))  # the what-if runs, alike
     lookahead: tuple[int, ...] = ()  # recv_lookahead depths to compare with torch on the first case; then no profile
-    fixed_shapes: bool = False  # ours: PipelineConfig.check_inputs_every_step=False
+    fixed_shapes: bool = False  # ours: SafetyConfig.check_inputs_every_step=False
     cpu: bool = False  # on-CPU samples only (waits drop out: CPU time per step and rank)
     top: int = 0  # also report this many top functions by inclusive and by self time
     rate: int = 250  # py-spy samples per second

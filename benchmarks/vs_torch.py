@@ -28,7 +28,7 @@ class Workload:
     num_microbatches: int = 8  # microbatches per step
     warmup: int = 2  # untimed steps per side first
     reps: int = 10  # timed steps per side; the sides alternate which goes first
-    check_inputs_every_step: bool = True  # ours: PipelineConfig.check_inputs_every_step (True is the default)
+    check_inputs_every_step: bool = True  # ours: SafetyConfig.check_inputs_every_step (True is the default)
 
 
 @dataclass(frozen=True)

@@ -122,7 +122,7 @@ def test_duplexpipe_train_skip_goes_on_and_marks_the_step(tmp_path: Path) -> Non
 
 
 def test_the_policy_is_checked() -> None:
-    with pytest.raises(ValueError, match="PipelineConfig.nonfinite_grads must be one of raise, skip, got 'warn'"):
+    with pytest.raises(ValueError, match="SafetyConfig.nonfinite_grads must be one of raise, skip, got 'warn'"):
         PipelineConfig(safety=SafetyConfig(nonfinite_grads="warn"))
     assert PipelineConfig().safety.nonfinite_grads == "raise"
     assert NONFINITE_POLICIES == NONFINITE_GRADS  # `duplexpipe train --nonfinite-grads` offers the same choices

@@ -349,7 +349,7 @@ def test_bad_or_incompatible_options_raise_naming_the_values(options: Any, messa
 def test_good_options_are_accepted() -> None:
     for value in (None, "bf16", "fp8", "int8", ("fp8", None), p2p_codec_pair("int8")):
         assert PipelineConfig(precision=PrecisionConfig(p2p_compression=value),
-                              safety=SafetyConfig(nonfinite_sends="raise")).p2p_compression is value
+                              safety=SafetyConfig(nonfinite_sends="raise")).precision.p2p_compression is value
     with pytest.raises(ValueError, match=r"RuntimeConfig.p2p_meter must be a duplexpipe.comm.WireMeter"):
         RuntimeConfig(p2p_meter={})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"RuntimeConfig.nonfinite_sends must be one of"):

@@ -30,9 +30,9 @@ class RunPlan:
     microbatches: int
     """M."""
     zero_stage: int
-    """The ZeRO stage (PipelineConfig.zero_stage it runs with)."""
+    """The ZeRO stage (DataParallelConfig.zero_stage it runs with)."""
     grad_compression: Options
-    """The gradient compression (PipelineConfig.grad_compression it runs with)."""
+    """The gradient compression (DataParallelConfig.grad_compression it runs with)."""
     predicted_step_s: float | None = None
     """schedule="auto": the planner's predicted step time; None otherwise."""
 

@@ -238,7 +238,7 @@ def test_a_set_field_is_fixed_and_cannot_also_be_searched() -> None:
         with pytest.raises(ValueError, match=f"PipelineConfig.{field}=.* fixes what schedule_options\\['{key}'\\]"):
             PipelineConfig(schedule=AUTO, schedule_options={key: (value,)}, **fields)  # type: ignore[arg-type]
         PipelineConfig(schedule=AUTO, schedule_options={key: (value,)})  # unset: the key narrows the search
-    assert with_defaults(PipelineConfig()).num_microbatches == 4 and with_defaults(PipelineConfig()).zero_stage == 0
+    assert with_defaults(PipelineConfig()).num_microbatches == 4 and with_defaults(PipelineConfig()).data_parallel.zero_stage == 0
     assert with_defaults(PipelineConfig(num_microbatches=8,
                                         data_parallel=DataParallelConfig(zero_stage=1))).num_microbatches == 8
     with pytest.raises(ValueError, match="num_microbatches must be an int >= 1 or None, got 0"):
@@ -322,7 +322,7 @@ def test_a_searched_choice_is_applied_as_fixed_fields() -> None:
     chosen = choose(make_parts(4), mse, adam, config, PlanSetup(ParallelGroups(None, 0, 2, None, 0, 2),
                                                                 torch.device("cpu")), (x, y))
     ran = chosen.applied(config)
-    assert (ran.num_microbatches, ran.zero_stage, ran.grad_compression) == (
+    assert (ran.num_microbatches, ran.data_parallel.zero_stage, ran.data_parallel.grad_compression) == (
         chosen.plan.microbatches, chosen.plan.zero_stage, chosen.plan.grad_compression)
     assert chosen.plan.microbatches in (2, 4) and chosen.plan.zero_stage in (0, 1)
     assert not {"microbatches", "zero_stages", "compressions"} & set(ran.schedule_options)
