@@ -238,7 +238,8 @@ def test_a_set_field_is_fixed_and_cannot_also_be_searched() -> None:
         with pytest.raises(ValueError, match=f"PipelineConfig.{field}=.* fixes what schedule_options\\['{key}'\\]"):
             PipelineConfig(schedule=AUTO, schedule_options={key: (value,)}, **fields)  # type: ignore[arg-type]
         PipelineConfig(schedule=AUTO, schedule_options={key: (value,)})  # unset: the key narrows the search
-    assert with_defaults(PipelineConfig()).num_microbatches == 4 and with_defaults(PipelineConfig()).data_parallel.zero_stage == 0
+    defaults = with_defaults(PipelineConfig())
+    assert defaults.num_microbatches == 4 and defaults.data_parallel.zero_stage == 0
     assert with_defaults(PipelineConfig(num_microbatches=8,
                                         data_parallel=DataParallelConfig(zero_stage=1))).num_microbatches == 8
     with pytest.raises(ValueError, match="num_microbatches must be an int >= 1 or None, got 0"):
