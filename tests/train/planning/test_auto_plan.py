@@ -345,3 +345,20 @@ def test_the_in_pipeline_fit_recovers_its_terms_and_distrusts_a_wild_scale() -> 
     unscaled = fit_in_pipeline(flat, "flat")
     assert not isinstance(unscaled, str) and unscaled.compute_scale == 1.0 and "the scale held at 1" in unscaled.method
     assert "cannot separate" in str(fit_in_pipeline(exact[:2], "two"))
+
+
+def test_a_plan_is_public_and_built_for_one_mesh() -> None:
+    """plan_pipeline is the public step before construction; a Pipeline refuses a plan made for another mesh before
+    it builds anything, and a PipelineConfig of schedule="auto" must be planned first."""
+    import duplexpipe
+
+    assert duplexpipe.plan_pipeline is plan_pipeline
+    parts = make_parts(2)
+    plan = plan_pipeline(parts, mse, adam, PipelineConfig("1f1b", 4))
+    assert (plan.sizes, plan.schedule.name, plan.plan.microbatches, plan.auto) == ((1, 1, 1), "1f1b", 4, None)
+    with pytest.raises(ValueError, match=r"the plan was made for a mesh of \(pp, dp, tp\) = \(2, 1, 1\), but this one "
+                                         r"is \(1, 1, 1\)"):
+        Pipeline(parts, mse, adam, dataclasses.replace(plan, sizes=(2, 1, 1)))
+    with pytest.raises(ValueError, match="schedule='auto' is planned before a Pipeline is built: plan = "
+                                         "duplexpipe.plan_pipeline"):
+        Pipeline(parts, mse, adam, PipelineConfig(schedule=AUTO))
