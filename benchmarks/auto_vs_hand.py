@@ -17,6 +17,7 @@ from benchmarks import harness, runner
 from benchmarks.framework import Block, Part, Result, ms
 from benchmarks.internals import check_schedule
 from duplexpipe import Pipeline, PipelineConfig, plan
+from duplexpipe.train.pipeline_config import ObserveConfig, SafetyConfig
 
 HAND = ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev")  # picked by hand (interleaved: 2 chunks)
 
@@ -79,7 +80,8 @@ def _pipelines(spec: MLPSpec, cfg: AutoBenchConfig, cache: str) -> tuple[list[st
     layers, head = build_model(spec)
     x, y = make_batch(spec)
     loss, adamw = nn.functional.cross_entropy, harness.adamw(1e-3)
-    flags: Any = {"record_timeline": False, "check_inputs_every_step": False}  # auto's calibration runs with the same
+    flags: Any = {"observe": ObserveConfig(record_timeline=False),
+                  "safety": SafetyConfig(check_inputs_every_step=False)}  # auto's calibration runs with the same
     times = []
     for _ in range(2):  # measured, then again from the cache
         started = time.perf_counter()

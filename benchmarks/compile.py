@@ -23,6 +23,7 @@ from benchmarks.runner import main
 from duplexpipe import Pipeline, PipelineConfig
 from duplexpipe.launch.tasks.gpt import gpt_task
 from duplexpipe.train.compile import compile_targets
+from duplexpipe.train.pipeline_config import ObserveConfig
 
 MODELS = ("gpt", "llama")
 """The bundled GPT example, and a transformers Llama (random weights) the project was not written for."""
@@ -125,8 +126,9 @@ def _pipeline(cfg: CompileBenchConfig, model: str, schedule: str, how: str) -> P
     """`how`: "eager", "compiled" (PipelineConfig.compile), "whole at I" (the user compiled the layers: each
     region's backward runs whole at I) or "linears out" (the same, with every Linear outside the regions)."""
     microbatches = max(cfg.microbatches, 2 * cfg.ranks) if schedule == "dualpipev" else cfg.microbatches  # its least
-    config = PipelineConfig(schedule=schedule, num_microbatches=microbatches, record_timeline=False,
-                            compile={"backend": cfg.backend} if how == "compiled" else False)
+    config = PipelineConfig(schedule=schedule, num_microbatches=microbatches,
+                            compile={"backend": cfg.backend} if how == "compiled" else False,
+                            observe=ObserveConfig(record_timeline=False))
     adamw = harness.adamw(1e-3)
     if model == "gpt":
         task = _gpt(cfg)

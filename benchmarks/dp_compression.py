@@ -11,6 +11,7 @@ from benchmarks import harness, runner
 from benchmarks import internals as deep
 from benchmarks.framework import Block, Part, Result, figure
 from duplexpipe import PipelineConfig, Timeline
+from duplexpipe.train.pipeline_config import DataParallelConfig, SafetyConfig
 
 
 @dataclass(frozen=True)
@@ -18,7 +19,7 @@ class Method:
     """One training run."""
 
     label: str  # row name
-    compression: str | deep.Options | None  # PipelineConfig.grad_compression
+    compression: str | deep.Options | None  # DataParallelConfig.grad_compression
     optimizer: str  # "adamw" (the example's) or "sgd" (SGD, momentum 0.9) or "sgd0" (SGD without momentum, for DGC)
     fewer_bytes: float | None = None  # target: at least this many times fewer bytes than fp32 (steady state)
     loss_within: float | None = None  # target: mean loss of the last steps within this fraction of fp32's
@@ -78,8 +79,8 @@ def _worker(rank: int, world: int, job: tuple[DPBenchConfig, Method]) -> dict[st
     task = harness.gpt(**cfg.task_options)
     pipe = harness.gpt_pipeline(task, PipelineConfig(
         cfg.schedule, cfg.microbatches, grad_clip_norm=cfg.clip if method.global_clip else None,
-        grad_compression=method.compression, check_inputs_every_step=False), _optimizer(method.optimizer, cfg),
-        cfg.pp, cfg.dp)
+        data_parallel=DataParallelConfig(grad_compression=method.compression),
+        safety=SafetyConfig(check_inputs_every_step=False)), _optimizer(method.optimizer, cfg), cfg.pp, cfg.dp)
     (trace,) = harness.RoundRobin([pipe], harness.gpt_step(task, cfg.batch_size),
                                   lambda p: (p.last.wire_bytes if p.last else 0, p.dp.compute_s)).run(cfg.steps)
     return {"losses": trace.out, "step_s": trace.wall, "wire": [w for w, _ in trace.extra],
@@ -91,7 +92,8 @@ def _lane_worker(rank: int, world: int, cfg: DPBenchConfig) -> dict[str, Any] | 
     task = harness.gpt(**cfg.task_options)
     pipe = harness.gpt_pipeline(task, PipelineConfig(
         "interleaved-1f1b", cfg.microbatches, schedule_options={"chunks": 2}, grad_clip_norm=cfg.clip,
-        grad_bucket_bytes=64 * 2**10, check_inputs_every_step=False), harness.adamw(cfg.adamw_lr), cfg.pp, cfg.dp)
+        data_parallel=DataParallelConfig(grad_bucket_bytes=64 * 2**10),
+        safety=SafetyConfig(check_inputs_every_step=False)), harness.adamw(cfg.adamw_lr), cfg.pp, cfg.dp)
     harness.RoundRobin([pipe], harness.gpt_step(task, cfg.batch_size)).run(cfg.lane_steps)
     assert pipe.last is not None and pipe.last.timeline is not None
     merged = deep.gather_timeline(pipe.last.timeline, group=pipe.groups.pp_group)

@@ -40,7 +40,7 @@ from duplexpipe.planner.profile import PartProfile, RuntimeOverhead
 from duplexpipe.planner.runtime_work import OverheadSample, rank_counts, rank_work, solve_overhead
 from duplexpipe.runtime.saved_bytes import SavedBytes
 from duplexpipe.train.part_chain import merge_parts
-from duplexpipe.train.measure import cache_evict_bytes
+from duplexpipe.train.planning.measure import cache_evict_bytes
 
 # cuda_overlap drives the transport alone (a receive on its P2P stream against queued compute): no schedule runs.
 from duplexpipe.runtime.transport import MailTransport
@@ -63,4 +63,4 @@ from duplexpipe.parallel.mesh import ParallelGroups
 from duplexpipe.planner.world import plan_world
 from duplexpipe.tp.facts import tp_facts
 from duplexpipe.tp.plans import local_bytes, resolve
-from duplexpipe.train.calibration import measure_tp_link, tp_collective_work
+from duplexpipe.train.planning.calibration import measure_tp_link, tp_collective_work

@@ -18,6 +18,7 @@ from benchmarks.framework import Block, Part, Result, met
 from duplexpipe import Pipeline, PipelineConfig, causal_lm_loss, causal_lm_parts, make_mesh
 from duplexpipe.moe import CausalSelfAttention, ExpertGroup, MoEBlock, MoELayer, moe_layers
 from duplexpipe.train.compile import compile_targets, torch_compile_kwargs
+from duplexpipe.train.pipeline_config import ObserveConfig
 
 MODELS = ("duplexpipe", "qwen3_moe")
 """What a stage is made of: duplexpipe.moe's MoEBlocks, or transformers' Qwen3-MoE decoder layers (their attention and
@@ -230,8 +231,9 @@ def _step_times(cfg: MoEBenchConfig, device: torch.device, link: deep.LinkModel 
 def _step_pipeline(cfg: MoEBenchConfig, mesh: Any, device: torch.device, overlap: bool) -> Pipeline:
     """DualPipeV on PP=2 x DP=2 (ep=2) over 4 x `layers` blocks (Qwen3-MoE: decoder layers with the embedding and
     head, trained on token ids)."""
-    config = PipelineConfig(schedule="dualpipev", num_microbatches=8, fb_overlap=overlap, record_timeline=False,
-                            compile={"backend": cfg.compile} if cfg.compile else False)
+    config = PipelineConfig(schedule="dualpipev", num_microbatches=8, fb_overlap=overlap,
+                            compile={"backend": cfg.compile} if cfg.compile else False,
+                            observe=ObserveConfig(record_timeline=False))
     sgd = lambda ps: torch.optim.SGD(ps, lr=1e-3)  # noqa: E731
     if cfg.model == "qwen3_moe":
         return Pipeline(causal_lm_parts(_qwen3(cfg, 4 * cfg.layers), 4), causal_lm_loss, sgd, config, mesh=mesh,

@@ -15,6 +15,7 @@ from benchmarks import harness, runner
 from benchmarks.framework import Block, Part, Result, figure, mark
 from benchmarks.internals import TensorSpec, p2p_codec_pair
 from duplexpipe import PipelineConfig, build_schedule
+from duplexpipe.train.pipeline_config import ObserveConfig, PrecisionConfig, SafetyConfig
 
 LABELS = ("fp32", "bf16", "fp8", "int8")  # fp32 sends (p2p_compression=None) and the three compressions
 TARGET_RATIO = MappingProxyType({"bf16": 0.5, "fp8": 0.27, "int8": 0.27})  # bytes per SEND over fp32's, at most
@@ -46,8 +47,9 @@ def _worker(rank: int, world: int, job: tuple[str, P2PConfig]) -> dict[str, Any]
     name, cfg = job
     task = harness.gpt(n_layer=build_schedule(name, world, cfg.microbatches).num_groups, d_model=cfg.d_model)
     pipes = [harness.gpt_pipeline(task, PipelineConfig(
-        schedule=name, num_microbatches=cfg.microbatches, grad_clip_norm=1.0, record_timeline=False,
-        check_inputs_every_step=False, p2p_compression=None if label == "fp32" else label), harness.adamw(cfg.lr))
+        schedule=name, num_microbatches=cfg.microbatches, grad_clip_norm=1.0,
+        observe=ObserveConfig(record_timeline=False), safety=SafetyConfig(check_inputs_every_step=False),
+        precision=PrecisionConfig(p2p_compression=None if label == "fp32" else label)), harness.adamw(cfg.lr))
         for label in LABELS]
     runs = list(zip(LABELS, pipes, harness.RoundRobin(pipes, harness.gpt_step(task, cfg.batch_size)).run(cfg.steps),
                     strict=True))

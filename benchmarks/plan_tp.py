@@ -20,6 +20,7 @@ from benchmarks.measure_overhead import measure_overhead
 from benchmarks.plan_vs_measured import _measure_link as measure_link
 from duplexpipe import Pipeline, PipelineConfig, PlanConfig, Profile, make_mesh, plan_partition, profile_parts
 from duplexpipe.launch.tasks.gpt import gpt_tp_plan
+from duplexpipe.train.pipeline_config import ObserveConfig, SafetyConfig
 
 NO_LIMIT = 2**62  # no memory cap
 WORLD = 4
@@ -129,8 +130,9 @@ def _worker(rank: int, world: int, cfg: PlanTPConfig) -> dict[str, Any]:
 
 def _run_config(cfg: PlanTPConfig) -> PipelineConfig:
     """Every measured pipeline's settings: 1F1B at the config's M."""
-    return PipelineConfig(schedule="1f1b", num_microbatches=cfg.microbatches, record_timeline=False,
-                          check_inputs_every_step=False)
+    return PipelineConfig(schedule="1f1b", num_microbatches=cfg.microbatches,
+                          observe=ObserveConfig(record_timeline=False),
+                          safety=SafetyConfig(check_inputs_every_step=False))
 
 
 def summarize(per_rank: list[dict[str, Any]], cfg: PlanTPConfig) -> list[dict[str, Any]]:

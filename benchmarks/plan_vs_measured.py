@@ -34,6 +34,7 @@ from duplexpipe import (
     plan_partition,
     profile_parts,
 )
+from duplexpipe.train.pipeline_config import ObserveConfig, SafetyConfig
 
 NO_LIMIT = 2**62  # the planner's memory cap: none
 TIME_TARGET = 0.25  # |measured - predicted| / predicted step time, at most
@@ -171,8 +172,8 @@ def _overhead(cfg: PvMConfig, ranks: int) -> dict[str, list[float]]:
     parts = models.build_parts(models.MLP, ranks)
     x, y = models.make_batch(models.MLP)
     pipes = [Pipeline(copy.deepcopy(parts), models.loss_fn, harness.adamw(), PipelineConfig(
-        schedule="1f1b", num_microbatches=8, record_timeline=False, check_inputs_every_step=False,
-        count_saved_bytes=on)) for on in (False, True)]
+        schedule="1f1b", num_microbatches=8, observe=ObserveConfig(record_timeline=False, count_saved_bytes=on),
+        safety=SafetyConfig(check_inputs_every_step=False))) for on in (False, True)]
     off, on = harness.RoundRobin(pipes, lambda p, _: p.step(x, y)).run(cfg.overhead_steps, warmup=2)
     return {"on": on.wall, "off": off.wall}
 
@@ -198,8 +199,8 @@ def counting_cost(reps: int) -> dict[str, float]:
 
 def _run_config() -> PipelineConfig:
     """The flags of every measured Pipeline (and of the calibration's)."""
-    return PipelineConfig(grad_clip_norm=1.0, record_timeline=False, check_inputs_every_step=False,
-                          count_saved_bytes=True)
+    return PipelineConfig(grad_clip_norm=1.0, observe=ObserveConfig(record_timeline=False, count_saved_bytes=True),
+                          safety=SafetyConfig(check_inputs_every_step=False))
 
 
 def _calibrate(parts: list[nn.Module], sample: Any, link: deep.Link, cfg: PvMConfig, cores: int) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from typing import Any
 from benchmarks import harness, models, runner
 from benchmarks.framework import Block, Part, Result, ms
 from benchmarks.models import build_ours, build_pipeline, build_torch_pipe, num_stages
+from duplexpipe.train.pipeline_config import SafetyConfig
 
 TP_BUCKETS = (("TP collectives (functional collectives, their waits)", ("_functional_collectives.py",)),
               ("DTensor dispatch (sharding propagation, layouts)", ("tensor/_dispatch.py", "_sharding_prop.py",
@@ -64,7 +65,7 @@ class ProfileConfig:
     "gpt-tp" / "gpt-tp-sp" (vs_torch_tp's GPT at PP=2 x TP=2, without / with sequence parallelism; world 4)."""
     whatif: tuple[tuple[str, str, int], ...] = (("1f1b", "mlp", 20), ("1f1b", "sleep", 4))  # the what-if runs, alike
     lookahead: tuple[int, ...] = ()  # recv_lookahead depths to compare with torch on the first case; then no profile
-    fixed_shapes: bool = False  # ours: PipelineConfig.check_inputs_every_step=False
+    fixed_shapes: bool = False  # ours: SafetyConfig.check_inputs_every_step=False
     cpu: bool = False  # on-CPU samples only (waits drop out: CPU time per step and rank)
     top: int = 0  # also report this many top functions by inclusive and by self time
     rate: int = 250  # py-spy samples per second
@@ -96,7 +97,8 @@ def side_worker(rank: int, world: int, args: dict[str, Any]) -> None:
         harness.RoundRobin([side], lambda p, _: p.step(x, y)).run(args["steps"] + 2)
         return
     parts, x, y = _setup(rank, world, args["schedule"], args["workload"])
-    pipe: Any = (build_pipeline(args["schedule"], parts, 8, check_inputs_every_step=not args["fixed_shapes"])
+    pipe: Any = (build_pipeline(args["schedule"], parts, 8,
+                                safety=SafetyConfig(check_inputs_every_step=not args["fixed_shapes"]))
                  if args["side"] == "ours" else build_torch_pipe(args["schedule"], parts, rank, world, 8))
     harness.RoundRobin([pipe], lambda p, _: p.step(x, y)).run(args["steps"] + 2)
 
@@ -115,7 +117,7 @@ def lookahead_worker(rank: int, world: int, job: tuple[ProfileConfig, str, str, 
     """One Pipeline (at every depth in turn) and one torch pipe; a step of each variant per round, rotating."""
     cfg, schedule, workload, steps = job
     parts, x, y = _setup(rank, world, schedule, workload)
-    ours = build_pipeline(schedule, parts, 8, check_inputs_every_step=not cfg.fixed_shapes)
+    ours = build_pipeline(schedule, parts, 8, safety=SafetyConfig(check_inputs_every_step=not cfg.fixed_shapes))
     steppers: list[tuple[int | None, Any]] = [*((d, ours) for d in cfg.lookahead),
                                               (None, build_torch_pipe(schedule, parts, rank, world, 8))]
 

@@ -12,6 +12,7 @@ import torch
 from benchmarks import harness, models, runner
 from benchmarks.framework import Block, Part, Result, bars, mark, ms
 from benchmarks.models import TORCH_SCHEDULES, build_pipeline, build_torch_pipe, group_grads, num_stages
+from duplexpipe.train.pipeline_config import SafetyConfig
 
 GRAD_TOLERANCE = 1e-4  # the largest relative gradient error that matches the single-process reference
 SIDES = ("ours", "torch")
@@ -28,7 +29,7 @@ class Workload:
     num_microbatches: int = 8  # microbatches per step
     warmup: int = 2  # untimed steps per side first
     reps: int = 10  # timed steps per side; the sides alternate which goes first
-    check_inputs_every_step: bool = True  # ours: PipelineConfig.check_inputs_every_step (True is the default)
+    check_inputs_every_step: bool = True  # ours: SafetyConfig.check_inputs_every_step (True is the default)
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,8 @@ QUICK = VsTorchConfig((Workload("overhead-bound", models.ModelSpec("mlp", num_la
 def _schedule(key: str, w: Workload, rank: int, world: int, ref: list[list[torch.Tensor]]) -> dict[str, Any]:
     x, y = models.make_batch(w.spec)
     parts = models.build_parts(w.spec, num_stages(key, world))
-    ours = build_pipeline(key, parts, w.num_microbatches, check_inputs_every_step=w.check_inputs_every_step)
+    ours = build_pipeline(key, parts, w.num_microbatches,
+                          safety=SafetyConfig(check_inputs_every_step=w.check_inputs_every_step))
     theirs = build_torch_pipe(key, parts, rank, world, w.num_microbatches)
     traces = harness.RoundRobin[Any]([ours, theirs], lambda pipe, _: pipe.step(x, y)).run(w.reps, w.warmup)
     errors = [max(models.max_rel_error(g, ref[k]) for k, g in group_grads(ours.stage_modules, ours.schedule).items()),

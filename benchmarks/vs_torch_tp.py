@@ -20,6 +20,7 @@ from benchmarks.models import TORCH_SCHEDULES, TorchPipe, frozen_sgd, num_stages
 from duplexpipe import Pipeline, PipelineConfig, make_mesh
 from duplexpipe.launch.tasks.gpt import gpt_task, gpt_tp_plan
 from duplexpipe.model.split import plan_partition
+from duplexpipe.train.pipeline_config import SafetyConfig
 
 SIDES = ("ours", "torch")
 PP, TP = 2, 2
@@ -91,7 +92,8 @@ def build_sides(key: str, sp: bool, cfg: VsTorchTPConfig, mesh: Any, sides: tupl
     if "ours" in sides:
         built.append(Pipeline(copy.deepcopy(parts), task.loss_fn, frozen_sgd,
                               PipelineConfig(schedule=key, num_microbatches=cfg.microbatches, sequence_parallel=sp,
-                                             check_inputs_every_step=False), mesh=mesh, tp_plan=plan))
+                                             safety=SafetyConfig(check_inputs_every_step=False)),
+                              mesh=mesh, tp_plan=plan))
     if "torch" in sides:
         built.append(_torch_pipe(key, parts, mesh, plan, cfg, task.loss_fn))
     return built, parts, task.batch(0, cfg.batch)

@@ -17,6 +17,7 @@ from benchmarks import harness, runner
 from benchmarks.framework import Block, Part, Result, Table
 from benchmarks.internals import C10dCounter, WireMeter
 from duplexpipe import Pipeline, PipelineConfig, ZeroOptions
+from duplexpipe.train.pipeline_config import DataParallelConfig, SafetyConfig
 
 LAYOUTS = ((2, 1), (2, 2), (1, 4))  # (PP, DP) of the memory table
 SHARDED_KINDS = ("reduce_scatter", "all_to_all", "all_gather")  # the collectives only ZeRO posts (cross-checked)
@@ -74,8 +75,9 @@ QUICK = ZeroBenchConfig(steps=6, tail=2, checked_steps=2, speed_steps=2, speed_w
 def pipeline(cfg: ZeroBenchConfig, pp: int, dp: int, stage: int, zero: ZeroOptions) -> tuple[Pipeline, Any]:
     """The GPT example's Pipeline at this layout and ZeRO stage, and its task."""
     task = harness.gpt(**cfg.task_options)
-    pcfg = PipelineConfig("1f1b", cfg.microbatches, grad_clip_norm=cfg.clip, zero_stage=stage, zero=zero,
-                          check_inputs_every_step=False)
+    pcfg = PipelineConfig("1f1b", cfg.microbatches, grad_clip_norm=cfg.clip,
+                          data_parallel=DataParallelConfig(zero_stage=stage, zero=zero),
+                          safety=SafetyConfig(check_inputs_every_step=False))
     return harness.gpt_pipeline(task, pcfg, harness.adamw(cfg.lr), pp, dp), task
 
 
@@ -148,7 +150,8 @@ def _profile_worker(rank: int, world: int, cfg: ZeroBenchConfig) -> dict[str, di
                 profiles[stage].enable()
             step(pipe, i)
             profiles[stage].disable()
-    return {str(stage): charged(pstats.Stats(p).stats, cfg.profile_steps) for stage, p in profiles.items()}  # type: ignore
+    return {str(stage): charged(pstats.Stats(p).stats, cfg.profile_steps)  # type: ignore[attr-defined]
+            for stage, p in profiles.items()}
 
 
 def charged(stats: dict[Any, Any], steps: int) -> dict[str, float]:

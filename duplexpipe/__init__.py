@@ -38,11 +38,12 @@ _LAZY = (
     ("Pipeline", ("duplexpipe.train.trainer", "Pipeline")),
     ("PipelineConfig", ("duplexpipe.train.pipeline_config", "PipelineConfig")),
     ("StepInfo", ("duplexpipe.train.pipeline_config", "StepInfo")),
+    ("plan_pipeline", ("duplexpipe.train.planning.auto", "plan_pipeline")),
     ("LossScaleConfig", ("duplexpipe.train.precision", "LossScaleConfig")),
     ("ZeroOptions", ("duplexpipe.dp_options.zero", "ZeroOptions")),
     ("compression_options", ("duplexpipe.dp_options.compression", "compression_options")),
     ("make_mesh", ("duplexpipe.parallel.mesh", "make_mesh")),
-    ("profile_parts", ("duplexpipe.train.measure", "profile_parts")),
+    ("profile_parts", ("duplexpipe.train.planning.measure", "profile_parts")),
     ("read_checkpoint", ("duplexpipe.train.checkpoint", "read_checkpoint")),
     # model -> parts
     ("Partition", ("duplexpipe.model.split", "Partition")),
@@ -115,8 +116,9 @@ if _typing.TYPE_CHECKING:  # for type checkers and IDEs: the same names, importe
     from duplexpipe.schedules.timeline import Timeline
     from duplexpipe.schedules.verify import verify
     from duplexpipe.train.checkpoint import read_checkpoint
-    from duplexpipe.train.measure import profile_parts
     from duplexpipe.train.pipeline_config import PipelineConfig, StepInfo
+    from duplexpipe.train.planning.auto import plan_pipeline
+    from duplexpipe.train.planning.measure import profile_parts
     from duplexpipe.train.precision import LossScaleConfig
     from duplexpipe.train.trainer import Pipeline
 

@@ -32,8 +32,10 @@ def field_docs(cls: type) -> dict[str, str]:
 def _default(field: dataclasses.Field[Any]) -> str:
     if field.default is not dataclasses.MISSING:
         return repr(field.default)
-    if field.default_factory is not dataclasses.MISSING:
+    if isinstance(field.default_factory, type):
         return repr(field.default_factory())
+    if field.default_factory is not dataclasses.MISSING:  # a function: named, not called (it may import much)
+        return f"{getattr(field.default_factory, '__name__', 'factory')}()"
     return "required"
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from typing import Any
 
 from duplexpipe.launch.tasks.gpt import (  # noqa: F401  (re-exported for users of this example)
@@ -20,6 +21,7 @@ from duplexpipe.launch.tasks.gpt import (  # noqa: F401  (re-exported for users 
     gpt_task,
     lm_loss,
 )
+from duplexpipe.launch.train_config import MetricsConfig, default_pipeline
 from duplexpipe.launch.train_loop import TrainConfig, TrainResult, run_training
 
 DemoResult = TrainResult
@@ -35,8 +37,9 @@ def run_demo(schedule: str = "dualpipe", ranks: int = 4, microbatches: int = 8, 
     under `if __name__ == "__main__":` (the ranks are spawned processes).
     """
     n_layer = task_options.pop("n_layer", None)
-    config = TrainConfig(schedule=schedule, ranks=ranks, microbatches=microbatches, steps=steps,
-                         out_dir=out_dir, progress=progress, task_options=dict(task_options))
+    pipeline = replace(default_pipeline(), schedule=schedule, num_microbatches=microbatches)
+    config = TrainConfig(ranks=ranks, steps=steps, pipeline=pipeline, task_options=dict(task_options),
+                         metrics=MetricsConfig(out_dir=out_dir, progress=progress))
     config.task_options["n_layer"] = n_layer or config.parts_needed()
     return run_training(config)
 

@@ -6,6 +6,7 @@ import math
 import os
 import warnings
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from duplexpipe.parallel.mesh import make_mesh
 from duplexpipe.runtime import gather_timeline
 from duplexpipe.schedules.ir import Op
 from duplexpipe.schedules.registry import build as build_schedule
+from duplexpipe.train.pipeline_config import DataParallelConfig, PrecisionConfig
 from duplexpipe.train.precision import LossScaleConfig
 from duplexpipe.train.trainer import Pipeline, PipelineConfig
 
@@ -57,9 +59,12 @@ def _parts_for(schedule: str, options: dict[str, Any]) -> list[nn.Sequential]:
     return make_parts(build_schedule(schedule, 2, MICROBATCHES, **options).num_groups)
 
 
-def _pipe(schedule: str, compression: Any, optimizer: Callable[..., Any] = sgd, **config: Any) -> Pipeline:
+def _pipe(schedule: str, compression: Any, optimizer: Callable[..., Any] = sgd, bucket_bytes: int | None = None,
+          **config: Any) -> Pipeline:
     options = {"chunks": 2} if schedule == "interleaved-1f1b" else {}
-    cfg = PipelineConfig(schedule, MICROBATCHES, schedule_options=options, grad_compression=compression, **config)
+    dp = DataParallelConfig(grad_compression=compression)
+    cfg = PipelineConfig(schedule, MICROBATCHES, schedule_options=options, **config,
+                         data_parallel=dp if bucket_bytes is None else replace(dp, grad_bucket_bytes=bucket_bytes))
     return Pipeline(_parts_for(schedule, options), mse, optimizer, cfg, mesh=make_mesh(2, 2))
 
 
@@ -96,7 +101,7 @@ def equivalence(schedule: str, compression: Any, steps: int = 4) -> dict[str, An
 
 def overlap() -> dict[str, Any]:
     """Interleaved 1F1B (two stages per rank), one bucket per parameter: what the DP lane shows."""
-    pipe = _pipe("interleaved-1f1b", None, grad_bucket_bytes=1)
+    pipe = _pipe("interleaved-1f1b", None, bucket_bytes=1)
     for step in range(2):
         pipe.step(*_local(pipe, step))
     assert pipe.last is not None and pipe.last.timeline is not None
@@ -139,8 +144,8 @@ def fp16_skip(name: str, inf_step: int = 2) -> dict[str, Any]:
     """fp16 with an inf injected into one gradient on global rank 0 at `inf_step`: every rank skips that
     step and the compressor's residuals and state stay exactly as they were."""
     optimizer = plain_sgd if name == "dgc" else sgd
-    pipe = _pipe("1f1b", LOSSY[name], optimizer, precision="fp16",
-                 loss_scale=LossScaleConfig(init_scale=2.0**8))
+    pipe = _pipe("1f1b", LOSSY[name], optimizer,
+                 precision=PrecisionConfig("fp16", loss_scale=LossScaleConfig(init_scale=2.0**8)))
     when = {"step": -1}
     if dist.get_rank() == 0:
         weight = next(pipe.stage_modules[0].parameters())
@@ -176,7 +181,8 @@ def dp1() -> dict[str, Any]:
     """PP=4 without data parallelism: compression is a no-op, said in one warning."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        pipe = Pipeline(make_parts(4), mse, sgd, PipelineConfig("1f1b", MICROBATCHES, grad_compression="int8"))
+        pipe = Pipeline(make_parts(4), mse, sgd, PipelineConfig("1f1b", MICROBATCHES,
+                                                                data_parallel=DataParallelConfig(grad_compression="int8")))
         compressed = [pipe.step(*batch(step, ROWS)) for step in range(3)]
     plain = Pipeline(make_parts(4), mse, sgd, PipelineConfig("1f1b", MICROBATCHES))
     exact = [plain.step(*batch(step, ROWS)) for step in range(3)]

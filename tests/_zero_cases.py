@@ -15,6 +15,7 @@ from benchmarks.zero_bench import held_bytes  # one measure of held memory, for 
 from duplexpipe import Pipeline, PipelineConfig, make_mesh
 from duplexpipe.dp_options.compression import Int8Options
 from duplexpipe.dp_options.zero import ZeroOptions
+from duplexpipe.train.pipeline_config import DataParallelConfig, PrecisionConfig
 from duplexpipe.train.precision import LossScaleConfig
 
 BATCH = 16
@@ -39,9 +40,10 @@ def build(schedule: str, zero_stage: int, dp: int, *, precision: str = "fp32", z
     """A pipeline over the world as pp x dp with the given ZeRO settings (fp16: a loss scale that overflows
     on the first step, so a skipped step is part of every fp16 case)."""
     pp = dist.get_world_size() // dp
-    cfg = PipelineConfig(schedule=schedule, num_microbatches=4, zero_stage=zero_stage, zero=zero or ZeroOptions(),
-                         grad_compression=compression, grad_clip_norm=CLIP, precision=precision,
-                         loss_scale=LossScaleConfig(init_scale=2.0**20), **extra)
+    cfg = PipelineConfig(schedule=schedule, num_microbatches=4, grad_clip_norm=CLIP, **extra,
+                         data_parallel=DataParallelConfig(zero_stage=zero_stage, zero=zero or ZeroOptions(),
+                                                          grad_compression=compression),
+                         precision=PrecisionConfig(dtype=precision, loss_scale=LossScaleConfig(init_scale=2.0**20)))
     parts = make_parts(pp, 8, seed) if width == WIDTH else wide_parts(pp, width, seed)
     return Pipeline(parts, mse, adamw, cfg, mesh=make_mesh(pp, dp))
 

@@ -12,9 +12,15 @@ from dataclasses import dataclass, field
 import pytest
 
 from duplexpipe.fielddoc import documented, field_docs
-from duplexpipe.launch.train_config import TrainConfig
+from duplexpipe.launch.train_config import CheckpointConfig, MetricsConfig, OptimizerConfig, TrainConfig
 from duplexpipe.runtime.config import RuntimeConfig
-from duplexpipe.train.pipeline_config import PipelineConfig
+from duplexpipe.train.pipeline_config import (
+    DataParallelConfig,
+    ObserveConfig,
+    PipelineConfig,
+    PrecisionConfig,
+    SafetyConfig,
+)
 
 
 @documented
@@ -38,7 +44,8 @@ def test_docstrings_under_fields_are_collected_and_listed_with_defaults() -> Non
     assert "    names (default [])\n    undocumented_after (default 'x')\n        The last one." in doc
 
 
-@pytest.mark.parametrize("cls", [PipelineConfig, RuntimeConfig, TrainConfig])
+@pytest.mark.parametrize("cls", [PipelineConfig, PrecisionConfig, DataParallelConfig, SafetyConfig, ObserveConfig,
+                                 RuntimeConfig, TrainConfig, OptimizerConfig, MetricsConfig, CheckpointConfig])
 def test_help_shows_every_field_with_its_meaning(cls: type) -> None:
     """The docstrings under the fields were invisible to help()."""
     assert "Fields:" in pydoc.render_doc(cls, renderer=pydoc.plaintext)
@@ -52,6 +59,7 @@ def test_help_shows_every_field_with_its_meaning(cls: type) -> None:
 def test_train_help_is_the_train_config_docstrings() -> None:
     out = subprocess.run([sys.executable, "-m", "duplexpipe.cli", "train", "--help"], capture_output=True,
                          text=True, check=True, env={"COLUMNS": "10000", "PATH": ""}).stdout
-    docs = field_docs(TrainConfig)
-    for name in ("lr", "schedule", "microbatches", "out_dir", "timeout_s", "progress", "task", "tensorboard"):
-        assert docs[name] in out, name
+    for cls, name in ((OptimizerConfig, "lr"), (PipelineConfig, "schedule"), (PipelineConfig, "num_microbatches"),
+                      (MetricsConfig, "out_dir"), (SafetyConfig, "timeout_s"), (MetricsConfig, "progress"),
+                      (TrainConfig, "task"), (MetricsConfig, "tensorboard"), (DataParallelConfig, "zero_stage")):
+        assert field_docs(cls)[name] in out, name

@@ -35,7 +35,7 @@ def test_the_old_home_is_gone() -> None:
 
 
 def test_the_api_is_small_and_dir_shows_only_it() -> None:
-    assert len(duplexpipe.__all__) <= 51 and len(set(duplexpipe.__all__)) == len(duplexpipe.__all__)
+    assert len(duplexpipe.__all__) <= 52 and len(set(duplexpipe.__all__)) == len(duplexpipe.__all__)
     shown = set(dir(duplexpipe))
     assert not {"Any", "importlib", "TYPE_CHECKING", "annotations", "MappingProxyType"} & shown
     assert {n for n in shown if not n.startswith("__")} == set(duplexpipe.__all__)

@@ -149,8 +149,9 @@ def test_torch_free_packages_import_no_torch_at_module_level(package: str) -> No
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
-PLANNING = ("duplexpipe.train.planning", "duplexpipe.train.calibration", "duplexpipe.train.choice",
-            "duplexpipe.train.measure_cache", "duplexpipe.train.measure")
+PLANNING = ("duplexpipe.train.planning", "duplexpipe.train.planning.auto", "duplexpipe.train.planning.calibration",
+            "duplexpipe.train.planning.choice", "duplexpipe.train.planning.measure_cache",
+            "duplexpipe.train.planning.measure")
 """The planning step before a Pipeline is built, and the measuring it does."""
 
 
@@ -169,11 +170,12 @@ def test_the_planning_step_sits_below_the_trainer() -> None:
         assert "duplexpipe.train.trainer" not in nx.descendants(graph, module), f"{module} reaches the trainer"
 
 
-def test_a_pipeline_builds_no_pipeline() -> None:
-    """Pipeline.__init__ plans first (train/planning.py, below it) and calls no Pipeline constructor itself."""
+def test_a_pipeline_builds_no_pipeline_and_plans_nothing() -> None:
+    """Pipeline.__init__ builds only: planning is a step before it (train/planning/, below it; from_layers and
+    from_pretrained call it), and it calls no Pipeline constructor itself."""
     tree = ast.parse((PACKAGE / "train" / "trainer.py").read_text())
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Pipeline")
     init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
     calls = {ast.unparse(n.func) for n in ast.walk(init) if isinstance(n, ast.Call)}
-    assert "plan_pipeline" in calls
+    assert not calls & {"plan_pipeline", "choose", "measure", "profile_parts", "calibrate"}, sorted(calls)
     assert not calls & {"Pipeline", "cls", "type(self)", "self.__class__"}, sorted(calls)

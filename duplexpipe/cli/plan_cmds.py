@@ -258,9 +258,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     defaults = TrainConfig()
     spec = TASK_ALIASES.get(args.task, args.task) if args.task else DEFAULT_TASK
+    rows = max(1, defaults.batch_size // (defaults.pipeline.num_microbatches or 1))
     request = ProfileRequest(spec, parse_key_values(args.task_option), args.parts, args.balance,
-                             args.microbatch or max(1, defaults.batch_size // defaults.microbatches), args.repeats,
-                             args.evict, args.calibrate,
+                             args.microbatch or rows, args.repeats, args.evict, args.calibrate,
                              **{k: v for k, v in calibration.items() if v is not None})
     if request.calibrate and request.batch < request.ranks:
         raise ValueError(f"--batch {request.batch}: the calibration runs at least --ranks {request.ranks} "

@@ -12,7 +12,7 @@ from typing import IO, Any
 from duplexpipe.cli import help as docs
 from duplexpipe.cli.args import CliError, load_schedule
 from duplexpipe.launch.folder_lock import hold_folders, job_folders
-from duplexpipe.launch.train_config import DEFAULT_TASK, HF_TASK, TrainConfig, is_schedule_file
+from duplexpipe.launch.train_config import DEFAULT_TASK, HF_TASK, TrainConfig
 
 
 def add_parsers(sub: Any, full: bool = True) -> None:
@@ -42,8 +42,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     from duplexpipe.launch.train_settings import add_arguments
 
     parser.add_argument("--config", default=None, metavar="FILE.toml",
-                        help="TOML file of settings named like the flags with underscores (batch_size = 64, "
-                             "[task_options], [schedule_options], [zero]); flags given here override it. Its task "
+                        help="TOML file of TrainConfig's settings: its own at the top (batch_size = 64), a "
+                             "section's in its table ([optimizer] lr = 1e-3, [pipeline] schedule = \"1f1b\", "
+                             "[pipeline.data_parallel] zero_stage = 1), options as tables ([task_options], "
+                             "[pipeline.schedule_options]); flags given here override it. Its task "
                              "is imported and run as Python: use config files you trust; a task it names must be a "
                              "function annotated '-> TrainTask'")
     add_arguments(parser)
@@ -53,16 +55,17 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """TrainConfig from defaults < the --config file < the flags given on the command line. A schedule file states
     the ranks and microbatches: they default to its own, and must agree with it when given."""
     from duplexpipe.launch.train_settings import load_config_file, merge_config, values_from_args
+    from duplexpipe.train.pipeline_config import is_schedule_file
 
     flags = values_from_args(args)
     file_values = load_config_file(args.config) if getattr(args, "config", None) else {}
     given = {**file_values, **flags}
-    schedule = given.get("schedule")
-    if isinstance(schedule, str) and is_schedule_file(schedule):
-        loaded = _schedule_file(schedule, given.get("ranks"), given.get("microbatches"),
-                                given.get("schedule_options"))
-        flags = {"ranks": loaded.num_ranks, "microbatches": loaded.num_microbatches, **flags,
-                 "schedule": str(Path(schedule).resolve())}  # every rank reads the same file, wherever it runs
+    schedule = given.get("pipeline.schedule")
+    if is_schedule_file(schedule):
+        loaded = _schedule_file(schedule, given.get("ranks"), given.get("pipeline.num_microbatches"),
+                                given.get("pipeline.schedule_options"))
+        flags = {"ranks": loaded.num_ranks, "pipeline.num_microbatches": loaded.num_microbatches, **flags,
+                 "pipeline.schedule": str(Path(schedule).resolve())}  # every rank reads the same file
     return merge_config(file_values, flags)
 
 
@@ -93,7 +96,7 @@ def _schedule_file(path: str, ranks: int | None, microbatches: int | None, optio
 def _check_without_torch(config: TrainConfig) -> None:
     """The schedule with its ranks and microbatches, and the task file's existence: found before the task is built
     (the checks after these build it)."""
-    if config.schedule != "auto":
+    if config.pipeline.schedule != "auto":
         config.schedule_object()
     target, sep, name = config.task.rpartition(":")
     if not sep or not target or not name:
@@ -117,6 +120,7 @@ def _train_checked(args: argparse.Namespace, config: TrainConfig, out: IO[str]) 
     train and print the summary."""
     from duplexpipe.launch.checks import check_training  # imports torch: after the checks that need none
     from duplexpipe.launch.train_loop import load_task, run_training
+    from duplexpipe.train.pipeline_config import is_schedule_file
 
     try:
         if _task_from_file(args):
@@ -129,21 +133,22 @@ def _train_checked(args: argparse.Namespace, config: TrainConfig, out: IO[str]) 
         raise InputRejected(str(exc)) from exc
     result = run_training(config)
     if result.losses:
-        if config.schedule == "auto":
+        if config.pipeline.schedule == "auto":
             out.write(f"{result.plan}\n")
         if result.partition:
             out.write(f"{result.partition}\n")
         done = f"steps {result.start_step + 1}-{config.steps}" if result.start_step else f"{config.steps} steps"
-        chosen = f" (chose {result.schedule})" if config.schedule == "auto" and result.schedule else ""
-        name = Path(config.schedule).name if is_schedule_file(config.schedule) else config.schedule
+        chosen = f" (chose {result.schedule})" if config.pipeline.schedule == "auto" and result.schedule else ""
+        schedule = config.pipeline.schedule
+        name = Path(schedule).name if is_schedule_file(schedule) else str(schedule)
         evaluated = f", eval loss {result.eval_losses[-1][1]:.4f}" if result.eval_losses else ""
         tensor = f" x {config.tp} tp" if config.tp > 1 else ""
         out.write(f"{name}{chosen} on {config.ranks} ranks x {config.dp} dp{tensor}, {done}: loss "
                   f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f}{evaluated}, {result.items_per_s:,.0f} "
                   f"{result.item_name}/s, {result.wall_s:.1f}s\n")
         if result.send_bytes:
-            out.write(f"stage-to-stage sends ({config.p2p_compression}): {result.send_bytes:,.0f} bytes each "
-                      f"on rank 0\n")
+            sends = config.pipeline.precision.p2p_compression or "none"
+            out.write(f"stage-to-stage sends ({sends}): {result.send_bytes:,.0f} bytes each on rank 0\n")
         if result.timeline is not None:
             out.write(f"last step: makespan {result.timeline.makespan * 1e3:.1f} ms, "
                       f"bubble ratio {result.timeline.bubble_ratio:.1%}\n")
@@ -168,12 +173,12 @@ def _check_files(config: TrainConfig) -> None:
         from duplexpipe.launch.tasks.hf import check_options
 
         check_options(**config.task_options)
-    if config.save_pretrained is not None:
+    if config.checkpoint.save_pretrained is not None:
         if config.task == DEFAULT_TASK:
             raise ValueError("--save-pretrained writes a Hugging Face model; the gpt task trains none (use --task hf)")
-        if Path(config.save_pretrained).exists() and not Path(config.save_pretrained).is_dir():
-            raise ValueError(f"--save-pretrained {config.save_pretrained} exists and is not a directory")
-    checkpoint = resume_from(config.resume, config.save)
+        if Path(config.checkpoint.save_pretrained).exists() and not Path(config.checkpoint.save_pretrained).is_dir():
+            raise ValueError(f"--save-pretrained {config.checkpoint.save_pretrained} exists and is not a directory")
+    checkpoint = resume_from(config.checkpoint.resume, config.checkpoint.save)
     if checkpoint is not None:
         read_metadata_file(checkpoint)
 

@@ -19,7 +19,7 @@ never to finite garbage, so fp16's overflow check still sees it; `nonfinite(payl
 or blocks without a device sync (duplexpipe.comm.nonfinite reports them). Finite input decodes finite:
 a scale whose largest code would overflow the tensor's dtype (a row holding `finfo.min`) is capped.
 
-`p2p_codec_pair(spec)` maps `PipelineConfig.p2p_compression` to the (activation, gradient) codecs.
+`p2p_codec_pair(spec)` maps `PrecisionConfig.p2p_compression` to the (activation, gradient) codecs.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from duplexpipe.dp_options.compression import GradientWire, Int8Options, NoCompression, Options, check_sharded
 
 ZERO_STAGES = (0, 1, 2)
-"""The ZeRO stages PipelineConfig.zero_stage accepts."""
+"""The ZeRO stages DataParallelConfig.zero_stage accepts."""
 
 
 @dataclass(frozen=True)

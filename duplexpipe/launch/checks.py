@@ -19,7 +19,6 @@ from duplexpipe.launch.train_loop import (
     build_task,
     load_task,
     make_optimizer,
-    pipeline_config,
     task_tp_plan,
 )
 from duplexpipe.parallel.compressed import check_dgc_momentum
@@ -34,26 +33,26 @@ def check_training(config: TrainConfig) -> None:
     ZeRO with compression, ...), the optimizer against the gradient compression (DGC with momentum, a
     sparsifier under Adam), hpZ against the schedule, then the task: importable, buildable (on the meta
     device: no memory, no weights computed) and with enough layers for the schedule's model parts."""
-    schedule = None if config.schedule == AUTO else config.schedule_object()
-    pcfg = pipeline_config(config)  # PipelineConfig checks its fields against each other
-    compression = compression_options(pcfg.grad_compression)
+    schedule = None if config.pipeline.schedule == AUTO else config.schedule_object()
+    dp = config.pipeline.data_parallel  # PipelineConfig checked its fields against each other when it was built
+    compression = compression_options(dp.grad_compression)
     if compression.method != "none":  # building an optimizer imports torch's dynamo (a second): only then
         optimizer = make_optimizer(config)([nn.Parameter(torch.zeros(1))])
         check_optimizer(compression, optimizer)
         check_dgc_momentum(compression, optimizer)
-    if schedule is not None and pcfg.zero_stage == 2 and config.dp > 1:
-        check_hpz(pcfg.zero, schedule, config.dp)
+    if schedule is not None and dp.zero_stage == 2 and config.dp > 1:
+        check_hpz(dp.zero, schedule, config.dp)
     load_task(config.task)
     task = _built(config)
-    if config.eval_every and task.eval_batch is None:
-        raise ValueError(f"--eval-every {config.eval_every}: task {config.task!r} holds out no data (its TrainTask "
-                         "has no eval_batch)")
+    if config.metrics.eval_every and task.eval_batch is None:
+        raise ValueError(f"--eval-every {config.metrics.eval_every}: task {config.task!r} holds out no data (its "
+                         "TrainTask has no eval_batch)")
     if task.pretrained is not None:
         _check_pretrained(config, task, schedule.num_groups if schedule is not None else None)
     elif schedule is not None and len(task.layers) < schedule.num_groups:
-        raise ValueError(f"task {config.task!r} has {len(task.layers)} layers, but schedule {config.schedule!r} "
-                         f"on {config.ranks} ranks runs {schedule.num_groups} model parts of at least one layer "
-                         "each; use fewer ranks, another schedule or a deeper model")
+        raise ValueError(f"task {config.task!r} has {len(task.layers)} layers, but schedule "
+                         f"{config.pipeline.schedule!r} on {config.ranks} ranks runs {schedule.num_groups} model parts "
+                         "of at least one layer each; use fewer ranks, another schedule or a deeper model")
     _check_tensor_parallel(config, task)
 
 
@@ -78,9 +77,9 @@ def _check_pretrained(config: TrainConfig, task: TrainTask, num_parts: int | Non
     assert task.pretrained is not None
     source = PretrainedModel.open(task.pretrained, task.dtype)
     if num_parts is not None and source.num_layers < num_parts:
-        raise ValueError(f"{task.pretrained} has {source.num_layers} decoder layers, but schedule {config.schedule!r} "
-                         f"on {config.ranks} ranks runs {num_parts} model parts of at least one layer each; use "
-                         "fewer ranks or another schedule")
+        raise ValueError(f"{task.pretrained} has {source.num_layers} decoder layers, but schedule "
+                         f"{config.pipeline.schedule!r} on {config.ranks} ranks runs {num_parts} model parts of at "
+                         "least one layer each; use fewer ranks or another schedule")
     source.parts(num_parts or 1, experts=(0, config.ep), bias_update_speed=task.router_bias_update_speed)
 
 

@@ -159,7 +159,7 @@ class FolderLock:
 
 def job_folders(config: TrainConfig) -> list[tuple[str | None, str]]:
     """The folders a training run writes, and locks: the save folder and the output folder."""
-    return [(config.save, "save"), (config.out_dir, "output")]
+    return [(config.checkpoint.save, "save"), (config.metrics.out_dir, "output")]
 
 
 @contextlib.contextmanager

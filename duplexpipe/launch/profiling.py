@@ -83,7 +83,7 @@ def _meta(request: ProfileRequest) -> dict[str, Any]:
 
 def profile_here(request: ProfileRequest) -> Profile:
     """The parts measured on this process, on the first `microbatch` samples of the task's step-0 batch."""
-    from duplexpipe.train.measure import profile_parts
+    from duplexpipe.train.planning.measure import profile_parts
 
     task = _task(request)
     parts, init, loss_fn = task_parts(task, request.parts, request.balance)
@@ -105,7 +105,7 @@ def _calibrated_rank(request: ProfileRequest) -> dict[str, Any] | None:
 
     from duplexpipe.parallel.mesh import ParallelGroups
     from duplexpipe.runtime.backend import default_device
-    from duplexpipe.train.planning import PlanSetup, measure
+    from duplexpipe.train.planning.auto import PlanSetup, measure
 
     task = _task(request)
     parts, init, loss_fn = task_parts(task, request.parts, request.balance)

@@ -8,6 +8,7 @@ import importlib
 import importlib.util
 import inspect
 import json
+import math
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -26,14 +27,14 @@ from duplexpipe.launch.folder_lock import hold_folders, job_folders
 from duplexpipe.launch.job_guards import check_same_batch, checks_batch, locked_by_rank0
 from duplexpipe.launch.metrics import MetricsLog, log_line, plain_every, progress_bar, tensorboard_writer
 from duplexpipe.launch.processes import launched_by_torchrun, run
-from duplexpipe.launch.train_config import DEFAULT_TASK, TrainConfig, is_schedule_file, lr_factor
-from duplexpipe.launch.train_settings import pipeline_values
+from duplexpipe.launch.train_config import DEFAULT_TASK, TrainConfig, lr_factor
 from duplexpipe.model.stages import PartInit
 from duplexpipe.parallel.mesh import make_mesh
 from duplexpipe.runtime.backend import default_device
 from duplexpipe.schedules.timeline import Timeline
 from duplexpipe.tp.plans import TPPlan
-from duplexpipe.train.trainer import LossFn, Pipeline, PipelineConfig
+from duplexpipe.train.pipeline_config import AUTO
+from duplexpipe.train.trainer import LossFn, Pipeline
 
 __all__ = ["DEFAULT_TASK", "LATEST", "TrainConfig", "TrainResult", "TrainTask", "checkpoint_to_load", "load_task",
            "run_training"]
@@ -209,40 +210,32 @@ def check_task(task: TrainTask, spec: str) -> None:
 
 def make_optimizer(config: TrainConfig) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
     """The optimizer factory of `config` (AdamW or SGD with momentum)."""
+    opt = config.optimizer
+
     def factory(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-        if config.optimizer == "sgd":
-            return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
-        return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+        if opt.name == "sgd":
+            return torch.optim.SGD(params, lr=opt.lr, momentum=opt.momentum, weight_decay=opt.weight_decay)
+        return torch.optim.AdamW(params, lr=opt.lr, weight_decay=opt.weight_decay)
     return factory
 
 
 def make_scheduler(config: TrainConfig) -> Callable[[torch.optim.Optimizer], Any]:
     """The LR scheduler factory of `config` (warm-up, then constant / cosine / linear decay over the run's optimizer
     steps: one per `accumulation_steps` steps)."""
-    optimizer_steps = -(-config.steps // int(config.pipeline.get("accumulation_steps", 1)))
-    factor = lr_factor(config.lr_schedule, config.warmup, optimizer_steps, config.min_lr_ratio)
+    opt = config.optimizer
+    optimizer_steps = -(-config.steps // config.pipeline.accumulation_steps)
+    factor = lr_factor(opt.lr_schedule, opt.warmup, optimizer_steps, opt.min_lr_ratio)
     return lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor)
-
-
-def pipeline_config(config: TrainConfig) -> PipelineConfig:
-    """The PipelineConfig a run trains with: the fields TrainConfig carries (sequence_parallel among them), its
-    generated pipeline settings (`train_settings.pipeline_values`), compile with its backend, and a schedule
-    file's Schedule."""
-    values = pipeline_values(config)
-    values["compile"] = {"backend": config.compile_backend} if config.compile else False
-    if is_schedule_file(config.schedule):
-        values["schedule"] = config.schedule_object()
-    return PipelineConfig(**values)
 
 
 def _build_pipeline(config: TrainConfig, task: TrainTask) -> Pipeline:
     device_type = default_device().type
     mesh = make_mesh(config.ranks, config.dp, device_type, tp=config.tp, ep=config.ep) \
         if config.dp * config.tp > 1 else None
-    pcfg = pipeline_config(config)
+    pcfg = config.pipeline
     inputs, targets = task.batch(0, config.batch_size)
     dp_rank = dist.get_rank() // config.tp % config.dp  # make_mesh: rank = (pp index x dp + dp index) x tp + tp index
-    auto = config.schedule == "auto"
+    auto = pcfg.schedule == AUTO
     sample = {"sample_input": local_slice(inputs, dp_rank, config.dp),
               "sample_targets": local_slice(targets, dp_rank, config.dp)} if auto else {}
     if task.pretrained is not None:
@@ -253,7 +246,8 @@ def _build_pipeline(config: TrainConfig, task: TrainTask) -> Pipeline:
                                         scheduler=make_scheduler(config),
                                         router_bias_update_speed=task.router_bias_update_speed, **sample)
     if not auto:  # one microbatch of step 0's batch: the profiling sample of balance="time" (a tensor input)
-        first = rows_of(inputs, 0, max(1, batch_rows(inputs) // (config.microbatches * config.dp)))
+        microbatches = config.schedule_object().num_microbatches
+        first = rows_of(inputs, 0, max(1, batch_rows(inputs) // (microbatches * config.dp)))
         sample = {"sample_input": first} if isinstance(first, torch.Tensor) or config.balance == "time" else {}
     return Pipeline.from_layers(task.layers, task.loss_fn, make_optimizer(config), pcfg, embedding=task.embedding,
                                 head=task.head, balance=config.balance, mesh=mesh, init=task.init,
@@ -266,22 +260,22 @@ def task_tp_plan(task: TrainTask, config: TrainConfig) -> TPPlan | None:
         return None
     if task.tp_plan is None:
         raise ValueError(f"--tp {config.tp}: task {config.task!r} has no tensor-parallel plan (TrainTask.tp_plan)")
-    return task.tp_plan(config.sequence_parallel)
+    return task.tp_plan(config.pipeline.sequence_parallel)
 
 
 def _save(pipe: Pipeline, config: TrainConfig, step: int) -> None:
     """Save checkpoint `step`; then rank 0 names it the latest. torch.distributed.checkpoint returns on rank 0
     only after every rank's files and the metadata are written, so `latest` never names a partial checkpoint."""
-    assert config.save is not None
+    assert config.checkpoint.save is not None
     name = step_name(step)
     try:
-        pipe.save(str(Path(config.save) / name))
+        pipe.save(str(Path(config.checkpoint.save) / name))
     except CheckpointError:  # every rank: the partial folder goes (a full disk stays full otherwise)
         if dist.get_rank() == 0:
-            discard_partial(config.save, name)
+            discard_partial(config.checkpoint.save, name)
         raise
     if dist.get_rank() == 0:
-        publish(config.save, name, config.keep)
+        publish(config.checkpoint.save, name, config.checkpoint.keep)
 
 
 def _trim_metrics(path: Path, start: int) -> None:
@@ -294,10 +288,10 @@ def _trim_metrics(path: Path, start: int) -> None:
 
 
 def _open_metrics(config: TrainConfig, lead: bool, start: int) -> MetricsLog | None:
-    if not lead or config.out_dir is None:
+    if not lead or config.metrics.out_dir is None:
         return None
-    out = Path(config.out_dir)
-    factory = tensorboard_writer() if config.tensorboard else None
+    out = Path(config.metrics.out_dir)
+    factory = tensorboard_writer() if config.metrics.tensorboard else None
     if start:
         _trim_metrics(out / "metrics.jsonl", start)
     return MetricsLog(out / "metrics.jsonl", tensorboard_dir=out / "tensorboard", writer_factory=factory,
@@ -311,13 +305,13 @@ def _prepare(config: TrainConfig) -> tuple[TrainTask, Pipeline]:
                          f"{config.tp}")
     torch.manual_seed(config.seed)
     task = build_task(config)
-    if config.save_pretrained is not None and task.pretrained is None:
+    if config.checkpoint.save_pretrained is not None and task.pretrained is None:
         raise ValueError(f"--save-pretrained writes a Hugging Face model; task {config.task!r} trains no "
                          "Hugging Face model (use --task hf)")
-    if config.eval_every and task.eval_batch is None:
-        raise ValueError(f"--eval-every {config.eval_every}: task {config.task!r} holds out no data (its TrainTask "
-                         "has no eval_batch)")
-    checkpoint = resume_from(config.resume, config.save)
+    if config.metrics.eval_every and task.eval_batch is None:
+        raise ValueError(f"--eval-every {config.metrics.eval_every}: task {config.task!r} holds out no data (its "
+                         "TrainTask has no eval_batch)")
+    checkpoint = resume_from(config.checkpoint.resume, config.checkpoint.save)
     pipe = _build_pipeline(config, task)
     if checkpoint is not None:
         pipe.load(checkpoint)
@@ -350,8 +344,8 @@ def _train(config: TrainConfig) -> TrainResult | None:
     finally:
         if metrics is not None:
             metrics.close()
-    if config.save_pretrained is not None:
-        pipe.save_pretrained(config.save_pretrained)
+    if config.checkpoint.save_pretrained is not None:
+        pipe.save_pretrained(config.checkpoint.save_pretrained)
     last = pipe.last.timeline if pipe.last is not None else None
     timeline = gather_timeline(last, group=pipe.groups.pp_group) if last is not None else None
     if not lead:
@@ -373,8 +367,9 @@ def _loop(pipe: Pipeline, task: TrainTask, config: TrainConfig, start: int, metr
     """
     from duplexpipe.runtime import gather_timeline
 
-    bar = progress_bar(config.steps, start, task.item_name, sys.stdout) if config.progress and lead else None
-    every = plain_every(config.log_every, config.steps, config.progress)
+    metrics_cfg = config.metrics
+    bar = progress_bar(config.steps, start, task.item_name, sys.stdout) if config.metrics.progress and lead else None
+    every = plain_every(config.metrics.log_every, config.steps, config.metrics.progress)
     losses: list[float] = []
     evals: list[tuple[int, float]] = []
     if lead and pipe.compiled.active and start < config.steps:
@@ -394,19 +389,22 @@ def _loop(pipe: Pipeline, task: TrainTask, config: TrainConfig, start: int, metr
         if step > start:
             items, busy = items + step_items, busy + (now - tick)
         timeline = pipe.last.timeline if pipe.last is not None else None
-        bubble = gather_timeline(timeline, group=pipe.groups.pp_group).bubble_ratio if timeline else None
+        bubble = step_bubble(timeline, pipe.groups.pp_group, pipe.device, pipe.bounded) if timeline else None
+        every_n = metrics_cfg.timeline_every
+        if timeline and every_n and metrics_cfg.out_dir and (step + 1) % every_n == 0:  # asked for: a pickled gather
+            _write_timeline(gather_timeline(timeline, group=pipe.groups.pp_group), metrics_cfg.out_dir, step + 1, lead)
         values = {"loss": losses[-1], "lr": lr, "grad_norm": pipe.last.grad_norm if pipe.last else None,
                   "items_per_s": step_items / (now - tick), "bubble": bubble}
         if pipe.last is not None and pipe.last.peak_saved_bytes:
             values["peak_saved_bytes"] = pipe.last.peak_saved_bytes
         if pipe.last is not None and pipe.last.skipped:  # NaN/inf gradients (fp16 overflow or nonfinite_grads "skip")
             values["skipped"] = True
-            if lead and config.precision != "fp16":
+            if lead and config.pipeline.precision.dtype != "fp16":
                 print(f"step {step + 1}/{config.steps} skipped: its gradients held NaN or inf (norm "
                       f"{pipe.last.grad_norm}); {pipe.skipped_steps} skipped so far", flush=True)
-        if config.eval_every and ((step + 1) % config.eval_every == 0 or step + 1 == config.steps):
+        if config.metrics.eval_every and ((step + 1) % config.metrics.eval_every == 0 or step + 1 == config.steps):
             assert task.eval_batch is not None  # _prepare checked it
-            values["eval_loss"] = evaluate_batches(pipe, task.eval_batch, config.batch_size, config.eval_batches)
+            values["eval_loss"] = evaluate_batches(pipe, task.eval_batch, config.batch_size, metrics_cfg.eval_batches)
             evals.append((step + 1, values["eval_loss"]))
         if metrics is not None:
             metrics.write(step + 1, values)
@@ -414,12 +412,40 @@ def _loop(pipe: Pipeline, task: TrainTask, config: TrainConfig, start: int, metr
             bar.update(step + 1, losses[-1], items / busy if busy else 0.0)
         elif lead and ((every and ((step + 1) % every == 0 or step + 1 == config.steps)) or "eval_loss" in values):
             print(log_line(step + 1, config.steps, values, task.item_name), flush=True)
-        if config.save and ((config.save_every and (step + 1) % config.save_every == 0) or step + 1 == config.steps):
+        saving = config.checkpoint
+        if saving.save and ((saving.save_every and (step + 1) % saving.save_every == 0) or step + 1 == config.steps):
             _save(pipe, config, step + 1)
     end = time.perf_counter()
     if bar is not None:
         bar.close()
     return losses, evals, items / busy if busy else 0.0, end - began
+
+
+def step_bubble(timeline: Timeline, group: Any, device: torch.device, wait: Callable[[Any, str], None]) -> float:
+    """The step's bubble over the pipeline group (idle over ranks x makespan, `Timeline.bubble_ratio` of the gathered
+    timelines) from one all-gather of three numbers per rank (first start, last end, busy seconds): no timeline
+    travels. Collective over `group`: call it on every rank; `wait(work, what)` waits for the posted all-gather."""
+    ranks = {e.rank for e in timeline.events}
+    busy = sum(timeline.busy(r) for r in ranks)
+    first = min((e.start for e in timeline.events), default=math.inf)
+    last = max((e.end for e in timeline.events), default=-math.inf)
+    mine = torch.tensor([first, last, busy], dtype=torch.float64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    wait(dist.all_gather(everyone, mine, group=group, async_op=True), "the bubble figure")
+    table = torch.stack(everyone).cpu()
+    span = float(table[:, 1].max() - table[:, 0].min())
+    if not span > 0:
+        return 0.0
+    return 1.0 - float(table[:, 2].sum()) / (timeline.num_ranks * span)
+
+
+def _write_timeline(timeline: Timeline, out_dir: str, step: int, lead: bool) -> None:
+    """Rank 0 writes a gathered timeline to out_dir/timelines/step-NNNNNN.json (`MetricsConfig.timeline_every`)."""
+    if not lead:
+        return
+    folder = Path(out_dir) / "timelines"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{step_name(step)}.json").write_text(json.dumps(timeline.to_dict()) + "\n", encoding="utf-8")
 
 
 def _check_batch(pipe: Pipeline, config: TrainConfig, step: int, start: int, x: Any, y: Any) -> None:
@@ -447,8 +473,8 @@ def write_outputs(result: TrainResult, out_dir: str) -> None:
 def _comm_timeout_s(config: TrainConfig) -> float:
     """The process group's bound on a collective: the runtime's own, or its compile bound when stages compile (the
     runtime's watchdog applies each where it belongs; a shorter group bound would cut a compiling first step)."""
-    pcfg = pipeline_config(config)
-    return max(pcfg.timeout_s, pcfg.compile_timeout_s) if pcfg.compile else pcfg.timeout_s
+    safety = config.pipeline.safety
+    return max(safety.timeout_s, safety.compile_timeout_s) if config.pipeline.compile else safety.timeout_s
 
 
 def run_training(config: TrainConfig) -> TrainResult:
@@ -465,6 +491,6 @@ def run_training(config: TrainConfig) -> TrainResult:
         result = results[0]
         if result is None:
             return TrainResult([], 0.0, None, "", 0.0, config)
-        if config.out_dir:
-            write_outputs(result, config.out_dir)
+        if config.metrics.out_dir:
+            write_outputs(result, config.metrics.out_dir)
     return result

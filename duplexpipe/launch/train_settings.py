@@ -1,6 +1,6 @@
-"""`duplexpipe train`'s settings, generated from the dataclasses: every TrainConfig field and every PipelineConfig
-field a run passes on is a command-line flag and a config-file key, typed by the field's annotation and explained by
-its docstring (`fielddoc`), so help, config files and docs cannot drift from the code."""
+"""`duplexpipe train`'s settings, generated from the dataclasses: every field of TrainConfig and of its sections (its
+PipelineConfig among them) is a command-line flag and a config-file key, typed by the field's annotation and explained
+by its docstring (`fielddoc`), so help, config files and docs cannot drift from the code."""
 
 from __future__ import annotations
 
@@ -24,21 +24,22 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 HIDDEN: Mapping[str, str] = MappingProxyType({})
-"""PipelineConfig fields that are deliberately no flag, each with the reason. A field left out of this table is a flag
-(and a config-file key) as soon as it exists, when its type is one the command line can write (a bool, int, float or
-str, a union with None or of those, a Literal, a dict of options, or a dataclass of such fields, which becomes a group
-of flags); a field of any other type must be listed here (a test walks the fields)."""
-MIRRORED: Mapping[str, str] = MappingProxyType({"num_microbatches": "microbatches"})
-"""PipelineConfig fields that a TrainConfig field of another name carries (a TrainConfig field of the field's own name
-carries it too: `schedule`, `precision`, ...); `pipeline_config` passes them on."""
+"""Settings (by key) that are deliberately no flag, each with the reason. A field left out of this table is a flag (and
+a config-file key) as soon as it exists, when its type is one the command line can write (a bool, int, float or str, a
+union with None or of those, a Literal, a dict of options, or a dataclass of such fields: a section, or an options
+table, which becomes a group of flags); a field of any other type must be listed here (a test walks the fields)."""
 FLAG_NAMES: Mapping[str, tuple[str, ...]] = MappingProxyType({
-    "timeout_s": ("--timeout",), "task_options": ("--task-option",), "schedule_options": ("--opt",)})
+    "task_options": ("--task-option",), "optimizer.name": ("--optimizer",),
+    "pipeline.num_microbatches": ("--microbatches",), "pipeline.schedule_options": ("--opt",),
+    "pipeline.precision.dtype": ("--precision",), "pipeline.safety.timeout_s": ("--timeout",)})
 """Flags whose name is not the field's name with dashes (a dict field's flag is singular: one KEY=VALUE each)."""
-INTERNAL = ("pipeline",)
-"""TrainConfig fields that are no setting of their own (`pipeline` holds the generated PipelineConfig settings)."""
+OFF_AT_ZERO = ("pipeline.grad_clip_norm",)
+"""Settings whose 0 in a config file or on the command line means None (TOML has no None): off."""
+SECTION_MODULES = ("duplexpipe.launch.train_config", "duplexpipe.train.pipeline_config")
+"""A dataclass field of a class defined here is a section: its fields' flags are named by the field alone (--lr,
+--zero-stage); any other dataclass is an options table, whose flags carry its name (--zero-hpz-ranks)."""
 MAX_CONFIG_FILE_BYTES = 2**20
 """Largest TOML config file read (1 MiB)."""
-RUN, PIPELINE = "run", "pipeline"
 
 
 @dataclass(frozen=True)
@@ -46,9 +47,10 @@ class Setting:
     """One setting of `duplexpipe train`: a flag, a config-file key and the field it sets."""
 
     key: str
-    """The config-file key: the field's name, or "table.field" for a field of a nested options dataclass."""
-    owner: str
-    """RUN (a TrainConfig field) or PIPELINE (a PipelineConfig field, kept in TrainConfig.pipeline)."""
+    """The field's path from TrainConfig, "section.field" ("steps", "optimizer.lr", "pipeline.data_parallel.zero_stage",
+    "pipeline.data_parallel.zero.hpz_ranks"): its table and key in the config file."""
+    section: str
+    """The section holding it ("" for TrainConfig's own fields, "pipeline.data_parallel", ...): its group in --help."""
     hint: Any
     """The field's type."""
     doc: str
@@ -60,24 +62,27 @@ class Setting:
 
     @property
     def kind(self) -> str:
-        """How the command line writes it: "bool", "dict" (repeatable KEY=VALUE) or "text" (one value)."""
+        """How the command line writes it: "bool", "dict" (repeatable KEY=VALUE), "switch" (a bool or a dict: the
+        flag alone, or with KEY=VALUE options) or "text" (one value)."""
         members = _members(self.hint)
         if bool in members:
-            return "bool"
+            return "switch" if dict in members else "bool"
         return "dict" if dict in members else "text"
 
     @property
     def choices(self) -> tuple[Any, ...] | None:
-        """The values a Literal type or TrainConfig's CHOICES allow (None: any of the type)."""
+        """The values a Literal type or CHOICES allow (None: any of the type)."""
         literal = [a for m in _union(self.hint) if typing.get_origin(m) is typing.Literal for a in typing.get_args(m)]
         if literal:
             return tuple(literal)
-        return CHOICES.get(self.key) if self.owner == RUN else None
+        return CHOICES.get(self.key)
 
     def help(self) -> str:
         """The docstring with the default (on/off for a flag pair)."""
-        if self.kind == "bool":
+        if self.kind in ("bool", "switch"):
             shown = "on" if self.default is True else "off" if self.default in (False, None) else repr(self.default)
+            if self.kind == "switch":
+                return f"{self.doc} Options: {self.flags[0]} KEY=VALUE ... (default {shown})"
         elif self.kind == "dict":
             return f"{self.doc} Repeatable: {self.flags[0]} KEY=VALUE."
         else:
@@ -120,10 +125,15 @@ def _members(hint: Any) -> set[Any]:
 
 
 def _nested(hint: Any) -> type | None:
-    """The options dataclass a field holds (its flags become a group), or None."""
+    """The dataclass a field holds (a section, or an options table whose flags become a group), or None."""
     members = _members(hint)
     only = next(iter(members)) if len(members) == 1 else None
     return only if isinstance(only, type) and dataclasses.is_dataclass(only) else None
+
+
+def is_section(cls: type) -> bool:
+    """True for a section (a dataclass of SECTION_MODULES), False for an options table."""
+    return cls.__module__ in SECTION_MODULES
 
 
 def writable(hint: Any) -> bool:
@@ -131,59 +141,60 @@ def writable(hint: Any) -> bool:
     return bool(_members(hint) & {bool, int, float, str, dict}) or _nested(hint) is not None
 
 
-def _flags(key: str) -> tuple[str, ...]:
-    return FLAG_NAMES.get(key, (f"--{key.replace('.', '-').replace('_', '-')}",))
+def _hints(cls: type) -> dict[str, Any]:
+    from duplexpipe.train.pipeline_config import PipelineConfig
+
+    return typing.get_type_hints(cls, localns={"PipelineConfig": PipelineConfig})
 
 
-def _fields(cls: type, owner: str, prefix: str = "", default: Any = None) -> list[Setting]:
-    """The settings of `cls`'s fields (a nested options dataclass's fields as "field.sub")."""
-    hints, docs = typing.get_type_hints(cls), field_docs(cls)
-    instance = default if default is not None else cls()
+def _fields(cls: type, instance: Any, prefix: str = "", flag_prefix: str = "", section: str = "") -> list[Setting]:
+    """The settings of `cls`'s fields under `prefix` (a section's or an options table's fields, recursively)."""
+    hints, docs = _hints(cls), field_docs(cls)
     out = []
     for f in dataclasses.fields(cls):
         key, hint, value = f"{prefix}{f.name}", hints[f.name], getattr(instance, f.name)
-        nested = _nested(hint) if not prefix else None
-        if nested is not None:
-            out.extend(_fields(nested, owner, f"{key}.", value))
+        nested = _nested(hint)
+        if key in HIDDEN:
+            continue
+        if nested is not None and is_section(nested):
+            out.extend(_fields(nested, value, f"{key}.", flag_prefix, key))
+        elif nested is not None:
+            out.extend(_fields(nested, value, f"{key}.", f"{flag_prefix}{f.name}-", section))
         elif writable(hint):
-            out.append(Setting(key, owner, hint, docs.get(f.name, f.name.replace("_", " ")), value, _flags(key)))
+            flags = FLAG_NAMES.get(key, (f"--{flag_prefix}{f.name}".replace("_", "-"),))
+            out.append(Setting(key, section, hint, docs.get(f.name, f.name.replace("_", " ")), value, flags))
     return out
 
 
-def carried(name: str) -> str | None:
-    """The TrainConfig field that carries PipelineConfig field `name` (MIRRORED, or one of the same name), or None."""
-    own = {f.name for f in dataclasses.fields(TrainConfig)} - set(INTERNAL)
-    return MIRRORED.get(name) or (name if name in own else None)
-
-
 def settings() -> list[Setting]:
-    """Every setting: TrainConfig's fields, then the PipelineConfig fields no TrainConfig field carries and HIDDEN
-    does not hide (imports the training stack: PipelineConfig's types are torch's)."""
-    from duplexpipe.train.pipeline_config import PipelineConfig
-
-    run = [s for s in _fields(TrainConfig, RUN) if s.key not in INTERNAL]
-    hints = typing.get_type_hints(PipelineConfig)
-    wanted = {f.name for f in dataclasses.fields(PipelineConfig)
-              if carried(f.name) is None and f.name not in HIDDEN and writable(hints[f.name])}
-    return run + [s for s in _fields(PipelineConfig, PIPELINE) if s.key.split(".")[0] in wanted]
+    """Every setting: TrainConfig's fields and, section by section, those of its sections (the pipeline's among
+    them; imports the training stack: PipelineConfig's types are torch's)."""
+    return _fields(TrainConfig, TrainConfig())
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per setting, in two groups (the run; the pipeline's settings, PipelineConfig), each flag's help its
-    field's docstring. Flags left out keep the config file's value, else the default."""
-    groups = {RUN: parser.add_argument_group("the run (TrainConfig)"),
-              PIPELINE: parser.add_argument_group("the pipeline (PipelineConfig; a table of options, such as zero, is "
-                                                  "a [zero] table in the config file)")}
+    """One flag per setting, in one group per section (the run's own fields, optimizer, metrics, checkpoint, the
+    pipeline and its sections), each flag's help its field's docstring. Flags left out keep the config file's
+    value, else the default."""
+    groups: dict[str, Any] = {}
     for s in settings():
+        if s.section not in groups:
+            title = f"[{s.section}] (TrainConfig.{s.section})" if s.section else "the run (TrainConfig)"
+            groups[s.section] = parser.add_argument_group(title)
+        group = groups[s.section]
         common: dict[str, Any] = {"dest": s.key, "default": argparse.SUPPRESS,
                                   "help": s.help().replace("%", "%%")}  # argparse formats help with %
         if s.kind == "bool":
-            groups[s.owner].add_argument(*s.flags, action=argparse.BooleanOptionalAction, **common)
+            group.add_argument(*s.flags, action=argparse.BooleanOptionalAction, **common)
+        elif s.kind == "switch":
+            group.add_argument(*s.flags, nargs="*", metavar="KEY=VALUE", **common)
+            group.add_argument(*(f"--no-{f[2:]}" for f in s.flags), dest=s.key, action="store_const", const=False,
+                               default=argparse.SUPPRESS, help=argparse.SUPPRESS)
         elif s.kind == "dict":
-            groups[s.owner].add_argument(*s.flags, action="append", metavar="KEY=VALUE", **common)
+            group.add_argument(*s.flags, action="append", metavar="KEY=VALUE", **common)
         else:
             metavar = "{" + ",".join(map(str, s.choices)) + "}" if s.choices else s.key.split(".")[-1].upper()
-            groups[s.owner].add_argument(*s.flags, type=s.convert, metavar=metavar, **common)
+            group.add_argument(*s.flags, type=s.convert, metavar=metavar, **common)
 
 
 def parse_key_values(items: Sequence[str]) -> dict[str, Any]:
@@ -202,12 +213,19 @@ def parse_key_values(items: Sequence[str]) -> dict[str, Any]:
 
 
 def values_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """The settings given on the command line, by key (repeated KEY=VALUE flags as one dict)."""
+    """The settings given on the command line, by key (repeated KEY=VALUE flags as one dict; a switch alone True,
+    with options their dict)."""
     given = vars(args)
     out = {}
     for s in settings():
-        if s.key in given:
-            out[s.key] = parse_key_values(given[s.key]) if s.kind == "dict" else given[s.key]
+        if s.key not in given:
+            continue
+        value = given[s.key]
+        if s.kind == "dict":
+            value = parse_key_values(value)
+        elif s.kind == "switch" and isinstance(value, list):
+            value = parse_key_values(value) if value else True
+        out[s.key] = value
     return out
 
 
@@ -223,20 +241,25 @@ def _check_type(key: str, value: Any, hint: Any) -> Any:
 
 
 def check_keys(values: Mapping[str, Any], source: str) -> dict[str, Any]:
-    """Values by setting key (dashes allowed for underscores; a nested options table as a dict or as "table.field"
-    keys), type-checked. ValueError naming unknown keys and the valid ones, or a value of the wrong type."""
+    """Values by setting key, type-checked: `values` holds keys (dashes allowed for underscores) and tables (a
+    section or an options table as a dict, or its fields as "table.field" keys). ValueError naming unknown keys and
+    the valid ones, or a value of the wrong type."""
     table = {s.key: s for s in settings()}
-    tables = {k.split(".")[0] for k in table if "." in k}
+    tables = {k.rsplit(".", 1)[0] for k in table if "." in k}
+    tables |= {t.rsplit(".", i)[0] for t in tables for i in range(t.count(".") + 1)}
     out: dict[str, Any] = {}
-    unknown = []
-    for raw, value in values.items():
-        key = raw.replace("-", "_")
-        if key in tables and isinstance(value, dict):
-            out.update(check_keys({f"{key}.{k}": v for k, v in value.items()}, source))
-        elif key in table:
-            out[key] = _check_type(key, value, table[key].hint)
-        else:
-            unknown.append(raw)
+    unknown: list[str] = []
+
+    def walk(items: Mapping[str, Any], prefix: str) -> None:
+        for raw, value in items.items():
+            key = prefix + raw.replace("-", "_")
+            if key in table:
+                out[key] = _check_type(key, value, table[key].hint)
+            elif key in tables and isinstance(value, Mapping):
+                walk(value, f"{key}.")
+            else:
+                unknown.append(key)
+    walk(values, "")
     if unknown:
         valid = ", ".join(k for k in table if "." not in k)
         raise ValueError(f"{source}: unknown keys {unknown}; valid keys: {valid}, and the tables "
@@ -245,8 +268,9 @@ def check_keys(values: Mapping[str, Any], source: str) -> dict[str, Any]:
 
 
 def load_config_file(path: str) -> dict[str, Any]:
-    """The settings of a TOML config file (keys named like the flags with underscores; [task_options] and
-    [schedule_options] tables; nested options as tables, e.g. [zero]); ValueError for a file over
+    """The settings of a TOML config file, by key: TrainConfig's fields at the top, a section's in its table
+    ([optimizer], [metrics], [checkpoint], [pipeline], [pipeline.data_parallel], ...), options as tables
+    ([task_options], [pipeline.schedule_options], [pipeline.data_parallel.zero]); ValueError for a file over
     MAX_CONFIG_FILE_BYTES, unreadable or not TOML, before anything in it is used."""
     from duplexpipe.files import read_capped_text
 
@@ -263,57 +287,37 @@ def load_config_file(path: str) -> dict[str, Any]:
 
 def merge_config(file_values: Mapping[str, Any], flag_values: Mapping[str, Any]) -> TrainConfig:
     """TrainConfig from its defaults, overridden by the config file, overridden by command-line flags (a dict
-    setting merged key by key). PipelineConfig settings go to TrainConfig.pipeline ({"zero": {...}} for a table)."""
+    setting merged key by key); each section is built with its own checks."""
     files, flags = check_keys(file_values, "config file"), check_keys(flag_values, "command line")
     merged = {**files, **flags}
     for key in set(files) & set(flags):
         if isinstance(files[key], dict) and isinstance(flags[key], dict):
             merged[key] = {**files[key], **flags[key]}
-    owners = {s.key: s.owner for s in settings()}
-    run: dict[str, Any] = {}
-    pipeline: dict[str, Any] = {}
+    for key in OFF_AT_ZERO:
+        if merged.get(key) == 0:
+            merged[key] = None
+    tree: dict[str, Any] = {}
     for key, value in merged.items():
-        if owners[key] == RUN:
-            run[key] = value
-        elif "." in key:
-            table, name = key.split(".", 1)
-            pipeline.setdefault(table, {})[name] = value
-        else:
-            pipeline[key] = value
-    return TrainConfig(**run, pipeline=pipeline)
+        *path, name = key.split(".")
+        node = tree
+        for part in path:
+            node = node.setdefault(part, {})
+        node[name] = value
+    return _replaced(TrainConfig(), tree)  # type: ignore[no-any-return]
 
 
-def pipeline_values(config: TrainConfig) -> dict[str, Any]:
-    """PipelineConfig's keyword arguments of a run: the fields TrainConfig carries (its own "none" as None), then
-    TrainConfig.pipeline (tables built into their options dataclasses)."""
-    from duplexpipe.train.pipeline_config import PipelineConfig
-
-    hints = typing.get_type_hints(PipelineConfig)
-    values: dict[str, Any] = {}
-    for f in dataclasses.fields(PipelineConfig):
-        source = carried(f.name)
-        if source is not None:
-            value = getattr(config, source)
-            takes_none = hints[f.name] is Any or type(None) in _union(hints[f.name])
-            values[f.name] = None if value == "none" and takes_none else value
-    for name, value in config.pipeline.items():
-        nested = _nested(hints[name]) if name in hints else None
-        values[name] = _built(nested, value) if nested is not None and isinstance(value, dict) else value
-    return values
-
-
-def _built(cls: type, table: Mapping[str, Any]) -> Any:
-    """An options dataclass from a table; a field that takes one options dataclass may be a table too."""
-    hints = typing.get_type_hints(cls)
-    values = {}
-    for name, value in table.items():
-        inner = [m for m in _members(hints.get(name, Any)) if isinstance(m, type) and dataclasses.is_dataclass(m)]
-        values[name] = _built(inner[0], value) if isinstance(value, dict) and len(inner) == 1 else value
+def _replaced(instance: Any, values: Mapping[str, Any]) -> Any:
+    """`instance` (a dataclass) with `values` set, a dict for a dataclass field replacing that field's fields."""
+    changes = {}
+    for name, value in values.items():
+        current = getattr(instance, name)
+        nested = dataclasses.is_dataclass(current) and isinstance(value, Mapping)
+        changes[name] = _replaced(current, value) if nested else value
     try:
-        return cls(**values)
+        return dataclasses.replace(instance, **changes)
     except TypeError as exc:
-        raise ValueError(f"{cls.__name__}: {exc}") from None
+        raise ValueError(f"{type(instance).__name__}: {exc}") from None
 
 
-__all__ = ["HIDDEN", "MIRRORED", "Setting", "add_arguments", "carried", "check_keys", "load_config_file",
-           "merge_config", "parse_key_values", "pipeline_values", "settings", "values_from_args", "writable"]
+__all__ = ["HIDDEN", "Setting", "add_arguments", "check_keys", "load_config_file", "merge_config",
+           "parse_key_values", "settings", "values_from_args", "writable"]

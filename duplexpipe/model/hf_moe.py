@@ -14,7 +14,15 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers import DeepseekV3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+from transformers import (
+    DeepseekV3ForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
@@ -35,6 +43,9 @@ MOE_CLASSES = tuple(MOE_MODEL_TYPES.values())
 ROUTER_KEYS = ("router_tokens", "router_probs", "router_rows")
 """The message entries that carry transformers' load-balancing loss from part to part (a microbatch's
 assignments per expert, routing probabilities per expert, routed rows; summed over the layers so far)."""
+AUX_LOSS_CONFIGS = (Qwen3MoeConfig, Qwen2MoeConfig, MixtralConfig)
+"""The configs of the families whose load-balancing loss transformers adds (`output_router_logits`,
+`router_aux_loss_coef`); DeepSeek-V3 balances with its expert bias instead."""
 _SPARSE = (Qwen3MoeSparseMoeBlock, Qwen2MoeSparseMoeBlock, MixtralSparseMoeBlock, DeepseekV3MoE)
 
 
@@ -217,8 +228,8 @@ class RouterLoss:
     @classmethod
     def of(cls, model: nn.Module) -> RouterLoss | None:
         """The loss of a model whose config asks for it (`output_router_logits`), else None."""
-        config: Any = model.config
-        if moe_family(model) in (None, "deepseek_v3") or not getattr(config, "output_router_logits", False):
+        config = model.config
+        if not isinstance(config, AUX_LOSS_CONFIGS) or moe_family(model) is None or not config.output_router_logits:
             return None
         layers = moe_layers(model)
         if not layers:

@@ -14,7 +14,7 @@ from duplexpipe.parallel.zero1 import Zero1Strategy
 from duplexpipe.parallel.zero2 import Zero2Strategy
 
 STRATEGY_NAMES = ("replicated", "compressed")
-"""The names PipelineConfig.dp_strategy accepts (None picks one from grad_compression)."""
+"""The names DataParallelConfig.dp_strategy accepts (None picks one from grad_compression)."""
 
 def check_strategy_name(name: str | None, compressing: bool) -> None:
     """Raise ValueError for an unknown strategy name, or one that cannot apply the requested compression."""

@@ -31,7 +31,7 @@ class ZeroStage:
     """How a ZeRO stage shards state over the D data-parallel replicas and what it moves per step."""
 
     stage: int
-    """0, 1 or 2 (`dp_options.ZERO_STAGES`, what PipelineConfig.zero_stage accepts)."""
+    """0, 1 or 2 (`dp_options.ZERO_STAGES`, what DataParallelConfig.zero_stage accepts)."""
     description: str
     """One line for tables."""
     shard_optimizer: bool
@@ -61,7 +61,7 @@ class Compression:
     """A gradient-compression method of the trainer (its options) and the planner's measured wire ratio."""
 
     options: Options
-    """The trainer's options (`dp_options.compression`): what `PipelineConfig.grad_compression` is set to."""
+    """The trainer's options (`dp_options.compression`): what `DataParallelConfig.grad_compression` is set to."""
     wire_ratio: float
     """Gradient bytes on the wire are divided by this (1: none)."""
     note: str

@@ -209,7 +209,7 @@ class RuntimeOverhead:
 
 @dataclass(frozen=True)
 class Profile:
-    """What `duplexpipe.train.measure.profile_parts` measured, one entry per model part, in order."""
+    """What `duplexpipe.train.planning.measure.profile_parts` measured, one entry per model part, in order."""
 
     parts: tuple[PartProfile, ...]
     """The model parts, first to last."""

@@ -1,6 +1,6 @@
 """Training: Pipeline and its config, the planning step before a Pipeline is built, checkpoints, precision."""
 
-from duplexpipe.train.measure import profile_parts
+from duplexpipe.train.planning.measure import profile_parts
 from duplexpipe.train.precision import DynamicLossScaler, LossScaleConfig
 from duplexpipe.train.trainer import Pipeline, PipelineConfig, StepInfo
 

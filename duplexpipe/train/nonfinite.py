@@ -14,13 +14,13 @@ from torch import nn
 from duplexpipe.errors import NonFiniteGradientError
 
 NONFINITE_GRADS = ("raise", "skip")
-"""PipelineConfig.nonfinite_grads values: stop every rank with NonFiniteGradientError, or skip the step everywhere."""
+"""SafetyConfig.nonfinite_grads values: stop every rank with NonFiniteGradientError, or skip the step everywhere."""
 
 
 def check_nonfinite_policy(value: object) -> None:
     """ValueError naming the value unless it is one of NONFINITE_GRADS."""
     if value not in NONFINITE_GRADS:
-        raise ValueError(f"PipelineConfig.nonfinite_grads must be one of {', '.join(NONFINITE_GRADS)}, got {value!r}")
+        raise ValueError(f"SafetyConfig.nonfinite_grads must be one of {', '.join(NONFINITE_GRADS)}, got {value!r}")
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,11 @@
-"""`PipelineConfig` (every setting of a Pipeline, checked at construction) and `StepInfo` (what a step did)."""
+"""`PipelineConfig` (every setting of a Pipeline, in sections, checked when built) and `StepInfo` (what a step did)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -34,11 +34,14 @@ user sets (the others come from the Pipeline; a test keeps the two lists equal).
 AUTO_PROFILE_KEYS = ("repeats", "warmup", "timer", "fit_rows", "fused", "evict_bytes")
 """schedule_options keys of schedule="auto" that go to `profile_parts`."""
 AUTO_CALIBRATION_KEYS = ("calibrate", "calibration_budget_s", "calibration_cache", "cpu_timer")
-"""schedule_options keys of schedule="auto" for the in-pipeline calibration and its cache (`train.calibration`)."""
-AUTO_FIXED: Mapping[str, str] = MappingProxyType({"num_microbatches": "microbatches", "zero_stage": "zero_stages",
-                                                  "grad_compression": "compressions"})
-"""PipelineConfig fields that, when set (not None), fix the planner's choice, and the schedule_options key that
-narrows the planner's search when the field is left unset."""
+"""schedule_options keys of schedule="auto" for the in-pipeline calibration and its cache
+(`train.planning.calibration`)."""
+AUTO_FIXED: Mapping[str, str] = MappingProxyType({"num_microbatches": "microbatches",
+                                                  "data_parallel.zero_stage": "zero_stages",
+                                                  "data_parallel.grad_compression": "compressions"})
+"""PipelineConfig fields (a section's as "section.field") that, when set (not None), fix the planner's choice, and
+the schedule_options key that narrows the planner's search when the field is left unset (`fixed_choice` reads
+them)."""
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 """Builds an LR scheduler on the optimizer, e.g. `lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, f)`."""
 
@@ -47,90 +50,44 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 """loss_fn(last stage output, targets) -> scalar mean loss over the microbatch."""
 DEFAULT_MICROBATCHES = 4
 """num_microbatches when it is left unset (None) and schedule is not "auto"."""
+SCHEDULE_FILES = (".json", ".csv")
+"""A `schedule` ending so is a schedule file: duplexpipe's JSON or torch.distributed.pipelining's CSV."""
 
 
 @documented
 @dataclass
-class PipelineConfig:
-    """How to pipeline and train; every field has a usable default."""
+class PrecisionConfig:
+    """The precision of the compute and of the stage-to-stage sends."""
 
-    schedule: str | Schedule = "1f1b"
-    """A registry name (`duplexpipe.schedules.registry.names()`), a ready Schedule for the pp ranks, or
-    "auto": measure the parts on a sample (rank 0's profile and an in-pipeline calibration of the runtime,
-    cached), plan under `memory_limit` and run the winner (see `duplexpipe.train.planning`). With "auto"
-    the planner chooses the schedule and every field below that is left unset (None): num_microbatches,
-    zero_stage, grad_compression; a field that is set is fixed, and the planner plans only with that value.
-    `Pipeline.plan` and the log line (logger "duplexpipe.plan") say what was chosen; it is what runs."""
-    num_microbatches: int | None = None
-    """Microbatches per step (ignored when `schedule` is a Schedule); the batch must divide evenly. None (unset):
-    4, or with schedule="auto" the planner's choice (among schedule_options["microbatches"] if given, else the
-    divisors of the batch from P to 8P); set, it is fixed, also under "auto"."""
-    schedule_options: dict[str, Any] = field(default_factory=dict)
-    """Extra keyword options for the schedule generator, e.g. {"chunks": 2}. With "auto": the planner's
-    PlanConfig fields (`schedules`, `microbatches`, `zero_stages`, `compressions`, `chunks`, `cores`,
-    `optimizer_factor`, `p2p_link`, `tp_link`, ...; `microbatches`, `zero_stages`, `compressions` only for fields
-    left unset), profile_parts' `repeats`, `warmup`, `timer`, `fit_rows`, `fused`, `evict_bytes`, and the
-    calibration's `calibrate` (False: none), `calibration_budget_s` (default 3 s of measured steps),
-    `calibration_cache` (a directory; None: no cache; default `planner.calibration_cache.default_cache_dir()`,
-    ~/.cache/duplexpipe/calibration, keyed by the parts, the sample, P, D, T, the machine and these settings)
-    and `cpu_timer`. The calibration also measures the links it is not given: `p2p_link` (round trips) and,
-    under tensor parallelism, `tp_link` (all-reduces over the TP group; without a calibration and no `tp_link`
-    the planner's default, an NVLink node)."""
-    memory_limit: int | str | None = None
-    """schedule="auto" only: the bytes each rank may use (an int, or a size such as "40GiB"); None: no cap."""
-    precision: str = "fp32"
+    dtype: str = "fp32"
     """"fp32"; "bf16" (bfloat16 autocast); or "fp16" (float16 autocast with dynamic loss scaling)."""
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
-    """Dynamic loss scaling settings, used with precision "fp16"."""
-    grad_clip_norm: float | None = None
-    """Clip to this global L2 norm over all ranks (each weight group counted once); None: no clipping."""
-    accumulation_steps: int = 1
-    """Calls to `step` per optimizer step. Their gradients are summed, each call weighted by its share
-    of the window's samples, so the applied gradient is that of the mean loss over every sample of the
-    window (a sum of microbatch gradients of that mean, not an average of per-call averages)."""
-    activation_checkpointing: bool | Collection[int] = False
-    """Recompute activations in backward: True for every stage, or a collection of stage indices."""
-    timeout_s: float = 180.0
-    """Seconds a blocked receive or send may wait before the runtime raises."""
-    check_inputs_every_step: bool = True
-    """False: the ranks agree on the batch shape on the first step only (faster when every batch has
-    the same shape; a differently shaped batch then stops every rank with an error). See RuntimeConfig."""
-    count_saved_bytes: bool = False
-    """Measure each step's peak saved-activation bytes per rank (`StepInfo.peak_saved_bytes`, counted as
-    `profile_parts` counts them). Off by default (a hook per saved tensor, a few percent of an overhead-bound
-    step); False: peak_saved_bytes stays 0."""
-    record_timeline: bool = True
-    """Record the measured timeline of every step (StepInfo.timeline)."""
-    record_tp_lane: bool = False
-    """With tensor parallelism and record_timeline: time DTensor's collectives on the timeline's "tp" lane
-    (`tp.lane`). A dispatch mode then sees every operator of the step: measured +11-21% CPU per step on
-    an overhead-bound PP=2 x TP=2 GPT (4 gloo ranks, 2 cores), hence off by default."""
-    check_replicas: bool = True
-    """At construction, check that every copy of a model part (DualPipe mirrors, data-parallel
-    replicas) starts with identical weights; raise ValueError otherwise."""
+    """Dynamic loss scaling settings, used with dtype "fp16"."""
     p2p_compression: Any = None
     """Low-precision stage-to-stage sends: None (as computed), "bf16" (bf16 both ways), "fp8" (e4m3
-    activations, e5m2 gradients, an fp32 scale per row) or "int8" (blocks of 256, fp32 scale per block);
-    or a duplexpipe.comm.codec.Codec for both directions, or an (activation, gradient) pair of names,
-    codecs or None. See duplexpipe.comm.p2p_codecs."""
-    nonfinite_grads: str = "raise"
-    """What a step whose gradients hold NaN or inf does (checked on every step, one all-reduce with the gradient
-    norm): "raise" (the default: every rank stops with NonFiniteGradientError naming the step and the first stage
-    and parameter, before the optimizer steps) or "skip" (the step is skipped on every rank and counted in
-    `Pipeline.skipped_steps`, as fp16 overflows are). With precision "fp16" an overflow is the loss scaler's: the
-    step is skipped and the scale lowered, whatever this says."""
-    nonfinite_sends: str = "warn"
-    """A compressed send holding NaN or inf (it always arrives non-finite): "warn" (count it, warn once) or
-    "raise" (stop every rank; not with precision "fp16", whose overflow steps are routine)."""
+    activations, e5m2 gradients, an fp32 scale per row) or "int8" (blocks of 256, fp32 scale per block), with
+    options as in "int8(block=128)"; or a duplexpipe.comm.codec.Codec for both directions, or an (activation,
+    gradient) pair of names, codecs or None (or "fp8, none"). See duplexpipe.comm.p2p_codecs."""
+
+    def __post_init__(self) -> None:
+        autocast_dtype(self.dtype)
+        p2p_codec_pair(self.p2p_compression, "PrecisionConfig.p2p_compression")
+
+
+@documented
+@dataclass
+class DataParallelConfig:
+    """How the data-parallel replicas reduce gradients and shard optimizer state (no effect without replicas)."""
+
     grad_compression: str | Options | None = None
     """Data-parallel gradient compression: a method name ("bf16", "fp16", "powersgd", "int8", "topk", "randomk",
-    "threshold", "dgc"; `duplexpipe.dp_options.compression.METHOD_NAMES`) with its defaults, or an options object
-    from `duplexpipe.dp_options.compression` (e.g. Int8Options(block=128), DGCOptions(ratio=0.001,
-    warmup_steps=20)); "none": exact fp32 all-reduce. None (unset): exact, or with schedule="auto" the planner's
-    choice among its measured methods that this configuration accepts (`planner.dp_comm.COMPRESSIONS`;
-    schedule_options["compressions"] narrows them); set (also "none"), it is fixed. Sparsifiers assume SGD (DGC:
-    SGD with momentum=0, the momentum and the gradient clipping go in DGCOptions, grad_clip_norm must be None). No
-    effect (a warning) without data parallelism."""
+    "threshold", "dgc"; `duplexpipe.dp_options.compression.METHOD_NAMES`) with its defaults or with options as in
+    "powersgd(rank=1)", or an options object from `duplexpipe.dp_options.compression` (e.g. Int8Options(block=128),
+    DGCOptions(ratio=0.001, warmup_steps=20)); "none": exact fp32 all-reduce. None (unset): exact, or with
+    schedule="auto" the planner's choice among its measured methods that this configuration accepts
+    (`planner.dp_comm.COMPRESSIONS`; schedule_options["compressions"] narrows them); set (also "none"), it is fixed.
+    Sparsifiers assume SGD (DGC: SGD with momentum=0, the momentum and the gradient clipping go in DGCOptions,
+    grad_clip_norm must be None). No effect (a warning) without data parallelism."""
     dp_strategy: str | None = None
     """Data-parallel strategy name (duplexpipe.parallel.STRATEGY_NAMES); None: "compressed" when
     grad_compression compresses, else "replicated"."""
@@ -145,6 +102,108 @@ class PipelineConfig:
     schedule="auto" the planner's choice among the stages this configuration accepts; set, it is fixed."""
     zero: ZeroOptions = field(default_factory=ZeroOptions)
     """ZeRO++ options for zero_stage 1 and 2: quantized_gradients (qgZ), quantized_weights (qwZ), hpz_ranks."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.grad_bucket_bytes, int) or self.grad_bucket_bytes < 1:
+            raise ValueError(f"grad_bucket_bytes must be an int >= 1, got {self.grad_bucket_bytes!r}")
+        compression_options(self.grad_compression)
+
+
+@documented
+@dataclass
+class SafetyConfig:
+    """Bounds and checks: how long a wait may last, what is compared across ranks, what NaN or inf does."""
+
+    timeout_s: float = 180.0
+    """Seconds a blocked receive or send may wait before the runtime raises."""
+    compile_timeout_s: float = 1800.0
+    """With `compile` (or stages the user compiled on this rank): the bound on every wait of the first step and of
+    the first evaluation, which compile (inductor can take minutes on a large model), in place of `timeout_s`;
+    later steps that recompile are bounded by `timeout_s`."""
+    check_inputs_every_step: bool = True
+    """False: the ranks agree on the batch shape on the first step only (faster when every batch has
+    the same shape; a differently shaped batch then stops every rank with an error). See RuntimeConfig."""
+    check_replicas: bool = True
+    """At construction, check that every copy of a model part (DualPipe mirrors, data-parallel
+    replicas) starts with identical weights; raise ValueError otherwise."""
+    nonfinite_grads: str = "raise"
+    """What a step whose gradients hold NaN or inf does (checked on every step, one all-reduce with the gradient
+    norm): "raise" (the default: every rank stops with NonFiniteGradientError naming the step and the first stage
+    and parameter, before the optimizer steps) or "skip" (the step is skipped on every rank and counted in
+    `Pipeline.skipped_steps`, as fp16 overflows are). With precision "fp16" an overflow is the loss scaler's: the
+    step is skipped and the scale lowered, whatever this says."""
+    nonfinite_sends: str = "warn"
+    """A compressed send holding NaN or inf (it always arrives non-finite): "warn" (count it, warn once) or
+    "raise" (stop every rank; not with precision "fp16", whose overflow steps are routine)."""
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if not self.compile_timeout_s > 0:
+            raise ValueError(f"compile_timeout_s must be > 0, got {self.compile_timeout_s}")
+        check_policy(self.nonfinite_sends, "SafetyConfig.nonfinite_sends")
+        check_nonfinite_policy(self.nonfinite_grads)
+
+
+@documented
+@dataclass
+class ObserveConfig:
+    """What a step measures and records about itself."""
+
+    record_timeline: bool = True
+    """Record the measured timeline of every step (StepInfo.timeline): this rank's own events, kept on the rank
+    (gathering them is a separate, collective step: `runtime.gather_timeline`)."""
+    record_tp_lane: bool = False
+    """With tensor parallelism and record_timeline: time DTensor's collectives on the timeline's "tp" lane
+    (`tp.lane`). A dispatch mode then sees every operator of the step: measured +11-21% CPU per step on
+    an overhead-bound PP=2 x TP=2 GPT (4 gloo ranks, 2 cores), hence off by default."""
+    count_saved_bytes: bool = False
+    """Measure each step's peak saved-activation bytes per rank (`StepInfo.peak_saved_bytes`, counted as
+    `profile_parts` counts them). Off by default (a hook per saved tensor, a few percent of an overhead-bound
+    step); False: peak_saved_bytes stays 0."""
+
+
+@documented
+@dataclass
+class PipelineConfig:
+    """How to pipeline and train; every field has a usable default (`PipelineConfig("1f1b", 8)`: the schedule and
+    its microbatches). Settings of one concern are grouped in a section (precision, data_parallel, safety,
+    observe)."""
+
+    schedule: str | Schedule = "1f1b"
+    """A registry name (`duplexpipe.schedules.registry.names()`), a schedule file (.json as 'duplexpipe export'
+    writes it, or torch.distributed.pipelining's .csv), a ready Schedule for the pp ranks, or "auto": measure the
+    parts on a sample (rank 0's profile and an in-pipeline calibration of the runtime, cached), plan under
+    `memory_limit` and run the winner: a step before construction (`duplexpipe.plan_pipeline`; `from_layers` and
+    `from_pretrained` call it). With "auto" the planner chooses the schedule and every field that is left unset
+    (None): num_microbatches, data_parallel.zero_stage, data_parallel.grad_compression; a field that is set is
+    fixed, and the planner plans only with that value. `Pipeline.plan` and the log line (logger
+    "duplexpipe.plan") say what was chosen; it is what runs."""
+    num_microbatches: int | None = None
+    """Microbatches per step (ignored when `schedule` is a Schedule or a .json file); the batch must divide evenly.
+    None (unset): 4, or with schedule="auto" the planner's choice (among schedule_options["microbatches"] if given,
+    else the divisors of the batch from P to 8P); set, it is fixed, also under "auto"."""
+    schedule_options: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword options for the schedule generator, e.g. {"chunks": 2}. With "auto": the planner's
+    PlanConfig fields (`schedules`, `microbatches`, `zero_stages`, `compressions`, `chunks`, `cores`,
+    `optimizer_factor`, `p2p_link`, `tp_link`, ...; `microbatches`, `zero_stages`, `compressions` only for fields
+    left unset), profile_parts' `repeats`, `warmup`, `timer`, `fit_rows`, `fused`, `evict_bytes`, and the
+    calibration's `calibrate` (False: none), `calibration_budget_s` (default 3 s of measured steps),
+    `calibration_cache` (a directory; None: no cache; default `planner.calibration_cache.default_cache_dir()`,
+    ~/.cache/duplexpipe/calibration, keyed by the parts, the sample, P, D, T, the machine and these settings)
+    and `cpu_timer`. The calibration also measures the links it is not given: `p2p_link` (round trips) and,
+    under tensor parallelism, `tp_link` (all-reduces over the TP group; without a calibration and no `tp_link`
+    the planner's default, an NVLink node)."""
+    memory_limit: int | str | None = None
+    """schedule="auto" only: the bytes each rank may use (an int, or a size such as "40GiB"); None: no cap."""
+    grad_clip_norm: float | None = None
+    """Clip to this global L2 norm over all ranks (each weight group counted once); None: no clipping."""
+    accumulation_steps: int = 1
+    """Calls to `step` per optimizer step. Their gradients are summed, each call weighted by its share
+    of the window's samples, so the applied gradient is that of the mean loss over every sample of the
+    window (a sum of microbatch gradients of that mean, not an average of per-call averages)."""
+    activation_checkpointing: bool | Collection[int] = False
+    """Recompute activations in backward: True for every stage, or a collection of stage indices."""
     sequence_parallel: bool = False
     """With tensor parallelism (a mesh with tp > 1 and a `tp_plan`): activations between the TP regions (norms,
     residual stream) and every stage-to-stage message hold this TP rank's 1/TP of the sequence (each TP rank sends
@@ -162,16 +221,25 @@ class PipelineConfig:
     ValueError names what torch rejects). Blocks: the layers of `from_layers` parts, the decoder layers of Hugging
     Face parts, the pieces around MoE layers, else whole parts; parts the user compiled stay as they are. Under a
     schedule with I and W, inductor and aot_eager compile each block's backward as two graphs (I, W). The first
-    step compiles (logged by "duplexpipe.compile", with every later recompilation and its reason)."""
-    compile_timeout_s: float = 1800.0
-    """With `compile` (or stages the user compiled on this rank): the bound on every wait of the first step and of
-    the first evaluation, which compile (inductor can take minutes on a large model), in place of `timeout_s`;
-    later steps that recompile are bounded by `timeout_s`."""
+    step compiles (logged by "duplexpipe.compile", with every later recompilation and its reason), bounded by
+    `safety.compile_timeout_s`."""
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    """The compute's autocast dtype, fp16's loss scaling and the stage-to-stage send format."""
+    data_parallel: DataParallelConfig = field(default_factory=DataParallelConfig)
+    """Gradient compression, strategy, buckets and ZeRO over the data-parallel replicas."""
+    safety: SafetyConfig = field(default_factory=SafetyConfig)
+    """Timeouts, the checks across ranks and what NaN or inf does."""
+    observe: ObserveConfig = field(default_factory=ObserveConfig)
+    """What each step records (its timeline, the TP lane, saved bytes)."""
 
     def __post_init__(self) -> None:
         check_schedule_name(self.schedule)
         memory_bytes(self.memory_limit)
         compile_options(self.compile)
+        for name, kind in (("precision", PrecisionConfig), ("data_parallel", DataParallelConfig),
+                           ("safety", SafetyConfig), ("observe", ObserveConfig)):
+            if not isinstance(getattr(self, name), kind):
+                raise ValueError(f"PipelineConfig.{name} must be a {kind.__name__}, got {getattr(self, name)!r}")
         if not isinstance(self.sequence_parallel, bool):
             raise ValueError(f"PipelineConfig.sequence_parallel must be a bool, got {self.sequence_parallel!r}")
         if not isinstance(self.fb_overlap, bool):
@@ -181,35 +249,26 @@ class PipelineConfig:
         elif self.memory_limit is not None:
             raise ValueError(f"PipelineConfig.memory_limit is for schedule='auto' (the planner's cap), but "
                              f"schedule is {self.schedule!r}")
-        autocast_dtype(self.precision)
-        p2p_codec_pair(self.p2p_compression, "PipelineConfig.p2p_compression")
-        check_policy(self.nonfinite_sends, "PipelineConfig.nonfinite_sends")
-        check_nonfinite_policy(self.nonfinite_grads)
-        if self.nonfinite_sends == "raise" and self.precision == "fp16":
-            raise ValueError("PipelineConfig.nonfinite_sends='raise' with precision='fp16': dynamic loss scaling "
+        if self.safety.nonfinite_sends == "raise" and self.precision.dtype == "fp16":
+            raise ValueError("SafetyConfig.nonfinite_sends='raise' with precision='fp16': dynamic loss scaling "
                              "overflows routinely and relies on inf/NaN gradients reaching its overflow check; "
                              "use nonfinite_sends='warn' with fp16")
         if self.accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be >= 1, got {self.accumulation_steps}")
         if self.grad_clip_norm is not None and self.grad_clip_norm <= 0:
             raise ValueError(f"grad_clip_norm must be > 0 or None, got {self.grad_clip_norm}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
-        if not self.compile_timeout_s > 0:
-            raise ValueError(f"compile_timeout_s must be > 0, got {self.compile_timeout_s}")
-        if not isinstance(self.grad_bucket_bytes, int) or self.grad_bucket_bytes < 1:
-            raise ValueError(f"grad_bucket_bytes must be an int >= 1, got {self.grad_bucket_bytes!r}")
-        compression = compression_options(self.grad_compression)
-        if self.zero_stage is not None or self.schedule != AUTO:
-            check_zero(self.zero_stage or 0, self.zero, compression, self.dp_strategy)
-        elif all(zero_refusal(z, compression, self.zero, self.dp_strategy) for z in ZERO_STAGES):
-            check_zero(0, self.zero, compression, self.dp_strategy)  # no stage takes it: say why for stage 0
+        dp = self.data_parallel
+        compression = compression_options(dp.grad_compression)
+        if dp.zero_stage is not None or self.schedule != AUTO:
+            check_zero(dp.zero_stage or 0, dp.zero, compression, dp.dp_strategy)
+        elif all(zero_refusal(z, compression, dp.zero, dp.dp_strategy) for z in ZERO_STAGES):
+            check_zero(0, dp.zero, compression, dp.dp_strategy)  # no stage takes it: say why for stage 0
         if self.num_microbatches is not None and (not isinstance(self.num_microbatches, int)
                                                   or isinstance(self.num_microbatches, bool)
                                                   or self.num_microbatches < 1):
             raise ValueError(f"num_microbatches must be an int >= 1 or None, got {self.num_microbatches!r}")
-        if not self.zero_stage:
-            check_strategy_name(self.dp_strategy, compression.method != "none")
+        if not dp.zero_stage:
+            check_strategy_name(dp.dp_strategy, compression.method != "none")
         if compression.method == "dgc" and self.grad_clip_norm is not None:
             raise ValueError(
                 f"grad_clip_norm={self.grad_clip_norm} would clip DGC's averaged momentum-corrected velocity, "
@@ -217,16 +276,21 @@ class PipelineConfig:
                 "DGCOptions(clip_norm=...) and grad_clip_norm=None")
 
 
+def is_schedule_file(schedule: object) -> TypeGuard[str]:
+    """True when `schedule` names a schedule file (SCHEDULE_FILES) rather than a registry name."""
+    return isinstance(schedule, str) and schedule.lower().endswith(SCHEDULE_FILES)
+
+
 def check_schedule_name(schedule: object) -> None:
-    """ValueError naming the value and the choices unless `schedule` is a registry name ("auto" among them) or a
-    Schedule."""
+    """ValueError naming the value and the choices unless `schedule` is a registry name ("auto" among them), a
+    schedule file's name or a Schedule (the file is read when the schedule is built)."""
     from duplexpipe.schedules.registry import names
 
-    if isinstance(schedule, Schedule) or schedule == AUTO:
+    if isinstance(schedule, Schedule) or schedule == AUTO or is_schedule_file(schedule):
         return
     if not isinstance(schedule, str) or schedule not in names():
-        raise ValueError(f"PipelineConfig.schedule must be a Schedule or one of {', '.join(names())}; got "
-                         f"{schedule!r}")
+        raise ValueError(f"PipelineConfig.schedule must be a Schedule, a schedule file ({', '.join(SCHEDULE_FILES)}) "
+                         f"or one of {', '.join(names())}; got {schedule!r}")
 
 
 def check_auto_options(config: PipelineConfig) -> None:
@@ -237,28 +301,45 @@ def check_auto_options(config: PipelineConfig) -> None:
     if unknown:
         raise ValueError(f"schedule='auto' takes schedule_options {', '.join(known)}; got unknown {unknown}")
     for name, key in AUTO_FIXED.items():
-        value = getattr(config, name)
+        value = fixed_choice(config, name)
         if value is not None and key in config.schedule_options:
             raise ValueError(f"schedule='auto': PipelineConfig.{name}={value!r} fixes what schedule_options[{key!r}] "
                              f"would let the planner choose from; set one of them")
 
 
+def fixed_choice(config: PipelineConfig, name: str) -> Any:
+    """The value of an AUTO_FIXED field ("num_microbatches", "data_parallel.zero_stage", ...); None: left unset."""
+    value: Any = config
+    for part in name.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def with_choice(config: PipelineConfig, microbatches: int, zero_stage: int,
+                grad_compression: str | Options | None) -> PipelineConfig:
+    """`config` with M, the ZeRO stage and the gradient compression set (what a plan runs)."""
+    dp = replace(config.data_parallel, zero_stage=zero_stage, grad_compression=grad_compression)
+    return replace(config, num_microbatches=microbatches, data_parallel=dp)
+
+
 def with_defaults(config: PipelineConfig) -> PipelineConfig:
     """`config` with the fields left unset (None) at their defaults: DEFAULT_MICROBATCHES microbatches, ZeRO 0."""
-    return replace(config, num_microbatches=config.num_microbatches or DEFAULT_MICROBATCHES,
-                   zero_stage=config.zero_stage or 0)
+    dp = config.data_parallel
+    return with_choice(config, config.num_microbatches or DEFAULT_MICROBATCHES, dp.zero_stage or 0,
+                       dp.grad_compression)
 
 
 def runtime_config(config: PipelineConfig, *, fb_overlap: bool, on_grads_ready: GradsReadyHook | None,
                    p2p_meter: WireMeter | None) -> RuntimeConfig:
     """The runtime's settings for `config` (a Pipeline's, and its planner's calibration runs'): `fb_overlap` as the
     stages decided it (`Experts.note_overlap`), the data-parallel strategy's grads-ready hook and the send meter."""
-    act_codec, grad_codec = p2p_codec_pair(config.p2p_compression, "PipelineConfig.p2p_compression")
-    return RuntimeConfig(timeout_s=config.timeout_s, record_timeline=config.record_timeline,
-                         autocast_dtype=autocast_dtype(config.precision),
-                         check_inputs_every_step=config.check_inputs_every_step,
-                         count_saved_bytes=config.count_saved_bytes, activation_codec=act_codec,
-                         gradient_codec=grad_codec, nonfinite_sends=config.nonfinite_sends, p2p_meter=p2p_meter,
+    act_codec, grad_codec = p2p_codec_pair(config.precision.p2p_compression, "PrecisionConfig.p2p_compression")
+    safety, observe = config.safety, config.observe
+    return RuntimeConfig(timeout_s=safety.timeout_s, record_timeline=observe.record_timeline,
+                         autocast_dtype=autocast_dtype(config.precision.dtype),
+                         check_inputs_every_step=safety.check_inputs_every_step,
+                         count_saved_bytes=observe.count_saved_bytes, activation_codec=act_codec,
+                         gradient_codec=grad_codec, nonfinite_sends=safety.nonfinite_sends, p2p_meter=p2p_meter,
                          on_grads_ready=on_grads_ready, fb_overlap=fb_overlap)
 
 

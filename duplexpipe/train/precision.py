@@ -62,7 +62,7 @@ class DynamicLossScaler:
 
     def update(self, overflow: bool) -> None:
         """Back off after an overflow; grow after `growth_interval` clean steps in a row. Disabled (fp32, bf16), it
-        only counts the skipped steps (PipelineConfig.nonfinite_grads="skip")."""
+        only counts the skipped steps (SafetyConfig.nonfinite_grads="skip")."""
         if overflow:
             self.skipped_steps += 1
         if not self.enabled:

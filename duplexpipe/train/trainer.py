@@ -47,7 +47,6 @@ from duplexpipe.runtime import EvalResult, PipelineRuntime, RuntimeConfig
 from duplexpipe.runtime.backend import default_device
 from duplexpipe.tp.parallelize import TensorParallel, check_tensor_parallel
 from duplexpipe.tp.plans import TPPlan
-from duplexpipe.train.choice import AutoChoice, RunPlan
 from duplexpipe.train.compile import CompiledStages
 from duplexpipe.train.experts import Experts
 from duplexpipe.train.pipeline_config import (
@@ -59,7 +58,9 @@ from duplexpipe.train.pipeline_config import (
     runtime_config,
     with_defaults,
 )
-from duplexpipe.train.planning import plan_pipeline, resolve_schedule
+from duplexpipe.train.planning import PlannedPipeline, plan_pipeline
+from duplexpipe.train.planning.auto import resolve_schedule, resolved
+from duplexpipe.train.planning.choice import AutoChoice, RunPlan
 from duplexpipe.train.precision import DynamicLossScaler
 
 AUTO_PARTS_PER_RANK = 4
@@ -92,20 +93,18 @@ class Pipeline:
     data-parallel replica passes its own batch and gradients are averaged over replicas
     after the schedule's own DualPipe mirror sum, by the data-parallel strategy `self.dp`
     (bucket by bucket, each started as soon as its gradients are final; compressed when
-    `config.grad_compression` says so). With a mesh of tp > 1 (`make_mesh(pp, dp, tp=...)`), `tp_plan` shards every
-    stage module over the mesh's "tp" sub-mesh (see `tp.parallelize` and `tp.plans`; with
+    `config.data_parallel.grad_compression` says so). With a mesh of tp > 1 (`make_mesh(pp, dp, tp=...)`), `tp_plan`
+    shards every stage module over the mesh's "tp" sub-mesh (see `tp.parallelize` and `tp.plans`; with
     `config.sequence_parallel` the plan keeps the sequence sharded between TP regions and across stages);
     `self.param_bytes` is what this rank holds.
 
-    With `PipelineConfig(schedule="auto", memory_limit=...)` the construction first measures the
-    parts (rank 0's profile on a microbatch of `sample_input` / `sample_targets`, a batch as given to
-    `step`, and a few seconds of calibration steps on every rank; cached per parts and machine: see
-    `planning.plan_pipeline`), plans for this P, D and batch size under the limit, merges neighbouring parts
-    as the winner needs and runs it with the M, ZeRO stage and gradient compression it chose (fields set
-    in the config are fixed);
-    rank 0 logs the choice and the planner's table (logger "duplexpipe.plan"). `self.plan` says what runs
-    (any schedule), `self.auto` holds the planner's whole result. A limit no candidate fits raises
-    ValueError on every rank, naming the smallest feasible cap.
+    `config` is a PipelineConfig with a named or given schedule, or the plan `plan_pipeline` made for these parts
+    and this mesh: with schedule="auto" planning is a step before construction (`duplexpipe.plan_pipeline(parts,
+    loss_fn, optimizer, PipelineConfig("auto", memory_limit=...), mesh=..., sample_input=..., sample_targets=...)`
+    measures, plans and logs the choice; `Pipeline(parts, loss_fn, optimizer, plan, mesh=...)` merges the parts as
+    the plan says and builds). `from_layers` and `from_pretrained` take schedule="auto" and plan first themselves.
+    The constructor builds only: it measures and plans nothing. `self.plan` says what runs (any schedule),
+    `self.auto` holds the planner's whole result.
     """
 
     def __init__(
@@ -113,24 +112,24 @@ class Pipeline:
         parts: PartSource,
         loss_fn: LossFn,
         optimizer: OptimizerFactory,
-        config: PipelineConfig | None = None,
+        config: PipelineConfig | PlannedPipeline | None = None,
         *,
         mesh: DeviceMesh | None = None,
         device: torch.device | str | None = None,
         partition: Partition | None = None,
         init: PartInit | None = None,
         scheduler: SchedulerFactory | None = None,
-        sample_input: Any = None,
-        sample_targets: Any = None,
         tp_plan: TPPlan | None = None,
     ) -> None:
         self.groups = groups = ParallelGroups.from_mesh(mesh)
-        check_tensor_parallel(parts, tp_plan, groups, (config or PipelineConfig()).sequence_parallel)
+        planned = config if isinstance(config, PlannedPipeline) else resolved(config or PipelineConfig(), groups)
+        sizes = (groups.pp_size, groups.dp_size, groups.tp_size)
+        if planned.sizes != sizes:
+            raise ValueError(f"the plan was made for a mesh of (pp, dp, tp) = {planned.sizes}, but this one is {sizes}")
+        check_tensor_parallel(parts, tp_plan, groups, planned.config.sequence_parallel)
         self.device = torch.device(device) if device is not None else default_device()
-        planned = plan_pipeline(parts, loss_fn, optimizer, config or PipelineConfig(), groups=groups,
-                                device=self.device, init=init, partition=partition,
-                                sample=(sample_input, sample_targets), tp_plan=tp_plan)
-        parts, init, partition = planned.parts, planned.init, planned.partition
+        parts, init = planned.merged_parts(parts), planned.merged_init(init)
+        partition = planned.merged_partition(partition)
         self.config = cfg = planned.config
         """The config this pipeline runs (with "auto": the planner's M, ZeRO stage and compression set)."""
         self.auto: AutoChoice | None = planned.auto
@@ -144,21 +143,21 @@ class Pipeline:
                                                  checkpoint_stages=ckpt, device=self.device)
         self.tensor = TensorParallel(tp_plan, groups, cfg.sequence_parallel)
         """Tensor parallelism inside this rank's stages (inactive without a plan or with tp=1)."""
-        self.tensor.apply({s: model_parts(m) for s, m in self.stage_modules.items()}, cfg.zero_stage or 0)
+        self.tensor.apply({s: model_parts(m) for s, m in self.stage_modules.items()}, cfg.data_parallel.zero_stage or 0)
         self.experts = Experts(self.stage_modules, self.schedule, groups, ckpt, self.device)
         """This rank's MoE layers: expert parallelism and the expert-bias update."""
         self.params = [p for s in sorted(self.stage_modules) for p in self.stage_modules[s].parameters()]
         tied = find_tied([] if callable(parts) else parts)  # factory parts cannot share a Parameter
-        check_tied(cfg.zero_stage or 0, [t.places for t in tied], groups.dp_size)
+        check_tied(cfg.data_parallel.zero_stage or 0, [t.places for t in tied], groups.dp_size)
         self.tied = TiedGrads(tied, self.schedule, groups.pp_rank, self.stage_modules, groups.pp_group)
         self.tensor.check_tied(self.tied.layouts())
-        self.scaler = DynamicLossScaler(cfg.loss_scale, enabled=cfg.precision == "fp16")
+        self.scaler = DynamicLossScaler(cfg.precision.loss_scale, enabled=cfg.precision.dtype == "fp16")
         self.p2p_meter = WireMeter()
         """Every stage-to-stage SEND of this rank: kind "send", its payload bytes on the wire."""
         self.runtime = PipelineRuntime(self.schedule, self.stage_modules, loss_fn, group=groups.pp_group,
                                        device=self.device, config=self._runtime_config(),
                                        job_group=dist.group.WORLD if groups.dp_size * groups.tp_size > 1 else None)
-        if cfg.check_replicas:  # before the strategy (ZeRO-2 turns the parameters into shards) and the experts'
+        if cfg.safety.check_replicas:  # before the strategy (ZeRO-2 turns the parameters into shards) and the experts'
             self._check_replicas()  # sharding (the replicas of an expert-parallel group then hold different ones)
         self.dp: DPStrategy = self._strategy(optimizer, self.experts.shard())
         """The data-parallel strategy: reduce -> overflow check -> clip -> optimizer step."""
@@ -191,11 +190,11 @@ class Pipeline:
 
     def _strategy(self, optimizer: OptimizerFactory, experts: frozenset[int]) -> DPStrategy:
         """The data-parallel strategy the config asks for, over this rank's stages in the order they finish."""
-        cfg, plan = self.config, self.runtime.plan
+        dp, plan = self.config.data_parallel, self.runtime.plan
         return make_strategy(StrategyContext(
             self.stage_modules, self.schedule, tuple(final_order(plan.grads_final, plan.mirrored)), self.groups,
-            optimizer, self.device, self.bounded, compression_options(cfg.grad_compression),
-            cfg.grad_bucket_bytes, cfg.zero_stage or 0, cfg.zero, experts), cfg.dp_strategy)
+            optimizer, self.device, self.bounded, compression_options(dp.grad_compression),
+            dp.grad_bucket_bytes, dp.zero_stage or 0, dp.zero, experts), dp.dp_strategy)
 
     @classmethod
     def from_layers(
@@ -224,7 +223,8 @@ class Pipeline:
         the layers are split into 4P parts (one per layer when there are fewer), `sample_input` and
         `sample_targets` are a batch as given to `step`, and the planner merges parts as its
         winner needs. `tp_plan` applies to the parts (children `embedding`, `layer<i>`, `head`), e.g.
-        `launch.tasks.gpt.gpt_tp_plan` or `moe.moe_tp_plan`.
+        `launch.tasks.gpt.gpt_tp_plan` or `moe.moe_tp_plan`. schedule="auto" is planned here (`plan_pipeline`), on
+        the parts, before the Pipeline is built.
         """
         config = config or PipelineConfig()
         pp = ParallelGroups.from_mesh(mesh).pp_size
@@ -239,9 +239,10 @@ class Pipeline:
             dist.broadcast_object_list(shared, src=0)  # profiled times differ per rank: rank 0 decides
             partition = shared[0]
         parts = build_parts(blocks, partition, embedding=embedding, head=head)
-        return cls(parts, loss_fn, optimizer, config, mesh=mesh, device=device, partition=partition,
-                   init=init, scheduler=scheduler, sample_input=sample_input, sample_targets=sample_targets,
-                   tp_plan=tp_plan)
+        plan = plan_pipeline(parts, loss_fn, optimizer, config, mesh=mesh, device=device, init=init,
+                             sample_input=sample_input, sample_targets=sample_targets, tp_plan=tp_plan)
+        return cls(parts, loss_fn, optimizer, plan, mesh=mesh, device=device, partition=partition, init=init,
+                   scheduler=scheduler, tp_plan=tp_plan)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -301,7 +302,7 @@ class Pipeline:
         Returns the batch's mean loss (the same on every rank). Details are in `self.last`. The first step with
         compiled stages waits up to `compile_timeout_s` instead of `timeout_s`.
         """
-        with self.compiled.patience("step", self.runtime.watchdog, self.config.compile_timeout_s):
+        with self.compiled.patience("step", self.runtime.watchdog, self.config.safety.compile_timeout_s):
             return self._step(inputs, targets)
 
     def _step(self, inputs: Any, targets: Any) -> float:
@@ -318,8 +319,9 @@ class Pipeline:
             self.tensor.begin_window()
         self.dp.begin_call(final, scale * (self._window_weight + weight))
         wire = self.dp.meter.total_bytes
+        observe = cfg.observe  # with record_tp_lane: the TP collectives on the timeline's "tp" lane
         with (self.compiled.watching(f"step {self.calls}"),
-              self.tensor.timed(cfg.record_timeline and cfg.record_tp_lane)):  # TP collectives on the "tp" lane
+              self.tensor.timed(observe.record_timeline and observe.record_tp_lane)):
             result = self.runtime.step(inputs, targets, loss_scale=scale * weight)
         self.calls += 1
         self._window_calls += 1
@@ -365,7 +367,7 @@ class Pipeline:
         self.tied.sum_grads(wait=self.bounded)  # weights shared by several parts (tied embeddings)
         norm, overflow = self.dp.norm_and_overflow(True)  # every step: NaN/inf never trains (train/nonfinite.py)
         if overflow:
-            error = self._nonfinite(norm) if not self.scaler.enabled and cfg.nonfinite_grads == "raise" else None
+            error = self._nonfinite(norm) if not self.scaler.enabled and cfg.safety.nonfinite_grads == "raise" else None
             self.dp.skip()
             self.experts.after_step(applied=False, wait=self.bounded)
             if error is not None:
@@ -405,7 +407,7 @@ class Pipeline:
             m.eval()
         try:
             with (torch.no_grad(), self.compiled.watching("evaluate"),
-                  self.compiled.patience("evaluate", self.runtime.watchdog, self.config.compile_timeout_s)):
+                  self.compiled.patience("evaluate", self.runtime.watchdog, self.config.safety.compile_timeout_s)):
                 return self.runtime.evaluate(inputs, targets)
         finally:
             for s, m in self.stage_modules.items():
@@ -471,9 +473,10 @@ class Pipeline:
             from duplexpipe.model.hf_tp import HFTensorPlan
 
             tp_plan = HFTensorPlan(config.sequence_parallel)
-        pipe = cls(parts, causal_lm_loss, optimizer, config, mesh=mesh, device=device, init=source.fill,
-                   partition=source.partition(parts, balance is not None), scheduler=scheduler,
-                   sample_input=sample_input, sample_targets=sample_targets, tp_plan=tp_plan)
+        plan = plan_pipeline(parts, causal_lm_loss, optimizer, config, mesh=mesh, device=device, init=source.fill,
+                             sample_input=sample_input, sample_targets=sample_targets, tp_plan=tp_plan)
+        pipe = cls(parts, causal_lm_loss, optimizer, plan, mesh=mesh, device=device, init=source.fill,
+                   partition=source.partition(parts, balance is not None), scheduler=scheduler, tp_plan=tp_plan)
         pipe.source_dir = str(path)
         pipe.batch_transform = TokenWeighted(pipe.groups.dp_group, pipe.groups.dp_size, pipe.device, pipe.bounded)
         return pipe

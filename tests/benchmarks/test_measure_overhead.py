@@ -15,11 +15,13 @@ from duplexpipe import PipelineConfig, profile_parts
 from duplexpipe.planner.profile import Profile
 from duplexpipe.planner.runtime_work import rank_counts, rank_work
 from duplexpipe.schedules import registry
+from duplexpipe.train.pipeline_config import ObserveConfig, SafetyConfig
 
 
 def _calibrate(rank: int, world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
-    config = PipelineConfig(record_timeline=False, check_inputs_every_step=False)
+    config = PipelineConfig(observe=ObserveConfig(record_timeline=False),
+                            safety=SafetyConfig(check_inputs_every_step=False))
     cal = measure_overhead(torch.randn(2, 8), steps=2, warmup=1, config=config)
     o = cal.overhead
     return {"overhead": (o.action_s, o.message_s, o.step_s), "method": o.method, "wall": cal.wall_s,
@@ -62,7 +64,8 @@ def _real_parts(rank: int, world: int) -> dict[str, Any]:
         schedule = registry.build(name, world, m)
         runs.append(CalibrationRun(schedule, [copy.deepcopy(p) for p in parts],
                                    profile.at_microbatch(32 / m).grouped(2, [1, 1])))
-    config = PipelineConfig(record_timeline=False, check_inputs_every_step=False)
+    config = PipelineConfig(observe=ObserveConfig(record_timeline=False),
+                            safety=SafetyConfig(check_inputs_every_step=False))
     computes = [rank_work(r.schedule, r.groups) for r in runs]
     scale, action, message, step = TERMS
     costs = [scale * computes[k][rank] + action * rank_counts(r.schedule)[rank][0]

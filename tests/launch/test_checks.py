@@ -12,8 +12,8 @@ from duplexpipe.cli import main as cli_main
 from duplexpipe.dp_options.compression import DGCOptions
 from duplexpipe.dp_options.zero import ZeroOptions
 from duplexpipe.launch import checks, train_loop
-from duplexpipe.launch.train_config import TrainConfig
-from duplexpipe.train.pipeline_config import PipelineConfig
+from duplexpipe.launch.train_config import OptimizerConfig, TrainConfig
+from duplexpipe.train.pipeline_config import DataParallelConfig, PipelineConfig
 
 
 @pytest.fixture(autouse=True)
@@ -66,35 +66,32 @@ def test_configuration_errors_exit_2_with_one_line_before_any_process(
     assert err.startswith("duplexpipe: error:") and message in err and err.count("\n") == 1, err
 
 
-def _with(monkeypatch: pytest.MonkeyPatch, **fields: Any) -> None:
-    """check_training sees the PipelineConfig a run with these fields would train with (the flags for
-    ZeRO and gradient compression feed the same function)."""
-    def made(config: TrainConfig) -> PipelineConfig:
-        return PipelineConfig(config.schedule, config.microbatches, **fields)
-
-    monkeypatch.setattr(checks, "pipeline_config", made)
+def _pipeline(schedule: str = "dualpipe", microbatches: int = 8, **data_parallel: Any) -> PipelineConfig:
+    """The PipelineConfig of a run with these data-parallel settings (as the flags for ZeRO and gradient compression
+    would set them)."""
+    return PipelineConfig(schedule, microbatches, data_parallel=DataParallelConfig(**data_parallel))
 
 
-def test_dgc_with_an_optimizer_that_has_momentum_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    _with(monkeypatch, grad_compression=DGCOptions())
+def test_dgc_with_an_optimizer_that_has_momentum_is_refused() -> None:
+    dgc = _pipeline(grad_compression=DGCOptions())
     with pytest.raises(ValueError, match="'dgc' applies momentum 0.9 itself"):
-        checks.check_training(TrainConfig(optimizer="sgd", momentum=0.9, dp=2, ranks=2))
-    checks.check_training(TrainConfig(optimizer="sgd", momentum=0.0, dp=2, ranks=2))  # no momentum: fine
+        checks.check_training(TrainConfig(optimizer=OptimizerConfig("sgd", momentum=0.9), dp=2, ranks=2, pipeline=dgc))
+    checks.check_training(TrainConfig(optimizer=OptimizerConfig("sgd", momentum=0.0), dp=2, ranks=2,
+                                      pipeline=dgc))  # no momentum: fine
 
 
-def test_zero_with_an_unsupported_combination_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    _with(monkeypatch, zero_stage=2, grad_compression="powersgd")
-    with pytest.raises(ValueError, match="'powersgd' cannot be combined with ZeRO"):
-        checks.check_training(TrainConfig(dp=2, ranks=2))
-    _with(monkeypatch, zero_stage=2, zero=ZeroOptions(hpz_ranks=2))
+def test_zero_with_an_unsupported_combination_is_refused() -> None:
+    with pytest.raises(ValueError, match="'powersgd' cannot be combined with ZeRO"):  # found by the config itself
+        TrainConfig(dp=2, ranks=2, pipeline=_pipeline(zero_stage=2, grad_compression="powersgd"))
+    hpz = _pipeline("zb-h1", zero_stage=2, zero=ZeroOptions(hpz_ranks=2))
     with pytest.raises(ValueError, match="needs a schedule without split backward"):
-        checks.check_training(TrainConfig(schedule="zb-h1", dp=4, ranks=2))
+        checks.check_training(TrainConfig(dp=4, ranks=2, pipeline=hpz))
 
 
 def test_a_good_configuration_passes_and_the_task_is_built_on_the_meta_device() -> None:
     checks.check_training(TrainConfig())
     with pytest.raises(ValueError, match="has 4 layers, but schedule 'dualpipe' on 8 ranks runs 8"):
-        checks.check_training(TrainConfig(ranks=8, microbatches=16))
+        checks.check_training(TrainConfig(ranks=8, pipeline=PipelineConfig("dualpipe", 16)))
     task = checks._built(TrainConfig())
     assert all(p.is_meta for layer in task.layers for p in layer.parameters())
 

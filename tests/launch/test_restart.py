@@ -12,13 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from duplexpipe.launch.train_loop import TrainConfig, run_training
+from duplexpipe.launch.train_loop import run_training
+from duplexpipe.launch.train_settings import merge_config, settings
 from duplexpipe.train.checkpoint import read_checkpoint
 
 TASK = str(Path(__file__).resolve().parents[1] / "_crash_task.py") + ":crash_task"
 OPTIONS = {"n_layer": 2, "d_model": 16, "n_head": 2, "block_size": 16}
-RUN = {"schedule": "1f1b", "ranks": 2, "microbatches": 2, "batch_size": 8, "steps": 12, "save_every": 3,
-       "log_every": 0, "tensorboard": False, "timeout_s": 60.0}
+RUN = {"pipeline.schedule": "1f1b", "ranks": 2, "pipeline.num_microbatches": 2, "batch_size": 8, "steps": 12,
+       "checkpoint.save_every": 3, "metrics.log_every": 0, "metrics.tensorboard": False,
+       "pipeline.safety.timeout_s": 60.0}
 """PP=2, 1F1B, 12 steps, a checkpoint every 3."""
 KILL_STEP = 6
 """0-based: rank 1 dies fetching the batch of step 7 (after the checkpoint of step 6)."""
@@ -26,14 +28,12 @@ KILL_STEP = 6
 
 def _flags() -> list[str]:
     flags = []
+    named = {s.key: s.flags[0] for s in settings()}
     for key, value in RUN.items():
-        flag = "--" + key.replace("_", "-")
-        if key == "tensorboard":
-            flags.append("--no-tensorboard")
-        elif key == "timeout_s":
-            flags += ["--timeout", str(value)]
+        if value is False:
+            flags.append("--no-" + named[key].removeprefix("--"))
         else:
-            flags += [flag, str(value)]
+            flags += [named[key], str(value)]
     for key, value in OPTIONS.items():
         flags += ["--task-option", f"{key}={value}"]
     return flags
@@ -56,7 +56,8 @@ def test_a_killed_rank_is_restarted_and_the_job_finishes_bit_equal(tmp_path: Pat
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 13)), "the restarted attempt continued after step 6, once"
 
-    run_training(TrainConfig(task=TASK, task_options=dict(OPTIONS), save=str(straight), **RUN))
+    run_training(merge_config({}, {"task": TASK, "task_options": dict(OPTIONS), "checkpoint.save": str(straight),
+                                   **RUN}))
     want = read_checkpoint(str(straight / "step-000012"))
     got = read_checkpoint(str(crashed / "step-000012"))
     assert set(got) == set(want) and any(k.startswith("optim.state.") for k in got)

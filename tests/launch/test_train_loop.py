@@ -23,7 +23,6 @@ from duplexpipe.launch.train_loop import (
     build_task,
     checkpoint_to_load,
     load_task,
-    pipeline_config,
 )
 from duplexpipe.schedules.timeline import Timeline
 
@@ -58,42 +57,46 @@ def test_load_task_resolves_modules_and_files(tmp_path: Path) -> None:
 
 def test_flags_override_the_config_file(tmp_path: Path) -> None:
     path = tmp_path / "run.toml"
-    path.write_text('schedule = "1f1b"\nranks = 2\nlr = 0.01\nsteps = 9\n' + SMALL)
+    path.write_text('ranks = 2\nsteps = 9\n[optimizer]\nlr = 0.01\n[pipeline]\nschedule = "1f1b"\n' + SMALL)
     config = config_from_args(_parse(["--config", str(path), "--lr", "0.002", "--task-option", "n_layer=4",
                                       "--no-tensorboard", "--timeout", "30"]))
-    assert (config.schedule, config.ranks, config.steps, config.lr) == ("1f1b", 2, 9, 0.002)
+    assert (config.pipeline.schedule, config.ranks, config.steps, config.optimizer.lr) == ("1f1b", 2, 9, 0.002)
     assert config.task_options == {"n_layer": 4, "d_model": 16, "n_head": 2, "block_size": 16}
-    assert (config.tensorboard, config.timeout_s) == (False, 30.0)
+    assert (config.metrics.tensorboard, config.pipeline.safety.timeout_s) == (False, 30.0)
     assert config_from_args(_parse([])) == TrainConfig()
 
 
 def test_parallelism_flags_reach_the_pipeline_config() -> None:
     config = config_from_args(_parse(["--grad-compression", "int8", "--zero-stage", "1", "--keep", "3",
                                       "--task", "hf", "--save-pretrained", "out"]))
-    pcfg = pipeline_config(config)
-    assert (pcfg.grad_compression, pcfg.zero_stage, config.keep, config.save_pretrained) == ("int8", 1, 3, "out")
+    dp = config.pipeline.data_parallel
+    assert (dp.grad_compression, dp.zero_stage, config.checkpoint.keep, config.checkpoint.save_pretrained) == (
+        "int8", 1, 3, "out")
     assert config.task == "duplexpipe.launch.tasks.hf:hf_task"
-    auto = pipeline_config(config_from_args(_parse(["--schedule", "auto", "--memory-limit", "2GiB"])))
-    assert (auto.schedule, auto.memory_limit, pipeline_config(TrainConfig()).grad_compression) == ("auto", "2GiB", None)
+    auto = config_from_args(_parse(["--schedule", "auto", "--memory-limit", "2GiB"])).pipeline
+    assert (auto.schedule, auto.memory_limit, TrainConfig().pipeline.data_parallel.grad_compression) == (
+        "auto", "2GiB", None)
     tensor = config_from_args(_parse(["--tp", "2", "--sequence-parallel"]))
-    assert (tensor.tp, tensor.sequence_parallel, pipeline_config(tensor).sequence_parallel) == (2, True, True)
+    assert (tensor.tp, tensor.pipeline.sequence_parallel) == (2, True)
     with pytest.raises(SystemExit):
         _parse(["--zero-stage", "3"])
 
 
 def test_p2p_compression_flag_reaches_the_pipeline_config() -> None:
     config = config_from_args(_parse(["--p2p-compression", "int8"]))
-    assert config.p2p_compression == "int8" and pipeline_config(config).p2p_compression == "int8"
-    assert pipeline_config(TrainConfig()).p2p_compression is None, '"none" sends as computed'
-    with pytest.raises(ValueError, match="p2p_compression must be one of none, bf16, fp8, int8"):
+    assert config.pipeline.precision.p2p_compression == "int8"
+    assert TrainConfig().pipeline.precision.p2p_compression is None, "sends as computed"
+    assert config_from_args(_parse(["--p2p-compression", "none"])).pipeline.precision.p2p_compression == "none"
+    with pytest.raises(ValueError, match=r"unknown p2p_compression 'fp4'; expected None, one of \['bf16', 'fp8'"):
         config_from_args(_parse(["--p2p-compression", "fp4"]))  # a label with options is no argparse choice
 
 
 def test_compile_flags_reach_the_pipeline_config() -> None:
-    assert pipeline_config(TrainConfig()).compile is False
-    config = config_from_args(_parse(["--compile", "--compile-backend", "aot_eager"]))
-    assert pipeline_config(config).compile == {"backend": "aot_eager"}
-    assert pipeline_config(config_from_args(_parse(["--compile"]))).compile == {"backend": "inductor"}
+    assert TrainConfig().pipeline.compile is False
+    config = config_from_args(_parse(["--compile", "backend=aot_eager"]))
+    assert config.pipeline.compile == {"backend": "aot_eager"}
+    assert config_from_args(_parse(["--compile"])).pipeline.compile is True  # torch's defaults: inductor
+    assert config_from_args(_parse(["--compile", "--no-compile"])).pipeline.compile is False
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -102,8 +105,8 @@ def test_compile_flags_reach_the_pipeline_config() -> None:
     (["--schedule", "dualpipe", "--ranks", "3"], "dualpipe"),
     (["--task", "no_such_module:f"], "cannot import no_such_module"),
     (["--resume", "nowhere"], "resume: nowhere holds no checkpoint"),
-    (["--memory-limit", "1GiB"], "memory_limit is the planner's cap for schedule 'auto'"),
-    (["--compile", "--compile-backend", "nope"], "torch.compile rejects it: Invalid backend: 'nope'"),
+    (["--memory-limit", "1GiB"], "memory_limit is for schedule='auto' (the planner's cap)"),
+    (["--compile", "backend=nope"], "torch.compile rejects it: Invalid backend: 'nope'"),
     (["--grad-compression", "powersgd", "--zero-stage", "1"], "'powersgd' cannot be combined with ZeRO"),
     (["--schedule", "auto", "--memory-limit", "lots"], "bad memory size 'lots'"),
     (["--save-pretrained", "hf-out"], "--save-pretrained writes a Hugging Face model; the gpt task trains none"),
@@ -128,9 +131,11 @@ def test_bad_train_input_is_one_line_and_exit_2(argv: list[str], message: str, t
 def straight_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """4 steps of 1F1B on 2 ranks x 2 replicas from a config file; checkpoints after steps 2 and 4."""
     root = tmp_path_factory.mktemp("train")
-    (root / "run.toml").write_text('schedule = "1f1b"\nranks = 2\ndp = 2\nmicrobatches = 2\nsteps = 4\n'
-                                   'batch_size = 8\nbalance = "time"\nwarmup = 1\nlr_schedule = "cosine"\n'
-                                   'save_every = 2\nlog_every = 0\np2p_compression = "bf16"\n' + SMALL)
+    (root / "run.toml").write_text('ranks = 2\ndp = 2\nsteps = 4\nbatch_size = 8\nbalance = "time"\n'
+                                   '[optimizer]\nwarmup = 1\nlr_schedule = "cosine"\n'
+                                   '[checkpoint]\nsave_every = 2\n[metrics]\nlog_every = 0\ntimeline_every = 2\n'
+                                   '[pipeline]\nschedule = "1f1b"\nnum_microbatches = 2\n'
+                                   '[pipeline.precision]\np2p_compression = "bf16"\n' + SMALL)
     args = _parse(["--config", str(root / "run.toml"), "--out-dir", str(root / "a"), "--save", str(root / "ckpt")])
     out = io.StringIO()
     assert train_main(args, out) == 0
@@ -148,13 +153,18 @@ def test_train_writes_metrics_outputs_and_checkpoints(straight_run: Path) -> Non
     rows = read_metrics(root / "a" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert set(rows[0]) == {"step", "loss", "lr", "grad_norm", "items_per_s", "bubble"}
-    factor = lr_factor("cosine", 1, 4, TrainConfig().min_lr_ratio)
-    assert [r["lr"] for r in rows] == pytest.approx([TrainConfig().lr * factor(s) for s in range(4)])
+    factor = lr_factor("cosine", 1, 4, TrainConfig().optimizer.min_lr_ratio)
+    assert [r["lr"] for r in rows] == pytest.approx([TrainConfig().optimizer.lr * factor(s) for s in range(4)])
     assert all(r["grad_norm"] > 0 and r["items_per_s"] > 0 and 0 <= r["bubble"] < 1 for r in rows)
     summary = json.loads((root / "a" / "losses.json").read_text())
     assert summary["losses"] == [r["loss"] for r in rows] and summary["config"]["batch_size"] == 8
     timeline = Timeline.from_dict(json.loads((root / "a" / "timeline.json").read_text()))
     assert timeline.num_ranks == 2 and len(timeline.events) == 2 * 2 * 2  # ranks x microbatches x (F, B)
+    # the step's bubble comes from a tensor all-gather of (start, end, busy) per rank: the gathered timeline's figure
+    assert rows[-1]["bubble"] == pytest.approx(timeline.bubble_ratio, abs=1e-9)
+    # full timelines are gathered only every timeline_every (2) steps, when asked
+    assert sorted(p.name for p in (root / "a" / "timelines").iterdir()) == ["step-000002.json", "step-000004.json"]
+    assert Timeline.from_dict(json.loads((root / "a" / "timelines" / "step-000004.json").read_text())) == timeline
     assert "est. time" in (root / "a" / "partition.txt").read_text()
     assert sorted(p.name for p in (root / "ckpt").iterdir()) == ["latest", "step-000002", "step-000004"]
     assert checkpoint_to_load(str(root / "ckpt")) == str(root / "ckpt" / "step-000004")
@@ -191,8 +201,9 @@ def test_a_checkpoint_of_another_model_is_exit_2_and_changes_nothing(straight_ru
 
 @pytest.mark.timeout(300)
 def test_train_with_tensor_and_sequence_parallelism(tmp_path: Path) -> None:
-    (tmp_path / "run.toml").write_text('schedule = "1f1b"\nranks = 2\ntp = 2\nsequence_parallel = true\n'
-                                       'microbatches = 2\nsteps = 2\nbatch_size = 8\nlog_every = 0\n' + SMALL)
+    (tmp_path / "run.toml").write_text('ranks = 2\ntp = 2\nsteps = 2\nbatch_size = 8\n[metrics]\nlog_every = 0\n'
+                                       '[pipeline]\nschedule = "1f1b"\nsequence_parallel = true\n'
+                                       'num_microbatches = 2\n' + SMALL)
     out = io.StringIO()
     assert train_main(_parse(["--config", str(tmp_path / "run.toml"), "--out-dir", str(tmp_path / "a")]), out) == 0
     text = out.getvalue()

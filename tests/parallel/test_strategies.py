@@ -16,6 +16,7 @@ from _dp_cases import LOSSY, SCHEDULES, all_cases
 from duplexpipe.dp_options.compression import DGCOptions, TopKOptions
 from duplexpipe.launch.processes import launch
 from duplexpipe.parallel import check_strategy_name
+from duplexpipe.train.pipeline_config import DataParallelConfig
 from duplexpipe.train.trainer import PipelineConfig
 
 Results = list[dict[str, Any]]
@@ -123,16 +124,18 @@ def test_sparsifiers_reject_adam_and_dgc_rejects_optimizer_momentum(results: Res
 
 def test_config_rejects_bad_compression_options() -> None:
     with pytest.raises(ValueError, match="unknown gradient compression 'zstd'"):
-        PipelineConfig(grad_compression="zstd")
+        PipelineConfig(data_parallel=DataParallelConfig(grad_compression="zstd"))
     with pytest.raises(ValueError, match=r"ratio must be in \(0, 1\], got 1.5"):
-        PipelineConfig(grad_compression=TopKOptions(ratio=1.5))
+        PipelineConfig(data_parallel=DataParallelConfig(grad_compression=TopKOptions(ratio=1.5)))
     with pytest.raises(ValueError, match="grad_bucket_bytes must be an int >= 1, got 0"):
-        PipelineConfig(grad_bucket_bytes=0)
+        PipelineConfig(data_parallel=DataParallelConfig(grad_bucket_bytes=0))
     with pytest.raises(ValueError, match="unknown dp_strategy 'zero9'"):
-        PipelineConfig(dp_strategy="zero9")
+        PipelineConfig(data_parallel=DataParallelConfig(dp_strategy="zero9"))
     with pytest.raises(ValueError, match="'replicated' all-reduces exact gradients"):
         check_strategy_name("replicated", compressing=True)
     with pytest.raises(ValueError, match=r"grad_clip_norm=1.0 would clip DGC's averaged momentum-corrected"):
-        PipelineConfig(grad_compression="dgc", grad_clip_norm=1.0)
-    assert PipelineConfig(grad_compression=DGCOptions(clip_norm=1.0)).grad_clip_norm is None
-    assert PipelineConfig(grad_compression="none").grad_compression == "none"
+        PipelineConfig(grad_clip_norm=1.0, data_parallel=DataParallelConfig(grad_compression="dgc"))
+    dgc = DataParallelConfig(grad_compression=DGCOptions(clip_norm=1.0))
+    assert PipelineConfig(data_parallel=dgc).grad_clip_norm is None
+    exact = PipelineConfig(data_parallel=DataParallelConfig(grad_compression="none"))
+    assert exact.data_parallel.grad_compression == "none"

@@ -22,6 +22,7 @@ from duplexpipe.comm.local_tensors import local_of
 from duplexpipe.dp_options.zero import ZeroOptions
 from duplexpipe.errors import NonFiniteGradientError
 from duplexpipe.launch.processes import launch
+from duplexpipe.train.pipeline_config import DataParallelConfig, SafetyConfig
 
 SPAWN_TIMEOUT_S = 240
 DP = 4
@@ -99,7 +100,7 @@ def _float64_views() -> dict[str, Any]:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for stage in (0, 2):
-                cfg = PipelineConfig("1f1b", 4, zero_stage=stage, grad_clip_norm=CLIP)
+                cfg = PipelineConfig("1f1b", 4, grad_clip_norm=CLIP, data_parallel=DataParallelConfig(zero_stage=stage))
                 pipe = Pipeline(_view_parts(3), _squares, adamw, cfg, mesh=make_mesh(1, DP))
                 rows, lo = 16 // DP, pipe.groups.dp_rank * (16 // DP)
                 losses = [pipe.step(*(t[lo:lo + rows] for t in _float64_batch(s))) for s in range(3)]
@@ -126,7 +127,7 @@ def _nonfinite() -> dict[str, Any]:
     skipped, finite norm)."""
     out: dict[str, Any] = {}
     for policy in ("raise", "skip"):
-        pipe = build("1f1b", 2, DP, nonfinite_grads=policy)
+        pipe = build("1f1b", 2, DP, safety=SafetyConfig(nonfinite_grads=policy))
         steps = []
         for step in range(3):
             x, y = local_batch(pipe, step)

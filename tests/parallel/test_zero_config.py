@@ -10,6 +10,7 @@ from duplexpipe.dp_options.compression import Int8Options, NoCompression, compre
 from duplexpipe.dp_options.zero import ZeroOptions, gradient_wire
 from duplexpipe.parallel.zero_config import check_hpz, check_tied
 from duplexpipe.schedules.registry import build
+from duplexpipe.train.pipeline_config import DataParallelConfig
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -31,7 +32,7 @@ from duplexpipe.schedules.registry import build
 ])
 def test_bad_zero_settings_name_the_values(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        PipelineConfig(**kwargs)  # type: ignore[arg-type]
+        PipelineConfig(data_parallel=DataParallelConfig(**kwargs))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -55,7 +56,8 @@ def test_the_gradient_wire_comes_from_grad_compression_or_qgz() -> None:
     assert ZeroOptions(quantized_weights=True).weight_wire == Int8Options(stochastic=False)
     assert ZeroOptions().weight_wire is None
     for stage in (1, 2):
-        PipelineConfig(zero_stage=stage, grad_compression="fp16", zero=ZeroOptions(quantized_weights=True))
+        PipelineConfig(data_parallel=DataParallelConfig(zero_stage=stage, grad_compression="fp16",
+                                                        zero=ZeroOptions(quantized_weights=True)))
 
 
 def test_hpz_needs_whole_nodes_and_a_schedule_without_split_backward() -> None:

@@ -18,18 +18,20 @@ from duplexpipe.planner.dp_comm import (
     reduction_time,
     zero_stage,
 )
+from duplexpipe.train.pipeline_config import DataParallelConfig
 
 
 def test_the_tables_hold_the_trainers_stages_and_methods() -> None:
     assert list(ZERO_STAGES) == list(TRAINER_ZERO_STAGES) == [0, 1, 2]
     for stage in ZERO_STAGES:  # the training side takes every stage the planner offers
-        PipelineConfig(zero_stage=stage)
+        PipelineConfig(data_parallel=DataParallelConfig(zero_stage=stage))
     ratios = [c.wire_ratio for c in COMPRESSIONS.values()]
     assert list(COMPRESSIONS)[0] == "none" and ratios[0] == 1.0
     assert ratios == sorted(ratios), "methods are listed lightest (least compression) first"
     for name, method in COMPRESSIONS.items():  # keyed by the trainer's options, under the trainer's names
         assert method.options.method in METHOD_NAMES and name.split("(")[0] == method.options.method
-        assert PipelineConfig(grad_compression=method.options).grad_compression == method.options
+        taken = PipelineConfig(data_parallel=DataParallelConfig(grad_compression=method.options))
+        assert taken.data_parallel.grad_compression == method.options
         assert compression(method.options) is method and compression(name) is method
     assert list(COMPRESSIONS) == ["none", "bf16", "fp16", "int8", "powersgd", "powersgd(rank=1)", "dgc"]
     assert compression("PowerSGD") is compression(PowerSGDOptions(rank=4)), "the trainer's spelling, defaults"

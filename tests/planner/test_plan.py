@@ -14,6 +14,7 @@ from duplexpipe.planner.candidates import microbatch_counts
 from duplexpipe.planner.dp_comm import Link
 from duplexpipe.planner.plan import PlanConfig, plan
 from duplexpipe.planner.profile import PartProfile, Profile, RuntimeOverhead
+from duplexpipe.train.pipeline_config import DataParallelConfig
 
 MIB = 2**20
 
@@ -117,7 +118,8 @@ def test_only_pairs_the_trainer_accepts_are_planned() -> None:
     fits = [r for r in result.rows if r.feasible]
     assert {r.zero for r in fits} == {0, 1, 2}
     for row in fits:  # what the planner chose, the trainer takes
-        PipelineConfig(zero_stage=row.zero, grad_compression=compression(row.compression).options)
+        PipelineConfig(data_parallel=DataParallelConfig(zero_stage=row.zero,
+                                                        grad_compression=compression(row.compression).options))
     assert {r.compression for r in fits if r.zero} <= {"none", "bf16", "fp16", "int8"}
     assert {r.compression for r in fits if r.zero == 0} == {"dgc"}
     refused = plan(profile(), config(dp=2, schedules=("1f1b",), microbatches=(4,), zero_stages=(0, 1),

@@ -53,11 +53,13 @@ def test_a_deadlocked_schedule_gets_the_verifiers_report() -> None:
 
 def run_dead_pipeline(path: str) -> dict[str, Any]:
     """One rank: build a Pipeline over the deadlocked schedule (the issue's scenario)."""
+    from duplexpipe.train.pipeline_config import SafetyConfig
     from duplexpipe.train.trainer import Pipeline, PipelineConfig
 
     start = time.monotonic()
     try:
-        Pipeline(make_parts(2), mse, adam, PipelineConfig(schedule=load_json(path), timeout_s=60.0))
+        Pipeline(make_parts(2), mse, adam, PipelineConfig(schedule=load_json(path),
+                                                          safety=SafetyConfig(timeout_s=60.0)))
         out: dict[str, Any] = {"type": "built"}
     except Exception as exc:  # noqa: BLE001 - reported to the test
         out = {"type": type(exc).__name__, "text": str(exc)}

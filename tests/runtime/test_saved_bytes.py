@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from duplexpipe.runtime.saved_bytes import SavedBytes, storage_key
+from duplexpipe.train.pipeline_config import ObserveConfig
 
 
 def test_linear_keeps_its_input_but_not_its_weight() -> None:
@@ -103,7 +104,8 @@ def _measure(schedule: str, count: bool) -> dict[str, Any]:
     parts = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU()) for _ in range(2)]
     x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
     pipe = Pipeline(parts, _product_loss, lambda ps: torch.optim.SGD(ps, lr=0.1),
-                    PipelineConfig(schedule=schedule, num_microbatches=M, count_saved_bytes=count))
+                    PipelineConfig(schedule=schedule, num_microbatches=M,
+                                   observe=ObserveConfig(count_saved_bytes=count)))
     measured = []
     for _ in range(2):
         pipe.step(x, y)

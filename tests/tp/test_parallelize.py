@@ -31,6 +31,7 @@ from duplexpipe.launch.tasks.gpt import gpt_tp_plan
 from duplexpipe.parallel.mesh import ParallelGroups
 from duplexpipe.tp.lane import TP_LANE
 from duplexpipe.train.checkpoint.manifest import read_manifest
+from duplexpipe.train.pipeline_config import DataParallelConfig, ObserveConfig, PrecisionConfig, SafetyConfig
 from duplexpipe.train.precision import LossScaleConfig
 
 WORLD = 4
@@ -64,7 +65,7 @@ def _exact(out: dict[str, Any]) -> None:
     for schedule in SCHEDULES:
         for sp in (False, True):
             pipe = pipeline((2, 1, 2), PipelineConfig(schedule, 4, sequence_parallel=sp, grad_clip_norm=CLIP,
-                                                      record_tp_lane=schedule == "1f1b"))
+                                                      observe=ObserveConfig(record_tp_lane=schedule == "1f1b")))
             out[f"{schedule} sp={sp}"] = train(pipe, range(STEPS))
             if schedule == "zb-h1":
                 assert pipe.last is not None and pipe.last.timeline is not None
@@ -101,8 +102,8 @@ def _exact(out: dict[str, Any]) -> None:
 def _precision(out: dict[str, Any]) -> None:
     """fp16 with an inf injected into one TP rank's gradient shard at step 1 (every rank must skip it), and bf16
     stage sends under SP (every rank reports the same loss)."""
-    pipe = pipeline((2, 1, 2), PipelineConfig("1f1b", 4, precision="fp16", grad_clip_norm=CLIP,
-                                              loss_scale=LossScaleConfig(init_scale=2.0**10)))
+    pipe = pipeline((2, 1, 2), PipelineConfig("1f1b", 4, grad_clip_norm=CLIP, precision=PrecisionConfig(dtype="fp16",
+                                                                                                        loss_scale=LossScaleConfig(init_scale=2.0**10))))
     state = {"step": -1}
     if dist.get_rank() == 1:  # pipeline rank 0, TP rank 1: one shard of one weight
         weight = pipe.stage_modules[0].get_submodule("layer0.attn.q").weight
@@ -114,9 +115,11 @@ def _precision(out: dict[str, Any]) -> None:
         assert pipe.last is not None
         skipped.append(pipe.last.skipped)
     out["fp16 skipped"] = skipped
-    pipe = pipeline((2, 1, 2), PipelineConfig("1f1b", 4, p2p_compression="bf16", sequence_parallel=True))
+    pipe = pipeline((2, 1, 2), PipelineConfig("1f1b", 4, sequence_parallel=True,
+                                              precision=PrecisionConfig(p2p_compression="bf16")))
     out["bf16 sends"] = train(pipe, range(STEPS))
-    pipe = pipeline((1, 2, 2), PipelineConfig("1f1b", 4, grad_compression="bf16", sequence_parallel=True))
+    pipe = pipeline((1, 2, 2), PipelineConfig("1f1b", 4, sequence_parallel=True,
+                                              data_parallel=DataParallelConfig(grad_compression="bf16")))
     out["bf16 compression"] = train(pipe, range(STEPS))
 
 
@@ -155,7 +158,8 @@ def _nonfinite(out: dict[str, Any]) -> None:
     """NaN in one TP rank's shard of one weight at step 1 (fp64, no fp16 scaler): "raise" stops every rank naming
     the stage and parameter before any shard steps; "skip" skips the step everywhere with a non-finite norm."""
     for policy in ("raise", "skip"):
-        pipe = pipeline((2, 1, 2), PipelineConfig("1f1b", 4, grad_clip_norm=CLIP, nonfinite_grads=policy))
+        pipe = pipeline((2, 1, 2), PipelineConfig("1f1b", 4, grad_clip_norm=CLIP,
+                                                  safety=SafetyConfig(nonfinite_grads=policy)))
         state = {"step": -1}
         if dist.get_rank() == 1:  # pipeline rank 0, TP rank 1: one shard of one weight
             weight = pipe.stage_modules[0].get_submodule("layer0.attn.q").weight

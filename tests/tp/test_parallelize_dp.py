@@ -15,11 +15,12 @@ from _tp_cases import CLIP, STEPS, Reference, max_rel, pipeline, train
 
 from duplexpipe import Pipeline, PipelineConfig, make_mesh
 from duplexpipe.moe import moe_tp_plan
+from duplexpipe.train.pipeline_config import DataParallelConfig
 
 WORLD = 8
 SPAWN_TIMEOUT_S = 420
-DENSE = {"zero1 sp": {"zero_stage": 1, "sequence_parallel": True}, "zero2 sp": {"zero_stage": 2,
-                                                                                "sequence_parallel": True}}
+DENSE = {"zero1 sp": {"data_parallel": DataParallelConfig(zero_stage=1), "sequence_parallel": True},
+         "zero2 sp": {"data_parallel": DataParallelConfig(zero_stage=2), "sequence_parallel": True}}
 MOE = {"sp overlap": (True, True), "sp no overlap": (True, False), "aux overlap": (False, True)}
 """name -> (sequence parallelism, F&B overlap); without SP the balance loss is on (it is refused under SP)."""
 

@@ -31,6 +31,7 @@ from duplexpipe.train.compile import (
     torch_compile_kwargs,
     uses_cuda_graphs,
 )
+from duplexpipe.train.pipeline_config import SafetyConfig
 
 DIM = 8
 
@@ -210,7 +211,7 @@ def _slow_first_steps(rank: int, world: int) -> str:
     torch.manual_seed(0)
     parts = [torch.compile(p, backend="eager") for p in (_Slow((0, 2)), nn.Linear(DIM, 1))]
     pipe = Pipeline(parts, lambda y, t: ((y - t) ** 2).mean(), lambda ps: torch.optim.SGD(ps, lr=0.1),
-                    PipelineConfig("1f1b", 2, timeout_s=BOUND_S, compile_timeout_s=60.0))
+                    PipelineConfig("1f1b", 2, safety=SafetyConfig(timeout_s=BOUND_S, compile_timeout_s=60.0)))
     x, t = torch.randn(4, DIM), torch.randn(4, 1)
     results = []
     for _ in range(2):

@@ -15,6 +15,7 @@ from models import shared_folder
 
 from duplexpipe import Pipeline, PipelineConfig, make_mesh
 from duplexpipe.runtime.executor import EP_LANE
+from duplexpipe.train.pipeline_config import DataParallelConfig
 
 WORLD = 4
 SPAWN_TIMEOUT_S = 400
@@ -26,9 +27,10 @@ CASES: dict[str, tuple[str, MoESpec, dict[str, Any]]] = {
     **{f"{s} overlap={o}": (s, BALANCED, {"fb_overlap": o})
        for s in ("dualpipe", "dualpipev", "1f1b", "zb-h1") for o in (True, False)},
     "dualpipev steered": ("dualpipev", STEERED, {}),
-    "dualpipe zero1": ("dualpipe", BALANCED, {"zero_stage": 1}),
+    "dualpipe zero1": ("dualpipe", BALANCED, {"data_parallel": DataParallelConfig(zero_stage=1)}),
     "1f1b sgd": ("1f1b", BALANCED, {"optimizer": sgd}),
-    "1f1b sgd bf16 compression": ("1f1b", BALANCED, {"optimizer": sgd, "grad_compression": "bf16", "steps": 1}),
+    "1f1b sgd bf16 compression": ("1f1b", BALANCED, {"optimizer": sgd, "steps": 1,
+                                                     "data_parallel": DataParallelConfig(grad_compression="bf16")}),
 }
 
 

@@ -18,9 +18,10 @@ from models import run_workers
 from duplexpipe.cli import main as cli_main
 from duplexpipe.errors import NonFiniteGradientError
 from duplexpipe.launch.metrics import read_metrics
-from duplexpipe.launch.train_config import NONFINITE_POLICIES, TrainConfig
-from duplexpipe.launch.train_loop import pipeline_config
+from duplexpipe.launch.train_config import NONFINITE_POLICIES
+from duplexpipe.launch.train_settings import merge_config
 from duplexpipe.train.nonfinite import NONFINITE_GRADS
+from duplexpipe.train.pipeline_config import PrecisionConfig, SafetyConfig
 from duplexpipe.train.trainer import Pipeline, PipelineConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,7 +31,8 @@ CASES = [("skip", "fp32"), ("skip", "bf16"), ("raise", "fp32"), ("raise", "bf16"
 
 def _case(policy: str, precision: str) -> dict[str, Any]:
     """1F1B on 2 ranks; rank 1 turns a weight gradient NaN (fp32) or inf (bf16) on step BAD_STEP."""
-    pipe = Pipeline(make_parts(2), mse, adam, PipelineConfig("1f1b", 4, precision=precision, nonfinite_grads=policy))
+    pipe = Pipeline(make_parts(2), mse, adam, PipelineConfig("1f1b", 4, precision=PrecisionConfig(dtype=precision),
+                                                             safety=SafetyConfig(nonfinite_grads=policy)))
     state = {"step": -1}
     bad = math.nan if precision == "fp32" else math.inf
     if dist.get_rank() == 1:
@@ -120,10 +122,10 @@ def test_duplexpipe_train_skip_goes_on_and_marks_the_step(tmp_path: Path) -> Non
 
 
 def test_the_policy_is_checked() -> None:
-    with pytest.raises(ValueError, match="PipelineConfig.nonfinite_grads must be one of raise, skip, got 'warn'"):
-        PipelineConfig(nonfinite_grads="warn")
-    assert PipelineConfig().nonfinite_grads == "raise"
+    with pytest.raises(ValueError, match="SafetyConfig.nonfinite_grads must be one of raise, skip, got 'warn'"):
+        PipelineConfig(safety=SafetyConfig(nonfinite_grads="warn"))
+    assert PipelineConfig().safety.nonfinite_grads == "raise"
     assert NONFINITE_POLICIES == NONFINITE_GRADS  # `duplexpipe train --nonfinite-grads` offers the same choices
-    assert pipeline_config(TrainConfig(nonfinite_grads="skip")).nonfinite_grads == "skip"
+    assert merge_config({}, {"pipeline.safety.nonfinite_grads": "skip"}).pipeline.safety.nonfinite_grads == "skip"
     with pytest.raises(ValueError, match="nonfinite_grads must be one of raise, skip, got 'ignore'"):
-        TrainConfig(nonfinite_grads="ignore")
+        merge_config({}, {"pipeline.safety.nonfinite_grads": "ignore"})

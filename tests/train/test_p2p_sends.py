@@ -28,6 +28,7 @@ from duplexpipe.comm.meter import C10dCounter, WireMeter
 from duplexpipe.comm.p2p_codecs import p2p_codec_pair
 from duplexpipe.runtime import PipelineRuntime, RuntimeConfig
 from duplexpipe.schedules.ir import Op, Schedule
+from duplexpipe.train.pipeline_config import PrecisionConfig, SafetyConfig
 
 LABELS = (None, "bf16", "fp8", "int8")
 SCHEDULES = ("1f1b", "dualpipe")
@@ -99,7 +100,7 @@ def _train_case(name: str, rank: int) -> dict[str, Any]:
     base_loss = 0.0
     for label in LABELS:
         parts = make_parts(4, seed=3)
-        config = PipelineConfig(schedule=name, num_microbatches=M, p2p_compression=label)
+        config = PipelineConfig(schedule=name, num_microbatches=M, precision=PrecisionConfig(p2p_compression=label))
         pipe = Pipeline(parts, loss_fn, lambda ps: torch.optim.SGD(ps, lr=0.0), config)
         loss = pipe.step(*batch)
         grads = _grads(pipe)
@@ -134,7 +135,8 @@ def _counter_case(rank: int) -> dict[str, Any]:
     scales, per SEND)."""
     parts = make_parts(4, seed=4)
     pipe = Pipeline(parts, loss_fn, lambda ps: torch.optim.SGD(ps, lr=0.0),
-                    PipelineConfig(schedule="1f1b", num_microbatches=M, p2p_compression="int8"))
+                    PipelineConfig(schedule="1f1b", num_microbatches=M,
+                                   precision=PrecisionConfig(p2p_compression="int8")))
     seen = WireMeter()
     with _PipelineSends(seen):
         pipe.step(*make_batch(ROWS, 6))
@@ -178,8 +180,9 @@ def _skip_case() -> dict[str, Any]:
     """Pipeline, DualPipe on 4 ranks, fp16 and fp8 sends: an overflowing first step is skipped on every
     rank, the next (scale backed off) is applied with a finite loss."""
     parts = make_parts(4, seed=15)
-    config = PipelineConfig(schedule="dualpipe", num_microbatches=M, precision="fp16", p2p_compression="fp8",
-                            loss_scale=LossScaleConfig(init_scale=2.0**40, backoff_factor=2.0**-30))
+    scale = LossScaleConfig(init_scale=2.0**40, backoff_factor=2.0**-30)
+    config = PipelineConfig(schedule="dualpipe", num_microbatches=M,
+                            precision=PrecisionConfig(dtype="fp16", p2p_compression="fp8", loss_scale=scale))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         pipe = Pipeline(parts, loss_fn, lambda ps: torch.optim.SGD(ps, lr=0.1), config)
@@ -226,7 +229,7 @@ def _mask_case() -> dict[str, Any]:
     for label in (None, "int8", "fp8"):
         torch.manual_seed(21)
         parts = [_AttentionPart(k == 0, k == 3) for k in range(4)]
-        config = PipelineConfig(schedule="1f1b", num_microbatches=4, p2p_compression=label)
+        config = PipelineConfig(schedule="1f1b", num_microbatches=4, precision=PrecisionConfig(p2p_compression=label))
         pipe = Pipeline(parts, loss_fn, lambda ps: torch.optim.AdamW(ps, lr=1e-2), config)
         for step in range(MASK_STEPS):
             tokens, targets = make_batch(8, 30 + step)
@@ -329,21 +332,24 @@ def test_a_finfo_min_mask_beside_compressed_activations_keeps_the_loss_finite_an
 
 
 @pytest.mark.parametrize(("options", "message"), [
-    ({"p2p_compression": "fp16"}, r"unknown p2p_compression 'fp16'; expected None, one of \['bf16', 'fp8', 'int8'\]"),
-    ({"p2p_compression": ("fp8", "x")}, r"unknown p2p_compression 'x'"),
-    ({"p2p_compression": object()}, r"PipelineConfig.p2p_compression must be None, one of"),
-    ({"nonfinite_sends": "ignore"}, r"PipelineConfig.nonfinite_sends must be one of \['warn', 'raise'\], got 'ignore'"),
-    ({"nonfinite_sends": "raise", "precision": "fp16"},
+    (lambda: PrecisionConfig(p2p_compression="fp16"),
+     r"unknown p2p_compression 'fp16'; expected None, one of \['bf16', 'fp8', 'int8'\]"),
+    (lambda: PrecisionConfig(p2p_compression=("fp8", "x")), r"unknown p2p_compression 'x'"),
+    (lambda: PrecisionConfig(p2p_compression=object()), r"PrecisionConfig.p2p_compression must be None, one of"),
+    (lambda: SafetyConfig(nonfinite_sends="ignore"),
+     r"SafetyConfig.nonfinite_sends must be one of \['warn', 'raise'\], got 'ignore'"),
+    (lambda: PipelineConfig(safety=SafetyConfig(nonfinite_sends="raise"), precision=PrecisionConfig("fp16")),
      r"nonfinite_sends='raise' with precision='fp16': dynamic loss scaling overflows routinely"),
 ])
-def test_bad_or_incompatible_options_raise_naming_the_values(options: dict[str, Any], message: str) -> None:
+def test_bad_or_incompatible_options_raise_naming_the_values(options: Any, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        PipelineConfig(**options)
+        options()
 
 
 def test_good_options_are_accepted() -> None:
     for value in (None, "bf16", "fp8", "int8", ("fp8", None), p2p_codec_pair("int8")):
-        assert PipelineConfig(p2p_compression=value, nonfinite_sends="raise").p2p_compression is value
+        assert PipelineConfig(precision=PrecisionConfig(p2p_compression=value),
+                              safety=SafetyConfig(nonfinite_sends="raise")).precision.p2p_compression is value
     with pytest.raises(ValueError, match=r"RuntimeConfig.p2p_meter must be a duplexpipe.comm.WireMeter"):
         RuntimeConfig(p2p_meter={})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"RuntimeConfig.nonfinite_sends must be one of"):

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from _train_helpers import adam, batch, make_parts, mse
 
 from duplexpipe.launch.processes import launch
+from duplexpipe.train.pipeline_config import PrecisionConfig
 from duplexpipe.train.precision import DynamicLossScaler, LossScaleConfig, autocast_dtype
 from duplexpipe.train.trainer import Pipeline, PipelineConfig
 
@@ -60,8 +61,8 @@ def test_config_rejects_bad_values() -> None:
 def _fp16_with_injected_inf() -> dict[str, Any]:
     """1F1B on 2 ranks in fp16; rank 1 turns one weight gradient into inf on step INF_STEP."""
     parts = make_parts(2)
-    cfg = PipelineConfig("1f1b", 4, precision="fp16", grad_clip_norm=1.0,
-                         loss_scale=LossScaleConfig(init_scale=2.0**10, growth_interval=3))
+    scale = LossScaleConfig(init_scale=2.0**10, growth_interval=3)
+    cfg = PipelineConfig("1f1b", 4, grad_clip_norm=1.0, precision=PrecisionConfig(dtype="fp16", loss_scale=scale))
     pipe = Pipeline(parts, mse, adam, cfg,
                     scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1)))
     state = {"step": -1}

@@ -33,6 +33,7 @@ from torch import nn  # noqa: E402
 from duplexpipe.dp_options.zero import ZeroOptions  # noqa: E402
 from duplexpipe.parallel.mesh import make_mesh  # noqa: E402
 from duplexpipe.train.checkpoint import read_checkpoint  # noqa: E402
+from duplexpipe.train.pipeline_config import DataParallelConfig
 from duplexpipe.train.pretrained import PretrainedModel  # noqa: E402
 from duplexpipe.train.trainer import Pipeline, PipelineConfig  # noqa: E402
 
@@ -61,7 +62,8 @@ def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
         pipe.save_pretrained(base / f"rt-{arch}-{schedule}")
     for name, (schedule, pp, dp, padded, zero) in FINE_TUNES.items():
         mesh = make_mesh(pp, dp) if dp > 1 else None
-        pipe = Pipeline.from_pretrained(base / name.split("-")[0], adamw, PipelineConfig(schedule, 4, zero_stage=zero),
+        pipe = Pipeline.from_pretrained(base / name.split("-")[0], adamw, PipelineConfig(schedule, 4,
+                                                                                         data_parallel=DataParallelConfig(zero_stage=zero)),
                                         mesh=mesh)
         rows = ROWS // dp
         lo = pipe.groups.dp_rank * rows
@@ -79,8 +81,9 @@ def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
     return out
 
 
-SHARDED = {"qwz": PipelineConfig("1f1b", 4, zero_stage=1, zero=ZeroOptions(quantized_weights=True)),
-           "zero2": PipelineConfig("1f1b", 4, zero_stage=2)}
+SHARDED = {"qwz": PipelineConfig("1f1b", 4, data_parallel=DataParallelConfig(zero_stage=1,
+                                                                             zero=ZeroOptions(quantized_weights=True))),
+           "zero2": PipelineConfig("1f1b", 4, data_parallel=DataParallelConfig(zero_stage=2))}
 """Sharded weights on PP=1 x DP=2 (float32 GPT-2): ZeRO-1 with int8 weights (qwZ: the exact weights are the
 optimizer's master shards), ZeRO-2 (FSDP2's sharded DTensors)."""
 

@@ -18,6 +18,7 @@ from models import run_workers
 from duplexpipe.launch.processes import launch
 from duplexpipe.parallel import replicated
 from duplexpipe.parallel.mesh import make_mesh
+from duplexpipe.train.pipeline_config import PrecisionConfig, SafetyConfig
 from duplexpipe.train.trainer import Pipeline, PipelineConfig
 
 STEPS = 20
@@ -80,7 +81,7 @@ def _evaluate_and_bf16() -> dict[str, Any]:
                            "ref_loss": mse(ref, y).item()}
     if result.outputs is not None:
         out["out_diff"] = (result.outputs - ref).abs().max().item()
-    bf16 = Pipeline(parts, mse, adam, PipelineConfig("1f1b", 4, precision="bf16"))
+    bf16 = Pipeline(parts, mse, adam, PipelineConfig("1f1b", 4, precision=PrecisionConfig(dtype="bf16")))
     losses = [bf16.step(*batch(s)) for s in range(5)]
     bf_eval = bf16.evaluate(x)
     out["bf16_dtype"] = str(bf_eval.outputs.dtype) if bf_eval.outputs is not None else None
@@ -223,7 +224,7 @@ def _shorten_timeout_first(pipe: Pipeline, method: Any) -> Any:
 def _collective_failure(rank: int, world: int, kind: str) -> dict[str, Any]:
     """PP=2 x DP=2 with clipping; on the second step rank 3 either never joins the data-parallel
     all-reduce (a dead peer) or fails when posting it (a failed peer)."""
-    cfg = PipelineConfig("1f1b", 4, grad_clip_norm=1.0, timeout_s=GENEROUS_TIMEOUT_S)
+    cfg = PipelineConfig("1f1b", 4, grad_clip_norm=1.0, safety=SafetyConfig(timeout_s=GENEROUS_TIMEOUT_S))
     pipe = Pipeline(make_parts(2), mse, adam, cfg, mesh=make_mesh(2, 2))
     x, y = batch(0)
     pipe.step(x[:8], y[:8])
@@ -288,7 +289,7 @@ def test_config_rejects_bad_values() -> None:
     with pytest.raises(ValueError, match="grad_clip_norm must be > 0 or None, got -1"):
         PipelineConfig(grad_clip_norm=-1)
     with pytest.raises(ValueError, match="unknown precision 'fp64'"):
-        PipelineConfig(precision="fp64")
-    with pytest.raises(ValueError, match="PipelineConfig.schedule must be a Schedule or one of gpipe, 1f1b, .*; got "
-                                         "'nonexistent'"):
+        PipelineConfig(precision=PrecisionConfig(dtype="fp64"))
+    with pytest.raises(ValueError, match=r"PipelineConfig.schedule must be a Schedule, a schedule file \(.json, .csv\) "
+                                         "or one of gpipe, 1f1b, .*; got 'nonexistent'"):
         PipelineConfig(schedule="nonexistent")

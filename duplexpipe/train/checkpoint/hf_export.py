@@ -22,8 +22,8 @@ from duplexpipe.moe.balance import expert_parameters
 from duplexpipe.parallel import DPStrategy, ParallelGroups
 from duplexpipe.schedules.ir import Schedule
 from duplexpipe.train.checkpoint.names import stage_state_keys
-from duplexpipe.train.choice import AutoChoice
 from duplexpipe.train.part_chain import PartChain
+from duplexpipe.train.planning.choice import AutoChoice
 
 if TYPE_CHECKING:
     from duplexpipe.model.hf import CausalLMPart

@@ -32,8 +32,8 @@ from duplexpipe.train.checkpoint.folder import load_state, save_state, verify_fi
 from duplexpipe.train.checkpoint.names import StateKeys
 from duplexpipe.train.checkpoint.plain_state import WeightsOnlyLoadPlanner, decode, encode
 from duplexpipe.train.checkpoint.storage import read_metadata_file
-from duplexpipe.train.choice import AutoChoice
 from duplexpipe.train.pipeline_config import PipelineConfig
+from duplexpipe.train.planning.choice import AutoChoice
 from duplexpipe.train.precision import DynamicLossScaler
 
 FORMAT = 2
@@ -147,7 +147,8 @@ def layout(pipe: Checkpointable) -> str:
                        "pp": pipe.groups.pp_size, "dp": pipe.groups.dp_size, "tp": pipe.groups.tp_size, "world": world,
                        "partition": balance,
                        "strategy": pipe.dp.name,
-                       "compression": compression_options(pipe.config.grad_compression).method}, sort_keys=True)
+                       "compression": compression_options(pipe.config.data_parallel.grad_compression).method},
+                      sort_keys=True)
 
 
 def trainer_state(pipe: Checkpointable, fresh_optimizer: bool) -> dict[str, Any]:

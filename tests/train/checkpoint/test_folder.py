@@ -24,7 +24,7 @@ from models import run_workers
 from duplexpipe.errors import CheckpointError
 from duplexpipe.launch.folder_lock import hold_folders
 from duplexpipe.launch.job_guards import locked_by_rank0
-from duplexpipe.launch.train_config import TrainConfig
+from duplexpipe.launch.train_config import CheckpointConfig, TrainConfig
 from duplexpipe.train.checkpoint import read_checkpoint
 from duplexpipe.train.checkpoint.folder import save_state, verify_checkpoint
 from duplexpipe.train.checkpoint.manifest import MANIFEST_FILE
@@ -138,7 +138,7 @@ def _faults(rank: int, world: int, root: str) -> dict[str, Any]:
     out["marker"] = (base / "marker").exists()
 
     def locked() -> None:
-        with locked_by_rank0(TrainConfig(save=str(base / "locked"), ranks=2)):
+        with locked_by_rank0(TrainConfig(checkpoint=CheckpointConfig(save=str(base / "locked")), ranks=2)):
             pass
 
     out["locked"] = _error(locked)

@@ -21,6 +21,7 @@ from duplexpipe.launch.train_config import lr_factor
 from duplexpipe.parallel.mesh import make_mesh
 from duplexpipe.train.checkpoint import read_checkpoint, state_keys
 from duplexpipe.train.checkpoint.pipeline import rng_state, stage_dict
+from duplexpipe.train.pipeline_config import DataParallelConfig
 from duplexpipe.train.trainer import Pipeline, PipelineConfig
 
 TOTAL, SAVE_AT = 8, 5
@@ -95,7 +96,8 @@ def _layout(schedule: str, pp: int, dp: int, zero: int = 0, compression: str | N
 
     microbatches = 2 * pp if schedule == "dualpipe" else 4
     parts = [p.double() for p in make_parts(build(schedule, pp, microbatches).num_groups, 8, seed=0)]
-    cfg = PipelineConfig(schedule, microbatches, zero_stage=zero, grad_compression=compression)
+    cfg = PipelineConfig(schedule, microbatches, data_parallel=DataParallelConfig(zero_stage=zero,
+                                                                                  grad_compression=compression))
     return Pipeline(parts, _mse64, _adamw, cfg, mesh=make_mesh(pp, dp) if dp > 1 else None)
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from duplexpipe.train.measure import cache_evict_bytes, nbytes, profile_parts, tensor_leaves
+from duplexpipe.train.planning.measure import cache_evict_bytes, nbytes, profile_parts, tensor_leaves
 
 
 class ScriptedTimer:

@@ -22,12 +22,13 @@ from duplexpipe.parallel.mesh import ParallelGroups
 from duplexpipe.planner.plan import PlanConfig, plan
 from duplexpipe.planner.runtime_work import OverheadSample
 from duplexpipe.sizes import memory_bytes
-from duplexpipe.train.calibration import fit_in_pipeline
-from duplexpipe.train.choice import RunPlan
-from duplexpipe.train.measure_cache import parts_digest
 from duplexpipe.train.part_chain import PartChain
-from duplexpipe.train.pipeline_config import AUTO, AUTO_PLAN_KEYS, with_defaults
-from duplexpipe.train.planning import PlanSetup, _plan_config, choose, probe_optimizer, trainer_refusal
+from duplexpipe.train.pipeline_config import AUTO, AUTO_PLAN_KEYS, DataParallelConfig, with_defaults
+from duplexpipe.train.planning import plan_pipeline
+from duplexpipe.train.planning.auto import PlanSetup, _plan_config, choose, probe_optimizer, trainer_refusal
+from duplexpipe.train.planning.calibration import fit_in_pipeline
+from duplexpipe.train.planning.choice import RunPlan
+from duplexpipe.train.planning.measure_cache import parts_digest
 from duplexpipe.train.trainer import Pipeline, PipelineConfig
 
 WORLD = 2
@@ -54,7 +55,8 @@ def _pipe(costs_rank0: list[tuple[float, float, float]], costs_other: list[tuple
     config = PipelineConfig(schedule=AUTO, num_microbatches=4, memory_limit=limit,
                             schedule_options={**CANDIDATES, "timer": clock})
     x, y = batch(0)
-    return Pipeline(make_parts(4), mse, adam, config, sample_input=x, sample_targets=y)
+    parts = make_parts(4)
+    return Pipeline(parts, mse, adam, plan_pipeline(parts, mse, adam, config, sample_input=x, sample_targets=y))
 
 
 def _train(pipe: Pipeline, steps: int = 4) -> dict[str, Any]:
@@ -121,7 +123,8 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     out["limit"] = limit
     out["too_small"] = _case(lambda: _capped(1))
     out["bad_text"] = _case(lambda: _pipe(UNIFORM, UNIFORM, "lots"))
-    out["no_sample"] = _case(lambda: Pipeline(make_parts(4), mse, adam, PipelineConfig(schedule=AUTO)))
+    out["no_sample"] = _case(lambda: plan_pipeline(make_parts(4), mse, adam, PipelineConfig(schedule=AUTO)))
+    out["unplanned"] = _case(lambda: Pipeline(make_parts(4), mse, adam, PipelineConfig(schedule=AUTO)))
     return out
 
 
@@ -184,6 +187,7 @@ def test_no_feasible_plan_is_a_value_error_on_every_rank(results: list[dict[str,
     assert messages[0] == messages[1]
     assert all("bad memory size 'lots'" in r["bad_text"]["error"] for r in results)
     assert all("pass sample_input=" in r["no_sample"]["error"] for r in results)
+    assert all("planned before a Pipeline is built" in r["unplanned"]["error"] for r in results)
 
 
 def test_config_checks() -> None:
@@ -225,13 +229,19 @@ def test_a_chain_calls_each_part_as_the_runtime_calls_a_stage() -> None:
 
 
 def test_a_set_field_is_fixed_and_cannot_also_be_searched() -> None:
-    for field, key, value in (("num_microbatches", "microbatches", 4), ("zero_stage", "zero_stages", 1),
-                              ("grad_compression", "compressions", "bf16")):
+    for field, key, fields in (("num_microbatches", "microbatches", {"num_microbatches": 4}),
+                               ("data_parallel.zero_stage", "zero_stages",
+                                {"data_parallel": DataParallelConfig(zero_stage=1)}),
+                               ("data_parallel.grad_compression", "compressions",
+                                {"data_parallel": DataParallelConfig(grad_compression="bf16")})):
+        value = 4 if key == "microbatches" else 1 if key == "zero_stages" else "bf16"
         with pytest.raises(ValueError, match=f"PipelineConfig.{field}=.* fixes what schedule_options\\['{key}'\\]"):
-            PipelineConfig(schedule=AUTO, schedule_options={key: (value,)}, **{field: value})
+            PipelineConfig(schedule=AUTO, schedule_options={key: (value,)}, **fields)  # type: ignore[arg-type]
         PipelineConfig(schedule=AUTO, schedule_options={key: (value,)})  # unset: the key narrows the search
-    assert with_defaults(PipelineConfig()).num_microbatches == 4 and with_defaults(PipelineConfig()).zero_stage == 0
-    assert with_defaults(PipelineConfig(num_microbatches=8, zero_stage=1)).num_microbatches == 8
+    defaults = with_defaults(PipelineConfig())
+    assert defaults.num_microbatches == 4 and defaults.data_parallel.zero_stage == 0
+    assert with_defaults(PipelineConfig(num_microbatches=8,
+                                        data_parallel=DataParallelConfig(zero_stage=1))).num_microbatches == 8
     with pytest.raises(ValueError, match="num_microbatches must be an int >= 1 or None, got 0"):
         PipelineConfig(num_microbatches=0)
 
@@ -241,7 +251,8 @@ def test_the_planners_space_is_the_unset_fields() -> None:
     free = _plan_config(PipelineConfig(schedule=AUTO), {"chunks": [2]}, 16, setup, lambda z, o: None)
     assert (free.microbatches, free.zero_stages, free.compressions, free.chunks) == (None, None, None, (2,))
     assert (free.batch, free.dp, free.ranks) == (32, 2, 2)
-    fixed = _plan_config(PipelineConfig(schedule=AUTO, num_microbatches=8, zero_stage=1, grad_compression="int8"),
+    fixed = _plan_config(PipelineConfig(schedule=AUTO, num_microbatches=8,
+                                        data_parallel=DataParallelConfig(zero_stage=1, grad_compression="int8")),
                          {}, 16, setup, lambda z, o: None)
     assert fixed.microbatches == (8,) and fixed.zero_stages == (1,) and fixed.compressions == (Int8Options(),)
 
@@ -312,7 +323,7 @@ def test_a_searched_choice_is_applied_as_fixed_fields() -> None:
     chosen = choose(make_parts(4), mse, adam, config, PlanSetup(ParallelGroups(None, 0, 2, None, 0, 2),
                                                                 torch.device("cpu")), (x, y))
     ran = chosen.applied(config)
-    assert (ran.num_microbatches, ran.zero_stage, ran.grad_compression) == (
+    assert (ran.num_microbatches, ran.data_parallel.zero_stage, ran.data_parallel.grad_compression) == (
         chosen.plan.microbatches, chosen.plan.zero_stage, chosen.plan.grad_compression)
     assert chosen.plan.microbatches in (2, 4) and chosen.plan.zero_stage in (0, 1)
     assert not {"microbatches", "zero_stages", "compressions"} & set(ran.schedule_options)
@@ -334,3 +345,20 @@ def test_the_in_pipeline_fit_recovers_its_terms_and_distrusts_a_wild_scale() -> 
     unscaled = fit_in_pipeline(flat, "flat")
     assert not isinstance(unscaled, str) and unscaled.compute_scale == 1.0 and "the scale held at 1" in unscaled.method
     assert "cannot separate" in str(fit_in_pipeline(exact[:2], "two"))
+
+
+def test_a_plan_is_public_and_built_for_one_mesh() -> None:
+    """plan_pipeline is the public step before construction; a Pipeline refuses a plan made for another mesh before
+    it builds anything, and a PipelineConfig of schedule="auto" must be planned first."""
+    import duplexpipe
+
+    assert duplexpipe.plan_pipeline is plan_pipeline
+    parts = make_parts(2)
+    plan = plan_pipeline(parts, mse, adam, PipelineConfig("1f1b", 4))
+    assert (plan.sizes, plan.schedule.name, plan.plan.microbatches, plan.auto) == ((1, 1, 1), "1f1b", 4, None)
+    with pytest.raises(ValueError, match=r"the plan was made for a mesh of \(pp, dp, tp\) = \(2, 1, 1\), but this one "
+                                         r"is \(1, 1, 1\)"):
+        Pipeline(parts, mse, adam, dataclasses.replace(plan, sizes=(2, 1, 1)))
+    with pytest.raises(ValueError, match="schedule='auto' is planned before a Pipeline is built: plan = "
+                                         "duplexpipe.plan_pipeline"):
+        Pipeline(parts, mse, adam, PipelineConfig(schedule=AUTO))

@@ -1,5 +1,5 @@
-"""train.calibration's TP collective measurement under shared cores: it runs on a TP group of 2 and every rank gets
-rank 0's figure (no timing asserted)."""
+"""train.planning.calibration's TP collective measurement under shared cores: it runs on a TP group of 2 and
+every rank gets rank 0's figure (no timing asserted)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from duplexpipe.train.calibration import tp_collective_work
+from duplexpipe.train.planning.calibration import tp_collective_work
 from tests.models import run_workers
 
 

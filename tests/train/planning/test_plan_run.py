@@ -27,7 +27,8 @@ from duplexpipe.planner.calibrate import calibration_runs, calibration_schedule
 from duplexpipe.planner.dp_comm import Link
 from duplexpipe.planner.profile import PartProfile, Profile
 from duplexpipe.planner.runtime_work import rank_counts, rank_work
-from duplexpipe.train.pipeline_config import AUTO
+from duplexpipe.train.pipeline_config import AUTO, DataParallelConfig
+from duplexpipe.train.planning import plan_pipeline
 from duplexpipe.train.trainer import Pipeline, PipelineConfig
 
 WORLD = 4
@@ -82,7 +83,9 @@ def _pipe(mesh: Any, options: dict[str, Any], **fields: Any) -> tuple[Pipeline, 
         x, y = batch(0)
         config = PipelineConfig(schedule=AUTO, num_microbatches=4, schedule_options={
             **OPTIONS, "timer": ScriptedClock(HEAVY_LAST), **options}, **fields)
-        return Pipeline(make_parts(4), mse, adam, config, mesh=mesh, sample_input=x, sample_targets=y), records
+        parts = make_parts(4)
+        plan = plan_pipeline(parts, mse, adam, config, mesh=mesh, sample_input=x, sample_targets=y)
+        return Pipeline(parts, mse, adam, plan, mesh=mesh), records
     finally:
         logger.removeHandler(handler)
 
@@ -95,8 +98,8 @@ def _ran(pipe: Pipeline, records: list[str]) -> dict[str, Any]:
             "ran": {"schedule": pipe.schedule.name, "chunks": pipe.schedule.num_groups // pipe.schedule.num_ranks,
                     "microbatches": pipe.schedule.num_microbatches, "zero": pipe.dp.ctx.zero_stage,
                     "compression": options_label(pipe.dp.ctx.compression), "strategy": type(pipe.dp).__name__,
-                    "config": (pipe.config.num_microbatches, pipe.config.zero_stage,
-                               options_label(pipe.config.grad_compression))},  # type: ignore[arg-type]
+                    "config": (pipe.config.num_microbatches, pipe.config.data_parallel.zero_stage,
+                               options_label(pipe.config.data_parallel.grad_compression))},  # type: ignore[arg-type]
             "rows": [(r.zero, r.peak_bytes) for r in pipe.auto.result.rows], "losses": losses}
 
 
@@ -127,7 +130,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     free = _ran(*_pipe(mesh, {}))
     zero1 = max(peak for zero, peak in free["rows"] if zero == 1)
     return {"free": free, "limit": zero1, "capped": _ran(*_pipe(mesh, {}, memory_limit=int(zero1))),
-            "fixed": _ran(*_pipe(mesh, {}, zero_stage=0, grad_compression="bf16")),
+            "fixed": _ran(*_pipe(mesh, {}, data_parallel=DataParallelConfig(zero_stage=0, grad_compression="bf16"))),
             "calibrated": _calibrated(mesh)}
 
 

@@ -85,10 +85,10 @@ class CalibrationTrainer:
         plan = self.runtime.plan
         self.dp = make_strategy(StrategyContext(
             modules, schedule, tuple(final_order(plan.grads_final, plan.mirrored)), groups, setup.optimizer, device,
-            self.bounded, NoCompression(), cfg.grad_bucket_bytes, 0, ZeroOptions(), self.experts.shard()))
+            self.bounded, NoCompression(), cfg.data_parallel.grad_bucket_bytes, 0, ZeroOptions(), self.experts.shard()))
         self.dp.counted = self.tied.counted(self.dp.counted)
         self.clip = cfg.grad_clip_norm
-        self.norm = cfg.grad_clip_norm is not None or cfg.precision == "fp16"
+        self.norm = cfg.grad_clip_norm is not None or cfg.precision.dtype == "fp16"
 
     def _grads_ready(self, stage: int) -> None:
         self.dp.grads_ready(stage)

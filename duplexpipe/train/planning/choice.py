@@ -15,7 +15,7 @@ from duplexpipe.planner.profile import Profile
 from duplexpipe.schedules.ir import Schedule
 from duplexpipe.sizes import format_bytes
 from duplexpipe.train.part_chain import merge_init, merge_parts
-from duplexpipe.train.pipeline_config import AUTO_FIXED, PipelineConfig
+from duplexpipe.train.pipeline_config import AUTO_FIXED, PipelineConfig, with_choice
 
 NO_LIMIT = 2**62
 """The cap planned with when no memory_limit is given (bytes; no candidate is rejected for memory)."""
@@ -30,9 +30,9 @@ class RunPlan:
     microbatches: int
     """M."""
     zero_stage: int
-    """The ZeRO stage (PipelineConfig.zero_stage it runs with)."""
+    """The ZeRO stage (DataParallelConfig.zero_stage it runs with)."""
     grad_compression: Options
-    """The gradient compression (PipelineConfig.grad_compression it runs with)."""
+    """The gradient compression (DataParallelConfig.grad_compression it runs with)."""
     predicted_step_s: float | None = None
     """schedule="auto": the planner's predicted step time; None otherwise."""
 
@@ -94,8 +94,8 @@ class AutoChoice:
         searched them dropped): what runs."""
         p = self.plan
         options = {k: v for k, v in config.schedule_options.items() if k not in AUTO_FIXED.values()}
-        return replace(config, num_microbatches=p.microbatches, zero_stage=p.zero_stage,
-                       grad_compression=p.grad_compression, schedule_options=options)
+        return with_choice(replace(config, schedule_options=options), p.microbatches, p.zero_stage,
+                           p.grad_compression)
 
     def summary(self) -> str:
         """The choice in one line."""

@@ -1,5 +1,5 @@
-"""The planning step before a Pipeline is built: the resolved config, the schedule and the (merged) parts it runs,
-and with schedule="auto" the measuring (rank 0's profile, the in-pipeline calibration, cached) and the plan."""
+"""The planning step before a Pipeline is built (`plan_pipeline`): a config resolved into what a Pipeline runs; with
+schedule="auto" the parts measured (rank 0's profile, the in-pipeline calibration, cached) and planned."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from duplexpipe.comm.methods import check_optimizer
 from duplexpipe.dp_options.compression import NoCompression, Options, compression_options
@@ -30,15 +31,13 @@ from duplexpipe.planner.candidates import microbatch_counts
 from duplexpipe.planner.dp_comm import UNMEASURED, compression
 from duplexpipe.planner.plan import PlanConfig, plan
 from duplexpipe.planner.profile import Profile
+from duplexpipe.runtime.backend import default_device
 from duplexpipe.runtime.structure import flatten, map_leaves, split
-from duplexpipe.schedules.ir import Schedule
+from duplexpipe.schedules.ir import Schedule, load_json, load_torch_csv
 from duplexpipe.schedules.registry import build as build_schedule
 from duplexpipe.sizes import memory_bytes
+from duplexpipe.tp.parallelize import check_tensor_parallel
 from duplexpipe.tp.plans import TPPlan
-from duplexpipe.train.calibration import Calibration, CalibrationSetup, calibrate, measure_link, measure_tp_link
-from duplexpipe.train.choice import NO_LIMIT, AutoChoice, RunPlan
-from duplexpipe.train.measure import cache_evict_bytes, profile_parts
-from duplexpipe.train.measure_cache import cache_of, cached_profile, machine_signature, parts_digest, sample_signature
 from duplexpipe.train.pipeline_config import (
     AUTO,
     AUTO_PLAN_KEYS,
@@ -47,7 +46,25 @@ from duplexpipe.train.pipeline_config import (
     LossFn,
     PipelineConfig,
     check_auto_options,
+    is_schedule_file,
+    with_choice,
     with_defaults,
+)
+from duplexpipe.train.planning.calibration import (
+    Calibration,
+    CalibrationSetup,
+    calibrate,
+    measure_link,
+    measure_tp_link,
+)
+from duplexpipe.train.planning.choice import NO_LIMIT, AutoChoice, RunPlan
+from duplexpipe.train.planning.measure import cache_evict_bytes, profile_parts
+from duplexpipe.train.planning.measure_cache import (
+    cache_of,
+    cached_profile,
+    machine_signature,
+    parts_digest,
+    sample_signature,
 )
 from duplexpipe.train.precision import autocast_dtype
 
@@ -72,44 +89,86 @@ class PlanSetup:
 
 @dataclass(frozen=True)
 class PlannedPipeline:
-    """What the planning step resolved: exactly what one Pipeline builds and runs."""
+    """What the planning step resolved, for one mesh: exactly what `Pipeline(parts, loss_fn, optimizer, plan)` builds
+    and runs (the parts given to the Pipeline are those given to `plan_pipeline`; with "auto" the Pipeline merges
+    them as the plan says)."""
 
     config: PipelineConfig
     """The config with every field the run needs set (M, ZeRO stage, gradient compression)."""
     schedule: Schedule
     """The schedule to run, for the pipeline's P ranks."""
-    parts: PartSource
-    """The model parts of that schedule (with "auto": the given parts merged as the winner needs)."""
-    init: PartInit | None
-    """init(part, k) for those parts."""
-    partition: Partition | None
-    """The layers' partition of those parts (None when the parts did not come from one)."""
     plan: RunPlan
     """What runs: schedule, M, ZeRO stage and gradient compression."""
-    auto: AutoChoice | None
-    """schedule="auto": the planner's whole choice (its table: `auto.result.table()`); None otherwise."""
+    sizes: tuple[int, int, int]
+    """The (P, D, T) of the mesh it was planned for."""
+    auto: AutoChoice | None = None
+    """schedule="auto": the planner's whole choice (its table: `auto.result.table()`, the merging of the given parts:
+    `auto.groups`); None otherwise."""
+
+    def merged_parts(self, parts: PartSource) -> PartSource:
+        """The given parts as the schedule's model parts (with "auto": neighbours merged into PartChains)."""
+        if self.auto is None:
+            return parts
+        if as_factory(parts) is not None:
+            raise ValueError("a plan of schedule='auto' merges the model parts it was planned with: pass them as a "
+                             "list, not a part factory")
+        given = list(parts)  # type: ignore[arg-type]
+        if len(given) != sum(self.auto.groups):
+            raise ValueError(f"the plan was made for {sum(self.auto.groups)} model parts, but {len(given)} were given")
+        return self.auto.merged_parts(given)
+
+    def merged_init(self, init: PartInit | None) -> PartInit | None:
+        """`init(part, k)` for `merged_parts`' parts."""
+        return init if self.auto is None else self.auto.merged_init(init)
+
+    def merged_partition(self, partition: Partition | None) -> Partition | None:
+        """The given parts' Partition for `merged_parts`' parts (None stays None)."""
+        return partition if self.auto is None else self.auto.merged_partition(partition)
 
 
-def plan_pipeline(parts: PartSource, loss_fn: LossFn, optimizer: OptimizerFactory, config: PipelineConfig, *,
-                  groups: ParallelGroups, device: torch.device, init: PartInit | None = None,
-                  partition: Partition | None = None, sample: tuple[Any, Any] = (None, None),
-                  tp_plan: TPPlan | None = None) -> PlannedPipeline:
-    """Resolve `config` for P x D x T = `groups`: a named or given schedule is built as it stands (unset fields at
-    their defaults); schedule="auto" measures the parts on `sample` (a batch as given to `step`, with targets),
-    plans, logs the choice once (rank 0) and merges the parts for the winner (see `choose`). Collective with
-    "auto": call on every rank. Under tensor parallelism (tp > 1) "auto" plans this mesh's P, D and T (the mesh
-    is given: the processes exist) with each TP rank's share of the costs (`planner.tp_comm`), the parts profiled
-    whole with `tp_plan` (`tp.facts`)."""
+def plan_pipeline(parts: PartSource, loss_fn: LossFn, optimizer: OptimizerFactory,
+                  config: PipelineConfig | None = None, *, mesh: DeviceMesh | None = None,
+                  device: torch.device | str | None = None, init: PartInit | None = None, sample_input: Any = None,
+                  sample_targets: Any = None, tp_plan: TPPlan | None = None) -> PlannedPipeline:
+    """The plan a Pipeline of `parts` on `mesh` builds (the public step before construction).
+
+    A named or given schedule is built as it stands (fields left unset at their defaults; nothing is measured).
+    schedule="auto" measures the parts on a sample (`sample_input` / `sample_targets`: one step's batch of this
+    replica, as given to `step`): rank 0's profile and a few seconds of calibration steps on every rank, cached per
+    parts and machine; then it plans for this P, D and batch size under `config.memory_limit` (fields set in the
+    config are fixed), logs the choice once (rank 0, logger "duplexpipe.plan") and says how to merge the parts for
+    the winner (see `choose`). Collective with "auto": call on every rank. Under tensor parallelism (tp > 1) "auto"
+    plans this mesh's P, D and T with each TP rank's share of the costs (`planner.tp_comm`), the parts profiled whole
+    with `tp_plan` (`tp.facts`). A limit no candidate fits raises ValueError on every rank, naming the
+    smallest feasible cap."""
+    config = config or PipelineConfig()
+    groups = ParallelGroups.from_mesh(mesh)
     if config.schedule != AUTO:
-        resolved = with_defaults(config)
-        schedule = resolve_schedule(resolved, groups.pp_size)
-        run = RunPlan(schedule.name, schedule.num_microbatches, resolved.zero_stage or 0,
-                      compression_options(resolved.grad_compression))
-        return PlannedPipeline(resolved, schedule, parts, init, partition, run, None)
-    setup = PlanSetup(groups, device, init, tp_plan if groups.tp_size > 1 else None, config.sequence_parallel)
-    choice = choose(parts, loss_fn, optimizer, config, setup, sample)
-    return PlannedPipeline(choice.applied(config), choice.schedule, choice.merged_parts(parts),  # type: ignore[arg-type]
-                           choice.merged_init(init), choice.merged_partition(partition), choice.plan, choice)
+        return resolved(config, groups)
+    check_tensor_parallel(parts, tp_plan, groups, config.sequence_parallel)
+    where = torch.device(device) if device is not None else default_device()
+    setup = PlanSetup(groups, where, init, tp_plan if groups.tp_size > 1 else None, config.sequence_parallel)
+    choice = choose(parts, loss_fn, optimizer, config, setup, (sample_input, sample_targets))
+    return PlannedPipeline(choice.applied(config), choice.schedule, choice.plan, _sizes(groups), choice)
+
+
+def resolved(config: PipelineConfig, groups: ParallelGroups) -> PlannedPipeline:
+    """The plan of a named or given schedule (not "auto"): built as it stands, unset fields at their defaults;
+    nothing is measured."""
+    if config.schedule == AUTO:
+        raise ValueError("schedule='auto' is planned before a Pipeline is built: plan = duplexpipe.plan_pipeline("
+                         "parts, loss_fn, optimizer, config, mesh=..., sample_input=..., sample_targets=...), then "
+                         "Pipeline(parts, loss_fn, optimizer, plan, mesh=...) (Pipeline.from_layers and "
+                         "from_pretrained do both)")
+    config = with_defaults(config)
+    schedule = resolve_schedule(config, groups.pp_size)
+    run = RunPlan(schedule.name, schedule.num_microbatches, config.data_parallel.zero_stage or 0,
+                  compression_options(config.data_parallel.grad_compression))
+    return PlannedPipeline(config, schedule, run, _sizes(groups))
+
+
+def _sizes(groups: ParallelGroups) -> tuple[int, int, int]:
+    return groups.pp_size, groups.dp_size, groups.tp_size
 
 
 def resolve_schedule(config: PipelineConfig, pp_size: int) -> Schedule:
@@ -120,8 +179,15 @@ def resolve_schedule(config: PipelineConfig, pp_size: int) -> Schedule:
             raise ValueError(f"schedule {schedule.name!r} is for {schedule.num_ranks} ranks, "
                              f"but the pipeline group has {pp_size}")
         return schedule
-    return build_schedule(config.schedule, pp_size, config.num_microbatches or DEFAULT_MICROBATCHES,
-                          **config.schedule_options)
+    microbatches = config.num_microbatches or DEFAULT_MICROBATCHES
+    if is_schedule_file(config.schedule):
+        schedule = load_torch_csv(config.schedule, num_microbatches=microbatches) \
+            if config.schedule.lower().endswith(".csv") else load_json(config.schedule)
+        if schedule.num_ranks != pp_size:
+            raise ValueError(f"schedule file {config.schedule} is for {schedule.num_ranks} ranks, "
+                             f"but the pipeline group has {pp_size}")
+        return schedule
+    return build_schedule(config.schedule, pp_size, microbatches, **config.schedule_options)
 
 
 @contextlib.contextmanager
@@ -189,8 +255,7 @@ def trainer_refusal(config: PipelineConfig, probe: torch.optim.Optimizer | None,
 
     def rule(zero: int, options: Options) -> str | None:
         try:
-            replace(config, schedule="1f1b", schedule_options={}, memory_limit=None, num_microbatches=None,
-                    zero_stage=zero, grad_compression=options)
+            with_choice(replace(config, schedule="1f1b", schedule_options={}, memory_limit=None), 1, zero, options)
             if probe is not None:
                 check_optimizer(options, probe)
                 check_dgc_momentum(options, probe)
@@ -208,10 +273,11 @@ def _plan_config(config: PipelineConfig, options: dict[str, Any], rows: int, set
                               if k in AUTO_PLAN_KEYS}
     if config.num_microbatches is not None:
         values["microbatches"] = (config.num_microbatches,)
-    if config.zero_stage is not None:
-        values["zero_stages"] = (config.zero_stage,)
-    if config.grad_compression is not None:
-        values["compressions"] = (compression_options(config.grad_compression),)
+    dp = config.data_parallel
+    if dp.zero_stage is not None:
+        values["zero_stages"] = (dp.zero_stage,)
+    if dp.grad_compression is not None:
+        values["compressions"] = (compression_options(dp.grad_compression),)
     cap = memory_bytes(config.memory_limit)
     groups = setup.groups
     return PlanConfig(ranks=groups.pp_size, batch=rows * groups.dp_size, memory=cap if cap is not None else NO_LIMIT,
@@ -226,10 +292,11 @@ def _fingerprint(parts: Sequence[nn.Module], sample: tuple[Any, Any], config: Pi
     return {"parts": parts_digest(parts), "sample": sample_signature(sample[0]),
             "targets": sample_signature(sample[1]), "ranks": setup.groups.pp_size, "dp": setup.groups.dp_size,
             "tp": setup.groups.tp_size, "sequence_parallel": setup.sequence_parallel,
-            "device": setup.device.type, "machine": machine_signature(), "precision": config.precision,
+            "device": setup.device.type, "machine": machine_signature(), "precision": config.precision.dtype,
             "activation_checkpointing": repr(config.activation_checkpointing),
-            "p2p_compression": repr(config.p2p_compression), "count_saved_bytes": config.count_saved_bytes,
-            "record_timeline": config.record_timeline, "check_inputs": config.check_inputs_every_step,
+            "p2p_compression": repr(config.precision.p2p_compression),
+            "count_saved_bytes": config.observe.count_saved_bytes, "record_timeline": config.observe.record_timeline,
+            "check_inputs": config.safety.check_inputs_every_step,
             "optimizer": optimizer_type, "profile": {k: _name(v) for k, v in profile_kwargs.items()},
             "profile_rows": list(rows), "calibration": [calibration.enabled, calibration.budget_s]}
 
@@ -280,7 +347,7 @@ def measure(parts: PartSource, loss_fn: LossFn, optimizer: OptimizerFactory, con
     given = list(parts)  # type: ignore[arg-type]
     if sample is None or sample[0] is None:
         raise ValueError("schedule='auto' profiles the model on a sample: pass sample_input= (a batch as given to "
-                         "step) and sample_targets= to the Pipeline")
+                         "step) and sample_targets= to plan_pipeline (or Pipeline.from_layers)")
     rows = int(flatten(sample[0], "sample_input")[1][0].shape[0])
     probe = probe_optimizer(optimizer)
     refusal = trainer_refusal(config, probe, given, setup.groups.dp_size)
@@ -292,7 +359,7 @@ def measure(parts: PartSource, loss_fn: LossFn, optimizer: OptimizerFactory, con
               **{k: options[k] for k in AUTO_PROFILE_KEYS if k in options}}
     calibration, cache = _settings(options)
 
-    dtype = autocast_dtype(config.precision)
+    dtype = autocast_dtype(config.precision.dtype)
     trainees = CalibrationSetup(loss_fn, optimizer, config, setup.groups, setup.device, setup.init)
 
     def fresh() -> Profile:
