@@ -36,20 +36,10 @@ def ensure_grads(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
 
 def _norms(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     """Each gradient's L2 norm in float64, on `device` (one fused pass over all of them; of a DTensor gradient, its
-    local shard's). On the CPU, gradients of 32 bits or fewer are normed in float32 (several times faster than
-    float64), and any norm that overflowed there is taken again in float64, so a finite gradient never reads as
-    non-finite; elsewhere every norm is taken in float64 (no host synchronisation)."""
+    local shard's). float64 keeps the norm of a sharded gradient (ZeRO) bit-equal to the whole one's."""
     if not grads:
         return torch.zeros(0, dtype=torch.float64, device=device)
-    tensors = [local_of(g).detach() for g in grads]
-    if all(t.device.type == "cpu" and t.element_size() <= 4 for t in tensors):
-        norms = torch.stack(foreach_norm(tensors, torch.float32))
-        wide = (~torch.isfinite(norms)).nonzero().flatten().tolist()
-        norms = norms.to(torch.float64)
-        if wide:  # a sum of squares beyond float32's range (or a gradient that is not finite): float64 decides
-            norms[wide] = torch.stack(foreach_norm([tensors[i] for i in wide], torch.float64))
-        return norms.to(device)
-    found = foreach_norm(tensors, torch.float64)
+    found = foreach_norm([local_of(g).detach() for g in grads], torch.float64)
     first = found[0].device
     if all(n.device == first for n in found):
         return torch.stack(found).to(device)
@@ -73,7 +63,7 @@ def global_norm_and_overflow(
     reports overflow. `flagged` adds an overflow this rank found earlier (e.g. in its gradients before
     they were compressed). One all-reduce carries both, so every rank gets the same verdict. The norm is never
     masked: NaN or inf in a counted gradient makes it NaN or inf. Each distinct gradient is read once (one fused
-    norm per tensor, summed in float64; see `_norms`), whether it is counted, checked or both.
+    norm per tensor, float64), whether it is counted, checked or both.
     """
     counted = counted if count_here else []
     index = {id(g): i for i, g in enumerate(checked)}
