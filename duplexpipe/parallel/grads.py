@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from duplexpipe.comm.local_tensors import local_of
-from duplexpipe.runtime.backward.compat import foreach_norm
+from duplexpipe.runtime.backward.compat import foreach_mul_, foreach_norm
 
 Waiter = Callable[[Any, str], None]
 """wait(work, what): waits for a collective posted with async_op=True (bounded and failure-aware,
@@ -36,11 +36,14 @@ def ensure_grads(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
 
 def _norms(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     """Each gradient's L2 norm in float64, on `device` (one fused pass over all of them; of a DTensor gradient, its
-    local shard's)."""
+    local shard's). float64 keeps the norm of a sharded gradient (ZeRO) bit-equal to the whole one's."""
     if not grads:
         return torch.zeros(0, dtype=torch.float64, device=device)
-    norms = foreach_norm([local_of(g).detach() for g in grads], torch.float64)
-    return torch.stack([n.to(device) for n in norms])
+    found = foreach_norm([local_of(g).detach() for g in grads], torch.float64)
+    first = found[0].device
+    if all(n.device == first for n in found):
+        return torch.stack(found).to(device)
+    return torch.stack([n.to(device) for n in found])
 
 
 def global_norm_and_overflow(
@@ -63,13 +66,16 @@ def global_norm_and_overflow(
     norm per tensor, float64), whether it is counted, checked or both.
     """
     counted = counted if count_here else []
-    distinct = list({id(g): g for g in (*counted, *checked)}.values())
+    index = {id(g): i for i, g in enumerate(checked)}
+    plain = len(index) == len(checked) and all(id(g) in index for g in counted)  # the usual case
+    distinct = checked if plain else list({id(g): g for g in (*counted, *checked)}.values())
+    if not plain:
+        index = {id(g): i for i, g in enumerate(distinct)}
     norms = _norms(distinct, device)
-    index = {id(g): i for i, g in enumerate(distinct)}
-    counted_sq = norms[[index[id(g)] for g in counted]].square().sum()
-    all_norms = norms[[index[id(g)] for g in checked]].sum()
-    bad = ((~torch.isfinite(all_norms)) | flagged).to(torch.float64)
-    stats = torch.stack([counted_sq, bad])
+    every = len(counted) == len(distinct) == len({id(g) for g in counted})  # each distinct grad counted once
+    counted_sq = (norms if every else norms[[index[id(g)] for g in counted]]).square().sum()
+    checked_sum = norms.sum() if plain else norms[[index[id(g)] for g in checked]].sum()
+    stats = torch.stack([counted_sq, (~torch.isfinite(checked_sum) | flagged).to(torch.float64)])
     if dist.is_available() and dist.is_initialized():
         work = dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group, async_op=True)
         wait(work, "the gradient-norm and overflow all-reduce")
@@ -81,9 +87,9 @@ def scale_grads(params: Iterable[nn.Parameter], factor: float) -> None:
     """Multiply every existing grad by `factor` (skipped when factor == 1)."""
     if factor == 1.0:
         return
-    for p in params:
-        if p.grad is not None:
-            p.grad.mul_(factor)
+    found = [local_of(p.grad) for p in params if p.grad is not None]  # a DTensor's shard scales alike
+    if found:
+        foreach_mul_(found, factor)
 
 
 def clip_factor(total_norm: float, max_norm: float | None) -> float:

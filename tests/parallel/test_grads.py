@@ -57,3 +57,13 @@ def test_a_flag_raised_earlier_counts_as_overflow() -> None:
     assert overflow and norm == 5.0
     _, overflow = global_norm_and_overflow([a], [], None, torch.device("cpu"), flagged=torch.tensor(False))
     assert not overflow
+
+
+def test_a_finite_gradient_beyond_float32_squares_is_not_an_overflow() -> None:
+    huge = torch.full((4,), 1e30)  # its sum of squares overflows float32; the norm is finite
+    norm, overflow = global_norm_and_overflow([huge], [huge, torch.ones(2, dtype=torch.bfloat16)], None,
+                                              torch.device("cpu"))
+    assert not overflow and math.isclose(norm, 2e30, rel_tol=1e-6)
+    a = torch.tensor([3.0, 4.0], dtype=torch.float64)
+    norm, overflow = global_norm_and_overflow([a, a], [a], None, torch.device("cpu"))  # counted twice: twice
+    assert math.isclose(norm, 50**0.5) and not overflow
