@@ -12,6 +12,7 @@ from duplexpipe.schedules.generators.dualpipe import check_dualpipe, check_dualp
 from duplexpipe.schedules.generators.gpipe import check_gpipe, gpipe
 from duplexpipe.schedules.generators.interleaved import check_interleaved_1f1b, interleaved_1f1b
 from duplexpipe.schedules.generators.one_f_one_b import check_one_f_one_b, one_f_one_b
+from duplexpipe.schedules.generators.v_shape import check_v_half, check_v_min, v_half, v_min
 from duplexpipe.schedules.generators.zero_bubble import check_zb_h1, check_zb_h2, check_zbv, zb_h1, zb_h2, zbv
 from duplexpipe.schedules.ir import Schedule
 from duplexpipe.schedules.layout import gc_paused
@@ -46,6 +47,12 @@ REGISTRY: Mapping[str, Entry] = MappingProxyType({
                    "ZB-H2 zero bubble: ZB-H1 with 2(P-1-r)+1 warm-up forwards and W deferred by 2r; "
                    "2P-1 activations per rank"),
     "zbv": Entry(zbv, check_zbv, "ZB-V zero bubble: 2P stages in a V shape, B split into I and W"),
+    "v-half": Entry(v_half, check_v_half,
+                    "V-Half (controllable memory): ZB-V's V with a building block holding about half of "
+                    "1F1B's activations, (P+2)//2 per rank"),
+    "v-min": Entry(v_min, check_v_min,
+                   "V-Min (controllable memory): ZB-V's V with the shortest building block, about a third of "
+                   "1F1B's activations, (P+4)//3 per rank"),
     "dualpipe": Entry(dualpipe, check_dualpipe,
                       "DualPipe (DeepSeek-V3): two model copies fed from both ends, overlapped F&B; "
                       "needs P even, M even, M >= 2P"),

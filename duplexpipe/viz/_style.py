@@ -33,6 +33,7 @@ DISPLAY_NAMES: Mapping[str, str] = MappingProxyType({
     "gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved 1F1B", "interleaved-1f1b": "Interleaved 1F1B",
     "zb-h1": "ZB-H1", "zbh1": "ZB-H1", "zb1p": "ZB-H1", "zb-h2": "ZB-H2", "zbv": "ZB-V", "zb-v": "ZB-V",
     "dualpipe": "DualPipe", "dualpipev": "DualPipeV", "dualpipe-v": "DualPipeV",
+    "v-half": "V-Half", "v-min": "V-Min",
 })
 
 BOX_GID = "dpbox"

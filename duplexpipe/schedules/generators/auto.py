@@ -4,8 +4,8 @@ In the spirit of the automatic scheduler of Qi et al. ("Zero Bubble Pipeline Par
 ICLR 2024): a greedy list scheduler (`list_scheduler`) places forwards, input-gradients
 and weight-gradients rank by rank in time order, running W passes in what would be bubbles
 and when memory runs out. It runs under a small grid of policies; the hand-made schedules
-of the same stage placement (1F1B, ZB-H1, ZB-H2 for one stage per rank; ZB-V and DualPipeV
-for the V) join as candidates when they fit the limit. The best few are timed by `simulate` (the
+of the same stage placement (1F1B, ZB-H1, ZB-H2 for one stage per rank; ZB-V, DualPipeV,
+V-Half and V-Min for the V) join as candidates when they fit the limit. The best few are timed by `simulate` (the
 project's exact simulator) and the shortest wins, so `auto` is never worse than those
 hand-made schedules under the same limit. When a hand-made seed already reaches the lower
 bound of `bounds.makespan_bound` (no schedule can be shorter), the greedy is not run.
@@ -228,13 +228,15 @@ def _seeds(problem: Problem, placement: str) -> list[tuple[str, Schedule]]:
     """The hand-made schedules of this placement whose activation peaks fit the limit."""
     from duplexpipe.schedules.generators.dualpipe import dualpipev
     from duplexpipe.schedules.generators.one_f_one_b import one_f_one_b
+    from duplexpipe.schedules.generators.v_shape import v_half, v_min
     from duplexpipe.schedules.generators.zero_bubble import zb_h1, zb_h2, zbv
 
     p, m = problem.num_ranks, problem.num_microbatches
     if placement == "linear":
         made = [("seed 1f1b", one_f_one_b(p, m)), ("seed zb-h1", zb_h1(p, m)), ("seed zb-h2", zb_h2(p, m))]
     else:
-        made = [("seed zbv", zbv(p, m))] if p >= 2 else []
+        made = [("seed zbv", zbv(p, m)), ("seed v-half", v_half(p, m)), ("seed v-min", v_min(p, m))] \
+            if p >= 2 else []
         made += [("seed dualpipev", dualpipev(p, m))] if m >= 2 * p else []
     return [(label, s) for label, s in made
             if all(peak <= limit + 1e-9 for peak, limit in zip(_peaks(s, problem.memory), problem.limit,
