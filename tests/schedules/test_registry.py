@@ -21,8 +21,8 @@ GOLDEN = Path(__file__).parents[1] / "golden"
 REGEN_VAR = "DUPLEXPIPE_REGEN"
 HAVE_VERIFY = importlib.util.find_spec("duplexpipe.schedules.verify") is not None
 HAVE_SIMULATE = importlib.util.find_spec("duplexpipe.schedules.simulate") is not None
-EXPECTED_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zbv", "v-half", "v-min", "dualpipe", "dualpipev",
-                  "auto")
+EXPECTED_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zbv", "v-half", "v-min", "dualpipe",
+                  "dualpipev", "auto")
 HANDMADE = EXPECTED_NAMES[:-1]
 """Every name but auto, whose output depends on its search (tests/schedules/generators/test_auto.py covers it)."""
 GOLDEN_CASES = [(name, 4, 8) for name in HANDMADE] + [
