@@ -38,6 +38,9 @@ class Op(str, Enum):
     SEND_B = "SEND_B"
     RECV_B = "RECV_B"
     OVERLAP_F_B = "OVERLAP_F_B"
+    UNSHARD = "UNSHARD"
+    RESHARD = "RESHARD"
+    REDUCE_GRAD = "REDUCE_GRAD"
 
     @property
     def is_compute(self) -> bool:

@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from duplexpipe.comm.meter import WireMeter
 from duplexpipe.dp_options.compression import compression_options
+from duplexpipe.dp_options.zero import check_window
 from duplexpipe.errors import NonFiniteGradientError
 from duplexpipe.model.split import (
     Balance,
@@ -42,6 +43,7 @@ from duplexpipe.parallel import (
 )
 from duplexpipe.parallel.mesh import ParallelGroups
 from duplexpipe.parallel.tied import TiedGrads, find_tied
+from duplexpipe.parallel.zero3 import Zero3Strategy, residency_actions
 from duplexpipe.parallel.zero_config import check_tied
 from duplexpipe.runtime import EvalResult, PipelineRuntime, RuntimeConfig
 from duplexpipe.runtime.backend import default_device
@@ -147,6 +149,7 @@ class Pipeline:
         self.experts = Experts(self.stage_modules, self.schedule, groups, ckpt, self.device)
         """This rank's MoE layers: expert parallelism and the expert-bias update."""
         self.params = [p for s in sorted(self.stage_modules) for p in self.stage_modules[s].parameters()]
+        window = check_window(cfg.data_parallel.reshard_window, len(self.stage_modules), groups.pp_rank)
         tied = find_tied([] if callable(parts) else parts)  # factory parts cannot share a Parameter
         check_tied(cfg.data_parallel.zero_stage or 0, [t.places for t in tied], groups.dp_size)
         self.tied = TiedGrads(tied, self.schedule, groups.pp_rank, self.stage_modules, groups.pp_group)
@@ -161,6 +164,10 @@ class Pipeline:
             self._check_replicas()  # sharding (the replicas of an expert-parallel group then hold different ones)
         self.dp: DPStrategy = self._strategy(optimizer, self.experts.shard())
         """The data-parallel strategy: reduce -> overflow check -> clip -> optimizer step."""
+        if isinstance(self.dp, Zero3Strategy):  # the schedule's residency actions drive FSDP2
+            dp_cfg = cfg.data_parallel
+            self.runtime.drive_residency(self.dp, residency_actions(self.runtime.plan.actions, window,
+                                                                    dp_cfg.unshard_lookahead))
         self.params = self.dp.params
         self.dp.counted = self.tied.counted(self.dp.counted)  # a tied weight counts once in the norm
         self.scheduler = scheduler(self.optimizer) if scheduler is not None else None
