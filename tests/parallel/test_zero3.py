@@ -124,8 +124,8 @@ def _window_one() -> dict[str, Any]:
         _run(zero0)
         out["rel"] = max_rel(flat_params(zero3), _reference("zbv", zero3))
         out["at_rest"] = (_at_rest(zero3), _at_rest(zero0))
-        out["peaks"] = (_peak_gathered(zero3), _peak_gathered(zero2))
         out["gathers"], out["episodes"] = dict(zero3.dp.comms.gathers), _episodes(zero3)
+        out["peaks"] = (_peak_gathered(zero3), _peak_gathered(zero2))
     except Exception:  # noqa: BLE001
         out["error"] = traceback.format_exc()
     return out
