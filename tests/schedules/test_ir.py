@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 from duplexpipe.errors import ScheduleError
 from duplexpipe.schedules import registry
 from duplexpipe.schedules.ir import (
+    FSDP_OPS,
+    NO_MICROBATCH,
     Action,
     Op,
     Schedule,
@@ -30,11 +32,12 @@ from duplexpipe.schedules.lower import lower
 from duplexpipe.schedules.timeline import Event, Timeline
 from duplexpipe.schedules.verify import verify
 
-PLAIN_OPS = [op for op in Op if op is not Op.OVERLAP_F_B]
+PLAIN_OPS = [op for op in Op if op is not Op.OVERLAP_F_B and not op.is_fsdp]
 plain_actions = st.builds(Action, st.integers(0, 999), st.sampled_from(PLAIN_OPS), st.integers(0, 9999))
+stage_actions = st.builds(Action.on_stage, st.integers(0, 999), st.sampled_from(sorted(FSDP_OPS)))
 pairs = st.builds(Action.overlap, st.builds(Action, st.integers(0, 99), st.just(Op.F), st.integers(0, 999)),
                   st.builds(Action, st.integers(0, 99), st.sampled_from([Op.B, Op.I]), st.integers(0, 999)))
-actions = st.one_of(plain_actions, pairs)
+actions = st.one_of(plain_actions, stage_actions, pairs)
 
 
 @given(actions)
@@ -108,7 +111,7 @@ GOOD = {"format": "duplexpipe-schedule", "version": 1, "name": "x", "num_ranks":
     ({"actions": [["0F0", "0Z0"]]}, "rank 0, position 1"),
     ({"actions": [["0F0", 5]]}, "5"),
     ({"actions": [["0F0"], ["0B0"]]}, "expected 1 action lists"),
-    ({"actions": [["0F0"] * 9]}, "9 actions, more than the 8 a schedule of 1 stages and 1 microbatches can hold"),
+    ({"actions": [["0F0"] * 16]}, "16 actions, more than the 15 a schedule of 1 stages and 1 microbatches can hold"),
 ])
 def test_malformed_json_names_the_problem(tmp_path: Path, change: dict, needle: str) -> None:
     path = tmp_path / "bad.json"
