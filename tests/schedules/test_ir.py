@@ -252,3 +252,41 @@ def test_timeline_dict_round_trip_and_errors() -> None:
         Timeline.from_dict({"schedule": "x", "ranks": 1, "microbatches": 1, "events": [[0, "0Q0", 0, 1]]})
     with pytest.raises(ScheduleError, match="malformed timeline"):
         Timeline.from_dict({"schedule": "x"})
+
+
+def test_stage_actions_take_no_microbatch() -> None:
+    assert format_action(Action.on_stage(3, Op.UNSHARD)) == "3UNSHARD"
+    assert parse_action("12REDUCE_GRAD") == Action(12, Op.REDUCE_GRAD, NO_MICROBATCH)
+    assert {op.value for op in FSDP_OPS} == {"UNSHARD", "RESHARD", "REDUCE_GRAD"}
+    with pytest.raises(ScheduleError, match="RESHARD acts on a whole stage and takes no microbatch"):
+        parse_action("0RESHARD2")
+    with pytest.raises(ValueError, match="F acts on a microbatch"):
+        Action.on_stage(0, Op.F)
+
+
+def test_stage_actions_read_by_torch() -> None:
+    from torch.distributed.pipelining.schedules import _Action
+
+    for op in sorted(FSDP_OPS):
+        text = format_action(Action.on_stage(5, op))
+        theirs = _Action.from_str(text)
+        assert (theirs.stage_index, theirs.computation_type.value, theirs.microbatch_index) == (5, op.value, None)
+        assert repr(theirs) == text
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zbv", "interleaved-1f1b", "dualpipev", "dualpipe"])
+@pytest.mark.parametrize("lowered", [False, True])
+def test_sharded_schedules_round_trip_json_and_torch_csv(tmp_path: Path, name: str, lowered: bool) -> None:
+    from duplexpipe.schedules.shard import add_unshard_reshard
+
+    base = registry.build(name, 2, 4)
+    schedule = add_unshard_reshard(lower(base) if lowered else base, 1, 1)
+    save_json(schedule, str(tmp_path / "s.json"))
+    assert load_json(str(tmp_path / "s.json")) == schedule
+    if schedule.num_copies > 1:
+        return  # a torch CSV has no stage table for two model copies
+    save_torch_csv(schedule, str(tmp_path / "s.csv"))
+    back = load_torch_csv(str(tmp_path / "s.csv"), name=schedule.name, num_microbatches=4)
+    assert back.actions == schedule.actions and back.stages == schedule.stages
+    assert back.has_fsdp and back.without_fsdp().actions == (lower(base) if lowered else base).actions
+    verify(back)
