@@ -17,7 +17,6 @@ from torch import Tensor
 
 from duplexpipe.parallel.strategy import StrategyContext
 from duplexpipe.parallel.zero2 import Zero2Strategy, _fsdp_params
-from duplexpipe.schedules.ir import Action, Op
 
 
 class Zero3Strategy(Zero2Strategy):
@@ -96,38 +95,3 @@ class Zero3Strategy(Zero2Strategy):
                     total += record._unsharded_param.numel() * record._unsharded_param.element_size()
         return total
 
-
-def residency_actions(actions: tuple[Action, ...], window: int, lookahead: int) -> tuple[Action, ...]:
-    """One rank's lowered list with UNSHARD / RESHARD / REDUCE_GRAD inserted: at most `window` stages gathered at
-    once (more only while one action computes more stages), the stage with the farthest next use resharded first,
-    an UNSHARD right before the compute that needs it, REDUCE_GRAD after a stage's last B or W, everything
-    resharded at the end. Stand-in until the schedule IR's own pass lands (`lookahead` is not applied yet)."""
-    del lookahead
-    uses: dict[int, list[int]] = {}
-    last_backward: dict[int, int] = {}
-    for pos, action in enumerate(actions):
-        for part in action.compute_parts():
-            uses.setdefault(part.stage, []).append(pos)
-            if part.op in (Op.B, Op.W):
-                last_backward[part.stage] = pos
-
-    def next_use(stage: int, pos: int) -> int:
-        return next((p for p in uses[stage] if p > pos), len(actions))
-
-    resident: list[int] = []
-    out: list[Action] = []
-    for pos, action in enumerate(actions):
-        needed = list(dict.fromkeys(p.stage for p in action.compute_parts())) if action.op.is_compute else []
-        for stage in needed:
-            if stage in resident:
-                continue
-            while len(resident) >= max(window, len(needed)):
-                victim = max((s for s in resident if s not in needed), key=lambda s: next_use(s, pos))
-                resident.remove(victim)
-                out.append(Action(victim, Op.RESHARD, 0))
-            resident.append(stage)
-            out.append(Action(stage, Op.UNSHARD, 0))
-        out.append(action)
-        out.extend(Action(s, Op.REDUCE_GRAD, 0) for s in needed if last_backward.get(s) == pos)
-    out.extend(Action(s, Op.RESHARD, 0) for s in resident)
-    return tuple(out)

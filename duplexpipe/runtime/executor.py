@@ -135,17 +135,10 @@ class PipelineRuntime:
         """The latest step's loss sum until something waited for it."""
         self._handlers = self.dispatch.handlers()
 
-    def drive_residency(self, residency: Residency, actions: tuple[Action, ...] | None = None) -> None:
-        """Run the schedule's UNSHARD / RESHARD / REDUCE_GRAD actions on `residency` (ZeRO-3's strategy), every
-        compute once its stages' parameters are gathered, and the mirror sum on `residency.grad_holders`.
-        `actions`: this rank's list with those actions in it, replacing the schedule's (the same on every
-        data-parallel peer of this rank)."""
-        if actions is not None:
-            rows = list(self.schedule.actions)
-            rows[self.rank] = actions
-            self.schedule = replace(self.schedule, actions=tuple(rows))
-            self.plan = RankPlan.of(self.schedule, self.rank, self.plan.mirrored)
-            self._hoisted.clear()
+    def drive_residency(self, residency: Residency) -> None:
+        """Run the schedule's UNSHARD / RESHARD / REDUCE_GRAD actions (`schedules.shard`) on `residency` (ZeRO-3's
+        strategy), every compute once its stages' parameters are gathered, and the mirror sum on
+        `residency.grad_holders`."""
         if self.mirror is not None:
             self.mirror.holders = residency.grad_holders
         self._handlers = self.dispatch.handlers(residency)

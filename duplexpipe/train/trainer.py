@@ -43,10 +43,11 @@ from duplexpipe.parallel import (
 )
 from duplexpipe.parallel.mesh import ParallelGroups
 from duplexpipe.parallel.tied import TiedGrads, find_tied
-from duplexpipe.parallel.zero3 import Zero3Strategy, residency_actions
+from duplexpipe.parallel.zero3 import Zero3Strategy
 from duplexpipe.parallel.zero_config import check_tied
 from duplexpipe.runtime import EvalResult, PipelineRuntime, RuntimeConfig
 from duplexpipe.runtime.backend import default_device
+from duplexpipe.schedules.shard import add_unshard_reshard
 from duplexpipe.tp.parallelize import TensorParallel, check_tensor_parallel
 from duplexpipe.tp.plans import TPPlan
 from duplexpipe.train.compile import CompiledStages
@@ -157,7 +158,10 @@ class Pipeline:
         self.scaler = DynamicLossScaler(cfg.precision.loss_scale, enabled=cfg.precision.dtype == "fp16")
         self.p2p_meter = WireMeter()
         """Every stage-to-stage SEND of this rank: kind "send", its payload bytes on the wire."""
-        self.runtime = PipelineRuntime(self.schedule, self.stage_modules, loss_fn, group=groups.pp_group,
+        # ZeRO-3: the runtime runs the schedule with UNSHARD / RESHARD / REDUCE_GRAD per stage (schedules.shard)
+        sharded = (add_unshard_reshard(self.schedule, window, cfg.data_parallel.unshard_lookahead)
+                   if cfg.data_parallel.zero_stage == 3 and groups.dp_size > 1 else self.schedule)
+        self.runtime = PipelineRuntime(sharded, self.stage_modules, loss_fn, group=groups.pp_group,
                                        device=self.device, config=self._runtime_config(),
                                        job_group=dist.group.WORLD if groups.dp_size * groups.tp_size > 1 else None)
         if cfg.safety.check_replicas:  # before the strategy (ZeRO-2 turns the parameters into shards) and the experts'
@@ -165,9 +169,7 @@ class Pipeline:
         self.dp: DPStrategy = self._strategy(optimizer, self.experts.shard())
         """The data-parallel strategy: reduce -> overflow check -> clip -> optimizer step."""
         if isinstance(self.dp, Zero3Strategy):  # the schedule's residency actions drive FSDP2
-            dp_cfg = cfg.data_parallel
-            self.runtime.drive_residency(self.dp, residency_actions(self.runtime.plan.actions, window,
-                                                                    dp_cfg.unshard_lookahead))
+            self.runtime.drive_residency(self.dp)
         self.params = self.dp.params
         self.dp.counted = self.tied.counted(self.dp.counted)  # a tied weight counts once in the norm
         self.scheduler = scheduler(self.optimizer) if scheduler is not None else None

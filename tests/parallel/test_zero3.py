@@ -21,7 +21,7 @@ from duplexpipe.dp_options.compression import NoCompression
 from duplexpipe.dp_options.zero import ZeroOptions, check_zero
 from duplexpipe.launch.processes import launch
 from duplexpipe.parallel.zero2 import _fsdp_params
-from duplexpipe.schedules.ir import Op
+from duplexpipe.schedules.shard import episodes
 from duplexpipe.train.pipeline_config import DataParallelConfig, with_defaults
 from duplexpipe.train.planning.auto import resolve_schedule
 
@@ -94,11 +94,8 @@ def _at_rest(pipe: Pipeline) -> int:
 
 
 def _episodes(pipe: Pipeline) -> dict[int, int]:
-    out: dict[int, int] = {}
-    for action in pipe.runtime.plan.actions:
-        if action.op is Op.UNSHARD:
-            out[action.stage] = out.get(action.stage, 0) + 1
-    return out
+    """The residency episodes the pass reports for this rank's stages (its UNSHARDs per step)."""
+    return {s: n for s, n in episodes(pipe.runtime.schedule).items() if s in pipe.stage_modules}
 
 
 def _schedules() -> dict[str, Any]:
