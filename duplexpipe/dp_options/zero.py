@@ -7,21 +7,21 @@ from dataclasses import dataclass
 
 from duplexpipe.dp_options.compression import GradientWire, Int8Options, NoCompression, Options, check_sharded
 
-ZERO_STAGES = (0, 1, 2)
+ZERO_STAGES = (0, 1, 2, 3)
 """The ZeRO stages DataParallelConfig.zero_stage accepts."""
 
 
 @dataclass(frozen=True)
 class ZeroOptions:
-    """ZeRO++ options for PipelineConfig(zero_stage=1 or 2); the defaults send exact fp32."""
+    """ZeRO++ options for PipelineConfig(zero_stage=1, 2 or 3); the defaults send exact fp32."""
 
     quantized_gradients: bool | Int8Options = False
     """qgZ: reduce-scatter the gradients as int8 blocks (all_to_all of codes and fp32 block scales; each owner
     dequantizes and sums in fp32). True: Int8Options() (blocks of 256, stochastic rounding); or an
     Int8Options. The same as grad_compression="int8" with ZeRO (set one of the two)."""
     quantized_weights: bool | Int8Options = False
-    """qwZ: all-gather the updated parameters as int8 blocks; every replica's model weights are the same
-    dequantized values while the optimizer's master shard stays in full precision. True:
+    """qwZ: all-gather the parameters as int8 blocks (ZeRO-3: every UNSHARD's all-gather); every replica's model
+    weights are the same dequantized values while the optimizer's master shard stays in full precision. True:
     Int8Options(stochastic=False) (blocks of 256, round to nearest); or an Int8Options."""
     hpz_ranks: int | None = None
     """hpZ (zero_stage=2 only): after each forward, FSDP2 reshards the parameters over groups of this many
@@ -57,15 +57,34 @@ class ZeroOptions:
 
 
 def check_zero_stage(stage: object) -> int:
-    """`stage` if it is 0, 1 or 2; ValueError otherwise (ZeRO-3 explained)."""
-    if stage == 3:
-        raise ValueError("zero_stage=3 is not supported under pipeline parallelism: resharding the parameters "
-                         "after every forward means all-gathering them again for every microbatch's forward and "
-                         "backward (2 x microbatches all-gathers per step instead of one); use zero_stage=2, which "
-                         "shards gradients and optimizer state and gathers the parameters once per step")
+    """`stage` if it is one of ZERO_STAGES; ValueError otherwise."""
     if stage not in ZERO_STAGES or isinstance(stage, bool):
         raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {stage!r}")
     return int(stage)  # type: ignore[call-overload]
+
+
+def check_residency(stage: int, window: object, lookahead: object) -> None:
+    """ZeRO-3's residency settings: `window` None or an int >= 1 (stages kept unsharded at once), `lookahead` an
+    int >= 0 (how early an unshard is issued); a window only with zero_stage=3. ValueError names the values."""
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise ValueError(f"reshard_window must be an int >= 1 (stages kept unsharded at once) or None (all of a "
+                         f"rank's stages), got {window!r}")
+    if not isinstance(lookahead, int) or isinstance(lookahead, bool) or lookahead < 0:
+        raise ValueError(f"unshard_lookahead must be an int >= 0, got {lookahead!r}")
+    if window is not None and stage != 3:
+        raise ValueError(f"reshard_window={window} sets how many stages ZeRO-3 keeps unsharded; it needs "
+                         f"zero_stage=3, got zero_stage={stage}")
+
+
+def check_window(window: int | None, rank_stages: int, rank: int) -> int:
+    """The residency window in stages for a rank holding `rank_stages` stages (None: all of them); ValueError when
+    `window` exceeds them."""
+    if window is None:
+        return rank_stages
+    if window > rank_stages:
+        raise ValueError(f"reshard_window={window} is larger than the {rank_stages} stage(s) pipeline rank {rank} "
+                         f"holds; use at most {rank_stages} (or None: all of them)")
+    return window
 
 
 def gradient_wire(stage: int, options: ZeroOptions, compression: Options) -> GradientWire:
@@ -91,13 +110,15 @@ def check_zero(stage: object, options: ZeroOptions, compression: Options, dp_str
     if not isinstance(options, ZeroOptions):
         raise ValueError(f"zero must be a ZeroOptions, got {options!r}")
     if stage == 0 and options.changed:
-        raise ValueError(f"ZeroOptions {options} need zero_stage 1 or 2, got zero_stage=0")
+        raise ValueError(f"ZeroOptions {options} need zero_stage 1, 2 or 3, got zero_stage=0")
     if stage and dp_strategy is not None:
         raise ValueError(f"zero_stage={stage} chooses the data-parallel strategy itself; leave dp_strategy None "
                          f"(got {dp_strategy!r})")
     if options.hpz_ranks is not None and stage != 2:
         raise ValueError(f"ZeroOptions.hpz_ranks={options.hpz_ranks} reshards parameters after forward, which "
-                         f"needs zero_stage=2 (FSDP2), got zero_stage={stage}")
+                         f"needs zero_stage=2 (FSDP2 resharding after forward), got zero_stage={stage}"
+                         + (" (ZeRO-3 reshards at its schedule's RESHARD actions; hpZ's node-local partition is "
+                            "not built for it yet)" if stage == 3 else ""))
     gradient_wire(stage, options, compression)
     return stage
 

@@ -24,7 +24,7 @@ OPTIMIZERS = ("adamw", "sgd")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 PRECISIONS = ("fp32", "bf16", "fp16")
 BALANCES = ("uniform", "params", "time")
-ZERO_STAGES = (0, 1, 2)
+ZERO_STAGES = (0, 1, 2, 3)
 NONFINITE_POLICIES = ("raise", "skip")
 """`nonfinite_grads` values (duplexpipe.train.nonfinite.NONFINITE_GRADS): stop the run, or skip the step and go on."""
 BATCH_CHECKS = ("first", "every", "never")

@@ -1,4 +1,4 @@
-"""Choosing the data-parallel strategy from the configuration (replicated, compressed, ZeRO-1, ZeRO-2)."""
+"""Choosing the data-parallel strategy from the configuration (replicated, compressed, ZeRO-1, ZeRO-2, ZeRO-3)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from duplexpipe.parallel.replicated import ReplicatedStrategy
 from duplexpipe.parallel.strategy import DPStrategy, StrategyContext
 from duplexpipe.parallel.zero1 import Zero1Strategy
 from duplexpipe.parallel.zero2 import Zero2Strategy
+from duplexpipe.parallel.zero3 import Zero3Strategy
 
 STRATEGY_NAMES = ("replicated", "compressed")
 """The names DataParallelConfig.dp_strategy accepts (None picks one from grad_compression)."""
@@ -46,13 +47,15 @@ def make_strategy(ctx: StrategyContext, name: str | None = None) -> DPStrategy:
 
 
 def _zero_strategy(ctx: StrategyContext, name: str | None) -> DPStrategy:
-    """ZeRO-1 or ZeRO-2 (with one replica there is nothing to shard: the replicated strategy, with a warning)."""
+    """ZeRO-1, 2 or 3 (with one replica there is nothing to shard: the replicated strategy, with a warning)."""
     check_zero(ctx.zero_stage, ctx.zero, ctx.compression, name)
-    if ctx.experts and ctx.zero_stage == 2:
-        raise ValueError("zero_stage=2 with MoE experts is not supported (FSDP would shard each rank's own "
-                         "experts over replicas that hold other experts); use zero_stage=1 or 0")
+    if ctx.experts and ctx.zero_stage >= 2:
+        raise ValueError(f"zero_stage={ctx.zero_stage} with MoE experts is not supported (FSDP would shard each "
+                         "rank's own experts over replicas that hold other experts); use zero_stage=1 or 0")
     if ctx.groups.dp_size == 1:
         warnings.warn(f"zero_stage={ctx.zero_stage} (and its gradient compression) has no effect with one "
                       "data-parallel replica (nothing to shard); training with the replicated strategy", stacklevel=3)
         return ReplicatedStrategy(replace(ctx, zero_stage=0, zero=ZeroOptions(), compression=NoCompression()))
+    if ctx.zero_stage == 3:
+        return Zero3Strategy(ctx)
     return Zero1Strategy(ctx) if ctx.zero_stage == 1 else Zero2Strategy(ctx)

@@ -11,6 +11,7 @@ ShardComm (exact, bf16/fp16, int8 qgZ / qwZ; metered) and wait with the trainer'
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import torch
@@ -49,6 +50,14 @@ class _Comms:
         self.pending: list[Pending] = []
         self.unsegmented = 0
         """Collectives whose chunk did not match the parameters' shards (their int8 blocks run across)."""
+        self.gathers: Counter[int] = Counter()
+        """Parameter all-gathers posted, by stage (since construction)."""
+        self.scatters: Counter[int] = Counter()
+        """Gradient reduce-scatters posted, by stage (since construction)."""
+        self.gathering: dict[int, Pending] = {}
+        """Stage -> its all-gather left in flight (ZeRO-3's UNSHARD), finished before FSDP copies it out."""
+        self.defer_gathers = False
+        """Whether all-gathers may stay in flight (in `gathering`) instead of finishing at once."""
 
     def segments(self, module: Any, chunk: int, size: int, gathering: bool) -> list[list[int]] | None:
         """segments() of `module`, counting the chunks it cannot cut."""
@@ -106,6 +115,7 @@ class _ReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
         cut = self.comms.segments(self.module, output_tensor.numel(), comm.size, gathering=False)
         pending = comm.reduce_scatter(input_tensor, output_tensor, f"the gradients of stage {self.stage}",
                                       draw=strategy.draws * 4096 + self.stage, segments=cut)
+        self.comms.scatters[self.stage] += 1
         if strategy.defer:
             self.comms.pending.append(pending)
         else:
@@ -128,8 +138,13 @@ class _AllGather(AllGather):  # type: ignore[misc,valid-type]
             raise ValueError(f"qwZ needs floating-point parameters; stage {self.stage} gathers {input_tensor.dtype}")
         comm = self.comms.on(group)
         cut = self.comms.segments(self.module, input_tensor.numel(), comm.size, gathering=True)
-        comm.all_gather(output_tensor, input_tensor, f"the parameters of stage {self.stage}",
-                        draw=strategy.draws * 4096 + self.stage, segments=cut).finish(strategy.ctx.wait)
+        pending = comm.all_gather(output_tensor, input_tensor, f"the parameters of stage {self.stage}",
+                                  draw=strategy.draws * 4096 + self.stage, segments=cut)
+        self.comms.gathers[self.stage] += 1
+        if self.comms.defer_gathers:
+            self.comms.gathering[self.stage] = pending
+        else:
+            pending.finish(strategy.ctx.wait)
         return None
 
 
@@ -188,12 +203,13 @@ class Zero2Strategy(DPStrategy):
         """Whether reduce-scatters may stay in flight until finish() (no sharded gradient to accumulate into)."""
         self.comms = _Comms(self)
         if ctx.groups.dp_group is None:
-            raise ValueError("zero_stage=2 needs a data-parallel group (a mesh with a 'dp' dimension of size >= 2)")
+            raise ValueError(f"zero_stage={ctx.zero_stage} needs a data-parallel group (a mesh with a 'dp' dimension "
+                             "of size >= 2)")
         mesh = DeviceMesh.from_group(ctx.groups.dp_group, ctx.device.type)
         if ctx.groups.tp_size > 1:  # FSDP2 composes with TP over the "dp" dimension of the TP parameters' own mesh
             if ctx.groups.dp_mesh is None:
-                raise ValueError("zero_stage=2 with tensor parallelism needs a ('pp', 'dp', 'tp') mesh from "
-                                 "make_mesh(pp, dp, tp=...) (FSDP2 shards over its 'dp' dimension)")
+                raise ValueError(f"zero_stage={ctx.zero_stage} with tensor parallelism needs a ('pp', 'dp', 'tp') "
+                                 "mesh from make_mesh(pp, dp, tp=...) (FSDP2 shards over its 'dp' dimension)")
             if ctx.zero.hpz_ranks:
                 raise ValueError(f"ZeroOptions(hpz_ranks={ctx.zero.hpz_ranks}) with tensor parallelism is not "
                                  "supported (hpZ's node-local gathers are not composed with the TP mesh); use "

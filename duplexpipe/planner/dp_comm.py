@@ -52,8 +52,10 @@ _TRAFFIC = {
                  True, False, 1.0, 1.0),
     2: ZeroStage(2, "ZeRO-2: as ZeRO-1, and keep only 1/D of the reduced gradients", True, True, 1.0, 1.0),
 }
-ZERO_STAGES: Mapping[int, ZeroStage] = MappingProxyType({s: _TRAFFIC[s] for s in TRAINER_ZERO_STAGES})
-"""The traffic model of every stage the trainer accepts (a stage without one fails at import)."""
+ZERO_STAGES: Mapping[int, ZeroStage] = MappingProxyType({s: _TRAFFIC[s] for s in TRAINER_ZERO_STAGES
+                                                          if s in _TRAFFIC})
+"""The traffic model of every stage the trainer accepts that the planner ranks (ZeRO-3's traffic depends on its
+residency window: not modelled here yet, so the planner does not choose it)."""
 
 
 @dataclass(frozen=True)

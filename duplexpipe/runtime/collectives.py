@@ -266,7 +266,13 @@ class MirrorSum:
                 if other != stage and info.group == schedule.stages[stage].group and info.rank != rank:
                     self.pairs.append((stage, other, info.rank))
 
+    holders: Callable[[int], list[Tensor]] | None = None
+    """stage -> the tensors holding its unreduced gradients, when those are not the module's parameters (ZeRO-3:
+    FSDP's unsharded parameters, `Residency.grad_holders`); None: the module's parameters."""
+
     def _params(self, stage: int) -> list[Tensor]:
+        if self.holders is not None:
+            return self.holders(stage)
         return [p for p in self.modules[stage].parameters() if p.requires_grad]
 
     def set_aside(self) -> dict[int, list[Tensor | None]]:
@@ -286,6 +292,8 @@ class MirrorSum:
             if params:
                 self._exchange(stage, other, peer, params)
             old_grads = stash.get(stage) or [None] * len(params)
+            if len(old_grads) != len(params) and all(g is None for g in old_grads):  # ZeRO-3: first gather
+                old_grads = [None] * len(params)
             for p, old in zip(params, old_grads, strict=True):
                 if old is not None and p.grad is not None:
                     p.grad = old.add_(p.grad)

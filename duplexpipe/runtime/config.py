@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+from torch import Tensor
 
 from duplexpipe.comm.codec import Codec, check_codec
 from duplexpipe.comm.meter import WireMeter
@@ -22,6 +23,27 @@ stage's last B or W on this rank, or, for DualPipe's mirrored stages, right afte
 mirror sum. A data-parallel strategy can start reducing that stage's gradients while the rest of
 the step runs. An exception raised by the hook fails the step like any other.
 """
+
+
+class Residency(Protocol):
+    """What the schedule's UNSHARD / RESHARD / REDUCE_GRAD actions of a stage do (ZeRO-3's strategy implements it;
+    `PipelineRuntime.drive_residency`). Every data-parallel peer runs the same list, so their collectives match."""
+
+    def unshard_stage(self, stage: int) -> None:
+        """UNSHARD: start gathering the stage's parameters (asynchronously)."""
+
+    def wait_unshard(self, stage: int) -> None:
+        """Right before each compute of the stage: its gathered parameters are in place once this returns."""
+
+    def reshard_stage(self, stage: int) -> None:
+        """RESHARD: free the stage's gathered parameters (keeping its unreduced gradients)."""
+
+    def reduce_grad(self, stage: int) -> None:
+        """REDUCE_GRAD: the stage's gradients are final on this rank for the step (reduce them if the call ends
+        the accumulation window)."""
+
+    def grad_holders(self, stage: int) -> list[Tensor]:
+        """The tensors whose .grad hold the stage's unreduced gradients (DualPipe's mirror sum exchanges them)."""
 
 
 @documented

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from duplexpipe.errors import PipelineError
 from duplexpipe.runtime.comm_points import CommSlot, Driver, current_driver, current_slot, forward_slot
+from duplexpipe.runtime.config import Residency
 from duplexpipe.runtime.fb_pair import run_pair
 from duplexpipe.runtime.message_meta import Message
 from duplexpipe.runtime.messages import Mailroom
@@ -22,6 +23,19 @@ from duplexpipe.schedules.ir import Action, Op
 from duplexpipe.schedules.layout import Layout
 
 _KEEP_GRAD_MODE = contextlib.nullcontext()
+
+
+def _gathered_first(wait: Callable[[int], None], run: Callable[[Step, Action], None], step: Step,
+                    action: Action) -> None:
+    """A compute action once its stages' parameters are gathered (ZeRO-3)."""
+    for part in action.compute_parts():
+        wait(part.stage)
+    run(step, action)
+
+
+def _on_stage(hook: Callable[[int], None], step: Step, action: Action) -> None:
+    """A residency action: `hook(stage)`."""
+    hook(action.stage)
 
 
 def _grad_mode(enabled: bool) -> contextlib.AbstractContextManager[Any]:
@@ -48,11 +62,21 @@ class Dispatcher:
         """Run an OVERLAP_F_B pair's two parts interleaved at their comm points (`fb_pair.run_pair`)."""
         self.device = device if device is not None else torch.device("cpu")
 
-    def handlers(self) -> dict[Op, Callable[[Step, Action], None]]:
-        """What each op of the list runs."""
-        return {Op.F: self.forward, Op.B: self.backward, Op.I: self.backward, Op.W: self.weight,
-                Op.OVERLAP_F_B: self.overlap, Op.SEND_F: self.send, Op.SEND_B: self.send,
-                Op.RECV_F: self.expect_input, Op.RECV_B: self.expect_grads}
+    def handlers(self, residency: Residency | None = None) -> dict[Op, Callable[[Step, Action], None]]:
+        """What each op of the list runs; with `residency`, also UNSHARD / RESHARD / REDUCE_GRAD, and every
+        compute first waits for its stages' gathered parameters."""
+        table: dict[Op, Callable[[Step, Action], None]] = {
+            Op.F: self.forward, Op.B: self.backward, Op.I: self.backward, Op.W: self.weight,
+            Op.OVERLAP_F_B: self.overlap, Op.SEND_F: self.send, Op.SEND_B: self.send,
+            Op.RECV_F: self.expect_input, Op.RECV_B: self.expect_grads}
+        if residency is None:
+            return table
+        for op in (Op.F, Op.B, Op.I, Op.W, Op.OVERLAP_F_B):
+            table[op] = functools.partial(_gathered_first, residency.wait_unshard, table[op])
+        table[Op.UNSHARD] = functools.partial(_on_stage, residency.unshard_stage)
+        table[Op.RESHARD] = functools.partial(_on_stage, residency.reshard_stage)
+        table[Op.REDUCE_GRAD] = functools.partial(_on_stage, residency.reduce_grad)
+        return table
 
     # ---------------------------------------------------------------- the work itself
     def run_forward(self, step: Step, action: Action, message: Message) -> None:

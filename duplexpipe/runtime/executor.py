@@ -21,7 +21,7 @@ from duplexpipe.runtime import structure
 from duplexpipe.runtime.backend import default_device, is_nccl
 from duplexpipe.runtime.collectives import Agreement, BatchAgreement, MirrorSum, agree, share_blocks
 from duplexpipe.runtime.comm_points import Driver
-from duplexpipe.runtime.config import EvalResult, RuntimeConfig, StepResult
+from duplexpipe.runtime.config import EvalResult, Residency, RuntimeConfig, StepResult
 from duplexpipe.runtime.dispatch import Dispatcher
 from duplexpipe.runtime.handshake import group_store, handshake, shared_nonce
 from duplexpipe.runtime.loss_sum import LossSum
@@ -134,6 +134,14 @@ class PipelineRuntime:
         self._pending: LossSum | None = None
         """The latest step's loss sum until something waited for it."""
         self._handlers = self.dispatch.handlers()
+
+    def drive_residency(self, residency: Residency) -> None:
+        """Run the schedule's UNSHARD / RESHARD / REDUCE_GRAD actions (`schedules.shard`) on `residency` (ZeRO-3's
+        strategy), every compute once its stages' parameters are gathered, and the mirror sum on
+        `residency.grad_holders`."""
+        if self.mirror is not None:
+            self.mirror.holders = residency.grad_holders
+        self._handlers = self.dispatch.handlers(residency)
 
     def _wait_exchange(self, work: Any, what: str) -> None:
         """gloo: a bounded, failure-aware wait. NCCL: the compute stream waits for the exchange on the GPU and

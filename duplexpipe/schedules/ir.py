@@ -19,9 +19,15 @@ MAX_SCHEDULE_FILE_BYTES = 128 * 2**20
 """Largest schedule file read (128 MiB), refused before it is parsed. The largest schedule the command line builds
 (P x M = 500,000) takes at most about 110 MB as lowered JSON (ZB-V, 212 bytes per P x M unit) and about 22 s to
 load; a file of 200 MB is refused at once."""
-MAX_ACTIONS_PER_UNIT = 8
-"""Most actions one (stage, microbatch) has in a lowered schedule: F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B (an
-F&B pair is one action of two)."""
+MAX_ACTIONS_PER_UNIT = 14
+"""Most actions one (stage, microbatch) has in a lowered schedule with ZeRO-3 actions: F, B, I, W, SEND_F, RECV_F,
+SEND_B, RECV_B (an F&B pair is one action of two), and an UNSHARD and a RESHARD around each of its three computes
+at the narrowest window; one REDUCE_GRAD per stage comes on top (`MAX_ACTIONS_PER_STAGE`)."""
+MAX_ACTIONS_PER_STAGE = 1
+"""Actions per stage on top of `MAX_ACTIONS_PER_UNIT` per (stage, microbatch): its REDUCE_GRAD."""
+NO_MICROBATCH = -1
+"""The `microbatch` of an action on a whole stage (UNSHARD, RESHARD, REDUCE_GRAD); torch's `_Action` holds None there
+and its text form omits it, as ours does."""
 _HEADER_BYTES = 64 * 1024
 _HEADER_FIELD = re.compile(r'"(num_ranks|num_microbatches)"\s*:\s*(-?\d+)')
 
@@ -38,6 +44,12 @@ class Op(str, Enum):
     SEND_B = "SEND_B"
     RECV_B = "RECV_B"
     OVERLAP_F_B = "OVERLAP_F_B"
+    UNSHARD = "UNSHARD"
+    """All-gather a stage's sharded parameters (ZeRO-3 / FSDP2), issued ahead of the stage's compute."""
+    RESHARD = "RESHARD"
+    """Free a stage's unsharded parameters (no communication)."""
+    REDUCE_GRAD = "REDUCE_GRAD"
+    """Reduce-scatter a stage's gradients over data parallelism, once per step after its last B or W."""
 
     @property
     def is_compute(self) -> bool:
@@ -49,12 +61,18 @@ class Op(str, Enum):
         """True for the four send/receive ops."""
         return self in COMM_OPS
 
+    @property
+    def is_fsdp(self) -> bool:
+        """True for UNSHARD, RESHARD and REDUCE_GRAD (actions on a whole stage, no microbatch)."""
+        return self in FSDP_OPS
+
 
 COMPUTE_OPS = frozenset({Op.F, Op.B, Op.I, Op.W, Op.OVERLAP_F_B})
 COMM_OPS = frozenset({Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B})
+FSDP_OPS = frozenset({Op.UNSHARD, Op.RESHARD, Op.REDUCE_GRAD})
 _SIMPLE_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
+_STAGE_RE = re.compile(r"^(\d+)(UNSHARD|RESHARD|REDUCE_GRAD)(\d*)$")
 _OVERLAP_RE = re.compile(r"^\(([^;()]+);([^;()]+)\)OVERLAP_F_B$")
-_TORCH_FSDP_RE = re.compile(r"^\d+(UNSHARD|RESHARD|REDUCE_GRAD)\d*$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +80,9 @@ class Action:
     """One instruction: `op` on `stage` for `microbatch`.
 
     An OVERLAP_F_B action carries its two parts in `parts` (a forward, then a B or I);
-    its own stage and microbatch are those of the forward part.
+    its own stage and microbatch are those of the forward part. UNSHARD, RESHARD and
+    REDUCE_GRAD act on a whole stage: their microbatch is NO_MICROBATCH (build them with
+    `Action.on_stage`).
     """
 
     stage: int
@@ -79,6 +99,13 @@ class Action:
             )
         return Action(forward.stage, Op.OVERLAP_F_B, forward.microbatch, (forward, backward))
 
+    @staticmethod
+    def on_stage(stage: int, op: Op) -> Action:
+        """An action on a whole stage (UNSHARD, RESHARD or REDUCE_GRAD), e.g. `0UNSHARD`."""
+        if not op.is_fsdp:
+            raise ValueError(f"{op.value} acts on a microbatch; only UNSHARD, RESHARD and REDUCE_GRAD act on a stage")
+        return Action(stage, op, NO_MICROBATCH)
+
     def compute_parts(self) -> tuple[Action, ...]:
         """The plain compute actions this action stands for (itself unless a pair)."""
         return self.parts if self.op is Op.OVERLAP_F_B else (self,)
@@ -88,9 +115,11 @@ class Action:
 
 
 def format_action(action: Action) -> str:
-    """Text form shared with torch.distributed.pipelining, e.g. `2F0`, `(0F7;7B3)OVERLAP_F_B`."""
+    """Text form shared with torch.distributed.pipelining, e.g. `2F0`, `(0F7;7B3)OVERLAP_F_B`, `1UNSHARD`."""
     if action.op is Op.OVERLAP_F_B:
         return f"({';'.join(format_action(p) for p in action.parts)})OVERLAP_F_B"
+    if action.op in FSDP_OPS:
+        return f"{action.stage}{action.op.value}"
     return f"{action.stage}{action.op.value}{action.microbatch}"
 
 
@@ -105,9 +134,15 @@ def parse_action(text: str) -> Action:
             raise ScheduleError(f"bad overlap token {token!r}: {exc}") from None
     simple = _SIMPLE_RE.match(token)
     if not simple:
+        whole = _STAGE_RE.match(token)
+        if whole and whole.group(3):
+            raise ScheduleError(f"bad action token {token!r}: {whole.group(2)} acts on a whole stage and takes no "
+                                f"microbatch (write '{whole.group(1)}{whole.group(2)}')")
+        if whole:
+            return Action(int(whole.group(1)), Op(whole.group(2)), NO_MICROBATCH)
         raise ScheduleError(
             f"bad action token {token!r}: expected STAGE OP MICROBATCH like '2F0', "
-            "'1SEND_F4' or '(0F7;7B3)OVERLAP_F_B'"
+            "'1SEND_F4' or '(0F7;7B3)OVERLAP_F_B', or STAGE OP like '0UNSHARD'"
         )
     return Action(int(simple.group(1)), Op(simple.group(2)), int(simple.group(3)))
 
@@ -195,6 +230,16 @@ class Schedule:
     def has_comms(self) -> bool:
         """True when the lists already hold SEND/RECV actions (lowered)."""
         return any(a.op.is_comm for row in self.actions for a in row)
+
+    @property
+    def has_fsdp(self) -> bool:
+        """True when the lists hold UNSHARD, RESHARD or REDUCE_GRAD actions (ZeRO-3, see `schedules.shard`)."""
+        return any(a.op.is_fsdp for row in self.actions for a in row)
+
+    def without_fsdp(self) -> Schedule:
+        """The same schedule with every UNSHARD, RESHARD and REDUCE_GRAD removed."""
+        rows = tuple(tuple(a for a in row if not a.op.is_fsdp) for row in self.actions)
+        return Schedule(self.name, self.num_ranks, self.num_microbatches, self.stages, rows)
 
     def compute_only(self) -> Schedule:
         """The same schedule with every SEND/RECV removed."""
@@ -304,11 +349,13 @@ def _check_action_count(rows: list[Any], num_stages: int, num_microbatches: int,
     """ScheduleError, before any action is parsed, when `rows` hold more actions than MAX_ACTIONS_PER_UNIT per stage
     and microbatch (a file padded with repeats: parsing and verifying them would take minutes)."""
     total = sum(len(row) for row in rows if isinstance(row, list))
-    limit = MAX_ACTIONS_PER_UNIT * max(num_stages, 1) * max(num_microbatches, 1)
+    stages = max(num_stages, 1)
+    limit = (MAX_ACTIONS_PER_UNIT * max(num_microbatches, 1) + MAX_ACTIONS_PER_STAGE) * stages
     if total > limit:
         raise ScheduleError(f"{source}: {total:,} actions, more than the {limit:,} a schedule of {num_stages} stages "
                             f"and {num_microbatches} microbatches can hold ({MAX_ACTIONS_PER_UNIT} per stage and "
-                            "microbatch: F, B, I, W and four transfers); refused before reading them")
+                            "microbatch: F, B, I, W, four transfers and an UNSHARD and RESHARD around each compute; "
+                            "one REDUCE_GRAD per stage); refused before reading them")
 
 
 def _parse_in(token: Any, where: str) -> Action:
@@ -374,9 +421,9 @@ def load_torch_csv(path: str, name: str | None = None, num_microbatches: int | N
     the stage table.
 
     Stage ranks come from where each stage's actions appear; the stages form one chain.
-    Empty cells (torch writes None as an empty cell) are skipped, and so are the FSDP
-    bookkeeping actions torch's lowering adds to compute_comms dumps (`0UNSHARD`,
-    `0RESHARD`, `0REDUCE_GRAD`), which move no pipeline data.
+    Empty cells (torch writes None as an empty cell) are skipped. The FSDP actions torch's
+    lowering adds to compute_comms dumps (`0UNSHARD`, `0RESHARD`, `0REDUCE_GRAD`) are kept
+    (`Schedule.without_fsdp` drops them).
     """
     import csv
     import io
@@ -388,7 +435,7 @@ def load_torch_csv(path: str, name: str | None = None, num_microbatches: int | N
         raise ScheduleError(f"cannot read {path}: {exc.strerror}") from None
     rows = [
         tuple(_parse_in(cell, f"{path}: line {line + 1} (rank {line}), column {col + 1}")
-              for col, cell in enumerate(row) if cell.strip() and not _TORCH_FSDP_RE.match(cell.strip()))
+              for col, cell in enumerate(row) if cell.strip())
         for line, row in enumerate(table)
     ]
     if not rows:
@@ -405,7 +452,7 @@ def schedule_from_rows(rows: Sequence[Sequence[Action]], name: str,
         for action in row:
             for part in action.compute_parts():
                 max_mb = max(max_mb, part.microbatch)
-                if part.op.is_compute or part.op in (Op.SEND_F, Op.SEND_B, Op.RECV_F, Op.RECV_B):
+                if part.op.is_compute or part.op.is_comm or part.op.is_fsdp:
                     known = stage_rank.setdefault(part.stage, rank)
                     if known != rank:
                         raise ScheduleError(

@@ -16,7 +16,9 @@ def lower(schedule: Schedule) -> Schedule:
     """Return `schedule` with SEND/RECV actions inserted (one pass for every schedule).
 
     A schedule that already holds comm actions is returned unchanged (lowering is
-    idempotent; `verify` checks such a schedule's comms as they are).
+    idempotent; `verify` checks such a schedule's comms as they are). UNSHARD, RESHARD and
+    REDUCE_GRAD actions (`schedules.shard`) stay where they are and take no time in the run
+    that orders the messages.
 
     Rules, following the execution contract in docs/design.md:
 
@@ -84,6 +86,8 @@ def _consumer_positions(schedule: Schedule, layout: Layout) -> list[int]:
     f_op, b_op, i_op, overlap = Op.F, Op.B, Op.I, Op.OVERLAP_F_B
     for rank, row in enumerate(schedule.actions):
         for pos, action in enumerate(row):
+            if action.op.is_fsdp:
+                continue
             for part in (action.parts if action.op is overlap else (action,)):
                 stage, mb, op = part.stage, part.microbatch, part.op
                 if stage >= count or not 0 <= mb < nmb:
@@ -139,8 +143,8 @@ def _production_times(schedule: Schedule, layout: Layout) -> list[list[float]]:
                        + ((i2 + bm,) if i2 >= 0 else none if i2 == -1 else (i2 + 1 - bm,)))
                 outs = ((o + fm,) if o >= 0 else none) + ((o2 + bm,) if o2 >= 0 else none)
                 add((COMPUTE, None, ins, outs, f_cost + (b_cost if back.op is b_op else i_cost)))
-            else:
-                add((COMPUTE, None, none, none, w_cost))
+            else:  # W, or an UNSHARD, RESHARD or REDUCE_GRAD (no time here)
+                add((COMPUTE, None, none, none, 0.0 if action.op.is_fsdp else w_cost))
         program.append(compiled)
     run = run_program(program, layout.num_tokens, comm=_TIE_BREAK, record=True, all_posted=True)
     inf = float("inf")

@@ -4,20 +4,27 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from duplexpipe.errors import ScheduleError
-from duplexpipe.schedules.ir import Action, Op, Schedule
+from duplexpipe.schedules.ir import NO_MICROBATCH, Action, Op, Schedule
 from duplexpipe.schedules.layout import Layout, gc_paused
 
-RECV, SEND, COMPUTE = 0, 1, 2
+RECV, SEND, COMPUTE, SHARD = 0, 1, 2, 3
 Instruction = tuple
-"""(RECV, token) | (SEND, token) | (COMPUTE, action, inputs, outputs, duration).
+"""(RECV, token) | (SEND, token) | (COMPUTE, action, inputs, outputs, duration)
+| (SHARD, action, token, arrivals, lanes, duration).
 
 `inputs` are the tokens a compute waits for, a message (cross-rank input of a lowered
 schedule, needing its SEND and the local RECV) written as -1-token; `outputs` are the
 tokens the compute makes available itself (local handoffs, or every output when the
 schedule is not lowered). Tokens are defined by `Layout`.
+
+A SHARD instruction is an UNSHARD, RESHARD or REDUCE_GRAD (`collectives` below). For a
+collective, `token` (from `Layout.num_tokens` on) names the collective: `arrivals` actions
+(one per member) join it, and it runs for `duration` on the data-parallel lane of each rank
+in `lanes` once the last has joined, after what those lanes ran before; the first compute of
+an UNSHARD's episode waits for its token. A RESHARD has token None (no communication).
 """
 Program = list[list[Instruction]]
 
@@ -37,6 +44,10 @@ class Durations:
     fb: list[float] | None = None
     """fb[s]: an F&B pair whose forward part is on stage s (with a full B; minus w for an I part);
     None: the sum of the parts."""
+    unshard: list[float] | None = None
+    """unshard[s]: the all-gather of stage s's parameters (UNSHARD); None: free."""
+    reduce_grad: list[float] | None = None
+    """reduce_grad[s]: the reduce-scatter of stage s's gradients (REDUCE_GRAD); None: free."""
 
     @staticmethod
     def zero(num_stages: int) -> Durations:
@@ -52,6 +63,8 @@ def analyze(schedule: Schedule, layout: Layout, durations: Durations | None = No
         program = [_analyze_rank(state, rank, row) for rank, row in enumerate(schedule.actions)]
     _check_complete(state)
     _check_matching(state)
+    if state.has_fsdp:
+        _link_collectives(state, program)
     return program
 
 
@@ -71,6 +84,8 @@ class _State:
         self.recvs: list[defaultdict[int, list[int]]] = [defaultdict(list) for _ in ranks]
         """recvs[b][a]: the tokens rank b receives from rank a, in posting order."""
         self.counts = [0, 0, 0, 0]  # F, B or I, I, W
+        self.has_fsdp = False
+        """True once an UNSHARD, RESHARD or REDUCE_GRAD was seen (then `_link_collectives` runs)."""
         rank, nmb = layout.rank, layout.num_microbatches
 
         def crosses(s: int, peer: int) -> bool:
@@ -161,7 +176,17 @@ class _State:
                          f"({where})")
 
     def plain(self, rank: int, pos: int, action: Action) -> Instruction:
-        """Check a plain compute action (F, B, I or W)."""
+        """Check a plain compute action (F, B, I or W), or place an UNSHARD, RESHARD or REDUCE_GRAD (checked and
+        linked by `_link_collectives`)."""
+        if action.op.is_fsdp:
+            lay = self.layout
+            if action.stage >= lay.num_stages or lay.rank[action.stage] != rank:
+                raise self.misplaced(rank, pos, action)
+            if action.microbatch != NO_MICROBATCH:
+                raise self.fail(rank, pos, action, f"{action.op.value} acts on a whole stage: its microbatch must "
+                                "be NO_MICROBATCH (Action.on_stage)")
+            self.has_fsdp = True
+            return (SHARD, action, None, 0, (), 0.0)
         inputs: list[int] = []
         outputs: list[int] = []
         cost = self.compute(rank, pos, action, inputs, outputs)
@@ -352,6 +377,114 @@ def _check_matching(state: _State) -> None:
                 f"{lay.token_text(r, 'recv')[0]} there; receives must follow the sender's posting order")
 
 
+def _link_collectives(state: _State, program: Program) -> None:
+    """Check the ZeRO-3 actions of every rank and give each collective its token, members and duration.
+
+    Rules (each error names the action and where it sits): when any rank has UNSHARD or RESHARD, every compute runs
+    inside an episode of each stage it needs (an UNSHARD before it, no RESHARD between); an UNSHARD of a stage
+    already unsharded, a RESHARD of one that is not, an episode without compute or one still open at the end of
+    the list is refused. When any rank has REDUCE_GRAD, every stage has one, after all of its B and W (one per
+    microbatch through it). An UNSHARD joins its rank's data-parallel group alone; a REDUCE_GRAD joins the
+    REDUCE_GRADs of every copy of its weight group (DualPipe's two copies sum their gradients: one collective over
+    both ranks), matched by weight group and order of issue.
+    """
+    lay, schedule = state.layout, state.schedule
+    episodic = any(a.op is Op.UNSHARD or a.op is Op.RESHARD for row in schedule.actions for a in row)
+    reducing = any(a.op is Op.REDUCE_GRAD for row in schedule.actions for a in row)
+    copies: dict[int, list[int]] = {}
+    for stage, info in enumerate(schedule.stages):
+        copies.setdefault(info.group, []).append(stage)
+    unshard, reduce = state.durations.unshard, state.durations.reduce_grad
+    tokens: dict[tuple[int, int, int], int] = {}
+    reduced = [-1] * lay.num_stages
+    for rank, row in enumerate(program):
+        live: dict[int, int] = {}  # stage -> position of its UNSHARD, until its episode's first compute
+        open_at: dict[int, int] = {}  # stage -> position of its open episode's UNSHARD
+        grads = [0] * lay.num_stages
+        joined: dict[int, int] = {}
+        for pos, ins in enumerate(row):
+            if ins[0] == COMPUTE:
+                _episode_compute(state, rank, pos, ins, live, open_at, episodic, grads, reduced, row)
+            elif ins[0] == SHARD:
+                action = ins[1]
+                stage, op = action.stage, action.op
+                if op is Op.UNSHARD:
+                    if stage in open_at:
+                        raise state.fail(rank, pos, action, f"stage {stage} is already unsharded (by the UNSHARD "
+                                         f"at position {open_at[stage]}, with no RESHARD since)")
+                    open_at[stage] = live[stage] = pos
+                    key = (0, rank * lay.num_stages + stage, joined.get(stage, 0))
+                    joined[stage] = key[2] + 1
+                    cost = unshard[stage] if unshard is not None else 0.0
+                    row[pos] = (SHARD, action, tokens.setdefault(key, lay.num_tokens + len(tokens)), 1, (rank,),
+                                cost)
+                elif op is Op.RESHARD:
+                    if stage not in open_at:
+                        raise state.fail(rank, pos, action, f"stage {stage} is not unsharded here (no UNSHARD "
+                                         "since its last RESHARD)")
+                    if stage in live:
+                        raise state.fail(rank, pos, action, f"the episode from {stage}UNSHARD at position "
+                                         f"{open_at[stage]} has no compute of stage {stage}")
+                    del open_at[stage]
+                else:
+                    row[pos] = _reduce_grad(state, rank, pos, action, grads, reduced, copies, tokens, reduce)
+        if open_at:
+            stage = min(open_at)
+            raise state.fail(rank, open_at[stage], Action.on_stage(stage, Op.UNSHARD),
+                             f"stage {stage} is still unsharded at the end of rank {rank}'s list (add "
+                             f"{stage}RESHARD after its last compute)")
+    if reducing and min(reduced) < 0:
+        missing = [f"{s}REDUCE_GRAD on rank {lay.rank[s]}" for s, at in enumerate(reduced) if at < 0]
+        raise _missing_reduce(schedule.name, missing)
+
+
+def _missing_reduce(name: str, missing: list[str]) -> ScheduleError:
+    """The error for stages without a REDUCE_GRAD in a schedule that has some."""
+    shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+    return ScheduleError(f"{name!r} is incomplete: missing {shown} (every stage reduces its gradients once per "
+                         "step when any does)")
+
+
+def _episode_compute(state: _State, rank: int, pos: int, ins: Instruction, live: dict[int, int],
+                     open_at: dict[int, int], episodic: bool, grads: list[int], reduced: list[int],
+                     row: list[Instruction]) -> None:
+    """Check one compute against the open episodes; make the first compute of an episode wait for its UNSHARD."""
+    waits: list[int] = []
+    for part in ins[1].compute_parts():
+        stage = part.stage
+        if episodic and stage not in open_at:
+            raise state.fail(rank, pos, part, f"stage {stage} is sharded here (no {stage}UNSHARD before it since "
+                             "its last RESHARD)")
+        if stage in live:
+            waits.append(row[live.pop(stage)][2])
+        if part.op is Op.B or part.op is Op.W:
+            if reduced[stage] >= 0:
+                raise state.fail(rank, pos, part, f"a gradient of stage {stage} after its REDUCE_GRAD (at position "
+                                 f"{reduced[stage]})")
+            grads[stage] += 1
+    if waits:
+        row[pos] = (COMPUTE, ins[1], ins[2] + tuple(waits), ins[3], ins[4])
+
+
+def _reduce_grad(state: _State, rank: int, pos: int, action: Action, grads: list[int], reduced: list[int],
+                 copies: dict[int, list[int]], tokens: dict[tuple[int, int, int], int],
+                 cost: list[float] | None) -> Instruction:
+    """Check one REDUCE_GRAD and compile it as the collective of its weight group."""
+    lay, stage = state.layout, action.stage
+    if reduced[stage] >= 0:
+        raise state.fail(rank, pos, action, f"duplicate (first at position {reduced[stage]})")
+    through = lay.hi[stage] - lay.lo[stage]
+    if grads[stage] < through:
+        raise state.fail(rank, pos, action, f"before the last gradient of stage {stage}: {grads[stage]} of its "
+                         f"{through} B or W ran before it")
+    reduced[stage] = pos
+    group = state.schedule.stages[stage].group
+    members = copies[group]
+    lanes = tuple(sorted({lay.rank[s] for s in members}))
+    token = tokens.setdefault((1, group, 0), lay.num_tokens + len(tokens))
+    return (SHARD, action, token, len(members), lanes, cost[stage] if cost is not None else 0.0)
+
+
 @dataclass
 class Run:
     """The result of executing a program: times, and where each rank stopped."""
@@ -364,6 +497,9 @@ class Run:
     """blocked_on[r]: what rank r waits for: a token (its data), or -1-token (its local RECV)."""
     finished: bool
     """True when every rank ran its whole list."""
+    collectives: list[list[tuple[Action, float, float]]] = field(default_factory=list)
+    """collectives[r]: rank r's (UNSHARD, RESHARD or REDUCE_GRAD, start, end) in list order, a collective from when
+    it starts on the lanes to when it completes, a RESHARD at the time it runs (empty unless recorded)."""
 
 
 def _start_time(inputs: Sequence[int], now: float, ready: list[float | None], posted: list[float | None],
@@ -393,7 +529,10 @@ def run_program(program: Program, num_tokens: int, comm: float = 0.0, record: bo
 
     Each rank runs in order; RECV/SEND take no rank time; a message arrives `comm` after
     both its SEND and its RECV are posted; a compute starts once the rank is free and its
-    inputs have arrived. A stuck rank is woken only by what it waits for, so this takes
+    inputs have arrived. A collective (UNSHARD, REDUCE_GRAD) holds its rank until every member
+    has joined it (a rendezvous: a blocking collective, the conservative contract), then runs
+    on the members' data-parallel lanes while the rank goes on; a compute that needs an
+    UNSHARD waits for its end. A stuck rank is woken only by what it waits for, so this takes
     time linear in the number of actions. `all_posted`: every RECV counts as posted at
     time 0, so a program may name messages without RECV instructions.
     """
@@ -404,6 +543,7 @@ def run_program(program: Program, num_tokens: int, comm: float = 0.0, record: bo
     position, clock = [0] * num_ranks, [0.0] * num_ranks
     blocked_on: list[int | None] = [None] * num_ranks
     events: list[list[tuple[Action, float, float]]] = [[] for _ in range(num_ranks)]
+    shards = _Collectives(num_ranks, ready, waiting)
     todo = list(range(num_ranks - 1, -1, -1))
     while todo:
         rank = todo.pop()
@@ -423,6 +563,10 @@ def run_program(program: Program, num_tokens: int, comm: float = 0.0, record: bo
                     ready[token] = now
                     if token in waiting:
                         todo.extend(waiting.pop(token))
+            elif kind == SHARD:
+                now, wait = shards.join(rank, i, ins, now, todo)
+                if wait is not None:
+                    break
             else:
                 token = ins[1]
                 if kind == SEND:
@@ -437,4 +581,69 @@ def run_program(program: Program, num_tokens: int, comm: float = 0.0, record: bo
         if wait is not None:
             waiting.setdefault(wait, []).append(rank)
     finished = all(position[r] == len(row) for r, row in enumerate(program))
-    return Run(events, position, blocked_on, finished)
+    return Run(events, position, blocked_on, finished, shards.spans(program, position) if record else [])
+
+
+class _Collectives:
+    """The collectives of one `run_program`: who joined which, when each met, when each lane is free."""
+
+    def __init__(self, num_ranks: int, ready: list[float | None], waiting: dict[int, list[int]]) -> None:
+        self.ready, self.waiting = ready, waiting
+        self.joined = [-1] * num_ranks
+        """joined[r]: the position of the collective rank r last joined (joins once, though woken again)."""
+        self.left: dict[int, int] = {}
+        """token -> members still to join."""
+        self.met: dict[int, float] = {}
+        """token -> the latest time a member joined (when the last joins: the rendezvous)."""
+        self.started: dict[int, float] = {}
+        """token -> when the collective started on its lanes."""
+        self.lane = [0.0] * num_ranks
+        """lane[r]: when rank r's data-parallel lane is free."""
+        self.resharded: dict[tuple[int, int], float] = {}
+        """(rank, position) -> when a RESHARD ran."""
+
+    def join(self, rank: int, pos: int, ins: Instruction, now: float, todo: list[int]) -> tuple[float, int | None]:
+        """Rank `rank` reaches the SHARD instruction `ins` at `now`: (its clock after, or the token it waits for)."""
+        token = ins[2]
+        if token is None:
+            self.resharded[(rank, pos)] = now
+            return now, None
+        ready = self.ready
+        if self.joined[rank] != pos:
+            self.joined[rank] = pos
+            if token >= len(ready):
+                ready.extend([None] * (token + 1 - len(ready)))
+            self.met[token] = max(self.met.get(token, now), now)
+            left = self.left.get(token, ins[3]) - 1
+            self.left[token] = left
+            if left == 0:
+                start = max([self.met[token]] + [self.lane[r] for r in ins[4]])
+                for r in ins[4]:
+                    self.lane[r] = start + ins[5]
+                self.started[token], ready[token] = start, start + ins[5]
+                if token in self.waiting:
+                    todo.extend(self.waiting.pop(token))
+        if ready[token] is None:
+            return now, token
+        met = self.met[token]
+        return (met if met > now else now), None
+
+    def spans(self, program: Program, position: list[int]) -> list[list[tuple[Action, float, float]]]:
+        """Per rank: (action, start, end) of each SHARD instruction it ran."""
+        out: list[list[tuple[Action, float, float]]] = []
+        for rank, row in enumerate(program):
+            mine: list[tuple[Action, float, float]] = []
+            for pos in range(position[rank]):
+                ins = row[pos]
+                if ins[0] != SHARD:
+                    continue
+                token = ins[2]
+                if token is None:
+                    at = self.resharded[(rank, pos)]
+                    mine.append((ins[1], at, at))
+                elif self.ready[token] is not None:
+                    end = self.ready[token]
+                    assert end is not None
+                    mine.append((ins[1], self.started[token], end))
+            out.append(mine)
+        return out

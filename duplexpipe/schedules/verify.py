@@ -10,7 +10,7 @@ from duplexpipe.errors import ScheduleError
 from duplexpipe.schedules.ir import Action, Op, Schedule
 from duplexpipe.schedules.layout import Layout
 from duplexpipe.schedules.lower import lower
-from duplexpipe.schedules.program import COMPUTE, SEND, Program, Run, analyze, run_program
+from duplexpipe.schedules.program import COMPUTE, SEND, SHARD, Program, Run, analyze, run_program
 
 
 def verify(schedule: Schedule, *, nccl: bool = False) -> None:
@@ -145,21 +145,35 @@ def find_deadlock(schedule: Schedule) -> Deadlock | None:
 
 
 def _setters(program: Program) -> dict[int, tuple[int, int]]:
-    """Wait key -> (rank, position) of the action that satisfies it."""
+    """Wait key -> (rank, position) of the action that satisfies it (for a collective: one of its members)."""
     found: dict[int, tuple[int, int]] = {}
     for rank, row in enumerate(program):
         for pos, ins in enumerate(row):
             if ins[0] == COMPUTE:
                 for token in ins[3]:
                     found[token] = (rank, pos)
+            elif ins[0] == SHARD:
+                if ins[2] is not None:
+                    found.setdefault(ins[2], (rank, pos))
             else:
                 found[ins[1] if ins[0] == SEND else -1 - ins[1]] = (rank, pos)
+    return found
+
+
+def _members(program: Program) -> dict[int, list[tuple[int, int]]]:
+    """Collective token -> (rank, position) of every action that joins it."""
+    found: dict[int, list[tuple[int, int]]] = {}
+    for rank, row in enumerate(program):
+        for pos, ins in enumerate(row):
+            if ins[0] == SHARD and ins[2] is not None:
+                found.setdefault(ins[2], []).append((rank, pos))
     return found
 
 
 def explain_stuck(schedule: Schedule, layout: Layout, program: Program, run: Run) -> Deadlock:
     """Describe a stopped `run`: each stuck rank's blocked action and awaited action, and one cycle."""
     setters, rows, lowered = _setters(program), schedule.actions, schedule.has_comms
+    members = _members(program)
     graph: nx.DiGraph = nx.DiGraph()
     blocked, awaited = [], {}
     for rank, row in enumerate(program):
@@ -168,7 +182,17 @@ def explain_stuck(schedule: Schedule, layout: Layout, program: Program, run: Run
         key = run.blocked_on[rank]
         assert key is not None
         head = rows[rank][run.position[rank]]
-        if key in setters:
+        if key in members:  # a collective: wait for a member that has not joined it yet
+            late = [(r, p) for r, p in members[key] if run.position[r] < p]
+            if late:
+                peer, pos = late[0]
+                awaited[rank] = (peer, pos)
+                graph.add_edge(rank, peer)
+                blocked.append((rank, head, f"{rows[peer][pos]} (one collective with it)", peer))
+            else:
+                blocked.append((rank, head, f"a member of {rows[rank][run.position[rank]]}'s collective that no "
+                                "rank posts", rank))
+        elif key in setters:
             peer, pos = setters[key]
             awaited[rank] = (peer, pos)
             graph.add_edge(rank, peer)

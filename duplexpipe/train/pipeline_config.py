@@ -13,7 +13,7 @@ from duplexpipe.comm.meter import WireMeter
 from duplexpipe.comm.nonfinite import check_policy
 from duplexpipe.comm.p2p_codecs import p2p_codec_pair
 from duplexpipe.dp_options.compression import Options, compression_options
-from duplexpipe.dp_options.zero import ZERO_STAGES, ZeroOptions, check_zero, zero_refusal
+from duplexpipe.dp_options.zero import ZERO_STAGES, ZeroOptions, check_residency, check_zero, zero_refusal
 from duplexpipe.fielddoc import documented
 from duplexpipe.parallel import DEFAULT_BUCKET_BYTES, check_strategy_name
 from duplexpipe.runtime import RuntimeConfig
@@ -97,16 +97,26 @@ class DataParallelConfig:
     zero_stage: int | None = None
     """ZeRO over the data-parallel replicas: 0 none; 1 optimizer state sharded (reduce-scatter, step on the
     shard, all-gather; an elementwise optimizer such as SGD/Adam/AdamW); 2 gradients sharded too (torch
-    FSDP2, reduced stage by stage as they become final). 3 is refused (docs/data-parallel.md says why).
+    FSDP2, reduced stage by stage as they become final); 3 parameters sharded too at rest (FSDP2 driven by the
+    schedule's UNSHARD / RESHARD / REDUCE_GRAD actions per stage, see reshard_window).
     grad_compression may be "bf16", "fp16" or "int8" (int8 = ZeRO++ qgZ) with ZeRO. None (unset): 0, or with
     schedule="auto" the planner's choice among the stages this configuration accepts; set, it is fixed."""
     zero: ZeroOptions = field(default_factory=ZeroOptions)
-    """ZeRO++ options for zero_stage 1 and 2: quantized_gradients (qgZ), quantized_weights (qwZ), hpz_ranks."""
+    """ZeRO++ options for zero_stage 1, 2 and 3: quantized_gradients (qgZ), quantized_weights (qwZ), hpz_ranks
+    (zero_stage 2 only)."""
+    reshard_window: int | None = None
+    """zero_stage=3: how many of a rank's stages may hold unsharded parameters at once (the schedule gets an
+    UNSHARD before a stage's use and a RESHARD once the window needs its room); None: all of the rank's stages (one
+    all-gather and one reduce-scatter per stage per step). At least 1, at most the stages of a rank."""
+    unshard_lookahead: int = 1
+    """zero_stage=3: how many compute actions ahead of a stage's first use its UNSHARD (all-gather) is issued, so
+    it overlaps the compute before it (0: right before the use)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.grad_bucket_bytes, int) or self.grad_bucket_bytes < 1:
             raise ValueError(f"grad_bucket_bytes must be an int >= 1, got {self.grad_bucket_bytes!r}")
         compression_options(self.grad_compression)
+        check_residency(self.zero_stage or 0, self.reshard_window, self.unshard_lookahead)
 
 
 @documented

@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from duplexpipe.comm.meter import WireMeter
 from duplexpipe.dp_options.compression import compression_options
+from duplexpipe.dp_options.zero import check_window
 from duplexpipe.errors import NonFiniteGradientError
 from duplexpipe.model.split import (
     Balance,
@@ -42,9 +43,11 @@ from duplexpipe.parallel import (
 )
 from duplexpipe.parallel.mesh import ParallelGroups
 from duplexpipe.parallel.tied import TiedGrads, find_tied
+from duplexpipe.parallel.zero3 import Zero3Strategy
 from duplexpipe.parallel.zero_config import check_tied
 from duplexpipe.runtime import EvalResult, PipelineRuntime, RuntimeConfig
 from duplexpipe.runtime.backend import default_device
+from duplexpipe.schedules.shard import add_unshard_reshard
 from duplexpipe.tp.parallelize import TensorParallel, check_tensor_parallel
 from duplexpipe.tp.plans import TPPlan
 from duplexpipe.train.compile import CompiledStages
@@ -147,6 +150,7 @@ class Pipeline:
         self.experts = Experts(self.stage_modules, self.schedule, groups, ckpt, self.device)
         """This rank's MoE layers: expert parallelism and the expert-bias update."""
         self.params = [p for s in sorted(self.stage_modules) for p in self.stage_modules[s].parameters()]
+        window = check_window(cfg.data_parallel.reshard_window, len(self.stage_modules), groups.pp_rank)
         tied = find_tied([] if callable(parts) else parts)  # factory parts cannot share a Parameter
         check_tied(cfg.data_parallel.zero_stage or 0, [t.places for t in tied], groups.dp_size)
         self.tied = TiedGrads(tied, self.schedule, groups.pp_rank, self.stage_modules, groups.pp_group)
@@ -154,13 +158,18 @@ class Pipeline:
         self.scaler = DynamicLossScaler(cfg.precision.loss_scale, enabled=cfg.precision.dtype == "fp16")
         self.p2p_meter = WireMeter()
         """Every stage-to-stage SEND of this rank: kind "send", its payload bytes on the wire."""
-        self.runtime = PipelineRuntime(self.schedule, self.stage_modules, loss_fn, group=groups.pp_group,
+        # ZeRO-3: the runtime runs the schedule with UNSHARD / RESHARD / REDUCE_GRAD per stage (schedules.shard)
+        sharded = (add_unshard_reshard(self.schedule, window, cfg.data_parallel.unshard_lookahead)
+                   if cfg.data_parallel.zero_stage == 3 and groups.dp_size > 1 else self.schedule)
+        self.runtime = PipelineRuntime(sharded, self.stage_modules, loss_fn, group=groups.pp_group,
                                        device=self.device, config=self._runtime_config(),
                                        job_group=dist.group.WORLD if groups.dp_size * groups.tp_size > 1 else None)
         if cfg.safety.check_replicas:  # before the strategy (ZeRO-2 turns the parameters into shards) and the experts'
             self._check_replicas()  # sharding (the replicas of an expert-parallel group then hold different ones)
         self.dp: DPStrategy = self._strategy(optimizer, self.experts.shard())
         """The data-parallel strategy: reduce -> overflow check -> clip -> optimizer step."""
+        if isinstance(self.dp, Zero3Strategy):  # the schedule's residency actions drive FSDP2
+            self.runtime.drive_residency(self.dp)
         self.params = self.dp.params
         self.dp.counted = self.tied.counted(self.dp.counted)  # a tied weight counts once in the norm
         self.scheduler = scheduler(self.optimizer) if scheduler is not None else None

@@ -22,7 +22,8 @@ from duplexpipe.train.pipeline_config import DataParallelConfig
 
 
 def test_the_tables_hold_the_trainers_stages_and_methods() -> None:
-    assert list(ZERO_STAGES) == list(TRAINER_ZERO_STAGES) == [0, 1, 2]
+    assert list(TRAINER_ZERO_STAGES) == [0, 1, 2, 3]
+    assert list(ZERO_STAGES) == [0, 1, 2]  # ZeRO-3's traffic depends on its residency window: not planned yet
     for stage in ZERO_STAGES:  # the training side takes every stage the planner offers
         PipelineConfig(data_parallel=DataParallelConfig(zero_stage=stage))
     ratios = [c.wire_ratio for c in COMPRESSIONS.values()]

@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 from duplexpipe.errors import ScheduleError
 from duplexpipe.schedules import registry
 from duplexpipe.schedules.ir import (
+    FSDP_OPS,
+    NO_MICROBATCH,
     Action,
     Op,
     Schedule,
@@ -30,11 +32,12 @@ from duplexpipe.schedules.lower import lower
 from duplexpipe.schedules.timeline import Event, Timeline
 from duplexpipe.schedules.verify import verify
 
-PLAIN_OPS = [op for op in Op if op is not Op.OVERLAP_F_B]
+PLAIN_OPS = [op for op in Op if op is not Op.OVERLAP_F_B and not op.is_fsdp]
 plain_actions = st.builds(Action, st.integers(0, 999), st.sampled_from(PLAIN_OPS), st.integers(0, 9999))
+stage_actions = st.builds(Action.on_stage, st.integers(0, 999), st.sampled_from(sorted(FSDP_OPS)))
 pairs = st.builds(Action.overlap, st.builds(Action, st.integers(0, 99), st.just(Op.F), st.integers(0, 999)),
                   st.builds(Action, st.integers(0, 99), st.sampled_from([Op.B, Op.I]), st.integers(0, 999)))
-actions = st.one_of(plain_actions, pairs)
+actions = st.one_of(plain_actions, stage_actions, pairs)
 
 
 @given(actions)
@@ -108,7 +111,7 @@ GOOD = {"format": "duplexpipe-schedule", "version": 1, "name": "x", "num_ranks":
     ({"actions": [["0F0", "0Z0"]]}, "rank 0, position 1"),
     ({"actions": [["0F0", 5]]}, "5"),
     ({"actions": [["0F0"], ["0B0"]]}, "expected 1 action lists"),
-    ({"actions": [["0F0"] * 9]}, "9 actions, more than the 8 a schedule of 1 stages and 1 microbatches can hold"),
+    ({"actions": [["0F0"] * 16]}, "16 actions, more than the 15 a schedule of 1 stages and 1 microbatches can hold"),
 ])
 def test_malformed_json_names_the_problem(tmp_path: Path, change: dict, needle: str) -> None:
     path = tmp_path / "bad.json"
@@ -249,3 +252,41 @@ def test_timeline_dict_round_trip_and_errors() -> None:
         Timeline.from_dict({"schedule": "x", "ranks": 1, "microbatches": 1, "events": [[0, "0Q0", 0, 1]]})
     with pytest.raises(ScheduleError, match="malformed timeline"):
         Timeline.from_dict({"schedule": "x"})
+
+
+def test_stage_actions_take_no_microbatch() -> None:
+    assert format_action(Action.on_stage(3, Op.UNSHARD)) == "3UNSHARD"
+    assert parse_action("12REDUCE_GRAD") == Action(12, Op.REDUCE_GRAD, NO_MICROBATCH)
+    assert {op.value for op in FSDP_OPS} == {"UNSHARD", "RESHARD", "REDUCE_GRAD"}
+    with pytest.raises(ScheduleError, match="RESHARD acts on a whole stage and takes no microbatch"):
+        parse_action("0RESHARD2")
+    with pytest.raises(ValueError, match="F acts on a microbatch"):
+        Action.on_stage(0, Op.F)
+
+
+def test_stage_actions_read_by_torch() -> None:
+    from torch.distributed.pipelining.schedules import _Action
+
+    for op in sorted(FSDP_OPS):
+        text = format_action(Action.on_stage(5, op))
+        theirs = _Action.from_str(text)
+        assert (theirs.stage_index, theirs.computation_type.value, theirs.microbatch_index) == (5, op.value, None)
+        assert repr(theirs) == text
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zbv", "interleaved-1f1b", "dualpipev", "dualpipe"])
+@pytest.mark.parametrize("lowered", [False, True])
+def test_sharded_schedules_round_trip_json_and_torch_csv(tmp_path: Path, name: str, lowered: bool) -> None:
+    from duplexpipe.schedules.shard import add_unshard_reshard
+
+    base = registry.build(name, 2, 4)
+    schedule = add_unshard_reshard(lower(base) if lowered else base, 1, 1)
+    save_json(schedule, str(tmp_path / "s.json"))
+    assert load_json(str(tmp_path / "s.json")) == schedule
+    if schedule.num_copies > 1:
+        return  # a torch CSV has no stage table for two model copies
+    save_torch_csv(schedule, str(tmp_path / "s.csv"))
+    back = load_torch_csv(str(tmp_path / "s.csv"), name=schedule.name, num_microbatches=4)
+    assert back.actions == schedule.actions and back.stages == schedule.stages
+    assert back.has_fsdp and back.without_fsdp().actions == (lower(base) if lowered else base).actions
+    verify(back)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
+from typing import Callable
 
 import networkx as nx
 import pytest
@@ -11,7 +13,7 @@ from hypothesis import strategies as st
 
 from duplexpipe.errors import ScheduleError
 from duplexpipe.schedules import registry
-from duplexpipe.schedules.ir import Action, Op, Schedule, StageInfo, parse_action
+from duplexpipe.schedules.ir import Action, Op, Schedule, StageInfo, parse_action, schedule_from_rows
 from duplexpipe.schedules.lower import lower
 from duplexpipe.schedules.simulate import simulate
 from duplexpipe.schedules.verify import (
@@ -373,3 +375,78 @@ def test_structure_check_agrees_with_a_naive_reading(schedule: Schedule) -> None
     if accepted:
         acyclic = nx.is_directed_acyclic_graph(happens_before_graph(schedule))
         assert (find_deadlock(schedule) is None) == acyclic
+
+
+def _sharded_dualpipe() -> Schedule:
+    from duplexpipe.schedules.shard import add_unshard_reshard
+
+    return add_unshard_reshard(lower(registry.build("dualpipe", 2, 4)), 2, 1)
+
+
+def _edit(schedule: Schedule, rank: int, row: list[str]) -> Schedule:
+    rows = list(schedule.actions)
+    rows[rank] = tuple(parse_action(t) for t in row)
+    return Schedule("edited", schedule.num_ranks, schedule.num_microbatches, schedule.stages, tuple(rows))
+
+
+def test_mis_ordered_gradient_collectives_are_a_named_cycle(tmp_path: Path) -> None:
+    """DualPipe's two copies of a weight group reduce their gradients in one collective over both ranks: rank 0
+    issuing its two in the other order than rank 1 deadlocks, and the cycle names both."""
+    from duplexpipe.schedules.ir import load_json, save_json
+
+    good = _sharded_dualpipe()
+    row = [str(a) for a in good.actions[0]]
+    assert row[-2:] == ["0REDUCE_GRAD", "3REDUCE_GRAD"]
+    path = tmp_path / "swapped.json"
+    save_json(_edit(good, 0, row[:-2] + ["3REDUCE_GRAD", "0REDUCE_GRAD"]), str(path))
+    with pytest.raises(ScheduleError) as err:
+        verify(load_json(str(path)))
+    assert ("rank 0 blocked at 3REDUCE_GRAD waiting for 1REDUCE_GRAD (one collective with it) on rank 1; "
+            "rank 1 blocked at 2REDUCE_GRAD waiting for 0REDUCE_GRAD (one collective with it) on rank 0") in str(err.value)
+    assert "cycle: rank 0: 3REDUCE_GRAD -> 0REDUCE_GRAD => rank 1: 2REDUCE_GRAD -> 1REDUCE_GRAD" in str(err.value)
+
+
+def test_a_gradient_collective_before_a_send_its_peer_needs_is_a_cycle_with_the_message() -> None:
+    good = _sharded_dualpipe()
+    row = [str(a) for a in good.actions[0] if str(a) != "3REDUCE_GRAD"]
+    row.insert(row.index("3SEND_B3"), "3REDUCE_GRAD")
+    with pytest.raises(ScheduleError) as err:
+        verify(_edit(good, 0, row))
+    text = str(err.value)
+    assert "rank 0 blocked at 3REDUCE_GRAD waiting for 1REDUCE_GRAD (one collective with it) on rank 1" in text
+    assert "rank 1 blocked at 2I3 waiting for 3SEND_B3 on rank 0" in text
+
+
+@pytest.mark.parametrize("change,needle", [
+    (lambda r: [t for t in r if t != "0UNSHARD"], "0F0 at rank 0, position 0: stage 0 is sharded here"),
+    (lambda r: ["0UNSHARD"] + r, "0UNSHARD at rank 0, position 1: stage 0 is already unsharded (by the UNSHARD at "
+     "position 0"),
+    (lambda r: ["0RESHARD"] + r, "0RESHARD at rank 0, position 0: stage 0 is not unsharded here"),
+    (lambda r: ["0UNSHARD", "0RESHARD"] + r[1:], "0RESHARD at rank 0, position 1: the episode from 0UNSHARD at "
+     "position 0 has no compute of stage 0"),
+    (lambda r: [t for t in r if t != "0RESHARD"], "0UNSHARD at rank 0, position 0: stage 0 is still unsharded at "
+     "the end of rank 0's list"),
+    (lambda r: [t for t in r if t != "0REDUCE_GRAD"], "missing 0REDUCE_GRAD on rank 0"),
+    (lambda r: r + ["0REDUCE_GRAD"], "0REDUCE_GRAD at rank 0, position 19: duplicate (first at position 17)"),
+    (lambda r: r[:2] + ["0REDUCE_GRAD"] + [t for t in r[2:] if t != "0REDUCE_GRAD"],
+     "0REDUCE_GRAD at rank 0, position 2: before the last gradient of stage 0: 0 of its 4 B or W ran before it"),
+    (lambda r: r + ["0UNSHARD", "0B3", "0RESHARD"], "0B3 at rank 0, position 20: duplicate backward"),
+    (lambda r: r[:-1] + ["1UNSHARD"], "stage 1 runs on rank 1, not 0"),
+    (lambda r: r[:-2] + ["0UNSHARD", "0W0", "0RESHARD"], "0W0 at rank 0, position 18: weight gradient after a full"),
+])
+def test_zero3_actions_are_checked(change: Callable[[list[str]], list[str]], needle: str) -> None:
+    from duplexpipe.schedules.shard import add_unshard_reshard
+
+    good = add_unshard_reshard(lower(registry.build("1f1b", 2, 4)), 1, 0)
+    assert [str(a) for a in good.actions[0]][-3:] == ["0B3", "0REDUCE_GRAD", "0RESHARD"]
+    with pytest.raises(ScheduleError) as err:
+        verify(_edit(good, 0, change([str(a) for a in good.actions[0]])))
+    assert needle in str(err.value)
+
+
+def test_torch_lowering_of_unshard_and_reduce_grad_verifies() -> None:
+    """Where torch's _add_unshard_reshard and _add_reduce_grad put them: all unshards first, REDUCE_GRAD right after
+    the last backward, RESHARD before the next compute."""
+    rows = [["0UNSHARD", "0F0", "0F1", "0B0", "0B1", "0REDUCE_GRAD", "0RESHARD"],
+            ["1UNSHARD", "1F0", "1B0", "1F1", "1B1", "1REDUCE_GRAD", "1RESHARD"]]
+    verify(schedule_from_rows([[parse_action(t) for t in row] for row in rows], "torch-like"))

@@ -1,0 +1,193 @@
+"""ZeRO-3 in the schedule: the pass that adds UNSHARD, RESHARD and REDUCE_GRAD to any schedule, and its episodes."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from duplexpipe.errors import ScheduleError
+from duplexpipe.schedules.ir import Action, Op, Schedule
+
+__all__ = ["Episode", "add_unshard_reshard", "episodes", "residency", "weight_group_ranks"]
+
+
+@dataclass(frozen=True)
+class Episode:
+    """One stretch of a stage's parameters unsharded on its rank: its UNSHARD, the run of the stage's compute, its
+    RESHARD. Positions index the rank's list of compute actions (UNSHARD and RESHARD sit between computes)."""
+
+    stage: int
+    """The stage whose parameters are gathered."""
+    issue: int
+    """The compute before which the UNSHARD is issued (its all-gather runs beside computes issue..first_use-1)."""
+    first_use: int
+    """The first compute of the episode that needs the stage."""
+    last_use: int
+    """The last compute of the episode; the RESHARD follows it."""
+
+
+def add_unshard_reshard(schedule: Schedule, window: int, lookahead: int = 1) -> Schedule:
+    """`schedule` with ZeRO-3's UNSHARD, RESHARD and REDUCE_GRAD actions, for any schedule (compute-only or lowered).
+
+    Per rank, over its compute actions in list order:
+
+    - at most `window` of the rank's stages are unsharded at once (a compute that needs more stages than that, an
+      F&B pair of two stages under a window of 1, holds exactly its own stages). An episode is an UNSHARD, a run of
+      the stage's computes, a RESHARD. Which stage to reshard when room is needed is the one needed again furthest
+      ahead (Belady's rule: the fewest all-gathers a window allows); a stage not needed again in the step is
+      resharded right after its last compute. A window holding all of a rank's stages gives one episode per stage.
+    - each UNSHARD is issued `lookahead` compute actions before the episode's first compute (so its all-gather runs
+      beside them), later where the window is full until a RESHARD makes room, never before the stage's previous
+      RESHARD or the start of the list; lookahead 0 issues it right before its first compute.
+    - one REDUCE_GRAD per stage, right after the compute that ends its last B or W; for a weight group with copies
+      on several ranks (DualPipe), whose gradient sum joins those ranks in one collective, at the end of each list
+      in weight-group order (the order every member issues them in).
+
+    New actions go right after the previous compute and the SENDs that follow it (before the RECVs of the next
+    compute); at one spot: REDUCE_GRADs, RESHARDs, then UNSHARDs. Raises ValueError for a window below 1 or above
+    the most stages a rank holds, or a negative lookahead, and ScheduleError for a schedule that already holds
+    these actions (`Schedule.without_fsdp`).
+    """
+    most = max(len(schedule.stages_of_rank(r)) for r in range(schedule.num_ranks))
+    if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= most:
+        raise ValueError(f"reshard window must be a whole number of stages from 1 to {most} (the most stages a rank "
+                         f"of {schedule.name!r} holds), got {window!r}")
+    if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
+        raise ValueError(f"unshard lookahead must be a whole number of compute actions >= 0, got {lookahead!r}")
+    if schedule.has_fsdp:
+        raise ScheduleError(f"{schedule.name!r} already holds UNSHARD/RESHARD/REDUCE_GRAD actions; lower "
+                            "schedule.without_fsdp() to choose another window")
+    joint = {s for s, ranks in enumerate(weight_group_ranks(schedule)) if len(ranks) > 1}
+    rows = tuple(_rank_row(schedule, row, window, lookahead, joint) for row in schedule.actions)
+    return Schedule(schedule.name, schedule.num_ranks, schedule.num_microbatches, schedule.stages, rows)
+
+
+def weight_group_ranks(schedule: Schedule) -> tuple[tuple[int, ...], ...]:
+    """Per stage: the ranks holding a copy of its weight group (model part), sorted; one rank except DualPipe's."""
+    by_group: dict[int, set[int]] = {}
+    for info in schedule.stages:
+        by_group.setdefault(info.group, set()).add(info.rank)
+    return tuple(tuple(sorted(by_group[info.group])) for info in schedule.stages)
+
+
+def episodes(schedule: Schedule) -> dict[int, int]:
+    """Per stage: its residency episodes in one step, the UNSHARD actions (all-gathers) of `schedule` (0 without)."""
+    counts = dict.fromkeys(range(schedule.num_stages), 0)
+    for row in schedule.actions:
+        for action in row:
+            if action.op is Op.UNSHARD:
+                counts[action.stage] += 1
+    return counts
+
+
+def residency(schedule: Schedule, rank: int) -> list[int]:
+    """How many stages `rank` holds unsharded during each of its compute actions, in list order (all of its stages
+    throughout when the schedule has no UNSHARD/RESHARD)."""
+    if not any(a.op is Op.UNSHARD or a.op is Op.RESHARD for row in schedule.actions for a in row):
+        return [len(schedule.stages_of_rank(rank))] * sum(a.op.is_compute for a in schedule.actions[rank])
+    live: set[int] = set()
+    out = []
+    for action in schedule.actions[rank]:
+        if action.op is Op.UNSHARD:
+            live.add(action.stage)
+        elif action.op is Op.RESHARD:
+            live.discard(action.stage)
+        elif action.op.is_compute:
+            out.append(len(live))
+    return out
+
+
+def _rank_row(schedule: Schedule, row: tuple[Action, ...], window: int, lookahead: int,
+              joint: set[int]) -> tuple[Action, ...]:
+    """One rank's list with its UNSHARD, RESHARD and REDUCE_GRAD actions."""
+    where = [pos for pos, action in enumerate(row) if action.op.is_compute]
+    if not where:
+        return row
+    needs = [tuple(dict.fromkeys(p.stage for p in row[pos].compute_parts())) for pos in where]
+    found = _plan(needs, window, lookahead)
+    last_grad: dict[int, int] = {}
+    for c, pos in enumerate(where):
+        for part in row[pos].compute_parts():
+            if part.op is Op.B or part.op is Op.W:
+                last_grad[part.stage] = c
+    spots: dict[int, tuple[list[Action], list[Action], list[Action]]] = {}
+
+    def at(c: int, kind: int) -> list[Action]:
+        return spots.setdefault(c, ([], [], []))[kind]
+    for stage in sorted(s for s in last_grad if s not in joint):
+        at(last_grad[stage] + 1, 0).append(Action.on_stage(stage, Op.REDUCE_GRAD))
+    for ep in sorted(found, key=lambda e: (e.last_use, e.stage)):
+        at(ep.last_use + 1, 1).append(Action.on_stage(ep.stage, Op.RESHARD))
+    for ep in found:  # by first use: the issue order follows the order of use
+        at(ep.issue, 2).append(Action.on_stage(ep.stage, Op.UNSHARD))
+    out: list[Action] = []
+    done = 0
+    for c in sorted(spots):
+        spot = 0 if c == 0 else _after_sends(row, where[c - 1])
+        out += row[done:spot]
+        for group in spots[c]:
+            out += group
+        done = spot
+    out += row[done:]
+    out += [Action.on_stage(s, Op.REDUCE_GRAD)
+            for s in sorted((s for s in last_grad if s in joint), key=lambda s: (schedule.stages[s].group, s))]
+    return tuple(out)
+
+
+def _after_sends(row: tuple[Action, ...], pos: int) -> int:
+    """The position right after the compute at `pos` and the SENDs that follow it."""
+    pos += 1
+    while pos < len(row) and row[pos].op in (Op.SEND_F, Op.SEND_B):
+        pos += 1
+    return pos
+
+
+def _plan(needs: list[tuple[int, ...]], window: int, lookahead: int) -> list[Episode]:
+    """The episodes of one rank whose computes need the stages `needs[c]`, ordered by first use."""
+    spans = _belady(needs, window)
+    count = [0] * len(needs)
+    for _, first, last in spans:
+        for t in range(first, last + 1):
+            count[t] += 1
+    previous_end: dict[int, int] = {}
+    out = []
+    for stage, first, last in spans:
+        lowest = max(first - lookahead, previous_end.get(stage, -1) + 1, 0)
+        issue = first
+        while issue - 1 >= lowest and count[issue - 1] < max(window, len(needs[issue - 1])):
+            issue -= 1
+        for t in range(issue, first):
+            count[t] += 1
+        previous_end[stage] = last
+        out.append(Episode(stage, issue, first, last))
+    return out
+
+
+def _belady(needs: list[tuple[int, ...]], window: int) -> list[tuple[int, int, int]]:
+    """(stage, first use, last use) of each episode, by first use: at most max(window, stages a compute needs)
+    resident at each compute, evicting the stage needed again furthest ahead; a stage is dropped after its last use."""
+    uses: dict[int, list[int]] = {}
+    for c, stages in enumerate(needs):
+        for s in stages:
+            uses.setdefault(s, []).append(c)
+    cursor = dict.fromkeys(uses, 0)
+    live: dict[int, list[int]] = {}  # stage -> its open span [first, last] in `spans`
+    spans: list[list[int]] = []
+    for c, need in enumerate(needs):
+        for s in need:
+            cursor[s] += 1  # uses[s][cursor[s]] is now the next use after c
+        cap = max(window, len(need))
+        while len(live.keys() | set(need)) > cap:
+            victim = max((s for s in live if s not in need),
+                         key=lambda s: (uses[s][cursor[s]] if cursor[s] < len(uses[s]) else math.inf, -s))
+            del live[victim]
+        for s in need:
+            if s in live:
+                live[s][2] = c
+            else:
+                live[s] = [s, c, c]
+                spans.append(live[s])
+        for s in need:
+            if cursor[s] == len(uses[s]):
+                del live[s]
+    return [(s, first, last) for s, first, last in spans]

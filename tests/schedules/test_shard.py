@@ -1,0 +1,123 @@
+"""Tests of the ZeRO-3 pass (schedules.shard): episodes under a window and a lookahead, REDUCE_GRAD placement, its
+errors, and that every result verifies, for every built-in schedule."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from duplexpipe.errors import ScheduleError
+from duplexpipe.schedules import registry
+from duplexpipe.schedules.ir import Action, Op, Schedule
+from duplexpipe.schedules.lower import lower
+from duplexpipe.schedules.shard import add_unshard_reshard, episodes, residency, weight_group_ranks
+from duplexpipe.schedules.verify import verify
+
+SIZES = [(2, 4), (4, 8), (3, 6)]
+
+
+def _built() -> list[tuple[str, int, int]]:
+    return [(n, p, m) for n in registry.names() for p, m in SIZES if registry.check(n, p, m) is None]
+
+
+def _most(schedule: Schedule) -> int:
+    return max(len(schedule.stages_of_rank(r)) for r in range(schedule.num_ranks))
+
+
+def _needs(schedule: Schedule, rank: int) -> list[int]:
+    return [len({p.stage for p in a.compute_parts()}) for a in schedule.actions[rank] if a.op.is_compute]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(_built()), st.integers(1, 4), st.integers(0, 6), st.booleans())
+def test_any_schedule_window_and_lookahead_verify(case: tuple[str, int, int], window: int, lookahead: int,
+                                                  lowered_first: bool) -> None:
+    name, ranks, microbatches = case
+    base = registry.build(name, ranks, microbatches)
+    window = min(window, _most(base))
+    out = add_unshard_reshard(lower(base) if lowered_first else base, window, lookahead)
+    verify(out)
+    verify(lower(out))
+    assert out.without_fsdp() == (lower(base) if lowered_first else base)
+    reduces = [a.stage for _, _, a in out.iter_actions() if a.op is Op.REDUCE_GRAD]
+    assert sorted(reduces) == list(range(out.num_stages))  # one REDUCE_GRAD per stage per step
+    counts = episodes(out)
+    assert counts == {s: sum(a == Action.on_stage(s, Op.RESHARD) for _, _, a in out.iter_actions())
+                      for s in range(out.num_stages)}
+    for rank in range(ranks):
+        held = residency(out, rank)
+        assert all(h <= max(window, need) for h, need in zip(held, _needs(out, rank), strict=True))
+        if window == len(out.stages_of_rank(rank)):
+            assert all(counts[s] == 1 for s in out.stages_of_rank(rank))
+
+
+@pytest.mark.parametrize("case", _built())
+def test_window_of_all_stages_gathers_once_per_stage(case: tuple[str, int, int]) -> None:
+    base = registry.build(*case)
+    out = add_unshard_reshard(base, _most(base), 2)
+    assert set(episodes(out).values()) == {1}
+    verify(out)
+
+
+def test_window_one_on_zbv_reshards_between_stages_and_lookahead_waits_for_room() -> None:
+    base = registry.build("zbv", 2, 4)
+    out = add_unshard_reshard(base, 1, 3)
+    assert " ".join(map(str, out.actions[0][:6])) == "0UNSHARD 0F0 0F1 0F2 0RESHARD 3UNSHARD"
+    assert episodes(out) == {0: 4, 1: 7, 2: 6, 3: 3}
+    assert residency(out, 0) == [1] * len(residency(out, 0))
+
+
+def test_lookahead_issues_the_unshard_that_many_computes_ahead() -> None:
+    base = registry.build("zbv", 2, 4)
+    row = [str(a) for a in add_unshard_reshard(base, 2, 2).actions[0]]
+    assert row[:5] == ["0UNSHARD", "0F0", "3UNSHARD", "0F1", "0F2"]  # 3F0 is the fourth compute
+    assert row[row.index("3UNSHARD") + 1:].index("3F0") == 2
+    none = [str(a) for a in add_unshard_reshard(base, 2, 0).actions[0]]
+    assert none[none.index("3UNSHARD") + 1] == "3F0"
+
+
+def test_reduce_grad_follows_the_last_gradient_and_its_sends() -> None:
+    out = add_unshard_reshard(lower(registry.build("1f1b", 2, 4)), 1, 1)
+    row = [str(a) for a in out.actions[0]]
+    assert row[-3:] == ["0B3", "0REDUCE_GRAD", "0RESHARD"]
+    row1 = [str(a) for a in out.actions[1]]
+    assert row1[row1.index("1B3"):] == ["1B3", "1SEND_B3", "1REDUCE_GRAD", "1RESHARD"]
+
+
+def test_dualpipe_reduces_each_weight_group_together_at_the_end() -> None:
+    base = registry.build("dualpipe", 4, 8)
+    assert weight_group_ranks(base)[0] == (0, 3) and weight_group_ranks(base)[4] == (0, 3)
+    out = add_unshard_reshard(base, 1, 1)
+    assert [str(a) for a in out.actions[0][-2:]] == ["0REDUCE_GRAD", "7REDUCE_GRAD"]  # groups 0 then 3
+    assert [str(a) for a in out.actions[3][-2:]] == ["4REDUCE_GRAD", "3REDUCE_GRAD"]
+    verify(out)
+
+
+def test_pairs_of_two_stages_hold_both_under_a_window_of_one() -> None:
+    out = add_unshard_reshard(registry.build("dualpipev", 2, 4), 1, 1)
+    verify(out)
+    for rank in range(2):
+        held, needs = residency(out, rank), _needs(out, rank)
+        assert max(held) == 2 and all(h == 1 for h, n in zip(held, needs, strict=True) if n == 1)
+
+
+@pytest.mark.parametrize("window,lookahead,needle", [
+    (0, 1, "from 1 to 2"), (3, 1, "from 1 to 2"), (True, 1, "got True"), (1.0, 1, "got 1.0"),
+    (1, -1, "lookahead must be a whole number of compute actions >= 0, got -1"),
+])
+def test_bad_window_or_lookahead(window: int, lookahead: int, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        add_unshard_reshard(registry.build("zbv", 2, 4), window, lookahead)
+
+
+def test_a_schedule_with_these_actions_is_refused() -> None:
+    once = add_unshard_reshard(registry.build("1f1b", 2, 4), 1, 0)
+    with pytest.raises(ScheduleError, match="already holds UNSHARD/RESHARD/REDUCE_GRAD"):
+        add_unshard_reshard(once, 1, 0)
+    assert add_unshard_reshard(once.without_fsdp(), 1, 0) == once
+
+
+def test_episodes_of_a_schedule_without_them_are_zero() -> None:
+    assert episodes(registry.build("1f1b", 2, 4)) == {0: 0, 1: 0}
+    assert residency(registry.build("zbv", 2, 4), 0) == [2] * 24  # F, I and W of 2 stages x 4
