@@ -293,7 +293,8 @@ def _exchange_spans(events: tuple[Event, ...], schedule: Schedule, cost: CostMod
 
 def summary(timeline: Timeline) -> dict[str, Any]:
     """makespan, bubble_ratio and per_rank [{rank, busy, idle, peak_activations}] of `timeline`; with ZeRO-3
-    collectives also step_time (to the last collective's end) and per rank all_gathers, and with memory steps
+    collectives also step_time (from the first all-gather's start to the last collective's end) and per rank
+    all_gathers, and with memory steps
     peak_param_bytes and peak_grad_bytes."""
     by_rank: list[list[Event]] = [[] for _ in range(timeline.num_ranks)]
     for event in timeline.events:
@@ -313,7 +314,8 @@ def summary(timeline: Timeline) -> dict[str, Any]:
     idle = sum(row["idle"] for row in rows)
     ratio = idle / (timeline.num_ranks * span) if span > 0 else 0.0
     out = {"makespan": span, "bubble_ratio": ratio, "per_rank": rows}
-    ends = [s.end for s in timeline.spans if s.lane == FSDP_LANE]
-    if ends:
-        out["step_time"] = max(timeline.start + span, max(ends)) - timeline.start
+    lane = [s for s in timeline.spans if s.lane == FSDP_LANE]
+    if lane:
+        first = min(timeline.start, min(s.start for s in lane))
+        out["step_time"] = max(timeline.start + span, max(s.end for s in lane)) - first
     return out
