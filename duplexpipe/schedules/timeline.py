@@ -1,4 +1,4 @@
-"""Timeline: timed compute actions per rank (with extra lanes and memory steps), from the simulator and the runtime trace."""
+"""Timeline: timed compute actions per rank, with extra lanes and memory steps, from the simulator or a run."""
 
 from __future__ import annotations
 
