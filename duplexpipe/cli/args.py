@@ -328,6 +328,35 @@ def add_cost(p: argparse.ArgumentParser, planning_only: bool = False) -> None:
                        help="model-part (default): costs are the times of 1/P of the model; stage: of one stage")
 
 
+def add_zero3(p: argparse.ArgumentParser) -> None:
+    """--zero-stage, --reshard-window and --unshard-lookahead: lower the schedule with ZeRO-3's actions."""
+    group = p.add_argument_group("ZeRO-3 in the schedule (UNSHARD, RESHARD, REDUCE_GRAD per stage)")
+    group.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0,
+                       help="3: add ZeRO-3's actions to the schedule (0-2 leave it as it is)")
+    group.add_argument("--reshard-window", type=positive("reshard window"), metavar="N",
+                       help="stages a rank keeps unsharded at once (default: all of a rank's stages, one "
+                            "all-gather per stage per step)")
+    group.add_argument("--unshard-lookahead", type=int, default=1, metavar="L",
+                       help="issue each UNSHARD L compute actions before its first use (default 1)")
+
+
+def with_zero3(schedule: Schedule, args: argparse.Namespace) -> Schedule:
+    """`schedule` with ZeRO-3's actions when --zero-stage 3 asks for them (CliError for a window without it)."""
+    from duplexpipe.schedules.shard import add_unshard_reshard
+
+    if args.zero_stage != 3:
+        if args.reshard_window is not None:
+            raise CliError("--reshard-window needs --zero-stage 3")
+        return schedule
+    if schedule.has_fsdp:
+        raise CliError(f"{schedule.name} already holds UNSHARD/RESHARD/REDUCE_GRAD actions: leave out --zero-stage")
+    window = args.reshard_window or max(len(schedule.stages_of_rank(r)) for r in range(schedule.num_ranks))
+    try:
+        return add_unshard_reshard(schedule, window, args.unshard_lookahead)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+
+
 def add_view(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--ranks-shown", type=parse_ranks, metavar="RANKS",
                    help=f"draw only these ranks{what}, e.g. 0-7,60-63")
@@ -336,8 +365,10 @@ def add_view(p: argparse.ArgumentParser, what: str) -> None:
 
 
 def schedule_of(args: argparse.Namespace) -> Schedule:
-    """The schedule a show/verify/simulate/export command names, with its options and cost model."""
-    return load_schedule(args.schedule, args.ranks, args.microbatches, parse_opts(args.opt), cost_of(args))
+    """The schedule a show/verify/simulate/export command names, with its options and cost model (and ZeRO-3's
+    actions where the command takes --zero-stage)."""
+    schedule = load_schedule(args.schedule, args.ranks, args.microbatches, parse_opts(args.opt), cost_of(args))
+    return with_zero3(schedule, args) if hasattr(args, "zero_stage") else schedule
 
 
 def cost_of(args: argparse.Namespace) -> Any:

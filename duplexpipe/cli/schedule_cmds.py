@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from duplexpipe.cli.args import CliError, add_cost, add_schedule, check_output, command, schedule_of
+from duplexpipe.cli.args import CliError, add_cost, add_schedule, add_zero3, check_output, command, schedule_of
 from duplexpipe.errors import ScheduleError
 from duplexpipe.schedules.ir import save_json, save_torch_csv
 
@@ -16,11 +16,13 @@ def add_parsers(sub: Any) -> None:
     show = command(sub, "show", "print a schedule's rank x step grid")
     add_schedule(show)
     show.add_argument("--comms", action="store_true", help="show the lowered schedule with SEND/RECV")
+    add_zero3(show)
     add_cost(show, planning_only=True)
     ver = command(sub, "verify", "check completeness, ordering and deadlock freedom (exit 1 if unsound)")
     add_schedule(ver)
     ver.add_argument("--nccl", action="store_true", help="also check that every two ranks post the messages "
                      "between them in one order (NCCL runs both directions on one stream)")
+    add_zero3(ver)
     add_cost(ver, planning_only=True)
     exp = command(sub, "export", "write a schedule as JSON or torch CSV")
     add_schedule(exp)
@@ -29,6 +31,7 @@ def add_parsers(sub: Any) -> None:
                           "as torch.distributed.pipelining's _dump_csv writes and _load_csv reads")
     exp.add_argument("-o", "--output", required=True, metavar="FILE", help="the file to write")
     exp.add_argument("--comms", action="store_true", help="export the lowered schedule (with SEND/RECV)")
+    add_zero3(exp)
     add_cost(exp, planning_only=True)
 
 

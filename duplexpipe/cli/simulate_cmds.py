@@ -14,6 +14,7 @@ from duplexpipe.cli.args import (
     add_cost,
     add_schedule,
     add_view,
+    add_zero3,
     check_output,
     check_view_args,
     command,
@@ -22,6 +23,7 @@ from duplexpipe.cli.args import (
     load_timeline,
     parse_opts,
     viz,
+    with_zero3,
 )
 from duplexpipe.planner.memory import add_peak_bytes, profile_memory
 from duplexpipe.schedules.compare import compare_schedules, cost_note, with_cost
@@ -33,6 +35,7 @@ def add_parsers(sub: Any) -> None:
     """Add `simulate`, `compare` and `plot` to the `duplexpipe` subcommands."""
     sim = command(sub, "simulate", "time a schedule under a cost model")
     add_schedule(sim)
+    add_zero3(sim)
     add_cost(sim)
     sim.add_argument("--json", action="store_true", help="print the result as JSON")
     sim.add_argument("--plot", metavar="FILE", help="write a Gantt chart (.png, .svg or .pdf; needs matplotlib)")
@@ -61,7 +64,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         if path:
             check_output(path, option, figure=figure)
     cost = cost_of(args)
-    schedule = load_schedule(args.schedule, args.ranks, args.microbatches, parse_opts(args.opt), cost)
+    schedule = with_zero3(load_schedule(args.schedule, args.ranks, args.microbatches, parse_opts(args.opt), cost),
+                          args)
     check_view_args(args, schedule, bool(args.plot))
     timeline = simulate(schedule, cost)
     result = {"schedule": schedule.name, "ranks": schedule.num_ranks, "microbatches": schedule.num_microbatches,
@@ -81,9 +85,17 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     print(f"{schedule.name}: P={schedule.num_ranks} M={schedule.num_microbatches} "
           f"makespan={result['makespan']:g} bubble_ratio={result['bubble_ratio']:.3f}")
     print(cost_note(cost, schedule))
-    print(f"{'rank':>4} {'busy':>10} {'idle':>10} {'peak_act':>8}")
+    if "step_time" in result:
+        print(f"ZeRO-3: step_time={result['step_time']:g} (from the first all-gather to the last reduce-scatter)")
+    zero3 = "all_gathers" in result["per_rank"][0]
+    memory = "peak_param_bytes" in result["per_rank"][0]
+    print(f"{'rank':>4} {'busy':>10} {'idle':>10} {'peak_act':>8}" + (f" {'gathers':>7}" if zero3 else "")
+          + (f" {'peak_params':>11} {'peak_grads':>10}" if memory else ""))
     for row in result["per_rank"]:
-        print(f"{row['rank']:>4} {row['busy']:>10g} {row['idle']:>10g} {row['peak_activations']:>8}")
+        print(f"{row['rank']:>4} {row['busy']:>10g} {row['idle']:>10g} {row['peak_activations']:>8}"
+              + (f" {row['all_gathers']:>7}" if zero3 else "")
+              + (f" {format_bytes(row['peak_param_bytes']):>11} {format_bytes(row['peak_grad_bytes']):>10}"
+                 if memory else ""))
     if args.profile:
         print("\n".join(["memory per rank (bytes, at the profile's microbatch):",
                          *plan_cmds.memory_lines(result["memory"])]))

@@ -8,18 +8,18 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from duplexpipe.errors import ScheduleError
-from duplexpipe.schedules.ir import Schedule
+from duplexpipe.schedules.ir import Action, Op, Schedule
 from duplexpipe.schedules.layout import Layout, gc_paused
 from duplexpipe.schedules.lower import lower
 from duplexpipe.schedules.moe_cost import ExpertCost
 from duplexpipe.schedules.program import Durations, analyze, run_program
-from duplexpipe.schedules.timeline import Event, Span, Timeline
+from duplexpipe.schedules.timeline import Event, MemoryStep, Span, Timeline
 from duplexpipe.schedules.verify import explain_stuck
 
 _KEYS = {"f": "f", "b": "b", "w": "w", "fb": "fb", "f&b": "fb", "latency": "latency",
          "bandwidth": "bandwidth", "bytes": "activation_bytes", "activation_bytes": "activation_bytes",
          "stage_scale": "stage_scale", "moe_layers": "moe_layers", "dispatch": "dispatch", "combine": "combine",
-         "fb_overlap": "fb_overlap"}
+         "fb_overlap": "fb_overlap", "param_bytes": "param_bytes", "dp": "dp", "dp_bandwidth": "dp_bandwidth"}
 _FLAGS = ("stage_scale", "fb_overlap")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -63,12 +63,24 @@ class CostModel:
     fb_overlap: bool = True
     """An F&B pair of MoE stages runs interleaved at its exchanges (each hidden behind the other part's
     compute as far as it goes); False: the forward, then the backward. Ignored when `fb` is given."""
+    param_bytes: float = 0.0
+    """Bytes of one stage's parameters, unsharded (its gradients take as many); scaled like f, b and w under
+    `stage_scale`. Prices ZeRO-3's UNSHARD and REDUCE_GRAD and gives the memory curves (0: neither)."""
+    dp: int = 1
+    """Data-parallel replicas: a ZeRO-3 stage keeps param_bytes / dp at rest, and each all-gather or reduce-scatter
+    moves (dp - 1) / dp of param_bytes per rank."""
+    dp_bandwidth: float = math.inf
+    """Bytes per unit time of one rank in a data-parallel collective (inf: they take no time)."""
 
     def __post_init__(self) -> None:
-        for name in ("f", "b", "w", "latency", "activation_bytes", "dispatch", "combine"):
+        for name in ("f", "b", "w", "latency", "activation_bytes", "dispatch", "combine", "param_bytes"):
             _check_time(name, getattr(self, name))
         if isinstance(self.moe_layers, bool) or not isinstance(self.moe_layers, int) or self.moe_layers < 0:
             raise ValueError(f"cost moe_layers must be an int >= 0, got {self.moe_layers!r}")
+        if isinstance(self.dp, bool) or not isinstance(self.dp, int) or self.dp < 1:
+            raise ValueError(f"cost dp must be an int >= 1 (data-parallel replicas), got {self.dp!r}")
+        if not self.dp_bandwidth > 0 or math.isnan(self.dp_bandwidth):
+            raise ValueError(f"cost dp_bandwidth must be > 0 (bytes per unit time), got {self.dp_bandwidth!r}")
         if self.fb is not None:
             _check_time("fb", self.fb)
         if not self.bandwidth > 0 or math.isnan(self.bandwidth):
@@ -114,9 +126,21 @@ class CostModel:
         f, b, w = ([c[k] * scale for c in table] for k in range(3))
         return f, b, w
 
+    def stage_param_bytes(self, schedule: Schedule) -> list[float]:
+        """Per stage: its parameters' bytes, unsharded (`param_bytes`, scaled as f/b/w are under stage_scale)."""
+        scale = schedule.num_ranks / schedule.num_groups if self.stage_scale else 1.0
+        return [self.param_bytes * scale] * schedule.num_stages
+
+    def collective_times(self, schedule: Schedule) -> list[float]:
+        """Per stage: one all-gather (UNSHARD) or reduce-scatter (REDUCE_GRAD) of its parameters' bytes:
+        (dp - 1) / dp of them at `dp_bandwidth`."""
+        share = (self.dp - 1) / self.dp
+        return [size * share / self.dp_bandwidth for size in self.stage_param_bytes(schedule)]
+
     def durations(self, schedule: Schedule) -> Durations:
         """Per-stage action times for `schedule` (stage_costs and stage_scale applied; the MoE exchanges
-        added to F, B and I, and an F&B pair priced by the piece model unless `fb` is given)."""
+        added to F, B and I, an F&B pair priced by the piece model unless `fb` is given, and ZeRO-3's
+        collectives by `collective_times`)."""
         f, b, w = self.compute_times(schedule)
         ep = self.experts
         comm = ep.per_pass
@@ -124,8 +148,9 @@ class CostModel:
         fb = None if self.fb is None else [self.fb * scale] * len(f)
         if fb is None and comm:
             fb = [ep.pair(ff, bb, ww) for ff, bb, ww in zip(f, b, w, strict=True)]
+        gathers = self.collective_times(schedule)
         return Durations([x + comm for x in f], [x + comm for x in b],
-                         [bb - ww + comm for bb, ww in zip(b, w, strict=True)], w, fb)
+                         [bb - ww + comm for bb, ww in zip(b, w, strict=True)], w, fb, gathers, gathers)
 
     @staticmethod
     def parse(text: str) -> CostModel:
@@ -144,7 +169,7 @@ class CostModel:
             name = _KEYS.get(key.lower())
             if name is None:
                 raise ValueError(f"unknown cost key {key!r}; known keys: F, B, W, FB, latency, bandwidth, "
-                                 "bytes, stage_scale")
+                                 "bytes, stage_scale, param_bytes, dp, dp_bandwidth")
             if name in values:
                 raise ValueError(f"cost key {key!r} is given twice in {text!r}")
             values[name] = _parse_value(key, name, raw)
@@ -163,7 +188,7 @@ def _check_time(name: str, value: Any) -> None:
 
 
 def _parse_value(key: str, name: str, raw: str) -> Any:
-    if name == "moe_layers":
+    if name in ("moe_layers", "dp"):
         if not raw.isdigit():
             raise ValueError(f"cost key {key!r} needs a whole number >= 0, got {raw!r}")
         return int(raw)
@@ -201,8 +226,54 @@ def simulate(schedule: Schedule, cost: CostModel | None = None) -> Timeline:
             raise ScheduleError("simulation stuck: " + explain_stuck(lowered, layout, program, run).message)
         events = tuple(Event(rank, action, start, end)
                        for rank, row in enumerate(run.events) for action, start, end in row)
+        spans = tuple(Span(rank, FSDP_LANE, str(action), start, end) for rank, row in enumerate(run.collectives)
+                      for action, start, end in row if action.op is not Op.RESHARD)
     return Timeline(schedule.name, schedule.num_ranks, schedule.num_microbatches, events,
-                    spans=_exchange_spans(events, lowered, cost))
+                    spans=_exchange_spans(events, lowered, cost) + spans,
+                    memory=_memory(lowered, cost, run.events, run.collectives) if cost.param_bytes else ())
+
+
+FSDP_LANE = "fsdp"
+"""The lane of ZeRO-3's collectives in a simulated Timeline: each UNSHARD (all-gather) and REDUCE_GRAD
+(reduce-scatter) from when it starts to when it completes."""
+
+
+def _memory(schedule: Schedule, cost: CostModel, events: list[list[tuple[Action, float, float]]],
+            collectives: list[list[tuple[Action, float, float]]]) -> tuple[MemoryStep, ...]:
+    """Parameter and gradient bytes per rank over time.
+
+    With UNSHARD/RESHARD a stage keeps 1/dp of its parameters at rest and all of them from its all-gather's start
+    to its RESHARD; without, all of them throughout. A stage's gradients take all its bytes from the start of its
+    first B or W to the end of its REDUCE_GRAD, 1/dp after it; without REDUCE_GRAD, all of them to the end.
+    """
+    size = cost.stage_param_bytes(schedule)
+    sharded = schedule.has_fsdp and any(a.op is Op.UNSHARD for row in schedule.actions for a in row)
+    out: list[MemoryStep] = []
+    for rank in range(schedule.num_ranks):
+        mine = schedule.stages_of_rank(rank)
+        at_rest = sum(size[s] / cost.dp if sharded else size[s] for s in mine)
+        deltas: list[tuple[float, int, float, float]] = []  # (time, order: frees first, params, grads)
+        first_grad: dict[int, float] = {}
+        for action, start, _ in events[rank]:
+            for part in action.compute_parts():
+                if part.op is Op.B or part.op is Op.W:
+                    first_grad.setdefault(part.stage, start)
+        for stage, start in first_grad.items():
+            deltas.append((start, 1, 0.0, size[stage]))
+        for action, start, end in collectives[rank]:
+            stage = action.stage
+            if action.op is Op.UNSHARD:
+                deltas.append((start, 1, size[stage], 0.0))
+            elif action.op is Op.RESHARD:
+                deltas.append((start, 0, -size[stage], 0.0))
+            else:
+                deltas.append((end, 0, 0.0, size[stage] / cost.dp - size[stage]))
+        params, grads = at_rest, 0.0
+        out.append(MemoryStep(rank, 0.0, params, grads))
+        for time, _, dp_, dg in sorted(deltas):
+            params, grads = params + dp_, grads + dg
+            out.append(MemoryStep(rank, time, params, grads))
+    return tuple(out)
 
 
 def _exchange_spans(events: tuple[Event, ...], schedule: Schedule, cost: CostModel) -> tuple[Span, ...]:
@@ -221,7 +292,10 @@ def _exchange_spans(events: tuple[Event, ...], schedule: Schedule, cost: CostMod
 
 
 def summary(timeline: Timeline) -> dict[str, Any]:
-    """makespan, bubble_ratio and per_rank [{rank, busy, idle, peak_activations}] of `timeline`."""
+    """makespan, bubble_ratio and per_rank [{rank, busy, idle, peak_activations}] of `timeline`; with ZeRO-3
+    collectives also step_time (from the first all-gather's start to the last collective's end) and per rank
+    all_gathers, and with memory steps
+    peak_param_bytes and peak_grad_bytes."""
     by_rank: list[list[Event]] = [[] for _ in range(timeline.num_ranks)]
     for event in timeline.events:
         by_rank[event.rank].append(event)
@@ -232,6 +306,16 @@ def summary(timeline: Timeline) -> dict[str, Any]:
         busy = alone.busy(rank)
         rows.append({"rank": rank, "busy": busy, "idle": span - busy,
                      "peak_activations": alone.peak_activations(rank)})
+        if timeline.memory:
+            rows[-1]["peak_param_bytes"], rows[-1]["peak_grad_bytes"] = timeline.peak_memory(rank)
+        gathers = [s for s in timeline.spans if s.lane == FSDP_LANE and s.rank == rank]
+        if gathers:
+            rows[-1]["all_gathers"] = sum(s.name.endswith("UNSHARD") for s in gathers)
     idle = sum(row["idle"] for row in rows)
     ratio = idle / (timeline.num_ranks * span) if span > 0 else 0.0
-    return {"makespan": span, "bubble_ratio": ratio, "per_rank": rows}
+    out = {"makespan": span, "bubble_ratio": ratio, "per_rank": rows}
+    lane = [s for s in timeline.spans if s.lane == FSDP_LANE]
+    if lane:
+        first = min(timeline.start, min(s.start for s in lane))
+        out["step_time"] = max(timeline.start + span, max(s.end for s in lane)) - first
+    return out

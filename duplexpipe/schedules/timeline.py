@@ -1,4 +1,4 @@
-"""Timeline: timed compute actions per rank, produced by the simulator and by the runtime trace."""
+"""Timeline: timed compute actions per rank, with extra lanes and memory steps, from the simulator or a run."""
 
 from __future__ import annotations
 
@@ -41,6 +41,17 @@ class Span:
     end: float
 
 
+@dataclass(frozen=True, slots=True)
+class MemoryStep:
+    """From `time` on (until the rank's next step), `rank` holds `params` bytes of parameters (shards at rest and
+    unsharded stages) and `grads` bytes of gradients (unsharded until reduced, then shards)."""
+
+    rank: int
+    time: float
+    params: float
+    grads: float
+
+
 @dataclass(frozen=True)
 class Timeline:
     """What ran where and when; `source` is "simulated" or "measured"."""
@@ -53,6 +64,9 @@ class Timeline:
     unit: str = "cost units"
     spans: tuple[Span, ...] = ()
     """Extra lanes (see Span); the schedule's events and every figure derived from them ignore these."""
+    memory: tuple[MemoryStep, ...] = ()
+    """Parameter and gradient bytes per rank over time, in time order per rank (see MemoryStep; empty unless the
+    simulator was given parameter bytes)."""
 
     def rank_events(self, rank: int) -> list[Event]:
         """The events of one rank ordered by start."""
@@ -123,6 +137,15 @@ class Timeline:
         """The most activations live at once on `rank`."""
         return max((live for _, live in self.activation_curve(rank)), default=0)
 
+    def memory_curve(self, rank: int) -> list[MemoryStep]:
+        """The memory steps of `rank` in time order."""
+        return [m for m in self.memory if m.rank == rank]
+
+    def peak_memory(self, rank: int) -> tuple[float, float]:
+        """(most parameter bytes, most gradient bytes) `rank` holds at once (0, 0 without memory steps)."""
+        curve = self.memory_curve(rank)
+        return max((m.params for m in curve), default=0.0), max((m.grads for m in curve), default=0.0)
+
     def lanes(self) -> list[str]:
         """The names of the extra lanes, in order of first appearance."""
         return list(dict.fromkeys(s.lane for s in self.spans))
@@ -139,6 +162,8 @@ class Timeline:
         }
         if self.spans:
             out["spans"] = [[s.rank, s.lane, s.name, s.start, s.end] for s in self.spans]
+        if self.memory:
+            out["memory"] = [[m.rank, m.time, m.params, m.grads] for m in self.memory]
         return out
 
     @staticmethod
@@ -149,7 +174,8 @@ class Timeline:
                            for r, a, s, t in data["events"])
             spans = tuple(Span(int(r), str(lane), str(name), float(s), float(t))
                           for r, lane, name, s, t in data.get("spans", ()))
+            memory = tuple(MemoryStep(int(r), float(t), float(p), float(g)) for r, t, p, g in data.get("memory", ()))
             return Timeline(data["schedule"], int(data["ranks"]), int(data["microbatches"]),
-                            events, data.get("source", "simulated"), data.get("unit", "cost units"), spans)
+                            events, data.get("source", "simulated"), data.get("unit", "cost units"), spans, memory)
         except (KeyError, TypeError, ValueError) as exc:
             raise ScheduleError(f"malformed timeline: {exc}") from None

@@ -65,6 +65,7 @@ def plot_timeline_lanes(timeline: Timeline, path: str | os.PathLike[str] | None 
 LANE_MEANINGS = {
     "dp": "dp = data-parallel bucket reductions from start to completion, and the final wait",
     "ep": "ep = expert-parallel all-to-alls (MoE dispatch and combine) from issue to completion",
+    "fsdp": "fsdp = ZeRO-3's all-gathers (UNSHARD) and reduce-scatters (REDUCE_GRAD) from start to completion",
 }
 
 

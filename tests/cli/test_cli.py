@@ -471,3 +471,42 @@ def test_console_script_help_runs() -> None:
     assert proc.returncode == 0
     for command in (*COMMANDS, "train"):
         assert command in proc.stdout
+
+
+def test_verify_refuses_mis_ordered_zero3_collectives_naming_the_cycle(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "zero3.json"
+    code, out, _ = run(capsys, "export", "dualpipe", "-p", "2", "-m", "4", "--zero-stage", "3", "--comms",
+                       "--format", "json", "-o", str(path))
+    assert code == 0
+    data = json.loads(path.read_text())
+    assert data["actions"][0][-2:] == ["0REDUCE_GRAD", "3REDUCE_GRAD"]
+    assert run(capsys, "verify", str(path))[0] == 0
+    data["actions"][0][-2:] = ["3REDUCE_GRAD", "0REDUCE_GRAD"]
+    path.write_text(json.dumps(data))
+    code, out, _ = run(capsys, "verify", str(path))
+    assert code == 1
+    assert "cycle: rank 0: 3REDUCE_GRAD -> 0REDUCE_GRAD => rank 1: 2REDUCE_GRAD -> 1REDUCE_GRAD" in out
+
+
+def test_simulate_zero3_shows_gathers_and_memory(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "simulate", "zbv", "-p", "2", "-m", "4", "--zero-stage", "3", "--reshard-window",
+                       "1", "--cost", "param_bytes=1e8,dp=4,dp_bandwidth=1e8", "--json")
+    assert code == 0
+    result = json.loads(out)
+    assert [r["all_gathers"] for r in result["per_rank"]] == [7, 13]
+    assert result["step_time"] > result["makespan"] and result["per_rank"][0]["peak_param_bytes"] > 0
+    code, out, _ = run(capsys, "simulate", "zbv", "-p", "2", "-m", "4", "--zero-stage", "3", "--cost",
+                       "param_bytes=1e8,dp=4")
+    assert code == 0 and "gathers peak_params peak_grads" in out
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (("--reshard-window", "1"), "--reshard-window needs --zero-stage 3"),
+    (("--zero-stage", "3", "--reshard-window", "3"), "reshard window must be a whole number of stages from 1 to 2"),
+    (("--zero-stage", "3", "--unshard-lookahead", "-1"), "lookahead must be a whole number"),
+])
+def test_zero3_flags_refuse_bad_values(capsys: pytest.CaptureFixture[str], argv: tuple[str, ...],
+                                       needle: str) -> None:
+    code, out, err = run(capsys, "verify", "zbv", "-p", "2", "-m", "4", *argv)
+    assert code == 2 and needle in err

@@ -201,3 +201,67 @@ def test_cost_model_rejects_bad_stage_costs() -> None:
     with pytest.raises(TypeError):
         frozen.stage_costs[1] = (1.0, 1.0, 1.0)  # type: ignore[index]
     assert frozen.to_dict()["stage_costs"] == {"0": [1.0, 2.0, 1.0]}
+
+
+ZERO3 = CostModel(param_bytes=100.0, dp=4, dp_bandwidth=150.0)
+"""One stage's all-gather or reduce-scatter moves 75 bytes at 150 per unit: 0.5 units."""
+
+
+def _zero3(window: int, lookahead: int, name: str = "zbv") -> Timeline:
+    from duplexpipe.schedules.shard import add_unshard_reshard
+
+    return simulate(add_unshard_reshard(registry.build(name, 2, 4), window, lookahead), ZERO3)
+
+
+def test_collectives_cost_bytes_over_bandwidth_and_sit_on_their_lane() -> None:
+    tl = _zero3(2, 0)
+    gathers = [s for s in tl.spans if s.lane == "fsdp" and s.rank == 0]
+    assert [s.name for s in gathers] == ["0UNSHARD", "3UNSHARD", "3REDUCE_GRAD", "0REDUCE_GRAD"]
+    assert all(s.end - s.start == pytest.approx(0.5) for s in gathers)
+    assert ZERO3.collective_times(registry.build("zbv", 2, 4)) == [0.5] * 4
+
+
+def test_an_unshard_issued_ahead_runs_beside_compute() -> None:
+    plain = simulate(registry.build("zbv", 2, 4), ZERO3).makespan
+    late, early = _zero3(2, 0), _zero3(2, 2)
+    assert late.makespan == pytest.approx(plain + 0.5)  # 3F0 waits for 3UNSHARD, issued right before it
+    assert early.makespan == pytest.approx(plain)  # 3UNSHARD runs beside 0F0 and 0F1
+    # the step: the first all-gather (nothing to hide it behind), the computes, the last reduce-scatter
+    assert summary(early)["step_time"] == pytest.approx(0.5 + plain + 0.5)
+
+
+def test_first_gather_is_exposed_with_lookahead_on_one_stage_per_rank() -> None:
+    plain = simulate(registry.build("1f1b", 2, 4), ZERO3).makespan
+    out = _zero3(1, 3, "1f1b")
+    assert out.makespan == pytest.approx(plain) and min(e.start for e in out.events) == 0.5
+    assert summary(out)["step_time"] == pytest.approx(0.5 + plain + 0.5)
+
+
+def test_memory_counts_shards_unsharded_stages_and_gradients() -> None:
+    narrow, wide = summary(_zero3(1, 1)), summary(_zero3(2, 1))
+    assert [r["peak_param_bytes"] for r in narrow["per_rank"]] == [150.0, 150.0]  # 2 shards of 25 + one stage
+    assert [r["peak_param_bytes"] for r in wide["per_rank"]] == [250.0, 250.0]
+    assert [r["all_gathers"] for r in narrow["per_rank"]] == [7, 13] and [r["all_gathers"] for r in
+                                                                        wide["per_rank"]] == [2, 2]
+    tl = _zero3(1, 1)
+    last = tl.memory_curve(0)[-1]
+    assert (last.params, last.grads) == (50.0, 50.0)  # shards only at the end of the step
+    assert max(m.grads for m in tl.memory_curve(0)) == 200.0
+    plain = simulate(registry.build("zbv", 2, 4), ZERO3)
+    assert plain.peak_memory(0) == (200.0, 200.0)  # no ZeRO-3 actions: whole parameters and gradients
+
+
+def test_timeline_with_memory_round_trips() -> None:
+    tl = _zero3(1, 1)
+    assert Timeline.from_dict(tl.to_dict()) == tl
+    assert simulate(registry.build("zbv", 2, 4)).memory == ()
+
+
+@pytest.mark.parametrize("text,needle", [("dp=0", "cost dp must be an int >= 1"), ("dp=1.5", "whole number"),
+                                         ("dp_bandwidth=0", "dp_bandwidth must be > 0"),
+                                         ("param_bytes=-1", "param_bytes must be a finite number")])
+def test_zero3_cost_keys(text: str, needle: str) -> None:
+    assert CostModel.parse("param_bytes=4e6,dp=8,dp_bandwidth=1e9") == CostModel(param_bytes=4e6, dp=8,
+                                                                                dp_bandwidth=1e9)
+    with pytest.raises(ValueError, match=needle):
+        CostModel.parse(text)
