@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -68,6 +68,11 @@ class MemoryReport:
         optimizer stepped (its first step creates them), when everything the step's end held is still there."""
         end = self.curve[-1].total if self.curve else 0
         return replace(self, optimizer=after, total_peak=max(self.total_peak + during, end + after))
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready form (the curve as a list of dicts)."""
+        return {**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "curve"},
+                "curve": [asdict(p) for p in self.curve]}
 
     def curve_of(self, kind: str = "total") -> list[tuple[float, int]]:
         """(seconds since the step's start, bytes) after each action, of one of KINDS or "total"."""

@@ -320,8 +320,8 @@ class Pipeline:
             self.tensor.begin_window()
         self.dp.begin_call(final, scale * (self._window_weight + weight))
         wire = self.dp.meter.total_bytes
-        observe = cfg.observe
-        optimizer_during = optimizer_bytes(self.optimizer) if observe.measure_memory else 0  # with record_tp_lane: the TP collectives on the timeline's "tp" lane
+        observe = cfg.observe  # with record_tp_lane: the TP collectives on the timeline's "tp" lane
+        optimizer_during = optimizer_bytes(self.optimizer) if observe.measure_memory else 0
         with (self.compiled.watching(f"step {self.calls}"),
               self.tensor.timed(observe.record_timeline and observe.record_tp_lane)):
             result = self.runtime.step(inputs, targets, loss_scale=scale * weight)

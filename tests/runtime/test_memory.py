@@ -96,7 +96,8 @@ def _measure(schedule: str) -> dict[str, Any]:
     params = sum(p.numel() * p.element_size() for p in held)
     return {"activations": [r.activations_peak for r in reports], "predicted": predicted.activations,
             "params": report.params_peak, "grads": report.grads_peak, "optimizer": report.optimizer,
-            "messages": report.messages_peak, "total": report.total_peak, "param_bytes": params, "param_count": len(held),
+            "messages": report.messages_peak, "total": report.total_peak,
+            "param_bytes": params, "param_count": len(held),
             "points": len(report.curve), "actions": len(pipe.runtime.plan.actions),
             "sum_of_peaks": report.params_peak + report.grads_peak + report.activations_peak
             + report.messages_peak + report.optimizer, "first": reports[0].optimizer}
