@@ -446,17 +446,20 @@ def draw_memory(ax: Axes, timeline: Timeline, frame: Frame, memory: MemoryCurves
             ax.step(xs, [base - 0.84 * y / peak for y in ys], where="post", color="#C0392B", linewidth=0.9,
                     linestyle="--", zorder=3)
         if i % step == 0:
-            tops_text = [f"{_bytes(max((b for _, b in c), default=0))}" for c in (measured[rank], model[rank]) if c]
-            ax.annotate(" / ".join(tops_text), xy=(1.0, i), xycoords=("axes fraction", "data"), xytext=(6, 0),
+            tops = [max((b for _, b in c), default=0.0) for c in (measured[rank], model[rank]) if c]
+            ax.annotate(_bytes(*tops), xy=(1.0, i), xycoords=("axes fraction", "data"), xytext=(6, 0),
                         textcoords="offset points", ha="left", va="center", fontsize=7, annotation_clip=False)
     both = "measured (filled) and predicted (dashed)" if predicted else "measured"
     ax.set_title(f"{memory.what} per rank, bytes: {both}, peaks at the right (full strip = {_bytes(peak)})",
                  fontsize=8.5, loc="left", color="#333333")
 
 
-def _bytes(value: float) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if abs(value) < 1024:
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} GiB"
+def _bytes(*values: float) -> str:
+    """`values` in one unit, "/"-separated: `4.0/3.9 KiB`."""
+    top, scale, unit = max(values, default=0.0), 1.0, "B"
+    for name in ("KiB", "MiB", "GiB"):
+        if top < 1024 * scale:
+            break
+        scale, unit = scale * 1024, name
+    digits = 0 if unit == "B" else 1
+    return "/".join(f"{v / scale:.{digits}f}" for v in values) + f" {unit}"

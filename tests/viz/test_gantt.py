@@ -150,7 +150,7 @@ def test_memory_strip_draws_measured_and_predicted_bytes(tmp_path: Path) -> None
     fig = strict(plot_timeline, timeline, path, activations=True, memory=MemoryCurves(measured, predicted))
     assert path.stat().st_size > 0 and len(fig.axes) == 2
     peaks = [t.get_text() for t in fig.axes[1].texts]
-    assert peaks[0] == f"{0.5 * P:.1f} KiB / {P:.1f} KiB"
+    assert peaks[0] == f"{0.5 * P:.1f}/{P:.1f} KiB"
     assert "measured (filled) and predicted (dashed)" in fig.axes[1].get_title(loc="left")
     alone = plot_timeline(timeline, None, activations=True, memory=MemoryCurves(measured))
     assert "predicted" not in alone.axes[1].get_title(loc="left")
