@@ -119,6 +119,7 @@ def _train_checked(args: argparse.Namespace, config: TrainConfig, out: IO[str]) 
     """Check everything the ranks would fail on (the task first: named by a config file it must be annotated), then
     train and print the summary."""
     from duplexpipe.launch.checks import check_training  # imports torch: after the checks that need none
+    from duplexpipe.launch.metrics import memory_summary
     from duplexpipe.launch.train_loop import load_task, run_training
     from duplexpipe.train.pipeline_config import is_schedule_file
 
@@ -149,6 +150,8 @@ def _train_checked(args: argparse.Namespace, config: TrainConfig, out: IO[str]) 
         if result.send_bytes:
             sends = config.pipeline.precision.p2p_compression or "none"
             out.write(f"stage-to-stage sends ({sends}): {result.send_bytes:,.0f} bytes each on rank 0\n")
+        for line in memory_summary(result.memory):
+            out.write(f"{line}\n")
         if result.timeline is not None:
             out.write(f"last step: makespan {result.timeline.makespan * 1e3:.1f} ms, "
                       f"bubble ratio {result.timeline.bubble_ratio:.1%}\n")

@@ -8,13 +8,17 @@ import math
 import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from duplexpipe.runtime.memory import MemoryReport
 
 log = logging.getLogger("duplexpipe.metrics")
 
 WriterFactory = Callable[[str], Any]
 """Builds a TensorBoard-style writer (`add_scalar(tag, value, step)`, `flush()`, `close()`) for a folder."""
-SCALARS = ("loss", "lr", "grad_norm", "items_per_s", "bubble", "eval_loss", "peak_saved_bytes")
+SCALARS = ("loss", "lr", "grad_norm", "items_per_s", "bubble", "eval_loss", "peak_saved_bytes",
+           "peak_memory_bytes")
 """The per-step values that also go to TensorBoard (as train/<name>, eval_loss as eval/loss)."""
 TAGS = {"eval_loss": "eval/loss"}
 """TensorBoard tags that are not train/<name>."""
@@ -125,3 +129,14 @@ def log_line(step: int, total: int, values: Mapping[str, Any], unit: str) -> str
     if values.get("items_per_s"):
         parts.append(f"{values['items_per_s']:,.0f} {unit}/s")
     return "  ".join(parts)
+
+
+def memory_summary(reports: list[MemoryReport]) -> list[str]:
+    """The end-of-run lines of the measured memory: one per pipeline rank (`MemoryReport.summary`), then the
+    largest peak over the ranks."""
+    if not reports:
+        return []
+    top = max(reports, key=lambda r: r.total_peak)
+    return ["measured memory of the last step, per rank (peaks over its actions; total = the peak of the sum):",
+            *(f"  {r.summary()}" for r in reports),
+            f"  largest: rank {top.rank}, {top.total_peak:,} bytes"]

@@ -31,6 +31,7 @@ from duplexpipe.launch.train_config import DEFAULT_TASK, TrainConfig, lr_factor
 from duplexpipe.model.stages import PartInit
 from duplexpipe.parallel.mesh import make_mesh
 from duplexpipe.runtime.backend import default_device
+from duplexpipe.runtime.memory import MemoryReport
 from duplexpipe.schedules.timeline import Timeline
 from duplexpipe.tp.plans import TPPlan
 from duplexpipe.train.pipeline_config import AUTO
@@ -108,6 +109,9 @@ class TrainResult:
     """(step, mean held-out loss) of every evaluation this run made (`eval_every`)."""
     item_name: str = "samples"
     """What the throughput counts (the task's `item_name`)."""
+    memory: list[MemoryReport] = field(default_factory=list)
+    """The last step's measured memory of every pipeline rank (dp replica 0), in rank order; empty unless
+    `observe.measure_memory` was on."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -348,6 +352,7 @@ def _train(config: TrainConfig) -> TrainResult | None:
         pipe.save_pretrained(config.checkpoint.save_pretrained)
     last = pipe.last.timeline if pipe.last is not None else None
     timeline = gather_timeline(last, group=pipe.groups.pp_group) if last is not None else None
+    memory = gather_memory(pipe)
     if not lead:
         return None
     partition = str(pipe.partition) if pipe.partition is not None else ""
@@ -355,7 +360,17 @@ def _train(config: TrainConfig) -> TrainResult | None:
     send_bytes = pipe.p2p_meter.bytes.get("send", 0.0) / sends if sends else 0.0
     plan = pipe.plan.summary() if pipe.auto is None else f"{pipe.auto.summary()}\n{pipe.auto.result.table(5)}"
     return TrainResult(losses, rate, timeline, partition, wall, config, start, send_bytes, pipe.schedule.name, plan,
-                       evals, task.item_name)
+                       evals, task.item_name, memory)
+
+
+def gather_memory(pipe: Pipeline) -> list[MemoryReport]:
+    """Every pipeline rank's measured memory of the last step, in rank order (collective over the pipeline group
+    when measured; empty, without a collective, when not)."""
+    if not pipe.config.observe.measure_memory or pipe.last is None or pipe.last.memory is None:
+        return []
+    reports: list[Any] = [None] * dist.get_world_size(pipe.groups.pp_group)
+    dist.all_gather_object(reports, pipe.last.memory, group=pipe.groups.pp_group)
+    return [r for r in reports if r is not None]
 
 
 def _loop(pipe: Pipeline, task: TrainTask, config: TrainConfig, start: int, metrics: MetricsLog | None,
@@ -397,6 +412,8 @@ def _loop(pipe: Pipeline, task: TrainTask, config: TrainConfig, start: int, metr
                   "items_per_s": step_items / (now - tick), "bubble": bubble}
         if pipe.last is not None and pipe.last.peak_saved_bytes:
             values["peak_saved_bytes"] = pipe.last.peak_saved_bytes
+        if pipe.last is not None and pipe.last.memory is not None:  # this rank's (rank 0 writes the metrics)
+            values["peak_memory_bytes"] = pipe.last.memory.total_peak
         if pipe.last is not None and pipe.last.skipped:  # NaN/inf gradients (fp16 overflow or nonfinite_grads "skip")
             values["skipped"] = True
             if lead and config.pipeline.precision.dtype != "fp16":
@@ -459,7 +476,7 @@ def _check_batch(pipe: Pipeline, config: TrainConfig, step: int, start: int, x: 
 
 
 def write_outputs(result: TrainResult, out_dir: str) -> None:
-    """losses.json, timeline.json and partition.txt in `out_dir`."""
+    """losses.json, timeline.json, partition.txt and (measured) memory.json in `out_dir`."""
     path = Path(out_dir)
     path.mkdir(parents=True, exist_ok=True)
     summary = {"losses": result.losses, "start_step": result.start_step, "items_per_s": result.items_per_s,
@@ -467,6 +484,9 @@ def write_outputs(result: TrainResult, out_dir: str) -> None:
     (path / "losses.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     if result.timeline is not None:
         (path / "timeline.json").write_text(json.dumps(result.timeline.to_dict()) + "\n", encoding="utf-8")
+    if result.memory:
+        (path / "memory.json").write_text(json.dumps([m.to_dict() for m in result.memory]) + "\n",
+                                          encoding="utf-8")
     (path / "partition.txt").write_text(result.partition + "\n", encoding="utf-8")
 
 

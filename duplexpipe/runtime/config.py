@@ -13,6 +13,7 @@ from duplexpipe.comm.codec import Codec, check_codec
 from duplexpipe.comm.meter import WireMeter
 from duplexpipe.comm.nonfinite import check_policy
 from duplexpipe.fielddoc import documented
+from duplexpipe.runtime.memory import MemoryReport
 from duplexpipe.schedules.timeline import Timeline
 
 GradsReadyHook = Callable[[int], None]
@@ -102,6 +103,12 @@ class RuntimeConfig:
     excluded, the rule `profile_parts` uses) and report each step's peak over this rank in
     StepResult.peak_saved_bytes. Off by default: a Python hook per saved tensor costs a few percent of an
     overhead-bound step. False: not counted (peak_saved_bytes stays 0)."""
+    measure_memory: bool = False
+    """Measure what this rank holds over each training step (`duplexpipe.runtime.memory`): after every action,
+    the bytes of its stage modules' parameters and gradients, of the activations kept for backward (counted as
+    count_saved_bytes counts them, per storage) and of the mail, each storage once; reported in
+    StepResult.memory with the curve. Walks those tensors after every action, so off by default; False: the
+    step runs its usual handlers (StepResult.memory is None)."""
     recv_lookahead: int = 2
     """On gloo, on steps whose message shapes are already known: how many receives from
     each peer are posted ahead of where the schedule lists them. Receive i from a peer is posted when the
@@ -131,7 +138,7 @@ class RuntimeConfig:
                              f"got {self.p2p_meter!r}")
         if not isinstance(self.recv_lookahead, int) or isinstance(self.recv_lookahead, bool):
             raise ValueError(f"RuntimeConfig.recv_lookahead must be an int, got {self.recv_lookahead!r}")
-        for name in ("check_inputs_every_step", "count_saved_bytes", "fb_overlap"):
+        for name in ("check_inputs_every_step", "count_saved_bytes", "fb_overlap", "measure_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"RuntimeConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -144,10 +151,10 @@ class StepResult:
     evaluate() on the runtime has already completed it.
     """
 
-    __slots__ = ("_loss", "timeline", "peak_activations", "peak_saved_bytes")
+    __slots__ = ("_loss", "timeline", "peak_activations", "peak_saved_bytes", "memory")
 
     def __init__(self, loss: float | Callable[[], float], timeline: Timeline | None,
-                 peak_activations: int, peak_saved_bytes: int = 0) -> None:
+                 peak_activations: int, peak_saved_bytes: int = 0, memory: MemoryReport | None = None) -> None:
         self._loss = loss
         self.timeline = timeline
         """This rank's measured compute events (source "measured", unit "s"); None when disabled."""
@@ -156,6 +163,8 @@ class StepResult:
         self.peak_saved_bytes = peak_saved_bytes
         """The most bytes those activations kept for backward at once on this rank during the step, each
         counted from the end of its F to the end of its B or W (RuntimeConfig.count_saved_bytes; 0 when off)."""
+        self.memory = memory
+        """What this rank held over the step, measured (RuntimeConfig.measure_memory; None when off)."""
 
     @property
     def loss(self) -> float:
@@ -170,18 +179,18 @@ class StepResult:
     def __repr__(self) -> str:
         loss = "<pending>" if callable(self._loss) else repr(self._loss)
         return (f"StepResult(loss={loss}, timeline={self.timeline!r}, peak_activations={self.peak_activations}, "
-                f"peak_saved_bytes={self.peak_saved_bytes})")
+                f"peak_saved_bytes={self.peak_saved_bytes}, memory={self.memory!r})")
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, StepResult):
             return NotImplemented
-        return ((self.loss, self.timeline, self.peak_activations, self.peak_saved_bytes)
-                == (other.loss, other.timeline, other.peak_activations, other.peak_saved_bytes))
+        return ((self.loss, self.timeline, self.peak_activations, self.peak_saved_bytes, self.memory)
+                == (other.loss, other.timeline, other.peak_activations, other.peak_saved_bytes, other.memory))
 
     __hash__ = None  # type: ignore[assignment]  # mutable, like the dataclass it replaces
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (StepResult, (self.loss, self.timeline, self.peak_activations, self.peak_saved_bytes))
+        return (StepResult, (self.loss, self.timeline, self.peak_activations, self.peak_saved_bytes, self.memory))
 
 
 @documented

@@ -96,7 +96,7 @@ class Dispatcher:
                     act, produced = self._forward(step, compute, mb, message)
                 if act is not None:
                     meter.keep(act.inputs)
-                    act.saved_bytes = meter.total
+                    act.saved_bytes, act.saved = meter.total, meter.storages
             if act is not None:
                 act.slot = slot
                 step.acts.hold(stage, mb, act)

@@ -25,6 +25,7 @@ from duplexpipe.runtime.config import EvalResult, Residency, RuntimeConfig, Step
 from duplexpipe.runtime.dispatch import Dispatcher
 from duplexpipe.runtime.handshake import group_store, handshake, shared_nonce
 from duplexpipe.runtime.loss_sum import LossSum
+from duplexpipe.runtime.memory import MeasuredActivations, StepMemory, measured
 from duplexpipe.runtime.message_meta import Message, MessageMeta
 from duplexpipe.runtime.messages import Mailbox, Mailroom, Slot
 from duplexpipe.runtime.preflight import verdict
@@ -105,7 +106,8 @@ class PipelineRuntime:
         self.transport = MailTransport(group, self.device, self.watchdog, meter=self.config.p2p_meter)
         self.nonfinite = NonFiniteWatch(self.config.nonfinite_sends)
         """Counts (and reports) sends through a codec whose tensor held NaN or inf."""
-        self.stages = {s: StageCompute(s, m, self.config.autocast_dtype, self.config.count_saved_bytes,
+        counting = self.config.count_saved_bytes or self.config.measure_memory
+        self.stages = {s: StageCompute(s, m, self.config.autocast_dtype, counting,
                                        part=schedule.stages[s].group) for s, m in self.modules.items()}
         self._global_ranks = [self.transport.global_rank(r) for r in range(schedule.num_ranks)]
         self.mirror = (MirrorSum(schedule, self.rank, self.modules, group, self._global_ranks, self.watchdog)
@@ -134,6 +136,9 @@ class PipelineRuntime:
         self._pending: LossSum | None = None
         """The latest step's loss sum until something waited for it."""
         self._handlers = self.dispatch.handlers()
+        self._measured = ({op: measured(h) for op, h in self._handlers.items()}
+                          if self.config.measure_memory else self._handlers)
+        """The handlers of a measured step: each action followed by a sample of the step's memory."""
 
     def drive_residency(self, residency: Residency) -> None:
         """Run the schedule's UNSHARD / RESHARD / REDUCE_GRAD actions (`schedules.shard`) on `residency` (ZeRO-3's
@@ -220,7 +225,8 @@ class PipelineRuntime:
         self._pending = step.loss
         loss = functools.partial(self._read, step.loss) if step.loss is not None else 0.0
         return StepResult(loss=loss, timeline=self._timeline(step), peak_activations=step.acts.peak,
-                          peak_saved_bytes=step.acts.peak_bytes)
+                          peak_saved_bytes=step.acts.peak_bytes,
+                          memory=step.memory.report() if step.memory is not None else None)
 
     def evaluate(self, inputs: Any, targets: Any = None) -> EvalResult:
         """Forward only (the schedule's F actions in order, no autograd).
@@ -308,15 +314,27 @@ class PipelineRuntime:
         weights = [r / found.batch for r in microbatch_rows(found.batch, self.schedule.num_microbatches)]
         with self._stopping():  # the loss sum posts its receives (and a share) as it starts
             loss = self._loss_sum(train, plan) if train or found.target_rows >= 0 else None
+            measuring = train and self.config.measure_memory
+            acts = MeasuredActivations(self.rank) if measuring else Activations(self.rank)
             step = Step(train, self._step_no, found, plan, weights, float(loss_scale), batch, targets_of, loss,
-                        Mailbox.of(self._step_no, train, cached), Activations(self.rank),
+                        Mailbox.of(self._step_no, train, cached), acts,
                         Tracer(self.rank, self.device, self.config.record_timeline))
+            if isinstance(acts, MeasuredActivations):
+                step.memory = acts.memory = self._measure(step)
             if train and self.mirror is not None:
                 step.set_aside = self.mirror.set_aside()
         self.driver.log = step.exchanges if self.config.record_timeline else None
         self.origin = step.trace.origin
         self.running = step
         return step
+
+    def _measure(self, step: Step) -> StepMemory:
+        """The memory measurement of a step, with its first sample (what the rank holds as the step starts)."""
+        mail, transport = step.mail, self.transport
+        memory = StepMemory(self.rank, self.modules, step.acts, lambda: mail.held() + transport.held(), self.device,
+                            step.trace.origin)
+        memory.sample("start")
+        return memory
 
     def _to_device(self, tensor: Tensor) -> Tensor:
         return tensor.to(self.device)
@@ -361,7 +379,7 @@ class PipelineRuntime:
         plan = step.plan
         actions = plan.actions if step.train else plan.eval_actions
         after = self._after(step)
-        handlers = self._handlers
+        handlers = self._handlers if step.memory is None else self._measured
         reap = None if self.watchdog.gloo else self.transport.reap  # gloo: sends are released by finish()
         with self._stopping(at):
             for pos, action in enumerate(actions):
@@ -373,6 +391,8 @@ class PipelineRuntime:
                     after[pos]()
             at[0] = None
             self.transport.finish()
+            if step.memory is not None:
+                step.memory.sample("end")
             if step.loss is not None:
                 step.loss.post()
             self.nonfinite.read(step.mail.unread)

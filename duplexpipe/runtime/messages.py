@@ -65,6 +65,13 @@ class Mailbox:
         they are), or None to learn them now (each announced through the store)."""
         return cls(step, train, {} if shapes is None else shapes, shapes is None)
 
+    def held(self) -> list[Tensor]:
+        """The tensors its messages hold now: local handoffs not yet consumed and payloads waiting for their SEND."""
+        held = [t for message in self.local_fwd.values() for t in message.leaves]
+        held += [t for grads in self.local_grad.values() for t in grads if t is not None]
+        held += [t for payloads in self.outbox.values() for t in payloads]
+        return held
+
     def leftovers(self) -> list[str]:
         """Descriptions of messages the step left unconsumed (empty after a complete step)."""
         found = []

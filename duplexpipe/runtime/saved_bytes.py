@@ -10,7 +10,11 @@ from torch import Tensor
 
 
 def storage_key(tensor: Tensor) -> tuple[int, int]:
-    """(storage address, storage bytes) of `tensor`; its own extent for tensors without a plain storage."""
+    """(storage address, storage bytes) of `tensor` (a DTensor: of its local shard); its own extent for tensors
+    without a plain storage."""
+    local = getattr(tensor, "_local_tensor", None)  # a DTensor holds its local shard, not the global shape
+    if isinstance(local, Tensor):
+        tensor = local
     try:
         storage = tensor.untyped_storage()
         return storage.data_ptr(), storage.nbytes()
@@ -39,6 +43,12 @@ class SavedBytes:
     def total(self) -> int:
         """Bytes counted since the last reset or start."""
         return sum(self._seen.values())
+
+    @property
+    def storages(self) -> dict[int, int]:
+        """What was counted since the last reset or start, storage address -> bytes (each start or reset begins a
+        new dict, so the one returned may be kept: the runtime's measured memory unions them per storage)."""
+        return self._seen
 
     def reset(self) -> None:
         """Forget what was counted."""

@@ -47,6 +47,8 @@ class Activation:
     """Set by I: the deferred W."""
     saved_bytes: int = 0
     """What its forward keeps for backward (`SavedBytes`); 0 when not counted."""
+    saved: dict[int, int] | None = None
+    """The same per storage, address -> bytes (`SavedBytes.storages`); None when not counted."""
     extra: int = 0
     """How many of the last `roots` are loss terms layers added (`CommSlot.losses`), not outputs."""
     extra_scale: float = 1.0

@@ -12,6 +12,7 @@ from duplexpipe.runtime import structure
 from duplexpipe.runtime.collectives import Agreement
 from duplexpipe.runtime.comm_points import CommRecord
 from duplexpipe.runtime.loss_sum import LossSum
+from duplexpipe.runtime.memory import StepMemory
 from duplexpipe.runtime.message_meta import Message
 from duplexpipe.runtime.messages import Mailbox
 from duplexpipe.runtime.rankplan import RankPlan
@@ -57,6 +58,8 @@ class Step:
     """evaluate() on a last stage: microbatch -> its output, detached."""
     set_aside: dict[int, list[Tensor | None]] = field(default_factory=dict)
     """DualPipe: the gradients mirrored stages held before the step (`MirrorSum.set_aside`), added back after."""
+    memory: StepMemory | None = None
+    """Its measured memory (RuntimeConfig.measure_memory, training steps only): sampled after every action."""
 
     @property
     def signature(self) -> int:

@@ -244,6 +244,12 @@ class MailTransport:
                 if "timed out" in str(exc).lower():
                     return
 
+    def held(self) -> list[Tensor]:
+        """The tensors its transfers hold now: the buffers of receives posted and not yet taken, and the payloads of
+        sends not yet released."""
+        held = [b for recv in self._posted.values() for b in recv.buffers or ()]
+        return held + [p for _, payloads, _ in self._sends.values() for p in payloads]
+
     @property
     def pending_sends(self) -> int:
         """Sends posted whose completion has not been seen yet (their tensors are still held)."""

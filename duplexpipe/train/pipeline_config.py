@@ -18,6 +18,7 @@ from duplexpipe.fielddoc import documented
 from duplexpipe.parallel import DEFAULT_BUCKET_BYTES, check_strategy_name
 from duplexpipe.runtime import RuntimeConfig
 from duplexpipe.runtime.config import GradsReadyHook
+from duplexpipe.runtime.memory import MemoryReport
 from duplexpipe.schedules.ir import Schedule
 from duplexpipe.schedules.timeline import Timeline
 from duplexpipe.sizes import memory_bytes
@@ -171,6 +172,12 @@ class ObserveConfig:
     """Measure each step's peak saved-activation bytes per rank (`StepInfo.peak_saved_bytes`, counted as
     `profile_parts` counts them). Off by default (a hook per saved tensor, a few percent of an overhead-bound
     step); False: peak_saved_bytes stays 0."""
+    measure_memory: bool = False
+    """Measure what each rank holds over every step (`StepInfo.memory`, a `MemoryReport`): the bytes of its
+    parameters (unsharded ones as they appear), gradients, optimizer state, saved activations and in-flight
+    messages, each kind's peak and the peak of their sum over the step's actions, with the curve after each
+    action (on CUDA also torch.cuda.max_memory_allocated). Walks those tensors after every action, so off by
+    default; `duplexpipe train --measure-memory` prints the peaks in its summary."""
 
 
 @documented
@@ -348,7 +355,8 @@ def runtime_config(config: PipelineConfig, *, fb_overlap: bool, on_grads_ready: 
     return RuntimeConfig(timeout_s=safety.timeout_s, record_timeline=observe.record_timeline,
                          autocast_dtype=autocast_dtype(config.precision.dtype),
                          check_inputs_every_step=safety.check_inputs_every_step,
-                         count_saved_bytes=observe.count_saved_bytes, activation_codec=act_codec,
+                         count_saved_bytes=observe.count_saved_bytes,
+                         measure_memory=observe.measure_memory, activation_codec=act_codec,
                          gradient_codec=grad_codec, nonfinite_sends=safety.nonfinite_sends, p2p_meter=p2p_meter,
                          on_grads_ready=on_grads_ready, fb_overlap=fb_overlap)
 
@@ -378,4 +386,7 @@ class StepInfo:
     peak_saved_bytes: int = 0
     """The most bytes this rank's live activations kept for backward at once during the call, counted
     as `profile_parts` counts them (see StepResult.peak_saved_bytes)."""
+    memory: MemoryReport | None = None
+    """What this rank held during the call, measured (ObserveConfig.measure_memory; None when off), the optimizer
+    state included."""
 

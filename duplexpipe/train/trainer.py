@@ -47,6 +47,7 @@ from duplexpipe.parallel.zero3 import Zero3Strategy
 from duplexpipe.parallel.zero_config import check_tied
 from duplexpipe.runtime import EvalResult, PipelineRuntime, RuntimeConfig
 from duplexpipe.runtime.backend import default_device
+from duplexpipe.runtime.memory import optimizer_bytes
 from duplexpipe.schedules.shard import add_unshard_reshard
 from duplexpipe.tp.parallelize import TensorParallel, check_tensor_parallel
 from duplexpipe.tp.plans import TPPlan
@@ -329,6 +330,7 @@ class Pipeline:
         self.dp.begin_call(final, scale * (self._window_weight + weight))
         wire = self.dp.meter.total_bytes
         observe = cfg.observe  # with record_tp_lane: the TP collectives on the timeline's "tp" lane
+        optimizer_during = optimizer_bytes(self.optimizer) if observe.measure_memory else 0
         with (self.compiled.watching(f"step {self.calls}"),
               self.tensor.timed(observe.record_timeline and observe.record_tp_lane)):
             result = self.runtime.step(inputs, targets, loss_scale=scale * weight)
@@ -350,8 +352,11 @@ class Pipeline:
         if timeline is not None:
             timeline = replace(timeline, spans=timeline.spans + tuple(self.tensor.spans(origin, rank)) + tuple(
                 self.dp.spans(origin, rank) if final else ()))
+        memory = result.memory
+        if memory is not None:  # the optimizer state held while the actions ran, and after the optimizer step
+            memory = memory.with_optimizer(optimizer_during, optimizer_bytes(self.optimizer))
         self.last = StepInfo(loss, applied, skipped, norm, scale, timeline, self.dp.meter.total_bytes - wire,
-                             result.peak_saved_bytes)
+                             result.peak_saved_bytes, memory)
         return loss
 
     def _call_weight(self, inputs: Any, targets: Any) -> float:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Union
 
@@ -52,6 +52,43 @@ class Frame:
     def x(self, t: float) -> float:
         """Axis position of time `t`."""
         return (t - self.origin) * self.scale
+
+
+Curve = Sequence[tuple[float, float]]
+"""(time in the timeline's unit, bytes) steps: the value holds from its time to the next."""
+
+
+@dataclass(frozen=True)
+class MemoryCurves:
+    """Bytes over a step per rank, for the memory strip beside a timeline (`plot_timeline(memory=...)`)."""
+
+    measured: Mapping[int, Curve]
+    """rank -> what it held after each action (e.g. `MemoryReport.curve_of("activations")` of a measured step,
+    on the measured timeline's clock), drawn filled."""
+    predicted: Mapping[int, Curve] | None = None
+    """rank -> the byte model's curve (e.g. `activation_bytes_curve` over the same timeline), drawn as a dashed
+    line on the same scale; None: none."""
+    what: str = "saved activations"
+    """What the bytes are (the strip's title)."""
+
+
+def activation_bytes_curve(timeline: Timeline, rank: int, stage_bytes: Sequence[float]) -> list[tuple[float, float]]:
+    """The byte model's live activations on `rank` over `timeline` (one microbatch of stage s keeps
+    `stage_bytes[s]` from the start of its F to the end of its B or W; releases first at equal times), as
+    `Timeline.activation_curve` counts them."""
+    deltas: list[tuple[float, float]] = []
+    for e in timeline.rank_events(rank):
+        for part in e.action.compute_parts():
+            if part.op is Op.F:
+                deltas.append((e.start, float(stage_bytes[part.stage])))
+            elif part.op in (Op.B, Op.W):
+                deltas.append((e.end, -float(stage_bytes[part.stage])))
+    deltas.sort()
+    curve, live = [], 0.0
+    for t, d in deltas:
+        live += d
+        curve.append((t, live))
+    return curve
 
 
 @dataclass(frozen=True)
@@ -109,7 +146,7 @@ def frame_of(timeline: Timeline, scale: float = 1.0, xmax: float | None = None) 
 def plot_timeline(timeline: Timeline, path_or_axes: PathOrAxes, *, activations: bool = False,
                   transfers: bool | Schedule | None = None, title: str | None = None,
                   ranks: Sequence[int] | None = None, window: tuple[float | None, float | None] | None = None,
-                  ) -> Figure | None:
+                  memory: MemoryCurves | None = None) -> Figure | None:
     """Draw `timeline` as a Gantt chart: one row per rank, one box per compute action.
 
     `path_or_axes` is a file name (.png, .svg or .pdf: the figure is saved and returned), None
@@ -120,16 +157,18 @@ def plot_timeline(timeline: Timeline, path_or_axes: PathOrAxes, *, activations: 
     only those ranks, in that order; `window` = (start, end) only that stretch of the time axis, in
     the axis's units (cost units, or ms / s as the axis label says), either end None for open.
     Simulated and measured timelines are both accepted; large ones are drawn batched (see `_boxes`).
+    `memory` (with `activations`): the panel shows those byte curves per rank (measured filled, predicted dashed)
+    instead of the count of live activations.
     """
     st.check_timeline(timeline)
     view = check_view(timeline, ranks, window)
     if _is_axes_like(path_or_axes):
-        _plot_into_axes(timeline, path_or_axes, activations, transfers, title, view)
+        _plot_into_axes(timeline, path_or_axes, activations, transfers, title, view, memory)
         return None
     path = None if path_or_axes is None else os.fspath(path_or_axes)  # type: ignore[arg-type]
     if path is not None:
         st.check_figure_path(path)
-    fig = _timeline_figure(timeline, activations, transfers, title, view)
+    fig = _timeline_figure(timeline, activations, transfers, title, view, memory)
     if path is not None:
         fig.savefig(path, dpi=DPI)
     return fig
@@ -144,7 +183,8 @@ def _is_axes_like(obj: Any) -> bool:
 
 
 def _plot_into_axes(timeline: Timeline, axes: Any, activations: bool,
-                    transfers: bool | Schedule | None, title: str | None, view: View) -> None:
+                    transfers: bool | Schedule | None, title: str | None, view: View,
+                    memory: MemoryCurves | None = None) -> None:
     group = list(axes) if isinstance(axes, Sequence) else [axes]
     if len(group) != (2 if activations else 1):
         raise ValueError(f"activations={activations} needs {2 if activations else 1} Axes, got {len(group)}")
@@ -157,7 +197,7 @@ def _plot_into_axes(timeline: Timeline, axes: Any, activations: bool,
     group[0].legend(handles, labels, loc="upper left", bbox_to_anchor=(1.08, 1.0), fontsize=7,
                     frameon=False, handler_map={st.Swatch: st._swatch_handler()})
     if activations:
-        draw_activations(group[1], timeline, frame, view)
+        _draw_lower(group[1], timeline, frame, view, memory)
     group[-1].set_xlabel(f"time ({unit})")
 
 
@@ -185,7 +225,7 @@ def max_peak(timeline: Timeline) -> int:
 
 
 def _timeline_figure(timeline: Timeline, activations: bool, transfers: bool | Schedule | None,
-                     title: str | None, view: View) -> Figure:
+                     title: str | None, view: View, memory: MemoryCurves | None = None) -> Figure:
     rows = len(view.rows(timeline))
     note = ""
     if activations and rows > MAX_ACT_ROWS:
@@ -207,7 +247,7 @@ def _timeline_figure(timeline: Timeline, activations: bool, transfers: bool | Sc
         last = st.new_axes(fig, (LEFT_IN, bottom, width, act_h))
         last.sharex(ax)
         ax.tick_params(labelbottom=False)
-        draw_activations(last, timeline, frame, view)
+        _draw_lower(last, timeline, frame, view, memory)
     last.set_xlabel(f"time ({unit})", fontsize=9)
     fig.text(0.5, 1 - 0.1 / height, title or headline(timeline), ha="center", va="top", fontsize=12,
              fontweight="bold")
@@ -366,11 +406,60 @@ def draw_activations(ax: Axes, timeline: Timeline, frame: Frame, view: View | No
                  "to the end of its B or W)", fontsize=8.5, loc="left", color="#333333")
 
 
-def _steps(curve: list[tuple[float, int]], frame: Frame, end: float) -> tuple[list[float], list[int]]:
-    xs, ys = [frame.x(frame.origin)], [0]
+def _steps(curve: Sequence[tuple[float, float]], frame: Frame, end: float) -> tuple[list[float], list[float]]:
+    xs, ys = [frame.x(frame.origin)], [0.0]
     for t, live in curve:
         xs.append(frame.x(t))
         ys.append(live)
     xs.append(end)
     ys.append(ys[-1])
     return xs, ys
+
+
+def _draw_lower(ax: Axes, timeline: Timeline, frame: Frame, view: View, memory: MemoryCurves | None) -> None:
+    if memory is None:
+        draw_activations(ax, timeline, frame, view)
+    else:
+        draw_memory(ax, timeline, frame, memory, view)
+
+
+def draw_memory(ax: Axes, timeline: Timeline, frame: Frame, memory: MemoryCurves, view: View | None = None) -> None:
+    """Bytes per rank as one strip per rank on a common scale: the measured curve filled, the predicted one dashed,
+    each strip annotated with both peaks."""
+    rows = (view or View()).rows(timeline)
+    predicted = memory.predicted or {}
+    measured = {r: list(memory.measured.get(r, ())) for r in rows}
+    model = {r: list(predicted.get(r, ())) for r in rows}
+    peak = max([1.0] + [b for c in (*measured.values(), *model.values()) for _, b in c])
+    step = _rank_axes(ax, rows, fontsize=7.5)
+    end = frame.x(timeline.start + timeline.makespan)
+    for i, rank in enumerate(rows):
+        base = i + 0.42
+        ax.axhline(base - 0.84, color="#E3E3E3", linewidth=0.5, zorder=0.5)
+        if measured[rank]:
+            xs, ys = _steps(measured[rank], frame, end)
+            tops = [base - 0.84 * y / peak for y in ys]
+            ax.fill_between(xs, base, tops, step="post", color="#A9CCE3", linewidth=0, zorder=1)
+            ax.step(xs, tops, where="post", color="#1F618D", linewidth=0.8, zorder=2)
+        if model[rank]:
+            xs, ys = _steps(model[rank], frame, end)
+            ax.step(xs, [base - 0.84 * y / peak for y in ys], where="post", color="#C0392B", linewidth=0.9,
+                    linestyle="--", zorder=3)
+        if i % step == 0:
+            tops = [max((b for _, b in c), default=0.0) for c in (measured[rank], model[rank]) if c]
+            ax.annotate(_bytes(*tops), xy=(1.0, i), xycoords=("axes fraction", "data"), xytext=(6, 0),
+                        textcoords="offset points", ha="left", va="center", fontsize=7, annotation_clip=False)
+    both = "measured (filled) and predicted (dashed)" if predicted else "measured"
+    ax.set_title(f"{memory.what} per rank, bytes: {both}, peaks at the right (full strip = {_bytes(peak)})",
+                 fontsize=8.5, loc="left", color="#333333")
+
+
+def _bytes(*values: float) -> str:
+    """`values` in one unit, "/"-separated: `4.0/3.9 KiB`."""
+    top, scale, unit = max(values, default=0.0), 1.0, "B"
+    for name in ("KiB", "MiB", "GiB"):
+        if top < 1024 * scale:
+            break
+        scale, unit = scale * 1024, name
+    digits = 0 if unit == "B" else 1
+    return "/".join(f"{v / scale:.{digits}f}" for v in values) + f" {unit}"

@@ -101,3 +101,14 @@ def test_log_line() -> None:
     assert line == "step 10/60  loss 2.3012  lr 3.00e-03  grad 0.812  12,346 tokens/s"
     assert log_line(1, 2, {"loss": 1.0, "lr": 1.0, "grad_norm": None, "items_per_s": 0.0}, "x") == \
         "step 1/2  loss 1.0000  lr 1.00e+00"
+
+
+def test_memory_summary_is_one_line_per_rank_and_the_largest() -> None:
+    from duplexpipe.launch.metrics import memory_summary
+    from duplexpipe.runtime.memory import MemoryReport
+
+    reports = [MemoryReport(r, 1024, 1024, 2048, 4096 // (r + 1), 0, 9000 - r) for r in range(2)]
+    lines = memory_summary(reports)
+    assert len(lines) == 4 and lines[1].startswith("  rank 0: peak 8.8 KiB (params 1.0 KiB")
+    assert lines[-1] == "  largest: rank 0, 9,000 bytes"
+    assert memory_summary([]) == []

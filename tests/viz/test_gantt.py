@@ -17,7 +17,16 @@ from duplexpipe.schedules.ir import Op
 from duplexpipe.schedules.timeline import Timeline
 from duplexpipe.viz import _style as st
 from duplexpipe.viz._boxes import DETAIL_LIMIT
-from duplexpipe.viz.gantt import DPI, MAX_ACT_IN, MAX_ACT_ROWS, MAX_GANTT_IN, plot_timeline, transfer_pairs
+from duplexpipe.viz.gantt import (
+    DPI,
+    MAX_ACT_IN,
+    MAX_ACT_ROWS,
+    MAX_GANTT_IN,
+    MemoryCurves,
+    activation_bytes_curve,
+    plot_timeline,
+    transfer_pairs,
+)
 
 NAMES = schedule_names()
 
@@ -123,6 +132,28 @@ def test_activation_panel_reports_each_peak() -> None:
     peaks = [t.get_text() for t in fig.axes[1].texts if t.get_text().startswith("peak")]
     assert peaks == [f"peak {timeline.peak_activations(r)}" for r in range(P)] == [f"peak {P - r}" for r in range(P)]
     assert fig.axes[1].get_xlim() == fig.axes[0].get_xlim()
+
+
+def test_the_byte_model_curve_weights_the_count_curve_by_stage_bytes() -> None:
+    _, timeline = simulated("1f1b")
+    for rank in range(P):
+        counts = timeline.activation_curve(rank)
+        assert activation_bytes_curve(timeline, rank, [100.0] * P) == [(t, 100.0 * n) for t, n in counts]
+    assert max(b for _, b in activation_bytes_curve(timeline, 0, [3.0] + [0.0] * (P - 1))) == 3.0 * P
+
+
+def test_memory_strip_draws_measured_and_predicted_bytes(tmp_path: Path) -> None:
+    _, timeline = simulated("1f1b")
+    predicted = {r: activation_bytes_curve(timeline, r, [1024.0] * P) for r in range(P)}
+    measured = {r: [(t, b * 0.5) for t, b in c] for r, c in predicted.items()}
+    path = tmp_path / "memory.png"
+    fig = strict(plot_timeline, timeline, path, activations=True, memory=MemoryCurves(measured, predicted))
+    assert path.stat().st_size > 0 and len(fig.axes) == 2
+    peaks = [t.get_text() for t in fig.axes[1].texts]
+    assert peaks[0] == f"{0.5 * P:.1f}/{P:.1f} KiB"
+    assert "measured (filled) and predicted (dashed)" in fig.axes[1].get_title(loc="left")
+    alone = plot_timeline(timeline, None, activations=True, memory=MemoryCurves(measured))
+    assert "predicted" not in alone.axes[1].get_title(loc="left")
 
 
 def test_transfer_arrows_one_per_cross_rank_tensor() -> None:
