@@ -12,11 +12,11 @@ from typing import Any, cast
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from duplexpipe.comm.local_tensors import local_of
 from duplexpipe.model.split import check_parts_fit
 from duplexpipe.moe.balance import moe_layers
+from duplexpipe.runtime.backward.checkpoint import checkpoint
 from duplexpipe.runtime.structure import WHOLE_MESSAGE
 from duplexpipe.schedules.ir import Schedule
 
@@ -30,9 +30,7 @@ class CheckpointedStage(nn.Module):
         setattr(self, WHOLE_MESSAGE, getattr(module, WHOLE_MESSAGE, False))  # called as the module is
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():
-            return self.module(*args, **kwargs)
-        return checkpoint(self.module, *args, use_reentrant=False, **kwargs)
+        return checkpoint(self.module, *args, **kwargs)
 
 
 CHAINED_PARTS = "_duplexpipe_chained_parts"
