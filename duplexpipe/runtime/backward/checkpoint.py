@@ -10,7 +10,7 @@ lives on its holder (the object autograd saved in the tensor's place) until it i
   intermediates that W restarts at (`saved_again`), so what W needs stays from I to W and nothing else does;
 * what no node unpacks (a branch I skips and W never runs) lives as long as the graph that holds its holder;
 * should a node unpack a tensor already dropped (a graph run again with retain_graph), the region is recomputed
-  again for it: slower, never wrong.
+  again, refilling every holder then empty: slower, never wrong.
 
 Otherwise it runs as torch's does: the forward saves nothing of the region, the recompute restores the forward's
 RNG state and autocast, stops once every saved tensor is recomputed, and runs under the policy's contexts
@@ -43,14 +43,12 @@ class _Recomputed(Exception):
 class _Holder:
     """What autograd saves in place of one tensor of a region: its index, and the tensor once recomputed."""
 
-    __slots__ = ("__weakref__", "index", "region", "tensor", "used")
+    __slots__ = ("__weakref__", "index", "region", "tensor")
 
     def __init__(self, region: _Region, index: int) -> None:
         self.region = region
         self.index = index
         self.tensor: Tensor | None = None
-        self.used = False
-        """Unpacked and dropped: another unpack recomputes it again."""
 
 
 class _Region:
@@ -80,7 +78,8 @@ class _Region:
         return holder
 
     def recompute(self, wanted: _Holder) -> None:
-        """Run the forward again, filling the holders not yet recomputed (and `wanted`)."""
+        """Run the forward again, filling every live holder left empty (by a drop too: a graph run again needs them
+        all again)."""
         self.recomputes += 1
         count = len(self.holders)
         seen = [0]
@@ -92,7 +91,7 @@ class _Region:
                 raise RuntimeError("activation checkpointing: the recompute saved more tensors than the forward "
                                    "did; the checkpointed function must run the same operations every time")
             holder = self.holders[index]()
-            if holder is not None and (holder is wanted or (holder.tensor is None and not holder.used)):
+            if holder is not None and holder.tensor is None:
                 holder.tensor = tensor.detach() if tensor.requires_grad else tensor
             if seen[0] == count:
                 raise _Recomputed
@@ -114,7 +113,7 @@ class _Region:
                 self.fn(*self.args, **self.kwargs)
             except _Recomputed:
                 pass
-        if wanted.tensor is None:
+        if wanted.tensor is None:  # the recompute stopped short
             raise RuntimeError("activation checkpointing: the recompute saved fewer tensors than the forward did; "
                                "the checkpointed function must run the same operations every time")
 
@@ -130,7 +129,7 @@ def _unpack(holder: _Holder) -> Tensor:
     assert tensor is not None
     node = compat.current_autograd_node()
     if node is None or not node.metadata.get(SAVED_AGAIN, False):
-        holder.tensor, holder.used = None, True
+        holder.tensor = None
     return tensor
 
 
