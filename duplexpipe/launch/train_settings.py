@@ -10,7 +10,7 @@ import dataclasses
 import sys
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -224,9 +224,24 @@ def values_from_args(args: argparse.Namespace) -> dict[str, Any]:
         if s.kind == "dict":
             value = parse_key_values(value)
         elif s.kind == "switch" and isinstance(value, list):
-            value = parse_key_values(value) if value else True
+            value = _switch_value(s, value)
         out[s.key] = value
     return out
+
+
+def _switch_value(setting: Setting, items: list[str]) -> Any:
+    """A switch's words: alone True; KEY=VALUE options a dict; else, where the field takes them, one word as text
+    ("selective") or whole numbers as a list ("0 2")."""
+    members = _members(setting.hint)
+    if not items:
+        return True
+    if any("=" in item for item in items) or not (members & {str, Collection}):
+        return parse_key_values(items)
+    if Collection in members and all(item.isdigit() for item in items):
+        return [int(item) for item in items]
+    if str in members and len(items) == 1:
+        return items[0]
+    raise ValueError(f"{setting.flags[0]} takes KEY=VALUE options, one word or stage numbers; got {' '.join(items)}")
 
 
 def _check_type(key: str, value: Any, hint: Any) -> Any:

@@ -6,33 +6,91 @@ import contextlib
 import copy
 import hashlib
 import itertools
+import re
 import warnings
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts, noop_context_fn
 
 from duplexpipe.comm.local_tensors import local_of
 from duplexpipe.model.split import check_parts_fit
+from duplexpipe.model.state_names import split_style
 from duplexpipe.moe.balance import moe_layers
+from duplexpipe.runtime.backward.checkpoint import ContextFn, checkpoint
 from duplexpipe.runtime.structure import WHOLE_MESSAGE
 from duplexpipe.schedules.ir import Schedule
 
+BLOCKS_HOOK = "compile_blocks"
+"""A part may define `compile_blocks(self) -> Iterable[nn.Module]`: its blocks (`part_blocks`)."""
+
 
 class CheckpointedStage(nn.Module):
-    """Runs `module` under torch.utils.checkpoint: activations inside it are recomputed in backward."""
+    """Runs `module` under activation checkpointing (`runtime.backward.checkpoint`): activations inside it are
+    recomputed in backward, once per microbatch; `context_fn` a policy's contexts (e.g. `selective_context`)."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, context_fn: ContextFn = noop_context_fn) -> None:
         super().__init__()
         self.module = module
+        self.context_fn = context_fn
         setattr(self, WHOLE_MESSAGE, getattr(module, WHOLE_MESSAGE, False))  # called as the module is
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():
-            return self.module(*args, **kwargs)
-        return checkpoint(self.module, *args, use_reentrant=False, **kwargs)
+        return checkpoint(self.module, *args, context_fn=self.context_fn, **kwargs)
+
+
+CHECKPOINTED_BLOCK = "_duplexpipe_checkpointed_block"
+"""Set (True) on the class `checkpoint_block` gives a block."""
+SELECTIVE_SAVE = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._scaled_dot_product_flash_attention",
+                  "aten._scaled_dot_product_flash_attention_for_cpu", "aten._scaled_dot_product_efficient_attention",
+                  "aten._scaled_dot_product_cudnn_attention",
+                  "aten._scaled_dot_product_fused_attention_overrideable",
+                  "_c10d_functional.reduce_scatter_tensor")
+"""The operators whose outputs selective checkpointing saves (as torchtitan's op policy: the matmuls, attention and
+tensor parallelism's reduce-scatter); every other operator of the region is recomputed."""
+CHECKPOINTING_MODES = ("full", "selective")
+"""The string values of `PipelineConfig.activation_checkpointing`."""
+
+
+def _save_list() -> frozenset[Any]:
+    """SELECTIVE_SAVE's operators (the default overloads) that this torch has."""
+    found = []
+    for name in SELECTIVE_SAVE:
+        namespace, op = name.split(".")
+        packet = getattr(getattr(torch.ops, namespace), op, None)
+        if packet is not None and hasattr(packet, "default"):
+            found.append(packet.default)
+    return frozenset(found)
+
+
+def _save_matmuls(saved: frozenset[Any]) -> Callable[..., CheckpointPolicy]:
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if func in saved else CheckpointPolicy.PREFER_RECOMPUTE
+    return policy
+
+
+def selective_context() -> tuple[Any, Any]:
+    """The contexts of selective checkpointing (a `context_fn`): save the outputs of `SELECTIVE_SAVE`'s operators,
+    recompute the cheap ones, on torch's `create_selective_checkpoint_contexts`."""
+    return create_selective_checkpoint_contexts(_save_matmuls(_save_list()))
+
+
+def checkpoint_block(block: nn.Module, context_fn: ContextFn = noop_context_fn) -> nn.Module:
+    """Run `block` under activation checkpointing from now on, in place: its class becomes a subclass whose call
+    checkpoints (as torch's `fully_shard` swaps a module's class), so its module path, state dict names and a later
+    `Module.compile` (inside the checkpoint) stay as they are. A block already checkpointed is left as it is."""
+    base = type(block)
+    if getattr(base, CHECKPOINTED_BLOCK, False):
+        return block
+
+    def call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return checkpoint(base.__call__, self, *args, context_fn=context_fn, **kwargs)
+
+    block.__class__ = type(f"Checkpointed{base.__name__}", (base,), {"__call__": call, CHECKPOINTED_BLOCK: True})
+    return block
 
 
 CHAINED_PARTS = "_duplexpipe_chained_parts"
@@ -52,18 +110,109 @@ def inner_module(module: nn.Module) -> nn.Module:
     return module.module if isinstance(module, CheckpointedStage) else module
 
 
-def resolve_checkpointing(option: bool | Collection[int], schedule: Schedule) -> frozenset[int]:
-    """The stage indices to checkpoint: all for True, none for False, else the given stages."""
-    if isinstance(option, bool):
-        return frozenset(range(schedule.num_stages)) if option else frozenset()
-    stages = frozenset(option)
+def part_blocks(part: nn.Module) -> list[nn.Module]:
+    """A part's blocks, as torchtitan splits a model: those it names itself (`BLOCKS_HOOK`, e.g. a Hugging Face
+    part's decoder layers), else the `layer<i>` children of a `from_layers` part, else none (the part is one
+    block). What `PipelineConfig.compile` compiles and `{"every": k}` checkpoints."""
+    hook = getattr(part, BLOCKS_HOOK, None)
+    if callable(hook):
+        return list(hook())
+    if split_style(part):
+        return [child for name, child in part.named_children() if name.startswith("layer")]
+    return []
+
+
+def block_index(part: nn.Module, block: nn.Module, position: int) -> int:
+    """The index of `block` in the whole model: the number ending its name in `part` (`layer3`, `layers.3`), else
+    its `position` among the part's blocks."""
+    for name, module in part.named_modules():
+        if module is block:
+            found = re.search(r"(\d+)$", name)
+            return int(found.group(1)) if found else position
+    return position
+
+
+@dataclass(frozen=True)
+class Checkpointing(Collection[int]):
+    """What `PipelineConfig.activation_checkpointing` asks of the stages: which stages (a collection of stage
+    indices), with which policy ("full": recompute everything; "selective": save the matmuls' outputs), and
+    whether whole stages or every k-th block (`every`)."""
+
+    stages: frozenset[int] = frozenset()
+    policy: str = "full"
+    every: int | None = None
+    """Checkpoint the blocks (`part_blocks`) whose index in the whole model is k-1, 2k-1, ... (as torchtitan's
+    every-k option), each its own region; a part without blocks is one block, numbered by its part index. None:
+    each stage is one region."""
+
+    def __contains__(self, stage: object) -> bool:
+        return stage in self.stages
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(sorted(self.stages))
+
+    def __len__(self) -> int:
+        return len(self.stages)
+
+    @property
+    def context_fn(self) -> ContextFn:
+        """The policy's contexts."""
+        return selective_context if self.policy == "selective" else noop_context_fn
+
+    def apply(self, stage: int, module: nn.Module, part: int) -> nn.Module:
+        """Stage `stage`'s module (model part `part`) checkpointed as asked (`module` itself when not)."""
+        if stage not in self.stages:
+            return module
+        if self.every is None:
+            return CheckpointedStage(module, self.context_fn)
+        blocks = part_blocks(module)
+        if not blocks:
+            return CheckpointedStage(module, self.context_fn) if part % self.every == self.every - 1 else module
+        for position, block in enumerate(blocks):
+            if block_index(module, block, position) % self.every == self.every - 1:
+                checkpoint_block(block, self.context_fn)
+        return module
+
+
+CheckpointingOption = bool | str | Mapping[str, int] | Collection[int]
+"""`PipelineConfig.activation_checkpointing`'s values."""
+
+
+def check_checkpointing(option: Any) -> None:
+    """ValueError naming `option` unless it is one of `activation_checkpointing`'s values (stage indices are checked
+    against the schedule later: `resolve_checkpointing`)."""
+    if isinstance(option, bool) or option in CHECKPOINTING_MODES:
+        return
+    if isinstance(option, Mapping):
+        every = option.get("every")
+        if set(option) == {"every"} and isinstance(every, int) and not isinstance(every, bool) and every >= 1:
+            return
+    elif (isinstance(option, Collection) and not isinstance(option, str)
+          and all(isinstance(s, int) and not isinstance(s, bool) for s in option)):
+        return
+    modes = " or ".join(map(repr, CHECKPOINTING_MODES))
+    raise ValueError(f"PipelineConfig.activation_checkpointing must be True/False, {modes}, {{'every': k}} (k >= 1) "
+                     f"or a collection of stage indices; got {option!r}")
+
+
+def resolve_checkpointing(option: CheckpointingOption, schedule: Schedule) -> Checkpointing:
+    """What to checkpoint: every stage for True, "full", "selective" or {"every": k}; none for False; else the given
+    stages (whole)."""
+    check_checkpointing(option)
+    every = option.get("every") if isinstance(option, Mapping) else None
+    if option is False:
+        return Checkpointing()
+    if option is True or isinstance(option, (str, Mapping)):
+        policy = option if isinstance(option, str) else "full"
+        return Checkpointing(frozenset(range(schedule.num_stages)), policy, every)
+    stages = frozenset(cast(Collection[int], option))
     bad = sorted(s for s in stages if not 0 <= s < schedule.num_stages)
     if bad:
         raise ValueError(
             f"activation_checkpointing names stages {bad}, but schedule {schedule.name!r} "
             f"has stages 0..{schedule.num_stages - 1}"
         )
-    return stages
+    return Checkpointing(stages)
 
 
 PartFactory = Callable[[int], nn.Module]
@@ -196,7 +345,10 @@ def build_stage_modules(
             module = copy_module(built[group])
         else:
             module = built[group] = materialize_part(parts, group, device, init)
-        modules[stage] = CheckpointedStage(module) if stage in checkpoint_stages else module
+        if isinstance(checkpoint_stages, Checkpointing):
+            modules[stage] = checkpoint_stages.apply(stage, module, group)
+        else:
+            modules[stage] = CheckpointedStage(module) if stage in checkpoint_stages else module
     return modules
 
 

@@ -26,8 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from duplexpipe.model.stages import inner_module
-from duplexpipe.model.state_names import split_style
+from duplexpipe.model.stages import inner_module, part_blocks
 from duplexpipe.moe.layer import MoELayer
 from duplexpipe.runtime.backward import compat
 from duplexpipe.runtime.backward.compiled import SPLIT_BACKENDS, SplitBackend
@@ -35,8 +34,6 @@ from duplexpipe.runtime.watchdog import Watchdog
 from duplexpipe.schedules.ir import Op, Schedule
 
 LOG = logging.getLogger("duplexpipe.compile")
-BLOCKS_HOOK = "compile_blocks"
-"""A part may define `compile_blocks(self) -> Iterable[nn.Module]`: the submodules compiled one by one."""
 MAX_REASONS = 32
 """Distinct recompilation reasons logged per pipeline (each once)."""
 
@@ -176,13 +173,7 @@ def compile_targets(stage_module: nn.Module) -> list[tuple[nn.Module, bool]]:
     part = inner_module(stage_module)
     if user_compiled(part):
         return []
-    hook = getattr(part, BLOCKS_HOOK, None)
-    if callable(hook):
-        blocks = list(hook())
-    elif split_style(part):
-        blocks = [child for name, child in part.named_children() if name.startswith("layer")]
-    else:
-        blocks = [part]
+    blocks = part_blocks(part) or [part]
     return [piece for block in blocks for piece in _pieces(block)]
 
 

@@ -15,6 +15,7 @@ from duplexpipe.comm.p2p_codecs import p2p_codec_pair
 from duplexpipe.dp_options.compression import Options, compression_options
 from duplexpipe.dp_options.zero import ZERO_STAGES, ZeroOptions, check_residency, check_zero, zero_refusal
 from duplexpipe.fielddoc import documented
+from duplexpipe.model.stages import check_checkpointing
 from duplexpipe.parallel import DEFAULT_BUCKET_BYTES, check_strategy_name
 from duplexpipe.runtime import RuntimeConfig
 from duplexpipe.runtime.config import GradsReadyHook
@@ -219,8 +220,12 @@ class PipelineConfig:
     """Calls to `step` per optimizer step. Their gradients are summed, each call weighted by its share
     of the window's samples, so the applied gradient is that of the mean loss over every sample of the
     window (a sum of microbatch gradients of that mean, not an average of per-call averages)."""
-    activation_checkpointing: bool | Collection[int] = False
-    """Recompute activations in backward: True for every stage, or a collection of stage indices."""
+    activation_checkpointing: bool | str | dict[str, int] | Collection[int] = False
+    """Recompute activations in backward instead of keeping them, once per microbatch (under a split backward too:
+    recomputed at I, kept for W): "full" (or True) every stage whole; "selective" every stage, saving the matmuls'
+    and attention's outputs and recomputing the cheap operators (torch's selective checkpointing); {"every": k}
+    every k-th block of the model, each on its own (the layers of `from_layers` parts, a Hugging Face part's
+    decoder layers; on the command line every=k); a collection of stage indices those stages whole; False none."""
     sequence_parallel: bool = False
     """With tensor parallelism (a mesh with tp > 1 and a `tp_plan`): activations between the TP regions (norms,
     residual stream) and every stage-to-stage message hold this TP rank's 1/TP of the sequence (each TP rank sends
@@ -253,6 +258,7 @@ class PipelineConfig:
         check_schedule_name(self.schedule)
         memory_bytes(self.memory_limit)
         compile_options(self.compile)
+        check_checkpointing(self.activation_checkpointing)
         for name, kind in (("precision", PrecisionConfig), ("data_parallel", DataParallelConfig),
                            ("safety", SafetyConfig), ("observe", ObserveConfig)):
             if not isinstance(getattr(self, name), kind):

@@ -176,3 +176,17 @@ def test_key_values_are_literals_else_text() -> None:
                                                                           "on": True}
     with pytest.raises(ValueError, match="'3' must look like KEY=VALUE"):
         parse_key_values(["3"])
+
+
+def test_a_switch_takes_one_word_or_stage_numbers_where_its_field_does() -> None:
+    """--activation-checkpointing takes PipelineConfig's values: alone (True), a word, every=k, stage numbers."""
+    for argv, value in ((["--activation-checkpointing"], True), (["--activation-checkpointing", "selective"],
+                        "selective"), (["--activation-checkpointing", "every=2"], {"every": 2}),
+                        (["--activation-checkpointing", "0", "2"], [0, 2]), (["--no-activation-checkpointing"], False)):
+        assert _config(argv).pipeline.activation_checkpointing == value, argv
+    with pytest.raises(ValueError, match="activation_checkpointing must be"):
+        _config(["--activation-checkpointing", "half"])
+    with pytest.raises(ValueError, match="must look like KEY=VALUE"):
+        _config(["--compile", "inductor"])  # a switch whose field takes no word
+    from_file = merge_config({"pipeline": {"activation_checkpointing": {"every": 3}}}, {})
+    assert from_file.pipeline.activation_checkpointing == {"every": 3}

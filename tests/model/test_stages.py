@@ -1,5 +1,5 @@
-"""Tests for duplexpipe.model.stages: stage modules per rank (only this rank's parts built), checkpoint
-wrapper, copy fingerprints."""
+"""Tests for duplexpipe.model.stages: stage modules per rank (only this rank's parts built), activation checkpointing
+(whole stages, selective, every k-th block), copy fingerprints."""
 
 from __future__ import annotations
 
@@ -16,15 +16,20 @@ from duplexpipe.launch.processes import launch
 from duplexpipe.model.split import split_model
 from duplexpipe.model.stages import (
     CheckpointedStage,
+    Checkpointing,
+    block_index,
     build_stage_modules,
+    checkpoint_block,
     find_mismatched_copies,
     fingerprint,
     inner_module,
     on_meta,
+    part_blocks,
     reset_parameters,
     resolve_checkpointing,
     seeded_init,
     seeded_part,
+    selective_context,
 )
 from duplexpipe.schedules.registry import build, names
 from duplexpipe.train.trainer import Pipeline, PipelineConfig
@@ -86,13 +91,53 @@ def test_checkpointed_stage_matches_plain_forward_and_grads() -> None:
 
 def test_resolve_checkpointing_and_wrapping() -> None:
     schedule = build("1f1b", 2, 4)
-    assert resolve_checkpointing(True, schedule) == {0, 1}
-    assert resolve_checkpointing(False, schedule) == frozenset()
-    assert resolve_checkpointing([1], schedule) == {1}
+    assert set(resolve_checkpointing(True, schedule)) == {0, 1}
+    assert set(resolve_checkpointing(False, schedule)) == set()
+    assert set(resolve_checkpointing([1], schedule)) == {1}
     with pytest.raises(ValueError, match=r"stages \[5\].*stages 0..1"):
         resolve_checkpointing([5], schedule)
     modules = build_stage_modules(schedule, 1, _parts(2), checkpoint_stages={1})
     assert isinstance(modules[1], CheckpointedStage)
+
+
+def test_checkpointing_values() -> None:
+    schedule = build("1f1b", 2, 4)
+    assert resolve_checkpointing("full", schedule) == Checkpointing(frozenset({0, 1}))
+    assert resolve_checkpointing(True, schedule) == resolve_checkpointing("full", schedule)
+    assert resolve_checkpointing("selective", schedule) == Checkpointing(frozenset({0, 1}), "selective")
+    assert resolve_checkpointing({"every": 2}, schedule) == Checkpointing(frozenset({0, 1}), every=2)
+    assert 1 in resolve_checkpointing([1], schedule) and 0 not in resolve_checkpointing([1], schedule)
+    for bad in ("half", {"every": 0}, {"every": 2, "policy": "x"}, [0.5], {"every": True}):
+        with pytest.raises(ValueError, match="activation_checkpointing must be"):
+            PipelineConfig(activation_checkpointing=bad)
+    modules = build_stage_modules(schedule, 1, _parts(2), checkpoint_stages=resolve_checkpointing("selective",
+                                                                                                    schedule))
+    assert isinstance(modules[1], CheckpointedStage) and modules[1].context_fn is selective_context
+
+
+def test_every_k_checkpoints_blocks_in_place() -> None:
+    """{"every": 2}: the blocks numbered 1, 3, 5, 7 of the whole model, each its own region, their module paths
+    and state dict names unchanged; the same rule picks the blocks `compile` compiles."""
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(5, 5), nn.Tanh()) for _ in range(8)]
+    parts = split_model(layers, 2)[0]
+    schedule = build("1f1b", 2, 4)
+    every = resolve_checkpointing({"every": 2}, schedule)
+    modules = build_stage_modules(schedule, 1, parts, checkpoint_stages=every)
+    stage = modules[1]
+    assert stage.state_dict().keys() == parts[1].state_dict().keys()
+    assert [type(b).__name__ for b in part_blocks(stage)] == ["Sequential", "CheckpointedSequential"] * 2
+    assert [block_index(stage, b, i) for i, b in enumerate(part_blocks(stage))] == [4, 5, 6, 7]
+    assert checkpoint_block(stage.layer5) is stage.layer5 and type(stage.layer5).__name__ == "CheckpointedSequential"
+    x = torch.randn(3, 5, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    parts[1](x).square().sum().backward()
+    stage(x2).square().sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, rtol=0, atol=0)
+    for a, b in zip(parts[1].parameters(), stage.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+    plain = build_stage_modules(schedule, 0, [nn.Linear(5, 5), nn.Linear(5, 5)], checkpoint_stages=every)
+    assert not isinstance(plain[0], CheckpointedStage)  # a part without blocks is block <part index>: 0 is not
 
 
 def test_build_stage_modules_errors() -> None:

@@ -43,6 +43,7 @@ from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node
 
 from duplexpipe.runtime.backward import compat
+from duplexpipe.runtime.backward.checkpoint import saved_again
 from duplexpipe.runtime.backward.mode import BackwardMode, NodeKind, mode_of, node_kind, set_mode
 
 Edge = GradientEdge
@@ -274,7 +275,7 @@ def stage_backward_input(roots: Sequence[Edge], grads: Sequence[Tensor], inputs:
         for node in split:
             set_mode(node, BackwardMode.INPUTS)
         if on_path:
-            with compat.without_donated_buffers() if compiled else contextlib.nullcontext():
+            with compat.without_donated_buffers() if compiled else contextlib.nullcontext(), saved_again(on_input):
                 found = torch.autograd.grad(list(roots), on_path + early, list(grads), retain_graph=True,
                                             allow_unused=True)
     finally:

@@ -1,0 +1,176 @@
+"""Tests for duplexpipe.runtime.backward.checkpoint: a checkpointed region is recomputed once per backward, however
+many engine calls the split backward makes (I, then one per param group at W), exactly; what only I needed is dropped
+at I, what W needs is kept until W."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.autograd.graph import get_gradient_edge
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+from duplexpipe.runtime.backward.checkpoint import _Region, checkpoint
+from duplexpipe.runtime.backward.graph import stage_backward_input, stage_backward_weight
+
+DIM = 8
+
+
+class Counted(nn.Module):
+    """A residual MLP block with a LayerNorm (three param groups) that counts its forward runs."""
+
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.up = nn.Linear(DIM, 2 * DIM)
+        self.down = nn.Linear(2 * DIM, DIM)
+        self.drop = nn.Dropout(dropout)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x + self.drop(self.down(torch.tanh(self.up(self.norm(x)))))
+
+
+def _model(n: int = 3, dropout: float = 0.0) -> nn.ModuleList:
+    torch.manual_seed(0)
+    return nn.ModuleList(Counted(dropout) for _ in range(n)).double()
+
+
+def _run(blocks: nn.ModuleList, x: torch.Tensor, ckpt: Callable[..., Any] | None, **kwargs: Any) -> torch.Tensor:
+    for block in blocks:
+        x = ckpt(block, x, **kwargs) if ckpt is not None else block(x)
+    return x.square().sum()
+
+
+def _split(blocks: nn.ModuleList, x: torch.Tensor, ckpt: Callable[..., Any] | None,
+           **kwargs: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """I then W on the blocks; (d input, weight gradients)."""
+    params = list(blocks.parameters())
+    for p in params:
+        p.grad = None
+    leaf = x.detach().requires_grad_(True)
+    loss = _run(blocks, leaf, ckpt, **kwargs)
+    dx, work = stage_backward_input([get_gradient_edge(loss)], [torch.ones_like(loss)], [leaf], params)
+    assert len(work.groups) == 3 * len(blocks)  # one W engine call per group
+    stage_backward_weight(work)
+    assert dx[0] is not None
+    return dx[0], [p.grad for p in params]
+
+
+def _reference(blocks: nn.ModuleList, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    plain = copy.deepcopy(blocks)
+    leaf = x.detach().requires_grad_(True)
+    grads = torch.autograd.grad(_run(plain, leaf, None), [leaf, *plain.parameters()])
+    return grads[0], list(grads[1:])
+
+
+def test_split_backward_recomputes_once_and_is_exact() -> None:
+    blocks = _model()
+    x = torch.randn(5, DIM, dtype=torch.float64)
+    ref_dx, ref_grads = _reference(blocks, x)
+    dx, grads = _split(blocks, x, checkpoint)
+    assert [b.calls for b in blocks] == [2, 2, 2]  # the forward and one recompute, at I
+    assert torch.equal(dx, ref_dx)
+    assert all(torch.equal(g, r) for g, r in zip(grads, ref_grads, strict=True))
+
+
+def test_torch_checkpoint_recomputes_in_every_engine_call() -> None:
+    """What this module is for: torch's checkpoint recomputes at I and again in each W group's engine call."""
+    blocks = _model()
+    _split(blocks, torch.randn(5, DIM, dtype=torch.float64), torch_checkpoint, use_reentrant=False)
+    assert [b.calls for b in blocks] == [5, 5, 5]  # forward, I, and one per param group (norm, up, down)
+
+
+def test_plain_backward_and_dropout_are_exact() -> None:
+    blocks = _model(dropout=0.3)
+    x = torch.randn(5, DIM, dtype=torch.float64)
+    torch.manual_seed(7)
+    ref_dx, ref_grads = _reference(blocks, x)
+    torch.manual_seed(7)
+    leaf = x.detach().requires_grad_(True)
+    grads = torch.autograd.grad(_run(blocks, leaf, checkpoint), [leaf, *blocks.parameters()])
+    assert torch.equal(grads[0], ref_dx)  # the recompute drew the forward's dropout masks
+    assert all(torch.equal(g, r) for g, r in zip(grads[1:], ref_grads, strict=True))
+    assert [b.calls for b in blocks] == [2, 2, 2]
+
+
+def test_what_only_i_needed_is_dropped_at_i(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After I, a region holds only what W unpacks (the tanh output, whose node runs only at I, is gone); after W,
+    nothing."""
+    holders: list[Any] = []
+    pack = _Region.pack
+    monkeypatch.setattr(_Region, "pack", lambda self, t: holders.append(pack(self, t)) or holders[-1])
+
+    def fn(x: torch.Tensor, up: nn.Linear, down: nn.Linear) -> torch.Tensor:
+        return down(torch.tanh(up(x)))
+
+    torch.manual_seed(0)
+    up, down = nn.Linear(DIM, 2 * DIM).double(), nn.Linear(2 * DIM, DIM).double()
+    leaf = torch.randn(4, DIM, dtype=torch.float64, requires_grad=True)
+    out = checkpoint(fn, leaf, up, down).sum()
+    assert holders and all(h.tensor is None for h in holders)  # the forward kept nothing
+    _, work = stage_backward_input([get_gradient_edge(out)], [torch.ones_like(out)], [leaf], [*up.parameters(),
+                                                                                            *down.parameters()])
+    kept = [h for h in holders if h.tensor is not None]
+    assert 0 < len(kept) < len(holders)
+    stage_backward_weight(work)
+    assert all(h.tensor is None for h in holders)
+
+
+def test_a_second_backward_recomputes_again() -> None:
+    """A graph run twice (retain_graph): the second run finds its tensors dropped and recomputes, still exact."""
+    blocks = _model(1)
+    x = torch.randn(5, DIM, dtype=torch.float64, requires_grad=True)
+    loss = _run(blocks, x, checkpoint)
+    first = torch.autograd.grad(loss, x, retain_graph=True)[0]
+    second = torch.autograd.grad(loss, x)[0]
+    assert torch.equal(first, second) and blocks[0].calls == 3
+
+
+class _CountMatmuls(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+        return func(*args, **(kwargs or {}))
+
+
+def _matmuls(fn: Callable[[], None]) -> int:
+    """The matmuls `fn` runs (forward, recompute and backward)."""
+    with _CountMatmuls() as counter:
+        fn()
+    return counter.count
+
+
+def _save_matmuls() -> tuple[Any, Any]:
+    saved = (torch.ops.aten.addmm.default, torch.ops.aten.mm.default)
+    return create_selective_checkpoint_contexts(
+        lambda ctx, func, *args, **kwargs: CheckpointPolicy.MUST_SAVE if func in saved
+        else CheckpointPolicy.PREFER_RECOMPUTE)
+
+
+def test_selective_saves_the_matmuls() -> None:
+    """Selective contexts run once under the split backward, exactly, and the recompute runs no matmul (their
+    outputs were saved); torch's checkpoint refuses them there (its second recompute, at W)."""
+    x = torch.randn(5, DIM, dtype=torch.float64)
+    blocks = _model()
+    ref_dx, ref_grads = _reference(blocks, x)
+    matmuls: dict[str, int] = {}
+    for name, kwargs in (("full", {}), ("selective", {"context_fn": _save_matmuls})):
+        def step(kwargs: dict[str, Any] = kwargs) -> None:
+            dx, grads = _split(blocks, x, checkpoint, **kwargs)
+            assert torch.equal(dx, ref_dx)
+            assert all(torch.equal(g, r) for g, r in zip(grads, ref_grads, strict=True))
+        matmuls[name] = _matmuls(step)
+    assert matmuls["selective"] < matmuls["full"], matmuls
+    with pytest.raises(RuntimeError, match="backward an extra time"):
+        _split(blocks, x, torch_checkpoint, use_reentrant=False, context_fn=_save_matmuls)
