@@ -1,6 +1,6 @@
 """Tests for duplexpipe.train.checkpoint.pipeline: resumed training repeats the uninterrupted run exactly, on the same
-layout and on another one (schedule, pipeline size, partition, DP size, ZeRO stage); format-1 checkpoints refused; bad
-names."""
+layout and on another one (schedule, pipeline size, partition, DP size, ZeRO stage: ZeRO-3 to ZeRO-1 / ZeRO-0 and
+back); format-1 checkpoints refused; bad names."""
 
 from __future__ import annotations
 
