@@ -27,7 +27,9 @@ class ZeroOptions:
     """hpZ (zero_stage=2 only): after each forward, FSDP2 reshards the parameters over groups of this many
     consecutive data-parallel ranks (put one node's ranks there: FSDP2's reshard_after_forward=int), so the
     backward's and later forwards' all-gathers stay inside a node; only for schedules without split
-    backward (I/W): see docs/data-parallel.md. None: parameters stay gathered for the whole step."""
+    backward (I/W): see docs/data-parallel.md. None: parameters stay gathered for the whole step. zero_stage=3
+    refuses it (its residency comes from the schedule's RESHARD actions, which have no node-local secondary
+    partition yet): use reshard_window there."""
     trust_elementwise: bool = False
     """Let ZeRO-1 step a flat shard with an optimizer not known to be elementwise (an optimizer that is not
     elementwise would give silently wrong updates)."""

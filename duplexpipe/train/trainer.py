@@ -48,6 +48,7 @@ from duplexpipe.parallel.zero_config import check_tied
 from duplexpipe.runtime import EvalResult, PipelineRuntime, RuntimeConfig
 from duplexpipe.runtime.backend import default_device
 from duplexpipe.runtime.memory import optimizer_bytes
+from duplexpipe.schedules.ir import Schedule
 from duplexpipe.schedules.shard import add_unshard_reshard
 from duplexpipe.tp.parallelize import TensorParallel, check_tensor_parallel
 from duplexpipe.tp.plans import TPPlan
@@ -55,6 +56,7 @@ from duplexpipe.train.compile import CompiledStages
 from duplexpipe.train.experts import Experts
 from duplexpipe.train.pipeline_config import (
     AUTO,
+    DataParallelConfig,
     LossFn,
     PipelineConfig,
     SchedulerFactory,
@@ -84,6 +86,28 @@ def _batch_size(inputs: Any, targets: Any) -> int | None:
         if isinstance(leaves, torch.Tensor) and leaves.dim() > 0:
             return int(leaves.shape[0])
     return None
+
+
+def _with_residency(schedule: Schedule, dp: DataParallelConfig, dp_size: int, window: int) -> Schedule:
+    """The schedule the runtime runs: with zero_stage=3 over a data-parallel group, `schedule` with ZeRO-3's
+    UNSHARD / RESHARD / REDUCE_GRAD (added by `add_unshard_reshard`, or a schedule's own, e.g. a file's, as they
+    are); otherwise `schedule`, which must hold none (ValueError naming them)."""
+    zero3 = dp.zero_stage == 3 and dp_size > 1
+    held = sorted({a.op.value for row in schedule.actions for a in row if a.op.is_fsdp})
+    if held and not zero3:
+        raise ValueError(f"schedule {schedule.name!r} holds ZeRO-3's {'/'.join(held)} actions, which run only with "
+                         f"zero_stage=3 and a data-parallel group (this pipeline: zero_stage={dp.zero_stage or 0}, "
+                         f"dp={dp_size}); set DataParallelConfig(zero_stage=3) on a mesh with dp >= 2, or run "
+                         "schedule.without_fsdp()")
+    if not zero3:
+        return schedule
+    if held:
+        if dp.reshard_window is not None:
+            raise ValueError(f"schedule {schedule.name!r} already holds UNSHARD/RESHARD/REDUCE_GRAD actions (its own "
+                             f"residency), so reshard_window={dp.reshard_window} cannot apply; leave it None or run "
+                             "schedule.without_fsdp()")
+        return schedule
+    return add_unshard_reshard(schedule, window, dp.unshard_lookahead)
 
 
 class Pipeline:
@@ -160,8 +184,7 @@ class Pipeline:
         self.p2p_meter = WireMeter()
         """Every stage-to-stage SEND of this rank: kind "send", its payload bytes on the wire."""
         # ZeRO-3: the runtime runs the schedule with UNSHARD / RESHARD / REDUCE_GRAD per stage (schedules.shard)
-        sharded = (add_unshard_reshard(self.schedule, window, cfg.data_parallel.unshard_lookahead)
-                   if cfg.data_parallel.zero_stage == 3 and groups.dp_size > 1 else self.schedule)
+        sharded = _with_residency(self.schedule, cfg.data_parallel, groups.dp_size, window)
         self.runtime = PipelineRuntime(sharded, self.stage_modules, loss_fn, group=groups.pp_group,
                                        device=self.device, config=self._runtime_config(),
                                        job_group=dist.group.WORLD if groups.dp_size * groups.tp_size > 1 else None)
@@ -412,7 +435,8 @@ class Pipeline:
         """Forward only, in eval mode (dropout off, no autograd).
 
         Returns the runtime's EvalResult: the whole batch's outputs in batch order on ranks
-        holding a last stage (None elsewhere), and the mean loss on every rank when targets are given.
+        holding a last stage (None elsewhere), and the mean loss on every rank when targets are given. With
+        zero_stage=3 the parameters are sharded again afterwards (as between steps).
         """
         if self.batch_transform is not None and targets is not None:
             inputs, targets = self.batch_transform(inputs, targets, False)
@@ -426,6 +450,8 @@ class Pipeline:
         finally:
             for s, m in self.stage_modules.items():
                 m.train(modes[s])
+            if isinstance(self.dp, Zero3Strategy):  # FSDP gathered each stage at its first forward: shard it again
+                self.dp.reshard()
 
     def save(self, path: str) -> None:
         """Save parameters and optimizer state under the model's own names, and the trainer state, with

@@ -83,9 +83,10 @@ def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
 
 SHARDED = {"qwz": PipelineConfig("1f1b", 4, data_parallel=DataParallelConfig(zero_stage=1,
                                                                              zero=ZeroOptions(quantized_weights=True))),
-           "zero2": PipelineConfig("1f1b", 4, data_parallel=DataParallelConfig(zero_stage=2))}
+           "zero2": PipelineConfig("1f1b", 4, data_parallel=DataParallelConfig(zero_stage=2)),
+           "zero3": PipelineConfig("1f1b", 4, data_parallel=DataParallelConfig(zero_stage=3))}
 """Sharded weights on PP=1 x DP=2 (float32 GPT-2): ZeRO-1 with int8 weights (qwZ: the exact weights are the
-optimizer's master shards), ZeRO-2 (FSDP2's sharded DTensors)."""
+optimizer's master shards), ZeRO-2 and ZeRO-3 (FSDP2's sharded DTensors, gathered one tensor at a time)."""
 
 
 def _export_sharded(base: Path, name: str, config: PipelineConfig) -> bool:
@@ -202,6 +203,15 @@ def test_sharded_weights_export_whole_and_exact(spawned: Any, name: str) -> None
         assert tensor.dtype == torch.float32 and torch.equal(tensor, saved[key]), key
     start = models["gpt2"].state_dict()["transformer.h.0.mlp.c_fc.weight"].float()
     assert not torch.equal(exported["transformer.h.0.mlp.c_fc.weight"], start)  # it trained
+
+
+@pytest.mark.timeout(330)
+def test_zero3_export_equals_zero2s(spawned: Any) -> None:
+    """ZeRO-3 trains bit-equal to ZeRO-2 here, so its export (each parameter gathered alone) is the same files'
+    tensors."""
+    root, _, _ = spawned
+    zero2, zero3 = file_tensors(root / "zero2"), file_tensors(root / "zero3")
+    assert set(zero3) == set(zero2) and all(torch.equal(zero3[k], zero2[k]) for k in zero2)
 
 
 def test_bad_model_directories_are_named(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -120,6 +120,27 @@ def _mismatched_mirrors() -> str:
     return ""
 
 
+def _zero3_residency() -> dict[str, Any]:
+    """ZeRO-3 at PP=2 x DP=2: a schedule that already holds UNSHARD / RESHARD / REDUCE_GRAD runs as it is (the same
+    losses as the trainer's own lowering of it), and evaluate() leaves no parameter gathered."""
+    from duplexpipe.schedules.registry import build
+    from duplexpipe.schedules.shard import add_unshard_reshard
+    from duplexpipe.train.pipeline_config import DataParallelConfig
+
+    zero3 = DataParallelConfig(zero_stage=3)
+    held = add_unshard_reshard(build("1f1b", 2, 4), 1)
+    out: dict[str, Any] = {}
+    for name, schedule in (("lowered", "1f1b"), ("held", held)):
+        pipe = Pipeline(make_parts(2), mse, adam, PipelineConfig(schedule, 4, data_parallel=zero3),
+                        mesh=make_mesh(2, 2))
+        lo = 8 * pipe.groups.dp_rank
+        out[name] = [pipe.step(x[lo:lo + 8], y[lo:lo + 8]) for x, y in map(batch, range(2))]
+        x, y = batch(2)
+        pipe.evaluate(x[lo:lo + 8], y[lo:lo + 8])
+        out[f"{name}_gathered_after_evaluate"] = pipe.dp.unsharded_bytes()  # type: ignore[attr-defined]
+    return out
+
+
 def _all_cases() -> dict[str, Any]:
     torch.manual_seed(0)
     return {
@@ -132,6 +153,7 @@ def _all_cases() -> dict[str, Any]:
         "evaluate": _evaluate_and_bf16(),
         "mirrors": _mismatched_mirrors(),
         "loss_reductions": _loss_reductions(),
+        "zero3": _zero3_residency(),
     }
 
 
@@ -281,6 +303,27 @@ def test_a_dead_peer_in_a_trainer_collective_times_out_naming_the_collective(fai
             assert got[rank]["type"] == "PeerFailedError" and got[rank]["failed_rank"] in timed_out, got[rank]
     if 2 in timed_out:
         assert "the data-parallel gradient all-reduce" in got[2]["text"], got[2]
+
+
+@pytest.mark.timeout(300)
+def test_zero3_runs_a_schedule_with_its_own_residency_and_evaluate_reshards(results: list[dict[str, Any]]) -> None:
+    for res in results:
+        got = res["zero3"]
+        assert got["held"] == got["lowered"] and len(got["held"]) == 2, got
+        assert got["lowered_gathered_after_evaluate"] == got["held_gathered_after_evaluate"] == 0, got
+
+
+def test_residency_actions_without_zero3_are_refused_at_construction() -> None:
+    """A schedule (e.g. a file) holding UNSHARD / RESHARD / REDUCE_GRAD without zero_stage=3: one ValueError naming
+    them, before any process group is needed."""
+    from duplexpipe.schedules.registry import build
+    from duplexpipe.schedules.shard import add_unshard_reshard
+
+    held = add_unshard_reshard(build("1f1b", 1, 4), 1)
+    with pytest.raises(ValueError, match=r"schedule '1f1b' holds ZeRO-3's REDUCE_GRAD/RESHARD/UNSHARD actions, which "
+                                         r"run only with zero_stage=3 and a data-parallel group \(this pipeline: "
+                                         r"zero_stage=0, dp=1\)"):
+        Pipeline(make_parts(1), mse, adam, PipelineConfig(held, 4))
 
 
 def test_config_rejects_bad_values() -> None:

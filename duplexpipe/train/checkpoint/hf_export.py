@@ -162,12 +162,14 @@ def _write(pipe: Exportable, root: Path, tensors: dict[str, torch.Tensor], part:
 def save_pretrained(pipe: Exportable, path: str) -> None:
     """Write `path` as a Hugging Face model directory: `AutoModelForCausalLM.from_pretrained(path)` loads it as is.
 
-    Collective (every rank calls). Each stage's tensors are gathered whole over its TP group (a rank holds its own
-    stages whole, never the model) and the ranks of data-parallel replica 0 and TP rank 0 write: each pipeline rank
-    its own shard `model-0000k-of-0000N.safetensors` (with torch.distributed.checkpoint's Hugging Face writer), its
-    first rank the index, config.json and the source's tokenizer and generation files. With experts spread over an
-    expert-parallel group, the other ranks of that group write a shard of their own experts each (every expert
-    under its global index, as transformers saves them); no rank gathers the model.
+    Collective (every rank calls). Each stage's tensors are gathered whole over its TP group and, with ZeRO-2/3, its
+    data-parallel group, one tensor at a time (`DTensor.full_tensor` per parameter, moved to the CPU before the
+    next: a rank holds its own stages whole on the CPU, never the model, and one gathered tensor on the device) and
+    the ranks of data-parallel replica 0 and TP rank 0 write: each pipeline rank its own shard
+    `model-0000k-of-0000N.safetensors` (with torch.distributed.checkpoint's Hugging Face writer), its first rank the
+    index, config.json and the source's tokenizer and generation files. With experts spread over an expert-parallel
+    group, the other ranks of that group write a shard of their own experts each (every expert under its global
+    index, as transformers saves them); no rank gathers the model.
     """
     with _writers(pipe) as (group, writes):  # the writers' group outlives the barrier: every rank is done with it
         with pipe.dp.full_parameters():

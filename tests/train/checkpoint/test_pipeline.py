@@ -1,6 +1,6 @@
 """Tests for duplexpipe.train.checkpoint.pipeline: resumed training repeats the uninterrupted run exactly, on the same
-layout and on another one (schedule, pipeline size, partition, DP size, ZeRO stage); format-1 checkpoints refused; bad
-names."""
+layout and on another one (schedule, pipeline size, partition, DP size, ZeRO stage: ZeRO-3 to ZeRO-1 / ZeRO-0 and
+back); format-1 checkpoints refused; bad names."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from _train_helpers import WIDTH, adam, batch, make_parts, mse
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from duplexpipe.launch.processes import launch
 from duplexpipe.launch.train_config import lr_factor
@@ -90,14 +91,16 @@ def _adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
 
 
-def _layout(schedule: str, pp: int, dp: int, zero: int = 0, compression: str | None = None) -> Pipeline:
-    """An 8-block float64 model split for `schedule` on pp ranks x dp replicas (the parts' count sets the split)."""
+def _layout(schedule: str, pp: int, dp: int, zero: int = 0, compression: str | None = None,
+            window: int | None = None) -> Pipeline:
+    """An 8-block float64 model split for `schedule` on pp ranks x dp replicas (the parts' count sets the split);
+    `window`: ZeRO-3's reshard window."""
     from duplexpipe.schedules.registry import build
 
     microbatches = 2 * pp if schedule == "dualpipe" else 4
     parts = [p.double() for p in make_parts(build(schedule, pp, microbatches).num_groups, 8, seed=0)]
-    cfg = PipelineConfig(schedule, microbatches, data_parallel=DataParallelConfig(zero_stage=zero,
-                                                                                  grad_compression=compression))
+    cfg = PipelineConfig(schedule, microbatches, data_parallel=DataParallelConfig(
+        zero_stage=zero, grad_compression=compression, reshard_window=window))
     return Pipeline(parts, _mse64, _adamw, cfg, mesh=make_mesh(pp, dp) if dp > 1 else None)
 
 
@@ -110,9 +113,10 @@ def _weights(pipe: Pipeline) -> dict[str, torch.Tensor]:
     """This rank's parameters by their global names (first copies)."""
     keys = state_keys(pipe)
     out = {}
-    for stage, module in pipe.stage_state_modules.items():
+    for stage, module in sorted(pipe.stage_state_modules.items()):
         for local, param in module.named_parameters():
-            out[keys.names[f"stage{stage}.{local}"]] = param.detach().clone()
+            whole = param.full_tensor() if isinstance(param, DTensor) else param  # ZeRO-2/3: gathered (collective)
+            out[keys.names[f"stage{stage}.{local}"]] = whole.detach().clone()
     return out
 
 
@@ -131,7 +135,8 @@ def _move_case(root: str, name: str, before: tuple[Any, ...], after: tuple[Any, 
         second.load(path)
     tail = [second.step(*_batch64(second, step)) for step in range(MOVE_AT, MOVED)]
     return {"straight": straight[MOVE_AT:], "moved": tail, "straight_weights": _weights(first),
-            "moved_weights": _weights(second), "warnings": [str(w.message) for w in caught]}
+            "moved_weights": _weights(second), "warnings": [str(w.message) for w in caught],
+            "strategies": (first.dp.name, second.dp.name)}
 
 
 # ---- format 1 (stage-keyed), written as earlier versions wrote it: no longer read ----
@@ -176,6 +181,22 @@ def _all_cases(root: str) -> dict[str, Any]:
     return out
 
 
+ZERO3_STRATEGIES = {"z3-1f1b2x2-z1-zbv2x2": ("zero3", "zero1"), "z3-zbv2x2w1-pp4": ("zero3", "replicated"),
+                    "z1-zbv2x2-z3-dualpipev2x2w1": ("zero1", "zero3"), "pp4-z3-zbh1x2x2": ("replicated", "zero3")}
+ZERO3_MOVES = {
+    "z3-1f1b2x2-z1-zbv2x2": (("1f1b", 2, 2, 3), ("zbv", 2, 2, 1)),
+    "z3-zbv2x2w1-pp4": (("zbv", 2, 2, 3, None, 1), ("1f1b", 4, 1)),
+    "z1-zbv2x2-z3-dualpipev2x2w1": (("zbv", 2, 2, 1), ("dualpipev", 2, 2, 3, None, 1)),
+    "pp4-z3-zbh1x2x2": (("1f1b", 4, 1), ("zb-h1", 2, 2, 3)),
+}
+"""ZeRO-3 (FSDP2's sharded DTensors) to ZeRO-1 (flat shards) and plain pipelines on other layouts, and back."""
+
+
+def _zero3_cases(root: str) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    return {name: _move_case(root, name, before, after) for name, (before, after) in ZERO3_MOVES.items()}
+
+
 def _dropout_pipe() -> Pipeline:
     torch.manual_seed(0)
     blocks = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Dropout(0.3)) for _ in range(2)]
@@ -211,6 +232,11 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out[0]["dropout"] = {"straight": straight, "resumed": resumed}
     out[0]["root"] = root
     return out
+
+
+@pytest.fixture(scope="module")
+def zero3_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return launch(_zero3_cases, 4, (str(tmp_path_factory.mktemp("ckpt-zero3")),), timeout_s=300)
 
 
 @pytest.mark.timeout(600)
@@ -252,6 +278,28 @@ def test_another_layout_continues_exactly(results: list[dict[str, Any]], case: s
     messages = [m for res in results for m in res[case]["warnings"]]
     assert len(messages) == 1 and "reset the random-number generators of every rank" in messages[0], messages
     assert "data-parallel strategy" not in messages[0]  # no strategy state to lose here
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", list(ZERO3_MOVES))
+def test_zero3_checkpoints_move_to_other_stages_and_layouts_exactly(zero3_results: list[dict[str, Any]],
+                                                                    case: str) -> None:
+    """Saved at ZeRO-3 (PP=2 x DP=2) and resumed at ZeRO-1 or ZeRO-0 on another layout, and back: float64 losses and
+    every weight within 1e-12 of the run that never moved, one warning (the RNG streams)."""
+    straight: dict[str, torch.Tensor] = {}
+    moved: dict[str, torch.Tensor] = {}
+    for res in zero3_results:
+        got = res[case]
+        assert len(got["moved"]) == MOVED - MOVE_AT
+        assert got["strategies"] == ZERO3_STRATEGIES[case]
+        assert max(abs(a - b) / abs(b) for a, b in zip(got["moved"], got["straight"], strict=True)) <= 1e-12, got
+        straight.update(got["straight_weights"])
+        moved.update(got["moved_weights"])
+    assert set(moved) == set(straight) == {f"layer{i}.0.{w}" for i in range(8) for w in ("weight", "bias")}
+    for name, want in straight.items():
+        assert ((moved[name] - want).norm() / want.norm()).item() <= 1e-12, name
+    messages = [m for res in zero3_results for m in res[case]["warnings"]]
+    assert len(messages) == 1 and "reset the random-number generators of every rank" in messages[0], messages
 
 
 @pytest.mark.timeout(600)
