@@ -79,7 +79,7 @@ def test_parallelism_flags_reach_the_pipeline_config() -> None:
     tensor = config_from_args(_parse(["--tp", "2", "--sequence-parallel"]))
     assert (tensor.tp, tensor.pipeline.sequence_parallel) == (2, True)
     with pytest.raises(SystemExit):
-        _parse(["--zero-stage", "3"])
+        _parse(["--zero-stage", "4"])
 
 
 def test_p2p_compression_flag_reaches_the_pipeline_config() -> None:
