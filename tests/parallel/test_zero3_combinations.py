@@ -29,9 +29,11 @@ TP_CASES = {"1f1b": ("1f1b", False, None), "dualpipev": ("dualpipev", False, Non
             "1f1b sp": ("1f1b", True, None), "dualpipev window 1": ("dualpipev", False, 1)}
 """name -> (schedule, sequence parallelism, reshard_window) at PP2 x DP2 x TP2."""
 MOE_SPEC = moe.MoESpec(aux=0.01, speed=0.01)
-EP_CASES = {"1f1b": ("1f1b", False, 3), "dualpipev": ("dualpipev", False, 3),
-            "dualpipev overlap": ("dualpipev", True, 3), "1f1b zero2": ("1f1b", False, 2)}
-"""name -> (schedule, F&B overlap, zero_stage) on the MoE model with ep=2."""
+EP_CASES = {"1f1b": ("1f1b", False, 3, 2), "dualpipev": ("dualpipev", False, 3, 2),
+            "dualpipev overlap": ("dualpipev", True, 3, 2), "1f1b zero2": ("1f1b", False, 2, 2),
+            "1f1b edp 2": ("1f1b", False, 3, 1)}
+"""name -> (schedule, F&B overlap, zero_stage, pp) on the MoE model with ep=2 over the 4 ranks (pp=1: dp=4, so two
+replicas hold each expert and reduce it over their expert-data-parallel group)."""
 DENSE_CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "compile": ("1f1b", {"compile": {"backend": "aot_eager"}}),
     "checkpointing": ("zbv", {"activation_checkpointing": True}),
@@ -69,15 +71,15 @@ def _full(t: Tensor) -> Tensor:
     return (gather() if gather is not None else t).detach()
 
 
-def _ep_case(schedule: str, overlap: bool, stage: int) -> dict[str, Any]:
+def _ep_case(schedule: str, overlap: bool, stage: int, pp: int) -> dict[str, Any]:
     embedding, blocks, head = moe.build(MOE_SPEC)
     cfg = PipelineConfig(schedule=schedule, num_microbatches=MICRO, fb_overlap=overlap,
                          data_parallel=DataParallelConfig(zero_stage=stage))
     pipe = Pipeline.from_layers(blocks, moe.loss_fn, moe.adamw, cfg, embedding=embedding, head=head,
-                                mesh=make_mesh(2, 2, ep=2))
+                                mesh=make_mesh(pp, 4 // pp, ep=2))
     losses = [pipe.step(*moe.batch(step, pipe.groups.dp_rank)) for step in range(STEPS)]
     ref = moe.Reference(MOE_SPEC)
-    want = [ref.step(step, 2, MICRO) for step in range(STEPS)]
+    want = [ref.step(step, 4 // pp, MICRO) for step in range(STEPS)]
     parts = ref.parts(pipe.partition)
     worst, experts, state = 0.0, 0, {}
     for s, module in sorted(pipe.stage_modules.items()):
@@ -174,7 +176,8 @@ def test_zero3_with_tensor_parallelism_equals_one_process(tp_results: list[dict[
 @pytest.mark.parametrize("name", list(EP_CASES))
 def test_zero3_with_expert_parallelism_equals_one_process(results: list[dict[str, Any]], name: str) -> None:
     """MoE with ep=2 (balance loss and expert bias on): losses and every parameter (experts by global index)
-    within 1e-10 of one process holding every expert; ZeRO-2 through the same code."""
+    within 1e-10 of one process holding every expert, also with two replicas per expert (edp=2); ZeRO-2 through
+    the same code."""
     for rank, res in enumerate(results):
         got = res["ep"][name]
         assert "error" not in got, got.get("error")
