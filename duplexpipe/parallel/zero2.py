@@ -6,7 +6,9 @@ runs, FSDP's gradient sync is off (gradients accumulate unsharded, so the runtim
 mirror sum see ordinary tensors); once a stage's gradients are final the strategy drives FSDP's post-backward by
 hand, as torch.distributed.pipelining's stage.py does, which reduce-scatters them and reshards the parameters.
 FSDP's collectives go through this module's ReduceScatter / AllGather, which post them on duplexpipe.comm's
-ShardComm (exact, bf16/fp16, int8 qgZ / qwZ; metered) and wait with the trainer's bounded wait.
+ShardComm (exact, bf16/fp16, int8 qgZ / qwZ; metered) and wait with the trainer's bounded wait. Routed MoE experts
+(expert parallelism) stay out of FSDP: each is whole on its expert-parallel rank and reduced over its
+expert-data-parallel group as in every strategy (`DPStrategy._finish_experts`).
 """
 
 from __future__ import annotations
