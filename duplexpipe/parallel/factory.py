@@ -49,9 +49,6 @@ def make_strategy(ctx: StrategyContext, name: str | None = None) -> DPStrategy:
 def _zero_strategy(ctx: StrategyContext, name: str | None) -> DPStrategy:
     """ZeRO-1, 2 or 3 (with one replica there is nothing to shard: the replicated strategy, with a warning)."""
     check_zero(ctx.zero_stage, ctx.zero, ctx.compression, name)
-    if ctx.experts and ctx.zero_stage >= 2:
-        raise ValueError(f"zero_stage={ctx.zero_stage} with MoE experts is not supported (FSDP would shard each "
-                         "rank's own experts over replicas that hold other experts); use zero_stage=1 or 0")
     if ctx.groups.dp_size == 1:
         warnings.warn(f"zero_stage={ctx.zero_stage} (and its gradient compression) has no effect with one "
                       "data-parallel replica (nothing to shard); training with the replicated strategy", stacklevel=3)

@@ -75,10 +75,11 @@ class Zero3Strategy(Zero2Strategy):
 
     def grad_holders(self, stage: int) -> list[Tensor]:
         """The tensors holding `stage`'s unreduced gradients in .grad: FSDP's unsharded parameters (their storage
-        may be freed; the gradients are not), for the mirror sum; none before the stage's first all-gather."""
+        may be freed; the gradients are not) and its routed experts (outside FSDP), for the mirror sum; none of
+        FSDP's before the stage's first all-gather."""
         module = self.ctx.modules[stage]
         holders = [r._unsharded_param for r in _fsdp_params(module) if hasattr(r, "_unsharded_param")]
-        return [p for p in holders if p.requires_grad]
+        return [p for p in holders if p.requires_grad] + [p for p in module.parameters() if id(p) in self.ctx.experts]
 
     def finish(self) -> None:
         """Finish the step's reductions; every stage is sharded again afterwards (at rest: 1/DP bytes)."""
