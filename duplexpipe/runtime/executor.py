@@ -147,6 +147,8 @@ class PipelineRuntime:
         if self.mirror is not None:
             self.mirror.holders = residency.grad_holders
         self._handlers = self.dispatch.handlers(residency)
+        self._measured = ({op: measured(h) for op, h in self._handlers.items()}
+                          if self.config.measure_memory else self._handlers)
 
     def _wait_exchange(self, work: Any, what: str) -> None:
         """gloo: a bounded, failure-aware wait. NCCL: the compute stream waits for the exchange on the GPU and
