@@ -208,10 +208,10 @@ def test_the_bytes_moved_are_reported_and_the_measured_peak_drops(results: list[
         assert case["offloaded"][0] == case["offloaded"][1], "every step moves the same"
         assert (case["offloaded"][0] > 0) == (case["moves"] > 0), f"rank {rank}"
         assert case["peak"][-1] <= plain["peak"][-1], f"rank {rank}"
-        if case["moves"]:
-            assert case["peak"][-1] < plain["peak"][-1], f"rank {rank}: {case['peak']} vs {plain['peak']}"
         assert case["saved_peak"] == plain["saved_peak"], "what forwards keep for backward is the same"
-    assert results[0][f"{name} {policy}"]["moves"] > 0
+    first, plain = results[0][f"{name} {policy}"], results[0][f"{name} False"]
+    # rank 0 holds the most forwards: at most the nearest and the one just made stay on the device
+    assert first["moves"] > 0 and first["peak"][-1] <= plain["peak"][-1] / 2
 
 
 def test_true_holds_at_most_what_a_fraction_holds(results: list[dict[str, Any]]) -> None:
@@ -227,7 +227,8 @@ def test_the_pipeline_config_field_offloads(results: list[dict[str, Any]]) -> No
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    """Bytes moved per step and the measured activation peak with and without offload, per (schedule, rank)."""
+    """Bytes moved per step and the measured activation peak (bytes) without offload, with True and with 0.5, per
+    (schedule, rank)."""
     rows = ["schedule   rank  peak_plain  peak_true  moved_true  peak_half  moved_half"]
     for name in SCHEDULES:
         for rank, result in enumerate(results):
