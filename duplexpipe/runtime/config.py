@@ -14,7 +14,6 @@ from duplexpipe.comm.meter import WireMeter
 from duplexpipe.comm.nonfinite import check_policy
 from duplexpipe.fielddoc import documented
 from duplexpipe.runtime.memory import MemoryReport
-from duplexpipe.runtime.offload import check_offload
 from duplexpipe.schedules.timeline import Timeline
 
 GradsReadyHook = Callable[[int], None]
@@ -110,13 +109,6 @@ class RuntimeConfig:
     count_saved_bytes counts them, per storage) and of the mail, each storage once; reported in
     StepResult.memory with the curve. Walks those tensors after every action, so off by default; False: the
     step runs its usual handlers (StepResult.memory is None)."""
-    activation_offload: bool | float = False
-    """Move what training forwards save for backward to host memory while their backward is far away, scheduled from
-    this rank's list (`duplexpipe.runtime.offload`): after each F, the live forwards whose B or I is furthest go to
-    host (True: all but the nearest; a fraction f of them: the furthest floor(f x live)) and come back one compute
-    action before their B or I. CUDA: pinned host buffers, copies on a side stream overlapping the compute; CPU:
-    copies into separate buffers. Exact (the bytes come back as they left); the step's memory report counts the
-    offloaded storages out of its activations and reports the bytes moved (MemoryReport.offloaded_bytes)."""
     recv_lookahead: int = 2
     """On gloo, on steps whose message shapes are already known: how many receives from
     each peer are posted ahead of where the schedule lists them. Receive i from a peer is posted when the
@@ -146,7 +138,6 @@ class RuntimeConfig:
                              f"got {self.p2p_meter!r}")
         if not isinstance(self.recv_lookahead, int) or isinstance(self.recv_lookahead, bool):
             raise ValueError(f"RuntimeConfig.recv_lookahead must be an int, got {self.recv_lookahead!r}")
-        check_offload(self.activation_offload, "RuntimeConfig.activation_offload")
         for name in ("check_inputs_every_step", "count_saved_bytes", "fb_overlap", "measure_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"RuntimeConfig.{name} must be a bool, got {getattr(self, name)!r}")

@@ -28,7 +28,7 @@ from duplexpipe.runtime.loss_sum import LossSum
 from duplexpipe.runtime.memory import MeasuredActivations, StepMemory, measured
 from duplexpipe.runtime.message_meta import Message, MessageMeta
 from duplexpipe.runtime.messages import Mailbox, Mailroom, Slot
-from duplexpipe.runtime.offload import Offload, enabled, offload_plan
+from duplexpipe.runtime.offload import Offload, check_offload, enabled, offload_plan
 from duplexpipe.runtime.preflight import verdict
 from duplexpipe.runtime.rankplan import RankPlan
 from duplexpipe.runtime.stage_compute import Activations, StageCompute
@@ -85,7 +85,7 @@ class PipelineRuntime:
     def __init__(self, schedule: Schedule, modules: Mapping[int, nn.Module],
                  loss_fn: Callable[[Any, Any], Tensor], *, group: Any = None,
                  device: torch.device | None = None, config: RuntimeConfig | None = None,
-                 job_group: Any = None) -> None:
+                 job_group: Any = None, activation_offload: bool | float = False) -> None:
         if not isinstance(schedule, Schedule):
             raise TypeError(f"schedule must be a duplexpipe Schedule, got {type(schedule).__name__}")
         if not schedule.has_comms and schedule.num_ranks > 1:
@@ -136,7 +136,14 @@ class PipelineRuntime:
         """recv_lookahead -> this rank's plan with its receives posted that far ahead."""
         self._pending: LossSum | None = None
         """The latest step's loss sum until something waited for it."""
-        self._offload_stream = (torch.cuda.Stream(self.device) if enabled(self.config.activation_offload)
+        check_offload(activation_offload, "activation_offload")
+        self.activation_offload = activation_offload
+        """Training steps move what forwards save for backward to host memory while their backward is far away
+        (`duplexpipe.runtime.offload`): after each F, the live forwards whose B or I is furthest go to host (True:
+        all but the nearest; a fraction f: the furthest floor(f x live)) and come back one compute action before
+        their B or I. Exact; the step's MemoryReport counts those on host out of its activations and reports the
+        bytes moved (`offloaded_bytes`)."""
+        self._offload_stream = (torch.cuda.Stream(self.device) if enabled(activation_offload)
                                 and self.device.type == "cuda" else None)
         """The side stream of the activation offload's copies (CUDA)."""
         self._handlers = self.dispatch.handlers()
@@ -325,8 +332,8 @@ class PipelineRuntime:
             step = Step(train, self._step_no, found, plan, weights, float(loss_scale), batch, targets_of, loss,
                         Mailbox.of(self._step_no, train, cached), acts,
                         Tracer(self.rank, self.device, self.config.record_timeline))
-            if train and enabled(self.config.activation_offload):
-                step.offload = Offload(offload_plan(plan.actions, self.config.activation_offload), acts,
+            if train and enabled(self.activation_offload):
+                step.offload = Offload(offload_plan(plan.actions, self.activation_offload), acts,
                                        self.device, self._offload_stream)
             if isinstance(acts, MeasuredActivations):
                 step.memory = acts.memory = self._measure(step)

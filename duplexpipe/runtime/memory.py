@@ -63,7 +63,7 @@ class MemoryReport:
     curve: tuple[MemoryPoint, ...] = ()
     """What was held after each action, in order."""
     offloaded_bytes: int = 0
-    """Bytes of saved activations copied to host memory during the step (RuntimeConfig.activation_offload; each
+    """Bytes of saved activations copied to host memory during the step (PipelineConfig.activation_offload; each
     came back before its backward); the activations counted here leave out those on host."""
 
     def with_optimizer(self, during: int, after: int) -> MemoryReport:

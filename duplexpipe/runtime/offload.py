@@ -9,7 +9,6 @@ import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -214,7 +213,7 @@ class Offload:
         parcel = parcels.get(address)
         if parcel is None:
             parcel = parcels[address] = Parcel(tensor)
-        return parcel, tensor.dtype, tensor.storage_offset(), tensor.size(), tensor.stride()
+        return parcel, tensor.dtype, int(tensor.storage_offset()), tensor.size(), tensor.stride()
 
     def offload(self, key: Key) -> None:
         """Move (stage, microbatch)'s parcels to host; the step's measured activations stop counting them."""

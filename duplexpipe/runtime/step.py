@@ -62,7 +62,7 @@ class Step:
     memory: StepMemory | None = None
     """Its measured memory (RuntimeConfig.measure_memory, training steps only): sampled after every action."""
     offload: Offload | None = None
-    """Its activation offload (RuntimeConfig.activation_offload, training steps only)."""
+    """Its activation offload (PipelineRuntime.activation_offload, training steps only)."""
 
     @property
     def signature(self) -> int:

@@ -365,8 +365,7 @@ def runtime_config(config: PipelineConfig, *, fb_overlap: bool, on_grads_ready: 
                          count_saved_bytes=observe.count_saved_bytes,
                          measure_memory=observe.measure_memory, activation_codec=act_codec,
                          gradient_codec=grad_codec, nonfinite_sends=safety.nonfinite_sends, p2p_meter=p2p_meter,
-                         on_grads_ready=on_grads_ready, fb_overlap=fb_overlap,
-                         activation_offload=config.activation_offload)
+                         on_grads_ready=on_grads_ready, fb_overlap=fb_overlap)
 
 
 @documented

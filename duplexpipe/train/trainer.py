@@ -164,6 +164,7 @@ class Pipeline:
                    if cfg.data_parallel.zero_stage == 3 and groups.dp_size > 1 else self.schedule)
         self.runtime = PipelineRuntime(sharded, self.stage_modules, loss_fn, group=groups.pp_group,
                                        device=self.device, config=self._runtime_config(),
+                                       activation_offload=self.config.activation_offload,
                                        job_group=dist.group.WORLD if groups.dp_size * groups.tp_size > 1 else None)
         if cfg.safety.check_replicas:  # before the strategy (ZeRO-2 turns the parameters into shards) and the experts'
             self._check_replicas()  # sharding (the replicas of an expert-parallel group then hold different ones)
