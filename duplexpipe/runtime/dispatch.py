@@ -81,20 +81,26 @@ class Dispatcher:
     # ---------------------------------------------------------------- the work itself
     def run_forward(self, step: Step, action: Action, message: Message) -> None:
         """F of (stage, microbatch) on `message`: keep what backward needs (counting its bytes when
-        the stage has a meter), hand the output on or compute the loss."""
+        the stage has a meter, in parcels the step's offload moves when it has one), hand the output on or compute
+        the loss."""
         stage, mb = action.stage, action.microbatch
         train = step.train
         compute = self.stages[stage]
         meter = compute.meter if train else None
         slot = CommSlot(current_driver(self.driver))
+        offload = step.offload if train else None
         with _grad_mode(train), forward_slot(slot):
-            if meter is None:
+            if meter is None and offload is None:
                 act, produced = self._forward(step, compute, mb, message)
             else:
-                meter.start(data=self._data(step, stage, mb, message))
-                with meter.counting():
+                data = self._data(step, stage, mb, message)
+                if meter is not None:
+                    meter.start(data=data)
+                hooks = (offload.saving(stage, mb, compute.module, data, meter.pack if meter is not None else None)
+                         if offload is not None else meter.counting() if meter is not None else _KEEP_GRAD_MODE)
+                with hooks:
                     act, produced = self._forward(step, compute, mb, message)
-                if act is not None:
+                if act is not None and meter is not None:
                     meter.keep(act.inputs)
                     act.saved_bytes, act.saved = meter.total, meter.storages
             if act is not None:
@@ -144,6 +150,8 @@ class Dispatcher:
         stage, mb = action.stage, action.microbatch
         compute = self.stages[stage]
         act = step.acts.pending(action)
+        if step.offload is not None:
+            step.offload.backward_starts(stage, mb)
         if act.slot is not None:  # the exchanges of its backward run on this code's driver
             act.slot.driver = current_driver(self.driver)
         if action.op is Op.B:

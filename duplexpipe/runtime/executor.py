@@ -28,6 +28,7 @@ from duplexpipe.runtime.loss_sum import LossSum
 from duplexpipe.runtime.memory import MeasuredActivations, StepMemory, measured
 from duplexpipe.runtime.message_meta import Message, MessageMeta
 from duplexpipe.runtime.messages import Mailbox, Mailroom, Slot
+from duplexpipe.runtime.offload import Offload, check_offload, enabled, offload_plan
 from duplexpipe.runtime.preflight import verdict
 from duplexpipe.runtime.rankplan import RankPlan
 from duplexpipe.runtime.stage_compute import Activations, StageCompute
@@ -84,7 +85,7 @@ class PipelineRuntime:
     def __init__(self, schedule: Schedule, modules: Mapping[int, nn.Module],
                  loss_fn: Callable[[Any, Any], Tensor], *, group: Any = None,
                  device: torch.device | None = None, config: RuntimeConfig | None = None,
-                 job_group: Any = None) -> None:
+                 job_group: Any = None, activation_offload: bool | float = False) -> None:
         if not isinstance(schedule, Schedule):
             raise TypeError(f"schedule must be a duplexpipe Schedule, got {type(schedule).__name__}")
         if not schedule.has_comms and schedule.num_ranks > 1:
@@ -135,6 +136,16 @@ class PipelineRuntime:
         """recv_lookahead -> this rank's plan with its receives posted that far ahead."""
         self._pending: LossSum | None = None
         """The latest step's loss sum until something waited for it."""
+        check_offload(activation_offload, "activation_offload")
+        self.activation_offload = activation_offload
+        """Training steps move what forwards save for backward to host memory while their backward is far away
+        (`duplexpipe.runtime.offload`): after each F, the live forwards whose B or I is furthest go to host (True:
+        all but the nearest; a fraction f: the furthest floor(f x live)) and come back one compute action before
+        their B or I. Exact; the step's MemoryReport counts those on host out of its activations and reports the
+        bytes moved (`offloaded_bytes`)."""
+        self._offload_stream = (torch.cuda.Stream(self.device) if enabled(activation_offload)
+                                and self.device.type == "cuda" else None)
+        """The side stream of the activation offload's copies (CUDA)."""
         self._handlers = self.dispatch.handlers()
         self._measured = ({op: measured(h) for op, h in self._handlers.items()}
                           if self.config.measure_memory else self._handlers)
@@ -226,9 +237,11 @@ class PipelineRuntime:
         self._run(step)
         self._pending = step.loss
         loss = functools.partial(self._read, step.loss) if step.loss is not None else 0.0
+        memory = step.memory.report() if step.memory is not None else None
+        if memory is not None and step.offload is not None:
+            memory = replace(memory, offloaded_bytes=step.offload.offloaded_bytes)
         return StepResult(loss=loss, timeline=self._timeline(step), peak_activations=step.acts.peak,
-                          peak_saved_bytes=step.acts.peak_bytes,
-                          memory=step.memory.report() if step.memory is not None else None)
+                          peak_saved_bytes=step.acts.peak_bytes, memory=memory)
 
     def evaluate(self, inputs: Any, targets: Any = None) -> EvalResult:
         """Forward only (the schedule's F actions in order, no autograd).
@@ -321,6 +334,9 @@ class PipelineRuntime:
             step = Step(train, self._step_no, found, plan, weights, float(loss_scale), batch, targets_of, loss,
                         Mailbox.of(self._step_no, train, cached), acts,
                         Tracer(self.rank, self.device, self.config.record_timeline))
+            if train and enabled(self.activation_offload):
+                step.offload = Offload(offload_plan(plan.actions, self.activation_offload), acts,
+                                       self.device, self._offload_stream)
             if isinstance(acts, MeasuredActivations):
                 step.memory = acts.memory = self._measure(step)
             if train and self.mirror is not None:
@@ -412,11 +428,15 @@ class PipelineRuntime:
 
     def _after(self, step: Step) -> dict[int, Callable[[], None]]:
         """What runs after the action at a position of the step's list: the stages' final-gradient hook
-        (`on_grads_ready`) and the loss sum's post (gloo)."""
+        (`on_grads_ready`), the activation offload's moves and the loss sum's post (gloo)."""
         after: dict[int, Callable[[], None]] = {}
         if step.train and self.config.on_grads_ready is not None:
             for pos, stages in step.plan.grads_final.items():
                 after[pos] = functools.partial(self._grads_final, stages)
+        if step.offload is not None:
+            for pos, move in step.offload.hooks().items():
+                final = after.get(pos)
+                after[pos] = move if final is None else functools.partial(_both, final, move)
         loss = step.loss
         if loss is not None and loss.post_after is not None:
             final = after.get(loss.post_after)

@@ -62,6 +62,9 @@ class MemoryReport:
     """CUDA: torch.cuda.max_memory_allocated over the step (reset at its start); None elsewhere."""
     curve: tuple[MemoryPoint, ...] = ()
     """What was held after each action, in order."""
+    offloaded_bytes: int = 0
+    """Bytes of saved activations copied to host memory during the step (PipelineConfig.activation_offload; each
+    came back before its backward); the activations counted here leave out those on host."""
 
     def with_optimizer(self, during: int, after: int) -> MemoryReport:
         """This report with the optimizer state: `during` bytes held while the actions ran, `after` bytes once the
@@ -83,9 +86,10 @@ class MemoryReport:
     def summary(self) -> str:
         """One line: `rank 0: peak 1.2 MiB = params 40.0 KiB, grads ..., activations ...`."""
         cuda = "" if self.max_memory_allocated is None else f", cuda max allocated {_size(self.max_memory_allocated)}"
+        offloaded = f", offloaded {_size(self.offloaded_bytes)}" if self.offloaded_bytes else ""
         return (f"rank {self.rank}: peak {_size(self.total_peak)} (params {_size(self.params_peak)}, grads "
                 f"{_size(self.grads_peak)}, optimizer {_size(self.optimizer)}, activations "
-                f"{_size(self.activations_peak)}, messages {_size(self.messages_peak)}{cuda})")
+                f"{_size(self.activations_peak)}, messages {_size(self.messages_peak)}{cuda}{offloaded})")
 
 
 def _size(nbytes: int) -> str:

@@ -69,7 +69,8 @@ class SavedBytes:
             if address not in self._exclude and address not in self._skip:
                 self._seen[address] = nbytes
 
-    def _pack(self, tensor: Tensor) -> Tensor:
+    def pack(self, tensor: Tensor) -> Tensor:
+        """The pack hook: count `tensor`'s storage; returns it detached (another pack hook may call it first)."""
         address, nbytes = storage_key(tensor)  # keep() inlined: this runs for every tensor autograd saves
         if address not in self._exclude and address not in self._skip:
             self._seen[address] = nbytes
@@ -83,7 +84,7 @@ class SavedBytes:
         own hooks apply, so what it recomputes instead of saving is (rightly) not counted; an
         outer hook does not see what is saved inside this block.
         """
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack):
             yield self
 
 

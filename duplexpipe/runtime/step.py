@@ -15,6 +15,7 @@ from duplexpipe.runtime.loss_sum import LossSum
 from duplexpipe.runtime.memory import StepMemory
 from duplexpipe.runtime.message_meta import Message
 from duplexpipe.runtime.messages import Mailbox
+from duplexpipe.runtime.offload import Offload
 from duplexpipe.runtime.rankplan import RankPlan
 from duplexpipe.runtime.stage_compute import Activations
 from duplexpipe.runtime.timing import Tracer
@@ -60,6 +61,8 @@ class Step:
     """DualPipe: the gradients mirrored stages held before the step (`MirrorSum.set_aside`), added back after."""
     memory: StepMemory | None = None
     """Its measured memory (RuntimeConfig.measure_memory, training steps only): sampled after every action."""
+    offload: Offload | None = None
+    """Its activation offload (PipelineRuntime.activation_offload, training steps only)."""
 
     @property
     def signature(self) -> int:

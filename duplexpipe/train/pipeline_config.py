@@ -20,6 +20,7 @@ from duplexpipe.parallel import DEFAULT_BUCKET_BYTES, check_strategy_name
 from duplexpipe.runtime import RuntimeConfig
 from duplexpipe.runtime.config import GradsReadyHook
 from duplexpipe.runtime.memory import MemoryReport
+from duplexpipe.runtime.offload import check_offload
 from duplexpipe.schedules.ir import Schedule
 from duplexpipe.schedules.timeline import Timeline
 from duplexpipe.sizes import memory_bytes
@@ -226,6 +227,11 @@ class PipelineConfig:
     and attention's outputs and recomputing the cheap operators (torch's selective checkpointing); {"every": k}
     every k-th block of the model, each on its own (the layers of `from_layers` parts, a Hugging Face part's
     decoder layers; on the command line every=k); a collection of stage indices those stages whole; False none."""
+    activation_offload: bool | float = False
+    """Move what forwards save for backward to host memory while their backward is far away, scheduled from each
+    rank's list: after each F, the live forwards whose B or I comes last go to host (True: all but the nearest; a
+    fraction f: the furthest f of them) and come back one compute action before their B or I (CUDA: pinned buffers,
+    copies on a side stream overlapping the compute). Exact; `observe.measure_memory` reports the bytes moved."""
     sequence_parallel: bool = False
     """With tensor parallelism (a mesh with tp > 1 and a `tp_plan`): activations between the TP regions (norms,
     residual stream) and every stage-to-stage message hold this TP rank's 1/TP of the sequence (each TP rank sends
@@ -265,6 +271,7 @@ class PipelineConfig:
                 raise ValueError(f"PipelineConfig.{name} must be a {kind.__name__}, got {getattr(self, name)!r}")
         if not isinstance(self.sequence_parallel, bool):
             raise ValueError(f"PipelineConfig.sequence_parallel must be a bool, got {self.sequence_parallel!r}")
+        check_offload(self.activation_offload, "PipelineConfig.activation_offload")
         if not isinstance(self.fb_overlap, bool):
             raise ValueError(f"PipelineConfig.fb_overlap must be a bool, got {self.fb_overlap!r}")
         if self.schedule == AUTO:

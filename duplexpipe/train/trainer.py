@@ -187,6 +187,7 @@ class Pipeline:
         sharded = _with_residency(self.schedule, cfg.data_parallel, groups.dp_size, window)
         self.runtime = PipelineRuntime(sharded, self.stage_modules, loss_fn, group=groups.pp_group,
                                        device=self.device, config=self._runtime_config(),
+                                       activation_offload=self.config.activation_offload,
                                        job_group=dist.group.WORLD if groups.dp_size * groups.tp_size > 1 else None)
         if cfg.safety.check_replicas:  # before the strategy (ZeRO-2 turns the parameters into shards) and the experts'
             self._check_replicas()  # sharding (the replicas of an expert-parallel group then hold different ones)
