@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("vs_torch", "measured_vs_sim", "overlap", "schedule_tooling", "profile_runtime", "auto_search",
          "p2p_compression", "dp_compression", "plan_vs_measured", "zero_bench", "spawn_bench", "auto_vs_hand",
          "moe_overlap", "compression", "cuda_overlap", "reliability", "vs_torch_tp",
-         "plan_tp", "compile", "plan_moe", "checkpointing", "zero3_bench")  # every part in report order: its number is its place here
+         "plan_tp", "compile", "plan_moe", "checkpointing",
+         "zero3_bench")  # every part in report order: its number is its place here
 
 
 def load(name: str) -> Part[Any]:

@@ -1,7 +1,7 @@
 """Measured memory per step: the report's kinds and peaks, and its activation peak against the simulator's, 4 ranks.
 
-`python tests/runtime/test_measured_memory.py` prints the measured-vs-predicted table (run from the repository root with the
-tests folder on PYTHONPATH)."""
+`python tests/runtime/test_measured_memory.py` prints the measured-vs-predicted table (run from the repository root
+with the tests folder on PYTHONPATH)."""
 
 from __future__ import annotations
 
