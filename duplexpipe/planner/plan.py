@@ -304,6 +304,13 @@ def check(profile: Profile, config: PlanConfig) -> None:
         registry.entry(name)
     for stage in config.zero_stages or ():
         zero_stage(stage)
+    for window in config.reshard_windows:
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+            raise PlanError(f"plan needs reshard windows as integers >= 1 or None (all stages), got {window!r}")
+    if not config.reshard_windows or not config.checkpointing or \
+            not all(isinstance(c, bool) for c in config.checkpointing):
+        raise PlanError(f"plan needs at least one reshard window and checkpointing as True/False values, got "
+                        f"{config.reshard_windows!r} and {config.checkpointing!r}")
     compressions(config)
 
 
