@@ -206,7 +206,8 @@ def test_config_checks() -> None:
 def test_the_configs_planner_keys_are_the_planners_settings() -> None:
     """PipelineConfig checks schedule_options without importing the planner: its list of the planner's keys is
     PlanConfig's fields less those the Pipeline fills in."""
-    given = {"ranks", "batch", "memory", "dp", "refusal", "tp", "sequence_parallel"}
+    given = {"ranks", "batch", "memory", "dp", "refusal", "tp", "sequence_parallel", "reshard_windows",
+             "checkpointing"}
     assert set(AUTO_PLAN_KEYS) == {f.name for f in dataclasses.fields(PlanConfig)} - given
     assert len(AUTO_PLAN_KEYS) == len(set(AUTO_PLAN_KEYS))
 
