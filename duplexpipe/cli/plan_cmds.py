@@ -38,8 +38,8 @@ def add_parsers(sub: Any) -> None:
     pl.add_argument("--microbatches", type=_integers("microbatches"), default=None, metavar="M1,M2",
                     help="microbatch counts to try (default: divisors of batch/D from P to 8P)")
     pl.add_argument("--zero", type=_integers("zero", minimum=0), default=None, metavar="S1,S2",
-                    help="ZeRO stages to try (default: every stage the trainer has, 0,1,2,3, ZeRO-3 where ZeRO-2 is over "
-                    "the cap; with --dp 1 they are one plan, shown once)")
+                    help="ZeRO stages to try (default: every stage the trainer has, 0,1,2,3, ZeRO-3 where ZeRO-2 is "
+                    "over the cap; with --dp 1 they are one plan, shown once)")
     pl.add_argument("--reshard-windows", type=_windows, default=(1, None), metavar="W1,W2",
                     help="ZeRO-3 residency windows to try, in stages kept unsharded at once, 'all' for all of a "
                     "rank's stages (default 1,all; a window below all where all is over the cap)")
