@@ -25,7 +25,7 @@ def add_parsers(sub: Any) -> None:
                     help="data-parallel replicas D (default 1; with --world, fixes D)")
     _add_mesh_options(pl)
     pl.add_argument("--batch", type=_integer("batch"), required=True, help="global batch per step, in samples")
-    pl.add_argument("--memory", type=_size("memory"), required=True, metavar="SIZE",
+    pl.add_argument("--memory", "--memory-limit", dest="memory", type=_size("memory"), required=True, metavar="SIZE",
                     help="cap per rank, e.g. 40GiB, 512MiB, 8e9")
     pl.add_argument("--bandwidth", type=_size("bandwidth"), default=None, metavar="BYTES",
                     help="bytes per second between data-parallel replicas, and between pipeline ranks unless "
@@ -38,8 +38,13 @@ def add_parsers(sub: Any) -> None:
     pl.add_argument("--microbatches", type=_integers("microbatches"), default=None, metavar="M1,M2",
                     help="microbatch counts to try (default: divisors of batch/D from P to 8P)")
     pl.add_argument("--zero", type=_integers("zero", minimum=0), default=None, metavar="S1,S2",
-                    help="ZeRO stages to try (default: every stage the trainer has, 0,1,2; with --dp 1 they are one "
-                    "plan, shown once)")
+                    help="ZeRO stages to try (default: every stage the trainer has, 0,1,2,3, ZeRO-3 where ZeRO-2 is "
+                    "over the cap; with --dp 1 they are one plan, shown once)")
+    pl.add_argument("--reshard-windows", type=_windows, default=(1, None), metavar="W1,W2",
+                    help="ZeRO-3 residency windows to try, in stages kept unsharded at once, 'all' for all of a "
+                    "rank's stages (default 1,all; a window below all where all is over the cap)")
+    pl.add_argument("--activation-checkpointing", choices=("off", "full", "auto"), default="auto",
+                    help="checkpoint every stage: off, full, or auto (default: full where off is over the cap)")
     pl.add_argument("--compression", type=_names, default=None, metavar="A,B|all",
                     help="gradient compressions allowed, under the trainer's names (none, bf16, fp16, int8, powersgd, "
                     "powersgd(rank=1), dgc; default all); only pairs with a ZeRO stage the trainer accepts are planned")
@@ -160,6 +165,11 @@ def _integers(name: str, minimum: int = 1) -> Any:
     return lambda text: tuple(one(item.strip()) for item in text.split(",") if item.strip())
 
 
+def _windows(text: str) -> tuple[int | None, ...]:
+    one = _integer("reshard-windows")
+    return tuple(None if item.strip() == "all" else one(item.strip()) for item in text.split(",") if item.strip())
+
+
 def _names(text: str) -> tuple[str, ...]:
     return tuple(item.strip() for item in text.split(",") if item.strip())
 
@@ -207,7 +217,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
                         p2p_link=Link(float(p2p_bw or math.inf), args.latency),
                         optimizer_factor=args.optimizer_factor, cores=args.cores, tp=args.tp or 1,
                         tp_link=Link(float(args.tp_bandwidth or DEFAULT_TP_BANDWIDTH), args.tp_latency),
-                        sequence_parallel=args.sequence_parallel)
+                        sequence_parallel=args.sequence_parallel, reshard_windows=args.reshard_windows,
+                        checkpointing={"off": (False,), "full": (True,), "auto": (False, True)}[
+                            args.activation_checkpointing])
     given = {"p2p_link": p2p_bw is not None or bool(args.latency),
              "tp_link": args.tp_bandwidth is not None or bool(args.tp_latency)}  # the user's links stand
     profile, config, measured = with_calibration(profile, config, [k for k, mine in given.items() if not mine])
@@ -233,9 +245,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
           f"TP link {tp_link.bandwidth / 1e9:.3g} GB/s{', sequence parallel' if args.sequence_parallel else ''}"
           + (f"; {measured}" if measured else ""))
     print(result.table(args.top))
-    print(f"best: {best.schedule} with M={best.microbatches}, ZeRO {best.zero}, compression {best.compression}, "
+    print(f"best: {best.schedule} with M={best.microbatches}, ZeRO {best.zero_label}, compression {best.compression}, "
+          f"activation checkpointing {'full' if best.checkpointing else 'off'}, "
           f"P={best.ranks} x D={best.dp} x T={best.tp}: step {best.step_s * 1e3:.4g} ms, peak "
           f"{format_bytes(best.peak_bytes)} per rank")
+    print(f"decided by {result.decided}")
     if result.advice:
         print(result.advice)
     if args.plot:

@@ -4,6 +4,7 @@ and the gradient compressions the trainer runs with each stage."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from duplexpipe.dp_options.compression import Options
@@ -34,6 +35,46 @@ class CandidateSettings(Protocol):
     def compressions(self) -> tuple[str | Options, ...] | None: ...
     @property
     def refusal(self) -> Callable[[int, Options], str | None] | None: ...
+    @property
+    def reshard_windows(self) -> tuple[int | None, ...]: ...
+    @property
+    def checkpointing(self) -> tuple[bool, ...]: ...
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One combination to evaluate: a schedule with its options, M, the ZeRO stage and the memory levers."""
+
+    schedule: str
+    """Registry name."""
+    options: dict[str, Any] = field(compare=False)
+    """Its generator's options."""
+    microbatches: int
+    """M."""
+    zero: int
+    """ZeRO stage."""
+    window: int | None = None
+    """ZeRO-3's residency window in stages (None: all of a rank's stages; always None below ZeRO-3)."""
+    checkpointing: bool = False
+    """Activation checkpointing of every stage."""
+
+    @property
+    def key(self) -> tuple[str, int, int, int | None, bool]:
+        """What tells candidates apart."""
+        return schedule_label(self.schedule, self.options), self.microbatches, self.zero, self.window, \
+            self.checkpointing
+
+    def lighter(self, below: int | None) -> Candidate | None:
+        """The same candidate with one memory lever less (checkpointing off, else ZeRO-3's window back to all
+        stages, else ZeRO-3 back to ZeRO `below`, the highest other stage planned), or None for one without levers:
+        a lever costs time, so it is tried only where that one is over the cap."""
+        if self.checkpointing:
+            return replace(self, checkpointing=False)
+        if self.window is not None:
+            return replace(self, window=None)
+        if self.zero == 3 and below is not None:
+            return replace(self, zero=below)
+        return None
 
 
 def zero_stages(config: CandidateSettings) -> tuple[int, ...]:
@@ -74,8 +115,8 @@ def microbatch_counts(config: CandidateSettings) -> list[int]:
     return wide or [m for m in divisors if m <= 8 * config.ranks]
 
 
-def candidates(profile: Profile, config: CandidateSettings) -> list[tuple[str, dict[str, Any], int, int]]:
-    """(schedule name, options, M, ZeRO stage) for every combination to evaluate."""
+def candidates(profile: Profile, config: CandidateSettings) -> list[Candidate]:
+    """Every combination to evaluate; each one's `Candidate.lighter` comes before it."""
     names = config.schedules or registry.names()
     out = []
     for name in names:
@@ -86,8 +127,11 @@ def candidates(profile: Profile, config: CandidateSettings) -> list[tuple[str, d
             variants = [{"placement": p} for p in ("linear", "v")]
         for options in variants:
             for m in microbatch_counts(config):
-                for zero in zero_stages(config):
-                    out.append((name, options, m, zero))
+                for zero in sorted(zero_stages(config)):
+                    windows = tuple(dict.fromkeys(config.reshard_windows)) if zero == 3 else (None,)
+                    for window in sorted(windows, key=lambda w: w is not None):
+                        for ckpt in sorted(set(config.checkpointing)):
+                            out.append(Candidate(name, options, m, zero, window, ckpt))
     return out
 
 

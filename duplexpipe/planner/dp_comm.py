@@ -31,7 +31,7 @@ class ZeroStage:
     """How a ZeRO stage shards state over the D data-parallel replicas and what it moves per step."""
 
     stage: int
-    """0, 1 or 2 (`dp_options.ZERO_STAGES`, what DataParallelConfig.zero_stage accepts)."""
+    """0 to 3 (`dp_options.ZERO_STAGES`, what DataParallelConfig.zero_stage accepts)."""
     description: str
     """One line for tables."""
     shard_optimizer: bool
@@ -42,8 +42,12 @@ class ZeroStage:
     """Gradient bytes each replica puts on the wire per step, as a multiple of (D-1)/D x gradient bytes:
     2 for a ring all-reduce, 1 for a reduce-scatter."""
     param_traffic: float
-    """Parameter bytes each replica puts on the wire per step, as a multiple of (D-1)/D x parameter bytes
-    (1: the all-gather of the updated shards)."""
+    """Parameter bytes each replica puts on the wire per step after its last backward, as a multiple of (D-1)/D x
+    parameter bytes (1: the all-gather of the updated shards; 0 under ZeRO-3, whose all-gathers are the schedule's
+    UNSHARD actions)."""
+    shard_params: bool = False
+    """Parameters are kept as this replica's 1/D shard at rest and gathered whole per residency episode (ZeRO-3:
+    the schedule's UNSHARD / RESHARD / REDUCE_GRAD actions, `schedules.shard`, priced by the simulator)."""
 
 
 _TRAFFIC = {
@@ -51,11 +55,14 @@ _TRAFFIC = {
     1: ZeroStage(1, "ZeRO-1: reduce-scatter gradients, step 1/D of the optimizer states, all-gather parameters",
                  True, False, 1.0, 1.0),
     2: ZeroStage(2, "ZeRO-2: as ZeRO-1, and keep only 1/D of the reduced gradients", True, True, 1.0, 1.0),
+    3: ZeroStage(3, "ZeRO-3: as ZeRO-2, and keep only 1/D of the parameters at rest (gathered per episode)", True,
+                 True, 1.0, 0.0, True),
 }
 ZERO_STAGES: Mapping[int, ZeroStage] = MappingProxyType({s: _TRAFFIC[s] for s in TRAINER_ZERO_STAGES
                                                           if s in _TRAFFIC})
-"""The traffic model of every stage the trainer accepts that the planner ranks (ZeRO-3's traffic depends on its
-residency window: not modelled here yet, so the planner does not choose it)."""
+"""The traffic model of every stage the trainer accepts. ZeRO-3's all-gathers and reduce-scatters depend on its
+residency window: the planner lowers each candidate with `schedules.shard.add_unshard_reshard` and simulates them
+(one all-gather per episode, one reduce-scatter per stage), so `reduction_time` is not used for it."""
 
 
 @dataclass(frozen=True)

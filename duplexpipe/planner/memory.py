@@ -49,16 +49,21 @@ class StageBytes:
     """Bytes of its forward message to the next stage."""
     output_grad: tuple[int, ...]
     """Bytes of the gradient of its output (the message it receives back)."""
+    recompute: tuple[int, ...] = ()
+    """Per stage, what a checkpointed stage's recompute holds for a moment beyond its saved inputs (its whole
+    activation of one microbatch less the inputs; 0 for a stage not checkpointed); () for none."""
 
     @staticmethod
-    def of(schedule: Schedule, groups: Sequence[PartProfile]) -> StageBytes:
-        """Each stage takes its weight group's entry of `groups` (one PartProfile per model part)."""
+    def of(schedule: Schedule, groups: Sequence[PartProfile], recompute: Sequence[int] = ()) -> StageBytes:
+        """Each stage takes its weight group's entry of `groups` (one PartProfile per model part) and of
+        `recompute` (per model part, see the field; () for none)."""
         if len(groups) != schedule.num_groups:
             raise ValueError(f"{schedule.name!r} has {schedule.num_groups} model parts, got {len(groups)} "
                              "part profiles")
         parts = [groups[info.group] for info in schedule.stages]
+        extra = tuple(recompute[info.group] for info in schedule.stages) if recompute else ()
         return StageBytes(tuple(p.activation_bytes for p in parts), tuple(p.param_bytes for p in parts),
-                          tuple(p.output_bytes for p in parts), tuple(p.output_grad_bytes for p in parts))
+                          tuple(p.output_bytes for p in parts), tuple(p.output_grad_bytes for p in parts), extra)
 
 
 @dataclass(frozen=True)
@@ -68,7 +73,8 @@ class RankMemory:
     rank: int
     """The pipeline rank."""
     params: float
-    """Parameters of the stages it holds (DualPipe: both copies)."""
+    """Parameters of the stages it holds (DualPipe: both copies); under ZeRO-3 their 1/D shards at rest plus the
+    most unsharded stages its residency window holds at once."""
     gradients: float
     """Their gradients (1/D of them under ZeRO-2)."""
     optimizer: float
@@ -78,7 +84,8 @@ class RankMemory:
     messages: float
     """Peak of the in-flight messages alone."""
     peak: float
-    """params + gradients + optimizer + the peak of (live activations + in-flight messages)."""
+    """params + gradients + optimizer + the peak of (live activations + in-flight messages) + the largest
+    recompute of a checkpointed stage (`StageBytes.recompute`)."""
 
     def to_dict(self) -> dict[str, float]:
         """A JSON-ready form."""
@@ -94,7 +101,9 @@ def rank_memory(schedule: Schedule, timeline: Timeline, sizes: StageBytes,
     An activation lives from the start of its F to the end of its B or W (as
     `Timeline.activation_curve`); a message between ranks occupies its bytes on both ranks
     from the end of its producer to the start of its consumer. Releases at a time come
-    before allocations at the same time.
+    before allocations at the same time. Under ZeRO-3 (`dp_comm.ZeroStage.shard_params`) a rank keeps 1/D of its
+    parameters at rest and, on top, the whole parameters of the stages unsharded at once (`resident_peak`);
+    gradients are counted as ZeRO-2's, at their reduced 1/D.
     """
     config = config or MemoryConfig()
     zero = zero_stage(config.zero_stage)
@@ -102,13 +111,33 @@ def rank_memory(schedule: Schedule, timeline: Timeline, sizes: StageBytes,
     curves = _curves(schedule, timeline, sizes)
     out = []
     for rank in range(schedule.num_ranks):
-        params = float(sum(sizes.params[s] for s in schedule.stages_of_rank(rank)))
-        grads = params * config.gradient_factor / (d if zero.shard_gradients else 1)
-        optim = params * config.optimizer_factor / (d if zero.shard_optimizer else 1)
+        mine = schedule.stages_of_rank(rank)
+        whole = float(sum(sizes.params[s] for s in mine))
+        params = whole / d + resident_peak(schedule, rank, sizes.params) if zero.shard_params else whole
+        grads = whole * config.gradient_factor / (d if zero.shard_gradients else 1)
+        optim = whole * config.optimizer_factor / (d if zero.shard_optimizer else 1)
         act, msg = curves[rank]
         both = _peak(act + msg)
-        out.append(RankMemory(rank, params, grads, optim, _peak(act), _peak(msg), params + grads + optim + both))
+        recompute = max((sizes.recompute[s] for s in mine), default=0) if sizes.recompute else 0
+        out.append(RankMemory(rank, params, grads, optim, _peak(act), _peak(msg),
+                              params + grads + optim + both + recompute))
     return out
+
+
+def resident_peak(schedule: Schedule, rank: int, params: Sequence[float]) -> float:
+    """The most parameter bytes `rank` holds unsharded at once: over its list, each UNSHARD adds its stage's
+    `params` until the stage's RESHARD (counted from the UNSHARD's issue, when the all-gather's buffer is taken);
+    a schedule without these actions holds all of the rank's stages."""
+    if not schedule.has_fsdp:
+        return float(sum(params[s] for s in schedule.stages_of_rank(rank)))
+    live = peak = 0.0
+    for action in schedule.actions[rank]:
+        if action.op is Op.UNSHARD:
+            live += params[action.stage]
+            peak = max(peak, live)
+        elif action.op is Op.RESHARD:
+            live -= params[action.stage]
+    return peak
 
 
 def _curves(schedule: Schedule, timeline: Timeline, sizes: StageBytes

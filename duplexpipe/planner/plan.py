@@ -1,5 +1,6 @@
-"""The planner: for a measured Profile, rank schedule x microbatches x ZeRO stage x compression under a byte cap
-(for one P x D x T mesh; `world.plan_world` compares the meshes of a world size)."""
+"""The planner: for a measured Profile, rank schedule x microbatches x ZeRO stage (ZeRO-3 with its residency window) x
+activation checkpointing x compression under a byte cap (for one P x D x T mesh; `world.plan_world` compares the
+meshes of a world size)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 from duplexpipe.dp_options.compression import Options
 from duplexpipe.errors import PlanError, ProfileError, ScheduleError
-from duplexpipe.planner.candidates import accepted, candidates, compressions, schedule_label, zero_stages
+from duplexpipe.planner.candidates import Candidate, accepted, candidates, compressions, schedule_label, zero_stages
 from duplexpipe.planner.dp_comm import (
     COMPRESSIONS,
     Compression,
@@ -25,7 +26,8 @@ from duplexpipe.planner.profile import PartProfile, Profile
 from duplexpipe.planner.tp_comm import DEFAULT_TP_BANDWIDTH, local_profile, tp_refusal
 from duplexpipe.schedules import registry
 from duplexpipe.schedules.ir import Op, Schedule
-from duplexpipe.schedules.simulate import CostModel, simulate
+from duplexpipe.schedules.shard import add_unshard_reshard, episodes
+from duplexpipe.schedules.simulate import FSDP_LANE, CostModel, simulate
 from duplexpipe.schedules.timeline import Timeline
 from duplexpipe.sizes import format_bytes
 
@@ -84,6 +86,13 @@ class PlanConfig:
     """The link between the ranks of a TP group (default `tp_comm.DEFAULT_TP_BANDWIDTH`, no latency)."""
     sequence_parallel: bool = False
     """Sequence parallelism under TP: activations and stage-to-stage messages hold 1/T of the sequence."""
+    reshard_windows: tuple[int | None, ...] = (1, None)
+    """ZeRO-3's residency windows to try, in stages kept unsharded at once (None: all of a rank's stages; a window
+    at or above a schedule's stages per rank is the same plan as None). A window below all is tried only where
+    the candidate with all of them is over the cap."""
+    checkpointing: tuple[bool, ...] = (False, True)
+    """Activation checkpointing to try: False off, True every stage (its saved activations are its inputs, its
+    backward runs the forward once more). On is tried only where the candidate without it is over the cap."""
 
 
 @dataclass(frozen=True)
@@ -118,6 +127,28 @@ class PlanRow:
     """D of its mesh."""
     tp: int = 1
     """T of its mesh (the TP degree inside each stage)."""
+    window: int | None = None
+    """ZeRO-3's residency window in stages (None: all of a rank's stages, or not ZeRO-3)."""
+    checkpointing: bool = False
+    """Activation checkpointing of every stage."""
+
+    @property
+    def zero_label(self) -> str:
+        """The ZeRO stage, with ZeRO-3's window: "2", "3/all", "3/w1"."""
+        if self.zero != 3:
+            return str(self.zero)
+        return "3/all" if self.window is None else f"3/w{self.window}"
+
+    @property
+    def label(self) -> str:
+        """The plan in a few words: "zbv M=8 ZeRO 3/w1, checkpointed"."""
+        return f"{self.schedule} M={self.microbatches} ZeRO {self.zero_label}" + \
+            (", checkpointed" if self.checkpointing else "")
+
+    @property
+    def over_cap(self) -> bool:
+        """True when it was rejected only for its peak memory."""
+        return self.rejected.startswith("peak ")
 
     @property
     def mesh(self) -> str:
@@ -133,6 +164,7 @@ class PlanRow:
         """A JSON-ready form (NaN as None)."""
         out: dict[str, Any] = {"schedule": self.schedule, "microbatches": self.microbatches, "zero": self.zero,
                                "compression": self.compression, "pp": self.ranks, "dp": self.dp, "tp": self.tp,
+                               "reshard_window": self.window, "activation_checkpointing": self.checkpointing,
                                "rejected": self.rejected or None}
         for key in ("step_s", "makespan_s", "bubble", "dp_exposed_s", "peak_bytes"):
             value = getattr(self, key)
@@ -155,6 +187,9 @@ class PlanResult:
     """The best plan's schedule, ready to run (`Pipeline` / `PipelineRuntime` take a Schedule)."""
     world: int | None = None
     """The world size whose P x D x T meshes were compared (`world.plan_world`); None: the one mesh of `config`."""
+    decided: str = ""
+    """Which constraint decided, in one line: "time: ..." when the fastest candidate fits the cap, else "memory:
+    <the fastest> needs X > cap; <the best> fits at Y, +Z% step"."""
 
     @property
     def best(self) -> PlanRow:
@@ -167,19 +202,20 @@ class PlanResult:
         return {"ranks": c.ranks, "dp": c.dp, "tp": c.tp, "world": self.world, "batch": c.batch,
                 "memory_bytes": c.memory, "sequence_parallel": c.sequence_parallel,
                 "tp_bandwidth": c.tp_link.bandwidth, "tp_latency": c.tp_link.latency, "best": self.best.to_dict(),
-                "advice": self.advice, "candidates": [r.to_dict() for r in self.rows]}
+                "advice": self.advice, "decided": self.decided, "candidates": [r.to_dict() for r in self.rows]}
 
     def table(self, limit: int | None = None) -> str:
         """The candidates as fixed-width text, best first (at most `limit` rows)."""
-        head = (f"{'schedule':<26} {'M':>4} {'ZeRO':>4} {'compression':<16} {'PxDxT':>7} {'step':>10} {'bubble':>7} "
-                f"{'peak/rank':>10}  why rejected")
+        head = (f"{'schedule':<26} {'M':>4} {'ZeRO':>5} {'compression':<16} {'PxDxT':>7} {'ckpt':>4} {'step':>10} "
+                f"{'bubble':>7} {'peak/rank':>10}  why rejected")
         lines = [head]
         for row in self.rows[:limit]:
             step = _time(row.step_s) if not math.isnan(row.step_s) else "-"
             peak = format_bytes(row.peak_bytes) if not math.isnan(row.peak_bytes) else "-"
             bubble = f"{row.bubble:.1%}" if not math.isnan(row.bubble) else "-"
-            lines.append(f"{row.schedule:<26} {row.microbatches:>4} {row.zero:>4} {row.compression:<16} "
-                         f"{row.mesh:>7} {step:>10} {bubble:>7} {peak:>10}  {row.rejected}".rstrip())
+            lines.append(f"{row.schedule:<26} {row.microbatches:>4} {row.zero_label:>5} {row.compression:<16} "
+                         f"{row.mesh:>7} {'full' if row.checkpointing else 'off':>4} {step:>10} {bubble:>7} "
+                         f"{peak:>10}  {row.rejected}".rstrip())
         return "\n".join(lines)
 
 
@@ -202,10 +238,22 @@ Evaluated = tuple["PlanRow", "_Context | None"]
 
 
 def evaluate(profile: Profile, config: PlanConfig) -> list[Evaluated]:
-    """Every candidate of `config` (checked by `check`), evaluated."""
+    """Every candidate of `config` (checked by `check`), evaluated; a memory lever (checkpointing, ZeRO-3 over the
+    highest other stage, a window below all: `Candidate.lighter`) only where the candidate without it is over the
+    cap, a ZeRO-3 window only below the schedule's stages per rank."""
     methods = {zero: accepted(config, zero) for zero in zero_stages(config)}
-    return [_evaluate(profile, config, *candidate, methods[candidate[3]])
-            for candidate in candidates(profile, config)]
+    below = max((zero for zero in methods if zero < 3), default=None)
+    done: dict[Any, PlanRow] = {}
+    out: list[Evaluated] = []
+    for candidate in candidates(profile, config):
+        lighter = candidate.lighter(below)
+        if lighter is not None and not (lighter.key in done and done[lighter.key].over_cap):
+            continue
+        evaluated = _evaluate(profile, config, candidate, methods[candidate.zero])
+        if evaluated is not None:
+            done[candidate.key] = evaluated[0]
+            out.append(evaluated)
+    return out
 
 
 def ranked(evaluated: Sequence[Evaluated], config: PlanConfig, world: int | None = None) -> PlanResult:
@@ -219,7 +267,20 @@ def ranked(evaluated: Sequence[Evaluated], config: PlanConfig, world: int | None
     best, context = fits[0]
     assert context is not None
     out = [row for row, _ in fits] + [r for r in rows if not r.feasible]
-    return PlanResult(context.config, tuple(out), _advice(context.config, best, context), context.schedule, world)
+    return PlanResult(context.config, tuple(out), _advice(context.config, best, context), context.schedule, world,
+                      decided(rows, best, config.memory))
+
+
+def decided(rows: Sequence[PlanRow], best: PlanRow, cap: float) -> str:
+    """Which constraint chose `best` among `rows`: time when no candidate over the cap is faster, else memory
+    (naming the fastest candidate, its need, and what `best` costs beside it)."""
+    over = [r for r in rows if r.over_cap and r.step_s < best.step_s]
+    if not over:
+        return f"time: {best.label} is the fastest candidate and fits (peak {format_bytes(best.peak_bytes)})"
+    fast = min(over, key=lambda r: (r.step_s, r.peak_bytes))
+    slower = best.step_s / fast.step_s - 1 if fast.step_s > 0 else 0.0
+    return (f"memory: {fast.label} needs {format_bytes(fast.peak_bytes)} > {format_bytes(cap)}; {best.label} fits "
+            f"at {format_bytes(best.peak_bytes)}, {slower:+.0%} step")
 
 
 def check(profile: Profile, config: PlanConfig) -> None:
@@ -243,6 +304,13 @@ def check(profile: Profile, config: PlanConfig) -> None:
         registry.entry(name)
     for stage in config.zero_stages or ():
         zero_stage(stage)
+    for window in config.reshard_windows:
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+            raise PlanError(f"plan needs reshard windows as integers >= 1 or None (all stages), got {window!r}")
+    if not config.reshard_windows or not config.checkpointing or \
+            not all(isinstance(c, bool) for c in config.checkpointing):
+        raise PlanError(f"plan needs at least one reshard window and checkpointing as True/False values, got "
+                        f"{config.reshard_windows!r} and {config.checkpointing!r}")
     compressions(config)
 
 
@@ -254,13 +322,18 @@ class _Context:
     timeline: Timeline
     groups: tuple[PartProfile, ...]
     config: PlanConfig
+    sharded: Schedule | None = None
+    """ZeRO-3: the schedule with its UNSHARD / RESHARD / REDUCE_GRAD actions."""
 
 
-def _evaluate(profile: Profile, config: PlanConfig, name: str, options: dict[str, Any], m: int, zero: int,
-              methods: tuple[list[Compression], list[str]]) -> tuple[PlanRow, _Context | None]:
-    """One candidate's row (rejected with a reason when it cannot run or does not fit); `methods`: the
-    compressions the trainer accepts with ZeRO `zero`, and why it refuses the others."""
-    reject = PlanRow(schedule_label(name, options), m, zero, ranks=config.ranks, dp=config.dp, tp=config.tp)
+def _evaluate(profile: Profile, config: PlanConfig, candidate: Candidate,
+              methods: tuple[list[Compression], list[str]]) -> tuple[PlanRow, _Context | None] | None:
+    """One candidate's row (rejected with a reason when it cannot run or does not fit), None for a ZeRO-3 window
+    at or above the schedule's stages per rank (the same plan as window None); `methods`: the compressions the
+    trainer accepts with its ZeRO stage, and why it refuses the others."""
+    name, options, m, zero = candidate.schedule, candidate.options, candidate.microbatches, candidate.zero
+    reject = PlanRow(schedule_label(name, options), m, zero, ranks=config.ranks, dp=config.dp, tp=config.tp,
+                     window=candidate.window, checkpointing=candidate.checkpointing)
     local = config.batch // config.dp
     if local % m:
         return _why(reject, f"batch/D = {local} does not split into {m} microbatches"), None
@@ -273,14 +346,20 @@ def _evaluate(profile: Profile, config: PlanConfig, name: str, options: dict[str
     scaled = local_profile(profile.at_microbatch(local / m), config.tp, config.tp_link, config.sequence_parallel)
     mem_config = MemoryConfig(config.optimizer_factor, config.gradient_factor, zero, config.dp)
     excess = [0.0] * config.ranks
+    sharded = None
     for _ in range(2 if name == "auto" else 1):  # auto: once more with the overshoot taken off its budget
         try:
-            schedule, groups = _build(scaled, profile, config, name, options, m, mem_config, excess)
+            schedule, groups, recompute = _build(scaled, profile, config, candidate, mem_config, excess)
         except (ProfileError, ScheduleError, ValueError) as exc:
             return _why(reject, str(exc).splitlines()[0]), None
-        timeline, tail = _simulate(schedule, _cost_model(schedule, groups, config.p2p_link), groups, profile,
-                                   config)
-        memory = rank_memory(schedule, timeline, StageBytes.of(schedule, groups), mem_config)
+        if candidate.window is not None and candidate.window >= _most_stages(schedule):
+            return None
+        cost = _cost_model(schedule, groups, config.p2p_link)
+        timeline, tail = _simulate(schedule, cost, groups, profile, config)
+        if zero_stage(zero).shard_params:
+            sharded = add_unshard_reshard(schedule, candidate.window or _most_stages(schedule))
+            tail += gather_time(schedule, sharded, cost, groups, config)
+        memory = rank_memory(sharded or schedule, timeline, StageBytes.of(schedule, groups, recompute), mem_config)
         excess = [e + max(0.0, r.peak - config.memory) for e, r in zip(excess, memory, strict=True)]
         if max(r.peak for r in memory) <= config.memory:
             break
@@ -290,7 +369,7 @@ def _evaluate(profile: Profile, config: PlanConfig, name: str, options: dict[str
     row = replace(reject, compression=method.name, step_s=step, makespan_s=timeline.makespan,
                   bubble=timeline.bubble_ratio, dp_exposed_s=step - timeline.makespan, peak_bytes=peak,
                   memory=tuple(memory))
-    context = _Context(schedule, timeline, groups, config)
+    context = _Context(schedule, timeline, groups, config, sharded)
     if peak > config.memory:
         return _why(row, f"peak {format_bytes(peak)} > cap {format_bytes(config.memory)}"), context
     return row, context
@@ -319,42 +398,94 @@ def _why(row: PlanRow, reason: str) -> PlanRow:
     return replace(row, rejected=reason)
 
 
-def _build(profile: Profile, basis: Profile, config: PlanConfig, name: str, options: dict[str, Any], m: int,
-           mem_config: MemoryConfig, excess: Sequence[float]) -> tuple[Schedule, tuple[PartProfile, ...]]:
-    """The schedule and `profile` (scaled to the candidate's microbatch) grouped into its model parts,
-    as `basis` (the profile as measured) groups them: `Profile.group_sizes` at the profiled size.
+def _most_stages(schedule: Schedule) -> int:
+    return max(len(schedule.stages_of_rank(r)) for r in range(schedule.num_ranks))
+
+
+def gather_time(schedule: Schedule, sharded: Schedule, cost: CostModel, groups: Sequence[PartProfile],
+                config: PlanConfig) -> float:
+    """What ZeRO-3's collectives add to `schedule`'s step: `sharded` (its UNSHARD / RESHARD / REDUCE_GRAD form)
+    simulated with each all-gather and reduce-scatter moving (D-1)/D of a stage's parameters (their mean over the
+    stages) on the data-parallel link, from the first all-gather to the last collective, less `schedule`'s
+    makespan under the same costs."""
+    stages = [groups[info.group].param_bytes for info in schedule.stages]
+    priced = replace(cost, param_bytes=float(sum(stages)) / len(stages), dp=config.dp,
+                     dp_bandwidth=config.dp_link.bandwidth)
+    plain = simulate(schedule, replace(priced, param_bytes=0.0)).makespan
+    timeline = simulate(sharded, priced)
+    lane = [s for s in timeline.spans if s.lane == FSDP_LANE]
+    end = max([timeline.start + timeline.makespan] + [s.end for s in lane])
+    start = min([timeline.start] + [s.start for s in lane])
+    return max(0.0, end - start - plain)
+
+
+def checkpointed(groups: Sequence[PartProfile]) -> tuple[tuple[PartProfile, ...], tuple[int, ...]]:
+    """`groups` with every part checkpointed, and per part what its recompute holds beyond its saved inputs.
+
+    A checkpointed part saves its inputs only (the previous part's output; the first part's own output stands in
+    for the model's input) and runs its forward once more in its input-gradient backward (I, and a fused B).
+    """
+    out, extra = [], []
+    for g, part in enumerate(groups):
+        saved = min(part.activation_bytes, (groups[g - 1] if g else part).output_bytes)
+        fused = None if part.backward_fused_s is None else part.backward_fused_s + part.forward_s
+        out.append(replace(part, activation_bytes=saved, backward_input_s=part.backward_input_s + part.forward_s,
+                           backward_fused_s=fused))
+        extra.append(part.activation_bytes - saved)
+    return tuple(out), tuple(extra)
+
+
+def _build(profile: Profile, basis: Profile, config: PlanConfig, candidate: Candidate, mem_config: MemoryConfig,
+           excess: Sequence[float]) -> tuple[Schedule, tuple[PartProfile, ...], tuple[int, ...]]:
+    """The schedule, `profile` (scaled to the candidate's microbatch) grouped into its model parts,
+    as `basis` (the profile as measured) groups them (`Profile.group_sizes` at the profiled size), checkpointed
+    when the candidate says so, and per part its recompute's extra bytes (`checkpointed`; () without).
 
     auto is searched with each rank's activation budget: the cap minus its parameters,
     gradients and optimizer states, minus two of the largest messages in flight and
     `excess` (what an earlier try overshot by); never below the smallest limit auto accepts,
     so a cap that is too small still yields auto's leanest schedule (and its real peak).
     """
+    name, options, m = candidate.schedule, candidate.options, candidate.microbatches
+
+    def grouped(count: int) -> tuple[tuple[PartProfile, ...], tuple[int, ...]]:
+        groups = profile.grouped(count, basis.group_sizes(count))
+        return checkpointed(groups) if candidate.checkpointing else (tuple(groups), ())
+
     if name != "auto":
         schedule = registry.build(name, config.ranks, m, **options)
-        return schedule, profile.grouped(schedule.num_groups, basis.group_sizes(schedule.num_groups))
+        return (schedule, *grouped(schedule.num_groups))
     from duplexpipe.schedules.generators.auto import search_problem, smallest_limits
 
     placement = options["placement"]
-    count = config.ranks * (1 if placement == "linear" else 2)
-    groups = profile.grouped(count, basis.group_sizes(count))
+    groups, recompute = grouped(config.ranks * (1 if placement == "linear" else 2))
     probe = registry.build("1f1b" if placement == "linear" else "zbv", config.ranks, m)
-    sizes = StageBytes.of(probe, groups)
+    sizes = StageBytes.of(probe, groups, recompute)
     cost = _cost_model(probe, groups, config.p2p_link)
     stage_memory = [float(a) for a in sizes.activation]
     floor = smallest_limits(search_problem(config.ranks, m, cost, None, placement, stage_memory))
     in_flight = 2 * max(max(sizes.output), max(sizes.output_grad))
-    budget = [max(need, config.memory - static_bytes(probe, sizes, r, mem_config) - in_flight - excess[r])
+    held = max(recompute, default=0)
+    budget = [max(need, config.memory - static_bytes(probe, sizes, r, mem_config, candidate.window) - in_flight
+                  - held - excess[r])
               for r, need in enumerate(floor)]
     options = {"cost": cost, "memory_limit": budget, "placement": placement, "stage_memory": stage_memory}
-    return registry.build("auto", config.ranks, m, **options), groups
+    return registry.build("auto", config.ranks, m, **options), groups, recompute
 
 
-def static_bytes(schedule: Schedule, sizes: StageBytes, rank: int, config: MemoryConfig) -> float:
-    """Parameters, gradients and optimizer states of `rank` under `config` (bytes)."""
+def static_bytes(schedule: Schedule, sizes: StageBytes, rank: int, config: MemoryConfig,
+                 window: int | None = None) -> float:
+    """Parameters, gradients and optimizer states of `rank` under `config` (bytes); under ZeRO-3 the parameters'
+    1/D shards and the `window` largest stages unsharded (None: all of them)."""
     zero = zero_stage(config.zero_stage)
-    params = float(sum(sizes.params[s] for s in schedule.stages_of_rank(rank)))
+    mine = schedule.stages_of_rank(rank)
+    params = float(sum(sizes.params[s] for s in mine))
     grads = params * config.gradient_factor / (config.dp if zero.shard_gradients else 1)
-    return params + grads + params * config.optimizer_factor / (config.dp if zero.shard_optimizer else 1)
+    held = params
+    if zero.shard_params:
+        largest = sorted((float(sizes.params[s]) for s in mine), reverse=True)
+        held = params / config.dp + sum(largest[:window] if window is not None else largest)
+    return held + grads + params * config.optimizer_factor / (config.dp if zero.shard_optimizer else 1)
 
 
 def _cost_model(schedule: Schedule, groups: Sequence[PartProfile], link: Link) -> CostModel:
@@ -410,6 +541,7 @@ def step_time(schedule: Schedule, timeline: Timeline, groups: Sequence[PartProfi
     """
     ends, last_pass = passes if passes is not None else last_passes(timeline)
     step = timeline.makespan
+    sharded = zero_stage(zero).shard_params  # ZeRO-3 reduces in the schedule (`gather_time`), not after it
     for rank in range(schedule.num_ranks):
         stages = schedule.stages_of_rank(rank)
         end = ends.get(rank, 0.0)
@@ -418,7 +550,7 @@ def step_time(schedule: Schedule, timeline: Timeline, groups: Sequence[PartProfi
         if mirror_bytes:
             end += config.p2p_link.time(mirror_bytes)
         buckets = []
-        for s in stages:
+        for s in () if sharded else stages:
             params = groups[schedule.stages[s].group].param_bytes
             start, stop = (end, end) if schedule.num_copies > 1 else last_pass.get(s, (end, end))
             buckets.append((start, stop, reduction_time(params * config.gradient_factor, params, config.dp,
@@ -435,8 +567,8 @@ def _nothing_fits(rows: Sequence[PlanRow], config: PlanConfig) -> PlanError:
     low = min(sized, key=lambda r: r.peak_bytes)
     cap = math.ceil(low.peak_bytes)
     return PlanError(f"no plan fits {format_bytes(config.memory)} per rank; the smallest feasible cap is "
-                     f"{format_bytes(cap)} = {cap} bytes ({low.schedule}, M={low.microbatches}, ZeRO {low.zero}, "
-                     f"P x D x T = {low.mesh})", cap)
+                     f"{format_bytes(cap)} = {cap} bytes ({low.schedule}, M={low.microbatches}, ZeRO {low.zero_label}"
+                     f"{', checkpointed' if low.checkpointing else ''}, P x D x T = {low.mesh})", cap)
 
 
 def _advice(config: PlanConfig, best: PlanRow, context: _Context) -> str:
@@ -445,6 +577,12 @@ def _advice(config: PlanConfig, best: PlanRow, context: _Context) -> str:
     if config.dp <= 1:
         return ""
     sched, timeline, groups = context.schedule, context.timeline, context.groups
+    if context.sharded is not None:
+        gathers = episodes(context.sharded)
+        busiest = max(sum(gathers[s] for s in context.sharded.stages_of_rank(r)) for r in range(sched.num_ranks))
+        return (f"ZeRO-3 with window {best.window or 'all'}: the all-gathers (at most {busiest} per rank per step) "
+                f"and the reduce-scatters (one per stage) run in the schedule, "
+                f"{best.dp_exposed_s * 1e3:.3g} ms beyond its compute")
     if sched.num_copies > 1:
         return (f"{sched.name} reduces its gradients over the data-parallel replicas after its mirror sum, when "
                 f"no compute is left to hide behind: {best.dp_exposed_s * 1e3:.3g} ms with {best.compression}")

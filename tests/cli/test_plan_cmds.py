@@ -292,3 +292,26 @@ def test_profile_command_records_the_tasks_tp_plan(capsys: pytest.CaptureFixture
     first = profile.parts[0].tp
     assert first is not None and first.forward_collectives == 2 and first.backward_collectives == 4
     assert first.forward_bytes == 2 * 2 * 64 * 16 * 4  # two row-parallel outputs of (2, 64, 16) float32
+
+
+def test_plan_with_a_memory_limit_only_a_lever_meets_says_which_constraint_decided(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    parts = tuple(PartProfile(1e-3, 1e-3, 1e-3, MIB, 64 * MIB, 64 * 1024, 64 * 1024) for _ in range(4))
+    path = tmp_path / "heavy.json"
+    save_profile(Profile(parts, 4), path)
+    args = ("plan", "--profile", str(path), "-p", "2", "--dp", "4", "--batch", "32", "--schedules", "zbv",
+            "--microbatches", "4", "--bandwidth", "1GB", "--zero", "2,3", "--activation-checkpointing", "off")
+    code, out, err = run(capsys, *args, "--memory-limit", "400MiB", "--json")
+    assert code == 0, err
+    zero2 = json.loads(out)["best"]
+    assert zero2["zero"] == 2 and zero2["reshard_window"] is None
+    cap = int(zero2["peak_bytes"]) - 8 * MIB
+    code, out, err = run(capsys, *args, "--memory-limit", str(cap))
+    assert code == 0, err
+    assert any(line.startswith("best: zbv with M=4, ZeRO 3/w1,") and "activation checkpointing off" in line
+               for line in out.splitlines())
+    assert "decided by memory: zbv M=4 ZeRO 2 needs " in out and "ZeRO 3/w1 fits at" in out
+    code, _, err = run(capsys, *args, "--memory-limit", str(cap), "--reshard-windows", "all")
+    assert code == 2 and "the smallest feasible cap is" in err
+    code, _, err = run(capsys, *args, "--memory-limit", str(cap), "--reshard-windows", "0")
+    assert code == 2 and "reshard-windows must be >= 1" in err

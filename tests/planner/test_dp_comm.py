@@ -23,7 +23,7 @@ from duplexpipe.train.pipeline_config import DataParallelConfig
 
 def test_the_tables_hold_the_trainers_stages_and_methods() -> None:
     assert list(TRAINER_ZERO_STAGES) == [0, 1, 2, 3]
-    assert list(ZERO_STAGES) == [0, 1, 2]  # ZeRO-3's traffic depends on its residency window: not planned yet
+    assert list(ZERO_STAGES) == list(TRAINER_ZERO_STAGES)  # the planner models every stage the trainer runs
     for stage in ZERO_STAGES:  # the training side takes every stage the planner offers
         PipelineConfig(data_parallel=DataParallelConfig(zero_stage=stage))
     ratios = [c.wire_ratio for c in COMPRESSIONS.values()]
@@ -38,7 +38,9 @@ def test_the_tables_hold_the_trainers_stages_and_methods() -> None:
     assert compression("PowerSGD") is compression(PowerSGDOptions(rank=4)), "the trainer's spelling, defaults"
     assert not ZERO_STAGES[0].shard_optimizer and ZERO_STAGES[1].shard_optimizer
     assert ZERO_STAGES[2].shard_gradients and not ZERO_STAGES[1].shard_gradients
-    with pytest.raises(ValueError, match="unknown ZeRO stage 4; known stages: 0, 1, 2"):
+    assert ZERO_STAGES[3].shard_params and not ZERO_STAGES[2].shard_params
+    assert ZERO_STAGES[3].param_traffic == 0.0, "ZeRO-3's all-gathers are the schedule's UNSHARD actions"
+    with pytest.raises(ValueError, match="unknown ZeRO stage 4; known stages: 0, 1, 2, 3"):
         zero_stage(4)
     with pytest.raises(ValueError, match="unknown compression 'zip'; known methods: none, bf16"):
         compression("zip")

@@ -81,8 +81,8 @@ def test_activation_peak_matches_the_timeline_count_when_every_stage_weighs_one(
 
 
 def test_bad_configs_and_mismatched_parts() -> None:
-    with pytest.raises(ValueError, match="unknown ZeRO stage 3"):
-        MemoryConfig(zero_stage=3)
+    with pytest.raises(ValueError, match="unknown ZeRO stage 4"):
+        MemoryConfig(zero_stage=4)
     with pytest.raises(ValueError, match="dp must be an integer >= 1"):
         MemoryConfig(dp=0)
     with pytest.raises(ValueError, match="optimizer_factor must be a finite number >= 0"):

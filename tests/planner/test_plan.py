@@ -14,6 +14,7 @@ from duplexpipe.planner.candidates import microbatch_counts
 from duplexpipe.planner.dp_comm import Link
 from duplexpipe.planner.plan import PlanConfig, plan
 from duplexpipe.planner.profile import PartProfile, Profile, RuntimeOverhead
+from duplexpipe.sizes import format_bytes
 from duplexpipe.train.pipeline_config import DataParallelConfig
 
 MIB = 2**20
@@ -245,3 +246,54 @@ def test_a_measured_fused_backward_prices_b_actions_only() -> None:
     zb = {"schedules": ("zb-h1",), "microbatches": (4,), "zero_stages": (0,)}
     assert plan(fused, config(**zb)).best.step_s == plan(profile(), config(**zb)).best.step_s  # I and W only
     assert one(fused.basic()) == one(profile())
+
+
+def test_zero3_with_a_window_of_one_fits_where_zero2_does_not_and_the_plan_says_so() -> None:
+    """Parameter-heavy parts at P=2 x D=4 on ZBV (two stages per rank): ZeRO-2 keeps both stages' parameters whole;
+    ZeRO-3 keeps 1/D of them at rest and, with a window of one stage, one stage whole at a time."""
+    heavy = Profile(tuple(PartProfile(1e-3, 1e-3, 1e-3, MIB, 64 * MIB, 64 * 1024, 64 * 1024) for _ in range(4)), 4)
+    base = config(dp=4, batch=32, schedules=("zbv",), microbatches=(4,), dp_link=Link(1e9),
+                  zero_stages=(2, 3), checkpointing=(False,))
+    roomy = plan(heavy, replace(base, memory=400 * MIB))
+    assert roomy.best.zero == 2 and {r.zero for r in roomy.rows} == {2}, "ZeRO-3 is a lever: tried where 2 is over"
+    assert roomy.decided.startswith("time: zbv M=4 ZeRO 2 is the fastest candidate and fits")
+    zero2 = roomy.best.peak_bytes
+    cap = int(zero2) - 8 * MIB
+    result = plan(heavy, replace(base, memory=cap))
+    best = result.best
+    assert (best.zero, best.window) == (3, 1) and best.peak_bytes <= cap
+    rows = {r.zero_label: r for r in result.rows}
+    assert set(rows) == {"2", "3/all", "3/w1"} and rows["2"].over_cap and rows["3/all"].over_cap
+    # ZeRO-3's parameters: 1/D of the rank's two stages at rest, one stage (window 1) or both (all) unsharded
+    for label, resident in (("3/w1", 64 * MIB), ("3/all", 128 * MIB)):
+        assert rows[label].memory[0].params == pytest.approx(128 * MIB / 4 + resident)
+    assert rows["2"].memory[0].params == 128 * MIB
+    assert best.step_s > rows["3/all"].step_s, "a window of one gathers more often"
+    assert result.decided.startswith("memory: zbv M=4 ZeRO 2 needs ") and f"> {format_bytes(cap)}" in result.decided
+    assert "zbv M=4 ZeRO 3/w1 fits at" in result.decided and "% step" in result.decided
+    assert "window 1" in result.advice and "all-gathers" in result.advice
+    assert result.to_dict()["best"]["reshard_window"] == 1 and result.to_dict()["decided"] == result.decided
+    with pytest.raises(PlanError, match=r"smallest feasible cap is .*ZeRO 3/w1") as info:
+        plan(heavy, replace(base, memory=int(best.peak_bytes) - MIB))
+    assert info.value.smallest_cap == math.ceil(best.peak_bytes)
+
+
+def test_checkpointing_fits_where_the_plain_plan_does_not_and_costs_a_forward_per_microbatch() -> None:
+    """Activation-heavy parts (32 MiB kept, 1 MiB messages): checkpointed, a part keeps its inputs only."""
+    heavy = Profile(tuple(PartProfile(1e-3, 1e-3, 1e-3, 32 * MIB, MIB, MIB, MIB) for _ in range(4)), 4)
+    base = config(schedules=("1f1b",), microbatches=(8,))
+    plain = plan(heavy, replace(base, memory=400 * MIB)).best
+    cap = int(plain.peak_bytes) - 16 * MIB
+    assert not plain.checkpointing
+    result = plan(heavy, replace(base, memory=cap))
+    best = result.best
+    assert best.checkpointing and best.peak_bytes <= cap
+    assert best.memory[0].activations < plain.memory[0].activations / 8
+    # one more forward (1 ms per part at microbatch 4: 0.5 ms at 2, 2 parts per stage) in each of the 8 backward
+    # passes of a rank
+    assert best.step_s - plain.step_s == pytest.approx(8 * 1e-3, rel=0.3)
+    assert result.decided.startswith(f"memory: 1f1b M=8 ZeRO 0 needs {format_bytes(plain.peak_bytes)} > "
+                                     f"{format_bytes(cap)}; 1f1b M=8 ZeRO 0, checkpointed fits at")
+    assert "full" in result.table().splitlines()[1]
+    with pytest.raises(PlanError, match="the smallest feasible cap is .*1f1b, M=8, ZeRO 0, P x D x T"):
+        plan(heavy, replace(base, memory=cap, checkpointing=(False,)))

@@ -163,7 +163,9 @@ def resolved(config: PipelineConfig, groups: ParallelGroups) -> PlannedPipeline:
     config = with_defaults(config)
     schedule = resolve_schedule(config, groups.pp_size)
     run = RunPlan(schedule.name, schedule.num_microbatches, config.data_parallel.zero_stage or 0,
-                  compression_options(config.data_parallel.grad_compression))
+                  compression_options(config.data_parallel.grad_compression),
+                  reshard_window=config.data_parallel.reshard_window,
+                  activation_checkpointing=config.activation_checkpointing is True)
     return PlannedPipeline(config, schedule, run, _sizes(groups))
 
 
@@ -276,6 +278,9 @@ def _plan_config(config: PipelineConfig, options: dict[str, Any], rows: int, set
     dp = config.data_parallel
     if dp.zero_stage is not None:
         values["zero_stages"] = (dp.zero_stage,)
+    if dp.reshard_window is not None:
+        values["reshard_windows"] = (dp.reshard_window,)
+    values["checkpointing"] = planned_checkpointing(config.activation_checkpointing)
     if dp.grad_compression is not None:
         values["compressions"] = (compression_options(dp.grad_compression),)
     cap = memory_bytes(config.memory_limit)
@@ -283,6 +288,15 @@ def _plan_config(config: PipelineConfig, options: dict[str, Any], rows: int, set
     return PlanConfig(ranks=groups.pp_size, batch=rows * groups.dp_size, memory=cap if cap is not None else NO_LIMIT,
                       dp=groups.dp_size, refusal=refusal, tp=groups.tp_size, sequence_parallel=setup.sequence_parallel,
                       **values)
+
+
+def planned_checkpointing(setting: object) -> tuple[bool, ...]:
+    """What the planner may choose for PipelineConfig.activation_checkpointing: off or every stage when it is left
+    at False (the default); True fixes it on; any other policy (stage indices, ...) is fixed as given and planned
+    as off (its memory counted whole, on the safe side)."""
+    if setting is False:
+        return (False, True)
+    return (True,) if setting is True else (False,)
 
 
 def _fingerprint(parts: Sequence[nn.Module], sample: tuple[Any, Any], config: PipelineConfig, setup: PlanSetup,
@@ -416,7 +430,8 @@ def _decide(profile: Profile, config: PlanConfig, source: str) -> AutoChoice:
     if method.note == UNMEASURED:
         LOGGER.warning("schedule='auto': no measured wire ratio for grad_compression %r; the plan models the "
                        "data-parallel reduction uncompressed", method.name)
-    run = RunPlan(best.schedule, best.microbatches, best.zero, method.options or NoCompression(), best.step_s)
+    run = RunPlan(best.schedule, best.microbatches, best.zero, method.options or NoCompression(), best.step_s,
+                  best.window, best.checkpointing)
     choice = AutoChoice(result, profile, schedule, tuple(profile.group_sizes(schedule.num_groups)), run, source)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
         LOGGER.info("%s\n%s", choice.summary(), result.table())

@@ -35,6 +35,10 @@ class RunPlan:
     """The gradient compression (DataParallelConfig.grad_compression it runs with)."""
     predicted_step_s: float | None = None
     """schedule="auto": the planner's predicted step time; None otherwise."""
+    reshard_window: int | None = None
+    """ZeRO-3's residency window (DataParallelConfig.reshard_window; None: all of a rank's stages)."""
+    activation_checkpointing: bool = False
+    """True: every stage is checkpointed (PipelineConfig.activation_checkpointing=True)."""
 
     @property
     def compression(self) -> str:
@@ -43,8 +47,10 @@ class RunPlan:
 
     def summary(self) -> str:
         """One line: "zbv, M=8, ZeRO 0, gradient compression none (predicted step 12.3 ms)"."""
-        text = (f"{self.schedule}, M={self.microbatches}, ZeRO {self.zero_stage}, gradient compression "
-                f"{self.compression}")
+        zero = f"{self.zero_stage}" if self.zero_stage != 3 else \
+            f"3 (reshard window {self.reshard_window or 'all'})"
+        text = (f"{self.schedule}, M={self.microbatches}, ZeRO {zero}, gradient compression {self.compression}"
+                + (", activation checkpointing" if self.activation_checkpointing else ""))
         if self.predicted_step_s is None:
             return text
         return f"{text} (predicted step {self.predicted_step_s * 1e3:.4g} ms)"
@@ -90,18 +96,22 @@ class AutoChoice:
         return replace(partition, balance=tuple(len(p.layers) for p in out), parts=tuple(out))
 
     def applied(self, config: PipelineConfig) -> PipelineConfig:
-        """`config` with the plan's M, ZeRO stage and gradient compression set (and the schedule_options that
-        searched them dropped): what runs."""
+        """`config` with the plan's M, ZeRO stage (ZeRO-3's window), gradient compression and checkpointing set (and
+        the schedule_options that searched them dropped): what runs."""
         p = self.plan
         options = {k: v for k, v in config.schedule_options.items() if k not in AUTO_FIXED.values()}
-        return with_choice(replace(config, schedule_options=options), p.microbatches, p.zero_stage,
-                           p.grad_compression)
+        chosen = with_choice(replace(config, schedule_options=options), p.microbatches, p.zero_stage,
+                             p.grad_compression)
+        window = p.reshard_window if p.zero_stage == 3 else None
+        return replace(chosen, data_parallel=replace(chosen.data_parallel, reshard_window=window),
+                       activation_checkpointing=True if p.activation_checkpointing else config.activation_checkpointing)
 
     def summary(self) -> str:
         """The choice in one line."""
         best = self.result.best
         cap = self.result.config.memory
         limit = "no memory limit" if cap >= NO_LIMIT else f"limit {format_bytes(cap)} per rank"
-        return (f"schedule='auto' chose {self.plan.summary()}; {limit}, peak {format_bytes(best.peak_bytes)} per rank; "
+        return (f"schedule='auto' chose {self.plan.summary()}; {limit}, peak {format_bytes(best.peak_bytes)} per rank "
+                f"({self.result.decided}); "
                 f"the model's {self.profile.num_parts} parts run as {len(self.groups)} (merged {list(self.groups)}); "
                 f"measurements: {self.source or 'measured'}")

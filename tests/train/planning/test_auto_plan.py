@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -206,7 +207,8 @@ def test_config_checks() -> None:
 def test_the_configs_planner_keys_are_the_planners_settings() -> None:
     """PipelineConfig checks schedule_options without importing the planner: its list of the planner's keys is
     PlanConfig's fields less those the Pipeline fills in."""
-    given = {"ranks", "batch", "memory", "dp", "refusal", "tp", "sequence_parallel"}
+    given = {"ranks", "batch", "memory", "dp", "refusal", "tp", "sequence_parallel", "reshard_windows",
+             "checkpointing"}
     assert set(AUTO_PLAN_KEYS) == {f.name for f in dataclasses.fields(PlanConfig)} - given
     assert len(AUTO_PLAN_KEYS) == len(set(AUTO_PLAN_KEYS))
 
@@ -362,3 +364,35 @@ def test_a_plan_is_public_and_built_for_one_mesh() -> None:
     with pytest.raises(ValueError, match="schedule='auto' is planned before a Pipeline is built: plan = "
                                          "duplexpipe.plan_pipeline"):
         Pipeline(parts, mse, adam, PipelineConfig(schedule=AUTO))
+
+
+def test_the_planners_memory_levers_reach_the_config_that_runs() -> None:
+    """Checkpointing and ZeRO-3's window are the planner's to choose where the config leaves them at their
+    defaults; what it chose is what the Pipeline is built with."""
+    from duplexpipe.planner.profile import PartProfile, Profile
+    from duplexpipe.train.planning.choice import AutoChoice
+
+    setup = PlanSetup(ParallelGroups(None, 0, 2, None, 0, 1), torch.device("cpu"))
+
+    def planned(config: PipelineConfig) -> PlanConfig:
+        return _plan_config(config, dict(config.schedule_options), 8, setup, lambda zero, options: None)
+
+    free = planned(PipelineConfig(schedule=AUTO))
+    assert free.checkpointing == (False, True) and free.reshard_windows == (1, None)
+    assert planned(PipelineConfig(schedule=AUTO, activation_checkpointing=True)).checkpointing == (True,)
+    assert planned(PipelineConfig(schedule=AUTO, activation_checkpointing=[0])).checkpointing == (False,)
+    fixed = planned(PipelineConfig(schedule=AUTO, data_parallel=DataParallelConfig(zero_stage=3, reshard_window=2)))
+    assert fixed.zero_stages == (3,) and fixed.reshard_windows == (2,)
+    parts = tuple(PartProfile(1e-3, 1e-3, 1e-3, 1024, 1024, 64, 64) for _ in range(4))
+    result = plan(Profile(parts, 4), PlanConfig(ranks=2, batch=8, memory=2**30, schedules=("zbv",)))
+    assert result.schedule is not None
+    run = RunPlan("zbv", 4, 3, NoCompression(), 0.01, reshard_window=1, activation_checkpointing=True)
+    choice = AutoChoice(result, Profile(parts, 4), result.schedule, (1, 1, 1, 1), run)
+    applied = choice.applied(PipelineConfig(schedule=AUTO))
+    assert applied.data_parallel.zero_stage == 3 and applied.data_parallel.reshard_window == 1
+    assert applied.activation_checkpointing is True and applied.num_microbatches == 4
+    assert run.summary() == "zbv, M=4, ZeRO 3 (reshard window 1), gradient compression none, activation " \
+                            "checkpointing (predicted step 10 ms)"
+    kept = replace(run, zero_stage=2, reshard_window=None, activation_checkpointing=False)
+    assert AutoChoice(result, Profile(parts, 4), result.schedule, (1, 1, 1, 1), kept).applied(
+        PipelineConfig(schedule=AUTO, activation_checkpointing=[1])).activation_checkpointing == [1]
