@@ -17,6 +17,7 @@ __all__ = [
     "PipelineTimeoutError",
     "PlanError",
     "ProfileError",
+    "RecomputeDone",
     "ScheduleError",
     "StoppedByPeer",
     "StructureError",
@@ -77,6 +78,11 @@ class ActivationShapeError(PipelineError, ValueError):
 
 class PairAborted(RuntimeError):
     """The other part of an F&B pair failed: this part stops at its next comm point."""
+
+
+class RecomputeDone(Exception):
+    """A checkpointed region's recompute has every saved tensor it needs: the rest of its forward is not run
+    (`runtime.backward.checkpoint`; never leaves it)."""
 
 
 # ---------------------------------------------------------------- training

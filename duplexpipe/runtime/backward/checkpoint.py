@@ -28,16 +28,13 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import get_device_states, noop_context_fn, set_device_states
 
+from duplexpipe.errors import RecomputeDone
 from duplexpipe.runtime.backward import compat
 
 SAVED_AGAIN = "duplexpipe_saved_again"
 """The key of an autograd node's metadata marking that the node runs again in a later engine call (W)."""
 ContextFn = Callable[[], tuple[contextlib.AbstractContextManager[Any], contextlib.AbstractContextManager[Any]]]
 """torch's `context_fn`: () -> (the forward's context, the recompute's context)."""
-
-
-class _Recomputed(Exception):
-    """Every saved tensor of the region is recomputed: the rest of its forward is not run."""
 
 
 class _Holder:
@@ -94,7 +91,7 @@ class _Region:
             if holder is not None and holder.tensor is None:
                 holder.tensor = tensor.detach() if tensor.requires_grad else tensor
             if seen[0] == count:
-                raise _Recomputed
+                raise RecomputeDone
             return tensor
 
         devices = self.devices if self.device_states else []
@@ -111,7 +108,7 @@ class _Region:
             stack.enter_context(self.recompute_context)
             try:
                 self.fn(*self.args, **self.kwargs)
-            except _Recomputed:
+            except RecomputeDone:
                 pass
         if wanted.tensor is None:  # the recompute stopped short
             raise RuntimeError("activation checkpointing: the recompute saved fewer tensors than the forward did; "
