@@ -1,4 +1,4 @@
-"""The GPU figures in one prepared command: runtime overhead, compile, float8, memory levers, CUDA tests (--dry-run: CPU)."""
+"""The GPU figures in one prepared command: overhead, compile, float8, memory levers, CUDA tests (--dry-run: CPU)."""
 
 from __future__ import annotations
 
@@ -217,8 +217,9 @@ def overhead_worker(rank: int, world: int, job: tuple[Sizes, float]) -> dict[str
     _sync()
     ours, plain = traces[0].wall, traces[1].wall
     tokens = sizes.microbatch * sizes.microbatches * sizes.seq
-    return {"params": params, "ours_s": harness.summarize(ours).to_dict(), "plain_s": harness.summarize(plain).to_dict(),
-            "ours_over_plain": _ratio(ours, plain), "tokens_per_s": tokens / harness.summarize(ours).median,
+    return {"params": params, "ours_s": harness.summarize(ours).to_dict(),
+            "plain_s": harness.summarize(plain).to_dict(), "ours_over_plain": _ratio(ours, plain),
+            "tokens_per_s": tokens / harness.summarize(ours).median,
             "plain_tokens_per_s": tokens / harness.summarize(plain).median, "step_flops": step_flops(sizes, params)}
 
 
