@@ -20,7 +20,7 @@ from torch import nn
 
 from benchmarks import harness, moe_overlap
 from duplexpipe import Pipeline, PipelineConfig
-from duplexpipe.launch.tasks.gpt import gpt_task
+from duplexpipe.launch.tasks.gpt import CharCorpus, gpt_task
 from duplexpipe.train.compile import compile_targets
 from duplexpipe.train.pipeline_config import DataParallelConfig, ObserveConfig, PrecisionConfig, SafetyConfig
 
@@ -61,8 +61,8 @@ PARTS = ("overhead", "compile", "float8", "memory", "cuda")
 GPU = Sizes(layers=12, width=1024, seq=1024, heads=16, microbatch=4, microbatches=8, steps=10, warmup=3, dtype="bf16",
             backend="nccl", compile_backend="inductor", memory_steps=3, pytest_paths=("tests",),
             moe=moe_overlap.MoEBenchConfig(backend="nccl", ranks=2, steps=0),
-            budgets={"overhead": 70, "compile": 140, "float8": 40, "memory": 110, "cuda": 90},
-            expected={"overhead": 45, "compile": 110, "float8": 30, "memory": 80, "cuda": 70})
+            budgets={"overhead": 60, "compile": 130, "float8": 40, "memory": 100, "cuda": 120},
+            expected={"overhead": 40, "compile": 100, "float8": 30, "memory": 75, "cuda": 90})
 DRY = Sizes(layers=2, width=64, seq=32, heads=4, microbatch=1, microbatches=8, steps=2, warmup=0, dtype="fp32",
             backend="gloo", compile_backend="eager", memory_steps=2,
             pytest_paths=("tests/runtime/test_watchdog_cuda.py",),
@@ -149,11 +149,17 @@ def _pipeline(sizes: Sizes, dtype: str | None = None, pp: int = 0, dp: int = 1, 
 Stepper = tuple[Any, Callable[[Any, int], float]]
 
 
+def _batches(sizes: Sizes) -> Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]:
+    """The task's batches (step, size) from the corpus alone: no model built for them."""
+    corpus = CharCorpus()
+    return lambda step, size: corpus.batch(step, size, sizes.seq, seed=0)
+
+
 def _pipe_stepper(sizes: Sizes, pipe: Pipeline) -> Stepper:
-    task, device = _task(sizes), _device()
+    batch, device = _batches(sizes), _device()
 
     def step(p: Pipeline, i: int) -> float:
-        x, y = task.batch(i, sizes.microbatch * sizes.microbatches * p.groups.dp_size)  # M microbatches a replica
+        x, y = batch(i, sizes.microbatch * sizes.microbatches * p.groups.dp_size)  # M microbatches a replica
         share = x.shape[0] // p.groups.dp_size
         lo = p.groups.dp_rank * share
         return p.step(x[lo:lo + share].to(device), y[lo:lo + share].to(device))
@@ -187,19 +193,32 @@ def _plain_stepper(sizes: Sizes, compiled: bool = False) -> Stepper:
     return None, step
 
 
-def _alternate(steppers: Sequence[Stepper], sizes: Sizes, deadline: float, steps: int | None = None,
-               warmup: int | None = None, extra: Callable[[Any], Any] | None = None) -> list[harness.Trace]:
-    """RoundRobin over the steppers, the deadline checked (collectively) before each step."""
-    def step(s: Stepper, i: int) -> float:
-        check_deadline(deadline, f"step {i}")
-        return s[1](s[0], i)
-    wrapped_extra = None if extra is None else (lambda s: extra(s[0]))
-    return harness.RoundRobin(list(steppers), step, extra=wrapped_extra).run(
-        sizes.steps if steps is None else steps, sizes.warmup if warmup is None else warmup)
+def alternate(steppers: Sequence[Stepper], sizes: Sizes, deadline: float, steps: int | None = None,
+              warmup: int | None = None) -> list[list[float]]:
+    """Each stepper once a round, the first one rotating (all see the same load), `warmup` rounds unmeasured; per
+    stepper, each measured step's seconds on the slowest rank, from a synchronized device to a synchronized device.
+    The deadline is checked (collectively) before each round, outside the timing."""
+    steps, warmup = sizes.steps if steps is None else steps, sizes.warmup if warmup is None else warmup
+    device, n = _device(), len(steppers)
+    walls: list[list[float]] = [[] for _ in steppers]
+    for i in range(warmup + steps):
+        check_deadline(deadline, f"round {i} of {warmup + steps}")
+        for c in ((i + k) % n for k in range(n)):
+            _sync()
+            dist.barrier()
+            start = time.perf_counter()
+            stepper, step = steppers[c]
+            step(stepper, i)
+            _sync()
+            wall = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
+            dist.all_reduce(wall, op=dist.ReduceOp.MAX)  # the slowest rank's seconds (a device tensor: NCCL too)
+            if i >= warmup:
+                walls[c].append(float(wall.item()))
+    return walls
 
 
 def _sync() -> None:
-    if torch.cuda.is_available() and dist.get_backend() == "nccl":
+    if dist.get_backend() == "nccl":
         torch.cuda.synchronize()
 
 
@@ -213,9 +232,7 @@ def overhead_worker(rank: int, world: int, job: tuple[Sizes, float]) -> dict[str
     sizes, deadline = job
     pipe = _pipeline(sizes)
     params = sum(p.numel() for m in pipe.stage_modules.values() for p in m.parameters())
-    traces = _alternate([_pipe_stepper(sizes, pipe), _plain_stepper(sizes)], sizes, deadline)
-    _sync()
-    ours, plain = traces[0].wall, traces[1].wall
+    ours, plain = alternate([_pipe_stepper(sizes, pipe), _plain_stepper(sizes)], sizes, deadline)
     tokens = sizes.microbatch * sizes.microbatches * sizes.seq
     return {"params": params, "ours_s": harness.summarize(ours).to_dict(),
             "plain_s": harness.summarize(plain).to_dict(), "ours_over_plain": _ratio(ours, plain),
@@ -229,8 +246,8 @@ def compile_worker(rank: int, world: int, job: tuple[Sizes, float]) -> dict[str,
     steppers = [_pipe_stepper(sizes, _pipeline(sizes)),
                 _pipe_stepper(sizes, _pipeline(sizes, compile={"backend": sizes.compile_backend})),
                 _plain_stepper(sizes), _plain_stepper(sizes, compiled=True)]
-    pipe_eager, pipe_compiled, plain_eager, plain_compiled = (t.wall for t in _alternate(
-        steppers, sizes, deadline, warmup=max(sizes.warmup, 1)))  # the first step compiles: never measured
+    pipe_eager, pipe_compiled, plain_eager, plain_compiled = alternate(
+        steppers, sizes, deadline, warmup=max(sizes.warmup, 1))  # the first step compiles: never measured
     pipe, plain = _ratio(pipe_compiled, pipe_eager), _ratio(plain_compiled, plain_eager)
     return {"pipeline_compiled_over_eager": pipe, "plain_compiled_over_eager": plain,
             "gain_kept": (1 - pipe["ratio"]) / (1 - plain["ratio"]) if plain["ratio"] != 1 else None,
@@ -251,12 +268,12 @@ def float8_name() -> str | None:
 def float8_worker(rank: int, world: int, job: tuple[Sizes, float, str]) -> dict[str, Any]:
     """Part 3 on one rank: the pipeline at float8 and at the run's dtype, alternating; tokens/s of each."""
     sizes, deadline, name = job
-    traces = _alternate([_pipe_stepper(sizes, _pipeline(sizes, name)), _pipe_stepper(sizes, _pipeline(sizes))],
-                        sizes, deadline)
+    fp8, base = alternate([_pipe_stepper(sizes, _pipeline(sizes, name)), _pipe_stepper(sizes, _pipeline(sizes))],
+                          sizes, deadline)
     tokens = sizes.microbatch * sizes.microbatches * sizes.seq
-    return {"float8_tokens_per_s": tokens / harness.summarize(traces[0].wall).median,
-            "base_tokens_per_s": tokens / harness.summarize(traces[1].wall).median,
-            "float8_over_base_speed": _ratio(traces[1].wall, traces[0].wall), "dtype": name}
+    return {"float8_tokens_per_s": tokens / harness.summarize(fp8).median,
+            "base_tokens_per_s": tokens / harness.summarize(base).median,
+            "float8_over_base_speed": _ratio(base, fp8), "dtype": name}
 
 
 MEMORY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -282,14 +299,14 @@ def memory_worker(rank: int, world: int, job: tuple[Sizes, float, str, tuple[int
     names = [n for n, (g, _) in MEMORY_VARIANTS.items() if g == group]
     pipes = [_pipeline(sizes, pp=pp, dp=dp, observe=ObserveConfig(record_timeline=False, measure_memory=True),
                        **MEMORY_VARIANTS[n][1]) for n in names]
-    traces = _alternate([_pipe_stepper(sizes, p) for p in pipes], sizes, deadline, steps=sizes.memory_steps, warmup=0)
+    walls = alternate([_pipe_stepper(sizes, p) for p in pipes], sizes, deadline, steps=sizes.memory_steps, warmup=0)
     out: dict[str, Any] = {}
-    for name, pipe, trace in zip(names, pipes, traces, strict=True):
+    for name, pipe, wall in zip(names, pipes, walls, strict=True):
         memory = pipe.last.memory if pipe.last is not None else None
         if memory is None:
             raise RuntimeError(f"{name}: no measured memory after the step")
         report = {k: v for k, v in memory.to_dict().items() if k != "curve"}
-        out[name] = {"memory": report, "step_s": harness.summarize(trace.wall).to_dict(), "mesh": [pp, dp]}
+        out[name] = {"memory": report, "step_s": harness.summarize(wall).to_dict(), "mesh": [pp, dp]}
     return out
 
 
