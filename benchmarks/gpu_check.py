@@ -102,9 +102,9 @@ def plan(sizes: Sizes) -> str:
              f"of {sizes.microbatch}, {sizes.dtype}, {sizes.backend}, {sizes.warmup}+{sizes.steps} steps")
     what = {"overhead": f"P=1 1F1B M={sizes.microbatches} vs plain accumulation loop, alternating: {shape}",
             "compile": f"compiled/eager ({sizes.compile_backend}) of the pipeline vs of the plain loop, same model",
-            "float8": "float8/bf16 tokens/s if PrecisionConfig accepts a float8 dtype, else 'not landed'",
-            "memory": f"P=2 (two processes sharing one GPU): ZeRO-2 vs ZeRO-3 (window 1, all), checkpointing "
-                      f"full vs selective, offload off vs on; {sizes.memory_steps} steps each",
+            "float8": f"float8/{sizes.dtype} tokens/s if PrecisionConfig accepts a float8 dtype, else 'not landed'",
+            "memory": f"checkpointing full vs selective, offload off vs on at P=2; ZeRO-2 vs ZeRO-3 (window 1, all) "
+                      f"at P=1 x D=2 (P=2 x D=2 with 4 GPUs); ranks share one GPU; {sizes.memory_steps} steps each",
             "cuda": f"pytest -m cuda {' '.join(sizes.pytest_paths)}; MoE F&B pair on {sizes.moe.backend}, 2 ranks "
                     "(sharing the GPU on NCCL)"}
     lines = ["plan:"]
