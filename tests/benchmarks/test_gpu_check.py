@@ -101,3 +101,18 @@ def test_peak_and_flops() -> None:
 def test_the_zero_mesh_follows_the_world() -> None:
     assert gpu_check.zero_mesh(2) == (1, 2)
     assert gpu_check.zero_mesh(4) == (2, 2)
+
+
+def test_make_bench_runs_it_only_where_cuda_is() -> None:
+    makefile = (gpu_check.ROOT / "Makefile").read_text(encoding="utf-8")
+    bench = makefile.split("\nbench:", 1)[1].split("\n\n", 1)[0]
+    assert "torch.cuda.is_available()" in bench and "-m benchmarks.gpu_check" in bench
+    assert bench.index("torch.cuda.is_available()") < bench.index("-m benchmarks.gpu_check")
+
+
+def test_without_cuda_the_full_run_asks_for_the_dry_run(tmp_path: Path) -> None:
+    if gpu_check.torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is here: the full run would start")
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--out", str(tmp_path)])
+    assert not (tmp_path / "gpu_check.json").exists()
