@@ -9,9 +9,10 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ from duplexpipe.train.pipeline_config import DataParallelConfig, ObserveConfig, 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICE_MINUTES = 8.0
 """The device time the whole GPU run must fit in (the sum of the parts' budgets stays under it)."""
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12}
+PEAK_BF16_FLOPS = MappingProxyType({"H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12})
 """Dense bf16 peak FLOP/s by card (first name contained in the device's name wins); other cards: no MFU."""
 FLOAT8_NAMES = ("fp8", "float8", "float8_e4m3fn")
 """The PrecisionConfig.dtype names a landed float8 option may take (checked at run time)."""
@@ -276,7 +277,7 @@ def float8_worker(rank: int, world: int, job: tuple[Sizes, float, str]) -> dict[
             "float8_over_base_speed": _ratio(base, fp8), "dtype": name}
 
 
-MEMORY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+MEMORY_VARIANTS: Mapping[str, tuple[str, dict[str, Any]]] = MappingProxyType({
     "ZeRO-2": ("zero", {"data_parallel": DataParallelConfig(zero_stage=2)}),
     "ZeRO-3, window 1": ("zero", {"data_parallel": DataParallelConfig(zero_stage=3, reshard_window=1)}),
     "ZeRO-3, window all": ("zero", {"data_parallel": DataParallelConfig(zero_stage=3, reshard_window=None)}),
@@ -284,7 +285,7 @@ MEMORY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "checkpointing selective": ("pp", {"activation_checkpointing": "selective"}),
     "offload off": ("pp", {"activation_offload": False}),
     "offload on": ("pp", {"activation_offload": True}),
-}
+})
 """Part 4's variants: the mesh group each runs in ("zero": data-parallel, "pp": P=2) and its config fields."""
 
 
@@ -391,11 +392,11 @@ def _counts(summary: str) -> dict[str, int]:
     return {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|deselected|errors?)", summary)}
 
 
-RUNNERS: dict[str, Runner] = {"overhead": run_overhead, "compile": run_compile, "float8": run_float8,
-                              "memory": run_memory, "cuda": run_cuda}
+RUNNERS: Mapping[str, Runner] = MappingProxyType({"overhead": run_overhead, "compile": run_compile,
+                                                  "float8": run_float8, "memory": run_memory, "cuda": run_cuda})
 
 
-def run_parts(sizes: Sizes, runners: dict[str, Runner]) -> dict[str, dict[str, Any]]:
+def run_parts(sizes: Sizes, runners: Mapping[str, Runner]) -> dict[str, dict[str, Any]]:
     """Each part guarded: its figures (status "ok"), its own status and reason, or the exception that stopped it."""
     parts: dict[str, dict[str, Any]] = {}
     for name, runner in runners.items():
@@ -458,7 +459,7 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Sequence[str] | None = None, runners: dict[str, Runner] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, runners: Mapping[str, Runner] | None = None) -> int:
     """`python -m benchmarks.gpu_check [--dry-run] [--out DIR]`: the plan, the parts, gpu_check.json and .md."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__)
     parser.add_argument("--dry-run", action="store_true", help="every part on CPU with tiny sizes (gloo, fp32)")
