@@ -1,4 +1,4 @@
-# duplexpipe: `make demo`, `make test`, `make bench`, `make docs`. Each creates .venv when it is missing.
+# duplexpipe: `make demo`, `make test`, `make bench` (and the GPU check where CUDA is), `make docs`. Each creates .venv when it is missing.
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
 VENV := .venv
@@ -21,6 +21,8 @@ test: lint
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks
+	@if $(BIN)/python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
+		$(BIN)/python -m benchmarks.gpu_check; else echo "benchmarks.gpu_check: no CUDA GPU, skipped"; fi
 
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
