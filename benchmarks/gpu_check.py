@@ -468,7 +468,10 @@ def main(argv: Sequence[str] | None = None, runners: Mapping[str, Runner] | None
     if not args.dry_run and not torch.cuda.is_available():
         parser.error("no CUDA GPU: run with --dry-run")
     sizes = DRY if args.dry_run else GPU
-    print(plan(sizes), flush=True)
+    if args.dry_run:  # what a lent GPU will run, then what this dry run runs through the same code paths
+        print("the GPU run's " + plan(GPU) + "\nthis dry run's " + plan(DRY), flush=True)
+    else:
+        print(plan(GPU), flush=True)
     started = time.time()
     parts = run_parts(sizes, RUNNERS if runners is None else runners)
     result = {"device": device_info(), "dry_run": args.dry_run, "date": time.strftime("%Y-%m-%d %H:%M %Z"),
