@@ -20,6 +20,7 @@ from benchmarks.internals import SHARE_GPU_ENV
 from duplexpipe import Pipeline, PipelineConfig, make_mesh
 from duplexpipe import run as run_ranks  # `duplexpipe.launch` (the function) is shadowed by its subpackage
 from duplexpipe.launch.tasks.gpt import gpt_task
+from duplexpipe.runtime.backend import default_device
 
 P = TypeVar("P")
 WorkerFn = Callable[[int, int, Any], Any]
@@ -69,8 +70,8 @@ class RoundRobin(Generic[P]):
                 start, cpu = time.perf_counter(), self.cpu_timer()
                 out = self.step(self.steppers[c], i)
                 cpu = self.cpu_timer() - cpu
-                wall = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-                dist.all_reduce(wall, op=dist.ReduceOp.MAX)  # the slowest rank's seconds
+                wall = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=default_device())
+                dist.all_reduce(wall, op=dist.ReduceOp.MAX)  # the slowest rank's seconds (on the GPU under NCCL)
                 if i >= warmup:
                     trace = traces[c]
                     trace.wall.append(float(wall.item()))

@@ -204,7 +204,7 @@ def _link(cfg: MoEBenchConfig, rank: int, world: int, device: torch.device) -> t
         if link is None:
             real = statistics.median(probe["comm"])  # the link's time adds to the real transfers'
         wanted = max(cfg.comm_ratio * compute - real - cfg.link_latency_s * len(log), 1e-6)
-        bandwidth = torch.tensor([nbytes / wanted], dtype=torch.float64)
+        bandwidth = torch.tensor([nbytes / wanted], dtype=torch.float64, device=device)
         dist.all_reduce(bandwidth, op=dist.ReduceOp.MIN)
         link = deep.LinkModel(cfg.link_latency_s, float(bandwidth.item()))
     return link, compute
