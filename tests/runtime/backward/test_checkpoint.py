@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 import torch
+from _counting import CountMatmuls
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
@@ -134,19 +134,9 @@ def test_a_second_backward_recomputes_again() -> None:
     assert torch.equal(first, second) and blocks[0].calls == 3
 
 
-class _CountMatmuls(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.count += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
-        return func(*args, **(kwargs or {}))
-
-
 def _matmuls(fn: Callable[[], None]) -> int:
     """The matmuls `fn` runs (forward, recompute and backward)."""
-    with _CountMatmuls() as counter:
+    with CountMatmuls() as counter:
         fn()
     return counter.count
 

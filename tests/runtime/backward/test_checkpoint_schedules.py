@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 import torch
+from _counting import CountMatmuls
 from models import run_workers
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from duplexpipe import Pipeline, PipelineConfig
 
@@ -35,16 +35,6 @@ class Counted(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         return x + self.down(torch.tanh(self.up(self.norm(x))))
-
-
-class _CountMatmuls(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.count += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
-        return func(*args, **(kwargs or {}))
 
 
 def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -84,7 +74,7 @@ def _case(schedule: str, option: Any) -> dict[str, Any]:
             for block in module.modules():
                 if isinstance(block, Counted):
                     block.calls = 0
-        with _CountMatmuls() as counter:
+        with CountMatmuls() as counter:
             losses.append(pipe.step(x, y))
         matmuls = counter.count
         for module in pipe.stage_modules.values():
