@@ -9,6 +9,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import random
 import signal
 import socket
 import sys
@@ -40,8 +41,34 @@ sockets listen and connect on it alone."""
 log = logging.getLogger("duplexpipe.launch")
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on `host` a moment ago."""
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+LOWEST_PORT = 10000
+"""free_port draws from LOWEST_PORT up to the kernel's ephemeral range."""
+
+
+def ephemeral_low(path: str = EPHEMERAL_RANGE_FILE) -> int:
+    """The first port of the range the kernel gives outgoing connections and bind(0) (32768 where unknown)."""
+    try:
+        with open(path, encoding="ascii") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port(host: str = "127.0.0.1", tries: int = 100) -> int:
+    """A TCP port that was free on `host` a moment ago, drawn at random below the kernel's ephemeral range: a port
+    from bind(0) is one the kernel also hands to outgoing connections (other jobs' gloo sockets), which can take it
+    before the job's rank 0 binds it; a random one below that range is only ever taken by another such draw."""
+    draw = random.Random()
+    high = ephemeral_low()
+    for _ in range(tries if high > LOWEST_PORT else 0):
+        port = draw.randrange(LOWEST_PORT, high)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])

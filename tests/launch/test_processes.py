@@ -7,6 +7,7 @@ import logging
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,12 +23,14 @@ from duplexpipe.errors import LaunchError, PeerFailedError
 from duplexpipe.launch.failures import Failure
 from duplexpipe.launch.processes import (
     FORKSERVER_PRELOAD,
+    LOWEST_PORT,
     SHARE_GPU_ENV,
     START_METHOD_ENV,
     _failure,
     blamed_rank,
     cuda_device_for,
     default_backend,
+    ephemeral_low,
     free_port,
     launch,
     launched_by_torchrun,
@@ -401,3 +404,18 @@ def test_torchrun_names_the_originating_rank_as_root_cause(tmp_path: Path) -> No
     assert "rank      : 0 (local_rank: 0)" in root[1] and OWN_ERROR in root[1], root[1]
     # the consequence names its cause, in its own failure entry and its log line
     assert "rank 1 stopped because rank 0 failed" in root[0], proc.stderr[-3000:]
+
+
+def test_free_port_is_drawn_below_the_ephemeral_range_and_binds(tmp_path: Path) -> None:
+    low = ephemeral_low()
+    ports = {free_port() for _ in range(5)}
+    if low > LOWEST_PORT:
+        assert all(LOWEST_PORT <= p < low for p in ports), (ports, low)
+    else:  # no room below the ephemeral range: the kernel's choice
+        assert all(p >= low for p in ports), (ports, low)
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", port))
+    (tmp_path / "range").write_text("40000\t60999\n")
+    assert ephemeral_low(str(tmp_path / "range")) == 40000
+    assert ephemeral_low(str(tmp_path / "missing")) == 32768
