@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
 from duplexpipe.cli import help as docs
-from duplexpipe.cli.args import CliError, load_schedule
+from duplexpipe.cli.args import CliError, Parser, load_schedule
 from duplexpipe.launch.folder_lock import hold_folders, job_folders
 from duplexpipe.launch.train_config import DEFAULT_TASK, HF_TASK, TrainConfig
 
@@ -23,6 +25,41 @@ def add_parsers(sub: Any, full: bool = True) -> None:
                            epilog=_epilog() if full else None, formatter_class=argparse.RawDescriptionHelpFormatter)
     if full:
         add_train_arguments(train)
+
+
+def check_before_torch(argv: Sequence[str]) -> None:
+    """The checks of `duplexpipe train ARGS` that need no torch, made before its parser is built (the parser is
+    generated from the training stack's dataclasses, which import torch: seconds): a built-in schedule with the
+    ranks, microbatches and --opt options given on the command line (defaults where left out). CliError (one line,
+    exit 2) when the schedule refuses them; anything this cannot read (a --config file, which may set these, a
+    malformed flag, a schedule file, "auto") is left to the full checks."""
+    from duplexpipe.launch.train_config import DEFAULT_RUN_MICROBATCHES, DEFAULT_SCHEDULE
+    from duplexpipe.launch.train_settings import FLAG_NAMES, parse_key_values
+    from duplexpipe.schedules import registry
+
+    if any(a in ("-h", "--help") for a in argv):
+        return
+    early = Parser(prog="duplexpipe train", add_help=False, allow_abbrev=False)
+    early.add_argument("--config")
+    early.add_argument("--schedule", default=DEFAULT_SCHEDULE)
+    early.add_argument("--ranks", default=str(_default("ranks")))
+    early.add_argument(*FLAG_NAMES["pipeline.num_microbatches"], dest="microbatches",
+                       default=str(DEFAULT_RUN_MICROBATCHES))
+    early.add_argument(*FLAG_NAMES["pipeline.schedule_options"], dest="opt", action="append", default=[])
+    try:
+        args, _ = early.parse_known_args(argv)
+        ranks, microbatches, options = int(args.ranks), int(args.microbatches), parse_key_values(args.opt)
+    except (CliError, ValueError):
+        return
+    if args.config is None and args.schedule in registry.names() and ranks >= 1 and microbatches >= 1:
+        refusal = registry.check(args.schedule, ranks, microbatches, **options)
+        if refusal is not None:
+            raise CliError(refusal)
+
+
+def _default(name: str) -> Any:
+    """TrainConfig's default of its own field `name` (read without building one: its pipeline imports torch)."""
+    return next(f.default for f in dataclasses.fields(TrainConfig) if f.name == name)
 
 
 def _epilog() -> str:

@@ -27,6 +27,10 @@ BALANCES = ("uniform", "params", "time")
 ZERO_STAGES = (0, 1, 2, 3)
 NONFINITE_POLICIES = ("raise", "skip")
 """`nonfinite_grads` values (duplexpipe.train.nonfinite.NONFINITE_GRADS): stop the run, or skip the step and go on."""
+DEFAULT_SCHEDULE = "dualpipe"
+"""The schedule of a run that names none."""
+DEFAULT_RUN_MICROBATCHES = 8
+"""The microbatches of a run that names none (the pipeline's own default is `DEFAULT_MICROBATCHES`)."""
 BATCH_CHECKS = ("first", "every", "never")
 """`batch_check` values: compare the batch's fingerprint across ranks on a run's first step, on every step, never."""
 CHOICES: Mapping[str, tuple[Any, ...]] = MappingProxyType({
@@ -141,7 +145,8 @@ def default_pipeline() -> PipelineConfig:
     (imports the training stack)."""
     from duplexpipe.train.pipeline_config import DataParallelConfig, PipelineConfig
 
-    return PipelineConfig("dualpipe", 8, grad_clip_norm=1.0, data_parallel=DataParallelConfig(zero_stage=0))
+    return PipelineConfig(DEFAULT_SCHEDULE, DEFAULT_RUN_MICROBATCHES, grad_clip_norm=1.0,
+                          data_parallel=DataParallelConfig(zero_stage=0))
 
 
 @documented

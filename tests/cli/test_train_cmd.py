@@ -53,3 +53,18 @@ def test_train_runs_a_hand_written_schedule_file(tmp_path: Path, monkeypatch: py
     out = capsys.readouterr().out
     assert "mine.json on 2 ranks x 1 dp, 2 steps" in out and "tokens/s" in out, out
     assert "0B1" in (tmp_path / "run" / "timeline.json").read_text() and Path(path).is_file()
+
+
+def test_a_schedule_refusing_the_flags_is_told_before_torch_is_imported() -> None:
+    """`duplexpipe train --schedule dualpipe --microbatches 3`: exit 2 and the schedule's one line, from a process
+    that never imported torch (it takes seconds to import)."""
+    import subprocess
+    import sys
+
+    probe = ("import sys\nfrom duplexpipe.cli.main import main\n"
+             "code = main(['train', '--schedule', 'dualpipe', '--ranks', '2', '--microbatches', '3'])\n"
+             "print('torch imported' if 'torch' in sys.modules else 'torch not imported')\nsys.exit(code)\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr == "duplexpipe: error: dualpipe needs an even number of microbatches, got num_microbatches=3\n"
+    assert done.stdout == "torch not imported\n"
