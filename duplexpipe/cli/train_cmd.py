@@ -156,7 +156,7 @@ def _train_checked(args: argparse.Namespace, config: TrainConfig, out: IO[str]) 
     """Check everything the ranks would fail on (the task first: named by a config file it must be annotated), then
     train and print the summary."""
     from duplexpipe.launch.checks import check_training  # imports torch: after the checks that need none
-    from duplexpipe.launch.metrics import memory_summary
+    from duplexpipe.launch.metrics import check_wandb, memory_summary
     from duplexpipe.launch.train_loop import load_task, run_training
     from duplexpipe.train.pipeline_config import is_schedule_file
 
@@ -164,6 +164,7 @@ def _train_checked(args: argparse.Namespace, config: TrainConfig, out: IO[str]) 
         if _task_from_file(args):
             load_task(config.task, annotated=True)  # before anything calls it
         check_training(config)  # every configuration error, before any process starts
+        check_wandb(config.metrics.wandb)
         _check_files(config)
     except ValueError as exc:
         from duplexpipe.errors import InputRejected
@@ -176,12 +177,13 @@ def _train_checked(args: argparse.Namespace, config: TrainConfig, out: IO[str]) 
         if result.partition:
             out.write(f"{result.partition}\n")
         done = f"steps {result.start_step + 1}-{config.steps}" if result.start_step else f"{config.steps} steps"
+        calls = config.pipeline.accumulation_steps
+        done += f" of {calls} batches" if calls > 1 else ""
         chosen = f" (chose {result.schedule})" if config.pipeline.schedule == "auto" and result.schedule else ""
         schedule = config.pipeline.schedule
         name = Path(schedule).name if is_schedule_file(schedule) else str(schedule)
         evaluated = f", eval loss {result.eval_losses[-1][1]:.4f}" if result.eval_losses else ""
-        tensor = f" x {config.tp} tp" if config.tp > 1 else ""
-        out.write(f"{name}{chosen} on {config.ranks} ranks x {config.dp} dp{tensor}, {done}: loss "
+        out.write(f"{name}{chosen} on {layout(config, result.zero_stage)}, {done}: loss "
                   f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f}{evaluated}, {result.items_per_s:,.0f} "
                   f"{result.item_name}/s, {result.wall_s:.1f}s\n")
         if result.send_bytes:
@@ -193,6 +195,13 @@ def _train_checked(args: argparse.Namespace, config: TrainConfig, out: IO[str]) 
             out.write(f"last step: makespan {result.timeline.makespan * 1e3:.1f} ms, "
                       f"bubble ratio {result.timeline.bubble_ratio:.1%}\n")
     return 0
+
+
+def layout(config: TrainConfig, zero_stage: int) -> str:
+    """Every degree of a run in one phrase: "pp 2 x dp 2 x tp 1 x ep 1 (ZeRO 1, sequence parallel off)"."""
+    sequence = "on" if config.pipeline.sequence_parallel else "off"
+    return (f"pp {config.ranks} x dp {config.dp} x tp {config.tp} x ep {config.ep} (ZeRO {zero_stage}, sequence "
+            f"parallel {sequence})")
 
 
 def _task_from_file(args: argparse.Namespace) -> bool:

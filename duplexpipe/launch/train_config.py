@@ -77,6 +77,18 @@ class OptimizerConfig:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 
 
+def profile_range(text: str) -> tuple[int, int]:
+    """`MetricsConfig.profile_steps` "A:B" as (A, B), 1-based and inclusive; ValueError naming the text otherwise."""
+    first, sep, last = text.partition(":")
+    try:
+        start, end = int(first), int(last)
+    except ValueError:
+        start, end = 0, -1
+    if not sep or not 1 <= start <= end:
+        raise ValueError(f"profile_steps must be A:B, steps 1 <= A <= B (e.g. 3:5), got {text!r}")
+    return start, end
+
+
 @documented
 @dataclass
 class MetricsConfig:
@@ -97,8 +109,16 @@ class MetricsConfig:
     tensorboard package is installed, TensorBoard scalars (tensorboard/) here (None: nothing is written). Locked
     for the run (.duplexpipe.lock): a second run on it exits with code 2 naming the holder."""
     tensorboard: bool = True
-    """TensorBoard scalars under out_dir/tensorboard when the tensorboard package is installed (skipped quietly
-    otherwise); --no-tensorboard turns them off."""
+    """TensorBoard scalars under out_dir/tensorboard when the tensorboard package is installed (without it the run
+    says so in one line and goes on); --no-tensorboard turns them off."""
+    wandb: bool | dict[str, Any] = False
+    """Weights & Biases: the TensorBoard scalars also to a wandb run (the `wandb` package: pip install
+    'duplexpipe[wandb]'), with wandb.init's options as KEY=VALUE (project=NAME, mode=offline, name=..., ...); its
+    files go to out_dir when given, and the run's config is TrainConfig's. Offline (no account, no network):
+    mode=offline or WANDB_MODE=offline; `wandb sync` uploads it later."""
+    profile_steps: str | None = None
+    """"A:B": trace steps A to B (1-based, inclusive) with torch.profiler; each rank writes
+    out_dir/profile/rank-N.json, a Chrome trace (ui.perfetto.dev opens it). Needs out_dir."""
     timeline_every: int = 0
     """Every N steps, gather every pipeline rank's measured timeline of that step (a pickled all-gather of the
     events) and write it to out_dir/timelines/step-NNNNNN.json (0: never; the bubble figure of every step comes
@@ -109,6 +129,10 @@ class MetricsConfig:
         for name in ("log_every", "eval_every", "timeline_every"):
             _at_least(name, getattr(self, name), 0)
         _at_least("eval_batches", self.eval_batches, 1)
+        if self.profile_steps is not None:
+            profile_range(self.profile_steps)
+            if self.out_dir is None:
+                raise ValueError(f"profile_steps {self.profile_steps!r} writes its traces to out_dir: give --out-dir")
 
 
 @documented
@@ -179,9 +203,12 @@ class TrainConfig:
     balance: str = "uniform"
     """"uniform", "params" or "time" (profiled on the first microbatch of step 0's batch)."""
     steps: int = 60
-    """Training steps in all (a resumed run continues up to this step)."""
+    """Optimizer steps in all (a resumed run continues up to this step); with the pipeline's `accumulation_steps` A
+    each step is A batches. Every step count of a run (log_every, eval_every, save_every, checkpoint names, the
+    step of metrics.jsonl) counts these."""
     batch_size: int = 32
-    """Samples per step over all replicas (the task's `batch(step, batch_size)`)."""
+    """Samples per batch over all replicas (the task's `batch(index, batch_size)`); a step with `accumulation_steps`
+    A trains A batches."""
     batch_check: str = "first"
     """Compare a fingerprint of task.batch()'s global batch across all ranks (it must be the same everywhere): on
     the run's "first" step, on "every" step (a debugging aid: one small all-gather a step), or "never"."""
@@ -210,6 +237,8 @@ class TrainConfig:
         if microbatches is not None and self.batch_size < microbatches * self.dp:
             raise ValueError(f"batch_size {self.batch_size} is smaller than microbatches x dp = {microbatches} x "
                              f"{self.dp}: every replica needs at least one sample per microbatch")
+        if self.metrics.profile_steps is not None and profile_range(self.metrics.profile_steps)[1] > self.steps:
+            raise ValueError(f"profile_steps {self.metrics.profile_steps!r} ends after the run's {self.steps} steps")
         if self.pipeline.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel shards the sequence over the tensor-parallel ranks: it needs tp > 1")
 

@@ -220,7 +220,8 @@ class PipelineConfig:
     accumulation_steps: int = 1
     """Calls to `step` per optimizer step. Their gradients are summed, each call weighted by its share
     of the window's samples, so the applied gradient is that of the mean loss over every sample of the
-    window (a sum of microbatch gradients of that mean, not an average of per-call averages)."""
+    window (a sum of microbatch gradients of that mean, not an average of per-call averages). In `duplexpipe
+    train`, the batches of each of its `steps` (which count optimizer steps)."""
     activation_checkpointing: bool | str | dict[str, int] | Collection[int] = False
     """Recompute activations in backward instead of keeping them, once per microbatch (under a split backward too:
     recomputed at I, kept for W): "full" (or True) every stage whole; "selective" every stage, saving the matmuls'

@@ -51,7 +51,8 @@ def test_train_runs_a_hand_written_schedule_file(tmp_path: Path, monkeypatch: py
     path = _file(tmp_path / "mine.json", '["0F0", "0F1", "0B1", "0B0"]', '["1F0", "1F1", "1B1", "1B0"]')
     assert cli_main(["train", "--schedule", "mine.json", "--steps", "2", "--out-dir", "run", *SMALL]) == 0
     out = capsys.readouterr().out
-    assert "mine.json on 2 ranks x 1 dp, 2 steps" in out and "tokens/s" in out, out
+    assert "mine.json on pp 2 x dp 1 x tp 1 x ep 1 (ZeRO 0, sequence parallel off), 2 steps" in out, out
+    assert "tokens/s" in out, out
     assert "0B1" in (tmp_path / "run" / "timeline.json").read_text() and Path(path).is_file()
 
 
