@@ -37,15 +37,18 @@ def check_before_torch(argv: Sequence[str]) -> None:
     from duplexpipe.launch.train_settings import FLAG_NAMES, parse_key_values
     from duplexpipe.schedules import registry
 
-    if any(a in ("-h", "--help") for a in argv):
-        return
+    flags = {"config": ("--config",), "schedule": ("--schedule",), "ranks": ("--ranks",),
+             "microbatches": FLAG_NAMES["pipeline.num_microbatches"], "opt": FLAG_NAMES["pipeline.schedule_options"]}
     early = Parser(prog="duplexpipe train", add_help=False, allow_abbrev=False)
-    early.add_argument("--config")
-    early.add_argument("--schedule", default=DEFAULT_SCHEDULE)
-    early.add_argument("--ranks", default=str(_default("ranks")))
-    early.add_argument(*FLAG_NAMES["pipeline.num_microbatches"], dest="microbatches",
-                       default=str(DEFAULT_RUN_MICROBATCHES))
-    early.add_argument(*FLAG_NAMES["pipeline.schedule_options"], dest="opt", action="append", default=[])
+    early.add_argument(*flags["config"], dest="config")
+    early.add_argument(*flags["schedule"], dest="schedule", default=DEFAULT_SCHEDULE)
+    early.add_argument(*flags["ranks"], dest="ranks", default=str(_default("ranks")))
+    early.add_argument(*flags["microbatches"], dest="microbatches", default=str(DEFAULT_RUN_MICROBATCHES))
+    early.add_argument(*flags["opt"], dest="opt", action="append", default=[])
+    known = {flag for names in flags.values() for flag in names}
+    given = {a.split("=", 1)[0] for a in argv if a.startswith("-")}
+    if given & {"-h", "--help"} or any(f not in known and any(k.startswith(f) for k in known) for f in given):
+        return  # help, or a flag the full parser may read as an abbreviation of one of these
     try:
         args, _ = early.parse_known_args(argv)
         ranks, microbatches, options = int(args.ranks), int(args.microbatches), parse_key_values(args.opt)
