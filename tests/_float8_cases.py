@@ -10,8 +10,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import Tensor, nn
 from models import shared_folder
+from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from duplexpipe import Pipeline, PipelineConfig, make_mesh

@@ -114,11 +114,18 @@ def resolve_emulate(options: Float8Options, device: torch.device) -> bool:
     required (emulate=False) and `device` has none."""
     hardware = has_fp8_gemm(device)
     if options.emulate is False and not hardware:
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        name = f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
         raise ValueError(f"float8 recipe {options.recipe!r} with emulate=False needs FP8 GEMMs (CUDA compute "
-                         f"capability >= {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}); device {device} ({name}) has none: "
-                         "set emulate=True (or leave it unset) to emulate them")
+                         f"capability >= {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}); device {name} has none: set "
+                         "emulate=True (or leave it unset) to emulate them")
     return bool(options.emulate) if options.emulate is not None else not hardware
+
+
+def check_float8(options: Float8Options, device: torch.device) -> bool:
+    """Whether float8 runs emulated on `device`; ValueError for a torchao that is missing or does not fit, or for a
+    device without FP8 GEMMs when emulation is refused (what `duplexpipe train` checks before it starts processes)."""
+    check_torchao()
+    return resolve_emulate(options, device)
 
 
 def linear_config(options: Float8Options, emulate: bool) -> Any:
@@ -154,8 +161,7 @@ def convert_stages(stage_modules: Mapping[int, nn.Module], options: Float8Option
     """Swap the eligible linears of every stage for torchao's Float8Linear in place (`SplitFloat8Linear` when `split`:
     eager stages) and log once what was converted and what was kept; returns the converted modules' names
     ("stage.name"). ValueError before anything changes for a torchao or a device that cannot run it."""
-    check_torchao()
-    emulate = resolve_emulate(options, device)
+    emulate = check_float8(options, device)
     from torchao.float8 import convert_to_float8_training
     from torchao.float8.float8_linear import Float8Linear
 

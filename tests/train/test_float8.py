@@ -15,6 +15,8 @@ from _counting import CountMatmuls
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
+from duplexpipe.cli import main as cli_main
+from duplexpipe.launch import train_loop
 from duplexpipe.moe.layer import MoELayer
 from duplexpipe.runtime.backward.graph import stage_backward_input, stage_backward_weight
 from duplexpipe.train import float8
@@ -142,3 +144,18 @@ def test_a_full_backward_is_torchaos_and_float8_is_not_fp32() -> None:
         assert a.grad is not None and b.grad is not None and c.grad is not None
         assert torch.equal(a.grad, b.grad)
         assert (a.grad - c.grad).abs().max() > 1e-4 * c.grad.abs().max()  # float8 rounding shows: a test can fail
+
+
+@pytest.mark.parametrize(("value", "needle"), [
+    ("blockwise", "PrecisionConfig.float8 must be None, one of ('tensorwise', 'rowwise')"),
+    ("rowwise(emulate=false)", "float8 recipe 'rowwise' with emulate=False needs FP8 GEMMs"),
+])
+def test_the_command_line_refuses_in_one_line_before_any_process(value: str, needle: str,
+                                                                  monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    if torch.cuda.is_available() and "emulate" in value:
+        pytest.skip("this machine may have FP8 GEMMs")
+    monkeypatch.setattr(train_loop, "run_training", lambda *_: pytest.fail("a process was started"))
+    assert cli_main(["train", "--float8", value, "--steps", "1", "--task-option", "n_layer=2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("duplexpipe: error: ") and needle in err and err.count("\n") == 1, err
