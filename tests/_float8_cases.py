@@ -137,13 +137,15 @@ def resume(pipe: Pipeline, root: str) -> dict[str, Any]:
 
 def case(rank: int, world: int) -> dict[str, Any]:
     """PP=4 under every schedule of SCHEDULES and ZB-H1 with activation checkpointing; ZB-H1 with PP=2 x TP=2 and with
-    PP=2 x DP=2 under ZeRO-2; a checkpoint of the float8 1F1B run resumed with float8 off and on."""
+    PP=2 x DP=2 under ZeRO-2, 1F1B under ZeRO-3; a checkpoint of the float8 1F1B run resumed with float8 off and on."""
     ref = Reference()
     pipes = {name: build(name, (world, 1, 1)) for name in SCHEDULES}
     out: dict[str, Any] = {name: run(pipe, ref) for name, pipe in pipes.items()}
     out["zb-h1 checkpointed"] = run(build("zb-h1", (world, 1, 1), activation_checkpointing=True), ref)
     out["tp"] = run(build("zb-h1", (2, 1, 2)), ref)
-    out["zero2"] = run(build("zb-h1", (2, 2, 1), zero_stage=2), Reference(replicas=2))
+    replicated = Reference(replicas=2)
+    out["zero2"] = run(build("zb-h1", (2, 2, 1), zero_stage=2), replicated)
+    out["zero3"] = run(build("1f1b", (2, 2, 1), zero_stage=3), replicated)
     with shared_folder("float8-") as root:
         out["resume"] = resume(pipes["1f1b"], root)
     return out

@@ -1,7 +1,7 @@
 """Float8 (emulated) compute through `Pipeline` on 4 gloo ranks, in one spawn: each step's parameters equal torchao's
 own single-process float8 training of the same model on the same microbatches (float32 master weights, within 1e-6
-relative) under 1F1B, ZB-H1, ZBV and DualPipeV (and ZB-H1 with activation checkpointing), with PP=2 x TP=2 and with
-ZeRO-2; a float8 checkpoint resumes with float8 off and on."""
+relative) under 1F1B, ZB-H1, ZBV and DualPipeV (and ZB-H1 with activation checkpointing), with PP=2 x TP=2, with
+ZeRO-2 and with ZeRO-3 (FSDP2, high-precision all-gathers); a float8 checkpoint resumes with float8 off and on."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     return case(rank, world)
 
 
-@pytest.mark.parametrize("name", [*SCHEDULES, "zb-h1 checkpointed", "tp", "zero2"])
+@pytest.mark.parametrize("name", [*SCHEDULES, "zb-h1 checkpointed", "tp", "zero2", "zero3"])
 def test_each_step_equals_torchao_single_process(results: list[dict[str, Any]], name: str) -> None:
     for rank, out in enumerate(results):
         got = out[name]
