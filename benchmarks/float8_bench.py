@@ -1,5 +1,4 @@
-"""Part: float8 compute (torchao's Float8Linear in the stages) on the GPT example: the loss after N steps against fp32 and
-bf16, and on a GPU with FP8 GEMMs the tokens/s against bf16."""
+"""Part: float8 compute on the GPT example: loss against fp32 and bf16, on FP8 hardware tokens/s against bf16."""
 
 from __future__ import annotations
 
