@@ -6,9 +6,9 @@ its own).
 "tensorwise(emulate=true)" (`Float8Options`). `convert_stages` swaps every eligible nn.Linear of a rank's stages for
 torchao's Float8Linear (`convert_to_float8_training`, the recipe's `Float8LinearConfig`), keeping in high precision,
 as torchtitan's float8 converter does, the linears whose dimensions are not divisible by 16, the output projection
-(a module named head, lm_head or output), the MoE routers and the MoE blocks' own linears (their experts and
-projections run through `moe.linear`, and torchao has no float8 grouped GEMM for them on CPU). The weights stay the
-module's high-precision parameters under the same names, so checkpoints do not change.
+(a module named head, lm_head or output), the MoE layers (experts, shared experts, routers: torchao has no float8
+grouped GEMM for duplexpipe's experts) and the projections `moe.linear` runs (it reads their weights itself). The
+weights stay the module's high-precision parameters under the same names, so checkpoints do not change.
 
 torchao's backward (`matmul_with_hp_or_float8_args`) computes both gradients in one run; a split schedule would run it
 at I and again at W, computing each GEMM twice. `SplitFloat8Linear` runs the same forward through a Function whose
@@ -43,10 +43,6 @@ DIVISOR = 16
 """A linear converts only when both its dimensions are divisible by this (the FP8 GEMMs' requirement)."""
 HIGH_PRECISION_NAMES = ("head", "lm_head", "output", "router")
 """A linear under a module of one of these names stays in high precision (the output projection, MoE routers)."""
-MOE_PACKAGE = "duplexpipe.moe."
-"""Linears that are children of modules defined in this package stay in high precision (`moe.linear` calls their
-weights itself), as do all linears of a MoE layer (experts, shared experts, router: torchao has no float8 grouped
-GEMM for them here)."""
 
 
 @dataclass(frozen=True)
@@ -137,13 +133,13 @@ def linear_config(options: Float8Options, emulate: bool) -> Any:
 
 def _high_precision(module: nn.Module) -> dict[int, str]:
     """id(linear) -> why it stays in high precision, for every nn.Linear of `module` that does."""
-    from duplexpipe.moe.layer import MoELayer
+    from duplexpipe.moe import CausalSelfAttention, Expert, GatedMLP, GatedShared, MoELayer
 
     kept: dict[int, str] = {}
     for owner in module.modules():
-        if isinstance(owner, MoELayer):
+        if isinstance(owner, MoELayer):  # torchao has no float8 grouped GEMM for these experts
             kept.update((id(m), "MoE experts and routers") for m in owner.modules() if isinstance(m, nn.Linear))
-        elif type(owner).__module__.startswith(MOE_PACKAGE):  # their projections call moe.linear on the weights
+        elif isinstance(owner, (CausalSelfAttention, Expert, GatedMLP, GatedShared)):  # moe.linear reads the weights
             kept.update((id(m), "MoE block projections") for m in owner.children()
                         if isinstance(m, nn.Linear) and id(m) not in kept)
     for name, linear in module.named_modules():
