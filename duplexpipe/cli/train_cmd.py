@@ -169,8 +169,8 @@ def _task_from_file(args: argparse.Namespace) -> bool:
 def _check_files(config: TrainConfig) -> None:
     """The hf task's options, the --save-pretrained target and the checkpoint to resume from (its metadata read the
     safe way: a crafted one is refused here): ValueError before any process starts or anything is written."""
-    from duplexpipe.launch.checkpoints import resume_from
-    from duplexpipe.train.checkpoint import read_metadata_file
+    from duplexpipe.launch.checkpoints import RESUME_AUTO, resume_from
+    from duplexpipe.train.checkpoint import read_checked_metadata
 
     if config.task == HF_TASK:
         from duplexpipe.launch.tasks.hf import check_options
@@ -181,9 +181,14 @@ def _check_files(config: TrainConfig) -> None:
             raise ValueError("--save-pretrained writes a Hugging Face model; the gpt task trains none (use --task hf)")
         if Path(config.checkpoint.save_pretrained).exists() and not Path(config.checkpoint.save_pretrained).is_dir():
             raise ValueError(f"--save-pretrained {config.checkpoint.save_pretrained} exists and is not a directory")
+    if config.checkpoint.resume in (None, RESUME_AUTO) and config.checkpoint.save is not None:
+        from duplexpipe.launch.resume import intact_checkpoint
+
+        intact_checkpoint(config.checkpoint.save)  # past damaged ones: named, set aside; the ranks then agree
+        return
     checkpoint = resume_from(config.checkpoint.resume, config.checkpoint.save)
     if checkpoint is not None:
-        read_metadata_file(checkpoint)
+        read_checked_metadata(checkpoint)
 
 
 def cmd_train(args: argparse.Namespace) -> int:

@@ -10,6 +10,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from duplexpipe.files import open_append, write_atomic
+
 if TYPE_CHECKING:
     from duplexpipe.runtime.memory import MemoryReport
 
@@ -45,7 +47,9 @@ class MetricsLog:
         self._file: IO[str] | None = None
         if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self._file = Path(path).open("a" if append else "w", encoding="utf-8")
+            if not append:  # a fresh log: whatever was there (a file, or a link planted there) is replaced
+                write_atomic(path, "")
+            self._file = open_append(path)
         self._writer = None
         if writer_factory is not None and tensorboard_dir is not None:
             self._writer = writer_factory(str(tensorboard_dir))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import gc
 import logging
@@ -13,6 +14,7 @@ import random
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -209,8 +211,39 @@ def init_local(backend: str, timeout_s: float = 300.0) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+PR_SET_PDEATHSIG = 1
+"""prctl's option that sends this process a signal when its parent ends (Linux)."""
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent (the launcher, or the fork server that ends with it) ends."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):  # no prctl here: the watchdog alone ends the rank
+        pass
+
+
+def _watch_launcher(lifeline: Any) -> None:
+    """End this rank once the launcher is gone (on every platform): a thread waits on the lifeline, a pipe whose
+    other end only the launcher holds, and exits the process at its end of file."""
+    def wait() -> None:
+        try:
+            lifeline.recv_bytes()
+        except (EOFError, OSError):
+            pass
+        os._exit(1)
+
+    threading.Thread(target=wait, name="duplexpipe-launcher-watchdog", daemon=True).start()
+
+
 def _worker(fn: Callable[..., Any], args: Sequence[Any], rank: int, world: int, port: int,
-            backend: str, results: Any, environ: dict[str, str]) -> None:
+            backend: str, results: Any, environ: dict[str, str], lifeline: Any = None) -> None:
+    _die_with_parent()
+    if lifeline is not None:
+        _watch_launcher(lifeline)
     os.environ.clear()  # the launcher's environment now, not the one a fork server started with
     os.environ.update(local_environment(environ, rank, world, port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -296,6 +329,7 @@ def launch(
     timeout_s: float | None = None,
     grace_s: float = GRACE_S,
     start_method: str | None = None,
+    started: Callable[[list[int]], None] | None = None,
 ) -> list[Any]:
     """Run `fn(*args)` in `nprocs` fresh processes on this machine, one per rank, and return their results.
 
@@ -306,23 +340,63 @@ def launch(
     traceback: errors that only report another rank's failure ("rank N rejected ...", "stopping
     because rank N failed") rank after it, waiting up to `grace_s` for the rank they blame. Then
     the others are killed; after a timeout every rank is killed. No process outlives the call.
-    `start_method`: see START_METHODS (None: $DUPLEXPIPE_START_METHOD, else "forkserver").
+    `start_method`: see START_METHODS (None: $DUPLEXPIPE_START_METHOD, else "forkserver"). `started` is called
+    with the ranks' process ids once they run.
+
+    The ranks cannot outlive the launcher: each ends when its parent ends (Linux's parent-death signal) and when a
+    pipe only the launcher holds reaches its end (any platform: the launcher was killed, even with SIGKILL);
+    SIGTERM or SIGHUP to the launcher (in the main thread) stops the ranks, then exits with 128 + the signal.
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
     ctx = start_context(start_method)
     results = ctx.Queue()
     port = free_port(LOOPBACK)
+    lifeline, held = ctx.Pipe(duplex=False)  # the ranks wait on `lifeline`; only this process holds `held`
     procs = [ctx.Process(target=_worker, args=(fn, tuple(args), r, nprocs, port, backend, results,
-                                               dict(os.environ)),
+                                               dict(os.environ), lifeline),
                          name=f"duplexpipe-rank{r}") for r in range(nprocs)]
+    previous = _stop_on_signals()
     try:
         for p in procs:
             p.start()
+        lifeline.close()
+        if started is not None:
+            started([p.pid for p in procs])
         return _collect(procs, results, timeout_s, grace_s)
     finally:
+        _restore_signals(previous)
         _stop(procs)
+        held.close()
         results.close()
+
+
+FORWARDED_SIGNALS = ("SIGTERM", "SIGHUP")
+"""Signals that stop a local job's launcher and, through it, its ranks (what `kill` and a closed terminal send)."""
+
+
+def _signalled(signum: int, frame: Any) -> None:
+    name = signal.Signals(signum).name
+    print(f"duplexpipe: stopped by {name}: stopping the ranks", file=sys.stderr, flush=True)
+    raise SystemExit(128 + signum)
+
+
+def _stop_on_signals() -> dict[int, Any]:
+    """In the main thread: SIGTERM and SIGHUP raise SystemExit(128 + signal), so `launch` stops its ranks before the
+    launcher exits; the handlers they replace."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    previous = {}
+    for name in FORWARDED_SIGNALS:
+        number = getattr(signal, name, None)
+        if number is not None and signal.getsignal(number) in (signal.SIG_DFL, None):
+            previous[int(number)] = signal.signal(number, _signalled)
+    return previous
+
+
+def _restore_signals(previous: dict[int, Any]) -> None:
+    for number, handler in previous.items():
+        signal.signal(number, handler)
 
 
 def _collect(procs: Sequence[Any], results: Any, timeout_s: float | None, grace_s: float) -> list[Any]:
@@ -445,6 +519,7 @@ def run(
     timeout_s: float | None = None,
     start_method: str | None = None,
     comm_timeout_s: float = 300.0,
+    started: Callable[[list[int]], None] | None = None,
 ) -> list[Any]:
     """Run `fn(*args)` on every rank: in place under torchrun, else in `nprocs` local processes
     (started with `start_method`, see `launch`).
@@ -455,7 +530,7 @@ def run(
     failure is settled with the other ranks for torchrun's summary (`failures.record_failure`): the rank
     whose own error it is raises it; a rank that only stopped because of it raises StoppedByPeer, having
     logged one line. The backend defaults to NCCL when there is a GPU for every local process, else gloo;
-    the choice is logged.
+    the choice is logged. `started`: see `launch` (not called under torchrun, whose agent owns the processes).
     """
     if launched_by_torchrun():
         backend = backend or default_backend()
@@ -474,4 +549,4 @@ def run(
         return result
     backend = backend or default_backend(nprocs)
     _log_backend(backend, nprocs, "on this machine")
-    return launch(fn, nprocs, args, backend=backend, timeout_s=timeout_s, start_method=start_method)
+    return launch(fn, nprocs, args, backend=backend, timeout_s=timeout_s, start_method=start_method, started=started)
