@@ -126,6 +126,7 @@ def _train_checked(args: argparse.Namespace, config: TrainConfig, out: IO[str]) 
     try:
         if _task_from_file(args):
             load_task(config.task, annotated=True)  # before anything calls it
+        _check_export_target(config)
         check_training(config)  # every configuration error, before any process starts
         _check_files(config)
     except ValueError as exc:
@@ -164,6 +165,17 @@ def _task_from_file(args: argparse.Namespace) -> bool:
 
     config_file = getattr(args, "config", None)
     return "task" not in vars(args) and config_file is not None and "task" in load_config_file(config_file)
+
+
+def _check_export_target(config: TrainConfig) -> None:
+    """--save-pretrained naming the model folder the hf task loads: refused (before the task is built) unless
+    --save-pretrained-overwrite."""
+    if config.checkpoint.save_pretrained is not None and config.task == HF_TASK:
+        from duplexpipe.train.checkpoint.hf_export import check_target
+
+        source = config.task_options.get("model")
+        check_target(config.checkpoint.save_pretrained, source if isinstance(source, str) else None,
+                     config.checkpoint.save_pretrained_overwrite)
 
 
 def _check_files(config: TrainConfig) -> None:

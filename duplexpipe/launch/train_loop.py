@@ -354,7 +354,7 @@ def _train(config: TrainConfig) -> TrainResult | None:
         if metrics is not None:
             metrics.close()
     if config.checkpoint.save_pretrained is not None:
-        pipe.save_pretrained(config.checkpoint.save_pretrained)
+        pipe.save_pretrained(config.checkpoint.save_pretrained, config.checkpoint.save_pretrained_overwrite)
     last = pipe.last.timeline if pipe.last is not None else None
     timeline = gather_timeline(last, group=pipe.groups.pp_group) if last is not None else None
     memory = gather_memory(pipe)
