@@ -47,7 +47,7 @@ class MetricsLog:
         self._file: IO[str] | None = None
         if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-            if not append:  # a fresh log: whatever was there (a file, or a link planted there) is replaced
+            if not append or Path(path).is_symlink():  # a fresh log, or a link planted there: replaced
                 write_atomic(path, "")
             self._file = open_append(path)
         self._writer = None

@@ -286,7 +286,7 @@ def _save(pipe: Pipeline, config: TrainConfig, step: int) -> None:
 
 def _trim_metrics(path: Path, start: int) -> None:
     """Drop the rows after step `start` (written by an attempt that crashed later than its last checkpoint)."""
-    if not path.is_file():
+    if path.is_symlink() or not path.is_file():  # a link is never read or written through: replaced
         return
     rows = [line for line in path.read_text(encoding="utf-8").splitlines()
             if line.strip() and int(json.loads(line).get("step", 0)) <= start]

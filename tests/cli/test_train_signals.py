@@ -1,5 +1,6 @@
 """`duplexpipe train` owns its ranks: SIGTERM, SIGHUP or SIGKILL to the launcher ends every rank within seconds, and
-the next job on the folder resumes exactly where the killed one saved last."""
+the next job on the folder resumes exactly where the killed one saved last (writing none of its files through a
+symbolic link planted at its name)."""
 
 from __future__ import annotations
 
@@ -66,6 +67,22 @@ def _killed(save: Path, name: str, after: str) -> None:
         assert not (save / LOCK_FILE).exists()
 
 
+def _plant_links(save: Path, out: Path) -> list[tuple[Path, Path]]:
+    """Links at the names of the files the last job writes (its outputs, its final checkpoint's), each to a file of
+    the user's beside the run."""
+    final = save / f"step-{STEPS:06d}"
+    final.mkdir()
+    out.mkdir()
+    planted = []
+    for link in [out / name for name in ("losses.json", "metrics.jsonl", "partition.txt", "timeline.json")] + [
+            final / name for name in ("__0_0.distcp", "__1_0.distcp", "manifest.json")]:
+        victim = save.parent / f"victim-{link.name}"
+        victim.write_text("the user's\n")
+        link.symlink_to(victim)
+        planted.append((link, victim))
+    return planted
+
+
 @pytest.mark.timeout(300)
 def test_a_killed_launcher_takes_its_ranks_along(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """SIGTERM, SIGHUP and SIGKILL in turn, each to a job that resumed the one killed before it (one folder: three
@@ -76,7 +93,10 @@ def test_a_killed_launcher_takes_its_ranks_along(tmp_path: Path, capsys: pytest.
     for name in ("SIGTERM", "SIGHUP", "SIGKILL"):
         _killed(save, name, newest)
         newest = (save / LATEST).read_text().strip()
+    victims = _plant_links(save, out)
     assert cli_main([*RUN[3:], "--save", str(save), "--out-dir", str(out)]) == 0, capsys.readouterr().err
+    for link, victim in victims:  # what the run wrote replaced the links, never wrote through them
+        assert link.is_file() and not link.is_symlink() and victim.read_text() == "the user's\n", link
     want = json.loads((straight / "losses.json").read_text())["losses"]
     resumed = json.loads((out / "losses.json").read_text())
     start = resumed["start_step"]

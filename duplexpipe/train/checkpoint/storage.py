@@ -79,8 +79,9 @@ class MetadataUnpickler(pickle.Unpickler):
 
 
 def pickle_nesting(data: bytes, limit: int) -> int:
-    """How deep the objects pickled in `data` nest (0: a plain value), found by walking its opcodes without building
-    anything; ValueError once deeper than `limit`, or for a stream that is not a pickle."""
+    """How deep the objects pickled in `data` nest, found by walking its opcodes without building anything; the walk
+    stops once deeper than `limit` (the depth returned then exceeds it). ValueError, IndexError or KeyError for a
+    stream that is not a pickle."""
     stack: list[list[int]] = []  # one cell per object on the unpickler's stack: its depth (shared with the memo)
     marks: list[int] = []
     memo: dict[int, list[int]] = {}
@@ -115,7 +116,7 @@ def pickle_nesting(data: bytes, limit: int) -> int:
             stack.extend([inner] for _ in op.stack_after)
         deepest = max(deepest, inner)
         if deepest > limit:
-            raise ValueError(f"objects nested deeper than {limit}")
+            break
     return deepest
 
 
@@ -123,10 +124,14 @@ def load_metadata_bytes(data: bytes, where: str) -> Metadata:
     """The Metadata pickled in `data` (from checkpoint `where`), checked; CheckpointError naming what is wrong. Its
     nesting is bounded (MAX_METADATA_NESTING) before anything is unpickled."""
     try:
-        pickle_nesting(data, MAX_METADATA_NESTING)
+        depth = pickle_nesting(data, MAX_METADATA_NESTING)
     except (ValueError, IndexError, KeyError) as exc:
-        raise CheckpointError(f"checkpoint {where}: its {METADATA_FILE} is refused without loading it (not checkpoint "
-                              f"metadata: {exc})") from None
+        raise CheckpointError(f"checkpoint {where} is incomplete or corrupt ({METADATA_FILE}: {type(exc).__name__}: "
+                              f"{exc})") from None
+    if depth > MAX_METADATA_NESTING:
+        raise CheckpointError(f"checkpoint {where}: its {METADATA_FILE} nests objects more than {MAX_METADATA_NESTING} "
+                              "deep, which checkpoint metadata never does; refused without loading it (a crafted file "
+                              "could crash the process)")
     try:
         metadata = MetadataUnpickler(data, where).load()
     except CheckpointError:
