@@ -234,6 +234,9 @@ def _failed(exc: Exception) -> int | None:
             return 2
         said = exc.summary if exc.summary.startswith(f"rank {exc.rank} ") else f"rank {exc.rank} failed: {exc.summary}"
         print(f"duplexpipe: error: {said}", file=sys.stderr)
+        if exc.output_log is not None:
+            print(f"duplexpipe: the ranks' whole output (torch's native log included) is in {exc.output_log}",
+                  file=sys.stderr)
         return 1
     if reported(exc):
         return 1

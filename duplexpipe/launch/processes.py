@@ -33,6 +33,7 @@ from duplexpipe.launch.failures import (
     lost_a_peer,
     record_failure,
 )
+from duplexpipe.launch.rank_output import RankOutput, send_stderr_to
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 LOOPBACK = "127.0.0.1"
@@ -240,8 +241,11 @@ def _watch_launcher(lifeline: Any) -> None:
 
 
 def _worker(fn: Callable[..., Any], args: Sequence[Any], rank: int, world: int, port: int,
-            backend: str, results: Any, environ: dict[str, str], lifeline: Any = None) -> None:
+            backend: str, results: Any, environ: dict[str, str], lifeline: Any = None,
+            output: str | None = None) -> None:
     _die_with_parent()
+    if output is not None:
+        send_stderr_to(output)
     if lifeline is not None:
         _watch_launcher(lifeline)
     os.environ.clear()  # the launcher's environment now, not the one a fork server started with
@@ -353,22 +357,42 @@ def launch(
     results = ctx.Queue()
     port = free_port(LOOPBACK)
     lifeline, held = ctx.Pipe(duplex=False)  # the ranks wait on `lifeline`; only this process holds `held`
+    output = RankOutput()
     procs = [ctx.Process(target=_worker, args=(fn, tuple(args), r, nprocs, port, backend, results,
-                                               dict(os.environ), lifeline),
+                                               dict(os.environ), lifeline, output.path),
                          name=f"duplexpipe-rank{r}") for r in range(nprocs)]
     previous = _stop_on_signals()
+    error: LaunchError | None = None
+    killed = False
     try:
         for p in procs:
             p.start()
         lifeline.close()
         if started is not None:
             started([p.pid for p in procs])
-        return _collect(procs, results, timeout_s, grace_s)
+        return _collect(procs, results, timeout_s, grace_s, output)
+    except LaunchError as exc:
+        error, killed = exc, any(p.exitcode is not None and p.exitcode < 0 for p in procs)
+        raise
     finally:
         _restore_signals(previous)
         _stop(procs)
         held.close()
         results.close()
+        _keep_output(output, error, killed)
+
+
+def _keep_output(output: RankOutput, error: LaunchError | None, killed: bool) -> None:
+    """After a failure: the ranks' output file is kept and named in the error when it holds what was not shown or a
+    rank was killed; after success it is kept (and named here) only for torch's native log lines held back."""
+    if error is not None:
+        error.output_log = output.close(keep=killed or output.unseen() > 0)
+        return
+    output.relay(sys.stderr, final=True)
+    kept = output.close(keep=False)
+    if kept is not None:
+        print(f"duplexpipe: {output.held} lines of torch's native log from the ranks are in {kept}", file=sys.stderr,
+              flush=True)
 
 
 FORWARDED_SIGNALS = ("SIGTERM", "SIGHUP")
@@ -399,14 +423,18 @@ def _restore_signals(previous: dict[int, Any]) -> None:
         signal.signal(number, handler)
 
 
-def _collect(procs: Sequence[Any], results: Any, timeout_s: float | None, grace_s: float) -> list[Any]:
-    """Wait for one result per rank; raise LaunchError at a failure, a dead rank or the timeout."""
+def _collect(procs: Sequence[Any], results: Any, timeout_s: float | None, grace_s: float,
+             output: RankOutput | None = None) -> list[Any]:
+    """Wait for one result per rank, relaying the ranks' `output` meanwhile; raise LaunchError at a failure, a dead
+    rank or the timeout (what the ranks write from then on stays in the output file, behind the cause)."""
     done: dict[int, Any] = {}
     errors: dict[int, Failure] = {}
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while len(done) < len(procs):
         if errors or _silent(procs, done, errors):
             raise _failure(procs, results, done, errors, grace_s)
+        if output is not None:
+            output.relay(sys.stderr)
         if not _receive(results, done, errors, 0.2):
             _expect_clean_results(procs, results, done, errors)
             if deadline is not None and time.monotonic() > deadline:

@@ -83,7 +83,7 @@ def _plant_links(save: Path, out: Path) -> list[tuple[Path, Path]]:
     return planted
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_a_killed_launcher_takes_its_ranks_along(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """SIGTERM, SIGHUP and SIGKILL in turn, each to a job that resumed the one killed before it (one folder: three
     kills cost three starts, not six); the last job then resumes and ends exactly as the run uninterrupted."""
