@@ -24,7 +24,7 @@ from duplexpipe.errors import CheckpointError, InputRejected
 from duplexpipe.files import write_atomic
 from duplexpipe.launch.batches import batch_rows, evaluate_batches, local_slice, rows_of
 from duplexpipe.launch.checkpoints import LATEST, checkpoint_to_load, discard_partial, publish, resume_from, step_name
-from duplexpipe.launch.folder_lock import hold_folders, job_folders
+from duplexpipe.launch.folder_lock import FolderLock, hold_folders, job_folders
 from duplexpipe.launch.job_guards import check_same_batch, checks_batch, locked_by_rank0
 from duplexpipe.launch.metrics import MetricsLog, log_line, plain_every, progress_bar, tensorboard_writer
 from duplexpipe.launch.processes import launched_by_torchrun, run
@@ -509,7 +509,9 @@ def run_training(config: TrainConfig) -> TrainResult:
     FolderInUseError (a ValueError) naming the holder.
     """
     in_place = launched_by_torchrun()
-    with contextlib.nullcontext([]) if in_place else hold_folders(job_folders(config)) as locks:
+    holding: contextlib.AbstractContextManager[list[FolderLock]] = (
+        contextlib.nullcontext([]) if in_place else hold_folders(job_folders(config)))
+    with holding as locks:
         def started(pids: list[int]) -> None:
             for lock in locks:
                 lock.record_ranks(pids)

@@ -92,10 +92,10 @@ def pickle_nesting(data: bytes, limit: int) -> int:
             marks.append(len(stack))
             continue
         if name in _PUT or name == "MEMOIZE":
-            memo[len(memo) if name == "MEMOIZE" else int(arg)] = stack[-1]
+            memo[len(memo) if name == "MEMOIZE" else int(arg or 0)] = stack[-1]
             continue
         if name in _GET:
-            stack.append(memo[int(arg)])
+            stack.append(memo[int(arg or 0)])
             continue
         if name == "DUP":
             stack.append(stack[-1])
