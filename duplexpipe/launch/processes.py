@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import gc
 import logging
@@ -14,7 +13,6 @@ import random
 import signal
 import socket
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -33,6 +31,7 @@ from duplexpipe.launch.failures import (
     lost_a_peer,
     record_failure,
 )
+from duplexpipe.launch.lifetime import die_with_parent, restore_signals, stop_on_signals, watch_launcher
 from duplexpipe.launch.rank_output import RankOutput, send_stderr_to
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -212,42 +211,14 @@ def init_local(backend: str, timeout_s: float = 300.0) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-PR_SET_PDEATHSIG = 1
-"""prctl's option that sends this process a signal when its parent ends (Linux)."""
-
-
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when its parent (the launcher, or the fork server that ends with it) ends."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    except (OSError, AttributeError):  # no prctl here: the watchdog alone ends the rank
-        pass
-
-
-def _watch_launcher(lifeline: Any) -> None:
-    """End this rank once the launcher is gone (on every platform): a thread waits on the lifeline, a pipe whose
-    other end only the launcher holds, and exits the process at its end of file."""
-    def wait() -> None:
-        try:
-            lifeline.recv_bytes()
-        except (EOFError, OSError):
-            pass
-        os._exit(1)
-
-    threading.Thread(target=wait, name="duplexpipe-launcher-watchdog", daemon=True).start()
-
-
 def _worker(fn: Callable[..., Any], args: Sequence[Any], rank: int, world: int, port: int,
             backend: str, results: Any, environ: dict[str, str], lifeline: Any = None,
             output: str | None = None) -> None:
-    _die_with_parent()
+    die_with_parent()
     if output is not None:
         send_stderr_to(output)
     if lifeline is not None:
-        _watch_launcher(lifeline)
+        watch_launcher(lifeline)
     os.environ.clear()  # the launcher's environment now, not the one a fork server started with
     os.environ.update(local_environment(environ, rank, world, port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -361,7 +332,7 @@ def launch(
     procs = [ctx.Process(target=_worker, args=(fn, tuple(args), r, nprocs, port, backend, results,
                                                dict(os.environ), lifeline, output.path),
                          name=f"duplexpipe-rank{r}") for r in range(nprocs)]
-    previous = _stop_on_signals()
+    previous = stop_on_signals()
     error: LaunchError | None = None
     killed = False
     try:
@@ -375,7 +346,8 @@ def launch(
         error, killed = exc, any(p.exitcode is not None and p.exitcode < 0 for p in procs)
         raise
     finally:
-        _restore_signals(previous)
+        restore_signals(previous)
+        lifeline.close()
         _stop(procs)
         held.close()
         results.close()
@@ -393,34 +365,6 @@ def _keep_output(output: RankOutput, error: LaunchError | None, killed: bool) ->
     if kept is not None:
         print(f"duplexpipe: {output.held} lines of torch's native log from the ranks are in {kept}", file=sys.stderr,
               flush=True)
-
-
-FORWARDED_SIGNALS = ("SIGTERM", "SIGHUP")
-"""Signals that stop a local job's launcher and, through it, its ranks (what `kill` and a closed terminal send)."""
-
-
-def _signalled(signum: int, frame: Any) -> None:
-    name = signal.Signals(signum).name
-    print(f"duplexpipe: stopped by {name}: stopping the ranks", file=sys.stderr, flush=True)
-    raise SystemExit(128 + signum)
-
-
-def _stop_on_signals() -> dict[int, Any]:
-    """In the main thread: SIGTERM and SIGHUP raise SystemExit(128 + signal), so `launch` stops its ranks before the
-    launcher exits; the handlers they replace."""
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-    previous = {}
-    for name in FORWARDED_SIGNALS:
-        number = getattr(signal, name, None)
-        if number is not None and signal.getsignal(number) in (signal.SIG_DFL, None):
-            previous[int(number)] = signal.signal(number, _signalled)
-    return previous
-
-
-def _restore_signals(previous: dict[int, Any]) -> None:
-    for number, handler in previous.items():
-        signal.signal(number, handler)
 
 
 def _collect(procs: Sequence[Any], results: Any, timeout_s: float | None, grace_s: float,
