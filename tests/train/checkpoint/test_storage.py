@@ -8,7 +8,7 @@ import pickle
 from pathlib import Path
 
 import pytest
-from _checkpoint_faults import RunsCommand, craft, metadata_of, point_outside, remanifest, small_checkpoint
+from _checkpoint_faults import DEEP_KEY, RunsCommand, craft, metadata_of, point_outside, remanifest, small_checkpoint
 from torch.distributed.checkpoint.metadata import Metadata
 
 from duplexpipe.errors import CheckpointError
@@ -101,11 +101,6 @@ def test_the_admitted_classes_are_checkpoint_metadata_and_plain_containers_only(
                        "torch.serialization", "collections", "pathlib"}
     assert ("torch.serialization", "load") not in ALLOWED_CLASSES and ("torch", "load") not in ALLOWED_CLASSES
     assert metadata_of  # the helper reads the test's own files only
-
-
-DEEP_KEY = b"\x80\x02}K\x01" + b"\x85" * 10**6 + b"K\x01s."
-"""A dict whose key is a tuple nested a million deep: it names no class at all, and hashing the key overflows the C
-stack (the process dies with SIGSEGV) when it is unpickled."""
 
 
 def test_nesting_is_bounded_before_anything_is_unpickled(saved: Path) -> None:
