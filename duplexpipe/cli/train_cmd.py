@@ -194,9 +194,11 @@ def _check_files(config: TrainConfig) -> None:
         if Path(config.checkpoint.save_pretrained).exists() and not Path(config.checkpoint.save_pretrained).is_dir():
             raise ValueError(f"--save-pretrained {config.checkpoint.save_pretrained} exists and is not a directory")
     if config.checkpoint.resume in (None, RESUME_AUTO) and config.checkpoint.save is not None:
+        from duplexpipe.launch.processes import launched_by_torchrun
         from duplexpipe.launch.resume import intact_checkpoint
 
-        intact_checkpoint(config.checkpoint.save)  # past damaged ones: named, set aside; the ranks then agree
+        if not launched_by_torchrun():  # under torchrun the ranks choose together, once they meet
+            intact_checkpoint(config.checkpoint.save)  # past damaged ones: named, set aside; the ranks then agree
         return
     checkpoint = resume_from(config.checkpoint.resume, config.checkpoint.save)
     if checkpoint is not None:
