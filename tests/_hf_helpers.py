@@ -164,6 +164,17 @@ def char_tokenizer(text: str) -> Any:
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
 
 
+def eos_tokenizer(text: str, eos: str = "</s>") -> Any:
+    """A character-level fast tokenizer over `text` with an end-of-sequence token `eos`, built offline as a user would
+    (tokenizers' WordLevel model, saved by transformers' PreTrainedTokenizerFast)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, eos: 1, **{c: i + 2 for i, c in enumerate(sorted(set(text)))}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token=eos)
+
+
 def peak_bytes(fn: Any, mapped: frozenset[int] = frozenset()) -> tuple[Any, int]:
     """fn()'s result and the most CPU bytes torch's allocator held at once while it ran (the profiler's memory
     events, counted from zero at the start). Storages of a size in `mapped` are file mappings (the safetensors

@@ -19,6 +19,8 @@ def concat_rows(pieces: list[Batch]) -> Batch:
     """The pieces' samples one after another, in one batch of the pieces' structure."""
     if len(pieces) == 1:
         return pieces[0]
+    if all(isinstance(t, torch.Tensor) for piece in pieces for t in piece):  # the common case, without pytree
+        return torch.cat([piece[0] for piece in pieces]), torch.cat([piece[1] for piece in pieces])
     flat = [tree_flatten(piece) for piece in pieces]
     spec = flat[0][1]
     if any(s != spec for _, s in flat):
@@ -46,10 +48,14 @@ class _Rows:
                 self._current = next(self._batches, None)
                 if self._current is None:
                     break
-                self._offset, self._size = 0, batch_rows(self._current[0])
+                first = self._current[0]
+                self._offset = 0
+                self._size = int(first.shape[0]) if isinstance(first, torch.Tensor) else batch_rows(first)
                 continue
             n = min(count - got, self._size - self._offset)
-            if keep:
+            if keep and n == self._size:
+                pieces.append(self._current)
+            elif keep:
                 pieces.append(rows_of(self._current, self._offset, self._offset + n))
             self._offset += n
             got += n

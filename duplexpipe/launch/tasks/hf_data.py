@@ -20,6 +20,12 @@ MAX_METADATA_BYTES = 1 << 20
 """Largest `state.json` / `dataset_dict.json` of a saved `datasets` folder."""
 MAX_DOCUMENT_CHARS = 1 << 26
 """Longest document (characters): a longer one is refused, not tokenized."""
+MAX_JSON_BYTES = 1 << 26
+"""Largest .json file (one JSON document may be read whole; JSON lines, .jsonl, have no limit)."""
+READ_CHUNK_BYTES = 1 << 20
+"""Bytes of a text or JSON lines file read at a time."""
+PARQUET_BATCH_ROWS = 1024
+"""Records of a Parquet file read at a time."""
 
 
 @dataclass(frozen=True)
@@ -84,7 +90,7 @@ def data_files(path: str, split: str = "train") -> DataFiles:
         raise ValueError(f"task hf: data {path} does not exist")
     if not root.is_dir():
         real = _regular(root, Path(os.path.realpath(root)).parent, path)
-        return DataFiles(FORMATS.get(root.suffix.lower(), "text"), (real,), path)
+        return _sized(DataFiles(FORMATS.get(root.suffix.lower(), "text"), (real,), path))
     if (root / "state.json").is_file() or (root / "dataset_dict.json").is_file():
         return _saved(root, path, split)
     shards = sorted(p for p in root.rglob("*") if p.suffix.lower() in FORMATS and not p.is_dir())
@@ -95,7 +101,16 @@ def data_files(path: str, split: str = "train") -> DataFiles:
         raise ValueError(f"task hf: data folder {path} holds no data file (suffixes: {', '.join(FORMATS)})")
     if len(builders) > 1:
         raise ValueError(f"task hf: data folder {path} mixes formats ({', '.join(builders)}); keep one per folder")
-    return DataFiles(builders[0], tuple(_regular(p, root, path) for p in shards), path)
+    return _sized(DataFiles(builders[0], tuple(_regular(p, root, path) for p in shards), path))
+
+
+def _sized(files: DataFiles) -> DataFiles:
+    """`files`, with no .json file over `MAX_JSON_BYTES` (ValueError naming it)."""
+    for name in files.files:
+        if name.lower().endswith(".json") and os.path.getsize(name) > MAX_JSON_BYTES:
+            raise ValueError(f"task hf: {name} is over {MAX_JSON_BYTES:,} bytes, and a .json file may be one JSON "
+                             "document read whole; write it as JSON lines (.jsonl), which is streamed")
+    return files
 
 
 def documents(files: DataFiles, text_field: str = "text") -> Iterator[str]:
@@ -104,7 +119,9 @@ def documents(files: DataFiles, text_field: str = "text") -> Iterator[str]:
     and the record when a record has no such string field or a document is over `MAX_DOCUMENT_CHARS`."""
     import datasets
 
-    options: dict[str, Any] = {"sample_by": "paragraph"} if files.builder == "text" else {}
+    options: dict[str, Any] = {
+        "text": {"sample_by": "paragraph", "chunksize": READ_CHUNK_BYTES}, "json": {"chunksize": READ_CHUNK_BYTES},
+        "parquet": {"batch_size": PARQUET_BATCH_ROWS, "columns": [text_field]}}.get(files.builder, {})
     try:
         stream = datasets.load_dataset(files.builder, data_files=list(files.files), split="train", streaming=True,
                                        **options)

@@ -23,15 +23,6 @@ class HFOptions:
     """The documents: a UTF-8 text file (documents separated by blank lines), a .jsonl, .parquet or .arrow file (one
     document per record, in its `text_field`), a folder `datasets` saved (`save_to_disk`), or a folder of such files
     of one format. Read as a stream; each document is ended by the tokenizer's end-of-sequence token."""
-    text_field: str = "text"
-    """The field of a record that holds its document (JSON lines, Parquet, Arrow)."""
-    split: str = "train"
-    """The split to read from a `DatasetDict` folder."""
-    pack: bool = True
-    """Pack the documents into the windows one after another; false: each document starts a window, and its last
-    window is padded (the padding is not counted in the loss)."""
-    shuffle_buffer: int = 1024
-    """Windows in the buffer through which each epoch is shuffled (1: in order)."""
     tokenizer: str | None = None
     """A tokenizer directory (default: the model directory)."""
     seq: int = 64
@@ -45,6 +36,15 @@ class HFOptions:
     """The share of the token windows held out for evaluation (--eval-every), spread evenly through the stream (every
     tenth window for 0.1); the rest is walked in epochs, each window once per epoch in an order drawn from the
     seed."""
+    text_field: str = "text"
+    """The field of a record that holds its document (JSON lines, Parquet, Arrow)."""
+    split: str = "train"
+    """The split to read from a `DatasetDict` folder."""
+    pack: bool = True
+    """Pack the documents into the windows one after another; false: each document starts a window, and its last
+    window is padded (the padding is not counted in the loss)."""
+    shuffle_buffer: int = 1024
+    """Windows in the buffer through which each epoch is shuffled (1: in order)."""
 
     def check(self) -> None:
         """ValueError for options the task cannot use (files, not their contents)."""
