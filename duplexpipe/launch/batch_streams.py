@@ -19,8 +19,9 @@ def concat_rows(pieces: list[Batch]) -> Batch:
     """The pieces' samples one after another, in one batch of the pieces' structure."""
     if len(pieces) == 1:
         return pieces[0]
-    if all(isinstance(t, torch.Tensor) for piece in pieces for t in piece):  # the common case, without pytree
-        return torch.cat([piece[0] for piece in pieces]), torch.cat([piece[1] for piece in pieces])
+    if all(isinstance(p, (tuple, list)) and len(p) == len(pieces[0]) and all(isinstance(t, torch.Tensor) for t in p)
+           for p in pieces):  # tensors side by side, the common case, without pytree
+        return type(pieces[0])(torch.cat(column) for column in zip(*pieces))  # type: ignore[return-value]
     flat = [tree_flatten(piece) for piece in pieces]
     spec = flat[0][1]
     if any(s != spec for _, s in flat):
