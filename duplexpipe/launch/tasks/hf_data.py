@@ -118,6 +118,7 @@ def documents(files: DataFiles, text_field: str = "text") -> Iterator[str]:
     paragraphs (separated by blank lines, stripped), a record's `text_field` otherwise. ValueError naming the data
     and the record when a record has no such string field or a document is over `MAX_DOCUMENT_CHARS`."""
     import datasets
+    from datasets.exceptions import DatasetGenerationError
 
     options: dict[str, Any] = {
         "text": {"sample_by": "paragraph", "chunksize": READ_CHUNK_BYTES}, "json": {"chunksize": READ_CHUNK_BYTES},
@@ -139,7 +140,7 @@ def documents(files: DataFiles, text_field: str = "text") -> Iterator[str]:
                 if not text:
                     continue
             yield text
-    except (datasets.exceptions.DatasetGenerationError, OSError, UnicodeDecodeError) as exc:
+    except (DatasetGenerationError, OSError, UnicodeDecodeError) as exc:
         cause = exc.__cause__ or exc
         raise ValueError(f"task hf: data {files.where} cannot be read as {files.builder} "
                          f"({type(cause).__name__}: {str(cause)[:200]})") from None
