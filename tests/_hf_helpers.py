@@ -121,7 +121,7 @@ def train_transformers(model: nn.Module, steps: int, rows: int, padded: bool) ->
         inputs, labels = lm_batch(step, rows, padded)
         kwargs = inputs if isinstance(inputs, dict) else {"input_ids": inputs}
         logits = model(**kwargs).logits
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1), ignore_index=-100)
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].reshape(-1), ignore_index=-100)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
