@@ -263,9 +263,13 @@ def test_profile_and_plan_take_a_hugging_face_model(model_dir: Path, monkeypatch
     hf = ["profile", "--task", "hf", "--task-option", "model=tiny", "--task-option", "data=data.txt", "--task-option",
           "seq=16", "--microbatch", "2", "--repeats", "1"]
     assert main([*hf, "--parts", "4", "-o", "hf.json"]) == 0, capsys.readouterr().err
+    assert "tensor-parallel degrees the plan can shard: 2;" in capsys.readouterr().out  # 2 KV heads: not 4
     profile = load_profile(model_dir / "hf.json")
     assert profile.num_parts == 4 and profile.parts[0].param_bytes > profile.parts[1].param_bytes  # + embedding
+    assert profile.tp_degrees == (2,) and all(p.tp is not None and p.tp.forward_collectives > 0 for p in profile.parts)
     assert main(["plan", "--profile", "hf.json", "-p", "2", "--batch", "8", "--memory", "1GiB"]) == 0
+    assert "best: " in capsys.readouterr().out
+    assert main(["plan", "--profile", "hf.json", "-p", "2", "--tp", "2", "--batch", "8", "--memory", "1GiB"]) == 0
     assert "best: " in capsys.readouterr().out
     assert main([*hf, "--parts", "5", "-o", "hf5.json"]) == 2
     assert "tiny has 4 decoder layers: fewer than --parts 5" in capsys.readouterr().err
