@@ -57,7 +57,8 @@ def _block(page: str, first_line: str) -> tuple[str, str]:
     return found.group(1) + "\n" + found.group(2), found.group(1)
 
 
-def test_the_torchtitan_pages_job_file_is_a_valid_configuration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_torchtitan_pages_job_file_is_a_valid_configuration(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Every key of the page's job file is one `duplexpipe train` takes, with the values the page maps them to."""
     import argparse
 

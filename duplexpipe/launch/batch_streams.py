@@ -21,7 +21,8 @@ def concat_rows(pieces: list[Batch]) -> Batch:
         return pieces[0]
     if all(isinstance(p, (tuple, list)) and len(p) == len(pieces[0]) and all(isinstance(t, torch.Tensor) for t in p)
            for p in pieces):  # tensors side by side, the common case, without pytree
-        return type(pieces[0])(torch.cat(column) for column in zip(*pieces))  # type: ignore[return-value]
+        columns = [torch.cat(column) for column in zip(*pieces, strict=True)]
+        return columns if isinstance(pieces[0], list) else tuple(columns)  # type: ignore[return-value]
     flat = [tree_flatten(piece) for piece in pieces]
     spec = flat[0][1]
     if any(s != spec for _, s in flat):
@@ -54,10 +55,10 @@ class _Rows:
                 self._size = int(first.shape[0]) if isinstance(first, torch.Tensor) else batch_rows(first)
                 continue
             n = min(count - got, self._size - self._offset)
-            if keep and n == self._size:
-                pieces.append(self._current)
-            elif keep:
-                pieces.append(rows_of(self._current, self._offset, self._offset + n))
+            if keep:
+                assert self._current is not None
+                whole = n == self._size
+                pieces.append(self._current if whole else rows_of(self._current, self._offset, self._offset + n))
             self._offset += n
             got += n
         return pieces, got

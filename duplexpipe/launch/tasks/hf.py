@@ -173,7 +173,8 @@ def hf_task(seed: int = 0, **options: Any) -> TrainTask:
         raise ValueError(f"task hf: the training documents of {opts.data} hold fewer tokens than a window of "
                          f"seq={opts.seq}")
     held = HeldOutBatches(stream.held_out) if opts.val_fraction > 0 else None
-    batch, eval_batch = StreamedBatches(stream.epoch), held if held is not None and held.has_samples() else None
+    batch: Callable[[int, int], Batch] = StreamedBatches(stream.epoch)
+    eval_batch: Callable[[int, int], Batch] | None = held if held is not None and held.has_samples() else None
     if not opts.pack:  # padded windows: every counted token of a batch weighs the same in the pipelined loss
         batch, eval_batch = _token_weighted(batch), None if eval_batch is None else _token_weighted(eval_batch)
     return TrainTask(layers=[], loss_fn=causal_lm_loss, batch=batch, items_per_sample=opts.seq,

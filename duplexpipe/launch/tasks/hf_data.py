@@ -74,7 +74,7 @@ def _saved(folder: Path, where: str, split: str) -> DataFiles:
             raise ValueError(f"task hf: data {where} holds the splits {splits}, not {split!r} (--task-option split=)")
         folder = folder / split
     state = _metadata(folder / "state.json", where)
-    names = [entry.get("filename") for entry in state.get("_data_files", []) if isinstance(entry, dict)]
+    names: list[Any] = [entry.get("filename") for entry in state.get("_data_files", []) if isinstance(entry, dict)]
     if not names or not all(isinstance(n, str) and n and Path(n).name == n and n not in (".", "..") for n in names):
         raise ValueError(f"task hf: {folder / 'state.json'} names no plain data file names: {names}")
     return DataFiles("arrow", tuple(_regular(folder / n, folder, where) for n in names), where)
@@ -120,9 +120,10 @@ def documents(files: DataFiles, text_field: str = "text") -> Iterator[str]:
     import datasets
     from datasets.exceptions import DatasetGenerationError
 
-    options: dict[str, Any] = {
+    by_builder: dict[str, dict[str, Any]] = {
         "text": {"sample_by": "paragraph", "chunksize": READ_CHUNK_BYTES}, "json": {"chunksize": READ_CHUNK_BYTES},
-        "parquet": {"batch_size": PARQUET_BATCH_ROWS, "columns": [text_field]}}.get(files.builder, {})
+        "parquet": {"batch_size": PARQUET_BATCH_ROWS, "columns": [text_field]}}
+    options = by_builder.get(files.builder, {})
     try:
         stream = datasets.load_dataset(files.builder, data_files=list(files.files), split="train", streaming=True,
                                        **options)

@@ -35,8 +35,9 @@ def test_every_format_gives_the_documents_in_order(tmp_path: Path) -> None:
     (shards / "b").mkdir(parents=True)
     pq.write_table(pa.table({"text": DOCS[:2]}), shards / "a.parquet")
     pq.write_table(pa.table({"text": DOCS[2:]}), shards / "b" / "c.parquet")
-    assert data_files(str(tmp_path / "saved")).builder == "arrow" and len(data_files(str(tmp_path / "saved")).files) == 2
-    for path, kwargs in [("docs.txt", {}), ("docs.jsonl", {}), ("saved", {}), ("dict", {}), ("shards", {})]:
+    saved_files = data_files(str(tmp_path / "saved"))
+    assert saved_files.builder == "arrow" and len(saved_files.files) == 2
+    for path in ("docs.txt", "docs.jsonl", "saved", "dict", "shards"):
         assert _all(tmp_path / path) == DOCS, path
     assert list(documents(data_files(str(tmp_path / "docs.parquet")), text_field="body")) == DOCS
     assert _all(tmp_path / "dict", split="test") == DOCS[:1]
