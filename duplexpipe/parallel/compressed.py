@@ -10,7 +10,9 @@ import torch
 import torch.distributed as dist
 
 from duplexpipe.comm import Bucket, Reduction, Waitable, build_reducer, check_optimizer
+from duplexpipe.comm.adaptive_reducer import AdaptiveReducer
 from duplexpipe.comm.dgc import local_clip_threshold
+from duplexpipe.comm.link import EmulatedLink
 from duplexpipe.dp_options.compression import DGCOptions
 from duplexpipe.parallel import grads
 from duplexpipe.parallel.buckets import BucketSpec
@@ -87,7 +89,7 @@ class CompressedStrategy(DPStrategy):
         options = ctx.compression
         if isinstance(options, DGCOptions) and options.clip_norm is not None:
             options = replace(options, clip_norm=None)  # clipped here, over the whole replica
-        self.reducer = build_reducer(options, self.group, self.meter)
+        self.reducer = build_reducer(options, self.group, self.meter, [spec.index for spec in self.buckets])
         self.comm_buckets = {spec.index: Bucket(spec.index, spec.shapes,
                                                 dtype=spec.dtype, device=ctx.device) for spec in self.buckets}
         self._inflight: list[tuple[BucketSpec, Reduction]] = []
@@ -146,7 +148,8 @@ class CompressedStrategy(DPStrategy):
         self._clip_and_start_held()
         inflight, self._inflight = self._inflight, []
         for spec, reduction in inflight:
-            reduction.finish(self.wait)
+            with self.exposed(spec.index):
+                reduction.finish(self.wait)
             self.comm_buckets[spec.index].store(grads.ensure_grads(spec.params))
 
     @property
@@ -163,8 +166,15 @@ class CompressedStrategy(DPStrategy):
         return []
 
     def end_step(self, applied: bool) -> None:
-        """Commit (applied) or roll back the reducer's residuals and compressor state."""
+        """Commit (applied) or roll back the reducer's residuals and compressor state; adaptive compression then
+        agrees on the window's exposure over the group and moves buckets between rungs."""
         self.reducer.end_step(applied)
+        if isinstance(self.reducer, AdaptiveReducer) and self.buckets:
+            self.report = self.reducer.agree(self.exposed_s, self.window_s, self._loss, self.wait, self.ctx.device)
+
+    def emulate_link(self, link: EmulatedLink | None) -> None:
+        """Hold the reducer's collectives for `link`."""
+        self.reducer.set_link(link)
 
     def state_dict(self) -> dict[str, Any]:
         """The reducer's residuals and state (this data-parallel rank's own)."""

@@ -13,6 +13,7 @@ with events; nothing synchronizes the device.
 from __future__ import annotations
 
 import functools
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ from duplexpipe.schedules.ir import Op
 
 POISON_TAG = 0x5EED
 """The tag of the receive `MailTransport.poison` times out on (no rank ever sends with it)."""
+WAIT_FLOOR_S = 1e-5
+"""Receive waits shorter than this are not recorded (the message was there)."""
 Key = tuple[Op, int, int]
 """(op, stage, microbatch) of a SEND or RECV action."""
 Resolver = Callable[[bool], "tuple[TensorSpec, ...] | None"]
@@ -78,6 +81,9 @@ class MailTransport:
         self._queued: set[Key] = set()
         self._posted: dict[Key, _Recv] = {}
         self._sends: dict[Key, tuple[Any, list[Tensor], int]] = {}
+        self.recv_waits: list[tuple[int, float, float]] = []
+        """(peer, begin, end) perf_counter seconds of every receive this rank blocked on since `reset_waits`: a
+        stage link's exposed time, bounded above by it (the wait also covers the sender's lateness)."""
 
     def connect(self, pairs: list[tuple[int, int]]) -> None:
         """NCCL: open the connection of every pair of group ranks in `pairs` that holds this rank, with one
@@ -161,8 +167,12 @@ class MailTransport:
             self._drain(queued.peer, until=key)
         recv = self._posted.pop(key)
         assert recv.buffers is not None and recv.works is not None
+        begin = time.perf_counter()
         self.watchdog.wait_p2p(recv.works, lambda: f"{key_text(key)} (the input of {consumer})",
                                lambda: f"rank {recv.peer}")
+        end = time.perf_counter()
+        if end - begin > WAIT_FLOOR_S:
+            self.recv_waits.append((recv.peer, begin, end))
         if self.stream is not None:
             done = torch.cuda.Event()
             with torch.cuda.stream(self.stream):
@@ -174,6 +184,10 @@ class MailTransport:
             for buffer in recv.buffers:
                 buffer.record_stream(compute)
         return recv.buffers
+
+    def reset_waits(self) -> None:
+        """Forget the receive waits recorded so far (a new step)."""
+        self.recv_waits = []
 
     def send(self, key: Key, tensors: list[Tensor], peer: int) -> None:
         """SEND: post non-blocking sends of `tensors` (in order) to group rank `peer`; completion is

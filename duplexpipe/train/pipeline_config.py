@@ -9,6 +9,7 @@ from typing import Any, TypeGuard
 
 import torch
 
+from duplexpipe.comm.adaptive import CompressionReport, ExposureReport
 from duplexpipe.comm.meter import WireMeter
 from duplexpipe.comm.nonfinite import check_policy
 from duplexpipe.comm.p2p_codecs import p2p_codec_pair
@@ -402,4 +403,11 @@ class StepInfo:
     memory: MemoryReport | None = None
     """What this rank held during the call, measured (ObserveConfig.measure_memory; None when off), the optimizer
     state included."""
+    exposure: ExposureReport | None = None
+    """Exposed communication of the call: per data-parallel bucket the wait on its reduction at the window's end,
+    per stage link the time this rank's receives blocked (None when the timeline is not recorded). The timeline
+    shows the bucket waits on lane "exposed"."""
+    compression: CompressionReport | None = None
+    """grad_compression="adaptive": the rung each bucket used in this window, the agreed exposure and the moves
+    made at its end (None otherwise, and mid-window)."""
 

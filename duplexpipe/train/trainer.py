@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from duplexpipe.comm.adaptive import ExposureReport
 from duplexpipe.comm.meter import WireMeter
 from duplexpipe.dp_options.compression import compression_options
 from duplexpipe.dp_options.zero import check_window
@@ -42,6 +43,7 @@ from duplexpipe.parallel import (
     make_strategy,
 )
 from duplexpipe.parallel.mesh import ParallelGroups
+from duplexpipe.parallel.strategy import EXPOSED_LANE
 from duplexpipe.parallel.tied import TiedGrads, find_tied
 from duplexpipe.parallel.zero3 import Zero3Strategy
 from duplexpipe.parallel.zero_config import check_tied
@@ -50,6 +52,7 @@ from duplexpipe.runtime.backend import default_device
 from duplexpipe.runtime.memory import optimizer_bytes
 from duplexpipe.schedules.ir import Schedule
 from duplexpipe.schedules.shard import add_unshard_reshard
+from duplexpipe.schedules.timeline import Span
 from duplexpipe.tp.parallelize import TensorParallel, check_tensor_parallel
 from duplexpipe.tp.plans import TPPlan
 from duplexpipe.train.compile import CompiledStages
@@ -353,6 +356,7 @@ class Pipeline:
             self.tensor.begin_window()
         self.dp.begin_call(final, scale * (self._window_weight + weight))
         wire = self.dp.meter.total_bytes
+        self.runtime.transport.reset_waits()
         observe = cfg.observe  # with record_tp_lane: the TP collectives on the timeline's "tp" lane
         optimizer_during = optimizer_bytes(self.optimizer) if observe.measure_memory else 0
         with (self.compiled.watching(f"step {self.calls}"),
@@ -364,6 +368,7 @@ class Pipeline:
         applied, skipped, norm = False, False, None
         try:
             loss = result.loss  # one all-reduce over the job: the mean over data-parallel replicas
+            self.dp.note_loss(loss)
             if self._window_calls == cfg.accumulation_steps:
                 skipped, norm = self._apply()
                 applied = not skipped
@@ -374,14 +379,25 @@ class Pipeline:
             raise
         timeline, origin, rank = result.timeline, self.runtime.origin, self.runtime.rank
         if timeline is not None:
+            links = tuple(Span(rank, EXPOSED_LANE, f"link {peer}->{rank}", b - origin, e - origin)
+                          for peer, b, e in self.runtime.transport.recv_waits)
             timeline = replace(timeline, spans=timeline.spans + tuple(self.tensor.spans(origin, rank)) + tuple(
-                self.dp.spans(origin, rank) if final else ()))
+                self.dp.spans(origin, rank) if final else ()) + links)
         memory = result.memory
         if memory is not None:  # the optimizer state held while the actions ran, and after the optimizer step
             memory = memory.with_optimizer(optimizer_during, optimizer_bytes(self.optimizer))
         self.last = StepInfo(loss, applied, skipped, norm, scale, timeline, self.dp.meter.total_bytes - wire,
-                             result.peak_saved_bytes, memory)
+                             result.peak_saved_bytes, memory, self._exposure(final) if timeline is not None else None,
+                             self.dp.report if final else None)
         return loss
+
+    def _exposure(self, final: bool) -> ExposureReport:
+        """The call's exposed communication: bucket waits (window ends) and receive waits per stage link."""
+        me, links = self.runtime.rank, {}
+        for peer, begin, end in self.runtime.transport.recv_waits:
+            key = f"link {peer}->{me}"
+            links[key] = links.get(key, 0.0) + (end - begin)
+        return ExposureReport(dict(self.dp.exposed_s) if final else {}, links)
 
     def _call_weight(self, inputs: Any, targets: Any) -> float:
         """This call's weight in the window: its batch size over the window's first batch size."""

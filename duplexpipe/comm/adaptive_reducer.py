@@ -1,0 +1,161 @@
+"""The adaptive reducer: each bucket reduced by the rung its controller chose, error feedback handed over at a
+switch as a codec-independent residual, and every rank's choice agreed over the group after each step."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from duplexpipe.comm.adaptive import CompressionReport, Controller, Decision
+from duplexpipe.comm.bucket import Bucket
+from duplexpipe.comm.hooks import PowerSGDReducer
+from duplexpipe.comm.link import EmulatedLink
+from duplexpipe.comm.meter import WireMeter
+from duplexpipe.comm.reduction import Phases, Reducer, WaitFn
+from duplexpipe.dp_options.compression import AdaptiveOptions, Options
+from duplexpipe.errors import PipelineError
+
+
+def bucket_key(index: int) -> str:
+    """The controller's key of gradient bucket `index`."""
+    return f"bucket {index}"
+
+
+RungFactory = Callable[[Options, Any, WireMeter], Reducer]
+"""build(options, group, meter): the reducer of one rung (`comm.build.build_reducer`)."""
+
+
+class AdaptiveReducer(Reducer):
+    """Reduces bucket i with the reducer of the rung its controller holds for "bucket i" (one reducer per rung,
+    built on first use, all on this reducer's group and meter). A PowerSGD rung's chained all-reduces finish
+    before another rung posts on the group.
+
+    At a switch the old rung's error feedback of the bucket is taken out (`Reducer.take_residual`: a flat
+    tensor in gradient units) and added, once, to this rank's next gradient of the bucket under the new rung:
+    what the old rung held back is sent by the new one, so no gradient mass is lost. A skipped step keeps it
+    for the next.
+
+    `agree` ends each step: the exposures, the step's seconds and every rank's rungs go through one all-reduce
+    (max) over the group; every rank feeds the same maxima to its controller, so all make the same moves, and a
+    rank whose rungs differ from another's is caught there (PipelineError)."""
+
+    method = "adaptive"
+
+    def __init__(self, options: AdaptiveOptions, buckets: Sequence[int], build: RungFactory, group: Any = None,
+                 meter: WireMeter | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+        super().__init__(group, meter)
+        self.build = build
+        self.options = options
+        self.rung_options = options.gradient_rungs()
+        self.controller = Controller(options, [bucket_key(i) for i in buckets])
+        self.buckets = list(buckets)
+        self.clock = clock
+        self.carry: dict[int, Tensor] = {}
+        """Bucket index -> residual handed over at a switch, added to this rank's next gradient of the bucket."""
+        self.last: CompressionReport | None = None
+        """The report of the last agreed step."""
+        self._rungs: dict[int, Reducer] = {}
+        self._rung_link: EmulatedLink | None = None
+        self._used: set[int] = set()
+        self._consumed: set[int] = set()
+
+    def rung_of(self, index: int) -> int:
+        """The rung bucket `index` is reduced with now."""
+        return self.controller.rung(bucket_key(index))
+
+    def reducer(self, rung: int) -> Reducer:
+        """The reducer of `rung` (built on first use)."""
+        if rung not in self._rungs:
+            built = self.build(self.rung_options[rung], self.group, self.meter)
+            built.set_link(self._rung_link)
+            self._rungs[rung] = built
+        return self._rungs[rung]
+
+    def set_link(self, link: EmulatedLink | None) -> None:
+        """The rungs' collectives are held for `link` (this reducer posts none of its own)."""
+        super().set_link(link)
+        self.link, self._rung_link = None, link
+        for rung in self._rungs.values():
+            rung.set_link(link)
+
+    def _phases(self, bucket: Bucket) -> Phases:
+        index = bucket.index()
+        rung = self.rung_of(index)
+        inner = self.reducer(rung)
+        for other in self._rungs.values():
+            busy = other.busy() if isinstance(other, PowerSGDReducer) and other is not inner else None
+            if busy is not None:
+                yield busy, f"the PowerSGD all-reduces in flight (before gradient bucket {index})"
+        carry = self.carry.get(index)
+        if carry is not None:
+            bucket.buffer().add_(carry.to(bucket.buffer().dtype))
+            self._consumed.add(index)
+        self._used.add(rung)
+        reduction = inner.start(bucket)
+        while not reduction.done:
+            pending = reduction.pending
+            assert pending is not None
+            yield pending, reduction.what
+            reduction.advance()
+
+    def _close(self, applied: bool) -> None:
+        for rung in sorted(self._used):
+            self._rungs[rung].end_step(applied)
+        if applied:
+            for index in self._consumed:
+                self.carry.pop(index, None)
+        self._used, self._consumed = set(), set()
+
+    def switch(self, moves: list[Decision]) -> None:
+        """Hand each moved bucket's error feedback from its old rung to the carry (between steps)."""
+        labels = self.controller.labels
+        for move in moves:
+            index = int(move.key.split()[-1])
+            old = self._rungs.get(labels.index(move.before))
+            residual = old.take_residual(index) if old is not None else None
+            if residual is not None:
+                held = self.carry.get(index)
+                self.carry[index] = residual if held is None else held.add_(residual.to(held.dtype))
+
+    def agree(self, exposed_s: Mapping[int, float], step_s: float, loss: float | None, wait: WaitFn,
+              device: torch.device) -> CompressionReport:
+        """End a step: agree on the measurements over the group, decide, hand residuals over; the report."""
+        begin = self.clock()
+        keys = self.buckets
+        rungs = [float(self.rung_of(i)) for i in keys]
+        vec = torch.tensor([step_s, *(exposed_s.get(i, 0.0) for i in keys), *rungs, *(-r for r in rungs)],
+                           dtype=torch.float64, device=device)
+        wait(dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.group, async_op=True),
+             "the adaptive compression's agreement all-reduce")
+        values = vec.tolist()
+        n = len(keys)
+        high, low = values[1 + n:1 + 2 * n], [-v for v in values[1 + 2 * n:]]
+        differ = [i for i, h, lo in zip(keys, high, low, strict=True) if h != lo]
+        if differ:
+            raise PipelineError(f"adaptive compression: the ranks of the data-parallel group reduce buckets {differ} "
+                                f"with different rungs (highest {high}, lowest {low}); their controllers diverged")
+        agreed = {bucket_key(i): values[1 + k] for k, i in enumerate(keys)}
+        choices = self.controller.choices()
+        moves = self.controller.observe(values[0], agreed, loss)
+        self.switch(moves)
+        self.last = CompressionReport(choices, agreed, tuple(moves), self.clock() - begin)
+        return self.last
+
+    def state_dict(self) -> dict[str, Any]:
+        """The controller, the carried residuals and each rung's state."""
+        return {**super().state_dict(), "controller": self.controller.state_dict(),
+                "carry": {i: t.clone() for i, t in self.carry.items()},
+                "rungs": {r: red.state_dict() for r, red in self._rungs.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore state_dict()."""
+        super().load_state_dict(state)
+        self.controller.load_state_dict(state["controller"])
+        self.carry = {int(i): t.clone() for i, t in state["carry"].items()}
+        for rung, sub in state["rungs"].items():
+            self.reducer(int(rung)).load_state_dict(sub)
