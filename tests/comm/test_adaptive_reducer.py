@@ -1,0 +1,149 @@
+"""The adaptive reducer on 2 gloo ranks (one spawn): error feedback carried exactly across a switch, every rank
+making the same moves from different local measurements, diverged controllers caught, and a DP=2 Pipeline
+reporting its choices and exposure each step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from models import run_workers
+from torch import nn
+
+from duplexpipe.comm import Bucket, blocking_wait, build_reducer
+from duplexpipe.comm.adaptive_reducer import AdaptiveReducer
+from duplexpipe.dp_options.compression import AdaptiveOptions
+from duplexpipe.errors import PipelineError
+
+SPAWN_TIMEOUT_S = 120
+SHAPES = [(40, 8), (8,)]
+NUMEL = 40 * 8 + 8
+
+
+def _reduce(red: AdaptiveReducer, grad: torch.Tensor) -> torch.Tensor:
+    bucket = Bucket(0, SHAPES, dtype=torch.float64)
+    bucket.buffer().copy_(grad)
+    out = red.start(bucket).finish().clone()
+    red.end_step(True)
+    return out
+
+
+def _carry_case(rank: int) -> dict[str, Any]:
+    """int8 for 3 steps, then (hidden) down to none: the residual int8 held is handed over exactly and sent."""
+    opts = AdaptiveOptions(ladder="none/int8(block=16)", start="int8(block=16)", patience=1, max_hold=1)
+    red = build_reducer(opts, buckets=[0])
+    assert isinstance(red, AdaptiveReducer)
+    gen = torch.Generator().manual_seed(rank)
+    grads = [torch.randn(NUMEL, generator=gen, dtype=torch.float64) for _ in range(4)]
+    outs = []
+    for step, grad in enumerate(grads):
+        outs.append(_reduce(red, grad))
+        if step == 2:
+            int8 = red.reducer(1)
+            local = int8.residual.get(0).clone()  # type: ignore[attr-defined]
+            owned = int8.owner_residual.get(0).clone()  # type: ignore[attr-defined]
+            expect = local.clone()
+            shard = owned.numel()
+            begin = rank * shard
+            expect[begin:begin + shard] += 2 * owned[: max(0, min(shard, NUMEL - begin))]
+        report = red.agree({0: 0.01 if step < 2 else 0.0}, 1.0, None, blocking_wait, torch.device("cpu"))
+        if step == 2:
+            assert [(d.before, d.after) for d in report.decisions] == [("int8(block=16)", "none")]
+            carried = red.carry[0].clone()
+    assert 0 not in red.carry  # consumed by the step under "none"
+    total = torch.stack(grads).sum(0)
+    dist.all_reduce(total)
+    sent = torch.stack(outs).sum(0)
+    return {"carry_exact": torch.equal(carried, expect), "carry_norm": float(carried.norm()),
+            "mass_error": float((sent - total / 2).abs().max()), "residual_after": red.reducer(1).take_residual(0)}
+
+
+def _agree_case(rank: int) -> dict[str, Any]:
+    """Rank 0 sees bucket 0 exposed, rank 1 sees it hidden: both move it up (the group's maximum)."""
+    opts = AdaptiveOptions(ladder="none/bf16", patience=2)
+    red = build_reducer(opts, buckets=[0, 3])
+    assert isinstance(red, AdaptiveReducer)
+    moves = []
+    for _ in range(2):
+        _reduce_two(red)
+        report = red.agree({0: 0.5 if rank == 0 else 0.0, 3: 0.0}, 1.0, None, blocking_wait, torch.device("cpu"))
+        moves += [str(d) for d in report.decisions]
+    choices = red.controller.choices()
+    red.controller._state["bucket 3"].rung = rank  # a diverged controller: caught at the next agreement
+    try:
+        red.agree({0: 0.0, 3: 0.0}, 1.0, None, blocking_wait, torch.device("cpu"))
+        caught = ""
+    except PipelineError as exc:
+        caught = str(exc)
+    return {"moves": moves, "exposed": dict(report.exposed_s), "choices": choices, "caught": caught}
+
+
+def _reduce_two(red: AdaptiveReducer) -> None:
+    for index in (0, 3):
+        bucket = Bucket(index, SHAPES)
+        bucket.buffer().normal_()
+        red.start(bucket).finish()
+    red.end_step(True)
+
+
+def _pipeline_case(rank: int) -> dict[str, Any]:
+    """A DP=2 Pipeline with grad_compression="adaptive": choices, exposure and its timeline lane, every step."""
+    from duplexpipe import Pipeline, PipelineConfig
+    from duplexpipe.parallel.mesh import make_mesh
+    from duplexpipe.train.pipeline_config import DataParallelConfig
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(16, 16) for _ in range(2)]
+    config = PipelineConfig("1f1b", 2, data_parallel=DataParallelConfig(grad_compression="adaptive(patience=1)",
+                                                                       grad_bucket_bytes=1200))
+    pipe = Pipeline.from_layers(layers, nn.functional.mse_loss, lambda ps: torch.optim.SGD(ps, lr=0.01), config,
+                                mesh=make_mesh(1, 2))
+    x, y = torch.randn(4, 16), torch.randn(4, 16)
+    reports = []
+    for _ in range(3):
+        pipe.step(x, y)
+        last = pipe.last
+        assert last is not None and last.compression is not None and last.exposure is not None
+        lanes = {s.lane for s in last.timeline.spans} if last.timeline is not None else set()
+        reports.append({"choices": dict(last.compression.choices), "buckets": sorted(last.exposure.buckets),
+                        "exposed_lane": "exposed" in lanes})
+    return {"reports": reports, "buckets": len(pipe.dp.buckets)}
+
+
+def _worker(rank: int, world: int) -> dict[str, Any]:
+    return {"carry": _carry_case(rank), "agree": _agree_case(rank), "pipeline": _pipeline_case(rank)}
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, Any]]:
+    return run_workers(_worker, 2, timeout_s=SPAWN_TIMEOUT_S)
+
+
+def test_residual_is_handed_over_exactly_and_no_gradient_mass_is_lost(results: list[dict[str, Any]]) -> None:
+    for r in results:
+        c = r["carry"]
+        assert c["carry_exact"] and c["carry_norm"] > 1e-3  # something was held back, and handed over exactly
+        assert c["mass_error"] < 1e-12  # sum of what was sent == sum of the mean gradients (float64)
+        assert c["residual_after"] is None  # the old rung keeps nothing of it
+
+
+def test_every_rank_makes_the_same_moves_from_the_groups_maximum(results: list[dict[str, Any]]) -> None:
+    one, two = (r["agree"] for r in results)
+    assert one["moves"] == two["moves"] and len(one["moves"]) == 1 and "bucket 0 none -> bf16" in one["moves"][0]
+    assert one["exposed"] == two["exposed"] == {"bucket 0": 0.5, "bucket 3": 0.0}
+    assert one["choices"] == two["choices"] == {"bucket 0": "bf16", "bucket 3": "none"}
+    for r in (one, two):
+        assert "buckets [3] with different rungs" in r["caught"]
+
+
+def test_a_pipeline_reports_choices_and_exposure_each_step(results: list[dict[str, Any]]) -> None:
+    for r in results:
+        p = r["pipeline"]
+        assert p["buckets"] >= 2
+        keys = [f"bucket {i}" for i in range(p["buckets"])]
+        for report in p["reports"]:
+            assert sorted(report["choices"]) == keys and report["buckets"] == list(range(p["buckets"]))
+            assert report["exposed_lane"]
+    assert results[0]["pipeline"]["reports"] == results[1]["pipeline"]["reports"]
