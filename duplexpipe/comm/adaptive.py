@@ -43,11 +43,12 @@ class CompressionReport:
     choices: Mapping[str, str]
     """Key -> the rung it used in this step."""
     exposed_s: Mapping[str, float]
-    """Key -> its exposed seconds in this step, as every rank of its group agreed (the group's maximum)."""
+    """Key -> its exposed seconds in this step on this rank (the group's maximum of them decides, at the start of
+    the next step)."""
     decisions: tuple[Decision, ...] = ()
-    """The moves made at the end of this step (they apply from the next)."""
+    """The moves made at the start of this step (from the previous step's agreed measurements), which it used."""
     controller_s: float = 0.0
-    """Seconds this rank spent deciding (the agreement's all-reduce included)."""
+    """Seconds this rank spent on the controller in this step: posting the agreement, completing it, deciding."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,11 @@ class ExposureReport:
         return sum(self.buckets.values()) + sum(self.links.values())
 
 
+IMPROVEMENT = 0.9
+"""A move up is kept when the exposed seconds over the next `patience` steps are at most this fraction of those
+over the `patience` steps before it."""
+
+
 @dataclass
 class _Key:
     rung: int
@@ -73,6 +79,12 @@ class _Key:
     hidden_run: int = 0
     hold: int = 1
     last_down: int | None = None
+    recent: list[float] = field(default_factory=list)
+    before_up: float | None = None
+    up_at: int | None = None
+    cap: int = -1
+    cap_until: int = 0
+    cap_hold: int = 1
 
 
 @dataclass
@@ -105,7 +117,10 @@ class Controller:
     most `down` x; after `patience` exposed steps in a row it moves one rung up (more compression), after `hold`
     hidden steps one rung down. `hold` starts at `patience` and doubles (up to `max_hold`) each time a move down
     is undone by a move up within 2 x patience steps (a failed probe: the lighter rung was exposed), and returns
-    to `patience` once a move down holds for 4 x hold steps. The loss guard lowers the top rung allowed."""
+    to `patience` once a move down holds for 4 x hold steps. A move up is judged after `patience` steps: unless
+    its exposed seconds fell below IMPROVEMENT x those before it (a codec whose own compute costs what its bytes
+    save), the key goes back down and may not climb past that rung for a while (doubling, up to `max_hold`
+    steps). The loss guard lowers the top rung allowed for every key."""
 
     options: AdaptiveOptions
     keys: Sequence[str]
@@ -125,7 +140,8 @@ class Controller:
         if len(set(self.keys)) != len(self.keys):
             raise ValueError(f"adaptive controller keys must be distinct, got {list(self.keys)}")
         start = min(self.options.start_rung, self.ceiling)
-        self._state = {k: _Key(start, hold=self.options.patience) for k in self.keys}
+        patience = self.options.patience
+        self._state = {k: _Key(start, hold=patience, cap=self.ceiling, cap_hold=patience) for k in self.keys}
 
     @property
     def labels(self) -> tuple[str, ...]:
@@ -171,6 +187,7 @@ class Controller:
         moves = []
         for key, state in self._state.items():
             if state.rung > self.ceiling:
+                state.up_at = None
                 moves.append(self._move(key, state, self.ceiling, f"loss guard: loss average rose over "
                                         f"{self.options.guard:.0%} above its lowest; rungs above "
                                         f"{self.labels[self.ceiling]} closed"))
@@ -185,18 +202,41 @@ class Controller:
             state.exposed_run, state.hidden_run = 0, state.hidden_run + 1
         else:
             state.exposed_run = state.hidden_run = 0
+        state.recent = (state.recent + [exposed])[-opts.patience:]
+        if state.cap_until and self.steps >= state.cap_until:
+            state.cap, state.cap_until = len(self.labels) - 1, 0
         if state.last_down is not None and self.steps - state.last_down > 4 * state.hold:
             state.hold, state.last_down = opts.patience, None  # the last probe held
-        if state.exposed_run >= opts.patience and state.rung < self.ceiling:
+        if state.up_at is not None:
+            if self.steps - state.up_at < opts.patience:
+                return None  # the move up is on trial
+            return self._judge(key, state)
+        if state.exposed_run >= opts.patience and state.rung < min(self.ceiling, state.cap):
             if state.last_down is not None and self.steps - state.last_down <= 2 * opts.patience:
                 state.hold = min(2 * state.hold, opts.max_hold)
-            state.last_down = None
+            state.last_down, state.up_at = None, self.steps
+            state.before_up = sum(state.recent) / len(state.recent)
             return self._move(key, state, state.rung + 1, f"exposed {share:.1%} of the step for {opts.patience} "
                                                           "steps")
         if state.hidden_run >= state.hold and state.rung > 0:
             state.last_down = self.steps
             return self._move(key, state, state.rung - 1, f"hidden ({share:.1%} of the step) for {state.hold} steps")
         return None
+
+    def _judge(self, key: str, state: _Key) -> Decision | None:
+        """After a move up's trial: keep it if it lowered the exposed seconds, else go back and cap the key."""
+        opts, before = self.options, state.before_up or 0.0
+        after = sum(state.recent) / len(state.recent)
+        state.up_at, state.before_up = None, None
+        if after <= IMPROVEMENT * before:
+            state.cap_hold = opts.patience
+            return None
+        state.cap = state.rung - 1
+        state.cap_until = self.steps + state.cap_hold
+        state.cap_hold = min(2 * state.cap_hold, opts.max_hold)
+        return self._move(key, state, state.rung - 1, f"{self.labels[state.rung]} did not lower the exposed time "
+                          f"({after * 1e3:.2f} ms vs {before * 1e3:.2f} ms); not tried again for "
+                          f"{state.cap_until - self.steps} steps")
 
     def _move(self, key: str, state: _Key, to: int, reason: str) -> Decision:
         decision = Decision(self.steps, key, self.labels[state.rung], self.labels[to], reason)
@@ -206,7 +246,8 @@ class Controller:
     def state_dict(self) -> dict[str, object]:
         """The rungs, run counters and guard (plain data) for a checkpoint."""
         return {"steps": self.steps, "ceiling": self.ceiling,
-                "keys": {k: [s.rung, s.exposed_run, s.hidden_run, s.hold, s.last_down] for k, s in self._state.items()},
+                "keys": {k: [s.rung, s.exposed_run, s.hidden_run, s.hold, s.last_down, list(s.recent), s.before_up,
+                             s.up_at, s.cap, s.cap_until, s.cap_hold] for k, s in self._state.items()},
                 "guard": [self._guard.ema, self._guard.lowest, self._guard.seen]}
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:

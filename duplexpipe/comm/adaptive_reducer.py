@@ -40,9 +40,10 @@ class AdaptiveReducer(Reducer):
     what the old rung held back is sent by the new one, so no gradient mass is lost. A skipped step keeps it
     for the next.
 
-    `agree` ends each step: the exposures, the step's seconds and every rank's rungs go through one all-reduce
-    (max) over the group; every rank feeds the same maxima to its controller, so all make the same moves, and a
-    rank whose rungs differ from another's is caught there (PipelineError)."""
+    `post` ends each step: the exposures, the step's seconds and every rank's rungs go into one all-reduce (max)
+    over the group, posted without waiting; `settle`, before the next step's first bucket, completes it (by then
+    every rank posted it: nobody waits) and feeds the same maxima to every rank's controller, so all make the same
+    moves at the same step, and a rank whose rungs differ from another's is caught there (PipelineError)."""
 
     method = "adaptive"
 
@@ -63,6 +64,9 @@ class AdaptiveReducer(Reducer):
         self._rung_link: EmulatedLink | None = None
         self._used: set[int] = set()
         self._consumed: set[int] = set()
+        self._pending: tuple[Any, Tensor, float | None] | None = None
+        self._moves: list[Decision] = []
+        self._spent = 0.0
 
     def rung_of(self, index: int) -> int:
         """The rung bucket `index` is reduced with now."""
@@ -122,32 +126,48 @@ class AdaptiveReducer(Reducer):
                 held = self.carry.get(index)
                 self.carry[index] = residual if held is None else held.add_(residual.to(held.dtype))
 
-    def agree(self, exposed_s: Mapping[int, float], step_s: float, loss: float | None, wait: WaitFn,
-              device: torch.device) -> CompressionReport:
-        """End a step: agree on the measurements over the group, decide, hand residuals over; the report."""
+    def post(self, exposed_s: Mapping[int, float], step_s: float, loss: float | None,
+             device: torch.device) -> CompressionReport:
+        """End a step: post the all-reduce (max) of its measurements and this rank's rungs over the group, without
+        waiting (`settle` completes it before the next step's first bucket); this step's report."""
         begin = self.clock()
         keys = self.buckets
         rungs = [float(self.rung_of(i)) for i in keys]
         vec = torch.tensor([step_s, *(exposed_s.get(i, 0.0) for i in keys), *rungs, *(-r for r in rungs)],
                            dtype=torch.float64, device=device)
-        wait(dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.group, async_op=True),
-             "the adaptive compression's agreement all-reduce")
+        work = dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        self._pending = (work, vec, loss)
+        spent, self._spent = self._spent + self.clock() - begin, 0.0
+        local = {bucket_key(i): float(exposed_s.get(i, 0.0)) for i in keys}
+        self.last = CompressionReport(self.controller.choices(), local, tuple(self._moves), spent)
+        self._moves = []
+        return self.last
+
+    def settle(self, wait: WaitFn) -> list[Decision]:
+        """Before a step's first bucket: complete the last step's agreement, check that every rank used the same
+        rungs, decide from the group's maxima and hand residuals over; the moves (none if nothing was pending)."""
+        if self._pending is None:
+            return []
+        begin = self.clock()
+        work, vec, loss = self._pending
+        self._pending = None
+        wait(work, "the adaptive compression's agreement all-reduce")
         values = vec.tolist()
-        n = len(keys)
+        keys, n = self.buckets, len(self.buckets)
         high, low = values[1 + n:1 + 2 * n], [-v for v in values[1 + 2 * n:]]
         differ = [i for i, h, lo in zip(keys, high, low, strict=True) if h != lo]
         if differ:
-            raise PipelineError(f"adaptive compression: the ranks of the data-parallel group reduce buckets {differ} "
+            raise PipelineError(f"adaptive compression: the ranks of the data-parallel group reduced buckets {differ} "
                                 f"with different rungs (highest {high}, lowest {low}); their controllers diverged")
-        agreed = {bucket_key(i): values[1 + k] for k, i in enumerate(keys)}
-        choices = self.controller.choices()
-        moves = self.controller.observe(values[0], agreed, loss)
+        moves = self.controller.observe(values[0], {bucket_key(i): values[1 + k] for k, i in enumerate(keys)}, loss)
         self.switch(moves)
-        self.last = CompressionReport(choices, agreed, tuple(moves), self.clock() - begin)
-        return self.last
+        self._moves += moves
+        self._spent += self.clock() - begin
+        return moves
 
     def state_dict(self) -> dict[str, Any]:
-        """The controller, the carried residuals and each rung's state."""
+        """The controller, the carried residuals and each rung's state (an agreement in flight stays in flight:
+        its decisions are made at the next step, as without the checkpoint)."""
         return {**super().state_dict(), "controller": self.controller.state_dict(),
                 "carry": {i: t.clone() for i, t in self.carry.items()},
                 "rungs": {r: red.state_dict() for r, red in self._rungs.items()}}

@@ -408,6 +408,6 @@ class StepInfo:
     per stage link the time this rank's receives blocked (None when the timeline is not recorded). The timeline
     shows the bucket waits on lane "exposed"."""
     compression: CompressionReport | None = None
-    """grad_compression="adaptive": the rung each bucket used in this window, the agreed exposure and the moves
-    made at its end (None otherwise, and mid-window)."""
+    """grad_compression="adaptive": the rung each bucket used in this window, its measured exposure and the moves
+    made at its start (None otherwise, and mid-window)."""
 

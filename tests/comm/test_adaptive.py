@@ -22,14 +22,32 @@ def _run(ctl: Controller, exposures: list[dict[str, float]]) -> list[list[int]]:
     return out
 
 
+def _on(ctl: Controller, steps: int, exposure: dict[str, list[float]]) -> None:
+    """`steps` steps where each key's exposed seconds depend on its rung (exposure[key][rung])."""
+    for _ in range(steps):
+        ctl.observe(STEP_S, {k: by_rung[ctl.rung(k)] for k, by_rung in exposure.items()})
+
+
 def test_exposed_moves_up_and_hidden_moves_down_after_patience() -> None:
     opts = AdaptiveOptions(ladder="none/bf16/int8", start="bf16", patience=3)
     ctl = Controller(opts, ["bucket 0", "bucket 1"])
     rungs = _run(ctl, [{"bucket 0": 0.5, "bucket 1": 0.0}] * 3)
     assert rungs == [[1, 1], [1, 1], [2, 0]]
     assert [(d.key, d.before, d.after) for d in ctl.log] == [("bucket 0", "bf16", "int8"), ("bucket 1", "bf16", "none")]
-    _run(ctl, [{"bucket 0": 0.5, "bucket 1": 0.0}] * 10)
-    assert ctl.rungs() == [2, 0]  # the ends of the ladder hold
+    _on(ctl, 20, {"bucket 0": [0.5, 0.5, 0.1], "bucket 1": [0.0, 0.0, 0.0]})
+    assert ctl.rungs() == [2, 0] and len(ctl.log) == 2  # int8 lowered bucket 0's exposure: kept; the ends hold
+
+
+def test_a_rung_that_does_not_lower_exposure_is_left_and_retried_ever_more_rarely() -> None:
+    """int8's own compute costs what its bytes save: the key goes back to bf16 and retries after 3, 6, 12, ..."""
+    opts = AdaptiveOptions(ladder="none/bf16/int8", start="bf16", patience=3, max_hold=24)
+    ctl = Controller(opts, ["k"])
+    _on(ctl, 200, {"k": [0.5, 0.3, 0.3]})
+    ups = [d.step for d in ctl.log if d.after == "int8"]
+    assert all(d.after in ("int8", "bf16") for d in ctl.log) and ctl.rung("k") in (1, 2)
+    gaps = [b - a for a, b in zip(ups, ups[1:], strict=False)]
+    assert gaps == sorted(gaps) and gaps[-1] >= 24 and len(ups) <= 200 // 24 + 4
+    assert "did not lower the exposed time" in ctl.log[1].reason
 
 
 def test_band_between_thresholds_and_broken_runs_do_not_move() -> None:
@@ -61,10 +79,10 @@ def test_noisy_exposure_on_a_changing_link_settles() -> None:
     opts = AdaptiveOptions(ladder="none/bf16/int8", patience=3)
     ctl = Controller(opts, ["k"])
     rng = random.Random(1)
-    slow = [{"k": 0.2 + rng.uniform(-0.05, 0.05)} for _ in range(30)]
-    _run(ctl, slow)
+    for _ in range(40):  # slow: exposed on none and bf16, less so on int8
+        ctl.observe(STEP_S, {"k": [0.2, 0.1, 0.04][ctl.rung("k")] + rng.uniform(-0.01, 0.01)})
     assert ctl.rung("k") == 2 and len(ctl.log) == 2
-    _run(ctl, [{"k": rng.uniform(0.0, 0.004)} for _ in range(30)])
+    _run(ctl, [{"k": rng.uniform(0.0, 0.004)} for _ in range(40)])
     assert ctl.rung("k") == 0 and len(ctl.log) == 4
 
 

@@ -48,9 +48,11 @@ def _carry_case(rank: int) -> dict[str, Any]:
             shard = owned.numel()
             begin = rank * shard
             expect[begin:begin + shard] += 2 * owned[: max(0, min(shard, NUMEL - begin))]
-        report = red.agree({0: 0.01 if step < 2 else 0.0}, 1.0, None, blocking_wait, torch.device("cpu"))
+        red.post({0: 0.01 if step < 2 else 0.0}, 1.0, None, torch.device("cpu"))
+        if step < 3:
+            moves = red.settle(blocking_wait)  # the next step's start
         if step == 2:
-            assert [(d.before, d.after) for d in report.decisions] == [("int8(block=16)", "none")]
+            assert [(d.before, d.after) for d in moves] == [("int8(block=16)", "none")]
             carried = red.carry[0].clone()
     assert 0 not in red.carry  # consumed by the step under "none"
     total = torch.stack(grads).sum(0)
@@ -68,16 +70,18 @@ def _agree_case(rank: int) -> dict[str, Any]:
     moves = []
     for _ in range(2):
         _reduce_two(red)
-        report = red.agree({0: 0.5 if rank == 0 else 0.0, 3: 0.0}, 1.0, None, blocking_wait, torch.device("cpu"))
-        moves += [str(d) for d in report.decisions]
+        report = red.post({0: 0.5 if rank == 0 else 0.0, 3: 0.0}, 1.0, None, torch.device("cpu"))
+        moves += [str(d) for d in red.settle(blocking_wait)]
     choices = red.controller.choices()
     red.controller._state["bucket 3"].rung = rank  # a diverged controller: caught at the next agreement
     try:
-        red.agree({0: 0.0, 3: 0.0}, 1.0, None, blocking_wait, torch.device("cpu"))
+        red.post({0: 0.0, 3: 0.0}, 1.0, None, torch.device("cpu"))
+        red.settle(blocking_wait)
         caught = ""
     except PipelineError as exc:
         caught = str(exc)
-    return {"moves": moves, "exposed": dict(report.exposed_s), "choices": choices, "caught": caught}
+    return {"moves": moves, "exposed": dict(report.exposed_s), "agreed": red.controller.log[0].reason,
+            "choices": choices, "caught": caught}
 
 
 def _reduce_two(red: AdaptiveReducer) -> None:
@@ -132,10 +136,11 @@ def test_residual_is_handed_over_exactly_and_no_gradient_mass_is_lost(results: l
 def test_every_rank_makes_the_same_moves_from_the_groups_maximum(results: list[dict[str, Any]]) -> None:
     one, two = (r["agree"] for r in results)
     assert one["moves"] == two["moves"] and len(one["moves"]) == 1 and "bucket 0 none -> bf16" in one["moves"][0]
-    assert one["exposed"] == two["exposed"] == {"bucket 0": 0.5, "bucket 3": 0.0}
+    assert one["exposed"] == {"bucket 0": 0.5, "bucket 3": 0.0} and two["exposed"] == {"bucket 0": 0.0, "bucket 3": 0.0}
+    assert one["agreed"] == two["agreed"] == "exposed 50.0% of the step for 2 steps"  # the group's maximum
     assert one["choices"] == two["choices"] == {"bucket 0": "bf16", "bucket 3": "none"}
     for r in (one, two):
-        assert "buckets [3] with different rungs" in r["caught"]
+        assert "reduced buckets [3] with different rungs" in r["caught"]
 
 
 def test_a_pipeline_reports_choices_and_exposure_each_step(results: list[dict[str, Any]]) -> None:
