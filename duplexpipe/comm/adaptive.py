@@ -43,10 +43,11 @@ class CompressionReport:
     choices: Mapping[str, str]
     """Key -> the rung it used in this step."""
     exposed_s: Mapping[str, float]
-    """Key -> its exposed seconds in this step on this rank (the group's maximum of them decides, at the start of
+    """Key -> its exposed seconds in this step on this rank (the group's maximum of them decides, at the end of
     the next step)."""
     decisions: tuple[Decision, ...] = ()
-    """The moves made at the start of this step (from the previous step's agreed measurements), which it used."""
+    """The moves made at the end of this step, from the previous step's agreed measurements (they apply from the
+    next step)."""
     controller_s: float = 0.0
     """Seconds this rank spent on the controller in this step: posting the agreement, completing it, deciding."""
 

@@ -41,9 +41,10 @@ class AdaptiveReducer(Reducer):
     for the next.
 
     `post` ends each step: the exposures, the step's seconds and every rank's rungs go into one all-reduce (max)
-    over the group, posted without waiting; `settle`, before the next step's first bucket, completes it (by then
-    every rank posted it: nobody waits) and feeds the same maxima to every rank's controller, so all make the same
-    moves at the same step, and a rank whose rungs differ from another's is caught there (PipelineError)."""
+    over the group, posted without waiting; `settle`, at the end of the next step (before its own `post`),
+    completes it (the step's reductions came after it on the group, so it is complete: nobody waits) and feeds the
+    same maxima to every rank's controller, so all make the same moves at the same step (applied from the step
+    after), and a rank whose rungs differ from another's is caught there (PipelineError)."""
 
     method = "adaptive"
 
@@ -129,7 +130,7 @@ class AdaptiveReducer(Reducer):
     def post(self, exposed_s: Mapping[int, float], step_s: float, loss: float | None,
              device: torch.device) -> CompressionReport:
         """End a step: post the all-reduce (max) of its measurements and this rank's rungs over the group, without
-        waiting (`settle` completes it before the next step's first bucket); this step's report."""
+        waiting (`settle` completes it at the end of the next step); this step's report."""
         begin = self.clock()
         keys = self.buckets
         rungs = [float(self.rung_of(i)) for i in keys]
@@ -144,8 +145,8 @@ class AdaptiveReducer(Reducer):
         return self.last
 
     def settle(self, wait: WaitFn) -> list[Decision]:
-        """Before a step's first bucket: complete the last step's agreement, check that every rank used the same
-        rungs, decide from the group's maxima and hand residuals over; the moves (none if nothing was pending)."""
+        """Between steps: complete the agreement posted last, check that every rank used the same rungs, decide
+        from the group's maxima and hand residuals over; the moves (none if nothing was pending)."""
         if self._pending is None:
             return []
         begin = self.clock()

@@ -119,8 +119,6 @@ class CompressedStrategy(DPStrategy):
         if self.clip_norm is not None:  # reduced in finish_buckets(), once the replica's norm is known
             self._held.append(spec)
             return None
-        if isinstance(self.reducer, AdaptiveReducer):
-            self.reducer.settle(self.wait)
         reduction = self.reducer.start(bucket)
         self._inflight.append((spec, reduction))
         return reduction.pending
@@ -143,8 +141,6 @@ class CompressedStrategy(DPStrategy):
         for spec in held:
             buf = self.comm_buckets[spec.index].buffer()
             buf.mul_(coef.to(buf.dtype))
-            if isinstance(self.reducer, AdaptiveReducer):
-                self.reducer.settle(self.wait)
             self._inflight.append((spec, self.reducer.start(self.comm_buckets[spec.index])))
 
     def finish_buckets(self) -> None:
@@ -171,9 +167,11 @@ class CompressedStrategy(DPStrategy):
 
     def end_step(self, applied: bool) -> None:
         """Commit (applied) or roll back the reducer's residuals and compressor state; adaptive compression then
-        posts the window's exposure for the group's agreement (settled before the next window's first bucket)."""
+        settles the previous window's agreement (complete by now: this window's reductions came after it on the same
+        group) and posts this window's."""
         self.reducer.end_step(applied)
         if isinstance(self.reducer, AdaptiveReducer) and self.buckets:
+            self.reducer.settle(self.wait)
             self.report = self.reducer.post(self.exposed_s, self.window_s, self._loss, self.ctx.device)
 
     def emulate_link(self, link: EmulatedLink | None) -> None:

@@ -409,5 +409,5 @@ class StepInfo:
     shows the bucket waits on lane "exposed"."""
     compression: CompressionReport | None = None
     """grad_compression="adaptive": the rung each bucket used in this window, its measured exposure and the moves
-    made at its start (None otherwise, and mid-window)."""
+    made at its end from the previous window's agreed exposure (None otherwise, and mid-window)."""
 

@@ -50,7 +50,7 @@ def _carry_case(rank: int) -> dict[str, Any]:
             expect[begin:begin + shard] += 2 * owned[: max(0, min(shard, NUMEL - begin))]
         red.post({0: 0.01 if step < 2 else 0.0}, 1.0, None, torch.device("cpu"))
         if step < 3:
-            moves = red.settle(blocking_wait)  # the next step's start
+            moves = red.settle(blocking_wait)  # between steps
         if step == 2:
             assert [(d.before, d.after) for d in moves] == [("int8(block=16)", "none")]
             carried = red.carry[0].clone()
