@@ -147,8 +147,8 @@ def report(result: Result) -> list[Block]:
             f"steps per variant trained round-robin on the same batches. Every data-parallel collective is held for an "
             f"emulated link (`duplexpipe.comm.link.EmulatedLink`: {cfg['latency_s'] * 1e3:g} ms latency + bytes / "
             f"bandwidth, transfers queued one after another); the last row's link changes at step "
-            f"{cfg['steps'] // 2}. Step: the mean over steps {cfg['timed_from']}.. of the slowest rank's seconds; loss: "
-            f"the mean of the last {cfg['tail']} steps; controller: the median share of a step the agreement "
+            f"{cfg['steps'] // 2}. Step: the mean over steps {cfg['timed_from']}.. of the slowest rank's seconds; "
+            f"loss: the mean of the last {cfg['tail']} steps; controller: the median share of a step the agreement "
             f"all-reduce and the decision took (its all-reduce is not held for the emulated link). Adaptive: "
             f"ladder {cfg['ladder']}, patience {cfg['patience']}, starting at none.", table]
 
