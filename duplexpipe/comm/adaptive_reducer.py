@@ -8,17 +8,16 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from duplexpipe.comm.adaptive import CompressionReport, Controller, Decision
+from duplexpipe.comm.adaptive_agreement import Agreement
 from duplexpipe.comm.bucket import Bucket
 from duplexpipe.comm.hooks import PowerSGDReducer
 from duplexpipe.comm.link import EmulatedLink
 from duplexpipe.comm.meter import WireMeter
 from duplexpipe.comm.reduction import Phases, Reducer, WaitFn
 from duplexpipe.dp_options.compression import AdaptiveOptions, Options
-from duplexpipe.errors import PipelineError
 
 
 def bucket_key(index: int) -> str:
@@ -40,11 +39,8 @@ class AdaptiveReducer(Reducer):
     what the old rung held back is sent by the new one, so no gradient mass is lost. A skipped step keeps it
     for the next.
 
-    `post` ends each step: the exposures, the step's seconds and every rank's rungs go into one all-reduce (max)
-    over the group, posted without waiting; `settle`, at the end of the next step (before its own `post`),
-    completes it (the step's reductions came after it on the group, so it is complete: nobody waits) and feeds the
-    same maxima to every rank's controller, so all make the same moves at the same step (applied from the step
-    after), and a rank whose rungs differ from another's is caught there (PipelineError)."""
+    Every rank of the group makes the same moves at the same step (`comm.adaptive_agreement.Agreement`: `post` at
+    a step's end, `settle` at the next step's end)."""
 
     method = "adaptive"
 
@@ -59,15 +55,11 @@ class AdaptiveReducer(Reducer):
         self.clock = clock
         self.carry: dict[int, Tensor] = {}
         """Bucket index -> residual handed over at a switch, added to this rank's next gradient of the bucket."""
-        self.last: CompressionReport | None = None
-        """The report of the last agreed step."""
         self._rungs: dict[int, Reducer] = {}
         self._rung_link: EmulatedLink | None = None
         self._used: set[int] = set()
         self._consumed: set[int] = set()
-        self._pending: tuple[Any, Tensor, float | None] | None = None
-        self._moves: list[Decision] = []
-        self._spent = 0.0
+        self.agreement = Agreement(self.controller, group, "the data-parallel group", clock)
 
     def rung_of(self, index: int) -> int:
         """The rung bucket `index` is reduced with now."""
@@ -129,41 +121,13 @@ class AdaptiveReducer(Reducer):
 
     def post(self, exposed_s: Mapping[int, float], step_s: float, loss: float | None,
              device: torch.device) -> CompressionReport:
-        """End a step: post the all-reduce (max) of its measurements and this rank's rungs over the group, without
-        waiting (`settle` completes it at the end of the next step); this step's report."""
-        begin = self.clock()
-        keys = self.buckets
-        rungs = [float(self.rung_of(i)) for i in keys]
-        vec = torch.tensor([step_s, *(exposed_s.get(i, 0.0) for i in keys), *rungs, *(-r for r in rungs)],
-                           dtype=torch.float64, device=device)
-        work = dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        self._pending = (work, vec, loss)
-        spent, self._spent = self._spent + self.clock() - begin, 0.0
-        local = {bucket_key(i): float(exposed_s.get(i, 0.0)) for i in keys}
-        self.last = CompressionReport(self.controller.choices(), local, tuple(self._moves), spent)
-        self._moves = []
-        return self.last
+        """End a step: post its measurements for the group's agreement; this step's report."""
+        return self.agreement.post({bucket_key(i): t for i, t in exposed_s.items()}, step_s, loss, device)
 
     def settle(self, wait: WaitFn) -> list[Decision]:
-        """Between steps: complete the agreement posted last, check that every rank used the same rungs, decide
-        from the group's maxima and hand residuals over; the moves (none if nothing was pending)."""
-        if self._pending is None:
-            return []
-        begin = self.clock()
-        work, vec, loss = self._pending
-        self._pending = None
-        wait(work, "the adaptive compression's agreement all-reduce")
-        values = vec.tolist()
-        keys, n = self.buckets, len(self.buckets)
-        high, low = values[1 + n:1 + 2 * n], [-v for v in values[1 + 2 * n:]]
-        differ = [i for i, h, lo in zip(keys, high, low, strict=True) if h != lo]
-        if differ:
-            raise PipelineError(f"adaptive compression: the ranks of the data-parallel group reduced buckets {differ} "
-                                f"with different rungs (highest {high}, lowest {low}); their controllers diverged")
-        moves = self.controller.observe(values[0], {bucket_key(i): values[1 + k] for k, i in enumerate(keys)}, loss)
+        """Between steps: complete the last agreement, decide, hand the moved buckets' residuals over; the moves."""
+        moves = self.agreement.settle(wait)
         self.switch(moves)
-        self._moves += moves
-        self._spent += self.clock() - begin
         return moves
 
     def state_dict(self) -> dict[str, Any]:

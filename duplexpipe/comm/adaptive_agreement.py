@@ -1,0 +1,77 @@
+"""How the ranks of a group make the same adaptive-compression moves: each step's measurements and rungs go into one
+all-reduce (max), posted at the step's end and completed a step later, and every rank's controller decides from
+the same maxima."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from duplexpipe.comm.adaptive import CompressionReport, Controller, Decision
+from duplexpipe.comm.reduction import WaitFn
+from duplexpipe.errors import PipelineError
+
+
+class Agreement:
+    """Drives `controller` from measurements agreed over `group` (every rank of it holds the same keys).
+
+    `post` ends a step: its seconds, each key's exposed seconds (0 for a key this rank does not measure) and this
+    rank's rungs go into one all-reduce (max) over the group, posted without waiting. `settle`, at the end of the
+    next step (before its own `post`), completes it: that step's collectives on the group came after it, so it is
+    complete and nobody waits. Every rank then feeds the same maxima to its controller, so all make the same moves
+    at the same step (applied from the step after); a rank whose rungs differ from another's is caught there."""
+
+    def __init__(self, controller: Controller, group: Any, what: str,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.controller = controller
+        self.group = group
+        self.what = what
+        """Whose agreement it is, for errors ("the data-parallel group", "the pipeline's stage links")."""
+        self.clock = clock
+        self.last: CompressionReport | None = None
+        """The report of the last step posted."""
+        self._pending: tuple[Any, Tensor, float | None] | None = None
+        self._moves: list[Decision] = []
+        self._spent = 0.0
+
+    def post(self, exposed_s: Mapping[str, float], step_s: float, loss: float | None,
+             device: torch.device) -> CompressionReport:
+        """End a step: post the all-reduce of its measurements and rungs; this step's report (its own rungs, this
+        rank's measurements, the moves made at its end, the controller's seconds)."""
+        begin = self.clock()
+        keys, ctl = self.controller.keys, self.controller
+        rungs = [float(r) for r in ctl.rungs()]
+        vec = torch.tensor([step_s, *(exposed_s.get(k, 0.0) for k in keys), *rungs, *(-r for r in rungs)],
+                           dtype=torch.float64, device=device)
+        self._pending = (dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.group, async_op=True), vec, loss)
+        spent, self._spent = self._spent + self.clock() - begin, 0.0
+        local = {k: float(exposed_s.get(k, 0.0)) for k in keys}
+        self.last = CompressionReport(ctl.choices(), local, tuple(self._moves), spent)
+        self._moves = []
+        return self.last
+
+    def settle(self, wait: WaitFn) -> list[Decision]:
+        """Complete the agreement posted last, check the rungs, decide; the moves (none when nothing was posted)."""
+        if self._pending is None:
+            return []
+        begin = self.clock()
+        work, vec, loss = self._pending
+        self._pending = None
+        wait(work, f"the adaptive compression's agreement all-reduce over {self.what}")
+        values = vec.tolist()
+        keys = list(self.controller.keys)
+        n = len(keys)
+        high, low = values[1 + n:1 + 2 * n], [-v for v in values[1 + 2 * n:]]
+        differ = [k for k, h, lo in zip(keys, high, low, strict=True) if h != lo]
+        if differ:
+            raise PipelineError(f"adaptive compression: the ranks of {self.what} used different rungs for {differ} "
+                                f"(highest {high}, lowest {low}); their controllers diverged")
+        moves = self.controller.observe(values[0], dict(zip(keys, values[1:1 + n], strict=True)), loss)
+        self._moves += moves
+        self._spent += self.clock() - begin
+        return moves
