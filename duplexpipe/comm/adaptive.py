@@ -52,6 +52,16 @@ class CompressionReport:
     """Seconds this rank spent on the controller in this step: posting the agreement, completing it, deciding."""
 
 
+def merged_reports(*reports: CompressionReport | None) -> CompressionReport | None:
+    """One report of several controllers' (gradient buckets and stage links); None when there is none."""
+    found = [r for r in reports if r is not None]
+    if not found:
+        return None
+    return CompressionReport({k: v for r in found for k, v in r.choices.items()},
+                             {k: v for r in found for k, v in r.exposed_s.items()},
+                             tuple(d for r in found for d in r.decisions), sum(r.controller_s for r in found))
+
+
 @dataclass(frozen=True)
 class ExposureReport:
     """Exposed communication of one step on this rank (`pipe.last.exposure`)."""

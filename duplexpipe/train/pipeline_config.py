@@ -405,9 +405,9 @@ class StepInfo:
     state included."""
     exposure: ExposureReport | None = None
     """Exposed communication of the call: per data-parallel bucket the wait on its reduction at the window's end,
-    per stage link the time this rank's receives blocked (None when the timeline is not recorded). The timeline
-    shows the bucket waits on lane "exposed"."""
+    per stage link the time this rank's receives blocked. A recorded timeline shows them on lane "exposed"."""
     compression: CompressionReport | None = None
-    """grad_compression="adaptive": the rung each bucket used in this window, its measured exposure and the moves
-    made at its end from the previous window's agreed exposure (None otherwise, and mid-window)."""
+    """grad_compression="adaptive" and / or p2p_compression="adaptive": the rung each bucket ("bucket i", on window
+    ends) and each directed stage link ("link a->b") used in the call, their measured exposure and the moves made at
+    its end from the previous call's agreed exposure (None without adaptive compression)."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -12,7 +13,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from duplexpipe.comm.adaptive import ExposureReport
+from duplexpipe.comm.adaptive import CompressionReport, ExposureReport, merged_reports
+from duplexpipe.comm.adaptive_links import AdaptiveCodec, LinkAdapter
 from duplexpipe.comm.meter import WireMeter
 from duplexpipe.dp_options.compression import compression_options
 from duplexpipe.dp_options.zero import check_window
@@ -42,6 +44,7 @@ from duplexpipe.parallel import (
     grads,
     make_strategy,
 )
+from duplexpipe.parallel.compressed import own_group
 from duplexpipe.parallel.mesh import ParallelGroups
 from duplexpipe.parallel.strategy import EXPOSED_LANE
 from duplexpipe.parallel.tied import TiedGrads, find_tied
@@ -198,6 +201,8 @@ class Pipeline:
         """The data-parallel strategy: reduce -> overflow check -> clip -> optimizer step."""
         if isinstance(self.dp, Zero3Strategy):  # the schedule's residency actions drive FSDP2
             self.runtime.drive_residency(self.dp)
+        self.links = self._link_adapter()
+        """p2p_compression="adaptive": the controller of this pipeline's stage links (None otherwise)."""
         self.params = self.dp.params
         self.dp.counted = self.tied.counted(self.dp.counted)  # a tied weight counts once in the norm
         self.scheduler = scheduler(self.optimizer) if scheduler is not None else None
@@ -345,6 +350,7 @@ class Pipeline:
     def _step(self, inputs: Any, targets: Any) -> float:
         """`step`."""
         cfg = self.config
+        began = time.perf_counter()
         if self.batch_transform is not None:
             inputs, targets = self.batch_transform(inputs, targets, True)
         if self._window_calls == 0:
@@ -383,13 +389,32 @@ class Pipeline:
                           for peer, b, e in self.runtime.transport.recv_waits)
             timeline = replace(timeline, spans=timeline.spans + tuple(self.tensor.spans(origin, rank)) + tuple(
                 self.dp.spans(origin, rank) if final else ()) + links)
+        exposure = self._exposure(final)
+        compression = merged_reports(self.dp.report if final else None,
+                                     self._adapt_links(exposure, time.perf_counter() - began, loss))
         memory = result.memory
         if memory is not None:  # the optimizer state held while the actions ran, and after the optimizer step
             memory = memory.with_optimizer(optimizer_during, optimizer_bytes(self.optimizer))
         self.last = StepInfo(loss, applied, skipped, norm, scale, timeline, self.dp.meter.total_bytes - wire,
-                             result.peak_saved_bytes, memory, self._exposure(final) if timeline is not None else None,
-                             self.dp.report if final else None)
+                             result.peak_saved_bytes, memory, exposure, compression)
         return loss
+
+    def _link_adapter(self) -> LinkAdapter | None:
+        """The stage links' controller, over a process group of this pipeline's ranks of its own (collective)."""
+        codec = self.runtime.mail.activation_codec
+        if not isinstance(codec, AdaptiveCodec):
+            return None
+        layout = self.runtime.plan.layout
+        links = [pair for s, n in enumerate(layout.nxt) if n >= 0 and layout.rank[s] != layout.rank[n]
+                 for pair in ((layout.rank[s], layout.rank[n]), (layout.rank[n], layout.rank[s]))]
+        return LinkAdapter(codec, links, own_group(self.groups.pp_group, self.device, self.bounded))
+
+    def _adapt_links(self, exposure: ExposureReport, step_s: float, loss: float) -> CompressionReport | None:
+        """Adaptive stage sends: settle the last agreement (new rungs from the next call) and post this call's."""
+        if self.links is None:
+            return None
+        self.links.settle(self.bounded)
+        return self.links.post(dict(exposure.links), step_s, loss, self.device)
 
     def _exposure(self, final: bool) -> ExposureReport:
         """The call's exposed communication: bucket waits (window ends) and receive waits per stage link."""

@@ -116,8 +116,37 @@ def _pipeline_case(rank: int) -> dict[str, Any]:
     return {"reports": reports, "buckets": len(pipe.dp.buckets)}
 
 
+def _links_case(rank: int) -> dict[str, Any]:
+    """PP=2 with p2p_compression="adaptive": both ends of each link switch at the same step, training goes on as
+    with exact sends (bf16 rounding apart)."""
+    from duplexpipe import Pipeline, PipelineConfig
+    from duplexpipe.parallel.mesh import make_mesh
+    from duplexpipe.train.pipeline_config import PrecisionConfig
+
+    def build(p2p: str | None) -> Any:
+        torch.manual_seed(0)
+        layers = [nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(2)]
+        config = PipelineConfig("1f1b", 2, precision=PrecisionConfig(p2p_compression=p2p))
+        return Pipeline.from_layers(layers, nn.functional.mse_loss, lambda ps: torch.optim.SGD(ps, lr=0.05), config,
+                                    mesh=make_mesh(2, 1))
+
+    adaptive = build("adaptive(ladder=none/bf16, patience=1, up=0.0000001, down=0.00000005, max_hold=1)")
+    exact = build(None)
+    gen = torch.Generator().manual_seed(1)
+    choices, gaps = [], []
+    for _ in range(8):
+        x, y = torch.randn(4, 16, generator=gen), torch.randn(4, 16, generator=gen)
+        got, want = adaptive.step(x, y), exact.step(x, y)
+        gaps.append(abs(got - want) / want)
+        report = adaptive.last.compression
+        choices.append(dict(report.choices) if report is not None else {})
+    assert adaptive.links is not None
+    return {"choices": choices, "moves": [str(d) for d in adaptive.links.controller.log], "gap": max(gaps)}
+
+
 def _worker(rank: int, world: int) -> dict[str, Any]:
-    return {"carry": _carry_case(rank), "agree": _agree_case(rank), "pipeline": _pipeline_case(rank)}
+    return {"carry": _carry_case(rank), "agree": _agree_case(rank), "pipeline": _pipeline_case(rank),
+            "links": _links_case(rank)}
 
 
 @pytest.fixture(scope="module")
@@ -152,3 +181,12 @@ def test_a_pipeline_reports_choices_and_exposure_each_step(results: list[dict[st
             assert sorted(report["choices"]) == keys and report["buckets"] == list(range(p["buckets"]))
             assert report["exposed_lane"]
     assert results[0]["pipeline"]["reports"] == results[1]["pipeline"]["reports"]
+
+
+def test_stage_links_switch_on_both_ends_at_the_same_step(results: list[dict[str, Any]]) -> None:
+    one, two = (r["links"] for r in results)
+    assert one["choices"] == two["choices"] and one["moves"] == two["moves"]
+    assert set(one["choices"][0]) == {"link 0->1", "link 1->0"}
+    used = {rung for step in one["choices"] for rung in step.values()}
+    assert used == {"none", "bf16"}, "the links moved between rungs during the run"
+    assert one["gap"] < 1e-2  # the loss as with exact sends, up to bf16's rounding
