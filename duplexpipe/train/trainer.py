@@ -418,7 +418,8 @@ class Pipeline:
 
     def _exposure(self, final: bool) -> ExposureReport:
         """The call's exposed communication: bucket waits (window ends) and receive waits per stage link."""
-        me, links = self.runtime.rank, {}
+        me = self.runtime.rank
+        links: dict[str, float] = {}
         for peer, begin, end in self.runtime.transport.recv_waits:
             key = f"link {peer}->{me}"
             links[key] = links.get(key, 0.0) + (end - begin)
