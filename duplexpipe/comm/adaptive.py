@@ -96,6 +96,7 @@ class _Key:
     cap: int = -1
     cap_until: int = 0
     cap_hold: int = 1
+    blind: int = 0
 
 
 @dataclass
@@ -135,6 +136,8 @@ class Controller:
 
     options: AdaptiveOptions
     keys: Sequence[str]
+    lag: int = 0
+    """Observations that still predate a move when they arrive (the agreement's delay: 1), skipped for the key."""
     steps: int = 0
     """Observed steps."""
     ceiling: int = -1
@@ -206,6 +209,9 @@ class Controller:
 
     def _one(self, key: str, exposed: float, step_s: float) -> Decision | None:
         opts, state = self.options, self._state[key]
+        if state.blind > 0:  # measured before the key's last move took effect
+            state.blind -= 1
+            return None
         share = exposed / step_s if step_s > 0 else 0.0
         if share > opts.up:
             state.exposed_run, state.hidden_run = state.exposed_run + 1, 0
@@ -219,7 +225,7 @@ class Controller:
         if state.last_down is not None and self.steps - state.last_down > 4 * state.hold:
             state.hold, state.last_down = opts.patience, None  # the last probe held
         if state.up_at is not None:
-            if self.steps - state.up_at < opts.patience:
+            if len(state.recent) < opts.patience:
                 return None  # the move up is on trial
             return self._judge(key, state)
         if state.exposed_run >= opts.patience and state.rung < min(self.ceiling, state.cap):
@@ -251,14 +257,15 @@ class Controller:
 
     def _move(self, key: str, state: _Key, to: int, reason: str) -> Decision:
         decision = Decision(self.steps, key, self.labels[state.rung], self.labels[to], reason)
-        state.rung, state.exposed_run, state.hidden_run = to, 0, 0
+        state.rung, state.exposed_run, state.hidden_run, state.blind = to, 0, 0, self.lag
+        state.recent = []
         return decision
 
     def state_dict(self) -> dict[str, object]:
         """The rungs, run counters and guard (plain data) for a checkpoint."""
         return {"steps": self.steps, "ceiling": self.ceiling,
                 "keys": {k: [s.rung, s.exposed_run, s.hidden_run, s.hold, s.last_down, list(s.recent), s.before_up,
-                             s.up_at, s.cap, s.cap_until, s.cap_hold] for k, s in self._state.items()},
+                             s.up_at, s.cap, s.cap_until, s.cap_hold, s.blind] for k, s in self._state.items()},
                 "guard": [self._guard.ema, self._guard.lowest, self._guard.seen]}
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:

@@ -16,6 +16,11 @@ from duplexpipe.comm.adaptive import CompressionReport, Controller, Decision
 from duplexpipe.comm.reduction import WaitFn
 from duplexpipe.errors import PipelineError
 
+LAG = 1
+"""Steps between a step and the settle that decides from its measurements, less one: a move made at the end of step
+t applies from step t+1, whose measurements are decided on at the end of step t+2, so the one decided on at the end
+of step t+1 (step t's) still predates it (`Controller.lag`)."""
+
 
 class Agreement:
     """Drives `controller` from measurements agreed over `group` (every rank of it holds the same keys).
@@ -39,10 +44,11 @@ class Agreement:
         self._moves: list[Decision] = []
         self._spent = 0.0
 
-    def post(self, exposed_s: Mapping[str, float], step_s: float, loss: float | None,
-             device: torch.device) -> CompressionReport:
-        """End a step: post the all-reduce of its measurements and rungs; this step's report (its own rungs, this
-        rank's measurements, the moves made at its end, the controller's seconds)."""
+    def post(self, exposed_s: Mapping[str, float], step_s: float, loss: float | None, device: torch.device,
+             used: Mapping[str, str] | None = None) -> CompressionReport:
+        """End a step (after `settle`): post the all-reduce of its measurements and the rungs from now on; this
+        step's report (the rungs it `used`, default the current ones; this rank's measurements; the moves made
+        at its end; the controller's seconds)."""
         begin = self.clock()
         keys, ctl = self.controller.keys, self.controller
         rungs = [float(r) for r in ctl.rungs()]
@@ -51,7 +57,8 @@ class Agreement:
         self._pending = (dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.group, async_op=True), vec, loss)
         spent, self._spent = self._spent + self.clock() - begin, 0.0
         local = {k: float(exposed_s.get(k, 0.0)) for k in keys}
-        self.last = CompressionReport(ctl.choices(), local, tuple(self._moves), spent)
+        self.last = CompressionReport(dict(used) if used is not None else ctl.choices(), local, tuple(self._moves),
+                                      spent)
         self._moves = []
         return self.last
 

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from duplexpipe.comm.adaptive import CompressionReport, Controller, Decision
-from duplexpipe.comm.adaptive_agreement import Agreement
+from duplexpipe.comm.adaptive_agreement import LAG, Agreement
 from duplexpipe.comm.codec import Codec, TensorSpec, codec_name
 from duplexpipe.comm.reduction import WaitFn
 from duplexpipe.dp_options.compression import AdaptiveOptions
@@ -92,13 +92,16 @@ class LinkAdapter:
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.codec = codec
         self.links = sorted(set(links))
-        self.controller = Controller(codec.options, [link_key(*link) for link in self.links])
+        self.controller = Controller(codec.options, [link_key(*link) for link in self.links], lag=LAG)
         self.agreement = Agreement(self.controller, group, "the pipeline's stage links", clock)
 
-    def post(self, exposed_s: Mapping[str, float], step_s: float, loss: float | None,
-             device: torch.device) -> CompressionReport:
-        """End a step: post this rank's link exposures for the agreement; the step's report."""
-        return self.agreement.post(exposed_s, step_s, loss, device)
+    def finish_step(self, exposed_s: Mapping[str, float], step_s: float, loss: float | None, device: torch.device,
+                    wait: WaitFn) -> CompressionReport:
+        """End a step: settle the last agreement (new rungs from the next step), post this step's link exposures;
+        the step's report."""
+        used = self.controller.choices()
+        self.settle(wait)
+        return self.agreement.post(exposed_s, step_s, loss, device, used)
 
     def settle(self, wait: WaitFn) -> list[Decision]:
         """Between steps: complete the last agreement, decide, set the links' new rungs; the moves."""

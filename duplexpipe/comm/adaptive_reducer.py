@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from duplexpipe.comm.adaptive import CompressionReport, Controller, Decision
-from duplexpipe.comm.adaptive_agreement import Agreement
+from duplexpipe.comm.adaptive_agreement import LAG, Agreement
 from duplexpipe.comm.bucket import Bucket
 from duplexpipe.comm.hooks import PowerSGDReducer
 from duplexpipe.comm.link import EmulatedLink
@@ -50,7 +50,7 @@ class AdaptiveReducer(Reducer):
         self.build = build
         self.options = options
         self.rung_options = options.gradient_rungs()
-        self.controller = Controller(options, [bucket_key(i) for i in buckets])
+        self.controller = Controller(options, [bucket_key(i) for i in buckets], lag=LAG)
         self.buckets = list(buckets)
         self.clock = clock
         self.carry: dict[int, Tensor] = {}
@@ -120,9 +120,16 @@ class AdaptiveReducer(Reducer):
                 self.carry[index] = residual if held is None else held.add_(residual.to(held.dtype))
 
     def post(self, exposed_s: Mapping[int, float], step_s: float, loss: float | None,
-             device: torch.device) -> CompressionReport:
+             device: torch.device, used: Mapping[str, str] | None = None) -> CompressionReport:
         """End a step: post its measurements for the group's agreement; this step's report."""
-        return self.agreement.post({bucket_key(i): t for i, t in exposed_s.items()}, step_s, loss, device)
+        return self.agreement.post({bucket_key(i): t for i, t in exposed_s.items()}, step_s, loss, device, used)
+
+    def finish_step(self, exposed_s: Mapping[int, float], step_s: float, loss: float | None, device: torch.device,
+                    wait: WaitFn) -> CompressionReport:
+        """End a step: settle the last agreement (moves from the next step), post this step's; its report."""
+        used = self.controller.choices()
+        self.settle(wait)
+        return self.post(exposed_s, step_s, loss, device, used)
 
     def settle(self, wait: WaitFn) -> list[Decision]:
         """Between steps: complete the last agreement, decide, hand the moved buckets' residuals over; the moves."""

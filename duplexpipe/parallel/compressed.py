@@ -13,7 +13,7 @@ from duplexpipe.comm import Bucket, Reduction, Waitable, build_reducer, check_op
 from duplexpipe.comm.adaptive_reducer import AdaptiveReducer
 from duplexpipe.comm.dgc import local_clip_threshold
 from duplexpipe.comm.link import EmulatedLink
-from duplexpipe.dp_options.compression import DGCOptions
+from duplexpipe.dp_options.compression import AdaptiveOptions, DGCOptions
 from duplexpipe.parallel import grads
 from duplexpipe.parallel.buckets import BucketSpec
 from duplexpipe.parallel.mesh import ParallelGroups
@@ -77,7 +77,9 @@ class CompressedStrategy(DPStrategy):
 
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
-        check_optimizer(ctx.compression, self.optimizer)
+        rungs = ctx.compression.gradient_rungs() if isinstance(ctx.compression, AdaptiveOptions) else ()
+        for options in (ctx.compression, *rungs):  # adaptive: every rung of its ladder may run
+            check_optimizer(options, self.optimizer)
         check_dgc_momentum(ctx.compression, self.optimizer)
         self.group = own_dp_group(ctx.groups, ctx.device, ctx.wait)
         """This strategy's own data-parallel group (PowerSGD's chained all-reduces need one to themselves)."""
@@ -171,8 +173,8 @@ class CompressedStrategy(DPStrategy):
         group) and posts this window's."""
         self.reducer.end_step(applied)
         if isinstance(self.reducer, AdaptiveReducer) and self.buckets:
-            self.reducer.settle(self.wait)
-            self.report = self.reducer.post(self.exposed_s, self.window_s, self._loss, self.ctx.device)
+            self.report = self.reducer.finish_step(self.exposed_s, self.window_s, self._loss, self.ctx.device,
+                                                   self.wait)
 
     def emulate_link(self, link: EmulatedLink | None) -> None:
         """Hold the reducer's collectives for `link`."""

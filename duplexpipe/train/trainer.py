@@ -413,8 +413,7 @@ class Pipeline:
         """Adaptive stage sends: settle the last agreement (new rungs from the next call) and post this call's."""
         if self.links is None:
             return None
-        self.links.settle(self.bounded)
-        return self.links.post(dict(exposure.links), step_s, loss, self.device)
+        return self.links.finish_step(dict(exposure.links), step_s, loss, self.device, self.bounded)
 
     def _exposure(self, final: bool) -> ExposureReport:
         """The call's exposed communication: bucket waits (window ends) and receive waits per stage link."""

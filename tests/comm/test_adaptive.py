@@ -120,3 +120,15 @@ def test_options_parse_and_refuse_with_the_value() -> None:
             compression_options(text)
     with pytest.raises(ValueError, match="no exposure measured for \\['b'\\]"):
         Controller(AdaptiveOptions(), ["a", "b"]).observe(STEP_S, {"a": 0.0})
+
+
+def test_with_a_lag_the_measurement_taken_before_a_move_is_not_held_against_it() -> None:
+    """The agreement decides a step late: the first measurement after a move is still of the old rung."""
+    opts = AdaptiveOptions(ladder="none/int8", patience=2)
+    script = [0.5, 0.5, 0.9, 0.2, 0.2]  # int8 (still exposed, less) takes effect from the 4th measurement on
+    late, prompt = Controller(opts, ["k"], lag=1), Controller(opts, ["k"])
+    for exposed in script:
+        late.observe(STEP_S, {"k": exposed})
+        prompt.observe(STEP_S, {"k": exposed})
+    assert late.rung("k") == 1 and len(late.log) == 1  # kept: the 0.9 just after the move was skipped
+    assert prompt.rung("k") == 0 and "did not lower" in prompt.log[1].reason  # judged on the stale 0.9

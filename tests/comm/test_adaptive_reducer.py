@@ -4,6 +4,7 @@ reporting its choices and exposure each step."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -93,7 +94,8 @@ def _reduce_two(red: AdaptiveReducer) -> None:
 
 
 def _pipeline_case(rank: int) -> dict[str, Any]:
-    """A DP=2 Pipeline with grad_compression="adaptive": choices, exposure and its timeline lane, every step."""
+    """A DP=2 Pipeline with grad_compression="adaptive" on a scripted clock (each read 1 ms later): every bucket's
+    wait is exposed, so every bucket moves up at the same step on both ranks; choices and exposure every step."""
     from duplexpipe import Pipeline, PipelineConfig
     from duplexpipe.parallel.mesh import make_mesh
     from duplexpipe.train.pipeline_config import DataParallelConfig
@@ -104,6 +106,8 @@ def _pipeline_case(rank: int) -> dict[str, Any]:
                                                                        grad_bucket_bytes=1200))
     pipe = Pipeline.from_layers(layers, nn.functional.mse_loss, lambda ps: torch.optim.SGD(ps, lr=0.01), config,
                                 mesh=make_mesh(1, 2))
+    ticks = itertools.count()
+    pipe.dp.clock = lambda: next(ticks) * 1e-3
     x, y = torch.randn(4, 16), torch.randn(4, 16)
     reports = []
     for _ in range(3):
@@ -111,8 +115,8 @@ def _pipeline_case(rank: int) -> dict[str, Any]:
         last = pipe.last
         assert last is not None and last.compression is not None and last.exposure is not None
         lanes = {s.lane for s in last.timeline.spans} if last.timeline is not None else set()
-        reports.append({"choices": dict(last.compression.choices), "buckets": sorted(last.exposure.buckets),
-                        "exposed_lane": "exposed" in lanes})
+        reports.append({"choices": dict(last.compression.choices), "exposed": dict(last.exposure.buckets),
+                        "moves": [str(d) for d in last.compression.decisions], "exposed_lane": "exposed" in lanes})
     return {"reports": reports, "buckets": len(pipe.dp.buckets)}
 
 
@@ -175,11 +179,17 @@ def test_every_rank_makes_the_same_moves_from_the_groups_maximum(results: list[d
 def test_a_pipeline_reports_choices_and_exposure_each_step(results: list[dict[str, Any]]) -> None:
     for r in results:
         p = r["pipeline"]
-        assert p["buckets"] >= 2
-        keys = [f"bucket {i}" for i in range(p["buckets"])]
+        n = p["buckets"]
+        keys = [f"bucket {i}" for i in range(n)]
+        assert n >= 2
         for report in p["reports"]:
-            assert sorted(report["choices"]) == keys and report["buckets"] == list(range(p["buckets"]))
-            assert report["exposed_lane"]
+            assert sorted(report["choices"]) == keys and report["exposed_lane"]
+            assert report["exposed"] == {i: pytest.approx(1e-3) for i in range(n)}  # one clock read per wait
+        first, second, third = p["reports"]
+        assert first["moves"] == [] and set(first["choices"].values()) == {"none"}
+        assert len(second["moves"]) == n and all(f"{k} none -> bf16 (exposed" in m
+                                                 for k, m in zip(keys, second["moves"], strict=True))
+        assert set(third["choices"].values()) == {"bf16"}
     assert results[0]["pipeline"]["reports"] == results[1]["pipeline"]["reports"]
 
 
