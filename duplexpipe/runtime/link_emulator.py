@@ -15,7 +15,7 @@ from duplexpipe.comm.link import EmulatedLink, LinkModel
 if TYPE_CHECKING:
     from duplexpipe.runtime.executor import PipelineRuntime
 
-__all__ = ["EmulatedLink", "LinkModel", "emulate_link"]
+__all__ = ["EmulatedLink", "LinkModel", "emulate_link", "emulate_sends"]
 
 
 def emulate_link(runtime: PipelineRuntime, link: LinkModel | None) -> None:
@@ -25,3 +25,14 @@ def emulate_link(runtime: PipelineRuntime, link: LinkModel | None) -> None:
     if link is not None and not isinstance(link, LinkModel):
         raise ValueError(f"emulate_link needs a LinkModel or None, got {link!r}")
     runtime.driver.link = link
+
+
+def emulate_sends(runtime: PipelineRuntime, link: LinkModel | None) -> None:
+    """Hold every stage-to-stage message of `runtime` for `link` from the next step on: the sender stamps each message
+    with its emulated arrival (latency + bytes / bandwidth after it was posted or the link's previous message to that
+    peer arrived, whichever is later) and the receiver waits until then. Call it with the same link on every rank of
+    the pipeline, between steps (a new model changes the link during a run); None: real time only. One clock is
+    assumed for all processes (perf_counter: one machine)."""
+    if link is not None and not isinstance(link, LinkModel):
+        raise ValueError(f"emulate_sends needs a LinkModel or None, got {link!r}")
+    runtime.transport.link = link

@@ -125,6 +125,7 @@ def _links_case(rank: int) -> dict[str, Any]:
     with exact sends (bf16 rounding apart)."""
     from duplexpipe import Pipeline, PipelineConfig
     from duplexpipe.parallel.mesh import make_mesh
+    from duplexpipe.runtime.link_emulator import LinkModel, emulate_sends
     from duplexpipe.train.pipeline_config import PrecisionConfig
 
     def build(p2p: str | None) -> Any:
@@ -145,7 +146,18 @@ def _links_case(rank: int) -> dict[str, Any]:
         report = adaptive.last.compression
         choices.append(dict(report.choices) if report is not None else {})
     assert adaptive.links is not None
-    return {"choices": choices, "moves": [str(d) for d in adaptive.links.controller.log], "gap": max(gaps)}
+    emulated = build(None)  # the same, every message held for an emulated link of 50 ms latency
+    emulate_sends(emulated.runtime, LinkModel(latency_s=0.05))
+    reference = build(None)
+    gen = torch.Generator().manual_seed(2)
+    equal, waited = True, []
+    for _ in range(2):
+        x, y = torch.randn(4, 16, generator=gen), torch.randn(4, 16, generator=gen)
+        equal &= emulated.step(x, y) == reference.step(x, y)
+        assert emulated.last is not None and emulated.last.exposure is not None
+        waited.append(sum(emulated.last.exposure.links.values()))
+    return {"choices": choices, "moves": [str(d) for d in adaptive.links.controller.log], "gap": max(gaps),
+            "emulated_equal": equal, "emulated_waits": waited}
 
 
 def _worker(rank: int, world: int) -> dict[str, Any]:
@@ -200,3 +212,9 @@ def test_stage_links_switch_on_both_ends_at_the_same_step(results: list[dict[str
     used = {rung for step in one["choices"] for rung in step.values()}
     assert used == {"none", "bf16"}, "the links moved between rungs during the run"
     assert one["gap"] < 1e-2  # the loss as with exact sends, up to bf16's rounding
+
+
+def test_emulated_stage_sends_arrive_late_and_unchanged(results: list[dict[str, Any]]) -> None:
+    for r in results:
+        assert r["links"]["emulated_equal"]
+        assert all(w >= 0.05 for w in r["links"]["emulated_waits"])  # a lower bound: sleeping never ends early
