@@ -17,6 +17,7 @@ from duplexpipe.comm import Bucket, blocking_wait, build_reducer
 from duplexpipe.comm.adaptive_reducer import AdaptiveReducer
 from duplexpipe.dp_options.compression import AdaptiveOptions
 from duplexpipe.errors import PipelineError
+from duplexpipe.train.checkpoint.plain_state import decode, encode
 
 SPAWN_TIMEOUT_S = 120
 SHAPES = [(40, 8), (8,)]
@@ -55,7 +56,12 @@ def _carry_case(rank: int) -> dict[str, Any]:
         if step == 2:
             assert [(d.before, d.after) for d in moves] == [("int8(block=16)", "none")]
             carried = red.carry[0].clone()
+            skeleton, tensors = encode(red.state_dict())  # what a checkpoint keeps
+            resumed = build_reducer(opts, buckets=[0])
+            resumed.load_state_dict(decode(skeleton, tensors))
     assert 0 not in red.carry  # consumed by the step under "none"
+    assert isinstance(resumed, AdaptiveReducer)
+    assert torch.equal(_reduce(resumed, grads[3]), outs[3])  # resumed from the checkpointed state: the same step
     total = torch.stack(grads).sum(0)
     dist.all_reduce(total)
     sent = torch.stack(outs).sum(0)
