@@ -50,6 +50,9 @@ class CompressionReport:
     next step)."""
     controller_s: float = 0.0
     """Seconds this rank spent on the controller in this step: posting the agreement, completing it, deciding."""
+    controller_cpu_s: float = 0.0
+    """The CPU seconds of this rank's thread in the same (`time.thread_time`: without the time a loaded machine
+    kept it waiting for a core)."""
 
 
 def merged_reports(*reports: CompressionReport | None) -> CompressionReport | None:
@@ -59,7 +62,8 @@ def merged_reports(*reports: CompressionReport | None) -> CompressionReport | No
         return None
     return CompressionReport({k: v for r in found for k, v in r.choices.items()},
                              {k: v for r in found for k, v in r.exposed_s.items()},
-                             tuple(d for r in found for d in r.decisions), sum(r.controller_s for r in found))
+                             tuple(d for r in found for d in r.decisions), sum(r.controller_s for r in found),
+                             sum(r.controller_cpu_s for r in found))
 
 
 @dataclass(frozen=True)
@@ -67,7 +71,8 @@ class ExposureReport:
     """Exposed communication of one step on this rank (`pipe.last.exposure`)."""
 
     buckets: Mapping[int, float]
-    """Data-parallel bucket index -> seconds the step waited on its reduction after the last W feeding it."""
+    """Data-parallel bucket index -> seconds from the end of the window's compute (after the last W feeding it)
+    until its reduction completed; 0 when it had completed before the step waited for it."""
     links: Mapping[str, float]
     """Stage link "link a->b" (pipeline ranks, b this one) -> seconds this rank's receives from a blocked (an upper
     bound of the link's exposed time: it also covers the sender's compute running late)."""

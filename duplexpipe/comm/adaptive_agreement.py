@@ -42,23 +42,23 @@ class Agreement:
         """The report of the last step posted."""
         self._pending: tuple[Any, Tensor, float | None] | None = None
         self._moves: list[Decision] = []
-        self._spent = 0.0
+        self._spent = (0.0, 0.0)
 
     def post(self, exposed_s: Mapping[str, float], step_s: float, loss: float | None, device: torch.device,
              used: Mapping[str, str] | None = None) -> CompressionReport:
         """End a step (after `settle`): post the all-reduce of its measurements and the rungs from now on; this
         step's report (the rungs it `used`, default the current ones; this rank's measurements; the moves made
         at its end; the controller's seconds)."""
-        begin = self.clock()
+        begin = (self.clock(), time.thread_time())
         keys, ctl = self.controller.keys, self.controller
         rungs = [float(r) for r in ctl.rungs()]
         vec = torch.tensor([step_s, *(exposed_s.get(k, 0.0) for k in keys), *rungs, *(-r for r in rungs)],
                            dtype=torch.float64, device=device)
         self._pending = (dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.group, async_op=True), vec, loss)
-        spent, self._spent = self._spent + self.clock() - begin, 0.0
+        spent, self._spent = self._add(begin), (0.0, 0.0)
         local = {k: float(exposed_s.get(k, 0.0)) for k in keys}
         self.last = CompressionReport(dict(used) if used is not None else ctl.choices(), local, tuple(self._moves),
-                                      spent)
+                                      *spent)
         self._moves = []
         return self.last
 
@@ -66,7 +66,7 @@ class Agreement:
         """Complete the agreement posted last, check the rungs, decide; the moves (none when nothing was posted)."""
         if self._pending is None:
             return []
-        begin = self.clock()
+        begin = (self.clock(), time.thread_time())
         work, vec, loss = self._pending
         self._pending = None
         wait(work, f"the adaptive compression's agreement all-reduce over {self.what}")
@@ -80,5 +80,9 @@ class Agreement:
                                 f"(highest {high}, lowest {low}); their controllers diverged")
         moves = self.controller.observe(values[0], dict(zip(keys, values[1:1 + n], strict=True)), loss)
         self._moves += moves
-        self._spent += self.clock() - begin
+        self._spent = self._add(begin)
         return moves
+
+    def _add(self, begin: tuple[float, float]) -> tuple[float, float]:
+        """The controller's (wall, CPU) seconds so far in this step, with those since `begin`."""
+        return (self._spent[0] + self.clock() - begin[0], self._spent[1] + time.thread_time() - begin[1])

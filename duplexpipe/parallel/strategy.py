@@ -37,6 +37,8 @@ STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 """How checkpoints hold the optimizer state: per parameter, keys `state.<param>.<name>`."""
 DP_LANE = "dp"
 """The timeline lane of the data-parallel reductions (see Span)."""
+EXPOSED_FLOOR_S = 1e-4
+"""A wait on a reduction shorter than this is the cost of looking (it had completed): no exposure."""
 EXPOSED_LANE = "exposed"
 """The timeline lane of exposed communication: the time the step waited on each bucket's reduction."""
 
@@ -162,6 +164,7 @@ class DPStrategy(ABC):
         """Bucket index -> seconds the last window's end waited on its reduction (after the last W feeding it)."""
         self._exposed_at: list[tuple[int, float, float]] = []
         self._window_begin = 0.0
+        self._finish_begin = 0.0
         self._loss: float | None = None
         self.report: CompressionReport | None = None
         """Adaptive compression: what the last window chose and measured (None otherwise)."""
@@ -205,13 +208,17 @@ class DPStrategy(ABC):
 
     @contextlib.contextmanager
     def exposed(self, index: int) -> Iterator[None]:
-        """Time the wait on bucket `index`'s reduction in finish_buckets() as its exposed communication."""
+        """Time the wait on bucket `index`'s reduction in finish_buckets(): its exposed communication is the time
+        from the end of the window's compute (finish() began) until it completed, 0 when it had completed before
+        this wait began (the step never waited for it). Reductions sharing a link finish in order, so a later
+        bucket's exposure includes the earlier ones' transfers it queued behind."""
         begin = self.clock()
         try:
             yield
         finally:
             end = self.clock()
-            self.exposed_s[index] = self.exposed_s.get(index, 0.0) + (end - begin)
+            waited = end - begin > EXPOSED_FLOOR_S
+            self.exposed_s[index] = max(self.exposed_s.get(index, 0.0), end - self._finish_begin if waited else 0.0)
             self._exposed_at.append((index, begin, end))
 
     @property
@@ -248,6 +255,7 @@ class DPStrategy(ABC):
         for spec in self.tracker.pending():
             self._start(spec)
         begin, waited = time.perf_counter(), self._waited
+        self._finish_begin = self.clock()
         self.finish_buckets()
         self._finish_experts()
         end = time.perf_counter()

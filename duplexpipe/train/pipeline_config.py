@@ -404,8 +404,9 @@ class StepInfo:
     """What this rank held during the call, measured (ObserveConfig.measure_memory; None when off), the optimizer
     state included."""
     exposure: ExposureReport | None = None
-    """Exposed communication of the call: per data-parallel bucket the wait on its reduction at the window's end,
-    per stage link the time this rank's receives blocked. A recorded timeline shows them on lane "exposed"."""
+    """Exposed communication of the call: per data-parallel bucket the time from the end of the window's compute until
+    its reduction completed, per stage link the time this rank's receives blocked. A recorded timeline shows the
+    waits on lane "exposed"."""
     compression: CompressionReport | None = None
     """grad_compression="adaptive" and / or p2p_compression="adaptive": the rung each bucket ("bucket i", on window
     ends) and each directed stage link ("link a->b") used in the call, their measured exposure and the moves made at

@@ -17,7 +17,8 @@ CFG = adaptive_comm.QUICK
 def _variant(step_s: float, loss: float, share: float = 0.0) -> dict[str, Any]:
     steps = [step_s] * CFG.steps
     return {"mean_step_s": step_s, "loss": loss, "losses": [loss] * CFG.steps, "step_s": steps, "exposed_s": 0.0,
-            "wire_bytes": 1.0, "controller_share": share, "choices": [[("bucket 0", "none")]] * CFG.steps}
+            "wire_bytes": 1.0, "controller_share": share, "controller_cpu_share": share / 2,
+            "choices": [[("bucket 0", "none")]] * CFG.steps}
 
 
 def _row(name: str, none: float, bf16: float, int8: float, adaptive: float, loss: float = 3.0) -> dict[str, Any]:

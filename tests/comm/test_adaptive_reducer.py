@@ -202,7 +202,8 @@ def test_a_pipeline_reports_choices_and_exposure_each_step(results: list[dict[st
         assert n >= 2
         for report in p["reports"]:
             assert sorted(report["choices"]) == keys and report["exposed_lane"]
-            assert report["exposed"] == {i: pytest.approx(1e-3) for i in range(n)}  # one clock read per wait
+            # each read of the scripted clock 1 ms later: bucket i completed 2 (i + 1) reads after the compute ended
+            assert report["exposed"] == {i: pytest.approx(2e-3 * (i + 1)) for i in range(n)}
         first, second, third = p["reports"]
         assert first["moves"] == [] and set(first["choices"].values()) == {"none"}
         assert len(second["moves"]) == n and all(f"{k} none -> bf16 (exposed" in m
