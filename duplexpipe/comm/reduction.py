@@ -110,9 +110,10 @@ class Reduction:
             self._current = next(self._phases, None)
         finally:
             self.compute_s += time.perf_counter() - begin
-        if self.link is not None and self.meter is not None and self._current is not None:
+        sent = (self.meter.total_bytes - sent) if self.meter is not None else 0.0
+        if self.link is not None and self._current is not None and sent > 0:  # a wait that moves no bytes: as is
             work, what = self._current
-            self._current = self.link.hold(work, self.meter.total_bytes - sent), what
+            self._current = self.link.hold(work, sent), what
 
 
 class Reducer(ABC):
