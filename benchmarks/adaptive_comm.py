@@ -155,9 +155,12 @@ def report(result: Result) -> list[Block]:
             f"emulated link (`duplexpipe.comm.link.EmulatedLink`: {cfg['latency_s'] * 1e3:g} ms latency + bytes / "
             f"bandwidth, transfers queued one after another); the last row's link changes at step "
             f"{cfg['steps'] // 2}. Step: the mean over steps {cfg['timed_from']}.. of the slowest rank's seconds; "
-            f"loss: the mean of the last {cfg['tail']} steps; controller: the median share of a step the agreement "
-            f"all-reduce and the decision took (its all-reduce is not held for the emulated link). Adaptive: "
-            f"ladder {cfg['ladder']}, patience {cfg['patience']}, starting at none.", table]
+            f"loss: the mean of the last {cfg['tail']} steps; controller: the median share of a step (slowest rank) "
+            f"that posting and completing the agreement all-reduce and deciding took, in wall seconds and in the "
+            f"thread's CPU seconds (the wall figure includes waiting for a core on a loaded machine; the all-reduce "
+            f"is not held for the emulated link). Adaptive: ladder {cfg['ladder']}, patience {cfg['patience']}, "
+            f"starting at none. The variants of a row ran side by side (round-robin), so a row compares them under "
+            f"the same load; rows ran one after another and do not compare with each other.", table]
 
 
 def figures(result: Result, folder: str) -> list[tuple[str, str]]:
