@@ -1,9 +1,10 @@
 """How the ranks of a group make the same adaptive-compression moves: each step's measurements and rungs go into one
 all-reduce (max), posted at the step's end and completed a step later, and every rank's controller decides from
-the same maxima."""
+the same agreed values."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -25,11 +26,16 @@ of step t+1 (step t's) still predates it (`Controller.lag`)."""
 class Agreement:
     """Drives `controller` from measurements agreed over `group` (every rank of it holds the same keys).
 
-    `post` ends a step: its seconds, each key's exposed seconds (0 for a key this rank does not measure) and this
-    rank's rungs go into one all-reduce (max) over the group, posted without waiting. `settle`, at the end of the
-    next step (before its own `post`), completes it: that step's collectives on the group came after it, so it is
-    complete and nobody waits. Every rank then feeds the same maxima to its controller, so all make the same moves
-    at the same step (applied from the step after); a rank whose rungs differ from another's is caught there."""
+    `post` ends a step: its seconds, each key's exposed seconds and this rank's rungs go into one all-reduce (max)
+    over the group, posted without waiting. `settle`, at the end of the next step (before its own `post`),
+    completes it: that step's collectives on the group came after it, so it is complete and nobody waits. Every
+    rank then feeds the same values to its controller, so all make the same moves at the same step (applied from
+    the step after); a rank whose rungs differ from another's is caught there.
+
+    The agreed step is the slowest rank's; a key's agreed exposure is the smallest over the ranks that measure it
+    (sent negated, so one max gives it): a reduction completes at about the same time on every replica, so the
+    replica whose compute ended last waited only for the transfer, while the others also waited for it (skew
+    that no compression removes). A stage link is measured by its receiver alone."""
 
     def __init__(self, controller: Controller, group: Any, what: str,
                  clock: Callable[[], float] = time.perf_counter) -> None:
@@ -52,8 +58,9 @@ class Agreement:
         begin = (self.clock(), time.thread_time())
         keys, ctl = self.controller.keys, self.controller
         rungs = [float(r) for r in ctl.rungs()]
-        vec = torch.tensor([step_s, *(exposed_s.get(k, 0.0) for k in keys), *rungs, *(-r for r in rungs)],
-                           dtype=torch.float64, device=device)
+        unmeasured = -math.inf  # a key this rank does not measure (another rank's incoming stage link)
+        vec = torch.tensor([step_s, *(-exposed_s[k] if k in exposed_s else unmeasured for k in keys), *rungs,
+                            *(-r for r in rungs)], dtype=torch.float64, device=device)
         self._pending = (dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.group, async_op=True), vec, loss)
         spent, self._spent = self._add(begin), (0.0, 0.0)
         local = {k: float(exposed_s.get(k, 0.0)) for k in keys}
@@ -78,7 +85,8 @@ class Agreement:
         if differ:
             raise PipelineError(f"adaptive compression: the ranks of {self.what} used different rungs for {differ} "
                                 f"(highest {high}, lowest {low}); their controllers diverged")
-        moves = self.controller.observe(values[0], dict(zip(keys, values[1:1 + n], strict=True)), loss)
+        agreed = {k: max(0.0, -v) if math.isfinite(v) else 0.0 for k, v in zip(keys, values[1:1 + n], strict=True)}
+        moves = self.controller.observe(values[0], agreed, loss)
         self._moves += moves
         self._spent = self._add(begin)
         return moves
