@@ -50,7 +50,8 @@ from duplexpipe.runtime.watchdog import Watchdog
 # runner, its own measuring driver) and emulates the link under a whole step (a benchmarking aid, in no config).
 from duplexpipe.runtime.comm_points import CommRecord, CommSlot, Driver, Posted, current_driver, forward_slot
 from duplexpipe.runtime.fb_pair import run_pair
-from duplexpipe.runtime.link_emulator import LinkModel, emulate_link
+from duplexpipe.comm.link import LinkModel
+from duplexpipe.runtime.link_emulator import emulate_link
 
 # reliability times the first step's batch fingerprint and a checkpoint manifest's hashing alone.
 from duplexpipe.launch.job_guards import batch_fingerprint

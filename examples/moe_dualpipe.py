@@ -17,10 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from duplexpipe import Pipeline, PipelineConfig, make_mesh, run
+from duplexpipe.comm.link import LinkModel  # a benchmarking aid, outside the public API
 from duplexpipe.launch.tasks.gpt import CharCorpus
 from duplexpipe.moe import CausalSelfAttention, MoEBlock, MoELayer
 from duplexpipe.runtime import gather_timeline
-from duplexpipe.runtime.link_emulator import LinkModel, emulate_link  # a benchmarking aid, outside the public API
+from duplexpipe.runtime.link_emulator import emulate_link
 
 
 def build_model(vocab: int, dim: int = 64, layers: int = 4, experts: int = 8) -> tuple[nn.Module, list[nn.Module],

@@ -107,11 +107,13 @@ def overlap() -> dict[str, Any]:
     assert pipe.last is not None and pipe.last.timeline is not None
     mine = pipe.last.timeline
     merged = gather_timeline(mine, group=pipe.groups.pp_group)
-    bucket_spans = [s for s in mine.spans if s.name.startswith("bucket ")]
+    bucket_spans = [s for s in mine.spans if s.lane == "dp" and s.name.startswith("bucket ")]
     first = min(bucket_spans, key=lambda s: s.start)
     later = [e for e in mine.events if e.start >= first.start]
     return {"buckets": len(pipe.dp.buckets), "bucket_spans": len(bucket_spans),
             "lanes": mine.lanes(), "waits": sum(s.name == "wait" for s in mine.spans),
+            "exposed_spans": sorted(s.name for s in mine.spans if s.lane == "exposed" and s.name.startswith("bucket ")),
+            "exposed_buckets": sorted(pipe.last.exposure.buckets) if pipe.last.exposure is not None else None,
             "compute_after_first_start": [str(e.action) for e in later],
             "backward_after_first_start": any(p.op in (Op.B, Op.I, Op.W) for e in later
                                               for p in e.action.compute_parts()),

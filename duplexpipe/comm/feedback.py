@@ -29,6 +29,10 @@ class StagedState:
         """Set bucket `index`'s value for when the step commits (`value` must not alias a committed tensor)."""
         self._staged[index] = value
 
+    def take(self, index: int) -> Tensor | None:
+        """Remove and return bucket `index`'s committed tensor (None if it has none)."""
+        return self._committed.pop(index, None)
+
     def commit(self) -> None:
         """Make the staged values current."""
         self._committed.update(self._staged)

@@ -11,7 +11,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 
 from duplexpipe.comm.bucket import Bucket
 from duplexpipe.comm.meter import WireMeter
-from duplexpipe.comm.reduction import FutureWork, Phases, Reducer
+from duplexpipe.comm.reduction import FutureWork, Phases, Reducer, Waitable
 from duplexpipe.dp_options.compression import Bf16Options, Fp16Options, PowerSGDOptions
 
 
@@ -95,6 +95,15 @@ class PowerSGDReducer(Reducer):
         p, q = self.state.p_memory_dict[index].numel(), self.state.q_memory_dict[index].numel()
         for numel in (numel_sent - p - q, p, q):
             self.meter.record("all_reduce", numel * size, self.size)
+
+    def take_residual(self, index: int) -> Tensor | None:
+        """torch's error of the bucket (its flat layout: this rank's gradient minus the shared approximation)."""
+        return self.state.error_dict.pop(index, None)
+
+    def busy(self) -> Waitable | None:
+        """The chain of all-reduces still in flight (None: none): nothing else may use the group meanwhile."""
+        chain = self._chain
+        return FutureWork(chain) if chain is not None and not chain.done() else None
 
     def _close(self, applied: bool) -> None:
         st = self.state

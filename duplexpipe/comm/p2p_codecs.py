@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from duplexpipe.comm.adaptive_links import adaptive_pair
 from duplexpipe.comm.codec import Codec, TensorSpec, bf16_codec, check_codec
 from duplexpipe.comm.quantize import (
     FP8_FORMATS,
@@ -43,7 +44,8 @@ from duplexpipe.comm.quantize import (
     quantize_int8,
     work_dtype,
 )
-from duplexpipe.dp_options.labels import parse_label, parse_labels
+from duplexpipe.dp_options.compression import AdaptiveOptions
+from duplexpipe.dp_options.labels import build_options, parse_label, parse_labels
 
 P2P_COMPRESSION = ("bf16", "fp8", "int8")
 """The names `p2p_codec_pair` knows (None: no compression)."""
@@ -209,7 +211,9 @@ def _one(value: Any, slot: int, what: str) -> Codec | None:
 def p2p_codec_pair(spec: Any, what: str = "p2p_compression") -> tuple[Codec | None, Codec | None]:
     """(activation codec, gradient codec) for `spec`: None or "none" (no compression), a name of P2P_COMPRESSION
     (with options as in "int8(block=128)"), a Codec (both directions), or an (activation, gradient) pair whose
-    items are None, a name (that name's codec for the direction) or a Codec; as text a pair is "fp8, none".
+    items are None, a name (that name's codec for the direction) or a Codec; as text a pair is "fp8, none"; or
+    "adaptive(ladder=none/bf16/int8, ...)" (an AdaptiveOptions): each link's codec chosen at run time
+    (`comm.adaptive_links`).
     ValueError naming `what`, the value and the choices."""
     if isinstance(spec, (tuple, list)):
         if len(spec) != 2:
@@ -217,8 +221,12 @@ def p2p_codec_pair(spec: Any, what: str = "p2p_compression") -> tuple[Codec | No
         return _one(spec[0], 0, f"{what}[0] (activations)"), _one(spec[1], 1, f"{what}[1] (gradients)")
     if spec is None or spec == "none":
         return None, None
+    if isinstance(spec, AdaptiveOptions):
+        return adaptive_pair(spec, named_codecs)
     if isinstance(spec, str):  # a name, a name with options, or "activation, gradient" as text
         labels = parse_labels(spec)
+        if len(labels) == 1 and labels[0][0] == "adaptive":
+            return adaptive_pair(build_options(AdaptiveOptions, labels[0][1], f"{what} {spec!r}"), named_codecs)
         if len(labels) > 2:
             raise ValueError(f"{what} as a pair must be 'activation, gradient', got {len(labels)} items: {spec!r}")
         codecs = [None if (n, o) == ("none", {}) else _labelled(n, o, spec)[k] for k, (n, o) in enumerate(labels)]

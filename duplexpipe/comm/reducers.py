@@ -129,6 +129,18 @@ class Int8Reducer(Reducer):
         out = dequantize_int8(all_codes.reshape(-1), all_scales.reshape(-1), block, dtype)
         buf.copy_(out[: buf.numel()])
 
+    def take_residual(self, index: int) -> Tensor | None:
+        """The local residual plus, at this rank's shard, n x its owner residual (held back from the mean, so n x
+        it in one rank's gradient brings it back: exact for n a power of two)."""
+        local, owned = self.residual.take(index), self.owner_residual.take(index)
+        if local is None or owned is None:
+            return local
+        begin = self.rank * owned.numel()
+        end = min(begin + owned.numel(), local.numel())
+        if end > begin:
+            local[begin:end].add_(owned[: end - begin], alpha=self.size)
+        return local
+
     def _close(self, applied: bool) -> None:
         for state in (self.residual, self.owner_residual):
             state.commit() if applied else state.rollback()
@@ -204,6 +216,10 @@ class SparseReducer(Reducer):
         out = torch.zeros(buf.numel(), dtype=dtype, device=buf.device)
         out.index_add_(0, indices.reshape(-1).long(), values.reshape(-1))
         buf.copy_(out.div_(n))
+
+    def take_residual(self, index: int) -> Tensor | None:
+        """The error feedback of top-k, random-k and threshold (None for DGC: its velocity carries momentum)."""
+        return self.memory.take(index) if isinstance(self.memory, ErrorFeedback) else None
 
     def _close(self, applied: bool) -> None:
         self.memory.commit() if applied else self.memory.rollback()

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from duplexpipe.comm.bucket import Bucket
+from duplexpipe.comm.link import EmulatedLink
 from duplexpipe.comm.meter import WireMeter
 
 
@@ -57,8 +58,12 @@ class Reduction:
     """One bucket's reduction in flight, its first collective already posted; finish() completes it and
     leaves the mean in the bucket's buffer."""
 
-    def __init__(self, bucket: Bucket, phases: Phases) -> None:
+    def __init__(self, bucket: Bucket, phases: Phases, link: EmulatedLink | None = None,
+                 meter: WireMeter | None = None) -> None:
         self.bucket = bucket
+        self.link = link
+        """An emulated link each phase's collectives are held for (the bytes `meter` counted in the phase)."""
+        self.meter = meter
         self.compute_s = 0.0
         """Seconds this thread spent in the reduction's own compute (compress, decompress), waits excluded."""
         self._buffer = bucket.buffer()
@@ -76,22 +81,39 @@ class Reduction:
         """The collective the reduction waits for next (None once done): e.g. to time its completion."""
         return None if self._current is None else self._current[0]
 
+    @property
+    def what(self) -> str:
+        """What the pending collective is, in words ("" once done)."""
+        return "" if self._current is None else self._current[1]
+
     def finish(self, wait: WaitFn = blocking_wait) -> Tensor:
         """Wait (with `wait`) for each remaining collective and run the phases after it (which may post
         the next collective); return the bucket's buffer holding the mean over the group."""
         while self._current is not None:
             work, what = self._current
             wait(work, what)
-            work.wait()  # surfaces the work's error, if it failed (returns at once: it completed)
-            self._advance()
+            self.advance()
         return self._buffer
+
+    def advance(self) -> None:
+        """Once the pending collective completed: surface its error, if it failed, and run the phases up to the
+        next collective (or the end)."""
+        if self._current is None:
+            raise RuntimeError(f"the reduction of bucket {self.bucket.index()} is already done")
+        self._current[0].wait()  # returns at once: it completed
+        self._advance()
 
     def _advance(self) -> None:
         begin = time.perf_counter()
+        sent = self.meter.total_bytes if self.meter is not None else 0.0
         try:
             self._current = next(self._phases, None)
         finally:
             self.compute_s += time.perf_counter() - begin
+        sent = (self.meter.total_bytes - sent) if self.meter is not None else 0.0
+        if self.link is not None and self._current is not None and sent > 0:  # a wait that moves no bytes: as is
+            work, what = self._current
+            self._current = self.link.hold(work, sent), what
 
 
 class Reducer(ABC):
@@ -115,6 +137,8 @@ class Reducer(ABC):
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.meter = meter if meter is not None else WireMeter()
+        self.link: EmulatedLink | None = None
+        """An emulated link (benchmarks, tests): every collective is held for the bytes it puts on the wire."""
         self._started: dict[int, Reduction] = {}
 
     def start(self, bucket: Bucket) -> Reduction:
@@ -126,7 +150,7 @@ class Reducer(ABC):
         if index in self._started:
             raise RuntimeError(f"{self.method}: bucket {index} was already started in this step "
                                "(call end_step() after each step)")
-        reduction = Reduction(bucket, self._phases(bucket))
+        reduction = Reduction(bucket, self._phases(bucket), self.link, self.meter)
         self._started[index] = reduction
         return reduction
 
@@ -137,6 +161,18 @@ class Reducer(ABC):
             raise RuntimeError(f"{self.method}: finish the reductions of buckets {open_} before end_step()")
         self._started.clear()
         self._close(applied)
+
+    def set_link(self, link: EmulatedLink | None) -> None:
+        """Hold every collective for an emulated link from now on (None: real time only)."""
+        if link is not None and not isinstance(link, EmulatedLink):
+            raise ValueError(f"set_link needs an EmulatedLink or None, got {link!r}")
+        self.link = link
+
+    def take_residual(self, index: int) -> Tensor | None:
+        """Remove bucket `index`'s committed error feedback and return it in a form any reducer can take over: a
+        flat tensor of the bucket's layout, in gradient units, that added to this rank's next gradient of the
+        bucket transmits what was held back (None: the method keeps none). Between steps only."""
+        return None
 
     def state_dict(self) -> dict[str, Any]:
         """Residuals and compressor state (tensors and plain data), keyed by bucket index where per bucket."""

@@ -174,8 +174,75 @@ class DGCOptions:
             raise ValueError(f"dgc selection must be 'bucket' or 'tensor', got {self.selection!r}")
 
 
+@dataclass(frozen=True)
+class AdaptiveOptions:
+    """Compression chosen at run time per bucket (or per stage link) from its measured exposed communication: a
+    key moves one rung up the ladder (more compression) after `patience` steps exposed, one rung down after
+    `patience` steps hidden (`duplexpipe.comm.adaptive`). Every rank of a group decides alike from the same
+    all-reduced measurements."""
+
+    ladder: str = "none/bf16/int8"
+    """The rungs, lightest first, separated by "/": method names with options as in "none/bf16/int8/powersgd(rank=2,
+    start_step=2)" (gradients: any method but dgc and adaptive; stage sends: "none", "bf16", "fp8", "int8")."""
+    start: str | None = None
+    """The rung every key starts on (as written in the ladder); None: the lightest. With schedule="auto" the
+    planner's choice among the ladder's rungs."""
+    patience: int = 3
+    """Consecutive steps a key must be exposed (or hidden) before it moves one rung."""
+    up: float = 0.02
+    """A key is exposed when its exposed time exceeds this fraction of the step's time."""
+    down: float = 0.005
+    """A key is hidden when its exposed time is at most this fraction of the step's time (below `up`: the band
+    between them is hysteresis, where nothing moves)."""
+    max_hold: int = 64
+    """A key that moved down and came back up within a few steps (a failed probe) waits twice as long before its
+    next probe down, up to this many hidden steps."""
+    guard: float = 0.05
+    """Loss-quality guard: when the loss's moving average rises this fraction above its lowest, the ladder's top
+    rung in use is closed (keys on it move one down) for the rest of the run; 0: off."""
+
+    method: ClassVar[str] = "adaptive"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ladder, str) or len(self.rung_labels) < 2:
+            raise ValueError(f"adaptive ladder must name at least two rungs separated by '/', e.g. "
+                             f"'none/bf16/int8', got {self.ladder!r}")
+        labels = self.rung_labels
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"adaptive ladder {self.ladder!r} names a rung twice")
+        if self.start is not None and self.start not in labels:
+            raise ValueError(f"adaptive start {self.start!r} is not a rung of the ladder {labels}")
+        if not isinstance(self.patience, int) or self.patience < 1:
+            raise ValueError(f"adaptive patience must be an int >= 1, got {self.patience!r}")
+        if not (isinstance(self.down, (int, float)) and isinstance(self.up, (int, float)) and 0 <= self.down < self.up):
+            raise ValueError(f"adaptive thresholds need 0 <= down < up, got down={self.down!r}, up={self.up!r}")
+        if not isinstance(self.max_hold, int) or self.max_hold < self.patience:
+            raise ValueError(f"adaptive max_hold must be an int >= patience ({self.patience}), got {self.max_hold!r}")
+        if not (isinstance(self.guard, (int, float)) and self.guard >= 0):
+            raise ValueError(f"adaptive guard must be >= 0 (0: off), got {self.guard!r}")
+
+    @property
+    def rung_labels(self) -> tuple[str, ...]:
+        """The ladder's rungs as written, lightest first."""
+        return tuple(part.strip() for part in self.ladder.split("/") if part.strip())
+
+    @property
+    def start_rung(self) -> int:
+        """The index of the starting rung."""
+        return 0 if self.start is None else self.rung_labels.index(self.start)
+
+    def gradient_rungs(self) -> tuple[Options, ...]:
+        """The ladder as gradient-compression options; ValueError for a rung that cannot be one."""
+        rungs = tuple(compression_options(label) for label in self.rung_labels)
+        for label, rung in zip(self.rung_labels, rungs, strict=True):
+            if isinstance(rung, (AdaptiveOptions, DGCOptions)):
+                raise ValueError(f"adaptive ladder rung {label!r}: {rung.method!r} cannot be a rung (DGC's momentum "
+                                 "correction and a nested adaptive keep no residual another rung can take over)")
+        return rungs
+
+
 Options = Union[NoCompression, Bf16Options, Fp16Options, PowerSGDOptions, Int8Options, TopKOptions, RandomKOptions,
-                ThresholdOptions, DGCOptions]
+                ThresholdOptions, DGCOptions, AdaptiveOptions]
 """Any method's options."""
 
 _BY_NAME: dict[str, Any] = {
@@ -188,10 +255,12 @@ _BY_NAME: dict[str, Any] = {
     "randomk": RandomKOptions,
     "threshold": ThresholdOptions,
     "dgc": DGCOptions,
+    "adaptive": AdaptiveOptions,
 }
 METHOD_NAMES = tuple(_BY_NAME)
 """The names compression_options() accepts."""
-_OPTION_TYPES = (NoCompression, Bf16Options, Fp16Options, PowerSGDOptions, Int8Options, TopKOptions, DGCOptions)
+_OPTION_TYPES = (NoCompression, Bf16Options, Fp16Options, PowerSGDOptions, Int8Options, TopKOptions, DGCOptions,
+                 AdaptiveOptions)
 
 
 def compression_options(spec: str | Options | None) -> Options:
@@ -200,12 +269,17 @@ def compression_options(spec: str | Options | None) -> Options:
     if spec is None:
         return NoCompression()
     if isinstance(spec, _OPTION_TYPES):
+        if isinstance(spec, AdaptiveOptions):
+            spec.gradient_rungs()
         return spec
     if isinstance(spec, str):
         name, options = parse_label(spec) if "(" in spec else (spec, {})
         name = name.lower()  # method names are case-insensitive here (p2p codec names are not)
         if name in _BY_NAME:
-            return build_options(_BY_NAME[name], options, f"gradient compression {spec!r}")  # type: ignore[no-any-return]
+            built = build_options(_BY_NAME[name], options, f"gradient compression {spec!r}")
+            if isinstance(built, AdaptiveOptions):
+                built.gradient_rungs()
+            return built  # type: ignore[no-any-return]
     raise ValueError(f"unknown gradient compression {spec!r}; expected one of {METHOD_NAMES} (with options as in "
                      "'powersgd(rank=1)') or an options object")
 

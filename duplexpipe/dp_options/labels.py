@@ -12,11 +12,24 @@ MAX_LABEL_CHARS = 1000
 """Longest label text parsed (a label is a few words; anything longer is refused before parsing)."""
 
 
+def _chain(node: ast.expr) -> list[ast.expr]:
+    """The parts of `a/b/c` in order (a single part for anything else)."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+        return _chain(node.left) + _chain(node.right)
+    return [node]
+
+
 def _value(node: ast.expr, text: str) -> Any:
-    """A keyword's value: a literal (number, string, True/False/None), or a bare word taken as text (true/false as
-    booleans, none as None)."""
+    """A keyword's value: a literal (number, string, True/False/None), a bare word taken as text (true/false as
+    booleans, none as None), or a `/`-separated run of words and labels taken as text ("none/bf16/int8(block=128)",
+    a ladder)."""
     if isinstance(node, ast.Name):
         return {"true": True, "false": False, "none": None}.get(node.id.lower(), node.id)
+    parts = _chain(node)
+    if len(parts) > 1:
+        for part in parts:
+            _one(part, text)  # each part must be NAME or NAME(key=value, ...)
+        return "/".join(ast.unparse(part) for part in parts)
     try:
         return ast.literal_eval(node)
     except ValueError:

@@ -10,8 +10,10 @@ import torch
 import torch.distributed as dist
 
 from duplexpipe.comm import Bucket, Reduction, Waitable, build_reducer, check_optimizer
+from duplexpipe.comm.adaptive_reducer import AdaptiveReducer
 from duplexpipe.comm.dgc import local_clip_threshold
-from duplexpipe.dp_options.compression import DGCOptions
+from duplexpipe.comm.link import EmulatedLink
+from duplexpipe.dp_options.compression import AdaptiveOptions, DGCOptions
 from duplexpipe.parallel import grads
 from duplexpipe.parallel.buckets import BucketSpec
 from duplexpipe.parallel.mesh import ParallelGroups
@@ -75,7 +77,9 @@ class CompressedStrategy(DPStrategy):
 
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
-        check_optimizer(ctx.compression, self.optimizer)
+        rungs = ctx.compression.gradient_rungs() if isinstance(ctx.compression, AdaptiveOptions) else ()
+        for options in (ctx.compression, *rungs):  # adaptive: every rung of its ladder may run
+            check_optimizer(options, self.optimizer)
         check_dgc_momentum(ctx.compression, self.optimizer)
         self.group = own_dp_group(ctx.groups, ctx.device, ctx.wait)
         """This strategy's own data-parallel group (PowerSGD's chained all-reduces need one to themselves)."""
@@ -87,7 +91,7 @@ class CompressedStrategy(DPStrategy):
         options = ctx.compression
         if isinstance(options, DGCOptions) and options.clip_norm is not None:
             options = replace(options, clip_norm=None)  # clipped here, over the whole replica
-        self.reducer = build_reducer(options, self.group, self.meter)
+        self.reducer = build_reducer(options, self.group, self.meter, [spec.index for spec in self.buckets])
         self.comm_buckets = {spec.index: Bucket(spec.index, spec.shapes,
                                                 dtype=spec.dtype, device=ctx.device) for spec in self.buckets}
         self._inflight: list[tuple[BucketSpec, Reduction]] = []
@@ -146,7 +150,8 @@ class CompressedStrategy(DPStrategy):
         self._clip_and_start_held()
         inflight, self._inflight = self._inflight, []
         for spec, reduction in inflight:
-            reduction.finish(self.wait)
+            with self.exposed(spec.index):
+                reduction.finish(self.wait)
             self.comm_buckets[spec.index].store(grads.ensure_grads(spec.params))
 
     @property
@@ -163,8 +168,17 @@ class CompressedStrategy(DPStrategy):
         return []
 
     def end_step(self, applied: bool) -> None:
-        """Commit (applied) or roll back the reducer's residuals and compressor state."""
+        """Commit (applied) or roll back the reducer's residuals and compressor state; adaptive compression then
+        settles the previous window's agreement (complete by now: this window's reductions came after it on the same
+        group) and posts this window's."""
         self.reducer.end_step(applied)
+        if isinstance(self.reducer, AdaptiveReducer) and self.buckets:
+            self.report = self.reducer.finish_step(self.exposed_s, self.window_s, self._loss, self.ctx.device,
+                                                   self.wait)
+
+    def emulate_link(self, link: EmulatedLink | None) -> None:
+        """Hold the reducer's collectives for `link`."""
+        self.reducer.set_link(link)
 
     def state_dict(self) -> dict[str, Any]:
         """The reducer's residuals and state (this data-parallel rank's own)."""

@@ -44,7 +44,8 @@ class ReplicatedStrategy(DPStrategy):
         inflight, self._inflight = self._inflight, []
         total = len(self.buckets)
         for spec, flat, work in inflight:
-            self.wait(work, f"the data-parallel gradient all-reduce (bucket {spec.index + 1} of {total})")
+            with self.exposed(spec.index):
+                self.wait(work, f"the data-parallel gradient all-reduce (bucket {spec.index + 1} of {total})")
             flat.div_(self.dp_size)
             offset = 0
             for grad in grads.ensure_grads(spec.params):  # local shards under tensor parallelism

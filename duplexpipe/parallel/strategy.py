@@ -16,6 +16,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.tensor import DTensor
 
 from duplexpipe.comm import FutureWork, Waitable, WireMeter
+from duplexpipe.comm.adaptive import CompressionReport
+from duplexpipe.comm.link import EmulatedLink
 from duplexpipe.dp_options.compression import NoCompression, Options
 from duplexpipe.dp_options.zero import ZeroOptions
 from duplexpipe.parallel import grads
@@ -35,6 +37,10 @@ STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 """How checkpoints hold the optimizer state: per parameter, keys `state.<param>.<name>`."""
 DP_LANE = "dp"
 """The timeline lane of the data-parallel reductions (see Span)."""
+EXPOSED_FLOOR_S = 1e-4
+"""A wait on a reduction shorter than this is the cost of looking (it had completed): no exposure."""
+EXPOSED_LANE = "exposed"
+"""The timeline lane of exposed communication: the time the step waited on each bucket's reduction."""
 
 
 @dataclass(frozen=True)
@@ -152,6 +158,16 @@ class DPStrategy(ABC):
         """Seconds this thread spent on the last window's reductions outside waits (flattening, compressing,
         decompressing, copying back): the compute a faster link could not save."""
         self._waited = 0.0
+        self.clock: Callable[[], float] = time.perf_counter
+        """The clock exposure is measured with (tests script it)."""
+        self.exposed_s: dict[int, float] = {}
+        """Bucket index -> seconds the last window's end waited on its reduction (after the last W feeding it)."""
+        self._exposed_at: list[tuple[int, float, float]] = []
+        self._window_begin = 0.0
+        self._finish_begin = 0.0
+        self._loss: float | None = None
+        self.report: CompressionReport | None = None
+        """Adaptive compression: what the last window chose and measured (None otherwise)."""
         self._local: LocalShards | None = None
         """Plain aliases of DTensor parameters' local shards (tensor parallelism), which the optimizer steps."""
         self.optimizer = self.build_optimizer()
@@ -183,6 +199,37 @@ class DPStrategy(ABC):
             self.tracker.begin()
             self.lanes.reset()
             self.compute_s = 0.0
+            self.exposed_s, self._exposed_at = {}, []
+            self._window_begin = self.clock()
+
+    def note_loss(self, loss: float) -> None:
+        """The window's loss (the same on every rank), for adaptive compression's loss guard."""
+        self._loss = loss
+
+    @contextlib.contextmanager
+    def exposed(self, index: int) -> Iterator[None]:
+        """Time the wait on bucket `index`'s reduction in finish_buckets(): its exposed communication is the time
+        from the end of the window's compute (finish() began) until it completed, 0 when it had completed before
+        this wait began (the step never waited for it). Reductions sharing a link finish in order, so a later
+        bucket's exposure includes the earlier ones' transfers it queued behind."""
+        begin = self.clock()
+        try:
+            yield
+        finally:
+            end = self.clock()
+            waited = end - begin > EXPOSED_FLOOR_S
+            self.exposed_s[index] = max(self.exposed_s.get(index, 0.0), end - self._finish_begin if waited else 0.0)
+            self._exposed_at.append((index, begin, end))
+
+    @property
+    def window_s(self) -> float:
+        """Seconds from the start of the window's last call to now (the step as adaptive compression sees it)."""
+        return self.clock() - self._window_begin
+
+    def emulate_link(self, link: EmulatedLink | None) -> None:
+        """Hold every data-parallel collective of the buckets for an emulated link (benchmarks, tests; strategies
+        without a reducer ignore it)."""
+        return None
 
     def grads_ready(self, stage: int) -> None:
         """The runtime's callback: start the buckets that `stage`'s final gradients complete."""
@@ -208,6 +255,7 @@ class DPStrategy(ABC):
         for spec in self.tracker.pending():
             self._start(spec)
         begin, waited = time.perf_counter(), self._waited
+        self._finish_begin = self.clock()
         self.finish_buckets()
         self._finish_experts()
         end = time.perf_counter()
@@ -333,4 +381,5 @@ class DPStrategy(ABC):
     def spans(self, origin: float, rank: int) -> list[Span]:
         """The last window-ending call's reductions as timeline spans on the "dp" lane, relative to `origin`
         (perf_counter seconds of the step's start); `rank` is the timeline's rank (the pipeline rank)."""
-        return self.lanes.spans(origin, rank)
+        exposed = [Span(rank, EXPOSED_LANE, f"bucket {i}", b - origin, e - origin) for i, b, e in self._exposed_at]
+        return self.lanes.spans(origin, rank) + exposed

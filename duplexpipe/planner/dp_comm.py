@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 from duplexpipe.dp_options.compression import (
+    AdaptiveOptions,
     Bf16Options,
     DGCOptions,
     Fp16Options,
@@ -126,6 +127,16 @@ def compression(spec: str | Options) -> Compression:
         raise ValueError(f"unknown compression {name!r}; known methods: {', '.join(COMPRESSIONS)} (the trainer's "
                          f"other methods have no measured wire ratio: pass their options object)")
     return Compression(spec, 1.0, UNMEASURED)
+
+
+def adaptive_start(adaptive: AdaptiveOptions, planned: Options) -> AdaptiveOptions:
+    """`adaptive` starting on the rung the planner chose (`planned`, one of its ladder's rungs): the planner's choice
+    is the controller's starting point. ValueError when `planned` is not a rung."""
+    for label, rung in zip(adaptive.rung_labels, adaptive.gradient_rungs(), strict=True):
+        if rung == planned:
+            return replace(adaptive, start=label)
+    raise ValueError(f"the planner chose {options_label(planned)!r}, which is not a rung of the adaptive ladder "
+                     f"{adaptive.ladder!r}")
 
 
 UNMEASURED = "no measured wire ratio: the reduction is modelled uncompressed"

@@ -8,41 +8,14 @@ built runtime, `emulate_link(pipe.runtime, LinkModel(latency_s=0.002))`.
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from duplexpipe.comm.link import LinkModel
 
 if TYPE_CHECKING:
     from duplexpipe.runtime.executor import PipelineRuntime
 
-
-@dataclass(frozen=True)
-class LinkModel:
-    """An emulated link: a collective completes no earlier than `latency_s + bytes / bandwidth_bytes_per_s`
-    after it could start, i.e. after every rank of its group joined it (taken as when its real transfer
-    completed: a rank's tokens cannot leave before that rank issued the collective); the waiting sleeps, so a
-    core is free meanwhile."""
-
-    latency_s: float = 0.0
-    """Seconds added to every transfer."""
-    bandwidth_bytes_per_s: float = float("inf")
-    """Bytes per second of the link (inf: no bandwidth term)."""
-
-    def __post_init__(self) -> None:
-        if not self.latency_s >= 0:
-            raise ValueError(f"LinkModel.latency_s must be >= 0, got {self.latency_s}")
-        if not self.bandwidth_bytes_per_s > 0:
-            raise ValueError(f"LinkModel.bandwidth_bytes_per_s must be > 0, got {self.bandwidth_bytes_per_s}")
-
-    def seconds(self, nbytes: int) -> float:
-        """The emulated transfer time of `nbytes`."""
-        return self.latency_s + nbytes / self.bandwidth_bytes_per_s
-
-    def hold(self, start: float, nbytes: int) -> None:
-        """Sleep until `start` (perf_counter) + the transfer time of `nbytes`."""
-        left = start + self.seconds(nbytes) - time.perf_counter()
-        if left > 0:
-            time.sleep(left)
+__all__ = ["emulate_link", "emulate_sends"]
 
 
 def emulate_link(runtime: PipelineRuntime, link: LinkModel | None) -> None:
@@ -52,3 +25,14 @@ def emulate_link(runtime: PipelineRuntime, link: LinkModel | None) -> None:
     if link is not None and not isinstance(link, LinkModel):
         raise ValueError(f"emulate_link needs a LinkModel or None, got {link!r}")
     runtime.driver.link = link
+
+
+def emulate_sends(runtime: PipelineRuntime, link: LinkModel | None) -> None:
+    """Hold every stage-to-stage message of `runtime` for `link` from the next step on: the sender stamps each message
+    with its emulated arrival (latency + bytes / bandwidth after it was posted or the link's previous message to that
+    peer arrived, whichever is later) and the receiver waits until then. Call it with the same link on every rank of
+    the pipeline, between steps (a new model changes the link during a run); None: real time only. One clock is
+    assumed for all processes (perf_counter: one machine)."""
+    if link is not None and not isinstance(link, LinkModel):
+        raise ValueError(f"emulate_sends needs a LinkModel or None, got {link!r}")
+    runtime.transport.link = link

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
@@ -91,6 +91,16 @@ class MessageMeta:
         coded = tuple(encodes(codec, m, g) and not k for m, g, k in zip(leaves, message.grads, keep, strict=True))
         wire = tuple(wire_of(codec if c else None, m) for m, c in zip(leaves, coded, strict=True))
         return MessageMeta(message.form, leaves, message.grads, wire, coded)
+
+    def rewired(self, codec: Codec | None) -> MessageMeta:
+        """This meta with the coded leaves travelling through `codec` (None: as they are): an adaptive link's rung
+        of the running step (computed once per meta and codec)."""
+        cache = self.__dict__.setdefault("_rewired", {})
+        if id(codec) not in cache:
+            coded = self.coded or (False,) * len(self.leaves)
+            wire = tuple(wire_of(codec if c else None, m) for m, c in zip(self.leaves, coded, strict=True))
+            cache[id(codec)] = (codec, replace(self, wire=wire))
+        return cache[id(codec)][1]  # type: ignore[no-any-return]
 
     @cached_property
     def payloads(self) -> tuple[TensorSpec, ...]:

@@ -20,6 +20,7 @@ from typing import Any
 
 from torch import Tensor
 
+from duplexpipe.comm.adaptive_links import AdaptiveCodec
 from duplexpipe.comm.codec import Codec, IdentityCodec, TensorSpec
 from duplexpipe.comm.nonfinite import NonFiniteWatch, Unread, extremes
 from duplexpipe.errors import ActivationShapeError, PipelineError
@@ -124,6 +125,15 @@ class Mailroom:
         self.store.delete_key(key)
         return MessageMeta.from_json(text, f"{stage}RECV_F{microbatch}")
 
+    def _link_codec(self, codec: Codec | None, src: int, dst: int) -> Codec | None:
+        """The codec of the directed link src -> dst (ranks) in this step: an adaptive codec's rung there, else
+        `codec` itself."""
+        return codec.for_link(src, dst) if isinstance(codec, AdaptiveCodec) else codec
+
+    def _wired(self, meta: MessageMeta, codec: Codec | None) -> MessageMeta:
+        """`meta` as it travels with the link's `codec` (adaptive links rewire it to their rung)."""
+        return meta.rewired(codec) if isinstance(self.activation_codec, AdaptiveCodec) else meta
+
     def _encode(self, box: Mailbox, codec: Codec | None, leaves: list[Tensor],
                 wire: tuple[tuple[TensorSpec, ...], ...], coded: tuple[bool, ...] | None, where: str) -> list[Tensor]:
         """The payloads of `leaves` (detached), checked against their wire format; `coded[i]`: leaf i goes
@@ -196,10 +206,11 @@ class Mailroom:
                 "were seen; a stage's output shapes must depend only on its input shapes)")
         if box.train:
             box.out_meta[(stage, mb)] = meta
-        if self.activation_codec is None:
+        codec = self._link_codec(self.activation_codec, self.rank, self.layout.rank[nxt])
+        if codec is None:
             box.outbox[(Op.SEND_F, stage, mb)] = detached
             return
-        box.outbox[(Op.SEND_F, stage, mb)] = self._encode(box, self.activation_codec, detached, meta.wire,
+        box.outbox[(Op.SEND_F, stage, mb)] = self._encode(box, codec, detached, self._wired(meta, codec).wire,
                                                          meta.coded, where)
         if meta.held_back and self.watch is not None:
             self.watch.exact_sends += meta.held_back
@@ -209,18 +220,19 @@ class Mailroom:
         stage, mb = action.stage, action.microbatch
         peer = self.layout.rank[self.layout.prv[stage]]
         learning, shapes, step = box.learning, box.shapes, box.step
+        codec = self._link_codec(self.activation_codec, peer, self.rank)
 
         def resolve(block: bool) -> tuple[TensorSpec, ...] | None:
             if not learning:
                 meta = shapes.get((stage, mb))
                 if meta is None:
                     raise PipelineError(f"rank {self.rank}: no shape is known for {action}")
-                return meta.payloads
+                return self._wired(meta, codec).payloads
             found = self.announced(step, stage, mb, block, peer)
             if found is None:
                 return None
             shapes[(stage, mb)] = found
-            return found.payloads
+            return self._wired(found, codec).payloads
 
         self.transport.expect((Op.RECV_F, stage, mb), peer, resolve)
 
@@ -234,7 +246,8 @@ class Mailroom:
             return message
         payloads = self.transport.take((Op.RECV_F, stage, mb), consumer)
         meta = box.shapes[(stage, mb)]
-        return Message(meta.form, self._decode(self.activation_codec, payloads, meta.leaves, meta.wire,
+        codec = self._link_codec(self.activation_codec, self.layout.rank[prev], self.rank)
+        return Message(meta.form, self._decode(codec, payloads, meta.leaves, self._wired(meta, codec).wire,
                                                meta.coded), meta.grads)
 
     # ---------------------------------------------------------------- backward messages
@@ -245,17 +258,20 @@ class Mailroom:
             return
         if self.layout.peer(stage, backward=True) < 0:
             box.local_grad[(prev, mb)] = grads
-        elif self.gradient_codec is None:
+            return
+        codec = self._link_codec(self.gradient_codec, self.rank, self.layout.rank[prev])
+        if codec is None:
             box.outbox[(Op.SEND_B, stage, mb)] = grads
         else:
-            wire = tuple(wire_of(self.gradient_codec, TensorSpec.of(g)) for g in grads)
-            box.outbox[(Op.SEND_B, stage, mb)] = self._encode(box, self.gradient_codec, grads, wire, None,
+            wire = tuple(wire_of(codec, TensorSpec.of(g)) for g in grads)
+            box.outbox[(Op.SEND_B, stage, mb)] = self._encode(box, codec, grads, wire, None,
                                                              f"stage {stage} microbatch {mb} (gradients)")
 
     def expect_grads(self, box: Mailbox, action: Action) -> None:
         """RECV_B: queue the receive of the gradients of what this stage sent for the microbatch."""
         stage, mb = action.stage, action.microbatch
         out_meta, learning, shapes = box.out_meta, box.learning, box.shapes
+        codec = self._link_codec(self.gradient_codec, self.layout.rank[self.layout.nxt[stage]], self.rank)
 
         def resolve(block: bool) -> tuple[TensorSpec, ...] | None:
             meta = out_meta.get((stage, mb))
@@ -265,7 +281,7 @@ class Mailroom:
                 raise PipelineError(f"rank {self.rank}: {action} is consumed before {stage}F{mb} ran")
             if meta is None:
                 return None
-            return meta.grad_payloads(self.gradient_codec)
+            return meta.grad_payloads(codec)
 
         self.transport.expect((Op.RECV_B, stage, mb), self.layout.rank[self.layout.nxt[stage]], resolve)
 
@@ -277,10 +293,11 @@ class Mailroom:
         if self.layout.rank[nxt] != self.rank:
             payloads = self.transport.take((Op.RECV_B, stage, mb), consumer)
             metas = box.out_meta.pop((stage, mb)).grad_metas
-            if self.gradient_codec is None:
+            codec = self._link_codec(self.gradient_codec, self.layout.rank[nxt], self.rank)
+            if codec is None:
                 return payloads
-            wire = tuple(wire_of(self.gradient_codec, m) for m in metas)
-            return self._decode(self.gradient_codec, payloads, metas, wire, None)
+            wire = tuple(wire_of(codec, m) for m in metas)
+            return self._decode(codec, payloads, metas, wire, None)
         grads = box.local_grad.pop((stage, mb), None)
         if grads is None:
             raise PipelineError(f"rank {self.rank}: {consumer} runs before stage {nxt}'s backward of "

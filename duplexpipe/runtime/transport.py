@@ -13,6 +13,7 @@ with events; nothing synchronizes the device.
 from __future__ import annotations
 
 import functools
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from duplexpipe.comm.codec import TensorSpec
+from duplexpipe.comm.link import EmulatedLink, LinkModel
 from duplexpipe.comm.meter import WireMeter
 from duplexpipe.errors import PipelineError
 from duplexpipe.runtime.watchdog import Watchdog
@@ -31,6 +33,11 @@ from duplexpipe.schedules.ir import Op
 
 POISON_TAG = 0x5EED
 """The tag of the receive `MailTransport.poison` times out on (no rank ever sends with it)."""
+STAMP = TensorSpec((1,), torch.float64)
+"""With an emulated link every message ends with this payload: its emulated arrival time (perf_counter seconds,
+one clock for every process of a machine: the emulation is a single-machine aid)."""
+WAIT_FLOOR_S = 1e-5
+"""Receive waits shorter than this are not recorded (the message was there)."""
 Key = tuple[Op, int, int]
 """(op, stage, microbatch) of a SEND or RECV action."""
 Resolver = Callable[[bool], "tuple[TensorSpec, ...] | None"]
@@ -78,6 +85,12 @@ class MailTransport:
         self._queued: set[Key] = set()
         self._posted: dict[Key, _Recv] = {}
         self._sends: dict[Key, tuple[Any, list[Tensor], int]] = {}
+        self.link: LinkModel | None = None
+        """An emulated link for the sends (`link_emulator.emulate_sends`; None: real time only)."""
+        self._links: dict[int, EmulatedLink] = {}
+        self.recv_waits: list[tuple[int, float, float]] = []
+        """(peer, begin, end) perf_counter seconds of every receive this rank blocked on since `reset_waits`: a
+        stage link's exposed time, bounded above by it (the wait also covers the sender's lateness)."""
 
     def connect(self, pairs: list[tuple[int, int]]) -> None:
         """NCCL: open the connection of every pair of group ranks in `pairs` that holds this rank, with one
@@ -102,6 +115,8 @@ class MailTransport:
             self.watchdog.wait_p2p(work, what, f"rank {peer}")
 
     def _irecv(self, recv: _Recv, metas: tuple[TensorSpec, ...]) -> None:
+        if self.link is not None:
+            metas = (*metas, STAMP)
         recv.buffers = [torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in metas]
         try:
             recv.works = [self._pg.recv([b], recv.peer, 0) for b in recv.buffers]
@@ -161,8 +176,14 @@ class MailTransport:
             self._drain(queued.peer, until=key)
         recv = self._posted.pop(key)
         assert recv.buffers is not None and recv.works is not None
+        begin = time.perf_counter()
         self.watchdog.wait_p2p(recv.works, lambda: f"{key_text(key)} (the input of {consumer})",
                                lambda: f"rank {recv.peer}")
+        if self.link is not None:
+            self._arrive(recv)
+        end = time.perf_counter()
+        if end - begin > WAIT_FLOOR_S:
+            self.recv_waits.append((recv.peer, begin, end))
         if self.stream is not None:
             done = torch.cuda.Event()
             with torch.cuda.stream(self.stream):
@@ -175,6 +196,18 @@ class MailTransport:
                 buffer.record_stream(compute)
         return recv.buffers
 
+    def _arrive(self, recv: _Recv) -> None:
+        """Emulated link: sleep until the arrival time the sender stamped on the message (its last payload)."""
+        assert recv.buffers is not None
+        stamp = recv.buffers.pop()
+        left = float(stamp.item()) - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+
+    def reset_waits(self) -> None:
+        """Forget the receive waits recorded so far (a new step)."""
+        self.recv_waits = []
+
     def send(self, key: Key, tensors: list[Tensor], peer: int) -> None:
         """SEND: post non-blocking sends of `tensors` (in order) to group rank `peer`; completion is
         awaited lazily."""
@@ -185,8 +218,13 @@ class MailTransport:
         for tensor in tensors:
             payload = tensor.detach()
             payloads.append(payload if payload.is_contiguous() else payload.contiguous())
+        nbytes = sum(p.numel() * p.element_size() for p in payloads)
         if self.meter is not None:  # one "send" per SEND action: the bytes of all its payloads
-            self.meter.record("send", sum(p.numel() * p.element_size() for p in payloads), 2)
+            self.meter.record("send", nbytes, 2)
+        if self.link is not None:  # the emulated arrival time, for the receiver to wait until
+            link = self._links.setdefault(peer, EmulatedLink(self.link))
+            link.model = self.link
+            payloads.append(torch.tensor([link.deadline(nbytes)], dtype=STAMP.dtype, device=self.device))
         try:
             if self.stream is None:
                 works = [self._pg.send([p], peer, 0) for p in payloads]

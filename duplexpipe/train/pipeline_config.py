@@ -9,6 +9,7 @@ from typing import Any, TypeGuard
 
 import torch
 
+from duplexpipe.comm.adaptive import CompressionReport, ExposureReport
 from duplexpipe.comm.meter import WireMeter
 from duplexpipe.comm.nonfinite import check_policy
 from duplexpipe.comm.p2p_codecs import p2p_codec_pair
@@ -412,4 +413,12 @@ class StepInfo:
     memory: MemoryReport | None = None
     """What this rank held during the call, measured (ObserveConfig.measure_memory; None when off), the optimizer
     state included."""
+    exposure: ExposureReport | None = None
+    """Exposed communication of the call: per data-parallel bucket the time from the end of the window's compute until
+    its reduction completed, per stage link the time this rank's receives blocked. A recorded timeline shows the
+    waits on lane "exposed"."""
+    compression: CompressionReport | None = None
+    """grad_compression="adaptive" and / or p2p_compression="adaptive": the rung each bucket ("bucket i", on window
+    ends) and each directed stage link ("link a->b") used in the call, their measured exposure and the moves made at
+    its end from the previous call's agreed exposure (None without adaptive compression)."""
 

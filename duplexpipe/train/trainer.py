@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -12,6 +13,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from duplexpipe.comm.adaptive import CompressionReport, ExposureReport, merged_reports
+from duplexpipe.comm.adaptive_links import AdaptiveCodec, LinkAdapter
 from duplexpipe.comm.meter import WireMeter
 from duplexpipe.dp_options.compression import compression_options
 from duplexpipe.dp_options.zero import check_window
@@ -41,7 +44,9 @@ from duplexpipe.parallel import (
     grads,
     make_strategy,
 )
+from duplexpipe.parallel.compressed import own_group
 from duplexpipe.parallel.mesh import ParallelGroups
+from duplexpipe.parallel.strategy import EXPOSED_LANE
 from duplexpipe.parallel.tied import TiedGrads, find_tied
 from duplexpipe.parallel.zero3 import Zero3Strategy
 from duplexpipe.parallel.zero_config import check_tied
@@ -50,6 +55,7 @@ from duplexpipe.runtime.backend import default_device
 from duplexpipe.runtime.memory import optimizer_bytes
 from duplexpipe.schedules.ir import Schedule
 from duplexpipe.schedules.shard import add_unshard_reshard
+from duplexpipe.schedules.timeline import Span
 from duplexpipe.tp.parallelize import TensorParallel, check_tensor_parallel
 from duplexpipe.tp.plans import TPPlan
 from duplexpipe.train.compile import CompiledStages
@@ -198,6 +204,8 @@ class Pipeline:
         """The data-parallel strategy: reduce -> overflow check -> clip -> optimizer step."""
         if isinstance(self.dp, Zero3Strategy):  # the schedule's residency actions drive FSDP2
             self.runtime.drive_residency(self.dp)
+        self.links = self._link_adapter()
+        """p2p_compression="adaptive": the controller of this pipeline's stage links (None otherwise)."""
         self.params = self.dp.params
         self.dp.counted = self.tied.counted(self.dp.counted)  # a tied weight counts once in the norm
         self.scheduler = scheduler(self.optimizer) if scheduler is not None else None
@@ -345,6 +353,7 @@ class Pipeline:
     def _step(self, inputs: Any, targets: Any) -> float:
         """`step`."""
         cfg = self.config
+        began = time.perf_counter()
         if self.batch_transform is not None:
             inputs, targets = self.batch_transform(inputs, targets, True)
         if self._window_calls == 0:
@@ -356,6 +365,7 @@ class Pipeline:
             self.tensor.begin_window()
         self.dp.begin_call(final, scale * (self._window_weight + weight))
         wire = self.dp.meter.total_bytes
+        self.runtime.transport.reset_waits()
         observe = cfg.observe  # with record_tp_lane: the TP collectives on the timeline's "tp" lane
         optimizer_during = optimizer_bytes(self.optimizer) if observe.measure_memory else 0
         with (self.compiled.watching(f"step {self.calls}"),
@@ -367,6 +377,7 @@ class Pipeline:
         applied, skipped, norm = False, False, None
         try:
             loss = result.loss  # one all-reduce over the job: the mean over data-parallel replicas
+            self.dp.note_loss(loss)
             if self._window_calls == cfg.accumulation_steps:
                 skipped, norm = self._apply()
                 applied = not skipped
@@ -377,14 +388,44 @@ class Pipeline:
             raise
         timeline, origin, rank = result.timeline, self.runtime.origin, self.runtime.rank
         if timeline is not None:
+            links = tuple(Span(rank, EXPOSED_LANE, f"link {peer}->{rank}", b - origin, e - origin)
+                          for peer, b, e in self.runtime.transport.recv_waits)
             timeline = replace(timeline, spans=timeline.spans + tuple(self.tensor.spans(origin, rank)) + tuple(
-                self.dp.spans(origin, rank) if final else ()))
+                self.dp.spans(origin, rank) if final else ()) + links)
+        exposure = self._exposure(final)
+        compression = merged_reports(self.dp.report if final else None,
+                                     self._adapt_links(exposure, time.perf_counter() - began, loss))
         memory = result.memory
         if memory is not None:  # the optimizer state held while the actions ran, and after the optimizer step
             memory = memory.with_optimizer(optimizer_during, optimizer_bytes(self.optimizer))
         self.last = StepInfo(loss, applied, skipped, norm, scale, timeline, self.dp.meter.total_bytes - wire,
-                             result.peak_saved_bytes, memory)
+                             result.peak_saved_bytes, memory, exposure, compression)
         return loss
+
+    def _link_adapter(self) -> LinkAdapter | None:
+        """The stage links' controller, over a process group of this pipeline's ranks of its own (collective)."""
+        codec = self.runtime.mail.activation_codec
+        if not isinstance(codec, AdaptiveCodec):
+            return None
+        layout = self.runtime.plan.layout
+        links = [pair for s, n in enumerate(layout.nxt) if n >= 0 and layout.rank[s] != layout.rank[n]
+                 for pair in ((layout.rank[s], layout.rank[n]), (layout.rank[n], layout.rank[s]))]
+        return LinkAdapter(codec, links, own_group(self.groups.pp_group, self.device, self.bounded))
+
+    def _adapt_links(self, exposure: ExposureReport, step_s: float, loss: float) -> CompressionReport | None:
+        """Adaptive stage sends: settle the last agreement (new rungs from the next call) and post this call's."""
+        if self.links is None:
+            return None
+        return self.links.finish_step(dict(exposure.links), step_s, loss, self.device, self.bounded)
+
+    def _exposure(self, final: bool) -> ExposureReport:
+        """The call's exposed communication: bucket waits (window ends) and receive waits per stage link."""
+        me = self.runtime.rank
+        links: dict[str, float] = {}
+        for peer, begin, end in self.runtime.transport.recv_waits:
+            key = f"link {peer}->{me}"
+            links[key] = links.get(key, 0.0) + (end - begin)
+        return ExposureReport(dict(self.dp.exposed_s) if final else {}, links)
 
     def _call_weight(self, inputs: Any, targets: Any) -> float:
         """This call's weight in the window: its batch size over the window's first batch size."""

@@ -21,7 +21,8 @@ from duplexpipe.dp_options.compression import (
 
 
 def test_names_give_default_options() -> None:
-    assert METHOD_NAMES == ("none", "bf16", "fp16", "powersgd", "int8", "topk", "randomk", "threshold", "dgc")
+    assert METHOD_NAMES == ("none", "bf16", "fp16", "powersgd", "int8", "topk", "randomk", "threshold", "dgc",
+                            "adaptive")
     for name in METHOD_NAMES:
         assert compression_options(name).method == name
     assert compression_options("TopK") == TopKOptions()

@@ -32,3 +32,10 @@ def test_limits_and_unknown_options() -> None:
     assert compression_options("PowerSGD(rank=1)") == PowerSGDOptions(rank=1)
     with pytest.raises(ValueError, match=r"dgc\(x=1\): unknown option\(s\) \['x'\]; it takes ratio"):
         build_options(DGCOptions, {"x": 1}, "dgc(x=1)")
+
+
+def test_a_run_of_labels_separated_by_slashes_is_one_text_value() -> None:
+    name, options = parse_label("adaptive(ladder=none/bf16/int8(block=128), patience=2)")
+    assert (name, options) == ("adaptive", {"ladder": "none/bf16/int8(block=128)", "patience": 2})
+    with pytest.raises(ValueError, match="expected NAME or NAME\\(key=value, ...\\)"):
+        parse_label("adaptive(ladder=none/3)")  # each part must be a label

@@ -47,7 +47,10 @@ def test_buckets_start_while_the_backward_still_runs(results: Results) -> None:
     for rank, res in enumerate(results):
         got = res["overlap"]
         assert got["buckets"] > 2 and got["bucket_spans"] == got["buckets"], (rank, got)
-        assert got["lanes"] == ["dp"] and got["waits"] == 1 and got["ordered"], (rank, got)
+        assert got["lanes"] == ["dp", "exposed"] and got["waits"] == 1 and got["ordered"], (rank, got)
+        # the window's end waited on each bucket once: its exposed communication, on lane "exposed"
+        assert got["exposed_spans"] == sorted(f"bucket {i}" for i in range(got["buckets"])), (rank, got)
+        assert got["exposed_buckets"] == list(range(got["buckets"])), (rank, got)
         # interleaved: a rank's later stage is final first; its buckets start before the earlier stage's
         # backward has run (program order, not timing)
         assert got["backward_after_first_start"], (rank, got["compute_after_first_start"])

@@ -83,3 +83,14 @@ def test_link_checks_its_values() -> None:
             Link(bandwidth=bad)
     with pytest.raises(ValueError, match="latency must be a finite number >= 0"):
         Link(latency=-1.0)
+
+
+def test_the_planners_choice_is_the_adaptive_controllers_start() -> None:
+    from duplexpipe.dp_options.compression import AdaptiveOptions, Bf16Options, Int8Options
+    from duplexpipe.planner.dp_comm import adaptive_start
+
+    ladder = AdaptiveOptions(ladder="none/bf16/int8(block=128)")
+    assert adaptive_start(ladder, Int8Options(block=128)).start == "int8(block=128)"
+    assert adaptive_start(ladder, Bf16Options()).start_rung == 1
+    with pytest.raises(ValueError, match="the planner chose 'int8', which is not a rung"):
+        adaptive_start(ladder, Int8Options())

@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 import torch
 
+from duplexpipe.comm.link import LinkModel
 from duplexpipe.runtime.comm_points import Driver, current_driver
 from duplexpipe.runtime.fb_pair import run_pair
-from duplexpipe.runtime.link_emulator import LinkModel, emulate_link
+from duplexpipe.runtime.link_emulator import emulate_link
 
 
 def test_link_model_time_and_bad_values() -> None:

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from duplexpipe.comm.methods import check_optimizer
-from duplexpipe.dp_options.compression import NoCompression, Options, compression_options
+from duplexpipe.dp_options.compression import AdaptiveOptions, NoCompression, Options, compression_options
 from duplexpipe.model.split import Partition
 from duplexpipe.model.stages import PartInit, PartSource, as_factory, materialize_part
 from duplexpipe.parallel import OptimizerFactory
@@ -282,7 +282,11 @@ def _plan_config(config: PipelineConfig, options: dict[str, Any], rows: int, set
         values["reshard_windows"] = (dp.reshard_window,)
     values["checkpointing"] = planned_checkpointing(config.activation_checkpointing)
     if dp.grad_compression is not None:
-        values["compressions"] = (compression_options(dp.grad_compression),)
+        fixed = compression_options(dp.grad_compression)
+        # adaptive: the planner picks the controller's starting rung among the ladder's (ZeRO has no adaptive form)
+        values["compressions"] = fixed.gradient_rungs() if isinstance(fixed, AdaptiveOptions) else (fixed,)
+        if isinstance(fixed, AdaptiveOptions):
+            values["zero_stages"] = (0,)
     cap = memory_bytes(config.memory_limit)
     groups = setup.groups
     return PlanConfig(ranks=groups.pp_size, batch=rows * groups.dp_size, memory=cap if cap is not None else NO_LIMIT,

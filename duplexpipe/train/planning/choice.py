@@ -7,9 +7,10 @@ from dataclasses import dataclass, replace
 
 from torch import nn
 
-from duplexpipe.dp_options.compression import Options, options_label
+from duplexpipe.dp_options.compression import AdaptiveOptions, Options, compression_options, options_label
 from duplexpipe.model.split import PartInfo, Partition
 from duplexpipe.model.stages import PartInit
+from duplexpipe.planner.dp_comm import adaptive_start
 from duplexpipe.planner.plan import PlanResult
 from duplexpipe.planner.profile import Profile
 from duplexpipe.schedules.ir import Schedule
@@ -100,8 +101,11 @@ class AutoChoice:
         the schedule_options that searched them dropped): what runs."""
         p = self.plan
         options = {k: v for k, v in config.schedule_options.items() if k not in AUTO_FIXED.values()}
-        chosen = with_choice(replace(config, schedule_options=options), p.microbatches, p.zero_stage,
-                             p.grad_compression)
+        given = config.data_parallel.grad_compression
+        adaptive = compression_options(given) if given is not None else None
+        grad = (adaptive_start(adaptive, p.grad_compression) if isinstance(adaptive, AdaptiveOptions)
+                else p.grad_compression)  # adaptive starts on the planner's rung
+        chosen = with_choice(replace(config, schedule_options=options), p.microbatches, p.zero_stage, grad)
         window = p.reshard_window if p.zero_stage == 3 else None
         return replace(chosen, data_parallel=replace(chosen.data_parallel, reshard_window=window),
                        activation_checkpointing=True if p.activation_checkpointing else config.activation_checkpointing)

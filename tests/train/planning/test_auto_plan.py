@@ -18,7 +18,14 @@ from _clocks import ScriptedClock
 from _train_helpers import WIDTH, Reference, adam, batch, make_parts, max_rel_diff, mse
 from torch import nn
 
-from duplexpipe.dp_options.compression import DGCOptions, Int8Options, NoCompression, PowerSGDOptions
+from duplexpipe.dp_options.compression import (
+    AdaptiveOptions,
+    Bf16Options,
+    DGCOptions,
+    Int8Options,
+    NoCompression,
+    PowerSGDOptions,
+)
 from duplexpipe.parallel.mesh import ParallelGroups
 from duplexpipe.planner.plan import PlanConfig, plan
 from duplexpipe.planner.runtime_work import OverheadSample
@@ -396,3 +403,18 @@ def test_the_planners_memory_levers_reach_the_config_that_runs() -> None:
     kept = replace(run, zero_stage=2, reshard_window=None, activation_checkpointing=False)
     assert AutoChoice(result, Profile(parts, 4), result.schedule, (1, 1, 1, 1), kept).applied(
         PipelineConfig(schedule=AUTO, activation_checkpointing=[1])).activation_checkpointing == [1]
+
+
+def test_adaptive_compression_starts_on_the_planners_rung() -> None:
+    adaptive = AdaptiveOptions(ladder="none/bf16/int8")
+    options = {**CANDIDATES, "timer": ScriptedClock(UNIFORM), "microbatches": (2, 4)}
+    config = PipelineConfig(schedule=AUTO, schedule_options=options,
+                            data_parallel=DataParallelConfig(grad_compression=adaptive))
+    setup = PlanSetup(ParallelGroups(None, 0, 2, None, 0, 2), torch.device("cpu"))
+    space = _plan_config(config, {}, 16, setup, lambda z, o: None)
+    assert space.compressions == (NoCompression(), Bf16Options(), Int8Options()) and space.zero_stages == (0,)
+    x, y = batch(0)
+    chosen = choose(make_parts(4), mse, adam, config, setup, (x, y))
+    ran = chosen.applied(config).data_parallel.grad_compression
+    assert isinstance(ran, AdaptiveOptions) and ran.ladder == adaptive.ladder
+    assert ran.gradient_rungs()[ran.start_rung] == chosen.plan.grad_compression

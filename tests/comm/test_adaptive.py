@@ -1,0 +1,134 @@
+"""The adaptive-compression controller on scripted measurements: exposed keys move up, hidden ones down, no
+flapping under noise or at a knee, the loss guard, its options and their text form."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from duplexpipe.comm.adaptive import Controller
+from duplexpipe.dp_options.compression import AdaptiveOptions, Int8Options, NoCompression, compression_options
+
+STEP_S = 1.0
+
+
+def _run(ctl: Controller, exposures: list[dict[str, float]]) -> list[list[int]]:
+    """Rungs after each step."""
+    out = []
+    for exposed in exposures:
+        ctl.observe(STEP_S, exposed)
+        out.append(ctl.rungs())
+    return out
+
+
+def _on(ctl: Controller, steps: int, exposure: dict[str, list[float]]) -> None:
+    """`steps` steps where each key's exposed seconds depend on its rung (exposure[key][rung])."""
+    for _ in range(steps):
+        ctl.observe(STEP_S, {k: by_rung[ctl.rung(k)] for k, by_rung in exposure.items()})
+
+
+def test_exposed_moves_up_and_hidden_moves_down_after_patience() -> None:
+    opts = AdaptiveOptions(ladder="none/bf16/int8", start="bf16", patience=3)
+    ctl = Controller(opts, ["bucket 0", "bucket 1"])
+    rungs = _run(ctl, [{"bucket 0": 0.5, "bucket 1": 0.0}] * 3)
+    assert rungs == [[1, 1], [1, 1], [2, 0]]
+    assert [(d.key, d.before, d.after) for d in ctl.log] == [("bucket 0", "bf16", "int8"), ("bucket 1", "bf16", "none")]
+    _on(ctl, 20, {"bucket 0": [0.5, 0.5, 0.1], "bucket 1": [0.0, 0.0, 0.0]})
+    assert ctl.rungs() == [2, 0] and len(ctl.log) == 2  # int8 lowered bucket 0's exposure: kept; the ends hold
+
+
+def test_a_rung_that_does_not_lower_exposure_is_left_and_retried_ever_more_rarely() -> None:
+    """int8's own compute costs what its bytes save: the key goes back to bf16 and retries after 3, 6, 12, ..."""
+    opts = AdaptiveOptions(ladder="none/bf16/int8", start="bf16", patience=3, max_hold=24)
+    ctl = Controller(opts, ["k"])
+    _on(ctl, 200, {"k": [0.5, 0.3, 0.3]})
+    ups = [d.step for d in ctl.log if d.after == "int8"]
+    assert all(d.after in ("int8", "bf16") for d in ctl.log) and ctl.rung("k") in (1, 2)
+    gaps = [b - a for a, b in zip(ups, ups[1:], strict=False)]
+    assert gaps == sorted(gaps) and gaps[-1] >= 24 and len(ups) <= 200 // 24 + 4
+    assert "did not lower the exposed time" in ctl.log[1].reason
+
+
+def test_band_between_thresholds_and_broken_runs_do_not_move() -> None:
+    opts = AdaptiveOptions(ladder="none/bf16/int8", start="bf16", patience=3, up=0.02, down=0.005)
+    ctl = Controller(opts, ["k"])
+    rng = random.Random(0)
+    band = [{"k": rng.uniform(0.0051, 0.02)} for _ in range(100)]
+    spikes = [{"k": 0.5 if i % 3 == 2 else 0.0} for i in range(100)]  # exposed 1 step in 3: never 3 in a row
+    mixed = [{"k": 0.5 if i % 3 == 0 else 0.01} for i in range(100)]
+    for script in (band, spikes, mixed):
+        _run(ctl, script)
+    assert ctl.log == [] and ctl.rungs() == [1]
+
+
+def test_a_key_at_the_knee_probes_down_ever_more_rarely() -> None:
+    """Exposed on the lighter rung, hidden on the heavier: each failed probe doubles the wait before the next."""
+    opts = AdaptiveOptions(ladder="none/int8", start="int8", patience=2, max_hold=32)
+    ctl = Controller(opts, ["k"])
+    for _ in range(400):
+        ctl.observe(STEP_S, {"k": 0.5 if ctl.rung("k") == 0 else 0.0})
+    downs = [d.step for d in ctl.log if d.after == "none"]
+    gaps = [b - a for a, b in zip(downs, downs[1:], strict=False)]
+    assert gaps == sorted(gaps) and gaps[-1] >= 32  # backing off, up to max_hold
+    assert len(ctl.log) <= 2 * (len(downs) + 1) and len(downs) <= 400 // 32 + 6
+
+
+def test_noisy_exposure_on_a_changing_link_settles() -> None:
+    """A link that becomes slow: the key climbs once and stays despite noise; fast again: it comes back down."""
+    opts = AdaptiveOptions(ladder="none/bf16/int8", patience=3)
+    ctl = Controller(opts, ["k"])
+    rng = random.Random(1)
+    for _ in range(40):  # slow: exposed on none and bf16, less so on int8
+        ctl.observe(STEP_S, {"k": [0.2, 0.1, 0.04][ctl.rung("k")] + rng.uniform(-0.01, 0.01)})
+    assert ctl.rung("k") == 2 and len(ctl.log) == 2
+    _run(ctl, [{"k": rng.uniform(0.0, 0.004)} for _ in range(40)])
+    assert ctl.rung("k") == 0 and len(ctl.log) == 4
+
+
+def test_loss_guard_closes_the_top_rung() -> None:
+    opts = AdaptiveOptions(ladder="none/bf16/int8", start="int8", guard=0.05)
+    ctl = Controller(opts, ["k"])
+    for step in range(40):
+        loss = 2.0 - 0.01 * step if step < 20 else 1.8 + 0.05 * (step - 20)
+        ctl.observe(STEP_S, {"k": 0.5}, loss)
+    assert ctl.ceiling < 2 and ctl.rung("k") <= ctl.ceiling
+    assert any("loss guard" in d.reason for d in ctl.log)
+
+
+def test_state_round_trips() -> None:
+    opts = AdaptiveOptions(ladder="none/bf16/int8", patience=2)
+    one, two = Controller(opts, ["a", "b"]), Controller(opts, ["a", "b"])
+    _run(one, [{"a": 0.5, "b": 0.0}] * 5)
+    two.load_state_dict(one.state_dict())
+    script = [{"a": 0.0, "b": 0.5}] * 7
+    assert _run(one, script) == _run(two, script)
+
+
+def test_options_parse_and_refuse_with_the_value() -> None:
+    opts = compression_options("adaptive(ladder=none/int8(block=128), patience=2)")
+    assert isinstance(opts, AdaptiveOptions) and opts.patience == 2
+    assert opts.gradient_rungs() == (NoCompression(), Int8Options(block=128))
+    assert compression_options("adaptive") == AdaptiveOptions()
+    for text, message in [("adaptive(ladder=none)", "at least two rungs"),
+                          ("adaptive(ladder=none/dgc)", "'dgc' cannot be a rung"),
+                          ("adaptive(ladder=none/int4)", "unknown gradient compression 'int4'"),
+                          ("adaptive(start=fp8)", "'fp8' is not a rung"),
+                          ("adaptive(up=0.01, down=0.02)", "down < up"),
+                          ("adaptive(patience=0)", "patience must be an int >= 1, got 0")]:
+        with pytest.raises(ValueError, match=message):
+            compression_options(text)
+    with pytest.raises(ValueError, match="no exposure measured for \\['b'\\]"):
+        Controller(AdaptiveOptions(), ["a", "b"]).observe(STEP_S, {"a": 0.0})
+
+
+def test_with_a_lag_the_measurement_taken_before_a_move_is_not_held_against_it() -> None:
+    """The agreement decides a step late: the first measurement after a move is still of the old rung."""
+    opts = AdaptiveOptions(ladder="none/int8", patience=2)
+    script = [0.5, 0.5, 0.9, 0.2, 0.2]  # int8 (still exposed, less) takes effect from the 4th measurement on
+    late, prompt = Controller(opts, ["k"], lag=1), Controller(opts, ["k"])
+    for exposed in script:
+        late.observe(STEP_S, {"k": exposed})
+        prompt.observe(STEP_S, {"k": exposed})
+    assert late.rung("k") == 1 and len(late.log) == 1  # kept: the 0.9 just after the move was skipped
+    assert prompt.rung("k") == 0 and "did not lower" in prompt.log[1].reason  # judged on the stale 0.9
