@@ -5,8 +5,8 @@ from __future__ import annotations
 from types import MappingProxyType
 
 SCHEDULE_ARG = ("a built-in schedule (see 'duplexpipe schedules'; needs -p and -m) or a schedule file: "
-                ".json (duplexpipe's, as 'export --format json' writes) or .csv (torch.distributed.pipelining's "
-                "_dump_csv)")
+                ".json (duplexpipe's, as 'export --format json' writes) or .csv (the schedule CSV that "
+                "torch.distributed.pipelining writes and reads)")
 SCHEDULES_ARG = ("built-in schedules and schedule files to compare (default: every built-in schedule that "
                  "accepts -p and -m); files carry their own P and M")
 
@@ -87,7 +87,7 @@ exit codes: 0 printed, {_EXIT_BAD}""",
 examples:
   duplexpipe verify dualpipe -p 8 -m 32
   duplexpipe verify my_schedule.json --nccl             # also the per-pair message order NCCL needs
-  duplexpipe verify torch_dump.csv                      # a torch _dump_csv file
+  duplexpipe verify torch_dump.csv                      # a schedule CSV from torch's pipelining
 
 exit codes: 0 sound ("OK ..." on stdout), 1 unsound ("UNSOUND ..." on stdout, naming the missing,
 misplaced or blocked actions rank by rank), {_EXIT_BAD}""",

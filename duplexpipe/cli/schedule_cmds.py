@@ -28,7 +28,7 @@ def add_parsers(sub: Any) -> None:
     add_schedule(exp)
     exp.add_argument("--format", choices=("json", "torch-csv"), required=True,
                      help="json: duplexpipe's, with the stage table; torch-csv: one row of actions per rank, "
-                          "as torch.distributed.pipelining's _dump_csv writes and _load_csv reads")
+                          "the schedule CSV torch.distributed.pipelining writes and reads")
     exp.add_argument("-o", "--output", required=True, metavar="FILE", help="the file to write")
     exp.add_argument("--comms", action="store_true", help="export the lowered schedule (with SEND/RECV)")
     add_zero3(exp)
