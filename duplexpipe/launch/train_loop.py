@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from duplexpipe.errors import CheckpointError, InputRejected
+from duplexpipe.errors import CheckpointError, EveryStepSkipped, InputRejected
 from duplexpipe.launch.batches import batch_rows, evaluate_batches, local_slice, rows_of
 from duplexpipe.launch.checkpoints import LATEST, checkpoint_to_load, discard_partial, publish, resume_from, step_name
 from duplexpipe.launch.folder_lock import hold_folders, job_folders
@@ -391,6 +391,7 @@ def _loop(pipe: Pipeline, task: TrainTask, config: TrainConfig, start: int, metr
         print(f"compiling {pipe.compiled.describe()} on the first step", flush=True)
     began = time.perf_counter()
     items, busy = 0, 0.0  # after the first step: items trained and seconds spent fetching + stepping
+    applied, skipped = 0, 0  # optimizer steps this run took, and skipped
     for step in range(start, config.steps):
         tick = time.perf_counter()
         x, y = task.batch(step, config.batch_size)
@@ -416,9 +417,11 @@ def _loop(pipe: Pipeline, task: TrainTask, config: TrainConfig, start: int, metr
             values["peak_memory_bytes"] = pipe.last.memory.total_peak
         if pipe.last is not None and pipe.last.skipped:  # NaN/inf gradients (fp16 overflow or nonfinite_grads "skip")
             values["skipped"] = True
-            if lead and config.pipeline.precision.dtype != "fp16":
+            if lead:
+                scale = f", fp16 loss scale now {pipe.scaler.scale:g}" if pipe.scaler.enabled else ""
                 print(f"step {step + 1}/{config.steps} skipped: its gradients held NaN or inf (norm "
-                      f"{pipe.last.grad_norm}); {pipe.skipped_steps} skipped so far", flush=True)
+                      f"{pipe.last.grad_norm}{scale}); {pipe.skipped_steps} skipped so far", flush=True)
+        applied, skipped = (applied + pipe.last.applied, skipped + pipe.last.skipped) if pipe.last else (applied, skipped)
         if config.metrics.eval_every and ((step + 1) % config.metrics.eval_every == 0 or step + 1 == config.steps):
             assert task.eval_batch is not None  # _prepare checked it
             values["eval_loss"] = evaluate_batches(pipe, task.eval_batch, config.batch_size, metrics_cfg.eval_batches)
@@ -435,6 +438,10 @@ def _loop(pipe: Pipeline, task: TrainTask, config: TrainConfig, start: int, metr
     end = time.perf_counter()
     if bar is not None:
         bar.close()
+    if skipped and not applied:
+        raise EveryStepSkipped(f"every optimizer step of steps {start + 1}-{config.steps} was skipped: the gradients "
+                               "held NaN or inf each time, so nothing was trained; check the weights and the inputs "
+                               "for NaN or inf (and under fp16 the loss scale settings)")
     return losses, evals, items / busy if busy else 0.0, end - began
 
 
