@@ -319,11 +319,30 @@ def _prepare(config: TrainConfig) -> tuple[TrainTask, Pipeline]:
     pipe = _build_pipeline(config, task)
     if checkpoint is not None:
         pipe.load(checkpoint)
+        check_resumed_optimizer(pipe.optimizer, config, checkpoint)
         if dist.get_rank() == 0:
             print(f"resuming from step {pipe.calls} of {checkpoint}", flush=True)
     if pipe.calls >= config.steps:
         raise ValueError(f"the checkpoint is at step {pipe.calls}; --steps {config.steps} leaves nothing to do")
     return task, pipe
+
+
+def check_resumed_optimizer(optimizer: torch.optim.Optimizer, config: TrainConfig, checkpoint: Any) -> None:
+    """ValueError when `config`'s optimizer settings differ from those a resumed optimizer took over from its
+    checkpoint (its param groups' lr, weight decay and momentum win): a run that records --lr 0.5 while it trains
+    with the checkpoint's lr is refused rather than silently mislabelled."""
+    opt = config.optimizer
+    group = optimizer.param_groups[0] if optimizer.param_groups else {}
+    wanted = {"lr": ("initial_lr" if "initial_lr" in group else "lr", opt.lr, "--lr"),
+              "weight_decay": ("weight_decay", opt.weight_decay, "--weight-decay")}
+    if opt.name == "sgd":
+        wanted["momentum"] = ("momentum", opt.momentum, "--momentum")
+    for key, given, flag in wanted.values():
+        saved = group.get(key)
+        if isinstance(saved, (int, float)) and not math.isclose(saved, given, rel_tol=1e-9, abs_tol=0.0):
+            raise ValueError(f"{flag} {given:g}, but the checkpoint {checkpoint} was trained with {saved:g}: a resumed "
+                             f"run continues with the checkpoint's optimizer settings, so {flag} is not applied; give "
+                             f"{flag} {saved:g} (or start a fresh run with --resume none)")
 
 
 def _train_rank(config: TrainConfig, lock_here: bool = False) -> TrainResult | None:
