@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 from duplexpipe.sizes import format_bytes
@@ -15,6 +16,7 @@ def read_capped(path: str | os.PathLike[str], limit: int, what: str,
     """The bytes of `path`, refused with `error` naming the file, its size and `limit` before more than `limit`
     bytes are read (a device or a pipe whose size the file system does not know is cut off at the limit too).
     OSError passes unchanged (its message names the file)."""
+    require_regular(path, what, error)
     with open(path, "rb") as fh:
         size = os.fstat(fh.fileno()).st_size
         if size > limit:
@@ -34,6 +36,17 @@ def read_capped_text(path: str | os.PathLike[str], limit: int, what: str,
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise error(f"{what} {path} is not a text file (not UTF-8: {exc})") from None
+
+
+def require_regular(path: str | os.PathLike[str], what: str, error: type[ValueError] = ValueError) -> None:
+    """`error` naming `path` unless it is a regular file (after links): a FIFO would block the open until a writer
+    comes, a device may never end; checked with os.stat, before anything opens it. OSError passes unchanged."""
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        kind = ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
+                "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else
+                "not a file")
+        raise error(f"{what} {path} is {kind}, not a regular file; refused without opening it")
 
 
 def plain_name(name: object, where: str, error: type[ValueError] = ValueError) -> str:
