@@ -77,6 +77,17 @@ def tokenize(docs: list[str], tokenizer_dir: str, model_dir: str) -> torch.Tenso
     return torch.tensor(ids, dtype=torch.long)
 
 
+def check_vocabulary(ids: torch.Tensor, tokenizer_dir: str, model_dir: str) -> None:
+    """ValueError when the tokenizer gives token ids the model's embedding has no row for (a tokenizer of another
+    model): named here, not as an index error inside a rank's forward."""
+    from transformers import AutoConfig
+
+    vocab = getattr(AutoConfig.from_pretrained(model_dir), "vocab_size", None)
+    if isinstance(vocab, int) and len(ids) and int(ids.max()) >= vocab:
+        raise ValueError(f"task hf: the tokenizer in {tokenizer_dir} gives token id {int(ids.max())}, but the model in "
+                         f"{model_dir} has a vocabulary of {vocab} (ids 0..{vocab - 1}); use the model's tokenizer")
+
+
 class Windows:
     """A token stream cut into windows of `seq` tokens: the last `val_fraction` held out for evaluation, the rest
     walked in epochs without replacement, each epoch in an order drawn from (seed, epoch); batches are pure functions
@@ -124,7 +135,12 @@ def hf_task(seed: int = 0, **options: Any) -> TrainTask:
     """
     opts = check_options(**options)
     assert opts.model is not None and opts.data is not None
-    ids = tokenize(documents(opts.data), opts.tokenizer or opts.model, opts.model)
+    docs = documents(opts.data)
+    if not docs:
+        raise ValueError(f"task hf: data file {opts.data} holds no text (expected documents separated by blank lines, "
+                         "or .jsonl records with a \"text\" field)")
+    ids = tokenize(docs, opts.tokenizer or opts.model, opts.model)
+    check_vocabulary(ids, opts.tokenizer or opts.model, opts.model)
     windows = Windows(ids, opts.seq, opts.val_fraction, seed)
     if len(windows.train) == 0:
         raise ValueError(f"task hf: {opts.data} has {len(ids)} tokens, {int(len(ids) * (1 - opts.val_fraction))} "
