@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import hashlib
 import importlib
@@ -126,6 +127,8 @@ def load_task(spec: str, *, annotated: bool = False) -> Callable[..., TrainTask]
     target, sep, name = spec.rpartition(":")
     if not sep or not target or not name:
         raise ValueError(f"task {spec!r} must look like 'path/to/file.py:function' or 'module:function'")
+    if annotated:
+        _check_declared(target, name, spec)  # from its source: nothing of the module runs before this holds
     if target.endswith(".py"):
         module = _load_file(target, spec)
     else:
@@ -146,6 +149,33 @@ def load_task(spec: str, *, annotated: bool = False) -> Callable[..., TrainTask]
                          "config file may only name task functions declared to return a TrainTask (annotate it, or "
                          "name it with --task on the command line)")
     return fn  # type: ignore[no-any-return]
+
+
+def _check_declared(target: str, name: str, spec: str) -> None:
+    """ValueError unless the source of `target` (a task file, or a module found without importing it) defines a
+    top-level function `name` annotated `-> TrainTask`: a config file's task is refused before its module runs."""
+    refused = (f"task {spec!r} comes from a config file, but {target} does not define a function {name} annotated "
+               "'-> TrainTask'; a config file may only name task functions declared to return a TrainTask (annotate "
+               "it, or name it with --task on the command line); refused without importing {target}")
+    if target.endswith(".py"):
+        origin: str | None = target
+    else:
+        try:
+            found = importlib.util.find_spec(target)  # imports the parent packages of a dotted name, not the module
+        except (ImportError, ValueError):
+            found = None
+        origin = found.origin if found is not None else None
+    if origin is None or not origin.endswith(".py") or not Path(origin).is_file():
+        raise ValueError(refused.replace("{target}", target))
+    try:
+        tree = ast.parse(Path(origin).read_text(encoding="utf-8"), filename=origin)
+    except (OSError, SyntaxError, UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"task {spec!r}: cannot read {origin} ({type(exc).__name__}: {exc})") from None
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == name and node.returns is not None:
+            if ast.unparse(node.returns).strip("'\" ").rsplit(".", 1)[-1] == TrainTask.__name__:
+                return
+    raise ValueError(refused.replace("{target}", target))
 
 
 def _returns_task(fn: Callable[..., Any]) -> bool:
