@@ -13,7 +13,6 @@ from duplexpipe.cli.args import command
 from duplexpipe.planner.profile import load_profile, save_profile
 from duplexpipe.sizes import format_bytes, parse_bytes
 
-
 MAX_EVICT_BYTES = 4 * 2**30
 """Most bytes `profile --evict` writes before each timed pass (4 GiB): caches hold megabytes, so a larger figure
 evicts nothing more and only takes the memory."""

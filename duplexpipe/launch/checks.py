@@ -13,7 +13,6 @@ from torch.overrides import TorchFunctionMode
 
 from duplexpipe.comm import check_optimizer
 from duplexpipe.dp_options.compression import compression_options
-from duplexpipe.moe.balance import moe_layers
 from duplexpipe.launch.train_config import TrainConfig
 from duplexpipe.launch.train_loop import (
     TrainTask,
@@ -22,6 +21,7 @@ from duplexpipe.launch.train_loop import (
     make_optimizer,
     task_tp_plan,
 )
+from duplexpipe.moe.balance import moe_layers
 from duplexpipe.parallel.compressed import check_dgc_momentum
 from duplexpipe.parallel.zero_config import check_hpz
 from duplexpipe.tp.plans import check_plan

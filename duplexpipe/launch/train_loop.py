@@ -470,7 +470,8 @@ def _loop(pipe: Pipeline, task: TrainTask, config: TrainConfig, start: int, metr
                 scale = f", fp16 loss scale now {pipe.scaler.scale:g}" if pipe.scaler.enabled else ""
                 print(f"step {step + 1}/{config.steps} skipped: its gradients held NaN or inf (norm "
                       f"{pipe.last.grad_norm}{scale}); {pipe.skipped_steps} skipped so far", flush=True)
-        applied, skipped = (applied + pipe.last.applied, skipped + pipe.last.skipped) if pipe.last else (applied, skipped)
+        if pipe.last is not None:
+            applied, skipped = applied + pipe.last.applied, skipped + pipe.last.skipped
         if config.metrics.eval_every and ((step + 1) % config.metrics.eval_every == 0 or step + 1 == config.steps):
             assert task.eval_batch is not None  # _prepare checked it
             values["eval_loss"] = evaluate_batches(pipe, task.eval_batch, config.batch_size, metrics_cfg.eval_batches)

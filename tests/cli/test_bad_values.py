@@ -20,7 +20,8 @@ CASES: list[tuple[str, list[str], str]] = [
     # silent wrong training
     ("batch-not-divisible-by-dp", ["--dp", "2", "--batch-size", "5"], "batch_size 5 is not divisible by dp=2"),
     ("clip-nan", ["--grad-clip-norm", "nan"], "grad_clip_norm must be a finite number > 0 or None"),
-    ("clip-negative", ["--grad-clip-norm", "-1"], "grad_clip_norm must be a finite number > 0 or None (no clipping), got -1.0"),
+    ("clip-negative", ["--grad-clip-norm", "-1"],
+     "grad_clip_norm must be a finite number > 0 or None (no clipping), got -1.0"),
     ("clip-nan-toml", ["--config", "{dir}/clip.toml"], "grad_clip_norm must be a finite number > 0"),
     ("fp16-init-scale-nan", ["--precision", "fp16", "--loss-scale-init-scale", "nan"],
      "LossScaleConfig.init_scale must be a finite number, got nan"),
