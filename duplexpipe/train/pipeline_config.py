@@ -156,9 +156,10 @@ class SafetyConfig:
     def __post_init__(self) -> None:
         for name in ("timeout_s", "compile_timeout_s"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_TIMEOUT_S:
-                raise ValueError(f"{name} must be a number of seconds > 0 and <= {MAX_TIMEOUT_S:,} (a week), got "
-                                 f"{value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value!r}")
+            if not value <= MAX_TIMEOUT_S:
+                raise ValueError(f"{name} must be at most {MAX_TIMEOUT_S:,} seconds (a week), got {value!r}")
         check_policy(self.nonfinite_sends, "SafetyConfig.nonfinite_sends")
         check_nonfinite_policy(self.nonfinite_grads)
 

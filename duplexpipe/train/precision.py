@@ -49,7 +49,7 @@ class LossScaleConfig:
             )
         if isinstance(self.growth_interval, bool) or not isinstance(self.growth_interval, int) \
                 or self.growth_interval < 1:
-            raise ValueError(f"growth_interval must be an int >= 1, got {self.growth_interval!r}")
+            raise ValueError(f"growth_interval must be >= 1, got {self.growth_interval!r} (an int)")
 
 
 class DynamicLossScaler:
