@@ -17,7 +17,7 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
-from _hf_helpers import rel, tiny_llama, transformers  # noqa: E402
+from _hf_helpers import VOCAB, rel, tiny_llama, transformers  # noqa: E402
 
 from duplexpipe.cli.train_cmd import add_train_arguments, train_main  # noqa: E402
 from duplexpipe.launch.tasks.gpt import corpus_text  # noqa: E402
@@ -234,3 +234,17 @@ def test_an_moe_model_trains_with_expert_parallelism_and_loads_back(model_dir: P
     experts = [rel(tuned.state_dict()[k][e], v[e]) for k, v in source.state_dict().items() if "experts" in k
                for e in range(v.shape[0])]
     assert len(experts) == 4 * 2 * 4 and min(experts) > 0, experts  # 4 layers x (gate_up, down) x 4 experts
+
+
+def test_an_empty_data_file_and_a_tokenizer_beyond_the_vocabulary_are_named(model_dir: Path) -> None:
+    """Both found when the task is built (before any process starts), not as an empty stream or an index error in
+    a rank's embedding."""
+    (model_dir / "empty.txt").write_text("\n\n  \n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"task hf: data file .*empty.txt holds no text"):
+        hf_task(model=str(model_dir / "tiny"), data=str(model_dir / "empty.txt"))
+    wide = "".join(chr(0x4E00 + i) for i in range(VOCAB + 8))  # more characters than the model has rows
+    eos_tokenizer(wide).save_pretrained(model_dir / "wide")
+    (model_dir / "wide.txt").write_text(wide, encoding="utf-8")
+    with pytest.raises(ValueError, match=rf"the tokenizer in .*wide gives token id {VOCAB + 9}, but the model in "
+                                         rf".*tiny has a vocabulary of {VOCAB}"):
+        hf_task(model=str(model_dir / "tiny"), data=str(model_dir / "wide.txt"), tokenizer=str(model_dir / "wide"))
