@@ -10,7 +10,7 @@ STAMP := $(VENV)/.duplexpipe-installed
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check "$(TORCH)"
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[viz,dev,hf,docs,float8,data]"
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[viz,dev,hf,docs,float8,data,wandb]"
 	@touch $(STAMP)
 
 demo: $(STAMP)

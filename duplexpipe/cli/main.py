@@ -40,6 +40,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `duplexpipe` console script; returns the exit code."""
     try:
         argv = list(sys.argv[1:] if argv is None else argv)
+        if argv[:1] == ["train"]:
+            train_cmd.check_before_torch(argv[1:])
         args = build_parser(with_train="train" in argv).parse_args(argv)
         return COMMANDS[args.command](args)
     except (CliError, ScheduleError, ValueError) as exc:

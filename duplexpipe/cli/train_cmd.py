@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
 from duplexpipe.cli import help as docs
-from duplexpipe.cli.args import CliError, check_size, load_schedule
+from duplexpipe.cli.args import CliError, Parser, check_size, load_schedule
 from duplexpipe.launch.folder_lock import hold_folders, job_folders
 from duplexpipe.launch.train_config import DEFAULT_TASK, HF_TASK, TrainConfig
 
@@ -23,6 +25,44 @@ def add_parsers(sub: Any, full: bool = True) -> None:
                            epilog=_epilog() if full else None, formatter_class=argparse.RawDescriptionHelpFormatter)
     if full:
         add_train_arguments(train)
+
+
+def check_before_torch(argv: Sequence[str]) -> None:
+    """The checks of `duplexpipe train ARGS` that need no torch, made before its parser is built (the parser is
+    generated from the training stack's dataclasses, which import torch: seconds): a built-in schedule with the
+    ranks, microbatches and --opt options given on the command line (defaults where left out). CliError (one line,
+    exit 2) when the schedule refuses them; anything this cannot read (a --config file, which may set these, a
+    malformed flag, a schedule file, "auto") is left to the full checks."""
+    from duplexpipe.launch.train_config import DEFAULT_RUN_MICROBATCHES, DEFAULT_SCHEDULE
+    from duplexpipe.launch.train_settings import FLAG_NAMES, parse_key_values
+    from duplexpipe.schedules import registry
+
+    flags = {"config": ("--config",), "schedule": ("--schedule",), "ranks": ("--ranks",),
+             "microbatches": FLAG_NAMES["pipeline.num_microbatches"], "opt": FLAG_NAMES["pipeline.schedule_options"]}
+    early = Parser(prog="duplexpipe train", add_help=False, allow_abbrev=False)
+    early.add_argument(*flags["config"], dest="config")
+    early.add_argument(*flags["schedule"], dest="schedule", default=DEFAULT_SCHEDULE)
+    early.add_argument(*flags["ranks"], dest="ranks", default=str(_default("ranks")))
+    early.add_argument(*flags["microbatches"], dest="microbatches", default=str(DEFAULT_RUN_MICROBATCHES))
+    early.add_argument(*flags["opt"], dest="opt", action="append", default=[])
+    known = {flag for names in flags.values() for flag in names}
+    given = {a.split("=", 1)[0] for a in argv if a.startswith("-")}
+    if given & {"-h", "--help"} or any(f not in known and any(k.startswith(f) for k in known) for f in given):
+        return  # help, or a flag the full parser may read as an abbreviation of one of these
+    try:
+        args, _ = early.parse_known_args(argv)
+        ranks, microbatches, options = int(args.ranks), int(args.microbatches), parse_key_values(args.opt)
+    except (CliError, ValueError):
+        return
+    if args.config is None and args.schedule in registry.names() and ranks >= 1 and microbatches >= 1:
+        refusal = registry.check(args.schedule, ranks, microbatches, **options)
+        if refusal is not None:
+            raise CliError(refusal)
+
+
+def _default(name: str) -> Any:
+    """TrainConfig's default of its own field `name` (read without building one: its pipeline imports torch)."""
+    return next(f.default for f in dataclasses.fields(TrainConfig) if f.name == name)
 
 
 def _epilog() -> str:
@@ -125,7 +165,7 @@ def _train_checked(args: argparse.Namespace, config: TrainConfig, out: IO[str]) 
     """Check everything the ranks would fail on (the task first: named by a config file it must be annotated), then
     train and print the summary."""
     from duplexpipe.launch.checks import check_training  # imports torch: after the checks that need none
-    from duplexpipe.launch.metrics import memory_summary
+    from duplexpipe.launch.metrics import check_wandb, memory_summary
     from duplexpipe.launch.train_loop import load_task, run_training
     from duplexpipe.train.pipeline_config import is_schedule_file
 
@@ -133,6 +173,7 @@ def _train_checked(args: argparse.Namespace, config: TrainConfig, out: IO[str]) 
         if _task_from_file(args):
             load_task(config.task, annotated=True)  # before anything calls it
         check_training(config)  # every configuration error, before any process starts
+        check_wandb(config.metrics.wandb)
         _check_files(config)
     except ValueError as exc:
         from duplexpipe.errors import InputRejected
@@ -145,12 +186,13 @@ def _train_checked(args: argparse.Namespace, config: TrainConfig, out: IO[str]) 
         if result.partition:
             out.write(f"{result.partition}\n")
         done = f"steps {result.start_step + 1}-{config.steps}" if result.start_step else f"{config.steps} steps"
+        calls = config.pipeline.accumulation_steps
+        done += f" of {calls} batches" if calls > 1 else ""
         chosen = f" (chose {result.schedule})" if config.pipeline.schedule == "auto" and result.schedule else ""
         schedule = config.pipeline.schedule
         name = Path(schedule).name if is_schedule_file(schedule) else str(schedule)
         evaluated = f", eval loss {result.eval_losses[-1][1]:.4f}" if result.eval_losses else ""
-        tensor = f" x {config.tp} tp" if config.tp > 1 else ""
-        out.write(f"{name}{chosen} on {config.ranks} ranks x {config.dp} dp{tensor}, {done}: loss "
+        out.write(f"{name}{chosen} on {layout(config, result.zero_stage)}, {done}: loss "
                   f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f}{evaluated}, {result.items_per_s:,.0f} "
                   f"{result.item_name}/s, {result.wall_s:.1f}s\n")
         if result.send_bytes:
@@ -162,6 +204,13 @@ def _train_checked(args: argparse.Namespace, config: TrainConfig, out: IO[str]) 
             out.write(f"last step: makespan {result.timeline.makespan * 1e3:.1f} ms, "
                       f"bubble ratio {result.timeline.bubble_ratio:.1%}\n")
     return 0
+
+
+def layout(config: TrainConfig, zero_stage: int) -> str:
+    """Every degree of a run in one phrase: "pp 2 x dp 2 x tp 1 x ep 1 (ZeRO 1, sequence parallel off)"."""
+    sequence = "on" if config.pipeline.sequence_parallel else "off"
+    return (f"pp {config.ranks} x dp {config.dp} x tp {config.tp} x ep {config.ep} (ZeRO {zero_stage}, sequence "
+            f"parallel {sequence})")
 
 
 def _task_from_file(args: argparse.Namespace) -> bool:

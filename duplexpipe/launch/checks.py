@@ -13,6 +13,7 @@ from torch.overrides import TorchFunctionMode
 
 from duplexpipe.comm import check_optimizer
 from duplexpipe.dp_options.compression import compression_options
+from duplexpipe.launch.processes import default_backend
 from duplexpipe.launch.train_config import TrainConfig
 from duplexpipe.launch.train_loop import (
     TrainTask,
@@ -25,6 +26,7 @@ from duplexpipe.moe.balance import moe_layers
 from duplexpipe.parallel.compressed import check_dgc_momentum
 from duplexpipe.parallel.zero_config import check_hpz
 from duplexpipe.tp.plans import check_plan
+from duplexpipe.train.float8 import check_float8, float8_options
 from duplexpipe.train.pipeline_config import AUTO
 
 
@@ -41,6 +43,9 @@ def check_training(config: TrainConfig) -> None:
         optimizer = make_optimizer(config)([nn.Parameter(torch.zeros(1))])
         check_optimizer(compression, optimizer)
         check_dgc_momentum(compression, optimizer)
+    if (float8 := float8_options(config.pipeline.precision.float8)) is not None:
+        ranks = config.ranks * config.dp * config.tp
+        check_float8(float8, torch.device("cuda", 0) if default_backend(ranks) == "nccl" else torch.device("cpu"))
     if schedule is not None and dp.zero_stage == 2 and config.dp > 1:
         check_hpz(dp.zero, schedule, config.dp)
     load_task(config.task)

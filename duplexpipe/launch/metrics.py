@@ -1,16 +1,19 @@
-"""Training metrics: a JSONL log (one line per step), optional TensorBoard scalars, progress output."""
+"""Training metrics: a JSONL log (one line per step), optional TensorBoard and Weights & Biases scalars, progress
+output."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import math
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from duplexpipe.launch.train_config import TrainConfig
     from duplexpipe.runtime.memory import MemoryReport
 
 log = logging.getLogger("duplexpipe.metrics")
@@ -22,6 +25,10 @@ SCALARS = ("loss", "lr", "grad_norm", "items_per_s", "bubble", "eval_loss", "pea
 """The per-step values that also go to TensorBoard (as train/<name>, eval_loss as eval/loss)."""
 TAGS = {"eval_loss": "eval/loss"}
 """TensorBoard tags that are not train/<name>."""
+WANDB_HINT = "pip install 'duplexpipe[wandb]'"
+TENSORBOARD_MISSING = ("TensorBoard scalars are off: the tensorboard package is not installed (pip install "
+                       "'duplexpipe[tensorboard]'; --no-tensorboard leaves them off without this line)")
+"""The one line a run prints when it would write TensorBoard scalars but cannot."""
 
 
 def tensorboard_writer() -> WriterFactory | None:
@@ -33,22 +40,104 @@ def tensorboard_writer() -> WriterFactory | None:
     return SummaryWriter  # type: ignore[no-any-return]
 
 
+class WandbWriter:
+    """A Weights & Biases run behind the TensorBoard writer's calls: the scalars of a step go as one `log` call."""
+
+    def __init__(self, run: Any) -> None:
+        self.run = run
+        self._step: int | None = None
+        self._pending: dict[str, float] = {}
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        """Queue `tag` for `step` (a new step sends the previous one)."""
+        if step != self._step:
+            self.flush()
+            self._step = step
+        self._pending[tag] = value
+
+    def flush(self) -> None:
+        """Send the queued step."""
+        if self._pending:
+            self.run.log(self._pending, step=self._step)
+            self._pending = {}
+
+    def close(self) -> None:
+        """Send the queued step and finish the run."""
+        self.flush()
+        self.run.finish()
+
+
+def check_wandb(options: bool | Mapping[str, Any]) -> None:
+    """ValueError when `MetricsConfig.wandb` asks for a run the wandb package is missing for, or gives an option
+    wandb.init does not take."""
+    if options is False:
+        return
+    try:
+        import wandb
+    except ImportError:
+        raise ValueError(f"--wandb needs the wandb package, which is not installed: {WANDB_HINT}") from None
+    taken = inspect.signature(wandb.init).parameters
+    unknown = sorted(set(options if isinstance(options, Mapping) else ()) - set(taken) - {"config"})
+    if unknown:
+        raise ValueError(f"--wandb: wandb.init takes no option(s) {', '.join(unknown)}")
+
+
+def wandb_writer(options: bool | Mapping[str, Any], folder: str | None, config: Mapping[str, Any]) -> WandbWriter:
+    """A wandb run (wandb imported now: it is optional) with `options` for wandb.init, its files under `folder`."""
+    import wandb
+
+    given = dict(options) if isinstance(options, Mapping) else {}
+    if folder is not None:
+        given.setdefault("dir", folder)
+    return WandbWriter(wandb.init(config=dict(config), **given))
+
+
+def open_metrics(config: TrainConfig, start: int) -> MetricsLog | None:
+    """The run's metrics on rank 0 (None when it writes none): metrics.jsonl, TensorBoard and wandb as `config.metrics`
+    asks, appending after step `start` of a resumed run (later rows of a crashed attempt dropped). TensorBoard
+    asked for but not installed: one line says so."""
+    metrics = config.metrics
+    if metrics.out_dir is None and metrics.wandb is False:
+        return None
+    out = Path(metrics.out_dir) if metrics.out_dir is not None else None
+    factory = tensorboard_writer() if metrics.tensorboard and out is not None else None
+    if metrics.tensorboard and out is not None and factory is None:
+        print(TENSORBOARD_MISSING, flush=True)
+    if out is not None and start:
+        _trim_metrics(out / "metrics.jsonl", start)
+    writers = [wandb_writer(metrics.wandb, metrics.out_dir, config.to_dict())] if metrics.wandb is not False else []
+    return MetricsLog(out / "metrics.jsonl" if out is not None else None,
+                      tensorboard_dir=out / "tensorboard" if out is not None else None, writer_factory=factory,
+                      append=start > 0, writers=writers)
+
+
+def _trim_metrics(path: Path, start: int) -> None:
+    """Drop the rows after step `start` (written by an attempt that crashed later than its last checkpoint)."""
+    if not path.is_file():
+        return
+    rows = [line for line in path.read_text(encoding="utf-8").splitlines()
+            if line.strip() and int(json.loads(line).get("step", 0)) <= start]
+    path.write_text("".join(row + "\n" for row in rows), encoding="utf-8")
+
+
 class MetricsLog:
-    """Appends one JSON object per step to a file and mirrors the scalars to a TensorBoard writer.
+    """Appends one JSON object per step to a file and mirrors the scalars to a TensorBoard writer and to `writers`
+    (each with the TensorBoard writer's `add_scalar`, `flush` and `close`: a `WandbWriter`).
 
     `path` None: no file. `writer_factory` None: no TensorBoard. Non-finite numbers are written
     as null (JSON has no NaN).
     """
 
     def __init__(self, path: str | Path | None, *, tensorboard_dir: str | Path | None = None,
-                 writer_factory: WriterFactory | None = None, append: bool = False) -> None:
+                 writer_factory: WriterFactory | None = None, append: bool = False,
+                 writers: Sequence[Any] = ()) -> None:
         self._file: IO[str] | None = None
         if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             self._file = Path(path).open("a" if append else "w", encoding="utf-8")
-        self._writer = None
+        self._writers = list(writers)
         if writer_factory is not None and tensorboard_dir is not None:
-            self._writer = writer_factory(str(tensorboard_dir))
+            self._writers.insert(0, writer_factory(str(tensorboard_dir)))
             log.info("TensorBoard scalars go to %s", tensorboard_dir)
 
     def write(self, step: int, values: Mapping[str, float | int | None]) -> None:
@@ -59,20 +148,20 @@ class MetricsLog:
         if self._file is not None:
             self._file.write(json.dumps(row) + "\n")
             self._file.flush()
-        if self._writer is not None:
+        for writer in self._writers:
             for key in SCALARS:
                 if row.get(key) is not None:
-                    self._writer.add_scalar(TAGS.get(key, f"train/{key}"), row[key], step)
+                    writer.add_scalar(TAGS.get(key, f"train/{key}"), row[key], step)
 
     def close(self) -> None:
-        """Flush and close the file and the writer."""
+        """Flush and close the file and the writers."""
         if self._file is not None:
             self._file.close()
             self._file = None
-        if self._writer is not None:
-            self._writer.flush()
-            self._writer.close()
-            self._writer = None
+        for writer in self._writers:
+            writer.flush()
+            writer.close()
+        self._writers = []
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

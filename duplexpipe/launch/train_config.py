@@ -27,6 +27,10 @@ BALANCES = ("uniform", "params", "time")
 ZERO_STAGES = (0, 1, 2, 3)
 NONFINITE_POLICIES = ("raise", "skip")
 """`nonfinite_grads` values (duplexpipe.train.nonfinite.NONFINITE_GRADS): stop the run, or skip the step and go on."""
+DEFAULT_SCHEDULE = "dualpipe"
+"""The schedule of a run that names none."""
+DEFAULT_RUN_MICROBATCHES = 8
+"""The microbatches of a run that names none (the pipeline's own default is `DEFAULT_MICROBATCHES`)."""
 BATCH_CHECKS = ("first", "every", "never")
 """`batch_check` values: compare the batch's fingerprint across ranks on a run's first step, on every step, never."""
 MAX_BATCH_SIZE = 2**20
@@ -83,6 +87,18 @@ class OptimizerConfig:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 
 
+def profile_range(text: str) -> tuple[int, int]:
+    """`MetricsConfig.profile_steps` "A:B" as (A, B), 1-based and inclusive; ValueError naming the text otherwise."""
+    first, sep, last = text.partition(":")
+    try:
+        start, end = int(first), int(last)
+    except ValueError:
+        start, end = 0, -1
+    if not sep or not 1 <= start <= end:
+        raise ValueError(f"profile_steps must be A:B, steps 1 <= A <= B (e.g. 3:5), got {text!r}")
+    return start, end
+
+
 @documented
 @dataclass
 class MetricsConfig:
@@ -103,8 +119,16 @@ class MetricsConfig:
     tensorboard package is installed, TensorBoard scalars (tensorboard/) here (None: nothing is written). Locked
     for the run (.duplexpipe.lock): a second run on it exits with code 2 naming the holder."""
     tensorboard: bool = True
-    """TensorBoard scalars under out_dir/tensorboard when the tensorboard package is installed (skipped quietly
-    otherwise); --no-tensorboard turns them off."""
+    """TensorBoard scalars under out_dir/tensorboard when the tensorboard package is installed (without it the run
+    says so in one line and goes on); --no-tensorboard turns them off."""
+    wandb: bool | dict[str, Any] = False
+    """Weights & Biases: the TensorBoard scalars also to a wandb run (the `wandb` package: pip install
+    'duplexpipe[wandb]'), with wandb.init's options as KEY=VALUE (project=NAME, mode=offline, name=..., ...); its
+    files go to out_dir when given, and the run's config is TrainConfig's. Offline (no account, no network):
+    mode=offline or WANDB_MODE=offline; `wandb sync` uploads it later."""
+    profile_steps: str | None = None
+    """"A:B": trace steps A to B (1-based, inclusive) with torch.profiler; each rank writes
+    out_dir/profile/rank-N.json, a Chrome trace (ui.perfetto.dev opens it). Needs out_dir."""
     timeline_every: int = 0
     """Every N steps, gather every pipeline rank's measured timeline of that step (a pickled all-gather of the
     events) and write it to out_dir/timelines/step-NNNNNN.json (0: never; the bubble figure of every step comes
@@ -118,6 +142,10 @@ class MetricsConfig:
         if self.eval_batches > MAX_EVAL_BATCHES:
             raise ValueError(f"eval_batches must be <= {MAX_EVAL_BATCHES:,} (each evaluation runs them all), got "
                              f"{self.eval_batches:,}")
+        if self.profile_steps is not None:
+            profile_range(self.profile_steps)
+            if self.out_dir is None:
+                raise ValueError(f"profile_steps {self.profile_steps!r} writes its traces to out_dir: give --out-dir")
 
 
 @documented
@@ -154,7 +182,8 @@ def default_pipeline() -> PipelineConfig:
     (imports the training stack)."""
     from duplexpipe.train.pipeline_config import DataParallelConfig, PipelineConfig
 
-    return PipelineConfig("dualpipe", 8, grad_clip_norm=1.0, data_parallel=DataParallelConfig(zero_stage=0))
+    return PipelineConfig(DEFAULT_SCHEDULE, DEFAULT_RUN_MICROBATCHES, grad_clip_norm=1.0,
+                          data_parallel=DataParallelConfig(zero_stage=0))
 
 
 @documented
@@ -187,9 +216,12 @@ class TrainConfig:
     balance: str = "uniform"
     """"uniform", "params" or "time" (profiled on the first microbatch of step 0's batch)."""
     steps: int = 60
-    """Training steps in all (a resumed run continues up to this step)."""
+    """Optimizer steps in all (a resumed run continues up to this step); with the pipeline's `accumulation_steps` A
+    each step is A batches. Every step count of a run (log_every, eval_every, save_every, checkpoint names, the
+    step of metrics.jsonl) counts these."""
     batch_size: int = 32
-    """Samples per step over all replicas (the task's `batch(step, batch_size)`)."""
+    """Samples per batch over all replicas (the task's `batch(index, batch_size)`); a step with `accumulation_steps`
+    A trains A batches."""
     batch_check: str = "first"
     """Compare a fingerprint of task.batch()'s global batch across all ranks (it must be the same everywhere): on
     the run's "first" step, on "every" step (a debugging aid: one small all-gather a step), or "never"."""
@@ -227,6 +259,8 @@ class TrainConfig:
         if microbatches is not None and self.batch_size < microbatches * self.dp:
             raise ValueError(f"batch_size {self.batch_size} is smaller than microbatches x dp = {microbatches} x "
                              f"{self.dp}: every replica needs at least one sample per microbatch")
+        if self.metrics.profile_steps is not None and profile_range(self.metrics.profile_steps)[1] > self.steps:
+            raise ValueError(f"profile_steps {self.metrics.profile_steps!r} ends after the run's {self.steps} steps")
         if self.pipeline.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel shards the sequence over the tensor-parallel ranks: it needs tp > 1")
 

@@ -12,6 +12,7 @@ import json
 import math
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,8 +27,9 @@ from duplexpipe.launch.batches import batch_rows, evaluate_batches, local_slice,
 from duplexpipe.launch.checkpoints import LATEST, checkpoint_to_load, discard_partial, publish, resume_from, step_name
 from duplexpipe.launch.folder_lock import hold_folders, job_folders
 from duplexpipe.launch.job_guards import check_same_batch, checks_batch, locked_by_rank0
-from duplexpipe.launch.metrics import MetricsLog, log_line, plain_every, progress_bar, tensorboard_writer
+from duplexpipe.launch.metrics import MetricsLog, log_line, open_metrics, plain_every, progress_bar
 from duplexpipe.launch.processes import launched_by_torchrun, run
+from duplexpipe.launch.step_profiler import StepProfiler
 from duplexpipe.launch.train_config import DEFAULT_TASK, TrainConfig, lr_factor
 from duplexpipe.model.stages import PartInit
 from duplexpipe.parallel.mesh import make_mesh
@@ -51,7 +53,8 @@ class TrainTask:
     loss_fn: LossFn
     """loss_fn(output, targets) -> mean loss of a microbatch."""
     batch: Callable[[int, int], tuple[Any, Any]]
-    """batch(step, batch_size) -> (inputs, targets): the global batch of `step`, identical on every rank.
+    """batch(index, batch_size) -> (inputs, targets): the global batch number `index` (0, 1, ...), identical on every
+    rank; optimizer step s trains batches s x A .. s x A + A - 1 with `accumulation_steps` A (one batch a step: A=1).
     Inputs (and targets) are a tensor or a tuple / list / dict of tensors, each with the samples in its first
     dimension (the run slices them per data-parallel replica and microbatch)."""
     embedding: nn.Module | None = None
@@ -87,7 +90,7 @@ class TrainResult:
     """What a training run produced (on rank 0 of the run)."""
 
     losses: list[float]
-    """Mean loss of every step this run took."""
+    """Mean loss of every (optimizer) step this run took, over the samples of its accumulation window."""
     items_per_s: float
     """Throughput after this run's first (warm-up) step, in the task's items (tokens for the GPT)."""
     timeline: Timeline | None
@@ -113,6 +116,8 @@ class TrainResult:
     memory: list[MemoryReport] = field(default_factory=list)
     """The last step's measured memory of every pipeline rank (dp replica 0), in rank order; empty unless
     `observe.measure_memory` was on."""
+    zero_stage: int = 0
+    """The ZeRO stage that ran (schedule "auto": the planner's choice)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -254,11 +259,10 @@ def make_optimizer(config: TrainConfig) -> Callable[[list[nn.Parameter]], torch.
 
 
 def make_scheduler(config: TrainConfig) -> Callable[[torch.optim.Optimizer], Any]:
-    """The LR scheduler factory of `config` (warm-up, then constant / cosine / linear decay over the run's optimizer
-    steps: one per `accumulation_steps` steps)."""
+    """The LR scheduler factory of `config` (warm-up, then constant / cosine / linear decay over the run's `steps`
+    optimizer steps)."""
     opt = config.optimizer
-    optimizer_steps = -(-config.steps // config.pipeline.accumulation_steps)
-    factor = lr_factor(opt.lr_schedule, opt.warmup, optimizer_steps, opt.min_lr_ratio)
+    factor = lr_factor(opt.lr_schedule, opt.warmup, config.steps, opt.min_lr_ratio)
     return lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
@@ -312,26 +316,6 @@ def _save(pipe: Pipeline, config: TrainConfig, step: int) -> None:
         publish(config.checkpoint.save, name, config.checkpoint.keep)
 
 
-def _trim_metrics(path: Path, start: int) -> None:
-    """Drop the rows after step `start` (written by an attempt that crashed later than its last checkpoint)."""
-    if not path.is_file():
-        return
-    rows = [line for line in path.read_text(encoding="utf-8").splitlines()
-            if line.strip() and int(json.loads(line).get("step", 0)) <= start]
-    path.write_text("".join(row + "\n" for row in rows), encoding="utf-8")
-
-
-def _open_metrics(config: TrainConfig, lead: bool, start: int) -> MetricsLog | None:
-    if not lead or config.metrics.out_dir is None:
-        return None
-    out = Path(config.metrics.out_dir)
-    factory = tensorboard_writer() if config.metrics.tensorboard else None
-    if start:
-        _trim_metrics(out / "metrics.jsonl", start)
-    return MetricsLog(out / "metrics.jsonl", tensorboard_dir=out / "tensorboard", writer_factory=factory,
-                      append=start > 0)
-
-
 def _prepare(config: TrainConfig) -> tuple[TrainTask, Pipeline]:
     """The task and its pipeline, resumed from the checkpoint `config` names; ValueError for a bad input."""
     if dist.get_world_size() != config.ranks * config.dp * config.tp:
@@ -348,12 +332,15 @@ def _prepare(config: TrainConfig) -> tuple[TrainTask, Pipeline]:
     checkpoint = resume_from(config.checkpoint.resume, config.checkpoint.save)
     pipe = _build_pipeline(config, task)
     if checkpoint is not None:
-        pipe.load(checkpoint)
+        with warnings.catch_warnings(record=dist.get_rank() == 0) as caught:  # rank 0 reports them, one line each
+            pipe.load(checkpoint)
         check_resumed_optimizer(pipe.optimizer, config, checkpoint)
         if dist.get_rank() == 0:
-            print(f"resuming from step {pipe.calls} of {checkpoint}", flush=True)
-    if pipe.calls >= config.steps:
-        raise ValueError(f"the checkpoint is at step {pipe.calls}; --steps {config.steps} leaves nothing to do")
+            print(f"resuming from step {steps_done(pipe)} of {checkpoint}", flush=True)
+            for warning in caught or ():  # a layout change (what it reset), a checkpoint without a manifest, ...
+                print(f"warning: {warning.message}", flush=True)
+    if steps_done(pipe) >= config.steps:
+        raise ValueError(f"the checkpoint is at step {steps_done(pipe)}; --steps {config.steps} leaves nothing to do")
     return task, pipe
 
 
@@ -375,6 +362,11 @@ def check_resumed_optimizer(optimizer: torch.optim.Optimizer, config: TrainConfi
                              f"{flag} {saved:g} (or start a fresh run with --resume none)")
 
 
+def steps_done(pipe: Pipeline) -> int:
+    """The run's steps `pipe` has made: its calls over `accumulation_steps` (a checkpoint is never inside a window)."""
+    return pipe.calls // pipe.config.accumulation_steps
+
+
 def _train_rank(config: TrainConfig, lock_here: bool = False) -> TrainResult | None:
     """One rank of `run_training` (the default process group is initialised); `lock_here` (under torchrun): rank 0
     holds the run's folder locks (the local launcher holds them otherwise)."""
@@ -389,9 +381,9 @@ def _train(config: TrainConfig) -> TrainResult | None:
         task, pipe = _prepare(config)
     except ValueError as exc:  # before the first step: the input, not the training, is wrong
         raise InputRejected(str(exc)) from exc
-    start = pipe.calls
+    start = steps_done(pipe)
     lead = dist.get_rank() == 0
-    metrics = _open_metrics(config, lead, start)
+    metrics = open_metrics(config, start) if lead else None
     try:
         losses, evals, rate, wall = _loop(pipe, task, config, start, metrics, lead)
     finally:
@@ -409,7 +401,7 @@ def _train(config: TrainConfig) -> TrainResult | None:
     send_bytes = pipe.p2p_meter.bytes.get("send", 0.0) / sends if sends else 0.0
     plan = pipe.plan.summary() if pipe.auto is None else f"{pipe.auto.summary()}\n{pipe.auto.result.table(5)}"
     return TrainResult(losses, rate, timeline, partition, wall, config, start, send_bytes, pipe.schedule.name, plan,
-                       evals, task.item_name, memory)
+                       evals, task.item_name, memory, pipe.plan.zero_stage)
 
 
 def gather_memory(pipe: Pipeline) -> list[MemoryReport]:
@@ -429,47 +421,36 @@ def _loop(pipe: Pipeline, task: TrainTask, config: TrainConfig, start: int, metr
     items/s counts the steps after the first (warm-up) one, over the time spent fetching their batches
     and stepping (not logging, evaluating or saving checkpoints).
     """
-    from duplexpipe.runtime import gather_timeline
-
     metrics_cfg = config.metrics
     bar = progress_bar(config.steps, start, task.item_name, sys.stdout) if config.metrics.progress and lead else None
     every = plain_every(config.metrics.log_every, config.steps, config.metrics.progress)
     losses: list[float] = []
     evals: list[tuple[int, float]] = []
-    if lead and pipe.compiled.active and start < config.steps:
-        print(f"compiling {pipe.compiled.describe()} on the first step", flush=True)
+    compiling = CompileLines(dist.get_rank(), lead)
+    pipe.compiled.report_to(compiling)
+    profiler = StepProfiler(metrics_cfg.profile_steps, metrics_cfg.out_dir, dist.get_rank())
     began = time.perf_counter()
     items, busy = 0, 0.0  # after the first step: items trained and seconds spent fetching + stepping
     applied, skipped = 0, 0  # optimizer steps this run took, and skipped
     for step in range(start, config.steps):
+        compiling.step = step + 1
         tick = time.perf_counter()
-        x, y = task.batch(step, config.batch_size)
-        if checks_batch(config.batch_check, step, start):
-            _check_batch(pipe, config, step, start, x, y)
-        x, y = (local_slice(v, pipe.groups.dp_rank, pipe.groups.dp_size) for v in (x, y))
         lr = pipe.optimizer.param_groups[0]["lr"]
-        losses.append(pipe.step(x, y))
+        profiler.before(step + 1)
+        try:
+            loss, step_items = _optimizer_step(pipe, task, config, step, start)
+        except BaseException:
+            profiler.close()
+            raise
+        traced = profiler.after(step + 1)
+        if traced is not None and lead:
+            print(f"torch.profiler trace of steps {metrics_cfg.profile_steps}: {traced} (one per rank)", flush=True)
+        losses.append(loss)
         now = time.perf_counter()
-        step_items = batch_rows(x) * pipe.groups.dp_size * task.items_per_sample
         if step > start:
             items, busy = items + step_items, busy + (now - tick)
-        timeline = pipe.last.timeline if pipe.last is not None else None
-        bubble = step_bubble(timeline, pipe.groups.pp_group, pipe.device, pipe.bounded) if timeline else None
-        every_n = metrics_cfg.timeline_every
-        if timeline and every_n and metrics_cfg.out_dir and (step + 1) % every_n == 0:  # asked for: a pickled gather
-            _write_timeline(gather_timeline(timeline, group=pipe.groups.pp_group), metrics_cfg.out_dir, step + 1, lead)
-        values = {"loss": losses[-1], "lr": lr, "grad_norm": pipe.last.grad_norm if pipe.last else None,
-                  "items_per_s": step_items / (now - tick), "bubble": bubble}
-        if pipe.last is not None and pipe.last.peak_saved_bytes:
-            values["peak_saved_bytes"] = pipe.last.peak_saved_bytes
-        if pipe.last is not None and pipe.last.memory is not None:  # this rank's (rank 0 writes the metrics)
-            values["peak_memory_bytes"] = pipe.last.memory.total_peak
-        if pipe.last is not None and pipe.last.skipped:  # NaN/inf gradients (fp16 overflow or nonfinite_grads "skip")
-            values["skipped"] = True
-            if lead:
-                scale = f", fp16 loss scale now {pipe.scaler.scale:g}" if pipe.scaler.enabled else ""
-                print(f"step {step + 1}/{config.steps} skipped: its gradients held NaN or inf (norm "
-                      f"{pipe.last.grad_norm}{scale}); {pipe.skipped_steps} skipped so far", flush=True)
+        values = _step_values(pipe, config, step + 1, lead,
+                              {"loss": loss, "lr": lr, "items_per_s": step_items / (now - tick)})
         if pipe.last is not None:
             applied, skipped = applied + pipe.last.applied, skipped + pipe.last.skipped
         if config.metrics.eval_every and ((step + 1) % config.metrics.eval_every == 0 or step + 1 == config.steps):
@@ -493,6 +474,63 @@ def _loop(pipe: Pipeline, task: TrainTask, config: TrainConfig, start: int, metr
                                "held NaN or inf each time, so nothing was trained; check the weights and the inputs "
                                "for NaN or inf (and under fp16 the loss scale settings)")
     return losses, evals, items / busy if busy else 0.0, end - began
+
+
+def _step_values(pipe: Pipeline, config: TrainConfig, step: int, lead: bool, values: dict[str, Any]) -> dict[str, Any]:
+    """`values` with what the pipeline measured of step `step` (1-based): gradient norm, bubble, saved and peak
+    bytes, a skip (said in one line); the step's timeline written when `timeline_every` asks for it."""
+    from duplexpipe.runtime import gather_timeline
+
+    metrics_cfg = config.metrics
+    timeline = pipe.last.timeline if pipe.last is not None else None
+    bubble = step_bubble(timeline, pipe.groups.pp_group, pipe.device, pipe.bounded) if timeline else None
+    every_n = metrics_cfg.timeline_every
+    if timeline and every_n and metrics_cfg.out_dir and step % every_n == 0:  # asked for: a pickled gather
+        _write_timeline(gather_timeline(timeline, group=pipe.groups.pp_group), metrics_cfg.out_dir, step, lead)
+    values = {**values, "grad_norm": pipe.last.grad_norm if pipe.last else None, "bubble": bubble}
+    if pipe.last is not None and pipe.last.peak_saved_bytes:
+        values["peak_saved_bytes"] = pipe.last.peak_saved_bytes
+    if pipe.last is not None and pipe.last.memory is not None:  # this rank's (rank 0 writes the metrics)
+        values["peak_memory_bytes"] = pipe.last.memory.total_peak
+    if pipe.last is not None and pipe.last.skipped:  # NaN/inf gradients (fp16 overflow or nonfinite_grads "skip")
+        values["skipped"] = True
+        if lead:
+            scale = f", fp16 loss scale now {pipe.scaler.scale:g}" if pipe.scaler.enabled else ""
+            print(f"step {step}/{config.steps} skipped: its gradients held NaN or inf (norm "
+                  f"{pipe.last.grad_norm}{scale}); {pipe.skipped_steps} skipped so far", flush=True)
+    return values
+
+
+class CompileLines:
+    """Prints what compiled (`CompiledStages.report_to`): rank 0 the first step's and the first evaluation's lines,
+    every rank its recompilations (marked with its rank), each step named by the run's count (`step`)."""
+
+    def __init__(self, rank: int, lead: bool) -> None:
+        self.rank, self.lead = rank, lead
+        self.step = 0
+        """The run's step in progress (1-based)."""
+
+    def __call__(self, what: str, text: str, routine: bool) -> None:
+        if routine and not self.lead:
+            return
+        label = f"step {self.step}" if what.startswith("step") else f"step {self.step} {what}" if what else ""
+        print(f"{'' if self.lead else f'rank {self.rank}: '}{label}{text}", flush=True)
+
+
+def _optimizer_step(pipe: Pipeline, task: TrainTask, config: TrainConfig, step: int, start: int) -> tuple[float, int]:
+    """Optimizer step `step` (0-based): `accumulation_steps` calls of the pipeline, on the task's batches
+    step x A .. step x A + A - 1; returns (the mean loss over the window's samples, items trained)."""
+    calls = config.pipeline.accumulation_steps
+    total, items = 0.0, 0
+    for index in range(step * calls, (step + 1) * calls):
+        x, y = task.batch(index, config.batch_size)
+        if checks_batch(config.batch_check, index, start * calls):
+            _check_batch(pipe, config, index, start * calls, x, y)
+        x, y = (local_slice(v, pipe.groups.dp_rank, pipe.groups.dp_size) for v in (x, y))
+        rows = batch_rows(x) * pipe.groups.dp_size
+        total += pipe.step(x, y) * rows  # each call's loss is the mean over its samples
+        items += rows * task.items_per_sample
+    return total / (items / task.items_per_sample), items
 
 
 def step_bubble(timeline: Timeline, group: Any, device: torch.device, wait: Callable[[Any, str], None]) -> float:

@@ -67,7 +67,7 @@ class Partition:
         return replace(self, parts=parts)
 
     def __str__(self) -> str:
-        head = f"{'part':>4}  {'blocks':<12} {'params':>12}  {'est. time':>10}  placement (stage@rank)"
+        head = f"{'part':>4}  {'blocks':<12} {'whole params':>12}  {'est. time':>10}  placement (stage@rank)"
         lines = [f"partition ({self.method}, balance {list(self.balance)})", head]
         for p in self.parts:
             blocks = f"{p.layers.start}..{p.layers.stop - 1}" if len(p.layers) else "-"

@@ -19,9 +19,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from duplexpipe.runtime.backward import compat
 from duplexpipe.runtime.backward.graph import accumulate
-from duplexpipe.runtime.backward.mode import BackwardMode, take_mode
+from duplexpipe.runtime.backward.mode import BackwardMode, input_wanted, take_mode
 from duplexpipe.runtime.comm_points import CommSlot
 
 
@@ -42,7 +41,7 @@ class _Linear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         slot: CommSlot = ctx.slot
         mode = take_mode(ctx)  # the node: ctx is the autograd node of a Function
-        grad_x = grad.mm(weight) if ctx.needs_input_grad[0] and _input_wanted(mode, ctx.x_node) else None
+        grad_x = grad.mm(weight) if ctx.needs_input_grad[0] and input_wanted(mode, ctx.x_node) else None
         wanted = (ctx.needs_input_grad[1], ctx.bias is not None and ctx.needs_input_grad[2])
         if mode is BackwardMode.INPUTS or not any(wanted):
             return grad_x, None, None, None
@@ -50,12 +49,6 @@ class _Linear(torch.autograd.Function):
         if slot.driver.defer(lambda: accumulate(params, _computed(wanted, grad, x))):
             return grad_x, None, None, None
         return (grad_x, *_computed(wanted, grad, x), None)
-
-
-def _input_wanted(mode: BackwardMode, node: Any) -> bool:
-    """Whether this backward uses d(input): not in a split backward's W, unless the engine still runs the input's
-    node (asked of the engine)."""
-    return mode is not BackwardMode.WEIGHTS or node is None or compat.will_engine_execute(node)
 
 
 def _computed(wanted: tuple[bool, bool], grad: Tensor, x: Tensor) -> tuple[Tensor | None, Tensor | None]:

@@ -36,6 +36,8 @@ from duplexpipe.schedules.ir import Op, Schedule
 LOG = logging.getLogger("duplexpipe.compile")
 MAX_REASONS = 32
 """Distinct recompilation reasons logged per pipeline (each once)."""
+CompileReport = Callable[[str, str, bool], None]
+"""report(what, text, routine): a line of what compiled (`CompiledStages.report_to`)."""
 
 
 # ------------------------------------------------------------------------------------------- the settings
@@ -237,7 +239,9 @@ class CompiledStages:
                     self.modules += 1
         self._steps = 0
         self._kinds: set[str] = set()
+        self._watched: set[str] = set()
         self._seen: set[str] = set()
+        self._report: CompileReport | None = None
 
     @property
     def active(self) -> bool:
@@ -264,28 +268,50 @@ class CompiledStages:
         self._kinds.add(kind)
         return watchdog.patient(limit_s)
 
+    def report_to(self, report: CompileReport | None) -> None:
+        """Send the lines `watching` logs to `report(what, text, routine)` instead of the log (None: the log again);
+        `routine`: the first step's and a first evaluation's lines, which every rank has, rather than a
+        recompilation (`duplexpipe train` prints them)."""
+        self._report = report
+
+    def _say(self, what: str, text: str, routine: bool) -> None:
+        if self._report is None:
+            LOG.info("%s%s", what, text)
+        else:
+            self._report(what, text, routine)
+
     @contextlib.contextmanager
     def watching(self, what: str) -> Iterator[None]:
-        """Around a step or an evaluation: the first one logs that it compiles (and how long it took); later,
-        new graphs are logged with the reasons dynamo gave (each reason once)."""
+        """Around a step or an evaluation (`what`: "step ..." or "evaluate"): the first one says that it compiles
+        and how long it took, as does the first of another kind (an evaluation: no gradients and eval mode, which
+        torch.compile guards on); later, new graphs are said with the time and the reasons dynamo gave (each reason
+        once)."""
         if not self.active:
             yield
             return
-        first = self._steps == 0
+        kind = what.split(" ", 1)[0]
+        noun = "evaluation" if kind == "evaluate" else kind
+        first, first_of_kind = self._steps == 0, kind not in self._watched
         self._steps += 1
+        self._watched.add(kind)
         if first:
-            LOG.info("compiling %s on the first step (inductor reuses its cache across restarts)", self.describe())
+            cache = " (inductor reuses its cache across restarts)" if "inductor" in self.describe() else ""
+            self._say("", f"compiling {self.describe()} on the first {noun}{cache}", True)
+        elif first_of_kind:
+            self._say(what, f": the first {noun} runs the compiled blocks without gradients (and in eval mode), which "
+                      "torch.compile guards on: they compile again for it", True)
         graphs = compat.compiled_graph_count()
         known = {code: len(reasons) for code, reasons in compat.recompile_reasons().items()}
         start = time.perf_counter()
         yield
-        new = compat.compiled_graph_count() - graphs
+        new, took = compat.compiled_graph_count() - graphs, time.perf_counter() - start
         if first:
-            LOG.info("%s: compiled %d graphs; the step took %.1f s", what, new, time.perf_counter() - start)
+            self._say(what, f": compiled {new} graphs; the {noun} took {took:.1f} s", True)
         elif new:
             failures = compat.recompile_reasons().items()
             reasons = [r.split(": ", 1)[-1] for code, rs in failures for r in rs[known.get(code, 0):]]
             fresh = [r for r in dict.fromkeys(reasons) if r not in self._seen][:MAX_REASONS - len(self._seen)]
             self._seen.update(fresh)
-            if fresh or not reasons:
-                LOG.info("%s recompiled %d graphs: %s", what, new, "; ".join(fresh) or "a new input structure")
+            if fresh or not reasons or first_of_kind:
+                why = "; ".join(fresh) or ("as before" if reasons else "a new input structure")
+                self._say(what, f" recompiled {new} graphs in {took:.1f} s: {why}", first_of_kind)

@@ -26,6 +26,7 @@ from duplexpipe.schedules.ir import Schedule
 from duplexpipe.schedules.timeline import Timeline
 from duplexpipe.sizes import memory_bytes
 from duplexpipe.train.compile import compile_options
+from duplexpipe.train.float8 import Float8Options, float8_options
 from duplexpipe.train.nonfinite import check_nonfinite_policy
 from duplexpipe.train.precision import LossScaleConfig, autocast_dtype
 
@@ -75,10 +76,18 @@ class PrecisionConfig:
     activations, e5m2 gradients, an fp32 scale per row) or "int8" (blocks of 256, fp32 scale per block), with
     options as in "int8(block=128)"; or a duplexpipe.comm.codec.Codec for both directions, or an (activation,
     gradient) pair of names, codecs or None (or "fp8, none"). See duplexpipe.comm.p2p_codecs."""
+    float8: str | Float8Options | None = None
+    """Float8 compute on torchao's Float8Linear: None (off), a recipe "tensorwise" or "rowwise", with options as in
+    "rowwise(emulate=true)", or a `train.float8.Float8Options`. Each stage's linears whose dimensions are divisible
+    by 16 convert, except the output projection, MoE routers and MoE blocks (kept in high precision, logged); the
+    weights stay high-precision parameters (checkpoints unchanged). emulate unset: emulated where the device has no
+    FP8 GEMMs (CPU, CUDA below 8.9), said in the log. Under a split backward I forms the input gradients and W the
+    weight gradients, each with its own scaling."""
 
     def __post_init__(self) -> None:
         autocast_dtype(self.dtype)
         p2p_codec_pair(self.p2p_compression, "PrecisionConfig.p2p_compression")
+        float8_options(self.float8)
 
 
 @documented
@@ -226,7 +235,8 @@ class PipelineConfig:
     accumulation_steps: int = 1
     """Calls to `step` per optimizer step. Their gradients are summed, each call weighted by its share
     of the window's samples, so the applied gradient is that of the mean loss over every sample of the
-    window (a sum of microbatch gradients of that mean, not an average of per-call averages)."""
+    window (a sum of microbatch gradients of that mean, not an average of per-call averages). In `duplexpipe
+    train`, the batches of each of its `steps` (which count optimizer steps)."""
     activation_checkpointing: bool | str | dict[str, int] | Collection[int] = False
     """Recompute activations in backward instead of keeping them, once per microbatch (under a split backward too:
     recomputed at I, kept for W): "full" (or True) every stage whole; "selective" every stage, saving the matmuls'

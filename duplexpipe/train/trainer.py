@@ -54,6 +54,7 @@ from duplexpipe.tp.parallelize import TensorParallel, check_tensor_parallel
 from duplexpipe.tp.plans import TPPlan
 from duplexpipe.train.compile import CompiledStages
 from duplexpipe.train.experts import Experts
+from duplexpipe.train.float8 import convert_stages, float8_options
 from duplexpipe.train.pipeline_config import (
     AUTO,
     DataParallelConfig,
@@ -169,6 +170,8 @@ class Pipeline:
         ckpt = resolve_checkpointing(cfg.activation_checkpointing, self.schedule)
         self.stage_modules = build_stage_modules(self.schedule, groups.pp_rank, parts, init=init,
                                                  checkpoint_stages=ckpt, device=self.device)
+        if (float8 := float8_options(cfg.precision.float8)) is not None:  # before TP, ZeRO and compile wrap them
+            convert_stages(self.stage_modules, float8, self.device, split=not cfg.compile)
         self.tensor = TensorParallel(tp_plan, groups, cfg.sequence_parallel)
         """Tensor parallelism inside this rank's stages (inactive without a plan or with tp=1)."""
         self.tensor.apply({s: model_parts(m) for s, m in self.stage_modules.items()}, cfg.data_parallel.zero_stage or 0)

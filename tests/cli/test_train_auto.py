@@ -33,4 +33,5 @@ def test_train_with_schedule_auto_plans_prints_and_trains() -> None:
     assert cached.is_file() and Path(os.environ[CACHE_ENV]) in cached.parents, "conftest's cache, not ~/.cache"
     assert any(line.split()[:4] == ["schedule", "M", "ZeRO", "compression"] for line in text.splitlines())
     picked = chosen.split(" chose ")[1].split(",")[0]
-    assert f"auto (chose {picked}) on 2 ranks x 1 dp, 2 steps: loss " in text, text
+    summary = f"auto (chose {picked}) on pp 2 x dp 1 x tp 1 x ep 1 (ZeRO 0, sequence parallel off), 2 steps: loss "
+    assert summary in text, text

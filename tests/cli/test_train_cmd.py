@@ -51,5 +51,21 @@ def test_train_runs_a_hand_written_schedule_file(tmp_path: Path, monkeypatch: py
     path = _file(tmp_path / "mine.json", '["0F0", "0F1", "0B1", "0B0"]', '["1F0", "1F1", "1B1", "1B0"]')
     assert cli_main(["train", "--schedule", "mine.json", "--steps", "2", "--out-dir", "run", *SMALL]) == 0
     out = capsys.readouterr().out
-    assert "mine.json on 2 ranks x 1 dp, 2 steps" in out and "tokens/s" in out, out
+    assert "mine.json on pp 2 x dp 1 x tp 1 x ep 1 (ZeRO 0, sequence parallel off), 2 steps" in out, out
+    assert "tokens/s" in out, out
     assert "0B1" in (tmp_path / "run" / "timeline.json").read_text() and Path(path).is_file()
+
+
+def test_a_schedule_refusing_the_flags_is_told_before_torch_is_imported() -> None:
+    """`duplexpipe train --schedule dualpipe --microbatches 3`: exit 2 and the schedule's one line, from a process
+    that never imported torch (it takes seconds to import)."""
+    import subprocess
+    import sys
+
+    probe = ("import sys\nfrom duplexpipe.cli.main import main\n"
+             "code = main(['train', '--schedule', 'dualpipe', '--ranks', '2', '--microbatches', '3'])\n"
+             "print('torch imported' if 'torch' in sys.modules else 'torch not imported')\nsys.exit(code)\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr == "duplexpipe: error: dualpipe needs an even number of microbatches, got num_microbatches=3\n"
+    assert done.stdout == "torch not imported\n"

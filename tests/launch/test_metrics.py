@@ -1,9 +1,14 @@
-"""Tests for duplexpipe.launch.metrics: JSONL rows, TensorBoard through a fake writer, progress output."""
+"""Tests for duplexpipe.launch.metrics: JSONL rows, TensorBoard through a fake writer, progress output; a compiled
+`duplexpipe train` run with an evaluation, Weights & Biases offline and a torch.profiler trace, as the user sees it."""
 
 from __future__ import annotations
 
+import importlib.util
 import io
+import json
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -11,6 +16,7 @@ from typing import Any
 import pytest
 
 from duplexpipe.launch.metrics import (
+    TENSORBOARD_MISSING,
     MetricsLog,
     log_line,
     plain_every,
@@ -71,6 +77,36 @@ def test_without_tensorboard_installed_there_are_no_scalars(monkeypatch: pytest.
     log.write(1, {"loss": 1.0})
     log.close()
     assert not (tmp_path / "tb").exists() and len(read_metrics(tmp_path / "m.jsonl")) == 1
+
+
+@pytest.mark.timeout(300)
+def test_a_compiled_run_says_what_compiles_and_writes_wandb_offline_and_a_trace(tmp_path: Path) -> None:
+    """`duplexpipe train --compile backend=eager --eval-every 2 --profile-steps 2:2 --wandb mode=offline --out-dir
+    out`: the first step's compile time, the first evaluation's recompilation announced and explained, TensorBoard's
+    absence said once, a wandb run written offline with the scalars, and a Chrome trace of step 2."""
+    pytest.importorskip("wandb")
+    env = {**os.environ, **{name: str(tmp_path / "wandb-home") for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR",
+                                                                            "WANDB_DATA_DIR")}}
+    argv = ["train", "--schedule", "1f1b", "--ranks", "1", "--microbatches", "1", "--batch-size", "2", "--steps", "2",
+            "--log-every", "1", "--task-option", "n_layer=2", "--task-option", "d_model=16", "--task-option",
+            "n_head=2", "--task-option", "block_size=16", "--compile", "backend=eager", "--eval-every", "2",
+            "--eval-batches", "1", "--profile-steps", "2:2", "--wandb", "mode=offline", "--out-dir", "out"]
+    done = subprocess.run([sys.executable, "-m", "duplexpipe.cli", *argv], capture_output=True, text=True,
+                          timeout=240, cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert "compiling 2 modules with eager on the first step" in lines, lines
+    assert any(line.startswith("step 1: compiled ") and "; the step took " in line for line in lines), lines
+    at = next(i for i, line in enumerate(lines) if line.startswith("step 2 evaluate: the first evaluation runs the "
+                                                                     "compiled blocks without gradients"))
+    assert lines[at + 1].startswith("step 2 evaluate recompiled ") and "grad_mode" in lines[at + 1], lines[at + 1]
+    tensorboard = importlib.util.find_spec("tensorboard") is not None
+    assert lines.count(TENSORBOARD_MISSING) == (0 if tensorboard else 1)
+    assert "torch.profiler trace of steps 2:2: out/profile/rank-0.json (one per rank)" in lines
+    trace = json.loads((tmp_path / "out" / "profile" / "rank-0.json").read_text())
+    assert any(event.get("name", "").startswith("aten::") for event in trace["traceEvents"])
+    [run] = (tmp_path / "out" / "wandb").glob("offline-run-*/run-*.wandb")
+    assert all(tag in run.read_bytes() for tag in (b"train/loss", b"train/lr", b"eval/loss"))
 
 
 class _Terminal(io.StringIO):

@@ -109,6 +109,9 @@ def test_compile_flags_reach_the_pipeline_config() -> None:
     (["--compile", "backend=nope"], "torch.compile rejects it: Invalid backend: 'nope'"),
     (["--grad-compression", "powersgd", "--zero-stage", "1"], "'powersgd' cannot be combined with ZeRO"),
     (["--schedule", "auto", "--memory-limit", "lots"], "bad memory size 'lots'"),
+    (["--profile-steps", "3:2"], "profile_steps must be A:B, steps 1 <= A <= B (e.g. 3:5), got '3:2'"),
+    (["--profile-steps", "5:80"], "profile_steps '5:80' ends after the run's 60 steps"),
+    (["--wandb", "projekt=x"], "--wandb: wandb.init takes no option(s) projekt"),
     (["--save-pretrained", "hf-out"], "--save-pretrained writes a Hugging Face model; the gpt task trains none"),
     (["--task", "hf"], "task hf needs --task-option model=DIR"),
     (["--task", "hf", "--task-option", "model=nowhere", "--task-option", "data=x"], "nowhere is not a model directory"),
@@ -147,7 +150,8 @@ def straight_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_train_writes_metrics_outputs_and_checkpoints(straight_run: Path) -> None:
     root = straight_run
     text = (root / "summary.txt").read_text()
-    assert "1f1b on 2 ranks x 2 dp, 4 steps" in text and "partition (time" in text
+    assert "1f1b on pp 2 x dp 2 x tp 1 x ep 1 (ZeRO 0, sequence parallel off), 4 steps" in text
+    assert "partition (time" in text
     # rank 0 sends activations of 2 rows x 16 tokens x d_model 16 per microbatch, as bf16 (2 bytes)
     assert "stage-to-stage sends (bf16): 1,024 bytes each on rank 0" in text
     rows = read_metrics(root / "a" / "metrics.jsonl")
@@ -207,7 +211,7 @@ def test_train_with_tensor_and_sequence_parallelism(tmp_path: Path) -> None:
     out = io.StringIO()
     assert train_main(_parse(["--config", str(tmp_path / "run.toml"), "--out-dir", str(tmp_path / "a")]), out) == 0
     text = out.getvalue()
-    assert "1f1b on 2 ranks x 1 dp x 2 tp, 2 steps" in text
+    assert "1f1b on pp 2 x dp 1 x tp 2 x ep 1 (ZeRO 0, sequence parallel on), 2 steps" in text
     # each TP rank sends its half of the sequence: 4 rows x 8 of 16 tokens x d_model 16, float32
     assert "stage-to-stage sends (none): 2,048 bytes each on rank 0" in text
     assert len(read_metrics(tmp_path / "a" / "metrics.jsonl")) == 2
@@ -224,6 +228,44 @@ def test_the_wheel_contains_the_default_task_and_its_corpus(tmp_path: Path) -> N
                  "duplexpipe/launch/tasks/data/README.md", "duplexpipe/py.typed"):
         assert name in names
     assert not any(n.startswith("examples/") for n in names)
+
+
+@pytest.mark.timeout(300)
+def test_steps_count_optimizer_steps_and_a_layout_change_is_one_line(tmp_path: Path) -> None:
+    """`duplexpipe train --steps 2 --accumulation-steps 2`: two optimizer steps of two batches each, everywhere a
+    step is counted (the log, metrics.jsonl, losses.json, the checkpoint's name, the summary); resumed with
+    --steps 3 on another layout, it makes step 3 and says what the layout change reset in one log line."""
+    from duplexpipe.train.checkpoint import read_checkpoint
+
+    (tmp_path / "run.toml").write_text(SMALL)
+
+    def train(ranks: int, steps: int) -> subprocess.CompletedProcess[str]:
+        argv = ["--config", str(tmp_path / "run.toml"), "--schedule", "1f1b", "--ranks", str(ranks), "--microbatches",
+                str(ranks), "--batch-size", "2", "--steps", str(steps), "--accumulation-steps", "2", "--log-every",
+                "1", "--no-tensorboard", "--out-dir", str(tmp_path / "out"), "--save", str(tmp_path / "ckpt")]
+        done = subprocess.run([sys.executable, "-m", "duplexpipe.cli", "train", *argv], capture_output=True,
+                              text=True, timeout=240)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done
+
+    out = train(ranks=1, steps=2).stdout
+    assert "1f1b on pp 1 x dp 1 x tp 1 x ep 1 (ZeRO 0, sequence parallel off), 2 steps of 2 batches: loss" in out
+    assert [line.split()[1] for line in out.splitlines() if line.startswith("step ")] == ["1/2", "2/2"]
+    rows = read_metrics(tmp_path / "out" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["grad_norm"] is not None for r in rows), "every step ends an accumulation window"
+    assert len(json.loads((tmp_path / "out" / "losses.json").read_text())["losses"]) == 2
+    checkpoint = tmp_path / "ckpt" / "step-000002"
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest", checkpoint.name]
+    saved = read_checkpoint(str(checkpoint))
+    assert (saved["trainer.calls"], saved["trainer.optimizer_steps"]) == (4, 2)
+
+    resumed = train(ranks=2, steps=3)  # from step 2, on 2 pipeline ranks
+    lines = resumed.stdout.splitlines()
+    at = lines.index(f"resuming from step 2 of {checkpoint}")
+    assert lines[at + 1].startswith(f"warning: checkpoint {checkpoint} was saved with another layout ("), lines
+    assert "Warning" not in resumed.stderr and ".py:" not in resumed.stderr, resumed.stderr
+    assert [r["step"] for r in read_metrics(tmp_path / "out" / "metrics.jsonl")] == [1, 2, 3]
 
 
 NAN_WEIGHT_TASK = '''

@@ -104,13 +104,13 @@ def _train(task_dir: Path, kind: str) -> str:
 
 @pytest.mark.timeout(120)
 def test_train_runs_a_task_file_that_imports_its_helpers(task_dir: Path) -> None:
-    assert "1f1b on 2 ranks x 1 dp, 2 steps" in _train(task_dir, "tensor")
+    assert "1f1b on pp 2 x dp 1 x tp 1 x ep 1 (ZeRO 0, sequence parallel off), 2 steps" in _train(task_dir, "tensor")
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind", ["tuple", "dict"])
 def test_train_runs_a_task_whose_batch_is_a_tuple_or_dict(task_dir: Path, kind: str) -> None:
-    assert "1f1b on 2 ranks x 1 dp, 2 steps" in _train(task_dir, kind)
+    assert "1f1b on pp 2 x dp 1 x tp 1 x ep 1 (ZeRO 0, sequence parallel off), 2 steps" in _train(task_dir, kind)
 
 
 @pytest.mark.timeout(120)

@@ -148,8 +148,30 @@ def test_the_log_says_what_compiles_first_and_each_recompilation_once(caplog: py
     lines = [r.getMessage() for r in caplog.records]
     assert lines[0].startswith("compiling 1 modules with aot_eager on the first step")
     assert lines[1].startswith("step rows=4: compiled ")
-    assert len(lines) == 3 and lines[2].startswith("step rows=3 recompiled 1 graphs: ")
+    assert len(lines) == 3 and lines[2].startswith("step rows=3 recompiled 1 graphs in ")
     assert "size mismatch" in lines[2]  # dynamo's reason; the next sizes reuse the dynamic graph
+
+
+def test_a_first_evaluation_is_said_to_compile_before_and_after(caplog: pytest.LogCaptureFixture) -> None:
+    """What `duplexpipe train --compile --eval-every N` prints around its first evaluation (report_to): that it
+    compiles again and why, before it starts, and then what compiled, for how long and dynamo's reason."""
+    torch._dynamo.reset()
+    block = nn.Sequential(Block(DIM)).double()
+    stages = CompiledStages({0: block}, {"backend": "aot_eager"}, build("1f1b", 2, 4), torch.device("cpu"))
+    lines: list[tuple[str, str, bool]] = []
+    stages.report_to(lambda what, text, routine: lines.append((what, text, routine)))
+    x = torch.randn(4, DIM, dtype=torch.float64, requires_grad=True)
+    with stages.watching("step 1"):
+        block(x).sum().backward()
+    with torch.no_grad(), stages.watching("evaluate"):
+        block.eval()
+        block(x)
+    assert not [r for r in caplog.records if r.name == "duplexpipe.compile"], "reported, not logged"
+    assert [(what, routine) for what, _, routine in lines] == [("", True), ("step 1", True), ("evaluate", True),
+                                                                ("evaluate", True)]
+    assert lines[2][1].startswith(": the first evaluation runs the compiled blocks without gradients")
+    assert lines[3][1].startswith(" recompiled ") and " graphs in " in lines[3][1]
+    assert "grad" in lines[3][1].lower() or "training" in lines[3][1], lines[3]  # dynamo's reason, not a guess
 
 
 def test_nothing_compiled_logs_nothing(caplog: pytest.LogCaptureFixture) -> None:

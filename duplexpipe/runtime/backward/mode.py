@@ -80,3 +80,9 @@ def take_mode(node: Any) -> BackwardMode:
     elif mode is BackwardMode.WEIGHTS:
         set_mode(node, BackwardMode.ALL)
     return mode
+
+
+def input_wanted(mode: BackwardMode, node: Any) -> bool:
+    """Whether a node's backward in `mode` forms d(input): not in a split backward's W, unless the engine still runs
+    the input's node `node` (asked of the engine; None: a leaf input)."""
+    return mode is not BackwardMode.WEIGHTS or node is None or compat.will_engine_execute(node)

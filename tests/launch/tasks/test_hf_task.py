@@ -145,7 +145,8 @@ def test_readme_command_with_dualpipev_trains_and_transformers_generates(model_d
     """The pre-start check counted the task's `layers` (empty for hf): every named schedule was refused."""
     monkeypatch.chdir(model_dir)
     out = _run(_readme_command("dualpipev", model_dir / "tiny"))
-    assert "dualpipev on 2 ranks x 1 dp, 2 steps" in out and "tokens/s" in out and "items/s" not in out
+    assert "dualpipev on pp 2 x dp 1 x tp 1 x ep 1 (ZeRO 0, sequence parallel off), 2 steps" in out
+    assert "tokens/s" in out and "items/s" not in out
     assert re.search(r"^ +3 +3\.\.3 \+head", out, re.M), out  # the partition: 4 parts of one layer
     tuned, info = transformers.AutoModelForCausalLM.from_pretrained(model_dir / "tuned", output_loading_info=True)
     assert not any(info.values()), info
@@ -187,7 +188,8 @@ def test_schedule_auto_merges_parts_and_the_export_names_them_as_the_model_does(
                 "seq=16", "--schedule", "auto", "--memory-limit", "1GiB", "--ranks", "2", "--microbatches", "2",
                 "--batch-size", "4", "--steps", "2", "--log-every", "0", "--no-tensorboard",
                 "--save-pretrained", "auto-tuned"])
-    assert "auto (chose " in out and "on 2 ranks x 1 dp, 2 steps" in out
+    assert "auto (chose " in out and "on pp 2 x dp 1 x tp 1 x ep 1 (ZeRO " in out
+    assert ", sequence parallel off), 2 steps" in out
     tuned, info = transformers.AutoModelForCausalLM.from_pretrained(model_dir / "auto-tuned", output_loading_info=True)
     assert not any(info.values()), info  # every tensor in the files, none left over
 
@@ -225,7 +227,7 @@ def test_an_moe_model_trains_with_expert_parallelism_and_loads_back(model_dir: P
                 "seq=8", "--schedule", "dualpipev", "--ranks", "2", "--dp", "2", "--ep", "2", "--microbatches", "4",
                 "--batch-size", "16", "--steps", "2", "--log-every", "0", "--no-tensorboard", "--save-pretrained",
                 "moe-tuned"])
-    assert "dualpipev on 2 ranks x 2 dp, 2 steps" in out
+    assert "dualpipev on pp 2 x dp 2 x tp 1 x ep 2 (ZeRO 0, sequence parallel off), 2 steps" in out
     tuned, info = transformers.AutoModelForCausalLM.from_pretrained(model_dir / "moe-tuned", output_loading_info=True,
                                                                     experts_implementation="eager")
     assert not any(info.values()), info

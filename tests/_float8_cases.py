@@ -1,0 +1,151 @@
+"""A small float32 GPT with float8 (emulated) linears, pipelined on 4 gloo ranks, and torchao's own single-process
+float8 training of the same model on the same microbatches, for the float8 exactness tests."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from models import shared_folder
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from duplexpipe import Pipeline, PipelineConfig, make_mesh
+from duplexpipe.launch.tasks.gpt import GPTConfig, build_gpt, gpt_tp_plan
+from duplexpipe.model.stages import inner_module
+from duplexpipe.train.float8 import float8_linears
+from duplexpipe.train.pipeline_config import DataParallelConfig, PrecisionConfig
+
+VOCAB, SEQ, ROWS, MICRO, STEPS = 16, 8, 16, 8, 2
+"""Vocabulary, sequence length, rows per step (over all replicas), microbatches per replica, optimizer steps."""
+CONFIG = GPTConfig(vocab_size=VOCAB, block_size=SEQ, d_model=16, n_head=4, n_layer=8)
+"""Every block's linears are 16 wide (or 64): all of them convert; the head (16 x 16) stays in high precision."""
+SCHEDULES = ("1f1b", "zb-h1", "zbv", "dualpipev")
+
+
+def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:
+    """Token cross entropy."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """The tests' optimizer: SGD with momentum, whose update is linear in the gradient (Adam's first steps divide
+    tiny gradients by their own size, so fp32's rounding in another summation order (TP's partial sums, DP's
+    reduction) would show at 1e-5 whatever the float8 compute does)."""
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def gpt() -> tuple[nn.Module, list[nn.Module], nn.Module]:
+    """(embedding, blocks, head) in float32."""
+    return build_gpt(CONFIG, seed=0)
+
+
+def batch(step: int) -> tuple[Tensor, Tensor]:
+    """The global batch of `step`."""
+    gen = torch.Generator().manual_seed(100 + step)
+    return (torch.randint(0, VOCAB, (ROWS, SEQ), generator=gen), torch.randint(0, VOCAB, (ROWS, SEQ), generator=gen))
+
+
+def torchao_filter(module: nn.Module, fqn: str) -> bool:
+    """torchtitan's rule, written out for the reference: dimensions divisible by 16, the head kept."""
+    assert isinstance(module, nn.Linear)
+    return "head" not in fqn.split(".") and module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
+class Reference:
+    """The model in one process (children named as a Pipeline's parts name them), converted by torchao's own
+    `convert_to_float8_training` and trained on the pipelines' microbatches (each replica's rows, in order):
+    `params[step]` holds every parameter after that step."""
+
+    def __init__(self, recipe: str = "tensorwise", replicas: int = 1) -> None:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        embedding, blocks, head = gpt()
+        children = [("embedding", embedding), *((f"layer{i}", b) for i, b in enumerate(blocks)), ("head", head)]
+        model = nn.Sequential(OrderedDict(children))
+        config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
+        convert_to_float8_training(model, config=config, module_filter_fn=torchao_filter)
+        optimizer = sgd(list(model.parameters()))
+        self.params: list[dict[str, Tensor]] = []
+        count = replicas * MICRO
+        for step in range(STEPS):
+            x, y = batch(step)
+            optimizer.zero_grad()
+            for xs, ys in zip(x.chunk(count), y.chunk(count), strict=True):
+                (loss_fn(model(xs), ys) / count).backward()
+            optimizer.step()
+            self.params.append({n: p.detach().clone() for n, p in model.named_parameters()})
+
+
+def _full(tensor: Tensor) -> Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def compare(pipe: Pipeline, want: dict[str, Tensor]) -> float:
+    """Largest relative difference (max |diff| / max |want|, per tensor) of any local parameter from the reference."""
+    worst = 0.0
+    for module in pipe.stage_modules.values():
+        for name, tensor in inner_module(module).named_parameters():
+            got, ref = _full(tensor.detach()), want[name]
+            worst = max(worst, float((got - ref).abs().max()) / max(float(ref.abs().max()), 1e-30))
+    return worst
+
+
+def run(pipe: Pipeline, ref: Reference) -> dict[str, Any]:
+    """Each step's largest parameter difference from torchao's single-process training, and how many float8 linears
+    this rank's stages hold."""
+    groups, errors = pipe.groups, []
+    for step in range(STEPS):
+        x, y = (t.chunk(groups.dp_size)[groups.dp_rank] for t in batch(step))
+        pipe.step(x, y)
+        errors.append(compare(pipe, ref.params[step]))
+    return {"errors": errors, "float8": len(float8_linears(pipe.stage_modules.values()))}
+
+
+def build(schedule: str, mesh: tuple[int, int, int], *, recipe: str | None = "tensorwise", zero_stage: int = 0,
+          **fields: Any) -> Pipeline:
+    """The GPT pipelined on a make_mesh(pp, dp, tp=tp) mesh with float8 `recipe` (emulated)."""
+    pp, dp, tp = mesh
+    embedding, blocks, head = gpt()
+    config = PipelineConfig(schedule, MICRO, precision=PrecisionConfig(float8=recipe),
+                            data_parallel=DataParallelConfig(zero_stage=zero_stage), **fields)
+    return Pipeline.from_layers(blocks, loss_fn, sgd, config, embedding=embedding, head=head,
+                                mesh=make_mesh(pp, dp, tp=tp), tp_plan=gpt_tp_plan() if tp > 1 else None)
+
+
+def resume(pipe: Pipeline, root: str) -> dict[str, Any]:
+    """Save `pipe` (float8 on, trained), load the checkpoint into a pipeline with float8 off (its parameters equal the
+    saved ones) and into one with float8 on, which then takes the next step as `pipe` takes it (bit-equal)."""
+    path = f"{root}/float8"
+    pipe.save(path)
+    off = build("1f1b", (dist.get_world_size(), 1, 1), recipe=None)
+    off.load(path)
+    saved = {n: t.detach().clone() for m in pipe.stage_modules.values() for n, t in inner_module(m).named_parameters()}
+    loaded_off = max(compare(off, saved), 0.0)
+    on = build("1f1b", (dist.get_world_size(), 1, 1))
+    on.load(path)
+    for p in (pipe, on):
+        p.step(*batch(STEPS))
+    after = {n: t.detach() for m in pipe.stage_modules.values() for n, t in inner_module(m).named_parameters()}
+    return {"off": loaded_off, "on": compare(on, after), "names": sorted(saved) == sorted(
+        n for m in off.stage_modules.values() for n, _ in inner_module(m).named_parameters())}
+
+
+def case(rank: int, world: int) -> dict[str, Any]:
+    """PP=4 under every schedule of SCHEDULES and ZB-H1 with activation checkpointing; ZB-H1 with PP=2 x TP=2 and with
+    PP=2 x DP=2 under ZeRO-2, 1F1B under ZeRO-3; a checkpoint of the float8 1F1B run resumed with float8 off and on."""
+    ref = Reference()
+    pipes = {name: build(name, (world, 1, 1)) for name in SCHEDULES}
+    out: dict[str, Any] = {name: run(pipe, ref) for name, pipe in pipes.items()}
+    out["zb-h1 checkpointed"] = run(build("zb-h1", (world, 1, 1), activation_checkpointing=True), ref)
+    out["tp"] = run(build("zb-h1", (2, 1, 2)), ref)
+    replicated = Reference(replicas=2)
+    out["zero2"] = run(build("zb-h1", (2, 2, 1), zero_stage=2), replicated)
+    out["zero3"] = run(build("1f1b", (2, 2, 1), zero_stage=3), replicated)
+    with shared_folder("float8-") as root:
+        out["resume"] = resume(pipes["1f1b"], root)
+    return out

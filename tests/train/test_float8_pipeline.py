@@ -1,0 +1,37 @@
+"""Float8 (emulated) compute through `Pipeline` on 4 gloo ranks, in one spawn: each step's parameters equal torchao's
+own single-process float8 training of the same model on the same microbatches (float32 master weights, within 1e-6
+relative) under 1F1B, ZB-H1, ZBV and DualPipeV (and ZB-H1 with activation checkpointing), with PP=2 x TP=2, with
+ZeRO-2 and with ZeRO-3 (FSDP2, high-precision all-gathers); a float8 checkpoint resumes with float8 off and on."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from _float8_cases import SCHEDULES, STEPS, case
+
+pytest.importorskip("torchao")
+
+WORLD = 4
+SPAWN_TIMEOUT_S = 300
+TOLERANCE = 1e-6
+"""Relative, per parameter tensor: fp32 rounding of another summation order (TP's partial sums, DP's reduction)."""
+
+
+def _worker(rank: int, world: int) -> dict[str, Any]:
+    return case(rank, world)
+
+
+@pytest.mark.parametrize("name", [*SCHEDULES, "zb-h1 checkpointed", "tp", "zero2", "zero3"])
+def test_each_step_equals_torchao_single_process(results: list[dict[str, Any]], name: str) -> None:
+    for rank, out in enumerate(results):
+        got = out[name]
+        assert got["float8"] > 0, f"rank {rank} holds no float8 linear under {name}"
+        assert len(got["errors"]) == STEPS and max(got["errors"]) <= TOLERANCE, (name, rank, got["errors"])
+
+
+def test_a_float8_checkpoint_resumes_with_float8_off_and_on(results: list[dict[str, Any]]) -> None:
+    for rank, out in enumerate(results):
+        resumed = out["resume"]
+        assert resumed["names"], f"rank {rank}: parameter names differ with float8 off"
+        assert resumed["off"] == 0.0 and resumed["on"] == 0.0, (rank, resumed)
