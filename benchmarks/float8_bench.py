@@ -104,7 +104,8 @@ def report(result: Result) -> list[Block]:
     return lines
 
 
-PART = Part("float8_bench", "Float8 compute in the stages", Float8BenchConfig(), QUICK, run, report)
+PART = Part("float8_bench", "Float8 compute in the stages", Float8BenchConfig(), QUICK, run, report,
+            in_bench=False)  # 200 steps three times: minutes on CPU; run when named
 
 if __name__ == "__main__":
     raise SystemExit(runner.main(only=PART.name))

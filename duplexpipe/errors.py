@@ -114,6 +114,8 @@ class LaunchError(RuntimeError):
         self.details = details
         self.errors = dict(errors or {})
         self.summary = summary or (message.splitlines()[0] if message else "")
+        self.output_log: str | None = None
+        """The file that keeps the ranks' standard error when it holds what was not shown (None: nothing more)."""
 
 
 class InputRejected(ValueError):

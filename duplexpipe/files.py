@@ -1,10 +1,16 @@
-"""Files a user may receive, read torch-free: the size checked before anything is parsed, names kept in their folder."""
+"""Files read and written safely, torch-free: what a user may give us read with its size checked before anything is
+parsed and its names kept in their folder; what a run writes created without following a symbolic link."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import stat
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import IO, Any
 
 from duplexpipe.sizes import format_bytes
 
@@ -14,8 +20,9 @@ _SEPARATORS = ("/", "\\", "\0")
 def read_capped(path: str | os.PathLike[str], limit: int, what: str,
                 error: type[ValueError] = ValueError) -> bytes:
     """The bytes of `path`, refused with `error` naming the file, its size and `limit` before more than `limit`
-    bytes are read (a device or a pipe whose size the file system does not know is cut off at the limit too).
-    OSError passes unchanged (its message names the file)."""
+    bytes are read (a file whose size the file system does not know, as in /proc, is cut off at the limit too); a
+    FIFO, a device or a socket is refused unopened (`require_regular`). OSError passes unchanged (its message names
+    the file)."""
     require_regular(path, what, error)
     with open(path, "rb") as fh:
         size = os.fstat(fh.fileno()).st_size
@@ -57,3 +64,70 @@ def plain_name(name: object, where: str, error: type[ValueError] = ValueError) -
         raise error(f"{where} names {name!r}, which is not a plain file name inside the folder (no folders, no "
                     "'..', not absolute); refused")
     return name
+
+
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+"""os.open's flag that refuses a symbolic link as the last part of the path (0 where the platform has none)."""
+
+
+def _mode(mode: int) -> int:
+    """`mode` less this process's umask (what os.open would have given a new file)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return mode & ~umask
+
+
+def write_atomic(path: str | os.PathLike[str], data: bytes | str, mode: int = 0o644) -> None:
+    """Put `data` at `path` as a whole: written to a temporary file of an unpredictable name in the same folder
+    (created exclusively, never through a link), flushed to disk, then renamed onto `path`. A symbolic link planted at
+    `path` is replaced, never written through; readers see the old file or the new one."""
+    target = Path(path)
+    fd, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data.encode("utf-8") if isinstance(data, str) else data)
+            fh.flush()
+            os.fchmod(fh.fileno(), _mode(mode))
+            os.fsync(fh.fileno())
+        os.replace(temporary, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+
+
+def create_exclusive(path: str | os.PathLike[str], mode: int = 0o644) -> int:
+    """A new file at `path` opened for writing (a descriptor): created exclusively without following a link; a
+    file or link already at `path` is removed first (unlink removes a link, never its target)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    try:
+        return os.open(path, flags, mode)
+    except FileExistsError:
+        os.unlink(path)
+        return os.open(path, flags, mode)
+
+
+@contextlib.contextmanager
+def open_new(path: str | os.PathLike[str], binary: bool = False) -> Iterator[IO[Any]]:
+    """`create_exclusive` as a file object (text, UTF-8, unless `binary`)."""
+    fd = create_exclusive(path)
+    with (os.fdopen(fd, "wb") if binary else os.fdopen(fd, "w", encoding="utf-8")) as fh:
+        yield fh
+
+
+def open_append(path: str | os.PathLike[str]) -> IO[str]:
+    """`path` opened to append text (created when missing), never through a symbolic link: OSError naming the file
+    when `path` is one."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as exc:
+        raise refused_link(exc, path) from None
+    return os.fdopen(fd, "a", encoding="utf-8")
+
+
+def refused_link(exc: OSError, path: str | os.PathLike[str]) -> OSError:
+    """`exc` from opening `path` with NOFOLLOW, said plainly when `path` is a symbolic link (ELOOP)."""
+    if exc.errno == errno.ELOOP or (exc.errno == errno.EMLINK and os.path.islink(path)):
+        return OSError(exc.errno, "it is a symbolic link, which a run never writes through", str(path))
+    return exc

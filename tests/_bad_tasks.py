@@ -79,16 +79,16 @@ def full_disk(seed: int = 0, at: str = "step-000004") -> TrainTask:
     import os
     from pathlib import Path
 
-    from torch.distributed.checkpoint.filesystem import FileSystem
+    from duplexpipe.train.checkpoint.storage import NamingFileSystem
 
-    original = FileSystem.create_stream
+    original = NamingFileSystem.create_stream  # where the checkpoint writer opens its files
 
     @contextlib.contextmanager
-    def create_stream(self: FileSystem, path: object, mode: str):  # type: ignore[no-untyped-def]
+    def create_stream(self: NamingFileSystem, path: object, mode: str):  # type: ignore[no-untyped-def]
         with original(self, path, mode) as stream:  # type: ignore[arg-type]
             if "w" in mode and Path(str(path)).parent.name == at and str(path).endswith(".distcp"):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             yield stream
 
-    FileSystem.create_stream = create_stream  # type: ignore[method-assign]  # this rank process only
+    NamingFileSystem.create_stream = create_stream  # type: ignore[method-assign]  # this rank process only
     return plain(seed)

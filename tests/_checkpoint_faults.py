@@ -11,9 +11,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from duplexpipe.train.checkpoint.manifest import MANIFEST_FILE, digest, write_manifest
+from duplexpipe.train.checkpoint.storage import NamingFileSystem
+
+DEEP_KEY = b"\x80\x02}K\x01" + b"\x85" * 10**6 + b"K\x01s."
+"""A pickled dict whose key is a tuple nested a million deep: it names no class at all, and hashing the key overflows
+the C stack (the process dies with SIGSEGV) when it is unpickled."""
 
 
 class RunsCommand:
@@ -72,21 +77,22 @@ def cut(path: Path, keep: float = 0.5) -> None:
 
 @contextlib.contextmanager
 def failing_writes(code: int = errno.ENOSPC, suffix: str = ".distcp") -> Iterator[None]:
-    """Inside, DCP's writes of files ending in `suffix` fail with OSError `code` (a full disk, a read-only folder)."""
-    original = FileSystem.create_stream
+    """Inside, the checkpoint writer's writes of files ending in `suffix` fail with OSError `code` (a full disk, a
+    read-only folder)."""
+    original = NamingFileSystem.create_stream
 
     @contextlib.contextmanager
-    def create_stream(self: FileSystem, path: Any, mode: str) -> Iterator[Any]:
+    def create_stream(self: NamingFileSystem, path: Any, mode: str) -> Iterator[Any]:
         with original(self, path, mode) as stream:
             if "w" in mode and str(path).endswith(suffix):
                 raise OSError(code, os.strerror(code))
             yield stream
 
-    FileSystem.create_stream = create_stream  # type: ignore[method-assign]
+    NamingFileSystem.create_stream = create_stream  # type: ignore[method-assign]
     try:
         yield
     finally:
-        FileSystem.create_stream = original  # type: ignore[method-assign]
+        NamingFileSystem.create_stream = original  # type: ignore[method-assign]
 
 
 def small_checkpoint(path: Path) -> dict[str, Any]:

@@ -121,7 +121,7 @@ def train_transformers(model: nn.Module, steps: int, rows: int, padded: bool) ->
         inputs, labels = lm_batch(step, rows, padded)
         kwargs = inputs if isinstance(inputs, dict) else {"input_ids": inputs}
         logits = model(**kwargs).logits
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1), ignore_index=-100)
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].reshape(-1), ignore_index=-100)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -162,6 +162,17 @@ def char_tokenizer(text: str) -> Any:
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+
+
+def eos_tokenizer(text: str, eos: str = "</s>") -> Any:
+    """A character-level fast tokenizer over `text` with an end-of-sequence token `eos`, built offline as a user would
+    (tokenizers' WordLevel model, saved by transformers' PreTrainedTokenizerFast)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, eos: 1, **{c: i + 2 for i, c in enumerate(sorted(set(text)))}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token=eos)
 
 
 def peak_bytes(fn: Any, mapped: frozenset[int] = frozenset()) -> tuple[Any, int]:

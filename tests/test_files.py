@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from duplexpipe.errors import ScheduleError
-from duplexpipe.files import plain_name, read_capped, read_capped_text
+from duplexpipe.files import open_append, open_new, plain_name, read_capped, read_capped_text, write_atomic
 
 
 def test_files_within_the_limit_are_read_and_larger_ones_refused_naming_both_sizes(tmp_path: Path) -> None:
@@ -59,3 +59,28 @@ def test_names_with_a_folder_part_are_refused(name: object) -> None:
 def test_plain_names_pass() -> None:
     for name in ("model-00001-of-00002.safetensors", "__0_0.distcp", ".metadata", "a..b"):
         assert plain_name(name, "index.json") == name
+
+
+def _planted(tmp_path: Path, name: str) -> tuple[Path, Path]:
+    """A symbolic link at tmp_path/name pointing at a file of the user's (the victim)."""
+    victim = tmp_path / f"victim-{name}"
+    victim.write_text("the user's\n")
+    (tmp_path / name).symlink_to(victim)
+    return tmp_path / name, victim
+
+
+def test_what_a_run_writes_replaces_a_planted_link_and_never_writes_through_it(tmp_path: Path) -> None:
+    link, victim = _planted(tmp_path, "losses.json")
+    write_atomic(link, "{}\n")
+    assert not link.is_symlink() and link.read_text() == "{}\n" and victim.read_text() == "the user's\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["losses.json", "victim-losses.json"]  # no temporary left
+
+    link, victim = _planted(tmp_path, "__0_0.distcp")
+    with open_new(link, binary=True) as fh:
+        fh.write(b"data")
+    assert not link.is_symlink() and link.read_bytes() == b"data" and victim.read_text() == "the user's\n"
+
+    link, victim = _planted(tmp_path, "metrics.jsonl")
+    with pytest.raises(OSError, match="it is a symbolic link, which a run never writes through"):
+        open_append(link)
+    assert victim.read_text() == "the user's\n"

@@ -172,6 +172,7 @@ def _train_checked(args: argparse.Namespace, config: TrainConfig, out: IO[str]) 
     try:
         if _task_from_file(args):
             load_task(config.task, annotated=True)  # before anything calls it
+        _check_export_target(config)
         check_training(config)  # every configuration error, before any process starts
         check_wandb(config.metrics.wandb)
         _check_files(config)
@@ -221,11 +222,22 @@ def _task_from_file(args: argparse.Namespace) -> bool:
     return "task" not in vars(args) and config_file is not None and "task" in load_config_file(config_file)
 
 
+def _check_export_target(config: TrainConfig) -> None:
+    """--save-pretrained naming the model folder the hf task loads: refused (before the task is built) unless
+    --save-pretrained-overwrite."""
+    if config.checkpoint.save_pretrained is not None and config.task == HF_TASK:
+        from duplexpipe.train.checkpoint.hf_export import check_target
+
+        source = config.task_options.get("model")
+        check_target(config.checkpoint.save_pretrained, source if isinstance(source, str) else None,
+                     config.checkpoint.save_pretrained_overwrite)
+
+
 def _check_files(config: TrainConfig) -> None:
     """The hf task's options, the --save-pretrained target and the checkpoint to resume from (its metadata read the
     safe way: a crafted one is refused here): ValueError before any process starts or anything is written."""
-    from duplexpipe.launch.checkpoints import resume_from
-    from duplexpipe.train.checkpoint import read_metadata_file
+    from duplexpipe.launch.checkpoints import RESUME_AUTO, resume_from
+    from duplexpipe.train.checkpoint import read_checked_metadata
 
     if config.task == HF_TASK:
         from duplexpipe.launch.tasks.hf import check_options
@@ -236,9 +248,16 @@ def _check_files(config: TrainConfig) -> None:
             raise ValueError("--save-pretrained writes a Hugging Face model; the gpt task trains none (use --task hf)")
         if Path(config.checkpoint.save_pretrained).exists() and not Path(config.checkpoint.save_pretrained).is_dir():
             raise ValueError(f"--save-pretrained {config.checkpoint.save_pretrained} exists and is not a directory")
+    if config.checkpoint.resume in (None, RESUME_AUTO) and config.checkpoint.save is not None:
+        from duplexpipe.launch.processes import launched_by_torchrun
+        from duplexpipe.launch.resume import intact_checkpoint
+
+        if not launched_by_torchrun():  # under torchrun the ranks choose together, once they meet
+            intact_checkpoint(config.checkpoint.save)  # past damaged ones: named, set aside; the ranks then agree
+        return
     checkpoint = resume_from(config.checkpoint.resume, config.checkpoint.save)
     if checkpoint is not None:
-        read_metadata_file(checkpoint)
+        read_checked_metadata(checkpoint)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -272,6 +291,9 @@ def _failed(exc: Exception) -> int | None:
             return 2
         said = exc.summary if exc.summary.startswith(f"rank {exc.rank} ") else f"rank {exc.rank} failed: {exc.summary}"
         print(f"duplexpipe: error: {said}", file=sys.stderr)
+        if exc.output_log is not None:
+            print(f"duplexpipe: the ranks' whole output (torch's native log included) is in {exc.output_log}",
+                  file=sys.stderr)
         return 1
     if reported(exc):
         return 1

@@ -3,12 +3,11 @@ is complete on every rank, the newest K kept, and which checkpoint a resumed run
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 from pathlib import Path
 
-from duplexpipe.files import read_capped_text
+from duplexpipe.files import read_capped_text, write_atomic
 
 LATEST = "latest"
 """The file in a save directory that names its newest complete checkpoint."""
@@ -71,13 +70,37 @@ def resume_from(resume: str | None, save: str | None) -> str | None:
     return checkpoint_to_load(mode)
 
 
+def resume_candidates(save_dir: str) -> list[Path]:
+    """What `resume auto` may continue from, in the order it tries them: the checkpoint `latest` names, then the
+    complete step folders older than it, newest first ([] without a `latest` file)."""
+    root = Path(save_dir)
+    marker = root / LATEST
+    if not marker.is_file():
+        return []
+    name = read_capped_text(marker, MAX_LATEST_BYTES, "'latest' file").strip()
+    match = _STEP.match(name)
+    if match is None:
+        raise ValueError(f"resume: {marker} names {name!r}, which is not a checkpoint folder")
+    newest = int(match.group(1))
+    return [path for step, path in reversed(_steps(root)) if step <= newest and is_complete(path)]
+
+
+def set_aside(path: Path) -> Path:
+    """Rename damaged checkpoint `path` to `<name>.damaged` (or .damaged-2, ...) beside it: kept for a look, out of
+    the way of the run that saves that step again and of pruning. Returns the new path."""
+    for n in range(1, 1000):
+        target = path.with_name(f"{path.name}.damaged" + (f"-{n}" if n > 1 else ""))
+        if not target.exists():
+            path.rename(target)
+            return target
+    raise ValueError(f"{path}: cannot set it aside (too many damaged copies beside it)")
+
+
 def publish(save_dir: str, name: str, keep: int = 0) -> None:
     """Name `name` the latest checkpoint (atomically: readers see the old name or the new one), then delete the
     checkpoints older than the newest `keep` complete ones (0: keep all). Call once every rank finished saving."""
     root = Path(save_dir)
-    temporary = root / f".{LATEST}.{os.getpid()}"
-    temporary.write_text(name + "\n", encoding="utf-8")
-    os.replace(temporary, root / LATEST)
+    write_atomic(root / LATEST, name + "\n")
     if keep > 0:
         prune(root, name, keep)
 

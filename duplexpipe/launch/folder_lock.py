@@ -1,5 +1,6 @@
-"""One job per folder: a lock file naming the holder's host and process id, held (flock) while the job runs; a second
-job is refused naming the holder, and the lock of a process that died is taken over with a warning."""
+"""One job per folder: a lock file naming the holder's host and process id (and its ranks'), held (flock) while the job
+runs; a second job is refused naming the holder, and the lock of a job whose processes all ended is taken over with a
+warning."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from duplexpipe.errors import FolderInUseError
+from duplexpipe.files import NOFOLLOW, refused_link
 from duplexpipe.launch.train_config import TrainConfig
 
 LOCK_FILE = ".duplexpipe.lock"
@@ -57,6 +59,30 @@ def _alive(pid: object) -> bool:
     return True
 
 
+def process_start(pid: int) -> int | None:
+    """When process `pid` started (Linux: clock ticks since boot, from /proc), None where unknown: with the process
+    id it names one process, not a later one that reuses the id."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
+            return int(fh.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _still_running(info: dict[str, Any]) -> list[int]:
+    """The processes of the job `info` describes (its ranks) that still run on this host."""
+    if info.get("host") != socket.gethostname() or not isinstance(info.get("ranks"), list):
+        return []
+    alive = []
+    for entry in info["ranks"]:
+        if not (isinstance(entry, list) and len(entry) == 2 and _alive(entry[0])):
+            continue
+        start = process_start(entry[0])
+        if start is None or entry[1] is None or start == entry[1]:
+            alive.append(entry[0])
+    return alive
+
+
 def _mine(info: dict[str, Any]) -> bool:
     return info.get("host") == socket.gethostname() and info.get("pid") == os.getpid()
 
@@ -84,10 +110,10 @@ class FolderLock:
         self._created = missing
         for _ in range(5):  # the lock file may be replaced while we open it: try again
             try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | NOFOLLOW, 0o644)
             except OSError as exc:
                 raise ValueError(f"{self.role} folder {self.folder}: cannot write its lock file {self.path} "
-                                 f"({exc.strerror})") from None
+                                 f"({refused_link(exc, self.path).strerror})") from None
             if self._take(fd):
                 return
         raise FolderInUseError(f"{self.role} folder {self.folder}: its lock file {self.path} keeps changing; is "
@@ -105,7 +131,13 @@ class FolderLock:
                 raise FolderInUseError(f"{self.role} folder {self.folder} is in use by another job: "
                                        f"{_holder_text(info)} holds {self.path}; wait for it to end or use another "
                                        "folder")
-            if os.fstat(fd).st_ino != os.stat(self.path).st_ino:
+            running = [] if _mine(info) else _still_running(info)
+            if running:
+                raise FolderInUseError(f"{self.role} folder {self.folder} is in use by another job: the launcher "
+                                       f"{_holder_text(info)} is gone, but its ranks (processes "
+                                       f"{', '.join(map(str, running))}) still run; wait for them to end or stop "
+                                       "them")
+            if os.fstat(fd).st_ino != os.lstat(self.path).st_ino:
                 os.close(fd)
                 return False
         except BaseException:
@@ -139,6 +171,23 @@ class FolderLock:
             raise
         return True
 
+    def record_ranks(self, pids: Iterable[int]) -> None:
+        """Name the job's rank processes in the lock file this process holds (with when each started), so that the
+        lock is not taken over while one of them still runs, even after the launcher was killed."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | NOFOLLOW)
+        except OSError:
+            return
+        try:
+            info = _read(fd)
+            if _mine(info):
+                info["ranks"] = [[pid, process_start(pid)] for pid in pids]
+                body = json.dumps(info).encode()
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, body, 0)
+        finally:
+            os.close(fd)
+
     def release(self) -> None:
         """Give the lock back: remove the lock file if it is still ours, and the folders `acquire` created if the job
         left them empty."""
@@ -146,7 +195,7 @@ class FolderLock:
             return
         fd, self._fd = self._fd, None
         with contextlib.suppress(OSError):
-            if os.fstat(fd).st_ino == os.stat(self.path).st_ino:
+            if os.fstat(fd).st_ino == os.lstat(self.path).st_ino:
                 self.path.unlink()
         with contextlib.suppress(OSError):
             os.close(fd)
@@ -163,9 +212,10 @@ def job_folders(config: TrainConfig) -> list[tuple[str | None, str]]:
 
 
 @contextlib.contextmanager
-def hold_folders(folders: Iterable[tuple[str | None, str]]) -> Iterator[None]:
+def hold_folders(folders: Iterable[tuple[str | None, str]]) -> Iterator[list[FolderLock]]:
     """Hold the locks of the (folder, role) pairs (None folders skipped, one lock per real folder) while the body
-    runs; FolderInUseError (a ValueError) before the body when another job holds one."""
+    runs (it gets them: `FolderLock.record_ranks`); FolderInUseError (a ValueError) before the body when another job
+    holds one."""
     locks: list[FolderLock] = []
     seen: set[str] = set()
     try:
@@ -176,7 +226,7 @@ def hold_folders(folders: Iterable[tuple[str | None, str]]) -> Iterator[None]:
             lock = FolderLock(folder, role)
             lock.acquire()
             locks.append(lock)
-        yield
+        yield locks
     finally:
         for lock in reversed(locks):
             lock.release()

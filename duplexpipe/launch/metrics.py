@@ -12,6 +12,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from duplexpipe.files import open_append, write_atomic
+
 if TYPE_CHECKING:
     from duplexpipe.launch.train_config import TrainConfig
     from duplexpipe.runtime.memory import MemoryReport
@@ -113,11 +115,11 @@ def open_metrics(config: TrainConfig, start: int) -> MetricsLog | None:
 
 def _trim_metrics(path: Path, start: int) -> None:
     """Drop the rows after step `start` (written by an attempt that crashed later than its last checkpoint)."""
-    if not path.is_file():
+    if path.is_symlink() or not path.is_file():  # a link is never read or written through: replaced
         return
     rows = [line for line in path.read_text(encoding="utf-8").splitlines()
             if line.strip() and int(json.loads(line).get("step", 0)) <= start]
-    path.write_text("".join(row + "\n" for row in rows), encoding="utf-8")
+    write_atomic(path, "".join(row + "\n" for row in rows))
 
 
 class MetricsLog:
@@ -134,7 +136,9 @@ class MetricsLog:
         self._file: IO[str] | None = None
         if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self._file = Path(path).open("a" if append else "w", encoding="utf-8")
+            if not append or Path(path).is_symlink():  # a fresh log, or a link planted there: replaced
+                write_atomic(path, "")
+            self._file = open_append(path)
         self._writers = list(writers)
         if writer_factory is not None and tensorboard_dir is not None:
             self._writers.insert(0, writer_factory(str(tensorboard_dir)))

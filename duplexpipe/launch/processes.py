@@ -31,6 +31,8 @@ from duplexpipe.launch.failures import (
     lost_a_peer,
     record_failure,
 )
+from duplexpipe.launch.lifetime import die_with_parent, restore_signals, stop_on_signals, watch_launcher
+from duplexpipe.launch.rank_output import RankOutput, send_stderr_to
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 LOOPBACK = "127.0.0.1"
@@ -210,7 +212,13 @@ def init_local(backend: str, timeout_s: float = 300.0) -> tuple[int, int]:
 
 
 def _worker(fn: Callable[..., Any], args: Sequence[Any], rank: int, world: int, port: int,
-            backend: str, results: Any, environ: dict[str, str]) -> None:
+            backend: str, results: Any, environ: dict[str, str], lifeline: Any = None,
+            output: str | None = None) -> None:
+    die_with_parent()
+    if output is not None:
+        send_stderr_to(output)
+    if lifeline is not None:
+        watch_launcher(lifeline)
     os.environ.clear()  # the launcher's environment now, not the one a fork server started with
     os.environ.update(local_environment(environ, rank, world, port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -296,6 +304,7 @@ def launch(
     timeout_s: float | None = None,
     grace_s: float = GRACE_S,
     start_method: str | None = None,
+    started: Callable[[list[int]], None] | None = None,
 ) -> list[Any]:
     """Run `fn(*args)` in `nprocs` fresh processes on this machine, one per rank, and return their results.
 
@@ -306,33 +315,70 @@ def launch(
     traceback: errors that only report another rank's failure ("rank N rejected ...", "stopping
     because rank N failed") rank after it, waiting up to `grace_s` for the rank they blame. Then
     the others are killed; after a timeout every rank is killed. No process outlives the call.
-    `start_method`: see START_METHODS (None: $DUPLEXPIPE_START_METHOD, else "forkserver").
+    `start_method`: see START_METHODS (None: $DUPLEXPIPE_START_METHOD, else "forkserver"). `started` is called
+    with the ranks' process ids once they run.
+
+    The ranks cannot outlive the launcher: each ends when its parent ends (Linux's parent-death signal) and when a
+    pipe only the launcher holds reaches its end (any platform: the launcher was killed, even with SIGKILL);
+    SIGTERM or SIGHUP to the launcher (in the main thread) stops the ranks, then exits with 128 + the signal.
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
     ctx = start_context(start_method)
     results = ctx.Queue()
     port = free_port(LOOPBACK)
+    lifeline, held = ctx.Pipe(duplex=False)  # the ranks wait on `lifeline`; only this process holds `held`
+    output = RankOutput()
     procs = [ctx.Process(target=_worker, args=(fn, tuple(args), r, nprocs, port, backend, results,
-                                               dict(os.environ)),
+                                               dict(os.environ), lifeline, output.path),
                          name=f"duplexpipe-rank{r}") for r in range(nprocs)]
+    previous = stop_on_signals()
+    error: LaunchError | None = None
+    killed = False
     try:
         for p in procs:
             p.start()
-        return _collect(procs, results, timeout_s, grace_s)
+        lifeline.close()
+        if started is not None:
+            started([p.pid for p in procs])
+        return _collect(procs, results, timeout_s, grace_s, output)
+    except LaunchError as exc:
+        error, killed = exc, any(p.exitcode is not None and p.exitcode < 0 for p in procs)
+        raise
     finally:
+        restore_signals(previous)
+        lifeline.close()
         _stop(procs)
+        held.close()
         results.close()
+        _keep_output(output, error, killed)
 
 
-def _collect(procs: Sequence[Any], results: Any, timeout_s: float | None, grace_s: float) -> list[Any]:
-    """Wait for one result per rank; raise LaunchError at a failure, a dead rank or the timeout."""
+def _keep_output(output: RankOutput, error: LaunchError | None, killed: bool) -> None:
+    """After a failure: the ranks' output file is kept and named in the error when it holds what was not shown or a
+    rank was killed; after success it is kept (and named here) only for torch's native log lines held back."""
+    if error is not None:
+        error.output_log = output.close(keep=killed or output.unseen() > 0)
+        return
+    output.relay(sys.stderr, final=True)
+    kept = output.close(keep=False)
+    if kept is not None:
+        print(f"duplexpipe: {output.held} lines of torch's native log from the ranks are in {kept}", file=sys.stderr,
+              flush=True)
+
+
+def _collect(procs: Sequence[Any], results: Any, timeout_s: float | None, grace_s: float,
+             output: RankOutput | None = None) -> list[Any]:
+    """Wait for one result per rank, relaying the ranks' `output` meanwhile; raise LaunchError at a failure, a dead
+    rank or the timeout (what the ranks write from then on stays in the output file, behind the cause)."""
     done: dict[int, Any] = {}
     errors: dict[int, Failure] = {}
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while len(done) < len(procs):
         if errors or _silent(procs, done, errors):
             raise _failure(procs, results, done, errors, grace_s)
+        if output is not None:
+            output.relay(sys.stderr)
         if not _receive(results, done, errors, 0.2):
             _expect_clean_results(procs, results, done, errors)
             if deadline is not None and time.monotonic() > deadline:
@@ -445,6 +491,7 @@ def run(
     timeout_s: float | None = None,
     start_method: str | None = None,
     comm_timeout_s: float = 300.0,
+    started: Callable[[list[int]], None] | None = None,
 ) -> list[Any]:
     """Run `fn(*args)` on every rank: in place under torchrun, else in `nprocs` local processes
     (started with `start_method`, see `launch`).
@@ -455,7 +502,7 @@ def run(
     failure is settled with the other ranks for torchrun's summary (`failures.record_failure`): the rank
     whose own error it is raises it; a rank that only stopped because of it raises StoppedByPeer, having
     logged one line. The backend defaults to NCCL when there is a GPU for every local process, else gloo;
-    the choice is logged.
+    the choice is logged. `started`: see `launch` (not called under torchrun, whose agent owns the processes).
     """
     if launched_by_torchrun():
         backend = backend or default_backend()
@@ -474,4 +521,4 @@ def run(
         return result
     backend = backend or default_backend(nprocs)
     _log_backend(backend, nprocs, "on this machine")
-    return launch(fn, nprocs, args, backend=backend, timeout_s=timeout_s, start_method=start_method)
+    return launch(fn, nprocs, args, backend=backend, timeout_s=timeout_s, start_method=start_method, started=started)

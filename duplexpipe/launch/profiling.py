@@ -16,6 +16,7 @@ from duplexpipe.launch.train_loop import TrainTask, build_task, make_optimizer
 from duplexpipe.model.split import split_model
 from duplexpipe.model.stages import PartInit, materialize_part
 from duplexpipe.planner.profile import Profile
+from duplexpipe.tp.plans import TPPlan
 from duplexpipe.train.pipeline_config import AUTO, LossFn, PipelineConfig
 
 
@@ -94,9 +95,24 @@ def profile_here(request: ProfileRequest) -> Profile:
         raise ValueError(f"--microbatch {request.microbatch}: the task's batch(0, {request.microbatch}) gave only "
                          f"{batch_rows(inputs)} samples")
     modules = [materialize_part(parts, k, "cpu", init) if init is not None else parts[k] for k in range(len(parts))]
-    tp_plan = task.tp_plan(False) if task.tp_plan is not None else None  # what the planner needs for T > 1
     return profile_parts(modules, inputs, target=targets, loss_fn=loss_fn, repeats=request.repeats,
-                         evict_bytes=request.evict_bytes or 0, meta=_meta(request), tp_plan=tp_plan)
+                         evict_bytes=request.evict_bytes or 0, meta=_meta(request), tp_plan=_tp_plan(task, modules))
+
+
+def _tp_plan(task: TrainTask, parts: list[nn.Module]) -> TPPlan | None:
+    """The plan the planner prices T > 1 with: the task's, or a Hugging Face model's published one (None when the
+    model has none, as GPT-2: it is then profiled without)."""
+    if task.pretrained is None:
+        return task.tp_plan(False) if task.tp_plan is not None else None
+    from duplexpipe.model.hf_tp import HFTensorPlan
+
+    plan = HFTensorPlan(sequence_parallel=False)
+    try:
+        for part in parts:
+            plan.styles(part)
+    except ValueError:
+        return None
+    return plan
 
 
 def _calibrated_rank(request: ProfileRequest) -> dict[str, Any] | None:

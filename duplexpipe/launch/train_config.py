@@ -170,7 +170,10 @@ class CheckpointConfig:
     that checkpoint or save directory (an error when it holds none). Loading checks every file against the
     checkpoint's manifest first and never runs code from it (its metadata pickle admits only checkpoint classes)."""
     save_pretrained: str | None = None
-    """At the end, write the trained model here as a Hugging Face model directory (Hugging Face tasks only)."""
+    """At the end, write the trained model here as a Hugging Face model directory (Hugging Face tasks only): into a
+    new folder beside it, swapped in whole once written (a full disk leaves it as it was)."""
+    save_pretrained_overwrite: bool = False
+    """Let `save_pretrained` replace the model folder the run loaded its weights from (refused otherwise)."""
 
     def __post_init__(self) -> None:
         for name in ("save_every", "keep"):

@@ -23,12 +23,14 @@ import torch.distributed as dist
 from torch import nn
 
 from duplexpipe.errors import CheckpointError, EveryStepSkipped, InputRejected
+from duplexpipe.files import write_atomic
 from duplexpipe.launch.batches import batch_rows, evaluate_batches, local_slice, rows_of
 from duplexpipe.launch.checkpoints import LATEST, checkpoint_to_load, discard_partial, publish, resume_from, step_name
-from duplexpipe.launch.folder_lock import hold_folders, job_folders
+from duplexpipe.launch.folder_lock import FolderLock, hold_folders, job_folders
 from duplexpipe.launch.job_guards import check_same_batch, checks_batch, locked_by_rank0
 from duplexpipe.launch.metrics import MetricsLog, log_line, open_metrics, plain_every, progress_bar
 from duplexpipe.launch.processes import launched_by_torchrun, run
+from duplexpipe.launch.resume import RESUME_AUTO, intact_checkpoint
 from duplexpipe.launch.step_profiler import StepProfiler
 from duplexpipe.launch.train_config import DEFAULT_TASK, TrainConfig, lr_factor
 from duplexpipe.model.stages import PartInit
@@ -329,8 +331,11 @@ def _prepare(config: TrainConfig) -> tuple[TrainTask, Pipeline]:
     if config.metrics.eval_every and task.eval_batch is None:
         raise ValueError(f"--eval-every {config.metrics.eval_every}: task {config.task!r} holds out no data (its "
                          "TrainTask has no eval_batch)")
-    checkpoint = resume_from(config.checkpoint.resume, config.checkpoint.save)
+    auto = config.checkpoint.resume in (None, RESUME_AUTO) and config.checkpoint.save is not None
+    checkpoint = None if auto else resume_from(config.checkpoint.resume, config.checkpoint.save)
     pipe = _build_pipeline(config, task)
+    if auto:  # the newest intact checkpoint, past damaged ones (named, set aside)
+        checkpoint = intact_checkpoint(str(config.checkpoint.save))
     if checkpoint is not None:
         with warnings.catch_warnings(record=dist.get_rank() == 0) as caught:  # rank 0 reports them, one line each
             pipe.load(checkpoint)
@@ -390,7 +395,7 @@ def _train(config: TrainConfig) -> TrainResult | None:
         if metrics is not None:
             metrics.close()
     if config.checkpoint.save_pretrained is not None:
-        pipe.save_pretrained(config.checkpoint.save_pretrained)
+        pipe.save_pretrained(config.checkpoint.save_pretrained, config.checkpoint.save_pretrained_overwrite)
     last = pipe.last.timeline if pipe.last is not None else None
     timeline = gather_timeline(last, group=pipe.groups.pp_group) if last is not None else None
     memory = gather_memory(pipe)
@@ -557,7 +562,7 @@ def _write_timeline(timeline: Timeline, out_dir: str, step: int, lead: bool) -> 
         return
     folder = Path(out_dir) / "timelines"
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"{step_name(step)}.json").write_text(json.dumps(timeline.to_dict()) + "\n", encoding="utf-8")
+    write_atomic(folder / f"{step_name(step)}.json", json.dumps(timeline.to_dict()) + "\n")
 
 
 def _check_batch(pipe: Pipeline, config: TrainConfig, step: int, start: int, x: Any, y: Any) -> None:
@@ -576,13 +581,12 @@ def write_outputs(result: TrainResult, out_dir: str) -> None:
     path.mkdir(parents=True, exist_ok=True)
     summary = {"losses": result.losses, "start_step": result.start_step, "items_per_s": result.items_per_s,
                "wall_s": result.wall_s, "config": result.config.to_dict()}
-    (path / "losses.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    write_atomic(path / "losses.json", json.dumps(summary, indent=1) + "\n")
     if result.timeline is not None:
-        (path / "timeline.json").write_text(json.dumps(result.timeline.to_dict()) + "\n", encoding="utf-8")
+        write_atomic(path / "timeline.json", json.dumps(result.timeline.to_dict()) + "\n")
     if result.memory:
-        (path / "memory.json").write_text(json.dumps([m.to_dict() for m in result.memory]) + "\n",
-                                          encoding="utf-8")
-    (path / "partition.txt").write_text(result.partition + "\n", encoding="utf-8")
+        write_atomic(path / "memory.json", json.dumps([m.to_dict() for m in result.memory]) + "\n")
+    write_atomic(path / "partition.txt", result.partition + "\n")
 
 
 def _comm_timeout_s(config: TrainConfig) -> float:
@@ -600,9 +604,15 @@ def run_training(config: TrainConfig) -> TrainResult:
     FolderInUseError (a ValueError) naming the holder.
     """
     in_place = launched_by_torchrun()
-    with contextlib.nullcontext() if in_place else hold_folders(job_folders(config)):
+    holding: contextlib.AbstractContextManager[list[FolderLock]] = (
+        contextlib.nullcontext([]) if in_place else hold_folders(job_folders(config)))
+    with holding as locks:
+        def started(pids: list[int]) -> None:
+            for lock in locks:
+                lock.record_ranks(pids)
+
         results = run(_train_rank, config.ranks * config.dp * config.tp, (config, in_place), timeout_s=None,
-                      comm_timeout_s=_comm_timeout_s(config))
+                      comm_timeout_s=_comm_timeout_s(config), started=started)
         result = results[0]
         if result is None:
             return TrainResult([], 0.0, None, "", 0.0, config)

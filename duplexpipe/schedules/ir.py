@@ -411,15 +411,15 @@ def rows_to_csv(rows: Sequence[Iterable[Action]]) -> str:
 
 
 def save_torch_csv(schedule: Schedule, path: str) -> None:
-    """Write the action lists as torch's `_dump_csv` does (with comms if the schedule has them)."""
+    """Write the action lists in torch.distributed.pipelining's schedule CSV (with comms if the schedule has them)."""
     with open(path, "w", encoding="utf-8") as fh:
         fh.write(rows_to_csv(schedule.actions))
 
 
 def load_torch_csv(path: str, name: str | None = None, num_microbatches: int | None = None,
                    max_bytes: int = MAX_SCHEDULE_FILE_BYTES) -> Schedule:
-    """Read a torch `_dump_csv` file (compute-only or with comms; refused over `max_bytes` before it is parsed); infer
-    the stage table.
+    """Read a torch.distributed.pipelining schedule CSV (compute-only or with comms; refused over `max_bytes` before it
+    is parsed); infer the stage table.
 
     Stage ranks come from where each stage's actions appear; the stages form one chain.
     Empty cells (torch writes None as an empty cell) are skipped. The FSDP actions torch's

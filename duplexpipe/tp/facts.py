@@ -14,7 +14,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from duplexpipe.planner.profile import TP_DEGREES_CHECKED, TPFacts
 from duplexpipe.runtime.structure import call, flatten
-from duplexpipe.tp.plans import CheckedPlan, TPPlan, plan_errors, resolve
+from duplexpipe.tp.plans import CheckedPlan, TPPlan, first_layout, plan_errors, resolve
 
 
 @runtime_checkable
@@ -59,11 +59,6 @@ def _nbytes(value: Any) -> int:
     return 0
 
 
-def _first(layouts: Any) -> Any:
-    """The first placement of a style's input/output layouts (a placement or a tuple of them)."""
-    return layouts[0] if isinstance(layouts, (tuple, list)) and layouts else layouts
-
-
 class _Counter:
     """Forward hooks on the plan's sharded modules of one part, adding up the collectives they imply."""
 
@@ -92,10 +87,10 @@ class _Counter:
                 self.counts[1] += _nbytes(output)
                 return
             assert isinstance(style, ColwiseParallel)
-            if isinstance(_first(style.output_layouts), Replicate):  # its sharded output gathered
+            if isinstance(first_layout(style.output_layouts), Replicate):  # its sharded output gathered
                 self.counts[0] += 1
                 self.counts[1] += _nbytes(output)
-            if isinstance(_first(style.input_layouts), Replicate) and not embedding:  # input gradient all-reduced
+            if isinstance(first_layout(style.input_layouts), Replicate) and not embedding:  # input gradient all-reduced
                 self.counts[2] += 1
                 self.counts[3] += _nbytes(args)
         return hook

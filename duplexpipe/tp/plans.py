@@ -8,7 +8,7 @@ from typing import Protocol, runtime_checkable
 
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from duplexpipe.tp.style import PARTIAL_OVER_TP
@@ -50,18 +50,25 @@ def resolve(module: nn.Module, pattern: str) -> Iterator[tuple[str, nn.Module]]:
 
 
 def _style_dims(module: nn.Module, style: ParallelStyle) -> list[tuple[str, int]]:
-    """(what, size) of the dimensions `style` shards on `module` (Colwise/Rowwise on Linear and Embedding)."""
+    """(what, size) of the dimensions `style` shards on `module` (Colwise/Rowwise on Linear and Embedding) that the TP
+    degree must divide. A vocabulary need not be divisible: an embedding's rows (RowwiseParallel) and the rows of a
+    head whose output is gathered (ColwiseParallel to Replicate) may be sharded unevenly, as `torch.chunk` splits
+    them (97 rows over 2 ranks: 49 and 48), since nothing after them sees the local size."""
     if isinstance(module, nn.Linear):
         if isinstance(style, ColwiseParallel):
-            return [("out_features", module.out_features)]
+            gathered = isinstance(first_layout(style.output_layouts), Replicate)
+            return [] if gathered else [("out_features", module.out_features)]
         if isinstance(style, RowwiseParallel):
             return [("in_features", module.in_features)]
     if isinstance(module, nn.Embedding):
         if isinstance(style, ColwiseParallel):
             return [("embedding_dim", module.embedding_dim)]
-        if isinstance(style, RowwiseParallel):
-            return [("num_embeddings", module.num_embeddings)]
     return []
+
+
+def first_layout(layouts: object) -> object:
+    """The first placement of a style's input or output layouts (a placement or a tuple of them)."""
+    return layouts[0] if isinstance(layouts, (tuple, list)) and layouts else layouts
 
 
 def _heads(module: nn.Module) -> list[tuple[str, int]]:

@@ -525,12 +525,14 @@ class Pipeline:
         pipe.batch_transform = TokenWeighted(pipe.groups.dp_group, pipe.groups.dp_size, pipe.device, pipe.bounded)
         return pipe
 
-    def save_pretrained(self, path: str | Path) -> None:
+    def save_pretrained(self, path: str | Path, overwrite: bool = False) -> None:
         """Write a Hugging Face model directory that `AutoModelForCausalLM.from_pretrained(path)` loads as is
         (collective): config.json, one safetensors shard per pipeline rank and their index, tied weights once, and
-        the source directory's tokenizer and generation files. Needs Hugging Face parts."""
+        the source directory's tokenizer and generation files. Needs Hugging Face parts. Written into a new folder
+        and swapped in whole (a failure leaves `path` as it was); the folder the model was loaded from is refused
+        unless `overwrite`."""
         from duplexpipe.train.checkpoint import save_pretrained
 
-        save_pretrained(self, str(path))
+        save_pretrained(self, str(path), overwrite)
 
 

@@ -4,10 +4,11 @@ every step with --all; --help has the description and the exit codes."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
-from _checkpoint_faults import flip, small_checkpoint
+from _checkpoint_faults import DEEP_KEY, flip, remanifest, small_checkpoint
 
 from duplexpipe.cli import main
 from duplexpipe.launch.checkpoints import publish
@@ -33,6 +34,30 @@ def test_verify_an_intact_and_a_damaged_checkpoint(tmp_path: Path, capsys: pytes
     assert lines[0] == (f"DAMAGED {save / 'step-000010'}: __0_0.distcp differs from the checksum the manifest "
                         "recorded (changed or damaged since it was saved)")
     assert lines[1].startswith(f"OK {save / 'step-000020'}")
+
+
+def test_metadata_nested_a_million_deep_is_refused_and_never_crashes(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    save = tmp_path / "ckpt"
+    step = save / "step-000010"
+    small_checkpoint(step)
+    publish(str(save), "step-000010")
+    recorded = json.loads((step / "manifest.json").read_text())["files"][".metadata"]["size"]
+    (step / ".metadata").write_bytes(DEEP_KEY)
+    code, out, _ = _run(capsys, str(save))  # not the file the manifest recorded: never unpickled
+    assert code == 1 and out == (f"DAMAGED {step}: .metadata has {len(DEEP_KEY)} bytes, the manifest recorded "
+                                 f"{recorded} (truncated or changed)\n"), out
+    remanifest(step)  # as whoever crafted it would
+    refused = (f"checkpoint {step}: its .metadata nests objects more than 64 deep, which checkpoint metadata never "
+               "does; refused without loading it (a crafted file could crash the process)")
+    code, out, _ = _run(capsys, str(save))
+    assert code == 1 and out == f"DAMAGED {step}: {refused}\n", out
+    code = main(["train", "--ranks", "2", "--steps", "20", "--save", str(save)])  # resume auto: no older one
+    err = capsys.readouterr().err
+    assert code == 2 and err == f"duplexpipe: error: {refused}\n", err
+    code = main(["train", "--ranks", "2", "--steps", "20", "--resume", str(step)])
+    err = capsys.readouterr().err
+    assert code == 2 and err == f"duplexpipe: error: {refused}\n", err
 
 
 def test_not_a_checkpoint_is_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

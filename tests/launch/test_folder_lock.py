@@ -18,7 +18,7 @@ import pytest
 
 from duplexpipe.cli import main
 from duplexpipe.errors import FolderInUseError
-from duplexpipe.launch.folder_lock import LOCK_FILE, FolderLock, hold_folders
+from duplexpipe.launch.folder_lock import LOCK_FILE, FolderLock, hold_folders, process_start
 
 HOLDER = textwrap.dedent("""
     import sys, time
@@ -95,3 +95,42 @@ def test_folders_the_lock_created_go_when_left_empty(tmp_path: Path) -> None:
     assert not (tmp_path / "a").exists()
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["metrics.jsonl"]
     assert os.access(tmp_path, os.W_OK)
+
+
+def test_a_lock_whose_ranks_still_run_is_not_taken_over(tmp_path: Path) -> None:
+    """The launcher was killed, one of its ranks still runs: refused naming it; once it ended, taken over."""
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True).stdout)
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        holder = FolderLock(tmp_path, "save")
+        holder.acquire()
+        holder.record_ranks([rank.pid])
+        info = json.loads((tmp_path / LOCK_FILE).read_text())
+        assert info["ranks"] == [[rank.pid, process_start(rank.pid)]]
+        info["pid"] = dead  # as the killed launcher left it
+        holder.release()
+        (tmp_path / LOCK_FILE).write_text(json.dumps(info))
+        with pytest.raises(FolderInUseError, match=rf"the launcher process {dead} on host .* is gone, but its ranks "
+                                                   rf"\(processes {rank.pid}\) still run"):
+            FolderLock(tmp_path, "save").acquire()
+    finally:
+        rank.kill()
+        rank.wait()
+    lock = FolderLock(tmp_path, "save")
+    with pytest.warns(UserWarning, match=f"took over the lock of process {dead}"):
+        lock.acquire()
+    lock.release()
+
+
+def test_a_link_at_the_lock_file_is_never_written_through(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    victim = tmp_path / "victim.txt"
+    victim.write_text("mine\n")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / LOCK_FILE).symlink_to(victim)
+    code = main(["train", "--ranks", "2", "--steps", "1", "--save", str(run)])
+    err = capsys.readouterr().err
+    assert code == 2 and err == (f"duplexpipe: error: save folder {run}: cannot write its lock file {run / LOCK_FILE} "
+                                 "(it is a symbolic link, which a run never writes through)\n"), err
+    assert victim.read_text() == "mine\n" and (run / LOCK_FILE).is_symlink()

@@ -1,7 +1,7 @@
 """Faults in a `duplexpipe train` job with checkpoints, one after another in one save folder: a full disk during a
-save and NaN gradients (exit 1), a damaged newest checkpoint (exit 2, before any step). Each ends the run with one line
-naming the cause and loses nothing: the partial folder is gone, `latest` names a complete checkpoint, and the job
-resumed afterwards ends bit-equal to an uninterrupted run."""
+save and NaN gradients (exit 1) each end the run with one line naming the cause and lose nothing (the partial folder
+is gone, `latest` names a complete checkpoint); a damaged newest checkpoint is passed over by `resume auto` with a
+warning naming it (kept aside, exit 0). The job resumed afterwards ends bit-equal to an uninterrupted run."""
 
 from __future__ import annotations
 
@@ -58,13 +58,16 @@ def test_each_fault_is_one_line_and_the_job_resumes_bit_equal(tmp_path: Path,
     assert _contents(save) == [LATEST, "step-000002", "step-000004"], _contents(save)
     _assert_equal(save / "step-000004", straight / "step-000004")
 
-    flip(save / "step-000004" / "__1_0.distcp")  # the newest checkpoint is damaged on disk: bad input, exit 2
-    code, err = _train(capsys, "plain", save)
-    assert code == 2 and err.count("\n") == 1, err
-    assert f"checkpoint {save}/step-000004 is incomplete or corrupt: __1_0.distcp differs from the checksum" in err, err
-    assert _contents(save) == [LATEST, "step-000002", "step-000004"], _contents(save)  # no lock file left either
-
-    code, err = _train(capsys, "plain", save, "--resume", str(save / "step-000002"))  # the one before it
+    flip(save / "step-000004" / "__1_0.distcp")  # the newest checkpoint is damaged on disk
+    damaged = (save / "step-000004" / "__1_0.distcp").read_bytes()
+    code, err = _train(capsys, "plain", save)  # resume auto: from the one before it, naming the damaged one
     assert code == 0, err
-    for step in ("step-000004", "step-000006"):
+    assert err.splitlines()[0] == (
+        f"duplexpipe: warning: checkpoint {save}/step-000004 is incomplete or corrupt: __1_0.distcp differs from the "
+        f"checksum the manifest recorded (changed or damaged since it was saved); load an older checkpoint (see "
+        f"'duplexpipe checkpoint verify {save}/step-000004'); resuming from the older {save}/step-000002 instead (the "
+        f"damaged one is kept as {save}/step-000004.damaged)"), err
+    assert _contents(save) == [LATEST, "step-000002", "step-000004", "step-000004.damaged", "step-000006"]
+    assert (save / "step-000004.damaged" / "__1_0.distcp").read_bytes() == damaged  # kept as it was
+    for step in ("step-000004", "step-000006"):  # exactly as the run uninterrupted
         _assert_equal(save / step, straight / step)

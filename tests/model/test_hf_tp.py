@@ -34,8 +34,9 @@ from duplexpipe.model.hf import causal_lm_parts  # noqa: E402
 from duplexpipe.model.hf_tp import HFTensorPlan, part_plan, published_plan  # noqa: E402
 
 STEPS, ROWS = 5, 8
-CASES = {"llama": (False, True), "qwen3 sp": (True, True)}
-"""name -> (sequence parallelism, padded batches); the architecture is the name's first word."""
+CASES = {"llama": (False, True), "qwen3 sp": (True, True), "llama97 sp": (True, True)}
+"""name -> (sequence parallelism, padded batches); the model folder is the name's first word (llama97: a
+vocabulary of 97 tokens, split 49 + 48 over the two TP ranks)."""
 MOE_CASES = {"qwen3_moe": (2, 1, 1), "qwen3_moe ep": (1, 2, 2)}
 """name -> (pp, dp, ep) of a Qwen3-MoE run with TP=2 (no sequence parallelism, no padding)."""
 
@@ -75,6 +76,7 @@ def spawned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[s
     transformers.logging.set_verbosity_error()
     tiny_llama(layers=2).double().save_pretrained(root / "llama")
     tiny_qwen3(layers=2).double().save_pretrained(root / "qwen3")
+    tiny_llama(layers=2, vocab_size=97).double().save_pretrained(root / "llama97")
     tiny_moe("qwen3_moe", layers=2).save_pretrained(root / "qwen3_moe")
     return root, run_workers(_worker, 4, (str(root),), timeout_s=360)
 

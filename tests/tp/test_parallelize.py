@@ -190,7 +190,7 @@ def _bad_input(out: dict[str, Any]) -> None:
         "missing": lambda: pipeline((2, 1, 2), PipelineConfig("1f1b", 4), plan={
             **gpt_tp_plan(), "layer*.attn.nope": ColwiseParallel()}),
         "heads": lambda: _built(gpt(n_head=1, d_model=16), gpt_tp_plan()),
-        "dim": lambda: _built(gpt(vocab_size=15), gpt_tp_plan(vocab_parallel=True)),
+        "dim": lambda: _built(gpt(vocab_size=15), {**gpt_tp_plan(), "head.out": ColwiseParallel()}),
         "tied": lambda: pipeline((2, 1, 2), PipelineConfig("1f1b", 4), tied=True, plan={
             **gpt_tp_plan(), "head": ColwiseParallel(output_layouts=Replicate())}),
     }

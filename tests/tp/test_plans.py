@@ -9,12 +9,13 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 from duplexpipe.launch.tasks.gpt import GPTConfig, build_gpt, gpt_tp_plan
 from duplexpipe.model.split import build_parts, plan_partition
 from duplexpipe.moe import moe_tp_plan
-from duplexpipe.tp.plans import check_plan, resolve, sharded_over_tp, summary
+from duplexpipe.tp.plans import check_plan, plan_errors, resolve, sharded_over_tp, summary
 from duplexpipe.tp.style import ScatterSequence
 
 
@@ -43,12 +44,19 @@ def test_the_bundled_plans_fit_their_models() -> None:
         "layer*.mixer.q", "layer*.mixer.out", "layer*.norm1", "layer*.moe", "embedding", "head"}
 
 
+def test_a_vocabulary_the_degree_does_not_divide_is_sharded_unevenly() -> None:
+    """The embedding's rows and a gathered head's rows (8 + 7 of 15): nothing after them sees the local size."""
+    plan = {**gpt_tp_plan(vocab_parallel=True), "embedding.tok": RowwiseParallel(input_layouts=Replicate())}
+    check_plan(_parts(vocab=15), plan, 2)
+    assert plan_errors(_parts(vocab=15), plan, 2)[1] == []
+
+
 @pytest.mark.parametrize("plan, tp, message", [
     ({"layer*.attn.nope": ColwiseParallel()}, 2, r"names module\(s\) \['layer\*.attn.nope'\] that no model part has "
                                                  r"\(TP degree 2\)"),
     (gpt_tp_plan(), 3, r"part 0 module 'layer0.attn.q' \(Linear\) has out_features=16, not divisible by the TP "
                        r"degree 3"),
-    (gpt_tp_plan(vocab_parallel=True), 2, r"part 1 module 'head.out' \(Linear\) has out_features=15"),
+    ({**gpt_tp_plan(), "head.out": ColwiseParallel()}, 2, r"part 1 module 'head.out' \(Linear\) has out_features=15"),
     ({"layer*.attn.q": "colwise"}, 2, r"tp_plan\['layer\*.attn.q'\] must be a torch ParallelStyle"),
 ])
 def test_a_plan_that_cannot_shard_the_model_is_refused_naming_module_size_and_degree(plan: dict[str, Any], tp: int,

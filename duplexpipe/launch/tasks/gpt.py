@@ -124,8 +124,8 @@ def gpt_tp_plan(sequence_parallel: bool = False, *, vocab_parallel: bool = False
     GPT (children `embedding`, `layer<i>`, `head`): q, k, v and the MLP's first Linear by columns, the attention's
     and the MLP's output projections by rows. `sequence_parallel`: the LayerNorms and the residual stream hold
     1/TP of the sequence (the embedding's output is scattered, each block all-gathers before attention and MLP and
-    reduce-scatters after). `vocab_parallel`: the head's projection by columns, its logits gathered (the vocabulary
-    must be divisible by the TP degree; the bundled corpus has 73 characters, so its head stays whole)."""
+    reduce-scatters after). `vocab_parallel`: the head's projection by columns, its logits gathered (any vocabulary:
+    one the TP degree does not divide is split unevenly, as `torch.chunk` splits it)."""
     rest: Placement = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, ParallelStyle] = {
         "layer*.attn.q": ColwiseParallel(), "layer*.attn.k": ColwiseParallel(), "layer*.attn.v": ColwiseParallel(),

@@ -1,19 +1,22 @@
-"""The `hf` task of `duplexpipe train`: fine-tune a Hugging Face causal LM directory on a text or .jsonl file, tokenized
-by the model's own tokenizer, documents joined with its end-of-sequence token, a held-out tail for evaluation and the
-rest walked in epochs (`--task hf --task-option model=DIR --task-option data=FILE`)."""
+"""The `hf` task of `duplexpipe train`: fine-tune a Hugging Face causal LM directory on text, JSON lines, Parquet or
+Arrow data streamed through `datasets`, tokenized by the model's own tokenizer, documents ended by its end-of-sequence
+token, a share of the windows held out for evaluation and the rest walked in epochs (`--task hf --task-option model=DIR
+--task-option data=PATH`)."""
 
 from __future__ import annotations
 
-import json
-import re
+import math
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from duplexpipe.launch.batch_streams import Batch, HeldOutBatches, StreamedBatches
+from duplexpipe.launch.tasks.hf_data import data_files, documents
 from duplexpipe.launch.tasks.hf_options import HFOptions, hf_options
 from duplexpipe.launch.train_loop import TrainTask
-from duplexpipe.model.hf import causal_lm_loss
+from duplexpipe.model.hf import IGNORE_INDEX, causal_lm_loss, causal_lm_targets
 from duplexpipe.model.hf_files import stored_tensors
 from duplexpipe.train.pretrained import check_model_dir
 
@@ -28,32 +31,14 @@ def check_options(**options: Any) -> HFOptions:
         check_model_dir(checked.model)
         stored_tensors(Path(checked.model))  # the index and every safetensors header, checked (no tensor is read)
     checked.check()
+    assert checked.data is not None
+    data_files(checked.data, checked.split)  # the files: regular, inside the folder given, one format
     return checked
 
 
-def documents(path: str) -> list[str]:
-    """The documents of a data file: one per line of a .jsonl file (its "text" field), else the text's paragraphs
-    (separated by blank lines). ValueError naming the file and line of a bad .jsonl record."""
-    text = Path(path).read_text(encoding="utf-8")
-    if not path.lower().endswith(".jsonl"):
-        return [d.strip() for d in re.split(r"\n\s*\n", text) if d.strip()]
-    docs = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"task hf: {path} line {number} is not JSON ({exc.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise ValueError(f"task hf: {path} line {number} has no \"text\" string field")
-        docs.append(record["text"])
-    return docs
-
-
-def tokenize(docs: list[str], tokenizer_dir: str, model_dir: str) -> torch.Tensor:
-    """The documents as one token stream, each followed by the end-of-sequence token (the tokenizer's, else the
-    model config's); ValueError when several documents have none to separate them."""
+def load_tokenizer(tokenizer_dir: str, model_dir: str) -> tuple[Any, int | None]:
+    """The tokenizer of `tokenizer_dir` (cutting nothing: the stream is cut into windows here) and its end-of-sequence
+    token (else the model config's; None when neither has one)."""
     from transformers import AutoConfig, AutoTokenizer
 
     try:
@@ -61,92 +46,146 @@ def tokenize(docs: list[str], tokenizer_dir: str, model_dir: str) -> torch.Tenso
     except (OSError, ValueError) as exc:
         raise ValueError(f"task hf: no tokenizer in {tokenizer_dir} ({exc}); pass --task-option tokenizer=DIR") \
             from None
-    tokenizer.model_max_length = 1 << 62  # the text is cut into windows here, not by the tokenizer
+    tokenizer.model_max_length = 1 << 62
     eos = tokenizer.eos_token_id
     if eos is None:
         eos = getattr(AutoConfig.from_pretrained(model_dir), "eos_token_id", None)
         eos = eos[0] if isinstance(eos, list) and eos else eos
-    if eos is None and len(docs) > 1:
-        raise ValueError(f"task hf: the tokenizer in {tokenizer_dir} has no end-of-sequence token to separate the "
-                         f"{len(docs)} documents; give it an eos_token")
-    ids: list[int] = []
-    for doc in tokenizer(docs, add_special_tokens=False)["input_ids"]:
-        ids.extend(doc)
-        if eos is not None:
-            ids.append(int(eos))
-    return torch.tensor(ids, dtype=torch.long)
+    return tokenizer, None if eos is None else int(eos)
 
 
-def check_vocabulary(ids: torch.Tensor, tokenizer_dir: str, model_dir: str) -> None:
-    """ValueError when the tokenizer gives token ids the model's embedding has no row for (a tokenizer of another
-    model): named here, not as an index error inside a rank's forward."""
-    from transformers import AutoConfig
+def token_windows(docs: Iterable[str], tokenizer: Any, eos: int | None, seq: int, pack: bool,
+                  chunk: int = 64) -> Iterator[Batch]:
+    """The documents' tokens in windows of `seq`, each document followed by `eos`, one window a time as
+    ((1, seq) ids, (1, seq) labels), tokenized `chunk` documents at a time. `pack`: the documents run on from
+    window to window (the stream's last partial window is dropped) and the labels are the ids; otherwise each
+    document starts a window and its last window is padded with `eos`, labelled -100 (not counted). ValueError when
+    several documents have no end-of-sequence token to separate them."""
+    buffer: list[int] = []
+    count = 0
+    for texts in _chunks(docs, chunk):
+        for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+            count += 1
+            if eos is None and count > 1:
+                raise ValueError("task hf: the tokenizer has no end-of-sequence token to separate the documents; "
+                                 "give it an eos_token")
+            buffer.extend(ids)
+            if eos is not None:
+                buffer.append(eos)
+            if not pack:
+                for lo in range(0, len(buffer), seq):
+                    yield _padded(buffer[lo:lo + seq], seq, eos or 0)
+                buffer = []
+            while len(buffer) >= seq:
+                window = torch.tensor(buffer[:seq], dtype=torch.long)[None]
+                del buffer[:seq]
+                yield window, window.clone()
 
-    vocab = getattr(AutoConfig.from_pretrained(model_dir), "vocab_size", None)
-    if isinstance(vocab, int) and len(ids) and int(ids.max()) >= vocab:
-        raise ValueError(f"task hf: the tokenizer in {tokenizer_dir} gives token id {int(ids.max())}, but the model in "
-                         f"{model_dir} has a vocabulary of {vocab} (ids 0..{vocab - 1}); use the model's tokenizer")
+
+def _padded(ids: list[int], seq: int, pad: int) -> Batch:
+    """One window of `ids` padded to `seq` with `pad`, labelled -100 there."""
+    window = torch.full((1, seq), pad, dtype=torch.long)
+    window[0, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+    labels = window.clone()
+    labels[0, len(ids):] = IGNORE_INDEX
+    return window, labels
 
 
-class Windows:
-    """A token stream cut into windows of `seq` tokens: the last `val_fraction` held out for evaluation, the rest
-    walked in epochs without replacement, each epoch in an order drawn from (seed, epoch); batches are pure functions
-    of the step, so a resumed run continues where the saved one stopped."""
+def _chunks(items: Iterable[str], size: int) -> Iterator[list[str]]:
+    """`items` in lists of up to `size`."""
+    chunk: list[str] = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
 
-    def __init__(self, ids: torch.Tensor, seq: int, val_fraction: float, seed: int) -> None:
-        held = int(len(ids) * val_fraction)
-        cut = len(ids) - held
-        self.seq, self.seed = seq, seed
-        self.train = ids[:cut - cut % seq].view(-1, seq)
-        self.held_out = ids[cut:cut + held - held % seq].view(-1, seq)
-        self._orders: dict[int, torch.Tensor] = {}
 
-    def order(self, epoch: int) -> torch.Tensor:
-        """The train windows' order in `epoch` (the last two epochs' orders are kept)."""
-        if epoch not in self._orders:
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._orders = {e: o for e, o in self._orders.items() if e == epoch - 1}
-            self._orders[epoch] = torch.randperm(len(self.train), generator=gen)
-        return self._orders[epoch]
+def held_out(index: int, fraction: float) -> bool:
+    """Whether window `index` (0, 1, ...) of the stream is held out: `fraction` of the windows, spread evenly (the
+    indices where index x fraction passes a whole number)."""
+    return math.floor((index + 1) * fraction) > math.floor(index * fraction)
 
-    def batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Samples step x batch_size ... of the epochs' walk: (windows, the same windows as labels)."""
-        count = len(self.train)
-        rows = [self.order(i // count)[i % count] for i in range(step * batch_size, (step + 1) * batch_size)]
-        windows = self.train[torch.stack(rows)]
-        return windows, windows.clone()
 
-    def eval_batch(self, index: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Held-out batch `index`: the held-out windows in order, from index x batch_size on (wrapping around)."""
-        rows = torch.arange(index * batch_size, (index + 1) * batch_size) % len(self.held_out)
-        windows = self.held_out[rows]
-        return windows, windows.clone()
+def shuffled(rows: Iterable[Batch], size: int, generator: torch.Generator) -> Iterator[Batch]:
+    """`rows` in an order drawn from `generator` through a buffer of `size` rows (a stream's shuffle: each row comes
+    out at a random time once the buffer is full; 1: in order)."""
+    buffer: list[Batch] = []
+    for row in rows:
+        if len(buffer) < size:
+            buffer.append(row)
+            continue
+        pick = int(torch.randint(size, (1,), generator=generator))
+        yield buffer[pick]
+        buffer[pick] = row
+    for pick in torch.randperm(len(buffer), generator=generator).tolist():
+        yield buffer[pick]
+
+
+class TokenStream:
+    """The data's documents as token windows: the held-out windows (`held_out`) apart, the rest walked in epochs,
+    each epoch shuffled through a buffer in an order drawn from (seed, epoch). Nothing is kept but the windows in
+    the buffer and the documents being tokenized."""
+
+    def __init__(self, opts: HFOptions, seed: int) -> None:
+        assert opts.model is not None and opts.data is not None
+        self.opts, self.seed = opts, seed
+        self.files = data_files(opts.data, opts.split)
+        self.tokenizer, self.eos = load_tokenizer(opts.tokenizer or opts.model, opts.model)
+
+    def _windows(self, keep_held_out: bool) -> Iterator[Batch]:
+        windows = token_windows(documents(self.files, self.opts.text_field), self.tokenizer, self.eos, self.opts.seq,
+                                self.opts.pack)
+        return (window for index, window in enumerate(windows)
+                if held_out(index, self.opts.val_fraction) == keep_held_out)
+
+    def epoch(self, epoch: int) -> Iterator[Batch]:
+        """The training windows of `epoch`, shuffled."""
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return shuffled(self._windows(False), self.opts.shuffle_buffer, generator)
+
+    def held_out(self) -> Iterator[Batch]:
+        """The held-out windows, in order."""
+        return self._windows(True)
+
+    def first_window(self) -> Batch | None:
+        """The first training window (None: the data holds none)."""
+        return next(self._windows(False), None)
 
 
 def hf_task(seed: int = 0, **options: Any) -> TrainTask:
     """Fine-tune the model in directory `model` on `data` in windows of `seq` tokens (see `HFOptions`).
 
-    The documents are tokenized once by the model's tokenizer (or the one in `tokenizer`) and joined with its
-    end-of-sequence token; the stream's last `val_fraction` is held out (`eval_batch`), and step s's batch is the
-    s-th batch of a walk over the remaining windows in epochs, each epoch in an order drawn from (seed, epoch): the
-    same on every rank and every run, so a resumed run sees the batches it would have seen. Labels are the inputs
-    (the loss shifts them). `dtype` overrides the checkpoint's; `bias_update_speed` is an MoE model's aux-loss-free
-    balance (transformers' aux loss follows the model's config).
+    The data is read as a stream (`hf_data.documents`) and tokenized as it is read by the model's tokenizer (or the
+    one in `tokenizer`), each document ended by its end-of-sequence token and the windows packed (or one document
+    per window, padded, with `pack=False`). A `val_fraction` of the windows, spread evenly, is held out
+    (`eval_batch`, in order); step s's batch is the s-th batch of a walk over the other windows in
+    epochs, each epoch shuffled through a buffer in an order drawn from (seed, epoch): the same on every rank and
+    every run, so a resumed run sees the batches it would have seen (it reads the stream up to its step again).
+    Labels are the inputs (the loss shifts them). `dtype` overrides the checkpoint's; `bias_update_speed` is an
+    MoE model's aux-loss-free balance (transformers' aux loss follows the model's config).
     """
     opts = check_options(**options)
-    assert opts.model is not None and opts.data is not None
-    docs = documents(opts.data)
-    if not docs:
-        raise ValueError(f"task hf: data file {opts.data} holds no text (expected documents separated by blank lines, "
-                         "or .jsonl records with a \"text\" field)")
-    ids = tokenize(docs, opts.tokenizer or opts.model, opts.model)
-    check_vocabulary(ids, opts.tokenizer or opts.model, opts.model)
-    windows = Windows(ids, opts.seq, opts.val_fraction, seed)
-    if len(windows.train) == 0:
-        raise ValueError(f"task hf: {opts.data} has {len(ids)} tokens, {int(len(ids) * (1 - opts.val_fraction))} "
-                         f"for training: fewer than a window of seq={opts.seq}")
-    return TrainTask(layers=[], loss_fn=causal_lm_loss, batch=windows.batch, items_per_sample=opts.seq,
+    stream = TokenStream(opts, seed)
+    if stream.first_window() is None:
+        raise ValueError(f"task hf: the training documents of {opts.data} hold fewer tokens than a window of "
+                         f"seq={opts.seq}")
+    held = HeldOutBatches(stream.held_out) if opts.val_fraction > 0 else None
+    batch: Callable[[int, int], Batch] = StreamedBatches(stream.epoch)
+    eval_batch: Callable[[int, int], Batch] | None = held if held is not None and held.has_samples() else None
+    if not opts.pack:  # padded windows: every counted token of a batch weighs the same in the pipelined loss
+        batch, eval_batch = _token_weighted(batch), None if eval_batch is None else _token_weighted(eval_batch)
+    return TrainTask(layers=[], loss_fn=causal_lm_loss, batch=batch, items_per_sample=opts.seq,
                      item_name="tokens", pretrained=opts.model,
-                     dtype=DTYPES[opts.dtype] if opts.dtype is not None else None,
-                     eval_batch=windows.eval_batch if len(windows.held_out) else None,
+                     dtype=DTYPES[opts.dtype] if opts.dtype is not None else None, eval_batch=eval_batch,
                      router_bias_update_speed=float(opts.bias_update_speed))
+
+
+def _token_weighted(batches: Callable[[int, int], Batch]) -> Callable[[int, int], Batch]:
+    """`batches` with the labels as `causal_lm_targets` (the batch's counted tokens with every row)."""
+    def batch(index: int, batch_size: int) -> Batch:
+        ids, labels = batches(index, batch_size)
+        return ids, causal_lm_targets(labels)
+    return batch

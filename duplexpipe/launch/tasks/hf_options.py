@@ -10,8 +10,6 @@ from duplexpipe.fielddoc import documented, field_docs
 
 DTYPE_NAMES = ("float32", "float64", "bfloat16", "float16")
 """The `dtype` option's values."""
-MAX_DATA_BYTES = 1 << 30
-"""Largest data file the task reads (it is tokenized in memory)."""
 
 
 @documented
@@ -22,8 +20,9 @@ class HFOptions:
     model: str | None = None
     """A Hugging Face causal LM directory (config.json and safetensors weights; its tokenizer unless `tokenizer`)."""
     data: str | None = None
-    """The text: a UTF-8 file whose documents are separated by blank lines, or a .jsonl file with one document per
-    line in its "text" field. Documents are joined with the tokenizer's end-of-sequence token."""
+    """The documents: a UTF-8 text file (documents separated by blank lines), a .jsonl, .parquet or .arrow file (one
+    document per record, in its `text_field`), a folder `datasets` saved (`save_to_disk`), or a folder of such files
+    of one format. Read as a stream; each document is ended by the tokenizer's end-of-sequence token."""
     tokenizer: str | None = None
     """A tokenizer directory (default: the model directory)."""
     seq: int = 64
@@ -34,22 +33,37 @@ class HFOptions:
     """An MoE model whose routers have an expert bias (DeepSeek-V3): how far each bias moves after an optimizer step
     (the aux-loss-free balance; transformers' aux loss follows the model's config)."""
     val_fraction: float = 0.1
-    """The share of the token stream held out at its end for evaluation (--eval-every); the rest is walked in
-    epochs, each window once per epoch in an order drawn from the seed."""
+    """The share of the token windows held out for evaluation (--eval-every), spread evenly through the stream (every
+    tenth window for 0.1); the rest is walked in epochs, each window once per epoch in an order drawn from the
+    seed."""
+    text_field: str = "text"
+    """The field of a record that holds its document (JSON lines, Parquet, Arrow)."""
+    split: str = "train"
+    """The split to read from a `DatasetDict` folder."""
+    pack: bool = True
+    """Pack the documents into the windows one after another; false: each document starts a window, and its last
+    window is padded (the padding is not counted in the loss)."""
+    shuffle_buffer: int = 1024
+    """Windows in the buffer through which each epoch is shuffled (1: in order)."""
 
     def check(self) -> None:
         """ValueError for options the task cannot use (files, not their contents)."""
         if self.model is None or self.data is None:
             raise ValueError("task hf needs --task-option model=DIR (a Hugging Face model directory) and "
-                             "--task-option data=FILE (a text or .jsonl file)")
-        if not Path(self.data).is_file():
-            raise ValueError(f"task hf: data file {self.data} does not exist")
-        if Path(self.data).stat().st_size > MAX_DATA_BYTES:
-            raise ValueError(f"task hf: data file {self.data} is over {MAX_DATA_BYTES:,} bytes")
+                             "--task-option data=PATH (a text, .jsonl, .parquet or .arrow file or a folder of them)")
+        if not Path(self.data).exists():
+            raise ValueError(f"task hf: data {self.data} does not exist")
         if self.tokenizer is not None and not Path(self.tokenizer).is_dir():
             raise ValueError(f"task hf: tokenizer directory {self.tokenizer} does not exist")
         if isinstance(self.seq, bool) or not isinstance(self.seq, int) or self.seq < 2:
             raise ValueError(f"task hf: seq must be an integer >= 2, got {self.seq!r}")
+        for name in ("text_field", "split"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"task hf: {name} must be a name, got {getattr(self, name)!r}")
+        if not isinstance(self.pack, bool):
+            raise ValueError(f"task hf: pack must be true or false, got {self.pack!r}")
+        if isinstance(self.shuffle_buffer, bool) or not isinstance(self.shuffle_buffer, int) or self.shuffle_buffer < 1:
+            raise ValueError(f"task hf: shuffle_buffer must be an integer >= 1, got {self.shuffle_buffer!r}")
         if self.dtype is not None and self.dtype not in DTYPE_NAMES:
             raise ValueError(f"task hf: dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
         if isinstance(self.bias_update_speed, bool) or not isinstance(self.bias_update_speed, (int, float)) \

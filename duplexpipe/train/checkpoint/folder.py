@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import LoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
 
 from duplexpipe.errors import CheckpointError
 from duplexpipe.train.checkpoint.manifest import (
@@ -151,6 +152,19 @@ def verify_files(path: str, collective: bool) -> None:
         raise damaged(path, problems)
 
 
+def read_checked_metadata(path: str) -> Metadata:
+    """The checked Metadata of checkpoint `path`, its `.metadata` first checked against the manifest when it has one
+    (size and SHA-256): a metadata file changed since the save is refused without being unpickled."""
+    files = read_manifest(path)
+    if files is not None:
+        if METADATA_FILE not in files:
+            raise CheckpointError(f"checkpoint {path}: its {MANIFEST_FILE} does not list {METADATA_FILE}")
+        problems = check_files(path, files, [METADATA_FILE])
+        if problems:
+            raise damaged(path, problems)
+    return read_metadata_file(path)
+
+
 def load_state(state: dict[str, Any], path: str, planner: LoadPlanner, *, no_dist: bool = False) -> None:
     """dcp.load `state` from `path` through the safe reader; a failure is one CheckpointError naming the cause."""
     try:
@@ -171,6 +185,9 @@ def verify_checkpoint(path: str) -> tuple[list[str], str]:
     files = read_manifest(path)
     problems = [f"it has no {MANIFEST_FILE}: its files cannot be verified (saved by an older duplexpipe or "
                 "another tool)"] if files is None else check_files(path, files, sorted(files))
+    if files is not None and (METADATA_FILE not in files or any(p.startswith(f"{METADATA_FILE} ") for p in problems)):
+        # not what was saved: never unpickled
+        return problems or [f"its {MANIFEST_FILE} does not list {METADATA_FILE}"], f"{len(files)} files in the manifest"
     try:
         metadata = read_metadata_file(path)
     except CheckpointError as exc:

@@ -1,11 +1,16 @@
 """Hugging Face checkpoints out: `save_pretrained` writes a directory transformers loads as is (config.json, one
-safetensors shard per pipeline rank and their index); no rank gathers the model."""
+safetensors shard per pipeline rank and their index) into a new folder beside the target and swaps it in whole; no
+rank gathers the model."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
+import os
 import shutil
+import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -15,8 +20,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
+from duplexpipe.errors import CheckpointError
 from duplexpipe.model.hf_files import INDEX_FILE
 from duplexpipe.moe.balance import expert_parameters
 from duplexpipe.parallel import DPStrategy, ParallelGroups
@@ -104,13 +111,54 @@ def _file_index(keys: list[str], group: Any) -> dict[str, int]:
     return {name: i for i, names in enumerate(writers, start=1) for name in names}
 
 
-def _clear(root: Path) -> None:
-    """Remove the model files and index a previous save left (their names may not be rewritten); other safetensors
-    files (adapters, ...) stay."""
-    root.mkdir(parents=True, exist_ok=True)
-    for old in [*root.glob("model*.safetensors"), root / INDEX_FILE]:
-        if old.is_file():
-            old.unlink()
+def _carry_over(old: Path, new: Path) -> None:
+    """Copy what a previous save's folder `old` holds besides the model files and index into the new folder `new`
+    (adapters, a README, ...: they stay)."""
+    if not old.is_dir():
+        return
+    for item in old.iterdir():
+        if item.name == INDEX_FILE or (item.name.startswith("model") and item.name.endswith(".safetensors")):
+            continue
+        if item.is_dir() and not item.is_symlink():
+            shutil.copytree(item, new / item.name, symlinks=True)
+        else:
+            shutil.copy2(item, new / item.name, follow_symlinks=False)
+
+
+RENAME_EXCHANGE = 2
+"""renameat2's flag that swaps two paths in one step (Linux)."""
+AT_FDCWD = -100
+
+
+def swap_in(new: Path, target: Path) -> None:
+    """Put folder `new` at `target` in one step (Linux: renameat2 exchanges them, then the old one is removed; a
+    missing target: one rename); elsewhere the old one is renamed aside first."""
+    if not target.exists() and not target.is_symlink():
+        os.rename(new, target)
+        return
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = getattr(libc, "renameat2", None)
+        if renameat2 is not None and renameat2(AT_FDCWD, os.fsencode(new), AT_FDCWD, os.fsencode(target),
+                                               RENAME_EXCHANGE) == 0:
+            shutil.rmtree(new, ignore_errors=True)  # the old folder, now at `new`
+            return
+    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+    os.rename(target, old / target.name)
+    os.rename(new, target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _same_folder(a: str | Path, b: str | Path | None) -> bool:
+    return b is not None and os.path.realpath(a) == os.path.realpath(b)
+
+
+def check_target(path: str | Path, source: str | None, overwrite: bool) -> None:
+    """ValueError when `path` is the model folder the pipeline was loaded from (`source`) and `overwrite` is off:
+    the export would replace the weights it started from."""
+    if _same_folder(path, source) and not overwrite:
+        raise ValueError(f"save_pretrained {path} is the model folder this run loaded its weights from; writing it "
+                         "would replace them: pass overwrite=True (--save-pretrained-overwrite) or name another folder")
 
 
 def _write_config(root: Path, part: CausalLMPart, dtype: torch.dtype, source: str | None) -> None:
@@ -149,17 +197,73 @@ def _writers(pipe: Exportable) -> Iterator[tuple[Any, bool]]:
 def _write(pipe: Exportable, root: Path, tensors: dict[str, torch.Tensor], part: CausalLMPart, group: Any) -> None:
     """This rank's shard (collective over the writing group); the group's first rank: the rest."""
     mapping = _file_index(sorted(tensors), group) if dist.is_initialized() else dict.fromkeys(tensors, 1)
-    lead = not dist.is_initialized() or dist.get_rank(group) == 0
-    if lead:
-        _clear(root)
     dtype = next(iter(tensors.values())).dtype if tensors else torch.float32
     dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(str(root), fqn_to_index_mapping=mapping),
              process_group=group, no_dist=not dist.is_initialized())
-    if lead:
+    if not dist.is_initialized() or dist.get_rank(group) == 0:
         _write_config(root, part, dtype, pipe.source_dir)
 
 
-def save_pretrained(pipe: Exportable, path: str) -> None:
+def _staging(target: Path, group: Any) -> Path:
+    """The new folder beside `target` the writers fill (its name unpredictable, made by the group's first rank and
+    shared with the others; what a previous save left besides its model files is copied in)."""
+    box: list[Any] = [None]
+    if not dist.is_initialized() or dist.get_rank(group) == 0:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.new-", dir=target.parent))
+        os.chmod(staging, 0o755 & ~_umask())
+        _carry_over(target, staging)
+        box[0] = str(staging)
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, group=group, group_src=0)
+    return Path(box[0])
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _export(pipe: Exportable, target: Path, tensors: dict[str, torch.Tensor], part: CausalLMPart,
+            group: Any) -> str | None:
+    """A writer: fill a new folder and (the group's first rank) swap it in; the error, naming the target, when that
+    failed (the new folder is removed, the target left as it was)."""
+    lead = not dist.is_initialized() or dist.get_rank(group) == 0
+    staging: Path | None = None
+    try:
+        staging = _staging(target, group)
+        _write(pipe, staging, tensors, part, group)
+    except (OSError, CheckpointException) as exc:
+        error: str | None = _why(exc, target)
+    else:
+        error = None
+    if dist.is_initialized():  # every writer finished (or failed): the first one swaps, or cleans up
+        said: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(said, error, group=group)
+        error = next((e for e in said if e is not None), None)
+    if lead and staging is not None:
+        try:
+            if error is None:
+                swap_in(staging, target)
+        except OSError as exc:
+            error = _why(exc, target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return error
+
+
+def _why(exc: BaseException, target: Path) -> str:
+    """A failed export in one line naming the target folder (the cause's file system error when there is one)."""
+    root: BaseException = exc
+    while isinstance(root, CheckpointException) and root.failures:
+        root = root.failures[min(root.failures)][0]
+    what = root.strerror if isinstance(root, OSError) and root.strerror else f"{type(root).__name__}: {root}"
+    return (f"{what} while writing the Hugging Face model {target} (it is left as it was: the new files went to a "
+            "folder beside it, now removed)")
+
+
+def save_pretrained(pipe: Exportable, path: str, overwrite: bool = False) -> None:
     """Write `path` as a Hugging Face model directory: `AutoModelForCausalLM.from_pretrained(path)` loads it as is.
 
     Collective (every rank calls). Each stage's tensors are gathered whole over its TP group and, with ZeRO-2/3, its
@@ -170,11 +274,32 @@ def save_pretrained(pipe: Exportable, path: str) -> None:
     index, config.json and the source's tokenizer and generation files. With experts spread over an expert-parallel
     group, the other ranks of that group write a shard of their own experts each (every expert under its global
     index, as transformers saves them); no rank gathers the model.
+
+    The files go to a new folder beside `path`, swapped in whole once every writer finished: readers see the old
+    folder or the new one, and a failure (a full disk) leaves `path` as it was, raising CheckpointError naming it on
+    every rank. The model folder the pipeline was loaded from is refused (ValueError) unless `overwrite`.
     """
+    check_target(path, pipe.source_dir, overwrite)
+    error = None
     with _writers(pipe) as (group, writes):  # the writers' group outlives the barrier: every rank is done with it
         with pipe.dp.full_parameters():
             tensors, part = export_tensors(pipe, experts_only=pipe.groups.ep_rank > 0)
             if writes and part is not None:
-                _write(pipe, Path(path), tensors, part, group)
+                error = _export(pipe, Path(path), tensors, part, group)
         if dist.is_available() and dist.is_initialized():
-            pipe.bounded(dist.barrier(async_op=True), "the end of save_pretrained")
+            error = _first_error(pipe, error)
+    if error is not None:
+        raise CheckpointError(error)
+
+
+def _first_error(pipe: Exportable, error: str | None) -> str | None:
+    """The export's outcome on every rank (bounded like the barrier it replaces): this rank's error, or a line
+    naming the lowest rank that failed."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    failed = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=device)
+    failed[dist.get_rank()] = int(error is not None)
+    pipe.bounded(dist.all_reduce(failed, async_op=True), "the end of save_pretrained")
+    ranks = failed.nonzero().flatten().tolist()
+    if error is None and ranks:
+        return f"save_pretrained stopped because rank {ranks[0]} failed"
+    return error

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from duplexpipe.errors import CheckpointError
-from duplexpipe.files import plain_name, read_capped
+from duplexpipe.files import plain_name, read_capped, write_atomic
 
 MANIFEST_FILE = "manifest.json"
 """The manifest's name in a checkpoint folder."""
@@ -47,18 +47,7 @@ def write_manifest(folder: str | os.PathLike[str], files: Mapping[str, FileDiges
     """Write the manifest of `files` (names in `folder`) atomically: readers see none or the whole one."""
     body = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "algorithm": "sha256",
             "files": {name: {"size": d.size, "sha256": d.sha256} for name, d in sorted(files.items())}}
-    path = Path(folder) / MANIFEST_FILE
-    temporary = path.with_name(f".{MANIFEST_FILE}.{os.getpid()}.tmp")
-    try:
-        with open(temporary, "w", encoding="utf-8") as fh:
-            json.dump(body, fh, indent=1)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
+    write_atomic(Path(folder) / MANIFEST_FILE, json.dumps(body, indent=1) + "\n")
 
 
 def read_manifest(folder: str | os.PathLike[str]) -> dict[str, FileDigest] | None:

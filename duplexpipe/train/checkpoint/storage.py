@@ -8,6 +8,7 @@ import contextlib
 import io
 import os
 import pickle
+import pickletools
 from collections.abc import Generator
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from duplexpipe.errors import CheckpointError
-from duplexpipe.files import plain_name, read_capped
+from duplexpipe.files import open_new, plain_name, read_capped
 
 METADATA_FILE = ".metadata"
 """The file DCP writes last into a checkpoint folder: what every tensor is and where its bytes are."""
@@ -44,6 +45,13 @@ ALLOWED_CLASSES = frozenset({
 """(module, name) of every class or function DCP metadata may name: found by saving a checkpoint of every layout the
 project writes (plain, DualPipe, ZeRO-1, ZeRO-2, compressed with strategy state, experts, fp16 with a scaler and an
 LR scheduler, bf16); torch dtypes (`torch.float32`, ...) are admitted besides."""
+MAX_METADATA_NESTING = 64
+"""Deepest nesting of containers a `.metadata` pickle may build (DCP's own nest about 8 deep): a deeper one (a tuple
+nested a million deep overflows the C stack when hashed) is refused before it is unpickled."""
+_IN_PLACE = frozenset({"APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS", "BUILD"})
+"""Pickle opcodes that put what they pop into the object below it on the stack."""
+_PUT = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
+_GET = frozenset({"GET", "BINGET", "LONG_BINGET"})
 FILE_ATTRIBUTE = "duplexpipe_checkpoint_file"
 """The attribute an error raised while reading or writing a checkpoint file carries: that file's path."""
 
@@ -70,8 +78,60 @@ class MetadataUnpickler(pickle.Unpickler):
         raise self._refuse(f"a persistent object {str(pid)[:40]!r}")
 
 
+def pickle_nesting(data: bytes, limit: int) -> int:
+    """How deep the objects pickled in `data` nest, found by walking its opcodes without building anything; the walk
+    stops once deeper than `limit` (the depth returned then exceeds it). ValueError, IndexError or KeyError for a
+    stream that is not a pickle."""
+    stack: list[list[int]] = []  # one cell per object on the unpickler's stack: its depth (shared with the memo)
+    marks: list[int] = []
+    memo: dict[int, list[int]] = {}
+    deepest = 0
+    for op, arg, _ in pickletools.genops(data):
+        name = op.name
+        if name == "MARK":
+            marks.append(len(stack))
+            continue
+        if name in _PUT or name == "MEMOIZE":
+            memo[len(memo) if name == "MEMOIZE" else int(arg or 0)] = stack[-1]
+            continue
+        if name in _GET:
+            stack.append(memo[int(arg or 0)])
+            continue
+        if name == "DUP":
+            stack.append(stack[-1])
+            continue
+        if pickletools.markobject in op.stack_before:
+            start = marks.pop()
+            popped, stack[start:] = stack[start:], []
+        else:
+            count = len(op.stack_before) - (1 if name in _IN_PLACE else 0)
+            if count > len(stack):
+                raise ValueError(f"{name} finds {len(stack)} objects on the stack")
+            popped = stack[len(stack) - count:] if count else []
+            del stack[len(stack) - count:]
+        inner = 1 + max((cell[0] for cell in popped), default=-1) if popped else 0
+        if name in _IN_PLACE:
+            stack[-1][0] = max(stack[-1][0], inner)
+        else:
+            stack.extend([inner] for _ in op.stack_after)
+        deepest = max(deepest, inner)
+        if deepest > limit:
+            break
+    return deepest
+
+
 def load_metadata_bytes(data: bytes, where: str) -> Metadata:
-    """The Metadata pickled in `data` (from checkpoint `where`), checked; CheckpointError naming what is wrong."""
+    """The Metadata pickled in `data` (from checkpoint `where`), checked; CheckpointError naming what is wrong. Its
+    nesting is bounded (MAX_METADATA_NESTING) before anything is unpickled."""
+    try:
+        depth = pickle_nesting(data, MAX_METADATA_NESTING)
+    except (ValueError, IndexError, KeyError) as exc:
+        raise CheckpointError(f"checkpoint {where} is incomplete or corrupt ({METADATA_FILE}: {type(exc).__name__}: "
+                              f"{exc})") from None
+    if depth > MAX_METADATA_NESTING:
+        raise CheckpointError(f"checkpoint {where}: its {METADATA_FILE} nests objects more than {MAX_METADATA_NESTING} "
+                              "deep, which checkpoint metadata never does; refused without loading it (a crafted file "
+                              "could crash the process)")
     try:
         metadata = MetadataUnpickler(data, where).load()
     except CheckpointError:
@@ -129,8 +189,12 @@ class NamingFileSystem(FileSystem):
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
         try:
-            with super().create_stream(path, mode) as stream:
-                yield stream
+            if "w" in mode:  # created anew, never through a link planted at its name
+                with open_new(path, binary="b" in mode) as stream:
+                    yield stream  # type: ignore[misc]
+            else:
+                with super().create_stream(path, mode) as stream:
+                    yield stream
         except BaseException as exc:
             if getattr(exc, FILE_ATTRIBUTE, None) is None:
                 with contextlib.suppress(AttributeError, TypeError):

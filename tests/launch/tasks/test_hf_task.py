@@ -17,27 +17,16 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
-from _hf_helpers import VOCAB, rel, tiny_llama, transformers  # noqa: E402
+from _hf_helpers import eos_tokenizer, rel, tiny_llama, transformers  # noqa: E402
 
 from duplexpipe.cli.train_cmd import add_train_arguments, train_main  # noqa: E402
 from duplexpipe.launch.tasks.gpt import corpus_text  # noqa: E402
-from duplexpipe.launch.tasks.hf import Windows, check_options, documents, hf_task, tokenize  # noqa: E402
+from duplexpipe.launch.tasks.hf import check_options, hf_task, load_tokenizer, token_windows  # noqa: E402
 from duplexpipe.launch.tasks.hf_options import options_help  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
 TEXT = corpus_text()[:4000]
 EOS = "</s>"
-
-
-def eos_tokenizer(text: str) -> Any:
-    """A character-level fast tokenizer over `text` with an end-of-sequence token, built offline as a user would
-    (tokenizers' WordLevel model, saved by transformers' PreTrainedTokenizerFast)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {"<unk>": 0, EOS: 1, **{c: i + 2 for i, c in enumerate(sorted(set(text)))}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token=EOS)
 
 
 @pytest.fixture(scope="module")
@@ -52,39 +41,84 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _task(model_dir: Path, **options: Any) -> Any:
-    return hf_task(model=str(model_dir / "tiny"), data=str(model_dir / "data.txt"), **options)
+    return hf_task(**{"model": str(model_dir / "tiny"), "data": str(model_dir / "data.txt"), **options})
 
 
-def test_documents_are_joined_by_the_tokenizers_eos(model_dir: Path) -> None:
-    (model_dir / "docs.jsonl").write_text('{"text": "ab"}\n\n{"text": "b a"}\n', encoding="utf-8")
-    (model_dir / "docs.txt").write_text("ab\n\n \nb a\n", encoding="utf-8")
-    assert documents(str(model_dir / "docs.jsonl")) == documents(str(model_dir / "docs.txt")) == ["ab", "b a"]
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir / "tiny")
-    stream = tokenize(["ab", "b a"], str(model_dir / "tiny"), str(model_dir / "tiny"))
-    assert tokenizer.convert_ids_to_tokens(stream.tolist()) == ["a", "b", EOS, "b", " ", "a", EOS]
-    (model_dir / "bad.jsonl").write_text('{"text": "a"}\n{"txt": "b"}\n', encoding="utf-8")
-    with pytest.raises(ValueError, match='bad.jsonl line 2 has no "text" string field'):
-        documents(str(model_dir / "bad.jsonl"))
+def test_documents_are_ended_by_the_tokenizers_eos_packed_or_one_a_window(model_dir: Path) -> None:
+    tokenizer, eos = load_tokenizer(str(model_dir / "tiny"), str(model_dir / "tiny"))
+    names = tokenizer.convert_ids_to_tokens
+    packed = list(token_windows(iter(["ab", "b a"]), tokenizer, eos, seq=3, pack=True))
+    assert [names(x[0].tolist()) for x, _ in packed] == [["a", "b", EOS], ["b", " ", "a"]]  # the last EOS: a part
+    assert all(torch.equal(x, y) for x, y in packed)
+    alone = list(token_windows(iter(["ab", "b a"]), tokenizer, eos, seq=4, pack=False))
+    assert [names(x[0].tolist()) for x, _ in alone] == [["a", "b", EOS, EOS], ["b", " ", "a", EOS]]
+    assert alone[0][1].tolist() == [[*alone[0][0][0, :3].tolist(), -100]] and torch.equal(*alone[1])
+    with pytest.raises(ValueError, match="no end-of-sequence token to separate the documents"):
+        list(token_windows(iter(["ab", "b a"]), tokenizer, None, seq=3, pack=True))
 
 
-def test_epochs_walk_every_window_once_per_seed_and_hold_out_the_tail(model_dir: Path) -> None:
-    ids = torch.arange(103)
-    windows = Windows(ids, seq=4, val_fraction=0.2, seed=3)
-    assert windows.train.shape == (20, 4) and windows.held_out.shape == (5, 4)
-    assert int(windows.held_out.min()) >= int(windows.train.max()) + 1  # the tail, after every train token
-    first_epoch = torch.cat([windows.batch(s, 5)[0] for s in range(4)])  # 20 windows: one epoch
-    assert sorted(first_epoch[:, 0].tolist()) == list(range(0, 80, 4))  # each window once
-    second = torch.cat([windows.batch(s, 5)[0] for s in range(4, 8)])
-    assert sorted(second[:, 0].tolist()) == list(range(0, 80, 4)) and not torch.equal(first_epoch, second)
-    again = Windows(ids, seq=4, val_fraction=0.2, seed=3)
-    assert torch.equal(again.batch(6, 5)[0], windows.batch(6, 5)[0])  # a resumed run: the same batch at step 6
-    assert not torch.equal(Windows(ids, 4, 0.2, seed=4).batch(0, 5)[0], windows.batch(0, 5)[0])
-    assert torch.equal(windows.eval_batch(1, 3)[0], windows.held_out[[3, 4, 0]])  # in order, wrapping around
+def _one_window_each(model_dir: Path, count: int) -> Path:
+    """A JSON lines file of `count` documents of 3 characters: with EOS, one window of 4 tokens each."""
+    letters = sorted(set("abcdefgh"))
+    docs = [letters[i // 64 % 8] + letters[i // 8 % 8] + letters[i % 8] for i in range(count)]
+    path = model_dir / f"windows{count}.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
+    return path
+
+
+def test_epochs_walk_every_window_once_per_seed_and_hold_out_every_fifth(model_dir: Path) -> None:
+    data = str(_one_window_each(model_dir, 50))
+    task = _task(model_dir, data=data, seq=4, val_fraction=0.2, seed=3)
+    stream = [x for x, _ in token_windows((json.loads(line)["text"] for line in Path(data).read_text().splitlines()),
+                                          *load_tokenizer(str(model_dir / "tiny"), str(model_dir / "tiny")), 4, True)]
+    held = torch.cat(stream[4::5])  # windows 4, 9, 14, ...: a fifth, spread evenly
+    train = sorted(tuple(w[0].tolist()) for i, w in enumerate(stream) if i % 5 != 4)
+    first_epoch = torch.cat([task.batch(s, 5)[0] for s in range(8)])  # 40 windows: one epoch
+    assert sorted(tuple(w) for w in first_epoch.tolist()) == train  # each train window once
+    second = torch.cat([task.batch(s, 5)[0] for s in range(8, 16)])
+    assert sorted(tuple(w) for w in second.tolist()) == train and not torch.equal(first_epoch, second)
+    again = _task(model_dir, data=data, seq=4, val_fraction=0.2, seed=3)
+    assert torch.equal(again.batch(11, 5)[0], task.batch(11, 5)[0])  # a resumed run: the same batch at step 11
+    assert torch.equal(task.batch(3, 5)[0], first_epoch[15:20])  # an earlier step: read again from the start
+    assert not torch.equal(_task(model_dir, data=data, seq=4, val_fraction=0.2, seed=4).batch(0, 5)[0],
+                           first_epoch[:5])
+    assert task.eval_batch is not None
+    assert torch.equal(task.eval_batch(3, 3)[0], held[[9, 0, 1]])  # in order, wrapping around
+    assert _task(model_dir, data=data, seq=4, val_fraction=0.0).eval_batch is None
+
+
+def test_the_reader_holds_a_bounded_window_not_the_file(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A text walked for a whole epoch, one character a token: at every step the reader has read at most a few
+    tokenizer chunks of documents (64 of 400 characters) and the shuffle buffer's windows beyond what the batches
+    took, however long the file."""
+    from duplexpipe.launch.tasks import hf
+
+    text = "\n\n".join(TEXT[i:i + 399].strip() for i in range(0, len(TEXT), 399))
+    path = model_dir / "big.txt"
+    path.write_text("\n\n".join([text] * 200), encoding="utf-8")
+    read = [0]
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        for doc in documents(*args, **kwargs):
+            read[0] += len(doc) + 1  # and its EOS
+            yield doc
+
+    documents = hf.documents
+    monkeypatch.setattr(hf, "documents", counted)
+    task = _task(model_dir, data=str(path), seq=64, shuffle_buffer=32, val_fraction=0.0)
+    read[0] = 0
+    ahead, step = [], 0
+    while read[0] < path.stat().st_size * 0.95:
+        task.batch(step, 8)
+        ahead.append(read[0] - (step + 1) * 8 * 64)
+        step += 1
+    bound = 2 * 64 * 400 + 32 * 64 + 64
+    assert step > 1000 and 0 < max(ahead) < bound < path.stat().st_size / 4, (max(ahead), bound, step)
 
 
 def test_bad_options_are_named_and_documented_in_help(model_dir: Path) -> None:
     tiny, data = str(model_dir / "tiny"), str(model_dir / "data.txt")
-    with pytest.raises(ValueError, match="data file nowhere.txt does not exist"):
+    with pytest.raises(ValueError, match="data nowhere.txt does not exist"):
         check_options(model=tiny, data="nowhere.txt")
     with pytest.raises(ValueError, match="seq must be an integer >= 2"):
         check_options(model=tiny, data=data, seq=1)
@@ -102,7 +136,7 @@ def test_bad_options_are_named_and_documented_in_help(model_dir: Path) -> None:
     (bad / "model.safetensors").write_bytes((2**60).to_bytes(8, "little") + b"{}")
     with pytest.raises(ValueError, match=r"model.safetensors is not a valid safetensors file \(.*header too large"):
         check_options(model=str(bad), data=data)
-    with pytest.raises(ValueError, match="fewer than a window"):
+    with pytest.raises(ValueError, match="fewer tokens than a window of seq=10000"):
         _task(model_dir, seq=10_000)
     text = options_help()
     for name in ("seq (default 64)", "tokenizer (default None)", "dtype (default None)", "val_fraction"):
@@ -181,10 +215,37 @@ def test_readme_command_with_1f1b_and_eval_matches_the_model_on_the_held_out_dat
 
 
 @pytest.mark.timeout(300)
+def test_a_parquet_file_fine_tunes_from_the_command_line(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The data people hold: verses as records of a Parquet file, streamed into two ranks under 1F1B with a held-out
+    evaluation; the export loads in transformers with every tensor trained (a saved `datasets` folder: below)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    monkeypatch.chdir(model_dir)
+    verses = [line for line in TEXT.splitlines() if line.strip()]
+    pq.write_table(pa.table({"id": list(range(len(verses))), "verse": verses}), model_dir / "verses.parquet")
+    source = transformers.AutoModelForCausalLM.from_pretrained(model_dir / "tiny")
+    for data, tuned_dir in (("verses.parquet --task-option text_field=verse", "parquet-tuned"),):
+        out = _run(shlex.split(f"--task hf --task-option model=tiny --task-option data={data} --task-option seq=16 "
+                               "--schedule 1f1b --ranks 2 --microbatches 2 --batch-size 4 --steps 2 --log-every 0 "
+                               f"--eval-every 2 --eval-batches 1 --no-tensorboard --save-pretrained {tuned_dir}"))
+        assert "1f1b on 2 ranks x 1 dp, 2 steps" in out and re.search(r"eval loss \d+\.\d+", out), out
+        tuned, info = transformers.AutoModelForCausalLM.from_pretrained(model_dir / tuned_dir,
+                                                                        output_loading_info=True)
+        assert not any(info.values()), info
+        moved = [rel(tuned.state_dict()[k], v) for k, v in source.state_dict().items()]
+        assert min(moved) > 0 and max(moved) < 0.5, (data, moved)
+
+
+@pytest.mark.timeout(300)
 def test_schedule_auto_merges_parts_and_the_export_names_them_as_the_model_does(
         model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a folder `datasets` saved, one verse a record and one record a padded window (pack=false)."""
+    datasets = pytest.importorskip("datasets")
     monkeypatch.chdir(model_dir)
-    out = _run(["--task", "hf", "--task-option", "model=tiny", "--task-option", "data=data.txt", "--task-option",
+    datasets.Dataset.from_dict({"text": [line for line in TEXT.splitlines() if line.strip()]}).save_to_disk("verses")
+    out = _run(["--task", "hf", "--task-option", "model=tiny", "--task-option", "data=verses", "--task-option",
+                "pack=false", "--task-option",
                 "seq=16", "--schedule", "auto", "--memory-limit", "1GiB", "--ranks", "2", "--microbatches", "2",
                 "--batch-size", "4", "--steps", "2", "--log-every", "0", "--no-tensorboard",
                 "--save-pretrained", "auto-tuned"])
@@ -204,9 +265,13 @@ def test_profile_and_plan_take_a_hugging_face_model(model_dir: Path, monkeypatch
     hf = ["profile", "--task", "hf", "--task-option", "model=tiny", "--task-option", "data=data.txt", "--task-option",
           "seq=16", "--microbatch", "2", "--repeats", "1"]
     assert main([*hf, "--parts", "4", "-o", "hf.json"]) == 0, capsys.readouterr().err
+    assert "tensor-parallel degrees the plan can shard: 2;" in capsys.readouterr().out  # 2 KV heads: not 4
     profile = load_profile(model_dir / "hf.json")
     assert profile.num_parts == 4 and profile.parts[0].param_bytes > profile.parts[1].param_bytes  # + embedding
+    assert profile.tp_degrees == (2,) and all(p.tp is not None and p.tp.forward_collectives > 0 for p in profile.parts)
     assert main(["plan", "--profile", "hf.json", "-p", "2", "--batch", "8", "--memory", "1GiB"]) == 0
+    assert "best: " in capsys.readouterr().out
+    assert main(["plan", "--profile", "hf.json", "-p", "2", "--tp", "2", "--batch", "8", "--memory", "1GiB"]) == 0
     assert "best: " in capsys.readouterr().out
     assert main([*hf, "--parts", "5", "-o", "hf5.json"]) == 2
     assert "tiny has 4 decoder layers: fewer than --parts 5" in capsys.readouterr().err
@@ -236,17 +301,3 @@ def test_an_moe_model_trains_with_expert_parallelism_and_loads_back(model_dir: P
     experts = [rel(tuned.state_dict()[k][e], v[e]) for k, v in source.state_dict().items() if "experts" in k
                for e in range(v.shape[0])]
     assert len(experts) == 4 * 2 * 4 and min(experts) > 0, experts  # 4 layers x (gate_up, down) x 4 experts
-
-
-def test_an_empty_data_file_and_a_tokenizer_beyond_the_vocabulary_are_named(model_dir: Path) -> None:
-    """Both found when the task is built (before any process starts), not as an empty stream or an index error in
-    a rank's embedding."""
-    (model_dir / "empty.txt").write_text("\n\n  \n", encoding="utf-8")
-    with pytest.raises(ValueError, match=r"task hf: data file .*empty.txt holds no text"):
-        hf_task(model=str(model_dir / "tiny"), data=str(model_dir / "empty.txt"))
-    wide = "".join(chr(0x4E00 + i) for i in range(VOCAB + 8))  # more characters than the model has rows
-    eos_tokenizer(wide).save_pretrained(model_dir / "wide")
-    (model_dir / "wide.txt").write_text(wide, encoding="utf-8")
-    with pytest.raises(ValueError, match=rf"the tokenizer in .*wide gives token id {VOCAB + 9}, but the model in "
-                                         rf".*tiny has a vocabulary of {VOCAB}"):
-        hf_task(model=str(model_dir / "tiny"), data=str(model_dir / "wide.txt"), tokenizer=str(model_dir / "wide"))

@@ -88,7 +88,7 @@ def test_verify_checks_every_file_without_loading(tmp_path: Path) -> None:
     (tmp_path / "a" / ".metadata").write_bytes(b"\x80\x04junk")
     problems, _ = verify_checkpoint(str(tmp_path / "a"))
     assert problems[0].startswith(".metadata has") and "__0_0.distcp differs" in problems[1]
-    assert "incomplete or corrupt (.metadata" in problems[2]
+    assert len(problems) == 2, problems  # a .metadata that is not the one saved is never unpickled
     (tmp_path / "a" / MANIFEST_FILE).unlink()
     assert "has no manifest.json" in verify_checkpoint(str(tmp_path / "a"))[0][0]
     with pytest.raises(CheckpointError, match="is not a checkpoint folder"):

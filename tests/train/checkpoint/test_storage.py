@@ -8,12 +8,18 @@ import pickle
 from pathlib import Path
 
 import pytest
-from _checkpoint_faults import RunsCommand, craft, metadata_of, point_outside, remanifest, small_checkpoint
+from _checkpoint_faults import DEEP_KEY, RunsCommand, craft, metadata_of, point_outside, remanifest, small_checkpoint
 from torch.distributed.checkpoint.metadata import Metadata
 
 from duplexpipe.errors import CheckpointError
 from duplexpipe.train.checkpoint import read_checkpoint
-from duplexpipe.train.checkpoint.storage import ALLOWED_CLASSES, MAX_METADATA_BYTES, read_metadata_file
+from duplexpipe.train.checkpoint.storage import (
+    ALLOWED_CLASSES,
+    MAX_METADATA_BYTES,
+    MAX_METADATA_NESTING,
+    pickle_nesting,
+    read_metadata_file,
+)
 
 
 @pytest.fixture
@@ -95,3 +101,13 @@ def test_the_admitted_classes_are_checkpoint_metadata_and_plain_containers_only(
                        "torch.serialization", "collections", "pathlib"}
     assert ("torch.serialization", "load") not in ALLOWED_CLASSES and ("torch", "load") not in ALLOWED_CLASSES
     assert metadata_of  # the helper reads the test's own files only
+
+
+def test_nesting_is_bounded_before_anything_is_unpickled(saved: Path) -> None:
+    assert pickle_nesting((saved / ".metadata").read_bytes(), MAX_METADATA_NESTING) <= 12  # DCP's own
+    assert pickle_nesting(pickle.dumps([((1,),)] * 3), 64) == 4  # the list, 2 tuples, and the pickle's STOP
+    assert pickle_nesting(DEEP_KEY, 64) == 65  # the walk stops past the limit
+    (saved / ".metadata").write_bytes(DEEP_KEY)
+    remanifest(saved)  # as whoever crafted it would
+    with pytest.raises(CheckpointError, match=f"checkpoint {saved}: its .metadata nests objects more than 64 deep"):
+        read_checkpoint(str(saved))
