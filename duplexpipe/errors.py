@@ -91,6 +91,11 @@ class NonFiniteGradientError(FloatingPointError):
     rank before the optimizer step, naming the step and the first stage and parameter that held one."""
 
 
+class EveryStepSkipped(FloatingPointError):
+    """Every optimizer step of a training run was skipped (its gradients held NaN or inf each time: a NaN weight or
+    input, or fp16 loss scaling that cannot find a finite scale): the run trained nothing and exits non-zero."""
+
+
 class CheckpointError(ValueError):
     """A checkpoint could not be read or written: not a checkpoint, incomplete, corrupt, changed since it was saved,
     unsafe to load, or a file operation failed (the message names the file and the cause)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,8 +20,10 @@ _SEPARATORS = ("/", "\\", "\0")
 def read_capped(path: str | os.PathLike[str], limit: int, what: str,
                 error: type[ValueError] = ValueError) -> bytes:
     """The bytes of `path`, refused with `error` naming the file, its size and `limit` before more than `limit`
-    bytes are read (a device or a pipe whose size the file system does not know is cut off at the limit too).
-    OSError passes unchanged (its message names the file)."""
+    bytes are read (a file whose size the file system does not know, as in /proc, is cut off at the limit too); a
+    FIFO, a device or a socket is refused unopened (`require_regular`). OSError passes unchanged (its message names
+    the file)."""
+    require_regular(path, what, error)
     with open(path, "rb") as fh:
         size = os.fstat(fh.fileno()).st_size
         if size > limit:
@@ -40,6 +43,17 @@ def read_capped_text(path: str | os.PathLike[str], limit: int, what: str,
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise error(f"{what} {path} is not a text file (not UTF-8: {exc})") from None
+
+
+def require_regular(path: str | os.PathLike[str], what: str, error: type[ValueError] = ValueError) -> None:
+    """`error` naming `path` unless it is a regular file (after links): a FIFO would block the open until a writer
+    comes, a device may never end; checked with os.stat, before anything opens it. OSError passes unchanged."""
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        kind = ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
+                "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else
+                "not a file")
+        raise error(f"{what} {path} is {kind}, not a regular file; refused without opening it")
 
 
 def plain_name(name: object, where: str, error: type[ValueError] = ValueError) -> str:

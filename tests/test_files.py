@@ -25,10 +25,21 @@ def test_files_within_the_limit_are_read_and_larger_ones_refused_naming_both_siz
 
 
 def test_a_file_of_unknown_size_is_cut_off_at_the_limit(tmp_path: Path) -> None:
-    if not os.path.exists("/dev/zero"):
-        pytest.skip("no /dev/zero")
-    with pytest.raises(ValueError, match="/dev/zero holds more than 1 KiB, the limit for a config file"):
-        read_capped("/dev/zero", 1024, "config file")
+    if not os.path.exists("/proc/self/maps"):
+        pytest.skip("no /proc")
+    assert os.stat("/proc/self/maps").st_size == 0  # the file system does not know its size
+    with pytest.raises(ValueError, match="/proc/self/maps holds more than 64 B, the limit for a config file"):
+        read_capped("/proc/self/maps", 64, "config file")
+
+
+def test_fifos_and_devices_are_refused_unopened(tmp_path: Path) -> None:
+    fifo = tmp_path / "schedule.json"
+    os.mkfifo(fifo)  # opening it to read would wait for a writer forever
+    with pytest.raises(ScheduleError, match=r"schedule file .*schedule.json is a FIFO, not a regular file"):
+        read_capped(fifo, 1024, "schedule file", ScheduleError)
+    if os.path.exists("/dev/zero"):
+        with pytest.raises(ValueError, match="config file /dev/zero is a device, not a regular file"):
+            read_capped("/dev/zero", 1024, "config file")
 
 
 def test_text_must_be_utf8(tmp_path: Path) -> None:

@@ -200,10 +200,10 @@ def parse_stage_costs(items: Sequence[str], base: CostModel) -> dict[int, tuple[
 def check_size(name: str, ranks: int, microbatches: int, options: dict[str, Any]) -> None:
     """Refuse, before building or reading its actions, a schedule above MAX_WORK."""
     chunks = options.get("chunks")
-    factor = chunks if isinstance(chunks, int) and not isinstance(chunks, bool) and chunks > 1 else 1
-    work = ranks * microbatches * factor
+    factor = chunks if isinstance(chunks, (int, float)) and not isinstance(chunks, bool) and chunks > 1 else 1
+    work = ranks * microbatches * factor  # a float chunks (1e8) counts too: the generator refuses it later
     if work > MAX_WORK:
-        what = f"P x M{' x chunks' if factor > 1 else ''} = {work:,}"
+        what = f"P x M{' x chunks' if factor > 1 else ''} = {work:,.0f}"
         raise CliError(f"{name} with P={ranks} M={microbatches}: {what} is over the command line's limit of "
                        f"{MAX_WORK:,} (time and memory grow with it, about 4 KB per unit); use fewer ranks or "
                        "microbatches, or the Python API")

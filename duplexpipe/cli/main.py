@@ -57,6 +57,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("duplexpipe: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:
+        if not _interrupted(exc):
+            raise
+        print("duplexpipe: interrupted", file=sys.stderr)  # Ctrl-C, then a failure while cleaning up after it
+        return 130
+
+
+def _interrupted(exc: BaseException) -> bool:
+    """True when `exc` was raised while handling a KeyboardInterrupt (its context or cause, at any depth)."""
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        if isinstance(link, KeyboardInterrupt):
+            return True
+        seen.add(id(link))
+        link = link.__cause__ or link.__context__
+    return False
 
 
 if __name__ == "__main__":

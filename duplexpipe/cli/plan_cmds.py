@@ -13,6 +13,10 @@ from duplexpipe.cli.args import command
 from duplexpipe.planner.profile import load_profile, save_profile
 from duplexpipe.sizes import format_bytes, parse_bytes
 
+MAX_EVICT_BYTES = 4 * 2**30
+"""Most bytes `profile --evict` writes before each timed pass (4 GiB): caches hold megabytes, so a larger figure
+evicts nothing more and only takes the memory."""
+
 
 def add_parsers(sub: Any) -> None:
     """Add `plan` and `profile` to the `duplexpipe` subcommands (no torch needed to parse them)."""
@@ -76,7 +80,7 @@ def _add_profile_parser(sub: Any) -> None:
                     "microbatches = 4)")
     pr.add_argument("--repeats", type=_integer("repeats"), default=3,
                     help="measured runs per part (the fastest counts)")
-    pr.add_argument("--evict", type=_size("evict"), default=None, metavar="SIZE",
+    pr.add_argument("--evict", type=_size("--evict", MAX_EVICT_BYTES), default=None, metavar="SIZE",
                     help="write SIZE bytes before each timed pass, so caches are cold as in a pipeline (e.g. the "
                     "activations one microbatch keeps through the model; default 0: warm; with --calibrate, what "
                     "schedule='auto' takes: the bytes one microbatch keeps, at least twice the L2 cache)")
@@ -174,12 +178,15 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(item.strip() for item in text.split(",") if item.strip())
 
 
-def _size(name: str) -> Any:
+def _size(name: str, most: int | None = None) -> Any:
     def convert(text: str) -> int:
         try:
-            return parse_bytes(text)
+            value = parse_bytes(text)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
+        if most is not None and value > most:
+            raise argparse.ArgumentTypeError(f"{text} is over the limit of {most // 2**30} GiB ({most:,} bytes)")
+        return value
     return convert
 
 

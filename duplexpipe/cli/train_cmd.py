@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from duplexpipe.cli import help as docs
-from duplexpipe.cli.args import CliError, Parser, load_schedule
+from duplexpipe.cli.args import CliError, Parser, check_size, load_schedule
 from duplexpipe.launch.folder_lock import hold_folders, job_folders
 from duplexpipe.launch.train_config import DEFAULT_TASK, HF_TASK, TrainConfig
 
@@ -136,6 +136,12 @@ def _schedule_file(path: str, ranks: int | None, microbatches: int | None, optio
 def _check_without_torch(config: TrainConfig) -> None:
     """The schedule with its ranks and microbatches, and the task file's existence: found before the task is built
     (the checks after these build it)."""
+    from duplexpipe.train.pipeline_config import is_schedule_file
+
+    microbatches = config.pipeline.num_microbatches
+    if config.pipeline.schedule != "auto" and not is_schedule_file(config.pipeline.schedule):
+        check_size(str(config.pipeline.schedule), config.ranks, microbatches or 1,
+                   dict(config.pipeline.schedule_options or {}))
     if config.pipeline.schedule != "auto":
         config.schedule_object()
     target, sep, name = config.task.rpartition(":")

@@ -34,7 +34,10 @@ def local_slice(value: Any, index: int, parts: int) -> Any:
     """Replica `index`'s share of a global batch split into `parts` equal shares (the batch itself for one)."""
     if parts == 1 or value is None:
         return value
-    size = batch_rows(value) // parts
+    size, left = divmod(batch_rows(value), parts)
+    if left:
+        raise ValueError(f"a batch of {batch_rows(value)} samples does not split into {parts} equal data-parallel "
+                         "shares: the task's batch must hold batch_size samples, a multiple of dp")
     return rows_of(value, index * size, (index + 1) * size)
 
 

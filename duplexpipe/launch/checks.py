@@ -22,6 +22,7 @@ from duplexpipe.launch.train_loop import (
     make_optimizer,
     task_tp_plan,
 )
+from duplexpipe.moe.balance import moe_layers
 from duplexpipe.parallel.compressed import check_dgc_momentum
 from duplexpipe.parallel.zero_config import check_hpz
 from duplexpipe.tp.plans import check_plan
@@ -53,12 +54,33 @@ def check_training(config: TrainConfig) -> None:
         raise ValueError(f"--eval-every {config.metrics.eval_every}: task {config.task!r} holds out no data (its "
                          "TrainTask has no eval_batch)")
     if task.pretrained is not None:
-        _check_pretrained(config, task, schedule.num_groups if schedule is not None else None)
+        parts = _check_pretrained(config, task, schedule.num_groups if schedule is not None else None)
+        _check_supported(config, task, any(moe_layers(part) for part in parts))
     elif schedule is not None and len(task.layers) < schedule.num_groups:
         raise ValueError(f"task {config.task!r} has {len(task.layers)} layers, but schedule "
                          f"{config.pipeline.schedule!r} on {config.ranks} ranks runs {schedule.num_groups} model parts "
                          "of at least one layer each; use fewer ranks, another schedule or a deeper model")
+    if task.pretrained is None:
+        _check_supported(config, task, any(moe_layers(layer) for layer in task.layers))
     _check_tensor_parallel(config, task)
+
+
+def _check_supported(config: TrainConfig, task: TrainTask, has_experts: bool) -> None:
+    """Settings the task's model cannot use: expert parallelism without MoE layers, and the checkpoints ZeRO cannot
+    write yet (ZeRO-1 under tensor parallelism, ZeRO with MoE experts), refused before training rather than at the
+    first save."""
+    if config.ep > 1 and not has_experts:
+        raise ValueError(f"--ep {config.ep}: task {config.task!r} has no MoE layers (expert parallelism spreads MoE "
+                         "experts over the replicas); leave out --ep")
+    zero = config.pipeline.data_parallel.zero_stage or 0
+    if not config.checkpoint.save or not zero or config.dp == 1:
+        return
+    if zero == 1 and config.tp > 1:
+        raise ValueError(f"--save with ZeRO-1 under tensor parallelism (--tp {config.tp}): its checkpoints are not "
+                         "supported yet; save with --zero-stage 0 or 2")
+    if has_experts:
+        raise ValueError(f"--save with --zero-stage {zero} and MoE experts: its checkpoints are not supported yet; "
+                         "save with --zero-stage 0")
 
 
 def _check_tensor_parallel(config: TrainConfig, task: TrainTask) -> None:
@@ -73,7 +95,7 @@ def _check_tensor_parallel(config: TrainConfig, task: TrainTask) -> None:
     check_plan([nn.Sequential(OrderedDict(named))], plan, config.tp)
 
 
-def _check_pretrained(config: TrainConfig, task: TrainTask, num_parts: int | None) -> None:
+def _check_pretrained(config: TrainConfig, task: TrainTask, num_parts: int | None) -> list[nn.Module]:
     """A Hugging Face model directory opened as every rank will open it (config, tensor names and shapes, on the
     meta device) and cut into the schedule's parts with the experts spread over `ep`: a missing tensor, too few
     layers or experts that ep does not divide are found here."""
@@ -85,7 +107,7 @@ def _check_pretrained(config: TrainConfig, task: TrainTask, num_parts: int | Non
         raise ValueError(f"{task.pretrained} has {source.num_layers} decoder layers, but schedule "
                          f"{config.pipeline.schedule!r} on {config.ranks} ranks runs {num_parts} model parts of at "
                          "least one layer each; use fewer ranks or another schedule")
-    source.parts(num_parts or 1, experts=(0, config.ep), bias_update_speed=task.router_bias_update_speed)
+    return list(source.parts(num_parts or 1, experts=(0, config.ep), bias_update_speed=task.router_bias_update_speed))
 
 
 def _built(config: TrainConfig) -> TrainTask:

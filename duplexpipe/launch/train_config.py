@@ -33,6 +33,13 @@ DEFAULT_RUN_MICROBATCHES = 8
 """The microbatches of a run that names none (the pipeline's own default is `DEFAULT_MICROBATCHES`)."""
 BATCH_CHECKS = ("first", "every", "never")
 """`batch_check` values: compare the batch's fingerprint across ranks on a run's first step, on every step, never."""
+MAX_BATCH_SIZE = 2**20
+"""Most samples a step's batch may hold (`batch_size`): a larger one is a typo that would build the batch until memory
+runs out; a run that needs more samples per optimizer step accumulates (`accumulation_steps`)."""
+MAX_EVAL_BATCHES = 10_000
+"""Most held-out batches one evaluation runs (`eval_batches`)."""
+MAX_SEED = 2**63 - 1
+"""Largest seed (torch's generators take a signed 64-bit seed)."""
 CHOICES: Mapping[str, tuple[Any, ...]] = MappingProxyType({
     "optimizer.name": OPTIMIZERS, "optimizer.lr_schedule": LR_SCHEDULES, "pipeline.precision.dtype": PRECISIONS,
     "balance": BALANCES, "pipeline.data_parallel.zero_stage": ZERO_STAGES,
@@ -70,6 +77,9 @@ class OptimizerConfig:
             if getattr(self, name) not in choices:
                 raise ValueError(f"optimizer {name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
         _at_least("warmup", self.warmup, 0)
+        for name in ("lr", "weight_decay"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"optimizer {name} must be a finite number, got {getattr(self, name)}")
         if not self.lr > 0 or self.weight_decay < 0 or not 0 <= self.momentum < 1:
             raise ValueError(f"need lr > 0, weight_decay >= 0 and 0 <= momentum < 1, got lr={self.lr}, "
                              f"weight_decay={self.weight_decay}, momentum={self.momentum}")
@@ -129,6 +139,9 @@ class MetricsConfig:
         for name in ("log_every", "eval_every", "timeline_every"):
             _at_least(name, getattr(self, name), 0)
         _at_least("eval_batches", self.eval_batches, 1)
+        if self.eval_batches > MAX_EVAL_BATCHES:
+            raise ValueError(f"eval_batches must be <= {MAX_EVAL_BATCHES:,} (each evaluation runs them all), got "
+                             f"{self.eval_batches:,}")
         if self.profile_steps is not None:
             profile_range(self.profile_steps)
             if self.out_dir is None:
@@ -230,6 +243,15 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name in ("ranks", "dp", "ep", "tp", "steps", "batch_size"):
             _at_least(name, getattr(self, name), 1)
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be in 0..{MAX_SEED} (2**63 - 1, torch's generators take a signed 64-bit "
+                             f"seed), got {self.seed}")
+        if self.batch_size > MAX_BATCH_SIZE:
+            raise ValueError(f"batch_size must be <= {MAX_BATCH_SIZE:,} samples per step, got {self.batch_size:,}; "
+                             "to train on more samples per optimizer step use accumulation_steps")
+        if self.batch_size % self.dp:
+            raise ValueError(f"batch_size {self.batch_size} is not divisible by dp={self.dp}: every replica trains an "
+                             f"equal share of each batch; use a batch_size that is a multiple of {self.dp}")
         if self.dp % self.ep:
             raise ValueError(f"ep={self.ep} must divide dp={self.dp} (experts are spread over ep of the dp replicas)")
         self.task = TASK_ALIASES.get(self.task, self.task)

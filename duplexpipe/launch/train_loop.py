@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import hashlib
 import importlib
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from duplexpipe.errors import CheckpointError, InputRejected
+from duplexpipe.errors import CheckpointError, EveryStepSkipped, InputRejected
 from duplexpipe.files import write_atomic
 from duplexpipe.launch.batches import batch_rows, evaluate_batches, local_slice, rows_of
 from duplexpipe.launch.checkpoints import LATEST, checkpoint_to_load, discard_partial, publish, resume_from, step_name
@@ -133,6 +134,8 @@ def load_task(spec: str, *, annotated: bool = False) -> Callable[..., TrainTask]
     target, sep, name = spec.rpartition(":")
     if not sep or not target or not name:
         raise ValueError(f"task {spec!r} must look like 'path/to/file.py:function' or 'module:function'")
+    if annotated:
+        _check_declared(target, name, spec)  # from its source: nothing of the module runs before this holds
     if target.endswith(".py"):
         module = _load_file(target, spec)
     else:
@@ -153,6 +156,33 @@ def load_task(spec: str, *, annotated: bool = False) -> Callable[..., TrainTask]
                          "config file may only name task functions declared to return a TrainTask (annotate it, or "
                          "name it with --task on the command line)")
     return fn  # type: ignore[no-any-return]
+
+
+def _check_declared(target: str, name: str, spec: str) -> None:
+    """ValueError unless the source of `target` (a task file, or a module found without importing it) defines a
+    top-level function `name` annotated `-> TrainTask`: a config file's task is refused before its module runs."""
+    refused = (f"task {spec!r} comes from a config file, but {target} does not define a function {name} annotated "
+               "'-> TrainTask'; a config file may only name task functions declared to return a TrainTask (annotate "
+               "it, or name it with --task on the command line); refused without importing {target}")
+    if target.endswith(".py"):
+        origin: str | None = target
+    else:
+        try:
+            found = importlib.util.find_spec(target)  # imports the parent packages of a dotted name, not the module
+        except (ImportError, ValueError):
+            found = None
+        origin = found.origin if found is not None else None
+    if origin is None or not origin.endswith(".py") or not Path(origin).is_file():
+        raise ValueError(refused.replace("{target}", target))
+    try:
+        tree = ast.parse(Path(origin).read_text(encoding="utf-8"), filename=origin)
+    except (OSError, SyntaxError, UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"task {spec!r}: cannot read {origin} ({type(exc).__name__}: {exc})") from None
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == name and node.returns is not None:
+            if ast.unparse(node.returns).strip("'\" ").rsplit(".", 1)[-1] == TrainTask.__name__:
+                return
+    raise ValueError(refused.replace("{target}", target))
 
 
 def _returns_task(fn: Callable[..., Any]) -> bool:
@@ -309,6 +339,7 @@ def _prepare(config: TrainConfig) -> tuple[TrainTask, Pipeline]:
     if checkpoint is not None:
         with warnings.catch_warnings(record=dist.get_rank() == 0) as caught:  # rank 0 reports them, one line each
             pipe.load(checkpoint)
+        check_resumed_optimizer(pipe.optimizer, config, checkpoint)
         if dist.get_rank() == 0:
             print(f"resuming from step {steps_done(pipe)} of {checkpoint}", flush=True)
             for warning in caught or ():  # a layout change (what it reset), a checkpoint without a manifest, ...
@@ -316,6 +347,24 @@ def _prepare(config: TrainConfig) -> tuple[TrainTask, Pipeline]:
     if steps_done(pipe) >= config.steps:
         raise ValueError(f"the checkpoint is at step {steps_done(pipe)}; --steps {config.steps} leaves nothing to do")
     return task, pipe
+
+
+def check_resumed_optimizer(optimizer: torch.optim.Optimizer, config: TrainConfig, checkpoint: Any) -> None:
+    """ValueError when `config`'s optimizer settings differ from those a resumed optimizer took over from its
+    checkpoint (its param groups' lr, weight decay and momentum win): a run that records --lr 0.5 while it trains
+    with the checkpoint's lr is refused rather than silently mislabelled."""
+    opt = config.optimizer
+    group = optimizer.param_groups[0] if optimizer.param_groups else {}
+    wanted = {"lr": ("initial_lr" if "initial_lr" in group else "lr", opt.lr, "--lr"),
+              "weight_decay": ("weight_decay", opt.weight_decay, "--weight-decay")}
+    if opt.name == "sgd":
+        wanted["momentum"] = ("momentum", opt.momentum, "--momentum")
+    for key, given, flag in wanted.values():
+        saved = group.get(key)
+        if isinstance(saved, (int, float)) and not math.isclose(saved, given, rel_tol=1e-9, abs_tol=0.0):
+            raise ValueError(f"{flag} {given:g}, but the checkpoint {checkpoint} was trained with {saved:g}: a resumed "
+                             f"run continues with the checkpoint's optimizer settings, so {flag} is not applied; give "
+                             f"{flag} {saved:g} (or start a fresh run with --resume none)")
 
 
 def steps_done(pipe: Pipeline) -> int:
@@ -387,6 +436,7 @@ def _loop(pipe: Pipeline, task: TrainTask, config: TrainConfig, start: int, metr
     profiler = StepProfiler(metrics_cfg.profile_steps, metrics_cfg.out_dir, dist.get_rank())
     began = time.perf_counter()
     items, busy = 0, 0.0  # after the first step: items trained and seconds spent fetching + stepping
+    applied, skipped = 0, 0  # optimizer steps this run took, and skipped
     for step in range(start, config.steps):
         compiling.step = step + 1
         tick = time.perf_counter()
@@ -406,6 +456,8 @@ def _loop(pipe: Pipeline, task: TrainTask, config: TrainConfig, start: int, metr
             items, busy = items + step_items, busy + (now - tick)
         values = _step_values(pipe, config, step + 1, lead,
                               {"loss": loss, "lr": lr, "items_per_s": step_items / (now - tick)})
+        if pipe.last is not None:
+            applied, skipped = applied + pipe.last.applied, skipped + pipe.last.skipped
         if config.metrics.eval_every and ((step + 1) % config.metrics.eval_every == 0 or step + 1 == config.steps):
             assert task.eval_batch is not None  # _prepare checked it
             values["eval_loss"] = evaluate_batches(pipe, task.eval_batch, config.batch_size, metrics_cfg.eval_batches)
@@ -422,6 +474,10 @@ def _loop(pipe: Pipeline, task: TrainTask, config: TrainConfig, start: int, metr
     end = time.perf_counter()
     if bar is not None:
         bar.close()
+    if skipped and not applied:
+        raise EveryStepSkipped(f"every optimizer step of steps {start + 1}-{config.steps} was skipped: the gradients "
+                               "held NaN or inf each time, so nothing was trained; check the weights and the inputs "
+                               "for NaN or inf (and under fp16 the loss scale settings)")
     return losses, evals, items / busy if busy else 0.0, end - began
 
 
@@ -443,9 +499,10 @@ def _step_values(pipe: Pipeline, config: TrainConfig, step: int, lead: bool, val
         values["peak_memory_bytes"] = pipe.last.memory.total_peak
     if pipe.last is not None and pipe.last.skipped:  # NaN/inf gradients (fp16 overflow or nonfinite_grads "skip")
         values["skipped"] = True
-        if lead and config.pipeline.precision.dtype != "fp16":
+        if lead:
+            scale = f", fp16 loss scale now {pipe.scaler.scale:g}" if pipe.scaler.enabled else ""
             print(f"step {step}/{config.steps} skipped: its gradients held NaN or inf (norm "
-                  f"{pipe.last.grad_norm}); {pipe.skipped_steps} skipped so far", flush=True)
+                  f"{pipe.last.grad_norm}{scale}); {pipe.skipped_steps} skipped so far", flush=True)
     return values
 
 

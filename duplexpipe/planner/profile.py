@@ -19,6 +19,11 @@ MAX_PROFILE_FILE_BYTES = 64 * 2**20
 
 TP_DEGREES_CHECKED = 64
 """The largest tensor-parallel degree a profile records as possible (`Profile.tp_degrees`)."""
+MAX_PART_SECONDS = 86_400
+"""Longest time a profile may give one action of one part on one microbatch (a day): the planner sums these over
+microbatches, stages and candidates, and a larger figure is a crafted or broken profile."""
+MAX_PART_BYTES = 2**60
+"""Most bytes a profile may give one part (1 EiB), for the same reason."""
 
 
 @dataclass(frozen=True)
@@ -359,6 +364,10 @@ def _part(data: Any, where: str) -> PartProfile:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise ProfileError(f"{where}: field {f.name!r} must be a finite number >= 0, got {value!r}")
+        limit, unit = (MAX_PART_BYTES, "bytes") if f.name.endswith("_bytes") else (MAX_PART_SECONDS, "seconds")
+        if value > limit:
+            raise ProfileError(f"{where}: field {f.name!r} is {value!r}, over {limit:,} {unit}; the planner's sums "
+                               "of such costs overflow (a profile measures one part on one microbatch)")
         if f.name.endswith("_bytes") and value != int(value):
             raise ProfileError(f"{where}: field {f.name!r} must be a whole number of bytes, got {value!r}")
         values[f.name] = int(value) if f.name.endswith("_bytes") else float(value)

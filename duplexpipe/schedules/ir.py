@@ -11,7 +11,7 @@ from functools import cached_property
 from typing import Any, Iterable, Iterator, Sequence
 
 from duplexpipe.errors import ScheduleError
-from duplexpipe.files import read_capped_text
+from duplexpipe.files import read_capped_text, require_regular
 
 JSON_FORMAT = "duplexpipe-schedule"
 JSON_VERSION = 1
@@ -389,6 +389,7 @@ def json_header(path: str) -> tuple[int | None, int | None]:
     """(num_ranks, num_microbatches) as a schedule JSON file states them before its actions (`save_json` writes
     them first), read from its first 64 KiB without parsing the rest; None for one not found there."""
     try:
+        require_regular(path, "schedule file", ScheduleError)
         with open(path, encoding="utf-8", errors="replace") as fh:
             head = fh.read(_HEADER_BYTES)
     except OSError as exc:

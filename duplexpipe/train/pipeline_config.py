@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
@@ -57,6 +58,9 @@ DEFAULT_MICROBATCHES = 4
 """num_microbatches when it is left unset (None) and schedule is not "auto"."""
 SCHEDULE_FILES = (".json", ".csv")
 """A `schedule` ending so is a schedule file: duplexpipe's JSON or torch.distributed.pipelining's CSV."""
+MAX_TIMEOUT_S = 7 * 24 * 3600
+"""Longest bound on one wait (`SafetyConfig.timeout_s`, `compile_timeout_s`): a week; longer is no bound at all (and
+torch's process-group timeouts overflow long before infinity)."""
 
 
 @documented
@@ -160,10 +164,12 @@ class SafetyConfig:
     "raise" (stop every rank; not with precision "fp16", whose overflow steps are routine)."""
 
     def __post_init__(self) -> None:
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
-        if not self.compile_timeout_s > 0:
-            raise ValueError(f"compile_timeout_s must be > 0, got {self.compile_timeout_s}")
+        for name in ("timeout_s", "compile_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value!r}")
+            if not value <= MAX_TIMEOUT_S:
+                raise ValueError(f"{name} must be at most {MAX_TIMEOUT_S:,} seconds (a week), got {value!r}")
         check_policy(self.nonfinite_sends, "SafetyConfig.nonfinite_sends")
         check_nonfinite_policy(self.nonfinite_grads)
 
@@ -294,10 +300,13 @@ class PipelineConfig:
             raise ValueError("SafetyConfig.nonfinite_sends='raise' with precision='fp16': dynamic loss scaling "
                              "overflows routinely and relies on inf/NaN gradients reaching its overflow check; "
                              "use nonfinite_sends='warn' with fp16")
-        if self.accumulation_steps < 1:
-            raise ValueError(f"accumulation_steps must be >= 1, got {self.accumulation_steps}")
-        if self.grad_clip_norm is not None and self.grad_clip_norm <= 0:
-            raise ValueError(f"grad_clip_norm must be > 0 or None, got {self.grad_clip_norm}")
+        steps = self.accumulation_steps
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise ValueError(f"accumulation_steps must be an int >= 1, got {steps!r}")
+        clip = self.grad_clip_norm
+        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float))
+                                 or not (math.isfinite(clip) and clip > 0)):
+            raise ValueError(f"grad_clip_norm must be a finite number > 0 or None (no clipping), got {clip!r}")
         dp = self.data_parallel
         compression = compression_options(dp.grad_compression)
         if dp.zero_stage is not None or self.schedule != AUTO:

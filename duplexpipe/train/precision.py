@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,10 @@ class LossScaleConfig:
     """The scale never backs off below this."""
 
     def __post_init__(self) -> None:
+        for name in ("init_scale", "growth_factor", "backoff_factor", "min_scale"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"LossScaleConfig.{name} must be a finite number, got {value!r}")
         if self.init_scale <= 0 or self.min_scale <= 0:
             raise ValueError(
                 f"init_scale and min_scale must be > 0, got {self.init_scale} and {self.min_scale}")
@@ -42,8 +47,9 @@ class LossScaleConfig:
                 f"need growth_factor >= 1 and 0 < backoff_factor < 1, got {self.growth_factor} "
                 f"and {self.backoff_factor}"
             )
-        if self.growth_interval < 1:
-            raise ValueError(f"growth_interval must be >= 1, got {self.growth_interval}")
+        if isinstance(self.growth_interval, bool) or not isinstance(self.growth_interval, int) \
+                or self.growth_interval < 1:
+            raise ValueError(f"growth_interval must be >= 1, got {self.growth_interval!r} (an int)")
 
 
 class DynamicLossScaler:

@@ -29,6 +29,26 @@ from duplexpipe.moe.layer import MoELayer
 log = logging.getLogger("duplexpipe.pretrained")
 MAX_CONFIG_BYTES = 16 * 2**20
 """Largest config.json read (16 MiB)."""
+MAX_LAYERS = 4096
+"""Most decoder layers a model's config may state (the deepest published models have about a hundred): a larger
+count is a crafted or broken config that would build layers until memory runs out."""
+SIZE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size",
+               "num_key_value_heads", "head_dim")
+"""Config fields (transformers' names, mapped for every family) that count something: whole numbers >= 1 when set."""
+
+
+def check_config_sizes(config: Any, root: Path) -> None:
+    """ValueError naming config.json's field when a size in it is not a whole number >= 1, or the layers are over
+    MAX_LAYERS: before any layer is built."""
+    for name in SIZE_FIELDS:
+        value = getattr(config, name, None)
+        if value is None and name in ("num_key_value_heads", "head_dim", "intermediate_size"):
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{root / 'config.json'}: {name} must be a whole number >= 1, got {value!r}")
+    if config.num_hidden_layers > MAX_LAYERS:
+        raise ValueError(f"{root / 'config.json'}: num_hidden_layers {config.num_hidden_layers:,} is over "
+                         f"{MAX_LAYERS:,} decoder layers; is this config.json the model's?")
 
 
 def _shown(names: Sequence[str]) -> str:
@@ -103,7 +123,11 @@ class PretrainedModel:
 
         root = Path(path)
         model_type = check_model_dir(root)
-        config = AutoConfig.from_pretrained(str(root))
+        try:
+            config = AutoConfig.from_pretrained(str(root))
+        except (ValueError, TypeError, ArithmeticError, KeyError) as exc:  # transformers' own checks of the fields
+            raise ValueError(f"{root / 'config.json'}: not a valid config ({type(exc).__name__}: {exc})") from None
+        check_config_sizes(config, root)
         files = stored_tensors(root)
         dtype = dtype or _config_dtype(config)
         with torch.device("meta"):
@@ -141,9 +165,13 @@ class PretrainedModel:
                         _shown(unexpected))
         for name, tensor in wanted.items():
             source = self._source(name)
+            where = source.file if isinstance(source, StoredTensor) else f"{source.file} ({source.name})"
             if source.shape != tuple(tensor.shape):
-                where = source.file if isinstance(source, StoredTensor) else f"{source.file} ({source.name})"
                 raise ValueError(f"{where}: {name} has shape {source.shape}, the config gives {tuple(tensor.shape)}")
+            stored = self.files[source.name].dtype if isinstance(source, FusedSlice) else source.dtype
+            if tensor.is_floating_point() and not stored.is_floating_point:
+                raise ValueError(f"{where}: {name} is stored as {stored}, but the model's {name} holds floating-point "
+                                 f"values ({tensor.dtype}); a weight file must hold it as a float")
 
     def _source(self, name: str) -> StoredTensor | FusedSlice:
         """Where the files hold the model's tensor `name`."""

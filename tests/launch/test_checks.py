@@ -116,7 +116,8 @@ def bad_layers(seed: int = 0) -> TrainTask:
     ("builtin", "task 'os:system': system is a builtin_function_or_method, not a task function"),
     ("class", "task 'subprocess:Popen': Popen is a type, not a task function"),
     ("file-builtin", "task 'os:system' comes from a config file|system is a builtin_function_or_method"),
-    ("file-unannotated", "comes from a config file, but unannotated is not annotated '-> TrainTask'"),
+    ("file-unannotated", "tasks.py does not define a function unannotated annotated '-> TrainTask'"),
+    ("file-imports", "does not define a function task annotated '-> TrainTask'; a config file may only name"),
     ("bad-layers", "TrainTask.layers must be an nn.Sequential or a list of nn.Module, got int"),
     ("small-batch", "batch_size 4 is smaller than microbatches x dp = 8 x 1"),
     ("huge-config", "over the 1 MiB limit for a config file"),
@@ -131,6 +132,7 @@ def test_a_task_or_config_that_would_run_something_else_is_refused_before_it_run
         "class": ["--task", "subprocess:Popen", "--task-option", f"args=['touch', '{marker}']"],
         "file-builtin": ["--config", str(config)],
         "file-unannotated": ["--config", str(config)],
+        "file-imports": ["--config", str(config)],
         "bad-layers": ["--task", f"{tasks}:bad_layers"],
         "small-batch": ["--batch-size", "4", "--microbatches", "8"],
         "huge-config": ["--config", str(config)],
@@ -139,6 +141,9 @@ def test_a_task_or_config_that_would_run_something_else_is_refused_before_it_run
         config.write_text(f'task = "os:system"\n[task_options]\ncommand = "touch {marker}"\n')
     elif case == "file-unannotated":
         config.write_text(f'task = "{tasks}:unannotated"\n')
+    elif case == "file-imports":  # a module that acts when imported: refused from its source, never imported
+        side = _task_file(tmp_path, "side", f"open({str(marker)!r}, 'w').close()\ndef task():\n    pass\n")
+        config.write_text(f'task = "{side}"\n')
     elif case == "huge-config":
         with open(config, "wb") as fh:
             fh.truncate(2 * 2**20)

@@ -266,3 +266,52 @@ def test_steps_count_optimizer_steps_and_a_layout_change_is_one_line(tmp_path: P
     assert lines[at + 1].startswith(f"warning: checkpoint {checkpoint} was saved with another layout ("), lines
     assert "Warning" not in resumed.stderr and ".py:" not in resumed.stderr, resumed.stderr
     assert [r["step"] for r in read_metrics(tmp_path / "out" / "metrics.jsonl")] == [1, 2, 3]
+
+
+NAN_WEIGHT_TASK = '''
+import torch
+from duplexpipe.launch.tasks.gpt import gpt_task
+from duplexpipe.launch.train_loop import TrainTask
+
+def task(seed: int = 0) -> TrainTask:
+    made = gpt_task(n_layer=1, d_model=8, n_head=2, block_size=8, seed=seed)
+    with torch.no_grad():
+        next(made.layers[0].parameters()).fill_(float("nan"))  # every gradient is NaN, every step skipped
+    return made
+'''
+
+
+def test_a_run_whose_every_step_is_skipped_says_so_and_exits_non_zero(tmp_path: Path) -> None:
+    """fp16 skips a NaN step whatever nonfinite_grads says: each skip prints its line, and a run that skipped them
+    all (it trained nothing) fails naming why (a process of its own: the ranks' own output is checked)."""
+    (tmp_path / "nan_task.py").write_text(NAN_WEIGHT_TASK)
+    argv = ["train", "--task", f"{tmp_path / 'nan_task.py'}:task", "--ranks", "1", "--schedule", "1f1b",
+            "--microbatches", "1", "--batch-size", "2", "--steps", "2", "--log-every", "0", "--no-tensorboard",
+            "--precision", "fp16", "--nonfinite-grads", "raise"]
+    done = subprocess.run([sys.executable, "-m", "duplexpipe.cli", *argv], capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert [line.split(":")[0] for line in done.stdout.splitlines() if "skipped" in line] == [
+        "step 1/2 skipped", "step 2/2 skipped"], done.stdout
+    assert "EveryStepSkipped: every optimizer step of steps 1-2 was skipped" in done.stderr.splitlines()[-1]
+    assert "Traceback" not in done.stderr, done.stderr
+
+
+def test_resuming_refuses_optimizer_settings_the_checkpoint_overrides() -> None:
+    """The checkpoint's lr (its param groups) is what a resumed optimizer uses: another --lr is refused, not
+    recorded while the checkpoint's trains; the same one passes."""
+    import torch
+
+    from duplexpipe.launch.train_config import OptimizerConfig, TrainConfig
+    from duplexpipe.launch.train_loop import check_resumed_optimizer
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.003, momentum=0.9, weight_decay=0.01)
+    torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5)  # the group's lr now differs from initial_lr
+    same = TrainConfig(optimizer=OptimizerConfig(name="sgd", lr=0.003, momentum=0.9, weight_decay=0.01))
+    check_resumed_optimizer(optimizer, same, "run/step-000002")
+    for flag, changed in (("--lr 0.5", {"lr": 0.5}), ("--momentum 0.5", {"momentum": 0.5}),
+                          ("--weight-decay 0", {"weight_decay": 0.0})):
+        config = TrainConfig(optimizer=OptimizerConfig(**{"name": "sgd", "lr": 0.003, "momentum": 0.9,
+                                                          "weight_decay": 0.01, **changed}))
+        with pytest.raises(ValueError, match=f"{flag}, but the checkpoint run/step-000002 was trained with"):
+            check_resumed_optimizer(optimizer, config, "run/step-000002")

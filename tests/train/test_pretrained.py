@@ -9,6 +9,7 @@ import pytest
 pytest.importorskip("transformers")
 
 import json  # noqa: E402
+import re  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -239,3 +240,42 @@ def test_bad_model_directories_are_named(tmp_path: Path, caplog: pytest.LogCaptu
     with pytest.raises(ValueError, match=r"model.layers.0.mlp.gate_proj.weight has shape \(64, 32\), the config gives "
                        r"\(32, 32\)"):
         PretrainedModel.open(tmp_path / "llama")
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("bool-weight", "model.layers.0.mlp.up_proj.weight is stored as torch.bool, but the model's"),
+    ("int64-weight", "model.layers.0.mlp.up_proj.weight is stored as torch.int64, but the model's"),
+    ("hidden_size=-64", "config.json: hidden_size must be a whole number >= 1, got -64"),
+    ("num_hidden_layers=1000000", "config.json: num_hidden_layers 1,000,000 is over 4,096 decoder layers"),
+    ("num_attention_heads=0", "config.json: not a valid config (ZeroDivisionError"),
+    ("shard-left-out", "does not match its config: 3 tensors missing"),
+    ("shard-missing", "model.safetensors.index.json names files that are not there"),
+])
+def test_crafted_model_folders_are_refused_naming_the_tensor_or_field(case: str, expected: str,
+                                                                      tmp_path: Path) -> None:
+    """A float weight stored as bool or integers, a config's impossible or enormous size, a shard left out of the
+    index or missing: refused when the folder is opened (before any layer is built or weight cast)."""
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path / "model"
+    model = tiny_llama(layers=2)
+    model.save_pretrained(root, max_shard_size="20KB" if case.startswith("shard") else "5GB")
+    if case.endswith("-weight"):
+        tensors = load_file(root / "model.safetensors")
+        name = "model.layers.0.mlp.up_proj.weight"
+        tensors[name] = (tensors[name] > 0).to(torch.bool if case.startswith("bool") else torch.int64)
+        save_file(tensors, str(root / "model.safetensors"), metadata={"format": "pt"})
+    elif "=" in case:
+        key, value = case.split("=")
+        config = json.loads((root / "config.json").read_text())
+        (root / "config.json").write_text(json.dumps({**config, key: int(value)}))
+    else:
+        index = json.loads((root / "model.safetensors.index.json").read_text())
+        files = sorted(set(index["weight_map"].values()))
+        if case == "shard-missing":
+            (root / files[-1]).unlink()
+        else:  # the first shard's tensors taken out of the index, its file still there
+            index["weight_map"] = {k: v for k, v in index["weight_map"].items() if v != files[0]}
+            (root / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        PretrainedModel.open(root)

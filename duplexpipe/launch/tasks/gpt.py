@@ -48,6 +48,10 @@ class GPTConfig:
     """MLP hidden width over d_model."""
 
     def __post_init__(self) -> None:
+        for name in ("vocab_size", "block_size", "d_model", "n_head", "n_layer", "mlp_ratio"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"gpt task option {name} must be an int >= 1, got {value!r}")
         if self.d_model % self.n_head:
             raise ValueError(f"d_model {self.d_model} is not a multiple of n_head {self.n_head}")
 
@@ -203,9 +207,15 @@ def gpt_task(n_layer: int = 4, d_model: int = 64, n_head: int = 4, block_size: i
              seed: int = 0) -> TrainTask:
     """The default task: a GPT over the bundled corpus with deterministic batches (`batch(step, size)`) from its
     train split and held-out ones (`eval_batch(index, size)`, for --eval-every) from its validation split."""
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
+        raise ValueError(f"gpt task option seed must be an int in 0..2**63 - 1, got {seed!r}")
     corpus = CharCorpus()
     cfg = GPTConfig(vocab_size=corpus.vocab_size, block_size=block_size, d_model=d_model,
                     n_head=n_head, n_layer=n_layer)
+    longest = min(len(corpus.train), len(corpus.val)) - 2  # a window and its next character fit in either split
+    if block_size > longest:
+        raise ValueError(f"gpt task option block_size must be <= {longest:,} (the corpus's held-out split), got "
+                         f"{block_size:,}")
     embedding, blocks, head = build_gpt(cfg, seed)
 
     def batch(step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
