@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "ActivationShapeError",
     "CheckpointError",
+    "EveryStepSkipped",
     "FolderInUseError",
     "HandshakeError",
     "InputRejected",

@@ -59,14 +59,29 @@ def _alive(pid: object) -> bool:
     return True
 
 
+def _stat_fields(pid: int) -> list[str] | None:
+    """The fields of /proc/`pid`/stat after the command name (Linux), None where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
+            return fh.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def process_start(pid: int) -> int | None:
     """When process `pid` started (Linux: clock ticks since boot, from /proc), None where unknown: with the process
     id it names one process, not a later one that reuses the id."""
+    fields = _stat_fields(pid)
     try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
-            return int(fh.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
+        return int(fields[19]) if fields is not None else None
+    except (ValueError, IndexError):
         return None
+
+
+def _ended(pid: int) -> bool:
+    """True when process `pid` has exited and only waits to be reaped (a zombie: its parent died before it)."""
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] in ("Z", "X")
 
 
 def _still_running(info: dict[str, Any]) -> list[int]:
@@ -75,7 +90,7 @@ def _still_running(info: dict[str, Any]) -> list[int]:
         return []
     alive = []
     for entry in info["ranks"]:
-        if not (isinstance(entry, list) and len(entry) == 2 and _alive(entry[0])):
+        if not (isinstance(entry, list) and len(entry) == 2 and _alive(entry[0])) or _ended(entry[0]):
             continue
         start = process_start(entry[0])
         if start is None or entry[1] is None or start == entry[1]:

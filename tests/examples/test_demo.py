@@ -29,6 +29,8 @@ def test_demo_trains_and_writes_every_output(tmp_path: Path) -> None:
     trace = json.loads((out / "trace.json").read_text())
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     timeline = json.loads((out / "timeline.json").read_text())
-    assert len(events) == len(timeline["events"]) > 0
+    spans = timeline.get("spans", [])  # beside the actions: the stage links' exposed receive waits
+    assert {lane for _, lane, *_ in spans} <= {"exposed"}
+    assert len(events) == len(timeline["events"]) + len(spans) and timeline["events"]
     losses = json.loads((out / "losses.json").read_text())
     assert len(losses["losses"]) == 4

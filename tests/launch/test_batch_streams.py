@@ -71,4 +71,5 @@ def test_the_guides_loader_task_trains_with_its_evaluation(tmp_path: Path, monke
     assert train_main(parser.parse_args(words), out) == 0
     text = out.getvalue() + capfd.readouterr().out
     evals = [float(v) for v in re.findall(r" eval (\d+\.\d+)", text)]
-    assert "on 2 ranks x 1 dp, 12 steps" in text and len(evals) == 2 and evals[1] < evals[0], text
+    summary = "on pp 2 x dp 1 x tp 1 x ep 1 (ZeRO 0, sequence parallel off), 12 steps"
+    assert summary in text and len(evals) == 2 and evals[1] < evals[0], text

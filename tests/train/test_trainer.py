@@ -327,9 +327,9 @@ def test_residency_actions_without_zero3_are_refused_at_construction() -> None:
 
 
 def test_config_rejects_bad_values() -> None:
-    with pytest.raises(ValueError, match="accumulation_steps must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="accumulation_steps must be an int >= 1, got 0"):
         PipelineConfig(accumulation_steps=0)
-    with pytest.raises(ValueError, match="grad_clip_norm must be > 0 or None, got -1"):
+    with pytest.raises(ValueError, match=r"grad_clip_norm must be a finite number > 0 or None \(no clipping\), got -1"):
         PipelineConfig(grad_clip_norm=-1)
     with pytest.raises(ValueError, match="unknown precision 'fp64'"):
         PipelineConfig(precision=PrecisionConfig(dtype="fp64"))

@@ -229,7 +229,8 @@ def test_a_parquet_file_fine_tunes_from_the_command_line(model_dir: Path, monkey
         out = _run(shlex.split(f"--task hf --task-option model=tiny --task-option data={data} --task-option seq=16 "
                                "--schedule 1f1b --ranks 2 --microbatches 2 --batch-size 4 --steps 2 --log-every 0 "
                                f"--eval-every 2 --eval-batches 1 --no-tensorboard --save-pretrained {tuned_dir}"))
-        assert "1f1b on 2 ranks x 1 dp, 2 steps" in out and re.search(r"eval loss \d+\.\d+", out), out
+        summary = "1f1b on pp 2 x dp 1 x tp 1 x ep 1 (ZeRO 0, sequence parallel off), 2 steps"
+        assert summary in out and re.search(r"eval loss \d+\.\d+", out), out
         tuned, info = transformers.AutoModelForCausalLM.from_pretrained(model_dir / tuned_dir,
                                                                         output_loading_info=True)
         assert not any(info.values()), info
