@@ -26,6 +26,7 @@ from duplexpipe.train.checkpoint.manifest import (
     share,
     write_manifest,
 )
+from duplexpipe.train.checkpoint.names import format_problems
 from duplexpipe.train.checkpoint.storage import (
     FILE_ATTRIBUTE,
     METADATA_FILE,
@@ -202,7 +203,8 @@ def load_state(state: dict[str, Any], path: str, planner: LoadPlanner, *, no_dis
 
 def verify_checkpoint(path: str) -> tuple[list[str], str]:
     """Check checkpoint folder `path` without loading it: every file against the manifest, the metadata read
-    safely, every data file it points at listed and long enough. Returns (problems, one-line summary of what was
+    safely, every data file it points at listed and long enough, and what resume needs whatever the model
+    (`names.format_problems`). Returns (problems, one-line summary of what was
     checked); CheckpointError when `path` is not a checkpoint folder at all."""
     root = Path(path)
     if not root.is_dir() or not ((root / METADATA_FILE).exists() or (root / MANIFEST_FILE).exists()):
@@ -217,7 +219,7 @@ def verify_checkpoint(path: str) -> tuple[list[str], str]:
         metadata = read_metadata_file(path)
     except CheckpointError as exc:
         return problems + [str(exc)], f"{len(files or {})} files in the manifest"
-    problems += located_problems(path, metadata, files)
+    problems += located_problems(path, metadata, files) + format_problems(metadata.state_dict_metadata)
     ends = {info.relative_path for info in (metadata.storage_data or {}).values()}
     total = sum(d.size for d in (files or {}).values())
     summary = (f"{len(files or {})} files ({total:,} bytes) match their SHA-256, {len(metadata.state_dict_metadata)} "
