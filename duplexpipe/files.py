@@ -82,18 +82,31 @@ def write_atomic(path: str | os.PathLike[str], data: bytes | str, mode: int = 0o
     (created exclusively, never through a link), flushed to disk, then renamed onto `path`. A symbolic link planted at
     `path` is replaced, never written through; readers see the old file or the new one."""
     target = Path(path)
-    fd, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    with naming(target):
+        fd, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data.encode("utf-8") if isinstance(data, str) else data)
+                fh.flush()
+                os.fchmod(fh.fileno(), _mode(mode))
+                os.fsync(fh.fileno())
+            os.replace(temporary, target)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+            raise
+
+
+@contextlib.contextmanager
+def naming(path: str | os.PathLike[str]) -> Iterator[None]:
+    """An OSError raised inside that names no file (a write or flush on a full disk: "No space left on device")
+    raised again naming `path`, so the one-line error says where."""
     try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data.encode("utf-8") if isinstance(data, str) else data)
-            fh.flush()
-            os.fchmod(fh.fileno(), _mode(mode))
-            os.fsync(fh.fileno())
-        os.replace(temporary, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
-        raise
+        yield
+    except OSError as exc:
+        if exc.filename is not None or exc.errno is None:
+            raise
+        raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
 
 
 def create_exclusive(path: str | os.PathLike[str], mode: int = 0o644) -> int:

@@ -105,7 +105,9 @@ def small_checkpoint(path: Path) -> dict[str, Any]:
 
     state = {"model": {"w": torch.randn(3, 4), "b": torch.zeros(2, dtype=torch.bfloat16),
                        "steps": torch.arange(5, dtype=torch.int64)},
-             "trainer": {"calls": 7, "name": "x", "scale": 2.0, "flag": True}}
+             "trainer": {"format": 2, "layout": "{}", "calls": 7, "optimizer_steps": 7, "fresh_optimizer": False,
+                         "scaler": {"scale": 1.0, "good_steps": 0, "skipped_steps": 0},
+                         "name": "x", "scale": 2.0, "flag": True}}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
         save_state(state, str(path))

@@ -84,3 +84,24 @@ def test_what_a_run_writes_replaces_a_planted_link_and_never_writes_through_it(t
     with pytest.raises(OSError, match="it is a symbolic link, which a run never writes through"):
         open_append(link)
     assert victim.read_text() == "the user's\n"
+
+
+def test_a_full_disk_names_the_file_and_leaves_the_old_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write or flush on a full disk raises "No space left on device" naming no file: the user saw no path."""
+    import errno
+
+    from duplexpipe.launch.checkpoints import publish
+
+    target = tmp_path / "losses.json"
+    target.write_text("old")
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError, match=rf"\[Errno {errno.ENOSPC}\] No space left on device: '{target}'") as caught:
+        write_atomic(target, "new")
+    assert target.read_text() == "old" and os.listdir(tmp_path) == ["losses.json"]  # no temporary left
+    assert caught.value.filename == str(target)  # the CLI's one line: "duplexpipe: error: <file>: No space ..."
+    with pytest.raises(OSError, match=rf"No space left on device: '{tmp_path / 'latest'}'"):
+        publish(str(tmp_path), "step-000010")

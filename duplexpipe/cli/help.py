@@ -49,8 +49,10 @@ DESCRIPTIONS = MappingProxyType({
     "checkpoint": "Check the checkpoints 'duplexpipe train --save' and Pipeline.save write (ACTION: verify).",
     "checkpoint verify": "Check a checkpoint without loading it: every file against the SHA-256 its manifest\n"
                          "recorded when it was saved, the metadata read the safe way (no code runs: only\n"
-                         "checkpoint metadata classes are admitted), and every data file the metadata points at\n"
-                         "present, inside the folder and long enough.",
+                         "checkpoint metadata classes are admitted), every tensor's size held by the bytes its\n"
+                         "data files hold, and every data file the metadata points at present, inside the folder\n"
+                         "and long enough; and what resume refuses whatever the model (the stage-keyed format 1,\n"
+                         "missing trainer entries).",
 })
 
 EPILOGS = MappingProxyType({

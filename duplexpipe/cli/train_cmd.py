@@ -238,6 +238,7 @@ def _check_files(config: TrainConfig) -> None:
     safe way: a crafted one is refused here): ValueError before any process starts or anything is written."""
     from duplexpipe.launch.checkpoints import RESUME_AUTO, resume_from
     from duplexpipe.train.checkpoint import read_checked_metadata
+    from duplexpipe.train.checkpoint.names import format_problems
 
     if config.task == HF_TASK:
         from duplexpipe.launch.tasks.hf import check_options
@@ -257,7 +258,9 @@ def _check_files(config: TrainConfig) -> None:
         return
     checkpoint = resume_from(config.checkpoint.resume, config.checkpoint.save)
     if checkpoint is not None:
-        read_checked_metadata(checkpoint)
+        problems = format_problems(read_checked_metadata(checkpoint).state_dict_metadata)
+        if problems:
+            raise ValueError(f"checkpoint {checkpoint}: {problems[0]}")
 
 
 def cmd_train(args: argparse.Namespace) -> int:

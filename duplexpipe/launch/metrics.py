@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from duplexpipe.files import open_append, write_atomic
+from duplexpipe.files import naming, open_append, write_atomic
 
 if TYPE_CHECKING:
     from duplexpipe.launch.train_config import TrainConfig
@@ -134,6 +134,7 @@ class MetricsLog:
                  writer_factory: WriterFactory | None = None, append: bool = False,
                  writers: Sequence[Any] = ()) -> None:
         self._file: IO[str] | None = None
+        self._path = str(path)
         if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             if not append or Path(path).is_symlink():  # a fresh log, or a link planted there: replaced
@@ -150,8 +151,9 @@ class MetricsLog:
         for key, value in values.items():
             row[key] = value if value is None or not isinstance(value, float) or math.isfinite(value) else None
         if self._file is not None:
-            self._file.write(json.dumps(row) + "\n")
-            self._file.flush()
+            with naming(self._path):
+                self._file.write(json.dumps(row) + "\n")
+                self._file.flush()
         for writer in self._writers:
             for key in SCALARS:
                 if row.get(key) is not None:
@@ -160,7 +162,8 @@ class MetricsLog:
     def close(self) -> None:
         """Flush and close the file and the writers."""
         if self._file is not None:
-            self._file.close()
+            with naming(self._path):
+                self._file.close()
             self._file = None
         for writer in self._writers:
             writer.flush()

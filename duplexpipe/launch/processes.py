@@ -156,7 +156,14 @@ def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> tuple
             dist.init_process_group(backend, store=attempt_store(timeout_s), rank=int(os.environ["RANK"]),
                                     world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
         else:
-            dist.init_process_group(backend, init_method="env://", timeout=timeout)
+            try:
+                dist.init_process_group(backend, init_method="env://", timeout=timeout)
+            except dist.DistNetworkError as exc:
+                if "EADDRINUSE" not in str(exc):
+                    raise
+                raise ValueError(f"MASTER_PORT {os.environ['MASTER_PORT']} on {os.environ['MASTER_ADDR']} is taken "
+                                 "by another process: rank 0 cannot serve the rendezvous there; choose a free port "
+                                 "(torchrun --master-port)") from None
     return dist.get_rank(), dist.get_world_size()
 
 

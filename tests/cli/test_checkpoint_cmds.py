@@ -71,3 +71,24 @@ def test_help_describes_the_check_and_its_exit_codes(capsys: pytest.CaptureFixtu
         main(["checkpoint", "verify", "--help"])
     out = capsys.readouterr().out
     assert "without loading it" in out and "exit codes: 0 intact" in out and "1 damaged" in out and "2 bad input" in out
+
+
+@pytest.mark.filterwarnings("ignore:.*assuming the intent is to save in a single process")
+def test_verify_refuses_what_resume_refuses(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A stage-keyed format-1 checkpoint and one without the trainer's entries had every file intact: verify said OK
+    while resume refused them."""
+    import torch
+
+    from duplexpipe.train.checkpoint.folder import save_state
+
+    old, foreign = tmp_path / "old" / "step-000010", tmp_path / "foreign" / "step-000010"
+    save_state({"model": {"stage0.w": torch.ones(2)}, "trainer": {"calls": 1}}, str(old))
+    save_state({"model": {"w": torch.ones(2)}}, str(foreign))
+    stage_keyed = f"checkpoint {old}: it has the stage-keyed format 1 of earlier duplexpipe versions"
+    for step, line in ((old, stage_keyed[len(f"checkpoint {old}: "):]),
+                       (foreign, "it lacks the trainer entries trainer.format, trainer.layout, ")):
+        code, out, _ = _run(capsys, str(step))
+        assert code == 1 and out.startswith(f"DAMAGED {step}: {line}") and out.count("\n") == 1, out
+    code = main(["train", "--ranks", "2", "--steps", "20", "--resume", str(old)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"duplexpipe: error: {stage_keyed}") and err.count("\n") == 1, err

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import io
 import json
@@ -148,3 +149,13 @@ def test_memory_summary_is_one_line_per_rank_and_the_largest() -> None:
     assert len(lines) == 4 and lines[1].startswith("  rank 0: peak 8.8 KiB (params 1.0 KiB")
     assert lines[-1] == "  largest: rank 0, 9,000 bytes"
     assert memory_summary([]) == []
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full")
+def test_a_full_disk_names_the_metrics_file() -> None:
+    """/dev/full: every write fails with "No space left on device", as a full disk does, and names no file."""
+    log = MetricsLog("/dev/full", append=True)
+    with pytest.raises(OSError, match=r"No space left on device: '/dev/full'"):
+        log.write(1, {"loss": 1.0})
+    with contextlib.suppress(OSError):
+        log.close()

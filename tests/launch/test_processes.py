@@ -419,3 +419,24 @@ def test_free_port_is_drawn_below_the_ephemeral_range_and_binds(tmp_path: Path) 
     (tmp_path / "range").write_text("40000\t60999\n")
     assert ephemeral_low(str(tmp_path / "range")) == 40000
     assert ephemeral_low(str(tmp_path / "missing")) == 32768
+
+
+def test_torchruns_port_taken_is_one_line_naming_it(monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """Rank 0 serves env://'s rendezvous on MASTER_PORT: another process listening there was a DistNetworkError
+    traceback ("The server socket has failed to listen ... EADDRINUSE")."""
+    from duplexpipe.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
+                            ("MASTER_PORT", str(port))):
+            monkeypatch.setenv(name, value)
+        monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+        code = main(["train", "--ranks", "1", "--schedule", "gpipe", "--steps", "1", "--timeout", "10"])
+    err = capsys.readouterr().err
+    assert code == 2 and err == (f"duplexpipe: error: MASTER_PORT {port} on 127.0.0.1 is taken by another process: "
+                                 "rank 0 cannot serve the rendezvous there; choose a free port (torchrun "
+                                 "--master-port)\n"), err

@@ -33,7 +33,22 @@ def check_options(**options: Any) -> HFOptions:
     checked.check()
     assert checked.data is not None
     data_files(checked.data, checked.split)  # the files: regular, inside the folder given, one format
+    if checked.model is not None:
+        check_vocabulary(load_tokenizer(checked.tokenizer or checked.model, checked.model)[0], checked.model)
     return checked
+
+
+def check_vocabulary(tokenizer: Any, model_dir: str) -> None:
+    """ValueError naming both sizes when `tokenizer` can give ids the model in `model_dir` has no embedding row for
+    (its vocabulary larger than the config's `vocab_size`)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    size = getattr(config.get_text_config(), "vocab_size", None)
+    if isinstance(size, int) and len(tokenizer) > size:
+        raise ValueError(f"task hf: the tokenizer's vocabulary holds {len(tokenizer):,} tokens, over the model's "
+                         f"vocab_size {size:,} in {model_dir}/config.json: its ids would index past the embedding "
+                         "(pass --task-option tokenizer=DIR with the model's own tokenizer)")
 
 
 def load_tokenizer(tokenizer_dir: str, model_dir: str) -> tuple[Any, int | None]:

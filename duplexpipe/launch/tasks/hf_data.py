@@ -105,8 +105,10 @@ def data_files(path: str, split: str = "train") -> DataFiles:
 
 
 def _sized(files: DataFiles) -> DataFiles:
-    """`files`, with no .json file over `MAX_JSON_BYTES` (ValueError naming it)."""
+    """`files`, with no empty file and no .json file over `MAX_JSON_BYTES` (ValueError naming it)."""
     for name in files.files:
+        if os.path.getsize(name) == 0:
+            raise ValueError(f"task hf: data file {name} is empty")
         if name.lower().endswith(".json") and os.path.getsize(name) > MAX_JSON_BYTES:
             raise ValueError(f"task hf: {name} is over {MAX_JSON_BYTES:,} bytes, and a .json file may be one JSON "
                              "document read whole; write it as JSON lines (.jsonl), which is streamed")
@@ -116,7 +118,8 @@ def _sized(files: DataFiles) -> DataFiles:
 def documents(files: DataFiles, text_field: str = "text") -> Iterator[str]:
     """The documents of `files` in order, streamed by `datasets` (a batch of records at a time): a text file's
     paragraphs (separated by blank lines, stripped), a record's `text_field` otherwise. ValueError naming the data
-    and the record when a record has no such string field or a document is over `MAX_DOCUMENT_CHARS`."""
+    and the record when a record has no such string field or a document is over `MAX_DOCUMENT_CHARS`, and naming
+    the data when it holds no document at all."""
     import datasets
     from datasets.exceptions import DatasetGenerationError
 
@@ -124,6 +127,7 @@ def documents(files: DataFiles, text_field: str = "text") -> Iterator[str]:
         "text": {"sample_by": "paragraph", "chunksize": READ_CHUNK_BYTES}, "json": {"chunksize": READ_CHUNK_BYTES},
         "parquet": {"batch_size": PARQUET_BATCH_ROWS, "columns": [text_field]}}
     options = by_builder.get(files.builder, {})
+    count = 0
     try:
         stream = datasets.load_dataset(files.builder, data_files=list(files.files), split="train", streaming=True,
                                        **options)
@@ -140,8 +144,11 @@ def documents(files: DataFiles, text_field: str = "text") -> Iterator[str]:
                 text = text.strip()
                 if not text:
                     continue
+            count += 1
             yield text
     except (DatasetGenerationError, OSError, UnicodeDecodeError) as exc:
         cause = exc.__cause__ or exc
         raise ValueError(f"task hf: data {files.where} cannot be read as {files.builder} "
                          f"({type(cause).__name__}: {str(cause)[:200]})") from None
+    if count == 0:
+        raise ValueError(f"task hf: data {files.where} holds no document: no text in it")

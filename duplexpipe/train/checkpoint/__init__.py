@@ -3,8 +3,8 @@ folders checked against their manifest and read without running code, and Huggin
 
 from duplexpipe.train.checkpoint.folder import read_checked_metadata, verify_checkpoint
 from duplexpipe.train.checkpoint.hf_export import save_pretrained
+from duplexpipe.train.checkpoint.names import FORMAT
 from duplexpipe.train.checkpoint.pipeline import (
-    FORMAT,
     Checkpointable,
     load_checkpoint,
     read_checkpoint,

@@ -26,6 +26,7 @@ from duplexpipe.train.checkpoint.manifest import (
     share,
     write_manifest,
 )
+from duplexpipe.train.checkpoint.names import format_problems
 from duplexpipe.train.checkpoint.storage import (
     FILE_ATTRIBUTE,
     METADATA_FILE,
@@ -152,9 +153,30 @@ def verify_files(path: str, collective: bool) -> None:
         raise damaged(path, problems)
 
 
+def located_problems(path: str, metadata: Metadata, files: dict[str, FileDigest] | None) -> list[str]:
+    """What is wrong with where `metadata` puts the bytes of checkpoint `path`: a data file the manifest `files`
+    does not list, a missing one, one shorter than the bytes read from it (one line each; [] when none). The reader,
+    resume and `checkpoint verify` all check this before reading: nothing is allocated for bytes that are not there."""
+    root = Path(path)
+    ends: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    problems = []
+    for name, end in sorted(ends.items()):
+        if files is not None and name not in files:
+            problems.append(f"{METADATA_FILE} points at {name}, which the manifest does not list")
+        size = (root / name).stat().st_size if (root / name).is_file() else None
+        if size is None and (files is None or name not in files):  # a listed file was reported already
+            problems.append(f"{name} is missing")
+        elif size is not None and size < end:
+            problems.append(f"{name} has {size:,} bytes, but {METADATA_FILE} reads up to byte {end:,}")
+    return problems
+
+
 def read_checked_metadata(path: str) -> Metadata:
     """The checked Metadata of checkpoint `path`, its `.metadata` first checked against the manifest when it has one
-    (size and SHA-256): a metadata file changed since the save is refused without being unpickled."""
+    (size and SHA-256): a metadata file changed since the save is refused without being unpickled; then where it
+    puts the bytes (`located_problems`)."""
     files = read_manifest(path)
     if files is not None:
         if METADATA_FILE not in files:
@@ -162,7 +184,11 @@ def read_checked_metadata(path: str) -> Metadata:
         problems = check_files(path, files, [METADATA_FILE])
         if problems:
             raise damaged(path, problems)
-    return read_metadata_file(path)
+    metadata = read_metadata_file(path)
+    problems = located_problems(path, metadata, files)
+    if problems:
+        raise damaged(path, problems)
+    return metadata
 
 
 def load_state(state: dict[str, Any], path: str, planner: LoadPlanner, *, no_dist: bool = False) -> None:
@@ -177,7 +203,8 @@ def load_state(state: dict[str, Any], path: str, planner: LoadPlanner, *, no_dis
 
 def verify_checkpoint(path: str) -> tuple[list[str], str]:
     """Check checkpoint folder `path` without loading it: every file against the manifest, the metadata read
-    safely, every data file it points at listed and long enough. Returns (problems, one-line summary of what was
+    safely, every data file it points at listed and long enough, and what resume needs whatever the model
+    (`names.format_problems`). Returns (problems, one-line summary of what was
     checked); CheckpointError when `path` is not a checkpoint folder at all."""
     root = Path(path)
     if not root.is_dir() or not ((root / METADATA_FILE).exists() or (root / MANIFEST_FILE).exists()):
@@ -192,17 +219,8 @@ def verify_checkpoint(path: str) -> tuple[list[str], str]:
         metadata = read_metadata_file(path)
     except CheckpointError as exc:
         return problems + [str(exc)], f"{len(files or {})} files in the manifest"
-    ends: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
-    for name, end in sorted(ends.items()):
-        if files is not None and name not in files:
-            problems.append(f"{METADATA_FILE} points at {name}, which the manifest does not list")
-        size = (root / name).stat().st_size if (root / name).is_file() else None
-        if size is None and (files is None or name not in files):  # a listed file was reported already
-            problems.append(f"{name} is missing")
-        elif size is not None and size < end:
-            problems.append(f"{name} has {size} bytes, but {METADATA_FILE} reads up to byte {end}")
+    problems += located_problems(path, metadata, files) + format_problems(metadata.state_dict_metadata)
+    ends = {info.relative_path for info in (metadata.storage_data or {}).values()}
     total = sum(d.size for d in (files or {}).values())
     summary = (f"{len(files or {})} files ({total:,} bytes) match their SHA-256, {len(metadata.state_dict_metadata)} "
                f"entries in {len(ends)} data files")

@@ -1,7 +1,9 @@
-"""This rank's checkpoint dicts under the model's global names (independent of schedule, partition, DP and ZeRO)."""
+"""This rank's checkpoint dicts under the model's global names (independent of schedule, partition, DP and ZeRO), and
+the names a checkpoint must hold for a run to resume from it."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +16,13 @@ from duplexpipe.model.state_names import names_whole_model, part_state_keys
 from duplexpipe.schedules.ir import Schedule
 from duplexpipe.train.part_chain import PartChain
 
+FORMAT = 2
+"""The checkpoint format `save_checkpoint` writes (1, stage-keyed `model.stage<s>.<name>`, is no longer read)."""
+TRAINER_ENTRIES = ("trainer.format", "trainer.layout", "trainer.calls", "trainer.optimizer_steps",
+                   "trainer.fresh_optimizer", "trainer.scaler.scale", "trainer.scaler.good_steps",
+                   "trainer.scaler.skipped_steps")
+"""The trainer entries every checkpoint a run resumes from holds (`pipeline.trainer_state`, flattened)."""
+_STAGE_KEY = re.compile(r"^model\.stage\d+\.")
 OPTIM_SECTIONS = ("state.", "param_groups.")
 """The prefixes of torch's flattened optimizer state dict: `state.<param>.<name>`, `param_groups.<param>.<key>`."""
 
@@ -117,3 +126,17 @@ class StateKeys:
                         target.copy_(value)
                 elif not isinstance(target, torch.Tensor):
                     entries[key] = value
+
+
+def format_problems(stored: Mapping[str, Any]) -> list[str]:
+    """Why a run cannot resume from a checkpoint holding entries `stored` (its metadata's names), whatever the model:
+    the stage-keyed format 1, or trainer entries missing; [] when none. Resume and `checkpoint verify` both check."""
+    if "trainer.format" not in stored and any(_STAGE_KEY.match(k) for k in stored):
+        return ["it has the stage-keyed format 1 of earlier duplexpipe versions, which this version no longer reads; "
+                "to convert it, load it with duplexpipe 0.1 into a Pipeline built like the saving one and save it "
+                "again with pipe.save() (see CHANGELOG.md)"]
+    missing = [name for name in TRAINER_ENTRIES if name not in stored]
+    if missing:
+        return [f"it lacks the trainer entries {', '.join(missing)}: not a checkpoint duplexpipe training wrote, a run "
+                "cannot resume from it"]
+    return []

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 import warnings
 from collections.abc import Iterator
 from typing import Any, Protocol
@@ -28,17 +27,12 @@ from duplexpipe.dp_options.compression import compression_options
 from duplexpipe.model.split import Partition
 from duplexpipe.parallel import DPStrategy, ParallelGroups
 from duplexpipe.schedules.ir import Schedule
-from duplexpipe.train.checkpoint.folder import load_state, save_state, verify_files
-from duplexpipe.train.checkpoint.names import StateKeys
+from duplexpipe.train.checkpoint.folder import load_state, read_checked_metadata, save_state, verify_files
+from duplexpipe.train.checkpoint.names import FORMAT, StateKeys, format_problems
 from duplexpipe.train.checkpoint.plain_state import WeightsOnlyLoadPlanner, decode, encode
-from duplexpipe.train.checkpoint.storage import read_metadata_file
 from duplexpipe.train.pipeline_config import PipelineConfig
 from duplexpipe.train.planning.choice import AutoChoice
 from duplexpipe.train.precision import DynamicLossScaler
-
-FORMAT = 2
-"""The checkpoint format `save_checkpoint` writes (1, stage-keyed `model.stage<s>.<name>`, is no longer read)."""
-_STAGE_KEY = re.compile(r"^model\.stage\d+\.")
 
 
 class Checkpointable(Protocol):
@@ -218,11 +212,10 @@ def load_checkpoint(pipe: Checkpointable, path: str) -> None:
     stage-keyed format 1 is refused on every rank, saying how to convert it (CHANGELOG.md)."""
     check_between_windows(pipe, "load")
     verify_files(path, collective=True)
-    stored = read_metadata_file(path).state_dict_metadata
-    if "trainer.format" not in stored and any(_STAGE_KEY.match(k) for k in stored):
-        raise ValueError(f"checkpoint {path} has the stage-keyed format 1 of earlier duplexpipe versions, which this "
-                         "version no longer reads; to convert it, load it with duplexpipe 0.1 into a Pipeline built "
-                         "like the saving one and save it again with pipe.save() (see CHANGELOG.md)")
+    stored = read_checked_metadata(path).state_dict_metadata
+    problems = format_problems(stored)
+    if problems:
+        raise ValueError(f"checkpoint {path}: {problems[0]}")
     modules = stage_dict(pipe)
     keys = state_keys(pipe)
     model_sd, optim_sd = pipe.dp.checkpoint_dicts(modules)
@@ -303,7 +296,7 @@ def read_checkpoint(path: str) -> dict[str, Any]:
     `trainer.calls`, ...): tensors whole (however they were sharded), other values as saved. The files are checked
     against the manifest first and nothing read runs code; CheckpointError (a ValueError) names what is wrong."""
     verify_files(path, collective=False)
-    stored = read_metadata_file(path).state_dict_metadata
+    stored = read_checked_metadata(path).state_dict_metadata
     flat: dict[str, Any] = {k: torch.empty(v.size, dtype=v.properties.dtype)
                             if isinstance(v, TensorStorageMetadata) else None for k, v in stored.items()}
     load_state(flat, path, WeightsOnlyLoadPlanner(), no_dist=True)

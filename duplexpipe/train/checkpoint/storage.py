@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import os
 import pickle
 import pickletools
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +168,37 @@ def check_metadata(metadata: Any, where: str) -> None:
             raise bad(f"{index.fqn} is at offset {info.offset!r}, length {info.length!r}")
     if metadata.storage_meta is not None and not isinstance(metadata.storage_meta, StorageMeta):
         raise bad("its storage meta is not StorageMeta")
+    for key, entry in metadata.state_dict_metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            _check_tensor(key, entry, storage, bad)
+
+
+def _dims(values: Any) -> bool:
+    return isinstance(values, tuple) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                             for v in values)
+
+
+def _check_tensor(key: str, entry: TensorStorageMetadata, storage: dict[Any, Any],
+                  bad: Callable[[str], CheckpointError]) -> None:
+    """`bad` unless tensor entry `key` has a size of whole numbers >= 0 whose chunks lie inside it, cover it, and
+    each fit in the bytes stored for it: a crafted size is refused before anything of that size is allocated."""
+    size, dtype = entry.size, getattr(entry.properties, "dtype", None)
+    if not _dims(size) or not isinstance(dtype, torch.dtype):
+        raise bad(f"{key} has size {size!r} and dtype {dtype!r}, not whole numbers >= 0 and a torch dtype")
+    covered = 0
+    for chunk in entry.chunks:
+        offsets, sizes = chunk.offsets, chunk.sizes
+        if not (_dims(offsets) and _dims(sizes) and len(offsets) == len(sizes) == len(size)
+                and all(o + n <= d for o, n, d in zip(offsets, sizes, size, strict=True))):
+            raise bad(f"{key} has a chunk at {offsets!r} of {sizes!r}, outside its size {tuple(size)}")
+        info = storage.get(MetadataIndex(key, offsets))
+        need = math.prod(sizes) * dtype.itemsize
+        if info is None or need > info.length:
+            stored = "no bytes" if info is None else f"{info.length:,} bytes in {info.relative_path}"
+            raise bad(f"{key} has a chunk of {tuple(sizes)} {dtype} ({need:,} bytes) but {stored}")
+        covered += math.prod(sizes)
+    if covered < math.prod(size):
+        raise bad(f"{key} has size {tuple(size)} ({math.prod(size):,} elements) but its chunks hold {covered:,}")
 
 
 def read_metadata_file(folder: str | os.PathLike[str]) -> Metadata:

@@ -94,3 +94,14 @@ def test_a_huge_json_document_and_a_huge_record_are_refused(tmp_path: Path, monk
     (tmp_path / "long.txt").write_text("short\n\nmuch too long")
     with pytest.raises(ValueError, match="record 2 of .*long.txt is over 5 characters"):
         _all(tmp_path / "long.txt")
+
+
+def test_empty_files_and_data_without_text_are_refused_naming_them(tmp_path: Path) -> None:
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "a.jsonl").write_text(json.dumps({"text": "a"}) + "\n")
+    (tmp_path / "shards" / "b.jsonl").write_text("")
+    with pytest.raises(ValueError, match=r"data file .*shards/b\.jsonl is empty"):
+        data_files(str(tmp_path / "shards"))
+    (tmp_path / "blank.jsonl").write_text("\n\n")
+    with pytest.raises(ValueError, match=r"data .*blank\.jsonl holds no document: no text in it"):
+        _all(tmp_path / "blank.jsonl")

@@ -302,3 +302,22 @@ def test_an_moe_model_trains_with_expert_parallelism_and_loads_back(model_dir: P
     experts = [rel(tuned.state_dict()[k][e], v[e]) for k, v in source.state_dict().items() if "experts" in k
                for e in range(v.shape[0])]
     assert len(experts) == 4 * 2 * 4 and min(experts) > 0, experts  # 4 layers x (gate_up, down) x 4 experts
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_naming_both_sizes(model_dir: Path) -> None:
+    """Ids past the model's vocab_size were an index error deep in the embedding once training ran."""
+    wide = model_dir / "wide"
+    eos_tokenizer("".join(chr(0x100 + i) for i in range(120))).save_pretrained(wide)  # 122 tokens > VOCAB (96)
+    with pytest.raises(ValueError, match=r"vocabulary holds 122 tokens, over the model's vocab_size 96 in .*tiny"):
+        check_options(model=str(model_dir / "tiny"), data=str(model_dir / "data.txt"), tokenizer=str(wide))
+    with pytest.raises(ValueError, match="vocab_size 96"):
+        _task(model_dir, tokenizer=str(wide))
+
+
+def test_an_empty_data_file_or_one_without_text_is_refused_naming_it(model_dir: Path) -> None:
+    (model_dir / "empty.jsonl").write_text("")
+    (model_dir / "blank.txt").write_text("\n\n  \n\n")
+    with pytest.raises(ValueError, match=r"data file .*empty\.jsonl is empty"):
+        check_options(model=str(model_dir / "tiny"), data=str(model_dir / "empty.jsonl"))
+    with pytest.raises(ValueError, match=r"data .*blank\.txt holds no document: no text in it"):
+        _task(model_dir, data=str(model_dir / "blank.txt"))

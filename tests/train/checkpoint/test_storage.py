@@ -1,18 +1,23 @@
 """Tests for duplexpipe.train.checkpoint.storage: DCP metadata is read without running code (a crafted pickle is
 refused naming the class it asked for, and nothing runs), file names from it stay in the folder, a truncated one is
-"incomplete or corrupt", a huge one is refused before it is read."""
+"incomplete or corrupt", a huge one is refused before it is read, and crafted sizes are refused before anything of
+that size is allocated."""
 
 from __future__ import annotations
 
 import pickle
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 from _checkpoint_faults import DEEP_KEY, RunsCommand, craft, metadata_of, point_outside, remanifest, small_checkpoint
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 
 from duplexpipe.errors import CheckpointError
-from duplexpipe.train.checkpoint import read_checkpoint
+from duplexpipe.train.checkpoint import read_checkpoint, verify_checkpoint
 from duplexpipe.train.checkpoint.storage import (
     ALLOWED_CLASSES,
     MAX_METADATA_BYTES,
@@ -111,3 +116,38 @@ def test_nesting_is_bounded_before_anything_is_unpickled(saved: Path) -> None:
     remanifest(saved)  # as whoever crafted it would
     with pytest.raises(CheckpointError, match=f"checkpoint {saved}: its .metadata nests objects more than 64 deep"):
         read_checkpoint(str(saved))
+
+
+def _resize(saved: Path, key: str, **changes: Any) -> None:
+    """Give tensor entry `key` of the metadata another size, chunk or stored length (manifest made anew, as whoever
+    crafted it would)."""
+    metadata = metadata_of(saved)
+    entry = metadata.state_dict_metadata[key]
+    if "size" in changes:
+        entry.size = changes["size"]
+    if "chunk" in changes:
+        entry.chunks[0] = ChunkStorageMetadata(*changes["chunk"])
+    if "length" in changes:
+        index = next(i for i in metadata.storage_data if i.fqn == key)
+        info = metadata.storage_data[index]
+        metadata.storage_data[index] = _StorageInfo(info.relative_path, info.offset, changes["length"])
+    (saved / ".metadata").write_bytes(pickle.dumps(metadata))
+    remanifest(saved)
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"size": torch.Size([-3, 4])}, r"model\.w has size torch\.Size\(\[-3, 4\]\) and dtype torch\.float32, not whole"),
+    ({"size": torch.Size([2**40, 2**20])}, r"model\.w has size \(1099511627776, 1048576\) .* but its chunks hold 12"),
+    ({"chunk": (torch.Size([0, 0]), torch.Size([2**40, 4]))}, r"model\.w has a chunk at .* outside its size \(3, 4\)"),
+    ({"size": torch.Size([2**40, 4]), "chunk": (torch.Size([0, 0]), torch.Size([2**40, 4]))},
+     r"model\.w has a chunk of \(1099511627776, 4\) torch\.float32 \(17,592,186,044,416 bytes\) but [\d,]+ bytes in "
+     r"__0_0\.distcp"),
+    ({"length": 2**50}, r"__0_0\.distcp has [\d,]+ bytes, but \.metadata reads up to byte [\d,]+"),
+])
+def test_crafted_sizes_are_refused_naming_the_entry_and_size_before_allocating(
+        saved: Path, changes: dict[str, Any], message: str) -> None:
+    _resize(saved, "model.w", **changes)
+    with pytest.raises(CheckpointError, match=rf"checkpoint {saved} is incomplete or corrupt.*{message}"):
+        read_checkpoint(str(saved))
+    problems, _ = verify_checkpoint(str(saved))
+    assert re.search(message, problems[0]), problems
