@@ -148,7 +148,8 @@ def resume(pipe: Pipeline, root: str) -> dict[str, Any]:
 
 def case(rank: int, world: int) -> dict[str, Any]:
     """PP=4 under every schedule of SCHEDULES and ZB-H1 with activation checkpointing; ZB-H1 with PP=2 x TP=2 and with
-    PP=2 x DP=2 under ZeRO-2, 1F1B under ZeRO-3 (weights all-gathered in float8); a checkpoint of the float8 1F1B run resumed with float8 off and on."""
+    PP=2 x DP=2 under ZeRO-2, 1F1B under ZeRO-3 (weights all-gathered in float8); a checkpoint of the float8 1F1B
+    run resumed with float8 off and on."""
     ref = Reference()
     pipes = {name: build(name, (world, 1, 1)) for name in SCHEDULES}
     out: dict[str, Any] = {name: run(pipe, ref) for name, pipe in pipes.items()}

@@ -2,7 +2,8 @@
 own single-process float8 training of the same model on the same microbatches (float32 master weights, within 1e-6
 relative) under 1F1B, ZB-H1, ZBV and DualPipeV (and ZB-H1 with activation checkpointing), with PP=2 x TP=2, with
 ZeRO-2 and with ZeRO-3 (FSDP2, the weights all-gathered in float8, cast before the all-gather with the scale of
-the whole weight: the same float8 weight as torchao's single-process cast, so the same bound); a float8 checkpoint resumes with float8 off and on."""
+the whole weight: the same float8 weight as torchao's single-process cast, so the same bound); a float8 checkpoint
+resumes with float8 off and on."""
 
 from __future__ import annotations
 
