@@ -117,6 +117,17 @@ def build(schedule: str, mesh: tuple[int, int, int], *, recipe: str | None = "te
                                 mesh=make_mesh(pp, dp, tp=tp), tp_plan=gpt_tp_plan() if tp > 1 else None)
 
 
+def gathered(pipe: Pipeline) -> list[str]:
+    """The dtypes in which this rank's ZeRO-3 stages gather their float8 linears' weights (each stage gathered once
+    by hand, then freed again): the float8 payload's dtype where the weight arrives as torchao's float8 tensor."""
+    dtypes = set()
+    for module in pipe.stage_modules.values():
+        module.unshard()  # type: ignore[operator]
+        dtypes |= {str(getattr(m.weight, "_data", m.weight).dtype) for m in float8_linears([module])}
+        module.reshard()  # type: ignore[operator]
+    return sorted(dtypes)
+
+
 def resume(pipe: Pipeline, root: str) -> dict[str, Any]:
     """Save `pipe` (float8 on, trained), load the checkpoint into a pipeline with float8 off (its parameters equal the
     saved ones) and into one with float8 on, which then takes the next step as `pipe` takes it (bit-equal)."""
@@ -137,7 +148,8 @@ def resume(pipe: Pipeline, root: str) -> dict[str, Any]:
 
 def case(rank: int, world: int) -> dict[str, Any]:
     """PP=4 under every schedule of SCHEDULES and ZB-H1 with activation checkpointing; ZB-H1 with PP=2 x TP=2 and with
-    PP=2 x DP=2 under ZeRO-2, 1F1B under ZeRO-3; a checkpoint of the float8 1F1B run resumed with float8 off and on."""
+    PP=2 x DP=2 under ZeRO-2, 1F1B under ZeRO-3 (weights all-gathered in float8); a checkpoint of the float8 1F1B
+    run resumed with float8 off and on."""
     ref = Reference()
     pipes = {name: build(name, (world, 1, 1)) for name in SCHEDULES}
     out: dict[str, Any] = {name: run(pipe, ref) for name, pipe in pipes.items()}
@@ -145,7 +157,8 @@ def case(rank: int, world: int) -> dict[str, Any]:
     out["tp"] = run(build("zb-h1", (2, 1, 2)), ref)
     replicated = Reference(replicas=2)
     out["zero2"] = run(build("zb-h1", (2, 2, 1), zero_stage=2), replicated)
-    out["zero3"] = run(build("1f1b", (2, 2, 1), zero_stage=3), replicated)
+    zero3 = build("1f1b", (2, 2, 1), zero_stage=3)  # float8 all-gathers: the default under ZeRO-3 (tensorwise)
+    out["zero3"] = {**run(zero3, replicated), "gathered": gathered(zero3)}
     with shared_folder("float8-") as root:
         out["resume"] = resume(pipes["1f1b"], root)
     return out

@@ -16,6 +16,12 @@ backward reads its node's mark (`runtime.backward.mode`): at I it casts the outp
 input gradient and forms only that GEMM, at W it casts them for the weight gradient and forms only that one, with
 torchao's own cast helpers and configs, so the two halves are torchao's unsplit backward, operation for operation.
 Compiled stages keep torchao's Function (a compiled region's backward is split into an I and a W graph already).
+
+Under ZeRO-3 the converted weights are gathered in float8 (`Float8Options.fsdp_all_gather`; the weight reaches
+`SplitFloat8Linear` already cast, which its backward takes as is, as torchao's does). Tensor parallelism keeps the
+plain DTensor styles: torchao's Float8ColwiseParallel / Float8RowwiseParallel run under the split backward, but their
+parameters differ from torchao's single-process float8 training (9e-3 relative after two steps of the tests' GPT at
+PP=2 x TP=2, with torchao's own backward too), against the 1e-6 equality of the plain styles (docs/training.md).
 """
 
 from __future__ import annotations
@@ -55,12 +61,28 @@ class Float8Options:
     """True: emulate the FP8 GEMMs in high precision (any device, for tests); False: FP8 hardware is required (a
     ValueError before training without it); None: emulate where the device has no FP8 GEMMs (CPU, CUDA below
     compute capability 8.9), said once in the log."""
+    fsdp_all_gather: bool | None = None
+    """ZeRO-3 (FSDP2) gathers the converted weights in float8, cast before the all-gather with one scale per weight
+    (torchao's `enable_fsdp_float8_all_gather`; the scales are precomputed after each optimizer step, one all-reduce,
+    `precompute_float8_dynamic_scale_for_fsdp`): True, False, or None: on under zero_stage=3 with the tensorwise recipe
+    (torchao casts only tensorwise weights before the all-gather), as torchtitan's default."""
 
     def __post_init__(self) -> None:
         if self.recipe not in RECIPES:
             raise ValueError(f"float8 recipe {self.recipe!r} is not one of {RECIPES}")
-        if self.emulate is not None and not isinstance(self.emulate, bool):
-            raise ValueError(f"float8 emulate must be True, False or None, got {self.emulate!r}")
+        for name in ("emulate", "fsdp_all_gather"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"float8 {name} must be True, False or None, got {value!r}")
+        if self.fsdp_all_gather and self.recipe != "tensorwise":
+            raise ValueError(f"float8 fsdp_all_gather=True needs the 'tensorwise' recipe (torchao casts only "
+                             f"tensorwise weights before the all-gather), got recipe {self.recipe!r}")
+
+    def all_gathers_float8(self, zero_stage: int) -> bool:
+        """Whether ZeRO stage `zero_stage` gathers the converted weights in float8 (only ZeRO-3 gathers weights)."""
+        if zero_stage != 3:
+            return False
+        return self.fsdp_all_gather if self.fsdp_all_gather is not None else self.recipe == "tensorwise"
 
 
 def float8_options(spec: str | Float8Options | None, what: str = "PrecisionConfig.float8") -> Float8Options | None:
@@ -124,11 +146,24 @@ def check_float8(options: Float8Options, device: torch.device) -> bool:
     return resolve_emulate(options, device)
 
 
-def linear_config(options: Float8Options, emulate: bool) -> Any:
-    """torchao's Float8LinearConfig of the recipe, emulated or not."""
+def linear_config(options: Float8Options, emulate: bool, zero_stage: int = 0) -> Any:
+    """torchao's Float8LinearConfig of the recipe, emulated or not, with float8 all-gathers under ZeRO-3 (see
+    `Float8Options.fsdp_all_gather`)."""
     from torchao.float8 import Float8LinearConfig
 
-    return dataclasses.replace(Float8LinearConfig.from_recipe_name(options.recipe), emulate=emulate)
+    return dataclasses.replace(Float8LinearConfig.from_recipe_name(options.recipe), emulate=emulate,
+                               enable_fsdp_float8_all_gather=options.all_gathers_float8(zero_stage))
+
+
+def precompute_scales(modules: Iterable[nn.Module]) -> None:
+    """After an optimizer step: the float8 scales of the next all-gathers of every FSDP-sharded converted weight
+    under `modules` (one all-reduce of their amaxes over the data-parallel group; nothing without such weights)."""
+    linears = float8_linears(modules)
+    if any(getattr(m.weight, "_local_tensor", None) is not None for m in linears):
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        holder = nn.ModuleList(linears)
+        precompute_float8_dynamic_scale_for_fsdp(holder)
 
 
 def _high_precision(module: nn.Module) -> dict[int, str]:
@@ -153,17 +188,18 @@ def _high_precision(module: nn.Module) -> dict[int, str]:
 
 
 def convert_stages(stage_modules: Mapping[int, nn.Module], options: Float8Options, device: torch.device, *,
-                   split: bool = True) -> list[str]:
+                   split: bool = True, zero_stage: int = 0) -> list[str]:
     """Swap the eligible linears of every stage for torchao's Float8Linear in place (`SplitFloat8Linear` when `split`:
-    eager stages) and log once what was converted and what was kept; returns the converted modules' names
-    ("stage.name"). ValueError before anything changes for a torchao or a device that cannot run it."""
+    eager stages; weights gathered in float8 under ZeRO-3 per `Float8Options.fsdp_all_gather`) and log once what was
+    converted and what was kept; returns the converted modules' names ("stage.name"). ValueError before anything
+    changes for a torchao or a device that cannot run it."""
     emulate = check_float8(options, device)
     from torchao.float8 import convert_to_float8_training
     from torchao.float8.float8_linear import Float8Linear
 
     from duplexpipe.train.float8_linear import SplitFloat8Linear
 
-    config = linear_config(options, emulate)
+    config = linear_config(options, emulate, zero_stage)
     converted: list[str] = []
     kept: dict[str, int] = {}
     for stage in sorted(stage_modules):
@@ -180,8 +216,10 @@ def convert_stages(stage_modules: Mapping[int, nn.Module], options: Float8Option
     how = "emulated: no FP8 GEMMs" if emulate else "FP8 GEMMs"
     left = ", ".join(f"{n} ({why})" for why, n in sorted(kept.items())) or "none"
     level = logging.WARNING if emulate and options.emulate is None else logging.INFO  # unasked: no speed-up
-    LOG.log(level, "float8 %s (%s on %s): %d linears converted; kept in high precision: %s", options.recipe, how,
-            device.type, len(converted), left)
+    gather = "" if zero_stage != 3 else "; ZeRO-3 all-gathers them in " + (
+        "float8" if config.enable_fsdp_float8_all_gather else "high precision")
+    LOG.log(level, "float8 %s (%s on %s): %d linears converted; kept in high precision: %s%s", options.recipe, how,
+            device.type, len(converted), left, gather)
     return converted
 
 

@@ -177,7 +177,8 @@ class Pipeline:
         self.stage_modules = build_stage_modules(self.schedule, groups.pp_rank, parts, init=init,
                                                  checkpoint_stages=ckpt, device=self.device)
         if (float8 := float8_options(cfg.precision.float8)) is not None:  # before TP, ZeRO and compile wrap them
-            convert_stages(self.stage_modules, float8, self.device, split=not cfg.compile)
+            convert_stages(self.stage_modules, float8, self.device, split=not cfg.compile,
+                           zero_stage=cfg.data_parallel.zero_stage or 0)
         self.tensor = TensorParallel(tp_plan, groups, cfg.sequence_parallel)
         """Tensor parallelism inside this rank's stages (inactive without a plan or with tp=1)."""
         self.tensor.apply({s: model_parts(m) for s, m in self.stage_modules.items()}, cfg.data_parallel.zero_stage or 0)

@@ -35,8 +35,20 @@ def test_options_from_names_labels_and_objects() -> None:
     assert PipelineConfig(precision=PrecisionConfig(float8="tensorwise")).precision.float8 == "tensorwise"
 
 
+def test_zero3_gathers_in_float8_by_default_with_the_tensorwise_recipe_only() -> None:
+    assert float8_options("tensorwise(fsdp_all_gather=false)") == Float8Options(fsdp_all_gather=False)
+    assert [Float8Options().all_gathers_float8(z) for z in (0, 1, 2, 3)] == [False, False, False, True]
+    assert not Float8Options("rowwise").all_gathers_float8(3)
+    assert not Float8Options(fsdp_all_gather=False).all_gathers_float8(3)
+    assert not Float8Options(fsdp_all_gather=True).all_gathers_float8(2)  # only ZeRO-3 gathers weights
+    assert float8.linear_config(Float8Options(), True, 3).enable_fsdp_float8_all_gather
+    assert not float8.linear_config(Float8Options(), True, 2).enable_fsdp_float8_all_gather
+
+
 @pytest.mark.parametrize(("spec", "words"), [("blockwise", "'blockwise'"), ("rowwise(scale=2)", "scale"),
-                                             ("tensorwise(emulate=3)", "emulate"), (8, "8")])
+                                             ("tensorwise(emulate=3)", "emulate"), (8, "8"),
+                                             ("tensorwise(fsdp_all_gather=1)", "fsdp_all_gather"),
+                                             ("rowwise(fsdp_all_gather=true)", "'rowwise'")])
 def test_bad_options_name_the_value(spec: object, words: str) -> None:
     with pytest.raises(ValueError, match=words):
         PrecisionConfig(float8=spec)  # type: ignore[arg-type]
@@ -95,6 +107,12 @@ def test_which_linears_convert_and_the_names_stay(caplog: pytest.LogCaptureFixtu
     (line,) = [r.getMessage() for r in caplog.records]
     assert "emulated: no FP8 GEMMs on cpu" in line and "1 linears converted" in line
     assert "MoE experts and routers" in line and "output projections" in line and "not divisible by 16" in line
+    assert "ZeRO-3" not in line
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="duplexpipe.float8"):
+        convert_stages({3: _Model()}, Float8Options(), CPU, zero_stage=3)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "ZeRO-3 all-gathers them in float8" in line
 
 
 def _models(recipe: str) -> tuple[nn.Module, nn.Module]:

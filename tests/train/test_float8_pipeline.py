@@ -1,7 +1,9 @@
 """Float8 (emulated) compute through `Pipeline` on 4 gloo ranks, in one spawn: each step's parameters equal torchao's
 own single-process float8 training of the same model on the same microbatches (float32 master weights, within 1e-6
 relative) under 1F1B, ZB-H1, ZBV and DualPipeV (and ZB-H1 with activation checkpointing), with PP=2 x TP=2, with
-ZeRO-2 and with ZeRO-3 (FSDP2, high-precision all-gathers); a float8 checkpoint resumes with float8 off and on."""
+ZeRO-2 and with ZeRO-3 (FSDP2, the weights all-gathered in float8, cast before the all-gather with the scale of
+the whole weight: the same float8 weight as torchao's single-process cast, so the same bound); a float8 checkpoint
+resumes with float8 off and on."""
 
 from __future__ import annotations
 
@@ -28,6 +30,11 @@ def test_each_step_equals_torchao_single_process(results: list[dict[str, Any]], 
         got = out[name]
         assert got["float8"] > 0, f"rank {rank} holds no float8 linear under {name}"
         assert len(got["errors"]) == STEPS and max(got["errors"]) <= TOLERANCE, (name, rank, got["errors"])
+
+
+def test_zero3_gathers_the_float8_weights_in_float8(results: list[dict[str, Any]]) -> None:
+    for rank, out in enumerate(results):
+        assert out["zero3"]["gathered"] == ["torch.float8_e4m3fn"], (rank, out["zero3"]["gathered"])
 
 
 def test_a_float8_checkpoint_resumes_with_float8_off_and_on(results: list[dict[str, Any]]) -> None:
