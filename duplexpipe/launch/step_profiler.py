@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from duplexpipe.files import write_atomic
 from duplexpipe.launch.train_config import profile_range
 
 
@@ -32,7 +34,10 @@ class StepProfiler:
             return None
         self._profiler.stop()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._profiler.export_chrome_trace(str(self.path))
+        with tempfile.TemporaryDirectory() as private:  # torch writes where it is told: a folder only we can enter
+            exported = Path(private) / self.path.name
+            self._profiler.export_chrome_trace(str(exported))
+            write_atomic(self.path, exported.read_bytes())  # never through a link planted in the run folder
         self._profiler = None
         return self.path
 

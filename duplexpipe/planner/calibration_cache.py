@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from duplexpipe.errors import ProfileError
-from duplexpipe.files import read_capped_text
+from duplexpipe.files import read_capped_text, write_atomic
 from duplexpipe.planner.profile import Profile
 
 CACHE_FORMAT = "duplexpipe-calibration"
@@ -79,9 +79,5 @@ class CalibrationCache:
         data = {"format": CACHE_FORMAT, "version": CACHE_VERSION, "created": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                 "fingerprint": json.loads(json.dumps(dict(fingerprint), sort_keys=True, default=str)),
                 "profile": profile.to_dict()}
-        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        with open(temporary, "w", encoding="utf-8") as fh:
-            json.dump(data, fh, indent=1)
-            fh.write("\n")
-        os.replace(temporary, path)
+        write_atomic(path, json.dumps(data, indent=1) + "\n")
         return path

@@ -61,3 +61,13 @@ def test_default_directory_follows_the_environment(monkeypatch: pytest.MonkeyPat
     assert default_cache_dir() == tmp_path / "xdg" / "duplexpipe" / "calibration"
     monkeypatch.delenv("XDG_CACHE_HOME")
     assert default_cache_dir() == Path.home() / ".cache" / "duplexpipe" / "calibration"
+
+
+def test_a_link_planted_at_the_entry_is_replaced_not_written_through(tmp_path: Path) -> None:
+    cache = CalibrationCache(tmp_path / "cal")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep")
+    (tmp_path / "cal").mkdir()
+    cache.path(FINGERPRINT).symlink_to(victim)
+    path = cache.store(FINGERPRINT, _profile())
+    assert victim.read_text() == "keep" and not path.is_symlink() and cache.load(FINGERPRINT) == _profile()
