@@ -36,13 +36,6 @@ class Zero3Strategy(Zero2Strategy):
         """This rank's stages whose gradients are final only after the mirror sum (reduced there, not at
         REDUCE_GRAD)."""
 
-    def step(self, clip_coef: float) -> None:
-        """ZeRO-2's step, then the scales of the next float8 all-gathers (float8 linears gathered in float8)."""
-        super().step(clip_coef)
-        from duplexpipe.train.float8 import precompute_scales
-
-        precompute_scales(self.ctx.modules.values())
-
     def unshard_stage(self, stage: int) -> None:
         """UNSHARD: post `stage`'s all-gather; it stays in flight until the stage's next compute."""
         comms = self.comms

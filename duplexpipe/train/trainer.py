@@ -60,7 +60,7 @@ from duplexpipe.tp.parallelize import TensorParallel, check_tensor_parallel
 from duplexpipe.tp.plans import TPPlan
 from duplexpipe.train.compile import CompiledStages
 from duplexpipe.train.experts import Experts
-from duplexpipe.train.float8 import convert_stages, float8_options
+from duplexpipe.train.float8 import convert_stages, float8_options, precompute_scales
 from duplexpipe.train.pipeline_config import (
     AUTO,
     DataParallelConfig,
@@ -458,6 +458,8 @@ class Pipeline:
             self.scaler.update(overflow=True)
             return True, norm
         self.dp.step(grads.clip_factor(norm or 0.0, cfg.grad_clip_norm))
+        if cfg.precision.float8 is not None:  # the scales of ZeRO-3's next float8 all-gathers (none otherwise)
+            precompute_scales(self.stage_modules.values())
         self.experts.after_step(applied=True, wait=self.bounded)
         if self.scheduler is not None:
             self.scheduler.step()
