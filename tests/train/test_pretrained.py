@@ -34,7 +34,8 @@ from torch import nn  # noqa: E402
 from duplexpipe.dp_options.zero import ZeroOptions  # noqa: E402
 from duplexpipe.parallel.mesh import make_mesh  # noqa: E402
 from duplexpipe.train.checkpoint import read_checkpoint  # noqa: E402
-from duplexpipe.train.pipeline_config import DataParallelConfig
+from duplexpipe.train.float8 import float8_linears  # noqa: E402
+from duplexpipe.train.pipeline_config import DataParallelConfig, PrecisionConfig  # noqa: E402
 from duplexpipe.train.pretrained import PretrainedModel  # noqa: E402
 from duplexpipe.train.trainer import Pipeline, PipelineConfig  # noqa: E402
 
@@ -79,6 +80,10 @@ def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
     out["memory"] = (peak, *own_bytes(pipe))
     for name, config in SHARDED.items():
         out[f"{name}_params_kept"] = _export_sharded(base, name, config)
+    pipe = Pipeline.from_pretrained(base / "big", adamw, PipelineConfig("1f1b", 4, precision=PrecisionConfig(
+        float8="tensorwise")), dtype=torch.float32)
+    out["float8_linears"] = len(float8_linears(pipe.stage_modules.values()))
+    pipe.save_pretrained(base / "float8-big")
     return out
 
 
@@ -279,3 +284,13 @@ def test_crafted_model_folders_are_refused_naming_the_tensor_or_field(case: str,
             (root / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match=re.escape(expected)):
         PretrainedModel.open(root)
+
+
+def test_a_float8_pipeline_exports_its_high_precision_weights_under_the_same_names(spawned: Any) -> None:
+    """Float8 compute keeps the high-precision weights: what save_pretrained writes is the loaded float32 model."""
+    root, models, results = spawned
+    assert all(r["float8_linears"] > 0 for r in results), "each rank converted some linears"
+    stored, want = file_tensors(root / "float8-big"), models["big"].state_dict()
+    assert set(stored) == set(file_tensors(root / "big"))
+    for name, tensor in stored.items():
+        assert tensor.dtype == torch.float32 and torch.equal(tensor, want[name].float()), name
