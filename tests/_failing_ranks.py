@@ -18,7 +18,7 @@ from duplexpipe.launch.processes import run
 OWN_ERROR = "the originating error on rank 0"
 
 
-def _exited(pid: int) -> bool:
+def exited(pid: int) -> bool:
     """True once process `pid` has exited (gone, or a zombie not yet reaped)."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -40,7 +40,7 @@ def consequence_first(kind: str, flag: str) -> None:
             raise PeerFailedError("rank 1: stopping because rank 0 failed: (see rank 0)", 0)
         raise ValueError("rank 0 rejected its step inputs (see its error); nothing was run")
     if dist.get_rank() == 0:
-        while not (_exited(pids[1]) if flag == "exit" else Path(flag).exists()):
+        while not (exited(pids[1]) if flag == "exit" else Path(flag).exists()):
             time.sleep(0.01)
         raise ValueError(OWN_ERROR)
 

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _failing_ranks import exited
 
 from duplexpipe.cli import main as cli_main
 from duplexpipe.launch.checkpoints import LATEST
@@ -25,14 +26,6 @@ RUN = [sys.executable, "-m", "duplexpipe.cli", "train", "--task", f"{TASKS}:plai
        "--log-every", "0", "--no-tensorboard", "--timeout", "60"]
 """PP=2, 1F1B, a checkpoint every 2 steps: long enough to be killed after its first checkpoint."""
 
-
-def _gone(pid: int) -> bool:
-    """True once process `pid` has ended (gone, or a zombie nobody reaped yet)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state in ("Z", "X")
 
 
 def _wait_for(what: str, ready: object, timeout_s: float) -> None:
@@ -55,7 +48,7 @@ def _killed(save: Path, name: str, after: str) -> None:
         assert len(ranks) == 2 and job.poll() is None, "the job ended before it was killed"
         os.kill(job.pid, number)
         _, err = job.communicate(timeout=30)
-        _wait_for(f"end of every rank after {name}", lambda: all(_gone(pid) for pid in ranks), 10)
+        _wait_for(f"end of every rank after {name}", lambda: all(exited(pid) for pid in ranks), 10)
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
