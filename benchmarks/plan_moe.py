@@ -14,7 +14,7 @@ from benchmarks.framework import Block, Part, Result, mark, ms
 from duplexpipe import Pipeline, PipelineConfig, PlanConfig, Profile, build_schedule, plan
 from duplexpipe.launch.profiling import ProfileRequest, profile_calibrated, task_parts
 from duplexpipe.launch.train_config import TrainConfig
-from duplexpipe.launch.train_loop import build_task
+from duplexpipe.launch.train_task import build_task
 from duplexpipe.planner.calibrate import FIT_ERROR, with_calibration
 from duplexpipe.sizes import parse_bytes
 

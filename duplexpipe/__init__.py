@@ -88,7 +88,8 @@ if _typing.TYPE_CHECKING:  # for type checkers and IDEs: the same names, importe
     )
     from duplexpipe.launch.processes import run
     from duplexpipe.launch.train_config import TrainConfig
-    from duplexpipe.launch.train_loop import TrainTask, run_training
+    from duplexpipe.launch.train_loop import run_training
+    from duplexpipe.launch.train_task import TrainTask
     from duplexpipe.model.hf import causal_lm_loss, causal_lm_parts, causal_lm_targets
     from duplexpipe.model.split import Partition, plan_partition, split_model
     from duplexpipe.model.stages import seeded_init, seeded_part

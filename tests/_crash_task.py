@@ -11,7 +11,7 @@ import torch
 
 from duplexpipe.launch.attempts import restart_attempt
 from duplexpipe.launch.tasks.gpt import gpt_task
-from duplexpipe.launch.train_loop import TrainTask
+from duplexpipe.launch.train_task import TrainTask
 
 NATIVE_NOISE = "".join(
     ["[W1207 12:00:00.000000000 4242 TCPStore.cpp:125] [c10d] recvValue failed on SocketImpl(fd=5): Connection reset "

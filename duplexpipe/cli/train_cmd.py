@@ -166,7 +166,8 @@ def _train_checked(args: argparse.Namespace, config: TrainConfig, out: IO[str]) 
     train and print the summary."""
     from duplexpipe.launch.checks import check_training  # imports torch: after the checks that need none
     from duplexpipe.launch.metrics import check_wandb, memory_summary
-    from duplexpipe.launch.train_loop import load_task, run_training
+    from duplexpipe.launch.train_loop import run_training
+    from duplexpipe.launch.train_task import load_task
     from duplexpipe.train.pipeline_config import is_schedule_file
 
     try:

@@ -15,13 +15,8 @@ from duplexpipe.comm import check_optimizer
 from duplexpipe.dp_options.compression import compression_options
 from duplexpipe.launch.processes import default_backend
 from duplexpipe.launch.train_config import TrainConfig
-from duplexpipe.launch.train_loop import (
-    TrainTask,
-    build_task,
-    load_task,
-    make_optimizer,
-    task_tp_plan,
-)
+from duplexpipe.launch.train_loop import make_optimizer, task_tp_plan
+from duplexpipe.launch.train_task import TrainTask, build_task, load_task
 from duplexpipe.moe.balance import moe_layers
 from duplexpipe.parallel.compressed import check_dgc_momentum
 from duplexpipe.parallel.zero_config import check_hpz

@@ -12,7 +12,8 @@ from torch import nn
 
 from duplexpipe.launch.processes import run
 from duplexpipe.launch.train_config import TrainConfig
-from duplexpipe.launch.train_loop import TrainTask, build_task, make_optimizer
+from duplexpipe.launch.train_loop import make_optimizer
+from duplexpipe.launch.train_task import TrainTask, build_task
 from duplexpipe.model.split import split_model
 from duplexpipe.model.stages import PartInit, materialize_part
 from duplexpipe.planner.profile import Profile

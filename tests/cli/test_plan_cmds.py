@@ -15,7 +15,7 @@ MIB = 2**20
 TASK = '''
 import torch
 from torch import nn
-from duplexpipe.launch.train_loop import TrainTask
+from duplexpipe.launch.train_task import TrainTask
 
 def task(width=8):
     torch.manual_seed(0)

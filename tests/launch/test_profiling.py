@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from duplexpipe.launch.profiling import ProfileRequest, profile_here, task_parts
-from duplexpipe.launch.train_loop import TrainTask
+from duplexpipe.launch.train_task import TrainTask
 
 
 def _task(blocks: int = 4) -> TrainTask:

@@ -17,13 +17,8 @@ from duplexpipe.cli import main as cli_main
 from duplexpipe.cli.train_cmd import add_train_arguments, config_from_args, train_main
 from duplexpipe.launch.metrics import read_metrics
 from duplexpipe.launch.train_config import lr_factor
-from duplexpipe.launch.train_loop import (
-    DEFAULT_TASK,
-    TrainConfig,
-    build_task,
-    checkpoint_to_load,
-    load_task,
-)
+from duplexpipe.launch.train_loop import DEFAULT_TASK, TrainConfig, checkpoint_to_load
+from duplexpipe.launch.train_task import build_task, load_task
 from duplexpipe.schedules.timeline import Timeline
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -271,7 +266,7 @@ def test_steps_count_optimizer_steps_and_a_layout_change_is_one_line(tmp_path: P
 NAN_WEIGHT_TASK = '''
 import torch
 from duplexpipe.launch.tasks.gpt import gpt_task
-from duplexpipe.launch.train_loop import TrainTask
+from duplexpipe.launch.train_task import TrainTask
 
 def task(seed: int = 0) -> TrainTask:
     made = gpt_task(n_layer=1, d_model=8, n_head=2, block_size=8, seed=seed)

@@ -16,7 +16,7 @@ import torch
 
 from duplexpipe.cli.train_cmd import add_train_arguments, train_main
 from duplexpipe.launch.batches import batch_rows, local_slice, rows_of
-from duplexpipe.launch.train_loop import load_task
+from duplexpipe.launch.train_task import load_task
 
 HELPER = '''
 import torch

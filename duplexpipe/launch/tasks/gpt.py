@@ -18,7 +18,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from duplexpipe.launch.train_loop import TrainTask
+from duplexpipe.launch.train_task import TrainTask
 from duplexpipe.tp.style import ScatterSequence
 
 CORPUS_NAME = "kjv_genesis_exodus.txt"

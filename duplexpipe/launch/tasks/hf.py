@@ -15,7 +15,7 @@ import torch
 from duplexpipe.launch.batch_streams import Batch, HeldOutBatches, StreamedBatches
 from duplexpipe.launch.tasks.hf_data import data_files, documents
 from duplexpipe.launch.tasks.hf_options import HFOptions, hf_options
-from duplexpipe.launch.train_loop import TrainTask
+from duplexpipe.launch.train_task import TrainTask
 from duplexpipe.model.hf import IGNORE_INDEX, causal_lm_loss, causal_lm_targets
 from duplexpipe.model.hf_files import stored_tensors
 from duplexpipe.train.pretrained import check_model_dir

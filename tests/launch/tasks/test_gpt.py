@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from duplexpipe.launch.tasks import gpt
-from duplexpipe.launch.train_loop import TrainTask
+from duplexpipe.launch.train_task import TrainTask
 
 ROOT = Path(__file__).resolve().parents[3]
 
