@@ -24,7 +24,8 @@ PARTS = ("vs_torch", "measured_vs_sim", "overlap", "schedule_tooling", "profile_
          "p2p_compression", "dp_compression", "plan_vs_measured", "zero_bench", "spawn_bench", "auto_vs_hand",
          "moe_overlap", "compression", "cuda_overlap", "reliability", "vs_torch_tp",
          "plan_tp", "compile", "plan_moe", "checkpointing",
-         "zero3_bench", "float8_bench", "data_memory", "adaptive_comm")  # every part in report order: its number
+         "zero3_bench", "float8_bench", "data_memory", "adaptive_comm",
+         "memory_vs_predicted")  # every part in report order: its number
          # is its place here
 
 

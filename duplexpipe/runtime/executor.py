@@ -398,7 +398,7 @@ class PipelineRuntime:
         actions = plan.actions if step.train else plan.eval_actions
         after = self._after(step)
         handlers = self._handlers if step.memory is None else self._measured
-        reap = None if self.watchdog.gloo else self.transport.reap  # gloo: sends are released by finish()
+        reap = None if self.watchdog.gloo else self.transport.reap  # gloo: see _after and finish()
         with self._stopping(at):
             for pos, action in enumerate(actions):
                 at[0] = action
@@ -428,11 +428,17 @@ class PipelineRuntime:
 
     def _after(self, step: Step) -> dict[int, Callable[[], None]]:
         """What runs after the action at a position of the step's list: the stages' final-gradient hook
-        (`on_grads_ready`), the activation offload's moves and the loss sum's post (gloo)."""
+        (`on_grads_ready`), the release of sends the schedule proves complete (gloo), the activation offload's
+        moves and the loss sum's post (gloo)."""
         after: dict[int, Callable[[], None]] = {}
         if step.train and self.config.on_grads_ready is not None:
             for pos, stages in step.plan.grads_final.items():
                 after[pos] = functools.partial(self._grads_final, stages)
+        if step.train and self.watchdog.gloo:
+            for pos, keys in step.plan.sends_done_at().items():
+                release = functools.partial(self.transport.release, keys)
+                final = after.get(pos)
+                after[pos] = release if final is None else functools.partial(_both, final, release)
         if step.offload is not None:
             for pos, move in step.offload.hooks().items():
                 final = after.get(pos)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from duplexpipe.schedules.ir import Action, Op, Schedule
 from duplexpipe.schedules.layout import Layout
@@ -37,6 +37,11 @@ class RankPlan:
     where it posts its share of the loss sum (`LossSum.post_after`); None when it computes none."""
     eval_losses_final: int | None
     """The same in `eval_actions`."""
+    sends_done: dict[PartKey, tuple[SendKey, ...]] = field(default_factory=dict)
+    """A compute part of this rank (op, stage, microbatch) -> this rank's sends that have surely completed once it
+    ran: it consumed a message its peer sent after consuming theirs. gloo marks a send complete only when waited
+    for, so there the runtime waits for these at that point (at once: they are done), freeing their tensors before
+    the step's end instead of at it."""
 
     @staticmethod
     def of(schedule: Schedule, rank: int, mirrored: Collection[int] = ()) -> RankPlan:
@@ -54,7 +59,17 @@ class RankPlan:
             firsts=tuple(s for s in mine if layout.prv[s] < 0), lasts=tuple(s for s in mine if layout.nxt[s] < 0),
             output_ranks=tuple(sorted(first_mb, key=lambda r: first_mb[r])),
             grads_final=_grads_final(actions, mirrored), mirrored=tuple(s for s in mine if s in mirrored),
-            losses_final=_last_loss(actions, layout), eval_losses_final=_last_loss(eval_actions, layout))
+            losses_final=_last_loss(actions, layout), eval_losses_final=_last_loss(eval_actions, layout),
+            sends_done=sends_done(schedule, layout, rank))
+
+    def sends_done_at(self) -> dict[int, tuple[SendKey, ...]]:
+        """`sends_done` by position in `actions` (after the action at that position ran)."""
+        out: dict[int, tuple[SendKey, ...]] = {}
+        for pos, action in enumerate(self.actions):
+            keys = tuple(k for part in action.compute_parts() for k in self.sends_done.get(_key(part), ()))
+            if keys:
+                out[pos] = keys
+        return out
 
     def hoisted(self, depth: int) -> RankPlan:
         """This plan with every receive moved up to when the receive `depth` places before it from the same
@@ -70,6 +85,51 @@ class RankPlan:
 
 RECEIVES = (Op.RECV_F, Op.RECV_B)
 """The receive operations."""
+PartKey = tuple[Op, int, int]
+"""A compute part: (op, stage, microbatch)."""
+SendKey = tuple[Op, int, int]
+"""A send as the transport names it: (SEND_F or SEND_B, the sending stage, microbatch)."""
+
+
+def _key(action: Action) -> PartKey:
+    return (action.op, action.stage, action.microbatch)
+
+
+def _peer(layout: Layout, send: Action) -> int:
+    """The rank a SEND goes to."""
+    return layout.rank[layout.nxt[send.stage] if send.op is Op.SEND_F else layout.prv[send.stage]]
+
+
+def _consumer(layout: Layout, positions: dict[PartKey, int], send: Action) -> tuple[int, PartKey] | None:
+    """Where the receiving rank (its compute parts' `positions`) takes the message of `send`, and the part that
+    takes it: the F of the next stage, or the first B or I of the previous one (None: its list has neither)."""
+    if send.op is Op.SEND_F:
+        keys: tuple[PartKey, ...] = ((Op.F, layout.nxt[send.stage], send.microbatch),)
+    else:
+        keys = ((Op.B, layout.prv[send.stage], send.microbatch), (Op.I, layout.prv[send.stage], send.microbatch))
+    return min(((positions[k], k) for k in keys if k in positions), default=None)
+
+
+def sends_done(schedule: Schedule, layout: Layout, rank: int) -> dict[PartKey, tuple[SendKey, ...]]:
+    """For `rank`'s list in the lowered `schedule`: its compute parts after which some of its sends have surely
+    completed (RankPlan.sends_done). A send S to rank p is complete once this rank took a message T that p sent
+    after the compute that consumed S (p could not have posted T before taking S)."""
+    positions: list[dict[PartKey, int]] = []
+    sends: list[list[tuple[int, Action]]] = []
+    for actions in schedule.actions:
+        positions.append({_key(part): pos for pos, action in enumerate(actions) for part in action.compute_parts()})
+        sends.append([(pos, a) for pos, a in enumerate(actions) if a.op in (Op.SEND_F, Op.SEND_B)])
+    done: dict[PartKey, list[SendKey]] = {}
+    for _, send in sends[rank]:
+        peer = _peer(layout, send)
+        consumed = _consumer(layout, positions[peer], send)
+        if consumed is None:
+            continue
+        back = next((a for pos, a in sends[peer] if pos > consumed[0] and _peer(layout, a) == rank), None)
+        taken = None if back is None else _consumer(layout, positions[rank], back)
+        if taken is not None:
+            done.setdefault(taken[1], []).append(_key(send))
+    return {part: tuple(keys) for part, keys in done.items()}
 
 
 def hoist_receives(actions: tuple[Action, ...], layout: Layout, depth: int) -> tuple[Action, ...]:

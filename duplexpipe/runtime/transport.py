@@ -245,10 +245,18 @@ class MailTransport:
         works, _, peer = self._sends.pop(key)
         self.watchdog.wait_p2p(works, lambda: f"completion of {key_text(key)}", lambda: f"rank {peer}")
 
+    def release(self, keys: tuple[Key, ...]) -> None:
+        """Wait for the sends `keys` that are still held (the caller knows they completed: their receiver consumed
+        them, so this returns at once) and free their tensors; gloo's way to release sends before `finish`."""
+        for key in keys:
+            if key in self._sends:
+                self.wait_send(key)
+
     def reap(self) -> None:
         """Drop (free) the tensors of sends seen complete. gloo marks a send complete only once it was
-        waited for, so there this is a no-op and sends are released by `finish` (the contract's
-        latest point: the end of the step)."""
+        waited for, so there this is a no-op: sends are released where the schedule proves them complete
+        (`release`, RankPlan.sends_done) and the rest by `finish` (the contract's latest point: the end of the
+        step)."""
         if self.watchdog.gloo or not self._sends:
             return
         for key in [k for k, (works, _, _) in self._sends.items() if all(w.is_completed() for w in works)]:

@@ -136,6 +136,14 @@ def test_the_other_kinds_are_what_the_rank_holds(results: list[dict[str, Any]], 
         assert case["points"] > case["actions"], "a point after every action, and one per forward held"
 
 
+def test_sends_are_released_before_the_steps_end_on_gloo(results: list[dict[str, Any]]) -> None:
+    """Each rank of 1F1B sends M messages one way; held until the step's end (gloo's completion) they alone would
+    reach M units on the first and the last rank. Released where the schedule proves them received, fewer are held
+    at once."""
+    for rank in (0, WORLD - 1):
+        assert 0 < results[rank]["1f1b"]["messages"] < M * UNIT, rank
+
+
 def table(results: list[dict[str, Any]]) -> str:
     """Measured vs predicted activation peak per rank and schedule (bytes), one row per (schedule, rank)."""
     rows = ["schedule   rank  measured  predicted  ratio  total_peak  messages_peak"]

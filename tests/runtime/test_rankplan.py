@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+import networkx as nx
 import pytest
 import torch
 import torch.distributed as dist
@@ -100,6 +101,59 @@ def test_losses_final_is_the_position_of_the_last_loss_or_none(name: str, P: int
                       if any(p.op is Op.F and schedule.is_last(p.stage) for p in a.compute_parts())]
             assert at == (losses[-1] if losses else None), rank
         assert (plan.losses_final is None) == (not plan.lasts), rank
+
+
+def test_1f1b_releases_each_send_when_the_reply_it_caused_is_taken() -> None:
+    schedule = lower(build("1f1b", 2, 4))
+    first, last = (RankPlan.of(schedule, rank).sends_done for rank in (0, 1))
+    assert first == {(Op.B, 0, mb): ((Op.SEND_F, 0, mb),) for mb in range(4)}  # F mb's gradient came back
+    # the last stage's gradients 0 and 1 are proven received by the inputs of microbatches 2 and 3; 2 and 3 by none
+    assert last == {(Op.F, 1, 2): ((Op.SEND_B, 1, 0),), (Op.F, 1, 3): ((Op.SEND_B, 1, 1),)}
+
+
+def _happens_before(schedule: Schedule) -> nx.DiGraph:
+    """(rank, position) of every action; edges: each rank's order, and a send to the compute taking its message."""
+    layout = Layout.of(schedule)
+    graph = nx.DiGraph()
+    takes: dict[tuple[Op, int, int], tuple[int, int]] = {}
+    for rank, actions in enumerate(schedule.actions):
+        for pos, action in enumerate(actions):
+            graph.add_node((rank, pos))
+            if pos:
+                graph.add_edge((rank, pos - 1), (rank, pos))
+            for part in action.compute_parts():
+                takes.setdefault((part.op, part.stage, part.microbatch), (rank, pos))
+    for rank, actions in enumerate(schedule.actions):
+        for pos, a in enumerate(actions):
+            if a.op is Op.SEND_F:
+                graph.add_edge((rank, pos), takes[(Op.F, layout.nxt[a.stage], a.microbatch)])
+            elif a.op is Op.SEND_B:
+                found = [takes[k] for k in ((Op.B, layout.prv[a.stage], a.microbatch),
+                                            (Op.I, layout.prv[a.stage], a.microbatch)) if k in takes]
+                graph.add_edge((rank, pos), min(found))
+    return graph
+
+
+@pytest.mark.parametrize("P", [2, 4])
+@pytest.mark.parametrize("name", NAMES)
+def test_a_send_is_released_only_after_its_receiver_took_it(name: str, P: int) -> None:
+    """Checked on the happens-before graph: the compute that takes the send's message precedes the release."""
+    schedule = lower(build(name, P, 2 * P))
+    graph = _happens_before(schedule)
+    released = 0
+    for rank in range(P):
+        plan = RankPlan.of(schedule, rank)
+        at = {(a.op, a.stage, a.microbatch): pos for pos, a in enumerate(plan.actions)}
+        for pos, keys in plan.sends_done_at().items():
+            for op, stage, mb in keys:
+                send = (rank, at[(op, stage, mb)])
+                taker = next(n for n in graph.successors(send) if n[0] != rank)
+                assert nx.has_path(graph, taker, (rank, pos)), (rank, pos, op, stage, mb)
+                released += 1
+        hoisted = plan.hoisted(1)  # receives moved: the same releases, after the same computes
+        assert sorted(hoisted.sends_done_at().values()) == sorted(plan.sends_done_at().values())
+    sends = sum(a.op in (Op.SEND_F, Op.SEND_B) for actions in schedule.actions for a in actions)
+    assert released >= sends // 2, (released, sends)  # most are released before the step's end
 
 
 def test_lookahead_must_be_an_int() -> None:
