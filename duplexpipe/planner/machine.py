@@ -8,10 +8,11 @@ from dataclasses import dataclass
 
 from duplexpipe.errors import ScheduleError
 from duplexpipe.planner.profile import RuntimeOverhead, check_work_terms
+from duplexpipe.schedules.execute import run_program
 from duplexpipe.schedules.ir import Action, Schedule
 from duplexpipe.schedules.layout import Layout, gc_paused
 from duplexpipe.schedules.lower import lower
-from duplexpipe.schedules.program import COMPUTE, SEND, Durations, Program, analyze, run_program
+from duplexpipe.schedules.program import COMPUTE, SEND, Durations, Program, analyze
 from duplexpipe.schedules.simulate import CostModel
 from duplexpipe.schedules.timeline import Event, Timeline
 from duplexpipe.schedules.verify import explain_stuck

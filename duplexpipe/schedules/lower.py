@@ -5,9 +5,10 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 
 from duplexpipe.errors import ScheduleError
+from duplexpipe.schedules.execute import run_program
 from duplexpipe.schedules.ir import Action, Op, Schedule
 from duplexpipe.schedules.layout import Layout, gc_paused
-from duplexpipe.schedules.program import COMPUTE, run_program
+from duplexpipe.schedules.program import COMPUTE
 
 __all__ = ["lower"]
 

@@ -8,11 +8,12 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from duplexpipe.errors import ScheduleError
+from duplexpipe.schedules.execute import run_program
 from duplexpipe.schedules.ir import Action, Op, Schedule
 from duplexpipe.schedules.layout import Layout, gc_paused
 from duplexpipe.schedules.lower import lower
 from duplexpipe.schedules.moe_cost import ExpertCost
-from duplexpipe.schedules.program import Durations, analyze, run_program
+from duplexpipe.schedules.program import Durations, analyze
 from duplexpipe.schedules.timeline import Event, MemoryStep, Span, Timeline
 from duplexpipe.schedules.verify import explain_stuck
 

@@ -7,10 +7,11 @@ from dataclasses import dataclass
 import networkx as nx
 
 from duplexpipe.errors import ScheduleError
+from duplexpipe.schedules.execute import Run, run_program
 from duplexpipe.schedules.ir import Action, Op, Schedule
 from duplexpipe.schedules.layout import Layout
 from duplexpipe.schedules.lower import lower
-from duplexpipe.schedules.program import COMPUTE, SEND, SHARD, Program, Run, analyze, run_program
+from duplexpipe.schedules.program import COMPUTE, SEND, SHARD, Program, analyze
 
 
 def verify(schedule: Schedule, *, nccl: bool = False) -> None:

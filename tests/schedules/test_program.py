@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from duplexpipe.schedules import registry
+from duplexpipe.schedules.execute import run_program
 from duplexpipe.schedules.ir import Op, Schedule, StageInfo, parse_action
 from duplexpipe.schedules.layout import Layout
-from duplexpipe.schedules.program import COMPUTE, RECV, SEND, Durations, analyze, run_program
+from duplexpipe.schedules.program import COMPUTE, RECV, SEND, Durations, analyze
 from duplexpipe.schedules.verify import verify
 
 
