@@ -27,6 +27,7 @@ from duplexpipe.model.split import (
     plan_partition,
 )
 from duplexpipe.model.stages import (
+    Checkpointing,
     PartInit,
     PartSource,
     build_stage_modules,
@@ -174,11 +175,7 @@ class Pipeline:
         """What runs: schedule, M, ZeRO stage and gradient compression (with "auto": the planner's choice)."""
         self.partition = partition.placed(self.schedule) if partition is not None else None
         ckpt = resolve_checkpointing(cfg.activation_checkpointing, self.schedule)
-        self.stage_modules = build_stage_modules(self.schedule, groups.pp_rank, parts, init=init,
-                                                 checkpoint_stages=ckpt, device=self.device)
-        if (float8 := float8_options(cfg.precision.float8)) is not None:  # before TP, ZeRO and compile wrap them
-            convert_stages(self.stage_modules, float8, self.device, split=not cfg.compile,
-                           zero_stage=cfg.data_parallel.zero_stage or 0)
+        self.stage_modules = self._build_stages(parts, init, ckpt)
         self.tensor = TensorParallel(tp_plan, groups, cfg.sequence_parallel)
         """Tensor parallelism inside this rank's stages (inactive without a plan or with tp=1)."""
         self.tensor.apply({s: model_parts(m) for s, m in self.stage_modules.items()}, cfg.data_parallel.zero_stage or 0)
@@ -186,10 +183,7 @@ class Pipeline:
         """This rank's MoE layers: expert parallelism and the expert-bias update."""
         self.params = [p for s in sorted(self.stage_modules) for p in self.stage_modules[s].parameters()]
         window = check_window(cfg.data_parallel.reshard_window, len(self.stage_modules), groups.pp_rank)
-        tied = find_tied([] if callable(parts) else parts)  # factory parts cannot share a Parameter
-        check_tied(cfg.data_parallel.zero_stage or 0, [t.places for t in tied], groups.dp_size)
-        self.tied = TiedGrads(tied, self.schedule, groups.pp_rank, self.stage_modules, groups.pp_group)
-        self.tensor.check_tied(self.tied.layouts())
+        self.tied = self._tie(parts)
         self.scaler = DynamicLossScaler(cfg.precision.loss_scale, enabled=cfg.precision.dtype == "fp16")
         self.p2p_meter = WireMeter()
         """Every stage-to-stage SEND of this rank: kind "send", its payload bytes on the wire."""
@@ -213,6 +207,26 @@ class Pipeline:
         """The LR scheduler (None without one); stepped after every applied optimizer step."""
         self.compiled = CompiledStages(self.stage_modules, cfg.compile, self.schedule, self.device, parts)  # last
         self._start_counting()
+
+    def _build_stages(self, parts: PartSource, init: PartInit | None, ckpt: Checkpointing) -> dict[int, nn.Module]:
+        """This rank's stage modules, checkpointed where `ckpt` says and float8-converted where the config asks
+        (before TP, ZeRO and compile wrap them)."""
+        cfg = self.config
+        modules = build_stage_modules(self.schedule, self.groups.pp_rank, parts, init=init, checkpoint_stages=ckpt,
+                                      device=self.device)
+        if (float8 := float8_options(cfg.precision.float8)) is not None:
+            convert_stages(modules, float8, self.device, split=not cfg.compile,
+                           zero_stage=cfg.data_parallel.zero_stage or 0)
+        return modules
+
+    def _tie(self, parts: PartSource) -> TiedGrads:
+        """The weights the parts share across stages (factory parts cannot share a Parameter), checked against ZeRO
+        and tensor parallelism."""
+        tied = find_tied([] if callable(parts) else parts)
+        check_tied(self.config.data_parallel.zero_stage or 0, [t.places for t in tied], self.groups.dp_size)
+        out = TiedGrads(tied, self.schedule, self.groups.pp_rank, self.stage_modules, self.groups.pp_group)
+        self.tensor.check_tied(out.layouts())
+        return out
 
     def _start_counting(self) -> None:
         """The counters and hooks of a new pipeline."""
