@@ -13,6 +13,7 @@ from benchmarks.runner import main
 from duplexpipe import Pipeline, PipelineConfig, build_schedule, profile_parts, simulate
 from duplexpipe.model.split import build_parts, plan_partition
 from duplexpipe.planner.memory import MemoryConfig, StageBytes, rank_memory
+from duplexpipe.planner.plan import checkpointed
 from duplexpipe.train.pipeline_config import ObserveConfig, SafetyConfig
 
 TARGET = 0.10
@@ -35,20 +36,30 @@ class MemoryBenchConfig:
     d_model: int = 64
     batch_size: int = 32
     steps: int = 2
+    checkpointing: tuple[bool, ...] = (False, True)  # each schedule without, then with full checkpointing
 
 
-QUICK = MemoryBenchConfig(schedules=("1f1b", "zbv"), ranks=2, microbatches=4, n_layer=4, d_model=32, batch_size=8)
+QUICK = MemoryBenchConfig(schedules=("1f1b", "zbv"), ranks=2, microbatches=4, n_layer=4, d_model=32, batch_size=8,
+                          checkpointing=(False,))
 
 
-def _config(name: str, cfg: MemoryBenchConfig) -> PipelineConfig:
-    return PipelineConfig(name, cfg.microbatches, grad_clip_norm=1.0,
+def cases(cfg: MemoryBenchConfig) -> list[str]:
+    """Each schedule's name, then with " checkpointed" where asked."""
+    return [f"{s} checkpointed" if ckpt else s for ckpt in cfg.checkpointing for s in cfg.schedules]
+
+
+def _config(case: str, cfg: MemoryBenchConfig) -> PipelineConfig:
+    name, _, ckpt = case.partition(" ")
+    return PipelineConfig(name, cfg.microbatches, grad_clip_norm=1.0, activation_checkpointing=bool(ckpt),
                           safety=SafetyConfig(check_inputs_every_step=False),
                           observe=ObserveConfig(record_timeline=False, measure_memory=True))
 
 
-def predicted(name: str, cfg: MemoryBenchConfig) -> list[dict[str, float]]:
-    """The byte model's per-rank memory of schedule `name`: the parts `Pipeline.from_layers` builds (uniform
-    balance), each profiled on one microbatch, placed by the schedule and simulated with unit costs."""
+def predicted(case: str, cfg: MemoryBenchConfig) -> list[dict[str, float]]:
+    """The byte model's per-rank memory of `case`: the parts `Pipeline.from_layers` builds (uniform balance), each
+    profiled on one microbatch (as the planner checkpoints them where asked), placed by the schedule and simulated
+    with unit costs."""
+    name, _, ckpt = case.partition(" ")
     task = harness.gpt(cfg.n_layer, cfg.d_model)
     schedule = build_schedule(name, cfg.ranks, cfg.microbatches)
     blocks = list(task.layers)
@@ -58,7 +69,8 @@ def predicted(name: str, cfg: MemoryBenchConfig) -> list[dict[str, float]]:
     rows = cfg.batch_size // cfg.microbatches
     profile = profile_parts(parts, x[:rows], target=y[:rows], loss_fn=task.loss_fn, repeats=1, warmup=0, fit_rows=0,
                             fused=False)
-    sizes = StageBytes.of(schedule, profile.parts)
+    groups, recompute = checkpointed(profile.parts) if ckpt else (tuple(profile.parts), ())
+    sizes = StageBytes.of(schedule, groups, recompute)
     memory = rank_memory(schedule, simulate(schedule), sizes, MemoryConfig(optimizer_factor=ADAMW_STATES))
     return [m.to_dict() for m in memory]
 
@@ -68,7 +80,7 @@ def worker(rank: int, world: int, cfg: MemoryBenchConfig) -> dict[str, Any]:
     out: dict[str, Any] = {"measured": {}, "predicted": {}}
     task = harness.gpt(cfg.n_layer, cfg.d_model)
     step = harness.gpt_step(task, cfg.batch_size)
-    for name in cfg.schedules:
+    for name in cases(cfg):
         pipe: Pipeline = harness.gpt_pipeline(harness.gpt(cfg.n_layer, cfg.d_model), _config(name, cfg),
                                               harness.adamw())
         for i in range(cfg.steps):
@@ -87,7 +99,7 @@ def run(cfg: MemoryBenchConfig) -> Result:
     """Every schedule on `cfg.ranks` processes; per schedule and rank the measured and predicted bytes."""
     results = harness.spawn(worker, cfg, cfg.ranks, 1800.0)
     rows = {}
-    for name in cfg.schedules:
+    for name in cases(cfg):
         rows[name] = [{"measured": results[r]["measured"][name], "predicted": results[0]["predicted"][name][r]}
                       for r in range(cfg.ranks)]
     return {"config": asdict(cfg), "rows": rows}

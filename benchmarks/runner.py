@@ -25,7 +25,7 @@ PARTS = ("vs_torch", "measured_vs_sim", "overlap", "schedule_tooling", "profile_
          "moe_overlap", "compression", "cuda_overlap", "reliability", "vs_torch_tp",
          "plan_tp", "compile", "plan_moe", "checkpointing",
          "zero3_bench", "float8_bench", "data_memory", "adaptive_comm",
-         "memory_vs_predicted")  # every part in report order: its number
+         "memory_vs_predicted", "plan_fits_budget")  # every part in report order: its number
          # is its place here
 
 

@@ -399,7 +399,8 @@ class PipelineRuntime:
         after = self._after(step)
         handlers = self._handlers if step.memory is None else self._measured
         reap = None if self.watchdog.gloo else self.transport.reap  # gloo: see _after and finish()
-        with self._stopping(at):
+        recomputes = step.memory.recomputes.collecting() if step.memory is not None else contextlib.nullcontext()
+        with self._stopping(at), recomputes:
             for pos, action in enumerate(actions):
                 at[0] = action
                 handlers[action.op](step, action)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from duplexpipe.runtime.backward.checkpoint import RecomputeWatch
 from duplexpipe.runtime.saved_bytes import storage_key
 from duplexpipe.runtime.stage_compute import Activation, Activations
 
@@ -19,10 +20,12 @@ KINDS = ("params", "grads", "activations", "messages")
 
 @dataclass(frozen=True)
 class MemoryPoint:
-    """What this rank held right after one action (or, inside an F&B pair, right after its forward part)."""
+    """What this rank held right after one action (or, inside an F&B pair, right after its forward part; inside a
+    backward, right after a checkpointed region's recompute)."""
 
     label: str
-    """The action (its text form, e.g. "1F3"), "start" or "end" (sends released)."""
+    """The action (its text form, e.g. "1F3"), "start", "end" (sends released) or "recompute" (inside the action
+    after it: a checkpointed region's recompute, its tensors all held)."""
     time: float
     """Seconds since the step's start (the measured timeline's clock)."""
     params: int
@@ -30,7 +33,8 @@ class MemoryPoint:
     grads: int
     """Bytes of their gradients."""
     activations: int
-    """Bytes the live forwards keep for backward (`SavedBytes`, unioned per storage over the held microbatches)."""
+    """Bytes the live forwards keep for backward (`SavedBytes`, unioned per storage over the held microbatches) and
+    what checkpointed regions' recomputes hold (from the recompute to the last use: I to W under a split backward)."""
     messages: int
     """Bytes of the mail: receive buffers not yet taken, sends not yet released, local handoffs and payloads
     waiting for their SEND."""
@@ -134,6 +138,9 @@ class StepMemory:
         self.device = device
         self.origin = origin
         self.curve: list[MemoryPoint] = []
+        self.recomputes = RecomputeWatch(on_recompute=lambda: self.sample("recompute"))
+        """The checkpointed regions of the step's forwards (collecting while the step's actions run): what their
+        recomputes hold counts as activations, and each recompute is sampled (inside its I or B)."""
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
 
@@ -149,6 +156,7 @@ class StepMemory:
         for act in self.acts.held.values():
             if act.saved is not None:
                 saved.update(act.saved)
+        storages(self.recomputes.held(), saved)
         messages = storages(self.mail())
         total = {**params, **grads, **saved, **messages}
         self.curve.append(MemoryPoint(label, time.perf_counter() - self.origin, sum(params.values()),

@@ -70,7 +70,7 @@ def test_the_total_peak_is_the_peak_of_the_sum_and_the_optimizer_is_added() -> N
 
 
 # ----------------------------------------------------------------- 4 ranks
-def _measure(schedule: str) -> dict[str, Any]:
+def _measure(schedule: str, checkpointed: bool = False) -> dict[str, Any]:
     from duplexpipe import Pipeline, PipelineConfig
     from duplexpipe.planner.memory import StageBytes, rank_memory
     from duplexpipe.schedules import registry
@@ -81,7 +81,8 @@ def _measure(schedule: str) -> dict[str, Any]:
     groups = registry.build(schedule, WORLD, M).num_groups
     x, y = torch.randn(ROWS * M, WIDTH), torch.randn(ROWS * M, WIDTH)
     pipe = Pipeline(_parts(groups), _product_loss, lambda ps: torch.optim.Adam(ps, lr=1e-3),
-                    PipelineConfig(schedule=schedule, num_microbatches=M, observe=ObserveConfig(measure_memory=True)))
+                    PipelineConfig(schedule=schedule, num_microbatches=M, activation_checkpointing=checkpointed,
+                                   observe=ObserveConfig(measure_memory=True)))
     reports = []
     for _ in range(2):
         pipe.step(x, y)
@@ -99,12 +100,13 @@ def _measure(schedule: str) -> dict[str, Any]:
             "messages": report.messages_peak, "total": report.total_peak,
             "param_bytes": params, "param_count": len(held),
             "points": len(report.curve), "actions": len(pipe.runtime.plan.actions),
+            "recomputes": [p.activations for p in report.curve if p.label == "recompute"],
             "sum_of_peaks": report.params_peak + report.grads_peak + report.activations_peak
             + report.messages_peak + report.optimizer, "first": reports[0].optimizer}
 
 
 def _worker(rank: int, world: int) -> dict[str, Any]:
-    return {name: _measure(name) for name in SCHEDULES}
+    return {**{name: _measure(name) for name in SCHEDULES}, "zb-h1 checkpointed": _measure("zb-h1", True)}
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -142,6 +144,15 @@ def test_sends_are_released_before_the_steps_end_on_gloo(results: list[dict[str,
     at once."""
     for rank in (0, WORLD - 1):
         assert 0 < results[rank]["1f1b"]["messages"] < M * UNIT, rank
+
+
+def test_checkpointed_recomputes_are_sampled_and_counted(results: list[dict[str, Any]]) -> None:
+    """Each stage's recompute (one per microbatch, inside its I) is a point of the curve, its tensors counted: more
+    than the stage's forward keeps, which under checkpointing is its input alone."""
+    for rank, result in enumerate(results):
+        case = result["zb-h1 checkpointed"]
+        assert len(case["recomputes"]) == M, rank
+        assert min(case["recomputes"]) > UNIT and case["activations"][-1] == max(case["recomputes"]), rank
 
 
 def table(results: list[dict[str, Any]]) -> str:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Iterable, Iterator
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -35,6 +36,45 @@ SAVED_AGAIN = "duplexpipe_saved_again"
 """The key of an autograd node's metadata marking that the node runs again in a later engine call (W)."""
 ContextFn = Callable[[], tuple[contextlib.AbstractContextManager[Any], contextlib.AbstractContextManager[Any]]]
 """torch's `context_fn`: () -> (the forward's context, the recompute's context)."""
+
+
+class RecomputeWatch:
+    """The regions checkpointed while it collects (a measured step's forwards): what their recomputes hold now, from
+    the recompute to each tensor's last unpack (under a split backward, what W needs from I to W), and a call after
+    every recompute, when a region's recomputed tensors are all held at once (a memory measurement samples then)."""
+
+    def __init__(self, on_recompute: Callable[[], None] | None = None) -> None:
+        self.on_recompute = on_recompute
+        self.regions: list[weakref.ref[_Region]] = []
+
+    @contextlib.contextmanager
+    def collecting(self) -> Iterator[None]:
+        """Inside the block, each checkpointed region created joins this watch."""
+        token = _WATCH.set(self)
+        try:
+            yield
+        finally:
+            _WATCH.reset(token)
+
+    def held(self) -> list[Tensor]:
+        """The recomputed tensors its live regions hold now (regions whose graph is gone are dropped)."""
+        out: list[Tensor] = []
+        live: list[weakref.ref[_Region]] = []
+        for ref in self.regions:
+            region = ref()
+            if region is None:
+                continue
+            live.append(ref)
+            for ref_holder in region.holders:
+                holder = ref_holder()
+                if holder is not None and holder.tensor is not None:
+                    out.append(holder.tensor)
+        self.regions = live
+        return out
+
+
+_WATCH: ContextVar[RecomputeWatch | None] = ContextVar("duplexpipe_recompute_watch", default=None)
+"""The watch collecting the regions checkpointed now (`RecomputeWatch.collecting`); None outside one."""
 
 
 class _Holder:
@@ -57,6 +97,10 @@ class _Region:
         self.recompute_context = recompute_context
         self.holders: list[weakref.ref[_Holder]] = []
         self.recomputes = 0
+        self.watch = _WATCH.get()
+        """The watch collecting it (None: none)."""
+        if self.watch is not None:
+            self.watch.regions.append(weakref.ref(self))
         self.device_type = next((a.device.type for a in args if isinstance(a, Tensor) and a.device.type != "cpu"),
                                 "cpu")
         self.cpu_rng = torch.get_rng_state()
@@ -122,6 +166,9 @@ def _identity(tensor: Tensor) -> Tensor:
 def _unpack(holder: _Holder) -> Tensor:
     if holder.tensor is None:
         holder.region.recompute(holder)
+        watch = holder.region.watch
+        if watch is not None and watch.on_recompute is not None:
+            watch.on_recompute()
     tensor = holder.tensor
     assert tensor is not None
     node = compat.current_autograd_node()

@@ -16,7 +16,7 @@ from torch.autograd.graph import get_gradient_edge
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from duplexpipe.runtime.backward.checkpoint import _Region, checkpoint
+from duplexpipe.runtime.backward.checkpoint import RecomputeWatch, _Region, checkpoint
 from duplexpipe.runtime.backward.graph import stage_backward_input, stage_backward_weight
 
 DIM = 8
@@ -122,6 +122,26 @@ def test_what_only_i_needed_is_dropped_at_i(monkeypatch: pytest.MonkeyPatch) -> 
     assert 0 < len(kept) < len(holders)
     stage_backward_weight(work)
     assert all(h.tensor is None for h in holders)
+
+
+def test_a_watch_sees_each_recompute_and_what_it_holds_until_w() -> None:
+    """Regions made while a watch collects report each recompute (all three blocks' tensors held then, one block's
+    more at each) and hold what W needs until W; a region made outside it is not watched."""
+    blocks = _model()
+    seen: list[int] = []
+    watch = RecomputeWatch(on_recompute=lambda: seen.append(sum(t.numel() for t in watch.held())))
+    params = list(blocks.parameters())
+    leaf = torch.randn(5, DIM, dtype=torch.float64, requires_grad=True)
+    with watch.collecting():
+        loss = _run(blocks, leaf, checkpoint)
+    assert len(watch.regions) == 3 and watch.held() == []  # the forward kept nothing
+    _, work = stage_backward_input([get_gradient_edge(loss)], [torch.ones_like(loss)], [leaf], params)
+    assert len(seen) == 3 and 0 < seen[0] < seen[1] < seen[2]  # the last block first; what W needs piles up
+    assert 0 < sum(t.numel() for t in watch.held()) < seen[2]  # after I: what W needs, not what only I needed
+    stage_backward_weight(work)
+    assert watch.held() == []
+    _split(blocks, leaf, checkpoint)
+    assert len(seen) == 3  # outside `collecting`: not watched
 
 
 def test_a_second_backward_recomputes_again() -> None:
