@@ -1,5 +1,6 @@
-"""duplexpipe.config (re-exported by duplexpipe.train.pipeline_config): the configuration is grouped in small sections (no public config class over 15
-fields), `PipelineConfig("1f1b", 8)` is the one-line start, and a section's field is set through its section."""
+"""duplexpipe.config (re-exported by duplexpipe.train.pipeline_config): the configuration is grouped in small
+sections (no public config class over 15 fields), `PipelineConfig("1f1b", 8)` is the one-line start, and a
+section's field is set through its section."""
 
 from __future__ import annotations
 
