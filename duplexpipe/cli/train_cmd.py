@@ -101,11 +101,11 @@ def _check_without_torch(config: TrainConfig) -> None:
 
     microbatches = config.pipeline.num_microbatches
     if config.pipeline.schedule != AUTO and not is_schedule_file(config.pipeline.schedule):
-        name, options = str(config.pipeline.schedule), dict(config.pipeline.schedule_options or {})
-        refusal = registry.check(name, config.ranks, microbatches or DEFAULT_MICROBATCHES, **options)
+        schedule, options = str(config.pipeline.schedule), dict(config.pipeline.schedule_options or {})
+        refusal = registry.check(schedule, config.ranks, microbatches or DEFAULT_MICROBATCHES, **options)
         if refusal is not None:
             raise CliError(refusal)
-        check_size(name, config.ranks, microbatches or 1, options)
+        check_size(schedule, config.ranks, microbatches or 1, options)
     if config.pipeline.schedule != AUTO:
         config.schedule_object()
     target, sep, name = config.task.rpartition(":")
