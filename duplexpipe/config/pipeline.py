@@ -21,8 +21,8 @@ from duplexpipe.config.sections import (
 from duplexpipe.dp_options.compression import Options, compression_options
 from duplexpipe.dp_options.zero import ZERO_STAGES, check_zero, zero_refusal
 from duplexpipe.fielddoc import documented
+from duplexpipe.schedules import registry
 from duplexpipe.schedules.ir import Schedule, load_json, load_torch_csv
-from duplexpipe.schedules.registry import build as build_schedule
 from duplexpipe.sizes import memory_bytes
 
 AUTO = "auto"
@@ -184,13 +184,11 @@ def is_schedule_file(schedule: object) -> TypeGuard[str]:
 def check_schedule_name(schedule: object) -> None:
     """ValueError naming the value and the choices unless `schedule` is a registry name ("auto" among them), a
     schedule file's name or a Schedule (the file is read when the schedule is built)."""
-    from duplexpipe.schedules.registry import names
-
     if isinstance(schedule, Schedule) or schedule == AUTO or is_schedule_file(schedule):
         return
-    if not isinstance(schedule, str) or schedule not in names():
+    if not isinstance(schedule, str) or schedule not in registry.names():
         raise ValueError(f"PipelineConfig.schedule must be a Schedule, a schedule file ({', '.join(SCHEDULE_FILES)}) "
-                         f"or one of {', '.join(names())}; got {schedule!r}")
+                         f"or one of {', '.join(registry.names())}; got {schedule!r}")
 
 
 def check_auto_options(config: PipelineConfig) -> None:
@@ -245,4 +243,4 @@ def resolve_schedule(config: PipelineConfig, pp_size: int) -> Schedule:
             raise ValueError(f"schedule file {config.schedule} is for {schedule.num_ranks} ranks, "
                              f"but the pipeline group has {pp_size}")
         return schedule
-    return build_schedule(config.schedule, pp_size, microbatches, **config.schedule_options)
+    return registry.build(config.schedule, pp_size, microbatches, **config.schedule_options)

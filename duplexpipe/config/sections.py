@@ -54,7 +54,7 @@ class PrecisionConfig:
     gradient) pair of names, codecs or None (or "fp8, none"). See duplexpipe.comm.p2p_codecs."""
     float8: str | Float8Options | None = None
     """Float8 compute on torchao's Float8Linear: None (off), a recipe "tensorwise" or "rowwise", with options as in
-    "rowwise(emulate=true)", or a `train.float8.Float8Options`. Each stage's linears whose dimensions are divisible
+    "rowwise(emulate=true)", or a `config.precision.Float8Options`. Each stage's linears whose dimensions are divisible
     by 16 convert, except the output projection, MoE routers and MoE blocks (kept in high precision, logged); the
     weights stay high-precision parameters (checkpoints unchanged). emulate unset: emulated where the device has no
     FP8 GEMMs (CPU, CUDA below 8.9), said in the log. Under a split backward I forms the input gradients and W the
