@@ -34,12 +34,13 @@ _LAZY = (
     ("Profile", ("duplexpipe.planner.profile", "Profile")),
     ("load_profile", ("duplexpipe.planner.profile", "load_profile")),
     ("save_profile", ("duplexpipe.planner.profile", "save_profile")),
+    # configuration (torch-free)
+    ("PipelineConfig", ("duplexpipe.config.pipeline", "PipelineConfig")),
+    ("LossScaleConfig", ("duplexpipe.config.precision", "LossScaleConfig")),
     # training
     ("Pipeline", ("duplexpipe.train.trainer", "Pipeline")),
-    ("PipelineConfig", ("duplexpipe.train.pipeline_config", "PipelineConfig")),
     ("StepInfo", ("duplexpipe.train.pipeline_config", "StepInfo")),
     ("plan_pipeline", ("duplexpipe.train.planning.auto", "plan_pipeline")),
-    ("LossScaleConfig", ("duplexpipe.train.precision", "LossScaleConfig")),
     ("ZeroOptions", ("duplexpipe.dp_options.zero", "ZeroOptions")),
     ("compression_options", ("duplexpipe.dp_options.compression", "compression_options")),
     ("make_mesh", ("duplexpipe.parallel.mesh", "make_mesh")),
@@ -76,6 +77,8 @@ _LAZY = (
 __all__ = sorted(public for public, _ in _LAZY)
 
 if _typing.TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
+    from duplexpipe.config.pipeline import PipelineConfig
+    from duplexpipe.config.precision import LossScaleConfig
     from duplexpipe.dp_options.compression import compression_options
     from duplexpipe.dp_options.zero import ZeroOptions
     from duplexpipe.errors import (
@@ -117,10 +120,9 @@ if _typing.TYPE_CHECKING:  # for type checkers and IDEs: the same names, importe
     from duplexpipe.schedules.timeline import Timeline
     from duplexpipe.schedules.verify import verify
     from duplexpipe.train.checkpoint import read_checkpoint
-    from duplexpipe.train.pipeline_config import PipelineConfig, StepInfo
+    from duplexpipe.train.pipeline_config import StepInfo
     from duplexpipe.train.planning.auto import plan_pipeline
     from duplexpipe.train.planning.measure import profile_parts
-    from duplexpipe.train.precision import LossScaleConfig
     from duplexpipe.train.trainer import Pipeline
 
 del _typing

@@ -7,14 +7,22 @@ import ast
 import dataclasses
 import inspect
 import textwrap
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 
 
+DOCS_ATTRIBUTE = "__field_docs__"
+"""Where `documented` keeps a class's field docstrings, read once (the command line asks for them on every run)."""
+
+
 def field_docs(cls: type) -> dict[str, str]:
     """{field name: its docstring, whitespace folded} for every annotated field of `cls` that has one (read from
-    the class body's source; {} when the source cannot be read)."""
+    the class body's source, or kept by `documented`; {} when the source cannot be read)."""
+    kept = cls.__dict__.get(DOCS_ATTRIBUTE)
+    if kept is not None:
+        return dict(kept)
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     except (OSError, TypeError, SyntaxError):
@@ -43,6 +51,7 @@ def documented(cls: T) -> T:
     """Class decorator (above @dataclass): add a "Fields" section to the class docstring listing every field
     with its default and its docstring, as `help(cls)` and the API docs show it."""
     docs = field_docs(cls)  # type: ignore[arg-type]
+    setattr(cls, DOCS_ATTRIBUTE, MappingProxyType(docs))
     lines = []
     for field in dataclasses.fields(cls):  # type: ignore[arg-type]
         lines.append(f"    {field.name} (default {_default(field)})")

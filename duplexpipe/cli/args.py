@@ -6,6 +6,7 @@ import argparse
 import math
 import os
 from collections import Counter
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn, Sequence
 
 from duplexpipe.cli import help as docs
@@ -291,7 +292,17 @@ def load_timeline(path: str) -> Timeline:
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (exit 2) instead of usage dumps."""
+    """argparse with one-line errors (exit 2) instead of usage dumps, and an epilog that may be made only when the help
+    is shown (`lazy_epilog`: one that imports what a command's parsing should not)."""
+
+    def __init__(self, *args: Any, lazy_epilog: Callable[[], str] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lazy_epilog = lazy_epilog
+
+    def format_help(self) -> str:
+        if self.lazy_epilog is not None:
+            self.epilog, self.lazy_epilog = self.lazy_epilog(), None
+        return super().format_help()
 
     def error(self, message: str) -> NoReturn:
         raise CliError(f"{message} (see '{self.prog} --help')")

@@ -18,7 +18,8 @@ COMMANDS = {**schedule_cmds.COMMANDS, **simulate_cmds.COMMANDS, **train_cmd.COMM
 
 
 def build_parser(with_train: bool = False) -> Parser:
-    """The whole parser; `train`'s options only `with_train` (they import torch)."""
+    """The whole parser; `train`'s options only `with_train` (generated from the config dataclasses: a walk of their
+    fields that the other commands need not pay for)."""
     parser = Parser(prog="duplexpipe", description=docs.DESCRIPTIONS["duplexpipe"], epilog=docs.EPILOGS["duplexpipe"],
                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
@@ -40,8 +41,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `duplexpipe` console script; returns the exit code."""
     try:
         argv = list(sys.argv[1:] if argv is None else argv)
-        if argv[:1] == ["train"]:
-            train_cmd.check_before_torch(argv[1:])
         args = build_parser(with_train="train" in argv).parse_args(argv)
         return COMMANDS[args.command](args)
     except (CliError, ScheduleError, ValueError) as exc:

@@ -4,65 +4,26 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import os
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
 from duplexpipe.cli import help as docs
-from duplexpipe.cli.args import CliError, Parser, check_size, load_schedule
+from duplexpipe.cli.args import CliError, check_size, load_schedule
+from duplexpipe.config.pipeline import AUTO, DEFAULT_MICROBATCHES, is_schedule_file
 from duplexpipe.launch.folder_lock import hold_folders, job_folders
 from duplexpipe.launch.train_config import DEFAULT_TASK, HF_TASK, TrainConfig
 
 
 def add_parsers(sub: Any, full: bool = True) -> None:
-    """Add `train`; its options only when `full` (they are generated from the config dataclasses, whose types are
-    the training stack's: torch is imported only when `train` is on the command line)."""
+    """Add `train`; its options only when `full` (generated from the config dataclasses, torch-free); its epilog (the
+    bundled tasks' options: imports the gpt task, hence torch) is made only when its help is shown."""
     train = sub.add_parser("train", help="train a model (default: the bundled GPT example) on local CPU "
                            "processes, or under torchrun", description=docs.DESCRIPTIONS["train"],
-                           epilog=_epilog() if full else None, formatter_class=argparse.RawDescriptionHelpFormatter)
+                           lazy_epilog=_epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
     if full:
         add_train_arguments(train)
-
-
-def check_before_torch(argv: Sequence[str]) -> None:
-    """The checks of `duplexpipe train ARGS` that need no torch, made before its parser is built (the parser is
-    generated from the training stack's dataclasses, which import torch: seconds): a built-in schedule with the
-    ranks, microbatches and --opt options given on the command line (defaults where left out). CliError (one line,
-    exit 2) when the schedule refuses them; anything this cannot read (a --config file, which may set these, a
-    malformed flag, a schedule file, "auto") is left to the full checks."""
-    from duplexpipe.launch.train_config import DEFAULT_RUN_MICROBATCHES, DEFAULT_SCHEDULE
-    from duplexpipe.launch.train_settings import FLAG_NAMES, parse_key_values
-    from duplexpipe.schedules import registry
-
-    flags = {"config": ("--config",), "schedule": ("--schedule",), "ranks": ("--ranks",),
-             "microbatches": FLAG_NAMES["pipeline.num_microbatches"], "opt": FLAG_NAMES["pipeline.schedule_options"]}
-    early = Parser(prog="duplexpipe train", add_help=False, allow_abbrev=False)
-    early.add_argument(*flags["config"], dest="config")
-    early.add_argument(*flags["schedule"], dest="schedule", default=DEFAULT_SCHEDULE)
-    early.add_argument(*flags["ranks"], dest="ranks", default=str(_default("ranks")))
-    early.add_argument(*flags["microbatches"], dest="microbatches", default=str(DEFAULT_RUN_MICROBATCHES))
-    early.add_argument(*flags["opt"], dest="opt", action="append", default=[])
-    known = {flag for names in flags.values() for flag in names}
-    given = {a.split("=", 1)[0] for a in argv if a.startswith("-")}
-    if given & {"-h", "--help"} or any(f not in known and any(k.startswith(f) for k in known) for f in given):
-        return  # help, or a flag the full parser may read as an abbreviation of one of these
-    try:
-        args, _ = early.parse_known_args(argv)
-        ranks, microbatches, options = int(args.ranks), int(args.microbatches), parse_key_values(args.opt)
-    except (CliError, ValueError):
-        return
-    if args.config is None and args.schedule in registry.names() and ranks >= 1 and microbatches >= 1:
-        refusal = registry.check(args.schedule, ranks, microbatches, **options)
-        if refusal is not None:
-            raise CliError(refusal)
-
-
-def _default(name: str) -> Any:
-    """TrainConfig's default of its own field `name` (read without building one: its pipeline imports torch)."""
-    return next(f.default for f in dataclasses.fields(TrainConfig) if f.name == name)
 
 
 def _epilog() -> str:
@@ -95,7 +56,6 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """TrainConfig from defaults < the --config file < the flags given on the command line. A schedule file states
     the ranks and microbatches: they default to its own, and must agree with it when given."""
     from duplexpipe.launch.train_settings import load_config_file, merge_config, values_from_args
-    from duplexpipe.train.pipeline_config import is_schedule_file
 
     flags = values_from_args(args)
     file_values = load_config_file(args.config) if getattr(args, "config", None) else {}
@@ -134,15 +94,19 @@ def _schedule_file(path: str, ranks: int | None, microbatches: int | None, optio
 
 
 def _check_without_torch(config: TrainConfig) -> None:
-    """The schedule with its ranks and microbatches, and the task file's existence: found before the task is built
-    (the checks after these build it)."""
-    from duplexpipe.train.pipeline_config import is_schedule_file
+    """The schedule with its ranks and microbatches (a built-in one asked first whether it takes them, before it is
+    built), and the task file's existence: found before torch is imported and the task is built (the checks after
+    these build it)."""
+    from duplexpipe.schedules import registry
 
     microbatches = config.pipeline.num_microbatches
-    if config.pipeline.schedule != "auto" and not is_schedule_file(config.pipeline.schedule):
-        check_size(str(config.pipeline.schedule), config.ranks, microbatches or 1,
-                   dict(config.pipeline.schedule_options or {}))
-    if config.pipeline.schedule != "auto":
+    if config.pipeline.schedule != AUTO and not is_schedule_file(config.pipeline.schedule):
+        schedule, options = str(config.pipeline.schedule), dict(config.pipeline.schedule_options or {})
+        refusal = registry.check(schedule, config.ranks, microbatches or DEFAULT_MICROBATCHES, **options)
+        if refusal is not None:
+            raise CliError(refusal)
+        check_size(schedule, config.ranks, microbatches or 1, options)
+    if config.pipeline.schedule != AUTO:
         config.schedule_object()
     target, sep, name = config.task.rpartition(":")
     if not sep or not target or not name:
@@ -168,7 +132,6 @@ def _train_checked(args: argparse.Namespace, config: TrainConfig, out: IO[str]) 
     from duplexpipe.launch.metrics import check_wandb, memory_summary
     from duplexpipe.launch.train_loop import run_training
     from duplexpipe.launch.train_task import load_task
-    from duplexpipe.train.pipeline_config import is_schedule_file
 
     try:
         if _task_from_file(args):

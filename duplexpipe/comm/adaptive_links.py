@@ -16,9 +16,6 @@ from duplexpipe.comm.codec import Codec, TensorSpec, codec_name
 from duplexpipe.comm.reduction import WaitFn
 from duplexpipe.dp_options.compression import AdaptiveOptions
 
-Named = Callable[[str], tuple[Codec, Codec]]
-"""named(label) -> (activation codec, gradient codec) of a stage-send compression name (`p2p_codecs.named_codecs`)."""
-
 
 def link_key(src: int, dst: int) -> str:
     """The controller's key of the directed link from pipeline rank `src` to `dst`."""
@@ -70,15 +67,10 @@ class AdaptiveCodec:
         return payloads[0]
 
 
-def adaptive_pair(options: AdaptiveOptions, named: Named) -> tuple[AdaptiveCodec, AdaptiveCodec]:
-    """The (activation, gradient) adaptive codecs of `options`, sharing one LinkRungs; ValueError naming a rung
-    that is not a stage-send compression."""
-    pairs: list[tuple[Codec | None, Codec | None]] = []
-    for label in options.rung_labels:
-        try:
-            pairs.append((None, None) if label == "none" else named(label))
-        except ValueError as exc:
-            raise ValueError(f"adaptive p2p_compression ladder rung {label!r}: {exc}") from None
+def adaptive_pair(options: AdaptiveOptions, pairs: Sequence[tuple[Codec | None, Codec | None]]
+                  ) -> tuple[AdaptiveCodec, AdaptiveCodec]:
+    """The (activation, gradient) adaptive codecs of `options`, sharing one LinkRungs: `pairs` holds each rung's
+    (activation, gradient) codecs (`p2p_codecs.p2p_codec_pair` builds them from `dp_options.p2p.ladder_labels`)."""
     links = LinkRungs(options.start_rung)
     return (AdaptiveCodec(options, [a for a, _ in pairs], links, "activations"),
             AdaptiveCodec(options, [g for _, g in pairs], links, "gradients"))

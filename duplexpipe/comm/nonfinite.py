@@ -28,23 +28,16 @@ import torch
 from torch import Tensor
 
 from duplexpipe.comm.codec import Codec
+from duplexpipe.dp_options.p2p import NONFINITE_POLICIES as NONFINITE_POLICIES
+from duplexpipe.dp_options.p2p import check_policy
 from duplexpipe.errors import NonFiniteSendError
 
 EXTREME_SHARE = 0.5
 """A finite value is a float extreme when its magnitude reaches this share of the largest finite value of
 float32 or of its own dtype, whichever is smaller: a masking constant such as `torch.finfo(dtype).min`,
 which a scaled codec's fp32 arithmetic can overflow into inf or NaN."""
-NONFINITE_POLICIES = ("warn", "raise")
 Unread = tuple[str, str, Tensor, str]
 """A send's non-finite count not read yet: (where, codec name, count, unit)."""
-"""What happens when a tensor sent through a codec holds NaN or inf."""
-
-
-def check_policy(policy: object, what: str) -> str:
-    """`policy` if it is one of NONFINITE_POLICIES; ValueError naming `what` otherwise."""
-    if policy not in NONFINITE_POLICIES:
-        raise ValueError(f"{what} must be one of {list(NONFINITE_POLICIES)}, got {policy!r}")
-    return str(policy)
 
 
 def extreme_limit(dtype: torch.dtype) -> float:

@@ -45,10 +45,16 @@ from duplexpipe.comm.quantize import (
     work_dtype,
 )
 from duplexpipe.dp_options.compression import AdaptiveOptions
-from duplexpipe.dp_options.labels import build_options, parse_label, parse_labels
-
-P2P_COMPRESSION = ("bf16", "fp8", "int8")
-"""The names `p2p_codec_pair` knows (None: no compression)."""
+from duplexpipe.dp_options.p2p import (
+    P2P_COMPRESSION,
+    Direction,
+    Given,
+    check_fp8_format,
+    check_int8_codec,
+    ladder_labels,
+    named_labels,
+    p2p_labels,
+)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -81,9 +87,7 @@ class Fp8RowCodec:
     """float8 (e4m3 or e5m2) with an fp32 scale per row of the last dimension; the payload travels as uint8."""
 
     def __init__(self, fmt: str = "e4m3") -> None:
-        if fmt not in FP8_FORMATS:
-            raise ValueError(f"unknown fp8 format {fmt!r}; expected one of {sorted(FP8_FORMATS)}")
-        self.fmt = fmt
+        self.fmt = check_fp8_format(fmt)
 
     @property
     def name(self) -> str:
@@ -124,10 +128,7 @@ class Int8BlockCodec:
     """int8 codes with an fp32 scale per block of `block` consecutive elements (round to nearest by default)."""
 
     def __init__(self, block: int = 256, stochastic_seed: int | None = None) -> None:
-        if isinstance(block, bool) or not isinstance(block, int) or block < 1:
-            raise ValueError(f"Int8BlockCodec block must be an int >= 1, got {block!r}")
-        if stochastic_seed is not None and (isinstance(stochastic_seed, bool) or not isinstance(stochastic_seed, int)):
-            raise ValueError(f"Int8BlockCodec stochastic_seed must be an int or None, got {stochastic_seed!r}")
+        check_int8_codec(block, stochastic_seed)
         self.block = block
         self.stochastic_seed = stochastic_seed
         self._generators: dict[torch.device, torch.Generator] = {}
@@ -172,40 +173,28 @@ class Int8BlockCodec:
 
 _CODECS: dict[str, Any] = {"bf16": lambda: bf16_codec(), "fp8": lambda fmt="e4m3": Fp8RowCodec(fmt),
                            "int8": lambda block=256, stochastic_seed=None: Int8BlockCodec(block, stochastic_seed)}
-"""Each name's codec from its options (the label form "int8(block=128)", "fp8(fmt='e5m2')")."""
-_CODEC_KEYS = {"bf16": "no options", "fp8": "fmt", "int8": "block, stochastic_seed"}
+"""Each name's codec from its checked options (`dp_options.p2p.codec_labels`)."""
 
 
-def _labelled(name: str, options: dict[str, Any], text: str) -> tuple[Codec, Codec]:
-    """The (activation, gradient) codecs of one parsed label."""
-    if name == "fp8" and not options:
-        return Fp8RowCodec("e4m3"), Fp8RowCodec("e5m2")
-    if name not in _CODECS:
-        raise ValueError(f"unknown p2p_compression {text!r}; expected None, one of {list(P2P_COMPRESSION)} (with "
-                         "options as in 'int8(block=128)'), a Codec, or an (activation, gradient) pair of those "
-                         "('fp8, none')")
-    try:
-        codec = _CODECS[name](**options)
-    except TypeError:
-        raise ValueError(f"p2p_compression {text!r}: unknown option(s) {sorted(options)}; {name} takes "
-                         f"{_CODEC_KEYS[name]}") from None
-    return codec, codec
+def _built(direction: Direction) -> Codec | None:
+    """The codec of one direction `p2p_labels` read: None, a label's codec, or the object given, checked."""
+    if direction is None:
+        return None
+    if isinstance(direction, Given):
+        if direction.pair_item or isinstance(direction.value, Codec):
+            return check_codec(direction.value, direction.what)
+        raise ValueError(f"{direction.what} must be None, one of {list(P2P_COMPRESSION)}, a Codec or an (activation, "
+                         f"gradient) pair, got {direction.value!r}")
+    name, options = direction
+    return _CODECS[name](**options)  # type: ignore[no-any-return]
 
 
 def named_codecs(name: str) -> tuple[Codec, Codec]:
     """(activation codec, gradient codec) of a compression name: "bf16" -> bf16/bf16, "fp8" -> e4m3/e5m2
     (gradients need e5m2's range more than e4m3's precision), "int8" -> int8 blocks of 256 both ways; a name with
     options ("int8(block=128, stochastic_seed=0)", "fp8(fmt='e5m2')") gives that codec both ways."""
-    label, options = parse_label(name)
-    return _labelled(label, options, name)
-
-
-def _one(value: Any, slot: int, what: str) -> Codec | None:
-    if value is None or value == "none":
-        return None
-    if isinstance(value, str):
-        return named_codecs(value)[slot]
-    return check_codec(value, what)
+    activation, gradient = named_labels(name)
+    return _CODECS[activation[0]](**activation[1]), _CODECS[gradient[0]](**gradient[1])
 
 
 def p2p_codec_pair(spec: Any, what: str = "p2p_compression") -> tuple[Codec | None, Codec | None]:
@@ -213,26 +202,11 @@ def p2p_codec_pair(spec: Any, what: str = "p2p_compression") -> tuple[Codec | No
     (with options as in "int8(block=128)"), a Codec (both directions), or an (activation, gradient) pair whose
     items are None, a name (that name's codec for the direction) or a Codec; as text a pair is "fp8, none"; or
     "adaptive(ladder=none/bf16/int8, ...)" (an AdaptiveOptions): each link's codec chosen at run time
-    (`comm.adaptive_links`).
+    (`comm.adaptive_links`). The grammar and its checks are torch-free (`dp_options.p2p.p2p_labels`).
     ValueError naming `what`, the value and the choices."""
-    if isinstance(spec, (tuple, list)):
-        if len(spec) != 2:
-            raise ValueError(f"{what} as a pair must be (activation, gradient), got {len(spec)} items: {spec!r}")
-        return _one(spec[0], 0, f"{what}[0] (activations)"), _one(spec[1], 1, f"{what}[1] (gradients)")
-    if spec is None or spec == "none":
-        return None, None
-    if isinstance(spec, AdaptiveOptions):
-        return adaptive_pair(spec, named_codecs)
-    if isinstance(spec, str):  # a name, a name with options, or "activation, gradient" as text
-        labels = parse_labels(spec)
-        if len(labels) == 1 and labels[0][0] == "adaptive":
-            return adaptive_pair(build_options(AdaptiveOptions, labels[0][1], f"{what} {spec!r}"), named_codecs)
-        if len(labels) > 2:
-            raise ValueError(f"{what} as a pair must be 'activation, gradient', got {len(labels)} items: {spec!r}")
-        codecs = [None if (n, o) == ("none", {}) else _labelled(n, o, spec)[k] for k, (n, o) in enumerate(labels)]
-        return (codecs[0], codecs[1]) if len(codecs) == 2 else _labelled(*labels[0], spec)
-    if isinstance(spec, Codec):
-        codec = check_codec(spec, what)
-        return codec, codec
-    raise ValueError(f"{what} must be None, one of {list(P2P_COMPRESSION)}, a Codec or an (activation, "
-                     f"gradient) pair, got {spec!r}")
+    directions = p2p_labels(spec, what)
+    if isinstance(directions, AdaptiveOptions):
+        rungs = [(None, None) if labels is None else (_built(labels[0]), _built(labels[1]))
+                 for labels in ladder_labels(directions)]
+        return adaptive_pair(directions, rungs)
+    return _built(directions[0]), _built(directions[1])

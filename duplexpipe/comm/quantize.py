@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from duplexpipe.dp_options.p2p import check_fp8_format
+
 INT8_MAX = 127
 """Largest code magnitude; -128 is never used, so codes are symmetric."""
 
@@ -137,6 +139,4 @@ def fp8_from_wire(raw: Tensor, fmt: str = "e4m3") -> Tensor:
 
 
 def _format(fmt: str) -> Fp8Format:
-    if fmt not in FP8_FORMATS:
-        raise ValueError(f"unknown fp8 format {fmt!r}; expected one of {sorted(FP8_FORMATS)}")
-    return FP8_FORMATS[fmt]
+    return FP8_FORMATS[check_fp8_format(fmt)]

@@ -1,4 +1,5 @@
-"""`duplexpipe train`'s run configuration: TrainConfig and its sections (the pipeline's: PipelineConfig), the LR."""
+"""`duplexpipe train`'s run configuration: TrainConfig and its sections (the pipeline's: PipelineConfig), the LR;
+torch-free, as the pipeline's config is (the command line builds and checks it before torch is imported)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,11 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from duplexpipe.config.pipeline import PipelineConfig, resolve_schedule, with_defaults
+from duplexpipe.config.sections import DataParallelConfig
 from duplexpipe.fielddoc import documented
-
-if TYPE_CHECKING:
-    from duplexpipe.train.pipeline_config import PipelineConfig
 
 DEFAULT_TASK = "duplexpipe.launch.tasks.gpt:gpt_task"
 """The bundled GPT task (package data: works from an installed wheel)."""
@@ -181,10 +181,7 @@ class CheckpointConfig:
 
 
 def default_pipeline() -> PipelineConfig:
-    """The pipeline of a run left at its defaults: DualPipe, 8 microbatches, gradients clipped to norm 1, ZeRO 0
-    (imports the training stack)."""
-    from duplexpipe.train.pipeline_config import DataParallelConfig, PipelineConfig
-
+    """The pipeline of a run left at its defaults: DualPipe, 8 microbatches, gradients clipped to norm 1, ZeRO 0."""
     return PipelineConfig(DEFAULT_SCHEDULE, DEFAULT_RUN_MICROBATCHES, grad_clip_norm=1.0,
                           data_parallel=DataParallelConfig(zero_stage=0))
 
@@ -274,9 +271,6 @@ class TrainConfig:
     def schedule_object(self) -> Any:
         """The Schedule of the pipeline's registry name (with its schedule_options) or schedule file, for `ranks`;
         not for "auto"."""
-        from duplexpipe.train.pipeline_config import with_defaults
-        from duplexpipe.train.planning.auto import resolve_schedule
-
         return resolve_schedule(with_defaults(self.pipeline), self.ranks)
 
     def to_dict(self) -> dict[str, Any]:

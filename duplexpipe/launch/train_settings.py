@@ -35,7 +35,7 @@ FLAG_NAMES: Mapping[str, tuple[str, ...]] = MappingProxyType({
 """Flags whose name is not the field's name with dashes (a dict field's flag is singular: one KEY=VALUE each)."""
 OFF_AT_ZERO = ("pipeline.grad_clip_norm",)
 """Settings whose 0 in a config file or on the command line means None (TOML has no None): off."""
-SECTION_MODULES = ("duplexpipe.launch.train_config", "duplexpipe.train.pipeline_config")
+SECTION_MODULES = ("duplexpipe.launch.train_config", "duplexpipe.config.pipeline", "duplexpipe.config.sections")
 """A dataclass field of a class defined here is a section: its fields' flags are named by the field alone (--lr,
 --zero-stage); any other dataclass is an options table, whose flags carry its name (--zero-hpz-ranks)."""
 MAX_CONFIG_FILE_BYTES = 2**20
@@ -142,9 +142,7 @@ def writable(hint: Any) -> bool:
 
 
 def _hints(cls: type) -> dict[str, Any]:
-    from duplexpipe.train.pipeline_config import PipelineConfig
-
-    return typing.get_type_hints(cls, localns={"PipelineConfig": PipelineConfig})
+    return typing.get_type_hints(cls)
 
 
 def _fields(cls: type, instance: Any, prefix: str = "", flag_prefix: str = "", section: str = "") -> list[Setting]:
@@ -168,7 +166,7 @@ def _fields(cls: type, instance: Any, prefix: str = "", flag_prefix: str = "", s
 
 def settings() -> list[Setting]:
     """Every setting: TrainConfig's fields and, section by section, those of its sections (the pipeline's among
-    them; imports the training stack: PipelineConfig's types are torch's)."""
+    them; torch-free: the config dataclasses are `duplexpipe.config`'s)."""
     return _fields(TrainConfig, TrainConfig())
 
 

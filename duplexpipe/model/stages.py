@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts, noop_context_fn
 
 from duplexpipe.comm.local_tensors import local_of
+from duplexpipe.config.activations import check_checkpointing
 from duplexpipe.model.split import check_parts_fit
 from duplexpipe.model.state_names import split_style
 from duplexpipe.moe.balance import moe_layers
@@ -51,8 +52,6 @@ SELECTIVE_SAVE = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._sc
                   "_c10d_functional.reduce_scatter_tensor")
 """The operators whose outputs selective checkpointing saves (as torchtitan's op policy: the matmuls, attention and
 tensor parallelism's reduce-scatter); every other operator of the region is recomputed."""
-CHECKPOINTING_MODES = ("full", "selective")
-"""The string values of `PipelineConfig.activation_checkpointing`."""
 
 
 def _save_list() -> frozenset[Any]:
@@ -176,23 +175,6 @@ class Checkpointing(Collection[int]):
 
 CheckpointingOption = bool | str | Mapping[str, int] | Collection[int]
 """`PipelineConfig.activation_checkpointing`'s values."""
-
-
-def check_checkpointing(option: Any) -> None:
-    """ValueError naming `option` unless it is one of `activation_checkpointing`'s values (stage indices are checked
-    against the schedule later: `resolve_checkpointing`)."""
-    if isinstance(option, bool) or option in CHECKPOINTING_MODES:
-        return
-    if isinstance(option, Mapping):
-        every = option.get("every")
-        if set(option) == {"every"} and isinstance(every, int) and not isinstance(every, bool) and every >= 1:
-            return
-    elif (isinstance(option, Collection) and not isinstance(option, str)
-          and all(isinstance(s, int) and not isinstance(s, bool) for s in option)):
-        return
-    modes = " or ".join(map(repr, CHECKPOINTING_MODES))
-    raise ValueError(f"PipelineConfig.activation_checkpointing must be True/False, {modes}, {{'every': k}} (k >= 1) "
-                     f"or a collection of stage indices; got {option!r}")
 
 
 def resolve_checkpointing(option: CheckpointingOption, schedule: Schedule) -> Checkpointing:

@@ -1,6 +1,7 @@
 """Data parallelism: the mesh, gradient reduction strategies (replicated, compressed, ZeRO-1, ZeRO-2), tied weights."""
 
-from duplexpipe.parallel.buckets import DEFAULT_BUCKET_BYTES, BucketSpec, BucketTracker, final_order, plan_buckets
+from duplexpipe.config.sections import DEFAULT_BUCKET_BYTES
+from duplexpipe.parallel.buckets import BucketSpec, BucketTracker, final_order, plan_buckets
 from duplexpipe.parallel.compressed import CompressedStrategy
 from duplexpipe.parallel.factory import STRATEGY_NAMES, check_strategy_name, make_strategy
 from duplexpipe.parallel.mesh import ParallelGroups, make_mesh

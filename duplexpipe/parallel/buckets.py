@@ -10,9 +10,6 @@ from torch import nn
 
 from duplexpipe.comm.local_tensors import local_of
 
-DEFAULT_BUCKET_BYTES = 32 * 2**20
-"""Default bucket capacity (one parameter larger than this gets a bucket of its own)."""
-
 
 @dataclass(frozen=True, eq=False)
 class BucketSpec:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import warnings
 from dataclasses import replace
 
+from duplexpipe.config.sections import STRATEGY_NAMES as STRATEGY_NAMES
+from duplexpipe.config.sections import check_strategy_name as check_strategy_name
 from duplexpipe.dp_options.compression import NoCompression
 from duplexpipe.dp_options.zero import ZeroOptions, check_zero
 from duplexpipe.parallel.compressed import CompressedStrategy
@@ -13,17 +15,6 @@ from duplexpipe.parallel.strategy import DPStrategy, StrategyContext
 from duplexpipe.parallel.zero1 import Zero1Strategy
 from duplexpipe.parallel.zero2 import Zero2Strategy
 from duplexpipe.parallel.zero3 import Zero3Strategy
-
-STRATEGY_NAMES = ("replicated", "compressed")
-"""The names DataParallelConfig.dp_strategy accepts (None picks one from grad_compression)."""
-
-def check_strategy_name(name: str | None, compressing: bool) -> None:
-    """Raise ValueError for an unknown strategy name, or one that cannot apply the requested compression."""
-    if name is not None and name not in STRATEGY_NAMES:
-        raise ValueError(f"unknown dp_strategy {name!r}; expected one of {STRATEGY_NAMES} or None")
-    if name == "replicated" and compressing:
-        raise ValueError("dp_strategy 'replicated' all-reduces exact gradients; with grad_compression set "
-                         "use 'compressed' (or None)")
 
 
 def make_strategy(ctx: StrategyContext, name: str | None = None) -> DPStrategy:

@@ -18,10 +18,11 @@ from torch.distributed.tensor import DTensor
 from duplexpipe.comm import FutureWork, Waitable, WireMeter
 from duplexpipe.comm.adaptive import CompressionReport
 from duplexpipe.comm.link import EmulatedLink
+from duplexpipe.config.sections import DEFAULT_BUCKET_BYTES
 from duplexpipe.dp_options.compression import NoCompression, Options
 from duplexpipe.dp_options.zero import ZeroOptions
 from duplexpipe.parallel import grads
-from duplexpipe.parallel.buckets import DEFAULT_BUCKET_BYTES, BucketSpec, BucketTracker, plan_buckets
+from duplexpipe.parallel.buckets import BucketSpec, BucketTracker, plan_buckets
 from duplexpipe.parallel.local_shards import LocalShards
 from duplexpipe.parallel.mesh import ParallelGroups
 from duplexpipe.schedules.ir import Schedule

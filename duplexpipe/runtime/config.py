@@ -11,7 +11,7 @@ from torch import Tensor
 
 from duplexpipe.comm.codec import Codec, check_codec
 from duplexpipe.comm.meter import WireMeter
-from duplexpipe.comm.nonfinite import check_policy
+from duplexpipe.dp_options.p2p import check_policy
 from duplexpipe.fielddoc import documented
 from duplexpipe.runtime.memory import MemoryReport
 from duplexpipe.schedules.timeline import Timeline

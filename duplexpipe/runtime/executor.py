@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from duplexpipe.comm.codec import codec_name
 from duplexpipe.comm.nonfinite import NonFiniteWatch
+from duplexpipe.config.activations import check_offload
 from duplexpipe.errors import HandshakeError, PeerFailedError, PipelineError, ScheduleError
 from duplexpipe.runtime import structure
 from duplexpipe.runtime.backend import default_device, is_nccl
@@ -28,7 +29,7 @@ from duplexpipe.runtime.loss_sum import LossSum
 from duplexpipe.runtime.memory import MeasuredActivations, StepMemory, measured
 from duplexpipe.runtime.message_meta import Message, MessageMeta
 from duplexpipe.runtime.messages import Mailbox, Mailroom, Slot
-from duplexpipe.runtime.offload import Offload, check_offload, enabled, offload_plan
+from duplexpipe.runtime.offload import Offload, enabled, offload_plan
 from duplexpipe.runtime.preflight import verdict
 from duplexpipe.runtime.rankplan import RankPlan
 from duplexpipe.runtime.stage_compute import Activations, StageCompute

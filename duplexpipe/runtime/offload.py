@@ -13,20 +13,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from duplexpipe.config.activations import check_offload as check_offload
 from duplexpipe.runtime.stage_compute import Activations
 from duplexpipe.schedules.ir import Action, Op
 
 Key = tuple[int, int]
 """(stage, microbatch)."""
-
-
-def check_offload(value: object, where: str) -> None:
-    """ValueError naming `where` unless `value` is a bool or a fraction 0 < f <= 1."""
-    if isinstance(value, bool):
-        return
-    if not isinstance(value, (int, float)) or not 0 < value <= 1:
-        raise ValueError(f"{where} must be True, False or a fraction 0 < f <= 1 of the live activations, "
-                         f"got {value!r}")
 
 
 def enabled(value: bool | float) -> bool:

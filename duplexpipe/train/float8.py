@@ -30,17 +30,16 @@ import dataclasses
 import importlib.metadata
 import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from duplexpipe.dp_options.labels import build_options, parse_label
+from duplexpipe.config.precision import RECIPES as RECIPES
+from duplexpipe.config.precision import Float8Options as Float8Options
+from duplexpipe.config.precision import float8_options as float8_options
 
 LOG = logging.getLogger("duplexpipe.float8")
-RECIPES = ("tensorwise", "rowwise")
-"""The torchao recipes `PrecisionConfig.float8` takes (`Float8LinearConfig.from_recipe_name`)."""
 TORCHAO_VERSIONS = ((0, 18), (0, 19))
 """The torchao versions float8 runs on: at least the first, below the second (its float8 backward is read here)."""
 MIN_CAPABILITY = (8, 9)
@@ -49,53 +48,6 @@ DIVISOR = 16
 """A linear converts only when both its dimensions are divisible by this (the FP8 GEMMs' requirement)."""
 HIGH_PRECISION_NAMES = ("head", "lm_head", "output", "router")
 """A linear under a module of one of these names stays in high precision (the output projection, MoE routers)."""
-
-
-@dataclass(frozen=True)
-class Float8Options:
-    """Float8 compute: the torchao recipe and whether its GEMMs are emulated."""
-
-    recipe: str = "tensorwise"
-    """A torchao recipe: "tensorwise" (one scale per tensor) or "rowwise" (one per row, powers of two)."""
-    emulate: bool | None = None
-    """True: emulate the FP8 GEMMs in high precision (any device, for tests); False: FP8 hardware is required (a
-    ValueError before training without it); None: emulate where the device has no FP8 GEMMs (CPU, CUDA below
-    compute capability 8.9), said once in the log."""
-    fsdp_all_gather: bool | None = None
-    """ZeRO-3 (FSDP2) gathers the converted weights in float8, cast before the all-gather with one scale per weight
-    (torchao's `enable_fsdp_float8_all_gather`; the scales are precomputed after each optimizer step, one all-reduce,
-    `precompute_float8_dynamic_scale_for_fsdp`): True, False, or None: on under zero_stage=3 with the tensorwise recipe
-    (torchao casts only tensorwise weights before the all-gather), as torchtitan's default."""
-
-    def __post_init__(self) -> None:
-        if self.recipe not in RECIPES:
-            raise ValueError(f"float8 recipe {self.recipe!r} is not one of {RECIPES}")
-        for name in ("emulate", "fsdp_all_gather"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, bool):
-                raise ValueError(f"float8 {name} must be True, False or None, got {value!r}")
-        if self.fsdp_all_gather and self.recipe != "tensorwise":
-            raise ValueError(f"float8 fsdp_all_gather=True needs the 'tensorwise' recipe (torchao casts only "
-                             f"tensorwise weights before the all-gather), got recipe {self.recipe!r}")
-
-    def all_gathers_float8(self, zero_stage: int) -> bool:
-        """Whether ZeRO stage `zero_stage` gathers the converted weights in float8 (only ZeRO-3 gathers weights)."""
-        if zero_stage != 3:
-            return False
-        return self.fsdp_all_gather if self.fsdp_all_gather is not None else self.recipe == "tensorwise"
-
-
-def float8_options(spec: str | Float8Options | None, what: str = "PrecisionConfig.float8") -> Float8Options | None:
-    """Options from a recipe name, its label with options ("rowwise(emulate=true)"), an options object (as is) or
-    None (float8 off); ValueError naming the value otherwise."""
-    if spec is None or isinstance(spec, Float8Options):
-        return spec
-    if isinstance(spec, str):
-        name, options = parse_label(spec) if "(" in spec else (spec.strip(), {})
-        if name in RECIPES:
-            return build_options(Float8Options, {"recipe": name, **options}, f"{what}={spec!r}")  # type: ignore[no-any-return]
-    raise ValueError(f"{what} must be None, one of {RECIPES} (with options as in 'tensorwise(emulate=true)') or a "
-                     f"Float8Options, got {spec!r}")
 
 
 def check_torchao() -> str:

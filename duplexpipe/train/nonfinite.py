@@ -11,16 +11,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from duplexpipe.config.sections import NONFINITE_GRADS as NONFINITE_GRADS
+from duplexpipe.config.sections import check_nonfinite_policy as check_nonfinite_policy
 from duplexpipe.errors import NonFiniteGradientError
-
-NONFINITE_GRADS = ("raise", "skip")
-"""SafetyConfig.nonfinite_grads values: stop every rank with NonFiniteGradientError, or skip the step everywhere."""
-
-
-def check_nonfinite_policy(value: object) -> None:
-    """ValueError naming the value unless it is one of NONFINITE_GRADS."""
-    if value not in NONFINITE_GRADS:
-        raise ValueError(f"SafetyConfig.nonfinite_grads must be one of {', '.join(NONFINITE_GRADS)}, got {value!r}")
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

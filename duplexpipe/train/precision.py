@@ -2,54 +2,18 @@
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+from duplexpipe.config.precision import PRECISIONS as PRECISIONS
+from duplexpipe.config.precision import LossScaleConfig, check_precision
 
 
 def autocast_dtype(precision: str) -> torch.dtype | None:
-    """The autocast dtype for a precision name: None (fp32), bfloat16 or float16."""
+    """The autocast dtype for a precision name (`config.precision.PRECISIONS`): None (fp32), bfloat16 or float16."""
     table = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-    if precision not in table:
-        raise ValueError(f"unknown precision {precision!r}; expected one of {PRECISIONS}")
-    return table[precision]
-
-
-@dataclass
-class LossScaleConfig:
-    """Dynamic loss scaling for fp16 (the usual grow-on-success, back-off-on-overflow rule)."""
-
-    init_scale: float = 2.0**16
-    """The loss scale of the first step."""
-    growth_factor: float = 2.0
-    """Multiply the scale by this after `growth_interval` overflow-free optimizer steps in a row."""
-    backoff_factor: float = 0.5
-    """Multiply the scale by this when a step overflows (the step is skipped on every rank)."""
-    growth_interval: int = 2000
-    """Overflow-free steps in a row before the scale grows."""
-    min_scale: float = 1.0
-    """The scale never backs off below this."""
-
-    def __post_init__(self) -> None:
-        for name in ("init_scale", "growth_factor", "backoff_factor", "min_scale"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"LossScaleConfig.{name} must be a finite number, got {value!r}")
-        if self.init_scale <= 0 or self.min_scale <= 0:
-            raise ValueError(
-                f"init_scale and min_scale must be > 0, got {self.init_scale} and {self.min_scale}")
-        if self.growth_factor < 1 or not 0 < self.backoff_factor < 1:
-            raise ValueError(
-                f"need growth_factor >= 1 and 0 < backoff_factor < 1, got {self.growth_factor} "
-                f"and {self.backoff_factor}"
-            )
-        if isinstance(self.growth_interval, bool) or not isinstance(self.growth_interval, int) \
-                or self.growth_interval < 1:
-            raise ValueError(f"growth_interval must be >= 1, got {self.growth_interval!r} (an int)")
+    return table[check_precision(precision)]
 
 
 class DynamicLossScaler:

@@ -56,16 +56,61 @@ def test_train_runs_a_hand_written_schedule_file(tmp_path: Path, monkeypatch: py
     assert "0B1" in (tmp_path / "run" / "timeline.json").read_text() and Path(path).is_file()
 
 
-def test_a_schedule_refusing_the_flags_is_told_before_torch_is_imported() -> None:
-    """`duplexpipe train --schedule dualpipe --microbatches 3`: exit 2 and the schedule's one line, from a process
-    that never imported torch (it takes seconds to import)."""
+BEFORE_TORCH: list[tuple[list[str], str]] = [
+    (["--steps", "-1"], "steps must be >= 1, got -1"),
+    (["--lr", "nan"], "optimizer lr must be a finite number, got nan"),
+    (["--zero-stage", "7"], "--zero-stage must be one of 0, 1, 2, 3, got '7'"),
+    (["--batch-size", "6", "--dp", "4"], "batch_size 6 is not divisible by dp=4"),
+    (["--float8", "bogus"], "PrecisionConfig.float8 must be None, one of ('tensorwise', 'rowwise')"),
+    (["--float8", "rowwise(fsdp_all_gather=true)"], "float8 fsdp_all_gather=True needs the 'tensorwise' recipe"),
+    (["--ranks", "0"], "ranks must be >= 1, got 0"),
+    (["--precision", "fp64"], "--precision must be one of fp32, bf16, fp16, got 'fp64'"),
+    (["--grad-clip-norm", "-1"], "grad_clip_norm must be a finite number > 0 or None (no clipping), got -1.0"),
+    (["--p2p-compression", "nope"], "unknown p2p_compression 'nope'"),
+    (["--p2p-compression", "int8(block=0)"], "Int8BlockCodec block must be an int >= 1, got 0"),
+    (["--p2p-compression", "fp8(fmt='e9')"], "unknown fp8 format 'e9'"),
+    (["--p2p-compression", "adaptive(ladder=none/zz)"], "adaptive p2p_compression ladder rung 'zz'"),
+    (["--activation-checkpointing", "bogus"], "PipelineConfig.activation_checkpointing must be True/False"),
+    (["--timeout", "0"], "timeout_s must be > 0, got 0.0"),
+    (["--nonfinite-sends", "skip"], "SafetyConfig.nonfinite_sends must be one of ['warn', 'raise'], got 'skip'"),
+    (["--dp-strategy", "bogus"], "unknown dp_strategy 'bogus'"),
+    (["--grad-bucket-bytes", "0"], "grad_bucket_bytes must be an int >= 1, got 0"),
+    (["--grad-compression", "bogus"], "unknown gradient compression 'bogus'"),
+    (["--memory-limit", "12XB"], "bad memory size '12XB'"),
+    (["--compile", "foo=1"], "PipelineConfig.compile takes torch.compile's options backend, mode, options, dynamic, "
+     "fullgraph; got unknown ['foo']"),
+    (["--compile", "backend=eager", "mode=max-autotune"], "mode and options are inductor's; backend 'eager' takes "
+     "neither"),
+    (["--schedule", "nope"], "PipelineConfig.schedule must be a Schedule, a schedule file"),
+    (["--schedule", "auto", "--opt", "bogus=1"], "schedule='auto' takes schedule_options"),
+    (["--loss-scale-init-scale", "-1"], "init_scale and min_scale must be > 0, got -1.0 and 1.0"),
+    (["--microbatches", "0"], "num_microbatches must be an int >= 1 or None, got 0"),
+    (["--nonfinite-sends", "raise", "--precision", "fp16"], "SafetyConfig.nonfinite_sends='raise' with "
+     "precision='fp16'"),
+    (["--schedule", "dualpipe", "--ranks", "2", "--microbatches", "3"],
+     "dualpipe needs an even number of microbatches, got num_microbatches=3"),
+]
+"""Bad flags whose checks need no torch, and a piece of each one's message (naming the value)."""
+
+
+def test_bad_flags_are_refused_before_torch_is_imported() -> None:
+    """Each flag of BEFORE_TORCH: exit 2 and one line naming the value, in a process that never imported torch (the
+    flags are parsed and the whole TrainConfig built and checked first; torch takes seconds to import)."""
+    import json
     import subprocess
     import sys
 
-    probe = ("import sys\nfrom duplexpipe.cli.main import main\n"
-             "code = main(['train', '--schedule', 'dualpipe', '--ranks', '2', '--microbatches', '3'])\n"
-             "print('torch imported' if 'torch' in sys.modules else 'torch not imported')\nsys.exit(code)\n")
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2
-    assert done.stderr == "duplexpipe: error: dualpipe needs an even number of microbatches, got num_microbatches=3\n"
-    assert done.stdout == "torch not imported\n"
+    probe = ("import contextlib, io, json, sys\nfrom duplexpipe.cli.main import main\nout = []\n"
+             "for flags in json.loads(sys.argv[1]):\n    err = io.StringIO()\n"
+             "    with contextlib.redirect_stderr(err):\n        code = main(['train', *flags])\n"
+             "    out.append([code, err.getvalue()])\n"
+             "torch = sorted(m for m in sys.modules if m.split('.')[0] == 'torch')\n"
+             "print(json.dumps({'results': out, 'torch': torch}))\n")
+    flags = [f for f, _ in BEFORE_TORCH]
+    done = subprocess.run([sys.executable, "-c", probe, json.dumps(flags)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout)
+    for (given, needle), (code, err) in zip(BEFORE_TORCH, found["results"], strict=True):
+        assert code == 2, (given, code, err)
+        assert err.startswith("duplexpipe: error: ") and err.count("\n") == 1 and needle in err, (given, err)
+    assert found["torch"] == [], f"torch was imported: {found['torch'][:3]}"

@@ -1,5 +1,6 @@
-"""duplexpipe.train.pipeline_config: the configuration is grouped in small sections (no public config class over 15
-fields), `PipelineConfig("1f1b", 8)` is the one-line start, and a section's field is set through its section."""
+"""duplexpipe.config (re-exported by duplexpipe.train.pipeline_config): the configuration is grouped in small
+sections (no public config class over 15 fields), `PipelineConfig("1f1b", 8)` is the one-line start, and a
+section's field is set through its section."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from duplexpipe.train.pipeline_config import (
     with_defaults,
 )
 
-CONFIG_MODULES = ("duplexpipe.train.pipeline_config", "duplexpipe.launch.train_config", "duplexpipe.runtime.config",
-                  "duplexpipe.train.precision", "duplexpipe.dp_options.zero")
+CONFIG_MODULES = ("duplexpipe.config.pipeline", "duplexpipe.config.sections", "duplexpipe.config.precision",
+                  "duplexpipe.launch.train_config", "duplexpipe.runtime.config", "duplexpipe.dp_options.zero")
 """The public configuration modules: PipelineConfig and its sections, TrainConfig and its sections, RuntimeConfig,
 and the options tables they hold."""
 MAX_FIELDS = 15

@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from duplexpipe.comm.methods import check_optimizer
+from duplexpipe.config.pipeline import resolve_schedule as resolve_schedule
 from duplexpipe.dp_options.compression import AdaptiveOptions, NoCompression, Options, compression_options
 from duplexpipe.model.split import Partition
 from duplexpipe.model.stages import PartInit, PartSource, as_factory, materialize_part
@@ -33,8 +34,7 @@ from duplexpipe.planner.plan import PlanConfig, plan
 from duplexpipe.planner.profile import Profile
 from duplexpipe.runtime.backend import default_device
 from duplexpipe.runtime.structure import flatten, map_leaves, split
-from duplexpipe.schedules.ir import Schedule, load_json, load_torch_csv
-from duplexpipe.schedules.registry import build as build_schedule
+from duplexpipe.schedules.ir import Schedule
 from duplexpipe.sizes import memory_bytes
 from duplexpipe.tp.parallelize import check_tensor_parallel
 from duplexpipe.tp.plans import TPPlan
@@ -42,11 +42,9 @@ from duplexpipe.train.pipeline_config import (
     AUTO,
     AUTO_PLAN_KEYS,
     AUTO_PROFILE_KEYS,
-    DEFAULT_MICROBATCHES,
     LossFn,
     PipelineConfig,
     check_auto_options,
-    is_schedule_file,
     with_choice,
     with_defaults,
 )
@@ -171,25 +169,6 @@ def resolved(config: PipelineConfig, groups: ParallelGroups) -> PlannedPipeline:
 
 def _sizes(groups: ParallelGroups) -> tuple[int, int, int]:
     return groups.pp_size, groups.dp_size, groups.tp_size
-
-
-def resolve_schedule(config: PipelineConfig, pp_size: int) -> Schedule:
-    """The Schedule `config` names (or holds) for `pp_size` ranks; not for schedule="auto"."""
-    if isinstance(config.schedule, Schedule):
-        schedule = config.schedule
-        if schedule.num_ranks != pp_size:
-            raise ValueError(f"schedule {schedule.name!r} is for {schedule.num_ranks} ranks, "
-                             f"but the pipeline group has {pp_size}")
-        return schedule
-    microbatches = config.num_microbatches or DEFAULT_MICROBATCHES
-    if is_schedule_file(config.schedule):
-        schedule = load_torch_csv(config.schedule, num_microbatches=microbatches) \
-            if config.schedule.lower().endswith(".csv") else load_json(config.schedule)
-        if schedule.num_ranks != pp_size:
-            raise ValueError(f"schedule file {config.schedule} is for {schedule.num_ranks} ranks, "
-                             f"but the pipeline group has {pp_size}")
-        return schedule
-    return build_schedule(config.schedule, pp_size, microbatches, **config.schedule_options)
 
 
 @contextlib.contextmanager
