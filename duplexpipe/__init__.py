@@ -61,7 +61,7 @@ _LAZY = (
     ("RuntimeConfig", ("duplexpipe.runtime.config", "RuntimeConfig")),
     # processes and the `duplexpipe train` loop
     ("run", ("duplexpipe.launch.processes", "run")),
-    ("TrainTask", ("duplexpipe.launch.train_loop", "TrainTask")),
+    ("TrainTask", ("duplexpipe.launch.train_task", "TrainTask")),
     ("run_training", ("duplexpipe.launch.train_loop", "run_training")),
     ("TrainConfig", ("duplexpipe.launch.train_config", "TrainConfig")),
     # errors
