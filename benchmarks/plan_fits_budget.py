@@ -40,10 +40,11 @@ class BudgetBenchConfig:
     memory_steps: int = 2
     rounds: int = 10
     warmup: int = 2
+    calibrate: bool = True  # the planner's in-pipeline calibration of the runtime's work (False: its defaults)
 
 
 QUICK = BudgetBenchConfig(schedules=("1f1b", "zbv"), zero=((0, None), (1, None)), microbatches=4, n_layer=4,
-                          d_model=32, batch_size=16, rounds=2, warmup=1)
+                          d_model=32, batch_size=16, rounds=2, warmup=1, calibrate=False)
 
 
 def _config(cfg: BudgetBenchConfig, plan: Manual | None, limit: int | None, measure: bool) -> PipelineConfig:
@@ -52,7 +53,8 @@ def _config(cfg: BudgetBenchConfig, plan: Manual | None, limit: int | None, meas
     if plan is None:
         return PipelineConfig("auto", memory_limit=limit, grad_clip_norm=1.0, observe=observe, safety=safety,
                               data_parallel=DataParallelConfig(grad_compression="none"),
-                              schedule_options={"schedules": list(cfg.schedules), "calibration_cache": None})
+                              schedule_options={"schedules": list(cfg.schedules), "calibration_cache": None,
+                                                "calibrate": cfg.calibrate})
     schedule, ckpt, stage, window = plan
     return PipelineConfig(schedule, cfg.microbatches, grad_clip_norm=1.0, activation_checkpointing=ckpt,
                           observe=observe, safety=safety,

@@ -50,8 +50,9 @@ class StageBytes:
     output_grad: tuple[int, ...]
     """Bytes of the gradient of its output (the message it receives back)."""
     recompute: tuple[int, ...] = ()
-    """Per stage, what a checkpointed stage's recompute holds for a moment beyond its saved inputs (its whole
-    activation of one microbatch less the inputs; 0 for a stage not checkpointed); () for none."""
+    """Per stage, what a checkpointed stage's recompute holds beyond its saved inputs (its whole activation of one
+    microbatch less the inputs; 0 for a stage not checkpointed), from the start of its B or I to the end of its B or
+    W (under a split backward what W needs stays from I to W); () for none."""
 
     @staticmethod
     def of(schedule: Schedule, groups: Sequence[PartProfile], recompute: Sequence[int] = ()) -> StageBytes:
@@ -80,12 +81,11 @@ class RankMemory:
     optimizer: float
     """Optimizer states (1/D under ZeRO-1 and -2)."""
     activations: float
-    """Peak of the live activations alone."""
+    """Peak of the live activations alone (a checkpointed stage's recompute included, `StageBytes.recompute`)."""
     messages: float
     """Peak of the in-flight messages alone."""
     peak: float
-    """params + gradients + optimizer + the peak of (live activations + in-flight messages) + the largest
-    recompute of a checkpointed stage (`StageBytes.recompute`)."""
+    """params + gradients + optimizer + the peak of (live activations + in-flight messages)."""
 
     def to_dict(self) -> dict[str, float]:
         """A JSON-ready form."""
@@ -118,9 +118,7 @@ def rank_memory(schedule: Schedule, timeline: Timeline, sizes: StageBytes,
         optim = whole * config.optimizer_factor / (d if zero.shard_optimizer else 1)
         act, msg = curves[rank]
         both = _peak(act + msg)
-        recompute = max((sizes.recompute[s] for s in mine), default=0) if sizes.recompute else 0
-        out.append(RankMemory(rank, params, grads, optim, _peak(act), _peak(msg),
-                              params + grads + optim + both + recompute))
+        out.append(RankMemory(rank, params, grads, optim, _peak(act), _peak(msg), params + grads + optim + both))
     return out
 
 
@@ -151,11 +149,14 @@ def _curves(schedule: Schedule, timeline: Timeline, sizes: StageBytes
         for part in event.action.compute_parts():
             key = (part.stage, part.microbatch)
             act = curves[event.rank][0]
+            again = sizes.recompute[part.stage] if sizes.recompute else 0
             if part.op is Op.F:
                 fwd[key] = (event.start, event.end)
                 act.append((event.start, sizes.activation[part.stage]))
             elif part.op in (Op.B, Op.W):
-                act.append((event.end, -sizes.activation[part.stage]))
+                act.append((event.end, -sizes.activation[part.stage] - again))
+            if part.op in (Op.B, Op.I) and again:  # the recompute, held from here to the end of its B or W
+                act.append((event.start, again))
             if part.op in (Op.B, Op.I):
                 bwd[key] = (event.start, event.end)
     rank_of = [info.rank for info in schedule.stages]

@@ -71,6 +71,22 @@ def test_dualpipe_holds_two_copies_of_parameters() -> None:
     assert [m.params for m in single] == [100, 200, 300, 400]
 
 
+def test_a_recompute_is_held_through_its_backward_and_from_i_to_w() -> None:
+    """A checkpointed stage keeping 1 byte (its input) and recomputing 9 more: under 1F1B the 9 live only inside a
+    B; under ZB-H1 from each I to its W."""
+    parts = [PartProfile(1, 1, 1, 1, 0, 0, 0)] * 2
+    cost = CostModel(f=1, b=2, w=1)
+    one, zb = registry.build("1f1b", 2, 4), registry.build("zb-h1", 2, 4)
+    plain = rank_memory(one, simulate(one, cost), StageBytes.of(one, parts, (9, 9)))
+    # rank 0's first B recomputes with two inputs held; rank 1 holds one input at a time
+    assert [m.activations for m in plain] == [2 + 9, 1 + 9]
+    split = rank_memory(zb, simulate(zb, cost), StageBytes.of(zb, parts, (9, 9)))
+    # rank 1 runs 1F0 1I0 1F1 1I1 1W0: at 1I1 it holds microbatch 0's recompute (its W pending), microbatch 1's,
+    # and both inputs
+    assert [m.activations for m in split] == [2 + 9, 2 + 2 * 9]
+    assert [m.peak for m in split] == [m.params + m.gradients + m.optimizer + m.activations for m in split]
+
+
 def test_activation_peak_matches_the_timeline_count_when_every_stage_weighs_one() -> None:
     for name in ("zb-h1", "zbv", "dualpipev", "interleaved-1f1b"):
         schedule = registry.build(name, 4, 8)

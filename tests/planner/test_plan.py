@@ -288,7 +288,9 @@ def test_checkpointing_fits_where_the_plain_plan_does_not_and_costs_a_forward_pe
     result = plan(heavy, replace(base, memory=cap))
     best = result.best
     assert best.checkpointing and best.peak_bytes <= cap
-    assert best.memory[0].activations < plain.memory[0].activations / 8
+    # the saved inputs, plus one microbatch's recompute held through its backward (a stage: 2 parts of 16 MiB at
+    # microbatch 2)
+    assert best.memory[0].activations < plain.memory[0].activations / 8 + 32 * MIB
     # one more forward (1 ms per part at microbatch 4: 0.5 ms at 2, 2 parts per stage) in each of the 8 backward
     # passes of a rank
     assert best.step_s - plain.step_s == pytest.approx(8 * 1e-3, rel=0.3)
