@@ -151,10 +151,11 @@ def report(result: Result) -> list[Block]:
         f"Every schedule within {TARGET:.0%} on every rank (total peak and activations): {met(every)}."]
     if checkpointed:
         high = max(max(w.values()) for w in checkpointed)
-        blocks.append(f"With full checkpointing the worst error is {high:.0%}: the model holds a stage's whole "
-                      "recompute (its activation less its input) through its B, and from its I to its W under a split "
-                      "backward, where W keeps only what its weight gradients need (the measurement samples each "
-                      "recompute inside its action and counts what the recomputed regions hold).")
+        blocks.append(f"With full checkpointing the worst error is {high:.0%}, in both directions: the model holds a "
+                      "stage's whole recompute (its activation less its input) through its B, and from its I to its W "
+                      "under a split backward, where W keeps only what its weight gradients need (over); it counts "
+                      "what the recompute holds, not the backward's own buffers beside it (under). The measurement "
+                      "samples each recompute inside its action and counts what the recomputed regions hold.")
     if "1f1b" in rows:
         acts = [r["measured"]["activations_peak"] for r in rows["1f1b"]]
         blocks.append(f"1F1B: the first rank's measured activation peak is {acts[0] / acts[-1]:.2f}x the last's "
