@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,6 +27,10 @@ class MemoryConfig:
     """ZeRO stage (see `dp_comm.ZERO_STAGES`): what is sharded over the data-parallel replicas."""
     dp: int = 1
     """Data-parallel replicas D."""
+    sends_held: bool = False
+    """A sent message stays on its sender until a reply proves it received (gloo, which completes a send only when
+    waited for: the runtime waits once the rank took a message its peer sent after taking this one, `RankPlan.
+    sends_done`), not only until its consumer starts (NCCL, whose sends complete on their own)."""
 
     def __post_init__(self) -> None:
         for name in ("optimizer_factor", "gradient_factor"):
@@ -108,7 +113,7 @@ def rank_memory(schedule: Schedule, timeline: Timeline, sizes: StageBytes,
     config = config or MemoryConfig()
     zero = zero_stage(config.zero_stage)
     d = config.dp
-    curves = _curves(schedule, timeline, sizes)
+    curves = _curves(schedule, timeline, sizes, config.sends_held)
     out = []
     for rank in range(schedule.num_ranks):
         mine = schedule.stages_of_rank(rank)
@@ -138,7 +143,7 @@ def resident_peak(schedule: Schedule, rank: int, params: Sequence[float]) -> flo
     return peak
 
 
-def _curves(schedule: Schedule, timeline: Timeline, sizes: StageBytes
+def _curves(schedule: Schedule, timeline: Timeline, sizes: StageBytes, sends_held: bool = False
             ) -> list[tuple[list[tuple[float, float]], list[tuple[float, float]]]]:
     """Per rank: (activation deltas, message deltas) as (time, +-bytes)."""
     curves: list[tuple[list[tuple[float, float]], list[tuple[float, float]]]] = [
@@ -160,21 +165,50 @@ def _curves(schedule: Schedule, timeline: Timeline, sizes: StageBytes
             if part.op in (Op.B, Op.I):
                 bwd[key] = (event.start, event.end)
     rank_of = [info.rank for info in schedule.stages]
-    for (stage, mb), (_, end) in fwd.items():
+    messages: list[_Message] = []
+    for (stage, mb), producer in fwd.items():
         nxt = schedule.next_stage(stage)
         if nxt is not None and rank_of[nxt] != rank_of[stage] and (nxt, mb) in fwd:
-            _message(curves, rank_of[stage], rank_of[nxt], end, fwd[(nxt, mb)][0], sizes.output[stage])
-    for (stage, mb), (_, end) in bwd.items():
+            messages.append(_Message(rank_of[stage], rank_of[nxt], producer, fwd[(nxt, mb)], sizes.output[stage]))
+    for (stage, mb), producer in bwd.items():
         prv = schedule.prev_stage(stage)
         if prv is not None and rank_of[prv] != rank_of[stage] and (prv, mb) in bwd:
-            _message(curves, rank_of[stage], rank_of[prv], end, bwd[(prv, mb)][0], sizes.output_grad[prv])
+            messages.append(_Message(rank_of[stage], rank_of[prv], producer, bwd[(prv, mb)],
+                                     sizes.output_grad[prv]))
+    end = timeline.start + timeline.makespan
+    by_link: dict[tuple[int, int], tuple[list[float], list[_Message]]] = {}
+    for message in sorted(messages, key=lambda m: m.producer[0]):
+        starts, mine = by_link.setdefault((message.sender, message.receiver), ([], []))
+        starts.append(message.producer[0])
+        mine.append(message)
+    for message in messages:
+        start, taken = message.producer[1], message.consumer[0]
+        released = _released(message, by_link, end) if sends_held else taken
+        curves[message.sender][1].extend(((start, message.nbytes), (max(start, released), -message.nbytes)))
+        curves[message.receiver][1].extend(((start, message.nbytes), (max(start, taken), -message.nbytes)))
     return curves
 
 
-def _message(curves: list[tuple[list[tuple[float, float]], list[tuple[float, float]]]], sender: int,
-             receiver: int, start: float, end: float, nbytes: int) -> None:
-    for rank in (sender, receiver):
-        curves[rank][1].extend(((start, nbytes), (max(start, end), -nbytes)))
+@dataclass(frozen=True)
+class _Message:
+    """One stage-to-stage message: its ranks, the (start, end) of the compute that makes it and of the one that
+    takes it, its bytes."""
+
+    sender: int
+    receiver: int
+    producer: tuple[float, float]
+    consumer: tuple[float, float]
+    nbytes: int
+
+
+def _released(message: _Message, by_link: dict[tuple[int, int], tuple[list[float], list[_Message]]],
+              end: float) -> float:
+    """When the sender of `message` learns it was received: the end of its compute that takes the first reply its
+    peer made after taking `message` (`by_link`: each directed link's messages by their producer's start; no reply:
+    the step's end)."""
+    starts, replies = by_link.get((message.receiver, message.sender), ([], []))
+    at = bisect.bisect_left(starts, message.consumer[1])
+    return end if at == len(replies) else replies[at].consumer[1]
 
 
 def _peak(deltas: list[tuple[float, float]]) -> float:

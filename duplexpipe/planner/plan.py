@@ -78,7 +78,8 @@ class PlanConfig:
     cores: float | None = None
     """Cores shared by the P x T processes of one data-parallel replica (None: a device per rank). Set, the step
     is simulated with processor sharing (`machine.simulate_shared`) on C / T of them (each TP rank of a stage
-    runs the same work): k ranks with work each run at min(1, C / (T k))."""
+    runs the same work): k ranks with work each run at min(1, C / (T k)). Set, the ranks are CPU processes over
+    gloo, whose sends the byte model holds until a reply proves them received (`MemoryConfig.sends_held`)."""
     tp: int = 1
     """T: tensor-parallel degree inside each stage (P x D x T processes); T > 1 needs a profile taken with the
     TP plan (`Profile.tp_degrees`, `PartProfile.tp`), priced by `tp_comm`."""
@@ -344,7 +345,9 @@ def _evaluate(profile: Profile, config: PlanConfig, candidate: Candidate,
     if reason:
         return _why(reject, reason), None
     scaled = local_profile(profile.at_microbatch(local / m), config.tp, config.tp_link, config.sequence_parallel)
-    mem_config = MemoryConfig(config.optimizer_factor, config.gradient_factor, zero, config.dp)
+    # ranks sharing CPU cores talk over gloo, whose sends are held until a reply proves them received
+    mem_config = MemoryConfig(config.optimizer_factor, config.gradient_factor, zero, config.dp,
+                              sends_held=config.cores is not None)
     excess = [0.0] * config.ranks
     sharded = None
     for _ in range(2 if name == "auto" else 1):  # auto: once more with the overshoot taken off its budget

@@ -50,6 +50,19 @@ def test_one_f_one_b_by_hand() -> None:
     assert r0.to_dict()["peak"] == 4207 and r0.rank == 0 and r1.rank == 1
 
 
+def test_gloo_sends_stay_until_a_reply_proves_them_received() -> None:
+    """Timeline as above. Rank 0's F0 message (7 bytes), taken by 1F0 [1, 2), is proven by the reply rank 1 makes
+    next, B0's gradient, taken by 0B0 [4, 6): held over [1, 6); F1's, taken by 1F1 [4, 5), by B1's gradient taken
+    by 0B1 [7, 9): held over [2, 9). Rank 1's two gradients (5 bytes) get no reply: held to the step's end, 9."""
+    schedule = registry.build("1f1b", 2, 2)
+    timeline = simulate(schedule, CostModel(f=1, b=2, w=1))
+    held = rank_memory(schedule, timeline, sizes_1f1b(), MemoryConfig(sends_held=True))
+    plain = rank_memory(schedule, timeline, sizes_1f1b())
+    assert (held[0].messages, plain[0].messages) == (7 + 7, 7)
+    assert (held[1].messages, plain[1].messages) == (5 + 5, 7)  # over [7, 9) both gradients; F1's input [2, 4)
+    assert held[0].peak == plain[0].peak + 7
+
+
 def test_zero_stages_shard_optimizer_then_gradients() -> None:
     schedule = registry.build("1f1b", 2, 2)
     timeline = simulate(schedule, CostModel(f=1, b=2, w=1))
