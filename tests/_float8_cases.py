@@ -39,9 +39,13 @@ def sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
-def gpt() -> tuple[nn.Module, list[nn.Module], nn.Module]:
-    """(embedding, blocks, head) in float32."""
-    return build_gpt(CONFIG, seed=0)
+def gpt(bias: bool = True) -> tuple[nn.Module, list[nn.Module], nn.Module]:
+    """(embedding, blocks, head) in float32; `bias=False`: the blocks' linears have none (as Llama's)."""
+    embedding, blocks, head = build_gpt(CONFIG, seed=0)
+    if not bias:
+        for linear in (m for block in blocks for m in block.modules() if isinstance(m, nn.Linear)):
+            linear.register_parameter("bias", None)
+    return embedding, blocks, head
 
 
 def batch(step: int) -> tuple[Tensor, Tensor]:
@@ -61,10 +65,10 @@ class Reference:
     `convert_to_float8_training` and trained on the pipelines' microbatches (each replica's rows, in order):
     `params[step]` holds every parameter after that step."""
 
-    def __init__(self, recipe: str = "tensorwise", replicas: int = 1) -> None:
+    def __init__(self, recipe: str = "tensorwise", replicas: int = 1, bias: bool = True) -> None:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-        embedding, blocks, head = gpt()
+        embedding, blocks, head = gpt(bias)
         children = [("embedding", embedding), *((f"layer{i}", b) for i, b in enumerate(blocks)), ("head", head)]
         model = nn.Sequential(OrderedDict(children))
         config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
@@ -103,18 +107,57 @@ def run(pipe: Pipeline, ref: Reference) -> dict[str, Any]:
         x, y = (t.chunk(groups.dp_size)[groups.dp_rank] for t in batch(step))
         pipe.step(x, y)
         errors.append(compare(pipe, ref.params[step]))
-    return {"errors": errors, "float8": len(float8_linears(pipe.stage_modules.values()))}
+    from duplexpipe.train.float8_tp import Float8Styles
+
+    out: dict[str, Any] = {"errors": errors, "float8": len(float8_linears(pipe.stage_modules.values()))}
+    styles = pipe.tensor.restyle
+    if isinstance(styles, Float8Styles):  # which TP styles the float8 linears got
+        out["styles"] = {"float8": len(styles.float8), **{why: len(paths) for why, paths in styles.plain.items()}}
+    return out
 
 
 def build(schedule: str, mesh: tuple[int, int, int], *, recipe: str | None = "tensorwise", zero_stage: int = 0,
-          **fields: Any) -> Pipeline:
+          bias: bool = True, **fields: Any) -> Pipeline:
     """The GPT pipelined on a make_mesh(pp, dp, tp=tp) mesh with float8 `recipe` (emulated)."""
     pp, dp, tp = mesh
-    embedding, blocks, head = gpt()
+    embedding, blocks, head = gpt(bias)
     config = PipelineConfig(schedule, MICRO, precision=PrecisionConfig(float8=recipe),
                             data_parallel=DataParallelConfig(zero_stage=zero_stage), **fields)
+    plan = gpt_tp_plan(config.sequence_parallel) if tp > 1 else None
     return Pipeline.from_layers(blocks, loss_fn, sgd, config, embedding=embedding, head=head,
-                                mesh=make_mesh(pp, dp, tp=tp), tp_plan=gpt_tp_plan() if tp > 1 else None)
+                                mesh=make_mesh(pp, dp, tp=tp), tp_plan=plan)
+
+
+def styles_on_a_biased_block(pipe: Pipeline) -> dict[str, float]:
+    """torchao's float8 styles forced on every linear of one GPT block with biases over `pipe`'s TP group, against the
+    same block converted by torchao in one process, after one backward: the largest relative gradient difference
+    of its weights (and the input) and of its biases. The styles cast the output gradient before the bias gradient
+    is summed from it; the single process sums the high-precision one."""
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name("tensorwise"), emulate=True)
+    ref = convert_to_float8_training(gpt()[1][0], config=config)
+    tp = convert_to_float8_training(gpt()[1][0], config=config)
+    col, row = Float8ColwiseParallel, Float8RowwiseParallel
+    parallelize_module(tp, pipe.groups.tp_mesh, {"attn.q": col(), "attn.k": col(), "attn.v": col(),
+                                                 "attn.proj": row(), "mlp.0": col(), "mlp.2": row()})
+    x = torch.randn(4, SEQ, CONFIG.d_model, generator=torch.Generator().manual_seed(1))
+    grad = torch.randn(4, SEQ, CONFIG.d_model, generator=torch.Generator().manual_seed(2))
+    inputs = [x.clone().requires_grad_() for _ in range(2)]
+    for model, inp in zip((ref, tp), inputs, strict=True):
+        model(inp).backward(grad)
+    worst = {"weights": _rel(inputs[1].grad, inputs[0].grad), "biases": 0.0}
+    for (name, mine), want in zip(tp.named_parameters(), ref.parameters(), strict=True):
+        kind = "biases" if name.endswith("bias") else "weights"
+        worst[kind] = max(worst[kind], _rel(_full(mine.grad), want.grad))
+    return worst
+
+
+def _rel(got: Tensor | None, want: Tensor | None) -> float:
+    assert got is not None and want is not None
+    return float((got - want).abs().max()) / max(float(want.abs().max()), 1e-30)
 
 
 def gathered(pipe: Pipeline) -> list[str]:
@@ -154,7 +197,11 @@ def case(rank: int, world: int) -> dict[str, Any]:
     pipes = {name: build(name, (world, 1, 1)) for name in SCHEDULES}
     out: dict[str, Any] = {name: run(pipe, ref) for name, pipe in pipes.items()}
     out["zb-h1 checkpointed"] = run(build("zb-h1", (world, 1, 1), activation_checkpointing=True), ref)
-    out["tp"] = run(build("zb-h1", (2, 1, 2)), ref)
+    out["tp"] = run(build("zb-h1", (2, 1, 2)), ref)  # biased linears: the plain styles
+    unbiased = Reference(bias=False)
+    out["tp float8 styles"] = run(tp := build("zb-h1", (2, 1, 2), bias=False), unbiased)
+    out["tp sequence parallel"] = run(build("1f1b", (2, 1, 2), bias=False, sequence_parallel=True), unbiased)
+    out["biased block"] = styles_on_a_biased_block(tp)
     replicated = Reference(replicas=2)
     out["zero2"] = run(build("zb-h1", (2, 2, 1), zero_stage=2), replicated)
     zero3 = build("1f1b", (2, 2, 1), zero_stage=3)  # float8 all-gathers: the default under ZeRO-3 (tensorwise)
