@@ -15,6 +15,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from duplexpipe import Pipeline, PipelineConfig, make_mesh
+from duplexpipe.comm.codec import Codec, TensorSpec
+from duplexpipe.comm.p2p_codecs import p2p_codec_pair
 from duplexpipe.launch.tasks.gpt import GPTConfig, build_gpt, gpt_tp_plan
 from duplexpipe.model.stages import inner_module
 from duplexpipe.train.float8 import float8_linears
@@ -63,9 +65,12 @@ def torchao_filter(module: nn.Module, fqn: str) -> bool:
 class Reference:
     """The model in one process (children named as a Pipeline's parts name them), converted by torchao's own
     `convert_to_float8_training` and trained on the pipelines' microbatches (each replica's rows, in order):
-    `params[step]` holds every parameter after that step."""
+    `params[step]` holds every parameter after that step. `sends`: (a p2p_compression label, the children after
+    which a message goes to another rank): the label's round trips there, the activation forward and its gradient
+    backward, as a pipeline with those compressed sends makes them."""
 
-    def __init__(self, recipe: str = "tensorwise", replicas: int = 1, bias: bool = True) -> None:
+    def __init__(self, recipe: str = "tensorwise", replicas: int = 1, bias: bool = True,
+                 sends: tuple[str, list[str]] | None = None) -> None:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
         embedding, blocks, head = gpt(bias)
@@ -80,9 +85,44 @@ class Reference:
             x, y = batch(step)
             optimizer.zero_grad()
             for xs, ys in zip(x.chunk(count), y.chunk(count), strict=True):
-                (loss_fn(model(xs), ys) / count).backward()
+                (loss_fn(_forward(model, xs, sends), ys) / count).backward()
             optimizer.step()
             self.params.append({n: p.detach().clone() for n, p in model.named_parameters()})
+
+
+class _Wire(torch.autograd.Function):
+    """A compressed send's round trips: the activation codec forward, the gradient codec backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, act: Codec | None, grad: Codec | None) -> Tensor:  # noqa: D102
+        ctx.grad_codec = grad
+        return x if act is None else act.decode(act.encode(x), TensorSpec.of(x))
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:  # noqa: D102
+        codec = ctx.grad_codec
+        return (g if codec is None else codec.decode(codec.encode(g), TensorSpec.of(g))), None, None
+
+
+def _forward(model: nn.Sequential, x: Tensor, sends: tuple[str, list[str]] | None) -> Tensor:
+    """The model's forward, with the round trips of `sends` (Reference) after the children it names."""
+    if sends is None:
+        return model(x)  # type: ignore[no-any-return]
+    act, grad = p2p_codec_pair(sends[0])
+    for name, child in model.named_children():
+        x = child(x)
+        if name in sends[1]:
+            x = _Wire.apply(x, act, grad)
+    return x
+
+
+def stage_ends(pipe: Pipeline) -> list[str]:
+    """The children after which `pipe`'s messages go to another rank (every stage's last child but the model's
+    last; a PP-only pipeline, one stage per rank: gathered over the world)."""
+    mine = [list(dict(inner_module(m).named_children()))[-1] for m in pipe.stage_modules.values()]
+    everyone: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(everyone, mine)
+    return [name for names in everyone for name in names if name != "head"]
 
 
 def _full(tensor: Tensor) -> Tensor:
@@ -117,11 +157,12 @@ def run(pipe: Pipeline, ref: Reference) -> dict[str, Any]:
 
 
 def build(schedule: str, mesh: tuple[int, int, int], *, recipe: str | None = "tensorwise", zero_stage: int = 0,
-          bias: bool = True, **fields: Any) -> Pipeline:
-    """The GPT pipelined on a make_mesh(pp, dp, tp=tp) mesh with float8 `recipe` (emulated)."""
+          bias: bool = True, sends: str | None = None, **fields: Any) -> Pipeline:
+    """The GPT pipelined on a make_mesh(pp, dp, tp=tp) mesh with float8 `recipe` (emulated) and stage sends
+    compressed by `sends` (a p2p_compression label)."""
     pp, dp, tp = mesh
     embedding, blocks, head = gpt(bias)
-    config = PipelineConfig(schedule, MICRO, precision=PrecisionConfig(float8=recipe),
+    config = PipelineConfig(schedule, MICRO, precision=PrecisionConfig(float8=recipe, p2p_compression=sends),
                             data_parallel=DataParallelConfig(zero_stage=zero_stage), **fields)
     plan = gpt_tp_plan(config.sequence_parallel) if tp > 1 else None
     return Pipeline.from_layers(blocks, loss_fn, sgd, config, embedding=embedding, head=head,
@@ -190,13 +231,18 @@ def resume(pipe: Pipeline, root: str) -> dict[str, Any]:
 
 
 def case(rank: int, world: int) -> dict[str, Any]:
-    """PP=4 under every schedule of SCHEDULES and ZB-H1 with activation checkpointing; ZB-H1 with PP=2 x TP=2 and with
-    PP=2 x DP=2 under ZeRO-2, 1F1B under ZeRO-3 (weights all-gathered in float8); a checkpoint of the float8 1F1B
-    run resumed with float8 off and on."""
+    """PP=4 under every schedule of SCHEDULES, and ZB-H1 with activation checkpointing, compiled (aot_eager) and with
+    fp8 stage sends; PP=2 x TP=2 under ZB-H1 (biased linears: the plain TP styles; without biases: torchao's float8
+    styles) and 1F1B with sequence parallelism; torchao's styles forced on a biased block; PP=2 x DP=2 under ZB-H1
+    with ZeRO-2 and 1F1B with ZeRO-3 (weights all-gathered in float8); a checkpoint of the float8 1F1B run resumed
+    with float8 off and on."""
     ref = Reference()
     pipes = {name: build(name, (world, 1, 1)) for name in SCHEDULES}
     out: dict[str, Any] = {name: run(pipe, ref) for name, pipe in pipes.items()}
     out["zb-h1 checkpointed"] = run(build("zb-h1", (world, 1, 1), activation_checkpointing=True), ref)
+    out["zb-h1 compiled"] = run(build("zb-h1", (world, 1, 1), compile={"backend": "aot_eager"}), ref)
+    compressed = build("zb-h1", (world, 1, 1), sends="fp8")
+    out["fp8 sends"] = run(compressed, Reference(sends=("fp8", stage_ends(compressed))))
     out["tp"] = run(build("zb-h1", (2, 1, 2)), ref)  # biased linears: the plain styles
     unbiased = Reference(bias=False)
     out["tp float8 styles"] = run(tp := build("zb-h1", (2, 1, 2), bias=False), unbiased)

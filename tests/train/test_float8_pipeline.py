@@ -1,11 +1,12 @@
 """Float8 (emulated) compute through `Pipeline` on 4 gloo ranks, in one spawn: each step's parameters equal torchao's
 own single-process float8 training of the same model on the same microbatches (float32 master weights, within 1e-6
-relative) under 1F1B, ZB-H1, ZBV and DualPipeV (and ZB-H1 with activation checkpointing), with PP=2 x TP=2 (the
-plain TP styles on linears with a bias, torchao's float8 styles on linears without one, sequence parallelism with
-both), with ZeRO-2 and with ZeRO-3 (FSDP2, the weights all-gathered in float8, cast before the all-gather with the
-scale of the whole weight: the same float8 weight as torchao's single-process cast, so the same bound); a float8
-checkpoint resumes with float8 off and on. torchao's float8 TP styles forced on linears with a bias differ from
-torchao's single process in the bias gradients only (why they are kept off those)."""
+relative) under 1F1B, ZB-H1, ZBV and DualPipeV; under ZB-H1 with activation checkpointing, compiled (aot_eager),
+and with fp8 stage sends (against the single process with the sends' round trips at the same cuts); with
+PP=2 x TP=2 (the plain TP styles on linears with a bias, torchao's float8 styles on linears without one, sequence
+parallelism with both); with ZeRO-2 and with ZeRO-3 (FSDP2, the weights all-gathered in float8, cast before the
+all-gather with the scale of the whole weight: the same float8 weight as torchao's single-process cast, so the same
+bound). A float8 checkpoint resumes with float8 off and on. torchao's float8 TP styles forced on linears with a bias
+differ from torchao's single process in the bias gradients only (why they are kept off those)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("name", [*SCHEDULES, "zb-h1 checkpointed", "tp", "tp float8 styles", "tp sequence parallel",
-                                  "zero2", "zero3"])
+                                  "zero2", "zero3", "fp8 sends", "zb-h1 compiled"])
 def test_each_step_equals_torchao_single_process(results: list[dict[str, Any]], name: str) -> None:
     for rank, out in enumerate(results):
         got = out[name]
