@@ -1,22 +1,15 @@
 """torchao's float8 tensor-parallel styles in place of torch's plain ones, on the linears where they compute torchao's
 single-process float8 math.
 
-torchao's `Float8ColwiseParallel` / `Float8RowwiseParallel` (torchtitan's float8 TP with the tensorwise recipe) cast
-a Float8Linear's input to float8 before its TP collective, with the scale of the whole DTensor (an all-reduce of the
-amax over the TP group): a sharded input is gathered in float8 and the cast is the one a single process makes. In the
-backward they cast the gradient of the module's OUTPUT to float8 once (`NoopFwToFloat8BwDynamic`), before it reaches
-the module; torchao's Float8Linear casts the gradient of its matmul inside its backward. The two are the same
-tensor only without a bias: with one, the bias's gradient (the output gradient summed over rows) is summed from the
-float8-rounded gradient under the styles and from the high-precision one in a single process, which moves each
-bias gradient by float8 e5m2's rounding (3e-2 to 8e-2 relative on the tests' GPT block after one backward; a bias
-whose exact gradient is 0, like an attention key's, gets float8 noise), while the weight and input gradients stay
-equal. So `Float8Styles` swaps the plain column and row styles of a dict plan for torchao's on converted linears
-without a bias whose casts are all tensorwise and dynamic with unrounded scales (what torchao's styles cast with),
-and keeps the plain styles (gathering in high precision) elsewhere: linears with a bias, the rowwise recipe, linears
-left in high precision, styles other than torch's plain two. Under sequence parallelism the all-gather before
-attention and MLP is the plan's `PrepareModuleInput`: torchao's `PrepareFloat8ModuleInput` in its place gathers in
-float8 (exact where the module's input feeds only float8 linears, which only the plan's author knows: it is not
-swapped here)."""
+torchao's `Float8ColwiseParallel` / `Float8RowwiseParallel` cast a Float8Linear's input to float8 before its TP
+collective (with the whole DTensor's scale: the cast a single process makes) and the gradient of the module's OUTPUT
+once, before the bias's gradient is summed from it; a single process casts inside the matmul's backward, after the
+bias. So they equal torchao's single process only on linears without a bias (with one, the bias gradients move by
+float8 e5m2's rounding; weight and input gradients stay equal), with tensorwise dynamic unrounded casts (what the
+styles cast with), and over gloo only where no float8 crosses a collective (gloo has no float8 collectives).
+`Float8Styles` swaps them in there and keeps the plain styles elsewhere. A plan's `PrepareModuleInput` is never
+swapped for `PrepareFloat8ModuleInput` (exact only where the module's input feeds float8 linears alone, which only
+the plan's author knows)."""
 
 from __future__ import annotations
 
@@ -31,7 +24,7 @@ from torchao.float8.float8_linear import Float8Linear
 from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
 
 LOG = logging.getLogger("duplexpipe.float8")
-FLOAT8_STYLES: dict[type[ParallelStyle], type[ParallelStyle]] = {
+FLOAT8_STYLES: dict[type[ParallelStyle], type[ColwiseParallel] | type[RowwiseParallel]] = {
     ColwiseParallel: Float8ColwiseParallel, RowwiseParallel: Float8RowwiseParallel}
 """torch's plain style -> torchao's float8 style that replaces it."""
 BIAS = "a bias (the styles cast the output gradient to float8 before the bias gradient is summed from it)"
@@ -89,9 +82,8 @@ through a collective: `moves_float8`); every other style stays. Records which
             return style
         self.float8.append(path)
         old: Any = style
-        new: ParallelStyle = replacement(input_layouts=old.input_layouts[0], output_layouts=old.output_layouts[0],
-                                         use_local_output=old.use_local_output)
-        return new
+        return replacement(input_layouts=old.input_layouts[0], output_layouts=old.output_layouts[0],
+                           use_local_output=old.use_local_output)
 
     def summary(self) -> str:
         """One line: how many linears run under which styles, and why the plain ones do."""
