@@ -41,11 +41,12 @@ def sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
-def gpt(bias: bool = True) -> tuple[nn.Module, list[nn.Module], nn.Module]:
-    """(embedding, blocks, head) in float32; `bias=False`: the blocks' linears have none (as Llama's)."""
+def gpt(mixed: bool = False) -> tuple[nn.Module, list[nn.Module], nn.Module]:
+    """(embedding, blocks, head) in float32; `mixed`: the linears of every other block (the even ones) have no bias,
+    as Llama's."""
     embedding, blocks, head = build_gpt(CONFIG, seed=0)
-    if not bias:
-        for linear in (m for block in blocks for m in block.modules() if isinstance(m, nn.Linear)):
+    if mixed:
+        for linear in (m for block in blocks[::2] for m in block.modules() if isinstance(m, nn.Linear)):
             linear.register_parameter("bias", None)
     return embedding, blocks, head
 
@@ -69,11 +70,11 @@ class Reference:
     which a message goes to another rank): the label's round trips there, the activation forward and its gradient
     backward, as a pipeline with those compressed sends makes them."""
 
-    def __init__(self, recipe: str = "tensorwise", replicas: int = 1, bias: bool = True,
+    def __init__(self, recipe: str = "tensorwise", replicas: int = 1, mixed: bool = False,
                  sends: tuple[str, list[str]] | None = None) -> None:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-        embedding, blocks, head = gpt(bias)
+        embedding, blocks, head = gpt(mixed)
         children = [("embedding", embedding), *((f"layer{i}", b) for i, b in enumerate(blocks)), ("head", head)]
         model = nn.Sequential(OrderedDict(children))
         config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
@@ -157,11 +158,11 @@ def run(pipe: Pipeline, ref: Reference) -> dict[str, Any]:
 
 
 def build(schedule: str, mesh: tuple[int, int, int], *, recipe: str | None = "tensorwise", zero_stage: int = 0,
-          bias: bool = True, sends: str | None = None, **fields: Any) -> Pipeline:
+          mixed: bool = False, sends: str | None = None, **fields: Any) -> Pipeline:
     """The GPT pipelined on a make_mesh(pp, dp, tp=tp) mesh with float8 `recipe` (emulated) and stage sends
     compressed by `sends` (a p2p_compression label)."""
     pp, dp, tp = mesh
-    embedding, blocks, head = gpt(bias)
+    embedding, blocks, head = gpt(mixed)
     config = PipelineConfig(schedule, MICRO, precision=PrecisionConfig(float8=recipe, p2p_compression=sends),
                             data_parallel=DataParallelConfig(zero_stage=zero_stage), **fields)
     plan = gpt_tp_plan(config.sequence_parallel) if tp > 1 else None
@@ -232,8 +233,8 @@ def resume(pipe: Pipeline, root: str) -> dict[str, Any]:
 
 def case(rank: int, world: int) -> dict[str, Any]:
     """PP=4 under every schedule of SCHEDULES, and ZB-H1 with activation checkpointing, compiled (aot_eager) and with
-    fp8 stage sends; PP=2 x TP=2 under ZB-H1 (biased linears: the plain TP styles; without biases: torchao's float8
-    styles) and 1F1B with sequence parallelism; torchao's styles forced on a biased block; PP=2 x DP=2 under ZB-H1
+    fp8 stage sends; PP=2 x TP=2 under ZB-H1 and 1F1B with sequence parallelism (blocks with biases: the plain TP
+    styles; without: torchao's float8 styles); torchao's styles forced on a biased block; PP=2 x DP=2 under ZB-H1
     with ZeRO-2 and 1F1B with ZeRO-3 (weights all-gathered in float8); a checkpoint of the float8 1F1B run resumed
     with float8 off and on."""
     ref = Reference()
@@ -243,10 +244,9 @@ def case(rank: int, world: int) -> dict[str, Any]:
     out["zb-h1 compiled"] = run(build("zb-h1", (world, 1, 1), compile={"backend": "aot_eager"}), ref)
     compressed = build("zb-h1", (world, 1, 1), sends="fp8")
     out["fp8 sends"] = run(compressed, Reference(sends=("fp8", stage_ends(compressed))))
-    out["tp"] = run(build("zb-h1", (2, 1, 2)), ref)  # biased linears: the plain styles
-    unbiased = Reference(bias=False)
-    out["tp float8 styles"] = run(tp := build("zb-h1", (2, 1, 2), bias=False), unbiased)
-    out["tp sequence parallel"] = run(build("1f1b", (2, 1, 2), bias=False, sequence_parallel=True), unbiased)
+    mixed = Reference(mixed=True)  # blocks with and without biases: the plain and the float8 TP styles
+    out["tp"] = run(tp := build("zb-h1", (2, 1, 2), mixed=True), mixed)
+    out["tp sequence parallel"] = run(build("1f1b", (2, 1, 2), mixed=True, sequence_parallel=True), mixed)
     out["biased block"] = styles_on_a_biased_block(tp)
     replicated = Reference(replicas=2)
     out["zero2"] = run(build("zb-h1", (2, 2, 1), zero_stage=2), replicated)
