@@ -4,7 +4,7 @@ large enough to be GEMM-bound (`SpeedConfig`), else the report says it was not m
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -19,6 +19,30 @@ from duplexpipe.train.pipeline_config import ObserveConfig, PrecisionConfig, Saf
 TARGET_LOSS = 0.02  # |float8's mean of the last losses - bf16's| / bf16's, at most
 TARGET_SPEED = 1.2  # float8 tokens/s over bf16's, at least (measured only with FP8 GEMMs)
 SEQ = 64  # characters per sequence (the GPT example's block size)
+HEAD_DIM = 128  # the speed run's attention head width
+
+
+@dataclass(frozen=True)
+class SpeedConfig:
+    """The tokens/s run on FP8 hardware: bf16 against float8 (bf16 autocast around both, as torchtitan trains) on a GPT
+    whose linears are GEMM-bound, both compiled, round-robin on the same batches, on one GPU."""
+
+    n_layer: int = 4  # GPT blocks
+    d_model: int = 4096  # width: every block's GEMMs are (tokens x 4096) by (4096 x 4096) or (4096 x 16384)
+    n_head: int = 32  # attention heads (of HEAD_DIM)
+    batch_size: int = 512  # sequences of SEQ characters per step
+    microbatches: int = 4  # microbatches per step: batch_size * SEQ / microbatches tokens per GEMM
+    steps: int = 20  # measured steps of each variant
+    warmup: int = 3  # unmeasured steps first (the compiles)
+    compile: bool = True  # torch.compile both variants (torchao's casts fused; float8 needs it to be fast)
+    ranks: int = 1  # pipeline ranks (one GPU each)
+
+    def model(self) -> str:
+        """The model, named for the report."""
+        params = self.n_layer * 12 * self.d_model ** 2
+        tokens = self.batch_size * SEQ // self.microbatches
+        return (f"GPT, {self.n_layer} blocks of d_model {self.d_model} ({params / 1e6:,.0f}M block parameters), "
+                f"{tokens:,} tokens per microbatch")
 
 
 @dataclass(frozen=True)
@@ -36,37 +60,26 @@ class Float8BenchConfig:
     batch_size: int = 16  # sequences per step (each of SEQ characters)
     lr: float = 3e-3  # AdamW learning rate
     recipe: str = "tensorwise"  # the torchao recipe
+    speed_layers: int = SpeedConfig.n_layer  # the GPU speed run's GPT blocks (`SpeedConfig`; with FP8 GEMMs only)
+    speed_width: int = SpeedConfig.d_model  # its d_model (heads of HEAD_DIM)
+    speed_steps: int = SpeedConfig.steps  # its measured steps per variant
 
     def __post_init__(self) -> None:
         if self.steps < self.last:
             raise ValueError(f"steps must be >= last ({self.last}), got {self.steps}")
+        if self.speed_width % HEAD_DIM:
+            raise ValueError(f"speed_width must be a multiple of {HEAD_DIM}, got {self.speed_width}")
+
+    def speed(self) -> SpeedConfig:
+        """The GPU speed run's config."""
+        return replace(SPEED, n_layer=self.speed_layers, d_model=self.speed_width,
+                       n_head=self.speed_width // HEAD_DIM, steps=self.speed_steps)
 
 
-@dataclass(frozen=True)
-class SpeedConfig:
-    """The tokens/s run on FP8 hardware: bf16 against float8 (bf16 autocast around both, as torchtitan trains) on a GPT
-    whose linears are GEMM-bound, both compiled, round-robin on the same batches, on one GPU."""
-
-    n_layer: int = 4  # GPT blocks
-    d_model: int = 4096  # width: every block's GEMMs are (tokens x 4096) by (4096 x 4096) or (4096 x 16384)
-    n_head: int = 32  # attention heads (head_dim 128)
-    batch_size: int = 512  # sequences of SEQ characters per step
-    microbatches: int = 4  # microbatches per step: batch_size * SEQ / microbatches tokens per GEMM
-    steps: int = 20  # measured steps of each variant
-    warmup: int = 3  # unmeasured steps first (the compiles)
-    compile: bool = True  # torch.compile both variants (torchao's casts fused; float8 needs it to be fast)
-    ranks: int = 1  # pipeline ranks (one GPU each)
-
-    def model(self) -> str:
-        """The model, named for the report."""
-        params = self.n_layer * 12 * self.d_model ** 2
-        tokens = self.batch_size * SEQ // self.microbatches
-        return (f"GPT, {self.n_layer} blocks of d_model {self.d_model} ({params / 1e6:,.0f}M block parameters), "
-                f"{tokens:,} tokens per microbatch")
-
-
-QUICK = Float8BenchConfig(steps=3, last=2, n_layer=2, d_model=32, batch_size=8)
 SPEED = SpeedConfig()
+QUICK = Float8BenchConfig(steps=3, last=2, n_layer=2, d_model=32, batch_size=8, speed_layers=1, speed_width=256,
+                          speed_steps=2)
+"""A smoke run: on FP8 hardware its speed run is a toy (named in the report), not a figure."""
 DRY_SPEED = SpeedConfig(n_layer=1, d_model=32, n_head=2, batch_size=4, microbatches=2, steps=1, warmup=0,
                         compile=False)
 """The speed run at toy size: what a machine without FP8 GEMMs runs to check the CUDA path's setup (emulated)."""
@@ -142,7 +155,7 @@ def run(cfg: Float8BenchConfig) -> Result:
     bf16 = rows["bf16"]
     return {"rows": rows, "loss_ratio": rows["float8"]["loss_last"] / bf16["loss_last"],
             "loss_ratio_fp32": rows["float8"]["loss_last"] / rows["fp32"]["loss_last"],
-            "speed": speed_verdict(), "device": lead["device"], "config": asdict(cfg)}
+            "speed": speed_verdict(cfg.speed()), "device": lead["device"], "config": asdict(cfg)}
 
 
 def report(result: Result) -> list[Block]:

@@ -46,7 +46,9 @@ def test_without_a_gpu_the_speed_is_not_measured_and_says_why() -> None:
 
 
 def test_the_gpu_speed_run_is_gemm_bound_and_its_setup_runs_on_the_cpu() -> None:
-    cfg = float8_bench.SPEED
+    cfg = float8_bench.Float8BenchConfig().speed()
+    assert cfg == float8_bench.SPEED and cfg.d_model // cfg.n_head == float8_bench.HEAD_DIM
+    assert float8_bench.QUICK.speed().d_model < cfg.d_model  # --quick's speed run is a toy
     GPTConfig(d_model=cfg.d_model, n_head=cfg.n_head, n_layer=cfg.n_layer)  # a valid GPT
     tokens = cfg.batch_size * float8_bench.SEQ // cfg.microbatches
     assert tokens >= cfg.d_model >= 4096  # each GEMM's three sides at least 4096: compute-bound on an H100
