@@ -3,6 +3,8 @@ a bias, tensorwise casts; over gloo only where no float8 crosses a collective), 
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from torch import nn
@@ -14,7 +16,7 @@ from duplexpipe.train.float8 import Float8Options, convert_stages
 pytest.importorskip("torchao")
 from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel  # noqa: E402
 
-from duplexpipe.train.float8_tp import BIAS, GLOO, SCALING, Float8Styles  # noqa: E402
+from duplexpipe.train.float8_tp import BIAS, GLOO, SCALING, Float8Styles, log_styles  # noqa: E402
 
 
 def _linear(recipe: str = "tensorwise", bias: bool = False) -> nn.Module:
@@ -45,3 +47,16 @@ def test_the_plain_styles_stay_where_torchaos_would_differ() -> None:
     assert styles.plain == {BIAS: ["0"], SCALING: ["1"], GLOO: ["2", "3"]}  # nn.Linear and PrepareModuleInput: as is
     assert type(styles("4", _linear(), RowwiseParallel())) is Float8RowwiseParallel  # gloo: no float8 collective
     assert "3 under the plain styles" not in styles.summary() and "2 under the plain styles" in styles.summary()
+
+
+def test_one_log_line_says_which_styles_and_why(caplog: pytest.LogCaptureFixture) -> None:
+    styles = Float8Styles(float8_collectives=False)
+    styles("a", _linear(), ColwiseParallel())
+    styles("b", _linear(bias=True), RowwiseParallel())
+    with caplog.at_level(logging.INFO, logger="duplexpipe.float8"):
+        log_styles(styles, callable_plan=False)
+        log_styles(None, callable_plan=True)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == f"float8 tensor parallelism: {styles.summary()}"
+    assert "1 linears under torchao's" in lines[0] and f"1 under the plain styles ({BIAS})" in lines[0]
+    assert "the tp_plan is a callable and applies its own styles" in lines[1]
