@@ -39,6 +39,8 @@ from torch import nn
 from duplexpipe.dp_options.labels import build_options, parse_label
 
 if TYPE_CHECKING:
+    import torch.distributed as dist
+
     from duplexpipe.train.float8_tp import Float8Styles
 
 LOG = logging.getLogger("duplexpipe.float8")
@@ -226,17 +228,17 @@ def convert_stages(stage_modules: Mapping[int, nn.Module], options: Float8Option
     return converted
 
 
-def float8_tp_styles(plan: object, tp_size: int, tp_group: Any) -> Float8Styles | None:
+def float8_tp_styles(plan: object, tp_size: int, tp_group: dist.ProcessGroup | None) -> Float8Styles | None:
     """A `train.float8_tp.Float8Styles` for a dict tp_plan over the TP group `tp_group` of `tp_size` > 1 ranks
     (torchao's float8 styles where they compute torchao's math); None for a callable plan (its own styles) or
     without tensor parallelism."""
     if tp_size <= 1 or not isinstance(plan, Mapping):
         return None
-    import torch.distributed as dist
+    from torch.distributed import get_backend
 
     from duplexpipe.train.float8_tp import Float8Styles
 
-    return Float8Styles(float8_collectives=dist.get_backend(tp_group) != "gloo")
+    return Float8Styles(float8_collectives=get_backend(tp_group) != "gloo")
 
 
 def float8_linears(modules: Iterable[nn.Module]) -> list[nn.Module]:
