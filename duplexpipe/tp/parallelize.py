@@ -22,6 +22,7 @@ from duplexpipe.schedules.timeline import Span
 from duplexpipe.tp.lane import TPCollectives
 from duplexpipe.tp.plans import (
     SEQUENCE_SHARDS,
+    Restyle,
     TPPlan,
     check_plan,
     local_bytes,
@@ -112,8 +113,11 @@ class TensorParallel:
     norm counts each gradient once (`counts_here`, used by the data-parallel strategies). Inactive (every method a
     no-op) without a plan or with tp=1."""
 
-    def __init__(self, plan: TPPlan | None, groups: TPGroups, sequence_parallel: bool) -> None:
+    def __init__(self, plan: TPPlan | None, groups: TPGroups, sequence_parallel: bool,
+                 restyle: Restyle | None = None) -> None:
         self.plan = plan
+        self.restyle = restyle
+        """What each entry of a dict plan applies in place of its style (`tp.plans.Restyle`; None: the plan's own)."""
         self.groups = groups
         self.sequence_parallel = sequence_parallel
         """Whether activations between TP regions, stage-to-stage messages included, hold 1/TP of the sequence."""
@@ -142,7 +146,7 @@ class TensorParallel:
                 for module in part.modules():  # parts that build masks or positions (Hugging Face parts)
                     if hasattr(module, SEQUENCE_SHARDS):
                         setattr(module, SEQUENCE_SHARDS, self.groups.tp_size if self.sequence_parallel else 1)
-                parallelize_part(part, self.plan, self.groups.tp_mesh)
+                parallelize_part(part, self.plan, self.groups.tp_mesh, self.restyle)
                 self.partial[stage] += partial_modules(part)
         if zero_stage == 2 and self.groups.dp_size > 1 and self._any_rank([any(self.partial.values())])[0]:
             raise ValueError("zero_stage=2 with modules whose parameters' gradients are partial over the TP group "

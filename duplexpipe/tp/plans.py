@@ -34,6 +34,9 @@ TPPlan = Mapping[str, ParallelStyle] | Callable[[nn.Module, DeviceMesh], None]
 """A tensor-parallel plan: what `parallelize_module` takes ({"layer*.attn.q": ColwiseParallel(), ...}, fnmatch
 patterns over module paths, applied to every part that has the module), or a callable (part, tp_mesh) -> None for
 full control (a `CheckedPlan` also checks the model first)."""
+Restyle = Callable[[str, nn.Module, ParallelStyle], ParallelStyle]
+"""restyle(path, module, style) -> the style a dict plan's entry applies to that module (float8 compute swaps torch's
+plain styles for torchao's float8 ones: `train.float8_tp.Float8Styles`)."""
 
 
 def resolve(module: nn.Module, pattern: str) -> Iterator[tuple[str, nn.Module]]:
@@ -133,13 +136,15 @@ def _some_paths(parts: Sequence[nn.Module], limit: int = 8) -> list[str]:
     return paths[:limit]
 
 
-def parallelize_part(part: nn.Module, plan: TPPlan, tp_mesh: DeviceMesh) -> None:
+def parallelize_part(part: nn.Module, plan: TPPlan, tp_mesh: DeviceMesh, restyle: Restyle | None = None) -> None:
     """Shard `part` in place over `tp_mesh`: a dict plan's keys that this part has (each resolved to its modules,
-    no warning for the others), or the callable plan. Every rank of the TP group holds the same whole weights, so
-    each keeps its own slice (no communication). Parameters one part uses in several modules stay one parameter."""
+    no warning for the others, each module's style passed through `restyle` when given), or the callable plan.
+    Every rank of the TP group holds the same whole weights, so each keeps its own slice (no communication).
+    Parameters one part uses in several modules stay one parameter."""
     shared = _shared_params(part)
     if isinstance(plan, Mapping):
-        concrete = {path: style for key, style in plan.items() for path, _ in resolve(part, key)}
+        concrete = {path: style if restyle is None else restyle(path, module, style)
+                    for key, style in plan.items() for path, module in resolve(part, key)}
         if concrete:
             parallelize_module(part, tp_mesh, concrete, src_data_rank=None)
     else:

@@ -18,10 +18,10 @@ torchao's own cast helpers and configs, so the two halves are torchao's unsplit 
 Compiled stages keep torchao's Function (a compiled region's backward is split into an I and a W graph already).
 
 Under ZeRO-3 the converted weights are gathered in float8 (`Float8Options.fsdp_all_gather`; the weight reaches
-`SplitFloat8Linear` already cast, which its backward takes as is, as torchao's does). Tensor parallelism keeps the
-plain DTensor styles: torchao's Float8ColwiseParallel / Float8RowwiseParallel run under the split backward, but their
-parameters differ from torchao's single-process float8 training (9e-3 relative after two steps of the tests' GPT at
-PP=2 x TP=2, with torchao's own backward too), against the 1e-6 equality of the plain styles (docs/training.md).
+`SplitFloat8Linear` already cast, which its backward takes as is, as torchao's does). Under tensor parallelism a dict
+plan's plain column and row styles become torchao's Float8ColwiseParallel / Float8RowwiseParallel on the converted
+linears where those compute torchao's single-process math (no bias, tensorwise casts: `train.float8_tp`); the
+others keep the plain styles.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import dataclasses
 import importlib.metadata
 import logging
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -38,6 +38,11 @@ from torch import nn
 from duplexpipe.config.precision import RECIPES as RECIPES
 from duplexpipe.config.precision import Float8Options as Float8Options
 from duplexpipe.config.precision import float8_options as float8_options
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from duplexpipe.train.float8_tp import Float8Styles
 
 LOG = logging.getLogger("duplexpipe.float8")
 TORCHAO_VERSIONS = ((0, 18), (0, 19))
@@ -173,6 +178,19 @@ def convert_stages(stage_modules: Mapping[int, nn.Module], options: Float8Option
     LOG.log(level, "float8 %s (%s on %s): %d linears converted; kept in high precision: %s%s", options.recipe, how,
             device.type, len(converted), left, gather)
     return converted
+
+
+def float8_tp_styles(plan: object, tp_size: int, tp_group: dist.ProcessGroup | None) -> Float8Styles | None:
+    """A `train.float8_tp.Float8Styles` for a dict tp_plan over the TP group `tp_group` of `tp_size` > 1 ranks
+    (torchao's float8 styles where they compute torchao's math); None for a callable plan (its own styles) or
+    without tensor parallelism."""
+    if tp_size <= 1 or not isinstance(plan, Mapping):
+        return None
+    from torch.distributed import get_backend
+
+    from duplexpipe.train.float8_tp import Float8Styles
+
+    return Float8Styles(float8_collectives=get_backend(tp_group) != "gloo")
 
 
 def float8_linears(modules: Iterable[nn.Module]) -> list[nn.Module]:

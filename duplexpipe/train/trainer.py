@@ -61,7 +61,7 @@ from duplexpipe.tp.parallelize import TensorParallel, check_tensor_parallel
 from duplexpipe.tp.plans import TPPlan
 from duplexpipe.train.compile import CompiledStages
 from duplexpipe.train.experts import Experts
-from duplexpipe.train.float8 import convert_stages, float8_options, precompute_scales
+from duplexpipe.train.float8 import convert_stages, float8_options, float8_tp_styles, precompute_scales
 from duplexpipe.train.pipeline_config import (
     AUTO,
     DataParallelConfig,
@@ -176,9 +176,15 @@ class Pipeline:
         self.partition = partition.placed(self.schedule) if partition is not None else None
         ckpt = resolve_checkpointing(cfg.activation_checkpointing, self.schedule)
         self.stage_modules = self._build_stages(parts, init, ckpt)
-        self.tensor = TensorParallel(tp_plan, groups, cfg.sequence_parallel)
+        float8 = float8_options(cfg.precision.float8)
+        styles = float8_tp_styles(tp_plan, groups.tp_size, groups.tp_group) if float8 is not None else None
+        self.tensor = TensorParallel(tp_plan, groups, cfg.sequence_parallel, styles)
         """Tensor parallelism inside this rank's stages (inactive without a plan or with tp=1)."""
         self.tensor.apply({s: model_parts(m) for s, m in self.stage_modules.items()}, cfg.data_parallel.zero_stage or 0)
+        if float8 is not None and self.tensor.active:
+            from duplexpipe.train.float8_tp import log_styles
+
+            log_styles(styles, callable_plan=styles is None)
         self.experts = Experts(self.stage_modules, self.schedule, groups, ckpt, self.device)
         """This rank's MoE layers: expert parallelism and the expert-bias update."""
         self.params = [p for s in sorted(self.stage_modules) for p in self.stage_modules[s].parameters()]

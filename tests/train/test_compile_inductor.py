@@ -1,10 +1,13 @@
 """Compiled stages with inductor on 2 gloo ranks (float64, 3 AdamW steps) against one eager process: every schedule
 with PipelineConfig(compile=True), whole parts the user compiled, activation checkpointing; and a run (aot_eager:
 dynamo recompiles alike under every backend) whose batch changes size (an uneven last microbatch) and evaluates:
-recompiled once, not every step."""
+recompiled once, not every step. Float8 (torchao's Float8Linear, emulated) compiles with inductor on the CPU too:
+ZB-H1's parameters stay within 1e-6 of torchao's single-process eager float8 training (inductor's fused kernels sum
+in another order; the float8 casts take the same scales)."""
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import pytest
@@ -46,10 +49,19 @@ def _resizing(world: int) -> dict[str, Any]:
     return {"loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, want, strict=True)), "graphs": graphs}
 
 
+def _float8(world: int) -> dict[str, Any]:
+    """The float8 GPT under ZB-H1 compiled by inductor, each step against torchao's eager single process."""
+    import _float8_cases as f8
+
+    return f8.run(f8.build("zb-h1", (world, 1, 1), compile=INDUCTOR), f8.Reference())
+
+
 def _worker(rank: int, world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     out: dict[str, Any] = {name: run(case, world) for name, case in CASES.items()}
     out["resizing"] = _resizing(world)
+    if importlib.util.find_spec("torchao") is not None:
+        out["float8"] = _float8(world)
     return out
 
 
@@ -69,3 +81,14 @@ def test_a_new_batch_size_and_evaluation_compile_once_not_every_step(results: li
         assert resizing["loss_err"] < 1e-9, resizing
         graphs = resizing["graphs"]  # steps of 8, 7, 7, 6, 8 rows; two evaluations
         assert graphs[2:5] == [0, 0, 0] and graphs[6] == 0, graphs
+
+
+FLOAT8_BOUND = 1e-6
+"""Relative, per parameter tensor: inductor's fused kernels round fp32 sums in another order than eager."""
+
+
+def test_float8_compiled_with_inductor_equals_torchaos_eager_single_process(results: list[dict[str, Any]]) -> None:
+    pytest.importorskip("torchao")
+    for rank in results:
+        got = rank["float8"]
+        assert got["float8"] > 0 and max(got["errors"]) <= FLOAT8_BOUND, got
