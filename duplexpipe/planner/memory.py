@@ -14,6 +14,10 @@ from duplexpipe.planner.profile import PartProfile, Profile, load_profile
 from duplexpipe.schedules.ir import Op, Schedule
 from duplexpipe.schedules.timeline import Timeline
 
+GLOO_RECEIVES_AHEAD = 2
+"""How many receives per peer the runtime posts ahead over gloo (`RuntimeConfig.recv_lookahead`'s default; a test
+keeps them equal)."""
+
 
 @dataclass(frozen=True)
 class MemoryConfig:
@@ -31,6 +35,10 @@ class MemoryConfig:
     """A sent message stays on its sender until a reply proves it received (gloo, which completes a send only when
     waited for: the runtime waits once the rank took a message its peer sent after taking this one, `RankPlan.
     sends_done`), not only until its consumer starts (NCCL, whose sends complete on their own)."""
+    receives_ahead: int = 0
+    """Receives from a peer posted this many ahead of their turn (gloo: `RuntimeConfig.recv_lookahead`,
+    `GLOO_RECEIVES_AHEAD` by default): a receive's buffer is held from when the one this many before it from the
+    same peer was taken (the step's start for the first ones), not only from when its message was made."""
 
     def __post_init__(self) -> None:
         for name in ("optimizer_factor", "gradient_factor"):
@@ -40,6 +48,8 @@ class MemoryConfig:
         zero_stage(self.zero_stage)
         if not isinstance(self.dp, int) or self.dp < 1:
             raise ValueError(f"dp must be an integer >= 1, got {self.dp!r}")
+        if not isinstance(self.receives_ahead, int) or self.receives_ahead < 0:
+            raise ValueError(f"receives_ahead must be an integer >= 0, got {self.receives_ahead!r}")
 
 
 @dataclass(frozen=True)
@@ -113,7 +123,7 @@ def rank_memory(schedule: Schedule, timeline: Timeline, sizes: StageBytes,
     config = config or MemoryConfig()
     zero = zero_stage(config.zero_stage)
     d = config.dp
-    curves = _curves(schedule, timeline, sizes, config.sends_held)
+    curves = _curves(schedule, timeline, sizes, config.sends_held, config.receives_ahead)
     out = []
     for rank in range(schedule.num_ranks):
         mine = schedule.stages_of_rank(rank)
@@ -143,8 +153,8 @@ def resident_peak(schedule: Schedule, rank: int, params: Sequence[float]) -> flo
     return peak
 
 
-def _curves(schedule: Schedule, timeline: Timeline, sizes: StageBytes, sends_held: bool = False
-            ) -> list[tuple[list[tuple[float, float]], list[tuple[float, float]]]]:
+def _curves(schedule: Schedule, timeline: Timeline, sizes: StageBytes, sends_held: bool = False,
+            receives_ahead: int = 0) -> list[tuple[list[tuple[float, float]], list[tuple[float, float]]]]:
     """Per rank: (activation deltas, message deltas) as (time, +-bytes)."""
     curves: list[tuple[list[tuple[float, float]], list[tuple[float, float]]]] = [
         ([], []) for _ in range(schedule.num_ranks)]
@@ -181,11 +191,13 @@ def _curves(schedule: Schedule, timeline: Timeline, sizes: StageBytes, sends_hel
         starts, mine = by_link.setdefault((message.sender, message.receiver), ([], []))
         starts.append(message.producer[0])
         mine.append(message)
+    posted = _posted(by_link, receives_ahead, timeline.start) if receives_ahead else {}
     for message in messages:
         start, taken = message.producer[1], message.consumer[0]
         released = _released(message, by_link, end) if sends_held else taken
         curves[message.sender][1].extend(((start, message.nbytes), (max(start, released), -message.nbytes)))
-        curves[message.receiver][1].extend(((start, message.nbytes), (max(start, taken), -message.nbytes)))
+        buffered = min(start, posted.get(id(message), start))
+        curves[message.receiver][1].extend(((buffered, message.nbytes), (max(buffered, taken), -message.nbytes)))
     return curves
 
 
@@ -199,6 +211,19 @@ class _Message:
     producer: tuple[float, float]
     consumer: tuple[float, float]
     nbytes: int
+
+
+def _posted(by_link: dict[tuple[int, int], tuple[list[float], list[_Message]]], ahead: int,
+            start: float) -> dict[int, float]:
+    """When each message's receive buffer is posted, by id: on each directed link in the order the receiver takes
+    them, just before the one `ahead` before is taken (its RECV is listed before the compute that takes it; the
+    step's `start` for the first `ahead`)."""
+    out: dict[int, float] = {}
+    for _, mine in by_link.values():
+        order = sorted(mine, key=lambda m: m.consumer[0])
+        for k, message in enumerate(order):
+            out[id(message)] = math.nextafter(order[k - ahead].consumer[0], -math.inf) if k >= ahead else start
+    return out
 
 
 def _released(message: _Message, by_link: dict[tuple[int, int], tuple[list[float], list[_Message]]],

@@ -21,7 +21,7 @@ from duplexpipe.planner.dp_comm import (
     zero_stage,
 )
 from duplexpipe.planner.machine import Machine, simulate_shared
-from duplexpipe.planner.memory import MemoryConfig, RankMemory, StageBytes, rank_memory
+from duplexpipe.planner.memory import GLOO_RECEIVES_AHEAD, MemoryConfig, RankMemory, StageBytes, rank_memory
 from duplexpipe.planner.profile import PartProfile, Profile
 from duplexpipe.planner.tp_comm import DEFAULT_TP_BANDWIDTH, local_profile, tp_refusal
 from duplexpipe.schedules import registry
@@ -79,7 +79,8 @@ class PlanConfig:
     """Cores shared by the P x T processes of one data-parallel replica (None: a device per rank). Set, the step
     is simulated with processor sharing (`machine.simulate_shared`) on C / T of them (each TP rank of a stage
     runs the same work): k ranks with work each run at min(1, C / (T k)). Set, the ranks are CPU processes over
-    gloo, whose sends the byte model holds until a reply proves them received (`MemoryConfig.sends_held`)."""
+    gloo, whose sends the byte model holds until a reply proves them received and whose receives it posts ahead
+    (`MemoryConfig.sends_held`, `receives_ahead`)."""
     tp: int = 1
     """T: tensor-parallel degree inside each stage (P x D x T processes); T > 1 needs a profile taken with the
     TP plan (`Profile.tp_degrees`, `PartProfile.tp`), priced by `tp_comm`."""
@@ -345,9 +346,10 @@ def _evaluate(profile: Profile, config: PlanConfig, candidate: Candidate,
     if reason:
         return _why(reject, reason), None
     scaled = local_profile(profile.at_microbatch(local / m), config.tp, config.tp_link, config.sequence_parallel)
-    # ranks sharing CPU cores talk over gloo, whose sends are held until a reply proves them received
-    mem_config = MemoryConfig(config.optimizer_factor, config.gradient_factor, zero, config.dp,
-                              sends_held=config.cores is not None)
+    # ranks sharing CPU cores talk over gloo: sends held until a reply proves them received, receives posted ahead
+    gloo = config.cores is not None
+    mem_config = MemoryConfig(config.optimizer_factor, config.gradient_factor, zero, config.dp, sends_held=gloo,
+                              receives_ahead=GLOO_RECEIVES_AHEAD if gloo else 0)
     excess = [0.0] * config.ranks
     sharded = None
     for _ in range(2 if name == "auto" else 1):  # auto: once more with the overshoot taken off its budget

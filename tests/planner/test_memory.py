@@ -63,6 +63,26 @@ def test_gloo_sends_stay_until_a_reply_proves_them_received() -> None:
     assert held[0].peak == plain[0].peak + 7
 
 
+def test_gloo_receives_are_held_from_their_post_two_ahead() -> None:
+    """Rank 1 takes rank 0's F0 at 1F0 [1, 2) and F1 at 1F1 [4, 5); posted one ahead, F1's buffer (7 bytes) is held
+    from when F0 was taken (1), beside F0's (from the step's start); the gradients back to rank 0 likewise."""
+    schedule = registry.build("1f1b", 2, 2)
+    timeline = simulate(schedule, CostModel(f=1, b=2, w=1))
+    ahead = rank_memory(schedule, timeline, sizes_1f1b(), MemoryConfig(receives_ahead=1))
+    plain = rank_memory(schedule, timeline, sizes_1f1b())
+    assert (ahead[1].messages, plain[1].messages) == (7 + 7, 7)
+    assert ahead[0].messages == 7 + 5 + 5  # F1's send waiting over [2, 4), both gradients' buffers from the start
+    with pytest.raises(ValueError, match="receives_ahead"):
+        MemoryConfig(receives_ahead=-1)
+
+
+def test_the_gloo_receives_ahead_are_the_runtimes() -> None:
+    from duplexpipe.planner.memory import GLOO_RECEIVES_AHEAD
+    from duplexpipe.runtime.config import RuntimeConfig
+
+    assert RuntimeConfig().recv_lookahead == GLOO_RECEIVES_AHEAD
+
+
 def test_zero_stages_shard_optimizer_then_gradients() -> None:
     schedule = registry.build("1f1b", 2, 2)
     timeline = simulate(schedule, CostModel(f=1, b=2, w=1))
