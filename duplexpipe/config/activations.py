@@ -19,12 +19,26 @@ def check_checkpointing(option: Any) -> None:
         every = option.get("every")
         if set(option) == {"every"} and isinstance(every, int) and not isinstance(every, bool) and every >= 1:
             return
-    elif (isinstance(option, Collection) and not isinstance(option, str)
-          and all(isinstance(s, int) and not isinstance(s, bool) for s in option)):
+        if set(option) == {"blocks"} and checkpointed_blocks(option["blocks"]) is not None:
+            return
+    elif isinstance(option, Collection) and not isinstance(option, str) and all(map(_is_int, option)):
         return
     modes = " or ".join(map(repr, CHECKPOINTING_MODES))
-    raise ValueError(f"PipelineConfig.activation_checkpointing must be True/False, {modes}, {{'every': k}} (k >= 1) "
-                     f"or a collection of stage indices; got {option!r}")
+    raise ValueError(f"PipelineConfig.activation_checkpointing must be True/False, {modes}, {{'every': k}} (k >= 1), "
+                     f"{{'blocks': [i, ...]}} (block indices >= 0) or a collection of stage indices; got {option!r}")
+
+
+def checkpointed_blocks(value: Any) -> frozenset[int] | None:
+    """The block indices of {"blocks": value}: an index >= 0 or a non-empty collection of them (None otherwise)."""
+    found = (value,) if _is_int(value) else value
+    if isinstance(found, Collection) and not isinstance(found, str) and found and \
+            all(_is_int(b) and b >= 0 for b in found):
+        return frozenset(found)
+    return None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_offload(value: object, where: str) -> None:

@@ -88,12 +88,14 @@ class PipelineConfig:
     of the window's samples, so the applied gradient is that of the mean loss over every sample of the
     window (a sum of microbatch gradients of that mean, not an average of per-call averages). In `duplexpipe
     train`, the batches of each of its `steps` (which count optimizer steps)."""
-    activation_checkpointing: bool | str | dict[str, int] | Collection[int] = False
+    activation_checkpointing: bool | str | dict[str, Any] | Collection[int] = False
     """Recompute activations in backward instead of keeping them, once per microbatch (under a split backward too:
     recomputed at I, kept for W): "full" (or True) every stage whole; "selective" every stage, saving the matmuls'
     and attention's outputs and recomputing the cheap operators (torch's selective checkpointing); {"every": k}
     every k-th block of the model, each on its own (the layers of `from_layers` parts, a Hugging Face part's
-    decoder layers; on the command line every=k); a collection of stage indices those stages whole; False none."""
+    decoder layers; on the command line every=k); {"blocks": [i, ...]} those blocks of the model, by their index
+    in the whole model (on the command line blocks=0,3); a collection of stage indices those stages whole; False
+    none."""
     activation_offload: bool | float = False
     """Move what forwards save for backward to host memory while their backward is far away, scheduled from each
     rank's list: after each F, the live forwards whose B or I comes last go to host (True: all but the nearest; a

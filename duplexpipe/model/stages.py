@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts, noop_context_fn
 
 from duplexpipe.comm.local_tensors import local_of
-from duplexpipe.config.activations import check_checkpointing
+from duplexpipe.config.activations import check_checkpointing, checkpointed_blocks
 from duplexpipe.model.split import check_parts_fit
 from duplexpipe.model.state_names import split_style
 from duplexpipe.moe.balance import moe_layers
@@ -142,7 +142,10 @@ class Checkpointing(Collection[int]):
     every: int | None = None
     """Checkpoint the blocks (`part_blocks`) whose index in the whole model is k-1, 2k-1, ... (as torchtitan's
     every-k option), each its own region; a part without blocks is one block, numbered by its part index. None:
-    each stage is one region."""
+    each stage is one region (or `blocks`)."""
+    blocks: frozenset[int] | None = None
+    """Checkpoint the blocks with these indices in the whole model, each its own region (numbered as for
+    `every`); None: as `every` says."""
 
     def __contains__(self, stage: object) -> bool:
         return stage in self.stages
@@ -162,31 +165,38 @@ class Checkpointing(Collection[int]):
         """Stage `stage`'s module (model part `part`) checkpointed as asked (`module` itself when not)."""
         if stage not in self.stages:
             return module
-        if self.every is None:
+        if self.every is None and self.blocks is None:
             return CheckpointedStage(module, self.context_fn)
         blocks = part_blocks(module)
         if not blocks:
-            return CheckpointedStage(module, self.context_fn) if part % self.every == self.every - 1 else module
+            return CheckpointedStage(module, self.context_fn) if self.picks(part) else module
         for position, block in enumerate(blocks):
-            if block_index(module, block, position) % self.every == self.every - 1:
+            if self.picks(block_index(module, block, position)):
                 checkpoint_block(block, self.context_fn)
         return module
 
+    def picks(self, block: int) -> bool:
+        """Whether block `block` of the whole model (by `every` or `blocks`) is checkpointed on its own."""
+        if self.blocks is not None:
+            return block in self.blocks
+        return self.every is not None and block % self.every == self.every - 1
 
-CheckpointingOption = bool | str | Mapping[str, int] | Collection[int]
+
+CheckpointingOption = bool | str | Mapping[str, Any] | Collection[int]
 """`PipelineConfig.activation_checkpointing`'s values."""
 
 
 def resolve_checkpointing(option: CheckpointingOption, schedule: Schedule) -> Checkpointing:
-    """What to checkpoint: every stage for True, "full", "selective" or {"every": k}; none for False; else the given
-    stages (whole)."""
+    """What to checkpoint: every stage for True, "full", "selective", {"every": k} or {"blocks": [...]}; none for
+    False; else the given stages (whole)."""
     check_checkpointing(option)
     every = option.get("every") if isinstance(option, Mapping) else None
+    blocks = checkpointed_blocks(option["blocks"]) if isinstance(option, Mapping) and "blocks" in option else None
     if option is False:
         return Checkpointing()
     if option is True or isinstance(option, (str, Mapping)):
         policy = option if isinstance(option, str) else "full"
-        return Checkpointing(frozenset(range(schedule.num_stages)), policy, every)
+        return Checkpointing(frozenset(range(schedule.num_stages)), policy, every, blocks)
     stages = frozenset(cast(Collection[int], option))
     bad = sorted(s for s in stages if not 0 <= s < schedule.num_stages)
     if bad:

@@ -179,9 +179,11 @@ def test_key_values_are_literals_else_text() -> None:
 
 
 def test_a_switch_takes_one_word_or_stage_numbers_where_its_field_does() -> None:
-    """--activation-checkpointing takes PipelineConfig's values: alone (True), a word, every=k, stage numbers."""
+    """--activation-checkpointing takes PipelineConfig's values: alone (True), a word, every=k, blocks=i,j, stage
+    numbers."""
     for argv, value in ((["--activation-checkpointing"], True), (["--activation-checkpointing", "selective"],
                         "selective"), (["--activation-checkpointing", "every=2"], {"every": 2}),
+                        (["--activation-checkpointing", "blocks=0,3"], {"blocks": (0, 3)}),
                         (["--activation-checkpointing", "0", "2"], [0, 2]), (["--no-activation-checkpointing"], False)):
         assert _config(argv).pipeline.activation_checkpointing == value, argv
     with pytest.raises(ValueError, match="activation_checkpointing must be"):

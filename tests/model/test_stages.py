@@ -107,7 +107,11 @@ def test_checkpointing_values() -> None:
     assert resolve_checkpointing("selective", schedule) == Checkpointing(frozenset({0, 1}), "selective")
     assert resolve_checkpointing({"every": 2}, schedule) == Checkpointing(frozenset({0, 1}), every=2)
     assert 1 in resolve_checkpointing([1], schedule) and 0 not in resolve_checkpointing([1], schedule)
-    for bad in ("half", {"every": 0}, {"every": 2, "policy": "x"}, [0.5], {"every": True}):
+    assert resolve_checkpointing({"blocks": [1, 6]}, schedule) == Checkpointing(frozenset({0, 1}),
+                                                                                blocks=frozenset({1, 6}))
+    assert resolve_checkpointing({"blocks": 3}, schedule).blocks == frozenset({3})
+    for bad in ("half", {"every": 0}, {"every": 2, "policy": "x"}, [0.5], {"every": True}, {"blocks": []},
+                {"blocks": [-1]}, {"blocks": [1.5]}, {"blocks": "0"}, {"blocks": [0], "every": 2}):
         with pytest.raises(ValueError, match="activation_checkpointing must be"):
             PipelineConfig(activation_checkpointing=bad)
     modules = build_stage_modules(schedule, 1, _parts(2), checkpoint_stages=resolve_checkpointing("selective",
@@ -138,6 +142,20 @@ def test_every_k_checkpoints_blocks_in_place() -> None:
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
     plain = build_stage_modules(schedule, 0, [nn.Linear(5, 5), nn.Linear(5, 5)], checkpoint_stages=every)
     assert not isinstance(plain[0], CheckpointedStage)  # a part without blocks is block <part index>: 0 is not
+
+
+def test_named_blocks_are_checkpointed_in_place() -> None:
+    """{"blocks": [5, 6]}: those blocks of the whole model, wherever they sit, each its own region."""
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(5, 5), nn.Tanh()) for _ in range(8)]
+    parts = split_model(layers, 2)[0]
+    schedule = build("1f1b", 2, 4)
+    named = resolve_checkpointing({"blocks": [5, 6]}, schedule)
+    stage = build_stage_modules(schedule, 1, parts, checkpoint_stages=named)[1]
+    assert [type(b).__name__ for b in part_blocks(stage)] == ["Sequential", "CheckpointedSequential",
+                                                               "CheckpointedSequential", "Sequential"]
+    first = build_stage_modules(schedule, 0, parts, checkpoint_stages=named)[0]
+    assert all(type(b).__name__ == "Sequential" for b in part_blocks(first))  # blocks 0-3: none named
 
 
 def test_build_stage_modules_errors() -> None:
