@@ -4,8 +4,9 @@ moved up while its communication is exposed and down while it is hidden, from me
 from __future__ import annotations
 
 import logging
+import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from duplexpipe.dp_options.compression import AdaptiveOptions
 
@@ -84,14 +85,21 @@ class ExposureReport:
 
 
 IMPROVEMENT = 0.9
-"""A move up is kept when the exposed seconds over the next `patience` steps are at most this fraction of those
-over the `patience` steps before it."""
+"""A move up is kept when the median exposed seconds over the next `patience` steps are at most this fraction of
+the median over the exposed steps before it (medians: one step a loaded machine stalled decides nothing)."""
+URGENT = 5.0
+"""A key exposed more than this many times `up` of the step in URGENT_RUN steps in a row moves up without waiting
+out its patience: on a link that just became slow each step waited costs the full transfer, more than a wrong
+move's trial."""
+URGENT_RUN = 2
+"""Steps in a row a key must be urgently exposed (one alone is noise)."""
 
 
 @dataclass
 class _Key:
     rung: int
     exposed_run: int = 0
+    urgent_run: int = 0
     hidden_run: int = 0
     hold: int = 1
     last_down: int | None = None
@@ -131,13 +139,14 @@ class Controller:
     (`observe`) and every rank makes the same moves at the same step.
 
     A key is exposed in a step when its exposed seconds exceed `up` x the step's seconds, hidden when they are at
-    most `down` x; after `patience` exposed steps in a row it moves one rung up (more compression), after `hold`
-    hidden steps one rung down. `hold` starts at `patience` and doubles (up to `max_hold`) each time a move down
+    most `down` x; after `patience` exposed steps in a row (or URGENT_RUN steps exposed over URGENT x `up`) it
+    moves one rung up (more compression), after `hold` hidden steps one rung down. `hold` starts at `patience` and doubles (up to `max_hold`) each time a move down
     is undone by a move up within 2 x patience steps (a failed probe: the lighter rung was exposed), and returns
     to `patience` once a move down holds for 4 x hold steps. A move up is judged after `patience` steps: unless
     its exposed seconds fell below IMPROVEMENT x those before it (a codec whose own compute costs what its bytes
     save), the key goes back down and may not climb past that rung for a while (doubling, up to `max_hold`
-    steps). The loss guard lowers the top rung allowed for every key."""
+    steps); kept while the key is still exposed, it climbs the next rung at once. The loss guard lowers the top
+    rung allowed for every key."""
 
     options: AdaptiveOptions
     keys: Sequence[str]
@@ -224,6 +233,7 @@ class Controller:
             state.exposed_run, state.hidden_run = 0, state.hidden_run + 1
         else:
             state.exposed_run = state.hidden_run = 0
+        state.urgent_run = state.urgent_run + 1 if share > URGENT * opts.up else 0
         state.recent = (state.recent + [exposed])[-opts.patience:]
         if state.cap_until and self.steps >= state.cap_until:
             state.cap, state.cap_until = len(self.labels) - 1, 0
@@ -232,27 +242,40 @@ class Controller:
         if state.up_at is not None:
             if len(state.recent) < opts.patience:
                 return None  # the move up is on trial
-            return self._judge(key, state)
-        if state.exposed_run >= opts.patience and state.rung < min(self.ceiling, state.cap):
-            if state.last_down is not None and self.steps - state.last_down <= 2 * opts.patience:
-                state.hold = min(2 * state.hold, opts.max_hold)
-            state.last_down, state.up_at = None, self.steps
-            state.before_up = sum(state.recent) / len(state.recent)
-            return self._move(key, state, state.rung + 1, f"exposed {share:.1%} of the step for {opts.patience} "
-                                                          "steps")
+            return self._judge(key, state, share)
+        if self._wants_up(state):
+            return self._up(key, state, share)
         if state.hidden_run >= state.hold and state.rung > 0:
             state.last_down = self.steps
             return self._move(key, state, state.rung - 1, f"hidden ({share:.1%} of the step) for {state.hold} steps")
         return None
 
-    def _judge(self, key: str, state: _Key) -> Decision | None:
-        """After a move up's trial: keep it if it lowered the exposed seconds, else go back and cap the key."""
+    def _wants_up(self, state: _Key) -> bool:
+        """Exposed for `patience` steps in a row (or urgently for URGENT_RUN), with a rung above it open."""
+        pressed = state.exposed_run >= self.options.patience or state.urgent_run >= URGENT_RUN
+        return pressed and state.rung < min(self.ceiling, state.cap)
+
+    def _up(self, key: str, state: _Key, share: float) -> Decision:
+        """Move one rung up and put the move on trial against the median of the exposed steps that asked for it."""
+        opts = self.options
+        if state.last_down is not None and self.steps - state.last_down <= 2 * opts.patience:
+            state.hold = min(2 * state.hold, opts.max_hold)
+        run = max(1, min(len(state.recent), state.exposed_run))
+        state.last_down, state.up_at = None, self.steps
+        state.before_up = statistics.median(state.recent[-run:])
+        why = (f"exposed over {URGENT * opts.up:.0%} of the step for {state.urgent_run} steps"
+               if state.exposed_run < opts.patience else f"exposed for {state.exposed_run} steps")
+        return self._move(key, state, state.rung + 1, f"{why}, {share:.1%} at the last")
+
+    def _judge(self, key: str, state: _Key, share: float) -> Decision | None:
+        """After a move up's trial: keep it if it lowered the exposed seconds (and climb on at once while the key is
+        still exposed), else go back and cap the key."""
         opts, before = self.options, state.before_up or 0.0
-        after = sum(state.recent) / len(state.recent)
+        after = statistics.median(state.recent)
         state.up_at, state.before_up = None, None
         if after <= IMPROVEMENT * before:
             state.cap_hold = opts.patience
-            return None
+            return self._up(key, state, share) if self._wants_up(state) else None
         state.cap = state.rung - 1
         state.cap_until = self.steps + state.cap_hold
         state.cap_hold = min(2 * state.cap_hold, opts.max_hold)
@@ -262,15 +285,14 @@ class Controller:
 
     def _move(self, key: str, state: _Key, to: int, reason: str) -> Decision:
         decision = Decision(self.steps, key, self.labels[state.rung], self.labels[to], reason)
-        state.rung, state.exposed_run, state.hidden_run, state.blind = to, 0, 0, self.lag
+        state.rung, state.exposed_run, state.hidden_run, state.urgent_run, state.blind = to, 0, 0, 0, self.lag
         state.recent = []
         return decision
 
     def state_dict(self) -> dict[str, object]:
         """The rungs, run counters and guard (plain data) for a checkpoint."""
         return {"steps": self.steps, "ceiling": self.ceiling,
-                "keys": {k: [s.rung, s.exposed_run, s.hidden_run, s.hold, s.last_down, list(s.recent), s.before_up,
-                             s.up_at, s.cap, s.cap_until, s.cap_hold, s.blind] for k, s in self._state.items()},
+                "keys": {k: {**asdict(s), "recent": list(s.recent)} for k, s in self._state.items()},
                 "guard": [self._guard.ema, self._guard.lowest, self._guard.seen]}
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
@@ -280,7 +302,7 @@ class Controller:
         if sorted(keys) != sorted(self.keys):
             raise ValueError(f"adaptive state is for keys {sorted(keys)}, this controller has {sorted(self.keys)}")
         self.steps, self.ceiling = int(state["steps"]), int(state["ceiling"])  # type: ignore[call-overload]
-        self._state = {k: _Key(*v) for k, v in keys.items()}
+        self._state = {k: _Key(**{**v, "recent": list(v["recent"])}) for k, v in keys.items()}
         guard = state["guard"]
         assert isinstance(guard, list)
         self._guard = _Guard(*guard)

@@ -4,10 +4,11 @@ flapping under noise or at a knee, the loss guard, its options and their text fo
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 
-from duplexpipe.comm.adaptive import Controller
+from duplexpipe.comm.adaptive import URGENT, URGENT_RUN, Controller
 from duplexpipe.dp_options.compression import AdaptiveOptions, Int8Options, NoCompression, compression_options
 
 STEP_S = 1.0
@@ -31,10 +32,10 @@ def _on(ctl: Controller, steps: int, exposure: dict[str, list[float]]) -> None:
 def test_exposed_moves_up_and_hidden_moves_down_after_patience() -> None:
     opts = AdaptiveOptions(ladder="none/bf16/int8", start="bf16", patience=3)
     ctl = Controller(opts, ["bucket 0", "bucket 1"])
-    rungs = _run(ctl, [{"bucket 0": 0.5, "bucket 1": 0.0}] * 3)
+    rungs = _run(ctl, [{"bucket 0": 0.05, "bucket 1": 0.0}] * 3)  # exposed, not urgently (0.02 < 0.05 <= 0.1)
     assert rungs == [[1, 1], [1, 1], [2, 0]]
     assert [(d.key, d.before, d.after) for d in ctl.log] == [("bucket 0", "bf16", "int8"), ("bucket 1", "bf16", "none")]
-    _on(ctl, 20, {"bucket 0": [0.5, 0.5, 0.1], "bucket 1": [0.0, 0.0, 0.0]})
+    _on(ctl, 20, {"bucket 0": [0.05, 0.05, 0.01], "bucket 1": [0.0, 0.0, 0.0]})
     assert ctl.rungs() == [2, 0] and len(ctl.log) == 2  # int8 lowered bucket 0's exposure: kept; the ends hold
 
 
@@ -132,3 +133,45 @@ def test_with_a_lag_the_measurement_taken_before_a_move_is_not_held_against_it()
         prompt.observe(STEP_S, {"k": exposed})
     assert late.rung("k") == 1 and len(late.log) == 1  # kept: the 0.9 just after the move was skipped
     assert prompt.rung("k") == 0 and "did not lower" in prompt.log[1].reason  # judged on the stale 0.9
+
+
+def _agreed(ctl: Controller, exposure: Any, steps: int, rng: random.Random) -> list[int]:
+    """Run `steps` steps as the agreement does (each step's measurement decided on at the end of the next step, its
+    moves applied from the step after); exposure(step, rung) -> exposed seconds. The rung each step used."""
+    used: list[int] = []
+    measured: list[float] = []
+    for step in range(steps):
+        used.append(ctl.rung("k"))
+        measured.append(exposure(step, used[-1]) * rng.uniform(0.8, 1.2))
+        if step > 0:
+            ctl.observe(STEP_S, {"k": measured[step - 1]})
+    return used
+
+
+def test_a_link_that_becomes_slow_is_climbed_within_a_few_steps_and_held_under_noise() -> None:
+    """At step 20 the link drops: none is exposed 60% of the step, bf16 30%, int8 5%. Through the agreement's delay
+    the key compresses from the 3rd step after the drop and reaches int8 by the 7th (waiting out patience and a
+    step per move, it took 4 and 10), then holds int8 under 20% noise."""
+    opts = AdaptiveOptions(ladder="none/bf16/int8", patience=3)
+    ctl = Controller(opts, ["k"], lag=1)
+    drop = 20
+    used = _agreed(ctl, lambda step, rung: 0.0 if step < drop else [0.6, 0.3, 0.05][rung], 120, random.Random(2))
+    assert used[:drop + 2] == [0] * (drop + 2) and used[drop + 2 + URGENT_RUN - 1] == 1
+    assert used.index(2) == drop + 2 + URGENT_RUN - 1 + 1 + opts.patience
+    assert set(used[used.index(2):]) == {2} and len(ctl.log) == 2
+
+
+def test_a_stalled_step_during_a_trial_does_not_undo_the_move() -> None:
+    """One step the machine stalled (0.9 s) among the three that judge bf16: the median keeps the move."""
+    ctl = Controller(AdaptiveOptions(ladder="none/bf16/int8", patience=3), ["k"])
+    _run(ctl, [{"k": 0.05}] * 3 + [{"k": 0.01}, {"k": 0.9}, {"k": 0.01}])
+    assert ctl.rung("k") == 1 and len(ctl.log) == 1
+
+
+def test_urgent_exposure_moves_after_two_steps_but_one_urgent_step_alone_does_not() -> None:
+    opts = AdaptiveOptions(ladder="none/bf16/int8", patience=3)
+    ctl = Controller(opts, ["k"])
+    _run(ctl, [{"k": 0.5}, {"k": 0.0}, {"k": 0.5}, {"k": 0.05}, {"k": 0.0}])  # urgent runs of 1
+    assert ctl.log == []
+    _run(ctl, [{"k": URGENT * opts.up * 1.01}] * URGENT_RUN)
+    assert ctl.rung("k") == 1 and "for 2 steps" in ctl.log[0].reason
