@@ -140,13 +140,13 @@ class Controller:
 
     A key is exposed in a step when its exposed seconds exceed `up` x the step's seconds, hidden when they are at
     most `down` x; after `patience` exposed steps in a row (or URGENT_RUN steps exposed over URGENT x `up`) it
-    moves one rung up (more compression), after `hold` hidden steps one rung down. `hold` starts at `patience` and doubles (up to `max_hold`) each time a move down
-    is undone by a move up within 2 x patience steps (a failed probe: the lighter rung was exposed), and returns
-    to `patience` once a move down holds for 4 x hold steps. A move up is judged after `patience` steps: unless
-    its exposed seconds fell below IMPROVEMENT x those before it (a codec whose own compute costs what its bytes
-    save), the key goes back down and may not climb past that rung for a while (doubling, up to `max_hold`
-    steps); kept while the key is still exposed, it climbs the next rung at once. The loss guard lowers the top
-    rung allowed for every key."""
+    moves one rung up (more compression), after `hold` hidden steps one rung down. `hold` starts at `patience` and
+    doubles (up to `max_hold`) each time a move down is undone by a move up within 2 x patience steps (a failed
+    probe: the lighter rung was exposed), and returns to `patience` once a move down holds for 4 x hold steps. A
+    move up is judged after `patience` steps: unless the median of its exposed seconds fell below IMPROVEMENT x
+    that before it (a codec whose own compute costs what its bytes save), the key goes back down and may not climb
+    past that rung for a while (doubling, up to `max_hold` steps); kept while the key is still exposed, it climbs
+    the next rung at once. The loss guard lowers the top rung allowed for every key."""
 
     options: AdaptiveOptions
     keys: Sequence[str]

@@ -8,11 +8,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
 
 from duplexpipe.comm.adaptive import CompressionReport, Controller, Decision
 from duplexpipe.comm.adaptive_agreement import LAG, Agreement
-from duplexpipe.comm.codec import Codec, TensorSpec, codec_name
+from duplexpipe.comm.codec import Codec, IdentityCodec, codec_name
 from duplexpipe.comm.reduction import WaitFn
 from duplexpipe.dp_options.compression import AdaptiveOptions
 
@@ -38,9 +37,10 @@ class LinkRungs:
         return self.rungs.get((src, dst), self.start)
 
 
-class AdaptiveCodec:
+class AdaptiveCodec(IdentityCodec):
     """One direction's stage-send codecs of the ladder's rungs (None: as computed), chosen per link by `for_link`.
-    Used as a Codec on its own it sends a tensor as it is: the Mailroom asks `for_link` for each send and receive."""
+    Used as a Codec on its own it sends a tensor as it is (IdentityCodec's methods), yet it is no pass-through: the
+    Mailroom asks `for_link` for each send and receive."""
 
     def __init__(self, options: AdaptiveOptions, rungs: Sequence[Codec | None], links: LinkRungs, slot: str) -> None:
         self.options = options
@@ -53,21 +53,14 @@ class AdaptiveCodec:
         """"adaptive(<each rung's codec name>)": equal on every rank with the same ladder."""
         return f"adaptive({'/'.join(codec_name(c) for c in self.rungs)})"
 
+    @property
+    def sends_as_is(self) -> bool:
+        """False: each link's rung decides."""
+        return False
+
     def for_link(self, src: int, dst: int) -> Codec | None:
         """The codec of link src -> dst in the running step."""
         return self.rungs[self.links.rung(src, dst)]
-
-    def wire_format(self, spec: TensorSpec) -> tuple[TensorSpec, ...]:
-        """The tensor's own spec (the placeholder's; a link's codec says what goes on its wire)."""
-        return (spec,)
-
-    def encode(self, tensor: Tensor) -> list[Tensor]:
-        """[tensor]."""
-        return [tensor]
-
-    def decode(self, payloads: Sequence[Tensor], spec: TensorSpec) -> Tensor:
-        """The one payload."""
-        return payloads[0]
 
 
 def adaptive_pair(options: AdaptiveOptions, named: Named) -> tuple[AdaptiveCodec, AdaptiveCodec]:
