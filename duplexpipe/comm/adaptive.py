@@ -263,9 +263,10 @@ class Controller:
         run = max(1, min(len(state.recent), state.exposed_run))
         state.last_down, state.up_at = None, self.steps
         state.before_up = statistics.median(state.recent[-run:])
-        why = (f"exposed over {URGENT * opts.up:.0%} of the step for {state.urgent_run} steps"
-               if state.exposed_run < opts.patience else f"exposed for {state.exposed_run} steps")
-        return self._move(key, state, state.rung + 1, f"{why}, {share:.1%} at the last")
+        urgent = state.exposed_run < opts.patience
+        why = (f"exposed {share:.1%} of the step (over {URGENT * opts.up:.0%}) for {state.urgent_run} steps" if urgent
+               else f"exposed {share:.1%} of the step for {state.exposed_run} steps")
+        return self._move(key, state, state.rung + 1, why)
 
     def _judge(self, key: str, state: _Key, share: float) -> Decision | None:
         """After a move up's trial: keep it if it lowered the exposed seconds (and climb on at once while the key is

@@ -91,6 +91,11 @@ class Agreement:
         self._spent = self._add(begin)
         return moves
 
+    def forget(self) -> None:
+        """Drop the agreement in flight without completing it (a restored controller decides from the next step's
+        measurements on)."""
+        self._pending, self._moves, self._spent = None, [], (0.0, 0.0)
+
     def _add(self, begin: tuple[float, float]) -> tuple[float, float]:
         """The controller's (wall, CPU) seconds so far in this step, with those since `begin`."""
         return (self._spent[0] + self.clock() - begin[0], self._spent[1] + time.thread_time() - begin[1])

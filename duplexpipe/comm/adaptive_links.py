@@ -102,3 +102,19 @@ class LinkAdapter:
         for link in self.links:
             self.codec.links.rungs[link] = self.controller.rung(link_key(*link))
         return moves
+
+    def state_dict(self) -> dict[str, Any]:
+        """The links' controller (rungs, run counters, guard: plain data) for a checkpoint. An agreement in flight
+        is not kept: after a resume the first step decides nothing, on the saved rungs."""
+        return {"links": [list(link) for link in self.links], "controller": self.controller.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore state_dict(): the controller, and the links' rungs from the next step on."""
+        links = sorted(tuple(link) for link in state["links"])
+        if links != self.links:
+            raise ValueError(f"adaptive stage-link state is for links {links}, this pipeline has {self.links}")
+        self.controller.load_state_dict(state["controller"])
+        self.agreement.forget()
+        for link in self.links:
+            self.codec.links.rungs[link] = self.controller.rung(link_key(*link))
+

@@ -174,4 +174,4 @@ def test_urgent_exposure_moves_after_two_steps_but_one_urgent_step_alone_does_no
     _run(ctl, [{"k": 0.5}, {"k": 0.0}, {"k": 0.5}, {"k": 0.05}, {"k": 0.0}])  # urgent runs of 1
     assert ctl.log == []
     _run(ctl, [{"k": URGENT * opts.up * 1.01}] * URGENT_RUN)
-    assert ctl.rung("k") == 1 and "for 2 steps" in ctl.log[0].reason
+    assert ctl.rung("k") == 1 and "(over 10%) for 2 steps" in ctl.log[0].reason
