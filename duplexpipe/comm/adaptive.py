@@ -75,8 +75,10 @@ class ExposureReport:
     """Data-parallel bucket index -> seconds from the end of the window's compute (after the last W feeding it)
     until its reduction completed; 0 when it had completed before the step waited for it."""
     links: Mapping[str, float]
-    """Stage link "link a->b" (pipeline ranks, b this one) -> seconds this rank's receives from a blocked (an upper
-    bound of the link's exposed time: it also covers the sender's compute running late)."""
+    """Stage link "link a->b" (pipeline ranks, b this one) -> seconds this rank's receives from a waited beyond the
+    sender's compute: each wait counted from when a posted the message, if later than when b began waiting (with
+    p2p_compression="adaptive" or an emulated link, whose messages carry that time; otherwise the whole wait, an
+    upper bound that also covers the sender's compute running late)."""
 
     @property
     def total_s(self) -> float:
