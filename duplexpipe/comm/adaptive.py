@@ -108,6 +108,8 @@ class _Key:
     recent: list[float] = field(default_factory=list)
     before_up: float | None = None
     up_at: int | None = None
+    before_down: float | None = None
+    watch: list[float] | None = None
     cap: int = -1
     cap_until: int = 0
     cap_hold: int = 1
@@ -148,7 +150,10 @@ class Controller:
     move up is judged after `patience` steps: unless the median of its exposed seconds fell below IMPROVEMENT x
     that before it (a codec whose own compute costs what its bytes save), the key goes back down and may not climb
     past that rung for a while (doubling, up to `max_hold` steps); kept while the key is still exposed, it climbs
-    the next rung at once. The loss guard lowers the top rung allowed for every key."""
+    the next rung at once. A move down is judged too, on the group's exposed seconds (the largest of any key: the
+    reductions of a group queue on one link): when they rose past what IMPROVEMENT allows and above `up`, the key
+    goes back up (a hidden bucket's bytes delayed the ones behind it) and its hold doubles. The loss guard lowers
+    the top rung allowed for every key."""
 
     options: AdaptiveOptions
     keys: Sequence[str]
@@ -162,6 +167,7 @@ class Controller:
     """Every decision so far."""
     _state: dict[str, _Key] = field(default_factory=dict)
     _guard: _Guard = field(default_factory=_Guard)
+    _group: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         labels = self.options.rung_labels
@@ -200,10 +206,12 @@ class Controller:
         moves: list[Decision] = []
         if loss is not None and self._guard.rose(float(loss), self.options.guard):
             moves += self._close_top()
+        group = max((exposed_s[k] for k in self.keys), default=0.0)
         for key in self.keys:
-            move = self._one(key, exposed_s[key], step_s)
+            move = self._one(key, exposed_s[key], step_s, group)
             if move is not None:
                 moves.append(move)
+        self._group = (self._group + [group])[-self.options.patience:]
         for move in moves:
             LOG.info("adaptive compression, %s", move)
         self.log += moves
@@ -223,7 +231,7 @@ class Controller:
                                         f"{self.labels[self.ceiling]} closed"))
         return moves
 
-    def _one(self, key: str, exposed: float, step_s: float) -> Decision | None:
+    def _one(self, key: str, exposed: float, step_s: float, group: float) -> Decision | None:
         opts, state = self.options, self._state[key]
         if state.blind > 0:  # measured before the key's last move took effect
             state.blind -= 1
@@ -241,6 +249,12 @@ class Controller:
             state.cap, state.cap_until = len(self.labels) - 1, 0
         if state.last_down is not None and self.steps - state.last_down > 4 * state.hold:
             state.hold, state.last_down = opts.patience, None  # the last probe held
+        if state.watch is not None:  # a move down on trial
+            state.watch.append(group)
+            if len(state.watch) >= opts.patience:
+                undo = self._judge_down(key, state, step_s)
+                if undo is not None:
+                    return undo
         if state.up_at is not None:
             if len(state.recent) < opts.patience:
                 return None  # the move up is on trial
@@ -248,9 +262,24 @@ class Controller:
         if self._wants_up(state):
             return self._up(key, state, share)
         if state.hidden_run >= state.hold and state.rung > 0:
-            state.last_down = self.steps
+            state.last_down, state.watch = self.steps, []
+            state.before_down = statistics.median(self._group) if self._group else 0.0
             return self._move(key, state, state.rung - 1, f"hidden ({share:.1%} of the step) for {state.hold} steps")
         return None
+
+    def _judge_down(self, key: str, state: _Key, step_s: float) -> Decision | None:
+        """After a move down's trial: undo it (and wait twice as long before the next probe) when the group's
+        exposed time rose: the key's own wait stayed hidden, but its bytes delayed the reductions queued behind
+        it on the same link."""
+        opts, before = self.options, state.before_down or 0.0
+        after = statistics.median(state.watch or [0.0])
+        state.watch, state.before_down = None, None
+        if after * IMPROVEMENT <= before or after <= opts.up * step_s or state.rung >= min(self.ceiling, state.cap):
+            return None
+        state.hold, state.last_down = min(2 * state.hold, opts.max_hold), None
+        return self._move(key, state, state.rung + 1, f"the group's exposed time rose on {self.labels[state.rung]} "
+                          f"({after * 1e3:.2f} ms vs {before * 1e3:.2f} ms); next probe after {state.hold} "
+                          "hidden steps")
 
     def _wants_up(self, state: _Key) -> bool:
         """Exposed for `patience` steps in a row (or urgently for URGENT_RUN), with a rung above it open."""
@@ -263,7 +292,7 @@ class Controller:
         if state.last_down is not None and self.steps - state.last_down <= 2 * opts.patience:
             state.hold = min(2 * state.hold, opts.max_hold)
         run = max(1, min(len(state.recent), state.exposed_run))
-        state.last_down, state.up_at = None, self.steps
+        state.last_down, state.up_at, state.watch, state.before_down = None, self.steps, None, None
         state.before_up = statistics.median(state.recent[-run:])
         urgent = state.exposed_run < opts.patience
         why = (f"exposed {share:.1%} of the step (over {URGENT * opts.up:.0%}) for {state.urgent_run} steps" if urgent
@@ -294,8 +323,9 @@ class Controller:
 
     def state_dict(self) -> dict[str, object]:
         """The rungs, run counters and guard (plain data) for a checkpoint."""
-        return {"steps": self.steps, "ceiling": self.ceiling,
-                "keys": {k: {**asdict(s), "recent": list(s.recent)} for k, s in self._state.items()},
+        return {"steps": self.steps, "ceiling": self.ceiling, "group": list(self._group),
+                "keys": {k: {**asdict(s), "recent": list(s.recent), "watch": None if s.watch is None else list(s.watch)}
+                         for k, s in self._state.items()},
                 "guard": [self._guard.ema, self._guard.lowest, self._guard.seen]}
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
@@ -305,7 +335,9 @@ class Controller:
         if sorted(keys) != sorted(self.keys):
             raise ValueError(f"adaptive state is for keys {sorted(keys)}, this controller has {sorted(self.keys)}")
         self.steps, self.ceiling = int(state["steps"]), int(state["ceiling"])  # type: ignore[call-overload]
-        self._state = {k: _Key(**{**v, "recent": list(v["recent"])}) for k, v in keys.items()}
+        self._state = {k: _Key(**{**v, "recent": list(v["recent"]),
+                                  "watch": None if v["watch"] is None else list(v["watch"])}) for k, v in keys.items()}
+        self._group = list(state["group"])  # type: ignore[call-overload]
         guard = state["guard"]
         assert isinstance(guard, list)
         self._guard = _Guard(*guard)

@@ -175,3 +175,20 @@ def test_urgent_exposure_moves_after_two_steps_but_one_urgent_step_alone_does_no
     assert ctl.log == []
     _run(ctl, [{"k": URGENT * opts.up * 1.01}] * URGENT_RUN)
     assert ctl.rung("k") == 1 and "(over 10%) for 2 steps" in ctl.log[0].reason
+
+
+def test_a_probe_down_that_delays_the_reductions_behind_it_is_undone_ever_more_rarely() -> None:
+    """Bucket a never waits itself, but on none its bytes delay bucket b queued behind it on the link (b, on the top
+    rung, exposed 0.2 s with a on int8 and 0.3 s with a on none): each probe of a down is undone and the next comes
+    twice as late, so a spends nearly all steps on int8."""
+    opts = AdaptiveOptions(ladder="none/int8", start="int8", patience=2, max_hold=32)
+    ctl = Controller(opts, ["a", "b"])
+    on_int8 = 0
+    for _ in range(300):
+        on_int8 += ctl.rung("a") == 1
+        ctl.observe(STEP_S, {"a": 0.0, "b": 0.2 if ctl.rung("a") == 1 else 0.3})
+    downs = [d.step for d in ctl.log if d.after == "none"]
+    gaps = [b - a for a, b in zip(downs, downs[1:], strict=False)]
+    assert all(d.key == "a" for d in ctl.log) and ctl.rung("b") == 1
+    assert all("the group's exposed time rose" in d.reason for d in ctl.log if d.after == "int8")
+    assert gaps == sorted(gaps) and gaps[-1] >= 32 and on_int8 >= 0.9 * 300
