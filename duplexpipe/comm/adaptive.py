@@ -108,7 +108,7 @@ class _Key:
     recent: list[float] = field(default_factory=list)
     before_up: float | None = None
     up_at: int | None = None
-    before_down: float | None = None
+    before_group: float | None = None
     watch: list[float] | None = None
     cap: int = -1
     cap_until: int = 0
@@ -207,11 +207,11 @@ class Controller:
         if loss is not None and self._guard.rose(float(loss), self.options.guard):
             moves += self._close_top()
         group = max((exposed_s[k] for k in self.keys), default=0.0)
+        self._group = (self._group + [group])[-self.options.patience:]
         for key in self.keys:
             move = self._one(key, exposed_s[key], step_s, group)
             if move is not None:
                 moves.append(move)
-        self._group = (self._group + [group])[-self.options.patience:]
         for move in moves:
             LOG.info("adaptive compression, %s", move)
         self.log += moves
@@ -225,7 +225,7 @@ class Controller:
         moves = []
         for key, state in self._state.items():
             if state.rung > self.ceiling:
-                state.up_at = None
+                state.up_at, state.watch = None, None
                 moves.append(self._move(key, state, self.ceiling, f"loss guard: loss average rose over "
                                         f"{self.options.guard:.0%} above its lowest; rungs above "
                                         f"{self.labels[self.ceiling]} closed"))
@@ -249,31 +249,35 @@ class Controller:
             state.cap, state.cap_until = len(self.labels) - 1, 0
         if state.last_down is not None and self.steps - state.last_down > 4 * state.hold:
             state.hold, state.last_down = opts.patience, None  # the last probe held
-        if state.watch is not None:  # a move down on trial
+        if state.watch is not None:  # a move on trial: the group's exposed seconds since
             state.watch.append(group)
-            if len(state.watch) >= opts.patience:
-                undo = self._judge_down(key, state, step_s)
-                if undo is not None:
-                    return undo
         if state.up_at is not None:
             if len(state.recent) < opts.patience:
                 return None  # the move up is on trial
             return self._judge(key, state, share)
+        if state.watch is not None and len(state.watch) >= opts.patience:
+            undo = self._judge_down(key, state, step_s)
+            if undo is not None:
+                return undo
         if self._wants_up(state):
             return self._up(key, state, share)
         if state.hidden_run >= state.hold and state.rung > 0:
-            state.last_down, state.watch = self.steps, []
-            state.before_down = statistics.median(self._group) if self._group else 0.0
+            state.last_down = self.steps
+            self._on_trial(state)
             return self._move(key, state, state.rung - 1, f"hidden ({share:.1%} of the step) for {state.hold} steps")
         return None
+
+    def _on_trial(self, state: _Key) -> None:
+        """Start watching the group's exposed seconds against their median over the last `patience` steps."""
+        state.watch, state.before_group = [], statistics.median(self._group) if self._group else 0.0
 
     def _judge_down(self, key: str, state: _Key, step_s: float) -> Decision | None:
         """After a move down's trial: undo it (and wait twice as long before the next probe) when the group's
         exposed time rose: the key's own wait stayed hidden, but its bytes delayed the reductions queued behind
         it on the same link."""
-        opts, before = self.options, state.before_down or 0.0
+        opts, before = self.options, state.before_group or 0.0
         after = statistics.median(state.watch or [0.0])
-        state.watch, state.before_down = None, None
+        state.watch, state.before_group = None, None
         if after * IMPROVEMENT <= before or after <= opts.up * step_s or state.rung >= min(self.ceiling, state.cap):
             return None
         state.hold, state.last_down = min(2 * state.hold, opts.max_hold), None
@@ -292,27 +296,32 @@ class Controller:
         if state.last_down is not None and self.steps - state.last_down <= 2 * opts.patience:
             state.hold = min(2 * state.hold, opts.max_hold)
         run = max(1, min(len(state.recent), state.exposed_run))
-        state.last_down, state.up_at, state.watch, state.before_down = None, self.steps, None, None
+        state.last_down, state.up_at = None, self.steps
         state.before_up = statistics.median(state.recent[-run:])
+        self._on_trial(state)
         urgent = state.exposed_run < opts.patience
         why = (f"exposed {share:.1%} of the step (over {URGENT * opts.up:.0%}) for {state.urgent_run} steps" if urgent
                else f"exposed {share:.1%} of the step for {state.exposed_run} steps")
         return self._move(key, state, state.rung + 1, why)
 
     def _judge(self, key: str, state: _Key, share: float) -> Decision | None:
-        """After a move up's trial: keep it if it lowered the exposed seconds (and climb on at once while the key is
-        still exposed), else go back and cap the key."""
+        """After a move up's trial: keep it if it lowered the key's exposed seconds or the group's (reductions queue
+        on one link: a bucket whose second collective waits behind the others' shows their transfers as its own),
+        and climb on at once while the key is still exposed; else go back and cap the key."""
         opts, before = self.options, state.before_up or 0.0
         after = statistics.median(state.recent)
-        state.up_at, state.before_up = None, None
-        if after <= IMPROVEMENT * before:
+        group_before, group_after = state.before_group or 0.0, statistics.median(state.watch or [0.0])
+        lowered = after <= IMPROVEMENT * before or group_after <= IMPROVEMENT * group_before
+        state.up_at, state.before_up, state.watch, state.before_group = None, None, None, None
+        if lowered:
             state.cap_hold = opts.patience
             return self._up(key, state, share) if self._wants_up(state) else None
         state.cap = state.rung - 1
         state.cap_until = self.steps + state.cap_hold
         state.cap_hold = min(2 * state.cap_hold, opts.max_hold)
         return self._move(key, state, state.rung - 1, f"{self.labels[state.rung]} did not lower the exposed time "
-                          f"({after * 1e3:.2f} ms vs {before * 1e3:.2f} ms); not tried again for "
+                          f"({after * 1e3:.2f} ms vs {before * 1e3:.2f} ms; the group's {group_after * 1e3:.2f} ms vs "
+                          f"{group_before * 1e3:.2f} ms); not tried again for "
                           f"{state.cap_until - self.steps} steps")
 
     def _move(self, key: str, state: _Key, to: int, reason: str) -> Decision:

@@ -192,3 +192,14 @@ def test_a_probe_down_that_delays_the_reductions_behind_it_is_undone_ever_more_r
     assert all(d.key == "a" for d in ctl.log) and ctl.rung("b") == 1
     assert all("the group's exposed time rose" in d.reason for d in ctl.log if d.after == "int8")
     assert gaps == sorted(gaps) and gaps[-1] >= 32 and on_int8 >= 0.9 * 300
+
+
+def test_a_move_up_that_lowers_the_groups_exposure_is_kept_though_the_keys_own_rose() -> None:
+    """int8's second collective queues behind the other buckets' transfers: bucket a's own exposure rises on int8
+    (0.05 -> 0.08 s), but the group's (the wait for b, queued behind a's bytes) falls: the move is kept."""
+    opts = AdaptiveOptions(ladder="none/int8", patience=2)
+    ctl = Controller(opts, ["a", "b"])
+    for _ in range(60):
+        a, b = ctl.rung("a"), ctl.rung("b")
+        ctl.observe(STEP_S, {"a": 0.08 if a else 0.05, "b": 0.3 - 0.1 * a - 0.1 * b})
+    assert ctl.rungs() == [1, 1] and [(d.key, d.after) for d in ctl.log] == [("a", "int8"), ("b", "int8")]
