@@ -249,7 +249,7 @@ class Controller:
             state.cap, state.cap_until = len(self.labels) - 1, 0
         if state.last_down is not None and self.steps - state.last_down > 4 * state.hold:
             state.hold, state.last_down = opts.patience, None  # the last probe held
-        if state.watch is not None:  # a move on trial: the group's exposed seconds since
+        if state.watch is not None:  # a move on trial: the group's exposed seconds since the move
             state.watch.append(group)
         if state.up_at is not None:
             if len(state.recent) < opts.patience:
