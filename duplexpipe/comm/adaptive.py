@@ -97,6 +97,13 @@ URGENT_RUN = 2
 """Steps in a row a key must be urgently exposed (one alone is noise)."""
 
 
+def _medians(pairs: Sequence[Sequence[float]]) -> tuple[float, float]:
+    """The medians of [group exposed seconds, step seconds] pairs; zeros for none."""
+    if not pairs:
+        return 0.0, 0.0
+    return statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
+
+
 @dataclass
 class _Key:
     rung: int
@@ -109,7 +116,8 @@ class _Key:
     before_up: float | None = None
     up_at: int | None = None
     before_group: float | None = None
-    watch: list[float] | None = None
+    before_step: float | None = None
+    watch: list[list[float]] | None = None
     cap: int = -1
     cap_until: int = 0
     cap_hold: int = 1
@@ -167,7 +175,7 @@ class Controller:
     """Every decision so far."""
     _state: dict[str, _Key] = field(default_factory=dict)
     _guard: _Guard = field(default_factory=_Guard)
-    _group: list[float] = field(default_factory=list)
+    _group: list[list[float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         labels = self.options.rung_labels
@@ -207,7 +215,7 @@ class Controller:
         if loss is not None and self._guard.rose(float(loss), self.options.guard):
             moves += self._close_top()
         group = max((exposed_s[k] for k in self.keys), default=0.0)
-        self._group = (self._group + [group])[-self.options.patience:]
+        self._group = (self._group + [[group, step_s]])[-self.options.patience:]
         for key in self.keys:
             move = self._one(key, exposed_s[key], step_s, group)
             if move is not None:
@@ -249,8 +257,8 @@ class Controller:
             state.cap, state.cap_until = len(self.labels) - 1, 0
         if state.last_down is not None and self.steps - state.last_down > 4 * state.hold:
             state.hold, state.last_down = opts.patience, None  # the last probe held
-        if state.watch is not None:  # a move on trial: the group's exposed seconds since the move
-            state.watch.append(group)
+        if state.watch is not None:  # a move on trial: the group's exposed seconds and the step's since the move
+            state.watch.append([group, step_s])
         if state.up_at is not None:
             if len(state.recent) < opts.patience:
                 return None  # the move up is on trial
@@ -268,22 +276,24 @@ class Controller:
         return None
 
     def _on_trial(self, state: _Key) -> None:
-        """Start watching the group's exposed seconds against their median over the last `patience` steps."""
-        state.watch, state.before_group = [], statistics.median(self._group) if self._group else 0.0
+        """Start watching the group's exposed seconds and the step's against their medians over the last `patience`
+        steps."""
+        state.watch, (state.before_group, state.before_step) = [], _medians(self._group)
 
     def _judge_down(self, key: str, state: _Key, step_s: float) -> Decision | None:
         """After a move down's trial: undo it (and wait twice as long before the next probe) when the group's
         exposed time rose: the key's own wait stayed hidden, but its bytes delayed the reductions queued behind
         it on the same link."""
-        opts, before = self.options, state.before_group or 0.0
-        after = statistics.median(state.watch or [0.0])
-        state.watch, state.before_group = None, None
-        if after * IMPROVEMENT <= before or after <= opts.up * step_s or state.rung >= min(self.ceiling, state.cap):
+        opts, before, step_before = self.options, state.before_group or 0.0, state.before_step or 0.0
+        after, step_after = _medians(state.watch or [])
+        state.watch, state.before_group, state.before_step = None, None, None
+        if (after * IMPROVEMENT <= before or after <= opts.up * step_s or step_after <= step_before
+                or state.rung >= min(self.ceiling, state.cap)):
             return None
         state.hold, state.last_down = min(2 * state.hold, opts.max_hold), None
         return self._move(key, state, state.rung + 1, f"the group's exposed time rose on {self.labels[state.rung]} "
-                          f"({after * 1e3:.2f} ms vs {before * 1e3:.2f} ms); next probe after {state.hold} "
-                          "hidden steps")
+                          f"({after * 1e3:.2f} ms vs {before * 1e3:.2f} ms) and the step's ({step_after * 1e3:.2f} ms "
+                          f"vs {step_before * 1e3:.2f} ms); next probe after {state.hold} hidden steps")
 
     def _wants_up(self, state: _Key) -> bool:
         """Exposed for `patience` steps in a row (or urgently for URGENT_RUN), with a rung above it open."""
@@ -310,18 +320,21 @@ class Controller:
         and climb on at once while the key is still exposed; else go back and cap the key."""
         opts, before = self.options, state.before_up or 0.0
         after = statistics.median(state.recent)
-        group_before, group_after = state.before_group or 0.0, statistics.median(state.watch or [0.0])
+        group_before, step_before = state.before_group or 0.0, state.before_step or 0.0
+        group_after, step_after = _medians(state.watch or [])
         lowered = after <= IMPROVEMENT * before or group_after <= IMPROVEMENT * group_before
-        state.up_at, state.before_up, state.watch, state.before_group = None, None, None, None
-        if lowered:
+        slower = step_after > step_before  # the codec's own compute cost more than the transfer it saved
+        state.up_at, state.before_up, state.watch, state.before_group, state.before_step = None, None, None, None, None
+        if lowered and not slower:
             state.cap_hold = opts.patience
             return self._up(key, state, share) if self._wants_up(state) else None
         state.cap = state.rung - 1
         state.cap_until = self.steps + state.cap_hold
         state.cap_hold = min(2 * state.cap_hold, opts.max_hold)
-        return self._move(key, state, state.rung - 1, f"{self.labels[state.rung]} did not lower the exposed time "
-                          f"({after * 1e3:.2f} ms vs {before * 1e3:.2f} ms; the group's {group_after * 1e3:.2f} ms vs "
-                          f"{group_before * 1e3:.2f} ms); not tried again for "
+        what = (f"made the step slower ({step_after * 1e3:.2f} ms vs {step_before * 1e3:.2f} ms)" if lowered else
+                f"did not lower the exposed time ({after * 1e3:.2f} ms vs {before * 1e3:.2f} ms; the group's "
+                f"{group_after * 1e3:.2f} ms vs {group_before * 1e3:.2f} ms)")
+        return self._move(key, state, state.rung - 1, f"{self.labels[state.rung]} {what}; not tried again for "
                           f"{state.cap_until - self.steps} steps")
 
     def _move(self, key: str, state: _Key, to: int, reason: str) -> Decision:
@@ -333,8 +346,7 @@ class Controller:
     def state_dict(self) -> dict[str, object]:
         """The rungs, run counters and guard (plain data) for a checkpoint."""
         return {"steps": self.steps, "ceiling": self.ceiling, "group": list(self._group),
-                "keys": {k: {**asdict(s), "recent": list(s.recent), "watch": None if s.watch is None else list(s.watch)}
-                         for k, s in self._state.items()},
+                "keys": {k: asdict(s) for k, s in self._state.items()},
                 "guard": [self._guard.ema, self._guard.lowest, self._guard.seen]}
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
@@ -345,8 +357,9 @@ class Controller:
             raise ValueError(f"adaptive state is for keys {sorted(keys)}, this controller has {sorted(self.keys)}")
         self.steps, self.ceiling = int(state["steps"]), int(state["ceiling"])  # type: ignore[call-overload]
         self._state = {k: _Key(**{**v, "recent": list(v["recent"]),
-                                  "watch": None if v["watch"] is None else list(v["watch"])}) for k, v in keys.items()}
-        self._group = list(state["group"])  # type: ignore[call-overload]
+                                  "watch": None if v["watch"] is None else [list(w) for w in v["watch"]]})
+                       for k, v in keys.items()}
+        self._group = [list(g) for g in state["group"]]  # type: ignore[attr-defined]
         guard = state["guard"]
         assert isinstance(guard, list)
         self._guard = _Guard(*guard)

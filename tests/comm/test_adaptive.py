@@ -180,18 +180,38 @@ def test_urgent_exposure_moves_after_two_steps_but_one_urgent_step_alone_does_no
 def test_a_probe_down_that_delays_the_reductions_behind_it_is_undone_ever_more_rarely() -> None:
     """Bucket a never waits itself, but on none its bytes delay bucket b queued behind it on the link (b, on the top
     rung, exposed 0.2 s with a on int8 and 0.3 s with a on none): each probe of a down is undone and the next comes
-    twice as late, so a spends nearly all steps on int8."""
+    twice as late, so a spends nearly all steps on int8. (The same with a step that did not get slower: the probe
+    holds.)"""
     opts = AdaptiveOptions(ladder="none/int8", start="int8", patience=2, max_hold=32)
     ctl = Controller(opts, ["a", "b"])
     on_int8 = 0
     for _ in range(300):
         on_int8 += ctl.rung("a") == 1
-        ctl.observe(STEP_S, {"a": 0.0, "b": 0.2 if ctl.rung("a") == 1 else 0.3})
+        b = 0.2 if ctl.rung("a") == 1 else 0.3
+        ctl.observe(STEP_S + b, {"a": 0.0, "b": b})  # the step waits for b
     downs = [d.step for d in ctl.log if d.after == "none"]
     gaps = [b - a for a, b in zip(downs, downs[1:], strict=False)]
     assert all(d.key == "a" for d in ctl.log) and ctl.rung("b") == 1
     assert all("the group's exposed time rose" in d.reason for d in ctl.log if d.after == "int8")
     assert gaps == sorted(gaps) and gaps[-1] >= 32 and on_int8 >= 0.9 * 300
+    held = Controller(opts, ["a", "b"])
+    for _ in range(30):
+        held.observe(STEP_S, {"a": 0.0, "b": 0.2 if held.rung("a") == 1 else 0.3})
+    assert [(d.key, d.after) for d in held.log] == [("a", "none")]
+
+
+def test_a_move_up_that_lowers_the_exposure_but_slows_the_step_is_undone() -> None:
+    """A moderate link: int8 hides the transfer but its own compute costs more than the transfer it saved (the step
+    takes 1.3 s on int8, 1.1 s on bf16): the key goes back to bf16 and retries ever more rarely."""
+    opts = AdaptiveOptions(ladder="none/bf16/int8", start="bf16", patience=2, max_hold=16)
+    ctl = Controller(opts, ["k"])
+    on_bf16 = 0
+    for _ in range(200):
+        rung = ctl.rung("k")
+        on_bf16 += rung == 1
+        ctl.observe([1.3, 1.1, 1.3][rung], {"k": [0.3, 0.1, 0.0][rung]})
+    assert all(d.after in ("bf16", "int8") for d in ctl.log) and on_bf16 >= 0.85 * 200
+    assert "int8 made the step slower (1300.00 ms vs 1100.00 ms)" in ctl.log[1].reason
 
 
 def test_a_move_up_that_lowers_the_groups_exposure_is_kept_though_the_keys_own_rose() -> None:
