@@ -167,6 +167,10 @@ class Controller:
     keys: Sequence[str]
     lag: int = 0
     """Observations that still predate a move when they arrive (the agreement's delay: 1), skipped for the key."""
+    shared: bool = False
+    """The keys' transfers queue on one link (a group's gradient buckets): a key counts as exposed by the group's
+    exposed seconds (the largest of any key) when they exceed its own, since its bytes delay the step's wait
+    whichever bucket shows it; False: independent keys (stage links, each its own wire)."""
     steps: int = 0
     """Observed steps."""
     ceiling: int = -1
@@ -244,7 +248,7 @@ class Controller:
         if state.blind > 0:  # measured before the key's last move took effect
             state.blind -= 1
             return None
-        share = exposed / step_s if step_s > 0 else 0.0
+        share = (max(exposed, group) if self.shared else exposed) / step_s if step_s > 0 else 0.0
         if share > opts.up:
             state.exposed_run, state.hidden_run = state.exposed_run + 1, 0
         elif share <= opts.down:

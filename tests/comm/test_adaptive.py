@@ -223,3 +223,15 @@ def test_a_move_up_that_lowers_the_groups_exposure_is_kept_though_the_keys_own_r
         a, b = ctl.rung("a"), ctl.rung("b")
         ctl.observe(STEP_S, {"a": 0.08 if a else 0.05, "b": 0.3 - 0.1 * a - 0.1 * b})
     assert ctl.rungs() == [1, 1] and [(d.key, d.after) for d in ctl.log] == [("a", "int8"), ("b", "int8")]
+
+
+def test_buckets_sharing_a_link_climb_together_while_the_group_waits() -> None:
+    """Buckets a and b share a link: b's reduction shows the wait (0.3 s) though a's bytes queue in front of it.
+    Shared, a climbs with b (and stays while the group waits); independent, a (never waiting itself) stays down."""
+    opts = AdaptiveOptions(ladder="none/int8", patience=2)
+    for shared, rungs in ((True, [1, 1]), (False, [0, 1])):
+        ctl = Controller(opts, ["a", "b"], shared=shared)
+        for _ in range(40):
+            b = 0.3 - 0.1 * ctl.rung("a") - 0.1 * ctl.rung("b")
+            ctl.observe(STEP_S + b, {"a": 0.0, "b": b})
+        assert ctl.rungs() == rungs

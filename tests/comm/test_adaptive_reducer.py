@@ -78,6 +78,7 @@ def _agree_case(rank: int) -> dict[str, Any]:
     opts = AdaptiveOptions(ladder="none/bf16", patience=2)
     red = build_reducer(opts, buckets=[0, 3])
     assert isinstance(red, AdaptiveReducer)
+    red.controller.shared = False  # each bucket on its own measurements (shared, bucket 3 would climb with 0)
     moves = []
     for _ in range(2):
         _reduce_two(red)
