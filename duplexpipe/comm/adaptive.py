@@ -121,6 +121,7 @@ class _Key:
     cap: int = -1
     cap_until: int = 0
     cap_hold: int = 1
+    cap_level: float = 0.0
     blind: int = 0
 
 
@@ -248,7 +249,8 @@ class Controller:
         if state.blind > 0:  # measured before the key's last move took effect
             state.blind -= 1
             return None
-        share = (max(exposed, group) if self.shared else exposed) / step_s if step_s > 0 else 0.0
+        level = max(exposed, group) if self.shared else exposed
+        share = level / step_s if step_s > 0 else 0.0
         if share > opts.up:
             state.exposed_run, state.hidden_run = state.exposed_run + 1, 0
         elif share <= opts.down:
@@ -266,12 +268,12 @@ class Controller:
         if state.up_at is not None:
             if len(state.recent) < opts.patience:
                 return None  # the move up is on trial
-            return self._judge(key, state, share)
+            return self._judge(key, state, share, level)
         if state.watch is not None and len(state.watch) >= opts.patience:
             undo = self._judge_down(key, state, step_s)
             if undo is not None:
                 return undo
-        if self._wants_up(state):
+        if self._wants_up(state, level):
             return self._up(key, state, share)
         if state.hidden_run >= state.hold and state.rung > 0:
             state.last_down = self.steps
@@ -299,10 +301,14 @@ class Controller:
                           f"({after * 1e3:.2f} ms vs {before * 1e3:.2f} ms) and the step's ({step_after * 1e3:.2f} ms "
                           f"vs {step_before * 1e3:.2f} ms); next probe after {state.hold} hidden steps")
 
-    def _wants_up(self, state: _Key) -> bool:
-        """Exposed for `patience` steps in a row (or urgently for URGENT_RUN), with a rung above it open."""
-        pressed = state.exposed_run >= self.options.patience or state.urgent_run >= URGENT_RUN
-        return pressed and state.rung < min(self.ceiling, state.cap)
+    def _wants_up(self, state: _Key, level: float) -> bool:
+        """Exposed for `patience` steps in a row (or urgently for URGENT_RUN), with a rung above it open: urgent
+        exposure over twice what a failed trial saw (`level`: the exposed seconds now) opens the rung it capped (the
+        link changed since)."""
+        urgent = state.urgent_run >= URGENT_RUN
+        pressed = state.exposed_run >= self.options.patience or urgent
+        changed = urgent and level > 2 * state.cap_level
+        return pressed and state.rung < min(self.ceiling, len(self.labels) - 1 if changed else state.cap)
 
     def _up(self, key: str, state: _Key, share: float) -> Decision:
         """Move one rung up and put the move on trial against the median of the exposed steps that asked for it."""
@@ -318,7 +324,7 @@ class Controller:
                else f"exposed {share:.1%} of the step for {state.exposed_run} steps")
         return self._move(key, state, state.rung + 1, why)
 
-    def _judge(self, key: str, state: _Key, share: float) -> Decision | None:
+    def _judge(self, key: str, state: _Key, share: float, level: float) -> Decision | None:
         """After a move up's trial: keep it if it lowered the key's exposed seconds or the group's (reductions queue
         on one link: a bucket whose second collective waits behind the others' shows their transfers as its own),
         and climb on at once while the key is still exposed; else go back and cap the key."""
@@ -331,8 +337,8 @@ class Controller:
         state.up_at, state.before_up, state.watch, state.before_group, state.before_step = None, None, None, None, None
         if lowered and not slower:
             state.cap_hold = opts.patience
-            return self._up(key, state, share) if self._wants_up(state) else None
-        state.cap = state.rung - 1
+            return self._up(key, state, share) if self._wants_up(state, level) else None
+        state.cap, state.cap_level = state.rung - 1, max(before, after, group_before, group_after)
         state.cap_until = self.steps + state.cap_hold
         state.cap_hold = min(2 * state.cap_hold, opts.max_hold)
         what = (f"made the step slower ({step_after * 1e3:.2f} ms vs {step_before * 1e3:.2f} ms)" if lowered else

@@ -235,3 +235,14 @@ def test_buckets_sharing_a_link_climb_together_while_the_group_waits() -> None:
             b = 0.3 - 0.1 * ctl.rung("a") - 0.1 * ctl.rung("b")
             ctl.observe(STEP_S + b, {"a": 0.0, "b": b})
         assert ctl.rungs() == rungs
+
+
+def test_a_link_that_becomes_slow_lifts_the_cap_a_failed_trial_set() -> None:
+    """On a fast link bf16 did not help and was capped for up to 64 steps; the link then drops and the key is
+    urgently exposed: it climbs at once instead of waiting out the cap."""
+    opts = AdaptiveOptions(ladder="none/bf16", patience=2)
+    ctl = Controller(opts, ["k"])
+    _run(ctl, [{"k": 0.03}] * 4)  # exposed a little, on none and bf16 alike: bf16 is left and capped
+    assert ctl.rung("k") == 0 and "did not lower" in ctl.log[-1].reason
+    _run(ctl, [{"k": 0.5}] * URGENT_RUN)
+    assert ctl.rung("k") == 1 and len(ctl.log) == 3
