@@ -50,7 +50,7 @@ class Agreement:
         self.clock = clock
         self._pg: Any = group if group is not None else dist.group.WORLD
         self._max = dist.AllreduceOptions()
-        self._max.reduceOp = dist.ReduceOp.MAX
+        self._max.reduceOp = dist.ReduceOp(dist.ReduceOp.MAX)
         self.last: CompressionReport | None = None
         """The report of the last step posted."""
         self._pending: tuple[Any, Tensor, float | None] | None = None
