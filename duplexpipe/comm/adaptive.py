@@ -4,8 +4,9 @@ moved up while its communication is exposed and down while it is hidden, from me
 from __future__ import annotations
 
 import logging
+import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from duplexpipe.dp_options.compression import AdaptiveOptions
 
@@ -74,8 +75,10 @@ class ExposureReport:
     """Data-parallel bucket index -> seconds from the end of the window's compute (after the last W feeding it)
     until its reduction completed; 0 when it had completed before the step waited for it."""
     links: Mapping[str, float]
-    """Stage link "link a->b" (pipeline ranks, b this one) -> seconds this rank's receives from a blocked (an upper
-    bound of the link's exposed time: it also covers the sender's compute running late)."""
+    """Stage link "link a->b" (pipeline ranks, b this one) -> seconds this rank's receives from a waited beyond the
+    sender's compute: each wait counted from when a posted the message, if later than when b began waiting (with
+    p2p_compression="adaptive" or an emulated link, whose messages carry that time; otherwise the whole wait, an
+    upper bound that also covers the sender's compute running late)."""
 
     @property
     def total_s(self) -> float:
@@ -84,23 +87,41 @@ class ExposureReport:
 
 
 IMPROVEMENT = 0.9
-"""A move up is kept when the exposed seconds over the next `patience` steps are at most this fraction of those
-over the `patience` steps before it."""
+"""A move up is kept when the median exposed seconds over the next `patience` steps are at most this fraction of
+the median over the exposed steps before it (medians: one step a loaded machine stalled decides nothing)."""
+URGENT = 5.0
+"""A key exposed more than this many times `up` of the step in URGENT_RUN steps in a row moves up without waiting
+out its patience: on a link that just became slow each step waited costs the full transfer, more than a wrong
+move's trial."""
+URGENT_RUN = 2
+"""Steps in a row a key must be urgently exposed (one alone is noise)."""
+
+
+def _medians(pairs: Sequence[Sequence[float]]) -> tuple[float, float]:
+    """The medians of [group exposed seconds, step seconds] pairs; zeros for none."""
+    if not pairs:
+        return 0.0, 0.0
+    return statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
 
 
 @dataclass
 class _Key:
     rung: int
     exposed_run: int = 0
+    urgent_run: int = 0
     hidden_run: int = 0
     hold: int = 1
     last_down: int | None = None
     recent: list[float] = field(default_factory=list)
     before_up: float | None = None
     up_at: int | None = None
+    before_group: float | None = None
+    before_step: float | None = None
+    watch: list[list[float]] | None = None
     cap: int = -1
     cap_until: int = 0
     cap_hold: int = 1
+    cap_level: float = 0.0
     blind: int = 0
 
 
@@ -131,18 +152,26 @@ class Controller:
     (`observe`) and every rank makes the same moves at the same step.
 
     A key is exposed in a step when its exposed seconds exceed `up` x the step's seconds, hidden when they are at
-    most `down` x; after `patience` exposed steps in a row it moves one rung up (more compression), after `hold`
-    hidden steps one rung down. `hold` starts at `patience` and doubles (up to `max_hold`) each time a move down
-    is undone by a move up within 2 x patience steps (a failed probe: the lighter rung was exposed), and returns
-    to `patience` once a move down holds for 4 x hold steps. A move up is judged after `patience` steps: unless
-    its exposed seconds fell below IMPROVEMENT x those before it (a codec whose own compute costs what its bytes
-    save), the key goes back down and may not climb past that rung for a while (doubling, up to `max_hold`
-    steps). The loss guard lowers the top rung allowed for every key."""
+    most `down` x; after `patience` exposed steps in a row (or URGENT_RUN steps exposed over URGENT x `up`) it
+    moves one rung up (more compression), after `hold` hidden steps one rung down. `hold` starts at `patience` and
+    doubles (up to `max_hold`) each time a move down is undone by a move up within 2 x patience steps (a failed
+    probe: the lighter rung was exposed), and returns to `patience` once a move down holds for 4 x hold steps. A
+    move up is judged after `patience` steps: unless the median of its exposed seconds fell below IMPROVEMENT x
+    that before it (a codec whose own compute costs what its bytes save), the key goes back down and may not climb
+    past that rung for a while (doubling, up to `max_hold` steps); kept while the key is still exposed, it climbs
+    the next rung at once. A move down is judged too, on the group's exposed seconds (the largest of any key: the
+    reductions of a group queue on one link): when they rose past what IMPROVEMENT allows and above `up`, the key
+    goes back up (a hidden bucket's bytes delayed the ones behind it) and its hold doubles. The loss guard lowers
+    the top rung allowed for every key."""
 
     options: AdaptiveOptions
     keys: Sequence[str]
     lag: int = 0
     """Observations that still predate a move when they arrive (the agreement's delay: 1), skipped for the key."""
+    shared: bool = False
+    """The keys' transfers queue on one link (a group's gradient buckets): a key counts as exposed by the group's
+    exposed seconds (the largest of any key) when they exceed its own, since its bytes delay the step's wait
+    whichever bucket shows it; False: independent keys (stage links, each its own wire)."""
     steps: int = 0
     """Observed steps."""
     ceiling: int = -1
@@ -151,6 +180,7 @@ class Controller:
     """Every decision so far."""
     _state: dict[str, _Key] = field(default_factory=dict)
     _guard: _Guard = field(default_factory=_Guard)
+    _group: list[list[float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         labels = self.options.rung_labels
@@ -189,8 +219,10 @@ class Controller:
         moves: list[Decision] = []
         if loss is not None and self._guard.rose(float(loss), self.options.guard):
             moves += self._close_top()
+        group = max((exposed_s[k] for k in self.keys), default=0.0)
+        self._group = (self._group + [[group, step_s]])[-self.options.patience:]
         for key in self.keys:
-            move = self._one(key, exposed_s[key], step_s)
+            move = self._one(key, exposed_s[key], step_s, group)
             if move is not None:
                 moves.append(move)
         for move in moves:
@@ -206,71 +238,125 @@ class Controller:
         moves = []
         for key, state in self._state.items():
             if state.rung > self.ceiling:
-                state.up_at = None
+                state.up_at, state.watch = None, None
                 moves.append(self._move(key, state, self.ceiling, f"loss guard: loss average rose over "
                                         f"{self.options.guard:.0%} above its lowest; rungs above "
                                         f"{self.labels[self.ceiling]} closed"))
         return moves
 
-    def _one(self, key: str, exposed: float, step_s: float) -> Decision | None:
+    def _one(self, key: str, exposed: float, step_s: float, group: float) -> Decision | None:
         opts, state = self.options, self._state[key]
         if state.blind > 0:  # measured before the key's last move took effect
             state.blind -= 1
             return None
-        share = exposed / step_s if step_s > 0 else 0.0
+        level = max(exposed, group) if self.shared else exposed
+        share = level / step_s if step_s > 0 else 0.0
         if share > opts.up:
             state.exposed_run, state.hidden_run = state.exposed_run + 1, 0
         elif share <= opts.down:
             state.exposed_run, state.hidden_run = 0, state.hidden_run + 1
         else:
             state.exposed_run = state.hidden_run = 0
+        state.urgent_run = state.urgent_run + 1 if share > URGENT * opts.up else 0
         state.recent = (state.recent + [exposed])[-opts.patience:]
         if state.cap_until and self.steps >= state.cap_until:
             state.cap, state.cap_until = len(self.labels) - 1, 0
         if state.last_down is not None and self.steps - state.last_down > 4 * state.hold:
             state.hold, state.last_down = opts.patience, None  # the last probe held
+        if state.watch is not None:  # a move on trial: the group's exposed seconds and the step's since the move
+            state.watch.append([group, step_s])
         if state.up_at is not None:
             if len(state.recent) < opts.patience:
                 return None  # the move up is on trial
-            return self._judge(key, state)
-        if state.exposed_run >= opts.patience and state.rung < min(self.ceiling, state.cap):
-            if state.last_down is not None and self.steps - state.last_down <= 2 * opts.patience:
-                state.hold = min(2 * state.hold, opts.max_hold)
-            state.last_down, state.up_at = None, self.steps
-            state.before_up = sum(state.recent) / len(state.recent)
-            return self._move(key, state, state.rung + 1, f"exposed {share:.1%} of the step for {opts.patience} "
-                                                          "steps")
+            return self._judge(key, state, share, level)
+        if state.watch is not None and len(state.watch) >= opts.patience:
+            undo = self._judge_down(key, state, step_s)
+            if undo is not None:
+                return undo
+        if self._wants_up(state, level):
+            return self._up(key, state, share)
         if state.hidden_run >= state.hold and state.rung > 0:
             state.last_down = self.steps
+            self._on_trial(state)
             return self._move(key, state, state.rung - 1, f"hidden ({share:.1%} of the step) for {state.hold} steps")
         return None
 
-    def _judge(self, key: str, state: _Key) -> Decision | None:
-        """After a move up's trial: keep it if it lowered the exposed seconds, else go back and cap the key."""
-        opts, before = self.options, state.before_up or 0.0
-        after = sum(state.recent) / len(state.recent)
-        state.up_at, state.before_up = None, None
-        if after <= IMPROVEMENT * before:
-            state.cap_hold = opts.patience
+    def _on_trial(self, state: _Key) -> None:
+        """Start watching the group's exposed seconds and the step's against their medians over the last `patience`
+        steps."""
+        state.watch, (state.before_group, state.before_step) = [], _medians(self._group)
+
+    def _judge_down(self, key: str, state: _Key, step_s: float) -> Decision | None:
+        """After a move down's trial: undo it (and wait twice as long before the next probe) when the group's
+        exposed time rose: the key's own wait stayed hidden, but its bytes delayed the reductions queued behind
+        it on the same link."""
+        opts, before, step_before = self.options, state.before_group or 0.0, state.before_step or 0.0
+        after, step_after = _medians(state.watch or [])
+        state.watch, state.before_group, state.before_step = None, None, None
+        if (after * IMPROVEMENT <= before or after <= opts.up * step_s or step_after <= step_before
+                or state.rung >= min(self.ceiling, state.cap)):
             return None
-        state.cap = state.rung - 1
+        state.hold, state.last_down = min(2 * state.hold, opts.max_hold), None
+        return self._move(key, state, state.rung + 1, f"the group's exposed time rose on {self.labels[state.rung]} "
+                          f"({after * 1e3:.2f} ms vs {before * 1e3:.2f} ms) and the step's ({step_after * 1e3:.2f} ms "
+                          f"vs {step_before * 1e3:.2f} ms); next probe after {state.hold} hidden steps")
+
+    def _wants_up(self, state: _Key, level: float) -> bool:
+        """Exposed for `patience` steps in a row (or urgently for URGENT_RUN), with a rung above it open: urgent
+        exposure over twice what a failed trial saw (`level`: the exposed seconds now) opens the rung it capped (the
+        link changed since)."""
+        urgent = state.urgent_run >= URGENT_RUN
+        pressed = state.exposed_run >= self.options.patience or urgent
+        changed = urgent and level > 2 * state.cap_level
+        return pressed and state.rung < min(self.ceiling, len(self.labels) - 1 if changed else state.cap)
+
+    def _up(self, key: str, state: _Key, share: float) -> Decision:
+        """Move one rung up and put the move on trial against the median of the exposed steps that asked for it."""
+        opts = self.options
+        if state.last_down is not None and self.steps - state.last_down <= 2 * opts.patience:
+            state.hold = min(2 * state.hold, opts.max_hold)
+        run = max(1, min(len(state.recent), state.exposed_run))
+        state.last_down, state.up_at = None, self.steps
+        state.before_up = statistics.median(state.recent[-run:])
+        self._on_trial(state)
+        urgent = state.exposed_run < opts.patience
+        why = (f"exposed {share:.1%} of the step (over {URGENT * opts.up:.0%}) for {state.urgent_run} steps" if urgent
+               else f"exposed {share:.1%} of the step for {state.exposed_run} steps")
+        return self._move(key, state, state.rung + 1, why)
+
+    def _judge(self, key: str, state: _Key, share: float, level: float) -> Decision | None:
+        """After a move up's trial: keep it if it lowered the key's exposed seconds or the group's (reductions queue
+        on one link: a bucket whose second collective waits behind the others' shows their transfers as its own),
+        and climb on at once while the key is still exposed; else go back and cap the key."""
+        opts, before = self.options, state.before_up or 0.0
+        after = statistics.median(state.recent)
+        group_before, step_before = state.before_group or 0.0, state.before_step or 0.0
+        group_after, step_after = _medians(state.watch or [])
+        lowered = after <= IMPROVEMENT * before or group_after <= IMPROVEMENT * group_before
+        slower = step_after > step_before  # the codec's own compute cost more than the transfer it saved
+        state.up_at, state.before_up, state.watch, state.before_group, state.before_step = None, None, None, None, None
+        if lowered and not slower:
+            state.cap_hold = opts.patience
+            return self._up(key, state, share) if self._wants_up(state, level) else None
+        state.cap, state.cap_level = state.rung - 1, max(before, after, group_before, group_after)
         state.cap_until = self.steps + state.cap_hold
         state.cap_hold = min(2 * state.cap_hold, opts.max_hold)
-        return self._move(key, state, state.rung - 1, f"{self.labels[state.rung]} did not lower the exposed time "
-                          f"({after * 1e3:.2f} ms vs {before * 1e3:.2f} ms); not tried again for "
+        what = (f"made the step slower ({step_after * 1e3:.2f} ms vs {step_before * 1e3:.2f} ms)" if lowered else
+                f"did not lower the exposed time ({after * 1e3:.2f} ms vs {before * 1e3:.2f} ms; the group's "
+                f"{group_after * 1e3:.2f} ms vs {group_before * 1e3:.2f} ms)")
+        return self._move(key, state, state.rung - 1, f"{self.labels[state.rung]} {what}; not tried again for "
                           f"{state.cap_until - self.steps} steps")
 
     def _move(self, key: str, state: _Key, to: int, reason: str) -> Decision:
         decision = Decision(self.steps, key, self.labels[state.rung], self.labels[to], reason)
-        state.rung, state.exposed_run, state.hidden_run, state.blind = to, 0, 0, self.lag
+        state.rung, state.exposed_run, state.hidden_run, state.urgent_run, state.blind = to, 0, 0, 0, self.lag
         state.recent = []
         return decision
 
     def state_dict(self) -> dict[str, object]:
         """The rungs, run counters and guard (plain data) for a checkpoint."""
-        return {"steps": self.steps, "ceiling": self.ceiling,
-                "keys": {k: [s.rung, s.exposed_run, s.hidden_run, s.hold, s.last_down, list(s.recent), s.before_up,
-                             s.up_at, s.cap, s.cap_until, s.cap_hold, s.blind] for k, s in self._state.items()},
+        return {"steps": self.steps, "ceiling": self.ceiling, "group": list(self._group),
+                "keys": {k: asdict(s) for k, s in self._state.items()},
                 "guard": [self._guard.ema, self._guard.lowest, self._guard.seen]}
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
@@ -280,7 +366,10 @@ class Controller:
         if sorted(keys) != sorted(self.keys):
             raise ValueError(f"adaptive state is for keys {sorted(keys)}, this controller has {sorted(self.keys)}")
         self.steps, self.ceiling = int(state["steps"]), int(state["ceiling"])  # type: ignore[call-overload]
-        self._state = {k: _Key(*v) for k, v in keys.items()}
+        self._state = {k: _Key(**{**v, "recent": list(v["recent"]),
+                                  "watch": None if v["watch"] is None else [list(w) for w in v["watch"]]})
+                       for k, v in keys.items()}
+        self._group = [list(g) for g in state["group"]]  # type: ignore[attr-defined]
         guard = state["guard"]
         assert isinstance(guard, list)
         self._guard = _Guard(*guard)

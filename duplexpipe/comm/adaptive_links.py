@@ -8,11 +8,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
 
 from duplexpipe.comm.adaptive import CompressionReport, Controller, Decision
 from duplexpipe.comm.adaptive_agreement import LAG, Agreement
-from duplexpipe.comm.codec import Codec, TensorSpec, codec_name
+from duplexpipe.comm.codec import Codec, IdentityCodec, codec_name
 from duplexpipe.comm.reduction import WaitFn
 from duplexpipe.dp_options.compression import AdaptiveOptions
 
@@ -35,9 +34,10 @@ class LinkRungs:
         return self.rungs.get((src, dst), self.start)
 
 
-class AdaptiveCodec:
+class AdaptiveCodec(IdentityCodec):
     """One direction's stage-send codecs of the ladder's rungs (None: as computed), chosen per link by `for_link`.
-    Used as a Codec on its own it sends a tensor as it is: the Mailroom asks `for_link` for each send and receive."""
+    Used as a Codec on its own it sends a tensor as it is (IdentityCodec's methods), yet it is no pass-through: the
+    Mailroom asks `for_link` for each send and receive."""
 
     def __init__(self, options: AdaptiveOptions, rungs: Sequence[Codec | None], links: LinkRungs, slot: str) -> None:
         self.options = options
@@ -50,21 +50,14 @@ class AdaptiveCodec:
         """"adaptive(<each rung's codec name>)": equal on every rank with the same ladder."""
         return f"adaptive({'/'.join(codec_name(c) for c in self.rungs)})"
 
+    @property
+    def sends_as_is(self) -> bool:
+        """False: each link's rung decides."""
+        return False
+
     def for_link(self, src: int, dst: int) -> Codec | None:
         """The codec of link src -> dst in the running step."""
         return self.rungs[self.links.rung(src, dst)]
-
-    def wire_format(self, spec: TensorSpec) -> tuple[TensorSpec, ...]:
-        """The tensor's own spec (the placeholder's; a link's codec says what goes on its wire)."""
-        return (spec,)
-
-    def encode(self, tensor: Tensor) -> list[Tensor]:
-        """[tensor]."""
-        return [tensor]
-
-    def decode(self, payloads: Sequence[Tensor], spec: TensorSpec) -> Tensor:
-        """The one payload."""
-        return payloads[0]
 
 
 def adaptive_pair(options: AdaptiveOptions, pairs: Sequence[tuple[Codec | None, Codec | None]]
@@ -101,3 +94,19 @@ class LinkAdapter:
         for link in self.links:
             self.codec.links.rungs[link] = self.controller.rung(link_key(*link))
         return moves
+
+    def state_dict(self) -> dict[str, Any]:
+        """The links' controller (rungs, run counters, guard: plain data) for a checkpoint. An agreement in flight
+        is not kept: after a resume the first step decides nothing, on the saved rungs."""
+        return {"links": [list(link) for link in self.links], "controller": self.controller.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore state_dict(): the controller, and the links' rungs from the next step on."""
+        links = sorted(tuple(link) for link in state["links"])
+        if links != self.links:
+            raise ValueError(f"adaptive stage-link state is for links {links}, this pipeline has {self.links}")
+        self.controller.load_state_dict(state["controller"])
+        self.agreement.forget()
+        for link in self.links:
+            self.codec.links.rungs[link] = self.controller.rung(link_key(*link))
+

@@ -50,7 +50,7 @@ class AdaptiveReducer(Reducer):
         self.build = build
         self.options = options
         self.rung_options = options.gradient_rungs()
-        self.controller = Controller(options, [bucket_key(i) for i in buckets], lag=LAG)
+        self.controller = Controller(options, [bucket_key(i) for i in buckets], lag=LAG, shared=True)
         self.buckets = list(buckets)
         self.clock = clock
         self.carry: dict[int, Tensor] = {}

@@ -67,6 +67,11 @@ class IdentityCodec:
         """"identity"."""
         return "identity"
 
+    @property
+    def sends_as_is(self) -> bool:
+        """True: the stage sends skip it (`sends_as_is`)."""
+        return True
+
     def wire_format(self, spec: TensorSpec) -> tuple[TensorSpec, ...]:
         """The tensor's own spec."""
         return (spec,)
@@ -78,6 +83,12 @@ class IdentityCodec:
     def decode(self, payloads: Sequence[Tensor], spec: TensorSpec) -> Tensor:
         """The one payload."""
         return payloads[0]
+
+
+def sends_as_is(codec: Codec | None) -> bool:
+    """Whether `codec` sends every tensor as it is, so the stage sends may skip it: None, or a codec whose
+    `sends_as_is` property says so (IdentityCodec; a codec without that property does not)."""
+    return codec is None or bool(getattr(codec, "sends_as_is", False))
 
 
 class CastCodec:

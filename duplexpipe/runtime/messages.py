@@ -21,7 +21,7 @@ from typing import Any
 from torch import Tensor
 
 from duplexpipe.comm.adaptive_links import AdaptiveCodec
-from duplexpipe.comm.codec import Codec, IdentityCodec, TensorSpec
+from duplexpipe.comm.codec import Codec, TensorSpec, sends_as_is
 from duplexpipe.comm.nonfinite import NonFiniteWatch, Unread, extremes
 from duplexpipe.errors import ActivationShapeError, PipelineError
 from duplexpipe.runtime.message_meta import Message, MessageMeta, encodes, wire_of
@@ -101,8 +101,8 @@ class Mailroom:
         self.store = store
         self.prefix = prefix
         self.watchdog = watchdog
-        self.activation_codec = None if isinstance(activation_codec, IdentityCodec) else activation_codec
-        self.gradient_codec = None if isinstance(gradient_codec, IdentityCodec) else gradient_codec
+        self.activation_codec = None if sends_as_is(activation_codec) else activation_codec
+        self.gradient_codec = None if sends_as_is(gradient_codec) else gradient_codec
 
     # ---------------------------------------------------------------- announcements (new input shapes)
     def _key(self, step: int, stage: int, microbatch: int) -> str:

@@ -13,6 +13,7 @@ with events; nothing synchronizes the device.
 from __future__ import annotations
 
 import functools
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -33,9 +34,10 @@ from duplexpipe.schedules.ir import Op
 
 POISON_TAG = 0x5EED
 """The tag of the receive `MailTransport.poison` times out on (no rank ever sends with it)."""
-STAMP = TensorSpec((1,), torch.float64)
-"""With an emulated link every message ends with this payload: its emulated arrival time (perf_counter seconds,
-one clock for every process of a machine: the emulation is a single-machine aid)."""
+STAMP = TensorSpec((2,), torch.float64)
+"""With stamped sends every message ends with this payload: the sender's wall-clock time (`time.time`) when it posted
+the message, and its emulated arrival time (perf_counter seconds, one clock for every process of a machine: the
+emulation is a single-machine aid; NaN without an emulated link)."""
 WAIT_FLOOR_S = 1e-5
 """Receive waits shorter than this are not recorded (the message was there)."""
 Key = tuple[Op, int, int]
@@ -88,9 +90,19 @@ class MailTransport:
         self.link: LinkModel | None = None
         """An emulated link for the sends (`link_emulator.emulate_sends`; None: real time only)."""
         self._links: dict[int, EmulatedLink] = {}
+        self.stamp_sends = False
+        """Whether every message carries the time its sender posted it (STAMP; always with an emulated link): set
+        alike on every rank of the group, before the first step (adaptive stage sends need the exposed time)."""
+        self.clock: Callable[[], float] = time.perf_counter
+        """The clock receive waits are timed with (tests script it)."""
+        self.wall: Callable[[], float] = time.time
+        """The clock of the send stamps, shared by the ranks (on one machine exactly; across machines as far as
+        their clocks agree; tests script it)."""
         self.recv_waits: list[tuple[int, float, float]] = []
-        """(peer, begin, end) perf_counter seconds of every receive this rank blocked on since `reset_waits`: a
-        stage link's exposed time, bounded above by it (the wait also covers the sender's lateness)."""
+        """(peer, begin, end) `clock` seconds of every receive this rank blocked on since `reset_waits`, beyond the
+        sender's compute: a stamped message's wait begins when its sender posted it, if that was later (the wait
+        before it is the sender computing, which no link is to blame for). Unstamped, the whole wait: an upper
+        bound of the link's exposed time."""
 
     def connect(self, pairs: list[tuple[int, int]]) -> None:
         """NCCL: open the connection of every pair of group ranks in `pairs` that holds this rank, with one
@@ -114,8 +126,13 @@ class MailTransport:
                 raise self.watchdog.failure(exc, what, f"rank {peer}") from exc
             self.watchdog.wait_p2p(work, what, f"rank {peer}")
 
+    @property
+    def stamped(self) -> bool:
+        """Whether messages end with STAMP (`stamp_sends` or an emulated link)."""
+        return self.stamp_sends or self.link is not None
+
     def _irecv(self, recv: _Recv, metas: tuple[TensorSpec, ...]) -> None:
-        if self.link is not None:
+        if self.stamped:
             metas = (*metas, STAMP)
         recv.buffers = [torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in metas]
         try:
@@ -176,12 +193,12 @@ class MailTransport:
             self._drain(queued.peer, until=key)
         recv = self._posted.pop(key)
         assert recv.buffers is not None and recv.works is not None
-        begin = time.perf_counter()
+        begin, wall = self.clock(), self.wall()
         self.watchdog.wait_p2p(recv.works, lambda: f"{key_text(key)} (the input of {consumer})",
                                lambda: f"rank {recv.peer}")
-        if self.link is not None:
-            self._arrive(recv)
-        end = time.perf_counter()
+        if self.stamped:
+            begin += self._arrive(recv, wall)
+        end = self.clock()
         if end - begin > WAIT_FLOOR_S:
             self.recv_waits.append((recv.peer, begin, end))
         if self.stream is not None:
@@ -196,13 +213,21 @@ class MailTransport:
                 buffer.record_stream(compute)
         return recv.buffers
 
-    def _arrive(self, recv: _Recv) -> None:
-        """Emulated link: sleep until the arrival time the sender stamped on the message (its last payload)."""
+    def _arrive(self, recv: _Recv, wall: float) -> float:
+        """A stamped message (its last payload): sleep until its emulated arrival, if any; the seconds its sender
+        posted it after this rank began waiting at `wall` (0 if before)."""
         assert recv.buffers is not None
         stamp = recv.buffers.pop()
-        left = float(stamp.item()) - time.perf_counter()
-        if left > 0:
-            time.sleep(left)
+        if self.stream is not None:  # read on the transfer stream (complete), not behind the queued compute
+            with torch.cuda.stream(self.stream):
+                posted, arrival = stamp.tolist()
+        else:
+            posted, arrival = stamp.tolist()
+        if math.isfinite(arrival):
+            left = arrival - time.perf_counter()
+            if left > 0:
+                time.sleep(left)
+        return max(0.0, posted - wall)
 
     def reset_waits(self) -> None:
         """Forget the receive waits recorded so far (a new step)."""
@@ -221,10 +246,13 @@ class MailTransport:
         nbytes = sum(p.numel() * p.element_size() for p in payloads)
         if self.meter is not None:  # one "send" per SEND action: the bytes of all its payloads
             self.meter.record("send", nbytes, 2)
-        if self.link is not None:  # the emulated arrival time, for the receiver to wait until
-            link = self._links.setdefault(peer, EmulatedLink(self.link))
-            link.model = self.link
-            payloads.append(torch.tensor([link.deadline(nbytes)], dtype=STAMP.dtype, device=self.device))
+        if self.stamped:  # when it was posted; the emulated arrival time, for the receiver to wait until
+            arrival = math.nan
+            if self.link is not None:
+                link = self._links.setdefault(peer, EmulatedLink(self.link))
+                link.model = self.link
+                arrival = link.deadline(nbytes)
+            payloads.append(torch.tensor([self.wall(), arrival], dtype=STAMP.dtype, device=self.device))
         try:
             if self.stream is None:
                 works = [self._pg.send([p], peer, 0) for p in payloads]

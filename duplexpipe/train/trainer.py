@@ -428,6 +428,7 @@ class Pipeline:
         codec = self.runtime.mail.activation_codec
         if not isinstance(codec, AdaptiveCodec):
             return None
+        self.runtime.transport.stamp_sends = True  # the exposed time beyond the sender's compute (alike everywhere)
         layout = self.runtime.plan.layout
         links = [pair for s, n in enumerate(layout.nxt) if n >= 0 and layout.rank[s] != layout.rank[n]
                  for pair in ((layout.rank[s], layout.rank[n]), (layout.rank[n], layout.rank[s]))]

@@ -5,6 +5,8 @@ reporting its choices and exposure each step."""
 from __future__ import annotations
 
 import itertools
+import shutil
+import tempfile
 from typing import Any
 
 import pytest
@@ -20,6 +22,7 @@ from duplexpipe.errors import PipelineError
 from duplexpipe.train.checkpoint.plain_state import decode, encode
 
 SPAWN_TIMEOUT_S = 120
+SPEC = "adaptive(ladder=none/bf16, patience=1, up=0.0000001, down=0.00000005, max_hold=1)"
 SHAPES = [(40, 8), (8,)]
 NUMEL = 40 * 8 + 8
 
@@ -75,6 +78,7 @@ def _agree_case(rank: int) -> dict[str, Any]:
     opts = AdaptiveOptions(ladder="none/bf16", patience=2)
     red = build_reducer(opts, buckets=[0, 3])
     assert isinstance(red, AdaptiveReducer)
+    red.controller.shared = False  # each bucket on its own measurements (shared, bucket 3 would climb with 0)
     moves = []
     for _ in range(2):
         _reduce_two(red)
@@ -144,7 +148,7 @@ def _links_case(rank: int) -> dict[str, Any]:
         return Pipeline.from_layers(layers, nn.functional.mse_loss, lambda ps: torch.optim.SGD(ps, lr=0.05), config,
                                     mesh=make_mesh(2, 1))
 
-    adaptive = build("adaptive(ladder=none/bf16, patience=1, up=0.0000001, down=0.00000005, max_hold=1)")
+    adaptive = build(SPEC)
     exact = build(None)
     gen = torch.Generator().manual_seed(1)
     choices, gaps = [], []
@@ -155,6 +159,12 @@ def _links_case(rank: int) -> dict[str, Any]:
         report = adaptive.last.compression
         choices.append(dict(report.choices) if report is not None else {})
     assert adaptive.links is not None
+    resumed = _resume(adaptive, lambda: build(SPEC))
+    x, y = torch.randn(4, 16, generator=gen), torch.randn(4, 16, generator=gen)
+    after = [adaptive, resumed.pop("pipe")]
+    for pipe in after:
+        pipe.step(x, y)  # the rungs saved (the resumed one dropped the agreement in flight: it decides nothing yet)
+    resumed["step_choices"] = [dict(p.last.compression.choices) for p in after]
     emulated = build(None)  # the same, every message held for an emulated link of 50 ms latency
     emulate_sends(emulated.runtime, LinkModel(latency_s=0.05))
     reference = build(None)
@@ -166,7 +176,23 @@ def _links_case(rank: int) -> dict[str, Any]:
         assert emulated.last is not None and emulated.last.exposure is not None
         waited.append(sum(emulated.last.exposure.links.values()))
     return {"choices": choices, "moves": [str(d) for d in adaptive.links.controller.log], "gap": max(gaps),
-            "emulated_equal": equal, "emulated_waits": waited}
+            "emulated_equal": equal, "emulated_waits": waited, "resumed": resumed}
+
+
+def _resume(saved: Any, build: Any) -> dict[str, Any]:
+    """Checkpoint `saved` (adaptive stage links) and load it into a new pipeline of `build()`: the links' state."""
+    folder = [tempfile.mkdtemp(prefix="adaptive-links-") if dist.get_rank() == 0 else ""]
+    dist.broadcast_object_list(folder)
+    saved.save(folder[0])
+    pipe = build()
+    fresh = pipe.links.controller.state_dict()
+    pipe.load(folder[0])
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(folder[0])
+    return {"pipe": pipe, "state_equal": pipe.links.controller.state_dict() == saved.links.controller.state_dict(),
+            "fresh_equal": fresh == saved.links.controller.state_dict(),
+            "rungs_equal": pipe.links.codec.links.rungs == saved.links.codec.links.rungs}
 
 
 def _worker(rank: int, world: int) -> dict[str, Any]:
@@ -222,6 +248,14 @@ def test_stage_links_switch_on_both_ends_at_the_same_step(results: list[dict[str
     used = {rung for step in one["choices"] for rung in step.values()}
     assert used == {"none", "bf16"}, "the links moved between rungs during the run"
     assert one["gap"] < 1e-2  # the loss as with exact sends, up to bf16's rounding
+
+
+def test_a_checkpoint_keeps_the_stage_links_rungs(results: list[dict[str, Any]]) -> None:
+    for r in results:
+        resumed = r["links"]["resumed"]
+        assert resumed["state_equal"] and resumed["rungs_equal"] and not resumed["fresh_equal"]
+        continued, loaded = resumed["step_choices"]
+        assert continued == loaded
 
 
 def test_emulated_stage_sends_arrive_late_and_unchanged(results: list[dict[str, Any]]) -> None:

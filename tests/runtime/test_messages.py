@@ -8,9 +8,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from duplexpipe.comm.codec import CastCodec, TensorSpec
+from duplexpipe.comm.adaptive_links import adaptive_pair
+from duplexpipe.comm.codec import CastCodec, IdentityCodec, TensorSpec, sends_as_is
 from duplexpipe.comm.nonfinite import NonFiniteWatch, extremes
-from duplexpipe.comm.p2p_codecs import Fp8RowCodec, Int8BlockCodec
+from duplexpipe.comm.p2p_codecs import Fp8RowCodec, Int8BlockCodec, named_codecs
+from duplexpipe.dp_options.compression import AdaptiveOptions
 from duplexpipe.errors import ActivationShapeError, NonFiniteSendError, PipelineError, PipelineTimeoutError
 from duplexpipe.runtime.message_meta import Message, MessageMeta, encodes
 from duplexpipe.runtime.messages import Mailbox, Mailroom
@@ -215,3 +217,17 @@ def test_a_float_extreme_after_the_shapes_were_learned_still_decodes_finite(code
     got_h, _ = mail._decode(codec, box.outbox[(Op.SEND_F, 0, 0)], meta.leaves, meta.wire, meta.coded)
     assert meta.coded == (True, False) and bool(got_h.isfinite().all())
     assert got_h[0, 1] <= 0.99 * torch.finfo(torch.float32).min
+
+
+def test_a_codec_that_sends_as_is_is_skipped_and_an_adaptive_one_is_kept() -> None:
+    """The Mailroom asks a codec whether it sends as is (not its class): the adaptive codec is an IdentityCodec
+    whose links still choose their rungs."""
+    act, grad = adaptive_pair(AdaptiveOptions(ladder="none/bf16"), named_codecs)
+    assert isinstance(act, IdentityCodec) and not sends_as_is(act) and sends_as_is(IdentityCodec())
+    assert sends_as_is(None) and not sends_as_is(CastCodec()) and not sends_as_is(_Flattening())  # type: ignore[arg-type]
+    layout = Layout.of(lower(build("1f1b", 2, 2)))
+    dog = Watchdog(dist.HashStore(), "test", 0, timeout_s=0.3, poll_s=0.05)
+    plain = Mailroom(layout, 0, None, None, "test", dog, IdentityCodec(), IdentityCodec())  # type: ignore[arg-type]
+    adaptive = Mailroom(layout, 0, None, None, "test", dog, act, grad)  # type: ignore[arg-type]
+    assert plain.activation_codec is None and plain.gradient_codec is None
+    assert adaptive.activation_codec is act and adaptive.gradient_codec is grad

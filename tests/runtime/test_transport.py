@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -146,9 +147,34 @@ def _misuse(rank: int) -> dict[str, Any]:
     return {"misuse": errors}
 
 
+def _stamped(rank: int) -> dict[str, Any]:
+    """Stamped sends on scripted clocks: rank 1 begins each wait at wall time 100.0 (its wait clock 5.0) and the
+    message is there at 5.05. Posted at 100.03 (the sender still computing for 30 ms), 20 ms are exposed; posted
+    at 99.9 (before the wait), all 50 ms; posted at 100.08 (clocks that disagree), none."""
+    _, transport, _ = _setup(rank, "stamped")
+    transport.stamp_sends = True
+    posted = [100.03, 99.9, 100.08]
+    if rank == 0:
+        stamps = iter(posted)
+        transport.wall = lambda: next(stamps)
+        for mb in range(3):
+            transport.send((Op.SEND_F, 0, mb), [_payload(mb)], peer=1)
+        transport.finish()
+        return {}
+    ticks = iter([5.0, 5.05] * 3)
+    transport.clock, transport.wall = lambda: next(ticks), lambda: 100.0
+    got = []
+    for mb in range(3):
+        transport.expect((Op.RECV_F, 1, mb), 0, lambda block, mb=mb: (TensorSpec.of(_payload(mb)),))
+        got += transport.take((Op.RECV_F, 1, mb), f"1F{mb}")
+    transport.finish()
+    return {"stamped_waits": transport.recv_waits,
+            "stamped_ok": all(torch.equal(t, _payload(mb)) for mb, t in enumerate(got))}
+
+
 def _worker(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for scenario in (_late_shapes, _known_shapes, _known_in_order, _misuse):
+    for scenario in (_late_shapes, _known_shapes, _known_in_order, _misuse, _stamped):
         dist.barrier()
         out.update(scenario(rank))
     return out
@@ -179,3 +205,10 @@ def test_misuse_is_reported_with_the_action(results: Any) -> None:
 def test_receives_with_known_shapes_are_posted_when_listed_in_order(results: Any) -> None:
     assert results[1]["asked"] == ([[0], [0, 1], [0, 1, 2]], [0, 1, 2], [0, 1, 2])  # never asked again
     assert results[1]["listed_ok"]
+
+
+def test_a_receive_is_exposed_only_beyond_the_senders_compute(results: Any) -> None:
+    waits = results[1]["stamped_waits"]
+    assert results[1]["stamped_ok"] and len(waits) == 2
+    assert [w[0] for w in waits] == [0, 0]
+    assert [w[1] for w in waits] == [pytest.approx(5.03), 5.0] and [w[2] for w in waits] == [5.05, 5.05]

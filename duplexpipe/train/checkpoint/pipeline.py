@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from duplexpipe.comm.adaptive_links import LinkAdapter
 from duplexpipe.dp_options.compression import compression_options
 from duplexpipe.model.split import Partition
 from duplexpipe.parallel import DPStrategy, ParallelGroups
@@ -42,6 +43,7 @@ class Checkpointable(Protocol):
     schedule: Schedule
     groups: ParallelGroups
     dp: DPStrategy
+    links: LinkAdapter | None
     auto: AutoChoice | None
     partition: Partition | None
     scaler: DynamicLossScaler
@@ -182,6 +184,27 @@ def set_dp_state(pipe: Checkpointable, loaded: dict[str, Any]) -> None:
         pipe.dp.load_state_dict(decode(entry["skeleton"], [entry[f"t{i}"] for i in range(count)]))
 
 
+def links_state(pipe: Checkpointable) -> dict[str, str]:
+    """p2p_compression="adaptive": this rank's stage-link controller (its rungs) as JSON text keyed by its global
+    rank; {} otherwise."""
+    if pipe.links is None:
+        return {}
+    return {f"rank{rank()}": json.dumps(pipe.links.state_dict(), sort_keys=True)}
+
+
+def links_template(pipe: Checkpointable, stored: dict[str, Any]) -> dict[str, str]:
+    """What to read this rank's `links_state` into; {} when none is stored or this pipeline has no adaptive links."""
+    key = f"rank{rank()}"
+    return {key: ""} if pipe.links is not None and f"links.{key}" in stored else {}
+
+
+def set_links_state(pipe: Checkpointable, loaded: dict[str, str]) -> None:
+    """Restore what `links_state` saved: the stage links continue on their saved rungs."""
+    for text in loaded.values():
+        assert pipe.links is not None
+        pipe.links.load_state_dict(json.loads(text))
+
+
 def save_checkpoint(pipe: Checkpointable, path: str) -> None:
     """Write parameters and optimizer state under the model's names, trainer counters, and each rank's RNG and
     strategy state to directory `path` (all ranks call)."""
@@ -196,6 +219,9 @@ def save_checkpoint(pipe: Checkpointable, path: str) -> None:
     extra = dp_state(pipe)
     if extra:
         state["dp"] = extra
+    links = links_state(pipe)
+    if links:
+        state["links"] = links
     with quiet_sharded_tensor():
         save_state(state, path)
 
@@ -230,12 +256,16 @@ def load_checkpoint(pipe: Checkpointable, path: str) -> None:
         extra = dp_template(stored, pipe.device)
         if extra:
             state["dp"] = extra
+        links = links_template(pipe, stored)
+        if links:
+            state["links"] = links
     with quiet_sharded_tensor():
         load_state(state, path, WeightsOnlyLoadPlanner())
     keys.to_local(model_sd, optim_sd, state["model"], state["optim"])
     if same:
         set_rng_state(state["rng"])
         set_dp_state(pipe, state.get("dp", {}))
+        set_links_state(pipe, state.get("links", {}))
     pipe.dp.load_checkpoint_dicts(modules, model_sd, optim_sd)
     set_trainer_state(pipe, state["trainer"])
     if not same:
