@@ -8,11 +8,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from duplexpipe.comm.adaptive_links import adaptive_pair
 from duplexpipe.comm.codec import CastCodec, IdentityCodec, TensorSpec, sends_as_is
 from duplexpipe.comm.nonfinite import NonFiniteWatch, extremes
-from duplexpipe.comm.p2p_codecs import Fp8RowCodec, Int8BlockCodec, named_codecs
-from duplexpipe.dp_options.compression import AdaptiveOptions
+from duplexpipe.comm.p2p_codecs import Fp8RowCodec, Int8BlockCodec, p2p_codec_pair
 from duplexpipe.errors import ActivationShapeError, NonFiniteSendError, PipelineError, PipelineTimeoutError
 from duplexpipe.runtime.message_meta import Message, MessageMeta, encodes
 from duplexpipe.runtime.messages import Mailbox, Mailroom
@@ -222,7 +220,7 @@ def test_a_float_extreme_after_the_shapes_were_learned_still_decodes_finite(code
 def test_a_codec_that_sends_as_is_is_skipped_and_an_adaptive_one_is_kept() -> None:
     """The Mailroom asks a codec whether it sends as is (not its class): the adaptive codec is an IdentityCodec
     whose links still choose their rungs."""
-    act, grad = adaptive_pair(AdaptiveOptions(ladder="none/bf16"), named_codecs)
+    act, grad = p2p_codec_pair("adaptive(ladder=none/bf16)", "PrecisionConfig.p2p_compression")
     assert isinstance(act, IdentityCodec) and not sends_as_is(act) and sends_as_is(IdentityCodec())
     assert sends_as_is(None) and not sends_as_is(CastCodec()) and not sends_as_is(_Flattening())  # type: ignore[arg-type]
     layout = Layout.of(lower(build("1f1b", 2, 2)))
