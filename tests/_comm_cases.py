@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from duplexpipe.comm import Bucket, C10dCounter, Reducer, WireMeter, build_reducer, ring_bytes
+from duplexpipe.comm.codec import TensorSpec
 from duplexpipe.comm.dgc import dgc_density
 from duplexpipe.comm.quantize import (
     INT8_MAX,
@@ -401,3 +402,18 @@ def fp8_wire_case(group: Any) -> dict[str, bool]:
         want = [dequantize_fp8(*quantize_fp8(x, fmt)) for x in inputs]
         out[fmt] = all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     return out
+
+
+class WireRoundTrip(torch.autograd.Function):
+    """A compressed stage send's round trips in a single process: the activation codec forward, the gradient codec
+    backward (what a rank boundary does to a microbatch; the reference the pipelines with compressed sends meet)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, act: Any, grad: Any) -> Tensor:  # noqa: D102
+        ctx.grad_codec = grad
+        return x if act is None else act.decode(act.encode(x), TensorSpec.of(x))
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:  # noqa: D102
+        codec = ctx.grad_codec
+        return (g if codec is None else codec.decode(codec.encode(g), TensorSpec.of(g))), None, None

@@ -10,12 +10,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _comm_cases import WireRoundTrip
 from models import shared_folder
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from duplexpipe import Pipeline, PipelineConfig, make_mesh
-from duplexpipe.comm.codec import Codec, TensorSpec
 from duplexpipe.comm.p2p_codecs import p2p_codec_pair
 from duplexpipe.launch.tasks.gpt import GPTConfig, build_gpt, gpt_tp_plan
 from duplexpipe.model.stages import inner_module
@@ -91,20 +91,6 @@ class Reference:
             self.params.append({n: p.detach().clone() for n, p in model.named_parameters()})
 
 
-class _Wire(torch.autograd.Function):
-    """A compressed send's round trips: the activation codec forward, the gradient codec backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, act: Codec | None, grad: Codec | None) -> Tensor:  # noqa: D102
-        ctx.grad_codec = grad
-        return x if act is None else act.decode(act.encode(x), TensorSpec.of(x))
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:  # noqa: D102
-        codec = ctx.grad_codec
-        return (g if codec is None else codec.decode(codec.encode(g), TensorSpec.of(g))), None, None
-
-
 def _forward(model: nn.Sequential, x: Tensor, sends: tuple[str, list[str]] | None) -> Tensor:
     """The model's forward, with the round trips of `sends` (Reference) after the children it names."""
     if sends is None:
@@ -113,7 +99,7 @@ def _forward(model: nn.Sequential, x: Tensor, sends: tuple[str, list[str]] | Non
     for name, child in model.named_children():
         x = child(x)
         if name in sends[1]:
-            x = _Wire.apply(x, act, grad)
+            x = WireRoundTrip.apply(x, act, grad)
     return x
 
 

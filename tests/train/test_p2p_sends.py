@@ -18,12 +18,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from _comm_cases import WireRoundTrip
 from _executor_cases import _attempt, _inputs, stage_setup
 from models import DIM, SEQ, VOCAB, loss_fn, make_batch, make_parts, rel_err
 from torch import Tensor, nn
 
 from duplexpipe import LossScaleConfig, Pipeline, PipelineConfig
-from duplexpipe.comm.codec import Codec, TensorSpec
 from duplexpipe.comm.meter import C10dCounter, WireMeter
 from duplexpipe.comm.p2p_codecs import p2p_codec_pair
 from duplexpipe.runtime import PipelineRuntime, RuntimeConfig
@@ -47,20 +47,6 @@ SPAWN_TIMEOUT_S = 240
 """conftest.py's `results` fixture runs `_worker` once on WORLD gloo ranks within this bound."""
 
 
-class _Wire(torch.autograd.Function):
-    """The codecs' round trips at a rank boundary: the activation forward, its gradient backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, act: Codec | None, grad: Codec | None) -> Tensor:  # noqa: D102
-        ctx.grad_codec = grad
-        return x if act is None else act.decode(act.encode(x), TensorSpec.of(x))
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:  # noqa: D102
-        codec = ctx.grad_codec
-        return (g if codec is None else codec.decode(codec.encode(g), TensorSpec.of(g))), None, None
-
-
 def emulated_grads(schedule: Schedule, parts: list[nn.Module], batch: tuple[Tensor, Tensor],
                    label: str | None) -> list[list[Tensor]]:
     """Single process, microbatch by microbatch, with the codec round trips wherever a microbatch's
@@ -76,7 +62,7 @@ def emulated_grads(schedule: Schedule, parts: list[nn.Module], batch: tuple[Tens
             h = parts[k](h)
             here, there = copy * groups + k, copy * groups + k + 1
             if k + 1 < groups and schedule.stages[here].rank != schedule.stages[there].rank:
-                h = _Wire.apply(h, act, grad)
+                h = WireRoundTrip.apply(h, act, grad)
         (loss_fn(h, y) * (x.shape[0] / ROWS)).backward()
     return [[p.grad.clone() for p in part.parameters()] for part in parts]
 
