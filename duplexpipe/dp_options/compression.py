@@ -4,6 +4,7 @@ a reduce-scatter form (ZeRO); torch-free, so the planner reads the same table th
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from functools import cached_property
 from typing import Any, ClassVar, Union
 
 from duplexpipe.dp_options.labels import build_options, parse_label
@@ -221,9 +222,9 @@ class AdaptiveOptions:
         if not (isinstance(self.guard, (int, float)) and self.guard >= 0):
             raise ValueError(f"adaptive guard must be >= 0 (0: off), got {self.guard!r}")
 
-    @property
+    @cached_property
     def rung_labels(self) -> tuple[str, ...]:
-        """The ladder's rungs as written, lightest first."""
+        """The ladder's rungs as written, lightest first (parsed once: the controller reads them every step)."""
         return tuple(part.strip() for part in self.ladder.split("/") if part.strip())
 
     @property
