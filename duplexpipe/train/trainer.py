@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -18,7 +19,7 @@ from duplexpipe.comm.adaptive_links import AdaptiveCodec, LinkAdapter
 from duplexpipe.comm.meter import WireMeter
 from duplexpipe.dp_options.compression import compression_options
 from duplexpipe.dp_options.zero import check_window
-from duplexpipe.errors import NonFiniteGradientError
+from duplexpipe.errors import NonFiniteGradientError, PipelineError
 from duplexpipe.model.split import (
     Balance,
     Partition,
@@ -116,6 +117,31 @@ def _with_residency(schedule: Schedule, dp: DataParallelConfig, dp_size: int, wi
                              "schedule.without_fsdp()")
         return schedule
     return add_unshard_reshard(schedule, window, dp.unshard_lookahead)
+
+
+
+def _partition_on_rank0(plan: Callable[[], Partition]) -> Partition:
+    """`plan()` run on rank 0 alone, once every rank is ready, and its partition (or its error) given to every rank:
+    profiled times differ per process, and ranks that profiled at once on shared cores timed each other's start-up
+    (the first layers timed came out several times slower)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return plan()
+    dist.barrier()
+    shared: list[Any] = [None]
+    failed: Exception | None = None
+    if dist.get_rank() == 0:
+        try:
+            shared[0] = plan()
+        except Exception as exc:  # every rank raises, none waits for a partition that never comes
+            failed = exc
+            shared[0] = (type(exc) if type(exc) in (ValueError, TypeError) else PipelineError, str(exc))
+    dist.broadcast_object_list(shared, src=0)
+    if failed is not None:
+        raise failed
+    if isinstance(shared[0], tuple):
+        kind, message = shared[0]
+        raise kind(message)
+    return shared[0]
 
 
 class Pipeline:
@@ -298,12 +324,9 @@ class Pipeline:
         num_parts = min(len(blocks), AUTO_PARTS_PER_RANK * pp) if config.schedule == AUTO else \
             resolve_schedule(with_defaults(config), pp).num_groups
         timed = config.schedule != AUTO or balance == "time"  # auto profiles the parts itself
-        partition = plan_partition(blocks, num_parts, balance, embedding=embedding, head=head,
-                                   sample_input=sample_input if timed else None)
-        if dist.is_available() and dist.is_initialized():
-            shared: list[Any] = [partition]
-            dist.broadcast_object_list(shared, src=0)  # profiled times differ per rank: rank 0 decides
-            partition = shared[0]
+        partition = _partition_on_rank0(functools.partial(
+            plan_partition, blocks, num_parts, balance, embedding=embedding, head=head,
+            sample_input=sample_input if timed else None))
         parts = build_parts(blocks, partition, embedding=embedding, head=head)
         plan = plan_pipeline(parts, loss_fn, optimizer, config, mesh=mesh, device=device, init=init,
                              sample_input=sample_input, sample_targets=sample_targets, tp_plan=tp_plan)

@@ -141,6 +141,33 @@ def _zero3_residency() -> dict[str, Any]:
     return out
 
 
+def _partition_by_rank0() -> dict[str, Any]:
+    """from_layers with balance="time": only rank 0 profiles, every rank gets its partition; a balance rank 0
+    refuses is raised on every rank (none waits for a partition)."""
+    from duplexpipe.train import trainer
+
+    real, calls = trainer.plan_partition, []
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(kwargs.get("sample_input") is not None)
+        return real(*args, **kwargs)
+
+    trainer.plan_partition = counting  # type: ignore[assignment]
+    try:
+        x, _ = batch(0)
+        width = x.shape[1]
+        blocks = [torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh()) for _ in range(8)]
+        pipe = Pipeline.from_layers(blocks, mse, adam, PipelineConfig("1f1b", 4), balance="time", sample_input=x)
+        out: dict[str, Any] = {"balance": pipe.partition.balance if pipe.partition else None}
+        try:
+            Pipeline.from_layers(blocks, mse, adam, PipelineConfig("1f1b", 4), balance=[1, 1, 1, 1])
+        except ValueError as exc:
+            out["refused"] = str(exc)
+        return {**out, "calls": calls}
+    finally:
+        trainer.plan_partition = real  # type: ignore[assignment]
+
+
 def _all_cases() -> dict[str, Any]:
     torch.manual_seed(0)
     return {
@@ -154,6 +181,7 @@ def _all_cases() -> dict[str, Any]:
         "mirrors": _mismatched_mirrors(),
         "loss_reductions": _loss_reductions(),
         "zero3": _zero3_residency(),
+        "partition": _partition_by_rank0(),
     }
 
 
@@ -273,6 +301,16 @@ def _collective_failure(rank: int, world: int, kind: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def failures() -> dict[str, list[dict[str, Any]]]:
     return {kind: run_workers(_collective_failure, 4, (kind,), timeout_s=120) for kind in ("dead", "failed")}
+
+
+@pytest.mark.timeout(300)
+def test_only_rank_0_profiles_the_partition_and_its_refusal_reaches_every_rank(results: list[dict[str, Any]]) -> None:
+    got = [r["partition"] for r in results]
+    assert got[0]["calls"] == [True, False], got[0]  # profiled with the sample, then the refused balance
+    assert all(g["calls"] == [] for g in got[1:]), got
+    assert all(g["balance"] == got[0]["balance"] and sum(got[0]["balance"]) == 8 for g in got), got
+    for g in got:
+        assert g.get("refused", "").startswith("balance [1, 1, 1, 1] sums to 4, but the model has 8 layers"), g
 
 
 @pytest.mark.timeout(300)
