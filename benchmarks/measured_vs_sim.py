@@ -120,16 +120,39 @@ def handoff_gaps(timeline: Timeline, schedule: Schedule) -> list[float]:
     return gaps
 
 
+def action_overheads(timeline: Timeline, schedule: Schedule, costs: dict[str, float]) -> tuple[float, float]:
+    """(mean seconds a compute action ran beyond its calibrated cost, median seconds between one action's end and
+    the next one's start on a rank): what the runtime adds inside an action and between two. A first stage's input
+    takes no gradient, so its I sleeps nothing and its B only W's part."""
+    per_op = {Op.F: costs["f"], Op.B: costs["b"], Op.I: costs["i"], Op.W: costs["w"]}
+    first = {Op.F: costs["f"], Op.B: costs["w"], Op.I: 0.0, Op.W: costs["w"]}
+
+    def cost(part: Any) -> float:
+        return (first if schedule.prev_stage(part.stage) is None else per_op)[part.op]
+
+    over, gaps = [], []
+    for rank in range(timeline.num_ranks):
+        events = timeline.rank_events(rank)
+        for e in events:
+            parts = e.action.compute_parts()
+            if parts and all(p.op in per_op for p in parts):
+                over.append(e.end - e.start - sum(cost(p) for p in parts))
+        gaps += [b.start - a.end for a, b in zip(events, events[1:], strict=False)]
+    return (statistics.fmean(over) if over else 0.0), (statistics.median(gaps) if gaps else 0.0)
+
+
 def _row(cfg: SimConfig, name: str, res: dict[str, Any], costs: dict[str, float]) -> dict[str, Any]:
     sim, sim_cal = (simulate(cfg.schedule(name), cost) for cost in (cfg.cost(), calibrated_cost(costs)))
     measured, step = Timeline.from_dict(res["timeline"]), harness.summarize(res["samples"])
     gaps, makespan = sorted(handoff_gaps(measured, cfg.schedule(name))), statistics.median(res["timeline_makespans"])
+    inside, between = action_overheads(measured, cfg.schedule(name), costs)
     return {"schedule": name, "ranks": cfg.world, "microbatches": cfg.num_microbatches,
             "costs_ms": {"f": cfg.f_ms, "i": cfg.i_ms, "w": cfg.w_ms}, "step": step.to_dict(),
             "timeline_makespan_s": makespan, "simulated_makespan_s": sim.makespan, "ratio": step.median / sim.makespan,
             "timeline_ratio": makespan / sim.makespan, "calibrated_costs_ms": {k: v * 1e3 for k, v in costs.items()},
             "simulated_calibrated_s": sim_cal.makespan, "ratio_calibrated": step.median / sim_cal.makespan,
             "bubble_measured": measured.bubble_ratio, "bubble_simulated": sim.bubble_ratio,
+            "action_overrun_ms": inside * 1e3, "between_actions_ms": between * 1e3,
             "handoff_gap_ms": {"median": statistics.median(gaps) * 1e3 if gaps else None,
                                "p90": gaps[int(0.9 * (len(gaps) - 1))] * 1e3 if gaps else None, "count": len(gaps)},
             "measured_timeline": res["timeline"], "simulated_timeline": sim.to_dict()}
@@ -146,11 +169,12 @@ def report(result: Result) -> list[Block]:
     """One row per schedule."""
     return [[["schedule", "measured step ms", "trace makespan ms", "simulated ms", "measured/simulated", "met",
               "simulated, calibrated costs ms", "measured/calibrated", "bubble measured", "bubble simulated",
-              "handoff gap ms (median / p90)"]] + [
+              "handoff gap ms (median / p90)", "runtime in an action ms (mean)", "between actions ms (median)"]] + [
         [r["schedule"], ms(r["step"]["median_s"]), ms(r["timeline_makespan_s"]), ms(r["simulated_makespan_s"]),
          f"{r['ratio']:.3f}", mark(r["ratio"] <= TARGET), ms(r["simulated_calibrated_s"]),
          f"{r['ratio_calibrated']:.3f}", f"{r['bubble_measured']:.1%}", f"{r['bubble_simulated']:.1%}",
-         "-" if r["handoff_gap_ms"]["median"] is None else "{median:.2f} / {p90:.2f}".format(**r["handoff_gap_ms"])]
+         "-" if r["handoff_gap_ms"]["median"] is None else "{median:.2f} / {p90:.2f}".format(**r["handoff_gap_ms"]),
+         f"{r.get('action_overrun_ms', float('nan')):.2f}", f"{r.get('between_actions_ms', float('nan')):.2f}"]
         for r in result["rows"]]]
 
 
