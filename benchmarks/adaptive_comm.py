@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from benchmarks import harness, runner
@@ -40,13 +40,15 @@ class AdaptiveBenchConfig:
     latency_s: float = 2e-4  # emulated link latency per collective
     bandwidths: tuple[float, ...] = (1e8, 8e6, 1.5e6)  # fixed emulated bandwidths, bytes/s
     changing: tuple[float, float] = (1e8, 1.5e6)  # the changing link: the first half at one, the second at the other
+    cost_layout: tuple[int, int] = (1, 2)  # PP x DP of the run that measures the controller with a core per rank
+    cost_steps: int = 60  # that run's steps (adaptive alone, at the middle fixed bandwidth)
 
     def __post_init__(self) -> None:
         if self.steps < max(self.tail, self.timed_from) + 2:
             raise ValueError(f"steps must be >= max(tail, timed_from) + 2, got {self.steps}")
 
 
-QUICK = AdaptiveBenchConfig(steps=12, tail=3, timed_from=2, bandwidths=(8e6,), changing=(1e8, 1.5e6))
+QUICK = AdaptiveBenchConfig(steps=12, tail=3, timed_from=2, bandwidths=(8e6,), changing=(1e8, 1.5e6), cost_steps=6)
 
 
 def _conditions(cfg: AdaptiveBenchConfig) -> list[tuple[str, tuple[float, ...]]]:
@@ -54,10 +56,10 @@ def _conditions(cfg: AdaptiveBenchConfig) -> list[tuple[str, tuple[float, ...]]]
     return fixed + [(f"{cfg.changing[0] / 1e6:g} -> {cfg.changing[1] / 1e6:g} MB/s", cfg.changing)]
 
 
-def _worker(rank: int, world: int, job: tuple[AdaptiveBenchConfig, tuple[float, ...]]) -> dict[str, Any]:
-    cfg, bandwidths = job
+def _worker(rank: int, world: int,
+            job: tuple[AdaptiveBenchConfig, tuple[float, ...], tuple[str, ...]]) -> dict[str, Any]:
+    cfg, bandwidths, variants = job
     task = harness.gpt(**cfg.task_options)
-    variants = (*STATIC, ADAPTIVE)
     pipes, links = [], []
     for name in variants:
         spec = f"adaptive(ladder={cfg.ladder}, patience={cfg.patience})" if name == ADAPTIVE else name
@@ -115,11 +117,31 @@ def _summary(name: str, ranks: list[dict[str, Any]], cfg: AdaptiveBenchConfig) -
     return out
 
 
+def _cost(cfg: AdaptiveBenchConfig) -> dict[str, Any]:
+    """The controller's share of a step with a core per rank (no rank waits for a core while it decides): adaptive
+    alone on `cost_layout` at the middle fixed bandwidth; the same statistic as the rows'."""
+    pp, dp = cfg.cost_layout
+    small = replace(cfg, pp=pp, dp=dp, steps=cfg.cost_steps)
+    bandwidth = cfg.bandwidths[len(cfg.bandwidths) // 2]
+    ranks = harness.spawn(_worker, (small, (bandwidth,), (ADAPTIVE,)), pp * dp, 3600)
+    step_s = ranks[0][ADAPTIVE]["step_s"]
+    per_rank = [r[ADAPTIVE]["extra"] for r in ranks]
+    timed = range(cfg.timed_from, len(step_s))
+    return {"pp": pp, "dp": dp, "steps": cfg.cost_steps, "bandwidth": bandwidth, "cores": os.cpu_count(),
+            "controller_share": statistics.median(max(x[i]["controller_s"] for x in per_rank) / step_s[i]
+                                                  for i in timed),
+            "controller_cpu_share": statistics.median(max(x[i]["controller_cpu_s"] for x in per_rank) / step_s[i]
+                                                      for i in timed),
+            "controller_s": statistics.median(max(x[i]["controller_s"] for x in per_rank) for i in timed),
+            "controller_cpu_s": statistics.median(max(x[i]["controller_cpu_s"] for x in per_rank) for i in timed),
+            "mean_step_s": statistics.fmean(step_s[i] for i in timed)}
+
+
 def run(cfg: AdaptiveBenchConfig) -> Result:
-    """Every condition: one spawn, all variants."""
-    rows = [_summary(name, harness.spawn(_worker, (cfg, bandwidths), cfg.pp * cfg.dp, 3600), cfg)
-            for name, bandwidths in _conditions(cfg)]
-    return {"rows": rows, "config": asdict(cfg)}
+    """Every condition: one spawn, all variants; then the controller's cost with a core per rank."""
+    rows = [_summary(name, harness.spawn(_worker, (cfg, bandwidths, (*STATIC, ADAPTIVE)), cfg.pp * cfg.dp, 3600),
+                     cfg) for name, bandwidths in _conditions(cfg)]
+    return {"rows": rows, "cost": _cost(cfg), "config": asdict(cfg)}
 
 
 def _checks(row: dict[str, Any], changing: bool) -> dict[str, Any]:
@@ -160,7 +182,27 @@ def report(result: Result) -> list[Block]:
             f"thread's CPU seconds (the wall figure includes waiting for a core on a loaded machine; the all-reduce "
             f"is not held for the emulated link). Adaptive: ladder {cfg['ladder']}, patience {cfg['patience']}, "
             f"starting at none. The variants of a row ran side by side (round-robin), so a row compares them under "
-            f"the same load; rows ran one after another and do not compare with each other.", table]
+            f"the same load; rows ran one after another and do not compare with each other.", table,
+            *_cost_lines(result.get("cost"), result["rows"], cfg)]
+
+
+def _cost_lines(cost: dict[str, Any] | None, rows: list[dict[str, Any]], cfg: dict[str, Any]) -> list[Block]:
+    """The controller's cost with a core per rank, beside the rows' (which ran more processes than cores): its seconds
+    per step over its own step, and over the shortest adaptive step of the rows (the strictest share)."""
+    if cost is None:
+        return []
+    cores = cost["cores"] or 0
+    spare = cores >= cost["pp"] * cost["dp"]
+    shortest = min(r["variants"][ADAPTIVE]["mean_step_s"] for r in rows)
+    strict = cost["controller_s"] / shortest
+    return [f"The controller's own cost with {'a core per rank' if spare else 'more ranks than cores'}: adaptive "
+            f"alone at PP={cost['pp']} x DP={cost['dp']} ({cost['pp'] * cost['dp']} processes, {cores} cores), "
+            f"{cost['steps']} steps at {cost['bandwidth'] / 1e6:g} MB/s: {cost['controller_s'] * 1e6:.0f} us wall "
+            f"({cost['controller_cpu_s'] * 1e6:.0f} us CPU) per step, {cost['controller_share']:.3%} of its "
+            f"{cost['mean_step_s'] * 1e3:.1f} ms step and {strict:.3%} of the shortest adaptive step above "
+            f"({shortest * 1e3:.1f} ms; target at most {TARGET_COST:.0%}: {mark(strict <= TARGET_COST)}). The rows "
+            f"above ran {cfg['pp'] * cfg['dp']} processes on {cores} cores: their wall figure also holds the time a "
+            f"rank waited for a core while deciding."]
 
 
 def figures(result: Result, folder: str) -> list[tuple[str, str]]:

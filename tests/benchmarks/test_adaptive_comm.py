@@ -48,3 +48,20 @@ def test_the_targets_are_judged_per_condition(tmp_path: Path) -> None:
 def test_too_few_steps_are_refused() -> None:
     with pytest.raises(ValueError, match="steps must be >= max\\(tail, timed_from\\) \\+ 2, got 5"):
         adaptive_comm.AdaptiveBenchConfig(steps=5)
+
+
+@pytest.mark.parametrize(("seconds", "cores", "verdict", "said"), [(0.0015, 2, "yes", "a core per rank"),
+                                                                    (0.0017, 1, "**no**", "more ranks than cores")])
+def test_the_controller_cost_with_a_core_per_rank_is_judged_on_the_shortest_step(seconds: float, cores: int,
+                                                                                 verdict: str, said: str) -> None:
+    """Judged on its seconds over the shortest adaptive step of the rows (0.16 s: 1% is 1.6 ms), not its own step."""
+    cost = {"pp": 1, "dp": 2, "steps": 60, "bandwidth": 8e6, "cores": cores, "controller_s": seconds,
+            "controller_cpu_s": seconds / 3, "controller_share": seconds / 0.4, "controller_cpu_share": seconds / 1.2,
+            "mean_step_s": 0.4}
+    rows = [_row("8 MB/s", 0.2, 0.15, 0.3, 0.16), _row("1 MB/s", 0.4, 0.3, 0.3, 0.31)]
+    blocks = adaptive_comm.report({"rows": rows, "cost": cost, "config": adaptive_comm.asdict(CFG)})
+    line = blocks[-1]
+    assert isinstance(line, str) and said in line, line
+    assert f"{seconds / 0.16:.3%} of the shortest adaptive step above (160.0 ms; target at most 1%: {verdict})" in line
+    row = rows[0]
+    assert len(adaptive_comm.report({"rows": [row], "config": adaptive_comm.asdict(CFG)})) == 2  # no cost run: no line
