@@ -54,6 +54,8 @@ class _Comms:
         """Collectives whose chunk did not match the parameters' shards (their int8 blocks run across)."""
         self.gathers: Counter[int] = Counter()
         """Parameter all-gathers posted, by stage (since construction)."""
+        self.gathers_over: Counter[tuple[int, int]] = Counter()
+        """Parameter all-gathers posted, by (stage, ranks of the group): hpZ's node-local ones have hpz_ranks."""
         self.scatters: Counter[int] = Counter()
         """Gradient reduce-scatters posted, by stage (since construction)."""
         self.gathering: dict[int, Pending] = {}
@@ -143,6 +145,7 @@ class _AllGather(AllGather):  # type: ignore[misc,valid-type]
         pending = comm.all_gather(output_tensor, input_tensor, f"the parameters of stage {self.stage}",
                                   draw=strategy.draws * 4096 + self.stage, segments=cut)
         self.comms.gathers[self.stage] += 1
+        self.comms.gathers_over[self.stage, comm.size] += 1
         if self.comms.defer_gathers:
             self.comms.gathering[self.stage] = pending
         else:
@@ -198,7 +201,7 @@ class Zero2Strategy(DPStrategy):
     def __init__(self, ctx: StrategyContext) -> None:
         if fully_shard is None:
             raise ValueError(f"zero_stage=2 needs torch FSDP2 (torch >= 2.6), this is torch {torch.__version__}")
-        check_hpz(ctx.zero, ctx.schedule, ctx.groups.dp_size)
+        check_hpz(ctx.zero, ctx.schedule, ctx.groups.dp_size, ctx.zero_stage)
         self.draws = 0
         """Applied steps: keys the random draws of stochastic int8 rounding (restored with the checkpoint)."""
         self.defer = False

@@ -213,3 +213,54 @@ def foreach_norm(tensors: Sequence[Tensor], dtype: torch.dtype) -> list[Tensor]:
 def foreach_mul_(tensors: Sequence[Tensor], factor: float) -> None:
     """Multiply each tensor by `factor` in place, in one fused pass."""
     torch._foreach_mul_(list(tensors), factor)
+
+
+# ------------------------------------------------------------------------------- FSDP2's post-forward mesh (hpZ)
+def take_post_forward_meshes(module: nn.Module) -> list[tuple[Any, Any]]:
+    """(parameter group, post-forward mesh) for each FSDP2 parameter group of the fully_shard-ed `module` that has
+    one (`fully_shard(reshard_after_forward=k)`), the mesh taken off its group: FSDP2 then reshards nothing after a
+    forward, and the caller reshards to that mesh when it chooses (`reshard_post_forward`)."""
+    from torch.distributed.fsdp import fully_shard
+
+    state = fully_shard.state(module)  # type: ignore[attr-defined]
+    taken = [(group, group.post_forward_mesh_info) for group in state._fsdp_param_groups
+             if group.post_forward_mesh_info is not None and group.post_forward_mesh_info != group.mesh_info]
+    for group, _ in taken:
+        group.post_forward_mesh_info = None
+    return taken
+
+
+def reshard_post_forward(group: Any, mesh: Any) -> None:
+    """Reshard an unsharded FSDP2 parameter group to its post-forward `mesh` as FSDP2's post-forward does (each
+    rank keeps 1/k of the parameters; the group's next unshard gathers over that mesh only). A group that is not
+    unsharded stays as it is."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    if not group.is_unsharded:
+        return
+    group.post_forward_mesh_info = mesh
+    with group.use_training_state(TrainingState.FORWARD):
+        group.reshard()
+
+
+def settle_post_forward(group: Any) -> None:
+    """Take the post-forward mesh off `group` again once it is no longer sharded over it (gathered, or sharded over
+    its whole mesh), so FSDP2's own post-forward hook reshards nothing."""
+    if not group.is_sharded_post_forward:
+        group.post_forward_mesh_info = None
+
+
+def free_post_forward(group: Any) -> None:
+    """Shard `group` over its whole mesh and free any post-forward shard its parameters still hold (FSDP2's
+    sharded state does not free one left by a post-forward reshard)."""
+    group._to_sharded()
+    for record in group.fsdp_params:
+        record._sharded_post_forward_param = None
+        record._sharded_post_forward_param_data = None
+    group.post_forward_mesh_info = None
+
+
+def post_forward_bytes(group: Any) -> int:
+    """Bytes of the post-forward shards `group`'s parameters hold now."""
+    return sum(record._sharded_post_forward_param_data.numel() * record._sharded_post_forward_param_data.element_size()
+               for record in group.fsdp_params if getattr(record, "_sharded_post_forward_param_data", None) is not None)

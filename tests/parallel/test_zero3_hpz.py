@@ -1,0 +1,179 @@
+"""Tests for hpZ on ZeRO-3 (duplexpipe.parallel.zero3 with ZeroOptions.hpz_ranks): PP=1 x DP=4 as 2 "nodes" of 2
+ranks, one spawn of 4 gloo ranks in float64, on a one-rank schedule of two stages with a split backward whose
+window of one stage gives each stage several episodes per call: exact against plain ZeRO-3 and one process, the
+all-gathers counted by group (one over the whole data-parallel group per stage per call, the rest inside the
+node), the secondary copy held between episodes and freed at rest; and the settings refused before anything runs."""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any
+
+import pytest
+import torch
+from _train_helpers import batch, make_parts
+from _zero_cases import CLIP, adamw, digests, flat_params, max_rel
+from torch import Tensor, nn
+
+from duplexpipe import Pipeline, PipelineConfig, make_mesh
+from duplexpipe.comm.local_tensors import local_of
+from duplexpipe.dp_options.compression import NoCompression
+from duplexpipe.dp_options.zero import ZeroOptions, check_zero
+from duplexpipe.launch.processes import launch
+from duplexpipe.parallel.zero_config import check_hpz
+from duplexpipe.schedules.ir import Action, Op, Schedule, schedule_from_rows
+from duplexpipe.schedules.registry import build as build_schedule
+from duplexpipe.schedules.shard import add_unshard_reshard, episodes
+from duplexpipe.train.pipeline_config import DataParallelConfig
+
+SPAWN_TIMEOUT_S = 240
+DP, HPZ, STEPS, BATCH, M = 4, 2, 3, 16, 4
+
+
+def _two_stages_one_rank() -> Schedule:
+    """Both stages on one rank: forwards, B of the first two microbatches, then I and W apart (a split backward)."""
+    def act(stage: int, op: Op, mbs: range) -> list[Action]:
+        return [Action(stage, op, mb) for mb in mbs]
+    first, rest = range(2), range(2, M)
+    row = (act(0, Op.F, range(M)) + act(1, Op.F, range(M)) + act(1, Op.B, first) + act(0, Op.B, first)
+           + act(1, Op.I, rest) + act(0, Op.I, rest) + act(1, Op.W, rest) + act(0, Op.W, rest))
+    return schedule_from_rows([row], "two-stages-one-rank", M)
+
+
+def _squares(out: Tensor, target: Tensor) -> Tensor:
+    return ((out - target) ** 2).mean()  # in the outputs' dtype
+
+
+def _pipe(hpz: int | None, accumulation: int = 1) -> Pipeline:
+    cfg = PipelineConfig(_two_stages_one_rank(), M, grad_clip_norm=CLIP, accumulation_steps=accumulation,
+                         data_parallel=DataParallelConfig(zero_stage=3, reshard_window=1,
+                                                          zero=ZeroOptions(hpz_ranks=hpz)))
+    return Pipeline(make_parts(2, 8, 0), _squares, adamw, cfg, mesh=make_mesh(1, DP))
+
+
+def _local(pipe: Pipeline, step: int) -> tuple[Tensor, Tensor]:
+    x, y = batch(step, BATCH)
+    rows = BATCH // DP
+    lo = pipe.groups.dp_rank * rows
+    return x[lo:lo + rows], y[lo:lo + rows]
+
+
+def _reference() -> list[float]:
+    """One process, the whole batch at once: the parameters after STEPS steps, in stage order."""
+    model = nn.Sequential(*make_parts(2, 8, 0))
+    opt = adamw(list(model.parameters()))
+    for s in range(STEPS):
+        opt.zero_grad()
+        _squares(model(batch(s, BATCH)[0]), batch(s, BATCH)[1]).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
+
+
+def _peak_secondary(pipe: Pipeline) -> int:
+    """One step; the most bytes of secondary (node-local) shards held at the boundaries of its actions."""
+    peak = [0]
+    runtime = pipe.runtime
+    handlers = runtime._handlers
+
+    def sampled(run: Any, step: Any, action: Any) -> None:
+        run(step, action)
+        peak[0] = max(peak[0], pipe.dp.secondary_bytes())
+
+    runtime._handlers = {op: (lambda s, a, run=run: sampled(run, s, a)) for op, run in handlers.items()}
+    try:
+        pipe.step(*_local(pipe, STEPS))
+    finally:
+        runtime._handlers = handlers
+    return peak[0]
+
+
+def _worker() -> dict[str, Any]:
+    torch.set_default_dtype(torch.float64)
+    out: dict[str, Any] = {}
+    try:
+        plain, hpz = _pipe(None), _pipe(HPZ)
+        losses = [(plain.step(*_local(plain, s)), hpz.step(*_local(hpz, s))) for s in range(STEPS)]
+        out["losses_equal"] = all(a == b for a, b in losses)
+        out["bit_equal"] = digests(plain) == digests(hpz)
+        out["rel"] = max_rel(flat_params(hpz), _reference())
+        out["episodes"] = {s: n for s, n in episodes(hpz.runtime.schedule).items() if s in hpz.stage_modules}
+        out["over"] = {f"{s}/{size}": n for (s, size), n in hpz.dp.comms.gathers_over.items()}
+        out["plain_over"] = {f"{s}/{size}": n for (s, size), n in plain.dp.comms.gathers_over.items()}
+        out["at_rest"] = (hpz.dp.secondary_bytes(), sum(local_of(p).numel() for p in hpz.params),
+                          sum(p.numel() for m in hpz.stage_modules.values() for p in m.parameters()))
+        out["peak_secondary"] = _peak_secondary(hpz)
+        out["after_peak"] = hpz.dp.secondary_bytes()
+        acc = _pipe(HPZ, accumulation=2)
+        for call in range(2):  # one optimizer step of two calls
+            acc.step(*_local(acc, call))
+        out["accumulated_steps"] = acc.optimizer_steps
+        out["accumulated"] = {f"{s}/{size}": n for (s, size), n in acc.dp.comms.gathers_over.items()}
+    except Exception:  # noqa: BLE001 - reported by the tests
+        out["error"] = traceback.format_exc()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, Any]]:
+    return launch(_worker, DP, timeout_s=SPAWN_TIMEOUT_S)
+
+
+def _ok(res: dict[str, Any]) -> dict[str, Any]:
+    assert "error" not in res, res["error"]
+    return res
+
+
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
+def test_hpz_on_zero3_is_exact(results: list[dict[str, Any]]) -> None:
+    """float64: bit-equal to ZeRO-3 without hpZ (the same gathered values, the same sums) and within 1e-10 of one
+    process."""
+    for rank, res in enumerate(results):
+        got = _ok(res)
+        assert got["losses_equal"] and got["bit_equal"], (rank, got)
+        assert got["rel"] <= 1e-10, (rank, got["rel"])
+
+
+@pytest.mark.timeout(60)
+def test_only_the_first_gather_of_a_call_crosses_nodes(results: list[dict[str, Any]]) -> None:
+    """Per stage per call: one all-gather over the 4 data-parallel ranks, every other episode's inside its 2 ranks
+    (plain ZeRO-3: all over the 4); with two calls per step (accumulation), each call starts over the 4."""
+    for rank, res in enumerate(results):
+        got = _ok(res)
+        eps = got["episodes"]
+        assert set(eps) == {0, 1} and all(n >= 3 for n in eps.values()), got  # several episodes per stage
+        over = {f"{s}/{DP}": STEPS for s in eps} | {f"{s}/{HPZ}": STEPS * (n - 1) for s, n in eps.items()}
+        assert got["over"] == over, (rank, got)
+        assert got["plain_over"] == {f"{s}/{DP}": STEPS * n for s, n in eps.items()}, (rank, got)
+        assert got["accumulated_steps"] == 1, (rank, got)
+        assert got["accumulated"] == {f"{s}/{DP}": 2 for s in eps} | {f"{s}/{HPZ}": 2 * (n - 1)
+                                                                      for s, n in eps.items()}, (rank, got)
+
+
+@pytest.mark.timeout(60)
+def test_the_secondary_copy_lives_between_episodes_only(results: list[dict[str, Any]]) -> None:
+    """During a step a stage between episodes holds 1/hpz of its parameters; at rest none, the shards 1/DP."""
+    for rank, res in enumerate(results):
+        got = _ok(res)
+        secondary, local, whole = got["at_rest"]
+        assert secondary == 0 and got["after_peak"] == 0 and local * DP == whole, (rank, got)
+        assert 0 < got["peak_secondary"] <= whole * 8 // HPZ, (rank, got)  # float64: 8 bytes an element
+
+
+def test_hpz_settings_accepted_and_refused() -> None:
+    """ZeRO-2 and ZeRO-3 take hpZ (ZeRO-3 with a split backward too); other stages, a size that does not split the
+    data-parallel group into nodes, and ZeRO-2 with I/W are refused by value."""
+    hpz = ZeroOptions(hpz_ranks=2)
+    assert check_zero(3, hpz, NoCompression(), None) == 3
+    assert check_zero(2, hpz, NoCompression(), None) == 2
+    with pytest.raises(ValueError, match="hpz_ranks=2 .* needs zero_stage=2 or 3 .*got zero_stage=1"):
+        check_zero(1, hpz, NoCompression(), None)
+    zbv = build_schedule("zbv", 2, 4)
+    check_hpz(hpz, zbv, 4, zero_stage=3)
+    check_hpz(hpz, add_unshard_reshard(zbv, 1), 4, zero_stage=3)
+    with pytest.raises(ValueError, match="zero_stage=2 needs a schedule without split backward.*'zbv'.*zero_stage=3"):
+        check_hpz(hpz, zbv, 4, zero_stage=2)
+    with pytest.raises(ValueError, match="hpz_ranks=2 must divide the data-parallel size 2 and be smaller"):
+        check_hpz(hpz, zbv, 2, zero_stage=3)
