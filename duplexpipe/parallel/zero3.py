@@ -25,8 +25,13 @@ from torch import Tensor
 
 from duplexpipe.parallel.strategy import StrategyContext
 from duplexpipe.parallel.zero2 import Zero2Strategy, _fsdp_params
-from duplexpipe.runtime.backward.compat import (free_post_forward, post_forward_bytes, reshard_post_forward,
-                                                settle_post_forward, take_post_forward_meshes)
+from duplexpipe.runtime.backward.compat import (
+    free_post_forward,
+    post_forward_bytes,
+    reshard_post_forward,
+    settle_post_forward,
+    take_post_forward_meshes,
+)
 from duplexpipe.schedules.ir import Op, Schedule
 
 
