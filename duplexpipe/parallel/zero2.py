@@ -70,11 +70,15 @@ class _Comms:
         return cut
 
     def on(self, group: Any) -> ShardComm:
+        """The ShardComm of `group`. qwZ quantizes only the gathers over the whole data-parallel group: hpZ's
+        node-local ones gather the secondary shards exact (they hold weights dequantized once already; quantizing
+        them again in other blocks would give a later episode other weights than the first)."""
         comm = self._by_group.get(group)
         if comm is None:
             ctx = self.strategy.ctx
+            whole = dist.get_world_size(group) == ctx.groups.dp_size
             comm = ShardComm(group, self.strategy.meter, gradients=gradient_wire(2, ctx.zero, ctx.compression),
-                             weights=ctx.zero.weight_wire)
+                             weights=ctx.zero.weight_wire if whole else None)
             self._by_group[group] = comm
         return comm
 

@@ -44,10 +44,10 @@ def _squares(out: Tensor, target: Tensor) -> Tensor:
     return ((out - target) ** 2).mean()  # in the outputs' dtype
 
 
-def _pipe(hpz: int | None, accumulation: int = 1) -> Pipeline:
+def _pipe(hpz: int | None, accumulation: int = 1, qwz: bool = False) -> Pipeline:
     cfg = PipelineConfig(_two_stages_one_rank(), M, grad_clip_norm=CLIP, accumulation_steps=accumulation,
                          data_parallel=DataParallelConfig(zero_stage=3, reshard_window=1,
-                                                          zero=ZeroOptions(hpz_ranks=hpz)))
+                                                          zero=ZeroOptions(hpz_ranks=hpz, quantized_weights=qwz)))
     return Pipeline(make_parts(2, 8, 0), _squares, adamw, cfg, mesh=make_mesh(1, DP))
 
 
@@ -104,6 +104,13 @@ def _worker() -> dict[str, Any]:
                           sum(p.numel() for m in hpz.stage_modules.values() for p in m.parameters()))
         out["peak_secondary"] = _peak_secondary(hpz)
         out["after_peak"] = hpz.dp.secondary_bytes()
+        plain_int8, hpz_int8 = _pipe(None, qwz=True), _pipe(HPZ, qwz=True)
+        losses = [(plain_int8.step(*_local(plain_int8, s)), hpz_int8.step(*_local(hpz_int8, s))) for s in range(2)]
+        out["qwz"] = {"losses_equal": all(a == b for a, b in losses),
+                      "bit_equal": digests(plain_int8) == digests(hpz_int8),
+                      "unsegmented": hpz_int8.dp.comms.unsegmented,
+                      "int8_groups": sorted(c.size for c in hpz_int8.dp.comms._by_group.values()
+                                            if c.weights is not None)}
         acc = _pipe(HPZ, accumulation=2)
         for call in range(2):  # one optimizer step of two calls
             acc.step(*_local(acc, call))
@@ -177,3 +184,14 @@ def test_hpz_settings_accepted_and_refused() -> None:
         check_hpz(hpz, zbv, 4, zero_stage=2)
     with pytest.raises(ValueError, match="hpz_ranks=2 must divide the data-parallel size 2 and be smaller"):
         check_hpz(hpz, zbv, 2, zero_stage=3)
+
+
+@pytest.mark.timeout(60)
+def test_qwz_quantizes_only_the_gather_across_nodes(results: list[dict[str, Any]]) -> None:
+    """qwZ + hpZ: the first gather of a call goes as int8 over the whole group, the node-local ones exact (the
+    secondary copy holds the dequantized weights as gathered), so every episode computes with the same weights:
+    bit-equal to ZeRO-3 + qwZ without hpZ (whose every gather requantizes the same masters alike)."""
+    for rank, res in enumerate(results):
+        got = _ok(res)["qwz"]
+        assert got["losses_equal"] and got["bit_equal"] and got["unsegmented"] == 0, (rank, got)
+        assert got["int8_groups"] == [DP], (rank, got)
