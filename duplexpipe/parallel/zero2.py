@@ -1,14 +1,15 @@
 """ZeRO-2 through torch FSDP2: gradients and optimizer state sharded over the data-parallel group.
 
-Each stage module is `fully_shard`-ed over a 1-D data-parallel mesh with reshard_after_forward=False (or, with
-hpZ, a node-sized int), so its parameters are gathered once per step, at its first forward. While the schedule
-runs, FSDP's gradient sync is off (gradients accumulate unsharded, so the runtime's I/W split and DualPipe's
-mirror sum see ordinary tensors); once a stage's gradients are final the strategy drives FSDP's post-backward by
-hand, as torch.distributed.pipelining's stage.py does, which reduce-scatters them and reshards the parameters.
-FSDP's collectives go through this module's ReduceScatter / AllGather, which post them on duplexpipe.comm's
-ShardComm (exact, bf16/fp16, int8 qgZ / qwZ; metered) and wait with the trainer's bounded wait. Routed MoE experts
-(expert parallelism) stay out of FSDP: each is whole on its expert-parallel rank and reduced over its
-expert-data-parallel group as in every strategy (`DPStrategy._finish_experts`).
+Each stage module is `fully_shard`-ed over a 1-D data-parallel mesh with reshard_after_forward=False (with hpZ,
+given the post-forward mesh reshard_after_forward=k builds, its groups made by the whole job), so its parameters are
+gathered once per step, at its first forward. While the schedule runs, FSDP's gradient sync is off (gradients
+accumulate unsharded, so the runtime's I/W split and DualPipe's mirror sum see ordinary tensors); once a stage's
+gradients are final the strategy drives FSDP's post-backward by hand, as torch.distributed.pipelining's stage.py
+does, which reduce-scatters them and reshards the parameters. FSDP's collectives go through this module's
+ReduceScatter / AllGather, which post them on duplexpipe.comm's ShardComm (exact, bf16/fp16, int8 qgZ / qwZ;
+metered) and wait with the trainer's bounded wait. Routed MoE experts (expert parallelism) stay out of FSDP: each is
+whole on its expert-parallel rank and reduced over its expert-data-parallel group as in every strategy
+(`DPStrategy._finish_experts`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from duplexpipe.parallel.local_shards import LocalShards
 from duplexpipe.parallel.strategy import DPStrategy, StrategyContext
 from duplexpipe.parallel.zero1 import counted_stages, quantized
 from duplexpipe.parallel.zero_config import check_hpz
-from duplexpipe.runtime.backward.compat import foreach_mul_
+from duplexpipe.runtime.backward.compat import foreach_mul_, give_post_forward_mesh, post_forward_mesh
 from duplexpipe.tp.parallelize import counts_here
 
 try:  # FSDP2's public entry point and its (not yet public) custom-collective interfaces
@@ -224,10 +225,12 @@ class Zero2Strategy(DPStrategy):
                                  "supported (hpZ's node-local gathers are not composed with the TP mesh); use "
                                  "hpz_ranks=None")
             mesh = ctx.groups.dp_mesh
+        secondary = post_forward_mesh(mesh, ctx.zero.hpz_ranks) if ctx.zero.hpz_ranks else None
         for stage, module in sorted(ctx.modules.items()):
             experts = {p for p in module.parameters() if id(p) in ctx.experts}
-            fully_shard(module, mesh=mesh, reshard_after_forward=ctx.zero.hpz_ranks or False,
-                        ignored_params=experts or None)
+            fully_shard(module, mesh=mesh, reshard_after_forward=False, ignored_params=experts or None)
+            if secondary is not None:  # hpZ: reshard_after_forward=k's mesh, its groups made by the whole job
+                give_post_forward_mesh(module, secondary)
             module.set_custom_reduce_scatter(_ReduceScatter(self.comms, stage, module))  # type: ignore[operator]
             module.set_custom_all_gather(_AllGather(self.comms, stage, module))  # type: ignore[operator]
             no_fsdp_division(module)
