@@ -222,7 +222,7 @@ class Zero2Strategy(DPStrategy):
                                  "mesh from make_mesh(pp, dp, tp=...) (FSDP2 shards over its 'dp' dimension)")
             if ctx.zero.hpz_ranks:
                 raise ValueError(f"ZeroOptions(hpz_ranks={ctx.zero.hpz_ranks}) with tensor parallelism is not "
-                                 "supported (hpZ's node-local gathers are not composed with the TP mesh); use "
+                                 "supported (FSDP2 cannot reshard TP's DTensor parameters to the node-local mesh); use "
                                  "hpz_ranks=None")
             mesh = ctx.groups.dp_mesh
         secondary = post_forward_mesh(mesh, ctx.zero.hpz_ranks) if ctx.zero.hpz_ranks else None

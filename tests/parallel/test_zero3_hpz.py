@@ -110,11 +110,24 @@ def _worker() -> dict[str, Any]:
             acc.step(*_local(acc, call))
         out["accumulated_steps"] = acc.optimizer_steps
         out["accumulated"] = {f"{s}/{size}": n for (s, size), n in acc.dp.comms.gathers_over.items()}
+        out["tp"] = _with_tensor_parallelism()
     except Exception:  # noqa: BLE001 - reported by the tests
         out["error"] = traceback.format_exc()
     finally:
         torch.set_default_dtype(torch.float32)
     return out
+
+
+def _with_tensor_parallelism() -> str:
+    """hpZ on ZeRO-3 at PP=1 x DP=4 x TP=2 (the GPT of the TP tests): the refusal."""
+    from _tp_cases import pipeline
+
+    cfg = PipelineConfig("1f1b", 4, data_parallel=DataParallelConfig(zero_stage=3, zero=ZeroOptions(hpz_ranks=HPZ)))
+    try:
+        pipeline((1, 4, 2), cfg)
+    except ValueError as exc:
+        return str(exc)
+    return ""
 
 
 @pytest.fixture(scope="module")
@@ -191,3 +204,9 @@ def test_qwz_quantizes_only_the_gather_across_nodes(results: list[dict[str, Any]
         got = _ok(res)["qwz"]
         assert got["losses_equal"] and got["bit_equal"] and got["unsegmented"] == 0, (rank, got)
         assert got["int8_groups"] == [DP], (rank, got)
+
+
+@pytest.mark.timeout(60)
+def test_hpz_with_tensor_parallelism_is_refused_by_value(results: list[dict[str, Any]]) -> None:
+    for res in results:
+        assert "ZeroOptions(hpz_ranks=2) with tensor parallelism is not supported" in _ok(res)["tp"], res["tp"]
