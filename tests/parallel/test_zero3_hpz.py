@@ -87,8 +87,14 @@ def _worker() -> dict[str, Any]:
     out: dict[str, Any] = {}
     try:
         plain, hpz = _pipe(None), _pipe(HPZ)
-        losses = [(plain.step(*_local(plain, s)), hpz.step(*_local(hpz, s))) for s in range(STEPS)]
-        out["losses_equal"] = all(a == b for a, b in losses)
+        losses = [(plain.step(*_local(plain, s)), hpz.step(*_local(hpz, s))) for s in range(STEPS - 1)]
+        before = {pipe: dict(pipe.dp.comms.gathers_over) for pipe in (plain, hpz)}
+        evals = [pipe.evaluate(*_local(pipe, 9)).loss for pipe in (plain, hpz)]  # then a step more of each
+        out["eval_over"] = [{f"{s}/{size}": n - before[pipe].get((s, size), 0)
+                             for (s, size), n in pipe.dp.comms.gathers_over.items()
+                             if n != before[pipe].get((s, size), 0)} for pipe in (plain, hpz)]
+        losses.append((plain.step(*_local(plain, STEPS - 1)), hpz.step(*_local(hpz, STEPS - 1))))
+        out["losses_equal"] = all(a == b for a, b in losses) and evals[0] == evals[1]
         out["bit_equal"] = digests(plain) == digests(hpz)
         out["rel"] = max_rel(flat_params(hpz), _reference(hpz))
         out["episodes"] = {s: n for s, n in episodes(hpz.runtime.schedule).items() if s in hpz.stage_modules}
@@ -153,13 +159,16 @@ def test_hpz_on_zero3_is_exact(results: list[dict[str, Any]]) -> None:
 @pytest.mark.timeout(60)
 def test_only_the_first_gather_of_a_call_crosses_nodes(results: list[dict[str, Any]]) -> None:
     """Per stage per call: one all-gather over the 4 data-parallel ranks, every other episode's inside its 2 ranks
-    (plain ZeRO-3: all over the 4); with two calls per step (accumulation), each call starts over the 4."""
+    (plain ZeRO-3: all over the 4); an evaluation between steps gathers each stage once over the 4; with two calls
+    per step (accumulation), each call starts over the 4."""
     for rank, res in enumerate(results):
         got = _ok(res)
         eps = got["episodes"]
         assert len(eps) == 2 and all(n >= 3 for n in eps.values()), got  # several episodes per stage
-        assert got["over"] == _expected(eps, STEPS), (rank, got)
-        assert got["plain_over"] == {f"{s}/{DP}": STEPS * n for s, n in eps.items()}, (rank, got)
+        once = {f"{s}/{DP}": 1 for s in eps}
+        assert got["eval_over"] == [once, once], (rank, got)  # evaluate() gathers each stage once, whole
+        assert got["over"] == _expected(eps, STEPS) | {f"{s}/{DP}": STEPS + 1 for s in eps}, (rank, got)
+        assert got["plain_over"] == {f"{s}/{DP}": STEPS * n + 1 for s, n in eps.items()}, (rank, got)
         assert got["accumulated_steps"] == 1 and got["accumulated"] == _expected(eps, 2), (rank, got)
 
 
