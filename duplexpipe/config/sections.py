@@ -98,7 +98,7 @@ class DataParallelConfig:
     schedule="auto" the planner's choice among the stages this configuration accepts; set, it is fixed."""
     zero: ZeroOptions = field(default_factory=ZeroOptions)
     """ZeRO++ options for zero_stage 1, 2 and 3: quantized_gradients (qgZ), quantized_weights (qwZ), hpz_ranks
-    (zero_stage 2 only)."""
+    (zero_stage 2 or 3: a node-local secondary partition)."""
     reshard_window: int | None = None
     """zero_stage=3: how many of a rank's stages may hold unsharded parameters at once (the schedule gets an
     UNSHARD before a stage's use and a RESHARD once the window needs its room); None: all of the rank's stages (one

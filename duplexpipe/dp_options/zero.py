@@ -24,12 +24,14 @@ class ZeroOptions:
     weights are the same dequantized values while the optimizer's master shard stays in full precision. True:
     Int8Options(stochastic=False) (blocks of 256, round to nearest); or an Int8Options."""
     hpz_ranks: int | None = None
-    """hpZ (zero_stage=2 only): after each forward, FSDP2 reshards the parameters over groups of this many
-    consecutive data-parallel ranks (put one node's ranks there: FSDP2's reshard_after_forward=int), so the
-    backward's and later forwards' all-gathers stay inside a node; only for schedules without split
-    backward (I/W): see docs/data-parallel.md. None: parameters stay gathered for the whole step. zero_stage=3
-    refuses it (its residency comes from the schedule's RESHARD actions, which have no node-local secondary
-    partition yet): use reshard_window there."""
+    """hpZ (zero_stage=2 or 3): a node-local secondary partition of the parameters over groups of this many
+    consecutive data-parallel ranks (put one node's ranks there; FSDP2's post-forward mesh of
+    reshard_after_forward=int), so only a step's first all-gather of a stage crosses nodes. ZeRO-2: FSDP2 reshards
+    to it after each forward, so the backward's and later forwards' gathers stay inside a node; only for schedules
+    without split backward (I/W). ZeRO-3: a stage's RESHARD actions reshard to it while another of its episodes
+    follows in the call (those UNSHARDs gather inside the node); its last RESHARD shards it over the whole group
+    again (at rest 1/DP); any schedule. Must divide the data-parallel size and be smaller; not with tensor
+    parallelism. See docs/data-parallel.md. None: no secondary partition."""
     trust_elementwise: bool = False
     """Let ZeRO-1 step a flat shard with an optimizer not known to be elementwise (an optimizer that is not
     elementwise would give silently wrong updates)."""
@@ -116,11 +118,10 @@ def check_zero(stage: object, options: ZeroOptions, compression: Options, dp_str
     if stage and dp_strategy is not None:
         raise ValueError(f"zero_stage={stage} chooses the data-parallel strategy itself; leave dp_strategy None "
                          f"(got {dp_strategy!r})")
-    if options.hpz_ranks is not None and stage != 2:
-        raise ValueError(f"ZeroOptions.hpz_ranks={options.hpz_ranks} reshards parameters after forward, which "
-                         f"needs zero_stage=2 (FSDP2 resharding after forward), got zero_stage={stage}"
-                         + (" (ZeRO-3 reshards at its schedule's RESHARD actions; hpZ's node-local partition is "
-                            "not built for it yet)" if stage == 3 else ""))
+    if options.hpz_ranks is not None and stage not in (2, 3):
+        raise ValueError(f"ZeroOptions.hpz_ranks={options.hpz_ranks} keeps a node-local secondary partition of the "
+                         f"parameters during a step, which needs zero_stage=2 or 3 (FSDP2's post-forward mesh), got "
+                         f"zero_stage={stage}")
     gradient_wire(stage, options, compression)
     return stage
 

@@ -41,8 +41,8 @@ def check_training(config: TrainConfig) -> None:
     if (float8 := float8_options(config.pipeline.precision.float8)) is not None:
         ranks = config.ranks * config.dp * config.tp
         check_float8(float8, torch.device("cuda", 0) if default_backend(ranks) == "nccl" else torch.device("cpu"))
-    if schedule is not None and dp.zero_stage == 2 and config.dp > 1:
-        check_hpz(dp.zero, schedule, config.dp)
+    if schedule is not None and dp.zero_stage in (2, 3) and config.dp > 1:
+        check_hpz(dp.zero, schedule, config.dp, dp.zero_stage)
     load_task(config.task)
     task = _built(config)
     if config.metrics.eval_every and task.eval_batch is None:

@@ -1,14 +1,15 @@
 """ZeRO-2 through torch FSDP2: gradients and optimizer state sharded over the data-parallel group.
 
-Each stage module is `fully_shard`-ed over a 1-D data-parallel mesh with reshard_after_forward=False (or, with
-hpZ, a node-sized int), so its parameters are gathered once per step, at its first forward. While the schedule
-runs, FSDP's gradient sync is off (gradients accumulate unsharded, so the runtime's I/W split and DualPipe's
-mirror sum see ordinary tensors); once a stage's gradients are final the strategy drives FSDP's post-backward by
-hand, as torch.distributed.pipelining's stage.py does, which reduce-scatters them and reshards the parameters.
-FSDP's collectives go through this module's ReduceScatter / AllGather, which post them on duplexpipe.comm's
-ShardComm (exact, bf16/fp16, int8 qgZ / qwZ; metered) and wait with the trainer's bounded wait. Routed MoE experts
-(expert parallelism) stay out of FSDP: each is whole on its expert-parallel rank and reduced over its
-expert-data-parallel group as in every strategy (`DPStrategy._finish_experts`).
+Each stage module is `fully_shard`-ed over a 1-D data-parallel mesh with reshard_after_forward=False (with hpZ,
+given the post-forward mesh reshard_after_forward=k builds, its groups made by the whole job), so its parameters are
+gathered once per step, at its first forward. While the schedule runs, FSDP's gradient sync is off (gradients
+accumulate unsharded, so the runtime's I/W split and DualPipe's mirror sum see ordinary tensors); once a stage's
+gradients are final the strategy drives FSDP's post-backward by hand, as torch.distributed.pipelining's stage.py
+does, which reduce-scatters them and reshards the parameters. FSDP's collectives go through this module's
+ReduceScatter / AllGather, which post them on duplexpipe.comm's ShardComm (exact, bf16/fp16, int8 qgZ / qwZ;
+metered) and wait with the trainer's bounded wait. Routed MoE experts (expert parallelism) stay out of FSDP: each is
+whole on its expert-parallel rank and reduced over its expert-data-parallel group as in every strategy
+(`DPStrategy._finish_experts`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from duplexpipe.parallel.local_shards import LocalShards
 from duplexpipe.parallel.strategy import DPStrategy, StrategyContext
 from duplexpipe.parallel.zero1 import counted_stages, quantized
 from duplexpipe.parallel.zero_config import check_hpz
-from duplexpipe.runtime.backward.compat import foreach_mul_
+from duplexpipe.runtime.backward.compat import foreach_mul_, give_post_forward_mesh, post_forward_mesh
 from duplexpipe.tp.parallelize import counts_here
 
 try:  # FSDP2's public entry point and its (not yet public) custom-collective interfaces
@@ -54,6 +55,8 @@ class _Comms:
         """Collectives whose chunk did not match the parameters' shards (their int8 blocks run across)."""
         self.gathers: Counter[int] = Counter()
         """Parameter all-gathers posted, by stage (since construction)."""
+        self.gathers_over: Counter[tuple[int, int]] = Counter()
+        """Parameter all-gathers posted, by (stage, ranks of the group): hpZ's node-local ones have hpz_ranks."""
         self.scatters: Counter[int] = Counter()
         """Gradient reduce-scatters posted, by stage (since construction)."""
         self.gathering: dict[int, Pending] = {}
@@ -68,11 +71,15 @@ class _Comms:
         return cut
 
     def on(self, group: Any) -> ShardComm:
+        """The ShardComm of `group`. qwZ quantizes only the gathers over the whole data-parallel group: hpZ's
+        node-local ones gather the secondary shards exact (they hold weights dequantized once already; quantizing
+        them again in other blocks would give a later episode other weights than the first)."""
         comm = self._by_group.get(group)
         if comm is None:
             ctx = self.strategy.ctx
+            whole = dist.get_world_size(group) == ctx.groups.dp_size
             comm = ShardComm(group, self.strategy.meter, gradients=gradient_wire(2, ctx.zero, ctx.compression),
-                             weights=ctx.zero.weight_wire)
+                             weights=ctx.zero.weight_wire if whole else None)
             self._by_group[group] = comm
         return comm
 
@@ -143,6 +150,7 @@ class _AllGather(AllGather):  # type: ignore[misc,valid-type]
         pending = comm.all_gather(output_tensor, input_tensor, f"the parameters of stage {self.stage}",
                                   draw=strategy.draws * 4096 + self.stage, segments=cut)
         self.comms.gathers[self.stage] += 1
+        self.comms.gathers_over[self.stage, comm.size] += 1
         if self.comms.defer_gathers:
             self.comms.gathering[self.stage] = pending
         else:
@@ -198,7 +206,7 @@ class Zero2Strategy(DPStrategy):
     def __init__(self, ctx: StrategyContext) -> None:
         if fully_shard is None:
             raise ValueError(f"zero_stage=2 needs torch FSDP2 (torch >= 2.6), this is torch {torch.__version__}")
-        check_hpz(ctx.zero, ctx.schedule, ctx.groups.dp_size)
+        check_hpz(ctx.zero, ctx.schedule, ctx.groups.dp_size, ctx.zero_stage)
         self.draws = 0
         """Applied steps: keys the random draws of stochastic int8 rounding (restored with the checkpoint)."""
         self.defer = False
@@ -214,13 +222,15 @@ class Zero2Strategy(DPStrategy):
                                  "mesh from make_mesh(pp, dp, tp=...) (FSDP2 shards over its 'dp' dimension)")
             if ctx.zero.hpz_ranks:
                 raise ValueError(f"ZeroOptions(hpz_ranks={ctx.zero.hpz_ranks}) with tensor parallelism is not "
-                                 "supported (hpZ's node-local gathers are not composed with the TP mesh); use "
+                                 "supported (FSDP2 cannot reshard TP's DTensor parameters to the node-local mesh); use "
                                  "hpz_ranks=None")
             mesh = ctx.groups.dp_mesh
+        secondary = post_forward_mesh(mesh, ctx.zero.hpz_ranks) if ctx.zero.hpz_ranks else None
         for stage, module in sorted(ctx.modules.items()):
             experts = {p for p in module.parameters() if id(p) in ctx.experts}
-            fully_shard(module, mesh=mesh, reshard_after_forward=ctx.zero.hpz_ranks or False,
-                        ignored_params=experts or None)
+            fully_shard(module, mesh=mesh, reshard_after_forward=False, ignored_params=experts or None)
+            if secondary is not None:  # hpZ: reshard_after_forward=k's mesh, its groups made by the whole job
+                give_post_forward_mesh(module, secondary)
             module.set_custom_reduce_scatter(_ReduceScatter(self.comms, stage, module))  # type: ignore[operator]
             module.set_custom_all_gather(_AllGather(self.comms, stage, module))  # type: ignore[operator]
             no_fsdp_division(module)

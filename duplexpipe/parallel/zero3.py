@@ -7,16 +7,32 @@ copied out right before the stage's next compute; RESHARD frees the gathered par
 runs FSDP's post-backward by hand (the reduce-scatter) once the stage's gradients are final, as
 torch.distributed.pipelining's schedules do. Between a stage's episodes its unreduced gradients stay on FSDP's
 unsharded parameters, whose storage only is freed.
+
+hpZ (ZeroOptions.hpz_ranks=k) uses FSDP2's post-forward mesh (`fully_shard(reshard_after_forward=k)`: groups of k
+consecutive data-parallel ranks) as the node-local secondary partition: FSDP's own post-forward reshard is kept
+off (the schedule decides), a stage's RESHARD that another episode of the call follows reshards to that mesh
+(FSDP's SHARDED_POST_FORWARD state, 1/k of the parameters per rank), so the call's later UNSHARDs of the stage
+gather inside the k ranks and only its first crosses them; the stage's last RESHARD of the call shards it over the
+whole group again, freeing the secondary copy (at rest: 1/DP).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from torch import Tensor
 
 from duplexpipe.parallel.strategy import StrategyContext
 from duplexpipe.parallel.zero2 import Zero2Strategy, _fsdp_params
+from duplexpipe.runtime.backward.compat import (
+    free_post_forward,
+    post_forward_bytes,
+    reshard_post_forward,
+    settle_post_forward,
+    take_post_forward_meshes,
+)
+from duplexpipe.schedules.ir import Op, Schedule
 
 
 class Zero3Strategy(Zero2Strategy):
@@ -35,6 +51,24 @@ class Zero3Strategy(Zero2Strategy):
             for o, info in enumerate(stages)))
         """This rank's stages whose gradients are final only after the mirror sum (reduced there, not at
         REDUCE_GRAD)."""
+        self.secondary: dict[int, list[tuple[Any, Any]]] = (
+            {s: take_post_forward_meshes(m) for s, m in ctx.modules.items()} if ctx.zero.hpz_ranks else {})
+        """hpZ: stage -> its FSDP2 parameter groups, each with its node-local (post-forward) mesh."""
+        self.reshards: dict[int, int] = {}
+        """hpZ: stage -> RESHARD actions per call in the list the runtime runs (`follow`)."""
+        self.resharded: Counter[int] = Counter()
+        """hpZ: stage -> RESHARD actions run so far in this call."""
+
+    def follow(self, schedule: Schedule) -> None:
+        """The list the runtime runs, with its RESHARD actions: under hpZ each stage's last RESHARD of a call shards
+        it over the whole group, the earlier ones over its node-local group."""
+        self.reshards = dict(Counter(a.stage for row in schedule.actions for a in row
+                                     if a.op is Op.RESHARD and a.stage in self.ctx.modules))
+
+    def begin_call(self, final: bool, divisor: float) -> None:
+        """As ZeRO-2; the call's RESHARDs are counted afresh (hpZ)."""
+        super().begin_call(final, divisor)
+        self.resharded.clear()
 
     def unshard_stage(self, stage: int) -> None:
         """UNSHARD: post `stage`'s all-gather; it stays in flight until the stage's next compute."""
@@ -56,10 +90,18 @@ class Zero3Strategy(Zero2Strategy):
         if pending is not None:
             pending.finish(self.ctx.wait)
         handle.wait()
+        for group, _ in self.secondary.get(stage, ()):
+            settle_post_forward(group)  # gathered: FSDP's post-forward hook must not reshard it
 
     def reshard_stage(self, stage: int) -> None:
-        """RESHARD: free `stage`'s gathered parameters (its unreduced gradients stay on FSDP's records)."""
+        """RESHARD: free `stage`'s gathered parameters (its unreduced gradients stay on FSDP's records); under hpZ
+        keep the node-local secondary shard when another episode of the call follows."""
         self.wait_unshard(stage)
+        self.resharded[stage] += 1
+        if self.secondary.get(stage) and self.resharded[stage] < self.reshards.get(stage, 0):
+            for group, mesh in self.secondary[stage]:
+                reshard_post_forward(group, mesh)
+            return
         self.ctx.modules[stage].reshard()  # type: ignore[operator]
 
     def reduce_grad(self, stage: int) -> None:
@@ -84,8 +126,25 @@ class Zero3Strategy(Zero2Strategy):
     def finish(self) -> None:
         """Finish the step's reductions; every stage is sharded again afterwards (at rest: 1/DP bytes)."""
         super().finish()
+        self._free_secondary()
         if self.final:
             self.reshard()
+
+    def reshard(self) -> None:
+        """Every stage module sharded over the whole group, no hpZ secondary shard left."""
+        super().reshard()
+        self._free_secondary()
+
+    def _free_secondary(self) -> None:
+        """Free the hpZ secondary shards still held (none after a whole call: its last RESHARDs freed them)."""
+        for groups in self.secondary.values():
+            for group, _ in groups:
+                if group.is_sharded_post_forward or post_forward_bytes(group):
+                    free_post_forward(group)
+
+    def secondary_bytes(self) -> int:
+        """Bytes of hpZ secondary (node-local) shards this rank holds now."""
+        return sum(post_forward_bytes(group) for groups in self.secondary.values() for group, _ in groups)
 
     def unsharded_bytes(self) -> int:
         """Bytes of parameters this rank holds gathered now (what ZeRO-3's window bounds)."""

@@ -14,8 +14,9 @@ if TYPE_CHECKING:  # its one home; not a name of this module
 __all__ = ["check_hpz", "check_tied"]
 
 
-def check_hpz(options: ZeroOptions, schedule: Schedule, dp_size: int) -> None:
-    """hpZ needs a data-parallel size that its group size divides (and exceeds), and a schedule without I/W."""
+def check_hpz(options: ZeroOptions, schedule: Schedule, dp_size: int, zero_stage: int = 2) -> None:
+    """hpZ needs a data-parallel size that its group size divides (and exceeds); under ZeRO-2 also a schedule
+    without I/W (ZeRO-3 reshards at the schedule's RESHARD actions, after a stage's W)."""
     ranks = options.hpz_ranks
     if ranks is None:
         return
@@ -24,10 +25,11 @@ def check_hpz(options: ZeroOptions, schedule: Schedule, dp_size: int) -> None:
                          "smaller than it (ranks per node, with at least two nodes)")
     split = sorted({part.op.value for row in schedule.actions for action in row for part in action.compute_parts()
                     if part.op in (Op.I, Op.W)})
-    if split:
-        raise ValueError(f"ZeroOptions.hpz_ranks needs a schedule without split backward, but "
+    if split and zero_stage == 2:
+        raise ValueError(f"ZeroOptions.hpz_ranks with zero_stage=2 needs a schedule without split backward, but "
                          f"{schedule.name!r} runs {split}: FSDP2 frees the parameters it resharded after "
-                         "forward before the deferred weight gradients (W) run (measured: they come out missing)")
+                         "forward before the deferred weight gradients (W) run (measured: they come out missing); "
+                         "use zero_stage=3, whose RESHARD actions follow each stage's W")
 
 
 def check_tied(stage: int, tied: Sequence[Sequence[tuple[int, str]]], dp_size: int) -> None:

@@ -47,6 +47,8 @@ class Durations:
     """unshard[s]: the all-gather of stage s's parameters (UNSHARD); None: free."""
     reduce_grad: list[float] | None = None
     """reduce_grad[s]: the reduce-scatter of stage s's gradients (REDUCE_GRAD); None: free."""
+    unshard_local: list[float] | None = None
+    """unshard_local[s]: a later all-gather of stage s in the step, inside a node (hpZ); None: as unshard."""
 
     @staticmethod
     def zero(num_stages: int) -> Durations:
@@ -393,7 +395,7 @@ def _link_collectives(state: _State, program: Program) -> None:
     copies: dict[int, list[int]] = {}
     for stage, info in enumerate(schedule.stages):
         copies.setdefault(info.group, []).append(stage)
-    unshard, reduce = state.durations.unshard, state.durations.reduce_grad
+    unshard, reduce, local = state.durations.unshard, state.durations.reduce_grad, state.durations.unshard_local
     tokens: dict[tuple[int, int, int], int] = {}
     reduced = [-1] * lay.num_stages
     for rank, row in enumerate(program):
@@ -414,7 +416,8 @@ def _link_collectives(state: _State, program: Program) -> None:
                     open_at[stage] = live[stage] = pos
                     key = (0, rank * lay.num_stages + stage, joined.get(stage, 0))
                     joined[stage] = key[2] + 1
-                    cost = unshard[stage] if unshard is not None else 0.0
+                    gather = local if key[2] and local is not None else unshard  # hpZ: later ones in a node
+                    cost = gather[stage] if gather is not None else 0.0
                     row[pos] = (SHARD, action, tokens.setdefault(key, lay.num_tokens + len(tokens)), 1, (rank,),
                                 cost)
                 elif op is Op.RESHARD:

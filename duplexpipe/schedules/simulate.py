@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, Mapping
@@ -20,7 +21,8 @@ from duplexpipe.schedules.verify import explain_stuck
 _KEYS = {"f": "f", "b": "b", "w": "w", "fb": "fb", "f&b": "fb", "latency": "latency",
          "bandwidth": "bandwidth", "bytes": "activation_bytes", "activation_bytes": "activation_bytes",
          "stage_scale": "stage_scale", "moe_layers": "moe_layers", "dispatch": "dispatch", "combine": "combine",
-         "fb_overlap": "fb_overlap", "param_bytes": "param_bytes", "dp": "dp", "dp_bandwidth": "dp_bandwidth"}
+         "fb_overlap": "fb_overlap", "param_bytes": "param_bytes", "dp": "dp", "dp_bandwidth": "dp_bandwidth",
+         "hpz_ranks": "hpz_ranks", "hpz_bandwidth": "hpz_bandwidth"}
 _FLAGS = ("stage_scale", "fb_overlap")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -72,6 +74,12 @@ class CostModel:
     moves (dp - 1) / dp of param_bytes per rank."""
     dp_bandwidth: float = math.inf
     """Bytes per unit time of one rank in a data-parallel collective (inf: they take no time)."""
+    hpz_ranks: int = 0
+    """hpZ (ZeroOptions.hpz_ranks; 0: none): a ZeRO-3 stage's all-gathers after its first of the step run inside a
+    group of this many ranks, moving (hpz_ranks - 1) / hpz_ranks of param_bytes at `hpz_bandwidth`, and the stage
+    keeps param_bytes / hpz_ranks between its episodes (param_bytes / dp after its last)."""
+    hpz_bandwidth: float = math.inf
+    """Bytes per unit time of one rank in a node-local (hpZ) all-gather (inf: they take no time)."""
 
     def __post_init__(self) -> None:
         for name in ("f", "b", "w", "latency", "activation_bytes", "dispatch", "combine", "param_bytes"):
@@ -82,6 +90,12 @@ class CostModel:
             raise ValueError(f"cost dp must be an int >= 1 (data-parallel replicas), got {self.dp!r}")
         if not self.dp_bandwidth > 0 or math.isnan(self.dp_bandwidth):
             raise ValueError(f"cost dp_bandwidth must be > 0 (bytes per unit time), got {self.dp_bandwidth!r}")
+        if self.hpz_ranks and (isinstance(self.hpz_ranks, bool) or not isinstance(self.hpz_ranks, int)
+                               or self.hpz_ranks < 2 or self.dp % self.hpz_ranks or self.dp == self.hpz_ranks):
+            raise ValueError(f"cost hpz_ranks must be 0 (no hpZ) or an int >= 2 that divides dp={self.dp} and is "
+                             f"smaller, got {self.hpz_ranks!r}")
+        if not self.hpz_bandwidth > 0 or math.isnan(self.hpz_bandwidth):
+            raise ValueError(f"cost hpz_bandwidth must be > 0 (bytes per unit time), got {self.hpz_bandwidth!r}")
         if self.fb is not None:
             _check_time("fb", self.fb)
         if not self.bandwidth > 0 or math.isnan(self.bandwidth):
@@ -138,6 +152,14 @@ class CostModel:
         share = (self.dp - 1) / self.dp
         return [size * share / self.dp_bandwidth for size in self.stage_param_bytes(schedule)]
 
+    def local_gather_times(self, schedule: Schedule) -> list[float] | None:
+        """Per stage: one node-local (hpZ) all-gather of its parameters, (hpz_ranks - 1) / hpz_ranks of them at
+        `hpz_bandwidth`; None without hpZ."""
+        if not self.hpz_ranks:
+            return None
+        share = (self.hpz_ranks - 1) / self.hpz_ranks
+        return [size * share / self.hpz_bandwidth for size in self.stage_param_bytes(schedule)]
+
     def durations(self, schedule: Schedule) -> Durations:
         """Per-stage action times for `schedule` (stage_costs and stage_scale applied; the MoE exchanges
         added to F, B and I, an F&B pair priced by the piece model unless `fb` is given, and ZeRO-3's
@@ -151,7 +173,8 @@ class CostModel:
             fb = [ep.pair(ff, bb, ww) for ff, bb, ww in zip(f, b, w, strict=True)]
         gathers = self.collective_times(schedule)
         return Durations([x + comm for x in f], [x + comm for x in b],
-                         [bb - ww + comm for bb, ww in zip(b, w, strict=True)], w, fb, gathers, gathers)
+                         [bb - ww + comm for bb, ww in zip(b, w, strict=True)], w, fb, gathers, gathers,
+                         self.local_gather_times(schedule))
 
     @staticmethod
     def parse(text: str) -> CostModel:
@@ -170,7 +193,7 @@ class CostModel:
             name = _KEYS.get(key.lower())
             if name is None:
                 raise ValueError(f"unknown cost key {key!r}; known keys: F, B, W, FB, latency, bandwidth, "
-                                 "bytes, stage_scale, param_bytes, dp, dp_bandwidth")
+                                 "bytes, stage_scale, param_bytes, dp, dp_bandwidth, hpz_ranks, hpz_bandwidth")
             if name in values:
                 raise ValueError(f"cost key {key!r} is given twice in {text!r}")
             values[name] = _parse_value(key, name, raw)
@@ -189,7 +212,7 @@ def _check_time(name: str, value: Any) -> None:
 
 
 def _parse_value(key: str, name: str, raw: str) -> Any:
-    if name in ("moe_layers", "dp"):
+    if name in ("moe_layers", "dp", "hpz_ranks"):
         if not raw.isdigit():
             raise ValueError(f"cost key {key!r} needs a whole number >= 0, got {raw!r}")
         return int(raw)
@@ -244,7 +267,8 @@ def _memory(schedule: Schedule, cost: CostModel, events: list[list[tuple[Action,
     """Parameter and gradient bytes per rank over time.
 
     With UNSHARD/RESHARD a stage keeps 1/dp of its parameters at rest and all of them from its all-gather's start
-    to its RESHARD; without, all of them throughout. A stage's gradients take all its bytes from the start of its
+    to its RESHARD (hpZ: 1/hpz_ranks from a RESHARD to the stage's next all-gather); without, all of them
+    throughout. A stage's gradients take all its bytes from the start of its
     first B or W to the end of its REDUCE_GRAD, 1/dp after it; without REDUCE_GRAD, all of them to the end.
     """
     size = cost.stage_param_bytes(schedule)
@@ -261,12 +285,17 @@ def _memory(schedule: Schedule, cost: CostModel, events: list[list[tuple[Action,
                     first_grad.setdefault(part.stage, start)
         for stage, start in first_grad.items():
             deltas.append((start, 1, 0.0, size[stage]))
+        left = Counter(a.stage for a, _, _ in collectives[rank] if a.op is Op.RESHARD)
+        kept = dict.fromkeys(mine, 0.0)  # stage -> bytes of its secondary (hpZ) shard held now
         for action, start, end in collectives[rank]:
             stage = action.stage
             if action.op is Op.UNSHARD:
-                deltas.append((start, 1, size[stage], 0.0))
+                deltas.append((start, 1, size[stage] - kept[stage], 0.0))
+                kept[stage] = 0.0
             elif action.op is Op.RESHARD:
-                deltas.append((start, 0, -size[stage], 0.0))
+                left[stage] -= 1
+                kept[stage] = size[stage] / cost.hpz_ranks if cost.hpz_ranks and left[stage] else 0.0
+                deltas.append((start, 0, kept[stage] - size[stage], 0.0))
             else:
                 deltas.append((end, 0, 0.0, size[stage] / cost.dp - size[stage]))
         params, grads = at_rest, 0.0

@@ -230,6 +230,7 @@ class Pipeline:
         self.dp: DPStrategy = self._strategy(optimizer, self.experts.shard())
         """The data-parallel strategy: reduce -> overflow check -> clip -> optimizer step."""
         if isinstance(self.dp, Zero3Strategy):  # the schedule's residency actions drive FSDP2
+            self.dp.follow(sharded)
             self.runtime.drive_residency(self.dp)
         self.links = self._link_adapter()
         """p2p_compression="adaptive": the controller of this pipeline's stage links (None otherwise)."""

@@ -86,6 +86,11 @@ def test_zero_with_an_unsupported_combination_is_refused() -> None:
     hpz = _pipeline("zb-h1", zero_stage=2, zero=ZeroOptions(hpz_ranks=2))
     with pytest.raises(ValueError, match="needs a schedule without split backward"):
         checks.check_training(TrainConfig(dp=4, ranks=2, pipeline=hpz))
+    hpz3 = _pipeline("zb-h1", zero_stage=3, zero=ZeroOptions(hpz_ranks=2))  # ZeRO-3 reshards after each W
+    checks.check_training(TrainConfig(dp=4, ranks=2, pipeline=hpz3))
+    with pytest.raises(ValueError, match="hpz_ranks=4 must divide the data-parallel size 4 and be smaller"):
+        checks.check_training(TrainConfig(dp=4, ranks=2, pipeline=_pipeline(zero_stage=3,
+                                                                          zero=ZeroOptions(hpz_ranks=4))))
 
 
 def test_a_good_configuration_passes_and_the_task_is_built_on_the_meta_device() -> None:

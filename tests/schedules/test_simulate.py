@@ -265,3 +265,30 @@ def test_zero3_cost_keys(text: str, needle: str) -> None:
                                                                                 dp_bandwidth=1e9)
     with pytest.raises(ValueError, match=needle):
         CostModel.parse(text)
+
+
+def test_hpz_gathers_after_the_first_inside_a_node_and_keeps_a_secondary_shard() -> None:
+    """hpZ on 2-rank nodes: a stage's first all-gather of the step moves 75 bytes over the DP group (0.5 units),
+    its later ones 50 bytes at the node's 500 per unit (0.1); between episodes it keeps 50 of its 100 bytes."""
+    from dataclasses import replace
+
+    from duplexpipe.schedules.shard import add_unshard_reshard
+
+    hpz = replace(ZERO3, hpz_ranks=2, hpz_bandwidth=500.0)
+    sharded = add_unshard_reshard(registry.build("zbv", 2, 4), 1, 1)
+    plain, local = simulate(sharded, ZERO3), simulate(sharded, hpz)
+    for tl in (plain, local):
+        assert tl.memory_curve(0)[-1].params == 50.0  # at rest: 2 shards of 25
+    seen: dict[int, int] = {}
+    for span in (s for s in local.spans if s.lane == "fsdp" and s.rank == 0 and s.name.endswith("UNSHARD")):
+        stage = int(span.name.removesuffix("UNSHARD"))
+        assert span.end - span.start == pytest.approx(0.1 if seen.get(stage) else 0.5), span
+        seen[stage] = seen.get(stage, 0) + 1
+    assert sorted(seen.values()) == [3, 4]  # several episodes per stage: the later ones stay in the node
+    assert local.makespan < plain.makespan  # the exposed re-gathers are cheaper
+    # the shards (2 x 25) and the gathered stage (100); with hpZ the other stage's secondary shard too (50)
+    assert max(m.params for m in plain.memory_curve(0)) == 150.0
+    assert max(m.params for m in local.memory_curve(0)) == 200.0
+    with pytest.raises(ValueError, match="hpz_ranks must be 0 .* divides dp=4 and is smaller, got 4"):
+        CostModel.parse("dp=4,hpz_ranks=4")
+    assert CostModel.parse("dp=4,hpz_ranks=2,hpz_bandwidth=1e9") == CostModel(dp=4, hpz_ranks=2, hpz_bandwidth=1e9)

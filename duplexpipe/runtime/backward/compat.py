@@ -213,3 +213,93 @@ def foreach_norm(tensors: Sequence[Tensor], dtype: torch.dtype) -> list[Tensor]:
 def foreach_mul_(tensors: Sequence[Tensor], factor: float) -> None:
     """Multiply each tensor by `factor` in place, in one fused pass."""
     torch._foreach_mul_(list(tensors), factor)
+
+
+# ------------------------------------------------------------------------------- FSDP2's post-forward mesh (hpZ)
+def post_forward_mesh(dp_mesh: Any, ranks: int) -> Any:
+    """FSDP2's post-forward mesh info for `fully_shard(mesh=dp_mesh, reshard_after_forward=ranks)` (groups of `ranks`
+    consecutive ranks of the 1-D `dp_mesh`), its process groups made by every rank of the job in one order.
+
+    fully_shard makes them from this rank's data-parallel group alone, with `new_group` calls that every rank of
+    the job must join with the same ranks: with several data-parallel groups (pipeline stages) those calls differ
+    between the groups and hang (measured at PP=2 x DP=4). A collective: every rank calls it once, with its own
+    group's mesh; ValueError when the groups do not split the job into equal parts.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
+
+    mine = [int(r) for r in dp_mesh.mesh.flatten().tolist()]
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    groups = sorted({tuple(group) for group in every})
+    if len(groups) * len(mine) != dist.get_world_size() or len({r for g in groups for r in g}) != dist.get_world_size():
+        raise ValueError(f"hpZ needs data-parallel groups that split the job's {dist.get_world_size()} ranks into "
+                         f"equal parts, got {groups}")
+    table = torch.tensor(groups).view(len(groups), -1, ranks)
+    job = DeviceMesh(dp_mesh.device_type, table, mesh_dim_names=("hpz_dp", "hpz_replicate", "hpz_shard"))
+    return HSDPMeshInfo(job["hpz_replicate", "hpz_shard"], shard_mesh_dim=1, replicate_mesh_dim=0)
+
+
+def give_post_forward_mesh(module: nn.Module, mesh: Any) -> None:
+    """Give the parameters of the fully_shard-ed `module` (built with reshard_after_forward=False) the post-forward
+    `mesh` (`post_forward_mesh`), as fully_shard(reshard_after_forward=int) would have: FSDP2 then reshards to it
+    after each forward."""
+    from torch.distributed.fsdp import fully_shard
+
+    state = fully_shard.state(module)  # type: ignore[attr-defined]
+    for group in state._fsdp_param_groups:
+        group.post_forward_mesh_info = mesh
+        for record in group.fsdp_params:
+            record.post_forward_mesh_info = mesh
+            record._init_sharded_post_forward_param_metadata(torch.empty(record._orig_size, device="meta"))
+
+
+def take_post_forward_meshes(module: nn.Module) -> list[tuple[Any, Any]]:
+    """(parameter group, post-forward mesh) for each FSDP2 parameter group of the fully_shard-ed `module` that has
+    one (`fully_shard(reshard_after_forward=k)`), the mesh taken off its group: FSDP2 then reshards nothing after a
+    forward, and the caller reshards to that mesh when it chooses (`reshard_post_forward`)."""
+    from torch.distributed.fsdp import fully_shard
+
+    state = fully_shard.state(module)  # type: ignore[attr-defined]
+    taken = [(group, group.post_forward_mesh_info) for group in state._fsdp_param_groups
+             if group.post_forward_mesh_info is not None and group.post_forward_mesh_info != group.mesh_info]
+    for group, _ in taken:
+        group.post_forward_mesh_info = None
+    return taken
+
+
+def reshard_post_forward(group: Any, mesh: Any) -> None:
+    """Reshard an unsharded FSDP2 parameter group to its post-forward `mesh` as FSDP2's post-forward does (each
+    rank keeps 1/k of the parameters; the group's next unshard gathers over that mesh only). A group that is not
+    unsharded stays as it is."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    if not group.is_unsharded:
+        return
+    group.post_forward_mesh_info = mesh
+    with group.use_training_state(TrainingState.FORWARD):
+        group.reshard()
+
+
+def settle_post_forward(group: Any) -> None:
+    """Take the post-forward mesh off `group` again once it is no longer sharded over it (gathered, or sharded over
+    its whole mesh), so FSDP2's own post-forward hook reshards nothing."""
+    if not group.is_sharded_post_forward:
+        group.post_forward_mesh_info = None
+
+
+def free_post_forward(group: Any) -> None:
+    """Shard `group` over its whole mesh and free any post-forward shard its parameters still hold (FSDP2's
+    sharded state does not free one left by a post-forward reshard)."""
+    group._to_sharded()
+    for record in group.fsdp_params:
+        record._sharded_post_forward_param = None
+        record._sharded_post_forward_param_data = None
+    group.post_forward_mesh_info = None
+
+
+def post_forward_bytes(group: Any) -> int:
+    """Bytes of the post-forward shards `group`'s parameters hold now."""
+    return sum(record._sharded_post_forward_param_data.numel() * record._sharded_post_forward_param_data.element_size()
+               for record in group.fsdp_params if getattr(record, "_sharded_post_forward_param_data", None) is not None)
