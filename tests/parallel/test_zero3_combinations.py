@@ -1,8 +1,10 @@
 """Tests for duplexpipe.parallel.zero3 combined with the rest of the framework, float64 against one process (gloo,
 two spawns): tensor parallelism at PP2 x DP2 x TP2 (FSDP2 over "dp", DTensor on "tp"; 8 ranks) for 1F1B and
-DualPipeV; and at PP2 x DP2 (4 ranks) expert parallelism (ep=2: the experts whole on their expert-parallel ranks,
-the dense parameters sharded) for 1F1B and DualPipeV with the F&B overlap off and on, compile (aot_eager),
-activation checkpointing and gradient accumulation."""
+DualPipeV; expert parallelism with ep=2 at PP2 x DP2 (4 ranks: the experts whole on their expert-parallel ranks,
+the dense parameters sharded) for 1F1B and DualPipeV with the F&B overlap off and on, and with two replicas per
+expert (PP1 x DP4, and PP2 x DP4 on the 8 ranks for DualPipeV: the experts sharded over their replicas, their bytes
+per rank counted against zero_stage=0's); compile (aot_eager), activation checkpointing and gradient
+accumulation."""
 
 from __future__ import annotations
 
