@@ -372,9 +372,10 @@ class Zero2Strategy(DPStrategy):
 
     def checkpoint_dicts(self, modules: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         """Sharded (DTensor) model and optimizer state per parameter, from the resharded modules."""
-        if self.expert_params:
-            raise ValueError(f"checkpoints of zero_stage={self.ctx.zero_stage} with MoE experts are not supported yet: "
-                             "save with zero_stage=0 (the experts stay whole on their expert-parallel ranks)")
+        if self.expert_params and not self.expert_units:
+            raise ValueError(f"checkpoints of zero_stage={self.ctx.zero_stage} with MoE experts are not supported yet "
+                             "where each expert has one replica (ep == dp: they stay whole on their expert-parallel "
+                             "ranks): save with zero_stage=0")
         self.reshard()
         with self.shards.as_dtensors(self.optimizer):
             return super().checkpoint_dicts(modules)
