@@ -111,7 +111,10 @@ def _ep_case(schedule: str, overlap: bool, stage: int, pp: int, world: int = 4) 
                          data_parallel=DataParallelConfig(zero_stage=stage))
     pipe = Pipeline.from_layers(blocks, moe.loss_fn, moe.adamw, cfg, embedding=embedding, head=head,
                                 mesh=make_mesh(pp, dp, ep=2))
-    losses = [pipe.step(*moe.batch(step, pipe.groups.dp_rank)) for step in range(STEPS)]
+    losses, norms = [], []
+    for step in range(STEPS):
+        losses.append(pipe.step(*moe.batch(step, pipe.groups.dp_rank)))
+        norms.append(pipe.last.grad_norm)
     ref = moe.Reference(MOE_SPEC)
     want = [ref.step(step, dp, MICRO) for step in range(STEPS)]
     parts = ref.parts(pipe.partition)
@@ -133,7 +136,7 @@ def _ep_case(schedule: str, overlap: bool, stage: int, pp: int, world: int = 4) 
     edp_sharded = [p for p in pipe.dp.expert_params if isinstance(p, DTensor)
                    and dist.get_process_group_ranks(p.device_mesh.get_group()) == dist.get_process_group_ranks(
                        pipe.groups.edp_group)] if pipe.groups.edp_group is not None else []
-    return {"loss_rel": max_rel(losses, want), "param_rel": worst, "experts": experts, "state": state,
+    return {"loss_rel": max_rel(losses, want), "param_rel": worst, "norms": norms, "experts": experts, "state": state,
             "overlap": pipe.runtime.config.fb_overlap, "strategy": type(pipe.dp).__name__, "refused": refused,
             "bytes": _expert_bytes(pipe), "edp_sharded": len(edp_sharded), "edp": pipe.groups.edp_size,
             "expert_gathers": dict(comms.expert_gathers) if comms else {},
@@ -264,6 +267,7 @@ def _check_sharded_experts(got: dict[str, Any], whole: dict[str, Any], stage: in
     assert got["refused"] == "", (rank, got["refused"])  # their checkpoints are written (see the resume test)
     assert max_rel([x for v in got["state"].values() for x in _flat(v)],
                    [x for v in whole["state"].values() for x in _flat(v)]) <= 1e-10, rank
+    assert max_rel(got["norms"], whole["norms"]) <= 1e-12, (rank, got["norms"], whole["norms"])  # shards counted once
     for kind in ("params", "grads", "optimizer"):  # every expert's dim 0 divides by 2: no padding
         assert got["bytes"][kind] * got["edp"] == whole["bytes"][kind] > 0, (rank, kind, got["bytes"], whole["bytes"])
     per_step = {s: STEPS * n for s, n in got["moe_layers"].items() if n}
