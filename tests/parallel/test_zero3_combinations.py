@@ -46,9 +46,11 @@ replicas hold each expert, which FSDP shards over their expert-data-parallel gro
 EDP_BASELINE = ("1f1b", False, 0, 1)
 """The "edp 2" cases at zero_stage=0: every replica holds its experts whole (as ZeRO-2/3 did before sharding
 them), with whole gradients and whole optimizer state."""
-EP8_CASES = {"dualpipev edp 2 overlap": ("dualpipev", True, 3, 2), "dualpipev edp 2 zero2": ("dualpipev", True, 2, 2),
-             "dualpipev edp 2 zero0": ("dualpipev", True, 0, 2)}
-"""name -> (schedule, F&B overlap, zero_stage, pp) with ep=2 over 8 ranks (PP2 x DP4: two replicas per expert)."""
+EP8_CASES = {"dualpipev edp 2 window 1": ("dualpipev", True, 3, 2, 1),
+             "dualpipev edp 2 zero2": ("dualpipev", True, 2, 2, None),
+             "dualpipev edp 2 zero0": ("dualpipev", True, 0, 2, None)}
+"""name -> (schedule, F&B overlap, zero_stage, pp, reshard_window) with ep=2 over 8 ranks (PP2 x DP4: two replicas
+per expert)."""
 RESUMES = ((3, 0), (0, 2), (2, 3))
 """(zero_stage saved, zero_stage loaded) at PP1 x DP4 with ep=2 (ZeRO-2/3: the experts sharded over two replicas)."""
 DENSE_CASES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -79,7 +81,8 @@ def _tp_worker() -> dict[str, Any]:
     torch.set_default_dtype(torch.float64)
     try:
         return {**{name: _guarded(lambda c=case: _tp_case(*c)) for name, case in TP_CASES.items()},
-                **{name: _guarded(lambda c=case: _ep_case(*c, world=8)) for name, case in EP8_CASES.items()}}
+                **{name: _guarded(lambda c=case: _ep_case(*c[:4], world=8, window=c[4]))
+                   for name, case in EP8_CASES.items()}}
     finally:
         torch.set_default_dtype(torch.float32)
 
@@ -104,11 +107,12 @@ def _expert_bytes(pipe: Pipeline) -> dict[str, int]:
             "optimizer": sum(size(v) for v in state if v.dim()), "stepped": len(state)}  # not AdamW's step scalars
 
 
-def _ep_case(schedule: str, overlap: bool, stage: int, pp: int, world: int = 4) -> dict[str, Any]:
+def _ep_case(schedule: str, overlap: bool, stage: int, pp: int, world: int = 4,
+             window: int | None = None) -> dict[str, Any]:
     dp = world // pp
     embedding, blocks, head = moe.build(MOE_SPEC)
     cfg = PipelineConfig(schedule=schedule, num_microbatches=MICRO, fb_overlap=overlap,
-                         data_parallel=DataParallelConfig(zero_stage=stage))
+                         data_parallel=DataParallelConfig(zero_stage=stage, reshard_window=window))
     pipe = Pipeline.from_layers(blocks, moe.loss_fn, moe.adamw, cfg, embedding=embedding, head=head,
                                 mesh=make_mesh(pp, dp, ep=2))
     losses, norms = [], []
@@ -139,6 +143,7 @@ def _ep_case(schedule: str, overlap: bool, stage: int, pp: int, world: int = 4) 
     return {"loss_rel": max_rel(losses, want), "param_rel": worst, "norms": norms, "experts": experts, "state": state,
             "overlap": pipe.runtime.config.fb_overlap, "strategy": type(pipe.dp).__name__, "refused": refused,
             "bytes": _expert_bytes(pipe), "edp_sharded": len(edp_sharded), "edp": pipe.groups.edp_size,
+            "gathers": dict(comms.gathers) if comms else {},
             "expert_gathers": dict(comms.expert_gathers) if comms else {},
             "expert_scatters": dict(comms.expert_scatters) if comms else {},
             "moe_layers": {s: len(moe_layers(m)) for s, m in pipe.stage_modules.items()},
@@ -295,16 +300,21 @@ def test_zero_shards_experts_over_their_replicas(results: list[dict[str, Any]], 
 
 
 @pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
-@pytest.mark.parametrize("name", ["dualpipev edp 2 overlap", "dualpipev edp 2 zero2"])
+@pytest.mark.parametrize("name", ["dualpipev edp 2 window 1", "dualpipev edp 2 zero2"])
 def test_zero_shards_experts_under_dualpipev(tp_results: list[dict[str, Any]], name: str) -> None:
     """PP2 x DP4 with ep=2 (8 ranks), DualPipeV with the F&B overlap: the losses and every parameter within 1e-10
-    of one process, and of zero_stage=0; half the experts' bytes per rank."""
+    of one process, and of zero_stage=0; half the experts' bytes per rank. ZeRO-3 with a window of one stage: each
+    MoE layer's experts are gathered at every UNSHARD of their stage (as often as the stage: its residency
+    episodes) and freed at its RESHARD."""
     for rank, res in enumerate(tp_results):
         got = res[name]
         assert "error" not in got, got.get("error")
         assert got["loss_rel"] <= 1e-10 and got["param_rel"] <= 1e-10, (rank, got["loss_rel"], got["param_rel"])
         assert got["overlap"], rank
         _check_sharded_experts(got, res["dualpipev edp 2 zero0"], EP8_CASES[name][2], rank)
+        if EP8_CASES[name][4] == 1:
+            episodes = {s: n * got["moe_layers"][s] for s, n in got["gathers"].items() if got["moe_layers"][s]}
+            assert got["expert_gathers"] == episodes and max(got["gathers"].values()) > STEPS, (rank, got)
 
 
 @pytest.mark.timeout(60)
