@@ -62,8 +62,8 @@ def check_training(config: TrainConfig) -> None:
 
 def _check_supported(config: TrainConfig, task: TrainTask, has_experts: bool) -> None:
     """Settings the task's model cannot use: expert parallelism without MoE layers, and the checkpoints ZeRO cannot
-    write yet (ZeRO-1 under tensor parallelism, ZeRO with MoE experts), refused before training rather than at the
-    first save."""
+    write yet (ZeRO-1 under tensor parallelism, ZeRO with MoE experts held whole: ZeRO-1, ep 1 or ep = dp), refused
+    before training rather than at the first save."""
     if config.ep > 1 and not has_experts:
         raise ValueError(f"--ep {config.ep}: task {config.task!r} has no MoE layers (expert parallelism spreads MoE "
                          "experts over the replicas); leave out --ep")
@@ -73,9 +73,10 @@ def _check_supported(config: TrainConfig, task: TrainTask, has_experts: bool) ->
     if zero == 1 and config.tp > 1:
         raise ValueError(f"--save with ZeRO-1 under tensor parallelism (--tp {config.tp}): its checkpoints are not "
                          "supported yet; save with --zero-stage 0 or 2")
-    if has_experts:
-        raise ValueError(f"--save with --zero-stage {zero} and MoE experts: its checkpoints are not supported yet; "
-                         "save with --zero-stage 0")
+    if has_experts and not (zero >= 2 and 1 < config.ep < config.dp):  # there the experts are FSDP's DTensors
+        raise ValueError(f"--save with --zero-stage {zero} and MoE experts held whole (--ep {config.ep}, --dp "
+                         f"{config.dp}): its checkpoints are not supported yet; save with --zero-stage 0, or with "
+                         "--zero-stage 2 or 3 and an --ep below --dp (the experts sharded over their replicas)")
 
 
 def _check_tensor_parallel(config: TrainConfig, task: TrainTask) -> None:

@@ -64,4 +64,4 @@ def linear(x: Tensor, layer: nn.Linear, slot: CommSlot) -> Tensor:
             or isinstance(layer.weight, DTensor)):
         return layer(x)
     out: Tensor = _Linear.apply(x.reshape(-1, x.shape[-1]), layer.weight, layer.bias, slot)
-    return out.reshape(*x.shape[:-1], out.shape[-1])
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])  # 2-D: no view (FSDP hooks it)

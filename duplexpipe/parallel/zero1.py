@@ -119,7 +119,8 @@ class Zero1Strategy(DPStrategy):
         """The model's state dict and the optimizer state per parameter, each rank holding its pieces."""
         if self.expert_params:
             raise ValueError("checkpoints of ZeRO-1 with MoE experts are not supported yet: save with "
-                             "zero_stage=0 (experts are never sharded by ZeRO anyway)")
+                             "zero_stage=0 (ZeRO-1 keeps the experts whole), or 2 or 3 with ep below dp (the experts "
+                             "sharded over their replicas)")
         if self.ctx.groups.tp_size > 1:
             raise ValueError("checkpoints of ZeRO-1 with tensor parallelism are not supported yet (its optimizer "
                              "state is cut from flat buffers of the TP shards, which the per-parameter boxes do not "

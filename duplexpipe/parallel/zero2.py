@@ -7,25 +7,30 @@ accumulate unsharded, so the runtime's I/W split and DualPipe's mirror sum see o
 gradients are final the strategy drives FSDP's post-backward by hand, as torch.distributed.pipelining's stage.py
 does, which reduce-scatters them and reshards the parameters. FSDP's collectives go through this module's
 ReduceScatter / AllGather, which post them on duplexpipe.comm's ShardComm (exact, bf16/fp16, int8 qgZ / qwZ;
-metered) and wait with the trainer's bounded wait. Routed MoE experts (expert parallelism) stay out of FSDP: each is
-whole on its expert-parallel rank and reduced over its expert-data-parallel group as in every strategy
+metered) and wait with the trainer's bounded wait. Routed MoE experts (expert parallelism) are their own FSDP units:
+each MoE layer's `experts` is `fully_shard`-ed over its expert-data-parallel group (the replicas holding the same
+experts), nested in its stage's unit, gathered at the layer's first forward of a step (or with its stage, ZeRO-3)
+and reduce-scattered with its stage (hpZ's node-local partition is the dense parameters' only); with one replica
+per expert (ep == dp) there is nothing to shard them over and they stay whole, reduced as in every strategy
 (`DPStrategy._finish_experts`).
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from duplexpipe.comm import Waitable
 from duplexpipe.comm.local_tensors import local_of
 from duplexpipe.comm.sharded import Pending, ShardComm
 from duplexpipe.dp_options.zero import gradient_wire
+from duplexpipe.moe.balance import moe_layers
 from duplexpipe.parallel import grads
 from duplexpipe.parallel.buckets import BucketSpec, BucketTracker
 from duplexpipe.parallel.local_shards import LocalShards
@@ -54,13 +59,18 @@ class _Comms:
         self.unsegmented = 0
         """Collectives whose chunk did not match the parameters' shards (their int8 blocks run across)."""
         self.gathers: Counter[int] = Counter()
-        """Parameter all-gathers posted, by stage (since construction)."""
+        """Parameter all-gathers posted, by stage (since construction; its experts' apart, `expert_gathers`)."""
         self.gathers_over: Counter[tuple[int, int]] = Counter()
-        """Parameter all-gathers posted, by (stage, ranks of the group): hpZ's node-local ones have hpz_ranks."""
+        """Stage parameter all-gathers posted, by (stage, ranks of the group): hpZ's node-local ones have hpz_ranks."""
         self.scatters: Counter[int] = Counter()
-        """Gradient reduce-scatters posted, by stage (since construction)."""
-        self.gathering: dict[int, Pending] = {}
-        """Stage -> its all-gather left in flight (ZeRO-3's UNSHARD), finished before FSDP copies it out."""
+        """Gradient reduce-scatters posted, by stage (since construction; its experts' apart, `expert_scatters`)."""
+        self.expert_gathers: Counter[int] = Counter()
+        """All-gathers of routed experts sharded over their expert-data-parallel group, by stage."""
+        self.expert_scatters: Counter[int] = Counter()
+        """Reduce-scatters of those experts' gradients, by stage."""
+        self.gathering: dict[int, list[Pending]] = {}
+        """Stage -> its all-gathers left in flight (ZeRO-3's UNSHARD: its unit's and its experts'), finished
+        before FSDP copies them out."""
         self.defer_gathers = False
         """Whether all-gathers may stay in flight (in `gathering`) instead of finishing at once."""
 
@@ -90,6 +100,11 @@ def _fsdp_params(module: Any) -> list[Any]:
     return [p for group in state._fsdp_param_groups for p in group.fsdp_params]
 
 
+def _unit_params(unit: Any) -> list[nn.Parameter]:
+    """The (sharded) parameters of a fully_shard-ed unit, a group of modules included."""
+    return [r.sharded_param for r in _fsdp_params(unit)]
+
+
 def segments(module: Any, chunk: int, size: int, gathering: bool) -> list[list[int]] | None:
     """Per rank, the lengths of the parameters' pieces in FSDP's flat chunk of `chunk` elements (the same on
     every rank: FSDP pads each parameter's dim 0 alike), so int8 blocks stay inside one parameter; None when
@@ -109,8 +124,10 @@ class _ReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
     dtype: FSDP is told to divide by 1 and to ask for a plain SUM (see no_fsdp_division), so it scales nothing
     itself (with its defaults it asks AVG in fp32/bf16 but pre-divides and sums in float64/fp16)."""
 
-    def __init__(self, comms: _Comms, stage: int, module: Any) -> None:
+    def __init__(self, comms: _Comms, stage: int, module: Any, experts: bool = False) -> None:
         self.comms, self.stage, self.module = comms, stage, module
+        self.counts, self.what = ((comms.expert_scatters, f"the expert gradients of stage {stage}") if experts
+                                  else (comms.scatters, f"the gradients of stage {stage}"))
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -122,9 +139,9 @@ class _ReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
                              f"got {op}")
         strategy, comm = self.comms.strategy, self.comms.on(group)
         cut = self.comms.segments(self.module, output_tensor.numel(), comm.size, gathering=False)
-        pending = comm.reduce_scatter(input_tensor, output_tensor, f"the gradients of stage {self.stage}",
+        pending = comm.reduce_scatter(input_tensor, output_tensor, self.what,
                                       draw=strategy.draws * 4096 + self.stage, segments=cut)
-        self.comms.scatters[self.stage] += 1
+        self.counts[self.stage] += 1
         if strategy.defer:
             self.comms.pending.append(pending)
         else:
@@ -135,8 +152,10 @@ class _ReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
 class _AllGather(AllGather):  # type: ignore[misc,valid-type]
     """FSDP's parameter all-gather, finished before FSDP copies the parameters out."""
 
-    def __init__(self, comms: _Comms, stage: int, module: Any) -> None:
+    def __init__(self, comms: _Comms, stage: int, module: Any, experts: bool = False) -> None:
         self.comms, self.stage, self.module = comms, stage, module
+        self.counts, self.what = ((comms.expert_gathers, f"the expert parameters of stage {stage}") if experts
+                                  else (comms.gathers, f"the parameters of stage {stage}"))
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -147,12 +166,13 @@ class _AllGather(AllGather):  # type: ignore[misc,valid-type]
             raise ValueError(f"qwZ needs floating-point parameters; stage {self.stage} gathers {input_tensor.dtype}")
         comm = self.comms.on(group)
         cut = self.comms.segments(self.module, input_tensor.numel(), comm.size, gathering=True)
-        pending = comm.all_gather(output_tensor, input_tensor, f"the parameters of stage {self.stage}",
+        pending = comm.all_gather(output_tensor, input_tensor, self.what,
                                   draw=strategy.draws * 4096 + self.stage, segments=cut)
-        self.comms.gathers[self.stage] += 1
-        self.comms.gathers_over[self.stage, comm.size] += 1
+        self.counts[self.stage] += 1
+        if self.counts is self.comms.gathers:
+            self.comms.gathers_over[self.stage, comm.size] += 1
         if self.comms.defer_gathers:
-            self.comms.gathering[self.stage] = pending
+            self.comms.gathering.setdefault(self.stage, []).append(pending)
         else:
             pending.finish(strategy.ctx.wait)
         return None
@@ -226,8 +246,16 @@ class Zero2Strategy(DPStrategy):
                                  "hpz_ranks=None")
             mesh = ctx.groups.dp_mesh
         secondary = post_forward_mesh(mesh, ctx.zero.hpz_ranks) if ctx.zero.hpz_ranks else None
+        self.expert_units: dict[int, list[Any]] = {}
+        """Stage -> its MoE layers' `experts` modules, each an FSDP unit over the expert-data-parallel group (none
+        with one replica per expert: those experts stay whole, outside FSDP)."""
+        edp_mesh = (DeviceMesh.from_group(ctx.groups.edp_group, ctx.device.type)
+                    if ctx.experts and ctx.groups.edp_group is not None and ctx.groups.edp_size > 1 else None)
         for stage, module in sorted(ctx.modules.items()):
             experts = {p for p in module.parameters() if id(p) in ctx.experts}
+            if edp_mesh is not None and experts:
+                self.expert_units[stage] = self._shard_experts(stage, module, edp_mesh)
+                experts = set()  # FSDP leaves the nested units' parameters to them
             fully_shard(module, mesh=mesh, reshard_after_forward=False, ignored_params=experts or None)
             if secondary is not None:  # hpZ: reshard_after_forward=k's mesh, its groups made by the whole job
                 give_post_forward_mesh(module, secondary)
@@ -235,11 +263,35 @@ class Zero2Strategy(DPStrategy):
             module.set_custom_all_gather(_AllGather(self.comms, stage, module))  # type: ignore[operator]
             no_fsdp_division(module)
             module.register_forward_hook(_own_views, prepend=True)
+        if self.expert_units:  # FSDP's sharded DTensors replace the experts' parameters
+            ctx = replace(ctx, experts=frozenset(id(p) for units in self.expert_units.values() for u in units
+                                                 for p in _unit_params(u)))
         super().__init__(ctx)  # the parameters are FSDP's sharded DTensors from here on
         order = [s for s in ctx.final_order if s in ctx.modules] + sorted(set(ctx.modules) - set(ctx.final_order))
         self.buckets = [BucketSpec(i, tuple(p for p in ctx.modules[s].parameters() if id(p) not in ctx.experts),
                                    frozenset({s})) for i, s in enumerate(order)]
         self.tracker = BucketTracker(self.buckets)
+
+    def _shard_experts(self, stage: int, module: nn.Module, mesh: DeviceMesh) -> list[Any]:
+        """fully_shard each MoE layer's routed experts in `module` together (one unit per layer: one all-gather and
+        one reduce-scatter) over the expert-data-parallel `mesh`; FSDP gathers them at the first expert's forward
+        (once, until they are resharded; under ZeRO-3 the stage's UNSHARD has). Returns each unit's first expert
+        (FSDPModule's methods on any module of a group act on the group)."""
+        units = []
+        for layer in moe_layers(module):
+            experts = list(layer.experts.values())
+            fully_shard(experts, mesh=mesh, reshard_after_forward=False)
+            unit = experts[0]
+            unit.set_custom_reduce_scatter(_ReduceScatter(self.comms, stage, unit, experts=True))  # type: ignore[operator]
+            unit.set_custom_all_gather(_AllGather(self.comms, stage, unit, experts=True))  # type: ignore[operator]
+            no_fsdp_division(unit)
+            units.append(unit)
+        return units
+
+    @property
+    def units(self) -> list[Any]:
+        """Every FSDP unit of this rank: the stage modules, then the expert units."""
+        return [*self.ctx.modules.values(), *(u for units in self.expert_units.values() for u in units)]
 
     def build_optimizer(self) -> torch.optim.Optimizer:
         """The factory's optimizer over plain aliases of the parameters' local shards (see local_shards)."""
@@ -279,7 +331,8 @@ class Zero2Strategy(DPStrategy):
         to the norm, `tensor.counts_here`)."""
         mods, groups, experts = self.ctx.modules, self.ctx.groups, self.ctx.experts
         keep = sorted(mods) if stages is None else stages
-        experts_here = groups.dp_rank < groups.ep_size  # whole experts: counted on the first edp replica only
+        # whole experts: counted on the first expert-data-parallel replica only; sharded ones: each its shard
+        experts_here = bool(self.expert_units) or groups.dp_rank < groups.ep_size
         return [local_of(p.grad) for s in keep for p in mods[s].parameters() if p.grad is not None
                 and (not counted or (counts_here(p, groups.tp_rank) and (id(p) not in experts or experts_here)))]
 
@@ -306,17 +359,34 @@ class Zero2Strategy(DPStrategy):
         self.draws += 1
         self.end_step(applied=True)
 
+    def _finish_experts(self) -> None:
+        """Sharded experts: their reduce-scatter left each shard the mean over the expert-data-parallel group;
+        bring it to the dense gradients' units (the sum over that group divided by the data-parallel size, scaled
+        by post_divisor / divisor). Whole experts: as every strategy (an all-reduce over that group)."""
+        if not self.expert_units:
+            super()._finish_experts()
+            return
+        if not self.expert_params or not self.final:
+            return
+        found = grads.ensure_grads(self.expert_params)
+        groups = self.ctx.groups
+        factor = self.post_divisor * groups.edp_size / (self.divisor * groups.dp_size)
+        if factor != 1.0:
+            foreach_mul_(found, factor)
+
     def reshard(self) -> None:
-        """Put every stage module back in its sharded state (e.g. after an evaluation, before a checkpoint)."""
-        for module in self.ctx.modules.values():
+        """Put every stage module and expert unit back in its sharded state (e.g. after an evaluation, before a
+        checkpoint)."""
+        for module in self.units:
             if isinstance(module, FSDPModule):
                 module.reshard()
 
     def checkpoint_dicts(self, modules: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         """Sharded (DTensor) model and optimizer state per parameter, from the resharded modules."""
-        if self.expert_params:
-            raise ValueError(f"checkpoints of zero_stage={self.ctx.zero_stage} with MoE experts are not supported yet: "
-                             "save with zero_stage=0 (the experts stay whole on their expert-parallel ranks)")
+        if self.expert_params and not self.expert_units:
+            raise ValueError(f"checkpoints of zero_stage={self.ctx.zero_stage} with MoE experts are not supported yet "
+                             "where each expert has one replica (ep == dp: they stay whole on their expert-parallel "
+                             "ranks): save with zero_stage=0")
         self.reshard()
         with self.shards.as_dtensors(self.optimizer):
             return super().checkpoint_dicts(modules)

@@ -5,15 +5,17 @@ gradient handling), but nothing is left gathered between steps: the schedule's U
 FSDP's all-gather (`unshard(async_op=True)`; the collective stays in flight on ShardComm), which is waited for and
 copied out right before the stage's next compute; RESHARD frees the gathered parameters (`reshard()`); REDUCE_GRAD
 runs FSDP's post-backward by hand (the reduce-scatter) once the stage's gradients are final, as
-torch.distributed.pipelining's schedules do. Between a stage's episodes its unreduced gradients stay on FSDP's
-unsharded parameters, whose storage only is freed.
+torch.distributed.pipelining's schedules do. A stage's routed experts, sharded over their expert-data-parallel
+group (zero2.py), are gathered, freed and reduced with it. Between a stage's episodes its unreduced gradients stay
+on FSDP's unsharded parameters, whose storage only is freed.
 
 hpZ (ZeroOptions.hpz_ranks=k) uses FSDP2's post-forward mesh (`fully_shard(reshard_after_forward=k)`: groups of k
 consecutive data-parallel ranks) as the node-local secondary partition: FSDP's own post-forward reshard is kept
 off (the schedule decides), a stage's RESHARD that another episode of the call follows reshards to that mesh
 (FSDP's SHARDED_POST_FORWARD state, 1/k of the parameters per rank), so the call's later UNSHARDs of the stage
 gather inside the k ranks and only its first crosses them; the stage's last RESHARD of the call shards it over the
-whole group again, freeing the secondary copy (at rest: 1/DP).
+whole group again, freeing the secondary copy (at rest: 1/DP). Its experts' units have no secondary partition: they
+are resharded over their group at every RESHARD.
 """
 
 from __future__ import annotations
@@ -43,8 +45,8 @@ class Zero3Strategy(Zero2Strategy):
 
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
-        self.handles: dict[int, Any] = {}
-        """Stage -> FSDP's unshard handle of an UNSHARD not yet waited for."""
+        self.handles: dict[int, list[Any]] = {}
+        """Stage -> FSDP's unshard handles (its unit's and its expert units') of an UNSHARD not yet waited for."""
         stages = ctx.schedule.stages
         self.mirrored = frozenset(s for s in ctx.modules if any(
             o != s and info.group == stages[s].group and info.rank != stages[s].rank
@@ -71,38 +73,45 @@ class Zero3Strategy(Zero2Strategy):
         self.resharded.clear()
 
     def unshard_stage(self, stage: int) -> None:
-        """UNSHARD: post `stage`'s all-gather; it stays in flight until the stage's next compute."""
+        """UNSHARD: post the all-gathers of `stage` and of its experts (sharded over their expert-data-parallel
+        group); they stay in flight until the stage's next compute."""
         comms = self.comms
         comms.defer_gathers = True
         try:
-            handle = self.ctx.modules[stage].unshard(async_op=True)  # type: ignore[operator]
+            handles = [unit.unshard(async_op=True) for unit in self._stage_units(stage)]
         finally:
             comms.defer_gathers = False
-        if handle is not None:
-            self.handles[stage] = handle
+        self.handles[stage] = [h for h in handles if h is not None]
+
+    def _stage_units(self, stage: int) -> list[Any]:
+        """`stage`'s FSDP units: its module, then its expert units."""
+        return [self.ctx.modules[stage], *self.expert_units.get(stage, [])]
 
     def wait_unshard(self, stage: int) -> None:
-        """Before a compute of `stage`: finish its posted all-gather (bounded wait) and let FSDP copy it out."""
-        handle = self.handles.pop(stage, None)
-        if handle is None:
+        """Before a compute of `stage`: finish its posted all-gathers (bounded wait) and let FSDP copy them out."""
+        handles = self.handles.pop(stage, None)
+        if not handles:
             return
-        pending = self.comms.gathering.pop(stage, None)
-        if pending is not None:
+        for pending in self.comms.gathering.pop(stage, []):
             pending.finish(self.ctx.wait)
-        handle.wait()
+        for handle in handles:
+            handle.wait()
         for group, _ in self.secondary.get(stage, ()):
             settle_post_forward(group)  # gathered: FSDP's post-forward hook must not reshard it
 
     def reshard_stage(self, stage: int) -> None:
-        """RESHARD: free `stage`'s gathered parameters (its unreduced gradients stay on FSDP's records); under hpZ
-        keep the node-local secondary shard when another episode of the call follows."""
+        """RESHARD: free `stage`'s gathered parameters and experts (the unreduced gradients stay on FSDP's
+        records); under hpZ keep the stage module's node-local secondary shard when another episode of the call
+        follows."""
         self.wait_unshard(stage)
         self.resharded[stage] += 1
+        units = self._stage_units(stage)
         if self.secondary.get(stage) and self.resharded[stage] < self.reshards.get(stage, 0):
             for group, mesh in self.secondary[stage]:
                 reshard_post_forward(group, mesh)
-            return
-        self.ctx.modules[stage].reshard()  # type: ignore[operator]
+            units = units[1:]  # the experts: no secondary partition
+        for unit in units:
+            unit.reshard()
 
     def reduce_grad(self, stage: int) -> None:
         """REDUCE_GRAD: on a window-ending call, reduce-scatter `stage`'s gradients (mirrored stages: after the
@@ -120,8 +129,10 @@ class Zero3Strategy(Zero2Strategy):
         may be freed; the gradients are not) and its routed experts (outside FSDP), for the mirror sum; none of
         FSDP's before the stage's first all-gather."""
         module = self.ctx.modules[stage]
-        holders = [r._unsharded_param for r in _fsdp_params(module) if hasattr(r, "_unsharded_param")]
-        return [p for p in holders if p.requires_grad] + [p for p in module.parameters() if id(p) in self.ctx.experts]
+        holders = [r._unsharded_param for unit in self._stage_units(stage) for r in _fsdp_params(unit)
+                   if hasattr(r, "_unsharded_param")]
+        whole = [] if stage in self.expert_units else [p for p in module.parameters() if id(p) in self.ctx.experts]
+        return [p for p in holders if p.requires_grad] + whole
 
     def finish(self) -> None:
         """Finish the step's reductions; every stage is sharded again afterwards (at rest: 1/DP bytes)."""
@@ -147,9 +158,9 @@ class Zero3Strategy(Zero2Strategy):
         return sum(post_forward_bytes(group) for groups in self.secondary.values() for group, _ in groups)
 
     def unsharded_bytes(self) -> int:
-        """Bytes of parameters this rank holds gathered now (what ZeRO-3's window bounds)."""
+        """Bytes of parameters this rank holds gathered now, experts included (what ZeRO-3's window bounds)."""
         total = 0
-        for module in self.ctx.modules.values():
+        for module in self.units:
             for record in _fsdp_params(module):
                 if record.sharded_state.name == "UNSHARDED":
                     total += record._unsharded_param.numel() * record._unsharded_param.element_size()

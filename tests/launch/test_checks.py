@@ -12,7 +12,7 @@ from duplexpipe.cli import main as cli_main
 from duplexpipe.dp_options.compression import DGCOptions
 from duplexpipe.dp_options.zero import ZeroOptions
 from duplexpipe.launch import checks, train_loop
-from duplexpipe.launch.train_config import OptimizerConfig, TrainConfig
+from duplexpipe.launch.train_config import CheckpointConfig, OptimizerConfig, TrainConfig
 from duplexpipe.train.pipeline_config import DataParallelConfig, PipelineConfig
 
 
@@ -91,6 +91,20 @@ def test_zero_with_an_unsupported_combination_is_refused() -> None:
     with pytest.raises(ValueError, match="hpz_ranks=4 must divide the data-parallel size 4 and be smaller"):
         checks.check_training(TrainConfig(dp=4, ranks=2, pipeline=_pipeline(zero_stage=3,
                                                                           zero=ZeroOptions(hpz_ranks=4))))
+
+
+def test_saving_zero_with_experts_is_refused_only_where_they_stay_whole(tmp_path: Path) -> None:
+    """ZeRO-2/3 with 1 < ep < dp shard the experts over their replicas (FSDP's DTensors, which checkpoints take);
+    ZeRO-1, ep == dp and ep 1 leave them whole, whose ZeRO checkpoints are refused."""
+    def config(zero: int, ep: int, dp: int) -> TrainConfig:
+        return TrainConfig(dp=dp, ep=ep, ranks=1, batch_size=64, pipeline=_pipeline("1f1b", 2, zero_stage=zero),
+                           checkpoint=CheckpointConfig(save=str(tmp_path / "ck")))
+    task = checks._built(TrainConfig())
+    for zero, ep, dp in ((2, 2, 4), (3, 2, 4), (3, 2, 8)):
+        checks._check_supported(config(zero, ep, dp), task, has_experts=True)
+    for zero, ep, dp in ((1, 2, 4), (2, 2, 2), (3, 4, 4), (3, 1, 2)):
+        with pytest.raises(ValueError, match=f"--save with --zero-stage {zero} and MoE experts held whole"):
+            checks._check_supported(config(zero, ep, dp), task, has_experts=True)
 
 
 def test_a_good_configuration_passes_and_the_task_is_built_on_the_meta_device() -> None:

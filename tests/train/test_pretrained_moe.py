@@ -38,6 +38,7 @@ from duplexpipe.cli.main import main  # noqa: E402
 from duplexpipe.model.hf import causal_lm_loss, causal_lm_targets, counted_tokens  # noqa: E402
 from duplexpipe.model.state_names import part_state_keys  # noqa: E402
 from duplexpipe.parallel.mesh import make_mesh  # noqa: E402
+from duplexpipe.train.pipeline_config import DataParallelConfig  # noqa: E402
 from duplexpipe.train.pretrained import PretrainedModel  # noqa: E402
 from duplexpipe.train.trainer import Pipeline, PipelineConfig  # noqa: E402
 
@@ -57,6 +58,9 @@ RUNS: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 """name -> (source, schedule, options): five AdamW steps at PP=2 x DP=2, ep=2, then save_pretrained."""
 ROUND_TRIPS = (*FAMILIES, "qwen3_moe-fused", "mixtral-fused")
+ZERO_ROUND_TRIPS = (2, 3)
+"""zero_stage of the round trips at PP1 x DP4 with ep=2 (every parameter an FSDP DTensor, the experts' over their
+expert-data-parallel group)."""
 SPAWN_TIMEOUT_S = 400
 
 
@@ -105,6 +109,10 @@ def _worker(rank: int, world: int, root_text: str) -> dict[str, Any]:
         pipe = Pipeline.from_pretrained(root / source, adamw, PipelineConfig("1f1b", MICRO),
                                         mesh=make_mesh(2, 2, ep=2))
         pipe.save_pretrained(root / f"rt-{source}")
+    for zero in ZERO_ROUND_TRIPS:  # PP1 x DP4, ep=2: the experts sharded over their two replicas
+        pipe = Pipeline.from_pretrained(root / "qwen3_moe", adamw, PipelineConfig(
+            "1f1b", MICRO, data_parallel=DataParallelConfig(zero_stage=zero)), mesh=make_mesh(1, 4, ep=2))
+        pipe.save_pretrained(root / f"rt-zero{zero}")
     for name, (source, schedule, options) in RUNS.items():
         options = dict(options)
         speed = options.pop("speed", 0.0)
@@ -173,6 +181,18 @@ def test_round_trip_gives_back_every_tensor(spawned: Any, source: str) -> None:
     assert type(model) is type(reference)
     for name, tensor in reference.state_dict().items():
         assert torch.equal(model.state_dict()[name], tensor), name
+
+
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
+@pytest.mark.parametrize("zero", ZERO_ROUND_TRIPS)
+def test_round_trip_under_zero_with_sharded_experts(spawned: Any, zero: int) -> None:
+    """from_pretrained then save_pretrained at ZeRO-2/3 with two replicas per expert: every DTensor is gathered by
+    every rank of its mesh (the ranks writing only experts too), and every tensor comes back bit-equal."""
+    root, _ = spawned
+    want, got = file_tensors(root / "qwen3_moe"), file_tensors(root / f"rt-zero{zero}")
+    assert set(got) == set(want)
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
 
 
 def _counting(model: nn.Module) -> list[torch.Tensor]:

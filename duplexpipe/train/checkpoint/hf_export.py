@@ -98,8 +98,11 @@ def export_tensors(pipe: Exportable, experts_only: bool = False) -> tuple[dict[s
         names = stage_state_keys(module, pipe.schedule.stages[stage].group, merged)
         own = {id(p) for p in expert_parameters(module)}
         for local, value in module.state_dict(keep_vars=True).items():
-            if names[local] not in skip and (id(value) in own or not experts_only):
-                tensors[names[local]] = _full(value)
+            wanted = names[local] not in skip and (id(value) in own or not experts_only)
+            if wanted or isinstance(value, DTensor):  # a DTensor's gather needs every rank of its mesh (ZeRO-2/3)
+                whole = _full(value)
+                if wanted:
+                    tensors[names[local]] = whole
     return tensors, sample
 
 
