@@ -1,5 +1,5 @@
 """The candidates a PlanConfig lets the planner try: schedules with their options, microbatch counts, ZeRO stages,
-and the gradient compressions the trainer runs with each stage."""
+activation checkpointing policies, and the gradient compressions the trainer runs with each stage."""
 
 from __future__ import annotations
 
@@ -9,9 +9,39 @@ from typing import Any, Protocol
 
 from duplexpipe.dp_options.compression import Options
 from duplexpipe.dp_options.zero import zero_refusal
+from duplexpipe.errors import PlanError
 from duplexpipe.planner.dp_comm import COMPRESSIONS, ZERO_STAGES, Compression, compression
 from duplexpipe.planner.profile import Profile
 from duplexpipe.schedules import registry
+
+CHECKPOINTING = ("off", "selective", "full")
+"""The activation-checkpointing policies the planner weighs, lightest first (each saves less and recomputes more
+than the one before): "off"; "selective", every stage under the runtime's selective policy (its measured bytes and
+recompute, `PartProfile.selective_activation_bytes`); "full", every stage keeping its inputs only."""
+
+
+def checkpointing_policy(value: object) -> str:
+    """A `PlanConfig.checkpointing` value as its policy's name: True is "full", False "off"; PlanError otherwise."""
+    if value is True or value is False:
+        return "full" if value else "off"
+    if isinstance(value, str) and value in CHECKPOINTING:
+        return value
+    raise PlanError(f"plan needs checkpointing policies among True/False, {', '.join(map(repr, CHECKPOINTING))}; "
+                    f"got {value!r}")
+
+
+def runtime_checkpointing(policy: str) -> bool | str:
+    """`PipelineConfig.activation_checkpointing`'s value for a policy: False, "selective", or True (full)."""
+    return {"off": False, "selective": "selective", "full": True}[policy]
+
+
+def planned_policies(profile: Profile, config: CandidateSettings) -> tuple[str, ...]:
+    """The policies of `config` the planner can weigh with `profile`, lightest first: selective only where every
+    part has its selective figures measured."""
+    chosen = {checkpointing_policy(value) for value in config.checkpointing}
+    measured = all(p.selective_activation_bytes is not None and p.selective_recompute_s is not None
+                   for p in profile.parts)
+    return tuple(p for p in CHECKPOINTING if p in chosen and (p != "selective" or measured))
 
 
 class CandidateSettings(Protocol):
@@ -38,7 +68,7 @@ class CandidateSettings(Protocol):
     @property
     def reshard_windows(self) -> tuple[int | None, ...]: ...
     @property
-    def checkpointing(self) -> tuple[bool, ...]: ...
+    def checkpointing(self) -> tuple[bool | str, ...]: ...
 
 
 @dataclass(frozen=True)
@@ -55,21 +85,23 @@ class Candidate:
     """ZeRO stage."""
     window: int | None = None
     """ZeRO-3's residency window in stages (None: all of a rank's stages; always None below ZeRO-3)."""
-    checkpointing: bool = False
-    """Activation checkpointing of every stage."""
+    checkpointing: str = "off"
+    """Activation checkpointing of every stage: a policy of `CHECKPOINTING`."""
 
     @property
-    def key(self) -> tuple[str, int, int, int | None, bool]:
+    def key(self) -> tuple[str, int, int, int | None, str]:
         """What tells candidates apart."""
         return schedule_label(self.schedule, self.options), self.microbatches, self.zero, self.window, \
             self.checkpointing
 
-    def lighter(self, below: int | None) -> Candidate | None:
-        """The same candidate with one memory lever less (checkpointing off, else ZeRO-3's window back to all
-        stages, else ZeRO-3 back to ZeRO `below`, the highest other stage planned), or None for one without levers:
-        a lever costs time, so it is tried only where that one is over the cap."""
-        if self.checkpointing:
-            return replace(self, checkpointing=False)
+    def lighter(self, below: int | None, policies: tuple[str, ...] = CHECKPOINTING) -> Candidate | None:
+        """The same candidate with one memory lever less (the next lighter checkpointing policy among `policies`,
+        lightest first: full -> selective -> off; else ZeRO-3's window back to all stages, else ZeRO-3 back to ZeRO
+        `below`, the highest other stage planned), or None for one without levers: a lever costs time, so it is
+        tried only where that one is over the cap."""
+        at = policies.index(self.checkpointing) if self.checkpointing in policies else 0
+        if at:
+            return replace(self, checkpointing=policies[at - 1])
         if self.window is not None:
             return replace(self, window=None)
         if self.zero == 3 and below is not None:
@@ -130,7 +162,7 @@ def candidates(profile: Profile, config: CandidateSettings) -> list[Candidate]:
                 for zero in sorted(zero_stages(config)):
                     windows = tuple(dict.fromkeys(config.reshard_windows)) if zero == 3 else (None,)
                     for window in sorted(windows, key=lambda w: w is not None):
-                        for ckpt in sorted(set(config.checkpointing)):
+                        for ckpt in planned_policies(profile, config):
                             out.append(Candidate(name, options, m, zero, window, ckpt))
     return out
 

@@ -11,7 +11,18 @@ from typing import Any
 
 from duplexpipe.dp_options.compression import Options
 from duplexpipe.errors import PlanError, ProfileError, ScheduleError
-from duplexpipe.planner.candidates import Candidate, accepted, candidates, compressions, schedule_label, zero_stages
+from duplexpipe.planner.candidates import (
+    CHECKPOINTING,
+    Candidate,
+    accepted,
+    candidates,
+    checkpointing_policy,
+    compressions,
+    planned_policies,
+    runtime_checkpointing,
+    schedule_label,
+    zero_stages,
+)
 from duplexpipe.planner.dp_comm import (
     COMPRESSIONS,
     Compression,
@@ -92,9 +103,12 @@ class PlanConfig:
     """ZeRO-3's residency windows to try, in stages kept unsharded at once (None: all of a rank's stages; a window
     at or above a schedule's stages per rank is the same plan as None). A window below all is tried only where
     the candidate with all of them is over the cap."""
-    checkpointing: tuple[bool, ...] = (False, True)
-    """Activation checkpointing to try: False off, True every stage (its saved activations are its inputs, its
-    backward runs the forward once more). On is tried only where the candidate without it is over the cap."""
+    checkpointing: tuple[bool | str, ...] = CHECKPOINTING
+    """Activation-checkpointing policies to try (`candidates.CHECKPOINTING`): "off" (or False); "selective", every
+    stage under the runtime's selective policy, with the bytes and recompute the profile measured (planned only
+    where every part has them: `PartProfile.selective_activation_bytes`); "full" (or True), every stage keeping its
+    inputs only, its backward running the forward once more. A policy is tried only where the candidate with the
+    next lighter one (full -> selective -> off) is over the cap."""
 
 
 @dataclass(frozen=True)
@@ -131,8 +145,13 @@ class PlanRow:
     """T of its mesh (the TP degree inside each stage)."""
     window: int | None = None
     """ZeRO-3's residency window in stages (None: all of a rank's stages, or not ZeRO-3)."""
-    checkpointing: bool = False
-    """Activation checkpointing of every stage."""
+    checkpointing: str = "off"
+    """Activation checkpointing of every stage: "off", "selective" or "full" (`candidates.CHECKPOINTING`)."""
+
+    @property
+    def activation_checkpointing(self) -> bool | str:
+        """`PipelineConfig.activation_checkpointing`'s value that runs this plan: False, "selective" or True."""
+        return runtime_checkpointing(self.checkpointing)
 
     @property
     def zero_label(self) -> str:
@@ -143,9 +162,8 @@ class PlanRow:
 
     @property
     def label(self) -> str:
-        """The plan in a few words: "zbv M=8 ZeRO 3/w1, checkpointed"."""
-        return f"{self.schedule} M={self.microbatches} ZeRO {self.zero_label}" + \
-            (", checkpointed" if self.checkpointing else "")
+        """The plan in a few words: "zbv M=8 ZeRO 3/w1, checkpointed" ("selectively checkpointed")."""
+        return f"{self.schedule} M={self.microbatches} ZeRO {self.zero_label}" + _checkpointed(self.checkpointing)
 
     @property
     def over_cap(self) -> bool:
@@ -166,7 +184,8 @@ class PlanRow:
         """A JSON-ready form (NaN as None)."""
         out: dict[str, Any] = {"schedule": self.schedule, "microbatches": self.microbatches, "zero": self.zero,
                                "compression": self.compression, "pp": self.ranks, "dp": self.dp, "tp": self.tp,
-                               "reshard_window": self.window, "activation_checkpointing": self.checkpointing,
+                               "reshard_window": self.window,
+                               "activation_checkpointing": self.activation_checkpointing,
                                "rejected": self.rejected or None}
         for key in ("step_s", "makespan_s", "bubble", "dp_exposed_s", "peak_bytes"):
             value = getattr(self, key)
@@ -208,7 +227,7 @@ class PlanResult:
 
     def table(self, limit: int | None = None) -> str:
         """The candidates as fixed-width text, best first (at most `limit` rows)."""
-        head = (f"{'schedule':<26} {'M':>4} {'ZeRO':>5} {'compression':<16} {'PxDxT':>7} {'ckpt':>4} {'step':>10} "
+        head = (f"{'schedule':<26} {'M':>4} {'ZeRO':>5} {'compression':<16} {'PxDxT':>7} {'ckpt':>9} {'step':>10} "
                 f"{'bubble':>7} {'peak/rank':>10}  why rejected")
         lines = [head]
         for row in self.rows[:limit]:
@@ -216,9 +235,14 @@ class PlanResult:
             peak = format_bytes(row.peak_bytes) if not math.isnan(row.peak_bytes) else "-"
             bubble = f"{row.bubble:.1%}" if not math.isnan(row.bubble) else "-"
             lines.append(f"{row.schedule:<26} {row.microbatches:>4} {row.zero_label:>5} {row.compression:<16} "
-                         f"{row.mesh:>7} {'full' if row.checkpointing else 'off':>4} {step:>10} {bubble:>7} "
+                         f"{row.mesh:>7} {row.checkpointing:>9} {step:>10} {bubble:>7} "
                          f"{peak:>10}  {row.rejected}".rstrip())
         return "\n".join(lines)
+
+
+def _checkpointed(policy: str) -> str:
+    """How a plan's label says its checkpointing: "", ", checkpointed", ", selectively checkpointed"."""
+    return {"off": "", "full": ", checkpointed"}.get(policy, f", {policy}ly checkpointed")
 
 
 def _time(seconds: float) -> str:
@@ -245,10 +269,11 @@ def evaluate(profile: Profile, config: PlanConfig) -> list[Evaluated]:
     cap, a ZeRO-3 window only below the schedule's stages per rank."""
     methods = {zero: accepted(config, zero) for zero in zero_stages(config)}
     below = max((zero for zero in methods if zero < 3), default=None)
+    policies = planned_policies(profile, config)
     done: dict[Any, PlanRow] = {}
     out: list[Evaluated] = []
     for candidate in candidates(profile, config):
-        lighter = candidate.lighter(below)
+        lighter = candidate.lighter(below, policies)
         if lighter is not None and not (lighter.key in done and done[lighter.key].over_cap):
             continue
         evaluated = _evaluate(profile, config, candidate, methods[candidate.zero])
@@ -270,7 +295,7 @@ def ranked(evaluated: Sequence[Evaluated], config: PlanConfig, world: int | None
     assert context is not None
     out = [row for row, _ in fits] + [r for r in rows if not r.feasible]
     return PlanResult(context.config, tuple(out), _advice(context.config, best, context), context.schedule, world,
-                      decided(rows, best, config.memory))
+                      decided(rows, best, config.memory) + policy_note(rows, best, config))
 
 
 def decided(rows: Sequence[PlanRow], best: PlanRow, cap: float) -> str:
@@ -283,6 +308,34 @@ def decided(rows: Sequence[PlanRow], best: PlanRow, cap: float) -> str:
     slower = best.step_s / fast.step_s - 1 if fast.step_s > 0 else 0.0
     return (f"memory: {fast.label} needs {format_bytes(fast.peak_bytes)} > {format_bytes(cap)}; {best.label} fits "
             f"at {format_bytes(best.peak_bytes)}, {slower:+.0%} step")
+
+
+def policy_note(rows: Sequence[PlanRow], best: PlanRow, config: PlanConfig) -> str:
+    """Why `best` runs its checkpointing policy ("" for none), beside the same plan under the other policies:
+    "; checkpointing selective (off needs 1 GiB, full not needed)". A lighter policy without a row was not allowed
+    (`PlanConfig.checkpointing`) or, selective, not measured by the profile; a heavier one was not needed (tried
+    only where the one below it is over the cap)."""
+    if best.checkpointing == "off":
+        return ""
+    key = (best.schedule, best.microbatches, best.zero, best.window, best.mesh)
+    same = {r.checkpointing: r for r in rows if (r.schedule, r.microbatches, r.zero, r.window, r.mesh) == key}
+    allowed = {checkpointing_policy(p) for p in config.checkpointing}
+    notes = []
+    for policy in CHECKPOINTING:
+        row = same.get(policy)
+        if policy == best.checkpointing:
+            continue
+        if row is None:
+            heavier = CHECKPOINTING.index(policy) > CHECKPOINTING.index(best.checkpointing)
+            notes.append(f"{policy} not needed" if heavier else f"{policy} not allowed" if policy not in allowed
+                         else f"{policy} not measured by the profile")
+        elif row.over_cap:
+            notes.append(f"{policy} needs {format_bytes(row.peak_bytes)}")
+        elif row.feasible:
+            notes.append(f"{policy} fits at {format_bytes(row.peak_bytes)}, {row.step_s / best.step_s - 1:+.0%} step")
+        else:
+            notes.append(f"{policy}: {row.rejected}")
+    return f"; checkpointing {best.checkpointing} ({', '.join(notes)})"
 
 
 def check(profile: Profile, config: PlanConfig) -> None:
@@ -309,10 +362,14 @@ def check(profile: Profile, config: PlanConfig) -> None:
     for window in config.reshard_windows:
         if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
             raise PlanError(f"plan needs reshard windows as integers >= 1 or None (all stages), got {window!r}")
-    if not config.reshard_windows or not config.checkpointing or \
-            not all(isinstance(c, bool) for c in config.checkpointing):
-        raise PlanError(f"plan needs at least one reshard window and checkpointing as True/False values, got "
+    if not config.reshard_windows or not config.checkpointing:
+        raise PlanError(f"plan needs at least one reshard window and one checkpointing policy, got "
                         f"{config.reshard_windows!r} and {config.checkpointing!r}")
+    for policy in config.checkpointing:
+        checkpointing_policy(policy)
+    if not planned_policies(profile, config):
+        raise PlanError("plan allows only selective checkpointing, but the profile has no selective-checkpointing "
+                        "figures; profile the parts again (profile_parts measures them) or allow off or full")
     compressions(config)
 
 
@@ -424,17 +481,28 @@ def gather_time(schedule: Schedule, sharded: Schedule, cost: CostModel, groups: 
     return max(0.0, end - start - plain)
 
 
-def checkpointed(groups: Sequence[PartProfile]) -> tuple[tuple[PartProfile, ...], tuple[int, ...]]:
-    """`groups` with every part checkpointed, and per part what its recompute holds beyond its saved inputs.
+def checkpointed(groups: Sequence[PartProfile], policy: str = "full") -> tuple[tuple[PartProfile, ...],
+                                                                             tuple[int, ...]]:
+    """`groups` with every part checkpointed under `policy` ("full" or "selective"), and per part what its recompute
+    holds beyond what it saved.
 
-    A checkpointed part saves its inputs only (the previous part's output; the first part's own output stands in
-    for the model's input) and runs its forward once more in its input-gradient backward (I, and a fused B).
+    Full: a part saves its inputs only (the previous part's output; the first part's own output stands in for the
+    model's input) and runs its forward once more in its input-gradient backward (I, and a fused B). Selective: a
+    part saves what the profile measured under the runtime's selective policy (`PartProfile.
+    selective_activation_bytes`) and its I (and a fused B) takes the measured recompute longer
+    (`selective_recompute_s`); ProfileError where a part has no such figures.
     """
     out, extra = [], []
     for g, part in enumerate(groups):
-        saved = min(part.activation_bytes, (groups[g - 1] if g else part).output_bytes)
-        fused = None if part.backward_fused_s is None else part.backward_fused_s + part.forward_s
-        out.append(replace(part, activation_bytes=saved, backward_input_s=part.backward_input_s + part.forward_s,
+        if policy == "selective":
+            if part.selective_activation_bytes is None or part.selective_recompute_s is None:
+                raise ProfileError(f"part {g} of the profile has no selective-checkpointing figures; profile it "
+                                   "again to plan selective checkpointing")
+            saved, again = min(part.activation_bytes, part.selective_activation_bytes), part.selective_recompute_s
+        else:
+            saved, again = min(part.activation_bytes, (groups[g - 1] if g else part).output_bytes), part.forward_s
+        fused = None if part.backward_fused_s is None else part.backward_fused_s + again
+        out.append(replace(part, activation_bytes=saved, backward_input_s=part.backward_input_s + again,
                            backward_fused_s=fused))
         extra.append(part.activation_bytes - saved)
     return tuple(out), tuple(extra)
@@ -455,7 +523,8 @@ def _build(profile: Profile, basis: Profile, config: PlanConfig, candidate: Cand
 
     def grouped(count: int) -> tuple[tuple[PartProfile, ...], tuple[int, ...]]:
         groups = profile.grouped(count, basis.group_sizes(count))
-        return checkpointed(groups) if candidate.checkpointing else (tuple(groups), ())
+        return checkpointed(groups, candidate.checkpointing) if candidate.checkpointing != "off" else \
+            (tuple(groups), ())
 
     if name != "auto":
         schedule = registry.build(name, config.ranks, m, **options)
@@ -573,7 +642,7 @@ def _nothing_fits(rows: Sequence[PlanRow], config: PlanConfig) -> PlanError:
     cap = math.ceil(low.peak_bytes)
     return PlanError(f"no plan fits {format_bytes(config.memory)} per rank; the smallest feasible cap is "
                      f"{format_bytes(cap)} = {cap} bytes ({low.schedule}, M={low.microbatches}, ZeRO {low.zero_label}"
-                     f"{', checkpointed' if low.checkpointing else ''}, P x D x T = {low.mesh})", cap)
+                     f"{_checkpointed(low.checkpointing)}, P x D x T = {low.mesh})", cap)
 
 
 def _advice(config: PlanConfig, best: PlanRow, context: _Context) -> str:

@@ -284,10 +284,10 @@ def test_checkpointing_fits_where_the_plain_plan_does_not_and_costs_a_forward_pe
     base = config(schedules=("1f1b",), microbatches=(8,))
     plain = plan(heavy, replace(base, memory=400 * MIB)).best
     cap = int(plain.peak_bytes) - 16 * MIB
-    assert not plain.checkpointing
+    assert plain.checkpointing == "off"
     result = plan(heavy, replace(base, memory=cap))
     best = result.best
-    assert best.checkpointing and best.peak_bytes <= cap
+    assert best.checkpointing == "full" and best.peak_bytes <= cap
     # the saved inputs, plus one microbatch's recompute held through its backward (a stage: 2 parts of 16 MiB at
     # microbatch 2)
     assert best.memory[0].activations < plain.memory[0].activations / 8 + 32 * MIB

@@ -28,7 +28,7 @@ from duplexpipe.parallel.tied import find_tied
 from duplexpipe.parallel.zero_config import check_tied
 from duplexpipe.planner.calibrate import with_calibration
 from duplexpipe.planner.calibration_cache import CalibrationCache, default_cache_dir
-from duplexpipe.planner.candidates import microbatch_counts
+from duplexpipe.planner.candidates import CHECKPOINTING, microbatch_counts
 from duplexpipe.planner.dp_comm import UNMEASURED, compression
 from duplexpipe.planner.plan import PlanConfig, plan
 from duplexpipe.planner.profile import Profile
@@ -163,7 +163,8 @@ def resolved(config: PipelineConfig, groups: ParallelGroups) -> PlannedPipeline:
     run = RunPlan(schedule.name, schedule.num_microbatches, config.data_parallel.zero_stage or 0,
                   compression_options(config.data_parallel.grad_compression),
                   reshard_window=config.data_parallel.reshard_window,
-                  activation_checkpointing=config.activation_checkpointing is True)
+                  activation_checkpointing=config.activation_checkpointing
+                  if config.activation_checkpointing in (True, "full", "selective") else False)
     return PlannedPipeline(config, schedule, run, _sizes(groups))
 
 
@@ -194,7 +195,7 @@ def _profile(parts: Sequence[nn.Module], loss_fn: LossFn, sample: tuple[Any, Any
     with _autocast(setup.device, dtype):
         if "evict_bytes" not in kwargs:  # as many bytes as one microbatch keeps through the model, at least 2 x L2
             sizes = profile_parts(copies, first, target=target, loss_fn=loss, repeats=1, warmup=0, fit_rows=0,
-                                  fused=False, timer=time.perf_counter)
+                                  fused=False, timer=time.perf_counter, selective=False)
             kwargs = {**kwargs, "evict_bytes": max(cache_evict_bytes(), sum(p.activation_bytes for p in sizes.parts))}
         return profile_parts(copies, first, target=target, loss_fn=loss, meta={"source": "schedule='auto'"},
                              tp_plan=setup.tp_plan, **kwargs)
@@ -273,13 +274,16 @@ def _plan_config(config: PipelineConfig, options: dict[str, Any], rows: int, set
                       **values)
 
 
-def planned_checkpointing(setting: object) -> tuple[bool, ...]:
-    """What the planner may choose for PipelineConfig.activation_checkpointing: off or every stage when it is left
-    at False (the default); True fixes it on; any other policy (stage indices, ...) is fixed as given and planned
-    as off (its memory counted whole, on the safe side)."""
+def planned_checkpointing(setting: object) -> tuple[str, ...]:
+    """What the planner may choose for PipelineConfig.activation_checkpointing: off, selective or full on every
+    stage when it is left at False (the default); True or "full" fixes full, "selective" selective; any other
+    policy (stage indices, ...) is fixed as given and planned as off (its memory counted whole, on the safe
+    side)."""
     if setting is False:
-        return (False, True)
-    return (True,) if setting is True else (False,)
+        return CHECKPOINTING
+    if setting is True or setting == "full":
+        return ("full",)
+    return ("selective",) if setting == "selective" else ("off",)
 
 
 def _fingerprint(parts: Sequence[nn.Module], sample: tuple[Any, Any], config: PipelineConfig, setup: PlanSetup,
@@ -414,7 +418,7 @@ def _decide(profile: Profile, config: PlanConfig, source: str) -> AutoChoice:
         LOGGER.warning("schedule='auto': no measured wire ratio for grad_compression %r; the plan models the "
                        "data-parallel reduction uncompressed", method.name)
     run = RunPlan(best.schedule, best.microbatches, best.zero, method.options or NoCompression(), best.step_s,
-                  best.window, best.checkpointing)
+                  best.window, best.activation_checkpointing)
     choice = AutoChoice(result, profile, schedule, tuple(profile.group_sizes(schedule.num_groups)), run, source)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
         LOGGER.info("%s\n%s", choice.summary(), result.table())

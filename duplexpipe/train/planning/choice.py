@@ -38,8 +38,9 @@ class RunPlan:
     """schedule="auto": the planner's predicted step time; None otherwise."""
     reshard_window: int | None = None
     """ZeRO-3's residency window (DataParallelConfig.reshard_window; None: all of a rank's stages)."""
-    activation_checkpointing: bool = False
-    """True: every stage is checkpointed (PipelineConfig.activation_checkpointing=True)."""
+    activation_checkpointing: bool | str = False
+    """Every stage checkpointed: True (or "full") whole, "selective" under the selective policy; False: none
+    (PipelineConfig.activation_checkpointing's value)."""
 
     @property
     def compression(self) -> str:
@@ -51,7 +52,8 @@ class RunPlan:
         zero = f"{self.zero_stage}" if self.zero_stage != 3 else \
             f"3 (reshard window {self.reshard_window or 'all'})"
         text = (f"{self.schedule}, M={self.microbatches}, ZeRO {zero}, gradient compression {self.compression}"
-                + (", activation checkpointing" if self.activation_checkpointing else ""))
+                + {False: "", "selective": ", selective activation checkpointing"}.get(
+                    self.activation_checkpointing, ", activation checkpointing"))
         if self.predicted_step_s is None:
             return text
         return f"{text} (predicted step {self.predicted_step_s * 1e3:.4g} ms)"
@@ -108,7 +110,8 @@ class AutoChoice:
         chosen = with_choice(replace(config, schedule_options=options), p.microbatches, p.zero_stage, grad)
         window = p.reshard_window if p.zero_stage == 3 else None
         return replace(chosen, data_parallel=replace(chosen.data_parallel, reshard_window=window),
-                       activation_checkpointing=True if p.activation_checkpointing else config.activation_checkpointing)
+                       activation_checkpointing=p.activation_checkpointing if p.activation_checkpointing is not False
+                       else config.activation_checkpointing)
 
     def summary(self) -> str:
         """The choice in one line."""

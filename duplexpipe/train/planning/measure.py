@@ -13,7 +13,9 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 
+from duplexpipe.model.stages import selective_context
 from duplexpipe.planner.profile import PartProfile, Profile
+from duplexpipe.runtime.backward.checkpoint import checkpoint
 from duplexpipe.runtime.backward.graph import stage_backward_input, stage_backward_weight
 from duplexpipe.runtime.saved_bytes import SavedBytes
 from duplexpipe.runtime.structure import Form, call, flatten
@@ -70,6 +72,8 @@ class _PartRun:
         self.meter = SavedBytes(part.parameters())
         self.times: tuple[list[float], ...] = ([], [], [], [])
         self.saved = 0
+        self.selective_i: list[float] = []
+        self.selective_saved = 0
 
     def once(self, message: _Message, loss: Callable[[Any], Tensor] | None, data: list[Tensor]) -> Any:
         """F, I and W on `message` (called as the runtime calls a stage); returns the output."""
@@ -101,6 +105,41 @@ class _PartRun:
         self.part.zero_grad(set_to_none=True)
         if self.fused:
             self.times[3].append(self._fused(message, loss, data))
+        return out
+
+    def selective(self, message: _Message, loss: Callable[[Any], Tensor] | None, data: list[Tensor]) -> Any:
+        """F under selective checkpointing (the runtime's policy, `selective_context`), then I (timed, with its
+        recompute) and W, timed as `once` times them; returns the output. Keeps the bytes the forward saved: the
+        policy's saved outputs and the input leaves, counted by the `SavedBytes` rule."""
+        inputs = [t.detach().requires_grad_(g) for t, g in zip(message.leaves, message.grads, strict=True)]
+        leaves = [t for t in inputs if t.requires_grad]
+        self.meter.start(kept=leaves, data=data)
+
+        def keep(output: Any) -> None:
+            self.meter.keep(tensor_leaves(output))
+
+        def run(*args: Tensor) -> Any:
+            return call(self.part, message.form, list(args))
+
+        _sync(inputs)
+        start = self._cool(None)
+        with self.meter.counting():
+            out = checkpoint(run, *inputs, context_fn=lambda: selective_context(keep))
+            roots = _roots(out, loss)
+        _sync(tensor_leaves(out))
+        mid = self.timer()
+        i_start = self._cool(mid)
+        self.selective_saved = self.meter.total
+        _, work = stage_backward_input([get_gradient_edge(r) for r in roots], [torch.ones_like(r) for r in roots],
+                                       leaves, self.params)
+        _sync(leaves or tensor_leaves(out))
+        after_i = self.timer()
+        self._cool(after_i)
+        stage_backward_weight(work)
+        _sync(self.params)
+        self.timer()
+        self.selective_i.append(after_i - i_start)
+        self.part.zero_grad(set_to_none=True)
         return out
 
     def _cool(self, now: float | None) -> float:
@@ -139,7 +178,8 @@ def profile_parts(parts: Sequence[nn.Module], sample_input: Any, *, target: Any 
                   loss_fn: Callable[[Any, Any], Tensor] | None = None, repeats: int = 3, warmup: int = 1,
                   microbatch_size: int | None = None, fit_rows: int | None = None, fused: bool = True,
                   evict_bytes: int = 0, timer: Timer = time.perf_counter,
-                  meta: dict[str, Any] | None = None, tp_plan: TPPlan | None = None) -> Profile:
+                  meta: dict[str, Any] | None = None, tp_plan: TPPlan | None = None,
+                  selective: bool = True) -> Profile:
     """Measure each part on one microbatch, the parts run in order so each sees its real input.
 
     Per part: the fastest of `repeats` runs (after `warmup` unmeasured ones; run round by round
@@ -170,6 +210,12 @@ def profile_parts(parts: Sequence[nn.Module], sample_input: Any, *, target: Any 
     part's `PartProfile.tp` (`tp.facts`: the collectives a TP rank issues, with the bytes of the whole
     activations of this forward, and the parameters the plan leaves whole) and `Profile.tp_degrees`, what the planner
     needs to plan T > 1. The parts themselves are profiled whole.
+
+    `selective`: afterwards run each part again under the runtime's selective checkpointing (`repeats` runs after
+    `warmup`, the clock read as for F, I and W): the bytes its forward saves under the policy and how much longer
+    its I takes with the recompute (`PartProfile.selective_activation_bytes`, `selective_recompute_s`, what the
+    planner weighs selective checkpointing with); a part the policy cannot run leaves them unset for every part
+    (the reason in `meta["selective_error"]`).
     """
     if not parts:
         raise ValueError("profile_parts needs at least one part, got none")
@@ -191,9 +237,39 @@ def profile_parts(parts: Sequence[nn.Module], sample_input: Any, *, target: Any 
         fewer = _measure(parts, _head(sample_input, small, rows), _head(target, small, rows), loss_fn,
                          (repeats, warmup, fused), timer, evict)
         measured = [_affine(full, part, rows, small) for full, part in zip(measured, fewer, strict=True)]
-    return _with_tp(Profile(tuple(measured), size, dict(meta or {}, repeats=repeats, warmup=warmup,
-                                                        fit_rows=max(small, 0), evict_bytes=evict_bytes,
-                                                        torch=torch.__version__)), parts, sample_input, tp_plan)
+    facts = dict(meta or {}, repeats=repeats, warmup=warmup, fit_rows=max(small, 0), evict_bytes=evict_bytes,
+                 torch=torch.__version__)
+    if selective:
+        try:
+            measured = _selective(parts, sample_input, target, loss_fn, (repeats, warmup), timer, evict, measured)
+        except RuntimeError as exc:  # an operator the selective policy cannot recompute: the lever is not planned
+            facts["selective_error"] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return _with_tp(Profile(tuple(measured), size, facts), parts, sample_input, tp_plan)
+
+
+def _selective(parts: Sequence[nn.Module], sample_input: Any, target: Any,
+               loss_fn: Callable[[Any, Any], Tensor] | None, runs: tuple[int, int], timer: Timer,
+               evict: Tensor | None, measured: Sequence[PartProfile]) -> list[PartProfile]:
+    """`measured` with each part's selective-checkpointing figures: the bytes its forward saves under the runtime's
+    selective policy, and how much longer its I takes (the fastest of the kept runs, less the plain I measured);
+    `runs`: (repeats, warmup), run round by round over the parts as `_measure` runs them."""
+    repeats, warmup = runs
+    first = _Message.of(sample_input, "sample_input", grads=False)
+    data = list(first.leaves) + tensor_leaves(target)
+    timed = [_PartRun(part, timer, False, evict) for part in parts]
+    for attempt in range(warmup + repeats):
+        message = first
+        for k, run in enumerate(timed):
+            last = k == len(parts) - 1
+            loss = (lambda out: loss_fn(out, target)) if last and loss_fn is not None else None  # noqa: E731
+            output = run.selective(message, loss, data)
+            if attempt < warmup:
+                run.selective_i = []
+            message = _Message.of(output, f"the output of part {k}", grads=True)
+            message.leaves = [t.detach() for t in message.leaves]
+    return [replace(p, selective_activation_bytes=run.selective_saved,
+                    selective_recompute_s=max(0.0, min(run.selective_i) - p.backward_input_s))
+            for p, run in zip(measured, timed, strict=True)]
 
 
 def _with_tp(profile: Profile, parts: Sequence[nn.Module], sample_input: Any, plan: TPPlan | None) -> Profile:

@@ -308,12 +308,13 @@ def test_measurements_are_cached_per_parts_and_sample(tmp_path: Any) -> None:
                                                                schedule_options=options), setup, (x, y))
 
     first = choice(16, HEAVY_LAST)
-    assert first.source.startswith("measured, cached in ") and clocks[0].reads == 16
+    # 4 reads per part and run, 4 parts, one run plain and one under selective checkpointing
+    assert first.source.startswith("measured, cached in ") and clocks[0].reads == 32
     again = choice(16, UNIFORM)  # a different clock: were it read, the plan would change
     assert again.source == f"cache {first.source.split('cached in ')[1]}" and clocks[1].reads == 0
     assert again.plan == first.plan and again.profile == first.profile and again.groups == (3, 1)
     other = choice(32, UNIFORM)
-    assert other.source.startswith("measured") and clocks[2].reads == 16 and other.groups == (1, 1, 1, 1)
+    assert other.source.startswith("measured") and clocks[2].reads == 32 and other.groups == (1, 1, 1, 1)
     assert len(list(tmp_path.glob("*.json"))) == 2
 
 
@@ -385,9 +386,10 @@ def test_the_planners_memory_levers_reach_the_config_that_runs() -> None:
         return _plan_config(config, dict(config.schedule_options), 8, setup, lambda zero, options: None)
 
     free = planned(PipelineConfig(schedule=AUTO))
-    assert free.checkpointing == (False, True) and free.reshard_windows == (1, None)
-    assert planned(PipelineConfig(schedule=AUTO, activation_checkpointing=True)).checkpointing == (True,)
-    assert planned(PipelineConfig(schedule=AUTO, activation_checkpointing=[0])).checkpointing == (False,)
+    assert free.checkpointing == ("off", "selective", "full") and free.reshard_windows == (1, None)
+    assert planned(PipelineConfig(schedule=AUTO, activation_checkpointing=True)).checkpointing == ("full",)
+    assert planned(PipelineConfig(schedule=AUTO, activation_checkpointing="selective")).checkpointing == ("selective",)
+    assert planned(PipelineConfig(schedule=AUTO, activation_checkpointing=[0])).checkpointing == ("off",)
     fixed = planned(PipelineConfig(schedule=AUTO, data_parallel=DataParallelConfig(zero_stage=3, reshard_window=2)))
     assert fixed.zero_stages == (3,) and fixed.reshard_windows == (2,)
     parts = tuple(PartProfile(1e-3, 1e-3, 1e-3, 1024, 1024, 64, 64) for _ in range(4))

@@ -33,12 +33,16 @@ def test_the_fastest_measured_run_of_each_pass_after_warmup() -> None:
     parts = [mlp(), mlp()]
     # round by round over the parts: a warm-up round (discarded), then three rounds
     timer = ScriptedTimer([(50, 50, 50), (60, 60, 60), (1, 4, 7), (0.5, 0.1, 0.2), (3, 5, 9), (0.4, 0.3, 0.1),
-                           (2, 6, 8), (0.6, 0.2, 0.3)])
+                           (2, 6, 8), (0.6, 0.2, 0.3),
+                           # then the same rounds under selective checkpointing: I with its recompute
+                           (50, 50, 50), (60, 60, 60), (1, 5, 7), (0.5, 0.3, 0.2), (1, 4.5, 7), (0.4, 0.2, 0.1),
+                           (1, 6, 7), (0.6, 0.25, 0.3)])
     profile = profile_parts(parts, torch.randn(4, 8), repeats=3, warmup=1, fit_rows=0, fused=False, timer=timer)
     assert not timer.reads, "four timer reads per run"
     p0, p1 = profile.parts
     assert (p0.forward_s, p0.backward_input_s, p0.backward_weight_s) == (1, 4, 7)
     assert (p1.forward_s, p1.backward_input_s, p1.backward_weight_s) == pytest.approx((0.4, 0.1, 0.1))
+    assert (p0.selective_recompute_s, p1.selective_recompute_s) == pytest.approx((0.5, 0.1))
     assert profile.microbatch_size == 4 and profile.meta["repeats"] == 3 and profile.meta["warmup"] == 1
 
 
@@ -49,13 +53,15 @@ def test_the_affine_fit_splits_each_pass_into_fixed_and_per_row_time() -> None:
     full = tuple(c + 4 * r for c, r in zip(fixed, per_row, strict=True))
     one = tuple(c + 1 * r for c, r in zip(fixed, per_row, strict=True))
     timer = ScriptedTimer([full, full, one, one])  # warm-up + run on 4 rows, then on 1 row
-    profile = profile_parts([mlp()], torch.randn(4, 8), repeats=1, warmup=1, fit_rows=1, fused=False, timer=timer)
+    profile = profile_parts([mlp()], torch.randn(4, 8), repeats=1, warmup=1, fit_rows=1, fused=False, timer=timer,
+                            selective=False)
     (p,) = profile.parts
     assert p.fixed == pytest.approx(fixed) and profile.meta["fit_rows"] == 1
     assert p.scaled(2.0).times == pytest.approx(tuple(c + 8 * r for c, r in zip(fixed, per_row, strict=True)))
     # one part slower on fewer rows (noise): its fixed part is clamped to the whole time
     timer = ScriptedTimer([(1.0, 1.0, 1.0)] * 2 + [(2.0, 0.1, 1.0)] * 2)
-    (q,) = profile_parts([mlp()], torch.randn(4, 8), repeats=1, warmup=1, fit_rows=2, fused=False, timer=timer).parts
+    (q,) = profile_parts([mlp()], torch.randn(4, 8), repeats=1, warmup=1, fit_rows=2, fused=False, timer=timer,
+                         selective=False).parts
     assert q.fixed == pytest.approx((1.0, 0.0, 1.0))
     for bad in (4, 5, -1):
         with pytest.raises(ValueError, match="fit_rows"):
@@ -79,7 +85,8 @@ def test_the_fused_backward_is_timed_as_the_runtime_runs_b() -> None:
     for f, i, w, b in runs:
         reads += [0.0, f, f + i, f + i + w, 100.0, 100.0 + b]
     timer = ListTimer(reads)
-    (p,) = profile_parts([mlp()], torch.randn(4, 8), repeats=2, warmup=1, fit_rows=0, timer=timer).parts
+    (p,) = profile_parts([mlp()], torch.randn(4, 8), repeats=2, warmup=1, fit_rows=0, timer=timer,
+                         selective=False).parts
     assert not timer.reads and (p.forward_s, p.backward_s, p.backward_fused_s) == (1, 5, 3.5)
     assert p.full_backward_s == 3.5 and p.linear().full_backward_s == 5
     real = profile_parts([mlp()], torch.randn(4, 8), repeats=1, warmup=0).parts[0]
@@ -93,7 +100,7 @@ def test_cold_cache_timing_writes_a_buffer_between_passes_outside_the_timings() 
              200.0, 204.0]  # the fused B: 4
     timer = ListTimer(reads)
     (p,) = profile_parts([mlp()], torch.randn(4, 8), repeats=1, warmup=1, fit_rows=0, fused=False,
-                         evict_bytes=1 << 16, timer=timer).parts
+                         evict_bytes=1 << 16, timer=timer, selective=False).parts
     assert (p.forward_s, p.backward_input_s, p.backward_weight_s) == (1.5, 2.0, 0.5) and len(timer.reads) == 2
     assert cache_evict_bytes() > 0 and cache_evict_bytes(default=7) in (7, cache_evict_bytes())
     with pytest.raises(ValueError, match="evict_bytes >= 0"):
