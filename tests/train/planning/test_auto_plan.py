@@ -402,6 +402,11 @@ def test_the_planners_memory_levers_reach_the_config_that_runs() -> None:
     assert applied.activation_checkpointing is True and applied.num_microbatches == 4
     assert run.summary() == "zbv, M=4, ZeRO 3 (reshard window 1), gradient compression none, activation " \
                             "checkpointing (predicted step 10 ms)"
+    selective = replace(run, zero_stage=0, reshard_window=None, activation_checkpointing="selective")
+    assert AutoChoice(result, Profile(parts, 4), result.schedule, (1, 1, 1, 1), selective).applied(
+        PipelineConfig(schedule=AUTO)).activation_checkpointing == "selective"
+    assert selective.summary() == "zbv, M=4, ZeRO 0, gradient compression none, selective activation " \
+                                  "checkpointing (predicted step 10 ms)"
     kept = replace(run, zero_stage=2, reshard_window=None, activation_checkpointing=False)
     assert AutoChoice(result, Profile(parts, 4), result.schedule, (1, 1, 1, 1), kept).applied(
         PipelineConfig(schedule=AUTO, activation_checkpointing=[1])).activation_checkpointing == [1]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch import Tensor, nn
@@ -197,3 +199,37 @@ def test_leaves_and_bad_arguments() -> None:
         profile_parts([frozen], torch.zeros(2, 3, dtype=torch.int64))
     with pytest.raises(ValueError, match="cannot tell the microbatch size"):
         profile_parts([mlp()], torch.tensor(1.0))
+
+
+class Block(nn.Module):
+    """A transformer-like MLP block: norm, up-projection, GELU, down-projection, residual."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+
+
+def test_selective_checkpointing_is_measured_on_the_real_part_and_planned_from_it() -> None:
+    """Under the runtime's selective policy a block keeps its matmuls' outputs (and its input leaf): less than it
+    keeps plain (the norm's, GELU's saved tensors), more than full checkpointing (the input alone)."""
+    from duplexpipe.planner.plan import PlanConfig, checkpointed, plan
+
+    torch.manual_seed(0)
+    width, rows, seq = 16, 4, 8
+    profile = profile_parts([Block(width), Block(width)], torch.randn(rows, seq, width), repeats=1, warmup=0,
+                            fit_rows=0)
+    first, second = profile.parts
+    matmuls = rows * seq * (4 * width + width) * 4  # float32 outputs of the up and down projections
+    assert first.selective_activation_bytes == matmuls  # its input is the caller's sample: never counted
+    assert second.selective_activation_bytes == matmuls + first.output_bytes  # and the input leaf its I keeps
+    full = checkpointed(profile.parts)[0][1]
+    assert full.activation_bytes < second.selective_activation_bytes < second.activation_bytes
+    assert second.selective_recompute_s is not None and second.selective_recompute_s >= 0
+    assert "selective_error" not in profile.meta
+    base = PlanConfig(ranks=2, batch=16, memory=2**40, schedules=("1f1b",), microbatches=(4,))
+    alone = plan(profile, replace(base, checkpointing=("selective",))).best
+    best = plan(profile, replace(base, memory=int(alone.peak_bytes))).best
+    assert best.checkpointing == "selective" and best.peak_bytes == alone.peak_bytes
