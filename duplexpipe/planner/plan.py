@@ -18,6 +18,7 @@ from duplexpipe.planner.candidates import (
     candidates,
     checkpointing_policy,
     compressions,
+    planned_offloads,
     planned_policies,
     runtime_checkpointing,
     schedule_label,
@@ -33,6 +34,7 @@ from duplexpipe.planner.dp_comm import (
 )
 from duplexpipe.planner.machine import Machine, simulate_shared
 from duplexpipe.planner.memory import GLOO_RECEIVES_AHEAD, MemoryConfig, RankMemory, StageBytes, rank_memory
+from duplexpipe.planner.offload import OFFLOAD_FRACTIONS, check_fraction, copy_time, moves, offload_label
 from duplexpipe.planner.profile import PartProfile, Profile
 from duplexpipe.planner.tp_comm import DEFAULT_TP_BANDWIDTH, local_profile, tp_refusal
 from duplexpipe.schedules import registry
@@ -109,6 +111,14 @@ class PlanConfig:
     where every part has them: `PartProfile.selective_activation_bytes`); "full" (or True), every stage keeping its
     inputs only, its backward running the forward once more. A policy is tried only where the candidate with the
     next lighter one (full -> selective -> off) is over the cap."""
+    host_link: Link | None = None
+    """The copy link between a rank's device and host memory (bandwidth, latency), what activation offload moves
+    its saved tensors over; None (unknown, the default): offload is never planned."""
+    offload: tuple[bool | float, ...] = OFFLOAD_FRACTIONS
+    """Activation offloads to try where `host_link` is known (`PipelineConfig.activation_offload`'s values: a
+    fraction 0 < f < 1 of the live forwards, True all but the one whose backward is next; a fraction of 1 is
+    planned as True), each only where the next smaller one is over the cap (and before checkpointing is tried:
+    a policy is tried only where the same offload without it is over the cap)."""
 
 
 @dataclass(frozen=True)
@@ -147,6 +157,10 @@ class PlanRow:
     """ZeRO-3's residency window in stages (None: all of a rank's stages, or not ZeRO-3)."""
     checkpointing: str = "off"
     """Activation checkpointing of every stage: "off", "selective" or "full" (`candidates.CHECKPOINTING`)."""
+    offload: bool | float = False
+    """Activation offload (`PipelineConfig.activation_offload`'s value): False, a fraction, or True."""
+    offload_s: float = 0.0
+    """What the offload's copies add to the step (in `step_s`): beyond the compute each overlaps."""
 
     @property
     def activation_checkpointing(self) -> bool | str:
@@ -163,7 +177,8 @@ class PlanRow:
     @property
     def label(self) -> str:
         """The plan in a few words: "zbv M=8 ZeRO 3/w1, checkpointed" ("selectively checkpointed")."""
-        return f"{self.schedule} M={self.microbatches} ZeRO {self.zero_label}" + _checkpointed(self.checkpointing)
+        return f"{self.schedule} M={self.microbatches} ZeRO {self.zero_label}" + _checkpointed(self.checkpointing) + \
+            ("" if self.offload is False else f", offload {offload_label(self.offload)}")
 
     @property
     def over_cap(self) -> bool:
@@ -186,6 +201,7 @@ class PlanRow:
                                "compression": self.compression, "pp": self.ranks, "dp": self.dp, "tp": self.tp,
                                "reshard_window": self.window,
                                "activation_checkpointing": self.activation_checkpointing,
+                               "activation_offload": self.offload, "offload_s": self.offload_s,
                                "rejected": self.rejected or None}
         for key in ("step_s", "makespan_s", "bubble", "dp_exposed_s", "peak_bytes"):
             value = getattr(self, key)
@@ -227,15 +243,15 @@ class PlanResult:
 
     def table(self, limit: int | None = None) -> str:
         """The candidates as fixed-width text, best first (at most `limit` rows)."""
-        head = (f"{'schedule':<26} {'M':>4} {'ZeRO':>5} {'compression':<16} {'PxDxT':>7} {'ckpt':>9} {'step':>10} "
-                f"{'bubble':>7} {'peak/rank':>10}  why rejected")
+        head = (f"{'schedule':<26} {'M':>4} {'ZeRO':>5} {'compression':<16} {'PxDxT':>7} {'ckpt':>9} {'offload':>7} "
+                f"{'step':>10} {'bubble':>7} {'peak/rank':>10}  why rejected")
         lines = [head]
         for row in self.rows[:limit]:
             step = _time(row.step_s) if not math.isnan(row.step_s) else "-"
             peak = format_bytes(row.peak_bytes) if not math.isnan(row.peak_bytes) else "-"
             bubble = f"{row.bubble:.1%}" if not math.isnan(row.bubble) else "-"
             lines.append(f"{row.schedule:<26} {row.microbatches:>4} {row.zero_label:>5} {row.compression:<16} "
-                         f"{row.mesh:>7} {row.checkpointing:>9} {step:>10} {bubble:>7} "
+                         f"{row.mesh:>7} {row.checkpointing:>9} {offload_label(row.offload):>7} {step:>10} {bubble:>7} "
                          f"{peak:>10}  {row.rejected}".rstrip())
         return "\n".join(lines)
 
@@ -269,11 +285,11 @@ def evaluate(profile: Profile, config: PlanConfig) -> list[Evaluated]:
     cap, a ZeRO-3 window only below the schedule's stages per rank."""
     methods = {zero: accepted(config, zero) for zero in zero_stages(config)}
     below = max((zero for zero in methods if zero < 3), default=None)
-    policies = planned_policies(profile, config)
+    policies, offloads = planned_policies(profile, config), planned_offloads(config)
     done: dict[Any, PlanRow] = {}
     out: list[Evaluated] = []
     for candidate in candidates(profile, config):
-        lighter = candidate.lighter(below, policies)
+        lighter = candidate.lighter(below, policies, offloads)
         if lighter is not None and not (lighter.key in done and done[lighter.key].over_cap):
             continue
         evaluated = _evaluate(profile, config, candidate, methods[candidate.zero])
@@ -295,7 +311,8 @@ def ranked(evaluated: Sequence[Evaluated], config: PlanConfig, world: int | None
     assert context is not None
     out = [row for row, _ in fits] + [r for r in rows if not r.feasible]
     return PlanResult(context.config, tuple(out), _advice(context.config, best, context), context.schedule, world,
-                      decided(rows, best, config.memory) + policy_note(rows, best, config))
+                      decided(rows, best, config.memory) + policy_note(rows, best, config) +
+                      offload_note(rows, best, config))
 
 
 def decided(rows: Sequence[PlanRow], best: PlanRow, cap: float) -> str:
@@ -338,6 +355,16 @@ def policy_note(rows: Sequence[PlanRow], best: PlanRow, config: PlanConfig) -> s
     return f"; checkpointing {best.checkpointing} ({', '.join(notes)})"
 
 
+def offload_note(rows: Sequence[PlanRow], best: PlanRow, config: PlanConfig) -> str:
+    """What `best`'s offload costs, or, when memory decided and no host link is known, that offload was not
+    planned ("" otherwise)."""
+    if best.offload is not False:
+        return f"; offload {offload_label(best.offload)} (copies add {_time(best.offload_s)} beyond the compute)"
+    if config.host_link is None and any(r.over_cap and r.step_s < best.step_s for r in rows):
+        return "; activation offload not planned: no host-copy bandwidth known"
+    return ""
+
+
 def check(profile: Profile, config: PlanConfig) -> None:
     """PlanError for settings that allow no candidate, or a profile that cannot be planned on `config`'s mesh."""
     for name in ("ranks", "batch", "memory", "dp", "tp"):
@@ -367,6 +394,11 @@ def check(profile: Profile, config: PlanConfig) -> None:
                         f"{config.reshard_windows!r} and {config.checkpointing!r}")
     for policy in config.checkpointing:
         checkpointing_policy(policy)
+    for value in config.offload:
+        try:
+            check_fraction(value)
+        except ValueError as exc:
+            raise PlanError(f"plan needs {exc}") from None
     if not planned_policies(profile, config):
         raise PlanError("plan allows only selective checkpointing, but the profile has no selective-checkpointing "
                         "figures; profile the parts again (profile_parts measures them) or allow off or full")
@@ -392,7 +424,7 @@ def _evaluate(profile: Profile, config: PlanConfig, candidate: Candidate,
     trainer accepts with its ZeRO stage, and why it refuses the others."""
     name, options, m, zero = candidate.schedule, candidate.options, candidate.microbatches, candidate.zero
     reject = PlanRow(schedule_label(name, options), m, zero, ranks=config.ranks, dp=config.dp, tp=config.tp,
-                     window=candidate.window, checkpointing=candidate.checkpointing)
+                     window=candidate.window, checkpointing=candidate.checkpointing, offload=candidate.offload)
     local = config.batch // config.dp
     if local % m:
         return _why(reject, f"batch/D = {local} does not split into {m} microbatches"), None
@@ -406,7 +438,7 @@ def _evaluate(profile: Profile, config: PlanConfig, candidate: Candidate,
     # ranks sharing CPU cores talk over gloo: sends held until a reply proves them received, receives posted ahead
     gloo = config.cores is not None
     mem_config = MemoryConfig(config.optimizer_factor, config.gradient_factor, zero, config.dp, sends_held=gloo,
-                              receives_ahead=GLOO_RECEIVES_AHEAD if gloo else 0)
+                              receives_ahead=GLOO_RECEIVES_AHEAD if gloo else 0, offload=candidate.offload)
     excess = [0.0] * config.ranks
     sharded = None
     for _ in range(2 if name == "auto" else 1):  # auto: once more with the overshoot taken off its budget
@@ -421,16 +453,21 @@ def _evaluate(profile: Profile, config: PlanConfig, candidate: Candidate,
         if zero_stage(zero).shard_params:
             sharded = add_unshard_reshard(schedule, candidate.window or _most_stages(schedule))
             tail += gather_time(schedule, sharded, cost, groups, config)
-        memory = rank_memory(sharded or schedule, timeline, StageBytes.of(schedule, groups, recompute), mem_config)
+        sizes = StageBytes.of(schedule, groups, recompute)
+        memory = rank_memory(sharded or schedule, timeline, sizes, mem_config)
         excess = [e + max(0.0, r.peak - config.memory) for e, r in zip(excess, memory, strict=True)]
         if max(r.peak for r in memory) <= config.memory:
             break
     peak = max(r.peak for r in memory)
+    copies = 0.0
+    if candidate.offload is not False and config.host_link is not None:
+        copies = copy_time(moves(timeline, candidate.offload), sizes.activation, config.host_link, config.ranks)
+        tail += copies
     method, step = _choose_compression(schedule, timeline, groups, config, zero, methods[0])
     step += tail
     row = replace(reject, compression=method.name, step_s=step, makespan_s=timeline.makespan,
-                  bubble=timeline.bubble_ratio, dp_exposed_s=step - timeline.makespan, peak_bytes=peak,
-                  memory=tuple(memory))
+                  bubble=timeline.bubble_ratio, dp_exposed_s=step - timeline.makespan - copies, peak_bytes=peak,
+                  memory=tuple(memory), offload_s=copies)
     context = _Context(schedule, timeline, groups, config, sharded)
     if peak > config.memory:
         return _why(row, f"peak {format_bytes(peak)} > cap {format_bytes(config.memory)}"), context
@@ -642,7 +679,9 @@ def _nothing_fits(rows: Sequence[PlanRow], config: PlanConfig) -> PlanError:
     cap = math.ceil(low.peak_bytes)
     return PlanError(f"no plan fits {format_bytes(config.memory)} per rank; the smallest feasible cap is "
                      f"{format_bytes(cap)} = {cap} bytes ({low.schedule}, M={low.microbatches}, ZeRO {low.zero_label}"
-                     f"{_checkpointed(low.checkpointing)}, P x D x T = {low.mesh})", cap)
+                     f"{_checkpointed(low.checkpointing)}"
+                     f"{'' if low.offload is False else ', offload ' + offload_label(low.offload)}, "
+                     f"P x D x T = {low.mesh})", cap)
 
 
 def _advice(config: PlanConfig, best: PlanRow, context: _Context) -> str:

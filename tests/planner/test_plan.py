@@ -325,7 +325,7 @@ def test_selective_checkpointing_is_chosen_where_only_it_fits_and_says_why() -> 
     assert not [r for r in result.rows if r.checkpointing == "full"], "full is tried only where selective is over"
     assert result.decided.startswith(f"memory: 1f1b M=8 ZeRO 0 needs {format_bytes(alone['off'].peak_bytes)} > ")
     assert result.decided.endswith(f"; checkpointing selective (off needs {format_bytes(alone['off'].peak_bytes)}, "
-                                   "full not needed)")
+                                   "full not needed); activation offload not planned: no host-copy bandwidth known")
     assert "1f1b M=8 ZeRO 0, selectively checkpointed fits at" in result.decided
     assert result.to_dict()["best"]["activation_checkpointing"] == "selective"
     assert "selective" in result.table().splitlines()[1]
@@ -338,7 +338,8 @@ def test_full_checkpointing_is_chosen_only_where_selective_does_not_fit() -> Non
     assert result.best.checkpointing == "full" and result.best.activation_checkpointing is True
     assert result.decided.endswith(f"; checkpointing full (off needs "
                                    f"{format_bytes(plan(heavy, replace(base, checkpointing=(False,))).best.peak_bytes)}"
-                                   f", selective needs {format_bytes(sel.peak_bytes)})")
+                                   f", selective needs {format_bytes(sel.peak_bytes)}); activation offload not "
+                                   "planned: no host-copy bandwidth known")
     # a profile without selective figures never plans selective, and says so
     unmeasured = plan(selective_heavy(measured=False), replace(base, memory=int(sel.peak_bytes)))
     assert unmeasured.best.checkpointing == "full"
