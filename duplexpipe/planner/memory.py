@@ -10,7 +10,7 @@ from typing import Any
 
 from duplexpipe.errors import ProfileError
 from duplexpipe.planner.dp_comm import zero_stage
-from duplexpipe.planner.offload import moves
+from duplexpipe.planner.host_offload import moves
 from duplexpipe.planner.profile import PartProfile, Profile, load_profile
 from duplexpipe.schedules.ir import Op, Schedule
 from duplexpipe.schedules.timeline import Timeline
@@ -42,7 +42,7 @@ class MemoryConfig:
     same peer was taken (the step's start for the first ones), not only from when its message was made."""
     offload: bool | float = False
     """Activation offload (`PipelineConfig.activation_offload`): a forward's saved bytes leave the rank while they
-    are on host (`offload.moves`, the runtime's plan over the timeline); False: none."""
+    are on host (`host_offload.moves`, the runtime's plan over the timeline); False: none."""
 
     def __post_init__(self) -> None:
         for name in ("optimizer_factor", "gradient_factor"):
