@@ -32,9 +32,9 @@ from duplexpipe.planner.dp_comm import (
     reduction_time,
     zero_stage,
 )
+from duplexpipe.planner.host_offload import OFFLOAD_FRACTIONS, check_fraction, copy_time, moves, offload_label
 from duplexpipe.planner.machine import Machine, simulate_shared
 from duplexpipe.planner.memory import GLOO_RECEIVES_AHEAD, MemoryConfig, RankMemory, StageBytes, rank_memory
-from duplexpipe.planner.host_offload import OFFLOAD_FRACTIONS, check_fraction, copy_time, moves, offload_label
 from duplexpipe.planner.profile import PartProfile, Profile
 from duplexpipe.planner.tp_comm import DEFAULT_TP_BANDWIDTH, local_profile, tp_refusal
 from duplexpipe.schedules import registry
