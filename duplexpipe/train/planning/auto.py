@@ -52,6 +52,7 @@ from duplexpipe.train.planning.calibration import (
     Calibration,
     CalibrationSetup,
     calibrate,
+    measure_host_link,
     measure_link,
     measure_tp_link,
 )
@@ -164,7 +165,8 @@ def resolved(config: PipelineConfig, groups: ParallelGroups) -> PlannedPipeline:
                   compression_options(config.data_parallel.grad_compression),
                   reshard_window=config.data_parallel.reshard_window,
                   activation_checkpointing=config.activation_checkpointing
-                  if config.activation_checkpointing in (True, "full", "selective") else False)
+                  if config.activation_checkpointing in (True, "full", "selective") else False,
+                  activation_offload=config.activation_offload)
     return PlannedPipeline(config, schedule, run, _sizes(groups))
 
 
@@ -261,6 +263,8 @@ def _plan_config(config: PipelineConfig, options: dict[str, Any], rows: int, set
     if dp.reshard_window is not None:
         values["reshard_windows"] = (dp.reshard_window,)
     values["checkpointing"] = planned_checkpointing(config.activation_checkpointing)
+    if config.activation_offload is not False:  # fixed as given, planned as none (its memory counted whole)
+        values["host_link"] = None
     if dp.grad_compression is not None:
         fixed = compression_options(dp.grad_compression)
         # adaptive: the planner picks the controller's starting rung among the ladder's (ZeRO has no adaptive form)
@@ -325,7 +329,8 @@ def choose(parts: PartSource, loss_fn: LossFn, optimizer: OptimizerFactory, conf
     any training, when the parts or the sample are unusable or no candidate fits the limit (naming the smallest
     feasible cap)."""
     profile, plan_config, source = measure(parts, loss_fn, optimizer, config, setup, sample)
-    links = [key for key in ("p2p_link", "tp_link") if key not in config.schedule_options]
+    links = [key for key in ("p2p_link", "tp_link", "host_link") if key not in config.schedule_options
+             and (key != "host_link" or config.activation_offload is False)]  # a fixed offload is planned as none
     profile, plan_config, note = with_calibration(profile, plan_config, links)
     return _decide(profile, plan_config, f"{source}; {note}" if note else source)
 
@@ -371,7 +376,7 @@ def measure(parts: PartSource, loss_fn: LossFn, optimizer: OptimizerFactory, con
                                            settings=calibration)
         meta = dict(profile.meta, calibration_walls=walls, calibration_mesh=_calibration_mesh(setup, rows),
                     calibration_samples=[[s.actions, s.messages, s.seconds, s.compute] for s in samples])
-        meta.update(_links(profile.at_microbatch(rows / min(measured)), setup.groups, options))
+        meta.update(_links(profile.at_microbatch(rows / min(measured)), setup, options))
         if isinstance(fitted, str):
             LOGGER.warning("schedule='auto': the in-pipeline calibration could not separate its terms (%s); "
                            "planning without the runtime's work", fitted)
@@ -391,11 +396,15 @@ def _calibration_mesh(setup: PlanSetup, rows: int) -> dict[str, Any]:
     return {"ranks": setup.groups.pp_size, "batch": rows, "cores": shared}
 
 
-def _links(profile: Profile, groups: ParallelGroups, options: dict[str, Any]) -> dict[str, list[float]]:
+def _links(profile: Profile, setup: PlanSetup, options: dict[str, Any]) -> dict[str, list[float]]:
     """The links the calibration measures (collective: call on every rank), those `options` does not give: the
-    stage-to-stage link with the largest message of `profile` (at the smallest candidate microbatch's scale) and,
-    under TP, the TP group's with its largest collective."""
+    stage-to-stage link with the largest message of `profile` (at the smallest candidate microbatch's scale),
+    under TP the TP group's with its largest collective, and on CUDA the copies to pinned host memory (what
+    activation offload is planned with)."""
+    groups = setup.groups
     out: dict[str, list[float]] = {}
+    if "host_link" not in options and setup.device.type == "cuda":
+        out["host_link"] = list(measure_host_link(setup.device))
     if "p2p_link" not in options:
         message = max((p.output_bytes for p in profile.parts[:-1]), default=4)
         out["p2p_link"] = list(measure_link(groups.pp_rank, int(message)))
@@ -418,7 +427,7 @@ def _decide(profile: Profile, config: PlanConfig, source: str) -> AutoChoice:
         LOGGER.warning("schedule='auto': no measured wire ratio for grad_compression %r; the plan models the "
                        "data-parallel reduction uncompressed", method.name)
     run = RunPlan(best.schedule, best.microbatches, best.zero, method.options or NoCompression(), best.step_s,
-                  best.window, best.activation_checkpointing)
+                  best.window, best.activation_checkpointing, best.offload)
     choice = AutoChoice(result, profile, schedule, tuple(profile.group_sizes(schedule.num_groups)), run, source)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
         LOGGER.info("%s\n%s", choice.summary(), result.table())
