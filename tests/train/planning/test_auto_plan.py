@@ -27,6 +27,7 @@ from duplexpipe.dp_options.compression import (
     PowerSGDOptions,
 )
 from duplexpipe.parallel.mesh import ParallelGroups
+from duplexpipe.planner.dp_comm import Link
 from duplexpipe.planner.plan import PlanConfig, plan
 from duplexpipe.planner.runtime_work import OverheadSample
 from duplexpipe.sizes import memory_bytes
@@ -407,6 +408,13 @@ def test_the_planners_memory_levers_reach_the_config_that_runs() -> None:
         PipelineConfig(schedule=AUTO)).activation_checkpointing == "selective"
     assert selective.summary() == "zbv, M=4, ZeRO 0, gradient compression none, selective activation " \
                                   "checkpointing (predicted step 10 ms)"
+    offloaded = replace(selective, activation_checkpointing=False, activation_offload=0.5)
+    assert AutoChoice(result, Profile(parts, 4), result.schedule, (1, 1, 1, 1), offloaded).applied(
+        PipelineConfig(schedule=AUTO)).activation_offload == 0.5
+    assert offloaded.summary().endswith("gradient compression none, activation offload 50% (predicted step 10 ms)")
+    assert planned(PipelineConfig(schedule=AUTO, activation_offload=True,
+                                  schedule_options={"host_link": Link(1e9)})).host_link is None
+    assert planned(PipelineConfig(schedule=AUTO, schedule_options={"host_link": Link(1e9)})).host_link == Link(1e9)
     kept = replace(run, zero_stage=2, reshard_window=None, activation_checkpointing=False)
     assert AutoChoice(result, Profile(parts, 4), result.schedule, (1, 1, 1, 1), kept).applied(
         PipelineConfig(schedule=AUTO, activation_checkpointing=[1])).activation_checkpointing == [1]
