@@ -208,7 +208,9 @@ def _links(profile: Profile, config: PlanConfig, links: Collection[str]) -> tupl
         measured = profile.meta.get(key)
         if isinstance(measured, list) and len(measured) == 2:
             latency, bandwidth = float(measured[0]), float(measured[1])
-            config = replace(config, **{key: Link(bandwidth=bandwidth, latency=latency)})
+            link = Link(bandwidth=bandwidth, latency=latency)
+            config = replace(config, tp_link=link) if key == "tp_link" else \
+                replace(config, host_link=link) if key == "host_link" else replace(config, p2p_link=link)
             notes.append(f"{LINK_NAMES[key]} {latency * 1e6:.0f} us per message"
                          + (f", {bandwidth / 1e9:.3g} GB/s" if bandwidth < 1e15 else ""))
     return config, notes

@@ -32,7 +32,8 @@ def checkpointing_policy(value: object) -> str:
 
 def runtime_checkpointing(policy: str) -> bool | str:
     """`PipelineConfig.activation_checkpointing`'s value for a policy: False, "selective", or True (full)."""
-    return {"off": False, "selective": "selective", "full": True}[policy]
+    values: dict[str, bool | str] = {"off": False, "selective": "selective", "full": True}
+    return values[policy]
 
 
 def planned_policies(profile: Profile, config: CandidateSettings) -> tuple[str, ...]:
