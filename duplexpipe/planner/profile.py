@@ -115,8 +115,9 @@ class PartProfile:
     `model.stages.selective_context`: the matmuls' and attention's outputs saved, the rest recomputed), measured as
     `activation_bytes` is; None: not measured (the planner then never plans selective checkpointing)."""
     selective_recompute_s: float | None = None
-    """The seconds its input-gradient backward (I) takes longer under selective checkpointing: the recompute of the
-    cheap operators (measured, clamped at 0; None: not measured)."""
+    """The seconds its backward takes longer under selective checkpointing: the recompute of the cheap operators
+    (measured as I + W over the plain I and W, clamped at 0; the planner adds it to I, where the runtime recomputes;
+    None: not measured)."""
 
     @property
     def backward_s(self) -> float:

@@ -72,7 +72,7 @@ class _PartRun:
         self.meter = SavedBytes(part.parameters())
         self.times: tuple[list[float], ...] = ([], [], [], [])
         self.saved = 0
-        self.selective_i: list[float] = []
+        self.selective_backward: list[float] = []
         self.selective_saved = 0
 
     def once(self, message: _Message, loss: Callable[[Any], Tensor] | None, data: list[Tensor]) -> Any:
@@ -108,9 +108,10 @@ class _PartRun:
         return out
 
     def selective(self, message: _Message, loss: Callable[[Any], Tensor] | None, data: list[Tensor]) -> Any:
-        """F under selective checkpointing (the runtime's policy, `selective_context`), then I (timed, with its
-        recompute) and W, timed as `once` times them; returns the output. Keeps the bytes the forward saved: the
-        policy's saved outputs and the input leaves, counted by the `SavedBytes` rule."""
+        """F under selective checkpointing (the runtime's policy, `selective_context`), then I and W (timed together:
+        the recompute runs in I, or in W for a part whose input takes no gradient), the clock read as `once` reads
+        it; returns the output. Keeps the bytes the forward saved: the policy's saved outputs and the input leaves,
+        counted by the `SavedBytes` rule."""
         inputs = [t.detach().requires_grad_(g) for t, g in zip(message.leaves, message.grads, strict=True)]
         leaves = [t for t in inputs if t.requires_grad]
         self.meter.start(kept=leaves, data=data)
@@ -134,11 +135,11 @@ class _PartRun:
                                        leaves, self.params)
         _sync(leaves or tensor_leaves(out))
         after_i = self.timer()
-        self._cool(after_i)
+        w_start = self._cool(after_i)
         stage_backward_weight(work)
         _sync(self.params)
-        self.timer()
-        self.selective_i.append(after_i - i_start)
+        end = self.timer()
+        self.selective_backward.append(after_i - i_start + end - w_start)
         self.part.zero_grad(set_to_none=True)
         return out
 
@@ -213,7 +214,7 @@ def profile_parts(parts: Sequence[nn.Module], sample_input: Any, *, target: Any 
 
     `selective`: afterwards run each part again under the runtime's selective checkpointing (`repeats` runs after
     `warmup`, the clock read as for F, I and W): the bytes its forward saves under the policy and how much longer
-    its I takes with the recompute (`PartProfile.selective_activation_bytes`, `selective_recompute_s`, what the
+    its backward takes with the recompute (`PartProfile.selective_activation_bytes`, `selective_recompute_s`, what the
     planner weighs selective checkpointing with); a part the policy cannot run leaves them unset for every part
     (the reason in `meta["selective_error"]`).
     """
@@ -251,8 +252,9 @@ def _selective(parts: Sequence[nn.Module], sample_input: Any, target: Any,
                loss_fn: Callable[[Any, Any], Tensor] | None, runs: tuple[int, int], timer: Timer,
                evict: Tensor | None, measured: Sequence[PartProfile]) -> list[PartProfile]:
     """`measured` with each part's selective-checkpointing figures: the bytes its forward saves under the runtime's
-    selective policy, and how much longer its I takes (the fastest of the kept runs, less the plain I measured);
-    `runs`: (repeats, warmup), run round by round over the parts as `_measure` runs them."""
+    selective policy, and how much longer its backward takes with the recompute (the fastest I + W of the kept runs,
+    less the plain I and W measured); `runs`: (repeats, warmup), run round by round over the parts as `_measure` runs
+    them."""
     repeats, warmup = runs
     first = _Message.of(sample_input, "sample_input", grads=False)
     data = list(first.leaves) + tensor_leaves(target)
@@ -264,11 +266,11 @@ def _selective(parts: Sequence[nn.Module], sample_input: Any, target: Any,
             loss = (lambda out: loss_fn(out, target)) if last and loss_fn is not None else None  # noqa: E731
             output = run.selective(message, loss, data)
             if attempt < warmup:
-                run.selective_i = []
+                run.selective_backward = []
             message = _Message.of(output, f"the output of part {k}", grads=True)
             message.leaves = [t.detach() for t in message.leaves]
     return [replace(p, selective_activation_bytes=run.selective_saved,
-                    selective_recompute_s=max(0.0, min(run.selective_i) - p.backward_input_s))
+                    selective_recompute_s=max(0.0, min(run.selective_backward) - p.backward_s))
             for p, run in zip(measured, timed, strict=True)]
 
 
