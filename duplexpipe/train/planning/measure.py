@@ -233,45 +233,15 @@ def profile_parts(parts: Sequence[nn.Module], sample_input: Any, *, target: Any 
                          f"got fit_rows={fit_rows}")
     leaves = tensor_leaves(sample_input)
     evict = torch.zeros(evict_bytes // 4, device=leaves[0].device if leaves else None) if evict_bytes else None
-    measured = _measure(parts, sample_input, target, loss_fn, (repeats, warmup, fused), timer, evict)
+    facts = dict(meta or {}, repeats=repeats, warmup=warmup, fit_rows=max(small, 0), evict_bytes=evict_bytes,
+                 torch=torch.__version__)
+    measured = _measure(parts, sample_input, target, loss_fn, (repeats, warmup, fused), timer, evict,
+                        facts if selective else None)
     if small >= 1:
         fewer = _measure(parts, _head(sample_input, small, rows), _head(target, small, rows), loss_fn,
                          (repeats, warmup, fused), timer, evict)
         measured = [_affine(full, part, rows, small) for full, part in zip(measured, fewer, strict=True)]
-    facts = dict(meta or {}, repeats=repeats, warmup=warmup, fit_rows=max(small, 0), evict_bytes=evict_bytes,
-                 torch=torch.__version__)
-    if selective:
-        try:
-            measured = _selective(parts, sample_input, target, loss_fn, (repeats, warmup), timer, evict, measured)
-        except RuntimeError as exc:  # an operator the selective policy cannot recompute: the lever is not planned
-            facts["selective_error"] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     return _with_tp(Profile(tuple(measured), size, facts), parts, sample_input, tp_plan)
-
-
-def _selective(parts: Sequence[nn.Module], sample_input: Any, target: Any,
-               loss_fn: Callable[[Any, Any], Tensor] | None, runs: tuple[int, int], timer: Timer,
-               evict: Tensor | None, measured: Sequence[PartProfile]) -> list[PartProfile]:
-    """`measured` with each part's selective-checkpointing figures: the bytes its forward saves under the runtime's
-    selective policy, and how much longer its backward takes with the recompute (the fastest I + W of the kept runs,
-    less the plain I and W measured); `runs`: (repeats, warmup), run round by round over the parts as `_measure` runs
-    them."""
-    repeats, warmup = runs
-    first = _Message.of(sample_input, "sample_input", grads=False)
-    data = list(first.leaves) + tensor_leaves(target)
-    timed = [_PartRun(part, timer, False, evict) for part in parts]
-    for attempt in range(warmup + repeats):
-        message = first
-        for k, run in enumerate(timed):
-            last = k == len(parts) - 1
-            loss = (lambda out: loss_fn(out, target)) if last and loss_fn is not None else None  # noqa: E731
-            output = run.selective(message, loss, data)
-            if attempt < warmup:
-                run.selective_backward = []
-            message = _Message.of(output, f"the output of part {k}", grads=True)
-            message.leaves = [t.detach() for t in message.leaves]
-    return [replace(p, selective_activation_bytes=run.selective_saved,
-                    selective_recompute_s=max(0.0, min(run.selective_backward) - p.backward_s))
-            for p, run in zip(measured, timed, strict=True)]
 
 
 def _with_tp(profile: Profile, parts: Sequence[nn.Module], sample_input: Any, plan: TPPlan | None) -> Profile:
@@ -286,9 +256,11 @@ def _with_tp(profile: Profile, parts: Sequence[nn.Module], sample_input: Any, pl
 
 def _measure(parts: Sequence[nn.Module], sample_input: Any, target: Any,
              loss_fn: Callable[[Any, Any], Tensor] | None, runs: tuple[int, int, bool],
-             timer: Timer, evict: Tensor | None) -> list[PartProfile]:
+             timer: Timer, evict: Tensor | None, selective: dict[str, Any] | None = None) -> list[PartProfile]:
     """Each part's fastest F, I and W (and fused B) and its bytes, the parts run in order on `sample_input`;
-    `runs`: (repeats, warmup, fused)."""
+    `runs`: (repeats, warmup, fused). `selective` (a profile's meta, or None for none): each round then runs the
+    parts again under selective checkpointing (`_PartRun.selective`), so both see the same moments of the machine;
+    a part the policy cannot run (RuntimeError) leaves the figures unset, its reason in `selective_error`."""
     repeats, warmup, fused = runs
     first = _Message.of(sample_input, "sample_input", grads=False)  # a first stage's input takes no gradient
     data = list(first.leaves) + tensor_leaves(target)  # the caller's batch: never counted
@@ -304,7 +276,31 @@ def _measure(parts: Sequence[nn.Module], sample_input: Any, target: Any,
                 run.times = ([], [], [], [])
             message = _Message.of(outputs[k], f"the output of part {k}", grads=True)
             message.leaves = [t.detach() for t in message.leaves]  # keep the values, free the graph
-    return [run.result(out) for run, out in zip(timed, outputs, strict=True)]
+        if selective is not None and "selective_error" not in selective:
+            try:
+                _selective_round(timed, first, target, loss_fn, data, attempt < warmup)
+            except RuntimeError as exc:  # an operator the selective policy cannot recompute: the lever is not planned
+                selective["selective_error"] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    out = [run.result(o) for run, o in zip(timed, outputs, strict=True)]
+    if selective is None or "selective_error" in selective:
+        return out
+    return [replace(p, selective_activation_bytes=run.selective_saved,
+                    selective_recompute_s=max(0.0, min(run.selective_backward) - p.backward_s))
+            for p, run in zip(out, timed, strict=True)]
+
+
+def _selective_round(timed: Sequence[_PartRun], first: _Message, target: Any,
+                     loss_fn: Callable[[Any, Any], Tensor] | None, data: list[Tensor], warm: bool) -> None:
+    """One round of the parts in order under selective checkpointing (`warm`: a warm-up round, not kept)."""
+    message = first
+    for k, run in enumerate(timed):
+        last = k == len(timed) - 1
+        loss = (lambda out: loss_fn(out, target)) if last and loss_fn is not None else None  # noqa: E731
+        output = run.selective(message, loss, data)
+        if warm:
+            run.selective_backward = []
+        message = _Message.of(output, f"the output of part {k}", grads=True)
+        message.leaves = [t.detach() for t in message.leaves]
 
 
 def _affine(full: PartProfile, fewer: PartProfile, rows: int, small: int) -> PartProfile:

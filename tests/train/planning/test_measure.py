@@ -33,12 +33,12 @@ def mlp(width: int = 8) -> nn.Module:
 def test_the_fastest_measured_run_of_each_pass_after_warmup() -> None:
     torch.manual_seed(0)
     parts = [mlp(), mlp()]
-    # round by round over the parts: a warm-up round (discarded), then three rounds
-    timer = ScriptedTimer([(50, 50, 50), (60, 60, 60), (1, 4, 7), (0.5, 0.1, 0.2), (3, 5, 9), (0.4, 0.3, 0.1),
-                           (2, 6, 8), (0.6, 0.2, 0.3),
-                           # then the same rounds under selective checkpointing: I + W with the recompute
-                           (50, 50, 50), (60, 60, 60), (1, 5, 7), (0.5, 0.3, 0.2), (1, 4.5, 7), (0.4, 0.2, 0.1),
-                           (1, 6, 7), (0.6, 0.25, 0.3)])
+    # round by round over the parts: a warm-up round (discarded), then three rounds; each round runs the parts
+    # again under selective checkpointing (I + W with the recompute)
+    timer = ScriptedTimer([(50, 50, 50), (60, 60, 60), (50, 50, 50), (60, 60, 60),
+                           (1, 4, 7), (0.5, 0.1, 0.2), (1, 5, 7), (0.5, 0.3, 0.2),
+                           (3, 5, 9), (0.4, 0.3, 0.1), (1, 4.5, 7), (0.4, 0.2, 0.1),
+                           (2, 6, 8), (0.6, 0.2, 0.3), (1, 6, 7), (0.6, 0.25, 0.3)])
     profile = profile_parts(parts, torch.randn(4, 8), repeats=3, warmup=1, fit_rows=0, fused=False, timer=timer)
     assert not timer.reads, "four timer reads per run"
     p0, p1 = profile.parts
