@@ -316,9 +316,9 @@ def ranked(evaluated: Sequence[Evaluated], config: PlanConfig, world: int | None
 
 
 def decided(rows: Sequence[PlanRow], best: PlanRow, cap: float) -> str:
-    """Which constraint chose `best` among `rows`: time when no candidate over the cap is faster, else memory
-    (naming the fastest candidate, its need, and what `best` costs beside it)."""
-    over = [r for r in rows if r.over_cap and r.step_s < best.step_s]
+    """Which constraint chose `best` among `rows`: time when no candidate over the cap is as fast, else memory
+    (naming the fastest candidate, its need, and what `best` costs beside it: a lever whose cost hides, +0%)."""
+    over = [r for r in rows if r.over_cap and r.step_s <= best.step_s]
     if not over:
         return f"time: {best.label} is the fastest candidate and fits (peak {format_bytes(best.peak_bytes)})"
     fast = min(over, key=lambda r: (r.step_s, r.peak_bytes))
@@ -360,7 +360,7 @@ def offload_note(rows: Sequence[PlanRow], best: PlanRow, config: PlanConfig) -> 
     planned ("" otherwise)."""
     if best.offload is not False:
         return f"; offload {offload_label(best.offload)} (copies add {_time(best.offload_s)} beyond the compute)"
-    if config.host_link is None and any(r.over_cap and r.step_s < best.step_s for r in rows):
+    if config.host_link is None and any(r.over_cap and r.step_s <= best.step_s for r in rows):
         return "; activation offload not planned: no host-copy bandwidth known"
     return ""
 

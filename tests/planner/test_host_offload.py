@@ -73,7 +73,9 @@ def test_offload_is_planned_only_with_a_host_link_and_priced_by_its_copies() -> 
     assert best.offload is True and best.memory[0].activations == 2 * 16 * MIB  # the nearest and the newest
     assert best.offload_s == 0.0 and best.step_s == plain.step_s  # a copy of 0.25 ms hides behind any compute
     assert fast.to_dict()["best"]["activation_offload"] is True and "all-1" in fast.table().splitlines()[1]
-    assert fast.decided.endswith("; offload all-1 (copies add 0 ms beyond the compute)")
+    assert fast.decided.startswith(f"memory: 1f1b M=8 ZeRO 0 needs {format_bytes(plain.peak_bytes)} > ")
+    assert fast.decided.endswith(f"fits at {format_bytes(best.peak_bytes)}, +0% step; offload all-1 (copies add 0 ms "
+                                 "beyond the compute)")
     slow = plan(heavy(), replace(base, memory=cap, host_link=Link(16 * MIB / 1e-3), offload=(True,))).best
     assert slow.offload_s == pytest.approx(3e-3) and slow.step_s == pytest.approx(plain.step_s + 3e-3)
     assert slow.peak_bytes == best.peak_bytes
