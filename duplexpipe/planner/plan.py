@@ -526,8 +526,9 @@ def checkpointed(groups: Sequence[PartProfile], policy: str = "full") -> tuple[t
     Full: a part saves its inputs only (the previous part's output; the first part's own output stands in for the
     model's input) and runs its forward once more in its input-gradient backward (I, and a fused B). Selective: a
     part saves what the profile measured under the runtime's selective policy (`PartProfile.
-    selective_activation_bytes`) and its I (and a fused B) takes the measured recompute longer
-    (`selective_recompute_s`); ProfileError where a part has no such figures.
+    selective_activation_bytes`), holds what it measured once the recompute ran (`selective_held_bytes`: with the
+    policy's cache, which may keep outputs the backward never takes) and its I (and a fused B) takes the measured
+    recompute longer (`selective_recompute_s`); ProfileError where a part has no such figures.
     """
     out, extra = [], []
     for g, part in enumerate(groups):
@@ -536,12 +537,14 @@ def checkpointed(groups: Sequence[PartProfile], policy: str = "full") -> tuple[t
                 raise ProfileError(f"part {g} of the profile has no selective-checkpointing figures; profile it "
                                    "again to plan selective checkpointing")
             saved, again = min(part.activation_bytes, part.selective_activation_bytes), part.selective_recompute_s
+            held = part.selective_held_bytes if part.selective_held_bytes is not None else part.activation_bytes
         else:
             saved, again = min(part.activation_bytes, (groups[g - 1] if g else part).output_bytes), part.forward_s
+            held = part.activation_bytes
         fused = None if part.backward_fused_s is None else part.backward_fused_s + again
         out.append(replace(part, activation_bytes=saved, backward_input_s=part.backward_input_s + again,
                            backward_fused_s=fused))
-        extra.append(part.activation_bytes - saved)
+        extra.append(max(0, held - saved))
     return tuple(out), tuple(extra)
 
 

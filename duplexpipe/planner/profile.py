@@ -114,6 +114,11 @@ class PartProfile:
     """Bytes its forward keeps for backward when it runs under selective checkpointing (the runtime's policy,
     `model.stages.selective_context`: the matmuls' and attention's outputs saved, the rest recomputed), measured as
     `activation_bytes` is; None: not measured (the planner then never plans selective checkpointing)."""
+    selective_held_bytes: int | None = None
+    """The most it holds once its backward's recompute ran under selective checkpointing (what the backward needs,
+    what the policy's cache still keeps: outputs it saved that the backward never takes, and what the forward saved
+    outside the recompute), measured; held from its I or B to the end of its backward. None: not measured (the
+    planner then takes `activation_bytes`)."""
     selective_recompute_s: float | None = None
     """The seconds its backward takes longer under selective checkpointing: the recompute of the cheap operators
     (measured as I + W over the plain I and W, clamped at 0; the planner adds it to I, where the runtime recomputes;
@@ -148,6 +153,8 @@ class PartProfile:
                        tp=self.tp.scaled(factor) if self.tp is not None else None,
                        selective_activation_bytes=None if self.selective_activation_bytes is None else
                        round(self.selective_activation_bytes * factor),
+                       selective_held_bytes=None if self.selective_held_bytes is None else
+                       round(self.selective_held_bytes * factor),
                        selective_recompute_s=None if self.selective_recompute_s is None else
                        self.selective_recompute_s * factor)
 
@@ -304,6 +311,7 @@ class Profile:
                 backward_fused_fixed_s=_sum([p.backward_fused_fixed_s for p in run]),
                 tp=TPFacts.total([p.tp for p in run]),
                 selective_activation_bytes=_total([p.selective_activation_bytes for p in run]),
+                selective_held_bytes=_total([p.selective_held_bytes for p in run]),
                 selective_recompute_s=_sum([p.selective_recompute_s for p in run])))
             start += count
         return tuple(out)

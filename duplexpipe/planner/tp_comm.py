@@ -77,6 +77,7 @@ def local_part(part: PartProfile, tp: int, link: Link, sequence_parallel: bool) 
         output_bytes=round(part.output_bytes / shard), output_grad_bytes=round(part.output_grad_bytes / shard),
         selective_activation_bytes=None if part.selective_activation_bytes is None else
         round(part.selective_activation_bytes / shard),
+        selective_held_bytes=None if part.selective_held_bytes is None else round(part.selective_held_bytes / shard),
         selective_recompute_s=None if part.selective_recompute_s is None else part.selective_recompute_s / tp)
 
 

@@ -15,9 +15,9 @@ from torch.autograd.graph import get_gradient_edge
 
 from duplexpipe.model.stages import selective_context
 from duplexpipe.planner.profile import PartProfile, Profile
-from duplexpipe.runtime.backward.checkpoint import checkpoint
+from duplexpipe.runtime.backward.checkpoint import RecomputeWatch, checkpoint
 from duplexpipe.runtime.backward.graph import stage_backward_input, stage_backward_weight
-from duplexpipe.runtime.saved_bytes import SavedBytes
+from duplexpipe.runtime.saved_bytes import SavedBytes, storage_key
 from duplexpipe.runtime.structure import Form, call, flatten
 from duplexpipe.tp.facts import tp_degrees, tp_facts
 from duplexpipe.tp.plans import TPPlan
@@ -74,6 +74,7 @@ class _PartRun:
         self.saved = 0
         self.selective_backward: list[float] = []
         self.selective_saved = 0
+        self.selective_held = 0
 
     def once(self, message: _Message, loss: Callable[[Any], Tensor] | None, data: list[Tensor]) -> Any:
         """F, I and W on `message` (called as the runtime calls a stage); returns the output."""
@@ -110,27 +111,39 @@ class _PartRun:
     def selective(self, message: _Message, loss: Callable[[Any], Tensor] | None, data: list[Tensor]) -> Any:
         """F under selective checkpointing (the runtime's policy, `selective_context`), then I and W (timed together:
         the recompute runs in I, or in W for a part whose input takes no gradient), the clock read as `once` reads
-        it; returns the output. Keeps the bytes the forward saved: the policy's saved outputs and the input leaves,
-        counted by the `SavedBytes` rule."""
+        it; returns the output. Keeps the bytes the forward saved (the policy's saved outputs and the input leaves,
+        counted by the `SavedBytes` rule) and the most the part held once its recompute ran (what the backward needs,
+        what the policy's cache still keeps, and what the forward saved outside it; parameters excluded)."""
         inputs = [t.detach().requires_grad_(g) for t, g in zip(message.leaves, message.grads, strict=True)]
         leaves = [t for t in inputs if t.requires_grad]
         self.meter.start(kept=leaves, data=data)
+        cache: dict[int, int] = {}
+        outside: dict[int, int] = {}
+        never = {storage_key(t)[0] for t in (*self.part.parameters(), *data)}  # as the meter: weights, the batch
 
         def keep(output: Any) -> None:
             self.meter.keep(tensor_leaves(output))
+            cache.update(storage_key(t) for t in tensor_leaves(output))
+
+        def recomputed() -> None:
+            held = {**outside, **{a: n for a, n in map(storage_key, watch.held()) if a not in never}}
+            self.selective_held = max(self.selective_held, sum(held.values()))
 
         def run(*args: Tensor) -> Any:
             return call(self.part, message.form, list(args))
 
+        watch = RecomputeWatch(on_recompute=recomputed)
         _sync(inputs)
         self._cool(None)  # read as `once` reads it: the clock keeps its cadence of four reads a run
-        with self.meter.counting():
+        with self.meter.counting(), watch.collecting():
             out = checkpoint(run, *inputs, context_fn=lambda: selective_context(keep))
             roots = _roots(out, loss)
         _sync(tensor_leaves(out))
         mid = self.timer()
         i_start = self._cool(mid)
         self.selective_saved = self.meter.total
+        self.selective_held = self.selective_saved
+        outside.update((a, n) for a, n in self.meter.storages.items() if a not in cache)
         _, work = stage_backward_input([get_gradient_edge(r) for r in roots], [torch.ones_like(r) for r in roots],
                                        leaves, self.params)
         _sync(leaves or tensor_leaves(out))
@@ -284,7 +297,7 @@ def _measure(parts: Sequence[nn.Module], sample_input: Any, target: Any,
     out = [run.result(o) for run, o in zip(timed, outputs, strict=True)]
     if selective is None or "selective_error" in selective:
         return out
-    return [replace(p, selective_activation_bytes=run.selective_saved,
+    return [replace(p, selective_activation_bytes=run.selective_saved, selective_held_bytes=run.selective_held,
                     selective_recompute_s=max(0.0, min(run.selective_backward) - p.backward_s))
             for p, run in zip(out, timed, strict=True)]
 

@@ -227,6 +227,11 @@ def test_selective_checkpointing_is_measured_on_the_real_part_and_planned_from_i
     assert second.selective_activation_bytes == matmuls + first.output_bytes  # and the input leaf its I keeps
     full = checkpointed(profile.parts)[0][1]
     assert full.activation_bytes < second.selective_activation_bytes < second.activation_bytes
+    # once recomputed, a part holds what its backward needs (as plain) and what the policy's cache keeps beside it:
+    # the down projection's output, which the residual add never takes
+    down = rows * seq * width * 4
+    assert (first.selective_held_bytes, second.selective_held_bytes) == \
+        (first.activation_bytes + down, second.activation_bytes + down)
     assert second.selective_recompute_s is not None and second.selective_recompute_s >= 0
     assert "selective_error" not in profile.meta
     base = PlanConfig(ranks=2, batch=16, memory=2**40, schedules=("1f1b",), microbatches=(4,))
