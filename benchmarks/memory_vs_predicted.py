@@ -48,9 +48,10 @@ LEVERS: dict[str, dict[str, Any]] = {"selective": {"activation_checkpointing": "
                                      "offload": {"activation_offload": True}}
 """A case's suffix beside " checkpointed": the PipelineConfig fields it sets."""
 LEVER_NOTES = {
-    "selective": ("selective checkpointing", "the model counts what `profile_parts` measures under the policy, the "
-                  "outputs torch's selective policy caches for the backward among them; the runtime's measurement "
-                  "walks autograd's saved tensors and the recompute's holders, which those cached outputs are not."),
+    "selective": ("selective checkpointing", "the model holds what `profile_parts` measures under the policy (the "
+                  "outputs its cache keeps, the backward's needs once recomputed); as with full checkpointing it holds "
+                  "a stage's whole recompute from its I to its W under a split backward (over) and not the "
+                  "backward's own buffers beside it (under)."),
     "offload": ("offload (True)", "the model moves a forward's saved bytes to host at the end of the forward that "
                 "chose it and back at the start of the compute before its backward (the runtime's plan, over the "
                 "simulated timeline)."),

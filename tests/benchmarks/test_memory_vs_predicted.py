@@ -53,5 +53,5 @@ def test_the_report_gives_each_levers_worst_error_beside_the_plain_verdict() -> 
             "1f1b offload": [_row(100, 30, 100, 25), _row(100, 10, 100, 10)]}
     text = render(bench.report({"config": asdict(cfg), "rows": rows}), markdown=False)
     assert "on every rank (total peak and activations): met." in text
-    assert "With selective checkpointing the worst error is 50%: the model counts" in text
+    assert "With selective checkpointing the worst error is 50%: the model holds what" in text
     assert "With offload (True) the worst error is 20%: the model moves" in text
