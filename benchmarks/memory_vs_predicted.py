@@ -12,8 +12,8 @@ from benchmarks.framework import Block, Part, Result, mark, met
 from benchmarks.runner import main
 from duplexpipe import Pipeline, PipelineConfig, build_schedule, profile_parts, simulate
 from duplexpipe.model.split import build_parts, plan_partition
+from duplexpipe.planner.levers import checkpointed
 from duplexpipe.planner.memory import GLOO_RECEIVES_AHEAD, MemoryConfig, StageBytes, rank_memory
-from duplexpipe.planner.plan import checkpointed
 from duplexpipe.train.pipeline_config import ObserveConfig, SafetyConfig
 
 TARGET = 0.10

@@ -215,7 +215,8 @@ class Block(nn.Module):
 def test_selective_checkpointing_is_measured_on_the_real_part_and_planned_from_it() -> None:
     """Under the runtime's selective policy a block keeps its matmuls' outputs (and its input leaf): less than it
     keeps plain (the norm's, GELU's saved tensors), more than full checkpointing (the input alone)."""
-    from duplexpipe.planner.plan import PlanConfig, checkpointed, plan
+    from duplexpipe.planner.levers import checkpointed
+    from duplexpipe.planner.plan import PlanConfig, plan
 
     torch.manual_seed(0)
     width, rows, seq = 16, 4, 8
