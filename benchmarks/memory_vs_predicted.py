@@ -12,8 +12,8 @@ from benchmarks.framework import Block, Part, Result, mark, met
 from benchmarks.runner import main
 from duplexpipe import Pipeline, PipelineConfig, build_schedule, profile_parts, simulate
 from duplexpipe.model.split import build_parts, plan_partition
+from duplexpipe.planner.levers import checkpointed
 from duplexpipe.planner.memory import GLOO_RECEIVES_AHEAD, MemoryConfig, StageBytes, rank_memory
-from duplexpipe.planner.plan import checkpointed
 from duplexpipe.train.pipeline_config import ObserveConfig, SafetyConfig
 
 TARGET = 0.10
@@ -39,29 +39,45 @@ class MemoryBenchConfig:
     batch_size: int = 32
     steps: int = 2
     checkpointing: tuple[bool, ...] = (False, True)  # each schedule without, then with full checkpointing
+    levers: tuple[str, ...] = ("selective", "offload")  # then with selective checkpointing, with offload (True)
 
 
 QUICK = MemoryBenchConfig(schedules=("1f1b", "zbv"), ranks=2, microbatches=4, n_layer=4, d_model=32, batch_size=8,
-                          checkpointing=(False,))
+                          checkpointing=(False,), levers=())
+LEVERS: dict[str, dict[str, Any]] = {"selective": {"activation_checkpointing": "selective"},
+                                     "offload": {"activation_offload": True}}
+"""A case's suffix beside " checkpointed": the PipelineConfig fields it sets."""
+LEVER_NOTES = {
+    "selective": ("selective checkpointing", "the model holds what `profile_parts` measures under the policy (the "
+                  "outputs its cache keeps, the backward's needs once recomputed); as with full checkpointing it holds "
+                  "a stage's whole recompute from its I to its W under a split backward (over) and not the "
+                  "backward's own buffers beside it (under)."),
+    "offload": ("offload (True)", "the model moves a forward's saved bytes to host at the end of the forward that "
+                "chose it and back at the start of the compute before its backward (the runtime's plan, over the "
+                "simulated timeline)."),
+}
+"""What each lever's report line says after its worst error."""
 
 
 def cases(cfg: MemoryBenchConfig) -> list[str]:
-    """Each schedule's name, then with " checkpointed" where asked."""
-    return [f"{s}{CHECKPOINTED}" if ckpt else s for ckpt in cfg.checkpointing for s in cfg.schedules]
+    """Each schedule's name, then with " checkpointed" where asked, then with each of `cfg.levers`."""
+    return [f"{s}{CHECKPOINTED}" if ckpt else s for ckpt in cfg.checkpointing for s in cfg.schedules] + \
+        [f"{s} {lever}" for lever in cfg.levers for s in cfg.schedules]
 
 
 def _config(case: str, cfg: MemoryBenchConfig) -> PipelineConfig:
-    name, _, ckpt = case.partition(" ")
-    return PipelineConfig(name, cfg.microbatches, grad_clip_norm=1.0, activation_checkpointing=bool(ckpt),
+    name, _, lever = case.partition(" ")
+    levers: dict[str, Any] = {"activation_checkpointing": lever == "checkpointed", **LEVERS.get(lever, {})}
+    return PipelineConfig(name, cfg.microbatches, grad_clip_norm=1.0,
                           safety=SafetyConfig(check_inputs_every_step=False),
-                          observe=ObserveConfig(record_timeline=False, measure_memory=True))
+                          observe=ObserveConfig(record_timeline=False, measure_memory=True), **levers)
 
 
 def predicted(case: str, cfg: MemoryBenchConfig) -> list[dict[str, float]]:
     """The byte model's per-rank memory of `case`: the parts `Pipeline.from_layers` builds (uniform balance), each
     profiled on one microbatch (as the planner checkpoints them where asked), placed by the schedule and simulated
     with unit costs."""
-    name, _, ckpt = case.partition(" ")
+    name, _, lever = case.partition(" ")
     task = harness.gpt(cfg.n_layer, cfg.d_model)
     schedule = build_schedule(name, cfg.ranks, cfg.microbatches)
     blocks = list(task.layers)
@@ -71,9 +87,11 @@ def predicted(case: str, cfg: MemoryBenchConfig) -> list[dict[str, float]]:
     rows = cfg.batch_size // cfg.microbatches
     profile = profile_parts(parts, x[:rows], target=y[:rows], loss_fn=task.loss_fn, repeats=1, warmup=0, fit_rows=0,
                             fused=False)
-    groups, recompute = checkpointed(profile.parts) if ckpt else (tuple(profile.parts), ())
+    policy = {"checkpointed": "full", "selective": "selective"}.get(lever)
+    groups, recompute = checkpointed(profile.parts, policy) if policy else (tuple(profile.parts), ())
     sizes = StageBytes.of(schedule, groups, recompute)
-    gloo = MemoryConfig(optimizer_factor=ADAMW_STATES, sends_held=True, receives_ahead=GLOO_RECEIVES_AHEAD)
+    gloo = MemoryConfig(optimizer_factor=ADAMW_STATES, sends_held=True, receives_ahead=GLOO_RECEIVES_AHEAD,
+                        offload=lever == "offload")
     memory = rank_memory(schedule, simulate(schedule), sizes, gloo)
     return [m.to_dict() for m in memory]
 
@@ -137,7 +155,7 @@ def report(result: Result) -> list[Block]:
     verdicts = [["schedule", "worst rank: total peak error", "activations error", f"within {TARGET:.0%}"]] + [
         [name, f"{w['total']:.2%}", f"{w['activations']:.2%}", mark(max(w.values()) <= TARGET)]
         for name, w in worst.items()]
-    plain = [w for name, w in worst.items() if not name.endswith(CHECKPOINTED)]
+    plain = [w for name, w in worst.items() if " " not in name]
     checkpointed = [w for name, w in worst.items() if name.endswith(CHECKPOINTED)]
     every = all(max(w.values()) <= TARGET for w in plain)
     blocks: list[Block] = [
@@ -158,6 +176,11 @@ def report(result: Result) -> list[Block]:
                       "under a split backward, where W keeps only what its weight gradients need (over); it counts "
                       "what the recompute holds, not the backward's own buffers beside it (under). The measurement "
                       "samples each recompute inside its action and counts what the recomputed regions hold.")
+    for lever in cfg.get("levers", ()):
+        mine = [w for name, w in worst.items() if name.endswith(f" {lever}")]
+        if mine:
+            blocks.append(f"With {LEVER_NOTES[lever][0]} the worst error is {max(max(w.values()) for w in mine):.0%}"
+                          f": {LEVER_NOTES[lever][1]}")
     if "1f1b" in rows:
         acts = [r["measured"]["activations_peak"] for r in rows["1f1b"]]
         blocks.append(f"1F1B: the first rank's measured activation peak is {acts[0] / acts[-1]:.2f}x the last's "

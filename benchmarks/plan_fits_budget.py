@@ -17,8 +17,8 @@ from duplexpipe.train.pipeline_config import DataParallelConfig, ObserveConfig, 
 
 STEP_TARGET = 1.05
 """The planner's plan at most this times the step of the fastest manual plan that fits (paired rounds)."""
-Manual = tuple[str, bool, int, int | None]
-"""(schedule, checkpointed, ZeRO stage, reshard window) of a manual plan."""
+Manual = tuple[str, bool | str, int, int | None]
+"""(schedule, activation_checkpointing (False, "selective" or True), ZeRO stage, reshard window) of a manual plan."""
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,7 @@ class BudgetBenchConfig:
 
     schedules: tuple[str, ...] = ("1f1b", "zb-h1", "interleaved-1f1b", "zbv")
     zero: tuple[tuple[int, int | None], ...] = ((0, None), (1, None), (2, None), (3, 1))  # (stage, window)
+    checkpointing: tuple[bool | str, ...] = (False, "selective", True)  # the policies of the manual grid
     pp: int = 2
     dp: int = 2
     microbatches: int = 8
@@ -43,8 +44,8 @@ class BudgetBenchConfig:
     calibrate: bool = True  # the planner's in-pipeline calibration of the runtime's work (False: its defaults)
 
 
-QUICK = BudgetBenchConfig(schedules=("1f1b", "zbv"), zero=((0, None), (1, None)), microbatches=4, n_layer=4,
-                          d_model=32, batch_size=16, rounds=2, warmup=1, calibrate=False)
+QUICK = BudgetBenchConfig(schedules=("1f1b", "zbv"), zero=((0, None), (1, None)), checkpointing=(False, True),
+                          microbatches=4, n_layer=4, d_model=32, batch_size=16, rounds=2, warmup=1, calibrate=False)
 
 
 def _config(cfg: BudgetBenchConfig, plan: Manual | None, limit: int | None, measure: bool) -> PipelineConfig:
@@ -84,7 +85,8 @@ def _peak(pipe: Pipeline, step: Any, steps: int) -> int:
 
 def grid(cfg: BudgetBenchConfig) -> list[Manual]:
     """Every manual plan: schedule x checkpointing x ZeRO."""
-    return [(s, ckpt, stage, window) for s in cfg.schedules for ckpt in (False, True) for stage, window in cfg.zero]
+    return [(s, ckpt, stage, window) for s in cfg.schedules for ckpt in cfg.checkpointing
+            for stage, window in cfg.zero]
 
 
 def worker(rank: int, world: int, cfg: BudgetBenchConfig) -> dict[str, Any]:
@@ -93,7 +95,7 @@ def worker(rank: int, world: int, cfg: BudgetBenchConfig) -> dict[str, Any]:
     task = harness.gpt(cfg.n_layer, cfg.d_model)
     step = harness.gpt_step(task, cfg.batch_size)
     peaks = {plan: _peak(_build(cfg, plan), step, cfg.memory_steps) for plan in grid(cfg)}
-    plain = min(p for (_, ckpt, stage, _), p in peaks.items() if not ckpt and stage == 0)
+    plain = min(p for (_, ckpt, stage, _), p in peaks.items() if ckpt is False and stage == 0)
     limit = int(cfg.limit_fraction * plain)
     auto = _build(cfg, None, limit)
     assert auto.auto is not None
@@ -113,10 +115,14 @@ def run(cfg: BudgetBenchConfig) -> Result:
     return {"config": asdict(cfg), **lead}
 
 
+POLICY: dict[Any, str] = {False: "off", "selective": "selective", True: "full"}
+"""How the report names a manual plan's checkpointing."""
+
+
 def label(plan: list[Any]) -> str:
     schedule, ckpt, stage, window = plan
     zero = f"ZeRO {stage}" + (f"/w{window}" if window else "")
-    return f"{schedule}, {zero}" + (", checkpointed" if ckpt else "")
+    return f"{schedule}, {zero}" + {False: "", "selective": ", selectively checkpointed"}.get(ckpt, ", checkpointed")
 
 
 def ratios(result: Result) -> list[float]:
@@ -142,7 +148,8 @@ def report(result: Result) -> list[Block]:
     return [
         f"The GPT example ({cfg['n_layer']} blocks, width {cfg['d_model']}, AdamW) on PP={cfg['pp']} x DP={cfg['dp']} "
         f"CPU processes (gloo), {cfg['batch_size']} sequences a step; manual grid: {', '.join(cfg['schedules'])} x "
-        f"checkpointing off/full x ZeRO {', '.join(str(z) for z, _ in cfg['zero'])}, M={cfg['microbatches']}. "
+        f"checkpointing {'/'.join(POLICY[c] for c in cfg['checkpointing'])} x "
+        f"ZeRO {', '.join(str(z) for z, _ in cfg['zero'])}, M={cfg['microbatches']}. "
         f"Limit: {cfg['limit_fraction']:.0%} of the smallest plan without a lever ({result['plain'] / kib:.0f} KiB) = "
         f"{result['limit'] / kib:.0f} KiB per rank; {len(result['fits'])} of {len(result['peaks'])} manual plans fit "
         f"(measured). The planner predicted {auto['predicted'] / kib:.0f} KiB for its plan; it says: {auto['decided']}",

@@ -47,8 +47,13 @@ def add_parsers(sub: Any) -> None:
     pl.add_argument("--reshard-windows", type=_windows, default=(1, None), metavar="W1,W2",
                     help="ZeRO-3 residency windows to try, in stages kept unsharded at once, 'all' for all of a "
                     "rank's stages (default 1,all; a window below all where all is over the cap)")
-    pl.add_argument("--activation-checkpointing", choices=("off", "full", "auto"), default="auto",
-                    help="checkpoint every stage: off, full, or auto (default: full where off is over the cap)")
+    pl.add_argument("--activation-checkpointing", type=_policies, default="auto", metavar="POLICY",
+                    help="checkpointing policies to try on every stage: off, selective (a profile's measured "
+                    "selective figures), full, a comma list of them, or auto (default: all three, each heavier one "
+                    "where the lighter is over the cap)")
+    pl.add_argument("--host-bandwidth", type=_size("host-bandwidth"), default=None, metavar="BYTES",
+                    help="bytes per second of copies between a rank's device and host memory, e.g. 20GB: activation "
+                    "offload is planned with it (default: unknown, offload is never planned)")
     pl.add_argument("--compression", type=_names, default=None, metavar="A,B|all",
                     help="gradient compressions allowed, under the trainer's names (none, bf16, fp16, int8, powersgd, "
                     "powersgd(rank=1), dgc; default all); only pairs with a ZeRO stage the trainer accepts are planned")
@@ -174,6 +179,18 @@ def _windows(text: str) -> tuple[int | None, ...]:
     return tuple(None if item.strip() == "all" else one(item.strip()) for item in text.split(",") if item.strip())
 
 
+def _policies(text: str) -> tuple[str, ...]:
+    from duplexpipe.planner.candidates import CHECKPOINTING
+
+    names = _names(text)
+    if names == ("auto",):
+        return CHECKPOINTING
+    if not names or any(name not in CHECKPOINTING for name in names):
+        raise argparse.ArgumentTypeError(f"activation-checkpointing must be {', '.join(CHECKPOINTING)}, a comma list "
+                                         f"of them, or auto; got {text!r}")
+    return names
+
+
 def _names(text: str) -> tuple[str, ...]:
     return tuple(item.strip() for item in text.split(",") if item.strip())
 
@@ -206,6 +223,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """`duplexpipe plan`."""
     from duplexpipe.planner.calibrate import with_calibration
     from duplexpipe.planner.dp_comm import COMPRESSIONS, Link
+    from duplexpipe.planner.host_offload import offload_label
     from duplexpipe.planner.plan import PlanConfig, plan
     from duplexpipe.planner.tp_comm import DEFAULT_TP_BANDWIDTH
     from duplexpipe.planner.world import factorisations, plan_world
@@ -225,10 +243,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
                         optimizer_factor=args.optimizer_factor, cores=args.cores, tp=args.tp or 1,
                         tp_link=Link(float(args.tp_bandwidth or DEFAULT_TP_BANDWIDTH), args.tp_latency),
                         sequence_parallel=args.sequence_parallel, reshard_windows=args.reshard_windows,
-                        checkpointing={"off": (False,), "full": (True,), "auto": (False, True)}[
-                            args.activation_checkpointing])
+                        checkpointing=args.activation_checkpointing,
+                        host_link=Link(float(args.host_bandwidth)) if args.host_bandwidth else None)
     given = {"p2p_link": p2p_bw is not None or bool(args.latency),
-             "tp_link": args.tp_bandwidth is not None or bool(args.tp_latency)}  # the user's links stand
+             "tp_link": args.tp_bandwidth is not None or bool(args.tp_latency),
+             "host_link": args.host_bandwidth is not None}  # the user's links stand
     profile, config, measured = with_calibration(profile, config, [k for k, mine in given.items() if not mine])
     if args.world is not None:
         result = plan_world(profile, config, args.world, pp=args.ranks, dp=args.dp, tp=args.tp)
@@ -253,7 +272,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
           + (f"; {measured}" if measured else ""))
     print(result.table(args.top))
     print(f"best: {best.schedule} with M={best.microbatches}, ZeRO {best.zero_label}, compression {best.compression}, "
-          f"activation checkpointing {'full' if best.checkpointing else 'off'}, "
+          f"activation checkpointing {best.checkpointing}, activation offload {offload_label(best.offload)}, "
           f"P={best.ranks} x D={best.dp} x T={best.tp}: step {best.step_s * 1e3:.4g} ms, peak "
           f"{format_bytes(best.peak_bytes)} per rank")
     print(f"decided by {result.decided}")

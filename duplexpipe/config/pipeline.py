@@ -28,7 +28,7 @@ from duplexpipe.sizes import memory_bytes
 AUTO = "auto"
 """The PipelineConfig.schedule value that plans the schedule (the registry's `auto` generator is one candidate)."""
 AUTO_PLAN_KEYS = ("schedules", "microbatches", "chunks", "zero_stages", "compressions", "dp_link", "p2p_link",
-                  "optimizer_factor", "gradient_factor", "cores", "tp_link")
+                  "optimizer_factor", "gradient_factor", "cores", "tp_link", "host_link", "offload")
 """schedule_options keys of schedule="auto" that go to the planner: the fields of `planner.plan.PlanConfig` a
 user sets (the others come from the Pipeline; a test keeps the two lists equal)."""
 AUTO_PROFILE_KEYS = ("repeats", "warmup", "timer", "fit_rows", "fused", "evict_bytes")
@@ -71,14 +71,16 @@ class PipelineConfig:
     schedule_options: dict[str, Any] = field(default_factory=dict)
     """Extra keyword options for the schedule generator, e.g. {"chunks": 2}. With "auto": the planner's
     PlanConfig fields (`schedules`, `microbatches`, `zero_stages`, `compressions`, `chunks`, `cores`,
-    `optimizer_factor`, `p2p_link`, `tp_link`, ...; `microbatches`, `zero_stages`, `compressions` only for fields
-    left unset), profile_parts' `repeats`, `warmup`, `timer`, `fit_rows`, `fused`, `evict_bytes`, and the
-    calibration's `calibrate` (False: none), `calibration_budget_s` (default 3 s of measured steps),
-    `calibration_cache` (a directory; None: no cache; default `planner.calibration_cache.default_cache_dir()`,
-    ~/.cache/duplexpipe/calibration, keyed by the parts, the sample, P, D, T, the machine and these settings)
-    and `cpu_timer`. The calibration also measures the links it is not given: `p2p_link` (round trips) and,
-    under tensor parallelism, `tp_link` (all-reduces over the TP group; without a calibration and no `tp_link`
-    the planner's default, an NVLink node)."""
+    `optimizer_factor`, `p2p_link`, `tp_link`, `host_link` and `offload` (activation offload's copy link and the
+    fractions to try; a fixed `activation_offload` is planned as none), ...; `microbatches`, `zero_stages`,
+    `compressions` only for fields left unset), profile_parts' `repeats`, `warmup`, `timer`, `fit_rows`, `fused`,
+    `evict_bytes`, and the calibration's `calibrate` (False: none), `calibration_budget_s` (default 3 s of measured
+    steps), `calibration_cache` (a directory; None: no cache; default `planner.calibration_cache.
+    default_cache_dir()`, ~/.cache/duplexpipe/calibration, keyed by the parts, the sample, P, D, T, the machine and
+    these settings) and `cpu_timer`. The calibration also measures the links it is not given: `p2p_link` (round
+    trips), under tensor parallelism `tp_link` (all-reduces over the TP group; without a calibration and no
+    `tp_link` the planner's default, an NVLink node), and on CUDA `host_link` (pinned copies each way; on CPUs
+    none is known and offload is never planned)."""
     memory_limit: int | str | None = None
     """schedule="auto" only: the bytes each rank may use (an int, or a size such as "40GiB"); None: no cap."""
     grad_clip_norm: float | None = None

@@ -65,16 +65,21 @@ def _save_list() -> frozenset[Any]:
     return frozenset(found)
 
 
-def _save_matmuls(saved: frozenset[Any]) -> Callable[..., CheckpointPolicy]:
+def _save_matmuls(saved: frozenset[Any], on_save: Callable[[Any], None] | None) -> Callable[..., CheckpointPolicy]:
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        return CheckpointPolicy.MUST_SAVE if func in saved else CheckpointPolicy.PREFER_RECOMPUTE
+        if func not in saved:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        if on_save is not None and not ctx.is_recompute:
+            on_save(getattr(ctx, "op_output", None))
+        return CheckpointPolicy.MUST_SAVE
     return policy
 
 
-def selective_context() -> tuple[Any, Any]:
+def selective_context(on_save: Callable[[Any], None] | None = None) -> tuple[Any, Any]:
     """The contexts of selective checkpointing (a `context_fn`): save the outputs of `SELECTIVE_SAVE`'s operators,
-    recompute the cheap ones, on torch's `create_selective_checkpoint_contexts`."""
-    return create_selective_checkpoint_contexts(_save_matmuls(_save_list()))
+    recompute the cheap ones, on torch's `create_selective_checkpoint_contexts`. `on_save`: called in the forward
+    with each saved operator's output (what the policy keeps; the profiler counts its bytes)."""
+    return create_selective_checkpoint_contexts(_save_matmuls(_save_list(), on_save))
 
 
 def checkpoint_block(block: nn.Module, context_fn: ContextFn = noop_context_fn) -> nn.Module:

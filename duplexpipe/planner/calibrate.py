@@ -193,9 +193,12 @@ def calibration_machine(profile: Profile) -> tuple[int | None, int | None, float
             float(number("cores")) if number("cores") else None)
 
 
-LINKS = ("p2p_link", "tp_link")
+LINKS = ("p2p_link", "tp_link", "host_link")
 """The links a calibration measures, by their key in the profile's meta and PlanConfig's field: stage to stage
-(round trips) and, under tensor parallelism, the TP group's (all-reduces)."""
+(round trips), under tensor parallelism the TP group's (all-reduces), and on CUDA the copies between a device and
+its pinned host memory (activation offload's)."""
+LINK_NAMES = {"p2p_link": "link", "tp_link": "TP link", "host_link": "host link"}
+"""How a note names each of `LINKS`."""
 
 
 def _links(profile: Profile, config: PlanConfig, links: Collection[str]) -> tuple[PlanConfig, list[str]]:
@@ -206,8 +209,9 @@ def _links(profile: Profile, config: PlanConfig, links: Collection[str]) -> tupl
         if isinstance(measured, list) and len(measured) == 2:
             latency, bandwidth = float(measured[0]), float(measured[1])
             link = Link(bandwidth=bandwidth, latency=latency)
-            config = replace(config, tp_link=link) if key == "tp_link" else replace(config, p2p_link=link)
-            notes.append(f"{'TP link' if key == 'tp_link' else 'link'} {latency * 1e6:.0f} us per message"
+            config = replace(config, tp_link=link) if key == "tp_link" else \
+                replace(config, host_link=link) if key == "host_link" else replace(config, p2p_link=link)
+            notes.append(f"{LINK_NAMES[key]} {latency * 1e6:.0f} us per message"
                          + (f", {bandwidth / 1e9:.3g} GB/s" if bandwidth < 1e15 else ""))
     return config, notes
 

@@ -16,7 +16,9 @@ from duplexpipe.files import read_capped_text, write_atomic
 from duplexpipe.planner.profile import Profile
 
 CACHE_FORMAT = "duplexpipe-calibration"
-CACHE_VERSION = 1
+CACHE_VERSION = 2
+"""2: profiles carry each part's selective-checkpointing figures (and on CUDA the host link); a file of an older
+version is a miss, measured anew."""
 CACHE_ENV = "DUPLEXPIPE_CACHE"
 """Environment variable naming the cache's root directory (calibrations go in its `calibration/`)."""
 MAX_CACHE_FILE_BYTES = 16 * 2**20

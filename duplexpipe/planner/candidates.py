@@ -1,5 +1,5 @@
 """The candidates a PlanConfig lets the planner try: schedules with their options, microbatch counts, ZeRO stages,
-and the gradient compressions the trainer runs with each stage."""
+activation checkpointing policies, and the gradient compressions the trainer runs with each stage."""
 
 from __future__ import annotations
 
@@ -9,9 +9,40 @@ from typing import Any, Protocol
 
 from duplexpipe.dp_options.compression import Options
 from duplexpipe.dp_options.zero import zero_refusal
-from duplexpipe.planner.dp_comm import COMPRESSIONS, ZERO_STAGES, Compression, compression
+from duplexpipe.errors import PlanError
+from duplexpipe.planner.dp_comm import COMPRESSIONS, ZERO_STAGES, Compression, Link, compression
 from duplexpipe.planner.profile import Profile
 from duplexpipe.schedules import registry
+
+CHECKPOINTING = ("off", "selective", "full")
+"""The activation-checkpointing policies the planner weighs, lightest first (each saves less and recomputes more
+than the one before): "off"; "selective", every stage under the runtime's selective policy (its measured bytes and
+recompute, `PartProfile.selective_activation_bytes`); "full", every stage keeping its inputs only."""
+
+
+def checkpointing_policy(value: object) -> str:
+    """A `PlanConfig.checkpointing` value as its policy's name: True is "full", False "off"; PlanError otherwise."""
+    if value is True or value is False:
+        return "full" if value else "off"
+    if isinstance(value, str) and value in CHECKPOINTING:
+        return value
+    raise PlanError(f"plan needs checkpointing policies among True/False, {', '.join(map(repr, CHECKPOINTING))}; "
+                    f"got {value!r}")
+
+
+def runtime_checkpointing(policy: str) -> bool | str:
+    """`PipelineConfig.activation_checkpointing`'s value for a policy: False, "selective", or True (full)."""
+    values: dict[str, bool | str] = {"off": False, "selective": "selective", "full": True}
+    return values[policy]
+
+
+def planned_policies(profile: Profile, config: CandidateSettings) -> tuple[str, ...]:
+    """The policies of `config` the planner can weigh with `profile`, lightest first: selective only where every
+    part has its selective figures measured."""
+    chosen = {checkpointing_policy(value) for value in config.checkpointing}
+    measured = all(p.selective_activation_bytes is not None and p.selective_recompute_s is not None
+                   for p in profile.parts)
+    return tuple(p for p in CHECKPOINTING if p in chosen and (p != "selective" or measured))
 
 
 class CandidateSettings(Protocol):
@@ -38,7 +69,11 @@ class CandidateSettings(Protocol):
     @property
     def reshard_windows(self) -> tuple[int | None, ...]: ...
     @property
-    def checkpointing(self) -> tuple[bool, ...]: ...
+    def checkpointing(self) -> tuple[bool | str, ...]: ...
+    @property
+    def host_link(self) -> Link | None: ...
+    @property
+    def offload(self) -> tuple[bool | float, ...]: ...
 
 
 @dataclass(frozen=True)
@@ -55,26 +90,44 @@ class Candidate:
     """ZeRO stage."""
     window: int | None = None
     """ZeRO-3's residency window in stages (None: all of a rank's stages; always None below ZeRO-3)."""
-    checkpointing: bool = False
-    """Activation checkpointing of every stage."""
+    checkpointing: str = "off"
+    """Activation checkpointing of every stage: a policy of `CHECKPOINTING`."""
+    offload: bool | float = False
+    """Activation offload (`PipelineConfig.activation_offload`'s value): False, a fraction, or True."""
 
     @property
-    def key(self) -> tuple[str, int, int, int | None, bool]:
+    def key(self) -> tuple[str, int, int, int | None, str, bool | float]:
         """What tells candidates apart."""
         return schedule_label(self.schedule, self.options), self.microbatches, self.zero, self.window, \
-            self.checkpointing
+            self.checkpointing, self.offload
 
-    def lighter(self, below: int | None) -> Candidate | None:
-        """The same candidate with one memory lever less (checkpointing off, else ZeRO-3's window back to all
-        stages, else ZeRO-3 back to ZeRO `below`, the highest other stage planned), or None for one without levers:
-        a lever costs time, so it is tried only where that one is over the cap."""
-        if self.checkpointing:
-            return replace(self, checkpointing=False)
+    def lighter(self, below: int | None, policies: tuple[str, ...] = CHECKPOINTING,
+                offloads: tuple[bool | float, ...] = (False,)) -> Candidate | None:
+        """The same candidate with one memory lever less (the next lighter checkpointing policy among `policies`,
+        lightest first: full -> selective -> off; else the next smaller offload among `offloads`, smallest first;
+        else ZeRO-3's window back to all stages, else ZeRO-3 back to ZeRO `below`, the highest other stage planned),
+        or None for one without levers: a lever costs time, so it is tried only where that one is over the cap."""
+        at = policies.index(self.checkpointing) if self.checkpointing in policies else 0
+        if at:
+            return replace(self, checkpointing=policies[at - 1])
+        at = offloads.index(self.offload) if self.offload in offloads else 0
+        if at:
+            return replace(self, offload=offloads[at - 1])
         if self.window is not None:
             return replace(self, window=None)
         if self.zero == 3 and below is not None:
             return replace(self, zero=below)
         return None
+
+
+def planned_offloads(config: CandidateSettings) -> tuple[bool | float, ...]:
+    """The offloads to weigh, smallest first: none, then `config.offload`'s where a host link is known (none
+    otherwise: nothing prices the copies); a fraction of 1 is planned as True (all but the next backward's)."""
+    if config.host_link is None:
+        return (False,)
+    fractions = sorted({float(v) for v in config.offload if v is not True and v is not False and v < 1})
+    whole = any(v is True or (v is not False and v >= 1) for v in config.offload)
+    return (False, *fractions, *((True,) if whole else ()))
 
 
 def zero_stages(config: CandidateSettings) -> tuple[int, ...]:
@@ -130,8 +183,9 @@ def candidates(profile: Profile, config: CandidateSettings) -> list[Candidate]:
                 for zero in sorted(zero_stages(config)):
                     windows = tuple(dict.fromkeys(config.reshard_windows)) if zero == 3 else (None,)
                     for window in sorted(windows, key=lambda w: w is not None):
-                        for ckpt in sorted(set(config.checkpointing)):
-                            out.append(Candidate(name, options, m, zero, window, ckpt))
+                        for offload in planned_offloads(config):
+                            for ckpt in planned_policies(profile, config):
+                                out.append(Candidate(name, options, m, zero, window, ckpt, offload))
     return out
 
 

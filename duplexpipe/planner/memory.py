@@ -10,6 +10,7 @@ from typing import Any
 
 from duplexpipe.errors import ProfileError
 from duplexpipe.planner.dp_comm import zero_stage
+from duplexpipe.planner.host_offload import moves
 from duplexpipe.planner.profile import PartProfile, Profile, load_profile
 from duplexpipe.schedules.ir import Op, Schedule
 from duplexpipe.schedules.timeline import Timeline
@@ -39,6 +40,9 @@ class MemoryConfig:
     """Receives from a peer posted this many ahead of their turn (gloo: `RuntimeConfig.recv_lookahead`,
     `GLOO_RECEIVES_AHEAD` by default): a receive's buffer is held from when the one this many before it from the
     same peer was taken (the step's start for the first ones), not only from when its message was made."""
+    offload: bool | float = False
+    """Activation offload (`PipelineConfig.activation_offload`): a forward's saved bytes leave the rank while they
+    are on host (`host_offload.moves`, the runtime's plan over the timeline); False: none."""
 
     def __post_init__(self) -> None:
         for name in ("optimizer_factor", "gradient_factor"):
@@ -96,7 +100,8 @@ class RankMemory:
     optimizer: float
     """Optimizer states (1/D under ZeRO-1 and -2)."""
     activations: float
-    """Peak of the live activations alone (a checkpointed stage's recompute included, `StageBytes.recompute`)."""
+    """Peak of the live activations alone (a checkpointed stage's recompute included, `StageBytes.recompute`; what
+    is offloaded to host left out while it is there, `MemoryConfig.offload`)."""
     messages: float
     """Peak of the in-flight messages alone."""
     peak: float
@@ -124,6 +129,10 @@ def rank_memory(schedule: Schedule, timeline: Timeline, sizes: StageBytes,
     zero = zero_stage(config.zero_stage)
     d = config.dp
     curves = _curves(schedule, timeline, sizes, config.sends_held, config.receives_ahead)
+    if config.offload is not False:
+        for move in moves(timeline, config.offload):
+            away = sizes.activation[move.stage]
+            curves[move.rank][0].extend(((move.start, -away), (move.back, away)))
     out = []
     for rank in range(schedule.num_ranks):
         mine = schedule.stages_of_rank(rank)

@@ -11,7 +11,19 @@ from typing import Any
 
 from duplexpipe.dp_options.compression import Options
 from duplexpipe.errors import PlanError, ProfileError, ScheduleError
-from duplexpipe.planner.candidates import Candidate, accepted, candidates, compressions, schedule_label, zero_stages
+from duplexpipe.planner.candidates import (
+    CHECKPOINTING,
+    Candidate,
+    accepted,
+    candidates,
+    checkpointing_policy,
+    compressions,
+    planned_offloads,
+    planned_policies,
+    runtime_checkpointing,
+    schedule_label,
+    zero_stages,
+)
 from duplexpipe.planner.dp_comm import (
     COMPRESSIONS,
     Compression,
@@ -20,6 +32,8 @@ from duplexpipe.planner.dp_comm import (
     reduction_time,
     zero_stage,
 )
+from duplexpipe.planner.host_offload import OFFLOAD_FRACTIONS, check_fraction, copy_time, moves, offload_label
+from duplexpipe.planner.levers import checkpointed, checkpointed_label, offload_note, policy_note
 from duplexpipe.planner.machine import Machine, simulate_shared
 from duplexpipe.planner.memory import GLOO_RECEIVES_AHEAD, MemoryConfig, RankMemory, StageBytes, rank_memory
 from duplexpipe.planner.profile import PartProfile, Profile
@@ -92,9 +106,20 @@ class PlanConfig:
     """ZeRO-3's residency windows to try, in stages kept unsharded at once (None: all of a rank's stages; a window
     at or above a schedule's stages per rank is the same plan as None). A window below all is tried only where
     the candidate with all of them is over the cap."""
-    checkpointing: tuple[bool, ...] = (False, True)
-    """Activation checkpointing to try: False off, True every stage (its saved activations are its inputs, its
-    backward runs the forward once more). On is tried only where the candidate without it is over the cap."""
+    checkpointing: tuple[bool | str, ...] = CHECKPOINTING
+    """Activation-checkpointing policies to try (`candidates.CHECKPOINTING`): "off" (or False); "selective", every
+    stage under the runtime's selective policy, with the bytes and recompute the profile measured (planned only
+    where every part has them: `PartProfile.selective_activation_bytes`); "full" (or True), every stage keeping its
+    inputs only, its backward running the forward once more. A policy is tried only where the candidate with the
+    next lighter one (full -> selective -> off) is over the cap."""
+    host_link: Link | None = None
+    """The copy link between a rank's device and host memory (bandwidth, latency), what activation offload moves
+    its saved tensors over; None (unknown, the default): offload is never planned."""
+    offload: tuple[bool | float, ...] = OFFLOAD_FRACTIONS
+    """Activation offloads to try where `host_link` is known (`PipelineConfig.activation_offload`'s values: a
+    fraction 0 < f < 1 of the live forwards, True all but the one whose backward is next; a fraction of 1 is
+    planned as True), each only where the next smaller one is over the cap (and before checkpointing is tried:
+    a policy is tried only where the same offload without it is over the cap)."""
 
 
 @dataclass(frozen=True)
@@ -131,8 +156,17 @@ class PlanRow:
     """T of its mesh (the TP degree inside each stage)."""
     window: int | None = None
     """ZeRO-3's residency window in stages (None: all of a rank's stages, or not ZeRO-3)."""
-    checkpointing: bool = False
-    """Activation checkpointing of every stage."""
+    checkpointing: str = "off"
+    """Activation checkpointing of every stage: "off", "selective" or "full" (`candidates.CHECKPOINTING`)."""
+    offload: bool | float = False
+    """Activation offload (`PipelineConfig.activation_offload`'s value): False, a fraction, or True."""
+    offload_s: float = 0.0
+    """What the offload's copies add to the step (in `step_s`): beyond the compute each overlaps."""
+
+    @property
+    def activation_checkpointing(self) -> bool | str:
+        """`PipelineConfig.activation_checkpointing`'s value that runs this plan: False, "selective" or True."""
+        return runtime_checkpointing(self.checkpointing)
 
     @property
     def zero_label(self) -> str:
@@ -143,9 +177,10 @@ class PlanRow:
 
     @property
     def label(self) -> str:
-        """The plan in a few words: "zbv M=8 ZeRO 3/w1, checkpointed"."""
+        """The plan in a few words: "zbv M=8 ZeRO 3/w1, checkpointed" ("selectively checkpointed")."""
         return f"{self.schedule} M={self.microbatches} ZeRO {self.zero_label}" + \
-            (", checkpointed" if self.checkpointing else "")
+            checkpointed_label(self.checkpointing) + \
+            ("" if self.offload is False else f", offload {offload_label(self.offload)}")
 
     @property
     def over_cap(self) -> bool:
@@ -166,7 +201,9 @@ class PlanRow:
         """A JSON-ready form (NaN as None)."""
         out: dict[str, Any] = {"schedule": self.schedule, "microbatches": self.microbatches, "zero": self.zero,
                                "compression": self.compression, "pp": self.ranks, "dp": self.dp, "tp": self.tp,
-                               "reshard_window": self.window, "activation_checkpointing": self.checkpointing,
+                               "reshard_window": self.window,
+                               "activation_checkpointing": self.activation_checkpointing,
+                               "activation_offload": self.offload, "offload_s": self.offload_s,
                                "rejected": self.rejected or None}
         for key in ("step_s", "makespan_s", "bubble", "dp_exposed_s", "peak_bytes"):
             value = getattr(self, key)
@@ -208,15 +245,15 @@ class PlanResult:
 
     def table(self, limit: int | None = None) -> str:
         """The candidates as fixed-width text, best first (at most `limit` rows)."""
-        head = (f"{'schedule':<26} {'M':>4} {'ZeRO':>5} {'compression':<16} {'PxDxT':>7} {'ckpt':>4} {'step':>10} "
-                f"{'bubble':>7} {'peak/rank':>10}  why rejected")
+        head = (f"{'schedule':<26} {'M':>4} {'ZeRO':>5} {'compression':<16} {'PxDxT':>7} {'ckpt':>9} {'offload':>7} "
+                f"{'step':>10} {'bubble':>7} {'peak/rank':>10}  why rejected")
         lines = [head]
         for row in self.rows[:limit]:
             step = _time(row.step_s) if not math.isnan(row.step_s) else "-"
             peak = format_bytes(row.peak_bytes) if not math.isnan(row.peak_bytes) else "-"
             bubble = f"{row.bubble:.1%}" if not math.isnan(row.bubble) else "-"
             lines.append(f"{row.schedule:<26} {row.microbatches:>4} {row.zero_label:>5} {row.compression:<16} "
-                         f"{row.mesh:>7} {'full' if row.checkpointing else 'off':>4} {step:>10} {bubble:>7} "
+                         f"{row.mesh:>7} {row.checkpointing:>9} {offload_label(row.offload):>7} {step:>10} {bubble:>7} "
                          f"{peak:>10}  {row.rejected}".rstrip())
         return "\n".join(lines)
 
@@ -245,10 +282,11 @@ def evaluate(profile: Profile, config: PlanConfig) -> list[Evaluated]:
     cap, a ZeRO-3 window only below the schedule's stages per rank."""
     methods = {zero: accepted(config, zero) for zero in zero_stages(config)}
     below = max((zero for zero in methods if zero < 3), default=None)
+    policies, offloads = planned_policies(profile, config), planned_offloads(config)
     done: dict[Any, PlanRow] = {}
     out: list[Evaluated] = []
     for candidate in candidates(profile, config):
-        lighter = candidate.lighter(below)
+        lighter = candidate.lighter(below, policies, offloads)
         if lighter is not None and not (lighter.key in done and done[lighter.key].over_cap):
             continue
         evaluated = _evaluate(profile, config, candidate, methods[candidate.zero])
@@ -270,13 +308,14 @@ def ranked(evaluated: Sequence[Evaluated], config: PlanConfig, world: int | None
     assert context is not None
     out = [row for row, _ in fits] + [r for r in rows if not r.feasible]
     return PlanResult(context.config, tuple(out), _advice(context.config, best, context), context.schedule, world,
-                      decided(rows, best, config.memory))
+                      decided(rows, best, config.memory) + policy_note(rows, best, config) +
+                      offload_note(rows, best, config))
 
 
 def decided(rows: Sequence[PlanRow], best: PlanRow, cap: float) -> str:
-    """Which constraint chose `best` among `rows`: time when no candidate over the cap is faster, else memory
-    (naming the fastest candidate, its need, and what `best` costs beside it)."""
-    over = [r for r in rows if r.over_cap and r.step_s < best.step_s]
+    """Which constraint chose `best` among `rows`: time when no candidate over the cap is as fast, else memory
+    (naming the fastest candidate, its need, and what `best` costs beside it: a lever whose cost hides, +0%)."""
+    over = [r for r in rows if r.over_cap and r.step_s <= best.step_s]
     if not over:
         return f"time: {best.label} is the fastest candidate and fits (peak {format_bytes(best.peak_bytes)})"
     fast = min(over, key=lambda r: (r.step_s, r.peak_bytes))
@@ -309,10 +348,19 @@ def check(profile: Profile, config: PlanConfig) -> None:
     for window in config.reshard_windows:
         if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
             raise PlanError(f"plan needs reshard windows as integers >= 1 or None (all stages), got {window!r}")
-    if not config.reshard_windows or not config.checkpointing or \
-            not all(isinstance(c, bool) for c in config.checkpointing):
-        raise PlanError(f"plan needs at least one reshard window and checkpointing as True/False values, got "
+    if not config.reshard_windows or not config.checkpointing:
+        raise PlanError(f"plan needs at least one reshard window and one checkpointing policy, got "
                         f"{config.reshard_windows!r} and {config.checkpointing!r}")
+    for policy in config.checkpointing:
+        checkpointing_policy(policy)
+    for value in config.offload:
+        try:
+            check_fraction(value)
+        except ValueError as exc:
+            raise PlanError(f"plan needs {exc}") from None
+    if not planned_policies(profile, config):
+        raise PlanError("plan allows only selective checkpointing, but the profile has no selective-checkpointing "
+                        "figures; profile the parts again (profile_parts measures them) or allow off or full")
     compressions(config)
 
 
@@ -335,7 +383,7 @@ def _evaluate(profile: Profile, config: PlanConfig, candidate: Candidate,
     trainer accepts with its ZeRO stage, and why it refuses the others."""
     name, options, m, zero = candidate.schedule, candidate.options, candidate.microbatches, candidate.zero
     reject = PlanRow(schedule_label(name, options), m, zero, ranks=config.ranks, dp=config.dp, tp=config.tp,
-                     window=candidate.window, checkpointing=candidate.checkpointing)
+                     window=candidate.window, checkpointing=candidate.checkpointing, offload=candidate.offload)
     local = config.batch // config.dp
     if local % m:
         return _why(reject, f"batch/D = {local} does not split into {m} microbatches"), None
@@ -349,7 +397,7 @@ def _evaluate(profile: Profile, config: PlanConfig, candidate: Candidate,
     # ranks sharing CPU cores talk over gloo: sends held until a reply proves them received, receives posted ahead
     gloo = config.cores is not None
     mem_config = MemoryConfig(config.optimizer_factor, config.gradient_factor, zero, config.dp, sends_held=gloo,
-                              receives_ahead=GLOO_RECEIVES_AHEAD if gloo else 0)
+                              receives_ahead=GLOO_RECEIVES_AHEAD if gloo else 0, offload=candidate.offload)
     excess = [0.0] * config.ranks
     sharded = None
     for _ in range(2 if name == "auto" else 1):  # auto: once more with the overshoot taken off its budget
@@ -364,16 +412,21 @@ def _evaluate(profile: Profile, config: PlanConfig, candidate: Candidate,
         if zero_stage(zero).shard_params:
             sharded = add_unshard_reshard(schedule, candidate.window or _most_stages(schedule))
             tail += gather_time(schedule, sharded, cost, groups, config)
-        memory = rank_memory(sharded or schedule, timeline, StageBytes.of(schedule, groups, recompute), mem_config)
+        sizes = StageBytes.of(schedule, groups, recompute)
+        memory = rank_memory(sharded or schedule, timeline, sizes, mem_config)
         excess = [e + max(0.0, r.peak - config.memory) for e, r in zip(excess, memory, strict=True)]
         if max(r.peak for r in memory) <= config.memory:
             break
     peak = max(r.peak for r in memory)
+    copies = 0.0
+    if candidate.offload is not False and config.host_link is not None:
+        copies = copy_time(moves(timeline, candidate.offload), sizes.activation, config.host_link, config.ranks)
+        tail += copies
     method, step = _choose_compression(schedule, timeline, groups, config, zero, methods[0])
     step += tail
     row = replace(reject, compression=method.name, step_s=step, makespan_s=timeline.makespan,
-                  bubble=timeline.bubble_ratio, dp_exposed_s=step - timeline.makespan, peak_bytes=peak,
-                  memory=tuple(memory))
+                  bubble=timeline.bubble_ratio, dp_exposed_s=step - timeline.makespan - copies, peak_bytes=peak,
+                  memory=tuple(memory), offload_s=copies)
     context = _Context(schedule, timeline, groups, config, sharded)
     if peak > config.memory:
         return _why(row, f"peak {format_bytes(peak)} > cap {format_bytes(config.memory)}"), context
@@ -424,22 +477,6 @@ def gather_time(schedule: Schedule, sharded: Schedule, cost: CostModel, groups: 
     return max(0.0, end - start - plain)
 
 
-def checkpointed(groups: Sequence[PartProfile]) -> tuple[tuple[PartProfile, ...], tuple[int, ...]]:
-    """`groups` with every part checkpointed, and per part what its recompute holds beyond its saved inputs.
-
-    A checkpointed part saves its inputs only (the previous part's output; the first part's own output stands in
-    for the model's input) and runs its forward once more in its input-gradient backward (I, and a fused B).
-    """
-    out, extra = [], []
-    for g, part in enumerate(groups):
-        saved = min(part.activation_bytes, (groups[g - 1] if g else part).output_bytes)
-        fused = None if part.backward_fused_s is None else part.backward_fused_s + part.forward_s
-        out.append(replace(part, activation_bytes=saved, backward_input_s=part.backward_input_s + part.forward_s,
-                           backward_fused_s=fused))
-        extra.append(part.activation_bytes - saved)
-    return tuple(out), tuple(extra)
-
-
 def _build(profile: Profile, basis: Profile, config: PlanConfig, candidate: Candidate, mem_config: MemoryConfig,
            excess: Sequence[float]) -> tuple[Schedule, tuple[PartProfile, ...], tuple[int, ...]]:
     """The schedule, `profile` (scaled to the candidate's microbatch) grouped into its model parts,
@@ -455,7 +492,8 @@ def _build(profile: Profile, basis: Profile, config: PlanConfig, candidate: Cand
 
     def grouped(count: int) -> tuple[tuple[PartProfile, ...], tuple[int, ...]]:
         groups = profile.grouped(count, basis.group_sizes(count))
-        return checkpointed(groups) if candidate.checkpointing else (tuple(groups), ())
+        return checkpointed(groups, candidate.checkpointing) if candidate.checkpointing != "off" else \
+            (tuple(groups), ())
 
     if name != "auto":
         schedule = registry.build(name, config.ranks, m, **options)
@@ -573,7 +611,9 @@ def _nothing_fits(rows: Sequence[PlanRow], config: PlanConfig) -> PlanError:
     cap = math.ceil(low.peak_bytes)
     return PlanError(f"no plan fits {format_bytes(config.memory)} per rank; the smallest feasible cap is "
                      f"{format_bytes(cap)} = {cap} bytes ({low.schedule}, M={low.microbatches}, ZeRO {low.zero_label}"
-                     f"{', checkpointed' if low.checkpointing else ''}, P x D x T = {low.mesh})", cap)
+                     f"{checkpointed_label(low.checkpointing)}"
+                     f"{'' if low.offload is False else ', offload ' + offload_label(low.offload)}, "
+                     f"P x D x T = {low.mesh})", cap)
 
 
 def _advice(config: PlanConfig, best: PlanRow, context: _Context) -> str:

@@ -110,6 +110,19 @@ class PartProfile:
     """The fixed part of `backward_fused_s` (None: none known)."""
     tp: TPFacts | None = None
     """What the tensor-parallel plan it was profiled with does to it (None: profiled without a plan)."""
+    selective_activation_bytes: int | None = None
+    """Bytes its forward keeps for backward when it runs under selective checkpointing (the runtime's policy,
+    `model.stages.selective_context`: the matmuls' and attention's outputs saved, the rest recomputed), measured as
+    `activation_bytes` is; None: not measured (the planner then never plans selective checkpointing)."""
+    selective_held_bytes: int | None = None
+    """The most it holds once its backward's recompute ran under selective checkpointing (what the backward needs,
+    what the policy's cache still keeps: outputs it saved that the backward never takes, and what the forward saved
+    outside the recompute), measured; held from its I or B to the end of its backward. None: not measured (the
+    planner then takes `activation_bytes`)."""
+    selective_recompute_s: float | None = None
+    """The seconds its backward takes longer under selective checkpointing: the recompute of the cheap operators
+    (measured as I + W over the plain I and W, clamped at 0; the planner adds it to I, where the runtime recomputes;
+    None: not measured)."""
 
     @property
     def backward_s(self) -> float:
@@ -137,7 +150,13 @@ class PartProfile:
                        activation_bytes=round(self.activation_bytes * factor),
                        output_bytes=round(self.output_bytes * factor),
                        output_grad_bytes=round(self.output_grad_bytes * factor), backward_fused_s=fused,
-                       tp=self.tp.scaled(factor) if self.tp is not None else None)
+                       tp=self.tp.scaled(factor) if self.tp is not None else None,
+                       selective_activation_bytes=None if self.selective_activation_bytes is None else
+                       round(self.selective_activation_bytes * factor),
+                       selective_held_bytes=None if self.selective_held_bytes is None else
+                       round(self.selective_held_bytes * factor),
+                       selective_recompute_s=None if self.selective_recompute_s is None else
+                       self.selective_recompute_s * factor)
 
     @property
     def times(self) -> tuple[float, float, float]:
@@ -290,7 +309,10 @@ class Profile:
                 backward_weight_fixed_s=_sum([p.backward_weight_fixed_s for p in run]),
                 backward_fused_s=_sum([p.backward_fused_s for p in run]),
                 backward_fused_fixed_s=_sum([p.backward_fused_fixed_s for p in run]),
-                tp=TPFacts.total([p.tp for p in run])))
+                tp=TPFacts.total([p.tp for p in run]),
+                selective_activation_bytes=_total([p.selective_activation_bytes for p in run]),
+                selective_held_bytes=_total([p.selective_held_bytes for p in run]),
+                selective_recompute_s=_sum([p.selective_recompute_s for p in run])))
             start += count
         return tuple(out)
 
@@ -337,6 +359,11 @@ def _sum(values: list[float | None]) -> float | None:
     return None if any(v is None for v in values) else sum(v or 0.0 for v in values)
 
 
+def _total(values: list[int | None]) -> int | None:
+    """The sum of byte counts, or None when any is None."""
+    return None if any(v is None for v in values) else sum(v or 0 for v in values)
+
+
 def _degrees(data: Any, where: str) -> tuple[int, ...] | None:
     """A profile's tp_degrees (absent: None); ProfileError unless a list of integers in [2, TP_DEGREES_CHECKED]."""
     if data is None:
@@ -356,7 +383,8 @@ def _part(data: Any, where: str) -> PartProfile:
     for f in fields(PartProfile):
         if f.name == "tp":
             continue
-        optional = f.name.endswith("_fixed_s") or f.name == "backward_fused_s"  # absent in older profiles
+        optional = f.name.endswith("_fixed_s") or f.name == "backward_fused_s" or \
+            f.name.startswith("selective_")  # absent in older profiles
         if f.name not in data and not optional:
             raise ProfileError(f"{where}: missing field {f.name!r}")
         value = data.get(f.name)

@@ -74,7 +74,11 @@ def local_part(part: PartProfile, tp: int, link: Link, sequence_parallel: bool) 
         backward_input_s=_divided(part.backward_input_s, part.backward_input_fixed_s, tp) + backward,
         backward_weight_s=_divided(part.backward_weight_s, part.backward_weight_fixed_s, tp),
         backward_fused_s=fused, param_bytes=round(params), activation_bytes=round(part.activation_bytes / shard),
-        output_bytes=round(part.output_bytes / shard), output_grad_bytes=round(part.output_grad_bytes / shard))
+        output_bytes=round(part.output_bytes / shard), output_grad_bytes=round(part.output_grad_bytes / shard),
+        selective_activation_bytes=None if part.selective_activation_bytes is None else
+        round(part.selective_activation_bytes / shard),
+        selective_held_bytes=None if part.selective_held_bytes is None else round(part.selective_held_bytes / shard),
+        selective_recompute_s=None if part.selective_recompute_s is None else part.selective_recompute_s / tp)
 
 
 def local_profile(profile: Profile, tp: int, link: Link, sequence_parallel: bool) -> Profile:

@@ -156,7 +156,8 @@ class StepMemory:
         for act in self.acts.held.values():
             if act.saved is not None:
                 saved.update(act.saved)
-        storages(self.recomputes.held(), saved)
+        held = storages(self.recomputes.held())  # a recompute saves views of the weights too: counted as params
+        saved.update((address, nbytes) for address, nbytes in held.items() if address not in params)
         messages = storages(self.mail())
         total = {**params, **grads, **saved, **messages}
         self.curve.append(MemoryPoint(label, time.perf_counter() - self.origin, sum(params.values()),

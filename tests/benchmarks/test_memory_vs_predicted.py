@@ -43,3 +43,15 @@ def test_the_report_takes_the_worst_rank_of_either_kind() -> None:
     assert "5.00%" in text and "12.00%" in text
     assert "on every rank (total peak and activations): missed." in text
     assert "first rank's measured activation peak is 4.00x the last's" in text
+
+
+def test_the_report_gives_each_levers_worst_error_beside_the_plain_verdict() -> None:
+    cfg = bench.MemoryBenchConfig(schedules=("1f1b",), ranks=2, checkpointing=(False,))
+    assert bench.cases(cfg) == ["1f1b", "1f1b selective", "1f1b offload"]
+    rows = {"1f1b": [_row(100, 40, 100, 40), _row(100, 10, 100, 10)],
+            "1f1b selective": [_row(60, 20, 100, 40), _row(100, 10, 100, 10)],
+            "1f1b offload": [_row(100, 30, 100, 25), _row(100, 10, 100, 10)]}
+    text = render(bench.report({"config": asdict(cfg), "rows": rows}), markdown=False)
+    assert "on every rank (total peak and activations): met." in text
+    assert "With selective checkpointing the worst error is 50%: the model holds what" in text
+    assert "With offload (True) the worst error is 20%: the model moves" in text

@@ -38,7 +38,7 @@ def test_the_report_compares_with_the_fastest_plan_that_fits() -> None:
               "wall": [[1.0, 1.1], [1.0, 1.1], [0.9, 1.0]]}
     assert bench.ratios(result) == pytest.approx([1.0, (1 / 0.9 + 1.1) / 2])
     text = render(bench.report(result), markdown=False)
-    assert "fits (measured): met" in text
+    assert "fits (measured): met" in text and "x checkpointing off/selective/full x ZeRO 0, 1, M=8" in text
     assert "1.11x the fastest manual plan that fits" in text and "1.05x: **missed**" not in text  # text: no emphasis
     assert "at most 1.05x: missed" in text
     over = dict(result, auto=dict(result["auto"], peak=101))

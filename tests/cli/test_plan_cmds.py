@@ -315,3 +315,45 @@ def test_plan_with_a_memory_limit_only_a_lever_meets_says_which_constraint_decid
     assert code == 2 and "the smallest feasible cap is" in err
     code, _, err = run(capsys, *args, "--memory-limit", str(cap), "--reshard-windows", "0")
     assert code == 2 and "reshard-windows must be >= 1" in err
+
+
+def test_plan_takes_checkpointing_policies_and_refuses_a_bad_one(capsys: pytest.CaptureFixture[str],
+                                                                 tmp_path: Path) -> None:
+    parts = tuple(PartProfile(1e-3, 1e-3, 1e-3, 32 * MIB, MIB, MIB, MIB, selective_activation_bytes=12 * MIB,
+                              selective_recompute_s=2e-4) for _ in range(4))
+    path = tmp_path / "selective.json"
+    save_profile(Profile(parts, 4), path)
+    args = ("plan", "--profile", str(path), "-p", "2", "--batch", "16", "--schedules", "1f1b", "--microbatches", "8")
+    code, out, err = run(capsys, *args, "--memory-limit", "1TiB", "--activation-checkpointing", "selective", "--json")
+    assert code == 0, err
+    cap = int(json.loads(out)["best"]["peak_bytes"])
+    code, out, err = run(capsys, *args, "--memory-limit", str(cap))
+    assert code == 0, err
+    assert any(line.startswith("best: 1f1b with M=8, ZeRO 0,") and "activation checkpointing selective" in line
+               for line in out.splitlines())
+    assert "; checkpointing selective (off needs " in out
+    code, out, err = run(capsys, *args, "--memory-limit", str(cap), "--activation-checkpointing", "off,full")
+    assert code == 0 and "activation checkpointing full" in out
+    code, out, err = run(capsys, *args, "--memory-limit", str(cap), "--activation-checkpointing", "partial")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "activation-checkpointing must be off, selective, full, a comma list of them, or auto; got 'partial'" in err
+
+
+def test_plan_offloads_only_with_a_host_bandwidth(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    parts = tuple(PartProfile(5e-4, 5e-4, 5e-4, 16 * MIB, MIB, MIB, MIB) for _ in range(4))
+    path = tmp_path / "offload.json"
+    save_profile(Profile(parts, 2), path)
+    args = ("plan", "--profile", str(path), "-p", "4", "--batch", "16", "--schedules", "1f1b", "--microbatches", "8",
+            "--activation-checkpointing", "off")
+    code, out, err = run(capsys, *args, "--memory-limit", "1TiB", "--json")
+    assert code == 0, err
+    cap = str(int(json.loads(out)["best"]["peak_bytes"]) - 1)
+    code, out, err = run(capsys, *args, "--memory-limit", cap)
+    assert code == 2 and "no plan fits" in err
+    code, out, err = run(capsys, *args, "--memory-limit", cap, "--host-bandwidth", "100GB")
+    assert code == 0, err
+    assert any(line.startswith("best: 1f1b with M=8, ZeRO 0,") and "activation offload 50%" in line
+               for line in out.splitlines())
+    assert "; offload 50% (copies add " in out
+    code, out, err = run(capsys, *args, "--memory-limit", cap, "--host-bandwidth", "fast")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1

@@ -284,10 +284,10 @@ def test_checkpointing_fits_where_the_plain_plan_does_not_and_costs_a_forward_pe
     base = config(schedules=("1f1b",), microbatches=(8,))
     plain = plan(heavy, replace(base, memory=400 * MIB)).best
     cap = int(plain.peak_bytes) - 16 * MIB
-    assert not plain.checkpointing
+    assert plain.checkpointing == "off"
     result = plan(heavy, replace(base, memory=cap))
     best = result.best
-    assert best.checkpointing and best.peak_bytes <= cap
+    assert best.checkpointing == "full" and best.peak_bytes <= cap
     # the saved inputs, plus one microbatch's recompute held through its backward (a stage: 2 parts of 16 MiB at
     # microbatch 2)
     assert best.memory[0].activations < plain.memory[0].activations / 8 + 32 * MIB
@@ -299,3 +299,60 @@ def test_checkpointing_fits_where_the_plain_plan_does_not_and_costs_a_forward_pe
     assert "full" in result.table().splitlines()[1]
     with pytest.raises(PlanError, match="the smallest feasible cap is .*1f1b, M=8, ZeRO 0, P x D x T"):
         plan(heavy, replace(base, memory=cap, checkpointing=(False,)))
+
+
+def selective_heavy(measured: bool = True) -> Profile:
+    """Activation-heavy parts (32 MiB kept, 1 MiB messages) that keep 12 MiB under selective checkpointing and take
+    0.2 ms longer in I recomputing the rest (F is 1 ms: full checkpointing costs 5x the time)."""
+    sel = {"selective_activation_bytes": 12 * MIB, "selective_recompute_s": 2e-4} if measured else {}
+    return Profile(tuple(PartProfile(1e-3, 1e-3, 1e-3, 32 * MIB, MIB, MIB, MIB, **sel)  # type: ignore[arg-type]
+                         for _ in range(4)), 4)
+
+
+def test_selective_checkpointing_is_chosen_where_only_it_fits_and_says_why() -> None:
+    heavy, base = selective_heavy(), config(schedules=("1f1b",), microbatches=(8,), memory=2**40)
+    alone = {p: plan(heavy, replace(base, checkpointing=(p,))).best for p in ("off", "selective", "full")}
+    assert alone["full"].peak_bytes < alone["selective"].peak_bytes < alone["off"].peak_bytes
+    # one recompute per backward pass (0.2 ms per part at microbatch 4: 0.1 ms at 2, 2 parts per stage), on 1F1B's
+    # critical path M + P - 1 = 9 of them
+    assert alone["selective"].step_s - alone["off"].step_s == pytest.approx(9 * 2e-4, rel=1e-6)
+    assert alone["selective"].step_s < alone["full"].step_s
+    cap = int(alone["selective"].peak_bytes)
+    result = plan(heavy, replace(base, memory=cap))
+    best = result.best
+    assert best.checkpointing == "selective" and best.activation_checkpointing == "selective"
+    assert best.peak_bytes == alone["selective"].peak_bytes and best.step_s == alone["selective"].step_s
+    assert not [r for r in result.rows if r.checkpointing == "full"], "full is tried only where selective is over"
+    assert result.decided.startswith(f"memory: 1f1b M=8 ZeRO 0 needs {format_bytes(alone['off'].peak_bytes)} > ")
+    assert result.decided.endswith(f"; checkpointing selective (off needs {format_bytes(alone['off'].peak_bytes)}, "
+                                   "full not needed); activation offload not planned: no host-copy bandwidth known")
+    assert "1f1b M=8 ZeRO 0, selectively checkpointed fits at" in result.decided
+    assert result.to_dict()["best"]["activation_checkpointing"] == "selective"
+    assert "selective" in result.table().splitlines()[1]
+
+
+def test_full_checkpointing_is_chosen_only_where_selective_does_not_fit() -> None:
+    heavy, base = selective_heavy(), config(schedules=("1f1b",), microbatches=(8,), memory=2**40)
+    sel = plan(heavy, replace(base, checkpointing=("selective",))).best
+    result = plan(heavy, replace(base, memory=int(sel.peak_bytes) - 1))
+    assert result.best.checkpointing == "full" and result.best.activation_checkpointing is True
+    assert result.decided.endswith(f"; checkpointing full (off needs "
+                                   f"{format_bytes(plan(heavy, replace(base, checkpointing=(False,))).best.peak_bytes)}"
+                                   f", selective needs {format_bytes(sel.peak_bytes)}); activation offload not "
+                                   "planned: no host-copy bandwidth known")
+    # a profile without selective figures never plans selective, and says so
+    unmeasured = plan(selective_heavy(measured=False), replace(base, memory=int(sel.peak_bytes)))
+    assert unmeasured.best.checkpointing == "full"
+    assert "selective not measured by the profile" in unmeasured.decided
+    assert {r.checkpointing for r in unmeasured.rows} == {"off", "full"}
+
+
+def test_checkpointing_accepts_true_and_false_and_refuses_other_values() -> None:
+    heavy, base = selective_heavy(), config(schedules=("1f1b",), microbatches=(8,), memory=2**40)
+    assert plan(heavy, replace(base, checkpointing=(True,))).best.checkpointing == "full"
+    assert plan(heavy, replace(base, checkpointing=(False,))).best.checkpointing == "off"
+    with pytest.raises(PlanError, match="checkpointing policies among True/False, 'off', 'selective', 'full'; got "
+                                        "'partial'"):
+        plan(heavy, replace(base, checkpointing=("partial",)))
+    with pytest.raises(PlanError, match="allows only selective checkpointing, but the profile has no"):
+        plan(selective_heavy(measured=False), replace(base, checkpointing=("selective",)))

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import get_device_states, noop_context_fn, set_device_states
 
 from duplexpipe.errors import RecomputeDone
@@ -57,7 +58,8 @@ class RecomputeWatch:
             _WATCH.reset(token)
 
     def held(self) -> list[Tensor]:
-        """The recomputed tensors its live regions hold now (regions whose graph is gone are dropped)."""
+        """The recomputed tensors its live regions hold now, and what a selective policy's cache still keeps for
+        their recomputes (`cached`); regions whose graph is gone are dropped."""
         out: list[Tensor] = []
         live: list[weakref.ref[_Region]] = []
         for ref in self.regions:
@@ -65,12 +67,30 @@ class RecomputeWatch:
             if region is None:
                 continue
             live.append(ref)
+            out.extend(cached(region.recompute_context))
             for ref_holder in region.holders:
                 holder = ref_holder()
                 if holder is not None and holder.tensor is not None:
                     out.append(holder.tensor)
         self.regions = live
         return out
+
+
+def cached(context: object) -> list[Tensor]:
+    """The tensors a selective policy's recompute context (torch's `create_selective_checkpoint_contexts`) keeps for
+    its recompute: the outputs the forward saved, until the recompute takes them (then a holder has them); none for
+    another context."""
+    storage = getattr(context, "storage", None)
+    if not isinstance(storage, dict):
+        return []
+    out = []
+    for entries in storage.values():
+        for entry in entries.values() if isinstance(entries, dict) else ():
+            for leaf in tree_leaves(entry):
+                value = getattr(leaf, "val", leaf)
+                if isinstance(value, Tensor):
+                    out.append(value)
+    return out
 
 
 _WATCH: ContextVar[RecomputeWatch | None] = ContextVar("duplexpipe_recompute_watch", default=None)

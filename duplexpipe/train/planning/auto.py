@@ -28,7 +28,7 @@ from duplexpipe.parallel.tied import find_tied
 from duplexpipe.parallel.zero_config import check_tied
 from duplexpipe.planner.calibrate import with_calibration
 from duplexpipe.planner.calibration_cache import CalibrationCache, default_cache_dir
-from duplexpipe.planner.candidates import microbatch_counts
+from duplexpipe.planner.candidates import CHECKPOINTING, microbatch_counts
 from duplexpipe.planner.dp_comm import UNMEASURED, compression
 from duplexpipe.planner.plan import PlanConfig, plan
 from duplexpipe.planner.profile import Profile
@@ -52,6 +52,7 @@ from duplexpipe.train.planning.calibration import (
     Calibration,
     CalibrationSetup,
     calibrate,
+    measure_host_link,
     measure_link,
     measure_tp_link,
 )
@@ -163,7 +164,9 @@ def resolved(config: PipelineConfig, groups: ParallelGroups) -> PlannedPipeline:
     run = RunPlan(schedule.name, schedule.num_microbatches, config.data_parallel.zero_stage or 0,
                   compression_options(config.data_parallel.grad_compression),
                   reshard_window=config.data_parallel.reshard_window,
-                  activation_checkpointing=config.activation_checkpointing is True)
+                  activation_checkpointing=config.activation_checkpointing
+                  if config.activation_checkpointing in (True, "full", "selective") else False,
+                  activation_offload=config.activation_offload)
     return PlannedPipeline(config, schedule, run, _sizes(groups))
 
 
@@ -194,7 +197,7 @@ def _profile(parts: Sequence[nn.Module], loss_fn: LossFn, sample: tuple[Any, Any
     with _autocast(setup.device, dtype):
         if "evict_bytes" not in kwargs:  # as many bytes as one microbatch keeps through the model, at least 2 x L2
             sizes = profile_parts(copies, first, target=target, loss_fn=loss, repeats=1, warmup=0, fit_rows=0,
-                                  fused=False, timer=time.perf_counter)
+                                  fused=False, timer=time.perf_counter, selective=False)
             kwargs = {**kwargs, "evict_bytes": max(cache_evict_bytes(), sum(p.activation_bytes for p in sizes.parts))}
         return profile_parts(copies, first, target=target, loss_fn=loss, meta={"source": "schedule='auto'"},
                              tp_plan=setup.tp_plan, **kwargs)
@@ -260,6 +263,8 @@ def _plan_config(config: PipelineConfig, options: dict[str, Any], rows: int, set
     if dp.reshard_window is not None:
         values["reshard_windows"] = (dp.reshard_window,)
     values["checkpointing"] = planned_checkpointing(config.activation_checkpointing)
+    if config.activation_offload is not False:  # fixed as given, planned as none (its memory counted whole)
+        values["host_link"] = None
     if dp.grad_compression is not None:
         fixed = compression_options(dp.grad_compression)
         # adaptive: the planner picks the controller's starting rung among the ladder's (ZeRO has no adaptive form)
@@ -273,13 +278,16 @@ def _plan_config(config: PipelineConfig, options: dict[str, Any], rows: int, set
                       **values)
 
 
-def planned_checkpointing(setting: object) -> tuple[bool, ...]:
-    """What the planner may choose for PipelineConfig.activation_checkpointing: off or every stage when it is left
-    at False (the default); True fixes it on; any other policy (stage indices, ...) is fixed as given and planned
-    as off (its memory counted whole, on the safe side)."""
+def planned_checkpointing(setting: object) -> tuple[str, ...]:
+    """What the planner may choose for PipelineConfig.activation_checkpointing: off, selective or full on every
+    stage when it is left at False (the default); True or "full" fixes full, "selective" selective; any other
+    policy (stage indices, ...) is fixed as given and planned as off (its memory counted whole, on the safe
+    side)."""
     if setting is False:
-        return (False, True)
-    return (True,) if setting is True else (False,)
+        return CHECKPOINTING
+    if setting is True or setting == "full":
+        return ("full",)
+    return ("selective",) if setting == "selective" else ("off",)
 
 
 def _fingerprint(parts: Sequence[nn.Module], sample: tuple[Any, Any], config: PipelineConfig, setup: PlanSetup,
@@ -321,7 +329,8 @@ def choose(parts: PartSource, loss_fn: LossFn, optimizer: OptimizerFactory, conf
     any training, when the parts or the sample are unusable or no candidate fits the limit (naming the smallest
     feasible cap)."""
     profile, plan_config, source = measure(parts, loss_fn, optimizer, config, setup, sample)
-    links = [key for key in ("p2p_link", "tp_link") if key not in config.schedule_options]
+    links = [key for key in ("p2p_link", "tp_link", "host_link") if key not in config.schedule_options
+             and (key != "host_link" or config.activation_offload is False)]  # a fixed offload is planned as none
     profile, plan_config, note = with_calibration(profile, plan_config, links)
     return _decide(profile, plan_config, f"{source}; {note}" if note else source)
 
@@ -367,7 +376,7 @@ def measure(parts: PartSource, loss_fn: LossFn, optimizer: OptimizerFactory, con
                                            settings=calibration)
         meta = dict(profile.meta, calibration_walls=walls, calibration_mesh=_calibration_mesh(setup, rows),
                     calibration_samples=[[s.actions, s.messages, s.seconds, s.compute] for s in samples])
-        meta.update(_links(profile.at_microbatch(rows / min(measured)), setup.groups, options))
+        meta.update(_links(profile.at_microbatch(rows / min(measured)), setup, options))
         if isinstance(fitted, str):
             LOGGER.warning("schedule='auto': the in-pipeline calibration could not separate its terms (%s); "
                            "planning without the runtime's work", fitted)
@@ -387,11 +396,15 @@ def _calibration_mesh(setup: PlanSetup, rows: int) -> dict[str, Any]:
     return {"ranks": setup.groups.pp_size, "batch": rows, "cores": shared}
 
 
-def _links(profile: Profile, groups: ParallelGroups, options: dict[str, Any]) -> dict[str, list[float]]:
+def _links(profile: Profile, setup: PlanSetup, options: dict[str, Any]) -> dict[str, list[float]]:
     """The links the calibration measures (collective: call on every rank), those `options` does not give: the
-    stage-to-stage link with the largest message of `profile` (at the smallest candidate microbatch's scale) and,
-    under TP, the TP group's with its largest collective."""
+    stage-to-stage link with the largest message of `profile` (at the smallest candidate microbatch's scale),
+    under TP the TP group's with its largest collective, and on CUDA the copies to pinned host memory (what
+    activation offload is planned with)."""
+    groups = setup.groups
     out: dict[str, list[float]] = {}
+    if "host_link" not in options and setup.device.type == "cuda":
+        out["host_link"] = list(measure_host_link(setup.device))
     if "p2p_link" not in options:
         message = max((p.output_bytes for p in profile.parts[:-1]), default=4)
         out["p2p_link"] = list(measure_link(groups.pp_rank, int(message)))
@@ -414,7 +427,7 @@ def _decide(profile: Profile, config: PlanConfig, source: str) -> AutoChoice:
         LOGGER.warning("schedule='auto': no measured wire ratio for grad_compression %r; the plan models the "
                        "data-parallel reduction uncompressed", method.name)
     run = RunPlan(best.schedule, best.microbatches, best.zero, method.options or NoCompression(), best.step_s,
-                  best.window, best.checkpointing)
+                  best.window, best.activation_checkpointing, best.offload)
     choice = AutoChoice(result, profile, schedule, tuple(profile.group_sizes(schedule.num_groups)), run, source)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
         LOGGER.info("%s\n%s", choice.summary(), result.table())

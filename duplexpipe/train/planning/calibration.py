@@ -249,6 +249,40 @@ def measure_link(pp_rank: int, nbytes: int, reps: int = 20) -> tuple[float, floa
     return found[0][0], found[0][1]
 
 
+HOST_PROBE_BYTES = 64 * 2**20
+"""Bytes of the copies `measure_host_link` times (a few milliseconds each way on a PCIe link)."""
+
+
+def measure_host_link(device: torch.device, nbytes: int = HOST_PROBE_BYTES, reps: int = 5) -> tuple[float, float]:
+    """The copy link between `device` and pinned host memory, as activation offload uses it, (latency s per copy,
+    bytes/s): from the fastest of `reps` copies of 4 and `nbytes` bytes each way, the slower direction; rank 0's
+    figures on every rank when a process group is up (call on every rank: every rank plans the same). ValueError
+    for a device that is not CUDA."""
+    if device.type != "cuda":
+        raise ValueError(f"measure_host_link times copies to a CUDA device's host memory, got device {device}")
+
+    def fastest(size: int, to_host: bool) -> float:
+        gpu = torch.empty(max(1, size // 4), device=device)
+        host = torch.empty(gpu.shape, pin_memory=True)
+        samples = []
+        for _ in range(reps + 1):
+            torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            (host.copy_(gpu, non_blocking=True) if to_host else gpu.copy_(host, non_blocking=True))
+            torch.cuda.synchronize(device)
+            samples.append(time.perf_counter() - start)
+        return min(samples[1:])
+
+    links = []
+    for to_host in (True, False):
+        small, big = fastest(4, to_host), fastest(nbytes, to_host)
+        links.append((small, (nbytes - 4) / (big - small) if big > small else math.inf))
+    found: list[Any] = [(max(lat for lat, _ in links), min(bw for _, bw in links))]
+    if dist.is_available() and dist.is_initialized():
+        dist.broadcast_object_list(found, src=0)
+    return found[0][0], found[0][1]
+
+
 def _all_reduce_time(group: Any, nbytes: int, reps: int) -> float:
     """The fastest of `reps` all-reduces of `nbytes` over `group` (seconds; the slowest rank of each)."""
     buf = torch.zeros(max(1, nbytes // 4))

@@ -11,6 +11,7 @@ from duplexpipe.dp_options.compression import AdaptiveOptions, Options, compress
 from duplexpipe.model.split import PartInfo, Partition
 from duplexpipe.model.stages import PartInit
 from duplexpipe.planner.dp_comm import adaptive_start
+from duplexpipe.planner.host_offload import offload_label
 from duplexpipe.planner.plan import PlanResult
 from duplexpipe.planner.profile import Profile
 from duplexpipe.schedules.ir import Schedule
@@ -38,8 +39,11 @@ class RunPlan:
     """schedule="auto": the planner's predicted step time; None otherwise."""
     reshard_window: int | None = None
     """ZeRO-3's residency window (DataParallelConfig.reshard_window; None: all of a rank's stages)."""
-    activation_checkpointing: bool = False
-    """True: every stage is checkpointed (PipelineConfig.activation_checkpointing=True)."""
+    activation_checkpointing: bool | str = False
+    """Every stage checkpointed: True (or "full") whole, "selective" under the selective policy; False: none
+    (PipelineConfig.activation_checkpointing's value)."""
+    activation_offload: bool | float = False
+    """Activation offload (PipelineConfig.activation_offload's value): False, a fraction, or True."""
 
     @property
     def compression(self) -> str:
@@ -51,7 +55,10 @@ class RunPlan:
         zero = f"{self.zero_stage}" if self.zero_stage != 3 else \
             f"3 (reshard window {self.reshard_window or 'all'})"
         text = (f"{self.schedule}, M={self.microbatches}, ZeRO {zero}, gradient compression {self.compression}"
-                + (", activation checkpointing" if self.activation_checkpointing else ""))
+                + {False: "", "selective": ", selective activation checkpointing"}.get(
+                    self.activation_checkpointing, ", activation checkpointing")
+                + ("" if self.activation_offload is False else
+                   f", activation offload {offload_label(self.activation_offload)}"))
         if self.predicted_step_s is None:
             return text
         return f"{text} (predicted step {self.predicted_step_s * 1e3:.4g} ms)"
@@ -97,8 +104,8 @@ class AutoChoice:
         return replace(partition, balance=tuple(len(p.layers) for p in out), parts=tuple(out))
 
     def applied(self, config: PipelineConfig) -> PipelineConfig:
-        """`config` with the plan's M, ZeRO stage (ZeRO-3's window), gradient compression and checkpointing set (and
-        the schedule_options that searched them dropped): what runs."""
+        """`config` with the plan's M, ZeRO stage (ZeRO-3's window), gradient compression, checkpointing and offload
+        set (and the schedule_options that searched them dropped): what runs."""
         p = self.plan
         options = {k: v for k, v in config.schedule_options.items() if k not in AUTO_FIXED.values()}
         given = config.data_parallel.grad_compression
@@ -108,7 +115,10 @@ class AutoChoice:
         chosen = with_choice(replace(config, schedule_options=options), p.microbatches, p.zero_stage, grad)
         window = p.reshard_window if p.zero_stage == 3 else None
         return replace(chosen, data_parallel=replace(chosen.data_parallel, reshard_window=window),
-                       activation_checkpointing=True if p.activation_checkpointing else config.activation_checkpointing)
+                       activation_checkpointing=p.activation_checkpointing if p.activation_checkpointing is not False
+                       else config.activation_checkpointing,
+                       activation_offload=p.activation_offload if p.activation_offload is not False
+                       else config.activation_offload)
 
     def summary(self) -> str:
         """The choice in one line."""

@@ -13,9 +13,11 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 
+from duplexpipe.model.stages import selective_context
 from duplexpipe.planner.profile import PartProfile, Profile
+from duplexpipe.runtime.backward.checkpoint import RecomputeWatch, checkpoint
 from duplexpipe.runtime.backward.graph import stage_backward_input, stage_backward_weight
-from duplexpipe.runtime.saved_bytes import SavedBytes
+from duplexpipe.runtime.saved_bytes import SavedBytes, storage_key
 from duplexpipe.runtime.structure import Form, call, flatten
 from duplexpipe.tp.facts import tp_degrees, tp_facts
 from duplexpipe.tp.plans import TPPlan
@@ -70,6 +72,9 @@ class _PartRun:
         self.meter = SavedBytes(part.parameters())
         self.times: tuple[list[float], ...] = ([], [], [], [])
         self.saved = 0
+        self.selective_backward: list[float] = []
+        self.selective_saved = 0
+        self.selective_held = 0
 
     def once(self, message: _Message, loss: Callable[[Any], Tensor] | None, data: list[Tensor]) -> Any:
         """F, I and W on `message` (called as the runtime calls a stage); returns the output."""
@@ -101,6 +106,54 @@ class _PartRun:
         self.part.zero_grad(set_to_none=True)
         if self.fused:
             self.times[3].append(self._fused(message, loss, data))
+        return out
+
+    def selective(self, message: _Message, loss: Callable[[Any], Tensor] | None, data: list[Tensor]) -> Any:
+        """F under selective checkpointing (the runtime's policy, `selective_context`), then I and W (timed together:
+        the recompute runs in I, or in W for a part whose input takes no gradient), the clock read as `once` reads
+        it; returns the output. Keeps the bytes the forward saved (the policy's saved outputs and the input leaves,
+        counted by the `SavedBytes` rule) and the most the part held once its recompute ran (what the backward needs,
+        what the policy's cache still keeps, and what the forward saved outside it; parameters excluded)."""
+        inputs = [t.detach().requires_grad_(g) for t, g in zip(message.leaves, message.grads, strict=True)]
+        leaves = [t for t in inputs if t.requires_grad]
+        self.meter.start(kept=leaves, data=data)
+        cache: dict[int, int] = {}
+        outside: dict[int, int] = {}
+        never = {storage_key(t)[0] for t in (*self.part.parameters(), *data)}  # as the meter: weights, the batch
+
+        def keep(output: Any) -> None:
+            self.meter.keep(tensor_leaves(output))
+            cache.update(storage_key(t) for t in tensor_leaves(output))
+
+        def recomputed() -> None:
+            held = {**outside, **{a: n for a, n in map(storage_key, watch.held()) if a not in never}}
+            self.selective_held = max(self.selective_held, sum(held.values()))
+
+        def run(*args: Tensor) -> Any:
+            return call(self.part, message.form, list(args))
+
+        watch = RecomputeWatch(on_recompute=recomputed)
+        _sync(inputs)
+        self._cool(None)  # read as `once` reads it: the clock keeps its cadence of four reads a run
+        with self.meter.counting(), watch.collecting():
+            out = checkpoint(run, *inputs, context_fn=lambda: selective_context(keep))
+            roots = _roots(out, loss)
+        _sync(tensor_leaves(out))
+        mid = self.timer()
+        i_start = self._cool(mid)
+        self.selective_saved = self.meter.total
+        self.selective_held = self.selective_saved
+        outside.update((a, n) for a, n in self.meter.storages.items() if a not in cache)
+        _, work = stage_backward_input([get_gradient_edge(r) for r in roots], [torch.ones_like(r) for r in roots],
+                                       leaves, self.params)
+        _sync(leaves or tensor_leaves(out))
+        after_i = self.timer()
+        w_start = self._cool(after_i)
+        stage_backward_weight(work)
+        _sync(self.params)
+        end = self.timer()
+        self.selective_backward.append(after_i - i_start + end - w_start)
+        self.part.zero_grad(set_to_none=True)
         return out
 
     def _cool(self, now: float | None) -> float:
@@ -139,7 +192,8 @@ def profile_parts(parts: Sequence[nn.Module], sample_input: Any, *, target: Any 
                   loss_fn: Callable[[Any, Any], Tensor] | None = None, repeats: int = 3, warmup: int = 1,
                   microbatch_size: int | None = None, fit_rows: int | None = None, fused: bool = True,
                   evict_bytes: int = 0, timer: Timer = time.perf_counter,
-                  meta: dict[str, Any] | None = None, tp_plan: TPPlan | None = None) -> Profile:
+                  meta: dict[str, Any] | None = None, tp_plan: TPPlan | None = None,
+                  selective: bool = True) -> Profile:
     """Measure each part on one microbatch, the parts run in order so each sees its real input.
 
     Per part: the fastest of `repeats` runs (after `warmup` unmeasured ones; run round by round
@@ -170,6 +224,12 @@ def profile_parts(parts: Sequence[nn.Module], sample_input: Any, *, target: Any 
     part's `PartProfile.tp` (`tp.facts`: the collectives a TP rank issues, with the bytes of the whole
     activations of this forward, and the parameters the plan leaves whole) and `Profile.tp_degrees`, what the planner
     needs to plan T > 1. The parts themselves are profiled whole.
+
+    `selective`: afterwards run each part again under the runtime's selective checkpointing (`repeats` runs after
+    `warmup`, the clock read as for F, I and W): the bytes its forward saves under the policy and how much longer
+    its backward takes with the recompute (`PartProfile.selective_activation_bytes`, `selective_recompute_s`, what the
+    planner weighs selective checkpointing with); a part the policy cannot run leaves them unset for every part
+    (the reason in `meta["selective_error"]`).
     """
     if not parts:
         raise ValueError("profile_parts needs at least one part, got none")
@@ -186,14 +246,15 @@ def profile_parts(parts: Sequence[nn.Module], sample_input: Any, *, target: Any 
                          f"got fit_rows={fit_rows}")
     leaves = tensor_leaves(sample_input)
     evict = torch.zeros(evict_bytes // 4, device=leaves[0].device if leaves else None) if evict_bytes else None
-    measured = _measure(parts, sample_input, target, loss_fn, (repeats, warmup, fused), timer, evict)
+    facts = dict(meta or {}, repeats=repeats, warmup=warmup, fit_rows=max(small, 0), evict_bytes=evict_bytes,
+                 torch=torch.__version__)
+    measured = _measure(parts, sample_input, target, loss_fn, (repeats, warmup, fused), timer, evict,
+                        facts if selective else None)
     if small >= 1:
         fewer = _measure(parts, _head(sample_input, small, rows), _head(target, small, rows), loss_fn,
                          (repeats, warmup, fused), timer, evict)
         measured = [_affine(full, part, rows, small) for full, part in zip(measured, fewer, strict=True)]
-    return _with_tp(Profile(tuple(measured), size, dict(meta or {}, repeats=repeats, warmup=warmup,
-                                                        fit_rows=max(small, 0), evict_bytes=evict_bytes,
-                                                        torch=torch.__version__)), parts, sample_input, tp_plan)
+    return _with_tp(Profile(tuple(measured), size, facts), parts, sample_input, tp_plan)
 
 
 def _with_tp(profile: Profile, parts: Sequence[nn.Module], sample_input: Any, plan: TPPlan | None) -> Profile:
@@ -208,9 +269,11 @@ def _with_tp(profile: Profile, parts: Sequence[nn.Module], sample_input: Any, pl
 
 def _measure(parts: Sequence[nn.Module], sample_input: Any, target: Any,
              loss_fn: Callable[[Any, Any], Tensor] | None, runs: tuple[int, int, bool],
-             timer: Timer, evict: Tensor | None) -> list[PartProfile]:
+             timer: Timer, evict: Tensor | None, selective: dict[str, Any] | None = None) -> list[PartProfile]:
     """Each part's fastest F, I and W (and fused B) and its bytes, the parts run in order on `sample_input`;
-    `runs`: (repeats, warmup, fused)."""
+    `runs`: (repeats, warmup, fused). `selective` (a profile's meta, or None for none): each round then runs the
+    parts again under selective checkpointing (`_PartRun.selective`), so both see the same moments of the machine;
+    a part the policy cannot run (RuntimeError) leaves the figures unset, its reason in `selective_error`."""
     repeats, warmup, fused = runs
     first = _Message.of(sample_input, "sample_input", grads=False)  # a first stage's input takes no gradient
     data = list(first.leaves) + tensor_leaves(target)  # the caller's batch: never counted
@@ -226,7 +289,31 @@ def _measure(parts: Sequence[nn.Module], sample_input: Any, target: Any,
                 run.times = ([], [], [], [])
             message = _Message.of(outputs[k], f"the output of part {k}", grads=True)
             message.leaves = [t.detach() for t in message.leaves]  # keep the values, free the graph
-    return [run.result(out) for run, out in zip(timed, outputs, strict=True)]
+        if selective is not None and "selective_error" not in selective:
+            try:
+                _selective_round(timed, first, target, loss_fn, data, attempt < warmup)
+            except RuntimeError as exc:  # an operator the selective policy cannot recompute: the lever is not planned
+                selective["selective_error"] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    out = [run.result(o) for run, o in zip(timed, outputs, strict=True)]
+    if selective is None or "selective_error" in selective:
+        return out
+    return [replace(p, selective_activation_bytes=run.selective_saved, selective_held_bytes=run.selective_held,
+                    selective_recompute_s=max(0.0, min(run.selective_backward) - p.backward_s))
+            for p, run in zip(out, timed, strict=True)]
+
+
+def _selective_round(timed: Sequence[_PartRun], first: _Message, target: Any,
+                     loss_fn: Callable[[Any, Any], Tensor] | None, data: list[Tensor], warm: bool) -> None:
+    """One round of the parts in order under selective checkpointing (`warm`: a warm-up round, not kept)."""
+    message = first
+    for k, run in enumerate(timed):
+        last = k == len(timed) - 1
+        loss = (lambda out: loss_fn(out, target)) if last and loss_fn is not None else None  # noqa: E731
+        output = run.selective(message, loss, data)
+        if warm:
+            run.selective_backward = []
+        message = _Message.of(output, f"the output of part {k}", grads=True)
+        message.leaves = [t.detach() for t in message.leaves]
 
 
 def _affine(full: PartProfile, fewer: PartProfile, rows: int, small: int) -> PartProfile:

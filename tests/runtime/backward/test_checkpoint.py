@@ -184,3 +184,36 @@ def test_selective_saves_the_matmuls() -> None:
     assert matmuls["selective"] < matmuls["full"], matmuls
     with pytest.raises(RuntimeError, match="backward an extra time"):
         _split(blocks, x, torch_checkpoint, use_reentrant=False, context_fn=_save_matmuls)
+
+
+def test_a_watch_holds_what_the_selective_cache_keeps_until_the_recompute_takes_it() -> None:
+    """Under the selective policy the forward's matmul outputs wait in the policy's cache: the watch counts them
+    (measured memory sees them) until the recompute hands them to its holders; an output the backward never takes
+    (the down projection's, summed into the residual) stays in the cache until the graph goes."""
+    from duplexpipe.model.stages import selective_context
+    from duplexpipe.runtime.backward.checkpoint import cached
+    from duplexpipe.runtime.saved_bytes import storage_key
+
+    torch.manual_seed(0)
+    width, rows = 8, 6
+    norm, up, down = nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        return x + down(nn.functional.gelu(up(norm(x))))
+
+    x = torch.randn(rows, width, requires_grad=True)
+    watch = RecomputeWatch()
+    with watch.collecting():
+        out = checkpoint(block, x, context_fn=selective_context)
+    (region,) = [ref() for ref in watch.regions]
+    assert region is not None
+
+    def nbytes(tensors: list[torch.Tensor]) -> int:
+        return sum(dict(map(storage_key, tensors)).values())
+
+    assert nbytes(watch.held()) == nbytes(cached(region.recompute_context)) == rows * (4 * width + width) * 4
+    weights = [p for module in (norm, up, down) for p in module.parameters()]
+    _, work = stage_backward_input([get_gradient_edge(out)], [torch.ones_like(out)], [x], weights)
+    assert nbytes(cached(region.recompute_context)) == rows * width * 4  # the down projection's output alone
+    assert nbytes(watch.held()) > nbytes(cached(region.recompute_context))  # what W needs, recomputed
+    stage_backward_weight(work)

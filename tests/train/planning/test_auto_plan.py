@@ -27,6 +27,7 @@ from duplexpipe.dp_options.compression import (
     PowerSGDOptions,
 )
 from duplexpipe.parallel.mesh import ParallelGroups
+from duplexpipe.planner.dp_comm import Link
 from duplexpipe.planner.plan import PlanConfig, plan
 from duplexpipe.planner.runtime_work import OverheadSample
 from duplexpipe.sizes import memory_bytes
@@ -308,12 +309,13 @@ def test_measurements_are_cached_per_parts_and_sample(tmp_path: Any) -> None:
                                                                schedule_options=options), setup, (x, y))
 
     first = choice(16, HEAVY_LAST)
-    assert first.source.startswith("measured, cached in ") and clocks[0].reads == 16
+    # 4 reads per part and run, 4 parts, one run plain and one under selective checkpointing
+    assert first.source.startswith("measured, cached in ") and clocks[0].reads == 32
     again = choice(16, UNIFORM)  # a different clock: were it read, the plan would change
     assert again.source == f"cache {first.source.split('cached in ')[1]}" and clocks[1].reads == 0
     assert again.plan == first.plan and again.profile == first.profile and again.groups == (3, 1)
     other = choice(32, UNIFORM)
-    assert other.source.startswith("measured") and clocks[2].reads == 16 and other.groups == (1, 1, 1, 1)
+    assert other.source.startswith("measured") and clocks[2].reads == 32 and other.groups == (1, 1, 1, 1)
     assert len(list(tmp_path.glob("*.json"))) == 2
 
 
@@ -385,9 +387,10 @@ def test_the_planners_memory_levers_reach_the_config_that_runs() -> None:
         return _plan_config(config, dict(config.schedule_options), 8, setup, lambda zero, options: None)
 
     free = planned(PipelineConfig(schedule=AUTO))
-    assert free.checkpointing == (False, True) and free.reshard_windows == (1, None)
-    assert planned(PipelineConfig(schedule=AUTO, activation_checkpointing=True)).checkpointing == (True,)
-    assert planned(PipelineConfig(schedule=AUTO, activation_checkpointing=[0])).checkpointing == (False,)
+    assert free.checkpointing == ("off", "selective", "full") and free.reshard_windows == (1, None)
+    assert planned(PipelineConfig(schedule=AUTO, activation_checkpointing=True)).checkpointing == ("full",)
+    assert planned(PipelineConfig(schedule=AUTO, activation_checkpointing="selective")).checkpointing == ("selective",)
+    assert planned(PipelineConfig(schedule=AUTO, activation_checkpointing=[0])).checkpointing == ("off",)
     fixed = planned(PipelineConfig(schedule=AUTO, data_parallel=DataParallelConfig(zero_stage=3, reshard_window=2)))
     assert fixed.zero_stages == (3,) and fixed.reshard_windows == (2,)
     parts = tuple(PartProfile(1e-3, 1e-3, 1e-3, 1024, 1024, 64, 64) for _ in range(4))
@@ -400,6 +403,18 @@ def test_the_planners_memory_levers_reach_the_config_that_runs() -> None:
     assert applied.activation_checkpointing is True and applied.num_microbatches == 4
     assert run.summary() == "zbv, M=4, ZeRO 3 (reshard window 1), gradient compression none, activation " \
                             "checkpointing (predicted step 10 ms)"
+    selective = replace(run, zero_stage=0, reshard_window=None, activation_checkpointing="selective")
+    assert AutoChoice(result, Profile(parts, 4), result.schedule, (1, 1, 1, 1), selective).applied(
+        PipelineConfig(schedule=AUTO)).activation_checkpointing == "selective"
+    assert selective.summary() == "zbv, M=4, ZeRO 0, gradient compression none, selective activation " \
+                                  "checkpointing (predicted step 10 ms)"
+    offloaded = replace(selective, activation_checkpointing=False, activation_offload=0.5)
+    assert AutoChoice(result, Profile(parts, 4), result.schedule, (1, 1, 1, 1), offloaded).applied(
+        PipelineConfig(schedule=AUTO)).activation_offload == 0.5
+    assert offloaded.summary().endswith("gradient compression none, activation offload 50% (predicted step 10 ms)")
+    assert planned(PipelineConfig(schedule=AUTO, activation_offload=True,
+                                  schedule_options={"host_link": Link(1e9)})).host_link is None
+    assert planned(PipelineConfig(schedule=AUTO, schedule_options={"host_link": Link(1e9)})).host_link == Link(1e9)
     kept = replace(run, zero_stage=2, reshard_window=None, activation_checkpointing=False)
     assert AutoChoice(result, Profile(parts, 4), result.schedule, (1, 1, 1, 1), kept).applied(
         PipelineConfig(schedule=AUTO, activation_checkpointing=[1])).activation_checkpointing == [1]

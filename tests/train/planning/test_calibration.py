@@ -7,6 +7,7 @@ import math
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from duplexpipe.train.planning.calibration import tp_collective_work
@@ -36,3 +37,14 @@ def test_tp_collective_work_is_rank_0s_non_negative_figure_on_every_rank() -> No
     first, second = run_workers(_work, 2)
     assert first == second, "every rank plans with rank 0's figure"
     assert all(math.isfinite(x) and x >= 0 for x in first)
+
+
+def test_the_host_link_is_timed_on_cuda_only() -> None:
+    from duplexpipe.train.planning.calibration import measure_host_link
+
+    with pytest.raises(ValueError, match="CUDA device's host memory, got device cpu"):
+        measure_host_link(torch.device("cpu"))
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    latency, bandwidth = measure_host_link(torch.device("cuda"), nbytes=16 * 2**20, reps=2)
+    assert 0 <= latency < 1 and 1e8 < bandwidth < math.inf

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch import Tensor, nn
@@ -31,14 +33,18 @@ def mlp(width: int = 8) -> nn.Module:
 def test_the_fastest_measured_run_of_each_pass_after_warmup() -> None:
     torch.manual_seed(0)
     parts = [mlp(), mlp()]
-    # round by round over the parts: a warm-up round (discarded), then three rounds
-    timer = ScriptedTimer([(50, 50, 50), (60, 60, 60), (1, 4, 7), (0.5, 0.1, 0.2), (3, 5, 9), (0.4, 0.3, 0.1),
-                           (2, 6, 8), (0.6, 0.2, 0.3)])
+    # round by round over the parts: a warm-up round (discarded), then three rounds; each round runs the parts
+    # again under selective checkpointing (I + W with the recompute)
+    timer = ScriptedTimer([(50, 50, 50), (60, 60, 60), (50, 50, 50), (60, 60, 60),
+                           (1, 4, 7), (0.5, 0.1, 0.2), (1, 5, 7), (0.5, 0.3, 0.2),
+                           (3, 5, 9), (0.4, 0.3, 0.1), (1, 4.5, 7), (0.4, 0.2, 0.1),
+                           (2, 6, 8), (0.6, 0.2, 0.3), (1, 6, 7), (0.6, 0.25, 0.3)])
     profile = profile_parts(parts, torch.randn(4, 8), repeats=3, warmup=1, fit_rows=0, fused=False, timer=timer)
     assert not timer.reads, "four timer reads per run"
     p0, p1 = profile.parts
     assert (p0.forward_s, p0.backward_input_s, p0.backward_weight_s) == (1, 4, 7)
     assert (p1.forward_s, p1.backward_input_s, p1.backward_weight_s) == pytest.approx((0.4, 0.1, 0.1))
+    assert (p0.selective_recompute_s, p1.selective_recompute_s) == pytest.approx((0.5, 0.1))
     assert profile.microbatch_size == 4 and profile.meta["repeats"] == 3 and profile.meta["warmup"] == 1
 
 
@@ -49,13 +55,15 @@ def test_the_affine_fit_splits_each_pass_into_fixed_and_per_row_time() -> None:
     full = tuple(c + 4 * r for c, r in zip(fixed, per_row, strict=True))
     one = tuple(c + 1 * r for c, r in zip(fixed, per_row, strict=True))
     timer = ScriptedTimer([full, full, one, one])  # warm-up + run on 4 rows, then on 1 row
-    profile = profile_parts([mlp()], torch.randn(4, 8), repeats=1, warmup=1, fit_rows=1, fused=False, timer=timer)
+    profile = profile_parts([mlp()], torch.randn(4, 8), repeats=1, warmup=1, fit_rows=1, fused=False, timer=timer,
+                            selective=False)
     (p,) = profile.parts
     assert p.fixed == pytest.approx(fixed) and profile.meta["fit_rows"] == 1
     assert p.scaled(2.0).times == pytest.approx(tuple(c + 8 * r for c, r in zip(fixed, per_row, strict=True)))
     # one part slower on fewer rows (noise): its fixed part is clamped to the whole time
     timer = ScriptedTimer([(1.0, 1.0, 1.0)] * 2 + [(2.0, 0.1, 1.0)] * 2)
-    (q,) = profile_parts([mlp()], torch.randn(4, 8), repeats=1, warmup=1, fit_rows=2, fused=False, timer=timer).parts
+    (q,) = profile_parts([mlp()], torch.randn(4, 8), repeats=1, warmup=1, fit_rows=2, fused=False, timer=timer,
+                         selective=False).parts
     assert q.fixed == pytest.approx((1.0, 0.0, 1.0))
     for bad in (4, 5, -1):
         with pytest.raises(ValueError, match="fit_rows"):
@@ -79,7 +87,8 @@ def test_the_fused_backward_is_timed_as_the_runtime_runs_b() -> None:
     for f, i, w, b in runs:
         reads += [0.0, f, f + i, f + i + w, 100.0, 100.0 + b]
     timer = ListTimer(reads)
-    (p,) = profile_parts([mlp()], torch.randn(4, 8), repeats=2, warmup=1, fit_rows=0, timer=timer).parts
+    (p,) = profile_parts([mlp()], torch.randn(4, 8), repeats=2, warmup=1, fit_rows=0, timer=timer,
+                         selective=False).parts
     assert not timer.reads and (p.forward_s, p.backward_s, p.backward_fused_s) == (1, 5, 3.5)
     assert p.full_backward_s == 3.5 and p.linear().full_backward_s == 5
     real = profile_parts([mlp()], torch.randn(4, 8), repeats=1, warmup=0).parts[0]
@@ -93,7 +102,7 @@ def test_cold_cache_timing_writes_a_buffer_between_passes_outside_the_timings() 
              200.0, 204.0]  # the fused B: 4
     timer = ListTimer(reads)
     (p,) = profile_parts([mlp()], torch.randn(4, 8), repeats=1, warmup=1, fit_rows=0, fused=False,
-                         evict_bytes=1 << 16, timer=timer).parts
+                         evict_bytes=1 << 16, timer=timer, selective=False).parts
     assert (p.forward_s, p.backward_input_s, p.backward_weight_s) == (1.5, 2.0, 0.5) and len(timer.reads) == 2
     assert cache_evict_bytes() > 0 and cache_evict_bytes(default=7) in (7, cache_evict_bytes())
     with pytest.raises(ValueError, match="evict_bytes >= 0"):
@@ -190,3 +199,43 @@ def test_leaves_and_bad_arguments() -> None:
         profile_parts([frozen], torch.zeros(2, 3, dtype=torch.int64))
     with pytest.raises(ValueError, match="cannot tell the microbatch size"):
         profile_parts([mlp()], torch.tensor(1.0))
+
+
+class Block(nn.Module):
+    """A transformer-like MLP block: norm, up-projection, GELU, down-projection, residual."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+
+
+def test_selective_checkpointing_is_measured_on_the_real_part_and_planned_from_it() -> None:
+    """Under the runtime's selective policy a block keeps its matmuls' outputs (and its input leaf): less than it
+    keeps plain (the norm's, GELU's saved tensors), more than full checkpointing (the input alone)."""
+    from duplexpipe.planner.levers import checkpointed
+    from duplexpipe.planner.plan import PlanConfig, plan
+
+    torch.manual_seed(0)
+    width, rows, seq = 16, 4, 8
+    profile = profile_parts([Block(width), Block(width)], torch.randn(rows, seq, width), repeats=1, warmup=0,
+                            fit_rows=0)
+    first, second = profile.parts
+    matmuls = rows * seq * (4 * width + width) * 4  # float32 outputs of the up and down projections
+    assert first.selective_activation_bytes == matmuls  # its input is the caller's sample: never counted
+    assert second.selective_activation_bytes == matmuls + first.output_bytes  # and the input leaf its I keeps
+    full = checkpointed(profile.parts)[0][1]
+    assert full.activation_bytes < second.selective_activation_bytes < second.activation_bytes
+    # once recomputed, a part holds what its backward needs (as plain) and what the policy's cache keeps beside it:
+    # the down projection's output, which the residual add never takes
+    down = rows * seq * width * 4
+    assert (first.selective_held_bytes, second.selective_held_bytes) == \
+        (first.activation_bytes + down, second.activation_bytes + down)
+    assert second.selective_recompute_s is not None and second.selective_recompute_s >= 0
+    assert "selective_error" not in profile.meta
+    base = PlanConfig(ranks=2, batch=16, memory=2**40, schedules=("1f1b",), microbatches=(4,))
+    alone = plan(profile, replace(base, checkpointing=("selective",))).best
+    best = plan(profile, replace(base, memory=int(alone.peak_bytes))).best
+    assert best.checkpointing == "selective" and best.peak_bytes == alone.peak_bytes
