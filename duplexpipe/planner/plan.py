@@ -33,7 +33,7 @@ from duplexpipe.planner.dp_comm import (
     zero_stage,
 )
 from duplexpipe.planner.host_offload import OFFLOAD_FRACTIONS, check_fraction, copy_time, moves, offload_label
-from duplexpipe.planner.levers import checkpointed, checkpointed_label, offload_note, policy_note
+from duplexpipe.planner.levers import checkpointed, checkpointed_label
 from duplexpipe.planner.machine import Machine, simulate_shared
 from duplexpipe.planner.memory import GLOO_RECEIVES_AHEAD, MemoryConfig, RankMemory, StageBytes, rank_memory
 from duplexpipe.planner.profile import PartProfile, Profile
@@ -642,3 +642,42 @@ def _advice(config: PlanConfig, best: PlanRow, context: _Context) -> str:
                     f"{method.name} ({method.wire_ratio:g}x fewer bytes){note}")
     return f"no compression method the trainer runs with ZeRO {best.zero} hides the data-parallel reduction on " \
            "this link"
+
+
+def policy_note(rows: Sequence[PlanRow], best: PlanRow, config: PlanConfig) -> str:
+    """Why `best` runs its checkpointing policy ("" for none), beside the same plan under the other policies:
+    "; checkpointing selective (off needs 1 GiB, full not needed)". A lighter policy without a row was not allowed
+    (`PlanConfig.checkpointing`) or, selective, not measured by the profile; a heavier one was not needed (tried
+    only where the one below it is over the cap)."""
+    if best.checkpointing == "off":
+        return ""
+    key = (best.schedule, best.microbatches, best.zero, best.window, best.mesh, best.offload)
+    same = {r.checkpointing: r for r in rows
+            if (r.schedule, r.microbatches, r.zero, r.window, r.mesh, r.offload) == key}
+    allowed = {checkpointing_policy(p) for p in config.checkpointing}
+    notes = []
+    for policy in CHECKPOINTING:
+        row = same.get(policy)
+        if policy == best.checkpointing:
+            continue
+        if row is None:
+            heavier = CHECKPOINTING.index(policy) > CHECKPOINTING.index(best.checkpointing)
+            notes.append(f"{policy} not needed" if heavier else f"{policy} not allowed" if policy not in allowed
+                         else f"{policy} not measured by the profile")
+        elif row.over_cap:
+            notes.append(f"{policy} needs {format_bytes(row.peak_bytes)}")
+        elif row.feasible:
+            notes.append(f"{policy} fits at {format_bytes(row.peak_bytes)}, {row.step_s / best.step_s - 1:+.0%} step")
+        else:
+            notes.append(f"{policy}: {row.rejected}")
+    return f"; checkpointing {best.checkpointing} ({', '.join(notes)})"
+
+
+def offload_note(rows: Sequence[PlanRow], best: PlanRow, config: PlanConfig) -> str:
+    """What `best`'s offload costs, or, when memory decided and no host link is known, that offload was not
+    planned ("" otherwise)."""
+    if best.offload is not False:
+        return f"; offload {offload_label(best.offload)} (copies add {best.offload_s * 1e3:.3g} ms beyond the compute)"
+    if config.host_link is None and any(r.over_cap and r.step_s <= best.step_s for r in rows):
+        return "; activation offload not planned: no host-copy bandwidth known"
+    return ""
