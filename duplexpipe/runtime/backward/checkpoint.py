@@ -144,6 +144,7 @@ class _Region:
         self.recomputes += 1
         count = len(self.holders)
         seen = [0]
+        holders = self.holders  # the hook below must not hold the region: autograd keeps a hook that raised alive
 
         def pack(tensor: Tensor) -> Tensor:
             index = seen[0]
@@ -151,12 +152,12 @@ class _Region:
             if index >= count:
                 raise RuntimeError("activation checkpointing: the recompute saved more tensors than the forward "
                                    "did; the checkpointed function must run the same operations every time")
-            holder = self.holders[index]()
+            holder = holders[index]()
             if holder is not None and holder.tensor is None:
                 holder.tensor = tensor.detach() if tensor.requires_grad else tensor
             if seen[0] == count:
                 raise RecomputeDone
-            return tensor
+            return tensor.detach()  # the recomputed graph keeps nothing of it
 
         devices = self.devices if self.device_states else []
         with contextlib.ExitStack() as stack:

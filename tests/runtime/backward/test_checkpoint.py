@@ -5,6 +5,8 @@ at I, what W needs is kept until W."""
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -217,3 +219,25 @@ def test_a_watch_holds_what_the_selective_cache_keeps_until_the_recompute_takes_
     assert nbytes(cached(region.recompute_context)) == rows * width * 4  # the down projection's output alone
     assert nbytes(watch.held()) > nbytes(cached(region.recompute_context))  # what W needs, recomputed
     stage_backward_weight(work)
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+@pytest.mark.parametrize("split", [False, True])
+def test_nothing_of_a_region_outlives_its_backward(policy: str, split: bool) -> None:
+    """After the backward every region, its inputs and its recomputed tensors are freed (a hook that stops the
+    recompute by raising is kept alive by autograd: it must hold nothing; before, each region leaked with its
+    recompute's graph, about 30 MB a step on the GPT example)."""
+    blocks = _model()
+    kwargs: dict[str, Any] = {"context_fn": _save_matmuls} if policy == "selective" else {}
+    for _ in range(2):  # the first run warms up what torch caches once
+        x = torch.randn(5, DIM, dtype=torch.float64, requires_grad=True)
+        inputs, watch = weakref.ref(x), RecomputeWatch()
+        with watch.collecting():
+            if split:
+                _split(blocks, x, checkpoint, **kwargs)
+            else:
+                _run(blocks, x, checkpoint, **kwargs).backward()
+        del x
+        gc.collect()
+        assert len(watch.regions) == len(blocks) and all(region() is None for region in watch.regions)
+        assert inputs() is None
