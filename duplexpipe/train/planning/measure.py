@@ -93,15 +93,8 @@ class _PartRun:
         if not root_values:
             raise ValueError(f"{type(self.part).__name__}: no output requires grad, so no backward can be "
                              "profiled (are all parameters frozen?)")
-        grads = [torch.ones_like(r) for r in root_values]
-        _, work = stage_backward_input([get_gradient_edge(r) for r in root_values], grads, leaves, self.params)
-        _sync(leaves or tensor_leaves(out))
-        after_i = self.timer()
-        w_start = self._cool(after_i)
-        stage_backward_weight(work)
-        _sync(self.params)
-        end = self.timer()
-        for bucket, value in zip(self.times, (mid - start, after_i - i_start, end - w_start), strict=False):
+        i_s, w_s = self._backward(root_values, leaves, out, i_start)
+        for bucket, value in zip(self.times, (mid - start, i_s, w_s), strict=False):
             bucket.append(value)
         self.part.zero_grad(set_to_none=True)
         if self.fused:
@@ -144,6 +137,13 @@ class _PartRun:
         self.selective_saved = self.meter.total
         self.selective_held = self.selective_saved
         outside.update((a, n) for a, n in self.meter.storages.items() if a not in cache)
+        self.selective_backward.append(sum(self._backward(roots, leaves, out, i_start)))
+        self.part.zero_grad(set_to_none=True)
+        return out
+
+    def _backward(self, roots: list[Tensor], leaves: list[Tensor], out: Any, i_start: float) -> tuple[float, float]:
+        """I then W from `roots` (ones as their gradients), each timed (I from `i_start`, W after a cool-down);
+        (I seconds, W seconds)."""
         _, work = stage_backward_input([get_gradient_edge(r) for r in roots], [torch.ones_like(r) for r in roots],
                                        leaves, self.params)
         _sync(leaves or tensor_leaves(out))
@@ -151,10 +151,7 @@ class _PartRun:
         w_start = self._cool(after_i)
         stage_backward_weight(work)
         _sync(self.params)
-        end = self.timer()
-        self.selective_backward.append(after_i - i_start + end - w_start)
-        self.part.zero_grad(set_to_none=True)
-        return out
+        return after_i - i_start, self.timer() - w_start
 
     def _cool(self, now: float | None) -> float:
         """Write the eviction buffer (if any), so the next pass finds the caches cold as in a pipeline,
