@@ -3,12 +3,11 @@ copies cost beyond the compute they overlap."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from duplexpipe.planner.dp_comm import Link
-from duplexpipe.schedules.ir import Op
+from duplexpipe.schedules.offload import offload_plan
 from duplexpipe.schedules.timeline import Event, Timeline
 
 OFFLOAD_FRACTIONS: tuple[bool | float, ...] = (0.5, True)
@@ -54,35 +53,13 @@ def moves(timeline: Timeline, policy: bool | float) -> list[Move]:
 
 
 def _rank_moves(rank: int, events: Sequence[Event], policy: bool | float) -> list[Move]:
-    due: dict[tuple[int, int], int] = {}
-    for pos, event in enumerate(events):
-        for part in event.action.compute_parts():
-            if part.op in (Op.B, Op.I):
-                due[(part.stage, part.microbatch)] = pos
-    live: dict[tuple[int, int], int] = {}
-    away: set[tuple[int, int]] = set()
-    out = []
-    for pos, event in enumerate(events):
-        produced = False
-        for part in event.action.compute_parts():
-            key = (part.stage, part.microbatch)
-            if part.op in (Op.B, Op.I):
-                live.pop(key, None)
-                away.discard(key)
-            elif part.op is Op.F and key in due:
-                live[key] = due[key]
-                produced = True
-        if not produced:
-            continue
-        wanted = len(live) - 1 if policy is True else math.floor(float(policy) * len(live))
-        chosen = [k for k in sorted(live, key=live.__getitem__, reverse=True) if k in away or live[k] - 2 > pos]
-        for key in chosen[:wanted]:
-            if key in away:
-                continue
-            away.add(key)
-            fetch = events[live[key] - 1]
-            out.append(Move(rank, key[0], key[1], event.end, fetch.start, events[pos + 1].duration, fetch.duration))
-    return out
+    """The moves of `offload_plan` over one rank's compute events (its list without the transfers: each prefetch
+    then comes right after the event two before the backward, its copy overlapping the one just before)."""
+    plan = offload_plan([e.action for e in events], policy)
+    back = {key: pos + 1 for pos, keys in plan.prefetch_after.items() for key in keys}
+    return [Move(rank, stage, mb, events[pos].end, events[back[(stage, mb)]].start, events[pos + 1].duration,
+                 events[back[(stage, mb)]].duration)
+            for pos, keys in plan.offload_after.items() for stage, mb in keys]
 
 
 def copy_time(done: Sequence[Move], activation: Sequence[float], link: Link, ranks: int) -> float:

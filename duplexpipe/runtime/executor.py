@@ -29,7 +29,7 @@ from duplexpipe.runtime.loss_sum import LossSum
 from duplexpipe.runtime.memory import MeasuredActivations, StepMemory, measured
 from duplexpipe.runtime.message_meta import Message, MessageMeta
 from duplexpipe.runtime.messages import Mailbox, Mailroom, Slot
-from duplexpipe.runtime.offload import Offload, enabled, offload_plan
+from duplexpipe.runtime.offload import Offload, enabled
 from duplexpipe.runtime.preflight import verdict
 from duplexpipe.runtime.rankplan import RankPlan
 from duplexpipe.runtime.stage_compute import Activations, StageCompute
@@ -38,6 +38,7 @@ from duplexpipe.runtime.timing import Tracer
 from duplexpipe.runtime.transport import MailTransport
 from duplexpipe.runtime.watchdog import Watchdog
 from duplexpipe.schedules.ir import Action, Schedule
+from duplexpipe.schedules.offload import offload_plan
 from duplexpipe.schedules.timeline import Span, Timeline
 
 __all__ = ["PipelineRuntime"]

@@ -12,9 +12,9 @@ from duplexpipe.planner.dp_comm import Link
 from duplexpipe.planner.host_offload import Move, copy_time, moves
 from duplexpipe.planner.plan import PlanConfig, plan
 from duplexpipe.planner.profile import PartProfile, Profile
-from duplexpipe.runtime.offload import offload_plan
 from duplexpipe.schedules import registry
 from duplexpipe.schedules.lower import lower
+from duplexpipe.schedules.offload import offload_plan
 from duplexpipe.schedules.simulate import CostModel, simulate
 from duplexpipe.sizes import format_bytes
 

@@ -15,10 +15,11 @@ from _executor_cases import _grad_errors, _inputs, stage_setup
 from models import loss_fn, make_batch, make_parts, reference
 from torch import nn
 
-from duplexpipe.runtime.offload import Offload, OffloadPlan, check_offload, offload_plan
+from duplexpipe.runtime.offload import Offload, check_offload
 from duplexpipe.runtime.stage_compute import Activations
 from duplexpipe.schedules.ir import Op
 from duplexpipe.schedules.lower import lower
+from duplexpipe.schedules.offload import OffloadPlan, offload_plan
 from duplexpipe.schedules.registry import build
 
 WORLD = 4
