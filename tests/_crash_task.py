@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,9 +21,10 @@ NATIVE_NOISE = "".join(
 """31 lines as torch's TCPStore client writes them (to file descriptor 2) when the rank serving the store is gone."""
 
 
-def crash_task(kill_step: int = -1, kill_rank: int = 1, noise_rank: int = -1, **options: Any) -> TrainTask:
-    """gpt_task(**options); on attempt 0, global rank `kill_rank` dies (SIGKILL) fetching step `kill_step`, and
-    rank `noise_rank` writes NATIVE_NOISE to its standard error then."""
+def crash_task(kill_step: int = -1, kill_rank: int = 1, noise_rank: int = -1, mark: str = "",
+               **options: Any) -> TrainTask:
+    """gpt_task(**options); on attempt 0, global rank `kill_rank` dies (SIGKILL) fetching step `kill_step` (first
+    creating the file `mark`, if named), and rank `noise_rank` writes NATIVE_NOISE to its standard error then."""
     torch.set_num_threads(1)  # the same arithmetic in every process, under torchrun or launch
     task = gpt_task(**options)
     batch = task.batch
@@ -31,6 +33,8 @@ def crash_task(kill_step: int = -1, kill_rank: int = 1, noise_rank: int = -1, **
         if step == kill_step and restart_attempt() == 0 and int(os.environ.get("RANK", "-1")) == noise_rank:
             os.write(2, NATIVE_NOISE.encode())
         if step == kill_step and restart_attempt() == 0 and int(os.environ.get("RANK", "-1")) == kill_rank:
+            if mark:
+                Path(mark).write_text(f"rank {kill_rank} killed fetching step {step}\n", encoding="utf-8")
             os.kill(os.getpid(), signal.SIGKILL)
         return batch(step, batch_size)
 
