@@ -127,9 +127,12 @@ def _write_manifest(path: str, parts: list[dict[str, FileDigest] | str]) -> str 
 
 
 def _discard(path: str, created: bool) -> None:
-    """Rank 0 removes the folder of a failed save when the save created it."""
+    """Rank 0 removes the folder of a failed save when the save created it; every rank calls it and returns once the
+    folder is gone (a rank that raised first could end the job, its launcher stopping rank 0 mid-removal)."""
     if created and _rank() == 0:
         shutil.rmtree(path, ignore_errors=True)
+    if _distributed():
+        dist.barrier()
 
 
 def verify_files(path: str, collective: bool) -> None:
