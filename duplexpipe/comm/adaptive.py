@@ -303,8 +303,8 @@ class Controller:
 
     def _wants_up(self, state: _Key, level: float) -> bool:
         """Exposed for `patience` steps in a row (or urgently for URGENT_RUN), with a rung above it open: urgent
-        exposure over twice what a failed trial saw (`level`: the exposed seconds now) opens the rung it capped (the
-        link changed since)."""
+        exposure (`level`: the exposed seconds now) over twice what the key saw before a failed trial opens the rung
+        that trial capped (the link changed since, perhaps during the trial)."""
         urgent = state.urgent_run >= URGENT_RUN
         pressed = state.exposed_run >= self.options.patience or urgent
         changed = urgent and level > 2 * state.cap_level
@@ -338,7 +338,9 @@ class Controller:
         if lowered and not slower:
             state.cap_hold = opts.patience
             return self._up(key, state, share) if self._wants_up(state, level) else None
-        state.cap, state.cap_level = state.rung - 1, max(before, after, group_before, group_after)
+        # re-armed by exposure over twice what the rung below saw before the trial, not during it: a link that
+        # dropped mid-trial makes the trial look failed and the rung below far more exposed than it was
+        state.cap, state.cap_level = state.rung - 1, max(before, group_before)
         state.cap_until = self.steps + state.cap_hold
         state.cap_hold = min(2 * state.cap_hold, opts.max_hold)
         what = (f"made the step slower ({step_after * 1e3:.2f} ms vs {step_before * 1e3:.2f} ms)" if lowered else

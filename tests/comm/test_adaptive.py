@@ -246,3 +246,29 @@ def test_a_link_that_becomes_slow_lifts_the_cap_a_failed_trial_set() -> None:
     assert ctl.rung("k") == 0 and "did not lower" in ctl.log[-1].reason
     _run(ctl, [{"k": 0.5}] * URGENT_RUN)
     assert ctl.rung("k") == 1 and len(ctl.log) == 3
+
+
+def test_a_trial_the_link_dropped_during_does_not_cap_the_rung_it_tried() -> None:
+    """On a fast link int8 does not lower bf16's exposure and is capped ever longer; the link then drops 20x one
+    step into int8's fifth trial (exposure in proportion to a rung's bytes: none 4, bf16 2, int8 1 units). Judged
+    against the steps before the drop the trial fails and the key goes back to bf16, but bf16 is now exposed far
+    above what it was before the trial, so int8 is tried again after URGENT_RUN steps and kept. (Judging the cap by
+    the failed trial's own post-drop exposure, int8 at exactly half of bf16's never looked "twice as exposed", and
+    the key waited out the cap on bf16.)"""
+    opts = AdaptiveOptions(ladder="none/bf16/int8", start="bf16", patience=3)
+    ctl = Controller(opts, ["k"], lag=1)
+    drop: list[int] = []
+
+    def exposure(step: int, rung: int) -> float:
+        if not drop and [d.after for d in ctl.log].count("int8") == 5 and ctl.log[-1].after == "int8":
+            drop.append(step + 1)
+        return [0.04, 0.03, 0.03][rung] if not drop or step < drop[0] else 0.4 * [4, 2, 1][rung]
+
+    class Exact(random.Random):
+        def uniform(self, a: float, b: float) -> float:
+            return 1.0
+
+    used = _agreed(ctl, exposure, 120, Exact())
+    back = used.index(1, drop[0])  # the failed trial undone
+    assert "int8 did not lower the exposed time" in ctl.log[-2].reason and ctl.log[-2].step > drop[0]
+    assert used.index(2, back) - back == 1 + URGENT_RUN and set(used[used.index(2, back):]) == {2}, used
