@@ -161,8 +161,9 @@ def table(result_rows: list[dict[str, Any]]) -> Table:
     for r in result_rows:
         label = r["label"] + (" (= all: one stage per rank)" if r["window"] == 1 and r["most_stages"] == 1 else "")
         out.append([r["case"], label, _kb(r["params_peak"]), f"{r['vs2']['params_peak']:.2f}",
-                    _kb(r["params_sharded"]), _kb(r["grads_peak"]), _kb(r["pg_peak"]), f"{r['vs2']['pg_peak']:.2f}", _kb(r["total_peak"]),
-                    f"{r['vs2']['total_peak']:.2f}", _kb(r["rest_params"]), f"{r['rest_params_vs1']:.2f}",
+                    _kb(r["params_sharded"]), _kb(r["grads_peak"]), _kb(r["pg_peak"]), f"{r['vs2']['pg_peak']:.2f}",
+                    _kb(r["total_peak"]), f"{r['vs2']['total_peak']:.2f}", _kb(r["rest_params"]),
+                    f"{r['rest_params_vs1']:.2f}",
                     f"{r['gathers']:g}", f"{r['scatters']:g}", f"{r['episodes']:g}" if r["stage"] == 3 else "-",
                     "-" if r["matches"] is None else "yes" if r["matches"] else "**no**",
                     f"{r['wall_ms']:.0f}" if "wall_ms" in r else "-", _ratio(r)])
