@@ -28,8 +28,8 @@ from duplexpipe import Pipeline, PipelineConfig, make_mesh
 from duplexpipe.comm.local_tensors import local_of
 from duplexpipe.model.stages import inner_module
 from duplexpipe.moe import moe_layers
-from duplexpipe.train.checkpoint.pipeline import stage_dict
 from duplexpipe.runtime.memory import storages
+from duplexpipe.train.checkpoint.pipeline import stage_dict
 from duplexpipe.train.pipeline_config import DataParallelConfig, ObserveConfig, with_defaults
 from duplexpipe.train.planning.auto import resolve_schedule
 
