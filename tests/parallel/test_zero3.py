@@ -86,6 +86,7 @@ def _measured(schedule: str, pipe: Pipeline) -> dict[str, Any]:
     gathered = dict.fromkeys(range(len(pipe.schedule.stages)), 0.0)
     gathered.update((s, float(b)) for s, (b, _) in _stage_bytes(schedule, pipe).items())
     return {"params_peak": memory.params_peak, "params_sharded": memory.params_sharded,
+            "activations_peak": memory.activations_peak,
             "curve": [(p.params, p.unsharded_params, p.grads, p.total) for p in memory.curve],
             "resident": resident_peak(pipe.runtime.schedule, pipe.groups.pp_rank, list(gathered.values()))}
 
@@ -117,13 +118,14 @@ def _schedules() -> dict[str, Any]:
 def _window_one() -> dict[str, Any]:
     out: dict[str, Any] = {}
     try:
-        zero0, zero2, zero3 = _pipe("zbv", 0), _pipe("zbv", 2, measure=True), _pipe("zbv", 3, 1, measure=True)
+        zero0, zero2, zero3 = (_pipe("zbv", 0, measure=True), _pipe("zbv", 2, measure=True),
+                               _pipe("zbv", 3, 1, measure=True))
         out["losses_equal"] = _run(zero3) == _run(zero2)
         _run(zero0)
         out["rel"] = max_rel(flat_params(zero3), _reference("zbv", zero3))
         out["at_rest"] = (_at_rest(zero3), _at_rest(zero0))
         out["gathers"], out["episodes"] = dict(zero3.dp.comms.gathers), _episodes(zero3)
-        out["memory"] = (_measured("zbv", zero3), _measured("zbv", zero2))
+        out["memory"] = (_measured("zbv", zero3), _measured("zbv", zero2), _measured("zbv", zero0))
         out["stage_bytes"] = _stage_bytes("zbv", zero3)
         dualpipev = _pipe("dualpipev", 3, 1, measure=True)
         _run(dualpipev)
@@ -193,7 +195,7 @@ def test_zbv_with_a_window_of_one_stage(results: list[dict[str, Any]]) -> None:
     """ZBV (two stages per rank) with reshard_window=1: exact, all-gathers per stage = the episodes its list
     holds, parameters at rest 1/DP of ZeRO-0's; measured (`pipe.last.memory`): the unsharded peak is one stage's
     gathered bytes (the byte model's, at most 0.6 of ZeRO-2's), the shards 1/DP of the stages' padded parameters,
-    held and counted in `params` and `total` at every action boundary."""
+    held and counted in `params` and `total` at every action boundary, the activations ZeRO-0's."""
     for rank, res in enumerate(results):
         got = res["window"]
         assert "error" not in got, got.get("error")
@@ -202,7 +204,7 @@ def test_zbv_with_a_window_of_one_stage(results: list[dict[str, Any]]) -> None:
         assert sum(got["episodes"].values()) > 2, got  # the window makes more than one episode per stage
         zero3, zero0 = got["at_rest"]
         assert zero3 * DP == zero0, got
-        mem3, mem2 = got["memory"]
+        mem3, mem2, mem0 = got["memory"]
         gathered, shard = (list(b) for b in zip(*got["stage_bytes"].values(), strict=True))
         assert len(gathered) == 2 and mem2["params_peak"] == sum(gathered), got
         assert mem3["params_peak"] == max(gathered) and mem3["params_peak"] <= 0.6 * mem2["params_peak"], got
@@ -211,6 +213,8 @@ def test_zbv_with_a_window_of_one_stage(results: list[dict[str, Any]]) -> None:
             assert params == unsharded + sum(shard) and total >= params + grads, got  # shards held throughout
         assert any(unsharded > 0 for _, unsharded, _, _ in mem3["curve"]), got
         assert mem3["resident"] == mem3["params_peak"] and mem2["resident"] == mem2["params_peak"], got
+        # FSDP2's gathered weights that autograd saves are parameters, not activations
+        assert mem3["activations_peak"] == mem2["activations_peak"] == mem0["activations_peak"] > 0, got
 
 
 @pytest.mark.timeout(60)
