@@ -28,7 +28,7 @@ class Zero3BenchConfig:
     turn (paired steps), memory cases measured only; every case's collectives counted against its episodes."""
 
     timed: tuple[Case, ...] = (("1f1b", 2, 2), ("zbv", 2, 2))  # (schedule, PP, DP): timed, measured and counted
-    measured: tuple[Case, ...] = (("zbv", 2, 4), ("1f1b", 1, 4))  # measured and counted only (no timing)
+    measured: tuple[Case, ...] = (("zbv", 2, 4), ("1f1b", 1, 4), ("dualpipev", 2, 2))  # measured, counted only
     steps: int = 40  # timed rounds (each variant one step per round, the first one rotating)
     warmup: int = 5  # untimed rounds first
     memory_steps: int = 3  # steps of the measured pipelines (memory of the last; collectives of all, per step)
@@ -81,7 +81,8 @@ def _worker(rank: int, world: int, job: tuple[Zero3BenchConfig, Case, bool]) -> 
         memory = pipe.last.memory if pipe.last is not None else None
         if memory is None:
             raise RuntimeError(f"{label}: no measured memory after the step")
-        out[label] = {"memory": {k: v for k, v in memory.to_dict().items() if k != "curve"},
+        out[label] = {"memory": {**{k: v for k, v in memory.to_dict().items() if k != "curve"},
+                                 "pg_peak": max((p.params + p.grads for p in memory.curve), default=0)},
                       "rest": at_rest(pipe), **counted(pipe, cfg.memory_steps)}
     del measured
     if timed:
@@ -107,8 +108,8 @@ def rows(case: Case, ranks: list[dict[str, Any]], cfg: Zero3BenchConfig) -> list
     out = []
     for label, stage, window in VARIANTS:
         per = [r[label] for r in ranks]
-        mem = {k: max(p["memory"][k] for p in per) for k in ("params_peak", "grads_peak", "total_peak")}
-        mem["pg_peak"] = max(p["memory"]["params_peak"] + p["memory"]["grads_peak"] for p in per)
+        mem = {k: max(p["memory"][k] for p in per)
+               for k in ("params_peak", "params_sharded", "grads_peak", "pg_peak", "total_peak")}
         rest = {k: max(p["rest"][k] for p in per) for k in ("params", "grads", "optimizer")}
         calls = [r[label]["calls"] for r in replica]
         row = {"case": f"{schedule} PP={pp} x DP={dp}", "label": label, "stage": stage, "window": window, **mem,
@@ -153,14 +154,16 @@ def _ratio(row: dict[str, Any]) -> str:
 
 def table(result_rows: list[dict[str, Any]]) -> Table:
     """Memory, collectives and time per case and variant."""
-    out = [["case", "run", "params peak KB", "vs ZeRO-2", "grads peak KB", "params+grads peak KB", "vs ZeRO-2",
+    out = [["case", "run", "unsharded params peak KB", "vs ZeRO-2", "param shards KB", "grads peak KB",
+            "params+grads peak KB", "vs ZeRO-2",
             "total peak KB", "vs ZeRO-2", "params at rest KB", "vs ZeRO-1", "all-gathers / step", "reduce-scatters "
             "/ step", "episodes / step", "counted = episodes", "step ms (median)", "step vs ZeRO-2 (95% CI)"]]
     for r in result_rows:
         label = r["label"] + (" (= all: one stage per rank)" if r["window"] == 1 and r["most_stages"] == 1 else "")
         out.append([r["case"], label, _kb(r["params_peak"]), f"{r['vs2']['params_peak']:.2f}",
-                    _kb(r["grads_peak"]), _kb(r["pg_peak"]), f"{r['vs2']['pg_peak']:.2f}", _kb(r["total_peak"]),
-                    f"{r['vs2']['total_peak']:.2f}", _kb(r["rest_params"]), f"{r['rest_params_vs1']:.2f}",
+                    _kb(r["params_sharded"]), _kb(r["grads_peak"]), _kb(r["pg_peak"]), f"{r['vs2']['pg_peak']:.2f}",
+                    _kb(r["total_peak"]), f"{r['vs2']['total_peak']:.2f}", _kb(r["rest_params"]),
+                    f"{r['rest_params_vs1']:.2f}",
                     f"{r['gathers']:g}", f"{r['scatters']:g}", f"{r['episodes']:g}" if r["stage"] == 3 else "-",
                     "-" if r["matches"] is None else "yes" if r["matches"] else "**no**",
                     f"{r['wall_ms']:.0f}" if "wall_ms" in r else "-", _ratio(r)])
@@ -176,8 +179,11 @@ def report(result: Result) -> list[Block]:
         f"**ZeRO-3 against ZeRO-2 and ZeRO-1** (GPT example {cfg.task_options}, AdamW, {cfg.microbatches} "
         f"microbatches per replica, batch {cfg.batch_size}, float32, gloo on CPU). Memory: `pipe.last.memory` of "
         f"step {cfg.memory_steps} (measured from the tensors each rank holds at every action boundary; the largest "
-        "rank; total = parameters, gradients, activations, messages and optimizer state), bytes at rest after the "
-        "step (ZeRO-1's parameters are replicated, as zero_stage=0's). Collectives: calls per step summed over one "
+        "rank): the peak of unsharded parameters (what the residency window bounds; FSDP2 pads each parameter's dim "
+        "0 to a multiple of DP), FSDP2's parameter shards (held throughout, 1/DP), the unreduced and reduced "
+        "gradients, the peak of parameters (unsharded and shards) + gradients held at once, and the total "
+        "(parameters, gradients, activations, messages and optimizer state); bytes at rest after the step "
+        "(ZeRO-1's parameters are replicated, as zero_stage=0's). Collectives: calls per step summed over one "
         f"data-parallel replica's pipeline ranks (the WireMeter, over {cfg.memory_steps} steps); 'counted = "
         "episodes': on every rank and stage the FSDP2 all-gathers equal the schedule's residency episodes (the "
         "UNSHARD actions of the ZeRO-3 pass) times the steps, and the reduce-scatters one per step. Time (timed "
@@ -187,7 +193,8 @@ def report(result: Result) -> list[Block]:
         table(result["rows"])]
     if saving:
         out.append("Window 1 against ZeRO-2, peak parameter + gradient bytes: " + "; ".join(
-            f"{r['case']}: {1 - r['vs2']['pg_peak']:.0%} less (parameters alone {1 - r['vs2']['params_peak']:.0%})"
+            f"{r['case']}: {1 - r['vs2']['pg_peak']:.0%} less (unsharded parameters alone "
+            f"{1 - r['vs2']['params_peak']:.0%})"
             for r in saving) + ".")
     return out
 

@@ -37,7 +37,7 @@ from duplexpipe.parallel.local_shards import LocalShards
 from duplexpipe.parallel.strategy import DPStrategy, StrategyContext
 from duplexpipe.parallel.zero1 import counted_stages, quantized
 from duplexpipe.parallel.zero_config import check_hpz
-from duplexpipe.runtime.backward.compat import foreach_mul_, give_post_forward_mesh, post_forward_mesh
+from duplexpipe.runtime.backward.compat import foreach_mul_, fsdp_records, give_post_forward_mesh, post_forward_mesh
 from duplexpipe.tp.parallelize import counts_here
 
 try:  # FSDP2's public entry point and its (not yet public) custom-collective interfaces
@@ -94,15 +94,9 @@ class _Comms:
         return comm
 
 
-def _fsdp_params(module: Any) -> list[Any]:
-    """FSDP's per-parameter records of a fully_shard-ed module, in its flat all-gather / reduce-scatter order."""
-    state = fully_shard.state(module)  # type: ignore[attr-defined,union-attr]
-    return [p for group in state._fsdp_param_groups for p in group.fsdp_params]
-
-
 def _unit_params(unit: Any) -> list[nn.Parameter]:
     """The (sharded) parameters of a fully_shard-ed unit, a group of modules included."""
-    return [r.sharded_param for r in _fsdp_params(unit)]
+    return [r.sharded_param for r in fsdp_records(unit)]
 
 
 def segments(module: Any, chunk: int, size: int, gathering: bool) -> list[list[int]] | None:
@@ -110,7 +104,7 @@ def segments(module: Any, chunk: int, size: int, gathering: bool) -> list[list[i
     every rank: FSDP pads each parameter's dim 0 alike), so int8 blocks stay inside one parameter; None when
     they do not add up to the chunk (then the blocks run across the chunk)."""
     lengths = []
-    for p in _fsdp_params(module):
+    for p in fsdp_records(module):
         if gathering and p.sharded_state.name == "SHARDED_POST_FORWARD":  # hpZ: the node-local shard
             lengths.append(p._sharded_post_forward_param_data.numel())
         else:

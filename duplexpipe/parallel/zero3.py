@@ -26,14 +26,17 @@ from typing import Any
 from torch import Tensor
 
 from duplexpipe.parallel.strategy import StrategyContext
-from duplexpipe.parallel.zero2 import Zero2Strategy, _fsdp_params
+from duplexpipe.parallel.zero2 import Zero2Strategy
 from duplexpipe.runtime.backward.compat import (
     free_post_forward,
+    fsdp_held,
+    fsdp_records,
     post_forward_bytes,
     reshard_post_forward,
     settle_post_forward,
     take_post_forward_meshes,
 )
+from duplexpipe.runtime.saved_bytes import storage_key
 from duplexpipe.schedules.ir import Op, Schedule
 
 
@@ -129,7 +132,7 @@ class Zero3Strategy(Zero2Strategy):
         may be freed; the gradients are not) and its routed experts (outside FSDP), for the mirror sum; none of
         FSDP's before the stage's first all-gather."""
         module = self.ctx.modules[stage]
-        holders = [r._unsharded_param for unit in self._stage_units(stage) for r in _fsdp_params(unit)
+        holders = [r._unsharded_param for unit in self._stage_units(stage) for r in fsdp_records(unit)
                    if hasattr(r, "_unsharded_param")]
         whole = [] if stage in self.expert_units else [p for p in module.parameters() if id(p) in self.ctx.experts]
         return [p for p in holders if p.requires_grad] + whole
@@ -158,11 +161,8 @@ class Zero3Strategy(Zero2Strategy):
         return sum(post_forward_bytes(group) for groups in self.secondary.values() for group, _ in groups)
 
     def unsharded_bytes(self) -> int:
-        """Bytes of parameters this rank holds gathered now, experts included (what ZeRO-3's window bounds)."""
-        total = 0
-        for module in self.units:
-            for record in _fsdp_params(module):
-                if record.sharded_state.name == "UNSHARDED":
-                    total += record._unsharded_param.numel() * record._unsharded_param.element_size()
-        return total
+        """Bytes of parameters this rank holds gathered now, experts included (what ZeRO-3's window bounds; each
+        gathered storage once, FSDP2's padding included, as the measured memory's `unsharded_params` counts them)."""
+        held = fsdp_held([record for module in self.units for record in fsdp_records(module)])
+        return sum(dict(storage_key(t) for t in held.unsharded).values())
 

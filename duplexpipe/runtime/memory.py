@@ -11,11 +11,14 @@ import torch
 from torch import Tensor, nn
 
 from duplexpipe.runtime.backward.checkpoint import RecomputeWatch
+from duplexpipe.runtime.backward.compat import fsdp_held, nested_fsdp_records
 from duplexpipe.runtime.saved_bytes import storage_key
 from duplexpipe.runtime.stage_compute import Activation, Activations
 
 KINDS = ("params", "grads", "activations", "messages")
 """What a sample counts, each kind per storage (a storage held twice within a kind counts once)."""
+CURVES = (*KINDS, "unsharded_params", "total")
+"""What `MemoryReport.curve_of` draws: each of KINDS, the unsharded part of the parameters, everything."""
 
 
 @dataclass(frozen=True)
@@ -29,9 +32,11 @@ class MemoryPoint:
     time: float
     """Seconds since the step's start (the measured timeline's clock)."""
     params: int
-    """Bytes of the stage modules' parameters (a DTensor's local shard; an unsharded parameter as it is)."""
+    """Bytes of every parameter storage held: the unsharded ones (`unsharded_params`) and FSDP2's shards, which
+    it keeps while a stage is unsharded too."""
     grads: int
-    """Bytes of their gradients."""
+    """Bytes of their gradients (under FSDP2 also the unreduced ones it keeps on a resharded stage until its
+    reduce-scatter)."""
     activations: int
     """Bytes the live forwards keep for backward (`SavedBytes`, unioned per storage over the held microbatches) and
     what checkpointed regions' recomputes hold (from the recompute to the last use: I to W under a split backward)."""
@@ -40,6 +45,10 @@ class MemoryPoint:
     waiting for their SEND."""
     total: int
     """Bytes of every storage above, each once (a sent output that is also saved for backward counts once)."""
+    unsharded_params: int
+    """The part of `params` held unsharded: a parameter outside FSDP2 whole (a tensor-parallel DTensor: its local
+    shard), an FSDP2 parameter while its group is unsharded (its gathered storage); the rest of `params` is
+    FSDP2's shards."""
 
 
 @dataclass(frozen=True)
@@ -50,7 +59,8 @@ class MemoryReport:
     rank: int
     """The pipeline rank."""
     params_peak: int
-    """Most parameter bytes held at once (FSDP2's unsharded parameters count while they are unsharded)."""
+    """Most bytes of unsharded parameters held at once (MemoryPoint.unsharded_params): what ZeRO-3's residency
+    window bounds. FSDP2's shards, held throughout, are `params_sharded`; `total_peak` counts both."""
     grads_peak: int
     """Most gradient bytes held at once."""
     optimizer: int
@@ -69,6 +79,9 @@ class MemoryReport:
     offloaded_bytes: int = 0
     """Bytes of saved activations copied to host memory during the step (PipelineConfig.activation_offload; each
     came back before its backward); the activations counted here leave out those on host."""
+    params_sharded: int = 0
+    """Most bytes of FSDP2's parameter shards held at once (ZeRO-2 and -3: 1/DP of the stages' parameters, padded,
+    plus hpZ's node-local shards while held; 0 without FSDP2): the parameter bytes at rest."""
 
     def with_optimizer(self, during: int, after: int) -> MemoryReport:
         """This report with the optimizer state: `during` bytes held while the actions ran, `after` bytes once the
@@ -82,16 +95,18 @@ class MemoryReport:
                 "curve": [asdict(p) for p in self.curve]}
 
     def curve_of(self, kind: str = "total") -> list[tuple[float, int]]:
-        """(seconds since the step's start, bytes) after each action, of one of KINDS or "total"."""
-        if kind not in (*KINDS, "total"):
-            raise ValueError(f"kind must be one of {', '.join((*KINDS, 'total'))}, got {kind!r}")
+        """(seconds since the step's start, bytes) after each action, of one of CURVES."""
+        if kind not in CURVES:
+            raise ValueError(f"kind must be one of {', '.join(CURVES)}, got {kind!r}")
         return [(p.time, getattr(p, kind)) for p in self.curve]
 
     def summary(self) -> str:
-        """One line: `rank 0: peak 1.2 MiB = params 40.0 KiB, grads ..., activations ...`."""
+        """One line: `rank 0: peak 1.2 MiB (params 40.0 KiB, param shards 0 B, grads ..., activations ...)`
+        (params: the unsharded peak)."""
         cuda = "" if self.max_memory_allocated is None else f", cuda max allocated {_size(self.max_memory_allocated)}"
         offloaded = f", offloaded {_size(self.offloaded_bytes)}" if self.offloaded_bytes else ""
-        return (f"rank {self.rank}: peak {_size(self.total_peak)} (params {_size(self.params_peak)}, grads "
+        return (f"rank {self.rank}: peak {_size(self.total_peak)} (params {_size(self.params_peak)}, param shards "
+                f"{_size(self.params_sharded)}, grads "
                 f"{_size(self.grads_peak)}, optimizer {_size(self.optimizer)}, activations "
                 f"{_size(self.activations_peak)}, messages {_size(self.messages_peak)}{cuda}{offloaded})")
 
@@ -132,6 +147,9 @@ class StepMemory:
                  mail: Callable[[], list[Tensor]], device: torch.device, origin: float) -> None:
         self.rank = rank
         self.modules = list(modules.values())
+        self.fsdp_records = [record for module in self.modules for record in nested_fsdp_records(module)]
+        """FSDP2's parameter records of the stage modules (ZeRO-2 and -3; none otherwise): what they hold is
+        read from them at each sample, unsharded parameters apart from shards."""
         self.acts = acts
         self.mail = mail
         """Returns the tensors the mail holds now (the step's Mailbox and the transport's)."""
@@ -146,12 +164,16 @@ class StepMemory:
 
     def sample(self, label: str) -> None:
         """Record what this rank holds now."""
-        params: dict[int, int] = {}
-        grads: dict[int, int] = {}
+        fsdp = fsdp_held(self.fsdp_records)
+        unsharded = storages(fsdp.unsharded)
+        shards = storages(fsdp.shards)
+        grads = storages(fsdp.grads)
         for module in self.modules:
             for param in module.parameters():
-                storages((param,), params)
-                storages((param.grad,), grads)
+                if id(param) not in fsdp.managed:
+                    storages((param,), unsharded)
+                    storages((param.grad,), grads)
+        params = {**shards, **unsharded}
         saved: dict[int, int] = {}
         for act in self.acts.held.values():
             if act.saved is not None:
@@ -162,15 +184,16 @@ class StepMemory:
         total = {**params, **grads, **saved, **messages}
         self.curve.append(MemoryPoint(label, time.perf_counter() - self.origin, sum(params.values()),
                                       sum(grads.values()), sum(saved.values()), sum(messages.values()),
-                                      sum(total.values())))
+                                      sum(total.values()), sum(unsharded.values())))
 
     def report(self) -> MemoryReport:
         """The step's report (the optimizer state is added by whoever steps the optimizer: `with_optimizer`)."""
         curve = tuple(self.curve)
-        peaks = {kind: max((getattr(p, kind) for p in curve), default=0) for kind in (*KINDS, "total")}
+        peaks = {kind: max((getattr(p, kind) for p in curve), default=0) for kind in CURVES}
+        sharded = max((p.params - p.unsharded_params for p in curve), default=0)
         cuda = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
-        return MemoryReport(self.rank, peaks["params"], peaks["grads"], 0, peaks["activations"], peaks["messages"],
-                            peaks["total"], cuda, curve)
+        return MemoryReport(self.rank, peaks["unsharded_params"], peaks["grads"], 0, peaks["activations"],
+                            peaks["messages"], peaks["total"], cuda, curve, params_sharded=sharded)
 
 
 class MeasuredActivations(Activations):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -30,12 +30,17 @@ class SavedBytes:
       view keeps its entire storage alive), each storage once however often it is saved;
     - plus the input leaves kept for the input-gradient backward (`start(kept=...)`), which
       count once too when autograd also saves them;
-    - never parameters (`exclude`, fixed) nor the caller's data (`start(data=...)`: the
-      step's inputs and targets, alive anyway).
+    - never parameters (`exclude`, fixed; `live`, read at each forward's first saved tensor:
+      FSDP2 swaps gathered parameters onto the module in its pre-forward hook, in storages
+      that change between gathers) nor the caller's data (`start(data=...)`: the step's
+      inputs and targets, alive anyway).
     """
 
-    def __init__(self, exclude: Iterable[Tensor] = ()) -> None:
+    def __init__(self, exclude: Iterable[Tensor] = (), live: Callable[[], Iterable[Tensor]] | None = None) -> None:
         self._exclude = {storage_key(t)[0] for t in exclude}
+        self._live = live
+        self._fresh = False
+        """Whether `live` is still to be read for the forward being counted."""
         self._skip: set[int] = set()
         self._seen: dict[int, int] = {}
 
@@ -60,6 +65,7 @@ class SavedBytes:
         storages of the caller's `data` never do."""
         self._seen = {}
         self._skip = {storage_key(t)[0] for t in data}
+        self._fresh = self._live is not None
         self.keep(kept)
 
     def keep(self, tensors: Iterable[Tensor]) -> None:
@@ -71,6 +77,9 @@ class SavedBytes:
 
     def pack(self, tensor: Tensor) -> Tensor:
         """The pack hook: count `tensor`'s storage; returns it detached (another pack hook may call it first)."""
+        if self._fresh and self._live is not None:  # the module's parameters as its forward holds them
+            self._fresh = False
+            self._skip.update(storage_key(t)[0] for t in self._live())
         address, nbytes = storage_key(tensor)  # keep() inlined: this runs for every tensor autograd saves
         if address not in self._exclude and address not in self._skip:
             self._seen[address] = nbytes

@@ -114,7 +114,7 @@ class StageCompute:
         self.name = f"stage {stage}" + (f" (model part {part})" if part is not None else "")
         """How errors name this stage."""
         self.autocast_dtype = autocast_dtype
-        self.meter = SavedBytes(module.parameters()) if count_saved else None
+        self.meter = SavedBytes(module.parameters(), live=module.parameters) if count_saved else None
         """Counts what each training forward keeps for backward (None: not counted)."""
         self.noted_whole_regions = False
         """Whether the log has said that this stage's compiled regions run their backward whole at I."""

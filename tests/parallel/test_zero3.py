@@ -20,9 +20,9 @@ from duplexpipe.comm.local_tensors import local_of
 from duplexpipe.dp_options.compression import NoCompression
 from duplexpipe.dp_options.zero import ZeroOptions, check_zero
 from duplexpipe.launch.processes import launch
-from duplexpipe.parallel.zero2 import _fsdp_params
+from duplexpipe.planner.memory import resident_peak
 from duplexpipe.schedules.shard import episodes
-from duplexpipe.train.pipeline_config import DataParallelConfig, with_defaults
+from duplexpipe.train.pipeline_config import DataParallelConfig, ObserveConfig, with_defaults
 from duplexpipe.train.planning.auto import resolve_schedule
 
 SPAWN_TIMEOUT_S = 400
@@ -40,8 +40,8 @@ def _parts(schedule: str) -> list[nn.Module]:
     return list(make_parts(resolve_schedule(with_defaults(cfg), PP).num_groups, 8, 0))
 
 
-def _pipe(schedule: str, stage: int, window: int | None = None) -> Pipeline:
-    cfg = PipelineConfig(schedule, 4, grad_clip_norm=CLIP,
+def _pipe(schedule: str, stage: int, window: int | None = None, measure: bool = False) -> Pipeline:
+    cfg = PipelineConfig(schedule, 4, grad_clip_norm=CLIP, observe=ObserveConfig(measure_memory=measure),
                          data_parallel=DataParallelConfig(zero_stage=stage, reshard_window=window))
     return Pipeline(_parts(schedule), _squares, adamw, cfg, mesh=make_mesh(PP, DP))
 
@@ -65,28 +65,30 @@ def _reference(schedule: str, pipe: Pipeline) -> list[float]:
     return torch.cat([p.detach().reshape(-1) for g in groups for p in parts[g].parameters()]).tolist()
 
 
-def _gathered_bytes(pipe: Pipeline) -> int:
-    """Bytes of parameters held gathered now, from the modules' FSDP records."""
-    return sum(r._unsharded_param.numel() * r._unsharded_param.element_size()
-               for m in pipe.stage_modules.values() for r in _fsdp_params(m) if r.sharded_state.name == "UNSHARDED")
+def _stage_bytes(schedule: str, pipe: Pipeline) -> dict[int, tuple[int, int]]:
+    """Stage of this rank -> (bytes of its parameters gathered, of its shard on one rank), from the model's
+    parameter sizes: FSDP2 pads each parameter's dim 0 to a multiple of DP, gathers the padded whole and keeps
+    1/DP of it."""
+    parts = _parts(schedule)
+    out = {}
+    for stage in pipe.stage_modules:
+        padded = [-(-p.shape[0] // DP) * DP * (p.numel() // p.shape[0]) * p.element_size()
+                  for p in parts[pipe.schedule.stages[stage].group].parameters()]
+        out[stage] = (sum(padded), sum(padded) // DP)
+    return out
 
 
-def _peak_gathered(pipe: Pipeline) -> int:
-    """One step; the peak of gathered parameter bytes at the boundaries of its actions."""
-    peak = [0]
-    runtime = pipe.runtime
-    handlers = runtime._handlers
-
-    def sampled(run: Any, step: Any, action: Any) -> None:
-        run(step, action)
-        peak[0] = max(peak[0], _gathered_bytes(pipe))
-
-    runtime._handlers = {op: (lambda s, a, run=run: sampled(run, s, a)) for op, run in handlers.items()}
-    try:
-        pipe.step(*local_batch(pipe, STEPS))
-    finally:
-        runtime._handlers = handlers
-    return peak[0]
+def _measured(schedule: str, pipe: Pipeline) -> dict[str, Any]:
+    """The last step's measured memory: peaks, per action boundary (all, unsharded) parameter bytes and the total
+    with the gradients; the byte model's most unsharded bytes at once over the rank's list (`resident_peak`)."""
+    memory = pipe.last.memory if pipe.last is not None else None
+    assert memory is not None
+    gathered = dict.fromkeys(range(len(pipe.schedule.stages)), 0.0)
+    gathered.update((s, float(b)) for s, (b, _) in _stage_bytes(schedule, pipe).items())
+    return {"params_peak": memory.params_peak, "params_sharded": memory.params_sharded,
+            "activations_peak": memory.activations_peak,
+            "curve": [(p.params, p.unsharded_params, p.grads, p.total) for p in memory.curve],
+            "resident": resident_peak(pipe.runtime.schedule, pipe.groups.pp_rank, list(gathered.values()))}
 
 
 def _at_rest(pipe: Pipeline) -> int:
@@ -116,13 +118,18 @@ def _schedules() -> dict[str, Any]:
 def _window_one() -> dict[str, Any]:
     out: dict[str, Any] = {}
     try:
-        zero0, zero2, zero3 = _pipe("zbv", 0), _pipe("zbv", 2), _pipe("zbv", 3, window=1)
+        zero0, zero2, zero3 = (_pipe("zbv", 0, measure=True), _pipe("zbv", 2, measure=True),
+                               _pipe("zbv", 3, 1, measure=True))
         out["losses_equal"] = _run(zero3) == _run(zero2)
         _run(zero0)
         out["rel"] = max_rel(flat_params(zero3), _reference("zbv", zero3))
         out["at_rest"] = (_at_rest(zero3), _at_rest(zero0))
         out["gathers"], out["episodes"] = dict(zero3.dp.comms.gathers), _episodes(zero3)
-        out["peaks"] = (_peak_gathered(zero3), _peak_gathered(zero2))
+        out["memory"] = (_measured("zbv", zero3), _measured("zbv", zero2), _measured("zbv", zero0))
+        out["stage_bytes"] = _stage_bytes("zbv", zero3)
+        dualpipev = _pipe("dualpipev", 3, 1, measure=True)
+        _run(dualpipev)
+        out["dualpipev"] = (_measured("dualpipev", dualpipev), _stage_bytes("dualpipev", dualpipev))
     except Exception:  # noqa: BLE001
         out["error"] = traceback.format_exc()
     return out
@@ -186,7 +193,9 @@ def test_every_schedule_matches_one_process_and_zero2(results: list[dict[str, An
 @pytest.mark.timeout(60)
 def test_zbv_with_a_window_of_one_stage(results: list[dict[str, Any]]) -> None:
     """ZBV (two stages per rank) with reshard_window=1: exact, all-gathers per stage = the episodes its list
-    holds, parameters at rest 1/DP of ZeRO-0's, and at most 0.6 of ZeRO-2's gathered peak."""
+    holds, parameters at rest 1/DP of ZeRO-0's; measured (`pipe.last.memory`): the unsharded peak is one stage's
+    gathered bytes (the byte model's, at most 0.6 of ZeRO-2's), the shards 1/DP of the stages' padded parameters,
+    held and counted in `params` and `total` at every action boundary, the activations ZeRO-0's."""
     for rank, res in enumerate(results):
         got = res["window"]
         assert "error" not in got, got.get("error")
@@ -195,8 +204,29 @@ def test_zbv_with_a_window_of_one_stage(results: list[dict[str, Any]]) -> None:
         assert sum(got["episodes"].values()) > 2, got  # the window makes more than one episode per stage
         zero3, zero0 = got["at_rest"]
         assert zero3 * DP == zero0, got
-        peak3, peak2 = got["peaks"]
-        assert peak3 <= 0.6 * peak2, got
+        mem3, mem2, mem0 = got["memory"]
+        gathered, shard = (list(b) for b in zip(*got["stage_bytes"].values(), strict=True))
+        assert len(gathered) == 2 and mem2["params_peak"] == sum(gathered), got
+        assert mem3["params_peak"] == max(gathered) and mem3["params_peak"] <= 0.6 * mem2["params_peak"], got
+        assert mem3["params_sharded"] == mem2["params_sharded"] == sum(shard), got
+        for params, unsharded, grads, total in mem3["curve"]:
+            assert params == unsharded + sum(shard) and total >= params + grads, got  # shards held throughout
+        assert any(unsharded > 0 for _, unsharded, _, _ in mem3["curve"]), got
+        assert mem3["resident"] == mem3["params_peak"] and mem2["resident"] == mem2["params_peak"], got
+        # FSDP2's gathered weights that autograd saves are parameters, not activations
+        assert mem3["activations_peak"] == mem2["activations_peak"] == mem0["activations_peak"] > 0, got
+
+
+@pytest.mark.timeout(60)
+def test_dualpipev_with_a_window_of_one_stage_holds_its_fb_pairs_stages(results: list[dict[str, Any]]) -> None:
+    """DualPipeV with reshard_window=1: its F&B pairs compute two stages at once, so the pass holds both unsharded
+    there; the measured unsharded peak is the byte model's (`resident_peak`): both stages, the shards beside."""
+    for rank, res in enumerate(results):
+        assert "error" not in res["window"], res["window"].get("error")
+        measured, stage_bytes = res["window"]["dualpipev"]
+        gathered, shard = (list(b) for b in zip(*stage_bytes.values(), strict=True))
+        assert measured["params_peak"] == measured["resident"] == sum(gathered), (rank, measured)
+        assert measured["params_sharded"] == sum(shard), (rank, measured)
 
 
 @pytest.mark.timeout(60)

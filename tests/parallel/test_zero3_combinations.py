@@ -28,8 +28,9 @@ from duplexpipe import Pipeline, PipelineConfig, make_mesh
 from duplexpipe.comm.local_tensors import local_of
 from duplexpipe.model.stages import inner_module
 from duplexpipe.moe import moe_layers
+from duplexpipe.runtime.memory import storages
 from duplexpipe.train.checkpoint.pipeline import stage_dict
-from duplexpipe.train.pipeline_config import DataParallelConfig, with_defaults
+from duplexpipe.train.pipeline_config import DataParallelConfig, ObserveConfig, with_defaults
 from duplexpipe.train.planning.auto import resolve_schedule
 
 SPAWN_TIMEOUT_S = 400
@@ -70,9 +71,15 @@ def _guarded(run: Callable[[], Any]) -> Any:
 
 def _tp_case(schedule: str, sp: bool, window: int | None) -> dict[str, Any]:
     cfg = PipelineConfig(schedule, MICRO, grad_clip_norm=CLIP, sequence_parallel=sp,
+                         observe=ObserveConfig(measure_memory=True),
                          data_parallel=DataParallelConfig(zero_stage=3, reshard_window=window))
     pipe = tpc.pipeline((2, 2, 2), cfg)
-    return {"losses": tpc.train(pipe, range(STEPS)), "zero3": type(pipe.dp).__name__,
+    losses = tpc.train(pipe, range(STEPS))
+    memory = pipe.last.memory if pipe.last is not None else None
+    assert memory is not None
+    return {"losses": losses, "zero3": type(pipe.dp).__name__,
+            "shards": sorted({p.params - p.unsharded_params for p in memory.curve}),
+            "params_sharded": memory.params_sharded, "at_rest": sum(storages(pipe.params).values()),
             "tp_params": sum(1 for p in pipe.params if "tp" in (p.device_mesh.mesh_dim_names or ())
                              and "dp" in (p.device_mesh.mesh_dim_names or ()))}
 
@@ -241,12 +248,15 @@ def tp_want() -> list[float]:
 def test_zero3_with_tensor_parallelism_equals_one_process(tp_results: list[dict[str, Any]], tp_want: list[float],
                                                           name: str) -> None:
     """PP2 x DP2 x TP2, float64: FSDP2 shards the TP-sharded DTensors over "dp" (2-D parameters); the losses of 3
-    clipped AdamW steps within 1e-10 of one process (with SP, and with a window of one stage on DualPipeV)."""
+    clipped AdamW steps within 1e-10 of one process (with SP, and with a window of one stage on DualPipeV); the
+    measured memory counts the shards at every action boundary, as many bytes as the parameters hold at rest."""
     for rank, res in enumerate(tp_results):
         got = res[name]
         assert "error" not in got, got.get("error")
         assert got["zero3"] == "Zero3Strategy" and got["tp_params"] > 0, (rank, got)
         assert tpc.max_rel(got["losses"], tp_want) <= 1e-10, (rank, got)
+        # measured: FSDP2's shards of the TP shards, held at every action boundary, are the bytes at rest
+        assert got["shards"] == [got["params_sharded"]] and got["params_sharded"] == got["at_rest"] > 0, (rank, got)
 
 
 @pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)

@@ -58,7 +58,7 @@ def test_optimizer_bytes_are_its_state_tensors() -> None:
 
 def test_the_total_peak_is_the_peak_of_the_sum_and_the_optimizer_is_added() -> None:
     def point(label: str, params: int, acts: int, msgs: int) -> MemoryPoint:
-        return MemoryPoint(label, 0.0, params, 0, acts, msgs, params + acts + msgs)
+        return MemoryPoint(label, 0.0, params, 0, acts, msgs, params + acts + msgs, params)
     report = MemoryReport(0, 10, 0, 0, 5, 7, 17, None, (point("a", 10, 5, 0), point("b", 10, 0, 7)))
     assert report.total_peak == 17 < report.params_peak + report.activations_peak + report.messages_peak
     assert report.with_optimizer(during=3, after=20).total_peak == max(17 + 3, 17 + 20)

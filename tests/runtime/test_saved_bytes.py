@@ -22,6 +22,20 @@ def test_linear_keeps_its_input_but_not_its_weight() -> None:
     assert meter.total == 4 * 8 * 4  # the input; weight.t() is a view of a parameter
 
 
+def test_live_parameters_are_read_at_each_forward_as_fsdp_swaps_them() -> None:
+    """A parameter swapped onto the module after the meter was made (FSDP2's gathered weight) is not counted when
+    `live` names the module's parameters at the forward, and is without it."""
+    layer = nn.Linear(8, 8)
+    fixed, live = SavedBytes(layer.parameters()), SavedBytes(layer.parameters(), live=layer.parameters)
+    layer.weight = nn.Parameter(layer.weight.detach().clone())  # a new storage, as an all-gather's output
+    x = torch.randn(4, 8, requires_grad=True)
+    for meter in (fixed, live):
+        meter.start()
+        with meter.counting():
+            layer(x)
+    assert live.total == 4 * 8 * 4 and fixed.total == live.total + 8 * 8 * 4  # the input; + the swapped weight
+
+
 def test_relu_output_adds_and_reset_starts_over() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
     meter = SavedBytes(model.parameters())

@@ -13,6 +13,7 @@ import contextlib
 import re
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -303,3 +304,65 @@ def post_forward_bytes(group: Any) -> int:
     """Bytes of the post-forward shards `group`'s parameters hold now."""
     return sum(record._sharded_post_forward_param_data.numel() * record._sharded_post_forward_param_data.element_size()
                for record in group.fsdp_params if getattr(record, "_sharded_post_forward_param_data", None) is not None)
+
+
+# ----------------------------------------------------------------- FSDP2's parameter records (measured memory)
+def fsdp_records(unit: nn.Module) -> list[Any]:
+    """FSDP2's per-parameter records (FSDPParam) of the fully_shard-ed `unit` (a group of modules included), in
+    its flat all-gather / reduce-scatter order; none of the units nested in it."""
+    from torch.distributed.fsdp import fully_shard
+
+    state = fully_shard.state(unit)  # type: ignore[attr-defined]
+    return [record for group in state._fsdp_param_groups for record in group.fsdp_params]
+
+
+def nested_fsdp_records(module: nn.Module) -> list[Any]:
+    """The FSDP2 records of every fully_shard unit in `module` (itself and the units nested in it), each once."""
+    from torch.distributed.fsdp import FSDPModule
+
+    seen: dict[int, Any] = {}
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            seen.update((id(record), record) for record in fsdp_records(sub))
+    return list(seen.values())
+
+
+@dataclass(frozen=True)
+class FsdpHeld:
+    """What FSDP2 holds now for the parameters of some records (`fsdp_held`)."""
+
+    unsharded: list[Tensor]
+    """The gathered parameters of the records whose group is unsharded now (their storage: the all-gather's
+    output, padding included; a TP DTensor's local part)."""
+    shards: list[Tensor]
+    """The shards, always held (each the padded local shard FSDP2 all-gathers from), and hpZ's post-forward
+    (node-local) shards while held."""
+    grads: list[Tensor]
+    """Gradients on any of them: the reduced shard's, and the unreduced gradient of the gathered parameter, kept
+    after the group is resharded until its reduce-scatter."""
+    managed: frozenset[int]
+    """The ids of every parameter object FSDP2 puts on the modules (sharded, unsharded, post-forward)."""
+
+
+def fsdp_held(records: Sequence[Any]) -> FsdpHeld:
+    """The tensors FSDP2 holds now for `records` (`nested_fsdp_records`)."""
+    unsharded: list[Tensor] = []
+    shards: list[Tensor] = []
+    grads: list[Tensor] = []
+    managed: set[int] = set()
+    for record in records:
+        gathered = getattr(record, "unsharded_param", None)  # none before the record's first all-gather
+        post_forward = getattr(record, "_sharded_post_forward_param", None)
+        shards.append(record.sharded_param)
+        if getattr(record, "_sharded_post_forward_param_data", None) is not None:
+            shards.append(record._sharded_post_forward_param_data)
+        if gathered is not None and record.sharded_state.name == "UNSHARDED":
+            unsharded.append(gathered)
+        for param in (record.sharded_param, gathered, post_forward):
+            if param is not None:
+                managed.add(id(param))
+                if param.grad is not None:
+                    grads.append(param.grad)
+        if getattr(record, "unsharded_accumulated_grad", None) is not None:
+            grads.append(record.unsharded_accumulated_grad)
+    return FsdpHeld(unsharded, shards, grads, frozenset(managed))
