@@ -31,8 +31,9 @@ def add_unshard_reshard(schedule: Schedule, window: int, lookahead: int = 1) -> 
 
     Per rank, over its compute actions in list order:
 
-    - at most `window` of the rank's stages are unsharded at once (a compute that needs more stages than that, an
-      F&B pair of two stages under a window of 1, holds exactly its own stages). An episode is an UNSHARD, a run of
+    - at most `window` of the rank's stages are unsharded at once: an F&B pair of more stages than that (two, under
+      a window of 1) runs as its two parts one after the other, each holding its own stage (the pair's overlap is
+      the price of the window). An episode is an UNSHARD, a run of
       the stage's computes, a RESHARD. Which stage to reshard when room is needed is the one needed again furthest
       ahead (Belady's rule: the fewest all-gathers a window allows); a stage not needed again in the step is
       resharded right after its last compute. A window holding all of a rank's stages gives one episode per stage.
@@ -58,7 +59,7 @@ def add_unshard_reshard(schedule: Schedule, window: int, lookahead: int = 1) -> 
         raise ScheduleError(f"{schedule.name!r} already holds UNSHARD/RESHARD/REDUCE_GRAD actions; lower "
                             "schedule.without_fsdp() to choose another window")
     joint = {s for s, ranks in enumerate(weight_group_ranks(schedule)) if len(ranks) > 1}
-    rows = tuple(_rank_row(schedule, row, window, lookahead, joint) for row in schedule.actions)
+    rows = tuple(_rank_row(schedule, _split_pairs(row, window), window, lookahead, joint) for row in schedule.actions)
     return Schedule(schedule.name, schedule.num_ranks, schedule.num_microbatches, schedule.stages, rows)
 
 
@@ -95,6 +96,16 @@ def residency(schedule: Schedule, rank: int) -> list[int]:
         elif action.op.is_compute:
             out.append(len(live))
     return out
+
+
+def _split_pairs(row: tuple[Action, ...], window: int) -> tuple[Action, ...]:
+    """`row` with each F&B pair that needs more stages than `window` replaced by its parts, in place (its receives
+    stay before the forward and its sends after the backward, so the messages keep their order)."""
+    out: list[Action] = []
+    for action in row:
+        stages = {p.stage for p in action.compute_parts()}
+        out += action.compute_parts() if action.op is Op.OVERLAP_F_B and len(stages) > window else (action,)
+    return tuple(out)
 
 
 def _rank_row(schedule: Schedule, row: tuple[Action, ...], window: int, lookahead: int,

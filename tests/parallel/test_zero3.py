@@ -218,14 +218,16 @@ def test_zbv_with_a_window_of_one_stage(results: list[dict[str, Any]]) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_dualpipev_with_a_window_of_one_stage_holds_its_fb_pairs_stages(results: list[dict[str, Any]]) -> None:
-    """DualPipeV with reshard_window=1: its F&B pairs compute two stages at once, so the pass holds both unsharded
-    there; the measured unsharded peak is the byte model's (`resident_peak`): both stages, the shards beside."""
+def test_dualpipev_with_a_window_of_one_stage_holds_one_stage_at_a_time(results: list[dict[str, Any]]) -> None:
+    """DualPipeV with reshard_window=1: the pass runs its F&B pairs as their two parts, so one stage is unsharded at
+    a time; the measured unsharded peak is the byte model's (`resident_peak`): the rank's larger stage, at most 0.6
+    of the two stages ZeRO-2 holds unsharded (the ZBV test above measures ZeRO-2 holding both), the shards beside."""
     for rank, res in enumerate(results):
         assert "error" not in res["window"], res["window"].get("error")
         measured, stage_bytes = res["window"]["dualpipev"]
         gathered, shard = (list(b) for b in zip(*stage_bytes.values(), strict=True))
-        assert measured["params_peak"] == measured["resident"] == sum(gathered), (rank, measured)
+        assert measured["params_peak"] == measured["resident"] == max(gathered), (rank, measured)
+        assert measured["params_peak"] <= 0.6 * sum(gathered), (rank, measured, gathered)
         assert measured["params_sharded"] == sum(shard), (rank, measured)
 
 

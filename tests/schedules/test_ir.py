@@ -288,5 +288,7 @@ def test_sharded_schedules_round_trip_json_and_torch_csv(tmp_path: Path, name: s
     save_torch_csv(schedule, str(tmp_path / "s.csv"))
     back = load_torch_csv(str(tmp_path / "s.csv"), name=schedule.name, num_microbatches=4)
     assert back.actions == schedule.actions and back.stages == schedule.stages
-    assert back.has_fsdp and back.without_fsdp().actions == (lower(base) if lowered else base).actions
+    def parts(s: Schedule) -> list[list[Action]]:  # a window of 1 runs DualPipeV's F&B pairs as their parts
+        return [[p for a in row for p in a.compute_parts()] for row in s.actions]
+    assert back.has_fsdp and parts(back.without_fsdp()) == parts(lower(base) if lowered else base)
     verify(back)
