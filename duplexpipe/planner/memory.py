@@ -121,13 +121,10 @@ def rank_memory(schedule: Schedule, timeline: Timeline, sizes: StageBytes,
     An activation lives from the start of its F to the end of its B or W (as
     `Timeline.activation_curve`); a message between ranks occupies its bytes on both ranks
     from the end of its producer to the start of its consumer. Releases at a time come
-    before allocations at the same time. Under ZeRO-3 (`dp_comm.ZeroStage.shard_params`) a rank keeps 1/D of its
-    parameters at rest and, on top, the whole parameters of the stages unsharded at once (`resident_peak`);
-    gradients are counted as ZeRO-2's, at their reduced 1/D.
+    before allocations at the same time. Parameters, gradients and optimizer state as `state_bytes`, the unsharded
+    parameters under ZeRO-3 those of the stages the schedule holds unsharded at once (`resident_peak`).
     """
     config = config or MemoryConfig()
-    zero = zero_stage(config.zero_stage)
-    d = config.dp
     curves = _curves(schedule, timeline, sizes, config.sends_held, config.receives_ahead)
     if config.offload is not False:
         for move in moves(timeline, config.offload):
@@ -135,15 +132,22 @@ def rank_memory(schedule: Schedule, timeline: Timeline, sizes: StageBytes,
             curves[move.rank][0].extend(((move.start, -away), (move.back, away)))
     out = []
     for rank in range(schedule.num_ranks):
-        mine = schedule.stages_of_rank(rank)
-        whole = float(sum(sizes.params[s] for s in mine))
-        params = whole / d + resident_peak(schedule, rank, sizes.params) if zero.shard_params else whole
-        grads = whole * config.gradient_factor / (d if zero.shard_gradients else 1)
-        optim = whole * config.optimizer_factor / (d if zero.shard_optimizer else 1)
+        whole = float(sum(sizes.params[s] for s in schedule.stages_of_rank(rank)))
+        params, grads, optim = state_bytes(whole, resident_peak(schedule, rank, sizes.params), config)
         act, msg = curves[rank]
         both = _peak(act + msg)
         out.append(RankMemory(rank, params, grads, optim, _peak(act), _peak(msg), params + grads + optim + both))
     return out
+
+
+def state_bytes(params: float, unsharded: float, config: MemoryConfig) -> tuple[float, float, float]:
+    """(parameter, gradient, optimizer-state) bytes a rank holds at its peak, its stages' parameters taking `params`
+    bytes whole, `unsharded` of them unsharded at once under ZeRO-3, as the runtime holds them on FSDP2: ZeRO-2 keeps
+    the 1/D shards beside the whole parameters, ZeRO-3 the shards and the unsharded stages; gradients stay whole
+    (unreduced) until the step's one reduce-scatter per stage at every ZeRO stage; optimizer state 1/D from ZeRO-1."""
+    zero, d = zero_stage(config.zero_stage), config.dp
+    held = params / d + unsharded if zero.shard_params else params + (params / d if zero.shard_gradients else 0.0)
+    return held, params * config.gradient_factor, params * config.optimizer_factor / (d if zero.shard_optimizer else 1)
 
 
 def resident_peak(schedule: Schedule, rank: int, params: Sequence[float]) -> float:

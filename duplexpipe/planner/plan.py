@@ -35,7 +35,14 @@ from duplexpipe.planner.dp_comm import (
 from duplexpipe.planner.host_offload import OFFLOAD_FRACTIONS, check_fraction, copy_time, moves, offload_label
 from duplexpipe.planner.levers import checkpointed, checkpointed_label
 from duplexpipe.planner.machine import Machine, simulate_shared
-from duplexpipe.planner.memory import GLOO_RECEIVES_AHEAD, MemoryConfig, RankMemory, StageBytes, rank_memory
+from duplexpipe.planner.memory import (
+    GLOO_RECEIVES_AHEAD,
+    MemoryConfig,
+    RankMemory,
+    StageBytes,
+    rank_memory,
+    state_bytes,
+)
 from duplexpipe.planner.profile import PartProfile, Profile
 from duplexpipe.planner.tp_comm import DEFAULT_TP_BANDWIDTH, local_profile, tp_refusal
 from duplexpipe.schedules import registry
@@ -520,15 +527,10 @@ def static_bytes(schedule: Schedule, sizes: StageBytes, rank: int, config: Memor
                  window: int | None = None) -> float:
     """Parameters, gradients and optimizer states of `rank` under `config` (bytes); under ZeRO-3 the parameters'
     1/D shards and the `window` largest stages unsharded (None: all of them)."""
-    zero = zero_stage(config.zero_stage)
     mine = schedule.stages_of_rank(rank)
     params = float(sum(sizes.params[s] for s in mine))
-    grads = params * config.gradient_factor / (config.dp if zero.shard_gradients else 1)
-    held = params
-    if zero.shard_params:
-        largest = sorted((float(sizes.params[s]) for s in mine), reverse=True)
-        held = params / config.dp + sum(largest[:window] if window is not None else largest)
-    return held + grads + params * config.optimizer_factor / (config.dp if zero.shard_optimizer else 1)
+    largest = sorted((float(sizes.params[s]) for s in mine), reverse=True)
+    return sum(state_bytes(params, sum(largest[:window] if window is not None else largest), config))
 
 
 def _cost_model(schedule: Schedule, groups: Sequence[PartProfile], link: Link) -> CostModel:

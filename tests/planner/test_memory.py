@@ -83,11 +83,15 @@ def test_the_gloo_receives_ahead_are_the_runtimes() -> None:
     assert RuntimeConfig().recv_lookahead == GLOO_RECEIVES_AHEAD
 
 
-def test_zero_stages_shard_optimizer_then_gradients() -> None:
+def test_zero_stages_shard_the_optimizer_and_hold_gradients_whole_during_the_step() -> None:
+    """ZeRO-1 and up keep 1/D of the optimizer state; gradients stay whole until the step's one reduce-scatter
+    per stage at every stage (as the runtime measures them); ZeRO-2 on FSDP2 keeps the 1/D parameter shards beside
+    the whole parameters, ZeRO-3 the shards and the stages unsharded at once (here all: no window)."""
     schedule = registry.build("1f1b", 2, 2)
     timeline = simulate(schedule, CostModel(f=1, b=2, w=1))
-    peaks = [rank_memory(schedule, timeline, sizes_1f1b(), MemoryConfig(zero_stage=z, dp=4))[0] for z in (0, 1, 2)]
-    assert [(m.gradients, m.optimizer) for m in peaks] == [(1000, 2000), (1000, 500), (250, 500)]
+    peaks = [rank_memory(schedule, timeline, sizes_1f1b(), MemoryConfig(zero_stage=z, dp=4))[0] for z in (0, 1, 2, 3)]
+    assert [(m.params, m.gradients, m.optimizer) for m in peaks] == [
+        (1000, 1000, 2000), (1000, 1000, 500), (1250, 1000, 500), (1250, 1000, 500)]
     sgd = rank_memory(schedule, timeline, sizes_1f1b(), MemoryConfig(optimizer_factor=1.0))[0]
     assert sgd.optimizer == 1000
 

@@ -83,11 +83,12 @@ def test_bad_settings(changes: dict[str, object], needle: str) -> None:
         plan(profile(), config(**changes))
 
 
-def test_zero_stages_lower_the_peak_with_data_parallelism() -> None:
+def test_zero_stages_peaks_with_data_parallelism() -> None:
     result = plan(profile(), config(dp=2, schedules=("1f1b",), microbatches=(4,), zero_stages=(0, 1, 2)))
     peak = {r.zero: r.peak_bytes for r in result.rows}
-    # per rank 16 MiB of parameters: ZeRO-1 halves 32 MiB of AdamW states, ZeRO-2 also 16 MiB of gradients
-    assert peak[0] - peak[1] == pytest.approx(16 * MIB) and peak[1] - peak[2] == pytest.approx(8 * MIB)
+    # per rank 16 MiB of parameters: ZeRO-1 halves 32 MiB of AdamW states; ZeRO-2 (FSDP2) holds the gradients whole
+    # until the step's reduce-scatter, as ZeRO-1 does, and its 1/D parameter shards (8 MiB) beside the parameters
+    assert peak[0] - peak[1] == pytest.approx(16 * MIB) and peak[2] - peak[1] == pytest.approx(8 * MIB)
 
 
 def test_the_lightest_compression_that_hides_the_reduction_is_chosen_and_advised() -> None:
@@ -267,7 +268,7 @@ def test_zero3_with_a_window_of_one_fits_where_zero2_does_not_and_the_plan_says_
     # ZeRO-3's parameters: 1/D of the rank's two stages at rest, one stage (window 1) or both (all) unsharded
     for label, resident in (("3/w1", 64 * MIB), ("3/all", 128 * MIB)):
         assert rows[label].memory[0].params == pytest.approx(128 * MIB / 4 + resident)
-    assert rows["2"].memory[0].params == 128 * MIB
+    assert rows["2"].memory[0].params == 128 * MIB + 128 * MIB / 4  # FSDP2 keeps the shards beside
     assert best.step_s > rows["3/all"].step_s, "a window of one gathers more often"
     assert result.decided.startswith("memory: zbv M=4 ZeRO 2 needs ") and f"> {format_bytes(cap)}" in result.decided
     assert "zbv M=4 ZeRO 3/w1 fits at" in result.decided and "% step" in result.decided
