@@ -13,6 +13,14 @@ decides the peak (Little's law: live activations = lifespan / period):
 - V-Half: the down forwards and the up input-gradients two slots apart, a three-slot gap at the
   back turn where P is even. Peak (P+2)//2: about 1/2 of 1F1B's P, with a smaller bubble.
 
+How far below the paper's constants a period-6 V block can go: a microbatch's down-stage activation on rank 0 lives
+at least 4P+1 slots (every hop of the V, then its W) and its up-stage one 3, so a rank holds on average at least
+(4P+4)/6 V-stage activations; a rank reaches that only when each W runs right after its I, which the slots allow only
+where 2r is a multiple of 6 (else two passes meet on one residue), and the other ranks, W placed however, hold more
+(at P=8: 8 V-stage activations on ranks 1, 2, 4, 5, 7 against 6 on 0, 3, 6 for every W placement, and no gap at
+the fold or the turn, nor a wider spacing of the passes, does better there: V-Min's 4/8 of 1F1B; 1/3 only as P
+grows).
+
 A rank runs its passes in slot order; the executor and the simulator start each as soon as its
 inputs are there, which squeezes the idle slots of the warm-up and cool-down out.
 """
