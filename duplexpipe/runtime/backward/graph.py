@@ -193,9 +193,10 @@ def stage_backward_weight(param_groups: ParamGroups) -> None:
 
 def _full_backward(param_groups: ParamGroups) -> None:
     """The full backward from the roots, once (no graph kept: nothing runs on it after W): B's engine call, each
-    gradient added into .grad as soon as it is formed (collecting them all and adding them after the call read each
-    one back from memory: on CPU a first stage's W cost more than its B). Where a parameter is not a leaf (the engine would run its
-    grad_fn too, for nothing), the gradients are taken from the engine and accumulated here."""
+    gradient added into .grad as soon as it is formed (collecting them all and adding them after the call held them
+    all at once and read each back from memory: on CPU a first stage's W cost more than its B). Where a parameter is
+    not a leaf (the engine would run its grad_fn too, for nothing), its gradients are taken from the engine and
+    accumulated here."""
     (group,) = param_groups.groups
     pairs = param_groups.root_grads.values()
     edges = [edge for pair in pairs for edge, _ in pair]
