@@ -61,6 +61,19 @@ def current_autograd_node() -> Any:
     return torch._C._current_autograd_node()
 
 
+def run_engine(roots: Sequence[Any], grads: Sequence[Tensor], inputs: Sequence[Any], retain_graph: bool,
+               accumulate: bool) -> tuple[Tensor | None, ...]:
+    """One engine call from `roots` (tensors or gradient edges) started from `grads`, for `inputs`: their gradients
+    returned (None: unreached), or, with `accumulate`, added into their .grad (nothing returned), as
+    `torch.autograd.grad` / `torch.autograd.backward(inputs=...)` do, without their Python checks of the arguments
+    (the engine checks the gradients against the roots again): the split backward makes several calls a microbatch."""
+    from torch.autograd.graph import _engine_run_backward
+
+    result: tuple[Tensor | None, ...] = _engine_run_backward(
+        tuple(roots), tuple(grads), retain_graph, False, tuple(inputs), True, accumulate_grad=accumulate)
+    return result
+
+
 def will_engine_execute(node: Any) -> bool:
     """Whether the engine call running now will run `node` (asked from inside a backward)."""
     return bool(torch._C._will_engine_execute_node(node))

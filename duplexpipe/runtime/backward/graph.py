@@ -192,12 +192,19 @@ def stage_backward_weight(param_groups: ParamGroups) -> None:
 
 
 def _full_backward(param_groups: ParamGroups) -> None:
-    """The full backward from the roots, once (no graph kept: nothing runs on it after W)."""
+    """The full backward from the roots, once (no graph kept: nothing runs on it after W): B's engine call, each
+    gradient added into .grad as soon as it is formed (collecting them all and adding them after the call held them
+    all at once and read each back from memory: on CPU a first stage's W cost more than its B). Where a parameter is
+    not a leaf (the engine would run its grad_fn too, for nothing), its gradients are taken from the engine and
+    accumulated here."""
     (group,) = param_groups.groups
     pairs = param_groups.root_grads.values()
     edges = [edge for pair in pairs for edge, _ in pair]
     grads = [grad for pair in pairs for _, grad in pair]
-    accumulate(group.params, torch.autograd.grad(edges, group.params, grads, allow_unused=True))
+    if all(param.grad_fn is None for param in group.params):
+        compat.run_engine(edges, grads, group.params, retain_graph=False, accumulate=True)
+        return
+    accumulate(group.params, compat.run_engine(edges, grads, group.params, retain_graph=False, accumulate=False))
 
 
 def _weight_backward(param_groups: ParamGroups) -> None:
@@ -213,7 +220,7 @@ def _weight_backward(param_groups: ParamGroups) -> None:
                     saved = param_groups.grads[node]
                     handles.append(node.register_prehook(lambda _grads, saved=saved: saved))
         try:
-            weight_grads = torch.autograd.grad(edges, group.params, grads, retain_graph=True, allow_unused=True)
+            weight_grads = compat.run_engine(edges, grads, group.params, retain_graph=True, accumulate=False)
         finally:
             for handle in handles:
                 handle.remove()
@@ -276,8 +283,7 @@ def stage_backward_input(roots: Sequence[Edge], grads: Sequence[Tensor], inputs:
             set_mode(node, BackwardMode.INPUTS)
         if on_path:
             with compat.without_donated_buffers() if compiled else contextlib.nullcontext(), saved_again(on_input):
-                found = torch.autograd.grad(list(roots), on_path + early, list(grads), retain_graph=True,
-                                            allow_unused=True)
+                found = compat.run_engine(roots, grads, on_path + early, retain_graph=True, accumulate=False)
     finally:
         for handle in hooks:
             handle.remove()

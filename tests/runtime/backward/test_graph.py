@@ -185,3 +185,34 @@ def test_split_follows_a_parameter_whose_accumulator_was_replaced() -> None:
         for p, w in zip(model.parameters(), want, strict=True):
             assert p.grad is not None and p.grad.dtype == dtype
             torch.testing.assert_close(p.grad, w)
+
+
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+def test_first_stage_w_adds_to_existing_grads_as_b_does() -> None:
+    """W of a first stage (the full backward, its gradients added in the engine call) leaves every .grad exactly as B
+    leaves it, onto gradients already there (float64); a parameter that is not a leaf gets its gradient and its leaf
+    none (the engine never runs on past it)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(DIM), Block(DIM)).double()
+    reference = copy.deepcopy(model)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        p.grad = torch.randn_like(p)
+        q.grad = p.grad.clone()
+    x = torch.randn(4, DIM, dtype=torch.float64)
+    grad = torch.randn(4, DIM, dtype=torch.float64)
+    reference(x).backward(grad)
+    out = model(x)
+    _, groups = stage_backward_input([get_gradient_edge(out)], [grad], [x], list(model.parameters()))
+    stage_backward_weight(groups)
+    for p, want in zip(model.parameters(), reference.parameters(), strict=True):
+        assert want.grad is not None
+        torch.testing.assert_close(p.grad, want.grad, rtol=0, atol=0)
+
+    leaf = torch.randn(DIM, DIM, dtype=torch.float64, requires_grad=True)
+    weight = leaf * 2  # the stage's "parameter" is computed from a leaf
+    x = torch.randn(3, DIM, dtype=torch.float64)
+    out = x @ weight
+    _, groups = stage_backward_input([get_gradient_edge(out)], [torch.ones_like(out)], [x], [weight])
+    stage_backward_weight(groups)
+    torch.testing.assert_close(weight.grad, x.t() @ torch.ones_like(out))
+    assert leaf.grad is None
