@@ -49,7 +49,8 @@ class Op(str, Enum):
     RESHARD = "RESHARD"
     """Free a stage's unsharded parameters (no communication)."""
     REDUCE_GRAD = "REDUCE_GRAD"
-    """Reduce-scatter a stage's gradients over data parallelism, once per step after its last B or W."""
+    """Reduce-scatter a stage's gradients over data parallelism: once per step after its last B or W, or (a reshard
+    window smaller than the rank's stages) after each residency episode with a B or W, adding into its shard."""
 
     @property
     def is_compute(self) -> bool:

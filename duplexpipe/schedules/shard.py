@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from duplexpipe.errors import ScheduleError
 from duplexpipe.schedules.ir import Action, Op, Schedule
 
-__all__ = ["Episode", "add_unshard_reshard", "episodes", "residency", "weight_group_ranks"]
+__all__ = ["Episode", "add_unshard_reshard", "episodes", "grad_reductions", "residency", "weight_group_ranks"]
 
 
 @dataclass(frozen=True)
@@ -40,9 +40,12 @@ def add_unshard_reshard(schedule: Schedule, window: int, lookahead: int = 1) -> 
     - each UNSHARD is issued `lookahead` compute actions before the episode's first compute (so its all-gather runs
       beside them), later where the window is full until a RESHARD makes room, never before the stage's previous
       RESHARD or the start of the list; lookahead 0 issues it right before its first compute.
-    - one REDUCE_GRAD per stage, right after the compute that ends its last B or W; for a weight group with copies
-      on several ranks (DualPipe), whose gradient sum joins those ranks in one collective, at the end of each list
-      in weight-group order (the order every member issues them in).
+    - REDUCE_GRAD: with a window holding all of a rank's stages, one per stage, right after the compute that ends
+      its last B or W; with a smaller window, one after every episode that ran a B or W of the stage, right before
+      that episode's RESHARD (the gradients are windowed with the parameters: each reduction reduce-scatters what
+      the episode accumulated and adds it into the stage's sharded gradient, `grad_reductions`). For a weight group
+      with copies on several ranks (DualPipe), whose gradient sum joins those ranks in one collective, one per
+      step at the end of each list in weight-group order (the order every member issues them in).
 
     New actions go right after the previous compute and the SENDs that follow it (before the RECVs of the next
     compute); at one spot: REDUCE_GRADs, RESHARDs, then UNSHARDs. Raises ValueError for a window below 1 or above
@@ -77,6 +80,16 @@ def episodes(schedule: Schedule) -> dict[int, int]:
     for row in schedule.actions:
         for action in row:
             if action.op is Op.UNSHARD:
+                counts[action.stage] += 1
+    return counts
+
+
+def grad_reductions(schedule: Schedule) -> dict[int, int]:
+    """Per stage: its REDUCE_GRAD actions (gradient reduce-scatters) in one step of `schedule` (0 without)."""
+    counts = dict.fromkeys(range(schedule.num_stages), 0)
+    for row in schedule.actions:
+        for action in row:
+            if action.op is Op.REDUCE_GRAD:
                 counts[action.stage] += 1
     return counts
 
@@ -116,17 +129,19 @@ def _rank_row(schedule: Schedule, row: tuple[Action, ...], window: int, lookahea
         return row
     needs = [tuple(dict.fromkeys(p.stage for p in row[pos].compute_parts())) for pos in where]
     found = _plan(needs, window, lookahead)
-    last_grad: dict[int, int] = {}
-    for c, pos in enumerate(where):
-        for part in row[pos].compute_parts():
-            if part.op is Op.B or part.op is Op.W:
-                last_grad[part.stage] = c
+    grads = [{p.stage for p in row[pos].compute_parts() if p.op is Op.B or p.op is Op.W} for pos in where]
+    last_grad = {stage: c for c, stages in enumerate(grads) for stage in stages}
     spots: dict[int, tuple[list[Action], list[Action], list[Action]]] = {}
 
     def at(c: int, kind: int) -> list[Action]:
         return spots.setdefault(c, ([], [], []))[kind]
-    for stage in sorted(s for s in last_grad if s not in joint):
-        at(last_grad[stage] + 1, 0).append(Action.on_stage(stage, Op.REDUCE_GRAD))
+    if window < len({s for stages in needs for s in stages}):  # windowed gradients: one per episode with a B or W
+        reduce_at = [(ep.last_use + 1, ep.stage) for ep in found if ep.stage not in joint
+                     and any(ep.stage in grads[c] for c in range(ep.first_use, ep.last_use + 1))]
+    else:
+        reduce_at = [(last_grad[s] + 1, s) for s in last_grad if s not in joint]
+    for c, stage in sorted(reduce_at, key=lambda cs: (cs[0], cs[1])):
+        at(c, 0).append(Action.on_stage(stage, Op.REDUCE_GRAD))
     for ep in sorted(found, key=lambda e: (e.last_use, e.stage)):
         at(ep.last_use + 1, 1).append(Action.on_stage(ep.stage, Op.RESHARD))
     for ep in found:  # by first use: the issue order follows the order of use

@@ -428,7 +428,8 @@ def test_a_gradient_collective_before_a_send_its_peer_needs_is_a_cycle_with_the_
     (lambda r: [t for t in r if t != "0RESHARD"], "0UNSHARD at rank 0, position 0: stage 0 is still unsharded at "
      "the end of rank 0's list"),
     (lambda r: [t for t in r if t != "0REDUCE_GRAD"], "missing 0REDUCE_GRAD on rank 0"),
-    (lambda r: r + ["0REDUCE_GRAD"], "0REDUCE_GRAD at rank 0, position 19: duplicate (first at position 17)"),
+    (lambda r: r + ["0REDUCE_GRAD"], "0REDUCE_GRAD at rank 0, position 19: duplicate (no B or W of stage 0 since the "
+     "one at position 17)"),
     (lambda r: r[:2] + ["0REDUCE_GRAD"] + [t for t in r[2:] if t != "0REDUCE_GRAD"],
      "0REDUCE_GRAD at rank 0, position 2: before the last gradient of stage 0: 0 of its 4 B or W ran before it"),
     (lambda r: r + ["0UNSHARD", "0B3", "0RESHARD"], "0B3 at rank 0, position 20: duplicate backward"),
