@@ -526,11 +526,16 @@ def _build(profile: Profile, basis: Profile, config: PlanConfig, candidate: Cand
 def static_bytes(schedule: Schedule, sizes: StageBytes, rank: int, config: MemoryConfig,
                  window: int | None = None) -> float:
     """Parameters, gradients and optimizer states of `rank` under `config` (bytes); under ZeRO-3 the parameters'
-    1/D shards and the `window` largest stages unsharded (None: all of them)."""
+    1/D shards and the `window` largest stages unsharded (None: all of them), and with a window smaller than the
+    rank's stages at most those stages' whole gradients beside every stage's 1/D reduced shard (the pass reduces
+    after each episode, `shard.gradient_deltas`)."""
     mine = schedule.stages_of_rank(rank)
     params = float(sum(sizes.params[s] for s in mine))
     largest = sorted((float(sizes.params[s]) for s in mine), reverse=True)
-    return sum(state_bytes(params, sum(largest[:window] if window is not None else largest), config))
+    resident = sum(largest[:window] if window is not None else largest)
+    grads = ((resident + params / config.dp) * config.gradient_factor
+             if window is not None and window < len(mine) and zero_stage(config.zero_stage).shard_params else None)
+    return sum(state_bytes(params, resident, config, grads))
 
 
 def _cost_model(schedule: Schedule, groups: Sequence[PartProfile], link: Link) -> CostModel:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from duplexpipe.errors import ScheduleError
 from duplexpipe.schedules.ir import Action, Op, Schedule
 
-__all__ = ["Episode", "add_unshard_reshard", "episodes", "grad_reductions", "residency", "weight_group_ranks"]
+__all__ = ["Episode", "add_unshard_reshard", "episodes", "grad_reductions", "gradient_deltas", "gradient_peak",
+           "residency", "weight_group_ranks"]
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,41 @@ def grad_reductions(schedule: Schedule) -> dict[int, int]:
             if action.op is Op.REDUCE_GRAD:
                 counts[action.stage] += 1
     return counts
+
+
+def gradient_deltas(timed: Iterable[tuple[Action, float, float]], whole: Sequence[float],
+                    shard: Sequence[float]) -> list[tuple[float, float]]:
+    """The gradient bytes a rank holds, as (time, bytes added), from its list's actions in order with their (start,
+    end): a stage's unreduced gradient (`whole[stage]` bytes) is taken at the start of its first B or W since its
+    last REDUCE_GRAD (or the step's start) and freed at the end of the next REDUCE_GRAD, the stage's first of the
+    step leaving its reduced shard (`shard[stage]`; the later ones add into it). One REDUCE_GRAD per stage: whole
+    from the first gradient to the step's reduction; a windowed pass (`add_unshard_reshard`): whole only through
+    the episodes that make it; none: whole to the end."""
+    dirty: set[int] = set()
+    reduced: set[int] = set()
+    out: list[tuple[float, float]] = []
+    for action, start, end in timed:
+        if action.op.is_compute:
+            for part in action.compute_parts():
+                if (part.op is Op.B or part.op is Op.W) and part.stage not in dirty:
+                    dirty.add(part.stage)
+                    out.append((start, float(whole[part.stage])))
+        elif action.op is Op.REDUCE_GRAD and action.stage in dirty:
+            stage = action.stage
+            dirty.discard(stage)
+            out.append((end, (0.0 if stage in reduced else float(shard[stage])) - whole[stage]))
+            reduced.add(stage)
+    return out
+
+
+def gradient_peak(schedule: Schedule, rank: int, whole: Sequence[float], shard: Sequence[float]) -> float:
+    """The most gradient bytes `rank` holds at once over its list (`gradient_deltas`, sampled after each action)."""
+    live = peak = 0.0
+    for _, delta in gradient_deltas(((a, float(i), float(i)) for i, a in enumerate(schedule.actions[rank])),
+                                    whole, shard):
+        live += delta
+        peak = max(peak, live)
+    return peak
 
 
 def residency(schedule: Schedule, rank: int) -> list[int]:

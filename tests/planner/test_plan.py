@@ -269,6 +269,9 @@ def test_zero3_with_a_window_of_one_fits_where_zero2_does_not_and_the_plan_says_
     for label, resident in (("3/w1", 64 * MIB), ("3/all", 128 * MIB)):
         assert rows[label].memory[0].params == pytest.approx(128 * MIB / 4 + resident)
     assert rows["2"].memory[0].params == 128 * MIB + 128 * MIB / 4  # FSDP2 keeps the shards beside
+    # gradients: a window of one reduces after each episode (one stage whole beside both 1/D shards); all: both whole
+    assert rows["3/w1"].memory[0].gradients == pytest.approx(64 * MIB + 128 * MIB / 4)
+    assert rows["3/all"].memory[0].gradients == rows["2"].memory[0].gradients == 128 * MIB
     assert best.step_s > rows["3/all"].step_s, "a window of one gathers more often"
     assert result.decided.startswith("memory: zbv M=4 ZeRO 2 needs ") and f"> {format_bytes(cap)}" in result.decided
     assert "zbv M=4 ZeRO 3/w1 fits at" in result.decided and "% step" in result.decided
