@@ -387,9 +387,9 @@ def _link_collectives(state: _State, program: Program) -> None:
     the list is refused. When any rank has REDUCE_GRAD, every stage has one after all of its B and W (one per
     microbatch through it); a stage may have several (a reshard window smaller than its rank's stages reduces after
     each episode), each after a B or W since the one before, none of those after the last; a weight group with
-    copies on several ranks has one per copy, after all of its gradients. An UNSHARD joins its rank's data-parallel group alone; a REDUCE_GRAD joins the
-    REDUCE_GRADs of every copy of its weight group (DualPipe's two copies sum their gradients: one collective over
-    both ranks), matched by weight group and order of issue.
+    copies on several ranks has one per copy, after all of its gradients. An UNSHARD joins its rank's
+    data-parallel group alone; a REDUCE_GRAD joins the REDUCE_GRADs of every copy of its weight group (DualPipe's
+    two copies sum their gradients: one collective over both ranks), matched by weight group and order of issue.
     """
     lay, schedule = state.layout, state.schedule
     episodic = any(a.op is Op.UNSHARD or a.op is Op.RESHARD for row in schedule.actions for a in row)

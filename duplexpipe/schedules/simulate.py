@@ -286,7 +286,7 @@ def _memory(schedule: Schedule, cost: CostModel, events: list[list[tuple[Action,
             (time, int(dg > 0), 0.0, dg) for time, dg in gradient_deltas(timed, size, [b / cost.dp for b in size])]
         left = Counter(a.stage for a, _, _ in collectives[rank] if a.op is Op.RESHARD)
         kept = dict.fromkeys(mine, 0.0)  # stage -> bytes of its secondary (hpZ) shard held now
-        for action, start, end in collectives[rank]:
+        for action, start, _ in collectives[rank]:
             stage = action.stage
             if action.op is Op.UNSHARD:
                 deltas.append((start, 1, size[stage] - kept[stage], 0.0))

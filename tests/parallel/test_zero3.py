@@ -256,9 +256,10 @@ def test_zbv_with_a_window_of_one_stage(results: list[dict[str, Any]]) -> None:
 @pytest.mark.timeout(60)
 def test_dualpipev_with_a_window_of_one_stage_holds_one_stage_at_a_time(results: list[dict[str, Any]]) -> None:
     """DualPipeV with reshard_window=1, within 1e-10 of one process, a reduce-scatter per REDUCE_GRAD (one per
-    episode with a gradient): the pass runs its F&B pairs as their two parts, so one stage is unsharded at
-    a time, and its gradient peak is the pass's (`gradient_peak`); the measured unsharded peak is the byte model's (`resident_peak`): the rank's larger stage, at most 0.6
-    of the two stages ZeRO-2 holds unsharded (the ZBV test above measures ZeRO-2 holding both), the shards beside."""
+    episode with a gradient): the pass runs its F&B pairs as their two parts, so one stage is unsharded at a time,
+    and its gradient peak is the pass's (`gradient_peak`); the measured unsharded peak is the byte model's
+    (`resident_peak`): the rank's larger stage, at most 0.6 of the two stages ZeRO-2 holds unsharded (the ZBV test
+    above measures ZeRO-2 holding both), the shards beside."""
     for rank, res in enumerate(results):
         assert "error" not in res["window"], res["window"].get("error")
         measured, stage_bytes = res["window"]["dualpipev"]
