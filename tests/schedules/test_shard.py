@@ -91,6 +91,7 @@ def test_window_of_all_stages_gathers_once_per_stage(case: tuple[str, int, int])
     base = registry.build(*case)
     out = add_unshard_reshard(base, _most(base), 2)
     assert set(episodes(out).values()) == {1}
+    assert set(grad_reductions(out).values()) == {1}  # one reduce-scatter per stage per step, never 2 x M
     verify(out)
 
 
