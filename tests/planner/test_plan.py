@@ -14,6 +14,8 @@ from duplexpipe.planner.candidates import microbatch_counts
 from duplexpipe.planner.dp_comm import Link
 from duplexpipe.planner.plan import PlanConfig, plan
 from duplexpipe.planner.profile import PartProfile, Profile, RuntimeOverhead
+from duplexpipe.schedules import registry
+from duplexpipe.schedules.shard import add_unshard_reshard, grad_reductions
 from duplexpipe.sizes import format_bytes
 from duplexpipe.train.pipeline_config import DataParallelConfig
 
@@ -276,6 +278,9 @@ def test_zero3_with_a_window_of_one_fits_where_zero2_does_not_and_the_plan_says_
     assert result.decided.startswith("memory: zbv M=4 ZeRO 2 needs ") and f"> {format_bytes(cap)}" in result.decided
     assert "zbv M=4 ZeRO 3/w1 fits at" in result.decided and "% step" in result.decided
     assert "window 1" in result.advice and "all-gathers" in result.advice
+    lowered = add_unshard_reshard(registry.build("zbv", 2, 4), 1)  # windowed gradients: one per episode with grads
+    most = max(sum(grad_reductions(lowered)[s] for s in lowered.stages_of_rank(r)) for r in range(2))
+    assert most > 2 and f"reduce-scatters (at most {most})" in result.advice
     assert result.to_dict()["best"]["reshard_window"] == 1 and result.to_dict()["decided"] == result.decided
     with pytest.raises(PlanError, match=r"smallest feasible cap is .*ZeRO 3/w1") as info:
         plan(heavy, replace(base, memory=int(best.peak_bytes) - MIB))
