@@ -12,10 +12,12 @@ import pytest
 from duplexpipe.errors import PlanError
 from duplexpipe.planner.candidates import microbatch_counts
 from duplexpipe.planner.dp_comm import Link
-from duplexpipe.planner.plan import PlanConfig, plan
+from duplexpipe.planner.memory import MemoryConfig, StageBytes, rank_memory
+from duplexpipe.planner.plan import PlanConfig, plan, static_bytes
 from duplexpipe.planner.profile import PartProfile, Profile, RuntimeOverhead
 from duplexpipe.schedules import registry
 from duplexpipe.schedules.shard import add_unshard_reshard, grad_reductions
+from duplexpipe.schedules.simulate import CostModel, simulate
 from duplexpipe.sizes import format_bytes
 from duplexpipe.train.pipeline_config import DataParallelConfig
 
@@ -249,6 +251,21 @@ def test_a_measured_fused_backward_prices_b_actions_only() -> None:
     zb = {"schedules": ("zb-h1",), "microbatches": (4,), "zero_stages": (0,)}
     assert plan(fused, config(**zb)).best.step_s == plan(profile(), config(**zb)).best.step_s  # I and W only
     assert one(fused.basic()) == one(profile())
+
+
+def test_static_bytes_of_a_window_of_one_bound_the_byte_model_of_the_lowered_schedule() -> None:
+    """auto's budget (`static_bytes`, no lowered schedule yet) with a window of one: one stage unsharded and one
+    stage's gradient whole beside the 1/D shards, as the byte model finds over the lowered ZBV (`rank_memory`)."""
+    p, d = 100, 4
+    schedule = registry.build("zbv", 2, 4)
+    sizes = StageBytes((0,) * 4, (p,) * 4, (0,) * 4, (0,) * 4)
+    cfg = MemoryConfig(zero_stage=3, dp=d)
+    optimizer = 2 * 2 * p / d
+    assert static_bytes(schedule, sizes, 0, cfg) == 2 * p / d + 2 * p + 2 * p + optimizer
+    assert static_bytes(schedule, sizes, 0, cfg, 1) == 2 * p / d + p + (p + 2 * p / d) + optimizer
+    lowered = add_unshard_reshard(schedule, 1)
+    modelled = rank_memory(lowered, simulate(lowered, CostModel()), sizes, cfg)[0]
+    assert modelled.params + modelled.gradients + modelled.optimizer == static_bytes(schedule, sizes, 0, cfg, 1)
 
 
 def test_zero3_with_a_window_of_one_fits_where_zero2_does_not_and_the_plan_says_so() -> None:
