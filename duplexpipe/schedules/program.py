@@ -400,6 +400,7 @@ def _link_collectives(state: _State, program: Program) -> None:
     unshard, reduce, local = state.durations.unshard, state.durations.reduce_grad, state.durations.unshard_local
     tokens: dict[tuple[int, int, int], int] = {}
     reduced = [-1] * lay.num_stages
+    issued = [0] * lay.num_stages  # REDUCE_GRADs of each stage so far
     for rank, row in enumerate(program):
         live: dict[int, int] = {}  # stage -> position of its UNSHARD, until its episode's first compute
         open_at: dict[int, int] = {}  # stage -> position of its open episode's UNSHARD
@@ -432,8 +433,8 @@ def _link_collectives(state: _State, program: Program) -> None:
                                          f"{open_at[stage]} has no compute of stage {stage}")
                     del open_at[stage]
                 else:
-                    row[pos] = _reduce_grad(state, rank, pos, action, (grads, since, reduced), copies, tokens,
-                                            reduce)
+                    row[pos] = _reduce_grad(state, rank, pos, action, (grads, since, reduced, issued), copies,
+                                            tokens, reduce)
         late = [(at, part) for stage, (at, part) in since.items() if reduced[stage] >= 0]
         if late:
             at, part = min(late, key=lambda x: x[0])
@@ -476,12 +477,14 @@ def _episode_compute(state: _State, rank: int, pos: int, ins: Instruction, live:
 
 
 def _reduce_grad(state: _State, rank: int, pos: int, action: Action,
-                 counts: tuple[list[int], dict[int, tuple[int, Action]], list[int]], copies: dict[int, list[int]],
-                 tokens: dict[tuple[int, int, int], int], cost: list[float] | None) -> Instruction:
-    """Check one REDUCE_GRAD (`counts`: B or W run per stage, the last since its REDUCE_GRAD, the position of that)
-    and compile it as the collective of its weight group (the k-th of a stage matched with the k-th of its copies)."""
+                 counts: tuple[list[int], dict[int, tuple[int, Action]], list[int], list[int]],
+                 copies: dict[int, list[int]], tokens: dict[tuple[int, int, int], int],
+                 cost: list[float] | None) -> Instruction:
+    """Check one REDUCE_GRAD (`counts`: B or W run per stage, the last since its REDUCE_GRAD, the position of that,
+    the REDUCE_GRADs issued so far) and compile it as the collective of its weight group (the k-th of a stage
+    matched with the k-th of its copies)."""
     lay, stage = state.layout, action.stage
-    grads, since, reduced = counts
+    grads, since, reduced, issued = counts
     group = state.schedule.stages[stage].group
     members = copies[group]
     through = lay.hi[stage] - lay.lo[stage]
@@ -494,8 +497,6 @@ def _reduce_grad(state: _State, rank: int, pos: int, action: Action,
     since.pop(stage)
     reduced[stage] = pos
     lanes = tuple(sorted({lay.rank[s] for s in members}))
-    key = (1, group, 0)
-    while key in tokens and len(members) == 1:  # one collective per REDUCE_GRAD of a single copy
-        key = (1, group, key[2] + 1)
-    token = tokens.setdefault(key, lay.num_tokens + len(tokens))
+    token = tokens.setdefault((1, group, issued[stage]), lay.num_tokens + len(tokens))
+    issued[stage] += 1
     return (SHARD, action, token, len(members), lanes, cost[stage] if cost is not None else 0.0)
