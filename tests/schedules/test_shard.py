@@ -17,6 +17,8 @@ from duplexpipe.schedules.shard import (
     add_unshard_reshard,
     episodes,
     grad_reductions,
+    gradient_deltas,
+    gradient_peak,
     residency,
     weight_group_ranks,
 )
@@ -115,6 +117,21 @@ def test_window_one_reduces_each_episode_with_a_gradient_before_its_reshard() ->
     assert grad_reductions(out) == {s: _episodes_with_grads(out, out.stages[s].rank)[s] for s in range(4)}
     assert all(grad_reductions(out)[s] > 1 for s in range(4))
     assert set(grad_reductions(add_unshard_reshard(registry.build("zbv", 2, 4), 2, 1)).values()) == {1}
+
+
+def test_gradient_peak_is_one_stage_whole_beside_the_shards_under_a_window_of_one() -> None:
+    """The rule of the gradient bytes (`gradient_deltas`): a stage's gradient whole from its first B or W since its
+    last REDUCE_GRAD to the next, its shard after its first; ZBV's rank holds two stages of `w` bytes."""
+    w, d = 100.0, 4
+    whole, shard = [w] * 4, [w / d] * 4
+    base = registry.build("zbv", 2, 4)
+    for rank in range(2):
+        assert gradient_peak(add_unshard_reshard(base, 1, 1), rank, whole, shard) == w + 2 * w / d
+        assert gradient_peak(add_unshard_reshard(base, 2, 1), rank, whole, shard) == 2 * w
+        assert gradient_peak(base, rank, whole, shard) == 2 * w  # no REDUCE_GRAD: whole to the end
+    row = add_unshard_reshard(base, 1, 1).actions[0]
+    deltas = gradient_deltas(((a, float(i), float(i)) for i, a in enumerate(row)), whole, shard)
+    assert sum(delta for _, delta in deltas) == 2 * w / d  # the step ends with the two shards only
 
 
 def test_lookahead_issues_the_unshard_that_many_computes_ahead() -> None:
