@@ -446,6 +446,23 @@ def test_zero3_actions_are_checked(change: Callable[[list[str]], list[str]], nee
     assert needle in str(err.value)
 
 
+def test_windowed_gradient_reductions_are_checked() -> None:
+    """A window of one on ZBV reduces a stage after each episode with a gradient: several REDUCE_GRADs verify; one
+    with no B or W since the last, or a gradient left after the last, is refused."""
+    from duplexpipe.schedules.shard import add_unshard_reshard
+
+    good = add_unshard_reshard(lower(registry.build("zbv", 2, 4)), 1, 1)
+    verify(good)
+    row = [str(a) for a in good.actions[0]]
+    spots = [i for i, t in enumerate(row) if t == "0REDUCE_GRAD"]
+    assert len(spots) > 1
+    with pytest.raises(ScheduleError, match="0REDUCE_GRAD at rank 0, position .*: duplicate \\(no B or W of stage 0"):
+        verify(_edit(good, 0, row[:spots[0] + 1] + ["0REDUCE_GRAD"] + row[spots[0] + 1:]))
+    with pytest.raises(ScheduleError, match="a gradient of stage 0 after its last REDUCE_GRAD"):
+        verify(_edit(good, 0, row[:spots[-1]] + row[spots[-1] + 1:]))
+    verify(_edit(good, 0, row[:spots[0]] + row[spots[0] + 1:]))  # the next one reduces both episodes' gradients
+
+
 def test_torch_lowering_of_unshard_and_reduce_grad_verifies() -> None:
     """Where torch's _add_unshard_reshard and _add_reduce_grad put them: all unshards first, REDUCE_GRAD right after
     the last backward, RESHARD before the next compute."""
