@@ -12,7 +12,7 @@ from benchmarks import harness, runner
 from benchmarks.framework import Block, Part, Result, Table
 from duplexpipe import Pipeline, PipelineConfig
 from duplexpipe.runtime.memory import optimizer_bytes, storages
-from duplexpipe.schedules.shard import episodes
+from duplexpipe.schedules.shard import episodes, grad_reductions
 from duplexpipe.train.pipeline_config import DataParallelConfig, ObserveConfig, SafetyConfig
 
 VARIANTS: tuple[tuple[str, int, int | None], ...] = (
@@ -68,6 +68,8 @@ def counted(pipe: Pipeline, steps: int) -> dict[str, Any]:
             "gathers": {str(s): n for s, n in comms.gathers.items()} if comms is not None else None,
             "scatters": {str(s): n for s, n in comms.scatters.items()} if comms is not None else None,
             "episodes": {str(s): n for s, n in episodes(pipe.runtime.schedule).items() if s in pipe.stage_modules},
+            "reductions": {str(s): n for s, n in grad_reductions(pipe.runtime.schedule).items()
+                           if s in pipe.stage_modules},
             "stages": sorted(pipe.stage_modules)}
 
 
@@ -95,9 +97,10 @@ def _worker(rank: int, world: int, job: tuple[Zero3BenchConfig, Case, bool]) -> 
 
 def matches_episodes(ranks: list[dict[str, Any]], steps: int) -> bool:
     """Whether, on every rank and stage, the all-gathers are the episodes times the steps and the reduce-scatters
-    one per step (ZeRO-3's run)."""
+    the REDUCE_GRAD actions times the steps (ZeRO-3's run: one per step, or one per episode with a gradient under a
+    window smaller than the rank's stages)."""
     return all(r["gathers"] is not None and r["gathers"] == {s: n * steps for s, n in r["episodes"].items()}
-               and r["scatters"] == {s: steps for s in r["episodes"]} for r in ranks)
+               and r["scatters"] == {s: n * steps for s, n in r["reductions"].items()} for r in ranks)
 
 
 def rows(case: Case, ranks: list[dict[str, Any]], cfg: Zero3BenchConfig) -> list[dict[str, Any]]:
@@ -186,7 +189,9 @@ def report(result: Result) -> list[Block]:
         "(ZeRO-1's parameters are replicated, as zero_stage=0's). Collectives: calls per step summed over one "
         f"data-parallel replica's pipeline ranks (the WireMeter, over {cfg.memory_steps} steps); 'counted = "
         "episodes': on every rank and stage the FSDP2 all-gathers equal the schedule's residency episodes (the "
-        "UNSHARD actions of the ZeRO-3 pass) times the steps, and the reduce-scatters one per step. Time (timed "
+        "UNSHARD actions of the ZeRO-3 pass) times the steps, and the reduce-scatters its REDUCE_GRAD actions "
+        "times the steps (one per stage per step; with window 1 on two stages per rank one per episode with a "
+        "gradient, windowed gradients). Time (timed "
         f"cases only): the four variants built in the same processes and stepped in turn, {cfg.warmup} untimed then "
         f"{cfg.steps} timed rounds, the first variant rotating; step = the slowest rank's wall; 'vs ZeRO-2' = the "
         "median over rounds of this variant's step / ZeRO-2's step of the same round, with a bootstrap interval.",

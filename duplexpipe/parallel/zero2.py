@@ -133,8 +133,8 @@ class _ReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
                              f"got {op}")
         strategy, comm = self.comms.strategy, self.comms.on(group)
         cut = self.comms.segments(self.module, output_tensor.numel(), comm.size, gathering=False)
-        pending = comm.reduce_scatter(input_tensor, output_tensor, self.what,
-                                      draw=strategy.draws * 4096 + self.stage, segments=cut)
+        draw = strategy.draws * 4096 + self.stage + (strategy.reductions[self.stage] << 40)  # distinct per episode
+        pending = comm.reduce_scatter(input_tensor, output_tensor, self.what, draw=draw, segments=cut)
         self.counts[self.stage] += 1
         if strategy.defer:
             self.comms.pending.append(pending)
@@ -179,10 +179,11 @@ def no_fsdp_division(module: Any) -> None:
     module.set_force_sum_reduction_for_comms(True)
 
 
-def reduce_now(module: Any) -> None:
-    """Run FSDP's post-backward for `module` now: reduce-scatter its gradients and reshard its parameters."""
+def reduce_now(module: Any, reshard: bool = True) -> None:
+    """Run FSDP's post-backward for `module` now: reduce-scatter its gradients (added into the sharded gradients
+    where they exist; the unsharded ones are dropped) and, with `reshard`, reshard its parameters."""
     module.set_is_last_backward(True)
-    module.set_reshard_after_backward(True)
+    module.set_reshard_after_backward(reshard)
     module.set_requires_gradient_sync(True)
     state = fully_shard.state(module)  # type: ignore[attr-defined,union-attr]
     for each in state._state_ctx.all_states:
@@ -225,6 +226,9 @@ class Zero2Strategy(DPStrategy):
         """Applied steps: keys the random draws of stochastic int8 rounding (restored with the checkpoint)."""
         self.defer = False
         """Whether reduce-scatters may stay in flight until finish() (no sharded gradient to accumulate into)."""
+        self.reductions: Counter[int] = Counter()
+        """Stage -> its gradient reductions so far in this accumulation window before the current one (ZeRO-3 with
+        a window reduces a stage after each episode; keys qgZ's rounding draws apart)."""
         self.comms = _Comms(self)
         if ctx.groups.dp_group is None:
             raise ValueError(f"zero_stage={ctx.zero_stage} needs a data-parallel group (a mesh with a 'dp' dimension "
@@ -295,6 +299,7 @@ class Zero2Strategy(DPStrategy):
     def zero_grad(self) -> None:
         """Drop the gradients of the parameters and of their shards."""
         self.shards.clear_grads()
+        self.reductions.clear()
 
     def begin_call(self, final: bool, divisor: float) -> None:
         """Turn FSDP's gradient sync off for the schedule (the strategy reduces each stage itself)."""
@@ -305,14 +310,28 @@ class Zero2Strategy(DPStrategy):
     def start_bucket(self, spec: BucketSpec) -> Waitable | None:
         """Reduce-scatter one stage's gradients through FSDP's post-backward."""
         (stage,) = spec.stages
-        self.defer = all(p.grad is None for p in spec.params)
+        return self.reduce_stage(stage, reshard=True)
+
+    def reduce_stage(self, stage: int, reshard: bool) -> Waitable | None:
+        """Reduce-scatter `stage`'s gradients (and its expert units') through FSDP's post-backward, left in flight
+        when no sharded gradient exists yet; else FSDP adds the result into it, so the sums still in flight finish
+        first. Returns the first collective started (to time it) or None."""
+        held = [r.sharded_param for unit in self._stage_units(stage) for r in fsdp_records(unit)]
+        self.defer = all(p.grad is None for p in held)
+        if not self.defer:
+            self.finish_buckets()
         first = len(self.comms.pending)
         try:
-            reduce_now(self.ctx.modules[stage])
+            reduce_now(self.ctx.modules[stage], reshard)
         finally:
             self.defer = False
+            self.reductions[stage] += 1
         started = self.comms.pending[first:]
         return started[0].work if started else None
+
+    def _stage_units(self, stage: int) -> list[Any]:
+        """`stage`'s FSDP units: its module, then its expert units."""
+        return [self.ctx.modules[stage], *self.expert_units.get(stage, [])]
 
     def finish_buckets(self) -> None:
         """Wait for the reduce-scatters still in flight (their results are FSDP's sharded gradients)."""

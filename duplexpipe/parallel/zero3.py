@@ -4,10 +4,14 @@ The stage modules are fully_shard-ed as for ZeRO-2 (zero2.py: same units, same S
 gradient handling), but nothing is left gathered between steps: the schedule's UNSHARD action of a stage posts
 FSDP's all-gather (`unshard(async_op=True)`; the collective stays in flight on ShardComm), which is waited for and
 copied out right before the stage's next compute; RESHARD frees the gathered parameters (`reshard()`); REDUCE_GRAD
-runs FSDP's post-backward by hand (the reduce-scatter) once the stage's gradients are final, as
-torch.distributed.pipelining's schedules do. A stage's routed experts, sharded over their expert-data-parallel
-group (zero2.py), are gathered, freed and reduced with it. Between a stage's episodes its unreduced gradients stay
-on FSDP's unsharded parameters, whose storage only is freed.
+runs FSDP's post-backward by hand (the reduce-scatter). With a window holding all of a rank's stages there is one
+per stage, once its gradients are final, as torch.distributed.pipelining's schedules do; with a smaller window the
+pass puts one after each episode with a B or W: it reduce-scatters what the episode accumulated, FSDP adds it into
+the stage's sharded gradient and drops the unsharded one, so the next episode accumulates from zero and the
+optimizer sees the sum of every reduction (in every call of an accumulation window; qgZ rounds each reduction
+apart). A stage's routed experts, sharded over their expert-data-parallel group (zero2.py), are gathered, freed and
+reduced with it. Between a stage's episodes any unreduced gradients stay on FSDP's unsharded parameters, whose
+storage only is freed.
 
 hpZ (ZeroOptions.hpz_ranks=k) uses FSDP2's post-forward mesh (`fully_shard(reshard_after_forward=k)`: groups of k
 consecutive data-parallel ranks) as the node-local secondary partition: FSDP's own post-forward reshard is kept
@@ -26,7 +30,7 @@ from typing import Any
 from torch import Tensor
 
 from duplexpipe.parallel.strategy import StrategyContext
-from duplexpipe.parallel.zero2 import Zero2Strategy
+from duplexpipe.parallel.zero2 import Zero2Strategy, sync_off
 from duplexpipe.runtime.backward.compat import (
     free_post_forward,
     fsdp_held,
@@ -63,17 +67,25 @@ class Zero3Strategy(Zero2Strategy):
         """hpZ: stage -> RESHARD actions per call in the list the runtime runs (`follow`)."""
         self.resharded: Counter[int] = Counter()
         """hpZ: stage -> RESHARD actions run so far in this call."""
+        self.per_call: dict[int, int] = {}
+        """Stage -> REDUCE_GRAD actions per call in the list the runtime runs (`follow`): more than one, a window
+        smaller than the rank's stages reduces after each episode."""
+        self.reduced: Counter[int] = Counter()
+        """Stage -> REDUCE_GRAD actions run so far in this call."""
 
     def follow(self, schedule: Schedule) -> None:
         """The list the runtime runs, with its RESHARD actions: under hpZ each stage's last RESHARD of a call shards
         it over the whole group, the earlier ones over its node-local group."""
         self.reshards = dict(Counter(a.stage for row in schedule.actions for a in row
                                      if a.op is Op.RESHARD and a.stage in self.ctx.modules))
+        self.per_call = dict(Counter(a.stage for row in schedule.actions for a in row
+                                     if a.op is Op.REDUCE_GRAD and a.stage in self.ctx.modules))
 
     def begin_call(self, final: bool, divisor: float) -> None:
-        """As ZeRO-2; the call's RESHARDs are counted afresh (hpZ)."""
+        """As ZeRO-2; the call's RESHARDs and REDUCE_GRADs are counted afresh."""
         super().begin_call(final, divisor)
         self.resharded.clear()
+        self.reduced.clear()
 
     def unshard_stage(self, stage: int) -> None:
         """UNSHARD: post the all-gathers of `stage` and of its experts (sharded over their expert-data-parallel
@@ -85,10 +97,6 @@ class Zero3Strategy(Zero2Strategy):
         finally:
             comms.defer_gathers = False
         self.handles[stage] = [h for h in handles if h is not None]
-
-    def _stage_units(self, stage: int) -> list[Any]:
-        """`stage`'s FSDP units: its module, then its expert units."""
-        return [self.ctx.modules[stage], *self.expert_units.get(stage, [])]
 
     def wait_unshard(self, stage: int) -> None:
         """Before a compute of `stage`: finish its posted all-gathers (bounded wait) and let FSDP copy them out."""
@@ -117,10 +125,19 @@ class Zero3Strategy(Zero2Strategy):
             unit.reshard()
 
     def reduce_grad(self, stage: int) -> None:
-        """REDUCE_GRAD: on a window-ending call, reduce-scatter `stage`'s gradients (mirrored stages: after the
-        mirror sum, see grads_ready)."""
-        if stage not in self.mirrored:
-            super().grads_ready(stage)
+        """REDUCE_GRAD: reduce-scatter `stage`'s gradients. One per call: on a window-ending call only (the
+        gradients accumulate unsharded until then). Several (windowed gradients): each adds what its episode
+        accumulated into the sharded gradient and keeps the parameters gathered for the RESHARD that follows; the
+        window-ending call's last one goes through the buckets like ZeRO-2's. Mirrored stages: after the mirror
+        sum, see grads_ready."""
+        if stage in self.mirrored:
+            return
+        self.reduced[stage] += 1
+        if self.per_call.get(stage, 1) > 1 and not (self.final and self.reduced[stage] == self.per_call[stage]):
+            self.reduce_stage(stage, reshard=False)
+            sync_off(self.ctx.modules[stage])  # FSDP's own post-backward stays off for the stage's later backward
+            return
+        super().grads_ready(stage)
 
     def grads_ready(self, stage: int) -> None:
         """The runtime's final-gradient callback: only mirrored stages reduce here (the others at REDUCE_GRAD)."""

@@ -13,6 +13,7 @@ from duplexpipe.planner.dp_comm import zero_stage
 from duplexpipe.planner.host_offload import moves
 from duplexpipe.planner.profile import PartProfile, Profile, load_profile
 from duplexpipe.schedules.ir import Op, Schedule
+from duplexpipe.schedules.shard import gradient_peak
 from duplexpipe.schedules.timeline import Timeline
 
 GLOO_RECEIVES_AHEAD = 2
@@ -122,7 +123,8 @@ def rank_memory(schedule: Schedule, timeline: Timeline, sizes: StageBytes,
     `Timeline.activation_curve`); a message between ranks occupies its bytes on both ranks
     from the end of its producer to the start of its consumer. Releases at a time come
     before allocations at the same time. Parameters, gradients and optimizer state as `state_bytes`, the unsharded
-    parameters under ZeRO-3 those of the stages the schedule holds unsharded at once (`resident_peak`).
+    parameters under ZeRO-3 those of the stages the schedule holds unsharded at once (`resident_peak`), its
+    gradients those its REDUCE_GRAD actions leave (`gradient_bytes`).
     """
     config = config or MemoryConfig()
     curves = _curves(schedule, timeline, sizes, config.sends_held, config.receives_ahead)
@@ -133,21 +135,37 @@ def rank_memory(schedule: Schedule, timeline: Timeline, sizes: StageBytes,
     out = []
     for rank in range(schedule.num_ranks):
         whole = float(sum(sizes.params[s] for s in schedule.stages_of_rank(rank)))
-        params, grads, optim = state_bytes(whole, resident_peak(schedule, rank, sizes.params), config)
+        params, grads, optim = state_bytes(whole, resident_peak(schedule, rank, sizes.params), config,
+                                           gradient_bytes(schedule, rank, sizes.params, config))
         act, msg = curves[rank]
         both = _peak(act + msg)
         out.append(RankMemory(rank, params, grads, optim, _peak(act), _peak(msg), params + grads + optim + both))
     return out
 
 
-def state_bytes(params: float, unsharded: float, config: MemoryConfig) -> tuple[float, float, float]:
+def state_bytes(params: float, unsharded: float, config: MemoryConfig,
+                grads: float | None = None) -> tuple[float, float, float]:
     """(parameter, gradient, optimizer-state) bytes a rank holds at its peak, its stages' parameters taking `params`
     bytes whole, `unsharded` of them unsharded at once under ZeRO-3, as the runtime holds them on FSDP2: ZeRO-2 keeps
     the 1/D shards beside the whole parameters, ZeRO-3 the shards and the unsharded stages; gradients stay whole
-    (unreduced) until the step's one reduce-scatter per stage at every ZeRO stage; optimizer state 1/D from ZeRO-1."""
+    (unreduced) until the step's one reduce-scatter per stage at every ZeRO stage, unless `grads` says otherwise
+    (ZeRO-3's gradients at their peak, `gradient_bytes`: a window smaller than the rank's stages reduces after each
+    episode); optimizer state 1/D from ZeRO-1."""
     zero, d = zero_stage(config.zero_stage), config.dp
     held = params / d + unsharded if zero.shard_params else params + (params / d if zero.shard_gradients else 0.0)
-    return held, params * config.gradient_factor, params * config.optimizer_factor / (d if zero.shard_optimizer else 1)
+    grad = params * config.gradient_factor if grads is None else grads
+    return held, grad, params * config.optimizer_factor / (d if zero.shard_optimizer else 1)
+
+
+def gradient_bytes(schedule: Schedule, rank: int, params: Sequence[float], config: MemoryConfig) -> float | None:
+    """The most gradient bytes `rank` holds at once under ZeRO-3's REDUCE_GRAD actions in `schedule` (each stage's
+    whole while it accumulates, its 1/D shard after its first reduction: `shard.gradient_peak`); None for a
+    schedule without them or a ZeRO stage below 3 (whole until the step's reduction)."""
+    if not zero_stage(config.zero_stage).shard_params or not any(
+            a.op is Op.REDUCE_GRAD for row in schedule.actions for a in row):
+        return None
+    whole = [p * config.gradient_factor for p in params]
+    return gradient_peak(schedule, rank, whole, [g / config.dp for g in whole])
 
 
 def resident_peak(schedule: Schedule, rank: int, params: Sequence[float]) -> float:

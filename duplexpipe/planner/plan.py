@@ -47,7 +47,7 @@ from duplexpipe.planner.profile import PartProfile, Profile
 from duplexpipe.planner.tp_comm import DEFAULT_TP_BANDWIDTH, local_profile, tp_refusal
 from duplexpipe.schedules import registry
 from duplexpipe.schedules.ir import Op, Schedule
-from duplexpipe.schedules.shard import add_unshard_reshard, episodes
+from duplexpipe.schedules.shard import add_unshard_reshard, episodes, grad_reductions
 from duplexpipe.schedules.simulate import FSDP_LANE, CostModel, simulate
 from duplexpipe.schedules.timeline import Timeline
 from duplexpipe.sizes import format_bytes
@@ -526,11 +526,16 @@ def _build(profile: Profile, basis: Profile, config: PlanConfig, candidate: Cand
 def static_bytes(schedule: Schedule, sizes: StageBytes, rank: int, config: MemoryConfig,
                  window: int | None = None) -> float:
     """Parameters, gradients and optimizer states of `rank` under `config` (bytes); under ZeRO-3 the parameters'
-    1/D shards and the `window` largest stages unsharded (None: all of them)."""
+    1/D shards and the `window` largest stages unsharded (None: all of them), and with a window smaller than the
+    rank's stages at most those stages' whole gradients beside every stage's 1/D reduced shard (the pass reduces
+    after each episode, `shard.gradient_deltas`)."""
     mine = schedule.stages_of_rank(rank)
     params = float(sum(sizes.params[s] for s in mine))
     largest = sorted((float(sizes.params[s]) for s in mine), reverse=True)
-    return sum(state_bytes(params, sum(largest[:window] if window is not None else largest), config))
+    resident = sum(largest[:window] if window is not None else largest)
+    grads = ((resident + params / config.dp) * config.gradient_factor
+             if window is not None and window < len(mine) and zero_stage(config.zero_stage).shard_params else None)
+    return sum(state_bytes(params, resident, config, grads))
 
 
 def _cost_model(schedule: Schedule, groups: Sequence[PartProfile], link: Link) -> CostModel:
@@ -625,10 +630,11 @@ def _advice(config: PlanConfig, best: PlanRow, context: _Context) -> str:
         return ""
     sched, timeline, groups = context.schedule, context.timeline, context.groups
     if context.sharded is not None:
-        gathers = episodes(context.sharded)
-        busiest = max(sum(gathers[s] for s in context.sharded.stages_of_rank(r)) for r in range(sched.num_ranks))
+        gathers, scatters = episodes(context.sharded), grad_reductions(context.sharded)
+        busiest, scattering = (max(sum(n[s] for s in context.sharded.stages_of_rank(r)) for r in range(sched.num_ranks))
+                               for n in (gathers, scatters))
         return (f"ZeRO-3 with window {best.window or 'all'}: the all-gathers (at most {busiest} per rank per step) "
-                f"and the reduce-scatters (one per stage) run in the schedule, "
+                f"and the reduce-scatters (at most {scattering}) run in the schedule, "
                 f"{best.dp_exposed_s * 1e3:.3g} ms beyond its compute")
     if sched.num_copies > 1:
         return (f"{sched.name} reduces its gradients over the data-parallel replicas after its mirror sum, when "

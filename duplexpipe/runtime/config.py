@@ -40,8 +40,9 @@ class Residency(Protocol):
         """RESHARD: free the stage's gathered parameters (keeping its unreduced gradients)."""
 
     def reduce_grad(self, stage: int) -> None:
-        """REDUCE_GRAD: the stage's gradients are final on this rank for the step (reduce them if the call ends
-        the accumulation window)."""
+        """REDUCE_GRAD: reduce the stage's gradients: once they are final on this rank for the step (when the call
+        ends the accumulation window), or, where the list holds several per call (windowed gradients), what each
+        episode accumulated, added into the sharded gradient."""
 
     def grad_holders(self, stage: int) -> list[Tensor]:
         """The tensors whose .grad hold the stage's unreduced gradients (DualPipe's mirror sum exchanges them)."""

@@ -19,10 +19,11 @@ MAX_SCHEDULE_FILE_BYTES = 128 * 2**20
 """Largest schedule file read (128 MiB), refused before it is parsed. The largest schedule the command line builds
 (P x M = 500,000) takes at most about 110 MB as lowered JSON (ZB-V, 212 bytes per P x M unit) and about 22 s to
 load; a file of 200 MB is refused at once."""
-MAX_ACTIONS_PER_UNIT = 14
+MAX_ACTIONS_PER_UNIT = 15
 """Most actions one (stage, microbatch) has in a lowered schedule with ZeRO-3 actions: F, B, I, W, SEND_F, RECV_F,
-SEND_B, RECV_B (an F&B pair is one action of two), and an UNSHARD and a RESHARD around each of its three computes
-at the narrowest window; one REDUCE_GRAD per stage comes on top (`MAX_ACTIONS_PER_STAGE`)."""
+SEND_B, RECV_B (an F&B pair is one action of two), an UNSHARD and a RESHARD around each of its three computes at the
+narrowest window, and the REDUCE_GRAD after the episode of its B or W (windowed gradients); one REDUCE_GRAD per
+stage comes on top (`MAX_ACTIONS_PER_STAGE`)."""
 MAX_ACTIONS_PER_STAGE = 1
 """Actions per stage on top of `MAX_ACTIONS_PER_UNIT` per (stage, microbatch): its REDUCE_GRAD."""
 NO_MICROBATCH = -1
@@ -49,7 +50,8 @@ class Op(str, Enum):
     RESHARD = "RESHARD"
     """Free a stage's unsharded parameters (no communication)."""
     REDUCE_GRAD = "REDUCE_GRAD"
-    """Reduce-scatter a stage's gradients over data parallelism, once per step after its last B or W."""
+    """Reduce-scatter a stage's gradients over data parallelism: once per step after its last B or W, or (a reshard
+    window smaller than the rank's stages) after each residency episode with a B or W, adding into its shard."""
 
     @property
     def is_compute(self) -> bool:
@@ -354,8 +356,8 @@ def _check_action_count(rows: list[Any], num_stages: int, num_microbatches: int,
     if total > limit:
         raise ScheduleError(f"{source}: {total:,} actions, more than the {limit:,} a schedule of {num_stages} stages "
                             f"and {num_microbatches} microbatches can hold ({MAX_ACTIONS_PER_UNIT} per stage and "
-                            "microbatch: F, B, I, W, four transfers and an UNSHARD and RESHARD around each compute; "
-                            "one REDUCE_GRAD per stage); refused before reading them")
+                            "microbatch: F, B, I, W, four transfers, an UNSHARD and RESHARD around each compute and a "
+                            "REDUCE_GRAD; one more REDUCE_GRAD per stage); refused before reading them")
 
 
 def _parse_in(token: Any, where: str) -> Action:

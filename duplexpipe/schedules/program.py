@@ -384,10 +384,12 @@ def _link_collectives(state: _State, program: Program) -> None:
     Rules (each error names the action and where it sits): when any rank has UNSHARD or RESHARD, every compute runs
     inside an episode of each stage it needs (an UNSHARD before it, no RESHARD between); an UNSHARD of a stage
     already unsharded, a RESHARD of one that is not, an episode without compute or one still open at the end of
-    the list is refused. When any rank has REDUCE_GRAD, every stage has one, after all of its B and W (one per
-    microbatch through it). An UNSHARD joins its rank's data-parallel group alone; a REDUCE_GRAD joins the
-    REDUCE_GRADs of every copy of its weight group (DualPipe's two copies sum their gradients: one collective over
-    both ranks), matched by weight group and order of issue.
+    the list is refused. When any rank has REDUCE_GRAD, every stage has one after all of its B and W (one per
+    microbatch through it); a stage may have several (a reshard window smaller than its rank's stages reduces after
+    each episode), each after a B or W since the one before, none of those after the last; a weight group with
+    copies on several ranks has one per copy, after all of its gradients. An UNSHARD joins its rank's
+    data-parallel group alone; a REDUCE_GRAD joins the REDUCE_GRADs of every copy of its weight group (DualPipe's
+    two copies sum their gradients: one collective over both ranks), matched by weight group and order of issue.
     """
     lay, schedule = state.layout, state.schedule
     episodic = any(a.op is Op.UNSHARD or a.op is Op.RESHARD for row in schedule.actions for a in row)
@@ -398,14 +400,16 @@ def _link_collectives(state: _State, program: Program) -> None:
     unshard, reduce, local = state.durations.unshard, state.durations.reduce_grad, state.durations.unshard_local
     tokens: dict[tuple[int, int, int], int] = {}
     reduced = [-1] * lay.num_stages
+    issued = [0] * lay.num_stages  # REDUCE_GRADs of each stage so far
     for rank, row in enumerate(program):
         live: dict[int, int] = {}  # stage -> position of its UNSHARD, until its episode's first compute
         open_at: dict[int, int] = {}  # stage -> position of its open episode's UNSHARD
         grads = [0] * lay.num_stages
+        since: dict[int, tuple[int, Action]] = {}  # stage -> its last B or W since its last REDUCE_GRAD
         joined: dict[int, int] = {}
         for pos, ins in enumerate(row):
             if ins[0] == COMPUTE:
-                _episode_compute(state, rank, pos, ins, live, open_at, episodic, grads, reduced, row)
+                _episode_compute(state, rank, pos, ins, live, open_at, episodic, grads, since, row)
             elif ins[0] == SHARD:
                 action = ins[1]
                 stage, op = action.stage, action.op
@@ -429,7 +433,13 @@ def _link_collectives(state: _State, program: Program) -> None:
                                          f"{open_at[stage]} has no compute of stage {stage}")
                     del open_at[stage]
                 else:
-                    row[pos] = _reduce_grad(state, rank, pos, action, grads, reduced, copies, tokens, reduce)
+                    row[pos] = _reduce_grad(state, rank, pos, action, (grads, since, reduced, issued), copies,
+                                            tokens, reduce)
+        late = [(at, part) for stage, (at, part) in since.items() if reduced[stage] >= 0]
+        if late:
+            at, part = min(late, key=lambda x: x[0])
+            raise state.fail(rank, at, part, f"a gradient of stage {part.stage} after its last REDUCE_GRAD (at "
+                             f"position {reduced[part.stage]})")
         if open_at:
             stage = min(open_at)
             raise state.fail(rank, open_at[stage], Action.on_stage(stage, Op.UNSHARD),
@@ -448,7 +458,7 @@ def _missing_reduce(name: str, missing: list[str]) -> ScheduleError:
 
 
 def _episode_compute(state: _State, rank: int, pos: int, ins: Instruction, live: dict[int, int],
-                     open_at: dict[int, int], episodic: bool, grads: list[int], reduced: list[int],
+                     open_at: dict[int, int], episodic: bool, grads: list[int], since: dict[int, tuple[int, Action]],
                      row: list[Instruction]) -> None:
     """Check one compute against the open episodes; make the first compute of an episode wait for its UNSHARD."""
     waits: list[int] = []
@@ -460,28 +470,33 @@ def _episode_compute(state: _State, rank: int, pos: int, ins: Instruction, live:
         if stage in live:
             waits.append(row[live.pop(stage)][2])
         if part.op is Op.B or part.op is Op.W:
-            if reduced[stage] >= 0:
-                raise state.fail(rank, pos, part, f"a gradient of stage {stage} after its REDUCE_GRAD (at position "
-                                 f"{reduced[stage]})")
             grads[stage] += 1
+            since[stage] = (pos, part)
     if waits:
         row[pos] = (COMPUTE, ins[1], ins[2] + tuple(waits), ins[3], ins[4])
 
 
-def _reduce_grad(state: _State, rank: int, pos: int, action: Action, grads: list[int], reduced: list[int],
+def _reduce_grad(state: _State, rank: int, pos: int, action: Action,
+                 counts: tuple[list[int], dict[int, tuple[int, Action]], list[int], list[int]],
                  copies: dict[int, list[int]], tokens: dict[tuple[int, int, int], int],
                  cost: list[float] | None) -> Instruction:
-    """Check one REDUCE_GRAD and compile it as the collective of its weight group."""
+    """Check one REDUCE_GRAD (`counts`: B or W run per stage, the last since its REDUCE_GRAD, the position of that,
+    the REDUCE_GRADs issued so far) and compile it as the collective of its weight group (the k-th of a stage
+    matched with the k-th of its copies)."""
     lay, stage = state.layout, action.stage
-    if reduced[stage] >= 0:
-        raise state.fail(rank, pos, action, f"duplicate (first at position {reduced[stage]})")
-    through = lay.hi[stage] - lay.lo[stage]
-    if grads[stage] < through:
-        raise state.fail(rank, pos, action, f"before the last gradient of stage {stage}: {grads[stage]} of its "
-                         f"{through} B or W ran before it")
-    reduced[stage] = pos
+    grads, since, reduced, issued = counts
     group = state.schedule.stages[stage].group
     members = copies[group]
+    through = lay.hi[stage] - lay.lo[stage]
+    if reduced[stage] >= 0 and (stage not in since or len(members) > 1):
+        raise state.fail(rank, pos, action, f"duplicate (no B or W of stage {stage} since the one at position "
+                         f"{reduced[stage]})")
+    if stage not in since or (len(members) > 1 and grads[stage] < through):
+        raise state.fail(rank, pos, action, f"before the last gradient of stage {stage}: {grads[stage]} of its "
+                         f"{through} B or W ran before it")
+    since.pop(stage)
+    reduced[stage] = pos
     lanes = tuple(sorted({lay.rank[s] for s in members}))
-    token = tokens.setdefault((1, group, 0), lay.num_tokens + len(tokens))
+    token = tokens.setdefault((1, group, issued[stage]), lay.num_tokens + len(tokens))
+    issued[stage] += 1
     return (SHARD, action, token, len(members), lanes, cost[stage] if cost is not None else 0.0)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from duplexpipe.errors import ScheduleError
 from duplexpipe.schedules.ir import Action, Op, Schedule
 
-__all__ = ["Episode", "add_unshard_reshard", "episodes", "residency", "weight_group_ranks"]
+__all__ = ["Episode", "add_unshard_reshard", "episodes", "grad_reductions", "gradient_deltas", "gradient_peak",
+           "residency", "weight_group_ranks"]
 
 
 @dataclass(frozen=True)
@@ -40,9 +42,12 @@ def add_unshard_reshard(schedule: Schedule, window: int, lookahead: int = 1) -> 
     - each UNSHARD is issued `lookahead` compute actions before the episode's first compute (so its all-gather runs
       beside them), later where the window is full until a RESHARD makes room, never before the stage's previous
       RESHARD or the start of the list; lookahead 0 issues it right before its first compute.
-    - one REDUCE_GRAD per stage, right after the compute that ends its last B or W; for a weight group with copies
-      on several ranks (DualPipe), whose gradient sum joins those ranks in one collective, at the end of each list
-      in weight-group order (the order every member issues them in).
+    - REDUCE_GRAD: with a window holding all of a rank's stages, one per stage, right after the compute that ends
+      its last B or W; with a smaller window, one after every episode that ran a B or W of the stage, right before
+      that episode's RESHARD (the gradients are windowed with the parameters: each reduction reduce-scatters what
+      the episode accumulated and adds it into the stage's sharded gradient, `grad_reductions`). For a weight group
+      with copies on several ranks (DualPipe), whose gradient sum joins those ranks in one collective, one per
+      step at the end of each list in weight-group order (the order every member issues them in).
 
     New actions go right after the previous compute and the SENDs that follow it (before the RECVs of the next
     compute); at one spot: REDUCE_GRADs, RESHARDs, then UNSHARDs. Raises ValueError for a window below 1 or above
@@ -81,6 +86,51 @@ def episodes(schedule: Schedule) -> dict[int, int]:
     return counts
 
 
+def grad_reductions(schedule: Schedule) -> dict[int, int]:
+    """Per stage: its REDUCE_GRAD actions (gradient reduce-scatters) in one step of `schedule` (0 without)."""
+    counts = dict.fromkeys(range(schedule.num_stages), 0)
+    for row in schedule.actions:
+        for action in row:
+            if action.op is Op.REDUCE_GRAD:
+                counts[action.stage] += 1
+    return counts
+
+
+def gradient_deltas(timed: Iterable[tuple[Action, float, float]], whole: Sequence[float],
+                    shard: Sequence[float]) -> list[tuple[float, float]]:
+    """The gradient bytes a rank holds, as (time, bytes added), from its list's actions in order with their (start,
+    end): a stage's unreduced gradient (`whole[stage]` bytes) is taken at the start of its first B or W since its
+    last REDUCE_GRAD (or the step's start) and freed at the end of the next REDUCE_GRAD, the stage's first of the
+    step leaving its reduced shard (`shard[stage]`; the later ones add into it). One REDUCE_GRAD per stage: whole
+    from the first gradient to the step's reduction; a windowed pass (`add_unshard_reshard`): whole only through
+    the episodes that make it; none: whole to the end."""
+    dirty: set[int] = set()
+    reduced: set[int] = set()
+    out: list[tuple[float, float]] = []
+    for action, start, end in timed:
+        if action.op.is_compute:
+            for part in action.compute_parts():
+                if (part.op is Op.B or part.op is Op.W) and part.stage not in dirty:
+                    dirty.add(part.stage)
+                    out.append((start, float(whole[part.stage])))
+        elif action.op is Op.REDUCE_GRAD and action.stage in dirty:
+            stage = action.stage
+            dirty.discard(stage)
+            out.append((end, (0.0 if stage in reduced else float(shard[stage])) - whole[stage]))
+            reduced.add(stage)
+    return out
+
+
+def gradient_peak(schedule: Schedule, rank: int, whole: Sequence[float], shard: Sequence[float]) -> float:
+    """The most gradient bytes `rank` holds at once over its list (`gradient_deltas`, sampled after each action)."""
+    live = peak = 0.0
+    for _, delta in gradient_deltas(((a, float(i), float(i)) for i, a in enumerate(schedule.actions[rank])),
+                                    whole, shard):
+        live += delta
+        peak = max(peak, live)
+    return peak
+
+
 def residency(schedule: Schedule, rank: int) -> list[int]:
     """How many stages `rank` holds unsharded during each of its compute actions, in list order (all of its stages
     throughout when the schedule has no UNSHARD/RESHARD)."""
@@ -116,17 +166,19 @@ def _rank_row(schedule: Schedule, row: tuple[Action, ...], window: int, lookahea
         return row
     needs = [tuple(dict.fromkeys(p.stage for p in row[pos].compute_parts())) for pos in where]
     found = _plan(needs, window, lookahead)
-    last_grad: dict[int, int] = {}
-    for c, pos in enumerate(where):
-        for part in row[pos].compute_parts():
-            if part.op is Op.B or part.op is Op.W:
-                last_grad[part.stage] = c
+    grads = [{p.stage for p in row[pos].compute_parts() if p.op is Op.B or p.op is Op.W} for pos in where]
+    last_grad = {stage: c for c, stages in enumerate(grads) for stage in stages}
     spots: dict[int, tuple[list[Action], list[Action], list[Action]]] = {}
 
     def at(c: int, kind: int) -> list[Action]:
         return spots.setdefault(c, ([], [], []))[kind]
-    for stage in sorted(s for s in last_grad if s not in joint):
-        at(last_grad[stage] + 1, 0).append(Action.on_stage(stage, Op.REDUCE_GRAD))
+    if window < len({s for stages in needs for s in stages}):  # windowed gradients: one per episode with a B or W
+        reduce_at = [(ep.last_use + 1, ep.stage) for ep in found if ep.stage not in joint
+                     and any(ep.stage in grads[c] for c in range(ep.first_use, ep.last_use + 1))]
+    else:
+        reduce_at = [(last_grad[s] + 1, s) for s in last_grad if s not in joint]
+    for c, stage in sorted(reduce_at, key=lambda cs: (cs[0], cs[1])):
+        at(c, 0).append(Action.on_stage(stage, Op.REDUCE_GRAD))
     for ep in sorted(found, key=lambda e: (e.last_use, e.stage)):
         at(ep.last_use + 1, 1).append(Action.on_stage(ep.stage, Op.RESHARD))
     for ep in found:  # by first use: the issue order follows the order of use

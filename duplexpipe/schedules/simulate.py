@@ -15,6 +15,7 @@ from duplexpipe.schedules.layout import Layout, gc_paused
 from duplexpipe.schedules.lower import lower
 from duplexpipe.schedules.moe_cost import ExpertCost
 from duplexpipe.schedules.program import Durations, analyze
+from duplexpipe.schedules.shard import gradient_deltas
 from duplexpipe.schedules.timeline import Event, MemoryStep, Span, Timeline
 from duplexpipe.schedules.verify import explain_stuck
 
@@ -268,8 +269,9 @@ def _memory(schedule: Schedule, cost: CostModel, events: list[list[tuple[Action,
 
     With UNSHARD/RESHARD a stage keeps 1/dp of its parameters at rest and all of them from its all-gather's start
     to its RESHARD (hpZ: 1/hpz_ranks from a RESHARD to the stage's next all-gather); without, all of them
-    throughout. A stage's gradients take all its bytes from the start of its
-    first B or W to the end of its REDUCE_GRAD, 1/dp after it; without REDUCE_GRAD, all of them to the end.
+    throughout. Gradients as `shard.gradient_deltas`: all of a stage's bytes from the start of its first B or W
+    since its last REDUCE_GRAD to the end of the next, 1/dp after its first (a windowed pass reduces after each
+    episode); without REDUCE_GRAD, all of them to the end.
     """
     size = cost.stage_param_bytes(schedule)
     sharded = schedule.has_fsdp and any(a.op is Op.UNSHARD for row in schedule.actions for a in row)
@@ -277,17 +279,14 @@ def _memory(schedule: Schedule, cost: CostModel, events: list[list[tuple[Action,
     for rank in range(schedule.num_ranks):
         mine = schedule.stages_of_rank(rank)
         at_rest = sum(size[s] / cost.dp if sharded else size[s] for s in mine)
-        deltas: list[tuple[float, int, float, float]] = []  # (time, order: frees first, params, grads)
-        first_grad: dict[int, float] = {}
-        for action, start, _ in events[rank]:
-            for part in action.compute_parts():
-                if part.op is Op.B or part.op is Op.W:
-                    first_grad.setdefault(part.stage, start)
-        for stage, start in first_grad.items():
-            deltas.append((start, 1, 0.0, size[stage]))
+        computes, fsdp = iter(events[rank]), iter(collectives[rank])
+        timed = [next(computes) if a.op.is_compute else next(fsdp) for a in schedule.actions[rank]
+                 if a.op.is_compute or a.op.is_fsdp]
+        deltas: list[tuple[float, int, float, float]] = [  # (time, order: frees first, params, grads)
+            (time, int(dg > 0), 0.0, dg) for time, dg in gradient_deltas(timed, size, [b / cost.dp for b in size])]
         left = Counter(a.stage for a, _, _ in collectives[rank] if a.op is Op.RESHARD)
         kept = dict.fromkeys(mine, 0.0)  # stage -> bytes of its secondary (hpZ) shard held now
-        for action, start, end in collectives[rank]:
+        for action, start, _ in collectives[rank]:
             stage = action.stage
             if action.op is Op.UNSHARD:
                 deltas.append((start, 1, size[stage] - kept[stage], 0.0))
@@ -296,8 +295,6 @@ def _memory(schedule: Schedule, cost: CostModel, events: list[list[tuple[Action,
                 left[stage] -= 1
                 kept[stage] = size[stage] / cost.hpz_ranks if cost.hpz_ranks and left[stage] else 0.0
                 deltas.append((start, 0, kept[stage] - size[stage], 0.0))
-            else:
-                deltas.append((end, 0, 0.0, size[stage] / cost.dp - size[stage]))
         params, grads = at_rest, 0.0
         out.append(MemoryStep(rank, 0.0, params, grads))
         for time, _, dp_, dg in sorted(deltas):

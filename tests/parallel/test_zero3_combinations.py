@@ -29,6 +29,7 @@ from duplexpipe.comm.local_tensors import local_of
 from duplexpipe.model.stages import inner_module
 from duplexpipe.moe import moe_layers
 from duplexpipe.runtime.memory import storages
+from duplexpipe.schedules.shard import grad_reductions
 from duplexpipe.train.checkpoint.pipeline import stage_dict
 from duplexpipe.train.pipeline_config import DataParallelConfig, ObserveConfig, with_defaults
 from duplexpipe.train.planning.auto import resolve_schedule
@@ -58,6 +59,8 @@ DENSE_CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "compile": ("1f1b", {"compile": {"backend": "aot_eager"}}),
     "checkpointing": ("zbv", {"activation_checkpointing": True}),
     "accumulation": ("1f1b", {"accumulation_steps": 2}),
+    "accumulation window 1": ("zbv", {"accumulation_steps": 2,
+                                      "data_parallel": DataParallelConfig(zero_stage=3, reshard_window=1)}),
 }
 """name -> (schedule, PipelineConfig fields) on the dense parts at PP2 x DP2."""
 
@@ -153,6 +156,7 @@ def _ep_case(schedule: str, overlap: bool, stage: int, pp: int, world: int = 4,
             "gathers": dict(comms.gathers) if comms else {},
             "expert_gathers": dict(comms.expert_gathers) if comms else {},
             "expert_scatters": dict(comms.expert_scatters) if comms else {},
+            "reductions": {s: n for s, n in grad_reductions(pipe.runtime.schedule).items() if s in pipe.stage_modules},
             "moe_layers": {s: len(moe_layers(m)) for s, m in pipe.stage_modules.items()},
             "unsharded_at_rest": pipe.dp.unsharded_bytes() if hasattr(pipe.dp, "unsharded_bytes") else None}
 
@@ -189,8 +193,8 @@ def _dense_parts(schedule: str) -> list[nn.Module]:
 
 
 def _dense_case(schedule: str, fields: dict[str, Any]) -> dict[str, Any]:
-    cfg = PipelineConfig(schedule, MICRO, grad_clip_norm=CLIP, data_parallel=DataParallelConfig(zero_stage=3),
-                         **fields)
+    cfg = PipelineConfig(schedule, MICRO, grad_clip_norm=CLIP, **{"data_parallel": DataParallelConfig(zero_stage=3),
+                                                                  **fields})
     pipe = Pipeline(_dense_parts(schedule), _squares, adamw, cfg, mesh=make_mesh(2, 2))
     calls = fields.get("accumulation_steps", 1)
     for step in range(STEPS):
@@ -208,7 +212,8 @@ def _dense_case(schedule: str, fields: dict[str, Any]) -> dict[str, Any]:
     groups = [pipe.schedule.stages[s].group for s in sorted(pipe.stage_state_modules)]
     want = torch.cat([p.detach().reshape(-1) for g in groups for p in parts[g].parameters()]).tolist()
     return {"rel": max_rel(flat_params(pipe), want), "gathers": dict(pipe.dp.comms.gathers),
-            "scatters": dict(pipe.dp.comms.scatters), "stages": sorted(pipe.stage_modules)}
+            "scatters": dict(pipe.dp.comms.scatters), "stages": sorted(pipe.stage_modules),
+            "reductions": {s: n for s, n in grad_reductions(pipe.runtime.schedule).items() if s in pipe.stage_modules}}
 
 
 def _worker() -> dict[str, Any]:
@@ -285,7 +290,8 @@ def _check_sharded_experts(got: dict[str, Any], whole: dict[str, Any], stage: in
     assert max_rel(got["norms"], whole["norms"]) <= 1e-12, (rank, got["norms"], whole["norms"])  # shards counted once
     for kind in ("params", "grads", "optimizer"):  # every expert's dim 0 divides by 2: no padding
         assert got["bytes"][kind] * got["edp"] == whole["bytes"][kind] > 0, (rank, kind, got["bytes"], whole["bytes"])
-    per_step = {s: STEPS * n for s, n in got["moe_layers"].items() if n}
+    # with their stage: once per step, or at each of its REDUCE_GRADs (a window of one: after each episode)
+    per_step = {s: STEPS * n * max(got["reductions"].get(s, 1), 1) for s, n in got["moe_layers"].items() if n}
     assert got["expert_scatters"] == per_step, (rank, got["expert_scatters"], per_step)
     if stage == 3:
         assert got["unsharded_at_rest"] == 0, (rank, got["unsharded_at_rest"])
@@ -359,10 +365,14 @@ def test_zero3_checkpoints_with_experts_are_refused(results: list[dict[str, Any]
 def test_zero3_with_compile_checkpointing_and_accumulation(results: list[dict[str, Any]], name: str) -> None:
     """PP2 x DP2 float64 within 1e-10 of one process: compiled blocks (aot_eager), activation checkpointing on
     ZBV (two stages per rank), and accumulation_steps=2 (the window's calls summed, then one reduce-scatter per
-    stage per optimizer step)."""
+    stage per optimizer step; with a reshard window of one on ZBV, one per REDUCE_GRAD in every call, summed into
+    the shards)."""
     for rank, res in enumerate(results):
         got = res["dense"][name]
         assert "error" not in got, got.get("error")
         assert got["rel"] <= 1e-10, (rank, got)
         if name == "accumulation":
             assert got["scatters"] == {s: STEPS for s in got["stages"]}, got
+        if name == "accumulation window 1":  # windowed gradients: reduced after each episode, in both calls
+            assert got["scatters"] == {s: STEPS * 2 * n for s, n in got["reductions"].items()}, got
+            assert all(n > 1 for n in got["reductions"].values()), got

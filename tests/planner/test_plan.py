@@ -12,8 +12,12 @@ import pytest
 from duplexpipe.errors import PlanError
 from duplexpipe.planner.candidates import microbatch_counts
 from duplexpipe.planner.dp_comm import Link
-from duplexpipe.planner.plan import PlanConfig, plan
+from duplexpipe.planner.memory import MemoryConfig, StageBytes, rank_memory
+from duplexpipe.planner.plan import PlanConfig, plan, static_bytes
 from duplexpipe.planner.profile import PartProfile, Profile, RuntimeOverhead
+from duplexpipe.schedules import registry
+from duplexpipe.schedules.shard import add_unshard_reshard, grad_reductions
+from duplexpipe.schedules.simulate import CostModel, simulate
 from duplexpipe.sizes import format_bytes
 from duplexpipe.train.pipeline_config import DataParallelConfig
 
@@ -249,6 +253,21 @@ def test_a_measured_fused_backward_prices_b_actions_only() -> None:
     assert one(fused.basic()) == one(profile())
 
 
+def test_static_bytes_of_a_window_of_one_bound_the_byte_model_of_the_lowered_schedule() -> None:
+    """auto's budget (`static_bytes`, no lowered schedule yet) with a window of one: one stage unsharded and one
+    stage's gradient whole beside the 1/D shards, as the byte model finds over the lowered ZBV (`rank_memory`)."""
+    p, d = 100, 4
+    schedule = registry.build("zbv", 2, 4)
+    sizes = StageBytes((0,) * 4, (p,) * 4, (0,) * 4, (0,) * 4)
+    cfg = MemoryConfig(zero_stage=3, dp=d)
+    optimizer = 2 * 2 * p / d
+    assert static_bytes(schedule, sizes, 0, cfg) == 2 * p / d + 2 * p + 2 * p + optimizer
+    assert static_bytes(schedule, sizes, 0, cfg, 1) == 2 * p / d + p + (p + 2 * p / d) + optimizer
+    lowered = add_unshard_reshard(schedule, 1)
+    modelled = rank_memory(lowered, simulate(lowered, CostModel()), sizes, cfg)[0]
+    assert modelled.params + modelled.gradients + modelled.optimizer == static_bytes(schedule, sizes, 0, cfg, 1)
+
+
 def test_zero3_with_a_window_of_one_fits_where_zero2_does_not_and_the_plan_says_so() -> None:
     """Parameter-heavy parts at P=2 x D=4 on ZBV (two stages per rank): ZeRO-2 keeps both stages' parameters whole;
     ZeRO-3 keeps 1/D of them at rest and, with a window of one stage, one stage whole at a time."""
@@ -269,10 +288,16 @@ def test_zero3_with_a_window_of_one_fits_where_zero2_does_not_and_the_plan_says_
     for label, resident in (("3/w1", 64 * MIB), ("3/all", 128 * MIB)):
         assert rows[label].memory[0].params == pytest.approx(128 * MIB / 4 + resident)
     assert rows["2"].memory[0].params == 128 * MIB + 128 * MIB / 4  # FSDP2 keeps the shards beside
+    # gradients: a window of one reduces after each episode (one stage whole beside both 1/D shards); all: both whole
+    assert rows["3/w1"].memory[0].gradients == pytest.approx(64 * MIB + 128 * MIB / 4)
+    assert rows["3/all"].memory[0].gradients == rows["2"].memory[0].gradients == 128 * MIB
     assert best.step_s > rows["3/all"].step_s, "a window of one gathers more often"
     assert result.decided.startswith("memory: zbv M=4 ZeRO 2 needs ") and f"> {format_bytes(cap)}" in result.decided
     assert "zbv M=4 ZeRO 3/w1 fits at" in result.decided and "% step" in result.decided
     assert "window 1" in result.advice and "all-gathers" in result.advice
+    lowered = add_unshard_reshard(registry.build("zbv", 2, 4), 1)  # windowed gradients: one per episode with grads
+    most = max(sum(grad_reductions(lowered)[s] for s in lowered.stages_of_rank(r)) for r in range(2))
+    assert most > 2 and f"reduce-scatters (at most {most})" in result.advice
     assert result.to_dict()["best"]["reshard_window"] == 1 and result.to_dict()["decided"] == result.decided
     with pytest.raises(PlanError, match=r"smallest feasible cap is .*ZeRO 3/w1") as info:
         plan(heavy, replace(base, memory=int(best.peak_bytes) - MIB))

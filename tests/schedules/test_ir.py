@@ -111,7 +111,7 @@ GOOD = {"format": "duplexpipe-schedule", "version": 1, "name": "x", "num_ranks":
     ({"actions": [["0F0", "0Z0"]]}, "rank 0, position 1"),
     ({"actions": [["0F0", 5]]}, "5"),
     ({"actions": [["0F0"], ["0B0"]]}, "expected 1 action lists"),
-    ({"actions": [["0F0"] * 16]}, "16 actions, more than the 15 a schedule of 1 stages and 1 microbatches can hold"),
+    ({"actions": [["0F0"] * 17]}, "17 actions, more than the 16 a schedule of 1 stages and 1 microbatches can hold"),
 ])
 def test_malformed_json_names_the_problem(tmp_path: Path, change: dict, needle: str) -> None:
     path = tmp_path / "bad.json"

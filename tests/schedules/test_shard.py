@@ -13,7 +13,15 @@ from duplexpipe.errors import ScheduleError
 from duplexpipe.schedules import registry
 from duplexpipe.schedules.ir import Action, Op, Schedule
 from duplexpipe.schedules.lower import lower
-from duplexpipe.schedules.shard import add_unshard_reshard, episodes, residency, weight_group_ranks
+from duplexpipe.schedules.shard import (
+    add_unshard_reshard,
+    episodes,
+    grad_reductions,
+    gradient_deltas,
+    gradient_peak,
+    residency,
+    weight_group_ranks,
+)
 from duplexpipe.schedules.verify import verify
 
 SIZES = [(2, 4), (4, 8), (3, 6)]
@@ -39,6 +47,19 @@ def _needs(schedule: Schedule, rank: int) -> list[int]:
     return [len({p.stage for p in a.compute_parts()}) for a in schedule.actions[rank] if a.op.is_compute]
 
 
+def _episodes_with_grads(schedule: Schedule, rank: int) -> dict[int, int]:
+    """Per stage of `rank`: its episodes (UNSHARD to RESHARD) that ran a B or W of it."""
+    out = dict.fromkeys(schedule.stages_of_rank(rank), 0)
+    dirty: set[int] = set()
+    for action in schedule.actions[rank]:
+        if action.op.is_compute:
+            dirty |= {p.stage for p in action.compute_parts() if p.op is Op.B or p.op is Op.W}
+        elif action.op is Op.RESHARD and action.stage in dirty:
+            dirty.discard(action.stage)
+            out[action.stage] += 1
+    return out
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.sampled_from(_built()), st.integers(1, 4), st.integers(0, 6), st.booleans())
 def test_any_schedule_window_and_lookahead_verify(case: tuple[str, int, int], window: int, lookahead: int,
@@ -50,8 +71,13 @@ def test_any_schedule_window_and_lookahead_verify(case: tuple[str, int, int], wi
     verify(out)
     verify(lower(out))
     assert out.without_fsdp() == _pairs_split(lower(base) if lowered_first else base, window)
-    reduces = [a.stage for _, _, a in out.iter_actions() if a.op is Op.REDUCE_GRAD]
-    assert sorted(reduces) == list(range(out.num_stages))  # one REDUCE_GRAD per stage per step
+    reduces = grad_reductions(out)
+    joint = {s for s, ranks in enumerate(weight_group_ranks(out)) if len(ranks) > 1}
+    for rank in range(ranks):
+        mine = out.stages_of_rank(rank)
+        with_grads = _episodes_with_grads(out, rank)
+        for s in mine:  # per window: one per stage per step, or one per episode that ran a B or W (mirrors: one)
+            assert reduces[s] == (1 if window >= len(mine) or s in joint else with_grads[s]), (rank, s)
     counts = episodes(out)
     assert counts == {s: sum(a == Action.on_stage(s, Op.RESHARD) for _, _, a in out.iter_actions())
                       for s in range(out.num_stages)}
@@ -67,6 +93,7 @@ def test_window_of_all_stages_gathers_once_per_stage(case: tuple[str, int, int])
     base = registry.build(*case)
     out = add_unshard_reshard(base, _most(base), 2)
     assert set(episodes(out).values()) == {1}
+    assert set(grad_reductions(out).values()) == {1}  # one reduce-scatter per stage per step, never 2 x M
     verify(out)
 
 
@@ -76,6 +103,35 @@ def test_window_one_on_zbv_reshards_between_stages_and_lookahead_waits_for_room(
     assert " ".join(map(str, out.actions[0][:6])) == "0UNSHARD 0F0 0F1 0F2 0RESHARD 3UNSHARD"
     assert episodes(out) == {0: 4, 1: 7, 2: 6, 3: 3}
     assert residency(out, 0) == [1] * len(residency(out, 0))
+
+
+def test_window_one_reduces_each_episode_with_a_gradient_before_its_reshard() -> None:
+    """ZBV under a window of 1: a REDUCE_GRAD right before each RESHARD whose episode ran a B or W (not after a
+    forward-only episode); under a window of 2, one per stage at its last gradient."""
+    out = add_unshard_reshard(registry.build("zbv", 2, 4), 1, 1)
+    row = [str(a) for a in out.actions[0]]
+    assert row[:5] == ["0UNSHARD", "0F0", "0F1", "0F2", "0RESHARD"]  # forwards only: nothing to reduce
+    for at, text in enumerate(row):
+        if text.endswith("REDUCE_GRAD"):
+            assert row[at + 1] == text.replace("REDUCE_GRAD", "RESHARD")
+    assert grad_reductions(out) == {s: _episodes_with_grads(out, out.stages[s].rank)[s] for s in range(4)}
+    assert all(grad_reductions(out)[s] > 1 for s in range(4))
+    assert set(grad_reductions(add_unshard_reshard(registry.build("zbv", 2, 4), 2, 1)).values()) == {1}
+
+
+def test_gradient_peak_is_one_stage_whole_beside_the_shards_under_a_window_of_one() -> None:
+    """The rule of the gradient bytes (`gradient_deltas`): a stage's gradient whole from its first B or W since its
+    last REDUCE_GRAD to the next, its shard after its first; ZBV's rank holds two stages of `w` bytes."""
+    w, d = 100.0, 4
+    whole, shard = [w] * 4, [w / d] * 4
+    base = registry.build("zbv", 2, 4)
+    for rank in range(2):
+        assert gradient_peak(add_unshard_reshard(base, 1, 1), rank, whole, shard) == w + 2 * w / d
+        assert gradient_peak(add_unshard_reshard(base, 2, 1), rank, whole, shard) == 2 * w
+        assert gradient_peak(base, rank, whole, shard) == 2 * w  # no REDUCE_GRAD: whole to the end
+    row = add_unshard_reshard(base, 1, 1).actions[0]
+    deltas = gradient_deltas(((a, float(i), float(i)) for i, a in enumerate(row)), whole, shard)
+    assert sum(delta for _, delta in deltas) == 2 * w / d  # the step ends with the two shards only
 
 
 def test_lookahead_issues_the_unshard_that_many_computes_ahead() -> None:

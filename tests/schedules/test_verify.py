@@ -428,7 +428,8 @@ def test_a_gradient_collective_before_a_send_its_peer_needs_is_a_cycle_with_the_
     (lambda r: [t for t in r if t != "0RESHARD"], "0UNSHARD at rank 0, position 0: stage 0 is still unsharded at "
      "the end of rank 0's list"),
     (lambda r: [t for t in r if t != "0REDUCE_GRAD"], "missing 0REDUCE_GRAD on rank 0"),
-    (lambda r: r + ["0REDUCE_GRAD"], "0REDUCE_GRAD at rank 0, position 19: duplicate (first at position 17)"),
+    (lambda r: r + ["0REDUCE_GRAD"], "0REDUCE_GRAD at rank 0, position 19: duplicate (no B or W of stage 0 since the "
+     "one at position 17)"),
     (lambda r: r[:2] + ["0REDUCE_GRAD"] + [t for t in r[2:] if t != "0REDUCE_GRAD"],
      "0REDUCE_GRAD at rank 0, position 2: before the last gradient of stage 0: 0 of its 4 B or W ran before it"),
     (lambda r: r + ["0UNSHARD", "0B3", "0RESHARD"], "0B3 at rank 0, position 20: duplicate backward"),
@@ -443,6 +444,23 @@ def test_zero3_actions_are_checked(change: Callable[[list[str]], list[str]], nee
     with pytest.raises(ScheduleError) as err:
         verify(_edit(good, 0, change([str(a) for a in good.actions[0]])))
     assert needle in str(err.value)
+
+
+def test_windowed_gradient_reductions_are_checked() -> None:
+    """A window of one on ZBV reduces a stage after each episode with a gradient: several REDUCE_GRADs verify; one
+    with no B or W since the last, or a gradient left after the last, is refused."""
+    from duplexpipe.schedules.shard import add_unshard_reshard
+
+    good = add_unshard_reshard(lower(registry.build("zbv", 2, 4)), 1, 1)
+    verify(good)
+    row = [str(a) for a in good.actions[0]]
+    spots = [i for i, t in enumerate(row) if t == "0REDUCE_GRAD"]
+    assert len(spots) > 1
+    with pytest.raises(ScheduleError, match="0REDUCE_GRAD at rank 0, position .*: duplicate \\(no B or W of stage 0"):
+        verify(_edit(good, 0, row[:spots[0] + 1] + ["0REDUCE_GRAD"] + row[spots[0] + 1:]))
+    with pytest.raises(ScheduleError, match="a gradient of stage 0 after its last REDUCE_GRAD"):
+        verify(_edit(good, 0, row[:spots[-1]] + row[spots[-1] + 1:]))
+    verify(_edit(good, 0, row[:spots[0]] + row[spots[0] + 1:]))  # the next one reduces both episodes' gradients
 
 
 def test_torch_lowering_of_unshard_and_reduce_grad_verifies() -> None:
