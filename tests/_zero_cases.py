@@ -37,14 +37,15 @@ def wide_parts(num_parts: int, width: int, seed: int) -> list[nn.Module]:
 
 def build(schedule: str, zero_stage: int, dp: int, *, precision: str = "fp32", zero: ZeroOptions | None = None,
           compression: Any = None, seed: int = 0, width: int = WIDTH, window: int | None = None,
-          copies: int = 1, **extra: Any) -> Pipeline:
+          copies: int = 1, reshard_gradients: bool | None = None, **extra: Any) -> Pipeline:
     """A pipeline over the world as pp x dp with the given ZeRO settings (fp16: a loss scale that overflows
     on the first step, so a skipped step is part of every fp16 case); `copies` model parts per pipeline rank (2 for
-    ZBV), `window` ZeRO-3's reshard window."""
+    ZBV), `window` ZeRO-3's reshard window and `reshard_gradients` its choice for the gradients."""
     pp = dist.get_world_size() // dp
     cfg = PipelineConfig(schedule=schedule, num_microbatches=4, grad_clip_norm=CLIP, **extra,
                          data_parallel=DataParallelConfig(zero_stage=zero_stage, zero=zero or ZeroOptions(),
-                                                          grad_compression=compression, reshard_window=window),
+                                                          grad_compression=compression, reshard_window=window,
+                                                          reshard_gradients=reshard_gradients),
                          precision=PrecisionConfig(dtype=precision, loss_scale=LossScaleConfig(init_scale=2.0**20)))
     n = pp * copies
     parts = make_parts(n, 8, seed) if width == WIDTH else wide_parts(n, width, seed)

@@ -106,12 +106,17 @@ class DataParallelConfig:
     unshard_lookahead: int = 1
     """zero_stage=3: how many compute actions ahead of a stage's first use its UNSHARD (all-gather) is issued, so
     it overlaps the compute before it (0: right before the use)."""
+    reshard_gradients: bool | None = None
+    """zero_stage=3 with a reshard_window smaller than a rank's stages: True reduce-scatters a stage's gradients
+    after each of its episodes that ran a backward (into its sharded gradient: one stage's whole gradient at a time,
+    more reduce-scatters), False once per step (every stage's gradient whole until then); None: True where that
+    holds fewer bytes (window + stages / dp < stages: from dp=3 with two stages per rank and a window of one)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.grad_bucket_bytes, int) or self.grad_bucket_bytes < 1:
             raise ValueError(f"grad_bucket_bytes must be an int >= 1, got {self.grad_bucket_bytes!r}")
         compression_options(self.grad_compression)
-        check_residency(self.zero_stage or 0, self.reshard_window, self.unshard_lookahead)
+        check_residency(self.zero_stage or 0, self.reshard_window, self.unshard_lookahead, self.reshard_gradients)
 
 
 @documented

@@ -67,9 +67,10 @@ def check_zero_stage(stage: object) -> int:
     return int(stage)  # type: ignore[call-overload]
 
 
-def check_residency(stage: int, window: object, lookahead: object) -> None:
+def check_residency(stage: int, window: object, lookahead: object, gradients: object = None) -> None:
     """ZeRO-3's residency settings: `window` None or an int >= 1 (stages kept unsharded at once), `lookahead` an
-    int >= 0 (how early an unshard is issued); a window only with zero_stage=3. ValueError names the values."""
+    int >= 0 (how early an unshard is issued), `gradients` None or a bool (reshard_gradients); a window only with
+    zero_stage=3, reshard_gradients only with a window. ValueError names the values."""
     if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
         raise ValueError(f"reshard_window must be an int >= 1 (stages kept unsharded at once) or None (all of a "
                          f"rank's stages), got {window!r}")
@@ -78,6 +79,12 @@ def check_residency(stage: int, window: object, lookahead: object) -> None:
     if window is not None and stage != 3:
         raise ValueError(f"reshard_window={window} sets how many stages ZeRO-3 keeps unsharded; it needs "
                          f"zero_stage=3, got zero_stage={stage}")
+    if gradients is not None and not isinstance(gradients, bool):
+        raise ValueError(f"reshard_gradients must be True, False or None (where it holds fewer bytes), got "
+                         f"{gradients!r}")
+    if gradients is not None and window is None:
+        raise ValueError(f"reshard_gradients={gradients} sets how a ZeRO-3 reshard window reduces gradients; it needs "
+                         "reshard_window (zero_stage=3)")
 
 
 def check_window(window: int | None, rank_stages: int, rank: int) -> int:

@@ -47,7 +47,7 @@ from duplexpipe.planner.profile import PartProfile, Profile
 from duplexpipe.planner.tp_comm import DEFAULT_TP_BANDWIDTH, local_profile, tp_refusal
 from duplexpipe.schedules import registry
 from duplexpipe.schedules.ir import Op, Schedule
-from duplexpipe.schedules.shard import add_unshard_reshard, episodes, grad_reductions
+from duplexpipe.schedules.shard import add_unshard_reshard, episodes, grad_reductions, windows_gradients
 from duplexpipe.schedules.simulate import FSDP_LANE, CostModel, simulate
 from duplexpipe.schedules.timeline import Timeline
 from duplexpipe.sizes import format_bytes
@@ -417,7 +417,7 @@ def _evaluate(profile: Profile, config: PlanConfig, candidate: Candidate,
         cost = _cost_model(schedule, groups, config.p2p_link)
         timeline, tail = _simulate(schedule, cost, groups, profile, config)
         if zero_stage(zero).shard_params:
-            sharded = add_unshard_reshard(schedule, candidate.window or _most_stages(schedule))
+            sharded = add_unshard_reshard(schedule, candidate.window or _most_stages(schedule), dp=config.dp)
             tail += gather_time(schedule, sharded, cost, groups, config)
         sizes = StageBytes.of(schedule, groups, recompute)
         memory = rank_memory(sharded or schedule, timeline, sizes, mem_config)
@@ -527,14 +527,15 @@ def static_bytes(schedule: Schedule, sizes: StageBytes, rank: int, config: Memor
                  window: int | None = None) -> float:
     """Parameters, gradients and optimizer states of `rank` under `config` (bytes); under ZeRO-3 the parameters'
     1/D shards and the `window` largest stages unsharded (None: all of them), and with a window smaller than the
-    rank's stages at most those stages' whole gradients beside every stage's 1/D reduced shard (the pass reduces
-    after each episode, `shard.gradient_deltas`)."""
+    rank's stages, where the pass windows the gradients (`shard.windows_gradients`), at most those stages' whole
+    gradients beside every stage's 1/D reduced shard (it reduces after each episode, `shard.gradient_deltas`)."""
     mine = schedule.stages_of_rank(rank)
     params = float(sum(sizes.params[s] for s in mine))
     largest = sorted((float(sizes.params[s]) for s in mine), reverse=True)
     resident = sum(largest[:window] if window is not None else largest)
+    windowed = window is not None and windows_gradients(len(mine), window, config.dp)
     grads = ((resident + params / config.dp) * config.gradient_factor
-             if window is not None and window < len(mine) and zero_stage(config.zero_stage).shard_params else None)
+             if windowed and zero_stage(config.zero_stage).shard_params else None)
     return sum(state_bytes(params, resident, config, grads))
 
 

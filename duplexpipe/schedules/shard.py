@@ -10,7 +10,7 @@ from duplexpipe.errors import ScheduleError
 from duplexpipe.schedules.ir import Action, Op, Schedule
 
 __all__ = ["Episode", "add_unshard_reshard", "episodes", "grad_reductions", "gradient_deltas", "gradient_peak",
-           "residency", "weight_group_ranks"]
+           "residency", "windows_gradients", "weight_group_ranks"]
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,8 @@ class Episode:
     """The last compute of the episode; the RESHARD follows it."""
 
 
-def add_unshard_reshard(schedule: Schedule, window: int, lookahead: int = 1) -> Schedule:
+def add_unshard_reshard(schedule: Schedule, window: int, lookahead: int = 1, dp: int | None = None,
+                        reshard_gradients: bool | None = None) -> Schedule:
     """`schedule` with ZeRO-3's UNSHARD, RESHARD and REDUCE_GRAD actions, for any schedule (compute-only or lowered).
 
     Per rank, over its compute actions in list order:
@@ -43,9 +44,12 @@ def add_unshard_reshard(schedule: Schedule, window: int, lookahead: int = 1) -> 
       beside them), later where the window is full until a RESHARD makes room, never before the stage's previous
       RESHARD or the start of the list; lookahead 0 issues it right before its first compute.
     - REDUCE_GRAD: with a window holding all of a rank's stages, one per stage, right after the compute that ends
-      its last B or W; with a smaller window, one after every episode that ran a B or W of the stage, right before
-      that episode's RESHARD (the gradients are windowed with the parameters: each reduction reduce-scatters what
-      the episode accumulated and adds it into the stage's sharded gradient, `grad_reductions`). For a weight group
+      its last B or W; with a smaller window, when `reshard_gradients` is True or, None, where that holds fewer
+      gradient bytes (`windows_gradients`: not at dp=2 with two stages per rank, where a whole gradient and the
+      shards weigh as much as two whole ones; always when `dp` is None), one
+      after every episode that ran a B or W of the stage, right before that episode's RESHARD (the gradients are
+      windowed with the parameters: each reduction reduce-scatters what the episode accumulated and adds it into the
+      stage's sharded gradient, `grad_reductions`). For a weight group
       with copies on several ranks (DualPipe), whose gradient sum joins those ranks in one collective, one per
       step at the end of each list in weight-group order (the order every member issues them in).
 
@@ -64,8 +68,22 @@ def add_unshard_reshard(schedule: Schedule, window: int, lookahead: int = 1) -> 
         raise ScheduleError(f"{schedule.name!r} already holds UNSHARD/RESHARD/REDUCE_GRAD actions; lower "
                             "schedule.without_fsdp() to choose another window")
     joint = {s for s, ranks in enumerate(weight_group_ranks(schedule)) if len(ranks) > 1}
-    rows = tuple(_rank_row(schedule, _split_pairs(row, window), window, lookahead, joint) for row in schedule.actions)
+    if dp is not None and (isinstance(dp, bool) or not isinstance(dp, int) or dp < 1):
+        raise ValueError(f"dp must be a whole number of data-parallel replicas >= 1 (or None), got {dp!r}")
+    rows = tuple(_rank_row(schedule, _split_pairs(row, window), window, lookahead, joint,
+                           windows_gradients(len(schedule.stages_of_rank(r)), window, dp, reshard_gradients))
+                 for r, row in enumerate(schedule.actions))
     return Schedule(schedule.name, schedule.num_ranks, schedule.num_microbatches, schedule.stages, rows)
+
+
+def windows_gradients(stages: int, window: int, dp: int | None, chosen: bool | None = None) -> bool:
+    """Whether a rank of `stages` stages under a reshard `window` reduces its gradients after each episode: only
+    where the window is smaller than its stages, then as `chosen` says (DataParallelConfig.reshard_gradients) or,
+    None, where (`dp` known) a whole gradient per windowed stage beside every stage's 1/dp shard counts fewer
+    stage-sized gradients than keeping all of them whole (window + stages/dp < stages)."""
+    if window >= stages:
+        return False
+    return chosen if chosen is not None else dp is None or window * dp + stages < stages * dp
 
 
 def weight_group_ranks(schedule: Schedule) -> tuple[tuple[int, ...], ...]:
@@ -159,7 +177,7 @@ def _split_pairs(row: tuple[Action, ...], window: int) -> tuple[Action, ...]:
 
 
 def _rank_row(schedule: Schedule, row: tuple[Action, ...], window: int, lookahead: int,
-              joint: set[int]) -> tuple[Action, ...]:
+              joint: set[int], windowed: bool) -> tuple[Action, ...]:
     """One rank's list with its UNSHARD, RESHARD and REDUCE_GRAD actions."""
     where = [pos for pos, action in enumerate(row) if action.op.is_compute]
     if not where:
@@ -172,7 +190,7 @@ def _rank_row(schedule: Schedule, row: tuple[Action, ...], window: int, lookahea
 
     def at(c: int, kind: int) -> list[Action]:
         return spots.setdefault(c, ([], [], []))[kind]
-    if window < len({s for stages in needs for s in stages}):  # windowed gradients: one per episode with a B or W
+    if windowed:  # windowed gradients: one per episode with a B or W
         reduce_at = [(ep.last_use + 1, ep.stage) for ep in found if ep.stage not in joint
                      and any(ep.stage in grads[c] for c in range(ep.first_use, ep.last_use + 1))]
     else:

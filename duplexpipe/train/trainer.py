@@ -116,7 +116,7 @@ def _with_residency(schedule: Schedule, dp: DataParallelConfig, dp_size: int, wi
                              f"residency), so reshard_window={dp.reshard_window} cannot apply; leave it None or run "
                              "schedule.without_fsdp()")
         return schedule
-    return add_unshard_reshard(schedule, window, dp.unshard_lookahead)
+    return add_unshard_reshard(schedule, window, dp.unshard_lookahead, dp_size, dp.reshard_gradients)
 
 
 

@@ -24,7 +24,8 @@ def test_the_quick_run_counts_the_episodes(result: dict[str, Any]) -> None:
     every = rows["ZeRO-3, window all"]
     assert every["gathers"] == every["scatters"] == 4  # ZBV at PP=2: one per stage per step, 4 stages a replica
     assert rows["ZeRO-3, window 1"]["episodes"] > every["episodes"]  # two stages per rank, one resident at once
-    assert rows["ZeRO-3, window 1"]["scatters"] > every["scatters"]  # windowed gradients: one per episode with grads
+    # at DP=2 with two stages per rank windowed gradients would hold as much: reduced once per step by default
+    assert rows["ZeRO-3, window 1"]["scatters"] == every["scatters"]
     one, two = rows["ZeRO-3, window 1"], rows["ZeRO-2"]
     assert one["params_peak"] < two["params_peak"] and one["params_sharded"] == two["params_sharded"] > 0, one
     assert all("ratio" in r for r in rows.values())  # timed; no timing is asserted

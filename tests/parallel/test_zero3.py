@@ -40,9 +40,11 @@ def _parts(schedule: str) -> list[nn.Module]:
     return list(make_parts(resolve_schedule(with_defaults(cfg), PP).num_groups, 8, 0))
 
 
-def _pipe(schedule: str, stage: int, window: int | None = None, measure: bool = False) -> Pipeline:
+def _pipe(schedule: str, stage: int, window: int | None = None, measure: bool = False,
+          reshard_gradients: bool | None = None) -> Pipeline:
     cfg = PipelineConfig(schedule, 4, grad_clip_norm=CLIP, observe=ObserveConfig(measure_memory=measure),
-                         data_parallel=DataParallelConfig(zero_stage=stage, reshard_window=window))
+                         data_parallel=DataParallelConfig(zero_stage=stage, reshard_window=window,
+                                                          reshard_gradients=reshard_gradients))
     return Pipeline(_parts(schedule), _squares, adamw, cfg, mesh=make_mesh(PP, DP))
 
 
@@ -141,7 +143,7 @@ def _window_one() -> dict[str, Any]:
     out: dict[str, Any] = {}
     try:
         zero0, zero2, zero3 = (_pipe("zbv", 0, measure=True), _pipe("zbv", 2, measure=True),
-                               _pipe("zbv", 3, 1, measure=True))
+                               _pipe("zbv", 3, 1, measure=True, reshard_gradients=True))  # at DP=2 not the default
         _run(zero3), _run(zero2), _run(zero0)
         out["rel"] = max_rel(flat_params(zero3), _reference("zbv", zero3))
         out["at_rest"] = (_at_rest(zero3), _at_rest(zero0))
@@ -149,7 +151,7 @@ def _window_one() -> dict[str, Any]:
         out["scatters"], out["reductions"] = dict(zero3.dp.comms.scatters), _reductions(zero3)
         out["memory"] = (_measured("zbv", zero3), _measured("zbv", zero2), _measured("zbv", zero0))
         out["stage_bytes"] = _stage_bytes("zbv", zero3)
-        dualpipev = _pipe("dualpipev", 3, 1, measure=True)
+        dualpipev = _pipe("dualpipev", 3, 1, measure=True, reshard_gradients=True)
         _run(dualpipev)
         out["dualpipev"] = (_measured("dualpipev", dualpipev), _stage_bytes("dualpipev", dualpipev))
         out["dualpipev_exact"] = {"rel": max_rel(flat_params(dualpipev), _reference("dualpipev", dualpipev)),
@@ -177,7 +179,8 @@ def _quantized() -> dict[str, Any]:
     both = ZeroOptions(quantized_gradients=True, quantized_weights=True)
     for name, zero, schedule, window in (("exact", None, "1f1b", None), ("int8", both, "1f1b", None),
                                          ("exact w1", None, "zbv", 1), ("int8 w1", both, "zbv", 1)):
-        pipe = build(schedule, 3, DP, zero=zero, width=64, window=window, copies=2 if window else 1)
+        pipe = build(schedule, 3, DP, zero=zero, width=64, window=window, copies=2 if window else 1,
+                     reshard_gradients=True if window else None)  # windowed gradients: not the default at DP=2
         losses = train(pipe, 4)
         mine = digests(pipe)
         peer: list[Any] = [None] * dist.get_world_size()
@@ -300,6 +303,8 @@ def test_qgz_and_qwz_on_zero3_collectives(results: list[dict[str, Any]]) -> None
     ({"zero_stage": 3, "reshard_window": 0}, "reshard_window must be an int >= 1"),
     ({"zero_stage": 2, "reshard_window": 1}, "reshard_window=1 .* needs zero_stage=3"),
     ({"zero_stage": 3, "unshard_lookahead": -1}, "unshard_lookahead must be an int >= 0"),
+    ({"zero_stage": 3, "reshard_gradients": True}, "reshard_gradients=True .* needs reshard_window"),
+    ({"zero_stage": 3, "reshard_window": 1, "reshard_gradients": 1}, "reshard_gradients must be True, False or None"),
 ])
 def test_bad_residency_settings_are_refused(settings: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):

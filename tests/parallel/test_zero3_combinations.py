@@ -60,7 +60,8 @@ DENSE_CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "checkpointing": ("zbv", {"activation_checkpointing": True}),
     "accumulation": ("1f1b", {"accumulation_steps": 2}),
     "accumulation window 1": ("zbv", {"accumulation_steps": 2,
-                                      "data_parallel": DataParallelConfig(zero_stage=3, reshard_window=1)}),
+                                      "data_parallel": DataParallelConfig(zero_stage=3, reshard_window=1,
+                                                                          reshard_gradients=True)}),
 }
 """name -> (schedule, PipelineConfig fields) on the dense parts at PP2 x DP2."""
 

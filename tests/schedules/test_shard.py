@@ -196,3 +196,19 @@ def test_a_schedule_with_these_actions_is_refused() -> None:
 def test_episodes_of_a_schedule_without_them_are_zero() -> None:
     assert episodes(registry.build("1f1b", 2, 4)) == {0: 0, 1: 0}
     assert residency(registry.build("zbv", 2, 4), 0) == [2] * 24  # F, I and W of 2 stages x 4
+
+
+def test_gradients_are_windowed_where_they_hold_fewer_bytes() -> None:
+    """ZBV, two stages per rank, a window of one: at dp=2 a whole gradient beside two half shards weighs as much as
+    two whole gradients, so one REDUCE_GRAD per stage per step; from dp=3 one per episode with a backward; a choice
+    (reshard_gradients) overrides; a window of all never windows them; dp is checked."""
+    base = registry.build("zbv", 2, 4)
+
+    def reductions(**kw: object) -> int:
+        return sum(a.op is Op.REDUCE_GRAD for _, _, a in add_unshard_reshard(base, 1, 1, **kw).iter_actions())
+    assert reductions(dp=2) == base.num_stages == reductions(dp=4, reshard_gradients=False)
+    assert reductions(dp=3) == reductions(dp=4) == reductions() == reductions(dp=2, reshard_gradients=True) > 4
+    every = add_unshard_reshard(base, 2, 1, dp=8, reshard_gradients=True)
+    assert sum(a.op is Op.REDUCE_GRAD for _, _, a in every.iter_actions()) == base.num_stages
+    with pytest.raises(ValueError, match="dp must be a whole number of data-parallel replicas >= 1"):
+        add_unshard_reshard(base, 1, 1, dp=0)
