@@ -96,21 +96,19 @@ def weight_group_ranks(schedule: Schedule) -> tuple[tuple[int, ...], ...]:
 
 def episodes(schedule: Schedule) -> dict[int, int]:
     """Per stage: its residency episodes in one step, the UNSHARD actions (all-gathers) of `schedule` (0 without)."""
-    counts = dict.fromkeys(range(schedule.num_stages), 0)
-    for row in schedule.actions:
-        for action in row:
-            if action.op is Op.UNSHARD:
-                counts[action.stage] += 1
-    return counts
+    return _count(schedule, Op.UNSHARD)
 
 
 def grad_reductions(schedule: Schedule) -> dict[int, int]:
     """Per stage: its REDUCE_GRAD actions (gradient reduce-scatters) in one step of `schedule` (0 without)."""
+    return _count(schedule, Op.REDUCE_GRAD)
+
+
+def _count(schedule: Schedule, op: Op) -> dict[int, int]:
     counts = dict.fromkeys(range(schedule.num_stages), 0)
-    for row in schedule.actions:
-        for action in row:
-            if action.op is Op.REDUCE_GRAD:
-                counts[action.stage] += 1
+    for _, _, action in schedule.iter_actions():
+        if action.op is op:
+            counts[action.stage] += 1
     return counts
 
 
