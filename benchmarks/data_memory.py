@@ -92,7 +92,9 @@ def _measure(data: str, model_dir: str, cfg_json: str) -> Result:
         step += 1
     seconds = time.perf_counter() - begin
     del model
-    return {"base_rss": base, "peak_rss": _status("VmHWM"), "tokens": tokens, "steps": step, "seconds": seconds}
+    # the kernel's RSS counters lag by a few pages per thread, so VmHWM read now can fall under the VmRSS read before
+    peak = max(_status("VmHWM"), base)
+    return {"base_rss": base, "peak_rss": peak, "tokens": tokens, "steps": step, "seconds": seconds}
 
 
 def run(cfg: DataMemoryConfig) -> Result:
