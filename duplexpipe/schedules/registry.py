@@ -48,11 +48,11 @@ REGISTRY: Mapping[str, Entry] = MappingProxyType({
                    "2P-1 activations per rank"),
     "zbv": Entry(zbv, check_zbv, "ZB-V zero bubble: 2P stages in a V shape, B split into I and W"),
     "v-half": Entry(v_half, check_v_half,
-                    "V-Half (controllable memory): ZB-V's V with a building block holding about half of "
-                    "1F1B's activations, (P+2)//2 per rank"),
+                    "V-Half (controllable memory): ZB-V's V with the fastest building block holding at most "
+                    "half of 1F1B's activations on every rank"),
     "v-min": Entry(v_min, check_v_min,
-                   "V-Min (controllable memory): ZB-V's V with the shortest building block, about a third of "
-                   "1F1B's activations, (P+4)//3 per rank"),
+                   "V-Min (controllable memory): ZB-V's V with the fastest building block holding at most "
+                   "a third of 1F1B's activations on every rank (a longer period: more bubble)"),
     "dualpipe": Entry(dualpipe, check_dualpipe,
                       "DualPipe (DeepSeek-V3): two model copies fed from both ends, overlapped F&B; "
                       "needs P even, M even, M >= 2P"),

@@ -5,7 +5,8 @@ ICLR 2024): a greedy list scheduler (`list_scheduler`) places forwards, input-gr
 and weight-gradients rank by rank in time order, running W passes in what would be bubbles
 and when memory runs out. It runs under a small grid of policies; the hand-made schedules
 of the same stage placement (1F1B, ZB-H1, ZB-H2 for one stage per rank; ZB-V, DualPipeV,
-V-Half and V-Min for the V) join as candidates when they fit the limit. The best few are timed by `simulate` (the
+V-Half, V-Min and the fastest V building block under the limit for the V) join as candidates when
+they fit the limit. The best few are timed by `simulate` (the
 project's exact simulator) and the shortest wins, so `auto` is never worse than those
 hand-made schedules under the same limit. When a hand-made seed already reaches the lower
 bound of `bounds.makespan_bound` (no schedule can be shorter), the greedy is not run.
@@ -228,7 +229,7 @@ def _seeds(problem: Problem, placement: str) -> list[tuple[str, Schedule]]:
     """The hand-made schedules of this placement whose activation peaks fit the limit."""
     from duplexpipe.schedules.generators.dualpipe import dualpipev
     from duplexpipe.schedules.generators.one_f_one_b import one_f_one_b
-    from duplexpipe.schedules.generators.v_shape import v_half, v_min
+    from duplexpipe.schedules.generators.v_shape import v_half, v_min, v_shape
     from duplexpipe.schedules.generators.zero_bubble import zb_h1, zb_h2, zbv
 
     p, m = problem.num_ranks, problem.num_microbatches
@@ -238,9 +239,19 @@ def _seeds(problem: Problem, placement: str) -> list[tuple[str, Schedule]]:
         made = [("seed zbv", zbv(p, m)), ("seed v-half", v_half(p, m)), ("seed v-min", v_min(p, m))] \
             if p >= 2 else []
         made += [("seed dualpipev", dualpipev(p, m))] if m >= 2 * p else []
+        bound = _v_block_bound(problem)
+        made += [("seed v-block", v_shape("v-block", p, m, bound))] if p >= 2 and bound >= 2 else []
     return [(label, s) for label, s in made
             if all(peak <= limit + 1e-9 for peak, limit in zip(_peaks(s, problem.memory), problem.limit,
                                                                 strict=True))]
+
+
+def _v_block_bound(problem: Problem) -> int:
+    """The V-stage activations every rank may hold under the limit, when every stage's activation is
+    the same size (else 0: no V block is seeded)."""
+    if len(set(problem.memory)) != 1 or problem.memory[0] <= 0:
+        return 0
+    return math.floor(min(problem.limit) / problem.memory[0] + 1e-9)
 
 
 def _peaks(schedule: Schedule, memory: Sequence[float]) -> list[float]:
