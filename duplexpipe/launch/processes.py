@@ -260,12 +260,13 @@ def shutdown(clean: bool) -> None:
 
 
 def _stop(procs: Sequence[Any]) -> None:
-    """Terminate, then kill, every process still alive; reap them all."""
-    for p in procs:
+    """Terminate, then kill, every process still alive; reap them all (those that never started: nothing)."""
+    started = [p for p in procs if p.pid is not None]
+    for p in started:
         if p.is_alive():
             p.terminate()
     deadline = time.monotonic() + 5.0
-    for p in procs:
+    for p in started:
         p.join(max(0.0, deadline - time.monotonic()))
         if p.is_alive():
             p.kill()

@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from _failing_ranks import OWN_ERROR, blame_a_silent_rank, consequence_first, exited
 
 from duplexpipe.errors import LaunchError, PeerFailedError
+from duplexpipe.launch import processes
 from duplexpipe.launch.failures import Failure
 from duplexpipe.launch.processes import (
     FORKSERVER_PRELOAD,
@@ -189,6 +191,33 @@ def test_launch_names_a_rank_that_dies_without_a_report() -> None:
     with pytest.raises(LaunchError, match="rank 1 exited with code 3 without reporting a result") as info:
         launch(_hard_exit_on_rank_one, 2)
     assert info.value.rank == 1
+    assert _children() == []
+
+
+class _FailingStart:
+    """A multiprocessing context whose rank-1 process cannot start (as when the system refuses a process)."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    def Process(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 (multiprocessing's name)
+        process = self.real.Process(*args, **kwargs)
+        if kwargs.get("name", "").endswith("rank1"):
+            def refuse() -> None:
+                raise OSError("the test refuses to start rank 1")
+            process.start = refuse
+        return process
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_cannot_start_raises_its_own_error_and_leaves_no_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = processes.start_context
+    monkeypatch.setattr(processes, "start_context", lambda method=None: _FailingStart(real(method)))
+    with pytest.raises(OSError, match="the test refuses to start rank 1"):  # was: an AssertionError from join
+        launch(_crash_on_rank_one, 2)
     assert _children() == []
 
 
