@@ -44,6 +44,20 @@ MLP = ModelSpec("mlp", num_layers=8, width=256, batch=64)  # the overhead-bound 
 TRANSFORMER = ModelSpec("transformer", num_layers=8, width=128, batch=32, seq=32)  # the compute-bound workload
 
 
+SPIN_S = 3e-4
+"""The sleep model's last stretch of each pause, spun rather than slept: a sleep overshoots by the OS's timer
+slack and wake-up (0.1-0.3 ms here), which would put the model's costs above the simulator's."""
+
+
+def hold(seconds: float) -> None:
+    """Pause `seconds` as exactly as the clock allows: sleep all but the last SPIN_S, then spin to the deadline."""
+    end = time.perf_counter() + seconds
+    if seconds > SPIN_S:
+        time.sleep(seconds - SPIN_S)
+    while time.perf_counter() < end:
+        pass
+
+
 class _Sleep(torch.autograd.Function):
     """Identity that sleeps `fwd` seconds in forward (when nonzero) and `bwd` seconds in its backward."""
 
@@ -51,12 +65,12 @@ class _Sleep(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, fwd: float, bwd: float) -> torch.Tensor:
         ctx.bwd = bwd
         if fwd:
-            time.sleep(fwd)
+            hold(fwd)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        time.sleep(ctx.bwd)
+        hold(ctx.bwd)
         return grad, None, None
 
 
