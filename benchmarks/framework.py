@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
@@ -138,7 +139,8 @@ def figure(width: float, height: float, dpi: int = 110, layout: Literal["constra
 
 def bars(path: str, labels: Sequence[str], series: dict[str, list[float]], target: float, target_text: str,
          ylabel: str, title: str) -> None:
-    """Grouped bars with their values and a dashed target line."""
+    """Grouped bars with their values and a dashed target line; a NaN value draws no bar (a series without that
+    label)."""
     fig = figure(10.5, 3.4)
     ax = fig.subplots()
     count = max(len(series), 1)
@@ -147,6 +149,8 @@ def bars(path: str, labels: Sequence[str], series: dict[str, list[float]], targe
         xs = [i + (k - (count - 1) / 2) * width for i in range(len(values))]
         drawn = ax.bar(xs, values, width=width * 0.95, label=name)
         for bar, value in zip(drawn, values, strict=True):
+            if math.isnan(value):
+                continue
             ax.annotate(f"{value:.2f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), xytext=(0, 2),
                         textcoords="offset points", ha="center", va="bottom", fontsize=7, zorder=3,
                         bbox={"boxstyle": "round,pad=0.1", "facecolor": "white", "edgecolor": "none"})
@@ -157,7 +161,7 @@ def bars(path: str, labels: Sequence[str], series: dict[str, list[float]], targe
     ax.set_ylabel(ylabel, fontsize=8.5)
     ax.set_title(title, fontsize=9.5)
     ax.tick_params(axis="y", labelsize=8)
-    ax.set_ylim(0, max([target * 1.25] + [v * 1.4 for vals in series.values() for v in vals]))
+    ax.set_ylim(0, max([target * 1.25] + [v * 1.4 for vals in series.values() for v in vals if not math.isnan(v)]))
     if len(series) > 1:
         ax.legend(fontsize=7.5, loc="upper center", ncols=3)
     fig.savefig(path)

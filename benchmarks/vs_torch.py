@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 from dataclasses import dataclass
@@ -111,7 +112,7 @@ def figures(result: Result, folder: str) -> list[tuple[str, str]]:
     for name in dict.fromkeys(r["workload"] for r in rows):
         by = {r["schedule"]: r for r in rows if r["workload"] == name}
         target = next(iter(by.values()))["target"]
-        series[f"{name} (target <= {target:g})"] = [by[s]["ratio"] if s in by else 0.0 for s in labels]
+        series[f"{name} (target <= {target:g})"] = [by[s]["ratio"] if s in by else math.nan for s in labels]
     bars(os.path.join(folder, "bench_ratios.png"), labels, series, 1.0, "parity", "median step time, ours / torch",
          "duplexpipe runtime vs torch.distributed.pipelining (lower is better)")
     return [("bench_ratios.png", "Median step time, ours / torch, against the targets")]

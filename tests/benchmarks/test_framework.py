@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import pytest
 
+from benchmarks import framework
 from benchmarks.framework import Part, markdown_table, render, text_table, with_settings
 
 
@@ -67,3 +71,19 @@ def test_a_part_names_its_docs_block() -> None:
     assert part.block_of({}) == "p" and part.text(part.run(part.quick)) == "1" and part.figures({}, "x") == []
     named = Part("p", "P", _Config(), _Config(), part.run, part.report, block=lambda r: f"b{r.get('n', 0)}")
     assert named.block_of({"n": 2}) == "b2" and named.block_of({}) == "b0"
+
+
+def test_bars_label_every_value_and_leave_a_missing_one_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    made = framework.figure
+    drawn: list[Any] = []
+
+    def keep(*args: Any, **kwargs: Any) -> Any:
+        drawn.append(made(*args, **kwargs))
+        return drawn[-1]
+
+    monkeypatch.setattr(framework, "figure", keep)
+    framework.bars(str(tmp_path / "b.png"), ["a", "b"], {"x": [0.5, 1.25], "y": [0.75, math.nan]}, 1.0, "parity",
+                   "ratio", "title")
+    labels = [t.get_text() for t in drawn[0].axes[0].texts]
+    assert sorted(labels) == ["0.50", "0.75", "1.25", "parity"]  # no "nan", no "0.00" for the missing bar
+    assert (tmp_path / "b.png").stat().st_size > 0
