@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from duplexpipe.schedules.generators._common import require_counts, v_stages
@@ -124,24 +126,34 @@ def _slots(num_ranks: int, spacing: tuple[int, ...], gaps: tuple[int, ...]) -> t
     return tuple((a, b, c, d) for a, b, c, d in slots)
 
 
+def _walk(firsts: tuple[int, ...], period: int, count: int) -> Iterator[tuple[Op, int, int]]:
+    """A rank's passes in slot order as (op, index into PASSES, microbatch): microbatch m's pass takes its first slot
+    + period x m; each W (index: its I's) takes the first free slot after its I, oldest W first."""
+    slotted = {first + period * m: (index, m) for index, first in enumerate(firsts) for m in range(count)}
+    waiting: deque[tuple[int, int]] = deque()
+    last = max(slotted)
+    slot = 0
+    while slot <= last or waiting:
+        found = slotted.get(slot)
+        if found is not None:
+            op = PASSES[found[0]][0]
+            yield op, *found
+            if op is Op.I:
+                waiting.append(found)
+        elif waiting:
+            yield Op.W, *waiting.popleft()
+        slot += 1
+
+
 def _steady_peak(slots: tuple[tuple[int, int, int, int], ...], period: int, bound: int) -> int:
     """The most activations a rank holds once the block repeats (stops early once over `bound`)."""
     repeats = max(max(row) for row in slots) // period + 4
     worst = 0
     for row in slots:
-        order = {row[index] + period * m: index for index in range(4) for m in range(repeats)}
-        live = peak = waiting = 0
-        for slot in range(max(order) + 1):
-            index = order.get(slot)
-            if index is None:
-                if waiting:
-                    waiting, live = waiting - 1, live - 1
-            elif index < 2:
-                live += 1
-                peak = max(peak, live)
-            else:
-                waiting += 1
-        worst = max(worst, peak)
+        live = 0
+        for op, _, _ in _walk(row, period, repeats):
+            live += 1 if op is Op.F else -1 if op is Op.W else 0
+            worst = max(worst, live)
         if worst > bound:
             break
     return worst
@@ -150,24 +162,8 @@ def _steady_peak(slots: tuple[tuple[int, int, int, int], ...], period: int, boun
 def v_shape_row(block: VBlock, rank: int, num_ranks: int, num_microbatches: int) -> tuple[Action, ...]:
     """Rank `rank`'s passes in slot order, each W in the first free slot after its I (oldest W first)."""
     stage = {"down": rank, "up": 2 * num_ranks - 1 - rank}
-    slotted: dict[int, Action] = {}
-    for first, (op, leg) in zip(block.slots[rank], PASSES, strict=True):
-        for m in range(num_microbatches):
-            slotted[first + block.period * m] = Action(stage[leg], op, m)
-    row: list[Action] = []
-    waiting: list[Action] = []
-    last = max(slotted)
-    slot = 0
-    while slot <= last or waiting:
-        action = slotted.get(slot)
-        if action is not None:
-            row.append(action)
-            if action.op is Op.I:
-                waiting.append(Action(action.stage, Op.W, action.microbatch))
-        elif waiting:
-            row.append(waiting.pop(0))
-        slot += 1
-    return tuple(row)
+    return tuple(Action(stage[PASSES[index][1]], op, m)
+                 for op, index, m in _walk(block.slots[rank], block.period, num_microbatches))
 
 
 def v_shape(name: str, num_ranks: int, num_microbatches: int, bound: int) -> Schedule:
